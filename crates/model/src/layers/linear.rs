@@ -1,0 +1,30 @@
+use crate::{Layer, Mode, Result, Tensor};
+pub struct Linear;
+impl Linear {
+    pub fn new(
+        _name: &str,
+        _i: usize,
+        _o: usize,
+        _b: bool,
+        _rng: &mut crate::init::InitRng,
+    ) -> Self {
+        Self
+    }
+}
+impl Layer for Linear {
+    fn describe(&self) -> String {
+        "stub".into()
+    }
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
+        Ok(input.to_vec())
+    }
+    fn macs(&self, _input: &[usize]) -> Result<u64> {
+        Ok(0)
+    }
+    fn forward(&mut self, input: &Tensor, _mode: Mode) -> Result<Tensor> {
+        Ok(input.clone())
+    }
+    fn backward(&mut self, g: &Tensor) -> Result<Tensor> {
+        Ok(g.clone())
+    }
+}

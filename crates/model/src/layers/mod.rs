@@ -1,0 +1,83 @@
+//! The layer contract. A layer's training forward saves what its backward
+//! needs (documented in each file's header); backward consumes it, adds the
+//! parameter gradients into `Param::grad` (so gradient accumulation is a
+//! matter of not zeroing) and returns the gradient of its input.
+
+mod activation;
+mod batchnorm;
+mod conv;
+mod linear;
+mod pool;
+mod residual;
+
+pub use activation::Relu;
+pub use batchnorm::BatchNorm2d;
+pub use conv::Conv2d;
+pub use linear::Linear;
+pub use pool::GlobalAvgPool;
+pub use residual::Residual;
+
+use crate::{Result, Tensor};
+
+/// Training saves activations and updates batch-norm running statistics;
+/// evaluation does neither.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Train,
+    Eval,
+}
+
+/// A trainable tensor, its gradient, and whether weight decay applies
+/// (it does not on biases and normalisation parameters).
+#[derive(Clone, Debug)]
+pub struct Param {
+    pub name: String,
+    pub value: Tensor,
+    pub grad: Tensor,
+    pub decay: bool,
+}
+
+impl Param {
+    pub fn new(name: impl Into<String>, value: Tensor, decay: bool) -> Self {
+        let grad = Tensor::zeros(value.shape());
+        Self {
+            name: name.into(),
+            value,
+            grad,
+            decay,
+        }
+    }
+
+    pub fn zero_grad(&mut self) {
+        self.grad.data_mut().fill(0.0);
+    }
+}
+
+pub trait Layer: Send {
+    /// Short name for logs and error messages ("conv3x3/2 32->64").
+    fn describe(&self) -> String;
+
+    /// Per-sample output shape for a per-sample input shape (NHWC without N,
+    /// or [C] for feature vectors). Errors name the mismatch.
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>>;
+
+    /// Multiply-adds per sample of one forward, for the summary and the bench.
+    fn macs(&self, input: &[usize]) -> Result<u64>;
+
+    fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor>;
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor>;
+
+    /// Trainable parameters, in a fixed order (checkpoints rely on it).
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        Vec::new()
+    }
+
+    /// Non-trainable state that a checkpoint must keep (running statistics).
+    fn buffers_mut(&mut self) -> Vec<&mut Tensor> {
+        Vec::new()
+    }
+
+    /// Drops saved activations (after an aborted step, or before evaluation).
+    fn clear_saved(&mut self) {}
+}
