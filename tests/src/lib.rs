@@ -1,1 +1,59 @@
-//! Cross-crate end-to-end tests live in tests/tests/.
+//! Shared helpers for headroom's cross-crate tests: a synthetic dataset in
+//! Fashion-MNIST's file format, so tests never depend on the system's copy.
+
+use std::io::Write;
+use std::path::Path;
+
+/// Writes gzip IDX files with `train` / `test` samples of 28x28 images whose
+/// class is a bright horizontal band at a class-dependent row, plus noise:
+/// easy to learn, so a few epochs show a clear fall in loss.
+pub fn write_synthetic_fashion_mnist(dir: &Path, train: usize, test: usize) {
+    write_split(dir, "train", train, 1);
+    write_split(dir, "t10k", test, 2);
+}
+
+fn write_split(dir: &Path, prefix: &str, count: usize, seed: u64) {
+    let mut state = seed;
+    let mut next = move || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (state >> 33) as u32
+    };
+    let mut images = Vec::with_capacity(count * 784);
+    let mut labels = Vec::with_capacity(count);
+    for i in 0..count {
+        let label = (i % 10) as u8;
+        labels.push(label);
+        for row in 0..28 {
+            for _col in 0..28 {
+                let band = row / 2 == label as usize + 2;
+                let noise = (next() % 60) as u8;
+                images.push(if band { 195 + noise } else { noise });
+            }
+        }
+    }
+    let mut image_file = vec![0, 0, 8, 3];
+    for d in [count as u32, 28, 28] {
+        image_file.extend_from_slice(&d.to_be_bytes());
+    }
+    image_file.extend_from_slice(&images);
+    let mut label_file = vec![0, 0, 8, 1];
+    label_file.extend_from_slice(&(count as u32).to_be_bytes());
+    label_file.extend_from_slice(&labels);
+    gzip_to(
+        &dir.join(format!("{prefix}-images-idx3-ubyte.gz")),
+        &image_file,
+    );
+    gzip_to(
+        &dir.join(format!("{prefix}-labels-idx1-ubyte.gz")),
+        &label_file,
+    );
+}
+
+pub fn gzip_to(path: &Path, bytes: &[u8]) {
+    let file = std::fs::File::create(path).expect("create test file");
+    let mut encoder = flate2::write::GzEncoder::new(file, flate2::Compression::fast());
+    encoder.write_all(bytes).expect("write test file");
+    encoder.finish().expect("finish gzip");
+}

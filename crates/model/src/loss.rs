@@ -1,18 +1,330 @@
-//! stub
-use crate::{Result, Tensor};
+//! Softmax cross-entropy, with label smoothing or soft targets.
+//!
+//! The loss is the mean over the batch; the returned gradient is
+//! dLoss/dlogits (already divided by the batch size). Each row is computed
+//! around its maximum (log-sum-exp in f64), so logits of any magnitude are
+//! safe; a non-finite logit gives a non-finite loss and gradient, which the
+//! loss-scaling check downstream relies on seeing.
+
+use crate::{ModelError, Result, Tensor};
+
+#[derive(Clone, Debug)]
 pub struct LossOutput {
+    /// Mean loss over the batch.
     pub loss: f32,
+    /// dLoss/dlogits, [n, k].
     pub grad: Tensor,
+    /// Samples whose arg-max logit is the label (or the target's arg-max).
     pub correct: usize,
 }
+
+fn logits_shape(logits: &Tensor) -> Result<(usize, usize)> {
+    match *logits.shape() {
+        [n, k] if n > 0 && k > 0 => Ok((n, k)),
+        _ => Err(ModelError::Shape {
+            op: "cross_entropy",
+            expected: "logits [n, classes] with n ≥ 1 and classes ≥ 1".into(),
+            got: format!("{:?}", logits.shape()),
+        }),
+    }
+}
+
+/// Index of the first maximum (NaN never wins).
+fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Writes softmax(row) into `probs` and returns log Σ exp(row) in f64.
+fn softmax_row(row: &[f32], probs: &mut [f32]) -> f64 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let mut sum = 0.0f64;
+    for (p, &v) in probs.iter_mut().zip(row) {
+        let e = (v as f64 - max).exp();
+        *p = e as f32;
+        sum += e;
+    }
+    let inv = 1.0 / sum;
+    for p in probs.iter_mut() {
+        *p = (*p as f64 * inv) as f32;
+    }
+    max + sum.ln()
+}
+
+/// Mean label-smoothed cross-entropy of `logits` [n, k] against `labels`
+/// (PyTorch semantics: the target is (1 - s)·onehot + s/k).
 pub fn softmax_cross_entropy(
     logits: &Tensor,
-    _labels: &[u32],
-    _smoothing: f32,
+    labels: &[u32],
+    smoothing: f32,
 ) -> Result<LossOutput> {
+    let (n, k) = logits_shape(logits)?;
+    if labels.len() != n {
+        return Err(ModelError::Shape {
+            op: "cross_entropy",
+            expected: format!("{n} labels, one per row of the logits"),
+            got: format!("{} labels", labels.len()),
+        });
+    }
+    if let Some((i, &bad)) = labels.iter().enumerate().find(|(_, &l)| l as usize >= k) {
+        return Err(ModelError::Shape {
+            op: "cross_entropy",
+            expected: format!("labels below the class count {k}"),
+            got: format!("label {bad} at sample {i}"),
+        });
+    }
+    if !(0.0..1.0).contains(&smoothing) {
+        return Err(ModelError::Shape {
+            op: "cross_entropy",
+            expected: "label smoothing in [0, 1)".into(),
+            got: format!("{smoothing}"),
+        });
+    }
+    let s = smoothing as f64;
+    let off = s / k as f64;
+    let on = 1.0 - s + off;
+    let inv_n = 1.0 / n as f64;
+    let mut grad = vec![0.0f32; n * k];
+    let mut total = 0.0f64;
+    let mut correct = 0;
+    for ((row, g), &label) in logits
+        .data()
+        .chunks_exact(k)
+        .zip(grad.chunks_exact_mut(k))
+        .zip(labels)
+    {
+        let label = label as usize;
+        let lse = softmax_row(row, g);
+        // -Σ t·log p with log p = x - lse and Σ t = 1.
+        let mut dot = 0.0f64;
+        for (j, &v) in row.iter().enumerate() {
+            let t = if j == label { on } else { off };
+            dot += t * v as f64;
+        }
+        total += lse - dot;
+        for (j, p) in g.iter_mut().enumerate() {
+            let t = if j == label { on } else { off };
+            *p = ((*p as f64 - t) * inv_n) as f32;
+        }
+        if argmax(row) == label {
+            correct += 1;
+        }
+    }
     Ok(LossOutput {
-        loss: 0.0,
-        grad: logits.clone(),
-        correct: 0,
+        loss: (total * inv_n) as f32,
+        grad: Tensor::from_vec(&[n, k], grad)?,
+        correct,
     })
+}
+
+/// Mean cross-entropy of `logits` [n, k] against soft target distributions
+/// `targets` [n, k] (Mixup, CutMix): loss = -Σ t·log softmax(x). The
+/// gradient is (Σt)·p - t, which is p - t for targets that sum to one.
+/// `correct` counts rows where argmax(logits) == argmax(targets).
+pub fn soft_cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<LossOutput> {
+    let (n, k) = logits_shape(logits)?;
+    targets.expect_shape("soft_cross_entropy targets", logits.shape())?;
+    let inv_n = 1.0 / n as f64;
+    let mut grad = vec![0.0f32; n * k];
+    let mut total = 0.0f64;
+    let mut correct = 0;
+    for ((row, t), g) in logits
+        .data()
+        .chunks_exact(k)
+        .zip(targets.data().chunks_exact(k))
+        .zip(grad.chunks_exact_mut(k))
+    {
+        let lse = softmax_row(row, g);
+        let mut mass = 0.0f64;
+        for (&v, &tj) in row.iter().zip(t) {
+            total -= tj as f64 * (v as f64 - lse);
+            mass += tj as f64;
+        }
+        for (p, &tj) in g.iter_mut().zip(t) {
+            *p = ((mass * *p as f64 - tj as f64) * inv_n) as f32;
+        }
+        if argmax(row) == argmax(t) {
+            correct += 1;
+        }
+    }
+    Ok(LossOutput {
+        loss: (total * inv_n) as f32,
+        grad: Tensor::from_vec(&[n, k], grad)?,
+        correct,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::init::InitRng;
+
+    fn random(shape: &[usize], seed: u64, scale: f32) -> Tensor {
+        let mut rng = InitRng::new(seed);
+        let len = shape.iter().product();
+        Tensor::from_vec(
+            shape,
+            (0..len).map(|_| scale * rng.normal() as f32).collect(),
+        )
+        .unwrap()
+    }
+
+    /// Central differences of `f` around `x`, element by element.
+    fn numeric_grad(x: &Tensor, eps: f32, f: impl Fn(&Tensor) -> f32) -> Vec<f64> {
+        (0..x.len())
+            .map(|i| {
+                let mut plus = x.clone();
+                plus.data_mut()[i] += eps;
+                let mut minus = x.clone();
+                minus.data_mut()[i] -= eps;
+                (f(&plus) as f64 - f(&minus) as f64) / (2.0 * eps as f64)
+            })
+            .collect()
+    }
+
+    fn assert_close(analytic: &[f32], numeric: &[f64], tol: f64) {
+        for (i, (&a, &n)) in analytic.iter().zip(numeric).enumerate() {
+            let scale = (a as f64).abs().max(n.abs()).max(1e-2);
+            assert!(
+                (a as f64 - n).abs() / scale < tol,
+                "element {i}: analytic {a}, numeric {n}"
+            );
+        }
+    }
+
+    #[test]
+    fn uniform_logits_give_ln_k() {
+        let logits = Tensor::zeros(&[4, 10]);
+        let out = softmax_cross_entropy(&logits, &[0, 3, 9, 5], 0.0).unwrap();
+        assert!((out.loss as f64 - 10f64.ln()).abs() < 1e-6, "{}", out.loss);
+        // Smoothing does not change it: every log-probability is -ln k.
+        let out = softmax_cross_entropy(&logits, &[0, 3, 9, 5], 0.3).unwrap();
+        assert!((out.loss as f64 - 10f64.ln()).abs() < 1e-6, "{}", out.loss);
+        // Gradient (1/k - target)/n.
+        let g = out.grad.data();
+        let on = 0.7 + 0.03;
+        assert!((g[0] as f64 - (0.1 - on) / 4.0).abs() < 1e-7);
+        assert!((g[1] as f64 - (0.1 - 0.03) / 4.0).abs() < 1e-7);
+    }
+
+    #[test]
+    fn known_value_with_smoothing() {
+        // One row [1, 2, 3], label 0, smoothing 0.3:
+        // target = [0.7 + 0.1, 0.1, 0.1]; loss = -Σ t·log p.
+        let logits = Tensor::from_vec(&[1, 3], vec![1.0, 2.0, 3.0]).unwrap();
+        let out = softmax_cross_entropy(&logits, &[0], 0.3).unwrap();
+        let lse = (1f64.exp() + 2f64.exp() + 3f64.exp()).ln();
+        let expected = -(0.8 * (1.0 - lse) + 0.1 * (2.0 - lse) + 0.1 * (3.0 - lse));
+        assert!(
+            (out.loss as f64 - expected).abs() < 1e-6,
+            "{} vs {expected}",
+            out.loss
+        );
+        assert_eq!(out.correct, 0);
+    }
+
+    #[test]
+    fn gradient_matches_finite_differences() {
+        let logits = random(&[5, 7], 1, 2.0);
+        let labels = [0, 6, 3, 3, 1];
+        for smoothing in [0.0, 0.1] {
+            let out = softmax_cross_entropy(&logits, &labels, smoothing).unwrap();
+            let numeric = numeric_grad(&logits, 1e-2, |x| {
+                softmax_cross_entropy(x, &labels, smoothing).unwrap().loss
+            });
+            assert_close(out.grad.data(), &numeric, 1e-2);
+        }
+    }
+
+    #[test]
+    fn soft_targets_gradient_matches_finite_differences_and_hard_targets() {
+        let logits = random(&[4, 6], 2, 1.5);
+        // Mixup-like targets: 0.6 / 0.4 between two classes.
+        let mut t = vec![0.0f32; 24];
+        for (i, (a, b)) in [(0, 1), (2, 5), (3, 3), (4, 0)].into_iter().enumerate() {
+            t[i * 6 + a] += 0.6;
+            t[i * 6 + b] += 0.4;
+        }
+        let targets = Tensor::from_vec(&[4, 6], t).unwrap();
+        let out = soft_cross_entropy(&logits, &targets).unwrap();
+        let numeric = numeric_grad(&logits, 1e-2, |x| {
+            soft_cross_entropy(x, &targets).unwrap().loss
+        });
+        assert_close(out.grad.data(), &numeric, 1e-2);
+
+        // One-hot targets agree with the hard-label loss, smoothed ones with
+        // label smoothing.
+        let labels = [1u32, 4, 0, 5];
+        for s in [0.0f32, 0.2] {
+            let mut t = vec![s / 6.0; 24];
+            for (i, &l) in labels.iter().enumerate() {
+                t[i * 6 + l as usize] += 1.0 - s;
+            }
+            let soft = soft_cross_entropy(&logits, &Tensor::from_vec(&[4, 6], t).unwrap()).unwrap();
+            let hard = softmax_cross_entropy(&logits, &labels, s).unwrap();
+            assert!((soft.loss - hard.loss).abs() < 1e-6);
+            assert_eq!(soft.correct, hard.correct);
+            for (a, b) in soft.grad.data().iter().zip(hard.grad.data()) {
+                assert!((a - b).abs() < 1e-7);
+            }
+        }
+    }
+
+    #[test]
+    fn counts_correct_predictions() {
+        let logits =
+            Tensor::from_vec(&[3, 3], vec![5.0, 1.0, 0.0, 0.0, 0.0, 9.0, 1.0, 2.0, 0.5]).unwrap();
+        let out = softmax_cross_entropy(&logits, &[0, 2, 0], 0.0).unwrap();
+        assert_eq!(out.correct, 2);
+    }
+
+    #[test]
+    fn huge_logits_are_stable() {
+        let logits = Tensor::from_vec(&[2, 3], vec![1e4, 0.0, -1e4, 1e4, 1e4 - 1.0, 0.0]).unwrap();
+        let out = softmax_cross_entropy(&logits, &[0, 1], 0.0).unwrap();
+        assert!(out.loss.is_finite());
+        assert!(out.grad.data().iter().all(|g| g.is_finite()));
+        // Row 0: loss ≈ 0. Row 1: lse - x₁ = 1 + ln(1 + e⁻¹) = ln(1 + e).
+        let row1 = (1.0f64 + 1f64.exp()).ln();
+        assert!((out.loss as f64 - row1 / 2.0).abs() < 1e-5, "{}", out.loss);
+        // A label on a hopeless class: large but finite loss.
+        let out = softmax_cross_entropy(&logits, &[2, 2], 0.0).unwrap();
+        assert!(out.loss.is_finite() && out.loss > 1e3, "{}", out.loss);
+        // Gradient rows sum to zero.
+        for row in out.grad.data().chunks(3) {
+            assert!(row.iter().sum::<f32>().abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn non_finite_logits_propagate() {
+        let logits = Tensor::from_vec(&[1, 2], vec![f32::NAN, 0.0]).unwrap();
+        let out = softmax_cross_entropy(&logits, &[0], 0.0).unwrap();
+        assert!(!out.loss.is_finite());
+    }
+
+    #[test]
+    fn bad_inputs_are_named_errors() {
+        let logits = Tensor::zeros(&[2, 3]);
+        let err = softmax_cross_entropy(&logits, &[0], 0.0).unwrap_err();
+        assert!(err.to_string().contains("2 labels"), "{err}");
+        let err = softmax_cross_entropy(&logits, &[0, 3], 0.0).unwrap_err();
+        assert!(matches!(err, ModelError::Shape { .. }));
+        assert!(err.to_string().contains("label 3 at sample 1"), "{err}");
+        for s in [1.0, -0.1, f32::NAN] {
+            let err = softmax_cross_entropy(&logits, &[0, 1], s).unwrap_err();
+            assert!(err.to_string().contains("smoothing"), "{err}");
+        }
+        let err = softmax_cross_entropy(&Tensor::zeros(&[2, 3, 1]), &[0, 1], 0.0).unwrap_err();
+        assert!(err.to_string().contains("cross_entropy"), "{err}");
+        let err = softmax_cross_entropy(&Tensor::zeros(&[0, 3]), &[], 0.0).unwrap_err();
+        assert!(err.to_string().contains("cross_entropy"), "{err}");
+        let err = soft_cross_entropy(&logits, &Tensor::zeros(&[2, 4])).unwrap_err();
+        assert!(err.to_string().contains("soft_cross_entropy"), "{err}");
+    }
 }

@@ -267,7 +267,7 @@ fn build_one(
         }
         LayerSpec::BatchNorm { momentum, eps } => {
             let c = image_channels(path, shape)?;
-            if !(0.0..=1.0).contains(momentum) || !(*eps > 0.0) {
+            if !(0.0..=1.0).contains(momentum) || eps.is_nan() || *eps <= 0.0 {
                 return Err(spec_error(
                     path,
                     "momentum must be in [0, 1] and eps positive",

@@ -1,1 +1,38 @@
-//! headroom-optim
+//! headroom-optim: AdamW with decoupled weight decay, global-norm gradient
+//! clipping and learning-rate schedules (constant, one-cycle, warmup+cosine).
+//!
+//! Everything follows PyTorch's semantics (`torch.optim.AdamW`,
+//! `torch.nn.utils.clip_grad_norm_`, `torch.optim.lr_scheduler.OneCycleLR`) so
+//! that recipes carry over; where we deviate, the item's documentation says so.
+//!
+//! Parameters are passed as `&mut [&mut Param]` in the network's fixed order
+//! (what `Layer::params_mut` returns); the optimizer keeps its moments in that
+//! order and refuses a step whose parameter list changed shape.
+
+mod adamw;
+mod clip;
+mod error;
+mod schedule;
+
+pub use adamw::{AdamW, AdamWConfig, AdamWState};
+pub use clip::{clip_grad_norm, grad_norm};
+pub use error::OptimError;
+pub use schedule::{OneCycle, Schedule};
+
+/// Checks that a value is finite and inside a range, naming the field.
+pub(crate) fn check(
+    field: &'static str,
+    value: f32,
+    ok: bool,
+    requirement: &'static str,
+) -> Result<(), OptimError> {
+    if value.is_finite() && ok {
+        Ok(())
+    } else {
+        Err(OptimError::InvalidValue {
+            field,
+            value: value.to_string(),
+            requirement,
+        })
+    }
+}

@@ -1,1 +1,27 @@
-//! headroom-pipeline
+//! headroom-pipeline: the experiment configuration, the data source, and the
+//! training run as stages joined by bounded channels:
+//!
+//! ```text
+//! loader workers ──Batch──▶ [bounded: prefetch] ──▶ train stage ──Event──▶ [bounded] ──▶ sink stage
+//!                                                   (forward, backward,      (progress, metrics.jsonl,
+//!                                                    clip, AdamW step)        checkpoint writes)
+//! ```
+
+pub mod checkpoint;
+pub mod config;
+pub mod data;
+mod error;
+mod sink;
+pub mod train;
+
+pub use config::{ExperimentConfig, Overrides};
+pub use error::{PipelineError, Result};
+pub use train::{train, RunSummary, TrainOptions};
+
+/// Peak resident set size of this process in bytes (VmHWM), when the OS says.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}

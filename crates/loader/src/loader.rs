@@ -1,0 +1,655 @@
+//! The data loader: a persistent worker pool that turns an epoch's sample
+//! order into batches, delivered in order with bounded prefetch.
+//!
+//! ```text
+//! EpochIter ──Task{job, batch}──▶ shared task queue ──▶ worker ×W
+//!     ▲                                                    │
+//!     └── reorder buffer ◀── bounded reply channel ◀──────┘ (one per EpochIter)
+//! ```
+//!
+//! Each `EpochIter` owns its reply channel (capacity `prefetch`) and an
+//! `EpochJob` shared with the tasks it sends. It never has more than
+//! `prefetch` batches dispatched and not yet delivered, so the reply channel
+//! never fills and memory stays bounded. Dropping the iterator sets the job's
+//! `cancelled` flag (workers skip its remaining tasks, and stop a batch in
+//! progress) and drops the receiver (late results are discarded on send), so
+//! nothing from an old epoch can reach a newer iterator.
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+
+use crate::augment::{self, AugmentConfig};
+use crate::sampler::EpochOrder;
+use crate::{Dataset, LoaderError};
+
+/// Upper bounds that catch configuration typos (e.g. a byte count given as
+/// a worker count) before they exhaust threads or memory.
+const MAX_WORKERS: usize = 1024;
+const MAX_PREFETCH: usize = 1 << 16;
+
+/// How batches are made and delivered.
+#[derive(Clone, Debug)]
+pub struct LoaderConfig {
+    /// Samples per batch (> 0).
+    pub batch_size: usize,
+    /// Visit the samples in a random order that depends on (seed, epoch).
+    pub shuffle: bool,
+    /// Drop the final incomplete batch (training); keep it (evaluation).
+    pub drop_last: bool,
+    /// Seed of the sample order and of the augmentations.
+    pub seed: u64,
+    /// Worker threads; 0 = produce batches in the calling thread.
+    pub workers: usize,
+    /// Batches dispatched ahead of the consumer (> 0): the bound on batches
+    /// in flight or waiting.
+    pub prefetch: usize,
+    /// Augmentations applied to every sample.
+    pub augment: AugmentConfig,
+    /// The longest wait for the next batch before `LoaderError::Timeout` (> 0).
+    pub timeout: Duration,
+}
+
+/// A batch of samples, u8 NHWC, with their labels.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Batch {
+    /// The epoch it belongs to.
+    pub epoch: u64,
+    /// Its batch number within the epoch.
+    pub index: usize,
+    /// `[n, h, w, c]`.
+    pub shape: [usize; 4],
+    /// `n * h * w * c` bytes.
+    pub pixels: Vec<u8>,
+    /// `n` labels.
+    pub labels: Vec<u32>,
+}
+
+impl Batch {
+    /// Number of samples in the batch.
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    /// Whether the batch holds no samples (never the case for a delivered batch).
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    /// The pixels of sample `i` of the batch (h*w*c bytes).
+    pub fn sample(&self, i: usize) -> &[u8] {
+        let len = self.shape[1] * self.shape[2] * self.shape[3];
+        &self.pixels[i * len..(i + 1) * len]
+    }
+}
+
+/// What the workers and the iterators share.
+struct Shared {
+    dataset: Arc<dyn Dataset>,
+    config: LoaderConfig,
+    shape: [usize; 3],
+    sample_len: usize,
+    num_classes: usize,
+    len: usize,
+    batches: usize,
+}
+
+/// One epoch iterator's state shared with its tasks.
+struct EpochJob {
+    generation: u64,
+    epoch: u64,
+    order: EpochOrder,
+    cancelled: AtomicBool,
+    reply: Sender<Reply>,
+}
+
+struct Task {
+    job: Arc<EpochJob>,
+    batch: usize,
+}
+
+struct Reply {
+    generation: u64,
+    batch: usize,
+    result: Result<Batch, LoaderError>,
+}
+
+/// Produces batches from a [`Dataset`] with a pool of persistent workers.
+pub struct DataLoader {
+    shared: Arc<Shared>,
+    tasks: Option<Sender<Task>>,
+    workers: Vec<JoinHandle<()>>,
+    next_generation: AtomicU64,
+}
+
+impl DataLoader {
+    /// Validates `config` against `dataset` and starts `config.workers`
+    /// threads, which live until the loader is dropped.
+    pub fn new(dataset: Arc<dyn Dataset>, config: LoaderConfig) -> Result<Self, LoaderError> {
+        let shared = Arc::new(validate(dataset, config)?);
+        tracing::debug!(
+            samples = shared.len,
+            batches_per_epoch = shared.batches,
+            workers = shared.config.workers,
+            prefetch = shared.config.prefetch,
+            "data loader created"
+        );
+        let mut loader = DataLoader {
+            shared: Arc::clone(&shared),
+            tasks: None,
+            workers: Vec::new(),
+            next_generation: AtomicU64::new(0),
+        };
+        if shared.config.workers > 0 {
+            let (tx, rx) = crossbeam_channel::unbounded::<Task>();
+            loader.tasks = Some(tx);
+            for w in 0..shared.config.workers {
+                let (shared, rx) = (Arc::clone(&shared), rx.clone());
+                let handle = std::thread::Builder::new()
+                    .name(format!("headroom-loader-{w}"))
+                    .spawn(move || worker_main(&shared, &rx))
+                    .map_err(|source| LoaderError::Spawn { worker: w, source })?;
+                // On error, dropping `loader` joins the workers started so far.
+                loader.workers.push(handle);
+            }
+        }
+        Ok(loader)
+    }
+
+    /// Batches in one epoch: `len / batch_size`, rounded up unless
+    /// `drop_last`.
+    pub fn batches_per_epoch(&self) -> usize {
+        self.shared.batches
+    }
+
+    /// The dataset batches are read from.
+    pub fn dataset(&self) -> &Arc<dyn Dataset> {
+        &self.shared.dataset
+    }
+
+    /// The configuration the loader was built with.
+    pub fn config(&self) -> &LoaderConfig {
+        &self.shared.config
+    }
+
+    /// The batches of `epoch`, starting at batch number `start` (exact
+    /// mid-epoch resume), delivered in order. Each batch is a function of
+    /// (dataset, config, epoch, batch number) only.
+    ///
+    /// Several iterators may be alive at once; each has its own prefetch
+    /// window. Errors are delivered in batch order (the batches before a
+    /// failing one come first), except a timeout, which reports the batch
+    /// being waited for; after an error the iterator ends. A `start` past
+    /// the end of the epoch yields one [`LoaderError::Start`];
+    /// `start == batches_per_epoch()` yields nothing.
+    pub fn epoch(&self, epoch: u64, start: usize) -> EpochIter<'_> {
+        let s = &self.shared;
+        let mut it = EpochIter {
+            loader: self,
+            epoch,
+            next: start,
+            end: s.batches,
+            finished: false,
+            pending: None,
+            mode: Mode::Idle,
+        };
+        if start > s.batches {
+            it.pending = Some(LoaderError::Start {
+                epoch,
+                start,
+                batches: s.batches,
+            });
+            return it;
+        }
+        if start == s.batches {
+            it.finished = true;
+            return it;
+        }
+        let order = EpochOrder::new(s.len, s.config.shuffle, s.config.seed, epoch);
+        it.mode = match &self.tasks {
+            None => Mode::Inline {
+                order,
+                scratch: vec![0; s.sample_len],
+            },
+            Some(_) => {
+                let (reply, rx) = crossbeam_channel::bounded(s.config.prefetch);
+                tracing::trace!(epoch, start, "loader epoch starts");
+                let job = Arc::new(EpochJob {
+                    generation: self.next_generation.fetch_add(1, Ordering::Relaxed),
+                    epoch,
+                    order,
+                    cancelled: AtomicBool::new(false),
+                    reply,
+                });
+                Mode::Pool {
+                    job,
+                    rx,
+                    dispatched: start,
+                    ready: VecDeque::with_capacity(s.config.prefetch),
+                }
+            }
+        };
+        it
+    }
+}
+
+impl Drop for DataLoader {
+    fn drop(&mut self) {
+        // Closing the task queue ends the workers once they have drained it
+        // (tasks of dropped iterators are skipped without work).
+        self.tasks = None;
+        for handle in self.workers.drain(..) {
+            let _ = handle.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for DataLoader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataLoader")
+            .field("len", &self.shared.len)
+            .field("sample_shape", &self.shared.shape)
+            .field("batches_per_epoch", &self.shared.batches)
+            .field("config", &self.shared.config)
+            .finish_non_exhaustive()
+    }
+}
+
+fn config_err(field: &'static str, message: String) -> LoaderError {
+    LoaderError::Config { field, message }
+}
+
+fn validate(dataset: Arc<dyn Dataset>, config: LoaderConfig) -> Result<Shared, LoaderError> {
+    if config.batch_size == 0 {
+        return Err(config_err("batch_size", "must be > 0".into()));
+    }
+    if config.prefetch == 0 || config.prefetch > MAX_PREFETCH {
+        return Err(config_err(
+            "prefetch",
+            format!("must be in 1..={MAX_PREFETCH}, got {}", config.prefetch),
+        ));
+    }
+    if config.workers > MAX_WORKERS {
+        return Err(config_err(
+            "workers",
+            format!("must be at most {MAX_WORKERS}, got {}", config.workers),
+        ));
+    }
+    if config.timeout.is_zero() {
+        return Err(config_err("timeout", "must be > 0".into()));
+    }
+    let shape = dataset.sample_shape();
+    let sample_len = shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| {
+            config_err(
+                "dataset",
+                format!("sample shape {shape:?} (h, w, c) must be non-zero and fit in memory"),
+            )
+        })?;
+    if sample_len.checked_mul(config.batch_size).is_none() {
+        return Err(config_err(
+            "batch_size",
+            format!(
+                "{} samples of {sample_len} bytes overflow",
+                config.batch_size
+            ),
+        ));
+    }
+    let len = dataset.len();
+    let num_classes = dataset.num_classes();
+    if len > 0 && num_classes == 0 {
+        return Err(config_err(
+            "dataset",
+            format!("{len} samples but num_classes = 0"),
+        ));
+    }
+    if config.shuffle && u32::try_from(len).is_err() {
+        return Err(config_err(
+            "shuffle",
+            format!("shuffling supports at most 2^32 - 1 samples, the dataset has {len}"),
+        ));
+    }
+    let pad = config.augment.crop_padding;
+    if pad > shape[0] || pad > shape[1] {
+        return Err(config_err(
+            "augment.crop_padding",
+            format!(
+                "{pad} is larger than the {} x {} samples",
+                shape[0], shape[1]
+            ),
+        ));
+    }
+    if config.drop_last && len > 0 && config.batch_size > len {
+        return Err(config_err(
+            "batch_size",
+            format!(
+                "{} is larger than the dataset ({len} samples): with drop_last an epoch would \
+                 have no batch",
+                config.batch_size
+            ),
+        ));
+    }
+    let batches = if config.drop_last {
+        len / config.batch_size
+    } else {
+        len.div_ceil(config.batch_size)
+    };
+    Ok(Shared {
+        dataset,
+        config,
+        shape,
+        sample_len,
+        num_classes,
+        len,
+        batches,
+    })
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_string()
+    }
+}
+
+/// Fills batch `batch` of an epoch. Returns `Ok(None)` if `cancelled` was
+/// set meanwhile.
+fn produce(
+    s: &Shared,
+    order: &EpochOrder,
+    epoch: u64,
+    batch: usize,
+    scratch: &mut [u8],
+    cancelled: &AtomicBool,
+) -> Result<Option<Batch>, LoaderError> {
+    let bs = s.config.batch_size;
+    let first = batch * bs;
+    let n = bs.min(s.len - first);
+    let len = s.sample_len;
+    let augment = &s.config.augment;
+    let plain = augment.is_identity();
+    let [h, w, c] = s.shape;
+    let mut pixels = vec![0u8; n * len];
+    let mut labels = Vec::with_capacity(n);
+    for (k, out) in pixels.chunks_exact_mut(len).enumerate() {
+        if cancelled.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let index = order.index(first + k);
+        let sample_err = |source| LoaderError::Sample {
+            epoch,
+            batch,
+            index,
+            source: Box::new(source),
+        };
+        let label = catch_unwind(AssertUnwindSafe(|| {
+            if plain {
+                s.dataset.read(index, out)
+            } else {
+                let label = s.dataset.read(index, scratch)?;
+                let params = augment.params(s.config.seed, epoch, index);
+                augment::apply(scratch, out, [h, w, c], params);
+                Ok(label)
+            }
+        }))
+        .map_err(|payload| LoaderError::Panic {
+            epoch,
+            batch,
+            index,
+            message: panic_message(payload.as_ref()),
+        })?
+        .map_err(sample_err)?;
+        if label as usize >= s.num_classes {
+            return Err(sample_err(LoaderError::Label {
+                index,
+                label,
+                num_classes: s.num_classes,
+            }));
+        }
+        labels.push(label);
+    }
+    Ok(Some(Batch {
+        epoch,
+        index: batch,
+        shape: [n, h, w, c],
+        pixels,
+        labels,
+    }))
+}
+
+fn worker_main(s: &Shared, tasks: &Receiver<Task>) {
+    let mut scratch = vec![0u8; s.sample_len];
+    while let Ok(Task { job, batch }) = tasks.recv() {
+        if job.cancelled.load(Ordering::Relaxed) {
+            continue;
+        }
+        // `produce` catches panics per sample; this catches anything else so
+        // that the worker survives and the consumer hears about it.
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            produce(
+                s,
+                &job.order,
+                job.epoch,
+                batch,
+                &mut scratch,
+                &job.cancelled,
+            )
+        }))
+        .unwrap_or_else(|payload| {
+            Err(LoaderError::Panic {
+                epoch: job.epoch,
+                batch,
+                index: batch * s.config.batch_size,
+                message: panic_message(payload.as_ref()),
+            })
+        });
+        let result = match result {
+            Ok(Some(b)) => Ok(b),
+            Ok(None) => continue,
+            Err(e) => Err(e),
+        };
+        // Fails only if the iterator is gone: the batch is discarded.
+        let _ = job.reply.send(Reply {
+            generation: job.generation,
+            batch,
+            result,
+        });
+    }
+}
+
+enum Mode {
+    /// Nothing to produce (an empty range, or an invalid start).
+    Idle,
+    /// `workers == 0`: batches are produced in the calling thread.
+    Inline { order: EpochOrder, scratch: Vec<u8> },
+    /// Batches come from the worker pool.
+    Pool {
+        job: Arc<EpochJob>,
+        rx: Receiver<Reply>,
+        /// The next batch number to dispatch.
+        dispatched: usize,
+        /// Reorder buffer: slot `i` holds batch `next + i` (or its error)
+        /// once it arrives. Errors are delivered in batch order too, so the
+        /// batches before a failing one arrive whatever the worker count.
+        ready: VecDeque<Option<Result<Batch, LoaderError>>>,
+    },
+}
+
+/// The batches of one epoch, in order. See [`DataLoader::epoch`].
+pub struct EpochIter<'a> {
+    loader: &'a DataLoader,
+    epoch: u64,
+    /// The next batch number to deliver.
+    next: usize,
+    end: usize,
+    finished: bool,
+    pending: Option<LoaderError>,
+    mode: Mode,
+}
+
+impl EpochIter<'_> {
+    /// The epoch being iterated.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The batch number the next call to `next` delivers.
+    pub fn position(&self) -> usize {
+        self.next
+    }
+
+    fn finish(&mut self) {
+        self.finished = true;
+        if let Mode::Pool { job, .. } = &self.mode {
+            job.cancelled.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Sends tasks until `prefetch` batches are dispatched and not delivered.
+    fn top_up(&mut self) -> Result<(), LoaderError> {
+        let Mode::Pool {
+            job, dispatched, ..
+        } = &mut self.mode
+        else {
+            return Ok(());
+        };
+        let tasks = self
+            .loader
+            .tasks
+            .as_ref()
+            .expect("pool mode has a task queue");
+        let window = self.loader.shared.config.prefetch;
+        while *dispatched < self.end && *dispatched - self.next < window {
+            let task = Task {
+                job: Arc::clone(job),
+                batch: *dispatched,
+            };
+            tasks.send(task).map_err(|_| LoaderError::WorkersGone {
+                epoch: self.epoch,
+                batch: self.next,
+            })?;
+            *dispatched += 1;
+        }
+        Ok(())
+    }
+
+    fn next_from_pool(&mut self) -> Result<Batch, LoaderError> {
+        self.top_up()?;
+        let timeout = self.loader.shared.config.timeout;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let Mode::Pool { job, rx, ready, .. } = &mut self.mode else {
+                unreachable!("next_from_pool in pool mode only");
+            };
+            if let Some(result) = ready.front_mut().and_then(Option::take) {
+                ready.pop_front();
+                let batch = result?;
+                self.next += 1;
+                self.top_up()?;
+                return Ok(batch);
+            }
+            let reply = match rx.recv_deadline(deadline) {
+                Ok(reply) => reply,
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(LoaderError::Timeout {
+                        epoch: self.epoch,
+                        batch: self.next,
+                        timeout,
+                    });
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(LoaderError::WorkersGone {
+                        epoch: self.epoch,
+                        batch: self.next,
+                    });
+                }
+            };
+            if reply.generation != job.generation {
+                continue; // cannot happen: each iterator has its own channel
+            }
+            let slot = reply.batch - self.next;
+            if ready.len() <= slot {
+                ready.resize_with(slot + 1, || None);
+            }
+            ready[slot] = Some(reply.result);
+        }
+    }
+}
+
+impl Iterator for EpochIter<'_> {
+    type Item = Result<Batch, LoaderError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if let Some(e) = self.pending.take() {
+            self.finish();
+            return Some(Err(e));
+        }
+        if self.finished || self.next >= self.end {
+            self.finish();
+            return None;
+        }
+        let result = match &mut self.mode {
+            Mode::Idle => return None,
+            Mode::Inline { order, scratch } => {
+                let never = AtomicBool::new(false);
+                let r = produce(
+                    &self.loader.shared,
+                    order,
+                    self.epoch,
+                    self.next,
+                    scratch,
+                    &never,
+                );
+                r.map(|b| b.expect("an uncancelled batch is always produced"))
+                    .inspect(|_| self.next += 1)
+            }
+            Mode::Pool { .. } => self.next_from_pool(),
+        };
+        if result.is_err() {
+            self.finish();
+        }
+        Some(result)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        if self.pending.is_some() {
+            return (1, Some(1));
+        }
+        let left = if self.finished {
+            0
+        } else {
+            self.end.saturating_sub(self.next)
+        };
+        (0, Some(left))
+    }
+}
+
+impl Drop for EpochIter<'_> {
+    fn drop(&mut self) {
+        // Workers skip this job's queued tasks and abandon a batch in
+        // progress; results already sent die with the receiver.
+        self.finish();
+    }
+}
+
+impl std::fmt::Debug for EpochIter<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpochIter")
+            .field("epoch", &self.epoch)
+            .field("next", &self.next)
+            .field("end", &self.end)
+            .field("finished", &self.finished)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,118 @@
+//! Times the CPU convolution on every convolution shape of the reference
+//! ResNet (Fashion-MNIST 28×28×1, batch 128): forward (training mode) and
+//! backward (input gradient + weight gradient), after a warm-up.
+//!
+//! cargo run --release -p headroom-model --example conv_bench [-- THREADS [BATCH]]
+
+use std::time::Instant;
+
+use headroom_model::init::InitRng;
+use headroom_model::layers::Conv2d;
+use headroom_model::{Layer, Mode, Tensor};
+
+/// (h, w, cin, cout, kernel, stride, count in the network)
+const SHAPES: &[(usize, usize, usize, usize, usize, usize, usize)] = &[
+    (28, 28, 1, 32, 3, 1, 1),
+    (28, 28, 32, 32, 3, 1, 2),
+    (28, 28, 32, 64, 3, 2, 1),
+    (14, 14, 64, 64, 3, 1, 2),
+    (14, 14, 64, 128, 3, 2, 1),
+    (7, 7, 128, 128, 3, 1, 2),
+];
+
+/// CPU time of all this process's threads (Linux), to see through other
+/// processes competing for the cores: GFLOP per CPU-second is what the code
+/// achieves per core, whatever the load. (Idle rayon workers spin briefly,
+/// so it slightly overstates CPU time with several threads.)
+fn cpu_seconds() -> Option<f64> {
+    let mut total = 0u64;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(total as f64 * 1e-9)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    if let Some(threads) = args.next() {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.parse()?)
+            .build_global()?;
+    }
+    let batch: usize = args.next().map(|b| b.parse()).transpose()?.unwrap_or(128);
+    println!(
+        "conv bench: batch {batch}, {} threads, median of timed runs after warm-up",
+        rayon::current_num_threads()
+    );
+    println!(
+        "{:<24} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7}",
+        "shape", "count", "fwd ms", "GF/s", "GF/cpu-s", "bwd ms", "GF/s", "GF/cpu-s", "GFLOP"
+    );
+    let (mut total_ms, mut total_flop, mut total_cpu) = (0.0, 0.0, 0.0);
+    let (mut fwd_ms_all, mut bwd_ms_all) = (0.0, 0.0);
+    let mut rng = InitRng::new(1);
+    for &(h, w, cin, cout, k, stride, count) in SHAPES {
+        let mut conv = Conv2d::new("bench", cin, cout, k, stride, k / 2, false, &mut rng)?;
+        let data: Vec<f32> = (0..batch * h * w * cin)
+            .map(|_| rng.normal() as f32)
+            .collect();
+        let x = Tensor::from_vec(&[batch, h, w, cin], data)?;
+        let macs = conv.macs(&[h, w, cin])? as f64 * batch as f64;
+        let fwd_flop = 2.0 * macs;
+        // Backward = input gradient + weight gradient, each a forward's worth.
+        let bwd_flop = 2.0 * fwd_flop;
+        let reps = ((20e9 / fwd_flop) as usize).clamp(5, 50);
+        let (mut fwd, mut bwd, mut fwd_cpu, mut bwd_cpu) = (vec![], vec![], vec![], vec![]);
+        for rep in 0..reps + 3 {
+            let (t, c) = (Instant::now(), cpu_seconds());
+            let y = conv.forward(&x, Mode::Train)?;
+            let (tf, cf) = (t.elapsed().as_secs_f64() * 1e3, cpu_seconds());
+            let dx = conv.backward(&y)?;
+            let (tb, cb) = (t.elapsed().as_secs_f64() * 1e3 - tf, cpu_seconds());
+            std::hint::black_box(dx);
+            if rep >= 3 {
+                fwd.push(tf);
+                bwd.push(tb);
+                if let (Some(c), Some(cf), Some(cb)) = (c, cf, cb) {
+                    fwd_cpu.push(cf - c);
+                    bwd_cpu.push(cb - cf);
+                }
+            }
+        }
+        let (f, b) = (median(fwd), median(bwd));
+        let per_cpu = |flop: f64, v: Vec<f64>| {
+            if v.is_empty() {
+                f64::NAN
+            } else {
+                flop / median(v) / 1e9
+            }
+        };
+        let (fc, bc) = (per_cpu(fwd_flop, fwd_cpu), per_cpu(bwd_flop, bwd_cpu));
+        let name = format!("{h}x{w}x{cin} -> {cout} {k}x{k}/{stride}");
+        println!(
+            "{name:<24} {count:>5} {f:>8.2} {:>8.1} {fc:>8.1} {b:>8.2} {:>8.1} {bc:>8.1} {:>7.2}",
+            fwd_flop / f / 1e6,
+            bwd_flop / b / 1e6,
+            (fwd_flop + bwd_flop) / 1e9
+        );
+        total_ms += count as f64 * (f + b);
+        fwd_ms_all += count as f64 * f;
+        bwd_ms_all += count as f64 * b;
+        total_flop += count as f64 * (fwd_flop + bwd_flop);
+        total_cpu += count as f64 * (fwd_flop / fc + bwd_flop / bc);
+    }
+    println!(
+        "all convs of the network, one step: forward {fwd_ms_all:.1} ms + backward {bwd_ms_all:.1} ms \
+         = {total_ms:.1} ms, {:.1} GFLOP, {:.1} GFLOP/s ({:.1} GFLOP per CPU-second)",
+        total_flop / 1e9,
+        total_flop / total_ms / 1e6,
+        total_flop / total_cpu
+    );
+    Ok(())
+}

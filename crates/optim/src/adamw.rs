@@ -1,0 +1,291 @@
+//! AdamW (Loshchilov & Hutter), with PyTorch's `torch.optim.AdamW` semantics
+//! (single-tensor path, `amsgrad=False`, `maximize=False`). For step `t`
+//! (counted from 1) and learning rate `lr`, element-wise:
+//!
+//! ```text
+//! p  ← p · (1 − lr·wd)                      only where Param::decay is true
+//! m  ← m + (1 − β1)·(g − m)                 (= β1·m + (1 − β1)·g, PyTorch's lerp)
+//! v  ← β2·v + (1 − β2)·g²
+//! p  ← p − (lr / (1 − β1ᵗ)) · m / (√v / √(1 − β2ᵗ) + ε)
+//! ```
+//!
+//! The scalar factors are computed in f64 (PyTorch computes them as Python
+//! floats), the element-wise work in f32. Master weights and moments are f32.
+
+use headroom_model::Param;
+use serde::{Deserialize, Serialize};
+
+use crate::{check, OptimError};
+
+/// Hyper-parameters of AdamW. The learning rate is not one of them: it is
+/// passed to every [`AdamW::step`], since it comes from a schedule.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdamWConfig {
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// Decoupled weight decay; the update multiplies decayed parameters by
+    /// `1 - lr * weight_decay` (PyTorch convention: scaled by the current lr).
+    pub weight_decay: f32,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+impl AdamWConfig {
+    /// β1, β2 in [0, 1); ε > 0; weight_decay ≥ 0; all finite.
+    pub fn validate(&self) -> Result<(), OptimError> {
+        let b1 = self.beta1;
+        let b2 = self.beta2;
+        check("beta1", b1, (0.0..1.0).contains(&b1), "in [0, 1)")?;
+        check("beta2", b2, (0.0..1.0).contains(&b2), "in [0, 1)")?;
+        check("eps", self.eps, self.eps > 0.0, "finite and > 0")?;
+        check(
+            "weight_decay",
+            self.weight_decay,
+            self.weight_decay >= 0.0,
+            "finite and >= 0",
+        )
+    }
+}
+
+/// The optimizer's resumable state, for checkpoints: the number of steps taken
+/// and both moments of every parameter, in the network's parameter order.
+/// A fresh optimizer's state is `step = 0` with no moments.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct AdamWState {
+    pub step: u64,
+    pub first_moment: Vec<Vec<f32>>,
+    pub second_moment: Vec<Vec<f32>>,
+}
+
+/// AdamW over a fixed, ordered list of parameters.
+#[derive(Clone, Debug)]
+pub struct AdamW {
+    config: AdamWConfig,
+    step: u64,
+    /// `None` until the first step (or a `load_state` with moments).
+    moments: Option<Moments>,
+}
+
+#[derive(Clone, Debug)]
+struct Moments {
+    first: Vec<Vec<f32>>,
+    second: Vec<Vec<f32>>,
+    /// Parameter shapes the moments belong to; `None` right after
+    /// `load_state` (a state holds only lengths), filled by the next step.
+    shapes: Option<Vec<Vec<usize>>>,
+}
+
+impl AdamW {
+    pub fn new(config: AdamWConfig) -> Result<Self, OptimError> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            step: 0,
+            moments: None,
+        })
+    }
+
+    pub fn config(&self) -> &AdamWConfig {
+        &self.config
+    }
+
+    /// One update with learning rate `lr` for `params` in a fixed order (the
+    /// network's). Weight decay applies only where `Param::decay` is true.
+    ///
+    /// The first step creates the moments (zeros) for exactly these
+    /// parameters; a later step whose parameter count or shapes differ fails
+    /// with an error naming the parameter, as does a gradient whose shape is
+    /// not its value's or a negative or non-finite `lr`. A failed step changes
+    /// nothing: neither the parameters nor the optimizer's state.
+    pub fn step(&mut self, params: &mut [&mut Param], lr: f32) -> Result<(), OptimError> {
+        check("lr", lr, lr >= 0.0, "finite and >= 0")?;
+        for (index, p) in params.iter().enumerate() {
+            if p.grad.shape() != p.value.shape() {
+                return Err(OptimError::GradShape {
+                    index,
+                    name: p.name.clone(),
+                    grad: p.grad.shape().to_vec(),
+                    value: p.value.shape().to_vec(),
+                });
+            }
+        }
+        match &mut self.moments {
+            None => {
+                self.moments = Some(Moments {
+                    first: params.iter().map(|p| vec![0.0; p.value.len()]).collect(),
+                    second: params.iter().map(|p| vec![0.0; p.value.len()]).collect(),
+                    shapes: Some(params.iter().map(|p| p.value.shape().to_vec()).collect()),
+                });
+            }
+            Some(moments) => moments.check(params)?,
+        }
+        let Some(moments) = self.moments.as_mut() else {
+            unreachable!("moments were created above")
+        };
+
+        self.step += 1;
+        let c = &self.config;
+        let t = self.step as f64;
+        let bias_correction1 = 1.0 - (c.beta1 as f64).powf(t);
+        let bias_correction2 = 1.0 - (c.beta2 as f64).powf(t);
+        let neg_step_size = (-(lr as f64) / bias_correction1) as f32;
+        let bias_correction2_sqrt = bias_correction2.sqrt() as f32;
+        let decay_factor = (1.0 - lr as f64 * c.weight_decay as f64) as f32;
+        let one_minus_beta1 = 1.0 - c.beta1;
+        let (beta2, one_minus_beta2, eps) = (c.beta2, 1.0 - c.beta2, c.eps);
+
+        for ((param, m), v) in params
+            .iter_mut()
+            .zip(&mut moments.first)
+            .zip(&mut moments.second)
+        {
+            let decay = if param.decay { decay_factor } else { 1.0 };
+            let Param { value, grad, .. } = &mut **param;
+            let p = value.data_mut();
+            let g = grad.data();
+            // Lengths were checked above; equal-length slices let the zip
+            // run without bounds checks and vectorise.
+            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                *m += one_minus_beta1 * (g - *m);
+                *v = beta2 * *v + one_minus_beta2 * g * g;
+                let denom = v.sqrt() / bias_correction2_sqrt + eps;
+                *p = *p * decay + neg_step_size * (*m / denom);
+            }
+        }
+        Ok(())
+    }
+
+    /// Number of applied steps (also the `t` of the bias correction).
+    pub fn steps_taken(&self) -> u64 {
+        self.step
+    }
+
+    /// A copy of the state, for checkpoints.
+    pub fn state(&self) -> AdamWState {
+        match &self.moments {
+            None => AdamWState {
+                step: self.step,
+                ..AdamWState::default()
+            },
+            Some(m) => AdamWState {
+                step: self.step,
+                first_moment: m.first.clone(),
+                second_moment: m.second.clone(),
+            },
+        }
+    }
+
+    /// Replaces the state (resume from a checkpoint). The state is checked for
+    /// consistency here (matching moment lengths, finite values, second
+    /// moments ≥ 0, no moments at step 0 and vice versa); whether it fits the
+    /// network is checked by the next [`AdamW::step`], which fails naming the
+    /// first parameter whose length differs. On error the optimizer is
+    /// unchanged.
+    pub fn load_state(&mut self, state: AdamWState) -> Result<(), OptimError> {
+        let AdamWState {
+            step,
+            first_moment,
+            second_moment,
+        } = state;
+        if first_moment.len() != second_moment.len() {
+            return Err(OptimError::InvalidState(format!(
+                "{} first moments but {} second moments",
+                first_moment.len(),
+                second_moment.len()
+            )));
+        }
+        if step == 0 {
+            if !first_moment.is_empty() {
+                return Err(OptimError::InvalidState(
+                    "step is 0 but moments are present".into(),
+                ));
+            }
+            self.step = 0;
+            self.moments = None;
+            return Ok(());
+        }
+        for (index, (m, v)) in first_moment.iter().zip(&second_moment).enumerate() {
+            if m.len() != v.len() {
+                return Err(OptimError::InvalidState(format!(
+                    "parameter {index}: first moment has {} elements, second moment {}",
+                    m.len(),
+                    v.len()
+                )));
+            }
+            if !m.iter().all(|x| x.is_finite()) {
+                return Err(OptimError::InvalidState(format!(
+                    "parameter {index}: first moment is not finite"
+                )));
+            }
+            // `!(x >= 0)` also catches NaN.
+            if !v.iter().all(|&x| x.is_finite() && x >= 0.0) {
+                return Err(OptimError::InvalidState(format!(
+                    "parameter {index}: second moment is negative or not finite"
+                )));
+            }
+        }
+        self.step = step;
+        self.moments = Some(Moments {
+            first: first_moment,
+            second: second_moment,
+            shapes: None,
+        });
+        Ok(())
+    }
+}
+
+impl Moments {
+    /// Checks `params` against the parameters the moments were made for and,
+    /// after a `load_state`, records their shapes.
+    fn check(&mut self, params: &[&mut Param]) -> Result<(), OptimError> {
+        if params.len() != self.first.len() {
+            return Err(OptimError::ParamCount {
+                expected: self.first.len(),
+                got: params.len(),
+            });
+        }
+        match &self.shapes {
+            Some(shapes) => {
+                for (index, (p, shape)) in params.iter().zip(shapes).enumerate() {
+                    if p.value.shape() != shape.as_slice() {
+                        return Err(OptimError::ParamShape {
+                            index,
+                            name: p.name.clone(),
+                            expected: format!("shape {shape:?}"),
+                            got: format!("shape {:?}", p.value.shape()),
+                        });
+                    }
+                }
+            }
+            None => {
+                for (index, (p, m)) in params.iter().zip(&self.first).enumerate() {
+                    if p.value.len() != m.len() {
+                        return Err(OptimError::ParamShape {
+                            index,
+                            name: p.name.clone(),
+                            expected: format!("{} elements", m.len()),
+                            got: format!(
+                                "{} elements (shape {:?})",
+                                p.value.len(),
+                                p.value.shape()
+                            ),
+                        });
+                    }
+                }
+                self.shapes = Some(params.iter().map(|p| p.value.shape().to_vec()).collect());
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,301 @@
+//! The experiment: a TOML file, then `HEADROOM__SECTION__KEY` environment
+//! variables, then `--set section.key=value` overrides, in that order of
+//! precedence. Every table denies unknown keys, and `validate` checks values,
+//! so a typo or a bad number stops the run with the key's name.
+
+use std::path::{Path, PathBuf};
+
+use config::{Config, Environment, File, FileFormat};
+use headroom_loader::AugmentConfig;
+use headroom_model::ModelSpec;
+use serde::{Deserialize, Serialize};
+
+use crate::{PipelineError, Result};
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ExperimentConfig {
+    pub run: RunConfig,
+    pub data: DataConfig,
+    #[serde(default)]
+    pub augment: AugmentConfig,
+    pub model: ModelSpec,
+    pub train: TrainConfig,
+    pub optimizer: OptimizerConfig,
+    pub schedule: ScheduleConfig,
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    pub name: String,
+    #[serde(default)]
+    pub seed: u64,
+    /// Checkpoints and metrics go here; `--resume` looks here.
+    pub output_dir: PathBuf,
+    /// Steps between progress lines.
+    #[serde(default = "default_log_every")]
+    pub log_every: u64,
+}
+
+fn default_log_every() -> u64 {
+    50
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// Only "idx" (MNIST-format files) for now.
+    #[serde(default = "default_format")]
+    pub format: String,
+    /// Where the dataset is; empty means $FASHION_MNIST_DIR, then the Debian
+    /// package's /usr/share/datasets/fashion-mnist.
+    #[serde(default)]
+    pub dir: Option<PathBuf>,
+    /// Use only the first N training / test samples (0 = all).
+    #[serde(default)]
+    pub train_samples: usize,
+    #[serde(default)]
+    pub test_samples: usize,
+    /// Loader worker threads (0 = in the training thread).
+    #[serde(default = "default_workers")]
+    pub workers: usize,
+    /// Batches prepared ahead of the training stage.
+    #[serde(default = "default_prefetch")]
+    pub prefetch: usize,
+}
+
+fn default_format() -> String {
+    "idx".into()
+}
+fn default_workers() -> usize {
+    1
+}
+fn default_prefetch() -> usize {
+    4
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    pub epochs: u64,
+    pub batch_size: usize,
+    /// Compute threads (0 = every core).
+    #[serde(default)]
+    pub threads: usize,
+    #[serde(default)]
+    pub label_smoothing: f32,
+    /// Global gradient-norm clip (0 = off).
+    #[serde(default)]
+    pub clip_norm: f32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerConfig {
+    pub lr: f32,
+    #[serde(default)]
+    pub weight_decay: f32,
+    #[serde(default = "default_beta1")]
+    pub beta1: f32,
+    #[serde(default = "default_beta2")]
+    pub beta2: f32,
+    #[serde(default = "default_adam_eps")]
+    pub eps: f32,
+}
+
+fn default_beta1() -> f32 {
+    0.9
+}
+fn default_beta2() -> f32 {
+    0.999
+}
+fn default_adam_eps() -> f32 {
+    1e-8
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ScheduleConfig {
+    Constant,
+    /// Cosine one-cycle; peak = optimizer.lr.
+    OneCycle {
+        #[serde(default = "default_pct_start")]
+        pct_start: f32,
+        #[serde(default = "default_div")]
+        div_factor: f32,
+        #[serde(default = "default_final_div")]
+        final_div_factor: f32,
+    },
+}
+
+fn default_pct_start() -> f32 {
+    0.3
+}
+fn default_div() -> f32 {
+    25.0
+}
+fn default_final_div() -> f32 {
+    1e4
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// How many epoch checkpoints to keep (oldest deleted first).
+    #[serde(default = "default_keep")]
+    pub keep: usize,
+}
+
+fn default_keep() -> usize {
+    3
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self {
+            keep: default_keep(),
+        }
+    }
+}
+
+/// `--set key=value` pairs, applied last.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides(pub Vec<(String, String)>);
+
+impl Overrides {
+    /// Parses "key=value" strings; a pair without `=` is an error naming it.
+    pub fn parse(pairs: &[String]) -> Result<Self> {
+        pairs
+            .iter()
+            .map(|pair| match pair.split_once('=') {
+                Some((k, v)) if !k.trim().is_empty() => {
+                    Ok((k.trim().to_string(), v.trim().to_string()))
+                }
+                _ => Err(PipelineError::Config(format!(
+                    "--set expects key=value, got `{pair}`"
+                ))),
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Self)
+    }
+}
+
+impl ExperimentConfig {
+    /// Loads `path`, then the environment, then `overrides`; then validates.
+    pub fn load(path: &Path, overrides: &Overrides) -> Result<Self> {
+        if !path.is_file() {
+            return Err(PipelineError::Config(format!(
+                "experiment file {} not found (expected a TOML file such as experiments/fashion_mnist.toml)",
+                path.display()
+            )));
+        }
+        let mut builder = Config::builder()
+            .add_source(File::from(path).format(FileFormat::Toml))
+            .add_source(
+                Environment::with_prefix("HEADROOM")
+                    .prefix_separator("__")
+                    .separator("__")
+                    .try_parsing(true),
+            );
+        for (key, value) in &overrides.0 {
+            builder = builder
+                .set_override(key.as_str(), value.as_str())
+                .map_err(|e| PipelineError::value(key, e.to_string()))?;
+        }
+        let merged = builder
+            .build()
+            .map_err(|e| PipelineError::Config(format!("{}: {e}", path.display())))?;
+        let config: Self = merged
+            .try_deserialize()
+            .map_err(|e| PipelineError::Config(format!("{}: {e}", path.display())))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Value checks that types alone cannot express; each error names its key.
+    pub fn validate(&self) -> Result<()> {
+        let positive = |key: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(PipelineError::value(
+                    key,
+                    format!("must be a positive finite number, got {v}"),
+                ))
+            }
+        };
+        let non_negative = |key: &str, v: f64| {
+            if v.is_finite() && v >= 0.0 {
+                Ok(())
+            } else {
+                Err(PipelineError::value(
+                    key,
+                    format!("must be a finite number >= 0, got {v}"),
+                ))
+            }
+        };
+        if self.run.name.trim().is_empty() {
+            return Err(PipelineError::value("run.name", "must not be empty"));
+        }
+        if self.data.format != "idx" {
+            return Err(PipelineError::value(
+                "data.format",
+                format!("expected \"idx\", got \"{}\"", self.data.format),
+            ));
+        }
+        positive("train.epochs", self.train.epochs as f64)?;
+        positive("train.batch_size", self.train.batch_size as f64)?;
+        positive("data.prefetch", self.data.prefetch as f64)?;
+        positive("run.log_every", self.run.log_every as f64)?;
+        positive("checkpoint.keep", self.checkpoint.keep as f64)?;
+        if !(0.0..1.0).contains(&self.train.label_smoothing) {
+            return Err(PipelineError::value(
+                "train.label_smoothing",
+                format!("must be in [0, 1), got {}", self.train.label_smoothing),
+            ));
+        }
+        non_negative("train.clip_norm", self.train.clip_norm as f64)?;
+        positive("optimizer.lr", self.optimizer.lr as f64)?;
+        non_negative("optimizer.weight_decay", self.optimizer.weight_decay as f64)?;
+        if self.augment.crop_padding > self.model.input[0].min(self.model.input[1]) {
+            return Err(PipelineError::value(
+                "augment.crop_padding",
+                format!("{} is larger than the image", self.augment.crop_padding),
+            ));
+        }
+        if let ScheduleConfig::OneCycle {
+            pct_start,
+            div_factor,
+            final_div_factor,
+        } = &self.schedule
+        {
+            if !(*pct_start > 0.0 && *pct_start < 1.0) {
+                return Err(PipelineError::value(
+                    "schedule.pct_start",
+                    format!("must be in (0, 1), got {pct_start}"),
+                ));
+            }
+            positive("schedule.div_factor", *div_factor as f64)?;
+            positive("schedule.final_div_factor", *final_div_factor as f64)?;
+        }
+        Ok(())
+    }
+
+    /// A stable fingerprint of everything that shapes the result: checkpoints
+    /// record it so a resume under a different experiment is noticed.
+    pub fn fingerprint(&self) -> u32 {
+        let mut semantic = self.clone();
+        semantic.run.output_dir = PathBuf::new();
+        semantic.run.log_every = 0;
+        semantic.data.dir = None;
+        semantic.data.workers = 0;
+        semantic.data.prefetch = 0;
+        semantic.train.threads = 0;
+        semantic.checkpoint = CheckpointConfig::default();
+        let text = serde_json::to_string(&semantic).unwrap_or_default();
+        crc32fast::hash(text.as_bytes())
+    }
+}

@@ -1,0 +1,47 @@
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+pub type Result<T, E = PipelineError> = std::result::Result<T, E>;
+
+#[derive(Debug, Error)]
+pub enum PipelineError {
+    #[error("config: {0}")]
+    Config(String),
+    #[error("config key `{key}`: {reason}")]
+    ConfigValue { key: String, reason: String },
+    #[error("{0}")]
+    DatasetMissing(String),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Loader(#[from] headroom_loader::LoaderError),
+    #[error(transparent)]
+    Model(#[from] headroom_model::ModelError),
+    #[error(transparent)]
+    Optim(#[from] headroom_optim::OptimError),
+    #[error("{stage} stage stopped unexpectedly: {reason}")]
+    Stage { stage: &'static str, reason: String },
+}
+
+impl PipelineError {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub fn value(key: &str, reason: impl Into<String>) -> Self {
+        Self::ConfigValue {
+            key: key.to_string(),
+            reason: reason.into(),
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! The sink stage: everything the training loop reports goes through one
+//! bounded channel to this thread, which prints progress, appends metrics as
+//! JSON lines and writes checkpoints, so the training thread never waits for
+//! the terminal or the disk.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crossbeam_channel::Receiver;
+use serde::Serialize;
+
+use crate::checkpoint::{self, Checkpoint};
+use crate::{PipelineError, Result};
+
+#[derive(Clone, Debug, Serialize)]
+pub struct StepReport {
+    pub epoch: u64,
+    pub step: u64,
+    pub batch: usize,
+    pub batches_per_epoch: usize,
+    pub samples: usize,
+    pub loss: f32,
+    pub lr: f32,
+    pub grad_norm: f32,
+    pub skipped: bool,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct EpochSummary {
+    pub epoch: u64,
+    pub train_loss: f32,
+    pub train_accuracy: f32,
+    pub test_loss: f32,
+    pub test_accuracy: f32,
+    pub train_seconds: f64,
+    pub train_samples_per_sec: f64,
+    pub skipped_steps: u64,
+}
+
+pub enum Event {
+    Step(StepReport),
+    Epoch(EpochSummary),
+    Checkpoint(Box<Checkpoint>),
+}
+
+pub struct SinkSettings {
+    pub output_dir: PathBuf,
+    pub epochs: u64,
+    pub log_every: u64,
+    pub keep: usize,
+}
+
+/// What the sink leaves behind for the summary.
+#[derive(Default)]
+pub struct SinkOutcome {
+    pub last_checkpoint: Option<PathBuf>,
+}
+
+pub fn run(events: Receiver<Event>, settings: SinkSettings) -> Result<SinkOutcome> {
+    let metrics_path = settings.output_dir.join("metrics.jsonl");
+    let mut metrics = open_metrics(&metrics_path)?;
+    let mut outcome = SinkOutcome::default();
+    let mut window = Window::new();
+    for event in events {
+        match event {
+            Event::Step(report) => {
+                write_json(&mut metrics, &metrics_path, "step", &report)?;
+                window.add(&report);
+                if report.step % settings.log_every == 0
+                    || report.batch + 1 == report.batches_per_epoch
+                {
+                    window.log(&report, settings.epochs);
+                }
+            }
+            Event::Epoch(summary) => {
+                write_json(&mut metrics, &metrics_path, "epoch", &summary)?;
+                metrics
+                    .flush()
+                    .map_err(|e| PipelineError::io(&metrics_path, e))?;
+                tracing::info!(
+                    "epoch {}/{} done: train loss {:.4} acc {:.2}% | test loss {:.4} acc {:.2}% | {:.1}s, {:.0} samples/s{}",
+                    summary.epoch + 1,
+                    settings.epochs,
+                    summary.train_loss,
+                    summary.train_accuracy * 100.0,
+                    summary.test_loss,
+                    summary.test_accuracy * 100.0,
+                    summary.train_seconds,
+                    summary.train_samples_per_sec,
+                    if summary.skipped_steps > 0 {
+                        format!(", {} steps skipped (non-finite)", summary.skipped_steps)
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+            Event::Checkpoint(snapshot) => {
+                let started = Instant::now();
+                let path = checkpoint::write(&settings.output_dir, &snapshot, settings.keep)?;
+                tracing::info!(
+                    "checkpoint {} written in {:.0} ms",
+                    path.display(),
+                    started.elapsed().as_secs_f64() * 1e3
+                );
+                outcome.last_checkpoint = Some(path);
+            }
+        }
+    }
+    metrics
+        .flush()
+        .map_err(|e| PipelineError::io(&metrics_path, e))?;
+    Ok(outcome)
+}
+
+fn open_metrics(path: &Path) -> Result<BufWriter<File>> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| PipelineError::io(dir, e))?;
+    }
+    let file = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| PipelineError::io(path, e))?;
+    Ok(BufWriter::new(file))
+}
+
+fn write_json<T: Serialize>(
+    out: &mut BufWriter<File>,
+    path: &Path,
+    kind: &str,
+    value: &T,
+) -> Result<()> {
+    let body = serde_json::to_string(value).map_err(|e| PipelineError::Stage {
+        stage: "sink",
+        reason: e.to_string(),
+    })?;
+    writeln!(out, "{{\"kind\":\"{kind}\",\"data\":{body}}}").map_err(|e| PipelineError::io(path, e))
+}
+
+/// Loss and throughput since the last progress line.
+struct Window {
+    since: Instant,
+    samples: usize,
+    loss_sum: f64,
+    steps: usize,
+}
+
+impl Window {
+    fn new() -> Self {
+        Self {
+            since: Instant::now(),
+            samples: 0,
+            loss_sum: 0.0,
+            steps: 0,
+        }
+    }
+
+    fn add(&mut self, report: &StepReport) {
+        self.samples += report.samples;
+        if report.loss.is_finite() {
+            self.loss_sum += report.loss as f64;
+            self.steps += 1;
+        }
+    }
+
+    fn log(&mut self, report: &StepReport, epochs: u64) {
+        let seconds = self.since.elapsed().as_secs_f64().max(1e-9);
+        tracing::info!(
+            "epoch {}/{} step {}/{} | loss {:.4} | lr {:.2e} | {:.0} samples/s",
+            report.epoch + 1,
+            epochs,
+            report.batch + 1,
+            report.batches_per_epoch,
+            self.loss_sum / self.steps.max(1) as f64,
+            report.lr,
+            self.samples as f64 / seconds
+        );
+        *self = Self::new();
+    }
+}

@@ -1,0 +1,142 @@
+//! The `cargo xtask train` front door, end to end: the errors a user meets
+//! first name what is wrong, and a killed run resumes and finishes.
+
+mod common;
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn args(list: &[String]) -> Vec<&str> {
+    list.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn unknown_config_key_is_named() {
+    let out = run(&[
+        "train",
+        "--config",
+        "experiments/smoke.toml",
+        "--set",
+        "train.batch_sise=4",
+    ]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("batch_sise"), "{err}");
+}
+
+#[test]
+fn bad_value_is_named() {
+    let out = run(&[
+        "train",
+        "--config",
+        "experiments/smoke.toml",
+        "--set",
+        "optimizer.lr=-1",
+    ]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("optimizer.lr") && err.contains("positive"),
+        "{err}"
+    );
+
+    let out = run(&[
+        "train",
+        "--config",
+        "experiments/smoke.toml",
+        "--set",
+        "train.batch_size=lots",
+    ]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("batch_size"), "{err}");
+}
+
+#[test]
+fn missing_experiment_file_is_named() {
+    let out = run(&["train", "--config", "experiments/nope.toml"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("experiments/nope.toml"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn missing_dataset_names_the_directory_and_what_was_expected() {
+    let empty = tempfile::tempdir().unwrap();
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = run(&args(&smoke_args(empty.path(), out_dir.path())));
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains(&empty.path().display().to_string()), "{err}");
+    assert!(err.contains("train-images-idx3-ubyte"), "{err}");
+}
+
+#[test]
+fn malformed_idx_file_is_named() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 64, 32);
+    // Cut the training images short: the header promises more than is there.
+    let path = data.path().join("train-images-idx3-ubyte.gz");
+    let mut header = vec![0, 0, 8, 3];
+    for d in [64u32, 28, 28] {
+        header.extend_from_slice(&d.to_be_bytes());
+    }
+    header.extend_from_slice(&[0u8; 100]);
+    gzip_to(&path, &header);
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = run(&args(&smoke_args(data.path(), out_dir.path())));
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("train-images-idx3-ubyte"), "{err}");
+}
+
+#[test]
+fn killed_run_resumes_from_its_last_checkpoint_and_finishes() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 2048, 256);
+    let out_dir = tempfile::tempdir().unwrap();
+    let run_dir = out_dir.path().join("run");
+    let mut base = smoke_args(data.path(), &run_dir);
+    base.extend(["--set".into(), "train.epochs=4".into()]);
+
+    let mut child = xtask(&args(&base))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let first = run_dir.join("checkpoint-epoch00001.ckpt");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !first.exists() && Instant::now() < deadline {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("training ended before the kill: {status}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(first.exists(), "no checkpoint within two minutes");
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    // Without --resume, the old run is not overwritten.
+    let refused = run(&args(&base));
+    assert!(!refused.status.success());
+    assert!(
+        stderr(&refused).contains("--resume"),
+        "{}",
+        stderr(&refused)
+    );
+
+    let mut resume = base.clone();
+    resume.push("--resume".into());
+    let resumed = run(&args(&resume));
+    let err = stderr(&resumed);
+    assert!(resumed.status.success(), "{err}");
+    assert!(err.contains("resuming from"), "{err}");
+    assert!(run_dir.join("checkpoint-epoch00004.ckpt").exists(), "{err}");
+    let stdout = String::from_utf8_lossy(&resumed.stdout);
+    assert!(stdout.contains("test accuracy"), "{stdout}");
+}
