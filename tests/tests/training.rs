@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use headroom_pipeline::checkpoint;
-use headroom_pipeline::{train, ExperimentConfig, Overrides, TrainOptions};
+use headroom_pipeline::{train, ExperimentConfig, Overrides, Resume, TrainOptions};
 use headroom_tests::write_synthetic_fashion_mnist;
 
 fn smoke_config(data: &Path, out: &Path, extra: &[&str]) -> ExperimentConfig {
@@ -49,11 +49,8 @@ fn smoke_network_loss_falls_well_below_its_start() {
         last < 0.5 * first,
         "loss fell only from {first:.3} to {last:.3}"
     );
-    assert!(
-        summary.test_accuracy > 0.9,
-        "test accuracy {}",
-        summary.test_accuracy
-    );
+    let accuracy = summary.test_accuracy.unwrap();
+    assert!(accuracy > 0.9, "test accuracy {accuracy}");
     assert_eq!(summary.epochs.len(), 3);
     assert!(summary.last_checkpoint.is_some());
 }
@@ -78,21 +75,22 @@ fn resumed_run_matches_an_uninterrupted_one_bit_for_bit() {
         &["train.epochs=3", "train.threads=2"],
     );
     train(&config, &TrainOptions::default()).unwrap();
-    std::fs::remove_file(interrupted.path().join(checkpoint::file_name(3))).unwrap();
+    let files = checkpoint::list(interrupted.path()).unwrap();
+    std::fs::remove_file(files.last().unwrap()).unwrap();
     let options = TrainOptions {
-        resume: true,
+        resume: Resume::Latest,
         ..Default::default()
     };
     let summary = train(&config, &options).unwrap();
     assert_eq!(summary.epochs.len(), 1, "only the lost epoch is run again");
-    assert!(summary
-        .resumed_from
-        .unwrap()
-        .ends_with(checkpoint::file_name(2)));
+    assert_eq!(summary.resumed_from.as_ref(), Some(&files[files.len() - 2]));
 
-    let a = checkpoint::load(&straight.path().join(checkpoint::file_name(3))).unwrap();
-    let b = checkpoint::load(&interrupted.path().join(checkpoint::file_name(3))).unwrap();
-    assert_eq!(a.step, b.step);
+    let newest = |dir: &Path| {
+        let files = checkpoint::list(dir).unwrap();
+        checkpoint::load(files.last().unwrap()).unwrap()
+    };
+    let (a, b) = (newest(straight.path()), newest(interrupted.path()));
+    assert_eq!(a.meta.step, b.meta.step);
     assert!(a.params == b.params, "weights differ after resume");
     assert!(
         a.buffers == b.buffers,
@@ -119,7 +117,7 @@ fn resume_refuses_a_checkpoint_of_another_model() {
         bias: true,
     });
     let options = TrainOptions {
-        resume: true,
+        resume: Resume::Latest,
         ..Default::default()
     };
     let err = train(&other, &options).unwrap_err().to_string();
@@ -127,4 +125,58 @@ fn resume_refuses_a_checkpoint_of_another_model() {
         err.contains("different model") && err.contains(".ckpt"),
         "{err}"
     );
+}
+
+#[test]
+fn resume_names_a_changed_setting_and_allows_more_epochs() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 256, 64);
+    let out = tempfile::tempdir().unwrap();
+    let config = smoke_config(data.path(), out.path(), &["train.epochs=1"]);
+    train(&config, &TrainOptions::default()).unwrap();
+    let options = TrainOptions {
+        resume: Resume::Latest,
+        ..Default::default()
+    };
+
+    let changed = smoke_config(
+        data.path(),
+        out.path(),
+        &["train.epochs=1", "optimizer.lr=0.1"],
+    );
+    let err = train(&changed, &options).unwrap_err().to_string();
+    assert!(err.contains("optimizer.lr"), "{err}");
+
+    let longer = smoke_config(data.path(), out.path(), &["train.epochs=2"]);
+    let summary = train(&longer, &options).unwrap();
+    assert_eq!(summary.epochs.len(), 1);
+    assert_eq!(summary.epoch, 2);
+}
+
+#[test]
+fn diverging_run_stops_with_a_checkpoint_of_the_last_good_state() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 256, 64);
+    let out = tempfile::tempdir().unwrap();
+    let config = smoke_config(
+        data.path(),
+        out.path(),
+        &[
+            "train.epochs=1",
+            "optimizer.lr=1e35",
+            "train.clip_norm=0",
+            "train.max_consecutive_skips=3",
+        ],
+    );
+    let err = train(&config, &TrainOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("non-finite") && err.contains("3 steps"),
+        "{err}"
+    );
+    let files = checkpoint::list(out.path()).unwrap();
+    assert_eq!(files.len(), 1, "one checkpoint of the last good state");
+    let saved = checkpoint::load(&files[0]).unwrap();
+    assert_eq!(saved.meta.consecutive_skips, 3);
 }

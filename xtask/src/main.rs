@@ -2,10 +2,13 @@
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use headroom_pipeline::{train, ExperimentConfig, Overrides, TrainOptions};
+use headroom_pipeline::{train, ExperimentConfig, Overrides, Resume, TrainOptions};
+use signal_hook::consts::{SIGINT, SIGTERM};
 use tracing_subscriber::EnvFilter;
 
 const DEFAULT_EXPERIMENT: &str = "experiments/fashion_mnist.toml";
@@ -27,9 +30,10 @@ enum Command {
         /// Experiment TOML file.
         #[arg(long, default_value = DEFAULT_EXPERIMENT)]
         config: PathBuf,
-        /// Continue from the newest valid checkpoint in run.output_dir.
-        #[arg(long)]
-        resume: bool,
+        /// Continue from the newest valid checkpoint in run.output_dir, or
+        /// from the checkpoint file given.
+        #[arg(long, value_name = "CHECKPOINT", num_args = 0..=1, default_missing_value = "")]
+        resume: Option<String>,
         /// Override a config key, e.g. --set train.epochs=1 (repeatable).
         #[arg(long = "set", value_name = "KEY=VALUE")]
         overrides: Vec<String>,
@@ -90,15 +94,41 @@ fn run(cli: Cli) -> Result<()> {
                 config.display()
             );
             let options = TrainOptions {
-                resume,
+                resume: match resume {
+                    None => Resume::No,
+                    Some(path) if path.is_empty() => Resume::Latest,
+                    Some(path) => Resume::From(PathBuf::from(path)),
+                },
                 allow_install: !no_install,
+                stop: Some(stop_on_signals()?),
             };
             let summary = train(&experiment, &options)
                 .with_context(|| format!("training {} failed", experiment.run.name))?;
             print_summary(&experiment, &summary);
+            if summary.interrupted {
+                println!(
+                    "stopped at epoch {} step {}; continue with: cargo xtask train --config {} --resume",
+                    summary.epoch + 1,
+                    summary.step,
+                    config.display()
+                );
+            }
             Ok(())
         }
     }
+}
+
+/// The first SIGINT or SIGTERM sets the flag: the run finishes its step,
+/// writes a checkpoint and exits cleanly. A second one exits at once.
+fn stop_on_signals() -> Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [SIGINT, SIGTERM] {
+        signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(&stop))
+            .context("installing the signal handler")?;
+        signal_hook::flag::register(signal, Arc::clone(&stop))
+            .context("installing the signal handler")?;
+    }
+    Ok(stop)
 }
 
 fn print_summary(experiment: &ExperimentConfig, summary: &headroom_pipeline::RunSummary) {
@@ -108,8 +138,13 @@ fn print_summary(experiment: &ExperimentConfig, summary: &headroom_pipeline::Run
         .unwrap_or_else(|| "unknown".into());
     println!();
     println!("== {} ==", experiment.run.name);
-    println!("test accuracy   {:.2}%", summary.test_accuracy * 100.0);
-    println!("test loss       {:.4}", summary.test_loss);
+    match (summary.test_accuracy, summary.test_loss) {
+        (Some(accuracy), Some(loss)) => {
+            println!("test accuracy   {:.2}%", accuracy * 100.0);
+            println!("test loss       {loss:.4}");
+        }
+        _ => println!("test accuracy   (not evaluated: stopped mid-epoch)"),
+    }
     println!("epochs run      {}", summary.epochs.len());
     println!("wall time       {:.1} s", summary.wall_seconds);
     println!(

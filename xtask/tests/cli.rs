@@ -7,6 +7,19 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::*;
+use headroom_tests::gzip_to;
+
+fn checkpoints(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut files: Vec<_> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "ckpt"))
+        .collect();
+    files.sort();
+    files
+}
 
 fn args(list: &[String]) -> Vec<&str> {
     list.iter().map(String::as_str).collect()
@@ -109,15 +122,17 @@ fn killed_run_resumes_from_its_last_checkpoint_and_finishes() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let first = run_dir.join("checkpoint-epoch00001.ckpt");
     let deadline = Instant::now() + Duration::from_secs(120);
-    while !first.exists() && Instant::now() < deadline {
+    while checkpoints(&run_dir).is_empty() && Instant::now() < deadline {
         if let Ok(Some(status)) = child.try_wait() {
             panic!("training ended before the kill: {status}");
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(first.exists(), "no checkpoint within two minutes");
+    assert!(
+        !checkpoints(&run_dir).is_empty(),
+        "no checkpoint within two minutes"
+    );
     child.kill().unwrap();
     child.wait().unwrap();
 
@@ -136,7 +151,81 @@ fn killed_run_resumes_from_its_last_checkpoint_and_finishes() {
     let err = stderr(&resumed);
     assert!(resumed.status.success(), "{err}");
     assert!(err.contains("resuming from"), "{err}");
-    assert!(run_dir.join("checkpoint-epoch00004.ckpt").exists(), "{err}");
+    assert!(err.contains("epoch 4/4 done"), "{err}");
     let stdout = String::from_utf8_lossy(&resumed.stdout);
     assert!(stdout.contains("test accuracy"), "{stdout}");
+}
+
+#[test]
+fn negative_size_and_nan_learning_rate_are_named() {
+    let out = run(&[
+        "train",
+        "--config",
+        "experiments/smoke.toml",
+        "--set",
+        "train.batch_size=-4",
+    ]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("batch_size"), "{}", stderr(&out));
+
+    let out = run(&[
+        "train",
+        "--config",
+        "experiments/smoke.toml",
+        "--set",
+        "optimizer.lr=NaN",
+    ]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("optimizer.lr"), "{err}");
+}
+
+#[test]
+fn unwritable_output_directory_is_named() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 64, 32);
+    let blocker = tempfile::NamedTempFile::new().unwrap();
+    let out_dir = blocker.path().join("run");
+    let out = run(&args(&smoke_args(data.path(), &out_dir)));
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("run.output_dir") && err.contains(&out_dir.display().to_string()),
+        "{err}"
+    );
+}
+
+#[test]
+fn checkpoint_of_another_model_is_refused_with_the_difference() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 256, 32);
+    let out_dir = tempfile::tempdir().unwrap();
+    let mut first = smoke_args(data.path(), out_dir.path());
+    first.extend(["--set".into(), "train.epochs=1".into()]);
+    assert!(run(&args(&first)).status.success());
+
+    let checkpoint = std::fs::read_dir(out_dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "ckpt"))
+        .unwrap();
+    let mut other = vec![
+        "train".to_string(),
+        "--config".into(),
+        "experiments/fashion_mnist.toml".into(),
+        "--no-install".into(),
+        "--set".into(),
+        format!("data.dir={}", data.path().display()),
+        "--set".into(),
+        format!("run.output_dir={}", out_dir.path().join("other").display()),
+        "--resume".into(),
+    ];
+    other.push(checkpoint.display().to_string());
+    let out = run(&args(&other));
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("different model") && err.contains("model.layers"),
+        "{err}"
+    );
 }

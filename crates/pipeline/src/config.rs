@@ -90,6 +90,14 @@ pub struct TrainConfig {
     /// Global gradient-norm clip (0 = off).
     #[serde(default)]
     pub clip_norm: f32,
+    /// Non-finite steps in a row after which the run stops (with a checkpoint
+    /// of the last good state).
+    #[serde(default = "default_max_skips")]
+    pub max_consecutive_skips: u64,
+}
+
+fn default_max_skips() -> u64 {
+    10
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -144,19 +152,31 @@ fn default_final_div() -> f32 {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct CheckpointConfig {
-    /// How many epoch checkpoints to keep (oldest deleted first).
+    /// How many checkpoints to keep (oldest deleted first).
     #[serde(default = "default_keep")]
     pub keep: usize,
+    /// Also write one every N optimizer steps (0 = only at epoch ends).
+    #[serde(default)]
+    pub every_steps: u64,
+    /// Write one at the end of every epoch.
+    #[serde(default = "default_true")]
+    pub every_epoch: bool,
 }
 
 fn default_keep() -> usize {
     3
 }
 
+fn default_true() -> bool {
+    true
+}
+
 impl Default for CheckpointConfig {
     fn default() -> Self {
         Self {
             keep: default_keep(),
+            every_steps: 0,
+            every_epoch: true,
         }
     }
 }
@@ -251,6 +271,10 @@ impl ExperimentConfig {
         positive("data.prefetch", self.data.prefetch as f64)?;
         positive("run.log_every", self.run.log_every as f64)?;
         positive("checkpoint.keep", self.checkpoint.keep as f64)?;
+        positive(
+            "train.max_consecutive_skips",
+            self.train.max_consecutive_skips as f64,
+        )?;
         if !(0.0..1.0).contains(&self.train.label_smoothing) {
             return Err(PipelineError::value(
                 "train.label_smoothing",
@@ -284,6 +308,16 @@ impl ExperimentConfig {
         Ok(())
     }
 
+    /// The experiment as flat `section.key = value` pairs (JSON values), for
+    /// naming what differs between two experiments.
+    pub fn flatten(&self) -> std::collections::BTreeMap<String, String> {
+        let mut out = std::collections::BTreeMap::new();
+        if let Ok(value) = serde_json::to_value(self) {
+            flatten_into(&value, String::new(), &mut out);
+        }
+        out
+    }
+
     /// A stable fingerprint of everything that shapes the result: checkpoints
     /// record it so a resume under a different experiment is noticed.
     pub fn fingerprint(&self) -> u32 {
@@ -297,5 +331,27 @@ impl ExperimentConfig {
         semantic.checkpoint = CheckpointConfig::default();
         let text = serde_json::to_string(&semantic).unwrap_or_default();
         crc32fast::hash(text.as_bytes())
+    }
+}
+
+fn flatten_into(
+    value: &serde_json::Value,
+    prefix: String,
+    out: &mut std::collections::BTreeMap<String, String>,
+) {
+    match value {
+        serde_json::Value::Object(map) => {
+            for (key, child) in map {
+                let path = if prefix.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{prefix}.{key}")
+                };
+                flatten_into(child, path, out);
+            }
+        }
+        other => {
+            out.insert(prefix, other.to_string());
+        }
     }
 }

@@ -26,6 +26,11 @@ pub enum PipelineError {
     Model(#[from] headroom_model::ModelError),
     #[error(transparent)]
     Optim(#[from] headroom_optim::OptimError),
+    #[error(
+        "{skips} steps in a row had a non-finite loss or gradient; stopped with a checkpoint of the last good \
+         state in {dir}. Lower optimizer.lr or train.clip_norm, then resume with --resume"
+    )]
+    Diverged { skips: u64, dir: PathBuf },
     #[error("{stage} stage stopped unexpectedly: {reason}")]
     Stage { stage: &'static str, reason: String },
 }

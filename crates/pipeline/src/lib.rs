@@ -11,11 +11,13 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 mod error;
+pub mod resume;
 mod sink;
 pub mod train;
 
 pub use config::{ExperimentConfig, Overrides};
 pub use error::{PipelineError, Result};
+pub use resume::Resume;
 pub use train::{train, RunSummary, TrainOptions};
 
 /// Peak resident set size of this process in bytes (VmHWM), when the OS says.

@@ -1,8 +1,10 @@
 //! The training run. The loop itself is short: take a batch, forward, loss,
-//! backward, clip, step, report. Everything else (data, the sink stage,
-//! checkpoints, resume) is set up around it.
+//! backward, clip, step, report. Around it: the data, the sink stage, the
+//! checkpoints (at epoch ends, every N steps, and when asked to stop), and
+//! resume at the exact batch where a checkpoint was taken.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -10,11 +12,12 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, Sender};
 use headroom_loader::{AugmentConfig, DataLoader, Dataset, IdxDataset, LoaderConfig, Split};
 use headroom_model::loss::softmax_cross_entropy;
-use headroom_model::{Mode, Network};
+use headroom_model::{Mode, Network, Tensor};
 use headroom_optim::{clip_grad_norm, grad_norm, AdamW, AdamWConfig, OneCycle, Schedule};
 
-use crate::checkpoint::{self, Checkpoint};
+use crate::checkpoint::{Checkpoint, CheckpointMeta, EpochProgress};
 use crate::config::{ExperimentConfig, ScheduleConfig};
+use crate::resume::{self, Resume};
 use crate::sink::{self, EpochSummary, Event, SinkSettings, StepReport};
 use crate::{data, PipelineError, Result};
 
@@ -23,10 +26,12 @@ const LOADER_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[derive(Clone, Debug, Default)]
 pub struct TrainOptions {
-    /// Continue from the newest valid checkpoint in `run.output_dir`.
-    pub resume: bool,
+    pub resume: Resume,
     /// Install the Fashion-MNIST Debian package if it is missing and we can.
     pub allow_install: bool,
+    /// Set (by a signal handler, say) to stop after the current step with a
+    /// checkpoint.
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 #[derive(Clone, Debug)]
@@ -34,8 +39,13 @@ pub struct RunSummary {
     pub epochs: Vec<EpochSummary>,
     pub resumed_from: Option<PathBuf>,
     pub last_checkpoint: Option<PathBuf>,
-    pub test_accuracy: f32,
-    pub test_loss: f32,
+    /// Stopped on request before the last epoch ended.
+    pub interrupted: bool,
+    pub epoch: u64,
+    pub step: u64,
+    /// From the last evaluation; None when the run stopped before one.
+    pub test_accuracy: Option<f32>,
+    pub test_loss: Option<f32>,
     pub wall_seconds: f64,
     pub train_samples_per_sec: f64,
     pub peak_rss_bytes: Option<u64>,
@@ -45,9 +55,13 @@ pub struct RunSummary {
 }
 
 /// Where the run stands: what a checkpoint restores.
+#[derive(Clone, Debug, Default)]
 struct Position {
     epoch: u64,
+    batches_done: usize,
     step: u64,
+    consecutive_skips: u64,
+    progress: EpochProgress,
 }
 
 /// What learns: the network, its optimizer and schedule, and where it is.
@@ -64,6 +78,11 @@ struct Run {
     test_loader: DataLoader,
 }
 
+enum Finish {
+    Completed,
+    Stopped,
+}
+
 pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSummary> {
     let started = Instant::now();
     let threads = compute_threads(config.train.threads);
@@ -75,11 +94,27 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
             stage: "train",
             reason: format!("cannot start {threads} compute threads: {e}"),
         })?;
+    check_writable(&config.run.output_dir)?;
+    let resume_point = resume::choose(config, &options.resume)?;
     let mut run = prepare(config, options)?;
-    let resumed_from = if options.resume {
-        resume(config, &mut run)?
-    } else {
-        refuse_to_overwrite(config)?
+    let resumed_from = match resume_point {
+        Some((path, saved)) => {
+            restore(&mut run.learner, &saved).map_err(|reason| PipelineError::Checkpoint {
+                path: path.clone(),
+                reason,
+            })?;
+            let at = &run.learner.position;
+            tracing::info!(
+                "resuming from {} (epoch {} of {}, batch {}, step {})",
+                path.display(),
+                at.epoch + 1,
+                config.train.epochs,
+                at.batches_done,
+                at.step
+            );
+            Some(path)
+        }
+        None => None,
     };
     let parameters = run.learner.network.num_params();
     let macs_per_sample = run.learner.network.macs_per_sample()?;
@@ -104,7 +139,8 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
             reason: e.to_string(),
         })?;
 
-    let result = pool.install(|| run_epochs(config, &mut run, &events));
+    let mut epochs = Vec::new();
+    let result = pool.install(|| run_epochs(config, options, &mut run, &events, &mut epochs));
     drop(events);
     let outcome = sink
         .join()
@@ -114,20 +150,30 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         })
         .and_then(|r| r);
     // A training error explains a sink that stopped early, so it goes first.
-    let epochs = result?;
+    let finish = result?;
     let outcome = outcome?;
 
-    let (test_loss, test_accuracy) = match epochs.last() {
-        Some(last) => (last.test_loss, last.test_accuracy),
-        None => pool.install(|| evaluate(&mut run.learner.network, &run.test_loader))?,
+    let (test_loss, test_accuracy) = match (&finish, epochs.last()) {
+        (_, Some(last)) => (Some(last.test_loss), Some(last.test_accuracy)),
+        (Finish::Stopped, None) => (None, None),
+        (Finish::Completed, None) => {
+            let (loss, accuracy) =
+                pool.install(|| evaluate(&mut run.learner.network, &run.test_loader))?;
+            (Some(loss), Some(accuracy))
+        }
     };
     let train_seconds: f64 = epochs.iter().map(|e| e.train_seconds).sum();
-    let train_samples = epochs.len() as f64
-        * (run.train_loader.batches_per_epoch() * config.train.batch_size) as f64;
+    let train_samples: f64 = epochs
+        .iter()
+        .map(|e| e.train_samples_per_sec * e.train_seconds)
+        .sum();
     Ok(RunSummary {
         epochs,
         resumed_from,
         last_checkpoint: outcome.last_checkpoint,
+        interrupted: matches!(finish, Finish::Stopped),
+        epoch: run.learner.position.epoch,
+        step: run.learner.position.step,
         test_accuracy,
         test_loss,
         wall_seconds: started.elapsed().as_secs_f64(),
@@ -150,6 +196,20 @@ fn compute_threads(configured: usize) -> usize {
     thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1)
+}
+
+/// Fails before any training if checkpoints could not be written.
+fn check_writable(dir: &std::path::Path) -> Result<()> {
+    let not_writable = |e: std::io::Error| {
+        PipelineError::value(
+            "run.output_dir",
+            format!("{} is not a writable directory: {e}", dir.display()),
+        )
+    };
+    std::fs::create_dir_all(dir).map_err(not_writable)?;
+    let probe = dir.join(".write-test");
+    std::fs::write(&probe, b"").map_err(not_writable)?;
+    std::fs::remove_file(&probe).map_err(not_writable)
 }
 
 fn prepare(config: &ExperimentConfig, options: &TrainOptions) -> Result<Run> {
@@ -229,7 +289,7 @@ fn prepare(config: &ExperimentConfig, options: &TrainOptions) -> Result<Run> {
             network,
             optimizer,
             schedule,
-            position: Position { epoch: 0, step: 0 },
+            position: Position::default(),
         },
         train_loader,
         test_loader,
@@ -272,65 +332,8 @@ fn check_data_fits_model(
     Ok(())
 }
 
-/// A fresh run refuses to mix its checkpoints into an earlier run's.
-fn refuse_to_overwrite(config: &ExperimentConfig) -> Result<Option<PathBuf>> {
-    let existing = checkpoint::list(&config.run.output_dir)?;
-    if existing.is_empty() {
-        return Ok(None);
-    }
-    Err(PipelineError::value(
-        "run.output_dir",
-        format!(
-            "{} already holds checkpoints of an earlier run. Continue it with `cargo xtask train --resume`, \
-             or start afresh in another directory (--set run.output_dir=runs/NEW) or after `rm -r {}`",
-            config.run.output_dir.display(),
-            config.run.output_dir.display()
-        ),
-    ))
-}
-
-fn resume(config: &ExperimentConfig, run: &mut Run) -> Result<Option<PathBuf>> {
-    let (found, skipped) = checkpoint::newest_valid(&config.run.output_dir)?;
-    for reason in &skipped {
-        tracing::warn!("skipping {reason}");
-    }
-    let Some((path, saved)) = found else {
-        tracing::warn!(
-            "--resume: no valid checkpoint in {}; starting from the beginning",
-            config.run.output_dir.display()
-        );
-        return Ok(None);
-    };
-    if saved.model != config.model {
-        return Err(PipelineError::Checkpoint {
-            path,
-            reason: "it was written for a different model (model.* differs from the experiment); \
-                     resume with the experiment that wrote it, or use another run.output_dir"
-                .into(),
-        });
-    }
-    if saved.config_fingerprint != config.fingerprint() {
-        tracing::warn!(
-            "the experiment differs from the one that wrote {} (other than the model); continuing with the new settings",
-            path.display()
-        );
-    }
-    restore(&mut run.learner, &saved).map_err(|reason| PipelineError::Checkpoint {
-        path: path.clone(),
-        reason,
-    })?;
-    tracing::info!(
-        "resuming from {} (epoch {} of {}, step {})",
-        path.display(),
-        saved.epoch,
-        config.train.epochs,
-        saved.step
-    );
-    Ok(Some(path))
-}
-
-fn restore(run: &mut Learner, saved: &Checkpoint) -> std::result::Result<(), String> {
-    let mut params = run.network.params_mut();
+fn restore(learner: &mut Learner, saved: &Checkpoint) -> std::result::Result<(), String> {
+    let mut params = learner.network.params_mut();
     if params.len() != saved.params.len() {
         return Err(format!(
             "{} parameter tensors, the model has {}",
@@ -341,7 +344,7 @@ fn restore(run: &mut Learner, saved: &Checkpoint) -> std::result::Result<(), Str
     for (param, values) in params.iter_mut().zip(&saved.params) {
         copy_into(param.value.data_mut(), values, &param.name)?;
     }
-    let mut buffers = run.network.buffers_mut();
+    let mut buffers = learner.network.buffers_mut();
     if buffers.len() != saved.buffers.len() {
         return Err(format!(
             "{} buffers, the model has {}",
@@ -352,12 +355,17 @@ fn restore(run: &mut Learner, saved: &Checkpoint) -> std::result::Result<(), Str
     for (i, (buffer, values)) in buffers.iter_mut().zip(&saved.buffers).enumerate() {
         copy_into(buffer.data_mut(), values, &format!("buffer {i}"))?;
     }
-    run.optimizer
+    learner
+        .optimizer
         .load_state(saved.optimizer.clone())
         .map_err(|e| e.to_string())?;
-    run.position = Position {
-        epoch: saved.epoch,
-        step: saved.step,
+    let meta = &saved.meta;
+    learner.position = Position {
+        epoch: meta.epoch,
+        batches_done: meta.batches_done,
+        step: meta.step,
+        consecutive_skips: meta.consecutive_skips,
+        progress: meta.progress.clone(),
     };
     Ok(())
 }
@@ -376,20 +384,29 @@ fn copy_into(target: &mut [f32], values: &[f32], name: &str) -> std::result::Res
 
 fn run_epochs(
     config: &ExperimentConfig,
+    options: &TrainOptions,
     run: &mut Run,
     events: &Sender<Event>,
-) -> Result<Vec<EpochSummary>> {
-    let mut summaries = Vec::new();
+    summaries: &mut Vec<EpochSummary>,
+) -> Result<Finish> {
     while run.learner.position.epoch < config.train.epochs {
-        let summary = run_epoch(config, run, events)?;
+        let Some(summary) = run_epoch(config, options, run, events)? else {
+            send(
+                events,
+                Event::Checkpoint(Box::new(snapshot(config, &mut run.learner))),
+            )?;
+            return Ok(Finish::Stopped);
+        };
         send(events, Event::Epoch(summary.clone()))?;
-        send(
-            events,
-            Event::Checkpoint(Box::new(snapshot(config, &mut run.learner))),
-        )?;
+        if config.checkpoint.every_epoch || run.learner.position.epoch == config.train.epochs {
+            send(
+                events,
+                Event::Checkpoint(Box::new(snapshot(config, &mut run.learner))),
+            )?;
+        }
         summaries.push(summary);
     }
-    Ok(summaries)
+    Ok(Finish::Completed)
 }
 
 fn send(events: &Sender<Event>, event: Event) -> Result<()> {
@@ -399,69 +416,132 @@ fn send(events: &Sender<Event>, event: Event) -> Result<()> {
     })
 }
 
+fn stop_requested(options: &TrainOptions) -> bool {
+    options
+        .stop
+        .as_ref()
+        .is_some_and(|flag| flag.load(Ordering::SeqCst))
+}
+
+/// Trains the rest of the current epoch and evaluates. None when a stop was
+/// requested first (the caller writes the checkpoint).
 fn run_epoch(
     config: &ExperimentConfig,
+    options: &TrainOptions,
     run: &mut Run,
     events: &Sender<Event>,
-) -> Result<EpochSummary> {
+) -> Result<Option<EpochSummary>> {
     let Run {
-        learner: run,
+        learner,
         train_loader,
         test_loader,
     } = run;
-    let epoch = run.position.epoch;
+    let epoch = learner.position.epoch;
     let batches_per_epoch = train_loader.batches_per_epoch();
-    let started = Instant::now();
-    let (mut loss_sum, mut correct, mut seen, mut skipped) = (0.0f64, 0usize, 0usize, 0u64);
-    for batch in train_loader.epoch(epoch, 0) {
+    let mut started = Instant::now();
+    for batch in train_loader.epoch(epoch, learner.position.batches_done) {
         let batch = batch?;
-        let n = batch.labels.len();
-        let input = run.network.input_from_u8(n, &batch.pixels)?;
-        let logits = run.network.forward(&input, Mode::Train)?;
-        let out = softmax_cross_entropy(&logits, &batch.labels, config.train.label_smoothing)?;
-        let lr = run.schedule.lr_at(run.position.step);
-        let grad_norm = apply_gradients(config, run, &out.grad, out.loss, lr)?;
-        let applied = grad_norm.is_some();
-        if applied {
-            run.position.step += 1;
-            loss_sum += out.loss as f64 * n as f64;
-            correct += out.correct;
-            seen += n;
-        } else {
-            skipped += 1;
-            tracing::warn!(
-                "epoch {} batch {}: non-finite loss or gradient, step skipped",
-                epoch + 1,
-                batch.index
-            );
-        }
-        send(
-            events,
-            Event::Step(StepReport {
-                epoch,
-                step: run.position.step,
-                batch: batch.index,
-                batches_per_epoch,
-                samples: n,
-                loss: out.loss,
-                lr,
-                grad_norm: grad_norm.unwrap_or(f32::NAN),
-                skipped: !applied,
-            }),
+        let report = train_step(
+            config,
+            learner,
+            &batch.pixels,
+            &batch.labels,
+            batch.index,
+            batches_per_epoch,
         )?;
+        let applied = !report.skipped;
+        send(events, Event::Step(report))?;
+        learner.position.progress.train_seconds += started.elapsed().as_secs_f64();
+        started = Instant::now();
+        if learner.position.consecutive_skips >= config.train.max_consecutive_skips {
+            send(
+                events,
+                Event::Checkpoint(Box::new(snapshot(config, learner))),
+            )?;
+            return Err(PipelineError::Diverged {
+                skips: learner.position.consecutive_skips,
+                dir: config.run.output_dir.clone(),
+            });
+        }
+        let every = config.checkpoint.every_steps;
+        let position = &learner.position;
+        if applied
+            && every > 0
+            && position.step % every == 0
+            && position.batches_done < batches_per_epoch
+        {
+            send(
+                events,
+                Event::Checkpoint(Box::new(snapshot(config, learner))),
+            )?;
+        }
+        if stop_requested(options) {
+            return Ok(None);
+        }
     }
-    let train_seconds = started.elapsed().as_secs_f64();
-    let (test_loss, test_accuracy) = evaluate(&mut run.network, test_loader)?;
-    run.position.epoch += 1;
-    Ok(EpochSummary {
+    let (test_loss, test_accuracy) = evaluate(&mut learner.network, test_loader)?;
+    let position = &mut learner.position;
+    let progress = std::mem::take(&mut position.progress);
+    position.epoch += 1;
+    position.batches_done = 0;
+    Ok(Some(EpochSummary {
         epoch,
-        train_loss: (loss_sum / seen.max(1) as f64) as f32,
-        train_accuracy: correct as f32 / seen.max(1) as f32,
+        train_loss: (progress.loss_sum / progress.seen.max(1) as f64) as f32,
+        train_accuracy: progress.correct as f32 / progress.seen.max(1) as f32,
         test_loss,
         test_accuracy,
-        train_seconds,
-        train_samples_per_sec: seen as f64 / train_seconds.max(1e-9),
-        skipped_steps: skipped,
+        train_seconds: progress.train_seconds,
+        train_samples_per_sec: progress.seen as f64 / progress.train_seconds.max(1e-9),
+        skipped_steps: progress.skipped,
+    }))
+}
+
+/// One optimizer step on one batch, with the position advanced.
+fn train_step(
+    config: &ExperimentConfig,
+    learner: &mut Learner,
+    pixels: &[u8],
+    labels: &[u32],
+    batch_index: usize,
+    batches_per_epoch: usize,
+) -> Result<StepReport> {
+    let n = labels.len();
+    let input = learner.network.input_from_u8(n, pixels)?;
+    let logits = learner.network.forward(&input, Mode::Train)?;
+    let out = softmax_cross_entropy(&logits, labels, config.train.label_smoothing)?;
+    let lr = learner.schedule.lr_at(learner.position.step);
+    let norm = apply_gradients(config, learner, &out.grad, out.loss, lr)?;
+    let position = &mut learner.position;
+    position.batches_done = batch_index + 1;
+    match norm {
+        Some(_) => {
+            position.step += 1;
+            position.consecutive_skips = 0;
+            position.progress.loss_sum += out.loss as f64 * n as f64;
+            position.progress.correct += out.correct as u64;
+            position.progress.seen += n as u64;
+        }
+        None => {
+            position.consecutive_skips += 1;
+            position.progress.skipped += 1;
+            tracing::warn!(
+                "epoch {} batch {}: non-finite loss or gradient, step skipped ({} in a row)",
+                position.epoch + 1,
+                batch_index,
+                position.consecutive_skips
+            );
+        }
+    }
+    Ok(StepReport {
+        epoch: position.epoch,
+        step: position.step,
+        batch: batch_index,
+        batches_per_epoch,
+        samples: n,
+        loss: out.loss,
+        lr,
+        grad_norm: norm.unwrap_or(f32::NAN),
+        skipped: norm.is_none(),
     })
 }
 
@@ -469,17 +549,17 @@ fn run_epoch(
 /// the loss or the gradients are not finite and the step was skipped.
 fn apply_gradients(
     config: &ExperimentConfig,
-    run: &mut Learner,
-    grad_logits: &headroom_model::Tensor,
+    learner: &mut Learner,
+    grad_logits: &Tensor,
     loss: f32,
     lr: f32,
 ) -> Result<Option<f32>> {
     if !loss.is_finite() {
-        run.network.clear_saved();
+        learner.network.clear_saved();
         return Ok(None);
     }
-    run.network.backward(grad_logits)?;
-    let mut params = run.network.params_mut();
+    learner.network.backward(grad_logits)?;
+    let mut params = learner.network.params_mut();
     let norm = if config.train.clip_norm > 0.0 {
         clip_grad_norm(&mut params, config.train.clip_norm)
     } else {
@@ -487,7 +567,7 @@ fn apply_gradients(
     };
     let applied = norm.is_finite();
     if applied {
-        run.optimizer.step(&mut params, lr)?;
+        learner.optimizer.step(&mut params, lr)?;
     }
     for p in params {
         p.zero_grad();
@@ -514,24 +594,31 @@ fn evaluate(network: &mut Network, test_loader: &DataLoader) -> Result<(f32, f32
     ))
 }
 
-fn snapshot(config: &ExperimentConfig, run: &mut Learner) -> Checkpoint {
+fn snapshot(config: &ExperimentConfig, learner: &mut Learner) -> Checkpoint {
+    let position = learner.position.clone();
     Checkpoint {
-        config_fingerprint: config.fingerprint(),
-        epoch: run.position.epoch,
-        step: run.position.step,
-        model: config.model.clone(),
-        params: run
+        meta: CheckpointMeta {
+            config_fingerprint: config.fingerprint(),
+            config_json: serde_json::to_string(config).unwrap_or_default(),
+            model_json: Checkpoint::model_json(&config.model),
+            epoch: position.epoch,
+            batches_done: position.batches_done,
+            step: position.step,
+            consecutive_skips: position.consecutive_skips,
+            progress: position.progress,
+        },
+        params: learner
             .network
             .params_mut()
             .iter()
             .map(|p| p.value.data().to_vec())
             .collect(),
-        buffers: run
+        buffers: learner
             .network
             .buffers_mut()
             .iter()
             .map(|b| b.data().to_vec())
             .collect(),
-        optimizer: run.optimizer.state(),
+        optimizer: learner.optimizer.state(),
     }
 }

@@ -1,6 +1,6 @@
 //! Helpers for the CLI tests: running the binary from the repository root.
 
-pub use headroom_tests::{gzip_to, write_synthetic_fashion_mnist};
+pub use headroom_tests::write_synthetic_fashion_mnist;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

@@ -1,0 +1,149 @@
+//! Choosing and restoring a checkpoint. A checkpoint is refused when the
+//! model or a setting that shapes the result differs, with the keys named;
+//! settings that only change how the run is carried out (threads, workers,
+//! where files go, more epochs) may change.
+
+use std::path::{Path, PathBuf};
+
+use headroom_model::ModelSpec;
+
+use crate::checkpoint::{self, Checkpoint};
+use crate::config::ExperimentConfig;
+use crate::{PipelineError, Result};
+
+/// Keys (or key prefixes) that may differ between the run that wrote a
+/// checkpoint and the run that resumes it.
+const SAFE_TO_CHANGE: [&str; 9] = [
+    "run.",
+    "data.dir",
+    "data.workers",
+    "data.prefetch",
+    "train.threads",
+    "train.epochs",
+    "train.max_consecutive_skips",
+    "checkpoint.",
+    "model.",
+];
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum Resume {
+    /// Start from scratch; refuse a directory that holds checkpoints.
+    #[default]
+    No,
+    /// The newest valid checkpoint in run.output_dir, or scratch if none.
+    Latest,
+    /// Exactly this file.
+    From(PathBuf),
+}
+
+/// Finds the checkpoint to resume from, checked against `config`.
+pub fn choose(config: &ExperimentConfig, resume: &Resume) -> Result<Option<(PathBuf, Checkpoint)>> {
+    let found = match resume {
+        Resume::No => {
+            refuse_to_overwrite(config)?;
+            return Ok(None);
+        }
+        Resume::From(path) => (path.clone(), checkpoint::load(path)?),
+        Resume::Latest => {
+            let (found, skipped) = checkpoint::newest_valid(&config.run.output_dir)?;
+            for reason in &skipped {
+                tracing::warn!("skipping {reason}");
+            }
+            match found {
+                Some(found) => found,
+                None => {
+                    tracing::warn!(
+                        "--resume: no valid checkpoint in {}; starting from the beginning",
+                        config.run.output_dir.display()
+                    );
+                    return Ok(None);
+                }
+            }
+        }
+    };
+    check_compatible(config, &found.0, &found.1)?;
+    Ok(Some(found))
+}
+
+fn refuse_to_overwrite(config: &ExperimentConfig) -> Result<()> {
+    if checkpoint::list(&config.run.output_dir)?.is_empty() {
+        return Ok(());
+    }
+    Err(PipelineError::value(
+        "run.output_dir",
+        format!(
+            "{} already holds checkpoints of an earlier run. Continue it with `cargo xtask train --resume`, \
+             or start afresh in another directory (--set run.output_dir=runs/NEW) or after `rm -r {}`",
+            config.run.output_dir.display(),
+            config.run.output_dir.display()
+        ),
+    ))
+}
+
+fn check_compatible(config: &ExperimentConfig, path: &Path, saved: &Checkpoint) -> Result<()> {
+    let refuse = |reason: String| PipelineError::Checkpoint {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let saved_model = saved.model().map_err(&refuse)?;
+    if let Some(difference) = model_difference(&saved_model, &config.model) {
+        return Err(refuse(format!(
+            "it was written for a different model ({difference}); \
+             resume with the experiment that wrote it, or use another run.output_dir"
+        )));
+    }
+    let saved_config: ExperimentConfig = serde_json::from_str(&saved.meta.config_json)
+        .map_err(|e| refuse(format!("unreadable experiment record: {e}")))?;
+    let (old, new) = (saved_config.flatten(), config.flatten());
+    let changed: Vec<String> = new
+        .iter()
+        .filter(|(key, value)| old.get(*key) != Some(value))
+        .filter(|(key, _)| !SAFE_TO_CHANGE.iter().any(|safe| key.starts_with(safe)))
+        .map(|(key, value)| {
+            let was = old.get(key).map(String::as_str).unwrap_or("unset");
+            format!("{key} was {was}, now {value}")
+        })
+        .collect();
+    if !changed.is_empty() {
+        return Err(refuse(format!(
+            "the experiment differs in settings that change the result: {}. \
+             Resume with the values that wrote it, or start a new run in another run.output_dir",
+            changed.join("; ")
+        )));
+    }
+    if saved_config.train.epochs != config.train.epochs {
+        tracing::info!(
+            "train.epochs changed from {} to {}: the schedule is stretched to the new length",
+            saved_config.train.epochs,
+            config.train.epochs
+        );
+    }
+    Ok(())
+}
+
+/// The first difference between two model specifications, named by key.
+fn model_difference(saved: &ModelSpec, current: &ModelSpec) -> Option<String> {
+    if saved.input != current.input {
+        return Some(format!(
+            "model.input {:?} in the checkpoint, {:?} now",
+            saved.input, current.input
+        ));
+    }
+    if saved.mean != current.mean || saved.std != current.std {
+        return Some("model.mean / model.std differ".into());
+    }
+    if saved.layers.len() != current.layers.len() {
+        return Some(format!(
+            "model.layers has {} entries in the checkpoint, {} now",
+            saved.layers.len(),
+            current.layers.len()
+        ));
+    }
+    let (i, (was, now)) = saved
+        .layers
+        .iter()
+        .zip(&current.layers)
+        .enumerate()
+        .find(|(_, (a, b))| a != b)?;
+    Some(format!("model.layers[{i}] was {was:?}, now {now:?}"))
+}
