@@ -7,9 +7,13 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use headroom_loader::{IdxDataset, ShardSize, Split};
 use headroom_pipeline::{train, ExperimentConfig, Overrides, Resume, TrainOptions};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use tracing_subscriber::EnvFilter;
+
+mod bench;
+mod loader_bench;
 
 const DEFAULT_EXPERIMENT: &str = "experiments/fashion_mnist.toml";
 
@@ -40,6 +44,73 @@ enum Command {
         /// Never install the dataset package, even as root.
         #[arg(long)]
         no_install: bool,
+    },
+    /// Time the training step (and the loader); optionally beside PyTorch.
+    Bench {
+        #[arg(long, default_value = DEFAULT_EXPERIMENT)]
+        config: PathBuf,
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        overrides: Vec<String>,
+        /// Batch sizes to time.
+        #[arg(long, value_delimiter = ',', default_value = "32,128,256")]
+        batch: Vec<usize>,
+        /// Compute threads (default: every core).
+        #[arg(long)]
+        threads: Option<usize>,
+        #[arg(long, default_value_t = 3)]
+        warmup: usize,
+        #[arg(long, default_value_t = 20)]
+        steps: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Also run the PyTorch equivalent (same model, batch, threads) and print the ratio.
+        #[arg(long)]
+        compare_torch: bool,
+        /// Time the loader alone: shards with cache 1 and 2, full load, and IDX in memory.
+        #[arg(long)]
+        loader: bool,
+    },
+    /// One loader configuration as a JSON line (used by `bench --loader`).
+    #[command(hide = true)]
+    BenchLoaderOne {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long)]
+        store: PathBuf,
+        #[arg(long)]
+        mode: String,
+    },
+    /// Pack a Fashion-MNIST directory into a shard store (train/ and test/).
+    Preprocess {
+        /// Directory with the IDX files (default: where `train` would look).
+        #[arg(long)]
+        input: Option<PathBuf>,
+        /// The store to write.
+        #[arg(long)]
+        output: PathBuf,
+        /// Samples per shard ("4096") or bytes per shard ("64MiB").
+        #[arg(long, default_value = "4096")]
+        shard_size: String,
+        /// Replace an existing store (atomically).
+        #[arg(long)]
+        overwrite: bool,
+    },
+    /// One timed configuration as a JSON line (used by `bench`).
+    #[command(hide = true)]
+    BenchStep {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        overrides: Vec<String>,
+        #[arg(long)]
+        batch: usize,
+        #[arg(long)]
+        threads: usize,
+        #[arg(long)]
+        warmup: usize,
+        #[arg(long)]
+        steps: usize,
     },
 }
 
@@ -80,6 +151,60 @@ fn init_logging() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Bench {
+            config,
+            overrides,
+            batch,
+            threads,
+            warmup,
+            steps,
+            json,
+            compare_torch,
+            loader,
+        } => {
+            let experiment = ExperimentConfig::load(&config, &Overrides::parse(&overrides)?)?;
+            if loader {
+                return loader_bench::run(&config, &experiment, json, compare_torch);
+            }
+            let threads = threads
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+            let args = bench::BenchArgs {
+                config_path: &config,
+                overrides: &overrides,
+                batches: &batch,
+                threads,
+                warmup,
+                steps,
+                json,
+                compare_torch,
+            };
+            bench::run(&args, &experiment)
+        }
+        Command::BenchLoaderOne {
+            config,
+            store,
+            mode,
+        } => {
+            let experiment = ExperimentConfig::load(&config, &Overrides::default())?;
+            loader_bench::one_here(&experiment, &store, &mode)
+        }
+        Command::Preprocess {
+            input,
+            output,
+            shard_size,
+            overwrite,
+        } => preprocess(input, &output, &shard_size, overwrite),
+        Command::BenchStep {
+            config,
+            overrides,
+            batch,
+            threads,
+            warmup,
+            steps,
+        } => {
+            let experiment = ExperimentConfig::load(&config, &Overrides::parse(&overrides)?)?;
+            bench::step_here(&experiment, batch, threads, warmup, steps)
+        }
         Command::Train {
             config,
             resume,
@@ -116,6 +241,27 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn preprocess(
+    input: Option<PathBuf>,
+    output: &std::path::Path,
+    shard_size: &str,
+    overwrite: bool,
+) -> Result<()> {
+    let shard_size: ShardSize = shard_size.parse().context("--shard-size")?;
+    let input = headroom_pipeline::data::locate_fashion_mnist(input.as_deref(), false)?;
+    for (split, name) in [(Split::Train, "train"), (Split::Test, "test")] {
+        let source = IdxDataset::fashion_mnist(&input, split)?;
+        let summary =
+            headroom_loader::preprocess(&source, &output.join(name), shard_size, overwrite)?;
+        println!("{name}: {summary}");
+    }
+    println!(
+        "train on it with: cargo xtask train --set data.format=shards --set data.dir={}",
+        output.display()
+    );
+    Ok(())
 }
 
 /// The first SIGINT or SIGTERM sets the flag: the run finishes its step,

@@ -37,6 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             AugmentConfig {
                 crop_padding: 4,
                 flip: true,
+                ..AugmentConfig::default()
             },
         ),
         ("no augmentation", AugmentConfig::default()),
@@ -51,6 +52,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 prefetch: 8,
                 augment: augment.clone(),
                 timeout: Duration::from_secs(60),
+                ..LoaderConfig::default()
             };
             let loader = DataLoader::new(Arc::clone(&train), config)?;
             // Warm-up epoch (page faults, thread start).

@@ -1,14 +1,20 @@
-//! Augmentations on u8 HWC images: random crop with zero padding and
-//! horizontal flip. Their random numbers are a function of
-//! (seed, epoch, sample id) only, and they write straight into the batch
-//! buffer without allocating.
+//! Augmentations on u8 HWC images: random crop with zero padding,
+//! horizontal flip, a RandAugment subset ([`crate::randaugment`]) and the
+//! batch-level Mixup / CutMix ([`crate::mix`]). Their random numbers are a
+//! function of (seed, epoch, sample id) — or (seed, epoch, batch number) for
+//! the batch-level ones — only, and the per-sample ones write straight into
+//! the batch buffer without allocating.
 
 use serde::{Deserialize, Serialize};
 
 use crate::rng::{self, SplitMix64};
 
 /// Which augmentations the loader applies. `Default` applies none.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// Per sample, in this order: random crop, flip, RandAugment. Per batch,
+/// after that: Mixup or CutMix (one of them per batch, each with
+/// probability 1/2 when both are on), which give the batch soft targets.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AugmentConfig {
     /// Random crop: pad each side with `crop_padding` zero pixels, then crop
@@ -18,12 +24,75 @@ pub struct AugmentConfig {
     /// Horizontal flip with probability 0.5.
     #[serde(default)]
     pub flip: bool,
+    /// RandAugment: `num_ops` random operations of strength `magnitude` per
+    /// sample. `None` = off.
+    #[serde(default)]
+    pub rand_augment: Option<RandAugmentConfig>,
+    /// Mixup: blend each sample with its batch neighbour with weight
+    /// lambda ~ Beta(alpha, alpha). 0 = off.
+    #[serde(default)]
+    pub mixup_alpha: f32,
+    /// CutMix: paste a box of the neighbouring sample, of area 1 - lambda
+    /// with lambda ~ Beta(alpha, alpha). 0 = off.
+    #[serde(default)]
+    pub cutmix_alpha: f32,
 }
 
+/// RandAugment (Cubuk et al. 2020) restricted to operations that suit small
+/// grayscale images: identity, translate x/y, rotate, shear x/y (bilinear,
+/// zero fill), brightness, contrast, sharpness, posterize and solarize.
+/// Magnitude 0 leaves every image unchanged; the scales follow torchvision's
+/// `RandAugment` with 31 bins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RandAugmentConfig {
+    /// Operations applied to each sample (chosen uniformly, with
+    /// repetition). Default 2.
+    #[serde(default = "default_num_ops")]
+    pub num_ops: usize,
+    /// Strength of every operation, `0..=30`. Default 9.
+    #[serde(default = "default_magnitude")]
+    pub magnitude: u32,
+}
+
+fn default_num_ops() -> usize {
+    2
+}
+
+fn default_magnitude() -> u32 {
+    9
+}
+
+impl Default for RandAugmentConfig {
+    fn default() -> Self {
+        Self {
+            num_ops: default_num_ops(),
+            magnitude: default_magnitude(),
+        }
+    }
+}
+
+/// Highest RandAugment magnitude.
+pub const MAX_MAGNITUDE: u32 = 30;
+/// Most RandAugment operations per sample (a guard against typos).
+pub(crate) const MAX_NUM_OPS: usize = 16;
+
 impl AugmentConfig {
-    /// Whether this configuration leaves every sample unchanged.
+    /// Whether this configuration leaves every sample unchanged and mixes
+    /// nothing.
     pub fn is_identity(&self) -> bool {
-        self.crop_padding == 0 && !self.flip
+        self.per_sample_identity() && !self.mixes()
+    }
+
+    /// Whether the per-sample augmentations (crop, flip, RandAugment) are
+    /// all off.
+    pub(crate) fn per_sample_identity(&self) -> bool {
+        self.crop_padding == 0 && !self.flip && self.rand_augment.is_none_or(|r| r.num_ops == 0)
+    }
+
+    /// Whether batches are mixed (Mixup or CutMix), and so carry soft targets.
+    pub fn mixes(&self) -> bool {
+        self.mixup_alpha > 0.0 || self.cutmix_alpha > 0.0
     }
 
     /// The random choices for sample `index` in `epoch`. Three numbers are
@@ -243,6 +312,7 @@ mod tests {
         let cfg = AugmentConfig {
             crop_padding: 4,
             flip: true,
+            ..AugmentConfig::default()
         };
         assert_eq!(cfg.params(1, 2, 3), cfg.params(1, 2, 3));
         let all: Vec<_> = (0..1000).map(|i| cfg.params(1, 2, i)).collect();
@@ -258,6 +328,7 @@ mod tests {
         let no_flip = AugmentConfig {
             crop_padding: 4,
             flip: false,
+            ..AugmentConfig::default()
         };
         for i in 0..100 {
             let (a, b) = (cfg.params(1, 2, i), no_flip.params(1, 2, i));
@@ -276,10 +347,35 @@ mod tests {
             c,
             AugmentConfig {
                 crop_padding: 4,
-                flip: true
+                flip: true,
+                ..AugmentConfig::default()
             }
         );
         let err = serde_json::from_str::<AugmentConfig>(r#"{"flp": true}"#).unwrap_err();
         assert!(err.to_string().contains("flp"), "{err}");
+        let c: AugmentConfig = serde_json::from_str(
+            r#"{"rand_augment": {"num_ops": 3}, "mixup_alpha": 0.2, "cutmix_alpha": 1.0}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.rand_augment,
+            Some(RandAugmentConfig {
+                num_ops: 3,
+                magnitude: 9
+            })
+        );
+        assert_eq!((c.mixup_alpha, c.cutmix_alpha), (0.2, 1.0));
+        assert!(c.mixes() && !c.is_identity() && !c.per_sample_identity());
+        let err = serde_json::from_str::<AugmentConfig>(r#"{"rand_augment": {"magnitud": 3}}"#)
+            .unwrap_err();
+        assert!(err.to_string().contains("magnitud"), "{err}");
+        let c = AugmentConfig {
+            rand_augment: Some(RandAugmentConfig {
+                num_ops: 0,
+                magnitude: 5,
+            }),
+            ..AugmentConfig::default()
+        };
+        assert!(c.is_identity(), "zero operations change nothing");
     }
 }

@@ -122,6 +122,21 @@ pub enum LoaderError {
         source: std::io::Error,
     },
 
+    /// `preprocess` found a shard store (or something else) at its output
+    /// path and may not replace it.
+    #[error("{}: {message}", path.display())]
+    Exists { path: PathBuf, message: String },
+
+    /// A shard file of a store is missing, unreadable, truncated or corrupt.
+    /// `index` is the sample whose read needed the shard (none when the
+    /// shard was read at open, in full-load mode, or by read-ahead).
+    #[error("shard {}: {message}{}", path.display(), sample_suffix(index))]
+    Shard {
+        path: PathBuf,
+        index: Option<usize>,
+        message: String,
+    },
+
     /// `DataLoader::epoch` was asked to start past the end of the epoch.
     #[error("epoch {epoch}: cannot start at batch {start}, the epoch has {batches} batches")]
     Start {
@@ -129,6 +144,13 @@ pub enum LoaderError {
         start: usize,
         batches: usize,
     },
+}
+
+fn sample_suffix(index: &Option<usize>) -> String {
+    match index {
+        Some(i) => format!(" (while reading sample {i})"),
+        None => String::new(),
+    }
 }
 
 fn list_paths(paths: &[PathBuf]) -> String {

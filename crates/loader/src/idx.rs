@@ -171,6 +171,11 @@ impl Dataset for IdxDataset {
         out.copy_from_slice(&self.pixels[index * len..(index + 1) * len]);
         Ok(u32::from(label))
     }
+
+    /// The whole dataset is in memory: it is its own decoded-sample cache.
+    fn memory_limit(&self) -> u64 {
+        (self.pixels.len() + self.labels.len()) as u64
+    }
 }
 
 /// A parsed IDX file: its dimensions and its data.

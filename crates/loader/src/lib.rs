@@ -3,8 +3,15 @@
 //!
 //! - [`Dataset`]: random access to labelled u8 HWC images; [`IdxDataset`]
 //!   reads MNIST-format IDX files (raw or gzip).
+//! - [`preprocess`] packs any dataset into a shard store (shard files with
+//!   checksums and a small index); [`ShardedDataset`] reads it through a
+//!   bounded LRU shard cache with read-ahead, or all at once (`full_load`).
 //! - [`DataLoader`]: persistent worker threads turn an epoch's sample order
-//!   into [`Batch`]es, delivered in order, at most `prefetch` ahead.
+//!   into [`Batch`]es, delivered in order, at most `prefetch` ahead, within
+//!   an optional memory budget; [`ShuffleMode::ShardBlocks`] orders epochs
+//!   so that a small shard cache reads each shard once.
+//! - Augmentations: random crop, flip, RandAugment, and batch-level Mixup /
+//!   CutMix with soft targets.
 //! - Randomness is counter-based: the order of epoch `e` is a function of
 //!   (seed, e), and the augmentation of sample `i` in epoch `e` a function of
 //!   (seed, e, i). The batches never depend on the worker count, the
@@ -15,11 +22,21 @@ mod dataset;
 mod error;
 mod idx;
 mod loader;
+mod mix;
+mod randaugment;
 mod rng;
 mod sampler;
+mod sharded;
+mod store;
 
-pub use augment::AugmentConfig;
-pub use dataset::Dataset;
+pub use augment::{AugmentConfig, RandAugmentConfig, MAX_MAGNITUDE};
+pub use dataset::{Dataset, MemoryUsage, ShardLayout};
 pub use error::LoaderError;
 pub use idx::{IdxDataset, Split};
-pub use loader::{Batch, DataLoader, EpochIter, LoaderConfig};
+pub use loader::{Batch, DataLoader, EpochIter, LoaderConfig, LoaderMemory, LoaderState};
+pub use sampler::ShuffleMode;
+pub use sharded::{CacheStats, ShardCacheConfig, ShardedDataset, PLAN_WAIT};
+pub use store::{
+    preprocess, write_synthetic_store, ParseShardSizeError, ShardSize, StoreSummary,
+    SyntheticDataset, INDEX_FILE,
+};

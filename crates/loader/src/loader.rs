@@ -23,10 +23,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use serde::{Deserialize, Serialize};
 
-use crate::augment::{self, AugmentConfig};
-use crate::sampler::EpochOrder;
-use crate::{Dataset, LoaderError};
+use crate::augment::{self, AugmentConfig, MAX_MAGNITUDE, MAX_NUM_OPS};
+use crate::sampler::{EpochOrder, ShuffleMode};
+use crate::{mix, randaugment, Dataset, LoaderError, ShardLayout};
 
 /// Upper bounds that catch configuration typos (e.g. a byte count given as
 /// a worker count) before they exhaust threads or memory.
@@ -53,10 +54,68 @@ pub struct LoaderConfig {
     pub augment: AugmentConfig,
     /// The longest wait for the next batch before `LoaderError::Timeout` (> 0).
     pub timeout: Duration,
+    /// How a shuffled epoch is ordered; [`ShuffleMode::ShardBlocks`] keeps a
+    /// shard cache from thrashing (it needs a dataset with a shard layout,
+    /// e.g. [`crate::ShardedDataset`], and is global shuffling otherwise).
+    pub shuffle_mode: ShuffleMode,
+    /// The most bytes the loader may hold: the dataset's memory limit
+    /// (shard cache, or the whole in-memory dataset) + the batches in flight
+    /// (`prefetch` batches, 1 without workers). Checked by
+    /// [`DataLoader::new`]; `None` = no check.
+    pub memory_budget: Option<u64>,
+}
+
+impl Default for LoaderConfig {
+    /// Batches of 32 in order, no workers, prefetch 2, no augmentation,
+    /// 60 s timeout, global shuffling (when `shuffle` is set), no budget.
+    fn default() -> Self {
+        Self {
+            batch_size: 32,
+            shuffle: false,
+            drop_last: false,
+            seed: 0,
+            workers: 0,
+            prefetch: 2,
+            augment: AugmentConfig::default(),
+            timeout: Duration::from_secs(60),
+            shuffle_mode: ShuffleMode::Global,
+            memory_budget: None,
+        }
+    }
+}
+
+/// Where a loader is in its run, for checkpoints: resuming from it with
+/// [`DataLoader::resume`] reproduces the rest of the run exactly.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct LoaderState {
+    /// The loader's seed (checked on resume).
+    pub seed: u64,
+    /// The epoch in progress.
+    pub epoch: u64,
+    /// Batches of `epoch` already delivered. When it equals
+    /// `batches_per_epoch()` the epoch is complete and the next one is
+    /// `epoch + 1`.
+    pub batches_consumed: usize,
+}
+
+/// The loader's memory, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoaderMemory {
+    /// Held by the dataset now (shard cache, or the in-memory dataset).
+    pub cache_bytes: u64,
+    /// The most the dataset ever held.
+    pub cache_peak_bytes: u64,
+    /// The most bytes of batches made and not yet delivered at once.
+    pub prefetched_bytes_max: u64,
+    /// The bound checked against the budget: the dataset's limit + batches
+    /// in flight at their largest.
+    pub limit_bytes: u64,
+    /// `LoaderConfig::memory_budget`.
+    pub budget: Option<u64>,
 }
 
 /// A batch of samples, u8 NHWC, with their labels.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Batch {
     /// The epoch it belongs to.
     pub epoch: u64,
@@ -66,8 +125,11 @@ pub struct Batch {
     pub shape: [usize; 4],
     /// `n * h * w * c` bytes.
     pub pixels: Vec<u8>,
-    /// `n` labels.
+    /// `n` labels: the samples' own labels, also when mixed.
     pub labels: Vec<u32>,
+    /// With Mixup or CutMix: `n * num_classes` target probabilities (each
+    /// row sums to 1). `None` when batches are not mixed.
+    pub soft_targets: Option<Vec<f32>>,
 }
 
 impl Batch {
@@ -97,6 +159,59 @@ struct Shared {
     num_classes: usize,
     len: usize,
     batches: usize,
+    layout: Option<ShardLayout>,
+    /// Bytes of the largest batch (pixels, labels, soft targets).
+    batch_bytes: u64,
+    /// The bound of [`LoaderMemory::limit_bytes`].
+    limit_bytes: u64,
+    inflight: Arc<Inflight>,
+}
+
+/// Bytes of batches made and not yet delivered.
+#[derive(Default)]
+struct Inflight {
+    current: AtomicU64,
+    peak: AtomicU64,
+}
+
+/// Counts a batch's bytes in [`Inflight`] until dropped.
+struct InflightGuard {
+    counter: Arc<Inflight>,
+    bytes: u64,
+}
+
+impl InflightGuard {
+    fn new(counter: &Arc<Inflight>, bytes: u64) -> Self {
+        let now = counter.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        counter.peak.fetch_max(now, Ordering::Relaxed);
+        Self {
+            counter: Arc::clone(counter),
+            bytes,
+        }
+    }
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.counter
+            .current
+            .fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// Per-thread buffers for producing samples.
+struct Scratch {
+    src: Vec<u8>,
+    tmp: Vec<u8>,
+}
+
+impl Scratch {
+    fn new(sample_len: usize) -> Self {
+        Self {
+            src: vec![0; sample_len],
+            tmp: vec![0; sample_len],
+        }
+    }
 }
 
 /// One epoch iterator's state shared with its tasks.
@@ -117,6 +232,7 @@ struct Reply {
     generation: u64,
     batch: usize,
     result: Result<Batch, LoaderError>,
+    _bytes: Option<InflightGuard>,
 }
 
 /// Produces batches from a [`Dataset`] with a pool of persistent workers.
@@ -177,6 +293,36 @@ impl DataLoader {
         &self.shared.config
     }
 
+    /// The loader's memory now and at its peaks.
+    pub fn memory_report(&self) -> LoaderMemory {
+        let usage = self.shared.dataset.memory_usage();
+        LoaderMemory {
+            cache_bytes: usage.current,
+            cache_peak_bytes: usage.peak,
+            prefetched_bytes_max: self.shared.inflight.peak.load(Ordering::Relaxed),
+            limit_bytes: self.shared.limit_bytes,
+            budget: self.shared.config.memory_budget,
+        }
+    }
+
+    /// Continues a run from a checkpointed [`LoaderState`]: the batches of
+    /// `state.epoch` from `state.batches_consumed` on, exactly as an
+    /// uninterrupted run would have produced them. Fails if the state was
+    /// saved by a loader with another seed.
+    pub fn resume(&self, state: &LoaderState) -> Result<EpochIter<'_>, LoaderError> {
+        if state.seed != self.shared.config.seed {
+            return Err(config_err(
+                "seed",
+                format!(
+                    "the saved loader state has seed {} but this loader has seed {}: resuming \
+                     would not reproduce the run",
+                    state.seed, self.shared.config.seed
+                ),
+            ));
+        }
+        Ok(self.epoch(state.epoch, state.batches_consumed))
+    }
+
     /// The batches of `epoch`, starting at batch number `start` (exact
     /// mid-epoch resume), delivered in order. Each batch is a function of
     /// (dataset, config, epoch, batch number) only.
@@ -210,11 +356,22 @@ impl DataLoader {
             it.finished = true;
             return it;
         }
-        let order = EpochOrder::new(s.len, s.config.shuffle, s.config.seed, epoch);
+        let order = EpochOrder::new(
+            s.len,
+            s.config.shuffle,
+            s.config.shuffle_mode,
+            s.layout.as_ref(),
+            s.config.seed,
+            epoch,
+        );
+        // Tell the dataset what it will be asked for (read-ahead, eviction).
+        let end = (s.batches * s.config.batch_size).min(s.len);
+        s.dataset
+            .prefetch_order(&mut (start * s.config.batch_size..end).map(|p| order.index(p)));
         it.mode = match &self.tasks {
             None => Mode::Inline {
                 order,
-                scratch: vec![0; s.sample_len],
+                scratch: Scratch::new(s.sample_len),
             },
             Some(_) => {
                 let (reply, rx) = crossbeam_channel::bounded(s.config.prefetch);
@@ -317,6 +474,32 @@ fn validate(dataset: Arc<dyn Dataset>, config: LoaderConfig) -> Result<Shared, L
             format!("shuffling supports at most 2^32 - 1 samples, the dataset has {len}"),
         ));
     }
+    let augment = &config.augment;
+    if let Some(ra) = &augment.rand_augment {
+        if ra.magnitude > MAX_MAGNITUDE {
+            return Err(config_err(
+                "augment.rand_augment.magnitude",
+                format!("must be in 0..={MAX_MAGNITUDE}, got {}", ra.magnitude),
+            ));
+        }
+        if ra.num_ops > MAX_NUM_OPS {
+            return Err(config_err(
+                "augment.rand_augment.num_ops",
+                format!("must be in 0..={MAX_NUM_OPS}, got {}", ra.num_ops),
+            ));
+        }
+    }
+    for (field, alpha) in [
+        ("augment.mixup_alpha", augment.mixup_alpha),
+        ("augment.cutmix_alpha", augment.cutmix_alpha),
+    ] {
+        if !(alpha.is_finite() && alpha >= 0.0) {
+            return Err(config_err(
+                field,
+                format!("must be a finite number >= 0 (0 = off), got {alpha}"),
+            ));
+        }
+    }
     let pad = config.augment.crop_padding;
     if pad > shape[0] || pad > shape[1] {
         return Err(config_err(
@@ -342,6 +525,44 @@ fn validate(dataset: Arc<dyn Dataset>, config: LoaderConfig) -> Result<Shared, L
     } else {
         len.div_ceil(config.batch_size)
     };
+    let layout = dataset.shard_layout();
+    if let Some(l) = &layout {
+        let total: usize = l.shard_lens.iter().sum();
+        if total != len {
+            return Err(config_err(
+                "dataset",
+                format!("its shard layout covers {total} samples but it has {len}"),
+            ));
+        }
+    }
+    let bs = config.batch_size as u64;
+    let batch_bytes = bs * sample_len as u64
+        + 4 * bs
+        + if config.augment.mixes() {
+            4 * bs * num_classes as u64
+        } else {
+            0
+        };
+    let in_flight = if config.workers == 0 {
+        1
+    } else {
+        config.prefetch as u64
+    };
+    let cache = dataset.memory_limit();
+    let limit_bytes = cache.saturating_add(in_flight.saturating_mul(batch_bytes));
+    if let Some(budget) = config.memory_budget {
+        if limit_bytes > budget {
+            return Err(config_err(
+                "memory_budget",
+                format!(
+                    "loader.memory_budget = {budget} bytes cannot hold the dataset's cache \
+                     ({cache} bytes) + {in_flight} batch(es) in flight x {batch_bytes} bytes \
+                     = {limit_bytes} bytes: raise the budget, or lower the cache, prefetch or \
+                     batch size"
+                ),
+            ));
+        }
+    }
     Ok(Shared {
         dataset,
         config,
@@ -350,6 +571,10 @@ fn validate(dataset: Arc<dyn Dataset>, config: LoaderConfig) -> Result<Shared, L
         num_classes,
         len,
         batches,
+        layout,
+        batch_bytes,
+        limit_bytes,
+        inflight: Arc::default(),
     })
 }
 
@@ -364,22 +589,28 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Fills batch `batch` of an epoch. Returns `Ok(None)` if `cancelled` was
-/// set meanwhile.
+/// set meanwhile. The guard counts the batch's bytes until it is delivered.
 fn produce(
     s: &Shared,
     order: &EpochOrder,
     epoch: u64,
     batch: usize,
-    scratch: &mut [u8],
+    scratch: &mut Scratch,
     cancelled: &AtomicBool,
-) -> Result<Option<Batch>, LoaderError> {
+) -> Result<Option<(Batch, InflightGuard)>, LoaderError> {
     let bs = s.config.batch_size;
     let first = batch * bs;
     let n = bs.min(s.len - first);
     let len = s.sample_len;
     let augment = &s.config.augment;
-    let plain = augment.is_identity();
+    let plain = augment.per_sample_identity();
+    let rand_augment = augment.rand_augment.filter(|r| r.num_ops > 0);
+    let seed = s.config.seed;
     let [h, w, c] = s.shape;
+    let guard = InflightGuard::new(
+        &s.inflight,
+        s.batch_bytes * n as u64 / s.config.batch_size as u64,
+    );
     let mut pixels = vec![0u8; n * len];
     let mut labels = Vec::with_capacity(n);
     for (k, out) in pixels.chunks_exact_mut(len).enumerate() {
@@ -397,9 +628,12 @@ fn produce(
             if plain {
                 s.dataset.read(index, out)
             } else {
-                let label = s.dataset.read(index, scratch)?;
-                let params = augment.params(s.config.seed, epoch, index);
-                augment::apply(scratch, out, [h, w, c], params);
+                let label = s.dataset.read(index, &mut scratch.src)?;
+                let params = augment.params(seed, epoch, index);
+                augment::apply(&scratch.src, out, [h, w, c], params);
+                if let Some(ra) = rand_augment {
+                    randaugment::apply(out, &mut scratch.tmp, [h, w, c], ra, seed, epoch, index);
+                }
                 Ok(label)
             }
         }))
@@ -419,17 +653,23 @@ fn produce(
         }
         labels.push(label);
     }
-    Ok(Some(Batch {
-        epoch,
-        index: batch,
-        shape: [n, h, w, c],
-        pixels,
-        labels,
-    }))
+    let soft_targets = mix::draw(augment, seed, epoch, batch, h, w)
+        .map(|m| mix::apply(m, &mut pixels, &labels, [n, h, w, c], s.num_classes));
+    Ok(Some((
+        Batch {
+            epoch,
+            index: batch,
+            shape: [n, h, w, c],
+            pixels,
+            labels,
+            soft_targets,
+        },
+        guard,
+    )))
 }
 
 fn worker_main(s: &Shared, tasks: &Receiver<Task>) {
-    let mut scratch = vec![0u8; s.sample_len];
+    let mut scratch = Scratch::new(s.sample_len);
     while let Ok(Task { job, batch }) = tasks.recv() {
         if job.cancelled.load(Ordering::Relaxed) {
             continue;
@@ -454,16 +694,17 @@ fn worker_main(s: &Shared, tasks: &Receiver<Task>) {
                 message: panic_message(payload.as_ref()),
             })
         });
-        let result = match result {
-            Ok(Some(b)) => Ok(b),
+        let (result, bytes) = match result {
+            Ok(Some((b, guard))) => (Ok(b), Some(guard)),
             Ok(None) => continue,
-            Err(e) => Err(e),
+            Err(e) => (Err(e), None),
         };
         // Fails only if the iterator is gone: the batch is discarded.
         let _ = job.reply.send(Reply {
             generation: job.generation,
             batch,
             result,
+            _bytes: bytes,
         });
     }
 }
@@ -472,7 +713,7 @@ enum Mode {
     /// Nothing to produce (an empty range, or an invalid start).
     Idle,
     /// `workers == 0`: batches are produced in the calling thread.
-    Inline { order: EpochOrder, scratch: Vec<u8> },
+    Inline { order: EpochOrder, scratch: Scratch },
     /// Batches come from the worker pool.
     Pool {
         job: Arc<EpochJob>,
@@ -482,7 +723,7 @@ enum Mode {
         /// Reorder buffer: slot `i` holds batch `next + i` (or its error)
         /// once it arrives. Errors are delivered in batch order too, so the
         /// batches before a failing one arrive whatever the worker count.
-        ready: VecDeque<Option<Result<Batch, LoaderError>>>,
+        ready: VecDeque<Option<Reply>>,
     },
 }
 
@@ -507,6 +748,16 @@ impl EpochIter<'_> {
     /// The batch number the next call to `next` delivers.
     pub fn position(&self) -> usize {
         self.next
+    }
+
+    /// Where the run stands: `epoch` with `position()` batches delivered.
+    /// Save it with a checkpoint; [`DataLoader::resume`] continues from it.
+    pub fn state(&self) -> LoaderState {
+        LoaderState {
+            seed: self.loader.shared.config.seed,
+            epoch: self.epoch,
+            batches_consumed: self.next,
+        }
     }
 
     fn finish(&mut self) {
@@ -552,8 +803,12 @@ impl EpochIter<'_> {
             let Mode::Pool { job, rx, ready, .. } = &mut self.mode else {
                 unreachable!("next_from_pool in pool mode only");
             };
-            if let Some(result) = ready.front_mut().and_then(Option::take) {
+            if let Some(reply) = ready.front_mut().and_then(Option::take) {
                 ready.pop_front();
+                // The batch is the consumer's now: stop counting it before
+                // dispatching the next one.
+                let Reply { result, _bytes, .. } = reply;
+                drop(_bytes);
                 let batch = result?;
                 self.next += 1;
                 self.top_up()?;
@@ -582,7 +837,7 @@ impl EpochIter<'_> {
             if ready.len() <= slot {
                 ready.resize_with(slot + 1, || None);
             }
-            ready[slot] = Some(reply.result);
+            ready[slot] = Some(reply);
         }
     }
 }
@@ -611,7 +866,7 @@ impl Iterator for EpochIter<'_> {
                     scratch,
                     &never,
                 );
-                r.map(|b| b.expect("an uncancelled batch is always produced"))
+                r.map(|b| b.expect("an uncancelled batch is always produced").0)
                     .inspect(|_| self.next += 1)
             }
             Mode::Pool { .. } => self.next_from_pool(),

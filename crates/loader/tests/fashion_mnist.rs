@@ -50,8 +50,10 @@ fn real_fashion_mnist_opens_with_the_expected_sizes() {
             augment: AugmentConfig {
                 crop_padding: 4,
                 flip: true,
+                ..AugmentConfig::default()
             },
             timeout: Duration::from_secs(30),
+            ..LoaderConfig::default()
         },
     )
     .unwrap();

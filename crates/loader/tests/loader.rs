@@ -27,6 +27,7 @@ fn augmented(workers: usize, prefetch: usize) -> LoaderConfig {
         augment: AugmentConfig {
             crop_padding: 2,
             flip: true,
+            ..AugmentConfig::default()
         },
         ..config(7, workers)
     }
@@ -249,6 +250,7 @@ fn loader_applies_crop_and_flip() {
             augment: AugmentConfig {
                 crop_padding: p,
                 flip: true,
+                ..AugmentConfig::default()
             },
             ..config(64, 2)
         },
@@ -278,6 +280,7 @@ fn loader_applies_crop_and_flip() {
             augment: AugmentConfig {
                 crop_padding: 0,
                 flip: true,
+                ..AugmentConfig::default()
             },
             ..config(10, 0)
         },
@@ -397,6 +400,7 @@ fn invalid_configs_name_the_field() {
                 augment: AugmentConfig {
                     crop_padding: 9,
                     flip: false,
+                    ..AugmentConfig::default()
                 },
                 ..config(4, 1)
             },

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use config::{Config, Environment, File, FileFormat};
-use headroom_loader::AugmentConfig;
+use headroom_loader::{AugmentConfig, ShardSize, ShuffleMode};
 use headroom_model::ModelSpec;
 use serde::{Deserialize, Serialize};
 
@@ -19,6 +19,8 @@ pub struct ExperimentConfig {
     pub data: DataConfig,
     #[serde(default)]
     pub augment: AugmentConfig,
+    #[serde(default)]
+    pub loader: LoaderSettings,
     pub model: ModelSpec,
     pub train: TrainConfig,
     pub optimizer: OptimizerConfig,
@@ -47,11 +49,12 @@ fn default_log_every() -> u64 {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// Only "idx" (MNIST-format files) for now.
+    /// "idx" (MNIST-format files) or "shards" (a store written by
+    /// `cargo xtask preprocess`, with train/ and test/ inside).
     #[serde(default = "default_format")]
     pub format: String,
-    /// Where the dataset is; empty means $FASHION_MNIST_DIR, then the Debian
-    /// package's /usr/share/datasets/fashion-mnist.
+    /// Where the dataset is. For "idx", unset means $FASHION_MNIST_DIR, then
+    /// the Debian package's /usr/share/datasets/fashion-mnist; "shards" needs it.
     #[serde(default)]
     pub dir: Option<PathBuf>,
     /// Use only the first N training / test samples (0 = all).
@@ -75,6 +78,59 @@ fn default_workers() -> usize {
 }
 fn default_prefetch() -> usize {
     4
+}
+
+/// `[loader]`: the shard cache and the loader's memory budget.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LoaderSettings {
+    /// Bytes the loader may hold (caches + prefetched batches), e.g. "256MiB".
+    #[serde(default)]
+    pub memory_budget: Option<String>,
+    /// Decoded shards kept in memory (shards only).
+    #[serde(default = "default_cache_shards")]
+    pub max_cache_shards: usize,
+    /// Or a byte limit on the shard cache, e.g. "64MiB" (shards only).
+    #[serde(default)]
+    pub cache_bytes: Option<String>,
+    /// Shards read ahead in the epoch's known order (shards only).
+    #[serde(default)]
+    pub read_ahead: usize,
+    /// Read every shard at start: the decoded-sample cache for data that fits.
+    #[serde(default)]
+    pub full_load: bool,
+    /// "global" or "shard_blocks"; unset picks shard_blocks for shards.
+    #[serde(default)]
+    pub shuffle_mode: Option<ShuffleMode>,
+}
+
+fn default_cache_shards() -> usize {
+    2
+}
+
+impl Default for LoaderSettings {
+    fn default() -> Self {
+        Self {
+            memory_budget: None,
+            max_cache_shards: default_cache_shards(),
+            cache_bytes: None,
+            read_ahead: 0,
+            full_load: false,
+            shuffle_mode: None,
+        }
+    }
+}
+
+/// A byte size from the config: a plain number of bytes or "64MiB", "1.5GB".
+pub fn parse_bytes(key: &str, text: &str) -> Result<u64> {
+    match text.parse::<ShardSize>() {
+        Ok(ShardSize::Bytes(bytes)) => Ok(bytes),
+        Ok(ShardSize::Samples(n)) => Ok(n as u64),
+        Err(e) => Err(PipelineError::value(
+            key,
+            format!("expected a byte size such as \"256MiB\": {e}"),
+        )),
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -260,11 +316,34 @@ impl ExperimentConfig {
         if self.run.name.trim().is_empty() {
             return Err(PipelineError::value("run.name", "must not be empty"));
         }
-        if self.data.format != "idx" {
-            return Err(PipelineError::value(
-                "data.format",
-                format!("expected \"idx\", got \"{}\"", self.data.format),
-            ));
+        match self.data.format.as_str() {
+            "idx" => {}
+            "shards" => {
+                if self.data.dir.is_none() {
+                    return Err(PipelineError::value(
+                        "data.dir",
+                        "data.format = \"shards\" needs data.dir: the store written by `cargo xtask preprocess`",
+                    ));
+                }
+                if self.data.train_samples > 0 || self.data.test_samples > 0 {
+                    return Err(PipelineError::value(
+                        "data.train_samples",
+                        "sample limits apply to \"idx\" data only; preprocess a smaller store instead",
+                    ));
+                }
+            }
+            other => {
+                return Err(PipelineError::value(
+                    "data.format",
+                    format!("expected \"idx\" or \"shards\", got \"{other}\""),
+                ))
+            }
+        }
+        if let Some(text) = &self.loader.memory_budget {
+            parse_bytes("loader.memory_budget", text)?;
+        }
+        if let Some(text) = &self.loader.cache_bytes {
+            parse_bytes("loader.cache_bytes", text)?;
         }
         positive("train.epochs", self.train.epochs as f64)?;
         positive("train.batch_size", self.train.batch_size as f64)?;

@@ -5,8 +5,110 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
 
+use headroom_loader::{
+    AugmentConfig, Dataset, IdxDataset, LoaderConfig, ShardCacheConfig, ShardedDataset,
+    ShuffleMode, Split,
+};
+
+use crate::config::{parse_bytes, ExperimentConfig};
 use crate::{PipelineError, Result};
+
+/// How long the training stage waits for a batch before calling the loader stuck.
+const LOADER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The training and test datasets the experiment names.
+pub fn open_splits(
+    config: &ExperimentConfig,
+    allow_install: bool,
+) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
+    if config.data.format == "shards" {
+        let root = config.data.dir.as_deref().ok_or_else(|| {
+            PipelineError::value(
+                "data.dir",
+                "data.format = \"shards\" needs the store's directory",
+            )
+        })?;
+        let cache = shard_cache(config)?;
+        let open = |split: &str| -> Result<Arc<dyn Dataset>> {
+            let dir = root.join(split);
+            let store = ShardedDataset::open(&dir, cache.clone())?;
+            tracing::info!(
+                "{split} shards from {}: {} shards, index {} bytes read at open",
+                dir.display(),
+                store.shard_count(),
+                store.index_bytes()
+            );
+            Ok(Arc::new(store))
+        };
+        return Ok((open("train")?, open("test")?));
+    }
+    let dir = locate_fashion_mnist(config.data.dir.as_deref(), allow_install)?;
+    tracing::info!("Fashion-MNIST from {}", dir.display());
+    let limit = |dataset: IdxDataset, samples: usize| -> Arc<dyn Dataset> {
+        if samples > 0 && samples < dataset.len() {
+            Arc::new(dataset.truncated(samples))
+        } else {
+            Arc::new(dataset)
+        }
+    };
+    Ok((
+        limit(
+            IdxDataset::fashion_mnist(&dir, Split::Train)?,
+            config.data.train_samples,
+        ),
+        limit(
+            IdxDataset::fashion_mnist(&dir, Split::Test)?,
+            config.data.test_samples,
+        ),
+    ))
+}
+
+fn shard_cache(config: &ExperimentConfig) -> Result<ShardCacheConfig> {
+    let settings = &config.loader;
+    Ok(ShardCacheConfig {
+        max_cache_shards: settings.max_cache_shards,
+        cache_bytes: settings
+            .cache_bytes
+            .as_deref()
+            .map(|text| parse_bytes("loader.cache_bytes", text))
+            .transpose()?,
+        read_ahead: settings.read_ahead,
+        full_load: settings.full_load,
+    })
+}
+
+/// The loader for training (shuffled, augmented, drop_last) or evaluation.
+pub fn loader_config(config: &ExperimentConfig, training: bool) -> Result<LoaderConfig> {
+    let default_mode = if config.data.format == "shards" {
+        ShuffleMode::ShardBlocks
+    } else {
+        ShuffleMode::Global
+    };
+    Ok(LoaderConfig {
+        batch_size: config.train.batch_size,
+        shuffle: training,
+        drop_last: training,
+        seed: config.run.seed,
+        workers: config.data.workers,
+        prefetch: config.data.prefetch,
+        augment: if training {
+            config.augment.clone()
+        } else {
+            AugmentConfig::default()
+        },
+        timeout: LOADER_TIMEOUT,
+        shuffle_mode: config.loader.shuffle_mode.unwrap_or(default_mode),
+        memory_budget: config
+            .loader
+            .memory_budget
+            .as_deref()
+            .map(|text| parse_bytes("loader.memory_budget", text))
+            .transpose()?,
+    })
+}
 
 pub const SYSTEM_DIR: &str = "/usr/share/datasets/fashion-mnist";
 pub const PACKAGE: &str = "dataset-fashion-mnist";

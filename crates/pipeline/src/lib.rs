@@ -7,6 +7,7 @@
 //!                                                    clip, AdamW step)        checkpoint writes)
 //! ```
 
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

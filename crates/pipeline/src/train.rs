@@ -7,11 +7,11 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crossbeam_channel::{bounded, Sender};
-use headroom_loader::{AugmentConfig, DataLoader, Dataset, IdxDataset, LoaderConfig, Split};
-use headroom_model::loss::softmax_cross_entropy;
+use headroom_loader::{Batch, DataLoader, Dataset};
+use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy, LossOutput};
 use headroom_model::{Mode, Network, Tensor};
 use headroom_optim::{clip_grad_norm, grad_norm, AdamW, AdamWConfig, OneCycle, Schedule};
 
@@ -20,9 +20,6 @@ use crate::config::{ExperimentConfig, ScheduleConfig};
 use crate::resume::{self, Resume};
 use crate::sink::{self, EpochSummary, Event, SinkSettings, StepReport};
 use crate::{data, PipelineError, Result};
-
-/// How long the training stage waits for a batch before calling the loader stuck.
-const LOADER_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[derive(Clone, Debug, Default)]
 pub struct TrainOptions {
@@ -213,45 +210,16 @@ fn check_writable(dir: &std::path::Path) -> Result<()> {
 }
 
 fn prepare(config: &ExperimentConfig, options: &TrainOptions) -> Result<Run> {
-    let dir = data::locate_fashion_mnist(config.data.dir.as_deref(), options.allow_install)?;
-    tracing::info!("Fashion-MNIST from {}", dir.display());
-    let train_set = limit(
-        IdxDataset::fashion_mnist(&dir, Split::Train)?,
-        config.data.train_samples,
-    );
-    let test_set = limit(
-        IdxDataset::fashion_mnist(&dir, Split::Test)?,
-        config.data.test_samples,
-    );
+    let (train_set, test_set) = data::open_splits(config, options.allow_install)?;
     let network = Network::build(&config.model, config.run.seed)?;
-    check_data_fits_model(config, &train_set, &network)?;
+    check_data_fits_model(config, train_set.as_ref(), &network)?;
     tracing::info!(
         "{} training samples, {} test samples",
         train_set.len(),
         test_set.len()
     );
-
-    let loader = |dataset: IdxDataset, training: bool| {
-        DataLoader::new(
-            Arc::new(dataset),
-            LoaderConfig {
-                batch_size: config.train.batch_size,
-                shuffle: training,
-                drop_last: training,
-                seed: config.run.seed,
-                workers: config.data.workers,
-                prefetch: config.data.prefetch,
-                augment: if training {
-                    config.augment.clone()
-                } else {
-                    AugmentConfig::default()
-                },
-                timeout: LOADER_TIMEOUT,
-            },
-        )
-    };
-    let train_loader = loader(train_set, true)?;
-    let test_loader = loader(test_set, false)?;
+    let train_loader = DataLoader::new(train_set, data::loader_config(config, true)?)?;
+    let test_loader = DataLoader::new(test_set, data::loader_config(config, false)?)?;
     if train_loader.batches_per_epoch() == 0 {
         return Err(PipelineError::value(
             "train.batch_size",
@@ -296,17 +264,9 @@ fn prepare(config: &ExperimentConfig, options: &TrainOptions) -> Result<Run> {
     })
 }
 
-fn limit(dataset: IdxDataset, samples: usize) -> IdxDataset {
-    if samples > 0 && samples < dataset.len() {
-        dataset.truncated(samples)
-    } else {
-        dataset
-    }
-}
-
 fn check_data_fits_model(
     config: &ExperimentConfig,
-    data: &IdxDataset,
+    data: &dyn Dataset,
     network: &Network,
 ) -> Result<()> {
     if data.sample_shape() != config.model.input {
@@ -441,14 +401,7 @@ fn run_epoch(
     let mut started = Instant::now();
     for batch in train_loader.epoch(epoch, learner.position.batches_done) {
         let batch = batch?;
-        let report = train_step(
-            config,
-            learner,
-            &batch.pixels,
-            &batch.labels,
-            batch.index,
-            batches_per_epoch,
-        )?;
+        let report = train_step(config, learner, &batch, batches_per_epoch)?;
         let applied = !report.skipped;
         send(events, Event::Step(report))?;
         learner.position.progress.train_seconds += started.elapsed().as_secs_f64();
@@ -500,15 +453,13 @@ fn run_epoch(
 fn train_step(
     config: &ExperimentConfig,
     learner: &mut Learner,
-    pixels: &[u8],
-    labels: &[u32],
-    batch_index: usize,
+    batch: &Batch,
     batches_per_epoch: usize,
 ) -> Result<StepReport> {
-    let n = labels.len();
-    let input = learner.network.input_from_u8(n, pixels)?;
+    let (n, batch_index) = (batch.labels.len(), batch.index);
+    let input = learner.network.input_from_u8(n, &batch.pixels)?;
     let logits = learner.network.forward(&input, Mode::Train)?;
-    let out = softmax_cross_entropy(&logits, labels, config.train.label_smoothing)?;
+    let out = training_loss(config, &logits, batch)?;
     let lr = learner.schedule.lr_at(learner.position.step);
     let norm = apply_gradients(config, learner, &out.grad, out.loss, lr)?;
     let position = &mut learner.position;
@@ -543,6 +494,22 @@ fn train_step(
         grad_norm: norm.unwrap_or(f32::NAN),
         skipped: norm.is_none(),
     })
+}
+
+/// Label-smoothed cross-entropy, against the batch's soft targets when
+/// Mixup or CutMix made them.
+fn training_loss(config: &ExperimentConfig, logits: &Tensor, batch: &Batch) -> Result<LossOutput> {
+    let smoothing = config.train.label_smoothing;
+    let Some(soft) = &batch.soft_targets else {
+        return Ok(softmax_cross_entropy(logits, &batch.labels, smoothing)?);
+    };
+    let classes = logits.shape().get(1).copied().unwrap_or(1);
+    let smoothed = soft
+        .iter()
+        .map(|&p| (1.0 - smoothing) * p + smoothing / classes as f32)
+        .collect();
+    let targets = Tensor::from_vec(&[batch.labels.len(), classes], smoothed)?;
+    Ok(soft_cross_entropy(logits, &targets)?)
 }
 
 /// Backward, clip and AdamW step. Returns the gradient norm, or None when

@@ -161,5 +161,6 @@ pub fn config(batch_size: usize, workers: usize) -> LoaderConfig {
         prefetch: 4,
         augment: AugmentConfig::default(),
         timeout: Duration::from_secs(10),
+        ..LoaderConfig::default()
     }
 }

@@ -1,0 +1,312 @@
+//! What `cargo xtask bench` measures: the training step of an experiment's
+//! model (forward, loss, backward, clip, AdamW) on fixed random data after a
+//! warm-up; the loader alone; and the machine's peak FP32 rate, measured with
+//! an FMA loop on every compute thread, so "share of peak" is a measured
+//! ratio rather than a datasheet guess.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use headroom_loader::{
+    DataLoader, Dataset, IdxDataset, LoaderConfig, ShardCacheConfig, ShardedDataset, ShuffleMode,
+    Split,
+};
+use headroom_model::loss::softmax_cross_entropy;
+use headroom_model::{Mode, Network};
+use headroom_optim::{clip_grad_norm, AdamW, AdamWConfig};
+use serde::{Deserialize, Serialize};
+
+use crate::config::ExperimentConfig;
+use crate::{data, PipelineError, Result};
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StepBench {
+    pub batch: usize,
+    pub threads: usize,
+    pub steps: usize,
+    pub samples_per_sec: f64,
+    pub step_ms: f64,
+    /// Forward + backward FLOP/s, counting backward as twice the forward.
+    pub gflops: f64,
+    pub peak_rss_bytes: Option<u64>,
+    pub parameters: usize,
+    pub macs_per_sample: u64,
+}
+
+/// Times `steps` training steps at `batch` after `warmup` untimed ones.
+pub fn training_step(
+    config: &ExperimentConfig,
+    batch: usize,
+    threads: usize,
+    warmup: usize,
+    steps: usize,
+) -> Result<StepBench> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| PipelineError::Stage {
+            stage: "bench",
+            reason: e.to_string(),
+        })?;
+    pool.install(|| {
+        let mut network = Network::build(&config.model, config.run.seed)?;
+        let mut optimizer = AdamW::new(AdamWConfig {
+            weight_decay: config.optimizer.weight_decay,
+            ..AdamWConfig::default()
+        })?;
+        let [h, w, c] = config.model.input;
+        let pixels: Vec<u8> = (0..batch * h * w * c)
+            .map(|i| (i * 2_654_435_761 >> 13) as u8)
+            .collect();
+        let labels: Vec<u32> = (0..batch as u32)
+            .map(|i| i % network.num_classes() as u32)
+            .collect();
+        let mut step = || -> Result<()> {
+            let input = network.input_from_u8(batch, &pixels)?;
+            let logits = network.forward(&input, Mode::Train)?;
+            let out = softmax_cross_entropy(&logits, &labels, config.train.label_smoothing)?;
+            network.backward(&out.grad)?;
+            let mut params = network.params_mut();
+            clip_grad_norm(&mut params, 1.0);
+            optimizer.step(&mut params, 1e-3)?;
+            for p in params {
+                p.zero_grad();
+            }
+            Ok(())
+        };
+        for _ in 0..warmup {
+            step()?;
+        }
+        let started = Instant::now();
+        for _ in 0..steps {
+            step()?;
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        let macs = network.macs_per_sample()?;
+        let samples_per_sec = (batch * steps) as f64 / seconds;
+        Ok(StepBench {
+            batch,
+            threads,
+            steps,
+            samples_per_sec,
+            step_ms: seconds / steps as f64 * 1e3,
+            gflops: samples_per_sec * macs as f64 * 2.0 * 3.0 / 1e9,
+            peak_rss_bytes: crate::peak_rss_bytes(),
+            parameters: network.num_params(),
+            macs_per_sample: macs,
+        })
+    })
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LoaderBench {
+    pub workers: usize,
+    pub batch: usize,
+    pub samples: usize,
+    pub samples_per_sec: f64,
+}
+
+/// Augmented samples per second from the experiment's training loader alone.
+pub fn loader(config: &ExperimentConfig, batch: usize, min_time: Duration) -> Result<LoaderBench> {
+    let dir = data::locate_fashion_mnist(config.data.dir.as_deref(), false)?;
+    let dataset = Arc::new(IdxDataset::fashion_mnist(&dir, Split::Train)?);
+    let loader = DataLoader::new(
+        dataset,
+        LoaderConfig {
+            batch_size: batch,
+            ..data::loader_config(config, true)?
+        },
+    )?;
+    let started = Instant::now();
+    let mut samples = 0;
+    let mut epoch = 0;
+    while started.elapsed() < min_time {
+        for b in loader.epoch(epoch, 0) {
+            samples += b?.labels.len();
+        }
+        epoch += 1;
+    }
+    Ok(LoaderBench {
+        workers: config.data.workers,
+        batch,
+        samples,
+        samples_per_sec: samples as f64 / started.elapsed().as_secs_f64(),
+    })
+}
+
+/// The machine's FP32 multiply-add peak on `threads` threads, in GFLOP/s.
+pub fn peak_gflops(threads: usize) -> f64 {
+    let per_thread = Duration::from_millis(300);
+    let flops: f64 = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| scope.spawn(move || fma_loop(per_thread)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
+    });
+    flops / 1e9
+}
+
+/// FLOP/s of one thread running independent FMA chains for `time`.
+fn fma_loop(time: Duration) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked just above).
+            return unsafe { fma::avx512(time) };
+        }
+        if std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports AVX2 FMA (checked just above).
+            return unsafe { fma::avx2(time) };
+        }
+    }
+    fma::portable(time)
+}
+
+mod fma {
+    use std::time::{Duration, Instant};
+
+    /// Enough independent accumulators to cover FMA latency × throughput.
+    const CHAINS: usize = 12;
+    const ROUNDS: usize = 1 << 16;
+
+    macro_rules! fma_kernel {
+        ($name:ident, $feature:literal, $vec:ty, $lanes:expr, $set1:ident, $fmadd:ident, $add:ident, $store:ident) => {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = $feature)]
+            pub unsafe fn $name(time: Duration) -> f64 {
+                use std::arch::x86_64::*;
+                let (a, b) = ($set1(0.999_9), $set1(1e-7));
+                let mut acc: [$vec; CHAINS] = [$set1(1.0); CHAINS];
+                let started = Instant::now();
+                let mut rounds = 0u64;
+                while started.elapsed() < time {
+                    for _ in 0..ROUNDS {
+                        for x in acc.iter_mut() {
+                            *x = $fmadd(*x, a, b);
+                        }
+                    }
+                    rounds += ROUNDS as u64;
+                }
+                let mut sum = acc[0];
+                for x in &acc[1..] {
+                    sum = $add(sum, *x);
+                }
+                let mut out = [0.0f32; $lanes];
+                $store(out.as_mut_ptr(), sum);
+                std::hint::black_box(out);
+                (rounds * CHAINS as u64 * $lanes * 2) as f64 / started.elapsed().as_secs_f64()
+            }
+        };
+    }
+
+    fma_kernel!(
+        avx512,
+        "avx512f",
+        __m512,
+        16,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_add_ps,
+        _mm512_storeu_ps
+    );
+    fma_kernel!(
+        avx2,
+        "avx2,fma",
+        __m256,
+        8,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        _mm256_add_ps,
+        _mm256_storeu_ps
+    );
+
+    pub fn portable(time: Duration) -> f64 {
+        let mut acc = [1.0f32; CHAINS * 8];
+        let started = Instant::now();
+        let mut rounds = 0u64;
+        while started.elapsed() < time {
+            for _ in 0..ROUNDS {
+                for x in acc.iter_mut() {
+                    *x = *x * 0.999_9 + 1e-7;
+                }
+            }
+            rounds += ROUNDS as u64;
+        }
+        std::hint::black_box(acc);
+        (rounds * (CHAINS * 8) as u64 * 2) as f64 / started.elapsed().as_secs_f64()
+    }
+}
+
+/// One loader configuration over a shard store (or Fashion-MNIST in memory
+/// when `store` is None), crop + flip as in the experiment.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StoreBench {
+    pub source: String,
+    pub workers: usize,
+    pub batch: usize,
+    pub samples_per_sec: f64,
+    pub cache_peak_bytes: u64,
+    pub shard_reads: u64,
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// Times `epochs` epochs after one untimed warm-up epoch.
+pub fn loader_over_store(
+    config: &ExperimentConfig,
+    store: Option<(&std::path::Path, ShardCacheConfig)>,
+    workers: usize,
+    batch: usize,
+    epochs: u64,
+) -> Result<StoreBench> {
+    let mut shards = None;
+    let (dataset, source): (Arc<dyn Dataset>, String) = match &store {
+        Some((dir, cache)) => {
+            let label = if cache.full_load {
+                "shards, full load".to_string()
+            } else {
+                format!("shards, cache {}", cache.max_cache_shards)
+            };
+            let opened = Arc::new(ShardedDataset::open(dir, cache.clone())?);
+            shards = Some(Arc::clone(&opened));
+            (opened, label)
+        }
+        None => {
+            let dir = data::locate_fashion_mnist(config.data.dir.as_deref(), false)?;
+            (
+                Arc::new(IdxDataset::fashion_mnist(&dir, Split::Train)?),
+                "IDX in memory".into(),
+            )
+        }
+    };
+    let loader = DataLoader::new(
+        dataset,
+        LoaderConfig {
+            batch_size: batch,
+            workers,
+            shuffle_mode: ShuffleMode::ShardBlocks,
+            ..data::loader_config(config, true)?
+        },
+    )?;
+    let mut samples = 0;
+    for b in loader.epoch(0, 0) {
+        b?;
+    }
+    let started = Instant::now();
+    for epoch in 1..=epochs {
+        for b in loader.epoch(epoch, 0) {
+            samples += b?.labels.len();
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let memory = loader.memory_report();
+    let shard_reads = shards.map_or(0, |s| s.cache_stats().misses);
+    Ok(StoreBench {
+        source,
+        workers,
+        batch,
+        samples_per_sec: samples as f64 / seconds,
+        cache_peak_bytes: memory.cache_peak_bytes,
+        shard_reads,
+        peak_rss_bytes: crate::peak_rss_bytes(),
+    })
+}

@@ -1,0 +1,218 @@
+//! `cargo xtask bench`: the training step at several batch sizes, each in its
+//! own process so that peak RSS belongs to that configuration alone; the
+//! loader on its own; and, with `--compare-torch`, the same step in PyTorch
+//! (bench/torch_resnet.py: same model, batch, threads, channels_last) run
+//! right after ours, with the ratio.
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use headroom_pipeline::bench::{self, LoaderBench, StepBench};
+use headroom_pipeline::ExperimentConfig;
+use serde::{Deserialize, Serialize};
+
+pub struct BenchArgs<'a> {
+    pub config_path: &'a Path,
+    pub overrides: &'a [String],
+    pub batches: &'a [usize],
+    pub threads: usize,
+    pub warmup: usize,
+    pub steps: usize,
+    pub json: bool,
+    pub compare_torch: bool,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+struct TorchStep {
+    version: String,
+    samples_per_sec: f64,
+    step_ms: f64,
+    peak_rss_bytes: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct Row {
+    headroom: StepBench,
+    share_of_peak: f64,
+    pytorch: Option<TorchStep>,
+    ratio: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    machine_peak_gflops: f64,
+    threads: usize,
+    rows: Vec<Row>,
+    loader: Option<LoaderBench>,
+}
+
+pub fn run(args: &BenchArgs, experiment: &ExperimentConfig) -> Result<()> {
+    let peak = bench::peak_gflops(args.threads);
+    let mut rows = Vec::new();
+    for &batch in args.batches {
+        let headroom = step_in_subprocess(args, batch)?;
+        let pytorch = if args.compare_torch {
+            torch_step(args, batch)?
+        } else {
+            None
+        };
+        let ratio = pytorch
+            .as_ref()
+            .map(|t| headroom.samples_per_sec / t.samples_per_sec);
+        rows.push(Row {
+            share_of_peak: headroom.gflops / peak,
+            headroom,
+            pytorch,
+            ratio,
+        });
+    }
+    let loader = match bench::loader(experiment, 128, std::time::Duration::from_secs(2)) {
+        Ok(result) => Some(result),
+        Err(e) => {
+            tracing::warn!("loader not timed: {e}");
+            None
+        }
+    };
+    let report = Report {
+        machine_peak_gflops: peak,
+        threads: args.threads,
+        rows,
+        loader,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+/// The hidden `bench-step` command: one configuration, one JSON line.
+pub fn step_here(
+    experiment: &ExperimentConfig,
+    batch: usize,
+    threads: usize,
+    warmup: usize,
+    steps: usize,
+) -> Result<()> {
+    let result = bench::training_step(experiment, batch, threads, warmup, steps)?;
+    println!("{}", serde_json::to_string(&result)?);
+    Ok(())
+}
+
+fn step_in_subprocess(args: &BenchArgs, batch: usize) -> Result<StepBench> {
+    let exe = std::env::current_exe().context("locating the xtask binary")?;
+    let mut command = Command::new(exe);
+    command
+        .arg("bench-step")
+        .arg("--config")
+        .arg(args.config_path)
+        .args(["--batch", &batch.to_string()])
+        .args(["--threads", &args.threads.to_string()])
+        .args(["--warmup", &args.warmup.to_string()])
+        .args(["--steps", &args.steps.to_string()]);
+    for pair in args.overrides {
+        command.args(["--set", pair]);
+    }
+    let output = command.output().context("running bench-step")?;
+    if !output.status.success() {
+        bail!(
+            "bench-step at batch {batch} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let line = String::from_utf8_lossy(&output.stdout);
+    serde_json::from_str(line.trim()).with_context(|| format!("bench-step printed {line}"))
+}
+
+fn torch_step(args: &BenchArgs, batch: usize) -> Result<Option<TorchStep>> {
+    let script = Path::new("bench/torch_resnet.py");
+    let probe = Command::new("python3")
+        .args(["-c", "import torch"])
+        .output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        tracing::warn!("--compare-torch: `import torch` fails in python3; install it with `pip install torch numpy`");
+        return Ok(None);
+    }
+    let output = Command::new("python3")
+        .arg(script)
+        .args(["--threads", &args.threads.to_string()])
+        .args(["--batch", &batch.to_string()])
+        .args(["--warmup", &args.warmup.to_string()])
+        .args(["--steps", &args.steps.to_string()])
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !output.status.success() {
+        bail!(
+            "{} failed: {}",
+            script.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let line = String::from_utf8_lossy(&output.stdout);
+    let last = line.lines().last().unwrap_or_default();
+    Ok(Some(serde_json::from_str(last).with_context(|| {
+        format!("{} printed {line}", script.display())
+    })?))
+}
+
+fn mib(bytes: Option<u64>) -> String {
+    bytes.map_or("?".into(), |b| {
+        format!("{:.0} MiB", b as f64 / (1 << 20) as f64)
+    })
+}
+
+fn print_table(report: &Report) {
+    println!(
+        "training step, reference model, {} threads; machine peak {:.0} GFLOP/s (measured FMA loop)",
+        report.threads, report.machine_peak_gflops
+    );
+    println!(
+        "{:>6} | {:>12} {:>9} {:>10} {:>7} | {:>12} {:>9} {:>10} | {:>6}",
+        "batch",
+        "samples/s",
+        "step ms",
+        "peak RSS",
+        "% peak",
+        "torch s/s",
+        "step ms",
+        "peak RSS",
+        "ratio"
+    );
+    for row in &report.rows {
+        let h = &row.headroom;
+        let (t_rate, t_ms, t_rss) = match &row.pytorch {
+            Some(t) => (
+                format!("{:.0}", t.samples_per_sec),
+                format!("{:.1}", t.step_ms),
+                mib(Some(t.peak_rss_bytes)),
+            ),
+            None => ("-".into(), "-".into(), "-".into()),
+        };
+        println!(
+            "{:>6} | {:>12.0} {:>9.1} {:>10} {:>6.1}% | {:>12} {:>9} {:>10} | {:>6}",
+            h.batch,
+            h.samples_per_sec,
+            h.step_ms,
+            mib(h.peak_rss_bytes),
+            row.share_of_peak * 100.0,
+            t_rate,
+            t_ms,
+            t_rss,
+            row.ratio.map_or("-".into(), |r| format!("{r:.2}"))
+        );
+    }
+    if let Some(t) = report.rows.iter().find_map(|r| r.pytorch.as_ref()) {
+        println!(
+            "PyTorch {} (channels_last, same model, batch and threads)",
+            t.version
+        );
+    }
+    if let Some(l) = &report.loader {
+        println!(
+            "loader alone: {:.0} augmented samples/s (batch {}, {} workers)",
+            l.samples_per_sec, l.batch, l.workers
+        );
+    }
+}
