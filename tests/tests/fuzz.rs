@@ -172,3 +172,44 @@ fn checkpoint_reader_survives_random_bytes_and_truncations() {
         "peak RSS grew by {growth} MiB on inputs of a few KiB"
     );
 }
+
+#[test]
+fn shard_reader_survives_random_bytes_and_truncations() {
+    use headroom_loader::{Dataset, ShardCacheConfig, ShardSize, ShardedDataset};
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    headroom_loader::write_synthetic_store(&store, 60, [8, 8, 1], 10, ShardSize::Samples(20))
+        .unwrap();
+    let mut files: Vec<_> = std::fs::read_dir(&store)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    let originals: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(f).unwrap()).collect();
+    let before = peak_rss_mib();
+    let mut rng = XorShift(0xA076_1D64_78BD_642F);
+    let mut caught = 0;
+    for _ in 0..600 {
+        let victim = rng.below(files.len());
+        std::fs::write(&files[victim], mutate(&mut rng, &originals[victim])).unwrap();
+        let outcome = ShardedDataset::open(&store, ShardCacheConfig::default()).and_then(|data| {
+            let mut pixels = vec![0u8; 64];
+            (0..data.len()).try_for_each(|i| data.read(i, &mut pixels).map(|_| ()))
+        });
+        if let Err(e) = outcome {
+            caught += 1;
+            let text = e.to_string();
+            assert!(
+                text.contains(&store.display().to_string()),
+                "error names no file: {text}"
+            );
+        }
+        std::fs::write(&files[victim], &originals[victim]).unwrap();
+    }
+    assert!(caught > 500, "only {caught} of 600 corruptions were caught");
+    let growth = peak_rss_mib().saturating_sub(before);
+    assert!(
+        growth < 256,
+        "peak RSS grew by {growth} MiB on inputs of a few KiB"
+    );
+}

@@ -180,3 +180,66 @@ fn diverging_run_stops_with_a_checkpoint_of_the_last_good_state() {
     let saved = checkpoint::load(&files[0]).unwrap();
     assert_eq!(saved.meta.consecutive_skips, 3);
 }
+
+#[test]
+fn store_ten_times_the_cache_trains_within_the_loader_budget() {
+    let store = tempfile::tempdir().unwrap();
+    let mut shard_bytes = 0;
+    for (split, samples) in [("train", 2000), ("test", 200)] {
+        let summary = headroom_loader::write_synthetic_store(
+            &store.path().join(split),
+            samples,
+            [28, 28, 1],
+            10,
+            headroom_loader::ShardSize::Samples(100),
+        )
+        .unwrap();
+        if split == "train" {
+            assert_eq!(summary.shards, 20, "ten times the two-shard cache");
+            shard_bytes = summary.total_bytes.div_ceil(summary.shards as u64) as usize;
+        }
+    }
+    let out = tempfile::tempdir().unwrap();
+    let cache_limit = 2 * shard_bytes;
+    let budget = cache_limit + 4 * 32 * 784;
+    let config = smoke_config(
+        store.path(),
+        out.path(),
+        &[
+            "data.format=shards",
+            "data.train_samples=0",
+            "data.test_samples=0",
+            "train.epochs=2",
+            "loader.max_cache_shards=2",
+            &format!("loader.memory_budget={budget}"),
+        ],
+    );
+    let summary = train(&config, &TrainOptions::default()).unwrap();
+    let memory = summary.loader_memory;
+    assert_eq!(memory.budget, Some(budget as u64));
+    assert!(memory.cache_peak_bytes > 0);
+    assert!(
+        memory.cache_peak_bytes <= cache_limit as u64,
+        "cache peak {}",
+        memory.cache_peak_bytes
+    );
+    assert!(memory.cache_peak_bytes + memory.prefetched_bytes_max <= budget as u64);
+    assert_eq!(summary.epochs.len(), 2);
+
+    // One byte less than the cache and the prefetched batches need is refused.
+    let tight = smoke_config(
+        store.path(),
+        out.path().join("tight").as_path(),
+        &[
+            "data.format=shards",
+            "data.train_samples=0",
+            "data.test_samples=0",
+            "loader.max_cache_shards=2",
+            "loader.memory_budget=1000",
+        ],
+    );
+    let err = train(&tight, &TrainOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("memory_budget"), "{err}");
+}

@@ -298,6 +298,16 @@ fn print_summary(experiment: &ExperimentConfig, summary: &headroom_pipeline::Run
         summary.train_samples_per_sec, summary.threads
     );
     println!("peak RSS        {rss}");
+    let loader = &summary.loader_memory;
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    println!(
+        "loader memory   data/cache peak {:.1} MiB, prefetched batches peak {:.1} MiB{}",
+        mib(loader.cache_peak_bytes),
+        mib(loader.prefetched_bytes_max),
+        loader
+            .budget
+            .map_or(String::new(), |b| format!(" (budget {:.1} MiB)", mib(b)))
+    );
     if let Some(path) = &summary.resumed_from {
         println!("resumed from    {}", path.display());
     }

@@ -10,7 +10,7 @@ use std::thread;
 use std::time::Instant;
 
 use crossbeam_channel::{bounded, Sender};
-use headroom_loader::{Batch, DataLoader, Dataset};
+use headroom_loader::{Batch, DataLoader, Dataset, LoaderMemory};
 use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy, LossOutput};
 use headroom_model::{Mode, Network, Tensor};
 use headroom_optim::{clip_grad_norm, grad_norm, AdamW, AdamWConfig, OneCycle, Schedule};
@@ -49,6 +49,8 @@ pub struct RunSummary {
     pub parameters: usize,
     pub macs_per_sample: u64,
     pub threads: usize,
+    /// What the training loader held, from its own accounting.
+    pub loader_memory: LoaderMemory,
 }
 
 /// Where the run stands: what a checkpoint restores.
@@ -183,6 +185,7 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         parameters,
         macs_per_sample,
         threads,
+        loader_memory: run.train_loader.memory_report(),
     })
 }
 
