@@ -1,3 +1,5 @@
+use crate::memory::{self, MemoryPool};
+
 /// Where a tensor's storage lives and where its kernels run.
 ///
 /// Only the CPU exists today. The CUDA backend joins as `Cuda(CudaDevice)`,
@@ -7,6 +9,14 @@
 pub enum Device {
     #[default]
     Cpu,
+}
+
+impl Device {
+    /// The device's process-wide caching pool: every tensor on this device
+    /// is a block of it (outside `MemoryPool::scope`).
+    pub fn pool(self) -> &'static MemoryPool {
+        memory::device_pool(self)
+    }
 }
 
 impl std::fmt::Display for Device {

@@ -2,8 +2,8 @@ use thiserror::Error;
 
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 
-/// Every failure of the model crate. Out-of-memory will join this enum as an
-/// ordinary value when the memory pool lands.
+/// Every failure of the model crate. Running out of memory is an ordinary
+/// value like the others: callers free memory, split the batch, or stop.
 #[derive(Debug, Error)]
 pub enum ModelError {
     #[error("shape mismatch in {op}: expected {expected}, got {got}")]
@@ -18,4 +18,38 @@ pub enum ModelError {
     NoSavedActivation { op: &'static str },
     #[error("state does not match the model: {0}")]
     State(String),
+    /// A tensor allocation the memory pool refused. `requested` is the block
+    /// size (the request rounded up to its size class); `in_use` and
+    /// `reserved` are the pool's figures when it refused; `limit` is its
+    /// budget on reserved bytes (None: no budget, so the refusal was an
+    /// injected fault or the OS).
+    #[error(
+        "out of memory: a {} block did not fit ({} in use, {} reserved, {}); \
+         lower the batch size (or raise gradient accumulation), enable \
+         model.checkpoint, or raise the memory budget",
+        mib(*.requested), mib(*.in_use), mib(*.reserved), limit_text(*.limit)
+    )]
+    OutOfMemory {
+        requested: u64,
+        in_use: u64,
+        reserved: u64,
+        limit: Option<u64>,
+    },
+}
+
+impl ModelError {
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, ModelError::OutOfMemory { .. })
+    }
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+fn limit_text(limit: Option<u64>) -> String {
+    match limit {
+        Some(l) => format!("limit {}", mib(l)),
+        None => "no limit set".into(),
+    }
 }

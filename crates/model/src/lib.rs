@@ -1,6 +1,6 @@
-//! headroom-model: tensors (NHWC), devices, layers with hand-written forward
-//! and backward, the loss, and the network builder that reads an architecture
-//! from an experiment's TOML.
+//! headroom-model: tensors (NHWC), devices, the caching memory pool, layers
+//! with hand-written forward and backward, the loss, and the network builder
+//! that reads an architecture from an experiment's TOML.
 //!
 //! There is no autograd tape: every layer saves what its backward needs during
 //! a training forward and frees it in backward, so memory is explicit.
@@ -11,11 +11,13 @@ pub mod gradcheck;
 pub mod init;
 pub mod layers;
 pub mod loss;
+pub mod memory;
 mod network;
 mod tensor;
 
 pub use device::Device;
 pub use error::{ModelError, Result};
 pub use layers::{Layer, Mode, Param};
-pub use network::{LayerSpec, ModelSpec, Network};
+pub use memory::{MemoryPool, OomInjection, PoolStats};
+pub use network::{measure_step_peak, CheckpointPolicy, LayerSpec, ModelSpec, Network};
 pub use tensor::Tensor;

@@ -89,7 +89,8 @@ pub fn softmax_cross_entropy(
     let off = s / k as f64;
     let on = 1.0 - s + off;
     let inv_n = 1.0 / n as f64;
-    let mut grad = vec![0.0f32; n * k];
+    let mut grad_tensor = Tensor::try_zeros(&[n, k])?;
+    let grad = grad_tensor.try_data_mut()?;
     let mut total = 0.0f64;
     let mut correct = 0;
     for ((row, g), &label) in logits
@@ -117,7 +118,7 @@ pub fn softmax_cross_entropy(
     }
     Ok(LossOutput {
         loss: (total * inv_n) as f32,
-        grad: Tensor::from_vec(&[n, k], grad)?,
+        grad: grad_tensor,
         correct,
     })
 }
@@ -130,7 +131,8 @@ pub fn soft_cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<LossOutpu
     let (n, k) = logits_shape(logits)?;
     targets.expect_shape("soft_cross_entropy targets", logits.shape())?;
     let inv_n = 1.0 / n as f64;
-    let mut grad = vec![0.0f32; n * k];
+    let mut grad_tensor = Tensor::try_zeros(&[n, k])?;
+    let grad = grad_tensor.try_data_mut()?;
     let mut total = 0.0f64;
     let mut correct = 0;
     for ((row, t), g) in logits
@@ -154,7 +156,7 @@ pub fn soft_cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<LossOutpu
     }
     Ok(LossOutput {
         loss: (total * inv_n) as f32,
-        grad: Tensor::from_vec(&[n, k], grad)?,
+        grad: grad_tensor,
         correct,
     })
 }

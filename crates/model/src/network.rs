@@ -2,12 +2,40 @@
 //! table, so an architecture changes without code. A forward runs the layers
 //! in order; backward runs them in reverse, each adding into its parameters'
 //! gradients.
+//!
+//! `model.checkpoint` chooses activation checkpointing (see
+//! `layers::Checkpointed`): results are bitwise the same whatever it is; only
+//! the memory a training step holds and its time change.
 
 use serde::{Deserialize, Serialize};
 
 use crate::init::InitRng;
-use crate::layers::{BatchNorm2d, Conv2d, GlobalAvgPool, Linear, Relu, Residual};
-use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
+use crate::layers::{BatchNorm2d, Checkpointed, Conv2d, GlobalAvgPool, Linear, Relu, Residual};
+use crate::{Device, Layer, MemoryPool, Mode, ModelError, Param, PoolStats, Result, Tensor};
+
+/// `model.checkpoint`: which activations a training step recomputes in
+/// backward instead of keeping from the forward.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckpointPolicy {
+    /// Keep every activation backward needs (fastest).
+    #[default]
+    None,
+    /// Each residual block (a top-level `residual`, or a `basic_block`: its
+    /// residual and the ReLU after it) keeps only its input and recomputes
+    /// the rest in backward: about one more forward of the blocks per step.
+    Blocks,
+    /// Every layer is in a checkpointed segment: the blocks as in `blocks`,
+    /// and each run of L consecutive other top-level entries in ⌊√L⌋ segments
+    /// of near-equal length. Least memory, one more forward per step.
+    All,
+}
+
+impl CheckpointPolicy {
+    pub fn is_none(&self) -> bool {
+        *self == CheckpointPolicy::None
+    }
+}
 
 /// `[model]` in an experiment file.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -19,6 +47,11 @@ pub struct ModelSpec {
     pub mean: f32,
     pub std: f32,
     pub layers: Vec<LayerSpec>,
+    /// Activation checkpointing; absent means `none`. Left out of the
+    /// serialised spec when `none`, so specs written before it existed
+    /// serialise (and fingerprint) the same.
+    #[serde(default, skip_serializing_if = "CheckpointPolicy::is_none")]
+    pub checkpoint: CheckpointPolicy,
 }
 
 fn default_kernel() -> usize {
@@ -102,7 +135,8 @@ impl Network {
         }
         let mut rng = InitRng::new(seed);
         let mut shape = spec.input.to_vec();
-        let layers = build_layers(&spec.layers, "model.layers", &mut shape, &mut rng)?;
+        let groups = build_groups(&spec.layers, "model.layers", &mut shape, &mut rng)?;
+        let layers = arrange(groups, spec.checkpoint);
         if shape.len() != 1 {
             return Err(ModelError::Spec {
                 path: "model.layers".into(),
@@ -133,21 +167,72 @@ impl Network {
     }
 
     /// Returns the logits, [N, classes].
+    ///
+    /// A failed forward (out of memory included) has no effect: the saved
+    /// activations are dropped and batch-norm running statistics are put
+    /// back as they were, so the step can be retried (with a smaller batch).
+    /// If the step fails after a successful training forward (in the loss),
+    /// call `clear_saved` to free the activations the forward saved.
     pub fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
         let [h, w, c] = self.spec.input;
         input.expect_shape("network input", &[input.batch(), h, w, c])?;
+        let before = (mode == Mode::Train).then(|| self.buffer_values());
         let mut x = input.clone();
-        for layer in &mut self.layers {
-            x = layer.forward(&x, mode)?;
+        for i in 0..self.layers.len() {
+            match self.layers[i].forward(&x, mode) {
+                Ok(y) => x = y,
+                Err(e) => {
+                    self.clear_saved();
+                    if let Some(before) = before {
+                        self.restore_buffer_values(&before)?;
+                    }
+                    return Err(e);
+                }
+            }
         }
         Ok(x)
     }
 
-    /// Adds parameter gradients for `grad_logits` = dLoss/dlogits.
+    /// Adds parameter gradients for `grad_logits` = dLoss/dlogits. On error
+    /// (out of memory included) the saved activations are dropped; the
+    /// gradients may hold part of this backward's contribution, so zero them
+    /// before retrying the step (and restore the running statistics saved
+    /// with `buffer_values` before the step's forward, which updated them).
     pub fn backward(&mut self, grad_logits: &Tensor) -> Result<()> {
         let mut g = grad_logits.clone();
-        for layer in self.layers.iter_mut().rev() {
-            g = layer.backward(&g)?;
+        for i in (0..self.layers.len()).rev() {
+            match self.layers[i].backward(&g) {
+                Ok(next) => g = next,
+                Err(e) => {
+                    self.clear_saved();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A copy of the non-trainable state (batch-norm running statistics), to
+    /// undo a step's updates with `restore_buffer_values`.
+    pub fn buffer_values(&mut self) -> Vec<Vec<f32>> {
+        self.buffers_mut()
+            .iter()
+            .map(|b| b.data().to_vec())
+            .collect()
+    }
+
+    /// Puts back values taken by `buffer_values`.
+    pub fn restore_buffer_values(&mut self, values: &[Vec<f32>]) -> Result<()> {
+        let mut buffers = self.buffers_mut();
+        if buffers.len() != values.len()
+            || buffers.iter().zip(values).any(|(b, v)| b.len() != v.len())
+        {
+            return Err(ModelError::State(
+                "buffer values do not match the model's buffers".into(),
+            ));
+        }
+        for (b, v) in buffers.iter_mut().zip(values) {
+            b.data_mut().copy_from_slice(v);
         }
         Ok(())
     }
@@ -178,6 +263,49 @@ impl Network {
         }
     }
 
+    fn set_recompute(&mut self, on: bool) {
+        for layer in &mut self.layers {
+            layer.set_recompute(on);
+        }
+    }
+
+    /// Dry run of one training step at `batch` samples: a training forward
+    /// on zeros, then a backward from a zero gradient of the logits (what a
+    /// step allocates: the input, the activations, the logits, the loss
+    /// gradient, the backward's gradients). Everything it allocates comes
+    /// from a private pool whose statistics are returned: `peak_in_use_bytes`
+    /// is the step's peak on top of what the network already holds, and
+    /// `peak_reserved_bytes` what a fresh cache would reserve for it.
+    ///
+    /// The model is left as it was, except for the gradients, which are
+    /// zeroed (call it before a step, not between micro-batches): batch norm
+    /// runs in recompute mode, so its running statistics are untouched, and
+    /// saved activations are cleared. If the device's pool has a budget, the
+    /// private pool gets what the budget leaves beside the bytes in use, so
+    /// a batch that cannot fit fails with `ModelError::OutOfMemory`.
+    pub fn measure_step(&mut self, batch: usize) -> Result<PoolStats> {
+        let device = Device::Cpu;
+        let global = device.pool();
+        let pool = MemoryPool::new(device);
+        if let Some(limit) = global.limit() {
+            pool.set_limit(Some(limit.saturating_sub(global.stats().in_use_bytes)));
+        }
+        let [h, w, c] = self.spec.input;
+        self.clear_saved();
+        self.set_recompute(true);
+        let result = pool.scope(|| -> Result<()> {
+            let x = Tensor::try_zeros(&[batch, h, w, c])?;
+            let logits = self.forward(&x, Mode::Train)?;
+            let grad = Tensor::try_zeros(logits.shape())?;
+            self.backward(&grad)
+        });
+        self.set_recompute(false);
+        self.clear_saved();
+        self.zero_grad();
+        result?;
+        Ok(pool.stats())
+    }
+
     pub fn num_params(&mut self) -> usize {
         self.params_mut().iter().map(|p| p.value.len()).sum()
     }
@@ -205,15 +333,29 @@ impl Network {
     }
 }
 
-fn build_layers(
+/// `measure_step`'s peak in-use bytes: what one training step at `batch`
+/// samples needs on top of what the network already holds (for choosing a
+/// micro-batch that fits a budget). Zeroes the gradients.
+pub fn measure_step_peak(network: &mut Network, batch: usize) -> Result<u64> {
+    Ok(network.measure_step(batch)?.peak_in_use_bytes)
+}
+
+/// The layers one spec entry built, and whether it is a residual block.
+struct Group {
+    block: bool,
+    layers: Vec<Box<dyn Layer>>,
+}
+
+fn build_groups(
     specs: &[LayerSpec],
     path: &str,
     shape: &mut Vec<usize>,
     rng: &mut InitRng,
-) -> Result<Vec<Box<dyn Layer>>> {
-    let mut layers = Vec::new();
+) -> Result<Vec<Group>> {
+    let mut groups = Vec::new();
     for (i, spec) in specs.iter().enumerate() {
         let here = format!("{path}[{i}]");
+        let mut layers = Vec::new();
         for layer in build_one(spec, &here, shape, rng)? {
             *shape = layer.output_shape(shape).map_err(|e| ModelError::Spec {
                 path: here.clone(),
@@ -221,8 +363,58 @@ fn build_layers(
             })?;
             layers.push(layer);
         }
+        let block = matches!(spec, LayerSpec::Residual { .. } | LayerSpec::BasicBlock);
+        groups.push(Group { block, layers });
     }
-    Ok(layers)
+    Ok(groups)
+}
+
+fn build_layers(
+    specs: &[LayerSpec],
+    path: &str,
+    shape: &mut Vec<usize>,
+    rng: &mut InitRng,
+) -> Result<Vec<Box<dyn Layer>>> {
+    let groups = build_groups(specs, path, shape, rng)?;
+    Ok(arrange(groups, CheckpointPolicy::None))
+}
+
+/// The top-level layer list for a checkpointing policy.
+fn arrange(groups: Vec<Group>, policy: CheckpointPolicy) -> Vec<Box<dyn Layer>> {
+    let segment = |groups: Vec<Group>| -> Box<dyn Layer> {
+        Box::new(Checkpointed::new(
+            groups.into_iter().flat_map(|g| g.layers).collect(),
+        ))
+    };
+    let mut out: Vec<Box<dyn Layer>> = Vec::new();
+    let mut run: Vec<Group> = Vec::new();
+    let flush = |run: &mut Vec<Group>, out: &mut Vec<Box<dyn Layer>>| {
+        // ⌊√L⌋ segments of near-equal length (the first ones one longer).
+        let len = run.len();
+        if len == 0 {
+            return;
+        }
+        let count = (1..=len).take_while(|s| s * s <= len).last().unwrap_or(1);
+        let mut rest = std::mem::take(run).into_iter();
+        for i in 0..count {
+            let size = len / count + usize::from(i < len % count);
+            out.push(segment(rest.by_ref().take(size).collect()));
+        }
+    };
+    for group in groups {
+        match policy {
+            CheckpointPolicy::None => out.extend(group.layers),
+            CheckpointPolicy::Blocks if group.block => out.push(segment(vec![group])),
+            CheckpointPolicy::Blocks => out.extend(group.layers),
+            CheckpointPolicy::All if group.block => {
+                flush(&mut run, &mut out);
+                out.push(segment(vec![group]));
+            }
+            CheckpointPolicy::All => run.push(group),
+        }
+    }
+    flush(&mut run, &mut out);
+    out
 }
 
 fn spec_error(path: &str, reason: impl Into<String>) -> ModelError {

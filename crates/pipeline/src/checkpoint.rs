@@ -319,6 +319,7 @@ mod tests {
                     mean: 0.0,
                     std: 1.0,
                     layers: vec![headroom_model::LayerSpec::Relu],
+                    checkpoint: Default::default(),
                 }),
                 epoch: step / 10,
                 batches_done: (step % 10) as usize,

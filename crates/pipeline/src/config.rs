@@ -35,11 +35,19 @@ pub struct RunConfig {
     pub name: String,
     #[serde(default)]
     pub seed: u64,
-    /// Checkpoints and metrics go here; `--resume` looks here.
-    pub output_dir: PathBuf,
+    /// Run directories are made here: `<runs_dir>/<name>-<UTC timestamp>/`.
+    #[serde(default = "default_runs_dir")]
+    pub runs_dir: PathBuf,
+    /// Use exactly this directory instead (checkpoints, metrics, plots).
+    #[serde(default)]
+    pub output_dir: Option<PathBuf>,
     /// Steps between progress lines.
     #[serde(default = "default_log_every")]
     pub log_every: u64,
+}
+
+fn default_runs_dir() -> PathBuf {
+    PathBuf::from("runs")
 }
 
 fn default_log_every() -> u64 {
@@ -387,6 +395,11 @@ impl ExperimentConfig {
         Ok(())
     }
 
+    /// The run directory once resolved (see `rundir::resolve`).
+    pub fn output_dir(&self) -> &Path {
+        self.run.output_dir.as_deref().unwrap_or(&self.run.runs_dir)
+    }
+
     /// The experiment as flat `section.key = value` pairs (JSON values), for
     /// naming what differs between two experiments.
     pub fn flatten(&self) -> std::collections::BTreeMap<String, String> {
@@ -401,7 +414,8 @@ impl ExperimentConfig {
     /// record it so a resume under a different experiment is noticed.
     pub fn fingerprint(&self) -> u32 {
         let mut semantic = self.clone();
-        semantic.run.output_dir = PathBuf::new();
+        semantic.run.output_dir = None;
+        semantic.run.runs_dir = PathBuf::new();
         semantic.run.log_every = 0;
         semantic.data.dir = None;
         semantic.data.workers = 0;

@@ -13,6 +13,7 @@ pub mod config;
 pub mod data;
 mod error;
 pub mod resume;
+pub mod rundir;
 mod sink;
 pub mod train;
 

@@ -45,7 +45,7 @@ pub fn choose(config: &ExperimentConfig, resume: &Resume) -> Result<Option<(Path
         }
         Resume::From(path) => (path.clone(), checkpoint::load(path)?),
         Resume::Latest => {
-            let (found, skipped) = checkpoint::newest_valid(&config.run.output_dir)?;
+            let (found, skipped) = checkpoint::newest_valid(config.output_dir())?;
             for reason in &skipped {
                 tracing::warn!("skipping {reason}");
             }
@@ -54,7 +54,7 @@ pub fn choose(config: &ExperimentConfig, resume: &Resume) -> Result<Option<(Path
                 None => {
                     tracing::warn!(
                         "--resume: no valid checkpoint in {}; starting from the beginning",
-                        config.run.output_dir.display()
+                        config.output_dir().display()
                     );
                     return Ok(None);
                 }
@@ -66,7 +66,7 @@ pub fn choose(config: &ExperimentConfig, resume: &Resume) -> Result<Option<(Path
 }
 
 fn refuse_to_overwrite(config: &ExperimentConfig) -> Result<()> {
-    if checkpoint::list(&config.run.output_dir)?.is_empty() {
+    if checkpoint::list(config.output_dir())?.is_empty() {
         return Ok(());
     }
     Err(PipelineError::value(
@@ -74,8 +74,8 @@ fn refuse_to_overwrite(config: &ExperimentConfig) -> Result<()> {
         format!(
             "{} already holds checkpoints of an earlier run. Continue it with `cargo xtask train --resume`, \
              or start afresh in another directory (--set run.output_dir=runs/NEW) or after `rm -r {}`",
-            config.run.output_dir.display(),
-            config.run.output_dir.display()
+            config.output_dir().display(),
+            config.output_dir().display()
         ),
     ))
 }

@@ -18,6 +18,7 @@ use headroom_optim::{clip_grad_norm, grad_norm, AdamW, AdamWConfig, OneCycle, Sc
 use crate::checkpoint::{Checkpoint, CheckpointMeta, EpochProgress};
 use crate::config::{ExperimentConfig, ScheduleConfig};
 use crate::resume::{self, Resume};
+use crate::rundir;
 use crate::sink::{self, EpochSummary, Event, SinkSettings, StepReport};
 use crate::{data, PipelineError, Result};
 
@@ -84,6 +85,9 @@ enum Finish {
 
 pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSummary> {
     let started = Instant::now();
+    let mut resolved = config.clone();
+    resolved.run.output_dir = Some(rundir::resolve(config, &options.resume)?);
+    let config = &resolved;
     let threads = compute_threads(config.train.threads);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
@@ -93,7 +97,8 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
             stage: "train",
             reason: format!("cannot start {threads} compute threads: {e}"),
         })?;
-    check_writable(&config.run.output_dir)?;
+    check_writable(config.output_dir())?;
+    tracing::info!("run directory {}", config.output_dir().display());
     let resume_point = resume::choose(config, &options.resume)?;
     let mut run = prepare(config, options)?;
     let resumed_from = match resume_point {
@@ -125,7 +130,7 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
 
     let (events, receiver) = bounded::<Event>(256);
     let settings = SinkSettings {
-        output_dir: config.run.output_dir.clone(),
+        output_dir: config.output_dir().to_path_buf(),
         epochs: config.train.epochs,
         log_every: config.run.log_every,
         keep: config.checkpoint.keep,
@@ -416,7 +421,7 @@ fn run_epoch(
             )?;
             return Err(PipelineError::Diverged {
                 skips: learner.position.consecutive_skips,
-                dir: config.run.output_dir.clone(),
+                dir: config.output_dir().to_path_buf(),
             });
         }
         let every = config.checkpoint.every_steps;

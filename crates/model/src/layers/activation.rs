@@ -18,42 +18,47 @@ use crate::{Layer, Mode, ModelError, Result, Tensor};
 /// scheduling, small enough to spread a 3M-element activation over many cores.
 pub(super) const PAR_CHUNK: usize = 1 << 14;
 
-/// Builds a `len`-element vector without zeroing it first (zeroing a reused
-/// heap block is a whole extra pass over memory, ~30% of an elementwise op).
-/// `fill(offset, out)` is called, in parallel when `len` is large, on
-/// consecutive chunks of `chunk` elements (the last may be shorter); `offset`
-/// is the index of `out[0]` in the vector.
+/// Builds a tensor of `shape` in a pool block without zeroing it first
+/// (zeroing a reused block is a whole extra pass over memory, ~30% of an
+/// elementwise op). `fill(offset, out)` is called, in parallel when the
+/// tensor is large, on consecutive chunks of `chunk` elements (the last may be
+/// shorter); `offset` is the index of `out[0]` in the tensor. Fails with
+/// `ModelError::OutOfMemory` past the pool's budget.
 ///
 /// # Safety
 /// `fill` must initialise every element of every slice it is given.
 pub(super) unsafe fn par_build(
-    len: usize,
+    shape: &[usize],
     chunk: usize,
     fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
-) -> Vec<f32> {
+) -> Result<Tensor> {
     let chunk = chunk.max(1);
-    let mut v: Vec<f32> = Vec::with_capacity(len);
-    let spare = &mut v.spare_capacity_mut()[..len];
-    if len <= chunk {
-        fill(0, spare);
-    } else {
-        spare
-            .par_chunks_mut(chunk)
-            .enumerate()
-            .for_each(|(i, out)| fill(i * chunk, out));
+    // SAFETY: every chunk is handed to `fill`, which initialises it (our
+    // caller's contract).
+    unsafe {
+        Tensor::try_init_with(shape, |out| {
+            if out.len() <= chunk {
+                fill(0, out);
+            } else {
+                out.par_chunks_mut(chunk)
+                    .enumerate()
+                    .for_each(|(i, out)| fill(i * chunk, out));
+            }
+        })
     }
-    // SAFETY: the caller's `fill` initialised all `len` elements, which are
-    // within the capacity reserved above.
-    unsafe { v.set_len(len) };
-    v
 }
 
-/// `out[i] = f(a[i])`, in parallel for large inputs.
-pub(super) fn par_map(a: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
+/// `out[i] = f(a[i])` into a new tensor of `shape`, in parallel for large
+/// inputs.
+///
+/// # Panics
+/// If `shape` does not hold `a.len()` elements (callers pass `a`'s shape).
+pub(super) fn par_map(shape: &[usize], a: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Result<Tensor> {
+    assert_eq!(shape.iter().product::<usize>(), a.len(), "par_map: shape");
     // SAFETY: each chunk `out` is zipped with the equally long `a[offset..]`
     // slice, so every element is written.
     unsafe {
-        par_build(a.len(), PAR_CHUNK, |offset, out| {
+        par_build(shape, PAR_CHUNK, |offset, out| {
             let a = &a[offset..offset + out.len()];
             for (o, &x) in out.iter_mut().zip(a) {
                 o.write(f(x));
@@ -62,16 +67,27 @@ pub(super) fn par_map(a: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
     }
 }
 
-/// `out[i] = f(a[i], b[i])`, in parallel for large inputs.
+/// `out[i] = f(a[i], b[i])` into a new tensor of `shape`, in parallel for
+/// large inputs.
 ///
 /// # Panics
-/// If `a` and `b` differ in length (callers check shapes first).
-pub(super) fn par_zip_map(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<f32> {
+/// If `a`, `b` and `shape` differ in length (callers check shapes first).
+pub(super) fn par_zip_map(
+    shape: &[usize],
+    a: &[f32],
+    b: &[f32],
+    f: impl Fn(f32, f32) -> f32 + Sync,
+) -> Result<Tensor> {
     assert_eq!(a.len(), b.len(), "par_zip_map: operands differ in length");
+    assert_eq!(
+        shape.iter().product::<usize>(),
+        a.len(),
+        "par_zip_map: shape"
+    );
     // SAFETY: `out`, `a[offset..]` and `b[offset..]` have the same length, so
     // the zip writes every element.
     unsafe {
-        par_build(a.len(), PAR_CHUNK, |offset, out| {
+        par_build(shape, PAR_CHUNK, |offset, out| {
             let a = &a[offset..offset + out.len()];
             let b = &b[offset..offset + out.len()];
             for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
@@ -126,9 +142,13 @@ impl Layer for Relu {
     }
 
     fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
+        self.saved_output = None;
         // `x < 0 ? 0 : x` keeps NaN (and vectorises to a compare + blend).
-        let data = par_map(input.data(), |x| if x < 0.0 { 0.0 } else { x });
-        let out = Tensor::from_vec(input.shape(), data)?;
+        let out = par_map(
+            input.shape(),
+            input.data(),
+            |x| if x < 0.0 { 0.0 } else { x },
+        )?;
         self.saved_output = match mode {
             Mode::Train => Some(out.clone()),
             Mode::Eval => None,
@@ -142,14 +162,13 @@ impl Layer for Relu {
             .take()
             .ok_or(ModelError::NoSavedActivation { op: "relu" })?;
         grad_output.expect_shape("relu backward", out.shape())?;
-        let data = par_zip_map(grad_output.data(), out.data(), |g, y| {
+        par_zip_map(out.shape(), grad_output.data(), out.data(), |g, y| {
             if y > 0.0 {
                 g
             } else {
                 0.0
             }
-        });
-        Tensor::from_vec(out.shape(), data)
+        })
     }
 
     fn clear_saved(&mut self) {

@@ -193,7 +193,14 @@ fn channel_grad_sums(g: &[f32], x: &[f32], mean: &[f32], c: usize) -> (Vec<f64>,
 /// out[r, ch] = (x[r, ch] - shift[ch]) * scale[ch] + bias[ch].
 // `usize::is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
 #[allow(clippy::manual_is_multiple_of)]
-fn affine(x: &[f32], c: usize, shift: &[f32], scale: &[f32], bias: &[f32]) -> Vec<f32> {
+fn affine(
+    shape: &[usize],
+    x: &[f32],
+    c: usize,
+    shift: &[f32],
+    scale: &[f32],
+    bias: &[f32],
+) -> Result<Tensor> {
     assert!(
         x.len() % c == 0 && shift.len() == c && scale.len() == c && bias.len() == c,
         "batch_norm affine: inconsistent lengths"
@@ -202,7 +209,7 @@ fn affine(x: &[f32], c: usize, shift: &[f32], scale: &[f32], bias: &[f32]) -> Ve
     // of c, chunk offsets too), each row of `out` is zipped with a row of x and
     // parameter slices of exactly c elements, so every element is written.
     unsafe {
-        par_build(x.len(), map_rows(c) * c, |offset, out| {
+        par_build(shape, map_rows(c) * c, |offset, out| {
             let x = &x[offset..offset + out.len()];
             for (orow, xrow) in out.chunks_exact_mut(c).zip(x.chunks_exact(c)) {
                 for ((((y, &v), &m), &s), &b) in
@@ -216,8 +223,9 @@ fn affine(x: &[f32], c: usize, shift: &[f32], scale: &[f32], bias: &[f32]) -> Ve
 }
 
 /// dx[r, ch] = k[ch]·g + b[ch]·(x - mean[ch]) + d[ch].
-#[allow(clippy::manual_is_multiple_of)]
+#[allow(clippy::manual_is_multiple_of, clippy::too_many_arguments)]
 fn input_grad(
+    shape: &[usize],
     g: &[f32],
     x: &[f32],
     c: usize,
@@ -225,14 +233,14 @@ fn input_grad(
     k: &[f32],
     b: &[f32],
     d: &[f32],
-) -> Vec<f32> {
+) -> Result<Tensor> {
     assert!(
         x.len() % c == 0 && g.len() == x.len() && [mean, k, b, d].iter().all(|p| p.len() == c),
         "batch_norm backward: inconsistent lengths"
     );
     // SAFETY: as in `affine`: whole rows, every zip has exactly c elements.
     unsafe {
-        par_build(x.len(), map_rows(c) * c, |offset, out| {
+        par_build(shape, map_rows(c) * c, |offset, out| {
             let x = &x[offset..offset + out.len()];
             let g = &g[offset..offset + out.len()];
             for ((orow, grow), xrow) in out
@@ -271,21 +279,25 @@ pub struct BatchNorm2d {
     running_mean: Tensor,
     running_var: Tensor,
     saved: Option<Saved>,
+    /// Recompute mode: training forwards leave the running statistics alone.
+    recompute: bool,
 }
 
 impl BatchNorm2d {
     pub fn new(name: &str, channels: usize, momentum: f32, eps: f32) -> Self {
-        let ones = Tensor::from_vec(&[channels], vec![1.0; channels])
-            .expect("a vector of `channels` ones has `channels` elements");
+        // γ and the running variance start equal but are separate buffers
+        // (a shared one would be copied on the first update, mid-step).
+        let ones = || Tensor::from_vec_unbudgeted(&[channels], vec![1.0; channels]);
         Self {
             channels,
             momentum,
             eps,
-            gamma: Param::new(format!("{name}.gamma"), ones.clone(), false),
+            gamma: Param::new(format!("{name}.gamma"), ones(), false),
             beta: Param::new(format!("{name}.beta"), Tensor::zeros(&[channels]), false),
             running_mean: Tensor::zeros(&[channels]),
-            running_var: ones,
+            running_var: ones(),
             saved: None,
+            recompute: false,
         }
     }
 
@@ -348,22 +360,24 @@ impl BatchNorm2d {
             .zip(self.gamma.value.data())
             .map(|(&s, &g)| s * g)
             .collect();
-        let out = affine(x, c, &mean32, &scale, self.beta.value.data());
+        let out = affine(input.shape(), x, c, &mean32, &scale, self.beta.value.data())?;
 
-        let mom = self.momentum as f64;
-        for (r, &m) in self.running_mean.data_mut().iter_mut().zip(&mean) {
-            *r = ((1.0 - mom) * *r as f64 + mom * m) as f32;
-        }
-        for (r, &m2) in self.running_var.data_mut().iter_mut().zip(&m2) {
-            let unbiased = m2 / (count - 1.0);
-            *r = ((1.0 - mom) * *r as f64 + mom * unbiased) as f32;
+        if !self.recompute {
+            let mom = self.momentum as f64;
+            for (r, &m) in self.running_mean.data_mut().iter_mut().zip(&mean) {
+                *r = ((1.0 - mom) * *r as f64 + mom * m) as f32;
+            }
+            for (r, &m2) in self.running_var.data_mut().iter_mut().zip(&m2) {
+                let unbiased = m2 / (count - 1.0);
+                *r = ((1.0 - mom) * *r as f64 + mom * unbiased) as f32;
+            }
         }
         self.saved = Some(Saved {
             input: input.clone(),
             mean: mean32,
             inv_std,
         });
-        Tensor::from_vec(input.shape(), out)
+        Ok(out)
     }
 
     fn forward_eval(&mut self, input: &Tensor) -> Result<Tensor> {
@@ -375,15 +389,15 @@ impl BatchNorm2d {
             .zip(self.gamma.value.data())
             .map(|(&v, &g)| (g as f64 / (v as f64 + eps).sqrt()) as f32)
             .collect();
-        let out = affine(
+        self.saved = None;
+        affine(
+            input.shape(),
             input.data(),
             self.channels,
             self.running_mean.data(),
             &scale,
             self.beta.value.data(),
-        );
-        self.saved = None;
-        Tensor::from_vec(input.shape(), out)
+        )
     }
 }
 
@@ -410,6 +424,7 @@ impl Layer for BatchNorm2d {
     }
 
     fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
+        self.saved = None;
         let rows = self.rows(input.shape())?;
         self.check_state()?;
         if self.channels == 0 {
@@ -465,8 +480,7 @@ impl Layer for BatchNorm2d {
             *acc += s as f32;
         }
 
-        let dx = input_grad(g, x, c, &mean, &k, &b, &d);
-        Tensor::from_vec(input.shape(), dx)
+        input_grad(input.shape(), g, x, c, &mean, &k, &b, &d)
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
@@ -479,6 +493,10 @@ impl Layer for BatchNorm2d {
 
     fn clear_saved(&mut self) {
         self.saved = None;
+    }
+
+    fn set_recompute(&mut self, on: bool) {
+        self.recompute = on;
     }
 }
 

@@ -105,8 +105,7 @@ impl Linear {
         rng: &mut InitRng,
     ) -> Self {
         let w = lecun_truncated(rng, in_features, in_features * out_features);
-        let weight = Tensor::from_vec(&[in_features, out_features], w)
-            .expect("weight length is in_features * out_features");
+        let weight = Tensor::from_vec_unbudgeted(&[in_features, out_features], w);
         let weight = Param::new(format!("{name}.weight"), weight, true);
         let bias = bias.then(|| {
             Param::new(
@@ -183,13 +182,15 @@ impl Layer for Linear {
     }
 
     fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
+        self.saved_input = None;
         let n = match *input.shape() {
             [n, f] if f == self.in_features => n,
             _ => return Err(self.input_error(input.shape())),
         };
         self.check_state()?;
         let (k, o) = (self.in_features, self.out_features);
-        let mut out = vec![0.0f32; n * o];
+        let mut result = Tensor::try_zeros(&[n, o])?;
+        let out = result.try_data_mut()?;
         if let Some(b) = &self.bias {
             for row in out.chunks_exact_mut(o.max(1)) {
                 row.copy_from_slice(b.value.data());
@@ -205,12 +206,12 @@ impl Layer for Linear {
             row_stride: o,
             col_stride: 1,
         };
-        matmul(&mut out, n, o, k, x, w, self.bias.is_some());
+        matmul(out, n, o, k, x, w, self.bias.is_some());
         self.saved_input = match mode {
             Mode::Train => Some(input.clone()),
             Mode::Eval => None,
         };
-        Tensor::from_vec(&[n, o], out)
+        Ok(result)
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
@@ -253,9 +254,9 @@ impl Layer for Linear {
             row_stride: 1,
             col_stride: o,
         };
-        let mut dx = vec![0.0f32; n * k];
-        matmul(&mut dx, n, k, o, gv, wt, false);
-        Tensor::from_vec(&[n, k], dx)
+        let mut dx = Tensor::try_zeros(&[n, k])?;
+        matmul(dx.try_data_mut()?, n, k, o, gv, wt, false);
+        Ok(dx)
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {

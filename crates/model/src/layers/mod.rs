@@ -2,9 +2,14 @@
 //! needs (documented in each file's header); backward consumes it, adds the
 //! parameter gradients into `Param::grad` (so gradient accumulation is a
 //! matter of not zeroing) and returns the gradient of its input.
+//!
+//! Every tensor a forward or backward makes comes from the memory pool
+//! through the fallible constructors, so running out of memory inside a layer
+//! is `Err(ModelError::OutOfMemory)` from `forward`/`backward`, never a panic.
 
 mod activation;
 mod batchnorm;
+mod checkpointed;
 mod conv;
 mod linear;
 mod pool;
@@ -12,6 +17,7 @@ mod residual;
 
 pub use activation::Relu;
 pub use batchnorm::BatchNorm2d;
+pub use checkpointed::Checkpointed;
 pub use conv::Conv2d;
 pub use linear::Linear;
 pub use pool::GlobalAvgPool;
@@ -80,4 +86,11 @@ pub trait Layer: Send {
 
     /// Drops saved activations (after an aborted step, or before evaluation).
     fn clear_saved(&mut self) {}
+
+    /// While on, a training forward is a recomputation (activation
+    /// checkpointing) or a dry run: it must compute and save exactly what a
+    /// training forward does, but change no other state — batch norm
+    /// normalises with the batch statistics and leaves its running
+    /// statistics alone. Containers pass it on to their layers.
+    fn set_recompute(&mut self, _on: bool) {}
 }

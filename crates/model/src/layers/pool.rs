@@ -54,12 +54,14 @@ impl Layer for GlobalAvgPool {
     }
 
     fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
+        self.saved_shape = None;
         let [n, h, w, c] = image_shape("global_avg_pool", input.shape())?;
         let hw = h * w;
-        let mut out = vec![0.0f32; n * c];
+        let mut out = Tensor::try_zeros(&[n, c])?;
         if c > 0 && hw > 0 {
             let scale = 1.0 / hw as f32;
             let x = input.data();
+            let out = out.try_data_mut()?;
             // One sample per task; within a sample, rows of C contiguous
             // channels are summed in order (vectorised over C).
             out.par_chunks_mut(c)
@@ -80,7 +82,7 @@ impl Layer for GlobalAvgPool {
             Mode::Train => Some([n, h, w, c]),
             Mode::Eval => None,
         };
-        Tensor::from_vec(&[n, c], out)
+        Ok(out)
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
@@ -99,8 +101,8 @@ impl Layer for GlobalAvgPool {
         // SAFETY: tasks hold whole samples (per_task and offsets are multiples
         // of `sample`); within a sample every row of c elements is written
         // from the sample's c gradients.
-        let grad_in = unsafe {
-            par_build(n * sample, per_task, |offset, out| {
+        unsafe {
+            par_build(&[n, h, w, c], per_task, |offset, out| {
                 let first = offset / sample.max(1);
                 for (s, gi) in out.chunks_exact_mut(sample.max(1)).enumerate() {
                     let g = &g[(first + s) * c..(first + s + 1) * c];
@@ -111,8 +113,7 @@ impl Layer for GlobalAvgPool {
                     }
                 }
             })
-        };
-        Tensor::from_vec(&[n, h, w, c], grad_in)
+        }
     }
 
     fn clear_saved(&mut self) {

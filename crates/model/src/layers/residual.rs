@@ -85,14 +85,13 @@ impl Layer for Residual {
             });
         }
         // The body's output is usually ours alone (a batch norm does not keep
-        // it), so the sum is formed in place without a copy.
-        let shape = y.shape().to_vec();
-        let mut out = y.into_vec();
-        par_add_assign(&mut out, input.data());
+        // it), so the sum is formed in place without a copy (an empty body
+        // returns the input itself: then the sum is a copy from the pool).
+        par_add_assign(y.try_data_mut()?, input.data());
         if mode == Mode::Train {
-            self.saved_shape = Some(shape.clone());
+            self.saved_shape = Some(input.shape().to_vec());
         }
-        Tensor::from_vec(&shape, out)
+        Ok(y)
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
@@ -106,9 +105,8 @@ impl Layer for Residual {
             g = layer.backward(&g)?;
         }
         g.expect_shape("residual backward (body gradient)", &shape)?;
-        let mut out = g.into_vec();
-        par_add_assign(&mut out, grad_output.data());
-        Tensor::from_vec(&shape, out)
+        par_add_assign(g.try_data_mut()?, grad_output.data());
+        Ok(g)
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
@@ -123,6 +121,12 @@ impl Layer for Residual {
         self.saved_shape = None;
         for layer in &mut self.body {
             layer.clear_saved();
+        }
+    }
+
+    fn set_recompute(&mut self, on: bool) {
+        for layer in &mut self.body {
+            layer.set_recompute(on);
         }
     }
 }
