@@ -298,6 +298,29 @@ fn print_summary(experiment: &ExperimentConfig, summary: &headroom_pipeline::Run
         summary.train_samples_per_sec, summary.threads
     );
     println!("peak RSS        {rss}");
+    let pool = &summary.memory;
+    println!(
+        "tensor memory   peak {:.1} MiB in use, {:.1} MiB reserved{}; micro-batch {}{}",
+        pool.peak_in_use_bytes as f64 / (1 << 20) as f64,
+        pool.peak_reserved_bytes as f64 / (1 << 20) as f64,
+        summary.memory_limit.map_or(String::new(), |l| format!(
+            " (limit {:.1} MiB)",
+            l as f64 / (1 << 20) as f64
+        )),
+        summary.micro_batch,
+        if summary.oom_events > 0 {
+            format!(", {} out-of-memory events handled", summary.oom_events)
+        } else {
+            String::new()
+        }
+    );
+    if summary.cache_cleanups > 0 {
+        println!(
+            "cache cleanups  {} in {:.1} ms total",
+            summary.cache_cleanups,
+            summary.cache_cleanup_seconds * 1e3
+        );
+    }
     let loader = &summary.loader_memory;
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
     println!(

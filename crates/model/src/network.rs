@@ -280,15 +280,15 @@ impl Network {
     /// The model is left as it was, except for the gradients, which are
     /// zeroed (call it before a step, not between micro-batches): batch norm
     /// runs in recompute mode, so its running statistics are untouched, and
-    /// saved activations are cleared. If the device's pool has a budget, the
+    /// saved activations are cleared. If the current pool has a budget, the
     /// private pool gets what the budget leaves beside the bytes in use, so
     /// a batch that cannot fit fails with `ModelError::OutOfMemory`.
     pub fn measure_step(&mut self, batch: usize) -> Result<PoolStats> {
         let device = Device::Cpu;
-        let global = device.pool();
+        let outer = crate::memory::current(device);
         let pool = MemoryPool::new(device);
-        if let Some(limit) = global.limit() {
-            pool.set_limit(Some(limit.saturating_sub(global.stats().in_use_bytes)));
+        if let Some(limit) = outer.limit() {
+            pool.set_limit(Some(limit.saturating_sub(outer.stats().in_use_bytes)));
         }
         let [h, w, c] = self.spec.input;
         self.clear_saved();

@@ -21,6 +21,10 @@ pub struct ExperimentConfig {
     pub augment: AugmentConfig,
     #[serde(default)]
     pub loader: LoaderSettings,
+    #[serde(default)]
+    pub device: DeviceConfig,
+    #[serde(default)]
+    pub memory: MemoryConfig,
     pub model: ModelSpec,
     pub train: TrainConfig,
     pub optimizer: OptimizerConfig,
@@ -86,6 +90,109 @@ fn default_workers() -> usize {
 }
 fn default_prefetch() -> usize {
     4
+}
+
+/// `[device]`: where to train and how much memory it may use.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceConfig {
+    /// "auto" or "cpu" (the CUDA backend is not wired into training yet).
+    #[serde(default = "default_device_kind")]
+    pub kind: String,
+    /// A hard budget on the memory pool, e.g. "3.5GiB"; unset = none.
+    #[serde(default)]
+    pub memory_limit: Option<String>,
+    /// Fault injection for tests: fail an allocation at these steps ...
+    #[serde(default)]
+    pub inject_oom: InjectOom,
+}
+
+fn default_device_kind() -> String {
+    "auto".into()
+}
+
+impl Default for DeviceConfig {
+    fn default() -> Self {
+        Self {
+            kind: default_device_kind(),
+            memory_limit: None,
+            inject_oom: InjectOom::default(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct InjectOom {
+    /// ... (optimizer steps, counted from 0; a list, or "3,17,40" from --set) ...
+    #[serde(default, deserialize_with = "step_list")]
+    pub steps: Vec<u64>,
+    /// ... and every N steps (0 = never).
+    #[serde(default)]
+    pub every: u64,
+}
+
+/// A list of steps, written as a TOML array or as comma-separated text.
+fn step_list<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<Vec<u64>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Steps {
+        List(Vec<u64>),
+        Text(String),
+    }
+    match Steps::deserialize(deserializer)? {
+        Steps::List(list) => Ok(list),
+        Steps::Text(text) => text
+            .trim_matches(|c| c == '[' || c == ']')
+            .split(',')
+            .filter(|t| !t.trim().is_empty())
+            .map(|t| {
+                t.trim().parse().map_err(|_| {
+                    serde::de::Error::custom(format!("expected step numbers, got `{t}`"))
+                })
+            })
+            .collect(),
+    }
+}
+
+/// `[memory]`: what to do when memory runs out.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryConfig {
+    /// "adapt": free the cache and retry, then halve the micro-batch (doubling
+    /// accumulation) down to `min_micro_batch`, then checkpoint and stop.
+    /// "stop": checkpoint and stop at the first out-of-memory.
+    #[serde(default = "default_oom_policy")]
+    pub oom_policy: String,
+    #[serde(default = "default_min_micro")]
+    pub min_micro_batch: usize,
+    /// Release the pool's cached blocks every N steps (0 = never) ...
+    #[serde(default)]
+    pub empty_cache_every: u64,
+    /// ... and after every checkpoint.
+    #[serde(default)]
+    pub empty_cache_after_checkpoint: bool,
+}
+
+fn default_oom_policy() -> String {
+    "adapt".into()
+}
+
+fn default_min_micro() -> usize {
+    1
+}
+
+impl Default for MemoryConfig {
+    fn default() -> Self {
+        Self {
+            oom_policy: default_oom_policy(),
+            min_micro_batch: default_min_micro(),
+            empty_cache_every: 0,
+            empty_cache_after_checkpoint: false,
+        }
+    }
 }
 
 /// `[loader]`: the shard cache and the loader's memory budget.
@@ -154,10 +261,22 @@ pub struct TrainConfig {
     /// Global gradient-norm clip (0 = off).
     #[serde(default)]
     pub clip_norm: f32,
+    /// Split every batch into this many micro-batches (gradients accumulate;
+    /// the update equals the whole batch's but for batch-norm statistics).
+    #[serde(default = "default_accumulate")]
+    pub accumulate: usize,
+    /// Or a micro-batch size: a number, or "auto" for the largest that fits
+    /// device.memory_limit, found by a dry-run step before training.
+    #[serde(default)]
+    pub micro_batch: Option<String>,
     /// Non-finite steps in a row after which the run stops (with a checkpoint
     /// of the last good state).
     #[serde(default = "default_max_skips")]
     pub max_consecutive_skips: u64,
+}
+
+fn default_accumulate() -> usize {
+    1
 }
 
 fn default_max_skips() -> u64 {
@@ -347,6 +466,29 @@ impl ExperimentConfig {
                 ))
             }
         }
+        if !matches!(self.device.kind.as_str(), "auto" | "cpu") {
+            return Err(PipelineError::value(
+                "device.kind",
+                format!(
+                    "expected \"auto\" or \"cpu\", got \"{}\" (the CUDA backend is not wired into training yet)",
+                    self.device.kind
+                ),
+            ));
+        }
+        if let Some(text) = &self.device.memory_limit {
+            parse_bytes("device.memory_limit", text)?;
+        }
+        if !matches!(self.memory.oom_policy.as_str(), "adapt" | "stop") {
+            return Err(PipelineError::value(
+                "memory.oom_policy",
+                format!(
+                    "expected \"adapt\" or \"stop\", got \"{}\"",
+                    self.memory.oom_policy
+                ),
+            ));
+        }
+        positive("memory.min_micro_batch", self.memory.min_micro_batch as f64)?;
+        self.micro_batch()?;
         if let Some(text) = &self.loader.memory_budget {
             parse_bytes("loader.memory_budget", text)?;
         }
@@ -395,6 +537,42 @@ impl ExperimentConfig {
         Ok(())
     }
 
+    /// The micro-batch size the run starts with; None means "auto".
+    pub fn micro_batch(&self) -> Result<Option<usize>> {
+        let batch = self.train.batch_size;
+        let accumulate = self.train.accumulate;
+        if accumulate == 0 || batch % accumulate != 0 {
+            return Err(PipelineError::value(
+                "train.accumulate",
+                format!("must divide train.batch_size = {batch} into equal micro-batches, got {accumulate}"),
+            ));
+        }
+        match self.train.micro_batch.as_deref().map(str::trim) {
+            None => Ok(Some(batch / accumulate)),
+            Some(_) if accumulate != 1 => Err(PipelineError::value(
+                "train.micro_batch",
+                "set train.micro_batch or train.accumulate, not both",
+            )),
+            Some("auto") => Ok(None),
+            Some(text) => match text.parse::<usize>() {
+                Ok(size) if size > 0 && size <= batch => Ok(Some(size)),
+                _ => Err(PipelineError::value(
+                    "train.micro_batch",
+                    format!("expected \"auto\" or a size from 1 to train.batch_size = {batch}, got \"{text}\""),
+                )),
+            },
+        }
+    }
+
+    /// `device.memory_limit` in bytes.
+    pub fn memory_limit(&self) -> Result<Option<u64>> {
+        self.device
+            .memory_limit
+            .as_deref()
+            .map(|text| parse_bytes("device.memory_limit", text))
+            .transpose()
+    }
+
     /// The run directory once resolved (see `rundir::resolve`).
     pub fn output_dir(&self) -> &Path {
         self.run.output_dir.as_deref().unwrap_or(&self.run.runs_dir)
@@ -421,6 +599,10 @@ impl ExperimentConfig {
         semantic.data.workers = 0;
         semantic.data.prefetch = 0;
         semantic.train.threads = 0;
+        semantic.train.accumulate = 1;
+        semantic.train.micro_batch = None;
+        semantic.device = DeviceConfig::default();
+        semantic.memory = MemoryConfig::default();
         semantic.checkpoint = CheckpointConfig::default();
         let text = serde_json::to_string(&semantic).unwrap_or_default();
         crc32fast::hash(text.as_bytes())

@@ -31,6 +31,8 @@ pub enum PipelineError {
          state in {dir}. Lower optimizer.lr or train.clip_norm, then resume with --resume"
     )]
     Diverged { skips: u64, dir: PathBuf },
+    #[error("{0}")]
+    OutOfMemory(String),
     #[error("{stage} stage stopped unexpectedly: {reason}")]
     Stage { stage: &'static str, reason: String },
 }
@@ -41,6 +43,11 @@ impl PipelineError {
             path: path.into(),
             source,
         }
+    }
+
+    /// Out of memory inside the model: the policy decides what happens next.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Self::Model(e) if e.is_out_of_memory())
     }
 
     pub fn value(key: &str, reason: impl Into<String>) -> Self {

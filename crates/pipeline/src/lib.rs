@@ -12,6 +12,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 mod error;
+pub mod memory;
 pub mod resume;
 pub mod rundir;
 mod sink;

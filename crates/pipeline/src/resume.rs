@@ -13,8 +13,12 @@ use crate::{PipelineError, Result};
 
 /// Keys (or key prefixes) that may differ between the run that wrote a
 /// checkpoint and the run that resumes it.
-const SAFE_TO_CHANGE: [&str; 9] = [
+const SAFE_TO_CHANGE: [&str; 13] = [
     "run.",
+    "device.",
+    "memory.",
+    "train.accumulate",
+    "train.micro_batch",
     "data.dir",
     "data.workers",
     "data.prefetch",

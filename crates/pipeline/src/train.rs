@@ -12,11 +12,12 @@ use std::time::Instant;
 use crossbeam_channel::{bounded, Sender};
 use headroom_loader::{Batch, DataLoader, Dataset, LoaderMemory};
 use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy, LossOutput};
-use headroom_model::{Mode, Network, Tensor};
+use headroom_model::{Mode, Network, PoolStats, Tensor};
 use headroom_optim::{clip_grad_norm, grad_norm, AdamW, AdamWConfig, OneCycle, Schedule};
 
 use crate::checkpoint::{Checkpoint, CheckpointMeta, EpochProgress};
 use crate::config::{ExperimentConfig, ScheduleConfig};
+use crate::memory::MemoryGuard;
 use crate::resume::{self, Resume};
 use crate::rundir;
 use crate::sink::{self, EpochSummary, Event, SinkSettings, StepReport};
@@ -52,6 +53,15 @@ pub struct RunSummary {
     pub threads: usize,
     /// What the training loader held, from its own accounting.
     pub loader_memory: LoaderMemory,
+    /// The run's memory pool at the end (peak in use, reserved, ...).
+    pub memory: PoolStats,
+    pub memory_limit: Option<u64>,
+    /// The micro-batch the run ended with (smaller than the batch when the
+    /// OOM policy split it).
+    pub micro_batch: usize,
+    pub oom_events: u64,
+    pub cache_cleanups: u64,
+    pub cache_cleanup_seconds: f64,
 }
 
 /// Where the run stands: what a checkpoint restores.
@@ -70,6 +80,8 @@ struct Learner {
     optimizer: AdamW,
     schedule: Schedule,
     position: Position,
+    /// Samples per forward/backward; the batch is split into as many as needed.
+    micro_batch: usize,
 }
 
 struct Run {
@@ -100,13 +112,16 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
     check_writable(config.output_dir())?;
     tracing::info!("run directory {}", config.output_dir().display());
     let resume_point = resume::choose(config, &options.resume)?;
-    let mut run = prepare(config, options)?;
+    let mut memory = MemoryGuard::new(config)?;
+    let mut run = memory.scope(|| prepare(config, options))?;
     let resumed_from = match resume_point {
         Some((path, saved)) => {
-            restore(&mut run.learner, &saved).map_err(|reason| PipelineError::Checkpoint {
-                path: path.clone(),
-                reason,
-            })?;
+            memory
+                .scope(|| restore(&mut run.learner, &saved))
+                .map_err(|reason| PipelineError::Checkpoint {
+                    path: path.clone(),
+                    reason,
+                })?;
             let at = &run.learner.position;
             tracing::info!(
                 "resuming from {} (epoch {} of {}, batch {}, step {})",
@@ -119,6 +134,10 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
             Some(path)
         }
         None => None,
+    };
+    run.learner.micro_batch = match config.micro_batch()? {
+        Some(size) => size,
+        None => memory.plan_micro_batch(&mut run.learner.network, config.train.batch_size)?,
     };
     let parameters = run.learner.network.num_params();
     let macs_per_sample = run.learner.network.macs_per_sample()?;
@@ -144,7 +163,10 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         })?;
 
     let mut epochs = Vec::new();
-    let result = pool.install(|| run_epochs(config, options, &mut run, &events, &mut epochs));
+    let run_pool = memory.pool();
+    let result = pool.install(|| {
+        run_pool.scope(|| run_epochs(config, options, &mut run, &events, &mut epochs, &mut memory))
+    });
     drop(events);
     let outcome = sink
         .join()
@@ -161,8 +183,15 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         (_, Some(last)) => (Some(last.test_loss), Some(last.test_accuracy)),
         (Finish::Stopped, None) => (None, None),
         (Finish::Completed, None) => {
-            let (loss, accuracy) =
-                pool.install(|| evaluate(&mut run.learner.network, &run.test_loader))?;
+            let (loss, accuracy) = pool.install(|| {
+                run_pool.scope(|| {
+                    evaluate(
+                        &mut run.learner.network,
+                        &run.test_loader,
+                        run.learner.micro_batch,
+                    )
+                })
+            })?;
             (Some(loss), Some(accuracy))
         }
     };
@@ -191,6 +220,12 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         macs_per_sample,
         threads,
         loader_memory: run.train_loader.memory_report(),
+        memory: memory.stats(),
+        memory_limit: memory.limit(),
+        micro_batch: run.learner.micro_batch,
+        oom_events: memory.oom_events,
+        cache_cleanups: memory.cleanups,
+        cache_cleanup_seconds: memory.cleanup_seconds,
     })
 }
 
@@ -266,6 +301,7 @@ fn prepare(config: &ExperimentConfig, options: &TrainOptions) -> Result<Run> {
             optimizer,
             schedule,
             position: Position::default(),
+            micro_batch: config.train.batch_size,
         },
         train_loader,
         test_loader,
@@ -356,25 +392,35 @@ fn run_epochs(
     run: &mut Run,
     events: &Sender<Event>,
     summaries: &mut Vec<EpochSummary>,
+    memory: &mut MemoryGuard,
 ) -> Result<Finish> {
     while run.learner.position.epoch < config.train.epochs {
-        let Some(summary) = run_epoch(config, options, run, events)? else {
-            send(
-                events,
-                Event::Checkpoint(Box::new(snapshot(config, &mut run.learner))),
-            )?;
+        let Some(summary) = run_epoch(config, options, run, events, memory)? else {
+            checkpoint_now(config, &mut run.learner, events, memory)?;
             return Ok(Finish::Stopped);
         };
         send(events, Event::Epoch(summary.clone()))?;
         if config.checkpoint.every_epoch || run.learner.position.epoch == config.train.epochs {
-            send(
-                events,
-                Event::Checkpoint(Box::new(snapshot(config, &mut run.learner))),
-            )?;
+            checkpoint_now(config, &mut run.learner, events, memory)?;
         }
         summaries.push(summary);
     }
     Ok(Finish::Completed)
+}
+
+/// Snapshots to host memory on this thread; the sink stage writes the file.
+fn checkpoint_now(
+    config: &ExperimentConfig,
+    learner: &mut Learner,
+    events: &Sender<Event>,
+    memory: &mut MemoryGuard,
+) -> Result<()> {
+    send(
+        events,
+        Event::Checkpoint(Box::new(snapshot(config, learner))),
+    )?;
+    memory.after_checkpoint();
+    Ok(())
 }
 
 fn send(events: &Sender<Event>, event: Event) -> Result<()> {
@@ -398,6 +444,7 @@ fn run_epoch(
     options: &TrainOptions,
     run: &mut Run,
     events: &Sender<Event>,
+    memory: &mut MemoryGuard,
 ) -> Result<Option<EpochSummary>> {
     let Run {
         learner,
@@ -409,38 +456,37 @@ fn run_epoch(
     let mut started = Instant::now();
     for batch in train_loader.epoch(epoch, learner.position.batches_done) {
         let batch = batch?;
-        let report = train_step(config, learner, &batch, batches_per_epoch)?;
+        let report = match train_step(config, learner, &batch, batches_per_epoch, memory) {
+            Err(stop @ PipelineError::OutOfMemory(_)) => {
+                // The failed step changed nothing: checkpoint the state before it.
+                checkpoint_now(config, learner, events, memory)?;
+                return Err(stop);
+            }
+            other => other?,
+        };
         let applied = !report.skipped;
         send(events, Event::Step(report))?;
         learner.position.progress.train_seconds += started.elapsed().as_secs_f64();
         started = Instant::now();
         if learner.position.consecutive_skips >= config.train.max_consecutive_skips {
-            send(
-                events,
-                Event::Checkpoint(Box::new(snapshot(config, learner))),
-            )?;
+            checkpoint_now(config, learner, events, memory)?;
             return Err(PipelineError::Diverged {
                 skips: learner.position.consecutive_skips,
                 dir: config.output_dir().to_path_buf(),
             });
         }
+        let (step, done) = (learner.position.step, learner.position.batches_done);
+        memory.after_step(step);
         let every = config.checkpoint.every_steps;
-        let position = &learner.position;
-        if applied
-            && every > 0
-            && position.step % every == 0
-            && position.batches_done < batches_per_epoch
-        {
-            send(
-                events,
-                Event::Checkpoint(Box::new(snapshot(config, learner))),
-            )?;
+        if applied && every > 0 && step % every == 0 && done < batches_per_epoch {
+            checkpoint_now(config, learner, events, memory)?;
         }
         if stop_requested(options) {
             return Ok(None);
         }
     }
-    let (test_loss, test_accuracy) = evaluate(&mut learner.network, test_loader)?;
+    let (test_loss, test_accuracy) =
+        evaluate(&mut learner.network, test_loader, learner.micro_batch)?;
     let position = &mut learner.position;
     let progress = std::mem::take(&mut position.progress);
     position.epoch += 1;
@@ -457,27 +503,48 @@ fn run_epoch(
     }))
 }
 
-/// One optimizer step on one batch, with the position advanced.
+/// One optimizer step on one batch, with the position advanced. Out of
+/// memory is handled here by the memory policy; a step that fails leaves the
+/// model as it was (gradients zeroed, batch-norm statistics restored).
 fn train_step(
     config: &ExperimentConfig,
     learner: &mut Learner,
     batch: &Batch,
     batches_per_epoch: usize,
+    memory: &mut MemoryGuard,
 ) -> Result<StepReport> {
     let (n, batch_index) = (batch.labels.len(), batch.index);
-    let input = learner.network.input_from_u8(n, &batch.pixels)?;
-    let logits = learner.network.forward(&input, Mode::Train)?;
-    let out = training_loss(config, &logits, batch)?;
+    memory.before_step(learner.position.step);
+    let statistics = learner.network.buffer_values();
+    let mut freed_cache = false;
+    let (loss, correct) = loop {
+        match accumulate_gradients(config, learner, batch) {
+            Ok(result) => break result,
+            Err(e) if e.is_out_of_memory() => {
+                learner.network.clear_saved();
+                learner.network.zero_grad();
+                learner.network.restore_buffer_values(&statistics)?;
+                let step = learner.position.step;
+                memory.on_oom(&e, step, &mut learner.micro_batch, &mut freed_cache, n)?;
+            }
+            Err(e) => return Err(e),
+        }
+    };
     let lr = learner.schedule.lr_at(learner.position.step);
-    let norm = apply_gradients(config, learner, &out.grad, out.loss, lr)?;
+    let norm = if loss.is_finite() {
+        apply_gradients(config, learner, lr)?
+    } else {
+        learner.network.zero_grad();
+        None
+    };
     let position = &mut learner.position;
     position.batches_done = batch_index + 1;
     match norm {
         Some(_) => {
             position.step += 1;
             position.consecutive_skips = 0;
-            position.progress.loss_sum += out.loss as f64 * n as f64;
-            position.progress.correct += out.correct as u64;
+            position.progress.loss_sum += loss as f64 * n as f64;
+            position.progress.correct += correct as u64;
             position.progress.seen += n as u64;
         }
         None => {
@@ -497,11 +564,63 @@ fn train_step(
         batch: batch_index,
         batches_per_epoch,
         samples: n,
-        loss: out.loss,
+        loss,
         lr,
         grad_norm: norm.unwrap_or(f32::NAN),
         skipped: norm.is_none(),
     })
+}
+
+/// Forward and backward over the batch in micro-batches, adding up the
+/// gradients. Each micro-batch's loss gradient is weighted by its share of
+/// the batch, so the sum is the whole batch's mean-loss gradient. Returns the
+/// batch's mean loss (NaN, with no gradients, if any part was not finite)
+/// and the number of correct predictions.
+fn accumulate_gradients(
+    config: &ExperimentConfig,
+    learner: &mut Learner,
+    batch: &Batch,
+) -> Result<(f32, usize)> {
+    let n = batch.labels.len();
+    let sample = batch.pixels.len() / n.max(1);
+    let classes = learner.network.num_classes();
+    let (mut loss, mut correct) = (0.0f64, 0usize);
+    let mut start = 0;
+    while start < n {
+        let end = (start + learner.micro_batch.max(1)).min(n);
+        let part = Batch {
+            epoch: batch.epoch,
+            index: batch.index,
+            shape: [end - start, batch.shape[1], batch.shape[2], batch.shape[3]],
+            pixels: batch.pixels[start * sample..end * sample].to_vec(),
+            labels: batch.labels[start..end].to_vec(),
+            soft_targets: batch
+                .soft_targets
+                .as_ref()
+                .map(|t| t[start * classes..end * classes].to_vec()),
+        };
+        let input = learner.network.input_from_u8(end - start, &part.pixels)?;
+        let logits = learner.network.forward(&input, Mode::Train)?;
+        let mut out = training_loss(config, &logits, &part)?;
+        drop(logits);
+        if !out.loss.is_finite() {
+            learner.network.clear_saved();
+            learner.network.zero_grad();
+            return Ok((f32::NAN, 0));
+        }
+        let share = (end - start) as f32 / n as f32;
+        if share != 1.0 {
+            out.grad
+                .try_data_mut()?
+                .iter_mut()
+                .for_each(|g| *g *= share);
+        }
+        learner.network.backward(&out.grad)?;
+        loss += out.loss as f64 * share as f64;
+        correct += out.correct;
+        start = end;
+    }
+    Ok((loss as f32, correct))
 }
 
 /// Label-smoothed cross-entropy, against the batch's soft targets when
@@ -520,20 +639,13 @@ fn training_loss(config: &ExperimentConfig, logits: &Tensor, batch: &Batch) -> R
     Ok(soft_cross_entropy(logits, &targets)?)
 }
 
-/// Backward, clip and AdamW step. Returns the gradient norm, or None when
-/// the loss or the gradients are not finite and the step was skipped.
+/// Clip and AdamW step on the accumulated gradients. Returns the gradient
+/// norm, or None when it is not finite and the step was skipped.
 fn apply_gradients(
     config: &ExperimentConfig,
     learner: &mut Learner,
-    grad_logits: &Tensor,
-    loss: f32,
     lr: f32,
 ) -> Result<Option<f32>> {
-    if !loss.is_finite() {
-        learner.network.clear_saved();
-        return Ok(None);
-    }
-    learner.network.backward(grad_logits)?;
     let mut params = learner.network.params_mut();
     let norm = if config.train.clip_norm > 0.0 {
         clip_grad_norm(&mut params, config.train.clip_norm)
@@ -550,17 +662,27 @@ fn apply_gradients(
     Ok(applied.then_some(norm))
 }
 
-/// Mean test loss (no label smoothing) and accuracy.
-fn evaluate(network: &mut Network, test_loader: &DataLoader) -> Result<(f32, f32)> {
+/// Mean test loss (no label smoothing) and accuracy, in micro-batches of
+/// at most `micro_batch` samples so that evaluation fits where training did.
+fn evaluate(
+    network: &mut Network,
+    test_loader: &DataLoader,
+    micro_batch: usize,
+) -> Result<(f32, f32)> {
     let (mut loss_sum, mut correct, mut seen) = (0.0f64, 0usize, 0usize);
     for batch in test_loader.epoch(0, 0) {
         let batch = batch?;
         let n = batch.labels.len();
-        let input = network.input_from_u8(n, &batch.pixels)?;
-        let logits = network.forward(&input, Mode::Eval)?;
-        let out = softmax_cross_entropy(&logits, &batch.labels, 0.0)?;
-        loss_sum += out.loss as f64 * n as f64;
-        correct += out.correct;
+        let sample = batch.pixels.len() / n.max(1);
+        for start in (0..n).step_by(micro_batch.max(1)) {
+            let end = (start + micro_batch.max(1)).min(n);
+            let input =
+                network.input_from_u8(end - start, &batch.pixels[start * sample..end * sample])?;
+            let logits = network.forward(&input, Mode::Eval)?;
+            let out = softmax_cross_entropy(&logits, &batch.labels[start..end], 0.0)?;
+            loss_sum += out.loss as f64 * (end - start) as f64;
+            correct += out.correct;
+        }
         seen += n;
     }
     Ok((

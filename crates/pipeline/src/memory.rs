@@ -1,0 +1,204 @@
+//! The memory policy of a run. Every tensor of the run comes from the run's
+//! own pool (so a budget is exact and everything is released when the run
+//! ends). When an allocation fails: free the pool's cache and retry the step;
+//! then halve the micro-batch (accumulating gradients over twice as many
+//! micro-batches, so the update, the loss and the schedule do not change),
+//! down to `memory.min_micro_batch`; only then checkpoint and stop with the
+//! figures and what to change. Every event is logged with the pool's figures.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use headroom_model::memory::{MemoryPool, OomInjection, PoolStats};
+use headroom_model::{measure_step_peak, Device, Network};
+
+use crate::config::{ExperimentConfig, InjectOom};
+use crate::{PipelineError, Result};
+
+/// Head-room kept above a dry run's measured peak when choosing a micro-batch.
+const PLANNING_MARGIN: f64 = 1.10;
+
+pub struct MemoryGuard {
+    pool: Arc<MemoryPool>,
+    adapt: bool,
+    min_micro_batch: usize,
+    inject: InjectOom,
+    empty_every: u64,
+    empty_after_checkpoint: bool,
+    /// Releases of the cache for housekeeping, and their total time.
+    pub cleanups: u64,
+    pub cleanup_seconds: f64,
+    pub oom_events: u64,
+}
+
+pub fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+fn figures(stats: &PoolStats, limit: Option<u64>) -> String {
+    format!(
+        "in use {}, reserved {}, peak {}, limit {}",
+        mib(stats.in_use_bytes),
+        mib(stats.reserved_bytes),
+        mib(stats.peak_in_use_bytes),
+        limit.map_or("none".into(), mib)
+    )
+}
+
+impl MemoryGuard {
+    pub fn new(config: &ExperimentConfig) -> Result<Self> {
+        let pool = MemoryPool::new(Device::Cpu);
+        pool.set_limit(config.memory_limit()?);
+        Ok(Self {
+            pool,
+            adapt: config.memory.oom_policy == "adapt",
+            min_micro_batch: config.memory.min_micro_batch,
+            inject: config.device.inject_oom.clone(),
+            empty_every: config.memory.empty_cache_every,
+            empty_after_checkpoint: config.memory.empty_cache_after_checkpoint,
+            cleanups: 0,
+            cleanup_seconds: 0.0,
+            oom_events: 0,
+        })
+    }
+
+    pub fn pool(&self) -> Arc<MemoryPool> {
+        Arc::clone(&self.pool)
+    }
+
+    /// Runs `f` with this thread's tensors coming from the run's pool.
+    pub fn scope<R>(&self, f: impl FnOnce() -> R) -> R {
+        self.pool.scope(f)
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        self.pool.stats()
+    }
+
+    pub fn limit(&self) -> Option<u64> {
+        self.pool.limit()
+    }
+
+    /// Arms an injected failure for this step when the test plan says so.
+    pub fn before_step(&self, step: u64) {
+        let every = self.inject.every > 0 && step > 0 && step % self.inject.every == 0;
+        if every || self.inject.steps.contains(&step) {
+            self.pool.inject_oom(OomInjection::Next);
+        }
+    }
+
+    /// Decides what follows an out-of-memory error in a step: Ok to retry
+    /// (with `micro_batch` possibly halved), or the error that stops the run.
+    pub fn on_oom(
+        &mut self,
+        error: &PipelineError,
+        step: u64,
+        micro_batch: &mut usize,
+        freed_cache: &mut bool,
+        batch: usize,
+    ) -> Result<()> {
+        self.oom_events += 1;
+        let stats = self.pool.stats();
+        let here = format!(
+            "out of memory at step {step} ({error}; {})",
+            figures(&stats, self.limit())
+        );
+        if !self.adapt {
+            return Err(self.stop_message(&here, *micro_batch));
+        }
+        if !*freed_cache {
+            let released = self.pool.empty_cache();
+            *freed_cache = true;
+            tracing::warn!(
+                "{here}: released {} of cached blocks, retrying the step",
+                mib(released)
+            );
+            return Ok(());
+        }
+        let smaller = *micro_batch / 2;
+        if smaller < self.min_micro_batch.max(1) {
+            return Err(self.stop_message(&here, *micro_batch));
+        }
+        *micro_batch = smaller;
+        *freed_cache = false;
+        tracing::warn!(
+            "{here}: splitting the batch of {batch} into micro-batches of {smaller} ({} per step, gradients accumulated; \
+             the update and the schedule are unchanged)",
+            batch.div_ceil(smaller)
+        );
+        Ok(())
+    }
+
+    fn stop_message(&self, here: &str, micro_batch: usize) -> PipelineError {
+        PipelineError::OutOfMemory(format!(
+            "{here}; even a micro-batch of {micro_batch} does not fit. A checkpoint of the last completed step was \
+             written; raise device.memory_limit, set model.checkpoint = \"blocks\", lower train.batch_size, or set \
+             memory.oom_policy = \"adapt\" with a lower memory.min_micro_batch, then continue with --resume"
+        ))
+    }
+
+    /// Periodic release of cached blocks, timed.
+    pub fn after_step(&mut self, step: u64) {
+        if self.empty_every > 0 && step % self.empty_every == 0 {
+            self.release_cache("periodic");
+        }
+    }
+
+    pub fn after_checkpoint(&mut self) {
+        if self.empty_after_checkpoint {
+            self.release_cache("after checkpoint");
+        }
+    }
+
+    fn release_cache(&mut self, why: &str) {
+        let started = Instant::now();
+        let released = self.pool.empty_cache();
+        let seconds = started.elapsed().as_secs_f64();
+        self.cleanups += 1;
+        self.cleanup_seconds += seconds;
+        tracing::debug!(
+            "{why} cache release: {} in {:.3} ms",
+            mib(released),
+            seconds * 1e3
+        );
+    }
+
+    /// The largest micro-batch (batch, batch/2, ...) whose dry-run step fits
+    /// the budget with a margin. Without a budget, the whole batch.
+    pub fn plan_micro_batch(&self, network: &mut Network, batch: usize) -> Result<usize> {
+        let Some(limit) = self.limit() else {
+            return Ok(batch);
+        };
+        let mut micro = batch;
+        loop {
+            let room = limit.saturating_sub(self.pool.stats().in_use_bytes);
+            let fits = match self.scope(|| measure_step_peak(network, micro)) {
+                Ok(peak) => {
+                    tracing::info!(
+                        "dry run: a step of {micro} samples peaks at {} ({} per sample); room {}",
+                        mib(peak),
+                        mib(peak / micro as u64),
+                        mib(room)
+                    );
+                    (peak as f64 * PLANNING_MARGIN) as u64 <= room
+                }
+                Err(e) if e.is_out_of_memory() => false,
+                Err(e) => return Err(e.into()),
+            };
+            if fits {
+                tracing::info!("train.micro_batch = \"auto\": {micro} (of a batch of {batch})");
+                return Ok(micro);
+            }
+            if micro / 2 < self.min_micro_batch.max(1) {
+                return Err(PipelineError::OutOfMemory(format!(
+                    "no micro-batch of at least {} fits device.memory_limit = {} (in use {} before the first step); \
+                     raise device.memory_limit or set model.checkpoint = \"blocks\"",
+                    self.min_micro_batch,
+                    mib(limit),
+                    mib(self.pool.stats().in_use_bytes)
+                )));
+            }
+            micro /= 2;
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! The OOM policy end to end on the CPU: a budget that fits a micro-batch of
+//! 32 but not 128 adapts and ends bit-identical to 32 x 4 accumulation;
+//! injected OOMs change nothing; a budget too small for one sample stops with
+//! a checkpoint, and a larger budget resumes it to the end.
+
+use std::path::Path;
+
+use headroom_model::{measure_step_peak, Device, MemoryPool, Network};
+use headroom_pipeline::checkpoint::{self, Checkpoint};
+use headroom_pipeline::{train, ExperimentConfig, Overrides, Resume, TrainOptions};
+use headroom_tests::write_synthetic_fashion_mnist;
+
+fn smoke_config(data: &Path, out: &Path, extra: &[String]) -> ExperimentConfig {
+    let mut pairs = vec![
+        format!("data.dir={}", data.display()),
+        format!("run.output_dir={}", out.display()),
+        "train.epochs=2".into(),
+        "train.batch_size=128".into(),
+        "train.threads=2".into(),
+    ];
+    pairs.extend(extra.iter().cloned());
+    let experiments = Path::new(env!("CARGO_MANIFEST_DIR")).join("../experiments/smoke.toml");
+    ExperimentConfig::load(&experiments, &Overrides::parse(&pairs).unwrap()).unwrap()
+}
+
+fn newest(dir: &Path) -> Checkpoint {
+    checkpoint::load(checkpoint::list(dir).unwrap().last().unwrap()).unwrap()
+}
+
+/// A budget between what a step at 32 and a step at 64 need, on top of the
+/// network's own parameters and gradients.
+fn budget_between_32_and_64(config: &ExperimentConfig) -> u64 {
+    let pool = MemoryPool::new(Device::Cpu);
+    pool.scope(|| {
+        let mut network = Network::build(&config.model, config.run.seed).unwrap();
+        let base = pool.stats().in_use_bytes;
+        let at32 = measure_step_peak(&mut network, 32).unwrap();
+        let at64 = measure_step_peak(&mut network, 64).unwrap();
+        assert!(at64 > at32 * 3 / 2, "peaks {at32} and {at64}");
+        base + (at32 + at64) / 2
+    })
+}
+
+#[test]
+fn budget_for_32_adapts_a_batch_of_128_to_match_32_x_4_accumulation() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 1024, 256);
+    let (adapted, accumulated) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+
+    let probe = smoke_config(data.path(), adapted.path(), &[]);
+    let limit = budget_between_32_and_64(&probe);
+    let config = smoke_config(
+        data.path(),
+        adapted.path(),
+        &[format!("device.memory_limit={limit}")],
+    );
+    let summary = train(&config, &TrainOptions::default()).unwrap();
+    assert_eq!(summary.micro_batch, 32, "128 -> 64 -> 32");
+    assert!(summary.oom_events >= 2);
+    assert!(summary.memory.reserved_bytes <= limit);
+
+    let reference = smoke_config(
+        data.path(),
+        accumulated.path(),
+        &["train.accumulate=4".into()],
+    );
+    train(&reference, &TrainOptions::default()).unwrap();
+
+    let (a, b) = (newest(adapted.path()), newest(accumulated.path()));
+    assert_eq!(a.meta.step, b.meta.step);
+    assert!(
+        a.params == b.params,
+        "weights differ from 32 x 4 accumulation"
+    );
+    assert!(a.buffers == b.buffers, "batch-norm statistics differ");
+    assert!(a.optimizer == b.optimizer, "optimizer state differs");
+}
+
+#[test]
+fn injected_oom_at_50_random_steps_changes_nothing() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 2048, 256);
+    let (clean, faulty) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let base = ["train.batch_size=32".to_string(), "train.epochs=3".into()];
+    let config = smoke_config(data.path(), clean.path(), &base);
+    let clean_summary = train(&config, &TrainOptions::default()).unwrap();
+
+    // 50 distinct steps out of the 192, from a fixed pseudo-random sequence.
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut steps = std::collections::BTreeSet::new();
+    while steps.len() < 50 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        steps.insert(state % 192);
+    }
+    let list = steps
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut extra = base.to_vec();
+    extra.push(format!("device.inject_oom.steps=[{list}]"));
+    let config = smoke_config(data.path(), faulty.path(), &extra);
+    assert_eq!(config.device.inject_oom.steps.len(), 50);
+    let summary = train(&config, &TrainOptions::default()).unwrap();
+    assert_eq!(summary.oom_events, 50);
+
+    let (a, b) = (newest(clean.path()), newest(faulty.path()));
+    assert!(a.params == b.params, "an injected OOM changed the weights");
+    let (clean_loss, faulty_loss) = (
+        clean_summary.epochs[2].train_loss,
+        summary.epochs[2].train_loss,
+    );
+    assert_eq!(clean_loss, faulty_loss);
+}
+
+#[test]
+fn budget_too_small_for_one_sample_stops_with_a_checkpoint_and_resumes_with_more() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 512, 64);
+    let out = tempfile::tempdir().unwrap();
+    let probe = smoke_config(data.path(), out.path(), &[]);
+    let generous = budget_between_32_and_64(&probe) * 4;
+
+    // Enough for the first epoch, then the budget is cut below one sample.
+    let first = smoke_config(data.path(), out.path(), &["train.epochs=1".into()]);
+    train(&first, &TrainOptions::default()).unwrap();
+    let tight = smoke_config(
+        data.path(),
+        out.path(),
+        &["device.memory_limit=120KiB".into()],
+    );
+    let resume = TrainOptions {
+        resume: Resume::Latest,
+        ..Default::default()
+    };
+    let err = train(&tight, &resume).unwrap_err().to_string();
+    assert!(
+        err.contains("out of memory") && err.contains("device.memory_limit"),
+        "{err}"
+    );
+    assert!(err.contains("--resume"), "{err}");
+    let saved = newest(out.path());
+    assert_eq!(
+        saved.meta.epoch, 1,
+        "the checkpoint holds the last completed step"
+    );
+
+    let roomy = smoke_config(
+        data.path(),
+        out.path(),
+        &[format!("device.memory_limit={generous}")],
+    );
+    let summary = train(&roomy, &resume).unwrap();
+    assert_eq!(summary.epoch, 2);
+    assert!(summary.test_accuracy.is_some());
+}
