@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use headroom_model::memory::{MemoryPool, OomInjection, PoolStats};
-use headroom_model::{measure_step_peak, Device, Network};
+use headroom_model::{measure_step_peak, Device, ModelError, Network};
 
 use crate::config::{ExperimentConfig, InjectOom};
 use crate::{PipelineError, Result};
@@ -29,10 +29,17 @@ pub struct MemoryGuard {
     pub cleanups: u64,
     pub cleanup_seconds: f64,
     pub oom_events: u64,
+    /// Where the stop checkpoint goes, for the message.
+    dir: std::path::PathBuf,
 }
 
+/// Bytes for people: KiB below a MiB, MiB below a GiB, then GiB.
 pub fn mib(bytes: u64) -> String {
-    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    match bytes {
+        b if b < 1 << 20 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b if b < 1 << 30 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+        b => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
+    }
 }
 
 fn figures(stats: &PoolStats, limit: Option<u64>) -> String {
@@ -59,6 +66,7 @@ impl MemoryGuard {
             cleanups: 0,
             cleanup_seconds: 0.0,
             oom_events: 0,
+            dir: config.output_dir().to_path_buf(),
         })
     }
 
@@ -99,8 +107,14 @@ impl MemoryGuard {
     ) -> Result<()> {
         self.oom_events += 1;
         let stats = self.pool.stats();
+        let wanted = match error {
+            PipelineError::Model(ModelError::OutOfMemory { requested, .. }) => {
+                format!("a {} block", mib(*requested))
+            }
+            _ => "an allocation".into(),
+        };
         let here = format!(
-            "out of memory at step {step} ({error}; {})",
+            "out of memory at step {step}: {wanted} did not fit ({})",
             figures(&stats, self.limit())
         );
         if !self.adapt {
@@ -132,8 +146,9 @@ impl MemoryGuard {
     fn stop_message(&self, here: &str, micro_batch: usize) -> PipelineError {
         PipelineError::OutOfMemory(format!(
             "{here}; even a micro-batch of {micro_batch} does not fit. A checkpoint of the last completed step was \
-             written; raise device.memory_limit, set model.checkpoint = \"blocks\", lower train.batch_size, or set \
-             memory.oom_policy = \"adapt\" with a lower memory.min_micro_batch, then continue with --resume"
+             written to {}; raise device.memory_limit, set model.checkpoint = \"blocks\", lower train.batch_size, or set \
+             memory.oom_policy = \"adapt\" with a lower memory.min_micro_batch, then continue with --resume",
+            self.dir.display()
         ))
     }
 
