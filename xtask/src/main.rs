@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use headroom_loader::{IdxDataset, ShardSize, Split};
 use headroom_pipeline::{train, ExperimentConfig, Overrides, Resume, TrainOptions};
@@ -13,6 +13,7 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use tracing_subscriber::EnvFilter;
 
 mod bench;
+mod doctor;
 mod loader_bench;
 
 const DEFAULT_EXPERIMENT: &str = "experiments/fashion_mnist.toml";
@@ -31,9 +32,25 @@ struct Cli {
 enum Command {
     /// Train an experiment (default: the Fashion-MNIST ResNet on the CPU).
     Train {
-        /// Experiment TOML file.
+        /// Experiment TOML file; repeat to run several in sequence.
         #[arg(long, default_value = DEFAULT_EXPERIMENT)]
-        config: PathBuf,
+        config: Vec<PathBuf>,
+        /// Profile overlay beside the experiment: low_memory, max_speed, cpu, none
+        /// (default: auto, which picks low_memory below 4 GiB). Same as --set run.profile=NAME.
+        #[arg(long)]
+        profile: Option<String>,
+        /// Loader worker threads. Same as --set data.workers=N.
+        #[arg(long)]
+        workers: Option<usize>,
+        /// Mixed precision off. The CPU backend always trains in f32, so this changes nothing there.
+        #[arg(long)]
+        no_amp: bool,
+        /// Fused kernels off. The CPU backend has no fused kernels yet, so this changes nothing.
+        #[arg(long)]
+        no_fusion: bool,
+        /// Channels-last off. headroom is channels-last (NHWC) only: there is no other layout to switch to.
+        #[arg(long)]
+        no_channels_last: bool,
         /// Continue from the newest valid checkpoint in run.output_dir, or
         /// from the checkpoint file given.
         #[arg(long, value_name = "CHECKPOINT", num_args = 0..=1, default_missing_value = "")]
@@ -96,6 +113,18 @@ enum Command {
         #[arg(long)]
         overwrite: bool,
     },
+    /// Test accuracy, loss and confusion matrix of a checkpoint.
+    Eval {
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// Dataset directory, if not the one the run used.
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        #[arg(long, default_value_t = 256)]
+        batch: usize,
+    },
+    /// What this machine has and what headroom will do on it.
+    Doctor,
     /// One timed configuration as a JSON line (used by `bench`).
     #[command(hide = true)]
     BenchStep {
@@ -207,39 +236,94 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Train {
             config,
+            profile,
+            workers,
+            no_amp,
+            no_fusion,
+            no_channels_last,
             resume,
-            overrides,
+            mut overrides,
             no_install,
         } => {
-            let overrides = Overrides::parse(&overrides)?;
-            let experiment = ExperimentConfig::load(&config, &overrides)?;
-            tracing::info!(
-                "experiment {} from {}",
-                experiment.run.name,
-                config.display()
-            );
-            let options = TrainOptions {
-                resume: match resume {
-                    None => Resume::No,
-                    Some(path) if path.is_empty() => Resume::Latest,
-                    Some(path) => Resume::From(PathBuf::from(path)),
-                },
-                allow_install: !no_install,
-                stop: Some(stop_on_signals()?),
-            };
-            let summary = train(&experiment, &options)
-                .with_context(|| format!("training {} failed", experiment.run.name))?;
-            print_summary(&experiment, &summary);
-            if summary.interrupted {
-                println!(
-                    "stopped at epoch {} step {}; continue with: cargo xtask train --config {} --resume",
-                    summary.epoch + 1,
-                    summary.step,
-                    config.display()
+            if no_amp {
+                tracing::info!(
+                    "--no-amp: the CPU backend trains in f32 already; nothing to turn off"
                 );
+            }
+            if no_fusion {
+                tracing::info!(
+                    "--no-fusion: the CPU backend has no fused kernels yet; nothing to turn off"
+                );
+            }
+            if no_channels_last {
+                tracing::warn!("--no-channels-last: headroom is channels-last (NHWC) only; there is no other layout");
+            }
+            if let Some(name) = profile {
+                overrides.push(format!("run.profile={name}"));
+            }
+            if let Some(n) = workers {
+                overrides.push(format!("data.workers={n}"));
+            }
+            let overrides = Overrides::parse(&overrides)?;
+            let resume = match resume {
+                None => Resume::No,
+                Some(path) if path.is_empty() => Resume::Latest,
+                Some(path) => Resume::From(PathBuf::from(path)),
+            };
+            let stop = stop_on_signals()?;
+            for (i, path) in config.iter().enumerate() {
+                let experiment = ExperimentConfig::load(path, &overrides)?;
+                tracing::info!(
+                    "experiment {} from {} ({} of {})",
+                    experiment.run.name,
+                    path.display(),
+                    i + 1,
+                    config.len()
+                );
+                let options = TrainOptions {
+                    resume: resume.clone(),
+                    allow_install: !no_install,
+                    stop: Some(Arc::clone(&stop)),
+                };
+                let summary = train(&experiment, &options)
+                    .with_context(|| format!("training {} failed", experiment.run.name))?;
+                print_summary(&experiment, &summary);
+                if summary.memory_left_after_run != 0 {
+                    bail!(
+                        "{} bytes of tensor memory were still held after {} ended",
+                        summary.memory_left_after_run,
+                        experiment.run.name
+                    );
+                }
+                if summary.interrupted {
+                    println!(
+                        "stopped at epoch {} step {}; continue with: cargo xtask train --config {} --resume",
+                        summary.epoch + 1,
+                        summary.step,
+                        path.display()
+                    );
+                    break;
+                }
+                if i + 1 < config.len() {
+                    tracing::info!(
+                        "{} released all of its tensor memory (pool in use: 0 bytes)",
+                        experiment.run.name
+                    );
+                }
             }
             Ok(())
         }
+        Command::Eval {
+            checkpoint,
+            data_dir,
+            batch,
+        } => {
+            let report =
+                headroom_pipeline::eval::evaluate_checkpoint(&checkpoint, data_dir, batch)?;
+            print_eval(&report);
+            Ok(())
+        }
+        Command::Doctor => doctor::run(),
     }
 }
 
@@ -277,6 +361,32 @@ fn stop_on_signals() -> Result<Arc<AtomicBool>> {
     Ok(stop)
 }
 
+fn print_eval(report: &headroom_pipeline::eval::EvalReport) {
+    println!(
+        "{} (epoch {}, step {}): test accuracy {:.2}%, loss {:.4} on {} samples",
+        report.checkpoint.display(),
+        report.epoch,
+        report.step,
+        report.accuracy * 100.0,
+        report.loss,
+        report.samples
+    );
+    println!("confusion matrix (rows: true class, columns: predicted)");
+    let classes = report.confusion.len();
+    print!("{:>6}", "");
+    for k in 0..classes {
+        print!("{k:>6}");
+    }
+    println!();
+    for (truth, row) in report.confusion.iter().enumerate() {
+        print!("{truth:>6}");
+        for count in row {
+            print!("{count:>6}");
+        }
+        println!();
+    }
+}
+
 fn print_summary(experiment: &ExperimentConfig, summary: &headroom_pipeline::RunSummary) {
     let rss = summary
         .peak_rss_bytes
@@ -293,10 +403,14 @@ fn print_summary(experiment: &ExperimentConfig, summary: &headroom_pipeline::Run
     }
     println!("epochs run      {}", summary.epochs.len());
     println!("wall time       {:.1} s", summary.wall_seconds);
-    println!(
-        "train speed     {:.0} samples/s ({} threads)",
-        summary.train_samples_per_sec, summary.threads
-    );
+    if summary.epochs.is_empty() {
+        println!("train speed     n/a (no epoch completed in this run)");
+    } else {
+        println!(
+            "train speed     {:.0} samples/s ({} threads)",
+            summary.train_samples_per_sec, summary.threads
+        );
+    }
     println!("peak RSS        {rss}");
     let pool = &summary.memory;
     println!(

@@ -45,9 +45,42 @@ pub struct RunConfig {
     /// Use exactly this directory instead (checkpoints, metrics, plots).
     #[serde(default)]
     pub output_dir: Option<PathBuf>,
+    /// "auto" (the low-memory profile below 4 GiB), "none", or the name of a
+    /// profile file beside the experiment (low_memory, max_speed, cpu).
+    #[serde(default = "default_profile")]
+    pub profile: String,
     /// Steps between progress lines.
     #[serde(default = "default_log_every")]
     pub log_every: u64,
+}
+
+fn default_profile() -> String {
+    "auto".into()
+}
+
+/// Devices with less than this much memory get the low-memory profile.
+pub const SMALL_DEVICE_BYTES: u64 = 4 << 30;
+
+/// The device's memory: the configured limit, else the machine's RAM (the
+/// CPU backend's device memory).
+pub fn device_memory(config: &ExperimentConfig) -> Result<Option<u64>> {
+    if let Some(limit) = config.memory_limit()? {
+        return Ok(Some(limit));
+    }
+    Ok(crate::system_memory_bytes())
+}
+
+fn auto_profile(config: &ExperimentConfig) -> Result<Option<String>> {
+    match device_memory(config)? {
+        Some(bytes) if bytes < SMALL_DEVICE_BYTES => {
+            tracing::warn!(
+                "the device has {:.2} GiB (< 4 GiB): applying the low_memory profile (run.profile = \"none\" to opt out)",
+                bytes as f64 / (1u64 << 30) as f64
+            );
+            Ok(Some("low_memory".into()))
+        }
+        _ => Ok(None),
+    }
 }
 
 fn default_runs_dir() -> PathBuf {
@@ -395,25 +428,54 @@ impl ExperimentConfig {
                 path.display()
             )));
         }
-        let mut builder = Config::builder()
-            .add_source(File::from(path).format(FileFormat::Toml))
-            .add_source(
-                Environment::with_prefix("HEADROOM")
-                    .prefix_separator("__")
-                    .separator("__")
-                    .try_parsing(true),
-            );
+        let config = Self::build(path, None, overrides)?;
+        let profile = match config.run.profile.as_str() {
+            "none" => return Ok(config),
+            "auto" => match auto_profile(&config)? {
+                Some(name) => name,
+                None => return Ok(config),
+            },
+            name => name.to_string(),
+        };
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let profile_path = dir.join(format!("{profile}.toml"));
+        if !profile_path.is_file() {
+            return Err(PipelineError::value(
+                "run.profile",
+                format!("no profile file {} (expected \"auto\", \"none\" or the name of a TOML file beside the experiment)", profile_path.display()),
+            ));
+        }
+        tracing::info!("profile {profile}: applying {}", profile_path.display());
+        Self::build(path, Some(&profile_path), overrides)
+    }
+
+    /// The experiment file, then a profile overlay, then the environment,
+    /// then `--set`; deserialised and validated.
+    fn build(path: &Path, profile: Option<&Path>, overrides: &Overrides) -> Result<Self> {
+        let mut builder = Config::builder().add_source(File::from(path).format(FileFormat::Toml));
+        if let Some(profile) = profile {
+            builder = builder.add_source(File::from(profile).format(FileFormat::Toml));
+        }
+        builder = builder.add_source(
+            Environment::with_prefix("HEADROOM")
+                .prefix_separator("__")
+                .separator("__")
+                .try_parsing(true),
+        );
         for (key, value) in &overrides.0 {
             builder = builder
                 .set_override(key.as_str(), value.as_str())
                 .map_err(|e| PipelineError::value(key, e.to_string()))?;
         }
+        let source = profile.map_or(path.display().to_string(), |p| {
+            format!("{} + {}", path.display(), p.display())
+        });
         let merged = builder
             .build()
-            .map_err(|e| PipelineError::Config(format!("{}: {e}", path.display())))?;
+            .map_err(|e| PipelineError::Config(format!("{source}: {e}")))?;
         let config: Self = merged
             .try_deserialize()
-            .map_err(|e| PipelineError::Config(format!("{}: {e}", path.display())))?;
+            .map_err(|e| PipelineError::Config(format!("{source}: {e}")))?;
         config.validate()?;
         Ok(config)
     }

@@ -12,7 +12,9 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 mod error;
+pub mod eval;
 pub mod memory;
+pub mod plot;
 pub mod resume;
 pub mod rundir;
 mod sink;
@@ -22,6 +24,23 @@ pub use config::{ExperimentConfig, Overrides};
 pub use error::{PipelineError, Result};
 pub use resume::Resume;
 pub use train::{train, RunSummary, TrainOptions};
+
+/// Total memory of the machine in bytes (MemTotal), when the OS says.
+pub fn system_memory_bytes() -> Option<u64> {
+    meminfo("MemTotal:")
+}
+
+/// Memory available to new work in bytes (MemAvailable), when the OS says.
+pub fn available_memory_bytes() -> Option<u64> {
+    meminfo("MemAvailable:")
+}
+
+fn meminfo(key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with(key))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
 
 /// Peak resident set size of this process in bytes (VmHWM), when the OS says.
 pub fn peak_rss_bytes() -> Option<u64> {

@@ -25,6 +25,8 @@ pub struct StepReport {
     pub lr: f32,
     pub grad_norm: f32,
     pub skipped: bool,
+    /// Tensor memory the run holds (the pool's reserved bytes).
+    pub memory_bytes: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -63,18 +65,24 @@ pub fn run(events: Receiver<Event>, settings: SinkSettings) -> Result<SinkOutcom
     let mut metrics = open_metrics(&metrics_path)?;
     let mut outcome = SinkOutcome::default();
     let mut window = Window::new();
+    let mut bar = Progress::new(settings.epochs);
     for event in events {
         match event {
             Event::Step(report) => {
                 write_json(&mut metrics, &metrics_path, "step", &report)?;
                 window.add(&report);
-                if report.step % settings.log_every == 0
-                    || report.batch + 1 == report.batches_per_epoch
-                {
-                    window.log(&report, settings.epochs);
+                let boundary = report.step % settings.log_every == 0
+                    || report.batch + 1 == report.batches_per_epoch;
+                match &mut bar {
+                    Some(bar) => bar.update(&report, &mut window),
+                    None if boundary => window.log(&report, settings.epochs),
+                    None => {}
                 }
             }
             Event::Epoch(summary) => {
+                if let Some(bar) = &mut bar {
+                    bar.finish_epoch();
+                }
                 write_json(&mut metrics, &metrics_path, "epoch", &summary)?;
                 metrics
                     .flush()
@@ -165,18 +173,77 @@ impl Window {
         }
     }
 
+    fn rate(&self) -> f64 {
+        self.samples as f64 / self.since.elapsed().as_secs_f64().max(1e-9)
+    }
+
+    fn mean_loss(&self) -> f64 {
+        self.loss_sum / self.steps.max(1) as f64
+    }
+
     fn log(&mut self, report: &StepReport, epochs: u64) {
-        let seconds = self.since.elapsed().as_secs_f64().max(1e-9);
         tracing::info!(
-            "epoch {}/{} step {}/{} | loss {:.4} | lr {:.2e} | {:.0} samples/s",
+            "epoch {}/{} step {}/{} | loss {:.4} | lr {:.2e} | {:.0} samples/s | memory {}",
             report.epoch + 1,
             epochs,
             report.batch + 1,
             report.batches_per_epoch,
-            self.loss_sum / self.steps.max(1) as f64,
+            self.mean_loss(),
             report.lr,
-            self.samples as f64 / seconds
+            self.rate(),
+            crate::memory::mib(report.memory_bytes)
         );
         *self = Self::new();
+    }
+}
+
+/// A live progress bar when stderr is a terminal; None otherwise (CI, files),
+/// where the plain log lines above are the progress.
+struct Progress {
+    bar: indicatif::ProgressBar,
+    epochs: u64,
+    last_draw: Instant,
+}
+
+impl Progress {
+    fn new(epochs: u64) -> Option<Self> {
+        use std::io::IsTerminal;
+        if !std::io::stderr().is_terminal() {
+            return None;
+        }
+        let bar = indicatif::ProgressBar::new(0);
+        let style =
+            indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                .progress_chars("=> ");
+        bar.set_style(style);
+        Some(Self {
+            bar,
+            epochs,
+            last_draw: Instant::now(),
+        })
+    }
+
+    fn update(&mut self, report: &StepReport, window: &mut Window) {
+        self.bar.set_length(report.batches_per_epoch as u64);
+        self.bar.set_position(report.batch as u64 + 1);
+        self.bar
+            .set_prefix(format!("epoch {}/{}", report.epoch + 1, self.epochs));
+        if self.last_draw.elapsed().as_millis() >= 500 {
+            self.bar.set_message(format!(
+                "| loss {:.4} | lr {:.2e} | {:.0} samples/s | memory {}",
+                window.mean_loss(),
+                report.lr,
+                window.rate(),
+                crate::memory::mib(report.memory_bytes)
+            ));
+            *window = Window::new();
+            self.last_draw = Instant::now();
+        }
+    }
+
+    fn finish_epoch(&mut self) {
+        self.bar.finish_and_clear();
+        self.bar.reset();
     }
 }

@@ -62,6 +62,9 @@ pub struct RunSummary {
     pub oom_events: u64,
     pub cache_cleanups: u64,
     pub cache_cleanup_seconds: f64,
+    /// Tensor bytes still held by the run's pool after the run let go of
+    /// everything: 0 unless something leaked.
+    pub memory_left_after_run: u64,
 }
 
 /// Where the run stands: what a checkpoint restores.
@@ -111,6 +114,7 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         })?;
     check_writable(config.output_dir())?;
     tracing::info!("run directory {}", config.output_dir().display());
+    rundir::write_resolved_config(config.output_dir(), config)?;
     let resume_point = resume::choose(config, &options.resume)?;
     let mut memory = MemoryGuard::new(config)?;
     let mut run = memory.scope(|| prepare(config, options))?;
@@ -178,6 +182,10 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
     // A training error explains a sink that stopped early, so it goes first.
     let finish = result?;
     let outcome = outcome?;
+    match crate::plot::write(config.output_dir()) {
+        Ok(path) => tracing::info!("plots: {}", path.display()),
+        Err(e) => tracing::warn!("no plot: {e}"),
+    }
 
     let (test_loss, test_accuracy) = match (&finish, epochs.last()) {
         (_, Some(last)) => (Some(last.test_loss), Some(last.test_accuracy)),
@@ -226,6 +234,10 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         oom_events: memory.oom_events,
         cache_cleanups: memory.cleanups,
         cache_cleanup_seconds: memory.cleanup_seconds,
+        memory_left_after_run: {
+            drop(run);
+            memory.stats().in_use_bytes
+        },
     })
 }
 
@@ -465,7 +477,13 @@ fn run_epoch(
             other => other?,
         };
         let applied = !report.skipped;
-        send(events, Event::Step(report))?;
+        send(
+            events,
+            Event::Step(StepReport {
+                memory_bytes: memory.stats().reserved_bytes,
+                ..report
+            }),
+        )?;
         learner.position.progress.train_seconds += started.elapsed().as_secs_f64();
         started = Instant::now();
         if learner.position.consecutive_skips >= config.train.max_consecutive_skips {
@@ -568,6 +586,7 @@ fn train_step(
         lr,
         grad_norm: norm.unwrap_or(f32::NAN),
         skipped: norm.is_none(),
+        memory_bytes: 0,
     })
 }
 

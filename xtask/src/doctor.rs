@@ -1,0 +1,96 @@
+//! `cargo xtask doctor`: the CPU (cores, vector extensions, measured FP32
+//! peak), memory, the GPU if a driver is there, which backend and precision
+//! `device.kind = "auto"` picks, and the profile we recommend.
+
+use anyhow::Result;
+use headroom_pipeline::bench::peak_gflops;
+use headroom_pipeline::config::SMALL_DEVICE_BYTES;
+use headroom_pipeline::{available_memory_bytes, system_memory_bytes};
+
+fn gib(bytes: Option<u64>) -> String {
+    bytes.map_or("unknown".into(), |b| {
+        format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+    })
+}
+
+pub fn run() -> Result<()> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!("cpu        {} ({cores} cores available)", cpu_model());
+    println!("vectors    {}", vector_extensions().join(" "));
+    println!(
+        "fp32 peak  {:.0} GFLOP/s on {cores} threads (measured FMA loop)",
+        peak_gflops(cores)
+    );
+    let total = system_memory_bytes();
+    println!(
+        "memory     {} total, {} available",
+        gib(total),
+        gib(available_memory_bytes())
+    );
+    println!("gpu        {}", gpu_line());
+    println!("auto picks cpu, f32 (the CUDA backend is not wired into training yet)");
+    let profile = match total {
+        Some(bytes) if bytes < SMALL_DEVICE_BYTES => {
+            "low_memory (less than 4 GiB: applied automatically)"
+        }
+        _ => "max_speed (or the default); low_memory only with a device.memory_limit below 4 GiB",
+    };
+    println!("profile    {profile}");
+    Ok(())
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+fn vector_extensions() -> Vec<&'static str> {
+    let mut found = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        macro_rules! probe {
+            ($($feature:tt),*) => {
+                $(if std::arch::is_x86_feature_detected!($feature) { found.push($feature); })*
+            };
+        }
+        probe!(
+            "sse4.2",
+            "avx",
+            "avx2",
+            "fma",
+            "f16c",
+            "avx512f",
+            "avx512bw",
+            "avx512vl",
+            "avx512vnni",
+            "avx512bf16"
+        );
+    }
+    #[cfg(target_arch = "aarch64")]
+    found.push("neon");
+    if found.is_empty() {
+        found.push("none detected");
+    }
+    found
+}
+
+/// Whether an NVIDIA driver is loadable, without touching it further.
+fn gpu_line() -> String {
+    let name = c"libcuda.so.1";
+    // SAFETY: dlopen with a valid C string; the handle is closed right away
+    // and no symbol from it is called.
+    let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
+    if handle.is_null() {
+        return "none (no NVIDIA driver: libcuda.so.1 not found)".into();
+    }
+    // SAFETY: `handle` came from dlopen above and is closed once.
+    unsafe { libc::dlclose(handle) };
+    "NVIDIA driver present (libcuda.so.1); GPU details need the CUDA backend, not wired into training yet".into()
+}
