@@ -1,0 +1,57 @@
+//! The README's table of configuration keys and the code agree: every key
+//! the code reads is documented, and every documented key exists.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use headroom_pipeline::{ExperimentConfig, Overrides};
+
+/// Every key of a fully populated experiment (optional tables switched on so
+/// that their keys appear).
+fn keys_in_code() -> BTreeSet<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let overrides = Overrides::parse(&[
+        "augment.rand_augment.num_ops=2".into(),
+        "augment.rand_augment.magnitude=9".into(),
+        "model.checkpoint=blocks".into(),
+    ])
+    .unwrap();
+    let config =
+        ExperimentConfig::load(&root.join("experiments/fashion_mnist.toml"), &overrides).unwrap();
+    config.flatten().into_keys().collect()
+}
+
+/// The first cell of each row of the README table headed "| key |".
+fn keys_in_readme() -> BTreeSet<String> {
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"))
+            .unwrap();
+    let table = readme
+        .split("| key |")
+        .nth(1)
+        .expect("README has a table headed `| key |`");
+    table
+        .lines()
+        .skip(2)
+        .take_while(|line| line.starts_with('|'))
+        .filter_map(|line| {
+            let cell = line.split('|').nth(1)?.trim();
+            Some(cell.trim_matches('`').to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn every_config_key_is_documented_and_every_documented_key_exists() {
+    let (code, readme) = (keys_in_code(), keys_in_readme());
+    let undocumented: Vec<_> = code.difference(&readme).collect();
+    let unknown: Vec<_> = readme.difference(&code).collect();
+    assert!(
+        undocumented.is_empty(),
+        "keys missing from the README table: {undocumented:?}"
+    );
+    assert!(
+        unknown.is_empty(),
+        "README documents keys the code does not have: {unknown:?}"
+    );
+}
