@@ -24,6 +24,7 @@ pub fn write(dir: &Path) -> Result<PathBuf> {
     let metrics = dir.join("metrics.jsonl");
     let text = std::fs::read_to_string(&metrics).map_err(|e| PipelineError::io(&metrics, e))?;
     let (mut loss, mut speed, mut accuracy) = (Vec::new(), Vec::new(), Vec::new());
+    let mut epoch_speed = Vec::new();
     let mut last_step = 0.0;
     for line in text.lines() {
         let Ok(value) = serde_json::from_str::<serde_json::Value>(line) else {
@@ -37,7 +38,7 @@ pub fn write(dir: &Path) -> Result<PathBuf> {
                 if let Some(l) = data["loss"].as_f64().filter(|l| l.is_finite()) {
                     loss.push((step, l));
                 }
-                if let Some(s) = data["samples_per_sec"].as_f64() {
+                if let Some(s) = data["samples_per_sec"].as_f64().filter(|s| *s > 0.0) {
                     speed.push((step, s));
                 }
             }
@@ -47,13 +48,14 @@ pub fn write(dir: &Path) -> Result<PathBuf> {
                     accuracy.push((epoch, 100.0 * a));
                 }
                 if let Some(s) = data["train_samples_per_sec"].as_f64() {
-                    speed.push((last_step, s));
+                    epoch_speed.push((last_step, s));
                 }
             }
             _ => {}
         }
     }
     let smoothed = moving_average(&loss, 25);
+    let speed = moving_average(&speed, 25);
     let panels = [
         Series {
             title: "training loss",
@@ -66,9 +68,9 @@ pub fn write(dir: &Path) -> Result<PathBuf> {
             lines: vec![(accuracy, "#d94801")],
         },
         Series {
-            title: "throughput (samples/s, per epoch)",
+            title: "throughput (samples/s)",
             x_label: "step",
-            lines: vec![(speed, "#238b45")],
+            lines: vec![(speed, "#74c476"), (epoch_speed, "#00441b")],
         },
     ];
     let svg = render(&panels, &dir.display().to_string());
@@ -230,7 +232,7 @@ mod tests {
         lines += "{\"kind\":\"epoch\",\"data\":{\"epoch\":0,\"test_accuracy\":0.8,\"train_samples_per_sec\":120.0}}\n";
         std::fs::write(dir.path().join("metrics.jsonl"), lines).unwrap();
         let svg = std::fs::read_to_string(write(dir.path()).unwrap()).unwrap();
-        assert_eq!(svg.matches("<polyline").count(), 4);
+        assert_eq!(svg.matches("<polyline").count(), 5);
         assert!(svg.contains("training loss") && svg.contains("test accuracy"));
 
         std::fs::write(dir.path().join("metrics.jsonl"), "").unwrap();

@@ -27,6 +27,10 @@ pub struct StepReport {
     pub skipped: bool,
     /// Tensor memory the run holds (the pool's reserved bytes).
     pub memory_bytes: u64,
+    /// This step's throughput, from batch to batch.
+    pub samples_per_sec: f64,
+    /// Out-of-memory events handled so far in this run.
+    pub oom_events: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -477,15 +477,18 @@ fn run_epoch(
             other => other?,
         };
         let applied = !report.skipped;
+        let seconds = started.elapsed().as_secs_f64();
+        started = Instant::now();
+        learner.position.progress.train_seconds += seconds;
         send(
             events,
             Event::Step(StepReport {
                 memory_bytes: memory.stats().reserved_bytes,
+                samples_per_sec: report.samples as f64 / seconds.max(1e-9),
+                oom_events: memory.oom_events,
                 ..report
             }),
         )?;
-        learner.position.progress.train_seconds += started.elapsed().as_secs_f64();
-        started = Instant::now();
         if learner.position.consecutive_skips >= config.train.max_consecutive_skips {
             checkpoint_now(config, learner, events, memory)?;
             return Err(PipelineError::Diverged {
@@ -587,6 +590,8 @@ fn train_step(
         grad_norm: norm.unwrap_or(f32::NAN),
         skipped: norm.is_none(),
         memory_bytes: 0,
+        samples_per_sec: 0.0,
+        oom_events: 0,
     })
 }
 
