@@ -1,5 +1,5 @@
 //! Times one training step (forward, loss, backward) of the reference ResNet
-//! (the spec of crates/model/tests/network.rs, Fashion-MNIST 28×28×1) and
+//! (the `[model]` of experiments/fashion_mnist.toml, Fashion-MNIST 28×28×1) and
 //! reports the memory pool's figures: ms per step, then, per checkpointing
 //! policy, the peak bytes in use and reserved during a step.
 //!
@@ -15,22 +15,8 @@ use headroom_model::loss::softmax_cross_entropy;
 use headroom_model::{CheckpointPolicy, Device, Mode, ModelSpec, Network, Tensor};
 use serde::Deserialize;
 
-const REFERENCE: &str = r#"
-[model]
-input = [28, 28, 1]
-mean = 0.2860
-std = 0.3530
-layers = [
-  { type = "conv", out = 32 }, { type = "batch_norm" }, { type = "relu" },
-  { type = "basic_block" },
-  { type = "conv", out = 64, stride = 2 }, { type = "batch_norm" }, { type = "relu" },
-  { type = "basic_block" },
-  { type = "conv", out = 128, stride = 2 }, { type = "batch_norm" }, { type = "relu" },
-  { type = "basic_block" },
-  { type = "global_avg_pool" },
-  { type = "linear", out = 10 },
-]
-"#;
+/// The default experiment; its `[model]` is the reference ResNet.
+const REFERENCE: &str = include_str!("../../../experiments/fashion_mnist.toml");
 
 #[derive(Deserialize)]
 struct Wrapper {

@@ -4,33 +4,9 @@
 
 use headroom_model::loss::softmax_cross_entropy;
 use headroom_model::{Mode, ModelError, ModelSpec, Network, Tensor};
-use serde::Deserialize;
+mod common;
 
-#[derive(Deserialize)]
-struct Wrapper {
-    model: ModelSpec,
-}
-
-const REFERENCE: &str = r#"
-[model]
-input = [28, 28, 1]
-mean = 0.2860
-std = 0.3530
-layers = [
-  { type = "conv", out = 32 }, { type = "batch_norm" }, { type = "relu" },
-  { type = "basic_block" },
-  { type = "conv", out = 64, stride = 2 }, { type = "batch_norm" }, { type = "relu" },
-  { type = "basic_block" },
-  { type = "conv", out = 128, stride = 2 }, { type = "batch_norm" }, { type = "relu" },
-  { type = "basic_block" },
-  { type = "global_avg_pool" },
-  { type = "linear", out = 10 },
-]
-"#;
-
-fn parse(text: &str) -> Result<ModelSpec, toml::de::Error> {
-    toml::from_str::<Wrapper>(text).map(|w| w.model)
-}
+use common::{parse, REFERENCE};
 
 /// A spec with the reference header and the given `layers` entries.
 fn with_layers(layers: &str) -> String {

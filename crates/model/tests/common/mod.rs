@@ -11,23 +11,9 @@ struct Wrapper {
     model: ModelSpec,
 }
 
-/// The reference ResNet (Fashion-MNIST 28×28×1), as in tests/network.rs.
-pub const REFERENCE: &str = r#"
-[model]
-input = [28, 28, 1]
-mean = 0.2860
-std = 0.3530
-layers = [
-  { type = "conv", out = 32 }, { type = "batch_norm" }, { type = "relu" },
-  { type = "basic_block" },
-  { type = "conv", out = 64, stride = 2 }, { type = "batch_norm" }, { type = "relu" },
-  { type = "basic_block" },
-  { type = "conv", out = 128, stride = 2 }, { type = "batch_norm" }, { type = "relu" },
-  { type = "basic_block" },
-  { type = "global_avg_pool" },
-  { type = "linear", out = 10 },
-]
-"#;
+/// The default experiment, whose `[model]` is the reference ResNet
+/// (Fashion-MNIST 28×28×1); other tables are ignored when parsing.
+pub const REFERENCE: &str = include_str!("../../../../experiments/fashion_mnist.toml");
 
 pub fn parse(text: &str) -> std::result::Result<ModelSpec, toml::de::Error> {
     toml::from_str::<Wrapper>(text).map(|w| w.model)
