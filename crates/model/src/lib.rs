@@ -5,6 +5,7 @@
 //! There is no autograd tape: every layer saves what its backward needs during
 //! a training forward and frees it in backward, so memory is explicit.
 
+pub mod cuda;
 mod device;
 mod error;
 pub mod gradcheck;

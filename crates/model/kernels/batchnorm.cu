@@ -1,0 +1,267 @@
+// Batch normalisation over N, H and W of each channel of an NHWC batch, seen
+// as [rows, channels] with rows = N*H*W: the CPU's BatchNorm2d (biased
+// variance for normalising, unbiased for running_var, PyTorch's momentum
+// rule), with an optional fused ReLU.
+//
+// Training forward:
+//   bn_stats_partial   Welford (count, mean, M2) per channel over fixed
+//                      chunks of rows, f32 -> part_mean/part_m2 [chunks, C]
+//   bn_stats_finalize  one thread per channel merges the chunks in order
+//                      (Chan's formula, f64): mean, inv_std, the affine
+//                      scale = gamma*inv_std and shift = beta - mean*scale,
+//                      and the running statistics (unless recomputing)
+//   bn_apply           y = x*scale + shift (then ReLU if fused)
+// Eval forward: bn_eval_prepare (scale/shift from the running statistics),
+// then bn_apply.
+// Backward (g is dL/dy; with the fused ReLU, g' = y > 0 ? g : 0 where y is
+// the saved output of BN+ReLU; without it g' = g):
+//   bn_backward_partial   sum g' and sum g'*(x - mean) per channel and chunk
+//   bn_backward_finalize  dgamma = inv_std*sum g'(x-mean), dbeta = sum g',
+//                         accumulated (+=) into the f32 gradients, and the
+//                         coefficients of dx = k*g' + b*(x - mean) + d
+//   bn_backward_apply     dx
+// Chunk boundaries depend only on the shape and every merge runs in a fixed
+// order, so results are deterministic run to run.
+//
+// The partial kernels run with block (32, 8): 32 consecutive channels (a
+// coalesced 64-byte row segment) by 8 row lanes; grid (ceil(C/32), chunks).
+#include "common.cuh"
+
+struct BnDims {
+    u32 rows;
+    u32 channels;
+    u32 rows_per_chunk;
+    u32 chunks;
+};
+HR_CHECK_SIZE(BnDims, 16);
+
+struct BnFinalizeParams {
+    u32 rows;
+    u32 channels;
+    u32 rows_per_chunk;
+    u32 chunks;
+    float eps;
+    float momentum;
+    u32 update_running;
+};
+HR_CHECK_SIZE(BnFinalizeParams, 28);
+
+struct BnEvalParams {
+    u32 channels;
+    float eps;
+};
+HR_CHECK_SIZE(BnEvalParams, 8);
+
+struct BnApplyParams {
+    u32 rows;
+    u32 channels;
+    u32 relu;
+};
+HR_CHECK_SIZE(BnApplyParams, 12);
+
+struct BnBackwardParams {
+    u32 rows;
+    u32 channels;
+    u32 rows_per_chunk;
+    u32 chunks;
+    u32 relu;
+};
+HR_CHECK_SIZE(BnBackwardParams, 20);
+
+#define BN_LANES 8
+
+extern "C" __global__ void bn_stats_partial(BnDims d, const hr_half* __restrict__ x,
+                                            float* __restrict__ part_mean,
+                                            float* __restrict__ part_m2) {
+    __shared__ float s_count[BN_LANES][32];
+    __shared__ float s_mean[BN_LANES][32];
+    __shared__ float s_m2[BN_LANES][32];
+    const u32 c = blockIdx.x * 32 + threadIdx.x;
+    const u32 chunk = blockIdx.y;
+    const u32 r0 = chunk * d.rows_per_chunk;
+    const u32 r1 = min(r0 + d.rows_per_chunk, d.rows);
+    float count = 0.0f, mean = 0.0f, m2 = 0.0f;
+    if (c < d.channels) {
+        for (u32 r = r0 + threadIdx.y; r < r1; r += BN_LANES) {
+            const float v = h2f(x[r * d.channels + c]);
+            count += 1.0f;
+            const float delta = v - mean;
+            mean += delta / count;
+            m2 += delta * (v - mean);
+        }
+    }
+    s_count[threadIdx.y][threadIdx.x] = count;
+    s_mean[threadIdx.y][threadIdx.x] = mean;
+    s_m2[threadIdx.y][threadIdx.x] = m2;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < d.channels) {
+        for (int l = 1; l < BN_LANES; ++l) {
+            const float nb = s_count[l][threadIdx.x];
+            if (nb == 0.0f) {
+                continue;
+            }
+            const float delta = s_mean[l][threadIdx.x] - mean;
+            const float total = count + nb;
+            mean += delta * (nb / total);
+            m2 += s_m2[l][threadIdx.x] + delta * delta * (count * nb / total);
+            count = total;
+        }
+        part_mean[chunk * d.channels + c] = mean;
+        part_m2[chunk * d.channels + c] = m2;
+    }
+}
+
+extern "C" __global__ void bn_stats_finalize(
+    BnFinalizeParams p, const float* __restrict__ part_mean, const float* __restrict__ part_m2,
+    const float* __restrict__ gamma, const float* __restrict__ beta, float* __restrict__ mean_out,
+    float* __restrict__ inv_std_out, float* __restrict__ scale_out, float* __restrict__ shift_out,
+    float* __restrict__ running_mean, float* __restrict__ running_var) {
+    const u32 c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= p.channels) {
+        return;
+    }
+    double count = 0.0, mean = 0.0, m2 = 0.0;
+    for (u32 k = 0; k < p.chunks; ++k) {
+        const double nb = (double)min(p.rows_per_chunk, p.rows - k * p.rows_per_chunk);
+        const double mb = part_mean[k * p.channels + c];
+        const double delta = mb - mean;
+        const double total = count + nb;
+        mean += delta * nb / total;
+        m2 += (double)part_m2[k * p.channels + c] + delta * delta * count * nb / total;
+        count = total;
+    }
+    if (m2 < 0.0) {
+        m2 = 0.0;
+    }
+    const double inv_std = 1.0 / sqrt(m2 / count + (double)p.eps);
+    const float inv_std32 = (float)inv_std;
+    const float mean32 = (float)mean;
+    const float scale = inv_std32 * gamma[c];
+    mean_out[c] = mean32;
+    inv_std_out[c] = inv_std32;
+    scale_out[c] = scale;
+    shift_out[c] = beta[c] - mean32 * scale;
+    if (p.update_running) {
+        const double mom = (double)p.momentum;
+        const double unbiased = m2 / (count - 1.0);
+        running_mean[c] = (float)((1.0 - mom) * (double)running_mean[c] + mom * mean);
+        running_var[c] = (float)((1.0 - mom) * (double)running_var[c] + mom * unbiased);
+    }
+}
+
+extern "C" __global__ void bn_eval_prepare(BnEvalParams p, const float* __restrict__ gamma,
+                                           const float* __restrict__ beta,
+                                           const float* __restrict__ running_mean,
+                                           const float* __restrict__ running_var,
+                                           float* __restrict__ scale_out,
+                                           float* __restrict__ shift_out) {
+    const u32 c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= p.channels) {
+        return;
+    }
+    const float scale =
+        (float)((double)gamma[c] / sqrt((double)running_var[c] + (double)p.eps));
+    scale_out[c] = scale;
+    shift_out[c] = beta[c] - running_mean[c] * scale;
+}
+
+extern "C" __global__ void bn_apply(BnApplyParams p, const hr_half* __restrict__ x,
+                                    const float* __restrict__ scale,
+                                    const float* __restrict__ shift, hr_half* __restrict__ y) {
+    const u32 n = p.rows * p.channels;
+    HR_FOR_EACH(i, n) {
+        const u32 c = i % p.channels;
+        float v = fmaf(h2f(x[i]), scale[c], shift[c]);
+        if (p.relu) {
+            v = hr_relu(v);
+        }
+        y[i] = f2h(v);
+    }
+}
+
+__device__ __forceinline__ float bn_masked_grad(u32 relu, const hr_half* g, const hr_half* y,
+                                                u32 i) {
+    const float gv = h2f(g[i]);
+    if (relu) {
+        return h2f(y[i]) > 0.0f ? gv : 0.0f;
+    }
+    return gv;
+}
+
+// y may be any valid pointer when relu == 0 (it is not read).
+extern "C" __global__ void bn_backward_partial(BnBackwardParams p, const hr_half* __restrict__ g,
+                                               const hr_half* __restrict__ x,
+                                               const hr_half* __restrict__ y,
+                                               const float* __restrict__ mean,
+                                               float* __restrict__ part_sum_g,
+                                               float* __restrict__ part_sum_gx) {
+    __shared__ float s_g[BN_LANES][32];
+    __shared__ float s_gx[BN_LANES][32];
+    const u32 c = blockIdx.x * 32 + threadIdx.x;
+    const u32 chunk = blockIdx.y;
+    const u32 r0 = chunk * p.rows_per_chunk;
+    const u32 r1 = min(r0 + p.rows_per_chunk, p.rows);
+    float sg = 0.0f, sgx = 0.0f;
+    if (c < p.channels) {
+        const float mu = mean[c];
+        for (u32 r = r0 + threadIdx.y; r < r1; r += BN_LANES) {
+            const u32 i = r * p.channels + c;
+            const float gv = bn_masked_grad(p.relu, g, y, i);
+            sg += gv;
+            sgx += gv * (h2f(x[i]) - mu);
+        }
+    }
+    s_g[threadIdx.y][threadIdx.x] = sg;
+    s_gx[threadIdx.y][threadIdx.x] = sgx;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < p.channels) {
+        for (int l = 1; l < BN_LANES; ++l) {
+            sg += s_g[l][threadIdx.x];
+            sgx += s_gx[l][threadIdx.x];
+        }
+        part_sum_g[chunk * p.channels + c] = sg;
+        part_sum_gx[chunk * p.channels + c] = sgx;
+    }
+}
+
+extern "C" __global__ void bn_backward_finalize(
+    BnBackwardParams p, const float* __restrict__ part_sum_g, const float* __restrict__ part_sum_gx,
+    const float* __restrict__ gamma, const float* __restrict__ inv_std,
+    float* __restrict__ gamma_grad, float* __restrict__ beta_grad, float* __restrict__ coef_k,
+    float* __restrict__ coef_b, float* __restrict__ coef_d) {
+    const u32 c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= p.channels) {
+        return;
+    }
+    double sum_g = 0.0, sum_gx = 0.0;
+    for (u32 k = 0; k < p.chunks; ++k) {
+        sum_g += (double)part_sum_g[k * p.channels + c];
+        sum_gx += (double)part_sum_gx[k * p.channels + c];
+    }
+    const double m = (double)p.rows;
+    const double s = (double)inv_std[c];
+    const double dgamma = s * sum_gx;
+    const double dbeta = sum_g;
+    const double k = (double)gamma[c] * s;
+    coef_k[c] = (float)k;
+    coef_b[c] = (float)(-k * s * dgamma / m);
+    coef_d[c] = (float)(-k * dbeta / m);
+    gamma_grad[c] += (float)dgamma;
+    beta_grad[c] += (float)dbeta;
+}
+
+extern "C" __global__ void bn_backward_apply(BnBackwardParams p, const hr_half* __restrict__ g,
+                                             const hr_half* __restrict__ x,
+                                             const hr_half* __restrict__ y,
+                                             const float* __restrict__ mean,
+                                             const float* __restrict__ coef_k,
+                                             const float* __restrict__ coef_b,
+                                             const float* __restrict__ coef_d,
+                                             hr_half* __restrict__ dx) {
+    const u32 n = p.rows * p.channels;
+    HR_FOR_EACH(i, n) {
+        const u32 c = i % p.channels;
+        const float gv = bn_masked_grad(p.relu, g, y, i);
+        dx[i] = f2h(coef_k[c] * gv + coef_b[c] * (h2f(x[i]) - mean[c]) + coef_d[c]);
+    }
+}

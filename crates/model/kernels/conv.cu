@@ -1,0 +1,100 @@
+// im2col / col2im for 2-D convolution in NHWC (the CPU's Conv2d layout):
+// input x [N, H, W, Cin], weight [KH, KW, Cin, Cout] = W[K, Cout] with
+// K = KH*KW*Cin in (ky, kx, ci) order, output y [N, OH, OW, Cout]. One row of
+// the im2col matrix A [N*OH*OW, K] is the receptive field of one output pixel,
+// so the convolution is Y = A W, and the GEMMs go to cuBLAS (f16 operands,
+// f32 accumulation):
+//   forward   Y  = A W            (f16 out)
+//   backward  dW += A^T dY        (f32 out, accumulated)
+//             dA = dY W^T         (f16 out), then dX = col2im(dA)
+// Both kernels work on a range of images [n0, n0 + images) so that A can be
+// built for part of the batch at a time (the wrapper picks the range from a
+// scratch budget); row 0 of A / dA is output pixel 0 of image n0.
+// col2im gathers (each input element sums the taps that read it, in f32) so
+// it needs no atomics and is deterministic.
+#include "common.cuh"
+
+struct ConvParams {
+    u32 h;
+    u32 w;
+    u32 cin;
+    u32 oh;
+    u32 ow;
+    u32 k;
+    u32 stride;
+    u32 pad;
+    u32 n0;
+    u32 images;
+};
+HR_CHECK_SIZE(ConvParams, 40);
+
+// a[row, col] for row in this range's output pixels, col in [0, K).
+extern "C" __global__ void im2col(ConvParams p, const hr_half* __restrict__ x,
+                                  hr_half* __restrict__ a) {
+    const u32 kk = p.k * p.k * p.cin;
+    const u32 opix = p.oh * p.ow;
+    const u32 total = p.images * opix * kk;
+    HR_FOR_EACH(i, total) {
+        const u32 row = i / kk;
+        const u32 col = i % kk;
+        const u32 img = row / opix;
+        const u32 pix = row % opix;
+        const u32 oy = pix / p.ow;
+        const u32 ox = pix % p.ow;
+        const u32 ky = col / (p.k * p.cin);
+        const u32 rem = col % (p.k * p.cin);
+        const u32 kx = rem / p.cin;
+        const u32 ci = rem % p.cin;
+        // Signed: the padding reaches before row/column 0.
+        const int iy = (int)(oy * p.stride + ky) - (int)p.pad;
+        const int ix = (int)(ox * p.stride + kx) - (int)p.pad;
+        hr_half v = 0;
+        if (iy >= 0 && iy < (int)p.h && ix >= 0 && ix < (int)p.w) {
+            v = x[(((p.n0 + img) * p.h + (u32)iy) * p.w + (u32)ix) * p.cin + ci];
+        }
+        a[i] = v;
+    }
+}
+
+// dx[n0 + img, iy, ix, ci] = sum over taps (ky, kx) with
+// oy*stride + ky - pad == iy (and the same for x) of da[row(img, oy, ox), col].
+// Writes every element of the images in range (zero where no tap reaches).
+extern "C" __global__ void col2im(ConvParams p, const hr_half* __restrict__ da,
+                                  hr_half* __restrict__ dx) {
+    const u32 kk = p.k * p.k * p.cin;
+    const u32 opix = p.oh * p.ow;
+    const u32 image = p.h * p.w * p.cin;
+    const u32 total = p.images * image;
+    HR_FOR_EACH(i, total) {
+        const u32 img = i / image;
+        const u32 rem = i % image;
+        const u32 iy = rem / (p.w * p.cin);
+        const u32 ix = (rem / p.cin) % p.w;
+        const u32 ci = rem % p.cin;
+        float acc = 0.0f;
+        for (u32 ky = 0; ky < p.k; ++ky) {
+            const int ty = (int)(iy + p.pad) - (int)ky;  // = oy * stride
+            if (ty < 0 || ty % (int)p.stride != 0) {
+                continue;
+            }
+            const u32 oy = (u32)ty / p.stride;
+            if (oy >= p.oh) {
+                continue;
+            }
+            for (u32 kx = 0; kx < p.k; ++kx) {
+                const int tx = (int)(ix + p.pad) - (int)kx;
+                if (tx < 0 || tx % (int)p.stride != 0) {
+                    continue;
+                }
+                const u32 ox = (u32)tx / p.stride;
+                if (ox >= p.ow) {
+                    continue;
+                }
+                const u32 row = img * opix + oy * p.ow + ox;
+                const u32 col = (ky * p.k + kx) * p.cin + ci;
+                acc += h2f(da[row * kk + col]);
+            }
+        }
+        dx[(p.n0 + img) * image + rem] = f2h(acc);
+    }
+}

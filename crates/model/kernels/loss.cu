@@ -1,0 +1,111 @@
+// Softmax cross-entropy with label smoothing (the CPU's
+// loss::softmax_cross_entropy, PyTorch semantics: target = (1-s)*onehot + s/k),
+// forward and gradient in one pass, one warp per row.
+//
+// Per row: row_loss = logsumexp(x) - sum_j t_j x_j (f32), row_correct = 1 if
+// the first maximum's index is the label (NaN never wins, as on the CPU), and
+// grad = (softmax(x) - t) * grad_scale in f16, where the caller passes
+// grad_scale = loss_scale / rows (mean over the batch, times the dynamic loss
+// scale). A non-finite logit gives a non-finite loss and gradient, which the
+// optimizer's inf/NaN check then sees. xent_reduce turns the per-row values
+// into the batch mean and the correct count (one block, fixed order).
+#include "common.cuh"
+
+struct XentParams {
+    u32 rows;
+    u32 classes;
+    float smoothing;
+    float grad_scale;
+};
+HR_CHECK_SIZE(XentParams, 16);
+
+struct XentReduceParams {
+    u32 rows;
+};
+HR_CHECK_SIZE(XentReduceParams, 4);
+
+extern "C" __global__ void softmax_xent(XentParams p, const hr_half* __restrict__ logits,
+                                        const u32* __restrict__ labels,
+                                        float* __restrict__ row_loss,
+                                        u32* __restrict__ row_correct,
+                                        hr_half* __restrict__ grad) {
+    const u32 row = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const u32 lane = threadIdx.x % 32;
+    if (row >= p.rows) {
+        return;  // whole warps leave together: rows are warp-aligned
+    }
+    const u32 k = p.classes;
+    const hr_half* x = logits + row * k;
+    const u32 label = labels[row];
+    const float off = p.smoothing / (float)k;
+    const float on = 1.0f - p.smoothing + off;
+
+    float mx = hr_neg_inf();
+    for (u32 j = lane; j < k; j += 32) {
+        mx = fmaxf(mx, h2f(x[j]));
+    }
+    mx = warp_max(mx);
+
+    float sum = 0.0f, dot = 0.0f;
+    for (u32 j = lane; j < k; j += 32) {
+        const float v = h2f(x[j]);
+        sum += expf(v - mx);
+        dot += (j == label ? on : off) * v;
+    }
+    sum = warp_sum(sum);
+    dot = warp_sum(dot);
+    const float lse = mx + logf(sum);
+    // An out-of-range label (the host validates labels it uploads) poisons
+    // the row instead of reading out of bounds.
+    const bool valid = label < k;
+
+    for (u32 j = lane; j < k; j += 32) {
+        const float prob = expf(h2f(x[j]) - lse);
+        const float t = j == label ? on : off;
+        grad[row * k + j] = f2h(valid ? (prob - t) * p.grad_scale : __int_as_float(0x7fc00000));
+    }
+    if (lane == 0) {
+        row_loss[row] = valid ? lse - dot : __int_as_float(0x7fc00000);
+        // First maximum, scanning in order like the CPU's argmax.
+        u32 best = 0;
+        float best_v = h2f(x[0]);
+        for (u32 j = 1; j < k; ++j) {
+            const float v = h2f(x[j]);
+            if (v > best_v) {
+                best = j;
+                best_v = v;
+            }
+        }
+        row_correct[row] = (valid && best == label) ? 1u : 0u;
+    }
+}
+
+// out_loss[0] = mean of row_loss, out_correct[0] = sum of row_correct.
+// Launch with exactly one block of 256 threads.
+extern "C" __global__ void xent_reduce(XentReduceParams p, const float* __restrict__ row_loss,
+                                       const u32* __restrict__ row_correct,
+                                       float* __restrict__ out_loss,
+                                       u32* __restrict__ out_correct) {
+    __shared__ double s_loss[256];
+    __shared__ u32 s_correct[256];
+    double loss = 0.0;
+    u32 correct = 0;
+    for (u32 r = threadIdx.x; r < p.rows; r += blockDim.x) {
+        loss += (double)row_loss[r];
+        correct += row_correct[r];
+    }
+    s_loss[threadIdx.x] = loss;
+    s_correct[threadIdx.x] = correct;
+    __syncthreads();
+    for (u32 stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) {
+            s_loss[threadIdx.x] += s_loss[threadIdx.x + stride];
+            s_correct[threadIdx.x] += s_correct[threadIdx.x + stride];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        out_loss[0] = (float)(s_loss[0] / (double)p.rows);
+        out_correct[0] = s_correct[0];
+    }
+}

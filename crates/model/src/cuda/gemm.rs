@@ -1,0 +1,180 @@
+//! Row-major matrix products through cuBLAS `cublasGemmEx`: f16 operands,
+//! f32 accumulation (`CUBLAS_COMPUTE_32F`, which uses tensor cores), and an
+//! f16 or f32 result. cuBLAS is column-major; a row-major C = op(A)·op(B) is
+//! the column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so the operands are swapped and the
+//! transposes kept.
+
+use cudarc::cublas::{result as cublas, sys as cublas_sys};
+use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
+use half::f16;
+
+use super::backend::CudaBackend;
+use super::error::Context;
+use super::{CudaError, CudaResult};
+
+/// A row-major matrix operand: `rows × cols` of `op(X)` (after the
+/// transpose), stored with leading dimension `ld`.
+#[derive(Clone, Copy, Debug)]
+pub struct Operand {
+    pub transpose: bool,
+    pub ld: usize,
+}
+
+/// Where the product goes.
+pub enum GemmOut<'a, 'b> {
+    F16(&'a mut CudaViewMut<'b, f16>),
+    F32(&'a mut CudaViewMut<'b, f32>),
+}
+
+impl GemmOut<'_, '_> {
+    fn len(&self) -> usize {
+        match self {
+            GemmOut::F16(v) => v.len(),
+            GemmOut::F32(v) => v.len(),
+        }
+    }
+}
+
+fn check_extent(
+    what: &str,
+    rows: usize,
+    cols: usize,
+    ld: usize,
+    transpose: bool,
+    len: usize,
+) -> CudaResult<()> {
+    // Stored rows × stored cols, row-major with leading dimension ld.
+    let (sr, sc) = if transpose {
+        (cols, rows)
+    } else {
+        (rows, cols)
+    };
+    if sr == 0 || sc == 0 {
+        return Ok(());
+    }
+    let ok = ld >= sc
+        && (sr - 1)
+            .checked_mul(ld)
+            .and_then(|v| v.checked_add(sc))
+            .is_some_and(|end| end <= len);
+    if ok {
+        Ok(())
+    } else {
+        Err(CudaError::shape(
+            "gemm",
+            format!("{what}: a {sr}×{sc} matrix with leading dimension {ld} inside the buffer"),
+            format!("a buffer of {len} elements"),
+        ))
+    }
+}
+
+fn as_int(v: usize) -> CudaResult<i32> {
+    i32::try_from(v).map_err(|_| CudaError::Unsupported {
+        op: "gemm",
+        reason: format!("dimension {v} exceeds i32"),
+    })
+}
+
+/// `c[m×n] = alpha · op(a)[m×k] · op(b)[k×n] + beta · c`, row-major, on the
+/// compute stream. `beta = 1` accumulates (gradients).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    be: &CudaBackend,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &CudaView<'_, f16>,
+    op_a: Operand,
+    b: &CudaView<'_, f16>,
+    op_b: Operand,
+    c: GemmOut<'_, '_>,
+    ldc: usize,
+    alpha: f32,
+    beta: f32,
+) -> CudaResult<()> {
+    check_extent("A", m, k, op_a.ld, op_a.transpose, a.len())?;
+    check_extent("B", k, n, op_b.ld, op_b.transpose, b.len())?;
+    check_extent("C", m, n, ldc, false, c.len())?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let (mi, ni, ki) = (as_int(m)?, as_int(n)?, as_int(k)?);
+    let (lda, ldb, ldcc) = (
+        as_int(op_a.ld.max(1))?,
+        as_int(op_b.ld.max(1))?,
+        as_int(ldc.max(1))?,
+    );
+    let op = |t: bool| {
+        if t {
+            cublas_sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            cublas_sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    let stream = be.compute_stream();
+    let (a_ptr, _ra) = a.device_ptr(stream);
+    let (b_ptr, _rb) = b.device_ptr(stream);
+    let handle = *be.blas().handle();
+    let alpha_ptr = &alpha as *const f32 as *const std::ffi::c_void;
+    let beta_ptr = &beta as *const f32 as *const std::ffi::c_void;
+    let run = |c_ptr: u64, c_type| {
+        // SAFETY: the extents of A, B and C were checked against their
+        // buffers above (for the row-major shapes, which are the column-major
+        // transposes cuBLAS sees); the handle's stream is the compute stream
+        // the pointers were synchronised for; alpha and beta are f32 as
+        // CUBLAS_COMPUTE_32F requires and live across the call.
+        unsafe {
+            cublas::gemm_ex(
+                handle,
+                op(op_b.transpose),
+                op(op_a.transpose),
+                ni,
+                mi,
+                ki,
+                alpha_ptr,
+                b_ptr as *const std::ffi::c_void,
+                cublas_sys::cudaDataType::CUDA_R_16F,
+                ldb,
+                a_ptr as *const std::ffi::c_void,
+                cublas_sys::cudaDataType::CUDA_R_16F,
+                lda,
+                beta_ptr,
+                c_ptr as *mut std::ffi::c_void,
+                c_type,
+                ldcc,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT, // = CUBLAS_GEMM_DEFAULT (-1)
+            )
+        }
+        .during("cublasGemmEx")
+    };
+    match c {
+        GemmOut::F16(v) => {
+            let (c_ptr, _rc) = v.device_ptr_mut(stream);
+            run(c_ptr, cublas_sys::cudaDataType::CUDA_R_16F)
+        }
+        GemmOut::F32(v) => {
+            let (c_ptr, _rc) = v.device_ptr_mut(stream);
+            run(c_ptr, cublas_sys::cudaDataType::CUDA_R_32F)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extents_are_checked_before_any_call() {
+        // 2×3 row-major with ld 3 needs 6 elements.
+        assert!(check_extent("A", 2, 3, 3, false, 6).is_ok());
+        assert!(check_extent("A", 2, 3, 3, false, 5).is_err());
+        // Transposed: stored 3×2 with ld 2.
+        assert!(check_extent("A", 2, 3, 2, true, 6).is_ok());
+        assert!(
+            check_extent("A", 2, 3, 1, true, 6).is_err(),
+            "ld below the stored width"
+        );
+        assert!(check_extent("A", 0, 3, 0, false, 0).is_ok());
+    }
+}

@@ -1,0 +1,443 @@
+//! Our CUDA kernels: their sources (compiled into the binary with
+//! `include_str!`), the signature of every entry point, and NVRTC
+//! compilation with an on-disk cache.
+//!
+//! A kernel file is compiled once per process and device on first use (see
+//! `CudaBackend::function`): for the device's exact architecture to a CUBIN
+//! when NVRTC supports it (no JIT at load time, and a CUBIN loads on any
+//! driver of the same CUDA major version), otherwise to PTX for the newest
+//! virtual architecture NVRTC knows, which the driver JIT-compiles. Images
+//! are cached under `kernel_cache_dir()`, keyed by a hash of the source,
+//! the options, the target and the NVRTC version.
+
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::path::PathBuf;
+
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+
+use super::params::*;
+use super::{libs, CudaError, CudaResult};
+
+/// Text spliced into every kernel file in place of `#include "common.cuh"`.
+pub const COMMON: &str = include_str!("../../kernels/common.cuh");
+const INCLUDE_COMMON: &str = "#include \"common.cuh\"";
+
+/// One `extern "C" __global__` entry point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelSig {
+    /// Kernel file (without `.cu`).
+    pub file: &'static str,
+    pub name: &'static str,
+    /// `size_of` of the parameter struct passed first, by value.
+    pub params_bytes: usize,
+    /// Pointer arguments after it.
+    pub buffers: usize,
+}
+
+/// One `.cu` file and the entry points it defines.
+#[derive(Debug)]
+pub struct KernelFile {
+    pub name: &'static str,
+    pub source: &'static str,
+    pub kernels: &'static [KernelSig],
+}
+
+macro_rules! sig {
+    ($file:literal, $name:literal, $params:ty, $buffers:expr) => {
+        KernelSig {
+            file: $file,
+            name: $name,
+            params_bytes: std::mem::size_of::<$params>(),
+            buffers: $buffers,
+        }
+    };
+}
+
+pub const CAST_F32_TO_F16: KernelSig = sig!("cast", "cast_f32_to_f16", CastParams, 2);
+pub const CAST_F16_TO_F32: KernelSig = sig!("cast", "cast_f16_to_f32", CastParams, 2);
+pub const NORMALIZE_U8: KernelSig = sig!("cast", "normalize_u8_to_f16", NormalizeParams, 2);
+
+pub const RELU_FORWARD: KernelSig = sig!("elementwise", "relu_forward", EwParams, 2);
+pub const RELU_BACKWARD: KernelSig = sig!("elementwise", "relu_backward", EwParams, 3);
+pub const ADD_INPLACE: KernelSig = sig!("elementwise", "add_inplace", EwParams, 2);
+pub const ADD: KernelSig = sig!("elementwise", "add", EwParams, 3);
+pub const BIAS_ADD: KernelSig = sig!("elementwise", "bias_add", RowsColsParams, 2);
+pub const BIAS_GRAD: KernelSig = sig!("elementwise", "bias_grad", RowsColsParams, 2);
+
+pub const BN_STATS_PARTIAL: KernelSig = sig!("batchnorm", "bn_stats_partial", BnDims, 3);
+pub const BN_STATS_FINALIZE: KernelSig =
+    sig!("batchnorm", "bn_stats_finalize", BnFinalizeParams, 10);
+pub const BN_EVAL_PREPARE: KernelSig = sig!("batchnorm", "bn_eval_prepare", BnEvalParams, 6);
+pub const BN_APPLY: KernelSig = sig!("batchnorm", "bn_apply", BnApplyParams, 4);
+pub const BN_BACKWARD_PARTIAL: KernelSig =
+    sig!("batchnorm", "bn_backward_partial", BnBackwardParams, 6);
+pub const BN_BACKWARD_FINALIZE: KernelSig =
+    sig!("batchnorm", "bn_backward_finalize", BnBackwardParams, 9);
+pub const BN_BACKWARD_APPLY: KernelSig =
+    sig!("batchnorm", "bn_backward_apply", BnBackwardParams, 8);
+
+pub const POOL_FORWARD: KernelSig = sig!("pool", "global_avg_pool_forward", PoolParams, 2);
+pub const POOL_BACKWARD: KernelSig = sig!("pool", "global_avg_pool_backward", PoolParams, 2);
+
+pub const SOFTMAX_XENT: KernelSig = sig!("loss", "softmax_xent", XentParams, 5);
+pub const XENT_REDUCE: KernelSig = sig!("loss", "xent_reduce", XentReduceParams, 4);
+
+pub const IM2COL: KernelSig = sig!("conv", "im2col", ConvParams, 2);
+pub const COL2IM: KernelSig = sig!("conv", "col2im", ConvParams, 2);
+
+pub const GRAD_SUMSQ: KernelSig = sig!("optim", "grad_sumsq", SumSqParams, 2);
+pub const STEP_FINALIZE: KernelSig = sig!("optim", "step_finalize", FinalizeParams, 2);
+pub const ADAMW_FUSED: KernelSig = sig!("optim", "adamw_fused", AdamWParams, 6);
+
+/// Every kernel file and its entry points.
+pub static FILES: &[KernelFile] = &[
+    KernelFile {
+        name: "cast",
+        source: include_str!("../../kernels/cast.cu"),
+        kernels: &[CAST_F32_TO_F16, CAST_F16_TO_F32, NORMALIZE_U8],
+    },
+    KernelFile {
+        name: "elementwise",
+        source: include_str!("../../kernels/elementwise.cu"),
+        kernels: &[
+            RELU_FORWARD,
+            RELU_BACKWARD,
+            ADD_INPLACE,
+            ADD,
+            BIAS_ADD,
+            BIAS_GRAD,
+        ],
+    },
+    KernelFile {
+        name: "batchnorm",
+        source: include_str!("../../kernels/batchnorm.cu"),
+        kernels: &[
+            BN_STATS_PARTIAL,
+            BN_STATS_FINALIZE,
+            BN_EVAL_PREPARE,
+            BN_APPLY,
+            BN_BACKWARD_PARTIAL,
+            BN_BACKWARD_FINALIZE,
+            BN_BACKWARD_APPLY,
+        ],
+    },
+    KernelFile {
+        name: "pool",
+        source: include_str!("../../kernels/pool.cu"),
+        kernels: &[POOL_FORWARD, POOL_BACKWARD],
+    },
+    KernelFile {
+        name: "loss",
+        source: include_str!("../../kernels/loss.cu"),
+        kernels: &[SOFTMAX_XENT, XENT_REDUCE],
+    },
+    KernelFile {
+        name: "conv",
+        source: include_str!("../../kernels/conv.cu"),
+        kernels: &[IM2COL, COL2IM],
+    },
+    KernelFile {
+        name: "optim",
+        source: include_str!("../../kernels/optim.cu"),
+        kernels: &[GRAD_SUMSQ, STEP_FINALIZE, ADAMW_FUSED],
+    },
+];
+
+/// The file that defines `sig`.
+pub fn file_of(sig: &KernelSig) -> Option<&'static KernelFile> {
+    FILES.iter().find(|f| f.name == sig.file)
+}
+
+impl KernelFile {
+    /// The source as NVRTC compiles it: `common.cuh` spliced in.
+    pub fn full_source(&self) -> String {
+        self.source.replacen(INCLUDE_COMMON, COMMON, 1)
+    }
+}
+
+/// What to compile for. The number is the compute capability ×10 + minor
+/// (80 = 8.0, 90 = 9.0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// PTX for the virtual architecture `compute_NN` (JIT-compiled by the
+    /// driver at load time; runs on that architecture and newer).
+    Ptx(u32),
+    /// A CUBIN for the real architecture `sm_NN` (that architecture only).
+    Cubin(u32),
+}
+
+impl Target {
+    fn arch_option(self) -> String {
+        match self {
+            Target::Ptx(a) => format!("--gpu-architecture=compute_{a}"),
+            Target::Cubin(a) => format!("--gpu-architecture=sm_{a}"),
+        }
+    }
+
+    fn extension(self) -> &'static str {
+        match self {
+            Target::Ptx(_) => "ptx",
+            Target::Cubin(_) => "cubin",
+        }
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Ptx(a) => write!(f, "compute_{a} (PTX)"),
+            Target::Cubin(a) => write!(f, "sm_{a} (CUBIN)"),
+        }
+    }
+}
+
+/// Options every kernel is compiled with (besides the architecture). No fast
+/// math: expf/logf/sqrtf keep their accuracy, which the parity tests assume.
+const OPTIONS: &[&str] = &["--std=c++17"];
+
+/// NVRTC's version (major, minor).
+pub fn nvrtc_version() -> CudaResult<(i32, i32)> {
+    libs::ensure_nvrtc()?;
+    let (mut major, mut minor): (c_int, c_int) = (0, 0);
+    // SAFETY: NVRTC is loadable (checked above); nvrtcVersion writes two ints.
+    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| CudaError::Nvrtc {
+            op: "nvrtcVersion",
+            detail: format!("{e}"),
+        })?;
+    Ok((major, minor))
+}
+
+/// The real architectures (×10 + minor) this NVRTC can compile for.
+pub fn supported_archs() -> CudaResult<Vec<u32>> {
+    libs::ensure_nvrtc()?;
+    let nvrtc_err = |op, e: nvrtc::NvrtcError| CudaError::Nvrtc {
+        op,
+        detail: format!("{e}"),
+    };
+    let mut count: c_int = 0;
+    // SAFETY: NVRTC is loadable; the call writes one int.
+    unsafe { nvrtc_sys::nvrtcGetNumSupportedArchs(&mut count) }
+        .result()
+        .map_err(|e| nvrtc_err("nvrtcGetNumSupportedArchs", e))?;
+    let mut archs = vec![0 as c_int; count.max(0) as usize];
+    if !archs.is_empty() {
+        // SAFETY: `archs` has room for the `count` ints the call writes.
+        unsafe { nvrtc_sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }
+            .result()
+            .map_err(|e| nvrtc_err("nvrtcGetSupportedArchs", e))?;
+    }
+    Ok(archs.into_iter().map(|a| a.max(0) as u32).collect())
+}
+
+/// The target for a device of compute capability `arch` (×10 + minor): its
+/// CUBIN if NVRTC supports it, else PTX for the newest supported
+/// architecture below it, else an error.
+pub fn target_for(arch: u32) -> CudaResult<Target> {
+    let archs = supported_archs()?;
+    if archs.contains(&arch) {
+        return Ok(Target::Cubin(arch));
+    }
+    match archs.iter().copied().filter(|&a| a <= arch).max() {
+        Some(a) => Ok(Target::Ptx(a)),
+        None => Err(CudaError::Unsupported {
+            op: "kernel compilation",
+            reason: format!(
+                "NVRTC supports architectures {archs:?}; the GPU is sm_{arch}, older than all of them"
+            ),
+        }),
+    }
+}
+
+/// Owns an nvrtcProgram and destroys it on drop.
+struct Program(nvrtc_sys::nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: the program was created by create_program and is destroyed
+        // only here, once. A failure to free is ignored (nothing to do).
+        let _ = unsafe { nvrtc::destroy_program(self.0) };
+    }
+}
+
+/// Compiles `file` for `target` with NVRTC, without the disk cache. Returns
+/// the PTX text (without its trailing NUL) or the CUBIN bytes.
+pub fn compile(file: &KernelFile, target: Target) -> CudaResult<Vec<u8>> {
+    libs::ensure_nvrtc()?;
+    let nvrtc_err = |op, e: nvrtc::NvrtcError| CudaError::Nvrtc {
+        op,
+        detail: format!("{e}"),
+    };
+    let source = CString::new(file.full_source()).map_err(|_| CudaError::Nvrtc {
+        op: "nvrtcCreateProgram",
+        detail: format!("{}.cu contains a NUL byte", file.name),
+    })?;
+    let name = CString::new(format!("{}.cu", file.name)).expect("file names have no NUL");
+    let program = Program(
+        nvrtc::create_program(&source, Some(&name))
+            .map_err(|e| nvrtc_err("nvrtcCreateProgram", e))?,
+    );
+    let mut options: Vec<String> = OPTIONS.iter().map(|s| s.to_string()).collect();
+    options.push(target.arch_option());
+    // SAFETY: `program` is live (destroyed only by its Drop); `source` and
+    // `name` outlive it (declared before it, dropped after it).
+    let compiled = unsafe { nvrtc::compile_program(program.0, &options) };
+    if let Err(e) = compiled {
+        // SAFETY: as above.
+        let log = unsafe { nvrtc::get_program_log(program.0) }
+            .map(|raw| c_chars_to_string(&raw))
+            .unwrap_or_else(|_| "(no log)".into());
+        return Err(CudaError::Compile {
+            file: file.name,
+            target: target.to_string(),
+            log: format!("{e}\n{log}"),
+        });
+    }
+    match target {
+        Target::Ptx(_) => {
+            // SAFETY: as above; compiled successfully.
+            let raw =
+                unsafe { nvrtc::get_ptx(program.0) }.map_err(|e| nvrtc_err("nvrtcGetPTX", e))?;
+            Ok(c_chars_to_string(&raw).into_bytes())
+        }
+        Target::Cubin(_) => {
+            let mut size = 0usize;
+            // SAFETY: as above; the call writes one usize.
+            unsafe { nvrtc_sys::nvrtcGetCUBINSize(program.0, &mut size) }
+                .result()
+                .map_err(|e| nvrtc_err("nvrtcGetCUBINSize", e))?;
+            let mut cubin = vec![0u8; size];
+            // SAFETY: `cubin` has the `size` bytes the call writes.
+            unsafe { nvrtc_sys::nvrtcGetCUBIN(program.0, cubin.as_mut_ptr() as *mut c_char) }
+                .result()
+                .map_err(|e| nvrtc_err("nvrtcGetCUBIN", e))?;
+            Ok(cubin)
+        }
+    }
+}
+
+fn c_chars_to_string(raw: &[c_char]) -> String {
+    // SAFETY: c_char and u8 have the same size and alignment.
+    let bytes = unsafe { std::slice::from_raw_parts(raw.as_ptr() as *const u8, raw.len()) };
+    match CStr::from_bytes_until_nul(bytes) {
+        Ok(s) => s.to_string_lossy().into_owned(),
+        Err(_) => String::from_utf8_lossy(bytes).into_owned(),
+    }
+}
+
+/// Where compiled kernels are cached: `$HEADROOM_KERNEL_CACHE`, else
+/// `$XDG_CACHE_HOME/headroom/kernels`, else `$HOME/.cache/headroom/kernels`
+/// (None if none is set: no disk cache).
+pub fn kernel_cache_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("HEADROOM_KERNEL_CACHE") {
+        return Some(PathBuf::from(dir));
+    }
+    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(dir).join("headroom/kernels"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/headroom/kernels"))
+}
+
+/// FNV-1a, 64 bits: a hash that stays the same across Rust releases (the
+/// cache key must).
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for &b in part.iter().chain(&[0xffu8]) {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// The cache file name of `file` compiled for `target`.
+pub fn cache_key(file: &KernelFile, target: Target) -> CudaResult<String> {
+    let (major, minor) = nvrtc_version()?;
+    let source = file.full_source();
+    let options = OPTIONS.join(" ");
+    let hash = fnv1a(&[
+        source.as_bytes(),
+        options.as_bytes(),
+        target.arch_option().as_bytes(),
+        format!("nvrtc {major}.{minor}").as_bytes(),
+    ]);
+    Ok(format!(
+        "{}-{}-{hash:016x}.{}",
+        file.name,
+        match target {
+            Target::Ptx(a) => format!("compute_{a}"),
+            Target::Cubin(a) => format!("sm_{a}"),
+        },
+        target.extension()
+    ))
+}
+
+/// `compile`, through the disk cache: a cached image is read back; a fresh
+/// one is written to a temporary name and renamed into place (a failure to
+/// write the cache is not an error).
+pub fn load_or_compile(file: &KernelFile, target: Target) -> CudaResult<Vec<u8>> {
+    let path = match kernel_cache_dir() {
+        Some(dir) => Some(dir.join(cache_key(file, target)?)),
+        None => None,
+    };
+    if let Some(path) = &path {
+        if let Ok(image) = std::fs::read(path) {
+            if !image.is_empty() {
+                return Ok(image);
+            }
+        }
+    }
+    let image = compile(file, target)?;
+    if let Some(path) = &path {
+        let _ = write_atomically(path, &image);
+    }
+    Ok(image)
+}
+
+fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().ok_or(std::io::ErrorKind::NotFound)?;
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        path.file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("kernel"),
+        std::process::id()
+    ));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_signature_belongs_to_its_file_and_names_are_unique() {
+        let mut names = std::collections::HashSet::new();
+        for file in FILES {
+            assert!(
+                file.source.contains(INCLUDE_COMMON),
+                "{}.cu must include common.cuh",
+                file.name
+            );
+            for k in file.kernels {
+                assert_eq!(k.file, file.name, "{}", k.name);
+                assert!(names.insert(k.name), "duplicate kernel {}", k.name);
+                let decl = format!("extern \"C\" __global__ void {}(", k.name);
+                assert!(file.source.contains(&decl), "{}.cu lacks {decl}", file.name);
+                assert!(std::ptr::eq(file_of(k).unwrap(), file));
+            }
+        }
+    }
+
+    #[test]
+    fn the_cache_hash_is_stable() {
+        // FNV-1a of "a" then the separator: pinned so that a change of the
+        // hash (which would orphan every cached kernel) is deliberate.
+        assert_eq!(fnv1a(&[b"a"]), 0x089b_c907_b544_c769);
+        assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
+    }
+}

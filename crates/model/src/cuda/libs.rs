@@ -1,0 +1,189 @@
+//! Finding the CUDA libraries that cudarc loads at run time.
+//!
+//! cudarc (feature `dynamic-loading`) `dlopen`s `libcuda`, `libnvrtc` and
+//! `libcublas` by bare name on first use, so they are found only on the
+//! loader's default path (`LD_LIBRARY_PATH`, `ld.so.cache`, ...), and it
+//! PANICS when one is missing. This module checks first and never panics:
+//!
+//! - The driver (`libcuda.so.1`) comes with the NVIDIA driver, in a system
+//!   directory; it is only checked for (`driver_present`).
+//! - NVRTC and cuBLAS are often pip wheels (`pip install nvidia-cuda-nvrtc
+//!   nvidia-cuda-runtime nvidia-cublas`) whose `lib` directories are not on
+//!   the loader path. If the bare name does not load, we look in
+//!   `$HEADROOM_CUDA_LIB_DIR` (a `:`-separated list), `$CUDA_HOME`,
+//!   `$CUDA_PATH`, `/usr/local/cuda`, and the `nvidia` package directories that
+//!   `python3` reports (`$HEADROOM_PYTHON` names another interpreter), and
+//!   `dlopen` the file found by full path with `RTLD_GLOBAL`. The loader then
+//!   matches cudarc's later bare-name `dlopen("libnvrtc.so.13")` against the
+//!   SONAME of the library already loaded, so cudarc uses it.
+//!
+//! The result is computed once per process.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use super::{CudaError, CudaResult};
+
+/// Install command printed when NVRTC is missing.
+pub const NVRTC_INSTALL_HINT: &str =
+    "install it with `pip install nvidia-cuda-nvrtc nvidia-cuda-runtime` \
+     (or a CUDA toolkit), or point HEADROOM_CUDA_LIB_DIR at the directory holding libnvrtc.so.13";
+
+/// Install command printed when cuBLAS is missing.
+pub const CUBLAS_INSTALL_HINT: &str =
+    "install it with `pip install nvidia-cublas` (or a CUDA toolkit), \
+     or point HEADROOM_CUDA_LIB_DIR at the directory holding libcublas.so.13";
+
+/// Whether the CUDA driver library can be loaded (says nothing about GPUs).
+pub fn driver_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: is_culib_present only tries to dlopen candidate names and
+    // reports whether one loaded; it does not call into the library.
+    *PRESENT.get_or_init(|| unsafe { cudarc::driver::sys::is_culib_present() })
+}
+
+/// Makes NVRTC loadable for cudarc, or says how to install it. Returns the
+/// path it preloaded, if it had to.
+pub fn ensure_nvrtc() -> CudaResult<Option<PathBuf>> {
+    static NVRTC: OnceLock<Result<Option<PathBuf>, String>> = OnceLock::new();
+    NVRTC
+        .get_or_init(|| {
+            // SAFETY: as in driver_present.
+            let present = || unsafe { cudarc::nvrtc::sys::is_culib_present() };
+            locate(
+                present,
+                &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"],
+                &[],
+            )
+            .ok_or_else(|| NVRTC_INSTALL_HINT.to_string())
+        })
+        .clone()
+        .map_err(|hint| CudaError::LibraryMissing {
+            library: "NVRTC (libnvrtc)",
+            hint,
+        })
+}
+
+/// Makes cuBLAS loadable for cudarc, or says how to install it.
+pub fn ensure_cublas() -> CudaResult<Option<PathBuf>> {
+    static CUBLAS: OnceLock<Result<Option<PathBuf>, String>> = OnceLock::new();
+    CUBLAS
+        .get_or_init(|| {
+            // SAFETY: as in driver_present.
+            let present = || unsafe { cudarc::cublas::sys::is_culib_present() };
+            locate(
+                present,
+                &["libcublas.so.13", "libcublas.so.12", "libcublas.so"],
+                // libcublas needs libcublasLt from the same release; loading
+                // it first from the same directory satisfies that dependency
+                // even without an RPATH.
+                &["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"],
+            )
+            .ok_or_else(|| CUBLAS_INSTALL_HINT.to_string())
+        })
+        .clone()
+        .map_err(|hint| CudaError::LibraryMissing {
+            library: "cuBLAS (libcublas)",
+            hint,
+        })
+}
+
+/// Some(None) if `present()` already; Some(path) after preloading one of
+/// `names` (with its `deps` first) from a search directory; None if nothing
+/// worked.
+fn locate(present: impl Fn() -> bool, names: &[&str], deps: &[&str]) -> Option<Option<PathBuf>> {
+    if present() {
+        return Some(None);
+    }
+    for dir in search_dirs() {
+        for name in names {
+            let path = dir.join(name);
+            if !path.is_file() {
+                continue;
+            }
+            for dep in deps {
+                let dep = dir.join(dep);
+                if dep.is_file() {
+                    preload(&dep);
+                }
+            }
+            if preload(&path) && present() {
+                return Some(Some(path));
+            }
+        }
+    }
+    None
+}
+
+/// Directories searched for NVRTC and cuBLAS when the loader's default path
+/// lacks them, in order.
+pub fn search_dirs() -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    if let Some(list) = std::env::var_os("HEADROOM_CUDA_LIB_DIR") {
+        dirs.extend(std::env::split_paths(&list));
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"] {
+        if let Some(root) = std::env::var_os(var) {
+            let root = PathBuf::from(root);
+            dirs.push(root.join("lib64"));
+            dirs.push(root.join("lib"));
+            dirs.push(root.join("targets/x86_64-linux/lib"));
+        }
+    }
+    dirs.push(PathBuf::from("/usr/local/cuda/lib64"));
+    for base in python_nvidia_dirs() {
+        // CUDA 13 wheels share nvidia/cu13/lib; CUDA 12 wheels have one
+        // directory per package.
+        for sub in ["cu13/lib", "cuda_nvrtc/lib", "cublas/lib", "cu12/lib"] {
+            dirs.push(base.join(sub));
+        }
+    }
+    dirs.retain(|d| d.is_dir());
+    dirs.dedup();
+    dirs
+}
+
+/// The directories of the `nvidia` namespace package, as `python3` sees them
+/// (pip wheels of the CUDA libraries install there). Empty if there is no
+/// Python or no such package.
+fn python_nvidia_dirs() -> Vec<PathBuf> {
+    static DIRS: OnceLock<Vec<PathBuf>> = OnceLock::new();
+    DIRS.get_or_init(|| {
+        let python = std::env::var_os("HEADROOM_PYTHON").unwrap_or_else(|| "python3".into());
+        let out = std::process::Command::new(python)
+            .args(["-c", "import nvidia\nfor p in nvidia.__path__: print(p)"])
+            .stdin(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .output();
+        match out {
+            Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .map(PathBuf::from)
+                .collect(),
+            _ => Vec::new(),
+        }
+    })
+    .clone()
+}
+
+/// dlopen(path, RTLD_NOW | RTLD_GLOBAL), keeping the handle for the life of
+/// the process. True if it loaded.
+#[cfg(unix)]
+fn preload(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c_path) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: c_path is a NUL-terminated path; loading a shared library runs
+    // its initialisers, which for NVIDIA's libraries only set up their own
+    // state. The handle is deliberately never closed.
+    let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    !handle.is_null()
+}
+
+#[cfg(not(unix))]
+fn preload(_path: &Path) -> bool {
+    false
+}

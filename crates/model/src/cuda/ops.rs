@@ -1,0 +1,1371 @@
+//! The operations of the reference ResNet on the GPU, forward and backward,
+//! each a thin wrapper that checks shapes, allocates outputs and launches the
+//! kernels of `crates/model/kernels/*.cu` (or cuBLAS) on the compute stream.
+//! Activations are f16 `CudaTensor`s (NHWC); parameters are views into f32
+//! master / f16 compute buffers (see `optim::ParamGroup`); parameter
+//! gradients are f32 and ACCUMULATED (`+=`), like the CPU layers'.
+//!
+//! Each wrapper mirrors a CPU reference, which `tests/cuda_parity.rs`
+//! compares it with:
+//!
+//! | wrapper | CPU reference |
+//! |---|---|
+//! | `cast_f32_to_f16`, `cast_f16_to_f32` | `half` conversions |
+//! | `normalize_u8` | `Tensor::from_u8_normalized` |
+//! | `conv2d_forward` / `conv2d_backward` | `layers::Conv2d` |
+//! | `batch_norm_forward_train` / `_eval` / `batch_norm_backward` | `layers::BatchNorm2d` (+ `Relu` when fused) |
+//! | `relu_forward` / `relu_backward` | `layers::Relu` |
+//! | `add_inplace`, `add` | `layers::Residual`'s sums |
+//! | `global_avg_pool_forward` / `_backward` | `layers::GlobalAvgPool` |
+//! | `linear_forward` / `linear_backward`, `bias_add`, `bias_grad` | `layers::Linear` |
+//! | `softmax_cross_entropy`, `XentOutput::summary` | `loss::softmax_cross_entropy` |
+//!
+//! Every launch is asynchronous; nothing here waits for the GPU except the
+//! explicit downloads.
+
+use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use half::f16;
+
+use super::backend::{CudaBackend, DeviceBuffer};
+use super::error::Context;
+use super::gemm::{gemm, GemmOut, Operand};
+use super::kernels as k;
+use super::params::*;
+use super::tensor::{checked_len, CudaTensor, DType, MAX_ELEMENTS};
+use super::{CudaError, CudaResult};
+
+/// Threads per block of the elementwise kernels.
+const BLOCK: u32 = 256;
+/// Grid-stride kernels never need more blocks than this.
+const MAX_BLOCKS: usize = 1 << 16;
+
+/// One thread per element (grid-stride past MAX_BLOCKS·BLOCK).
+fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One thread per channel.
+fn per_channel(c: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (c.div_ceil(128).max(1) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn u32_of(op: &'static str, v: usize) -> CudaResult<u32> {
+    if v > MAX_ELEMENTS {
+        return Err(CudaError::Unsupported {
+            op,
+            reason: format!("{v} exceeds the kernels' limit of {MAX_ELEMENTS} elements"),
+        });
+    }
+    Ok(v as u32)
+}
+
+fn same_len(op: &'static str, what: &str, expected: usize, got: usize) -> CudaResult<()> {
+    if expected != got {
+        return Err(CudaError::shape(
+            op,
+            format!("{what} of {expected} elements"),
+            format!("{got}"),
+        ));
+    }
+    Ok(())
+}
+
+fn nhwc(op: &'static str, shape: &[usize]) -> CudaResult<[usize; 4]> {
+    match *shape {
+        [n, h, w, c] => Ok([n, h, w, c]),
+        _ => Err(CudaError::shape(
+            op,
+            "an NHWC batch [n, h, w, c]",
+            format!("{shape:?}"),
+        )),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Casts and input normalisation
+
+/// f32 → f16 between views of equal length.
+pub fn cast_f32_to_f16_into(
+    be: &CudaBackend,
+    x: &CudaView<'_, f32>,
+    y: &mut CudaViewMut<'_, f16>,
+) -> CudaResult<()> {
+    same_len("cast_f32_to_f16", "output", x.len(), y.len())?;
+    let n = x.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let p = CastParams {
+        n: u32_of("cast_f32_to_f16", n)?,
+    };
+    let f = be.function(&k::CAST_F32_TO_F16)?;
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p).arg(x).arg(y);
+    // SAFETY: cast_f32_to_f16(CastParams, const float*, hr_half*); x and y
+    // hold n elements each.
+    unsafe { b.launch(elementwise(n)) }.during("cast_f32_to_f16")?;
+    Ok(())
+}
+
+/// f16 → f32 between views of equal length.
+pub fn cast_f16_to_f32_into(
+    be: &CudaBackend,
+    x: &CudaView<'_, f16>,
+    y: &mut CudaViewMut<'_, f32>,
+) -> CudaResult<()> {
+    same_len("cast_f16_to_f32", "output", x.len(), y.len())?;
+    let n = x.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let p = CastParams {
+        n: u32_of("cast_f16_to_f32", n)?,
+    };
+    let f = be.function(&k::CAST_F16_TO_F32)?;
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p).arg(x).arg(y);
+    // SAFETY: cast_f16_to_f32(CastParams, const hr_half*, float*); x and y
+    // hold n elements each.
+    unsafe { b.launch(elementwise(n)) }.during("cast_f16_to_f32")?;
+    Ok(())
+}
+
+pub fn cast_f32_to_f16(be: &CudaBackend, x: &CudaTensor) -> CudaResult<CudaTensor> {
+    let mut y = CudaTensor::uninit(be, x.shape(), DType::F16)?;
+    cast_f32_to_f16_into(be, &x.f32_view()?, &mut y.f16_view_mut()?)?;
+    Ok(y)
+}
+
+pub fn cast_f16_to_f32(be: &CudaBackend, x: &CudaTensor) -> CudaResult<CudaTensor> {
+    let mut y = CudaTensor::uninit(be, x.shape(), DType::F32)?;
+    cast_f16_to_f32_into(be, &x.f16_view()?, &mut y.f32_view_mut()?)?;
+    Ok(y)
+}
+
+/// u8 pixels (already on the device) → f16 (x/255 - mean)/std, computed as
+/// the CPU's `Tensor::from_u8_normalized` does: x·(1/(255·std)) - mean/std.
+pub fn normalize_u8(
+    be: &CudaBackend,
+    pixels: &CudaView<'_, u8>,
+    shape: &[usize],
+    mean: f32,
+    std: f32,
+) -> CudaResult<CudaTensor> {
+    let n = checked_len("normalize_u8", shape)?;
+    same_len("normalize_u8", "pixels", n, pixels.len())?;
+    let mut y = CudaTensor::uninit(be, shape, DType::F16)?;
+    if n == 0 {
+        return Ok(y);
+    }
+    let scale = 1.0 / (255.0 * std);
+    let p = NormalizeParams {
+        n: n as u32,
+        scale,
+        shift: mean / std,
+    };
+    let f = be.function(&k::NORMALIZE_U8)?;
+    {
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p).arg(pixels).arg(y.f16_mut()?);
+        // SAFETY: normalize_u8_to_f16(NormalizeParams, const u8*, hr_half*);
+        // pixels and y hold n elements each.
+        unsafe { b.launch(elementwise(n)) }.during("normalize_u8_to_f16")?;
+    }
+    Ok(y)
+}
+
+// ---------------------------------------------------------------------------
+// Elementwise layers
+
+/// ReLU forward (NaN propagates). The output is what backward needs.
+pub fn relu_forward(be: &CudaBackend, x: &CudaTensor) -> CudaResult<CudaTensor> {
+    let n = x.len();
+    let mut y = CudaTensor::uninit(be, x.shape(), DType::F16)?;
+    if n > 0 {
+        let p = EwParams { n: n as u32 };
+        let f = be.function(&k::RELU_FORWARD)?;
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p).arg(x.f16()?).arg(y.f16_mut()?);
+        // SAFETY: relu_forward(EwParams, const hr_half*, hr_half*); x and y
+        // hold n elements.
+        unsafe { b.launch(elementwise(n)) }.during("relu_forward")?;
+    }
+    Ok(y)
+}
+
+/// ReLU backward: dx = y > 0 ? g : 0 with y the forward's output.
+pub fn relu_backward(be: &CudaBackend, g: &CudaTensor, y: &CudaTensor) -> CudaResult<CudaTensor> {
+    g.expect_shape("relu backward", y.shape())?;
+    let n = g.len();
+    let mut dx = CudaTensor::uninit(be, g.shape(), DType::F16)?;
+    if n > 0 {
+        let p = EwParams { n: n as u32 };
+        let f = be.function(&k::RELU_BACKWARD)?;
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p).arg(g.f16()?).arg(y.f16()?).arg(dx.f16_mut()?);
+        // SAFETY: relu_backward(EwParams, const hr_half* g, const hr_half* y,
+        // hr_half* dx); all hold n elements.
+        unsafe { b.launch(elementwise(n)) }.during("relu_backward")?;
+    }
+    Ok(dx)
+}
+
+/// acc += b (the residual sum in forward and in backward).
+pub fn add_inplace(be: &CudaBackend, acc: &mut CudaTensor, b_in: &CudaTensor) -> CudaResult<()> {
+    b_in.expect_shape("residual add", acc.shape())?;
+    let n = acc.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let p = EwParams { n: n as u32 };
+    let f = be.function(&k::ADD_INPLACE)?;
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p).arg(acc.f16_mut()?).arg(b_in.f16()?);
+    // SAFETY: add_inplace(EwParams, hr_half* acc, const hr_half* b); both
+    // hold n elements and are distinct tensors (the borrow checker
+    // guarantees acc is not b_in).
+    unsafe { b.launch(elementwise(n)) }.during("add_inplace")?;
+    Ok(())
+}
+
+/// out = a + b.
+pub fn add(be: &CudaBackend, a: &CudaTensor, b_in: &CudaTensor) -> CudaResult<CudaTensor> {
+    b_in.expect_shape("add", a.shape())?;
+    let n = a.len();
+    let mut out = CudaTensor::uninit(be, a.shape(), DType::F16)?;
+    if n > 0 {
+        let p = EwParams { n: n as u32 };
+        let f = be.function(&k::ADD)?;
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p).arg(a.f16()?).arg(b_in.f16()?).arg(out.f16_mut()?);
+        // SAFETY: add(EwParams, const hr_half*, const hr_half*, hr_half*);
+        // all hold n elements.
+        unsafe { b.launch(elementwise(n)) }.during("add")?;
+    }
+    Ok(out)
+}
+
+/// y[r, c] += bias[c] for y viewed as [rows, cols] with cols = bias.len().
+pub fn bias_add(
+    be: &CudaBackend,
+    y: &mut CudaViewMut<'_, f16>,
+    bias: &CudaView<'_, f16>,
+) -> CudaResult<()> {
+    let cols = bias.len();
+    if cols == 0 || y.len() % cols != 0 {
+        return Err(CudaError::shape(
+            "bias_add",
+            format!("a multiple of the {cols} bias elements"),
+            format!("{} elements", y.len()),
+        ));
+    }
+    let rows = y.len() / cols;
+    if rows == 0 {
+        return Ok(());
+    }
+    let p = RowsColsParams {
+        rows: u32_of("bias_add", rows)?,
+        cols: cols as u32,
+    };
+    let f = be.function(&k::BIAS_ADD)?;
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p).arg(y).arg(bias);
+    // SAFETY: bias_add(RowsColsParams, hr_half* y, const hr_half* bias); y
+    // holds rows·cols elements, bias cols.
+    unsafe { b.launch(elementwise(rows * cols)) }.during("bias_add")?;
+    Ok(())
+}
+
+/// grad[c] += Σ_r g[r, c] for g viewed as [rows, cols], cols = grad.len().
+pub fn bias_grad(
+    be: &CudaBackend,
+    g: &CudaView<'_, f16>,
+    grad: &mut CudaViewMut<'_, f32>,
+) -> CudaResult<()> {
+    let cols = grad.len();
+    if cols == 0 || g.len() % cols != 0 {
+        return Err(CudaError::shape(
+            "bias_grad",
+            format!("a multiple of the {cols} bias elements"),
+            format!("{} elements", g.len()),
+        ));
+    }
+    let rows = g.len() / cols;
+    let p = RowsColsParams {
+        rows: u32_of("bias_grad", rows)?,
+        cols: cols as u32,
+    };
+    let f = be.function(&k::BIAS_GRAD)?;
+    let cfg = LaunchConfig {
+        grid_dim: (cols.div_ceil(32) as u32, 1, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p).arg(g).arg(grad);
+    // SAFETY: bias_grad(RowsColsParams, const hr_half* g, float* grad) with
+    // block (32, 8) as the kernel requires; g holds rows·cols, grad cols.
+    unsafe { b.launch(cfg) }.during("bias_grad")?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Global average pooling
+
+fn pool_params(n: usize, hw: usize, c: usize) -> CudaResult<PoolParams> {
+    Ok(PoolParams {
+        n: u32_of("global_avg_pool", n)?,
+        hw: u32_of("global_avg_pool", hw)?,
+        c: u32_of("global_avg_pool", c)?,
+        inv_hw: 1.0 / hw.max(1) as f32,
+    })
+}
+
+/// [n, h, w, c] → [n, c].
+pub fn global_avg_pool_forward(be: &CudaBackend, x: &CudaTensor) -> CudaResult<CudaTensor> {
+    let [n, h, w, c] = nhwc("global_avg_pool", x.shape())?;
+    let mut y = CudaTensor::uninit(be, &[n, c], DType::F16)?;
+    if n * c == 0 {
+        return Ok(y);
+    }
+    let p = pool_params(n, h * w, c)?;
+    let f = be.function(&k::POOL_FORWARD)?;
+    {
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p).arg(x.f16()?).arg(y.f16_mut()?);
+        // SAFETY: global_avg_pool_forward(PoolParams, const hr_half* x
+        // [n, hw, c], hr_half* y [n, c]).
+        unsafe { b.launch(elementwise(n * c)) }.during("global_avg_pool_forward")?;
+    }
+    Ok(y)
+}
+
+/// g [n, c] → dx [n, h, w, c] for the forward's input shape.
+pub fn global_avg_pool_backward(
+    be: &CudaBackend,
+    g: &CudaTensor,
+    input_shape: &[usize],
+) -> CudaResult<CudaTensor> {
+    let [n, h, w, c] = nhwc("global_avg_pool backward", input_shape)?;
+    g.expect_shape("global_avg_pool backward", &[n, c])?;
+    let mut dx = CudaTensor::uninit(be, input_shape, DType::F16)?;
+    let total = dx.len();
+    if total == 0 {
+        return Ok(dx);
+    }
+    let p = pool_params(n, h * w, c)?;
+    let f = be.function(&k::POOL_BACKWARD)?;
+    {
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p).arg(g.f16()?).arg(dx.f16_mut()?);
+        // SAFETY: global_avg_pool_backward(PoolParams, const hr_half* g
+        // [n, c], hr_half* dx [n, hw, c]).
+        unsafe { b.launch(elementwise(total)) }.during("global_avg_pool_backward")?;
+    }
+    Ok(dx)
+}
+
+// ---------------------------------------------------------------------------
+// Batch normalisation (optionally fused with the ReLU after it)
+
+/// Settings of one batch-norm call.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchNormConfig {
+    pub momentum: f32,
+    pub eps: f32,
+    /// Fuse the following ReLU (forward applies it; backward masks by the
+    /// saved output).
+    pub relu: bool,
+    /// Update the running statistics (false when recomputing for
+    /// activation checkpointing).
+    pub update_running: bool,
+}
+
+/// What a training forward saves for backward (besides its input, and its
+/// output when the ReLU is fused).
+#[derive(Debug)]
+pub struct BatchNormSaved {
+    pub mean: DeviceBuffer<f32>,
+    pub inv_std: DeviceBuffer<f32>,
+}
+
+/// Rows per chunk of the per-channel reductions: 256, raised when the grid
+/// would exceed 65535 chunks. Depends only on the row count.
+fn bn_chunking(rows: usize) -> (usize, usize) {
+    let mut rpc = 256usize;
+    if rows.div_ceil(rpc) > 65_535 {
+        rpc = rows.div_ceil(65_535).next_multiple_of(8);
+    }
+    (rpc, rows.div_ceil(rpc).max(1))
+}
+
+fn bn_check(
+    op: &'static str,
+    x: &CudaTensor,
+    gamma: &CudaView<'_, f32>,
+    beta: &CudaView<'_, f32>,
+) -> CudaResult<(usize, usize)> {
+    let [n, h, w, c] = nhwc(op, x.shape())?;
+    if c != gamma.len() || c != beta.len() || c == 0 {
+        return Err(CudaError::shape(
+            op,
+            format!(
+                "[n, h, w, {}] with gamma and beta of that length",
+                gamma.len()
+            ),
+            format!("{:?} (beta {})", x.shape(), beta.len()),
+        ));
+    }
+    Ok((u32_of(op, n * h * w)? as usize, c))
+}
+
+fn bn_apply(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    rows: usize,
+    c: usize,
+    scale: &DeviceBuffer<f32>,
+    shift: &DeviceBuffer<f32>,
+    relu: bool,
+) -> CudaResult<CudaTensor> {
+    let mut y = CudaTensor::uninit(be, x.shape(), DType::F16)?;
+    let p = BnApplyParams {
+        rows: rows as u32,
+        channels: c as u32,
+        relu: relu as u32,
+    };
+    let f = be.function(&k::BN_APPLY)?;
+    {
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p)
+            .arg(x.f16()?)
+            .arg(&scale.slice)
+            .arg(&shift.slice)
+            .arg(y.f16_mut()?);
+        // SAFETY: bn_apply(BnApplyParams, const hr_half* x, const float*
+        // scale, const float* shift, hr_half* y); x, y hold rows·c, scale and
+        // shift c.
+        unsafe { b.launch(elementwise(rows * c)) }.during("bn_apply")?;
+    }
+    Ok(y)
+}
+
+/// Training forward: normalise with the batch statistics (biased variance),
+/// update the running statistics (unbiased variance, PyTorch's momentum
+/// rule) unless `cfg.update_running` is false. Returns the output and what
+/// backward needs.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_forward_train(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    gamma: &CudaView<'_, f32>,
+    beta: &CudaView<'_, f32>,
+    running_mean: &mut CudaViewMut<'_, f32>,
+    running_var: &mut CudaViewMut<'_, f32>,
+    cfg: BatchNormConfig,
+) -> CudaResult<(CudaTensor, BatchNormSaved)> {
+    let (rows, c) = bn_check("batch_norm", x, gamma, beta)?;
+    same_len("batch_norm", "running_mean", c, running_mean.len())?;
+    same_len("batch_norm", "running_var", c, running_var.len())?;
+    if rows < 2 {
+        return Err(CudaError::shape(
+            "batch_norm",
+            "more than one value per channel in training (n·h·w ≥ 2)",
+            format!("{:?}", x.shape()),
+        ));
+    }
+    let (rpc, chunks) = bn_chunking(rows);
+    let mut part_mean = be.alloc::<f32>(chunks * c)?;
+    let mut part_m2 = be.alloc::<f32>(chunks * c)?;
+    let dims = BnDims {
+        rows: rows as u32,
+        channels: c as u32,
+        rows_per_chunk: rpc as u32,
+        chunks: chunks as u32,
+    };
+    let stream = be.compute_stream();
+    {
+        let f = be.function(&k::BN_STATS_PARTIAL)?;
+        let cfg_partial = LaunchConfig {
+            grid_dim: (c.div_ceil(32) as u32, chunks as u32, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&f);
+        b.arg(&dims)
+            .arg(x.f16()?)
+            .arg(&mut part_mean.slice)
+            .arg(&mut part_m2.slice);
+        // SAFETY: bn_stats_partial(BnDims, const hr_half* x [rows, c], float*
+        // part_mean, float* part_m2 [chunks, c]) with block (32, 8) and grid
+        // (ceil(c/32), chunks) as the kernel requires.
+        unsafe { b.launch(cfg_partial) }.during("bn_stats_partial")?;
+    }
+    let mut mean = be.alloc::<f32>(c)?;
+    let mut inv_std = be.alloc::<f32>(c)?;
+    let mut scale = be.alloc::<f32>(c)?;
+    let mut shift = be.alloc::<f32>(c)?;
+    {
+        let p = BnFinalizeParams {
+            rows: rows as u32,
+            channels: c as u32,
+            rows_per_chunk: rpc as u32,
+            chunks: chunks as u32,
+            eps: cfg.eps,
+            momentum: cfg.momentum,
+            update_running: cfg.update_running as u32,
+        };
+        let f = be.function(&k::BN_STATS_FINALIZE)?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&p)
+            .arg(&part_mean.slice)
+            .arg(&part_m2.slice)
+            .arg(gamma)
+            .arg(beta)
+            .arg(&mut mean.slice)
+            .arg(&mut inv_std.slice)
+            .arg(&mut scale.slice)
+            .arg(&mut shift.slice)
+            .arg(running_mean)
+            .arg(running_var);
+        // SAFETY: bn_stats_finalize(BnFinalizeParams, part_mean, part_m2
+        // [chunks, c], gamma, beta, mean, inv_std, scale, shift, running_mean,
+        // running_var [c]); one thread per channel.
+        unsafe { b.launch(per_channel(c)) }.during("bn_stats_finalize")?;
+    }
+    let y = bn_apply(be, x, rows, c, &scale, &shift, cfg.relu)?;
+    Ok((y, BatchNormSaved { mean, inv_std }))
+}
+
+/// Eval forward: normalise with the running statistics; saves nothing.
+pub fn batch_norm_forward_eval(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    gamma: &CudaView<'_, f32>,
+    beta: &CudaView<'_, f32>,
+    running_mean: &CudaView<'_, f32>,
+    running_var: &CudaView<'_, f32>,
+    cfg: BatchNormConfig,
+) -> CudaResult<CudaTensor> {
+    let (rows, c) = bn_check("batch_norm", x, gamma, beta)?;
+    same_len("batch_norm", "running_mean", c, running_mean.len())?;
+    same_len("batch_norm", "running_var", c, running_var.len())?;
+    let mut scale = be.alloc::<f32>(c)?;
+    let mut shift = be.alloc::<f32>(c)?;
+    {
+        let p = BnEvalParams {
+            channels: c as u32,
+            eps: cfg.eps,
+        };
+        let f = be.function(&k::BN_EVAL_PREPARE)?;
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p)
+            .arg(gamma)
+            .arg(beta)
+            .arg(running_mean)
+            .arg(running_var)
+            .arg(&mut scale.slice)
+            .arg(&mut shift.slice);
+        // SAFETY: bn_eval_prepare(BnEvalParams, gamma, beta, running_mean,
+        // running_var, scale, shift), all of c floats; one thread per channel.
+        unsafe { b.launch(per_channel(c)) }.during("bn_eval_prepare")?;
+    }
+    if rows == 0 {
+        return CudaTensor::uninit(be, x.shape(), DType::F16);
+    }
+    bn_apply(be, x, rows, c, &scale, &shift, cfg.relu)
+}
+
+/// Backward of a training forward: accumulates dγ and dβ into the f32
+/// gradients and returns dx. `output` is the forward's output, required
+/// when the ReLU was fused (`relu = true`) and ignored otherwise.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_backward(
+    be: &CudaBackend,
+    g: &CudaTensor,
+    x: &CudaTensor,
+    output: Option<&CudaTensor>,
+    saved: &BatchNormSaved,
+    gamma: &CudaView<'_, f32>,
+    gamma_grad: &mut CudaViewMut<'_, f32>,
+    beta_grad: &mut CudaViewMut<'_, f32>,
+    relu: bool,
+) -> CudaResult<CudaTensor> {
+    g.expect_shape("batch_norm backward", x.shape())?;
+    let [n, h, w, c] = nhwc("batch_norm backward", x.shape())?;
+    let rows = u32_of("batch_norm backward", n * h * w)? as usize;
+    for (what, len) in [
+        ("gamma", gamma.len()),
+        ("gamma gradient", gamma_grad.len()),
+        ("beta gradient", beta_grad.len()),
+        ("saved mean", saved.mean.len()),
+        ("saved inv_std", saved.inv_std.len()),
+    ] {
+        same_len("batch_norm backward", what, c, len)?;
+    }
+    // Without the fused ReLU the kernels never read y: pass g in its place.
+    let y = match (relu, output) {
+        (true, Some(y)) => {
+            y.expect_shape("batch_norm backward (saved output)", x.shape())?;
+            y
+        }
+        (true, None) => {
+            return Err(CudaError::shape(
+                "batch_norm backward",
+                "the forward's output (fused ReLU)",
+                "none",
+            ))
+        }
+        (false, _) => g,
+    };
+    let (rpc, chunks) = bn_chunking(rows);
+    let p = BnBackwardParams {
+        rows: rows as u32,
+        channels: c as u32,
+        rows_per_chunk: rpc as u32,
+        chunks: chunks as u32,
+        relu: relu as u32,
+    };
+    let stream = be.compute_stream();
+    let mut part_g = be.alloc::<f32>(chunks * c)?;
+    let mut part_gx = be.alloc::<f32>(chunks * c)?;
+    {
+        let f = be.function(&k::BN_BACKWARD_PARTIAL)?;
+        let cfg = LaunchConfig {
+            grid_dim: (c.div_ceil(32) as u32, chunks as u32, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&f);
+        b.arg(&p)
+            .arg(g.f16()?)
+            .arg(x.f16()?)
+            .arg(y.f16()?)
+            .arg(&saved.mean.slice)
+            .arg(&mut part_g.slice)
+            .arg(&mut part_gx.slice);
+        // SAFETY: bn_backward_partial(BnBackwardParams, g, x, y [rows, c]
+        // f16, mean [c], part_sum_g, part_sum_gx [chunks, c]) with block
+        // (32, 8) and grid (ceil(c/32), chunks).
+        unsafe { b.launch(cfg) }.during("bn_backward_partial")?;
+    }
+    let mut coef_k = be.alloc::<f32>(c)?;
+    let mut coef_b = be.alloc::<f32>(c)?;
+    let mut coef_d = be.alloc::<f32>(c)?;
+    {
+        let f = be.function(&k::BN_BACKWARD_FINALIZE)?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&p)
+            .arg(&part_g.slice)
+            .arg(&part_gx.slice)
+            .arg(gamma)
+            .arg(&saved.inv_std.slice)
+            .arg(gamma_grad)
+            .arg(beta_grad)
+            .arg(&mut coef_k.slice)
+            .arg(&mut coef_b.slice)
+            .arg(&mut coef_d.slice);
+        // SAFETY: bn_backward_finalize(BnBackwardParams, part_sum_g,
+        // part_sum_gx [chunks, c], gamma, inv_std, gamma_grad, beta_grad,
+        // coef_k, coef_b, coef_d [c]); one thread per channel.
+        unsafe { b.launch(per_channel(c)) }.during("bn_backward_finalize")?;
+    }
+    let mut dx = CudaTensor::uninit(be, x.shape(), DType::F16)?;
+    if rows * c > 0 {
+        let f = be.function(&k::BN_BACKWARD_APPLY)?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&p)
+            .arg(g.f16()?)
+            .arg(x.f16()?)
+            .arg(y.f16()?)
+            .arg(&saved.mean.slice)
+            .arg(&coef_k.slice)
+            .arg(&coef_b.slice)
+            .arg(&coef_d.slice)
+            .arg(dx.f16_mut()?);
+        // SAFETY: bn_backward_apply(BnBackwardParams, g, x, y [rows, c], mean,
+        // coef_k, coef_b, coef_d [c], dx [rows, c]).
+        unsafe { b.launch(elementwise(rows * c)) }.during("bn_backward_apply")?;
+    }
+    Ok(dx)
+}
+
+// ---------------------------------------------------------------------------
+// Convolution (im2col + cuBLAS) and the fully connected layer
+
+/// Shapes of one convolution; the weight is [k, k, cin, cout] = W[K, cout]
+/// with K = k·k·cin, as in the CPU's `Conv2d`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvShape {
+    pub n: usize,
+    pub h: usize,
+    pub w: usize,
+    pub cin: usize,
+    pub cout: usize,
+    pub k: usize,
+    pub stride: usize,
+    pub pad: usize,
+}
+
+impl ConvShape {
+    /// (oh, ow), or an error if the kernel does not fit the padded input.
+    pub fn out_hw(&self) -> CudaResult<(usize, usize)> {
+        let dim = |size: usize| -> Option<usize> {
+            let padded = size.checked_add(self.pad.checked_mul(2)?)?;
+            let span = padded.checked_sub(self.k)?;
+            Some(span / self.stride + 1)
+        };
+        match (self.stride > 0 && self.k > 0, dim(self.h), dim(self.w)) {
+            (true, Some(oh), Some(ow)) if self.h > 0 && self.w > 0 => Ok((oh, ow)),
+            _ => Err(CudaError::shape(
+                "conv2d",
+                "a kernel that fits the padded input, stride ≥ 1",
+                format!("{self:?}"),
+            )),
+        }
+    }
+
+    /// Columns of the im2col matrix: k·k·cin.
+    pub fn kk(&self) -> usize {
+        self.k * self.k * self.cin
+    }
+
+    fn is_pointwise(&self) -> bool {
+        self.k == 1 && self.stride == 1 && self.pad == 0
+    }
+
+    fn params(&self, oh: usize, ow: usize, n0: usize, images: usize) -> ConvParams {
+        ConvParams {
+            h: self.h as u32,
+            w: self.w as u32,
+            cin: self.cin as u32,
+            oh: oh as u32,
+            ow: ow as u32,
+            k: self.k as u32,
+            stride: self.stride as u32,
+            pad: self.pad as u32,
+            n0: n0 as u32,
+            images: images as u32,
+        }
+    }
+
+    fn check(&self, x: &CudaTensor, weight_len: usize) -> CudaResult<(usize, usize)> {
+        x.expect_shape("conv2d input", &[self.n, self.h, self.w, self.cin])?;
+        same_len(
+            "conv2d",
+            "weight [k, k, cin, cout]",
+            self.kk() * self.cout,
+            weight_len,
+        )?;
+        let (oh, ow) = self.out_hw()?;
+        // Every index the kernels form must fit in 32 bits.
+        checked_len("conv2d", &[self.n, oh, ow, self.kk().max(self.cout)])?;
+        Ok((oh, ow))
+    }
+}
+
+/// Default budget for the im2col scratch matrix: the batch is processed in
+/// groups of whole images whose A fits in it (at least one image).
+pub const CONV_SCRATCH_BYTES: usize = 64 << 20;
+
+fn images_per_chunk(s: &ConvShape, opix: usize, scratch_bytes: usize) -> usize {
+    let per_image = (opix * s.kk() * 2).max(1);
+    (scratch_bytes / per_image).clamp(1, s.n.max(1))
+}
+
+fn im2col(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    p: &ConvParams,
+    a: &mut DeviceBuffer<f16>,
+    total: usize,
+) -> CudaResult<()> {
+    let f = be.function(&k::IM2COL)?;
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(p).arg(x.f16()?).arg(&mut a.slice);
+    // SAFETY: im2col(ConvParams, const hr_half* x [n, h, w, cin], hr_half* a)
+    // writes images·oh·ow·kk = total ≤ a.len() elements and reads only images
+    // n0..n0+images of x, which the caller checked against x's shape.
+    unsafe { b.launch(elementwise(total)) }.during("im2col")?;
+    Ok(())
+}
+
+/// y = conv(x, W) (+ bias), f16 [n, oh, ow, cout].
+pub fn conv2d_forward(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    weight: &CudaView<'_, f16>,
+    bias: Option<&CudaView<'_, f16>>,
+    s: ConvShape,
+    scratch_bytes: usize,
+) -> CudaResult<CudaTensor> {
+    let (oh, ow) = s.check(x, weight.len())?;
+    let opix = oh * ow;
+    let mut y = CudaTensor::uninit(be, &[s.n, oh, ow, s.cout], DType::F16)?;
+    if y.is_empty() {
+        return Ok(y);
+    }
+    let w_op = Operand {
+        transpose: false,
+        ld: s.cout,
+    };
+    if s.is_pointwise() {
+        let mut yv = y.f16_view_mut()?;
+        gemm(
+            be,
+            s.n * opix,
+            s.cout,
+            s.cin,
+            &x.f16_view()?,
+            Operand {
+                transpose: false,
+                ld: s.cin,
+            },
+            weight,
+            w_op,
+            GemmOut::F16(&mut yv),
+            s.cout,
+            1.0,
+            0.0,
+        )?;
+    } else {
+        let kk = s.kk();
+        let ipc = images_per_chunk(&s, opix, scratch_bytes);
+        let mut a = be.alloc::<f16>(ipc * opix * kk)?;
+        for n0 in (0..s.n).step_by(ipc) {
+            let images = ipc.min(s.n - n0);
+            let p = s.params(oh, ow, n0, images);
+            im2col(be, x, &p, &mut a, images * opix * kk)?;
+            let rows = images * opix;
+            let y_all = y.f16_mut()?;
+            let mut yv = y_all.slice_mut(n0 * opix * s.cout..(n0 + images) * opix * s.cout);
+            gemm(
+                be,
+                rows,
+                s.cout,
+                kk,
+                &a.slice.slice(..rows * kk),
+                Operand {
+                    transpose: false,
+                    ld: kk,
+                },
+                weight,
+                w_op,
+                GemmOut::F16(&mut yv),
+                s.cout,
+                1.0,
+                0.0,
+            )?;
+        }
+    }
+    if let Some(bias) = bias {
+        same_len("conv2d", "bias", s.cout, bias.len())?;
+        bias_add(be, &mut y.f16_view_mut()?, bias)?;
+    }
+    Ok(y)
+}
+
+/// Backward: dW += Aᵀ·dY (f32, accumulated), db += Σ dY, returns dX.
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_backward(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    dy: &CudaTensor,
+    weight: &CudaView<'_, f16>,
+    weight_grad: &mut CudaViewMut<'_, f32>,
+    bias_grad: Option<&mut CudaViewMut<'_, f32>>,
+    s: ConvShape,
+    scratch_bytes: usize,
+) -> CudaResult<CudaTensor> {
+    let (oh, ow) = s.check(x, weight.len())?;
+    dy.expect_shape("conv2d backward", &[s.n, oh, ow, s.cout])?;
+    same_len(
+        "conv2d backward",
+        "weight gradient",
+        weight.len(),
+        weight_grad.len(),
+    )?;
+    let opix = oh * ow;
+    let kk = s.kk();
+    if let Some(db) = bias_grad {
+        same_len("conv2d backward", "bias gradient", s.cout, db.len())?;
+        bias_grad_into(be, dy, db)?;
+    }
+    if dy.is_empty() {
+        // No output pixels: the input gradient is zero.
+        return CudaTensor::zeros(be, x.shape(), DType::F16);
+    }
+    let mut dx = CudaTensor::uninit(be, x.shape(), DType::F16)?;
+    let w_t = Operand {
+        transpose: true,
+        ld: s.cout,
+    };
+    if s.is_pointwise() {
+        // dW[cin × cout] += xᵀ · dY
+        gemm(
+            be,
+            s.cin,
+            s.cout,
+            s.n * opix,
+            &x.f16_view()?,
+            Operand {
+                transpose: true,
+                ld: s.cin,
+            },
+            &dy.f16_view()?,
+            Operand {
+                transpose: false,
+                ld: s.cout,
+            },
+            GemmOut::F32(&mut *weight_grad),
+            s.cout,
+            1.0,
+            1.0,
+        )?;
+        // dX[n·h·w × cin] = dY · Wᵀ
+        let mut dxv = dx.f16_view_mut()?;
+        gemm(
+            be,
+            s.n * opix,
+            s.cin,
+            s.cout,
+            &dy.f16_view()?,
+            Operand {
+                transpose: false,
+                ld: s.cout,
+            },
+            weight,
+            w_t,
+            GemmOut::F16(&mut dxv),
+            s.cin,
+            1.0,
+            0.0,
+        )?;
+        return Ok(dx);
+    }
+    let ipc = images_per_chunk(&s, opix, scratch_bytes);
+    let mut a = be.alloc::<f16>(ipc * opix * kk)?;
+    let col2im = be.function(&k::COL2IM)?;
+    for n0 in (0..s.n).step_by(ipc) {
+        let images = ipc.min(s.n - n0);
+        let rows = images * opix;
+        let p = s.params(oh, ow, n0, images);
+        let dy_rows = dy
+            .f16()?
+            .slice(n0 * opix * s.cout..(n0 + images) * opix * s.cout);
+        // dW[K × cout] += Aᵀ · dY for this group of images.
+        im2col(be, x, &p, &mut a, rows * kk)?;
+        gemm(
+            be,
+            kk,
+            s.cout,
+            rows,
+            &a.slice.slice(..rows * kk),
+            Operand {
+                transpose: true,
+                ld: kk,
+            },
+            &dy_rows,
+            Operand {
+                transpose: false,
+                ld: s.cout,
+            },
+            GemmOut::F32(&mut *weight_grad),
+            s.cout,
+            1.0,
+            1.0,
+        )?;
+        // dA = dY · Wᵀ into the same scratch (stream order: after the dW
+        // product has read A), then col2im into dX.
+        {
+            let mut av = a.slice.slice_mut(..rows * kk);
+            gemm(
+                be,
+                rows,
+                kk,
+                s.cout,
+                &dy_rows,
+                Operand {
+                    transpose: false,
+                    ld: s.cout,
+                },
+                weight,
+                w_t,
+                GemmOut::F16(&mut av),
+                kk,
+                1.0,
+                0.0,
+            )?;
+        }
+        let total = images * s.h * s.w * s.cin;
+        let mut b = be.compute_stream().launch_builder(&col2im);
+        b.arg(&p).arg(&a.slice).arg(dx.f16_mut()?);
+        // SAFETY: col2im(ConvParams, const hr_half* da [rows, kk], hr_half*
+        // dx [n, h, w, cin]) reads rows·kk ≤ a.len() elements and writes the
+        // `images` images from n0 of dx, inside its n images.
+        unsafe { b.launch(elementwise(total)) }.during("col2im")?;
+    }
+    Ok(dx)
+}
+
+fn bias_grad_into(
+    be: &CudaBackend,
+    dy: &CudaTensor,
+    db: &mut CudaViewMut<'_, f32>,
+) -> CudaResult<()> {
+    bias_grad(be, &dy.f16_view()?, db)
+}
+
+/// y[n, out] = x[n, in] · W[in, out] (+ bias).
+pub fn linear_forward(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    weight: &CudaView<'_, f16>,
+    bias: Option<&CudaView<'_, f16>>,
+    out_features: usize,
+) -> CudaResult<CudaTensor> {
+    let (n, inf) = match *x.shape() {
+        [n, f] => (n, f),
+        _ => {
+            return Err(CudaError::shape(
+                "linear",
+                "features [n, in]",
+                format!("{:?}", x.shape()),
+            ))
+        }
+    };
+    same_len(
+        "linear",
+        "weight [in, out]",
+        inf * out_features,
+        weight.len(),
+    )?;
+    let mut y = CudaTensor::uninit(be, &[n, out_features], DType::F16)?;
+    if y.is_empty() {
+        return Ok(y);
+    }
+    {
+        let mut yv = y.f16_view_mut()?;
+        gemm(
+            be,
+            n,
+            out_features,
+            inf,
+            &x.f16_view()?,
+            Operand {
+                transpose: false,
+                ld: inf,
+            },
+            weight,
+            Operand {
+                transpose: false,
+                ld: out_features,
+            },
+            GemmOut::F16(&mut yv),
+            out_features,
+            1.0,
+            0.0,
+        )?;
+    }
+    if let Some(bias) = bias {
+        same_len("linear", "bias", out_features, bias.len())?;
+        bias_add(be, &mut y.f16_view_mut()?, bias)?;
+    }
+    Ok(y)
+}
+
+/// dW += xᵀ·g (f32), db += Σₙ g, returns dx = g·Wᵀ.
+pub fn linear_backward(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    g: &CudaTensor,
+    weight: &CudaView<'_, f16>,
+    weight_grad: &mut CudaViewMut<'_, f32>,
+    bias_grad: Option<&mut CudaViewMut<'_, f32>>,
+) -> CudaResult<CudaTensor> {
+    let (n, inf) = match *x.shape() {
+        [n, f] => (n, f),
+        _ => {
+            return Err(CudaError::shape(
+                "linear backward",
+                "features [n, in]",
+                format!("{:?}", x.shape()),
+            ))
+        }
+    };
+    let out = weight.len().checked_div(inf).unwrap_or(0);
+    same_len(
+        "linear backward",
+        "weight [in, out]",
+        inf * out,
+        weight.len(),
+    )?;
+    same_len(
+        "linear backward",
+        "weight gradient",
+        weight.len(),
+        weight_grad.len(),
+    )?;
+    g.expect_shape("linear backward", &[n, out])?;
+    if let Some(db) = bias_grad {
+        same_len("linear backward", "bias gradient", out, db.len())?;
+        bias_grad_into(be, g, db)?;
+    }
+    let mut dx = CudaTensor::uninit(be, &[n, inf], DType::F16)?;
+    if n == 0 || inf == 0 {
+        return Ok(dx);
+    }
+    if out == 0 {
+        return CudaTensor::zeros(be, &[n, inf], DType::F16);
+    }
+    gemm(
+        be,
+        inf,
+        out,
+        n,
+        &x.f16_view()?,
+        Operand {
+            transpose: true,
+            ld: inf,
+        },
+        &g.f16_view()?,
+        Operand {
+            transpose: false,
+            ld: out,
+        },
+        GemmOut::F32(&mut *weight_grad),
+        out,
+        1.0,
+        1.0,
+    )?;
+    {
+        let mut dxv = dx.f16_view_mut()?;
+        gemm(
+            be,
+            n,
+            inf,
+            out,
+            &g.f16_view()?,
+            Operand {
+                transpose: false,
+                ld: out,
+            },
+            weight,
+            Operand {
+                transpose: true,
+                ld: out,
+            },
+            GemmOut::F16(&mut dxv),
+            inf,
+            1.0,
+            0.0,
+        )?;
+    }
+    Ok(dx)
+}
+
+// ---------------------------------------------------------------------------
+// Loss
+
+/// Per-row results of `softmax_cross_entropy`, all on the device.
+#[derive(Debug)]
+pub struct XentOutput {
+    /// (softmax - target) · loss_scale / rows, f16 [rows, classes].
+    pub grad: CudaTensor,
+    pub row_loss: DeviceBuffer<f32>,
+    pub row_correct: DeviceBuffer<u32>,
+}
+
+impl XentOutput {
+    /// Mean loss and correct count, reduced on the device into one f32 and
+    /// one u32 (no host synchronisation).
+    pub fn summary(&self, be: &CudaBackend) -> CudaResult<(DeviceBuffer<f32>, DeviceBuffer<u32>)> {
+        let rows = self.row_loss.len();
+        let mut loss = be.alloc::<f32>(1)?;
+        let mut correct = be.alloc::<u32>(1)?;
+        let p = XentReduceParams {
+            rows: u32_of("xent_reduce", rows)?,
+        };
+        let f = be.function(&k::XENT_REDUCE)?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        {
+            let mut b = be.compute_stream().launch_builder(&f);
+            b.arg(&p)
+                .arg(&self.row_loss.slice)
+                .arg(&self.row_correct.slice)
+                .arg(&mut loss.slice)
+                .arg(&mut correct.slice);
+            // SAFETY: xent_reduce(XentReduceParams, const float* row_loss,
+            // const u32* row_correct [rows], float* out_loss, u32*
+            // out_correct [1]) with exactly one block of 256 threads, as the
+            // kernel requires.
+            unsafe { b.launch(cfg) }.during("xent_reduce")?;
+        }
+        Ok((loss, correct))
+    }
+
+    /// `summary`, downloaded (waits for the compute stream): (mean loss,
+    /// correct count).
+    pub fn read_summary(&self, be: &CudaBackend) -> CudaResult<(f32, u32)> {
+        let (loss, correct) = self.summary(be)?;
+        let loss = be.download(&loss.slice)?;
+        let correct = be.download(&correct.slice)?;
+        Ok((loss[0], correct[0]))
+    }
+}
+
+/// Softmax cross-entropy with label smoothing, forward and gradient in one
+/// kernel. `labels` are class indices on the device (use
+/// `upload_labels`, which validates them); the gradient is multiplied by
+/// `loss_scale` (dynamic loss scaling) and divided by the batch size.
+pub fn softmax_cross_entropy(
+    be: &CudaBackend,
+    logits: &CudaTensor,
+    labels: &CudaView<'_, u32>,
+    smoothing: f32,
+    loss_scale: f32,
+) -> CudaResult<XentOutput> {
+    let (n, classes) = match *logits.shape() {
+        [n, k] if n > 0 && k > 0 => (n, k),
+        _ => {
+            return Err(CudaError::shape(
+                "cross_entropy",
+                "logits [n, classes] with n ≥ 1 and classes ≥ 1",
+                format!("{:?}", logits.shape()),
+            ))
+        }
+    };
+    same_len("cross_entropy", "labels", n, labels.len())?;
+    if !(0.0..1.0).contains(&smoothing) {
+        return Err(CudaError::shape(
+            "cross_entropy",
+            "label smoothing in [0, 1)",
+            format!("{smoothing}"),
+        ));
+    }
+    let mut grad = CudaTensor::uninit(be, logits.shape(), DType::F16)?;
+    let mut row_loss = be.alloc::<f32>(n)?;
+    let mut row_correct = be.alloc::<u32>(n)?;
+    let p = XentParams {
+        rows: u32_of("cross_entropy", n)?,
+        classes: u32_of("cross_entropy", classes)?,
+        smoothing,
+        grad_scale: (loss_scale as f64 / n as f64) as f32,
+    };
+    let threads = u32_of("cross_entropy", n * 32)? as usize;
+    let cfg = LaunchConfig {
+        grid_dim: (threads.div_ceil(BLOCK as usize) as u32, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    {
+        let f = be.function(&k::SOFTMAX_XENT)?;
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p)
+            .arg(logits.f16()?)
+            .arg(labels)
+            .arg(&mut row_loss.slice)
+            .arg(&mut row_correct.slice)
+            .arg(grad.f16_mut()?);
+        // SAFETY: softmax_xent(XentParams, const hr_half* logits [n, k],
+        // const u32* labels [n], float* row_loss [n], u32* row_correct [n],
+        // hr_half* grad [n, k]); one warp per row, 8 rows per block.
+        unsafe { b.launch(cfg) }.during("softmax_xent")?;
+    }
+    Ok(XentOutput {
+        grad,
+        row_loss,
+        row_correct,
+    })
+}
+
+/// Uploads class labels after checking each is below `classes`.
+pub fn upload_labels(
+    be: &CudaBackend,
+    labels: &[u32],
+    classes: usize,
+) -> CudaResult<DeviceBuffer<u32>> {
+    if let Some((i, &bad)) = labels
+        .iter()
+        .enumerate()
+        .find(|(_, &l)| l as usize >= classes)
+    {
+        return Err(CudaError::shape(
+            "cross_entropy",
+            format!("labels below the class count {classes}"),
+            format!("label {bad} at sample {i}"),
+        ));
+    }
+    be.upload(labels)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn launch_shapes() {
+        let c = elementwise(1);
+        assert_eq!((c.grid_dim.0, c.block_dim.0), (1, 256));
+        assert_eq!(elementwise(257).grid_dim.0, 2);
+        assert_eq!(elementwise(usize::MAX / 2).grid_dim.0 as usize, MAX_BLOCKS);
+        assert_eq!(per_channel(129).grid_dim.0, 2);
+    }
+
+    #[test]
+    fn bn_chunks_cover_the_rows_within_the_grid_limit() {
+        assert_eq!(bn_chunking(2), (256, 1));
+        assert_eq!(bn_chunking(128 * 28 * 28), (256, 392));
+        for rows in [
+            1usize,
+            255,
+            256,
+            257,
+            65_535 * 256,
+            65_535 * 256 + 1,
+            1 << 31,
+        ] {
+            let (rpc, chunks) = bn_chunking(rows);
+            assert!(chunks <= 65_535 && rpc * chunks >= rows, "{rows}");
+            assert!(
+                rpc * (chunks - 1) < rows.max(1),
+                "no empty chunk for {rows}"
+            );
+        }
+    }
+
+    #[test]
+    fn conv_shapes_and_chunking() {
+        let s = ConvShape {
+            n: 128,
+            h: 28,
+            w: 28,
+            cin: 32,
+            cout: 64,
+            k: 3,
+            stride: 2,
+            pad: 1,
+        };
+        assert_eq!(s.out_hw().unwrap(), (14, 14));
+        assert_eq!(s.kk(), 288);
+        // 196 pixels × 288 columns × 2 B = 112,896 B per image.
+        assert_eq!(images_per_chunk(&s, 196, CONV_SCRATCH_BYTES), 128);
+        assert_eq!(images_per_chunk(&s, 196, 1_000_000), 8);
+        assert_eq!(images_per_chunk(&s, 196, 1), 1);
+        let bad = ConvShape { k: 40, ..s };
+        assert!(bad.out_hw().is_err());
+    }
+}

@@ -1,0 +1,1343 @@
+//! Every CUDA op against the CPU layer it replaces: random inputs, the CPU
+//! layer's forward and backward, the CUDA op, and a comparison with a stated
+//! tolerance. Without a GPU each test prints "skipped: no CUDA device (...)"
+//! and passes; with HEADROOM_REQUIRE_GPU=1 (`cargo xtask gpu-check`) a
+//! missing GPU fails instead.
+//!
+//! Inputs and weights are rounded to f16 before the CPU sees them, so both
+//! sides start from the same values and the tolerances measure the GPU's
+//! f16 storage of results and intermediates (and its summation order), not
+//! the rounding of the inputs. The tolerance of each comparison is
+//! |gpu - cpu| ≤ rel·|cpu| + abs_frac·max|cpu| per element; a value of
+//! 2^-11 ≈ 4.9e-4 is one f16 rounding.
+//!
+//! THESE TESTS HAVE NOT RUN YET: the machines they were written on have no
+//! GPU.
+
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use cudarc::driver::CudaSlice;
+use half::f16;
+use headroom_model::cuda::ops::{self, BatchNormConfig, ConvShape, CONV_SCRATCH_BYTES};
+use headroom_model::cuda::{
+    AdamWHyper, CudaBackend, CudaError, CudaTensor, DType, FusedAdamW, InputStaging, LossScaler,
+    LossScalerConfig, ParamGroup, StepOutcome,
+};
+use headroom_model::init::InitRng;
+use headroom_model::layers::{BatchNorm2d, Conv2d, GlobalAvgPool, Linear, Relu, Residual};
+use headroom_model::loss::softmax_cross_entropy;
+use headroom_model::{Layer, Mode, Tensor};
+
+// ---------------------------------------------------------------------------
+// Harness
+
+fn require_gpu() -> bool {
+    std::env::var("HEADROOM_REQUIRE_GPU").as_deref() == Ok("1")
+}
+
+/// The shared backend, one test at a time (simpler to read, and the tests
+/// that change the memory budget make their own backend anyway).
+fn gpu() -> Option<MutexGuard<'static, CudaBackend>> {
+    static BE: OnceLock<Result<Mutex<CudaBackend>, String>> = OnceLock::new();
+    let be = BE.get_or_init(|| match CudaBackend::probe() {
+        Ok(Some(_)) => CudaBackend::new(0)
+            .map(Mutex::new)
+            // A GPU that is there but cannot be used is a failure, not a skip.
+            .map_err(|e| panic!("a GPU is present but the CUDA backend failed to open: {e}")),
+        Ok(None) => Err("the probe found no CUDA driver or GPU".to_string()),
+        Err(e) => Err(e.to_string()),
+    });
+    match be {
+        Ok(m) => Some(m.lock().unwrap_or_else(|p| p.into_inner())),
+        Err(why) => {
+            assert!(!require_gpu(), "HEADROOM_REQUIRE_GPU=1 but {why}");
+            eprintln!("skipped: no CUDA device ({why})");
+            None
+        }
+    }
+}
+
+macro_rules! gpu_or_skip {
+    () => {
+        match gpu() {
+            Some(be) => be,
+            None => return,
+        }
+    };
+}
+
+fn h(v: f32) -> f32 {
+    f16::from_f32(v).to_f32()
+}
+
+/// Normal values times `scale`, plus `offset·(channel + 1)` along the last
+/// axis, rounded to f16.
+fn random(shape: &[usize], seed: u64, scale: f32, offset: f32) -> Tensor {
+    let mut rng = InitRng::new(seed);
+    let c = *shape.last().unwrap_or(&1);
+    let len: usize = shape.iter().product();
+    let data = (0..len)
+        .map(|i| h(offset * ((i % c.max(1)) as f32 + 1.0) + scale * rng.normal() as f32))
+        .collect();
+    Tensor::from_vec(shape, data).unwrap()
+}
+
+fn random_vec(len: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut rng = InitRng::new(seed);
+    (0..len).map(|_| h(scale * rng.normal() as f32)).collect()
+}
+
+/// Rounds a CPU tensor's values to f16 in place.
+fn round_f16(t: &mut Tensor) {
+    for v in t.data_mut() {
+        *v = h(*v);
+    }
+}
+
+fn upload(be: &CudaBackend, t: &Tensor) -> CudaTensor {
+    CudaTensor::from_tensor(be, t, DType::F16).unwrap()
+}
+
+fn upload_f32(be: &CudaBackend, data: &[f32]) -> CudaSlice<f32> {
+    be.compute_stream().clone_htod(data).unwrap()
+}
+
+fn upload_f16(be: &CudaBackend, data: &[f32]) -> CudaSlice<f16> {
+    let v: Vec<f16> = data.iter().map(|&x| f16::from_f32(x)).collect();
+    be.compute_stream().clone_htod(&v).unwrap()
+}
+
+fn download(be: &CudaBackend, s: &CudaSlice<f32>) -> Vec<f32> {
+    be.download(s).unwrap()
+}
+
+/// |gpu - cpu| ≤ rel·|cpu| + abs_frac·max|cpu| for every element; NaN only
+/// where the CPU has NaN.
+fn assert_close(what: &str, gpu: &[f32], cpu: &[f32], rel: f32, abs_frac: f32) {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
+    let scale = cpu
+        .iter()
+        .filter(|v| v.is_finite())
+        .fold(0.0f32, |m, v| m.max(v.abs()));
+    let abs = abs_frac * scale;
+    let mut worst = (0.0f32, 0usize);
+    for (i, (&g, &c)) in gpu.iter().zip(cpu).enumerate() {
+        if c.is_nan() || g.is_nan() {
+            assert!(c.is_nan() && g.is_nan(), "{what}[{i}]: gpu {g}, cpu {c}");
+            continue;
+        }
+        let err = (g - c).abs();
+        let allowed = rel * c.abs() + abs;
+        assert!(
+            err <= allowed,
+            "{what}[{i}]: gpu {g}, cpu {c}, error {err:e} > {allowed:e} (rel {rel}, abs {abs_frac}·{scale})"
+        );
+        if err / allowed.max(f32::MIN_POSITIVE) > worst.0 {
+            worst = (err / allowed.max(f32::MIN_POSITIVE), i);
+        }
+    }
+    eprintln!(
+        "{what}: {} elements, worst at {} ({:.2} of the tolerance)",
+        cpu.len(),
+        worst.1,
+        worst.0
+    );
+}
+
+/// ‖gpu - cpu‖₂ / ‖cpu‖₂ ≤ tol: for compositions whose ReLU masks may differ
+/// at a few elements within rounding of zero, where an element-wise bound
+/// would measure the mask, not the arithmetic.
+fn assert_close_l2(what: &str, gpu: &[f32], cpu: &[f32], tol: f64) {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&g, &c) in gpu.iter().zip(cpu) {
+        num += (g as f64 - c as f64).powi(2);
+        den += (c as f64).powi(2);
+    }
+    let rel = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+    eprintln!("{what}: relative L2 error {rel:.2e}");
+    assert!(rel <= tol, "{what}: relative L2 error {rel:e} > {tol:e}");
+}
+
+// ---------------------------------------------------------------------------
+// Casts and input
+
+#[test]
+fn casts_round_like_half_and_widen_exactly() {
+    let be = gpu_or_skip!();
+    let mut values = random_vec(1000, 1, 10.0);
+    // Unrounded values, overflow, subnormals, signed zero, NaN, infinities.
+    values.extend([
+        0.1,
+        1.0 / 3.0,
+        65504.0,
+        65519.0,
+        65520.0,
+        1e6,
+        -1e6,
+        1e-8,
+        3e-8,
+        6e-8,
+        -0.0,
+        0.0,
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        2049.0,
+        2051.0,
+    ]);
+    let x = CudaTensor::from_host(&be, &[values.len()], &values, DType::F32).unwrap();
+    let y = ops::cast_f32_to_f16(&be, &x).unwrap();
+    let got: Vec<f16> = be.download(y.f16().unwrap()).unwrap();
+    for (i, (&g, &v)) in got.iter().zip(&values).enumerate() {
+        let want = f16::from_f32(v);
+        assert!(
+            g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+            "f32→f16 of {v} at {i}: gpu {g} ({:#06x}), half {want} ({:#06x})",
+            g.to_bits(),
+            want.to_bits()
+        );
+    }
+    let back = ops::cast_f16_to_f32(&be, &y).unwrap().to_host(&be).unwrap();
+    for (i, (&b, &g)) in back.iter().zip(&got).enumerate() {
+        assert!(
+            b.to_bits() == g.to_f32().to_bits() || (b.is_nan() && g.is_nan()),
+            "f16→f32 at {i}"
+        );
+    }
+}
+
+#[test]
+fn u8_batches_normalise_like_the_cpu() {
+    let be = gpu_or_skip!();
+    let shape = [4, 28, 28, 1];
+    let mut rng = InitRng::new(2);
+    let pixels: Vec<u8> = (0..shape.iter().product())
+        .map(|_| (rng.next_u64() % 256) as u8)
+        .collect();
+    let (mean, std) = (0.2860, 0.3530);
+    let cpu = Tensor::from_u8_normalized(&shape, &pixels, mean, std).unwrap();
+    let dev = be.upload(&pixels).unwrap();
+    let gpu = ops::normalize_u8(&be, &dev.slice.as_view(), &shape, mean, std).unwrap();
+    // One f16 rounding of the f32 value (the GPU may fuse the multiply-add).
+    assert_close(
+        "normalize_u8",
+        &gpu.to_host(&be).unwrap(),
+        cpu.data(),
+        1e-3,
+        1e-4,
+    );
+}
+
+#[test]
+fn staged_batches_arrive_normalised_with_their_labels() {
+    let be = gpu_or_skip!();
+    let shape = [8, 28, 28, 1];
+    let per_batch: usize = shape.iter().product();
+    let mut staging = InputStaging::new(&be, 2, per_batch, 8).unwrap();
+    let mut kept = Vec::new();
+    // Three batches through two slots: the third reuses the first slot while
+    // the first batch's tensors are still alive.
+    for b in 0..3u64 {
+        let mut rng = InitRng::new(10 + b);
+        let pixels: Vec<u8> = (0..per_batch)
+            .map(|_| (rng.next_u64() % 256) as u8)
+            .collect();
+        let labels: Vec<u32> = (0..8).map(|i| (i + b as u32) % 10).collect();
+        let staged = staging
+            .stage(&be, &shape, &pixels, &labels, 10, 0.5, 0.25)
+            .unwrap();
+        kept.push((pixels, labels, staged));
+    }
+    for (pixels, labels, staged) in &kept {
+        let cpu = Tensor::from_u8_normalized(&shape, pixels, 0.5, 0.25).unwrap();
+        assert_close(
+            "staged images",
+            &staged.images.to_host(&be).unwrap(),
+            cpu.data(),
+            1e-3,
+            1e-4,
+        );
+        assert_eq!(&be.download(&staged.labels.slice).unwrap(), labels);
+    }
+    let err = staging
+        .stage(&be, &shape, &vec![0u8; per_batch], &[10; 8], 10, 0.5, 0.25)
+        .unwrap_err();
+    assert!(err.to_string().contains("label 10"), "{err}");
+}
+
+// ---------------------------------------------------------------------------
+// Elementwise layers
+
+#[test]
+fn relu_forward_and_backward_match_the_cpu_layer() {
+    let be = gpu_or_skip!();
+    let mut x = random(&[4, 9, 9, 24], 3, 1.0, 0.0);
+    x.data_mut()[5] = f32::NAN;
+    let g = random(x.shape(), 4, 1.0, 0.0);
+    let mut relu = Relu::new();
+    let y = relu.forward(&x, Mode::Train).unwrap();
+    let dx = relu.backward(&g).unwrap();
+    let gy = ops::relu_forward(&be, &upload(&be, &x)).unwrap();
+    let gdx = ops::relu_backward(&be, &upload(&be, &g), &gy).unwrap();
+    // Same f16 inputs, exact operations: equal.
+    assert_close(
+        "relu forward",
+        &gy.to_host(&be).unwrap(),
+        y.data(),
+        0.0,
+        0.0,
+    );
+    assert_close(
+        "relu backward",
+        &gdx.to_host(&be).unwrap(),
+        dx.data(),
+        0.0,
+        0.0,
+    );
+}
+
+#[test]
+fn residual_sums_match_the_cpu_residual() {
+    let be = gpu_or_skip!();
+    let x = random(&[4, 7, 7, 32], 5, 1.0, 0.0);
+    let g = random(x.shape(), 6, 1.0, 0.0);
+    let mut res = Residual::new(vec![Box::new(Relu::new())]);
+    let y = res.forward(&x, Mode::Train).unwrap();
+    let dx = res.backward(&g).unwrap();
+
+    let gx = upload(&be, &x);
+    let body = ops::relu_forward(&be, &gx).unwrap();
+    let mut gy = ops::relu_forward(&be, &gx).unwrap();
+    ops::add_inplace(&be, &mut gy, &gx).unwrap();
+    let gg = upload(&be, &g);
+    let mut gdx = ops::relu_backward(&be, &gg, &body).unwrap();
+    ops::add_inplace(&be, &mut gdx, &gg).unwrap();
+    // One f16 rounding of an exact f32 sum.
+    assert_close(
+        "residual forward",
+        &gy.to_host(&be).unwrap(),
+        y.data(),
+        1e-3,
+        0.0,
+    );
+    assert_close(
+        "residual backward",
+        &gdx.to_host(&be).unwrap(),
+        dx.data(),
+        1e-3,
+        0.0,
+    );
+    let sum = ops::add(&be, &body, &gx).unwrap();
+    assert_close("add", &sum.to_host(&be).unwrap(), y.data(), 1e-3, 0.0);
+}
+
+#[test]
+fn global_average_pooling_matches_the_cpu_layer() {
+    let be = gpu_or_skip!();
+    let x = random(&[6, 7, 7, 128], 7, 1.0, 0.5);
+    let g = random(&[6, 128], 8, 1.0, 0.0);
+    let mut pool = GlobalAvgPool::new();
+    let y = pool.forward(&x, Mode::Train).unwrap();
+    let dx = pool.backward(&g).unwrap();
+    let gy = ops::global_avg_pool_forward(&be, &upload(&be, &x)).unwrap();
+    let gdx = ops::global_avg_pool_backward(&be, &upload(&be, &g), x.shape()).unwrap();
+    // f32 sums of 49 values in another order, then one f16 rounding.
+    assert_close(
+        "pool forward",
+        &gy.to_host(&be).unwrap(),
+        y.data(),
+        1e-3,
+        1e-4,
+    );
+    // g/49 reaches f16's subnormal range: an absolute term for those.
+    assert_close(
+        "pool backward",
+        &gdx.to_host(&be).unwrap(),
+        dx.data(),
+        1e-3,
+        1e-4,
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Batch normalisation
+
+struct BnCase {
+    cpu: BatchNorm2d,
+    gamma: Vec<f32>,
+    beta: Vec<f32>,
+}
+
+fn bn_case(c: usize, seed: u64) -> BnCase {
+    let mut cpu = BatchNorm2d::new("bn", c, 0.1, 1e-5);
+    let gamma: Vec<f32> = random_vec(c, seed, 0.3)
+        .iter()
+        .map(|v| h(1.0 + v))
+        .collect();
+    let beta = random_vec(c, seed + 1, 0.5);
+    {
+        let mut params = cpu.params_mut();
+        params[0].value.data_mut().copy_from_slice(&gamma);
+        params[1].value.data_mut().copy_from_slice(&beta);
+    }
+    BnCase { cpu, gamma, beta }
+}
+
+const BN: BatchNormConfig = BatchNormConfig {
+    momentum: 0.1,
+    eps: 1e-5,
+    relu: false,
+    update_running: true,
+};
+
+#[test]
+fn batch_norm_training_forward_backward_and_running_stats_match() {
+    let be = gpu_or_skip!();
+    // c = 40: a partial 32-channel tile; rows 392 and 3136: 2 and 13 chunks.
+    for (shape, seed) in [([8usize, 7, 7, 40], 20u64), ([16, 14, 14, 64], 30)] {
+        let c = shape[3];
+        let BnCase {
+            mut cpu,
+            gamma,
+            beta,
+        } = bn_case(c, seed);
+        let x = random(&shape, seed + 2, 2.0, 0.7);
+        let g = random(&shape, seed + 3, 1.0, 0.0);
+        let y = cpu.forward(&x, Mode::Train).unwrap();
+        let dx = cpu.backward(&g).unwrap();
+        let (dgamma, dbeta) = {
+            let p = cpu.params_mut();
+            (p[0].grad.data().to_vec(), p[1].grad.data().to_vec())
+        };
+        let (rmean, rvar) = {
+            let b = cpu.buffers_mut();
+            (b[0].data().to_vec(), b[1].data().to_vec())
+        };
+
+        let gx = upload(&be, &x);
+        let gamma_d = upload_f32(&be, &gamma);
+        let beta_d = upload_f32(&be, &beta);
+        let mut rmean_d = upload_f32(&be, &vec![0.0; c]);
+        let mut rvar_d = upload_f32(&be, &vec![1.0; c]);
+        let (gy, saved) = ops::batch_norm_forward_train(
+            &be,
+            &gx,
+            &gamma_d.as_view(),
+            &beta_d.as_view(),
+            &mut rmean_d.as_view_mut(),
+            &mut rvar_d.as_view_mut(),
+            BN,
+        )
+        .unwrap();
+        let mut dgamma_d = upload_f32(&be, &vec![0.0; c]);
+        let mut dbeta_d = upload_f32(&be, &vec![0.0; c]);
+        let gdx = ops::batch_norm_backward(
+            &be,
+            &upload(&be, &g),
+            &gx,
+            None,
+            &saved,
+            &gamma_d.as_view(),
+            &mut dgamma_d.as_view_mut(),
+            &mut dbeta_d.as_view_mut(),
+            false,
+        )
+        .unwrap();
+        // Statistics from the same f16 values, f32 Welford + f64 merge vs
+        // f64: near f32 precision.
+        assert_close(
+            "bn running_mean",
+            &download(&be, &rmean_d),
+            &rmean,
+            1e-4,
+            1e-5,
+        );
+        assert_close("bn running_var", &download(&be, &rvar_d), &rvar, 1e-4, 1e-5);
+        // Outputs are stored in f16 (O(1) values).
+        assert_close(
+            "bn forward",
+            &gy.to_host(&be).unwrap(),
+            y.data(),
+            2e-3,
+            2e-3,
+        );
+        // Parameter gradients: f32 sums over rows of the same f16 g and x.
+        assert_close("bn dgamma", &download(&be, &dgamma_d), &dgamma, 1e-3, 1e-4);
+        assert_close("bn dbeta", &download(&be, &dbeta_d), &dbeta, 1e-3, 1e-4);
+        assert_close(
+            "bn backward",
+            &gdx.to_host(&be).unwrap(),
+            dx.data(),
+            5e-3,
+            3e-3,
+        );
+    }
+}
+
+#[test]
+fn batch_norm_with_fused_relu_matches_bn_then_relu() {
+    let be = gpu_or_skip!();
+    let shape = [8usize, 14, 14, 32];
+    let c = shape[3];
+    let BnCase {
+        mut cpu,
+        gamma,
+        beta,
+    } = bn_case(c, 40);
+    let mut relu = Relu::new();
+    let x = random(&shape, 42, 1.5, -0.3);
+    let g = random(&shape, 43, 1.0, 0.0);
+    let y = relu
+        .forward(&cpu.forward(&x, Mode::Train).unwrap(), Mode::Train)
+        .unwrap();
+    relu.clear_saved();
+
+    let gx = upload(&be, &x);
+    let gamma_d = upload_f32(&be, &gamma);
+    let beta_d = upload_f32(&be, &beta);
+    let mut rmean_d = upload_f32(&be, &vec![0.0; c]);
+    let mut rvar_d = upload_f32(&be, &vec![1.0; c]);
+    let cfg = BatchNormConfig { relu: true, ..BN };
+    let (gy, saved) = ops::batch_norm_forward_train(
+        &be,
+        &gx,
+        &gamma_d.as_view(),
+        &beta_d.as_view(),
+        &mut rmean_d.as_view_mut(),
+        &mut rvar_d.as_view_mut(),
+        cfg,
+    )
+    .unwrap();
+    let gy_host = gy.to_host(&be).unwrap();
+    // ReLU is 1-Lipschitz: the forward bound of plain batch norm holds.
+    assert_close("bn+relu forward", &gy_host, y.data(), 2e-3, 2e-3);
+
+    // Backward: the CPU reference masks g with the GPU's own output, so a
+    // value within rounding of zero cannot flip the mask between the two.
+    let masked: Vec<f32> = g
+        .data()
+        .iter()
+        .zip(&gy_host)
+        .map(|(&gv, &yv)| if yv > 0.0 { gv } else { 0.0 })
+        .collect();
+    let dx = cpu
+        .backward(&Tensor::from_vec(&shape, masked).unwrap())
+        .unwrap();
+    let (dgamma, dbeta) = {
+        let p = cpu.params_mut();
+        (p[0].grad.data().to_vec(), p[1].grad.data().to_vec())
+    };
+    let mut dgamma_d = upload_f32(&be, &vec![0.0; c]);
+    let mut dbeta_d = upload_f32(&be, &vec![0.0; c]);
+    let gdx = ops::batch_norm_backward(
+        &be,
+        &upload(&be, &g),
+        &gx,
+        Some(&gy),
+        &saved,
+        &gamma_d.as_view(),
+        &mut dgamma_d.as_view_mut(),
+        &mut dbeta_d.as_view_mut(),
+        true,
+    )
+    .unwrap();
+    assert_close(
+        "bn+relu dgamma",
+        &download(&be, &dgamma_d),
+        &dgamma,
+        1e-3,
+        1e-4,
+    );
+    assert_close(
+        "bn+relu dbeta",
+        &download(&be, &dbeta_d),
+        &dbeta,
+        1e-3,
+        1e-4,
+    );
+    assert_close(
+        "bn+relu backward",
+        &gdx.to_host(&be).unwrap(),
+        dx.data(),
+        5e-3,
+        3e-3,
+    );
+    // Without the saved output a fused backward is refused.
+    let err = ops::batch_norm_backward(
+        &be,
+        &upload(&be, &g),
+        &gx,
+        None,
+        &saved,
+        &gamma_d.as_view(),
+        &mut dgamma_d.as_view_mut(),
+        &mut dbeta_d.as_view_mut(),
+        true,
+    )
+    .unwrap_err();
+    assert!(matches!(err, CudaError::Shape { .. }), "{err}");
+}
+
+#[test]
+fn batch_norm_eval_uses_the_running_statistics() {
+    let be = gpu_or_skip!();
+    let shape = [4usize, 7, 7, 48];
+    let c = shape[3];
+    let BnCase {
+        mut cpu,
+        gamma,
+        beta,
+    } = bn_case(c, 50);
+    let rmean = random_vec(c, 51, 1.0);
+    let rvar: Vec<f32> = random_vec(c, 52, 0.5)
+        .iter()
+        .map(|v| h(0.2 + v.abs()))
+        .collect();
+    {
+        let mut b = cpu.buffers_mut();
+        b[0].data_mut().copy_from_slice(&rmean);
+        b[1].data_mut().copy_from_slice(&rvar);
+    }
+    let x = random(&shape, 53, 1.0, 0.2);
+    let y = cpu.forward(&x, Mode::Eval).unwrap();
+    let gamma_d = upload_f32(&be, &gamma);
+    let beta_d = upload_f32(&be, &beta);
+    let rmean_d = upload_f32(&be, &rmean);
+    let rvar_d = upload_f32(&be, &rvar);
+    let gy = ops::batch_norm_forward_eval(
+        &be,
+        &upload(&be, &x),
+        &gamma_d.as_view(),
+        &beta_d.as_view(),
+        &rmean_d.as_view(),
+        &rvar_d.as_view(),
+        BN,
+    )
+    .unwrap();
+    assert_close("bn eval", &gy.to_host(&be).unwrap(), y.data(), 2e-3, 2e-3);
+}
+
+#[test]
+fn batch_norm_recompute_leaves_running_statistics_alone_and_is_deterministic() {
+    let be = gpu_or_skip!();
+    let shape = [8usize, 14, 14, 64];
+    let c = shape[3];
+    let gamma_d = upload_f32(&be, &vec![1.0; c]);
+    let beta_d = upload_f32(&be, &vec![0.0; c]);
+    let mut rmean_d = upload_f32(&be, &vec![0.25; c]);
+    let mut rvar_d = upload_f32(&be, &vec![2.0; c]);
+    let x = upload(&be, &random(&shape, 60, 1.0, 0.3));
+    let run = |rmean: &mut CudaSlice<f32>, rvar: &mut CudaSlice<f32>, update: bool| {
+        let cfg = BatchNormConfig {
+            update_running: update,
+            ..BN
+        };
+        let (y, _) = ops::batch_norm_forward_train(
+            &be,
+            &x,
+            &gamma_d.as_view(),
+            &beta_d.as_view(),
+            &mut rmean.as_view_mut(),
+            &mut rvar.as_view_mut(),
+            cfg,
+        )
+        .unwrap();
+        y.to_host(&be).unwrap()
+    };
+    let first = run(&mut rmean_d, &mut rvar_d, false);
+    assert_eq!(
+        download(&be, &rmean_d),
+        vec![0.25; c],
+        "recompute: running_mean untouched"
+    );
+    assert_eq!(
+        download(&be, &rvar_d),
+        vec![2.0; c],
+        "recompute: running_var untouched"
+    );
+    let second = run(&mut rmean_d, &mut rvar_d, true);
+    // Fixed chunking and merge order: bit-identical outputs.
+    assert!(
+        first
+            .iter()
+            .zip(&second)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "batch norm forward is deterministic"
+    );
+    assert_ne!(
+        download(&be, &rmean_d),
+        vec![0.25; c],
+        "a training forward updates them"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Convolution and linear
+
+struct ConvCase {
+    shape: ConvShape,
+    bias: bool,
+    /// im2col scratch budget: small values force several image groups.
+    scratch: usize,
+}
+
+fn conv_parity(be: &CudaBackend, case: &ConvCase, seed: u64) {
+    let s = case.shape;
+    let mut rng = InitRng::new(seed);
+    let mut conv = Conv2d::new(
+        "c", s.cin, s.cout, s.k, s.stride, s.pad, case.bias, &mut rng,
+    )
+    .unwrap();
+    let bias = random_vec(s.cout, seed + 1, 0.5);
+    let weight = {
+        let mut p = conv.params_mut();
+        round_f16(&mut p[0].value);
+        if case.bias {
+            p[1].value.data_mut().copy_from_slice(&bias);
+        }
+        p[0].value.data().to_vec()
+    };
+    let x = random(&[s.n, s.h, s.w, s.cin], seed + 2, 1.0, 0.0);
+    let y = conv.forward(&x, Mode::Train).unwrap();
+    let g = random(y.shape(), seed + 3, 1.0, 0.0);
+    let dx = conv.backward(&g).unwrap();
+    let (dw, db) = {
+        let p = conv.params_mut();
+        (
+            p[0].grad.data().to_vec(),
+            p.get(1).map(|b| b.grad.data().to_vec()),
+        )
+    };
+
+    let w_d = upload_f16(be, &weight);
+    let b_d = upload_f16(be, &bias);
+    let gx = upload(be, &x);
+    let gy = ops::conv2d_forward(
+        be,
+        &gx,
+        &w_d.as_view(),
+        case.bias.then(|| b_d.as_view()).as_ref(),
+        s,
+        case.scratch,
+    )
+    .unwrap();
+    let mut dw_d = upload_f32(be, &vec![0.0; weight.len()]);
+    let mut db_d = upload_f32(be, &vec![0.0; s.cout]);
+    let gdx = {
+        let mut db_view = db_d.as_view_mut();
+        ops::conv2d_backward(
+            be,
+            &gx,
+            &upload(be, &g),
+            &w_d.as_view(),
+            &mut dw_d.as_view_mut(),
+            if case.bias { Some(&mut db_view) } else { None },
+            s,
+            case.scratch,
+        )
+        .unwrap()
+    };
+    let name = format!("conv {s:?} bias {} scratch {}", case.bias, case.scratch);
+    // Products of f16 values accumulated in f32 (tensor cores), one f16
+    // rounding of the output.
+    assert_close(
+        &format!("{name} forward"),
+        &gy.to_host(be).unwrap(),
+        y.data(),
+        2e-3,
+        1e-3,
+    );
+    // dA is stored in f16 before col2im sums up to k·k taps: two roundings.
+    assert_close(
+        &format!("{name} dx"),
+        &gdx.to_host(be).unwrap(),
+        dx.data(),
+        5e-3,
+        2e-3,
+    );
+    // dW: f32 output of f32 accumulation over n·oh·ow products.
+    assert_close(&format!("{name} dW"), &download(be, &dw_d), &dw, 1e-3, 1e-4);
+    if let Some(db) = db {
+        assert_close(&format!("{name} db"), &download(be, &db_d), &db, 1e-3, 1e-4);
+    }
+}
+
+#[test]
+fn convolution_matches_the_cpu_layer_for_the_reference_shapes() {
+    let be = gpu_or_skip!();
+    let conv = |n, h, w, cin, cout, k, stride, pad| ConvShape {
+        n,
+        h,
+        w,
+        cin,
+        cout,
+        k,
+        stride,
+        pad,
+    };
+    let cases = [
+        // The reference ResNet at batch 4: stem, blocks, strided stems.
+        ConvCase {
+            shape: conv(4, 28, 28, 1, 32, 3, 1, 1),
+            bias: false,
+            scratch: CONV_SCRATCH_BYTES,
+        },
+        ConvCase {
+            shape: conv(4, 28, 28, 32, 32, 3, 1, 1),
+            bias: false,
+            scratch: CONV_SCRATCH_BYTES,
+        },
+        ConvCase {
+            shape: conv(4, 28, 28, 32, 64, 3, 2, 1),
+            bias: false,
+            scratch: CONV_SCRATCH_BYTES,
+        },
+        ConvCase {
+            shape: conv(4, 14, 14, 64, 128, 3, 2, 1),
+            bias: false,
+            scratch: CONV_SCRATCH_BYTES,
+        },
+        ConvCase {
+            shape: conv(4, 7, 7, 128, 128, 3, 1, 1),
+            bias: false,
+            scratch: CONV_SCRATCH_BYTES,
+        },
+        // Pointwise (no im2col), bias, odd sizes, padding 0, 5×5 kernels.
+        ConvCase {
+            shape: conv(3, 6, 5, 16, 24, 1, 1, 0),
+            bias: true,
+            scratch: CONV_SCRATCH_BYTES,
+        },
+        ConvCase {
+            shape: conv(3, 5, 7, 3, 8, 3, 2, 1),
+            bias: true,
+            scratch: CONV_SCRATCH_BYTES,
+        },
+        ConvCase {
+            shape: conv(2, 9, 9, 4, 6, 5, 1, 0),
+            bias: true,
+            scratch: CONV_SCRATCH_BYTES,
+        },
+        ConvCase {
+            shape: conv(2, 8, 8, 5, 7, 3, 3, 2),
+            bias: false,
+            scratch: CONV_SCRATCH_BYTES,
+        },
+        // A scratch of one image forces one group per image.
+        ConvCase {
+            shape: conv(5, 14, 14, 16, 16, 3, 1, 1),
+            bias: true,
+            scratch: 1,
+        },
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        conv_parity(&be, case, 100 + 10 * i as u64);
+    }
+}
+
+#[test]
+fn linear_matches_the_cpu_layer() {
+    let be = gpu_or_skip!();
+    for (n, inf, out, bias) in [(16usize, 128usize, 10usize, true), (5, 33, 7, false)] {
+        let mut rng = InitRng::new(200 + n as u64);
+        let mut lin = Linear::new("fc", inf, out, bias, &mut rng);
+        let b = random_vec(out, 201, 0.5);
+        let weight = {
+            let mut p = lin.params_mut();
+            round_f16(&mut p[0].value);
+            if bias {
+                p[1].value.data_mut().copy_from_slice(&b);
+            }
+            p[0].value.data().to_vec()
+        };
+        let x = random(&[n, inf], 202, 1.0, 0.0);
+        let g = random(&[n, out], 203, 1.0, 0.0);
+        let y = lin.forward(&x, Mode::Train).unwrap();
+        let dx = lin.backward(&g).unwrap();
+        let (dw, db) = {
+            let p = lin.params_mut();
+            (
+                p[0].grad.data().to_vec(),
+                p.get(1).map(|b| b.grad.data().to_vec()),
+            )
+        };
+        let w_d = upload_f16(&be, &weight);
+        let b_d = upload_f16(&be, &b);
+        let gx = upload(&be, &x);
+        let gy = ops::linear_forward(
+            &be,
+            &gx,
+            &w_d.as_view(),
+            bias.then(|| b_d.as_view()).as_ref(),
+            out,
+        )
+        .unwrap();
+        let mut dw_d = upload_f32(&be, &vec![0.0; weight.len()]);
+        let mut db_d = upload_f32(&be, &vec![0.0; out]);
+        let gdx = {
+            let mut db_view = db_d.as_view_mut();
+            ops::linear_backward(
+                &be,
+                &gx,
+                &upload(&be, &g),
+                &w_d.as_view(),
+                &mut dw_d.as_view_mut(),
+                if bias { Some(&mut db_view) } else { None },
+            )
+            .unwrap()
+        };
+        assert_close(
+            "linear forward",
+            &gy.to_host(&be).unwrap(),
+            y.data(),
+            2e-3,
+            1e-3,
+        );
+        assert_close(
+            "linear dx",
+            &gdx.to_host(&be).unwrap(),
+            dx.data(),
+            2e-3,
+            1e-3,
+        );
+        assert_close("linear dW", &download(&be, &dw_d), &dw, 1e-3, 1e-4);
+        if let Some(db) = db {
+            assert_close("linear db", &download(&be, &db_d), &db, 1e-3, 1e-4);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Loss
+
+#[test]
+fn softmax_cross_entropy_matches_the_cpu_loss() {
+    let be = gpu_or_skip!();
+    let (n, k) = (37usize, 10usize);
+    let mut logits = random(&[n, k], 300, 3.0, 0.0);
+    let labels: Vec<u32> = (0..n as u32).map(|i| (i * 7 + 3) % k as u32).collect();
+    let labels_d = ops::upload_labels(&be, &labels, k).unwrap();
+    for smoothing in [0.0f32, 0.1] {
+        for loss_scale in [1.0f32, 1024.0] {
+            let cpu = softmax_cross_entropy(&logits, &labels, smoothing).unwrap();
+            let out = ops::softmax_cross_entropy(
+                &be,
+                &upload(&be, &logits),
+                &labels_d.slice.as_view(),
+                smoothing,
+                loss_scale,
+            )
+            .unwrap();
+            let grad: Vec<f32> = out
+                .grad
+                .to_host(&be)
+                .unwrap()
+                .iter()
+                .map(|g| g / loss_scale)
+                .collect();
+            let what = format!("xent s={smoothing} scale={loss_scale}");
+            // f32 softmax vs f64, then one f16 rounding of the gradient.
+            assert_close(&format!("{what} grad"), &grad, cpu.grad.data(), 2e-3, 1e-3);
+            let (loss, correct) = out.read_summary(&be).unwrap();
+            assert!(
+                (loss - cpu.loss).abs() <= 1e-4 * cpu.loss.abs().max(1.0),
+                "{what}: loss {loss} vs {}",
+                cpu.loss
+            );
+            assert_eq!(correct as usize, cpu.correct, "{what}: correct");
+        }
+    }
+    // A NaN logit gives a NaN loss (the inf/NaN check downstream sees it).
+    logits.data_mut()[3] = f32::NAN;
+    let out = ops::softmax_cross_entropy(
+        &be,
+        &upload(&be, &logits),
+        &labels_d.slice.as_view(),
+        0.0,
+        1.0,
+    )
+    .unwrap();
+    assert!(out.read_summary(&be).unwrap().0.is_nan());
+    assert!(
+        ops::upload_labels(&be, &[10], k).is_err(),
+        "labels are validated"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Optimizer
+
+/// One parameter group on the host: weights, moments, weight decay.
+struct HostGroup {
+    p: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    decay: bool,
+}
+
+/// headroom-optim's `clip_grad_norm` + `AdamW::step` over the groups, on the
+/// host, in the same f32/f64 arithmetic (this crate cannot depend on
+/// headroom-optim, which depends on it). Returns the global norm.
+fn reference_step(
+    groups: &mut [HostGroup],
+    grads: &[Vec<f32>],
+    h: AdamWHyper,
+    lr: f32,
+    t: u64,
+    max_norm: f32,
+) -> f64 {
+    let norm = grads
+        .iter()
+        .flat_map(|g| g.iter())
+        .map(|&v| (v as f64) * (v as f64))
+        .sum::<f64>()
+        .sqrt();
+    let coef = if max_norm > 0.0 && norm > max_norm as f64 {
+        (max_norm as f64 / (norm + 1e-6)) as f32
+    } else {
+        1.0
+    };
+    let tf = t as f64;
+    let bc1 = 1.0 - (h.beta1 as f64).powf(tf);
+    let bc2 = 1.0 - (h.beta2 as f64).powf(tf);
+    let neg_step = (-(lr as f64) / bc1) as f32;
+    let bc2_sqrt = bc2.sqrt() as f32;
+    let decay_factor = (1.0 - lr as f64 * h.weight_decay as f64) as f32;
+    for (group, g) in groups.iter_mut().zip(grads) {
+        let decay = if group.decay { decay_factor } else { 1.0 };
+        let HostGroup { p, m, v, .. } = group;
+        for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+            let g = g * coef;
+            *m += (1.0 - h.beta1) * (g - *m);
+            *v = h.beta2 * *v + (1.0 - h.beta2) * g * g;
+            let denom = v.sqrt() / bc2_sqrt + h.eps;
+            *p = *p * decay + neg_step * (*m / denom);
+        }
+    }
+    norm
+}
+
+#[test]
+fn fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling() {
+    let be = gpu_or_skip!();
+    let hyper = AdamWHyper {
+        weight_decay: 0.05,
+        ..AdamWHyper::default()
+    };
+    let lens = [(1000usize, true), (37, false)];
+    let mut host: Vec<HostGroup> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &(n, decay))| HostGroup {
+            p: random_vec(n, 400 + i as u64, 0.5),
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+            decay,
+        })
+        .collect();
+    let mut groups: Vec<ParamGroup> = host
+        .iter()
+        .map(|hg| ParamGroup::from_host(&be, hg.decay, &hg.p).unwrap())
+        .collect();
+    let mut opt = FusedAdamW::new(&be, hyper, &groups).unwrap();
+    let loss_scale = 1024.0f32;
+    for (step, (lr, max_norm)) in [(1e-2f32, 0.0f32), (5e-3, 1.0), (1e-3, 1e3)]
+        .into_iter()
+        .enumerate()
+    {
+        let t = step as u64 + 1;
+        let grads: Vec<Vec<f32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &(n, _))| random_vec(n, 500 + 10 * t + i as u64, 0.2))
+            .collect();
+        for (group, g) in groups.iter_mut().zip(&grads) {
+            // Backward leaves the gradients multiplied by the loss scale (a
+            // power of two: exact).
+            let scaled: Vec<f32> = g.iter().map(|v| v * loss_scale).collect();
+            be.compute_stream()
+                .memcpy_htod(&scaled, &mut group.grad.slice)
+                .unwrap();
+        }
+        let norm = reference_step(&mut host, &grads, hyper, lr, t, max_norm);
+        opt.step(&be, &mut groups, lr, t, loss_scale, max_norm, true)
+            .unwrap();
+        let state = opt.read_state(&be).unwrap();
+        assert_eq!(state.found_inf, 0, "step {t}");
+        assert!(
+            (state.grad_norm as f64 - norm).abs() <= 1e-5 * norm,
+            "step {t}: norm {} vs {norm}",
+            state.grad_norm
+        );
+        if max_norm > 0.0 && norm > max_norm as f64 {
+            assert!(state.clip_factor < 1.0, "step {t} clips");
+        } else {
+            assert_eq!(state.clip_factor, 1.0, "step {t} does not clip");
+        }
+        for (i, (group, hg)) in groups.iter().zip(&host).enumerate() {
+            let what = format!("step {t} group {i}");
+            assert_close(
+                &format!("{what} master"),
+                &group.read_master(&be).unwrap(),
+                &hg.p,
+                1e-5,
+                1e-6,
+            );
+            let (gm, gv) = group.read_moments(&be).unwrap();
+            assert_close(&format!("{what} m"), &gm, &hg.m, 1e-4, 1e-6);
+            assert_close(&format!("{what} v"), &gv, &hg.v, 1e-4, 1e-6);
+            let master = group.read_master(&be).unwrap();
+            let compute = group.read_compute(&be).unwrap();
+            assert!(
+                compute.iter().zip(&master).all(|(&c, &w)| c == h(w)),
+                "{what}: the f16 copy is the rounded master"
+            );
+            assert!(
+                download(&be, &group.grad.slice).iter().all(|&g| g == 0.0),
+                "{what}: zero_grad"
+            );
+        }
+    }
+}
+
+#[test]
+fn an_inf_or_nan_gradient_skips_the_step_and_backs_off_the_scale() {
+    let be = gpu_or_skip!();
+    let values = random_vec(300, 600, 1.0);
+    let mut groups = vec![ParamGroup::from_host(&be, true, &values).unwrap()];
+    let mut opt = FusedAdamW::new(&be, AdamWHyper::default(), &groups).unwrap();
+    let mut scaler = LossScaler::new(LossScalerConfig::default()).unwrap();
+    for bad in [f32::INFINITY, f32::NAN] {
+        let mut grads = random_vec(300, 601, 1.0);
+        grads[17] = bad;
+        be.compute_stream()
+            .memcpy_htod(&grads, &mut groups[0].grad.slice)
+            .unwrap();
+        let used = scaler.scale();
+        opt.step(&be, &mut groups, 1e-2, 1, used, 1.0, true)
+            .unwrap();
+        let state = opt.read_state(&be).unwrap();
+        assert_eq!(state.found_inf, 1, "{bad}");
+        assert_eq!(
+            scaler.update(used, state.found_inf != 0),
+            StepOutcome::Skipped
+        );
+        assert_eq!(
+            groups[0].read_master(&be).unwrap(),
+            values,
+            "{bad}: weights untouched"
+        );
+        let (m, v) = groups[0].read_moments(&be).unwrap();
+        assert!(
+            m.iter().chain(&v).all(|&x| x == 0.0),
+            "{bad}: moments untouched"
+        );
+        assert!(
+            download(&be, &groups[0].grad.slice)
+                .iter()
+                .all(|&g| g == 0.0),
+            "{bad}: gradients cleared"
+        );
+    }
+    assert_eq!(scaler.scale(), 16_384.0, "halved twice");
+}
+
+// ---------------------------------------------------------------------------
+// Memory and a composed block
+
+#[test]
+fn the_memory_budget_refuses_allocations_as_values() {
+    if gpu().is_none() {
+        return;
+    }
+    // A backend of its own: the budget is per backend.
+    let be = CudaBackend::new(0).unwrap();
+    let before = be.memory_stats().in_use_bytes;
+    be.set_memory_limit(Some(before + (1 << 20)));
+    let small = CudaTensor::zeros(&be, &[1 << 18], DType::F16).unwrap(); // 512 KiB
+    let err = CudaTensor::zeros(&be, &[1 << 19], DType::F16).unwrap_err(); // 1 MiB more
+    assert!(err.is_out_of_memory(), "{err}");
+    let model_err: headroom_model::ModelError = err.into();
+    assert!(model_err.is_out_of_memory());
+    drop(small);
+    assert_eq!(
+        be.memory_stats().in_use_bytes,
+        before,
+        "freed tensors give their bytes back"
+    );
+    assert!(CudaTensor::zeros(&be, &[1 << 19], DType::F16).is_ok());
+    be.set_memory_limit(None);
+    be.empty_cache().unwrap();
+    assert!(be.memory_stats().oom_events >= 1);
+}
+
+#[test]
+fn a_basic_block_forward_and_backward_match_the_cpu_layers() {
+    let be = gpu_or_skip!();
+    // conv3x3 → BN → ReLU → conv3x3 → BN, + input, ReLU (the reference
+    // ResNet's basic_block), at 16 channels.
+    let (n, hw, c) = (4usize, 10usize, 16usize);
+    let mut rng = InitRng::new(700);
+    let mut conv1 = Conv2d::new("b.conv1", c, c, 3, 1, 1, false, &mut rng).unwrap();
+    let mut conv2 = Conv2d::new("b.conv2", c, c, 3, 1, 1, false, &mut rng).unwrap();
+    let mut w = Vec::new();
+    for conv in [&mut conv1, &mut conv2] {
+        let mut p = conv.params_mut();
+        round_f16(&mut p[0].value);
+        w.push(p[0].value.data().to_vec());
+    }
+    let bn1 = bn_case(c, 701);
+    let bn2 = bn_case(c, 702);
+    let (g1, b1, g2, b2) = (
+        bn1.gamma.clone(),
+        bn1.beta.clone(),
+        bn2.gamma.clone(),
+        bn2.beta.clone(),
+    );
+    let mut block = Residual::new(vec![
+        Box::new(conv1),
+        Box::new(bn1.cpu),
+        Box::new(Relu::new()),
+        Box::new(conv2),
+        Box::new(bn2.cpu),
+    ]);
+    let mut out_relu = Relu::new();
+    let x = random(&[n, hw, hw, c], 703, 1.0, 0.0);
+    let y = out_relu
+        .forward(&block.forward(&x, Mode::Train).unwrap(), Mode::Train)
+        .unwrap();
+    let g = random(y.shape(), 704, 1.0, 0.0);
+    let dx = block.backward(&out_relu.backward(&g).unwrap()).unwrap();
+    let cpu_grads: Vec<Vec<f32>> = block
+        .params_mut()
+        .iter()
+        .map(|p| p.grad.data().to_vec())
+        .collect();
+
+    let s = ConvShape {
+        n,
+        h: hw,
+        w: hw,
+        cin: c,
+        cout: c,
+        k: 3,
+        stride: 1,
+        pad: 1,
+    };
+    let (w1, w2) = (upload_f16(&be, &w[0]), upload_f16(&be, &w[1]));
+    let (g1d, b1d, g2d, b2d) = (
+        upload_f32(&be, &g1),
+        upload_f32(&be, &b1),
+        upload_f32(&be, &g2),
+        upload_f32(&be, &b2),
+    );
+    let mut running: Vec<CudaSlice<f32>> = [0.0f32, 1.0, 0.0, 1.0]
+        .iter()
+        .map(|&v| upload_f32(&be, &vec![v; c]))
+        .collect();
+    let (r1, r2) = running.split_at_mut(2);
+    let (rm1, rv1) = r1.split_at_mut(1);
+    let (rm2, rv2) = r2.split_at_mut(1);
+    let gx = upload(&be, &x);
+    // Forward.
+    let a1 = ops::conv2d_forward(&be, &gx, &w1.as_view(), None, s, CONV_SCRATCH_BYTES).unwrap();
+    let relu_cfg = BatchNormConfig { relu: true, ..BN };
+    let (h1, saved1) = ops::batch_norm_forward_train(
+        &be,
+        &a1,
+        &g1d.as_view(),
+        &b1d.as_view(),
+        &mut rm1[0].as_view_mut(),
+        &mut rv1[0].as_view_mut(),
+        relu_cfg,
+    )
+    .unwrap();
+    let a2 = ops::conv2d_forward(&be, &h1, &w2.as_view(), None, s, CONV_SCRATCH_BYTES).unwrap();
+    let (mut z, saved2) = ops::batch_norm_forward_train(
+        &be,
+        &a2,
+        &g2d.as_view(),
+        &b2d.as_view(),
+        &mut rm2[0].as_view_mut(),
+        &mut rv2[0].as_view_mut(),
+        BN,
+    )
+    .unwrap();
+    ops::add_inplace(&be, &mut z, &gx).unwrap();
+    let out = ops::relu_forward(&be, &z).unwrap();
+    assert_close_l2("block forward", &out.to_host(&be).unwrap(), y.data(), 1e-2);
+    // Backward.
+    let gg = upload(&be, &g);
+    let gz = ops::relu_backward(&be, &gg, &out).unwrap();
+    let mut grads: Vec<CudaSlice<f32>> = cpu_grads
+        .iter()
+        .map(|v| upload_f32(&be, &vec![0.0; v.len()]))
+        .collect();
+    let (gw1, rest) = grads.split_at_mut(1);
+    let (gbn1, rest) = rest.split_at_mut(2);
+    let (gw2, gbn2) = rest.split_at_mut(1);
+    let (gbn1g, gbn1b) = gbn1.split_at_mut(1);
+    let (gbn2g, gbn2b) = gbn2.split_at_mut(1);
+    let ga2 = ops::batch_norm_backward(
+        &be,
+        &gz,
+        &a2,
+        None,
+        &saved2,
+        &g2d.as_view(),
+        &mut gbn2g[0].as_view_mut(),
+        &mut gbn2b[0].as_view_mut(),
+        false,
+    )
+    .unwrap();
+    let gh1 = ops::conv2d_backward(
+        &be,
+        &h1,
+        &ga2,
+        &w2.as_view(),
+        &mut gw2[0].as_view_mut(),
+        None,
+        s,
+        CONV_SCRATCH_BYTES,
+    )
+    .unwrap();
+    let ga1 = ops::batch_norm_backward(
+        &be,
+        &gh1,
+        &a1,
+        Some(&h1),
+        &saved1,
+        &g1d.as_view(),
+        &mut gbn1g[0].as_view_mut(),
+        &mut gbn1b[0].as_view_mut(),
+        true,
+    )
+    .unwrap();
+    let mut gdx = ops::conv2d_backward(
+        &be,
+        &gx,
+        &ga1,
+        &w1.as_view(),
+        &mut gw1[0].as_view_mut(),
+        None,
+        s,
+        CONV_SCRATCH_BYTES,
+    )
+    .unwrap();
+    ops::add_inplace(&be, &mut gdx, &gz).unwrap();
+    // f16 activations through two convolutions and two batch norms, and
+    // ReLU masks that may differ within rounding of zero: an L2 bound.
+    assert_close_l2("block dx", &gdx.to_host(&be).unwrap(), dx.data(), 3e-2);
+    let names = [
+        "conv1 dW",
+        "bn1 dgamma",
+        "bn1 dbeta",
+        "conv2 dW",
+        "bn2 dgamma",
+        "bn2 dbeta",
+    ];
+    for ((name, gpu), cpu) in names.iter().zip(&grads).zip(&cpu_grads) {
+        assert_close_l2(name, &download(&be, gpu), cpu, 3e-2);
+    }
+}

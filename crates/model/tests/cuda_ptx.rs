@@ -1,0 +1,241 @@
+//! Every CUDA kernel compiles with NVRTC, for sm_80 and sm_90, to PTX and to
+//! CUBIN, and every entry point takes exactly the parameters its Rust
+//! wrapper passes (a struct of `size_of` the Rust mirror, then N pointers).
+//! No GPU is needed, only libnvrtc: this is what makes a kernel that does
+//! not compile fail CI.
+//!
+//! Without NVRTC these tests FAIL, saying how to install it, unless
+//! HEADROOM_SKIP_NVRTC=1 (then they print why they skip).
+
+use headroom_model::cuda::kernels::{self, KernelFile, KernelSig, Target};
+use headroom_model::cuda::libs;
+
+const ARCHS: [u32; 2] = [80, 90];
+
+/// NVRTC's version, or None (skip) when HEADROOM_SKIP_NVRTC=1 and NVRTC is
+/// missing. Panics with the install instructions otherwise.
+fn nvrtc() -> Option<(i32, i32)> {
+    match kernels::nvrtc_version() {
+        Ok(v) => Some(v),
+        Err(e) => {
+            if std::env::var("HEADROOM_SKIP_NVRTC").as_deref() == Ok("1") {
+                eprintln!("skipped: NVRTC not available ({e}); HEADROOM_SKIP_NVRTC=1");
+                None
+            } else {
+                panic!(
+                    "{e}\n\nThe kernel compilation tests need libnvrtc (no GPU needed): \
+                     `pip install nvidia-cuda-nvrtc nvidia-cuda-runtime`, or set \
+                     HEADROOM_CUDA_LIB_DIR to the directory holding libnvrtc.so.13. \
+                     Set HEADROOM_SKIP_NVRTC=1 to skip these tests.\nSearched: {:?}",
+                    libs::search_dirs()
+                )
+            }
+        }
+    }
+}
+
+/// One `.entry` of a PTX module: its name and parameter declarations.
+#[derive(Debug)]
+struct Entry {
+    name: String,
+    params: Vec<String>,
+}
+
+fn entries(ptx: &str) -> Vec<Entry> {
+    let mut out = Vec::new();
+    let mut lines = ptx.lines();
+    while let Some(line) = lines.next() {
+        let line = line.trim();
+        let Some(rest) = line.strip_prefix(".visible .entry ") else {
+            continue;
+        };
+        let name = rest
+            .split('(')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        let mut params = Vec::new();
+        if !rest.trim_end().ends_with("()") {
+            for p in lines.by_ref() {
+                let p = p.trim();
+                if p.starts_with(')') {
+                    break;
+                }
+                params.push(p.trim_end_matches(',').to_string());
+            }
+        }
+        out.push(Entry { name, params });
+    }
+    out
+}
+
+/// Byte size of a by-value struct parameter: `.param .align 4 .b8 name[N]`.
+fn struct_bytes(param: &str) -> Option<usize> {
+    let (_, rest) = param.split_once(".b8 ")?;
+    let open = rest.find('[')?;
+    rest[open + 1..].trim_end_matches(']').parse().ok()
+}
+
+fn check_signatures(file: &KernelFile, ptx: &str, arch: u32) {
+    let found = entries(ptx);
+    for entry in &found {
+        assert!(
+            file.kernels.iter().any(|k| k.name == entry.name),
+            "{}.cu defines entry {} that has no KernelSig in kernels.rs",
+            file.name,
+            entry.name
+        );
+    }
+    for sig in file.kernels {
+        let KernelSig {
+            name,
+            params_bytes,
+            buffers,
+            ..
+        } = *sig;
+        let entry = found.iter().find(|e| e.name == name).unwrap_or_else(|| {
+            panic!(
+                "{}.cu (sm_{arch}): no entry point {name} in the PTX",
+                file.name
+            )
+        });
+        assert_eq!(
+            entry.params.len(),
+            1 + buffers,
+            "{name}: PTX parameters {:?}, expected a struct and {buffers} pointers",
+            entry.params
+        );
+        assert_eq!(
+            struct_bytes(&entry.params[0]),
+            Some(params_bytes),
+            "{name}: the parameter struct in the .cu file ({}) differs from its Rust mirror ({params_bytes} bytes)",
+            entry.params[0]
+        );
+        for p in &entry.params[1..] {
+            assert!(
+                p.starts_with(".param .u64"),
+                "{name}: expected a pointer, got {p}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_kernel_compiles_to_ptx_for_sm80_and_sm90_with_matching_signatures() {
+    let Some((major, minor)) = nvrtc() else {
+        return;
+    };
+    eprintln!("NVRTC {major}.{minor}");
+    let mut count = 0;
+    for file in kernels::FILES {
+        for arch in ARCHS {
+            let ptx = kernels::compile(file, Target::Ptx(arch)).unwrap_or_else(|e| panic!("{e}"));
+            let ptx = String::from_utf8(ptx).expect("PTX is text");
+            assert!(
+                ptx.contains(&format!(".target sm_{arch}")),
+                "{}.cu: PTX for compute_{arch} has no .target sm_{arch}",
+                file.name
+            );
+            check_signatures(file, &ptx, arch);
+            count += file.kernels.len();
+        }
+    }
+    eprintln!(
+        "{count} entry points checked ({} files × {ARCHS:?})",
+        kernels::FILES.len()
+    );
+    assert!(
+        count >= 2 * 25,
+        "every kernel of the reference ResNet is listed"
+    );
+}
+
+#[test]
+fn every_kernel_compiles_to_cubin_for_sm80_and_sm90() {
+    if nvrtc().is_none() {
+        return;
+    }
+    for file in kernels::FILES {
+        for arch in ARCHS {
+            let cubin =
+                kernels::compile(file, Target::Cubin(arch)).unwrap_or_else(|e| panic!("{e}"));
+            assert!(
+                cubin.starts_with(b"\x7fELF"),
+                "{}.cu: the CUBIN for sm_{arch} is not an ELF image",
+                file.name
+            );
+        }
+    }
+}
+
+#[test]
+fn nvrtc_targets_the_reference_gpus() {
+    if nvrtc().is_none() {
+        return;
+    }
+    let archs = kernels::supported_archs().unwrap();
+    for arch in ARCHS {
+        assert!(
+            archs.contains(&arch),
+            "NVRTC supports {archs:?}, not sm_{arch}"
+        );
+        assert_eq!(kernels::target_for(arch).unwrap(), Target::Cubin(arch));
+    }
+    // A GPU newer than NVRTC knows gets PTX for the newest architecture, JIT
+    // compiled by the driver.
+    let newest = *archs.iter().max().unwrap();
+    assert_eq!(
+        kernels::target_for(newest + 1).unwrap(),
+        Target::Ptx(newest)
+    );
+    assert!(
+        kernels::target_for(10).is_err(),
+        "older than every supported architecture"
+    );
+}
+
+#[test]
+fn a_kernel_that_does_not_compile_is_an_error_with_the_log() {
+    if nvrtc().is_none() {
+        return;
+    }
+    static BROKEN: KernelFile = KernelFile {
+        name: "broken",
+        source:
+            "#include \"common.cuh\"\nextern \"C\" __global__ void oops(u32 n) { undeclared(n); }\n",
+        kernels: &[],
+    };
+    let err = kernels::compile(&BROKEN, Target::Ptx(80)).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("broken.cu") && text.contains("undeclared"),
+        "{text}"
+    );
+}
+
+#[test]
+fn compiled_kernels_are_cached_on_disk() {
+    if nvrtc().is_none() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("headroom-kernel-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // Only this test reads the variable (the others call `compile`).
+    std::env::set_var("HEADROOM_KERNEL_CACHE", &dir);
+    let file = &kernels::FILES[0];
+    let first = kernels::load_or_compile(file, Target::Ptx(80)).unwrap();
+    let key = kernels::cache_key(file, Target::Ptx(80)).unwrap();
+    let cached = dir.join(&key);
+    assert_eq!(std::fs::read(&cached).unwrap(), first, "{key} written");
+    // A second call reads the file: prove it by planting a marker.
+    std::fs::write(&cached, b"marker").unwrap();
+    assert_eq!(
+        kernels::load_or_compile(file, Target::Ptx(80)).unwrap(),
+        b"marker"
+    );
+    // Another target is another entry.
+    assert_ne!(key, kernels::cache_key(file, Target::Cubin(80)).unwrap());
+    std::env::remove_var("HEADROOM_KERNEL_CACHE");
+    let _ = std::fs::remove_dir_all(&dir);
+}
