@@ -81,16 +81,21 @@ fn vector_extensions() -> Vec<&'static str> {
     found
 }
 
-/// Whether an NVIDIA driver is loadable, without touching it further.
+/// The GPU as the CUDA backend's probe sees it (it never panics; no driver
+/// means no GPU).
 fn gpu_line() -> String {
-    let name = c"libcuda.so.1";
-    // SAFETY: dlopen with a valid C string; the handle is closed right away
-    // and no symbol from it is called.
-    let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
-    if handle.is_null() {
-        return "none (no NVIDIA driver: libcuda.so.1 not found)".into();
+    match headroom_model::cuda::CudaBackend::probe() {
+        Ok(Some(gpu)) => format!(
+            "{} (compute capability {}.{}, {} total, {} free, driver for CUDA {}.{}); the CUDA backend is not wired into training yet",
+            gpu.name,
+            gpu.compute_capability.0,
+            gpu.compute_capability.1,
+            gib(Some(gpu.total_memory)),
+            gib(Some(gpu.free_memory)),
+            gpu.driver_version.0,
+            gpu.driver_version.1
+        ),
+        Ok(None) => "none (no CUDA driver or GPU found)".into(),
+        Err(e) => format!("a CUDA driver is present but unusable: {e}"),
     }
-    // SAFETY: `handle` came from dlopen above and is closed once.
-    unsafe { libc::dlclose(handle) };
-    "NVIDIA driver present (libcuda.so.1); GPU details need the CUDA backend, not wired into training yet".into()
 }

@@ -125,6 +125,9 @@ enum Command {
     },
     /// What this machine has and what headroom will do on it.
     Doctor,
+    /// Every GPU check: driver, GPU, NVRTC and cuBLAS report, kernels compiled for
+    /// this GPU, and the CUDA parity tests with skipping turned into failure.
+    GpuCheck,
     /// One timed configuration as a JSON line (used by `bench`).
     #[command(hide = true)]
     BenchStep {
@@ -324,6 +327,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Doctor => doctor::run(),
+        Command::GpuCheck => gpu_check(),
     }
 }
 
@@ -359,6 +363,35 @@ fn stop_on_signals() -> Result<Arc<AtomicBool>> {
             .context("installing the signal handler")?;
     }
     Ok(stop)
+}
+
+/// Runs the CUDA checks. Training and the bench on CUDA are not wired yet,
+/// and this says so rather than skipping them silently.
+fn gpu_check() -> Result<()> {
+    let report = headroom_model::cuda::gpu_check_report();
+    println!("{report}");
+    let status = std::process::Command::new("cargo")
+        .args(["test", "--release", "-p", "headroom-model"])
+        .args([
+            "--test",
+            "cuda_ptx",
+            "--test",
+            "cuda_probe",
+            "--test",
+            "cuda_parity",
+        ])
+        .args(["--", "--nocapture"])
+        .env("HEADROOM_REQUIRE_GPU", "1")
+        .status()
+        .context("running the CUDA tests with cargo")?;
+    println!(
+        "not yet checked here: a CUDA training run and `bench --device cuda` (the CUDA backend is not wired into \
+         training yet)"
+    );
+    if !status.success() || !report.gpu_ready() {
+        bail!("gpu-check failed: see the report and the test output above");
+    }
+    Ok(())
 }
 
 fn print_eval(report: &headroom_pipeline::eval::EvalReport) {
