@@ -141,7 +141,7 @@ fn sample_checkpoint() -> Checkpoint {
 
 /// Re-seals a mutated file with a valid checksum, so that the decoder behind
 /// the checksum is exercised too.
-fn reseal(bytes: &mut Vec<u8>) {
+fn reseal(bytes: &mut [u8]) {
     if bytes.len() >= 12 {
         let body_len = bytes.len() - 4;
         let crc = crc32fast::hash(&bytes[..body_len]);

@@ -56,7 +56,7 @@ pub fn training_step(
         })?;
         let [h, w, c] = config.model.input;
         let pixels: Vec<u8> = (0..batch * h * w * c)
-            .map(|i| (i * 2_654_435_761 >> 13) as u8)
+            .map(|i| ((i * 2_654_435_761) >> 13) as u8)
             .collect();
         let labels: Vec<u32> = (0..batch as u32)
             .map(|i| i % network.num_classes() as u32)
@@ -266,7 +266,7 @@ pub fn loader_over_store(
             } else {
                 format!("shards, cache {}", cache.max_cache_shards)
             };
-            let opened = Arc::new(ShardedDataset::open(dir, cache.clone())?);
+            let opened = Arc::new(ShardedDataset::open(dir, *cache)?);
             shards = Some(Arc::clone(&opened));
             (opened, label)
         }

@@ -292,9 +292,12 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
     Checkpoint::decode(&bytes, path)
 }
 
+/// A checkpoint file and what it holds.
+pub type Found = (PathBuf, Checkpoint);
+
 /// The newest checkpoint in `dir` that verifies, with the ones skipped on the
 /// way (each with its reason).
-pub fn newest_valid(dir: &Path) -> Result<(Option<(PathBuf, Checkpoint)>, Vec<PipelineError>)> {
+pub fn newest_valid(dir: &Path) -> Result<(Option<Found>, Vec<PipelineError>)> {
     let mut skipped = Vec::new();
     for path in list(dir)?.into_iter().rev() {
         match load(&path) {

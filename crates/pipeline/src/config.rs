@@ -603,7 +603,7 @@ impl ExperimentConfig {
     pub fn micro_batch(&self) -> Result<Option<usize>> {
         let batch = self.train.batch_size;
         let accumulate = self.train.accumulate;
-        if accumulate == 0 || batch % accumulate != 0 {
+        if accumulate == 0 || !batch.is_multiple_of(accumulate) {
             return Err(PipelineError::value(
                 "train.accumulate",
                 format!("must divide train.batch_size = {batch} into equal micro-batches, got {accumulate}"),

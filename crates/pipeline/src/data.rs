@@ -34,7 +34,7 @@ pub fn open_splits(
         let cache = shard_cache(config)?;
         let open = |split: &str| -> Result<Arc<dyn Dataset>> {
             let dir = root.join(split);
-            let store = ShardedDataset::open(&dir, cache.clone())?;
+            let store = ShardedDataset::open(&dir, cache)?;
             tracing::info!(
                 "{split} shards from {}: {} shards, index {} bytes read at open",
                 dir.display(),

@@ -89,7 +89,7 @@ impl MemoryGuard {
 
     /// Arms an injected failure for this step when the test plan says so.
     pub fn before_step(&self, step: u64) {
-        let every = self.inject.every > 0 && step > 0 && step % self.inject.every == 0;
+        let every = self.inject.every > 0 && step > 0 && step.is_multiple_of(self.inject.every);
         if every || self.inject.steps.contains(&step) {
             self.pool.inject_oom(OomInjection::Next);
         }
@@ -154,7 +154,7 @@ impl MemoryGuard {
 
     /// Periodic release of cached blocks, timed.
     pub fn after_step(&mut self, step: u64) {
-        if self.empty_every > 0 && step % self.empty_every == 0 {
+        if self.empty_every > 0 && step.is_multiple_of(self.empty_every) {
             self.release_cache("periodic");
         }
     }
