@@ -30,7 +30,11 @@ fn write_split(dir: &Path, prefix: &str, count: usize, seed: u64) {
         let base = 20 * label as u32;
         for row in 0..28 {
             for _col in 0..28 {
-                let stripe = if (row / period).is_multiple_of(2) { 40 } else { 0 };
+                let stripe = if (row / period).is_multiple_of(2) {
+                    40
+                } else {
+                    0
+                };
                 let noise = next() % 30;
                 images.push((base + stripe + noise).min(255) as u8);
             }
