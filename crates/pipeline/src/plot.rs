@@ -202,6 +202,9 @@ fn draw_panel(svg: &mut String, panel: &Series, left: f64) {
 }
 
 fn tick(v: f64) -> String {
+    if (v - v.round()).abs() < 1e-9 {
+        return format!("{v:.0}");
+    }
     match v.abs() {
         a if a >= 100.0 => format!("{v:.0}"),
         a if a >= 10.0 => format!("{v:.1}"),
