@@ -101,10 +101,10 @@ fn sigkill_at_random_points_then_resume_is_bit_identical() {
     let out = tempfile::tempdir().unwrap();
     let (straight, killed) = (out.path().join("straight"), out.path().join("killed"));
 
-    let reference = run(&args(&durable_args(data.path(), &straight, 6)));
+    let reference = run(&args(&durable_args(data.path(), &straight, 12)));
     assert!(reference.status.success(), "{}", stderr(&reference));
 
-    let list = durable_args(data.path(), &killed, 6);
+    let list = durable_args(data.path(), &killed, 12);
     let mut resume = list.clone();
     resume.push("--resume".into());
     // Kill points spread over the run, from a fixed pseudo-random sequence.

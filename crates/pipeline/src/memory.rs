@@ -205,13 +205,15 @@ impl MemoryGuard {
                 return Ok(micro);
             }
             if micro / 2 < self.min_micro_batch.max(1) {
-                return Err(PipelineError::OutOfMemory(format!(
-                    "no micro-batch of at least {} fits device.memory_limit = {} (in use {} before the first step); \
-                     raise device.memory_limit or set model.checkpoint = \"blocks\"",
-                    self.min_micro_batch,
+                // Nothing fits: start at the floor and let the OOM policy of
+                // the first step checkpoint and stop with its message.
+                tracing::warn!(
+                    "train.micro_batch = \"auto\": not even {micro} samples fit device.memory_limit = {} \
+                     (in use {} before the first step)",
                     mib(limit),
                     mib(self.pool.stats().in_use_bytes)
-                )));
+                );
+                return Ok(micro);
             }
             micro /= 2;
         }

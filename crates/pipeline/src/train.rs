@@ -693,6 +693,7 @@ fn evaluate(
     test_loader: &DataLoader,
     micro_batch: usize,
 ) -> Result<(f32, f32)> {
+    let bar = evaluation_bar(test_loader.batches_per_epoch());
     let (mut loss_sum, mut correct, mut seen) = (0.0f64, 0usize, 0usize);
     for batch in test_loader.epoch(0, 0) {
         let batch = batch?;
@@ -708,11 +709,27 @@ fn evaluate(
             correct += out.correct;
         }
         seen += n;
+        bar.inc(1);
     }
+    bar.finish_and_clear();
     Ok((
         (loss_sum / seen.max(1) as f64) as f32,
         correct as f32 / seen.max(1) as f32,
     ))
+}
+
+/// A progress bar over the test batches on a terminal; hidden otherwise.
+fn evaluation_bar(batches: usize) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(batches as u64);
+    if let Ok(style) = indicatif::ProgressStyle::with_template("evaluating [{bar:30}] {pos}/{len}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
 }
 
 fn snapshot(config: &ExperimentConfig, learner: &mut Learner) -> Checkpoint {
