@@ -54,7 +54,10 @@ fn budget_for_32_adapts_a_batch_of_128_to_match_32_x_4_accumulation() {
     let config = smoke_config(
         data.path(),
         adapted.path(),
-        &[format!("device.memory_limit={limit}"), "run.profile=none".into()],
+        &[
+            format!("device.memory_limit={limit}"),
+            "run.profile=none".into(),
+        ],
     );
     let summary = train(&config, &TrainOptions::default()).unwrap();
     assert_eq!(summary.micro_batch, 32, "128 -> 64 -> 32");
