@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
-use headroom_pipeline::bench::{self, LoaderBench, StepBench};
+use headroom_pipeline::bench::{self, StepBench, StoreBench};
 use headroom_pipeline::ExperimentConfig;
 use serde::{Deserialize, Serialize};
 
@@ -44,7 +44,7 @@ struct Report {
     machine_peak_gflops: f64,
     threads: usize,
     rows: Vec<Row>,
-    loader: Option<LoaderBench>,
+    loader: Option<StoreBench>,
 }
 
 pub fn run(args: &BenchArgs, experiment: &ExperimentConfig) -> Result<()> {
@@ -67,7 +67,8 @@ pub fn run(args: &BenchArgs, experiment: &ExperimentConfig) -> Result<()> {
             ratio,
         });
     }
-    let loader = match bench::loader(experiment, 128, std::time::Duration::from_secs(2)) {
+    let workers = experiment.data.workers;
+    let loader = match bench::loader_over_store(experiment, None, workers, 128, 2) {
         Ok(result) => Some(result),
         Err(e) => {
             tracing::warn!("loader not timed: {e}");

@@ -98,42 +98,6 @@ pub fn training_step(
     })
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct LoaderBench {
-    pub workers: usize,
-    pub batch: usize,
-    pub samples: usize,
-    pub samples_per_sec: f64,
-}
-
-/// Augmented samples per second from the experiment's training loader alone.
-pub fn loader(config: &ExperimentConfig, batch: usize, min_time: Duration) -> Result<LoaderBench> {
-    let dir = data::locate_fashion_mnist(config.data.dir.as_deref(), false)?;
-    let dataset = Arc::new(IdxDataset::fashion_mnist(&dir, Split::Train)?);
-    let loader = DataLoader::new(
-        dataset,
-        LoaderConfig {
-            batch_size: batch,
-            ..data::loader_config(config, true)?
-        },
-    )?;
-    let started = Instant::now();
-    let mut samples = 0;
-    let mut epoch = 0;
-    while started.elapsed() < min_time {
-        for b in loader.epoch(epoch, 0) {
-            samples += b?.labels.len();
-        }
-        epoch += 1;
-    }
-    Ok(LoaderBench {
-        workers: config.data.workers,
-        batch,
-        samples,
-        samples_per_sec: samples as f64 / started.elapsed().as_secs_f64(),
-    })
-}
-
 /// The machine's FP32 multiply-add peak on `threads` threads, in GFLOP/s.
 pub fn peak_gflops(threads: usize) -> f64 {
     let per_thread = Duration::from_millis(300);
