@@ -67,7 +67,7 @@ pub fn run(args: &BenchArgs, experiment: &ExperimentConfig) -> Result<()> {
             ratio,
         });
     }
-    let workers = experiment.data.workers;
+    let workers = experiment.loader_workers();
     let loader = match bench::loader_over_store(experiment, None, workers, 128, 2) {
         Ok(result) => Some(result),
         Err(e) => {

@@ -107,9 +107,10 @@ pub struct DataConfig {
     pub train_samples: usize,
     #[serde(default)]
     pub test_samples: usize,
-    /// Loader worker threads (0 = in the training thread).
-    #[serde(default = "default_workers")]
-    pub workers: usize,
+    /// Loader worker threads (0 = in the training thread); unset = a
+    /// quarter of the cores, 1 to 4 (one worker makes millions of samples/s).
+    #[serde(default)]
+    pub workers: Option<usize>,
     /// Batches prepared ahead of the training stage.
     #[serde(default = "default_prefetch")]
     pub prefetch: usize,
@@ -117,9 +118,6 @@ pub struct DataConfig {
 
 fn default_format() -> String {
     "idx".into()
-}
-fn default_workers() -> usize {
-    1
 }
 fn default_prefetch() -> usize {
     4
@@ -599,6 +597,14 @@ impl ExperimentConfig {
         Ok(())
     }
 
+    /// Loader workers: `data.workers`, or a quarter of the cores (1 to 4).
+    pub fn loader_workers(&self) -> usize {
+        self.data.workers.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cores / 4).clamp(1, 4)
+        })
+    }
+
     /// The micro-batch size the run starts with; None means "auto".
     pub fn micro_batch(&self) -> Result<Option<usize>> {
         let batch = self.train.batch_size;
@@ -658,7 +664,7 @@ impl ExperimentConfig {
         semantic.run.runs_dir = PathBuf::new();
         semantic.run.log_every = 0;
         semantic.data.dir = None;
-        semantic.data.workers = 0;
+        semantic.data.workers = None;
         semantic.data.prefetch = 0;
         semantic.train.threads = 0;
         semantic.train.accumulate = 1;

@@ -92,7 +92,7 @@ pub fn loader_config(config: &ExperimentConfig, training: bool) -> Result<Loader
         shuffle: training,
         drop_last: training,
         seed: config.run.seed,
-        workers: config.data.workers,
+        workers: config.loader_workers(),
         prefetch: config.data.prefetch,
         augment: if training {
             config.augment.clone()

@@ -148,7 +148,7 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
     tracing::info!(
         "model: {parameters} parameters, {:.1} M multiply-adds per sample; {threads} compute threads, {} loader workers",
         macs_per_sample as f64 / 1e6,
-        config.data.workers
+        config.loader_workers()
     );
 
     let (events, receiver) = bounded::<Event>(256);
