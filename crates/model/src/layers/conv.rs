@@ -53,7 +53,7 @@
 use std::cell::RefCell;
 use std::mem::{ManuallyDrop, MaybeUninit};
 
-use gemm::{gemm, Parallelism};
+use super::matmul::{matmul, View};
 use rayon::prelude::*;
 
 use crate::init::InitRng;
@@ -1432,87 +1432,6 @@ impl PixelCursor {
                 self.n += 1;
             }
         }
-    }
-}
-
-/// A strided matrix view: element (i, j) is data[i·row_stride + j·col_stride].
-#[derive(Clone, Copy)]
-struct View<'a> {
-    data: &'a [f32],
-    row_stride: usize,
-    col_stride: usize,
-}
-
-impl<'a> View<'a> {
-    /// Row-major with `cols` columns.
-    fn rm(data: &'a [f32], cols: usize) -> Self {
-        Self {
-            data,
-            row_stride: cols,
-            col_stride: 1,
-        }
-    }
-
-    /// The transpose of a row-major matrix with `cols` columns.
-    fn cm(data: &'a [f32], cols: usize) -> Self {
-        Self {
-            data,
-            row_stride: 1,
-            col_stride: cols,
-        }
-    }
-}
-
-/// dst[m×n] (row-major, contiguous) = (accumulate ? dst : 0) + lhs[m×k]·rhs[k×n],
-/// single-threaded (callers parallelise over blocks).
-fn matmul(dst: &mut [f32], m: usize, n: usize, k: usize, lhs: View, rhs: View, accumulate: bool) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            dst.fill(0.0);
-        }
-        return;
-    }
-    let last =
-        |v: &View, rows: usize, cols: usize| (rows - 1) * v.row_stride + (cols - 1) * v.col_stride;
-    // Internal invariants (all extents come from a validated Geom), checked
-    // because the call below is unsafe.
-    assert!(dst.len() >= m * n, "conv: dst too small");
-    assert!(
-        last(&lhs, m, k) < lhs.data.len(),
-        "conv: lhs view out of bounds"
-    );
-    assert!(
-        last(&rhs, k, n) < rhs.data.len(),
-        "conv: rhs view out of bounds"
-    );
-    // SAFETY: the asserts keep every element gemm reads inside `lhs` and `rhs`
-    // and every element it writes inside `dst`, which we hold mutably and
-    // which aliases neither input.
-    unsafe {
-        gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            lhs.data.as_ptr(),
-            lhs.col_stride as isize,
-            lhs.row_stride as isize,
-            rhs.data.as_ptr(),
-            rhs.col_stride as isize,
-            rhs.row_stride as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            Parallelism::None,
-        );
     }
 }
 

@@ -4,7 +4,9 @@
 //! A training forward saves its input (a reference-counted handle, no copy);
 //! backward computes dW += xᵀ·g, db += Σₙ g and dx = g·Wᵀ.
 
-use gemm::{gemm, Parallelism};
+use gemm::Parallelism;
+
+use super::matmul::{matmul_with, View};
 
 use crate::init::InitRng;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
@@ -20,72 +22,14 @@ fn lecun_truncated(rng: &mut InitRng, fan_in: usize, len: usize) -> Vec<f32> {
     (0..len).map(|_| rng.truncated_normal(std)).collect()
 }
 
-/// A dense row-major view: `rows` × `cols` with explicit strides, so that a
-/// transpose is a change of strides and never a copy.
-#[derive(Clone, Copy)]
-struct View<'a> {
-    data: &'a [f32],
-    row_stride: usize,
-    col_stride: usize,
-}
-
-/// dst[m×n] (row-major, contiguous) = (accumulate ? dst : 0) + lhs[m×k]·rhs[k×n].
-///
-/// The caller guarantees that every view covers its extent (checked here in
-/// debug builds; all callers derive the extents from checked shapes).
+/// Small products (the classifier head) are faster on one thread.
 fn matmul(dst: &mut [f32], m: usize, n: usize, k: usize, lhs: View, rhs: View, accumulate: bool) {
-    debug_assert_eq!(dst.len(), m * n);
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            dst.fill(0.0);
-        }
-        return;
-    }
-    let last =
-        |v: &View, rows: usize, cols: usize| (rows - 1) * v.row_stride + (cols - 1) * v.col_stride;
-    assert!(
-        last(&lhs, m, k) < lhs.data.len(),
-        "linear: lhs view out of bounds"
-    );
-    assert!(
-        last(&rhs, k, n) < rhs.data.len(),
-        "linear: rhs view out of bounds"
-    );
-    // Small products (the classifier head) are faster on one thread.
     let parallelism = if m * n * k >= 1 << 20 {
         Parallelism::Rayon(0)
     } else {
         Parallelism::None
     };
-    // SAFETY: the asserts above keep every element gemm reads inside `lhs` and
-    // `rhs`; `dst` is a contiguous m×n buffer we hold mutably, so writes stay
-    // inside it and alias nothing we read.
-    unsafe {
-        gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            lhs.data.as_ptr(),
-            lhs.col_stride as isize,
-            lhs.row_stride as isize,
-            rhs.data.as_ptr(),
-            rhs.col_stride as isize,
-            rhs.row_stride as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
+    matmul_with(dst, m, n, k, lhs, rhs, accumulate, parallelism);
 }
 
 pub struct Linear {

@@ -12,6 +12,7 @@ mod batchnorm;
 mod checkpointed;
 mod conv;
 mod linear;
+mod matmul;
 mod pool;
 mod residual;
 
