@@ -13,6 +13,15 @@ pub struct GradCheckReport {
     pub worst_at: String,
 }
 
+/// A tensor of standard-normal values drawn from `seed`, for tests.
+pub fn random_tensor(shape: &[usize], seed: u64) -> Tensor {
+    let mut rng = InitRng::new(seed);
+    let data = (0..shape.iter().product())
+        .map(|_| rng.normal() as f32)
+        .collect();
+    Tensor::from_vec(shape, data).unwrap_or_else(|_| Tensor::zeros(shape))
+}
+
 /// Checks input gradients and every parameter gradient of `layer` at `input`.
 /// Returns Err(description) if any element's error exceeds `tolerance`
 /// (relative to max(|analytic|, |numeric|, 1e-2)).

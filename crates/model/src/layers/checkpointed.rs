@@ -181,14 +181,9 @@ impl Layer for Checkpointed {
 mod tests {
     use super::*;
     use crate::gradcheck::check_layer;
+    use crate::gradcheck::random_tensor as random;
     use crate::init::InitRng;
     use crate::layers::{BatchNorm2d, Linear, Relu, Residual};
-
-    fn random(shape: &[usize], seed: u64) -> Tensor {
-        let mut rng = InitRng::new(seed);
-        let len = shape.iter().product();
-        Tensor::from_vec(shape, (0..len).map(|_| rng.normal() as f32).collect()).unwrap()
-    }
 
     /// bn, relu, residual[bn, relu], pool, linear; without the ReLUs (whose
     /// kinks a finite difference can straddle) for the gradient check.

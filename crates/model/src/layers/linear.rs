@@ -220,12 +220,7 @@ impl Layer for Linear {
 mod tests {
     use super::*;
     use crate::gradcheck::check_layer;
-
-    fn random(shape: &[usize], seed: u64) -> Tensor {
-        let mut rng = InitRng::new(seed);
-        let len = shape.iter().product();
-        Tensor::from_vec(shape, (0..len).map(|_| rng.normal() as f32).collect()).unwrap()
-    }
+    use crate::gradcheck::random_tensor as random;
 
     fn naive_forward(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Vec<f32> {
         let (n, k) = (x.shape()[0], x.shape()[1]);

@@ -125,13 +125,7 @@ impl Layer for GlobalAvgPool {
 mod tests {
     use super::*;
     use crate::gradcheck::check_layer;
-    use crate::init::InitRng;
-
-    fn random(shape: &[usize], seed: u64) -> Tensor {
-        let mut rng = InitRng::new(seed);
-        let len = shape.iter().product();
-        Tensor::from_vec(shape, (0..len).map(|_| rng.normal() as f32).collect()).unwrap()
-    }
+    use crate::gradcheck::random_tensor as random;
 
     #[test]
     fn averages_each_channel_over_space() {

@@ -135,14 +135,9 @@ impl Layer for Residual {
 mod tests {
     use super::*;
     use crate::gradcheck::check_layer;
+    use crate::gradcheck::random_tensor as random;
     use crate::init::InitRng;
     use crate::layers::{BatchNorm2d, GlobalAvgPool, Linear, Relu};
-
-    fn random(shape: &[usize], seed: u64) -> Tensor {
-        let mut rng = InitRng::new(seed);
-        let len = shape.iter().product();
-        Tensor::from_vec(shape, (0..len).map(|_| rng.normal() as f32).collect()).unwrap()
-    }
 
     #[test]
     fn forward_adds_the_input_to_the_body() {
