@@ -1,6 +1,7 @@
 //! The loader's one error type.
 
-use std::path::PathBuf;
+use std::io;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Everything that can go wrong while opening a dataset or producing batches.
@@ -159,4 +160,20 @@ fn list_paths(paths: &[PathBuf]) -> String {
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// Maps an I/O error on `path` into `LoaderError::Io` (for `map_err`).
+pub(crate) fn io_err(path: &Path) -> impl FnOnce(io::Error) -> LoaderError + '_ {
+    move |source| LoaderError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// A malformed file, named.
+pub(crate) fn format_err(path: &Path, message: String) -> LoaderError {
+    LoaderError::Format {
+        path: path.to_path_buf(),
+        message,
+    }
 }

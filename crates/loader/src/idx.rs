@@ -11,6 +11,7 @@ use std::path::Path;
 
 use flate2::bufread::MultiGzDecoder;
 
+use crate::error::{format_err, io_err};
 use crate::{Dataset, LoaderError};
 
 const IMAGES_MAGIC: u32 = 0x0000_0803; // u8 data, 3 dimensions: n, rows, cols
@@ -182,20 +183,6 @@ impl Dataset for IdxDataset {
 struct IdxFile {
     dims: Vec<usize>,
     data: Vec<u8>,
-}
-
-fn io_err(path: &Path) -> impl FnOnce(io::Error) -> LoaderError + '_ {
-    move |source| LoaderError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
-}
-
-fn format_err(path: &Path, message: String) -> LoaderError {
-    LoaderError::Format {
-        path: path.to_path_buf(),
-        message,
-    }
 }
 
 /// Reads an IDX file whose magic must be `magic` (u8 data; the low byte is

@@ -54,6 +54,7 @@ use std::io::{self, BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
+use crate::error::{format_err, io_err};
 use crate::{Dataset, LoaderError};
 
 pub(crate) const SHARD_MAGIC: &[u8; 8] = b"HDRMSHRD";
@@ -259,20 +260,6 @@ pub(crate) struct StoreIndex {
     pub total: u64,
     pub shards: Vec<ShardMeta>,
     pub file_bytes: u64,
-}
-
-fn io_err(path: &Path) -> impl FnOnce(io::Error) -> LoaderError + '_ {
-    move |source| LoaderError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
-}
-
-fn format_err(path: &Path, message: String) -> LoaderError {
-    LoaderError::Format {
-        path: path.to_path_buf(),
-        message,
-    }
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
