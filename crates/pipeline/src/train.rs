@@ -612,20 +612,27 @@ fn accumulate_gradients(
     let mut start = 0;
     while start < n {
         let end = (start + learner.micro_batch.max(1)).min(n);
-        let part = Batch {
-            epoch: batch.epoch,
-            index: batch.index,
-            shape: [end - start, batch.shape[1], batch.shape[2], batch.shape[3]],
-            pixels: batch.pixels[start * sample..end * sample].to_vec(),
-            labels: batch.labels[start..end].to_vec(),
-            soft_targets: batch
-                .soft_targets
-                .as_ref()
-                .map(|t| t[start * classes..end * classes].to_vec()),
+        // The whole batch is used as it is; only a split copies its slice.
+        let slice;
+        let part = if start == 0 && end == n {
+            batch
+        } else {
+            slice = Batch {
+                epoch: batch.epoch,
+                index: batch.index,
+                shape: [end - start, batch.shape[1], batch.shape[2], batch.shape[3]],
+                pixels: batch.pixels[start * sample..end * sample].to_vec(),
+                labels: batch.labels[start..end].to_vec(),
+                soft_targets: batch
+                    .soft_targets
+                    .as_ref()
+                    .map(|t| t[start * classes..end * classes].to_vec()),
+            };
+            &slice
         };
         let input = learner.network.input_from_u8(end - start, &part.pixels)?;
         let logits = learner.network.forward(&input, Mode::Train)?;
-        let mut out = training_loss(config, &logits, &part)?;
+        let mut out = training_loss(config, &logits, part)?;
         drop(logits);
         if !out.loss.is_finite() {
             learner.network.clear_saved();
