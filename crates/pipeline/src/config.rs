@@ -395,6 +395,25 @@ impl Default for CheckpointConfig {
     }
 }
 
+/// Keys (or key prefixes) that may differ between the run that wrote a
+/// checkpoint and the run that resumes it: how the run is carried out, not
+/// what it computes. The model is compared on its own, layer by layer.
+pub const RESUME_SAFE_KEYS: [&str; 13] = [
+    "run.",
+    "device.",
+    "memory.",
+    "train.accumulate",
+    "train.micro_batch",
+    "data.dir",
+    "data.workers",
+    "data.prefetch",
+    "train.threads",
+    "train.epochs",
+    "train.max_consecutive_skips",
+    "checkpoint.",
+    "model.",
+];
+
 /// `--set key=value` pairs, applied last.
 #[derive(Clone, Debug, Default)]
 pub struct Overrides(pub Vec<(String, String)>);
@@ -659,21 +678,21 @@ impl ExperimentConfig {
     /// A stable fingerprint of everything that shapes the result: checkpoints
     /// record it so a resume under a different experiment is noticed.
     pub fn fingerprint(&self) -> u32 {
-        let mut semantic = self.clone();
-        semantic.run.output_dir = None;
-        semantic.run.runs_dir = PathBuf::new();
-        semantic.run.log_every = 0;
-        semantic.data.dir = None;
-        semantic.data.workers = None;
-        semantic.data.prefetch = 0;
-        semantic.train.threads = 0;
-        semantic.train.accumulate = 1;
-        semantic.train.micro_batch = None;
-        semantic.device = DeviceConfig::default();
-        semantic.memory = MemoryConfig::default();
-        semantic.checkpoint = CheckpointConfig::default();
-        let text = serde_json::to_string(&semantic).unwrap_or_default();
-        crc32fast::hash(text.as_bytes())
+        let mut hasher = crc32fast::Hasher::new();
+        for (key, value) in self.result_keys() {
+            hasher.update(key.as_bytes());
+            hasher.update(b"=");
+            hasher.update(value.as_bytes());
+            hasher.update(b"\n");
+        }
+        hasher.finalize()
+    }
+
+    /// The flattened keys that shape the result (all but `RESUME_SAFE_KEYS`).
+    pub fn result_keys(&self) -> std::collections::BTreeMap<String, String> {
+        let mut keys = self.flatten();
+        keys.retain(|key, _| !RESUME_SAFE_KEYS.iter().any(|safe| key.starts_with(safe)));
+        keys
     }
 }
 

@@ -11,24 +11,6 @@ use crate::checkpoint::{self, Checkpoint};
 use crate::config::ExperimentConfig;
 use crate::{PipelineError, Result};
 
-/// Keys (or key prefixes) that may differ between the run that wrote a
-/// checkpoint and the run that resumes it.
-const SAFE_TO_CHANGE: [&str; 13] = [
-    "run.",
-    "device.",
-    "memory.",
-    "train.accumulate",
-    "train.micro_batch",
-    "data.dir",
-    "data.workers",
-    "data.prefetch",
-    "train.threads",
-    "train.epochs",
-    "train.max_consecutive_skips",
-    "checkpoint.",
-    "model.",
-];
-
 #[derive(Clone, Debug, Default, PartialEq)]
 pub enum Resume {
     /// Start from scratch; refuse a directory that holds checkpoints.
@@ -98,17 +80,21 @@ fn check_compatible(config: &ExperimentConfig, path: &Path, saved: &Checkpoint) 
     }
     let saved_config: ExperimentConfig = serde_json::from_str(&saved.meta.config_json)
         .map_err(|e| refuse(format!("unreadable experiment record: {e}")))?;
-    let (old, new) = (saved_config.flatten(), config.flatten());
-    let changed: Vec<String> = new
-        .iter()
-        .filter(|(key, value)| old.get(*key) != Some(value))
-        .filter(|(key, _)| !SAFE_TO_CHANGE.iter().any(|safe| key.starts_with(safe)))
-        .map(|(key, value)| {
-            let was = old.get(key).map(String::as_str).unwrap_or("unset");
-            format!("{key} was {was}, now {value}")
-        })
-        .collect();
-    if !changed.is_empty() {
+    if saved.meta.config_fingerprint != config.fingerprint() {
+        let (old, new) = (saved_config.result_keys(), config.result_keys());
+        let mut changed: Vec<String> = new
+            .iter()
+            .filter(|(key, value)| old.get(*key) != Some(value))
+            .map(|(key, value)| {
+                let was = old.get(key).map(String::as_str).unwrap_or("unset");
+                format!("{key} was {was}, now {value}")
+            })
+            .collect();
+        changed.extend(
+            old.keys()
+                .filter(|key| !new.contains_key(*key))
+                .map(|key| format!("{key} was set, now unset")),
+        );
         return Err(refuse(format!(
             "the experiment differs in settings that change the result: {}. \
              Resume with the values that wrote it, or start a new run in another run.output_dir",
