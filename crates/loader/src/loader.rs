@@ -15,6 +15,7 @@
 //! progress) and drops the receiver (late results are discarded on send), so
 //! nothing from an old epoch can reach a newer iterator.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -141,6 +142,39 @@ impl Batch {
     /// Whether the batch holds no samples (never the case for a delivered batch).
     pub fn is_empty(&self) -> bool {
         self.labels.is_empty()
+    }
+
+    /// Samples `range` of the batch as a batch of their own (same epoch and
+    /// batch number), copied.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> Batch {
+        let n = self.len();
+        let sample = self.shape[1] * self.shape[2] * self.shape[3];
+        let classes = self.soft_targets.as_ref().map_or(0, |t| t.len() / n.max(1));
+        Batch {
+            epoch: self.epoch,
+            index: self.index,
+            shape: [range.len(), self.shape[1], self.shape[2], self.shape[3]],
+            pixels: self.pixels[range.start * sample..range.end * sample].to_vec(),
+            labels: self.labels[range.clone()].to_vec(),
+            soft_targets: self
+                .soft_targets
+                .as_ref()
+                .map(|t| t[range.start * classes..range.end * classes].to_vec()),
+        }
+    }
+
+    /// The batch in consecutive parts of at most `size` samples (at least
+    /// one). A batch that fits whole is lent as it is, not copied.
+    pub fn micro_batches(&self, size: usize) -> impl Iterator<Item = Cow<'_, Batch>> {
+        let (n, size) = (self.len(), size.max(1));
+        (0..n).step_by(size).map(move |start| {
+            let end = (start + size).min(n);
+            if start == 0 && end == n {
+                Cow::Borrowed(self)
+            } else {
+                Cow::Owned(self.slice(start..end))
+            }
+        })
     }
 
     /// The pixels of sample `i` of the batch (h*w*c bytes).

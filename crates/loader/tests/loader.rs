@@ -644,3 +644,27 @@ fn an_iterator_can_move_to_another_thread() {
     });
     assert!(got == want);
 }
+
+#[test]
+fn micro_batches_cover_the_batch_in_order_and_lend_a_whole_one() {
+    let batch = Batch {
+        epoch: 3,
+        index: 7,
+        shape: [5, 1, 2, 1],
+        pixels: (0..10).collect(),
+        labels: vec![0, 1, 2, 3, 4],
+        soft_targets: Some((0..10).map(|i| i as f32).collect()),
+    };
+    let parts: Vec<_> = batch.micro_batches(2).collect();
+    assert_eq!(parts.len(), 3);
+    assert_eq!(parts[2].shape, [1, 1, 2, 1]);
+    assert_eq!(parts[1].pixels, vec![4, 5, 6, 7]);
+    assert_eq!(parts[1].labels, vec![2, 3]);
+    assert_eq!(parts[1].soft_targets, Some(vec![4.0, 5.0, 6.0, 7.0]));
+    assert!(parts.iter().all(|p| p.epoch == 3 && p.index == 7));
+    let rejoined: Vec<u8> = parts.iter().flat_map(|p| p.pixels.clone()).collect();
+    assert_eq!(rejoined, batch.pixels);
+    let whole: Vec<_> = batch.micro_batches(5).collect();
+    assert!(matches!(whole[0], std::borrow::Cow::Borrowed(_)));
+    assert_eq!(batch.micro_batches(0).count(), 5, "a size of 0 means 1");
+}

@@ -1,6 +1,6 @@
 //! What `cargo xtask bench` measures: the training step of an experiment's
-//! model (forward, loss, backward, clip, AdamW) on fixed random data after a
-//! warm-up; the loader alone; and the machine's peak FP32 rate, measured with
+//! model (`Learner::train_batch`: forward, loss, backward, clip, AdamW, with
+//! the experiment's settings) on fixed random data after a warm-up; the loader alone; and the machine's peak FP32 rate, measured with
 //! an FMA loop on every compute thread, so "share of peak" is a measured
 //! ratio rather than a datasheet guess.
 
@@ -8,15 +8,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use headroom_loader::{
-    DataLoader, Dataset, IdxDataset, LoaderConfig, ShardCacheConfig, ShardedDataset, ShuffleMode,
-    Split,
+    Batch, DataLoader, Dataset, IdxDataset, LoaderConfig, ShardCacheConfig, ShardedDataset,
+    ShuffleMode, Split,
 };
-use headroom_model::loss::softmax_cross_entropy;
-use headroom_model::{Mode, Network};
-use headroom_optim::{clip_grad_norm, AdamW, AdamWConfig};
+use headroom_model::memory::MemoryPool;
+use headroom_model::Device;
 use serde::{Deserialize, Serialize};
 
 use crate::config::ExperimentConfig;
+use crate::learner::{CpuLearner, Learner, StepSettings};
 use crate::{data, PipelineError, Result};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -49,53 +49,52 @@ pub fn training_step(
             reason: e.to_string(),
         })?;
     pool.install(|| {
-        let mut network = Network::build(&config.model, config.run.seed)?;
-        let mut optimizer = AdamW::new(AdamWConfig {
-            weight_decay: config.optimizer.weight_decay,
-            ..AdamWConfig::default()
-        })?;
-        let [h, w, c] = config.model.input;
-        let pixels: Vec<u8> = (0..batch * h * w * c)
-            .map(|i| ((i * 2_654_435_761) >> 13) as u8)
-            .collect();
-        let labels: Vec<u32> = (0..batch as u32)
-            .map(|i| i % network.num_classes() as u32)
-            .collect();
-        let mut step = || -> Result<()> {
-            let input = network.input_from_u8(batch, &pixels)?;
-            let logits = network.forward(&input, Mode::Train)?;
-            let out = softmax_cross_entropy(&logits, &labels, config.train.label_smoothing)?;
-            network.backward(&out.grad)?;
-            let mut params = network.params_mut();
-            clip_grad_norm(&mut params, 1.0);
-            optimizer.step(&mut params, 1e-3)?;
-            for p in params {
-                p.zero_grad();
-            }
-            Ok(())
-        };
+        let mut learner = CpuLearner::new(
+            &config.model,
+            config.run.seed,
+            StepSettings::from_config(config),
+            batch,
+            MemoryPool::new(Device::Cpu),
+        )?;
+        let batch = synthetic_batch(config, batch, learner.num_classes());
+        let lr = config.optimizer.lr;
         for _ in 0..warmup {
-            step()?;
+            learner.train_batch(&batch, lr)?;
         }
         let started = Instant::now();
         for _ in 0..steps {
-            step()?;
+            learner.train_batch(&batch, lr)?;
         }
         let seconds = started.elapsed().as_secs_f64();
-        let macs = network.macs_per_sample()?;
-        let samples_per_sec = (batch * steps) as f64 / seconds;
+        let macs = learner.macs_per_sample()?;
+        let samples_per_sec = (batch.len() * steps) as f64 / seconds;
         Ok(StepBench {
-            batch,
+            batch: batch.len(),
             threads,
             steps,
             samples_per_sec,
             step_ms: seconds / steps as f64 * 1e3,
             gflops: samples_per_sec * macs as f64 * 2.0 * 3.0 / 1e9,
             peak_rss_bytes: crate::peak_rss_bytes(),
-            parameters: network.num_params(),
+            parameters: learner.num_params(),
             macs_per_sample: macs,
         })
     })
+}
+
+/// Fixed pseudo-random pixels and cycling labels in the experiment's shape.
+fn synthetic_batch(config: &ExperimentConfig, n: usize, classes: usize) -> Batch {
+    let [h, w, c] = config.model.input;
+    Batch {
+        epoch: 0,
+        index: 0,
+        shape: [n, h, w, c],
+        pixels: (0..n * h * w * c)
+            .map(|i| ((i * 2_654_435_761) >> 13) as u8)
+            .collect(),
+        labels: (0..n).map(|i| (i % classes.max(1)) as u32).collect(),
+        soft_targets: None,
+    }
 }
 
 /// The machine's FP32 multiply-add peak on `threads` threads, in GFLOP/s.

@@ -10,9 +10,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use headroom_model::memory::{MemoryPool, OomInjection, PoolStats};
-use headroom_model::{measure_step_peak, Device, ModelError, Network};
+use headroom_model::{Device, ModelError};
 
 use crate::config::{ExperimentConfig, InjectOom};
+use crate::learner::Learner;
 use crate::{PipelineError, Result};
 
 /// Head-room kept above a dry run's measured peak when choosing a micro-batch.
@@ -180,14 +181,14 @@ impl MemoryGuard {
 
     /// The largest micro-batch (batch, batch/2, ...) whose dry-run step fits
     /// the budget with a margin. Without a budget, the whole batch.
-    pub fn plan_micro_batch(&self, network: &mut Network, batch: usize) -> Result<usize> {
+    pub fn plan_micro_batch(&self, learner: &mut dyn Learner, batch: usize) -> Result<usize> {
         let Some(limit) = self.limit() else {
             return Ok(batch);
         };
         let mut micro = batch;
         loop {
             let room = limit.saturating_sub(self.pool.stats().in_use_bytes);
-            let fits = match self.scope(|| measure_step_peak(network, micro)) {
+            let fits = match learner.measure_step_peak(micro) {
                 Ok(peak) => {
                     tracing::info!(
                         "dry run: a step of {micro} samples peaks at {} ({} per sample); room {}",
@@ -198,7 +199,7 @@ impl MemoryGuard {
                     (peak as f64 * PLANNING_MARGIN) as u64 <= room
                 }
                 Err(e) if e.is_out_of_memory() => false,
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(e),
             };
             if fits {
                 tracing::info!("train.micro_batch = \"auto\": {micro} (of a batch of {batch})");

@@ -1,0 +1,371 @@
+//! The seam between the training loop and the device. Everything that
+//! touches tensors sits behind `Learner`: train one batch at a given learning
+//! rate (forward, loss, backward and gradient accumulation over micro-batches,
+//! clip, optimizer step), evaluate a batch, snapshot and restore the whole
+//! state for checkpoints, and the dry run that plans a micro-batch. The loop
+//! (`train.rs`), evaluation (`eval.rs`) and the benchmark (`bench.rs`) only
+//! see this trait, so the training step is written once per device.
+//!
+//! `CpuLearner` is the f32 CPU implementation over `Network` and `AdamW`.
+//! Its tensors come from the pool it is given: every method runs inside that
+//! pool's scope, so a budget on the pool covers the whole step.
+
+use std::sync::Arc;
+
+use headroom_loader::Batch;
+use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy, LossOutput};
+use headroom_model::memory::MemoryPool;
+use headroom_model::{Mode, ModelSpec, Network, PoolStats, Tensor};
+use headroom_optim::{clip_grad_norm, grad_norm, AdamW, AdamWConfig, AdamWState};
+
+use crate::config::ExperimentConfig;
+use crate::Result;
+
+/// What shapes a training step besides the learning rate.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepSettings {
+    pub label_smoothing: f32,
+    /// Global gradient-norm clip; 0 turns clipping off.
+    pub clip_norm: f32,
+    pub optimizer: AdamWConfig,
+}
+
+impl StepSettings {
+    pub fn from_config(config: &ExperimentConfig) -> Self {
+        Self {
+            label_smoothing: config.train.label_smoothing,
+            clip_norm: config.train.clip_norm,
+            optimizer: AdamWConfig {
+                beta1: config.optimizer.beta1,
+                beta2: config.optimizer.beta2,
+                eps: config.optimizer.eps,
+                weight_decay: config.optimizer.weight_decay,
+            },
+        }
+    }
+}
+
+/// The outcome of one training step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepResult {
+    /// The batch's mean training loss; NaN when a micro-batch's loss was not
+    /// finite.
+    pub loss: f32,
+    pub correct: usize,
+    /// The gradient norm before clipping; None when the step was skipped
+    /// (non-finite loss or gradient) and the model left exactly as it was.
+    pub grad_norm: Option<f32>,
+}
+
+/// The outcome of evaluating one batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EvalResult {
+    /// Sum over the batch of the per-sample loss (no label smoothing).
+    pub loss_sum: f64,
+    /// The predicted class of each sample.
+    pub predictions: Vec<u32>,
+}
+
+/// Everything a checkpoint needs to continue training, in host memory.
+#[derive(Clone, Debug)]
+pub struct LearnerState {
+    /// f32 master values of every parameter, in the model's order.
+    pub params: Vec<Vec<f32>>,
+    /// Batch-norm running statistics and other buffers, in order.
+    pub buffers: Vec<Vec<f32>>,
+    pub optimizer: AdamWState,
+}
+
+pub trait Learner: Send {
+    /// One optimizer step on `batch` at learning rate `lr`, in micro-batches
+    /// of `micro_batch()` samples whose gradients add up to the whole batch's.
+    /// A skipped step and a failed one (out of memory, say) both leave the
+    /// model, its buffers and the optimizer exactly as they were.
+    fn train_batch(&mut self, batch: &Batch, lr: f32) -> Result<StepResult>;
+
+    /// Inference on `batch` in micro-batches; changes nothing.
+    fn eval_batch(&mut self, batch: &Batch) -> Result<EvalResult>;
+
+    fn micro_batch(&self) -> usize;
+    fn set_micro_batch(&mut self, size: usize);
+
+    fn snapshot(&mut self) -> Result<LearnerState>;
+
+    /// Replaces the whole state; refuses (saying why) a state of another
+    /// shape, leaving the learner as it was.
+    fn restore(&mut self, state: LearnerState) -> std::result::Result<(), String>;
+
+    /// Peak bytes one training step of `micro_batch` samples needs beyond
+    /// what the learner already holds (a dry run; zeroes gradients).
+    fn measure_step_peak(&mut self, micro_batch: usize) -> Result<u64>;
+
+    /// The memory the learner's tensors come from.
+    fn memory_stats(&self) -> PoolStats;
+
+    fn num_params(&mut self) -> usize;
+    fn macs_per_sample(&self) -> Result<u64>;
+    fn num_classes(&self) -> usize;
+}
+
+/// The f32 CPU learner.
+pub struct CpuLearner {
+    network: Network,
+    optimizer: AdamW,
+    settings: StepSettings,
+    micro_batch: usize,
+    pool: Arc<MemoryPool>,
+}
+
+impl CpuLearner {
+    /// Builds the network of `spec` (initialised from `seed`) with its
+    /// tensors in `pool`; micro-batch = `batch_size` until set otherwise.
+    pub fn new(
+        spec: &ModelSpec,
+        seed: u64,
+        settings: StepSettings,
+        batch_size: usize,
+        pool: Arc<MemoryPool>,
+    ) -> Result<Self> {
+        let network = pool.scope(|| Network::build(spec, seed))?;
+        Ok(Self {
+            network,
+            optimizer: AdamW::new(settings.optimizer.clone())?,
+            settings,
+            micro_batch: batch_size.max(1),
+            pool,
+        })
+    }
+
+    pub fn network(&self) -> &Network {
+        &self.network
+    }
+
+    /// Forward and backward over the micro-batches, adding up gradients.
+    /// Each micro-batch's loss gradient is weighted by its share of the
+    /// batch, so the sum is the whole batch's mean-loss gradient. Returns the
+    /// mean loss (NaN at the first non-finite micro-batch) and the number
+    /// of correct predictions.
+    fn accumulate_gradients(&mut self, batch: &Batch) -> Result<(f32, usize)> {
+        let n = batch.len();
+        let (mut loss, mut correct) = (0.0f64, 0usize);
+        for part in batch.micro_batches(self.micro_batch) {
+            let input = self.network.input_from_u8(part.len(), &part.pixels)?;
+            let logits = self.network.forward(&input, Mode::Train)?;
+            let mut out = training_loss(self.settings.label_smoothing, &logits, &part)?;
+            drop(logits);
+            if !out.loss.is_finite() {
+                return Ok((f32::NAN, 0));
+            }
+            let share = part.len() as f32 / n as f32;
+            if share != 1.0 {
+                out.grad
+                    .try_data_mut()?
+                    .iter_mut()
+                    .for_each(|g| *g *= share);
+            }
+            self.network.backward(&out.grad)?;
+            loss += out.loss as f64 * share as f64;
+            correct += out.correct;
+        }
+        Ok((loss as f32, correct))
+    }
+
+    /// Clip and AdamW step on the accumulated gradients: the gradient norm,
+    /// or None (nothing applied) when it is not finite.
+    fn apply_gradients(&mut self, lr: f32) -> Result<Option<f32>> {
+        let mut params = self.network.params_mut();
+        let norm = if self.settings.clip_norm > 0.0 {
+            clip_grad_norm(&mut params, self.settings.clip_norm)
+        } else {
+            grad_norm(&params)
+        };
+        if !norm.is_finite() {
+            return Ok(None);
+        }
+        self.optimizer.step(&mut params, lr)?;
+        Ok(Some(norm))
+    }
+
+    /// Back to the state before a step that did not apply.
+    fn undo_step(&mut self, statistics: &[Vec<f32>]) -> Result<()> {
+        self.network.clear_saved();
+        self.network.zero_grad();
+        self.network.restore_buffer_values(statistics)?;
+        Ok(())
+    }
+
+    fn train_in_scope(&mut self, batch: &Batch, lr: f32) -> Result<StepResult> {
+        // Batch norm updates its running statistics during the forward; a
+        // step that is not applied must not keep them.
+        let statistics = self.network.buffer_values();
+        let (loss, correct) = match self.accumulate_gradients(batch) {
+            Ok(done) => done,
+            Err(e) => {
+                self.undo_step(&statistics)?;
+                return Err(e);
+            }
+        };
+        let grad_norm = if loss.is_finite() {
+            self.apply_gradients(lr)?
+        } else {
+            None
+        };
+        match grad_norm {
+            Some(_) => self.network.zero_grad(),
+            None => self.undo_step(&statistics)?,
+        }
+        Ok(StepResult {
+            loss,
+            correct,
+            grad_norm,
+        })
+    }
+
+    /// Refuses a state whose tensors do not match the model's, naming the
+    /// first that differs.
+    fn check_shapes(&mut self, state: &LearnerState) -> std::result::Result<(), String> {
+        let params: Vec<(String, usize)> = self
+            .network
+            .params_mut()
+            .iter()
+            .map(|p| (p.name.clone(), p.value.len()))
+            .collect();
+        let buffers: Vec<(String, usize)> = self
+            .network
+            .buffers_mut()
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (format!("buffer {i}"), b.len()))
+            .collect();
+        for (what, expected, saved) in [
+            ("parameter tensors", &params, &state.params),
+            ("buffers", &buffers, &state.buffers),
+        ] {
+            if expected.len() != saved.len() {
+                return Err(format!(
+                    "{} {what}, the model has {}",
+                    saved.len(),
+                    expected.len()
+                ));
+            }
+            for ((name, len), values) in expected.iter().zip(saved) {
+                if *len != values.len() {
+                    return Err(format!(
+                        "{name} has {} values, the model expects {len}",
+                        values.len()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn eval_in_scope(&mut self, batch: &Batch) -> Result<EvalResult> {
+        let classes = self.network.num_classes();
+        let mut result = EvalResult {
+            loss_sum: 0.0,
+            predictions: Vec::with_capacity(batch.len()),
+        };
+        for part in batch.micro_batches(self.micro_batch) {
+            let input = self.network.input_from_u8(part.len(), &part.pixels)?;
+            let logits = self.network.forward(&input, Mode::Eval)?;
+            let out = softmax_cross_entropy(&logits, &part.labels, 0.0)?;
+            result.loss_sum += out.loss as f64 * part.len() as f64;
+            result
+                .predictions
+                .extend(logits.data().chunks_exact(classes).map(arg_max));
+        }
+        Ok(result)
+    }
+}
+
+/// The index of the largest value (the first of equals).
+fn arg_max(row: &[f32]) -> u32 {
+    (0..row.len()).fold(0, |best, k| if row[k] > row[best] { k } else { best }) as u32
+}
+
+/// Label-smoothed cross-entropy, against the batch's soft targets when
+/// Mixup or CutMix made them.
+fn training_loss(smoothing: f32, logits: &Tensor, batch: &Batch) -> Result<LossOutput> {
+    let Some(soft) = &batch.soft_targets else {
+        return Ok(softmax_cross_entropy(logits, &batch.labels, smoothing)?);
+    };
+    let classes = logits.shape().get(1).copied().unwrap_or(1);
+    let smoothed = soft
+        .iter()
+        .map(|&p| (1.0 - smoothing) * p + smoothing / classes as f32)
+        .collect();
+    let targets = Tensor::from_vec(&[batch.len(), classes], smoothed)?;
+    Ok(soft_cross_entropy(logits, &targets)?)
+}
+
+impl Learner for CpuLearner {
+    fn train_batch(&mut self, batch: &Batch, lr: f32) -> Result<StepResult> {
+        let pool = Arc::clone(&self.pool);
+        pool.scope(|| self.train_in_scope(batch, lr))
+    }
+
+    fn eval_batch(&mut self, batch: &Batch) -> Result<EvalResult> {
+        let pool = Arc::clone(&self.pool);
+        pool.scope(|| self.eval_in_scope(batch))
+    }
+
+    fn micro_batch(&self) -> usize {
+        self.micro_batch
+    }
+
+    fn set_micro_batch(&mut self, size: usize) {
+        self.micro_batch = size.max(1);
+    }
+
+    fn snapshot(&mut self) -> Result<LearnerState> {
+        Ok(LearnerState {
+            params: self
+                .network
+                .params_mut()
+                .iter()
+                .map(|p| p.value.data().to_vec())
+                .collect(),
+            buffers: self.network.buffer_values(),
+            optimizer: self.optimizer.state(),
+        })
+    }
+
+    fn restore(&mut self, state: LearnerState) -> std::result::Result<(), String> {
+        self.check_shapes(&state)?;
+        // Last fallible step first, so a refusal changes nothing.
+        self.optimizer
+            .load_state(state.optimizer)
+            .map_err(|e| e.to_string())?;
+        for (param, values) in self.network.params_mut().into_iter().zip(&state.params) {
+            param.value.data_mut().copy_from_slice(values);
+        }
+        for (buffer, values) in self.network.buffers_mut().into_iter().zip(&state.buffers) {
+            buffer.data_mut().copy_from_slice(values);
+        }
+        Ok(())
+    }
+
+    fn measure_step_peak(&mut self, micro_batch: usize) -> Result<u64> {
+        let pool = Arc::clone(&self.pool);
+        Ok(pool
+            .scope(|| self.network.measure_step(micro_batch))?
+            .peak_in_use_bytes)
+    }
+
+    fn memory_stats(&self) -> PoolStats {
+        self.pool.stats()
+    }
+
+    fn num_params(&mut self) -> usize {
+        self.network.num_params()
+    }
+
+    fn macs_per_sample(&self) -> Result<u64> {
+        Ok(self.network.macs_per_sample()?)
+    }
+
+    fn num_classes(&self) -> usize {
+        self.network.num_classes()
+    }
+}
