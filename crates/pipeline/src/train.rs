@@ -17,7 +17,7 @@ use headroom_optim::{OneCycle, Schedule};
 use crate::checkpoint::{Checkpoint, CheckpointMeta, EpochProgress};
 use crate::config::{ExperimentConfig, ScheduleConfig};
 use crate::eval::evaluate;
-use crate::learner::{CpuLearner, Learner, LearnerState, StepSettings};
+use crate::learner::{self, CudaOptions, Learner, LearnerState};
 use crate::memory::MemoryGuard;
 use crate::resume::{self, Resume};
 use crate::rundir;
@@ -253,14 +253,8 @@ fn check_writable(dir: &std::path::Path) -> Result<()> {
 
 fn prepare(config: &ExperimentConfig, options: &TrainOptions, memory: &MemoryGuard) -> Result<Run> {
     let (train_set, test_set) = data::open_splits(config, options.allow_install)?;
-    let learner = CpuLearner::new(
-        &config.model,
-        config.run.seed,
-        StepSettings::from_config(config),
-        config.train.batch_size,
-        memory.pool(),
-    )?;
-    check_data_fits_model(config, train_set.as_ref(), &learner)?;
+    let learner = learner::open(config, memory.pool(), cuda_options(config)?)?;
+    check_data_fits_model(config, train_set.as_ref(), learner.as_ref())?;
     tracing::info!(
         "{} training samples, {} test samples",
         train_set.len(),
@@ -280,12 +274,19 @@ fn prepare(config: &ExperimentConfig, options: &TrainOptions, memory: &MemoryGua
     let total_steps = train_loader.batches_per_epoch() as u64 * config.train.epochs;
     Ok(Run {
         trainee: Trainee {
-            learner: Box::new(learner),
+            learner,
             schedule: schedule(config, total_steps)?,
             position: Position::default(),
         },
         train_loader,
         test_loader,
+    })
+}
+
+fn cuda_options(config: &ExperimentConfig) -> Result<CudaOptions> {
+    Ok(CudaOptions {
+        memory_limit: config.memory_limit()?,
+        ..CudaOptions::default()
     })
 }
 

@@ -32,6 +32,7 @@ mod error;
 pub mod gemm;
 pub mod kernels;
 pub mod libs;
+mod network;
 pub mod ops;
 pub mod optim;
 pub mod params;
@@ -41,6 +42,7 @@ mod tensor;
 
 pub use backend::{auto_device_kind, CudaBackend, DeviceBuffer, DeviceInfo, DeviceMemoryStats};
 pub use error::{CudaError, CudaResult};
+pub use network::{zeros_input, CudaBuildOptions, CudaNetwork};
 pub use optim::{AdamWHyper, FusedAdamW, ParamGroup};
 pub use scaler::{LossScaler, LossScalerConfig, LossScalerState, StepOutcome};
 pub use staging::{InputStaging, StagedBatch};

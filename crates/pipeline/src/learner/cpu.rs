@@ -1,14 +1,6 @@
-//! The seam between the training loop and the device. Everything that
-//! touches tensors sits behind `Learner`: train one batch at a given learning
-//! rate (forward, loss, backward and gradient accumulation over micro-batches,
-//! clip, optimizer step), evaluate a batch, snapshot and restore the whole
-//! state for checkpoints, and the dry run that plans a micro-batch. The loop
-//! (`train.rs`), evaluation (`eval.rs`) and the benchmark (`bench.rs`) only
-//! see this trait, so the training step is written once per device.
-//!
-//! `CpuLearner` is the f32 CPU implementation over `Network` and `AdamW`.
-//! Its tensors come from the pool it is given: every method runs inside that
-//! pool's scope, so a budget on the pool covers the whole step.
+//! The f32 CPU learner. Its tensors come from the pool it is given: every
+//! method runs inside that pool's scope, so a budget on the pool covers the
+//! whole step.
 
 use std::sync::Arc;
 
@@ -16,96 +8,10 @@ use headroom_loader::Batch;
 use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy, LossOutput};
 use headroom_model::memory::MemoryPool;
 use headroom_model::{Mode, ModelSpec, Network, PoolStats, Tensor};
-use headroom_optim::{clip_grad_norm, grad_norm, AdamW, AdamWConfig, AdamWState};
+use headroom_optim::{clip_grad_norm, grad_norm, AdamW};
 
-use crate::config::ExperimentConfig;
+use super::{EvalResult, Learner, LearnerState, StepResult, StepSettings};
 use crate::Result;
-
-/// What shapes a training step besides the learning rate.
-#[derive(Clone, Debug, PartialEq)]
-pub struct StepSettings {
-    pub label_smoothing: f32,
-    /// Global gradient-norm clip; 0 turns clipping off.
-    pub clip_norm: f32,
-    pub optimizer: AdamWConfig,
-}
-
-impl StepSettings {
-    pub fn from_config(config: &ExperimentConfig) -> Self {
-        Self {
-            label_smoothing: config.train.label_smoothing,
-            clip_norm: config.train.clip_norm,
-            optimizer: AdamWConfig {
-                beta1: config.optimizer.beta1,
-                beta2: config.optimizer.beta2,
-                eps: config.optimizer.eps,
-                weight_decay: config.optimizer.weight_decay,
-            },
-        }
-    }
-}
-
-/// The outcome of one training step.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct StepResult {
-    /// The batch's mean training loss; NaN when a micro-batch's loss was not
-    /// finite.
-    pub loss: f32,
-    pub correct: usize,
-    /// The gradient norm before clipping; None when the step was skipped
-    /// (non-finite loss or gradient) and the model left exactly as it was.
-    pub grad_norm: Option<f32>,
-}
-
-/// The outcome of evaluating one batch.
-#[derive(Clone, Debug, PartialEq)]
-pub struct EvalResult {
-    /// Sum over the batch of the per-sample loss (no label smoothing).
-    pub loss_sum: f64,
-    /// The predicted class of each sample.
-    pub predictions: Vec<u32>,
-}
-
-/// Everything a checkpoint needs to continue training, in host memory.
-#[derive(Clone, Debug)]
-pub struct LearnerState {
-    /// f32 master values of every parameter, in the model's order.
-    pub params: Vec<Vec<f32>>,
-    /// Batch-norm running statistics and other buffers, in order.
-    pub buffers: Vec<Vec<f32>>,
-    pub optimizer: AdamWState,
-}
-
-pub trait Learner: Send {
-    /// One optimizer step on `batch` at learning rate `lr`, in micro-batches
-    /// of `micro_batch()` samples whose gradients add up to the whole batch's.
-    /// A skipped step and a failed one (out of memory, say) both leave the
-    /// model, its buffers and the optimizer exactly as they were.
-    fn train_batch(&mut self, batch: &Batch, lr: f32) -> Result<StepResult>;
-
-    /// Inference on `batch` in micro-batches; changes nothing.
-    fn eval_batch(&mut self, batch: &Batch) -> Result<EvalResult>;
-
-    fn micro_batch(&self) -> usize;
-    fn set_micro_batch(&mut self, size: usize);
-
-    fn snapshot(&mut self) -> Result<LearnerState>;
-
-    /// Replaces the whole state; refuses (saying why) a state of another
-    /// shape, leaving the learner as it was.
-    fn restore(&mut self, state: LearnerState) -> std::result::Result<(), String>;
-
-    /// Peak bytes one training step of `micro_batch` samples needs beyond
-    /// what the learner already holds (a dry run; zeroes gradients).
-    fn measure_step_peak(&mut self, micro_batch: usize) -> Result<u64>;
-
-    /// The memory the learner's tensors come from.
-    fn memory_stats(&self) -> PoolStats;
-
-    fn num_params(&mut self) -> usize;
-    fn macs_per_sample(&self) -> Result<u64>;
-    fn num_classes(&self) -> usize;
-}
 
 /// The f32 CPU learner.
 pub struct CpuLearner {
@@ -280,7 +186,7 @@ impl CpuLearner {
 }
 
 /// The index of the largest value (the first of equals).
-fn arg_max(row: &[f32]) -> u32 {
+pub(super) fn arg_max(row: &[f32]) -> u32 {
     (0..row.len()).fold(0, |best, k| if row[k] > row[best] { k } else { best }) as u32
 }
 

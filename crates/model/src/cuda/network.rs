@@ -1,0 +1,1050 @@
+//! `CudaNetwork`: the network of a `ModelSpec` on the GPU, built from the
+//! same spec as the CPU's `Network` and initialised from it, so both start
+//! from the same weights and list their parameters and buffers in the same
+//! order (a checkpoint moves between CPU and GPU runs).
+//!
+//! Storage: activations are f16 NHWC `CudaTensor`s; parameters live in two
+//! `ParamGroup`s (weight decay on, off), each holding f32 masters, f32
+//! gradients (carrying the loss scale), f32 moments and the f16 compute copy
+//! the convolutions and linear layers read; batch norm reads its f32 gamma
+//! and beta from the masters. A layer's parameter is a range of a group.
+//!
+//! What a training forward saves for backward (a stack, popped in reverse):
+//! a convolution or linear layer its input; batch norm its input, its batch
+//! statistics, and (fused with the ReLU after it) its output; a standalone
+//! ReLU its output; global pooling its input's shape. Batch norm followed by
+//! ReLU runs as one fused kernel unless fusion is turned off.
+//!
+//! Not on the GPU yet (`build` refuses them, naming the layer): activation
+//! recomputation (`model.checkpoint`) and the layers the CUDA kernels do not
+//! cover (those beyond the reference ResNet's).
+
+use cudarc::driver::{CudaView, CudaViewMut};
+use half::f16;
+
+use super::backend::{CudaBackend, DeviceBuffer};
+use super::error::Context;
+use super::ops::{self, BatchNormConfig, BatchNormSaved, ConvShape, CONV_SCRATCH_BYTES};
+use super::optim::ParamGroup;
+use super::tensor::{CudaTensor, DType};
+use super::{CudaError, CudaResult};
+use crate::memory::MemoryPool;
+use crate::{CheckpointPolicy, Device, LayerSpec, ModelSpec, Network};
+
+/// Where one parameter lives: a range of the decay or the no-decay group.
+#[derive(Clone, Copy, Debug)]
+struct ParamRef {
+    group: usize,
+    offset: usize,
+    len: usize,
+}
+
+impl ParamRef {
+    fn range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.len
+    }
+}
+
+const DECAY: usize = 0;
+const NO_DECAY: usize = 1;
+
+#[derive(Debug)]
+struct RunningStats {
+    mean: DeviceBuffer<f32>,
+    var: DeviceBuffer<f32>,
+    /// Copies taken before a step, put back if the step is not applied.
+    saved_mean: DeviceBuffer<f32>,
+    saved_var: DeviceBuffer<f32>,
+}
+
+#[derive(Debug)]
+enum GpuLayer {
+    Conv {
+        weight: ParamRef,
+        bias: Option<ParamRef>,
+        kernel: usize,
+        stride: usize,
+        pad: usize,
+        cout: usize,
+    },
+    BatchNorm {
+        gamma: ParamRef,
+        beta: ParamRef,
+        running: Box<RunningStats>,
+        momentum: f32,
+        eps: f32,
+        /// Fused with the ReLU that followed it in the spec.
+        relu: bool,
+    },
+    Relu,
+    Residual(Vec<GpuLayer>),
+    GlobalAvgPool,
+    Linear {
+        weight: ParamRef,
+        bias: Option<ParamRef>,
+        out: usize,
+    },
+}
+
+#[derive(Debug)]
+struct SavedBatchNorm {
+    input: CudaTensor,
+    output: Option<CudaTensor>,
+    stats: BatchNormSaved,
+}
+
+/// Per-parameter host copies, in the CPU network's order.
+pub type HostParams = Vec<Vec<f32>>;
+
+/// What a training forward left for backward, one entry per layer run.
+#[derive(Debug)]
+enum Saved {
+    Input(CudaTensor),
+    BatchNorm(Box<SavedBatchNorm>),
+    Output(CudaTensor),
+    Shape(Vec<usize>),
+    Nothing,
+}
+
+/// Build options that change the kernels used, not the results' meaning.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaBuildOptions {
+    /// Fuse batch norm with the ReLU after it.
+    pub fuse: bool,
+}
+
+impl Default for CudaBuildOptions {
+    fn default() -> Self {
+        Self { fuse: true }
+    }
+}
+
+/// One parameter's name and place, in the CPU network's order.
+#[derive(Clone, Debug)]
+struct ParamSlot {
+    name: String,
+    at: ParamRef,
+}
+
+pub struct CudaNetwork {
+    spec: ModelSpec,
+    layers: Vec<GpuLayer>,
+    groups: [ParamGroup; 2],
+    params: Vec<ParamSlot>,
+    classes: usize,
+    macs_per_sample: u64,
+    saved: Vec<Saved>,
+}
+
+impl std::fmt::Debug for CudaNetwork {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaNetwork")
+            .field("params", &self.params.len())
+            .field("classes", &self.classes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Hands out parameter ranges in the CPU network's parameter order.
+struct ParamCursor<'a> {
+    cpu: &'a [(String, usize, bool)],
+    next: usize,
+    offsets: [usize; 2],
+    slots: Vec<ParamSlot>,
+}
+
+impl ParamCursor<'_> {
+    fn take(&mut self, path: &str, len: usize) -> CudaResult<ParamRef> {
+        let Some((name, cpu_len, decay)) = self.cpu.get(self.next) else {
+            return Err(CudaError::shape(
+                "CudaNetwork::build",
+                format!("a parameter for {path}"),
+                "none left in the CPU network".to_string(),
+            ));
+        };
+        if *cpu_len != len || !name.starts_with(path) {
+            return Err(CudaError::shape(
+                "CudaNetwork::build",
+                format!("{path}: a parameter of {len} values"),
+                format!("{name} of {cpu_len}"),
+            ));
+        }
+        let group = if *decay { DECAY } else { NO_DECAY };
+        let at = ParamRef {
+            group,
+            offset: self.offsets[group],
+            len,
+        };
+        self.offsets[group] += len;
+        self.next += 1;
+        self.slots.push(ParamSlot {
+            name: name.clone(),
+            at,
+        });
+        Ok(at)
+    }
+}
+
+fn cpu_only(path: &str, what: &str) -> CudaError {
+    CudaError::Unsupported {
+        op: "CudaNetwork::build",
+        reason: format!("{path}: {what} runs on the CPU only for now (set device.kind = \"cpu\")"),
+    }
+}
+
+impl CudaNetwork {
+    /// Builds the network of `spec` on the GPU with the weights the CPU's
+    /// `Network::build(spec, seed)` starts from.
+    pub fn build(
+        be: &CudaBackend,
+        spec: &ModelSpec,
+        seed: u64,
+        options: CudaBuildOptions,
+    ) -> crate::Result<Self> {
+        if spec.checkpoint != CheckpointPolicy::None {
+            return Err(cpu_only("model.checkpoint", "activation recomputation").into());
+        }
+        // The CPU network is the reference for initial values and order; it
+        // is built in a private pool so it never counts against a budget.
+        let mut cpu = MemoryPool::new(Device::Cpu).scope(|| Network::build(spec, seed))?;
+        let classes = cpu.num_classes();
+        let macs_per_sample = cpu.macs_per_sample()?;
+        let cpu_params: Vec<(String, usize, bool)> = cpu
+            .params_mut()
+            .iter()
+            .map(|p| (p.name.clone(), p.value.len(), p.decay))
+            .collect();
+        let mut cursor = ParamCursor {
+            cpu: &cpu_params,
+            next: 0,
+            offsets: [0, 0],
+            slots: Vec::new(),
+        };
+        let mut shape = spec.input.to_vec();
+        let layers = build_list(
+            be,
+            &spec.layers,
+            "model.layers",
+            &mut shape,
+            &mut cursor,
+            options,
+        )?;
+        if cursor.next != cpu_params.len() {
+            return Err(CudaError::shape(
+                "CudaNetwork::build",
+                format!("{} parameters", cpu_params.len()),
+                format!("{} placed", cursor.next),
+            )
+            .into());
+        }
+        let slots = cursor.slots;
+        let mut host = [
+            vec![0.0f32; cursor.offsets[0]],
+            vec![0.0f32; cursor.offsets[1]],
+        ];
+        for (slot, param) in slots.iter().zip(cpu.params_mut()) {
+            host[slot.at.group][slot.at.range()].copy_from_slice(param.value.data());
+        }
+        let [decay, no_decay] = host;
+        let groups = [
+            group_from_host(be, true, decay)?,
+            group_from_host(be, false, no_decay)?,
+        ];
+        let mut network = Self {
+            spec: spec.clone(),
+            layers,
+            groups,
+            params: slots,
+            classes,
+            macs_per_sample,
+            saved: Vec::new(),
+        };
+        network.set_buffers(be, &cpu.buffer_values())?;
+        Ok(network)
+    }
+
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    pub fn num_classes(&self) -> usize {
+        self.classes
+    }
+
+    /// Multiply-adds of one sample's forward.
+    pub fn macs_per_sample(&self) -> u64 {
+        self.macs_per_sample
+    }
+
+    pub fn num_params(&self) -> usize {
+        self.params.iter().map(|p| p.at.len).sum()
+    }
+
+    /// The two parameter groups (decay, no decay), for the optimizer.
+    pub fn groups_mut(&mut self) -> &mut [ParamGroup; 2] {
+        &mut self.groups
+    }
+
+    pub fn groups(&self) -> &[ParamGroup; 2] {
+        &self.groups
+    }
+
+    /// Training forward of a normalised f16 batch: logits [n, classes], and
+    /// what backward needs saved. Updates the batch-norm running statistics.
+    pub fn forward_train(&mut self, be: &CudaBackend, x: &CudaTensor) -> CudaResult<CudaTensor> {
+        self.saved.clear();
+        let mut saved = std::mem::take(&mut self.saved);
+        let result = forward_list(be, &mut self.layers, &self.groups, x, Some(&mut saved));
+        self.saved = saved;
+        result
+    }
+
+    /// Inference forward: running statistics, nothing saved.
+    pub fn forward_eval(&mut self, be: &CudaBackend, x: &CudaTensor) -> CudaResult<CudaTensor> {
+        forward_list(be, &mut self.layers, &self.groups, x, None)
+    }
+
+    /// Backward from the logits' gradient: parameter gradients are
+    /// accumulated (+=) into the groups' f32 gradients.
+    pub fn backward(&mut self, be: &CudaBackend, grad_logits: &CudaTensor) -> CudaResult<()> {
+        let mut saved = std::mem::take(&mut self.saved);
+        let g = grad_logits.try_clone(be)?;
+        let result = backward_list(be, &self.layers, &mut self.groups, &mut saved, g);
+        self.saved.clear();
+        result.map(drop)
+    }
+
+    /// Drops whatever a failed step left saved.
+    pub fn clear_saved(&mut self) {
+        self.saved.clear();
+    }
+
+    pub fn zero_grad(&mut self, be: &CudaBackend) -> CudaResult<()> {
+        for group in &mut self.groups {
+            group.zero_grad(be)?;
+        }
+        Ok(())
+    }
+
+    /// Copies the running statistics aside (before a step).
+    pub fn save_running_stats(&mut self, be: &CudaBackend) -> CudaResult<()> {
+        for_each_running(&mut self.layers, &mut |r| {
+            copy_device(be, &r.mean, &mut r.saved_mean)?;
+            copy_device(be, &r.var, &mut r.saved_var)
+        })
+    }
+
+    /// Puts back the copies `save_running_stats` took (a step not applied).
+    pub fn restore_running_stats(&mut self, be: &CudaBackend) -> CudaResult<()> {
+        for_each_running(&mut self.layers, &mut |r| {
+            copy_device(be, &r.saved_mean, &mut r.mean)?;
+            copy_device(be, &r.saved_var, &mut r.var)
+        })
+    }
+
+    /// Every parameter's f32 master values, in the CPU network's order.
+    pub fn read_params(&self, be: &CudaBackend) -> CudaResult<Vec<Vec<f32>>> {
+        let masters = [
+            be.download(&self.groups[0].master.slice)?,
+            be.download(&self.groups[1].master.slice)?,
+        ];
+        Ok(self.split(&masters))
+    }
+
+    /// (first, second) AdamW moments per parameter, in order.
+    pub fn read_moments(&self, be: &CudaBackend) -> CudaResult<(HostParams, HostParams)> {
+        let (m0, v0) = self.groups[0].read_moments(be)?;
+        let (m1, v1) = self.groups[1].read_moments(be)?;
+        Ok((self.split(&[m0, m1]), self.split(&[v0, v1])))
+    }
+
+    fn split(&self, groups: &[Vec<f32>; 2]) -> Vec<Vec<f32>> {
+        self.params
+            .iter()
+            .map(|p| groups[p.at.group][p.at.range()].to_vec())
+            .collect()
+    }
+
+    fn join(&self, what: &str, values: &[Vec<f32>]) -> Result<[Vec<f32>; 2], String> {
+        if values.len() != self.params.len() {
+            return Err(format!(
+                "{} {what}, the model has {}",
+                values.len(),
+                self.params.len()
+            ));
+        }
+        let mut host = [
+            vec![0.0f32; self.groups[0].len()],
+            vec![0.0f32; self.groups[1].len()],
+        ];
+        for (slot, v) in self.params.iter().zip(values) {
+            if v.len() != slot.at.len {
+                return Err(format!(
+                    "{} has {} values, the model expects {}",
+                    slot.name,
+                    v.len(),
+                    slot.at.len
+                ));
+            }
+            host[slot.at.group][slot.at.range()].copy_from_slice(v);
+        }
+        Ok(host)
+    }
+
+    /// Batch-norm running statistics (mean, var per layer), in order.
+    pub fn read_buffers(&self, be: &CudaBackend) -> CudaResult<Vec<Vec<f32>>> {
+        let mut out = Vec::new();
+        for_each_running_ref(&self.layers, &mut |r| {
+            out.push(be.download(&r.mean.slice)?);
+            out.push(be.download(&r.var.slice)?);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    fn set_buffers(&mut self, be: &CudaBackend, values: &[Vec<f32>]) -> CudaResult<()> {
+        let mut it = values.iter();
+        for_each_running(&mut self.layers, &mut |r| {
+            for target in [&mut r.mean, &mut r.var] {
+                let Some(v) = it.next() else {
+                    return Err(CudaError::shape("buffers", "one per statistic", "too few"));
+                };
+                copy_host(be, v, target)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Checks a state's shapes against the model without changing anything.
+    pub fn check_state(
+        &self,
+        params: &[Vec<f32>],
+        buffers: &[Vec<f32>],
+        moments: &[Vec<f32>],
+    ) -> Result<(), String> {
+        self.join("parameter tensors", params)?;
+        self.join("moment tensors", moments)?;
+        let mut lens = Vec::new();
+        let _ = for_each_running_ref(&self.layers, &mut |r| {
+            lens.push(r.mean.len());
+            lens.push(r.var.len());
+            Ok(())
+        });
+        if lens.len() != buffers.len() {
+            return Err(format!(
+                "{} buffers, the model has {}",
+                buffers.len(),
+                lens.len()
+            ));
+        }
+        match lens.iter().zip(buffers).position(|(l, b)| *l != b.len()) {
+            Some(i) => Err(format!(
+                "buffer {i} has {} values, the model expects {}",
+                buffers[i].len(),
+                lens[i]
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Replaces masters (and their f16 copies), moments and running
+    /// statistics; gradients are zeroed. Call `check_state` first.
+    pub fn load_state(
+        &mut self,
+        be: &CudaBackend,
+        params: &[Vec<f32>],
+        buffers: &[Vec<f32>],
+        moments: (&[Vec<f32>], &[Vec<f32>]),
+    ) -> crate::Result<()> {
+        let refuse = |reason: String| crate::ModelError::State(reason);
+        let masters = self.join("parameter tensors", params).map_err(refuse)?;
+        let first = self.join("moment tensors", moments.0).map_err(refuse)?;
+        let second = self.join("moment tensors", moments.1).map_err(refuse)?;
+        for (i, group) in self.groups.iter_mut().enumerate() {
+            copy_host(be, &masters[i], &mut group.master)?;
+            copy_host(be, &first[i], &mut group.first_moment)?;
+            copy_host(be, &second[i], &mut group.second_moment)?;
+            ops::cast_f32_to_f16_into(
+                be,
+                &group.master.slice.as_view(),
+                &mut group.compute.slice.as_view_mut(),
+            )?;
+            group.zero_grad(be)?;
+        }
+        self.set_buffers(be, buffers)?;
+        Ok(())
+    }
+}
+
+/// A group of the given values; an empty group holds one unused zero, so
+/// every group has device buffers (the optimizer leaves a zero with a zero
+/// gradient at zero).
+fn group_from_host(be: &CudaBackend, decay: bool, values: Vec<f32>) -> CudaResult<ParamGroup> {
+    if values.is_empty() {
+        return ParamGroup::from_host(be, decay, &[0.0]);
+    }
+    ParamGroup::from_host(be, decay, &values)
+}
+
+fn copy_host(be: &CudaBackend, host: &[f32], dev: &mut DeviceBuffer<f32>) -> CudaResult<()> {
+    if host.len() > dev.len() {
+        return Err(CudaError::shape(
+            "copy to device",
+            format!("at most {} values", dev.len()),
+            host.len().to_string(),
+        ));
+    }
+    if host.is_empty() {
+        return Ok(());
+    }
+    be.compute_stream()
+        .memcpy_htod(host, &mut dev.slice.slice_mut(..host.len()))
+        .during("cuMemcpyHtoDAsync")
+}
+
+fn copy_device(
+    be: &CudaBackend,
+    from: &DeviceBuffer<f32>,
+    to: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    be.compute_stream()
+        .memcpy_dtod(&from.slice, &mut to.slice)
+        .during("cuMemcpyDtoDAsync")
+}
+
+fn for_each_running(
+    layers: &mut [GpuLayer],
+    f: &mut dyn FnMut(&mut RunningStats) -> CudaResult<()>,
+) -> CudaResult<()> {
+    for layer in layers {
+        match layer {
+            GpuLayer::BatchNorm { running, .. } => f(running)?,
+            GpuLayer::Residual(body) => for_each_running(body, f)?,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn for_each_running_ref(
+    layers: &[GpuLayer],
+    f: &mut dyn FnMut(&RunningStats) -> CudaResult<()>,
+) -> CudaResult<()> {
+    for layer in layers {
+        match layer {
+            GpuLayer::BatchNorm { running, .. } => f(running)?,
+            GpuLayer::Residual(body) => for_each_running_ref(body, f)?,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn channels(path: &str, shape: &[usize]) -> CudaResult<usize> {
+    match shape {
+        [_, _, c] => Ok(*c),
+        _ => Err(CudaError::shape(
+            "CudaNetwork::build",
+            format!("{path}: an image input [h, w, c]"),
+            format!("{shape:?}"),
+        )),
+    }
+}
+
+fn build_list(
+    be: &CudaBackend,
+    specs: &[LayerSpec],
+    path: &str,
+    shape: &mut Vec<usize>,
+    cursor: &mut ParamCursor<'_>,
+    options: CudaBuildOptions,
+) -> CudaResult<Vec<GpuLayer>> {
+    let mut layers: Vec<GpuLayer> = Vec::new();
+    for (i, spec) in specs.iter().enumerate() {
+        let here = format!("{path}[{i}]");
+        if matches!(spec, LayerSpec::Relu) && options.fuse {
+            if let Some(GpuLayer::BatchNorm { relu, .. }) = layers.last_mut() {
+                if !*relu {
+                    *relu = true;
+                    continue;
+                }
+            }
+        }
+        layers.extend(build_one(be, spec, &here, shape, cursor, options)?);
+    }
+    Ok(layers)
+}
+
+fn build_one(
+    be: &CudaBackend,
+    spec: &LayerSpec,
+    path: &str,
+    shape: &mut Vec<usize>,
+    cursor: &mut ParamCursor<'_>,
+    options: CudaBuildOptions,
+) -> CudaResult<Vec<GpuLayer>> {
+    Ok(match spec {
+        LayerSpec::Conv {
+            out,
+            kernel,
+            stride,
+            padding,
+            bias,
+        } => {
+            let cin = channels(path, shape)?;
+            let pad = padding.unwrap_or(kernel / 2);
+            let weight = cursor.take(path, kernel * kernel * cin * out)?;
+            let bias = bias.then(|| cursor.take(path, *out)).transpose()?;
+            let probe = ConvShape {
+                n: 1,
+                h: shape[0],
+                w: shape[1],
+                cin,
+                cout: *out,
+                k: *kernel,
+                stride: *stride,
+                pad,
+            };
+            let (oh, ow) = probe.out_hw()?;
+            *shape = vec![oh, ow, *out];
+            vec![GpuLayer::Conv {
+                weight,
+                bias,
+                kernel: *kernel,
+                stride: *stride,
+                pad,
+                cout: *out,
+            }]
+        }
+        LayerSpec::BatchNorm { momentum, eps } => {
+            let c = channels(path, shape)?;
+            let gamma = cursor.take(path, c)?;
+            let beta = cursor.take(path, c)?;
+            vec![GpuLayer::BatchNorm {
+                gamma,
+                beta,
+                running: Box::new(RunningStats {
+                    mean: be.alloc_zeros(c)?,
+                    var: be.alloc_zeros(c)?,
+                    saved_mean: be.alloc_zeros(c)?,
+                    saved_var: be.alloc_zeros(c)?,
+                }),
+                momentum: *momentum,
+                eps: *eps,
+                relu: false,
+            }]
+        }
+        LayerSpec::Relu => vec![GpuLayer::Relu],
+        LayerSpec::GlobalAvgPool => {
+            let c = channels(path, shape)?;
+            *shape = vec![c];
+            vec![GpuLayer::GlobalAvgPool]
+        }
+        LayerSpec::Linear { out, bias } => {
+            let [features] = shape[..] else {
+                return Err(CudaError::shape(
+                    "CudaNetwork::build",
+                    format!("{path}: a feature vector [c]"),
+                    format!("{shape:?}"),
+                ));
+            };
+            let weight = cursor.take(path, features * out)?;
+            let bias = bias.then(|| cursor.take(path, *out)).transpose()?;
+            *shape = vec![*out];
+            vec![GpuLayer::Linear {
+                weight,
+                bias,
+                out: *out,
+            }]
+        }
+        LayerSpec::Residual { layers } => {
+            let mut inner = shape.clone();
+            let body = build_list(
+                be,
+                layers,
+                &format!("{path}.layers"),
+                &mut inner,
+                cursor,
+                options,
+            )?;
+            vec![GpuLayer::Residual(body)]
+        }
+        LayerSpec::BasicBlock => {
+            let c = channels(path, shape)?;
+            let conv = LayerSpec::Conv {
+                out: c,
+                kernel: 3,
+                stride: 1,
+                padding: None,
+                bias: false,
+            };
+            let bn = LayerSpec::BatchNorm {
+                momentum: 0.1,
+                eps: 1e-5,
+            };
+            let body = vec![conv.clone(), bn.clone(), LayerSpec::Relu, conv, bn];
+            let mut built = build_one(
+                be,
+                &LayerSpec::Residual { layers: body },
+                path,
+                shape,
+                cursor,
+                options,
+            )?;
+            built.push(GpuLayer::Relu);
+            built
+        }
+        #[allow(unreachable_patterns)]
+        _ => return Err(cpu_only(path, "this layer")),
+    })
+}
+
+/// The f16 compute copy of a parameter.
+fn compute<'a>(groups: &'a [ParamGroup; 2], p: &ParamRef) -> CudaView<'a, f16> {
+    groups[p.group].compute.slice.slice(p.range())
+}
+
+/// The f32 master of a parameter (batch norm reads gamma and beta in f32).
+fn master<'a>(groups: &'a [ParamGroup; 2], p: &ParamRef) -> CudaView<'a, f32> {
+    groups[p.group].master.slice.slice(p.range())
+}
+
+fn conv_shape(
+    x: &CudaTensor,
+    kernel: usize,
+    stride: usize,
+    pad: usize,
+    cout: usize,
+) -> CudaResult<ConvShape> {
+    match *x.shape() {
+        [n, h, w, cin] => Ok(ConvShape {
+            n,
+            h,
+            w,
+            cin,
+            cout,
+            k: kernel,
+            stride,
+            pad,
+        }),
+        _ => Err(CudaError::shape(
+            "conv2d",
+            "[n, h, w, c]",
+            format!("{:?}", x.shape()),
+        )),
+    }
+}
+
+fn forward_list(
+    be: &CudaBackend,
+    layers: &mut [GpuLayer],
+    groups: &[ParamGroup; 2],
+    x: &CudaTensor,
+    mut saved: Option<&mut Vec<Saved>>,
+) -> CudaResult<CudaTensor> {
+    let mut current: Option<CudaTensor> = None;
+    for layer in layers.iter_mut() {
+        let input = current.as_ref().unwrap_or(x);
+        let (y, keep) = forward_one(be, layer, groups, input, saved.as_deref_mut())?;
+        if let Some(list) = saved.as_deref_mut() {
+            let mut input = || match current.take() {
+                Some(t) => Ok(t),
+                None => x.try_clone(be),
+            };
+            list.push(match keep {
+                Keep::Input => Saved::Input(input()?),
+                Keep::BatchNorm { output, stats } => Saved::BatchNorm(Box::new(SavedBatchNorm {
+                    input: input()?,
+                    output,
+                    stats,
+                })),
+                Keep::Other(s) => s,
+            });
+        }
+        current = Some(y);
+    }
+    match current {
+        Some(y) => Ok(y),
+        None => x.try_clone(be),
+    }
+}
+
+/// What one layer's forward keeps: its input (moved, not copied, by the
+/// caller) or something of its own.
+enum Keep {
+    Input,
+    BatchNorm {
+        output: Option<CudaTensor>,
+        stats: BatchNormSaved,
+    },
+    Other(Saved),
+}
+
+fn forward_one(
+    be: &CudaBackend,
+    layer: &mut GpuLayer,
+    groups: &[ParamGroup; 2],
+    x: &CudaTensor,
+    saved: Option<&mut Vec<Saved>>,
+) -> CudaResult<(CudaTensor, Keep)> {
+    let training = saved.is_some();
+    Ok(match layer {
+        GpuLayer::Conv {
+            weight,
+            bias,
+            kernel,
+            stride,
+            pad,
+            cout,
+        } => {
+            let s = conv_shape(x, *kernel, *stride, *pad, *cout)?;
+            let b = bias.as_ref().map(|b| compute(groups, b));
+            let y = ops::conv2d_forward(
+                be,
+                x,
+                &compute(groups, weight),
+                b.as_ref(),
+                s,
+                CONV_SCRATCH_BYTES,
+            )?;
+            (y, Keep::Input)
+        }
+        GpuLayer::BatchNorm {
+            gamma,
+            beta,
+            running,
+            momentum,
+            eps,
+            relu,
+        } => {
+            let cfg = BatchNormConfig {
+                momentum: *momentum,
+                eps: *eps,
+                relu: *relu,
+                update_running: true,
+            };
+            let (g, b) = (master(groups, gamma), master(groups, beta));
+            if !training {
+                let y = ops::batch_norm_forward_eval(
+                    be,
+                    x,
+                    &g,
+                    &b,
+                    &running.mean.slice.as_view(),
+                    &running.var.slice.as_view(),
+                    cfg,
+                )?;
+                return Ok((y, Keep::Other(Saved::Nothing)));
+            }
+            let (y, stats) = ops::batch_norm_forward_train(
+                be,
+                x,
+                &g,
+                &b,
+                &mut running.mean.slice.as_view_mut(),
+                &mut running.var.slice.as_view_mut(),
+                cfg,
+            )?;
+            let output = if *relu { Some(y.try_clone(be)?) } else { None };
+            (y, Keep::BatchNorm { output, stats })
+        }
+        GpuLayer::Relu => {
+            let y = ops::relu_forward(be, x)?;
+            let keep = if training {
+                Saved::Output(y.try_clone(be)?)
+            } else {
+                Saved::Nothing
+            };
+            (y, Keep::Other(keep))
+        }
+        GpuLayer::Residual(body) => {
+            let mut y = forward_list(be, body, groups, x, saved)?;
+            ops::add_inplace(be, &mut y, x)?;
+            (y, Keep::Other(Saved::Nothing))
+        }
+        GpuLayer::GlobalAvgPool => {
+            let y = ops::global_avg_pool_forward(be, x)?;
+            (y, Keep::Other(Saved::Shape(x.shape().to_vec())))
+        }
+        GpuLayer::Linear { weight, bias, out } => {
+            let b = bias.as_ref().map(|b| compute(groups, b));
+            let y = ops::linear_forward(be, x, &compute(groups, weight), b.as_ref(), *out)?;
+            (y, Keep::Input)
+        }
+    })
+}
+
+fn backward_list(
+    be: &CudaBackend,
+    layers: &[GpuLayer],
+    groups: &mut [ParamGroup; 2],
+    saved: &mut Vec<Saved>,
+    mut g: CudaTensor,
+) -> CudaResult<CudaTensor> {
+    for layer in layers.iter().rev() {
+        g = backward_one(be, layer, groups, saved, g)?;
+    }
+    Ok(g)
+}
+
+fn missing() -> CudaError {
+    CudaError::Unsupported {
+        op: "CudaNetwork::backward",
+        reason: "backward without a training forward before it".into(),
+    }
+}
+
+/// Views of parameter `a` (its f16 compute copy, f32 master and f32
+/// gradient) and the gradient of `b`, lent together to `f` even when both
+/// live in one group.
+struct Views<'a> {
+    compute: CudaView<'a, f16>,
+    master: CudaView<'a, f32>,
+    grad: CudaViewMut<'a, f32>,
+    other_grad: Option<CudaViewMut<'a, f32>>,
+}
+
+fn with_grads<R>(
+    groups: &mut [ParamGroup; 2],
+    a: &ParamRef,
+    b: Option<&ParamRef>,
+    f: impl FnOnce(Views<'_>) -> R,
+) -> R {
+    let [first, second] = groups;
+    let (ga, gb) = if a.group == DECAY {
+        (first, second)
+    } else {
+        (second, first)
+    };
+    let compute = ga.compute.slice.slice(a.range());
+    let master = ga.master.slice.slice(a.range());
+    match b {
+        Some(b) if b.group == a.group => {
+            // Two disjoint ranges of one buffer: split it between them.
+            let (mut low, mut high) = ga.grad.slice.split_at_mut(a.offset.max(b.offset));
+            let (grad, other) = if a.offset < b.offset {
+                (low.slice_mut(a.range()), high.slice_mut(0..b.len))
+            } else {
+                (high.slice_mut(0..a.len), low.slice_mut(b.range()))
+            };
+            f(Views {
+                compute,
+                master,
+                grad,
+                other_grad: Some(other),
+            })
+        }
+        Some(b) => f(Views {
+            compute,
+            master,
+            grad: ga.grad.slice.slice_mut(a.range()),
+            other_grad: Some(gb.grad.slice.slice_mut(b.range())),
+        }),
+        None => f(Views {
+            compute,
+            master,
+            grad: ga.grad.slice.slice_mut(a.range()),
+            other_grad: None,
+        }),
+    }
+}
+
+fn backward_one(
+    be: &CudaBackend,
+    layer: &GpuLayer,
+    groups: &mut [ParamGroup; 2],
+    saved: &mut Vec<Saved>,
+    g: CudaTensor,
+) -> CudaResult<CudaTensor> {
+    match layer {
+        GpuLayer::Residual(body) => {
+            let _ = saved.pop().ok_or_else(missing)?;
+            let dx = backward_list(be, body, groups, saved, g.try_clone(be)?)?;
+            ops::add(be, &dx, &g)
+        }
+        _ => {
+            let entry = saved.pop().ok_or_else(missing)?;
+            backward_leaf(be, layer, groups, entry, g)
+        }
+    }
+}
+
+fn backward_leaf(
+    be: &CudaBackend,
+    layer: &GpuLayer,
+    groups: &mut [ParamGroup; 2],
+    entry: Saved,
+    g: CudaTensor,
+) -> CudaResult<CudaTensor> {
+    match (layer, entry) {
+        (
+            GpuLayer::Conv {
+                weight,
+                bias,
+                kernel,
+                stride,
+                pad,
+                cout,
+            },
+            Saved::Input(x),
+        ) => {
+            let s = conv_shape(&x, *kernel, *stride, *pad, *cout)?;
+            with_grads(groups, weight, bias.as_ref(), |mut v| {
+                let bias_grad = v.other_grad.as_mut();
+                ops::conv2d_backward(
+                    be,
+                    &x,
+                    &g,
+                    &v.compute,
+                    &mut v.grad,
+                    bias_grad,
+                    s,
+                    CONV_SCRATCH_BYTES,
+                )
+            })
+        }
+        (GpuLayer::Linear { weight, bias, .. }, Saved::Input(x)) => {
+            with_grads(groups, weight, bias.as_ref(), |mut v| {
+                let bias_grad = v.other_grad.as_mut();
+                ops::linear_backward(be, &x, &g, &v.compute, &mut v.grad, bias_grad)
+            })
+        }
+        (
+            GpuLayer::BatchNorm {
+                gamma, beta, relu, ..
+            },
+            Saved::BatchNorm(saved),
+        ) => with_grads(groups, gamma, Some(beta), |mut v| {
+            let SavedBatchNorm {
+                input,
+                output,
+                stats,
+            } = *saved;
+            let Some(beta_grad) = v.other_grad.as_mut() else {
+                return Err(missing());
+            };
+            ops::batch_norm_backward(
+                be,
+                &g,
+                &input,
+                output.as_ref(),
+                &stats,
+                &v.master,
+                &mut v.grad,
+                beta_grad,
+                *relu,
+            )
+        }),
+        (GpuLayer::Relu, Saved::Output(y)) => ops::relu_backward(be, &g, &y),
+        (GpuLayer::GlobalAvgPool, Saved::Shape(shape)) => {
+            ops::global_avg_pool_backward(be, &g, &shape)
+        }
+        _ => Err(missing()),
+    }
+}
+
+/// A zero f16 batch [n, h, w, c] (dry runs).
+pub fn zeros_input(be: &CudaBackend, spec: &ModelSpec, n: usize) -> CudaResult<CudaTensor> {
+    let [h, w, c] = spec.input;
+    CudaTensor::zeros(be, &[n, h, w, c], DType::F16)
+}

@@ -1,0 +1,322 @@
+//! The mixed-precision GPU learner: `CudaNetwork` (f16 activations and
+//! compute weights, f32 masters), the fused AdamW (unscale, inf check, clip,
+//! moments, master update and f16 write-back in one pass per group) and
+//! dynamic loss scaling. Batches cross the bus as u8 through the pinned
+//! staging ring on the copy stream and are normalised to f16 on the device.
+//!
+//! A step reads back one small verdict (inf flag, gradient norm) and the
+//! loss once the optimizer is queued: the only host synchronisation of a
+//! step. A step whose gradients overflow is skipped by the optimizer kernel;
+//! the batch-norm running statistics it changed are put back, the loss scale
+//! halves, and the step counter (the `t` of AdamW) does not advance.
+//!
+//! Not on the GPU yet, each refused with a message naming it: Mixup/CutMix
+//! soft targets, activation recomputation, f32 training (`--no-amp`).
+
+use headroom_loader::Batch;
+use headroom_model::cuda::{
+    ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, DeviceInfo, FusedAdamW,
+    InputStaging, LossScaler, LossScalerConfig, StagedBatch, StepOutcome,
+};
+use headroom_model::{ModelError, ModelSpec, PoolStats};
+use headroom_optim::AdamWState;
+
+use super::cpu::arg_max;
+use super::{EvalResult, Learner, LearnerState, StepResult, StepSettings};
+use crate::{PipelineError, Result};
+
+/// GPU-specific settings.
+#[derive(Clone, Debug, Default)]
+pub struct CudaOptions {
+    pub build: CudaBuildOptions,
+    pub loss_scaler: LossScalerConfig,
+    /// Hard budget on device memory (bytes).
+    pub memory_limit: Option<u64>,
+}
+
+fn cuda<T>(r: std::result::Result<T, CudaError>) -> Result<T> {
+    r.map_err(|e| PipelineError::Model(ModelError::from(e)))
+}
+
+fn cpu_only(what: &str) -> PipelineError {
+    PipelineError::Model(ModelError::State(format!(
+        "{what} runs on the CPU only for now (set device.kind = \"cpu\")"
+    )))
+}
+
+pub struct CudaLearner {
+    be: CudaBackend,
+    network: CudaNetwork,
+    optimizer: FusedAdamW,
+    scaler: LossScaler,
+    staging: InputStaging,
+    staged_samples: usize,
+    settings: StepSettings,
+    micro_batch: usize,
+    /// Applied optimizer steps (AdamW's t).
+    applied_steps: u64,
+    macs_per_sample: u64,
+}
+
+impl CudaLearner {
+    /// The network of `spec` on `be`, initialised as the CPU learner's.
+    pub fn new(
+        be: CudaBackend,
+        spec: &ModelSpec,
+        seed: u64,
+        settings: StepSettings,
+        batch_size: usize,
+        options: CudaOptions,
+    ) -> Result<Self> {
+        be.set_memory_limit(options.memory_limit);
+        let mut network = CudaNetwork::build(&be, spec, seed, options.build)?;
+        let hyper = headroom_model::cuda::AdamWHyper {
+            beta1: settings.optimizer.beta1,
+            beta2: settings.optimizer.beta2,
+            eps: settings.optimizer.eps,
+            weight_decay: settings.optimizer.weight_decay,
+        };
+        let optimizer = cuda(FusedAdamW::new(&be, hyper, network.groups_mut()))?;
+        let scaler = LossScaler::new(options.loss_scaler).map_err(ModelError::State)?;
+        let staging = staging_for(&be, spec, batch_size)?;
+        Ok(Self {
+            macs_per_sample: network.macs_per_sample(),
+            be,
+            network,
+            optimizer,
+            scaler,
+            staging,
+            staged_samples: batch_size.max(1),
+            settings,
+            micro_batch: batch_size.max(1),
+            applied_steps: 0,
+        })
+    }
+
+    pub fn device(&self) -> &DeviceInfo {
+        self.be.info()
+    }
+
+    pub fn loss_scale(&self) -> f32 {
+        self.scaler.scale()
+    }
+
+    /// Copies a micro-batch to the device and normalises it there.
+    fn stage(&mut self, part: &Batch) -> Result<StagedBatch> {
+        if part.len() > self.staged_samples {
+            self.staging = staging_for(&self.be, self.network.spec(), part.len())?;
+            self.staged_samples = part.len();
+        }
+        let spec = self.network.spec();
+        cuda(self.staging.stage(
+            &self.be,
+            &part.shape,
+            &part.pixels,
+            &part.labels,
+            self.network.num_classes(),
+            spec.mean,
+            spec.std,
+        ))
+    }
+
+    fn step(&mut self, batch: &Batch, lr: f32) -> Result<StepResult> {
+        if batch.soft_targets.is_some() {
+            return Err(cpu_only("Mixup/CutMix (soft targets)"));
+        }
+        cuda(self.network.save_running_stats(&self.be))?;
+        let scale = self.scaler.scale();
+        let n = batch.len();
+        let mut summaries = Vec::new();
+        for part in batch.micro_batches(self.micro_batch) {
+            let share = part.len() as f32 / n as f32;
+            let staged = self.stage(&part)?;
+            let be = &self.be;
+            let logits = cuda(self.network.forward_train(be, &staged.images))?;
+            let xent = cuda(ops::softmax_cross_entropy(
+                be,
+                &logits,
+                &staged.labels.slice.as_view(),
+                self.settings.label_smoothing,
+                scale * share,
+            ))?;
+            drop(logits);
+            summaries.push((cuda(xent.summary(be))?, share));
+            cuda(self.network.backward(be, &xent.grad))?;
+        }
+        let be = &self.be;
+        cuda(self.optimizer.step(
+            be,
+            self.network.groups_mut(),
+            lr,
+            self.applied_steps + 1,
+            scale,
+            self.settings.clip_norm,
+            true,
+        ))?;
+        let verdict = cuda(self.optimizer.read_state(be))?;
+        let (mut loss, mut correct) = (0.0f64, 0usize);
+        for ((loss_dev, correct_dev), share) in &summaries {
+            loss += cuda(be.download(&loss_dev.slice))?[0] as f64 * *share as f64;
+            correct += cuda(be.download(&correct_dev.slice))?[0] as usize;
+        }
+        let grad_norm = match self.scaler.update(scale, verdict.found_inf != 0) {
+            StepOutcome::Applied => {
+                self.applied_steps += 1;
+                Some(verdict.grad_norm)
+            }
+            StepOutcome::Skipped => {
+                cuda(self.network.restore_running_stats(be))?;
+                None
+            }
+        };
+        Ok(StepResult {
+            loss: loss as f32,
+            correct,
+            grad_norm,
+        })
+    }
+
+    /// Back to the state before a step that failed part-way.
+    fn undo_step(&mut self) -> Result<()> {
+        self.network.clear_saved();
+        cuda(self.network.zero_grad(&self.be))?;
+        cuda(self.network.restore_running_stats(&self.be))
+    }
+}
+
+fn staging_for(be: &CudaBackend, spec: &ModelSpec, samples: usize) -> Result<InputStaging> {
+    let [h, w, c] = spec.input;
+    let samples = samples.max(1);
+    cuda(InputStaging::new(be, 2, samples * h * w * c, samples))
+}
+
+impl Learner for CudaLearner {
+    fn train_batch(&mut self, batch: &Batch, lr: f32) -> Result<StepResult> {
+        let result = self.step(batch, lr);
+        if result.is_err() {
+            self.undo_step()?;
+        }
+        result
+    }
+
+    fn eval_batch(&mut self, batch: &Batch) -> Result<EvalResult> {
+        let classes = self.network.num_classes();
+        let mut result = EvalResult {
+            loss_sum: 0.0,
+            predictions: Vec::with_capacity(batch.len()),
+        };
+        for part in batch.micro_batches(self.micro_batch) {
+            let staged = self.stage(&part)?;
+            let be = &self.be;
+            let logits = cuda(self.network.forward_eval(be, &staged.images))?;
+            let xent = cuda(ops::softmax_cross_entropy(
+                be,
+                &logits,
+                &staged.labels.slice.as_view(),
+                0.0,
+                1.0,
+            ))?;
+            let (loss, _) = cuda(xent.read_summary(be))?;
+            result.loss_sum += loss as f64 * part.len() as f64;
+            let values = cuda(logits.to_host(be))?;
+            result
+                .predictions
+                .extend(values.chunks_exact(classes).map(arg_max));
+        }
+        Ok(result)
+    }
+
+    fn micro_batch(&self) -> usize {
+        self.micro_batch
+    }
+
+    fn set_micro_batch(&mut self, size: usize) {
+        self.micro_batch = size.max(1);
+    }
+
+    fn snapshot(&mut self) -> Result<LearnerState> {
+        let be = &self.be;
+        let (first_moment, second_moment) = if self.applied_steps == 0 {
+            (Vec::new(), Vec::new())
+        } else {
+            cuda(self.network.read_moments(be))?
+        };
+        Ok(LearnerState {
+            params: cuda(self.network.read_params(be))?,
+            buffers: cuda(self.network.read_buffers(be))?,
+            optimizer: AdamWState {
+                step: self.applied_steps,
+                first_moment,
+                second_moment,
+            },
+        })
+    }
+
+    fn restore(&mut self, state: LearnerState) -> std::result::Result<(), String> {
+        let LearnerState {
+            params,
+            buffers,
+            optimizer,
+        } = state;
+        let zeros: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
+        let (first, second) = if optimizer.step == 0 {
+            (&zeros, &zeros)
+        } else {
+            (&optimizer.first_moment, &optimizer.second_moment)
+        };
+        self.network.check_state(&params, &buffers, first)?;
+        self.network.check_state(&params, &buffers, second)?;
+        self.network
+            .load_state(&self.be, &params, &buffers, (first, second))
+            .map_err(|e| e.to_string())?;
+        self.applied_steps = optimizer.step;
+        Ok(())
+    }
+
+    fn measure_step_peak(&mut self, micro_batch: usize) -> Result<u64> {
+        let be = &self.be;
+        let before = be.memory_stats().in_use_bytes;
+        be.reset_peak();
+        cuda(self.network.save_running_stats(be))?;
+        let dry_run = (|| -> std::result::Result<(), CudaError> {
+            let input = headroom_model::cuda::zeros_input(be, self.network.spec(), micro_batch)?;
+            let logits = self.network.forward_train(be, &input)?;
+            let grad = headroom_model::cuda::CudaTensor::zeros(
+                be,
+                logits.shape(),
+                headroom_model::cuda::DType::F16,
+            )?;
+            drop(logits);
+            self.network.backward(be, &grad)
+        })();
+        self.undo_step()?;
+        cuda(dry_run)?;
+        let peak = self.be.memory_stats().peak_in_use_bytes;
+        Ok(peak.saturating_sub(before))
+    }
+
+    fn memory_stats(&self) -> PoolStats {
+        let m = self.be.memory_stats();
+        PoolStats {
+            in_use_bytes: m.in_use_bytes,
+            reserved_bytes: m.reserved_bytes.max(m.in_use_bytes),
+            peak_in_use_bytes: m.peak_in_use_bytes,
+            peak_reserved_bytes: m.reserved_bytes.max(m.peak_in_use_bytes),
+            allocations: m.allocations,
+            oom_events: m.oom_events,
+            ..PoolStats::default()
+        }
+    }
+
+    fn num_params(&mut self) -> usize {
+        self.network.num_params()
+    }
+
+    fn macs_per_sample(&self) -> Result<u64> {
+        Ok(self.macs_per_sample)
+    }
+
+    fn num_classes(&self) -> usize {
+        self.network.num_classes()
+    }
+}

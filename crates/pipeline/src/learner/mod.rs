@@ -1,0 +1,168 @@
+//! The seam between the training loop and the device. Everything that
+//! touches tensors sits behind `Learner`: train one batch at a given learning
+//! rate (forward, loss, backward and gradient accumulation over micro-batches,
+//! clip, optimizer step), evaluate a batch, snapshot and restore the whole
+//! state for checkpoints, and the dry run that plans a micro-batch. The loop
+//! (`train.rs`), evaluation (`eval.rs`) and the benchmark (`bench.rs`) only
+//! see this trait, so the training step is written once per device.
+//!
+//! `CpuLearner` (`cpu.rs`) trains in f32 over `Network` and `AdamW`;
+//! `CudaLearner` (`cuda.rs`) in mixed precision on the GPU over
+//! `CudaNetwork`, the fused AdamW and dynamic loss scaling. `open` picks one
+//! from `device.kind`.
+
+mod cpu;
+mod cuda;
+
+pub use cpu::CpuLearner;
+pub use cuda::{CudaLearner, CudaOptions};
+
+use std::sync::Arc;
+
+use headroom_loader::Batch;
+use headroom_model::cuda::CudaBackend;
+use headroom_model::memory::MemoryPool;
+use headroom_model::PoolStats;
+use headroom_optim::{AdamWConfig, AdamWState};
+
+use crate::config::ExperimentConfig;
+use crate::{PipelineError, Result};
+
+/// What shapes a training step besides the learning rate.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepSettings {
+    pub label_smoothing: f32,
+    /// Global gradient-norm clip; 0 turns clipping off.
+    pub clip_norm: f32,
+    pub optimizer: AdamWConfig,
+}
+
+impl StepSettings {
+    pub fn from_config(config: &ExperimentConfig) -> Self {
+        Self {
+            label_smoothing: config.train.label_smoothing,
+            clip_norm: config.train.clip_norm,
+            optimizer: AdamWConfig {
+                beta1: config.optimizer.beta1,
+                beta2: config.optimizer.beta2,
+                eps: config.optimizer.eps,
+                weight_decay: config.optimizer.weight_decay,
+            },
+        }
+    }
+}
+
+/// The outcome of one training step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepResult {
+    /// The batch's mean training loss; NaN when a micro-batch's loss was not
+    /// finite.
+    pub loss: f32,
+    pub correct: usize,
+    /// The gradient norm before clipping; None when the step was skipped
+    /// (non-finite loss or gradient) and the model left exactly as it was.
+    pub grad_norm: Option<f32>,
+}
+
+/// The outcome of evaluating one batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EvalResult {
+    /// Sum over the batch of the per-sample loss (no label smoothing).
+    pub loss_sum: f64,
+    /// The predicted class of each sample.
+    pub predictions: Vec<u32>,
+}
+
+/// Everything a checkpoint needs to continue training, in host memory.
+#[derive(Clone, Debug)]
+pub struct LearnerState {
+    /// f32 master values of every parameter, in the model's order.
+    pub params: Vec<Vec<f32>>,
+    /// Batch-norm running statistics and other buffers, in order.
+    pub buffers: Vec<Vec<f32>>,
+    pub optimizer: AdamWState,
+}
+
+pub trait Learner: Send {
+    /// One optimizer step on `batch` at learning rate `lr`, in micro-batches
+    /// of `micro_batch()` samples whose gradients add up to the whole batch's.
+    /// A skipped step and a failed one (out of memory, say) both leave the
+    /// model, its buffers and the optimizer exactly as they were.
+    fn train_batch(&mut self, batch: &Batch, lr: f32) -> Result<StepResult>;
+
+    /// Inference on `batch` in micro-batches; changes nothing.
+    fn eval_batch(&mut self, batch: &Batch) -> Result<EvalResult>;
+
+    fn micro_batch(&self) -> usize;
+    fn set_micro_batch(&mut self, size: usize);
+
+    fn snapshot(&mut self) -> Result<LearnerState>;
+
+    /// Replaces the whole state; refuses (saying why) a state of another
+    /// shape, leaving the learner as it was.
+    fn restore(&mut self, state: LearnerState) -> std::result::Result<(), String>;
+
+    /// Peak bytes one training step of `micro_batch` samples needs beyond
+    /// what the learner already holds (a dry run; zeroes gradients).
+    fn measure_step_peak(&mut self, micro_batch: usize) -> Result<u64>;
+
+    /// The memory the learner's tensors come from.
+    fn memory_stats(&self) -> PoolStats;
+
+    fn num_params(&mut self) -> usize;
+    fn macs_per_sample(&self) -> Result<u64>;
+    fn num_classes(&self) -> usize;
+}
+
+/// The learner `device.kind` asks for, with micro-batches of `batch_size`
+/// to start with: "cpu"; "cuda" (GPU 0, or an error naming what is
+/// missing); "auto": the GPU when there is one the model can use, else the
+/// CPU, saying why. CPU tensors come from `pool`.
+pub fn open(
+    config: &ExperimentConfig,
+    pool: Arc<MemoryPool>,
+    cuda: CudaOptions,
+) -> Result<Box<dyn Learner>> {
+    let batch = config.train.batch_size;
+    let settings = StepSettings::from_config(config);
+    let on_cpu = |settings: StepSettings| -> Result<Box<dyn Learner>> {
+        let learner = CpuLearner::new(&config.model, config.run.seed, settings, batch, pool)?;
+        Ok(Box::new(learner))
+    };
+    let on_gpu = |settings: StepSettings| -> Result<CudaLearner> {
+        let be = CudaBackend::new(0).map_err(|e| {
+            PipelineError::value("device.kind", format!("\"cuda\" cannot be used: {e}"))
+        })?;
+        CudaLearner::new(be, &config.model, config.run.seed, settings, batch, cuda)
+    };
+    match config.device.kind.as_str() {
+        "cpu" => on_cpu(settings),
+        "cuda" => {
+            let learner = on_gpu(settings)?;
+            tracing::info!("device: {}", learner.device());
+            Ok(Box::new(learner))
+        }
+        _ => match CudaBackend::probe() {
+            Ok(Some(_)) => {
+                match on_gpu(settings.clone()) {
+                    Ok(learner) => {
+                        tracing::info!("device: {} (device.kind = \"auto\")", learner.device());
+                        Ok(Box::new(learner))
+                    }
+                    Err(e) => {
+                        tracing::warn!("a GPU is present but this run cannot use it ({e}); training on the CPU");
+                        on_cpu(settings)
+                    }
+                }
+            }
+            Ok(None) => {
+                tracing::info!("device: CPU (device.kind = \"auto\" found no CUDA driver or GPU)");
+                on_cpu(settings)
+            }
+            Err(e) => {
+                tracing::warn!("device: CPU (the CUDA driver cannot be used: {e})");
+                on_cpu(settings)
+            }
+        },
+    }
+}
