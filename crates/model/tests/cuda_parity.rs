@@ -1273,10 +1273,20 @@ fn a_basic_block_forward_and_backward_match_the_cpu_layers() {
     ]);
     let mut out_relu = Relu::new();
     let x = random(&[n, hw, hw, c], 703, 1.0, 0.0);
-    let y = out_relu
-        .forward(&block.forward(&x, Mode::Train).unwrap(), Mode::Train)
-        .unwrap();
-    let g = random(y.shape(), 704, 1.0, 0.0);
+    let z_cpu = block.forward(&x, Mode::Train).unwrap();
+    let y = out_relu.forward(&z_cpu, Mode::Train).unwrap();
+    // No gradient where the output ReLU's input is within rounding of zero:
+    // there the device's mask may differ from the CPU's, and one flipped
+    // element moves its channel's dgamma by |g·x̂| (≈2 in a sum of ≈10; seen
+    // in emulation, where dgamma recomputed in f64 from the device's own
+    // tensors matched the kernel to 1e-6). The inner ReLU's flips remain,
+    // hence the L2 bounds below.
+    let mut g = random(y.shape(), 704, 1.0, 0.0);
+    for (gv, zv) in g.data_mut().iter_mut().zip(z_cpu.data()) {
+        if zv.abs() < 1e-2 {
+            *gv = 0.0;
+        }
+    }
     let dx = block.backward(&out_relu.backward(&g).unwrap()).unwrap();
     let cpu_grads: Vec<Vec<f32>> = block
         .params_mut()
