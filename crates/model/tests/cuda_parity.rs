@@ -104,8 +104,7 @@ fn open_backend() -> Result<CudaBackend, String> {
         // The emulator needs NVRTC only to validate the kernels as the GPU
         // path does; a fresh machine may lack it.
         Err(e @ CudaError::LibraryMissing { .. }) if emulate && !require_nvrtc() => Err(format!(
-            "{e}; `pip install nvidia-cuda-nvrtc nvidia-cuda-runtime` to run them \
-             (HEADROOM_REQUIRE_NVRTC=1 makes this a failure)"
+            "{e} (HEADROOM_REQUIRE_NVRTC=1 makes this a failure)"
         )),
         // A device that is there but cannot be used is a failure, not a skip.
         Err(e) => panic!("the CUDA backend failed to open on {info}: {e}"),
