@@ -7,6 +7,7 @@
 //!   `.cu` file gets a generated unit that includes it inside a namespace of
 //!   its own and registers every `extern "C" __global__ void NAME(` it
 //!   finds, so a kernel added later is emulated without a list to update.
+//!   shim/selftest.cu (the emulator's own test kernels) is built likewise.
 //! - `libcublas.so` (SONAME `libcublas.so`): the fake cuBLAS (shim/cublas.cpp).
 //!
 //! The SONAMEs are cudarc's first bare-name candidates, so once
@@ -47,6 +48,8 @@ fn main() {
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|e| e == "cu"))
         .collect();
+    // The emulator's own test kernels, built the same way.
+    files.push(shim.join("selftest.cu"));
     files.sort();
     for file in &files {
         units.push(generate_unit(file, &gen));

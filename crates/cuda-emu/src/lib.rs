@@ -157,7 +157,11 @@ pub fn f16_bits_to_f32(h: u16) -> Result<f32, String> {
     Ok(unsafe { std::mem::transmute::<*mut c_void, F>(f)(h) })
 }
 
-/// The names of every kernel compiled into the emulator, sorted.
+/// Prefix of the emulator's own test kernels (shim/selftest.cu).
+pub const SELFTEST_PREFIX: &str = "hr_emu_selftest_";
+
+/// The names of every kernel of `crates/model/kernels` compiled into the
+/// emulator, sorted (the self-test kernels left out).
 pub fn kernel_names() -> Result<Vec<String>, String> {
     type F = unsafe extern "C" fn() -> *const c_char;
     let f = symbol(c"hr_emu_kernel_names")?;
@@ -166,6 +170,7 @@ pub fn kernel_names() -> Result<Vec<String>, String> {
     Ok(text
         .to_string_lossy()
         .lines()
+        .filter(|n| !n.starts_with(SELFTEST_PREFIX))
         .map(str::to_string)
         .collect())
 }
