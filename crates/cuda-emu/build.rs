@@ -22,14 +22,19 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn main() {
-    let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let manifest = PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"),
+    );
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     let shim = manifest.join("shim");
     let kernels = manifest.join("../model/kernels");
     println!("cargo:rerun-if-changed={}", shim.display());
     println!("cargo:rerun-if-changed={}", kernels.display());
     println!("cargo:rerun-if-env-changed=CXX");
-    println!("cargo:rustc-env=HEADROOM_CUDA_EMU_LIB_DIR={}", out.display());
+    println!(
+        "cargo:rustc-env=HEADROOM_CUDA_EMU_LIB_DIR={}",
+        out.display()
+    );
 
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
     if Command::new(&cxx).arg("--version").output().is_err() {
@@ -56,18 +61,24 @@ fn main() {
     }
 
     let common = |cmd: &mut Command| {
-        cmd.args(["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-pthread"])
-            // The GPU contracts a*b+c into an FMA where NVRTC likes; the host
-            // build rounds every operation, which the tolerances cover.
-            .arg("-ffp-contract=off")
-            .args(["-Wall", "-Wno-unused-function", "-Wno-unused-variable"])
-            .arg("-DHR_EMULATE")
-            .arg("-include")
-            .arg(shim.join("cuda_shim.h"))
-            .arg("-I")
-            .arg(&shim)
-            .arg("-I")
-            .arg(&kernels);
+        cmd.args([
+            "-std=c++17",
+            "-O2",
+            "-fPIC",
+            "-fvisibility=hidden",
+            "-pthread",
+        ])
+        // The GPU contracts a*b+c into an FMA where NVRTC likes; the host
+        // build rounds every operation, which the tolerances cover.
+        .arg("-ffp-contract=off")
+        .args(["-Wall", "-Wno-unused-function", "-Wno-unused-variable"])
+        .arg("-DHR_EMULATE")
+        .arg("-include")
+        .arg(shim.join("cuda_shim.h"))
+        .arg("-I")
+        .arg(&shim)
+        .arg("-I")
+        .arg(&kernels);
     };
 
     // Compile the units in parallel, then link.
@@ -98,13 +109,24 @@ fn main() {
     let blas_obj = gen.join("cublas.o");
     let mut cmd = Command::new(&cxx);
     common(&mut cmd);
-    run(cmd.arg("-c").arg(shim.join("cublas.cpp")).arg("-o").arg(&blas_obj), "cublas.cpp");
+    run(
+        cmd.arg("-c")
+            .arg(shim.join("cublas.cpp"))
+            .arg("-o")
+            .arg(&blas_obj),
+        "cublas.cpp",
+    );
     link(&cxx, &out.join("libcublas.so"), "libcublas.so", &[blas_obj]);
 }
 
 fn run(cmd: &mut Command, what: &str) {
-    let status = cmd.status().unwrap_or_else(|e| panic!("run the C++ compiler for {what}: {e}"));
-    assert!(status.success(), "headroom-cuda-emu: building {what} failed (see the compiler output above)");
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| panic!("run the C++ compiler for {what}: {e}"));
+    assert!(
+        status.success(),
+        "headroom-cuda-emu: building {what} failed (see the compiler output above)"
+    );
 }
 
 fn link(cxx: &str, lib: &Path, soname: &str, objects: &[PathBuf]) {
@@ -169,8 +191,12 @@ fn strip_comments(s: &str) -> String {
 
 /// Writes the unit that compiles `file` and registers its kernels.
 fn generate_unit(file: &Path, gen: &Path) -> PathBuf {
-    let source = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("read {}: {e}", file.display()));
-    let stem = file.file_stem().and_then(|s| s.to_str()).expect("kernel file names are UTF-8");
+    let source =
+        std::fs::read_to_string(file).unwrap_or_else(|e| panic!("read {}: {e}", file.display()));
+    let stem = file
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .expect("kernel file names are UTF-8");
     let ident: String = stem
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })

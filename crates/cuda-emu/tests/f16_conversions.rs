@@ -40,7 +40,10 @@ fn every_f16_widens_exactly() {
         let got = h2f(h);
         let want = f16::from_bits(h).to_f32();
         if want.is_nan() {
-            assert!(got.is_nan() && got.is_sign_negative() == want.is_sign_negative(), "{h:#06x}");
+            assert!(
+                got.is_nan() && got.is_sign_negative() == want.is_sign_negative(),
+                "{h:#06x}"
+            );
         } else {
             assert_eq!(got.to_bits(), want.to_bits(), "f16→f32 of {h:#06x}");
         }
@@ -70,7 +73,11 @@ fn f32_to_f16_rounds_to_nearest_even_like_half() {
         let hi = f16::from_bits(h + 1).to_f32() as f64;
         let mid = ((lo + hi) / 2.0) as f32; // exact: f16 ties fit in f32
         for x in [lo as f32, mid] {
-            for v in [x, f32::from_bits(x.to_bits().wrapping_sub(1)), f32::from_bits(x.to_bits() + 1)] {
+            for v in [
+                x,
+                f32::from_bits(x.to_bits().wrapping_sub(1)),
+                f32::from_bits(x.to_bits() + 1),
+            ] {
                 check(v);
                 check(-v);
             }

@@ -22,7 +22,10 @@ fn stream() -> Arc<CudaStream> {
 
 fn function(s: &Arc<CudaStream>, name: &str) -> cudarc::driver::CudaFunction {
     // The image is ignored: kernels are found by name.
-    let module = s.context().load_module(Ptx::from_src("// emulated")).unwrap();
+    let module = s
+        .context()
+        .load_module(Ptx::from_src("// emulated"))
+        .unwrap();
     module.load_function(name).unwrap()
 }
 
@@ -51,7 +54,11 @@ fn barriers_and_shared_memory_are_per_block() {
     for blk in 0..3 {
         for t in 0..n {
             let b0 = (blk * n) as usize;
-            assert_eq!(out[b0 + t as usize], input[b0 + (n - 1 - t) as usize], "block {blk} thread {t}");
+            assert_eq!(
+                out[b0 + t as usize],
+                input[b0 + (n - 1 - t) as usize],
+                "block {blk} thread {t}"
+            );
         }
     }
 }
@@ -61,7 +68,9 @@ fn warp_shuffles_and_votes_match_cuda() {
     let s = stream();
     let f = function(&s, "hr_emu_selftest_warp");
     let threads = 64usize;
-    let input: Vec<u32> = (0..threads as u32).map(|i| if i == 37 { 100 } else { i * 3 }).collect();
+    let input: Vec<u32> = (0..threads as u32)
+        .map(|i| if i == 37 { 100 } else { i * 3 })
+        .collect();
     let dev_in = s.clone_htod(&input).unwrap();
     let mut dev_out = s.alloc_zeros::<u32>(threads * 8).unwrap();
     let mut b = s.launch_builder(&f);
@@ -75,11 +84,21 @@ fn warp_shuffles_and_votes_match_cuda() {
         let v = |l: usize| input[w + l];
         let o = &out[t * 8..t * 8 + 8];
         assert_eq!(o[0], v(lane ^ 5), "xor, thread {t}");
-        assert_eq!(o[1], if lane + 3 < 32 { v(lane + 3) } else { v(lane) }, "down, thread {t}");
-        assert_eq!(o[2], if lane >= 7 { v(lane - 7) } else { v(lane) }, "up, thread {t}");
+        assert_eq!(
+            o[1],
+            if lane + 3 < 32 { v(lane + 3) } else { v(lane) },
+            "down, thread {t}"
+        );
+        assert_eq!(
+            o[2],
+            if lane >= 7 { v(lane - 7) } else { v(lane) },
+            "up, thread {t}"
+        );
         assert_eq!(o[3], v(9), "idx, thread {t}");
         assert_eq!(o[4], v(lane ^ 1), "width-8 xor, thread {t}");
-        let ballot = (0..32).filter(|&l| v(l) & 1 == 1).fold(0u32, |m, l| m | 1 << l);
+        let ballot = (0..32)
+            .filter(|&l| v(l) & 1 == 1)
+            .fold(0u32, |m, l| m | 1 << l);
         assert_eq!(o[5], ballot, "ballot, thread {t}");
         assert_eq!(o[6], u32::from(w == 32), "any, thread {t}");
         assert_eq!(o[7], 1, "all, thread {t}");
@@ -101,7 +120,11 @@ fn warp_sum_and_max_of_common_cuh_reduce_the_warp() {
     let sum: f32 = input.iter().sum();
     let max = input.iter().copied().fold(f32::MIN, f32::max);
     for lane in 0..32 {
-        assert!((out[lane * 2] - sum).abs() < 1e-4, "sum in lane {lane}: {}", out[lane * 2]);
+        assert!(
+            (out[lane * 2] - sum).abs() < 1e-4,
+            "sum in lane {lane}: {}",
+            out[lane * 2]
+        );
         assert_eq!(out[lane * 2 + 1], max, "max in lane {lane}");
     }
 }

@@ -87,8 +87,14 @@ fn open_backend() -> Result<CudaBackend, String> {
     let info = match CudaBackend::probe() {
         Ok(Some(info)) => info,
         Ok(None) => {
-            assert!(!emulate, "the emulator is installed but the probe found no device");
-            assert!(!require_gpu(), "HEADROOM_REQUIRE_GPU=1 but no GPU was found");
+            assert!(
+                !emulate,
+                "the emulator is installed but the probe found no device"
+            );
+            assert!(
+                !require_gpu(),
+                "HEADROOM_REQUIRE_GPU=1 but no GPU was found"
+            );
             return Err("the probe found no CUDA driver or GPU".into());
         }
         Err(e) => panic!("probing CUDA failed: {e}"),
@@ -1430,28 +1436,76 @@ const COVERAGE: &[(&str, &str)] = &[
     ("cast_f32_to_f16", "casts_round_like_half_and_widen_exactly"),
     ("cast_f16_to_f32", "casts_round_like_half_and_widen_exactly"),
     ("normalize_u8_to_f16", "u8_batches_normalise_like_the_cpu"),
-    ("relu_forward", "relu_forward_and_backward_match_the_cpu_layer"),
-    ("relu_backward", "relu_forward_and_backward_match_the_cpu_layer"),
+    (
+        "relu_forward",
+        "relu_forward_and_backward_match_the_cpu_layer",
+    ),
+    (
+        "relu_backward",
+        "relu_forward_and_backward_match_the_cpu_layer",
+    ),
     ("add_inplace", "residual_sums_match_the_cpu_residual"),
     ("add", "residual_sums_match_the_cpu_residual"),
     ("bias_add", "linear_matches_the_cpu_layer"),
     ("bias_grad", "linear_matches_the_cpu_layer"),
-    ("bn_stats_partial", "batch_norm_training_forward_backward_and_running_stats_match"),
-    ("bn_stats_finalize", "batch_norm_training_forward_backward_and_running_stats_match"),
-    ("bn_eval_prepare", "batch_norm_eval_uses_the_running_statistics"),
-    ("bn_apply", "batch_norm_training_forward_backward_and_running_stats_match"),
-    ("bn_backward_partial", "batch_norm_with_fused_relu_matches_bn_then_relu"),
-    ("bn_backward_finalize", "batch_norm_with_fused_relu_matches_bn_then_relu"),
-    ("bn_backward_apply", "batch_norm_with_fused_relu_matches_bn_then_relu"),
-    ("global_avg_pool_forward", "global_average_pooling_matches_the_cpu_layer"),
-    ("global_avg_pool_backward", "global_average_pooling_matches_the_cpu_layer"),
+    (
+        "bn_stats_partial",
+        "batch_norm_training_forward_backward_and_running_stats_match",
+    ),
+    (
+        "bn_stats_finalize",
+        "batch_norm_training_forward_backward_and_running_stats_match",
+    ),
+    (
+        "bn_eval_prepare",
+        "batch_norm_eval_uses_the_running_statistics",
+    ),
+    (
+        "bn_apply",
+        "batch_norm_training_forward_backward_and_running_stats_match",
+    ),
+    (
+        "bn_backward_partial",
+        "batch_norm_with_fused_relu_matches_bn_then_relu",
+    ),
+    (
+        "bn_backward_finalize",
+        "batch_norm_with_fused_relu_matches_bn_then_relu",
+    ),
+    (
+        "bn_backward_apply",
+        "batch_norm_with_fused_relu_matches_bn_then_relu",
+    ),
+    (
+        "global_avg_pool_forward",
+        "global_average_pooling_matches_the_cpu_layer",
+    ),
+    (
+        "global_avg_pool_backward",
+        "global_average_pooling_matches_the_cpu_layer",
+    ),
     ("softmax_xent", "softmax_cross_entropy_matches_the_cpu_loss"),
     ("xent_reduce", "softmax_cross_entropy_matches_the_cpu_loss"),
-    ("im2col", "convolution_matches_the_cpu_layer_for_the_reference_shapes"),
-    ("col2im", "convolution_matches_the_cpu_layer_for_the_reference_shapes"),
-    ("grad_sumsq", "fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling"),
-    ("step_finalize", "an_inf_or_nan_gradient_skips_the_step_and_backs_off_the_scale"),
-    ("adamw_fused", "fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling"),
+    (
+        "im2col",
+        "convolution_matches_the_cpu_layer_for_the_reference_shapes",
+    ),
+    (
+        "col2im",
+        "convolution_matches_the_cpu_layer_for_the_reference_shapes",
+    ),
+    (
+        "grad_sumsq",
+        "fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling",
+    ),
+    (
+        "step_finalize",
+        "an_inf_or_nan_gradient_skips_the_step_and_backs_off_the_scale",
+    ),
+    (
+        "adamw_fused",
+        "fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling",
+    ),
 ];
 
 #[test]
@@ -1467,7 +1521,10 @@ fn every_kernel_has_a_parity_test() {
         );
     }
     for (k, _) in COVERAGE {
-        assert!(declared.contains(k), "COVERAGE names {k}, which no kernel file declares");
+        assert!(
+            declared.contains(k),
+            "COVERAGE names {k}, which no kernel file declares"
+        );
     }
 }
 
