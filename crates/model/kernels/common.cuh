@@ -22,6 +22,7 @@ typedef unsigned short hr_half;
 
 #define HR_CHECK_SIZE(T, BYTES) static_assert(sizeof(T) == (BYTES), #T " must match its Rust mirror")
 
+#ifndef HR_EMULATE
 __device__ __forceinline__ float h2f(hr_half h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -33,6 +34,56 @@ __device__ __forceinline__ hr_half f2h(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+#else
+// The CPU emulator (crates/cuda-emu) compiles these files as host C++: the
+// same conversions in integer arithmetic, IEEE round-to-nearest-even like
+// cvt.rn. NaNs stay NaN (quiet, sign and top payload bits kept); their exact
+// payload is the one thing not claimed to match the GPU.
+__device__ __forceinline__ float h2f(hr_half h) {
+    const u32 sign = (u32)(h & 0x8000u) << 16;
+    const u32 exp = (h >> 10) & 0x1fu;
+    const u32 man = h & 0x3ffu;
+    if (exp == 0x1fu) {
+        return __uint_as_float(sign | 0x7f800000u | (man << 13) | (man ? 0x400000u : 0u));
+    }
+    if (exp != 0u) {
+        return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));
+    }
+    // Zero or subnormal: man * 2^-24, exact in f32.
+    return __uint_as_float(sign | __float_as_uint((float)man * 5.9604644775390625e-8f));
+}
+
+__device__ __forceinline__ hr_half f2h(float f) {
+    const u32 x = __float_as_uint(f);
+    const u32 sign = (x >> 16) & 0x8000u;
+    const u32 ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) {
+        return (hr_half)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));
+    }
+    if (ax >= 0x477ff000u) {  // 65520 and up (a tie with odd 65504) round to inf
+        return (hr_half)(sign | 0x7c00u);
+    }
+    if (ax >= 0x38800000u) {  // normal in f16: rebias, round the 13 dropped bits
+        u32 r = ax - 0x38000000u;
+        r += 0xfffu + ((r >> 13) & 1u);
+        return (hr_half)(sign | (r >> 13));
+    }
+    if (ax < 0x33000000u) {  // below half the smallest subnormal (2^-25 ties to 0)
+        return (hr_half)sign;
+    }
+    // Subnormal result: round the 24-bit significand to a multiple of 2^-24
+    // (a carry into 0x400 is the smallest normal, correctly encoded).
+    const u32 m = (ax & 0x7fffffu) | 0x800000u;
+    const u32 shift = 126u - (ax >> 23);
+    u32 r = m >> shift;
+    const u32 rem = m & ((1u << shift) - 1u);
+    const u32 half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (r & 1u))) {
+        r += 1u;
+    }
+    return (hr_half)(sign | r);
+}
+#endif
 
 __device__ __forceinline__ bool hr_isfinite(float x) {
     return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;

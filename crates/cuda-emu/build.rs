@@ -1,0 +1,224 @@
+//! Builds the emulator's two shared libraries into OUT_DIR with the system
+//! C++ compiler (`$CXX`, else `c++`):
+//!
+//! - `libcuda.so` (SONAME `libcuda.so`): the fake driver (shim/driver.cpp)
+//!   and every kernel of `crates/model/kernels/*.cu` compiled as host C++
+//!   with shim/cuda_shim.h force-included and `HR_EMULATE` defined. Each
+//!   `.cu` file gets a generated unit that includes it inside a namespace of
+//!   its own and registers every `extern "C" __global__ void NAME(` it
+//!   finds, so a kernel added later is emulated without a list to update.
+//!   shim/selftest.cu (the emulator's own test kernels) is built likewise.
+//! - `libcublas.so` (SONAME `libcublas.so`): the fake cuBLAS (shim/cublas.cpp).
+//!
+//! The SONAMEs are cudarc's first bare-name candidates, so once
+//! `headroom_cuda_emu::install` has loaded these files, cudarc binds to them
+//! even on a machine that also has a real driver library.
+//!
+//! Without a C++ compiler the libraries are not built and `install` says so
+//! (the tests then skip, or fail where CI requires them); a kernel that does
+//! not compile as host C++ fails the build with the compiler's message.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn main() {
+    let manifest = PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"),
+    );
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let shim = manifest.join("shim");
+    let kernels = manifest.join("../model/kernels");
+    println!("cargo:rerun-if-changed={}", shim.display());
+    println!("cargo:rerun-if-changed={}", kernels.display());
+    println!("cargo:rerun-if-env-changed=CXX");
+    println!(
+        "cargo:rustc-env=HEADROOM_CUDA_EMU_LIB_DIR={}",
+        out.display()
+    );
+
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+    if Command::new(&cxx).arg("--version").output().is_err() {
+        let why = format!("no C++ compiler (`{cxx}`) was found when headroom-cuda-emu was built");
+        println!("cargo:warning=headroom-cuda-emu: {why}; the CUDA emulator is not built");
+        println!("cargo:rustc-env=HEADROOM_CUDA_EMU_MISSING={why}");
+        return;
+    }
+    println!("cargo:rustc-env=HEADROOM_CUDA_EMU_MISSING=");
+
+    let gen = out.join("gen");
+    std::fs::create_dir_all(&gen).expect("create OUT_DIR/gen");
+    let mut units = vec![shim.join("driver.cpp")];
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&kernels)
+        .expect("read crates/model/kernels")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .collect();
+    // The emulator's own test kernels, built the same way.
+    files.push(shim.join("selftest.cu"));
+    files.sort();
+    for file in &files {
+        units.push(generate_unit(file, &gen));
+    }
+
+    let common = |cmd: &mut Command| {
+        cmd.args([
+            "-std=c++17",
+            "-O2",
+            "-fPIC",
+            "-fvisibility=hidden",
+            "-pthread",
+        ])
+        // The GPU contracts a*b+c into an FMA where NVRTC likes; the host
+        // build rounds every operation, which the tolerances cover.
+        .arg("-ffp-contract=off")
+        .args(["-Wall", "-Wno-unused-function", "-Wno-unused-variable"])
+        .arg("-DHR_EMULATE")
+        .arg("-include")
+        .arg(shim.join("cuda_shim.h"))
+        .arg("-I")
+        .arg(&shim)
+        .arg("-I")
+        .arg(&kernels);
+    };
+
+    // Compile the units in parallel, then link.
+    let mut jobs = Vec::new();
+    for unit in &units {
+        let obj = gen.join(format!(
+            "{}.o",
+            unit.file_stem().and_then(|s| s.to_str()).unwrap_or("unit")
+        ));
+        let mut cmd = Command::new(&cxx);
+        common(&mut cmd);
+        cmd.arg("-c").arg(unit).arg("-o").arg(&obj);
+        let child = cmd.spawn().unwrap_or_else(|e| panic!("run {cxx}: {e}"));
+        jobs.push((unit.clone(), obj, child));
+    }
+    let mut objects = Vec::new();
+    for (unit, obj, child) in jobs {
+        let out = child.wait_with_output().expect("wait for the C++ compiler");
+        assert!(
+            out.status.success(),
+            "headroom-cuda-emu: compiling {} as host C++ failed (see the compiler output above)",
+            unit.display()
+        );
+        objects.push(obj);
+    }
+    link(&cxx, &out.join("libcuda.so"), "libcuda.so", &objects);
+
+    let blas_obj = gen.join("cublas.o");
+    let mut cmd = Command::new(&cxx);
+    common(&mut cmd);
+    run(
+        cmd.arg("-c")
+            .arg(shim.join("cublas.cpp"))
+            .arg("-o")
+            .arg(&blas_obj),
+        "cublas.cpp",
+    );
+    link(&cxx, &out.join("libcublas.so"), "libcublas.so", &[blas_obj]);
+}
+
+fn run(cmd: &mut Command, what: &str) {
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| panic!("run the C++ compiler for {what}: {e}"));
+    assert!(
+        status.success(),
+        "headroom-cuda-emu: building {what} failed (see the compiler output above)"
+    );
+}
+
+fn link(cxx: &str, lib: &Path, soname: &str, objects: &[PathBuf]) {
+    let mut cmd = Command::new(cxx);
+    cmd.args(["-shared", "-pthread"])
+        .arg(format!("-Wl,-soname,{soname}"))
+        .arg("-Wl,--no-undefined")
+        .args(objects)
+        .arg("-o")
+        .arg(lib);
+    run(&mut cmd, soname);
+}
+
+/// The names of the `extern "C" __global__ void NAME(` entry points of a
+/// kernel source, comments ignored.
+fn kernel_names(source: &str) -> Vec<String> {
+    let code = strip_comments(source);
+    let flat: String = code.split_whitespace().collect::<Vec<_>>().join(" ");
+    let marker = "extern \"C\" __global__ void ";
+    let mut names = Vec::new();
+    let mut rest = flat.as_str();
+    while let Some(at) = rest.find(marker) {
+        rest = &rest[at + marker.len()..];
+        let name: String = rest
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        if !name.is_empty() && rest[name.len()..].trim_start().starts_with('(') {
+            names.push(name);
+        }
+    }
+    names
+}
+
+fn strip_comments(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '/' && chars.peek() == Some(&'/') {
+            for c in chars.by_ref() {
+                if c == '\n' {
+                    out.push('\n');
+                    break;
+                }
+            }
+        } else if c == '/' && chars.peek() == Some(&'*') {
+            chars.next();
+            let mut prev = ' ';
+            for c in chars.by_ref() {
+                if prev == '*' && c == '/' {
+                    break;
+                }
+                prev = c;
+            }
+            out.push(' ');
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Writes the unit that compiles `file` and registers its kernels.
+fn generate_unit(file: &Path, gen: &Path) -> PathBuf {
+    let source =
+        std::fs::read_to_string(file).unwrap_or_else(|e| panic!("read {}: {e}", file.display()));
+    let stem = file
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .expect("kernel file names are UTF-8");
+    let ident: String = stem
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    let ns = format!("hr_kernels_{ident}");
+    let mut text = format!(
+        "// Generated by crates/cuda-emu/build.rs from {path}: do not edit.\n\
+         #include \"emu.h\"\n\
+         namespace {ns} {{\n\
+         #include \"{path}\"\n\
+         }}\n",
+        path = file.display()
+    );
+    for name in kernel_names(&source) {
+        text.push_str(&format!(
+            "static hr_registrar hr_reg_{name}(hr_entry(\"{name}\", &{ns}::{name}));\n"
+        ));
+    }
+    let unit = gen.join(format!("kernels_{ident}.cpp"));
+    // Rewriting an unchanged file would only cost a recompile.
+    if std::fs::read_to_string(&unit).ok().as_deref() != Some(text.as_str()) {
+        std::fs::write(&unit, text).unwrap_or_else(|e| panic!("write {}: {e}", unit.display()));
+    }
+    unit
+}

@@ -1,0 +1,169 @@
+// The fake cuBLAS (built by build.rs as libcublas.so, SONAME libcublas.so)
+// for the emulated CUDA backend: the calls crates/model/src/cuda/gemm.rs
+// makes, with a plain CPU GEMM behind cublasGemmEx, so that an emulated
+// convolution or linear layer runs the real composition (im2col kernel +
+// GEMM + epilogue kernels) end to end.
+//
+// Semantics follow cuBLAS: column-major operands, op(A) is m×k and op(B) is
+// k×n with the given leading dimensions, C = alpha·op(A)·op(B) + beta·C, and
+// C is not read when beta is 0 (it may hold garbage, even NaN). f16 operands
+// are widened exactly, products are accumulated in f32 in order of k, and
+// an f16 result is rounded to nearest even once at the end, like
+// CUBLAS_COMPUTE_32F (whose tensor-core summation order differs from this
+// one only within f32 rounding).
+
+#include <cstddef>
+#include <cstdio>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "cuda_shim.h"
+
+namespace hr_conv {
+#include "common.cuh"
+}
+
+#define EXPORT extern "C" __attribute__((visibility("default")))
+
+typedef int cublasStatus_t;
+
+enum : int {
+    CUBLAS_STATUS_SUCCESS = 0,
+    CUBLAS_STATUS_NOT_INITIALIZED = 1,
+    CUBLAS_STATUS_ALLOC_FAILED = 3,
+    CUBLAS_STATUS_INVALID_VALUE = 7,
+    CUBLAS_STATUS_NOT_SUPPORTED = 15,
+};
+
+enum : int { CUDA_R_32F = 0, CUDA_R_16F = 2 };
+enum : int { CUBLAS_OP_N = 0, CUBLAS_OP_T = 1, CUBLAS_OP_C = 2 };
+enum : int { CUBLAS_COMPUTE_32F = 68, CUBLAS_COMPUTE_32F_FAST_16F = 74 };
+
+namespace {
+struct Handle {
+    void* stream;
+    int pointer_mode;  // 0 host, 1 device: both are host memory here
+    int math_mode;
+};
+
+float load(const void* p, int type, std::size_t i) {
+    if (type == CUDA_R_16F) {
+        return hr_conv::h2f(static_cast<const unsigned short*>(p)[i]);
+    }
+    return static_cast<const float*>(p)[i];
+}
+}  // namespace
+
+EXPORT cublasStatus_t cublasCreate_v2(Handle** h) {
+    if (h == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+    *h = new (std::nothrow) Handle{nullptr, 0, 0};
+    return *h != nullptr ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_ALLOC_FAILED;
+}
+
+EXPORT cublasStatus_t cublasDestroy_v2(Handle* h) {
+    if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+    delete h;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+EXPORT cublasStatus_t cublasSetStream_v2(Handle* h, void* stream) {
+    if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+    h->stream = stream;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+EXPORT cublasStatus_t cublasGetStream_v2(Handle* h, void** stream) {
+    if (h == nullptr || stream == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+    *stream = h->stream;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+EXPORT cublasStatus_t cublasSetPointerMode_v2(Handle* h, int mode) {
+    if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+    h->pointer_mode = mode;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+EXPORT cublasStatus_t cublasGetPointerMode_v2(Handle* h, int* mode) {
+    if (h == nullptr || mode == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+    *mode = h->pointer_mode;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+EXPORT cublasStatus_t cublasSetMathMode(Handle* h, int mode) {
+    if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+    h->math_mode = mode;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+EXPORT cublasStatus_t cublasSetWorkspace_v2(Handle* h, void*, std::size_t) {
+    return h == nullptr ? CUBLAS_STATUS_NOT_INITIALIZED : CUBLAS_STATUS_SUCCESS;
+}
+
+EXPORT cublasStatus_t cublasGemmEx(Handle* h, int transa, int transb, int m, int n, int k,
+                                   const void* alpha, const void* a, int atype, int lda,
+                                   const void* b, int btype, int ldb, const void* beta, void* c,
+                                   int ctype, int ldc, int compute, int /*algo*/) {
+    if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+    if (m < 0 || n < 0 || k < 0 || alpha == nullptr || beta == nullptr) {
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    if ((transa != CUBLAS_OP_N && transa != CUBLAS_OP_T) ||
+        (transb != CUBLAS_OP_N && transb != CUBLAS_OP_T)) {
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    // cuBLAS's own leading-dimension rules: the stored rows fit in ld.
+    if (lda < (transa == CUBLAS_OP_N ? (m > 1 ? m : 1) : (k > 1 ? k : 1)) ||
+        ldb < (transb == CUBLAS_OP_N ? (k > 1 ? k : 1) : (n > 1 ? n : 1)) || ldc < (m > 1 ? m : 1)) {
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    if ((atype != CUDA_R_16F && atype != CUDA_R_32F) || (btype != CUDA_R_16F && btype != CUDA_R_32F) ||
+        (ctype != CUDA_R_16F && ctype != CUDA_R_32F) ||
+        (compute != CUBLAS_COMPUTE_32F && compute != CUBLAS_COMPUTE_32F_FAST_16F)) {
+        std::fprintf(stderr,
+                     "headroom cuBLAS emulator: cublasGemmEx with types A %d B %d C %d compute %d "
+                     "is not emulated\n",
+                     atype, btype, ctype, compute);
+        return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+    if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
+    const float al = *static_cast<const float*>(alpha);
+    const float be = *static_cast<const float*>(beta);
+    // Widen op(A) once into a k-contiguous m×k buffer so the inner loop is a
+    // plain dot product.
+    std::vector<float> at((std::size_t)m * (std::size_t)k);
+    for (int i = 0; i < m; ++i) {
+        for (int l = 0; l < k; ++l) {
+            const std::size_t idx = transa == CUBLAS_OP_N ? (std::size_t)i + (std::size_t)l * lda
+                                                          : (std::size_t)l + (std::size_t)i * lda;
+            at[(std::size_t)i * k + l] = load(a, atype, idx);
+        }
+    }
+    std::vector<float> bcol((std::size_t)k);
+    for (int j = 0; j < n; ++j) {
+        for (int l = 0; l < k; ++l) {
+            const std::size_t idx = transb == CUBLAS_OP_N ? (std::size_t)l + (std::size_t)j * ldb
+                                                          : (std::size_t)j + (std::size_t)l * ldb;
+            bcol[l] = load(b, btype, idx);
+        }
+        for (int i = 0; i < m; ++i) {
+            float acc = 0.0f;
+            const float* row = &at[(std::size_t)i * k];
+            for (int l = 0; l < k; ++l) {
+                acc += row[l] * bcol[l];
+            }
+            const std::size_t ci = (std::size_t)i + (std::size_t)j * ldc;
+            float v = al * acc;
+            if (be != 0.0f) {
+                v += be * load(c, ctype, ci);
+            }
+            if (ctype == CUDA_R_16F) {
+                static_cast<unsigned short*>(c)[ci] = hr_conv::f2h(v);
+            } else {
+                static_cast<float*>(c)[ci] = v;
+            }
+        }
+    }
+    return CUBLAS_STATUS_SUCCESS;
+}

@@ -1,0 +1,917 @@
+// The fake CUDA driver library (built by build.rs as libcuda.so, SONAME
+// libcuda.so) that lets the real Rust CUDA path of headroom-model run on the
+// CPU in tests: cudarc dlopens the driver by bare name, and the emulator is
+// loaded first with that name, so every driver call lands here.
+//
+// - Device memory is host memory: a CUdeviceptr is a host address. Each
+//   allocation has guard bytes on both sides, checked after every kernel
+//   launch and at free, so an out-of-bounds write fails the launch instead of
+//   corrupting the test silently; fresh memory is filled with 0xff bytes (NaN
+//   as f16 and f32) so a read of never-written memory shows up too.
+// - Streams execute synchronously on the calling thread: every async copy,
+//   memset, kernel and host function has completed when its call returns, so
+//   events and waits are trivially satisfied.
+// - Modules ignore their PTX/CUBIN image; functions are found by name among
+//   the kernels compiled into this library (emu.h's registry).
+// - A launch runs the blocks one after another on the calling thread; the
+//   threads of a block are fibers (fiber.h), so __syncthreads and warp
+//   shuffles are real rendezvous and __shared__ is shared by exactly the
+//   threads of one block.
+// Only what cudarc and headroom use is implemented; anything else is a
+// missing symbol, which cudarc reports by name.
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "cuda_shim.h"
+#include "emu.h"
+#include "fiber.h"
+
+#if defined(__x86_64__)
+// See fiber.h for the frame layout this pushes and pops.
+__asm__(R"(
+    .text
+    .globl hr_emu_switch
+    .hidden hr_emu_switch
+    .type hr_emu_switch,@function
+hr_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size hr_emu_switch, .-hr_emu_switch
+)");
+#endif
+
+#define EXPORT extern "C" __attribute__((visibility("default")))
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+
+enum : int {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+    CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701,
+    CUDA_ERROR_LAUNCH_FAILED = 719,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
+};
+
+// ---------------------------------------------------------------------------
+// Kernel registry
+
+namespace hr_emu {
+static std::map<std::string, KernelEntry>& registry() {
+    // A function-local static: the kernel units register from their static
+    // initialisers, whose order relative to this file's is unspecified.
+    static std::map<std::string, KernelEntry> r;
+    return r;
+}
+
+void register_kernel(const KernelEntry& entry) { registry()[entry.name] = entry; }
+}  // namespace hr_emu
+
+// ---------------------------------------------------------------------------
+// Fibers and the block scheduler
+
+namespace hr_emu {
+thread_local hr_uint3 t_thread_idx;
+thread_local hr_uint3 t_block_idx;
+thread_local hr_uint3 t_block_dim;
+thread_local hr_uint3 t_grid_dim;
+}  // namespace hr_emu
+
+namespace {
+
+const std::size_t kStackBytes = 64 * 1024;
+const unsigned int kMaxThreads = 1024;
+
+enum class FState { Ready, Barrier, Warp, Done };
+
+struct Fiber {
+    hr_emu::FiberCtx ctx;
+    char* mapping = nullptr;  // guard page, then the stack
+    char* stack = nullptr;
+    hr_uint3 tid{0, 0, 0};
+    unsigned int lane = 0;
+    unsigned int warp = 0;
+    FState state = FState::Done;
+    unsigned long long warp_value = 0;
+};
+
+struct WarpSlot {
+    unsigned long long published[32];
+    unsigned int live_mask;
+};
+
+// One per OS thread that launches kernels; reused across launches.
+struct Scheduler {
+    std::vector<Fiber> fibers;
+    std::vector<WarpSlot> warps;
+    hr_emu::FiberCtx home;
+    Fiber* cur = nullptr;
+    const hr_emu::KernelEntry* entry = nullptr;
+    void** params = nullptr;
+
+    ~Scheduler() {
+        const long page = sysconf(_SC_PAGESIZE);
+        for (Fiber& f : fibers) {
+            if (f.mapping != nullptr) {
+                munmap(f.mapping, kStackBytes + (std::size_t)page);
+            }
+        }
+    }
+
+    bool ensure(unsigned int n) {
+        const long page = sysconf(_SC_PAGESIZE);
+        if (fibers.size() < n) {
+            fibers.resize(n);
+        }
+        for (unsigned int i = 0; i < n; ++i) {
+            Fiber& f = fibers[i];
+            if (f.mapping != nullptr) {
+                continue;
+            }
+            void* m = mmap(nullptr, kStackBytes + (std::size_t)page, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+            if (m == MAP_FAILED) {
+                return false;
+            }
+            // A stack overflow faults on the guard page instead of silently
+            // writing into the neighbouring fiber's stack.
+            mprotect(m, (std::size_t)page, PROT_NONE);
+            f.mapping = static_cast<char*>(m);
+            f.stack = f.mapping + page;
+        }
+        return true;
+    }
+};
+
+thread_local Scheduler t_sched;
+
+[[noreturn]] void fiber_entry() {
+    Scheduler& s = t_sched;
+    s.entry->invoke(s.entry->fn, s.params);
+    s.cur->state = FState::Done;
+    hr_emu::fiber_switch(&s.cur->ctx, &s.home);
+    std::abort();  // a finished fiber is never resumed
+}
+
+void park(FState why) {
+    Scheduler& s = t_sched;
+    Fiber* f = s.cur;
+    f->state = why;
+    hr_emu::fiber_switch(&f->ctx, &s.home);
+}
+
+std::string dim_str(hr_uint3 d) {
+    return "(" + std::to_string(d.x) + "," + std::to_string(d.y) + "," + std::to_string(d.z) + ")";
+}
+
+// Runs one block to completion. Returns an empty string, or why it failed.
+std::string run_block(Scheduler& s, unsigned int n) {
+    const hr_uint3 bd = hr_emu::t_block_dim;
+    const unsigned int nwarps = (n + 31) / 32;
+    s.warps.resize(nwarps);
+    for (unsigned int i = 0; i < n; ++i) {
+        Fiber& f = s.fibers[i];
+        f.tid = hr_uint3{i % bd.x, (i / bd.x) % bd.y, i / (bd.x * bd.y)};
+        f.lane = i % 32;
+        f.warp = i / 32;
+        f.state = FState::Ready;
+        hr_emu::fiber_make(&f.ctx, f.stack, kStackBytes, &fiber_entry);
+    }
+    unsigned int live = n;
+    for (;;) {
+        for (unsigned int i = 0; i < n; ++i) {
+            Fiber& f = s.fibers[i];
+            if (f.state != FState::Ready) {
+                continue;
+            }
+            s.cur = &f;
+            hr_emu::t_thread_idx = f.tid;
+            hr_emu::fiber_switch(&s.home, &f.ctx);
+            if (f.state == FState::Done) {
+                --live;
+            }
+        }
+        if (live == 0) {
+            return std::string();
+        }
+        // Everyone is parked. A warp whose live lanes all wait in a shuffle
+        // or vote goes on first (its lanes may be needed at a later barrier).
+        bool released = false;
+        for (unsigned int w = 0; w < nwarps; ++w) {
+            const unsigned int lo = w * 32;
+            const unsigned int hi = lo + 32 < n ? lo + 32 : n;
+            unsigned int live_lanes = 0, waiting = 0, mask = 0;
+            for (unsigned int i = lo; i < hi; ++i) {
+                const Fiber& f = s.fibers[i];
+                if (f.state != FState::Done) {
+                    ++live_lanes;
+                    mask |= 1u << f.lane;
+                }
+                if (f.state == FState::Warp) {
+                    ++waiting;
+                }
+            }
+            if (waiting == 0 || waiting != live_lanes) {
+                continue;
+            }
+            WarpSlot& slot = s.warps[w];
+            std::memset(slot.published, 0, sizeof slot.published);
+            slot.live_mask = mask;
+            for (unsigned int i = lo; i < hi; ++i) {
+                Fiber& f = s.fibers[i];
+                if (f.state == FState::Warp) {
+                    slot.published[f.lane] = f.warp_value;
+                    f.state = FState::Ready;
+                }
+            }
+            released = true;
+        }
+        if (released) {
+            continue;
+        }
+        unsigned int at_barrier = 0;
+        for (unsigned int i = 0; i < n; ++i) {
+            if (s.fibers[i].state == FState::Barrier) {
+                ++at_barrier;
+            }
+        }
+        if (at_barrier == live) {
+            for (unsigned int i = 0; i < n; ++i) {
+                if (s.fibers[i].state == FState::Barrier) {
+                    s.fibers[i].state = FState::Ready;
+                }
+            }
+            continue;
+        }
+        // Some threads wait at __syncthreads while others of the block wait
+        // in a warp operation their warp-mates never reach: on a GPU this
+        // hangs or is undefined; here it is reported.
+        return "deadlock in block " + dim_str(hr_emu::t_block_idx) + ": " +
+               std::to_string(at_barrier) + " of " + std::to_string(live) +
+               " live threads wait at __syncthreads, the rest in a warp shuffle/vote";
+    }
+}
+
+}  // namespace
+
+namespace hr_emu {
+void syncthreads() { park(FState::Barrier); }
+
+unsigned int warp_exchange(unsigned long long mine, unsigned long long* all, unsigned int* lane) {
+    Scheduler& s = t_sched;
+    Fiber* f = s.cur;
+    f->warp_value = mine;
+    park(FState::Warp);
+    const WarpSlot& slot = t_sched.warps[f->warp];
+    std::memcpy(all, slot.published, sizeof slot.published);
+    *lane = f->lane;
+    return slot.live_mask;
+}
+}  // namespace hr_emu
+
+// ---------------------------------------------------------------------------
+// Device memory
+
+namespace {
+
+const std::size_t kGuard = 256;  // bytes each side; keeps 256-byte alignment
+const unsigned char kGuardByte = 0xa5;
+
+struct Allocation {
+    char* base;  // kGuard bytes before the user pointer
+    std::size_t bytes;
+};
+
+struct Memory {
+    std::mutex lock;
+    std::map<CUdeviceptr, Allocation> live;
+    std::size_t used = 0;
+    std::size_t total = 0;
+};
+
+Memory& memory() {
+    static Memory m;
+    return m;
+}
+
+std::size_t total_bytes() {
+    // 4 GiB unless HEADROOM_CUDA_EMU_MEMORY says otherwise: a cap on what
+    // the tests may take from the host, reported as the device's size.
+    static const std::size_t total = [] {
+        const char* v = std::getenv("HEADROOM_CUDA_EMU_MEMORY");
+        if (v != nullptr) {
+            char* end = nullptr;
+            const unsigned long long b = std::strtoull(v, &end, 10);
+            if (end != v && b > 0) {
+                return (std::size_t)b;
+            }
+        }
+        return (std::size_t)4 << 30;
+    }();
+    return total;
+}
+
+bool guards_intact(const Allocation& a) {
+    const unsigned char* lo = reinterpret_cast<unsigned char*>(a.base);
+    const unsigned char* hi = lo + kGuard + a.bytes;
+    for (std::size_t i = 0; i < kGuard; ++i) {
+        if (lo[i] != kGuardByte || hi[i] != kGuardByte) {
+            return false;
+        }
+    }
+    return true;
+}
+
+CUresult mem_alloc(CUdeviceptr* out, std::size_t bytes) {
+    if (out == nullptr) {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    Memory& m = memory();
+    std::lock_guard<std::mutex> g(m.lock);
+    if (bytes > total_bytes() - m.used) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    const std::size_t rounded = (bytes + 255) / 256 * 256;
+    void* p = std::aligned_alloc(256, rounded + 2 * kGuard);
+    if (p == nullptr) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    char* base = static_cast<char*>(p);
+    std::memset(base, kGuardByte, kGuard);
+    std::memset(base + kGuard, 0xff, bytes);
+    std::memset(base + kGuard + bytes, kGuardByte, rounded - bytes + kGuard);
+    const CUdeviceptr dptr = (CUdeviceptr)(base + kGuard);
+    m.live[dptr] = Allocation{base, bytes};
+    m.used += bytes;
+    *out = dptr;
+    return CUDA_SUCCESS;
+}
+
+CUresult mem_free(CUdeviceptr dptr) {
+    if (dptr == 0) {
+        return CUDA_SUCCESS;
+    }
+    Memory& m = memory();
+    std::lock_guard<std::mutex> g(m.lock);
+    auto it = m.live.find(dptr);
+    if (it == m.live.end()) {
+        std::fprintf(stderr, "headroom CUDA emulator: free of %#llx, which is not an allocation\n",
+                     dptr);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    const bool intact = guards_intact(it->second);
+    if (!intact) {
+        std::fprintf(stderr,
+                     "headroom CUDA emulator: the guard bytes around the %zu-byte allocation at "
+                     "%#llx were overwritten (an out-of-bounds write)\n",
+                     it->second.bytes, dptr);
+    }
+    m.used -= it->second.bytes;
+    std::free(it->second.base);
+    m.live.erase(it);
+    return intact ? CUDA_SUCCESS : CUDA_ERROR_ILLEGAL_ADDRESS;
+}
+
+// Names the first allocation whose guards a launch overwrote, or "".
+std::string check_all_guards() {
+    Memory& m = memory();
+    std::lock_guard<std::mutex> g(m.lock);
+    for (const auto& kv : m.live) {
+        if (!guards_intact(kv.second)) {
+            char buf[160];
+            std::snprintf(buf, sizeof buf, "wrote outside the %zu-byte allocation at %#llx",
+                          kv.second.bytes, kv.first);
+            // Repair, so that one bad launch is reported once.
+            std::memset(kv.second.base, kGuardByte, kGuard);
+            std::memset(kv.second.base + kGuard + kv.second.bytes, kGuardByte, kGuard);
+            return buf;
+        }
+    }
+    return std::string();
+}
+
+// The allocation holding [p, p + n), for copies: a copy that strays past an
+// allocation is a bug in the caller, reported like the GPU's illegal address.
+bool device_range_ok(CUdeviceptr p, std::size_t n) {
+    Memory& m = memory();
+    std::lock_guard<std::mutex> g(m.lock);
+    auto it = m.live.upper_bound(p);
+    if (it == m.live.begin()) {
+        return false;
+    }
+    --it;
+    return p >= it->first && p + n <= it->first + it->second.bytes;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Driver objects
+
+namespace {
+struct Context {
+    int device;
+};
+struct Stream {
+    unsigned int flags;
+};
+struct Event {
+    std::chrono::steady_clock::time_point at;
+    bool recorded;
+};
+struct Module {
+    int unused;
+};
+struct MemPool {
+    unsigned long long release_threshold;
+};
+
+Context g_primary{0};
+int g_primary_refs = 0;
+MemPool g_pool{0};
+std::mutex g_objects;
+thread_local Context* t_current = nullptr;
+
+const char kDeviceName[] = "headroom CPU emulator";
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Entry points: initialisation and device
+
+EXPORT CUresult cuInit(unsigned int) { return CUDA_SUCCESS; }
+
+EXPORT CUresult cuDriverGetVersion(int* v) {
+    if (v == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    *v = 13000;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetCount(int* n) {
+    if (n == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    *n = 1;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGet(CUdevice* d, int ordinal) {
+    if (d == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *d = 0;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetName(char* name, int len, CUdevice d) {
+    if (name == nullptr || len <= 0) return CUDA_ERROR_INVALID_VALUE;
+    if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+    std::snprintf(name, (std::size_t)len, "%s", kDeviceName);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetUuid(unsigned char* uuid, CUdevice d) {
+    if (uuid == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+    std::memset(uuid, 0, 16);
+    std::memcpy(uuid, "hr-cuda-emu", 11);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetUuid_v2(unsigned char* uuid, CUdevice d) { return cuDeviceGetUuid(uuid, d); }
+
+EXPORT CUresult cuDeviceGetAttribute(int* v, int attrib, CUdevice d) {
+    if (v == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+    switch (attrib) {
+        case 1: *v = (int)kMaxThreads; break;    // MAX_THREADS_PER_BLOCK
+        case 2: *v = (int)kMaxThreads; break;    // MAX_BLOCK_DIM_X
+        case 3: *v = (int)kMaxThreads; break;    // MAX_BLOCK_DIM_Y
+        case 4: *v = 64; break;                  // MAX_BLOCK_DIM_Z
+        case 5: *v = 2147483647; break;          // MAX_GRID_DIM_X
+        case 6: *v = 65535; break;               // MAX_GRID_DIM_Y
+        case 7: *v = 65535; break;               // MAX_GRID_DIM_Z
+        case 8: *v = 48 * 1024; break;           // MAX_SHARED_MEMORY_PER_BLOCK
+        case 10: *v = 32; break;                 // WARP_SIZE
+        case 16: *v = 1; break;                  // MULTIPROCESSOR_COUNT
+        // Compute capability 8.0: the oldest architecture the kernels are
+        // compiled for, so the backend's NVRTC step validates them for it.
+        case 75: *v = 8; break;
+        case 76: *v = 0; break;
+        case 115: *v = 1; break;                 // MEMORY_POOLS_SUPPORTED
+        default: *v = 0; break;
+    }
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceTotalMem_v2(std::size_t* bytes, CUdevice d) {
+    if (bytes == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = total_bytes();
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGetErrorString(CUresult e, const char** s) {
+    if (s == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    switch (e) {
+        case CUDA_SUCCESS: *s = "no error"; break;
+        case CUDA_ERROR_INVALID_VALUE: *s = "invalid argument"; break;
+        case CUDA_ERROR_OUT_OF_MEMORY: *s = "out of memory (headroom CPU emulator)"; break;
+        case CUDA_ERROR_INVALID_DEVICE: *s = "invalid device ordinal"; break;
+        case CUDA_ERROR_INVALID_HANDLE: *s = "invalid resource handle"; break;
+        case CUDA_ERROR_NOT_FOUND: *s = "named symbol not found (no such kernel in the emulator)"; break;
+        case CUDA_ERROR_ILLEGAL_ADDRESS: *s = "an illegal memory access was encountered (emulator guard bytes)"; break;
+        case CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: *s = "too many resources requested for launch"; break;
+        case CUDA_ERROR_LAUNCH_FAILED: *s = "unspecified launch failure (see the emulator's message on stderr)"; break;
+        case CUDA_ERROR_NOT_SUPPORTED: *s = "operation not supported by the headroom CPU emulator"; break;
+        default: *s = "unknown error (headroom CPU emulator)"; break;
+    }
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGetErrorName(CUresult e, const char** s) {
+    if (s == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    switch (e) {
+        case CUDA_SUCCESS: *s = "CUDA_SUCCESS"; break;
+        case CUDA_ERROR_INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
+        case CUDA_ERROR_OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+        case CUDA_ERROR_INVALID_DEVICE: *s = "CUDA_ERROR_INVALID_DEVICE"; break;
+        case CUDA_ERROR_INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
+        case CUDA_ERROR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
+        case CUDA_ERROR_ILLEGAL_ADDRESS: *s = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
+        case CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: *s = "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"; break;
+        case CUDA_ERROR_LAUNCH_FAILED: *s = "CUDA_ERROR_LAUNCH_FAILED"; break;
+        case CUDA_ERROR_NOT_SUPPORTED: *s = "CUDA_ERROR_NOT_SUPPORTED"; break;
+        default: *s = "CUDA_ERROR_UNKNOWN"; break;
+    }
+    return CUDA_SUCCESS;
+}
+
+// ---------------------------------------------------------------------------
+// Contexts
+
+EXPORT CUresult cuDevicePrimaryCtxRetain(Context** ctx, CUdevice d) {
+    if (ctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+    std::lock_guard<std::mutex> g(g_objects);
+    ++g_primary_refs;
+    *ctx = &g_primary;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) {
+    if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+    std::lock_guard<std::mutex> g(g_objects);
+    if (g_primary_refs > 0) --g_primary_refs;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetCurrent(Context** ctx) {
+    if (ctx == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    *ctx = t_current;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxSetCurrent(Context* ctx) {
+    t_current = ctx;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxSynchronize() { return CUDA_SUCCESS; }
+EXPORT CUresult cuCtxSetFlags(unsigned int) { return CUDA_SUCCESS; }
+
+EXPORT CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
+    if (least != nullptr) *least = 0;
+    if (greatest != nullptr) *greatest = 0;
+    return CUDA_SUCCESS;
+}
+
+// ---------------------------------------------------------------------------
+// Streams and events (synchronous: work is done when it is enqueued)
+
+EXPORT CUresult cuStreamCreate(Stream** s, unsigned int flags) {
+    if (s == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    *s = new (std::nothrow) Stream{flags};
+    return *s != nullptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+EXPORT CUresult cuStreamCreateWithPriority(Stream** s, unsigned int flags, int) {
+    return cuStreamCreate(s, flags);
+}
+
+EXPORT CUresult cuStreamDestroy_v2(Stream* s) {
+    delete s;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamSynchronize(Stream*) { return CUDA_SUCCESS; }
+EXPORT CUresult cuStreamQuery(Stream*) { return CUDA_SUCCESS; }
+EXPORT CUresult cuStreamWaitEvent(Stream*, Event*, unsigned int) { return CUDA_SUCCESS; }
+
+EXPORT CUresult cuStreamIsCapturing(Stream*, int* status) {
+    if (status == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    *status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuEventCreate(Event** e, unsigned int) {
+    if (e == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    *e = new (std::nothrow) Event{std::chrono::steady_clock::now(), false};
+    return *e != nullptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+EXPORT CUresult cuEventDestroy_v2(Event* e) {
+    delete e;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuEventRecord(Event* e, Stream*) {
+    if (e == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+    e->at = std::chrono::steady_clock::now();
+    e->recorded = true;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuEventQuery(Event*) { return CUDA_SUCCESS; }
+EXPORT CUresult cuEventSynchronize(Event*) { return CUDA_SUCCESS; }
+
+EXPORT CUresult cuEventElapsedTime(float* ms, Event* start, Event* end) {
+    if (ms == nullptr || start == nullptr || end == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    *ms = std::chrono::duration<float, std::milli>(end->at - start->at).count();
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuEventElapsedTime_v2(float* ms, Event* start, Event* end) {
+    return cuEventElapsedTime(ms, start, end);
+}
+
+typedef void (*CUhostFn)(void*);
+
+EXPORT CUresult cuLaunchHostFunc(Stream*, CUhostFn fn, void* data) {
+    if (fn == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    fn(data);
+    return CUDA_SUCCESS;
+}
+
+// ---------------------------------------------------------------------------
+// Memory
+
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* p, std::size_t bytes) { return mem_alloc(p, bytes); }
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { return mem_free(p); }
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr* p, std::size_t bytes, Stream*) { return mem_alloc(p, bytes); }
+EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr* p, std::size_t bytes, MemPool*, Stream*) {
+    return mem_alloc(p, bytes);
+}
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, Stream*) { return mem_free(p); }
+
+EXPORT CUresult cuMemGetInfo_v2(std::size_t* free_bytes, std::size_t* total) {
+    if (free_bytes == nullptr || total == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    Memory& m = memory();
+    std::lock_guard<std::mutex> g(m.lock);
+    *total = total_bytes();
+    *free_bytes = total_bytes() - m.used;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemHostAlloc(void** p, std::size_t bytes, unsigned int) {
+    if (p == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    *p = std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
+    return *p != nullptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+EXPORT CUresult cuMemFreeHost(void* p) {
+    std::free(p);
+    return CUDA_SUCCESS;
+}
+
+static CUresult copy_checked(void* dst, const void* src, std::size_t n, bool dst_dev, bool src_dev) {
+    if (n == 0) return CUDA_SUCCESS;
+    if ((dst_dev && !device_range_ok((CUdeviceptr)dst, n)) ||
+        (src_dev && !device_range_ok((CUdeviceptr)src, n))) {
+        std::fprintf(stderr, "headroom CUDA emulator: a %zu-byte copy strays outside its device allocation\n", n);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    std::memmove(dst, src, n);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, std::size_t n) {
+    return copy_checked((void*)dst, src, n, true, false);
+}
+EXPORT CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, std::size_t n) {
+    return copy_checked(dst, (const void*)src, n, false, true);
+}
+EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, std::size_t n) {
+    return copy_checked((void*)dst, (const void*)src, n, true, true);
+}
+EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, std::size_t n, Stream*) {
+    return cuMemcpyHtoD_v2(dst, src, n);
+}
+EXPORT CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, std::size_t n, Stream*) {
+    return cuMemcpyDtoH_v2(dst, src, n);
+}
+EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, std::size_t n, Stream*) {
+    return cuMemcpyDtoD_v2(dst, src, n);
+}
+
+EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, std::size_t n) {
+    if (n == 0) return CUDA_SUCCESS;
+    if (!device_range_ok(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    std::memset((void*)dst, v, n);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, std::size_t n, Stream*) {
+    return cuMemsetD8_v2(dst, v, n);
+}
+EXPORT CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned int v, std::size_t n) {
+    if (n == 0) return CUDA_SUCCESS;
+    if (!device_range_ok(dst, n * 4)) return CUDA_ERROR_INVALID_VALUE;
+    unsigned int* p = (unsigned int*)dst;
+    for (std::size_t i = 0; i < n; ++i) p[i] = v;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int v, std::size_t n, Stream*) {
+    return cuMemsetD32_v2(dst, v, n);
+}
+
+// The stream-ordered pool: allocations are immediate, so nothing is cached;
+// "reserved" is what is in use.
+EXPORT CUresult cuDeviceGetDefaultMemPool(MemPool** pool, CUdevice d) {
+    if (pool == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *pool = &g_pool;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceGetMemPool(MemPool** pool, CUdevice d) { return cuDeviceGetDefaultMemPool(pool, d); }
+
+EXPORT CUresult cuMemPoolSetAttribute(MemPool* pool, int attr, void* value) {
+    if (pool == nullptr || value == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    if (attr == 4) {  // RELEASE_THRESHOLD
+        std::memcpy(&pool->release_threshold, value, 8);
+    }
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemPoolGetAttribute(MemPool* pool, int attr, void* value) {
+    if (pool == nullptr || value == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    unsigned long long v = 0;
+    switch (attr) {
+        case 4: v = pool->release_threshold; break;
+        case 5:    // RESERVED_MEM_CURRENT
+        case 7: {  // USED_MEM_CURRENT
+            Memory& m = memory();
+            std::lock_guard<std::mutex> g(m.lock);
+            v = m.used;
+            break;
+        }
+        default: v = 0; break;
+    }
+    std::memcpy(value, &v, 8);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemPoolTrimTo(MemPool*, std::size_t) { return CUDA_SUCCESS; }
+
+// ---------------------------------------------------------------------------
+// Modules and launches
+
+EXPORT CUresult cuModuleLoadData(Module** m, const void* image) {
+    if (m == nullptr || image == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    // The image (PTX or CUBIN from NVRTC) only proves the source compiles
+    // for the GPU; the host-compiled kernels of the same source run instead.
+    *m = new (std::nothrow) Module{0};
+    return *m != nullptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+EXPORT CUresult cuModuleUnload(Module* m) {
+    delete m;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuModuleGetFunction(const hr_emu::KernelEntry** f, Module* m, const char* name) {
+    if (f == nullptr || m == nullptr || name == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    auto& r = hr_emu::registry();
+    auto it = r.find(name);
+    if (it == r.end()) {
+        std::fprintf(stderr, "headroom CUDA emulator: no kernel named %s was compiled in\n", name);
+        return CUDA_ERROR_NOT_FOUND;
+    }
+    *f = &it->second;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuFuncSetAttribute(const hr_emu::KernelEntry*, int, int) { return CUDA_SUCCESS; }
+EXPORT CUresult cuFuncSetCacheConfig(const hr_emu::KernelEntry*, int) { return CUDA_SUCCESS; }
+
+EXPORT CUresult cuFuncGetAttribute(int* v, int attrib, const hr_emu::KernelEntry*) {
+    if (v == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    *v = attrib == 0 ? (int)kMaxThreads : 0;  // MAX_THREADS_PER_BLOCK
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuLaunchKernel(const hr_emu::KernelEntry* f, unsigned int gx, unsigned int gy,
+                               unsigned int gz, unsigned int bx, unsigned int by, unsigned int bz,
+                               unsigned int shared_bytes, Stream*, void** params, void** extra) {
+    if (f == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+    if (extra != nullptr || (params == nullptr && f->arity > 0)) {
+        std::fprintf(stderr, "headroom CUDA emulator: %s: only kernelParams are supported\n", f->name);
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    const unsigned long long threads = (unsigned long long)bx * by * bz;
+    if (gx == 0 || gy == 0 || gz == 0 || threads == 0 || bz > 64) return CUDA_ERROR_INVALID_VALUE;
+    if (threads > kMaxThreads || shared_bytes > 48 * 1024) return CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
+    Scheduler& s = t_sched;
+    if (s.entry != nullptr) {
+        // A kernel launching a kernel (dynamic parallelism) is not emulated.
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    if (!s.ensure((unsigned int)threads)) return CUDA_ERROR_OUT_OF_MEMORY;
+    s.entry = f;
+    s.params = params;
+    hr_emu::t_grid_dim = hr_uint3{gx, gy, gz};
+    hr_emu::t_block_dim = hr_uint3{bx, by, bz};
+    std::string failure;
+    for (unsigned int z = 0; z < gz && failure.empty(); ++z) {
+        for (unsigned int y = 0; y < gy && failure.empty(); ++y) {
+            for (unsigned int x = 0; x < gx && failure.empty(); ++x) {
+                hr_emu::t_block_idx = hr_uint3{x, y, z};
+                failure = run_block(s, (unsigned int)threads);
+            }
+        }
+    }
+    s.entry = nullptr;
+    s.params = nullptr;
+    s.cur = nullptr;
+    if (!failure.empty()) {
+        std::fprintf(stderr, "headroom CUDA emulator: kernel %s grid %s block %s: %s\n", f->name,
+                     dim_str(hr_uint3{gx, gy, gz}).c_str(), dim_str(hr_uint3{bx, by, bz}).c_str(),
+                     failure.c_str());
+        return CUDA_ERROR_LAUNCH_FAILED;
+    }
+    const std::string guards = check_all_guards();
+    if (!guards.empty()) {
+        std::fprintf(stderr, "headroom CUDA emulator: kernel %s grid %s block %s %s\n", f->name,
+                     dim_str(hr_uint3{gx, gy, gz}).c_str(), dim_str(hr_uint3{bx, by, bz}).c_str(),
+                     guards.c_str());
+        return CUDA_ERROR_ILLEGAL_ADDRESS;
+    }
+    return CUDA_SUCCESS;
+}
+
+// ---------------------------------------------------------------------------
+// For the emulator's own tests (crates/cuda-emu/tests): the kernels' f16
+// conversions (common.cuh, compiled here as the kernels see them).
+namespace hr_conv {
+#include "common.cuh"
+}
+
+EXPORT unsigned short hr_emu_f32_to_f16(float f) { return hr_conv::f2h(f); }
+EXPORT float hr_emu_f16_to_f32(unsigned short h) { return hr_conv::h2f(h); }
+
+// The names of every kernel compiled in, one per line (for a test that the
+// registry is complete).
+EXPORT const char* hr_emu_kernel_names() {
+    static const std::string names = [] {
+        std::string s;
+        for (const auto& kv : hr_emu::registry()) {
+            s += kv.first;
+            s += '\n';
+        }
+        return s;
+    }();
+    return names.c_str();
+}

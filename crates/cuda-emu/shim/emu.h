@@ -1,0 +1,59 @@
+// What driver.cpp and the generated kernel translation units share: the
+// registry of host-compiled kernels. Each generated unit (build.rs writes one
+// per crates/model/kernels/*.cu file) registers its `extern "C" __global__`
+// entry points by name at load time; cuModuleGetFunction looks them up there,
+// so a kernel added to a .cu file is emulated without any list to update.
+#pragma once
+
+#include <cstddef>
+#include <type_traits>
+#include <utility>
+
+namespace hr_emu {
+
+// Calls kernel `fn` for the current emulated thread with the arguments in
+// `params` (cuLaunchKernel's kernelParams: one pointer per argument).
+typedef void (*Invoker)(void* fn, void** params);
+
+struct KernelEntry {
+    const char* name;
+    void* fn;
+    Invoker invoke;
+    unsigned int arity;
+};
+
+void register_kernel(const KernelEntry& entry);
+
+}  // namespace hr_emu
+
+namespace {
+// Internal linkage: a parameter struct of the same name in two kernel files
+// must not make two instantiations collide at link time.
+template <typename T>
+struct hr_arg {
+    typedef typename std::remove_cv<typename std::remove_reference<T>::type>::type type;
+};
+
+template <typename... A, std::size_t... I>
+inline void hr_call(void (*fn)(A...), void** params, std::index_sequence<I...>) {
+    // Each argument is copied from where kernelParams points, as the GPU
+    // copies parameters into each thread's view; a pointer argument is the
+    // fake device pointer, which is a host address.
+    fn(*static_cast<typename hr_arg<A>::type*>(params[I])...);
+}
+
+template <typename... A>
+void hr_invoke(void* fn, void** params) {
+    hr_call(reinterpret_cast<void (*)(A...)>(fn), params, std::index_sequence_for<A...>{});
+}
+
+template <typename... A>
+hr_emu::KernelEntry hr_entry(const char* name, void (*fn)(A...)) {
+    return hr_emu::KernelEntry{name, reinterpret_cast<void*>(fn), &hr_invoke<A...>,
+                               (unsigned int)sizeof...(A)};
+}
+
+struct hr_registrar {
+    explicit hr_registrar(const hr_emu::KernelEntry& e) { hr_emu::register_kernel(e); }
+};
+}  // namespace

@@ -1,0 +1,69 @@
+// Kernels that test the emulator itself (tests/scheduler.rs): barriers and
+// shared memory, every warp shuffle and vote, atomics, and a deadlock that
+// must be reported rather than hang. Written in the same CUDA C++ as the
+// real kernels; the `hr_emu_selftest_` prefix keeps them out of the list of
+// headroom's kernels.
+#include "common.cuh"
+
+// out[i] = in[n - 1 - i] within one block, through shared memory.
+extern "C" __global__ void hr_emu_selftest_reverse(u32 n, const u32* in, u32* out) {
+    __shared__ u32 s[1024];
+    const u32 t = threadIdx.x + threadIdx.y * blockDim.x;
+    const u32 base = blockIdx.x * n;
+    s[t] = in[base + t];
+    __syncthreads();
+    // A second phase that reads what other threads wrote before the barrier.
+    const u32 v = s[n - 1 - t];
+    __syncthreads();
+    s[t] = v * 2u;
+    __syncthreads();
+    out[base + t] = s[t] / 2u;
+}
+
+// Per thread, 8 results: xor 5, down 3, up 7, idx 9, width-8 xor 1,
+// ballot(odd), any(v == 100), all(v < 1000).
+extern "C" __global__ void hr_emu_selftest_warp(const u32* in, u32* out) {
+    const u32 t = blockIdx.x * blockDim.x + threadIdx.x;
+    const u32 v = in[t];
+    u32* o = out + t * 8;
+    o[0] = __shfl_xor_sync(0xffffffffu, v, 5);
+    o[1] = __shfl_down_sync(0xffffffffu, v, 3);
+    o[2] = __shfl_up_sync(0xffffffffu, v, 7);
+    o[3] = __shfl_sync(0xffffffffu, v, 9);
+    o[4] = __shfl_xor_sync(0xffffffffu, v, 1, 8);
+    o[5] = __ballot_sync(0xffffffffu, v & 1u);
+    o[6] = (u32)__any_sync(0xffffffffu, v == 100u);
+    o[7] = (u32)__all_sync(0xffffffffu, v < 1000u);
+}
+
+// The common.cuh reductions the loss kernel uses, over one warp.
+extern "C" __global__ void hr_emu_selftest_warp_reduce(const float* in, float* out) {
+    const float v = in[threadIdx.x];
+    out[threadIdx.x * 2] = warp_sum(v);
+    out[threadIdx.x * 2 + 1] = warp_max(v);
+}
+
+extern "C" __global__ void hr_emu_selftest_atomics(u32* counter, float* sum, u32* max_seen) {
+    const u32 t = blockIdx.x * blockDim.x + threadIdx.x;
+    atomicAdd(counter, 1u);
+    atomicAdd(sum, 0.5f);
+    atomicMax(max_seen, t);
+}
+
+// Half the warp waits at __syncthreads, the other half in a shuffle: a hang
+// on a GPU, a reported launch failure in the emulator.
+extern "C" __global__ void hr_emu_selftest_deadlock(u32* out) {
+    if (threadIdx.x < 16) {
+        __syncthreads();
+    } else {
+        out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, threadIdx.x, 1);
+    }
+}
+
+// Writes one element past its buffer: the guard bytes must catch it.
+extern "C" __global__ void hr_emu_selftest_overrun(u32 n, u32* out) {
+    const u32 t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t <= n) {
+        out[t] = t;
+    }
+}

@@ -1,0 +1,172 @@
+//! The emulator's execution model, through cudarc as the backend uses it:
+//! __syncthreads is a real barrier and __shared__ is per block, every warp
+//! shuffle and vote gives CUDA's answer, atomics add up, a barrier/shuffle
+//! deadlock is a launch error (not a hang), and an out-of-bounds write is
+//! caught by the guard bytes. Kernels: shim/selftest.cu.
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+
+fn stream() -> Arc<CudaStream> {
+    static CTX: OnceLock<Arc<CudaContext>> = OnceLock::new();
+    let ctx = CTX.get_or_init(|| {
+        headroom_cuda_emu::install().unwrap_or_else(|e| panic!("{e}"));
+        let ctx = CudaContext::new(0).expect("the emulated device opens");
+        assert_eq!(ctx.name().unwrap(), headroom_cuda_emu::DEVICE_NAME);
+        ctx
+    });
+    ctx.new_stream().expect("stream")
+}
+
+fn function(s: &Arc<CudaStream>, name: &str) -> cudarc::driver::CudaFunction {
+    // The image is ignored: kernels are found by name.
+    let module = s
+        .context()
+        .load_module(Ptx::from_src("// emulated"))
+        .unwrap();
+    module.load_function(name).unwrap()
+}
+
+fn cfg(grid: u32, block: (u32, u32, u32)) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: block,
+        shared_mem_bytes: 0,
+    }
+}
+
+#[test]
+fn barriers_and_shared_memory_are_per_block() {
+    let s = stream();
+    let f = function(&s, "hr_emu_selftest_reverse");
+    // 3 blocks of 16×8 threads (two dimensions, several warps).
+    let n = 128u32;
+    let input: Vec<u32> = (0..3 * n).map(|i| i * 7 + 1).collect();
+    let dev_in = s.clone_htod(&input).unwrap();
+    let mut dev_out = s.alloc_zeros::<u32>(input.len()).unwrap();
+    let mut b = s.launch_builder(&f);
+    b.arg(&n).arg(&dev_in).arg(&mut dev_out);
+    // SAFETY: the kernel reads 3·n and writes 3·n u32, the sizes allocated.
+    unsafe { b.launch(cfg(3, (16, 8, 1))) }.unwrap();
+    let out = s.clone_dtoh(&dev_out).unwrap();
+    for blk in 0..3 {
+        for t in 0..n {
+            let b0 = (blk * n) as usize;
+            assert_eq!(
+                out[b0 + t as usize],
+                input[b0 + (n - 1 - t) as usize],
+                "block {blk} thread {t}"
+            );
+        }
+    }
+}
+
+#[test]
+fn warp_shuffles_and_votes_match_cuda() {
+    let s = stream();
+    let f = function(&s, "hr_emu_selftest_warp");
+    let threads = 64usize;
+    let input: Vec<u32> = (0..threads as u32)
+        .map(|i| if i == 37 { 100 } else { i * 3 })
+        .collect();
+    let dev_in = s.clone_htod(&input).unwrap();
+    let mut dev_out = s.alloc_zeros::<u32>(threads * 8).unwrap();
+    let mut b = s.launch_builder(&f);
+    b.arg(&dev_in).arg(&mut dev_out);
+    // SAFETY: 64 threads read 64 values and write 8 each.
+    unsafe { b.launch(cfg(1, (64, 1, 1))) }.unwrap();
+    let out = s.clone_dtoh(&dev_out).unwrap();
+    for t in 0..threads {
+        let w = t / 32 * 32;
+        let lane = t % 32;
+        let v = |l: usize| input[w + l];
+        let o = &out[t * 8..t * 8 + 8];
+        assert_eq!(o[0], v(lane ^ 5), "xor, thread {t}");
+        assert_eq!(
+            o[1],
+            if lane + 3 < 32 { v(lane + 3) } else { v(lane) },
+            "down, thread {t}"
+        );
+        assert_eq!(
+            o[2],
+            if lane >= 7 { v(lane - 7) } else { v(lane) },
+            "up, thread {t}"
+        );
+        assert_eq!(o[3], v(9), "idx, thread {t}");
+        assert_eq!(o[4], v(lane ^ 1), "width-8 xor, thread {t}");
+        let ballot = (0..32)
+            .filter(|&l| v(l) & 1 == 1)
+            .fold(0u32, |m, l| m | 1 << l);
+        assert_eq!(o[5], ballot, "ballot, thread {t}");
+        assert_eq!(o[6], u32::from(w == 32), "any, thread {t}");
+        assert_eq!(o[7], 1, "all, thread {t}");
+    }
+}
+
+#[test]
+fn warp_sum_and_max_of_common_cuh_reduce_the_warp() {
+    let s = stream();
+    let f = function(&s, "hr_emu_selftest_warp_reduce");
+    let input: Vec<f32> = (0..32).map(|i| (i as f32 - 10.5) * 0.25).collect();
+    let dev_in = s.clone_htod(&input).unwrap();
+    let mut dev_out = s.alloc_zeros::<f32>(64).unwrap();
+    let mut b = s.launch_builder(&f);
+    b.arg(&dev_in).arg(&mut dev_out);
+    // SAFETY: one warp reads 32 floats and writes 64.
+    unsafe { b.launch(cfg(1, (32, 1, 1))) }.unwrap();
+    let out = s.clone_dtoh(&dev_out).unwrap();
+    let sum: f32 = input.iter().sum();
+    let max = input.iter().copied().fold(f32::MIN, f32::max);
+    for lane in 0..32 {
+        assert!(
+            (out[lane * 2] - sum).abs() < 1e-4,
+            "sum in lane {lane}: {}",
+            out[lane * 2]
+        );
+        assert_eq!(out[lane * 2 + 1], max, "max in lane {lane}");
+    }
+}
+
+#[test]
+fn atomics_count_every_thread() {
+    let s = stream();
+    let f = function(&s, "hr_emu_selftest_atomics");
+    let mut counter = s.alloc_zeros::<u32>(1).unwrap();
+    let mut sum = s.alloc_zeros::<f32>(1).unwrap();
+    let mut max_seen = s.alloc_zeros::<u32>(1).unwrap();
+    let mut b = s.launch_builder(&f);
+    b.arg(&mut counter).arg(&mut sum).arg(&mut max_seen);
+    // SAFETY: each argument is one element, as the kernel expects.
+    unsafe { b.launch(cfg(5, (96, 1, 1))) }.unwrap();
+    assert_eq!(s.clone_dtoh(&counter).unwrap(), [480]);
+    assert_eq!(s.clone_dtoh(&sum).unwrap(), [240.0]);
+    assert_eq!(s.clone_dtoh(&max_seen).unwrap(), [479]);
+}
+
+#[test]
+fn a_barrier_shuffle_deadlock_is_a_launch_error() {
+    let s = stream();
+    let f = function(&s, "hr_emu_selftest_deadlock");
+    let mut out = s.alloc_zeros::<u32>(32).unwrap();
+    let mut b = s.launch_builder(&f);
+    b.arg(&mut out);
+    // SAFETY: 32 threads, 32 elements.
+    let err = unsafe { b.launch(cfg(1, (32, 1, 1))) }.unwrap_err();
+    assert!(format!("{err:?}").contains("LAUNCH_FAILED"), "{err:?}");
+}
+
+#[test]
+fn an_out_of_bounds_write_is_caught() {
+    let s = stream();
+    let f = function(&s, "hr_emu_selftest_overrun");
+    let n = 100u32;
+    let mut out = s.alloc_zeros::<u32>(n as usize).unwrap();
+    let mut b = s.launch_builder(&f);
+    b.arg(&n).arg(&mut out);
+    // SAFETY: deliberately not: the kernel writes element n of n. The write
+    // lands in the emulator's guard bytes, which the launch checks.
+    let err = unsafe { b.launch(cfg(1, (128, 1, 1))) }.unwrap_err();
+    assert!(format!("{err:?}").contains("ILLEGAL_ADDRESS"), "{err:?}");
+}
