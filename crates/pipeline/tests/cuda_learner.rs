@@ -1,0 +1,259 @@
+//! The GPU learner against the CPU learner: the same model, seed and
+//! batches give the same training within f16 rounding; a checkpoint moves
+//! between them; an overflowing step is skipped with the model left as it
+//! was; and a restored learner continues bit for bit.
+//!
+//! Without a GPU these run on the CPU emulator of CUDA (headroom-cuda-emu);
+//! with one (or HEADROOM_REQUIRE_GPU=1) on the device. Without NVRTC they
+//! skip with one line, unless HEADROOM_REQUIRE_NVRTC=1 (CI) makes that a
+//! failure.
+
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use headroom_loader::Batch;
+use headroom_model::cuda::{CudaBackend, CudaError};
+use headroom_model::memory::MemoryPool;
+use headroom_model::{Device, ModelSpec};
+use headroom_optim::AdamWConfig;
+use headroom_pipeline::learner::{
+    CpuLearner, CudaLearner, CudaOptions, Learner, LearnerState, StepSettings,
+};
+
+const MODEL: &str = r#"
+input = [8, 8, 1]
+mean = 0.5
+std = 0.25
+layers = [
+  { type = "conv", out = 8 }, { type = "batch_norm" }, { type = "relu" },
+  { type = "basic_block" },
+  { type = "conv", out = 16, stride = 2 }, { type = "batch_norm" }, { type = "relu" },
+  { type = "global_avg_pool" },
+  { type = "linear", out = 4 },
+]
+"#;
+
+fn env_is_1(name: &str) -> bool {
+    std::env::var(name).as_deref() == Ok("1")
+}
+
+/// A backend on the real GPU when there is one (or one is required), else
+/// on the emulator; None (with one line) only when NVRTC is missing and not
+/// required. Decided once per process, before cudarc loads a driver.
+fn backend() -> Option<MutexGuard<'static, ()>> {
+    static OPENED: OnceLock<Result<(), String>> = OnceLock::new();
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let opened = OPENED.get_or_init(|| {
+        let require_gpu = env_is_1("HEADROOM_REQUIRE_GPU");
+        if !require_gpu
+            && (env_is_1("HEADROOM_CUDA_EMULATE") || !headroom_cuda_emu::real_gpu_present())
+        {
+            headroom_cuda_emu::install()?;
+        }
+        match CudaBackend::new(0) {
+            Ok(be) => {
+                eprintln!("cuda_learner: running on {}", be.info());
+                Ok(())
+            }
+            Err(e @ CudaError::LibraryMissing { .. })
+                if !require_gpu && !env_is_1("HEADROOM_REQUIRE_NVRTC") =>
+            {
+                Err(e.to_string())
+            }
+            Err(e) => panic!("the CUDA backend failed to open: {e}"),
+        }
+    });
+    match opened {
+        Ok(()) => Some(ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())),
+        Err(why) => {
+            eprintln!("cuda_learner: SKIPPED: {why}");
+            None
+        }
+    }
+}
+
+fn settings() -> StepSettings {
+    StepSettings {
+        label_smoothing: 0.1,
+        clip_norm: 1.0,
+        optimizer: AdamWConfig {
+            weight_decay: 1e-4,
+            ..AdamWConfig::default()
+        },
+    }
+}
+
+fn spec() -> ModelSpec {
+    toml::from_str(MODEL).unwrap()
+}
+
+fn cpu_learner(seed: u64) -> CpuLearner {
+    CpuLearner::new(&spec(), seed, settings(), 8, MemoryPool::new(Device::Cpu)).unwrap()
+}
+
+fn gpu_learner(seed: u64) -> CudaLearner {
+    let be = CudaBackend::new(0).unwrap();
+    CudaLearner::new(be, &spec(), seed, settings(), 8, CudaOptions::default()).unwrap()
+}
+
+fn batch(index: usize) -> Batch {
+    let n = 8;
+    Batch {
+        epoch: 0,
+        index,
+        shape: [n, 8, 8, 1],
+        pixels: (0..n * 64)
+            .map(|i| (((i * 2_654_435_761) >> 7) as usize ^ (index * 131)) as u8)
+            .collect(),
+        labels: (0..n).map(|i| ((i + index) % 4) as u32).collect(),
+        soft_targets: None,
+    }
+}
+
+fn flat(v: &[Vec<f32>]) -> Vec<f32> {
+    v.iter().flatten().copied().collect()
+}
+
+/// ‖a - b‖ / ‖b‖.
+fn relative_l2(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let diff: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (diff / norm.max(1e-30)).sqrt()
+}
+
+fn bits(state: &LearnerState) -> Vec<u32> {
+    let all = [
+        &state.params,
+        &state.buffers,
+        &state.optimizer.first_moment,
+        &state.optimizer.second_moment,
+    ];
+    all.iter().flat_map(|v| flat(v)).map(f32::to_bits).collect()
+}
+
+#[test]
+fn gpu_learner_starts_from_the_cpu_weights_and_trains_like_it() {
+    let Some(_gpu) = backend() else { return };
+    let (mut cpu, mut gpu) = (cpu_learner(7), gpu_learner(7));
+    let (start_cpu, start_gpu) = (cpu.snapshot().unwrap(), gpu.snapshot().unwrap());
+    assert_eq!(bits(&start_cpu), bits(&start_gpu), "same initial state");
+    assert_eq!(gpu.num_params(), cpu.num_params());
+    for i in 0..6 {
+        let (c, g) = (
+            cpu.train_batch(&batch(i), 5e-3).unwrap(),
+            gpu.train_batch(&batch(i), 5e-3).unwrap(),
+        );
+        let norm = (g.grad_norm.unwrap(), c.grad_norm.unwrap());
+        assert!(
+            (g.loss - c.loss).abs() <= 2e-2 * c.loss.abs(),
+            "step {i}: loss {} vs {}",
+            g.loss,
+            c.loss
+        );
+        assert!(
+            (norm.0 - norm.1).abs() <= 5e-2 * norm.1,
+            "step {i}: grad norm {norm:?}"
+        );
+    }
+    let (end_cpu, end_gpu) = (cpu.snapshot().unwrap(), gpu.snapshot().unwrap());
+    let moved = relative_l2(&flat(&end_cpu.params), &flat(&start_cpu.params));
+    let apart = relative_l2(&flat(&end_gpu.params), &flat(&end_cpu.params));
+    // Adam's first steps move each weight by about ±lr whatever its
+    // gradient's size, so weights with near-zero gradients may go either way
+    // under f16 rounding: the updates agree closely, not exactly. A wrong
+    // gradient or update would put `apart` near `moved`.
+    assert!(
+        apart < 0.25 * moved,
+        "GPU and CPU weights differ by {apart}, training moved them {moved}"
+    );
+    let stats = relative_l2(&flat(&end_gpu.buffers), &flat(&end_cpu.buffers));
+    assert!(stats < 1e-2, "running statistics differ by {stats}");
+    assert_eq!(end_gpu.optimizer.step, 6);
+}
+
+#[test]
+fn a_checkpoint_moves_between_gpu_and_cpu() {
+    let Some(_gpu) = backend() else { return };
+    let mut gpu = gpu_learner(3);
+    for i in 0..3 {
+        gpu.train_batch(&batch(i), 5e-3).unwrap();
+    }
+    let saved = gpu.snapshot().unwrap();
+    let mut cpu = cpu_learner(99);
+    cpu.restore(saved.clone()).unwrap();
+    assert_eq!(bits(&cpu.snapshot().unwrap()), bits(&saved));
+    let mut back = gpu_learner(42);
+    back.restore(cpu.snapshot().unwrap()).unwrap();
+    assert_eq!(bits(&back.snapshot().unwrap()), bits(&saved));
+    let (on_gpu, on_cpu) = (
+        back.eval_batch(&batch(9)).unwrap(),
+        cpu.eval_batch(&batch(9)).unwrap(),
+    );
+    let loss = (on_gpu.loss_sum, on_cpu.loss_sum);
+    assert!(
+        (loss.0 - loss.1).abs() <= 2e-2 * loss.1,
+        "eval loss {loss:?}"
+    );
+}
+
+#[test]
+fn an_overflowing_step_is_skipped_and_leaves_everything_as_it_was() {
+    let Some(_gpu) = backend() else { return };
+    let mut gpu = gpu_learner(5);
+    gpu.train_batch(&batch(0), 5e-3).unwrap();
+    let mut poisoned = gpu.snapshot().unwrap();
+    poisoned.params[0][0] = f32::INFINITY;
+    gpu.restore(poisoned).unwrap();
+    let (before, scale) = (gpu.snapshot().unwrap(), gpu.loss_scale());
+    let result = gpu.train_batch(&batch(1), 5e-3).unwrap();
+    assert_eq!(result.grad_norm, None, "the step is skipped");
+    assert_eq!(gpu.loss_scale(), scale / 2.0, "the loss scale backs off");
+    assert_eq!(bits(&gpu.snapshot().unwrap()), bits(&before));
+}
+
+#[test]
+fn a_restored_gpu_learner_continues_bit_for_bit() {
+    let Some(_gpu) = backend() else { return };
+    let mut first = gpu_learner(11);
+    for i in 0..2 {
+        first.train_batch(&batch(i), 5e-3).unwrap();
+    }
+    let mut second = gpu_learner(12);
+    second.restore(first.snapshot().unwrap()).unwrap();
+    for i in 2..4 {
+        let (a, b) = (
+            first.train_batch(&batch(i), 5e-3).unwrap(),
+            second.train_batch(&batch(i), 5e-3).unwrap(),
+        );
+        assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "step {i}");
+    }
+    assert_eq!(
+        bits(&first.snapshot().unwrap()),
+        bits(&second.snapshot().unwrap())
+    );
+}
+
+#[test]
+fn micro_batches_accumulate_as_on_the_cpu() {
+    let Some(_gpu) = backend() else { return };
+    let (mut cpu, mut gpu) = (cpu_learner(13), gpu_learner(13));
+    cpu.set_micro_batch(3);
+    gpu.set_micro_batch(3);
+    let start = cpu.snapshot().unwrap();
+    for i in 0..2 {
+        let (c, g) = (
+            cpu.train_batch(&batch(i), 5e-3).unwrap(),
+            gpu.train_batch(&batch(i), 5e-3).unwrap(),
+        );
+        assert!(
+            (g.loss - c.loss).abs() <= 2e-2 * c.loss,
+            "loss {} vs {}",
+            g.loss,
+            c.loss
+        );
+    }
+    let end = cpu.snapshot().unwrap();
+    let moved = relative_l2(&flat(&end.params), &flat(&start.params));
+    let apart = relative_l2(&flat(&gpu.snapshot().unwrap().params), &flat(&end.params));
+    assert!(apart < 0.25 * moved, "apart {apart}, moved {moved}");
+}
