@@ -102,7 +102,7 @@ fn batch(index: usize) -> Batch {
         index,
         shape: [n, 8, 8, 1],
         pixels: (0..n * 64)
-            .map(|i| (((i * 2_654_435_761) >> 7) as usize ^ (index * 131)) as u8)
+            .map(|i| (((i * 2_654_435_761) >> 7) ^ (index * 131)) as u8)
             .collect(),
         labels: (0..n).map(|i| ((i + index) % 4) as u32).collect(),
         soft_targets: None,
