@@ -16,7 +16,7 @@ use headroom_model::Device;
 use serde::{Deserialize, Serialize};
 
 use crate::config::ExperimentConfig;
-use crate::learner::{CpuLearner, Learner, StepSettings};
+use crate::learner::{self, CudaOptions};
 use crate::{data, PipelineError, Result};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -31,9 +31,16 @@ pub struct StepBench {
     pub peak_rss_bytes: Option<u64>,
     pub parameters: usize,
     pub macs_per_sample: u64,
+    /// "cpu", or the GPU's description.
+    #[serde(default)]
+    pub device: String,
+    /// Peak bytes of the learner's tensors (device memory on a GPU).
+    #[serde(default)]
+    pub peak_tensor_bytes: u64,
 }
 
-/// Times `steps` training steps at `batch` after `warmup` untimed ones.
+/// Times `steps` training steps at `batch` after `warmup` untimed ones, on
+/// the device `config.device.kind` names.
 pub fn training_step(
     config: &ExperimentConfig,
     batch: usize,
@@ -49,14 +56,14 @@ pub fn training_step(
             reason: e.to_string(),
         })?;
     pool.install(|| {
-        let mut learner = CpuLearner::new(
-            &config.model,
-            config.run.seed,
-            StepSettings::from_config(config),
-            batch,
-            MemoryPool::new(Device::Cpu),
-        )?;
-        let batch = synthetic_batch(config, batch, learner.num_classes());
+        let mut config = config.clone();
+        config.train.batch_size = batch;
+        let options = CudaOptions {
+            memory_limit: config.memory_limit()?,
+            ..CudaOptions::default()
+        };
+        let mut learner = learner::open(&config, MemoryPool::new(Device::Cpu), options)?;
+        let batch = synthetic_batch(&config, batch, learner.num_classes());
         let lr = config.optimizer.lr;
         for _ in 0..warmup {
             learner.train_batch(&batch, lr)?;
@@ -78,6 +85,8 @@ pub fn training_step(
             peak_rss_bytes: crate::peak_rss_bytes(),
             parameters: learner.num_params(),
             macs_per_sample: macs,
+            device: learner.device_name(),
+            peak_tensor_bytes: learner.memory_stats().peak_in_use_bytes,
         })
     })
 }

@@ -274,4 +274,8 @@ impl Learner for CpuLearner {
     fn num_classes(&self) -> usize {
         self.network.num_classes()
     }
+
+    fn device_name(&self) -> String {
+        "cpu".into()
+    }
 }

@@ -319,4 +319,8 @@ impl Learner for CudaLearner {
     fn num_classes(&self) -> usize {
         self.network.num_classes()
     }
+
+    fn device_name(&self) -> String {
+        self.be.info().to_string()
+    }
 }

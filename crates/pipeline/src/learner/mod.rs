@@ -112,6 +112,9 @@ pub trait Learner: Send {
     fn num_params(&mut self) -> usize;
     fn macs_per_sample(&self) -> Result<u64>;
     fn num_classes(&self) -> usize;
+
+    /// "cpu", or the GPU's description (for logs and benchmarks).
+    fn device_name(&self) -> String;
 }
 
 /// The learner `device.kind` asks for, with micro-batches of `batch_size`
