@@ -1,20 +1,19 @@
 //! `cargo xtask <command>`: the front door. `train` runs an experiment.
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use headroom_loader::{IdxDataset, ShardSize, Split};
-use headroom_pipeline::{train, ExperimentConfig, Overrides, Resume, TrainOptions};
-use signal_hook::consts::{SIGINT, SIGTERM};
+use headroom_pipeline::{rundir, train, ExperimentConfig, Overrides, Resume, TrainOptions};
 use tracing_subscriber::EnvFilter;
 
 mod bench;
 mod doctor;
 mod loader_bench;
+mod signals;
 
 const DEFAULT_EXPERIMENT: &str = "experiments/fashion_mnist.toml";
 
@@ -51,9 +50,10 @@ enum Command {
         /// Channels-last off. headroom is channels-last (NHWC) only: there is no other layout to switch to.
         #[arg(long)]
         no_channels_last: bool,
-        /// Continue from the newest valid checkpoint in run.output_dir, or
-        /// from the checkpoint file given.
-        #[arg(long, value_name = "CHECKPOINT", num_args = 0..=1, default_missing_value = "")]
+        /// Continue a run: a run directory (its own config.toml is the
+        /// experiment, --set goes on top), a checkpoint file in one, or, with
+        /// no value, the newest run of the experiment.
+        #[arg(long, value_name = "RUN_DIR|CHECKPOINT", num_args = 0..=1, default_missing_value = "")]
         resume: Option<String>,
         /// Override a config key, e.g. --set train.epochs=1 (repeatable).
         #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -146,14 +146,34 @@ enum Command {
     },
 }
 
-fn main() {
+fn main() -> ExitCode {
     keep_freed_memory();
     init_logging();
-    if let Err(error) = run(Cli::parse()) {
-        // One clear message, with its causes, and a failing exit status.
-        eprintln!("error: {error:#}");
-        std::process::exit(1);
+    match run(Cli::parse()) {
+        Ok(code) => code,
+        Err(error) => {
+            // One clear message, with its causes, and a failing exit status.
+            eprintln!("error: {}", error_chain(&error));
+            ExitCode::FAILURE
+        }
     }
+}
+
+/// The error and its causes, each said once: a cause whose text the message
+/// already holds (an error that prints its source) is not repeated.
+fn error_chain(error: &anyhow::Error) -> String {
+    let mut message = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if message.contains(&text) {
+            continue;
+        }
+        if !message.is_empty() {
+            message.push_str(": ");
+        }
+        message.push_str(&text);
+    }
+    message
 }
 
 /// Until the caching memory pool lands, glibc would hand every freed
@@ -181,8 +201,161 @@ fn init_logging() {
         .init();
 }
 
-fn run(cli: Cli) -> Result<()> {
+fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
+        Command::Train {
+            config,
+            profile,
+            workers,
+            no_amp,
+            no_fusion,
+            no_channels_last,
+            resume,
+            mut overrides,
+            no_install,
+        } => {
+            say_what_flags_change(no_amp, no_fusion, no_channels_last);
+            if let Some(name) = profile {
+                overrides.push(format!("run.profile={name}"));
+            }
+            if let Some(n) = workers {
+                overrides.push(format!("data.workers={n}"));
+            }
+            let overrides = Overrides::parse(&overrides)?;
+            let experiments = match resume.as_deref() {
+                None => fresh_experiments(&config, &overrides, Resume::No)?,
+                Some("") => fresh_experiments(&config, &overrides, Resume::Latest)?,
+                Some(path) => vec![resumed_experiment(Path::new(path), &config, &overrides)?],
+            };
+            train_in_sequence(experiments, !no_install)
+        }
+        other => run_other(other).map(|()| ExitCode::SUCCESS),
+    }
+}
+
+/// What to train: the experiment, where it came from, and how to start.
+struct Planned {
+    experiment: ExperimentConfig,
+    source: PathBuf,
+    resume: Resume,
+}
+
+fn fresh_experiments(configs: &[PathBuf], overrides: &Overrides, resume: Resume) -> Result<Vec<Planned>> {
+    configs
+        .iter()
+        .map(|path| {
+            Ok(Planned {
+                experiment: ExperimentConfig::load(path, overrides)?,
+                source: path.clone(),
+                resume: resume.clone(),
+            })
+        })
+        .collect()
+}
+
+/// `--resume RUN_DIR` or `--resume RUN_DIR/checkpoint-....ckpt`: the run's
+/// own resolved config.toml is the experiment, so nothing has to be retyped
+/// and nothing else can be resumed by mistake; `--set` goes on top (and
+/// resume refuses, naming the key, what would change the result).
+fn resumed_experiment(path: &Path, configs: &[PathBuf], overrides: &Overrides) -> Result<Planned> {
+    if !path.exists() {
+        bail!("--resume {}: no such run directory or checkpoint", path.display());
+    }
+    let (dir, resume) = if path.is_dir() {
+        (path.to_path_buf(), Resume::Latest)
+    } else {
+        let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        (dir, Resume::From(path.to_path_buf()))
+    };
+    let recorded = dir.join(rundir::CONFIG_FILE);
+    let (mut experiment, source) = if recorded.is_file() {
+        if configs != [PathBuf::from(DEFAULT_EXPERIMENT)] {
+            tracing::warn!("--resume {}: using the run's own {}, not --config", path.display(), recorded.display());
+        }
+        (ExperimentConfig::load_resolved(&recorded, overrides)?, recorded)
+    } else {
+        let [config] = configs else {
+            bail!("--resume {}: the run has no {} and several --config were given", path.display(), rundir::CONFIG_FILE);
+        };
+        (ExperimentConfig::load(config, overrides)?, config.clone())
+    };
+    experiment.run.output_dir = Some(dir);
+    Ok(Planned {
+        experiment,
+        source,
+        resume,
+    })
+}
+
+fn say_what_flags_change(no_amp: bool, no_fusion: bool, no_channels_last: bool) {
+    if no_amp {
+        tracing::info!("--no-amp: the CPU backend trains in f32 already; nothing to turn off");
+    }
+    if no_fusion {
+        tracing::info!("--no-fusion: the CPU backend has no fused kernels yet; nothing to turn off");
+    }
+    if no_channels_last {
+        tracing::warn!("--no-channels-last: headroom is channels-last (NHWC) only; there is no other layout");
+    }
+}
+
+/// Trains each experiment in turn. A run stopped by a signal ends the
+/// sequence with 128 + the signal's number (130 for SIGINT, 143 for
+/// SIGTERM), after printing the command that continues it.
+fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitCode> {
+    let stop = signals::StopOnSignals::install()?;
+    let count = planned.len();
+    for (i, plan) in planned.into_iter().enumerate() {
+        let experiment = &plan.experiment;
+        tracing::info!(
+            "experiment {} from {} ({} of {count})",
+            experiment.run.name,
+            plan.source.display(),
+            i + 1,
+        );
+        let options = TrainOptions {
+            resume: plan.resume.clone(),
+            allow_install,
+            stop: Some(stop.flag()),
+        };
+        let result = train(experiment, &options);
+        // Unlocks the run directory, and removes it if the start failed.
+        rundir::release_all();
+        let summary = result.with_context(|| format!("training {} failed", experiment.run.name))?;
+        print_summary(experiment, &summary);
+        if summary.memory_left_after_run != 0 {
+            bail!(
+                "{} bytes of tensor memory were still held after {} ended",
+                summary.memory_left_after_run,
+                experiment.run.name
+            );
+        }
+        if summary.interrupted {
+            let dir = summary
+                .last_checkpoint
+                .as_deref()
+                .and_then(Path::parent)
+                .map_or_else(|| experiment.output_dir().display().to_string(), |d| d.display().to_string());
+            println!(
+                "stopped at epoch {} step {}; continue with: cargo xtask train --resume {dir}",
+                summary.epoch + 1,
+                summary.step,
+            );
+            return Ok(stop.exit_code());
+        }
+        if i + 1 < count {
+            tracing::info!(
+                "{} released all of its tensor memory (pool in use: 0 bytes)",
+                experiment.run.name
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_other(command: Command) -> Result<()> {
+    match command {
+        Command::Train { .. } => unreachable!("`run` handles train"),
         Command::Bench {
             config,
             overrides,
@@ -237,85 +410,6 @@ fn run(cli: Cli) -> Result<()> {
             let experiment = ExperimentConfig::load(&config, &Overrides::parse(&overrides)?)?;
             bench::step_here(&experiment, batch, threads, warmup, steps)
         }
-        Command::Train {
-            config,
-            profile,
-            workers,
-            no_amp,
-            no_fusion,
-            no_channels_last,
-            resume,
-            mut overrides,
-            no_install,
-        } => {
-            if no_amp {
-                tracing::info!(
-                    "--no-amp: the CPU backend trains in f32 already; nothing to turn off"
-                );
-            }
-            if no_fusion {
-                tracing::info!(
-                    "--no-fusion: the CPU backend has no fused kernels yet; nothing to turn off"
-                );
-            }
-            if no_channels_last {
-                tracing::warn!("--no-channels-last: headroom is channels-last (NHWC) only; there is no other layout");
-            }
-            if let Some(name) = profile {
-                overrides.push(format!("run.profile={name}"));
-            }
-            if let Some(n) = workers {
-                overrides.push(format!("data.workers={n}"));
-            }
-            let overrides = Overrides::parse(&overrides)?;
-            let resume = match resume {
-                None => Resume::No,
-                Some(path) if path.is_empty() => Resume::Latest,
-                Some(path) => Resume::From(PathBuf::from(path)),
-            };
-            let stop = stop_on_signals()?;
-            for (i, path) in config.iter().enumerate() {
-                let experiment = ExperimentConfig::load(path, &overrides)?;
-                tracing::info!(
-                    "experiment {} from {} ({} of {})",
-                    experiment.run.name,
-                    path.display(),
-                    i + 1,
-                    config.len()
-                );
-                let options = TrainOptions {
-                    resume: resume.clone(),
-                    allow_install: !no_install,
-                    stop: Some(Arc::clone(&stop)),
-                };
-                let summary = train(&experiment, &options)
-                    .with_context(|| format!("training {} failed", experiment.run.name))?;
-                print_summary(&experiment, &summary);
-                if summary.memory_left_after_run != 0 {
-                    bail!(
-                        "{} bytes of tensor memory were still held after {} ended",
-                        summary.memory_left_after_run,
-                        experiment.run.name
-                    );
-                }
-                if summary.interrupted {
-                    println!(
-                        "stopped at epoch {} step {}; continue with: cargo xtask train --config {} --resume",
-                        summary.epoch + 1,
-                        summary.step,
-                        path.display()
-                    );
-                    break;
-                }
-                if i + 1 < config.len() {
-                    tracing::info!(
-                        "{} released all of its tensor memory (pool in use: 0 bytes)",
-                        experiment.run.name
-                    );
-                }
-            }
-            Ok(())
-        }
         Command::Eval {
             checkpoint,
             data_dir,
@@ -350,19 +444,6 @@ fn preprocess(
         output.display()
     );
     Ok(())
-}
-
-/// The first SIGINT or SIGTERM sets the flag: the run finishes its step,
-/// writes a checkpoint and exits cleanly. A second one exits at once.
-fn stop_on_signals() -> Result<Arc<AtomicBool>> {
-    let stop = Arc::new(AtomicBool::new(false));
-    for signal in [SIGINT, SIGTERM] {
-        signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(&stop))
-            .context("installing the signal handler")?;
-        signal_hook::flag::register(signal, Arc::clone(&stop))
-            .context("installing the signal handler")?;
-    }
-    Ok(stop)
 }
 
 /// Runs the CUDA checks. Training and the bench on CUDA are not wired yet,

@@ -64,7 +64,19 @@ pub struct SinkOutcome {
     pub last_checkpoint: Option<PathBuf>,
 }
 
+/// Runs the stage until the channel closes. Its first error ends it and is
+/// also logged here, with the file and the OS's reason (a full disk says
+/// "No space left on device" and names the file), because the training
+/// loop only sees that the sink stopped receiving.
 pub fn run(events: Receiver<Event>, settings: SinkSettings) -> Result<SinkOutcome> {
+    let outcome = receive(events, &settings);
+    if let Err(e) = &outcome {
+        tracing::error!("the sink stage stopped: {e}");
+    }
+    outcome
+}
+
+fn receive(events: Receiver<Event>, settings: &SinkSettings) -> Result<SinkOutcome> {
     let metrics_path = settings.output_dir.join("metrics.jsonl");
     let mut metrics = open_metrics(&metrics_path)?;
     let mut outcome = SinkOutcome::default();
@@ -126,6 +138,7 @@ pub fn run(events: Receiver<Event>, settings: SinkSettings) -> Result<SinkOutcom
     Ok(outcome)
 }
 
+/// Appends to the run's metrics (resume cut them back to its checkpoint).
 fn open_metrics(path: &Path) -> Result<BufWriter<File>> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| PipelineError::io(dir, e))?;
@@ -138,6 +151,8 @@ fn open_metrics(path: &Path) -> Result<BufWriter<File>> {
     Ok(BufWriter::new(file))
 }
 
+/// Appends one JSON line with a single `write_all`, so the buffer only
+/// ever reaches the file in whole lines: a kill leaves no torn line.
 fn write_json<T: Serialize>(
     out: &mut BufWriter<File>,
     path: &Path,
@@ -148,7 +163,58 @@ fn write_json<T: Serialize>(
         stage: "sink",
         reason: e.to_string(),
     })?;
-    writeln!(out, "{{\"kind\":\"{kind}\",\"data\":{body}}}").map_err(|e| PipelineError::io(path, e))
+    let line = format!("{{\"kind\":\"{kind}\",\"data\":{body}}}\n");
+    out.write_all(line.as_bytes())
+        .map_err(|e| PipelineError::io(path, e))
+}
+
+/// Where a resumed run picks up: metrics of this point and later are
+/// dropped, since the resumed run writes them again.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MetricsPosition {
+    pub epoch: u64,
+    pub batches_done: usize,
+}
+
+/// Keeps the complete, valid lines of `dir/metrics.jsonl` that come before
+/// `position` (none when starting over), replacing the file atomically. A
+/// line torn by a kill, and steps a killed run recorded after its last
+/// checkpoint, are dropped.
+pub fn truncate_metrics(dir: &Path, position: Option<MetricsPosition>) -> Result<()> {
+    let path = dir.join("metrics.jsonl");
+    let text = match std::fs::read(&path) {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(PipelineError::io(&path, e)),
+    };
+    let kept: String = text
+        .split_inclusive('\n')
+        .filter(|line| line.ends_with('\n'))
+        .filter(|line| position.is_some_and(|at| line_precedes(line, at)))
+        .collect();
+    if kept.len() == text.len() {
+        return Ok(());
+    }
+    let temporary = dir.join(".metrics.jsonl.tmp");
+    std::fs::write(&temporary, kept).map_err(|e| PipelineError::io(&temporary, e))?;
+    std::fs::rename(&temporary, &path).map_err(|e| PipelineError::io(&path, e))
+}
+
+fn line_precedes(line: &str, at: MetricsPosition) -> bool {
+    let Ok(value) = serde_json::from_str::<serde_json::Value>(line) else {
+        return false;
+    };
+    let data = &value["data"];
+    let (Some(epoch), kind) = (data["epoch"].as_u64(), value["kind"].as_str()) else {
+        return false;
+    };
+    match kind {
+        Some("step") => data["batch"]
+            .as_u64()
+            .is_some_and(|batch| (epoch, batch) < (at.epoch, at.batches_done as u64)),
+        Some("epoch") => epoch < at.epoch,
+        _ => false,
+    }
 }
 
 /// Loss and throughput since the last progress line.
