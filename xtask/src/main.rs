@@ -176,17 +176,27 @@ fn error_chain(error: &anyhow::Error) -> String {
     message
 }
 
-/// Until the caching memory pool lands, glibc would hand every freed
-/// activation (up to 13 MB each) back to the OS and page-fault it in again on
-/// the next step: measured at 9x the cost of a ReLU forward+backward. Keeping
-/// freed memory in the process costs no more than the step's own peak.
+/// Keeps freed memory in the process (glibc would hand every freed
+/// activation, up to 13 MB each, back to the OS and fault it in again on
+/// the next step: measured at 9x the cost of a ReLU forward+backward).
+/// Under an address-space limit (RLIMIT_AS), also keeps glibc to one malloc
+/// arena: each extra arena reserves 64 MiB of address space per thread that
+/// allocates, which alone would exhaust a few hundred MiB of limit and make
+/// thread creation fail.
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator tunables; it is called before any
-    // other thread exists.
+    // SAFETY: mallopt only changes allocator tunables and getrlimit only
+    // writes the struct we pass; both run before any other thread exists.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        if libc::getrlimit(libc::RLIMIT_AS, &mut limit) == 0 && limit.rlim_cur != libc::RLIM_INFINITY {
+            libc::mallopt(libc::M_ARENA_MAX, 1);
+        }
     }
 }
 
