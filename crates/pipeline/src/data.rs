@@ -34,8 +34,8 @@ pub fn open_splits(
         ("shards", Some(dir)) => dir.join(split).display().to_string(),
         _ => format!("the {split} split"),
     };
-    let test_digest = verify_samples(test.as_ref(), classes, &place("test"))?;
     verify_labels_of_idx(config, classes)?;
+    let test_digest = verify_samples(test.as_ref(), classes, &place("test"))?;
     let identity = DatasetIdentity {
         format: config.data.format.clone(),
         sample_shape: train.sample_shape(),

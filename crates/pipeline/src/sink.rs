@@ -182,9 +182,12 @@ pub struct MetricsPosition {
 /// checkpoint, are dropped.
 pub fn truncate_metrics(dir: &Path, position: Option<MetricsPosition>) -> Result<()> {
     let path = dir.join("metrics.jsonl");
+    // Only a regular file is ours to rewrite (not a pipe or a device).
+    if !std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
+        return Ok(());
+    }
     let text = match std::fs::read(&path) {
         Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(PipelineError::io(&path, e)),
     };
     let kept: String = text
