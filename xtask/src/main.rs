@@ -194,7 +194,9 @@ fn keep_freed_memory() {
             rlim_cur: 0,
             rlim_max: 0,
         };
-        if libc::getrlimit(libc::RLIMIT_AS, &mut limit) == 0 && limit.rlim_cur != libc::RLIM_INFINITY {
+        if libc::getrlimit(libc::RLIMIT_AS, &mut limit) == 0
+            && limit.rlim_cur != libc::RLIM_INFINITY
+        {
             libc::mallopt(libc::M_ARENA_MAX, 1);
         }
     }
@@ -250,7 +252,11 @@ struct Planned {
     resume: Resume,
 }
 
-fn fresh_experiments(configs: &[PathBuf], overrides: &Overrides, resume: Resume) -> Result<Vec<Planned>> {
+fn fresh_experiments(
+    configs: &[PathBuf],
+    overrides: &Overrides,
+    resume: Resume,
+) -> Result<Vec<Planned>> {
     configs
         .iter()
         .map(|path| {
@@ -269,7 +275,10 @@ fn fresh_experiments(configs: &[PathBuf], overrides: &Overrides, resume: Resume)
 /// resume refuses, naming the key, what would change the result).
 fn resumed_experiment(path: &Path, configs: &[PathBuf], overrides: &Overrides) -> Result<Planned> {
     if !path.exists() {
-        bail!("--resume {}: no such run directory or checkpoint", path.display());
+        bail!(
+            "--resume {}: no such run directory or checkpoint",
+            path.display()
+        );
     }
     let (dir, resume) = if path.is_dir() {
         (path.to_path_buf(), Resume::Latest)
@@ -280,12 +289,23 @@ fn resumed_experiment(path: &Path, configs: &[PathBuf], overrides: &Overrides) -
     let recorded = dir.join(rundir::CONFIG_FILE);
     let (mut experiment, source) = if recorded.is_file() {
         if configs != [PathBuf::from(DEFAULT_EXPERIMENT)] {
-            tracing::warn!("--resume {}: using the run's own {}, not --config", path.display(), recorded.display());
+            tracing::warn!(
+                "--resume {}: using the run's own {}, not --config",
+                path.display(),
+                recorded.display()
+            );
         }
-        (ExperimentConfig::load_resolved(&recorded, overrides)?, recorded)
+        (
+            ExperimentConfig::load_resolved(&recorded, overrides)?,
+            recorded,
+        )
     } else {
         let [config] = configs else {
-            bail!("--resume {}: the run has no {} and several --config were given", path.display(), rundir::CONFIG_FILE);
+            bail!(
+                "--resume {}: the run has no {} and several --config were given",
+                path.display(),
+                rundir::CONFIG_FILE
+            );
         };
         (ExperimentConfig::load(config, overrides)?, config.clone())
     };
@@ -302,10 +322,14 @@ fn say_what_flags_change(no_amp: bool, no_fusion: bool, no_channels_last: bool) 
         tracing::info!("--no-amp: the CPU backend trains in f32 already; nothing to turn off");
     }
     if no_fusion {
-        tracing::info!("--no-fusion: the CPU backend has no fused kernels yet; nothing to turn off");
+        tracing::info!(
+            "--no-fusion: the CPU backend has no fused kernels yet; nothing to turn off"
+        );
     }
     if no_channels_last {
-        tracing::warn!("--no-channels-last: headroom is channels-last (NHWC) only; there is no other layout");
+        tracing::warn!(
+            "--no-channels-last: headroom is channels-last (NHWC) only; there is no other layout"
+        );
     }
 }
 
@@ -345,7 +369,10 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
                 .last_checkpoint
                 .as_deref()
                 .and_then(Path::parent)
-                .map_or_else(|| experiment.output_dir().display().to_string(), |d| d.display().to_string());
+                .map_or_else(
+                    || experiment.output_dir().display().to_string(),
+                    |d| d.display().to_string(),
+                );
             println!(
                 "stopped at epoch {} step {}; continue with: cargo xtask train --resume {dir}",
                 summary.epoch + 1,

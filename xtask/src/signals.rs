@@ -27,7 +27,8 @@ impl StopOnSignals {
     pub fn install() -> Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let signal = Arc::new(AtomicI32::new(0));
-        let mut signals = Signals::new([SIGINT, SIGTERM]).context("installing the signal handlers")?;
+        let mut signals =
+            Signals::new([SIGINT, SIGTERM]).context("installing the signal handlers")?;
         let (flag, first) = (Arc::clone(&stop), Arc::clone(&signal));
         std::thread::Builder::new()
             .name("signals".into())

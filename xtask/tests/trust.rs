@@ -41,7 +41,10 @@ fn spawn(list: &[String]) -> Child {
 fn wait_for_checkpoint(dir: &Path, child: &mut Child) {
     let deadline = Instant::now() + Duration::from_secs(120);
     while checkpoint::list(dir).unwrap_or_default().is_empty() {
-        assert!(Instant::now() < deadline, "no checkpoint within two minutes");
+        assert!(
+            Instant::now() < deadline,
+            "no checkpoint within two minutes"
+        );
         if let Ok(Some(status)) = child.try_wait() {
             panic!("training ended early: {status}");
         }
@@ -81,7 +84,10 @@ fn assert_metrics_clean(dir: &Path) {
         let value: serde_json::Value =
             serde_json::from_str(line).unwrap_or_else(|e| panic!("torn line {line:?}: {e}"));
         if value["kind"] == "step" {
-            positions.push((value["data"]["epoch"].as_u64(), value["data"]["batch"].as_u64()));
+            positions.push((
+                value["data"]["epoch"].as_u64(),
+                value["data"]["batch"].as_u64(),
+            ));
         }
     }
     let count = positions.len();
@@ -97,7 +103,11 @@ fn the_printed_continue_command_resumes_exactly_the_stopped_run() {
     // A finished run of the same experiment, newer-looking, must not be picked.
     let base = with_sets(
         smoke_args(data.path(), &runs.path().join("stopped")),
-        &["train.epochs=30", "checkpoint.every_steps=5", "train.threads=1"],
+        &[
+            "train.epochs=30",
+            "checkpoint.every_steps=5",
+            "train.threads=1",
+        ],
     );
     let mut child = spawn(&base);
     let run_dir = runs.path().join("stopped");
@@ -108,7 +118,10 @@ fn the_printed_continue_command_resumes_exactly_the_stopped_run() {
     let (stdout, err) = text(&stopped);
     assert_eq!(stopped.status.code(), Some(143), "SIGTERM exits 143: {err}");
     let command = continue_command(&stdout);
-    assert_eq!(command, ["train", "--resume", &run_dir.display().to_string()]);
+    assert_eq!(
+        command,
+        ["train", "--resume", &run_dir.display().to_string()]
+    );
 
     let finished = with_sets(
         smoke_args(data.path(), &runs.path().join("finished")),
@@ -119,9 +132,18 @@ fn the_printed_continue_command_resumes_exactly_the_stopped_run() {
     let resumed = run(&args(&command));
     let (_, err) = text(&resumed);
     assert!(resumed.status.success(), "{err}");
-    assert!(err.contains(&format!("resuming from {}", run_dir.display())), "{err}");
-    assert!(err.contains("epoch 30/30 done"), "the run's own 30 epochs: {err}");
-    assert_eq!(std::fs::read(run_dir.join("config.toml")).unwrap(), config_before);
+    assert!(
+        err.contains(&format!("resuming from {}", run_dir.display())),
+        "{err}"
+    );
+    assert!(
+        err.contains("epoch 30/30 done"),
+        "the run's own 30 epochs: {err}"
+    );
+    assert_eq!(
+        std::fs::read(run_dir.join("config.toml")).unwrap(),
+        config_before
+    );
     assert_metrics_clean(&run_dir);
 }
 
@@ -135,7 +157,11 @@ fn resume_refuses_another_seed_or_other_data_and_allows_the_advised_lr() {
     let config_before = std::fs::read(run_dir.join("config.toml")).unwrap();
     let resume = |sets: &[&str]| {
         let list = with_sets(
-            vec!["train".into(), "--resume".into(), run_dir.display().to_string()],
+            vec![
+                "train".into(),
+                "--resume".into(),
+                run_dir.display().to_string(),
+            ],
             sets,
         );
         run(&args(&list))
@@ -143,16 +169,27 @@ fn resume_refuses_another_seed_or_other_data_and_allows_the_advised_lr() {
 
     let seed = resume(&["run.seed=7"]);
     assert!(!seed.status.success());
-    assert!(stderr(&seed).contains("run.seed was 0, now 7"), "{}", stderr(&seed));
+    assert!(
+        stderr(&seed).contains("run.seed was 0, now 7"),
+        "{}",
+        stderr(&seed)
+    );
 
     let other = synthetic_data(512, 80);
     let moved = resume(&[&format!("data.dir={}", other.path().display())]);
     assert!(!moved.status.success());
     assert!(stderr(&moved).contains("data.dir"), "{}", stderr(&moved));
     assert!(stderr(&moved).contains("differs from the data this run started with"));
-    assert_eq!(std::fs::read(run_dir.join("config.toml")).unwrap(), config_before);
+    assert_eq!(
+        std::fs::read(run_dir.join("config.toml")).unwrap(),
+        config_before
+    );
 
-    let advised = resume(&["optimizer.lr=0.001", "train.clip_norm=0.5", "train.epochs=2"]);
+    let advised = resume(&[
+        "optimizer.lr=0.001",
+        "train.clip_norm=0.5",
+        "train.epochs=2",
+    ]);
     let err = stderr(&advised);
     assert!(advised.status.success(), "{err}");
     assert!(err.contains("optimizer.lr changed on resume"), "{err}");
@@ -168,7 +205,11 @@ fn a_second_sigterm_within_the_grace_period_still_writes_the_checkpoint() {
     let run_dir = out.path().join("run");
     let list = with_sets(
         smoke_args(data.path(), &run_dir),
-        &["train.epochs=30", "checkpoint.every_steps=5", "train.threads=1"],
+        &[
+            "train.epochs=30",
+            "checkpoint.every_steps=5",
+            "train.threads=1",
+        ],
     );
     let mut child = spawn(&list);
     wait_for_checkpoint(&run_dir, &mut child);
@@ -180,7 +221,10 @@ fn a_second_sigterm_within_the_grace_period_still_writes_the_checkpoint() {
     assert!(err.contains("still writing the checkpoint"), "{err}");
     assert!(stdout.contains("continue with"), "{stdout}");
     let after_signal = &err[err.find("stopping after this step").unwrap()..];
-    assert!(after_signal.contains(" written in "), "no stop checkpoint: {err}");
+    assert!(
+        after_signal.contains(" written in "),
+        "no stop checkpoint: {err}"
+    );
 }
 
 #[test]
@@ -214,12 +258,22 @@ fn a_run_under_an_address_space_limit_adapts_and_never_aborts() {
     }
     let output = command.output().unwrap();
     let (stdout, err) = text(&output);
-    assert_eq!(output.status.signal(), None, "killed by a signal (abort): {err}");
-    assert!(err.contains("under RLIMIT_AS"), "the budget comes from the rlimit: {err}");
+    assert_eq!(
+        output.status.signal(),
+        None,
+        "killed by a signal (abort): {err}"
+    );
+    assert!(
+        err.contains("under RLIMIT_AS"),
+        "the budget comes from the rlimit: {err}"
+    );
     if output.status.success() {
         assert!(stdout.contains("test accuracy"), "{stdout}");
     } else {
-        assert!(err.contains("checkpoint"), "a stop names its checkpoint: {err}");
+        assert!(
+            err.contains("checkpoint"),
+            "a stop names its checkpoint: {err}"
+        );
     }
 }
 
@@ -229,7 +283,11 @@ fn experiment_with_layers(dir: &Path, name: &str, layers: &str) -> PathBuf {
     let start = smoke.find("layers = [").unwrap();
     let end = start + smoke[start..].find("\n]").unwrap() + 2;
     let path = dir.join(format!("{name}.toml"));
-    std::fs::write(&path, format!("{}layers = {layers}{}", &smoke[..start], &smoke[end..])).unwrap();
+    std::fs::write(
+        &path,
+        format!("{}layers = {layers}{}", &smoke[..start], &smoke[end..]),
+    )
+    .unwrap();
     path
 }
 
@@ -240,15 +298,26 @@ fn absurd_sizes_fail_fast_naming_the_key() {
     let run_dir = out.path().join("run");
     let base = smoke_args(data.path(), &run_dir);
     // 10^8 channels: the linear layer after them is the largest (10^9 weights).
-    let huge_conv = "[{type=\"conv\",out=100000000},{type=\"global_avg_pool\"},{type=\"linear\",out=10}]";
+    let huge_conv =
+        "[{type=\"conv\",out=100000000},{type=\"global_avg_pool\"},{type=\"linear\",out=10}]";
     let wide_padding =
         "[{type=\"conv\",out=8,padding=100000},{type=\"global_avg_pool\"},{type=\"linear\",out=10}]";
     let cases = [
         (base.clone(), "train.threads=100000", "train.threads"),
         (base.clone(), "run.name=../../escaped", "run.name"),
-        (with_config(&base, &experiment_with_layers(out.path(), "huge", huge_conv)), "run.profile=none", "model.layers[2]"),
         (
-            with_config(&base, &experiment_with_layers(out.path(), "padded", wide_padding)),
+            with_config(
+                &base,
+                &experiment_with_layers(out.path(), "huge", huge_conv),
+            ),
+            "run.profile=none",
+            "model.layers[2]",
+        ),
+        (
+            with_config(
+                &base,
+                &experiment_with_layers(out.path(), "padded", wide_padding),
+            ),
             "run.profile=none",
             "model.layers[0].padding",
         ),
@@ -259,14 +328,21 @@ fn absurd_sizes_fail_fast_naming_the_key() {
         let err = stderr(&output);
         assert!(!output.status.success(), "{set} {key} accepted");
         assert!(err.contains(&format!("`{key}`")), "{key}: {err}");
-        assert!(started.elapsed() < Duration::from_secs(10), "{key} took {:?}", started.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{key} took {:?}",
+            started.elapsed()
+        );
     }
     assert!(!run_dir.exists(), "a refused start made its directory");
 }
 
 fn with_config(list: &[String], config: &Path) -> Vec<String> {
     let mut list = list.to_vec();
-    let at = list.iter().position(|a| a == "experiments/smoke.toml").unwrap();
+    let at = list
+        .iter()
+        .position(|a| a == "experiments/smoke.toml")
+        .unwrap();
     list[at] = config.display().to_string();
     list
 }
@@ -288,9 +364,15 @@ fn a_bad_test_label_is_named_before_the_first_epoch() {
     assert!(!output.status.success());
     assert!(err.contains("t10k-labels-idx1-ubyte"), "{err}");
     assert!(err.contains("sample 17 has label 200"), "{err}");
-    assert!(!err.contains("epoch 1/1"), "found only after training: {err}");
+    assert!(
+        !err.contains("epoch 1/1"),
+        "found only after training: {err}"
+    );
     assert!(!err.contains("model.layers"), "blames the model: {err}");
-    assert!(!runs.path().join("run").exists(), "a failed start left its directory");
+    assert!(
+        !runs.path().join("run").exists(),
+        "a failed start left its directory"
+    );
 }
 
 #[test]

@@ -752,10 +752,8 @@ const ENV_PREFIX: &str = "HEADROOM";
 /// `run.name` names a directory inside `run.runs_dir`: one plain name, so no
 /// run can write outside it (`../../x`, `/etc`, `a/b`).
 fn check_run_name(name: &str) -> Result<()> {
-    let plain = !name.trim().is_empty()
-        && name != "."
-        && name != ".."
-        && !name.contains(['/', '\\', '\0']);
+    let plain =
+        !name.trim().is_empty() && name != "." && name != ".." && !name.contains(['/', '\\', '\0']);
     if plain {
         return Ok(());
     }

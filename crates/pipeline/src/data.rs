@@ -132,11 +132,14 @@ fn verify_labels_of_idx(config: &ExperimentConfig, classes: usize) -> Result<()>
         else {
             continue;
         };
-        let file = [format!("{stem}-labels-idx1-ubyte"), format!("{stem}-labels-idx1-ubyte.gz")]
-            .into_iter()
-            .map(|name| dir.join(name))
-            .find(|p| p.is_file())
-            .unwrap_or_else(|| dir.join(format!("{stem}-labels-idx1-ubyte")));
+        let file = [
+            format!("{stem}-labels-idx1-ubyte"),
+            format!("{stem}-labels-idx1-ubyte.gz"),
+        ]
+        .into_iter()
+        .map(|name| dir.join(name))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| dir.join(format!("{stem}-labels-idx1-ubyte")));
         return Err(PipelineError::BadData(format!(
             "{}: sample {index} has label {label}, but the model has {classes} outputs (labels 0 to {})",
             file.display(),

@@ -111,7 +111,7 @@ fn cgroup_limit(dir: &Path, max_file: &str, usage_file: &str, kind: &str) -> Opt
         .trim()
         .parse()
         .ok()?; // "max" (no limit) does not parse
-    // cgroup v1 writes "no limit" as a number near i64::MAX.
+                // cgroup v1 writes "no limit" as a number near i64::MAX.
     if limit >= 1 << 60 {
         return None;
     }
@@ -126,13 +126,18 @@ fn cgroup_limit(dir: &Path, max_file: &str, usage_file: &str, kind: &str) -> Opt
     })
 }
 
-fn rlimit(resource: libc::__rlimit_resource_t, name: &str, usage_key: &str) -> Option<MemoryCeiling> {
+fn rlimit(
+    resource: libc::__rlimit_resource_t,
+    name: &str,
+    usage_key: &str,
+) -> Option<MemoryCeiling> {
     let mut value = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit writes into the struct we pass and reads nothing else.
-    if unsafe { libc::getrlimit(resource, &mut value) } != 0 || value.rlim_cur == libc::RLIM_INFINITY
+    if unsafe { libc::getrlimit(resource, &mut value) } != 0
+        || value.rlim_cur == libc::RLIM_INFINITY
     {
         return None;
     }
@@ -236,7 +241,12 @@ impl ModelSize {
         Ok(size)
     }
 
-    fn walk(&mut self, layers: &[LayerSpec], prefix: &str, mut shape: Vec<u64>) -> Result<Vec<u64>> {
+    fn walk(
+        &mut self,
+        layers: &[LayerSpec],
+        prefix: &str,
+        mut shape: Vec<u64>,
+    ) -> Result<Vec<u64>> {
         for (i, layer) in layers.iter().enumerate() {
             let key = format!("{prefix}[{i}]");
             let (params, next) = self.layer(layer, &key, &shape)?;
@@ -246,7 +256,9 @@ impl ModelSize {
             }
             self.parameters = self.parameters.saturating_add(params);
             let elements = next.iter().fold(1u64, |a, &d| a.saturating_mul(d));
-            self.activation_bytes = self.activation_bytes.saturating_add(elements.saturating_mul(4));
+            self.activation_bytes = self
+                .activation_bytes
+                .saturating_add(elements.saturating_mul(4));
             shape = next;
         }
         Ok(shape)
@@ -275,12 +287,19 @@ impl ModelSize {
                     [h, w, _] => [*h, *w],
                     _ => return Ok((0, shape.to_vec())), // the model crate names this one
                 };
-                let side = |d: u64| (d + 2 * padding).checked_sub(kernel).map(|r| r / stride.max(1) + 1);
+                let side = |d: u64| {
+                    (d + 2 * padding)
+                        .checked_sub(kernel)
+                        .map(|r| r / stride.max(1) + 1)
+                };
                 let next = match (side(h), side(w)) {
                     (Some(oh), Some(ow)) => vec![oh, ow, out],
                     _ => return Ok((0, shape.to_vec())),
                 };
-                let weights = kernel.saturating_mul(kernel).saturating_mul(channels).saturating_mul(out);
+                let weights = kernel
+                    .saturating_mul(kernel)
+                    .saturating_mul(channels)
+                    .saturating_mul(out);
                 Ok((weights.saturating_add(if *bias { out } else { 0 }), next))
             }
             LayerSpec::BatchNorm { .. } => Ok((2 * channels, shape.to_vec())),
@@ -292,13 +311,18 @@ impl ModelSize {
                 self.parameters = before;
                 Ok((inner, next))
             }
-            LayerSpec::BasicBlock => Ok((2 * 9 * channels * channels + 4 * channels, shape.to_vec())),
+            LayerSpec::BasicBlock => {
+                Ok((2 * 9 * channels * channels + 4 * channels, shape.to_vec()))
+            }
             LayerSpec::GlobalAvgPool => Ok((0, vec![channels])),
             LayerSpec::Linear { out, bias } => {
                 let features = shape.iter().fold(1u64, |a, &d| a.saturating_mul(d));
                 let out = *out as u64;
                 let weights = features.saturating_mul(out);
-                Ok((weights.saturating_add(if *bias { out } else { 0 }), vec![out]))
+                Ok((
+                    weights.saturating_add(if *bias { out } else { 0 }),
+                    vec![out],
+                ))
             }
         }
     }

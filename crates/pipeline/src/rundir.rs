@@ -61,7 +61,10 @@ impl Drop for RunDir {
     fn drop(&mut self) {
         if self.created && holds_no_progress(&self.path) {
             if let Err(e) = std::fs::remove_dir_all(&self.path) {
-                tracing::warn!("could not remove the empty run directory {}: {e}", self.path.display());
+                tracing::warn!(
+                    "could not remove the empty run directory {}: {e}",
+                    self.path.display()
+                );
             }
         }
     }
@@ -74,7 +77,9 @@ static CLAIMED: Mutex<Vec<RunDir>> = Mutex::new(Vec::new());
 /// The directory this run writes to, claimed (made, locked) until
 /// `release_all`. A directory this process already holds is returned as is.
 pub fn resolve(config: &ExperimentConfig, resume: &Resume) -> Result<PathBuf> {
-    let mut claimed = CLAIMED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut claimed = CLAIMED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some(dir) = &config.run.output_dir {
         if let Some(held) = claimed.iter().find(|c| c.path == *dir) {
             return Ok(held.path.clone());
@@ -114,7 +119,11 @@ fn locate(config: &ExperimentConfig, resume: &Resume) -> Result<(PathBuf, bool)>
     std::fs::create_dir_all(runs).map_err(|e| not_writable("run.runs_dir", runs, e))?;
     let base = format!("{}-{}", config.run.name, utc_timestamp(SystemTime::now()));
     for n in 1.. {
-        let name = if n == 1 { base.clone() } else { format!("{base}-{n}") };
+        let name = if n == 1 {
+            base.clone()
+        } else {
+            format!("{base}-{n}")
+        };
         let dir = runs.join(name);
         match std::fs::create_dir(&dir) {
             Ok(()) => return Ok((dir, true)),
@@ -138,7 +147,10 @@ fn make_or_open(dir: &Path) -> Result<bool> {
 }
 
 fn not_writable(key: &str, dir: &Path, e: std::io::Error) -> PipelineError {
-    PipelineError::value(key, format!("cannot make the run directory {}: {e}", dir.display()))
+    PipelineError::value(
+        key,
+        format!("cannot make the run directory {}: {e}", dir.display()),
+    )
 }
 
 /// An exclusive lock on `dir/.lock`, held while the returned file is open.
@@ -167,7 +179,9 @@ fn lock(dir: &Path) -> Result<File> {
         ));
     }
     // The pid is only for the message above; a failure to record it is harmless.
-    let _ = file.set_len(0).and_then(|()| write!(file, "{}", std::process::id()));
+    let _ = file
+        .set_len(0)
+        .and_then(|()| write!(file, "{}", std::process::id()));
     Ok(file)
 }
 
@@ -244,7 +258,8 @@ mod tests {
 
     fn smoke_config(runs: &Path) -> ExperimentConfig {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments/smoke.toml");
-        let overrides = crate::Overrides::parse(&[format!("run.runs_dir={}", runs.display())]).unwrap();
+        let overrides =
+            crate::Overrides::parse(&[format!("run.runs_dir={}", runs.display())]).unwrap();
         ExperimentConfig::load(&path, &overrides).unwrap()
     }
 
@@ -267,8 +282,13 @@ mod tests {
         let mut config = smoke_config(runs.path());
         config.run.output_dir = Some(runs.path().join("run"));
         let first = RunDir::claim(&config, &Resume::Latest).unwrap();
-        let second = RunDir::claim(&config, &Resume::Latest).unwrap_err().to_string();
-        assert!(second.contains("in use by another training process"), "{second}");
+        let second = RunDir::claim(&config, &Resume::Latest)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            second.contains("in use by another training process"),
+            "{second}"
+        );
         assert!(second.contains(&std::process::id().to_string()), "{second}");
         drop(first);
         RunDir::claim(&config, &Resume::Latest).unwrap();

@@ -320,3 +320,35 @@ impl Progress {
         self.bar.reset();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(epoch: u64, batch: usize) -> String {
+        format!("{{\"kind\":\"step\",\"data\":{{\"epoch\":{epoch},\"batch\":{batch},\"step\":{batch}}}}}\n")
+    }
+
+    #[test]
+    fn resume_cuts_metrics_back_to_the_checkpoint_and_drops_torn_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let epoch_line = "{\"kind\":\"epoch\",\"data\":{\"epoch\":0}}\n";
+        let mut text =
+            step(0, 0) + &step(0, 1) + epoch_line + &step(1, 0) + &step(1, 1) + &step(1, 2);
+        text.push_str("{\"kind\":\"step\",\"da");
+        std::fs::write(&path, text).unwrap();
+        let at = MetricsPosition {
+            epoch: 1,
+            batches_done: 2,
+        };
+        truncate_metrics(dir.path(), Some(at)).unwrap();
+        let kept = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(
+            kept,
+            step(0, 0) + &step(0, 1) + epoch_line + &step(1, 0) + &step(1, 1)
+        );
+        truncate_metrics(dir.path(), None).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "");
+    }
+}
