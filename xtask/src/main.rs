@@ -123,6 +123,18 @@ enum Command {
         #[arg(long, default_value_t = 256)]
         batch: usize,
     },
+    /// Write a checkpoint's weights for other tools (safetensors: names as in
+    /// the model spec, layouts in the file's metadata).
+    Export {
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// Only "safetensors" for now.
+        #[arg(long, default_value = "safetensors")]
+        format: String,
+        /// Default: the checkpoint's path with the extension .safetensors.
+        #[arg(long)]
+        output: Option<PathBuf>,
+    },
     /// What this machine has and what headroom will do on it.
     Doctor,
     /// Every GPU check: driver, GPU, NVRTC and cuBLAS report, kernels compiled for
@@ -455,6 +467,19 @@ fn run_other(command: Command) -> Result<()> {
             let report =
                 headroom_pipeline::eval::evaluate_checkpoint(&checkpoint, data_dir, batch)?;
             print_eval(&report);
+            Ok(())
+        }
+        Command::Export {
+            checkpoint,
+            format,
+            output,
+        } => {
+            if format != "safetensors" {
+                bail!("--format {format}: only \"safetensors\" is supported");
+            }
+            let output = output.unwrap_or_else(|| checkpoint.with_extension("safetensors"));
+            let count = headroom_pipeline::export::safetensors(&checkpoint, &output)?;
+            println!("{count} tensors written to {}", output.display());
             Ok(())
         }
         Command::Doctor => doctor::run(),

@@ -410,3 +410,46 @@ fn a_failed_start_leaves_no_run_directory() {
         .unwrap_or_default();
     assert!(left.is_empty(), "left behind: {left:?}");
 }
+
+#[test]
+fn export_writes_safetensors_with_the_model_names_and_layouts() {
+    let data = synthetic_data(256, 32);
+    let out = tempfile::tempdir().unwrap();
+    let run_dir = out.path().join("run");
+    let list = with_sets(smoke_args(data.path(), &run_dir), &["train.epochs=1"]);
+    assert!(run(&args(&list)).status.success());
+    let ckpt = checkpoint::list(&run_dir).unwrap().pop().unwrap();
+    let file = out.path().join("weights.safetensors");
+    let ckpt_arg = ckpt.display().to_string();
+    let file_arg = file.display().to_string();
+    let exported = run(&[
+        "export",
+        "--checkpoint",
+        &ckpt_arg,
+        "--format",
+        "safetensors",
+        "--output",
+        &file_arg,
+    ]);
+    assert!(exported.status.success(), "{}", stderr(&exported));
+
+    let bytes = std::fs::read(&file).unwrap();
+    let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let layout = metadata.metadata().as_ref().unwrap()["layout"].clone();
+    assert!(
+        layout.contains("HWIO") && layout.contains("NHWC"),
+        "{layout}"
+    );
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let saved = checkpoint::load(&ckpt).unwrap();
+    assert_eq!(tensors.len(), saved.params.len() + saved.buffers.len());
+    let (name, first) = tensors
+        .tensors()
+        .into_iter()
+        .find(|(name, _)| {
+            name.ends_with(".weight") && tensors.tensor(name).unwrap().shape().len() == 4
+        })
+        .expect("a convolution weight");
+    assert_eq!(first.shape()[..2], [3, 3], "{name}: HWIO, kernel first");
+    assert!(tensors.names().iter().any(|n| n.ends_with(".running_mean")));
+}

@@ -13,6 +13,7 @@ pub mod config;
 pub mod data;
 mod error;
 pub mod eval;
+pub mod export;
 pub mod limits;
 pub mod memory;
 pub mod plot;
