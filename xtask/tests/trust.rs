@@ -453,3 +453,26 @@ fn export_writes_safetensors_with_the_model_names_and_layouts() {
     assert_eq!(first.shape()[..2], [3, 3], "{name}: HWIO, kernel first");
     assert!(tensors.names().iter().any(|n| n.ends_with(".running_mean")));
 }
+
+#[test]
+fn doctor_shows_the_limit_it_found_and_where_from() {
+    let mut command = xtask(&["doctor"]);
+    // SAFETY: setrlimit is async-signal-safe and touches only this child.
+    unsafe {
+        command.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 1 << 30,
+                rlim_max: 1 << 30,
+            };
+            if libc::setrlimit(libc::RLIMIT_AS, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let output = command.output().unwrap();
+    let (stdout, err) = text(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(stdout.contains("of 1.0 GiB under RLIMIT_AS"), "{stdout}");
+    assert!(stdout.contains("budget"), "{stdout}");
+}
