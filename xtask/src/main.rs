@@ -225,38 +225,6 @@ fn init_logging() {
         .init();
 }
 
-fn run(cli: Cli) -> Result<ExitCode> {
-    match cli.command {
-        Command::Train {
-            config,
-            profile,
-            workers,
-            no_amp,
-            no_fusion,
-            no_channels_last,
-            resume,
-            mut overrides,
-            no_install,
-        } => {
-            say_what_flags_change(no_amp, no_fusion, no_channels_last);
-            if let Some(name) = profile {
-                overrides.push(format!("run.profile={name}"));
-            }
-            if let Some(n) = workers {
-                overrides.push(format!("data.workers={n}"));
-            }
-            let overrides = Overrides::parse(&overrides)?;
-            let experiments = match resume.as_deref() {
-                None => fresh_experiments(&config, &overrides, Resume::No)?,
-                Some("") => fresh_experiments(&config, &overrides, Resume::Latest)?,
-                Some(path) => vec![resumed_experiment(Path::new(path), &config, &overrides)?],
-            };
-            train_in_sequence(experiments, !no_install)
-        }
-        other => run_other(other).map(|()| ExitCode::SUCCESS),
-    }
-}
-
 /// What to train: the experiment, where it came from, and how to start.
 struct Planned {
     experiment: ExperimentConfig,
@@ -402,9 +370,34 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
     Ok(ExitCode::SUCCESS)
 }
 
-fn run_other(command: Command) -> Result<()> {
-    match command {
-        Command::Train { .. } => unreachable!("`run` handles train"),
+fn run(cli: Cli) -> Result<ExitCode> {
+    match cli.command {
+        Command::Train {
+            config,
+            profile,
+            workers,
+            no_amp,
+            no_fusion,
+            no_channels_last,
+            resume,
+            mut overrides,
+            no_install,
+        } => {
+            say_what_flags_change(no_amp, no_fusion, no_channels_last);
+            if let Some(name) = profile {
+                overrides.push(format!("run.profile={name}"));
+            }
+            if let Some(n) = workers {
+                overrides.push(format!("data.workers={n}"));
+            }
+            let overrides = Overrides::parse(&overrides)?;
+            let experiments = match resume.as_deref() {
+                None => fresh_experiments(&config, &overrides, Resume::No)?,
+                Some("") => fresh_experiments(&config, &overrides, Resume::Latest)?,
+                Some(path) => vec![resumed_experiment(Path::new(path), &config, &overrides)?],
+            };
+            train_in_sequence(experiments, !no_install)
+        }
         Command::Bench {
             config,
             overrides,
@@ -418,7 +411,7 @@ fn run_other(command: Command) -> Result<()> {
         } => {
             let experiment = ExperimentConfig::load(&config, &Overrides::parse(&overrides)?)?;
             if loader {
-                return loader_bench::run(&config, &experiment, json, compare_torch);
+                return done(loader_bench::run(&config, &experiment, json, compare_torch));
             }
             let threads = threads
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -432,7 +425,7 @@ fn run_other(command: Command) -> Result<()> {
                 json,
                 compare_torch,
             };
-            bench::run(&args, &experiment)
+            done(bench::run(&args, &experiment))
         }
         Command::BenchLoaderOne {
             config,
@@ -440,14 +433,14 @@ fn run_other(command: Command) -> Result<()> {
             mode,
         } => {
             let experiment = ExperimentConfig::load(&config, &Overrides::default())?;
-            loader_bench::one_here(&experiment, &store, &mode)
+            done(loader_bench::one_here(&experiment, &store, &mode))
         }
         Command::Preprocess {
             input,
             output,
             shard_size,
             overwrite,
-        } => preprocess(input, &output, &shard_size, overwrite),
+        } => done(preprocess(input, &output, &shard_size, overwrite)),
         Command::BenchStep {
             config,
             overrides,
@@ -457,7 +450,7 @@ fn run_other(command: Command) -> Result<()> {
             steps,
         } => {
             let experiment = ExperimentConfig::load(&config, &Overrides::parse(&overrides)?)?;
-            bench::step_here(&experiment, batch, threads, warmup, steps)
+            done(bench::step_here(&experiment, batch, threads, warmup, steps))
         }
         Command::Eval {
             checkpoint,
@@ -467,7 +460,7 @@ fn run_other(command: Command) -> Result<()> {
             let report =
                 headroom_pipeline::eval::evaluate_checkpoint(&checkpoint, data_dir, batch)?;
             print_eval(&report);
-            Ok(())
+            Ok(ExitCode::SUCCESS)
         }
         Command::Export {
             checkpoint,
@@ -480,11 +473,16 @@ fn run_other(command: Command) -> Result<()> {
             let output = output.unwrap_or_else(|| checkpoint.with_extension("safetensors"));
             let count = headroom_pipeline::export::safetensors(&checkpoint, &output)?;
             println!("{count} tensors written to {}", output.display());
-            Ok(())
+            Ok(ExitCode::SUCCESS)
         }
-        Command::Doctor => doctor::run(),
-        Command::GpuCheck => gpu_check(),
+        Command::Doctor => done(doctor::run()),
+        Command::GpuCheck => done(gpu_check()),
     }
+}
+
+/// A command that succeeded exits 0.
+fn done(result: Result<()>) -> Result<ExitCode> {
+    result.map(|()| ExitCode::SUCCESS)
 }
 
 fn preprocess(
