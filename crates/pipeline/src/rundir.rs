@@ -118,7 +118,8 @@ fn locate(config: &ExperimentConfig, resume: &Resume) -> Result<(PathBuf, bool)>
     let runs = &config.run.runs_dir;
     std::fs::create_dir_all(runs).map_err(|e| not_writable("run.runs_dir", runs, e))?;
     let base = format!("{}-{}", config.run.name, utc_timestamp(SystemTime::now()));
-    for n in 1.. {
+    let mut n = 1;
+    loop {
         let name = if n == 1 {
             base.clone()
         } else {
@@ -127,11 +128,10 @@ fn locate(config: &ExperimentConfig, resume: &Resume) -> Result<(PathBuf, bool)>
         let dir = runs.join(name);
         match std::fs::create_dir(&dir) {
             Ok(()) => return Ok((dir, true)),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => n += 1,
             Err(e) => return Err(not_writable("run.runs_dir", runs, e)),
         }
     }
-    unreachable!("an unbounded range ends only by returning")
 }
 
 /// Makes `dir` (and its parents); true if it did not exist before.
