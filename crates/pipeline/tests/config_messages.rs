@@ -32,19 +32,6 @@ fn a_bad_set_value_blames_the_set_not_the_file() {
 }
 
 #[test]
-fn a_bad_environment_value_names_the_variable() {
-    // A key no other test in this binary sets, so parallel tests are unaffected.
-    std::env::set_var("HEADROOM__RUN__LOG_EVERY", "often");
-    let err = load(&[]).unwrap_err();
-    std::env::remove_var("HEADROOM__RUN__LOG_EVERY");
-    assert!(
-        err.contains("environment variable HEADROOM__RUN__LOG_EVERY"),
-        "{err}"
-    );
-    assert!(!err.contains("smoke.toml"), "{err}");
-}
-
-#[test]
 fn byte_sizes_are_explained_as_byte_sizes() {
     assert_eq!(
         parse_bytes("device.memory_limit", "3.5GiB").unwrap(),
