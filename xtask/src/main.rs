@@ -31,8 +31,10 @@ struct Cli {
 enum Command {
     /// Train an experiment (default: the Fashion-MNIST ResNet on the CPU).
     Train {
-        /// Experiment TOML file; repeat to run several in sequence.
-        #[arg(long, default_value = DEFAULT_EXPERIMENT)]
+        /// Experiment TOML file; repeat to run several in sequence
+        /// [default: experiments/fashion_mnist.toml; with --resume RUN_DIR,
+        /// the run's own config.toml].
+        #[arg(long)]
         config: Vec<PathBuf>,
         /// Profile overlay beside the experiment: low_memory, max_speed, cpu, none
         /// (default: auto, which picks low_memory below 4 GiB). Same as --set run.profile=NAME.
@@ -232,6 +234,14 @@ struct Planned {
     resume: Resume,
 }
 
+fn or_default(configs: Vec<PathBuf>) -> Vec<PathBuf> {
+    if configs.is_empty() {
+        vec![PathBuf::from(DEFAULT_EXPERIMENT)]
+    } else {
+        configs
+    }
+}
+
 fn fresh_experiments(
     configs: &[PathBuf],
     overrides: &Overrides,
@@ -267,29 +277,28 @@ fn resumed_experiment(path: &Path, configs: &[PathBuf], overrides: &Overrides) -
         (dir, Resume::From(path.to_path_buf()))
     };
     let recorded = dir.join(rundir::CONFIG_FILE);
-    let (mut experiment, source) = if recorded.is_file() {
-        if configs != [PathBuf::from(DEFAULT_EXPERIMENT)] {
-            tracing::warn!(
-                "--resume {}: using the run's own {}, not --config",
-                path.display(),
-                recorded.display()
-            );
+    let (experiment, source) = match configs {
+        [] if recorded.is_file() => {
+            let mut experiment = ExperimentConfig::load_resolved(&recorded, overrides)?;
+            experiment.run.output_dir = Some(dir);
+            (experiment, recorded)
         }
-        (
-            ExperimentConfig::load_resolved(&recorded, overrides)?,
-            recorded,
-        )
-    } else {
-        let [config] = configs else {
-            bail!(
-                "--resume {}: the run has no {} and several --config were given",
-                path.display(),
-                rundir::CONFIG_FILE
-            );
-        };
-        (ExperimentConfig::load(config, overrides)?, config.clone())
+        // An explicit experiment is checked against the checkpoint (and
+        // refused, naming the key, if it would change the result).
+        [] | [_] => {
+            let config = configs
+                .first()
+                .cloned()
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_EXPERIMENT));
+            let mut experiment = ExperimentConfig::load(&config, overrides)?;
+            experiment.run.output_dir.get_or_insert(dir);
+            (experiment, config)
+        }
+        _ => bail!(
+            "--resume {} continues one run: give at most one --config",
+            path.display()
+        ),
     };
-    experiment.run.output_dir = Some(dir);
     Ok(Planned {
         experiment,
         source,
@@ -392,8 +401,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             let overrides = Overrides::parse(&overrides)?;
             let experiments = match resume.as_deref() {
-                None => fresh_experiments(&config, &overrides, Resume::No)?,
-                Some("") => fresh_experiments(&config, &overrides, Resume::Latest)?,
+                None => fresh_experiments(&or_default(config), &overrides, Resume::No)?,
+                Some("") => fresh_experiments(&or_default(config), &overrides, Resume::Latest)?,
                 Some(path) => vec![resumed_experiment(Path::new(path), &config, &overrides)?],
             };
             train_in_sequence(experiments, !no_install)
