@@ -5,7 +5,7 @@
 use anyhow::Result;
 use headroom_pipeline::bench::peak_gflops;
 use headroom_pipeline::config::SMALL_DEVICE_BYTES;
-use headroom_pipeline::{available_memory_bytes, system_memory_bytes};
+use headroom_pipeline::{available_memory_bytes, limits, system_memory_bytes};
 
 fn gib(bytes: Option<u64>) -> String {
     bytes.map_or("unknown".into(), |b| {
@@ -27,9 +27,27 @@ pub fn run() -> Result<()> {
         gib(total),
         gib(available_memory_bytes())
     );
+    let ceiling = limits::tightest();
+    match &ceiling {
+        Some(c) => println!(
+            "limit      {} left of {} under {}",
+            gib(Some(c.room)),
+            gib(Some(c.limit)),
+            c.source
+        ),
+        None => println!("limit      none found (no cgroup limit, rlimit or /proc/meminfo)"),
+    }
+    match limits::default_budget() {
+        Some((budget, _)) => println!(
+            "budget     {} of tensor memory when device.memory_limit is unset (half of that room)",
+            gib(Some(budget))
+        ),
+        None => println!("budget     unbounded when device.memory_limit is unset"),
+    }
     println!("gpu        {}", gpu_line());
     println!("auto picks cpu, f32 (the CUDA backend is not wired into training yet)");
-    let profile = match total {
+    let usable = ceiling.map(|c| c.limit.min(c.room)).or(total);
+    let profile = match usable {
         Some(bytes) if bytes < SMALL_DEVICE_BYTES => {
             "low_memory (less than 4 GiB: applied automatically)"
         }

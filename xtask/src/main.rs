@@ -1,20 +1,19 @@
 //! `cargo xtask <command>`: the front door. `train` runs an experiment.
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use headroom_loader::{IdxDataset, ShardSize, Split};
-use headroom_pipeline::{train, ExperimentConfig, Overrides, Resume, TrainOptions};
-use signal_hook::consts::{SIGINT, SIGTERM};
+use headroom_pipeline::{rundir, train, ExperimentConfig, Overrides, Resume, TrainOptions};
 use tracing_subscriber::EnvFilter;
 
 mod bench;
 mod doctor;
 mod loader_bench;
+mod signals;
 
 const DEFAULT_EXPERIMENT: &str = "experiments/fashion_mnist.toml";
 
@@ -32,8 +31,10 @@ struct Cli {
 enum Command {
     /// Train an experiment (default: the Fashion-MNIST ResNet on the CPU).
     Train {
-        /// Experiment TOML file; repeat to run several in sequence.
-        #[arg(long, default_value = DEFAULT_EXPERIMENT)]
+        /// Experiment TOML file; repeat to run several in sequence
+        /// [default: experiments/fashion_mnist.toml; with --resume RUN_DIR,
+        /// the run's own config.toml].
+        #[arg(long)]
         config: Vec<PathBuf>,
         /// Profile overlay beside the experiment: low_memory, max_speed, cpu, none
         /// (default: auto, which picks low_memory below 4 GiB). Same as --set run.profile=NAME.
@@ -51,9 +52,10 @@ enum Command {
         /// Channels-last off. headroom is channels-last (NHWC) only: there is no other layout to switch to.
         #[arg(long)]
         no_channels_last: bool,
-        /// Continue from the newest valid checkpoint in run.output_dir, or
-        /// from the checkpoint file given.
-        #[arg(long, value_name = "CHECKPOINT", num_args = 0..=1, default_missing_value = "")]
+        /// Continue a run: a run directory (its own config.toml is the
+        /// experiment, --set goes on top), a checkpoint file in one, or, with
+        /// no value, the newest run of the experiment.
+        #[arg(long, value_name = "RUN_DIR|CHECKPOINT", num_args = 0..=1, default_missing_value = "")]
         resume: Option<String>,
         /// Override a config key, e.g. --set train.epochs=1 (repeatable).
         #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -123,6 +125,18 @@ enum Command {
         #[arg(long, default_value_t = 256)]
         batch: usize,
     },
+    /// Write a checkpoint's weights for other tools (safetensors: names as in
+    /// the model spec, layouts in the file's metadata).
+    Export {
+        #[arg(long)]
+        checkpoint: PathBuf,
+        /// Only "safetensors" for now.
+        #[arg(long, default_value = "safetensors")]
+        format: String,
+        /// Default: the checkpoint's path with the extension .safetensors.
+        #[arg(long)]
+        output: Option<PathBuf>,
+    },
     /// What this machine has and what headroom will do on it.
     Doctor,
     /// Every GPU check: driver, GPU, NVRTC and cuBLAS report, kernels compiled for
@@ -146,27 +160,59 @@ enum Command {
     },
 }
 
-fn main() {
+fn main() -> ExitCode {
     keep_freed_memory();
     init_logging();
-    if let Err(error) = run(Cli::parse()) {
-        // One clear message, with its causes, and a failing exit status.
-        eprintln!("error: {error:#}");
-        std::process::exit(1);
+    match run(Cli::parse()) {
+        Ok(code) => code,
+        Err(error) => {
+            // One clear message, with its causes, and a failing exit status.
+            eprintln!("error: {}", error_chain(&error));
+            ExitCode::FAILURE
+        }
     }
 }
 
-/// Until the caching memory pool lands, glibc would hand every freed
-/// activation (up to 13 MB each) back to the OS and page-fault it in again on
-/// the next step: measured at 9x the cost of a ReLU forward+backward. Keeping
-/// freed memory in the process costs no more than the step's own peak.
+/// The error and its causes, each said once: a cause whose text the message
+/// already holds (an error that prints its source) is not repeated.
+fn error_chain(error: &anyhow::Error) -> String {
+    let mut message = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if message.contains(&text) {
+            continue;
+        }
+        if !message.is_empty() {
+            message.push_str(": ");
+        }
+        message.push_str(&text);
+    }
+    message
+}
+
+/// Keeps freed memory in the process (glibc would hand every freed
+/// activation, up to 13 MB each, back to the OS and fault it in again on
+/// the next step: measured at 9x the cost of a ReLU forward+backward).
+/// Under an address-space limit (RLIMIT_AS), also keeps glibc to one malloc
+/// arena: each extra arena reserves 64 MiB of address space per thread that
+/// allocates, which alone would exhaust a few hundred MiB of limit and make
+/// thread creation fail.
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator tunables; it is called before any
-    // other thread exists.
+    // SAFETY: mallopt only changes allocator tunables and getrlimit only
+    // writes the struct we pass; both run before any other thread exists.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        if libc::getrlimit(libc::RLIMIT_AS, &mut limit) == 0
+            && limit.rlim_cur != libc::RLIM_INFINITY
+        {
+            libc::mallopt(libc::M_ARENA_MAX, 1);
+        }
     }
 }
 
@@ -181,8 +227,186 @@ fn init_logging() {
         .init();
 }
 
-fn run(cli: Cli) -> Result<()> {
+/// What to train: the experiment, where it came from, and how to start.
+struct Planned {
+    experiment: ExperimentConfig,
+    source: PathBuf,
+    resume: Resume,
+}
+
+fn or_default(configs: Vec<PathBuf>) -> Vec<PathBuf> {
+    if configs.is_empty() {
+        vec![PathBuf::from(DEFAULT_EXPERIMENT)]
+    } else {
+        configs
+    }
+}
+
+fn fresh_experiments(
+    configs: &[PathBuf],
+    overrides: &Overrides,
+    resume: Resume,
+) -> Result<Vec<Planned>> {
+    configs
+        .iter()
+        .map(|path| {
+            Ok(Planned {
+                experiment: ExperimentConfig::load(path, overrides)?,
+                source: path.clone(),
+                resume: resume.clone(),
+            })
+        })
+        .collect()
+}
+
+/// `--resume RUN_DIR` or `--resume RUN_DIR/checkpoint-....ckpt`: the run's
+/// own resolved config.toml is the experiment, so nothing has to be retyped
+/// and nothing else can be resumed by mistake; `--set` goes on top (and
+/// resume refuses, naming the key, what would change the result).
+fn resumed_experiment(path: &Path, configs: &[PathBuf], overrides: &Overrides) -> Result<Planned> {
+    if !path.exists() {
+        bail!(
+            "--resume {}: no such run directory or checkpoint",
+            path.display()
+        );
+    }
+    let (dir, resume) = if path.is_dir() {
+        (path.to_path_buf(), Resume::Latest)
+    } else {
+        let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        (dir, Resume::From(path.to_path_buf()))
+    };
+    let recorded = dir.join(rundir::CONFIG_FILE);
+    let (experiment, source) = match configs {
+        [] if recorded.is_file() => {
+            let mut experiment = ExperimentConfig::load_resolved(&recorded, overrides)?;
+            experiment.run.output_dir = Some(dir);
+            (experiment, recorded)
+        }
+        // An explicit experiment is checked against the checkpoint (and
+        // refused, naming the key, if it would change the result).
+        [] | [_] => {
+            let config = configs
+                .first()
+                .cloned()
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_EXPERIMENT));
+            let mut experiment = ExperimentConfig::load(&config, overrides)?;
+            experiment.run.output_dir.get_or_insert(dir);
+            (experiment, config)
+        }
+        _ => bail!(
+            "--resume {} continues one run: give at most one --config",
+            path.display()
+        ),
+    };
+    Ok(Planned {
+        experiment,
+        source,
+        resume,
+    })
+}
+
+fn say_what_flags_change(no_amp: bool, no_fusion: bool, no_channels_last: bool) {
+    if no_amp {
+        tracing::info!("--no-amp: the CPU backend trains in f32 already; nothing to turn off");
+    }
+    if no_fusion {
+        tracing::info!(
+            "--no-fusion: the CPU backend has no fused kernels yet; nothing to turn off"
+        );
+    }
+    if no_channels_last {
+        tracing::warn!(
+            "--no-channels-last: headroom is channels-last (NHWC) only; there is no other layout"
+        );
+    }
+}
+
+/// Trains each experiment in turn. A run stopped by a signal ends the
+/// sequence with 128 + the signal's number (130 for SIGINT, 143 for
+/// SIGTERM), after printing the command that continues it.
+fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitCode> {
+    let stop = signals::StopOnSignals::install()?;
+    let count = planned.len();
+    for (i, plan) in planned.into_iter().enumerate() {
+        let experiment = &plan.experiment;
+        tracing::info!(
+            "experiment {} from {} ({} of {count})",
+            experiment.run.name,
+            plan.source.display(),
+            i + 1,
+        );
+        let options = TrainOptions {
+            resume: plan.resume.clone(),
+            allow_install,
+            stop: Some(stop.flag()),
+        };
+        let result = train(experiment, &options);
+        // Unlocks the run directory, and removes it if the start failed.
+        rundir::release_all();
+        let summary = result.with_context(|| format!("training {} failed", experiment.run.name))?;
+        print_summary(experiment, &summary);
+        if summary.memory_left_after_run != 0 {
+            bail!(
+                "{} bytes of tensor memory were still held after {} ended",
+                summary.memory_left_after_run,
+                experiment.run.name
+            );
+        }
+        if summary.interrupted {
+            let dir = summary
+                .last_checkpoint
+                .as_deref()
+                .and_then(Path::parent)
+                .map_or_else(
+                    || experiment.output_dir().display().to_string(),
+                    |d| d.display().to_string(),
+                );
+            println!(
+                "stopped at epoch {} step {}; continue with: cargo xtask train --resume {dir}",
+                summary.epoch + 1,
+                summary.step,
+            );
+            return Ok(stop.exit_code());
+        }
+        if i + 1 < count {
+            tracing::info!(
+                "{} released all of its tensor memory (pool in use: 0 bytes)",
+                experiment.run.name
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
+        Command::Train {
+            config,
+            profile,
+            workers,
+            no_amp,
+            no_fusion,
+            no_channels_last,
+            resume,
+            mut overrides,
+            no_install,
+        } => {
+            say_what_flags_change(no_amp, no_fusion, no_channels_last);
+            if let Some(name) = profile {
+                overrides.push(format!("run.profile={name}"));
+            }
+            if let Some(n) = workers {
+                overrides.push(format!("data.workers={n}"));
+            }
+            let overrides = Overrides::parse(&overrides)?;
+            let experiments = match resume.as_deref() {
+                None => fresh_experiments(&or_default(config), &overrides, Resume::No)?,
+                Some("") => fresh_experiments(&or_default(config), &overrides, Resume::Latest)?,
+                Some(path) => vec![resumed_experiment(Path::new(path), &config, &overrides)?],
+            };
+            train_in_sequence(experiments, !no_install)
+        }
         Command::Bench {
             config,
             overrides,
@@ -196,7 +420,7 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             let experiment = ExperimentConfig::load(&config, &Overrides::parse(&overrides)?)?;
             if loader {
-                return loader_bench::run(&config, &experiment, json, compare_torch);
+                return done(loader_bench::run(&config, &experiment, json, compare_torch));
             }
             let threads = threads
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -210,7 +434,7 @@ fn run(cli: Cli) -> Result<()> {
                 json,
                 compare_torch,
             };
-            bench::run(&args, &experiment)
+            done(bench::run(&args, &experiment))
         }
         Command::BenchLoaderOne {
             config,
@@ -218,14 +442,14 @@ fn run(cli: Cli) -> Result<()> {
             mode,
         } => {
             let experiment = ExperimentConfig::load(&config, &Overrides::default())?;
-            loader_bench::one_here(&experiment, &store, &mode)
+            done(loader_bench::one_here(&experiment, &store, &mode))
         }
         Command::Preprocess {
             input,
             output,
             shard_size,
             overwrite,
-        } => preprocess(input, &output, &shard_size, overwrite),
+        } => done(preprocess(input, &output, &shard_size, overwrite)),
         Command::BenchStep {
             config,
             overrides,
@@ -235,86 +459,7 @@ fn run(cli: Cli) -> Result<()> {
             steps,
         } => {
             let experiment = ExperimentConfig::load(&config, &Overrides::parse(&overrides)?)?;
-            bench::step_here(&experiment, batch, threads, warmup, steps)
-        }
-        Command::Train {
-            config,
-            profile,
-            workers,
-            no_amp,
-            no_fusion,
-            no_channels_last,
-            resume,
-            mut overrides,
-            no_install,
-        } => {
-            if no_amp {
-                tracing::info!(
-                    "--no-amp: the CPU backend trains in f32 already; nothing to turn off"
-                );
-            }
-            if no_fusion {
-                tracing::info!(
-                    "--no-fusion: the CPU backend has no fused kernels yet; nothing to turn off"
-                );
-            }
-            if no_channels_last {
-                tracing::warn!("--no-channels-last: headroom is channels-last (NHWC) only; there is no other layout");
-            }
-            if let Some(name) = profile {
-                overrides.push(format!("run.profile={name}"));
-            }
-            if let Some(n) = workers {
-                overrides.push(format!("data.workers={n}"));
-            }
-            let overrides = Overrides::parse(&overrides)?;
-            let resume = match resume {
-                None => Resume::No,
-                Some(path) if path.is_empty() => Resume::Latest,
-                Some(path) => Resume::From(PathBuf::from(path)),
-            };
-            let stop = stop_on_signals()?;
-            for (i, path) in config.iter().enumerate() {
-                let experiment = ExperimentConfig::load(path, &overrides)?;
-                tracing::info!(
-                    "experiment {} from {} ({} of {})",
-                    experiment.run.name,
-                    path.display(),
-                    i + 1,
-                    config.len()
-                );
-                let options = TrainOptions {
-                    resume: resume.clone(),
-                    allow_install: !no_install,
-                    stop: Some(Arc::clone(&stop)),
-                };
-                let summary = train(&experiment, &options)
-                    .with_context(|| format!("training {} failed", experiment.run.name))?;
-                print_summary(&experiment, &summary);
-                if summary.memory_left_after_run != 0 {
-                    bail!(
-                        "{} bytes of tensor memory were still held after {} ended",
-                        summary.memory_left_after_run,
-                        experiment.run.name
-                    );
-                }
-                if summary.interrupted {
-                    println!(
-                        "stopped at epoch {} step {}; continue with: cargo xtask train --config {} --resume",
-                        summary.epoch + 1,
-                        summary.step,
-                        path.display()
-                    );
-                    break;
-                }
-                if i + 1 < config.len() {
-                    tracing::info!(
-                        "{} released all of its tensor memory (pool in use: 0 bytes)",
-                        experiment.run.name
-                    );
-                }
-            }
-            Ok(())
+            done(bench::step_here(&experiment, batch, threads, warmup, steps))
         }
         Command::Eval {
             checkpoint,
@@ -324,11 +469,29 @@ fn run(cli: Cli) -> Result<()> {
             let report =
                 headroom_pipeline::eval::evaluate_checkpoint(&checkpoint, data_dir, batch)?;
             print_eval(&report);
-            Ok(())
+            Ok(ExitCode::SUCCESS)
         }
-        Command::Doctor => doctor::run(),
-        Command::GpuCheck => gpu_check(),
+        Command::Export {
+            checkpoint,
+            format,
+            output,
+        } => {
+            if format != "safetensors" {
+                bail!("--format {format}: only \"safetensors\" is supported");
+            }
+            let output = output.unwrap_or_else(|| checkpoint.with_extension("safetensors"));
+            let count = headroom_pipeline::export::safetensors(&checkpoint, &output)?;
+            println!("{count} tensors written to {}", output.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Doctor => done(doctor::run()),
+        Command::GpuCheck => done(gpu_check()),
     }
+}
+
+/// A command that succeeded exits 0.
+fn done(result: Result<()>) -> Result<ExitCode> {
+    result.map(|()| ExitCode::SUCCESS)
 }
 
 fn preprocess(
@@ -350,19 +513,6 @@ fn preprocess(
         output.display()
     );
     Ok(())
-}
-
-/// The first SIGINT or SIGTERM sets the flag: the run finishes its step,
-/// writes a checkpoint and exits cleanly. A second one exits at once.
-fn stop_on_signals() -> Result<Arc<AtomicBool>> {
-    let stop = Arc::new(AtomicBool::new(false));
-    for signal in [SIGINT, SIGTERM] {
-        signal_hook::flag::register_conditional_shutdown(signal, 130, Arc::clone(&stop))
-            .context("installing the signal handler")?;
-        signal_hook::flag::register(signal, Arc::clone(&stop))
-            .context("installing the signal handler")?;
-    }
-    Ok(stop)
 }
 
 /// Runs the CUDA checks. Training and the bench on CUDA are not wired yet,

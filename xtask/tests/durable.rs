@@ -76,9 +76,10 @@ fn sigint_stops_after_the_step_with_a_checkpoint_and_resume_finishes() {
     signal(&child, "-INT");
     let output = child.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{}",
+    assert_eq!(
+        output.status.code(),
+        Some(130),
+        "a run stopped by SIGINT exits 130: {}",
         String::from_utf8_lossy(&output.stderr)
     );
     assert!(stdout.contains("--resume"), "{stdout}");

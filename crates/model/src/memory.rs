@@ -511,6 +511,30 @@ impl MemoryPool {
     }
 }
 
+/// A buffer of `len` elements' capacity for layer scratch outside the pool
+/// (a kernel's output before a tensor adopts it, transposed weights,
+/// per-thread partials): `ModelError::OutOfMemory` when the OS refuses,
+/// which the out-of-memory policy handles, instead of the abort an
+/// infallible `Vec` allocation would be.
+pub fn try_scratch<T>(len: usize) -> Result<Vec<T>> {
+    let mut buffer = Vec::new();
+    match buffer.try_reserve_exact(len) {
+        Ok(()) => Ok(buffer),
+        Err(_) => {
+            let pool = current(Device::Cpu);
+            let mut g = pool.lock();
+            Err(g.oom((len * std::mem::size_of::<T>()) as u64))
+        }
+    }
+}
+
+/// `len` zeros, fallibly (see `try_scratch`).
+pub fn try_zeroed(len: usize) -> Result<Vec<f32>> {
+    let mut buffer = try_scratch(len)?;
+    buffer.resize(len, 0.0);
+    Ok(buffer)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use config::{Config, Environment, File, FileFormat};
-use headroom_loader::{AugmentConfig, ShardSize, ShuffleMode};
+use headroom_loader::{AugmentConfig, ShuffleMode};
 use headroom_model::ModelSpec;
 use serde::{Deserialize, Serialize};
 
@@ -61,13 +61,15 @@ fn default_profile() -> String {
 /// Devices with less than this much memory get the low-memory profile.
 pub const SMALL_DEVICE_BYTES: u64 = 4 << 30;
 
-/// The device's memory: the configured limit, else the machine's RAM (the
-/// CPU backend's device memory).
+/// The device's memory: the configured limit, else what this process may
+/// really use (cgroup, rlimits, RAM; see `limits`), the CPU backend's device
+/// memory.
 pub fn device_memory(config: &ExperimentConfig) -> Result<Option<u64>> {
     if let Some(limit) = config.memory_limit()? {
         return Ok(Some(limit));
     }
-    Ok(crate::system_memory_bytes())
+    let ceiling = crate::limits::tightest().map(|c| c.limit.min(c.room));
+    Ok(ceiling.or_else(crate::system_memory_bytes))
 }
 
 fn auto_profile(config: &ExperimentConfig) -> Result<Option<String>> {
@@ -267,16 +269,40 @@ impl Default for LoaderSettings {
     }
 }
 
-/// A byte size from the config: a plain number of bytes or "64MiB", "1.5GB".
+/// A byte size from the config: a plain number of bytes or a number with a
+/// unit, "64MiB", "1.5GB", "500KB".
 pub fn parse_bytes(key: &str, text: &str) -> Result<u64> {
-    match text.parse::<ShardSize>() {
-        Ok(ShardSize::Bytes(bytes)) => Ok(bytes),
-        Ok(ShardSize::Samples(n)) => Ok(n as u64),
-        Err(e) => Err(PipelineError::value(
+    let bad = || {
+        PipelineError::value(
             key,
-            format!("expected a byte size such as \"256MiB\": {e}"),
-        )),
+            format!(
+                "expected a byte size such as \"256MiB\", \"3.5GiB\" or a number of bytes, got \"{text}\""
+            ),
+        )
+    };
+    let trimmed = text.trim();
+    let split = trimmed
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(trimmed.len());
+    let (number, unit) = trimmed.split_at(split);
+    let number: f64 = number.parse().map_err(|_| bad())?;
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1_000,
+        "kib" | "k" => 1 << 10,
+        "mb" => 1_000_000,
+        "mib" | "m" => 1 << 20,
+        "gb" => 1_000_000_000,
+        "gib" | "g" => 1 << 30,
+        "tb" => 1_000_000_000_000,
+        "tib" | "t" => 1 << 40,
+        _ => return Err(bad()),
+    };
+    let bytes = number * scale as f64;
+    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        return Err(bad());
     }
+    Ok(bytes as u64)
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -397,9 +423,15 @@ impl Default for CheckpointConfig {
 
 /// Keys (or key prefixes) that may differ between the run that wrote a
 /// checkpoint and the run that resumes it: how the run is carried out, not
-/// what it computes. The model is compared on its own, layer by layer.
-pub const RESUME_SAFE_KEYS: [&str; 13] = [
-    "run.",
+/// what it computes, and the keys the divergence advice names
+/// (`ADVICE_KEYS`). The model is compared on its own, layer by layer, and
+/// the dataset by its recorded identity (`data::DatasetIdentity`).
+pub const RESUME_SAFE_KEYS: [&str; 17] = [
+    "run.name",
+    "run.runs_dir",
+    "run.output_dir",
+    "run.profile",
+    "run.log_every",
     "device.",
     "memory.",
     "train.accumulate",
@@ -413,6 +445,10 @@ pub const RESUME_SAFE_KEYS: [&str; 13] = [
     "checkpoint.",
     "model.",
 ];
+
+/// Keys a stopped run's advice tells the user to change before resuming
+/// (a lower learning rate, a tighter clip): allowed on resume, and logged.
+pub const ADVICE_KEYS: [&str; 2] = ["optimizer.lr", "train.clip_norm"];
 
 /// `--set key=value` pairs, applied last.
 #[derive(Clone, Debug, Default)]
@@ -466,6 +502,18 @@ impl ExperimentConfig {
         Self::build(path, Some(&profile_path), overrides)
     }
 
+    /// A run's own `config.toml`, as `train` recorded it: the profile is
+    /// already in it, so only the environment and `overrides` go on top.
+    pub fn load_resolved(path: &Path, overrides: &Overrides) -> Result<Self> {
+        if !path.is_file() {
+            return Err(PipelineError::Config(format!(
+                "{} not found: --resume RUN_DIR expects a run directory written by `cargo xtask train`",
+                path.display()
+            )));
+        }
+        Self::build(path, None, overrides)
+    }
+
     /// The experiment file, then a profile overlay, then the environment,
     /// then `--set`; deserialised and validated.
     fn build(path: &Path, profile: Option<&Path>, overrides: &Overrides) -> Result<Self> {
@@ -474,25 +522,25 @@ impl ExperimentConfig {
             builder = builder.add_source(File::from(profile).format(FileFormat::Toml));
         }
         builder = builder.add_source(
-            Environment::with_prefix("HEADROOM")
+            Environment::with_prefix(ENV_PREFIX)
                 .prefix_separator("__")
                 .separator("__")
                 .try_parsing(true),
         );
         for (key, value) in &overrides.0 {
             builder = builder
-                .set_override(key.as_str(), value.as_str())
+                .set_override(key.as_str(), typed_value(value))
                 .map_err(|e| PipelineError::value(key, e.to_string()))?;
         }
-        let source = profile.map_or(path.display().to_string(), |p| {
+        let files = profile.map_or(path.display().to_string(), |p| {
             format!("{} + {}", path.display(), p.display())
         });
-        let merged = builder
+        let blame = |e: config::ConfigError| blame_source(&e.to_string(), &files, overrides);
+        let config: Self = builder
             .build()
-            .map_err(|e| PipelineError::Config(format!("{source}: {e}")))?;
-        let config: Self = merged
+            .map_err(blame)?
             .try_deserialize()
-            .map_err(|e| PipelineError::Config(format!("{source}: {e}")))?;
+            .map_err(blame)?;
         config.validate()?;
         Ok(config)
     }
@@ -519,9 +567,7 @@ impl ExperimentConfig {
                 ))
             }
         };
-        if self.run.name.trim().is_empty() {
-            return Err(PipelineError::value("run.name", "must not be empty"));
-        }
+        check_run_name(&self.run.name)?;
         match self.data.format.as_str() {
             "idx" => {}
             "shards" => {
@@ -613,7 +659,7 @@ impl ExperimentConfig {
             positive("schedule.div_factor", *div_factor as f64)?;
             positive("schedule.final_div_factor", *final_div_factor as f64)?;
         }
-        Ok(())
+        crate::limits::check_sizes(self)
     }
 
     /// Loader workers: `data.workers`, or a quarter of the cores (1 to 4).
@@ -691,9 +737,80 @@ impl ExperimentConfig {
     /// The flattened keys that shape the result (all but `RESUME_SAFE_KEYS`).
     pub fn result_keys(&self) -> std::collections::BTreeMap<String, String> {
         let mut keys = self.flatten();
-        keys.retain(|key, _| !RESUME_SAFE_KEYS.iter().any(|safe| key.starts_with(safe)));
+        keys.retain(|key, _| {
+            !RESUME_SAFE_KEYS
+                .iter()
+                .chain(&ADVICE_KEYS)
+                .any(|safe| key.starts_with(safe))
+        });
         keys
     }
+}
+
+const ENV_PREFIX: &str = "HEADROOM";
+
+/// `run.name` names a directory inside `run.runs_dir`: one plain name, so no
+/// run can write outside it (`../../x`, `/etc`, `a/b`).
+fn check_run_name(name: &str) -> Result<()> {
+    let plain =
+        !name.trim().is_empty() && name != "." && name != ".." && !name.contains(['/', '\\', '\0']);
+    if plain {
+        return Ok(());
+    }
+    Err(PipelineError::value(
+        "run.name",
+        format!(
+            "\"{name}\" must be one plain directory name (no `/`, `\\`, `..`), so the run stays inside \
+             run.runs_dir; use run.runs_dir or run.output_dir to choose where runs go"
+        ),
+    ))
+}
+
+/// A `--set` value typed the way the environment's values are
+/// (`try_parsing`): a number or a boolean when it reads as one, else text.
+/// Untyped text would reach tagged tables such as `[schedule]` as a string
+/// and be refused there (`schedule.pct_start=0.5`).
+fn typed_value(text: &str) -> config::Value {
+    let looks_numeric = text.chars().any(|c| c.is_ascii_digit());
+    if let Ok(integer) = text.parse::<i64>() {
+        return integer.into();
+    }
+    if looks_numeric {
+        if let Ok(float) = text.parse::<f64>() {
+            return float.into();
+        }
+    }
+    match text {
+        "true" => true.into(),
+        "false" => false.into(),
+        _ => text.into(),
+    }
+}
+
+/// Names where a bad value came from: the `--set` override, the
+/// environment variable, or the experiment file(s).
+fn blame_source(message: &str, files: &str, overrides: &Overrides) -> PipelineError {
+    let key = message
+        .split_once("for key `")
+        .and_then(|(_, rest)| rest.split_once('`'))
+        .map(|(key, _)| key.to_string());
+    let message = message.trim_end_matches(" in the environment");
+    let Some(key) = key else {
+        return PipelineError::Config(format!("{files}: {message}"));
+    };
+    if overrides.0.iter().any(|(k, _)| *k == key) {
+        return PipelineError::Config(format!("--set {key}: {message}"));
+    }
+    let variable = env_variable(&key);
+    if std::env::var_os(&variable).is_some() {
+        return PipelineError::Config(format!("environment variable {variable}: {message}"));
+    }
+    PipelineError::Config(format!("{files}: {message}"))
+}
+
+/// `train.epochs` -> `HEADROOM__TRAIN__EPOCHS`.
+fn env_variable(key: &str) -> String {
+    format!("{ENV_PREFIX}__{}", key.replace('.', "__").to_uppercase())
 }
 
 fn flatten_into(

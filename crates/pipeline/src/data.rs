@@ -19,8 +19,35 @@ use crate::{PipelineError, Result};
 /// How long the training stage waits for a batch before calling the loader stuck.
 const LOADER_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The training and test datasets the experiment names.
+/// The training and test datasets the experiment names, checked before
+/// any training: every test sample is read once (a missing or corrupt test
+/// shard is found now, not after the first epoch), every label is below the
+/// model's output count, and a resumed run's data is the data it started
+/// with (`DatasetIdentity`).
 pub fn open_splits(
+    config: &ExperimentConfig,
+    allow_install: bool,
+) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
+    let (train, test) = open_unchecked(config, allow_install)?;
+    let classes = crate::limits::output_classes(&config.model)?;
+    let place = |split: &str| match (&config.data.format[..], &config.data.dir) {
+        ("shards", Some(dir)) => dir.join(split).display().to_string(),
+        _ => format!("the {split} split"),
+    };
+    verify_labels_of_idx(config, classes)?;
+    let test_digest = verify_samples(test.as_ref(), classes, &place("test"))?;
+    let identity = DatasetIdentity {
+        format: config.data.format.clone(),
+        sample_shape: train.sample_shape(),
+        train_samples: train.len(),
+        test_samples: test.len(),
+        test_digest,
+    };
+    identity.check_against_run(config)?;
+    Ok((train, test))
+}
+
+fn open_unchecked(
     config: &ExperimentConfig,
     allow_install: bool,
 ) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
@@ -64,6 +91,120 @@ pub fn open_splits(
             config.data.test_samples,
         ),
     ))
+}
+
+/// Reads every sample once: a read error names the shard or file, a label
+/// at or above `classes` names the sample. Returns a CRC of the pixels and
+/// labels, the split's fingerprint.
+fn verify_samples(data: &dyn Dataset, classes: usize, place: &str) -> Result<u32> {
+    let [h, w, c] = data.sample_shape();
+    let mut pixels = vec![0u8; h * w * c];
+    let mut digest = crc32fast::Hasher::new();
+    for index in 0..data.len() {
+        let label = data.read(index, &mut pixels)?;
+        if label as usize >= classes {
+            return Err(PipelineError::BadData(format!(
+                "{place}: sample {index} has label {label}, but the model has {classes} outputs (labels 0 to {}); \
+                 the data is corrupt or is not the dataset this model is for",
+                classes - 1
+            )));
+        }
+        digest.update(&pixels);
+        digest.update(&label.to_le_bytes());
+    }
+    Ok(digest.finalize())
+}
+
+/// For IDX data the label files are in memory already: check both splits'
+/// labels, naming the file and the sample.
+fn verify_labels_of_idx(config: &ExperimentConfig, classes: usize) -> Result<()> {
+    if config.data.format != "idx" {
+        return Ok(());
+    }
+    let dir = locate_fashion_mnist(config.data.dir.as_deref(), false)?;
+    for (split, stem) in [(Split::Train, "train"), (Split::Test, "t10k")] {
+        let dataset = IdxDataset::fashion_mnist(&dir, split)?;
+        let Some((index, label)) = dataset
+            .labels()
+            .iter()
+            .enumerate()
+            .find(|(_, &label)| usize::from(label) >= classes)
+        else {
+            continue;
+        };
+        let file = [
+            format!("{stem}-labels-idx1-ubyte"),
+            format!("{stem}-labels-idx1-ubyte.gz"),
+        ]
+        .into_iter()
+        .map(|name| dir.join(name))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| dir.join(format!("{stem}-labels-idx1-ubyte")));
+        return Err(PipelineError::BadData(format!(
+            "{}: sample {index} has label {label}, but the model has {classes} outputs (labels 0 to {})",
+            file.display(),
+            classes - 1
+        )));
+    }
+    Ok(())
+}
+
+/// What identifies a run's data: recorded in the run directory when it
+/// starts, compared on resume, so a checkpoint never continues on other data
+/// (another `data.dir` holding the same files is fine).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DatasetIdentity {
+    pub format: String,
+    pub sample_shape: [usize; 3],
+    pub train_samples: usize,
+    pub test_samples: usize,
+    /// CRC-32 of every test sample's pixels and label.
+    pub test_digest: u32,
+}
+
+const IDENTITY_FILE: &str = "dataset.json";
+
+impl DatasetIdentity {
+    fn check_against_run(&self, config: &ExperimentConfig) -> Result<()> {
+        let Some(dir) = &config.run.output_dir else {
+            return Ok(());
+        };
+        let path = dir.join(IDENTITY_FILE);
+        let resuming = !crate::checkpoint::list(dir)?.is_empty();
+        let recorded = match std::fs::read_to_string(&path) {
+            Ok(text) if resuming => serde_json::from_str::<Self>(&text).ok(),
+            _ => None,
+        };
+        match recorded {
+            Some(recorded) if recorded != *self => Err(PipelineError::value(
+                "data.dir",
+                format!(
+                    "the data differs from the data this run started with ({} recorded in {}: {}; now: {}); \
+                     resume with the same dataset, or start a new run",
+                    IDENTITY_FILE,
+                    dir.display(),
+                    recorded.describe(),
+                    self.describe()
+                ),
+            )),
+            Some(_) => Ok(()),
+            None if resuming && path.exists() => Ok(()),
+            None => {
+                let text = serde_json::to_string_pretty(self).map_err(|e| PipelineError::Stage {
+                    stage: "data",
+                    reason: e.to_string(),
+                })?;
+                std::fs::write(&path, text).map_err(|e| PipelineError::io(&path, e))
+            }
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} {:?}, {} training and {} test samples, test digest {:08x}",
+            self.format, self.sample_shape, self.train_samples, self.test_samples, self.test_digest
+        )
+    }
 }
 
 fn shard_cache(config: &ExperimentConfig) -> Result<ShardCacheConfig> {
@@ -133,22 +274,14 @@ pub fn locate_fashion_mnist(configured: Option<&Path>, allow_install: bool) -> R
         if has_fashion_mnist(dir) {
             return Ok(dir.to_path_buf());
         }
-        return Err(PipelineError::DatasetMissing(format!(
-            "data.dir = {} does not hold Fashion-MNIST (expected {} with or without .gz)",
-            dir.display(),
-            FILES.join(", ")
-        )));
+        return Err(missing_files("data.dir", dir));
     }
     if let Some(dir) = std::env::var_os("FASHION_MNIST_DIR") {
         let dir = PathBuf::from(dir);
         if has_fashion_mnist(&dir) {
             return Ok(dir);
         }
-        return Err(PipelineError::DatasetMissing(format!(
-            "FASHION_MNIST_DIR = {} does not hold Fashion-MNIST (expected {} with or without .gz)",
-            dir.display(),
-            FILES.join(", ")
-        )));
+        return Err(missing_files("FASHION_MNIST_DIR", &dir));
     }
     let system = PathBuf::from(SYSTEM_DIR);
     if has_fashion_mnist(&system) {
@@ -169,6 +302,21 @@ pub fn locate_fashion_mnist(configured: Option<&Path>, allow_install: bool) -> R
          or point data.dir (or FASHION_MNIST_DIR) at a directory holding {}",
         FILES.join(", ")
     )))
+}
+
+/// Names each missing file, not only the list of what was expected.
+fn missing_files(setting: &str, dir: &Path) -> PipelineError {
+    let missing: Vec<String> = FILES
+        .iter()
+        .filter(|f| !dir.join(f).is_file() && !dir.join(format!("{f}.gz")).is_file())
+        .map(|f| dir.join(f).display().to_string())
+        .collect();
+    PipelineError::DatasetMissing(format!(
+        "{setting} = {} does not hold Fashion-MNIST: missing {} (each raw or with .gz; expected {})",
+        dir.display(),
+        missing.join(", "),
+        FILES.join(", ")
+    ))
 }
 
 fn can_install_with_apt() -> bool {

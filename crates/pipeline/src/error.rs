@@ -12,11 +12,15 @@ pub enum PipelineError {
     ConfigValue { key: String, reason: String },
     #[error("{0}")]
     DatasetMissing(String),
-    #[error("{path}: {source}")]
+    /// A sample the data files hold that no run can use, named by file and index.
+    #[error("bad data: {0}")]
+    BadData(String),
+    /// The OS's reason is part of the message (not a separate `source`, which
+    /// would print it twice in an error chain).
+    #[error("{}: {cause}", path.display())]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("checkpoint {path}: {reason}")]
     Checkpoint { path: PathBuf, reason: String },
@@ -28,7 +32,10 @@ pub enum PipelineError {
     Optim(#[from] headroom_optim::OptimError),
     #[error(
         "{skips} steps in a row had a non-finite loss or gradient; stopped with a checkpoint of the last good \
-         state in {dir}. Lower optimizer.lr or train.clip_norm, then resume with --resume"
+         state in {}. Lower the learning rate (or set a gradient clip) and resume: \
+         cargo xtask train --resume {} --set optimizer.lr=<lower> [--set train.clip_norm=1.0]",
+        dir.display(),
+        dir.display()
     )]
     Diverged { skips: u64, dir: PathBuf },
     #[error("{0}")]
@@ -41,7 +48,7 @@ impl PipelineError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {
             path: path.into(),
-            source,
+            cause: source,
         }
     }
 

@@ -53,10 +53,30 @@ fn figures(stats: &PoolStats, limit: Option<u64>) -> String {
     )
 }
 
+/// `device.memory_limit`, or a budget derived from what the process may
+/// really use (cgroup `memory.max`, RLIMIT_AS / RLIMIT_DATA, available
+/// memory), so that the policy, not the OS, meets the limit first.
+fn budget(config: &ExperimentConfig) -> Result<Option<u64>> {
+    if let Some(limit) = config.memory_limit()? {
+        return Ok(Some(limit));
+    }
+    let Some((budget, ceiling)) = crate::limits::default_budget() else {
+        tracing::warn!("no memory ceiling found (no cgroup limit, rlimit or /proc/meminfo): tensor memory is unbounded");
+        return Ok(None);
+    };
+    tracing::info!(
+        "tensor budget {} (device.memory_limit unset): half of the {} left under {}",
+        mib(budget),
+        mib(ceiling.room),
+        ceiling.source
+    );
+    Ok(Some(budget))
+}
+
 impl MemoryGuard {
     pub fn new(config: &ExperimentConfig) -> Result<Self> {
         let pool = MemoryPool::new(Device::Cpu);
-        pool.set_limit(config.memory_limit()?);
+        pool.set_limit(budget(config)?);
         Ok(Self {
             pool,
             adapt: config.memory.oom_policy == "adapt",

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use headroom_model::ModelSpec;
 
 use crate::checkpoint::{self, Checkpoint};
-use crate::config::ExperimentConfig;
+use crate::config::{ExperimentConfig, ADVICE_KEYS};
+use crate::sink::{self, MetricsPosition};
 use crate::{PipelineError, Result};
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -22,8 +23,19 @@ pub enum Resume {
     From(PathBuf),
 }
 
-/// Finds the checkpoint to resume from, checked against `config`.
+/// Finds the checkpoint to resume from, checked against `config`, and cuts
+/// the run's metrics back to it, so that no step is recorded twice.
 pub fn choose(config: &ExperimentConfig, resume: &Resume) -> Result<Option<(PathBuf, Checkpoint)>> {
+    let chosen = find(config, resume)?;
+    let position = chosen.as_ref().map(|(_, saved)| MetricsPosition {
+        epoch: saved.meta.epoch,
+        batches_done: saved.meta.batches_done,
+    });
+    sink::truncate_metrics(config.output_dir(), position)?;
+    Ok(chosen)
+}
+
+fn find(config: &ExperimentConfig, resume: &Resume) -> Result<Option<(PathBuf, Checkpoint)>> {
     let found = match resume {
         Resume::No => {
             refuse_to_overwrite(config)?;
@@ -58,8 +70,9 @@ fn refuse_to_overwrite(config: &ExperimentConfig) -> Result<()> {
     Err(PipelineError::value(
         "run.output_dir",
         format!(
-            "{} already holds checkpoints of an earlier run. Continue it with `cargo xtask train --resume`, \
+            "{} already holds checkpoints of an earlier run. Continue it with `cargo xtask train --resume {}`, \
              or start afresh in another directory (--set run.output_dir=runs/NEW) or after `rm -r {}`",
+            config.output_dir().display(),
             config.output_dir().display(),
             config.output_dir().display()
         ),
@@ -80,27 +93,21 @@ fn check_compatible(config: &ExperimentConfig, path: &Path, saved: &Checkpoint) 
     }
     let saved_config: ExperimentConfig = serde_json::from_str(&saved.meta.config_json)
         .map_err(|e| refuse(format!("unreadable experiment record: {e}")))?;
+    let (old, new) = (saved_config.result_keys(), config.result_keys());
+    // The fingerprint says whether anything differs; the key diff names it.
+    // (A fingerprint from a build with other safe keys may differ while no
+    // key does: then nothing that shapes the result changed.)
     if saved.meta.config_fingerprint != config.fingerprint() {
-        let (old, new) = (saved_config.result_keys(), config.result_keys());
-        let mut changed: Vec<String> = new
-            .iter()
-            .filter(|(key, value)| old.get(*key) != Some(value))
-            .map(|(key, value)| {
-                let was = old.get(key).map(String::as_str).unwrap_or("unset");
-                format!("{key} was {was}, now {value}")
-            })
-            .collect();
-        changed.extend(
-            old.keys()
-                .filter(|key| !new.contains_key(*key))
-                .map(|key| format!("{key} was set, now unset")),
-        );
-        return Err(refuse(format!(
-            "the experiment differs in settings that change the result: {}. \
-             Resume with the values that wrote it, or start a new run in another run.output_dir",
-            changed.join("; ")
-        )));
+        let changed = differences(&old, &new);
+        if !changed.is_empty() {
+            return Err(refuse(format!(
+                "the experiment differs in settings that change the result: {}. \
+                 Resume with the values that wrote it, or start a new run in another run.output_dir",
+                changed.join("; ")
+            )));
+        }
     }
+    log_advised_changes(&saved_config, config);
     if saved_config.train.epochs != config.train.epochs {
         tracing::info!(
             "train.epochs changed from {} to {}: the schedule is stretched to the new length",
@@ -109,6 +116,39 @@ fn check_compatible(config: &ExperimentConfig, path: &Path, saved: &Checkpoint) 
         );
     }
     Ok(())
+}
+
+type Keys = std::collections::BTreeMap<String, String>;
+
+fn differences(old: &Keys, new: &Keys) -> Vec<String> {
+    let mut changed: Vec<String> = new
+        .iter()
+        .filter(|(key, value)| old.get(*key) != Some(value))
+        .map(|(key, value)| {
+            let was = old.get(key).map(String::as_str).unwrap_or("unset");
+            format!("{key} was {was}, now {value}")
+        })
+        .collect();
+    changed.extend(
+        old.keys()
+            .filter(|key| !new.contains_key(*key))
+            .map(|key| format!("{key} was set, now unset")),
+    );
+    changed
+}
+
+/// The keys a stopped run's advice names may change; each change is said.
+fn log_advised_changes(saved: &ExperimentConfig, now: &ExperimentConfig) {
+    let (old, new) = (saved.flatten(), now.flatten());
+    for key in ADVICE_KEYS {
+        if old.get(key) != new.get(key) {
+            tracing::info!(
+                "{key} changed on resume from {} to {}",
+                old.get(key).map_or("unset", String::as_str),
+                new.get(key).map_or("unset", String::as_str)
+            );
+        }
+    }
 }
 
 /// The first difference between two model specifications, named by key.

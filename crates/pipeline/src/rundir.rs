@@ -2,44 +2,209 @@
 //! the newest one of the experiment for `--resume`, or exactly
 //! `run.output_dir` when it is set. Each holds the resolved config, the
 //! metrics, the checkpoints and the plots.
+//!
+//! A fresh directory is made with one `mkdir` that fails if it exists, so
+//! two runs started in the same second never share one. A run holds an
+//! exclusive `flock` on `.lock` inside its directory for as long as it
+//! lives, so a second process cannot write into a live run. A directory
+//! this run made and that holds no progress (no checkpoint, no metrics) is
+//! removed when the claim ends: a failed start leaves nothing behind.
 
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::config::ExperimentConfig;
 use crate::resume::Resume;
 use crate::{checkpoint, PipelineError, Result};
 
-/// The directory this run writes to.
-pub fn resolve(config: &ExperimentConfig, resume: &Resume) -> Result<PathBuf> {
-    if let Some(dir) = &config.run.output_dir {
-        return Ok(dir.clone());
-    }
-    if *resume == Resume::Latest {
-        if let Some(dir) = newest_with_checkpoints(&config.run.runs_dir, &config.run.name)? {
-            return Ok(dir);
-        }
-    }
-    let stamp = utc_timestamp(SystemTime::now());
-    let base = config
-        .run
-        .runs_dir
-        .join(format!("{}-{stamp}", config.run.name));
-    let mut dir = base.clone();
-    let mut n = 2;
-    while dir.exists() {
-        dir = PathBuf::from(format!("{}-{n}", base.display()));
-        n += 1;
-    }
-    Ok(dir)
+const LOCK_FILE: &str = ".lock";
+pub const CONFIG_FILE: &str = "config.toml";
+
+/// A run directory claimed by this process: locked, and removed on drop if
+/// this claim made it and it holds no progress.
+#[derive(Debug)]
+pub struct RunDir {
+    path: PathBuf,
+    _lock: File,
+    created: bool,
 }
 
-/// Writes the experiment exactly as resolved (file, environment, --set).
+impl RunDir {
+    /// Finds or makes the directory this run writes to, and locks it.
+    pub fn claim(config: &ExperimentConfig, resume: &Resume) -> Result<Self> {
+        let (path, created) = locate(config, resume)?;
+        match lock(&path) {
+            Ok(lock) => Ok(Self {
+                path,
+                _lock: lock,
+                created,
+            }),
+            Err(e) => {
+                if created {
+                    let _ = std::fs::remove_dir_all(&path);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        if self.created && holds_no_progress(&self.path) {
+            if let Err(e) = std::fs::remove_dir_all(&self.path) {
+                tracing::warn!(
+                    "could not remove the empty run directory {}: {e}",
+                    self.path.display()
+                );
+            }
+        }
+    }
+}
+
+/// Claims made through `resolve`, held until `release_all` (or the end of
+/// the process): the training loop knows its directory only as a path.
+static CLAIMED: Mutex<Vec<RunDir>> = Mutex::new(Vec::new());
+
+/// The directory this run writes to, claimed (made, locked) until
+/// `release_all`. A directory this process already holds is returned as is.
+pub fn resolve(config: &ExperimentConfig, resume: &Resume) -> Result<PathBuf> {
+    let mut claimed = CLAIMED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(dir) = &config.run.output_dir {
+        if let Some(held) = claimed.iter().find(|c| c.path == *dir) {
+            return Ok(held.path.clone());
+        }
+    }
+    let claim = RunDir::claim(config, resume)?;
+    let path = claim.path.clone();
+    claimed.push(claim);
+    Ok(path)
+}
+
+/// Ends every claim `resolve` made: unlocks the directories and removes
+/// those of starts that failed before any progress.
+pub fn release_all() {
+    let released = std::mem::take(&mut *CLAIMED.lock().unwrap_or_else(|p| p.into_inner()));
+    drop(released);
+}
+
+/// The directory, and whether this call made it.
+fn locate(config: &ExperimentConfig, resume: &Resume) -> Result<(PathBuf, bool)> {
+    if let Some(dir) = &config.run.output_dir {
+        return make_or_open(dir).map(|created| (dir.clone(), created));
+    }
+    match resume {
+        Resume::From(file) => {
+            let dir = file.parent().unwrap_or(Path::new(".")).to_path_buf();
+            return Ok((dir, false));
+        }
+        Resume::Latest => {
+            if let Some(dir) = newest_with_checkpoints(&config.run.runs_dir, &config.run.name)? {
+                return Ok((dir, false));
+            }
+        }
+        Resume::No => {}
+    }
+    let runs = &config.run.runs_dir;
+    std::fs::create_dir_all(runs).map_err(|e| not_writable("run.runs_dir", runs, e))?;
+    let base = format!("{}-{}", config.run.name, utc_timestamp(SystemTime::now()));
+    let mut n = 1;
+    loop {
+        let name = if n == 1 {
+            base.clone()
+        } else {
+            format!("{base}-{n}")
+        };
+        let dir = runs.join(name);
+        match std::fs::create_dir(&dir) {
+            Ok(()) => return Ok((dir, true)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => n += 1,
+            Err(e) => return Err(not_writable("run.runs_dir", runs, e)),
+        }
+    }
+}
+
+/// Makes `dir` (and its parents); true if it did not exist before.
+fn make_or_open(dir: &Path) -> Result<bool> {
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| not_writable("run.output_dir", dir, e))?;
+    }
+    match std::fs::create_dir(dir) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(false),
+        Err(e) => Err(not_writable("run.output_dir", dir, e)),
+    }
+}
+
+fn not_writable(key: &str, dir: &Path, e: std::io::Error) -> PipelineError {
+    PipelineError::value(
+        key,
+        format!("cannot make the run directory {}: {e}", dir.display()),
+    )
+}
+
+/// An exclusive lock on `dir/.lock`, held while the returned file is open.
+fn lock(dir: &Path) -> Result<File> {
+    let path = dir.join(LOCK_FILE);
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| not_writable("run.output_dir", dir, e))?;
+    // SAFETY: flock only reads the descriptor, which `file` keeps open.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let holder = std::fs::read_to_string(&path).unwrap_or_default();
+        return Err(PipelineError::value(
+            "run.output_dir",
+            format!(
+                "{} is in use by another training process{}; wait for it to end, or choose another run.output_dir",
+                dir.display(),
+                match holder.trim() {
+                    "" => String::new(),
+                    pid => format!(" (pid {pid})"),
+                }
+            ),
+        ));
+    }
+    // The pid is only for the message above; a failure to record it is harmless.
+    let _ = file
+        .set_len(0)
+        .and_then(|()| write!(file, "{}", std::process::id()));
+    Ok(file)
+}
+
+/// No checkpoint and no metrics: nothing a user could want back.
+fn holds_no_progress(dir: &Path) -> bool {
+    let no_checkpoints = checkpoint::list(dir).is_ok_and(|list| list.is_empty());
+    let metrics = dir.join("metrics.jsonl");
+    let no_metrics = std::fs::metadata(&metrics).map_or(true, |m| m.len() == 0);
+    no_checkpoints && no_metrics
+}
+
+/// Writes the experiment exactly as resolved (file, environment, --set),
+/// once: a resumed or refused start leaves the run's record as it was.
 pub fn write_resolved_config(dir: &Path, config: &ExperimentConfig) -> Result<()> {
+    let path = dir.join(CONFIG_FILE);
+    if path.exists() {
+        return Ok(());
+    }
     let text = toml::to_string(config)
         .map_err(|e| PipelineError::Config(format!("cannot record the config: {e}")))?;
-    let path = dir.join("config.toml");
-    std::fs::write(&path, text).map_err(|e| PipelineError::io(path, e))
+    let temporary = dir.join(format!(".{CONFIG_FILE}.tmp"));
+    std::fs::write(&temporary, text).map_err(|e| PipelineError::io(&temporary, e))?;
+    std::fs::rename(&temporary, &path).map_err(|e| PipelineError::io(&path, e))
 }
 
 fn newest_with_checkpoints(runs_dir: &Path, name: &str) -> Result<Option<PathBuf>> {
@@ -90,6 +255,67 @@ fn utc_timestamp(time: SystemTime) -> String {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    fn smoke_config(runs: &Path) -> ExperimentConfig {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments/smoke.toml");
+        let overrides =
+            crate::Overrides::parse(&[format!("run.runs_dir={}", runs.display())]).unwrap();
+        ExperimentConfig::load(&path, &overrides).unwrap()
+    }
+
+    #[test]
+    fn runs_started_in_the_same_second_get_their_own_directories() {
+        let runs = tempfile::tempdir().unwrap();
+        let config = smoke_config(runs.path());
+        let claims: Vec<RunDir> = (0..4)
+            .map(|_| RunDir::claim(&config, &Resume::No).unwrap())
+            .collect();
+        let mut paths: Vec<&Path> = claims.iter().map(RunDir::path).collect();
+        paths.sort();
+        paths.dedup();
+        assert_eq!(paths.len(), 4, "{paths:?}");
+    }
+
+    #[test]
+    fn a_live_run_directory_cannot_be_claimed_twice() {
+        let runs = tempfile::tempdir().unwrap();
+        let mut config = smoke_config(runs.path());
+        config.run.output_dir = Some(runs.path().join("run"));
+        let first = RunDir::claim(&config, &Resume::Latest).unwrap();
+        let second = RunDir::claim(&config, &Resume::Latest)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            second.contains("in use by another training process"),
+            "{second}"
+        );
+        assert!(second.contains(&std::process::id().to_string()), "{second}");
+        drop(first);
+        RunDir::claim(&config, &Resume::Latest).unwrap();
+    }
+
+    #[test]
+    fn a_failed_start_leaves_no_empty_directory() {
+        let runs = tempfile::tempdir().unwrap();
+        let config = smoke_config(runs.path());
+        let claim = RunDir::claim(&config, &Resume::No).unwrap();
+        let path = claim.path().to_path_buf();
+        write_resolved_config(&path, &config).unwrap();
+        drop(claim);
+        assert!(!path.exists(), "{} is left behind", path.display());
+    }
+
+    #[test]
+    fn the_recorded_config_is_never_overwritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = smoke_config(dir.path());
+        write_resolved_config(dir.path(), &config).unwrap();
+        let first = std::fs::read_to_string(dir.path().join(CONFIG_FILE)).unwrap();
+        config.train.epochs = 99;
+        write_resolved_config(dir.path(), &config).unwrap();
+        let after = std::fs::read_to_string(dir.path().join(CONFIG_FILE)).unwrap();
+        assert_eq!(first, after);
+    }
 
     #[test]
     fn timestamps_are_utc_calendar_dates() {

@@ -64,7 +64,19 @@ pub struct SinkOutcome {
     pub last_checkpoint: Option<PathBuf>,
 }
 
+/// Runs the stage until the channel closes. Its first error ends it and is
+/// also logged here, with the file and the OS's reason (a full disk says
+/// "No space left on device" and names the file), because the training
+/// loop only sees that the sink stopped receiving.
 pub fn run(events: Receiver<Event>, settings: SinkSettings) -> Result<SinkOutcome> {
+    let outcome = receive(events, &settings);
+    if let Err(e) = &outcome {
+        tracing::error!("the sink stage stopped: {e}");
+    }
+    outcome
+}
+
+fn receive(events: Receiver<Event>, settings: &SinkSettings) -> Result<SinkOutcome> {
     let metrics_path = settings.output_dir.join("metrics.jsonl");
     let mut metrics = open_metrics(&metrics_path)?;
     let mut outcome = SinkOutcome::default();
@@ -126,6 +138,7 @@ pub fn run(events: Receiver<Event>, settings: SinkSettings) -> Result<SinkOutcom
     Ok(outcome)
 }
 
+/// Appends to the run's metrics (resume cut them back to its checkpoint).
 fn open_metrics(path: &Path) -> Result<BufWriter<File>> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| PipelineError::io(dir, e))?;
@@ -138,6 +151,8 @@ fn open_metrics(path: &Path) -> Result<BufWriter<File>> {
     Ok(BufWriter::new(file))
 }
 
+/// Appends one JSON line with a single `write_all`, so the buffer only
+/// ever reaches the file in whole lines: a kill leaves no torn line.
 fn write_json<T: Serialize>(
     out: &mut BufWriter<File>,
     path: &Path,
@@ -148,7 +163,61 @@ fn write_json<T: Serialize>(
         stage: "sink",
         reason: e.to_string(),
     })?;
-    writeln!(out, "{{\"kind\":\"{kind}\",\"data\":{body}}}").map_err(|e| PipelineError::io(path, e))
+    let line = format!("{{\"kind\":\"{kind}\",\"data\":{body}}}\n");
+    out.write_all(line.as_bytes())
+        .map_err(|e| PipelineError::io(path, e))
+}
+
+/// Where a resumed run picks up: metrics of this point and later are
+/// dropped, since the resumed run writes them again.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MetricsPosition {
+    pub epoch: u64,
+    pub batches_done: usize,
+}
+
+/// Keeps the complete, valid lines of `dir/metrics.jsonl` that come before
+/// `position` (none when starting over), replacing the file atomically. A
+/// line torn by a kill, and steps a killed run recorded after its last
+/// checkpoint, are dropped.
+pub fn truncate_metrics(dir: &Path, position: Option<MetricsPosition>) -> Result<()> {
+    let path = dir.join("metrics.jsonl");
+    // Only a regular file is ours to rewrite (not a pipe or a device).
+    if !std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
+        return Ok(());
+    }
+    let text = match std::fs::read(&path) {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(e) => return Err(PipelineError::io(&path, e)),
+    };
+    let kept: String = text
+        .split_inclusive('\n')
+        .filter(|line| line.ends_with('\n'))
+        .filter(|line| position.is_some_and(|at| line_precedes(line, at)))
+        .collect();
+    if kept.len() == text.len() {
+        return Ok(());
+    }
+    let temporary = dir.join(".metrics.jsonl.tmp");
+    std::fs::write(&temporary, kept).map_err(|e| PipelineError::io(&temporary, e))?;
+    std::fs::rename(&temporary, &path).map_err(|e| PipelineError::io(&path, e))
+}
+
+fn line_precedes(line: &str, at: MetricsPosition) -> bool {
+    let Ok(value) = serde_json::from_str::<serde_json::Value>(line) else {
+        return false;
+    };
+    let data = &value["data"];
+    let (Some(epoch), kind) = (data["epoch"].as_u64(), value["kind"].as_str()) else {
+        return false;
+    };
+    match kind {
+        Some("step") => data["batch"]
+            .as_u64()
+            .is_some_and(|batch| (epoch, batch) < (at.epoch, at.batches_done as u64)),
+        Some("epoch") => epoch < at.epoch,
+        _ => false,
+    }
 }
 
 /// Loss and throughput since the last progress line.
@@ -249,5 +318,37 @@ impl Progress {
     fn finish_epoch(&mut self) {
         self.bar.finish_and_clear();
         self.bar.reset();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(epoch: u64, batch: usize) -> String {
+        format!("{{\"kind\":\"step\",\"data\":{{\"epoch\":{epoch},\"batch\":{batch},\"step\":{batch}}}}}\n")
+    }
+
+    #[test]
+    fn resume_cuts_metrics_back_to_the_checkpoint_and_drops_torn_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let epoch_line = "{\"kind\":\"epoch\",\"data\":{\"epoch\":0}}\n";
+        let mut text =
+            step(0, 0) + &step(0, 1) + epoch_line + &step(1, 0) + &step(1, 1) + &step(1, 2);
+        text.push_str("{\"kind\":\"step\",\"da");
+        std::fs::write(&path, text).unwrap();
+        let at = MetricsPosition {
+            epoch: 1,
+            batches_done: 2,
+        };
+        truncate_metrics(dir.path(), Some(at)).unwrap();
+        let kept = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(
+            kept,
+            step(0, 0) + &step(0, 1) + epoch_line + &step(1, 0) + &step(1, 1)
+        );
+        truncate_metrics(dir.path(), None).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "");
     }
 }

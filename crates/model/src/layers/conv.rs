@@ -57,6 +57,7 @@ use super::matmul::{matmul, View};
 use rayon::prelude::*;
 
 use crate::init::InitRng;
+use crate::memory::{try_scratch, try_zeroed};
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 /// General path: target size of one block of the im2col matrix. Measured
@@ -272,7 +273,7 @@ impl Layer for Conv2d {
     fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
         let g = self.geom(input.shape())?;
         let bias = self.bias.as_ref().map(|b| b.value.data());
-        let out = forward(&g, input.data(), self.weight.value.data(), bias);
+        let out = forward(&g, input.data(), self.weight.value.data(), bias)?;
         self.saved_input = match mode {
             Mode::Train => Some(input.clone()),
             Mode::Eval => None,
@@ -290,11 +291,17 @@ impl Layer for Conv2d {
             return Err(ModelError::NoSavedActivation { op: "Conv2d" });
         };
         let dy = grad_output.data();
-        let grad_in = grad_input(&g, dy, self.weight.value.data());
+        let grad_in = grad_input(&g, dy, self.weight.value.data())?;
         if g.n > 0 {
             let groups = Groups::new(g.n);
             let stride = g.kk * g.cout + g.cout;
-            self.partials.resize(groups.count * stride, 0.0);
+            let wanted = groups.count * stride;
+            if wanted > self.partials.len() {
+                let mut grown = try_zeroed(wanted)?;
+                grown[..self.partials.len()].copy_from_slice(&self.partials);
+                self.partials = grown;
+            }
+            self.partials.truncate(wanted);
             grad_params(&g, &groups, input.data(), dy, &mut self.partials);
             let partials = &self.partials;
             reduce_partials(self.weight.grad.data_mut(), partials, 0, stride);
@@ -368,10 +375,10 @@ fn images_per_task(n: usize, image_floats: usize) -> usize {
 }
 
 /// y = conv(x, w) + bias, [n·oh·ow × cout].
-fn forward(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Vec<f32> {
+fn forward(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Result<Vec<f32>> {
     let len = g.n * g.opix() * g.cout;
     if len == 0 {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     if direct::supports(g.cout) {
         let per_task = images_per_task(g.n, g.in_image());
@@ -384,23 +391,23 @@ fn forward(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Vec<f32> {
             })
         }
     } else {
-        let mut out = vec![0.0f32; len];
+        let mut out = try_zeroed(len)?;
         forward_gemm(g, x, w, bias, &mut out);
-        out
+        Ok(out)
     }
 }
 
 /// dX, [n·h·w × cin].
-fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Vec<f32> {
+fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Vec<f32>> {
     let len = g.n * g.in_image();
     if len == 0 {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     if direct::supports(g.cin) {
         let out_image = g.opix() * g.cout;
         let per_task = images_per_task(g.n, out_image);
         // Wᵀ per tap: [k·k, cout, cin], so 16 input channels are contiguous.
-        let mut wt = vec![0.0f32; w.len()];
+        let mut wt = try_zeroed(w.len())?;
         wt.par_chunks_mut(g.cin * g.cout)
             .zip(w.par_chunks(g.cin * g.cout))
             .for_each(|(dst, src)| {
@@ -419,9 +426,9 @@ fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Vec<f32> {
             })
         }
     } else {
-        let mut dx = vec![0.0f32; len];
+        let mut dx = try_zeroed(len)?;
         grad_input_gemm(g, dy, w, &mut dx);
-        dx
+        Ok(dx)
     }
 }
 
@@ -468,8 +475,8 @@ unsafe fn par_build(
     len: usize,
     chunk: usize,
     fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
-) -> Vec<f32> {
-    let mut v: Vec<MaybeUninit<f32>> = Vec::with_capacity(len);
+) -> Result<Vec<f32>> {
+    let mut v: Vec<MaybeUninit<f32>> = try_scratch(len)?;
     // SAFETY: MaybeUninit needs no initialisation; capacity is len.
     unsafe { v.set_len(len) };
     v.par_chunks_mut(chunk.max(1))
@@ -478,7 +485,7 @@ unsafe fn par_build(
     let mut v = ManuallyDrop::new(v);
     // SAFETY: every element was written (the caller's contract); f32 and
     // MaybeUninit<f32> have the same layout, and we take over the allocation.
-    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<f32>(), v.len(), v.capacity()) }
+    Ok(unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<f32>(), v.len(), v.capacity()) })
 }
 
 /// Copies one [h, w, c] image into `dst` ([h+2p, w+2p, c]) inside a zero

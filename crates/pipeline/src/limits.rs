@@ -1,0 +1,345 @@
+//! What this process may really use, and sizes no run can survive.
+//!
+//! A container's cgroup limit, `ulimit -v` (RLIMIT_AS) or `ulimit -d`
+//! (RLIMIT_DATA) are invisible in `/proc/meminfo`, yet an allocation past
+//! them fails (and an infallible one aborts the process). With no
+//! `device.memory_limit`, the run's tensor budget is a share of the room the
+//! tightest of these leaves, so the OOM policy engages before the OS says no.
+
+use std::path::{Path, PathBuf};
+
+use headroom_model::{LayerSpec, ModelSpec};
+
+use crate::config::ExperimentConfig;
+use crate::memory::mib;
+use crate::{PipelineError, Result};
+
+/// Share of the room left that the tensor pool may take by default: the
+/// rest is for what lives outside the pool (the dataset, loader batches,
+/// thread stacks and allocator arenas, layer scratch, checkpoint snapshots).
+const DEFAULT_BUDGET_SHARE: f64 = 0.5;
+
+/// Compute threads per core beyond which `train.threads` is a mistake.
+const MAX_THREADS_PER_CORE: usize = 16;
+
+/// A ceiling on this process's memory, and where it comes from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemoryCeiling {
+    /// Bytes the process may still take.
+    pub room: u64,
+    /// The limit itself (for the report).
+    pub limit: u64,
+    /// Where it was found, e.g. "cgroup v2 memory.max (/sys/fs/cgroup/x/memory.max)".
+    pub source: String,
+}
+
+/// Every ceiling found, tightest first.
+pub fn ceilings() -> Vec<MemoryCeiling> {
+    let mut found = Vec::new();
+    found.extend(cgroup_v2());
+    found.extend(cgroup_v1());
+    found.extend(rlimit(libc::RLIMIT_AS, "RLIMIT_AS (ulimit -v)", "VmSize:"));
+    found.extend(rlimit(
+        libc::RLIMIT_DATA,
+        "RLIMIT_DATA (ulimit -d)",
+        "VmData:",
+    ));
+    if let Some(available) = crate::available_memory_bytes() {
+        found.push(MemoryCeiling {
+            room: available,
+            limit: crate::system_memory_bytes().unwrap_or(available),
+            source: "available memory (MemAvailable in /proc/meminfo)".into(),
+        });
+    }
+    found.sort_by_key(|c| c.room);
+    found
+}
+
+/// The tightest ceiling, if the OS tells us any.
+pub fn tightest() -> Option<MemoryCeiling> {
+    ceilings().into_iter().next()
+}
+
+/// The tensor budget when `device.memory_limit` is unset: a share of the
+/// tightest ceiling's room.
+pub fn default_budget() -> Option<(u64, MemoryCeiling)> {
+    let ceiling = tightest()?;
+    Some(((ceiling.room as f64 * DEFAULT_BUDGET_SHARE) as u64, ceiling))
+}
+
+fn cgroup_v2() -> Option<MemoryCeiling> {
+    let membership = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let relative = membership.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let mut dir = Path::new("/sys/fs/cgroup").join(relative.trim_start_matches('/'));
+    let mut tightest: Option<MemoryCeiling> = None;
+    // A parent's limit binds the child too.
+    loop {
+        if let Some(found) = cgroup_limit(&dir, "memory.max", "memory.current", "cgroup v2") {
+            if tightest.as_ref().is_none_or(|t| found.room < t.room) {
+                tightest = Some(found);
+            }
+        }
+        if !dir.pop() || !dir.starts_with("/sys/fs/cgroup") {
+            return tightest;
+        }
+    }
+}
+
+fn cgroup_v1() -> Option<MemoryCeiling> {
+    let membership = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let relative = membership.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        controllers
+            .split(',')
+            .any(|c| c == "memory")
+            .then_some(path)
+    })?;
+    let dir = PathBuf::from("/sys/fs/cgroup/memory").join(relative.trim_start_matches('/'));
+    cgroup_limit(
+        &dir,
+        "memory.limit_in_bytes",
+        "memory.usage_in_bytes",
+        "cgroup v1",
+    )
+}
+
+fn cgroup_limit(dir: &Path, max_file: &str, usage_file: &str, kind: &str) -> Option<MemoryCeiling> {
+    let max_path = dir.join(max_file);
+    let limit: u64 = std::fs::read_to_string(&max_path)
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?; // "max" (no limit) does not parse
+                // cgroup v1 writes "no limit" as a number near i64::MAX.
+    if limit >= 1 << 60 {
+        return None;
+    }
+    let used: u64 = std::fs::read_to_string(dir.join(usage_file))
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(0);
+    Some(MemoryCeiling {
+        room: limit.saturating_sub(used),
+        limit,
+        source: format!("{kind} {max_file} ({})", max_path.display()),
+    })
+}
+
+fn rlimit(
+    resource: libc::__rlimit_resource_t,
+    name: &str,
+    usage_key: &str,
+) -> Option<MemoryCeiling> {
+    let mut value = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we pass and reads nothing else.
+    if unsafe { libc::getrlimit(resource, &mut value) } != 0
+        || value.rlim_cur == libc::RLIM_INFINITY
+    {
+        return None;
+    }
+    let limit = value.rlim_cur;
+    let used = status_bytes(usage_key).unwrap_or(0);
+    Some(MemoryCeiling {
+        room: limit.saturating_sub(used),
+        limit,
+        source: name.into(),
+    })
+}
+
+fn status_bytes(key: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Refuses sizes no run can survive, naming the key, before anything is
+/// allocated or a thread started: thread counts far beyond the cores, a
+/// padding wider than its kernel, a model whose weights alone would not fit
+/// in the memory the process may use.
+pub fn check_sizes(config: &ExperimentConfig) -> Result<()> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let most_threads = cores * MAX_THREADS_PER_CORE;
+    for (key, value) in [
+        ("train.threads", config.train.threads),
+        ("data.workers", config.data.workers.unwrap_or(0)),
+    ] {
+        if value > most_threads {
+            return Err(PipelineError::value(
+                key,
+                format!(
+                    "{value} threads on a machine with {cores} cores; use at most {most_threads} (0 = every core)"
+                ),
+            ));
+        }
+    }
+    let model = ModelSize::of(&config.model)?;
+    // Weights, their gradients and two AdamW moments, then one sample's
+    // activations kept for backward: what even a micro-batch of 1 needs.
+    let needed = model.parameters.saturating_mul(16) + model.activation_bytes;
+    // Against what the process really has, not device.memory_limit: a budget
+    // too small for one sample is the OOM policy's case (checkpoint, stop,
+    // resume with more), not a mistake in the experiment.
+    let Some(ceiling) = tightest() else {
+        return Ok(());
+    };
+    let (available, from) = (ceiling.room, ceiling.source);
+    if needed > available {
+        return Err(PipelineError::value(
+            &model.largest_key,
+            format!(
+                "the model needs at least {} ({} parameters with gradients and AdamW moments, plus one sample's \
+                 activations), more than the {} this process may use ({from}); the largest layer is {}",
+                mib(needed),
+                model.parameters,
+                mib(available),
+                model.largest_key
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The number of outputs (classes) of the model a spec describes.
+pub fn output_classes(spec: &ModelSpec) -> Result<usize> {
+    let shape = ModelSize::of(spec)?.output;
+    match shape[..] {
+        [classes] if classes > 0 => Ok(classes as usize),
+        _ => Err(PipelineError::value(
+            "model.layers",
+            format!("the model's output has shape {shape:?}; a classifier ends in a linear layer of `out` classes"),
+        )),
+    }
+}
+
+/// Parameter count and per-sample activation bytes of a model spec, walked
+/// without building it.
+struct ModelSize {
+    parameters: u64,
+    activation_bytes: u64,
+    /// The key of the layer with the most parameters, to name it.
+    largest_key: String,
+    largest: u64,
+    /// The per-sample output shape.
+    output: Vec<u64>,
+}
+
+impl ModelSize {
+    fn of(spec: &ModelSpec) -> Result<Self> {
+        let mut size = Self {
+            parameters: 0,
+            activation_bytes: 0,
+            largest_key: "model.layers".into(),
+            largest: 0,
+            output: Vec::new(),
+        };
+        let shape = spec.input.map(|d| d as u64).to_vec();
+        size.output = size.walk(&spec.layers, "model.layers", shape)?;
+        Ok(size)
+    }
+
+    fn walk(
+        &mut self,
+        layers: &[LayerSpec],
+        prefix: &str,
+        mut shape: Vec<u64>,
+    ) -> Result<Vec<u64>> {
+        for (i, layer) in layers.iter().enumerate() {
+            let key = format!("{prefix}[{i}]");
+            let (params, next) = self.layer(layer, &key, &shape)?;
+            if params > self.largest {
+                self.largest = params;
+                self.largest_key = key;
+            }
+            self.parameters = self.parameters.saturating_add(params);
+            let elements = next.iter().fold(1u64, |a, &d| a.saturating_mul(d));
+            self.activation_bytes = self
+                .activation_bytes
+                .saturating_add(elements.saturating_mul(4));
+            shape = next;
+        }
+        Ok(shape)
+    }
+
+    /// A layer's parameters and output shape; Err names a size that cannot be.
+    fn layer(&mut self, layer: &LayerSpec, key: &str, shape: &[u64]) -> Result<(u64, Vec<u64>)> {
+        let channels = shape.last().copied().unwrap_or(1);
+        match layer {
+            LayerSpec::Conv {
+                out,
+                kernel,
+                stride,
+                padding,
+                bias,
+            } => {
+                let (out, kernel, stride) = (*out as u64, *kernel as u64, *stride as u64);
+                let padding = padding.map_or(kernel / 2, |p| p as u64);
+                if padding > kernel {
+                    return Err(PipelineError::value(
+                        &format!("{key}.padding"),
+                        format!("{padding} is wider than the kernel ({kernel}): the output would be mostly zeros"),
+                    ));
+                }
+                let [h, w] = match shape {
+                    [h, w, _] => [*h, *w],
+                    _ => return Ok((0, shape.to_vec())), // the model crate names this one
+                };
+                let side = |d: u64| {
+                    (d + 2 * padding)
+                        .checked_sub(kernel)
+                        .map(|r| r / stride.max(1) + 1)
+                };
+                let next = match (side(h), side(w)) {
+                    (Some(oh), Some(ow)) => vec![oh, ow, out],
+                    _ => return Ok((0, shape.to_vec())),
+                };
+                let weights = kernel
+                    .saturating_mul(kernel)
+                    .saturating_mul(channels)
+                    .saturating_mul(out);
+                Ok((weights.saturating_add(if *bias { out } else { 0 }), next))
+            }
+            LayerSpec::BatchNorm { .. } => Ok((2 * channels, shape.to_vec())),
+            LayerSpec::Relu => Ok((0, shape.to_vec())),
+            LayerSpec::Residual { layers } => {
+                let before = self.parameters;
+                let next = self.walk(layers, &format!("{key}.layers"), shape.to_vec())?;
+                let inner = self.parameters - before;
+                self.parameters = before;
+                Ok((inner, next))
+            }
+            LayerSpec::BasicBlock => {
+                Ok((2 * 9 * channels * channels + 4 * channels, shape.to_vec()))
+            }
+            LayerSpec::GlobalAvgPool => Ok((0, vec![channels])),
+            LayerSpec::Linear { out, bias } => {
+                let features = shape.iter().fold(1u64, |a, &d| a.saturating_mul(d));
+                let out = *out as u64;
+                let weights = features.saturating_mul(out);
+                Ok((
+                    weights.saturating_add(if *bias { out } else { 0 }),
+                    vec![out],
+                ))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tightest_ceiling_comes_first() {
+        let found = ceilings();
+        assert!(found.windows(2).all(|w| w[0].room <= w[1].room));
+        assert!(
+            found.iter().any(|c| c.source.contains("MemAvailable")),
+            "{found:?}"
+        );
+    }
+}

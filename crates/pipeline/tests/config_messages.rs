@@ -1,0 +1,59 @@
+//! Configuration errors say where the bad value came from and what was
+//! expected, once; `--set` reads values the way the environment does.
+
+use std::path::{Path, PathBuf};
+
+use headroom_pipeline::config::{parse_bytes, ScheduleConfig};
+use headroom_pipeline::{ExperimentConfig, Overrides};
+
+fn smoke() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments/smoke.toml")
+}
+
+fn load(sets: &[&str]) -> Result<ExperimentConfig, String> {
+    let pairs: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    ExperimentConfig::load(&smoke(), &Overrides::parse(&pairs).unwrap()).map_err(|e| e.to_string())
+}
+
+#[test]
+fn set_reaches_tagged_tables_like_the_environment_does() {
+    let config = load(&["schedule.pct_start=0.5"]).unwrap();
+    let ScheduleConfig::OneCycle { pct_start, .. } = config.schedule else {
+        panic!("smoke uses one_cycle");
+    };
+    assert_eq!(pct_start, 0.5);
+}
+
+#[test]
+fn a_bad_set_value_blames_the_set_not_the_file() {
+    let err = load(&["train.epochs=many"]).unwrap_err();
+    assert!(err.contains("--set train.epochs"), "{err}");
+    assert!(!err.contains("smoke.toml"), "{err}");
+}
+
+#[test]
+fn byte_sizes_are_explained_as_byte_sizes() {
+    assert_eq!(
+        parse_bytes("device.memory_limit", "3.5GiB").unwrap(),
+        3_758_096_384
+    );
+    assert_eq!(
+        parse_bytes("device.memory_limit", "500MB").unwrap(),
+        500_000_000
+    );
+    assert_eq!(parse_bytes("device.memory_limit", "4096").unwrap(), 4096);
+    let err = parse_bytes("device.memory_limit", "lots")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("device.memory_limit"), "{err}");
+    assert!(err.contains("byte size"), "{err}");
+    assert!(!err.contains("shard"), "{err}");
+}
+
+#[test]
+fn run_name_cannot_leave_the_runs_directory() {
+    for name in ["../../x", "a/b", "..", "/etc"] {
+        let err = load(&[&format!("run.name={name}")]).unwrap_err();
+        assert!(err.contains("run.name"), "{name}: {err}");
+    }
+}
