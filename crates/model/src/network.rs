@@ -10,7 +10,10 @@
 use serde::{Deserialize, Serialize};
 
 use crate::init::InitRng;
-use crate::layers::{BatchNorm2d, Checkpointed, Conv2d, GlobalAvgPool, Linear, Relu, Residual};
+use crate::layers::{
+    BatchNorm2d, Checkpointed, Conv2d, Flatten, Gelu, GlobalAvgPool, Linear, PerPosition, Relu,
+    Residual, Silu,
+};
 use crate::{Device, Layer, MemoryPool, Mode, ModelError, Param, PoolStats, Result, Tensor};
 
 /// `model.checkpoint`: which activations a training step recomputes in
@@ -101,11 +104,18 @@ pub enum LayerSpec {
     /// block's input, ReLU. Its width is its input's.
     BasicBlock,
     GlobalAvgPool,
+    /// Over a feature vector [c], or at every position of a sequence [t, c].
     Linear {
         out: usize,
         #[serde(default = "default_true")]
         bias: bool,
     },
+    /// [h, w, c] -> [h·w·c].
+    Flatten,
+    /// x·σ(x).
+    Silu,
+    /// GELU, tanh approximation.
+    Gelu,
 }
 
 pub struct Network {
@@ -473,19 +483,28 @@ fn build_one(
             vec![Box::new(GlobalAvgPool::new())]
         }
         LayerSpec::Linear { out, bias } => {
-            let [features] = shape else {
-                return Err(spec_error(
-                    path,
-                    format!(
-                        "linear needs a feature vector [c], got {shape:?}; add a global_avg_pool"
-                    ),
-                ));
-            };
             if *out == 0 {
                 return Err(spec_error(path, "out must be positive"));
             }
-            vec![Box::new(Linear::new(path, *features, *out, *bias, rng))]
+            match *shape {
+                [features] => vec![Box::new(Linear::new(path, features, *out, *bias, rng))],
+                [_, features] => vec![Box::new(PerPosition::new(Box::new(Linear::new(
+                    path, features, *out, *bias, rng,
+                ))))],
+                _ => {
+                    return Err(spec_error(
+                        path,
+                        format!(
+                            "linear needs a feature vector [c] or a sequence [t, c], got \
+                             {shape:?}; add a global_avg_pool or a flatten"
+                        ),
+                    ))
+                }
+            }
         }
+        LayerSpec::Flatten => vec![Box::new(Flatten::new())],
+        LayerSpec::Silu => vec![Box::new(Silu::new())],
+        LayerSpec::Gelu => vec![Box::new(Gelu::new())],
         LayerSpec::Residual { layers } => {
             let mut inner = shape.to_vec();
             let body = build_layers(layers, &format!("{path}.layers"), &mut inner, rng)?;
