@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::init::InitRng;
 use crate::layers::{
-    BatchNorm2d, Checkpointed, Conv2d, Flatten, Gelu, GlobalAvgPool, Linear, PerPosition, Relu,
-    Residual, Silu,
+    BatchNorm2d, Checkpointed, Conv2d, Embedding, Flatten, Gelu, GlobalAvgPool, LayerNorm, Linear,
+    PerPosition, Relu, Residual, Silu,
 };
 use crate::{Device, Layer, MemoryPool, Mode, ModelError, Param, PoolStats, Result, Tensor};
 
@@ -41,14 +41,25 @@ impl CheckpointPolicy {
 }
 
 /// `[model]` in an experiment file.
+///
+/// The input is either u8 pixels (`input`, `mean`, `std`: required) or token
+/// ids (`tokens`, and then none of the three).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSpec {
     /// Per-sample input shape, NHWC without N: [height, width, channels].
+    #[serde(default)]
     pub input: [usize; 3],
     /// Input normalisation applied to u8 pixels: (x/255 - mean) / std.
+    #[serde(default)]
     pub mean: f32,
+    #[serde(default)]
     pub std: f32,
+    /// Token input: each sample is `length` ids below `vocab`, fed as a
+    /// [N, length] tensor (`Network::input_from_tokens`). Absent for pixels,
+    /// and then left out of the serialised spec (fingerprints unchanged).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokenInput>,
     pub layers: Vec<LayerSpec>,
     /// Activation checkpointing; absent means `none`. Left out of the
     /// serialised spec when `none`, so specs written before it existed
@@ -56,6 +67,19 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "CheckpointPolicy::is_none")]
     pub checkpoint: CheckpointPolicy,
 }
+
+/// `model.tokens`.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TokenInput {
+    /// Ids per sample (the sequence length T).
+    pub length: usize,
+    /// Ids are in 0..vocab.
+    pub vocab: usize,
+}
+
+/// Ids travel as f32 values, exact up to 2^24.
+const MAX_VOCAB: usize = 1 << 24;
 
 fn default_kernel() -> usize {
     3
@@ -116,6 +140,18 @@ pub enum LayerSpec {
     Silu,
     /// GELU, tanh approximation.
     Gelu,
+    /// Normalisation over the last axis, with a learned scale and shift.
+    LayerNorm {
+        #[serde(default = "default_eps")]
+        eps: f32,
+    },
+    /// Token ids [t] -> [t, dim]; needs `model.tokens` (its vocabulary).
+    /// `positions` adds a learned position embedding of t rows.
+    Embedding {
+        dim: usize,
+        #[serde(default)]
+        positions: bool,
+    },
 }
 
 pub struct Network {
@@ -128,31 +164,26 @@ impl Network {
     /// Builds and initialises the network; errors name the layer
     /// (`model.layers[3]`) and what does not fit.
     pub fn build(spec: &ModelSpec, seed: u64) -> Result<Self> {
-        if spec.input.contains(&0) {
-            return Err(ModelError::Spec {
-                path: "model.input".into(),
-                reason: format!("every dimension must be positive, got {:?}", spec.input),
-            });
+        match &spec.tokens {
+            None => check_pixel_input(spec)?,
+            Some(tokens) => check_token_input(spec, tokens)?,
         }
-        if !(spec.std.is_finite() && spec.std > 0.0 && spec.mean.is_finite()) {
-            return Err(ModelError::Spec {
-                path: "model.std".into(),
-                reason: format!(
-                    "need a finite mean and a positive std, got mean {} std {}",
-                    spec.mean, spec.std
-                ),
-            });
-        }
-        let mut rng = InitRng::new(seed);
-        let mut shape = spec.input.to_vec();
-        let groups = build_groups(&spec.layers, "model.layers", &mut shape, &mut rng)?;
+        let mut ctx = BuildContext {
+            rng: InitRng::new(seed),
+            vocab: spec.tokens.map(|t| t.vocab),
+        };
+        let mut shape = input_shape(spec);
+        let groups = build_groups(&spec.layers, "model.layers", &mut shape, &mut ctx)?;
         let layers = arrange(groups, spec.checkpoint);
-        if shape.len() != 1 {
+        let per_token_scores = spec.tokens.is_some_and(|t| shape.len() == 2 && shape[0] == t.length);
+        if shape.len() != 1 && !per_token_scores {
+            let expected = match spec.tokens {
+                None => "class scores [classes]".to_string(),
+                Some(t) => format!("class scores [classes] or per-token scores [{}, classes]", t.length),
+            };
             return Err(ModelError::Spec {
                 path: "model.layers".into(),
-                reason: format!(
-                    "the network must end in class scores [classes], it ends in {shape:?}"
-                ),
+                reason: format!("the network must end in {expected}, it ends in {shape:?}"),
             });
         }
         Ok(Self {
@@ -166,14 +197,55 @@ impl Network {
         &self.spec
     }
 
+    /// Classes scored: the last dimension of the output ([classes], or
+    /// [length, classes] for per-token scores).
     pub fn num_classes(&self) -> usize {
-        self.output_shape[0]
+        self.output_shape.last().copied().unwrap_or(0)
+    }
+
+    /// The per-sample output shape.
+    pub fn output_shape(&self) -> &[usize] {
+        &self.output_shape
+    }
+
+    /// The per-sample input shape: [h, w, c] for pixels, [length] for tokens.
+    pub fn input_shape(&self) -> Vec<usize> {
+        input_shape(&self.spec)
     }
 
     /// Converts a u8 NHWC batch into the normalised input tensor.
     pub fn input_from_u8(&self, batch: usize, pixels: &[u8]) -> Result<Tensor> {
+        if self.spec.tokens.is_some() {
+            return Err(ModelError::State(
+                "this model reads token ids (model.tokens): use input_from_tokens".into(),
+            ));
+        }
         let [h, w, c] = self.spec.input;
         Tensor::from_u8_normalized(&[batch, h, w, c], pixels, self.spec.mean, self.spec.std)
+    }
+
+    /// Converts `batch` sequences of token ids (row-major [batch, length])
+    /// into the network's input, [batch, length] ids as f32 (exact: the
+    /// vocabulary is below 2^24). Ids outside the vocabulary are an error.
+    pub fn input_from_tokens(&self, batch: usize, ids: &[u32]) -> Result<Tensor> {
+        let Some(tokens) = self.spec.tokens else {
+            return Err(ModelError::State(
+                "this model reads pixels: set model.tokens to feed token ids".into(),
+            ));
+        };
+        if let Some(at) = ids.iter().position(|&id| id as usize >= tokens.vocab) {
+            return Err(ModelError::Shape {
+                op: "network input",
+                expected: format!("token ids in 0..{}", tokens.vocab),
+                got: format!("{} at index {at}", ids[at]),
+            });
+        }
+        let mut values = Vec::new();
+        values
+            .try_reserve_exact(ids.len())
+            .map_err(|_| ModelError::State("token batch too large".into()))?;
+        values.extend(ids.iter().map(|&id| id as f32));
+        Tensor::from_vec(&[batch, tokens.length], values)
     }
 
     /// Returns the logits, [N, classes].
@@ -184,8 +256,8 @@ impl Network {
     /// If the step fails after a successful training forward (in the loss),
     /// call `clear_saved` to free the activations the forward saved.
     pub fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
-        let [h, w, c] = self.spec.input;
-        input.expect_shape("network input", &[input.batch(), h, w, c])?;
+        let expected = [vec![input.batch()], self.input_shape()].concat();
+        input.expect_shape("network input", &expected)?;
         let before = (mode == Mode::Train).then(|| self.buffer_values());
         let mut x = input.clone();
         for i in 0..self.layers.len() {
@@ -300,11 +372,11 @@ impl Network {
         if let Some(limit) = outer.limit() {
             pool.set_limit(Some(limit.saturating_sub(outer.stats().in_use_bytes)));
         }
-        let [h, w, c] = self.spec.input;
+        let input_shape = [vec![batch], self.input_shape()].concat();
         self.clear_saved();
         self.set_recompute(true);
         let result = pool.scope(|| -> Result<()> {
-            let x = Tensor::try_zeros(&[batch, h, w, c])?;
+            let x = Tensor::try_zeros(&input_shape)?;
             let logits = self.forward(&x, Mode::Train)?;
             let grad = Tensor::try_zeros(logits.shape())?;
             self.backward(&grad)
@@ -322,7 +394,7 @@ impl Network {
 
     /// Multiply-adds of one sample's forward.
     pub fn macs_per_sample(&self) -> Result<u64> {
-        let mut shape = self.spec.input.to_vec();
+        let mut shape = self.input_shape();
         let mut total = 0;
         for layer in &self.layers {
             total += layer.macs(&shape)?;
@@ -333,7 +405,7 @@ impl Network {
 
     /// One line per layer: what it is and its output shape.
     pub fn summary(&self) -> Result<Vec<String>> {
-        let mut shape = self.spec.input.to_vec();
+        let mut shape = self.input_shape();
         let mut lines = Vec::new();
         for layer in &self.layers {
             shape = layer.output_shape(&shape)?;
@@ -350,6 +422,68 @@ pub fn measure_step_peak(network: &mut Network, batch: usize) -> Result<u64> {
     Ok(network.measure_step(batch)?.peak_in_use_bytes)
 }
 
+fn input_shape(spec: &ModelSpec) -> Vec<usize> {
+    match spec.tokens {
+        Some(tokens) => vec![tokens.length],
+        None => spec.input.to_vec(),
+    }
+}
+
+fn check_pixel_input(spec: &ModelSpec) -> Result<()> {
+    if spec.input.contains(&0) {
+        return Err(spec_error(
+            "model.input",
+            format!(
+                "every dimension must be positive, got {:?} (model.input is required \
+                 unless model.tokens is set)",
+                spec.input
+            ),
+        ));
+    }
+    if !(spec.std.is_finite() && spec.std > 0.0 && spec.mean.is_finite()) {
+        return Err(spec_error(
+            "model.std",
+            format!(
+                "need a finite mean and a positive std, got mean {} std {}",
+                spec.mean, spec.std
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn check_token_input(spec: &ModelSpec, tokens: &TokenInput) -> Result<()> {
+    if tokens.length == 0 {
+        return Err(spec_error("model.tokens.length", "must be positive"));
+    }
+    if tokens.vocab == 0 || tokens.vocab > MAX_VOCAB {
+        return Err(spec_error(
+            "model.tokens.vocab",
+            format!("must be in 1..={MAX_VOCAB}, got {}", tokens.vocab),
+        ));
+    }
+    for (key, set) in [
+        ("model.input", spec.input != [0; 3]),
+        ("model.mean", spec.mean != 0.0),
+        ("model.std", spec.std != 0.0),
+    ] {
+        if set {
+            return Err(spec_error(
+                key,
+                "pixel settings do not apply to a token model (model.tokens); remove it",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What building a layer may need besides its spec and input shape.
+struct BuildContext {
+    rng: InitRng,
+    /// `model.tokens.vocab`, for embeddings.
+    vocab: Option<usize>,
+}
+
 /// The layers one spec entry built, and whether it is a residual block.
 struct Group {
     block: bool,
@@ -360,13 +494,13 @@ fn build_groups(
     specs: &[LayerSpec],
     path: &str,
     shape: &mut Vec<usize>,
-    rng: &mut InitRng,
+    ctx: &mut BuildContext,
 ) -> Result<Vec<Group>> {
     let mut groups = Vec::new();
     for (i, spec) in specs.iter().enumerate() {
         let here = format!("{path}[{i}]");
         let mut layers = Vec::new();
-        for layer in build_one(spec, &here, shape, rng)? {
+        for layer in build_one(spec, &here, shape, ctx)? {
             *shape = layer.output_shape(shape).map_err(|e| ModelError::Spec {
                 path: here.clone(),
                 reason: e.to_string(),
@@ -383,9 +517,9 @@ fn build_layers(
     specs: &[LayerSpec],
     path: &str,
     shape: &mut Vec<usize>,
-    rng: &mut InitRng,
+    ctx: &mut BuildContext,
 ) -> Result<Vec<Box<dyn Layer>>> {
-    let groups = build_groups(specs, path, shape, rng)?;
+    let groups = build_groups(specs, path, shape, ctx)?;
     Ok(arrange(groups, CheckpointPolicy::None))
 }
 
@@ -448,7 +582,7 @@ fn build_one(
     spec: &LayerSpec,
     path: &str,
     shape: &[usize],
-    rng: &mut InitRng,
+    ctx: &mut BuildContext,
 ) -> Result<Vec<Box<dyn Layer>>> {
     let built: Vec<Box<dyn Layer>> = match spec {
         LayerSpec::Conv {
@@ -464,7 +598,7 @@ fn build_one(
             }
             let pad = padding.unwrap_or(kernel / 2);
             vec![Box::new(Conv2d::new(
-                path, cin, *out, *kernel, *stride, pad, *bias, rng,
+                path, cin, *out, *kernel, *stride, pad, *bias, &mut ctx.rng,
             )?)]
         }
         LayerSpec::BatchNorm { momentum, eps } => {
@@ -487,9 +621,9 @@ fn build_one(
                 return Err(spec_error(path, "out must be positive"));
             }
             match *shape {
-                [features] => vec![Box::new(Linear::new(path, features, *out, *bias, rng))],
+                [features] => vec![Box::new(Linear::new(path, features, *out, *bias, &mut ctx.rng))],
                 [_, features] => vec![Box::new(PerPosition::new(Box::new(Linear::new(
-                    path, features, *out, *bias, rng,
+                    path, features, *out, *bias, &mut ctx.rng,
                 ))))],
                 _ => {
                     return Err(spec_error(
@@ -505,9 +639,34 @@ fn build_one(
         LayerSpec::Flatten => vec![Box::new(Flatten::new())],
         LayerSpec::Silu => vec![Box::new(Silu::new())],
         LayerSpec::Gelu => vec![Box::new(Gelu::new())],
+        LayerSpec::LayerNorm { eps } => {
+            let Some(&features) = shape.last() else {
+                return Err(spec_error(path, "layer_norm needs a non-scalar input"));
+            };
+            if !(eps.is_finite() && *eps > 0.0) {
+                return Err(spec_error(&format!("{path}.eps"), format!("must be positive, got {eps}")));
+            }
+            vec![Box::new(LayerNorm::new(path, features, *eps))]
+        }
+        LayerSpec::Embedding { dim, positions } => {
+            let Some(vocab) = ctx.vocab else {
+                return Err(spec_error(
+                    path,
+                    "embedding reads token ids: set model.tokens = { length, vocab }",
+                ));
+            };
+            let [length] = *shape else {
+                return Err(spec_error(path, format!("embedding needs token ids [t], got {shape:?}")));
+            };
+            if *dim == 0 {
+                return Err(spec_error(&format!("{path}.dim"), "must be positive"));
+            }
+            let max_positions = positions.then_some(length);
+            vec![Box::new(Embedding::new(path, vocab, *dim, max_positions, &mut ctx.rng))]
+        }
         LayerSpec::Residual { layers } => {
             let mut inner = shape.to_vec();
-            let body = build_layers(layers, &format!("{path}.layers"), &mut inner, rng)?;
+            let body = build_layers(layers, &format!("{path}.layers"), &mut inner, ctx)?;
             if inner != shape {
                 return Err(spec_error(
                     path,
@@ -530,7 +689,7 @@ fn build_one(
                 eps: default_eps(),
             };
             let body = vec![conv.clone(), bn.clone(), LayerSpec::Relu, conv, bn];
-            let mut built = build_one(&LayerSpec::Residual { layers: body }, path, shape, rng)?;
+            let mut built = build_one(&LayerSpec::Residual { layers: body }, path, shape, ctx)?;
             built.push(Box::new(Relu::new()));
             built
         }
