@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::init::InitRng;
 use crate::layers::{
-    BatchNorm2d, Checkpointed, Conv2d, Embedding, Flatten, Gelu, GlobalAvgPool, LayerNorm, Linear,
-    PerPosition, Relu, Residual, Silu,
+    BatchNorm2d, CausalSelfAttention, Checkpointed, Conv2d, Dropout, Embedding, Flatten, Gelu,
+    GlobalAvgPool, LayerNorm, Linear, LoraConfig, LoraLinear, PerPosition, Relu, Residual, Silu,
 };
 use crate::{Device, Layer, MemoryPool, Mode, ModelError, Param, PoolStats, Result, Tensor};
 
@@ -152,6 +152,46 @@ pub enum LayerSpec {
         #[serde(default)]
         positions: bool,
     },
+    /// Zeroes each element with probability `p` in training (counter-based
+    /// randomness: resumes draw the same masks); the identity in evaluation.
+    Dropout {
+        p: f32,
+    },
+    /// Multi-head causal self-attention over [t, c]; `heads` must divide c.
+    /// `lean` recomputes each head's T×T probabilities in backward instead
+    /// of keeping them. `lora` freezes both projections and adapts them.
+    CausalSelfAttention {
+        heads: usize,
+        #[serde(default)]
+        lean: bool,
+        #[serde(default)]
+        lora: Option<LoraConfig>,
+    },
+    /// A linear layer with its weight frozen and a trainable LoRA update.
+    LoraLinear {
+        out: usize,
+        #[serde(default = "default_true")]
+        bias: bool,
+        lora: LoraConfig,
+    },
+    /// A pre-norm GPT block, checkpointed as one block: x + attn(ln(x)),
+    /// then x + mlp(ln(x)) with mlp = linear c->mlp_ratio·c, gelu, linear
+    /// back; `dropout` after the attention and after the MLP when positive.
+    TransformerBlock {
+        heads: usize,
+        #[serde(default = "default_mlp_ratio")]
+        mlp_ratio: usize,
+        #[serde(default)]
+        dropout: f32,
+        #[serde(default)]
+        lean: bool,
+        #[serde(default)]
+        lora: Option<LoraConfig>,
+    },
+}
+
+fn default_mlp_ratio() -> usize {
+    4
 }
 
 pub struct Network {
@@ -175,11 +215,16 @@ impl Network {
         let mut shape = input_shape(spec);
         let groups = build_groups(&spec.layers, "model.layers", &mut shape, &mut ctx)?;
         let layers = arrange(groups, spec.checkpoint);
-        let per_token_scores = spec.tokens.is_some_and(|t| shape.len() == 2 && shape[0] == t.length);
+        let per_token_scores = spec
+            .tokens
+            .is_some_and(|t| shape.len() == 2 && shape[0] == t.length);
         if shape.len() != 1 && !per_token_scores {
             let expected = match spec.tokens {
                 None => "class scores [classes]".to_string(),
-                Some(t) => format!("class scores [classes] or per-token scores [{}, classes]", t.length),
+                Some(t) => format!(
+                    "class scores [classes] or per-token scores [{}, classes]",
+                    t.length
+                ),
             };
             return Err(ModelError::Spec {
                 path: "model.layers".into(),
@@ -507,7 +552,10 @@ fn build_groups(
             })?;
             layers.push(layer);
         }
-        let block = matches!(spec, LayerSpec::Residual { .. } | LayerSpec::BasicBlock);
+        let block = matches!(
+            spec,
+            LayerSpec::Residual { .. } | LayerSpec::BasicBlock | LayerSpec::TransformerBlock { .. }
+        );
         groups.push(Group { block, layers });
     }
     Ok(groups)
@@ -578,6 +626,120 @@ fn image_channels(path: &str, shape: &[usize]) -> Result<usize> {
     }
 }
 
+/// A linear layer [rows, in] -> [rows, out], with a LoRA adapter when
+/// `lora` is given (errors name `key_path.r` / `key_path.alpha`).
+fn lora_linear(
+    key_path: &str,
+    name: &str,
+    in_features: usize,
+    out_features: usize,
+    bias: bool,
+    lora: &LoraConfig,
+    ctx: &mut BuildContext,
+) -> Result<Box<dyn Layer>> {
+    lora.validate(key_path, in_features, out_features)?;
+    let base = Linear::new(name, in_features, out_features, bias, &mut ctx.rng);
+    Ok(Box::new(
+        LoraLinear::new(name, base, *lora, &mut ctx.rng)
+            .map_err(|e| spec_error(key_path, e.to_string()))?,
+    ))
+}
+
+fn build_attention(
+    path: &str,
+    shape: &[usize],
+    heads: usize,
+    lean: bool,
+    lora: Option<&LoraConfig>,
+    ctx: &mut BuildContext,
+) -> Result<Box<dyn Layer>> {
+    let [_, width] = *shape else {
+        return Err(spec_error(
+            path,
+            format!("attention needs a sequence [t, c], got {shape:?}"),
+        ));
+    };
+    if heads == 0 || width % heads != 0 {
+        return Err(spec_error(
+            &format!("{path}.heads"),
+            format!("must be positive and divide the width {width}, got {heads}"),
+        ));
+    }
+    let projection = |name: String, out: usize, ctx: &mut BuildContext| match lora {
+        Some(lora) => lora_linear(&format!("{path}.lora"), &name, width, out, true, lora, ctx),
+        None => Ok(Box::new(Linear::new(&name, width, out, true, &mut ctx.rng)) as Box<dyn Layer>),
+    };
+    let qkv = projection(format!("{path}.qkv"), 3 * width, ctx)?;
+    let proj = projection(format!("{path}.proj"), width, ctx)?;
+    Ok(Box::new(CausalSelfAttention::new(
+        width, heads, qkv, proj, lean,
+    )?))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn build_transformer_block(
+    path: &str,
+    shape: &[usize],
+    heads: usize,
+    mlp_ratio: usize,
+    dropout: f32,
+    lean: bool,
+    lora: Option<&LoraConfig>,
+    ctx: &mut BuildContext,
+) -> Result<Vec<Box<dyn Layer>>> {
+    let [_, width] = *shape else {
+        return Err(spec_error(
+            path,
+            format!("transformer_block needs a sequence [t, c], got {shape:?}"),
+        ));
+    };
+    if mlp_ratio == 0 {
+        return Err(spec_error(&format!("{path}.mlp_ratio"), "must be positive"));
+    }
+    if !(0.0..1.0).contains(&dropout) {
+        return Err(spec_error(
+            &format!("{path}.dropout"),
+            format!("must be in [0, 1), got {dropout}"),
+        ));
+    }
+    let dropout_layer = |ctx: &mut BuildContext| -> Result<Option<Box<dyn Layer>>> {
+        if dropout > 0.0 {
+            Ok(Some(Box::new(Dropout::new(dropout, ctx.rng.next_u64())?)))
+        } else {
+            Ok(None)
+        }
+    };
+    let mut attention: Vec<Box<dyn Layer>> = vec![
+        Box::new(LayerNorm::new(&format!("{path}.ln1"), width, default_eps())),
+        build_attention(&format!("{path}.attn"), shape, heads, lean, lora, ctx)?,
+    ];
+    attention.extend(dropout_layer(ctx)?);
+    let hidden = width * mlp_ratio;
+    let mut mlp: Vec<Box<dyn Layer>> = vec![
+        Box::new(LayerNorm::new(&format!("{path}.ln2"), width, default_eps())),
+        Box::new(PerPosition::new(Box::new(Linear::new(
+            &format!("{path}.fc"),
+            width,
+            hidden,
+            true,
+            &mut ctx.rng,
+        )))),
+        Box::new(Gelu::new()),
+        Box::new(PerPosition::new(Box::new(Linear::new(
+            &format!("{path}.fc_out"),
+            hidden,
+            width,
+            true,
+            &mut ctx.rng,
+        )))),
+    ];
+    mlp.extend(dropout_layer(ctx)?);
+    Ok(vec![
+        Box::new(Residual::new(attention)),
+        Box::new(Residual::new(mlp)),
+    ])
+}
+
 fn build_one(
     spec: &LayerSpec,
     path: &str,
@@ -598,7 +760,14 @@ fn build_one(
             }
             let pad = padding.unwrap_or(kernel / 2);
             vec![Box::new(Conv2d::new(
-                path, cin, *out, *kernel, *stride, pad, *bias, &mut ctx.rng,
+                path,
+                cin,
+                *out,
+                *kernel,
+                *stride,
+                pad,
+                *bias,
+                &mut ctx.rng,
             )?)]
         }
         LayerSpec::BatchNorm { momentum, eps } => {
@@ -621,9 +790,19 @@ fn build_one(
                 return Err(spec_error(path, "out must be positive"));
             }
             match *shape {
-                [features] => vec![Box::new(Linear::new(path, features, *out, *bias, &mut ctx.rng))],
+                [features] => vec![Box::new(Linear::new(
+                    path,
+                    features,
+                    *out,
+                    *bias,
+                    &mut ctx.rng,
+                ))],
                 [_, features] => vec![Box::new(PerPosition::new(Box::new(Linear::new(
-                    path, features, *out, *bias, &mut ctx.rng,
+                    path,
+                    features,
+                    *out,
+                    *bias,
+                    &mut ctx.rng,
                 ))))],
                 _ => {
                     return Err(spec_error(
@@ -644,7 +823,10 @@ fn build_one(
                 return Err(spec_error(path, "layer_norm needs a non-scalar input"));
             };
             if !(eps.is_finite() && *eps > 0.0) {
-                return Err(spec_error(&format!("{path}.eps"), format!("must be positive, got {eps}")));
+                return Err(spec_error(
+                    &format!("{path}.eps"),
+                    format!("must be positive, got {eps}"),
+                ));
             }
             vec![Box::new(LayerNorm::new(path, features, *eps))]
         }
@@ -656,14 +838,87 @@ fn build_one(
                 ));
             };
             let [length] = *shape else {
-                return Err(spec_error(path, format!("embedding needs token ids [t], got {shape:?}")));
+                return Err(spec_error(
+                    path,
+                    format!("embedding needs token ids [t], got {shape:?}"),
+                ));
             };
             if *dim == 0 {
                 return Err(spec_error(&format!("{path}.dim"), "must be positive"));
             }
             let max_positions = positions.then_some(length);
-            vec![Box::new(Embedding::new(path, vocab, *dim, max_positions, &mut ctx.rng))]
+            vec![Box::new(Embedding::new(
+                path,
+                vocab,
+                *dim,
+                max_positions,
+                &mut ctx.rng,
+            ))]
         }
+        LayerSpec::Dropout { p } => {
+            if !(0.0..1.0).contains(p) {
+                return Err(spec_error(
+                    &format!("{path}.p"),
+                    format!("must be in [0, 1), got {p}"),
+                ));
+            }
+            vec![Box::new(Dropout::new(*p, ctx.rng.next_u64())?)]
+        }
+        LayerSpec::CausalSelfAttention { heads, lean, lora } => {
+            vec![build_attention(
+                path,
+                shape,
+                *heads,
+                *lean,
+                lora.as_ref(),
+                ctx,
+            )?]
+        }
+        LayerSpec::LoraLinear { out, bias, lora } => {
+            let (features, per_position) = match *shape {
+                [features] => (features, false),
+                [_, features] => (features, true),
+                _ => {
+                    return Err(spec_error(
+                        path,
+                        format!("lora_linear needs [c] or a sequence [t, c], got {shape:?}"),
+                    ))
+                }
+            };
+            if *out == 0 {
+                return Err(spec_error(&format!("{path}.out"), "must be positive"));
+            }
+            let layer = lora_linear(
+                &format!("{path}.lora"),
+                path,
+                features,
+                *out,
+                *bias,
+                lora,
+                ctx,
+            )?;
+            if per_position {
+                vec![Box::new(PerPosition::new(layer))]
+            } else {
+                vec![layer]
+            }
+        }
+        LayerSpec::TransformerBlock {
+            heads,
+            mlp_ratio,
+            dropout,
+            lean,
+            lora,
+        } => build_transformer_block(
+            path,
+            shape,
+            *heads,
+            *mlp_ratio,
+            *dropout,
+            *lean,
+            lora.as_ref(),
+            ctx,
+        )?,
         LayerSpec::Residual { layers } => {
             let mut inner = shape.to_vec();
             let body = build_layers(layers, &format!("{path}.layers"), &mut inner, ctx)?;

@@ -65,7 +65,9 @@ impl Head<'_> {
         let scale = self.scale();
         for (i, row) in p.chunks_exact_mut(t).enumerate() {
             let (visible, future) = row.split_at_mut(i + 1);
-            let max = visible.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
+            let max = visible
+                .iter()
+                .fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
             let mut sum = 0.0f32;
             for s in visible.iter_mut() {
                 *s = (*s * scale - max).exp();
@@ -99,6 +101,25 @@ impl Head<'_> {
         matmul(dq, t, d, t, View::rm(ds, t), View::rm(self.k, d), false);
         matmul(dk, t, d, t, View::cm(ds, t), View::rm(self.q, d), false);
         matmul(dv, t, d, t, View::cm(p, t), View::rm(d_out, d), false);
+    }
+}
+
+/// Head `index` (sample-major, head-minor) of q, k, v [N, heads, T, d].
+fn head_at<'a>(
+    q: &'a Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    index: usize,
+    t: usize,
+    d: usize,
+) -> Head<'a> {
+    let range = index * t * d..(index + 1) * t * d;
+    Head {
+        q: &q.data()[range.clone()],
+        k: &k.data()[range.clone()],
+        v: &v.data()[range],
+        t,
+        d,
     }
 }
 
@@ -180,24 +201,15 @@ impl CausalSelfAttention {
             src[((sample * h + head) * t + pos) * d + j]
         })
     }
-
-    fn head<'a>(&self, q: &'a Tensor, k: &'a Tensor, v: &'a Tensor, index: usize, t: usize) -> Head<'a> {
-        let d = self.head_dim();
-        let range = index * t * d..(index + 1) * t * d;
-        Head {
-            q: &q.data()[range.clone()],
-            k: &k.data()[range.clone()],
-            v: &v.data()[range],
-            t,
-            d,
-        }
-    }
 }
 
 impl Layer for CausalSelfAttention {
     fn describe(&self) -> String {
         let lean = if self.lean { ", lean" } else { "" };
-        format!("causal_self_attention {} heads {}{lean}", self.width, self.heads)
+        format!(
+            "causal_self_attention {} heads {}{lean}",
+            self.width, self.heads
+        )
     }
 
     fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
@@ -239,23 +251,32 @@ impl Layer for CausalSelfAttention {
                 .zip(p.try_data_mut()?.par_chunks_mut((t * t).max(1)))
                 .enumerate()
                 .for_each(|(i, (o, p))| {
-                    let head = self.head(&q, &k, &v, i, t);
+                    let head = head_at(&q, &k, &v, i, t, d);
                     head.probabilities(p);
                     head.output(p, o);
                 }),
-            None => out_chunks.enumerate().try_for_each(|(i, o)| -> Result<()> {
-                let head = self.head(&q, &k, &v, i, t);
-                let mut p = scratch(t)?;
-                head.probabilities(p.try_data_mut()?);
-                head.output(p.data(), o);
-                Ok(())
-            })?,
+            None => out_chunks
+                .enumerate()
+                .try_for_each(|(i, o)| -> Result<()> {
+                    let head = head_at(&q, &k, &v, i, t, d);
+                    let mut p = scratch(t)?;
+                    head.probabilities(p.try_data_mut()?);
+                    head.output(p.data(), o);
+                    Ok(())
+                })?,
         }
         let merged = self.merge_heads(&heads_out, n, t)?;
         drop(heads_out);
         let y = self.proj.forward(&merged, mode)?;
         if mode == Mode::Train {
-            self.saved = Some(Saved { n, t, q, k, v, probs });
+            self.saved = Some(Saved {
+                n,
+                t,
+                q,
+                k,
+                v,
+                probs,
+            });
         }
         y.reshape(&[n, t, self.width])
     }
@@ -267,7 +288,9 @@ impl Layer for CausalSelfAttention {
         let (n, t, c) = (saved.n, saved.t, self.width);
         let (h, d) = (self.heads, self.head_dim());
         grad_output.expect_shape("causal_self_attention backward", &[n, t, c])?;
-        let d_merged = self.proj.backward(&grad_output.clone().reshape(&[n * t, c])?)?;
+        let d_merged = self
+            .proj
+            .backward(&grad_output.clone().reshape(&[n * t, c])?)?;
         // dO by head, the layout the per-head products want.
         let d_heads = self.split_merged(&d_merged, n, t)?;
         drop(d_merged);
@@ -281,7 +304,7 @@ impl Layer for CausalSelfAttention {
             .zip(dv.try_data_mut()?.par_chunks_mut(chunk))
             .enumerate()
             .try_for_each(|(i, ((dq, dk), dv))| -> Result<()> {
-                let head = self.head(&saved.q, &saved.k, &saved.v, i, t);
+                let head = head_at(&saved.q, &saved.k, &saved.v, i, t, d);
                 let d_out = &d_heads.data()[i * t * d..(i + 1) * t * d];
                 let mut dp = scratch(t)?;
                 let recomputed;
@@ -390,7 +413,13 @@ mod tests {
         let mut rng = InitRng::new(1);
         let qkv = Box::new(Linear::new("qkv", 6, 18, true, &mut rng));
         let proj = Box::new(Linear::new("proj", 6, 6, true, &mut rng));
-        let err = CausalSelfAttention::new(6, 4, qkv, proj, false).err().unwrap();
-        assert!(err.to_string().contains("heads (4) must divide the width (6)"), "{err}");
+        let err = CausalSelfAttention::new(6, 4, qkv, proj, false)
+            .err()
+            .unwrap();
+        assert!(
+            err.to_string()
+                .contains("heads (4) must divide the width (6)"),
+            "{err}"
+        );
     }
 }

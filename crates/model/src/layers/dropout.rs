@@ -168,7 +168,10 @@ mod tests {
         assert_ne!(first.data(), second.data());
         let mut resumed = Dropout::new(0.3, 7).unwrap();
         resumed.set_counter(1);
-        assert_eq!(resumed.forward(&x, Mode::Train).unwrap().data(), second.data());
+        assert_eq!(
+            resumed.forward(&x, Mode::Train).unwrap().data(),
+            second.data()
+        );
         // Another seed, another mask.
         let mut other = Dropout::new(0.3, 8).unwrap();
         assert_ne!(other.forward(&x, Mode::Train).unwrap().data(), first.data());
@@ -177,7 +180,10 @@ mod tests {
     #[test]
     fn drops_about_p_and_keeps_the_mean() {
         let x = Tensor::try_full(&[100_000], 1.0).unwrap();
-        let y = Dropout::new(0.25, 1).unwrap().forward(&x, Mode::Train).unwrap();
+        let y = Dropout::new(0.25, 1)
+            .unwrap()
+            .forward(&x, Mode::Train)
+            .unwrap();
         let dropped = y.data().iter().filter(|&&v| v == 0.0).count() as f64 / 1e5;
         let mean = y.data().iter().map(|&v| v as f64).sum::<f64>() / 1e5;
         assert!((dropped - 0.25).abs() < 0.01, "dropped {dropped}");

@@ -40,11 +40,7 @@ impl Embedding {
         max_positions: Option<usize>,
         rng: &mut InitRng,
     ) -> Self {
-        let table = Param::new(
-            format!("{name}.table"),
-            normal_table(rng, vocab, dim),
-            true,
-        );
+        let table = Param::new(format!("{name}.table"), normal_table(rng, vocab, dim), true);
         let positions = max_positions.map(|t| {
             Param::new(
                 format!("{name}.positions"),
@@ -200,7 +196,10 @@ mod tests {
         let (table, pos) = (emb.table.value.data(), emb.positions.as_ref().unwrap());
         let id = x.data()[6] as usize; // n = 1, t = 2
         for j in 0..3 {
-            assert_eq!(y.data()[6 * 3 + j], table[id * 3 + j] + pos.value.data()[2 * 3 + j]);
+            assert_eq!(
+                y.data()[6 * 3 + j],
+                table[id * 3 + j] + pos.value.data()[2 * 3 + j]
+            );
         }
     }
 

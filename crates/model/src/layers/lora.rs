@@ -15,8 +15,8 @@ use gemm::Parallelism;
 use serde::{Deserialize, Serialize};
 
 use super::matmul::{matmul_with, View};
-use crate::init::InitRng;
 use super::Linear;
+use crate::init::InitRng;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 /// `lora = { r, alpha }` in a layer spec.
@@ -81,7 +81,12 @@ pub struct LoraLinear {
 
 impl LoraLinear {
     /// Freezes `base` and puts an adapter of `config` beside it.
-    pub fn new(name: &str, mut base: Linear, config: LoraConfig, rng: &mut InitRng) -> Result<Self> {
+    pub fn new(
+        name: &str,
+        mut base: Linear,
+        config: LoraConfig,
+        rng: &mut InitRng,
+    ) -> Result<Self> {
         let mut params = base.params_mut().into_iter();
         let weight = params
             .next()
@@ -130,7 +135,15 @@ impl LoraLinear {
         let scaled_b = Tensor::try_from_fn(&[o, r], |k| self.b.value.data()[k] * self.scale)?;
         let w = self.weight.value.try_data_mut()?;
         // W[in×out] += Aᵀ[in×r] · (s·B)ᵀ[r×out]
-        product(w, i, o, r, View::cm(self.a.value.data(), i), View::cm(scaled_b.data(), r), true);
+        product(
+            w,
+            i,
+            o,
+            r,
+            View::cm(self.a.value.data(), i),
+            View::cm(scaled_b.data(), r),
+            true,
+        );
         self.b.value.try_data_mut()?.fill(0.0);
         Ok(())
     }
@@ -217,7 +230,15 @@ impl Layer for LoraLinear {
         self.check_state()?;
         let x = View::rm(input.data(), i);
         let mut u = Tensor::try_zeros(&[n, r])?;
-        product(u.try_data_mut()?, n, r, i, x, View::cm(self.a.value.data(), i), false);
+        product(
+            u.try_data_mut()?,
+            n,
+            r,
+            i,
+            x,
+            View::cm(self.a.value.data(), i),
+            false,
+        );
         u.try_data_mut()?.iter_mut().for_each(|v| *v *= self.scale);
 
         let mut y = Tensor::try_zeros(&[n, o])?;
@@ -228,7 +249,15 @@ impl Layer for LoraLinear {
             }
         }
         product(out, n, o, i, x, View::rm(self.weight.value.data(), o), true);
-        product(out, n, o, r, View::rm(u.data(), r), View::cm(self.b.value.data(), r), true);
+        product(
+            out,
+            n,
+            o,
+            r,
+            View::rm(u.data(), r),
+            View::cm(self.b.value.data(), r),
+            true,
+        );
         if mode == Mode::Train {
             self.saved = Some((input.clone(), u));
         }
@@ -248,19 +277,59 @@ impl Layer for LoraLinear {
 
         // dB[o×r] += gᵀ·u
         let g_t = View::cm(grad_output.data(), o);
-        product(self.b.grad.data_mut(), o, r, n, g_t, View::rm(u.data(), r), true);
+        product(
+            self.b.grad.data_mut(),
+            o,
+            r,
+            n,
+            g_t,
+            View::rm(u.data(), r),
+            true,
+        );
         // du[n×r] = s·g·B
         let mut du = Tensor::try_zeros(&[n, r])?;
-        product(du.try_data_mut()?, n, r, o, g, View::rm(self.b.value.data(), r), false);
+        product(
+            du.try_data_mut()?,
+            n,
+            r,
+            o,
+            g,
+            View::rm(self.b.value.data(), r),
+            false,
+        );
         du.try_data_mut()?.iter_mut().for_each(|v| *v *= self.scale);
         // dA[r×i] += duᵀ·x
         let x_view = View::rm(x.data(), i);
-        product(self.a.grad.data_mut(), r, i, n, View::cm(du.data(), r), x_view, true);
+        product(
+            self.a.grad.data_mut(),
+            r,
+            i,
+            n,
+            View::cm(du.data(), r),
+            x_view,
+            true,
+        );
         // dx = g·Wᵀ + du·A
         let mut dx = Tensor::try_zeros(&[n, i])?;
         let dx_data = dx.try_data_mut()?;
-        product(dx_data, n, i, o, g, View::cm(self.weight.value.data(), o), false);
-        product(dx_data, n, i, r, View::rm(du.data(), r), View::rm(self.a.value.data(), i), true);
+        product(
+            dx_data,
+            n,
+            i,
+            o,
+            g,
+            View::cm(self.weight.value.data(), o),
+            false,
+        );
+        product(
+            dx_data,
+            n,
+            i,
+            r,
+            View::rm(du.data(), r),
+            View::rm(self.a.value.data(), i),
+            true,
+        );
         Ok(dx)
     }
 
@@ -291,7 +360,10 @@ mod tests {
             r,
             alpha: Some(2.0 * r as f32),
         };
-        (base, LoraLinear::new("fc", same, config, &mut InitRng::new(seed + 1)).unwrap())
+        (
+            base,
+            LoraLinear::new("fc", same, config, &mut InitRng::new(seed + 1)).unwrap(),
+        )
     }
 
     fn randomise_b(layer: &mut LoraLinear, seed: u64) {
@@ -343,9 +415,17 @@ mod tests {
         for (config, key) in [
             (LoraConfig { r: 0, alpha: None }, "fc.r"),
             (LoraConfig { r: 6, alpha: None }, "fc.r"),
-            (LoraConfig { r: 2, alpha: Some(0.0) }, "fc.alpha"),
+            (
+                LoraConfig {
+                    r: 2,
+                    alpha: Some(0.0),
+                },
+                "fc.alpha",
+            ),
         ] {
-            let err = LoraLinear::new("fc", base(), config, &mut rng).err().unwrap();
+            let err = LoraLinear::new("fc", base(), config, &mut rng)
+                .err()
+                .unwrap();
             assert!(err.to_string().contains(key), "{err}");
         }
     }

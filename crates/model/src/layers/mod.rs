@@ -8,15 +8,15 @@
 //! is `Err(ModelError::OutOfMemory)` from `forward`/`backward`, never a panic.
 
 mod activation;
-// mod attention;
+mod attention;
 mod batchnorm;
 mod checkpointed;
 mod conv;
 // mod conv_lstm;
-// mod dropout;
+mod dropout;
 mod embedding;
 mod linear;
-// mod lora;
+mod lora;
 // mod lstm;
 mod matmul;
 mod norm;
@@ -27,17 +27,17 @@ mod smooth_activation;
 // mod unet;
 
 pub use activation::Relu;
+pub use attention::CausalSelfAttention;
 pub use batchnorm::BatchNorm2d;
 pub use checkpointed::Checkpointed;
 pub use conv::Conv2d;
 pub use linear::Linear;
 pub use pool::GlobalAvgPool;
 pub use residual::Residual;
-// pub use attention::CausalSelfAttention;
 // pub use conv_lstm::ConvLstm;
-// pub use dropout::Dropout;
+pub use dropout::Dropout;
 pub use embedding::Embedding;
-// pub use lora::{LoraConfig, LoraLinear};
+pub use lora::{LoraConfig, LoraLinear};
 // pub use lstm::Lstm;
 pub use norm::LayerNorm;
 pub use reshape::{Flatten, PerPosition};

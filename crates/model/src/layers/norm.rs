@@ -110,7 +110,11 @@ impl Layer for LayerNorm {
                 rstd
             }
         })?;
-        let (gamma, beta, s) = (self.gamma.value.data(), self.beta.value.data(), stats.data());
+        let (gamma, beta, s) = (
+            self.gamma.value.data(),
+            self.beta.value.data(),
+            stats.data(),
+        );
         // SAFETY: each chunk holds whole rows; every element is written.
         let out = unsafe {
             par_build(input.shape(), ROWS_PER_TASK * c, |offset, out| {
@@ -206,7 +210,10 @@ mod tests {
         for row in y.data().chunks(16) {
             let mean: f32 = row.iter().sum::<f32>() / 16.0;
             let var: f32 = row.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / 16.0;
-            assert!(mean.abs() < 1e-5 && (var - 1.0).abs() < 1e-3, "{mean} {var}");
+            assert!(
+                mean.abs() < 1e-5 && (var - 1.0).abs() < 1e-3,
+                "{mean} {var}"
+            );
         }
     }
 
@@ -227,7 +234,9 @@ mod tests {
     #[test]
     fn wrong_width_is_a_named_error() {
         let mut ln = LayerNorm::new("ln", 6, 1e-5);
-        let err = ln.forward(&random_tensor(&[2, 5], 1), Mode::Train).unwrap_err();
+        let err = ln
+            .forward(&random_tensor(&[2, 5], 1), Mode::Train)
+            .unwrap_err();
         assert!(err.to_string().contains("layer_norm"), "{err}");
         assert!(ln.backward(&random_tensor(&[2, 6], 1)).is_err());
     }

@@ -183,14 +183,25 @@ mod tests {
 
     #[test]
     fn flatten_gradient_matches_finite_differences() {
-        let report = check_layer(&mut Flatten::new(), &random_tensor(&[2, 2, 3, 2], 2), 1e-2, 1e-3);
+        let report = check_layer(
+            &mut Flatten::new(),
+            &random_tensor(&[2, 2, 3, 2], 2),
+            1e-2,
+            1e-3,
+        );
         assert!(report.is_ok(), "{}", report.unwrap_err());
     }
 
     #[test]
     fn per_position_linear_equals_the_linear_on_each_row() {
         let mut rng = InitRng::new(4);
-        let mut seq = PerPosition::new(Box::new(Linear::new("fc", 5, 3, true, &mut InitRng::new(4))));
+        let mut seq = PerPosition::new(Box::new(Linear::new(
+            "fc",
+            5,
+            3,
+            true,
+            &mut InitRng::new(4),
+        )));
         let mut plain = Linear::new("fc", 5, 3, true, &mut rng);
         let x = random_tensor(&[2, 4, 5], 3);
         let y = seq.forward(&x, Mode::Eval).unwrap();
@@ -205,7 +216,13 @@ mod tests {
 
     #[test]
     fn per_position_gradient_matches_finite_differences() {
-        let mut seq = PerPosition::new(Box::new(Linear::new("fc", 4, 3, true, &mut InitRng::new(5))));
+        let mut seq = PerPosition::new(Box::new(Linear::new(
+            "fc",
+            4,
+            3,
+            true,
+            &mut InitRng::new(5),
+        )));
         let report = check_layer(&mut seq, &random_tensor(&[2, 3, 4], 6), 1e-2, 1e-3);
         assert!(report.is_ok(), "{}", report.unwrap_err());
     }

@@ -145,7 +145,12 @@ mod tests {
 
     #[test]
     fn silu_gradient_matches_finite_differences() {
-        let report = check_layer(&mut Silu::new(), &random_tensor(&[3, 2, 2, 5], 1), 1e-2, 1e-3);
+        let report = check_layer(
+            &mut Silu::new(),
+            &random_tensor(&[3, 2, 2, 5], 1),
+            1e-2,
+            1e-3,
+        );
         assert!(report.is_ok(), "{}", report.unwrap_err());
     }
 
