@@ -12,7 +12,8 @@ use serde::{Deserialize, Serialize};
 use crate::init::InitRng;
 use crate::layers::{
     BatchNorm2d, CausalSelfAttention, Checkpointed, Conv2d, Dropout, Embedding, Flatten, Gelu,
-    GlobalAvgPool, LayerNorm, Linear, LoraConfig, LoraLinear, PerPosition, Relu, Residual, Silu,
+    ConvLstm, GlobalAvgPool, LayerNorm, Linear, LoraConfig, LoraLinear, Lstm, PerPosition, Relu,
+    Residual, Silu, UnetSkip, Upsample2x,
 };
 use crate::{Device, Layer, MemoryPool, Mode, ModelError, Param, PoolStats, Result, Tensor};
 
@@ -187,6 +188,24 @@ pub enum LayerSpec {
         lean: bool,
         #[serde(default)]
         lora: Option<LoraConfig>,
+    },
+    /// One LSTM layer over [t, c] -> all hidden states [t, hidden].
+    Lstm {
+        hidden: usize,
+    },
+    /// Nearest-neighbour upsampling of an image by 2.
+    Upsample2x,
+    /// UNet skip: concatenates its input with its body's output along
+    /// channels; the body must give back the input's height and width.
+    UnetSkip {
+        layers: Vec<LayerSpec>,
+    },
+    /// A convolutional LSTM over frames [t, h, w, c] -> hidden states
+    /// [t, h, w, hidden]; the gates are one `kernel`×`kernel` convolution.
+    ConvLstm {
+        hidden: usize,
+        #[serde(default = "default_kernel")]
+        kernel: usize,
     },
 }
 
@@ -902,6 +921,46 @@ fn build_one(
             } else {
                 vec![layer]
             }
+        }
+        LayerSpec::Lstm { hidden } => {
+            let [_, features] = *shape else {
+                return Err(spec_error(path, format!("lstm needs a sequence [t, c], got {shape:?}")));
+            };
+            if *hidden == 0 {
+                return Err(spec_error(&format!("{path}.hidden"), "must be positive"));
+            }
+            vec![Box::new(Lstm::new(path, features, *hidden, &mut ctx.rng))]
+        }
+        LayerSpec::Upsample2x => {
+            image_channels(path, shape)?;
+            vec![Box::new(Upsample2x::new())]
+        }
+        LayerSpec::UnetSkip { layers } => {
+            image_channels(path, shape)?;
+            let mut inner = shape.to_vec();
+            let body = build_layers(layers, &format!("{path}.layers"), &mut inner, ctx)?;
+            if inner.len() != 3 || inner[..2] != shape[..2] {
+                return Err(spec_error(
+                    path,
+                    format!("unet_skip body maps {shape:?} to {inner:?}; it must keep the height and width"),
+                ));
+            }
+            vec![Box::new(UnetSkip::new(body))]
+        }
+        LayerSpec::ConvLstm { hidden, kernel } => {
+            let [_, _, _, channels] = *shape else {
+                return Err(spec_error(
+                    path,
+                    format!("conv_lstm needs frames [t, h, w, c], got {shape:?}"),
+                ));
+            };
+            if *hidden == 0 {
+                return Err(spec_error(&format!("{path}.hidden"), "must be positive"));
+            }
+            if *kernel == 0 || kernel % 2 == 0 {
+                return Err(spec_error(&format!("{path}.kernel"), format!("must be odd, got {kernel}")));
+            }
+            vec![Box::new(ConvLstm::new(path, channels, *hidden, *kernel, &mut ctx.rng)?)]
         }
         LayerSpec::TransformerBlock {
             heads,

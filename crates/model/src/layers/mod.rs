@@ -17,14 +17,14 @@ mod dropout;
 mod embedding;
 mod linear;
 mod lora;
-// mod lstm;
+mod lstm;
 mod matmul;
 mod norm;
 mod pool;
 mod reshape;
 mod residual;
 mod smooth_activation;
-// mod unet;
+mod unet;
 
 pub use activation::Relu;
 pub use attention::CausalSelfAttention;
@@ -38,11 +38,11 @@ pub use residual::Residual;
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use lora::{LoraConfig, LoraLinear};
-// pub use lstm::Lstm;
+pub use lstm::Lstm;
 pub use norm::LayerNorm;
 pub use reshape::{Flatten, PerPosition};
 pub use smooth_activation::{Gelu, Silu};
-// pub use unet::{UnetSkip, Upsample2x};
+pub use unet::{UnetSkip, Upsample2x};
 
 use crate::{Result, Tensor};
 
