@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::init::InitRng;
 use crate::layers::{
-    BatchNorm2d, CausalSelfAttention, Checkpointed, Conv2d, Dropout, Embedding, Flatten, Gelu,
-    ConvLstm, GlobalAvgPool, LayerNorm, Linear, LoraConfig, LoraLinear, Lstm, PerPosition, Relu,
+    BatchNorm2d, CausalSelfAttention, Checkpointed, Conv2d, ConvLstm, Dropout, Embedding, Flatten,
+    Gelu, GlobalAvgPool, LayerNorm, Linear, LoraConfig, LoraLinear, Lstm, PerPosition, Relu,
     Residual, Silu, UnetSkip, Upsample2x,
 };
 use crate::{Device, Layer, MemoryPool, Mode, ModelError, Param, PoolStats, Result, Tensor};
@@ -924,7 +924,10 @@ fn build_one(
         }
         LayerSpec::Lstm { hidden } => {
             let [_, features] = *shape else {
-                return Err(spec_error(path, format!("lstm needs a sequence [t, c], got {shape:?}")));
+                return Err(spec_error(
+                    path,
+                    format!("lstm needs a sequence [t, c], got {shape:?}"),
+                ));
             };
             if *hidden == 0 {
                 return Err(spec_error(&format!("{path}.hidden"), "must be positive"));
@@ -958,9 +961,18 @@ fn build_one(
                 return Err(spec_error(&format!("{path}.hidden"), "must be positive"));
             }
             if *kernel == 0 || kernel % 2 == 0 {
-                return Err(spec_error(&format!("{path}.kernel"), format!("must be odd, got {kernel}")));
+                return Err(spec_error(
+                    &format!("{path}.kernel"),
+                    format!("must be odd, got {kernel}"),
+                ));
             }
-            vec![Box::new(ConvLstm::new(path, channels, *hidden, *kernel, &mut ctx.rng)?)]
+            vec![Box::new(ConvLstm::new(
+                path,
+                channels,
+                *hidden,
+                *kernel,
+                &mut ctx.rng,
+            )?)]
         }
         LayerSpec::TransformerBlock {
             heads,

@@ -57,7 +57,15 @@ impl LoraConfig {
 
 /// Products of small layers are faster on one thread (as in `linear`).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn product(dst: &mut [f32], m: usize, n: usize, k: usize, lhs: View, rhs: View, accumulate: bool) {
+pub(super) fn product(
+    dst: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    lhs: View,
+    rhs: View,
+    accumulate: bool,
+) {
     let parallelism = if m * n * k >= 1 << 20 {
         Parallelism::Rayon(0)
     } else {

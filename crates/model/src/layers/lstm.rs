@@ -147,7 +147,15 @@ impl Layer for Lstm {
         let bias = self.bias.value.data();
         let mut gates = Tensor::try_from_fn(&[n, steps, g4], |i| bias[i % g4])?;
         let wx = View::rm(self.wx.value.data(), g4);
-        product(gates.try_data_mut()?, n * steps, g4, c, View::rm(input.data(), c), wx, true);
+        product(
+            gates.try_data_mut()?,
+            n * steps,
+            g4,
+            c,
+            View::rm(input.data(), c),
+            wx,
+            true,
+        );
         let mut hs = Tensor::try_zeros(&[n, steps, h])?;
         let mut cells = Tensor::try_zeros(&[n, steps, h])?;
         let mut recurrent = Tensor::try_zeros(&[n, g4])?;
@@ -155,10 +163,21 @@ impl Layer for Lstm {
         for t in 0..steps {
             let rec = recurrent.try_data_mut()?;
             if t > 0 {
-                product(rec, n, g4, h, step_view(hs.data(), t - 1, steps, h), wh, false);
+                product(
+                    rec,
+                    n,
+                    g4,
+                    h,
+                    step_view(hs.data(), t - 1, steps, h),
+                    wh,
+                    false,
+                );
             }
-            let (gate_data, cell_data, h_data) =
-                (gates.try_data_mut()?, cells.try_data_mut()?, hs.try_data_mut()?);
+            let (gate_data, cell_data, h_data) = (
+                gates.try_data_mut()?,
+                cells.try_data_mut()?,
+                hs.try_data_mut()?,
+            );
             for sample in 0..n {
                 let row = sample * steps + t;
                 let pre = &mut gate_data[row * g4..(row + 1) * g4];
@@ -176,7 +195,11 @@ impl Layer for Lstm {
                     pre[h + j] = f;
                     pre[2 * h + j] = g;
                     pre[3 * h + j] = o;
-                    let c_prev = if t > 0 { cell_data[(row - 1) * h + j] } else { 0.0 };
+                    let c_prev = if t > 0 {
+                        cell_data[(row - 1) * h + j]
+                    } else {
+                        0.0
+                    };
                     let cell = f * c_prev + i * g;
                     cell_data[row * h + j] = cell;
                     h_data[row * h + j] = o * cell.tanh();
@@ -247,7 +270,15 @@ impl Layer for Lstm {
                     row_stride: 1,
                     col_stride: steps * h,
                 };
-                product(self.wh.grad.data_mut(), h, g4, n, h_prev_t, dstep_view, true);
+                product(
+                    self.wh.grad.data_mut(),
+                    h,
+                    g4,
+                    n,
+                    h_prev_t,
+                    dstep_view,
+                    true,
+                );
             }
             let wh_t = View::cm(self.wh.value.data(), g4);
             product(dh_next.try_data_mut()?, n, h, g4, dstep_view, wh_t, false);
@@ -303,7 +334,9 @@ mod tests {
     #[test]
     fn wrong_width_is_a_named_error() {
         let mut lstm = Lstm::new("lstm", 2, 3, &mut InitRng::new(4));
-        let err = lstm.forward(&random_tensor(&[1, 4, 3], 1), Mode::Train).unwrap_err();
+        let err = lstm
+            .forward(&random_tensor(&[1, 4, 3], 1), Mode::Train)
+            .unwrap_err();
         assert!(err.to_string().contains("lstm"), "{err}");
         assert!(lstm.backward(&random_tensor(&[1, 4, 3], 1)).is_err());
     }

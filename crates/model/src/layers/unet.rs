@@ -127,7 +127,13 @@ fn interleave(x: &[f32], a: usize, y: &[f32], b: usize, shape: &[usize]) -> Resu
     })
 }
 
-fn channel_slice(g: &[f32], total: usize, from: usize, len: usize, shape: &[usize]) -> Result<Tensor> {
+fn channel_slice(
+    g: &[f32],
+    total: usize,
+    from: usize,
+    len: usize,
+    shape: &[usize],
+) -> Result<Tensor> {
     Tensor::try_from_fn(shape, |i| g[(i / len) * total + from + i % len])
 }
 
@@ -238,7 +244,12 @@ mod tests {
         let y = Upsample2x::new().forward(&x, Mode::Eval).unwrap();
         assert_eq!(y.shape(), &[1, 2, 4, 1]);
         assert_eq!(y.data(), &[1.0, 1.0, 2.0, 2.0, 1.0, 1.0, 2.0, 2.0]);
-        let report = check_layer(&mut Upsample2x::new(), &random_tensor(&[2, 2, 3, 2], 1), 1e-2, 1e-3);
+        let report = check_layer(
+            &mut Upsample2x::new(),
+            &random_tensor(&[2, 2, 3, 2], 1),
+            1e-2,
+            1e-3,
+        );
         assert!(report.is_ok(), "{}", report.unwrap_err());
     }
 
@@ -258,7 +269,10 @@ mod tests {
         for (pixel, out) in x.data().chunks(2).zip(y.data().chunks(5)) {
             assert_eq!(&out[..2], pixel);
         }
-        assert!(s.output_shape(&[5, 6, 2]).is_err(), "odd height does not come back");
+        assert!(
+            s.output_shape(&[5, 6, 2]).is_err(),
+            "odd height does not come back"
+        );
     }
 
     #[test]
