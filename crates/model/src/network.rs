@@ -678,7 +678,7 @@ fn build_attention(
             format!("attention needs a sequence [t, c], got {shape:?}"),
         ));
     };
-    if heads == 0 || width % heads != 0 {
+    if heads == 0 || !width.is_multiple_of(heads) {
         return Err(spec_error(
             &format!("{path}.heads"),
             format!("must be positive and divide the width {width}, got {heads}"),
@@ -960,7 +960,7 @@ fn build_one(
             if *hidden == 0 {
                 return Err(spec_error(&format!("{path}.hidden"), "must be positive"));
             }
-            if *kernel == 0 || kernel % 2 == 0 {
+            if *kernel == 0 || kernel.is_multiple_of(2) {
                 return Err(spec_error(
                     &format!("{path}.kernel"),
                     format!("must be odd, got {kernel}"),

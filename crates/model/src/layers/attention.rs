@@ -139,7 +139,7 @@ impl CausalSelfAttention {
         proj: Box<dyn Layer>,
         lean: bool,
     ) -> Result<Self> {
-        if heads == 0 || width % heads != 0 {
+        if heads == 0 || !width.is_multiple_of(heads) {
             return Err(ModelError::Spec {
                 path: "causal_self_attention".into(),
                 reason: format!("heads ({heads}) must divide the width ({width})"),
