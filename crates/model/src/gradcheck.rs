@@ -82,8 +82,13 @@ fn run(
             format!("input[{i}]"),
         );
     }
+    // Frozen parameters get no gradient by design: nothing to check.
+    let frozen: Vec<bool> = layer.params_mut().iter().map(|p| p.frozen).collect();
     let param_count = analytic_params.len();
     for (p, analytic) in analytic_params.iter().enumerate().take(param_count) {
+        if frozen[p] {
+            continue;
+        }
         for i in sample_indices(analytic.len()) {
             let numeric = {
                 let nudge = |layer: &mut dyn Layer, delta: f32| {

@@ -20,5 +20,5 @@ pub use device::Device;
 pub use error::{ModelError, Result};
 pub use layers::{Layer, Mode, Param};
 pub use memory::{MemoryPool, OomInjection, PoolStats};
-pub use network::{measure_step_peak, CheckpointPolicy, LayerSpec, ModelSpec, Network};
+pub use network::{measure_step_peak, CheckpointPolicy, LayerSpec, ModelSpec, Network, TokenInput};
 pub use tensor::Tensor;

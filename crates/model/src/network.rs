@@ -10,7 +10,11 @@
 use serde::{Deserialize, Serialize};
 
 use crate::init::InitRng;
-use crate::layers::{BatchNorm2d, Checkpointed, Conv2d, GlobalAvgPool, Linear, Relu, Residual};
+use crate::layers::{
+    BatchNorm2d, CausalSelfAttention, Checkpointed, Conv2d, ConvLstm, Dropout, Embedding, Flatten,
+    Gelu, GlobalAvgPool, LayerNorm, Linear, LoraConfig, LoraLinear, Lstm, PerPosition, Relu,
+    Residual, Silu, UnetSkip, Upsample2x,
+};
 use crate::{Device, Layer, MemoryPool, Mode, ModelError, Param, PoolStats, Result, Tensor};
 
 /// `model.checkpoint`: which activations a training step recomputes in
@@ -38,14 +42,25 @@ impl CheckpointPolicy {
 }
 
 /// `[model]` in an experiment file.
+///
+/// The input is either u8 pixels (`input`, `mean`, `std`: required) or token
+/// ids (`tokens`, and then none of the three).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSpec {
     /// Per-sample input shape, NHWC without N: [height, width, channels].
+    #[serde(default)]
     pub input: [usize; 3],
     /// Input normalisation applied to u8 pixels: (x/255 - mean) / std.
+    #[serde(default)]
     pub mean: f32,
+    #[serde(default)]
     pub std: f32,
+    /// Token input: each sample is `length` ids below `vocab`, fed as a
+    /// [N, length] tensor (`Network::input_from_tokens`). Absent for pixels,
+    /// and then left out of the serialised spec (fingerprints unchanged).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokenInput>,
     pub layers: Vec<LayerSpec>,
     /// Activation checkpointing; absent means `none`. Left out of the
     /// serialised spec when `none`, so specs written before it existed
@@ -53,6 +68,19 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "CheckpointPolicy::is_none")]
     pub checkpoint: CheckpointPolicy,
 }
+
+/// `model.tokens`.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TokenInput {
+    /// Ids per sample (the sequence length T).
+    pub length: usize,
+    /// Ids are in 0..vocab.
+    pub vocab: usize,
+}
+
+/// Ids travel as f32 values, exact up to 2^24.
+const MAX_VOCAB: usize = 1 << 24;
 
 fn default_kernel() -> usize {
     3
@@ -101,11 +129,88 @@ pub enum LayerSpec {
     /// block's input, ReLU. Its width is its input's.
     BasicBlock,
     GlobalAvgPool,
+    /// Over a feature vector [c], or at every position of a sequence [t, c].
     Linear {
         out: usize,
         #[serde(default = "default_true")]
         bias: bool,
     },
+    /// [h, w, c] -> [h·w·c].
+    Flatten,
+    /// x·σ(x).
+    Silu,
+    /// GELU, tanh approximation.
+    Gelu,
+    /// Normalisation over the last axis, with a learned scale and shift.
+    LayerNorm {
+        #[serde(default = "default_eps")]
+        eps: f32,
+    },
+    /// Token ids [t] -> [t, dim]; needs `model.tokens` (its vocabulary).
+    /// `positions` adds a learned position embedding of t rows.
+    Embedding {
+        dim: usize,
+        #[serde(default)]
+        positions: bool,
+    },
+    /// Zeroes each element with probability `p` in training (counter-based
+    /// randomness: resumes draw the same masks); the identity in evaluation.
+    Dropout {
+        p: f32,
+    },
+    /// Multi-head causal self-attention over [t, c]; `heads` must divide c.
+    /// `lean` recomputes each head's T×T probabilities in backward instead
+    /// of keeping them. `lora` freezes both projections and adapts them.
+    CausalSelfAttention {
+        heads: usize,
+        #[serde(default)]
+        lean: bool,
+        #[serde(default)]
+        lora: Option<LoraConfig>,
+    },
+    /// A linear layer with its weight frozen and a trainable LoRA update.
+    LoraLinear {
+        out: usize,
+        #[serde(default = "default_true")]
+        bias: bool,
+        lora: LoraConfig,
+    },
+    /// A pre-norm GPT block, checkpointed as one block: x + attn(ln(x)),
+    /// then x + mlp(ln(x)) with mlp = linear c->mlp_ratio·c, gelu, linear
+    /// back; `dropout` after the attention and after the MLP when positive.
+    TransformerBlock {
+        heads: usize,
+        #[serde(default = "default_mlp_ratio")]
+        mlp_ratio: usize,
+        #[serde(default)]
+        dropout: f32,
+        #[serde(default)]
+        lean: bool,
+        #[serde(default)]
+        lora: Option<LoraConfig>,
+    },
+    /// One LSTM layer over [t, c] -> all hidden states [t, hidden].
+    Lstm {
+        hidden: usize,
+    },
+    /// Nearest-neighbour upsampling of an image by 2.
+    Upsample2x,
+    /// UNet skip: concatenates its input with its body's output along
+    /// channels; the body must give back the input's height and width.
+    UnetSkip {
+        layers: Vec<LayerSpec>,
+    },
+    /// A convolutional LSTM over frames [t, h, w, c] -> hidden states
+    /// [t, h, w, hidden]; the gates are one `kernel`×`kernel` convolution.
+    ConvLstm {
+        hidden: usize,
+        #[serde(default = "default_kernel")]
+        kernel: usize,
+    },
+}
+
+fn default_mlp_ratio() -> usize {
+    4
 }
 
 pub struct Network {
@@ -118,31 +223,31 @@ impl Network {
     /// Builds and initialises the network; errors name the layer
     /// (`model.layers[3]`) and what does not fit.
     pub fn build(spec: &ModelSpec, seed: u64) -> Result<Self> {
-        if spec.input.contains(&0) {
-            return Err(ModelError::Spec {
-                path: "model.input".into(),
-                reason: format!("every dimension must be positive, got {:?}", spec.input),
-            });
+        match &spec.tokens {
+            None => check_pixel_input(spec)?,
+            Some(tokens) => check_token_input(spec, tokens)?,
         }
-        if !(spec.std.is_finite() && spec.std > 0.0 && spec.mean.is_finite()) {
-            return Err(ModelError::Spec {
-                path: "model.std".into(),
-                reason: format!(
-                    "need a finite mean and a positive std, got mean {} std {}",
-                    spec.mean, spec.std
-                ),
-            });
-        }
-        let mut rng = InitRng::new(seed);
-        let mut shape = spec.input.to_vec();
-        let groups = build_groups(&spec.layers, "model.layers", &mut shape, &mut rng)?;
+        let mut ctx = BuildContext {
+            rng: InitRng::new(seed),
+            vocab: spec.tokens.map(|t| t.vocab),
+        };
+        let mut shape = input_shape(spec);
+        let groups = build_groups(&spec.layers, "model.layers", &mut shape, &mut ctx)?;
         let layers = arrange(groups, spec.checkpoint);
-        if shape.len() != 1 {
+        let per_token_scores = spec
+            .tokens
+            .is_some_and(|t| shape.len() == 2 && shape[0] == t.length);
+        if shape.len() != 1 && !per_token_scores {
+            let expected = match spec.tokens {
+                None => "class scores [classes]".to_string(),
+                Some(t) => format!(
+                    "class scores [classes] or per-token scores [{}, classes]",
+                    t.length
+                ),
+            };
             return Err(ModelError::Spec {
                 path: "model.layers".into(),
-                reason: format!(
-                    "the network must end in class scores [classes], it ends in {shape:?}"
-                ),
+                reason: format!("the network must end in {expected}, it ends in {shape:?}"),
             });
         }
         Ok(Self {
@@ -156,14 +261,55 @@ impl Network {
         &self.spec
     }
 
+    /// Classes scored: the last dimension of the output ([classes], or
+    /// [length, classes] for per-token scores).
     pub fn num_classes(&self) -> usize {
-        self.output_shape[0]
+        self.output_shape.last().copied().unwrap_or(0)
+    }
+
+    /// The per-sample output shape.
+    pub fn output_shape(&self) -> &[usize] {
+        &self.output_shape
+    }
+
+    /// The per-sample input shape: [h, w, c] for pixels, [length] for tokens.
+    pub fn input_shape(&self) -> Vec<usize> {
+        input_shape(&self.spec)
     }
 
     /// Converts a u8 NHWC batch into the normalised input tensor.
     pub fn input_from_u8(&self, batch: usize, pixels: &[u8]) -> Result<Tensor> {
+        if self.spec.tokens.is_some() {
+            return Err(ModelError::State(
+                "this model reads token ids (model.tokens): use input_from_tokens".into(),
+            ));
+        }
         let [h, w, c] = self.spec.input;
         Tensor::from_u8_normalized(&[batch, h, w, c], pixels, self.spec.mean, self.spec.std)
+    }
+
+    /// Converts `batch` sequences of token ids (row-major [batch, length])
+    /// into the network's input, [batch, length] ids as f32 (exact: the
+    /// vocabulary is below 2^24). Ids outside the vocabulary are an error.
+    pub fn input_from_tokens(&self, batch: usize, ids: &[u32]) -> Result<Tensor> {
+        let Some(tokens) = self.spec.tokens else {
+            return Err(ModelError::State(
+                "this model reads pixels: set model.tokens to feed token ids".into(),
+            ));
+        };
+        if let Some(at) = ids.iter().position(|&id| id as usize >= tokens.vocab) {
+            return Err(ModelError::Shape {
+                op: "network input",
+                expected: format!("token ids in 0..{}", tokens.vocab),
+                got: format!("{} at index {at}", ids[at]),
+            });
+        }
+        let mut values = Vec::new();
+        values
+            .try_reserve_exact(ids.len())
+            .map_err(|_| ModelError::State("token batch too large".into()))?;
+        values.extend(ids.iter().map(|&id| id as f32));
+        Tensor::from_vec(&[batch, tokens.length], values)
     }
 
     /// Returns the logits, [N, classes].
@@ -174,8 +320,8 @@ impl Network {
     /// If the step fails after a successful training forward (in the loss),
     /// call `clear_saved` to free the activations the forward saved.
     pub fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
-        let [h, w, c] = self.spec.input;
-        input.expect_shape("network input", &[input.batch(), h, w, c])?;
+        let expected = [vec![input.batch()], self.input_shape()].concat();
+        input.expect_shape("network input", &expected)?;
         let before = (mode == Mode::Train).then(|| self.buffer_values());
         let mut x = input.clone();
         for i in 0..self.layers.len() {
@@ -290,11 +436,11 @@ impl Network {
         if let Some(limit) = outer.limit() {
             pool.set_limit(Some(limit.saturating_sub(outer.stats().in_use_bytes)));
         }
-        let [h, w, c] = self.spec.input;
+        let input_shape = [vec![batch], self.input_shape()].concat();
         self.clear_saved();
         self.set_recompute(true);
         let result = pool.scope(|| -> Result<()> {
-            let x = Tensor::try_zeros(&[batch, h, w, c])?;
+            let x = Tensor::try_zeros(&input_shape)?;
             let logits = self.forward(&x, Mode::Train)?;
             let grad = Tensor::try_zeros(logits.shape())?;
             self.backward(&grad)
@@ -312,7 +458,7 @@ impl Network {
 
     /// Multiply-adds of one sample's forward.
     pub fn macs_per_sample(&self) -> Result<u64> {
-        let mut shape = self.spec.input.to_vec();
+        let mut shape = self.input_shape();
         let mut total = 0;
         for layer in &self.layers {
             total += layer.macs(&shape)?;
@@ -323,7 +469,7 @@ impl Network {
 
     /// One line per layer: what it is and its output shape.
     pub fn summary(&self) -> Result<Vec<String>> {
-        let mut shape = self.spec.input.to_vec();
+        let mut shape = self.input_shape();
         let mut lines = Vec::new();
         for layer in &self.layers {
             shape = layer.output_shape(&shape)?;
@@ -340,6 +486,68 @@ pub fn measure_step_peak(network: &mut Network, batch: usize) -> Result<u64> {
     Ok(network.measure_step(batch)?.peak_in_use_bytes)
 }
 
+fn input_shape(spec: &ModelSpec) -> Vec<usize> {
+    match spec.tokens {
+        Some(tokens) => vec![tokens.length],
+        None => spec.input.to_vec(),
+    }
+}
+
+fn check_pixel_input(spec: &ModelSpec) -> Result<()> {
+    if spec.input.contains(&0) {
+        return Err(spec_error(
+            "model.input",
+            format!(
+                "every dimension must be positive, got {:?} (model.input is required \
+                 unless model.tokens is set)",
+                spec.input
+            ),
+        ));
+    }
+    if !(spec.std.is_finite() && spec.std > 0.0 && spec.mean.is_finite()) {
+        return Err(spec_error(
+            "model.std",
+            format!(
+                "need a finite mean and a positive std, got mean {} std {}",
+                spec.mean, spec.std
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn check_token_input(spec: &ModelSpec, tokens: &TokenInput) -> Result<()> {
+    if tokens.length == 0 {
+        return Err(spec_error("model.tokens.length", "must be positive"));
+    }
+    if tokens.vocab == 0 || tokens.vocab > MAX_VOCAB {
+        return Err(spec_error(
+            "model.tokens.vocab",
+            format!("must be in 1..={MAX_VOCAB}, got {}", tokens.vocab),
+        ));
+    }
+    for (key, set) in [
+        ("model.input", spec.input != [0; 3]),
+        ("model.mean", spec.mean != 0.0),
+        ("model.std", spec.std != 0.0),
+    ] {
+        if set {
+            return Err(spec_error(
+                key,
+                "pixel settings do not apply to a token model (model.tokens); remove it",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What building a layer may need besides its spec and input shape.
+struct BuildContext {
+    rng: InitRng,
+    /// `model.tokens.vocab`, for embeddings.
+    vocab: Option<usize>,
+}
+
 /// The layers one spec entry built, and whether it is a residual block.
 struct Group {
     block: bool,
@@ -350,20 +558,23 @@ fn build_groups(
     specs: &[LayerSpec],
     path: &str,
     shape: &mut Vec<usize>,
-    rng: &mut InitRng,
+    ctx: &mut BuildContext,
 ) -> Result<Vec<Group>> {
     let mut groups = Vec::new();
     for (i, spec) in specs.iter().enumerate() {
         let here = format!("{path}[{i}]");
         let mut layers = Vec::new();
-        for layer in build_one(spec, &here, shape, rng)? {
+        for layer in build_one(spec, &here, shape, ctx)? {
             *shape = layer.output_shape(shape).map_err(|e| ModelError::Spec {
                 path: here.clone(),
                 reason: e.to_string(),
             })?;
             layers.push(layer);
         }
-        let block = matches!(spec, LayerSpec::Residual { .. } | LayerSpec::BasicBlock);
+        let block = matches!(
+            spec,
+            LayerSpec::Residual { .. } | LayerSpec::BasicBlock | LayerSpec::TransformerBlock { .. }
+        );
         groups.push(Group { block, layers });
     }
     Ok(groups)
@@ -373,9 +584,9 @@ fn build_layers(
     specs: &[LayerSpec],
     path: &str,
     shape: &mut Vec<usize>,
-    rng: &mut InitRng,
+    ctx: &mut BuildContext,
 ) -> Result<Vec<Box<dyn Layer>>> {
-    let groups = build_groups(specs, path, shape, rng)?;
+    let groups = build_groups(specs, path, shape, ctx)?;
     Ok(arrange(groups, CheckpointPolicy::None))
 }
 
@@ -434,11 +645,125 @@ fn image_channels(path: &str, shape: &[usize]) -> Result<usize> {
     }
 }
 
+/// A linear layer [rows, in] -> [rows, out], with a LoRA adapter when
+/// `lora` is given (errors name `key_path.r` / `key_path.alpha`).
+fn lora_linear(
+    key_path: &str,
+    name: &str,
+    in_features: usize,
+    out_features: usize,
+    bias: bool,
+    lora: &LoraConfig,
+    ctx: &mut BuildContext,
+) -> Result<Box<dyn Layer>> {
+    lora.validate(key_path, in_features, out_features)?;
+    let base = Linear::new(name, in_features, out_features, bias, &mut ctx.rng);
+    Ok(Box::new(
+        LoraLinear::new(name, base, *lora, &mut ctx.rng)
+            .map_err(|e| spec_error(key_path, e.to_string()))?,
+    ))
+}
+
+fn build_attention(
+    path: &str,
+    shape: &[usize],
+    heads: usize,
+    lean: bool,
+    lora: Option<&LoraConfig>,
+    ctx: &mut BuildContext,
+) -> Result<Box<dyn Layer>> {
+    let [_, width] = *shape else {
+        return Err(spec_error(
+            path,
+            format!("attention needs a sequence [t, c], got {shape:?}"),
+        ));
+    };
+    if heads == 0 || !width.is_multiple_of(heads) {
+        return Err(spec_error(
+            &format!("{path}.heads"),
+            format!("must be positive and divide the width {width}, got {heads}"),
+        ));
+    }
+    let projection = |name: String, out: usize, ctx: &mut BuildContext| match lora {
+        Some(lora) => lora_linear(&format!("{path}.lora"), &name, width, out, true, lora, ctx),
+        None => Ok(Box::new(Linear::new(&name, width, out, true, &mut ctx.rng)) as Box<dyn Layer>),
+    };
+    let qkv = projection(format!("{path}.qkv"), 3 * width, ctx)?;
+    let proj = projection(format!("{path}.proj"), width, ctx)?;
+    Ok(Box::new(CausalSelfAttention::new(
+        width, heads, qkv, proj, lean,
+    )?))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn build_transformer_block(
+    path: &str,
+    shape: &[usize],
+    heads: usize,
+    mlp_ratio: usize,
+    dropout: f32,
+    lean: bool,
+    lora: Option<&LoraConfig>,
+    ctx: &mut BuildContext,
+) -> Result<Vec<Box<dyn Layer>>> {
+    let [_, width] = *shape else {
+        return Err(spec_error(
+            path,
+            format!("transformer_block needs a sequence [t, c], got {shape:?}"),
+        ));
+    };
+    if mlp_ratio == 0 {
+        return Err(spec_error(&format!("{path}.mlp_ratio"), "must be positive"));
+    }
+    if !(0.0..1.0).contains(&dropout) {
+        return Err(spec_error(
+            &format!("{path}.dropout"),
+            format!("must be in [0, 1), got {dropout}"),
+        ));
+    }
+    let dropout_layer = |ctx: &mut BuildContext| -> Result<Option<Box<dyn Layer>>> {
+        if dropout > 0.0 {
+            Ok(Some(Box::new(Dropout::new(dropout, ctx.rng.next_u64())?)))
+        } else {
+            Ok(None)
+        }
+    };
+    let mut attention: Vec<Box<dyn Layer>> = vec![
+        Box::new(LayerNorm::new(&format!("{path}.ln1"), width, default_eps())),
+        build_attention(&format!("{path}.attn"), shape, heads, lean, lora, ctx)?,
+    ];
+    attention.extend(dropout_layer(ctx)?);
+    let hidden = width * mlp_ratio;
+    let mut mlp: Vec<Box<dyn Layer>> = vec![
+        Box::new(LayerNorm::new(&format!("{path}.ln2"), width, default_eps())),
+        Box::new(PerPosition::new(Box::new(Linear::new(
+            &format!("{path}.fc"),
+            width,
+            hidden,
+            true,
+            &mut ctx.rng,
+        )))),
+        Box::new(Gelu::new()),
+        Box::new(PerPosition::new(Box::new(Linear::new(
+            &format!("{path}.fc_out"),
+            hidden,
+            width,
+            true,
+            &mut ctx.rng,
+        )))),
+    ];
+    mlp.extend(dropout_layer(ctx)?);
+    Ok(vec![
+        Box::new(Residual::new(attention)),
+        Box::new(Residual::new(mlp)),
+    ])
+}
+
 fn build_one(
     spec: &LayerSpec,
     path: &str,
     shape: &[usize],
-    rng: &mut InitRng,
+    ctx: &mut BuildContext,
 ) -> Result<Vec<Box<dyn Layer>>> {
     let built: Vec<Box<dyn Layer>> = match spec {
         LayerSpec::Conv {
@@ -454,7 +779,14 @@ fn build_one(
             }
             let pad = padding.unwrap_or(kernel / 2);
             vec![Box::new(Conv2d::new(
-                path, cin, *out, *kernel, *stride, pad, *bias, rng,
+                path,
+                cin,
+                *out,
+                *kernel,
+                *stride,
+                pad,
+                *bias,
+                &mut ctx.rng,
             )?)]
         }
         LayerSpec::BatchNorm { momentum, eps } => {
@@ -473,22 +805,194 @@ fn build_one(
             vec![Box::new(GlobalAvgPool::new())]
         }
         LayerSpec::Linear { out, bias } => {
-            let [features] = shape else {
-                return Err(spec_error(
-                    path,
-                    format!(
-                        "linear needs a feature vector [c], got {shape:?}; add a global_avg_pool"
-                    ),
-                ));
-            };
             if *out == 0 {
                 return Err(spec_error(path, "out must be positive"));
             }
-            vec![Box::new(Linear::new(path, *features, *out, *bias, rng))]
+            match *shape {
+                [features] => vec![Box::new(Linear::new(
+                    path,
+                    features,
+                    *out,
+                    *bias,
+                    &mut ctx.rng,
+                ))],
+                [_, features] => vec![Box::new(PerPosition::new(Box::new(Linear::new(
+                    path,
+                    features,
+                    *out,
+                    *bias,
+                    &mut ctx.rng,
+                ))))],
+                _ => {
+                    return Err(spec_error(
+                        path,
+                        format!(
+                            "linear needs a feature vector [c] or a sequence [t, c], got \
+                             {shape:?}; add a global_avg_pool or a flatten"
+                        ),
+                    ))
+                }
+            }
         }
+        LayerSpec::Flatten => vec![Box::new(Flatten::new())],
+        LayerSpec::Silu => vec![Box::new(Silu::new())],
+        LayerSpec::Gelu => vec![Box::new(Gelu::new())],
+        LayerSpec::LayerNorm { eps } => {
+            let Some(&features) = shape.last() else {
+                return Err(spec_error(path, "layer_norm needs a non-scalar input"));
+            };
+            if !(eps.is_finite() && *eps > 0.0) {
+                return Err(spec_error(
+                    &format!("{path}.eps"),
+                    format!("must be positive, got {eps}"),
+                ));
+            }
+            vec![Box::new(LayerNorm::new(path, features, *eps))]
+        }
+        LayerSpec::Embedding { dim, positions } => {
+            let Some(vocab) = ctx.vocab else {
+                return Err(spec_error(
+                    path,
+                    "embedding reads token ids: set model.tokens = { length, vocab }",
+                ));
+            };
+            let [length] = *shape else {
+                return Err(spec_error(
+                    path,
+                    format!("embedding needs token ids [t], got {shape:?}"),
+                ));
+            };
+            if *dim == 0 {
+                return Err(spec_error(&format!("{path}.dim"), "must be positive"));
+            }
+            let max_positions = positions.then_some(length);
+            vec![Box::new(Embedding::new(
+                path,
+                vocab,
+                *dim,
+                max_positions,
+                &mut ctx.rng,
+            ))]
+        }
+        LayerSpec::Dropout { p } => {
+            if !(0.0..1.0).contains(p) {
+                return Err(spec_error(
+                    &format!("{path}.p"),
+                    format!("must be in [0, 1), got {p}"),
+                ));
+            }
+            vec![Box::new(Dropout::new(*p, ctx.rng.next_u64())?)]
+        }
+        LayerSpec::CausalSelfAttention { heads, lean, lora } => {
+            vec![build_attention(
+                path,
+                shape,
+                *heads,
+                *lean,
+                lora.as_ref(),
+                ctx,
+            )?]
+        }
+        LayerSpec::LoraLinear { out, bias, lora } => {
+            let (features, per_position) = match *shape {
+                [features] => (features, false),
+                [_, features] => (features, true),
+                _ => {
+                    return Err(spec_error(
+                        path,
+                        format!("lora_linear needs [c] or a sequence [t, c], got {shape:?}"),
+                    ))
+                }
+            };
+            if *out == 0 {
+                return Err(spec_error(&format!("{path}.out"), "must be positive"));
+            }
+            let layer = lora_linear(
+                &format!("{path}.lora"),
+                path,
+                features,
+                *out,
+                *bias,
+                lora,
+                ctx,
+            )?;
+            if per_position {
+                vec![Box::new(PerPosition::new(layer))]
+            } else {
+                vec![layer]
+            }
+        }
+        LayerSpec::Lstm { hidden } => {
+            let [_, features] = *shape else {
+                return Err(spec_error(
+                    path,
+                    format!("lstm needs a sequence [t, c], got {shape:?}"),
+                ));
+            };
+            if *hidden == 0 {
+                return Err(spec_error(&format!("{path}.hidden"), "must be positive"));
+            }
+            vec![Box::new(Lstm::new(path, features, *hidden, &mut ctx.rng))]
+        }
+        LayerSpec::Upsample2x => {
+            image_channels(path, shape)?;
+            vec![Box::new(Upsample2x::new())]
+        }
+        LayerSpec::UnetSkip { layers } => {
+            image_channels(path, shape)?;
+            let mut inner = shape.to_vec();
+            let body = build_layers(layers, &format!("{path}.layers"), &mut inner, ctx)?;
+            if inner.len() != 3 || inner[..2] != shape[..2] {
+                return Err(spec_error(
+                    path,
+                    format!("unet_skip body maps {shape:?} to {inner:?}; it must keep the height and width"),
+                ));
+            }
+            vec![Box::new(UnetSkip::new(body))]
+        }
+        LayerSpec::ConvLstm { hidden, kernel } => {
+            let [_, _, _, channels] = *shape else {
+                return Err(spec_error(
+                    path,
+                    format!("conv_lstm needs frames [t, h, w, c], got {shape:?}"),
+                ));
+            };
+            if *hidden == 0 {
+                return Err(spec_error(&format!("{path}.hidden"), "must be positive"));
+            }
+            if *kernel == 0 || kernel.is_multiple_of(2) {
+                return Err(spec_error(
+                    &format!("{path}.kernel"),
+                    format!("must be odd, got {kernel}"),
+                ));
+            }
+            vec![Box::new(ConvLstm::new(
+                path,
+                channels,
+                *hidden,
+                *kernel,
+                &mut ctx.rng,
+            )?)]
+        }
+        LayerSpec::TransformerBlock {
+            heads,
+            mlp_ratio,
+            dropout,
+            lean,
+            lora,
+        } => build_transformer_block(
+            path,
+            shape,
+            *heads,
+            *mlp_ratio,
+            *dropout,
+            *lean,
+            lora.as_ref(),
+            ctx,
+        )?,
         LayerSpec::Residual { layers } => {
             let mut inner = shape.to_vec();
-            let body = build_layers(layers, &format!("{path}.layers"), &mut inner, rng)?;
+            let body = build_layers(layers, &format!("{path}.layers"), &mut inner, ctx)?;
             if inner != shape {
                 return Err(spec_error(
                     path,
@@ -511,7 +1015,7 @@ fn build_one(
                 eps: default_eps(),
             };
             let body = vec![conv.clone(), bn.clone(), LayerSpec::Relu, conv, bn];
-            let mut built = build_one(&LayerSpec::Residual { layers: body }, path, shape, rng)?;
+            let mut built = build_one(&LayerSpec::Residual { layers: body }, path, shape, ctx)?;
             built.push(Box::new(Relu::new()));
             built
         }

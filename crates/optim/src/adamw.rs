@@ -150,6 +150,11 @@ impl AdamW {
             .zip(&mut moments.first)
             .zip(&mut moments.second)
         {
+            // A frozen parameter (a LoRA base weight) is not trained, not
+            // even decayed.
+            if param.frozen {
+                continue;
+            }
             let decay = if param.decay { decay_factor } else { 1.0 };
             let Param { value, grad, .. } = &mut **param;
             let p = value.data_mut();

@@ -323,6 +323,7 @@ mod tests {
                     std: 1.0,
                     layers: vec![headroom_model::LayerSpec::Relu],
                     checkpoint: Default::default(),
+                    tokens: None,
                 }),
                 epoch: step / 10,
                 batches_done: (step % 10) as usize,

@@ -8,21 +8,41 @@
 //! is `Err(ModelError::OutOfMemory)` from `forward`/`backward`, never a panic.
 
 mod activation;
+mod attention;
 mod batchnorm;
 mod checkpointed;
 mod conv;
+mod conv_lstm;
+mod dropout;
+mod embedding;
 mod linear;
+mod lora;
+mod lstm;
 mod matmul;
+mod norm;
 mod pool;
+mod reshape;
 mod residual;
+mod smooth_activation;
+mod unet;
 
 pub use activation::Relu;
+pub use attention::CausalSelfAttention;
 pub use batchnorm::BatchNorm2d;
 pub use checkpointed::Checkpointed;
 pub use conv::Conv2d;
+pub use conv_lstm::ConvLstm;
+pub use dropout::Dropout;
+pub use embedding::Embedding;
 pub use linear::Linear;
+pub use lora::{LoraConfig, LoraLinear};
+pub use lstm::Lstm;
+pub use norm::LayerNorm;
 pub use pool::GlobalAvgPool;
+pub use reshape::{Flatten, PerPosition};
 pub use residual::Residual;
+pub use smooth_activation::{Gelu, Silu};
+pub use unet::{UnetSkip, Upsample2x};
 
 use crate::{Result, Tensor};
 
@@ -36,12 +56,17 @@ pub enum Mode {
 
 /// A trainable tensor, its gradient, and whether weight decay applies
 /// (it does not on biases and normalisation parameters).
+///
+/// A `frozen` parameter (the base weight under a LoRA adapter) is part of
+/// the model and of its checkpoints, but the optimizer leaves it alone and
+/// layers add nothing into its gradient, which therefore stays zero.
 #[derive(Clone, Debug)]
 pub struct Param {
     pub name: String,
     pub value: Tensor,
     pub grad: Tensor,
     pub decay: bool,
+    pub frozen: bool,
 }
 
 impl Param {
@@ -52,7 +77,14 @@ impl Param {
             value,
             grad,
             decay,
+            frozen: false,
         }
+    }
+
+    /// Marks the parameter frozen (see the type's documentation).
+    pub fn frozen(mut self) -> Self {
+        self.frozen = true;
+        self
     }
 
     pub fn zero_grad(&mut self) {

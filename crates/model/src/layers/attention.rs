@@ -1,0 +1,425 @@
+//! Multi-head causal self-attention over a sequence [N, T, C], C = heads·d:
+//! qkv = x·Wqkv (one C -> 3C projection), per head S = q·kᵀ/√d with the
+//! future masked out, P = softmax(S) by rows, o = P·v, heads concatenated,
+//! y = o·Wproj. The projections are layers of their own (a linear, or a
+//! LoRA linear with the base frozen), applied to the batch as [N·T, C].
+//!
+//! Saves for backward: q, k and v split by head ([N, heads, T, d], contiguous
+//! per head, 3·N·T·C floats), and P ([N, heads, T, T]) unless `lean` is on;
+//! the projections save their own inputs (x, and the concatenated heads).
+//! With `lean` no T×T matrix outlives its head: backward recomputes each
+//! head's P from q and k with the same function the forward used, so the
+//! gradients are bitwise those of the path that keeps P, for one more
+//! q·kᵀ product per head.
+//!
+//! Backward per head, with dO the gradient of o: dP = dO·vᵀ,
+//! dS = P ∘ (dP − rowsum(dP ∘ P)) / √d, dq = dS·k, dk = dSᵀ·q, dv = Pᵀ·dO.
+//! Heads run in parallel, each with one or two T×T scratch blocks from the
+//! pool.
+
+use rayon::prelude::*;
+
+use super::matmul::{matmul, View};
+use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
+
+pub struct CausalSelfAttention {
+    width: usize,
+    heads: usize,
+    qkv: Box<dyn Layer>,
+    proj: Box<dyn Layer>,
+    lean: bool,
+    saved: Option<Saved>,
+}
+
+struct Saved {
+    n: usize,
+    t: usize,
+    /// [N, heads, T, d] each.
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    /// [N, heads, T, T], unless lean.
+    probs: Option<Tensor>,
+}
+
+/// One head's operands, row-major: q, k, v [T, d].
+struct Head<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    t: usize,
+    d: usize,
+}
+
+impl Head<'_> {
+    fn scale(&self) -> f32 {
+        1.0 / (self.d as f32).sqrt()
+    }
+
+    /// P = causal softmax(q·kᵀ/√d) into `p` [T, T] (zeros above the
+    /// diagonal). The forward and the lean backward both call this, so P is
+    /// bitwise the same in both.
+    fn probabilities(&self, p: &mut [f32]) {
+        let (t, d) = (self.t, self.d);
+        matmul(p, t, t, d, View::rm(self.q, d), View::cm(self.k, d), false);
+        let scale = self.scale();
+        for (i, row) in p.chunks_exact_mut(t).enumerate() {
+            let (visible, future) = row.split_at_mut(i + 1);
+            let max = visible
+                .iter()
+                .fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
+            let mut sum = 0.0f32;
+            for s in visible.iter_mut() {
+                *s = (*s * scale - max).exp();
+                sum += *s;
+            }
+            let inv = 1.0 / sum;
+            visible.iter_mut().for_each(|s| *s *= inv);
+            future.fill(0.0);
+        }
+    }
+
+    /// o = P·v into `o` [T, d].
+    fn output(&self, p: &[f32], o: &mut [f32]) {
+        let (t, d) = (self.t, self.d);
+        matmul(o, t, d, t, View::rm(p, t), View::rm(self.v, d), false);
+    }
+
+    /// dq, dk, dv from dO and P; `dp` is T×T scratch.
+    fn backward(&self, p: &[f32], d_out: &[f32], dp: &mut [f32], grads: [&mut [f32]; 3]) {
+        let (t, d) = (self.t, self.d);
+        let [dq, dk, dv] = grads;
+        matmul(dp, t, t, d, View::rm(d_out, d), View::cm(self.v, d), false);
+        let scale = self.scale();
+        for (dp_row, p_row) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+            let dot: f32 = dp_row.iter().zip(p_row).map(|(a, b)| a * b).sum();
+            for (g, &pv) in dp_row.iter_mut().zip(p_row) {
+                *g = pv * (*g - dot) * scale;
+            }
+        }
+        let ds = &*dp;
+        matmul(dq, t, d, t, View::rm(ds, t), View::rm(self.k, d), false);
+        matmul(dk, t, d, t, View::cm(ds, t), View::rm(self.q, d), false);
+        matmul(dv, t, d, t, View::cm(p, t), View::rm(d_out, d), false);
+    }
+}
+
+/// Head `index` (sample-major, head-minor) of q, k, v [N, heads, T, d].
+fn head_at<'a>(
+    q: &'a Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    index: usize,
+    t: usize,
+    d: usize,
+) -> Head<'a> {
+    let range = index * t * d..(index + 1) * t * d;
+    Head {
+        q: &q.data()[range.clone()],
+        k: &k.data()[range.clone()],
+        v: &v.data()[range],
+        t,
+        d,
+    }
+}
+
+/// A T×T block from the pool for one head's scratch.
+fn scratch(t: usize) -> Result<Tensor> {
+    Tensor::try_zeros(&[t, t])
+}
+
+impl CausalSelfAttention {
+    /// `qkv` maps [rows, width] to [rows, 3·width], `proj` [rows, width] to
+    /// itself. `width` must be a multiple of `heads` (the builder checks it
+    /// and names the key).
+    pub fn new(
+        width: usize,
+        heads: usize,
+        qkv: Box<dyn Layer>,
+        proj: Box<dyn Layer>,
+        lean: bool,
+    ) -> Result<Self> {
+        if heads == 0 || !width.is_multiple_of(heads) {
+            return Err(ModelError::Spec {
+                path: "causal_self_attention".into(),
+                reason: format!("heads ({heads}) must divide the width ({width})"),
+            });
+        }
+        Ok(Self {
+            width,
+            heads,
+            qkv,
+            proj,
+            lean,
+            saved: None,
+        })
+    }
+
+    fn head_dim(&self) -> usize {
+        self.width / self.heads
+    }
+
+    /// The projections, for LoRA merging.
+    pub fn projections_mut(&mut self) -> [&mut dyn Layer; 2] {
+        [self.qkv.as_mut(), self.proj.as_mut()]
+    }
+
+    fn dims(&self, shape: &[usize]) -> Result<(usize, usize)> {
+        match *shape {
+            [n, t, c] if c == self.width => Ok((n, t)),
+            _ => Err(ModelError::Shape {
+                op: "causal_self_attention",
+                expected: format!("[n, t, {}]", self.width),
+                got: format!("{shape:?}"),
+            }),
+        }
+    }
+
+    /// [N·T, 3C] (q | k | v, heads side by side) -> three [N, heads, T, d].
+    fn split_heads(&self, qkv: &Tensor, n: usize, t: usize) -> Result<[Tensor; 3]> {
+        let (c, h, d) = (self.width, self.heads, self.head_dim());
+        let src = qkv.data();
+        let part = |which: usize| {
+            Tensor::try_from_fn(&[n, h, t, d], |i| {
+                let (j, rest) = (i % d, i / d);
+                let (pos, rest) = (rest % t, rest / t);
+                let (head, sample) = (rest % h, rest / h);
+                src[(sample * t + pos) * 3 * c + which * c + head * d + j]
+            })
+        };
+        Ok([part(0)?, part(1)?, part(2)?])
+    }
+
+    /// [N, heads, T, d] -> [N·T, C] with the heads side by side.
+    fn merge_heads(&self, per_head: &Tensor, n: usize, t: usize) -> Result<Tensor> {
+        let (c, h, d) = (self.width, self.heads, self.head_dim());
+        let src = per_head.data();
+        Tensor::try_from_fn(&[n * t, c], |i| {
+            let (row, col) = (i / c, i % c);
+            let (sample, pos) = (row / t, row % t);
+            let (head, j) = (col / d, col % d);
+            src[((sample * h + head) * t + pos) * d + j]
+        })
+    }
+}
+
+impl Layer for CausalSelfAttention {
+    fn describe(&self) -> String {
+        let lean = if self.lean { ", lean" } else { "" };
+        format!(
+            "causal_self_attention {} heads {}{lean}",
+            self.width, self.heads
+        )
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
+        match *input {
+            [_, c] if c == self.width => Ok(input.to_vec()),
+            _ => Err(ModelError::Shape {
+                op: "causal_self_attention",
+                expected: format!("a sequence [t, {}]", self.width),
+                got: format!("{input:?}"),
+            }),
+        }
+    }
+
+    fn macs(&self, input: &[usize]) -> Result<u64> {
+        self.output_shape(input)?;
+        let (t, c) = (input[0] as u64, self.width as u64);
+        Ok(4 * t * c * c + 2 * t * t * c)
+    }
+
+    fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
+        self.saved = None;
+        let (n, t) = self.dims(input.shape())?;
+        let (h, d) = (self.heads, self.head_dim());
+        let rows = input.clone().reshape(&[n * t, self.width])?;
+        let qkv = self.qkv.forward(&rows, mode)?;
+        qkv.expect_shape("causal_self_attention qkv", &[n * t, 3 * self.width])?;
+        let [q, k, v] = self.split_heads(&qkv, n, t)?;
+        drop(qkv);
+        let keep_probs = mode == Mode::Train && !self.lean;
+        let mut probs = if keep_probs {
+            Some(Tensor::try_zeros(&[n, h, t, t])?)
+        } else {
+            None
+        };
+        let mut heads_out = Tensor::try_zeros(&[n, h, t, d])?;
+        let out_chunks = heads_out.try_data_mut()?.par_chunks_mut((t * d).max(1));
+        match probs.as_mut() {
+            Some(p) => out_chunks
+                .zip(p.try_data_mut()?.par_chunks_mut((t * t).max(1)))
+                .enumerate()
+                .for_each(|(i, (o, p))| {
+                    let head = head_at(&q, &k, &v, i, t, d);
+                    head.probabilities(p);
+                    head.output(p, o);
+                }),
+            None => out_chunks
+                .enumerate()
+                .try_for_each(|(i, o)| -> Result<()> {
+                    let head = head_at(&q, &k, &v, i, t, d);
+                    let mut p = scratch(t)?;
+                    head.probabilities(p.try_data_mut()?);
+                    head.output(p.data(), o);
+                    Ok(())
+                })?,
+        }
+        let merged = self.merge_heads(&heads_out, n, t)?;
+        drop(heads_out);
+        let y = self.proj.forward(&merged, mode)?;
+        if mode == Mode::Train {
+            self.saved = Some(Saved {
+                n,
+                t,
+                q,
+                k,
+                v,
+                probs,
+            });
+        }
+        y.reshape(&[n, t, self.width])
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        let saved = self.saved.take().ok_or(ModelError::NoSavedActivation {
+            op: "causal_self_attention",
+        })?;
+        let (n, t, c) = (saved.n, saved.t, self.width);
+        let (h, d) = (self.heads, self.head_dim());
+        grad_output.expect_shape("causal_self_attention backward", &[n, t, c])?;
+        let d_merged = self
+            .proj
+            .backward(&grad_output.clone().reshape(&[n * t, c])?)?;
+        // dO by head, the layout the per-head products want.
+        let d_heads = self.split_merged(&d_merged, n, t)?;
+        drop(d_merged);
+        let mut dq = Tensor::try_zeros(&[n, h, t, d])?;
+        let mut dk = Tensor::try_zeros(&[n, h, t, d])?;
+        let mut dv = Tensor::try_zeros(&[n, h, t, d])?;
+        let chunk = (t * d).max(1);
+        dq.try_data_mut()?
+            .par_chunks_mut(chunk)
+            .zip(dk.try_data_mut()?.par_chunks_mut(chunk))
+            .zip(dv.try_data_mut()?.par_chunks_mut(chunk))
+            .enumerate()
+            .try_for_each(|(i, ((dq, dk), dv))| -> Result<()> {
+                let head = head_at(&saved.q, &saved.k, &saved.v, i, t, d);
+                let d_out = &d_heads.data()[i * t * d..(i + 1) * t * d];
+                let mut dp = scratch(t)?;
+                let recomputed;
+                let p = match &saved.probs {
+                    Some(p) => &p.data()[i * t * t..(i + 1) * t * t],
+                    None => {
+                        let mut p = scratch(t)?;
+                        head.probabilities(p.try_data_mut()?);
+                        recomputed = p;
+                        recomputed.data()
+                    }
+                };
+                head.backward(p, d_out, dp.try_data_mut()?, [dq, dk, dv]);
+                Ok(())
+            })?;
+        drop(saved);
+        let d_qkv = self.join_qkv([&dq, &dk, &dv], n, t)?;
+        drop((dq, dk, dv));
+        let dx = self.qkv.backward(&d_qkv)?;
+        dx.reshape(&[n, t, c])
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut params = self.qkv.params_mut();
+        params.extend(self.proj.params_mut());
+        params
+    }
+
+    fn clear_saved(&mut self) {
+        self.saved = None;
+        self.qkv.clear_saved();
+        self.proj.clear_saved();
+    }
+
+    fn set_recompute(&mut self, on: bool) {
+        self.qkv.set_recompute(on);
+        self.proj.set_recompute(on);
+    }
+}
+
+impl CausalSelfAttention {
+    /// [N·T, C] -> [N, heads, T, d].
+    fn split_merged(&self, merged: &Tensor, n: usize, t: usize) -> Result<Tensor> {
+        let (c, h, d) = (self.width, self.heads, self.head_dim());
+        let src = merged.data();
+        Tensor::try_from_fn(&[n, h, t, d], |i| {
+            let (j, rest) = (i % d, i / d);
+            let (pos, rest) = (rest % t, rest / t);
+            let (head, sample) = (rest % h, rest / h);
+            src[(sample * t + pos) * c + head * d + j]
+        })
+    }
+
+    /// Three [N, heads, T, d] -> [N·T, 3C], the qkv projection's layout.
+    fn join_qkv(&self, parts: [&Tensor; 3], n: usize, t: usize) -> Result<Tensor> {
+        let (c, h, d) = (self.width, self.heads, self.head_dim());
+        Tensor::try_from_fn(&[n * t, 3 * c], |i| {
+            let (row, col) = (i / (3 * c), i % (3 * c));
+            let (sample, pos) = (row / t, row % t);
+            let (which, col) = (col / c, col % c);
+            let (head, j) = (col / d, col % d);
+            parts[which].data()[((sample * h + head) * t + pos) * d + j]
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gradcheck::{check_layer, random_tensor};
+    use crate::init::InitRng;
+    use crate::layers::Linear;
+
+    fn attention(width: usize, heads: usize, lean: bool, seed: u64) -> CausalSelfAttention {
+        let mut rng = InitRng::new(seed);
+        let qkv = Box::new(Linear::new("qkv", width, 3 * width, true, &mut rng));
+        let proj = Box::new(Linear::new("proj", width, width, true, &mut rng));
+        CausalSelfAttention::new(width, heads, qkv, proj, lean).unwrap()
+    }
+
+    #[test]
+    fn gradient_matches_finite_differences() {
+        for lean in [false, true] {
+            let mut attn = attention(6, 2, lean, 1);
+            let report = check_layer(&mut attn, &random_tensor(&[2, 4, 6], 2), 1e-2, 2e-3);
+            assert!(report.is_ok(), "lean {lean}: {}", report.unwrap_err());
+        }
+    }
+
+    #[test]
+    fn the_future_does_not_change_the_past() {
+        let mut attn = attention(4, 2, false, 3);
+        let x = random_tensor(&[1, 5, 4], 4);
+        let y = attn.forward(&x, Mode::Eval).unwrap();
+        let mut later_changed = x.clone();
+        for v in &mut later_changed.data_mut()[3 * 4..] {
+            *v += 1.0;
+        }
+        let y2 = attn.forward(&later_changed, Mode::Eval).unwrap();
+        assert_eq!(&y.data()[..3 * 4], &y2.data()[..3 * 4]);
+        assert_ne!(&y.data()[3 * 4..], &y2.data()[3 * 4..]);
+    }
+
+    #[test]
+    fn heads_must_divide_the_width() {
+        let mut rng = InitRng::new(1);
+        let qkv = Box::new(Linear::new("qkv", 6, 18, true, &mut rng));
+        let proj = Box::new(Linear::new("proj", 6, 6, true, &mut rng));
+        let err = CausalSelfAttention::new(6, 4, qkv, proj, false)
+            .err()
+            .unwrap();
+        assert!(
+            err.to_string()
+                .contains("heads (4) must divide the width (6)"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,229 @@
+//! Layers that only change how a tensor's elements are grouped.
+//!
+//! `Flatten`: NHWC [N, H, W, C] -> [N, H·W·C]. The data is already in that
+//! order, so forward and backward share the buffer (a reference-counted
+//! handle) and change the shape; it saves the input shape only.
+//!
+//! `PerPosition`: applies a layer made for feature vectors [N, C] (linear,
+//! LoRA linear) at every position of a sequence [N, T, C], by viewing the
+//! batch as [N·T, C]. It saves the sequence shape; the inner layer saves
+//! what it needs (for a linear: its input, the same buffer, no copy).
+
+use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
+
+/// [N, d1, d2, ...] -> [N, d1·d2·...].
+#[derive(Default)]
+pub struct Flatten {
+    saved_shape: Option<Vec<usize>>,
+}
+
+impl Flatten {
+    pub fn new() -> Self {
+        Self { saved_shape: None }
+    }
+}
+
+impl Layer for Flatten {
+    fn describe(&self) -> String {
+        "flatten".into()
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
+        Ok(vec![input.iter().product()])
+    }
+
+    fn macs(&self, _input: &[usize]) -> Result<u64> {
+        Ok(0)
+    }
+
+    fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
+        let n = input.batch();
+        let features = input.shape().iter().skip(1).product();
+        self.saved_shape = (mode == Mode::Train).then(|| input.shape().to_vec());
+        input.clone().reshape(&[n, features])
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        let shape = self
+            .saved_shape
+            .take()
+            .ok_or(ModelError::NoSavedActivation { op: "flatten" })?;
+        let n = shape.first().copied().unwrap_or(0);
+        let features = shape.iter().skip(1).product();
+        grad_output.expect_shape("flatten backward", &[n, features])?;
+        grad_output.clone().reshape(&shape)
+    }
+
+    fn clear_saved(&mut self) {
+        self.saved_shape = None;
+    }
+}
+
+/// A feature-vector layer applied at every position of [N, T, C].
+pub struct PerPosition {
+    inner: Box<dyn Layer>,
+    saved_positions: Option<(usize, usize)>,
+}
+
+impl PerPosition {
+    pub fn new(inner: Box<dyn Layer>) -> Self {
+        Self {
+            inner,
+            saved_positions: None,
+        }
+    }
+
+    /// The wrapped layer (for LoRA merging and tests).
+    pub fn inner_mut(&mut self) -> &mut dyn Layer {
+        self.inner.as_mut()
+    }
+}
+
+fn sequence_dims(op: &'static str, shape: &[usize]) -> Result<(usize, usize, usize)> {
+    match *shape {
+        [n, t, c] => Ok((n, t, c)),
+        _ => Err(ModelError::Shape {
+            op,
+            expected: "a sequence [n, t, c]".into(),
+            got: format!("{shape:?}"),
+        }),
+    }
+}
+
+impl Layer for PerPosition {
+    fn describe(&self) -> String {
+        format!("{} (per position)", self.inner.describe())
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
+        let [t, c] = *input else {
+            return Err(ModelError::Shape {
+                op: "per-position layer",
+                expected: "a sequence [t, c]".into(),
+                got: format!("{input:?}"),
+            });
+        };
+        let out = self.inner.output_shape(&[c])?;
+        Ok([vec![t], out].concat())
+    }
+
+    fn macs(&self, input: &[usize]) -> Result<u64> {
+        self.output_shape(input)?;
+        Ok(input[0] as u64 * self.inner.macs(&input[1..])?)
+    }
+
+    fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
+        self.saved_positions = None;
+        let (n, t, c) = sequence_dims("per-position layer", input.shape())?;
+        let rows = input.clone().reshape(&[n * t, c])?;
+        let out = self.inner.forward(&rows, mode)?;
+        let features = out.shape().get(1).copied().unwrap_or(0);
+        self.saved_positions = (mode == Mode::Train).then_some((n, t));
+        out.reshape(&[n, t, features])
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        let (n, t) = self
+            .saved_positions
+            .take()
+            .ok_or(ModelError::NoSavedActivation {
+                op: "per-position layer",
+            })?;
+        let (gn, gt, features) = sequence_dims("per-position backward", grad_output.shape())?;
+        if (gn, gt) != (n, t) {
+            return Err(ModelError::Shape {
+                op: "per-position backward",
+                expected: format!("[{n}, {t}, _]"),
+                got: format!("{:?}", grad_output.shape()),
+            });
+        }
+        let g = grad_output.clone().reshape(&[n * t, features])?;
+        let gi = self.inner.backward(&g)?;
+        let c = gi.shape().get(1).copied().unwrap_or(0);
+        gi.reshape(&[n, t, c])
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        self.inner.params_mut()
+    }
+
+    fn buffers_mut(&mut self) -> Vec<&mut Tensor> {
+        self.inner.buffers_mut()
+    }
+
+    fn clear_saved(&mut self) {
+        self.saved_positions = None;
+        self.inner.clear_saved();
+    }
+
+    fn set_recompute(&mut self, on: bool) {
+        self.inner.set_recompute(on);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gradcheck::{check_layer, random_tensor};
+    use crate::init::InitRng;
+    use crate::layers::Linear;
+
+    #[test]
+    fn flatten_keeps_the_order_and_shares_the_buffer() {
+        let x = random_tensor(&[2, 3, 2, 4], 1);
+        let mut flatten = Flatten::new();
+        let y = flatten.forward(&x, Mode::Train).unwrap();
+        assert_eq!(y.shape(), &[2, 24]);
+        assert_eq!(y.data().as_ptr(), x.data().as_ptr());
+        let g = flatten.backward(&y).unwrap();
+        assert_eq!(g.shape(), x.shape());
+        assert_eq!(g.data(), x.data());
+        assert!(flatten.backward(&y).is_err());
+    }
+
+    #[test]
+    fn flatten_gradient_matches_finite_differences() {
+        let report = check_layer(
+            &mut Flatten::new(),
+            &random_tensor(&[2, 2, 3, 2], 2),
+            1e-2,
+            1e-3,
+        );
+        assert!(report.is_ok(), "{}", report.unwrap_err());
+    }
+
+    #[test]
+    fn per_position_linear_equals_the_linear_on_each_row() {
+        let mut rng = InitRng::new(4);
+        let mut seq = PerPosition::new(Box::new(Linear::new(
+            "fc",
+            5,
+            3,
+            true,
+            &mut InitRng::new(4),
+        )));
+        let mut plain = Linear::new("fc", 5, 3, true, &mut rng);
+        let x = random_tensor(&[2, 4, 5], 3);
+        let y = seq.forward(&x, Mode::Eval).unwrap();
+        assert_eq!(y.shape(), &[2, 4, 3]);
+        let rows = plain
+            .forward(&x.clone().reshape(&[8, 5]).unwrap(), Mode::Eval)
+            .unwrap();
+        assert_eq!(y.data(), rows.data());
+        assert_eq!(seq.output_shape(&[4, 5]).unwrap(), vec![4, 3]);
+        assert_eq!(seq.macs(&[4, 5]).unwrap(), 4 * 15);
+    }
+
+    #[test]
+    fn per_position_gradient_matches_finite_differences() {
+        let mut seq = PerPosition::new(Box::new(Linear::new(
+            "fc",
+            4,
+            3,
+            true,
+            &mut InitRng::new(5),
+        )));
+        let report = check_layer(&mut seq, &random_tensor(&[2, 3, 4], 6), 1e-2, 1e-3);
+        assert!(report.is_ok(), "{}", report.unwrap_err());
+    }
+}

@@ -1,0 +1,283 @@
+//! The pieces of a UNet decoder, NHWC.
+//!
+//! `Upsample2x`: nearest neighbour, [N, H, W, C] -> [N, 2H, 2W, C]; backward
+//! sums each 2×2 block of the gradient. Saves the input shape only.
+//!
+//! `UnetSkip`: a container like `residual` whose output is its input and its
+//! body's output side by side along channels: y = concat_c(x, body(x)); the
+//! body (e.g. down-sample, inner layers, `upsample2x`) must give back the
+//! input's height and width. Saves the shapes; the body saves what it needs.
+//! Backward splits the gradient by channels: dx = g_x + body.backward(g_body).
+
+use super::activation::par_add_assign;
+use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
+
+fn image_dims(op: &'static str, shape: &[usize]) -> Result<(usize, usize, usize, usize)> {
+    match *shape {
+        [n, h, w, c] => Ok((n, h, w, c)),
+        _ => Err(ModelError::Shape {
+            op,
+            expected: "an image batch [n, h, w, c]".into(),
+            got: format!("{shape:?}"),
+        }),
+    }
+}
+
+#[derive(Default)]
+pub struct Upsample2x {
+    saved_shape: Option<Vec<usize>>,
+}
+
+impl Upsample2x {
+    pub fn new() -> Self {
+        Self { saved_shape: None }
+    }
+}
+
+impl Layer for Upsample2x {
+    fn describe(&self) -> String {
+        "upsample2x".into()
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
+        match *input {
+            [h, w, c] => Ok(vec![2 * h, 2 * w, c]),
+            _ => Err(ModelError::Shape {
+                op: "upsample2x",
+                expected: "an image [h, w, c]".into(),
+                got: format!("{input:?}"),
+            }),
+        }
+    }
+
+    fn macs(&self, _input: &[usize]) -> Result<u64> {
+        Ok(0)
+    }
+
+    fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
+        self.saved_shape = None;
+        let (n, h, w, c) = image_dims("upsample2x", input.shape())?;
+        let x = input.data();
+        let out = Tensor::try_from_fn(&[n, 2 * h, 2 * w, c], |i| {
+            let (ch, rest) = (i % c, i / c);
+            let (col, rest) = (rest % (2 * w), rest / (2 * w));
+            let (row, sample) = (rest % (2 * h), rest / (2 * h));
+            x[((sample * h + row / 2) * w + col / 2) * c + ch]
+        })?;
+        self.saved_shape = (mode == Mode::Train).then(|| input.shape().to_vec());
+        Ok(out)
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        let shape = self
+            .saved_shape
+            .take()
+            .ok_or(ModelError::NoSavedActivation { op: "upsample2x" })?;
+        let (n, h, w, c) = image_dims("upsample2x", &shape)?;
+        grad_output.expect_shape("upsample2x backward", &[n, 2 * h, 2 * w, c])?;
+        let g = grad_output.data();
+        Tensor::try_from_fn(&shape, |i| {
+            let (ch, rest) = (i % c, i / c);
+            let (col, rest) = (rest % w, rest / w);
+            let (row, sample) = (rest % h, rest / h);
+            let at = |dr: usize, dc: usize| {
+                g[((sample * 2 * h + 2 * row + dr) * 2 * w + 2 * col + dc) * c + ch]
+            };
+            at(0, 0) + at(0, 1) + at(1, 0) + at(1, 1)
+        })
+    }
+
+    fn clear_saved(&mut self) {
+        self.saved_shape = None;
+    }
+}
+
+pub struct UnetSkip {
+    body: Vec<Box<dyn Layer>>,
+    /// Input channels and body output channels of the last training forward.
+    saved_channels: Option<(usize, usize)>,
+}
+
+impl UnetSkip {
+    pub fn new(body: Vec<Box<dyn Layer>>) -> Self {
+        Self {
+            body,
+            saved_channels: None,
+        }
+    }
+
+    fn body_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
+        let mut shape = input.to_vec();
+        for layer in &self.body {
+            shape = layer.output_shape(&shape)?;
+        }
+        Ok(shape)
+    }
+}
+
+/// [rows, a] and [rows, b] -> [rows, a + b], or back.
+fn interleave(x: &[f32], a: usize, y: &[f32], b: usize, shape: &[usize]) -> Result<Tensor> {
+    Tensor::try_from_fn(shape, |i| {
+        let (row, ch) = (i / (a + b), i % (a + b));
+        if ch < a {
+            x[row * a + ch]
+        } else {
+            y[row * b + ch - a]
+        }
+    })
+}
+
+fn channel_slice(
+    g: &[f32],
+    total: usize,
+    from: usize,
+    len: usize,
+    shape: &[usize],
+) -> Result<Tensor> {
+    Tensor::try_from_fn(shape, |i| g[(i / len) * total + from + i % len])
+}
+
+impl Layer for UnetSkip {
+    fn describe(&self) -> String {
+        let names: Vec<String> = self.body.iter().map(|l| l.describe()).collect();
+        format!("unet_skip[{}]", names.join(", "))
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
+        let inner = self.body_shape(input)?;
+        match (input, inner.as_slice()) {
+            ([h, w, c], [bh, bw, bc]) if (h, w) == (bh, bw) => Ok(vec![*h, *w, c + bc]),
+            _ => Err(ModelError::Shape {
+                op: "unet_skip",
+                expected: format!("a body that keeps the height and width of {input:?}"),
+                got: format!("{inner:?}"),
+            }),
+        }
+    }
+
+    fn macs(&self, input: &[usize]) -> Result<u64> {
+        let mut shape = input.to_vec();
+        let mut total = 0;
+        for layer in &self.body {
+            total += layer.macs(&shape)?;
+            shape = layer.output_shape(&shape)?;
+        }
+        Ok(total)
+    }
+
+    fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
+        self.saved_channels = None;
+        let (n, h, w, c) = image_dims("unet_skip", input.shape())?;
+        let mut y = input.clone();
+        for layer in &mut self.body {
+            y = layer.forward(&y, mode)?;
+        }
+        let (_, bh, bw, bc) = image_dims("unet_skip body", y.shape())?;
+        if (bh, bw) != (h, w) {
+            return Err(ModelError::Shape {
+                op: "unet_skip",
+                expected: format!("a body output of {h}x{w}"),
+                got: format!("{:?}", y.shape()),
+            });
+        }
+        let out = interleave(input.data(), c, y.data(), bc, &[n, h, w, c + bc])?;
+        self.saved_channels = (mode == Mode::Train).then_some((c, bc));
+        Ok(out)
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        let (c, bc) = self
+            .saved_channels
+            .take()
+            .ok_or(ModelError::NoSavedActivation { op: "unet_skip" })?;
+        let (n, h, w, total) = image_dims("unet_skip backward", grad_output.shape())?;
+        if total != c + bc {
+            return Err(ModelError::Shape {
+                op: "unet_skip backward",
+                expected: format!("{} channels", c + bc),
+                got: format!("{:?}", grad_output.shape()),
+            });
+        }
+        let g = grad_output.data();
+        let mut g_body = channel_slice(g, total, c, bc, &[n, h, w, bc])?;
+        for layer in self.body.iter_mut().rev() {
+            g_body = layer.backward(&g_body)?;
+        }
+        let mut dx = channel_slice(g, total, 0, c, &[n, h, w, c])?;
+        g_body.expect_shape("unet_skip backward", dx.shape())?;
+        par_add_assign(dx.try_data_mut()?, g_body.data());
+        Ok(dx)
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        self.body.iter_mut().flat_map(|l| l.params_mut()).collect()
+    }
+
+    fn buffers_mut(&mut self) -> Vec<&mut Tensor> {
+        self.body.iter_mut().flat_map(|l| l.buffers_mut()).collect()
+    }
+
+    fn clear_saved(&mut self) {
+        self.saved_channels = None;
+        for layer in &mut self.body {
+            layer.clear_saved();
+        }
+    }
+
+    fn set_recompute(&mut self, on: bool) {
+        for layer in &mut self.body {
+            layer.set_recompute(on);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gradcheck::{check_layer, random_tensor};
+    use crate::init::InitRng;
+    use crate::layers::Conv2d;
+
+    #[test]
+    fn upsample_repeats_pixels_and_its_gradient_checks() {
+        let x = Tensor::from_vec(&[1, 1, 2, 1], vec![1.0, 2.0]).unwrap();
+        let y = Upsample2x::new().forward(&x, Mode::Eval).unwrap();
+        assert_eq!(y.shape(), &[1, 2, 4, 1]);
+        assert_eq!(y.data(), &[1.0, 1.0, 2.0, 2.0, 1.0, 1.0, 2.0, 2.0]);
+        let report = check_layer(
+            &mut Upsample2x::new(),
+            &random_tensor(&[2, 2, 3, 2], 1),
+            1e-2,
+            1e-3,
+        );
+        assert!(report.is_ok(), "{}", report.unwrap_err());
+    }
+
+    /// Down by a stride-2 convolution, back up by upsampling.
+    fn skip(seed: u64) -> UnetSkip {
+        let mut rng = InitRng::new(seed);
+        let down = Conv2d::new("down", 2, 3, 3, 2, 1, true, &mut rng).unwrap();
+        UnetSkip::new(vec![Box::new(down), Box::new(Upsample2x::new())])
+    }
+
+    #[test]
+    fn skip_concatenates_input_and_body() {
+        let mut s = skip(1);
+        assert_eq!(s.output_shape(&[4, 6, 2]).unwrap(), vec![4, 6, 5]);
+        let x = random_tensor(&[1, 4, 6, 2], 2);
+        let y = s.forward(&x, Mode::Eval).unwrap();
+        for (pixel, out) in x.data().chunks(2).zip(y.data().chunks(5)) {
+            assert_eq!(&out[..2], pixel);
+        }
+        assert!(
+            s.output_shape(&[5, 6, 2]).is_err(),
+            "odd height does not come back"
+        );
+    }
+
+    #[test]
+    fn skip_gradient_matches_finite_differences() {
+        let report = check_layer(&mut skip(3), &random_tensor(&[2, 4, 4, 2], 4), 1e-2, 2e-3);
+        assert!(report.is_ok(), "{}", report.unwrap_err());
+    }
+}
