@@ -341,10 +341,8 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
             allow_install,
             stop: Some(stop.flag()),
         };
-        let result = train(experiment, &options);
-        // Unlocks the run directory, and removes it if the start failed.
-        rundir::release_all();
-        let summary = result.with_context(|| format!("training {} failed", experiment.run.name))?;
+        let summary = train(experiment, &options)
+            .with_context(|| format!("training {} failed", experiment.run.name))?;
         print_summary(experiment, &summary);
         if summary.memory_left_after_run != 0 {
             bail!(

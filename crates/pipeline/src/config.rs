@@ -129,7 +129,7 @@ fn default_prefetch() -> usize {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DeviceConfig {
-    /// "auto" or "cpu" (the CUDA backend is not wired into training yet).
+    /// "auto" (the GPU when one can be used, else the CPU), "cpu" or "cuda".
     #[serde(default = "default_device_kind")]
     pub kind: String,
     /// A hard budget on the memory pool, e.g. "3.5GiB"; unset = none.
@@ -591,11 +591,11 @@ impl ExperimentConfig {
                 ))
             }
         }
-        if !matches!(self.device.kind.as_str(), "auto" | "cpu") {
+        if !matches!(self.device.kind.as_str(), "auto" | "cpu" | "cuda") {
             return Err(PipelineError::value(
                 "device.kind",
                 format!(
-                    "expected \"auto\" or \"cpu\", got \"{}\" (the CUDA backend is not wired into training yet)",
+                    "expected \"auto\", \"cpu\" or \"cuda\", got \"{}\"",
                     self.device.kind
                 ),
             ));
@@ -706,7 +706,7 @@ impl ExperimentConfig {
             .transpose()
     }
 
-    /// The run directory once resolved (see `rundir::resolve`).
+    /// The run directory once claimed (see `rundir::RunDir::claim`).
     pub fn output_dir(&self) -> &Path {
         self.run.output_dir.as_deref().unwrap_or(&self.run.runs_dir)
     }

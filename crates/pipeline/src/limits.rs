@@ -325,6 +325,10 @@ impl ModelSize {
                     vec![out],
                 ))
             }
+            // The sequence and adapter layers: the model crate checks their
+            // sizes as it builds them (fallibly); the estimate carries the
+            // shape through unchanged.
+            _ => Ok((0, shape.to_vec())),
         }
     }
 }

@@ -116,18 +116,20 @@ impl MemoryGuard {
         }
     }
 
-    /// Decides what follows an out-of-memory error in a step: Ok to retry
-    /// (with `micro_batch` possibly halved), or the error that stops the run.
+    /// Decides what follows an out-of-memory error in a step of `learner`:
+    /// Ok to retry (its cache released, or its micro-batch halved), or the
+    /// error that stops the run.
     pub fn on_oom(
         &mut self,
         error: &PipelineError,
         step: u64,
-        micro_batch: &mut usize,
+        learner: &mut dyn Learner,
         freed_cache: &mut bool,
         batch: usize,
     ) -> Result<()> {
         self.oom_events += 1;
-        let stats = self.pool.stats();
+        let stats = learner.memory_stats();
+        let micro_batch = learner.micro_batch();
         let wanted = match error {
             PipelineError::Model(ModelError::OutOfMemory { requested, .. }) => {
                 format!("a {} block", mib(*requested))
@@ -136,13 +138,13 @@ impl MemoryGuard {
         };
         let here = format!(
             "out of memory at step {step}: {wanted} did not fit ({})",
-            figures(&stats, self.limit())
+            figures(&stats, learner.memory_limit())
         );
         if !self.adapt {
-            return Err(self.stop_message(&here, *micro_batch));
+            return Err(self.stop_message(&here, micro_batch));
         }
         if !*freed_cache {
-            let released = self.pool.empty_cache();
+            let released = learner.release_cache();
             *freed_cache = true;
             tracing::warn!(
                 "{here}: released {} of cached blocks, retrying the step",
@@ -150,11 +152,11 @@ impl MemoryGuard {
             );
             return Ok(());
         }
-        let smaller = *micro_batch / 2;
+        let smaller = micro_batch / 2;
         if smaller < self.min_micro_batch.max(1) {
-            return Err(self.stop_message(&here, *micro_batch));
+            return Err(self.stop_message(&here, micro_batch));
         }
-        *micro_batch = smaller;
+        learner.set_micro_batch(smaller);
         *freed_cache = false;
         tracing::warn!(
             "{here}: splitting the batch of {batch} into micro-batches of {smaller} ({} per step, gradients accumulated; \
@@ -174,21 +176,21 @@ impl MemoryGuard {
     }
 
     /// Periodic release of cached blocks, timed.
-    pub fn after_step(&mut self, step: u64) {
+    pub fn after_step(&mut self, step: u64, learner: &mut dyn Learner) {
         if self.empty_every > 0 && step.is_multiple_of(self.empty_every) {
-            self.release_cache("periodic");
+            self.release_cache("periodic", learner);
         }
     }
 
-    pub fn after_checkpoint(&mut self) {
+    pub fn after_checkpoint(&mut self, learner: &mut dyn Learner) {
         if self.empty_after_checkpoint {
-            self.release_cache("after checkpoint");
+            self.release_cache("after checkpoint", learner);
         }
     }
 
-    fn release_cache(&mut self, why: &str) {
+    fn release_cache(&mut self, why: &str, learner: &mut dyn Learner) {
         let started = Instant::now();
-        let released = self.pool.empty_cache();
+        let released = learner.release_cache();
         let seconds = started.elapsed().as_secs_f64();
         self.cleanups += 1;
         self.cleanup_seconds += seconds;

@@ -14,7 +14,6 @@ use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::config::ExperimentConfig;
@@ -68,34 +67,6 @@ impl Drop for RunDir {
             }
         }
     }
-}
-
-/// Claims made through `resolve`, held until `release_all` (or the end of
-/// the process): the training loop knows its directory only as a path.
-static CLAIMED: Mutex<Vec<RunDir>> = Mutex::new(Vec::new());
-
-/// The directory this run writes to, claimed (made, locked) until
-/// `release_all`. A directory this process already holds is returned as is.
-pub fn resolve(config: &ExperimentConfig, resume: &Resume) -> Result<PathBuf> {
-    let mut claimed = CLAIMED
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some(dir) = &config.run.output_dir {
-        if let Some(held) = claimed.iter().find(|c| c.path == *dir) {
-            return Ok(held.path.clone());
-        }
-    }
-    let claim = RunDir::claim(config, resume)?;
-    let path = claim.path.clone();
-    claimed.push(claim);
-    Ok(path)
-}
-
-/// Ends every claim `resolve` made: unlocks the directories and removes
-/// those of starts that failed before any progress.
-pub fn release_all() {
-    let released = std::mem::take(&mut *CLAIMED.lock().unwrap_or_else(|p| p.into_inner()));
-    drop(released);
 }
 
 /// The directory, and whether this call made it.

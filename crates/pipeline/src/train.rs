@@ -98,8 +98,11 @@ enum Finish {
 
 pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSummary> {
     let started = Instant::now();
+    // Held (locked) for the whole run; removed on drop if this start made it
+    // and it holds no progress.
+    let run_dir = rundir::RunDir::claim(config, &options.resume)?;
     let mut resolved = config.clone();
-    resolved.run.output_dir = Some(rundir::resolve(config, &options.resume)?);
+    resolved.run.output_dir = Some(run_dir.path().to_path_buf());
     let config = &resolved;
     let threads = compute_threads(config.train.threads);
     let pool = rayon::ThreadPoolBuilder::new()
@@ -174,9 +177,13 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
             reason: "the sink thread panicked".into(),
         })
         .and_then(|r| r);
-    // A training error explains a sink that stopped early, so it goes first.
-    let finish = result?;
-    let outcome = outcome?;
+    // A training error explains a sink that stopped early, so it goes first,
+    // unless the training stopped because the sink did: then the sink's own
+    // error (a full disk, say) is the cause.
+    let (finish, outcome) = match (result, outcome) {
+        (Err(PipelineError::Stage { stage: "sink", .. }), Err(cause)) => return Err(cause),
+        (result, outcome) => (result?, outcome?),
+    };
     match crate::plot::write(config.output_dir()) {
         Ok(path) => tracing::info!("plots: {}", path.display()),
         Err(e) => tracing::warn!("no plot: {e}"),
@@ -215,8 +222,8 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         macs_per_sample,
         threads,
         loader_memory: run.train_loader.memory_report(),
-        memory: memory.stats(),
-        memory_limit: memory.limit(),
+        memory: run.trainee.learner.memory_stats(),
+        memory_limit: run.trainee.learner.memory_limit(),
         micro_batch: run.trainee.learner.micro_batch(),
         oom_events: memory.oom_events,
         cache_cleanups: memory.cleanups,
@@ -326,11 +333,11 @@ fn check_data_fits_model(
     }
     if data.num_classes() > learner.num_classes() {
         return Err(PipelineError::value(
-            "model.layers",
+            "data",
             format!(
-                "the network has {} outputs but the dataset has {} classes",
-                learner.num_classes(),
-                data.num_classes()
+                "the training data has {} classes but the network has only {} outputs (the last layer of model.layers)",
+                data.num_classes(),
+                learner.num_classes()
             ),
         ));
     }
@@ -385,14 +392,14 @@ fn checkpoint_now(
 ) -> Result<()> {
     let checkpoint = snapshot(config, trainee)?;
     send(events, Event::Checkpoint(Box::new(checkpoint)))?;
-    memory.after_checkpoint();
+    memory.after_checkpoint(trainee.learner.as_mut());
     Ok(())
 }
 
 fn send(events: &Sender<Event>, event: Event) -> Result<()> {
     events.send(event).map_err(|_| PipelineError::Stage {
         stage: "sink",
-        reason: "it stopped receiving (see the error after this one)".into(),
+        reason: "it stopped receiving events".into(),
     })
 }
 
@@ -451,7 +458,7 @@ fn run_epoch(
             });
         }
         let (step, done) = (trainee.position.step, trainee.position.batches_done);
-        memory.after_step(step);
+        memory.after_step(step, trainee.learner.as_mut());
         let every = config.checkpoint.every_steps;
         if !report.skipped && every > 0 && step % every == 0 && done < batches_per_epoch {
             checkpoint_now(config, trainee, events, memory)?;
@@ -493,9 +500,13 @@ fn train_step(
         match trainee.learner.train_batch(batch, lr) {
             Ok(result) => break result,
             Err(e) if e.is_out_of_memory() => {
-                let mut micro_batch = trainee.learner.micro_batch();
-                memory.on_oom(&e, step, &mut micro_batch, &mut freed_cache, batch.len())?;
-                trainee.learner.set_micro_batch(micro_batch);
+                memory.on_oom(
+                    &e,
+                    step,
+                    trainee.learner.as_mut(),
+                    &mut freed_cache,
+                    batch.len(),
+                )?;
             }
             Err(e) => return Err(e),
         }

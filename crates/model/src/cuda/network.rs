@@ -694,7 +694,6 @@ fn build_one(
             built.push(GpuLayer::Relu);
             built
         }
-        #[allow(unreachable_patterns)]
         _ => return Err(cpu_only(path, "this layer")),
     })
 }

@@ -263,6 +263,14 @@ impl Learner for CpuLearner {
         self.pool.stats()
     }
 
+    fn memory_limit(&self) -> Option<u64> {
+        self.pool.limit()
+    }
+
+    fn release_cache(&mut self) -> u64 {
+        self.pool.empty_cache()
+    }
+
     fn num_params(&mut self) -> usize {
         self.network.num_params()
     }

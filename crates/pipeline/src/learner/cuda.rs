@@ -308,6 +308,18 @@ impl Learner for CudaLearner {
         }
     }
 
+    fn memory_limit(&self) -> Option<u64> {
+        self.be.memory_stats().limit
+    }
+
+    fn release_cache(&mut self) -> u64 {
+        let before = self.be.memory_stats().reserved_bytes;
+        if let Err(e) = self.be.empty_cache() {
+            tracing::warn!("could not release cached GPU memory: {e}");
+        }
+        before.saturating_sub(self.be.memory_stats().reserved_bytes)
+    }
+
     fn num_params(&mut self) -> usize {
         self.network.num_params()
     }

@@ -109,6 +109,13 @@ pub trait Learner: Send {
     /// The memory the learner's tensors come from.
     fn memory_stats(&self) -> PoolStats;
 
+    /// The hard budget on that memory, if any.
+    fn memory_limit(&self) -> Option<u64>;
+
+    /// Returns cached, unused blocks to the system (the driver on a GPU):
+    /// the bytes released.
+    fn release_cache(&mut self) -> u64;
+
     fn num_params(&mut self) -> usize;
     fn macs_per_sample(&self) -> Result<u64>;
     fn num_classes(&self) -> usize;
