@@ -18,6 +18,7 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use headroom_model::cuda::LossScalerState;
 use headroom_model::ModelSpec;
 use headroom_optim::AdamWState;
 use serde::{Deserialize, Serialize};
@@ -25,7 +26,9 @@ use serde::{Deserialize, Serialize};
 use crate::{PipelineError, Result};
 
 const MAGIC: &[u8; 8] = b"HDRMCKPT";
-const FORMAT_VERSION: u32 = 2;
+/// 3 adds the loss scaler's state after the optimizer step; 2 is still read.
+const FORMAT_VERSION: u32 = 3;
+const OLDEST_READABLE: u32 = 2;
 const MAX_META_BYTES: usize = 16 << 20;
 const PREFIX: &str = "checkpoint-";
 const SUFFIX: &str = ".ckpt";
@@ -65,6 +68,9 @@ pub struct Checkpoint {
     pub params: Vec<Vec<f32>>,
     pub buffers: Vec<Vec<f32>>,
     pub optimizer: AdamWState,
+    /// The dynamic loss scale of a mixed-precision (GPU) run; None on the
+    /// CPU, which trains in f32.
+    pub loss_scale: Option<LossScalerState>,
 }
 
 impl Checkpoint {
@@ -111,6 +117,14 @@ impl Checkpoint {
             }
         }
         bytes.extend_from_slice(&self.optimizer.step.to_le_bytes());
+        match self.loss_scale {
+            None => bytes.push(0),
+            Some(state) => {
+                bytes.push(1);
+                bytes.extend_from_slice(&state.scale.to_le_bytes());
+                bytes.extend_from_slice(&state.clean_steps.to_le_bytes());
+            }
+        }
         let crc = crc32fast::hash(&bytes);
         bytes.extend_from_slice(&crc.to_le_bytes());
         Ok(bytes)
@@ -138,9 +152,9 @@ impl Checkpoint {
         }
         let mut reader = Reader { bytes: &body[8..] };
         let version = u32::from_le_bytes(reader.array().map_err(&bad)?);
-        if version != FORMAT_VERSION {
+        if !(OLDEST_READABLE..=FORMAT_VERSION).contains(&version) {
             return Err(bad(format!(
-                "format version {version}, this build reads {FORMAT_VERSION}"
+                "format version {version}, this build reads {OLDEST_READABLE} to {FORMAT_VERSION}"
             )));
         }
         let meta_len = u64::from_le_bytes(reader.array().map_err(&bad)?);
@@ -158,6 +172,11 @@ impl Checkpoint {
         let first_moment = reader.tensors().map_err(&bad)?;
         let second_moment = reader.tensors().map_err(&bad)?;
         let step = u64::from_le_bytes(reader.array().map_err(&bad)?);
+        let loss_scale = if version >= 3 {
+            reader.loss_scale().map_err(&bad)?
+        } else {
+            None
+        };
         if !reader.bytes.is_empty() {
             return Err(bad(format!(
                 "{} unexpected bytes after the tensors",
@@ -173,6 +192,7 @@ impl Checkpoint {
                 first_moment,
                 second_moment,
             },
+            loss_scale,
         })
     }
 }
@@ -199,6 +219,21 @@ impl<'a> Reader<'a> {
         let mut out = [0; N];
         out.copy_from_slice(self.take(N)?);
         Ok(out)
+    }
+
+    fn loss_scale(&mut self) -> std::result::Result<Option<LossScalerState>, String> {
+        match self.array::<1>()? {
+            [0] => Ok(None),
+            [1] => {
+                let scale = f32::from_le_bytes(self.array()?);
+                let clean_steps = u32::from_le_bytes(self.array()?);
+                if !(scale.is_finite() && scale > 0.0) {
+                    return Err(format!("loss scale {scale} is not a positive number"));
+                }
+                Ok(Some(LossScalerState { scale, clean_steps }))
+            }
+            [other] => Err(format!("loss-scale flag {other} is neither 0 nor 1")),
+        }
     }
 
     fn tensors(&mut self) -> std::result::Result<Vec<Vec<f32>>, String> {
@@ -344,7 +379,33 @@ mod tests {
                 first_moment: vec![vec![0.1, 0.2], vec![0.3]],
                 second_moment: vec![vec![0.01, 0.02], vec![0.03]],
             },
+            loss_scale: Some(LossScalerState {
+                scale: 32768.0,
+                clean_steps: 17,
+            }),
         }
+    }
+
+    #[test]
+    fn a_format_2_file_without_a_loss_scale_still_loads() {
+        let checkpoint = Checkpoint {
+            loss_scale: None,
+            ..sample(12)
+        };
+        let mut bytes = checkpoint.encode().unwrap();
+        // Format 2: version 2 and no loss-scale flag before the checksum.
+        bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+        bytes.truncate(bytes.len() - 5);
+        let crc = crc32fast::hash(&bytes);
+        bytes.extend_from_slice(&crc.to_le_bytes());
+        let loaded = Checkpoint::decode(&bytes, Path::new("old.ckpt")).unwrap();
+        assert_eq!(loaded, checkpoint);
+        bytes.truncate(bytes.len() - 4);
+        bytes[8..12].copy_from_slice(&1u32.to_le_bytes());
+        let crc = crc32fast::hash(&bytes);
+        bytes.extend_from_slice(&crc.to_le_bytes());
+        let err = Checkpoint::decode(&bytes, Path::new("older.ckpt")).unwrap_err();
+        assert!(err.to_string().contains("format version 1"), "{err}");
     }
 
     #[test]

@@ -112,6 +112,7 @@ pub fn evaluate_checkpoint(
             params: saved.params,
             buffers: saved.buffers,
             optimizer: saved.optimizer,
+            loss_scale: saved.loss_scale,
         })
         .map_err(|reason| PipelineError::Checkpoint {
             path: path.to_path_buf(),

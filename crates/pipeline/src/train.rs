@@ -350,6 +350,7 @@ fn restore(trainee: &mut Trainee, saved: Checkpoint) -> std::result::Result<(), 
         params: saved.params,
         buffers: saved.buffers,
         optimizer: saved.optimizer,
+        loss_scale: saved.loss_scale,
     })?;
     trainee.position = Position {
         epoch: meta.epoch,
@@ -565,5 +566,6 @@ fn snapshot(config: &ExperimentConfig, trainee: &mut Trainee) -> Result<Checkpoi
         params: state.params,
         buffers: state.buffers,
         optimizer: state.optimizer,
+        loss_scale: state.loss_scale,
     })
 }

@@ -208,7 +208,11 @@ fn an_overflowing_step_is_skipped_and_leaves_everything_as_it_was() {
     let result = gpu.train_batch(&batch(1), 5e-3).unwrap();
     assert_eq!(result.grad_norm, None, "the step is skipped");
     assert_eq!(gpu.loss_scale(), scale / 2.0, "the loss scale backs off");
-    assert_eq!(bits(&gpu.snapshot().unwrap()), bits(&before));
+    let after = gpu.snapshot().unwrap();
+    assert_eq!(bits(&after), bits(&before));
+    let mut resumed = gpu_learner(6);
+    resumed.restore(after).unwrap();
+    assert_eq!(resumed.loss_scale(), scale / 2.0, "the scale is checkpointed");
 }
 
 #[test]

@@ -234,6 +234,7 @@ impl Learner for CpuLearner {
                 .collect(),
             buffers: self.network.buffer_values(),
             optimizer: self.optimizer.state(),
+            loss_scale: None,
         })
     }
 

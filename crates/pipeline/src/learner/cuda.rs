@@ -249,6 +249,7 @@ impl Learner for CudaLearner {
                 first_moment,
                 second_moment,
             },
+            loss_scale: Some(self.scaler.state()),
         })
     }
 
@@ -257,6 +258,7 @@ impl Learner for CudaLearner {
             params,
             buffers,
             optimizer,
+            loss_scale,
         } = state;
         let zeros: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
         let (first, second) = if optimizer.step == 0 {
@@ -270,6 +272,9 @@ impl Learner for CudaLearner {
             .load_state(&self.be, &params, &buffers, (first, second))
             .map_err(|e| e.to_string())?;
         self.applied_steps = optimizer.step;
+        // A CPU checkpoint has no scale: the scaler starts afresh.
+        let scale = loss_scale.unwrap_or(LossScaler::new(*self.scaler.config())?.state());
+        self.scaler.load_state(scale)?;
         Ok(())
     }
 

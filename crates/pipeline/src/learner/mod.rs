@@ -20,7 +20,7 @@ pub use cuda::{CudaLearner, CudaOptions};
 use std::sync::Arc;
 
 use headroom_loader::Batch;
-use headroom_model::cuda::CudaBackend;
+use headroom_model::cuda::{CudaBackend, LossScalerState};
 use headroom_model::memory::MemoryPool;
 use headroom_model::PoolStats;
 use headroom_optim::{AdamWConfig, AdamWState};
@@ -81,6 +81,8 @@ pub struct LearnerState {
     /// Batch-norm running statistics and other buffers, in order.
     pub buffers: Vec<Vec<f32>>,
     pub optimizer: AdamWState,
+    /// The dynamic loss scale (mixed precision only).
+    pub loss_scale: Option<LossScalerState>,
 }
 
 pub trait Learner: Send {
