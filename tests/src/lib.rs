@@ -4,6 +4,8 @@
 use std::io::Write;
 use std::path::Path;
 
+use headroom_pipeline::{ExperimentConfig, Overrides};
+
 /// Writes gzip IDX files with `train` / `test` samples of 28x28 images whose
 /// class sets the brightness and the stripe period, plus noise: cues that
 /// survive cropping, flipping and global pooling, so a small network learns
@@ -63,4 +65,19 @@ pub fn gzip_to(path: &Path, bytes: &[u8]) {
     let mut encoder = flate2::write::GzEncoder::new(file, flate2::Compression::fast());
     encoder.write_all(bytes).expect("write test file");
     encoder.finish().expect("finish gzip");
+}
+
+/// experiments/smoke.toml on the data in `data`, writing to `out`, with
+/// `extra` overrides (`key=value`).
+pub fn smoke_config(data: &Path, out: &Path, extra: &[&str]) -> ExperimentConfig {
+    let mut pairs = vec![
+        format!("data.dir={}", data.display()),
+        format!("run.output_dir={}", out.display()),
+    ];
+    pairs.extend(extra.iter().map(|s| s.to_string()));
+    let experiments = Path::new(env!("CARGO_MANIFEST_DIR")).join("../experiments/smoke.toml");
+    match ExperimentConfig::load(&experiments, &Overrides::parse(&pairs).expect("overrides")) {
+        Ok(config) => config,
+        Err(e) => panic!("smoke config: {e}"),
+    }
 }

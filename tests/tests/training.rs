@@ -4,18 +4,8 @@
 use std::path::Path;
 
 use headroom_pipeline::checkpoint;
-use headroom_pipeline::{train, ExperimentConfig, Overrides, Resume, TrainOptions};
-use headroom_tests::write_synthetic_fashion_mnist;
-
-fn smoke_config(data: &Path, out: &Path, extra: &[&str]) -> ExperimentConfig {
-    let mut pairs = vec![
-        format!("data.dir={}", data.display()),
-        format!("run.output_dir={}", out.display()),
-    ];
-    pairs.extend(extra.iter().map(|s| s.to_string()));
-    let experiments = Path::new(env!("CARGO_MANIFEST_DIR")).join("../experiments/smoke.toml");
-    ExperimentConfig::load(&experiments, &Overrides::parse(&pairs).unwrap()).unwrap()
-}
+use headroom_pipeline::{train, Resume, TrainOptions};
+use headroom_tests::{smoke_config, write_synthetic_fashion_mnist};
 
 fn step_losses(run_dir: &Path) -> Vec<f64> {
     let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();

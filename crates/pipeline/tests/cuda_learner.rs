@@ -212,7 +212,11 @@ fn an_overflowing_step_is_skipped_and_leaves_everything_as_it_was() {
     assert_eq!(bits(&after), bits(&before));
     let mut resumed = gpu_learner(6);
     resumed.restore(after).unwrap();
-    assert_eq!(resumed.loss_scale(), scale / 2.0, "the scale is checkpointed");
+    assert_eq!(
+        resumed.loss_scale(),
+        scale / 2.0,
+        "the scale is checkpointed"
+    );
 }
 
 #[test]

@@ -1,0 +1,84 @@
+//! Training end to end on the GPU path: `train()` with device.kind = "cuda"
+//! runs the whole loop (loader, staging ring, CUDA learner, checkpoints,
+//! evaluation), and its checkpoint resumes on the CPU. Without a GPU this
+//! runs on the CPU emulator of CUDA (headroom-cuda-emu); without NVRTC it
+//! skips with one line unless HEADROOM_REQUIRE_NVRTC=1 (CI).
+
+use headroom_pipeline::{checkpoint, train, Resume, TrainOptions};
+use headroom_tests::{smoke_config, write_synthetic_fashion_mnist};
+
+fn env_is_1(name: &str) -> bool {
+    std::env::var(name).as_deref() == Ok("1")
+}
+
+/// Installs the emulator unless a real GPU is there (or required); false
+/// (with one line) when NVRTC is missing and not required.
+fn gpu_path_available() -> bool {
+    if !env_is_1("HEADROOM_REQUIRE_GPU")
+        && (env_is_1("HEADROOM_CUDA_EMULATE") || !headroom_cuda_emu::real_gpu_present())
+    {
+        if let Err(e) = headroom_cuda_emu::install() {
+            panic!("the CUDA emulator is unavailable: {e}");
+        }
+    }
+    match headroom_model::cuda::libs::ensure_nvrtc() {
+        Ok(_) => true,
+        Err(e) if !env_is_1("HEADROOM_REQUIRE_NVRTC") => {
+            eprintln!("cuda_training: SKIPPED: {e}");
+            false
+        }
+        Err(e) => panic!("HEADROOM_REQUIRE_NVRTC=1 but {e}"),
+    }
+}
+
+#[test]
+fn a_run_on_the_gpu_path_trains_checkpoints_and_resumes_on_the_cpu() {
+    if !gpu_path_available() {
+        return;
+    }
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 256, 64);
+    let out = tempfile::tempdir().unwrap();
+    let gpu = smoke_config(
+        data.path(),
+        out.path(),
+        &[
+            "device.kind=cuda",
+            "train.epochs=1",
+            "augment.crop_padding=0",
+        ],
+    );
+    let summary = train(&gpu, &TrainOptions::default()).unwrap();
+    assert_eq!(summary.epochs.len(), 1);
+    assert_eq!(summary.step, 8, "256 samples in batches of 32");
+    let accuracy = summary.test_accuracy.unwrap();
+    assert!(accuracy > 0.1, "{accuracy}");
+    assert!(
+        summary.memory.peak_in_use_bytes > 0,
+        "device memory is reported"
+    );
+    let files = checkpoint::list(out.path()).unwrap();
+    let saved = checkpoint::load(files.last().unwrap()).unwrap();
+    let scale = saved
+        .loss_scale
+        .expect("a GPU checkpoint holds its loss scale");
+    assert!(scale.scale > 0.0);
+
+    let cpu = smoke_config(
+        data.path(),
+        out.path(),
+        &[
+            "device.kind=cpu",
+            "train.epochs=2",
+            "augment.crop_padding=0",
+        ],
+    );
+    let options = TrainOptions {
+        resume: Resume::Latest,
+        ..TrainOptions::default()
+    };
+    let resumed = train(&cpu, &options).unwrap();
+    assert_eq!(resumed.epoch, 2);
+    assert_eq!(resumed.step, 16);
+    assert!(resumed.test_accuracy.unwrap().is_finite());
+}
