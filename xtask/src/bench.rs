@@ -16,6 +16,8 @@ pub struct BenchArgs<'a> {
     pub config_path: &'a Path,
     pub overrides: &'a [String],
     pub batches: &'a [usize],
+    /// The step runs on the GPU (and PyTorch's with AMP, compiled).
+    pub gpu: bool,
     pub threads: usize,
     pub warmup: usize,
     pub steps: usize,
@@ -29,6 +31,10 @@ struct TorchStep {
     samples_per_sec: f64,
     step_ms: f64,
     peak_rss_bytes: u64,
+    #[serde(default)]
+    device: Option<String>,
+    #[serde(default)]
+    peak_device_bytes: Option<u64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -136,9 +142,14 @@ fn torch_step(args: &BenchArgs, batch: usize) -> Result<Option<TorchStep>> {
         tracing::warn!("--compare-torch: `import torch` fails in python3; install it with `pip install torch numpy`");
         return Ok(None);
     }
-    let output = Command::new("python3")
-        .arg(script)
-        .args(["--threads", &args.threads.to_string()])
+    let mut command = Command::new("python3");
+    command.arg(script);
+    if args.gpu {
+        command.args(["--device", "cuda"]);
+    } else {
+        command.args(["--threads", &args.threads.to_string()]);
+    }
+    let output = command
         .args(["--batch", &batch.to_string()])
         .args(["--warmup", &args.warmup.to_string()])
         .args(["--steps", &args.steps.to_string()])
@@ -165,6 +176,9 @@ fn mib(bytes: Option<u64>) -> String {
 }
 
 fn print_table(report: &Report) {
+    if let Some(first) = report.rows.first().filter(|r| r.headroom.device != "cpu") {
+        return print_gpu_table(report, &first.headroom.device);
+    }
     println!(
         "training step, reference model, {} threads; machine peak {:.0} GFLOP/s (measured FMA loop)",
         report.threads, report.machine_peak_gflops
@@ -214,6 +228,45 @@ fn print_table(report: &Report) {
         println!(
             "loader alone: {:.0} augmented samples/s (batch {}, {} workers)",
             l.samples_per_sec, l.batch, l.workers
+        );
+    }
+}
+
+/// On a GPU the share of the CPU's FMA peak means nothing; peak device
+/// memory does.
+fn print_gpu_table(report: &Report, device: &str) {
+    println!("training step, reference model, on {device}");
+    println!(
+        "{:>6} | {:>12} {:>9} {:>11} | {:>12} {:>9} {:>11} | {:>6}",
+        "batch", "samples/s", "step ms", "peak mem", "torch s/s", "step ms", "peak mem", "ratio"
+    );
+    for row in &report.rows {
+        let h = &row.headroom;
+        let (t_rate, t_ms, t_mem) = match &row.pytorch {
+            Some(t) => (
+                format!("{:.0}", t.samples_per_sec),
+                format!("{:.2}", t.step_ms),
+                mib(t.peak_device_bytes),
+            ),
+            None => ("-".into(), "-".into(), "-".into()),
+        };
+        println!(
+            "{:>6} | {:>12.0} {:>9.2} {:>11} | {:>12} {:>9} {:>11} | {:>6}",
+            h.batch,
+            h.samples_per_sec,
+            h.step_ms,
+            mib(Some(h.peak_tensor_bytes)),
+            t_rate,
+            t_ms,
+            t_mem,
+            row.ratio.map_or("-".into(), |r| format!("{r:.2}"))
+        );
+    }
+    if let Some(t) = report.rows.iter().find_map(|r| r.pytorch.as_ref()) {
+        println!(
+            "PyTorch {} on {} (AMP with GradScaler, channels_last, fused AdamW, torch.compile; same model and batch)",
+            t.version,
+            t.device.as_deref().unwrap_or("?")
         );
     }
 }

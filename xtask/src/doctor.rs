@@ -45,7 +45,7 @@ pub fn run() -> Result<()> {
         None => println!("budget     unbounded when device.memory_limit is unset"),
     }
     println!("gpu        {}", gpu_line());
-    println!("auto picks cpu, f32 (the CUDA backend is not wired into training yet)");
+    println!("auto picks {}", auto_pick());
     let usable = ceiling.map(|c| c.limit.min(c.room)).or(total);
     let profile = match usable {
         Some(bytes) if bytes < SMALL_DEVICE_BYTES => {
@@ -104,7 +104,7 @@ fn vector_extensions() -> Vec<&'static str> {
 fn gpu_line() -> String {
     match headroom_model::cuda::CudaBackend::probe() {
         Ok(Some(gpu)) => format!(
-            "{} (compute capability {}.{}, {} total, {} free, driver for CUDA {}.{}); the CUDA backend is not wired into training yet",
+            "{} (compute capability {}.{}, {} total, {} free, driver for CUDA {}.{})",
             gpu.name,
             gpu.compute_capability.0,
             gpu.compute_capability.1,
@@ -115,5 +115,19 @@ fn gpu_line() -> String {
         ),
         Ok(None) => "none (no CUDA driver or GPU found)".into(),
         Err(e) => format!("a CUDA driver is present but unusable: {e}"),
+    }
+}
+
+/// What `device.kind = "auto"` will train on here, and why.
+fn auto_pick() -> String {
+    match headroom_model::cuda::CudaBackend::new(0) {
+        Ok(be) => format!(
+            "the GPU ({}): mixed precision (f16 activations, f32 masters, loss scaling)",
+            be.info().name
+        ),
+        Err(e) => match headroom_model::cuda::CudaBackend::probe() {
+            Ok(Some(_)) => format!("the CPU, f32: the GPU cannot be opened ({e})"),
+            _ => "the CPU, f32 (no CUDA driver or GPU found)".into(),
+        },
     }
 }

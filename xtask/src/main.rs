@@ -43,10 +43,12 @@ enum Command {
         /// Loader worker threads. Same as --set data.workers=N.
         #[arg(long)]
         workers: Option<usize>,
-        /// Mixed precision off. The CPU backend always trains in f32, so this changes nothing there.
+        /// f32 instead of mixed precision. Same as --set device.amp=false: the
+        /// GPU kernels are f16, so this trains on the CPU (which is f32 already).
         #[arg(long)]
         no_amp: bool,
-        /// Fused kernels off. The CPU backend has no fused kernels yet, so this changes nothing.
+        /// Fused kernels off on the GPU (batch norm + ReLU apart). Same as
+        /// --set device.fusion=false; the CPU backend has no fused kernels.
         #[arg(long)]
         no_fusion: bool,
         /// Channels-last off. headroom is channels-last (NHWC) only: there is no other layout to switch to.
@@ -70,9 +72,13 @@ enum Command {
         config: PathBuf,
         #[arg(long = "set", value_name = "KEY=VALUE")]
         overrides: Vec<String>,
-        /// Batch sizes to time.
-        #[arg(long, value_delimiter = ',', default_value = "32,128,256")]
+        /// Batch sizes to time [default: 32,128,256 on the CPU, 128,512 on a GPU].
+        #[arg(long, value_delimiter = ',')]
         batch: Vec<usize>,
+        /// Where the step runs: cpu or cuda (the GPU; PyTorch then runs with
+        /// AMP, channels_last, fused AdamW and torch.compile).
+        #[arg(long, default_value = "cpu")]
+        device: String,
         /// Compute threads (default: every core).
         #[arg(long)]
         threads: Option<usize>,
@@ -306,14 +312,19 @@ fn resumed_experiment(path: &Path, configs: &[PathBuf], overrides: &Overrides) -
     })
 }
 
-fn say_what_flags_change(no_amp: bool, no_fusion: bool, no_channels_last: bool) {
+/// The switches that map to config keys become overrides; the one that
+/// cannot change anything says so.
+fn apply_switches(
+    no_amp: bool,
+    no_fusion: bool,
+    no_channels_last: bool,
+    overrides: &mut Vec<String>,
+) {
     if no_amp {
-        tracing::info!("--no-amp: the CPU backend trains in f32 already; nothing to turn off");
+        overrides.push("device.amp=false".into());
     }
     if no_fusion {
-        tracing::info!(
-            "--no-fusion: the CPU backend has no fused kernels yet; nothing to turn off"
-        );
+        overrides.push("device.fusion=false".into());
     }
     if no_channels_last {
         tracing::warn!(
@@ -390,7 +401,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             mut overrides,
             no_install,
         } => {
-            say_what_flags_change(no_amp, no_fusion, no_channels_last);
+            apply_switches(no_amp, no_fusion, no_channels_last, &mut overrides);
             if let Some(name) = profile {
                 overrides.push(format!("run.profile={name}"));
             }
@@ -415,17 +426,29 @@ fn run(cli: Cli) -> Result<ExitCode> {
             json,
             compare_torch,
             loader,
+            device,
         } => {
+            if !matches!(device.as_str(), "cpu" | "cuda") {
+                bail!("--device: expected cpu or cuda, got {device:?}");
+            }
+            let mut overrides = overrides;
+            overrides.push(format!("device.kind={device}"));
             let experiment = ExperimentConfig::load(&config, &Overrides::parse(&overrides)?)?;
             if loader {
                 return done(loader_bench::run(&config, &experiment, json, compare_torch));
             }
             let threads = threads
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+            let batch = match (batch.is_empty(), device.as_str()) {
+                (false, _) => batch,
+                (true, "cuda") => vec![128, 512],
+                (true, _) => vec![32, 128, 256],
+            };
             let args = bench::BenchArgs {
                 config_path: &config,
                 overrides: &overrides,
                 batches: &batch,
+                gpu: device == "cuda",
                 threads,
                 warmup,
                 steps,
@@ -513,8 +536,8 @@ fn preprocess(
     Ok(())
 }
 
-/// Runs the CUDA checks. Training and the bench on CUDA are not wired yet,
-/// and this says so rather than skipping them silently.
+/// Runs the CUDA checks: the report, then every CUDA test with skipping
+/// turned into failure.
 fn gpu_check() -> Result<()> {
     let report = headroom_model::cuda::gpu_check_report();
     println!("{report}");
@@ -533,8 +556,7 @@ fn gpu_check() -> Result<()> {
         .status()
         .context("running the CUDA tests with cargo")?;
     println!(
-        "not yet checked here: a CUDA training run and `bench --device cuda` (the CUDA backend is not wired into \
-         training yet)"
+        "next: cargo xtask train --set device.kind=cuda, and cargo xtask bench --device cuda --compare-torch"
     );
     if !status.success() || !report.gpu_ready() {
         bail!("gpu-check failed: see the report and the test output above");

@@ -16,7 +16,7 @@ use headroom_model::Device;
 use serde::{Deserialize, Serialize};
 
 use crate::config::ExperimentConfig;
-use crate::learner::{self, CudaOptions};
+use crate::learner;
 use crate::{data, PipelineError, Result};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -58,10 +58,7 @@ pub fn training_step(
     pool.install(|| {
         let mut config = config.clone();
         config.train.batch_size = batch;
-        let options = CudaOptions {
-            memory_limit: config.memory_limit()?,
-            ..CudaOptions::default()
-        };
+        let options = crate::train::cuda_options(&config)?;
         let mut learner = learner::open(&config, MemoryPool::new(Device::Cpu), options)?;
         let batch = synthetic_batch(&config, batch, learner.num_classes());
         let lr = config.optimizer.lr;

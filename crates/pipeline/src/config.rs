@@ -135,6 +135,14 @@ pub struct DeviceConfig {
     /// A hard budget on the memory pool, e.g. "3.5GiB"; unset = none.
     #[serde(default)]
     pub memory_limit: Option<String>,
+    /// Mixed precision on the GPU (f16 activations and compute weights, f32
+    /// masters, dynamic loss scaling). false asks for f32, which only the
+    /// CPU backend does: "auto" then picks the CPU, "cuda" refuses.
+    #[serde(default = "default_true")]
+    pub amp: bool,
+    /// Fused kernels on the GPU (batch norm + ReLU); false runs them apart.
+    #[serde(default = "default_true")]
+    pub fusion: bool,
     /// Fault injection for tests: fail an allocation at these steps ...
     #[serde(default)]
     pub inject_oom: InjectOom,
@@ -149,6 +157,8 @@ impl Default for DeviceConfig {
         Self {
             kind: default_device_kind(),
             memory_limit: None,
+            amp: true,
+            fusion: true,
             inject_oom: InjectOom::default(),
         }
     }

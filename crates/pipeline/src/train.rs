@@ -23,6 +23,7 @@ use crate::resume::{self, Resume};
 use crate::rundir;
 use crate::sink::{self, EpochSummary, Event, SinkSettings, StepReport};
 use crate::{data, PipelineError, Result};
+use headroom_model::cuda::CudaBuildOptions;
 
 #[derive(Clone, Debug, Default)]
 pub struct TrainOptions {
@@ -290,9 +291,13 @@ fn prepare(config: &ExperimentConfig, options: &TrainOptions, memory: &MemoryGua
     })
 }
 
-fn cuda_options(config: &ExperimentConfig) -> Result<CudaOptions> {
+/// The GPU settings of an experiment.
+pub(crate) fn cuda_options(config: &ExperimentConfig) -> Result<CudaOptions> {
     Ok(CudaOptions {
         memory_limit: config.memory_limit()?,
+        build: CudaBuildOptions {
+            fuse: config.device.fusion,
+        },
         ..CudaOptions::default()
     })
 }

@@ -5,13 +5,14 @@
 //! CUDA.
 //!
 //! STATUS: this backend has not yet run on a GPU. What is verified without
-//! one: everything compiles; every kernel compiles to PTX and CUBIN for
-//! sm_80 and sm_90 with NVRTC, with each entry point's parameter sizes
-//! checked against the Rust structs (`tests/cuda_ptx.rs`); probing a machine
-//! without a driver returns `Ok(None)` without panicking; the loss scaler's
-//! logic. The parity tests against the CPU layers (`tests/cuda_parity.rs`)
-//! are written and skip without a GPU. The ops are not yet wired into
-//! `Device`/`Tensor`/`Layer`, so training does not use them.
+//! one: every kernel compiles to PTX and CUBIN for sm_80 and sm_90 with
+//! NVRTC, with each entry point's parameters checked against the Rust
+//! structs (`tests/cuda_ptx.rs`); every kernel, and the whole path through
+//! the driver and cuBLAS (op wrappers, `CudaNetwork`, the fused AdamW, the
+//! staging ring), runs on the CPU emulator of CUDA (`crates/cuda-emu`)
+//! against the CPU layers (`tests/cuda_parity.rs`, and the pipeline's
+//! `cuda_learner` and the tests crate's `cuda_training`); probing a machine
+//! without a driver returns `Ok(None)` without panicking.
 //!
 //! Layout:
 //! - `backend`: `CudaBackend` (context, compute and copy streams, cuBLAS,
@@ -22,6 +23,8 @@
 //! - `tensor`: `CudaTensor` (shape + f16/f32 device buffer).
 //! - `ops`: forward/backward of every op of the reference ResNet.
 //! - `gemm`: row-major cuBLAS GEMM, f16 in, f32 accumulate.
+//! - `network`: `CudaNetwork`, a `ModelSpec` on the GPU (same parameter
+//!   order as the CPU `Network`), forward and backward over the ops.
 //! - `optim`: parameter groups and the fused AdamW step.
 //! - `scaler`: dynamic loss scaling (host side).
 //! - `staging`: pinned input staging ring, copy stream, events.

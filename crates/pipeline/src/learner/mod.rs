@@ -142,6 +142,12 @@ pub fn open(
         Ok(Box::new(learner))
     };
     let on_gpu = |settings: StepSettings| -> Result<CudaLearner> {
+        if !config.device.amp {
+            return Err(PipelineError::value(
+                "device.amp",
+                "false asks for f32 training, which runs on the CPU only for now (the GPU kernels are f16)",
+            ));
+        }
         let be = CudaBackend::new(0).map_err(|e| {
             PipelineError::value("device.kind", format!("\"cuda\" cannot be used: {e}"))
         })?;
