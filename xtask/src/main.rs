@@ -12,6 +12,7 @@ use tracing_subscriber::EnvFilter;
 
 mod bench;
 mod doctor;
+mod gpu_bundle;
 mod loader_bench;
 mod signals;
 
@@ -148,6 +149,16 @@ enum Command {
     /// Every GPU check: driver, GPU, NVRTC and cuBLAS report, kernels compiled for
     /// this GPU, and the CUDA parity tests with skipping turned into failure.
     GpuCheck,
+    /// Build, here, the directory a GPU machine without Rust runs: stripped
+    /// release binaries (xtask, the CUDA tests), the experiments, the
+    /// PyTorch script and run.sh (tests, GPU training, OOM, resume, bench).
+    GpuBundle {
+        #[arg(long, default_value = "target/gpu-bundle")]
+        output: PathBuf,
+        /// Also copy the four Fashion-MNIST files (about 30 MB) into data/.
+        #[arg(long)]
+        with_data: bool,
+    },
     /// One timed configuration as a JSON line (used by `bench`).
     #[command(hide = true)]
     BenchStep {
@@ -507,6 +518,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Doctor => done(doctor::run()),
         Command::GpuCheck => done(gpu_check()),
+        Command::GpuBundle { output, with_data } => {
+            let data = match with_data {
+                true => Some(headroom_pipeline::data::locate_fashion_mnist(None, false)?),
+                false => None,
+            };
+            done(gpu_bundle::build(&gpu_bundle::BundleArgs { output, data }))
+        }
     }
 }
 

@@ -1,0 +1,196 @@
+//! `cargo xtask gpu-bundle`: everything a GPU machine without a Rust
+//! toolchain needs to prove and time the CUDA path, built here: the
+//! stripped release `xtask` and CUDA test binaries, the experiments, the
+//! PyTorch comparison script, optionally the four Fashion-MNIST files, and
+//! `run.sh`, which runs the CUDA tests with skipping turned into failure,
+//! trains the default experiment on the GPU, checks the OOM policy and
+//! bit-exact resume there, runs `bench --device cuda --compare-torch`, and
+//! writes `report.json` and `summary.txt` into `$OUT` (or `./out`).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+/// The bundle without the dataset must stay under this (the device tool
+/// carries 64 MiB in all, and Fashion-MNIST's four files are about 30 MB).
+pub const MAX_BUNDLE_BYTES: u64 = 30 << 20;
+
+/// (package, test target) of every test binary that checks the CUDA path.
+const CUDA_TESTS: [(&str, &str); 5] = [
+    ("headroom-model", "cuda_ptx"),
+    ("headroom-model", "cuda_probe"),
+    ("headroom-model", "cuda_parity"),
+    ("headroom-pipeline", "cuda_learner"),
+    ("headroom-tests", "cuda_training"),
+];
+
+const FASHION_MNIST_FILES: [&str; 4] = [
+    "train-images-idx3-ubyte.gz",
+    "train-labels-idx1-ubyte.gz",
+    "t10k-images-idx3-ubyte.gz",
+    "t10k-labels-idx1-ubyte.gz",
+];
+
+pub struct BundleArgs {
+    pub output: PathBuf,
+    /// Fashion-MNIST's directory, to copy its four files into `data/`.
+    pub data: Option<PathBuf>,
+}
+
+pub fn build(args: &BundleArgs) -> Result<()> {
+    let out = &args.output;
+    if out.exists() {
+        fs::remove_dir_all(out).with_context(|| format!("removing the old {}", out.display()))?;
+    }
+    fs::create_dir_all(out.join("bin/tests"))
+        .with_context(|| format!("creating {}", out.display()))?;
+    let xtask = std::env::current_exe().context("locating the xtask binary")?;
+    copy_stripped(&xtask, &out.join("bin/xtask"))?;
+    for test in test_binaries()? {
+        let name = test
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.rsplit_once('-').map(|(stem, _)| stem.to_string()))
+            .with_context(|| format!("an unexpected test binary name {}", test.display()))?;
+        copy_stripped(&test, &out.join("bin/tests").join(name))?;
+    }
+    copy_dir(Path::new("experiments"), &out.join("experiments"))?;
+    fs::create_dir_all(out.join("bench"))?;
+    fs::copy("bench/torch_resnet.py", out.join("bench/torch_resnet.py"))
+        .context("copying bench/torch_resnet.py")?;
+    write_executable(&out.join("run.sh"), RUN_SH)?;
+    let size = dir_bytes(out)?;
+    if size > MAX_BUNDLE_BYTES {
+        bail!(
+            "the bundle is {:.1} MiB, over its {} MiB limit",
+            mib(size),
+            MAX_BUNDLE_BYTES >> 20
+        );
+    }
+    if let Some(dir) = &args.data {
+        fs::create_dir_all(out.join("data"))?;
+        for file in FASHION_MNIST_FILES {
+            fs::copy(dir.join(file), out.join("data").join(file))
+                .with_context(|| format!("copying {}", dir.join(file).display()))?;
+        }
+    }
+    println!(
+        "{}: {:.1} MiB of programs and scripts (limit {} MiB), {:.1} MiB in all",
+        out.display(),
+        mib(size),
+        MAX_BUNDLE_BYTES >> 20,
+        mib(dir_bytes(out)?)
+    );
+    println!(
+        "on the GPU machine: bash {}/run.sh (writes $OUT or ./out)",
+        out.display()
+    );
+    Ok(())
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
+}
+
+/// Builds the CUDA test binaries in release and returns their paths.
+fn test_binaries() -> Result<Vec<PathBuf>> {
+    let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    command.args([
+        "test",
+        "--release",
+        "--no-run",
+        "--message-format=json-render-diagnostics",
+    ]);
+    for (package, test) in CUDA_TESTS {
+        command.args(["-p", package, "--test", test]);
+    }
+    let output = command
+        .output()
+        .context("building the CUDA test binaries with cargo")?;
+    if !output.status.success() {
+        bail!(
+            "building the CUDA test binaries failed:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let mut found = Vec::new();
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let Ok(message) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let is_wanted = message["target"]["name"]
+            .as_str()
+            .is_some_and(|name| CUDA_TESTS.iter().any(|(_, test)| *test == name));
+        if let (true, Some(path)) = (is_wanted, message["executable"].as_str()) {
+            found.push(PathBuf::from(path));
+        }
+    }
+    if found.len() != CUDA_TESTS.len() {
+        bail!(
+            "expected {} CUDA test binaries, cargo reported {found:?}",
+            CUDA_TESTS.len()
+        );
+    }
+    Ok(found)
+}
+
+/// Copies `from` without its debug information (`strip --strip-debug`;
+/// a plain copy, with a warning, where `strip` is missing).
+fn copy_stripped(from: &Path, to: &Path) -> Result<()> {
+    let stripped = Command::new("strip")
+        .arg("--strip-debug")
+        .arg("-o")
+        .arg(to)
+        .arg(from)
+        .status();
+    match stripped {
+        Ok(status) if status.success() => Ok(()),
+        _ => {
+            tracing::warn!(
+                "strip failed or is missing; copying {} with its debug information",
+                from.display()
+            );
+            fs::copy(from, to)
+                .map(drop)
+                .with_context(|| format!("copying {}", from.display()))
+        }
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) -> Result<()> {
+    fs::create_dir_all(to).with_context(|| format!("creating {}", to.display()))?;
+    for entry in fs::read_dir(from).with_context(|| format!("reading {}", from.display()))? {
+        let entry = entry?;
+        if entry.file_type()?.is_file() {
+            fs::copy(entry.path(), to.join(entry.file_name()))
+                .with_context(|| format!("copying {}", entry.path().display()))?;
+        }
+    }
+    Ok(())
+}
+
+fn write_executable(path: &Path, text: &str) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    fs::set_permissions(path, fs::Permissions::from_mode(0o755))
+        .with_context(|| format!("making {} executable", path.display()))
+}
+
+fn dir_bytes(dir: &Path) -> Result<u64> {
+    let mut total = 0;
+    for entry in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let entry = entry?;
+        let meta = entry.metadata()?;
+        total += if meta.is_dir() {
+            dir_bytes(&entry.path())?
+        } else {
+            meta.len()
+        };
+    }
+    Ok(total)
+}
+
+/// The script that runs on the GPU machine.
+const RUN_SH: &str = include_str!("gpu_bundle_run.sh");
