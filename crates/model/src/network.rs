@@ -759,6 +759,24 @@ fn build_transformer_block(
     ])
 }
 
+/// The body of `basic_block` on `channels` channels: conv3x3+BN+ReLU,
+/// conv3x3+BN (the block adds its input, then a ReLU). One definition for
+/// the CPU and the GPU builders.
+pub(crate) fn basic_block_body(channels: usize) -> Vec<LayerSpec> {
+    let conv = LayerSpec::Conv {
+        out: channels,
+        kernel: 3,
+        stride: 1,
+        padding: None,
+        bias: false,
+    };
+    let bn = LayerSpec::BatchNorm {
+        momentum: default_momentum(),
+        eps: default_eps(),
+    };
+    vec![conv.clone(), bn.clone(), LayerSpec::Relu, conv, bn]
+}
+
 fn build_one(
     spec: &LayerSpec,
     path: &str,
@@ -1002,19 +1020,7 @@ fn build_one(
             vec![Box::new(Residual::new(body))]
         }
         LayerSpec::BasicBlock => {
-            let c = image_channels(path, shape)?;
-            let conv = LayerSpec::Conv {
-                out: c,
-                kernel: 3,
-                stride: 1,
-                padding: None,
-                bias: false,
-            };
-            let bn = LayerSpec::BatchNorm {
-                momentum: default_momentum(),
-                eps: default_eps(),
-            };
-            let body = vec![conv.clone(), bn.clone(), LayerSpec::Relu, conv, bn];
+            let body = basic_block_body(image_channels(path, shape)?);
             let mut built = build_one(&LayerSpec::Residual { layers: body }, path, shape, ctx)?;
             built.push(Box::new(Relu::new()));
             built

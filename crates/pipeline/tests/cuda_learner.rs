@@ -10,14 +10,14 @@
 
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
+mod common;
+
+use common::{bits, settings};
 use headroom_loader::Batch;
 use headroom_model::cuda::{CudaBackend, CudaError};
 use headroom_model::memory::MemoryPool;
 use headroom_model::{Device, ModelSpec};
-use headroom_optim::AdamWConfig;
-use headroom_pipeline::learner::{
-    CpuLearner, CudaLearner, CudaOptions, Learner, LearnerState, StepSettings,
-};
+use headroom_pipeline::learner::{CpuLearner, CudaLearner, CudaOptions, Learner};
 
 const MODEL: &str = r#"
 input = [8, 8, 1]
@@ -71,17 +71,6 @@ fn backend() -> Option<MutexGuard<'static, ()>> {
     }
 }
 
-fn settings() -> StepSettings {
-    StepSettings {
-        label_smoothing: 0.1,
-        clip_norm: 1.0,
-        optimizer: AdamWConfig {
-            weight_decay: 1e-4,
-            ..AdamWConfig::default()
-        },
-    }
-}
-
 fn spec() -> ModelSpec {
     toml::from_str(MODEL).unwrap()
 }
@@ -96,17 +85,7 @@ fn gpu_learner(seed: u64) -> CudaLearner {
 }
 
 fn batch(index: usize) -> Batch {
-    let n = 8;
-    Batch {
-        epoch: 0,
-        index,
-        shape: [n, 8, 8, 1],
-        pixels: (0..n * 64)
-            .map(|i| (((i * 2_654_435_761) >> 7) ^ (index * 131)) as u8)
-            .collect(),
-        labels: (0..n).map(|i| ((i + index) % 4) as u32).collect(),
-        soft_targets: None,
-    }
+    common::batch(index, 8, 4)
 }
 
 fn flat(v: &[Vec<f32>]) -> Vec<f32> {
@@ -119,16 +98,6 @@ fn relative_l2(a: &[f32], b: &[f32]) -> f64 {
     let diff: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
     let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     (diff / norm.max(1e-30)).sqrt()
-}
-
-fn bits(state: &LearnerState) -> Vec<u32> {
-    let all = [
-        &state.params,
-        &state.buffers,
-        &state.optimizer.first_moment,
-        &state.optimizer.second_moment,
-    ];
-    all.iter().flat_map(|v| flat(v)).map(f32::to_bits).collect()
 }
 
 #[test]

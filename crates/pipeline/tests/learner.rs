@@ -2,11 +2,13 @@
 //! everything as it was (batch-norm statistics included), a refused restore
 //! changes nothing, and snapshot + restore continue bit for bit.
 
+mod common;
+
+use common::{bits, settings};
 use headroom_loader::Batch;
 use headroom_model::memory::MemoryPool;
 use headroom_model::{Device, ModelSpec};
-use headroom_optim::AdamWConfig;
-use headroom_pipeline::learner::{CpuLearner, Learner, LearnerState, StepSettings};
+use headroom_pipeline::learner::{CpuLearner, Learner};
 
 const MODEL: &str = r#"
 input = [8, 8, 1]
@@ -19,51 +21,13 @@ layers = [
 ]
 "#;
 
-fn settings() -> StepSettings {
-    StepSettings {
-        label_smoothing: 0.1,
-        clip_norm: 1.0,
-        optimizer: AdamWConfig {
-            weight_decay: 1e-4,
-            ..AdamWConfig::default()
-        },
-    }
-}
-
 fn learner(seed: u64) -> CpuLearner {
     let spec: ModelSpec = toml::from_str(MODEL).unwrap();
     CpuLearner::new(&spec, seed, settings(), 6, MemoryPool::new(Device::Cpu)).unwrap()
 }
 
 fn batch(index: usize) -> Batch {
-    let n = 6;
-    Batch {
-        epoch: 0,
-        index,
-        shape: [n, 8, 8, 1],
-        pixels: (0..n * 64)
-            .map(|i| ((i * 2_654_435_761 + index * 97) >> 11) as u8)
-            .collect(),
-        labels: (0..n as u32).map(|i| i % 3).collect(),
-        soft_targets: None,
-    }
-}
-
-/// Every value of the state as bits, so NaN compares equal to itself.
-fn bits(state: &LearnerState) -> Vec<u32> {
-    let params = state.params.iter().flatten();
-    let buffers = state.buffers.iter().flatten();
-    let moments = state
-        .optimizer
-        .first_moment
-        .iter()
-        .chain(&state.optimizer.second_moment)
-        .flatten();
-    params
-        .chain(buffers)
-        .chain(moments)
-        .map(|v| v.to_bits())
-        .collect()
+    common::batch(index, 6, 3)
 }
 
 #[test]

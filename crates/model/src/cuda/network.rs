@@ -670,19 +670,7 @@ fn build_one(
             vec![GpuLayer::Residual(body)]
         }
         LayerSpec::BasicBlock => {
-            let c = channels(path, shape)?;
-            let conv = LayerSpec::Conv {
-                out: c,
-                kernel: 3,
-                stride: 1,
-                padding: None,
-                bias: false,
-            };
-            let bn = LayerSpec::BatchNorm {
-                momentum: 0.1,
-                eps: 1e-5,
-            };
-            let body = vec![conv.clone(), bn.clone(), LayerSpec::Relu, conv, bn];
+            let body = crate::network::basic_block_body(channels(path, shape)?);
             let mut built = build_one(
                 be,
                 &LayerSpec::Residual { layers: body },
