@@ -233,7 +233,7 @@ impl Network {
         };
         let mut shape = input_shape(spec);
         let groups = build_groups(&spec.layers, "model.layers", &mut shape, &mut ctx)?;
-        let layers = arrange(groups, spec.checkpoint);
+        let layers = arrange(groups, spec.checkpoint, checkpointed);
         let per_token_scores = spec
             .tokens
             .is_some_and(|t| shape.len() == 2 && shape[0] == t.length);
@@ -548,10 +548,20 @@ struct BuildContext {
     vocab: Option<usize>,
 }
 
-/// The layers one spec entry built, and whether it is a residual block.
-struct Group {
-    block: bool,
-    layers: Vec<Box<dyn Layer>>,
+/// The layers one spec entry built, and whether it is a residual block
+/// (what `model.checkpoint = "blocks"` recomputes). Generic so that the CPU
+/// and the GPU networks share one arrangement.
+pub(crate) struct Group<L> {
+    pub block: bool,
+    pub layers: Vec<L>,
+}
+
+/// Whether a spec entry is a block for checkpointing.
+pub(crate) fn is_block(spec: &LayerSpec) -> bool {
+    matches!(
+        spec,
+        LayerSpec::Residual { .. } | LayerSpec::BasicBlock | LayerSpec::TransformerBlock { .. }
+    )
 }
 
 fn build_groups(
@@ -559,7 +569,7 @@ fn build_groups(
     path: &str,
     shape: &mut Vec<usize>,
     ctx: &mut BuildContext,
-) -> Result<Vec<Group>> {
+) -> Result<Vec<Group<Box<dyn Layer>>>> {
     let mut groups = Vec::new();
     for (i, spec) in specs.iter().enumerate() {
         let here = format!("{path}[{i}]");
@@ -571,11 +581,10 @@ fn build_groups(
             })?;
             layers.push(layer);
         }
-        let block = matches!(
-            spec,
-            LayerSpec::Residual { .. } | LayerSpec::BasicBlock | LayerSpec::TransformerBlock { .. }
-        );
-        groups.push(Group { block, layers });
+        groups.push(Group {
+            block: is_block(spec),
+            layers,
+        });
     }
     Ok(groups)
 }
@@ -587,19 +596,25 @@ fn build_layers(
     ctx: &mut BuildContext,
 ) -> Result<Vec<Box<dyn Layer>>> {
     let groups = build_groups(specs, path, shape, ctx)?;
-    Ok(arrange(groups, CheckpointPolicy::None))
+    Ok(arrange(groups, CheckpointPolicy::None, checkpointed))
 }
 
-/// The top-level layer list for a checkpointing policy.
-fn arrange(groups: Vec<Group>, policy: CheckpointPolicy) -> Vec<Box<dyn Layer>> {
-    let segment = |groups: Vec<Group>| -> Box<dyn Layer> {
-        Box::new(Checkpointed::new(
-            groups.into_iter().flat_map(|g| g.layers).collect(),
-        ))
-    };
-    let mut out: Vec<Box<dyn Layer>> = Vec::new();
-    let mut run: Vec<Group> = Vec::new();
-    let flush = |run: &mut Vec<Group>, out: &mut Vec<Box<dyn Layer>>| {
+fn checkpointed(layers: Vec<Box<dyn Layer>>) -> Box<dyn Layer> {
+    Box::new(Checkpointed::new(layers))
+}
+
+/// The top-level layer list for a checkpointing policy: `segment` wraps the
+/// layers of one recomputed segment.
+pub(crate) fn arrange<L>(
+    groups: Vec<Group<L>>,
+    policy: CheckpointPolicy,
+    segment: impl Fn(Vec<L>) -> L,
+) -> Vec<L> {
+    let segment =
+        |groups: Vec<Group<L>>| segment(groups.into_iter().flat_map(|g| g.layers).collect());
+    let mut out: Vec<L> = Vec::new();
+    let mut run: Vec<Group<L>> = Vec::new();
+    let flush = |run: &mut Vec<Group<L>>, out: &mut Vec<L>| {
         // ⌊√L⌋ segments of near-equal length (the first ones one longer).
         let len = run.len();
         if len == 0 {

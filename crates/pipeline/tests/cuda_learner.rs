@@ -16,7 +16,7 @@ use common::{bits, settings};
 use headroom_loader::Batch;
 use headroom_model::cuda::{CudaBackend, CudaError};
 use headroom_model::memory::MemoryPool;
-use headroom_model::{Device, ModelSpec};
+use headroom_model::{CheckpointPolicy, Device, LayerSpec, ModelSpec};
 use headroom_pipeline::learner::{CpuLearner, CudaLearner, CudaOptions, Learner};
 
 const MODEL: &str = r#"
@@ -80,8 +80,12 @@ fn cpu_learner(seed: u64) -> CpuLearner {
 }
 
 fn gpu_learner(seed: u64) -> CudaLearner {
+    gpu_learner_for(&spec(), seed)
+}
+
+fn gpu_learner_for(spec: &ModelSpec, seed: u64) -> CudaLearner {
     let be = CudaBackend::new(0).unwrap();
-    CudaLearner::new(be, &spec(), seed, settings(), 8, CudaOptions::default()).unwrap()
+    CudaLearner::new(be, spec, seed, settings(), 8, CudaOptions::default()).unwrap()
 }
 
 fn batch(index: usize) -> Batch {
@@ -233,4 +237,42 @@ fn micro_batches_accumulate_as_on_the_cpu() {
     let moved = relative_l2(&flat(&end.params), &flat(&start.params));
     let apart = relative_l2(&flat(&gpu.snapshot().unwrap().params), &flat(&end.params));
     assert!(apart < 0.25 * moved, "apart {apart}, moved {moved}");
+}
+
+#[test]
+fn recomputation_trains_bit_for_bit_the_same_with_a_lower_peak() {
+    let Some(_gpu) = backend() else { return };
+    let mut runs = Vec::new();
+    for policy in [
+        CheckpointPolicy::None,
+        CheckpointPolicy::Blocks,
+        CheckpointPolicy::All,
+    ] {
+        let spec = ModelSpec {
+            checkpoint: policy,
+            ..spec()
+        };
+        // The peak of a deeper model on larger images: recomputation pays
+        // when many blocks' activations would be alive at once.
+        let mut large = ModelSpec {
+            input: [32, 32, 1],
+            ..spec.clone()
+        };
+        large.layers.splice(3..3, vec![LayerSpec::BasicBlock; 4]);
+        let peak = gpu_learner_for(&large, 17).measure_step_peak(4).unwrap();
+        let mut learner = gpu_learner_for(&spec, 17);
+        for i in 0..3 {
+            learner.train_batch(&batch(i), 5e-3).unwrap();
+        }
+        runs.push((policy, peak, bits(&learner.snapshot().unwrap())));
+    }
+    let (_, none_peak, none_state) = &runs[0];
+    for (policy, peak, state) in &runs[1..] {
+        eprintln!("{policy:?}: peak {peak} (none: {none_peak})");
+        assert!(state == none_state, "{policy:?} trains differently");
+        assert!(
+            peak < none_peak,
+            "{policy:?}: peak {peak} not below {none_peak}"
+        );
+    }
 }

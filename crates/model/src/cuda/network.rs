@@ -15,9 +15,12 @@
 //! ReLU its output; global pooling its input's shape. Batch norm followed by
 //! ReLU runs as one fused kernel unless fusion is turned off.
 //!
-//! Not on the GPU yet (`build` refuses them, naming the layer): activation
-//! recomputation (`model.checkpoint`) and the layers the CUDA kernels do not
-//! cover (those beyond the reference ResNet's).
+//! Activation recomputation (`model.checkpoint`) uses the CPU network's
+//! segmentation: a checkpointed segment keeps only its input after forward
+//! and runs again in backward (batch norm on the same batch statistics,
+//! running statistics untouched), so gradients are bit for bit those of a
+//! run without it. Not on the GPU yet (`build` refuses them, naming the
+//! layer): the layers beyond the reference ResNet's.
 
 use cudarc::driver::{CudaView, CudaViewMut};
 use half::f16;
@@ -29,7 +32,8 @@ use super::optim::ParamGroup;
 use super::tensor::{CudaTensor, DType};
 use super::{CudaError, CudaResult};
 use crate::memory::MemoryPool;
-use crate::{CheckpointPolicy, Device, LayerSpec, ModelSpec, Network};
+use crate::network::{arrange, is_block, Group};
+use crate::{Device, LayerSpec, ModelSpec, Network};
 
 /// Where one parameter lives: a range of the decay or the no-decay group.
 #[derive(Clone, Copy, Debug)]
@@ -78,6 +82,9 @@ enum GpuLayer {
     },
     Relu,
     Residual(Vec<GpuLayer>),
+    /// A segment whose activations are dropped after forward and
+    /// recomputed in backward (`model.checkpoint`): it keeps only its input.
+    Checkpointed(Vec<GpuLayer>),
     GlobalAvgPool,
     Linear {
         weight: ParamRef,
@@ -201,9 +208,6 @@ impl CudaNetwork {
         seed: u64,
         options: CudaBuildOptions,
     ) -> crate::Result<Self> {
-        if spec.checkpoint != CheckpointPolicy::None {
-            return Err(cpu_only("model.checkpoint", "activation recomputation").into());
-        }
         // The CPU network is the reference for initial values and order; it
         // is built in a private pool so it never counts against a budget.
         let mut cpu = MemoryPool::new(Device::Cpu).scope(|| Network::build(spec, seed))?;
@@ -221,14 +225,9 @@ impl CudaNetwork {
             slots: Vec::new(),
         };
         let mut shape = spec.input.to_vec();
-        let layers = build_list(
-            be,
-            &spec.layers,
-            "model.layers",
-            &mut shape,
-            &mut cursor,
-            options,
-        )?;
+        let groups = build_groups(be, &spec.layers, "model.layers", &mut shape, &mut cursor)?;
+        let layers = arrange(groups, spec.checkpoint, GpuLayer::Checkpointed);
+        let layers = if options.fuse { fuse(layers) } else { layers };
         if cursor.next != cpu_params.len() {
             return Err(CudaError::shape(
                 "CudaNetwork::build",
@@ -294,14 +293,31 @@ impl CudaNetwork {
     pub fn forward_train(&mut self, be: &CudaBackend, x: &CudaTensor) -> CudaResult<CudaTensor> {
         self.saved.clear();
         let mut saved = std::mem::take(&mut self.saved);
-        let result = forward_list(be, &mut self.layers, &self.groups, x, Some(&mut saved));
+        let train = Pass::Train {
+            update_running: true,
+        };
+        let result = forward_list(
+            be,
+            &mut self.layers,
+            &self.groups,
+            Input::Lent(x),
+            train,
+            Some(&mut saved),
+        );
         self.saved = saved;
         result
     }
 
     /// Inference forward: running statistics, nothing saved.
     pub fn forward_eval(&mut self, be: &CudaBackend, x: &CudaTensor) -> CudaResult<CudaTensor> {
-        forward_list(be, &mut self.layers, &self.groups, x, None)
+        forward_list(
+            be,
+            &mut self.layers,
+            &self.groups,
+            Input::Lent(x),
+            Pass::Eval,
+            None,
+        )
     }
 
     /// Backward from the logits' gradient: parameter gradients are
@@ -309,7 +325,7 @@ impl CudaNetwork {
     pub fn backward(&mut self, be: &CudaBackend, grad_logits: &CudaTensor) -> CudaResult<()> {
         let mut saved = std::mem::take(&mut self.saved);
         let g = grad_logits.try_clone(be)?;
-        let result = backward_list(be, &self.layers, &mut self.groups, &mut saved, g);
+        let result = backward_list(be, &mut self.layers, &mut self.groups, &mut saved, g);
         self.saved.clear();
         result.map(drop)
     }
@@ -519,7 +535,7 @@ fn for_each_running(
     for layer in layers {
         match layer {
             GpuLayer::BatchNorm { running, .. } => f(running)?,
-            GpuLayer::Residual(body) => for_each_running(body, f)?,
+            GpuLayer::Residual(body) | GpuLayer::Checkpointed(body) => for_each_running(body, f)?,
             _ => {}
         }
     }
@@ -533,7 +549,9 @@ fn for_each_running_ref(
     for layer in layers {
         match layer {
             GpuLayer::BatchNorm { running, .. } => f(running)?,
-            GpuLayer::Residual(body) => for_each_running_ref(body, f)?,
+            GpuLayer::Residual(body) | GpuLayer::Checkpointed(body) => {
+                for_each_running_ref(body, f)?
+            }
             _ => {}
         }
     }
@@ -551,28 +569,49 @@ fn channels(path: &str, shape: &[usize]) -> CudaResult<usize> {
     }
 }
 
-fn build_list(
+/// One group per spec entry, in order (unfused).
+fn build_groups(
     be: &CudaBackend,
     specs: &[LayerSpec],
     path: &str,
     shape: &mut Vec<usize>,
     cursor: &mut ParamCursor<'_>,
-    options: CudaBuildOptions,
-) -> CudaResult<Vec<GpuLayer>> {
-    let mut layers: Vec<GpuLayer> = Vec::new();
+) -> CudaResult<Vec<Group<GpuLayer>>> {
+    let mut groups = Vec::new();
     for (i, spec) in specs.iter().enumerate() {
-        let here = format!("{path}[{i}]");
-        if matches!(spec, LayerSpec::Relu) && options.fuse {
-            if let Some(GpuLayer::BatchNorm { relu, .. }) = layers.last_mut() {
-                if !*relu {
+        let layers = build_one(be, spec, &format!("{path}[{i}]"), shape, cursor)?;
+        groups.push(Group {
+            block: is_block(spec),
+            layers,
+        });
+    }
+    Ok(groups)
+}
+
+/// Folds each ReLU that directly follows a batch norm into it (one fused
+/// kernel instead of two passes over the activations), inside residual
+/// bodies and checkpointed segments too.
+fn fuse(layers: Vec<GpuLayer>) -> Vec<GpuLayer> {
+    let mut out: Vec<GpuLayer> = Vec::with_capacity(layers.len());
+    for layer in layers {
+        let layer = match layer {
+            GpuLayer::Residual(body) => GpuLayer::Residual(fuse(body)),
+            GpuLayer::Checkpointed(body) => GpuLayer::Checkpointed(fuse(body)),
+            GpuLayer::Relu => {
+                if let Some(GpuLayer::BatchNorm {
+                    relu: relu @ false, ..
+                }) = out.last_mut()
+                {
                     *relu = true;
                     continue;
                 }
+                GpuLayer::Relu
             }
-        }
-        layers.extend(build_one(be, spec, &here, shape, cursor, options)?);
+            other => other,
+        };
+        out.push(layer);
     }
-    Ok(layers)
+    out
 }
 
 fn build_one(
@@ -581,7 +620,6 @@ fn build_one(
     path: &str,
     shape: &mut Vec<usize>,
     cursor: &mut ParamCursor<'_>,
-    options: CudaBuildOptions,
 ) -> CudaResult<Vec<GpuLayer>> {
     Ok(match spec {
         LayerSpec::Conv {
@@ -659,14 +697,8 @@ fn build_one(
         }
         LayerSpec::Residual { layers } => {
             let mut inner = shape.clone();
-            let body = build_list(
-                be,
-                layers,
-                &format!("{path}.layers"),
-                &mut inner,
-                cursor,
-                options,
-            )?;
+            let groups = build_groups(be, layers, &format!("{path}.layers"), &mut inner, cursor)?;
+            let body = groups.into_iter().flat_map(|g| g.layers).collect();
             vec![GpuLayer::Residual(body)]
         }
         LayerSpec::BasicBlock => {
@@ -677,7 +709,6 @@ fn build_one(
                 path,
                 shape,
                 cursor,
-                options,
             )?;
             built.push(GpuLayer::Relu);
             built
@@ -722,38 +753,61 @@ fn conv_shape(
     }
 }
 
+/// A list's input: lent by the caller, or handed over (then moved, not
+/// copied, into what the first layer keeps for backward).
+enum Input<'a> {
+    Lent(&'a CudaTensor),
+    Given(CudaTensor),
+}
+
+impl Input<'_> {
+    fn tensor(&self) -> &CudaTensor {
+        match self {
+            Input::Lent(t) => t,
+            Input::Given(t) => t,
+        }
+    }
+
+    fn into_owned(self, be: &CudaBackend) -> CudaResult<CudaTensor> {
+        match self {
+            Input::Lent(t) => t.try_clone(be),
+            Input::Given(t) => Ok(t),
+        }
+    }
+}
+
 fn forward_list(
     be: &CudaBackend,
     layers: &mut [GpuLayer],
     groups: &[ParamGroup; 2],
-    x: &CudaTensor,
+    x: Input<'_>,
+    pass: Pass,
     mut saved: Option<&mut Vec<Saved>>,
 ) -> CudaResult<CudaTensor> {
-    let mut current: Option<CudaTensor> = None;
+    let mut current = x;
     for layer in layers.iter_mut() {
-        let input = current.as_ref().unwrap_or(x);
-        let (y, keep) = forward_one(be, layer, groups, input, saved.as_deref_mut())?;
+        let (y, keep) = forward_one(
+            be,
+            layer,
+            groups,
+            current.tensor(),
+            pass,
+            saved.as_deref_mut(),
+        )?;
         if let Some(list) = saved.as_deref_mut() {
-            let mut input = || match current.take() {
-                Some(t) => Ok(t),
-                None => x.try_clone(be),
-            };
             list.push(match keep {
-                Keep::Input => Saved::Input(input()?),
+                Keep::Input => Saved::Input(current.into_owned(be)?),
                 Keep::BatchNorm { output, stats } => Saved::BatchNorm(Box::new(SavedBatchNorm {
-                    input: input()?,
+                    input: current.into_owned(be)?,
                     output,
                     stats,
                 })),
                 Keep::Other(s) => s,
             });
         }
-        current = Some(y);
+        current = Input::Given(y);
     }
-    match current {
-        Some(y) => Ok(y),
-        None => x.try_clone(be),
-    }
+    current.into_owned(be)
 }
 
 /// What one layer's forward keeps: its input (moved, not copied, by the
@@ -767,14 +821,26 @@ enum Keep {
     Other(Saved),
 }
 
+/// How a forward runs: inference (running statistics), or training (batch
+/// statistics; the running ones updated unless this is the recomputation
+/// of a checkpointed segment, which must leave them as the first pass did).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Pass {
+    Eval,
+    Train { update_running: bool },
+}
+
 fn forward_one(
     be: &CudaBackend,
     layer: &mut GpuLayer,
     groups: &[ParamGroup; 2],
     x: &CudaTensor,
+    pass: Pass,
     saved: Option<&mut Vec<Saved>>,
 ) -> CudaResult<(CudaTensor, Keep)> {
-    let training = saved.is_some();
+    // Inside a checkpointed segment's first pass a training forward keeps
+    // nothing: `saved` is None.
+    let keeping = saved.is_some();
     Ok(match layer {
         GpuLayer::Conv {
             weight,
@@ -804,14 +870,14 @@ fn forward_one(
             eps,
             relu,
         } => {
-            let cfg = BatchNormConfig {
-                momentum: *momentum,
-                eps: *eps,
-                relu: *relu,
-                update_running: true,
-            };
-            let (g, b) = (master(groups, gamma), master(groups, beta));
-            if !training {
+            let Pass::Train { update_running } = pass else {
+                let cfg = BatchNormConfig {
+                    momentum: *momentum,
+                    eps: *eps,
+                    relu: *relu,
+                    update_running: false,
+                };
+                let (g, b) = (master(groups, gamma), master(groups, beta));
                 let y = ops::batch_norm_forward_eval(
                     be,
                     x,
@@ -822,7 +888,14 @@ fn forward_one(
                     cfg,
                 )?;
                 return Ok((y, Keep::Other(Saved::Nothing)));
-            }
+            };
+            let cfg = BatchNormConfig {
+                momentum: *momentum,
+                eps: *eps,
+                relu: *relu,
+                update_running,
+            };
+            let (g, b) = (master(groups, gamma), master(groups, beta));
             let (y, stats) = ops::batch_norm_forward_train(
                 be,
                 x,
@@ -832,12 +905,16 @@ fn forward_one(
                 &mut running.var.slice.as_view_mut(),
                 cfg,
             )?;
-            let output = if *relu { Some(y.try_clone(be)?) } else { None };
+            let output = if *relu && keeping {
+                Some(y.try_clone(be)?)
+            } else {
+                None
+            };
             (y, Keep::BatchNorm { output, stats })
         }
         GpuLayer::Relu => {
             let y = ops::relu_forward(be, x)?;
-            let keep = if training {
+            let keep = if keeping {
                 Saved::Output(y.try_clone(be)?)
             } else {
                 Saved::Nothing
@@ -845,9 +922,13 @@ fn forward_one(
             (y, Keep::Other(keep))
         }
         GpuLayer::Residual(body) => {
-            let mut y = forward_list(be, body, groups, x, saved)?;
+            let mut y = forward_list(be, body, groups, Input::Lent(x), pass, saved)?;
             ops::add_inplace(be, &mut y, x)?;
             (y, Keep::Other(Saved::Nothing))
+        }
+        GpuLayer::Checkpointed(body) => {
+            let y = forward_list(be, body, groups, Input::Lent(x), pass, None)?;
+            (y, Keep::Input)
         }
         GpuLayer::GlobalAvgPool => {
             let y = ops::global_avg_pool_forward(be, x)?;
@@ -863,12 +944,12 @@ fn forward_one(
 
 fn backward_list(
     be: &CudaBackend,
-    layers: &[GpuLayer],
+    layers: &mut [GpuLayer],
     groups: &mut [ParamGroup; 2],
     saved: &mut Vec<Saved>,
     mut g: CudaTensor,
 ) -> CudaResult<CudaTensor> {
-    for layer in layers.iter().rev() {
+    for layer in layers.iter_mut().rev() {
         g = backward_one(be, layer, groups, saved, g)?;
     }
     Ok(g)
@@ -938,7 +1019,7 @@ fn with_grads<R>(
 
 fn backward_one(
     be: &CudaBackend,
-    layer: &GpuLayer,
+    layer: &mut GpuLayer,
     groups: &mut [ParamGroup; 2],
     saved: &mut Vec<Saved>,
     g: CudaTensor,
@@ -948,6 +1029,26 @@ fn backward_one(
             let _ = saved.pop().ok_or_else(missing)?;
             let dx = backward_list(be, body, groups, saved, g.try_clone(be)?)?;
             ops::add(be, &dx, &g)
+        }
+        GpuLayer::Checkpointed(body) => {
+            let Some(Saved::Input(x)) = saved.pop() else {
+                return Err(missing());
+            };
+            // Recompute the segment, keeping what its backward needs this
+            // time; the running statistics stay as the first pass left them.
+            let mut inner = Vec::new();
+            let recompute = Pass::Train {
+                update_running: false,
+            };
+            drop(forward_list(
+                be,
+                body,
+                groups,
+                Input::Given(x),
+                recompute,
+                Some(&mut inner),
+            )?);
+            backward_list(be, body, groups, &mut inner, g)
         }
         _ => {
             let entry = saved.pop().ok_or_else(missing)?;

@@ -11,7 +11,7 @@
 //! halves, and the step counter (the `t` of AdamW) does not advance.
 //!
 //! Not on the GPU yet, each refused with a message naming it: Mixup/CutMix
-//! soft targets, activation recomputation, f32 training (`--no-amp`).
+//! soft targets, f32 training (`--no-amp`), the sequence layers.
 
 use headroom_loader::Batch;
 use headroom_model::cuda::{
