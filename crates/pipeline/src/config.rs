@@ -68,8 +68,23 @@ pub fn device_memory(config: &ExperimentConfig) -> Result<Option<u64>> {
     if let Some(limit) = config.memory_limit()? {
         return Ok(Some(limit));
     }
+    if let Some(gpu) = gpu_memory(config) {
+        return Ok(Some(gpu));
+    }
     let ceiling = crate::limits::tightest().map(|c| c.limit.min(c.room));
     Ok(ceiling.or_else(crate::system_memory_bytes))
+}
+
+/// The total memory of the GPU this run will train on, if it will train on
+/// one (`device.kind` "cuda", or "auto" with a GPU present; mixed precision).
+fn gpu_memory(config: &ExperimentConfig) -> Option<u64> {
+    if config.device.kind == "cpu" || !config.device.amp {
+        return None;
+    }
+    match headroom_model::cuda::CudaBackend::probe() {
+        Ok(Some(gpu)) => Some(gpu.total_memory),
+        _ => None,
+    }
 }
 
 fn auto_profile(config: &ExperimentConfig) -> Result<Option<String>> {

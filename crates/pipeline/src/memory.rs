@@ -95,17 +95,8 @@ impl MemoryGuard {
         Arc::clone(&self.pool)
     }
 
-    /// Runs `f` with this thread's tensors coming from the run's pool.
-    pub fn scope<R>(&self, f: impl FnOnce() -> R) -> R {
-        self.pool.scope(f)
-    }
-
     pub fn stats(&self) -> PoolStats {
         self.pool.stats()
-    }
-
-    pub fn limit(&self) -> Option<u64> {
-        self.pool.limit()
     }
 
     /// Arms an injected failure for this step when the test plan says so.
@@ -204,12 +195,12 @@ impl MemoryGuard {
     /// The largest micro-batch (batch, batch/2, ...) whose dry-run step fits
     /// the budget with a margin. Without a budget, the whole batch.
     pub fn plan_micro_batch(&self, learner: &mut dyn Learner, batch: usize) -> Result<usize> {
-        let Some(limit) = self.limit() else {
+        let Some(limit) = learner.memory_limit() else {
             return Ok(batch);
         };
         let mut micro = batch;
         loop {
-            let room = limit.saturating_sub(self.pool.stats().in_use_bytes);
+            let room = limit.saturating_sub(learner.memory_stats().in_use_bytes);
             let fits = match learner.measure_step_peak(micro) {
                 Ok(peak) => {
                     tracing::info!(
@@ -234,7 +225,7 @@ impl MemoryGuard {
                     "train.micro_batch = \"auto\": not even {micro} samples fit device.memory_limit = {} \
                      (in use {} before the first step)",
                     mib(limit),
-                    mib(self.pool.stats().in_use_bytes)
+                    mib(learner.memory_stats().in_use_bytes)
                 );
                 return Ok(micro);
             }

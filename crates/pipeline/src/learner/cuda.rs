@@ -68,7 +68,12 @@ impl CudaLearner {
         batch_size: usize,
         options: CudaOptions,
     ) -> Result<Self> {
-        be.set_memory_limit(options.memory_limit);
+        // Without a budget, 90% of what was free at start: the policy then
+        // adapts before the driver refuses (which is handled too).
+        let limit = options
+            .memory_limit
+            .or_else(|| Some(be.info().free_memory / 10 * 9).filter(|&b| b > 0));
+        be.set_memory_limit(limit);
         let mut network = CudaNetwork::build(&be, spec, seed, options.build)?;
         let hyper = headroom_model::cuda::AdamWHyper {
             beta1: settings.optimizer.beta1,

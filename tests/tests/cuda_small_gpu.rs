@@ -1,0 +1,45 @@
+//! A GPU under 4 GiB: with `run.profile = "auto"` the run applies the
+//! low-memory profile (block recomputation, a planned micro-batch) and
+//! trains on the GPU. The emulated device is given 2 GiB here
+//! (HEADROOM_CUDA_EMU_MEMORY, read once per process: hence a test binary of
+//! its own). Skipped on a real GPU, whose size this test cannot choose.
+
+use headroom_pipeline::{train, TrainOptions};
+use headroom_tests::{smoke_config, write_synthetic_fashion_mnist};
+
+#[test]
+fn a_small_gpu_gets_the_low_memory_profile_and_trains() {
+    if headroom_cuda_emu::real_gpu_present() {
+        eprintln!("cuda_small_gpu: skipped on a real GPU");
+        return;
+    }
+    std::env::set_var("HEADROOM_CUDA_EMU_MEMORY", (2u64 << 30).to_string());
+    if let Err(e) = headroom_cuda_emu::install() {
+        panic!("the CUDA emulator is unavailable: {e}");
+    }
+    if let Err(e) = headroom_model::cuda::libs::ensure_nvrtc() {
+        assert!(
+            std::env::var("HEADROOM_REQUIRE_NVRTC").as_deref() != Ok("1"),
+            "HEADROOM_REQUIRE_NVRTC=1 but {e}"
+        );
+        eprintln!("cuda_small_gpu: SKIPPED: {e}");
+        return;
+    }
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 128, 64);
+    let out = tempfile::tempdir().unwrap();
+    let config = smoke_config(
+        data.path(),
+        out.path(),
+        &[
+            "device.kind=auto",
+            "train.epochs=1",
+            "augment.crop_padding=0",
+        ],
+    );
+    let summary = train(&config, &TrainOptions::default()).unwrap();
+    assert_eq!(summary.step, 4, "128 samples in batches of 32");
+    let recorded = std::fs::read_to_string(out.path().join("config.toml")).unwrap();
+    assert!(recorded.contains("checkpoint = \"blocks\""), "{recorded}");
+    assert!(summary.memory_limit.is_some_and(|l| l < 2 << 30));
+}
