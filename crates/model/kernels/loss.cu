@@ -80,6 +80,66 @@ extern "C" __global__ void softmax_xent(XentParams p, const hr_half* __restrict_
     }
 }
 
+// Soft targets (Mixup, CutMix; the CPU's loss::soft_cross_entropy): targets
+// [rows, k] f32 as given (the host has already applied any label smoothing),
+// row_loss = sum_j t_j (lse - x_j), grad = (mass * softmax(x) - t) *
+// grad_scale with mass = sum_j t_j, and row_correct = 1 where the first
+// maximum of the logits is the first maximum of the targets.
+extern "C" __global__ void softmax_xent_soft(XentParams p, const hr_half* __restrict__ logits,
+                                             const float* __restrict__ targets,
+                                             float* __restrict__ row_loss,
+                                             u32* __restrict__ row_correct,
+                                             hr_half* __restrict__ grad) {
+    const u32 row = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const u32 lane = threadIdx.x % 32;
+    if (row >= p.rows) {
+        return;  // whole warps leave together: rows are warp-aligned
+    }
+    const u32 k = p.classes;
+    const hr_half* x = logits + row * k;
+    const float* t = targets + row * k;
+
+    float mx = hr_neg_inf();
+    for (u32 j = lane; j < k; j += 32) {
+        mx = fmaxf(mx, h2f(x[j]));
+    }
+    mx = warp_max(mx);
+
+    float sum = 0.0f, dot = 0.0f, mass = 0.0f;
+    for (u32 j = lane; j < k; j += 32) {
+        const float v = h2f(x[j]);
+        sum += expf(v - mx);
+        dot += t[j] * v;
+        mass += t[j];
+    }
+    sum = warp_sum(sum);
+    dot = warp_sum(dot);
+    mass = warp_sum(mass);
+    const float lse = mx + logf(sum);
+
+    for (u32 j = lane; j < k; j += 32) {
+        const float prob = expf(h2f(x[j]) - lse);
+        grad[row * k + j] = f2h((mass * prob - t[j]) * p.grad_scale);
+    }
+    if (lane == 0) {
+        row_loss[row] = mass * lse - dot;
+        u32 best_x = 0, best_t = 0;
+        float vx = h2f(x[0]), vt = t[0];
+        for (u32 j = 1; j < k; ++j) {
+            const float a = h2f(x[j]);
+            if (a > vx) {
+                best_x = j;
+                vx = a;
+            }
+            if (t[j] > vt) {
+                best_t = j;
+                vt = t[j];
+            }
+        }
+        row_correct[row] = best_x == best_t ? 1u : 0u;
+    }
+}
+
 // out_loss[0] = mean of row_loss, out_correct[0] = sum of row_correct.
 // Launch with exactly one block of 256 threads.
 extern "C" __global__ void xent_reduce(XentReduceParams p, const float* __restrict__ row_loss,

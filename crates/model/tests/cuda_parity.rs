@@ -36,7 +36,7 @@ use headroom_model::cuda::{
 };
 use headroom_model::init::InitRng;
 use headroom_model::layers::{BatchNorm2d, Conv2d, GlobalAvgPool, Linear, Relu, Residual};
-use headroom_model::loss::softmax_cross_entropy;
+use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy};
 use headroom_model::{Layer, Mode, Tensor};
 
 // ---------------------------------------------------------------------------
@@ -986,6 +986,57 @@ fn linear_matches_the_cpu_layer() {
 // Loss
 
 #[test]
+fn soft_target_cross_entropy_matches_the_cpu_loss() {
+    let be = gpu_or_skip!();
+    let (n, k) = (29usize, 10usize);
+    let logits = random(&[n, k], 310, 3.0, 0.0);
+    // Mixup-like targets: two classes per row, weights λ and 1 - λ, then
+    // label smoothing 0.1 as the learner applies it.
+    let mut targets = vec![0.0f32; n * k];
+    for (i, row) in targets.chunks_exact_mut(k).enumerate() {
+        let lambda = (i as f32 * 0.37).fract();
+        row[(i * 3) % k] += lambda;
+        row[(i * 7 + 1) % k] += 1.0 - lambda;
+        for t in row.iter_mut() {
+            *t = 0.9 * *t + 0.1 / k as f32;
+        }
+    }
+    let cpu = soft_cross_entropy(
+        &logits,
+        &Tensor::from_vec(&[n, k], targets.clone()).unwrap(),
+    )
+    .unwrap();
+    let targets_d = upload_f32(&be, &targets);
+    for loss_scale in [1.0f32, 1024.0] {
+        let out =
+            ops::soft_cross_entropy(&be, &upload(&be, &logits), &targets_d.as_view(), loss_scale)
+                .unwrap();
+        let grad: Vec<f32> = out
+            .grad
+            .to_host(&be)
+            .unwrap()
+            .iter()
+            .map(|g| g / loss_scale)
+            .collect();
+        let what = format!("soft xent scale={loss_scale}");
+        // f32 softmax vs f64, then one f16 rounding of the gradient.
+        assert_close(&format!("{what} grad"), &grad, cpu.grad.data(), 2e-3, 1e-3);
+        let (loss, correct) = out.read_summary(&be).unwrap();
+        assert!(
+            (loss - cpu.loss).abs() <= 1e-4 * cpu.loss.abs().max(1.0),
+            "{what}: loss {loss} vs {}",
+            cpu.loss
+        );
+        assert_eq!(correct as usize, cpu.correct, "{what}: correct");
+    }
+    let short = upload_f32(&be, &targets[..k]);
+    assert!(
+        ops::soft_cross_entropy(&be, &upload(&be, &logits), &short.as_view(), 1.0).is_err(),
+        "the targets' length is checked"
+    );
+}
+
+#[test]
 fn softmax_cross_entropy_matches_the_cpu_loss() {
     let be = gpu_or_skip!();
     let (n, k) = (37usize, 10usize);
@@ -1485,6 +1536,10 @@ const COVERAGE: &[(&str, &str)] = &[
         "global_average_pooling_matches_the_cpu_layer",
     ),
     ("softmax_xent", "softmax_cross_entropy_matches_the_cpu_loss"),
+    (
+        "softmax_xent_soft",
+        "soft_target_cross_entropy_matches_the_cpu_loss",
+    ),
     ("xent_reduce", "softmax_cross_entropy_matches_the_cpu_loss"),
     (
         "im2col",

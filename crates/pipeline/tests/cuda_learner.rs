@@ -276,3 +276,32 @@ fn recomputation_trains_bit_for_bit_the_same_with_a_lower_peak() {
         );
     }
 }
+
+#[test]
+fn mixed_soft_targets_train_as_on_the_cpu() {
+    let Some(_gpu) = backend() else { return };
+    let (mut cpu, mut gpu) = (cpu_learner(19), gpu_learner(19));
+    for i in 0..3 {
+        let mut mixed = batch(i);
+        // Mixup-like rows: λ on the sample's class, 1 - λ on the next one.
+        let mut targets = vec![0.0f32; 8 * 4];
+        for (row, (t, &label)) in targets.chunks_exact_mut(4).zip(&mixed.labels).enumerate() {
+            let lambda = 0.55 + 0.05 * row as f32;
+            t[label as usize] += lambda;
+            t[(label as usize + 1) % 4] += 1.0 - lambda;
+        }
+        mixed.soft_targets = Some(targets);
+        let (c, g) = (
+            cpu.train_batch(&mixed, 5e-3).unwrap(),
+            gpu.train_batch(&mixed, 5e-3).unwrap(),
+        );
+        assert!(
+            (g.loss - c.loss).abs() <= 2e-2 * c.loss,
+            "step {i}: loss {} vs {}",
+            g.loss,
+            c.loss
+        );
+        // f16 may flip a near tie between two classes.
+        assert!(g.correct.abs_diff(c.correct) <= 1, "step {i}: correct");
+    }
+}

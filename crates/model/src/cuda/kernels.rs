@@ -80,6 +80,7 @@ pub const POOL_FORWARD: KernelSig = sig!("pool", "global_avg_pool_forward", Pool
 pub const POOL_BACKWARD: KernelSig = sig!("pool", "global_avg_pool_backward", PoolParams, 2);
 
 pub const SOFTMAX_XENT: KernelSig = sig!("loss", "softmax_xent", XentParams, 5);
+pub const SOFTMAX_XENT_SOFT: KernelSig = sig!("loss", "softmax_xent_soft", XentParams, 5);
 pub const XENT_REDUCE: KernelSig = sig!("loss", "xent_reduce", XentReduceParams, 4);
 
 pub const IM2COL: KernelSig = sig!("conv", "im2col", ConvParams, 2);
@@ -129,7 +130,7 @@ pub static FILES: &[KernelFile] = &[
     KernelFile {
         name: "loss",
         source: include_str!("../../kernels/loss.cu"),
-        kernels: &[SOFTMAX_XENT, XENT_REDUCE],
+        kernels: &[SOFTMAX_XENT, SOFTMAX_XENT_SOFT, XENT_REDUCE],
     },
     KernelFile {
         name: "conv",

@@ -1238,16 +1238,7 @@ pub fn softmax_cross_entropy(
     smoothing: f32,
     loss_scale: f32,
 ) -> CudaResult<XentOutput> {
-    let (n, classes) = match *logits.shape() {
-        [n, k] if n > 0 && k > 0 => (n, k),
-        _ => {
-            return Err(CudaError::shape(
-                "cross_entropy",
-                "logits [n, classes] with n ≥ 1 and classes ≥ 1",
-                format!("{:?}", logits.shape()),
-            ))
-        }
-    };
+    let (n, _) = xent_shape(logits)?;
     same_len("cross_entropy", "labels", n, labels.len())?;
     if !(0.0..1.0).contains(&smoothing) {
         return Err(CudaError::shape(
@@ -1256,6 +1247,62 @@ pub fn softmax_cross_entropy(
             format!("{smoothing}"),
         ));
     }
+    xent_launch(
+        be,
+        logits,
+        XentTarget::Labels(labels),
+        smoothing,
+        loss_scale,
+    )
+}
+
+/// Cross-entropy against soft targets (Mixup, CutMix): `targets` [n, k]
+/// f32 on the device, smoothing already applied; the CPU's
+/// `loss::soft_cross_entropy`. The gradient is scaled as in
+/// `softmax_cross_entropy`.
+pub fn soft_cross_entropy(
+    be: &CudaBackend,
+    logits: &CudaTensor,
+    targets: &CudaView<'_, f32>,
+    loss_scale: f32,
+) -> CudaResult<XentOutput> {
+    let (n, classes) = xent_shape(logits)?;
+    same_len("soft_cross_entropy", "targets", n * classes, targets.len())?;
+    xent_launch(be, logits, XentTarget::Soft(targets), 0.0, loss_scale)
+}
+
+fn xent_shape(logits: &CudaTensor) -> CudaResult<(usize, usize)> {
+    match *logits.shape() {
+        [n, k] if n > 0 && k > 0 => Ok((n, k)),
+        _ => Err(CudaError::shape(
+            "cross_entropy",
+            "logits [n, classes] with n ≥ 1 and classes ≥ 1",
+            format!("{:?}", logits.shape()),
+        )),
+    }
+}
+
+/// What the cross-entropy is taken against.
+enum XentTarget<'a, 'v> {
+    Labels(&'a CudaView<'v, u32>),
+    Soft(&'a CudaView<'v, f32>),
+}
+
+/// Launches one of the cross-entropy kernels: (params, logits, labels or
+/// soft targets, row_loss, row_correct, grad). One warp per row, 8 rows per
+/// block.
+fn xent_launch(
+    be: &CudaBackend,
+    logits: &CudaTensor,
+    target: XentTarget<'_, '_>,
+    smoothing: f32,
+    loss_scale: f32,
+) -> CudaResult<XentOutput> {
+    let sig = match target {
+        XentTarget::Labels(_) => &k::SOFTMAX_XENT,
+        XentTarget::Soft(_) => &k::SOFTMAX_XENT_SOFT,
+    };
+    let (n, classes) = xent_shape(logits)?;
     let mut grad = CudaTensor::uninit(be, logits.shape(), DType::F16)?;
     let mut row_loss = be.alloc::<f32>(n)?;
     let mut row_correct = be.alloc::<u32>(n)?;
@@ -1272,18 +1319,21 @@ pub fn softmax_cross_entropy(
         shared_mem_bytes: 0,
     };
     {
-        let f = be.function(&k::SOFTMAX_XENT)?;
+        let f = be.function(sig)?;
         let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p)
-            .arg(logits.f16()?)
-            .arg(labels)
-            .arg(&mut row_loss.slice)
+        b.arg(&p).arg(logits.f16()?);
+        match target {
+            XentTarget::Labels(labels) => b.arg(labels),
+            XentTarget::Soft(targets) => b.arg(targets),
+        };
+        b.arg(&mut row_loss.slice)
             .arg(&mut row_correct.slice)
             .arg(grad.f16_mut()?);
         // SAFETY: softmax_xent(XentParams, const hr_half* logits [n, k],
-        // const u32* labels [n], float* row_loss [n], u32* row_correct [n],
-        // hr_half* grad [n, k]); one warp per row, 8 rows per block.
-        unsafe { b.launch(cfg) }.during("softmax_xent")?;
+        // const u32* labels [n], ...) and softmax_xent_soft(..., const float*
+        // targets [n, k], ...), then float* row_loss [n], u32* row_correct
+        // [n], hr_half* grad [n, k]; the callers checked the target's length.
+        unsafe { b.launch(cfg) }.during(sig.name)?;
     }
     Ok(XentOutput {
         grad,

@@ -52,7 +52,8 @@ kernel_params! {
     BnBackwardParams(20) { rows: u32, channels: u32, rows_per_chunk: u32, chunks: u32, relu: u32 }
     /// pool.cu: global_avg_pool_forward, global_avg_pool_backward.
     PoolParams(16) { n: u32, hw: u32, c: u32, inv_hw: f32 }
-    /// loss.cu: softmax_xent. grad_scale = loss_scale / rows.
+    /// loss.cu: softmax_xent, softmax_xent_soft (which ignores smoothing).
+    /// grad_scale = loss_scale / rows.
     XentParams(16) { rows: u32, classes: u32, smoothing: f32, grad_scale: f32 }
     /// loss.cu: xent_reduce.
     XentReduceParams(4) { rows: u32 }

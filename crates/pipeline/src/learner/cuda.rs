@@ -10,8 +10,10 @@
 //! the batch-norm running statistics it changed are put back, the loss scale
 //! halves, and the step counter (the `t` of AdamW) does not advance.
 //!
-//! Not on the GPU yet, each refused with a message naming it: Mixup/CutMix
-//! soft targets, f32 training (`--no-amp`), the sequence layers.
+//! Mixup/CutMix soft targets go up as f32 rows (smoothing applied as on the
+//! CPU) to the soft-target cross-entropy kernel. Not on the GPU yet, each
+//! refused with a message naming it: f32 training (`--no-amp`), the
+//! sequence layers.
 
 use headroom_loader::Batch;
 use headroom_model::cuda::{
@@ -36,12 +38,6 @@ pub struct CudaOptions {
 
 fn cuda<T>(r: std::result::Result<T, CudaError>) -> Result<T> {
     r.map_err(|e| PipelineError::Model(ModelError::from(e)))
-}
-
-fn cpu_only(what: &str) -> PipelineError {
-    PipelineError::Model(ModelError::State(format!(
-        "{what} runs on the CPU only for now (set device.kind = \"cpu\")"
-    )))
 }
 
 pub struct CudaLearner {
@@ -125,9 +121,6 @@ impl CudaLearner {
     }
 
     fn step(&mut self, batch: &Batch, lr: f32) -> Result<StepResult> {
-        if batch.soft_targets.is_some() {
-            return Err(cpu_only("Mixup/CutMix (soft targets)"));
-        }
         cuda(self.network.save_running_stats(&self.be))?;
         let scale = self.scaler.scale();
         let n = batch.len();
@@ -137,13 +130,26 @@ impl CudaLearner {
             let staged = self.stage(&part)?;
             let be = &self.be;
             let logits = cuda(self.network.forward_train(be, &staged.images))?;
-            let xent = cuda(ops::softmax_cross_entropy(
-                be,
-                &logits,
-                &staged.labels.slice.as_view(),
-                self.settings.label_smoothing,
-                scale * share,
-            ))?;
+            let xent = match &part.soft_targets {
+                None => cuda(ops::softmax_cross_entropy(
+                    be,
+                    &logits,
+                    &staged.labels.slice.as_view(),
+                    self.settings.label_smoothing,
+                    scale * share,
+                ))?,
+                Some(soft) => {
+                    let smoothed =
+                        smoothed_targets(soft, self.settings.label_smoothing, part.len());
+                    let targets = cuda(be.upload(&smoothed))?;
+                    cuda(ops::soft_cross_entropy(
+                        be,
+                        &logits,
+                        &targets.slice.as_view(),
+                        scale * share,
+                    ))?
+                }
+            };
             drop(logits);
             summaries.push((cuda(xent.summary(be))?, share));
             cuda(self.network.backward(be, &xent.grad))?;
@@ -187,6 +193,14 @@ impl CudaLearner {
         cuda(self.network.zero_grad(&self.be))?;
         cuda(self.network.restore_running_stats(&self.be))
     }
+}
+
+/// Mixup/CutMix targets with label smoothing, as the CPU learner forms them.
+fn smoothed_targets(soft: &[f32], smoothing: f32, rows: usize) -> Vec<f32> {
+    let classes = soft.len() / rows.max(1);
+    soft.iter()
+        .map(|&p| (1.0 - smoothing) * p + smoothing / classes as f32)
+        .collect()
 }
 
 fn staging_for(be: &CudaBackend, spec: &ModelSpec, samples: usize) -> Result<InputStaging> {
