@@ -136,7 +136,7 @@ fn sample_checkpoint() -> Checkpoint {
             first_moment: vec![vec![0.1; 300], vec![0.2; 17]],
             second_moment: vec![vec![0.01; 300], vec![0.02; 17]],
         },
-        loss_scale: Some(headroom_model::cuda::LossScalerState {
+        loss_scale: Some(headroom_optim::LossScalerState {
             scale: 1024.0,
             clean_steps: 5,
         }),

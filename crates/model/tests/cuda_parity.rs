@@ -31,13 +31,13 @@ use cudarc::driver::CudaSlice;
 use half::f16;
 use headroom_model::cuda::ops::{self, BatchNormConfig, ConvShape, CONV_SCRATCH_BYTES};
 use headroom_model::cuda::{
-    kernels, AdamWHyper, CudaBackend, CudaError, CudaTensor, DType, FusedAdamW, InputStaging,
-    LossScaler, LossScalerConfig, ParamGroup, StepOutcome,
+    kernels, CudaBackend, CudaError, CudaTensor, DType, InputStaging, ParamGroup,
 };
 use headroom_model::init::InitRng;
 use headroom_model::layers::{BatchNorm2d, Conv2d, GlobalAvgPool, Linear, Relu, Residual};
 use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy};
 use headroom_model::{Layer, Mode, Tensor};
+use headroom_optim::{AdamWConfig, FusedAdamW, LossScaler, LossScalerConfig, StepOutcome};
 
 // ---------------------------------------------------------------------------
 // Harness
@@ -1107,7 +1107,7 @@ struct HostGroup {
 fn reference_step(
     groups: &mut [HostGroup],
     grads: &[Vec<f32>],
-    h: AdamWHyper,
+    h: &AdamWConfig,
     lr: f32,
     t: u64,
     max_norm: f32,
@@ -1146,9 +1146,9 @@ fn reference_step(
 #[test]
 fn fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling() {
     let be = gpu_or_skip!();
-    let hyper = AdamWHyper {
+    let hyper = AdamWConfig {
         weight_decay: 0.05,
-        ..AdamWHyper::default()
+        ..AdamWConfig::default()
     };
     let lens = [(1000usize, true), (37, false)];
     let mut host: Vec<HostGroup> = lens
@@ -1165,7 +1165,7 @@ fn fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling() {
         .iter()
         .map(|hg| ParamGroup::from_host(&be, hg.decay, &hg.p).unwrap())
         .collect();
-    let mut opt = FusedAdamW::new(&be, hyper, &groups).unwrap();
+    let mut opt = FusedAdamW::new(&be, hyper.clone(), &groups).unwrap();
     let loss_scale = 1024.0f32;
     for (step, (lr, max_norm)) in [(1e-2f32, 0.0f32), (5e-3, 1.0), (1e-3, 1e3)]
         .into_iter()
@@ -1185,7 +1185,7 @@ fn fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling() {
                 .memcpy_htod(&scaled, &mut group.grad.slice)
                 .unwrap();
         }
-        let norm = reference_step(&mut host, &grads, hyper, lr, t, max_norm);
+        let norm = reference_step(&mut host, &grads, &hyper, lr, t, max_norm);
         opt.step(&be, &mut groups, lr, t, loss_scale, max_norm, true)
             .unwrap();
         let state = opt.read_state(&be).unwrap();
@@ -1231,7 +1231,7 @@ fn an_inf_or_nan_gradient_skips_the_step_and_backs_off_the_scale() {
     let be = gpu_or_skip!();
     let values = random_vec(300, 600, 1.0);
     let mut groups = vec![ParamGroup::from_host(&be, true, &values).unwrap()];
-    let mut opt = FusedAdamW::new(&be, AdamWHyper::default(), &groups).unwrap();
+    let mut opt = FusedAdamW::new(&be, AdamWConfig::default(), &groups).unwrap();
     let mut scaler = LossScaler::new(LossScalerConfig::default()).unwrap();
     for bad in [f32::INFINITY, f32::NAN] {
         let mut grads = random_vec(300, 601, 1.0);

@@ -42,4 +42,34 @@ pub enum OptimError {
     /// A state handed to `load_state` is inconsistent in itself.
     #[error("invalid optimizer state: {0}")]
     InvalidState(String),
+
+    /// The GPU refused memory for the optimizer's state or scratch; like the
+    /// model's out-of-memory, a value the memory policy sees.
+    #[error("out of GPU memory in the optimizer: {requested} bytes did not fit ({in_use} bytes in use, limit {limit:?})")]
+    OutOfMemory {
+        requested: u64,
+        in_use: u64,
+        limit: Option<u64>,
+    },
+
+    /// Any other failure of the GPU step (a launch, a copy, a shape).
+    #[error("GPU optimizer step: {0}")]
+    Device(String),
+}
+
+impl From<headroom_model::cuda::CudaError> for OptimError {
+    fn from(e: headroom_model::cuda::CudaError) -> Self {
+        match e {
+            headroom_model::cuda::CudaError::OutOfMemory {
+                requested,
+                in_use,
+                limit,
+            } => OptimError::OutOfMemory {
+                requested,
+                in_use,
+                limit,
+            },
+            other => OptimError::Device(other.to_string()),
+        }
+    }
 }

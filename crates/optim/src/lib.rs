@@ -1,5 +1,7 @@
 //! headroom-optim: AdamW with decoupled weight decay, global-norm gradient
-//! clipping and learning-rate schedules (constant, one-cycle, warmup+cosine).
+//! clipping and learning-rate schedules (constant, one-cycle, warmup+cosine),
+//! on the CPU and, fused into one kernel pass per parameter group, on the
+//! GPU (`FusedAdamW`, with dynamic loss scaling: `LossScaler`).
 //!
 //! Everything follows PyTorch's semantics (`torch.optim.AdamW`,
 //! `torch.nn.utils.clip_grad_norm_`, `torch.optim.lr_scheduler.OneCycleLR`) so
@@ -12,11 +14,15 @@
 mod adamw;
 mod clip;
 mod error;
+mod fused;
+mod loss_scale;
 mod schedule;
 
 pub use adamw::{AdamW, AdamWConfig, AdamWState};
 pub use clip::{clip_grad_norm, grad_norm};
 pub use error::OptimError;
+pub use fused::FusedAdamW;
+pub use loss_scale::{LossScaler, LossScalerConfig, LossScalerState, StepOutcome};
 pub use schedule::{OneCycle, Schedule};
 
 /// Checks that a value is finite and inside a range, naming the field.

@@ -18,9 +18,8 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use headroom_model::cuda::LossScalerState;
 use headroom_model::ModelSpec;
-use headroom_optim::AdamWState;
+use headroom_optim::{AdamWState, LossScalerState};
 use serde::{Deserialize, Serialize};
 
 use crate::{PipelineError, Result};

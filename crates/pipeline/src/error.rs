@@ -55,6 +55,10 @@ impl PipelineError {
     /// Out of memory inside the model: the policy decides what happens next.
     pub fn is_out_of_memory(&self) -> bool {
         matches!(self, Self::Model(e) if e.is_out_of_memory())
+            || matches!(
+                self,
+                Self::Optim(headroom_optim::OptimError::OutOfMemory { .. })
+            )
     }
 
     pub fn value(key: &str, reason: impl Into<String>) -> Self {

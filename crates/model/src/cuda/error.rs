@@ -68,11 +68,7 @@ impl CudaError {
         matches!(self, CudaError::OutOfMemory { .. })
     }
 
-    pub(crate) fn shape(
-        op: &'static str,
-        expected: impl Into<String>,
-        got: impl Into<String>,
-    ) -> Self {
+    pub fn shape(op: &'static str, expected: impl Into<String>, got: impl Into<String>) -> Self {
         CudaError::Shape {
             op,
             expected: expected.into(),

@@ -25,8 +25,9 @@
 //! - `gemm`: row-major cuBLAS GEMM, f16 in, f32 accumulate.
 //! - `network`: `CudaNetwork`, a `ModelSpec` on the GPU (same parameter
 //!   order as the CPU `Network`), forward and backward over the ops.
-//! - `optim`: parameter groups and the fused AdamW step.
-//! - `scaler`: dynamic loss scaling (host side).
+//! - `param_group`: parameters on the GPU (f32 masters, gradients and
+//!   moments, f16 compute copies); the fused AdamW step over them and the
+//!   loss scaler live in headroom-optim.
 //! - `staging`: pinned input staging ring, copy stream, events.
 //! - `libs`: locating NVRTC/cuBLAS (pip wheels included) without panicking.
 
@@ -37,17 +38,15 @@ pub mod kernels;
 pub mod libs;
 mod network;
 pub mod ops;
-pub mod optim;
+mod param_group;
 pub mod params;
-pub mod scaler;
 pub mod staging;
 mod tensor;
 
 pub use backend::{auto_device_kind, CudaBackend, DeviceBuffer, DeviceInfo, DeviceMemoryStats};
 pub use error::{CudaError, CudaResult};
 pub use network::{zeros_input, CudaBuildOptions, CudaNetwork};
-pub use optim::{AdamWHyper, FusedAdamW, ParamGroup};
-pub use scaler::{LossScaler, LossScalerConfig, LossScalerState, StepOutcome};
+pub use param_group::ParamGroup;
 pub use staging::{InputStaging, StagedBatch};
 pub use tensor::{CudaBuffer, CudaTensor, DType, MAX_ELEMENTS};
 

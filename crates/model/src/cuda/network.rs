@@ -28,7 +28,7 @@ use half::f16;
 use super::backend::{CudaBackend, DeviceBuffer};
 use super::error::Context;
 use super::ops::{self, BatchNormConfig, BatchNormSaved, ConvShape, CONV_SCRATCH_BYTES};
-use super::optim::ParamGroup;
+use super::param_group::ParamGroup;
 use super::tensor::{CudaTensor, DType};
 use super::{CudaError, CudaResult};
 use crate::memory::MemoryPool;

@@ -17,11 +17,11 @@
 
 use headroom_loader::Batch;
 use headroom_model::cuda::{
-    ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, DeviceInfo, FusedAdamW,
-    InputStaging, LossScaler, LossScalerConfig, StagedBatch, StepOutcome,
+    ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, DeviceInfo, InputStaging,
+    StagedBatch,
 };
 use headroom_model::{ModelError, ModelSpec, PoolStats};
-use headroom_optim::AdamWState;
+use headroom_optim::{AdamWState, FusedAdamW, LossScaler, LossScalerConfig, StepOutcome};
 
 use super::cpu::arg_max;
 use super::{EvalResult, Learner, LearnerState, StepResult, StepSettings};
@@ -71,13 +71,7 @@ impl CudaLearner {
             .or_else(|| Some(be.info().free_memory / 10 * 9).filter(|&b| b > 0));
         be.set_memory_limit(limit);
         let mut network = CudaNetwork::build(&be, spec, seed, options.build)?;
-        let hyper = headroom_model::cuda::AdamWHyper {
-            beta1: settings.optimizer.beta1,
-            beta2: settings.optimizer.beta2,
-            eps: settings.optimizer.eps,
-            weight_decay: settings.optimizer.weight_decay,
-        };
-        let optimizer = cuda(FusedAdamW::new(&be, hyper, network.groups_mut()))?;
+        let optimizer = FusedAdamW::new(&be, settings.optimizer.clone(), network.groups_mut())?;
         let scaler = LossScaler::new(options.loss_scaler).map_err(ModelError::State)?;
         let staging = staging_for(&be, spec, batch_size)?;
         Ok(Self {
@@ -155,7 +149,7 @@ impl CudaLearner {
             cuda(self.network.backward(be, &xent.grad))?;
         }
         let be = &self.be;
-        cuda(self.optimizer.step(
+        self.optimizer.step(
             be,
             self.network.groups_mut(),
             lr,
@@ -163,8 +157,8 @@ impl CudaLearner {
             scale,
             self.settings.clip_norm,
             true,
-        ))?;
-        let verdict = cuda(self.optimizer.read_state(be))?;
+        )?;
+        let verdict = self.optimizer.read_state(be)?;
         let (mut loss, mut correct) = (0.0f64, 0usize);
         for ((loss_dev, correct_dev), share) in &summaries {
             loss += cuda(be.download(&loss_dev.slice))?[0] as f64 * *share as f64;

@@ -20,10 +20,10 @@ pub use cuda::{CudaLearner, CudaOptions};
 use std::sync::Arc;
 
 use headroom_loader::Batch;
-use headroom_model::cuda::{CudaBackend, LossScalerState};
+use headroom_model::cuda::CudaBackend;
 use headroom_model::memory::MemoryPool;
 use headroom_model::PoolStats;
-use headroom_optim::{AdamWConfig, AdamWState};
+use headroom_optim::{AdamWConfig, AdamWState, LossScalerState};
 
 use crate::config::ExperimentConfig;
 use crate::{PipelineError, Result};

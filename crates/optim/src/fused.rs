@@ -1,4 +1,6 @@
-//! Parameters on the GPU and the fused AdamW step.
+//! The fused AdamW step on the GPU, over headroom-model's `ParamGroup`s
+//! (f32 masters, gradients and moments, f16 compute copies; two groups,
+//! decay and no decay, cover a network).
 //!
 //! A `ParamGroup` holds, for a contiguous run of parameters that share their
 //! weight-decay setting, the f32 master weights, the f32 gradients (kept
@@ -24,116 +26,18 @@
 //! of step s+1 (after s+1's forward and backward are queued) keeps the GPU
 //! busy while the host waits.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use half::f16;
+use cudarc::driver::{CudaSlice, DriverError, LaunchConfig, PushKernelArg};
+use headroom_model::cuda::kernels as k;
+use headroom_model::cuda::params::{AdamWParams, FinalizeParams, StepState, SumSqParams};
+use headroom_model::cuda::{CudaBackend, CudaError, DeviceBuffer, ParamGroup};
 
-use super::backend::{CudaBackend, DeviceBuffer};
-use super::error::Context;
-use super::kernels as k;
-use super::ops::cast_f32_to_f16_into;
-use super::params::{AdamWParams, FinalizeParams, StepState, SumSqParams};
-use super::tensor::MAX_ELEMENTS;
-use super::{CudaError, CudaResult};
+use crate::{AdamWConfig, OptimError};
 
-/// One group of parameters sharing a weight-decay setting.
-#[derive(Debug)]
-pub struct ParamGroup {
-    pub decay: bool,
-    pub master: DeviceBuffer<f32>,
-    pub grad: DeviceBuffer<f32>,
-    pub first_moment: DeviceBuffer<f32>,
-    pub second_moment: DeviceBuffer<f32>,
-    pub compute: DeviceBuffer<f16>,
-}
+type Result<T> = std::result::Result<T, OptimError>;
 
-impl ParamGroup {
-    /// Uploads master weights; gradients and moments start at zero and the
-    /// f16 compute copy is cast from the masters.
-    pub fn from_host(be: &CudaBackend, decay: bool, values: &[f32]) -> CudaResult<Self> {
-        if values.len() > MAX_ELEMENTS {
-            return Err(CudaError::Unsupported {
-                op: "ParamGroup",
-                reason: format!("{} parameters exceed {MAX_ELEMENTS}", values.len()),
-            });
-        }
-        let master = be.upload(values)?;
-        let mut compute = be.alloc::<f16>(values.len())?;
-        cast_f32_to_f16_into(
-            be,
-            &master.slice.as_view(),
-            &mut compute.slice.as_view_mut(),
-        )?;
-        Ok(Self {
-            decay,
-            master,
-            grad: be.alloc_zeros(values.len())?,
-            first_moment: be.alloc_zeros(values.len())?,
-            second_moment: be.alloc_zeros(values.len())?,
-            compute,
-        })
-    }
-
-    pub fn len(&self) -> usize {
-        self.master.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.master.is_empty()
-    }
-
-    /// Sets the gradients to zero (compute stream).
-    pub fn zero_grad(&mut self, be: &CudaBackend) -> CudaResult<()> {
-        if !self.grad.is_empty() {
-            be.compute_stream()
-                .memset_zeros(&mut self.grad.slice)
-                .during("cuMemsetD8Async")?;
-        }
-        Ok(())
-    }
-
-    /// Master weights, downloaded (for checkpoints and tests).
-    pub fn read_master(&self, be: &CudaBackend) -> CudaResult<Vec<f32>> {
-        be.download(&self.master.slice)
-    }
-
-    /// (first, second) moments, downloaded.
-    pub fn read_moments(&self, be: &CudaBackend) -> CudaResult<(Vec<f32>, Vec<f32>)> {
-        Ok((
-            be.download(&self.first_moment.slice)?,
-            be.download(&self.second_moment.slice)?,
-        ))
-    }
-
-    /// The f16 compute copy, downloaded as f32.
-    pub fn read_compute(&self, be: &CudaBackend) -> CudaResult<Vec<f32>> {
-        Ok(be
-            .download(&self.compute.slice)?
-            .into_iter()
-            .map(f16::to_f32)
-            .collect())
-    }
-}
-
-/// AdamW hyper-parameters (the learning rate is passed per step). The same
-/// meaning and defaults as headroom-optim's `AdamWConfig`, which this crate
-/// cannot name (headroom-optim depends on it).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamWHyper {
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub weight_decay: f32,
-}
-
-impl Default for AdamWHyper {
-    fn default() -> Self {
-        Self {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        }
-    }
+/// Names the launch a driver error came from.
+fn driver(op: &'static str) -> impl Fn(DriverError) -> OptimError {
+    move |source| OptimError::from(CudaError::Driver { op, source })
 }
 
 /// Threads per block of grad_sumsq (the kernel's shared array has 256).
@@ -149,7 +53,7 @@ fn sumsq_blocks(n: usize) -> usize {
 /// sums and the `StepState` the kernels share.
 #[derive(Debug)]
 pub struct FusedAdamW {
-    hyper: AdamWHyper,
+    config: AdamWConfig,
     partials: DeviceBuffer<f64>,
     state: DeviceBuffer<StepState>,
     /// grad_sumsq blocks of each group, in group order.
@@ -158,19 +62,20 @@ pub struct FusedAdamW {
 
 impl FusedAdamW {
     /// For exactly these groups (their lengths fix the scratch size).
-    pub fn new(be: &CudaBackend, hyper: AdamWHyper, groups: &[ParamGroup]) -> CudaResult<Self> {
+    pub fn new(be: &CudaBackend, config: AdamWConfig, groups: &[ParamGroup]) -> Result<Self> {
+        config.validate()?;
         let blocks: Vec<usize> = groups.iter().map(|g| sumsq_blocks(g.len())).collect();
         let total: usize = blocks.iter().sum();
         Ok(Self {
-            hyper,
+            config,
             partials: be.alloc_zeros::<f64>(total.max(1))?,
             state: be.alloc_zeros::<StepState>(1)?,
             blocks,
         })
     }
 
-    pub fn hyper(&self) -> &AdamWHyper {
-        &self.hyper
+    pub fn config(&self) -> &AdamWConfig {
+        &self.config
     }
 
     /// Enqueues one optimizer step. `t` is this step's index among applied
@@ -188,23 +93,23 @@ impl FusedAdamW {
         loss_scale: f32,
         max_norm: f32,
         zero_grad: bool,
-    ) -> CudaResult<()> {
+    ) -> Result<()> {
         let lens: Vec<usize> = groups.iter().map(ParamGroup::len).collect();
         let expected: Vec<usize> = lens.iter().map(|&n| sumsq_blocks(n)).collect();
         if expected != self.blocks {
-            return Err(CudaError::shape(
+            return Err(OptimError::from(CudaError::shape(
                 "FusedAdamW::step",
                 format!("the {} groups it was made for", self.blocks.len()),
                 format!("groups of lengths {lens:?}"),
-            ));
+            )));
         }
         if !(lr.is_finite() && lr >= 0.0 && loss_scale.is_finite() && loss_scale > 0.0 && t >= 1) {
-            return Err(CudaError::Unsupported {
+            return Err(OptimError::from(CudaError::Unsupported {
                 op: "FusedAdamW::step",
                 reason: format!(
                     "needs lr ≥ 0, loss_scale > 0 (finite) and t ≥ 1; got {lr}, {loss_scale}, {t}"
                 ),
-            });
+            }));
         }
         let stream = be.compute_stream();
 
@@ -232,7 +137,7 @@ impl FusedAdamW {
             // partials) with 256 threads per block (its shared array) writes
             // partials[offset .. offset + blocks], inside the buffer (sized
             // for the sum of all groups' blocks).
-            unsafe { b.launch(cfg) }.during("grad_sumsq")?;
+            unsafe { b.launch(cfg) }.map_err(driver("grad_sumsq"))?;
             offset += blocks;
         }
 
@@ -255,11 +160,11 @@ impl FusedAdamW {
                 .arg(&mut self.state.slice);
             // SAFETY: step_finalize(FinalizeParams, const double* partials
             // [offset], StepState* state [1]) with one thread.
-            unsafe { b.launch(cfg) }.during("step_finalize")?;
+            unsafe { b.launch(cfg) }.map_err(driver("step_finalize"))?;
         }
 
         // 3. AdamW per group (PyTorch's factors, computed as in adamw.rs).
-        let h = &self.hyper;
+        let h = &self.config;
         let tf = t as f64;
         let bias_correction1 = 1.0 - (h.beta1 as f64).powf(tf);
         let bias_correction2 = 1.0 - (h.beta2 as f64).powf(tf);
@@ -311,7 +216,7 @@ impl FusedAdamW {
             // SAFETY: adamw_fused(AdamWParams, const StepState*, float*
             // master, float* grad, float* m, float* v, hr_half* compute), all
             // of the group's n elements (ParamGroup allocates them together).
-            unsafe { b.launch(cfg) }.during("adamw_fused")?;
+            unsafe { b.launch(cfg) }.map_err(driver("adamw_fused"))?;
         }
         Ok(())
     }
@@ -322,7 +227,7 @@ impl FusedAdamW {
     }
 
     /// Downloads the verdict of the last enqueued step (waits for it).
-    pub fn read_state(&self, be: &CudaBackend) -> CudaResult<StepState> {
+    pub fn read_state(&self, be: &CudaBackend) -> Result<StepState> {
         let v = be.download(&self.state.slice)?;
         Ok(v[0])
     }

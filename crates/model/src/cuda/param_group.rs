@@ -1,0 +1,94 @@
+//! Parameters on the GPU: a `ParamGroup` holds, for a contiguous run of
+//! parameters that share their weight-decay setting, the f32 master
+//! weights, the f32 gradients (kept multiplied by the loss scale, as
+//! backward produces them), the f32 moments and the f16 compute copy the
+//! forward and backward read. A layer's parameter is a range of a group
+//! (`CudaSlice::slice`). Two groups (decay, no decay) cover a network. The
+//! fused AdamW step over them lives in headroom-optim (`FusedAdamW`).
+
+use half::f16;
+
+use super::backend::{CudaBackend, DeviceBuffer};
+use super::error::Context;
+use super::ops::cast_f32_to_f16_into;
+use super::tensor::MAX_ELEMENTS;
+use super::{CudaError, CudaResult};
+
+/// One group of parameters sharing a weight-decay setting.
+#[derive(Debug)]
+pub struct ParamGroup {
+    pub decay: bool,
+    pub master: DeviceBuffer<f32>,
+    pub grad: DeviceBuffer<f32>,
+    pub first_moment: DeviceBuffer<f32>,
+    pub second_moment: DeviceBuffer<f32>,
+    pub compute: DeviceBuffer<f16>,
+}
+
+impl ParamGroup {
+    /// Uploads master weights; gradients and moments start at zero and the
+    /// f16 compute copy is cast from the masters.
+    pub fn from_host(be: &CudaBackend, decay: bool, values: &[f32]) -> CudaResult<Self> {
+        if values.len() > MAX_ELEMENTS {
+            return Err(CudaError::Unsupported {
+                op: "ParamGroup",
+                reason: format!("{} parameters exceed {MAX_ELEMENTS}", values.len()),
+            });
+        }
+        let master = be.upload(values)?;
+        let mut compute = be.alloc::<f16>(values.len())?;
+        cast_f32_to_f16_into(
+            be,
+            &master.slice.as_view(),
+            &mut compute.slice.as_view_mut(),
+        )?;
+        Ok(Self {
+            decay,
+            master,
+            grad: be.alloc_zeros(values.len())?,
+            first_moment: be.alloc_zeros(values.len())?,
+            second_moment: be.alloc_zeros(values.len())?,
+            compute,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.master.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.master.is_empty()
+    }
+
+    /// Sets the gradients to zero (compute stream).
+    pub fn zero_grad(&mut self, be: &CudaBackend) -> CudaResult<()> {
+        if !self.grad.is_empty() {
+            be.compute_stream()
+                .memset_zeros(&mut self.grad.slice)
+                .during("cuMemsetD8Async")?;
+        }
+        Ok(())
+    }
+
+    /// Master weights, downloaded (for checkpoints and tests).
+    pub fn read_master(&self, be: &CudaBackend) -> CudaResult<Vec<f32>> {
+        be.download(&self.master.slice)
+    }
+
+    /// (first, second) moments, downloaded.
+    pub fn read_moments(&self, be: &CudaBackend) -> CudaResult<(Vec<f32>, Vec<f32>)> {
+        Ok((
+            be.download(&self.first_moment.slice)?,
+            be.download(&self.second_moment.slice)?,
+        ))
+    }
+
+    /// The f16 compute copy, downloaded as f32.
+    pub fn read_compute(&self, be: &CudaBackend) -> CudaResult<Vec<f32>> {
+        Ok(be
+            .download(&self.compute.slice)?
+            .into_iter()
+            .map(f16::to_f32)
+            .collect())
+    }
+}
