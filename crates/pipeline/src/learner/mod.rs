@@ -14,7 +14,7 @@
 mod cpu;
 mod cuda;
 
-pub use cpu::CpuLearner;
+pub use cpu::{per_token_loss, CpuLearner};
 pub use cuda::{CudaLearner, CudaOptions};
 
 use std::sync::Arc;
