@@ -589,13 +589,22 @@ fn preprocess_text(config: &Path, overrides: &[String], allow_install: bool) -> 
         );
     }
     let store = headroom_pipeline::text::pack(&experiment, allow_install)?;
-    println!("text windows packed in {} (train/ and test/)", store.display());
-    println!("train on it with: cargo xtask train --config {}", config.display());
+    println!(
+        "text windows packed in {} (train/ and test/)",
+        store.display()
+    );
+    println!(
+        "train on it with: cargo xtask train --config {}",
+        config.display()
+    );
     Ok(())
 }
 
 fn print_text_report(report: &headroom_pipeline::text::TextReport) {
-    println!("validation loss {:.4} nats per byte", report.validation_loss);
+    println!(
+        "validation loss {:.4} nats per byte",
+        report.validation_loss
+    );
     println!("bits per byte   {:.3}", report.bits_per_byte);
     println!("token accuracy  {:.2}%", report.token_accuracy * 100.0);
     println!(

@@ -27,7 +27,12 @@ impl TextWindows {
     /// The windows of `bytes` for a model reading `length` tokens, at most
     /// `limit` of them (0 = all). A text shorter than one window is an
     /// error naming `what` (the file or split it came from).
-    pub fn new(bytes: Vec<u8>, length: usize, limit: usize, what: &str) -> Result<Self, LoaderError> {
+    pub fn new(
+        bytes: Vec<u8>,
+        length: usize,
+        limit: usize,
+        what: &str,
+    ) -> Result<Self, LoaderError> {
         if length == 0 {
             return Err(LoaderError::Config {
                 field: "length",

@@ -31,7 +31,11 @@ fn packed_windows_read_back_identically_and_lazily() {
     assert_eq!(store.sample_shape(), [1, LENGTH + 1, 1]);
     assert_eq!(store.num_classes(), 256);
     assert!(store.shard_count() > 4);
-    assert_eq!(store.cache_stats().bytes_read, 0, "opening reads only the index");
+    assert_eq!(
+        store.cache_stats().bytes_read,
+        0,
+        "opening reads only the index"
+    );
 
     let (mut from_store, mut from_text) = ([0u8; LENGTH + 1], [0u8; LENGTH + 1]);
     for i in (0..store.len()).rev() {
@@ -42,7 +46,10 @@ fn packed_windows_read_back_identically_and_lazily() {
     let stats = store.cache_stats();
     assert!(stats.resident_shards <= 2, "{stats:?}");
     assert_eq!(stats.misses, store.shard_count() as u64, "{stats:?}");
-    assert!(stats.evictions >= store.shard_count() as u64 - 2, "{stats:?}");
+    assert!(
+        stats.evictions >= store.shard_count() as u64 - 2,
+        "{stats:?}"
+    );
 }
 
 #[test]

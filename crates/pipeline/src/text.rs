@@ -112,7 +112,12 @@ fn store_root(config: &ExperimentConfig) -> Result<PathBuf> {
 fn store_key(corpus: &[u8], length: usize, fraction: f64, limits: (usize, usize)) -> u32 {
     let mut hasher = crc32fast::Hasher::new();
     hasher.update(corpus);
-    for value in [length as u64, fraction.to_bits(), limits.0 as u64, limits.1 as u64] {
+    for value in [
+        length as u64,
+        fraction.to_bits(),
+        limits.0 as u64,
+        limits.1 as u64,
+    ] {
         hasher.update(&value.to_le_bytes());
     }
     hasher.finalize()
@@ -123,12 +128,18 @@ fn store_key(corpus: &[u8], length: usize, fraction: f64, limits: (usize, usize)
 /// naming the file, the key and the command that installs it.
 pub fn read_corpus(text: &TextConfig, allow_install: bool) -> Result<Vec<u8>> {
     let missing = |text: &TextConfig| -> Vec<PathBuf> {
-        text.corpus.iter().filter(|p| !p.is_file()).cloned().collect()
+        text.corpus
+            .iter()
+            .filter(|p| !p.is_file())
+            .cloned()
+            .collect()
     };
     let mut absent = missing(text);
     if let (false, Some(package)) = (absent.is_empty(), &text.package) {
         if allow_install && data::can_install_with_apt() {
-            tracing::info!("text corpus not found; installing the Debian package {package} with apt-get");
+            tracing::info!(
+                "text corpus not found; installing the Debian package {package} with apt-get"
+            );
             data::install_with_apt(package)?;
             absent = missing(text);
         }
@@ -179,7 +190,11 @@ pub fn check_data_fits_token_model(
         ));
     };
     if length != tokens.length {
-        let relation = if length > tokens.length { "longer than" } else { "shorter than" };
+        let relation = if length > tokens.length {
+            "longer than"
+        } else {
+            "shorter than"
+        };
         return Err(PipelineError::value(
             "model.tokens.length",
             format!(
@@ -215,7 +230,11 @@ pub fn check_data_fits_token_model(
 fn describe_source(config: &ExperimentConfig) -> String {
     match (&config.text, &config.data.dir) {
         (Some(text), _) if config.data.format == "text" => {
-            let files: Vec<String> = text.corpus.iter().map(|p| p.display().to_string()).collect();
+            let files: Vec<String> = text
+                .corpus
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect();
             format!("text.corpus ({})", files.join(", "))
         }
         (_, Some(dir)) => format!("data.dir = {}", dir.display()),
@@ -253,7 +272,8 @@ pub fn write_report(config: &ExperimentConfig, summary: &RunSummary) -> Result<T
         text.temperature,
         config.run.seed,
     )?;
-    let sample = String::from_utf8_lossy(&[text.prompt.as_bytes(), &generated].concat()).into_owned();
+    let sample =
+        String::from_utf8_lossy(&[text.prompt.as_bytes(), &generated].concat()).into_owned();
     let sample_file = dir.join(SAMPLE_FILE);
     std::fs::write(&sample_file, &sample).map_err(|e| PipelineError::io(&sample_file, e))?;
     let validation_loss = summary.test_loss.unwrap_or(f32::NAN);
@@ -313,7 +333,11 @@ pub fn generate(
     let length = network.input_shape().first().copied().unwrap_or(1);
     let vocab = network.num_classes();
     let mut rng = InitRng::new(seed);
-    let mut text: Vec<u8> = if prompt.is_empty() { b"\n".to_vec() } else { prompt.to_vec() };
+    let mut text: Vec<u8> = if prompt.is_empty() {
+        b"\n".to_vec()
+    } else {
+        prompt.to_vec()
+    };
     let start = text.len();
     for _ in 0..count {
         let context = &text[text.len().saturating_sub(length)..];

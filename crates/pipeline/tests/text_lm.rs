@@ -88,7 +88,9 @@ fn options() -> TrainOptions {
 #[test]
 fn per_token_loss_matches_a_manual_computation_and_finite_differences() {
     let (n, t, v) = (2, 3, 5);
-    let values: Vec<f32> = (0..n * t * v).map(|i| ((i * 37 % 11) as f32 - 5.0) / 4.0).collect();
+    let values: Vec<f32> = (0..n * t * v)
+        .map(|i| ((i * 37 % 11) as f32 - 5.0) / 4.0)
+        .collect();
     let targets = [0u32, 4, 2, 1, 3, 3];
     let loss_of = |values: &[f32]| -> f32 {
         let logits = Tensor::from_vec(&[n, t, v], values.to_vec()).unwrap();
@@ -114,7 +116,10 @@ fn per_token_loss_matches_a_manual_computation_and_finite_differences() {
         up[i] += h;
         down[i] -= h;
         let numeric = (loss_of(&up) - loss_of(&down)) / (2.0 * h);
-        assert!((numeric - analytic).abs() < 1e-3, "logit {i}: {numeric} vs {analytic}");
+        assert!(
+            (numeric - analytic).abs() < 1e-3,
+            "logit {i}: {numeric} vs {analytic}"
+        );
     }
 }
 
@@ -122,34 +127,57 @@ fn per_token_loss_matches_a_manual_computation_and_finite_differences() {
 fn a_tiny_char_model_learns_a_written_corpus_and_writes_a_sample() {
     let dir = tempfile::tempdir().unwrap();
     let corpus = write_corpus(dir.path());
-    let config = load(dir.path(), &experiment_text(dir.path(), &corpus, LENGTH, 256, 256), &[]);
+    let config = load(
+        dir.path(),
+        &experiment_text(dir.path(), &corpus, LENGTH, 256, 256),
+        &[],
+    );
     let summary = train(&config, &options()).unwrap();
     let losses: Vec<f32> = summary.epochs.iter().map(|e| e.test_loss).collect();
     assert_eq!(losses.len(), 5);
     // From ln 256 = 5.5 nats (uniform over bytes) to well below half of it.
-    assert!(losses[4] < losses[0] && losses[4] < 2.0, "validation loss per epoch {losses:?}");
+    assert!(
+        losses[4] < losses[0] && losses[4] < 2.0,
+        "validation loss per epoch {losses:?}"
+    );
     let accuracy = summary.test_accuracy.unwrap();
-    assert!(accuracy > 0.3 && accuracy <= 1.0, "per-token accuracy {accuracy}");
+    assert!(
+        accuracy > 0.3 && accuracy <= 1.0,
+        "per-token accuracy {accuracy}"
+    );
 
     let report = text::write_report(&config, &summary).unwrap();
     assert!((report.bits_per_byte - losses[4] / std::f32::consts::LN_2).abs() < 1e-6);
     let sample = std::fs::read_to_string(dir.path().join("run").join(text::SAMPLE_FILE)).unwrap();
     assert_eq!(sample, report.sample);
-    assert!(sample.starts_with("The ") && sample.len() >= 4 + 20, "{sample:?}");
+    assert!(
+        sample.starts_with("The ") && sample.len() >= 4 + 20,
+        "{sample:?}"
+    );
     // Same seed, same weights: the same text.
-    assert_eq!(text::write_report(&config, &summary).unwrap().sample, sample);
+    assert_eq!(
+        text::write_report(&config, &summary).unwrap().sample,
+        sample
+    );
 }
 
 #[test]
 fn the_store_is_packed_once_and_reused() {
     let dir = tempfile::tempdir().unwrap();
     let corpus = write_corpus(dir.path());
-    let config = load(dir.path(), &experiment_text(dir.path(), &corpus, LENGTH, 256, 256), &[]);
+    let config = load(
+        dir.path(),
+        &experiment_text(dir.path(), &corpus, LENGTH, 256, 256),
+        &[],
+    );
     let store = text::pack(&config, false).unwrap();
     let index = store.join("train").join(headroom_loader::INDEX_FILE);
     let written = std::fs::metadata(&index).unwrap().modified().unwrap();
     assert_eq!(text::pack(&config, false).unwrap(), store);
-    assert_eq!(std::fs::metadata(&index).unwrap().modified().unwrap(), written);
+    assert_eq!(
+        std::fs::metadata(&index).unwrap().modified().unwrap(),
+        written
+    );
     let (train_set, test_set) = text::open_splits(&config, false).unwrap();
     // 2880 bytes: 2736 for training, the last 144 held out, in 16-byte steps.
     assert_eq!((train_set.len(), test_set.len()), (170, 8));
@@ -160,20 +188,34 @@ fn the_store_is_packed_once_and_reused() {
 fn a_missing_corpus_names_the_file_the_key_and_the_package() {
     let dir = tempfile::tempdir().unwrap();
     let absent = dir.path().join("absent.txt");
-    let config = load(dir.path(), &experiment_text(dir.path(), &absent, LENGTH, 256, 256), &[]);
+    let config = load(
+        dir.path(),
+        &experiment_text(dir.path(), &absent, LENGTH, 256, 256),
+        &[],
+    );
     let err = train(&config, &options()).unwrap_err().to_string();
     assert!(err.contains(&absent.display().to_string()), "{err}");
     assert!(err.contains("text.corpus"), "{err}");
-    assert!(err.contains("apt-get install -y no-such-package-for-tests"), "{err}");
+    assert!(
+        err.contains("apt-get install -y no-such-package-for-tests"),
+        "{err}"
+    );
 }
 
 #[test]
 fn a_vocabulary_mismatch_names_model_tokens_vocab() {
     let dir = tempfile::tempdir().unwrap();
     let corpus = write_corpus(dir.path());
-    let config = load(dir.path(), &experiment_text(dir.path(), &corpus, LENGTH, 128, 128), &[]);
+    let config = load(
+        dir.path(),
+        &experiment_text(dir.path(), &corpus, LENGTH, 128, 128),
+        &[],
+    );
     let err = train(&config, &options()).unwrap_err().to_string();
-    assert!(err.contains("model.tokens.vocab") && err.contains("256"), "{err}");
+    assert!(
+        err.contains("model.tokens.vocab") && err.contains("256"),
+        "{err}"
+    );
     assert!(err.contains(&corpus.display().to_string()), "{err}");
 }
 
@@ -181,7 +223,11 @@ fn a_vocabulary_mismatch_names_model_tokens_vocab() {
 fn a_last_layer_that_does_not_score_the_vocabulary_names_model_layers() {
     let dir = tempfile::tempdir().unwrap();
     let corpus = write_corpus(dir.path());
-    let config = load(dir.path(), &experiment_text(dir.path(), &corpus, LENGTH, 256, 100), &[]);
+    let config = load(
+        dir.path(),
+        &experiment_text(dir.path(), &corpus, LENGTH, 256, 100),
+        &[],
+    );
     let err = train(&config, &options()).unwrap_err().to_string();
     assert!(err.contains("model.layers") && err.contains("100"), "{err}");
 }
@@ -190,7 +236,11 @@ fn a_last_layer_that_does_not_score_the_vocabulary_names_model_layers() {
 fn sequences_longer_than_the_context_name_the_store_and_the_key() {
     let dir = tempfile::tempdir().unwrap();
     let corpus = write_corpus(dir.path());
-    let long = load(dir.path(), &experiment_text(dir.path(), &corpus, 32, 256, 256), &[]);
+    let long = load(
+        dir.path(),
+        &experiment_text(dir.path(), &corpus, 32, 256, 256),
+        &[],
+    );
     let store = text::pack(&long, false).unwrap();
     let store_text = store.display().to_string();
     let config = load(
@@ -200,7 +250,10 @@ fn sequences_longer_than_the_context_name_the_store_and_the_key() {
     );
     let err = train(&config, &options()).unwrap_err().to_string();
     assert!(err.contains("model.tokens.length"), "{err}");
-    assert!(err.contains("32 tokens, longer than the model's context of 16"), "{err}");
+    assert!(
+        err.contains("32 tokens, longer than the model's context of 16"),
+        "{err}"
+    );
     assert!(err.contains(&store_text), "{err}");
 }
 
@@ -234,5 +287,8 @@ fn the_gpu_learner_refuses_token_models_saying_they_run_on_the_cpu() {
         .err()
         .expect("a token model must not open on the GPU")
         .to_string();
-    assert!(err.contains("device.kind") && err.contains("CPU only"), "{err}");
+    assert!(
+        err.contains("device.kind") && err.contains("CPU only"),
+        "{err}"
+    );
 }
