@@ -1,7 +1,8 @@
 //! Finding Fashion-MNIST: `data.dir`, then `$FASHION_MNIST_DIR`, then the
 //! Debian package's directory. If none holds it, install the package when we
 //! are root on Debian or Ubuntu; otherwise stop with the exact command. Never
-//! fall back to other data.
+//! fall back to other data. Text corpora (`data.format = "text"`) are found
+//! and packed by `crate::text`, which installs their package the same way.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
