@@ -107,14 +107,26 @@ enum Command {
         #[arg(long)]
         mode: String,
     },
-    /// Pack a Fashion-MNIST directory into a shard store (train/ and test/).
+    /// Pack a Fashion-MNIST directory into a shard store (train/ and test/),
+    /// or, with --config, a text experiment's corpus into its window store.
     Preprocess {
         /// Directory with the IDX files (default: where `train` would look).
         #[arg(long)]
         input: Option<PathBuf>,
-        /// The store to write.
+        /// The store to write (Fashion-MNIST; required without --config).
+        #[arg(long, required_unless_present = "config")]
+        output: Option<PathBuf>,
+        /// A text experiment (data.format = "text"): pack its [text] corpus
+        /// where `train` will read it (data.dir), installing the package if
+        /// missing and allowed.
+        #[arg(long, conflicts_with_all = ["input", "output"])]
+        config: Option<PathBuf>,
+        /// --set key=value overrides of the text experiment.
+        #[arg(long = "set", requires = "config")]
+        overrides: Vec<String>,
+        /// With --config: never install the corpus package.
         #[arg(long)]
-        output: PathBuf,
+        no_install: bool,
         /// Samples per shard ("4096") or bytes per shard ("64MiB").
         #[arg(long, default_value = "4096")]
         shard_size: String,
@@ -366,6 +378,11 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
         let summary = train(experiment, &options)
             .with_context(|| format!("training {} failed", experiment.run.name))?;
         print_summary(experiment, &summary);
+        if experiment.data.format == "text" && !summary.interrupted {
+            let report = headroom_pipeline::text::write_report(experiment, &summary)
+                .with_context(|| format!("writing the text report of {}", experiment.run.name))?;
+            print_text_report(&report);
+        }
         if summary.memory_left_after_run != 0 {
             bail!(
                 "{} bytes of tensor memory were still held after {} ended",
@@ -479,9 +496,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Preprocess {
             input,
             output,
+            config,
+            overrides,
+            no_install,
             shard_size,
             overwrite,
-        } => done(preprocess(input, &output, &shard_size, overwrite)),
+        } => match (config, output) {
+            (Some(config), _) => done(preprocess_text(&config, &overrides, !no_install)),
+            (None, Some(output)) => done(preprocess(input, &output, &shard_size, overwrite)),
+            (None, None) => bail!("preprocess needs --output (Fashion-MNIST) or --config (text)"),
+        },
         Command::BenchStep {
             config,
             overrides,
@@ -552,6 +576,43 @@ fn preprocess(
         output.display()
     );
     Ok(())
+}
+
+/// Packs a text experiment's corpus into the store `train` reads.
+fn preprocess_text(config: &Path, overrides: &[String], allow_install: bool) -> Result<()> {
+    let experiment = ExperimentConfig::load(config, &Overrides::parse(overrides)?)?;
+    if experiment.data.format != "text" {
+        bail!(
+            "{}: data.format is \"{}\"; --config packs text experiments only",
+            config.display(),
+            experiment.data.format
+        );
+    }
+    let store = headroom_pipeline::text::pack(&experiment, allow_install)?;
+    println!(
+        "text windows packed in {} (train/ and test/)",
+        store.display()
+    );
+    println!(
+        "train on it with: cargo xtask train --config {}",
+        config.display()
+    );
+    Ok(())
+}
+
+fn print_text_report(report: &headroom_pipeline::text::TextReport) {
+    println!(
+        "validation loss {:.4} nats per byte",
+        report.validation_loss
+    );
+    println!("bits per byte   {:.3}", report.bits_per_byte);
+    println!("token accuracy  {:.2}%", report.token_accuracy * 100.0);
+    println!(
+        "training        {:.0} windows/s, {:.0} tokens/s",
+        report.train_samples_per_sec, report.train_tokens_per_sec
+    );
+    println!("sample          {}", report.sample_file.display());
+    println!("{}", report.sample);
 }
 
 /// Runs the CUDA checks: the report, then every CUDA test with skipping

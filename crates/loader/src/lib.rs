@@ -10,6 +10,8 @@
 //!   into [`Batch`]es, delivered in order, at most `prefetch` ahead, within
 //!   an optional memory budget; [`ShuffleMode::ShardBlocks`] orders epochs
 //!   so that a small shard cache reads each shard once.
+//! - [`TextWindows`]: byte-level text as next-token windows of `length + 1`
+//!   bytes (u8 samples `[1, length + 1, 1]`), packed and read like images.
 //! - Augmentations: random crop, flip, RandAugment, and batch-level Mixup /
 //!   CutMix with soft targets.
 //! - Randomness is counter-based: the order of epoch `e` is a function of
@@ -28,6 +30,7 @@ mod rng;
 mod sampler;
 mod sharded;
 mod store;
+mod text;
 
 pub use augment::{AugmentConfig, RandAugmentConfig, MAX_MAGNITUDE};
 pub use dataset::{Dataset, MemoryUsage, ShardLayout};
@@ -40,3 +43,4 @@ pub use store::{
     preprocess, write_synthetic_store, ParseShardSizeError, ShardSize, StoreSummary,
     SyntheticDataset, INDEX_FILE,
 };
+pub use text::{split_for_validation, window_length, TextWindows, BYTE_VOCAB};

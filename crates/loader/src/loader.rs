@@ -182,6 +182,22 @@ impl Batch {
         let len = self.shape[1] * self.shape[2] * self.shape[3];
         &self.pixels[i * len..(i + 1) * len]
     }
+
+    /// For a batch of text windows (samples `[1, length + 1, 1]`, see
+    /// [`crate::TextWindows`]): the model's input, the first `length` ids of
+    /// each window, and its per-token targets, the last `length` (each
+    /// position's next byte); both `n * length`, row-major.
+    pub fn next_token_pairs(&self) -> (Vec<u32>, Vec<u32>) {
+        let window = self.shape[1] * self.shape[2] * self.shape[3];
+        let length = window.saturating_sub(1);
+        let mut inputs = Vec::with_capacity(self.len() * length);
+        let mut targets = Vec::with_capacity(self.len() * length);
+        for sample in self.pixels.chunks_exact(window.max(1)) {
+            inputs.extend(sample[..length].iter().map(|&b| u32::from(b)));
+            targets.extend(sample[1..].iter().map(|&b| u32::from(b)));
+        }
+        (inputs, targets)
+    }
 }
 
 /// What the workers and the iterators share.

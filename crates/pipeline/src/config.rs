@@ -17,6 +17,11 @@ use crate::{PipelineError, Result};
 pub struct ExperimentConfig {
     pub run: RunConfig,
     pub data: DataConfig,
+    /// Text corpus and sampling settings, for `data.format = "text"`; absent
+    /// otherwise, and then left out of the serialised config (fingerprints
+    /// of image experiments unchanged).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<TextConfig>,
     #[serde(default)]
     pub augment: AugmentConfig,
     #[serde(default)]
@@ -111,12 +116,15 @@ fn default_log_every() -> u64 {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// "idx" (MNIST-format files) or "shards" (a store written by
-    /// `cargo xtask preprocess`, with train/ and test/ inside).
+    /// "idx" (MNIST-format files), "shards" (a store written by
+    /// `cargo xtask preprocess`, with train/ and test/ inside) or "text"
+    /// (the `[text]` corpus, packed into a shard store on first use).
     #[serde(default = "default_format")]
     pub format: String,
     /// Where the dataset is. For "idx", unset means $FASHION_MNIST_DIR, then
-    /// the Debian package's /usr/share/datasets/fashion-mnist; "shards" needs it.
+    /// the Debian package's /usr/share/datasets/fashion-mnist; "shards" needs
+    /// it; for "text" it is where the packed stores are kept (unset:
+    /// ~/.cache/headroom/text).
     #[serde(default)]
     pub dir: Option<PathBuf>,
     /// Use only the first N training / test samples (0 = all).
@@ -131,6 +139,46 @@ pub struct DataConfig {
     /// Batches prepared ahead of the training stage.
     #[serde(default = "default_prefetch")]
     pub prefetch: usize,
+}
+
+/// `[text]`: a byte-level corpus (vocabulary 256) and what to generate
+/// from the trained model.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TextConfig {
+    /// The Debian package holding the corpus: installed when a corpus file
+    /// is missing and we are root on Debian or Ubuntu, else named in the
+    /// error with the command that installs it.
+    #[serde(default)]
+    pub package: Option<String>,
+    /// The corpus files, read as bytes and joined in this order.
+    #[serde(default)]
+    pub corpus: Vec<PathBuf>,
+    /// The last fraction of the joined bytes held out for validation.
+    #[serde(default = "default_validation_fraction")]
+    pub validation_fraction: f64,
+    /// After training, `sample.txt` in the run directory continues this prompt.
+    #[serde(default = "default_prompt")]
+    pub prompt: String,
+    /// Bytes generated after the prompt.
+    #[serde(default = "default_sample_bytes")]
+    pub sample_bytes: usize,
+    /// Sampling temperature (random numbers from `run.seed`).
+    #[serde(default = "default_temperature")]
+    pub temperature: f32,
+}
+
+fn default_validation_fraction() -> f64 {
+    0.05
+}
+fn default_prompt() -> String {
+    "The ".into()
+}
+fn default_sample_bytes() -> usize {
+    300
+}
+fn default_temperature() -> f32 {
+    0.7
 }
 
 fn default_format() -> String {
@@ -570,6 +618,48 @@ impl ExperimentConfig {
         Ok(config)
     }
 
+    /// `data.format = "text"` needs a corpus, a token model and no image
+    /// augmentation.
+    fn validate_text(&self) -> Result<()> {
+        let Some(text) = &self.text else {
+            return Err(PipelineError::value(
+                "text.corpus",
+                "data.format = \"text\" needs a [text] table naming the corpus files",
+            ));
+        };
+        if text.corpus.is_empty() {
+            return Err(PipelineError::value(
+                "text.corpus",
+                "is empty: name the text files to train on",
+            ));
+        }
+        if self.model.tokens.is_none() {
+            return Err(PipelineError::value(
+                "model.tokens",
+                "data.format = \"text\" needs a token model: set model.tokens = { length, vocab = 256 }",
+            ));
+        }
+        if !(text.validation_fraction > 0.0 && text.validation_fraction < 1.0) {
+            return Err(PipelineError::value(
+                "text.validation_fraction",
+                format!("must be in (0, 1), got {}", text.validation_fraction),
+            ));
+        }
+        if !(text.temperature.is_finite() && text.temperature > 0.0) {
+            return Err(PipelineError::value(
+                "text.temperature",
+                format!("must be a positive finite number, got {}", text.temperature),
+            ));
+        }
+        if self.augment != AugmentConfig::default() {
+            return Err(PipelineError::value(
+                "augment",
+                "image augmentations do not apply to text windows; remove [augment]",
+            ));
+        }
+        Ok(())
+    }
+
     /// Value checks that types alone cannot express; each error names its key.
     pub fn validate(&self) -> Result<()> {
         let positive = |key: &str, v: f64| {
@@ -609,10 +699,11 @@ impl ExperimentConfig {
                     ));
                 }
             }
+            "text" => self.validate_text()?,
             other => {
                 return Err(PipelineError::value(
                     "data.format",
-                    format!("expected \"idx\" or \"shards\", got \"{other}\""),
+                    format!("expected \"idx\", \"shards\" or \"text\", got \"{other}\""),
                 ))
             }
         }

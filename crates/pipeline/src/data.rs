@@ -1,7 +1,8 @@
 //! Finding Fashion-MNIST: `data.dir`, then `$FASHION_MNIST_DIR`, then the
 //! Debian package's directory. If none holds it, install the package when we
 //! are root on Debian or Ubuntu; otherwise stop with the exact command. Never
-//! fall back to other data.
+//! fall back to other data. Text corpora (`data.format = "text"`) are found
+//! and packed by `crate::text`, which installs their package the same way.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -51,6 +52,9 @@ fn open_unchecked(
     config: &ExperimentConfig,
     allow_install: bool,
 ) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
+    if config.data.format == "text" {
+        return crate::text::open_splits(config, allow_install);
+    }
     if config.data.format == "shards" {
         let root = config.data.dir.as_deref().ok_or_else(|| {
             PipelineError::value(
@@ -207,7 +211,7 @@ impl DatasetIdentity {
     }
 }
 
-fn shard_cache(config: &ExperimentConfig) -> Result<ShardCacheConfig> {
+pub(crate) fn shard_cache(config: &ExperimentConfig) -> Result<ShardCacheConfig> {
     let settings = &config.loader;
     Ok(ShardCacheConfig {
         max_cache_shards: settings.max_cache_shards,
@@ -223,7 +227,7 @@ fn shard_cache(config: &ExperimentConfig) -> Result<ShardCacheConfig> {
 
 /// The loader for training (shuffled, augmented, drop_last) or evaluation.
 pub fn loader_config(config: &ExperimentConfig, training: bool) -> Result<LoaderConfig> {
-    let default_mode = if config.data.format == "shards" {
+    let default_mode = if matches!(config.data.format.as_str(), "shards" | "text") {
         ShuffleMode::ShardBlocks
     } else {
         ShuffleMode::Global
@@ -291,7 +295,7 @@ pub fn locate_fashion_mnist(configured: Option<&Path>, allow_install: bool) -> R
         tracing::info!(
             "Fashion-MNIST not found; installing the Debian package {PACKAGE} with apt-get"
         );
-        install_with_apt()?;
+        install_with_apt(PACKAGE)?;
         if has_fashion_mnist(&system) {
             return Ok(system);
         }
@@ -319,7 +323,7 @@ fn missing_files(setting: &str, dir: &Path) -> PipelineError {
     ))
 }
 
-fn can_install_with_apt() -> bool {
+pub(crate) fn can_install_with_apt() -> bool {
     let is_root = Command::new("id")
         .arg("-u")
         .output()
@@ -333,7 +337,8 @@ fn can_install_with_apt() -> bool {
     is_root && debian_like && Path::new("/usr/bin/apt-get").exists()
 }
 
-fn install_with_apt() -> Result<()> {
+/// Installs a Debian package (apt-get update, then install), as root.
+pub(crate) fn install_with_apt(package: &str) -> Result<()> {
     let run = |args: &[&str]| -> Result<()> {
         let status = Command::new("apt-get")
             .args(args)
@@ -344,13 +349,13 @@ fn install_with_apt() -> Result<()> {
             Ok(())
         } else {
             Err(PipelineError::DatasetMissing(format!(
-                "`apt-get {}` failed ({status}); install {PACKAGE} by hand",
+                "`apt-get {}` failed ({status}); install {package} by hand",
                 args.join(" ")
             )))
         }
     };
     run(&["update", "-qq"])?;
-    run(&["install", "-y", "-qq", PACKAGE])
+    run(&["install", "-y", "-qq", package])
 }
 
 #[cfg(test)]

@@ -17,8 +17,9 @@ use crate::{checkpoint, data, PipelineError, Result};
 #[derive(Clone, Debug, PartialEq)]
 pub struct Evaluation {
     pub samples: usize,
-    /// Mean loss (no label smoothing).
+    /// Mean loss (no label smoothing); per token for a token model.
     pub loss: f32,
+    /// Per sample, or per token for a token model.
     pub accuracy: f32,
     /// `confusion[truth][predicted]` counts.
     pub confusion: Vec<Vec<u64>>,
@@ -29,12 +30,19 @@ pub fn evaluate(learner: &mut dyn Learner, loader: &DataLoader) -> Result<Evalua
     let classes = learner.num_classes();
     let bar = evaluation_bar(loader.batches_per_epoch());
     let mut confusion = vec![vec![0u64; classes]; classes];
-    let (mut loss_sum, mut seen) = (0.0f64, 0usize);
+    let (mut loss_sum, mut seen, mut scored) = (0.0f64, 0usize, 0usize);
     for batch in loader.epoch(0, 0) {
         let batch = batch?;
         let result = learner.eval_batch(&batch)?;
         loss_sum += result.loss_sum;
-        for (&truth, &predicted) in batch.labels.iter().zip(&result.predictions) {
+        // A token model predicts every position of a text window: its
+        // predictions are compared with each window's next bytes.
+        let truths = if result.predictions.len() == batch.len() {
+            batch.labels.clone()
+        } else {
+            batch.next_token_pairs().1
+        };
+        for (&truth, &predicted) in truths.iter().zip(&result.predictions) {
             if let Some(cell) = confusion
                 .get_mut(truth as usize)
                 .and_then(|row| row.get_mut(predicted as usize))
@@ -43,6 +51,7 @@ pub fn evaluate(learner: &mut dyn Learner, loader: &DataLoader) -> Result<Evalua
             }
         }
         seen += batch.len();
+        scored += truths.len();
         bar.inc(1);
     }
     bar.finish_and_clear();
@@ -50,7 +59,7 @@ pub fn evaluate(learner: &mut dyn Learner, loader: &DataLoader) -> Result<Evalua
     Ok(Evaluation {
         samples: seen,
         loss: (loss_sum / seen.max(1) as f64) as f32,
-        accuracy: correct as f32 / seen.max(1) as f32,
+        accuracy: correct as f32 / scored.max(1) as f32,
         confusion,
     })
 }

@@ -21,6 +21,7 @@ pub mod plot;
 pub mod resume;
 pub mod rundir;
 mod sink;
+pub mod text;
 pub mod train;
 
 pub use config::{ExperimentConfig, Overrides};

@@ -326,6 +326,9 @@ fn check_data_fits_model(
     data: &dyn Dataset,
     learner: &dyn Learner,
 ) -> Result<()> {
+    if let Some(tokens) = config.model.tokens {
+        return crate::text::check_data_fits_token_model(config, tokens, data, learner);
+    }
     if data.sample_shape() != config.model.input {
         return Err(PipelineError::value(
             "model.input",
@@ -481,7 +484,9 @@ fn run_epoch(
     Ok(Some(EpochSummary {
         epoch,
         train_loss: (progress.loss_sum / progress.seen.max(1) as f64) as f32,
-        train_accuracy: progress.correct as f32 / progress.seen.max(1) as f32,
+        // A token model's correct predictions are tokens, `length` per sample.
+        train_accuracy: progress.correct as f32
+            / (progress.seen * config.model.tokens.map_or(1, |t| t.length as u64)).max(1) as f32,
         test_loss: test.loss,
         test_accuracy: test.accuracy,
         train_seconds: progress.train_seconds,

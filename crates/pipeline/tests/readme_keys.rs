@@ -14,6 +14,7 @@ fn keys_in_code() -> BTreeSet<String> {
         "augment.rand_augment.num_ops=2".into(),
         "augment.rand_augment.magnitude=9".into(),
         "model.checkpoint=blocks".into(),
+        "text.package=fortunes-min".into(),
     ])
     .unwrap();
     let config =

@@ -1,13 +1,18 @@
 //! The f32 CPU learner. Its tensors come from the pool it is given: every
 //! method runs inside that pool's scope, so a budget on the pool covers the
 //! whole step.
+//!
+//! A token model (`model.tokens`) reads batches of text windows: the first
+//! `length` ids of each are its input, the last `length` its per-token
+//! targets; its [N, T, V] scores are scored as N·T rows, so loss and
+//! accuracy are per token.
 
 use std::sync::Arc;
 
 use headroom_loader::Batch;
 use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy, LossOutput};
 use headroom_model::memory::MemoryPool;
-use headroom_model::{Mode, ModelSpec, Network, PoolStats, Tensor};
+use headroom_model::{Mode, ModelSpec, Network, PoolStats, Tensor, TokenInput};
 use headroom_optim::{clip_grad_norm, grad_norm, AdamW};
 
 use super::{EvalResult, Learner, LearnerState, StepResult, StepSettings};
@@ -20,6 +25,15 @@ pub struct CpuLearner {
     settings: StepSettings,
     micro_batch: usize,
     pool: Arc<MemoryPool>,
+    /// Set for a token model: batches are text windows.
+    tokens: Option<TokenInput>,
+}
+
+/// A micro-batch as the network takes it, and what its scores are compared
+/// against: the labels, or the targets of every token.
+struct Prepared {
+    input: Tensor,
+    targets: Option<Vec<u32>>,
 }
 
 impl CpuLearner {
@@ -39,11 +53,33 @@ impl CpuLearner {
             settings,
             micro_batch: batch_size.max(1),
             pool,
+            tokens: spec.tokens,
         })
     }
 
     pub fn network(&self) -> &Network {
         &self.network
+    }
+
+    pub fn network_mut(&mut self) -> &mut Network {
+        &mut self.network
+    }
+
+    /// The input tensor of `part`, with per-token targets for a token model.
+    fn prepare(&self, part: &Batch) -> Result<Prepared> {
+        if self.tokens.is_none() {
+            let input = self.network.input_from_u8(part.len(), &part.pixels)?;
+            return Ok(Prepared {
+                input,
+                targets: None,
+            });
+        }
+        let (ids, targets) = part.next_token_pairs();
+        let input = self.network.input_from_tokens(part.len(), &ids)?;
+        Ok(Prepared {
+            input,
+            targets: Some(targets),
+        })
     }
 
     /// Forward and backward over the micro-batches, adding up gradients.
@@ -55,9 +91,13 @@ impl CpuLearner {
         let n = batch.len();
         let (mut loss, mut correct) = (0.0f64, 0usize);
         for part in batch.micro_batches(self.micro_batch) {
-            let input = self.network.input_from_u8(part.len(), &part.pixels)?;
-            let logits = self.network.forward(&input, Mode::Train)?;
-            let mut out = training_loss(self.settings.label_smoothing, &logits, &part)?;
+            let prepared = self.prepare(&part)?;
+            let logits = self.network.forward(&prepared.input, Mode::Train)?;
+            let smoothing = self.settings.label_smoothing;
+            let mut out = match &prepared.targets {
+                None => training_loss(smoothing, &logits, &part)?,
+                Some(targets) => per_token_loss(&logits, targets, smoothing)?,
+            };
             drop(logits);
             if !out.loss.is_finite() {
                 return Ok((f32::NAN, 0));
@@ -173,9 +213,14 @@ impl CpuLearner {
             predictions: Vec::with_capacity(batch.len()),
         };
         for part in batch.micro_batches(self.micro_batch) {
-            let input = self.network.input_from_u8(part.len(), &part.pixels)?;
-            let logits = self.network.forward(&input, Mode::Eval)?;
-            let out = softmax_cross_entropy(&logits, &part.labels, 0.0)?;
+            let prepared = self.prepare(&part)?;
+            let logits = self.network.forward(&prepared.input, Mode::Eval)?;
+            // A token model's loss is the mean over its tokens; every sample
+            // has as many, so the per-sample sum keeps the per-token mean.
+            let out = match &prepared.targets {
+                None => softmax_cross_entropy(&logits, &part.labels, 0.0)?,
+                Some(targets) => per_token_loss(&logits, targets, 0.0)?,
+            };
             result.loss_sum += out.loss as f64 * part.len() as f64;
             result
                 .predictions
@@ -188,6 +233,21 @@ impl CpuLearner {
 /// The index of the largest value (the first of equals).
 pub(super) fn arg_max(row: &[f32]) -> u32 {
     (0..row.len()).fold(0, |best, k| if row[k] > row[best] { k } else { best }) as u32
+}
+
+/// Softmax cross-entropy of [N, T, V] scores against N·T targets, as N·T
+/// rows of V: the mean loss per token, the gradient in the scores' shape,
+/// and the tokens predicted correctly.
+pub fn per_token_loss(logits: &Tensor, targets: &[u32], smoothing: f32) -> Result<LossOutput> {
+    let shape = logits.shape().to_vec();
+    let vocab = shape.last().copied().unwrap_or(1);
+    let rows = logits.len() / vocab.max(1);
+    let flat = logits.clone().reshape(&[rows, vocab])?;
+    let out = softmax_cross_entropy(&flat, targets, smoothing)?;
+    Ok(LossOutput {
+        grad: out.grad.reshape(&shape)?,
+        ..out
+    })
 }
 
 /// Label-smoothed cross-entropy, against the batch's soft targets when

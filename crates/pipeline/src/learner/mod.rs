@@ -14,7 +14,7 @@
 mod cpu;
 mod cuda;
 
-pub use cpu::CpuLearner;
+pub use cpu::{per_token_loss, CpuLearner};
 pub use cuda::{CudaLearner, CudaOptions};
 
 use std::sync::Arc;
@@ -142,6 +142,13 @@ pub fn open(
         Ok(Box::new(learner))
     };
     let on_gpu = |settings: StepSettings| -> Result<CudaLearner> {
+        if config.model.tokens.is_some() {
+            return Err(PipelineError::value(
+                "device.kind",
+                "token models (model.tokens: embedding, attention, LSTM layers) run on the CPU only for now; \
+                 set device.kind = \"cpu\"",
+            ));
+        }
         if !config.device.amp {
             return Err(PipelineError::value(
                 "device.amp",

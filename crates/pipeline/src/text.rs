@@ -1,0 +1,396 @@
+//! Byte-level language modelling: the `[text]` corpus (files of a Debian
+//! package, installed as Fashion-MNIST's is), packed on first use into a
+//! shard store of next-token windows that training reads lazily through the
+//! index and the LRU shard cache; the checks that the data fits the token
+//! model; and, after training, the report (validation loss, bits per byte,
+//! samples/s) and a generated sample in the run directory.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use headroom_loader::{
+    preprocess, split_for_validation, window_length, Dataset, ShardSize, ShardedDataset,
+    TextWindows, INDEX_FILE,
+};
+use headroom_model::init::InitRng;
+use headroom_model::memory::MemoryPool;
+use headroom_model::{Device, Mode, Network, TokenInput};
+
+use crate::config::{ExperimentConfig, TextConfig};
+use crate::learner::{CpuLearner, Learner, LearnerState, StepSettings};
+use crate::{checkpoint, data, PipelineError, Result, RunSummary};
+
+/// Windows per shard: small enough that a store of a small corpus has
+/// several shards (so the cache and read-ahead have work to do).
+const WINDOWS_PER_SHARD: usize = 256;
+
+/// The sample written beside the run's checkpoints.
+pub const SAMPLE_FILE: &str = "sample.txt";
+/// The text model's figures, as JSON, in the run directory.
+pub const REPORT_FILE: &str = "text_report.json";
+
+/// The `[text]` table (`validate` made sure it is there for "text" data).
+fn text_config(config: &ExperimentConfig) -> Result<&TextConfig> {
+    config.text.as_ref().ok_or_else(|| {
+        PipelineError::value("text.corpus", "data.format = \"text\" needs a [text] table")
+    })
+}
+
+fn token_input(config: &ExperimentConfig) -> Result<TokenInput> {
+    config.model.tokens.ok_or_else(|| {
+        PipelineError::value(
+            "model.tokens",
+            "text data needs a token model: set model.tokens = { length, vocab = 256 }",
+        )
+    })
+}
+
+/// The training and validation windows of the corpus, packed into a shard
+/// store the first time (the store is keyed by the corpus's contents, the
+/// model's length, the split and the sample limits, so any change packs a
+/// new one), then opened lazily.
+pub fn open_splits(
+    config: &ExperimentConfig,
+    allow_install: bool,
+) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
+    let store = pack(config, allow_install)?;
+    let cache = data::shard_cache(config)?;
+    let open = |split: &str| -> Result<Arc<dyn Dataset>> {
+        let store = ShardedDataset::open(&store.join(split), cache)?;
+        tracing::info!(
+            "text {split} windows from {}: {} windows in {} shards, read through a {}-shard cache",
+            store.dir().display(),
+            store.len(),
+            store.shard_count(),
+            store.cache_capacity_shards()
+        );
+        Ok(Arc::new(store))
+    };
+    Ok((open("train")?, open("test")?))
+}
+
+/// Packs the corpus into `<store root>/L<length>-<key>/{train,test}` unless
+/// it is there already; returns that directory.
+pub fn pack(config: &ExperimentConfig, allow_install: bool) -> Result<PathBuf> {
+    let text = text_config(config)?;
+    let length = token_input(config)?.length;
+    let corpus = read_corpus(text, allow_install)?;
+    let (train, validation) = split_for_validation(&corpus, text.validation_fraction);
+    let limits = (config.data.train_samples, config.data.test_samples);
+    let dir = store_root(config)?.join(format!(
+        "L{length}-{:08x}",
+        store_key(&corpus, length, text.validation_fraction, limits)
+    ));
+    if dir.join("train").join(INDEX_FILE).is_file() && dir.join("test").join(INDEX_FILE).is_file() {
+        return Ok(dir);
+    }
+    let per_shard = ShardSize::Samples(WINDOWS_PER_SHARD);
+    // The test split goes last: its index marks a complete store.
+    for (split, bytes, limit) in [("train", train, limits.0), ("test", validation, limits.1)] {
+        let what = format!("the {split} part of text.corpus");
+        let windows = TextWindows::new(bytes.to_vec(), length, limit, &what)?;
+        let summary = preprocess(&windows, &dir.join(split), per_shard, true)?;
+        tracing::info!("packed {split}: {summary}");
+    }
+    Ok(dir)
+}
+
+fn store_root(config: &ExperimentConfig) -> Result<PathBuf> {
+    if let Some(dir) = &config.data.dir {
+        return Ok(dir.clone());
+    }
+    let home = std::env::var_os("HOME").ok_or_else(|| {
+        PipelineError::value(
+            "data.dir",
+            "is unset and so is $HOME: say where to keep the packed text store",
+        )
+    })?;
+    Ok(PathBuf::from(home).join(".cache/headroom/text"))
+}
+
+/// What a packed store depends on, as one CRC.
+fn store_key(corpus: &[u8], length: usize, fraction: f64, limits: (usize, usize)) -> u32 {
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(corpus);
+    for value in [
+        length as u64,
+        fraction.to_bits(),
+        limits.0 as u64,
+        limits.1 as u64,
+    ] {
+        hasher.update(&value.to_le_bytes());
+    }
+    hasher.finalize()
+}
+
+/// The corpus files joined in order. A missing file installs `text.package`
+/// when we may (root on Debian or Ubuntu, not --no-install), else is an error
+/// naming the file, the key and the command that installs it.
+pub fn read_corpus(text: &TextConfig, allow_install: bool) -> Result<Vec<u8>> {
+    let missing = |text: &TextConfig| -> Vec<PathBuf> {
+        text.corpus
+            .iter()
+            .filter(|p| !p.is_file())
+            .cloned()
+            .collect()
+    };
+    let mut absent = missing(text);
+    if let (false, Some(package)) = (absent.is_empty(), &text.package) {
+        if allow_install && data::can_install_with_apt() {
+            tracing::info!(
+                "text corpus not found; installing the Debian package {package} with apt-get"
+            );
+            data::install_with_apt(package)?;
+            absent = missing(text);
+        }
+    }
+    if let Some(first) = absent.first() {
+        return Err(missing_corpus(text, first));
+    }
+    let mut corpus = Vec::new();
+    for path in &text.corpus {
+        let bytes = std::fs::read(path).map_err(|e| PipelineError::io(path, e))?;
+        corpus.extend_from_slice(&bytes);
+    }
+    Ok(corpus)
+}
+
+fn missing_corpus(text: &TextConfig, file: &Path) -> PipelineError {
+    let install = match &text.package {
+        Some(package) => format!(
+            "; it comes from the Debian package {package}: sudo apt-get update && sudo apt-get install -y {package}"
+        ),
+        None => String::new(),
+    };
+    PipelineError::DatasetMissing(format!(
+        "text.corpus: {} not found{install}",
+        file.display()
+    ))
+}
+
+/// The checks `train` makes for a token model: the data are windows of
+/// exactly `model.tokens.length` tokens (a longer sequence than the model's
+/// context is an error, as is a shorter one), over the model's vocabulary,
+/// and the last layer scores every token of it.
+pub fn check_data_fits_token_model(
+    config: &ExperimentConfig,
+    tokens: TokenInput,
+    data: &dyn Dataset,
+    learner: &dyn Learner,
+) -> Result<()> {
+    let source = describe_source(config);
+    let Some(length) = window_length(data.sample_shape()) else {
+        return Err(PipelineError::value(
+            "model.tokens",
+            format!(
+                "{source} holds samples of shape {:?}, not text windows; a token model trains on data.format = \"text\" \
+                 (or a store of text windows)",
+                data.sample_shape()
+            ),
+        ));
+    };
+    if length != tokens.length {
+        let relation = if length > tokens.length {
+            "longer than"
+        } else {
+            "shorter than"
+        };
+        return Err(PipelineError::value(
+            "model.tokens.length",
+            format!(
+                "{source} holds sequences of {length} tokens, {relation} the model's context of {} \
+                 (windows are model.tokens.length + 1 bytes: repack the store for this length)",
+                tokens.length
+            ),
+        ));
+    }
+    if data.num_classes() != tokens.vocab {
+        return Err(PipelineError::value(
+            "model.tokens.vocab",
+            format!(
+                "is {}, but {source} is byte-level text with a vocabulary of {}",
+                tokens.vocab,
+                data.num_classes()
+            ),
+        ));
+    }
+    if learner.num_classes() != tokens.vocab {
+        return Err(PipelineError::value(
+            "model.layers",
+            format!(
+                "the last layer scores {} classes per token, but the vocabulary (model.tokens.vocab) has {}",
+                learner.num_classes(),
+                tokens.vocab
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn describe_source(config: &ExperimentConfig) -> String {
+    match (&config.text, &config.data.dir) {
+        (Some(text), _) if config.data.format == "text" => {
+            let files: Vec<String> = text
+                .corpus
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect();
+            format!("text.corpus ({})", files.join(", "))
+        }
+        (_, Some(dir)) => format!("data.dir = {}", dir.display()),
+        _ => "the data".into(),
+    }
+}
+
+/// What `write_report` measured.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct TextReport {
+    pub validation_loss: f32,
+    /// Validation loss in bits: the loss (nats per byte) / ln 2.
+    pub bits_per_byte: f32,
+    pub token_accuracy: f32,
+    pub train_samples_per_sec: f64,
+    pub train_tokens_per_sec: f64,
+    pub sample_file: PathBuf,
+    pub sample: String,
+}
+
+/// After a completed text run: generates `sample.txt` from the last
+/// checkpoint and writes `text_report.json` beside it.
+pub fn write_report(config: &ExperimentConfig, summary: &RunSummary) -> Result<TextReport> {
+    let text = text_config(config)?;
+    let tokens = token_input(config)?;
+    let checkpoint_path = summary.last_checkpoint.as_deref().ok_or_else(|| {
+        PipelineError::value("checkpoint", "the run wrote no checkpoint to generate from")
+    })?;
+    let dir = checkpoint_path.parent().unwrap_or(Path::new("."));
+    let mut learner = learner_from_checkpoint(config, checkpoint_path)?;
+    let generated = generate(
+        learner.network_mut(),
+        text.prompt.as_bytes(),
+        text.sample_bytes,
+        text.temperature,
+        config.run.seed,
+    )?;
+    let sample =
+        String::from_utf8_lossy(&[text.prompt.as_bytes(), &generated].concat()).into_owned();
+    let sample_file = dir.join(SAMPLE_FILE);
+    std::fs::write(&sample_file, &sample).map_err(|e| PipelineError::io(&sample_file, e))?;
+    let validation_loss = summary.test_loss.unwrap_or(f32::NAN);
+    let report = TextReport {
+        validation_loss,
+        bits_per_byte: validation_loss / std::f32::consts::LN_2,
+        token_accuracy: summary.test_accuracy.unwrap_or(f32::NAN),
+        train_samples_per_sec: summary.train_samples_per_sec,
+        train_tokens_per_sec: summary.train_samples_per_sec * tokens.length as f64,
+        sample_file,
+        sample,
+    };
+    let path = dir.join(REPORT_FILE);
+    let json = serde_json::to_string_pretty(&report).map_err(|e| PipelineError::Stage {
+        stage: "text report",
+        reason: e.to_string(),
+    })?;
+    std::fs::write(&path, json).map_err(|e| PipelineError::io(&path, e))?;
+    Ok(report)
+}
+
+fn learner_from_checkpoint(config: &ExperimentConfig, path: &Path) -> Result<CpuLearner> {
+    let saved = checkpoint::load(path)?;
+    let mut learner = CpuLearner::new(
+        &config.model,
+        config.run.seed,
+        StepSettings::from_config(config),
+        1,
+        MemoryPool::new(Device::Cpu),
+    )?;
+    learner
+        .restore(LearnerState {
+            params: saved.params,
+            buffers: saved.buffers,
+            optimizer: saved.optimizer,
+            loss_scale: saved.loss_scale,
+        })
+        .map_err(|reason| PipelineError::Checkpoint {
+            path: path.to_path_buf(),
+            reason,
+        })?;
+    Ok(learner)
+}
+
+/// `count` bytes continuing `prompt`, each drawn from the model's
+/// distribution at `temperature` with random numbers from `seed` (the same
+/// seed and weights give the same text). The model reads the last
+/// `length` bytes; a shorter context is padded after its end, which a
+/// causal model never looks at from the position it is scored at.
+pub fn generate(
+    network: &mut Network,
+    prompt: &[u8],
+    count: usize,
+    temperature: f32,
+    seed: u64,
+) -> Result<Vec<u8>> {
+    let length = network.input_shape().first().copied().unwrap_or(1);
+    let vocab = network.num_classes();
+    let mut rng = InitRng::new(seed);
+    let mut text: Vec<u8> = if prompt.is_empty() {
+        b"\n".to_vec()
+    } else {
+        prompt.to_vec()
+    };
+    let start = text.len();
+    for _ in 0..count {
+        let context = &text[text.len().saturating_sub(length)..];
+        let position = context.len() - 1;
+        let mut ids: Vec<u32> = context.iter().map(|&b| u32::from(b)).collect();
+        ids.resize(length, u32::from(b' '));
+        let input = network.input_from_tokens(1, &ids)?;
+        let logits = network.forward(&input, Mode::Eval)?;
+        let row = &logits.data()[position * vocab..(position + 1) * vocab];
+        let next = draw(row, temperature, rng.uniform());
+        text.push(u8::try_from(next).unwrap_or(b'?'));
+    }
+    Ok(text.split_off(start))
+}
+
+/// The index whose cumulative softmax(row / temperature) first exceeds `u`.
+fn draw(row: &[f32], temperature: f32, u: f64) -> usize {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let weights: Vec<f64> = row
+        .iter()
+        .map(|&x| (((x - max) / temperature) as f64).exp())
+        .collect();
+    let mut left = u * weights.iter().sum::<f64>();
+    for (k, w) in weights.iter().enumerate() {
+        left -= w;
+        if left < 0.0 {
+            return k;
+        }
+    }
+    row.len().saturating_sub(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn draw_picks_by_cumulative_probability_and_sharpens_with_temperature() {
+        let row = [0.0f32, (3.0f32).ln()];
+        // Probabilities 1/4 and 3/4.
+        assert_eq!(draw(&row, 1.0, 0.2), 0);
+        assert_eq!(draw(&row, 1.0, 0.3), 1);
+        // At a low temperature the larger score takes almost everything.
+        assert_eq!(draw(&row, 0.05, 0.01), 1);
+    }
+
+    #[test]
+    fn store_key_changes_with_every_input() {
+        let base = store_key(b"abc", 8, 0.05, (0, 0));
+        assert_ne!(base, store_key(b"abd", 8, 0.05, (0, 0)));
+        assert_ne!(base, store_key(b"abc", 9, 0.05, (0, 0)));
+        assert_ne!(base, store_key(b"abc", 8, 0.1, (0, 0)));
+        assert_ne!(base, store_key(b"abc", 8, 0.05, (5, 0)));
+        assert_eq!(base, store_key(b"abc", 8, 0.05, (0, 0)));
+    }
+}
