@@ -12,11 +12,12 @@ use std::time::Duration;
 #[non_exhaustive]
 pub enum LoaderError {
     /// An I/O error while reading `path` (including a corrupt gzip stream).
-    #[error("reading {}: {source}", path.display())]
+    /// The OS's reason is in the message itself, not chained as a source,
+    /// so that error reports print it once.
+    #[error("reading {}: {reason}", path.display())]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        reason: std::io::Error,
     },
 
     /// A dataset file was not found; `tried` lists every path looked at.
@@ -164,9 +165,9 @@ fn list_paths(paths: &[PathBuf]) -> String {
 
 /// Maps an I/O error on `path` into `LoaderError::Io` (for `map_err`).
 pub(crate) fn io_err(path: &Path) -> impl FnOnce(io::Error) -> LoaderError + '_ {
-    move |source| LoaderError::Io {
+    move |reason| LoaderError::Io {
         path: path.to_path_buf(),
-        source,
+        reason,
     }
 }
 

@@ -241,6 +241,10 @@ fn missing_file_names_the_path() {
     let e = IdxDataset::open(&missing, &lab).unwrap_err();
     assert!(matches!(e, LoaderError::Io { .. }));
     assert!(e.to_string().contains("no-such-images"), "{e}");
+    // The OS's reason is in the message once, not chained again as a source
+    // (which error reports would print a second time).
+    assert!(e.to_string().contains("No such file"), "{e}");
+    assert!(std::error::Error::source(&e).is_none());
 }
 
 #[test]

@@ -123,8 +123,8 @@ impl AdamW {
         match &mut self.moments {
             None => {
                 self.moments = Some(Moments {
-                    first: params.iter().map(|p| vec![0.0; p.value.len()]).collect(),
-                    second: params.iter().map(|p| vec![0.0; p.value.len()]).collect(),
+                    first: zeroed_like(params)?,
+                    second: zeroed_like(params)?,
                     shapes: Some(params.iter().map(|p| p.value.shape().to_vec()).collect()),
                 });
             }
@@ -177,18 +177,18 @@ impl AdamW {
     }
 
     /// A copy of the state, for checkpoints.
-    pub fn state(&self) -> AdamWState {
-        match &self.moments {
+    pub fn state(&self) -> Result<AdamWState, OptimError> {
+        Ok(match &self.moments {
             None => AdamWState {
                 step: self.step,
                 ..AdamWState::default()
             },
             Some(m) => AdamWState {
                 step: self.step,
-                first_moment: m.first.clone(),
-                second_moment: m.second.clone(),
+                first_moment: copy_fallibly(&m.first)?,
+                second_moment: copy_fallibly(&m.second)?,
             },
-        }
+        })
     }
 
     /// Replaces the state (resume from a checkpoint). The state is checked for
@@ -248,6 +248,29 @@ impl AdamW {
         });
         Ok(())
     }
+}
+
+/// A copy of per-parameter vectors, allocated fallibly (a checkpoint's
+/// snapshot must not abort the process when memory is short).
+fn copy_fallibly(vectors: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, OptimError> {
+    vectors
+        .iter()
+        .map(|v| {
+            let mut copy = headroom_model::memory::try_scratch(v.len())?;
+            copy.extend_from_slice(v);
+            Ok(copy)
+        })
+        .collect()
+}
+
+/// One zero vector per parameter, allocated fallibly: the moments double
+/// the model's memory, so a refusal must reach the memory policy as an
+/// out-of-memory value, not abort the process.
+fn zeroed_like(params: &[&mut Param]) -> Result<Vec<Vec<f32>>, OptimError> {
+    params
+        .iter()
+        .map(|p| headroom_model::memory::try_zeroed(p.value.len()).map_err(OptimError::from))
+        .collect()
 }
 
 impl Moments {

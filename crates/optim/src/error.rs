@@ -43,18 +43,39 @@ pub enum OptimError {
     #[error("invalid optimizer state: {0}")]
     InvalidState(String),
 
-    /// The GPU refused memory for the optimizer's state or scratch; like the
-    /// model's out-of-memory, a value the memory policy sees.
-    #[error("out of GPU memory in the optimizer: {requested} bytes did not fit ({in_use} bytes in use, limit {limit:?})")]
+    /// Memory for the optimizer's state or scratch was refused (the OS or
+    /// the GPU); like the model's out-of-memory, a value the memory policy
+    /// sees.
+    #[error("out of memory in the optimizer: {requested} bytes did not fit ({in_use} bytes in use, limit {limit:?})")]
     OutOfMemory {
         requested: u64,
         in_use: u64,
         limit: Option<u64>,
     },
 
-    /// Any other failure of the GPU step (a launch, a copy, a shape).
-    #[error("GPU optimizer step: {0}")]
+    /// Any other failure of the device (a launch, a copy, a shape).
+    #[error("optimizer: {0}")]
     Device(String),
+}
+
+impl From<headroom_model::ModelError> for OptimError {
+    /// Host allocations of the optimizer (the moments) fail as the model's
+    /// pool reports them.
+    fn from(e: headroom_model::ModelError) -> Self {
+        match e {
+            headroom_model::ModelError::OutOfMemory {
+                requested,
+                in_use,
+                limit,
+                ..
+            } => OptimError::OutOfMemory {
+                requested,
+                in_use,
+                limit,
+            },
+            other => OptimError::Device(other.to_string()),
+        }
+    }
 }
 
 impl From<headroom_model::cuda::CudaError> for OptimError {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use headroom_loader::Batch;
 use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy, LossOutput};
-use headroom_model::memory::MemoryPool;
+use headroom_model::memory::{try_scratch, MemoryPool};
 use headroom_model::{Mode, ModelSpec, Network, PoolStats, Tensor, TokenInput};
 use headroom_optim::{clip_grad_norm, grad_norm, AdamW};
 
@@ -285,15 +285,22 @@ impl Learner for CpuLearner {
     }
 
     fn snapshot(&mut self) -> Result<LearnerState> {
+        // Copies as large as the model, made fallibly: short memory at a
+        // checkpoint is an out-of-memory value, never an abort.
+        let params = self
+            .network
+            .params_mut()
+            .iter()
+            .map(|p| {
+                let mut copy = try_scratch(p.value.len())?;
+                copy.extend_from_slice(p.value.data());
+                Ok(copy)
+            })
+            .collect::<Result<_>>()?;
         Ok(LearnerState {
-            params: self
-                .network
-                .params_mut()
-                .iter()
-                .map(|p| p.value.data().to_vec())
-                .collect(),
+            params,
             buffers: self.network.buffer_values(),
-            optimizer: self.optimizer.state(),
+            optimizer: self.optimizer.state()?,
             loss_scale: None,
         })
     }
