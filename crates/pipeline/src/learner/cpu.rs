@@ -5,7 +5,9 @@
 use std::sync::Arc;
 
 use headroom_loader::Batch;
-use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy, LossOutput};
+use headroom_model::loss::{
+    focal_loss, soft_cross_entropy, soft_focal_loss, softmax_cross_entropy, LossOutput,
+};
 use headroom_model::memory::MemoryPool;
 use headroom_model::{Mode, ModelSpec, Network, PoolStats, Tensor};
 use headroom_optim::{clip_grad_norm, grad_norm, AdamW};
@@ -57,7 +59,8 @@ impl CpuLearner {
         for part in batch.micro_batches(self.micro_batch) {
             let input = self.network.input_from_u8(part.len(), &part.pixels)?;
             let logits = self.network.forward(&input, Mode::Train)?;
-            let mut out = training_loss(self.settings.label_smoothing, &logits, &part)?;
+            // Focal loss (`train.loss`) waits on a StepSettings field: None here.
+            let mut out = training_loss(self.settings.label_smoothing, None, &logits, &part)?;
             drop(logits);
             if !out.loss.is_finite() {
                 return Ok((f32::NAN, 0));
@@ -190,11 +193,20 @@ pub(super) fn arg_max(row: &[f32]) -> u32 {
     (0..row.len()).fold(0, |best, k| if row[k] > row[best] { k } else { best }) as u32
 }
 
-/// Label-smoothed cross-entropy, against the batch's soft targets when
-/// Mixup or CutMix made them.
-fn training_loss(smoothing: f32, logits: &Tensor, batch: &Batch) -> Result<LossOutput> {
+/// Label-smoothed cross-entropy, or focal loss with this γ when
+/// `focal_gamma` is set (`train.loss = "focal"`), against the batch's soft
+/// targets when Mixup or CutMix made them.
+fn training_loss(
+    smoothing: f32,
+    focal_gamma: Option<f32>,
+    logits: &Tensor,
+    batch: &Batch,
+) -> Result<LossOutput> {
     let Some(soft) = &batch.soft_targets else {
-        return Ok(softmax_cross_entropy(logits, &batch.labels, smoothing)?);
+        return Ok(match focal_gamma {
+            Some(gamma) => focal_loss(logits, &batch.labels, smoothing, gamma)?,
+            None => softmax_cross_entropy(logits, &batch.labels, smoothing)?,
+        });
     };
     let classes = logits.shape().get(1).copied().unwrap_or(1);
     let smoothed = soft
@@ -202,7 +214,10 @@ fn training_loss(smoothing: f32, logits: &Tensor, batch: &Batch) -> Result<LossO
         .map(|&p| (1.0 - smoothing) * p + smoothing / classes as f32)
         .collect();
     let targets = Tensor::from_vec(&[batch.len(), classes], smoothed)?;
-    Ok(soft_cross_entropy(logits, &targets)?)
+    Ok(match focal_gamma {
+        Some(gamma) => soft_focal_loss(logits, &targets, gamma)?,
+        None => soft_cross_entropy(logits, &targets)?,
+    })
 }
 
 impl Learner for CpuLearner {
