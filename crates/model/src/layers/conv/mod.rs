@@ -127,9 +127,24 @@ fn use_winograd(g: &Geom) -> bool {
     }
 }
 
-/// The measured rule for `Auto` (see the README's "Measured" section).
+/// The measured rule for `Auto` (see the README's "Measured" section):
+/// with `conv_bench` on the 2-core Zen 4, Winograd's forward and input
+/// gradient beat the direct kernels by 1.1-1.5× in GFLOP per CPU-second
+/// on the reference ResNet's 28×28×32, 14×14×64 and 7×7×128 layers; with
+/// fewer channels the transforms weigh more against the products.
 fn winograd_pays(g: &Geom) -> bool {
     g.cin >= 32 && g.cout >= 32
+}
+
+/// Whether the weight gradient of a layer that `use_winograd` accepts also
+/// goes through Winograd. Its transforms touch 32 floats per tile per
+/// channel pair (input and dY) against the forward's 16 reused over Cout,
+/// so it needs more channels to pay: measured (paired runs of `conv_bench`)
+/// slower than the direct kernel at 28×28×32 (93 vs 103 and 103 vs 131
+/// GFLOP per CPU-second for the whole backward), faster at 14×14×64 and
+/// 7×7×128. `ConvAlgorithm::Winograd` forces it everywhere (the tests).
+fn winograd_weight_gradient_pays(g: &Geom) -> bool {
+    conv_algorithm() == ConvAlgorithm::Winograd || g.cin >= 64
 }
 
 /// General path: target size of one block of the im2col matrix. Measured
@@ -514,7 +529,7 @@ fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Vec<f32>> {
 fn grad_params(g: &Geom, groups: &Groups, x: &[f32], dy: &[f32], partials: &mut [f32]) {
     let stride = g.kk * g.cout + g.cout;
     let direct = direct::supports(g.cout);
-    let winograd = use_winograd(g);
+    let winograd = use_winograd(g) && winograd_weight_gradient_pays(g);
     partials
         .par_chunks_mut(stride)
         .enumerate()
