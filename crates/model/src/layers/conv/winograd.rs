@@ -35,6 +35,10 @@
 //! path's). The transforms use no fused multiply-add, so the AVX2, AVX-512
 //! and portable builds of them round identically.
 
+// The transforms index small matrices (G[a][ky], cols[j][i]) as the
+// algebra writes them; iterators would hide which index is which.
+#![allow(clippy::needless_range_loop)]
+
 use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
