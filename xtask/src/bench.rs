@@ -40,6 +40,7 @@ struct TorchStep {
 #[derive(Debug, Serialize)]
 struct Row {
     headroom: StepBench,
+    /// Direct-convolution-equivalent FLOP/s over the measured FMA peak.
     share_of_peak: f64,
     pytorch: Option<TorchStep>,
     ratio: Option<f64>,
@@ -179,8 +180,13 @@ fn print_table(report: &Report) {
     if let Some(first) = report.rows.first().filter(|r| r.headroom.device != "cpu") {
         return print_gpu_table(report, &first.headroom.device);
     }
+    let algorithm = report
+        .rows
+        .first()
+        .map_or("?", |r| r.headroom.conv_algorithm.as_str());
     println!(
-        "training step, reference model, {} threads; machine peak {:.0} GFLOP/s (measured FMA loop)",
+        "training step, reference model, {} threads; machine peak {:.0} GFLOP/s (measured FMA loop); \
+         convolutions: {algorithm}",
         report.threads, report.machine_peak_gflops
     );
     println!(
@@ -218,6 +224,11 @@ fn print_table(report: &Report) {
             row.ratio.map_or("-".into(), |r| format!("{r:.2}"))
         );
     }
+    println!(
+        "% peak: the step's rate in direct-convolution-equivalent FLOP/s (every layer's direct \
+         arithmetic, backward counted as twice the forward) over the peak; Winograd does less \
+         arithmetic, so it can pass 100%"
+    );
     if let Some(t) = report.rows.iter().find_map(|r| r.pytorch.as_ref()) {
         println!(
             "PyTorch {} (channels_last, same model, batch and threads)",

@@ -2,15 +2,19 @@
 //! ResNet (Fashion-MNIST 28×28×1, batch 128): forward (training mode) and
 //! backward (input gradient + weight gradient), after a warm-up.
 //!
-//! cargo run --release -p headroom-model --example conv_bench [-- THREADS [BATCH [SHAPE]]]
+//! cargo run --release -p headroom-model --example conv_bench [-- THREADS [BATCH [SHAPE [ALGORITHMS]]]]
 //!
 //! THREADS sizes rayon's pool (default: one per core), SHAPE (an index into
-//! SHAPES) times one shape only.
+//! SHAPES, or `all`) times one shape only. ALGORITHMS (default
+//! `direct,auto`) are timed side by side, alternating shape by shape, so
+//! that both see the same machine load; `winograd` forces Winograd on every
+//! shape it can take. FLOP/s count the direct convolution's arithmetic
+//! (direct-convolution-equivalent), so Winograd can pass the FMA peak.
 
 use std::time::Instant;
 
 use headroom_model::init::InitRng;
-use headroom_model::layers::Conv2d;
+use headroom_model::layers::{set_conv_algorithm, Conv2d, ConvAlgorithm};
 use headroom_model::{Layer, Mode, Tensor};
 
 /// (h, w, cin, cout, kernel, stride, count in the network)
@@ -50,17 +54,42 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .build_global()?;
     }
     let batch: usize = args.next().map(|b| b.parse()).transpose()?.unwrap_or(128);
-    let only: Option<usize> = args.next().map(|s| s.parse()).transpose()?;
+    let only: Option<usize> = match args.next().as_deref() {
+        None | Some("all") => None,
+        Some(s) => Some(s.parse()?),
+    };
+    let algorithms = args
+        .next()
+        .unwrap_or_else(|| "direct,auto".into())
+        .split(',')
+        .map(|a| match a {
+            "direct" => Ok(ConvAlgorithm::Direct),
+            "winograd" => Ok(ConvAlgorithm::Winograd),
+            "auto" => Ok(ConvAlgorithm::Auto),
+            other => Err(format!(
+                "unknown algorithm {other:?} (direct, winograd, auto)"
+            )),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     println!(
-        "conv bench: batch {batch}, {} threads, best of the timed runs after 3 warm-up runs",
+        "conv bench: batch {batch}, {} threads, best of the timed runs after 3 warm-up runs; \
+         GF/s in direct-convolution-equivalent FLOP",
         rayon::current_num_threads()
     );
+    let mut totals = vec![Totals::default(); algorithms.len()];
     println!(
-        "{:<24} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7}",
-        "shape", "count", "fwd ms", "GF/s", "GF/cpu-s", "bwd ms", "GF/s", "GF/cpu-s", "GFLOP"
+        "{:<24} {:>9} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7}",
+        "shape",
+        "algorithm",
+        "count",
+        "fwd ms",
+        "GF/s",
+        "GF/cpu-s",
+        "bwd ms",
+        "GF/s",
+        "GF/cpu-s",
+        "GFLOP"
     );
-    let (mut total_ms, mut total_flop, mut total_cpu) = (0.0, 0.0, 0.0);
-    let (mut fwd_ms_all, mut bwd_ms_all) = (0.0, 0.0);
     let mut rng = InitRng::new(1);
     for (i, &(h, w, cin, cout, k, stride, count)) in SHAPES.iter().enumerate() {
         if only.is_some_and(|o| o != i) {
@@ -76,51 +105,71 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // Backward = input gradient + weight gradient, each a forward's worth.
         let bwd_flop = 2.0 * fwd_flop;
         let reps = ((20e9 / fwd_flop) as usize).clamp(5, 50);
-        let (mut fwd, mut bwd, mut fwd_cpu, mut bwd_cpu) = (vec![], vec![], vec![], vec![]);
-        for rep in 0..reps + 3 {
-            let (t, c) = (Instant::now(), cpu_seconds());
-            let y = conv.forward(&x, Mode::Train)?;
-            let (tf, cf) = (t.elapsed().as_secs_f64() * 1e3, cpu_seconds());
-            let dx = conv.backward(&y)?;
-            let (tb, cb) = (t.elapsed().as_secs_f64() * 1e3 - tf, cpu_seconds());
-            std::hint::black_box(dx);
-            if rep >= 3 {
-                fwd.push(tf);
-                bwd.push(tb);
-                if let (Some(c), Some(cf), Some(cb)) = (c, cf, cb) {
-                    fwd_cpu.push(cf - c);
-                    bwd_cpu.push(cb - cf);
+        for (&algorithm, totals) in algorithms.iter().zip(totals.iter_mut()) {
+            set_conv_algorithm(algorithm);
+            let (mut fwd, mut bwd, mut fwd_cpu, mut bwd_cpu) = (vec![], vec![], vec![], vec![]);
+            for rep in 0..reps + 3 {
+                let (t, c) = (Instant::now(), cpu_seconds());
+                let y = conv.forward(&x, Mode::Train)?;
+                let (tf, cf) = (t.elapsed().as_secs_f64() * 1e3, cpu_seconds());
+                let dx = conv.backward(&y)?;
+                let (tb, cb) = (t.elapsed().as_secs_f64() * 1e3 - tf, cpu_seconds());
+                std::hint::black_box(dx);
+                if rep >= 3 {
+                    fwd.push(tf);
+                    bwd.push(tb);
+                    if let (Some(c), Some(cf), Some(cb)) = (c, cf, cb) {
+                        fwd_cpu.push(cf - c);
+                        bwd_cpu.push(cb - cf);
+                    }
                 }
             }
-        }
-        let (f, b) = (best(fwd), best(bwd));
-        let per_cpu = |flop: f64, v: Vec<f64>| {
-            if v.is_empty() {
-                f64::NAN
-            } else {
-                flop / best(v) / 1e9
-            }
-        };
-        let (fc, bc) = (per_cpu(fwd_flop, fwd_cpu), per_cpu(bwd_flop, bwd_cpu));
-        let name = format!("{h}x{w}x{cin} -> {cout} {k}x{k}/{stride}");
-        println!(
-            "{name:<24} {count:>5} {f:>8.2} {:>8.1} {fc:>8.1} {b:>8.2} {:>8.1} {bc:>8.1} {:>7.2}",
+            let (f, b) = (best(fwd), best(bwd));
+            let per_cpu = |flop: f64, v: Vec<f64>| {
+                if v.is_empty() {
+                    f64::NAN
+                } else {
+                    flop / best(v) / 1e9
+                }
+            };
+            let (fc, bc) = (per_cpu(fwd_flop, fwd_cpu), per_cpu(bwd_flop, bwd_cpu));
+            let name = format!("{h}x{w}x{cin} -> {cout} {k}x{k}/{stride}");
+            println!(
+            "{name:<24} {:>9} {count:>5} {f:>8.2} {:>8.1} {fc:>8.1} {b:>8.2} {:>8.1} {bc:>8.1} {:>7.2}",
+            format!("{algorithm:?}").to_lowercase(),
             fwd_flop / f / 1e6,
             bwd_flop / b / 1e6,
             (fwd_flop + bwd_flop) / 1e9
         );
-        total_ms += count as f64 * (f + b);
-        fwd_ms_all += count as f64 * f;
-        bwd_ms_all += count as f64 * b;
-        total_flop += count as f64 * (fwd_flop + bwd_flop);
-        total_cpu += count as f64 * (fwd_flop / fc + bwd_flop / bc);
+            totals.ms += count as f64 * (f + b);
+            totals.fwd_ms += count as f64 * f;
+            totals.bwd_ms += count as f64 * b;
+            totals.flop += count as f64 * (fwd_flop + bwd_flop);
+            totals.cpu += count as f64 * (fwd_flop / fc + bwd_flop / bc);
+        }
     }
-    println!(
-        "all convs of the network, one step: forward {fwd_ms_all:.1} ms + backward {bwd_ms_all:.1} ms \
-         = {total_ms:.1} ms, {:.1} GFLOP, {:.1} GFLOP/s ({:.1} GFLOP per CPU-second)",
-        total_flop / 1e9,
-        total_flop / total_ms / 1e6,
-        total_flop / total_cpu
-    );
+    for (algorithm, t) in algorithms.iter().zip(&totals) {
+        println!(
+            "{:>9}: all convs of the network, one step: forward {:.1} ms + backward {:.1} ms \
+             = {:.1} ms, {:.1} GFLOP, {:.1} GFLOP/s ({:.1} GFLOP per CPU-second)",
+            format!("{algorithm:?}").to_lowercase(),
+            t.fwd_ms,
+            t.bwd_ms,
+            t.ms,
+            t.flop / 1e9,
+            t.flop / t.ms / 1e6,
+            t.flop / t.cpu
+        );
+    }
     Ok(())
+}
+
+/// One algorithm's sums over the network's convolutions.
+#[derive(Clone, Default)]
+struct Totals {
+    ms: f64,
+    fwd_ms: f64,
+    bwd_ms: f64,
+    flop: f64,
+    cpu: f64,
 }

@@ -1,4 +1,5 @@
-//! Softmax cross-entropy, with label smoothing or soft targets.
+//! Softmax cross-entropy, with label smoothing or soft targets, and focal
+//! loss (Lin et al. 2017) over the same targets.
 //!
 //! The loss is the mean over the batch; the returned gradient is
 //! dLoss/dlogits (already divided by the batch size). Each row is computed
@@ -149,6 +150,132 @@ pub fn soft_cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<LossOutpu
         }
         for (p, &tj) in g.iter_mut().zip(t) {
             *p = ((mass * *p as f64 - tj as f64) * inv_n) as f32;
+        }
+        if argmax(row) == argmax(t) {
+            correct += 1;
+        }
+    }
+    Ok(LossOutput {
+        loss: (total * inv_n) as f32,
+        grad: grad_tensor,
+        correct,
+    })
+}
+
+/// Mean focal loss of `logits` [n, k] against `labels`, with label
+/// smoothing: the targets are those of `softmax_cross_entropy`, and each
+/// class's log-probability is weighted by (1 - p)^gamma. gamma = 0 is
+/// cross-entropy.
+pub fn focal_loss(
+    logits: &Tensor,
+    labels: &[u32],
+    smoothing: f32,
+    gamma: f32,
+) -> Result<LossOutput> {
+    let (n, k) = logits_shape(logits)?;
+    if !(0.0..1.0).contains(&smoothing) {
+        return Err(ModelError::Shape {
+            op: "focal_loss",
+            expected: "label smoothing in [0, 1)".into(),
+            got: format!("{smoothing}"),
+        });
+    }
+    if labels.len() != n {
+        return Err(ModelError::Shape {
+            op: "focal_loss",
+            expected: format!("{n} labels, one per row of the logits"),
+            got: format!("{} labels", labels.len()),
+        });
+    }
+    if let Some((i, &bad)) = labels.iter().enumerate().find(|(_, &l)| l as usize >= k) {
+        return Err(ModelError::Shape {
+            op: "focal_loss",
+            expected: format!("labels below the class count {k}"),
+            got: format!("label {bad} at sample {i}"),
+        });
+    }
+    let off = smoothing / k as f32;
+    let mut targets = Tensor::try_zeros(&[n, k])?;
+    for (row, &label) in targets.try_data_mut()?.chunks_exact_mut(k).zip(labels) {
+        row.fill(off);
+        row[label as usize] += 1.0 - smoothing;
+    }
+    let mut out = soft_focal_loss(logits, &targets, gamma)?;
+    // A label is right when it is the arg-max, as in the cross-entropy.
+    out.correct = logits
+        .data()
+        .chunks_exact(k)
+        .zip(labels)
+        .filter(|(row, &l)| argmax(row) == l as usize)
+        .count();
+    Ok(out)
+}
+
+/// Mean focal loss of `logits` [n, k] against target distributions
+/// `targets` [n, k] (smoothed labels, Mixup, CutMix):
+/// loss = -Σ_j t_j·(1 - p_j)^γ·log p_j.
+///
+/// With q_j = 1 - p_j, ℓ_j = log p_j and c_j = q_j^γ - γ·p_j·ℓ_j·q_j^(γ-1),
+/// dloss/dx_i = p_i·Σ_j t_j·c_j - t_i·c_i (for γ = 0: (Σt)·p - t). q_j is
+/// computed from the other classes' exponentials, not as 1 - p_j, so a
+/// confident row keeps its small weights exact; ℓ_j·q_j^(γ-1) tends to 0
+/// as q_j does (ℓ_j ≈ -q_j), which is its value at q_j = 0.
+pub fn soft_focal_loss(logits: &Tensor, targets: &Tensor, gamma: f32) -> Result<LossOutput> {
+    let (n, k) = logits_shape(logits)?;
+    targets.expect_shape("focal_loss targets", logits.shape())?;
+    if !(gamma >= 0.0 && gamma.is_finite()) {
+        return Err(ModelError::Shape {
+            op: "focal_loss",
+            expected: "gamma finite and >= 0".into(),
+            got: format!("{gamma}"),
+        });
+    }
+    let gamma = gamma as f64;
+    let inv_n = 1.0 / n as f64;
+    let mut grad_tensor = Tensor::try_zeros(&[n, k])?;
+    let grad = grad_tensor.try_data_mut()?;
+    let mut total = 0.0f64;
+    let mut correct = 0;
+    let mut c = vec![0.0f64; k];
+    for ((row, t), g) in logits
+        .data()
+        .chunks_exact(k)
+        .zip(targets.data().chunks_exact(k))
+        .zip(grad.chunks_exact_mut(k))
+    {
+        let top = argmax(row);
+        let max = row[top] as f64;
+        // e_j = exp(x_j - max): e_top = 1, the rest sum to `others`.
+        let others: f64 = row
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != top)
+            .map(|(_, &v)| (v as f64 - max).exp())
+            .sum();
+        let sum = 1.0 + others;
+        let mut weighted = 0.0f64;
+        for (j, (&v, &tj)) in row.iter().zip(t).enumerate() {
+            let (p, q, log_p) = if j == top {
+                (1.0 / sum, others / sum, -others.ln_1p())
+            } else {
+                let e = (v as f64 - max).exp();
+                let p = e / sum;
+                (p, (sum - e) / sum, v as f64 - max - sum.ln())
+            };
+            let q_gamma = q.powf(gamma);
+            total -= tj as f64 * q_gamma * log_p;
+            // ℓ·q^(γ-1), written as ℓ·q^γ/q, with its limit 0 at q = 0.
+            let log_p_q = if q > 0.0 { log_p * q_gamma / q } else { 0.0 };
+            c[j] = q_gamma - gamma * p * log_p_q;
+            weighted += tj as f64 * c[j];
+            g[j] = p as f32;
+        }
+        // Non-finite logits: make the whole row NaN, as the cross-entropy does.
+        if !max.is_finite() || row.iter().any(|v| !v.is_finite()) {
+            total = f64::NAN;
+        }
+        for ((gj, &tj), cj) in g.iter_mut().zip(t).zip(&c) {
+            *gj = ((*gj as f64 * weighted - tj as f64 * cj) * inv_n) as f32;
         }
         if argmax(row) == argmax(t) {
             correct += 1;
@@ -328,5 +455,96 @@ mod tests {
         assert!(err.to_string().contains("cross_entropy"), "{err}");
         let err = soft_cross_entropy(&logits, &Tensor::zeros(&[2, 4])).unwrap_err();
         assert!(err.to_string().contains("soft_cross_entropy"), "{err}");
+    }
+
+    #[test]
+    fn focal_loss_with_gamma_zero_is_cross_entropy() {
+        let logits = random(&[5, 7], 3, 2.0);
+        let labels = [0, 6, 3, 3, 1];
+        for s in [0.0f32, 0.1] {
+            let focal = focal_loss(&logits, &labels, s, 0.0).unwrap();
+            let ce = softmax_cross_entropy(&logits, &labels, s).unwrap();
+            assert!(
+                (focal.loss - ce.loss).abs() < 1e-6,
+                "{} vs {}",
+                focal.loss,
+                ce.loss
+            );
+            assert_eq!(focal.correct, ce.correct);
+            for (a, b) in focal.grad.data().iter().zip(ce.grad.data()) {
+                assert!((a - b).abs() < 1e-7, "{a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn focal_loss_known_value() {
+        // One row [1, 2, 3], label 2, gamma 2: -(1 - p₂)²·log p₂.
+        let logits = Tensor::from_vec(&[1, 3], vec![1.0, 2.0, 3.0]).unwrap();
+        let out = focal_loss(&logits, &[2], 0.0, 2.0).unwrap();
+        let lse = (1f64.exp() + 2f64.exp() + 3f64.exp()).ln();
+        let p2 = (3.0 - lse).exp();
+        let expected = -(1.0 - p2).powi(2) * (3.0 - lse);
+        assert!(
+            (out.loss as f64 - expected).abs() < 1e-6,
+            "{} vs {expected}",
+            out.loss
+        );
+        assert_eq!(out.correct, 1);
+    }
+
+    #[test]
+    fn focal_loss_gradient_matches_finite_differences() {
+        let logits = random(&[5, 7], 4, 2.0);
+        let labels = [0, 6, 3, 3, 1];
+        for gamma in [0.5f32, 1.0, 2.0, 3.5] {
+            for smoothing in [0.0f32, 0.1] {
+                let out = focal_loss(&logits, &labels, smoothing, gamma).unwrap();
+                let numeric = numeric_grad(&logits, 1e-2, |x| {
+                    focal_loss(x, &labels, smoothing, gamma).unwrap().loss
+                });
+                assert_close(out.grad.data(), &numeric, 1e-2);
+            }
+        }
+        // Soft (Mixup) targets.
+        let mut t = vec![0.0f32; 5 * 7];
+        for (i, (a, b)) in [(0, 1), (2, 5), (3, 3), (4, 0), (6, 2)]
+            .into_iter()
+            .enumerate()
+        {
+            t[i * 7 + a] += 0.7;
+            t[i * 7 + b] += 0.3;
+        }
+        let targets = Tensor::from_vec(&[5, 7], t).unwrap();
+        let out = soft_focal_loss(&logits, &targets, 2.0).unwrap();
+        let numeric = numeric_grad(&logits, 1e-2, |x| {
+            soft_focal_loss(x, &targets, 2.0).unwrap().loss
+        });
+        assert_close(out.grad.data(), &numeric, 1e-2);
+    }
+
+    #[test]
+    fn focal_loss_is_stable_and_checks_its_inputs() {
+        // A confident right row: loss and gradient tiny but finite, for
+        // gammas below and above 1.
+        let logits = Tensor::from_vec(&[2, 3], vec![1e4, 0.0, -1e4, 40.0, 0.0, 0.0]).unwrap();
+        for gamma in [0.5f32, 2.0] {
+            let out = focal_loss(&logits, &[0, 0], 0.0, gamma).unwrap();
+            assert!(out.loss.is_finite() && out.loss >= 0.0, "{}", out.loss);
+            assert!(out.grad.data().iter().all(|g| g.is_finite()));
+            // A hopeless label: large but finite.
+            let out = focal_loss(&logits, &[2, 1], 0.0, gamma).unwrap();
+            assert!(out.loss.is_finite() && out.loss > 10.0, "{}", out.loss);
+        }
+        let nan = Tensor::from_vec(&[1, 2], vec![f32::NAN, 0.0]).unwrap();
+        assert!(!focal_loss(&nan, &[0], 0.0, 2.0).unwrap().loss.is_finite());
+        let logits = Tensor::zeros(&[2, 3]);
+        for gamma in [-1.0, f32::NAN, f32::INFINITY] {
+            let err = focal_loss(&logits, &[0, 1], 0.0, gamma).unwrap_err();
+            assert!(err.to_string().contains("gamma"), "{err}");
+        }
+        assert!(focal_loss(&logits, &[0], 0.0, 2.0).is_err());
+        assert!(focal_loss(&logits, &[0, 3], 0.0, 2.0).is_err());
+        assert!(focal_loss(&logits, &[0, 1], 1.0, 2.0).is_err());
     }
 }

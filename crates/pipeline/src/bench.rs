@@ -26,7 +26,11 @@ pub struct StepBench {
     pub steps: usize,
     pub samples_per_sec: f64,
     pub step_ms: f64,
-    /// Forward + backward FLOP/s, counting backward as twice the forward.
+    /// Forward + backward FLOP/s, counting backward as twice the forward,
+    /// in direct-convolution-equivalent FLOP: the arithmetic the direct
+    /// definition of every layer would do (`macs_per_sample`), whatever
+    /// algorithm ran. Winograd does less, so its share of the machine's FMA
+    /// peak can pass 100%.
     pub gflops: f64,
     pub peak_rss_bytes: Option<u64>,
     pub parameters: usize,
@@ -37,6 +41,10 @@ pub struct StepBench {
     /// Peak bytes of the learner's tensors (device memory on a GPU).
     #[serde(default)]
     pub peak_tensor_bytes: u64,
+    /// The CPU convolutions' algorithm setting ("auto", "direct",
+    /// "winograd"; HEADROOM_CONV_ALGORITHM chooses it).
+    #[serde(default)]
+    pub conv_algorithm: String,
 }
 
 /// Times `steps` training steps at `batch` after `warmup` untimed ones, on
@@ -84,6 +92,8 @@ pub fn training_step(
             macs_per_sample: macs,
             device: learner.device_name(),
             peak_tensor_bytes: learner.memory_stats().peak_in_use_bytes,
+            conv_algorithm: format!("{:?}", headroom_model::layers::conv_algorithm())
+                .to_lowercase(),
         })
     })
 }

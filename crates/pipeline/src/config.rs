@@ -388,6 +388,12 @@ pub struct TrainConfig {
     pub threads: usize,
     #[serde(default)]
     pub label_smoothing: f32,
+    /// The training loss; label smoothing applies to either.
+    #[serde(default)]
+    pub loss: LossKind,
+    /// Focal loss's γ: a class's log-probability is weighted by (1 - p)^γ.
+    #[serde(default = "default_focal_gamma")]
+    pub focal_gamma: f32,
     /// Global gradient-norm clip (0 = off).
     #[serde(default)]
     pub clip_norm: f32,
@@ -407,6 +413,21 @@ pub struct TrainConfig {
 
 fn default_accumulate() -> usize {
     1
+}
+
+/// `train.loss`.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum LossKind {
+    /// Softmax cross-entropy.
+    #[default]
+    CrossEntropy,
+    /// Focal loss (Lin et al. 2017) with `train.focal_gamma`.
+    Focal,
+}
+
+fn default_focal_gamma() -> f32 {
+    2.0
 }
 
 fn default_max_skips() -> u64 {
@@ -749,6 +770,12 @@ impl ExperimentConfig {
             return Err(PipelineError::value(
                 "train.label_smoothing",
                 format!("must be in [0, 1), got {}", self.train.label_smoothing),
+            ));
+        }
+        if !(self.train.focal_gamma >= 0.0 && self.train.focal_gamma.is_finite()) {
+            return Err(PipelineError::value(
+                "train.focal_gamma",
+                format!("must be finite and >= 0, got {}", self.train.focal_gamma),
             ));
         }
         non_negative("train.clip_norm", self.train.clip_norm as f64)?;

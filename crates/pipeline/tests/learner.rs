@@ -8,7 +8,7 @@ use common::{bits, settings};
 use headroom_loader::Batch;
 use headroom_model::memory::MemoryPool;
 use headroom_model::{Device, ModelSpec};
-use headroom_pipeline::learner::{CpuLearner, Learner};
+use headroom_pipeline::learner::{CpuLearner, Learner, StepSettings};
 
 const MODEL: &str = r#"
 input = [8, 8, 1]
@@ -98,4 +98,31 @@ fn evaluation_changes_nothing_and_predicts_every_sample() {
     assert!(result.predictions.iter().all(|&p| p < 3));
     assert!(result.loss_sum.is_finite() && result.loss_sum > 0.0);
     assert_eq!(bits(&before), bits(&learner.snapshot().unwrap()));
+}
+
+#[test]
+fn focal_loss_reaches_the_step_when_configured() {
+    let spec: ModelSpec = toml::from_str(MODEL).unwrap();
+    let with_gamma = |gamma: Option<f32>| {
+        let settings = StepSettings {
+            focal_gamma: gamma,
+            ..settings()
+        };
+        let mut learner =
+            CpuLearner::new(&spec, 8, settings, 6, MemoryPool::new(Device::Cpu)).unwrap();
+        learner.train_batch(&batch(0), 1e-2).unwrap().loss
+    };
+    let ce_loss = with_gamma(None);
+    // γ = 0 is cross-entropy (computed another way: equal within rounding);
+    // γ = 2 down-weights every sample.
+    let zero_loss = with_gamma(Some(0.0));
+    assert!(
+        (ce_loss - zero_loss).abs() <= 1e-6 * ce_loss,
+        "{ce_loss} vs {zero_loss}"
+    );
+    let focal_loss = with_gamma(Some(2.0));
+    assert!(
+        focal_loss < ce_loss,
+        "focal {focal_loss}, cross-entropy {ce_loss}"
+    );
 }

@@ -30,7 +30,7 @@ pub use activation::Relu;
 pub use attention::CausalSelfAttention;
 pub use batchnorm::BatchNorm2d;
 pub use checkpointed::Checkpointed;
-pub use conv::Conv2d;
+pub use conv::{conv_algorithm, set_conv_algorithm, Conv2d, ConvAlgorithm};
 pub use conv_lstm::ConvLstm;
 pub use dropout::Dropout;
 pub use embedding::Embedding;

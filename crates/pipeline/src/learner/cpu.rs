@@ -10,7 +10,9 @@
 use std::sync::Arc;
 
 use headroom_loader::Batch;
-use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy, LossOutput};
+use headroom_model::loss::{
+    focal_loss, soft_cross_entropy, soft_focal_loss, softmax_cross_entropy, LossOutput,
+};
 use headroom_model::memory::{try_scratch, MemoryPool};
 use headroom_model::{Mode, ModelSpec, Network, PoolStats, Tensor, TokenInput};
 use headroom_optim::{clip_grad_norm, grad_norm, AdamW};
@@ -95,7 +97,7 @@ impl CpuLearner {
             let logits = self.network.forward(&prepared.input, Mode::Train)?;
             let smoothing = self.settings.label_smoothing;
             let mut out = match &prepared.targets {
-                None => training_loss(smoothing, &logits, &part)?,
+                None => training_loss(smoothing, self.settings.focal_gamma, &logits, &part)?,
                 Some(targets) => per_token_loss(&logits, targets, smoothing)?,
             };
             drop(logits);
@@ -250,11 +252,20 @@ pub fn per_token_loss(logits: &Tensor, targets: &[u32], smoothing: f32) -> Resul
     })
 }
 
-/// Label-smoothed cross-entropy, against the batch's soft targets when
-/// Mixup or CutMix made them.
-fn training_loss(smoothing: f32, logits: &Tensor, batch: &Batch) -> Result<LossOutput> {
+/// Label-smoothed cross-entropy, or focal loss with this γ when
+/// `focal_gamma` is set (`train.loss = "focal"`), against the batch's soft
+/// targets when Mixup or CutMix made them.
+fn training_loss(
+    smoothing: f32,
+    focal_gamma: Option<f32>,
+    logits: &Tensor,
+    batch: &Batch,
+) -> Result<LossOutput> {
     let Some(soft) = &batch.soft_targets else {
-        return Ok(softmax_cross_entropy(logits, &batch.labels, smoothing)?);
+        return Ok(match focal_gamma {
+            Some(gamma) => focal_loss(logits, &batch.labels, smoothing, gamma)?,
+            None => softmax_cross_entropy(logits, &batch.labels, smoothing)?,
+        });
     };
     let classes = logits.shape().get(1).copied().unwrap_or(1);
     let smoothed = soft
@@ -262,7 +273,10 @@ fn training_loss(smoothing: f32, logits: &Tensor, batch: &Batch) -> Result<LossO
         .map(|&p| (1.0 - smoothing) * p + smoothing / classes as f32)
         .collect();
     let targets = Tensor::from_vec(&[batch.len(), classes], smoothed)?;
-    Ok(soft_cross_entropy(logits, &targets)?)
+    Ok(match focal_gamma {
+        Some(gamma) => soft_focal_loss(logits, &targets, gamma)?,
+        None => soft_cross_entropy(logits, &targets)?,
+    })
 }
 
 impl Learner for CpuLearner {

@@ -34,6 +34,8 @@ pub struct StepSettings {
     pub label_smoothing: f32,
     /// Global gradient-norm clip; 0 turns clipping off.
     pub clip_norm: f32,
+    /// Focal loss with this γ (`train.loss = "focal"`); None: cross-entropy.
+    pub focal_gamma: Option<f32>,
     pub optimizer: AdamWConfig,
 }
 
@@ -42,6 +44,8 @@ impl StepSettings {
         Self {
             label_smoothing: config.train.label_smoothing,
             clip_norm: config.train.clip_norm,
+            focal_gamma: (config.train.loss == crate::config::LossKind::Focal)
+                .then_some(config.train.focal_gamma),
             optimizer: AdamWConfig {
                 beta1: config.optimizer.beta1,
                 beta2: config.optimizer.beta2,
@@ -147,6 +151,12 @@ pub fn open(
                 "device.kind",
                 "token models (model.tokens: embedding, attention, LSTM layers) run on the CPU only for now; \
                  set device.kind = \"cpu\"",
+            ));
+        }
+        if settings.focal_gamma.is_some() {
+            return Err(PipelineError::value(
+                "train.loss",
+                "\"focal\" runs on the CPU only for now",
             ));
         }
         if !config.device.amp {

@@ -9,6 +9,7 @@ pub fn settings() -> StepSettings {
     StepSettings {
         label_smoothing: 0.1,
         clip_norm: 1.0,
+        focal_gamma: None,
         optimizer: AdamWConfig {
             weight_decay: 1e-4,
             ..AdamWConfig::default()

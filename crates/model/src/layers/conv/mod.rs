@@ -52,6 +52,7 @@
 
 use std::cell::RefCell;
 use std::mem::{ManuallyDrop, MaybeUninit};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::matmul::{matmul, View};
 use rayon::prelude::*;
@@ -59,6 +60,92 @@ use rayon::prelude::*;
 use crate::init::InitRng;
 use crate::memory::{try_scratch, try_zeroed};
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
+
+mod winograd;
+
+/// Which kernels run the 3×3, stride-1, padding-1 convolutions (the others
+/// always take the direct kernels or im2col + gemm).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConvAlgorithm {
+    /// Winograd F(2×2, 3×3) where `winograd_pays` says it is faster.
+    Auto,
+    /// Always the direct kernels (as before Winograd existed).
+    Direct,
+    /// Winograd wherever the shape allows (channels in 16s).
+    Winograd,
+}
+
+/// 0 = not yet read from the environment, then 1 + the algorithm's index.
+static ALGORITHM: AtomicU8 = AtomicU8::new(0);
+
+const ALGORITHMS: [ConvAlgorithm; 3] = [
+    ConvAlgorithm::Auto,
+    ConvAlgorithm::Direct,
+    ConvAlgorithm::Winograd,
+];
+
+/// Chooses the algorithm for every convolution of this process from now on
+/// (benchmarks compare them side by side this way).
+pub fn set_conv_algorithm(algorithm: ConvAlgorithm) {
+    let index = ALGORITHMS.iter().position(|&a| a == algorithm).unwrap_or(0);
+    ALGORITHM.store(index as u8 + 1, Ordering::Relaxed);
+}
+
+/// The algorithm in force: set by `set_conv_algorithm`, else by the
+/// environment variable HEADROOM_CONV_ALGORITHM (`auto`, `direct` or
+/// `winograd`, so that a benchmark's child processes can be steered), else
+/// `Auto`. An unknown value means `Auto`.
+pub fn conv_algorithm() -> ConvAlgorithm {
+    #[cfg(test)]
+    if let Some(forced) = tests::FORCE_ALGORITHM.get() {
+        return forced;
+    }
+    let stored = ALGORITHM.load(Ordering::Relaxed);
+    if stored > 0 {
+        return ALGORITHMS[(stored as usize - 1).min(2)];
+    }
+    let from_env = match std::env::var("HEADROOM_CONV_ALGORITHM").as_deref() {
+        Ok("direct") => ConvAlgorithm::Direct,
+        Ok("winograd") => ConvAlgorithm::Winograd,
+        _ => ConvAlgorithm::Auto,
+    };
+    set_conv_algorithm(from_env);
+    from_env
+}
+
+/// Whether this convolution runs through Winograd: a fixed rule, not a
+/// timing at start, because the two algorithms round differently and a
+/// choice by timing would make a run's numbers depend on the machine's load.
+fn use_winograd(g: &Geom) -> bool {
+    if !(winograd::shape_fits(g) && direct::supports(g.cout) && direct::supports(g.cin)) {
+        return false;
+    }
+    match conv_algorithm() {
+        ConvAlgorithm::Direct => false,
+        ConvAlgorithm::Winograd => true,
+        ConvAlgorithm::Auto => winograd_pays(g),
+    }
+}
+
+/// The measured rule for `Auto` (see the README's "Measured" section):
+/// with `conv_bench` on the 2-core Zen 4, Winograd's forward and input
+/// gradient beat the direct kernels by 1.1-1.5× in GFLOP per CPU-second
+/// on the reference ResNet's 28×28×32, 14×14×64 and 7×7×128 layers; with
+/// fewer channels the transforms weigh more against the products.
+fn winograd_pays(g: &Geom) -> bool {
+    g.cin >= 32 && g.cout >= 32
+}
+
+/// Whether the weight gradient of a layer that `use_winograd` accepts also
+/// goes through Winograd. Its transforms touch 32 floats per tile per
+/// channel pair (input and dY) against the forward's 16 reused over Cout,
+/// so it needs more channels to pay: measured (paired runs of `conv_bench`)
+/// slower than the direct kernel at 28×28×32 (93 vs 103 and 103 vs 131
+/// GFLOP per CPU-second for the whole backward), faster at 14×14×64 and
+/// 7×7×128. `ConvAlgorithm::Winograd` forces it everywhere (the tests).
+fn winograd_weight_gradient_pays(g: &Geom) -> bool {
+    conv_algorithm() == ConvAlgorithm::Winograd || g.cin >= 64
+}
 
 /// General path: target size of one block of the im2col matrix. Measured
 /// on the 2-core Zen4 (1 MiB L2 per core): single-threaded `gemm` runs these
@@ -380,6 +467,9 @@ fn forward(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Result<Vec<f
     if len == 0 {
         return Ok(Vec::new());
     }
+    if use_winograd(g) {
+        return winograd::forward(g, x, w, bias);
+    }
     if direct::supports(g.cout) {
         let per_task = images_per_task(g.n, g.in_image());
         // SAFETY: `direct::forward` writes every element of its chunk.
@@ -402,6 +492,9 @@ fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Vec<f32>> {
     let len = g.n * g.in_image();
     if len == 0 {
         return Ok(Vec::new());
+    }
+    if use_winograd(g) {
+        return winograd::grad_input(g, dy, w);
     }
     if direct::supports(g.cin) {
         let out_image = g.opix() * g.cout;
@@ -436,6 +529,7 @@ fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Vec<f32>> {
 fn grad_params(g: &Geom, groups: &Groups, x: &[f32], dy: &[f32], partials: &mut [f32]) {
     let stride = g.kk * g.cout + g.cout;
     let direct = direct::supports(g.cout);
+    let winograd = use_winograd(g) && winograd_weight_gradient_pays(g);
     partials
         .par_chunks_mut(stride)
         .enumerate()
@@ -452,7 +546,9 @@ fn grad_params(g: &Geom, groups: &Groups, x: &[f32], dy: &[f32], partials: &mut 
                     *s += v;
                 }
             }
-            if direct {
+            if winograd {
+                winograd::grad_weight(g, x_g, dy_g, imgs, dw);
+            } else if direct {
                 dw.fill(0.0);
                 if g.cin >= direct::MR {
                     direct::grad_weight(g, x_g, dy_g, imgs, dw);
@@ -569,7 +665,7 @@ mod direct {
     /// inside `a` and `b` (checked in debug builds), and the 16 floats at
     /// dst + rows[r].1 are inside dst_len, writable, distinct between rows,
     /// and overlap nothing that is read.
-    unsafe fn tiles(
+    pub(super) unsafe fn tiles(
         rows: &[(usize, usize)],
         a: &[f32],
         b: &[f32],
@@ -1451,16 +1547,25 @@ mod tests {
     thread_local! {
         /// Makes this thread's convolutions take the im2col + gemm path.
         pub(super) static FORCE_GEMM: Cell<bool> = const { Cell::new(false) };
+        /// Overrides the process-wide algorithm on this thread only, so
+        /// that tests running in parallel do not steer each other.
+        pub(super) static FORCE_ALGORITHM: Cell<Option<ConvAlgorithm>> = const { Cell::new(None) };
     }
 
-    /// Runs `f` once per implementation: direct kernels (where this CPU has
-    /// them) and im2col + gemm.
+    /// Runs `f` once per implementation: Winograd (3×3 s1 p1 with channels
+    /// in 16s), direct kernels (where this CPU has them) and im2col + gemm.
     fn both_paths(f: impl Fn(&str)) {
-        for force in [false, true] {
-            FORCE_GEMM.set(force);
-            f(if force { "gemm" } else { "direct" });
+        for (algorithm, gemm, name) in [
+            (ConvAlgorithm::Winograd, false, "winograd"),
+            (ConvAlgorithm::Direct, false, "direct"),
+            (ConvAlgorithm::Direct, true, "gemm"),
+        ] {
+            FORCE_ALGORITHM.set(Some(algorithm));
+            FORCE_GEMM.set(gemm);
+            f(name);
         }
         FORCE_GEMM.set(false);
+        FORCE_ALGORITHM.set(None);
     }
 
     /// (n, h, w, cin, cout, k, stride, pad, bias)
@@ -1683,6 +1788,63 @@ mod tests {
         });
     }
 
+    /// max |got - want| / max |want|: the error on the scale of the values.
+    fn relative_error(got: &[f32], want: &[f32]) -> f64 {
+        let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs() as f64));
+        let err = got
+            .iter()
+            .zip(want)
+            .fold(0.0f64, |m, (a, b)| m.max((a - b).abs() as f64));
+        err / scale.max(f64::MIN_POSITIVE)
+    }
+
+    /// Winograd F(2×2, 3×3) on the reference ResNet's 3×3 s1 shapes against
+    /// the float64 definition, beside the direct kernels' own error: the
+    /// forward, dX and dW errors stay within WINOGRAD_TOLERANCE of the
+    /// largest value (measured ~1e-7 to 4e-7) and within 8× the direct
+    /// kernels' error.
+    #[test]
+    fn winograd_error_is_close_to_direct() {
+        const WINOGRAD_TOLERANCE: f64 = 2e-6;
+        for case in [
+            (2, 28, 28, 32, 32, 3, 1, 1, false),
+            (2, 14, 14, 64, 64, 3, 1, 1, true),
+            (2, 7, 7, 128, 128, 3, 1, 1, false),
+        ] {
+            let x = input(case, 2);
+            let mut errors = Vec::new();
+            for algorithm in [ConvAlgorithm::Winograd, ConvAlgorithm::Direct] {
+                FORCE_ALGORITHM.set(Some(algorithm));
+                let mut l = layer(case, 1);
+                let wt = l.weight.value.data().to_vec();
+                let bias = l.bias.as_ref().map(|b| b.value.data().to_vec());
+                let y = l.forward(&x, Mode::Train).unwrap();
+                let dy: Vec<f32> = y.data().iter().map(|v| (v * 0.37).sin()).collect();
+                let dx = l
+                    .backward(&Tensor::from_vec(y.shape(), dy.clone()).unwrap())
+                    .unwrap();
+                let want_y = naive_forward(case, x.data(), &wt, bias.as_deref());
+                let (want_dx, want_dw, _) = naive_backward(case, x.data(), &wt, &dy);
+                errors.push([
+                    relative_error(y.data(), &want_y),
+                    relative_error(dx.data(), &want_dx),
+                    relative_error(l.weight.grad.data(), &want_dw),
+                ]);
+            }
+            FORCE_ALGORITHM.set(None);
+            let (wino, direct) = (errors[0], errors[1]);
+            eprintln!("{case:?}: winograd (y, dx, dw) {wino:?}, direct {direct:?}");
+            for (i, what) in ["forward", "dx", "dw"].iter().enumerate() {
+                assert!(
+                    wino[i] <= WINOGRAD_TOLERANCE && wino[i] <= 8.0 * direct[i] + 1e-7,
+                    "{case:?} {what}: winograd error {:.2e}, direct {:.2e}",
+                    wino[i],
+                    direct[i]
+                );
+            }
+        }
+    }
+
     #[test]
     fn conv_backward_without_forward_is_an_error() {
         let case = CASES[0];
@@ -1742,7 +1904,11 @@ mod tests {
             (37, 8, 8, 32, 16, 3, 2, 1, false),
         ] {
             let x = input(case, 2);
-            for force_gemm in [false, true] {
+            for (force_gemm, algorithm) in [
+                (false, ConvAlgorithm::Winograd),
+                (false, ConvAlgorithm::Direct),
+                (true, ConvAlgorithm::Direct),
+            ] {
                 let run = |threads: usize| {
                     let pool = rayon::ThreadPoolBuilder::new()
                         .num_threads(threads)
@@ -1750,6 +1916,7 @@ mod tests {
                         .unwrap();
                     pool.install(|| {
                         FORCE_GEMM.set(force_gemm);
+                        FORCE_ALGORITHM.set(Some(algorithm));
                         let mut l = layer(case, 1);
                         let y = l.forward(&x, Mode::Train).unwrap();
                         let dy = y.data().iter().map(|v| v.sin()).collect();
@@ -1761,14 +1928,18 @@ mod tests {
                             .map(|p| p.grad.data().to_vec())
                             .collect();
                         FORCE_GEMM.set(false);
+                        FORCE_ALGORITHM.set(None);
                         (y.data().to_vec(), dx.data().to_vec(), grads)
                     })
                 };
                 let one = run(1);
-                assert!(
-                    one == run(3),
-                    "{case:?} gemm={force_gemm}: results differ between 1 and 3 threads"
-                );
+                for threads in [2, 3] {
+                    assert!(
+                        one == run(threads),
+                        "{case:?} gemm={force_gemm} {algorithm:?}: results differ \
+                         between 1 and {threads} threads"
+                    );
+                }
             }
         }
     }

@@ -1,0 +1,664 @@
+//! Winograd F(2×2, 3×3) convolution for 3×3, stride 1, padding 1 layers in
+//! NHWC: forward, input gradient and weight gradient.
+//!
+//! What it computes. The output is cut into 2×2 tiles; each reads a 4×4
+//! input patch d (zeros outside the image). Per channel pair,
+//! y = Aᵀ·[(G·g·Gᵀ) ⊙ (Bᵀ·d·B)]·A, which needs 16 multiplies per tile
+//! instead of 36: 2.25× less arithmetic than the direct kernel. Across
+//! channels the 16 element-wise products become 16 independent matrix
+//! products, M[ξ] = V[ξ]·U[ξ] ([tiles × Cin]·[Cin × Cout]), run by the
+//! direct convolution's register-tiled micro-kernel (`direct::tiles`).
+//! - input gradient: the same forward on dY with the filter flipped in
+//!   space and transposed in channels (a 3×3 s1 p1 convolution's adjoint);
+//! - weight gradient: the exact adjoint of the forward,
+//!   dU[ξ] = Σ_tiles V[ξ]ᵀ·(A·dY·Aᵀ)[ξ], then dW = Gᵀ·dU·G.
+//!
+//! Accuracy. The transforms only add, subtract and halve, so rounding grows
+//! by a small constant over the direct sum (the tests bound it; see
+//! `tests::winograd_error_is_close_to_direct`: 2-5·10⁻⁷ of the largest
+//! value, as the direct kernels). F(4×4, 3×3) would cut the arithmetic 4×
+//! (and move less data: 36 transformed values per 16 outputs, against 16
+//! per 4 here), but its transforms scale by up to 8 and 1/24, which the
+//! error analyses of Winograd convolution put at about an order of
+//! magnitude more f32 error (not measured here), and its 4×4 output tiles
+//! do not divide the 14×14 images (23% of the tiles' area is wasted there,
+//! none with 2×2 tiles). It is the next step if that error proves harmless
+//! in training.
+//!
+//! Memory. Per call: the transformed filter U, 16·Cin·Cout floats (1 MiB
+//! for 128→128). Per thread, reused (the convolution's thread-local
+//! scratch): a zero-padded copy of a few images (~PAD_BYTES), one block of
+//! transformed inputs V and products M, 16 floats per tile per channel,
+//! ~BLOCK_BYTES together; the weight gradient uses longer blocks of V and
+//! the transformed dY (~GRAD_BLOCK_BYTES, 1 MiB) and one dU, 16·Cin·Cout
+//! floats. Nothing is kept between calls.
+//!
+//! Determinism. Every output is a sum in a fixed order over data that does
+//! not depend on how the batch is split across threads: a tile's forward
+//! depends on that tile alone, and the weight gradient sums blocks of tiles
+//! of a fixed group of images in a fixed order (the groups are the direct
+//! path's). The transforms use no fused multiply-add, so the AVX2, AVX-512
+//! and portable builds of them round identically.
+
+// The transforms index small matrices (G[a][ky], cols[j][i]) as the
+// algebra writes them; iterators would hide which index is which.
+#![allow(clippy::needless_range_loop)]
+
+use std::mem::MaybeUninit;
+
+use rayon::prelude::*;
+
+use super::direct::{self, Init, Steps, NR};
+use super::{par_build, with_scratch, Geom};
+use crate::memory::try_zeroed;
+use crate::Result;
+
+/// Positions of a transformed 4×4 tile.
+const XI: usize = 16;
+
+/// Target bytes of one block of V and M together (per thread): small enough
+/// to stay in the 1 MiB L2 of a Zen core with U's slice, large enough that
+/// the micro-kernel runs long tiles.
+const BLOCK_BYTES: usize = 384 * 1024;
+
+/// Target bytes of one block of V and Z in the weight gradient (per thread).
+const GRAD_BLOCK_BYTES: usize = 1 << 20;
+
+/// Target bytes of the zero-padded copy of a chunk of images (per thread).
+const PAD_BYTES: usize = 512 * 1024;
+
+/// Lanes the transforms work on at once (one ymm register; 16 would not
+/// fit a 4×4 tile in AVX2's 16 registers); every channel count is a multiple.
+const LANES: usize = 8;
+
+/// Whether the shape is one this module computes: 3×3, stride 1, padding 1,
+/// channel counts in 16s (the micro-kernel's columns, in both directions).
+pub(super) fn shape_fits(g: &Geom) -> bool {
+    g.k == 3 && g.stride == 1 && g.pad == 1 && g.cin % NR == 0 && g.cout % NR == 0
+}
+
+/// The tiling of one image and the block size of one call.
+#[derive(Clone, Copy)]
+struct Plan {
+    h: usize,
+    w: usize,
+    inputs: usize,
+    outputs: usize,
+    /// Tiles per image row and column.
+    th: usize,
+    tw: usize,
+    /// Tiles per block.
+    block: usize,
+    /// Images padded at once.
+    chunk: usize,
+    /// How a block of transformed tiles is laid out: tile-major
+    /// [slot][ξ][c] (the forward: a tile's transform writes one contiguous
+    /// run), or ξ-major [ξ][slot][c] (the weight gradient: each ξ's long
+    /// reduction reads one contiguous matrix; tile-major strides there ran
+    /// its 4 MiB blocks out of L2, measured 25% slower).
+    tile_major: bool,
+}
+
+impl Plan {
+    /// The forward's plan: blocks of ~BLOCK_BYTES, padded chunks of ~PAD_BYTES.
+    fn new(h: usize, w: usize, inputs: usize, outputs: usize) -> Self {
+        let (th, tw) = (h.div_ceil(2), w.div_ceil(2));
+        let padded_image = (2 * th + 2) * (2 * tw + 2) * inputs;
+        Self {
+            h,
+            w,
+            inputs,
+            outputs,
+            th,
+            tw,
+            block: (BLOCK_BYTES / (4 * XI * (inputs + outputs))).clamp(12, 256),
+            chunk: (PAD_BYTES / (4 * padded_image)).max(1),
+            tile_major: true,
+        }
+    }
+
+    /// (slot stride, ξ stride) of a block of `c`-channel transformed tiles.
+    fn strides(&self, c: usize) -> (usize, usize) {
+        if self.tile_major {
+            (XI * c, c)
+        } else {
+            (c, self.block * c)
+        }
+    }
+
+    /// Floats a block of `count` such tiles spans.
+    fn span(&self, count: usize, c: usize) -> usize {
+        let (slot, xi) = self.strides(c);
+        (count.max(1) - 1) * slot + (XI - 1) * xi + c
+    }
+
+    /// The weight gradient's plan: blocks of ~GRAD_BLOCK_BYTES, the images
+    /// of one block padded at once. Every block reads and writes all of dU
+    /// (1 MiB at 128→128), so its reduction must be longer than the
+    /// forward's blocks. 1 MiB measured as fast as 4 MiB and 384 KiB on
+    /// the 2-core Zen 4 (within its noise) and keeps the scratch small.
+    fn for_weight_gradient(h: usize, w: usize, inputs: usize, outputs: usize) -> Self {
+        let plan = Self::new(h, w, inputs, outputs);
+        let block = (GRAD_BLOCK_BYTES / (4 * XI * (inputs + outputs))).clamp(12, 1024);
+        Self {
+            block,
+            chunk: block.div_ceil(plan.tiles_per_image()),
+            tile_major: false,
+            ..plan
+        }
+    }
+
+    /// Rows and columns of a padded image (see `pad_images`).
+    fn padded_dims(&self) -> (usize, usize) {
+        (2 * self.th + 2, 2 * self.tw + 2)
+    }
+
+    fn padded_image(&self) -> usize {
+        let (hp, wp) = self.padded_dims();
+        hp * wp * self.inputs
+    }
+
+    fn tiles_per_image(&self) -> usize {
+        self.th * self.tw
+    }
+
+    /// (image, tile row, tile column) of tile `t`.
+    fn tile(&self, t: usize) -> (usize, usize, usize) {
+        let per = self.tiles_per_image();
+        (t / per, (t % per) / self.tw, t % self.tw)
+    }
+}
+
+/// G of F(2, 3), [4 × 3]: the filter transform.
+const G: [[f32; 3]; 4] = [
+    [1.0, 0.0, 0.0],
+    [0.5, 0.5, 0.5],
+    [0.5, -0.5, 0.5],
+    [0.0, 0.0, 1.0],
+];
+
+/// U[ξ][i][o] = (G·f·Gᵀ)[ξ] for the 3×3 filter f(ky, kx) = tap(3·ky + kx, i, o).
+fn transform_filter(
+    inputs: usize,
+    outputs: usize,
+    tap: impl Fn(usize, usize, usize) -> f32 + Sync,
+) -> Result<Vec<f32>> {
+    let mut u = try_zeroed(XI * inputs * outputs)?;
+    u.par_chunks_mut(inputs * outputs)
+        .enumerate()
+        .for_each(|(xi, dst)| {
+            let (a, b) = (xi / 4, xi % 4);
+            for (i, row) in dst.chunks_exact_mut(outputs).enumerate() {
+                for (o, v) in row.iter_mut().enumerate() {
+                    let mut s = 0.0f32;
+                    for ky in 0..3 {
+                        for kx in 0..3 {
+                            let c = G[a][ky] * G[b][kx];
+                            if c != 0.0 {
+                                s += c * tap(3 * ky + kx, i, o);
+                            }
+                        }
+                    }
+                    *v = s;
+                }
+            }
+        });
+    Ok(u)
+}
+
+/// Defines `$name` as a function that runs `$body` compiled for AVX-512 or
+/// AVX2 where the CPU has them (the element-wise transforms vectorise
+/// wider), and as portable code elsewhere. The body has no intrinsics and
+/// no fused multiply-adds, so every version computes the same bits.
+macro_rules! multiversioned {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+        $(#[$doc])*
+        fn $name($($arg: $ty),*) {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f")]
+                unsafe fn avx512($($arg: $ty),*) {
+                    body($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) {
+                    body($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU has AVX-512F (checked just above).
+                    return unsafe { avx512($($arg),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: the CPU has AVX2 and FMA (checked just above).
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            body($($arg),*)
+        }
+    };
+}
+
+/// One vector of lanes; written as arrays so that every build (AVX-512,
+/// AVX2, portable) vectorises the same scalar code.
+type Lanes = [f32; LANES];
+
+/// LANES floats at p.
+///
+/// # Safety
+/// p..p + LANES is readable.
+#[inline(always)]
+unsafe fn load_at(p: *const f32) -> Lanes {
+    // SAFETY: forwarded from the caller; [f32; N] may be unaligned here.
+    unsafe { p.cast::<Lanes>().read_unaligned() }
+}
+
+/// Writes LANES floats at p.
+///
+/// # Safety
+/// p..p + LANES is writable.
+#[inline(always)]
+unsafe fn store_at(p: *mut f32, v: Lanes) {
+    // SAFETY: forwarded from the caller.
+    unsafe { p.cast::<Lanes>().write_unaligned(v) }
+}
+
+#[inline(always)]
+fn add(a: Lanes, b: Lanes) -> Lanes {
+    let mut r = a;
+    for (x, y) in r.iter_mut().zip(b) {
+        *x += y;
+    }
+    r
+}
+
+#[inline(always)]
+fn sub(a: Lanes, b: Lanes) -> Lanes {
+    let mut r = a;
+    for (x, y) in r.iter_mut().zip(b) {
+        *x -= y;
+    }
+    r
+}
+
+#[inline(always)]
+fn neg(a: Lanes) -> Lanes {
+    let mut r = a;
+    for x in r.iter_mut() {
+        *x = -*x;
+    }
+    r
+}
+
+/// Bᵀ·(d0, d1, d2, d3) with Bᵀ = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
+#[inline(always)]
+fn bt(d: [Lanes; 4]) -> [Lanes; 4] {
+    [
+        sub(d[0], d[2]),
+        add(d[1], d[2]),
+        sub(d[2], d[1]),
+        sub(d[1], d[3]),
+    ]
+}
+
+/// Aᵀ·(m0, m1, m2, m3) with Aᵀ = [1 1 1 0; 0 1 -1 -1].
+#[inline(always)]
+fn at(m: [Lanes; 4]) -> [Lanes; 2] {
+    [add(add(m[0], m[1]), m[2]), sub(sub(m[1], m[2]), m[3])]
+}
+
+/// A·(y0, y1) with A = [1 0; 1 1; 1 -1; 0 -1].
+#[inline(always)]
+fn a(y: [Lanes; 2]) -> [Lanes; 4] {
+    [y[0], add(y[0], y[1]), sub(y[0], y[1]), neg(y[1])]
+}
+
+/// Copies `imgs` images of `x` ([h, w, c]) into `dst` with one zero pixel
+/// above and left and enough below and right for whole tiles
+/// ([2·th + 2, 2·tw + 2, c] each), so that every tile reads a full 4×4
+/// patch at fixed offsets.
+fn pad_images(plan: &Plan, x: &[f32], imgs: usize, dst: &mut [f32]) {
+    let c = plan.inputs;
+    let (hp, wp) = plan.padded_dims();
+    let row = plan.w * c;
+    for (img, padded) in dst.chunks_exact_mut(hp * wp * c).take(imgs).enumerate() {
+        for (y, out) in padded.chunks_exact_mut(wp * c).enumerate() {
+            if (1..=plan.h).contains(&y) {
+                let src = &x[(img * plan.h + y - 1) * row..][..row];
+                out[..c].fill(0.0);
+                out[c..c + row].copy_from_slice(src);
+                out[c + row..].fill(0.0);
+            } else {
+                out.fill(0.0);
+            }
+        }
+    }
+}
+
+multiversioned! {
+    /// V[slot, ξ][c] = (Bᵀ·d·B)[ξ] (laid out as `plan.strides` says) for tiles t0..t0+count of the padded
+    /// images `xp` (tile numbers counted from image 0 of `xp`), slot = t - t0.
+    fn transform_input_block(plan: &Plan, xp: &[f32], t0: usize, count: usize, v: &mut [f32]) {
+        let c = plan.inputs;
+        let (hp, wp) = plan.padded_dims();
+        let row = wp * c;
+        let (slot_stride, xi_stride) = plan.strides(c);
+        assert!(c % LANES == 0 && v.len() >= plan.span(count, c));
+        for slot in 0..count {
+            let (img, ty, tx) = plan.tile(t0 + slot);
+            let base = (img * hp + 2 * ty) * row + 2 * tx * c;
+            // The whole 4×4 patch: rows base + i·row, i < 4, of 4 pixels.
+            assert!(base + 3 * row + 4 * c <= xp.len());
+            let src = xp[base..].as_ptr();
+            let dst = v[slot * slot_stride..].as_mut_ptr();
+            for c0 in (0..c).step_by(LANES) {
+                // SAFETY: c0 + LANES <= c (c is a multiple of LANES), so
+                // every read lies in the patch checked above and every
+                // write at slot·slot_stride + ξ·xi_stride + c0 < span(count),
+                // checked on entry.
+                unsafe {
+                    // Bᵀ down each column, then along each row.
+                    let cols: [[Lanes; 4]; 4] = std::array::from_fn(|j| {
+                        bt(std::array::from_fn(|i| load_at(src.add(i * row + j * c + c0))))
+                    });
+                    for i in 0..4 {
+                        let r = bt([cols[0][i], cols[1][i], cols[2][i], cols[3][i]]);
+                        for (j, rj) in r.into_iter().enumerate() {
+                            store_at(dst.add((4 * i + j) * xi_stride + c0), rj);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+multiversioned! {
+    /// Writes the output pixels of tiles t0..t0+count: y = Aᵀ·M[slot]·A (+ bias)
+    /// into `out` (the images the tiles are counted from), skipping the
+    /// pixels of edge tiles that lie outside the image.
+    fn transform_output_block(
+        plan: &Plan,
+        m: &[f32],
+        t0: usize,
+        count: usize,
+        bias: Option<&[f32]>,
+        out: &mut [MaybeUninit<f32>],
+    ) {
+        let c = plan.outputs;
+        let image = plan.h * plan.w * c;
+        let (slot_stride, xi_stride) = plan.strides(c);
+        assert!(c % LANES == 0 && m.len() >= plan.span(count, c));
+        assert!(bias.is_none_or(|b| b.len() == c));
+        for slot in 0..count {
+            let (img, ty, tx) = plan.tile(t0 + slot);
+            let whole = 2 * ty + 1 < plan.h && 2 * tx + 1 < plan.w;
+            let src = m[slot * slot_stride..].as_ptr();
+            // The tile's pixels that lie in the image, and where they go.
+            let mut targets = [None; 4];
+            for (k, target) in targets.iter_mut().enumerate() {
+                let (oy, ox) = (2 * ty + k / 2, 2 * tx + k % 2);
+                if whole || (oy < plan.h && ox < plan.w) {
+                    let at = img * image + (oy * plan.w + ox) * c;
+                    // Inside `out`: checked once per pixel.
+                    *target = Some(out[at..at + c].as_mut_ptr().cast::<f32>());
+                }
+            }
+            for c0 in (0..c).step_by(LANES) {
+                // SAFETY: c0 + LANES <= c, so reads stay in this tile's
+                // floats of M (slot·slot_stride + ξ·xi_stride + c0 < span(count),
+                // checked on entry) and writes in the c floats of a pixel
+                // checked above (MaybeUninit<f32> has f32's layout).
+                unsafe {
+                    let at_m = |k: usize| load_at(src.add(k * xi_stride + c0));
+                    // Aᵀ down each column, then along each of the two rows.
+                    let cols: [[Lanes; 2]; 4] =
+                        std::array::from_fn(|j| at([at_m(j), at_m(4 + j), at_m(8 + j), at_m(12 + j)]));
+                    let mut y = [
+                        at([cols[0][0], cols[1][0], cols[2][0], cols[3][0]]),
+                        at([cols[0][1], cols[1][1], cols[2][1], cols[3][1]]),
+                    ];
+                    if let Some(bias) = bias {
+                        let b = load_at(bias.as_ptr().add(c0));
+                        for ya in y.iter_mut() {
+                            for yab in ya.iter_mut() {
+                                *yab = add(*yab, b);
+                            }
+                        }
+                    }
+                    for (k, target) in targets.iter().enumerate() {
+                        if let Some(p) = target {
+                            store_at(p.add(c0), y[k / 2][k % 2]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+multiversioned! {
+    /// Z[slot, ξ][c] = (A·dy·Aᵀ)[ξ] (laid out as `plan.strides` says) for tiles t0..t0+count of `dy` (the
+    /// adjoint of the output transform; pixels outside the image read as 0).
+    fn transform_grad_block(plan: &Plan, dy: &[f32], t0: usize, count: usize, z: &mut [f32]) {
+        let c = plan.outputs;
+        let image = plan.h * plan.w * c;
+        let (slot_stride, xi_stride) = plan.strides(c);
+        assert!(c % LANES == 0 && z.len() >= plan.span(count, c));
+        for slot in 0..count {
+            let (img, ty, tx) = plan.tile(t0 + slot);
+            let sources: [Option<*const f32>; 4] = std::array::from_fn(|k| {
+                let (oy, ox) = (2 * ty + k / 2, 2 * tx + k % 2);
+                (oy < plan.h && ox < plan.w).then(|| {
+                    let at = img * image + (oy * plan.w + ox) * c;
+                    dy[at..at + c].as_ptr()
+                })
+            });
+            let dst = z[slot * slot_stride..].as_mut_ptr();
+            for c0 in (0..c).step_by(LANES) {
+                // SAFETY: c0 + LANES <= c: reads stay in the c floats of a
+                // pixel checked above, writes below span(count) of Z (checked
+                // on entry).
+                unsafe {
+                    let y = |k: usize| sources[k].map_or([0.0; LANES], |p| load_at(p.add(c0)));
+                    // A down each of the two columns, then along each row.
+                    let cols = [a([y(0), y(2)]), a([y(1), y(3)])];
+                    for i in 0..4 {
+                        let r = a([cols[0][i], cols[1][i]]);
+                        for (j, rj) in r.into_iter().enumerate() {
+                            store_at(dst.add((4 * i + j) * xi_stride + c0), rj);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// y[n, h, w, outputs] = conv3x3(x[n, h, w, inputs], padding 1) through the
+/// transformed filter `u`, + bias.
+#[allow(clippy::too_many_arguments)]
+fn convolve(
+    n: usize,
+    h: usize,
+    w: usize,
+    inputs: usize,
+    outputs: usize,
+    x: &[f32],
+    u: &[f32],
+    bias: Option<&[f32]>,
+) -> Result<Vec<f32>> {
+    let plan = Plan::new(h, w, inputs, outputs);
+    let (in_image, out_image) = (h * w * inputs, h * w * outputs);
+    assert!(x.len() == n * in_image && u.len() == XI * inputs * outputs);
+    // Several tasks per thread for balance; the split does not change results.
+    let per_task = n.div_ceil(4 * rayon::current_num_threads()).max(1);
+    // SAFETY: `convolve_images` writes every output pixel of its images:
+    // each belongs to exactly one tile.
+    unsafe {
+        par_build(n * out_image, per_task * out_image, |t, out| {
+            let imgs = out.len() / out_image;
+            let x_t = &x[t * per_task * in_image..][..imgs * in_image];
+            convolve_images(&plan, x_t, imgs, u, bias, out);
+        })
+    }
+}
+
+fn convolve_images(
+    plan: &Plan,
+    x: &[f32],
+    imgs: usize,
+    u: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [MaybeUninit<f32>],
+) {
+    let (inputs, outputs, block) = (plan.inputs, plan.outputs, plan.block);
+    let (in_image, out_image) = (plan.h * plan.w * inputs, plan.h * plan.w * outputs);
+    let rows: Vec<(usize, usize)> = (0..block)
+        .map(|t| (t * XI * inputs, t * XI * outputs))
+        .collect();
+    let steps = Steps {
+        segs: &[(0, 0)],
+        len: inputs,
+        a_step: 1,
+        b_step: outputs as isize,
+    };
+    let padded_len = plan.chunk.min(imgs) * plan.padded_image();
+    with_scratch(padded_len + XI * block * (inputs + outputs), |buf| {
+        let (xp, rest) = buf.split_at_mut(padded_len);
+        let (v, m) = rest.split_at_mut(XI * block * inputs);
+        for i0 in (0..imgs).step_by(plan.chunk) {
+            let cc = plan.chunk.min(imgs - i0);
+            pad_images(plan, &x[i0 * in_image..][..cc * in_image], cc, xp);
+            let out_c = &mut out[i0 * out_image..][..cc * out_image];
+            let tiles = cc * plan.tiles_per_image();
+            for t0 in (0..tiles).step_by(block) {
+                let count = block.min(tiles - t0);
+                transform_input_block(plan, xp, t0, count, v);
+                for xi in 0..XI {
+                    let a = &v[xi * inputs..count * XI * inputs];
+                    let b = &u[xi * inputs * outputs..][..inputs * outputs];
+                    let dst = &mut m[xi * outputs..count * XI * outputs];
+                    for co0 in (0..outputs).step_by(NR) {
+                        // SAFETY: the caller checked `direct::supports`; row t
+                        // reads V[t][ξ][0..inputs] and writes M[t][ξ][co0..+16],
+                        // its own; U[ξ] is inputs × outputs with co0 + 16 <= outputs.
+                        unsafe {
+                            direct::tiles(
+                                &rows[..count],
+                                a,
+                                &b[co0..],
+                                &steps,
+                                dst.as_mut_ptr().add(co0),
+                                dst.len() - co0,
+                                Init::Zero,
+                            );
+                        }
+                    }
+                }
+                transform_output_block(plan, m, t0, count, bias, out_c);
+            }
+        }
+    });
+}
+
+/// y = conv(x, w) + bias for a shape `shape_fits` accepts.
+pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Result<Vec<f32>> {
+    let (cin, cout) = (g.cin, g.cout);
+    let u = transform_filter(cin, cout, |tap, i, o| w[(tap * cin + i) * cout + o])?;
+    convolve(g.n, g.h, g.w, cin, cout, x, &u, bias)
+}
+
+/// dX: dY convolved with W flipped in space, its channels transposed.
+pub(super) fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Vec<f32>> {
+    let (cin, cout) = (g.cin, g.cout);
+    let u = transform_filter(cout, cin, |tap, co, ci| {
+        w[((8 - tap) * cin + ci) * cout + co]
+    })?;
+    convolve(g.n, g.h, g.w, cout, cin, dy, &u, None)
+}
+
+/// Overwrites `dw` ([3·3·cin × cout]) with the weight gradient of `imgs`
+/// images.
+pub(super) fn grad_weight(g: &Geom, x_g: &[f32], dy_g: &[f32], imgs: usize, dw: &mut [f32]) {
+    let (cin, cout) = (g.cin, g.cout);
+    let plan = Plan::for_weight_gradient(g.h, g.w, cin, cout);
+    let block = plan.block;
+    assert!(x_g.len() == imgs * g.in_image() && dy_g.len() == imgs * g.opix() * cout);
+    assert!(dw.len() == 9 * cin * cout);
+    let out_image = g.opix() * cout;
+    let rows: Vec<(usize, usize)> = (0..cin).map(|ci| (ci, ci * cout)).collect();
+    let padded_len = plan.chunk.min(imgs) * plan.padded_image();
+    with_scratch(
+        XI * cin * cout + padded_len + XI * block * (cin + cout),
+        |buf| {
+            let (du, rest) = buf.split_at_mut(XI * cin * cout);
+            let (xp, rest) = rest.split_at_mut(padded_len);
+            let (v, z) = rest.split_at_mut(XI * block * cin);
+            du.fill(0.0);
+            // Chunks and blocks depend on the shape alone, so the order of the
+            // sums does too.
+            for i0 in (0..imgs).step_by(plan.chunk) {
+                let cc = plan.chunk.min(imgs - i0);
+                pad_images(
+                    &plan,
+                    &x_g[i0 * g.in_image()..][..cc * g.in_image()],
+                    cc,
+                    xp,
+                );
+                let dy_c = &dy_g[i0 * out_image..][..cc * out_image];
+                let tiles = cc * plan.tiles_per_image();
+                for t0 in (0..tiles).step_by(block) {
+                    let count = block.min(tiles - t0);
+                    transform_input_block(&plan, xp, t0, count, v);
+                    transform_grad_block(&plan, dy_c, t0, count, z);
+                    let steps = Steps {
+                        segs: &[(0, 0)],
+                        len: count,
+                        a_step: cin as isize,
+                        b_step: cout as isize,
+                    };
+                    for xi in 0..XI {
+                        let a = &v[xi * block * cin..][..count * cin];
+                        let b = &z[xi * block * cout..][..count * cout];
+                        let dst = &mut du[xi * cin * cout..][..cin * cout];
+                        for co0 in (0..cout).step_by(NR) {
+                            // SAFETY: the caller checked `direct::supports`; row ci
+                            // walks V[ξ][·][ci] over `count` tiles and
+                            // Z[ξ][·][co0..+16]; it accumulates into
+                            // dU[ξ][ci][co0..+16], its own.
+                            unsafe {
+                                direct::tiles(
+                                    &rows,
+                                    a,
+                                    &b[co0..],
+                                    &steps,
+                                    dst.as_mut_ptr().add(co0),
+                                    dst.len() - co0,
+                                    Init::Accumulate,
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+            // dW[ky][kx] = Σ_ξ G[a][ky]·G[b][kx]·dU[ξ], in a fixed order.
+            let plane = cin * cout;
+            for (tap, dst) in dw.chunks_exact_mut(plane).enumerate() {
+                let (ky, kx) = (tap / 3, tap % 3);
+                dst.fill(0.0);
+                for xi in 0..XI {
+                    let c = G[xi / 4][ky] * G[xi % 4][kx];
+                    if c != 0.0 {
+                        for (d, s) in dst.iter_mut().zip(&du[xi * plane..][..plane]) {
+                            *d += c * s;
+                        }
+                    }
+                }
+            }
+        },
+    );
+}
