@@ -81,3 +81,30 @@ pub fn smoke_config(data: &Path, out: &Path, extra: &[&str]) -> ExperimentConfig
         Err(e) => panic!("smoke config: {e}"),
     }
 }
+
+fn env_is_1(name: &str) -> bool {
+    std::env::var(name).as_deref() == Ok("1")
+}
+
+/// Readies the CUDA path for test `test`: the CPU emulator of CUDA unless a
+/// real GPU is there (or HEADROOM_REQUIRE_GPU=1 demands one), and NVRTC.
+/// False, with one line, when NVRTC is missing and HEADROOM_REQUIRE_NVRTC
+/// is not set (a machine with only Rust); call it before anything touches
+/// the CUDA driver.
+pub fn cuda_path_available(test: &str) -> bool {
+    if !env_is_1("HEADROOM_REQUIRE_GPU")
+        && (env_is_1("HEADROOM_CUDA_EMULATE") || !headroom_cuda_emu::real_gpu_present())
+    {
+        if let Err(e) = headroom_cuda_emu::install() {
+            panic!("the CUDA emulator is unavailable: {e}");
+        }
+    }
+    match headroom_model::cuda::libs::ensure_nvrtc() {
+        Ok(_) => true,
+        Err(e) if !env_is_1("HEADROOM_REQUIRE_NVRTC") => {
+            eprintln!("{test}: SKIPPED: {e}");
+            false
+        }
+        Err(e) => panic!("HEADROOM_REQUIRE_NVRTC=1 but {e}"),
+    }
+}

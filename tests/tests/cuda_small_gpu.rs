@@ -5,7 +5,7 @@
 //! its own). Skipped on a real GPU, whose size this test cannot choose.
 
 use headroom_pipeline::{train, TrainOptions};
-use headroom_tests::{smoke_config, write_synthetic_fashion_mnist};
+use headroom_tests::{cuda_path_available, smoke_config, write_synthetic_fashion_mnist};
 
 #[test]
 fn a_small_gpu_gets_the_low_memory_profile_and_trains() {
@@ -14,15 +14,7 @@ fn a_small_gpu_gets_the_low_memory_profile_and_trains() {
         return;
     }
     std::env::set_var("HEADROOM_CUDA_EMU_MEMORY", (2u64 << 30).to_string());
-    if let Err(e) = headroom_cuda_emu::install() {
-        panic!("the CUDA emulator is unavailable: {e}");
-    }
-    if let Err(e) = headroom_model::cuda::libs::ensure_nvrtc() {
-        assert!(
-            std::env::var("HEADROOM_REQUIRE_NVRTC").as_deref() != Ok("1"),
-            "HEADROOM_REQUIRE_NVRTC=1 but {e}"
-        );
-        eprintln!("cuda_small_gpu: SKIPPED: {e}");
+    if !cuda_path_available("cuda_small_gpu") {
         return;
     }
     let data = tempfile::tempdir().unwrap();

@@ -5,35 +5,11 @@
 //! skips with one line unless HEADROOM_REQUIRE_NVRTC=1 (CI).
 
 use headroom_pipeline::{checkpoint, train, Resume, TrainOptions};
-use headroom_tests::{smoke_config, write_synthetic_fashion_mnist};
-
-fn env_is_1(name: &str) -> bool {
-    std::env::var(name).as_deref() == Ok("1")
-}
-
-/// Installs the emulator unless a real GPU is there (or required); false
-/// (with one line) when NVRTC is missing and not required.
-fn gpu_path_available() -> bool {
-    if !env_is_1("HEADROOM_REQUIRE_GPU")
-        && (env_is_1("HEADROOM_CUDA_EMULATE") || !headroom_cuda_emu::real_gpu_present())
-    {
-        if let Err(e) = headroom_cuda_emu::install() {
-            panic!("the CUDA emulator is unavailable: {e}");
-        }
-    }
-    match headroom_model::cuda::libs::ensure_nvrtc() {
-        Ok(_) => true,
-        Err(e) if !env_is_1("HEADROOM_REQUIRE_NVRTC") => {
-            eprintln!("cuda_training: SKIPPED: {e}");
-            false
-        }
-        Err(e) => panic!("HEADROOM_REQUIRE_NVRTC=1 but {e}"),
-    }
-}
+use headroom_tests::{cuda_path_available, smoke_config, write_synthetic_fashion_mnist};
 
 #[test]
 fn a_run_on_the_gpu_path_trains_checkpoints_and_resumes_on_the_cpu() {
-    if !gpu_path_available() {
+    if !cuda_path_available("cuda_training") {
         return;
     }
     let data = tempfile::tempdir().unwrap();

@@ -24,6 +24,22 @@ struct XentReduceParams {
 };
 HR_CHECK_SIZE(XentReduceParams, 4);
 
+// log(sum_j exp(x_j)) over one row of k f16 values, by the 32 lanes of a
+// warp (each lane's partial sums in index order, then the warp reduction):
+// every lane gets the result.
+__device__ __forceinline__ float row_logsumexp(const hr_half* x, u32 k, u32 lane) {
+    float mx = hr_neg_inf();
+    for (u32 j = lane; j < k; j += 32) {
+        mx = fmaxf(mx, h2f(x[j]));
+    }
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (u32 j = lane; j < k; j += 32) {
+        sum += expf(h2f(x[j]) - mx);
+    }
+    return mx + logf(warp_sum(sum));
+}
+
 extern "C" __global__ void softmax_xent(XentParams p, const hr_half* __restrict__ logits,
                                         const u32* __restrict__ labels,
                                         float* __restrict__ row_loss,
@@ -40,21 +56,12 @@ extern "C" __global__ void softmax_xent(XentParams p, const hr_half* __restrict_
     const float off = p.smoothing / (float)k;
     const float on = 1.0f - p.smoothing + off;
 
-    float mx = hr_neg_inf();
+    const float lse = row_logsumexp(x, k, lane);
+    float dot = 0.0f;
     for (u32 j = lane; j < k; j += 32) {
-        mx = fmaxf(mx, h2f(x[j]));
+        dot += (j == label ? on : off) * h2f(x[j]);
     }
-    mx = warp_max(mx);
-
-    float sum = 0.0f, dot = 0.0f;
-    for (u32 j = lane; j < k; j += 32) {
-        const float v = h2f(x[j]);
-        sum += expf(v - mx);
-        dot += (j == label ? on : off) * v;
-    }
-    sum = warp_sum(sum);
     dot = warp_sum(dot);
-    const float lse = mx + logf(sum);
     // An out-of-range label (the host validates labels it uploads) poisons
     // the row instead of reading out of bounds.
     const bool valid = label < k;
@@ -99,23 +106,14 @@ extern "C" __global__ void softmax_xent_soft(XentParams p, const hr_half* __rest
     const hr_half* x = logits + row * k;
     const float* t = targets + row * k;
 
-    float mx = hr_neg_inf();
+    const float lse = row_logsumexp(x, k, lane);
+    float dot = 0.0f, mass = 0.0f;
     for (u32 j = lane; j < k; j += 32) {
-        mx = fmaxf(mx, h2f(x[j]));
-    }
-    mx = warp_max(mx);
-
-    float sum = 0.0f, dot = 0.0f, mass = 0.0f;
-    for (u32 j = lane; j < k; j += 32) {
-        const float v = h2f(x[j]);
-        sum += expf(v - mx);
-        dot += t[j] * v;
+        dot += t[j] * h2f(x[j]);
         mass += t[j];
     }
-    sum = warp_sum(sum);
     dot = warp_sum(dot);
     mass = warp_sum(mass);
-    const float lse = mx + logf(sum);
 
     for (u32 j = lane; j < k; j += 32) {
         const float prob = expf(h2f(x[j]) - lse);
