@@ -78,6 +78,35 @@ fn evaluation_bar(batches: usize) -> indicatif::ProgressBar {
     bar
 }
 
+/// A CPU learner for `config`'s model holding the state `saved` (read from
+/// `path`, named in errors), evaluating `micro_batch` samples at a time.
+pub fn restored_cpu_learner(
+    config: &ExperimentConfig,
+    saved: checkpoint::Checkpoint,
+    path: &Path,
+    micro_batch: usize,
+) -> Result<CpuLearner> {
+    let mut learner = CpuLearner::new(
+        &config.model,
+        config.run.seed,
+        StepSettings::from_config(config),
+        micro_batch,
+        MemoryPool::new(Device::Cpu),
+    )?;
+    learner
+        .restore(LearnerState {
+            params: saved.params,
+            buffers: saved.buffers,
+            optimizer: saved.optimizer,
+            loss_scale: saved.loss_scale,
+        })
+        .map_err(|reason| PipelineError::Checkpoint {
+            path: path.to_path_buf(),
+            reason,
+        })?;
+    Ok(learner)
+}
+
 #[derive(Clone, Debug)]
 pub struct EvalReport {
     pub checkpoint: PathBuf,
@@ -108,25 +137,8 @@ pub fn evaluate_checkpoint(
         config.data.dir = data_dir;
     }
     config.train.batch_size = batch;
-    let mut learner = CpuLearner::new(
-        &config.model,
-        config.run.seed,
-        StepSettings::from_config(&config),
-        batch,
-        MemoryPool::new(Device::Cpu),
-    )?;
     let (epoch, step) = (saved.meta.epoch, saved.meta.step);
-    learner
-        .restore(LearnerState {
-            params: saved.params,
-            buffers: saved.buffers,
-            optimizer: saved.optimizer,
-            loss_scale: saved.loss_scale,
-        })
-        .map_err(|reason| PipelineError::Checkpoint {
-            path: path.to_path_buf(),
-            reason,
-        })?;
+    let mut learner = restored_cpu_learner(&config, saved, path, batch)?;
     let (_, test_set) = data::open_splits(&config, false)?;
     let loader = DataLoader::new(test_set, data::loader_config(&config, false)?)?;
     let evaluation = evaluate(&mut learner, &loader)?;

@@ -13,11 +13,10 @@ use headroom_loader::{
     TextWindows, INDEX_FILE,
 };
 use headroom_model::init::InitRng;
-use headroom_model::memory::MemoryPool;
-use headroom_model::{Device, Mode, Network, TokenInput};
+use headroom_model::{Mode, Network, TokenInput};
 
 use crate::config::{ExperimentConfig, TextConfig};
-use crate::learner::{CpuLearner, Learner, LearnerState, StepSettings};
+use crate::learner::{CpuLearner, Learner};
 use crate::{checkpoint, data, PipelineError, Result, RunSummary};
 
 /// Windows per shard: small enough that a store of a small corpus has
@@ -296,26 +295,7 @@ pub fn write_report(config: &ExperimentConfig, summary: &RunSummary) -> Result<T
 }
 
 fn learner_from_checkpoint(config: &ExperimentConfig, path: &Path) -> Result<CpuLearner> {
-    let saved = checkpoint::load(path)?;
-    let mut learner = CpuLearner::new(
-        &config.model,
-        config.run.seed,
-        StepSettings::from_config(config),
-        1,
-        MemoryPool::new(Device::Cpu),
-    )?;
-    learner
-        .restore(LearnerState {
-            params: saved.params,
-            buffers: saved.buffers,
-            optimizer: saved.optimizer,
-            loss_scale: saved.loss_scale,
-        })
-        .map_err(|reason| PipelineError::Checkpoint {
-            path: path.to_path_buf(),
-            reason,
-        })?;
-    Ok(learner)
+    crate::eval::restored_cpu_learner(config, checkpoint::load(path)?, path, 1)
 }
 
 /// `count` bytes continuing `prompt`, each drawn from the model's
