@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use headroom_loader::{IdxDataset, ShardSize, Split};
+use headroom_pipeline::config::TestTimeAugmentation;
 use headroom_pipeline::{rundir, train, ExperimentConfig, Overrides, Resume, TrainOptions};
 use tracing_subscriber::EnvFilter;
 
@@ -143,6 +144,10 @@ enum Command {
         data_dir: Option<PathBuf>,
         #[arg(long, default_value_t = 256)]
         batch: usize,
+        /// Test-time augmentation: "none" or "flip" (default: the run's
+        /// eval.tta).
+        #[arg(long)]
+        tta: Option<String>,
     },
     /// Write a checkpoint's weights for other tools (safetensors: names as in
     /// the model spec, layouts in the file's metadata).
@@ -521,9 +526,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
             checkpoint,
             data_dir,
             batch,
+            tta,
         } => {
+            let tta = tta.as_deref().map(parse_tta).transpose()?;
             let report =
-                headroom_pipeline::eval::evaluate_checkpoint(&checkpoint, data_dir, batch)?;
+                headroom_pipeline::eval::evaluate_checkpoint(&checkpoint, data_dir, batch, tta)?;
             print_eval(&report);
             Ok(ExitCode::SUCCESS)
         }
@@ -641,6 +648,14 @@ fn gpu_check() -> Result<()> {
         bail!("gpu-check failed: see the report and the test output above");
     }
     Ok(())
+}
+
+fn parse_tta(text: &str) -> Result<TestTimeAugmentation> {
+    match text {
+        "none" => Ok(TestTimeAugmentation::None),
+        "flip" => Ok(TestTimeAugmentation::Flip),
+        other => bail!("--tta {other}: expected \"none\" or \"flip\""),
+    }
 }
 
 fn print_eval(report: &headroom_pipeline::eval::EvalReport) {

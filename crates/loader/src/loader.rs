@@ -163,6 +163,27 @@ impl Batch {
         }
     }
 
+    /// The batch with every image mirrored left to right, for flip
+    /// test-time augmentation; labels and targets unchanged.
+    pub fn mirrored(&self) -> Batch {
+        let [_, _, width, channels] = self.shape;
+        let row = (width * channels).max(1);
+        let mut pixels = Vec::with_capacity(self.pixels.len());
+        for line in self.pixels.chunks_exact(row) {
+            for x in (0..width).rev() {
+                pixels.extend_from_slice(&line[x * channels..(x + 1) * channels]);
+            }
+        }
+        Batch {
+            epoch: self.epoch,
+            index: self.index,
+            shape: self.shape,
+            pixels,
+            labels: self.labels.clone(),
+            soft_targets: self.soft_targets.clone(),
+        }
+    }
+
     /// The batch in consecutive parts of at most `size` samples (at least
     /// one). A batch that fits whole is lent as it is, not copied.
     pub fn micro_batches(&self, size: usize) -> impl Iterator<Item = Cow<'_, Batch>> {

@@ -668,3 +668,30 @@ fn micro_batches_cover_the_batch_in_order_and_lend_a_whole_one() {
     assert!(matches!(whole[0], std::borrow::Cow::Borrowed(_)));
     assert_eq!(batch.micro_batches(0).count(), 5, "a size of 0 means 1");
 }
+
+#[test]
+fn a_mirrored_batch_reverses_each_row_keeping_channels_together() {
+    // Two samples of 2 rows x 3 columns x 2 channels: pixel (y, x) holds
+    // channels [10y + x, 100 + 10y + x], so a reversed channel order shows.
+    let sample: Vec<u8> = (0..2)
+        .flat_map(|y| (0..3).flat_map(move |x| [10 * y + x, 100 + 10 * y + x]))
+        .collect();
+    let batch = Batch {
+        epoch: 1,
+        index: 2,
+        shape: [2, 2, 3, 2],
+        pixels: [sample.clone(), sample].concat(),
+        labels: vec![4, 5],
+        soft_targets: None,
+    };
+    let mirrored = batch.mirrored();
+    let row0 = &mirrored.sample(1)[..6];
+    assert_eq!(row0, &[2, 102, 1, 101, 0, 100]);
+    assert_eq!(&mirrored.sample(0)[6..], &[12, 112, 11, 111, 10, 110]);
+    assert_eq!(mirrored.labels, batch.labels);
+    assert_eq!(
+        mirrored.mirrored().pixels,
+        batch.pixels,
+        "mirroring twice is the identity"
+    );
+}

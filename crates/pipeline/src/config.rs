@@ -32,6 +32,10 @@ pub struct ExperimentConfig {
     pub memory: MemoryConfig,
     pub model: ModelSpec,
     pub train: TrainConfig,
+    /// How the test split is evaluated; left out of the serialised config
+    /// when default (fingerprints of earlier runs unchanged).
+    #[serde(default, skip_serializing_if = "EvalConfig::is_default")]
+    pub eval: EvalConfig,
     pub optimizer: OptimizerConfig,
     pub schedule: ScheduleConfig,
     #[serde(default)]
@@ -415,6 +419,32 @@ fn default_accumulate() -> usize {
     1
 }
 
+/// `[eval]`: how the test split is scored.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EvalConfig {
+    /// Test-time augmentation.
+    #[serde(default)]
+    pub tta: TestTimeAugmentation,
+}
+
+impl EvalConfig {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// `eval.tta`.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum TestTimeAugmentation {
+    /// Score each image as it is.
+    #[default]
+    None,
+    /// Average the class probabilities of each image and its mirror image.
+    Flip,
+}
+
 /// `train.loss`.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -779,6 +809,12 @@ impl ExperimentConfig {
             ));
         }
         non_negative("train.clip_norm", self.train.clip_norm as f64)?;
+        if self.eval.tta == TestTimeAugmentation::Flip && self.model.tokens.is_some() {
+            return Err(PipelineError::value(
+                "eval.tta",
+                "\"flip\" mirrors images; a token model (model.tokens) has none: leave it \"none\"",
+            ));
+        }
         positive("optimizer.lr", self.optimizer.lr as f64)?;
         non_negative("optimizer.weight_decay", self.optimizer.weight_decay as f64)?;
         if self.augment.crop_padding > self.model.input[0].min(self.model.input[1]) {

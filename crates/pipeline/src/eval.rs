@@ -5,12 +5,12 @@
 
 use std::path::{Path, PathBuf};
 
-use headroom_loader::DataLoader;
+use headroom_loader::{Batch, DataLoader};
 use headroom_model::memory::MemoryPool;
 use headroom_model::Device;
 
-use crate::config::ExperimentConfig;
-use crate::learner::{CpuLearner, Learner, LearnerState, StepSettings};
+use crate::config::{ExperimentConfig, TestTimeAugmentation};
+use crate::learner::{arg_max, CpuLearner, EvalResult, Learner, LearnerState, StepSettings};
 use crate::{checkpoint, data, PipelineError, Result};
 
 /// One pass over a test loader.
@@ -25,15 +25,23 @@ pub struct Evaluation {
     pub confusion: Vec<Vec<u64>>,
 }
 
-/// Evaluates `learner` on every batch of `loader` (epoch 0, in order).
-pub fn evaluate(learner: &mut dyn Learner, loader: &DataLoader) -> Result<Evaluation> {
+/// Evaluates `learner` on every batch of `loader` (epoch 0, in order), with
+/// test-time augmentation `tta`.
+pub fn evaluate(
+    learner: &mut dyn Learner,
+    loader: &DataLoader,
+    tta: TestTimeAugmentation,
+) -> Result<Evaluation> {
     let classes = learner.num_classes();
     let bar = evaluation_bar(loader.batches_per_epoch());
     let mut confusion = vec![vec![0u64; classes]; classes];
     let (mut loss_sum, mut seen, mut scored) = (0.0f64, 0usize, 0usize);
     for batch in loader.epoch(0, 0) {
         let batch = batch?;
-        let result = learner.eval_batch(&batch)?;
+        let result = match tta {
+            TestTimeAugmentation::None => learner.eval_batch(&batch)?,
+            TestTimeAugmentation::Flip => eval_with_mirror(learner, &batch)?,
+        };
         loss_sum += result.loss_sum;
         // A token model predicts every position of a text window: its
         // predictions are compared with each window's next bytes.
@@ -61,6 +69,31 @@ pub fn evaluate(learner: &mut dyn Learner, loader: &DataLoader) -> Result<Evalua
         loss: (loss_sum / seen.max(1) as f64) as f32,
         accuracy: correct as f32 / scored.max(1) as f32,
         confusion,
+    })
+}
+
+/// The batch scored by the mean of the class probabilities of each image
+/// and its mirror image: the loss is the cross-entropy of that mean.
+fn eval_with_mirror(learner: &mut dyn Learner, batch: &Batch) -> Result<EvalResult> {
+    let classes = learner.num_classes();
+    let mut probabilities = learner.eval_probabilities(batch)?;
+    let mirrored = learner.eval_probabilities(&batch.mirrored())?;
+    probabilities
+        .iter_mut()
+        .zip(&mirrored)
+        .for_each(|(p, q)| *p = 0.5 * (*p + *q));
+    let rows = probabilities.chunks_exact(classes.max(1));
+    let loss_sum = rows
+        .clone()
+        .zip(&batch.labels)
+        .map(|(row, &label)| {
+            let p = row.get(label as usize).copied().unwrap_or(0.0);
+            -f64::from(p.max(f32::MIN_POSITIVE)).ln()
+        })
+        .sum();
+    Ok(EvalResult {
+        loss_sum,
+        predictions: rows.map(arg_max).collect(),
     })
 }
 
@@ -121,11 +154,12 @@ pub struct EvalReport {
 
 /// Evaluates `path` on the test split of the experiment that wrote it (its
 /// data directory replaced by `data_dir` when given), `batch` samples at a
-/// time.
+/// time, with the run's test-time augmentation unless `tta` says otherwise.
 pub fn evaluate_checkpoint(
     path: &Path,
     data_dir: Option<PathBuf>,
     batch: usize,
+    tta: Option<TestTimeAugmentation>,
 ) -> Result<EvalReport> {
     let saved = checkpoint::load(path)?;
     let mut config: ExperimentConfig =
@@ -137,11 +171,15 @@ pub fn evaluate_checkpoint(
         config.data.dir = data_dir;
     }
     config.train.batch_size = batch;
+    if let Some(tta) = tta {
+        config.eval.tta = tta;
+        config.validate()?;
+    }
     let (epoch, step) = (saved.meta.epoch, saved.meta.step);
     let mut learner = restored_cpu_learner(&config, saved, path, batch)?;
     let (_, test_set) = data::open_splits(&config, false)?;
     let loader = DataLoader::new(test_set, data::loader_config(&config, false)?)?;
-    let evaluation = evaluate(&mut learner, &loader)?;
+    let evaluation = evaluate(&mut learner, &loader, config.eval.tta)?;
     Ok(EvalReport {
         checkpoint: path.to_path_buf(),
         epoch,

@@ -194,7 +194,13 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         (_, Some(last)) => (Some(last.test_loss), Some(last.test_accuracy)),
         (Finish::Stopped, None) => (None, None),
         (Finish::Completed, None) => {
-            let test = pool.install(|| evaluate(run.trainee.learner.as_mut(), &run.test_loader))?;
+            let test = pool.install(|| {
+                evaluate(
+                    run.trainee.learner.as_mut(),
+                    &run.test_loader,
+                    config.eval.tta,
+                )
+            })?;
             (Some(test.loss), Some(test.accuracy))
         }
     };
@@ -476,7 +482,7 @@ fn run_epoch(
             return Ok(None);
         }
     }
-    let test = evaluate(trainee.learner.as_mut(), test_loader)?;
+    let test = evaluate(trainee.learner.as_mut(), test_loader, config.eval.tta)?;
     let position = &mut trainee.position;
     let progress = std::mem::take(&mut position.progress);
     position.epoch += 1;

@@ -57,3 +57,19 @@ fn run_name_cannot_leave_the_runs_directory() {
         assert!(err.contains("run.name"), "{name}: {err}");
     }
 }
+
+#[test]
+fn test_time_augmentation_is_named_when_it_cannot_apply() {
+    let err = load(&["eval.tta=rotate"]).unwrap_err();
+    assert!(err.contains("eval.tta"), "{err}");
+    let tiny_gpt = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments/tiny_gpt.toml");
+    let flip = Overrides::parse(&["eval.tta=flip".to_string()]).unwrap();
+    let err = ExperimentConfig::load(&tiny_gpt, &flip)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("eval.tta") && err.contains("token model"),
+        "{err}"
+    );
+    assert!(load(&["eval.tta=flip"]).is_ok());
+}

@@ -167,6 +167,15 @@ fn a_checkpoint_moves_between_gpu_and_cpu() {
         (loss.0 - loss.1).abs() <= 2e-2 * loss.1,
         "eval loss {loss:?}"
     );
+    // Test-time augmentation reads class probabilities: f16 logits put them
+    // within a few thousandths of the CPU's.
+    let probabilities = (
+        back.eval_probabilities(&batch(9)).unwrap(),
+        cpu.eval_probabilities(&batch(9)).unwrap(),
+    );
+    assert_eq!(probabilities.0.len(), 8 * 4);
+    let apart = relative_l2(&probabilities.0, &probabilities.1);
+    assert!(apart < 1e-2, "probabilities differ by {apart}");
 }
 
 #[test]

@@ -1,13 +1,18 @@
 //! The CPU learner behind the training loop's seam: a skipped step leaves
 //! everything as it was (batch-norm statistics included), a refused restore
-//! changes nothing, and snapshot + restore continue bit for bit.
+//! changes nothing, snapshot + restore continue bit for bit, and flip
+//! test-time augmentation scores an image and its mirror image alike.
 
 mod common;
 
 use common::{bits, settings};
-use headroom_loader::Batch;
+use std::sync::Arc;
+
+use headroom_loader::{Batch, DataLoader, Dataset, LoaderConfig, LoaderError, SyntheticDataset};
 use headroom_model::memory::MemoryPool;
 use headroom_model::{Device, ModelSpec};
+use headroom_pipeline::config::TestTimeAugmentation;
+use headroom_pipeline::eval::{evaluate, Evaluation};
 use headroom_pipeline::learner::{CpuLearner, Learner, StepSettings};
 
 const MODEL: &str = r#"
@@ -125,4 +130,88 @@ fn focal_loss_reaches_the_step_when_configured() {
         focal_loss < ce_loss,
         "focal {focal_loss}, cross-entropy {ce_loss}"
     );
+}
+
+#[test]
+fn class_probabilities_agree_with_the_evaluation() {
+    let mut learner = learner(4);
+    learner.train_batch(&batch(0), 1e-2).unwrap();
+    let batch = batch(1);
+    let evaluated = learner.eval_batch(&batch).unwrap();
+    let probabilities = learner.eval_probabilities(&batch).unwrap();
+    assert_eq!(probabilities.len(), batch.len() * 3);
+    let mut loss_sum = 0.0f64;
+    for ((row, &label), &predicted) in probabilities
+        .chunks_exact(3)
+        .zip(&batch.labels)
+        .zip(&evaluated.predictions)
+    {
+        assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5, "{row:?}");
+        assert_eq!(headroom_pipeline::learner::arg_max(row), predicted);
+        loss_sum -= f64::from(row[label as usize]).ln();
+    }
+    assert!(
+        (loss_sum - evaluated.loss_sum).abs() < 1e-4 * evaluated.loss_sum,
+        "{loss_sum} against {}",
+        evaluated.loss_sum
+    );
+}
+
+/// Synthetic 8×8 images, or the same images mirrored left to right.
+struct Images {
+    inner: SyntheticDataset,
+    mirrored: bool,
+}
+
+impl Dataset for Images {
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn sample_shape(&self) -> [usize; 3] {
+        self.inner.sample_shape()
+    }
+    fn num_classes(&self) -> usize {
+        self.inner.num_classes()
+    }
+    fn read(&self, index: usize, out: &mut [u8]) -> Result<u32, LoaderError> {
+        let label = self.inner.read(index, out)?;
+        if self.mirrored {
+            out.chunks_exact_mut(8).for_each(|row| row.reverse());
+        }
+        Ok(label)
+    }
+}
+
+fn evaluation(learner: &mut CpuLearner, mirrored: bool, tta: TestTimeAugmentation) -> Evaluation {
+    let images = Images {
+        inner: SyntheticDataset::new(20, [8, 8, 1], 3),
+        mirrored,
+    };
+    let config = LoaderConfig {
+        batch_size: 6,
+        ..LoaderConfig::default()
+    };
+    let loader = DataLoader::new(Arc::new(images), config).unwrap();
+    evaluate(learner, &loader, tta).unwrap()
+}
+
+#[test]
+fn flip_test_time_augmentation_scores_an_image_and_its_mirror_alike() {
+    let mut learner = learner(5);
+    for i in 0..4 {
+        learner.train_batch(&batch(i), 1e-2).unwrap();
+    }
+    let plain = evaluation(&mut learner, false, TestTimeAugmentation::None);
+    let plain_mirrored = evaluation(&mut learner, true, TestTimeAugmentation::None);
+    assert_ne!(
+        plain.loss, plain_mirrored.loss,
+        "the model is not symmetric"
+    );
+    let flip = evaluation(&mut learner, false, TestTimeAugmentation::Flip);
+    let flip_mirrored = evaluation(&mut learner, true, TestTimeAugmentation::Flip);
+    // Averaging over {x, mirror(x)} cannot tell x from mirror(x).
+    assert!((flip.loss - flip_mirrored.loss).abs() < 1e-6);
+    assert_eq!(flip.confusion, flip_mirrored.confusion);
+    assert_eq!(flip.samples, 20);
+    assert_ne!(flip.loss, plain.loss, "flip scored the mirror images too");
 }

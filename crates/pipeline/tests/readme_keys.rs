@@ -15,6 +15,7 @@ fn keys_in_code() -> BTreeSet<String> {
         "augment.rand_augment.magnitude=9".into(),
         "model.checkpoint=blocks".into(),
         "text.package=fortunes-min".into(),
+        "eval.tta=flip".into(),
     ])
     .unwrap();
     let config =

@@ -17,7 +17,7 @@ use headroom_model::memory::{try_scratch, MemoryPool};
 use headroom_model::{Mode, ModelSpec, Network, PoolStats, Tensor, TokenInput};
 use headroom_optim::{clip_grad_norm, grad_norm, AdamW};
 
-use super::{EvalResult, Learner, LearnerState, StepResult, StepSettings};
+use super::{softmax_rows, EvalResult, Learner, LearnerState, StepResult, StepSettings};
 use crate::Result;
 
 /// The f32 CPU learner.
@@ -233,7 +233,7 @@ impl CpuLearner {
 }
 
 /// The index of the largest value (the first of equals).
-pub(super) fn arg_max(row: &[f32]) -> u32 {
+pub fn arg_max(row: &[f32]) -> u32 {
     (0..row.len()).fold(0, |best, k| if row[k] > row[best] { k } else { best }) as u32
 }
 
@@ -288,6 +288,21 @@ impl Learner for CpuLearner {
     fn eval_batch(&mut self, batch: &Batch) -> Result<EvalResult> {
         let pool = Arc::clone(&self.pool);
         pool.scope(|| self.eval_in_scope(batch))
+    }
+
+    fn eval_probabilities(&mut self, batch: &Batch) -> Result<Vec<f32>> {
+        let pool = Arc::clone(&self.pool);
+        pool.scope(|| {
+            let classes = self.network.num_classes();
+            let mut probabilities = Vec::with_capacity(batch.len() * classes);
+            for part in batch.micro_batches(self.micro_batch) {
+                let prepared = self.prepare(&part)?;
+                let logits = self.network.forward(&prepared.input, Mode::Eval)?;
+                probabilities.extend_from_slice(logits.data());
+            }
+            softmax_rows(&mut probabilities, classes);
+            Ok(probabilities)
+        })
     }
 
     fn micro_batch(&self) -> usize {

@@ -24,7 +24,7 @@ use headroom_model::{ModelError, ModelSpec, PoolStats};
 use headroom_optim::{AdamWState, FusedAdamW, LossScaler, LossScalerConfig, StepOutcome};
 
 use super::cpu::arg_max;
-use super::{EvalResult, Learner, LearnerState, StepResult, StepSettings};
+use super::{softmax_rows, EvalResult, Learner, LearnerState, StepResult, StepSettings};
 use crate::{PipelineError, Result};
 
 /// GPU-specific settings.
@@ -237,6 +237,18 @@ impl Learner for CudaLearner {
                 .extend(values.chunks_exact(classes).map(arg_max));
         }
         Ok(result)
+    }
+
+    fn eval_probabilities(&mut self, batch: &Batch) -> Result<Vec<f32>> {
+        let classes = self.network.num_classes();
+        let mut probabilities = Vec::with_capacity(batch.len() * classes);
+        for part in batch.micro_batches(self.micro_batch) {
+            let staged = self.stage(&part)?;
+            let logits = cuda(self.network.forward_eval(&self.be, &staged.images))?;
+            probabilities.extend(cuda(logits.to_host(&self.be))?);
+        }
+        softmax_rows(&mut probabilities, classes);
+        Ok(probabilities)
     }
 
     fn micro_batch(&self) -> usize {

@@ -14,7 +14,7 @@
 mod cpu;
 mod cuda;
 
-pub use cpu::{per_token_loss, CpuLearner};
+pub use cpu::{arg_max, per_token_loss, CpuLearner};
 pub use cuda::{CudaLearner, CudaOptions};
 
 use std::sync::Arc;
@@ -98,6 +98,11 @@ pub trait Learner: Send {
 
     /// Inference on `batch` in micro-batches; changes nothing.
     fn eval_batch(&mut self, batch: &Batch) -> Result<EvalResult>;
+
+    /// The class probabilities (softmax of the scores) of every sample of
+    /// `batch`, `[n, classes]` row-major, in micro-batches; changes nothing.
+    /// Test-time augmentation averages these over views of a batch.
+    fn eval_probabilities(&mut self, batch: &Batch) -> Result<Vec<f32>>;
 
     fn micro_batch(&self) -> usize;
     fn set_micro_batch(&mut self, size: usize);
@@ -199,5 +204,18 @@ pub fn open(
                 on_cpu(settings)
             }
         },
+    }
+}
+
+/// Each row of `classes` scores replaced by its softmax, in place.
+pub(crate) fn softmax_rows(scores: &mut [f32], classes: usize) {
+    for row in scores.chunks_exact_mut(classes.max(1)) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for v in row.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        row.iter_mut().for_each(|v| *v /= sum);
     }
 }
