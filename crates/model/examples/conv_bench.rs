@@ -6,7 +6,8 @@
 //!
 //! THREADS sizes rayon's pool (default: one per core), SHAPE (an index into
 //! SHAPES, or `all`) times one shape only. ALGORITHMS (default
-//! `direct,auto`) are timed side by side, alternating shape by shape, so
+//! `direct,auto`; `/avx2` after a name keeps the AVX2 tiles on an AVX-512
+//! CPU, e.g. `auto/avx2,auto`) are timed side by side, alternating shape by shape, so
 //! that both see the same machine load; `winograd` forces Winograd on every
 //! shape it can take. FLOP/s count the direct convolution's arithmetic
 //! (direct-convolution-equivalent), so Winograd can pass the FMA peak.
@@ -14,7 +15,9 @@
 use std::time::Instant;
 
 use headroom_model::init::InitRng;
-use headroom_model::layers::{set_conv_algorithm, Conv2d, ConvAlgorithm};
+use headroom_model::layers::{
+    set_conv_algorithm, set_cpu_kernels, Conv2d, ConvAlgorithm, CpuKernels,
+};
 use headroom_model::{Layer, Mode, Tensor};
 
 /// (h, w, cin, cout, kernel, stride, count in the network)
@@ -62,14 +65,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .next()
         .unwrap_or_else(|| "direct,auto".into())
         .split(',')
-        .map(|a| match a {
-            "direct" => Ok(ConvAlgorithm::Direct),
-            "winograd" => Ok(ConvAlgorithm::Winograd),
-            "auto" => Ok(ConvAlgorithm::Auto),
-            other => Err(format!(
-                "unknown algorithm {other:?} (direct, winograd, auto)"
-            )),
-        })
+        .map(parse_variant)
         .collect::<Result<Vec<_>, _>>()?;
     println!(
         "conv bench: batch {batch}, {} threads, best of the timed runs after 3 warm-up runs; \
@@ -78,7 +74,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let mut totals = vec![Totals::default(); algorithms.len()];
     println!(
-        "{:<24} {:>9} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7}",
+        "{:<24} {:>11} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7}",
         "shape",
         "algorithm",
         "count",
@@ -105,8 +101,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // Backward = input gradient + weight gradient, each a forward's worth.
         let bwd_flop = 2.0 * fwd_flop;
         let reps = ((20e9 / fwd_flop) as usize).clamp(5, 50);
-        for (&algorithm, totals) in algorithms.iter().zip(totals.iter_mut()) {
-            set_conv_algorithm(algorithm);
+        for ((algorithm, kernels, label), totals) in algorithms.iter().zip(totals.iter_mut()) {
+            set_conv_algorithm(*algorithm);
+            set_cpu_kernels(*kernels);
             let (mut fwd, mut bwd, mut fwd_cpu, mut bwd_cpu) = (vec![], vec![], vec![], vec![]);
             for rep in 0..reps + 3 {
                 let (t, c) = (Instant::now(), cpu_seconds());
@@ -135,8 +132,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let (fc, bc) = (per_cpu(fwd_flop, fwd_cpu), per_cpu(bwd_flop, bwd_cpu));
             let name = format!("{h}x{w}x{cin} -> {cout} {k}x{k}/{stride}");
             println!(
-            "{name:<24} {:>9} {count:>5} {f:>8.2} {:>8.1} {fc:>8.1} {b:>8.2} {:>8.1} {bc:>8.1} {:>7.2}",
-            format!("{algorithm:?}").to_lowercase(),
+            "{name:<24} {label:>11} {count:>5} {f:>8.2} {:>8.1} {fc:>8.1} {b:>8.2} {:>8.1} {bc:>8.1} {:>7.2}",
             fwd_flop / f / 1e6,
             bwd_flop / b / 1e6,
             (fwd_flop + bwd_flop) / 1e9
@@ -148,11 +144,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             totals.cpu += count as f64 * (fwd_flop / fc + bwd_flop / bc);
         }
     }
-    for (algorithm, t) in algorithms.iter().zip(&totals) {
+    for ((_, _, label), t) in algorithms.iter().zip(&totals) {
         println!(
-            "{:>9}: all convs of the network, one step: forward {:.1} ms + backward {:.1} ms \
+            "{label:>11}: all convs of the network, one step: forward {:.1} ms + backward {:.1} ms \
              = {:.1} ms, {:.1} GFLOP, {:.1} GFLOP/s ({:.1} GFLOP per CPU-second)",
-            format!("{algorithm:?}").to_lowercase(),
             t.fwd_ms,
             t.bwd_ms,
             t.ms,
@@ -162,6 +157,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     Ok(())
+}
+
+/// "direct", "winograd" or "auto", with "/avx2" to keep the AVX2 tiles on
+/// an AVX-512 CPU: the algorithm, the kernels and the label to print.
+fn parse_variant(text: &str) -> Result<(ConvAlgorithm, CpuKernels, String), String> {
+    let (name, kernels) = match text.strip_suffix("/avx2") {
+        Some(name) => (name, CpuKernels::Avx2),
+        None => (text, CpuKernels::Auto),
+    };
+    let algorithm = match name {
+        "direct" => ConvAlgorithm::Direct,
+        "winograd" => ConvAlgorithm::Winograd,
+        "auto" => ConvAlgorithm::Auto,
+        other => {
+            return Err(format!(
+                "unknown algorithm {other:?} (direct, winograd, auto; add /avx2 for the AVX2 tiles)"
+            ))
+        }
+    };
+    Ok((algorithm, kernels, text.to_string()))
 }
 
 /// One algorithm's sums over the network's convolutions.

@@ -30,7 +30,10 @@ pub use activation::Relu;
 pub use attention::CausalSelfAttention;
 pub use batchnorm::BatchNorm2d;
 pub use checkpointed::Checkpointed;
-pub use conv::{conv_algorithm, set_conv_algorithm, Conv2d, ConvAlgorithm};
+pub use conv::{
+    conv_algorithm, cpu_kernels, set_conv_algorithm, set_cpu_kernels, Conv2d, ConvAlgorithm,
+    CpuKernels,
+};
 pub use conv_lstm::ConvLstm;
 pub use dropout::Dropout;
 pub use embedding::Embedding;

@@ -113,6 +113,45 @@ pub fn conv_algorithm() -> ConvAlgorithm {
     from_env
 }
 
+/// Which micro-kernels the direct and Winograd paths may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuKernels {
+    /// The widest the CPU has: AVX-512 tiles where it exists, else AVX2+FMA.
+    Auto,
+    /// AVX2+FMA tiles even where AVX-512 exists (benchmarks compare them).
+    Avx2,
+}
+
+/// 0 = not yet read from the environment, 1 = Auto, 2 = Avx2.
+static KERNELS: AtomicU8 = AtomicU8::new(0);
+
+/// Chooses the micro-kernels for every convolution of this process from now
+/// on. Results do not change (the kernels agree bit for bit); speed does.
+pub fn set_cpu_kernels(kernels: CpuKernels) {
+    let code = match kernels {
+        CpuKernels::Auto => 1,
+        CpuKernels::Avx2 => 2,
+    };
+    KERNELS.store(code, Ordering::Relaxed);
+}
+
+/// The kernels in force: set by `set_cpu_kernels`, else by the environment
+/// variable HEADROOM_CPU_KERNELS (`auto` or `avx2`), else `Auto`.
+pub fn cpu_kernels() -> CpuKernels {
+    match KERNELS.load(Ordering::Relaxed) {
+        1 => CpuKernels::Auto,
+        2 => CpuKernels::Avx2,
+        _ => {
+            let from_env = match std::env::var("HEADROOM_CPU_KERNELS").as_deref() {
+                Ok("avx2") => CpuKernels::Avx2,
+                _ => CpuKernels::Auto,
+            };
+            set_cpu_kernels(from_env);
+            from_env
+        }
+    }
+}
+
 /// Whether this convolution runs through Winograd: a fixed rule, not a
 /// timing at start, because the two algorithms round differently and a
 /// choice by timing would make a run's numbers depend on the machine's load.
@@ -617,6 +656,10 @@ mod direct {
 
     pub const MR: usize = 6;
     pub const NR: usize = 16;
+    /// The AVX-512 tile's columns, and its rows at most: 2·MR_WIDE of the
+    /// 32 zmm registers accumulate.
+    pub const WIDE: usize = 32;
+    pub const MR_WIDE: usize = 12;
 
     /// Steps per pass over the rows (see `tiles`).
     const PASS_STEPS: usize = 768;
@@ -657,6 +700,22 @@ mod direct {
         columns % NR == 0 && simd::available()
     }
 
+    /// The columns one tile writes for a product with `columns` columns
+    /// (which `supports`): WIDE where the CPU has AVX-512 (two zmm
+    /// registers per row; `super::cpu_kernels` can forbid it) and the
+    /// columns come in 32s, else NR. Both kernels do the same fused
+    /// multiply-adds in the same order per output, so they agree bit for bit.
+    pub fn tile_width(columns: usize) -> usize {
+        let wide = columns % WIDE == 0
+            && super::cpu_kernels() == super::CpuKernels::Auto
+            && simd::wide_available();
+        if wide {
+            WIDE
+        } else {
+            NR
+        }
+    }
+
     /// Runs tiles over `rows`: row r walks `a` from rows[r].0 and writes 16
     /// floats at dst + rows[r].1 (`dst_len` floats are valid from dst).
     ///
@@ -665,17 +724,19 @@ mod direct {
     /// inside `a` and `b` (checked in debug builds), and the 16 floats at
     /// dst + rows[r].1 are inside dst_len, writable, distinct between rows,
     /// and overlap nothing that is read.
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn tiles(
         rows: &[(usize, usize)],
         a: &[f32],
         b: &[f32],
         st: &Steps,
+        width: usize,
         dst: *mut f32,
         dst_len: usize,
         init: Init,
     ) {
         if cfg!(debug_assertions) {
-            check_walk(rows, a.len(), b.len(), st, dst_len);
+            check_walk(rows, a.len(), b.len(), st, width, dst_len);
         }
         let (a, b) = (a.as_ptr(), b.as_ptr());
         // Segments run in passes of at most PASS_STEPS steps over all rows,
@@ -693,7 +754,8 @@ mod direct {
                 ..*st
             };
             let mut at = 0;
-            for n in split_rows(rows.len()) {
+            let mr = if width == WIDE { MR_WIDE } else { MR };
+            for n in split_rows(rows.len(), mr) {
                 let t = &rows[at..at + n];
                 at += n;
                 // SAFETY: forwarded from the caller.
@@ -702,16 +764,32 @@ mod direct {
                     let dp = |r: usize| dst.add(t[r].1);
                     macro_rules! tile {
                         ($m:literal) => {
-                            simd::tile::<$m>(
-                                std::array::from_fn(ap),
-                                b,
-                                &pass,
-                                std::array::from_fn(dp),
-                                init,
-                            )
+                            if width == WIDE {
+                                simd::tile_wide::<$m>(
+                                    std::array::from_fn(ap),
+                                    b,
+                                    &pass,
+                                    std::array::from_fn(dp),
+                                    init,
+                                )
+                            } else {
+                                simd::tile::<$m>(
+                                    std::array::from_fn(ap),
+                                    b,
+                                    &pass,
+                                    std::array::from_fn(dp),
+                                    init,
+                                )
+                            }
                         };
                     }
                     match t.len() {
+                        12 => tile!(12),
+                        11 => tile!(11),
+                        10 => tile!(10),
+                        9 => tile!(9),
+                        8 => tile!(8),
+                        7 => tile!(7),
                         6 => tile!(6),
                         5 => tile!(5),
                         4 => tile!(4),
@@ -730,7 +808,14 @@ mod direct {
 
     /// Debug builds (the tests) check every walk against its slices, so that
     /// a geometry bug fails loudly instead of reading out of bounds.
-    fn check_walk(rows: &[(usize, usize)], a_len: usize, b_len: usize, st: &Steps, dst_len: usize) {
+    fn check_walk(
+        rows: &[(usize, usize)],
+        a_len: usize,
+        b_len: usize,
+        st: &Steps,
+        width: usize,
+        dst_len: usize,
+    ) {
         let span = |off: isize, step: isize| {
             let last = off + (st.len as isize - 1) * step;
             (off.min(last), off.max(last))
@@ -738,7 +823,7 @@ mod direct {
         for &(a_off, b_off) in st.segs.iter().filter(|_| st.len > 0) {
             let (lo, hi) = span(b_off, st.b_step);
             assert!(
-                lo >= 0 && hi + NR as isize <= b_len as isize,
+                lo >= 0 && hi + width as isize <= b_len as isize,
                 "b walk out of bounds"
             );
             let (lo, hi) = span(a_off, st.a_step);
@@ -751,7 +836,7 @@ mod direct {
             }
         }
         assert!(
-            rows.iter().all(|&(_, d)| d + NR <= dst_len),
+            rows.iter().all(|&(_, d)| d + width <= dst_len),
             "dst out of bounds"
         );
     }
@@ -863,7 +948,8 @@ mod direct {
         with_scratch(x.len(), |xs| {
             xs.copy_from_slice(x);
             let x = &*xs;
-            for co0 in (0..g.cout).step_by(NR) {
+            let width = tile_width(g.cout);
+            for co0 in (0..g.cout).step_by(width) {
                 let init = match bias {
                     // SAFETY: co0 + 16 <= cout = bias.len().
                     Some(b) => Init::Bias(unsafe { b.as_ptr().add(co0) }),
@@ -884,6 +970,7 @@ mod direct {
                             x,
                             &w[co0..],
                             &steps,
+                            width,
                             out.add(co0),
                             out_len - co0,
                             init,
@@ -964,7 +1051,8 @@ mod direct {
         with_scratch(dy.len(), |dys| {
             dys.copy_from_slice(dy);
             let dy = &*dys;
-            for ci0 in (0..g.cin).step_by(NR) {
+            let width = tile_width(g.cin);
+            for ci0 in (0..g.cin).step_by(width) {
                 for class in &classes {
                     let steps = Steps {
                         segs: &class.segs,
@@ -981,6 +1069,7 @@ mod direct {
                             dy,
                             &wt[ci0..],
                             &steps,
+                            width,
                             dx.add(ci0),
                             dx_len - ci0,
                             Init::Zero,
@@ -994,21 +1083,21 @@ mod direct {
     /// Splits `n` rows into tiles of at most MR, none smaller than needed:
     /// a tile of 1-2 rows keeps too few accumulators in flight to hide the
     /// FMA latency, so 32 = 6+6+5+5+5+5, not 6·5+2.
-    pub(super) fn split_rows(n: usize) -> Vec<usize> {
-        // As many tiles of 6 as leave a multiple of 5 (10 accumulators still
-        // cover the FMA latency); 4 + 3 for the few counts below 20 where
-        // that fails.
-        let fives = (MR - n % MR) % MR;
-        if 5 * fives <= n {
-            let mut v = vec![MR; (n - 5 * fives) / MR];
-            v.extend(std::iter::repeat_n(5, fives));
+    pub(super) fn split_rows(n: usize, mr: usize) -> Vec<usize> {
+        // As many tiles of mr as leave a multiple of mr - 1 (10 accumulators
+        // of 6 rows still cover the FMA latency); two halves of mr + r for
+        // the few counts where that fails.
+        let shorter = (mr - n % mr) % mr;
+        if (mr - 1) * shorter <= n {
+            let mut v = vec![mr; (n - (mr - 1) * shorter) / mr];
+            v.extend(std::iter::repeat_n(mr - 1, shorter));
             v
         } else {
-            let mut v = vec![MR; n / MR];
-            let r = n % MR;
-            if (1..=3).contains(&r) && v.pop().is_some() {
-                v.push((MR + r).div_ceil(2));
-                v.push((MR + r) / 2);
+            let mut v = vec![mr; n / mr];
+            let r = n % mr;
+            if (1..=mr / 2).contains(&r) && v.pop().is_some() {
+                v.push((mr + r).div_ceil(2));
+                v.push((mr + r) / 2);
             } else if r > 0 {
                 v.push(r);
             }
@@ -1071,7 +1160,8 @@ mod direct {
                         let tap = ky * g.k + kx;
                         rows.clear();
                         rows.extend((0..g.cin).map(|ci| (ci, (tap * g.cin + ci) * g.cout)));
-                        for co0 in (0..g.cout).step_by(NR) {
+                        let width = tile_width(g.cout);
+                        for co0 in (0..g.cout).step_by(width) {
                             // SAFETY: row ci reads x_c at a segment's pixel +
                             // ci < cin; dY columns co0..co0+16 of the segment's
                             // pixels; dW is read and written only through dst
@@ -1082,6 +1172,7 @@ mod direct {
                                     x_c,
                                     &dy_c[co0..],
                                     &steps,
+                                    width,
                                     dw.as_mut_ptr().add(co0),
                                     dw.len() - co0,
                                     Init::Accumulate,
@@ -1157,7 +1248,8 @@ mod direct {
                 // (oh-1)·s and steps to column (ow-1)·s; a row's offset adds
                 // at most k-1 rows, k-1 columns and cin-1: inside cc padded
                 // images. dY: cc·opix rows of cout, columns co0..co0+16.
-                for co0 in (0..g.cout).step_by(NR) {
+                let width = tile_width(g.cout);
+                for co0 in (0..g.cout).step_by(width) {
                     // SAFETY: as argued above; dW is read and written only
                     // through dst (Init::Accumulate), one row per tile row.
                     unsafe {
@@ -1166,6 +1258,7 @@ mod direct {
                             xpad,
                             &dy_c[co0..],
                             &steps,
+                            width,
                             dw.as_mut_ptr().add(co0),
                             dw.len() - co0,
                             Init::Accumulate,
@@ -1184,6 +1277,60 @@ mod direct {
 
         pub fn available() -> bool {
             is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        }
+
+        pub fn wide_available() -> bool {
+            is_x86_feature_detected!("avx512f")
+        }
+
+        /// As `tile`, for 32 columns: two zmm accumulators per row. The same
+        /// multiply-adds in the same order per output as `tile`.
+        ///
+        /// # Safety
+        /// AVX-512F is available and every address is valid for 32 columns
+        /// (see `super::tiles`).
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn tile_wide<const M: usize>(
+            a: [*const f32; M],
+            b: *const f32,
+            st: &Steps,
+            dst: [*mut f32; M],
+            init: Init,
+        ) {
+            // SAFETY: the caller's contract covers every pointer used here.
+            unsafe {
+                let mut acc = [[_mm512_setzero_ps(); 2]; M];
+                match init {
+                    Init::Zero => {}
+                    Init::Accumulate => {
+                        for r in 0..M {
+                            acc[r] = [_mm512_loadu_ps(dst[r]), _mm512_loadu_ps(dst[r].add(16))];
+                        }
+                    }
+                    Init::Bias(p) => {
+                        acc = [[_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))]; M];
+                    }
+                }
+                for &(a_off, b_off) in st.segs {
+                    let mut ia = a_off;
+                    let mut pb = b.offset(b_off);
+                    for _ in 0..st.len {
+                        let b0 = _mm512_loadu_ps(pb);
+                        let b1 = _mm512_loadu_ps(pb.add(16));
+                        for r in 0..M {
+                            let av = _mm512_set1_ps(*a[r].offset(ia));
+                            acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
+                            acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+                        }
+                        ia += st.a_step;
+                        pb = pb.wrapping_offset(st.b_step);
+                    }
+                }
+                for r in 0..M {
+                    _mm512_storeu_ps(dst[r], acc[r][0]);
+                    _mm512_storeu_ps(dst[r].add(16), acc[r][1]);
+                }
+            }
         }
 
         /// dst[r][0..16] = init + Σ_segments Σ_i a[r][a_off + i·a_step] · b[b_off + i·b_step ..][..16]
@@ -1249,6 +1396,33 @@ mod direct {
 
         pub fn available() -> bool {
             false
+        }
+
+        pub fn wide_available() -> bool {
+            false
+        }
+
+        /// Never chosen here (`wide_available`); two 16-column tiles.
+        ///
+        /// # Safety
+        /// Every address is valid for 32 columns (see `super::tiles`).
+        pub unsafe fn tile_wide<const M: usize>(
+            a: [*const f32; M],
+            b: *const f32,
+            st: &Steps,
+            dst: [*mut f32; M],
+            init: Init,
+        ) {
+            let right = match init {
+                // SAFETY: the bias has 32 floats here.
+                Init::Bias(p) => Init::Bias(unsafe { p.add(16) }),
+                other => other,
+            };
+            // SAFETY: forwarded from the caller; columns 16..32 are valid.
+            unsafe {
+                tile(a, b, st, dst, init);
+                tile(a, b.add(16), st, dst.map(|d| d.add(16)), right);
+            }
         }
 
         /// Portable reference of the x86 kernel.
@@ -1995,18 +2169,21 @@ mod tests {
 
     #[test]
     fn conv_tiles_split_rows_without_tiny_tails() {
-        for n in 0..300 {
-            let split = direct::split_rows(n);
-            assert_eq!(split.iter().sum::<usize>(), n, "{n}: {split:?}");
-            assert!(
-                split.iter().all(|&t| (1..=direct::MR).contains(&t)),
-                "{n}: {split:?}"
-            );
-            if n >= 3 {
-                assert!(split.iter().all(|&t| t >= 3), "{n}: {split:?}");
+        for mr in [direct::MR, direct::MR_WIDE] {
+            for n in 0..300 {
+                let split = direct::split_rows(n, mr);
+                assert_eq!(split.iter().sum::<usize>(), n, "{n}: {split:?}");
+                assert!(
+                    split.iter().all(|&t| (1..=mr).contains(&t)),
+                    "{n}: {split:?}"
+                );
+                if n >= mr / 2 {
+                    assert!(split.iter().all(|&t| t >= mr / 2), "{n}: {split:?}");
+                }
             }
         }
-        assert_eq!(direct::split_rows(32), vec![6, 6, 5, 5, 5, 5]);
+        assert_eq!(direct::split_rows(32, direct::MR_WIDE), vec![12, 12, 8]);
+        assert_eq!(direct::split_rows(32, direct::MR), vec![6, 6, 5, 5, 5, 5]);
     }
 
     #[test]

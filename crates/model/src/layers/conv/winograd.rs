@@ -542,7 +542,8 @@ fn convolve_images(
                     let a = &v[xi * inputs..count * XI * inputs];
                     let b = &u[xi * inputs * outputs..][..inputs * outputs];
                     let dst = &mut m[xi * outputs..count * XI * outputs];
-                    for co0 in (0..outputs).step_by(NR) {
+                    let width = direct::tile_width(outputs);
+                    for co0 in (0..outputs).step_by(width) {
                         // SAFETY: the caller checked `direct::supports`; row t
                         // reads V[t][ξ][0..inputs] and writes M[t][ξ][co0..+16],
                         // its own; U[ξ] is inputs × outputs with co0 + 16 <= outputs.
@@ -552,6 +553,7 @@ fn convolve_images(
                                 a,
                                 &b[co0..],
                                 &steps,
+                                width,
                                 dst.as_mut_ptr().add(co0),
                                 dst.len() - co0,
                                 Init::Zero,
@@ -625,7 +627,8 @@ pub(super) fn grad_weight(g: &Geom, x_g: &[f32], dy_g: &[f32], imgs: usize, dw: 
                         let a = &v[xi * block * cin..][..count * cin];
                         let b = &z[xi * block * cout..][..count * cout];
                         let dst = &mut du[xi * cin * cout..][..cin * cout];
-                        for co0 in (0..cout).step_by(NR) {
+                        let width = direct::tile_width(cout);
+                        for co0 in (0..cout).step_by(width) {
                             // SAFETY: the caller checked `direct::supports`; row ci
                             // walks V[ξ][·][ci] over `count` tiles and
                             // Z[ξ][·][co0..+16]; it accumulates into
@@ -636,6 +639,7 @@ pub(super) fn grad_weight(g: &Geom, x_g: &[f32], dy_g: &[f32], imgs: usize, dw: 
                                     a,
                                     &b[co0..],
                                     &steps,
+                                    width,
                                     dst.as_mut_ptr().add(co0),
                                     dst.len() - co0,
                                     Init::Accumulate,
