@@ -23,6 +23,9 @@ pub struct BenchArgs<'a> {
     pub steps: usize,
     pub json: bool,
     pub compare_torch: bool,
+    /// Both sides limited to AVX2+FMA on an AVX-512 CPU, to stand in for an
+    /// AVX2-only machine (Zen 3, say) in the same run.
+    pub avx2_only: bool,
 }
 
 #[derive(Debug, Deserialize, Serialize)]
@@ -50,12 +53,13 @@ struct Row {
 struct Report {
     machine_peak_gflops: f64,
     threads: usize,
+    avx2_only: bool,
     rows: Vec<Row>,
     loader: Option<StoreBench>,
 }
 
 pub fn run(args: &BenchArgs, experiment: &ExperimentConfig) -> Result<()> {
-    let peak = bench::peak_gflops(args.threads);
+    let peak = bench::peak_gflops(args.threads, args.avx2_only);
     let mut rows = Vec::new();
     for &batch in args.batches {
         let headroom = step_in_subprocess(args, batch)?;
@@ -85,6 +89,7 @@ pub fn run(args: &BenchArgs, experiment: &ExperimentConfig) -> Result<()> {
     let report = Report {
         machine_peak_gflops: peak,
         threads: args.threads,
+        avx2_only: args.avx2_only,
         rows,
         loader,
     };
@@ -123,6 +128,9 @@ fn step_in_subprocess(args: &BenchArgs, batch: usize) -> Result<StepBench> {
     for pair in args.overrides {
         command.args(["--set", pair]);
     }
+    if args.avx2_only {
+        command.env("HEADROOM_CPU_KERNELS", "avx2");
+    }
     let output = command.output().context("running bench-step")?;
     if !output.status.success() {
         bail!(
@@ -145,6 +153,11 @@ fn torch_step(args: &BenchArgs, batch: usize) -> Result<Option<TorchStep>> {
     }
     let mut command = Command::new("python3");
     command.arg(script);
+    if args.avx2_only {
+        // ATen's vectorised kernels and oneDNN's convolutions, both held to AVX2.
+        command.env("ATEN_CPU_CAPABILITY", "avx2");
+        command.env("ONEDNN_MAX_CPU_ISA", "AVX2");
+    }
     if args.gpu {
         command.args(["--device", "cuda"]);
     } else {
@@ -184,9 +197,14 @@ fn print_table(report: &Report) {
         .rows
         .first()
         .map_or("?", |r| r.headroom.conv_algorithm.as_str());
+    let isa = if report.avx2_only {
+        "; both sides held to AVX2+FMA"
+    } else {
+        ""
+    };
     println!(
         "training step, reference model, {} threads; machine peak {:.0} GFLOP/s (measured FMA loop); \
-         convolutions: {algorithm}",
+         convolutions: {algorithm}{isa}",
         report.threads, report.machine_peak_gflops
     );
     println!(

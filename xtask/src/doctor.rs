@@ -19,7 +19,7 @@ pub fn run() -> Result<()> {
     println!("vectors    {}", vector_extensions().join(" "));
     println!(
         "fp32 peak  {:.0} GFLOP/s on {cores} threads (measured FMA loop)",
-        peak_gflops(cores)
+        peak_gflops(cores, false)
     );
     let total = system_memory_bytes();
     println!(

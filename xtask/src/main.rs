@@ -97,6 +97,10 @@ enum Command {
         /// Time the loader alone: shards with cache 1 and 2, full load, and IDX in memory.
         #[arg(long)]
         loader: bool,
+        /// Hold headroom and PyTorch to AVX2+FMA (and the peak to the AVX2
+        /// FMA loop): an AVX2-only machine's comparison on an AVX-512 one.
+        #[arg(long)]
+        avx2_only: bool,
     },
     /// One loader configuration as a JSON line (used by `bench --loader`).
     #[command(hide = true)]
@@ -460,6 +464,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             compare_torch,
             loader,
             device,
+            avx2_only,
         } => {
             if !matches!(device.as_str(), "cpu" | "cuda") {
                 bail!("--device: expected cpu or cuda, got {device:?}");
@@ -487,6 +492,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 steps,
                 json,
                 compare_torch,
+                avx2_only,
             };
             done(bench::run(&args, &experiment))
         }

@@ -114,11 +114,11 @@ fn synthetic_batch(config: &ExperimentConfig, n: usize, classes: usize) -> Batch
 }
 
 /// The machine's FP32 multiply-add peak on `threads` threads, in GFLOP/s.
-pub fn peak_gflops(threads: usize) -> f64 {
+pub fn peak_gflops(threads: usize, avx2_only: bool) -> f64 {
     let per_thread = Duration::from_millis(300);
     let flops: f64 = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
-            .map(|_| scope.spawn(move || fma_loop(per_thread)))
+            .map(|_| scope.spawn(move || fma_loop(per_thread, avx2_only)))
             .collect();
         handles.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
     });
@@ -126,10 +126,10 @@ pub fn peak_gflops(threads: usize) -> f64 {
 }
 
 /// FLOP/s of one thread running independent FMA chains for `time`.
-fn fma_loop(time: Duration) -> f64 {
+fn fma_loop(time: Duration, avx2_only: bool) -> f64 {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if !avx2_only && std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU supports AVX-512F (checked just above).
             return unsafe { fma::avx512(time) };
         }

@@ -207,7 +207,7 @@ fn transform_filter(
 }
 
 /// Defines `$name` as a function that runs `$body` compiled for AVX-512 or
-/// AVX2 where the CPU has them (the element-wise transforms vectorise
+/// AVX2 where the CPU has them (AVX-512 unless `cpu_kernels` says AVX2) (the element-wise transforms vectorise
 /// wider), and as portable code elsewhere. The body has no intrinsics and
 /// no fused multiply-adds, so every version computes the same bits.
 macro_rules! multiversioned {
@@ -226,7 +226,8 @@ macro_rules! multiversioned {
                 unsafe fn avx2($($arg: $ty),*) {
                     body($($arg),*)
                 }
-                if std::arch::is_x86_feature_detected!("avx512f") {
+                let wide_allowed = super::cpu_kernels() == super::CpuKernels::Auto;
+                if wide_allowed && std::arch::is_x86_feature_detected!("avx512f") {
                     // SAFETY: the CPU has AVX-512F (checked just above).
                     return unsafe { avx512($($arg),*) };
                 }
