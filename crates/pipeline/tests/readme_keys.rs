@@ -15,6 +15,9 @@ fn keys_in_code() -> BTreeSet<String> {
         "augment.rand_augment.magnitude=9".into(),
         "model.checkpoint=blocks".into(),
         "text.package=fortunes-min".into(),
+        "frames.train_sequences=1".into(),
+        "frames.test_sequences=1".into(),
+        "model.frames=1".into(),
     ])
     .unwrap();
     let config =
