@@ -689,10 +689,16 @@ fn print_summary(experiment: &ExperimentConfig, summary: &headroom_pipeline::Run
         .unwrap_or_else(|| "unknown".into());
     println!();
     println!("== {} ==", experiment.run.name);
-    match (summary.test_accuracy, summary.test_loss, summary.test_baseline_loss) {
+    match (
+        summary.test_accuracy,
+        summary.test_loss,
+        summary.test_baseline_loss,
+    ) {
         (_, Some(loss), Some(baseline)) => {
             println!("test loss       {loss:.5} (per-pixel MSE of the next frame)");
-            println!("copy-last       {baseline:.5} (the same loss, predicting the last frame seen)");
+            println!(
+                "copy-last       {baseline:.5} (the same loss, predicting the last frame seen)"
+            );
         }
         (Some(accuracy), Some(loss), None) => {
             println!("test accuracy   {:.2}%", accuracy * 100.0);

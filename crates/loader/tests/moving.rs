@@ -98,7 +98,10 @@ fn garments_stay_inside_move_and_bounce() {
                 .count();
         }
     }
-    assert!(turned > 100, "garments bounce off the edges ({turned} turns)");
+    assert!(
+        turned > 100,
+        "garments bounce off the edges ({turned} turns)"
+    );
 }
 
 #[test]
@@ -170,6 +173,9 @@ fn bad_sources_and_sizes_are_named() {
         sequences: 1,
         seed: 0,
     };
-    let err = MovingFashionMnist::new(source, config).err().unwrap().to_string();
+    let err = MovingFashionMnist::new(source, config)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("size") && err.contains("6-px"), "{err}");
 }

@@ -13,8 +13,7 @@ use crate::init::InitRng;
 use crate::layers::{
     BatchNorm2d, CausalSelfAttention, Checkpointed, Conv2d, ConvLstm, Dropout, Embedding, Flatten,
     Gelu, GlobalAvgPool, LayerNorm, Linear, LoraConfig, LoraLinear, Lstm, PerFrame, PerPosition,
-    Relu,
-    Residual, Silu, UnetSkip, Upsample2x,
+    Relu, Residual, Silu, UnetSkip, Upsample2x,
 };
 use crate::{Device, Layer, MemoryPool, Mode, ModelError, Param, PoolStats, Result, Tensor};
 
@@ -1039,7 +1038,9 @@ fn build_one(
             if !(3..=4).contains(&shape.len()) {
                 return Err(spec_error(
                     path,
-                    format!("unet_skip needs an image [h, w, c] or frames [t, h, w, c], got {shape:?}"),
+                    format!(
+                        "unet_skip needs an image [h, w, c] or frames [t, h, w, c], got {shape:?}"
+                    ),
                 ));
             }
             let mut inner = shape.to_vec();

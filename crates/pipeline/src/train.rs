@@ -498,8 +498,7 @@ fn run_epoch(
         // sample; a frame model has none to count.
         train_accuracy: config.model.frames.is_none().then(|| {
             progress.correct as f32
-                / (progress.seen * config.model.tokens.map_or(1, |t| t.length as u64)).max(1)
-                    as f32
+                / (progress.seen * config.model.tokens.map_or(1, |t| t.length as u64)).max(1) as f32
         }),
         test_loss: test.loss,
         test_accuracy: test.accuracy,

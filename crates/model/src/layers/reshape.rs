@@ -345,7 +345,10 @@ mod tests {
         let x = random_tensor(&[2, 3, 4, 4, 2], 8);
         let y = frames.forward(&x, Mode::Eval).unwrap();
         assert_eq!(y.shape(), &[2, 3, 2, 2, 3]);
-        assert_eq!(frames.output_shape(&[3, 4, 4, 2]).unwrap(), vec![3, 2, 2, 3]);
+        assert_eq!(
+            frames.output_shape(&[3, 4, 4, 2]).unwrap(),
+            vec![3, 2, 2, 3]
+        );
         // Frame (sample 1, step 2) is image 5 of the folded batch.
         let frame = Tensor::from_vec(&[1, 4, 4, 2], x.data()[5 * 32..6 * 32].to_vec()).unwrap();
         let alone = plain.forward(&frame, Mode::Eval).unwrap();
