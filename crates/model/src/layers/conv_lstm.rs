@@ -18,6 +18,7 @@
 //!   is the time-step analogue of `Checkpointed`: one more convolution per
 //!   step, (C + 5·Hc)/Hc times less kept per step; the gradients are the
 //!   same bit for bit (the rerun computes the same values).
+//!
 //! Backward goes from the last step, carrying dh and dc as the LSTM does;
 //! the convolution's input gradient splits into dx_t and dh_{t−1}. Each
 //! step's saved tensors are dropped as soon as its backward is done.

@@ -225,7 +225,6 @@ impl Geom {
 }
 
 impl Conv2d {
-    #[allow(clippy::too_many_arguments)]
     /// Keeps `input` as a training forward on it would, without computing
     /// the output: for a layer that runs one convolution at many steps
     /// (`conv_lstm`), keeps each step's input itself and hands it back
@@ -234,6 +233,7 @@ impl Conv2d {
         self.saved_input = Some(input);
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         name: &str,
         in_channels: usize,
