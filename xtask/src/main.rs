@@ -665,12 +665,25 @@ fn parse_tta(text: &str) -> Result<TestTimeAugmentation> {
 }
 
 fn print_eval(report: &headroom_pipeline::eval::EvalReport) {
+    let Some(accuracy) = report.accuracy else {
+        // A frame model: a regression, scored against copying the last frame.
+        println!(
+            "{} (epoch {}, step {}): test loss {:.5} (per-pixel MSE), copy-last-frame baseline {:.5}, on {} sequences",
+            report.checkpoint.display(),
+            report.epoch,
+            report.step,
+            report.loss,
+            report.baseline_loss.unwrap_or(f32::NAN),
+            report.samples
+        );
+        return;
+    };
     println!(
         "{} (epoch {}, step {}): test accuracy {:.2}%, loss {:.4} on {} samples",
         report.checkpoint.display(),
         report.epoch,
         report.step,
-        report.accuracy * 100.0,
+        accuracy * 100.0,
         report.loss,
         report.samples
     );
@@ -697,8 +710,18 @@ fn print_summary(experiment: &ExperimentConfig, summary: &headroom_pipeline::Run
         .unwrap_or_else(|| "unknown".into());
     println!();
     println!("== {} ==", experiment.run.name);
-    match (summary.test_accuracy, summary.test_loss) {
-        (Some(accuracy), Some(loss)) => {
+    match (
+        summary.test_accuracy,
+        summary.test_loss,
+        summary.test_baseline_loss,
+    ) {
+        (_, Some(loss), Some(baseline)) => {
+            println!("test loss       {loss:.5} (per-pixel MSE of the next frame)");
+            println!(
+                "copy-last       {baseline:.5} (the same loss, predicting the last frame seen)"
+            );
+        }
+        (Some(accuracy), Some(loss), None) => {
             println!("test accuracy   {:.2}%", accuracy * 100.0);
             println!("test loss       {loss:.4}");
         }

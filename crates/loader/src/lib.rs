@@ -12,6 +12,9 @@
 //!   so that a small shard cache reads each shard once.
 //! - [`TextWindows`]: byte-level text as next-token windows of `length + 1`
 //!   bytes (u8 samples `[1, length + 1, 1]`), packed and read like images.
+//! - [`MovingFashionMnist`]: sequences of garments bouncing in a frame,
+//!   drawn on the fly from (seed, sample index), frames stacked along the
+//!   height of one u8 sample.
 //! - Augmentations: random crop, flip, RandAugment, and batch-level Mixup /
 //!   CutMix with soft targets.
 //! - Randomness is counter-based: the order of epoch `e` is a function of
@@ -25,6 +28,7 @@ mod error;
 mod idx;
 mod loader;
 mod mix;
+mod moving;
 mod randaugment;
 mod rng;
 mod sampler;
@@ -37,6 +41,7 @@ pub use dataset::{Dataset, MemoryUsage, ShardLayout};
 pub use error::LoaderError;
 pub use idx::{IdxDataset, Split};
 pub use loader::{Batch, DataLoader, EpochIter, LoaderConfig, LoaderMemory, LoaderState};
+pub use moving::{GarmentPath, MovingConfig, MovingFashionMnist};
 pub use sampler::ShuffleMode;
 pub use sharded::{CacheStats, ShardCacheConfig, ShardedDataset, PLAN_WAIT};
 pub use store::{

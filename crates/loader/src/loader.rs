@@ -219,6 +219,24 @@ impl Batch {
         }
         (inputs, targets)
     }
+
+    /// For a batch of frame sequences (samples of `frames + 1` frames
+    /// stacked along the height, see [`crate::MovingFashionMnist`]): the
+    /// model's input, the first `frames` frames of each sample, and its
+    /// targets, the last `frames` (each frame's successor); both
+    /// `n * frames * frame_len` bytes, sample after sample.
+    pub fn next_frame_pairs(&self, frames: usize) -> (Vec<u8>, Vec<u8>) {
+        let sample_len = self.shape[1] * self.shape[2] * self.shape[3];
+        let frame_len = sample_len / (frames + 1);
+        let kept = frames * frame_len;
+        let mut inputs = Vec::with_capacity(self.len() * kept);
+        let mut targets = Vec::with_capacity(self.len() * kept);
+        for sample in self.pixels.chunks_exact(sample_len.max(1)) {
+            inputs.extend_from_slice(&sample[..kept]);
+            targets.extend_from_slice(&sample[sample_len - kept..]);
+        }
+        (inputs, targets)
+    }
 }
 
 /// What the workers and the iterators share.

@@ -12,6 +12,7 @@ pub(crate) const DOMAIN_SHARD_ORDER: u64 = 0x5348_4152_444f_5244; // "SHARDORD"
 pub(crate) const DOMAIN_SHARD_BLOCK: u64 = 0x5348_4152_4442_4c4b; // "SHARDBLK"
 pub(crate) const DOMAIN_RANDAUG: u64 = 0x5241_4e44_4155_4731; // "RANDAUG1"
 pub(crate) const DOMAIN_MIX: u64 = 0x4d49_5843_5554_4d31; // "MIXCUTM1"
+pub(crate) const DOMAIN_MOVING: u64 = 0x4d4f_5649_4e47_3031; // "MOVING01"
 
 /// The SplitMix64 output function (a strong 64-bit mixer).
 #[inline]

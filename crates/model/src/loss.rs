@@ -6,6 +6,13 @@
 //! around its maximum (log-sum-exp in f64), so logits of any magnitude are
 //! safe; a non-finite logit gives a non-finite loss and gradient, which the
 //! loss-scaling check downstream relies on seeing.
+//!
+//! `pixel_mse`, for frame prediction: the mean squared error between
+//! predicted pixels and u8 target pixels read as values in [0, 1]. Chosen
+//! over per-pixel BCE with logits because the copy-last-frame baseline,
+//! whose "predictions" are hard 0/1-ish pixel values, has a finite,
+//! comparable MSE (its BCE would hinge on a clamp of log 0), and because
+//! MSE in [0, 1] units reads directly as squared pixel error.
 
 use crate::{ModelError, Result, Tensor};
 
@@ -17,6 +24,42 @@ pub struct LossOutput {
     pub grad: Tensor,
     /// Samples whose arg-max logit is the label (or the target's arg-max).
     pub correct: usize,
+}
+
+/// Mean squared error of `predictions` (any shape) against `targets`, u8
+/// pixels of the same count read as t/255. `correct` is 0: a regression
+/// has no correct predictions to count.
+pub fn pixel_mse(predictions: &Tensor, targets: &[u8]) -> Result<LossOutput> {
+    if predictions.len() != targets.len() || targets.is_empty() {
+        return Err(ModelError::Shape {
+            op: "pixel_mse",
+            expected: format!("{} target pixels", predictions.len()),
+            got: format!("{}", targets.len()),
+        });
+    }
+    let scale = 2.0 / targets.len() as f32;
+    let p = predictions.data();
+    let target = |i: usize| f32::from(targets[i]) / 255.0;
+    let grad = Tensor::try_from_fn(predictions.shape(), |i| scale * (p[i] - target(i)))?;
+    let sum: f64 = (0..p.len())
+        .map(|i| f64::from(p[i] - target(i)).powi(2))
+        .sum();
+    Ok(LossOutput {
+        loss: (sum / targets.len() as f64) as f32,
+        grad,
+        correct: 0,
+    })
+}
+
+/// The same error for u8 predictions (a baseline that copies pixels): the
+/// mean of ((a - b)/255)² over the pixels.
+pub fn pixel_mse_u8(predictions: &[u8], targets: &[u8]) -> f64 {
+    let sum: f64 = predictions
+        .iter()
+        .zip(targets)
+        .map(|(&a, &b)| ((f64::from(a) - f64::from(b)) / 255.0).powi(2))
+        .sum();
+    sum / targets.len().max(1) as f64
 }
 
 fn logits_shape(logits: &Tensor) -> Result<(usize, usize)> {
@@ -546,5 +589,29 @@ mod tests {
         assert!(focal_loss(&logits, &[0], 0.0, 2.0).is_err());
         assert!(focal_loss(&logits, &[0, 3], 0.0, 2.0).is_err());
         assert!(focal_loss(&logits, &[0, 1], 1.0, 2.0).is_err());
+    }
+
+    #[test]
+    fn pixel_mse_gradient_matches_finite_differences() {
+        let x = random(&[2, 3, 2, 2, 1], 21, 0.8);
+        let targets: Vec<u8> = (0..x.len()).map(|i| (i * 37 % 256) as u8).collect();
+        let out = pixel_mse(&x, &targets).unwrap();
+        let numeric = numeric_grad(&x, 1e-2, |x| pixel_mse(x, &targets).unwrap().loss);
+        assert_close(out.grad.data(), &numeric, 1e-2);
+        assert_eq!(out.grad.shape(), x.shape());
+        assert_eq!(out.correct, 0);
+    }
+
+    #[test]
+    fn pixel_mse_reads_targets_in_zero_one_and_matches_the_u8_baseline() {
+        let targets = [0u8, 255, 51, 204];
+        let exact = Tensor::from_vec(&[4], targets.map(|t| t as f32 / 255.0).to_vec()).unwrap();
+        assert!(pixel_mse(&exact, &targets).unwrap().loss < 1e-12);
+        // Predicting 0 everywhere: (0 + 1 + 0.04 + 0.64) / 4.
+        let zeros = Tensor::zeros(&[4]);
+        let loss = pixel_mse(&zeros, &targets).unwrap().loss;
+        assert!((loss - 0.42).abs() < 1e-6, "{loss}");
+        assert!((pixel_mse_u8(&[0; 4], &targets) - 0.42).abs() < 1e-9);
+        assert!(pixel_mse(&zeros, &targets[..3]).is_err());
     }
 }

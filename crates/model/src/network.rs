@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 use crate::init::InitRng;
 use crate::layers::{
     BatchNorm2d, CausalSelfAttention, Checkpointed, Conv2d, ConvLstm, Dropout, Embedding, Flatten,
-    Gelu, GlobalAvgPool, LayerNorm, Linear, LoraConfig, LoraLinear, Lstm, PerPosition, Relu,
-    Residual, Silu, UnetSkip, Upsample2x,
+    Gelu, GlobalAvgPool, LayerNorm, Linear, LoraConfig, LoraLinear, Lstm, PerFrame, PerPosition,
+    Relu, Residual, Silu, UnetSkip, Upsample2x,
 };
 use crate::{Device, Layer, MemoryPool, Mode, ModelError, Param, PoolStats, Result, Tensor};
 
@@ -28,8 +28,10 @@ pub enum CheckpointPolicy {
     /// Each residual block (a top-level `residual`, or a `basic_block`: its
     /// residual and the ReLU after it) keeps only its input and recomputes
     /// the rest in backward: about one more forward of the blocks per step.
+    /// A `conv_lstm` recomputes per time step: it keeps each step's cell
+    /// state only and reruns the step's gates in backward.
     Blocks,
-    /// Every layer is in a checkpointed segment: the blocks as in `blocks`,
+    /// Every layer is in a checkpointed segment (and `conv_lstm` as in `blocks`): the blocks as in `blocks`,
     /// and each run of L consecutive other top-level entries in ⌊√L⌋ segments
     /// of near-equal length. Least memory, one more forward per step.
     All,
@@ -61,6 +63,12 @@ pub struct ModelSpec {
     /// and then left out of the serialised spec (fingerprints unchanged).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens: Option<TokenInput>,
+    /// Frame input: each sample is a sequence of `frames` images of shape
+    /// `input`, fed as [N, frames, h, w, c]; the network predicts the next
+    /// frame at every step and ends in [frames, h, w, c]. Absent for
+    /// images, and then left out of the serialised spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frames: Option<usize>,
     pub layers: Vec<LayerSpec>,
     /// Activation checkpointing; absent means `none`. Left out of the
     /// serialised spec when `none`, so specs written before it existed
@@ -227,13 +235,23 @@ impl Network {
             None => check_pixel_input(spec)?,
             Some(tokens) => check_token_input(spec, tokens)?,
         }
+        check_frame_input(spec)?;
         let mut ctx = BuildContext {
             rng: InitRng::new(seed),
             vocab: spec.tokens.map(|t| t.vocab),
+            checkpoint: spec.checkpoint,
         };
         let mut shape = input_shape(spec);
         let groups = build_groups(&spec.layers, "model.layers", &mut shape, &mut ctx)?;
         let layers = arrange(groups, spec.checkpoint, checkpointed);
+        if spec.frames.is_some() {
+            check_frame_output(spec, &shape)?;
+            return Ok(Self {
+                spec: spec.clone(),
+                layers,
+                output_shape: shape,
+            });
+        }
         let per_token_scores = spec
             .tokens
             .is_some_and(|t| shape.len() == 2 && shape[0] == t.length);
@@ -277,15 +295,16 @@ impl Network {
         input_shape(&self.spec)
     }
 
-    /// Converts a u8 NHWC batch into the normalised input tensor.
+    /// Converts a u8 NHWC batch (frame model: [N, frames, h, w, c]) into
+    /// the normalised input tensor.
     pub fn input_from_u8(&self, batch: usize, pixels: &[u8]) -> Result<Tensor> {
         if self.spec.tokens.is_some() {
             return Err(ModelError::State(
                 "this model reads token ids (model.tokens): use input_from_tokens".into(),
             ));
         }
-        let [h, w, c] = self.spec.input;
-        Tensor::from_u8_normalized(&[batch, h, w, c], pixels, self.spec.mean, self.spec.std)
+        let shape = [vec![batch], self.input_shape()].concat();
+        Tensor::from_u8_normalized(&shape, pixels, self.spec.mean, self.spec.std)
     }
 
     /// Converts `batch` sequences of token ids (row-major [batch, length])
@@ -487,10 +506,37 @@ pub fn measure_step_peak(network: &mut Network, batch: usize) -> Result<u64> {
 }
 
 fn input_shape(spec: &ModelSpec) -> Vec<usize> {
-    match spec.tokens {
-        Some(tokens) => vec![tokens.length],
-        None => spec.input.to_vec(),
+    match (spec.tokens, spec.frames) {
+        (Some(tokens), _) => vec![tokens.length],
+        (None, Some(frames)) => [vec![frames], spec.input.to_vec()].concat(),
+        (None, None) => spec.input.to_vec(),
     }
+}
+
+fn check_frame_input(spec: &ModelSpec) -> Result<()> {
+    match (spec.frames, spec.tokens) {
+        (Some(0), _) => Err(spec_error("model.frames", "must be positive")),
+        (Some(_), Some(_)) => Err(spec_error(
+            "model.frames",
+            "a model reads either frames or token ids (model.tokens), not both",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A frame model predicts a frame like its input at every step.
+fn check_frame_output(spec: &ModelSpec, shape: &[usize]) -> Result<()> {
+    let expected = input_shape(spec);
+    if shape != expected {
+        return Err(spec_error(
+            "model.layers",
+            format!(
+                "a frame model (model.frames) must end in next-frame predictions {expected:?}, \
+                 it ends in {shape:?}"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn check_pixel_input(spec: &ModelSpec) -> Result<()> {
@@ -546,6 +592,8 @@ struct BuildContext {
     rng: InitRng,
     /// `model.tokens.vocab`, for embeddings.
     vocab: Option<usize>,
+    /// `model.checkpoint`, for the layers that recompute within themselves.
+    checkpoint: CheckpointPolicy,
 }
 
 /// The layers one spec entry built, and whether it is a residual block
@@ -792,12 +840,27 @@ pub(crate) fn basic_block_body(channels: usize) -> Vec<LayerSpec> {
     vec![conv.clone(), bn.clone(), LayerSpec::Relu, conv, bn]
 }
 
+/// Image layers that act on every frame of [t, h, w, c] (`PerFrame`).
+fn is_per_frame(spec: &LayerSpec) -> bool {
+    matches!(
+        spec,
+        LayerSpec::Conv { .. } | LayerSpec::BatchNorm { .. } | LayerSpec::Upsample2x
+    )
+}
+
 fn build_one(
     spec: &LayerSpec,
     path: &str,
     shape: &[usize],
     ctx: &mut BuildContext,
 ) -> Result<Vec<Box<dyn Layer>>> {
+    if let ([_, frame @ ..], true) = (shape, shape.len() == 4 && is_per_frame(spec)) {
+        let inner = build_one(spec, path, frame, ctx)?;
+        return Ok(inner
+            .into_iter()
+            .map(|layer| Box::new(PerFrame::new(layer)) as Box<dyn Layer>)
+            .collect());
+    }
     let built: Vec<Box<dyn Layer>> = match spec {
         LayerSpec::Conv {
             out,
@@ -972,10 +1035,18 @@ fn build_one(
             vec![Box::new(Upsample2x::new())]
         }
         LayerSpec::UnetSkip { layers } => {
-            image_channels(path, shape)?;
+            if !(3..=4).contains(&shape.len()) {
+                return Err(spec_error(
+                    path,
+                    format!(
+                        "unet_skip needs an image [h, w, c] or frames [t, h, w, c], got {shape:?}"
+                    ),
+                ));
+            }
             let mut inner = shape.to_vec();
             let body = build_layers(layers, &format!("{path}.layers"), &mut inner, ctx)?;
-            if inner.len() != 3 || inner[..2] != shape[..2] {
+            let lead = shape.len() - 1;
+            if inner.len() != shape.len() || inner[..lead] != shape[..lead] {
                 return Err(spec_error(
                     path,
                     format!("unet_skip body maps {shape:?} to {inner:?}; it must keep the height and width"),
@@ -999,13 +1070,10 @@ fn build_one(
                     format!("must be odd, got {kernel}"),
                 ));
             }
-            vec![Box::new(ConvLstm::new(
-                path,
-                channels,
-                *hidden,
-                *kernel,
-                &mut ctx.rng,
-            )?)]
+            let layer = ConvLstm::new(path, channels, *hidden, *kernel, &mut ctx.rng)?;
+            vec![Box::new(
+                layer.with_step_recompute(!ctx.checkpoint.is_none()),
+            )]
         }
         LayerSpec::TransformerBlock {
             heads,

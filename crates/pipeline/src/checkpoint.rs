@@ -358,6 +358,7 @@ mod tests {
                     layers: vec![headroom_model::LayerSpec::Relu],
                     checkpoint: Default::default(),
                     tokens: None,
+                    frames: None,
                 }),
                 epoch: step / 10,
                 batches_done: (step % 10) as usize,

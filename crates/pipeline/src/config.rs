@@ -22,6 +22,11 @@ pub struct ExperimentConfig {
     /// of image experiments unchanged).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub text: Option<TextConfig>,
+    /// Moving-Fashion-MNIST settings, for `data.format =
+    /// "moving_fashion_mnist"`; absent otherwise and then left out of the
+    /// serialised config.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frames: Option<FramesConfig>,
     #[serde(default)]
     pub augment: AugmentConfig,
     #[serde(default)]
@@ -122,7 +127,8 @@ fn default_log_every() -> u64 {
 pub struct DataConfig {
     /// "idx" (MNIST-format files), "shards" (a store written by
     /// `cargo xtask preprocess`, with train/ and test/ inside) or "text"
-    /// (the `[text]` corpus, packed into a shard store on first use).
+    /// (the `[text]` corpus, packed into a shard store on first use) or
+    /// "moving_fashion_mnist" (`[frames]` sequences from Fashion-MNIST).
     #[serde(default = "default_format")]
     pub format: String,
     /// Where the dataset is. For "idx", unset means $FASHION_MNIST_DIR, then
@@ -170,6 +176,34 @@ pub struct TextConfig {
     /// Sampling temperature (random numbers from `run.seed`).
     #[serde(default = "default_temperature")]
     pub temperature: f32,
+}
+
+/// `[frames]`: Moving-Fashion-MNIST sequences made on the fly from the
+/// Fashion-MNIST images (train images for training, test images for
+/// testing). A sequence is `model.frames + 1` frames: the model reads the
+/// first `model.frames` and predicts each one's successor.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FramesConfig {
+    /// Frame height and width (`model.input` must be [size, size, 1]).
+    #[serde(default = "default_frame_size")]
+    pub size: usize,
+    /// Garments moving in each sequence.
+    #[serde(default = "default_garments")]
+    pub garments: usize,
+    pub train_sequences: usize,
+    pub test_sequences: usize,
+    /// Keys the sequences (not `run.seed`: the test sequences stay the
+    /// same whatever the run's seed).
+    #[serde(default)]
+    pub seed: u64,
+}
+
+fn default_frame_size() -> usize {
+    64
+}
+fn default_garments() -> usize {
+    2
 }
 
 fn default_validation_fraction() -> f64 {
@@ -711,6 +745,45 @@ impl ExperimentConfig {
         Ok(())
     }
 
+    /// `data.format = "moving_fashion_mnist"` needs a `[frames]` table, a
+    /// frame model whose frames are the table's, and no image augmentation.
+    fn validate_frames(&self) -> Result<()> {
+        let Some(frames) = &self.frames else {
+            return Err(PipelineError::value(
+                "frames",
+                "data.format = \"moving_fashion_mnist\" needs a [frames] table (train_sequences, test_sequences)",
+            ));
+        };
+        if self.model.frames.is_none() {
+            return Err(PipelineError::value(
+                "model.frames",
+                "data.format = \"moving_fashion_mnist\" needs a frame model: set model.frames to the frames it reads",
+            ));
+        }
+        if self.model.input != [frames.size, frames.size, 1] {
+            return Err(PipelineError::value(
+                "model.input",
+                format!(
+                    "must be [{0}, {0}, 1] for frames.size = {0}, got {1:?}",
+                    frames.size, self.model.input
+                ),
+            ));
+        }
+        if frames.garments == 0 || frames.train_sequences == 0 || frames.test_sequences == 0 {
+            return Err(PipelineError::value(
+                "frames",
+                "garments, train_sequences and test_sequences must be positive",
+            ));
+        }
+        if self.augment != AugmentConfig::default() {
+            return Err(PipelineError::value(
+                "augment",
+                "image augmentations do not apply to frame sequences; remove [augment]",
+            ));
+        }
+        Ok(())
+    }
+
     /// Value checks that types alone cannot express; each error names its key.
     pub fn validate(&self) -> Result<()> {
         let positive = |key: &str, v: f64| {
@@ -751,10 +824,11 @@ impl ExperimentConfig {
                 }
             }
             "text" => self.validate_text()?,
+            "moving_fashion_mnist" => self.validate_frames()?,
             other => {
                 return Err(PipelineError::value(
                     "data.format",
-                    format!("expected \"idx\", \"shards\" or \"text\", got \"{other}\""),
+                    format!("expected \"idx\", \"shards\", \"text\" or \"moving_fashion_mnist\", got \"{other}\""),
                 ))
             }
         }
@@ -809,10 +883,12 @@ impl ExperimentConfig {
             ));
         }
         non_negative("train.clip_norm", self.train.clip_norm as f64)?;
-        if self.eval.tta == TestTimeAugmentation::Flip && self.model.tokens.is_some() {
+        let classifies_images = self.model.tokens.is_none() && self.model.frames.is_none();
+        if self.eval.tta == TestTimeAugmentation::Flip && !classifies_images {
             return Err(PipelineError::value(
                 "eval.tta",
-                "\"flip\" mirrors images; a token model (model.tokens) has none: leave it \"none\"",
+                "\"flip\" averages an image classifier's class probabilities; a token or frame \
+                 model (model.tokens, model.frames) has none: leave it \"none\"",
             ));
         }
         positive("optimizer.lr", self.optimizer.lr as f64)?;

@@ -30,7 +30,11 @@ pub fn open_splits(
     allow_install: bool,
 ) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
     let (train, test) = open_unchecked(config, allow_install)?;
-    let classes = crate::limits::output_classes(&config.model)?;
+    // A frame model has no classes; its samples carry the label 0.
+    let classes = match config.model.frames {
+        Some(_) => 1,
+        None => crate::limits::output_classes(&config.model)?,
+    };
     let place = |split: &str| match (&config.data.format[..], &config.data.dir) {
         ("shards", Some(dir)) => dir.join(split).display().to_string(),
         _ => format!("the {split} split"),
@@ -54,6 +58,9 @@ fn open_unchecked(
 ) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
     if config.data.format == "text" {
         return crate::text::open_splits(config, allow_install);
+    }
+    if config.data.format == "moving_fashion_mnist" {
+        return crate::frames::open_splits(config, allow_install);
     }
     if config.data.format == "shards" {
         let root = config.data.dir.as_deref().ok_or_else(|| {

@@ -19,8 +19,11 @@ pub struct Evaluation {
     pub samples: usize,
     /// Mean loss (no label smoothing); per token for a token model.
     pub loss: f32,
-    /// Per sample, or per token for a token model.
-    pub accuracy: f32,
+    /// Per sample, or per token for a token model; None for a frame model,
+    /// a regression with nothing to count as correct.
+    pub accuracy: Option<f32>,
+    /// A frame model's copy-last-frame baseline loss on the same frames.
+    pub baseline_loss: Option<f32>,
     /// `confusion[truth][predicted]` counts.
     pub confusion: Vec<Vec<u64>>,
 }
@@ -36,6 +39,7 @@ pub fn evaluate(
     let bar = evaluation_bar(loader.batches_per_epoch());
     let mut confusion = vec![vec![0u64; classes]; classes];
     let (mut loss_sum, mut seen, mut scored) = (0.0f64, 0usize, 0usize);
+    let mut baseline_sum: Option<f64> = None;
     for batch in loader.epoch(0, 0) {
         let batch = batch?;
         let result = match tta {
@@ -43,6 +47,12 @@ pub fn evaluate(
             TestTimeAugmentation::Flip => eval_with_mirror(learner, &batch)?,
         };
         loss_sum += result.loss_sum;
+        if let Some(sum) = result.baseline_loss_sum {
+            *baseline_sum.get_or_insert(0.0) += sum;
+            seen += batch.len();
+            bar.inc(1);
+            continue;
+        }
         // A token model predicts every position of a text window: its
         // predictions are compared with each window's next bytes.
         let truths = if result.predictions.len() == batch.len() {
@@ -64,10 +74,14 @@ pub fn evaluate(
     }
     bar.finish_and_clear();
     let correct: u64 = (0..classes).map(|k| confusion[k][k]).sum();
+    let mean = |sum: f64| (sum / seen.max(1) as f64) as f32;
     Ok(Evaluation {
         samples: seen,
-        loss: (loss_sum / seen.max(1) as f64) as f32,
-        accuracy: correct as f32 / scored.max(1) as f32,
+        loss: mean(loss_sum),
+        accuracy: baseline_sum
+            .is_none()
+            .then(|| correct as f32 / scored.max(1) as f32),
+        baseline_loss: baseline_sum.map(mean),
         confusion,
     })
 }
@@ -94,6 +108,7 @@ fn eval_with_mirror(learner: &mut dyn Learner, batch: &Batch) -> Result<EvalResu
     Ok(EvalResult {
         loss_sum,
         predictions: rows.map(arg_max).collect(),
+        baseline_loss_sum: None,
     })
 }
 
@@ -146,8 +161,10 @@ pub struct EvalReport {
     pub epoch: u64,
     pub step: u64,
     pub samples: usize,
-    pub accuracy: f32,
+    /// None for a frame model (see `Evaluation`).
+    pub accuracy: Option<f32>,
     pub loss: f32,
+    pub baseline_loss: Option<f32>,
     /// `confusion[truth][predicted]` counts.
     pub confusion: Vec<Vec<u64>>,
 }
@@ -187,6 +204,7 @@ pub fn evaluate_checkpoint(
         samples: evaluation.samples,
         accuracy: evaluation.accuracy,
         loss: evaluation.loss,
+        baseline_loss: evaluation.baseline_loss,
         confusion: evaluation.confusion,
     })
 }

@@ -37,12 +37,24 @@ pub struct StepReport {
 pub struct EpochSummary {
     pub epoch: u64,
     pub train_loss: f32,
-    pub train_accuracy: f32,
+    /// None (and left out of metrics.jsonl) for a frame model: a
+    /// regression has no accuracy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub train_accuracy: Option<f32>,
     pub test_loss: f32,
-    pub test_accuracy: f32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub test_accuracy: Option<f32>,
+    /// A frame model's copy-last-frame baseline on the test frames.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub test_baseline_loss: Option<f32>,
     pub train_seconds: f64,
     pub train_samples_per_sec: f64,
     pub skipped_steps: u64,
+}
+
+/// " acc 91.23%", or nothing when there is no accuracy (frame models).
+fn accuracy_text(accuracy: Option<f32>) -> String {
+    accuracy.map_or(String::new(), |a| format!(" acc {:.2}%", a * 100.0))
 }
 
 pub enum Event {
@@ -104,13 +116,16 @@ fn receive(events: Receiver<Event>, settings: &SinkSettings) -> Result<SinkOutco
                     .flush()
                     .map_err(|e| PipelineError::io(&metrics_path, e))?;
                 tracing::info!(
-                    "epoch {}/{} done: train loss {:.4} acc {:.2}% | test loss {:.4} acc {:.2}% | {:.1}s, {:.0} samples/s{}",
+                    "epoch {}/{} done: train loss {:.4}{} | test loss {:.4}{} | {:.1}s, {:.0} samples/s{}",
                     summary.epoch + 1,
                     settings.epochs,
                     summary.train_loss,
-                    summary.train_accuracy * 100.0,
+                    accuracy_text(summary.train_accuracy),
                     summary.test_loss,
-                    summary.test_accuracy * 100.0,
+                    match summary.test_baseline_loss {
+                        Some(baseline) => format!(" (copy-last baseline {baseline:.4})"),
+                        None => accuracy_text(summary.test_accuracy),
+                    },
                     summary.train_seconds,
                     summary.train_samples_per_sec,
                     if summary.skipped_steps > 0 {

@@ -47,6 +47,8 @@ pub struct RunSummary {
     /// From the last evaluation; None when the run stopped before one.
     pub test_accuracy: Option<f32>,
     pub test_loss: Option<f32>,
+    /// A frame model's copy-last-frame baseline loss on the test frames.
+    pub test_baseline_loss: Option<f32>,
     pub wall_seconds: f64,
     pub train_samples_per_sec: f64,
     pub peak_rss_bytes: Option<u64>,
@@ -190,9 +192,13 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         Err(e) => tracing::warn!("no plot: {e}"),
     }
 
-    let (test_loss, test_accuracy) = match (&finish, epochs.last()) {
-        (_, Some(last)) => (Some(last.test_loss), Some(last.test_accuracy)),
-        (Finish::Stopped, None) => (None, None),
+    let (test_loss, test_accuracy, test_baseline_loss) = match (&finish, epochs.last()) {
+        (_, Some(last)) => (
+            Some(last.test_loss),
+            last.test_accuracy,
+            last.test_baseline_loss,
+        ),
+        (Finish::Stopped, None) => (None, None, None),
         (Finish::Completed, None) => {
             let test = pool.install(|| {
                 evaluate(
@@ -201,7 +207,7 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
                     config.eval.tta,
                 )
             })?;
-            (Some(test.loss), Some(test.accuracy))
+            (Some(test.loss), test.accuracy, test.baseline_loss)
         }
     };
     let train_seconds: f64 = epochs.iter().map(|e| e.train_seconds).sum();
@@ -218,6 +224,7 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         step: run.trainee.position.step,
         test_accuracy,
         test_loss,
+        test_baseline_loss,
         wall_seconds: started.elapsed().as_secs_f64(),
         train_samples_per_sec: if train_seconds > 0.0 {
             train_samples / train_seconds
@@ -334,6 +341,9 @@ fn check_data_fits_model(
 ) -> Result<()> {
     if let Some(tokens) = config.model.tokens {
         return crate::text::check_data_fits_token_model(config, tokens, data, learner);
+    }
+    if let Some(frames) = config.model.frames {
+        return crate::frames::check_data_fits_frame_model(config, frames, data);
     }
     if data.sample_shape() != config.model.input {
         return Err(PipelineError::value(
@@ -490,11 +500,15 @@ fn run_epoch(
     Ok(Some(EpochSummary {
         epoch,
         train_loss: (progress.loss_sum / progress.seen.max(1) as f64) as f32,
-        // A token model's correct predictions are tokens, `length` per sample.
-        train_accuracy: progress.correct as f32
-            / (progress.seen * config.model.tokens.map_or(1, |t| t.length as u64)).max(1) as f32,
+        // A token model's correct predictions are tokens, `length` per
+        // sample; a frame model has none to count.
+        train_accuracy: config.model.frames.is_none().then(|| {
+            progress.correct as f32
+                / (progress.seen * config.model.tokens.map_or(1, |t| t.length as u64)).max(1) as f32
+        }),
         test_loss: test.loss,
         test_accuracy: test.accuracy,
+        test_baseline_loss: test.baseline_loss,
         train_seconds: progress.train_seconds,
         train_samples_per_sec: progress.seen as f64 / progress.train_seconds.max(1e-9),
         skipped_steps: progress.skipped,

@@ -68,7 +68,7 @@ fn test_time_augmentation_is_named_when_it_cannot_apply() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("eval.tta") && err.contains("token model"),
+        err.contains("eval.tta") && err.contains("model.tokens"),
         "{err}"
     );
     assert!(load(&["eval.tta=flip"]).is_ok());

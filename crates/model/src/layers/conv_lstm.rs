@@ -5,15 +5,23 @@
 //! pre = conv([x_t, h_{t−1}]) with 4·Hc outputs in the order i, f, g, o;
 //! c_t = σ(f)·c_{t−1} + σ(i)·tanh(g); h_t = σ(o)·tanh(c_t).
 //!
-//! Checkpointed per time step by construction. One `Conv2d` serves every
-//! step and keeps a single saved input, so backward must run its training
-//! forward again for each step before calling its backward; that forward
-//! also yields the step's gates, so they are recomputed rather than kept.
-//! Saves for backward, per step: the convolution's input [x_t, h_{t−1}]
-//! (C + Hc per pixel) and the cell state c_t (Hc per pixel); the gates
-//! (4·Hc per pixel) exist only while their step runs, forward or backward.
+//! What a training forward keeps for backward, per step, by mode:
+//! - default: the convolution's input [x_t, h_{t−1}] (C + Hc per pixel),
+//!   the activated gates (4·Hc) and the cell state c_t (Hc). Backward uses
+//!   them as they are: the one `Conv2d` shared by every step is handed the
+//!   step's input (`Conv2d::arm`) before its backward, no forward reruns.
+//! - per-step recompute (`with_step_recompute`, on under `model.checkpoint`
+//!   = "blocks" or "all"): the cell state c_t only (Hc per pixel), plus two
+//!   reference-counted handles, no copies: the layer's input (x_t) and its
+//!   output (h_t, which the next layer holds anyway). Backward rebuilds
+//!   [x_t, h_{t−1}] and reruns the step's convolution for its gates. That
+//!   is the time-step analogue of `Checkpointed`: one more convolution per
+//!   step, (C + 5·Hc)/Hc times less kept per step; the gradients are the
+//!   same bit for bit (the rerun computes the same values).
+//!
 //! Backward goes from the last step, carrying dh and dc as the LSTM does;
-//! the convolution's input gradient splits into dx_t and dh_{t−1}.
+//! the convolution's input gradient splits into dx_t and dh_{t−1}. Each
+//! step's saved tensors are dropped as soon as its backward is done.
 
 use super::conv::Conv2d;
 use crate::init::InitRng;
@@ -23,16 +31,29 @@ pub struct ConvLstm {
     channels: usize,
     hidden: usize,
     conv: Conv2d,
+    /// Keep only c_t per step and rerun the gates in backward.
+    step_recompute: bool,
     saved: Option<Saved>,
 }
 
 struct Saved {
     /// [N, T, H, W, C] of the forward, for the shapes.
     shape: Vec<usize>,
-    /// Per step: the convolution's input [N, H, W, C + Hc].
-    conv_inputs: Vec<Tensor>,
     /// Per step: c_t [N, H, W, Hc].
     cells: Vec<Tensor>,
+    kept: Kept,
+}
+
+/// What else backward reads, by mode (see the file's header).
+enum Kept {
+    /// Per step: the convolution's input [N, H, W, C + Hc] and the
+    /// activated gates [N, H, W, 4·Hc].
+    Gates {
+        conv_inputs: Vec<Tensor>,
+        gates: Vec<Tensor>,
+    },
+    /// The layer's input and output (shared handles).
+    Recompute { input: Tensor, output: Tensor },
 }
 
 fn sigmoid(x: f32) -> f32 {
@@ -90,8 +111,48 @@ impl ConvLstm {
             channels,
             hidden,
             conv,
+            step_recompute: false,
             saved: None,
         })
+    }
+
+    /// Per-step recompute on or off (see the file's header).
+    pub fn with_step_recompute(mut self, on: bool) -> Self {
+        self.step_recompute = on;
+        self
+    }
+
+    /// h_t of every sample, [N, H, W, Hc], out of the output [N, T, H, W, Hc].
+    fn hidden_at(output: &Tensor, t: usize) -> Result<Tensor> {
+        let [n, steps, h, w, hc] = frame_dims(output.shape())?;
+        let (o, frame) = (output.data(), h * w * hc);
+        Tensor::try_from_fn(&[n, h, w, hc], |i| {
+            let (sample, within) = (i / frame, i % frame);
+            o[(sample * steps + t) * frame + within]
+        })
+    }
+
+    /// The gates of step t in backward, with the convolution armed with
+    /// the step's input: taken from what the forward kept, or recomputed.
+    fn step_gates(&mut self, kept: &mut Kept, t: usize) -> Result<Tensor> {
+        match kept {
+            Kept::Gates { conv_inputs, gates } => {
+                // Steps run backwards, so the last kept is step t's.
+                let (Some(xh), Some(g)) = (conv_inputs.pop(), gates.pop()) else {
+                    return Err(ModelError::NoSavedActivation { op: "conv_lstm" });
+                };
+                self.conv.arm(xh);
+                Ok(g)
+            }
+            Kept::Recompute { input, output } => {
+                let h_prev = match t {
+                    0 => None,
+                    _ => Some(Self::hidden_at(output, t - 1)?),
+                };
+                let xh = self.conv_input(input, t, h_prev.as_ref())?;
+                self.gates(&xh, Mode::Train)
+            }
+        }
     }
 
     /// [x_t, h_prev] along channels, [N, H, W, C + Hc].
@@ -149,7 +210,9 @@ impl Layer for ConvLstm {
         self.output_shape(&input.shape()[1..])?;
         let hc = self.hidden;
         let mut out = Tensor::try_zeros(&[n, steps, h, w, hc])?;
-        let (mut conv_inputs, mut cells) = (Vec::new(), Vec::new());
+        let train = mode == Mode::Train;
+        let keep_gates = train && !self.step_recompute;
+        let (mut conv_inputs, mut kept_gates, mut cells) = (Vec::new(), Vec::new(), Vec::new());
         let (mut h_prev, mut c_prev): (Option<Tensor>, Option<Tensor>) = (None, None);
         for t in 0..steps {
             let xh = self.conv_input(input, t, h_prev.as_ref())?;
@@ -172,25 +235,38 @@ impl Layer for ConvLstm {
                 o[(sample * steps + t) * frame..(sample * steps + t + 1) * frame]
                     .copy_from_slice(&hidden.data()[sample * frame..(sample + 1) * frame]);
             }
-            if mode == Mode::Train {
+            if keep_gates {
                 conv_inputs.push(xh);
+                kept_gates.push(gates.clone());
+            }
+            if train {
                 cells.push(cell.clone());
             }
             h_prev = Some(hidden);
             c_prev = Some(cell);
         }
-        if mode == Mode::Train {
+        if train {
+            let kept = match keep_gates {
+                true => Kept::Gates {
+                    conv_inputs,
+                    gates: kept_gates,
+                },
+                false => Kept::Recompute {
+                    input: input.clone(),
+                    output: out.clone(),
+                },
+            };
             self.saved = Some(Saved {
                 shape: vec![n, steps, h, w, c],
-                conv_inputs,
                 cells,
+                kept,
             });
         }
         Ok(out)
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
-        let saved = self
+        let mut saved = self
             .saved
             .take()
             .ok_or(ModelError::NoSavedActivation { op: "conv_lstm" })?;
@@ -202,9 +278,13 @@ impl Layer for ConvLstm {
         let mut dh_next = Tensor::try_zeros(&[n, h, w, hc])?;
         let mut dc_next = Tensor::try_zeros(&[n, h, w, hc])?;
         for t in (0..steps).rev() {
-            let gates = self.gates(&saved.conv_inputs[t], Mode::Train)?;
-            let (g, cell) = (gates.data(), saved.cells[t].data());
-            let c_prev = (t > 0).then(|| saved.cells[t - 1].data());
+            let gates = self.step_gates(&mut saved.kept, t)?;
+            let cell_t = saved
+                .cells
+                .pop()
+                .ok_or(ModelError::NoSavedActivation { op: "conv_lstm" })?;
+            let (g, cell) = (gates.data(), cell_t.data());
+            let c_prev = saved.cells.last().map(|cp| cp.data());
             let mut d_pre = Tensor::try_zeros(&[n, h, w, 4 * hc])?;
             let (d, dh_carry, dc_carry) = (
                 d_pre.try_data_mut()?,
@@ -220,14 +300,14 @@ impl Layer for ConvLstm {
                 let dh = g_out[(sample * steps + t) * frame + within] + dh_carry[i];
                 let dc = dh * og * (1.0 - tc * tc) + dc_carry[i];
                 dc_carry[i] = dc * fg;
-                let before = c_prev.map_or(0.0, |cp| cp[i]);
+                let before = c_prev.map_or(0.0, |cp: &[f32]| cp[i]);
                 let dp = &mut d[pixel * 4 * hc..(pixel + 1) * 4 * hc];
                 dp[j] = dc * gg * ig * (1.0 - ig);
                 dp[hc + j] = dc * before * fg * (1.0 - fg);
                 dp[2 * hc + j] = dc * ig * (1.0 - gg * gg);
                 dp[3 * hc + j] = dh * tc * og * (1.0 - og);
             }
-            drop(gates);
+            drop((gates, cell_t));
             let d_conv_input = self.conv.backward(&d_pre)?;
             let (dxh, width) = (d_conv_input.data(), c + hc);
             let dx_data = dx.try_data_mut()?;
@@ -287,6 +367,38 @@ mod tests {
             ps.iter().map(|p| p.grad.data().to_vec()).collect()
         };
         assert_eq!(grads(plain.params_mut()), grads(ck.params_mut()));
+    }
+
+    /// Parameter gradients of a layer.
+    fn grads(layer: &mut ConvLstm) -> Vec<Vec<f32>> {
+        let params = layer.params_mut();
+        params.iter().map(|p| p.grad.data().to_vec()).collect()
+    }
+
+    #[test]
+    fn per_step_recompute_gives_the_same_gradients_and_keeps_less() {
+        let x = random_tensor(&[2, 4, 3, 3, 2], 8);
+        let g = random_tensor(&[2, 4, 3, 3, 3], 9);
+        let mut keep = ConvLstm::new("c", 2, 3, 3, &mut InitRng::new(10)).unwrap();
+        let mut lean = ConvLstm::new("c", 2, 3, 3, &mut InitRng::new(10))
+            .unwrap()
+            .with_step_recompute(true);
+        for _ in 0..2 {
+            let y = keep.forward(&x, Mode::Train).unwrap();
+            assert_eq!(y.data(), lean.forward(&x, Mode::Train).unwrap().data());
+            let kept = |l: &ConvLstm| match &l.saved.as_ref().unwrap().kept {
+                Kept::Gates { gates, .. } => gates.len(),
+                Kept::Recompute { .. } => 0,
+            };
+            assert_eq!((kept(&keep), kept(&lean)), (4, 0));
+            assert_eq!(
+                keep.backward(&g).unwrap().data(),
+                lean.backward(&g).unwrap().data()
+            );
+            assert_eq!(grads(&mut keep), grads(&mut lean));
+        }
+        let report = check_layer(&mut lean, &random_tensor(&[1, 3, 3, 3, 2], 11), 1e-2, 3e-3);
+        assert!(report.is_ok(), "{}", report.unwrap_err());
     }
 
     #[test]

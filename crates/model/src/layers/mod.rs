@@ -42,7 +42,7 @@ pub use lora::{LoraConfig, LoraLinear};
 pub use lstm::Lstm;
 pub use norm::LayerNorm;
 pub use pool::GlobalAvgPool;
-pub use reshape::{Flatten, PerPosition};
+pub use reshape::{Flatten, PerFrame, PerPosition};
 pub use residual::Residual;
 pub use smooth_activation::{Gelu, Silu};
 pub use unet::{UnetSkip, Upsample2x};

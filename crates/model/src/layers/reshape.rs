@@ -8,6 +8,12 @@
 //! LoRA linear) at every position of a sequence [N, T, C], by viewing the
 //! batch as [N·T, C]. It saves the sequence shape; the inner layer saves
 //! what it needs (for a linear: its input, the same buffer, no copy).
+//!
+//! `PerFrame`: applies an image layer [N, H, W, C] (conv, batch norm,
+//! upsample2x) to every frame of a sequence [N, T, H, W, C] by viewing it as
+//! N·T images: frames are contiguous, so the view is a reshape of the same
+//! buffer. It saves the (n, t) pair; the inner layer saves what it needs.
+//! Batch norm inside it takes its statistics over every frame of the batch.
 
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
@@ -161,12 +167,112 @@ impl Layer for PerPosition {
     }
 }
 
+/// An image layer applied to every frame of [N, T, H, W, C].
+pub struct PerFrame {
+    inner: Box<dyn Layer>,
+    saved_frames: Option<(usize, usize)>,
+}
+
+impl PerFrame {
+    pub fn new(inner: Box<dyn Layer>) -> Self {
+        Self {
+            inner,
+            saved_frames: None,
+        }
+    }
+}
+
+fn frames_dims(op: &'static str, shape: &[usize]) -> Result<[usize; 5]> {
+    match *shape {
+        [n, t, h, w, c] => Ok([n, t, h, w, c]),
+        _ => Err(ModelError::Shape {
+            op,
+            expected: "frames [n, t, h, w, c]".into(),
+            got: format!("{shape:?}"),
+        }),
+    }
+}
+
+/// [N·T, ...] -> [N, T, ...].
+fn unfold_frames(x: Tensor, n: usize, t: usize) -> Result<Tensor> {
+    let rest = x.shape().get(1..).unwrap_or(&[]).to_vec();
+    x.reshape(&[vec![n, t], rest].concat())
+}
+
+impl Layer for PerFrame {
+    fn describe(&self) -> String {
+        format!("{} (per frame)", self.inner.describe())
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
+        let [t, h, w, c] = *input else {
+            return Err(ModelError::Shape {
+                op: "per-frame layer",
+                expected: "frames [t, h, w, c]".into(),
+                got: format!("{input:?}"),
+            });
+        };
+        let out = self.inner.output_shape(&[h, w, c])?;
+        Ok([vec![t], out].concat())
+    }
+
+    fn macs(&self, input: &[usize]) -> Result<u64> {
+        self.output_shape(input)?;
+        Ok(input[0] as u64 * self.inner.macs(&input[1..])?)
+    }
+
+    fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
+        self.saved_frames = None;
+        let [n, t, h, w, c] = frames_dims("per-frame layer", input.shape())?;
+        let images = input.clone().reshape(&[n * t, h, w, c])?;
+        let out = self.inner.forward(&images, mode)?;
+        self.saved_frames = (mode == Mode::Train).then_some((n, t));
+        unfold_frames(out, n, t)
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        let (n, t) = self
+            .saved_frames
+            .take()
+            .ok_or(ModelError::NoSavedActivation {
+                op: "per-frame layer",
+            })?;
+        let [gn, gt, h, w, c] = frames_dims("per-frame backward", grad_output.shape())?;
+        if (gn, gt) != (n, t) {
+            return Err(ModelError::Shape {
+                op: "per-frame backward",
+                expected: format!("[{n}, {t}, _, _, _]"),
+                got: format!("{:?}", grad_output.shape()),
+            });
+        }
+        let g = grad_output.clone().reshape(&[n * t, h, w, c])?;
+        unfold_frames(self.inner.backward(&g)?, n, t)
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        self.inner.params_mut()
+    }
+
+    fn buffers_mut(&mut self) -> Vec<&mut Tensor> {
+        self.inner.buffers_mut()
+    }
+
+    fn clear_saved(&mut self) {
+        self.saved_frames = None;
+        self.inner.clear_saved();
+    }
+
+    fn set_recompute(&mut self, on: bool) {
+        self.inner.set_recompute(on);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::gradcheck::{check_layer, random_tensor};
     use crate::init::InitRng;
-    use crate::layers::Linear;
+    use crate::layers::{Conv2d, Linear};
 
     #[test]
     fn flatten_keeps_the_order_and_shares_the_buffer() {
@@ -224,6 +330,39 @@ mod tests {
             &mut InitRng::new(5),
         )));
         let report = check_layer(&mut seq, &random_tensor(&[2, 3, 4], 6), 1e-2, 1e-3);
+        assert!(report.is_ok(), "{}", report.unwrap_err());
+    }
+
+    fn per_frame_conv(seed: u64) -> PerFrame {
+        let conv = Conv2d::new("c", 2, 3, 3, 2, 1, true, &mut InitRng::new(seed)).unwrap();
+        PerFrame::new(Box::new(conv))
+    }
+
+    #[test]
+    fn per_frame_conv_equals_the_conv_on_each_frame() {
+        let mut frames = per_frame_conv(7);
+        let mut plain = Conv2d::new("c", 2, 3, 3, 2, 1, true, &mut InitRng::new(7)).unwrap();
+        let x = random_tensor(&[2, 3, 4, 4, 2], 8);
+        let y = frames.forward(&x, Mode::Eval).unwrap();
+        assert_eq!(y.shape(), &[2, 3, 2, 2, 3]);
+        assert_eq!(
+            frames.output_shape(&[3, 4, 4, 2]).unwrap(),
+            vec![3, 2, 2, 3]
+        );
+        // Frame (sample 1, step 2) is image 5 of the folded batch.
+        let frame = Tensor::from_vec(&[1, 4, 4, 2], x.data()[5 * 32..6 * 32].to_vec()).unwrap();
+        let alone = plain.forward(&frame, Mode::Eval).unwrap();
+        assert_eq!(&y.data()[5 * 12..6 * 12], alone.data());
+    }
+
+    #[test]
+    fn per_frame_gradient_matches_finite_differences() {
+        let report = check_layer(
+            &mut per_frame_conv(9),
+            &random_tensor(&[2, 2, 4, 4, 2], 10),
+            1e-2,
+            2e-3,
+        );
         assert!(report.is_ok(), "{}", report.unwrap_err());
     }
 }

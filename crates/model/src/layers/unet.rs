@@ -8,6 +8,9 @@
 //! body (e.g. down-sample, inner layers, `upsample2x`) must give back the
 //! input's height and width. Saves the shapes; the body saves what it needs.
 //! Backward splits the gradient by channels: dx = g_x + body.backward(g_body).
+//! It takes images [N, H, W, C] or frame sequences [N, T, H, W, C] (a body
+//! holding a `conv_lstm` and per-frame layers): every axis but the channels
+//! must come back unchanged.
 
 use super::activation::par_add_assign;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
@@ -92,6 +95,24 @@ impl Layer for Upsample2x {
     }
 }
 
+/// (every axis but the last, the channels) of an image batch or a batch
+/// of frame sequences.
+fn split_channels(op: &'static str, shape: &[usize]) -> Result<(Vec<usize>, usize)> {
+    match shape {
+        [lead @ .., c] if (3..=4).contains(&lead.len()) => Ok((lead.to_vec(), *c)),
+        _ => Err(ModelError::Shape {
+            op,
+            expected: "images [n, h, w, c] or frames [n, t, h, w, c]".into(),
+            got: format!("{shape:?}"),
+        }),
+    }
+}
+
+/// `lead` with `c` channels appended.
+fn with_channels(lead: &[usize], c: usize) -> Vec<usize> {
+    [lead, &[c]].concat()
+}
+
 pub struct UnetSkip {
     body: Vec<Box<dyn Layer>>,
     /// Input channels and body output channels of the last training forward.
@@ -146,7 +167,11 @@ impl Layer for UnetSkip {
     fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
         let inner = self.body_shape(input)?;
         match (input, inner.as_slice()) {
-            ([h, w, c], [bh, bw, bc]) if (h, w) == (bh, bw) => Ok(vec![*h, *w, c + bc]),
+            ([lead @ .., c], [body_lead @ .., bc])
+                if (2..=3).contains(&lead.len()) && lead == body_lead =>
+            {
+                Ok(with_channels(lead, c + bc))
+            }
             _ => Err(ModelError::Shape {
                 op: "unet_skip",
                 expected: format!("a body that keeps the height and width of {input:?}"),
@@ -167,20 +192,20 @@ impl Layer for UnetSkip {
 
     fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
         self.saved_channels = None;
-        let (n, h, w, c) = image_dims("unet_skip", input.shape())?;
+        let (lead, c) = split_channels("unet_skip", input.shape())?;
         let mut y = input.clone();
         for layer in &mut self.body {
             y = layer.forward(&y, mode)?;
         }
-        let (_, bh, bw, bc) = image_dims("unet_skip body", y.shape())?;
-        if (bh, bw) != (h, w) {
+        let (body_lead, bc) = split_channels("unet_skip body", y.shape())?;
+        if body_lead != lead {
             return Err(ModelError::Shape {
                 op: "unet_skip",
-                expected: format!("a body output of {h}x{w}"),
+                expected: format!("a body output of {lead:?} and any channels"),
                 got: format!("{:?}", y.shape()),
             });
         }
-        let out = interleave(input.data(), c, y.data(), bc, &[n, h, w, c + bc])?;
+        let out = interleave(input.data(), c, y.data(), bc, &with_channels(&lead, c + bc))?;
         self.saved_channels = (mode == Mode::Train).then_some((c, bc));
         Ok(out)
     }
@@ -190,7 +215,7 @@ impl Layer for UnetSkip {
             .saved_channels
             .take()
             .ok_or(ModelError::NoSavedActivation { op: "unet_skip" })?;
-        let (n, h, w, total) = image_dims("unet_skip backward", grad_output.shape())?;
+        let (lead, total) = split_channels("unet_skip backward", grad_output.shape())?;
         if total != c + bc {
             return Err(ModelError::Shape {
                 op: "unet_skip backward",
@@ -199,11 +224,11 @@ impl Layer for UnetSkip {
             });
         }
         let g = grad_output.data();
-        let mut g_body = channel_slice(g, total, c, bc, &[n, h, w, bc])?;
+        let mut g_body = channel_slice(g, total, c, bc, &with_channels(&lead, bc))?;
         for layer in self.body.iter_mut().rev() {
             g_body = layer.backward(&g_body)?;
         }
-        let mut dx = channel_slice(g, total, 0, c, &[n, h, w, c])?;
+        let mut dx = channel_slice(g, total, 0, c, &with_channels(&lead, c))?;
         g_body.expect_shape("unet_skip backward", dx.shape())?;
         par_add_assign(dx.try_data_mut()?, g_body.data());
         Ok(dx)
@@ -278,6 +303,22 @@ mod tests {
     #[test]
     fn skip_gradient_matches_finite_differences() {
         let report = check_layer(&mut skip(3), &random_tensor(&[2, 4, 4, 2], 4), 1e-2, 2e-3);
+        assert!(report.is_ok(), "{}", report.unwrap_err());
+    }
+
+    #[test]
+    fn skip_over_frames_concatenates_and_its_gradient_checks() {
+        use crate::layers::ConvLstm;
+        let cell = ConvLstm::new("cl", 2, 2, 3, &mut InitRng::new(11)).unwrap();
+        let mut s = UnetSkip::new(vec![Box::new(cell)]);
+        assert_eq!(s.output_shape(&[3, 4, 4, 2]).unwrap(), vec![3, 4, 4, 4]);
+        let x = random_tensor(&[2, 3, 4, 4, 2], 12);
+        let y = s.forward(&x, Mode::Eval).unwrap();
+        assert_eq!(y.shape(), &[2, 3, 4, 4, 4]);
+        for (pixel, out) in x.data().chunks(2).zip(y.data().chunks(4)) {
+            assert_eq!(&out[..2], pixel);
+        }
+        let report = check_layer(&mut s, &random_tensor(&[1, 2, 3, 3, 2], 13), 1e-2, 3e-3);
         assert!(report.is_ok(), "{}", report.unwrap_err());
     }
 }

@@ -6,12 +6,18 @@
 //! `length` ids of each are its input, the last `length` its per-token
 //! targets; its [N, T, V] scores are scored as N·T rows, so loss and
 //! accuracy are per token.
+//!
+//! A frame model (`model.frames`) reads batches of frame sequences: the
+//! first `frames` frames are its input, the last `frames` its targets (each
+//! frame's successor), scored by per-pixel MSE in [0, 1]; evaluation also
+//! scores the copy-last-frame baseline on the same frames.
 
 use std::sync::Arc;
 
 use headroom_loader::Batch;
 use headroom_model::loss::{
-    focal_loss, soft_cross_entropy, soft_focal_loss, softmax_cross_entropy, LossOutput,
+    focal_loss, pixel_mse, pixel_mse_u8, soft_cross_entropy, soft_focal_loss,
+    softmax_cross_entropy, LossOutput,
 };
 use headroom_model::memory::{try_scratch, MemoryPool};
 use headroom_model::{Mode, ModelSpec, Network, PoolStats, Tensor, TokenInput};
@@ -29,6 +35,8 @@ pub struct CpuLearner {
     pool: Arc<MemoryPool>,
     /// Set for a token model: batches are text windows.
     tokens: Option<TokenInput>,
+    /// Set for a frame model: the frames it reads per sequence.
+    frames: Option<usize>,
 }
 
 /// A micro-batch as the network takes it, and what its scores are compared
@@ -36,6 +44,26 @@ pub struct CpuLearner {
 struct Prepared {
     input: Tensor,
     targets: Option<Vec<u32>>,
+    frames: Option<FramePair>,
+}
+
+/// A frame model's u8 input frames and target frames (each input frame's
+/// successor), `n * frames * frame_len` bytes each.
+struct FramePair {
+    inputs: Vec<u8>,
+    targets: Vec<u8>,
+}
+
+impl FramePair {
+    /// Per-pixel MSE of the predictions against the target frames.
+    fn loss(&self, predictions: &Tensor) -> Result<LossOutput> {
+        Ok(pixel_mse(predictions, &self.targets)?)
+    }
+
+    /// The same loss for predicting each frame by the one before it.
+    fn copy_last_loss(&self) -> f64 {
+        pixel_mse_u8(&self.inputs, &self.targets)
+    }
 }
 
 impl CpuLearner {
@@ -56,6 +84,7 @@ impl CpuLearner {
             micro_batch: batch_size.max(1),
             pool,
             tokens: spec.tokens,
+            frames: spec.frames,
         })
     }
 
@@ -69,11 +98,21 @@ impl CpuLearner {
 
     /// The input tensor of `part`, with per-token targets for a token model.
     fn prepare(&self, part: &Batch) -> Result<Prepared> {
+        if let Some(frames) = self.frames {
+            let (inputs, targets) = part.next_frame_pairs(frames);
+            let input = self.network.input_from_u8(part.len(), &inputs)?;
+            return Ok(Prepared {
+                input,
+                targets: None,
+                frames: Some(FramePair { inputs, targets }),
+            });
+        }
         if self.tokens.is_none() {
             let input = self.network.input_from_u8(part.len(), &part.pixels)?;
             return Ok(Prepared {
                 input,
                 targets: None,
+                frames: None,
             });
         }
         let (ids, targets) = part.next_token_pairs();
@@ -81,6 +120,7 @@ impl CpuLearner {
         Ok(Prepared {
             input,
             targets: Some(targets),
+            frames: None,
         })
     }
 
@@ -96,9 +136,12 @@ impl CpuLearner {
             let prepared = self.prepare(&part)?;
             let logits = self.network.forward(&prepared.input, Mode::Train)?;
             let smoothing = self.settings.label_smoothing;
-            let mut out = match &prepared.targets {
-                None => training_loss(smoothing, self.settings.focal_gamma, &logits, &part)?,
-                Some(targets) => per_token_loss(&logits, targets, smoothing)?,
+            let mut out = match (&prepared.targets, &prepared.frames) {
+                (_, Some(pair)) => pair.loss(&logits)?,
+                (None, None) => {
+                    training_loss(smoothing, self.settings.focal_gamma, &logits, &part)?
+                }
+                (Some(targets), None) => per_token_loss(&logits, targets, smoothing)?,
             };
             drop(logits);
             if !out.loss.is_finite() {
@@ -213,10 +256,15 @@ impl CpuLearner {
         let mut result = EvalResult {
             loss_sum: 0.0,
             predictions: Vec::with_capacity(batch.len()),
+            baseline_loss_sum: self.frames.map(|_| 0.0),
         };
         for part in batch.micro_batches(self.micro_batch) {
             let prepared = self.prepare(&part)?;
             let logits = self.network.forward(&prepared.input, Mode::Eval)?;
+            if let Some(pair) = &prepared.frames {
+                add_frame_losses(&mut result, pair, &logits, part.len())?;
+                continue;
+            }
             // A token model's loss is the mean over its tokens; every sample
             // has as many, so the per-sample sum keeps the per-token mean.
             let out = match &prepared.targets {
@@ -230,6 +278,21 @@ impl CpuLearner {
         }
         Ok(result)
     }
+}
+
+/// A frame model's batch losses, the model's and the copy-last baseline's,
+/// added to `result` as per-sample sums (every sample has as many pixels).
+fn add_frame_losses(
+    result: &mut EvalResult,
+    pair: &FramePair,
+    predictions: &Tensor,
+    samples: usize,
+) -> Result<()> {
+    result.loss_sum += pair.loss(predictions)?.loss as f64 * samples as f64;
+    if let Some(sum) = result.baseline_loss_sum.as_mut() {
+        *sum += pair.copy_last_loss() * samples as f64;
+    }
+    Ok(())
 }
 
 /// The index of the largest value (the first of equals).

@@ -217,6 +217,7 @@ impl Learner for CudaLearner {
         let mut result = EvalResult {
             loss_sum: 0.0,
             predictions: Vec::with_capacity(batch.len()),
+            baseline_loss_sum: None,
         };
         for part in batch.micro_batches(self.micro_batch) {
             let staged = self.stage(&part)?;

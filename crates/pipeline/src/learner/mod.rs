@@ -73,8 +73,11 @@ pub struct StepResult {
 pub struct EvalResult {
     /// Sum over the batch of the per-sample loss (no label smoothing).
     pub loss_sum: f64,
-    /// The predicted class of each sample.
+    /// The predicted class of each sample (none for a frame model).
     pub predictions: Vec<u32>,
+    /// A frame model's reference: the same sum for predicting each frame
+    /// by the frame before it (copy-last); None for classifiers.
+    pub baseline_loss_sum: Option<f64>,
 }
 
 /// Everything a checkpoint needs to continue training, in host memory.
@@ -151,6 +154,13 @@ pub fn open(
         Ok(Box::new(learner))
     };
     let on_gpu = |settings: StepSettings| -> Result<CudaLearner> {
+        if config.model.frames.is_some() {
+            return Err(PipelineError::value(
+                "device.kind",
+                "frame models (model.frames: conv_lstm, per-frame layers) run on the CPU only for now; \
+                 set device.kind = \"cpu\"",
+            ));
+        }
         if config.model.tokens.is_some() {
             return Err(PipelineError::value(
                 "device.kind",

@@ -264,6 +264,14 @@ impl Geom {
 }
 
 impl Conv2d {
+    /// Keeps `input` as a training forward on it would, without computing
+    /// the output: for a layer that runs one convolution at many steps
+    /// (`conv_lstm`), keeps each step's input itself and hands it back
+    /// before that step's backward. The shape is checked by `backward`.
+    pub fn arm(&mut self, input: Tensor) {
+        self.saved_input = Some(input);
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         name: &str,
