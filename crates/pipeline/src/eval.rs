@@ -117,6 +117,10 @@ pub struct EvalReport {
     pub loss: f32,
     /// `confusion[truth][predicted]` counts.
     pub confusion: Vec<Vec<u64>>,
+    /// A token model's loss in bits per token (byte): loss / ln 2. None for
+    /// a classifier. A token model's figures are these, not its
+    /// vocabulary-sized confusion matrix.
+    pub bits_per_byte: Option<f32>,
 }
 
 /// Evaluates `path` on the test split of the experiment that wrote it (its
@@ -150,5 +154,9 @@ pub fn evaluate_checkpoint(
         accuracy: evaluation.accuracy,
         loss: evaluation.loss,
         confusion: evaluation.confusion,
+        bits_per_byte: config
+            .model
+            .tokens
+            .map(|_| evaluation.loss / std::f32::consts::LN_2),
     })
 }
