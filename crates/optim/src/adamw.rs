@@ -111,7 +111,7 @@ impl AdamW {
     pub fn step(&mut self, params: &mut [&mut Param], lr: f32) -> Result<(), OptimError> {
         check("lr", lr, lr >= 0.0, "finite and >= 0")?;
         for (index, p) in params.iter().enumerate() {
-            if p.grad.shape() != p.value.shape() {
+            if !p.grad_fits() {
                 return Err(OptimError::GradShape {
                     index,
                     name: p.name.clone(),

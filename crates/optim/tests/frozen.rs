@@ -34,12 +34,13 @@ fn decaying_adamw() -> AdamW {
 
 #[test]
 fn a_frozen_param_is_not_updated_even_with_a_gradient() {
+    // Frozen by the flag alone, so that it keeps a gradient buffer.
     let mut frozen = Param::new(
         "w",
         Tensor::from_vec(&[3], vec![1.0, -2.0, 3.0]).unwrap(),
         true,
-    )
-    .frozen();
+    );
+    frozen.frozen = true;
     let mut trained = Param::new(
         "v",
         Tensor::from_vec(&[3], vec![1.0, -2.0, 3.0]).unwrap(),
@@ -111,6 +112,10 @@ fn frozen_params_hold_no_optimizer_state() {
     {
         let expected = if p.frozen { 0 } else { p.value.len() };
         assert_eq!((m.len(), v.len()), (expected, expected), "{}", p.name);
+    }
+    // Frozen parameters hold no gradient buffer either.
+    for p in net.params_mut() {
+        assert_eq!(p.grad.is_empty(), p.frozen, "{}", p.name);
     }
     // The state round-trips into a fresh optimizer that steps the same net.
     let mut resumed = decaying_adamw();

@@ -217,10 +217,13 @@ pub fn initialise(config: &ExperimentConfig, network: &mut Network) -> Result<us
     Ok(loaded)
 }
 
-/// Freezes every parameter but the LoRA factors.
+/// Freezes every parameter but the LoRA factors (releasing their
+/// gradient buffers: layers compute no gradient for a frozen parameter).
 pub fn freeze_all_but_adapters(network: &mut Network) {
     for param in network.params_mut() {
-        param.frozen = !is_adapter(&param.name);
+        if !is_adapter(&param.name) {
+            param.freeze();
+        }
     }
 }
 

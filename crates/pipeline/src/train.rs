@@ -146,7 +146,10 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         None => memory.plan_micro_batch(run.trainee.learner.as_mut(), config.train.batch_size)?,
     };
     run.trainee.learner.set_micro_batch(micro_batch);
-    if config.memory_limit()?.is_some() {
+    // A fine-tuning run checks up front that the model, its optimizer state
+    // and a step fit the budget (other runs keep the adaptive OOM policy,
+    // which checkpoints and stops when not even one sample fits).
+    if config.finetune.is_some() && config.memory_limit()?.is_some() {
         let smallest = micro_batch.min(config.memory.min_micro_batch.max(1));
         memory.check_fits(run.trainee.learner.as_mut(), smallest)?;
     }

@@ -189,6 +189,7 @@ fn the_base_loads_by_name_and_a_fresh_adapter_is_the_base_model() {
             Some((_, values)) => {
                 assert_eq!(p.value.data(), values.as_slice(), "{}", p.name);
                 assert!(p.frozen, "{} should be frozen", p.name);
+                assert!(p.grad.is_empty(), "{} holds a gradient buffer", p.name);
             }
             None => {
                 assert!(finetune::is_adapter(&p.name), "{} not loaded", p.name);

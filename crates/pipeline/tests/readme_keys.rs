@@ -19,7 +19,19 @@ fn keys_in_code() -> BTreeSet<String> {
     .unwrap();
     let config =
         ExperimentConfig::load(&root.join("experiments/fashion_mnist.toml"), &overrides).unwrap();
-    config.flatten().into_keys().collect()
+    let mut keys: BTreeSet<String> = config.flatten().into_keys().collect();
+    // [finetune] needs a token model: its keys come from the LoRA experiment.
+    let lora = ExperimentConfig::load(
+        &root.join("experiments/lora_finetune.toml"),
+        &Overrides::default(),
+    )
+    .unwrap();
+    keys.extend(
+        lora.flatten()
+            .into_keys()
+            .filter(|k| k.starts_with("finetune.")),
+    );
+    keys
 }
 
 /// The first cell of each row of the README table headed "| key |".
