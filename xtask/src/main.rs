@@ -134,7 +134,8 @@ enum Command {
         #[arg(long)]
         overwrite: bool,
     },
-    /// Test accuracy, loss and confusion matrix of a checkpoint.
+    /// Test accuracy, loss and confusion matrix of a checkpoint (a token
+    /// model: validation loss and bits per byte).
     Eval {
         #[arg(long)]
         checkpoint: PathBuf,

@@ -86,8 +86,9 @@ pub fn restored_cpu_learner(
     path: &Path,
     micro_batch: usize,
 ) -> Result<CpuLearner> {
+    // A full fine-tune's checkpoints hold the model without its adapters.
     let mut learner = CpuLearner::new(
-        &config.model,
+        &crate::finetune::effective_model(config),
         config.run.seed,
         StepSettings::from_config(config),
         micro_batch,

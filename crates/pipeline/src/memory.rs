@@ -257,7 +257,8 @@ impl MemoryGuard {
         Err(PipelineError::OutOfMemory(format!(
             "the model does not fit device.memory_limit = {}: weights and gradients {} + optimizer state {} + \
              one training step of {micro_batch} samples (measured peak) {} = {} (nothing spills to host memory); \
-             raise device.memory_limit, fine-tune with LoRA (finetune.train = \"lora\"), or set model.checkpoint = \"blocks\"",
+             raise device.memory_limit, or, where not already set, fine-tune with LoRA (finetune.train = \"lora\") and \
+             recompute blocks (model.checkpoint = \"blocks\")",
             mib(limit),
             mib(weights),
             mib(optimizer),

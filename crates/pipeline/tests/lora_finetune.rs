@@ -261,6 +261,23 @@ fn lora_trains_only_the_adapters_which_alone_hold_optimizer_state() {
     assert_eq!(full.optimizer_state_bytes, 8 * full.parameters as u64);
     let spec = finetune::effective_model(&full_config);
     assert!(finetune::adapter_scales(&spec).is_empty());
+    // A full fine-tune trains and reports (its checkpoints hold no adapters).
+    let full_config = load(
+        &setup.finetune_toml,
+        &[
+            "finetune.train=full",
+            &format!("run.output_dir={}", setup.dir.path().join("full").display()),
+        ],
+    )
+    .unwrap();
+    let full_summary = train(&full_config, &options()).unwrap();
+    headroom_pipeline::text::write_report(&full_config, &full_summary).unwrap();
+    let full_report = finetune::write_report(&full_config, &full_summary).unwrap();
+    assert_eq!(
+        full_report.figures.optimizer_state_bytes,
+        full.optimizer_state_bytes
+    );
+    assert!(full_report.adapters_file.is_none());
 
     // The report: adapters written on their own, the base evaluated first.
     let report = finetune::write_report(&config, &summary).unwrap();
