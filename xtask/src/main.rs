@@ -139,7 +139,8 @@ enum Command {
         #[arg(long)]
         overwrite: bool,
     },
-    /// Test accuracy, loss and confusion matrix of a checkpoint.
+    /// Test accuracy, loss and confusion matrix of a checkpoint (a token
+    /// model: validation loss and bits per byte).
     Eval {
         #[arg(long)]
         checkpoint: PathBuf,
@@ -162,6 +163,20 @@ enum Command {
         #[arg(long, default_value = "safetensors")]
         format: String,
         /// Default: the checkpoint's path with the extension .safetensors.
+        #[arg(long)]
+        output: Option<PathBuf>,
+    },
+    /// Fold LoRA adapters (a run's adapters.safetensors) into their base
+    /// weights: the base architecture's tensors as safetensors, named as
+    /// `export` names them.
+    LoraMerge {
+        #[arg(long)]
+        adapters: PathBuf,
+        /// Base checkpoint or run directory [default: the one the adapters
+        /// file records].
+        #[arg(long)]
+        base: Option<PathBuf>,
+        /// Default: merged.safetensors beside the adapters.
         #[arg(long)]
         output: Option<PathBuf>,
     },
@@ -384,6 +399,10 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
             allow_install,
             stop: Some(stop.flag()),
         };
+        if !train_missing_base(experiment, &options)? {
+            println!("stopped while training the base; run the same command again to continue");
+            return Ok(stop.exit_code());
+        }
         let summary = train(experiment, &options)
             .with_context(|| format!("training {} failed", experiment.run.name))?;
         print_summary(experiment, &summary);
@@ -391,6 +410,13 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
             let report = headroom_pipeline::text::write_report(experiment, &summary)
                 .with_context(|| format!("writing the text report of {}", experiment.run.name))?;
             print_text_report(&report);
+        }
+        if experiment.finetune.is_some() && !summary.interrupted {
+            let report = headroom_pipeline::finetune::write_report(experiment, &summary)
+                .with_context(|| {
+                    format!("writing the fine-tuning report of {}", experiment.run.name)
+                })?;
+            print_finetune_report(&report);
         }
         if summary.memory_left_after_run != 0 {
             bail!(
@@ -423,6 +449,83 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A fine-tuning experiment whose base (`finetune.base`, a run directory)
+/// holds no checkpoint yet trains it first from `finetune.base_experiment`,
+/// so that one command works on a fresh machine. False when a signal
+/// stopped that run.
+fn train_missing_base(experiment: &ExperimentConfig, options: &TrainOptions) -> Result<bool> {
+    use headroom_pipeline::finetune;
+    let Some(ft) = &experiment.finetune else {
+        return Ok(true);
+    };
+    let is_file = ft.base.extension().is_some_and(|e| e == "ckpt");
+    let (Some(base_experiment), false) = (&ft.base_experiment, is_file) else {
+        return Ok(true);
+    };
+    if finetune::base_checkpoint(ft).is_ok() {
+        return Ok(true);
+    }
+    tracing::info!(
+        "finetune.base {} holds no checkpoint: training the base first from {} (finetune.base_experiment)",
+        ft.base.display(),
+        base_experiment.display()
+    );
+    let overrides = Overrides::parse(&[format!("run.output_dir={}", ft.base.display())])?;
+    let base = ExperimentConfig::load(base_experiment, &overrides)?;
+    let options = TrainOptions {
+        resume: Resume::No,
+        ..options.clone()
+    };
+    let summary = train(&base, &options)
+        .with_context(|| format!("training the base {} failed", base.run.name))?;
+    print_summary(&base, &summary);
+    Ok(!summary.interrupted)
+}
+
+fn print_finetune_report(report: &headroom_pipeline::finetune::FinetuneReport) {
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    let f = &report.figures;
+    println!(
+        "fine-tuning     {:?} from {}",
+        report.train,
+        report.base_checkpoint.display()
+    );
+    println!(
+        "parameters      {} trainable of {} ({:.2}%)",
+        f.trainable,
+        f.parameters,
+        100.0 * f.trainable as f64 / f.parameters.max(1) as f64
+    );
+    println!(
+        "optimizer state {} bytes ({:.3} MiB)",
+        f.optimizer_state_bytes,
+        mib(f.optimizer_state_bytes)
+    );
+    println!(
+        "peak memory     tensors {:.2} MiB in use ({:.2} MiB reserved), RSS {}",
+        mib(report.tensor_peak_in_use_bytes),
+        mib(report.tensor_peak_reserved_bytes),
+        report
+            .peak_rss_bytes
+            .map_or("unknown".into(), |b| format!("{:.0} MiB", mib(b)))
+    );
+    println!(
+        "bits per byte   {:.3} before (the base), {:.3} after",
+        report.bits_per_byte_before, report.bits_per_byte_after
+    );
+    if let (Some(file), Some(bytes)) = (&report.adapters_file, report.adapters_file_bytes) {
+        println!(
+            "adapters        {} ({:.1} KiB)",
+            file.display(),
+            bytes as f64 / 1024.0
+        );
+        println!(
+            "merge with      cargo xtask lora-merge --adapters {} --output merged.safetensors",
+            file.display()
+        );
+    }
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
@@ -553,6 +656,25 @@ fn run(cli: Cli) -> Result<ExitCode> {
             println!("{count} tensors written to {}", output.display());
             Ok(ExitCode::SUCCESS)
         }
+        Command::LoraMerge {
+            adapters,
+            base,
+            output,
+        } => {
+            let base = match base {
+                Some(base) => base,
+                None => headroom_pipeline::finetune::recorded_base(&adapters)?,
+            };
+            let output = output.unwrap_or_else(|| adapters.with_file_name("merged.safetensors"));
+            let count = headroom_pipeline::finetune::merge(&base, &adapters, &output)?;
+            println!(
+                "{count} tensors of {} with {} merged, written to {}",
+                base.display(),
+                adapters.display(),
+                output.display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Doctor => done(doctor::run()),
         Command::GpuCheck => done(gpu_check()),
         Command::GpuBundle { output, with_data } => {
@@ -665,6 +787,19 @@ fn parse_tta(text: &str) -> Result<TestTimeAugmentation> {
 }
 
 fn print_eval(report: &headroom_pipeline::eval::EvalReport) {
+    if let Some(bits) = report.bits_per_byte {
+        println!(
+            "{} (epoch {}, step {}): validation loss {:.4} nats per byte, {bits:.3} bits per byte, \
+             token accuracy {:.2}% on {} windows",
+            report.checkpoint.display(),
+            report.epoch,
+            report.step,
+            report.loss,
+            report.accuracy.unwrap_or(f32::NAN) * 100.0,
+            report.samples
+        );
+        return;
+    }
     let Some(accuracy) = report.accuracy else {
         // A frame model: a regression, scored against copying the last frame.
         println!(

@@ -111,7 +111,7 @@ impl AdamW {
     pub fn step(&mut self, params: &mut [&mut Param], lr: f32) -> Result<(), OptimError> {
         check("lr", lr, lr >= 0.0, "finite and >= 0")?;
         for (index, p) in params.iter().enumerate() {
-            if p.grad.shape() != p.value.shape() {
+            if !p.grad_fits() {
                 return Err(OptimError::GradShape {
                     index,
                     name: p.name.clone(),
@@ -265,12 +265,29 @@ fn copy_fallibly(vectors: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, OptimError> {
 
 /// One zero vector per parameter, allocated fallibly: the moments double
 /// the model's memory, so a refusal must reach the memory policy as an
-/// out-of-memory value, not abort the process.
+/// out-of-memory value, not abort the process. A frozen parameter is never
+/// updated, so its moments are empty: a LoRA run keeps state for its
+/// adapters only.
 fn zeroed_like(params: &[&mut Param]) -> Result<Vec<Vec<f32>>, OptimError> {
     params
         .iter()
-        .map(|p| headroom_model::memory::try_zeroed(p.value.len()).map_err(OptimError::from))
+        .map(|p| headroom_model::memory::try_zeroed(moment_len(p)).map_err(OptimError::from))
         .collect()
+}
+
+/// Elements of each moment of `param`: none when it is frozen.
+fn moment_len(param: &Param) -> usize {
+    if param.frozen {
+        0
+    } else {
+        param.value.len()
+    }
+}
+
+/// Bytes the optimizer state of `params` takes (two f32 moments for every
+/// trainable element), for reports and memory plans before the first step.
+pub fn state_bytes(params: &[&mut Param]) -> u64 {
+    params.iter().map(|p| 2 * 4 * moment_len(p) as u64).sum()
 }
 
 impl Moments {
@@ -298,7 +315,7 @@ impl Moments {
             }
             None => {
                 for (index, (p, m)) in params.iter().zip(&self.first).enumerate() {
-                    if p.value.len() != m.len() {
+                    if moment_len(p) != m.len() {
                         return Err(OptimError::ParamShape {
                             index,
                             name: p.name.clone(),

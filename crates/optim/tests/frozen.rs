@@ -34,12 +34,13 @@ fn decaying_adamw() -> AdamW {
 
 #[test]
 fn a_frozen_param_is_not_updated_even_with_a_gradient() {
+    // Frozen by the flag alone, so that it keeps a gradient buffer.
     let mut frozen = Param::new(
         "w",
         Tensor::from_vec(&[3], vec![1.0, -2.0, 3.0]).unwrap(),
         true,
-    )
-    .frozen();
+    );
+    frozen.frozen = true;
     let mut trained = Param::new(
         "v",
         Tensor::from_vec(&[3], vec![1.0, -2.0, 3.0]).unwrap(),
@@ -82,4 +83,42 @@ fn lora_training_changes_only_the_adapters() {
             assert_ne!(p.value.data(), value.as_slice(), "{name} did not train");
         }
     }
+}
+
+#[test]
+fn frozen_params_hold_no_optimizer_state() {
+    let spec = toml::from_str::<Wrapper>(LORA_MLP).unwrap().model;
+    let mut net = Network::build(&spec, 3).unwrap();
+    let trainable: usize = net
+        .params_mut()
+        .iter()
+        .filter(|p| !p.frozen)
+        .map(|p| p.value.len())
+        .sum();
+    // The adapters: A [2, 6] + B [5, 2] and A [2, 5] + B [3, 2].
+    assert_eq!(trainable, 12 + 10 + 10 + 6);
+    assert_eq!(
+        headroom_optim::adamw_state_bytes(&net.params_mut()),
+        8 * trainable as u64
+    );
+    let mut optimizer = decaying_adamw();
+    optimizer.step(&mut net.params_mut(), 0.05).unwrap();
+    let state = optimizer.state().unwrap();
+    for ((p, m), v) in net
+        .params_mut()
+        .iter()
+        .zip(&state.first_moment)
+        .zip(&state.second_moment)
+    {
+        let expected = if p.frozen { 0 } else { p.value.len() };
+        assert_eq!((m.len(), v.len()), (expected, expected), "{}", p.name);
+    }
+    // Frozen parameters hold no gradient buffer either.
+    for p in net.params_mut() {
+        assert_eq!(p.grad.is_empty(), p.frozen, "{}", p.name);
+    }
+    // The state round-trips into a fresh optimizer that steps the same net.
+    let mut resumed = decaying_adamw();
+    resumed.load_state(state).unwrap();
+    resumed.step(&mut net.params_mut(), 0.05).unwrap();
 }

@@ -45,6 +45,10 @@ pub struct ExperimentConfig {
     pub schedule: ScheduleConfig,
     #[serde(default)]
     pub checkpoint: CheckpointConfig,
+    /// Start from a trained checkpoint (LoRA or full fine-tuning); absent
+    /// otherwise, and then left out of the serialised config.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finetune: Option<crate::finetune::FinetuneConfig>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -807,6 +811,9 @@ impl ExperimentConfig {
             }
         };
         check_run_name(&self.run.name)?;
+        if let Some(finetune) = &self.finetune {
+            finetune.validate(self)?;
+        }
         match self.data.format.as_str() {
             "idx" => {}
             "shards" => {

@@ -134,8 +134,9 @@ pub fn restored_cpu_learner(
     path: &Path,
     micro_batch: usize,
 ) -> Result<CpuLearner> {
+    // A full fine-tune's checkpoints hold the model without its adapters.
     let mut learner = CpuLearner::new(
-        &config.model,
+        &crate::finetune::effective_model(config),
         config.run.seed,
         StepSettings::from_config(config),
         micro_batch,
@@ -167,6 +168,10 @@ pub struct EvalReport {
     pub baseline_loss: Option<f32>,
     /// `confusion[truth][predicted]` counts.
     pub confusion: Vec<Vec<u64>>,
+    /// A token model's loss in bits per token (byte): loss / ln 2. None for
+    /// a classifier. A token model's figures are these, not its
+    /// vocabulary-sized confusion matrix.
+    pub bits_per_byte: Option<f32>,
 }
 
 /// Evaluates `path` on the test split of the experiment that wrote it (its
@@ -206,5 +211,9 @@ pub fn evaluate_checkpoint(
         loss: evaluation.loss,
         baseline_loss: evaluation.baseline_loss,
         confusion: evaluation.confusion,
+        bits_per_byte: config
+            .model
+            .tokens
+            .map(|_| evaluation.loss / std::f32::consts::LN_2),
     })
 }

@@ -62,8 +62,36 @@ pub fn safetensors(checkpoint_path: &Path, output: &Path) -> Result<usize> {
 }
 
 /// The checkpoint's parameters and buffers under the model's own names and
-/// shapes (the model is rebuilt from the spec the checkpoint records).
+/// shapes, as little-endian bytes for the file.
 fn named_tensors(saved: &Checkpoint, path: &Path) -> Result<Vec<(String, Named)>> {
+    Ok(named_values(saved, path)?
+        .into_iter()
+        .map(|t| {
+            let bytes = t.values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (
+                t.name,
+                Named {
+                    shape: t.shape,
+                    bytes,
+                },
+            )
+        })
+        .collect())
+}
+
+/// One tensor of a checkpoint under the name its model gives it.
+pub struct NamedValues<'a> {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub values: &'a [f32],
+    /// A parameter (false: a batch-norm buffer).
+    pub param: bool,
+}
+
+/// The checkpoint's parameters and buffers under the model's own names and
+/// shapes (the model is rebuilt from the spec the checkpoint records), so
+/// that export and fine-tuning (`finetune`) name tensors the same way.
+pub fn named_values<'a>(saved: &'a Checkpoint, path: &Path) -> Result<Vec<NamedValues<'a>>> {
     let bad = |reason: String| PipelineError::Checkpoint {
         path: path.to_path_buf(),
         reason,
@@ -89,13 +117,18 @@ fn named_tensors(saved: &Checkpoint, path: &Path) -> Result<Vec<(String, Named)>
         .collect();
     let buffer_names = buffer_names(&params, buffer_shapes.len());
     let mut out = Vec::new();
-    let pairs = params.into_iter().zip(&saved.params).chain(
-        buffer_names
-            .into_iter()
-            .zip(buffer_shapes)
-            .zip(&saved.buffers),
-    );
-    for ((name, shape), values) in pairs {
+    let pairs = params
+        .into_iter()
+        .zip(&saved.params)
+        .map(|(named, values)| (named, values, true))
+        .chain(
+            buffer_names
+                .into_iter()
+                .zip(buffer_shapes)
+                .zip(&saved.buffers)
+                .map(|(named, values)| (named, values, false)),
+        );
+    for ((name, shape), values, param) in pairs {
         if shape.iter().product::<usize>() != values.len() {
             return Err(bad(format!(
                 "{name} holds {} values, its shape {shape:?} needs {}",
@@ -103,8 +136,12 @@ fn named_tensors(saved: &Checkpoint, path: &Path) -> Result<Vec<(String, Named)>
                 shape.iter().product::<usize>()
             )));
         }
-        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        out.push((name, Named { shape, bytes }));
+        out.push(NamedValues {
+            name,
+            shape,
+            values,
+            param,
+        });
     }
     Ok(out)
 }
@@ -128,4 +165,56 @@ fn buffer_names(params: &[(String, Vec<usize>)], count: usize) -> Vec<String> {
             ]
         })
         .collect()
+}
+
+/// An f32 tensor to write or just read: name, shape, values.
+pub type F32Tensor = (String, Vec<usize>, Vec<f32>);
+
+/// Writes f32 `tensors` and `metadata` to `output` in safetensors format.
+pub fn write_f32_safetensors(
+    tensors: &[F32Tensor],
+    metadata: HashMap<String, String>,
+    output: &Path,
+) -> Result<()> {
+    let named: Vec<(String, Named)> = tensors
+        .iter()
+        .map(|(name, shape, values)| {
+            let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let shape = shape.clone();
+            (name.clone(), Named { shape, bytes })
+        })
+        .collect();
+    let views: Vec<(String, &Named)> = named.iter().map(|(n, t)| (n.clone(), t)).collect();
+    serialize_to_file(views, Some(metadata), output).map_err(|e| PipelineError::Checkpoint {
+        path: output.to_path_buf(),
+        reason: format!("cannot write safetensors: {e}"),
+    })
+}
+
+/// Reads every tensor (f32 only) and the metadata of a safetensors file.
+pub fn read_f32_safetensors(path: &Path) -> Result<(Vec<F32Tensor>, HashMap<String, String>)> {
+    let bad = |reason: String| PipelineError::Checkpoint {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let bytes = std::fs::read(path).map_err(|e| PipelineError::io(path, e))?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)
+        .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+    let metadata = header.metadata().clone().unwrap_or_default();
+    let file = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+    let mut tensors = Vec::new();
+    for (name, view) in file.tensors() {
+        if view.dtype() != Dtype::F32 {
+            return Err(bad(format!("{name} is {:?}, expected F32", view.dtype())));
+        }
+        let values = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        tensors.push((name, view.shape().to_vec(), values));
+    }
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok((tensors, metadata))
 }

@@ -14,6 +14,7 @@ pub mod data;
 mod error;
 pub mod eval;
 pub mod export;
+pub mod finetune;
 pub mod frames;
 pub mod learner;
 pub mod limits;

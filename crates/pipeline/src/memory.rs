@@ -232,4 +232,38 @@ impl MemoryGuard {
             micro /= 2;
         }
     }
+
+    /// Fails fast, before any training, when the model cannot train within
+    /// the budget even at `micro_batch` samples a step: its weights and
+    /// gradients (already in the pool) + the optimizer state + one step's
+    /// measured peak. The message names each part; nothing spills to host
+    /// memory in its place.
+    pub fn check_fits(&self, learner: &mut dyn Learner, micro_batch: usize) -> Result<()> {
+        let (Some(limit), Some(optimizer)) = (self.pool.limit(), learner.optimizer_state_bytes())
+        else {
+            return Ok(());
+        };
+        let weights = self.pool.stats().in_use_bytes;
+        // The dry run measures without the budget (an over-budget model
+        // would fail it at once), which is put back straight after.
+        self.pool.set_limit(None);
+        let peak = learner.measure_step_peak(micro_batch);
+        self.pool.set_limit(Some(limit));
+        let peak = peak?;
+        let need = weights + optimizer + peak;
+        if need <= limit {
+            return Ok(());
+        }
+        Err(PipelineError::OutOfMemory(format!(
+            "the model does not fit device.memory_limit = {}: weights and gradients {} + optimizer state {} + \
+             one training step of {micro_batch} samples (measured peak) {} = {} (nothing spills to host memory); \
+             raise device.memory_limit, or, where not already set, fine-tune with LoRA (finetune.train = \"lora\") and \
+             recompute blocks (model.checkpoint = \"blocks\")",
+            mib(limit),
+            mib(weights),
+            mib(optimizer),
+            mib(peak),
+            mib(need)
+        )))
+    }
 }

@@ -106,6 +106,8 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
     let run_dir = rundir::RunDir::claim(config, &options.resume)?;
     let mut resolved = config.clone();
     resolved.run.output_dir = Some(run_dir.path().to_path_buf());
+    // A full fine-tune trains the base architecture (no adapters).
+    resolved.model = crate::finetune::effective_model(&resolved);
     let config = &resolved;
     let threads = compute_threads(config.train.threads);
     let pool = rayon::ThreadPoolBuilder::new()
@@ -146,6 +148,13 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         None => memory.plan_micro_batch(run.trainee.learner.as_mut(), config.train.batch_size)?,
     };
     run.trainee.learner.set_micro_batch(micro_batch);
+    // A fine-tuning run checks up front that the model, its optimizer state
+    // and a step fit the budget (other runs keep the adaptive OOM policy,
+    // which checkpoints and stops when not even one sample fits).
+    if config.finetune.is_some() && config.memory_limit()?.is_some() {
+        let smallest = micro_batch.min(config.memory.min_micro_batch.max(1));
+        memory.check_fits(run.trainee.learner.as_mut(), smallest)?;
+    }
     let parameters = run.trainee.learner.num_params();
     let macs_per_sample = run.trainee.learner.macs_per_sample()?;
     tracing::info!(

@@ -36,6 +36,17 @@ fn keys_in_code() -> BTreeSet<String> {
                 .unwrap();
         keys.extend(config.flatten().into_keys());
     }
+    // [finetune] needs a token model: its keys come from the LoRA experiment.
+    let lora = ExperimentConfig::load(
+        &root.join("experiments/lora_finetune.toml"),
+        &Overrides::default(),
+    )
+    .unwrap();
+    keys.extend(
+        lora.flatten()
+            .into_keys()
+            .filter(|k| k.starts_with("finetune.")),
+    );
     keys
 }
 

@@ -146,14 +146,28 @@ impl Layer for Embedding {
         let (n, t, d) = (ids.shape()[0], ids.shape()[1], self.dim);
         grad_output.expect_shape("embedding backward", &[n, t, d])?;
         let g = grad_output.data();
-        let table_grad = self.table.grad.data_mut();
-        for (token, &row) in rows.iter().enumerate() {
-            let src = &g[token * d..(token + 1) * d];
-            for (acc, &v) in table_grad[row * d..(row + 1) * d].iter_mut().zip(src) {
-                *acc += v;
+        if let Some(p) = std::iter::once(&self.table)
+            .chain(&self.positions)
+            .find(|p| !p.grad_fits())
+        {
+            return Err(ModelError::State(format!(
+                "{} gradient has shape {:?} for a value of {:?}",
+                p.name,
+                p.grad.shape(),
+                p.value.shape()
+            )));
+        }
+        // Frozen tables (fine-tuning) get no gradient: none computed.
+        if !self.table.frozen {
+            let table_grad = self.table.grad.data_mut();
+            for (token, &row) in rows.iter().enumerate() {
+                let src = &g[token * d..(token + 1) * d];
+                for (acc, &v) in table_grad[row * d..(row + 1) * d].iter_mut().zip(src) {
+                    *acc += v;
+                }
             }
         }
-        if let Some(p) = &mut self.positions {
+        if let Some(p) = self.positions.as_mut().filter(|p| !p.frozen) {
             let pos_grad = p.grad.data_mut();
             for (token, src) in g.chunks_exact(d.max(1)).enumerate() {
                 let at = (token % t) * d;

@@ -71,13 +71,19 @@ impl Linear {
     /// an error here rather than a panic in the GEMM.
     fn check_state(&self) -> Result<()> {
         let (k, o) = (self.in_features, self.out_features);
-        let mut tensors = vec![
-            (&self.weight.value, "weight", vec![k, o]),
-            (&self.weight.grad, "weight gradient", vec![k, o]),
-        ];
+        let mut tensors = vec![(&self.weight.value, "weight", vec![k, o])];
         if let Some(b) = &self.bias {
             tensors.push((&b.value, "bias", vec![o]));
-            tensors.push((&b.grad, "bias gradient", vec![o]));
+        }
+        for p in std::iter::once(&self.weight).chain(&self.bias) {
+            if !p.grad_fits() {
+                return Err(ModelError::State(format!(
+                    "{} gradient has shape {:?} for a value of {:?}",
+                    p.name,
+                    p.grad.shape(),
+                    p.value.shape()
+                )));
+            }
         }
         for (t, what, expected) in tensors {
             if t.shape() != expected {
@@ -180,10 +186,13 @@ impl Layer for Linear {
             row_stride: o,
             col_stride: 1,
         };
-        matmul(self.weight.grad.data_mut(), k, o, n, xt, gv, true);
+        // A frozen weight (fine-tuning) gets no gradient: none computed.
+        if !self.weight.frozen {
+            matmul(self.weight.grad.data_mut(), k, o, n, xt, gv, true);
+        }
 
         // db[o] += Σₙ g
-        if let Some(b) = &mut self.bias {
+        if let Some(b) = self.bias.as_mut().filter(|b| !b.frozen) {
             let db = b.grad.data_mut();
             for row in g.chunks_exact(o.max(1)) {
                 for (d, &v) in db.iter_mut().zip(row) {

@@ -185,7 +185,7 @@ impl LoraLinear {
             expected.push((b, vec![o]));
         }
         for (p, shape) in expected {
-            if p.value.shape() != shape || p.grad.shape() != shape {
+            if p.value.shape() != shape || !p.grad_fits() {
                 return Err(ModelError::State(format!(
                     "{} has shape {:?}, expected {shape:?}",
                     p.name,

@@ -62,7 +62,8 @@ pub enum Mode {
 ///
 /// A `frozen` parameter (the base weight under a LoRA adapter) is part of
 /// the model and of its checkpoints, but the optimizer leaves it alone and
-/// layers add nothing into its gradient, which therefore stays zero.
+/// layers compute no gradient for it: its gradient is an empty tensor, so a
+/// frozen model holds no gradient memory for it.
 #[derive(Clone, Debug)]
 pub struct Param {
     pub name: String,
@@ -86,8 +87,20 @@ impl Param {
 
     /// Marks the parameter frozen (see the type's documentation).
     pub fn frozen(mut self) -> Self {
-        self.frozen = true;
+        self.freeze();
         self
+    }
+
+    /// Freezes in place and releases the gradient buffer.
+    pub fn freeze(&mut self) {
+        self.frozen = true;
+        self.grad = Tensor::zeros(&[0]);
+    }
+
+    /// Whether the gradient has the shape layers write into: the value's,
+    /// or, for a frozen parameter, also none at all.
+    pub fn grad_fits(&self) -> bool {
+        self.grad.shape() == self.value.shape() || (self.frozen && self.grad.is_empty())
     }
 
     pub fn zero_grad(&mut self) {

@@ -55,7 +55,7 @@ impl LayerNorm {
 
     fn check_state(&self) -> Result<()> {
         for p in [&self.gamma, &self.beta] {
-            if p.value.shape() != [self.features] || p.grad.shape() != [self.features] {
+            if p.value.shape() != [self.features] || !p.grad_fits() {
                 return Err(ModelError::State(format!(
                     "{} has shape {:?}, expected [{}]",
                     p.name,
@@ -146,6 +146,8 @@ impl Layer for LayerNorm {
         let x_hat = |row: usize, j: usize| (x[row * c + j] - s[2 * row]) * s[2 * row + 1];
 
         let rows = s.len() / 2;
+        // A frozen scale and shift have empty gradients: these loops then
+        // do nothing.
         let dgamma = self.gamma.grad.data_mut();
         for row in 0..rows {
             for (j, d) in dgamma.iter_mut().enumerate() {

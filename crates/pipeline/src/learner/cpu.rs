@@ -446,4 +446,10 @@ impl Learner for CpuLearner {
     fn device_name(&self) -> String {
         "cpu".into()
     }
+
+    fn optimizer_state_bytes(&mut self) -> Option<u64> {
+        Some(headroom_optim::adamw_state_bytes(
+            &self.network.params_mut(),
+        ))
+    }
 }

@@ -136,6 +136,12 @@ pub trait Learner: Send {
 
     /// "cpu", or the GPU's description (for logs and benchmarks).
     fn device_name(&self) -> String;
+
+    /// Bytes the optimizer's state takes once it has stepped (none for
+    /// frozen parameters), when the learner can say before the first step.
+    fn optimizer_state_bytes(&mut self) -> Option<u64> {
+        None
+    }
 }
 
 /// The learner `device.kind` asks for, with micro-batches of `batch_size`
@@ -150,7 +156,8 @@ pub fn open(
     let batch = config.train.batch_size;
     let settings = StepSettings::from_config(config);
     let on_cpu = |settings: StepSettings| -> Result<Box<dyn Learner>> {
-        let learner = CpuLearner::new(&config.model, config.run.seed, settings, batch, pool)?;
+        let mut learner = CpuLearner::new(&config.model, config.run.seed, settings, batch, pool)?;
+        crate::finetune::initialise(config, learner.network_mut())?;
         Ok(Box::new(learner))
     };
     let on_gpu = |settings: StepSettings| -> Result<CudaLearner> {

@@ -1,0 +1,580 @@
+//! Fine-tuning from a trained checkpoint (`[finetune]`): the model of the
+//! experiment is built as usual, then every base tensor is copied in by its
+//! name (the names `cargo xtask export` writes), so a `tiny_gpt` checkpoint
+//! loads into the same architecture with LoRA adapters added beside its
+//! attention projections. With `train = "lora"` everything but the adapters
+//! (`*.lora_a`, `*.lora_b`) is frozen, so AdamW keeps state for the adapters
+//! only; `train = "full"` drops the adapters from the model and trains every
+//! weight, for comparison.
+//!
+//! After a LoRA run the adapters are written on their own
+//! (`adapters.safetensors`, with each adapter's scale alpha/r in the
+//! metadata), and `merge` folds them into the base weights.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use headroom_loader::DataLoader;
+use headroom_model::layers::LoraConfig;
+use headroom_model::memory::MemoryPool;
+use headroom_model::{Device, LayerSpec, ModelSpec, Network};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{self, Checkpoint};
+use crate::config::ExperimentConfig;
+use crate::export::{self, F32Tensor};
+use crate::learner::{CpuLearner, StepSettings};
+use crate::{data, PipelineError, Result, RunSummary};
+
+/// The adapters of a LoRA run, in its run directory.
+pub const ADAPTERS_FILE: &str = "adapters.safetensors";
+/// The figures of a fine-tuning run, as JSON, in its run directory.
+pub const REPORT_FILE: &str = "finetune_report.json";
+
+/// `[finetune]` in an experiment.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FinetuneConfig {
+    /// The base: a checkpoint file, or a run directory (its newest valid
+    /// checkpoint).
+    pub base: PathBuf,
+    /// "lora" (adapters only) or "full" (every weight, no adapters).
+    #[serde(default)]
+    pub train: FinetuneMode,
+    /// The experiment that trains the base when `base` holds no checkpoint
+    /// (`cargo xtask train` runs it first, into `base`).
+    #[serde(default)]
+    pub base_experiment: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum FinetuneMode {
+    #[default]
+    Lora,
+    Full,
+}
+
+impl FinetuneConfig {
+    /// Checks that need no file: a token model, and adapters to train.
+    pub fn validate(&self, config: &ExperimentConfig) -> Result<()> {
+        if self.base.as_os_str().is_empty() {
+            return Err(PipelineError::value(
+                "finetune.base",
+                "is empty: name the base checkpoint or its run directory",
+            ));
+        }
+        if config.model.tokens.is_none() {
+            return Err(PipelineError::value(
+                "model.tokens",
+                "[finetune] loads a tiny_gpt token model: set model.tokens = { length, vocab }",
+            ));
+        }
+        if self.train == FinetuneMode::Lora && adapter_scales(&config.model).is_empty() {
+            return Err(PipelineError::value(
+                "finetune.train",
+                "\"lora\" needs adapters: set lora = { r, alpha } on the transformer blocks of model.layers",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Whether a parameter is a LoRA adapter factor (trained under "lora").
+pub fn is_adapter(name: &str) -> bool {
+    name.ends_with(".lora_a") || name.ends_with(".lora_b")
+}
+
+/// The model a run trains: the experiment's, without its adapters for a
+/// full fine-tune (the base architecture, every weight trainable).
+pub fn effective_model(config: &ExperimentConfig) -> ModelSpec {
+    let mut spec = config.model.clone();
+    if config
+        .finetune
+        .as_ref()
+        .is_some_and(|f| f.train == FinetuneMode::Full)
+    {
+        spec.layers = spec.layers.iter().map(without_adapters).collect();
+    }
+    spec
+}
+
+fn without_adapters(layer: &LayerSpec) -> LayerSpec {
+    match layer.clone() {
+        LayerSpec::TransformerBlock {
+            heads,
+            mlp_ratio,
+            dropout,
+            lean,
+            ..
+        } => LayerSpec::TransformerBlock {
+            heads,
+            mlp_ratio,
+            dropout,
+            lean,
+            lora: None,
+        },
+        LayerSpec::CausalSelfAttention { heads, lean, .. } => LayerSpec::CausalSelfAttention {
+            heads,
+            lean,
+            lora: None,
+        },
+        LayerSpec::LoraLinear { out, bias, .. } => LayerSpec::Linear { out, bias },
+        LayerSpec::Residual { layers } => LayerSpec::Residual {
+            layers: layers.iter().map(without_adapters).collect(),
+        },
+        other => other,
+    }
+}
+
+/// Each adapted linear layer's name (`model.layers[1].attn.qkv`) and its
+/// scale alpha / r, from the spec: what a merge multiplies B·A by.
+pub fn adapter_scales(spec: &ModelSpec) -> BTreeMap<String, f32> {
+    let mut scales = BTreeMap::new();
+    collect_scales(&spec.layers, "model.layers", &mut scales);
+    scales
+}
+
+fn collect_scales(layers: &[LayerSpec], path: &str, out: &mut BTreeMap<String, f32>) {
+    let scale = |c: &LoraConfig| c.alpha.unwrap_or(c.r as f32) / c.r.max(1) as f32;
+    for (i, layer) in layers.iter().enumerate() {
+        let here = format!("{path}[{i}]");
+        match layer {
+            LayerSpec::TransformerBlock { lora: Some(c), .. } => {
+                out.insert(format!("{here}.attn.qkv"), scale(c));
+                out.insert(format!("{here}.attn.proj"), scale(c));
+            }
+            LayerSpec::CausalSelfAttention { lora: Some(c), .. } => {
+                out.insert(format!("{here}.qkv"), scale(c));
+                out.insert(format!("{here}.proj"), scale(c));
+            }
+            LayerSpec::LoraLinear { lora, .. } => {
+                out.insert(here, scale(lora));
+            }
+            LayerSpec::Residual { layers } | LayerSpec::UnetSkip { layers } => {
+                collect_scales(layers, &format!("{here}.layers"), out);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The base checkpoint of `finetune`: the file, or the newest valid one in
+/// the run directory. Missing: an error naming `finetune.base` and the
+/// command that trains it.
+pub fn base_checkpoint(finetune: &FinetuneConfig) -> Result<PathBuf> {
+    let base = &finetune.base;
+    if base.is_file() {
+        return Ok(base.clone());
+    }
+    if base.is_dir() {
+        if let (Some((path, _)), _) = checkpoint::newest_valid(base)? {
+            return Ok(path);
+        }
+    }
+    let command = match &finetune.base_experiment {
+        Some(experiment) => format!(
+            "cargo xtask train --config {} --set run.output_dir={}",
+            experiment.display(),
+            base.display()
+        ),
+        None => format!(
+            "cargo xtask train --config experiments/tiny_gpt.toml --set run.output_dir={}",
+            base.display()
+        ),
+    };
+    Err(PipelineError::value(
+        "finetune.base",
+        format!(
+            "{} holds no checkpoint; train the base first: {command}",
+            base.display()
+        ),
+    ))
+}
+
+/// Loads the base into `network` by name and, for "lora", freezes all but
+/// the adapters. Nothing happens without `[finetune]`. Returns the number
+/// of tensors loaded.
+pub fn initialise(config: &ExperimentConfig, network: &mut Network) -> Result<usize> {
+    let Some(finetune) = &config.finetune else {
+        return Ok(0);
+    };
+    let path = base_checkpoint(finetune)?;
+    let base = checkpoint::load(&path)?;
+    let loaded = load_by_name(network, &base, &path)?;
+    if finetune.train == FinetuneMode::Lora {
+        freeze_all_but_adapters(network);
+    }
+    let figures = Figures::of(network);
+    tracing::info!(
+        "finetune ({:?}): {loaded} tensors from {}; {} of {} parameters trainable, optimizer state {}",
+        finetune.train,
+        path.display(),
+        figures.trainable,
+        figures.parameters,
+        crate::memory::mib(figures.optimizer_state_bytes)
+    );
+    Ok(loaded)
+}
+
+/// Freezes every parameter but the LoRA factors (releasing their
+/// gradient buffers: layers compute no gradient for a frozen parameter).
+pub fn freeze_all_but_adapters(network: &mut Network) {
+    for param in network.params_mut() {
+        if !is_adapter(&param.name) {
+            param.freeze();
+        }
+    }
+}
+
+/// Copies every tensor of `base` (read from `path`) into the parameter of
+/// `network` with the same name. Adapters absent from the base keep their
+/// initialisation (B = 0: the model starts as the base). A learned
+/// position table may be longer in the base (its first rows are used).
+/// Anything else that differs is an error naming the file and the tensor or
+/// key: another architecture, vocabulary or context.
+pub fn load_by_name(network: &mut Network, base: &Checkpoint, path: &Path) -> Result<usize> {
+    check_base_tokens(network.spec(), base, path)?;
+    let named = export::named_values(base, path)?;
+    let bad = |reason: String| PipelineError::Checkpoint {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if let Some(buffer) = named.iter().find(|t| !t.param) {
+        return Err(bad(format!(
+            "holds the buffer {}, which a tiny_gpt model has not: not the same architecture",
+            buffer.name
+        )));
+    }
+    let mut by_name: HashMap<&str, &export::NamedValues> =
+        named.iter().map(|t| (t.name.as_str(), t)).collect();
+    let mut loaded = 0;
+    for param in network.params_mut() {
+        let Some(source) = by_name.remove(param.name.as_str()) else {
+            if is_adapter(&param.name) {
+                continue;
+            }
+            return Err(bad(format!(
+                "has no tensor {}: not a model of the same architecture as model.layers",
+                param.name
+            )));
+        };
+        let shape = param.value.shape().to_vec();
+        let values = fitted(&param.name, &source.shape, source.values, &shape).ok_or_else(|| {
+            bad(format!(
+                "tensor {} has shape {:?}, model.layers needs {shape:?}: not a tiny_gpt of the same shape",
+                param.name, source.shape
+            ))
+        })?;
+        param.value.try_data_mut()?.copy_from_slice(values);
+        loaded += 1;
+    }
+    if let Some(extra) = by_name.keys().min() {
+        return Err(bad(format!(
+            "holds the tensor {extra}, which model.layers has not: not a model of the same architecture"
+        )));
+    }
+    Ok(loaded)
+}
+
+/// The values of a base tensor for a parameter of `shape`: all of them
+/// when the shapes agree, the first rows of a longer position table.
+fn fitted<'a>(name: &str, base: &[usize], values: &'a [f32], shape: &[usize]) -> Option<&'a [f32]> {
+    if base == shape {
+        return Some(values);
+    }
+    match (base, shape) {
+        ([rows, cols], [want, c]) if name.ends_with(".positions") && c == cols && want <= rows => {
+            Some(&values[..want * cols])
+        }
+        _ => None,
+    }
+}
+
+/// The base must be a token model of the same vocabulary and a context at
+/// least as long as the model's: each error names the key and the file.
+fn check_base_tokens(spec: &ModelSpec, base: &Checkpoint, path: &Path) -> Result<()> {
+    let base_spec = base.model().map_err(|reason| PipelineError::Checkpoint {
+        path: path.to_path_buf(),
+        reason,
+    })?;
+    let (Some(ours), Some(theirs)) = (spec.tokens, base_spec.tokens) else {
+        return Err(PipelineError::Checkpoint {
+            path: path.to_path_buf(),
+            reason: "is not a token model (model.tokens): LoRA fine-tuning starts from a tiny_gpt checkpoint"
+                .into(),
+        });
+    };
+    if ours.vocab != theirs.vocab {
+        return Err(PipelineError::value(
+            "model.tokens.vocab",
+            format!(
+                "is {}, but the base {} has a vocabulary of {}",
+                ours.vocab,
+                path.display(),
+                theirs.vocab
+            ),
+        ));
+    }
+    if ours.length > theirs.length {
+        return Err(PipelineError::value(
+            "model.tokens.length",
+            format!(
+                "is {}, longer than the context of the base {} ({} tokens): its positions end there",
+                ours.length,
+                path.display(),
+                theirs.length
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Parameter counts and optimizer-state bytes of a model as it trains.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Figures {
+    pub parameters: usize,
+    pub trainable: usize,
+    pub optimizer_state_bytes: u64,
+}
+
+impl Figures {
+    pub fn of(network: &mut Network) -> Self {
+        let params = network.params_mut();
+        Self {
+            parameters: params.iter().map(|p| p.value.len()).sum(),
+            trainable: params
+                .iter()
+                .filter(|p| !p.frozen)
+                .map(|p| p.value.len())
+                .sum(),
+            optimizer_state_bytes: headroom_optim::adamw_state_bytes(&params),
+        }
+    }
+
+    /// The figures of `config`'s run, from its model alone (no base read).
+    pub fn of_config(config: &ExperimentConfig) -> Result<Self> {
+        let pool = MemoryPool::new(Device::Cpu);
+        let mut network = pool.scope(|| Network::build(&effective_model(config), 0))?;
+        if config
+            .finetune
+            .as_ref()
+            .is_some_and(|f| f.train == FinetuneMode::Lora)
+        {
+            freeze_all_but_adapters(&mut network);
+        }
+        Ok(Self::of(&mut network))
+    }
+}
+
+/// What `write_report` measured, side by side with another mode's.
+#[derive(Clone, Debug, Serialize)]
+pub struct FinetuneReport {
+    pub train: FinetuneMode,
+    pub base_checkpoint: PathBuf,
+    pub figures: Figures,
+    /// The tensor pool's peak in use and reserved bytes over the run.
+    pub tensor_peak_in_use_bytes: u64,
+    pub tensor_peak_reserved_bytes: u64,
+    pub peak_rss_bytes: Option<u64>,
+    /// The base model on the new corpus's validation split.
+    pub validation_loss_before: f32,
+    pub bits_per_byte_before: f32,
+    pub validation_loss_after: f32,
+    pub bits_per_byte_after: f32,
+    pub adapters_file: Option<PathBuf>,
+    pub adapters_file_bytes: Option<u64>,
+}
+
+/// After a completed fine-tuning run: evaluates the base on the validation
+/// split, writes the adapters (LoRA) and `finetune_report.json` beside the
+/// run's last checkpoint.
+pub fn write_report(config: &ExperimentConfig, summary: &RunSummary) -> Result<FinetuneReport> {
+    let finetune = config.finetune.as_ref().ok_or_else(|| {
+        PipelineError::value("finetune", "the run has no [finetune] table to report on")
+    })?;
+    let last = summary.last_checkpoint.as_deref().ok_or_else(|| {
+        PipelineError::value("checkpoint", "the run wrote no checkpoint to report on")
+    })?;
+    let dir = last.parent().unwrap_or(Path::new("."));
+    let base_checkpoint = base_checkpoint(finetune)?;
+    let before = evaluate_base(config)?;
+    let (adapters_file, adapters_file_bytes) = match finetune.train {
+        FinetuneMode::Lora => {
+            let file = dir.join(ADAPTERS_FILE);
+            write_adapters(last, &base_checkpoint, &file)?;
+            let bytes = std::fs::metadata(&file).map_err(|e| PipelineError::io(&file, e))?;
+            (Some(file), Some(bytes.len()))
+        }
+        FinetuneMode::Full => (None, None),
+    };
+    let after = summary.test_loss.unwrap_or(f32::NAN);
+    let report = FinetuneReport {
+        train: finetune.train,
+        base_checkpoint,
+        figures: Figures::of_config(config)?,
+        tensor_peak_in_use_bytes: summary.memory.peak_in_use_bytes,
+        tensor_peak_reserved_bytes: summary.memory.peak_reserved_bytes,
+        peak_rss_bytes: summary.peak_rss_bytes,
+        validation_loss_before: before,
+        bits_per_byte_before: before / std::f32::consts::LN_2,
+        validation_loss_after: after,
+        bits_per_byte_after: after / std::f32::consts::LN_2,
+        adapters_file,
+        adapters_file_bytes,
+    };
+    let path = dir.join(REPORT_FILE);
+    let json = serde_json::to_string_pretty(&report).map_err(|e| PipelineError::Stage {
+        stage: "finetune report",
+        reason: e.to_string(),
+    })?;
+    std::fs::write(&path, json).map_err(|e| PipelineError::io(&path, e))?;
+    Ok(report)
+}
+
+/// Validation loss (nats per byte) of the base model, as fine-tuning
+/// starts from it, on `config`'s validation split.
+pub fn evaluate_base(config: &ExperimentConfig) -> Result<f32> {
+    let spec = effective_model(config);
+    let batch = config.train.batch_size;
+    let pool = MemoryPool::new(Device::Cpu);
+    let settings = StepSettings::from_config(config);
+    let mut learner = CpuLearner::new(&spec, config.run.seed, settings, batch, pool)?;
+    initialise(config, learner.network_mut())?;
+    let (_, test_set) = data::open_splits(config, false)?;
+    let loader = DataLoader::new(test_set, data::loader_config(config, false)?)?;
+    Ok(crate::eval::evaluate(&mut learner, &loader, config.eval.tta)?.loss)
+}
+
+/// Writes the adapter factors of `checkpoint_path` (a LoRA run) to
+/// `output`, with their scales, the model spec and the base in the
+/// metadata; returns the number of tensors.
+pub fn write_adapters(checkpoint_path: &Path, base: &Path, output: &Path) -> Result<usize> {
+    let saved = checkpoint::load(checkpoint_path)?;
+    let spec = saved.model().map_err(|reason| PipelineError::Checkpoint {
+        path: checkpoint_path.to_path_buf(),
+        reason,
+    })?;
+    let tensors: Vec<F32Tensor> = export::named_values(&saved, checkpoint_path)?
+        .into_iter()
+        .filter(|t| is_adapter(&t.name))
+        .map(|t| (t.name, t.shape, t.values.to_vec()))
+        .collect();
+    let scales = serde_json::to_string(&adapter_scales(&spec)).unwrap_or_default();
+    let metadata = HashMap::from([
+        ("producer".to_string(), "headroom".to_string()),
+        ("adapter".to_string(), "lora".to_string()),
+        ("scales".to_string(), scales),
+        ("model_spec".to_string(), saved.meta.model_json.clone()),
+        ("base".to_string(), base.display().to_string()),
+        ("step".to_string(), saved.meta.step.to_string()),
+    ]);
+    export::write_f32_safetensors(&tensors, metadata, output)?;
+    Ok(tensors.len())
+}
+
+/// The adapters file's recorded base checkpoint.
+pub fn recorded_base(adapters: &Path) -> Result<PathBuf> {
+    let (_, metadata) = export::read_f32_safetensors(adapters)?;
+    metadata
+        .get("base")
+        .map(PathBuf::from)
+        .ok_or_else(|| PipelineError::Checkpoint {
+            path: adapters.to_path_buf(),
+            reason: "records no base checkpoint: pass --base".into(),
+        })
+}
+
+/// The base's tensors with every adapter of `adapters` folded in:
+/// W[in, out] += s·Aᵀ·Bᵀ, with A [r, in], B [out, r] and s = alpha / r.
+/// `base` is a checkpoint file or a run directory.
+pub fn merged_tensors(base: &Path, adapters: &Path) -> Result<(Vec<F32Tensor>, String)> {
+    let base_path = base_checkpoint(&FinetuneConfig {
+        base: base.to_path_buf(),
+        train: FinetuneMode::Lora,
+        base_experiment: None,
+    })?;
+    let saved = checkpoint::load(&base_path)?;
+    let mut tensors: Vec<F32Tensor> = export::named_values(&saved, &base_path)?
+        .into_iter()
+        .map(|t| (t.name, t.shape, t.values.to_vec()))
+        .collect();
+    let (factors, metadata) = export::read_f32_safetensors(adapters)?;
+    let bad = |reason: String| PipelineError::Checkpoint {
+        path: adapters.to_path_buf(),
+        reason,
+    };
+    let scales: BTreeMap<String, f32> = metadata
+        .get("scales")
+        .and_then(|s| serde_json::from_str(s).ok())
+        .ok_or_else(|| {
+            bad("no readable \"scales\" in the metadata: not a headroom adapters file".into())
+        })?;
+    let factor = |name: String| {
+        factors
+            .iter()
+            .find(|t| t.0 == name)
+            .ok_or_else(|| bad(format!("has no tensor {name}")))
+    };
+    for (layer, scale) in &scales {
+        let (_, a_shape, a) = factor(format!("{layer}.lora_a"))?;
+        let (_, b_shape, b) = factor(format!("{layer}.lora_b"))?;
+        let weight = format!("{layer}.weight");
+        let Some((_, w_shape, w)) = tensors.iter_mut().find(|t| t.0 == weight) else {
+            return Err(bad(format!(
+                "adapts {layer}, but the base {} has no tensor {weight}",
+                base_path.display()
+            )));
+        };
+        fold(w, w_shape, a, a_shape, b, b_shape, *scale)
+            .map_err(|reason| bad(format!("{layer}: {reason} (base {})", base_path.display())))?;
+    }
+    Ok((tensors, saved.meta.model_json))
+}
+
+/// W[in, out] += s·Aᵀ·Bᵀ, shapes checked.
+fn fold(
+    w: &mut [f32],
+    w_shape: &[usize],
+    a: &[f32],
+    a_shape: &[usize],
+    b: &[f32],
+    b_shape: &[usize],
+    scale: f32,
+) -> std::result::Result<(), String> {
+    let (&[inputs, outputs], &[r, a_in], &[b_out, b_r]) = (w_shape, a_shape, b_shape) else {
+        return Err(format!(
+            "shapes W {w_shape:?}, A {a_shape:?}, B {b_shape:?} are not matrices"
+        ));
+    };
+    if a_in != inputs || b_out != outputs || b_r != r {
+        return Err(format!(
+            "A {a_shape:?} and B {b_shape:?} do not fit the base weight {w_shape:?}"
+        ));
+    }
+    for i in 0..inputs {
+        for o in 0..outputs {
+            let update: f32 = (0..r).map(|k| a[k * inputs + i] * b[o * r + k]).sum();
+            w[i * outputs + o] += scale * update;
+        }
+    }
+    Ok(())
+}
+
+/// `cargo xtask lora-merge`: writes the merged weights (the base
+/// architecture, adapters folded in) as safetensors named as `export`
+/// names them; returns the number of tensors.
+pub fn merge(base: &Path, adapters: &Path, output: &Path) -> Result<usize> {
+    let (tensors, model_json) = merged_tensors(base, adapters)?;
+    let metadata = HashMap::from([
+        ("format".to_string(), "pt".to_string()),
+        ("producer".to_string(), "headroom".to_string()),
+        ("model_spec".to_string(), model_json),
+        (
+            "merged_adapters".to_string(),
+            adapters.display().to_string(),
+        ),
+    ]);
+    export::write_f32_safetensors(&tensors, metadata, output)?;
+    Ok(tensors.len())
+}
