@@ -1291,110 +1291,89 @@ mod direct {
             is_x86_feature_detected!("avx512f")
         }
 
-        /// As `tile`, for 32 columns: two zmm accumulators per row. The same
-        /// multiply-adds in the same order per output as `tile`.
-        ///
-        /// # Safety
-        /// AVX-512F is available and every address is valid for 32 columns
-        /// (see `super::tiles`).
-        #[target_feature(enable = "avx512f")]
-        pub unsafe fn tile_wide<const M: usize>(
-            a: [*const f32; M],
-            b: *const f32,
-            st: &Steps,
-            dst: [*mut f32; M],
-            init: Init,
-        ) {
-            // SAFETY: the caller's contract covers every pointer used here.
-            unsafe {
-                let mut acc = [[_mm512_setzero_ps(); 2]; M];
-                match init {
-                    Init::Zero => {}
-                    Init::Accumulate => {
+        /// Defines `$name`, the tile kernel for one vector width: `dst[r]`
+        /// (2·$lanes floats per row) = init + Σ_segments Σ_i
+        /// a[r][a_off + i·a_step] · b[b_off + i·b_step ..][..2·$lanes].
+        /// One macro for both widths, so that they do the same fused
+        /// multiply-adds in the same order per output (bit-identical).
+        macro_rules! tile_kernel {
+            ($(#[$doc:meta])* $name:ident, $feature:literal, $lanes:literal,
+             $setzero:ident, $loadu:ident, |$p:ident| $broadcast:expr, $fmadd:ident, $storeu:ident) => {
+                $(#[$doc])*
+                #[target_feature(enable = $feature)]
+                pub unsafe fn $name<const M: usize>(
+                    a: [*const f32; M],
+                    b: *const f32,
+                    st: &Steps,
+                    dst: [*mut f32; M],
+                    init: Init,
+                ) {
+                    // SAFETY: the caller's contract covers every pointer used here.
+                    unsafe {
+                        let mut acc = [[$setzero(); 2]; M];
+                        match init {
+                            Init::Zero => {}
+                            Init::Accumulate => {
+                                for r in 0..M {
+                                    acc[r] = [$loadu(dst[r]), $loadu(dst[r].add($lanes))];
+                                }
+                            }
+                            Init::Bias(p) => {
+                                acc = [[$loadu(p), $loadu(p.add($lanes))]; M];
+                            }
+                        }
+                        for &(a_off, b_off) in st.segs {
+                            // Offsets, not per-segment pointers: the row pointers
+                            // stay in registers, and a segment costs two moves
+                            // (short segments: the 7-pixel rows of dW at 7x7).
+                            // (A pointer for b and an index for a: as two indices
+                            // LLVM packs them into one xmm register, and the
+                            // extracts serialise the loop — 2x slower, measured.
+                            // Unrolling by 2 by hand measured 3% slower.)
+                            let mut ia = a_off;
+                            let mut pb = b.offset(b_off);
+                            for _ in 0..st.len {
+                                let b0 = $loadu(pb);
+                                let b1 = $loadu(pb.add($lanes));
+                                for r in 0..M {
+                                    let av = {
+                                        let $p = a[r].offset(ia);
+                                        $broadcast
+                                    };
+                                    acc[r][0] = $fmadd(av, b0, acc[r][0]);
+                                    acc[r][1] = $fmadd(av, b1, acc[r][1]);
+                                }
+                                ia += st.a_step;
+                                pb = pb.wrapping_offset(st.b_step);
+                            }
+                        }
                         for r in 0..M {
-                            acc[r] = [_mm512_loadu_ps(dst[r]), _mm512_loadu_ps(dst[r].add(16))];
+                            $storeu(dst[r], acc[r][0]);
+                            $storeu(dst[r].add($lanes), acc[r][1]);
                         }
                     }
-                    Init::Bias(p) => {
-                        acc = [[_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))]; M];
-                    }
                 }
-                for &(a_off, b_off) in st.segs {
-                    let mut ia = a_off;
-                    let mut pb = b.offset(b_off);
-                    for _ in 0..st.len {
-                        let b0 = _mm512_loadu_ps(pb);
-                        let b1 = _mm512_loadu_ps(pb.add(16));
-                        for r in 0..M {
-                            let av = _mm512_set1_ps(*a[r].offset(ia));
-                            acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
-                            acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
-                        }
-                        ia += st.a_step;
-                        pb = pb.wrapping_offset(st.b_step);
-                    }
-                }
-                for r in 0..M {
-                    _mm512_storeu_ps(dst[r], acc[r][0]);
-                    _mm512_storeu_ps(dst[r].add(16), acc[r][1]);
-                }
-            }
+            };
         }
 
-        /// dst[r][0..16] = init + Σ_segments Σ_i a[r][a_off + i·a_step] · b[b_off + i·b_step ..][..16]
-        ///
-        /// # Safety
-        /// AVX2 and FMA are available and every address is valid (see `super::tiles`).
-        #[target_feature(enable = "avx2,fma")]
-        pub unsafe fn tile<const M: usize>(
-            a: [*const f32; M],
-            b: *const f32,
-            st: &Steps,
-            dst: [*mut f32; M],
-            init: Init,
-        ) {
-            // SAFETY: the caller's contract covers every pointer used here.
-            unsafe {
-                let mut acc = [[_mm256_setzero_ps(); 2]; M];
-                match init {
-                    Init::Zero => {}
-                    Init::Accumulate => {
-                        for r in 0..M {
-                            acc[r] = [_mm256_loadu_ps(dst[r]), _mm256_loadu_ps(dst[r].add(8))];
-                        }
-                    }
-                    Init::Bias(p) => {
-                        acc = [[_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]; M];
-                    }
-                }
-                for &(a_off, b_off) in st.segs {
-                    // Offsets, not per-segment pointers: the row pointers
-                    // stay in registers, and a segment costs two moves
-                    // (short segments: the 7-pixel rows of dW at 7x7).
-                    // (A pointer for b and an index for a: as two indices
-                    // LLVM packs them into one xmm register, and the
-                    // extracts serialise the loop — 2x slower, measured.
-                    // Unrolling by 2 by hand measured 3% slower.)
-                    let mut ia = a_off;
-                    let mut pb = b.offset(b_off);
-                    for _ in 0..st.len {
-                        let b0 = _mm256_loadu_ps(pb);
-                        let b1 = _mm256_loadu_ps(pb.add(8));
-                        for r in 0..M {
-                            let av = _mm256_broadcast_ss(&*a[r].offset(ia));
-                            acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
-                            acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
-                        }
-                        ia += st.a_step;
-                        pb = pb.wrapping_offset(st.b_step);
-                    }
-                }
-                for r in 0..M {
-                    _mm256_storeu_ps(dst[r], acc[r][0]);
-                    _mm256_storeu_ps(dst[r].add(8), acc[r][1]);
-                }
-            }
-        }
+        tile_kernel!(
+            /// 16 columns in two ymm accumulators per row.
+            ///
+            /// # Safety
+            /// AVX2 and FMA are available and every address is valid (see `super::tiles`).
+            tile, "avx2,fma", 8,
+            _mm256_setzero_ps, _mm256_loadu_ps, |p| _mm256_broadcast_ss(&*p), _mm256_fmadd_ps, _mm256_storeu_ps
+        );
+
+        tile_kernel!(
+            /// 32 columns in two zmm accumulators per row.
+            ///
+            /// # Safety
+            /// AVX-512F is available and every address is valid for 32
+            /// columns (see `super::tiles`).
+            tile_wide, "avx512f", 16,
+            _mm512_setzero_ps, _mm512_loadu_ps, |p| _mm512_set1_ps(*p), _mm512_fmadd_ps, _mm512_storeu_ps
+        );
     }
 
     /// Elsewhere the im2col + gemm path runs; this only keeps the build whole.
