@@ -100,6 +100,25 @@ fn softmax_row(row: &[f32], probs: &mut [f32]) -> f64 {
     max + sum.ln()
 }
 
+/// One label per row, each below the class count `k`.
+fn check_labels(op: &'static str, labels: &[u32], n: usize, k: usize) -> Result<()> {
+    if labels.len() != n {
+        return Err(ModelError::Shape {
+            op,
+            expected: format!("{n} labels, one per row of the logits"),
+            got: format!("{} labels", labels.len()),
+        });
+    }
+    if let Some((i, &bad)) = labels.iter().enumerate().find(|(_, &l)| l as usize >= k) {
+        return Err(ModelError::Shape {
+            op,
+            expected: format!("labels below the class count {k}"),
+            got: format!("label {bad} at sample {i}"),
+        });
+    }
+    Ok(())
+}
+
 /// Mean label-smoothed cross-entropy of `logits` [n, k] against `labels`
 /// (PyTorch semantics: the target is (1 - s)·onehot + s/k).
 pub fn softmax_cross_entropy(
@@ -108,20 +127,7 @@ pub fn softmax_cross_entropy(
     smoothing: f32,
 ) -> Result<LossOutput> {
     let (n, k) = logits_shape(logits)?;
-    if labels.len() != n {
-        return Err(ModelError::Shape {
-            op: "cross_entropy",
-            expected: format!("{n} labels, one per row of the logits"),
-            got: format!("{} labels", labels.len()),
-        });
-    }
-    if let Some((i, &bad)) = labels.iter().enumerate().find(|(_, &l)| l as usize >= k) {
-        return Err(ModelError::Shape {
-            op: "cross_entropy",
-            expected: format!("labels below the class count {k}"),
-            got: format!("label {bad} at sample {i}"),
-        });
-    }
+    check_labels("cross_entropy", labels, n, k)?;
     if !(0.0..1.0).contains(&smoothing) {
         return Err(ModelError::Shape {
             op: "cross_entropy",
@@ -223,20 +229,7 @@ pub fn focal_loss(
             got: format!("{smoothing}"),
         });
     }
-    if labels.len() != n {
-        return Err(ModelError::Shape {
-            op: "focal_loss",
-            expected: format!("{n} labels, one per row of the logits"),
-            got: format!("{} labels", labels.len()),
-        });
-    }
-    if let Some((i, &bad)) = labels.iter().enumerate().find(|(_, &l)| l as usize >= k) {
-        return Err(ModelError::Shape {
-            op: "focal_loss",
-            expected: format!("labels below the class count {k}"),
-            got: format!("label {bad} at sample {i}"),
-        });
-    }
+    check_labels("focal_loss", labels, n, k)?;
     let off = smoothing / k as f32;
     let mut targets = Tensor::try_zeros(&[n, k])?;
     for (row, &label) in targets.try_data_mut()?.chunks_exact_mut(k).zip(labels) {
