@@ -49,8 +49,8 @@ enum Command {
         /// GPU kernels are f16, so this trains on the CPU (which is f32 already).
         #[arg(long)]
         no_amp: bool,
-        /// Fused kernels off on the GPU (batch norm + ReLU apart). Same as
-        /// --set device.fusion=false; the CPU backend has no fused kernels.
+        /// Fusion off: batch norm, ReLU and the residual add as separate
+        /// passes (CPU) or kernels (GPU). Same as --set device.fusion=false.
         #[arg(long)]
         no_fusion: bool,
         /// Channels-last off. headroom is channels-last (NHWC) only: there is no other layout to switch to.

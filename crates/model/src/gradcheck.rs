@@ -22,6 +22,19 @@ pub fn random_tensor(shape: &[usize], seed: u64) -> Tensor {
     Tensor::from_vec(shape, data).unwrap_or_else(|_| Tensor::zeros(shape))
 }
 
+/// Values ±1 plus N(0, 0.2²) noise, signs random: for layers with a ReLU
+/// after a normalisation, whose outputs must stay away from the kink.
+pub fn bimodal(shape: &[usize], seed: u64) -> Tensor {
+    let mut rng = InitRng::new(seed);
+    let data = (0..shape.iter().product())
+        .map(|_| {
+            let sign = if rng.uniform() < 0.5 { -1.0 } else { 1.0 };
+            (sign + 0.2 * rng.normal()) as f32
+        })
+        .collect();
+    Tensor::from_vec(shape, data).unwrap_or_else(|_| Tensor::zeros(shape))
+}
+
 /// Checks input gradients and every parameter gradient of `layer` at `input`.
 /// Returns Err(description) if any element's error exceeds `tolerance`
 /// (relative to max(|analytic|, |numeric|, 1e-2)).

@@ -20,5 +20,7 @@ pub use device::Device;
 pub use error::{ModelError, Result};
 pub use layers::{Layer, Mode, Param};
 pub use memory::{MemoryPool, OomInjection, PoolStats};
-pub use network::{measure_step_peak, CheckpointPolicy, LayerSpec, ModelSpec, Network, TokenInput};
+pub use network::{
+    measure_step_peak, BuildOptions, CheckpointPolicy, LayerSpec, ModelSpec, Network, TokenInput,
+};
 pub use tensor::Tensor;

@@ -5,15 +5,17 @@
 //!
 //! `model.checkpoint` chooses activation checkpointing (see
 //! `layers::Checkpointed`): results are bitwise the same whatever it is; only
-//! the memory a training step holds and its time change.
+//! the memory a training step holds and its time change. So does fusion
+//! (`BuildOptions::fuse`): a batch norm followed by a ReLU becomes one layer,
+//! and a `basic_block` a `FusedResidual`, on images (not frame sequences).
 
 use serde::{Deserialize, Serialize};
 
 use crate::init::InitRng;
 use crate::layers::{
     BatchNorm2d, CausalSelfAttention, Checkpointed, Conv2d, ConvLstm, Dropout, Embedding, Flatten,
-    Gelu, GlobalAvgPool, LayerNorm, Linear, LoraConfig, LoraLinear, Lstm, PerFrame, PerPosition,
-    Relu, Residual, Silu, UnetSkip, Upsample2x,
+    FusedResidual, Gelu, GlobalAvgPool, LayerNorm, Linear, LoraConfig, LoraLinear, Lstm, PerFrame,
+    PerPosition, Relu, Residual, Silu, UnetSkip, Upsample2x,
 };
 use crate::{Device, Layer, MemoryPool, Mode, ModelError, Param, PoolStats, Result, Tensor};
 
@@ -228,9 +230,14 @@ pub struct Network {
 }
 
 impl Network {
-    /// Builds and initialises the network; errors name the layer
+    /// Builds and initialises the network, fused; errors name the layer
     /// (`model.layers[3]`) and what does not fit.
     pub fn build(spec: &ModelSpec, seed: u64) -> Result<Self> {
+        Self::build_with(spec, seed, BuildOptions::default())
+    }
+
+    /// `build` with the fusion `options` asks for.
+    pub fn build_with(spec: &ModelSpec, seed: u64, options: BuildOptions) -> Result<Self> {
         match &spec.tokens {
             None => check_pixel_input(spec)?,
             Some(tokens) => check_token_input(spec, tokens)?,
@@ -240,6 +247,7 @@ impl Network {
             rng: InitRng::new(seed),
             vocab: spec.tokens.map(|t| t.vocab),
             checkpoint: spec.checkpoint,
+            fuse: options.fuse,
         };
         let mut shape = input_shape(spec);
         let groups = build_groups(&spec.layers, "model.layers", &mut shape, &mut ctx)?;
@@ -587,6 +595,21 @@ fn check_token_input(spec: &ModelSpec, tokens: &TokenInput) -> Result<()> {
     Ok(())
 }
 
+/// How the CPU network is put together; the arithmetic is the same either
+/// way, bit for bit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BuildOptions {
+    /// Fuse each batch norm with the ReLU after it (and a `basic_block`'s
+    /// last batch norm with its add and ReLU): fewer passes over memory.
+    pub fuse: bool,
+}
+
+impl Default for BuildOptions {
+    fn default() -> Self {
+        Self { fuse: true }
+    }
+}
+
 /// What building a layer may need besides its spec and input shape.
 struct BuildContext {
     rng: InitRng,
@@ -594,6 +617,7 @@ struct BuildContext {
     vocab: Option<usize>,
     /// `model.checkpoint`, for the layers that recompute within themselves.
     checkpoint: CheckpointPolicy,
+    fuse: bool,
 }
 
 /// The layers one spec entry built, and whether it is a residual block
@@ -619,10 +643,24 @@ fn build_groups(
     ctx: &mut BuildContext,
 ) -> Result<Vec<Group<Box<dyn Layer>>>> {
     let mut groups = Vec::new();
+    let mut fused_relu = false;
     for (i, spec) in specs.iter().enumerate() {
+        if std::mem::take(&mut fused_relu) {
+            continue;
+        }
         let here = format!("{path}[{i}]");
         let mut layers = Vec::new();
-        for layer in build_one(spec, &here, shape, ctx)? {
+        let built = match (spec, specs.get(i + 1)) {
+            (LayerSpec::BatchNorm { momentum, eps }, Some(LayerSpec::Relu))
+                if ctx.fuse && shape.len() == 3 =>
+            {
+                fused_relu = true;
+                let bn = batch_norm(&here, shape, *momentum, *eps)?.with_relu();
+                vec![Box::new(bn) as Box<dyn Layer>]
+            }
+            _ => build_one(spec, &here, shape, ctx)?,
+        };
+        for layer in built {
             *shape = layer.output_shape(shape).map_err(|e| ModelError::Spec {
                 path: here.clone(),
                 reason: e.to_string(),
@@ -848,6 +886,17 @@ fn is_per_frame(spec: &LayerSpec) -> bool {
     )
 }
 
+fn batch_norm(path: &str, shape: &[usize], momentum: f32, eps: f32) -> Result<BatchNorm2d> {
+    let c = image_channels(path, shape)?;
+    if !(0.0..=1.0).contains(&momentum) || eps.is_nan() || eps <= 0.0 {
+        return Err(spec_error(
+            path,
+            "momentum must be in [0, 1] and eps positive",
+        ));
+    }
+    Ok(BatchNorm2d::new(path, c, momentum, eps))
+}
+
 fn build_one(
     spec: &LayerSpec,
     path: &str,
@@ -886,14 +935,7 @@ fn build_one(
             )?)]
         }
         LayerSpec::BatchNorm { momentum, eps } => {
-            let c = image_channels(path, shape)?;
-            if !(0.0..=1.0).contains(momentum) || eps.is_nan() || *eps <= 0.0 {
-                return Err(spec_error(
-                    path,
-                    "momentum must be in [0, 1] and eps positive",
-                ));
-            }
-            vec![Box::new(BatchNorm2d::new(path, c, *momentum, *eps))]
+            vec![Box::new(batch_norm(path, shape, *momentum, *eps)?)]
         }
         LayerSpec::Relu => vec![Box::new(Relu::new())],
         LayerSpec::GlobalAvgPool => {
@@ -1101,6 +1143,17 @@ fn build_one(
                 ));
             }
             vec![Box::new(Residual::new(body))]
+        }
+        LayerSpec::BasicBlock if ctx.fuse && shape.len() == 3 => {
+            let mut body = basic_block_body(image_channels(path, shape)?);
+            let Some(LayerSpec::BatchNorm { momentum, eps }) = body.pop() else {
+                unreachable!("a basic block's body ends in a batch norm");
+            };
+            let here = format!("{path}.layers");
+            let mut inner = shape.to_vec();
+            let body = build_layers(&body, &here, &mut inner, ctx)?;
+            let tail = batch_norm(&format!("{here}[4]"), &inner, momentum, eps)?;
+            vec![Box::new(FusedResidual::new(body, tail))]
         }
         LayerSpec::BasicBlock => {
             let body = basic_block_body(image_channels(path, shape)?);

@@ -245,7 +245,8 @@ pub struct DeviceConfig {
     /// CPU backend does: "auto" then picks the CPU, "cuda" refuses.
     #[serde(default = "default_true")]
     pub amp: bool,
-    /// Fused kernels on the GPU (batch norm + ReLU); false runs them apart.
+    /// Batch norm + ReLU (and a basic block's batch norm + add + ReLU on
+    /// the CPU) in one pass; false runs them apart. Same bits on the CPU.
     #[serde(default = "default_true")]
     pub fusion: bool,
     /// Fault injection for tests: fail an allocation at these steps ...

@@ -138,6 +138,7 @@ pub fn restored_cpu_learner(
     let mut learner = CpuLearner::new(
         &crate::finetune::effective_model(config),
         config.run.seed,
+        crate::learner::cpu_build_options(config),
         StepSettings::from_config(config),
         micro_batch,
         MemoryPool::new(Device::Cpu),

@@ -439,7 +439,8 @@ pub fn evaluate_base(config: &ExperimentConfig) -> Result<f32> {
     let batch = config.train.batch_size;
     let pool = MemoryPool::new(Device::Cpu);
     let settings = StepSettings::from_config(config);
-    let mut learner = CpuLearner::new(&spec, config.run.seed, settings, batch, pool)?;
+    let build = crate::learner::cpu_build_options(config);
+    let mut learner = CpuLearner::new(&spec, config.run.seed, build, settings, batch, pool)?;
     initialise(config, learner.network_mut())?;
     let (_, test_set) = data::open_splits(config, false)?;
     let loader = DataLoader::new(test_set, data::loader_config(config, false)?)?;

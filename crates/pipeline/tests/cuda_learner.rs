@@ -16,7 +16,7 @@ use common::{bits, settings};
 use headroom_loader::Batch;
 use headroom_model::cuda::{CudaBackend, CudaError};
 use headroom_model::memory::MemoryPool;
-use headroom_model::{CheckpointPolicy, Device, LayerSpec, ModelSpec};
+use headroom_model::{BuildOptions, CheckpointPolicy, Device, LayerSpec, ModelSpec};
 use headroom_pipeline::learner::{CpuLearner, CudaLearner, CudaOptions, Learner};
 
 const MODEL: &str = r#"
@@ -76,7 +76,15 @@ fn spec() -> ModelSpec {
 }
 
 fn cpu_learner(seed: u64) -> CpuLearner {
-    CpuLearner::new(&spec(), seed, settings(), 8, MemoryPool::new(Device::Cpu)).unwrap()
+    CpuLearner::new(
+        &spec(),
+        seed,
+        BuildOptions::default(),
+        settings(),
+        8,
+        MemoryPool::new(Device::Cpu),
+    )
+    .unwrap()
 }
 
 fn gpu_learner(seed: u64) -> CudaLearner {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use headroom_loader::{Batch, DataLoader, Dataset, LoaderConfig, LoaderError, SyntheticDataset};
 use headroom_model::memory::MemoryPool;
-use headroom_model::{Device, ModelSpec};
+use headroom_model::{BuildOptions, Device, ModelSpec};
 use headroom_pipeline::config::TestTimeAugmentation;
 use headroom_pipeline::eval::{evaluate, Evaluation};
 use headroom_pipeline::learner::{CpuLearner, Learner, StepSettings};
@@ -28,7 +28,15 @@ layers = [
 
 fn learner(seed: u64) -> CpuLearner {
     let spec: ModelSpec = toml::from_str(MODEL).unwrap();
-    CpuLearner::new(&spec, seed, settings(), 6, MemoryPool::new(Device::Cpu)).unwrap()
+    CpuLearner::new(
+        &spec,
+        seed,
+        BuildOptions::default(),
+        settings(),
+        6,
+        MemoryPool::new(Device::Cpu),
+    )
+    .unwrap()
 }
 
 fn batch(index: usize) -> Batch {
@@ -113,8 +121,15 @@ fn focal_loss_reaches_the_step_when_configured() {
             focal_gamma: gamma,
             ..settings()
         };
-        let mut learner =
-            CpuLearner::new(&spec, 8, settings, 6, MemoryPool::new(Device::Cpu)).unwrap();
+        let mut learner = CpuLearner::new(
+            &spec,
+            8,
+            BuildOptions::default(),
+            settings,
+            6,
+            MemoryPool::new(Device::Cpu),
+        )
+        .unwrap();
         learner.train_batch(&batch(0), 1e-2).unwrap().loss
     };
     let ce_loss = with_gamma(None);

@@ -115,6 +115,31 @@ pub(super) fn par_add_assign(acc: &mut [f32], b: &[f32]) {
     }
 }
 
+/// max(x, 0) written `x < 0 ? 0 : x`, which keeps NaN (and vectorises to a
+/// compare + blend). The fused batch norm uses it too, so fused and unfused
+/// networks agree bit for bit.
+#[inline(always)]
+pub(super) fn relu(x: f32) -> f32 {
+    if x < 0.0 {
+        0.0
+    } else {
+        x
+    }
+}
+
+/// The gradient through a ReLU whose training forward returned `out`: g
+/// where out > 0, else 0.
+pub(super) fn relu_backward(grad_output: &Tensor, out: &Tensor) -> Result<Tensor> {
+    grad_output.expect_shape("relu backward", out.shape())?;
+    par_zip_map(out.shape(), grad_output.data(), out.data(), |g, y| {
+        if y > 0.0 {
+            g
+        } else {
+            0.0
+        }
+    })
+}
+
 /// Rectified linear unit, any shape.
 #[derive(Default)]
 pub struct Relu {
@@ -143,12 +168,7 @@ impl Layer for Relu {
 
     fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
         self.saved_output = None;
-        // `x < 0 ? 0 : x` keeps NaN (and vectorises to a compare + blend).
-        let out = par_map(
-            input.shape(),
-            input.data(),
-            |x| if x < 0.0 { 0.0 } else { x },
-        )?;
+        let out = par_map(input.shape(), input.data(), relu)?;
         self.saved_output = match mode {
             Mode::Train => Some(out.clone()),
             Mode::Eval => None,
@@ -161,14 +181,7 @@ impl Layer for Relu {
             .saved_output
             .take()
             .ok_or(ModelError::NoSavedActivation { op: "relu" })?;
-        grad_output.expect_shape("relu backward", out.shape())?;
-        par_zip_map(out.shape(), grad_output.data(), out.data(), |g, y| {
-            if y > 0.0 {
-                g
-            } else {
-                0.0
-            }
-        })
+        relu_backward(grad_output, &out)
     }
 
     fn clear_saved(&mut self) {

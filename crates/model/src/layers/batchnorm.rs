@@ -11,6 +11,15 @@
 //! backward from those, which costs one subtraction per element and no
 //! separate x̂ buffer.
 //!
+//! Fusion (`device.fusion`, on by default): `with_relu` makes the layer
+//! apply the ReLU that follows it in the same pass that normalises, and
+//! `forward_add_relu` adds a residual block's input before that ReLU, so an
+//! activation is written once instead of two or three times. The fused
+//! backward recomputes the ReLU mask from the saved input (the normalised
+//! value is one multiply-add away) instead of reading a saved output or a
+//! masked gradient. Fused and unfused layers compute the same expressions in
+//! the same order, so their results are bit-identical.
+//!
 //! Speed and determinism: channels are the fastest axis, so the data is a
 //! sequence of rows of C contiguous channels. Reductions cut the rows into
 //! blocks whose boundaries depend only on the shape; each block is reduced
@@ -19,9 +28,11 @@
 //! order. The result is therefore bit-identical for the same input however
 //! the work is scheduled, and accurate over 100k+ elements per channel.
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
-use super::activation::par_build;
+use super::activation::{par_build, relu};
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 /// Target elements per reduction block (16 KiB of f32: stays in L1 for the
@@ -122,13 +133,22 @@ fn channel_mean_m2(x: &[f32], c: usize) -> (Vec<f64>, Vec<f64>) {
     (mean, m2)
 }
 
-/// Σg and Σg·(x - mean) of channels lo..lo+w (w ≤ LANES) of one block.
+/// The scale and bias a training forward normalised with, kept when a ReLU
+/// was fused: the ReLU passed the gradient where (x - mean)·scale + bias > 0.
+struct ReluMask<'a> {
+    scale: &'a [f32],
+    bias: &'a [f32],
+}
+
+/// Σg and Σg·(x - mean) of channels lo..lo+w (w ≤ LANES) of one block; with
+/// `RELU`, g is first zeroed where the fused ReLU was off.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn block_grad_group(
+fn block_grad_group<const RELU: bool>(
     gb: &[f32],
     xb: &[f32],
     mean: &[f32],
+    mask: &ReluMask,
     c: usize,
     lo: usize,
     w: usize,
@@ -137,18 +157,28 @@ fn block_grad_group(
 ) {
     let mut mu = [0.0f32; LANES];
     mu[..w].copy_from_slice(&mean[lo..lo + w]);
+    let mut scale = [0.0f32; LANES];
+    let mut bias = [0.0f32; LANES];
+    if RELU {
+        scale[..w].copy_from_slice(&mask.scale[lo..lo + w]);
+        bias[..w].copy_from_slice(&mask.bias[lo..lo + w]);
+    }
     let mut a = [0.0f32; LANES];
     let mut b = [0.0f32; LANES];
     for (grow, xrow) in gb.chunks_exact(c).zip(xb.chunks_exact(c)) {
-        for ((((a, b), &gv), &xv), &mu) in a[..w]
+        for (((((a, b), &gv), &xv), &mu), (&s, &beta)) in a[..w]
             .iter_mut()
             .zip(b[..w].iter_mut())
             .zip(&grow[lo..lo + w])
             .zip(&xrow[lo..lo + w])
             .zip(&mu[..w])
+            .zip(scale[..w].iter().zip(&bias[..w]))
         {
+            let d = xv - mu;
+            // The forward's expression, so the mask is the unfused ReLU's.
+            let gv = if !RELU || d * s + beta > 0.0 { gv } else { 0.0 };
             *a += gv;
-            *b += gv * (xv - mu);
+            *b += gv * d;
         }
     }
     for i in 0..w {
@@ -157,25 +187,40 @@ fn block_grad_group(
     }
 }
 
-/// Per-channel Σg and Σg·(x - mean) over the rows of `g` and `x`, blocked
-/// and combined in block order like `channel_mean_m2`.
-fn channel_grad_sums(g: &[f32], x: &[f32], mean: &[f32], c: usize) -> (Vec<f64>, Vec<f64>) {
+/// Per-channel Σg and Σg·(x - mean) over the rows of `g` and `x` (g masked
+/// by the fused ReLU when there is one), blocked and combined in block order
+/// like `channel_mean_m2`.
+fn channel_grad_sums(
+    g: &[f32],
+    x: &[f32],
+    mean: &[f32],
+    mask: Option<&ReluMask>,
+    c: usize,
+) -> (Vec<f64>, Vec<f64>) {
     let rows = x.len() / c;
     let rpb = block_rows(c);
     let nblocks = rows.div_ceil(rpb);
+    let none = ReluMask {
+        scale: &[],
+        bias: &[],
+    };
     let mut partial = vec![0.0f64; nblocks * 2 * c];
     partial
         .par_chunks_mut(2 * c)
         .zip(g.par_chunks(rpb * c).zip(x.par_chunks(rpb * c)))
         .for_each(|(p, (gb, xb))| {
             let (sg, sgx) = p.split_at_mut(c);
+            let group = |lo: usize, w: usize, sg: &mut [f64], sgx: &mut [f64]| match mask {
+                Some(m) => block_grad_group::<true>(gb, xb, mean, m, c, lo, w, sg, sgx),
+                None => block_grad_group::<false>(gb, xb, mean, &none, c, lo, w, sg, sgx),
+            };
             let mut lo = 0;
             while lo + LANES <= c {
-                block_grad_group(gb, xb, mean, c, lo, LANES, sg, sgx);
+                group(lo, LANES, sg, sgx);
                 lo += LANES;
             }
             if lo < c {
-                block_grad_group(gb, xb, mean, c, lo, c - lo, sg, sgx);
+                group(lo, c - lo, sg, sgx);
             }
         });
     let mut sum_g = vec![0.0f64; c];
@@ -190,39 +235,96 @@ fn channel_grad_sums(g: &[f32], x: &[f32], mean: &[f32], c: usize) -> (Vec<f64>,
     (sum_g, sum_gx)
 }
 
-/// out[r, ch] = (x[r, ch] - shift[ch]) * scale[ch] + bias[ch].
+/// What the normalising pass does to (x - shift)·scale + bias before it
+/// writes it: nothing, a ReLU, or add a residual block's input then a ReLU.
+#[derive(Clone, Copy)]
+enum Epilogue<'a> {
+    None,
+    Relu,
+    AddRelu(&'a [f32]),
+}
+
+/// out[r, ch] = epilogue((x[r, ch] - shift[ch]) * scale[ch] + bias[ch]).
 // `usize::is_multiple_of` needs Rust 1.87; the workspace supports 1.85.
 #[allow(clippy::manual_is_multiple_of)]
 fn affine(
     shape: &[usize],
     x: &[f32],
     c: usize,
-    shift: &[f32],
-    scale: &[f32],
-    bias: &[f32],
+    [shift, scale, bias]: [&[f32]; 3],
+    epilogue: Epilogue,
 ) -> Result<Tensor> {
     assert!(
         x.len() % c == 0 && shift.len() == c && scale.len() == c && bias.len() == c,
         "batch_norm affine: inconsistent lengths"
     );
+    if let Epilogue::AddRelu(skip) = epilogue {
+        assert_eq!(skip.len(), x.len(), "batch_norm affine: skip length");
+    }
+    // One row loop per epilogue, so that each stays a straight vector loop.
     // SAFETY: chunks are whole rows (the chunk size and x.len() are multiples
     // of c, chunk offsets too), each row of `out` is zipped with a row of x and
     // parameter slices of exactly c elements, so every element is written.
     unsafe {
         par_build(shape, map_rows(c) * c, |offset, out| {
             let x = &x[offset..offset + out.len()];
-            for (orow, xrow) in out.chunks_exact_mut(c).zip(x.chunks_exact(c)) {
-                for ((((y, &v), &m), &s), &b) in
-                    orow.iter_mut().zip(xrow).zip(shift).zip(scale).zip(bias)
-                {
-                    y.write((v - m) * s + b);
+            match epilogue {
+                Epilogue::None => normalise_rows(out, x, c, [shift, scale, bias], |t| t),
+                Epilogue::Relu => normalise_rows(out, x, c, [shift, scale, bias], relu),
+                Epilogue::AddRelu(skip) => {
+                    let skip = &skip[offset..offset + out.len()];
+                    normalise_rows_with(out, x, skip, c, [shift, scale, bias])
                 }
             }
         })
     }
 }
 
-/// dx[r, ch] = k[ch]·g + b[ch]·(x - mean[ch]) + d[ch].
+/// The rows of `affine` for an elementwise epilogue `f(t, _)`.
+#[inline(always)]
+fn normalise_rows(
+    out: &mut [MaybeUninit<f32>],
+    x: &[f32],
+    c: usize,
+    [shift, scale, bias]: [&[f32]; 3],
+    f: impl Fn(f32) -> f32,
+) {
+    for (orow, xrow) in out.chunks_exact_mut(c).zip(x.chunks_exact(c)) {
+        for ((((y, &v), &m), &s), &b) in orow.iter_mut().zip(xrow).zip(shift).zip(scale).zip(bias) {
+            y.write(f((v - m) * s + b));
+        }
+    }
+}
+
+/// The rows of `affine` for the residual tail: relu(t + skip).
+#[inline(always)]
+fn normalise_rows_with(
+    out: &mut [MaybeUninit<f32>],
+    x: &[f32],
+    skip: &[f32],
+    c: usize,
+    [shift, scale, bias]: [&[f32]; 3],
+) {
+    for ((orow, xrow), srow) in out
+        .chunks_exact_mut(c)
+        .zip(x.chunks_exact(c))
+        .zip(skip.chunks_exact(c))
+    {
+        for (((((y, &v), &k), &m), &s), &b) in orow
+            .iter_mut()
+            .zip(xrow)
+            .zip(srow)
+            .zip(shift)
+            .zip(scale)
+            .zip(bias)
+        {
+            y.write(relu((v - m) * s + b + k));
+        }
+    }
+}
+
+/// dx[r, ch] = k[ch]·g + b[ch]·(x - mean[ch]) + d[ch], with g zeroed where
+/// the fused ReLU (if any) was off.
 #[allow(clippy::manual_is_multiple_of, clippy::too_many_arguments)]
 fn input_grad(
     shape: &[usize],
@@ -230,37 +332,77 @@ fn input_grad(
     x: &[f32],
     c: usize,
     mean: &[f32],
-    k: &[f32],
-    b: &[f32],
-    d: &[f32],
+    mask: Option<&ReluMask>,
+    [k, b, d]: [&[f32]; 3],
 ) -> Result<Tensor> {
     assert!(
         x.len() % c == 0 && g.len() == x.len() && [mean, k, b, d].iter().all(|p| p.len() == c),
         "batch_norm backward: inconsistent lengths"
     );
+    if let Some(m) = mask {
+        assert!(
+            m.scale.len() == c && m.bias.len() == c,
+            "batch_norm backward: mask"
+        );
+    }
     // SAFETY: as in `affine`: whole rows, every zip has exactly c elements.
     unsafe {
         par_build(shape, map_rows(c) * c, |offset, out| {
             let x = &x[offset..offset + out.len()];
             let g = &g[offset..offset + out.len()];
-            for ((orow, grow), xrow) in out
-                .chunks_exact_mut(c)
-                .zip(g.chunks_exact(c))
-                .zip(x.chunks_exact(c))
-            {
-                for ((((((o, &gv), &xv), &mu), &kk), &bb), &dd) in orow
-                    .iter_mut()
-                    .zip(grow)
-                    .zip(xrow)
-                    .zip(mean)
-                    .zip(k)
-                    .zip(b)
-                    .zip(d)
-                {
-                    o.write(kk * gv + bb * (xv - mu) + dd);
+            match mask {
+                None => input_grad_rows::<false>(out, g, x, c, mean, (&[], &[]), [k, b, d]),
+                Some(m) => {
+                    input_grad_rows::<true>(out, g, x, c, mean, (m.scale, m.bias), [k, b, d])
                 }
             }
         })
+    }
+}
+
+#[inline(always)]
+fn input_grad_rows<const RELU: bool>(
+    out: &mut [MaybeUninit<f32>],
+    g: &[f32],
+    x: &[f32],
+    c: usize,
+    mean: &[f32],
+    (scale, bias): (&[f32], &[f32]),
+    [k, b, d]: [&[f32]; 3],
+) {
+    for ((orow, grow), xrow) in out
+        .chunks_exact_mut(c)
+        .zip(g.chunks_exact(c))
+        .zip(x.chunks_exact(c))
+    {
+        if RELU {
+            for (((((((o, &gv), &xv), &mu), &kk), &bb), &dd), (&s, &beta)) in orow
+                .iter_mut()
+                .zip(grow)
+                .zip(xrow)
+                .zip(mean)
+                .zip(k)
+                .zip(b)
+                .zip(d)
+                .zip(scale.iter().zip(bias))
+            {
+                let diff = xv - mu;
+                let gv = if diff * s + beta > 0.0 { gv } else { 0.0 };
+                o.write(kk * gv + bb * diff + dd);
+            }
+        } else {
+            for ((((((o, &gv), &xv), &mu), &kk), &bb), &dd) in orow
+                .iter_mut()
+                .zip(grow)
+                .zip(xrow)
+                .zip(mean)
+                .zip(k)
+                .zip(b)
+                .zip(d)
+            {
+                o.write(kk * gv + bb * (xv - mu) + dd);
+            }
+        }
     }
 }
 
@@ -268,6 +410,8 @@ struct Saved {
     input: Tensor,
     mean: Vec<f32>,
     inv_std: Vec<f32>,
+    /// With a fused ReLU: the forward's scale and bias, for its mask.
+    relu: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 pub struct BatchNorm2d {
@@ -281,6 +425,8 @@ pub struct BatchNorm2d {
     saved: Option<Saved>,
     /// Recompute mode: training forwards leave the running statistics alone.
     recompute: bool,
+    /// A ReLU fused into this layer (`with_relu`).
+    relu: bool,
 }
 
 impl BatchNorm2d {
@@ -298,6 +444,44 @@ impl BatchNorm2d {
             running_var: ones(),
             saved: None,
             recompute: false,
+            relu: false,
+        }
+    }
+
+    /// The same layer followed by a ReLU, in one pass (see the module notes).
+    pub fn with_relu(mut self) -> Self {
+        self.relu = true;
+        self
+    }
+
+    /// relu(bn(input) + skip) in one pass: the tail of a residual block.
+    /// The caller masks the gradient with the output before `backward`,
+    /// which then sees a plain batch norm. Needs a layer without `with_relu`.
+    pub fn forward_add_relu(
+        &mut self,
+        input: &Tensor,
+        skip: &Tensor,
+        mode: Mode,
+    ) -> Result<Tensor> {
+        if self.relu {
+            return Err(ModelError::State(
+                "batch_norm: forward_add_relu on a layer that already ends in a ReLU".into(),
+            ));
+        }
+        skip.expect_shape("batch_norm residual add", input.shape())?;
+        self.forward_with(input, Epilogue::AddRelu(skip.data()), mode)
+    }
+
+    fn forward_with(&mut self, input: &Tensor, epilogue: Epilogue, mode: Mode) -> Result<Tensor> {
+        self.saved = None;
+        let rows = self.rows(input.shape())?;
+        self.check_state()?;
+        if self.channels == 0 {
+            return Ok(input.clone());
+        }
+        match mode {
+            Mode::Train => self.forward_train(input, rows, epilogue),
+            Mode::Eval => self.forward_eval(input, epilogue),
         }
     }
 
@@ -337,7 +521,7 @@ impl BatchNorm2d {
         Ok(())
     }
 
-    fn forward_train(&mut self, input: &Tensor, rows: usize) -> Result<Tensor> {
+    fn forward_train(&mut self, input: &Tensor, rows: usize, epilogue: Epilogue) -> Result<Tensor> {
         let c = self.channels;
         if rows < 2 {
             return Err(ModelError::Shape {
@@ -360,7 +544,9 @@ impl BatchNorm2d {
             .zip(self.gamma.value.data())
             .map(|(&s, &g)| s * g)
             .collect();
-        let out = affine(input.shape(), x, c, &mean32, &scale, self.beta.value.data())?;
+        let beta = self.beta.value.data();
+        let out = affine(input.shape(), x, c, [&mean32, &scale, beta], epilogue)?;
+        let relu = matches!(epilogue, Epilogue::Relu).then(|| (scale, beta.to_vec()));
 
         if !self.recompute {
             let mom = self.momentum as f64;
@@ -376,11 +562,12 @@ impl BatchNorm2d {
             input: input.clone(),
             mean: mean32,
             inv_std,
+            relu,
         });
         Ok(out)
     }
 
-    fn forward_eval(&mut self, input: &Tensor) -> Result<Tensor> {
+    fn forward_eval(&mut self, input: &Tensor, epilogue: Epilogue) -> Result<Tensor> {
         let eps = self.eps as f64;
         let scale: Vec<f32> = self
             .running_var
@@ -394,16 +581,16 @@ impl BatchNorm2d {
             input.shape(),
             input.data(),
             self.channels,
-            self.running_mean.data(),
-            &scale,
-            self.beta.value.data(),
+            [self.running_mean.data(), &scale, self.beta.value.data()],
+            epilogue,
         )
     }
 }
 
 impl Layer for BatchNorm2d {
     fn describe(&self) -> String {
-        format!("bn {}", self.channels)
+        let relu = if self.relu { "+relu" } else { "" };
+        format!("bn{relu} {}", self.channels)
     }
 
     fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
@@ -424,17 +611,12 @@ impl Layer for BatchNorm2d {
     }
 
     fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
-        self.saved = None;
-        let rows = self.rows(input.shape())?;
-        self.check_state()?;
-        if self.channels == 0 {
-            self.saved = None;
-            return Ok(input.clone());
-        }
-        match mode {
-            Mode::Train => self.forward_train(input, rows),
-            Mode::Eval => self.forward_eval(input),
-        }
+        let epilogue = if self.relu {
+            Epilogue::Relu
+        } else {
+            Epilogue::None
+        };
+        self.forward_with(input, epilogue, mode)
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
@@ -442,6 +624,7 @@ impl Layer for BatchNorm2d {
             input,
             mean,
             inv_std,
+            relu,
         } = self
             .saved
             .take()
@@ -452,7 +635,8 @@ impl Layer for BatchNorm2d {
         let rows = input.len() / c;
         let x = input.data();
         let g = grad_output.data();
-        let (sum_g, sum_gx) = channel_grad_sums(g, x, &mean, c);
+        let mask = relu.as_ref().map(|(scale, bias)| ReluMask { scale, bias });
+        let (sum_g, sum_gx) = channel_grad_sums(g, x, &mean, mask.as_ref(), c);
 
         // dβ = Σg, dγ = Σg·x̂ = inv_std·Σg·(x - mean)
         // dx = γ·inv_std/M · (M·g - dβ - x̂·dγ)
@@ -480,7 +664,7 @@ impl Layer for BatchNorm2d {
             *acc += s as f32;
         }
 
-        input_grad(input.shape(), g, x, c, &mean, &k, &b, &d)
+        input_grad(input.shape(), g, x, c, &mean, mask.as_ref(), [&k, &b, &d])
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
@@ -797,5 +981,81 @@ mod tests {
             .unwrap();
         let err = bn.backward(&Tensor::zeros(&[2, 3, 3, 5])).unwrap_err();
         assert!(err.to_string().contains("batch_norm backward"), "{err}");
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.data().iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// 20 channels: one full group of LANES and a partial one.
+    #[test]
+    fn fused_relu_matches_batch_norm_then_relu_bit_for_bit() {
+        let shape = [3, 7, 9, 20];
+        let x = random(&shape, 4, 0.2, 1.0);
+        let g = random(&shape, 5, 0.0, 1.0);
+        let mut plain = BatchNorm2d::new("bn", 20, 0.1, 1e-5);
+        let mut fused = BatchNorm2d::new("bn", 20, 0.1, 1e-5).with_relu();
+        set_affine(&mut plain, 3);
+        set_affine(&mut fused, 3);
+        let mut relu = crate::layers::Relu::new();
+        for mode in [Mode::Train, Mode::Eval] {
+            let want = relu
+                .forward(&plain.forward(&x, mode).unwrap(), mode)
+                .unwrap();
+            let got = fused.forward(&x, mode).unwrap();
+            assert_eq!(bits(&want), bits(&got), "{mode:?} forward");
+            assert!(got.data().contains(&0.0) && got.data().iter().any(|&v| v > 0.0));
+            if mode == Mode::Train {
+                let want = plain.backward(&relu.backward(&g).unwrap()).unwrap();
+                let got = fused.backward(&g).unwrap();
+                assert_eq!(bits(&want), bits(&got), "input gradient");
+                assert_eq!(bits(&plain.gamma.grad), bits(&fused.gamma.grad));
+                assert_eq!(bits(&plain.beta.grad), bits(&fused.beta.grad));
+            }
+            assert_eq!(bits(&plain.running_mean), bits(&fused.running_mean));
+            assert_eq!(bits(&plain.running_var), bits(&fused.running_var));
+        }
+        assert_eq!(fused.describe(), "bn+relu 20");
+    }
+
+    #[test]
+    fn fused_relu_gradient_matches_finite_differences() {
+        // Values near ±1 keep every output far from the ReLU's kink, where a
+        // finite difference would straddle it; both sides occur.
+        let mut bn = BatchNorm2d::new("bn", 3, 0.1, 1e-5).with_relu();
+        for (i, p) in bn.params_mut().into_iter().enumerate() {
+            for (j, v) in p.value.data_mut().iter_mut().enumerate() {
+                *v = [0.8, 0.1][i] + 0.2 * j as f32;
+            }
+        }
+        let x = crate::gradcheck::bimodal(&[4, 3, 3, 3], 8);
+        let report = check_layer(&mut bn, &x, 1e-2, 1e-2);
+        assert!(report.is_ok(), "{}", report.unwrap_err());
+    }
+
+    #[test]
+    fn add_relu_matches_batch_norm_add_relu_bit_for_bit() {
+        let shape = [2, 5, 6, 20];
+        let x = random(&shape, 14, 0.1, 1.0);
+        let skip = random(&shape, 15, 0.0, 1.0);
+        let mut plain = BatchNorm2d::new("bn", 20, 0.1, 1e-5);
+        let mut fused = BatchNorm2d::new("bn", 20, 0.1, 1e-5);
+        set_affine(&mut plain, 9);
+        set_affine(&mut fused, 9);
+        for mode in [Mode::Train, Mode::Eval] {
+            let mut want = plain.forward(&x, mode).unwrap();
+            for (w, &s) in want.data_mut().iter_mut().zip(skip.data()) {
+                *w = crate::layers::activation::relu(*w + s);
+            }
+            let got = fused.forward_add_relu(&x, &skip, mode).unwrap();
+            assert_eq!(bits(&want), bits(&got), "{mode:?}");
+        }
+        // The skip must have the input's shape; a ReLU cannot be fused twice.
+        let err = fused
+            .forward_add_relu(&x, &random(&[2, 5, 5, 20], 1, 0.0, 1.0), Mode::Train)
+            .unwrap_err();
+        assert!(err.to_string().contains("residual add"), "{err}");
+        let mut twice = BatchNorm2d::new("bn", 20, 0.1, 1e-5).with_relu();
+        assert!(twice.forward_add_relu(&x, &skip, Mode::Train).is_err());
     }
 }

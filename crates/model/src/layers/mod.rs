@@ -43,7 +43,7 @@ pub use lstm::Lstm;
 pub use norm::LayerNorm;
 pub use pool::GlobalAvgPool;
 pub use reshape::{Flatten, PerFrame, PerPosition};
-pub use residual::Residual;
+pub use residual::{FusedResidual, Residual};
 pub use smooth_activation::{Gelu, Silu};
 pub use unet::{UnetSkip, Upsample2x};
 

@@ -4,7 +4,8 @@
 //! to know a training forward happened); the body's layers save what they
 //! need. Backward: g_in = body.backward(g) + g.
 
-use super::activation::par_add_assign;
+use super::activation::{par_add_assign, relu_backward};
+use super::BatchNorm2d;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 pub struct Residual {
@@ -21,10 +22,10 @@ impl Residual {
     }
 }
 
-/// "conv3x3/1 32->32" -> "conv", "bn 32" -> "bn": the leading name.
+/// "conv3x3/1 32->32" -> "conv", "bn+relu 32" -> "bn+relu": the leading name.
 fn short_name(describe: &str) -> &str {
     let end = describe
-        .find(|ch: char| !(ch.is_ascii_alphabetic() || ch == '_'))
+        .find(|ch: char| !(ch.is_ascii_alphabetic() || ch == '_' || ch == '+'))
         .unwrap_or(describe.len());
     if end == 0 {
         describe
@@ -128,6 +129,128 @@ impl Layer for Residual {
         for layer in &mut self.body {
             layer.set_recompute(on);
         }
+    }
+}
+
+/// A residual block that ends in a batch norm and a ReLU,
+/// y = relu(tail(body(x)) + x), with the tail's normalisation, the add and
+/// the ReLU in one pass over the activation (`device.fusion`). The unfused
+/// form is `Residual` (body, tail) then `Relu`: same parameters in the same
+/// order, bit-identical results.
+///
+/// Saves the block's output (the next layer usually keeps the same buffer)
+/// for the ReLU's mask; the body and the tail save what they need.
+/// Backward: gm = g·[y > 0]; g_in = body.backward(tail.backward(gm)) + gm.
+pub struct FusedResidual {
+    body: Vec<Box<dyn Layer>>,
+    tail: BatchNorm2d,
+    saved_output: Option<Tensor>,
+}
+
+impl FusedResidual {
+    pub fn new(body: Vec<Box<dyn Layer>>, tail: BatchNorm2d) -> Self {
+        Self {
+            body,
+            tail,
+            saved_output: None,
+        }
+    }
+}
+
+impl Layer for FusedResidual {
+    fn describe(&self) -> String {
+        let names: Vec<String> = self
+            .body
+            .iter()
+            .map(|l| short_name(&l.describe()).to_string())
+            .collect();
+        format!("residual[{},bn+add+relu]", names.join(","))
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
+        let mut shape = input.to_vec();
+        for layer in &self.body {
+            shape = layer.output_shape(&shape)?;
+        }
+        shape = self.tail.output_shape(&shape)?;
+        if shape != input {
+            return Err(ModelError::Shape {
+                op: "residual",
+                expected: format!("a body that keeps the shape {input:?}"),
+                got: format!("a body that maps it to {shape:?}"),
+            });
+        }
+        Ok(shape)
+    }
+
+    fn macs(&self, input: &[usize]) -> Result<u64> {
+        self.output_shape(input)?;
+        let mut shape = input.to_vec();
+        let mut total = 0;
+        for layer in &self.body {
+            total += layer.macs(&shape)?;
+            shape = layer.output_shape(&shape)?;
+        }
+        Ok(total)
+    }
+
+    fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
+        self.saved_output = None;
+        let mut z = input.clone();
+        for layer in &mut self.body {
+            z = layer.forward(&z, mode)?;
+        }
+        let y = self.tail.forward_add_relu(&z, input, mode)?;
+        if mode == Mode::Train {
+            self.saved_output = Some(y.clone());
+        }
+        Ok(y)
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        let out = self
+            .saved_output
+            .take()
+            .ok_or(ModelError::NoSavedActivation { op: "residual" })?;
+        grad_output.expect_shape("residual backward", out.shape())?;
+        let masked = relu_backward(grad_output, &out)?;
+        drop(out);
+        let mut g = self.tail.backward(&masked)?;
+        for layer in self.body.iter_mut().rev() {
+            g = layer.backward(&g)?;
+        }
+        g.expect_shape("residual backward (body gradient)", masked.shape())?;
+        par_add_assign(g.try_data_mut()?, masked.data());
+        Ok(g)
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut params: Vec<&mut Param> =
+            self.body.iter_mut().flat_map(|l| l.params_mut()).collect();
+        params.extend(self.tail.params_mut());
+        params
+    }
+
+    fn buffers_mut(&mut self) -> Vec<&mut Tensor> {
+        let mut buffers: Vec<&mut Tensor> =
+            self.body.iter_mut().flat_map(|l| l.buffers_mut()).collect();
+        buffers.extend(self.tail.buffers_mut());
+        buffers
+    }
+
+    fn clear_saved(&mut self) {
+        self.saved_output = None;
+        for layer in &mut self.body {
+            layer.clear_saved();
+        }
+        self.tail.clear_saved();
+    }
+
+    fn set_recompute(&mut self, on: bool) {
+        for layer in &mut self.body {
+            layer.set_recompute(on);
+        }
+        self.tail.set_recompute(on);
     }
 }
 
@@ -248,5 +371,89 @@ mod tests {
         res.forward(&x, Mode::Train).unwrap();
         let err = res.backward(&random(&[2, 4], 2)).unwrap_err();
         assert!(err.to_string().contains("residual backward"), "{err}");
+    }
+
+    /// The body and tail a basic block has: conv, bn(+relu), conv; bn.
+    fn block(fuse: bool) -> (Vec<Box<dyn Layer>>, BatchNorm2d) {
+        let mut rng = InitRng::new(11);
+        let conv = |name: &str, rng: &mut InitRng| {
+            Box::new(crate::layers::Conv2d::new(name, 20, 20, 3, 1, 1, false, rng).unwrap())
+        };
+        let mut body: Vec<Box<dyn Layer>> = vec![conv("c1", &mut rng)];
+        let bn = BatchNorm2d::new("bn1", 20, 0.1, 1e-5);
+        if fuse {
+            body.push(Box::new(bn.with_relu()));
+        } else {
+            body.push(Box::new(bn));
+            body.push(Box::new(Relu::new()));
+        }
+        body.push(conv("c2", &mut rng));
+        (body, BatchNorm2d::new("bn2", 20, 0.1, 1e-5))
+    }
+
+    #[test]
+    fn fused_block_matches_residual_then_relu_bit_for_bit() {
+        let x = random(&[2, 6, 5, 20], 21);
+        let g = random(&[2, 6, 5, 20], 22);
+        let (body, tail) = block(false);
+        let mut body = body;
+        body.push(Box::new(tail));
+        let mut plain: Vec<Box<dyn Layer>> =
+            vec![Box::new(Residual::new(body)), Box::new(Relu::new())];
+        let (body, tail) = block(true);
+        let mut fused = FusedResidual::new(body, tail);
+        let bits = |t: &Tensor| t.data().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for mode in [Mode::Train, Mode::Eval] {
+            let mut want = x.clone();
+            for layer in &mut plain {
+                want = layer.forward(&want, mode).unwrap();
+            }
+            let got = fused.forward(&x, mode).unwrap();
+            assert_eq!(bits(&want), bits(&got), "{mode:?} forward");
+            if mode == Mode::Train {
+                let mut want = g.clone();
+                for layer in plain.iter_mut().rev() {
+                    want = layer.backward(&want).unwrap();
+                }
+                let got = fused.backward(&g).unwrap();
+                assert_eq!(bits(&want), bits(&got), "input gradient");
+                let plain_params: Vec<(String, Vec<u32>)> = plain
+                    .iter_mut()
+                    .flat_map(|l| l.params_mut())
+                    .map(|p| (p.name.clone(), bits(&p.grad)))
+                    .collect();
+                let fused_params: Vec<(String, Vec<u32>)> = fused
+                    .params_mut()
+                    .into_iter()
+                    .map(|p| (p.name.clone(), bits(&p.grad)))
+                    .collect();
+                assert_eq!(plain_params, fused_params, "parameter gradients");
+            }
+        }
+        assert_eq!(fused.describe(), "residual[conv,bn+relu,conv,bn+add+relu]");
+        assert_eq!(fused.buffers_mut().len(), 4);
+    }
+
+    #[test]
+    fn fused_block_gradient_matches_finite_differences() {
+        // y = relu(bn(x) + x): the tail alone.
+        let body: Vec<Box<dyn Layer>> = Vec::new();
+        let mut tail = BatchNorm2d::new("bn", 3, 0.1, 1e-5);
+        for (i, p) in tail.params_mut().into_iter().enumerate() {
+            for (j, v) in p.value.data_mut().iter_mut().enumerate() {
+                *v = [0.5, 0.3][i] + 0.1 * j as f32;
+            }
+        }
+        let mut fused = FusedResidual::new(body, tail);
+        // Values near ±1 keep relu(bn(x) + x) far from the kink.
+        let x = crate::gradcheck::bimodal(&[4, 3, 3, 3], 5);
+        let report = check_layer(&mut fused, &x, 1e-2, 1e-2);
+        assert!(report.is_ok(), "{}", report.unwrap_err());
+        // Backward needs a training forward.
+        fused.clear_saved();
+        assert!(matches!(
+            fused.backward(&x),
+            Err(ModelError::NoSavedActivation { op: "residual" })
+        ));
     }
 }

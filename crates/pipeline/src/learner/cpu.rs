@@ -20,7 +20,7 @@ use headroom_model::loss::{
     softmax_cross_entropy, LossOutput,
 };
 use headroom_model::memory::{try_scratch, MemoryPool};
-use headroom_model::{Mode, ModelSpec, Network, PoolStats, Tensor, TokenInput};
+use headroom_model::{BuildOptions, Mode, ModelSpec, Network, PoolStats, Tensor, TokenInput};
 use headroom_optim::{clip_grad_norm, grad_norm, AdamW};
 
 use super::{softmax_rows, EvalResult, Learner, LearnerState, StepResult, StepSettings};
@@ -67,16 +67,18 @@ impl FramePair {
 }
 
 impl CpuLearner {
-    /// Builds the network of `spec` (initialised from `seed`) with its
-    /// tensors in `pool`; micro-batch = `batch_size` until set otherwise.
+    /// Builds the network of `spec` (initialised from `seed`, fused as
+    /// `build` says) with its tensors in `pool`; micro-batch = `batch_size`
+    /// until set otherwise.
     pub fn new(
         spec: &ModelSpec,
         seed: u64,
+        build: BuildOptions,
         settings: StepSettings,
         batch_size: usize,
         pool: Arc<MemoryPool>,
     ) -> Result<Self> {
-        let network = pool.scope(|| Network::build(spec, seed))?;
+        let network = pool.scope(|| Network::build_with(spec, seed, build))?;
         Ok(Self {
             network,
             optimizer: AdamW::new(settings.optimizer.clone())?,

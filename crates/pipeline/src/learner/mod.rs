@@ -22,7 +22,7 @@ use std::sync::Arc;
 use headroom_loader::Batch;
 use headroom_model::cuda::CudaBackend;
 use headroom_model::memory::MemoryPool;
-use headroom_model::PoolStats;
+use headroom_model::{BuildOptions, PoolStats};
 use headroom_optim::{AdamWConfig, AdamWState, LossScalerState};
 
 use crate::config::ExperimentConfig;
@@ -144,6 +144,13 @@ pub trait Learner: Send {
     }
 }
 
+/// How the CPU network is built for `config` (`device.fusion`).
+pub fn cpu_build_options(config: &ExperimentConfig) -> BuildOptions {
+    BuildOptions {
+        fuse: config.device.fusion,
+    }
+}
+
 /// The learner `device.kind` asks for, with micro-batches of `batch_size`
 /// to start with: "cpu"; "cuda" (GPU 0, or an error naming what is
 /// missing); "auto": the GPU when there is one the model can use, else the
@@ -156,7 +163,9 @@ pub fn open(
     let batch = config.train.batch_size;
     let settings = StepSettings::from_config(config);
     let on_cpu = |settings: StepSettings| -> Result<Box<dyn Learner>> {
-        let mut learner = CpuLearner::new(&config.model, config.run.seed, settings, batch, pool)?;
+        let build = cpu_build_options(config);
+        let mut learner =
+            CpuLearner::new(&config.model, config.run.seed, build, settings, batch, pool)?;
         crate::finetune::initialise(config, learner.network_mut())?;
         Ok(Box::new(learner))
     };
