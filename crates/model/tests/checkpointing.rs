@@ -4,7 +4,9 @@
 mod common;
 
 use common::{batch, grads, parse, reference, sgd, small, step, weights};
-use headroom_model::{CheckpointPolicy, MemoryPool, Mode, ModelSpec, Network, PoolStats, Tensor};
+use headroom_model::{
+    BuildOptions, CheckpointPolicy, MemoryPool, Mode, ModelSpec, Network, PoolStats, Tensor,
+};
 
 const POLICIES: [CheckpointPolicy; 3] = [
     CheckpointPolicy::None,
@@ -76,12 +78,26 @@ fn every_policy_gives_bitwise_the_same_step() {
 
 #[test]
 fn the_network_is_wrapped_as_the_policy_says() {
-    let summary = |policy| {
-        Network::build(&with_policy(&reference(), policy), 0)
+    let built = |policy, fuse| {
+        Network::build_with(&with_policy(&reference(), policy), 0, BuildOptions { fuse })
             .unwrap()
             .summary()
             .unwrap()
     };
+    // Fused: each stem is conv + bn+relu, each block one layer.
+    let fused = built(CheckpointPolicy::None, true);
+    assert_eq!(fused.len(), 11, "{fused:#?}");
+    let fused = built(CheckpointPolicy::Blocks, true);
+    assert_eq!(fused.len(), 11, "{fused:#?}");
+    assert_eq!(
+        fused.iter().filter(|l| l.contains("checkpoint[")).count(),
+        3
+    );
+    let fused = built(CheckpointPolicy::All, true);
+    assert_eq!(fused.len(), 7, "{fused:#?}");
+    assert!(fused.iter().all(|l| l.starts_with("checkpoint[")));
+    // Unfused, layer by layer.
+    let summary = |policy| built(policy, false);
     let none = summary(CheckpointPolicy::None);
     assert_eq!(none.len(), 17);
     assert!(none.iter().all(|l| !l.contains("checkpoint")));

@@ -3,7 +3,7 @@
 //! learns.
 
 use headroom_model::loss::softmax_cross_entropy;
-use headroom_model::{Mode, ModelError, ModelSpec, Network, Tensor};
+use headroom_model::{BuildOptions, Mode, ModelError, ModelSpec, Network, Tensor};
 mod common;
 
 use common::{parse, REFERENCE};
@@ -61,7 +61,14 @@ fn reference_resnet_has_the_expected_size_and_cost() {
     assert_eq!(net.buffers_mut().len(), 2 * 9);
 
     let summary = net.summary().unwrap();
-    assert_eq!(summary.len(), 17); // each basic block is a residual + a relu
+    // Fused (the default): each stem is conv + bn+relu, each basic block one
+    // layer; unfused, a block is a residual + a relu.
+    assert_eq!(summary.len(), 11, "{summary:#?}");
+    let unfused = Network::build_with(&spec, 0, BuildOptions { fuse: false })
+        .expect("the reference spec builds")
+        .summary()
+        .unwrap();
+    assert_eq!(unfused.len(), 17, "{unfused:#?}");
     assert!(summary.last().unwrap().contains("[10]"), "{summary:?}");
 }
 
