@@ -375,6 +375,8 @@ fn input_grad_rows<const RELU: bool>(
         .zip(g.chunks_exact(c))
         .zip(x.chunks_exact(c))
     {
+        // Two loops rather than one with an unread mask: the unfused path
+        // keeps its original six-way zip.
         if RELU {
             for (((((((o, &gv), &xv), &mu), &kk), &bb), &dd), (&s, &beta)) in orow
                 .iter_mut()

@@ -34,6 +34,37 @@ fn short_name(describe: &str) -> &str {
     }
 }
 
+/// The shape `body` maps `input` to.
+fn body_shape(body: &[Box<dyn Layer>], input: &[usize]) -> Result<Vec<usize>> {
+    let mut shape = input.to_vec();
+    for layer in body {
+        shape = layer.output_shape(&shape)?;
+    }
+    Ok(shape)
+}
+
+/// `shape`, if it is the block's `input` shape (a residual must keep it).
+fn kept_shape(input: &[usize], shape: Vec<usize>) -> Result<Vec<usize>> {
+    if shape != input {
+        return Err(ModelError::Shape {
+            op: "residual",
+            expected: format!("a body that keeps the shape {input:?}"),
+            got: format!("a body that maps it to {shape:?}"),
+        });
+    }
+    Ok(shape)
+}
+
+fn body_macs(body: &[Box<dyn Layer>], input: &[usize]) -> Result<u64> {
+    let mut shape = input.to_vec();
+    let mut total = 0;
+    for layer in body {
+        total += layer.macs(&shape)?;
+        shape = layer.output_shape(&shape)?;
+    }
+    Ok(total)
+}
+
 impl Layer for Residual {
     fn describe(&self) -> String {
         let names: Vec<String> = self
@@ -45,31 +76,14 @@ impl Layer for Residual {
     }
 
     fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
-        let mut shape = input.to_vec();
-        for layer in &self.body {
-            shape = layer.output_shape(&shape)?;
-        }
-        if shape != input {
-            return Err(ModelError::Shape {
-                op: "residual",
-                expected: format!("a body that keeps the shape {input:?}"),
-                got: format!("a body that maps it to {shape:?}"),
-            });
-        }
-        Ok(shape)
+        kept_shape(input, body_shape(&self.body, input)?)
     }
 
     /// The body's multiply-adds; the addition counts 0 like other
     /// elementwise work.
     fn macs(&self, input: &[usize]) -> Result<u64> {
         self.output_shape(input)?;
-        let mut shape = input.to_vec();
-        let mut total = 0;
-        for layer in &self.body {
-            total += layer.macs(&shape)?;
-            shape = layer.output_shape(&shape)?;
-        }
-        Ok(total)
+        body_macs(&self.body, input)
     }
 
     fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
@@ -168,30 +182,14 @@ impl Layer for FusedResidual {
     }
 
     fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
-        let mut shape = input.to_vec();
-        for layer in &self.body {
-            shape = layer.output_shape(&shape)?;
-        }
-        shape = self.tail.output_shape(&shape)?;
-        if shape != input {
-            return Err(ModelError::Shape {
-                op: "residual",
-                expected: format!("a body that keeps the shape {input:?}"),
-                got: format!("a body that maps it to {shape:?}"),
-            });
-        }
-        Ok(shape)
+        let body = body_shape(&self.body, input)?;
+        kept_shape(input, self.tail.output_shape(&body)?)
     }
 
+    /// The body's multiply-adds (the tail's work is elementwise: 0).
     fn macs(&self, input: &[usize]) -> Result<u64> {
         self.output_shape(input)?;
-        let mut shape = input.to_vec();
-        let mut total = 0;
-        for layer in &self.body {
-            total += layer.macs(&shape)?;
-            shape = layer.output_shape(&shape)?;
-        }
-        Ok(total)
+        body_macs(&self.body, input)
     }
 
     fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
