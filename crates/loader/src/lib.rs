@@ -40,7 +40,9 @@ pub use augment::{AugmentConfig, RandAugmentConfig, MAX_MAGNITUDE};
 pub use dataset::{Dataset, MemoryUsage, ShardLayout};
 pub use error::LoaderError;
 pub use idx::{IdxDataset, Split};
-pub use loader::{Batch, DataLoader, EpochIter, LoaderConfig, LoaderMemory, LoaderState};
+pub use loader::{
+    Batch, DataLoader, EpochIter, LoaderConfig, LoaderMemory, LoaderState, SampleRecipe,
+};
 pub use moving::{GarmentPath, MovingConfig, MovingFashionMnist};
 pub use sampler::ShuffleMode;
 pub use sharded::{CacheStats, ShardCacheConfig, ShardedDataset, PLAN_WAIT};

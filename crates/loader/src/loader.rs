@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use serde::{Deserialize, Serialize};
 
-use crate::augment::{self, AugmentConfig, MAX_MAGNITUDE, MAX_NUM_OPS};
+use crate::augment::{self, AugmentConfig, AugmentParams, MAX_MAGNITUDE, MAX_NUM_OPS};
 use crate::sampler::{EpochOrder, ShuffleMode};
 use crate::{mix, randaugment, Dataset, LoaderError, ShardLayout};
 
@@ -64,6 +64,11 @@ pub struct LoaderConfig {
     /// (`prefetch` batches, 1 without workers). Checked by
     /// [`DataLoader::new`]; `None` = no check.
     pub memory_budget: Option<u64>,
+    /// The consumer holds the whole dataset (a GPU with the training set
+    /// resident): batches carry [`SampleRecipe`]s and labels, no pixels.
+    /// Only crop and flip can be applied this way: RandAugment, Mixup and
+    /// CutMix are refused.
+    pub resident: bool,
 }
 
 impl Default for LoaderConfig {
@@ -81,6 +86,7 @@ impl Default for LoaderConfig {
             timeout: Duration::from_secs(60),
             shuffle_mode: ShuffleMode::Global,
             memory_budget: None,
+            resident: false,
         }
     }
 }
@@ -131,6 +137,47 @@ pub struct Batch {
     /// With Mixup or CutMix: `n * num_classes` target probabilities (each
     /// row sums to 1). `None` when batches are not mixed.
     pub soft_targets: Option<Vec<f32>>,
+    /// With [`LoaderConfig::resident`]: how to make each sample from the
+    /// copy of the dataset its consumer holds, and `pixels` is empty.
+    pub recipes: Option<Vec<SampleRecipe>>,
+}
+
+/// One sample of a batch as an instruction instead of pixels: dataset
+/// sample `id`, zero-padded by `pad` on every side and cropped back at
+/// (`dy`, `dx`), then mirrored left to right if `flip` (the loader's crop and
+/// flip, with the same random draws). A consumer holding the whole dataset
+/// (a GPU) makes the pixels itself and nothing else crosses to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SampleRecipe {
+    pub id: u32,
+    pub pad: u8,
+    pub dy: u8,
+    pub dx: u8,
+    pub flip: bool,
+}
+
+impl SampleRecipe {
+    /// The sample as two words for a device kernel: `id`, then
+    /// `dy | dx << 8 | flip << 16 | pad << 24`.
+    pub fn packed(&self) -> [u32; 2] {
+        let word = u32::from(self.dy)
+            | u32::from(self.dx) << 8
+            | u32::from(self.flip) << 16
+            | u32::from(self.pad) << 24;
+        [self.id, word]
+    }
+
+    /// Writes the sample into `out` from the raw sample `src` (HWC,
+    /// `shape`), as the loader would have.
+    pub fn apply(&self, src: &[u8], out: &mut [u8], shape: [usize; 3]) {
+        let params = AugmentParams {
+            pad: usize::from(self.pad),
+            dy: usize::from(self.dy),
+            dx: usize::from(self.dx),
+            flip: self.flip,
+        };
+        augment::apply(src, out, shape, params);
+    }
 }
 
 impl Batch {
@@ -154,17 +201,22 @@ impl Batch {
             epoch: self.epoch,
             index: self.index,
             shape: [range.len(), self.shape[1], self.shape[2], self.shape[3]],
-            pixels: self.pixels[range.start * sample..range.end * sample].to_vec(),
+            pixels: match self.recipes {
+                Some(_) => Vec::new(),
+                None => self.pixels[range.start * sample..range.end * sample].to_vec(),
+            },
             labels: self.labels[range.clone()].to_vec(),
             soft_targets: self
                 .soft_targets
                 .as_ref()
                 .map(|t| t[range.start * classes..range.end * classes].to_vec()),
+            recipes: self.recipes.as_ref().map(|r| r[range].to_vec()),
         }
     }
 
     /// The batch with every image mirrored left to right, for flip
-    /// test-time augmentation; labels and targets unchanged.
+    /// test-time augmentation; labels and targets unchanged. Mirroring a
+    /// crop-then-flip recipe toggles its flip.
     pub fn mirrored(&self) -> Batch {
         let [_, _, width, channels] = self.shape;
         let row = (width * channels).max(1);
@@ -181,6 +233,15 @@ impl Batch {
             pixels,
             labels: self.labels.clone(),
             soft_targets: self.soft_targets.clone(),
+            recipes: self.recipes.as_ref().map(|recipes| {
+                recipes
+                    .iter()
+                    .map(|r| SampleRecipe {
+                        flip: !r.flip,
+                        ..*r
+                    })
+                    .collect()
+            }),
         }
     }
 
@@ -589,6 +650,9 @@ fn validate(dataset: Arc<dyn Dataset>, config: LoaderConfig) -> Result<Shared, L
             ));
         }
     }
+    if config.resident {
+        validate_resident(&config, len)?;
+    }
     let pad = config.augment.crop_padding;
     if pad > shape[0] || pad > shape[1] {
         return Err(config_err(
@@ -625,7 +689,13 @@ fn validate(dataset: Arc<dyn Dataset>, config: LoaderConfig) -> Result<Shared, L
         }
     }
     let bs = config.batch_size as u64;
-    let batch_bytes = bs * sample_len as u64
+    // A resident batch carries a recipe where a sample's pixels would be.
+    let per_sample = if config.resident {
+        std::mem::size_of::<SampleRecipe>()
+    } else {
+        sample_len
+    };
+    let batch_bytes = bs * per_sample as u64
         + 4 * bs
         + if config.augment.mixes() {
             4 * bs * num_classes as u64
@@ -667,6 +737,45 @@ fn validate(dataset: Arc<dyn Dataset>, config: LoaderConfig) -> Result<Shared, L
     })
 }
 
+/// What a batch of [`SampleRecipe`]s can describe: crop and flip of at
+/// most 2^32 samples.
+fn validate_resident(config: &LoaderConfig, len: usize) -> Result<(), LoaderError> {
+    let augment = &config.augment;
+    let refused = [
+        (
+            "augment.rand_augment",
+            augment.rand_augment.is_some_and(|r| r.num_ops > 0),
+        ),
+        ("augment.mixup_alpha", augment.mixup_alpha > 0.0),
+        ("augment.cutmix_alpha", augment.cutmix_alpha > 0.0),
+    ];
+    if let Some((field, _)) = refused.iter().find(|(_, on)| *on) {
+        return Err(config_err(
+            field,
+            "is applied on the host, so it cannot be used with a dataset resident on the \
+             device (only crop and flip are): turn it off, or keep the data on the host \
+             (data.on_device = false)"
+                .into(),
+        ));
+    }
+    if augment.crop_padding > usize::from(u8::MAX) / 2 {
+        return Err(config_err(
+            "augment.crop_padding",
+            format!(
+                "{} is more than a resident dataset's crops allow (127)",
+                augment.crop_padding
+            ),
+        ));
+    }
+    if u32::try_from(len).is_err() {
+        return Err(config_err(
+            "dataset",
+            format!("a resident dataset holds at most 2^32 - 1 samples, this one has {len}"),
+        ));
+    }
+    Ok(())
+}
+
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_string()
@@ -700,6 +809,21 @@ fn produce(
         &s.inflight,
         s.batch_bytes * n as u64 / s.config.batch_size as u64,
     );
+    if s.config.resident {
+        let made = recipes(s, order, epoch, batch, scratch, cancelled)?;
+        return Ok(made.map(|(labels, recipes)| {
+            let batch = Batch {
+                epoch,
+                index: batch,
+                shape: [n, h, w, c],
+                pixels: Vec::new(),
+                labels,
+                soft_targets: None,
+                recipes: Some(recipes),
+            };
+            (batch, guard)
+        }));
+    }
     let mut pixels = vec![0u8; n * len];
     let mut labels = Vec::with_capacity(n);
     for (k, out) in pixels.chunks_exact_mut(len).enumerate() {
@@ -752,9 +876,68 @@ fn produce(
             pixels,
             labels,
             soft_targets,
+            recipes: None,
         },
         guard,
     )))
+}
+
+/// The labels and recipes of batch `batch` for a consumer that holds the
+/// dataset (`LoaderConfig::resident`): the same samples and the same random
+/// crops and flips as a pixel batch. The label is read with the sample (the
+/// dataset API reads both); the pixels are dropped. None if cancelled.
+fn recipes(
+    s: &Shared,
+    order: &EpochOrder,
+    epoch: u64,
+    batch: usize,
+    scratch: &mut Scratch,
+    cancelled: &AtomicBool,
+) -> Result<Option<(Vec<u32>, Vec<SampleRecipe>)>, LoaderError> {
+    let bs = s.config.batch_size;
+    let first = batch * bs;
+    let n = bs.min(s.len - first);
+    let augment = &s.config.augment;
+    let mut labels = Vec::with_capacity(n);
+    let mut recipes = Vec::with_capacity(n);
+    for k in 0..n {
+        if cancelled.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let index = order.index(first + k);
+        let sample_err = |source| LoaderError::Sample {
+            epoch,
+            batch,
+            index,
+            source: Box::new(source),
+        };
+        let label = catch_unwind(AssertUnwindSafe(|| s.dataset.read(index, &mut scratch.src)))
+            .map_err(|payload| LoaderError::Panic {
+                epoch,
+                batch,
+                index,
+                message: panic_message(payload.as_ref()),
+            })?
+            .map_err(sample_err)?;
+        if label as usize >= s.num_classes {
+            return Err(sample_err(LoaderError::Label {
+                index,
+                label,
+                num_classes: s.num_classes,
+            }));
+        }
+        let p = augment.params(s.config.seed, epoch, index);
+        // validate_resident bounds the ids (2^32) and the crop (pad <= 127).
+        recipes.push(SampleRecipe {
+            id: index as u32,
+            pad: p.pad as u8,
+            dy: p.dy as u8,
+            dx: p.dx as u8,
+            flip: p.flip,
+        });
+        labels.push(label);
+    }
+    Ok(Some((labels, recipes)))
 }
 
 fn worker_main(s: &Shared, tasks: &Receiver<Task>) {

@@ -654,6 +654,7 @@ fn micro_batches_cover_the_batch_in_order_and_lend_a_whole_one() {
         pixels: (0..10).collect(),
         labels: vec![0, 1, 2, 3, 4],
         soft_targets: Some((0..10).map(|i| i as f32).collect()),
+        recipes: None,
     };
     let parts: Vec<_> = batch.micro_batches(2).collect();
     assert_eq!(parts.len(), 3);
@@ -683,6 +684,7 @@ fn a_mirrored_batch_reverses_each_row_keeping_channels_together() {
         pixels: [sample.clone(), sample].concat(),
         labels: vec![4, 5],
         soft_targets: None,
+        recipes: None,
     };
     let mirrored = batch.mirrored();
     let row0 = &mirrored.sample(1)[..6];
@@ -694,4 +696,105 @@ fn a_mirrored_batch_reverses_each_row_keeping_channels_together() {
         batch.pixels,
         "mirroring twice is the identity"
     );
+}
+
+/// A resident batch's recipes, applied to the raw samples, give exactly the
+/// pixel batch the loader makes without `resident`.
+fn assert_recipes_make(ds: &Synth, recipe_batch: &Batch, pixel_batch: &Batch) {
+    let [n, h, w, c] = pixel_batch.shape;
+    assert_eq!(recipe_batch.shape, pixel_batch.shape);
+    assert!(recipe_batch.pixels.is_empty());
+    assert_eq!(recipe_batch.labels, pixel_batch.labels);
+    let recipes = recipe_batch.recipes.as_ref().expect("recipes");
+    assert_eq!(recipes.len(), n);
+    let mut out = vec![0u8; h * w * c];
+    for (j, r) in recipes.iter().enumerate() {
+        r.apply(&ds.pixels(r.id as usize), &mut out, [h, w, c]);
+        assert_eq!(&out[..], pixel_batch.sample(j), "sample {j}: {r:?}");
+    }
+}
+
+#[test]
+fn resident_batches_describe_the_same_crops_and_flips() {
+    let pixels = collect(loader(Synth::new(53, [6, 5, 3], 10), augmented(2, 2)).epoch(2, 0));
+    let resident = LoaderConfig {
+        resident: true,
+        ..augmented(2, 2)
+    };
+    let recipes = collect(loader(Synth::new(53, [6, 5, 3], 10), resident.clone()).epoch(2, 0));
+    assert_eq!(recipes.len(), pixels.len());
+    let ds = Synth::new(53, [6, 5, 3], 10);
+    for (r, p) in recipes.iter().zip(&pixels) {
+        assert_recipes_make(&ds, r, p);
+    }
+    let flips = recipes
+        .iter()
+        .flat_map(|b| b.recipes.iter().flatten())
+        .filter(|r| r.flip)
+        .count();
+    assert!(flips > 10 && flips < 43, "{flips} flips of 53");
+
+    // Mid-epoch resume gives the same recipes.
+    let resumed = collect(loader(Synth::new(53, [6, 5, 3], 10), resident).epoch(2, 3));
+    assert_eq!(resumed[..], recipes[3..]);
+}
+
+#[test]
+fn recipe_batches_slice_and_mirror_like_pixel_batches() {
+    let config = LoaderConfig {
+        resident: true,
+        ..augmented(0, 1)
+    };
+    let ds = Synth::new(9, [4, 4, 2], 3);
+    let batch = collect(loader(Synth::new(9, [4, 4, 2], 3), config.clone()).epoch(0, 0))
+        .swap_remove(0);
+    let pixel_batch =
+        collect(loader(Synth::new(9, [4, 4, 2], 3), augmented(0, 1)).epoch(0, 0)).swap_remove(0);
+    let parts: Vec<Batch> = batch.micro_batches(3).map(|b| b.into_owned()).collect();
+    let pixel_parts: Vec<Batch> = pixel_batch.micro_batches(3).map(|b| b.into_owned()).collect();
+    assert_eq!(parts.len(), 3, "7 samples in parts of 3");
+    for (r, p) in parts.iter().zip(&pixel_parts) {
+        assert_recipes_make(&ds, r, p);
+    }
+    assert_recipes_make(&ds, &batch.mirrored(), &pixel_batch.mirrored());
+}
+
+#[test]
+fn resident_batches_refuse_host_only_augmentations() {
+    let cases = [
+        (
+            AugmentConfig {
+                mixup_alpha: 0.2,
+                ..AugmentConfig::default()
+            },
+            "augment.mixup_alpha",
+        ),
+        (
+            AugmentConfig {
+                cutmix_alpha: 1.0,
+                ..AugmentConfig::default()
+            },
+            "augment.cutmix_alpha",
+        ),
+        (
+            AugmentConfig {
+                rand_augment: Some(headroom_loader::RandAugmentConfig::default()),
+                ..AugmentConfig::default()
+            },
+            "augment.rand_augment",
+        ),
+    ];
+    for (augment, field) in cases {
+        let cfg = LoaderConfig {
+            resident: true,
+            augment,
+            ..config(4, 0)
+        };
+        let e = DataLoader::new(Arc::new(Synth::new(10, [8, 8, 1], 2)), cfg).unwrap_err();
+        assert!(
+            matches!(&e, LoaderError::Config { field: f, .. } if *f == field),
+            "{e}"
+        );
+        assert!(e.to_string().contains("data.on_device = false"), "{e}");
+    }
 }

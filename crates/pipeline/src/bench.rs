@@ -110,6 +110,7 @@ fn synthetic_batch(config: &ExperimentConfig, n: usize, classes: usize) -> Batch
             .collect(),
         labels: (0..n).map(|i| (i % classes.max(1)) as u32).collect(),
         soft_targets: None,
+        recipes: None,
     }
 }
 

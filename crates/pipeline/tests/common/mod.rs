@@ -29,6 +29,7 @@ pub fn batch(index: usize, n: usize, classes: usize) -> Batch {
             .collect(),
         labels: (0..n).map(|i| ((i + index) % classes) as u32).collect(),
         soft_targets: None,
+        recipes: None,
     }
 }
 
