@@ -746,12 +746,15 @@ fn recipe_batches_slice_and_mirror_like_pixel_batches() {
         ..augmented(0, 1)
     };
     let ds = Synth::new(9, [4, 4, 2], 3);
-    let batch = collect(loader(Synth::new(9, [4, 4, 2], 3), config.clone()).epoch(0, 0))
-        .swap_remove(0);
+    let batch =
+        collect(loader(Synth::new(9, [4, 4, 2], 3), config.clone()).epoch(0, 0)).swap_remove(0);
     let pixel_batch =
         collect(loader(Synth::new(9, [4, 4, 2], 3), augmented(0, 1)).epoch(0, 0)).swap_remove(0);
     let parts: Vec<Batch> = batch.micro_batches(3).map(|b| b.into_owned()).collect();
-    let pixel_parts: Vec<Batch> = pixel_batch.micro_batches(3).map(|b| b.into_owned()).collect();
+    let pixel_parts: Vec<Batch> = pixel_batch
+        .micro_batches(3)
+        .map(|b| b.into_owned())
+        .collect();
     assert_eq!(parts.len(), 3, "7 samples in parts of 3");
     for (r, p) in parts.iter().zip(&pixel_parts) {
         assert_recipes_make(&ds, r, p);

@@ -31,7 +31,7 @@ use cudarc::driver::CudaSlice;
 use half::f16;
 use headroom_model::cuda::ops::{self, BatchNormConfig, ConvShape, CONV_SCRATCH_BYTES};
 use headroom_model::cuda::{
-    kernels, CudaBackend, CudaError, CudaTensor, DType, InputStaging, ParamGroup,
+    kernels, CudaBackend, CudaError, CudaTensor, DType, InputStaging, ParamGroup, ResidentImages,
 };
 use headroom_model::init::InitRng;
 use headroom_model::layers::{BatchNorm2d, Conv2d, GlobalAvgPool, Linear, Relu, Residual};
@@ -338,6 +338,96 @@ fn staged_batches_arrive_normalised_with_their_labels() {
         .stage(&be, &shape, &vec![0u8; per_batch], &[10; 8], 10, 0.5, 0.25)
         .unwrap_err();
     assert!(err.to_string().contains("label 10"), "{err}");
+}
+
+/// The loader's crop and flip, pixel by pixel (an independent reference):
+/// output (y, x) is padded pixel (y + dy, x' + dx), x' = w - 1 - x if flipped.
+fn crop_flip_reference(src: &[u8], [h, w, c]: [usize; 3], [_, word]: [u32; 2]) -> Vec<u8> {
+    let (dy, dx) = ((word & 255) as i64, ((word >> 8) & 255) as i64);
+    let (flip, pad) = ((word >> 16) & 1 == 1, (word >> 24) as i64);
+    let mut out = Vec::with_capacity(h * w * c);
+    for y in 0..h as i64 {
+        for x in 0..w as i64 {
+            let x = if flip { w as i64 - 1 - x } else { x };
+            let (sy, sx) = (y + dy - pad, x + dx - pad);
+            for ch in 0..c {
+                let inside = (0..h as i64).contains(&sy) && (0..w as i64).contains(&sx);
+                out.push(if inside {
+                    src[((sy as usize * w) + sx as usize) * c + ch]
+                } else {
+                    0
+                });
+            }
+        }
+    }
+    out
+}
+
+fn recipe(id: u32, pad: u32, dy: u32, dx: u32, flip: bool) -> [u32; 2] {
+    [id, dy | dx << 8 | u32::from(flip) << 16 | pad << 24]
+}
+
+#[test]
+fn batches_made_from_a_resident_set_equal_staged_host_batches() {
+    let be = gpu_or_skip!();
+    let shape = [6, 5, 3];
+    let sample: usize = shape.iter().product();
+    let mut rng = InitRng::new(21);
+    let set_pixels: Vec<u8> = (0..7 * sample)
+        .map(|_| (rng.next_u64() % 256) as u8)
+        .collect();
+    let set = ResidentImages::upload(&be, shape, &set_pixels).unwrap();
+    assert_eq!((set.samples(), set.bytes()), (7, 7 * sample as u64));
+    let recipes = [
+        recipe(6, 0, 0, 0, false),
+        recipe(0, 2, 0, 4, true),
+        recipe(3, 2, 4, 0, false),
+        recipe(3, 2, 2, 2, true),
+        recipe(1, 5, 10, 0, true),
+        recipe(5, 1, 1, 2, false),
+    ];
+    let labels: Vec<u32> = (0..recipes.len() as u32).collect();
+    let mut staging = InputStaging::new(&be, 2, 6 * sample, 6).unwrap();
+    let mut host = Vec::new();
+    for r in &recipes {
+        let id = r[0] as usize;
+        host.extend(crop_flip_reference(
+            &set_pixels[id * sample..(id + 1) * sample],
+            shape,
+            *r,
+        ));
+    }
+    let batch_shape = [recipes.len(), 6, 5, 3];
+    // Twice through the ring, with a host batch between: slots are shared.
+    for _ in 0..2 {
+        let made = staging
+            .stage_recipes(&be, &set, &recipes, &labels, 8, 0.3, 0.4)
+            .unwrap();
+        let staged = staging
+            .stage(&be, &batch_shape, &host, &labels, 8, 0.3, 0.4)
+            .unwrap();
+        let bits = |t: &CudaTensor| -> Vec<u32> {
+            t.to_host(&be)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        assert_eq!(made.images.shape(), &batch_shape);
+        assert_eq!(bits(&made.images), bits(&staged.images), "same bits");
+        assert_eq!(be.download(&made.labels.slice).unwrap(), labels);
+    }
+    for (bad, what) in [
+        (recipe(7, 0, 0, 0, false), "id 7"),
+        (recipe(0, 2, 5, 0, false), "dy 5"),
+        (recipe(0, 6, 0, 0, false), "pad 6"),
+        ([0, 1 << 17], "word"),
+    ] {
+        let err = staging
+            .stage_recipes(&be, &set, &[bad], &[0], 8, 0.3, 0.4)
+            .unwrap_err();
+        assert!(err.to_string().contains(what), "{what}: {err}");
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -1487,6 +1577,10 @@ const COVERAGE: &[(&str, &str)] = &[
     ("cast_f32_to_f16", "casts_round_like_half_and_widen_exactly"),
     ("cast_f16_to_f32", "casts_round_like_half_and_widen_exactly"),
     ("normalize_u8_to_f16", "u8_batches_normalise_like_the_cpu"),
+    (
+        "gather_crop_flip_u8_to_f16",
+        "batches_made_from_a_resident_set_equal_staged_host_batches",
+    ),
     (
         "relu_forward",
         "relu_forward_and_backward_match_the_cpu_layer",

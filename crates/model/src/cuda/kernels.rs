@@ -56,6 +56,7 @@ macro_rules! sig {
 pub const CAST_F32_TO_F16: KernelSig = sig!("cast", "cast_f32_to_f16", CastParams, 2);
 pub const CAST_F16_TO_F32: KernelSig = sig!("cast", "cast_f16_to_f32", CastParams, 2);
 pub const NORMALIZE_U8: KernelSig = sig!("cast", "normalize_u8_to_f16", NormalizeParams, 2);
+pub const GATHER_CROP_FLIP: KernelSig = sig!("cast", "gather_crop_flip_u8_to_f16", GatherParams, 3);
 
 pub const RELU_FORWARD: KernelSig = sig!("elementwise", "relu_forward", EwParams, 2);
 pub const RELU_BACKWARD: KernelSig = sig!("elementwise", "relu_backward", EwParams, 3);
@@ -95,7 +96,12 @@ pub static FILES: &[KernelFile] = &[
     KernelFile {
         name: "cast",
         source: include_str!("../../kernels/cast.cu"),
-        kernels: &[CAST_F32_TO_F16, CAST_F16_TO_F32, NORMALIZE_U8],
+        kernels: &[
+            CAST_F32_TO_F16,
+            CAST_F16_TO_F32,
+            NORMALIZE_U8,
+            GATHER_CROP_FLIP,
+        ],
     },
     KernelFile {
         name: "elementwise",

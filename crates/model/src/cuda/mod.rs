@@ -47,7 +47,7 @@ pub use backend::{auto_device_kind, CudaBackend, DeviceBuffer, DeviceInfo, Devic
 pub use error::{CudaError, CudaResult};
 pub use network::{zeros_input, CudaBuildOptions, CudaNetwork};
 pub use param_group::ParamGroup;
-pub use staging::{InputStaging, StagedBatch};
+pub use staging::{check_recipes, InputStaging, ResidentImages, StagedBatch};
 pub use tensor::{CudaBuffer, CudaTensor, DType, MAX_ELEMENTS};
 
 /// The test binaries `cargo xtask gpu-check` should run on a GPU machine,

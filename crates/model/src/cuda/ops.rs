@@ -183,6 +183,57 @@ pub fn normalize_u8(
     Ok(y)
 }
 
+/// A batch of `n` samples made on the device from a resident u8 NHWC set
+/// of `samples` images of `[h, w, c]`: crop, flip and normalisation by
+/// `recipes` (two words per sample, the loader's `SampleRecipe::packed`),
+/// bit for bit what `normalize_u8` gives for the same batch made on the
+/// host. The caller has checked every recipe against the set
+/// (`staging::check_recipes`).
+#[allow(clippy::too_many_arguments)]
+pub fn gather_crop_flip(
+    be: &CudaBackend,
+    images: &CudaView<'_, u8>,
+    recipes: &CudaView<'_, u32>,
+    n: usize,
+    [h, w, c]: [usize; 3],
+    mean: f32,
+    std: f32,
+) -> CudaResult<CudaTensor> {
+    let shape = [n, h, w, c];
+    let len = checked_len("gather_crop_flip", &shape)?;
+    same_len("gather_crop_flip", "recipes", 2 * n, recipes.len())?;
+    if images.len() % (h * w * c).max(1) != 0 {
+        return Err(CudaError::shape(
+            "gather_crop_flip",
+            format!("whole images of {h} x {w} x {c}"),
+            format!("{} bytes", images.len()),
+        ));
+    }
+    let mut y = CudaTensor::uninit(be, &shape, DType::F16)?;
+    if len == 0 {
+        return Ok(y);
+    }
+    let p = GatherParams {
+        n: n as u32,
+        h: h as u32,
+        w: w as u32,
+        c: c as u32,
+        scale: 1.0 / (255.0 * std),
+        shift: mean / std,
+    };
+    let f = be.function(&k::GATHER_CROP_FLIP)?;
+    {
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p).arg(images).arg(recipes).arg(y.f16_mut()?);
+        // SAFETY: gather_crop_flip_u8_to_f16(GatherParams, const u8* images,
+        // const u32* recipes [2n], hr_half* y [n*h*w*c]); every recipe's id
+        // is below the set's size and its crop inside the padding (checked
+        // by the caller), so every read of `images` is in bounds.
+        unsafe { b.launch(elementwise(len)) }.during("gather_crop_flip_u8_to_f16")?;
+    }
+    Ok(y)
+}
+
 // ---------------------------------------------------------------------------
 // Elementwise layers
 

@@ -31,6 +31,8 @@ kernel_params! {
     CastParams(4) { n: u32 }
     /// cast.cu: normalize_u8_to_f16, y = x * scale - shift.
     NormalizeParams(12) { n: u32, scale: f32, shift: f32 }
+    /// cast.cu: gather_crop_flip_u8_to_f16 (batch from a resident set).
+    GatherParams(24) { n: u32, h: u32, w: u32, c: u32, scale: f32, shift: f32 }
     /// elementwise.cu: relu_forward, relu_backward, add_inplace, add.
     EwParams(4) { n: u32 }
     /// elementwise.cu: bias_add, bias_grad.

@@ -8,7 +8,7 @@ use cudarc::driver::{sys, CudaEvent, PinnedHostSlice};
 
 use super::backend::{CudaBackend, DeviceBuffer};
 use super::error::Context;
-use super::ops::normalize_u8;
+use super::ops::{gather_crop_flip, normalize_u8};
 use super::tensor::CudaTensor;
 use super::{CudaError, CudaResult};
 
@@ -105,6 +105,81 @@ impl InputStaging {
         mean: f32,
         std: f32,
     ) -> CudaResult<StagedBatch> {
+        let index = self.copy_in(be, pixels, labels, classes)?;
+        let slot = &self.slots[index];
+        let images = normalize_u8(
+            be,
+            &slot.pixels_dev.slice.slice(..pixels.len()),
+            shape,
+            mean,
+            std,
+        )?;
+        self.finish(be, index, images, labels.len())
+    }
+
+    /// A batch made on the device from `set`: only the recipes (two words
+    /// per sample, see [`check_recipes`]) and the labels cross the link,
+    /// through the next slot; the gather kernel crops, flips and normalises
+    /// as the host path would, to the same bits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn stage_recipes(
+        &mut self,
+        be: &CudaBackend,
+        set: &ResidentImages,
+        recipes: &[[u32; 2]],
+        labels: &[u32],
+        classes: usize,
+        mean: f32,
+        std: f32,
+    ) -> CudaResult<StagedBatch> {
+        check_recipes(recipes, set.samples, set.shape)?;
+        if recipes.len() != labels.len() {
+            return Err(CudaError::shape(
+                "InputStaging::stage_recipes",
+                format!("{} labels (one per recipe)", recipes.len()),
+                format!("{} labels", labels.len()),
+            ));
+        }
+        let bytes: Vec<u8> = recipes
+            .iter()
+            .flatten()
+            .flat_map(|w| w.to_ne_bytes())
+            .collect();
+        let index = self.copy_in(be, &bytes, labels, classes)?;
+        let slot = &self.slots[index];
+        // SAFETY: the slot's device buffer holds at least `bytes.len()` bytes
+        // (copy_in checked) and device allocations are aligned far beyond 4
+        // bytes; the u32 view covers exactly the words just copied.
+        let words = unsafe { slot.pixels_dev.slice.transmute::<u32>(2 * recipes.len()) }
+            .ok_or_else(|| {
+                CudaError::shape(
+                    "InputStaging::stage_recipes",
+                    format!("a slot of at least {} bytes", bytes.len()),
+                    format!("{} bytes", slot.pixels_dev.slice.len()),
+                )
+            })?;
+        let images = gather_crop_flip(
+            be,
+            &set.pixels.slice.as_view(),
+            &words,
+            recipes.len(),
+            set.shape,
+            mean,
+            std,
+        )?;
+        self.finish(be, index, images, labels.len())
+    }
+
+    /// Checks a batch's sizes and labels, then copies its bytes and labels
+    /// into the next slot and on to the device on the copy stream, with the
+    /// compute stream ordered after the copy. Returns the slot's index.
+    fn copy_in(
+        &mut self,
+        be: &CudaBackend,
+        pixels: &[u8],
+        labels: &[u32],
+        classes: usize,
+    ) -> CudaResult<usize> {
         if pixels.len() > self.max_pixels || labels.len() > self.max_labels {
             return Err(CudaError::shape(
                 "InputStaging::stage",
@@ -130,7 +205,6 @@ impl InputStaging {
         self.next = (index + 1) % self.slots.len();
         let slot = &mut self.slots[index];
         let copy = be.copy_stream();
-        let compute = be.compute_stream();
 
         // Host side: waits (inside as_mut_slice) for this slot's previous
         // host→device copy to have read the pinned buffer.
@@ -148,19 +222,28 @@ impl InputStaging {
         slot.copied.record(copy).during("cuEventRecord")?;
 
         // Compute stream: after the copies.
-        compute.wait(&slot.copied).during("cuStreamWaitEvent")?;
-        let images = normalize_u8(
-            be,
-            &slot.pixels_dev.slice.slice(..pixels.len()),
-            shape,
-            mean,
-            std,
-        )?;
-        let mut labels_out = be.alloc::<u32>(labels.len())?;
-        if !labels.is_empty() {
+        be.compute_stream()
+            .wait(&slot.copied)
+            .during("cuStreamWaitEvent")?;
+        Ok(index)
+    }
+
+    /// Takes the labels out of slot `index` and marks the slot free once the
+    /// compute work queued so far (which read it) is done.
+    fn finish(
+        &mut self,
+        be: &CudaBackend,
+        index: usize,
+        images: CudaTensor,
+        labels: usize,
+    ) -> CudaResult<StagedBatch> {
+        let slot = &mut self.slots[index];
+        let compute = be.compute_stream();
+        let mut labels_out = be.alloc::<u32>(labels)?;
+        if labels > 0 {
             compute
                 .memcpy_dtod(
-                    &slot.labels_dev.slice.slice(..labels.len()),
+                    &slot.labels_dev.slice.slice(..labels),
                     &mut labels_out.slice,
                 )
                 .during("cuMemcpyDtoDAsync")?;
@@ -171,4 +254,83 @@ impl InputStaging {
             labels: labels_out,
         })
     }
+}
+
+/// A training set held on the device, u8 NHWC, sample after sample: batches
+/// are then made there from recipes (`InputStaging::stage_recipes`) and no
+/// pixels cross the link during training.
+pub struct ResidentImages {
+    pixels: DeviceBuffer<u8>,
+    samples: usize,
+    shape: [usize; 3],
+}
+
+impl std::fmt::Debug for ResidentImages {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResidentImages")
+            .field("samples", &self.samples)
+            .field("shape", &self.shape)
+            .finish()
+    }
+}
+
+impl ResidentImages {
+    /// Uploads `pixels`, whole samples of `shape` one after the other,
+    /// through the memory pool (it counts against the device budget).
+    pub fn upload(be: &CudaBackend, shape: [usize; 3], pixels: &[u8]) -> CudaResult<Self> {
+        let sample = shape.iter().product::<usize>();
+        if sample == 0 || pixels.len() % sample != 0 {
+            return Err(CudaError::shape(
+                "ResidentImages::upload",
+                format!("whole samples of {shape:?}"),
+                format!("{} bytes", pixels.len()),
+            ));
+        }
+        Ok(Self {
+            pixels: be.upload(pixels)?,
+            samples: pixels.len() / sample,
+            shape,
+        })
+    }
+
+    pub fn samples(&self) -> usize {
+        self.samples
+    }
+
+    pub fn shape(&self) -> [usize; 3] {
+        self.shape
+    }
+
+    /// Device bytes the set takes.
+    pub fn bytes(&self) -> u64 {
+        self.pixels.slice.len() as u64
+    }
+}
+
+/// Checks recipes `[id, dy | dx << 8 | flip << 16 | pad << 24]` against a set
+/// of `samples` images of `shape`: every id inside the set, every crop
+/// offset within twice the padding, the padding within the image, no other
+/// bits. The gather kernel's reads stay in bounds only for recipes that pass.
+pub fn check_recipes(recipes: &[[u32; 2]], samples: usize, shape: [usize; 3]) -> CudaResult<()> {
+    let [h, w, _] = shape;
+    for (i, &[id, word]) in recipes.iter().enumerate() {
+        let pad = (word >> 24) as usize;
+        let (dy, dx) = ((word & 255) as usize, ((word >> 8) & 255) as usize);
+        let ok = (id as usize) < samples
+            && pad <= h.min(w)
+            && dy <= 2 * pad
+            && dx <= 2 * pad
+            && word & 0x00fe_0000 == 0;
+        if !ok {
+            return Err(CudaError::shape(
+                "check_recipes",
+                format!(
+                    "sample ids below {samples}, pad at most {}, crop offsets at most 2 * pad",
+                    h.min(w)
+                ),
+                format!("recipe {i}: id {id}, pad {pad}, dy {dy}, dx {dx}, word {word:#010x}"),
+            ));
+        }
+    }
+    Ok(())
 }
