@@ -58,3 +58,101 @@ fn a_run_on_the_gpu_path_trains_checkpoints_and_resumes_on_the_cpu() {
     assert_eq!(resumed.step, 16);
     assert!(resumed.test_accuracy.unwrap().is_finite());
 }
+
+/// The final checkpoint's parameters and buffers, as bits.
+fn final_state_bits(dir: &std::path::Path) -> Vec<u32> {
+    let files = checkpoint::list(dir).unwrap();
+    let saved = checkpoint::load(files.last().unwrap()).unwrap();
+    saved
+        .params
+        .iter()
+        .chain(&saved.buffers)
+        .flatten()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+#[test]
+fn data_held_on_the_device_trains_to_the_bits_of_data_staged_from_the_host() {
+    if !cuda_path_available("cuda_training") {
+        return;
+    }
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 192, 64);
+    let mut runs = Vec::new();
+    for on_device in ["true", "false", "auto"] {
+        let out = tempfile::tempdir().unwrap();
+        let config = smoke_config(
+            data.path(),
+            out.path(),
+            &[
+                "device.kind=cuda",
+                "train.epochs=1",
+                "augment.crop_padding=2",
+                "augment.flip=true",
+                &format!("data.on_device={on_device}"),
+            ],
+        );
+        let summary = train(&config, &TrainOptions::default()).unwrap();
+        assert_eq!(summary.step, 6, "192 samples in batches of 32");
+        runs.push((summary, final_state_bits(out.path())));
+    }
+    let [(held, held_bits), (staged, staged_bits), (auto, _)] = &runs[..] else {
+        unreachable!()
+    };
+    assert!(held.data_on_device && !staged.data_on_device);
+    assert!(
+        auto.data_on_device,
+        "auto holds a small set on the (emulated) GPU"
+    );
+    assert_eq!(held_bits, staged_bits, "same weights and statistics");
+    assert_eq!(
+        held.test_loss.map(f32::to_bits),
+        staged.test_loss.map(f32::to_bits)
+    );
+}
+
+#[test]
+fn data_on_device_says_why_it_cannot_hold_the_set() {
+    if !cuda_path_available("cuda_training") {
+        return;
+    }
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 64, 32);
+    let cases = [
+        (
+            vec!["device.kind=cpu", "data.on_device=true"],
+            "trains from host memory",
+        ),
+        (
+            vec![
+                "device.kind=cuda",
+                "data.on_device=true",
+                "augment.mixup_alpha=0.2",
+            ],
+            "augment.mixup_alpha",
+        ),
+    ];
+    for (extra, why) in cases {
+        let out = tempfile::tempdir().unwrap();
+        let config = smoke_config(data.path(), out.path(), &extra);
+        let err = train(&config, &TrainOptions::default()).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("data.on_device") && text.contains(why),
+            "{text}"
+        );
+    }
+    // "auto" on the CPU trains from host memory without a word of error.
+    let out = tempfile::tempdir().unwrap();
+    let config = smoke_config(
+        data.path(),
+        out.path(),
+        &["device.kind=cpu", "train.epochs=1", "data.on_device=auto"],
+    );
+    assert!(
+        !train(&config, &TrainOptions::default())
+            .unwrap()
+            .data_on_device
+    );
+}

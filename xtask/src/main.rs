@@ -906,6 +906,9 @@ fn print_summary(experiment: &ExperimentConfig, summary: &headroom_pipeline::Run
             .budget
             .map_or(String::new(), |b| format!(" (budget {:.1} MiB)", mib(b)))
     );
+    if summary.data_on_device {
+        println!("training data   held on the device; batches made there (data.on_device)");
+    }
     if let Some(path) = &summary.resumed_from {
         println!("resumed from    {}", path.display());
     }

@@ -882,6 +882,8 @@ fn produce(
     )))
 }
 
+type LabelsAndRecipes = (Vec<u32>, Vec<SampleRecipe>);
+
 /// The labels and recipes of batch `batch` for a consumer that holds the
 /// dataset (`LoaderConfig::resident`): the same samples and the same random
 /// crops and flips as a pixel batch. The label is read with the sample (the
@@ -893,7 +895,7 @@ fn recipes(
     batch: usize,
     scratch: &mut Scratch,
     cancelled: &AtomicBool,
-) -> Result<Option<(Vec<u32>, Vec<SampleRecipe>)>, LoaderError> {
+) -> Result<Option<LabelsAndRecipes>, LoaderError> {
     let bs = s.config.batch_size;
     let first = batch * bs;
     let n = bs.min(s.len - first);

@@ -153,6 +153,56 @@ pub struct DataConfig {
     /// Batches prepared ahead of the training stage.
     #[serde(default = "default_prefetch")]
     pub prefetch: usize,
+    /// Keep the training set on the GPU and make batches there (crop, flip,
+    /// normalisation), so no pixels cross the bus while training: "auto"
+    /// (when the learner is on a GPU, the augmentations allow it and the
+    /// set takes at most a quarter of the device budget), true (the same,
+    /// or an error saying which condition fails) or false. Same bits either
+    /// way.
+    #[serde(default)]
+    pub on_device: OnDevice,
+}
+
+/// `data.on_device`: true, false or "auto".
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnDevice {
+    #[default]
+    Auto,
+    Always,
+    Never,
+}
+
+impl Serialize for OnDevice {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            OnDevice::Auto => s.serialize_str("auto"),
+            OnDevice::Always => s.serialize_bool(true),
+            OnDevice::Never => s.serialize_bool(false),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for OnDevice {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Written {
+            Flag(bool),
+            Word(String),
+        }
+        match Written::deserialize(d)? {
+            Written::Flag(true) => Ok(OnDevice::Always),
+            Written::Flag(false) => Ok(OnDevice::Never),
+            Written::Word(w) => match w.as_str() {
+                "auto" => Ok(OnDevice::Auto),
+                "true" => Ok(OnDevice::Always),
+                "false" => Ok(OnDevice::Never),
+                other => Err(serde::de::Error::custom(format!(
+                    "data.on_device: expected true, false or \"auto\", got \"{other}\""
+                ))),
+            },
+        }
+    }
 }
 
 /// `[text]`: a byte-level corpus (vocabulary 256) and what to generate
@@ -589,7 +639,7 @@ impl Default for CheckpointConfig {
 /// what it computes, and the keys the divergence advice names
 /// (`ADVICE_KEYS`). The model is compared on its own, layer by layer, and
 /// the dataset by its recorded identity (`data::DatasetIdentity`).
-pub const RESUME_SAFE_KEYS: [&str; 17] = [
+pub const RESUME_SAFE_KEYS: [&str; 18] = [
     "run.name",
     "run.runs_dir",
     "run.output_dir",
@@ -602,6 +652,7 @@ pub const RESUME_SAFE_KEYS: [&str; 17] = [
     "data.dir",
     "data.workers",
     "data.prefetch",
+    "data.on_device",
     "train.threads",
     "train.epochs",
     "train.max_consecutive_skips",

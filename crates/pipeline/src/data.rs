@@ -3,6 +3,7 @@
 //! are root on Debian or Ubuntu; otherwise stop with the exact command. Never
 //! fall back to other data. Text corpora (`data.format = "text"`) are found
 //! and packed by `crate::text`, which installs their package the same way.
+//! `hold_on_device` decides `data.on_device`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -14,7 +15,8 @@ use headroom_loader::{
     ShuffleMode, Split,
 };
 
-use crate::config::{parse_bytes, ExperimentConfig};
+use crate::config::{parse_bytes, ExperimentConfig, OnDevice};
+use crate::learner::Learner;
 use crate::{PipelineError, Result};
 
 /// How long the training stage waits for a batch before calling the loader stuck.
@@ -259,7 +261,70 @@ pub fn loader_config(config: &ExperimentConfig, training: bool) -> Result<Loader
             .as_deref()
             .map(|text| parse_bytes("loader.memory_budget", text))
             .transpose()?,
+        resident: false,
     })
+}
+
+/// `data.on_device`: puts the training set on the learner's device when
+/// asked and possible, and says whether it did. "auto" keeps the data on the
+/// host, with one line saying why, where true is an error naming the cause.
+pub fn hold_on_device(
+    config: &ExperimentConfig,
+    train_set: &dyn Dataset,
+    learner: &mut dyn Learner,
+) -> Result<bool> {
+    if config.data.on_device == OnDevice::Never {
+        return Ok(false);
+    }
+    let bytes = train_set
+        .sample_shape()
+        .iter()
+        .product::<usize>()
+        .saturating_mul(train_set.len()) as u64;
+    let augment = &config.augment;
+    let host_only = [
+        (
+            "augment.rand_augment",
+            augment.rand_augment.is_some_and(|r| r.num_ops > 0),
+        ),
+        ("augment.mixup_alpha", augment.mixup_alpha > 0.0),
+        ("augment.cutmix_alpha", augment.cutmix_alpha > 0.0),
+    ]
+    .into_iter()
+    .find(|(_, on)| *on);
+    let obstacle = match (learner.resident_capacity(), host_only) {
+        (None, _) => Some(format!("{} trains from host memory", learner.device_name())),
+        (_, Some((key, _))) => Some(format!("{key} is applied on the host")),
+        (Some(capacity), None) if bytes > capacity => Some(format!(
+            "the training set ({:.1} MiB) is more than a quarter of the device budget ({:.1} MiB)",
+            mib(bytes),
+            mib(capacity.saturating_mul(4))
+        )),
+        _ => None,
+    };
+    match (obstacle, config.data.on_device) {
+        (Some(why), OnDevice::Always) => Err(PipelineError::value(
+            "data.on_device",
+            format!("true, but {why}: set data.on_device = false (or \"auto\")"),
+        )),
+        (Some(why), _) => {
+            tracing::info!("training data stays on the host: {why}");
+            Ok(false)
+        }
+        (None, _) => {
+            learner.hold_resident(train_set)?;
+            tracing::info!(
+                "training set held on the device: {} samples, {:.1} MiB; batches are made there",
+                train_set.len(),
+                mib(bytes)
+            );
+            Ok(true)
+        }
+    }
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
 }
 
 pub const SYSTEM_DIR: &str = "/usr/share/datasets/fashion-mnist";

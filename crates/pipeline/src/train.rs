@@ -10,7 +10,7 @@ use std::thread;
 use std::time::Instant;
 
 use crossbeam_channel::{bounded, Sender};
-use headroom_loader::{Batch, DataLoader, Dataset, LoaderMemory};
+use headroom_loader::{Batch, DataLoader, Dataset, LoaderConfig, LoaderMemory};
 use headroom_model::PoolStats;
 use headroom_optim::{OneCycle, Schedule};
 
@@ -57,6 +57,8 @@ pub struct RunSummary {
     pub threads: usize,
     /// What the training loader held, from its own accounting.
     pub loader_memory: LoaderMemory,
+    /// Whether the training set was held on the device (`data.on_device`).
+    pub data_on_device: bool,
     /// The run's memory pool at the end (peak in use, reserved, ...).
     pub memory: PoolStats,
     pub memory_limit: Option<u64>,
@@ -245,6 +247,7 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         macs_per_sample,
         threads,
         loader_memory: run.train_loader.memory_report(),
+        data_on_device: run.train_loader.config().resident,
         memory: run.trainee.learner.memory_stats(),
         memory_limit: run.trainee.learner.memory_limit(),
         micro_batch: run.trainee.learner.micro_batch(),
@@ -283,14 +286,21 @@ fn check_writable(dir: &std::path::Path) -> Result<()> {
 
 fn prepare(config: &ExperimentConfig, options: &TrainOptions, memory: &MemoryGuard) -> Result<Run> {
     let (train_set, test_set) = data::open_splits(config, options.allow_install)?;
-    let learner = learner::open(config, memory.pool(), cuda_options(config)?)?;
+    let mut learner = learner::open(config, memory.pool(), cuda_options(config)?)?;
     check_data_fits_model(config, train_set.as_ref(), learner.as_ref())?;
     tracing::info!(
         "{} training samples, {} test samples",
         train_set.len(),
         test_set.len()
     );
-    let train_loader = DataLoader::new(train_set, data::loader_config(config, true)?)?;
+    let resident = data::hold_on_device(config, train_set.as_ref(), learner.as_mut())?;
+    let train_loader = DataLoader::new(
+        train_set,
+        LoaderConfig {
+            resident,
+            ..data::loader_config(config, true)?
+        },
+    )?;
     let test_loader = DataLoader::new(test_set, data::loader_config(config, false)?)?;
     if train_loader.batches_per_epoch() == 0 {
         return Err(PipelineError::value(

@@ -73,3 +73,20 @@ fn test_time_augmentation_is_named_when_it_cannot_apply() {
     );
     assert!(load(&["eval.tta=flip"]).is_ok());
 }
+
+#[test]
+fn data_on_device_reads_true_false_and_auto_and_refuses_the_rest() {
+    use headroom_pipeline::config::OnDevice;
+    for (text, expected) in [
+        ("true", OnDevice::Always),
+        ("false", OnDevice::Never),
+        ("auto", OnDevice::Auto),
+    ] {
+        let config = load(&[&format!("data.on_device={text}")]).unwrap();
+        assert_eq!(config.data.on_device, expected, "{text}");
+    }
+    assert_eq!(load(&[]).unwrap().data.on_device, OnDevice::Auto);
+    let err = load(&["data.on_device=gpu"]).unwrap_err();
+    assert!(err.contains("data.on_device"), "{err}");
+    assert!(err.contains("\"auto\""), "{err}");
+}

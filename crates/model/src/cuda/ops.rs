@@ -202,7 +202,7 @@ pub fn gather_crop_flip(
     let shape = [n, h, w, c];
     let len = checked_len("gather_crop_flip", &shape)?;
     same_len("gather_crop_flip", "recipes", 2 * n, recipes.len())?;
-    if images.len() % (h * w * c).max(1) != 0 {
+    if !images.len().is_multiple_of((h * w * c).max(1)) {
         return Err(CudaError::shape(
             "gather_crop_flip",
             format!("whole images of {h} x {w} x {c}"),

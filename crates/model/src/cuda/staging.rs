@@ -3,6 +3,11 @@
 //! order the compute stream after each copy (and each copy after the compute
 //! work that last read its slot). Batches cross the link as u8 (4× less than
 //! f32) and are normalised and cast to f16 by one kernel on the device.
+//!
+//! When the training set is held on the device (`ResidentImages`), a batch
+//! crosses as recipes instead (sample id, crop, flip: 8 bytes a sample)
+//! through the same ring, and one kernel gathers, crops, flips and
+//! normalises it there.
 
 use cudarc::driver::{sys, CudaEvent, PinnedHostSlice};
 
@@ -279,7 +284,7 @@ impl ResidentImages {
     /// through the memory pool (it counts against the device budget).
     pub fn upload(be: &CudaBackend, shape: [usize; 3], pixels: &[u8]) -> CudaResult<Self> {
         let sample = shape.iter().product::<usize>();
-        if sample == 0 || pixels.len() % sample != 0 {
+        if sample == 0 || !pixels.len().is_multiple_of(sample) {
             return Err(CudaError::shape(
                 "ResidentImages::upload",
                 format!("whole samples of {shape:?}"),

@@ -10,15 +10,20 @@
 //! the batch-norm running statistics it changed are put back, the loss scale
 //! halves, and the step counter (the `t` of AdamW) does not advance.
 //!
+//! With `data.on_device` the training set is held on the device
+//! (`ResidentImages`) and a batch crosses the bus as recipes (sample id,
+//! crop, flip: 8 bytes a sample) from which a kernel makes the same bits the
+//! host would have.
+//!
 //! Mixup/CutMix soft targets go up as f32 rows (smoothing applied as on the
 //! CPU) to the soft-target cross-entropy kernel. Not on the GPU yet, each
 //! refused with a message naming it: f32 training (`--no-amp`), the
 //! sequence layers.
 
-use headroom_loader::Batch;
+use headroom_loader::{Batch, Dataset, SampleRecipe};
 use headroom_model::cuda::{
     ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, DeviceInfo, InputStaging,
-    StagedBatch,
+    ResidentImages, StagedBatch,
 };
 use headroom_model::{ModelError, ModelSpec, PoolStats};
 use headroom_optim::{AdamWState, FusedAdamW, LossScaler, LossScalerConfig, StepOutcome};
@@ -47,6 +52,8 @@ pub struct CudaLearner {
     scaler: LossScaler,
     staging: InputStaging,
     staged_samples: usize,
+    /// The training set, when it is held on the device (`data.on_device`).
+    resident: Option<ResidentImages>,
     settings: StepSettings,
     micro_batch: usize,
     /// Applied optimizer steps (AdamW's t).
@@ -82,6 +89,7 @@ impl CudaLearner {
             scaler,
             staging,
             staged_samples: batch_size.max(1),
+            resident: None,
             settings,
             micro_batch: batch_size.max(1),
             applied_steps: 0,
@@ -103,12 +111,31 @@ impl CudaLearner {
             self.staged_samples = part.len();
         }
         let spec = self.network.spec();
-        cuda(self.staging.stage(
+        let classes = self.network.num_classes();
+        let Some(recipes) = &part.recipes else {
+            return cuda(self.staging.stage(
+                &self.be,
+                &part.shape,
+                &part.pixels,
+                &part.labels,
+                classes,
+                spec.mean,
+                spec.std,
+            ));
+        };
+        let set = self.resident.as_ref().ok_or_else(|| {
+            PipelineError::value(
+                "data.on_device",
+                "a batch of sample recipes reached a learner that holds no dataset",
+            )
+        })?;
+        let packed: Vec<[u32; 2]> = recipes.iter().map(SampleRecipe::packed).collect();
+        cuda(self.staging.stage_recipes(
             &self.be,
-            &part.shape,
-            &part.pixels,
+            set,
+            &packed,
             &part.labels,
-            self.network.num_classes(),
+            classes,
             spec.mean,
             spec.std,
         ))
@@ -197,10 +224,28 @@ fn smoothed_targets(soft: &[f32], smoothing: f32, rows: usize) -> Vec<f32> {
         .collect()
 }
 
+/// A ring for batches of up to `samples` samples, as pixels or as recipes
+/// (8 bytes a sample).
 fn staging_for(be: &CudaBackend, spec: &ModelSpec, samples: usize) -> Result<InputStaging> {
     let [h, w, c] = spec.input;
     let samples = samples.max(1);
-    cuda(InputStaging::new(be, 2, samples * h * w * c, samples))
+    let per_sample = (h * w * c).max(std::mem::size_of::<[u32; 2]>());
+    cuda(InputStaging::new(be, 2, samples * per_sample, samples))
+}
+
+/// Every sample of `dataset`, one after the other, for the device.
+fn read_all(dataset: &dyn Dataset) -> Result<Vec<u8>> {
+    let sample = dataset.sample_shape().iter().product::<usize>();
+    let mut pixels = vec![0u8; dataset.len() * sample];
+    for (index, out) in pixels.chunks_exact_mut(sample.max(1)).enumerate() {
+        dataset.read(index, out).map_err(|e| {
+            PipelineError::value(
+                "data.on_device",
+                format!("reading sample {index} to hold the training set on the GPU: {e}"),
+            )
+        })?;
+    }
+    Ok(pixels)
 }
 
 impl Learner for CudaLearner {
@@ -365,5 +410,30 @@ impl Learner for CudaLearner {
 
     fn device_name(&self) -> String {
         self.be.info().to_string()
+    }
+
+    /// A quarter of the device budget: the rest is for the model, its
+    /// activations and the cache.
+    fn resident_capacity(&self) -> Option<u64> {
+        let m = self.be.memory_stats();
+        let budget = m.limit.unwrap_or(self.be.info().total_memory);
+        Some(budget / 4)
+    }
+
+    fn hold_resident(&mut self, dataset: &dyn Dataset) -> Result<()> {
+        let shape = dataset.sample_shape();
+        if shape != self.network.spec().input {
+            return Err(PipelineError::value(
+                "data.on_device",
+                format!(
+                    "the dataset's samples are {shape:?} but the model reads {:?}",
+                    self.network.spec().input
+                ),
+            ));
+        }
+        self.resident = None;
+        let pixels = read_all(dataset)?;
+        self.resident = Some(cuda(ResidentImages::upload(&self.be, shape, &pixels))?);
+        Ok(())
     }
 }

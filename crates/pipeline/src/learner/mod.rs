@@ -19,7 +19,7 @@ pub use cuda::{CudaLearner, CudaOptions};
 
 use std::sync::Arc;
 
-use headroom_loader::Batch;
+use headroom_loader::{Batch, Dataset};
 use headroom_model::cuda::CudaBackend;
 use headroom_model::memory::MemoryPool;
 use headroom_model::{BuildOptions, PoolStats};
@@ -141,6 +141,23 @@ pub trait Learner: Send {
     /// frozen parameters), when the learner can say before the first step.
     fn optimizer_state_bytes(&mut self) -> Option<u64> {
         None
+    }
+
+    /// The most bytes a training set held on the learner's device may take
+    /// (`data.on_device`); None when the learner has no device memory of its
+    /// own to hold one in (the CPU: its batches are in that memory already).
+    fn resident_capacity(&self) -> Option<u64> {
+        None
+    }
+
+    /// Copies every sample of `dataset` to the device: batches that carry
+    /// recipes (`LoaderConfig::resident`) are then made there.
+    fn hold_resident(&mut self, dataset: &dyn Dataset) -> Result<()> {
+        let _ = dataset;
+        Err(PipelineError::value(
+            "data.on_device",
+            format!("{} cannot hold a dataset", self.device_name()),
+        ))
     }
 }
 
