@@ -58,8 +58,11 @@ pub fn build(args: &BundleArgs) -> Result<()> {
     }
     copy_dir(Path::new("experiments"), &out.join("experiments"))?;
     fs::create_dir_all(out.join("bench"))?;
-    fs::copy("bench/torch_resnet.py", out.join("bench/torch_resnet.py"))
-        .context("copying bench/torch_resnet.py")?;
+    for script in ["torch_resnet.py", "torch_fashion_mnist.py"] {
+        let from = Path::new("bench").join(script);
+        fs::copy(&from, out.join("bench").join(script))
+            .with_context(|| format!("copying {}", from.display()))?;
+    }
     write_executable(&out.join("run.sh"), RUN_SH)?;
     let size = dir_bytes(out)?;
     if size > MAX_BUNDLE_BYTES {
