@@ -156,3 +156,32 @@ fn data_on_device_says_why_it_cannot_hold_the_set() {
             .data_on_device
     );
 }
+
+#[test]
+fn a_gpu_budget_below_one_step_splits_the_batch_with_the_data_on_the_device() {
+    if !cuda_path_available("cuda_training") {
+        return;
+    }
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 128, 32);
+    let run = |extra: &[&str]| {
+        let out = tempfile::tempdir().unwrap();
+        let mut sets = vec!["device.kind=cuda", "train.epochs=1", "data.on_device=true"];
+        sets.extend_from_slice(extra);
+        train(
+            &smoke_config(data.path(), out.path(), &sets),
+            &TrainOptions::default(),
+        )
+        .unwrap()
+    };
+    let free = run(&[]);
+    assert_eq!(free.micro_batch, 32);
+    // A budget a little above what the resident set, the model and the
+    // optimizer hold, below what a whole step needs on top.
+    let peak = free.memory.peak_in_use_bytes;
+    let limit = format!("device.memory_limit={}", peak * 3 / 4);
+    let tight = run(&[&limit]);
+    assert!(tight.data_on_device);
+    assert!(tight.micro_batch < 32, "micro-batch {}", tight.micro_batch);
+    assert_eq!(tight.step, 4, "128 samples in batches of 32, all applied");
+}
