@@ -308,7 +308,11 @@ pub fn hold_on_device(
             format!("true, but {why}: set data.on_device = false (or \"auto\")"),
         )),
         (Some(why), _) => {
-            tracing::info!("training data stays on the host: {why}");
+            // On the CPU there is no other place for the data: say it only
+            // where the choice was real.
+            if learner.resident_capacity().is_some() {
+                tracing::info!("training data stays on the host: {why}");
+            }
             Ok(false)
         }
         (None, _) => {
