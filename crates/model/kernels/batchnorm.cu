@@ -1,7 +1,8 @@
 // Batch normalisation over N, H and W of each channel of an NHWC batch, seen
 // as [rows, channels] with rows = N*H*W: the CPU's BatchNorm2d (biased
 // variance for normalising, unbiased for running_var, PyTorch's momentum
-// rule), with an optional fused ReLU.
+// rule), with an optional fused ReLU, or (closing a residual block) the
+// addition of the block's input and then the ReLU.
 //
 // Training forward:
 //   bn_stats_partial   Welford (count, mean, M2) per channel over fixed
@@ -11,11 +12,17 @@
 //                      scale = gamma*inv_std and shift = beta - mean*scale,
 //                      and the running statistics (unless recomputing)
 //   bn_apply           y = x*scale + shift (then ReLU if fused)
+//   bn_apply_add       y = relu(f16(x*scale + shift) + skip): a residual
+//                      block's last batch norm, its sum and the ReLU after it
 // Eval forward: bn_eval_prepare (scale/shift from the running statistics),
-// then bn_apply.
+// then bn_apply or bn_apply_add.
 // Backward (g is dL/dy; with the fused ReLU, g' = y > 0 ? g : 0 where y is
-// the saved output of BN+ReLU; without it g' = g):
+// the saved output of BN+ReLU, or of the whole block after bn_apply_add;
+// without it g' = g):
 //   bn_backward_partial   sum g' and sum g'*(x - mean) per channel and chunk
+//   bn_backward_partial_mask  the same, and g' written over g (after
+//                         bn_apply_add: g' is also the gradient of the skip
+//                         input, and the rest reads it with relu = 0)
 //   bn_backward_finalize  dgamma = inv_std*sum g'(x-mean), dbeta = sum g',
 //                         accumulated (+=) into the f32 gradients, and the
 //                         coefficients of dx = k*g' + b*(x - mean) + d
@@ -179,6 +186,27 @@ extern "C" __global__ void bn_apply(BnApplyParams p, const hr_half* __restrict__
     }
 }
 
+// The unfused block runs bn_apply, add_inplace and relu_forward, each
+// rounding its result to f16; this rounds at the same three points, so the
+// fused and unfused networks compute the same bits. p.relu = 0 leaves the
+// sum (not used by the network, but defined).
+extern "C" __global__ void bn_apply_add(BnApplyParams p, const hr_half* __restrict__ x,
+                                        const float* __restrict__ scale,
+                                        const float* __restrict__ shift,
+                                        const hr_half* __restrict__ skip,
+                                        hr_half* __restrict__ y) {
+    const u32 n = p.rows * p.channels;
+    HR_FOR_EACH(i, n) {
+        const u32 c = i % p.channels;
+        const hr_half v = f2h(fmaf(h2f(x[i]), scale[c], shift[c]));
+        float s = h2f(f2h(h2f(v) + h2f(skip[i])));
+        if (p.relu) {
+            s = hr_relu(s);
+        }
+        y[i] = f2h(s);
+    }
+}
+
 __device__ __forceinline__ float bn_masked_grad(u32 relu, const hr_half* g, const hr_half* y,
                                                 u32 i) {
     const float gv = h2f(g[i]);
@@ -188,13 +216,12 @@ __device__ __forceinline__ float bn_masked_grad(u32 relu, const hr_half* g, cons
     return gv;
 }
 
-// y may be any valid pointer when relu == 0 (it is not read).
-extern "C" __global__ void bn_backward_partial(BnBackwardParams p, const hr_half* __restrict__ g,
-                                               const hr_half* __restrict__ x,
-                                               const hr_half* __restrict__ y,
-                                               const float* __restrict__ mean,
-                                               float* __restrict__ part_sum_g,
-                                               float* __restrict__ part_sum_gx) {
+// The body of both partial kernels. With g_out (then g itself), a masked
+// element of g is overwritten with +0: the bits relu_backward would store.
+__device__ __forceinline__ void bn_backward_sums(const BnBackwardParams& p, const hr_half* g,
+                                                 const hr_half* x, const hr_half* y,
+                                                 const float* mean, float* part_sum_g,
+                                                 float* part_sum_gx, hr_half* g_out) {
     __shared__ float s_g[BN_LANES][32];
     __shared__ float s_gx[BN_LANES][32];
     const u32 c = blockIdx.x * 32 + threadIdx.x;
@@ -206,7 +233,13 @@ extern "C" __global__ void bn_backward_partial(BnBackwardParams p, const hr_half
         const float mu = mean[c];
         for (u32 r = r0 + threadIdx.y; r < r1; r += BN_LANES) {
             const u32 i = r * p.channels + c;
-            const float gv = bn_masked_grad(p.relu, g, y, i);
+            float gv = h2f(g[i]);
+            if (p.relu && !(h2f(y[i]) > 0.0f)) {  // bn_masked_grad's mask
+                gv = 0.0f;
+                if (g_out != nullptr) {
+                    g_out[i] = (hr_half)0;
+                }
+            }
             sg += gv;
             sgx += gv * (h2f(x[i]) - mu);
         }
@@ -222,6 +255,27 @@ extern "C" __global__ void bn_backward_partial(BnBackwardParams p, const hr_half
         part_sum_g[chunk * p.channels + c] = sg;
         part_sum_gx[chunk * p.channels + c] = sgx;
     }
+}
+
+// y may be any valid pointer when relu == 0 (it is not read).
+extern "C" __global__ void bn_backward_partial(BnBackwardParams p, const hr_half* __restrict__ g,
+                                               const hr_half* __restrict__ x,
+                                               const hr_half* __restrict__ y,
+                                               const float* __restrict__ mean,
+                                               float* __restrict__ part_sum_g,
+                                               float* __restrict__ part_sum_gx) {
+    bn_backward_sums(p, g, x, y, mean, part_sum_g, part_sum_gx, nullptr);
+}
+
+// Each element of g is read, then written, by the one thread that sums it,
+// so masking in place races with nothing.
+extern "C" __global__ void bn_backward_partial_mask(BnBackwardParams p, hr_half* __restrict__ g,
+                                                    const hr_half* __restrict__ x,
+                                                    const hr_half* __restrict__ y,
+                                                    const float* __restrict__ mean,
+                                                    float* __restrict__ part_sum_g,
+                                                    float* __restrict__ part_sum_gx) {
+    bn_backward_sums(p, g, x, y, mean, part_sum_g, part_sum_gx, g);
 }
 
 extern "C" __global__ void bn_backward_finalize(

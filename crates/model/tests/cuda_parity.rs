@@ -31,13 +31,17 @@ use cudarc::driver::CudaSlice;
 use half::f16;
 use headroom_model::cuda::ops::{self, BatchNormConfig, ConvShape, CONV_SCRATCH_BYTES};
 use headroom_model::cuda::{
-    kernels, CudaBackend, CudaError, CudaTensor, DType, InputStaging, ParamGroup, ResidentImages,
+    kernels, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, CudaTensor, DType,
+    InputStaging, ParamGroup, ResidentImages,
 };
 use headroom_model::init::InitRng;
-use headroom_model::layers::{BatchNorm2d, Conv2d, GlobalAvgPool, Linear, Relu, Residual};
+use headroom_model::layers::{
+    BatchNorm2d, Conv2d, FusedResidual, GlobalAvgPool, Linear, Relu, Residual,
+};
 use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy};
-use headroom_model::{Layer, Mode, Tensor};
+use headroom_model::{CheckpointPolicy, Layer, Mode, ModelSpec, Tensor};
 use headroom_optim::{AdamWConfig, FusedAdamW, LossScaler, LossScalerConfig, StepOutcome};
+use serde::Deserialize;
 
 // ---------------------------------------------------------------------------
 // Harness
@@ -1568,6 +1572,471 @@ fn a_basic_block_forward_and_backward_match_the_cpu_layers() {
 }
 
 // ---------------------------------------------------------------------------
+// Fused residual blocks (a basic block's last batch norm, sum and ReLU)
+
+#[test]
+fn fused_residual_kernels_round_like_the_unfused_ones() {
+    let be = gpu_or_skip!();
+    let shape = [4usize, 6, 6, 40];
+    let c = shape[3];
+    let BnCase { gamma, beta, .. } = bn_case(c, 800);
+    let x = random(&shape, 801, 1.5, 0.2);
+    let mut skip = random(&shape, 802, 1.0, 0.0);
+    let mut acc = random(&shape, 803, 1.0, 0.0);
+    // Signed zeros, infinities, NaN and sums past f16's range.
+    let specials = [
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        65504.0,
+        -65504.0,
+    ];
+    for (i, &v) in specials.iter().enumerate() {
+        skip.data_mut()[37 * i + 3] = v;
+        acc.data_mut()[41 * i + 5] = v;
+    }
+    let grad = random(&shape, 804, 1.0, 0.0);
+    let (gx, gskip, gg) = (upload(&be, &x), upload(&be, &skip), upload(&be, &grad));
+    let (gamma_d, beta_d) = (upload_f32(&be, &gamma), upload_f32(&be, &beta));
+    let bits = |t: &CudaTensor| -> Vec<u16> {
+        let v: Vec<f16> = be.download(t.f16().unwrap()).unwrap();
+        v.iter().map(|h| h.to_bits()).collect()
+    };
+    let bits32 =
+        |s: &CudaSlice<f32>| -> Vec<u32> { download(&be, s).iter().map(|v| v.to_bits()).collect() };
+    let relu = BatchNormConfig { relu: true, ..BN };
+    let mut running: Vec<CudaSlice<f32>> = [0.0f32, 1.0, 0.0, 1.0]
+        .iter()
+        .map(|&v| upload_f32(&be, &vec![v; c]))
+        .collect();
+    let (plain, fused) = running.split_at_mut(2);
+
+    // Training: bn_apply, add_inplace, relu_forward against bn_apply_add.
+    let (mut z, plain_saved) = {
+        let (m, v) = plain.split_at_mut(1);
+        let (gm, gv) = (&mut m[0].as_view_mut(), &mut v[0].as_view_mut());
+        let (g, b) = (gamma_d.as_view(), beta_d.as_view());
+        ops::batch_norm_forward_train(&be, &gx, &g, &b, gm, gv, BN).unwrap()
+    };
+    ops::add_inplace(&be, &mut z, &gskip).unwrap();
+    let want = ops::relu_forward(&be, &z).unwrap();
+    let (got, fused_saved) = {
+        let (m, v) = fused.split_at_mut(1);
+        let (gm, gv) = (&mut m[0].as_view_mut(), &mut v[0].as_view_mut());
+        let (g, b) = (gamma_d.as_view(), beta_d.as_view());
+        ops::batch_norm_add_forward_train(&be, &gx, &gskip, &g, &b, gm, gv, relu).unwrap()
+    };
+    assert_eq!(bits(&want), bits(&got), "training forward");
+    assert_eq!(bits32(&plain[0]), bits32(&fused[0]), "running mean");
+    assert_eq!(bits32(&plain[1]), bits32(&fused[1]), "running var");
+    // A skip of another shape is refused before the running statistics
+    // change.
+    let before = bits32(&fused[0]);
+    let odd = upload(&be, &random(&[4, 6, 5, 40], 805, 1.0, 0.0));
+    let err = {
+        let (m, v) = fused.split_at_mut(1);
+        let (gm, gv) = (&mut m[0].as_view_mut(), &mut v[0].as_view_mut());
+        let (g, b) = (gamma_d.as_view(), beta_d.as_view());
+        ops::batch_norm_add_forward_train(&be, &gx, &odd, &g, &b, gm, gv, relu).unwrap_err()
+    };
+    assert!(matches!(err, CudaError::Shape { .. }), "{err}");
+    assert_eq!(
+        before,
+        bits32(&fused[0]),
+        "a refused call left the statistics"
+    );
+
+    // Eval, with and without the ReLU.
+    let (g, b) = (gamma_d.as_view(), beta_d.as_view());
+    let (rm, rv) = (plain[0].as_view(), plain[1].as_view());
+    let mut z_eval = ops::batch_norm_forward_eval(&be, &gx, &g, &b, &rm, &rv, BN).unwrap();
+    ops::add_inplace(&be, &mut z_eval, &gskip).unwrap();
+    let sum = ops::batch_norm_add_forward_eval(&be, &gx, &gskip, &g, &b, &rm, &rv, BN).unwrap();
+    assert_eq!(bits(&z_eval), bits(&sum), "eval forward without the ReLU");
+    let want_eval = ops::relu_forward(&be, &z_eval).unwrap();
+    let got_eval =
+        ops::batch_norm_add_forward_eval(&be, &gx, &gskip, &g, &b, &rm, &rv, relu).unwrap();
+    assert_eq!(bits(&want_eval), bits(&got_eval), "eval forward");
+    let err = ops::batch_norm_add_forward_eval(&be, &gx, &odd, &g, &b, &rm, &rv, relu).unwrap_err();
+    assert!(matches!(err, CudaError::Shape { .. }), "{err}");
+
+    // Backward: relu_backward, then batch norm without the ReLU, against
+    // batch norm masking g in place.
+    let masked = ops::relu_backward(&be, &gg, &want).unwrap();
+    let mut grads: Vec<CudaSlice<f32>> = (0..4).map(|_| upload_f32(&be, &vec![0.0; c])).collect();
+    let (plain_grads, fused_grads) = grads.split_at_mut(2);
+    let want_dz = {
+        let (dg, db) = plain_grads.split_at_mut(1);
+        let (dg, db) = (&mut dg[0].as_view_mut(), &mut db[0].as_view_mut());
+        ops::batch_norm_backward(&be, &masked, &gx, None, &plain_saved, &g, dg, db, false).unwrap()
+    };
+    let mut gm = upload(&be, &grad);
+    let got_dz = {
+        let (dg, db) = fused_grads.split_at_mut(1);
+        let (dg, db) = (&mut dg[0].as_view_mut(), &mut db[0].as_view_mut());
+        ops::batch_norm_add_relu_backward(&be, &mut gm, &gx, &got, &fused_saved, &g, dg, db)
+            .unwrap()
+    };
+    assert_eq!(bits(&masked), bits(&gm), "g masked in place");
+    assert_eq!(bits(&want_dz), bits(&got_dz), "batch norm dx");
+    assert_eq!(bits32(&plain_grads[0]), bits32(&fused_grads[0]), "dgamma");
+    assert_eq!(bits32(&plain_grads[1]), bits32(&fused_grads[1]), "dbeta");
+    // The block's input gradient: add (unfused) against add_inplace (fused).
+    let want_dx = ops::add(&be, &upload(&be, &acc), &masked).unwrap();
+    let mut got_dx = upload(&be, &acc);
+    ops::add_inplace(&be, &mut got_dx, &gm).unwrap();
+    assert_eq!(bits(&want_dx), bits(&got_dx), "block dx");
+    // A saved output of another shape is refused.
+    let err = {
+        let (dg, db) = fused_grads.split_at_mut(1);
+        let (dg, db) = (&mut dg[0].as_view_mut(), &mut db[0].as_view_mut());
+        ops::batch_norm_add_relu_backward(&be, &mut gm, &gx, &odd, &fused_saved, &g, dg, db)
+            .unwrap_err()
+    };
+    assert!(matches!(err, CudaError::Shape { .. }), "{err}");
+}
+
+/// A basic block's layers at `c` channels, convolution weights rounded to
+/// f16 (and returned, with the batch norms' parameters).
+struct BlockParts {
+    conv1: Conv2d,
+    conv2: Conv2d,
+    bn1: BnCase,
+    bn2: BnCase,
+    w: [Vec<f32>; 2],
+}
+
+fn basic_block_parts(c: usize) -> BlockParts {
+    let mut rng = InitRng::new(710);
+    let mut conv1 = Conv2d::new("b.conv1", c, c, 3, 1, 1, false, &mut rng).unwrap();
+    let mut conv2 = Conv2d::new("b.conv2", c, c, 3, 1, 1, false, &mut rng).unwrap();
+    let mut w = [Vec::new(), Vec::new()];
+    for (conv, w) in [&mut conv1, &mut conv2].into_iter().zip(&mut w) {
+        let mut p = conv.params_mut();
+        round_f16(&mut p[0].value);
+        *w = p[0].value.data().to_vec();
+    }
+    BlockParts {
+        conv1,
+        conv2,
+        bn1: bn_case(c, 711),
+        bn2: bn_case(c, 712),
+        w,
+    }
+}
+
+#[test]
+fn a_fused_basic_block_matches_the_cpu_fused_residual() {
+    let be = gpu_or_skip!();
+    let (n, hw, c) = (4usize, 10usize, 16usize);
+    let x = random(&[n, hw, hw, c], 713, 1.0, 0.0);
+    // The unfused CPU block's sum before its ReLU, only to find the elements
+    // within rounding of zero (see a_basic_block_forward_and_backward_...).
+    let z_cpu = {
+        let p = basic_block_parts(c);
+        let mut block = Residual::new(vec![
+            Box::new(p.conv1),
+            Box::new(p.bn1.cpu),
+            Box::new(Relu::new()),
+            Box::new(p.conv2),
+            Box::new(p.bn2.cpu),
+        ]);
+        block.forward(&x, Mode::Train).unwrap()
+    };
+    let BlockParts {
+        conv1,
+        conv2,
+        bn1,
+        bn2,
+        w,
+    } = basic_block_parts(c);
+    let mut block = FusedResidual::new(
+        vec![
+            Box::new(conv1),
+            Box::new(bn1.cpu.with_relu()),
+            Box::new(conv2),
+        ],
+        bn2.cpu,
+    );
+    let y = block.forward(&x, Mode::Train).unwrap();
+    let mut g = random(y.shape(), 714, 1.0, 0.0);
+    for (gv, zv) in g.data_mut().iter_mut().zip(z_cpu.data()) {
+        if zv.abs() < 1e-2 {
+            *gv = 0.0;
+        }
+    }
+    let dx = block.backward(&g).unwrap();
+    let cpu_grads: Vec<Vec<f32>> = block
+        .params_mut()
+        .iter()
+        .map(|p| p.grad.data().to_vec())
+        .collect();
+    let cpu_running: Vec<Vec<f32>> = block
+        .buffers_mut()
+        .iter()
+        .map(|b| b.data().to_vec())
+        .collect();
+    let y_eval = block.forward(&x, Mode::Eval).unwrap();
+
+    let s = ConvShape {
+        n,
+        h: hw,
+        w: hw,
+        cin: c,
+        cout: c,
+        k: 3,
+        stride: 1,
+        pad: 1,
+    };
+    let (w1, w2) = (upload_f16(&be, &w[0]), upload_f16(&be, &w[1]));
+    let (g1d, b1d, g2d, b2d) = (
+        upload_f32(&be, &bn1.gamma),
+        upload_f32(&be, &bn1.beta),
+        upload_f32(&be, &bn2.gamma),
+        upload_f32(&be, &bn2.beta),
+    );
+    let mut running: Vec<CudaSlice<f32>> = [0.0f32, 1.0, 0.0, 1.0]
+        .iter()
+        .map(|&v| upload_f32(&be, &vec![v; c]))
+        .collect();
+    let gx = upload(&be, &x);
+    let relu_cfg = BatchNormConfig { relu: true, ..BN };
+    // Forward: conv, bn+relu, conv, then bn + x + relu in one kernel.
+    let a1 = ops::conv2d_forward(&be, &gx, &w1.as_view(), None, s, CONV_SCRATCH_BYTES).unwrap();
+    let (h1, saved1) = {
+        let (m, v) = running[..2].split_at_mut(1);
+        let (m, v) = (&mut m[0].as_view_mut(), &mut v[0].as_view_mut());
+        let (g, b) = (g1d.as_view(), b1d.as_view());
+        ops::batch_norm_forward_train(&be, &a1, &g, &b, m, v, relu_cfg).unwrap()
+    };
+    let a2 = ops::conv2d_forward(&be, &h1, &w2.as_view(), None, s, CONV_SCRATCH_BYTES).unwrap();
+    let (out, saved2) = {
+        let (m, v) = running[2..].split_at_mut(1);
+        let (m, v) = (&mut m[0].as_view_mut(), &mut v[0].as_view_mut());
+        let (g, b) = (g2d.as_view(), b2d.as_view());
+        ops::batch_norm_add_forward_train(&be, &a2, &gx, &g, &b, m, v, relu_cfg).unwrap()
+    };
+    assert_close_l2(
+        "fused block forward",
+        &out.to_host(&be).unwrap(),
+        y.data(),
+        1e-2,
+    );
+    for (i, (gpu, cpu)) in running.iter().zip(&cpu_running).enumerate() {
+        assert_close(
+            &format!("fused block running statistic {i}"),
+            &download(&be, gpu),
+            cpu,
+            1e-3,
+            1e-4,
+        );
+    }
+    // Backward: the tail masks g in place by the block's output; the masked
+    // g joins the body's input gradient at the end.
+    let mut gg = upload(&be, &g);
+    let mut grads: Vec<CudaSlice<f32>> = cpu_grads
+        .iter()
+        .map(|v| upload_f32(&be, &vec![0.0; v.len()]))
+        .collect();
+    let (gw1, rest) = grads.split_at_mut(1);
+    let (gbn1, rest) = rest.split_at_mut(2);
+    let (gw2, gbn2) = rest.split_at_mut(1);
+    let (gbn1g, gbn1b) = gbn1.split_at_mut(1);
+    let (gbn2g, gbn2b) = gbn2.split_at_mut(1);
+    let ga2 = ops::batch_norm_add_relu_backward(
+        &be,
+        &mut gg,
+        &a2,
+        &out,
+        &saved2,
+        &g2d.as_view(),
+        &mut gbn2g[0].as_view_mut(),
+        &mut gbn2b[0].as_view_mut(),
+    )
+    .unwrap();
+    let gh1 = ops::conv2d_backward(
+        &be,
+        &h1,
+        &ga2,
+        &w2.as_view(),
+        &mut gw2[0].as_view_mut(),
+        None,
+        s,
+        CONV_SCRATCH_BYTES,
+    )
+    .unwrap();
+    let ga1 = ops::batch_norm_backward(
+        &be,
+        &gh1,
+        &a1,
+        Some(&h1),
+        &saved1,
+        &g1d.as_view(),
+        &mut gbn1g[0].as_view_mut(),
+        &mut gbn1b[0].as_view_mut(),
+        true,
+    )
+    .unwrap();
+    let mut gdx = ops::conv2d_backward(
+        &be,
+        &gx,
+        &ga1,
+        &w1.as_view(),
+        &mut gw1[0].as_view_mut(),
+        None,
+        s,
+        CONV_SCRATCH_BYTES,
+    )
+    .unwrap();
+    ops::add_inplace(&be, &mut gdx, &gg).unwrap();
+    // As for the unfused block: an L2 bound (f16 activations, inner ReLU
+    // masks that may differ within rounding of zero).
+    assert_close_l2(
+        "fused block dx",
+        &gdx.to_host(&be).unwrap(),
+        dx.data(),
+        3e-2,
+    );
+    let names = [
+        "conv1 dW",
+        "bn1 dgamma",
+        "bn1 dbeta",
+        "conv2 dW",
+        "bn2 dgamma",
+        "bn2 dbeta",
+    ];
+    for ((name, gpu), cpu) in names.iter().zip(&grads).zip(&cpu_grads) {
+        assert_close_l2(name, &download(&be, gpu), cpu, 3e-2);
+    }
+    // Eval forward on the running statistics both sides updated.
+    let a1 = ops::conv2d_forward(&be, &gx, &w1.as_view(), None, s, CONV_SCRATCH_BYTES).unwrap();
+    let (g, b) = (g1d.as_view(), b1d.as_view());
+    let (m, v) = (running[0].as_view(), running[1].as_view());
+    let h1 = ops::batch_norm_forward_eval(&be, &a1, &g, &b, &m, &v, relu_cfg).unwrap();
+    let a2 = ops::conv2d_forward(&be, &h1, &w2.as_view(), None, s, CONV_SCRATCH_BYTES).unwrap();
+    let (g, b) = (g2d.as_view(), b2d.as_view());
+    let (m, v) = (running[2].as_view(), running[3].as_view());
+    let out = ops::batch_norm_add_forward_eval(&be, &a2, &gx, &g, &b, &m, &v, relu_cfg).unwrap();
+    assert_close_l2(
+        "fused block eval forward",
+        &out.to_host(&be).unwrap(),
+        y_eval.data(),
+        1e-2,
+    );
+}
+
+#[derive(Deserialize)]
+struct SpecFile {
+    model: ModelSpec,
+}
+
+/// Two basic blocks and a bare residual whose body ends in a batch norm,
+/// followed by a ReLU (fused too, unless a checkpointed segment separates
+/// the two). 20 channels: a partial 32-channel tile; 6·9·9 rows: 2 chunks.
+fn two_block_spec(checkpoint: CheckpointPolicy) -> ModelSpec {
+    let text = r#"
+[model]
+input = [9, 9, 2]
+mean = 0.5
+std = 0.25
+layers = [
+  { type = "conv", out = 20 }, { type = "batch_norm" }, { type = "relu" },
+  { type = "basic_block" },
+  { type = "basic_block" },
+  { type = "residual", layers = [{ type = "conv", out = 20 }, { type = "batch_norm" }] },
+  { type = "relu" },
+  { type = "global_avg_pool" },
+  { type = "linear", out = 4 },
+]
+"#;
+    let mut spec = toml::from_str::<SpecFile>(text).unwrap().model;
+    spec.checkpoint = checkpoint;
+    spec
+}
+
+/// What one build computes, as bits: two training forwards and backwards
+/// on two batches (the gradients accumulate; no step), the parameter
+/// gradients, the running statistics, the parameters and an eval forward.
+/// Also the allocations and the peak of the training passes.
+fn network_bits(
+    be: &CudaBackend,
+    fuse: bool,
+    checkpoint: CheckpointPolicy,
+) -> (Vec<u32>, u64, u64) {
+    let spec = two_block_spec(checkpoint);
+    let options = CudaBuildOptions { fuse };
+    let mut network = CudaNetwork::build(be, &spec, 5, options).unwrap();
+    let n = 6;
+    let batches: Vec<CudaTensor> = (0..2)
+        .map(|i| upload(be, &random(&[n, 9, 9, 2], 820 + i, 1.0, 0.0)))
+        .collect();
+    let grad_logits = upload(be, &random(&[n, 4], 830, 0.5, 0.0));
+    let mut bits: Vec<u32> = Vec::new();
+    let extend = |bits: &mut Vec<u32>, values: &[f32]| {
+        bits.extend(values.iter().map(|v| v.to_bits()));
+    };
+    be.reset_peak();
+    let start = be.memory_stats();
+    for x in &batches {
+        let logits = network.forward_train(be, x).unwrap();
+        extend(&mut bits, &logits.to_host(be).unwrap());
+        network.backward(be, &grad_logits).unwrap();
+    }
+    let end = be.memory_stats();
+    for group in network.groups() {
+        extend(&mut bits, &download(be, &group.grad.slice));
+    }
+    for buffer in network.read_buffers(be).unwrap() {
+        extend(&mut bits, &buffer);
+    }
+    for param in network.read_params(be).unwrap() {
+        extend(&mut bits, &param);
+    }
+    let logits = network.forward_eval(be, &batches[0]).unwrap();
+    extend(&mut bits, &logits.to_host(be).unwrap());
+    (
+        bits,
+        end.allocations - start.allocations,
+        end.peak_in_use_bytes - start.in_use_bytes,
+    )
+}
+
+#[test]
+fn fused_residual_networks_compute_the_bits_of_unfused_ones() {
+    let be = gpu_or_skip!();
+    let (want, plain_allocations, plain_peak) = network_bits(&be, false, CheckpointPolicy::None);
+    for checkpoint in [
+        CheckpointPolicy::None,
+        CheckpointPolicy::Blocks,
+        CheckpointPolicy::All,
+    ] {
+        for fuse in [false, true] {
+            let (got, allocations, peak) = network_bits(&be, fuse, checkpoint);
+            eprintln!(
+                "{checkpoint:?}, fuse {fuse}: {allocations} allocations, peak {peak} bytes \
+                 (unfused without recompute: {plain_allocations}, {plain_peak})"
+            );
+            assert_eq!(want.len(), got.len(), "{checkpoint:?}, fuse {fuse}");
+            let differ = want.iter().zip(&got).filter(|(a, b)| a != b).count();
+            assert_eq!(
+                differ, 0,
+                "{checkpoint:?}, fuse {fuse}: {differ} values differ"
+            );
+            if fuse && checkpoint == CheckpointPolicy::None {
+                // Per step, each of the 3 batch norm + ReLU pairs allocates
+                // 2 tensors fewer (the ReLU's output, the masked gradient),
+                // each of the 3 fused residuals 4 (the ReLU's output, the
+                // masked gradient, its copy for the body, the sum's output).
+                assert_eq!(plain_allocations - allocations, 2 * (3 * 2 + 3 * 4));
+                assert!(peak <= plain_peak);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Coverage
 
 /// Which test runs each kernel against its CPU reference. A kernel added to
@@ -1610,8 +2079,16 @@ const COVERAGE: &[(&str, &str)] = &[
         "batch_norm_training_forward_backward_and_running_stats_match",
     ),
     (
+        "bn_apply_add",
+        "a_fused_basic_block_matches_the_cpu_fused_residual",
+    ),
+    (
         "bn_backward_partial",
         "batch_norm_with_fused_relu_matches_bn_then_relu",
+    ),
+    (
+        "bn_backward_partial_mask",
+        "a_fused_basic_block_matches_the_cpu_fused_residual",
     ),
     (
         "bn_backward_finalize",

@@ -70,8 +70,11 @@ pub const BN_STATS_FINALIZE: KernelSig =
     sig!("batchnorm", "bn_stats_finalize", BnFinalizeParams, 10);
 pub const BN_EVAL_PREPARE: KernelSig = sig!("batchnorm", "bn_eval_prepare", BnEvalParams, 6);
 pub const BN_APPLY: KernelSig = sig!("batchnorm", "bn_apply", BnApplyParams, 4);
+pub const BN_APPLY_ADD: KernelSig = sig!("batchnorm", "bn_apply_add", BnApplyParams, 5);
 pub const BN_BACKWARD_PARTIAL: KernelSig =
     sig!("batchnorm", "bn_backward_partial", BnBackwardParams, 6);
+pub const BN_BACKWARD_PARTIAL_MASK: KernelSig =
+    sig!("batchnorm", "bn_backward_partial_mask", BnBackwardParams, 6);
 pub const BN_BACKWARD_FINALIZE: KernelSig =
     sig!("batchnorm", "bn_backward_finalize", BnBackwardParams, 9);
 pub const BN_BACKWARD_APPLY: KernelSig =
@@ -123,7 +126,9 @@ pub static FILES: &[KernelFile] = &[
             BN_STATS_FINALIZE,
             BN_EVAL_PREPARE,
             BN_APPLY,
+            BN_APPLY_ADD,
             BN_BACKWARD_PARTIAL,
+            BN_BACKWARD_PARTIAL_MASK,
             BN_BACKWARD_FINALIZE,
             BN_BACKWARD_APPLY,
         ],

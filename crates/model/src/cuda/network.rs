@@ -11,9 +11,22 @@
 //!
 //! What a training forward saves for backward (a stack, popped in reverse):
 //! a convolution or linear layer its input; batch norm its input, its batch
-//! statistics, and (fused with the ReLU after it) its output; a standalone
-//! ReLU its output; global pooling its input's shape. Batch norm followed by
-//! ReLU runs as one fused kernel unless fusion is turned off.
+//! statistics, and (fused with the ReLU after it) a copy of its output; a
+//! standalone ReLU a copy of its output; global pooling its input's shape; a
+//! fused residual block (below) its body's entries, its last batch norm's
+//! input and statistics, and a copy of the block's output (the ReLU's mask,
+//! which is also that batch norm's).
+//!
+//! Fusion (`CudaBuildOptions::fuse`, on by default) changes the kernels,
+//! not the bits: batch norm followed by ReLU runs as one kernel, and a
+//! residual whose body ends in a batch norm followed by a ReLU (a
+//! `basic_block`) as one kernel for that batch norm's normalisation, the
+//! sum and the ReLU (`bn_apply_add`, which rounds where the three unfused
+//! kernels do). In its backward the batch norm's first kernel masks the
+//! output gradient in place (`bn_backward_partial_mask`), which is then the
+//! gradient of both the skip input and the batch norm's output, and is
+//! added to the body's input gradient in place: no separate ReLU pass, no
+//! masked copy and no copy of it for the body.
 //!
 //! Activation recomputation (`model.checkpoint`) uses the CPU network's
 //! segmentation: a checkpointed segment keeps only its input after forward
@@ -61,6 +74,16 @@ struct RunningStats {
     saved_var: DeviceBuffer<f32>,
 }
 
+/// A batch norm's parameters, running statistics and settings.
+#[derive(Debug)]
+struct BatchNormLayer {
+    gamma: ParamRef,
+    beta: ParamRef,
+    running: Box<RunningStats>,
+    momentum: f32,
+    eps: f32,
+}
+
 #[derive(Debug)]
 enum GpuLayer {
     Conv {
@@ -72,16 +95,19 @@ enum GpuLayer {
         cout: usize,
     },
     BatchNorm {
-        gamma: ParamRef,
-        beta: ParamRef,
-        running: Box<RunningStats>,
-        momentum: f32,
-        eps: f32,
+        bn: BatchNormLayer,
         /// Fused with the ReLU that followed it in the spec.
         relu: bool,
     },
     Relu,
     Residual(Vec<GpuLayer>),
+    /// A `Residual` whose body ended in a plain batch norm, and the ReLU
+    /// after it: y = relu(tail(body(x)) + x), the tail's normalisation, the
+    /// sum and the ReLU in one kernel (`bn_apply_add`).
+    FusedResidual {
+        body: Vec<GpuLayer>,
+        tail: BatchNormLayer,
+    },
     /// A segment whose activations are dropped after forward and
     /// recomputed in backward (`model.checkpoint`): it keeps only its input.
     Checkpointed(Vec<GpuLayer>),
@@ -116,7 +142,8 @@ enum Saved {
 /// Build options that change the kernels used, not the results' meaning.
 #[derive(Clone, Copy, Debug)]
 pub struct CudaBuildOptions {
-    /// Fuse batch norm with the ReLU after it.
+    /// Fuse batch norm with the ReLU after it, and a residual block's last
+    /// batch norm with the block's sum and the ReLU after the block.
     pub fuse: bool,
 }
 
@@ -534,8 +561,13 @@ fn for_each_running(
 ) -> CudaResult<()> {
     for layer in layers {
         match layer {
-            GpuLayer::BatchNorm { running, .. } => f(running)?,
+            GpuLayer::BatchNorm { bn, .. } => f(&mut bn.running)?,
             GpuLayer::Residual(body) | GpuLayer::Checkpointed(body) => for_each_running(body, f)?,
+            // The body's statistics come first, as in the CPU's order.
+            GpuLayer::FusedResidual { body, tail } => {
+                for_each_running(body, f)?;
+                f(&mut tail.running)?
+            }
             _ => {}
         }
     }
@@ -548,9 +580,13 @@ fn for_each_running_ref(
 ) -> CudaResult<()> {
     for layer in layers {
         match layer {
-            GpuLayer::BatchNorm { running, .. } => f(running)?,
+            GpuLayer::BatchNorm { bn, .. } => f(&bn.running)?,
             GpuLayer::Residual(body) | GpuLayer::Checkpointed(body) => {
                 for_each_running_ref(body, f)?
+            }
+            GpuLayer::FusedResidual { body, tail } => {
+                for_each_running_ref(body, f)?;
+                f(&tail.running)?
             }
             _ => {}
         }
@@ -589,24 +625,37 @@ fn build_groups(
 }
 
 /// Folds each ReLU that directly follows a batch norm into it (one fused
-/// kernel instead of two passes over the activations), inside residual
-/// bodies and checkpointed segments too.
+/// kernel instead of two passes over the activations), and each ReLU that
+/// follows a residual whose body ends in a batch norm into that batch norm,
+/// with the residual's sum (a `basic_block`'s end: one kernel instead of
+/// three), inside residual bodies and checkpointed segments too. A
+/// checkpointed segment is fused within, so a ReLU outside a block's
+/// segment stays a layer of its own.
 fn fuse(layers: Vec<GpuLayer>) -> Vec<GpuLayer> {
     let mut out: Vec<GpuLayer> = Vec::with_capacity(layers.len());
     for layer in layers {
         let layer = match layer {
             GpuLayer::Residual(body) => GpuLayer::Residual(fuse(body)),
             GpuLayer::Checkpointed(body) => GpuLayer::Checkpointed(fuse(body)),
-            GpuLayer::Relu => {
-                if let Some(GpuLayer::BatchNorm {
-                    relu: relu @ false, ..
-                }) = out.last_mut()
-                {
-                    *relu = true;
-                    continue;
+            GpuLayer::Relu => match out.pop() {
+                Some(GpuLayer::BatchNorm { bn, relu: false }) => {
+                    GpuLayer::BatchNorm { bn, relu: true }
                 }
-                GpuLayer::Relu
-            }
+                Some(GpuLayer::Residual(mut body)) => match body.pop() {
+                    Some(GpuLayer::BatchNorm { bn, relu: false }) => {
+                        GpuLayer::FusedResidual { body, tail: bn }
+                    }
+                    last => {
+                        body.extend(last);
+                        out.push(GpuLayer::Residual(body));
+                        GpuLayer::Relu
+                    }
+                },
+                last => {
+                    out.extend(last);
+                    GpuLayer::Relu
+                }
+            },
             other => other,
         };
         out.push(layer);
@@ -659,16 +708,18 @@ fn build_one(
             let gamma = cursor.take(path, c)?;
             let beta = cursor.take(path, c)?;
             vec![GpuLayer::BatchNorm {
-                gamma,
-                beta,
-                running: Box::new(RunningStats {
-                    mean: be.alloc_zeros(c)?,
-                    var: be.alloc_zeros(c)?,
-                    saved_mean: be.alloc_zeros(c)?,
-                    saved_var: be.alloc_zeros(c)?,
-                }),
-                momentum: *momentum,
-                eps: *eps,
+                bn: BatchNormLayer {
+                    gamma,
+                    beta,
+                    running: Box::new(RunningStats {
+                        mean: be.alloc_zeros(c)?,
+                        var: be.alloc_zeros(c)?,
+                        saved_mean: be.alloc_zeros(c)?,
+                        saved_var: be.alloc_zeros(c)?,
+                    }),
+                    momentum: *momentum,
+                    eps: *eps,
+                },
                 relu: false,
             }]
         }
@@ -836,7 +887,7 @@ fn forward_one(
     groups: &[ParamGroup; 2],
     x: &CudaTensor,
     pass: Pass,
-    saved: Option<&mut Vec<Saved>>,
+    mut saved: Option<&mut Vec<Saved>>,
 ) -> CudaResult<(CudaTensor, Keep)> {
     // Inside a checkpointed segment's first pass a training forward keeps
     // nothing: `saved` is None.
@@ -862,49 +913,11 @@ fn forward_one(
             )?;
             (y, Keep::Input)
         }
-        GpuLayer::BatchNorm {
-            gamma,
-            beta,
-            running,
-            momentum,
-            eps,
-            relu,
-        } => {
-            let Pass::Train { update_running } = pass else {
-                let cfg = BatchNormConfig {
-                    momentum: *momentum,
-                    eps: *eps,
-                    relu: *relu,
-                    update_running: false,
-                };
-                let (g, b) = (master(groups, gamma), master(groups, beta));
-                let y = ops::batch_norm_forward_eval(
-                    be,
-                    x,
-                    &g,
-                    &b,
-                    &running.mean.slice.as_view(),
-                    &running.var.slice.as_view(),
-                    cfg,
-                )?;
+        GpuLayer::BatchNorm { bn, relu } => {
+            let (y, stats) = batch_norm_forward(be, bn, groups, x, None, *relu, pass)?;
+            let Some(stats) = stats else {
                 return Ok((y, Keep::Other(Saved::Nothing)));
             };
-            let cfg = BatchNormConfig {
-                momentum: *momentum,
-                eps: *eps,
-                relu: *relu,
-                update_running,
-            };
-            let (g, b) = (master(groups, gamma), master(groups, beta));
-            let (y, stats) = ops::batch_norm_forward_train(
-                be,
-                x,
-                &g,
-                &b,
-                &mut running.mean.slice.as_view_mut(),
-                &mut running.var.slice.as_view_mut(),
-                cfg,
-            )?;
             let output = if *relu && keeping {
                 Some(y.try_clone(be)?)
             } else {
@@ -926,6 +939,24 @@ fn forward_one(
             ops::add_inplace(be, &mut y, x)?;
             (y, Keep::Other(Saved::Nothing))
         }
+        GpuLayer::FusedResidual { body, tail } => {
+            let z = forward_list(be, body, groups, Input::Lent(x), pass, saved.as_deref_mut())?;
+            let (y, stats) = batch_norm_forward(be, tail, groups, &z, Some(x), true, pass)?;
+            // The tail's entry goes on the stack above the body's, and the
+            // block's own (its output, the ReLU's mask) above that.
+            let keep = match (saved, stats) {
+                (Some(list), Some(stats)) => {
+                    list.push(Saved::BatchNorm(Box::new(SavedBatchNorm {
+                        input: z,
+                        output: None,
+                        stats,
+                    })));
+                    Saved::Output(y.try_clone(be)?)
+                }
+                _ => Saved::Nothing,
+            };
+            (y, Keep::Other(keep))
+        }
         GpuLayer::Checkpointed(body) => {
             let y = forward_list(be, body, groups, Input::Lent(x), pass, None)?;
             (y, Keep::Input)
@@ -940,6 +971,51 @@ fn forward_one(
             (y, Keep::Input)
         }
     })
+}
+
+/// A batch norm's forward, `skip` added before the ReLU when given: the
+/// output, and in training the batch statistics backward needs.
+#[allow(clippy::too_many_arguments)]
+fn batch_norm_forward(
+    be: &CudaBackend,
+    bn: &mut BatchNormLayer,
+    groups: &[ParamGroup; 2],
+    x: &CudaTensor,
+    skip: Option<&CudaTensor>,
+    relu: bool,
+    pass: Pass,
+) -> CudaResult<(CudaTensor, Option<BatchNormSaved>)> {
+    let (g, b) = (master(groups, &bn.gamma), master(groups, &bn.beta));
+    let Pass::Train { update_running } = pass else {
+        let cfg = BatchNormConfig {
+            momentum: bn.momentum,
+            eps: bn.eps,
+            relu,
+            update_running: false,
+        };
+        let mean = bn.running.mean.slice.as_view();
+        let var = bn.running.var.slice.as_view();
+        let y = match skip {
+            None => ops::batch_norm_forward_eval(be, x, &g, &b, &mean, &var, cfg)?,
+            Some(skip) => ops::batch_norm_add_forward_eval(be, x, skip, &g, &b, &mean, &var, cfg)?,
+        };
+        return Ok((y, None));
+    };
+    let cfg = BatchNormConfig {
+        momentum: bn.momentum,
+        eps: bn.eps,
+        relu,
+        update_running,
+    };
+    let RunningStats { mean, var, .. } = &mut *bn.running;
+    let (mut mean, mut var) = (mean.slice.as_view_mut(), var.slice.as_view_mut());
+    let (y, stats) = match skip {
+        None => ops::batch_norm_forward_train(be, x, &g, &b, &mut mean, &mut var, cfg)?,
+        Some(skip) => {
+            ops::batch_norm_add_forward_train(be, x, skip, &g, &b, &mut mean, &mut var, cfg)?
+        }
+    };
+    Ok((y, Some(stats)))
 }
 
 fn backward_list(
@@ -1030,6 +1106,29 @@ fn backward_one(
             let dx = backward_list(be, body, groups, saved, g.try_clone(be)?)?;
             ops::add(be, &dx, &g)
         }
+        GpuLayer::FusedResidual { body, tail } => {
+            let Some(Saved::Output(y)) = saved.pop() else {
+                return Err(missing());
+            };
+            let Some(Saved::BatchNorm(tail_saved)) = saved.pop() else {
+                return Err(missing());
+            };
+            // The tail's backward masks g in place: g is then the gradient
+            // of the skip input as well as of the tail's output.
+            let SavedBatchNorm { input, stats, .. } = *tail_saved;
+            let mut g = g;
+            let dz = with_bn_grads(groups, tail, |gamma, gamma_grad, beta_grad| {
+                ops::batch_norm_add_relu_backward(
+                    be, &mut g, &input, &y, &stats, gamma, gamma_grad, beta_grad,
+                )
+            })?;
+            // Freed before the body's backward, as the unfused path frees
+            // them.
+            drop((input, stats, y));
+            let mut dx = backward_list(be, body, groups, saved, dz)?;
+            ops::add_inplace(be, &mut dx, &g)?;
+            Ok(dx)
+        }
         GpuLayer::Checkpointed(body) => {
             let Some(Saved::Input(x)) = saved.pop() else {
                 return Err(missing());
@@ -1097,38 +1196,51 @@ fn backward_leaf(
                 ops::linear_backward(be, &x, &g, &v.compute, &mut v.grad, bias_grad)
             })
         }
-        (
-            GpuLayer::BatchNorm {
-                gamma, beta, relu, ..
-            },
-            Saved::BatchNorm(saved),
-        ) => with_grads(groups, gamma, Some(beta), |mut v| {
+        (GpuLayer::BatchNorm { bn, relu }, Saved::BatchNorm(saved)) => {
             let SavedBatchNorm {
                 input,
                 output,
                 stats,
             } = *saved;
-            let Some(beta_grad) = v.other_grad.as_mut() else {
-                return Err(missing());
-            };
-            ops::batch_norm_backward(
-                be,
-                &g,
-                &input,
-                output.as_ref(),
-                &stats,
-                &v.master,
-                &mut v.grad,
-                beta_grad,
-                *relu,
-            )
-        }),
+            with_bn_grads(groups, bn, |gamma, gamma_grad, beta_grad| {
+                ops::batch_norm_backward(
+                    be,
+                    &g,
+                    &input,
+                    output.as_ref(),
+                    &stats,
+                    gamma,
+                    gamma_grad,
+                    beta_grad,
+                    *relu,
+                )
+            })
+        }
         (GpuLayer::Relu, Saved::Output(y)) => ops::relu_backward(be, &g, &y),
         (GpuLayer::GlobalAvgPool, Saved::Shape(shape)) => {
             ops::global_avg_pool_backward(be, &g, &shape)
         }
         _ => Err(missing()),
     }
+}
+
+/// Lends a batch norm's f32 gamma and the f32 gradients of gamma and beta
+/// to `f`.
+fn with_bn_grads<R>(
+    groups: &mut [ParamGroup; 2],
+    bn: &BatchNormLayer,
+    f: impl FnOnce(
+        &CudaView<'_, f32>,
+        &mut CudaViewMut<'_, f32>,
+        &mut CudaViewMut<'_, f32>,
+    ) -> CudaResult<R>,
+) -> CudaResult<R> {
+    with_grads(groups, &bn.gamma, Some(&bn.beta), |mut v| {
+        let Some(beta_grad) = v.other_grad.as_mut() else {
+            return Err(missing());
+        };
+        f(&v.master, &mut v.grad, beta_grad)
+    })
 }
 
 /// A zero f16 batch [n, h, w, c] (dry runs).

@@ -14,6 +14,7 @@
 //! | `normalize_u8` | `Tensor::from_u8_normalized` |
 //! | `conv2d_forward` / `conv2d_backward` | `layers::Conv2d` |
 //! | `batch_norm_forward_train` / `_eval` / `batch_norm_backward` | `layers::BatchNorm2d` (+ `Relu` when fused) |
+//! | `batch_norm_add_forward_train` / `_eval` / `batch_norm_add_relu_backward` | `layers::FusedResidual`'s tail (`BatchNorm2d::forward_add_relu`) |
 //! | `relu_forward` / `relu_backward` | `layers::Relu` |
 //! | `add_inplace`, `add` | `layers::Residual`'s sums |
 //! | `global_avg_pool_forward` / `_backward` | `layers::GlobalAvgPool` |
@@ -426,7 +427,8 @@ pub fn global_avg_pool_backward(
 }
 
 // ---------------------------------------------------------------------------
-// Batch normalisation (optionally fused with the ReLU after it)
+// Batch normalisation (optionally fused with the ReLU after it, or with a
+// residual block's sum and the ReLU after the block)
 
 /// Settings of one batch-norm call.
 #[derive(Clone, Copy, Debug)]
@@ -479,9 +481,14 @@ fn bn_check(
     Ok((u32_of(op, n * h * w)? as usize, c))
 }
 
+/// y = x·scale + shift (`bn_apply`), or with a skip input
+/// relu(f16(x·scale + shift) + skip) (`bn_apply_add`, the ReLU as `relu`
+/// says).
+#[allow(clippy::too_many_arguments)]
 fn bn_apply(
     be: &CudaBackend,
     x: &CudaTensor,
+    skip: Option<&CudaTensor>,
     rows: usize,
     c: usize,
     scale: &DeviceBuffer<f32>,
@@ -494,18 +501,37 @@ fn bn_apply(
         channels: c as u32,
         relu: relu as u32,
     };
-    let f = be.function(&k::BN_APPLY)?;
-    {
-        let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p)
-            .arg(x.f16()?)
-            .arg(&scale.slice)
-            .arg(&shift.slice)
-            .arg(y.f16_mut()?);
-        // SAFETY: bn_apply(BnApplyParams, const hr_half* x, const float*
-        // scale, const float* shift, hr_half* y); x, y hold rows·c, scale and
-        // shift c.
-        unsafe { b.launch(elementwise(rows * c)) }.during("bn_apply")?;
+    let stream = be.compute_stream();
+    match skip {
+        None => {
+            let f = be.function(&k::BN_APPLY)?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&p)
+                .arg(x.f16()?)
+                .arg(&scale.slice)
+                .arg(&shift.slice)
+                .arg(y.f16_mut()?);
+            // SAFETY: bn_apply(BnApplyParams, const hr_half* x, const float*
+            // scale, const float* shift, hr_half* y); x, y hold rows·c, scale
+            // and shift c.
+            unsafe { b.launch(elementwise(rows * c)) }.during("bn_apply")?;
+        }
+        Some(skip) => {
+            let f = be.function(&k::BN_APPLY_ADD)?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&p)
+                .arg(x.f16()?)
+                .arg(&scale.slice)
+                .arg(&shift.slice)
+                .arg(skip.f16()?)
+                .arg(y.f16_mut()?);
+            // SAFETY: bn_apply_add(BnApplyParams, const hr_half* x, const
+            // float* scale, const float* shift, const hr_half* skip, hr_half*
+            // y); x, skip (its shape checked by both callers) and y hold
+            // rows·c, scale and shift c; y is freshly allocated, so it
+            // aliases neither input.
+            unsafe { b.launch(elementwise(rows * c)) }.during("bn_apply_add")?;
+        }
     }
     Ok(y)
 }
@@ -524,9 +550,55 @@ pub fn batch_norm_forward_train(
     running_var: &mut CudaViewMut<'_, f32>,
     cfg: BatchNormConfig,
 ) -> CudaResult<(CudaTensor, BatchNormSaved)> {
+    bn_forward_train(be, x, None, gamma, beta, running_mean, running_var, cfg)
+}
+
+/// `batch_norm_forward_train` closing a residual block: y = bn(x) + skip,
+/// then the ReLU if `cfg.relu`, in one pass over the activations and with
+/// the roundings of `batch_norm_forward_train`, `add_inplace` and
+/// `relu_forward` run one after another. Backward (with the ReLU):
+/// `batch_norm_add_relu_backward`.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_add_forward_train(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    skip: &CudaTensor,
+    gamma: &CudaView<'_, f32>,
+    beta: &CudaView<'_, f32>,
+    running_mean: &mut CudaViewMut<'_, f32>,
+    running_var: &mut CudaViewMut<'_, f32>,
+    cfg: BatchNormConfig,
+) -> CudaResult<(CudaTensor, BatchNormSaved)> {
+    bn_forward_train(
+        be,
+        x,
+        Some(skip),
+        gamma,
+        beta,
+        running_mean,
+        running_var,
+        cfg,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bn_forward_train(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    skip: Option<&CudaTensor>,
+    gamma: &CudaView<'_, f32>,
+    beta: &CudaView<'_, f32>,
+    running_mean: &mut CudaViewMut<'_, f32>,
+    running_var: &mut CudaViewMut<'_, f32>,
+    cfg: BatchNormConfig,
+) -> CudaResult<(CudaTensor, BatchNormSaved)> {
     let (rows, c) = bn_check("batch_norm", x, gamma, beta)?;
     same_len("batch_norm", "running_mean", c, running_mean.len())?;
     same_len("batch_norm", "running_var", c, running_var.len())?;
+    // Before the running statistics change: a refused call leaves them be.
+    if let Some(skip) = skip {
+        skip.expect_shape("batch_norm residual add", x.shape())?;
+    }
     if rows < 2 {
         return Err(CudaError::shape(
             "batch_norm",
@@ -593,7 +665,7 @@ pub fn batch_norm_forward_train(
         // running_var [c]); one thread per channel.
         unsafe { b.launch(per_channel(c)) }.during("bn_stats_finalize")?;
     }
-    let y = bn_apply(be, x, rows, c, &scale, &shift, cfg.relu)?;
+    let y = bn_apply(be, x, skip, rows, c, &scale, &shift, cfg.relu)?;
     Ok((y, BatchNormSaved { mean, inv_std }))
 }
 
@@ -607,9 +679,51 @@ pub fn batch_norm_forward_eval(
     running_var: &CudaView<'_, f32>,
     cfg: BatchNormConfig,
 ) -> CudaResult<CudaTensor> {
+    bn_forward_eval(be, x, None, gamma, beta, running_mean, running_var, cfg)
+}
+
+/// `batch_norm_forward_eval` closing a residual block: y = bn(x) + skip,
+/// then the ReLU if `cfg.relu` (see `batch_norm_add_forward_train`).
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_add_forward_eval(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    skip: &CudaTensor,
+    gamma: &CudaView<'_, f32>,
+    beta: &CudaView<'_, f32>,
+    running_mean: &CudaView<'_, f32>,
+    running_var: &CudaView<'_, f32>,
+    cfg: BatchNormConfig,
+) -> CudaResult<CudaTensor> {
+    bn_forward_eval(
+        be,
+        x,
+        Some(skip),
+        gamma,
+        beta,
+        running_mean,
+        running_var,
+        cfg,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bn_forward_eval(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    skip: Option<&CudaTensor>,
+    gamma: &CudaView<'_, f32>,
+    beta: &CudaView<'_, f32>,
+    running_mean: &CudaView<'_, f32>,
+    running_var: &CudaView<'_, f32>,
+    cfg: BatchNormConfig,
+) -> CudaResult<CudaTensor> {
     let (rows, c) = bn_check("batch_norm", x, gamma, beta)?;
     same_len("batch_norm", "running_mean", c, running_mean.len())?;
     same_len("batch_norm", "running_var", c, running_var.len())?;
+    if let Some(skip) = skip {
+        skip.expect_shape("batch_norm residual add", x.shape())?;
+    }
     let mut scale = be.alloc::<f32>(c)?;
     let mut shift = be.alloc::<f32>(c)?;
     {
@@ -633,7 +747,7 @@ pub fn batch_norm_forward_eval(
     if rows == 0 {
         return CudaTensor::uninit(be, x.shape(), DType::F16);
     }
-    bn_apply(be, x, rows, c, &scale, &shift, cfg.relu)
+    bn_apply(be, x, skip, rows, c, &scale, &shift, cfg.relu)
 }
 
 /// Backward of a training forward: accumulates dγ and dβ into the f32
@@ -651,7 +765,93 @@ pub fn batch_norm_backward(
     beta_grad: &mut CudaViewMut<'_, f32>,
     relu: bool,
 ) -> CudaResult<CudaTensor> {
-    g.expect_shape("batch_norm backward", x.shape())?;
+    // Without the fused ReLU the kernels never read y: pass g in its place.
+    let y = match (relu, output) {
+        (true, Some(y)) => y,
+        (true, None) => {
+            return Err(CudaError::shape(
+                "batch_norm backward",
+                "the forward's output (fused ReLU)",
+                "none",
+            ))
+        }
+        (false, _) => g,
+    };
+    bn_backward(
+        be,
+        BnGrad::Read(g),
+        x,
+        y,
+        saved,
+        gamma,
+        gamma_grad,
+        beta_grad,
+        relu,
+    )
+}
+
+/// Backward of `batch_norm_add_forward_train` with the ReLU, `output` the
+/// block's output: masks `g` in place (it then holds the gradient of the
+/// skip input, and of the batch norm's output), accumulates dγ and dβ and
+/// returns the batch norm's dx. The bits of `relu_backward` followed by
+/// `batch_norm_backward` without the ReLU, in three kernels instead of four,
+/// and no tensor for the masked gradient.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_add_relu_backward(
+    be: &CudaBackend,
+    g: &mut CudaTensor,
+    x: &CudaTensor,
+    output: &CudaTensor,
+    saved: &BatchNormSaved,
+    gamma: &CudaView<'_, f32>,
+    gamma_grad: &mut CudaViewMut<'_, f32>,
+    beta_grad: &mut CudaViewMut<'_, f32>,
+) -> CudaResult<CudaTensor> {
+    bn_backward(
+        be,
+        BnGrad::MaskInPlace(g),
+        x,
+        output,
+        saved,
+        gamma,
+        gamma_grad,
+        beta_grad,
+        true,
+    )
+}
+
+/// The output gradient a batch-norm backward reads: as it is, or masked in
+/// place by the fused ReLU first (and left masked).
+enum BnGrad<'a> {
+    Read(&'a CudaTensor),
+    MaskInPlace(&'a mut CudaTensor),
+}
+
+/// `y` is read only when `relu` is set.
+#[allow(clippy::too_many_arguments)]
+fn bn_backward(
+    be: &CudaBackend,
+    mut g: BnGrad<'_>,
+    x: &CudaTensor,
+    y: &CudaTensor,
+    saved: &BatchNormSaved,
+    gamma: &CudaView<'_, f32>,
+    gamma_grad: &mut CudaViewMut<'_, f32>,
+    beta_grad: &mut CudaViewMut<'_, f32>,
+    relu: bool,
+) -> CudaResult<CudaTensor> {
+    let g_shape = match &g {
+        BnGrad::Read(g) => g.shape(),
+        BnGrad::MaskInPlace(g) => g.shape(),
+    };
+    if g_shape != x.shape() {
+        return Err(CudaError::shape(
+            "batch_norm backward",
+            format!("{:?}", x.shape()),
+            format!("{g_shape:?}"),
+        ));
+    }
+    y.expect_shape("batch_norm backward (saved output)", x.shape())?;
     let [n, h, w, c] = nhwc("batch_norm backward", x.shape())?;
     let rows = u32_of("batch_norm backward", n * h * w)? as usize;
     for (what, len) in [
@@ -663,21 +863,6 @@ pub fn batch_norm_backward(
     ] {
         same_len("batch_norm backward", what, c, len)?;
     }
-    // Without the fused ReLU the kernels never read y: pass g in its place.
-    let y = match (relu, output) {
-        (true, Some(y)) => {
-            y.expect_shape("batch_norm backward (saved output)", x.shape())?;
-            y
-        }
-        (true, None) => {
-            return Err(CudaError::shape(
-                "batch_norm backward",
-                "the forward's output (fused ReLU)",
-                "none",
-            ))
-        }
-        (false, _) => g,
-    };
     let (rpc, chunks) = bn_chunking(rows);
     let p = BnBackwardParams {
         rows: rows as u32,
@@ -689,26 +874,49 @@ pub fn batch_norm_backward(
     let stream = be.compute_stream();
     let mut part_g = be.alloc::<f32>(chunks * c)?;
     let mut part_gx = be.alloc::<f32>(chunks * c)?;
-    {
-        let f = be.function(&k::BN_BACKWARD_PARTIAL)?;
-        let cfg = LaunchConfig {
-            grid_dim: (c.div_ceil(32) as u32, chunks as u32, 1),
-            block_dim: (32, 8, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = stream.launch_builder(&f);
-        b.arg(&p)
-            .arg(g.f16()?)
-            .arg(x.f16()?)
-            .arg(y.f16()?)
-            .arg(&saved.mean.slice)
-            .arg(&mut part_g.slice)
-            .arg(&mut part_gx.slice);
-        // SAFETY: bn_backward_partial(BnBackwardParams, g, x, y [rows, c]
-        // f16, mean [c], part_sum_g, part_sum_gx [chunks, c]) with block
-        // (32, 8) and grid (ceil(c/32), chunks).
-        unsafe { b.launch(cfg) }.during("bn_backward_partial")?;
+    let partial = LaunchConfig {
+        grid_dim: (c.div_ceil(32) as u32, chunks as u32, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    match &mut g {
+        BnGrad::Read(g) => {
+            let f = be.function(&k::BN_BACKWARD_PARTIAL)?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&p)
+                .arg(g.f16()?)
+                .arg(x.f16()?)
+                .arg(y.f16()?)
+                .arg(&saved.mean.slice)
+                .arg(&mut part_g.slice)
+                .arg(&mut part_gx.slice);
+            // SAFETY: bn_backward_partial(BnBackwardParams, g, x, y [rows, c]
+            // f16, mean [c], part_sum_g, part_sum_gx [chunks, c]) with block
+            // (32, 8) and grid (ceil(c/32), chunks).
+            unsafe { b.launch(partial) }.during("bn_backward_partial")?;
+        }
+        BnGrad::MaskInPlace(g) => {
+            let f = be.function(&k::BN_BACKWARD_PARTIAL_MASK)?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&p)
+                .arg(g.f16_mut()?)
+                .arg(x.f16()?)
+                .arg(y.f16()?)
+                .arg(&saved.mean.slice)
+                .arg(&mut part_g.slice)
+                .arg(&mut part_gx.slice);
+            // SAFETY: bn_backward_partial_mask(BnBackwardParams, hr_half* g,
+            // const x, y [rows, c] f16, mean [c], part_sum_g, part_sum_gx
+            // [chunks, c]) with block (32, 8) and grid (ceil(c/32), chunks);
+            // g, borrowed mutably, is neither x nor y.
+            unsafe { b.launch(partial) }.during("bn_backward_partial_mask")?;
+        }
     }
+    // A gradient masked in place is read as it now is.
+    let (g, p) = match g {
+        BnGrad::Read(g) => (g, p),
+        BnGrad::MaskInPlace(g) => (&*g, BnBackwardParams { relu: 0, ..p }),
+    };
     let mut coef_k = be.alloc::<f32>(c)?;
     let mut coef_b = be.alloc::<f32>(c)?;
     let mut coef_d = be.alloc::<f32>(c)?;
