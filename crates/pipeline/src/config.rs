@@ -295,8 +295,9 @@ pub struct DeviceConfig {
     /// CPU backend does: "auto" then picks the CPU, "cuda" refuses.
     #[serde(default = "default_true")]
     pub amp: bool,
-    /// Batch norm + ReLU (and a basic block's batch norm + add + ReLU on
-    /// the CPU) in one pass; false runs them apart. Same bits on the CPU.
+    /// Batch norm + ReLU, and a basic block's batch norm + add + ReLU, in
+    /// one pass; false runs them apart. Same bits either way, on the CPU
+    /// and on the GPU.
     #[serde(default = "default_true")]
     pub fusion: bool,
     /// Fault injection for tests: fail an allocation at these steps ...
