@@ -90,6 +90,22 @@ impl AugmentConfig {
         self.crop_padding == 0 && !self.flip && self.rand_augment.is_none_or(|r| r.num_ops == 0)
     }
 
+    /// The key of the first augmentation that needs a sample's pixels on
+    /// the host (RandAugment, Mixup, CutMix), if one is on: those cannot be
+    /// made from a dataset resident on a device, crop and flip can.
+    pub fn host_only_key(&self) -> Option<&'static str> {
+        [
+            (
+                "augment.rand_augment",
+                self.rand_augment.is_some_and(|r| r.num_ops > 0),
+            ),
+            ("augment.mixup_alpha", self.mixup_alpha > 0.0),
+            ("augment.cutmix_alpha", self.cutmix_alpha > 0.0),
+        ]
+        .into_iter()
+        .find_map(|(key, on)| on.then_some(key))
+    }
+
     /// Whether batches are mixed (Mixup or CutMix), and so carry soft targets.
     pub fn mixes(&self) -> bool {
         self.mixup_alpha > 0.0 || self.cutmix_alpha > 0.0

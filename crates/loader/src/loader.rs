@@ -741,15 +741,7 @@ fn validate(dataset: Arc<dyn Dataset>, config: LoaderConfig) -> Result<Shared, L
 /// most 2^32 samples.
 fn validate_resident(config: &LoaderConfig, len: usize) -> Result<(), LoaderError> {
     let augment = &config.augment;
-    let refused = [
-        (
-            "augment.rand_augment",
-            augment.rand_augment.is_some_and(|r| r.num_ops > 0),
-        ),
-        ("augment.mixup_alpha", augment.mixup_alpha > 0.0),
-        ("augment.cutmix_alpha", augment.cutmix_alpha > 0.0),
-    ];
-    if let Some((field, _)) = refused.iter().find(|(_, on)| *on) {
+    if let Some(field) = augment.host_only_key() {
         return Err(config_err(
             field,
             "is applied on the host, so it cannot be used with a dataset resident on the \
@@ -831,13 +823,7 @@ fn produce(
             return Ok(None);
         }
         let index = order.index(first + k);
-        let sample_err = |source| LoaderError::Sample {
-            epoch,
-            batch,
-            index,
-            source: Box::new(source),
-        };
-        let label = catch_unwind(AssertUnwindSafe(|| {
+        let label = read_sample(s, (epoch, batch, index), || {
             if plain {
                 s.dataset.read(index, out)
             } else {
@@ -849,21 +835,7 @@ fn produce(
                 }
                 Ok(label)
             }
-        }))
-        .map_err(|payload| LoaderError::Panic {
-            epoch,
-            batch,
-            index,
-            message: panic_message(payload.as_ref()),
-        })?
-        .map_err(sample_err)?;
-        if label as usize >= s.num_classes {
-            return Err(sample_err(LoaderError::Label {
-                index,
-                label,
-                num_classes: s.num_classes,
-            }));
-        }
+        })?;
         labels.push(label);
     }
     let soft_targets = mix::draw(augment, seed, epoch, batch, h, w)
@@ -880,6 +852,38 @@ fn produce(
         },
         guard,
     )))
+}
+
+/// Runs `read` for sample `index` of batch `batch` (a dataset read, and
+/// any augmentation), turning its error or panic into an error naming the
+/// sample, and checks the label it returns.
+fn read_sample(
+    s: &Shared,
+    (epoch, batch, index): (u64, usize, usize),
+    read: impl FnOnce() -> Result<u32, LoaderError>,
+) -> Result<u32, LoaderError> {
+    let sample_err = |source| LoaderError::Sample {
+        epoch,
+        batch,
+        index,
+        source: Box::new(source),
+    };
+    let label = catch_unwind(AssertUnwindSafe(read))
+        .map_err(|payload| LoaderError::Panic {
+            epoch,
+            batch,
+            index,
+            message: panic_message(payload.as_ref()),
+        })?
+        .map_err(sample_err)?;
+    if label as usize >= s.num_classes {
+        return Err(sample_err(LoaderError::Label {
+            index,
+            label,
+            num_classes: s.num_classes,
+        }));
+    }
+    Ok(label)
 }
 
 type LabelsAndRecipes = (Vec<u32>, Vec<SampleRecipe>);
@@ -907,27 +911,9 @@ fn recipes(
             return Ok(None);
         }
         let index = order.index(first + k);
-        let sample_err = |source| LoaderError::Sample {
-            epoch,
-            batch,
-            index,
-            source: Box::new(source),
-        };
-        let label = catch_unwind(AssertUnwindSafe(|| s.dataset.read(index, &mut scratch.src)))
-            .map_err(|payload| LoaderError::Panic {
-                epoch,
-                batch,
-                index,
-                message: panic_message(payload.as_ref()),
-            })?
-            .map_err(sample_err)?;
-        if label as usize >= s.num_classes {
-            return Err(sample_err(LoaderError::Label {
-                index,
-                label,
-                num_classes: s.num_classes,
-            }));
-        }
+        let label = read_sample(s, (epoch, batch, index), || {
+            s.dataset.read(index, &mut scratch.src)
+        })?;
         let p = augment.params(s.config.seed, epoch, index);
         // validate_resident bounds the ids (2^32) and the crop (pad <= 127).
         recipes.push(SampleRecipe {

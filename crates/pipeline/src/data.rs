@@ -281,20 +281,10 @@ pub fn hold_on_device(
         .iter()
         .product::<usize>()
         .saturating_mul(train_set.len()) as u64;
-    let augment = &config.augment;
-    let host_only = [
-        (
-            "augment.rand_augment",
-            augment.rand_augment.is_some_and(|r| r.num_ops > 0),
-        ),
-        ("augment.mixup_alpha", augment.mixup_alpha > 0.0),
-        ("augment.cutmix_alpha", augment.cutmix_alpha > 0.0),
-    ]
-    .into_iter()
-    .find(|(_, on)| *on);
+    let host_only = config.augment.host_only_key();
     let obstacle = match (learner.resident_capacity(), host_only) {
         (None, _) => Some(format!("{} trains from host memory", learner.device_name())),
-        (_, Some((key, _))) => Some(format!("{key} is applied on the host")),
+        (_, Some(key)) => Some(format!("{key} is applied on the host")),
         (Some(capacity), None) if bytes > capacity => Some(format!(
             "the training set ({:.1} MiB) is more than a quarter of the device budget ({:.1} MiB)",
             mib(bytes),
