@@ -12,6 +12,8 @@
 // CUBLAS_COMPUTE_32F (whose tensor-core summation order differs from this
 // one only within f32 rounding).
 
+#include <dlfcn.h>
+
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
@@ -101,6 +103,85 @@ EXPORT cublasStatus_t cublasSetWorkspace_v2(Handle* h, void*, std::size_t) {
     return h == nullptr ? CUBLAS_STATUS_NOT_INITIALIZED : CUBLAS_STATUS_SUCCESS;
 }
 
+
+namespace {
+// One cublasGemmEx call, its scalars already read.
+struct Gemm {
+    int transa, transb, m, n, k;
+    float alpha;
+    const void* a;
+    int atype, lda;
+    const void* b;
+    int btype, ldb;
+    float beta;
+    void* c;
+    int ctype, ldc;
+};
+
+void run_gemm(const Gemm& g) {
+    // Widen op(A) once into a k-contiguous m×k buffer so the inner loop is a
+    // plain dot product.
+    std::vector<float> at((std::size_t)g.m * (std::size_t)g.k);
+    for (int i = 0; i < g.m; ++i) {
+        for (int l = 0; l < g.k; ++l) {
+            const std::size_t idx = g.transa == CUBLAS_OP_N ? (std::size_t)i + (std::size_t)l * g.lda
+                                                          : (std::size_t)l + (std::size_t)i * g.lda;
+            at[(std::size_t)i * g.k + l] = load(g.a, g.atype, idx);
+        }
+    }
+    std::vector<float> bcol((std::size_t)g.k);
+    for (int j = 0; j < g.n; ++j) {
+        for (int l = 0; l < g.k; ++l) {
+            const std::size_t idx = g.transb == CUBLAS_OP_N ? (std::size_t)l + (std::size_t)j * g.ldb
+                                                          : (std::size_t)j + (std::size_t)l * g.ldb;
+            bcol[l] = load(g.b, g.btype, idx);
+        }
+        for (int i = 0; i < g.m; ++i) {
+            float acc = 0.0f;
+            const float* row = &at[(std::size_t)i * g.k];
+            for (int l = 0; l < g.k; ++l) {
+                acc += row[l] * bcol[l];
+            }
+            const std::size_t ci = (std::size_t)i + (std::size_t)j * g.ldc;
+            float v = g.alpha * acc;
+            if (g.beta != 0.0f) {
+                v += g.beta * load(g.c, g.ctype, ci);
+            }
+            if (g.ctype == CUDA_R_16F) {
+                static_cast<unsigned short*>(g.c)[ci] = hr_conv::f2h(v);
+            } else {
+                static_cast<float*>(g.c)[ci] = v;
+            }
+        }
+    }
+}
+
+void run_gemm_node(void* g) { run_gemm(*static_cast<const Gemm*>(g)); }
+
+// Runs `g` now, or, when `stream` is capturing, records it into the graph
+// as a host node of the fake driver (which replays it in stream order).
+cublasStatus_t enqueue(void* stream, const Gemm& g) {
+    typedef int (*IsCapturing)(void*, int*);
+    typedef int (*HostFunc)(void*, void (*)(void*), void*);
+    static const IsCapturing is_capturing =
+        reinterpret_cast<IsCapturing>(dlsym(RTLD_DEFAULT, "cuStreamIsCapturing"));
+    static const HostFunc host_func = reinterpret_cast<HostFunc>(dlsym(RTLD_DEFAULT, "cuLaunchHostFunc"));
+    int status = 0;
+    if (is_capturing == nullptr || host_func == nullptr || is_capturing(stream, &status) != 0) {
+        return CUBLAS_STATUS_NOT_INITIALIZED;
+    }
+    if (status == 0) {
+        run_gemm(g);
+        return CUBLAS_STATUS_SUCCESS;
+    }
+    // Owned by the graph from here on; the emulator never frees a graph's
+    // host nodes' data (tests capture a handful of graphs).
+    Gemm* node = new (std::nothrow) Gemm(g);
+    if (node == nullptr) return CUBLAS_STATUS_ALLOC_FAILED;
+    return host_func(stream, &run_gemm_node, node) == 0 ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_SUPPORTED;
+}
+}  // namespace
+
 EXPORT cublasStatus_t cublasGemmEx(Handle* h, int transa, int transb, int m, int n, int k,
                                    const void* alpha, const void* a, int atype, int lda,
                                    const void* b, int btype, int ldb, const void* beta, void* c,
@@ -128,42 +209,8 @@ EXPORT cublasStatus_t cublasGemmEx(Handle* h, int transa, int transb, int m, int
         return CUBLAS_STATUS_NOT_SUPPORTED;
     }
     if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
-    const float al = *static_cast<const float*>(alpha);
-    const float be = *static_cast<const float*>(beta);
-    // Widen op(A) once into a k-contiguous m×k buffer so the inner loop is a
-    // plain dot product.
-    std::vector<float> at((std::size_t)m * (std::size_t)k);
-    for (int i = 0; i < m; ++i) {
-        for (int l = 0; l < k; ++l) {
-            const std::size_t idx = transa == CUBLAS_OP_N ? (std::size_t)i + (std::size_t)l * lda
-                                                          : (std::size_t)l + (std::size_t)i * lda;
-            at[(std::size_t)i * k + l] = load(a, atype, idx);
-        }
-    }
-    std::vector<float> bcol((std::size_t)k);
-    for (int j = 0; j < n; ++j) {
-        for (int l = 0; l < k; ++l) {
-            const std::size_t idx = transb == CUBLAS_OP_N ? (std::size_t)l + (std::size_t)j * ldb
-                                                          : (std::size_t)j + (std::size_t)l * ldb;
-            bcol[l] = load(b, btype, idx);
-        }
-        for (int i = 0; i < m; ++i) {
-            float acc = 0.0f;
-            const float* row = &at[(std::size_t)i * k];
-            for (int l = 0; l < k; ++l) {
-                acc += row[l] * bcol[l];
-            }
-            const std::size_t ci = (std::size_t)i + (std::size_t)j * ldc;
-            float v = al * acc;
-            if (be != 0.0f) {
-                v += be * load(c, ctype, ci);
-            }
-            if (ctype == CUDA_R_16F) {
-                static_cast<unsigned short*>(c)[ci] = hr_conv::f2h(v);
-            } else {
-                static_cast<float*>(c)[ci] = v;
-            }
-        }
-    }
-    return CUBLAS_STATUS_SUCCESS;
+    // alpha and beta are read now (host pointer mode), as cuBLAS does.
+    Gemm g{transa, transb, m, n, k, *static_cast<const float*>(alpha), a, atype, lda, b, btype, ldb,
+           *static_cast<const float*>(beta), c, ctype, ldc};
+    return enqueue(h->stream, g);
 }

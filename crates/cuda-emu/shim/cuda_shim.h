@@ -22,6 +22,11 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+// Standard headers driver.cpp needs, included before the macros below
+// (libstdc++ spells attributes like __noinline__ too).
+#include <functional>
+#include <memory>
+#include <set>
 
 #define __global__
 #define __device__ static

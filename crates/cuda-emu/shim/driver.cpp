@@ -11,6 +11,18 @@
 // - Streams execute synchronously on the calling thread: every async copy,
 //   memset, kernel and host function has completed when its call returns, so
 //   events and waits are trivially satisfied.
+// - Stream capture records instead of running: kernels (with copies of
+//   their arguments), copies, memsets, stream-ordered allocations and host
+//   functions become the nodes of a graph, which cuGraphLaunch replays in
+//   order. What a real capture refuses is refused here too, and it
+//   invalidates the capture (cuStreamEndCapture then fails): synchronising
+//   the capturing stream or the context, waiting on an event recorded
+//   outside the capture, copying to or from pageable host memory,
+//   synchronous allocation, copies and module loads on the capturing thread,
+//   freeing memory the capture did not allocate. Stricter than CUDA: memory
+//   allocated during a capture must be freed in it, and every replay refills
+//   the graph's allocations with 0xff, so work that relies on what a
+//   previous replay left in graph memory shows up.
 // - Modules ignore their PTX/CUBIN image; functions are found by name among
 //   the kernels compiled into this library (emu.h's registry).
 // - A launch runs the blocks one after another on the calling thread; the
@@ -28,8 +40,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <set>
 #include <new>
 #include <string>
 #include <vector>
@@ -89,6 +104,11 @@ enum : int {
     CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701,
     CUDA_ERROR_LAUNCH_FAILED = 719,
     CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
+    CUDA_ERROR_STREAM_CAPTURE_ISOLATION = 905,
+    CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD = 908,
+    CUDA_ERROR_ILLEGAL_STATE = 401,
 };
 
 // ---------------------------------------------------------------------------
@@ -450,13 +470,66 @@ namespace {
 struct Context {
     int device;
 };
+
+// What a graph replays, in order, and the allocations its alloc nodes own
+// (freed when the last graph or executable graph made from it is destroyed).
+struct GraphData {
+    std::vector<std::function<CUresult()>> nodes;
+    std::vector<CUdeviceptr> owned;
+    ~GraphData();
+};
+
+struct Capture {
+    std::shared_ptr<GraphData> graph = std::make_shared<GraphData>();
+    bool invalid = false;
+    bool thread_checks = true;  // not in CU_STREAM_CAPTURE_MODE_RELAXED
+    // Allocated during the capture and not (yet) freed in it.
+    std::set<CUdeviceptr> live;
+};
+
 struct Stream {
     unsigned int flags;
+    Capture* capture = nullptr;
 };
 struct Event {
     std::chrono::steady_clock::time_point at;
     bool recorded;
+    // The capture whose stream recorded it last, or null.
+    const Capture* captured = nullptr;
 };
+struct Graph {
+    std::shared_ptr<GraphData> data;
+};
+struct GraphExec {
+    std::shared_ptr<GraphData> data;
+};
+
+// The stream this thread is capturing (thread-local and global modes).
+thread_local Stream* t_capturing = nullptr;
+
+bool capturing(const Stream* s) { return s != nullptr && s->capture != nullptr; }
+
+// Marks the capture of `s` invalid, saying why, and returns `rc`.
+CUresult invalidate(Stream* s, CUresult rc, const char* what) {
+    std::fprintf(stderr, "headroom CUDA emulator: %s during stream capture (the capture is invalidated)\n",
+                 what);
+    s->capture->invalid = true;
+    return rc;
+}
+
+// For a call that a capturing thread may not make (it could synchronise).
+CUresult refuse_while_capturing(const char* what) {
+    if (capturing(t_capturing) && t_capturing->capture->thread_checks) {
+        return invalidate(t_capturing, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, what);
+    }
+    return CUDA_SUCCESS;
+}
+
+// Records `node` into the capture of `s`.
+CUresult record(Stream* s, std::function<CUresult()> node) {
+    s->capture->graph->nodes.push_back(std::move(node));
+    return CUDA_SUCCESS;
+}
 struct Module {
     int unused;
 };
@@ -611,7 +684,7 @@ EXPORT CUresult cuCtxSetCurrent(Context* ctx) {
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuCtxSynchronize() { return CUDA_SUCCESS; }
+EXPORT CUresult cuCtxSynchronize() { return refuse_while_capturing("cuCtxSynchronize"); }
 EXPORT CUresult cuCtxSetFlags(unsigned int) { return CUDA_SUCCESS; }
 
 EXPORT CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
@@ -634,17 +707,104 @@ EXPORT CUresult cuStreamCreateWithPriority(Stream** s, unsigned int flags, int) 
 }
 
 EXPORT CUresult cuStreamDestroy_v2(Stream* s) {
+    if (capturing(s)) return CUDA_ERROR_ILLEGAL_STATE;
     delete s;
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuStreamSynchronize(Stream*) { return CUDA_SUCCESS; }
-EXPORT CUresult cuStreamQuery(Stream*) { return CUDA_SUCCESS; }
-EXPORT CUresult cuStreamWaitEvent(Stream*, Event*, unsigned int) { return CUDA_SUCCESS; }
+EXPORT CUresult cuStreamSynchronize(Stream* s) {
+    if (capturing(s)) return invalidate(s, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "cuStreamSynchronize");
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuStreamQuery(Stream* s) {
+    if (capturing(s)) return invalidate(s, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "cuStreamQuery");
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuStreamWaitEvent(Stream* s, Event* e, unsigned int) {
+    if (e == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+    if (capturing(s) && e->captured != s->capture) {
+        return invalidate(s, CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
+                          "cuStreamWaitEvent on an event recorded outside the capture");
+    }
+    if (!capturing(s) && e->captured != nullptr) {
+        std::fprintf(stderr,
+                     "headroom CUDA emulator: a stream outside a capture waits on captured work "
+                     "(not emulated)\n");
+        return CUDA_ERROR_STREAM_CAPTURE_ISOLATION;
+    }
+    return CUDA_SUCCESS;
+}
 
-EXPORT CUresult cuStreamIsCapturing(Stream*, int* status) {
+EXPORT CUresult cuStreamIsCapturing(Stream* s, int* status) {
     if (status == nullptr) return CUDA_ERROR_INVALID_VALUE;
-    *status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
+    // CU_STREAM_CAPTURE_STATUS_NONE, _ACTIVE, _INVALIDATED
+    *status = !capturing(s) ? 0 : s->capture->invalid ? 2 : 1;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamBeginCapture_v2(Stream* s, int mode) {
+    if (s == nullptr) return CUDA_ERROR_NOT_SUPPORTED;  // the legacy stream cannot capture
+    if (capturing(s) || capturing(t_capturing)) return CUDA_ERROR_ILLEGAL_STATE;
+    s->capture = new (std::nothrow) Capture();
+    if (s->capture == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+    s->capture->thread_checks = mode != 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
+    t_capturing = s;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuStreamBeginCapture(Stream* s, int mode) { return cuStreamBeginCapture_v2(s, mode); }
+
+EXPORT CUresult cuStreamEndCapture(Stream* s, Graph** graph) {
+    if (graph == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    *graph = nullptr;
+    if (!capturing(s)) return CUDA_ERROR_ILLEGAL_STATE;
+    if (t_capturing != s) return CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD;
+    Capture* c = s->capture;
+    s->capture = nullptr;
+    t_capturing = nullptr;
+    // Memory the capture allocated but did not free stays an ordinary
+    // allocation (its owner frees it later); the graph does not own it.
+    const bool leaked = !c->live.empty();
+    if (leaked) {
+        std::fprintf(stderr,
+                     "headroom CUDA emulator: %zu allocation(s) made during the capture were not "
+                     "freed in it (the emulator requires graph memory to stay inside the graph)\n",
+                     c->live.size());
+    }
+    const bool ok = !c->invalid && !leaked;
+    std::shared_ptr<GraphData> data = c->graph;
+    delete c;
+    if (!ok) return leaked ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+    *graph = new (std::nothrow) Graph{data};
+    return *graph != nullptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+EXPORT CUresult cuGraphInstantiateWithFlags(GraphExec** exec, Graph* graph, unsigned long long) {
+    if (exec == nullptr || graph == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    *exec = new (std::nothrow) GraphExec{graph->data};
+    return *exec != nullptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+EXPORT CUresult cuGraphLaunch(GraphExec* exec, Stream* s) {
+    if (exec == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+    if (capturing(s)) return invalidate(s, CUDA_ERROR_NOT_SUPPORTED, "a graph launch (child graphs are not emulated)");
+    for (auto& node : exec->data->nodes) {
+        const CUresult rc = node();
+        if (rc != CUDA_SUCCESS) return rc;
+    }
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGraphUpload(GraphExec* exec, Stream*) {
+    return exec != nullptr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+EXPORT CUresult cuGraphExecDestroy(GraphExec* exec) {
+    delete exec;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGraphDestroy(Graph* graph) {
+    delete graph;
     return CUDA_SUCCESS;
 }
 
@@ -659,15 +819,26 @@ EXPORT CUresult cuEventDestroy_v2(Event* e) {
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuEventRecord(Event* e, Stream*) {
+EXPORT CUresult cuEventRecord(Event* e, Stream* s) {
     if (e == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+    if (capturing(s)) {
+        e->captured = s->capture;
+        return CUDA_SUCCESS;
+    }
+    e->captured = nullptr;
     e->at = std::chrono::steady_clock::now();
     e->recorded = true;
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuEventQuery(Event*) { return CUDA_SUCCESS; }
-EXPORT CUresult cuEventSynchronize(Event*) { return CUDA_SUCCESS; }
+EXPORT CUresult cuEventQuery(Event* e) {
+    if (e != nullptr && e->captured != nullptr) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuEventSynchronize(Event* e) {
+    if (e != nullptr && e->captured != nullptr) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    return CUDA_SUCCESS;
+}
 
 EXPORT CUresult cuEventElapsedTime(float* ms, Event* start, Event* end) {
     if (ms == nullptr || start == nullptr || end == nullptr) return CUDA_ERROR_INVALID_VALUE;
@@ -681,8 +852,14 @@ EXPORT CUresult cuEventElapsedTime_v2(float* ms, Event* start, Event* end) {
 
 typedef void (*CUhostFn)(void*);
 
-EXPORT CUresult cuLaunchHostFunc(Stream*, CUhostFn fn, void* data) {
+EXPORT CUresult cuLaunchHostFunc(Stream* s, CUhostFn fn, void* data) {
     if (fn == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    if (capturing(s)) {
+        return record(s, [fn, data] {
+            fn(data);
+            return (CUresult)CUDA_SUCCESS;
+        });
+    }
     fn(data);
     return CUDA_SUCCESS;
 }
@@ -690,13 +867,38 @@ EXPORT CUresult cuLaunchHostFunc(Stream*, CUhostFn fn, void* data) {
 // ---------------------------------------------------------------------------
 // Memory
 
-EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* p, std::size_t bytes) { return mem_alloc(p, bytes); }
-EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { return mem_free(p); }
-EXPORT CUresult cuMemAllocAsync(CUdeviceptr* p, std::size_t bytes, Stream*) { return mem_alloc(p, bytes); }
-EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr* p, std::size_t bytes, MemPool*, Stream*) {
-    return mem_alloc(p, bytes);
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* p, std::size_t bytes) {
+    const CUresult rc = refuse_while_capturing("cuMemAlloc");
+    return rc != CUDA_SUCCESS ? rc : mem_alloc(p, bytes);
 }
-EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, Stream*) { return mem_free(p); }
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+    const CUresult rc = refuse_while_capturing("cuMemFree");
+    return rc != CUDA_SUCCESS ? rc : mem_free(p);
+}
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr* p, std::size_t bytes, Stream* s) {
+    const CUresult rc = mem_alloc(p, bytes);
+    if (rc != CUDA_SUCCESS || !capturing(s)) return rc;
+    // An alloc node: the address is the graph's for its lifetime, and every
+    // replay hands it out as fresh memory again.
+    const CUdeviceptr ptr = *p;
+    s->capture->live.insert(ptr);
+    return record(s, [ptr, bytes] {
+        if (bytes > 0) std::memset((void*)ptr, 0xff, bytes);
+        return (CUresult)CUDA_SUCCESS;
+    });
+}
+EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr* p, std::size_t bytes, MemPool*, Stream* s) {
+    return cuMemAllocAsync(p, bytes, s);
+}
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, Stream* s) {
+    if (!capturing(s)) return mem_free(p);
+    if (s->capture->live.erase(p) == 0) {
+        return invalidate(s, CUDA_ERROR_INVALID_VALUE,
+                          "cuMemFreeAsync of memory the capture did not allocate");
+    }
+    s->capture->graph->owned.push_back(p);
+    return CUDA_SUCCESS;
+}
 
 EXPORT CUresult cuMemGetInfo_v2(std::size_t* free_bytes, std::size_t* total) {
     if (free_bytes == nullptr || total == nullptr) return CUDA_ERROR_INVALID_VALUE;
@@ -707,13 +909,40 @@ EXPORT CUresult cuMemGetInfo_v2(std::size_t* free_bytes, std::size_t* total) {
     return CUDA_SUCCESS;
 }
 
+// Pinned host allocations (start → bytes): a captured copy must use them.
+std::map<const char*, std::size_t>& pinned() {
+    static std::map<const char*, std::size_t> p;
+    return p;
+}
+std::mutex g_pinned_lock;
+
+bool is_pinned(const void* ptr, std::size_t n) {
+    const char* p = static_cast<const char*>(ptr);
+    std::lock_guard<std::mutex> g(g_pinned_lock);
+    auto it = pinned().upper_bound(p);
+    if (it == pinned().begin()) return false;
+    --it;
+    return p >= it->first && p + n <= it->first + it->second;
+}
+
 EXPORT CUresult cuMemHostAlloc(void** p, std::size_t bytes, unsigned int) {
     if (p == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    const CUresult rc = refuse_while_capturing("cuMemHostAlloc");
+    if (rc != CUDA_SUCCESS) return rc;
     *p = std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
-    return *p != nullptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    if (*p == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+    std::lock_guard<std::mutex> g(g_pinned_lock);
+    pinned()[static_cast<const char*>(*p)] = bytes;
+    return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuMemFreeHost(void* p) {
+    const CUresult rc = refuse_while_capturing("cuMemFreeHost");
+    if (rc != CUDA_SUCCESS) return rc;
+    {
+        std::lock_guard<std::mutex> g(g_pinned_lock);
+        pinned().erase(static_cast<const char*>(p));
+    }
     std::free(p);
     return CUDA_SUCCESS;
 }
@@ -729,43 +958,67 @@ static CUresult copy_checked(void* dst, const void* src, std::size_t n, bool dst
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, std::size_t n) {
-    return copy_checked((void*)dst, src, n, true, false);
-}
-EXPORT CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, std::size_t n) {
-    return copy_checked(dst, (const void*)src, n, false, true);
-}
-EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, std::size_t n) {
-    return copy_checked((void*)dst, (const void*)src, n, true, true);
-}
-EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, std::size_t n, Stream*) {
-    return cuMemcpyHtoD_v2(dst, src, n);
-}
-EXPORT CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, std::size_t n, Stream*) {
-    return cuMemcpyDtoH_v2(dst, src, n);
-}
-EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, std::size_t n, Stream*) {
-    return cuMemcpyDtoD_v2(dst, src, n);
+// A copy on stream `s`: done now, or recorded when `s` is capturing (where
+// host memory must be pinned, as CUDA requires of graph memcpy nodes).
+CUresult copy_on(Stream* s, void* dst, const void* src, std::size_t n, bool dst_dev, bool src_dev) {
+    if (!capturing(s)) return copy_checked(dst, src, n, dst_dev, src_dev);
+    if ((!dst_dev && !is_pinned(dst, n)) || (!src_dev && !is_pinned(src, n))) {
+        return invalidate(s, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "a copy to or from pageable host memory");
+    }
+    return record(s, [=] { return copy_checked(dst, src, n, dst_dev, src_dev); });
 }
 
-EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, std::size_t n) {
+EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, std::size_t n) {
+    const CUresult rc = refuse_while_capturing("cuMemcpyHtoD");
+    return rc != CUDA_SUCCESS ? rc : copy_checked((void*)dst, src, n, true, false);
+}
+EXPORT CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, std::size_t n) {
+    const CUresult rc = refuse_while_capturing("cuMemcpyDtoH");
+    return rc != CUDA_SUCCESS ? rc : copy_checked(dst, (const void*)src, n, false, true);
+}
+EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, std::size_t n) {
+    const CUresult rc = refuse_while_capturing("cuMemcpyDtoD");
+    return rc != CUDA_SUCCESS ? rc : copy_checked((void*)dst, (const void*)src, n, true, true);
+}
+EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, std::size_t n, Stream* s) {
+    return copy_on(s, (void*)dst, src, n, true, false);
+}
+EXPORT CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, std::size_t n, Stream* s) {
+    return copy_on(s, dst, (const void*)src, n, false, true);
+}
+EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, std::size_t n, Stream* s) {
+    return copy_on(s, (void*)dst, (const void*)src, n, true, true);
+}
+
+CUresult memset8(CUdeviceptr dst, unsigned char v, std::size_t n) {
     if (n == 0) return CUDA_SUCCESS;
     if (!device_range_ok(dst, n)) return CUDA_ERROR_INVALID_VALUE;
     std::memset((void*)dst, v, n);
     return CUDA_SUCCESS;
 }
-EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, std::size_t n, Stream*) {
-    return cuMemsetD8_v2(dst, v, n);
-}
-EXPORT CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned int v, std::size_t n) {
+CUresult memset32(CUdeviceptr dst, unsigned int v, std::size_t n) {
     if (n == 0) return CUDA_SUCCESS;
     if (!device_range_ok(dst, n * 4)) return CUDA_ERROR_INVALID_VALUE;
     unsigned int* p = (unsigned int*)dst;
     for (std::size_t i = 0; i < n; ++i) p[i] = v;
     return CUDA_SUCCESS;
 }
-EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int v, std::size_t n, Stream*) {
-    return cuMemsetD32_v2(dst, v, n);
+
+EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, std::size_t n) {
+    const CUresult rc = refuse_while_capturing("cuMemsetD8");
+    return rc != CUDA_SUCCESS ? rc : memset8(dst, v, n);
+}
+EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, std::size_t n, Stream* s) {
+    if (capturing(s)) return record(s, [=] { return memset8(dst, v, n); });
+    return memset8(dst, v, n);
+}
+EXPORT CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned int v, std::size_t n) {
+    const CUresult rc = refuse_while_capturing("cuMemsetD32");
+    return rc != CUDA_SUCCESS ? rc : memset32(dst, v, n);
+}
+EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int v, std::size_t n, Stream* s) {
+    if (capturing(s)) return record(s, [=] { return memset32(dst, v, n); });
+    return memset32(dst, v, n);
 }
 
 // The stream-ordered pool: allocations are immediate, so nothing is cached;
@@ -811,6 +1064,8 @@ EXPORT CUresult cuMemPoolTrimTo(MemPool*, std::size_t) { return CUDA_SUCCESS; }
 
 EXPORT CUresult cuModuleLoadData(Module** m, const void* image) {
     if (m == nullptr || image == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    const CUresult rc = refuse_while_capturing("cuModuleLoadData");
+    if (rc != CUDA_SUCCESS) return rc;
     // The image (PTX or CUBIN from NVRTC) only proves the source compiles
     // for the GPU; the host-compiled kernels of the same source run instead.
     *m = new (std::nothrow) Module{0};
@@ -843,17 +1098,10 @@ EXPORT CUresult cuFuncGetAttribute(int* v, int attrib, const hr_emu::KernelEntry
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuLaunchKernel(const hr_emu::KernelEntry* f, unsigned int gx, unsigned int gy,
-                               unsigned int gz, unsigned int bx, unsigned int by, unsigned int bz,
-                               unsigned int shared_bytes, Stream*, void** params, void** extra) {
-    if (f == nullptr) return CUDA_ERROR_INVALID_HANDLE;
-    if (extra != nullptr || (params == nullptr && f->arity > 0)) {
-        std::fprintf(stderr, "headroom CUDA emulator: %s: only kernelParams are supported\n", f->name);
-        return CUDA_ERROR_NOT_SUPPORTED;
-    }
+namespace {
+CUresult launch_now(const hr_emu::KernelEntry* f, unsigned int gx, unsigned int gy, unsigned int gz,
+                    unsigned int bx, unsigned int by, unsigned int bz, void** params) {
     const unsigned long long threads = (unsigned long long)bx * by * bz;
-    if (gx == 0 || gy == 0 || gz == 0 || threads == 0 || bz > 64) return CUDA_ERROR_INVALID_VALUE;
-    if (threads > kMaxThreads || shared_bytes > 48 * 1024) return CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
     Scheduler& s = t_sched;
     if (s.entry != nullptr) {
         // A kernel launching a kernel (dynamic parallelism) is not emulated.
@@ -891,6 +1139,32 @@ EXPORT CUresult cuLaunchKernel(const hr_emu::KernelEntry* f, unsigned int gx, un
     }
     return CUDA_SUCCESS;
 }
+}  // namespace
+
+EXPORT CUresult cuLaunchKernel(const hr_emu::KernelEntry* f, unsigned int gx, unsigned int gy,
+                               unsigned int gz, unsigned int bx, unsigned int by, unsigned int bz,
+                               unsigned int shared_bytes, Stream* stream, void** params, void** extra) {
+    if (f == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+    if (extra != nullptr || (params == nullptr && f->arity > 0)) {
+        std::fprintf(stderr, "headroom CUDA emulator: %s: only kernelParams are supported\n", f->name);
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    const unsigned long long threads = (unsigned long long)bx * by * bz;
+    if (gx == 0 || gy == 0 || gz == 0 || threads == 0 || bz > 64) return CUDA_ERROR_INVALID_VALUE;
+    if (threads > kMaxThreads || shared_bytes > 48 * 1024) return CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
+    if (!capturing(stream)) return launch_now(f, gx, gy, gz, bx, by, bz, params);
+    // A kernel node keeps copies of the argument values.
+    auto args = std::make_shared<std::vector<std::vector<char>>>();
+    for (unsigned int i = 0; i < f->arity; ++i) {
+        const char* p = static_cast<const char*>(params[i]);
+        args->emplace_back(p, p + f->arg_bytes[i]);
+    }
+    return record(stream, [=] {
+        std::vector<void*> ptrs;
+        for (auto& a : *args) ptrs.push_back(a.data());
+        return launch_now(f, gx, gy, gz, bx, by, bz, ptrs.data());
+    });
+}
 
 // ---------------------------------------------------------------------------
 // For the emulator's own tests (crates/cuda-emu/tests): the kernels' f16
@@ -914,4 +1188,10 @@ EXPORT const char* hr_emu_kernel_names() {
         return s;
     }();
     return names.c_str();
+}
+
+// Defined here, after mem_free: a graph's alloc nodes' memory goes back when
+// the last graph or executable made from it is destroyed.
+GraphData::~GraphData() {
+    for (CUdeviceptr p : owned) mem_free(p);
 }

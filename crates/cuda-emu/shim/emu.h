@@ -15,11 +15,17 @@ namespace hr_emu {
 // `params` (cuLaunchKernel's kernelParams: one pointer per argument).
 typedef void (*Invoker)(void* fn, void** params);
 
+// The most arguments a kernel may take (a captured launch copies each one).
+const unsigned int kMaxKernelArgs = 16;
+
 struct KernelEntry {
     const char* name;
     void* fn;
     Invoker invoke;
     unsigned int arity;
+    // The byte size of each argument: a launch captured into a graph copies
+    // the argument values, as cuStreamBeginCapture's kernel nodes do.
+    std::size_t arg_bytes[kMaxKernelArgs];
 };
 
 void register_kernel(const KernelEntry& entry);
@@ -49,8 +55,9 @@ void hr_invoke(void* fn, void** params) {
 
 template <typename... A>
 hr_emu::KernelEntry hr_entry(const char* name, void (*fn)(A...)) {
+    static_assert(sizeof...(A) <= hr_emu::kMaxKernelArgs, "too many kernel arguments to emulate");
     return hr_emu::KernelEntry{name, reinterpret_cast<void*>(fn), &hr_invoke<A...>,
-                               (unsigned int)sizeof...(A)};
+                               (unsigned int)sizeof...(A), {sizeof(typename hr_arg<A>::type)...}};
 }
 
 struct hr_registrar {
