@@ -11,7 +11,8 @@
 //                   factor that turns a stored gradient into the clipped,
 //                   unscaled one; writes them into a StepState in device memory
 //   adamw_fused     per parameter group (a contiguous range of master
-//                   weights, gradients and moments): reads the StepState; on
+//                   weights, gradients and moments): reads the StepState and
+//                   the step's AdamWScalars (lr and t, from the host); on
 //                   found_inf it changes nothing (the step is skipped); else
 //                   g = grad * factor, AdamW exactly as headroom-optim's
 //                   adamw.rs (PyTorch semantics), the f32 master update and the
@@ -47,15 +48,23 @@ HR_CHECK_SIZE(FinalizeParams, 12);
 struct AdamWParams {
     u32 n;
     u32 zero_grad;
+    u32 decay;               // 1: apply the weight decay (a decay group)
     float beta1_complement;  // 1 - beta1
     float beta2;
     float beta2_complement;  // 1 - beta2
     float eps;
-    float decay_factor;           // 1 - lr * weight_decay (1 for no-decay groups)
+};
+HR_CHECK_SIZE(AdamWParams, 28);
+
+// What changes from step to step (the learning rate and t), in device
+// memory, written by the host before each step: a step captured into a CUDA
+// graph then replays with the values of the step it is launched for.
+struct AdamWScalars {
+    float decay_factor;           // 1 - lr * weight_decay
     float neg_step_size;          // -lr / (1 - beta1^t)
     float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
 };
-HR_CHECK_SIZE(AdamWParams, 36);
+HR_CHECK_SIZE(AdamWScalars, 12);
 
 // Launch with 256 threads per block.
 extern "C" __global__ void grad_sumsq(SumSqParams p, const float* __restrict__ g,
@@ -102,12 +111,16 @@ extern "C" __global__ void step_finalize(FinalizeParams p, const double* __restr
     *state = out;
 }
 
-extern "C" __global__ void adamw_fused(AdamWParams p, const StepState* __restrict__ state,
+extern "C" __global__ void adamw_fused(AdamWParams p, const AdamWScalars* __restrict__ scalars,
+                                       const StepState* __restrict__ state,
                                        float* __restrict__ master, float* __restrict__ grad,
                                        float* __restrict__ m, float* __restrict__ v,
                                        hr_half* __restrict__ compute_copy) {
     const bool skip = state->found_inf != 0u;
     const float factor = state->grad_factor;
+    const float decay_factor = p.decay ? scalars->decay_factor : 1.0f;
+    const float neg_step_size = scalars->neg_step_size;
+    const float bias_correction2_sqrt = scalars->bias_correction2_sqrt;
     HR_FOR_EACH(i, p.n) {
         if (!skip) {
             const float g = grad[i] * factor;
@@ -115,8 +128,8 @@ extern "C" __global__ void adamw_fused(AdamWParams p, const StepState* __restric
             float vi = v[i];
             mi += p.beta1_complement * (g - mi);
             vi = p.beta2 * vi + p.beta2_complement * g * g;
-            const float denom = sqrtf(vi) / p.bias_correction2_sqrt + p.eps;
-            const float w = master[i] * p.decay_factor + p.neg_step_size * (mi / denom);
+            const float denom = sqrtf(vi) / bias_correction2_sqrt + p.eps;
+            const float w = master[i] * decay_factor + neg_step_size * (mi / denom);
             m[i] = mi;
             v[i] = vi;
             master[i] = w;

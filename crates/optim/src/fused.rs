@@ -18,17 +18,22 @@
 //! `clip_grad_norm` (PyTorch semantics); the scalar factors are computed here
 //! in f64 exactly as there.
 //!
-//! The host's part: it passes `t` (the index of this step among APPLIED
-//! steps, from 1) and the learning rate of that step, and reads the
+//! The learning rate and `t` (the index of this step among APPLIED steps,
+//! from 1) reach the kernel through device memory (`set_schedule`, a pinned
+//! copy on the compute stream), not as launch arguments: the launches
+//! `enqueue` makes are the same from step to step, so a training step can
+//! be captured into a CUDA graph and replayed. The host reads the
 //! `StepState` afterwards (`read_state`, or a copy into pinned memory) to
 //! feed the `LossScaler` and advance its step counter and schedule only on
 //! applied steps. Reading it for step s just before enqueuing the optimizer
 //! of step s+1 (after s+1's forward and backward are queued) keeps the GPU
 //! busy while the host waits.
 
-use cudarc::driver::{CudaSlice, DriverError, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaSlice, DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg};
 use headroom_model::cuda::kernels as k;
-use headroom_model::cuda::params::{AdamWParams, FinalizeParams, StepState, SumSqParams};
+use headroom_model::cuda::params::{
+    AdamWParams, AdamWScalars, FinalizeParams, StepState, SumSqParams,
+};
 use headroom_model::cuda::{CudaBackend, CudaError, DeviceBuffer, ParamGroup};
 
 use crate::{AdamWConfig, OptimError};
@@ -50,14 +55,28 @@ fn sumsq_blocks(n: usize) -> usize {
 }
 
 /// The device side of the optimizer step: scratch for the norm's partial
-/// sums and the `StepState` the kernels share.
-#[derive(Debug)]
+/// sums, the `StepState` the kernels share, and the step's learning-rate
+/// factors in device memory.
 pub struct FusedAdamW {
     config: AdamWConfig,
     partials: DeviceBuffer<f64>,
     state: DeviceBuffer<StepState>,
+    scalars: DeviceBuffer<AdamWScalars>,
+    scalars_host: PinnedHostSlice<AdamWScalars>,
+    /// Recorded after the copy of `scalars_host`: the host writes it again
+    /// only once that copy has read it.
+    scalars_copied: CudaEvent,
     /// grad_sumsq blocks of each group, in group order.
     blocks: Vec<usize>,
+}
+
+impl std::fmt::Debug for FusedAdamW {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FusedAdamW")
+            .field("config", &self.config)
+            .field("blocks", &self.blocks)
+            .finish_non_exhaustive()
+    }
 }
 
 impl FusedAdamW {
@@ -66,10 +85,17 @@ impl FusedAdamW {
         config.validate()?;
         let blocks: Vec<usize> = groups.iter().map(|g| sumsq_blocks(g.len())).collect();
         let total: usize = blocks.iter().sum();
+        let ctx = be.context();
+        // SAFETY: written by set_schedule before every copy that reads it.
+        let scalars_host = unsafe { ctx.alloc_pinned::<AdamWScalars>(1) }
+            .map_err(driver("cuMemHostAlloc"))?;
         Ok(Self {
             config,
             partials: be.alloc_zeros::<f64>(total.max(1))?,
             state: be.alloc_zeros::<StepState>(1)?,
+            scalars: be.alloc_zeros::<AdamWScalars>(1)?,
+            scalars_host,
+            scalars_copied: ctx.new_event(None).map_err(driver("cuEventCreate"))?,
             blocks,
         })
     }
@@ -78,11 +104,12 @@ impl FusedAdamW {
         &self.config
     }
 
-    /// Enqueues one optimizer step. `t` is this step's index among applied
-    /// steps (1 for the first), `lr` its learning rate, `loss_scale` the
-    /// scale the gradients carry, `max_norm` the global-norm clip (0 = off).
-    /// With `zero_grad` the gradients are cleared afterwards, whether the
-    /// step was applied or skipped.
+    /// Enqueues one optimizer step: `set_schedule(lr, t)`, then `enqueue`.
+    /// `t` is this step's index among applied steps (1 for the first), `lr`
+    /// its learning rate, `loss_scale` the scale the gradients carry,
+    /// `max_norm` the global-norm clip (0 = off). With `zero_grad` the
+    /// gradients are cleared afterwards, whether the step was applied or
+    /// skipped.
     #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
@@ -90,6 +117,57 @@ impl FusedAdamW {
         groups: &mut [ParamGroup],
         lr: f32,
         t: u64,
+        loss_scale: f32,
+        max_norm: f32,
+        zero_grad: bool,
+    ) -> Result<()> {
+        self.set_schedule(be, lr, t)?;
+        self.enqueue(be, groups, loss_scale, max_norm, zero_grad)
+    }
+
+    /// Copies the factors of learning rate `lr` at applied step `t` (from 1)
+    /// to the device, on the compute stream, for the next step's kernels
+    /// (queued by `enqueue`, or replayed by a captured graph). The factors
+    /// are computed in f64 as in adamw.rs (PyTorch's).
+    pub fn set_schedule(&mut self, be: &CudaBackend, lr: f32, t: u64) -> Result<()> {
+        if !(lr.is_finite() && lr >= 0.0 && t >= 1) {
+            return Err(OptimError::from(CudaError::Unsupported {
+                op: "FusedAdamW::set_schedule",
+                reason: format!("needs a finite lr ≥ 0 and t ≥ 1; got {lr}, {t}"),
+            }));
+        }
+        let h = &self.config;
+        let tf = t as f64;
+        let bias_correction1 = 1.0 - (h.beta1 as f64).powf(tf);
+        let bias_correction2 = 1.0 - (h.beta2 as f64).powf(tf);
+        let scalars = AdamWScalars {
+            decay_factor: (1.0 - lr as f64 * h.weight_decay as f64) as f32,
+            neg_step_size: (-(lr as f64) / bias_correction1) as f32,
+            bias_correction2_sqrt: bias_correction2.sqrt() as f32,
+        };
+        let stream = be.compute_stream();
+        self.scalars_copied
+            .synchronize()
+            .map_err(driver("cuEventSynchronize"))?;
+        self.scalars_host
+            .as_mut_slice()
+            .map_err(driver("pinned buffer"))?[0] = scalars;
+        stream
+            .memcpy_htod(&self.scalars_host, &mut self.scalars.slice)
+            .map_err(driver("cuMemcpyHtoDAsync"))?;
+        self.scalars_copied
+            .record(stream)
+            .map_err(driver("cuEventRecord"))
+    }
+
+    /// Enqueues the kernels of one step (norm, verdict, AdamW per group) on
+    /// the compute stream, with the learning rate and t last given to
+    /// `set_schedule`. Only launches with arguments fixed for a run (the
+    /// loss scale aside), and no host synchronisation: capturable.
+    pub fn enqueue(
+        &mut self,
+        be: &CudaBackend,
+        groups: &mut [ParamGroup],
         loss_scale: f32,
         max_norm: f32,
         zero_grad: bool,
@@ -103,12 +181,10 @@ impl FusedAdamW {
                 format!("groups of lengths {lens:?}"),
             )));
         }
-        if !(lr.is_finite() && lr >= 0.0 && loss_scale.is_finite() && loss_scale > 0.0 && t >= 1) {
+        if !(loss_scale.is_finite() && loss_scale > 0.0) {
             return Err(OptimError::from(CudaError::Unsupported {
-                op: "FusedAdamW::step",
-                reason: format!(
-                    "needs lr ≥ 0, loss_scale > 0 (finite) and t ≥ 1; got {lr}, {loss_scale}, {t}"
-                ),
+                op: "FusedAdamW::enqueue",
+                reason: format!("needs a finite loss_scale > 0; got {loss_scale}"),
             }));
         }
         let stream = be.compute_stream();
@@ -163,22 +239,16 @@ impl FusedAdamW {
             unsafe { b.launch(cfg) }.map_err(driver("step_finalize"))?;
         }
 
-        // 3. AdamW per group (PyTorch's factors, computed as in adamw.rs).
+        // 3. AdamW per group, with set_schedule's factors.
         let h = &self.config;
-        let tf = t as f64;
-        let bias_correction1 = 1.0 - (h.beta1 as f64).powf(tf);
-        let bias_correction2 = 1.0 - (h.beta2 as f64).powf(tf);
-        let decay_factor = (1.0 - lr as f64 * h.weight_decay as f64) as f32;
         let base = AdamWParams {
             n: 0,
             zero_grad: zero_grad as u32,
+            decay: 0,
             beta1_complement: 1.0 - h.beta1,
             beta2: h.beta2,
             beta2_complement: 1.0 - h.beta2,
             eps: h.eps,
-            decay_factor: 1.0,
-            neg_step_size: (-(lr as f64) / bias_correction1) as f32,
-            bias_correction2_sqrt: bias_correction2.sqrt() as f32,
         };
         let adamw = be.function(&k::ADAMW_FUSED)?;
         for group in groups.iter_mut() {
@@ -188,7 +258,7 @@ impl FusedAdamW {
             }
             let p = AdamWParams {
                 n: n as u32,
-                decay_factor: if group.decay { decay_factor } else { 1.0 },
+                decay: group.decay as u32,
                 ..base
             };
             let blocks = n.div_ceil(256).min(1 << 16) as u32;
@@ -207,15 +277,17 @@ impl FusedAdamW {
             } = group;
             let mut b = stream.launch_builder(&adamw);
             b.arg(&p)
+                .arg(&self.scalars.slice)
                 .arg(&self.state.slice)
                 .arg(&mut master.slice)
                 .arg(&mut grad.slice)
                 .arg(&mut first_moment.slice)
                 .arg(&mut second_moment.slice)
                 .arg(&mut compute.slice);
-            // SAFETY: adamw_fused(AdamWParams, const StepState*, float*
-            // master, float* grad, float* m, float* v, hr_half* compute), all
-            // of the group's n elements (ParamGroup allocates them together).
+            // SAFETY: adamw_fused(AdamWParams, const AdamWScalars* [1], const
+            // StepState* [1], float* master, float* grad, float* m, float* v,
+            // hr_half* compute), all of the group's n elements (ParamGroup
+            // allocates them together).
             unsafe { b.launch(cfg) }.map_err(driver("adamw_fused"))?;
         }
         Ok(())

@@ -266,10 +266,17 @@ impl CudaBackend {
 
     fn open(info: DeviceInfo, target: Target) -> CudaResult<Self> {
         let ctx = CudaContext::new(info.ordinal).during("cuDevicePrimaryCtxRetain")?;
+        // cudarc's event tracking is off: it would record an event after, and
+        // wait on one before, every use of every buffer (host work on each
+        // kernel argument), and a captured step (`StepGraph`) must not wait
+        // on events recorded outside its capture. Every kernel, GEMM,
+        // allocation and free runs on the compute stream, in stream order;
+        // the one thing on the other stream, the staging ring's copies, is
+        // ordered by the ring's own events.
+        // SAFETY: set before this context has any buffer.
+        unsafe { ctx.disable_event_tracking() };
         // Non-blocking streams: neither synchronises with the legacy default
-        // stream. cudarc's event tracking stays on, so a buffer used on both
-        // streams is ordered by events automatically; the staging ring also
-        // orders its copies explicitly.
+        // stream.
         let compute = ctx.new_stream().during("cuStreamCreate (compute)")?;
         let copy = ctx.new_stream().during("cuStreamCreate (copy)")?;
         let blas = CudaBlas::new(Arc::clone(&compute)).during("cublasCreate")?;

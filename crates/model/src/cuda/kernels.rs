@@ -92,7 +92,7 @@ pub const COL2IM: KernelSig = sig!("conv", "col2im", ConvParams, 2);
 
 pub const GRAD_SUMSQ: KernelSig = sig!("optim", "grad_sumsq", SumSqParams, 2);
 pub const STEP_FINALIZE: KernelSig = sig!("optim", "step_finalize", FinalizeParams, 2);
-pub const ADAMW_FUSED: KernelSig = sig!("optim", "adamw_fused", AdamWParams, 6);
+pub const ADAMW_FUSED: KernelSig = sig!("optim", "adamw_fused", AdamWParams, 7);
 
 /// Every kernel file and its entry points.
 pub static FILES: &[KernelFile] = &[

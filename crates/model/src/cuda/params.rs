@@ -70,11 +70,16 @@ kernel_params! {
     /// optim.cu: step_finalize.
     FinalizeParams(12) { partials: u32, inv_loss_scale: f32, max_norm: f32 }
     /// optim.cu: adamw_fused.
-    AdamWParams(36) {
+    AdamWParams(28) {
         n: u32, zero_grad: u32,
+        /// 1: apply the weight decay (a decay group).
+        decay: u32,
         beta1_complement: f32, beta2: f32, beta2_complement: f32, eps: f32,
-        decay_factor: f32, neg_step_size: f32, bias_correction2_sqrt: f32,
     }
+    /// optim.cu: what adamw_fused reads of the step from device memory (the
+    /// learning rate and t change every step; a captured step replays them
+    /// from here).
+    AdamWScalars(12) { decay_factor: f32, neg_step_size: f32, bias_correction2_sqrt: f32 }
     /// optim.cu: the optimizer step's verdict, written by step_finalize into
     /// device memory and read by adamw_fused and (when it likes) the host.
     StepState(16) {
@@ -91,3 +96,5 @@ kernel_params! {
 
 // SAFETY: all-zero bits are a valid StepState (found_inf = 0, zeros).
 unsafe impl ValidAsZeroBits for StepState {}
+// SAFETY: three f32; zeros are valid.
+unsafe impl ValidAsZeroBits for AdamWScalars {}

@@ -211,8 +211,10 @@ impl InputStaging {
         let slot = &mut self.slots[index];
         let copy = be.copy_stream();
 
-        // Host side: waits (inside as_mut_slice) for this slot's previous
-        // host→device copy to have read the pinned buffer.
+        // Host side: waits for this slot's previous host→device copy to have
+        // read the pinned buffer (cudarc's own wait in as_mut_slice sees
+        // only events it records, and the backend turns its tracking off).
+        slot.copied.synchronize().during("cuEventSynchronize")?;
         slot.pixels_host.as_mut_slice().during("pinned buffer")?[..pixels.len()]
             .copy_from_slice(pixels);
         slot.labels_host.as_mut_slice().during("pinned buffer")?[..labels.len()]
