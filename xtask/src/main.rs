@@ -45,17 +45,8 @@ enum Command {
         /// Loader worker threads. Same as --set data.workers=N.
         #[arg(long)]
         workers: Option<usize>,
-        /// f32 instead of mixed precision. Same as --set device.amp=false: the
-        /// GPU kernels are f16, so this trains on the CPU (which is f32 already).
-        #[arg(long)]
-        no_amp: bool,
-        /// Fusion off: batch norm, ReLU and the residual add as separate
-        /// passes (CPU) or kernels (GPU). Same as --set device.fusion=false.
-        #[arg(long)]
-        no_fusion: bool,
-        /// Channels-last off. headroom is channels-last (NHWC) only: there is no other layout to switch to.
-        #[arg(long)]
-        no_channels_last: bool,
+        #[command(flatten)]
+        switches: Switches,
         /// Continue a run: a run directory (its own config.toml is the
         /// experiment, --set goes on top), a checkpoint file in one, or, with
         /// no value, the newest run of the experiment.
@@ -361,23 +352,38 @@ fn resumed_experiment(path: &Path, configs: &[PathBuf], overrides: &Overrides) -
 
 /// The switches that map to config keys become overrides; the one that
 /// cannot change anything says so.
-fn apply_switches(
-    no_amp: bool,
-    no_fusion: bool,
-    no_channels_last: bool,
-    overrides: &mut Vec<String>,
-) {
-    if no_amp {
-        overrides.push("device.amp=false".into());
-    }
-    if no_fusion {
-        overrides.push("device.fusion=false".into());
-    }
-    if no_channels_last {
+fn apply_switches(switches: &Switches, overrides: &mut Vec<String>) {
+    let keys = [
+        (switches.no_amp, "device.amp=false"),
+        (switches.no_fusion, "device.fusion=false"),
+        (switches.no_graphs, "device.graphs=false"),
+    ];
+    overrides.extend(keys.iter().filter(|(on, _)| *on).map(|(_, key)| key.to_string()));
+    if switches.no_channels_last {
         tracing::warn!(
             "--no-channels-last: headroom is channels-last (NHWC) only; there is no other layout"
         );
     }
+}
+
+/// The train switches that map to config keys.
+#[derive(clap::Args, Debug)]
+struct Switches {
+    /// f32 instead of mixed precision. Same as --set device.amp=false: the
+    /// GPU kernels are f16, so this trains on the CPU (which is f32 already).
+    #[arg(long)]
+    no_amp: bool,
+    /// Fusion off: batch norm, ReLU and the residual add as separate
+    /// passes (CPU) or kernels (GPU). Same as --set device.fusion=false.
+    #[arg(long)]
+    no_fusion: bool,
+    /// CUDA graphs off: the GPU step launches every kernel from the host
+    /// instead of replaying a captured graph. Same as --set device.graphs=false.
+    #[arg(long)]
+    no_graphs: bool,
+    /// Channels-last off. headroom is channels-last (NHWC) only: there is no other layout to switch to.
+    #[arg(long)]
+    no_channels_last: bool,
 }
 
 /// Trains each experiment in turn. A run stopped by a signal ends the
@@ -534,14 +540,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
             config,
             profile,
             workers,
-            no_amp,
-            no_fusion,
-            no_channels_last,
+            switches,
             resume,
             mut overrides,
             no_install,
         } => {
-            apply_switches(no_amp, no_fusion, no_channels_last, &mut overrides);
+            apply_switches(&switches, &mut overrides);
             if let Some(name) = profile {
                 overrides.push(format!("run.profile={name}"));
             }

@@ -1058,6 +1058,8 @@ EXPORT CUresult cuMemPoolGetAttribute(MemPool* pool, int attr, void* value) {
 }
 
 EXPORT CUresult cuMemPoolTrimTo(MemPool*, std::size_t) { return CUDA_SUCCESS; }
+// Graph memory is freed with its graph here; nothing is cached to trim.
+EXPORT CUresult cuDeviceGraphMemTrim(CUdevice d) { return d == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE; }
 
 // ---------------------------------------------------------------------------
 // Modules and launches

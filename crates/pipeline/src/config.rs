@@ -300,6 +300,11 @@ pub struct DeviceConfig {
     /// and on the GPU.
     #[serde(default = "default_true")]
     pub fusion: bool,
+    /// On the GPU, capture the steady-state training step in a CUDA graph
+    /// and replay it with one launch; false launches every kernel from the
+    /// host. Same bits either way; no effect on the CPU.
+    #[serde(default = "default_true")]
+    pub graphs: bool,
     /// Fault injection for tests: fail an allocation at these steps ...
     #[serde(default)]
     pub inject_oom: InjectOom,
@@ -316,6 +321,7 @@ impl Default for DeviceConfig {
             memory_limit: None,
             amp: true,
             fusion: true,
+            graphs: true,
             inject_oom: InjectOom::default(),
         }
     }

@@ -330,6 +330,7 @@ pub(crate) fn cuda_options(config: &ExperimentConfig) -> Result<CudaOptions> {
         build: CudaBuildOptions {
             fuse: config.device.fusion,
         },
+        graphs: config.device.graphs,
         ..CudaOptions::default()
     })
 }

@@ -322,3 +322,53 @@ fn mixed_soft_targets_train_as_on_the_cpu() {
         assert!(g.correct.abs_diff(c.correct) <= 1, "step {i}: correct");
     }
 }
+
+/// A run of steps that exercises every way a captured step is made, used
+/// and given up: eager warm-up, capture, replays, a new loss scale (every
+/// 3 clean steps here), a smaller last batch (eager), a split batch (eager),
+/// and back.
+fn graph_workout(graphs: bool) -> (Vec<u32>, Vec<u32>, u64) {
+    let be = CudaBackend::new(0).unwrap();
+    let options = CudaOptions {
+        graphs,
+        loss_scaler: headroom_optim::LossScalerConfig {
+            growth_interval: 3,
+            ..Default::default()
+        },
+        ..CudaOptions::default()
+    };
+    let mut gpu = CudaLearner::new(be, &spec(), 23, settings(), 8, options).unwrap();
+    let mut results = Vec::new();
+    for i in 0..12 {
+        let mut b = batch(i);
+        if i == 7 {
+            b = b.slice(0..5);
+        }
+        if i == 9 {
+            gpu.set_micro_batch(4);
+        }
+        if i == 10 {
+            gpu.set_micro_batch(8);
+        }
+        let r = gpu.train_batch(&b, 1e-3 * (1.0 + i as f32)).unwrap();
+        results.extend([r.loss.to_bits(), r.correct as u32]);
+        results.push(r.grad_norm.map_or(u32::MAX, f32::to_bits));
+    }
+    (bits(&gpu.snapshot().unwrap()), results, gpu.graph_replays())
+}
+
+#[test]
+fn captured_steps_train_to_the_bits_of_launched_ones() {
+    let Some(_gpu) = backend() else { return };
+    let (eager_state, eager_results, eager_replays) = graph_workout(false);
+    let (graph_state, graph_results, graph_replays) = graph_workout(true);
+    assert_eq!(eager_replays, 0, "device.graphs = false never replays");
+    // Step 0 warms up (eager); 1 captures and replays, 2 replays; the scale
+    // grows after 2, 5 and 8, so 3 and 6 capture again and replay, 4 and 5
+    // replay; 7 (5 samples) runs eagerly and 8 replays 6's graph; 9 (split
+    // in two) runs eagerly; 10 warms up the new micro-batch size; 11
+    // captures and replays: 8 replays.
+    assert_eq!(graph_replays, 8, "replays");
+    assert_eq!(graph_results, eager_results, "losses, counts and norms");
+    assert_eq!(graph_state, eager_state, "weights, statistics and moments");
+}

@@ -79,6 +79,8 @@ pub struct DeviceMemory {
 struct MemInner {
     in_use: u64,
     peak: u64,
+    /// The most in use since `begin_watermark`.
+    watermark: u64,
     limit: Option<u64>,
     allocations: u64,
     oom_events: u64,
@@ -118,6 +120,7 @@ impl DeviceMemory {
         }
         m.in_use += bytes;
         m.peak = m.peak.max(m.in_use);
+        m.watermark = m.watermark.max(m.in_use);
         m.allocations += 1;
         Ok(Lease {
             bytes,
@@ -137,6 +140,13 @@ impl DeviceMemory {
 pub struct Lease {
     bytes: u64,
     memory: Arc<DeviceMemory>,
+}
+
+impl Lease {
+    /// The bytes this lease accounts.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
 }
 
 impl Drop for Lease {
@@ -463,6 +473,17 @@ impl CudaBackend {
         Ok(buf)
     }
 
+    /// Copies `from` into `to` (same length) on the compute stream.
+    pub fn copy_device<T: DeviceRepr>(
+        &self,
+        from: &DeviceBuffer<T>,
+        to: &mut DeviceBuffer<T>,
+    ) -> CudaResult<()> {
+        self.compute
+            .memcpy_dtod(&from.slice, &mut to.slice)
+            .during("cuMemcpyDtoDAsync")
+    }
+
     /// Copies a device buffer to the host, waiting for the compute stream.
     pub fn download<T: DeviceRepr + ValidAsZeroBits + Clone + Default>(
         &self,
@@ -506,6 +527,26 @@ impl CudaBackend {
         }
     }
 
+    /// Accounts `bytes` of device memory that no buffer of ours holds (a
+    /// captured graph's working set), or refuses past the budget like an
+    /// allocation; given back when the lease drops.
+    pub(crate) fn hold(&self, bytes: u64) -> CudaResult<Lease> {
+        self.memory.reserve(bytes)
+    }
+
+    /// Starts measuring the most bytes in use from now; returns the bytes
+    /// in use now.
+    pub(crate) fn begin_watermark(&self) -> u64 {
+        let mut m = self.memory.lock();
+        m.watermark = m.in_use;
+        m.in_use
+    }
+
+    /// The most bytes in use since `begin_watermark`.
+    pub(crate) fn watermark(&self) -> u64 {
+        self.memory.lock().watermark
+    }
+
     /// Resets the peak to the current use.
     pub fn reset_peak(&self) {
         let mut m = self.memory.lock();
@@ -513,7 +554,7 @@ impl CudaBackend {
     }
 
     /// Waits for both streams, then returns the pool's cached (freed, not in
-    /// use) memory to the driver.
+    /// use) memory, and what destroyed graphs held, to the driver.
     pub fn empty_cache(&self) -> CudaResult<()> {
         self.compute.synchronize().during("cuStreamSynchronize")?;
         self.copy.synchronize().during("cuStreamSynchronize")?;
@@ -522,6 +563,12 @@ impl CudaBackend {
             unsafe { sys::cuMemPoolTrimTo(pool.0, 0) }
                 .result()
                 .during("cuMemPoolTrimTo")?;
+            // The memory of destroyed CUDA graphs, which the driver keeps
+            // apart from the pool.
+            // SAFETY: the device handle comes from the live context.
+            unsafe { sys::cuDeviceGraphMemTrim(self.ctx.cu_device()) }
+                .result()
+                .during("cuDeviceGraphMemTrim")?;
         }
         Ok(())
     }

@@ -34,6 +34,7 @@
 mod backend;
 mod error;
 pub mod gemm;
+mod graph;
 pub mod kernels;
 pub mod libs;
 mod network;
@@ -43,8 +44,11 @@ pub mod params;
 pub mod staging;
 mod tensor;
 
-pub use backend::{auto_device_kind, CudaBackend, DeviceBuffer, DeviceInfo, DeviceMemoryStats};
+pub use backend::{
+    auto_device_kind, CudaBackend, DeviceBuffer, DeviceInfo, DeviceMemoryStats, Lease,
+};
 pub use error::{CudaError, CudaResult};
+pub use graph::CapturedGraph;
 pub use network::{zeros_input, CudaBuildOptions, CudaNetwork};
 pub use param_group::ParamGroup;
 pub use staging::{check_recipes, InputStaging, ResidentImages, StagedBatch};

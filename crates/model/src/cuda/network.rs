@@ -372,16 +372,16 @@ impl CudaNetwork {
     /// Copies the running statistics aside (before a step).
     pub fn save_running_stats(&mut self, be: &CudaBackend) -> CudaResult<()> {
         for_each_running(&mut self.layers, &mut |r| {
-            copy_device(be, &r.mean, &mut r.saved_mean)?;
-            copy_device(be, &r.var, &mut r.saved_var)
+            be.copy_device(&r.mean, &mut r.saved_mean)?;
+            be.copy_device(&r.var, &mut r.saved_var)
         })
     }
 
     /// Puts back the copies `save_running_stats` took (a step not applied).
     pub fn restore_running_stats(&mut self, be: &CudaBackend) -> CudaResult<()> {
         for_each_running(&mut self.layers, &mut |r| {
-            copy_device(be, &r.saved_mean, &mut r.mean)?;
-            copy_device(be, &r.saved_var, &mut r.var)
+            be.copy_device(&r.saved_mean, &mut r.mean)?;
+            be.copy_device(&r.saved_var, &mut r.var)
         })
     }
 
@@ -543,16 +543,6 @@ fn copy_host(be: &CudaBackend, host: &[f32], dev: &mut DeviceBuffer<f32>) -> Cud
     be.compute_stream()
         .memcpy_htod(host, &mut dev.slice.slice_mut(..host.len()))
         .during("cuMemcpyHtoDAsync")
-}
-
-fn copy_device(
-    be: &CudaBackend,
-    from: &DeviceBuffer<f32>,
-    to: &mut DeviceBuffer<f32>,
-) -> CudaResult<()> {
-    be.compute_stream()
-        .memcpy_dtod(&from.slice, &mut to.slice)
-        .during("cuMemcpyDtoDAsync")
 }
 
 fn for_each_running(

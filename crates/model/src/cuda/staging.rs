@@ -9,7 +9,7 @@
 //! through the same ring, and one kernel gathers, crops, flips and
 //! normalises it there.
 
-use cudarc::driver::{sys, CudaEvent, PinnedHostSlice};
+use cudarc::driver::{sys, CudaEvent, CudaView, PinnedHostSlice};
 
 use super::backend::{CudaBackend, DeviceBuffer};
 use super::error::Context;
@@ -137,19 +137,7 @@ impl InputStaging {
         mean: f32,
         std: f32,
     ) -> CudaResult<StagedBatch> {
-        check_recipes(recipes, set.samples, set.shape)?;
-        if recipes.len() != labels.len() {
-            return Err(CudaError::shape(
-                "InputStaging::stage_recipes",
-                format!("{} labels (one per recipe)", recipes.len()),
-                format!("{} labels", labels.len()),
-            ));
-        }
-        let bytes: Vec<u8> = recipes
-            .iter()
-            .flatten()
-            .flat_map(|w| w.to_ne_bytes())
-            .collect();
+        let bytes = set.recipe_bytes(recipes, labels)?;
         let index = self.copy_in(be, &bytes, labels, classes)?;
         let slot = &self.slots[index];
         // SAFETY: the slot's device buffer holds at least `bytes.len()` bytes
@@ -163,16 +151,57 @@ impl InputStaging {
                     format!("{} bytes", slot.pixels_dev.slice.len()),
                 )
             })?;
-        let images = gather_crop_flip(
-            be,
-            &set.pixels.slice.as_view(),
-            &words,
-            recipes.len(),
-            set.shape,
-            mean,
-            std,
-        )?;
+        let images = set.gather(be, &words, recipes.len(), mean, std)?;
         self.finish(be, index, images, labels.len())
+    }
+
+    /// Copies one batch's bytes (pixels, or packed recipes checked with
+    /// [`check_recipes`]) and labels through the next slot into `bytes_out`
+    /// and `labels_out`, fixed device buffers that a captured training step
+    /// reads (`CudaLearner`'s step graph): the copy stream carries the
+    /// batch, the compute stream copies it on from the slot. Returns without
+    /// waiting for the GPU.
+    pub fn stage_into(
+        &mut self,
+        be: &CudaBackend,
+        bytes: &[u8],
+        labels: &[u32],
+        classes: usize,
+        bytes_out: &mut DeviceBuffer<u8>,
+        labels_out: &mut DeviceBuffer<u32>,
+    ) -> CudaResult<()> {
+        if bytes.len() > bytes_out.len() || labels.len() > labels_out.len() {
+            return Err(CudaError::shape(
+                "InputStaging::stage_into",
+                format!(
+                    "at most {} bytes and {} labels",
+                    bytes_out.len(),
+                    labels_out.len()
+                ),
+                format!("{} bytes and {} labels", bytes.len(), labels.len()),
+            ));
+        }
+        let index = self.copy_in(be, bytes, labels, classes)?;
+        let slot = &mut self.slots[index];
+        let compute = be.compute_stream();
+        if !bytes.is_empty() {
+            compute
+                .memcpy_dtod(
+                    &slot.pixels_dev.slice.slice(..bytes.len()),
+                    &mut bytes_out.slice.slice_mut(..bytes.len()),
+                )
+                .during("cuMemcpyDtoDAsync")?;
+        }
+        if !labels.is_empty() {
+            compute
+                .memcpy_dtod(
+                    &slot.labels_dev.slice.slice(..labels.len()),
+                    &mut labels_out.slice.slice_mut(..labels.len()),
+                )
+                .during("cuMemcpyDtoDAsync")?;
+        }
+        slot.consumed.record(compute).during("cuEventRecord")?;
+        Ok(())
     }
 
     /// Checks a batch's sizes and labels, then copies its bytes and labels
@@ -311,6 +340,47 @@ impl ResidentImages {
     /// Device bytes the set takes.
     pub fn bytes(&self) -> u64 {
         self.pixels.slice.len() as u64
+    }
+
+    /// The bytes that carry `recipes` to the device (two native-endian
+    /// words each), once every recipe is checked against this set
+    /// ([`check_recipes`]) and there is one label per recipe.
+    pub fn recipe_bytes(&self, recipes: &[[u32; 2]], labels: &[u32]) -> CudaResult<Vec<u8>> {
+        check_recipes(recipes, self.samples, self.shape)?;
+        if recipes.len() != labels.len() {
+            return Err(CudaError::shape(
+                "ResidentImages::recipe_bytes",
+                format!("{} labels (one per recipe)", recipes.len()),
+                format!("{} labels", labels.len()),
+            ));
+        }
+        Ok(recipes
+            .iter()
+            .flatten()
+            .flat_map(|w| w.to_ne_bytes())
+            .collect())
+    }
+
+    /// The f16 batch that `n` recipes on the device (words from
+    /// `recipe_bytes`, already checked) make from this set: gathered,
+    /// cropped, flipped and normalised in one kernel.
+    pub fn gather(
+        &self,
+        be: &CudaBackend,
+        recipes: &CudaView<'_, u32>,
+        n: usize,
+        mean: f32,
+        std: f32,
+    ) -> CudaResult<CudaTensor> {
+        gather_crop_flip(
+            be,
+            &self.pixels.slice.as_view(),
+            recipes,
+            n,
+            self.shape,
+            mean,
+            std,
+        )
     }
 }
 

@@ -15,12 +15,16 @@
 //! crop, flip: 8 bytes a sample) from which a kernel makes the same bits the
 //! host would have.
 //!
+//! The steady-state step is captured into a CUDA graph and replayed
+//! (`graph.rs`, `device.graphs`), with the same results as the eager step.
+//!
 //! Mixup/CutMix soft targets go up as f32 rows (smoothing applied as on the
 //! CPU) to the soft-target cross-entropy kernel. Not on the GPU yet, each
 //! refused with a message naming it: f32 training (`--no-amp`), the
 //! sequence layers.
 
 use headroom_loader::{Batch, Dataset, SampleRecipe};
+use headroom_model::cuda::params::StepState;
 use headroom_model::cuda::{
     ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, DeviceInfo, InputStaging,
     ResidentImages, StagedBatch,
@@ -28,17 +32,32 @@ use headroom_model::cuda::{
 use headroom_model::{ModelError, ModelSpec, PoolStats};
 use headroom_optim::{AdamWState, FusedAdamW, LossScaler, LossScalerConfig, StepOutcome};
 
+mod graph;
+
 use super::cpu::arg_max;
 use super::{softmax_rows, EvalResult, Learner, LearnerState, StepResult, StepSettings};
 use crate::{PipelineError, Result};
 
 /// GPU-specific settings.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct CudaOptions {
     pub build: CudaBuildOptions,
     pub loss_scaler: LossScalerConfig,
     /// Hard budget on device memory (bytes).
     pub memory_limit: Option<u64>,
+    /// Capture the steady-state step in a CUDA graph (`device.graphs`).
+    pub graphs: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self {
+            build: CudaBuildOptions::default(),
+            loss_scaler: LossScalerConfig::default(),
+            memory_limit: None,
+            graphs: true,
+        }
+    }
 }
 
 fn cuda<T>(r: std::result::Result<T, CudaError>) -> Result<T> {
@@ -59,6 +78,7 @@ pub struct CudaLearner {
     /// Applied optimizer steps (AdamW's t).
     applied_steps: u64,
     macs_per_sample: u64,
+    graphs: graph::Graphs,
 }
 
 impl CudaLearner {
@@ -93,6 +113,7 @@ impl CudaLearner {
             settings,
             micro_batch: batch_size.max(1),
             applied_steps: 0,
+            graphs: graph::Graphs::new(options.graphs),
         })
     }
 
@@ -104,12 +125,24 @@ impl CudaLearner {
         self.scaler.scale()
     }
 
+    /// Training steps that ran as a replay of a captured CUDA graph.
+    pub fn graph_replays(&self) -> u64 {
+        self.graphs.replays
+    }
+
+    /// A staging ring for batches of `samples` samples, if the one there
+    /// is smaller.
+    fn ensure_staging(&mut self, samples: usize) -> Result<()> {
+        if samples > self.staged_samples {
+            self.staging = staging_for(&self.be, self.network.spec(), samples)?;
+            self.staged_samples = samples;
+        }
+        Ok(())
+    }
+
     /// Copies a micro-batch to the device and normalises it there.
     fn stage(&mut self, part: &Batch) -> Result<StagedBatch> {
-        if part.len() > self.staged_samples {
-            self.staging = staging_for(&self.be, self.network.spec(), part.len())?;
-            self.staged_samples = part.len();
-        }
+        self.ensure_staging(part.len())?;
         let spec = self.network.spec();
         let classes = self.network.num_classes();
         let Some(recipes) = &part.recipes else {
@@ -142,6 +175,14 @@ impl CudaLearner {
     }
 
     fn step(&mut self, batch: &Batch, lr: f32) -> Result<StepResult> {
+        match self.graph_step(batch, lr)? {
+            Some(result) => Ok(result),
+            None => self.eager_step(batch, lr),
+        }
+    }
+
+    /// The step one launch at a time, in micro-batches.
+    fn eager_step(&mut self, batch: &Batch, lr: f32) -> Result<StepResult> {
         cuda(self.network.save_running_stats(&self.be))?;
         let scale = self.scaler.scale();
         let n = batch.len();
@@ -191,13 +232,26 @@ impl CudaLearner {
             loss += cuda(be.download(&loss_dev.slice))?[0] as f64 * *share as f64;
             correct += cuda(be.download(&correct_dev.slice))?[0] as usize;
         }
+        self.finish_step(verdict, scale, loss, correct)
+    }
+
+    /// The loss scaler's verdict on a step whose kernels have run: an
+    /// applied step advances t; a skipped one puts the running statistics
+    /// back.
+    fn finish_step(
+        &mut self,
+        verdict: StepState,
+        scale: f32,
+        loss: f64,
+        correct: usize,
+    ) -> Result<StepResult> {
         let grad_norm = match self.scaler.update(scale, verdict.found_inf != 0) {
             StepOutcome::Applied => {
                 self.applied_steps += 1;
                 Some(verdict.grad_norm)
             }
             StepOutcome::Skipped => {
-                cuda(self.network.restore_running_stats(be))?;
+                cuda(self.network.restore_running_stats(&self.be))?;
                 None
             }
         };
@@ -302,6 +356,9 @@ impl Learner for CudaLearner {
     }
 
     fn set_micro_batch(&mut self, size: usize) {
+        if size.max(1) != self.micro_batch {
+            self.graphs.forget();
+        }
         self.micro_batch = size.max(1);
     }
 
@@ -339,6 +396,7 @@ impl Learner for CudaLearner {
         };
         self.network.check_state(&params, &buffers, first)?;
         self.network.check_state(&params, &buffers, second)?;
+        self.graphs.forget();
         self.network
             .load_state(&self.be, &params, &buffers, (first, second))
             .map_err(|e| e.to_string())?;
@@ -389,6 +447,9 @@ impl Learner for CudaLearner {
     }
 
     fn release_cache(&mut self) -> u64 {
+        // A captured step holds its working set; the next step captures
+        // afresh.
+        self.graphs.forget();
         let before = self.be.memory_stats().reserved_bytes;
         if let Err(e) = self.be.empty_cache() {
             tracing::warn!("could not release cached GPU memory: {e}");
@@ -431,6 +492,7 @@ impl Learner for CudaLearner {
                 ),
             ));
         }
+        self.graphs.forget();
         self.resident = None;
         let pixels = read_all(dataset)?;
         self.resident = Some(cuda(ResidentImages::upload(&self.be, shape, &pixels))?);

@@ -1,0 +1,266 @@
+//! The steady-state training step as one CUDA graph (`device.graphs`).
+//!
+//! A step of a small network is hundreds of short kernels; a big GPU runs
+//! them faster than the host can launch them. Captured once into a graph,
+//! the whole device side of a step (input cast or gather, forward, loss,
+//! backward, the optimizer and the copies of its results) is one launch.
+//!
+//! What a graph needs, and how the step provides it:
+//! - Fixed addresses. The batch goes through the staging ring as always,
+//!   then one copy on the device moves it into this graph's input buffers;
+//!   the loss and correct count land in this graph's output buffers. Every
+//!   other buffer the step allocates is allocated and freed inside the
+//!   capture, so the graph owns it (the driver's graph memory), and the
+//!   step's working set is held against `device.memory_limit` as one lease.
+//! - Arguments that do not change. The learning rate and AdamW's t reach
+//!   the optimizer kernels through device memory (`FusedAdamW::set_schedule`,
+//!   before each launch). The loss scale is a launch argument: a new scale
+//!   (rare: an overflow, or 2000 clean steps) is a new capture, as is a new
+//!   batch size, input kind or micro-batch size.
+//! - No host synchronisation inside. The verdict, loss and correct count
+//!   are read after the launch, as the eager step reads them.
+//!
+//! A step is captured only after one eager step of the same shape (kernels
+//! compiled and loaded, cuBLAS warmed up). Mixup/CutMix batches, split
+//! batches (micro-batches) and the last, smaller batch of an epoch run
+//! eagerly. If a capture fails, the run says why and goes on eagerly, with
+//! the same results: graph and eager steps launch the same kernels with the
+//! same arguments in the same order, so they compute the same bits.
+
+use headroom_loader::{Batch, SampleRecipe};
+use headroom_model::cuda::{ops, CapturedGraph, DeviceBuffer};
+
+use super::{cuda, CudaLearner};
+use crate::learner::StepResult;
+use crate::{PipelineError, Result};
+
+/// What a captured step is specialised to; it replays only for a batch that
+/// matches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct GraphKey {
+    samples: usize,
+    recipes: bool,
+    /// The loss scale's bits (the loss kernels take it by value).
+    loss_scale: u32,
+}
+
+impl GraphKey {
+    fn shape(&self) -> (usize, bool) {
+        (self.samples, self.recipes)
+    }
+}
+
+/// One captured training step and the buffers it reads and writes.
+pub(super) struct StepGraph {
+    key: GraphKey,
+    graph: CapturedGraph,
+    /// The batch: u8 pixels, or recipe words.
+    input: DeviceBuffer<u8>,
+    labels: DeviceBuffer<u32>,
+    loss: DeviceBuffer<f32>,
+    correct: DeviceBuffer<u32>,
+}
+
+/// Whether steps may be captured, and what has been seen.
+#[derive(Default)]
+pub(super) struct Graphs {
+    pub enabled: bool,
+    /// The (samples, recipes) of the last eager step that could be captured.
+    warm: Option<(usize, bool)>,
+    pub step: Option<StepGraph>,
+    /// Steps run as a graph replay so far.
+    pub replays: u64,
+}
+
+impl Graphs {
+    pub fn new(enabled: bool) -> Self {
+        Self {
+            enabled,
+            ..Self::default()
+        }
+    }
+
+    /// Drops the captured step (and its memory), keeping graphs on.
+    pub fn forget(&mut self) {
+        self.step = None;
+    }
+
+    fn turn_off(&mut self, why: &dyn std::fmt::Display) {
+        tracing::warn!("CUDA graphs off for the rest of this run: {why}; steps run one kernel launch at a time");
+        self.enabled = false;
+        self.step = None;
+    }
+}
+
+impl CudaLearner {
+    /// The key of `batch` when it can run as a captured step.
+    fn graph_key(&self, batch: &Batch) -> Option<GraphKey> {
+        let n = batch.len();
+        let eligible = self.graphs.enabled
+            && n > 0
+            && n <= self.micro_batch
+            && batch.soft_targets.is_none()
+            && (batch.recipes.is_none() || self.resident.is_some());
+        eligible.then(|| GraphKey {
+            samples: n,
+            recipes: batch.recipes.is_some(),
+            loss_scale: self.scaler.scale().to_bits(),
+        })
+    }
+
+    /// The step as a graph replay (capturing first if needed), or None when
+    /// this batch runs eagerly (first of its shape, not eligible, or graphs
+    /// turned off by a failed capture).
+    pub(super) fn graph_step(&mut self, batch: &Batch, lr: f32) -> Result<Option<StepResult>> {
+        let Some(key) = self.graph_key(batch) else {
+            return Ok(None);
+        };
+        if self.graphs.step.as_ref().map(|g| g.key) != Some(key) {
+            if self.graphs.warm != Some(key.shape()) {
+                self.graphs.warm = Some(key.shape());
+                return Ok(None);
+            }
+            self.graphs.step = None;
+            match self.capture(key) {
+                Ok(graph) => {
+                    tracing::debug!(
+                        "captured the training step of {} samples as a CUDA graph ({:.1} MiB working set)",
+                        key.samples,
+                        graph.graph.working_set() as f64 / (1 << 20) as f64
+                    );
+                    self.graphs.step = Some(graph);
+                }
+                Err(e) => {
+                    self.graphs.turn_off(&e);
+                    return Ok(None);
+                }
+            }
+        }
+        self.replay(batch, lr).map(Some)
+    }
+
+    /// Records one step into a new graph (nothing runs).
+    fn capture(&mut self, key: GraphKey) -> Result<StepGraph> {
+        let be = &self.be;
+        let n = key.samples;
+        let [h, w, c] = self.network.spec().input;
+        let bytes = if key.recipes { 8 * n } else { n * h * w * c };
+        let input = cuda(be.alloc::<u8>(bytes))?;
+        let labels = cuda(be.alloc::<u32>(n))?;
+        let mut loss = cuda(be.alloc::<f32>(1))?;
+        let mut correct = cuda(be.alloc::<u32>(1))?;
+        let before = cuda(be.begin_capture())?;
+        let recorded = self.record_step(key, &input, &labels, &mut loss, &mut correct);
+        if recorded.is_err() {
+            // Inside the capture, so that its frees are the graph's.
+            self.network.clear_saved();
+        }
+        let ended = self.be.end_capture(before);
+        recorded?;
+        Ok(StepGraph {
+            key,
+            graph: cuda(ended)?,
+            input,
+            labels,
+            loss,
+            correct,
+        })
+    }
+
+    /// The device side of a step, as the eager step queues it for one
+    /// micro-batch, reading the batch from `input`/`labels` and leaving the
+    /// loss and correct count in `loss_out`/`correct_out`. Every buffer it
+    /// allocates is freed before it returns.
+    fn record_step(
+        &mut self,
+        key: GraphKey,
+        input: &DeviceBuffer<u8>,
+        labels: &DeviceBuffer<u32>,
+        loss_out: &mut DeviceBuffer<f32>,
+        correct_out: &mut DeviceBuffer<u32>,
+    ) -> Result<()> {
+        let be = &self.be;
+        let n = key.samples;
+        let spec = self.network.spec();
+        let (mean, std) = (spec.mean, spec.std);
+        let [h, w, c] = spec.input;
+        cuda(self.network.save_running_stats(be))?;
+        let images = match &self.resident {
+            Some(set) if key.recipes => {
+                // SAFETY: `input` holds 8 bytes a sample (capture sized it)
+                // and device allocations are aligned far beyond 4 bytes.
+                let words = unsafe { input.slice.transmute::<u32>(2 * n) }
+                    .ok_or_else(|| PipelineError::value("device.graphs", "recipe buffer too small"))?;
+                cuda(set.gather(be, &words, n, mean, std))?
+            }
+            _ => cuda(ops::normalize_u8(
+                be,
+                &input.slice.as_view(),
+                &[n, h, w, c],
+                mean,
+                std,
+            ))?,
+        };
+        let scale = f32::from_bits(key.loss_scale);
+        let logits = cuda(self.network.forward_train(be, &images))?;
+        let xent = cuda(ops::softmax_cross_entropy(
+            be,
+            &logits,
+            &labels.slice.as_view(),
+            self.settings.label_smoothing,
+            scale,
+        ))?;
+        drop(logits);
+        let (loss, correct) = cuda(xent.summary(be))?;
+        cuda(be.copy_device(&loss, loss_out))?;
+        cuda(be.copy_device(&correct, correct_out))?;
+        cuda(self.network.backward(be, &xent.grad))?;
+        self.optimizer.enqueue(
+            be,
+            self.network.groups_mut(),
+            scale,
+            self.settings.clip_norm,
+            true,
+        )?;
+        Ok(())
+    }
+
+    /// Stages `batch` into the graph's input, sets the schedule and launches
+    /// the graph; then reads the step's results as the eager step does.
+    fn replay(&mut self, batch: &Batch, lr: f32) -> Result<StepResult> {
+        self.ensure_staging(batch.len())?;
+        let classes = self.network.num_classes();
+        let Some(graph) = self.graphs.step.as_mut() else {
+            return Err(PipelineError::value("device.graphs", "no captured step"));
+        };
+        let be = &self.be;
+        let bytes = match (&batch.recipes, &self.resident) {
+            (Some(recipes), Some(set)) => {
+                let packed: Vec<[u32; 2]> = recipes.iter().map(SampleRecipe::packed).collect();
+                std::borrow::Cow::Owned(cuda(set.recipe_bytes(&packed, &batch.labels))?)
+            }
+            _ => std::borrow::Cow::Borrowed(batch.pixels.as_slice()),
+        };
+        cuda(self.staging.stage_into(
+            be,
+            &bytes,
+            &batch.labels,
+            classes,
+            &mut graph.input,
+            &mut graph.labels,
+        ))?;
+        self.optimizer
+            .set_schedule(be, lr, self.applied_steps + 1)?;
+        if let Err(e) = graph.graph.launch(be) {
+            self.graphs
+                .turn_off(&format!("launching the step's graph failed: {e}"));
+            return cuda(Err(e));
+        }
+        self.graphs.replays += 1;
+        let verdict = self.optimizer.read_state(be)?;
+        let loss = cuda(be.download(&graph.loss.slice))?[0];
+        let correct = cuda(be.download(&graph.correct.slice))?[0];
+        let scale = f32::from_bits(graph.key.loss_scale);
+        self.finish_step(verdict, scale, loss as f64, correct as usize)
+    }
+}
