@@ -80,7 +80,14 @@ fn data_held_on_the_device_trains_to_the_bits_of_data_staged_from_the_host() {
     let data = tempfile::tempdir().unwrap();
     write_synthetic_fashion_mnist(data.path(), 192, 64);
     let mut runs = Vec::new();
-    for on_device in ["true", "false", "auto"] {
+    // The last run launches every kernel from the host: the others replay
+    // a captured step (device.graphs, on by default).
+    for (on_device, graphs) in [
+        ("true", true),
+        ("false", true),
+        ("auto", true),
+        ("true", false),
+    ] {
         let out = tempfile::tempdir().unwrap();
         let config = smoke_config(
             data.path(),
@@ -91,15 +98,21 @@ fn data_held_on_the_device_trains_to_the_bits_of_data_staged_from_the_host() {
                 "augment.crop_padding=2",
                 "augment.flip=true",
                 &format!("data.on_device={on_device}"),
+                &format!("device.graphs={graphs}"),
             ],
         );
         let summary = train(&config, &TrainOptions::default()).unwrap();
         assert_eq!(summary.step, 6, "192 samples in batches of 32");
         runs.push((summary, final_state_bits(out.path())));
     }
-    let [(held, held_bits), (staged, staged_bits), (auto, _)] = &runs[..] else {
+    let [(held, held_bits), (staged, staged_bits), (auto, _), (_, launched_bits)] = &runs[..]
+    else {
         unreachable!()
     };
+    assert_eq!(
+        held_bits, launched_bits,
+        "captured steps compute launched steps' bits"
+    );
     assert!(held.data_on_device && !staged.data_on_device);
     assert!(
         auto.data_on_device,

@@ -358,7 +358,11 @@ fn apply_switches(switches: &Switches, overrides: &mut Vec<String>) {
         (switches.no_fusion, "device.fusion=false"),
         (switches.no_graphs, "device.graphs=false"),
     ];
-    overrides.extend(keys.iter().filter(|(on, _)| *on).map(|(_, key)| key.to_string()));
+    overrides.extend(
+        keys.iter()
+            .filter(|(on, _)| *on)
+            .map(|(_, key)| key.to_string()),
+    );
     if switches.no_channels_last {
         tracing::warn!(
             "--no-channels-last: headroom is channels-last (NHWC) only; there is no other layout"

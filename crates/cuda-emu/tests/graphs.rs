@@ -11,7 +11,8 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-const MODE: sys::CUstreamCaptureMode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+const MODE: sys::CUstreamCaptureMode =
+    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
 
 /// A stream of a context that orders its work itself (no cudarc event
 /// tracking, which would wait on events recorded before the capture).
@@ -61,7 +62,11 @@ fn captured_work_runs_at_each_replay_with_the_captured_arguments() {
     n = 0; // the kernel node keeps the value it was captured with
     assert_eq!(n, 0);
 
-    assert_eq!(s.clone_dtoh(&out).unwrap(), [0; 8], "nothing ran at capture");
+    assert_eq!(
+        s.clone_dtoh(&out).unwrap(),
+        [0; 8],
+        "nothing ran at capture"
+    );
     graph.launch().unwrap();
     assert_eq!(s.clone_dtoh(&out).unwrap(), [8, 7, 6, 5, 4, 3, 2, 1]);
     s.memset_zeros(&mut out).unwrap();
@@ -147,7 +152,10 @@ fn only_pinned_host_memory_may_be_copied_in_a_capture() {
 
     // SAFETY: written before the copy reads it.
     let mut pinned = unsafe { s.context().alloc_pinned::<u32>(4) }.unwrap();
-    pinned.as_mut_slice().unwrap().copy_from_slice(&[9, 9, 9, 9]);
+    pinned
+        .as_mut_slice()
+        .unwrap()
+        .copy_from_slice(&[9, 9, 9, 9]);
     let host: *const u32 = pinned.as_slice().unwrap().as_ptr();
     let (dst, _record) = dev.device_ptr_mut(&s);
     s.begin_capture(MODE).unwrap();
@@ -155,12 +163,19 @@ fn only_pinned_host_memory_may_be_copied_in_a_capture() {
     // outside the capture); the driver call itself is what a capture takes.
     // SAFETY: 4 u32 of pinned memory into a 4-u32 allocation.
     unsafe {
-        cudarc::driver::result::memcpy_htod_async(dst, std::slice::from_raw_parts(host, 4), s.cu_stream())
+        cudarc::driver::result::memcpy_htod_async(
+            dst,
+            std::slice::from_raw_parts(host, 4),
+            s.cu_stream(),
+        )
     }
     .unwrap();
     let graph = end(&s).unwrap().expect("a graph");
     // The node reads the pinned buffer when it runs, not when captured.
-    pinned.as_mut_slice().unwrap().copy_from_slice(&[1, 2, 3, 4]);
+    pinned
+        .as_mut_slice()
+        .unwrap()
+        .copy_from_slice(&[1, 2, 3, 4]);
     graph.launch().unwrap();
     drop(_record);
     assert_eq!(s.clone_dtoh(&dev).unwrap(), [1, 2, 3, 4]);

@@ -29,7 +29,9 @@
 //! of step s+1 (after s+1's forward and backward are queued) keeps the GPU
 //! busy while the host waits.
 
-use cudarc::driver::{CudaEvent, CudaSlice, DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg};
+use cudarc::driver::{
+    CudaEvent, CudaSlice, DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg,
+};
 use headroom_model::cuda::kernels as k;
 use headroom_model::cuda::params::{
     AdamWParams, AdamWScalars, FinalizeParams, StepState, SumSqParams,
@@ -87,8 +89,8 @@ impl FusedAdamW {
         let total: usize = blocks.iter().sum();
         let ctx = be.context();
         // SAFETY: written by set_schedule before every copy that reads it.
-        let scalars_host = unsafe { ctx.alloc_pinned::<AdamWScalars>(1) }
-            .map_err(driver("cuMemHostAlloc"))?;
+        let scalars_host =
+            unsafe { ctx.alloc_pinned::<AdamWScalars>(1) }.map_err(driver("cuMemHostAlloc"))?;
         Ok(Self {
             config,
             partials: be.alloc_zeros::<f64>(total.max(1))?,

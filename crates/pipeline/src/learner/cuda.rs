@@ -312,6 +312,7 @@ impl Learner for CudaLearner {
     }
 
     fn eval_batch(&mut self, batch: &Batch) -> Result<EvalResult> {
+        self.graphs.forget();
         let classes = self.network.num_classes();
         let mut result = EvalResult {
             loss_sum: 0.0,
@@ -340,6 +341,7 @@ impl Learner for CudaLearner {
     }
 
     fn eval_probabilities(&mut self, batch: &Batch) -> Result<Vec<f32>> {
+        self.graphs.forget();
         let classes = self.network.num_classes();
         let mut probabilities = Vec::with_capacity(batch.len() * classes);
         for part in batch.micro_batches(self.micro_batch) {
@@ -408,6 +410,7 @@ impl Learner for CudaLearner {
     }
 
     fn measure_step_peak(&mut self, micro_batch: usize) -> Result<u64> {
+        self.graphs.forget();
         let be = &self.be;
         let before = be.memory_stats().in_use_bytes;
         be.reset_peak();

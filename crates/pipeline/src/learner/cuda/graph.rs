@@ -20,6 +20,10 @@
 //! - No host synchronisation inside. The verdict, loss and correct count
 //!   are read after the launch, as the eager step reads them.
 //!
+//! The graph is dropped before evaluation (and dry runs, and cache
+//! releases), so that a run's peak memory is what it is without graphs; the
+//! first step after captures again.
+//!
 //! A step is captured only after one eager step of the same shape (kernels
 //! compiled and loaded, cuBLAS warmed up). Mixup/CutMix batches, split
 //! batches (micro-batches) and the last, smaller batch of an epoch run
@@ -80,7 +84,10 @@ impl Graphs {
         }
     }
 
-    /// Drops the captured step (and its memory), keeping graphs on.
+    /// Drops the captured step (and its memory), keeping graphs on: before
+    /// evaluation and dry runs, whose own working sets then have the room
+    /// the step had (as in an eager run), and when memory is released. The
+    /// next step of the same shape captures again.
     pub fn forget(&mut self) {
         self.step = None;
     }
@@ -189,8 +196,9 @@ impl CudaLearner {
             Some(set) if key.recipes => {
                 // SAFETY: `input` holds 8 bytes a sample (capture sized it)
                 // and device allocations are aligned far beyond 4 bytes.
-                let words = unsafe { input.slice.transmute::<u32>(2 * n) }
-                    .ok_or_else(|| PipelineError::value("device.graphs", "recipe buffer too small"))?;
+                let words = unsafe { input.slice.transmute::<u32>(2 * n) }.ok_or_else(|| {
+                    PipelineError::value("device.graphs", "recipe buffer too small")
+                })?;
                 cuda(set.gather(be, &words, n, mean, std))?
             }
             _ => cuda(ops::normalize_u8(
