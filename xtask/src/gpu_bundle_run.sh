@@ -129,6 +129,8 @@ if wants bench; then
     # torch.compile) on this GPU, batch 128 and 512.
     step bench "$XTASK" bench --device cuda --compare-torch --steps 50 --json
     step bench-table "$XTASK" bench --device cuda --compare-torch --steps 50
+    # What CUDA graphs give: the same step launched kernel by kernel.
+    step bench-no-graphs "$XTASK" bench --device cuda --steps 50 --set device.graphs=false
 fi
 
 python3 - "$OUT" <<'EOF'
@@ -189,6 +191,7 @@ lines += ["", "whole default job, wall seconds: " + ", ".join(f"{k} {v:.1f}" for
 if isinstance(report.get("torch_job"), dict):
     lines += [f'pytorch test accuracy {100 * report["torch_job"]["test_accuracy"]:.2f}%']
 lines += ["", read("bench-table.log").strip()]
+lines += ["", "without CUDA graphs (device.graphs=false):", read("bench-no-graphs.log").strip()]
 open(os.path.join(out, "summary.txt"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
