@@ -41,7 +41,31 @@ impl Default for AdamWConfig {
     }
 }
 
+/// The per-step factors of AdamW at learning rate `lr` and applied step `t`
+/// (PyTorch's, computed in f64): the CPU step and the fused GPU kernel use
+/// the same ones.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct StepFactors {
+    /// 1 - lr · weight_decay (for parameters that decay).
+    pub decay_factor: f32,
+    /// -lr / (1 - β1^t).
+    pub neg_step_size: f32,
+    /// √(1 - β2^t).
+    pub bias_correction2_sqrt: f32,
+}
+
 impl AdamWConfig {
+    pub(crate) fn step_factors(&self, lr: f32, t: u64) -> StepFactors {
+        let t = t as f64;
+        let bias_correction1 = 1.0 - (self.beta1 as f64).powf(t);
+        let bias_correction2 = 1.0 - (self.beta2 as f64).powf(t);
+        StepFactors {
+            decay_factor: (1.0 - lr as f64 * self.weight_decay as f64) as f32,
+            neg_step_size: (-(lr as f64) / bias_correction1) as f32,
+            bias_correction2_sqrt: bias_correction2.sqrt() as f32,
+        }
+    }
+
     /// β1, β2 in [0, 1); ε > 0; weight_decay ≥ 0; all finite.
     pub fn validate(&self) -> Result<(), OptimError> {
         let b1 = self.beta1;
@@ -136,12 +160,11 @@ impl AdamW {
 
         self.step += 1;
         let c = &self.config;
-        let t = self.step as f64;
-        let bias_correction1 = 1.0 - (c.beta1 as f64).powf(t);
-        let bias_correction2 = 1.0 - (c.beta2 as f64).powf(t);
-        let neg_step_size = (-(lr as f64) / bias_correction1) as f32;
-        let bias_correction2_sqrt = bias_correction2.sqrt() as f32;
-        let decay_factor = (1.0 - lr as f64 * c.weight_decay as f64) as f32;
+        let StepFactors {
+            decay_factor,
+            neg_step_size,
+            bias_correction2_sqrt,
+        } = c.step_factors(lr, self.step);
         let one_minus_beta1 = 1.0 - c.beta1;
         let (beta2, one_minus_beta2, eps) = (c.beta2, 1.0 - c.beta2, c.eps);
 

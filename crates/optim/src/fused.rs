@@ -16,7 +16,7 @@
 //! unscale + clip, moments, master update, f16 write-back; optionally zeroes
 //! the gradients). The arithmetic is headroom-optim's `AdamW::step` and
 //! `clip_grad_norm` (PyTorch semantics); the scalar factors are computed here
-//! in f64 exactly as there.
+//! in f64 by the same code (`AdamWConfig::step_factors`).
 //!
 //! The learning rate and `t` (the index of this step among APPLIED steps,
 //! from 1) reach the kernel through device memory (`set_schedule`, a pinned
@@ -130,7 +130,7 @@ impl FusedAdamW {
     /// Copies the factors of learning rate `lr` at applied step `t` (from 1)
     /// to the device, on the compute stream, for the next step's kernels
     /// (queued by `enqueue`, or replayed by a captured graph). The factors
-    /// are computed in f64 as in adamw.rs (PyTorch's).
+    /// are the CPU AdamW's (`AdamWConfig::step_factors`).
     pub fn set_schedule(&mut self, be: &CudaBackend, lr: f32, t: u64) -> Result<()> {
         if !(lr.is_finite() && lr >= 0.0 && t >= 1) {
             return Err(OptimError::from(CudaError::Unsupported {
@@ -138,14 +138,11 @@ impl FusedAdamW {
                 reason: format!("needs a finite lr ≥ 0 and t ≥ 1; got {lr}, {t}"),
             }));
         }
-        let h = &self.config;
-        let tf = t as f64;
-        let bias_correction1 = 1.0 - (h.beta1 as f64).powf(tf);
-        let bias_correction2 = 1.0 - (h.beta2 as f64).powf(tf);
+        let f = self.config.step_factors(lr, t);
         let scalars = AdamWScalars {
-            decay_factor: (1.0 - lr as f64 * h.weight_decay as f64) as f32,
-            neg_step_size: (-(lr as f64) / bias_correction1) as f32,
-            bias_correction2_sqrt: bias_correction2.sqrt() as f32,
+            decay_factor: f.decay_factor,
+            neg_step_size: f.neg_step_size,
+            bias_correction2_sqrt: f.bias_correction2_sqrt,
         };
         let stream = be.compute_stream();
         self.scalars_copied
