@@ -158,8 +158,15 @@ void run_gemm(const Gemm& g) {
 
 void run_gemm_node(void* g) { run_gemm(*static_cast<const Gemm*>(g)); }
 
-// Runs `g` now, or, when `stream` is capturing, records it into the graph
-// as a host node of the fake driver (which replays it in stream order).
+void run_gemm_once(void* g) {
+    run_gemm(*static_cast<const Gemm*>(g));
+    delete static_cast<Gemm*>(g);
+}
+
+// Queues `g` on `stream` as a host function of the fake driver, so that it
+// runs in stream order with the kernels around it (the driver's streams are
+// lazy); when `stream` is capturing, that host node is replayed with the
+// graph.
 cublasStatus_t enqueue(void* stream, const Gemm& g) {
     typedef int (*IsCapturing)(void*, int*);
     typedef int (*HostFunc)(void*, void (*)(void*), void*);
@@ -170,15 +177,14 @@ cublasStatus_t enqueue(void* stream, const Gemm& g) {
     if (is_capturing == nullptr || host_func == nullptr || is_capturing(stream, &status) != 0) {
         return CUBLAS_STATUS_NOT_INITIALIZED;
     }
-    if (status == 0) {
-        run_gemm(g);
-        return CUBLAS_STATUS_SUCCESS;
-    }
-    // Owned by the graph from here on; the emulator never frees a graph's
-    // host nodes' data (tests capture a handful of graphs).
     Gemm* node = new (std::nothrow) Gemm(g);
     if (node == nullptr) return CUBLAS_STATUS_ALLOC_FAILED;
-    return host_func(stream, &run_gemm_node, node) == 0 ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_SUPPORTED;
+    // A captured node is the graph's from here on; the emulator never frees
+    // a graph's host nodes' data (tests capture a handful of graphs).
+    void (*run)(void*) = status == 0 ? &run_gemm_once : &run_gemm_node;
+    if (host_func(stream, run, node) == 0) return CUBLAS_STATUS_SUCCESS;
+    if (status == 0) delete node;
+    return CUBLAS_STATUS_NOT_SUPPORTED;
 }
 }  // namespace
 

@@ -8,9 +8,16 @@
 //   launch and at free, so an out-of-bounds write fails the launch instead of
 //   corrupting the test silently; fresh memory is filled with 0xff bytes (NaN
 //   as f16 and f32) so a read of never-written memory shows up too.
-// - Streams execute synchronously on the calling thread: every async copy,
-//   memset, kernel and host function has completed when its call returns, so
-//   events and waits are trivially satisfied.
+// - Streams are lazy: async copies, memsets, kernels, frees, host functions
+//   and graph launches are queued on their stream and run, in order, on the
+//   thread that waits for them (stream, event or context synchronisation, a
+//   copy to pageable host memory, a synchronous free). A stream that waits on
+//   an event runs the recording stream up to that event first. So the host
+//   sees a result only after it has waited for it, as on a GPU: reading
+//   pinned memory before its copy's event, or rewriting a pinned buffer
+//   before the copy that reads it has run, gives the wrong bits here too.
+//   Launch arguments are copied at the launch; a kernel's out-of-bounds
+//   write is reported by the call that runs it (a synchronisation).
 // - Stream capture records instead of running: kernels (with copies of
 //   their arguments), copies, memsets, stream-ordered allocations and host
 //   functions become the nodes of a graph, which cuGraphLaunch replays in
@@ -35,7 +42,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <deque>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -487,13 +496,28 @@ struct Capture {
     std::set<CUdeviceptr> live;
 };
 
+// A stream's queued work. Shared with the events recorded on it and the
+// streams waiting on those, so that they outlive the stream's handle.
+struct Queue {
+    std::recursive_mutex lock;
+    std::deque<std::function<CUresult()>> pending;
+    unsigned long long enqueued = 0;  // operations ever queued
+    unsigned long long done = 0;      // operations run
+};
+
 struct Stream {
     unsigned int flags;
     Capture* capture = nullptr;
+    std::shared_ptr<Queue> queue = std::make_shared<Queue>();
 };
 struct Event {
-    std::chrono::steady_clock::time_point at;
-    bool recorded;
+    // When the recorded point of its stream ran.
+    std::shared_ptr<std::chrono::steady_clock::time_point> at =
+        std::make_shared<std::chrono::steady_clock::time_point>(std::chrono::steady_clock::now());
+    // The queue it was last recorded on and that record's position in it
+    // (null: recorded on the legacy stream, complete).
+    std::shared_ptr<Queue> queue;
+    unsigned long long seq = 0;
     // The capture whose stream recorded it last, or null.
     const Capture* captured = nullptr;
 };
@@ -528,6 +552,76 @@ CUresult refuse_while_capturing(const char* what) {
 // Records `node` into the capture of `s`.
 CUresult record(Stream* s, std::function<CUresult()> node) {
     s->capture->graph->nodes.push_back(std::move(node));
+    return CUDA_SUCCESS;
+}
+
+// Runs the work of `q` up to its operation number `upto`, in order; the
+// first failure is returned once all of it has run.
+CUresult run_until(Queue& q, unsigned long long upto) {
+    std::lock_guard<std::recursive_mutex> g(q.lock);
+    CUresult first = CUDA_SUCCESS;
+    while (q.done < upto && !q.pending.empty()) {
+        std::function<CUresult()> node = std::move(q.pending.front());
+        q.pending.pop_front();
+        ++q.done;
+        const CUresult rc = node();
+        if (first == CUDA_SUCCESS) first = rc;
+    }
+    return first;
+}
+
+CUresult run_all(Queue& q) {
+    unsigned long long upto;
+    {
+        std::lock_guard<std::recursive_mutex> g(q.lock);
+        upto = q.enqueued;
+    }
+    return run_until(q, upto);
+}
+
+// Every stream's queue (the context's work).
+std::mutex g_queues_lock;
+std::vector<std::weak_ptr<Queue>>& queues() {
+    static std::vector<std::weak_ptr<Queue>> q;
+    return q;
+}
+
+void register_queue(const std::shared_ptr<Queue>& q) {
+    std::lock_guard<std::mutex> g(g_queues_lock);
+    auto& all = queues();
+    all.erase(std::remove_if(all.begin(), all.end(), [](const std::weak_ptr<Queue>& w) { return w.expired(); }),
+              all.end());
+    all.push_back(q);
+}
+
+// Runs the queued work of every stream (context synchronisation).
+CUresult run_everything() {
+    std::vector<std::shared_ptr<Queue>> live;
+    {
+        std::lock_guard<std::mutex> g(g_queues_lock);
+        for (auto& w : queues()) {
+            if (auto q = w.lock()) live.push_back(std::move(q));
+        }
+    }
+    CUresult first = CUDA_SUCCESS;
+    for (auto& q : live) {
+        const CUresult rc = run_all(*q);
+        if (first == CUDA_SUCCESS) first = rc;
+    }
+    return first;
+}
+
+// Queues `node` on `s`: recorded when `s` is capturing; run now, after all
+// queued work, on the legacy stream (which synchronises with the others).
+CUresult enqueue(Stream* s, std::function<CUresult()> node) {
+    if (capturing(s)) return record(s, std::move(node));
+    if (s == nullptr) {
+        const CUresult rc = run_everything();
+        return rc != CUDA_SUCCESS ? rc : node();
+    }
+    std::lock_guard<std::recursive_mutex> g(s->queue->lock);
+    s->queue->pending.push_back(std::move(node));
+    ++s->queue->enqueued;
     return CUDA_SUCCESS;
 }
 struct Module {
@@ -684,7 +778,10 @@ EXPORT CUresult cuCtxSetCurrent(Context* ctx) {
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuCtxSynchronize() { return refuse_while_capturing("cuCtxSynchronize"); }
+EXPORT CUresult cuCtxSynchronize() {
+    const CUresult rc = refuse_while_capturing("cuCtxSynchronize");
+    return rc != CUDA_SUCCESS ? rc : run_everything();
+}
 EXPORT CUresult cuCtxSetFlags(unsigned int) { return CUDA_SUCCESS; }
 
 EXPORT CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
@@ -694,31 +791,37 @@ EXPORT CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
 }
 
 // ---------------------------------------------------------------------------
-// Streams and events (synchronous: work is done when it is enqueued)
+// Streams and events (lazy: work runs when something waits for it)
 
 EXPORT CUresult cuStreamCreate(Stream** s, unsigned int flags) {
     if (s == nullptr) return CUDA_ERROR_INVALID_VALUE;
     *s = new (std::nothrow) Stream{flags};
-    return *s != nullptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    if (*s == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+    register_queue((*s)->queue);
+    return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuStreamCreateWithPriority(Stream** s, unsigned int flags, int) {
     return cuStreamCreate(s, flags);
 }
 
+// A destroyed stream's queued work still runs (as on a GPU): here, now.
 EXPORT CUresult cuStreamDestroy_v2(Stream* s) {
     if (capturing(s)) return CUDA_ERROR_ILLEGAL_STATE;
+    const CUresult rc = s != nullptr ? run_all(*s->queue) : CUDA_SUCCESS;
     delete s;
-    return CUDA_SUCCESS;
+    return rc;
 }
 
 EXPORT CUresult cuStreamSynchronize(Stream* s) {
     if (capturing(s)) return invalidate(s, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "cuStreamSynchronize");
-    return CUDA_SUCCESS;
+    return s != nullptr ? run_all(*s->queue) : run_everything();
 }
+// Done once asked: the queued work runs, rather than answering "not ready"
+// to a host that may poll without ever synchronising.
 EXPORT CUresult cuStreamQuery(Stream* s) {
     if (capturing(s)) return invalidate(s, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "cuStreamQuery");
-    return CUDA_SUCCESS;
+    return s != nullptr ? run_all(*s->queue) : run_everything();
 }
 EXPORT CUresult cuStreamWaitEvent(Stream* s, Event* e, unsigned int) {
     if (e == nullptr) return CUDA_ERROR_INVALID_HANDLE;
@@ -732,7 +835,14 @@ EXPORT CUresult cuStreamWaitEvent(Stream* s, Event* e, unsigned int) {
                      "(not emulated)\n");
         return CUDA_ERROR_STREAM_CAPTURE_ISOLATION;
     }
-    return CUDA_SUCCESS;
+    if (capturing(s) || e->queue == nullptr || (s != nullptr && e->queue == s->queue)) {
+        return CUDA_SUCCESS;  // captured, complete, or in order already
+    }
+    // The recording stream's work up to the event runs before what `s`
+    // queues next.
+    std::shared_ptr<Queue> source = e->queue;
+    const unsigned long long seq = e->seq;
+    return enqueue(s, [source, seq] { return run_until(*source, seq); });
 }
 
 EXPORT CUresult cuStreamIsCapturing(Stream* s, int* status) {
@@ -787,11 +897,15 @@ EXPORT CUresult cuGraphInstantiateWithFlags(GraphExec** exec, Graph* graph, unsi
 EXPORT CUresult cuGraphLaunch(GraphExec* exec, Stream* s) {
     if (exec == nullptr) return CUDA_ERROR_INVALID_HANDLE;
     if (capturing(s)) return invalidate(s, CUDA_ERROR_NOT_SUPPORTED, "a graph launch (child graphs are not emulated)");
-    for (auto& node : exec->data->nodes) {
-        const CUresult rc = node();
-        if (rc != CUDA_SUCCESS) return rc;
-    }
-    return CUDA_SUCCESS;
+    // The launch keeps the graph alive until it has run.
+    std::shared_ptr<GraphData> data = exec->data;
+    return enqueue(s, [data] {
+        for (auto& node : data->nodes) {
+            const CUresult rc = node();
+            if (rc != CUDA_SUCCESS) return rc;
+        }
+        return (CUresult)CUDA_SUCCESS;
+    });
 }
 
 EXPORT CUresult cuGraphUpload(GraphExec* exec, Stream*) {
@@ -810,7 +924,7 @@ EXPORT CUresult cuGraphDestroy(Graph* graph) {
 
 EXPORT CUresult cuEventCreate(Event** e, unsigned int) {
     if (e == nullptr) return CUDA_ERROR_INVALID_VALUE;
-    *e = new (std::nothrow) Event{std::chrono::steady_clock::now(), false};
+    *e = new (std::nothrow) Event();
     return *e != nullptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 
@@ -826,23 +940,38 @@ EXPORT CUresult cuEventRecord(Event* e, Stream* s) {
         return CUDA_SUCCESS;
     }
     e->captured = nullptr;
-    e->at = std::chrono::steady_clock::now();
-    e->recorded = true;
-    return CUDA_SUCCESS;
+    // A fresh time point: a record still queued under an earlier one keeps
+    // its own.
+    auto at = std::make_shared<std::chrono::steady_clock::time_point>();
+    e->at = at;
+    const CUresult rc = enqueue(s, [at] {
+        *at = std::chrono::steady_clock::now();
+        return (CUresult)CUDA_SUCCESS;
+    });
+    if (s == nullptr) {
+        e->queue = nullptr;
+    } else {
+        std::lock_guard<std::recursive_mutex> g(s->queue->lock);
+        e->queue = s->queue;
+        e->seq = s->queue->enqueued;
+    }
+    return rc;
 }
 
-EXPORT CUresult cuEventQuery(Event* e) {
-    if (e != nullptr && e->captured != nullptr) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    return CUDA_SUCCESS;
+// Runs the recording stream up to the event.
+CUresult reach(Event* e) {
+    if (e == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+    if (e->captured != nullptr) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    return e->queue != nullptr ? run_until(*e->queue, e->seq) : CUDA_SUCCESS;
 }
-EXPORT CUresult cuEventSynchronize(Event* e) {
-    if (e != nullptr && e->captured != nullptr) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    return CUDA_SUCCESS;
-}
+
+// As cuStreamQuery: complete once asked.
+EXPORT CUresult cuEventQuery(Event* e) { return reach(e); }
+EXPORT CUresult cuEventSynchronize(Event* e) { return reach(e); }
 
 EXPORT CUresult cuEventElapsedTime(float* ms, Event* start, Event* end) {
     if (ms == nullptr || start == nullptr || end == nullptr) return CUDA_ERROR_INVALID_VALUE;
-    *ms = std::chrono::duration<float, std::milli>(end->at - start->at).count();
+    *ms = std::chrono::duration<float, std::milli>(*end->at - *start->at).count();
     return CUDA_SUCCESS;
 }
 
@@ -854,14 +983,10 @@ typedef void (*CUhostFn)(void*);
 
 EXPORT CUresult cuLaunchHostFunc(Stream* s, CUhostFn fn, void* data) {
     if (fn == nullptr) return CUDA_ERROR_INVALID_VALUE;
-    if (capturing(s)) {
-        return record(s, [fn, data] {
-            fn(data);
-            return (CUresult)CUDA_SUCCESS;
-        });
-    }
-    fn(data);
-    return CUDA_SUCCESS;
+    return enqueue(s, [fn, data] {
+        fn(data);
+        return (CUresult)CUDA_SUCCESS;
+    });
 }
 
 // ---------------------------------------------------------------------------
@@ -871,8 +996,10 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* p, std::size_t bytes) {
     const CUresult rc = refuse_while_capturing("cuMemAlloc");
     return rc != CUDA_SUCCESS ? rc : mem_alloc(p, bytes);
 }
+// Synchronous, as cuMemFree is: queued work that may use `p` runs first.
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
-    const CUresult rc = refuse_while_capturing("cuMemFree");
+    CUresult rc = refuse_while_capturing("cuMemFree");
+    if (rc == CUDA_SUCCESS) rc = run_everything();
     return rc != CUDA_SUCCESS ? rc : mem_free(p);
 }
 EXPORT CUresult cuMemAllocAsync(CUdeviceptr* p, std::size_t bytes, Stream* s) {
@@ -891,7 +1018,7 @@ EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr* p, std::size_t bytes, MemPo
     return cuMemAllocAsync(p, bytes, s);
 }
 EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, Stream* s) {
-    if (!capturing(s)) return mem_free(p);
+    if (!capturing(s)) return enqueue(s, [p] { return mem_free(p); });
     if (s->capture->live.erase(p) == 0) {
         return invalidate(s, CUDA_ERROR_INVALID_VALUE,
                           "cuMemFreeAsync of memory the capture did not allocate");
@@ -937,7 +1064,8 @@ EXPORT CUresult cuMemHostAlloc(void** p, std::size_t bytes, unsigned int) {
 }
 
 EXPORT CUresult cuMemFreeHost(void* p) {
-    const CUresult rc = refuse_while_capturing("cuMemFreeHost");
+    CUresult rc = refuse_while_capturing("cuMemFreeHost");
+    if (rc == CUDA_SUCCESS) rc = run_everything();  // synchronous, as in CUDA
     if (rc != CUDA_SUCCESS) return rc;
     {
         std::lock_guard<std::mutex> g(g_pinned_lock);
@@ -958,27 +1086,47 @@ static CUresult copy_checked(void* dst, const void* src, std::size_t n, bool dst
     return CUDA_SUCCESS;
 }
 
-// A copy on stream `s`: done now, or recorded when `s` is capturing (where
-// host memory must be pinned, as CUDA requires of graph memcpy nodes).
+// A copy on stream `s`: queued, or recorded when `s` is capturing (where
+// host memory must be pinned, as CUDA requires of graph memcpy nodes). Pinned
+// host memory is read or written when the copy runs. Pageable memory is
+// handled as CUDA does: a copy to it returns once done; a copy from it has
+// taken the bytes when it returns.
 CUresult copy_on(Stream* s, void* dst, const void* src, std::size_t n, bool dst_dev, bool src_dev) {
-    if (!capturing(s)) return copy_checked(dst, src, n, dst_dev, src_dev);
-    if ((!dst_dev && !is_pinned(dst, n)) || (!src_dev && !is_pinned(src, n))) {
-        return invalidate(s, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "a copy to or from pageable host memory");
+    const bool dst_pageable = !dst_dev && !is_pinned(dst, n);
+    const bool src_pageable = !src_dev && !is_pinned(src, n);
+    if (capturing(s)) {
+        if (dst_pageable || src_pageable) {
+            return invalidate(s, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "a copy to or from pageable host memory");
+        }
+        return record(s, [=] { return copy_checked(dst, src, n, dst_dev, src_dev); });
     }
-    return record(s, [=] { return copy_checked(dst, src, n, dst_dev, src_dev); });
+    if (dst_pageable) {
+        const CUresult rc = s != nullptr ? run_all(*s->queue) : run_everything();
+        return rc != CUDA_SUCCESS ? rc : copy_checked(dst, src, n, dst_dev, src_dev);
+    }
+    if (src_pageable) {
+        auto bytes = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
+                                                         static_cast<const char*>(src) + n);
+        return enqueue(s, [=] { return copy_checked(dst, bytes->data(), n, dst_dev, false); });
+    }
+    return enqueue(s, [=] { return copy_checked(dst, src, n, dst_dev, src_dev); });
+}
+
+// The synchronous copies: after all queued work (as the legacy stream).
+CUresult copy_now(const char* what, void* dst, const void* src, std::size_t n, bool dst_dev, bool src_dev) {
+    CUresult rc = refuse_while_capturing(what);
+    if (rc == CUDA_SUCCESS) rc = run_everything();
+    return rc != CUDA_SUCCESS ? rc : copy_checked(dst, src, n, dst_dev, src_dev);
 }
 
 EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, std::size_t n) {
-    const CUresult rc = refuse_while_capturing("cuMemcpyHtoD");
-    return rc != CUDA_SUCCESS ? rc : copy_checked((void*)dst, src, n, true, false);
+    return copy_now("cuMemcpyHtoD", (void*)dst, src, n, true, false);
 }
 EXPORT CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, std::size_t n) {
-    const CUresult rc = refuse_while_capturing("cuMemcpyDtoH");
-    return rc != CUDA_SUCCESS ? rc : copy_checked(dst, (const void*)src, n, false, true);
+    return copy_now("cuMemcpyDtoH", dst, (const void*)src, n, false, true);
 }
 EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, std::size_t n) {
-    const CUresult rc = refuse_while_capturing("cuMemcpyDtoD");
-    return rc != CUDA_SUCCESS ? rc : copy_checked((void*)dst, (const void*)src, n, true, true);
+    return copy_now("cuMemcpyDtoD", (void*)dst, (const void*)src, n, true, true);
 }
 EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, std::size_t n, Stream* s) {
     return copy_on(s, (void*)dst, src, n, true, false);
@@ -1005,20 +1153,20 @@ CUresult memset32(CUdeviceptr dst, unsigned int v, std::size_t n) {
 }
 
 EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, std::size_t n) {
-    const CUresult rc = refuse_while_capturing("cuMemsetD8");
+    CUresult rc = refuse_while_capturing("cuMemsetD8");
+    if (rc == CUDA_SUCCESS) rc = run_everything();
     return rc != CUDA_SUCCESS ? rc : memset8(dst, v, n);
 }
 EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, std::size_t n, Stream* s) {
-    if (capturing(s)) return record(s, [=] { return memset8(dst, v, n); });
-    return memset8(dst, v, n);
+    return enqueue(s, [=] { return memset8(dst, v, n); });
 }
 EXPORT CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned int v, std::size_t n) {
-    const CUresult rc = refuse_while_capturing("cuMemsetD32");
+    CUresult rc = refuse_while_capturing("cuMemsetD32");
+    if (rc == CUDA_SUCCESS) rc = run_everything();
     return rc != CUDA_SUCCESS ? rc : memset32(dst, v, n);
 }
 EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int v, std::size_t n, Stream* s) {
-    if (capturing(s)) return record(s, [=] { return memset32(dst, v, n); });
-    return memset32(dst, v, n);
+    return enqueue(s, [=] { return memset32(dst, v, n); });
 }
 
 // The stream-ordered pool: allocations are immediate, so nothing is cached;
@@ -1154,14 +1302,13 @@ EXPORT CUresult cuLaunchKernel(const hr_emu::KernelEntry* f, unsigned int gx, un
     const unsigned long long threads = (unsigned long long)bx * by * bz;
     if (gx == 0 || gy == 0 || gz == 0 || threads == 0 || bz > 64) return CUDA_ERROR_INVALID_VALUE;
     if (threads > kMaxThreads || shared_bytes > 48 * 1024) return CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
-    if (!capturing(stream)) return launch_now(f, gx, gy, gz, bx, by, bz, params);
-    // A kernel node keeps copies of the argument values.
+    // Queued or captured work keeps copies of the argument values.
     auto args = std::make_shared<std::vector<std::vector<char>>>();
     for (unsigned int i = 0; i < f->arity; ++i) {
         const char* p = static_cast<const char*>(params[i]);
         args->emplace_back(p, p + f->arg_bytes[i]);
     }
-    return record(stream, [=] {
+    return enqueue(stream, [=] {
         std::vector<void*> ptrs;
         for (auto& a : *args) ptrs.push_back(a.data());
         return launch_now(f, gx, gy, gz, bx, by, bz, ptrs.data());

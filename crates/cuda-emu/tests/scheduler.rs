@@ -153,7 +153,9 @@ fn a_barrier_shuffle_deadlock_is_a_launch_error() {
     let mut b = s.launch_builder(&f);
     b.arg(&mut out);
     // SAFETY: 32 threads, 32 elements.
-    let err = unsafe { b.launch(cfg(1, (32, 1, 1))) }.unwrap_err();
+    unsafe { b.launch(cfg(1, (32, 1, 1))) }.unwrap();
+    // As on a GPU, a kernel's failure shows when the host waits for it.
+    let err = s.synchronize().unwrap_err();
     assert!(format!("{err:?}").contains("LAUNCH_FAILED"), "{err:?}");
 }
 
@@ -166,7 +168,8 @@ fn an_out_of_bounds_write_is_caught() {
     let mut b = s.launch_builder(&f);
     b.arg(&n).arg(&mut out);
     // SAFETY: deliberately not: the kernel writes element n of n. The write
-    // lands in the emulator's guard bytes, which the launch checks.
-    let err = unsafe { b.launch(cfg(1, (128, 1, 1))) }.unwrap_err();
+    // lands in the emulator's guard bytes, checked when the kernel has run.
+    unsafe { b.launch(cfg(1, (128, 1, 1))) }.unwrap();
+    let err = s.synchronize().unwrap_err();
     assert!(format!("{err:?}").contains("ILLEGAL_ADDRESS"), "{err:?}");
 }
