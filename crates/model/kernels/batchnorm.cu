@@ -14,6 +14,8 @@
 //   bn_apply           y = x*scale + shift (then ReLU if fused)
 //   bn_apply_add       y = relu(f16(x*scale + shift) + skip): a residual
 //                      block's last batch norm, its sum and the ReLU after it
+// After the optimizer: bn_running_restore puts back the running statistics
+// saved before the step when the step was skipped (StepState::skipped).
 // Eval forward: bn_eval_prepare (scale/shift from the running statistics),
 // then bn_apply or bn_apply_add.
 // Backward (g is dL/dy; with the fused ReLU, g' = y > 0 ? g : 0 where y is
@@ -317,5 +319,24 @@ extern "C" __global__ void bn_backward_apply(BnBackwardParams p, const hr_half* 
         const u32 c = i % p.channels;
         const float gv = bn_masked_grad(p.relu, g, y, i);
         dx[i] = f2h(coef_k[c] * gv + coef_b[c] * (h2f(x[i]) - mean[c]) + coef_d[c]);
+    }
+}
+
+struct BnRestoreParams {
+    u32 channels;
+};
+HR_CHECK_SIZE(BnRestoreParams, 4);
+
+extern "C" __global__ void bn_running_restore(BnRestoreParams p, const StepState* __restrict__ state,
+                                              const float* __restrict__ saved_mean,
+                                              const float* __restrict__ saved_var,
+                                              float* __restrict__ running_mean,
+                                              float* __restrict__ running_var) {
+    if (!state->skipped) {
+        return;
+    }
+    HR_FOR_EACH(c, p.channels) {
+        running_mean[c] = saved_mean[c];
+        running_var[c] = saved_var[c];
     }
 }

@@ -117,6 +117,28 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// The optimizer's verdict on a step, in device memory: written by
+// step_finalize (optim.cu), read by adamw_fused, by bn_running_restore
+// (batchnorm.cu, which undoes a skipped step's running statistics) and,
+// whenever it likes, by the host. It also carries the dynamic loss scaler's
+// state from step to step, so that no step waits for the host.
+struct StepState {
+    u32 skipped;           // found_inf or schedule_missed: nothing was applied
+    u32 found_inf;         // a gradient was inf or NaN
+    u32 schedule_missed;   // the host gave no learning rate for this t
+    float grad_norm;       // global L2 norm of the unscaled gradients
+    float clip_factor;     // the clip coefficient applied (1: not clipped)
+    float grad_factor;     // clip_factor / loss scale
+    float decay_factor;    // this step's AdamW factors (for its t)
+    float neg_step_size;
+    float bias_correction2_sqrt;
+    float next_scale;      // the loss scale of the next step
+    u32 clean_steps;       // clean steps since the scale last changed
+    u32 unused;
+    u64 applied;           // steps applied so far (AdamW's t of the last)
+};
+HR_CHECK_SIZE(StepState, 56);
+
 // Grid-stride loop over [0, n).
 #define HR_FOR_EACH(i, n)                                                   \
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < (n);           \

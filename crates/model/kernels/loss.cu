@@ -4,10 +4,12 @@
 //
 // Per row: row_loss = logsumexp(x) - sum_j t_j x_j (f32), row_correct = 1 if
 // the first maximum's index is the label (NaN never wins, as on the CPU), and
-// grad = (softmax(x) - t) * grad_scale in f16, where the caller passes
-// grad_scale = loss_scale / rows (mean over the batch, times the dynamic loss
-// scale). A non-finite logit gives a non-finite loss and gradient, which the
-// optimizer's inf/NaN check then sees. xent_reduce turns the per-row values
+// grad = (softmax(x) - t) * grad_scale in f16, with grad_scale =
+// loss_scale * share / rows: the mean over the batch, times the dynamic loss
+// scale (read from device memory, where the optimizer's step_finalize keeps
+// it), times this micro-batch's share of the batch. A non-finite logit gives
+// a non-finite loss and gradient, which the optimizer's inf/NaN check then
+// sees. xent_reduce turns the per-row values
 // into the batch mean and the correct count (one block, fixed order).
 #include "common.cuh"
 
@@ -15,7 +17,7 @@ struct XentParams {
     u32 rows;
     u32 classes;
     float smoothing;
-    float grad_scale;
+    float share;
 };
 HR_CHECK_SIZE(XentParams, 16);
 
@@ -23,6 +25,10 @@ struct XentReduceParams {
     u32 rows;
 };
 HR_CHECK_SIZE(XentReduceParams, 4);
+
+__device__ __forceinline__ float xent_grad_scale(const XentParams& p, const float* loss_scale) {
+    return (float)((double)(*loss_scale * p.share) / (double)p.rows);
+}
 
 // log(sum_j exp(x_j)) over one row of k f16 values, by the 32 lanes of a
 // warp (each lane's partial sums in index order, then the warp reduction):
@@ -40,7 +46,8 @@ __device__ __forceinline__ float row_logsumexp(const hr_half* x, u32 k, u32 lane
     return mx + logf(warp_sum(sum));
 }
 
-extern "C" __global__ void softmax_xent(XentParams p, const hr_half* __restrict__ logits,
+extern "C" __global__ void softmax_xent(XentParams p, const float* __restrict__ loss_scale,
+                                        const hr_half* __restrict__ logits,
                                         const u32* __restrict__ labels,
                                         float* __restrict__ row_loss,
                                         u32* __restrict__ row_correct,
@@ -51,6 +58,7 @@ extern "C" __global__ void softmax_xent(XentParams p, const hr_half* __restrict_
         return;  // whole warps leave together: rows are warp-aligned
     }
     const u32 k = p.classes;
+    const float grad_scale = xent_grad_scale(p, loss_scale);
     const hr_half* x = logits + row * k;
     const u32 label = labels[row];
     const float off = p.smoothing / (float)k;
@@ -69,7 +77,7 @@ extern "C" __global__ void softmax_xent(XentParams p, const hr_half* __restrict_
     for (u32 j = lane; j < k; j += 32) {
         const float prob = expf(h2f(x[j]) - lse);
         const float t = j == label ? on : off;
-        grad[row * k + j] = f2h(valid ? (prob - t) * p.grad_scale : __int_as_float(0x7fc00000));
+        grad[row * k + j] = f2h(valid ? (prob - t) * grad_scale : __int_as_float(0x7fc00000));
     }
     if (lane == 0) {
         row_loss[row] = valid ? lse - dot : __int_as_float(0x7fc00000);
@@ -92,7 +100,8 @@ extern "C" __global__ void softmax_xent(XentParams p, const hr_half* __restrict_
 // row_loss = sum_j t_j (lse - x_j), grad = (mass * softmax(x) - t) *
 // grad_scale with mass = sum_j t_j, and row_correct = 1 where the first
 // maximum of the logits is the first maximum of the targets.
-extern "C" __global__ void softmax_xent_soft(XentParams p, const hr_half* __restrict__ logits,
+extern "C" __global__ void softmax_xent_soft(XentParams p, const float* __restrict__ loss_scale,
+                                             const hr_half* __restrict__ logits,
                                              const float* __restrict__ targets,
                                              float* __restrict__ row_loss,
                                              u32* __restrict__ row_correct,
@@ -103,6 +112,7 @@ extern "C" __global__ void softmax_xent_soft(XentParams p, const hr_half* __rest
         return;  // whole warps leave together: rows are warp-aligned
     }
     const u32 k = p.classes;
+    const float grad_scale = xent_grad_scale(p, loss_scale);
     const hr_half* x = logits + row * k;
     const float* t = targets + row * k;
 
@@ -117,7 +127,7 @@ extern "C" __global__ void softmax_xent_soft(XentParams p, const hr_half* __rest
 
     for (u32 j = lane; j < k; j += 32) {
         const float prob = expf(h2f(x[j]) - lse);
-        grad[row * k + j] = f2h((mass * prob - t[j]) * p.grad_scale);
+        grad[row * k + j] = f2h((mass * prob - t[j]) * grad_scale);
     }
     if (lane == 0) {
         row_loss[row] = mass * lse - dot;

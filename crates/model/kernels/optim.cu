@@ -3,34 +3,35 @@
 //   grad_sumsq      sum of squares of a range of f32 gradients (still
 //                   multiplied by the loss scale), one f64 partial per block
 //                   into partials[offset + blockIdx.x]
-//   step_finalize   one thread: sums the partials in order (f64), sets
-//                   found_inf if the sum is not finite, the global norm of the
-//                   UNSCALED gradients, the clip factor (PyTorch's
-//                   clip_grad_norm_: max_norm / (norm + 1e-6) when
-//                   norm > max_norm, as in headroom-optim's clip.rs) and the
-//                   factor that turns a stored gradient into the clipped,
-//                   unscaled one; writes them into a StepState in device memory
+//   step_finalize   one thread: the verdict, the step's factors and the
+//                   loss scaler, into the StepState (common.cuh):
+//                   - sums the partials in order (f64); found_inf if the sum
+//                     is not finite; the global norm of the UNSCALED
+//                     gradients; the clip factor (PyTorch's clip_grad_norm_:
+//                     max_norm / (norm + 1e-6) when norm > max_norm, as in
+//                     headroom-optim's clip.rs) and the factor that turns a
+//                     stored gradient into the clipped, unscaled one;
+//                   - picks the AdamW factors of this step's t from the
+//                     host's StepSchedule: the host queues a step before it
+//                     knows whether the steps still in flight were applied,
+//                     so it gives one candidate per possible count of applied
+//                     steps, and the device, which knows the count, picks;
+//                   - updates the dynamic loss scale as headroom-optim's
+//                     LossScaler::update does (halve on inf/NaN, grow after
+//                     growth_interval clean steps), in the StepState and in
+//                     the scale the next step's loss kernel reads.
 //   adamw_fused     per parameter group (a contiguous range of master
-//                   weights, gradients and moments): reads the StepState and
-//                   the step's AdamWScalars (lr and t, from the host); on
-//                   found_inf it changes nothing (the step is skipped); else
-//                   g = grad * factor, AdamW exactly as headroom-optim's
-//                   adamw.rs (PyTorch semantics), the f32 master update and the
-//                   f16 write-back of the compute copy. With zero_grad it also
-//                   clears the gradients (skipped step or not) for the next
-//                   accumulation.
+//                   weights, gradients and moments): on a skipped step it
+//                   changes nothing; else g = grad * factor, AdamW exactly as
+//                   headroom-optim's adamw.rs (PyTorch semantics), the f32
+//                   master update and the f16 write-back of the compute copy.
+//                   With zero_grad it also clears the gradients (skipped step
+//                   or not) for the next accumulation.
 //
-// The host reads the 16-byte StepState (the loss scaler's flag and the norm
-// for the logs) whenever it likes; the weights never depend on that read.
+// The host reads the StepState (the verdict, the norm and the scale for the
+// logs) whenever it likes, one step late or more; the weights never depend
+// on that read.
 #include "common.cuh"
-
-struct StepState {
-    u32 found_inf;
-    float grad_norm;
-    float clip_factor;
-    float grad_factor;
-};
-HR_CHECK_SIZE(StepState, 16);
 
 struct SumSqParams {
     u32 n;
@@ -38,12 +39,17 @@ struct SumSqParams {
 };
 HR_CHECK_SIZE(SumSqParams, 8);
 
+// Fixed for a run: the clip norm and the loss scaler's settings.
 struct FinalizeParams {
     u32 partials;
-    float inv_loss_scale;
     float max_norm;
+    float growth_factor;
+    float backoff_factor;
+    u32 growth_interval;
+    float min_scale;
+    float max_scale;
 };
-HR_CHECK_SIZE(FinalizeParams, 12);
+HR_CHECK_SIZE(FinalizeParams, 28);
 
 struct AdamWParams {
     u32 n;
@@ -56,15 +62,25 @@ struct AdamWParams {
 };
 HR_CHECK_SIZE(AdamWParams, 28);
 
-// What changes from step to step (the learning rate and t), in device
-// memory, written by the host before each step: a step captured into a CUDA
-// graph then replays with the values of the step it is launched for.
+// The factors of one learning rate at one t.
 struct AdamWScalars {
     float decay_factor;           // 1 - lr * weight_decay
     float neg_step_size;          // -lr / (1 - beta1^t)
     float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
 };
 HR_CHECK_SIZE(AdamWScalars, 12);
+
+// Written by the host before each step (a pinned copy on the stream): the
+// step that finds `applied` steps applied before it uses
+// at[applied - first_applied], its t being applied + 1.
+#define HR_SCHEDULE_CANDIDATES 4
+struct StepSchedule {
+    u64 first_applied;
+    u32 candidates;
+    u32 unused;
+    AdamWScalars at[HR_SCHEDULE_CANDIDATES];
+};
+HR_CHECK_SIZE(StepSchedule, 64);
 
 // Launch with 256 threads per block.
 extern "C" __global__ void grad_sumsq(SumSqParams p, const float* __restrict__ g,
@@ -88,18 +104,24 @@ extern "C" __global__ void grad_sumsq(SumSqParams p, const float* __restrict__ g
     }
 }
 
-// Launch with one thread.
+// Launch with one thread. `loss_scale` is the scale this step's gradients
+// carry; it is left holding the next step's.
 extern "C" __global__ void step_finalize(FinalizeParams p, const double* __restrict__ partials,
+                                         const StepSchedule* __restrict__ schedule,
+                                         float* __restrict__ loss_scale,
                                          StepState* __restrict__ state) {
     if (blockIdx.x != 0 || threadIdx.x != 0) {
         return;
     }
+    const StepState prev = *state;
+    const float scale = *loss_scale;
+    const float inv_loss_scale = 1.0f / scale;
     double sumsq = 0.0;
     for (u32 i = 0; i < p.partials; ++i) {
         sumsq += partials[i];
     }
-    StepState out;
-    const double norm = sqrt(sumsq) * (double)p.inv_loss_scale;
+    StepState out = prev;
+    const double norm = sqrt(sumsq) * (double)inv_loss_scale;
     out.found_inf = hr_isfinite_d(sumsq) && hr_isfinite((float)norm) ? 0u : 1u;
     out.grad_norm = (float)norm;
     double clip = 1.0;
@@ -107,20 +129,47 @@ extern "C" __global__ void step_finalize(FinalizeParams p, const double* __restr
         clip = (double)p.max_norm / (norm + 1e-6);
     }
     out.clip_factor = (float)clip;
-    out.grad_factor = (float)(clip * (double)p.inv_loss_scale);
+    out.grad_factor = (float)(clip * (double)inv_loss_scale);
+
+    const u64 j = prev.applied - schedule->first_applied;
+    out.schedule_missed =
+        prev.applied < schedule->first_applied || j >= (u64)schedule->candidates ? 1u : 0u;
+    if (!out.schedule_missed) {
+        const AdamWScalars f = schedule->at[j];
+        out.decay_factor = f.decay_factor;
+        out.neg_step_size = f.neg_step_size;
+        out.bias_correction2_sqrt = f.bias_correction2_sqrt;
+    }
+    out.skipped = out.found_inf | out.schedule_missed;
+
+    float next = scale;
+    if (out.schedule_missed) {
+        // A host bug, reported by the host; the scaler stays as it was.
+    } else if (out.found_inf) {
+        next = fmaxf(scale * p.backoff_factor, p.min_scale);
+        out.clean_steps = 0u;
+    } else {
+        out.applied = prev.applied + 1ull;
+        out.clean_steps = prev.clean_steps + 1u;
+        if (out.clean_steps >= p.growth_interval) {
+            next = fminf(scale * p.growth_factor, p.max_scale);
+            out.clean_steps = 0u;
+        }
+    }
+    out.next_scale = next;
+    *loss_scale = next;
     *state = out;
 }
 
-extern "C" __global__ void adamw_fused(AdamWParams p, const AdamWScalars* __restrict__ scalars,
-                                       const StepState* __restrict__ state,
+extern "C" __global__ void adamw_fused(AdamWParams p, const StepState* __restrict__ state,
                                        float* __restrict__ master, float* __restrict__ grad,
                                        float* __restrict__ m, float* __restrict__ v,
                                        hr_half* __restrict__ compute_copy) {
-    const bool skip = state->found_inf != 0u;
+    const bool skip = state->skipped != 0u;
     const float factor = state->grad_factor;
-    const float decay_factor = p.decay ? scalars->decay_factor : 1.0f;
-    const float neg_step_size = scalars->neg_step_size;
-    const float bias_correction2_sqrt = scalars->bias_correction2_sqrt;
+    const float decay_factor = p.decay ? state->decay_factor : 1.0f;
+    const float neg_step_size = state->neg_step_size;
+    const float bias_correction2_sqrt = state->bias_correction2_sqrt;
     HR_FOR_EACH(i, p.n) {
         if (!skip) {
             const float g = grad[i] * factor;

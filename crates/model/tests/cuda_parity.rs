@@ -30,6 +30,7 @@ use std::sync::{Mutex, MutexGuard, Once, OnceLock};
 use cudarc::driver::CudaSlice;
 use half::f16;
 use headroom_model::cuda::ops::{self, BatchNormConfig, ConvShape, CONV_SCRATCH_BYTES};
+use headroom_model::cuda::params::StepState;
 use headroom_model::cuda::{
     kernels, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, CudaTensor, DType,
     InputStaging, ParamGroup, ResidentImages,
@@ -41,6 +42,15 @@ use headroom_model::layers::{
 use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy};
 use headroom_model::{CheckpointPolicy, Layer, Mode, ModelSpec, Tensor};
 use headroom_optim::{AdamWConfig, FusedAdamW, LossScaler, LossScalerConfig, StepOutcome};
+
+/// A loss scaler that starts at `init_scale` and does not grow within a
+/// test.
+fn fixed_scaler(init_scale: f32) -> LossScalerConfig {
+    LossScalerConfig {
+        init_scale,
+        ..LossScalerConfig::default()
+    }
+}
 use serde::Deserialize;
 
 // ---------------------------------------------------------------------------
@@ -1101,18 +1111,22 @@ fn soft_target_cross_entropy_matches_the_cpu_loss() {
     )
     .unwrap();
     let targets_d = upload_f32(&be, &targets);
-    for loss_scale in [1.0f32, 1024.0] {
-        let out =
-            ops::soft_cross_entropy(&be, &upload(&be, &logits), &targets_d.as_view(), loss_scale)
-                .unwrap();
+    for (loss_scale, share) in [(1.0f32, 1.0f32), (1024.0, 0.25)] {
+        let scale_d = upload_f32(&be, &[loss_scale]);
+        let scale = ops::GradScale {
+            loss_scale: &scale_d,
+            share,
+        };
+        let out = ops::soft_cross_entropy(&be, &upload(&be, &logits), &targets_d.as_view(), scale)
+            .unwrap();
         let grad: Vec<f32> = out
             .grad
             .to_host(&be)
             .unwrap()
             .iter()
-            .map(|g| g / loss_scale)
+            .map(|g| g / (loss_scale * share))
             .collect();
-        let what = format!("soft xent scale={loss_scale}");
+        let what = format!("soft xent scale={loss_scale} share={share}");
         // f32 softmax vs f64, then one f16 rounding of the gradient.
         assert_close(&format!("{what} grad"), &grad, cpu.grad.data(), 2e-3, 1e-3);
         let (loss, correct) = out.read_summary(&be).unwrap();
@@ -1124,8 +1138,13 @@ fn soft_target_cross_entropy_matches_the_cpu_loss() {
         assert_eq!(correct as usize, cpu.correct, "{what}: correct");
     }
     let short = upload_f32(&be, &targets[..k]);
+    let one = upload_f32(&be, &[1.0]);
+    let unit = ops::GradScale {
+        loss_scale: &one,
+        share: 1.0,
+    };
     assert!(
-        ops::soft_cross_entropy(&be, &upload(&be, &logits), &short.as_view(), 1.0).is_err(),
+        ops::soft_cross_entropy(&be, &upload(&be, &logits), &short.as_view(), unit).is_err(),
         "the targets' length is checked"
     );
 }
@@ -1138,14 +1157,19 @@ fn softmax_cross_entropy_matches_the_cpu_loss() {
     let labels: Vec<u32> = (0..n as u32).map(|i| (i * 7 + 3) % k as u32).collect();
     let labels_d = ops::upload_labels(&be, &labels, k).unwrap();
     for smoothing in [0.0f32, 0.1] {
-        for loss_scale in [1.0f32, 1024.0] {
+        for (loss_scale, share) in [(1.0f32, 1.0f32), (1024.0, 0.25)] {
             let cpu = softmax_cross_entropy(&logits, &labels, smoothing).unwrap();
+            let scale_d = upload_f32(&be, &[loss_scale]);
+            let scale = ops::GradScale {
+                loss_scale: &scale_d,
+                share,
+            };
             let out = ops::softmax_cross_entropy(
                 &be,
                 &upload(&be, &logits),
                 &labels_d.slice.as_view(),
                 smoothing,
-                loss_scale,
+                scale,
             )
             .unwrap();
             let grad: Vec<f32> = out
@@ -1153,9 +1177,9 @@ fn softmax_cross_entropy_matches_the_cpu_loss() {
                 .to_host(&be)
                 .unwrap()
                 .iter()
-                .map(|g| g / loss_scale)
+                .map(|g| g / (loss_scale * share))
                 .collect();
-            let what = format!("xent s={smoothing} scale={loss_scale}");
+            let what = format!("xent s={smoothing} scale={loss_scale} share={share}");
             // f32 softmax vs f64, then one f16 rounding of the gradient.
             assert_close(&format!("{what} grad"), &grad, cpu.grad.data(), 2e-3, 1e-3);
             let (loss, correct) = out.read_summary(&be).unwrap();
@@ -1169,12 +1193,17 @@ fn softmax_cross_entropy_matches_the_cpu_loss() {
     }
     // A NaN logit gives a NaN loss (the inf/NaN check downstream sees it).
     logits.data_mut()[3] = f32::NAN;
+    let one = upload_f32(&be, &[1.0]);
+    let unit = ops::GradScale {
+        loss_scale: &one,
+        share: 1.0,
+    };
     let out = ops::softmax_cross_entropy(
         &be,
         &upload(&be, &logits),
         &labels_d.slice.as_view(),
         0.0,
-        1.0,
+        unit,
     )
     .unwrap();
     assert!(out.read_summary(&be).unwrap().0.is_nan());
@@ -1259,8 +1288,8 @@ fn fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling() {
         .iter()
         .map(|hg| ParamGroup::from_host(&be, hg.decay, &hg.p).unwrap())
         .collect();
-    let mut opt = FusedAdamW::new(&be, hyper.clone(), &groups).unwrap();
     let loss_scale = 1024.0f32;
+    let mut opt = FusedAdamW::new(&be, hyper.clone(), fixed_scaler(loss_scale), &groups).unwrap();
     for (step, (lr, max_norm)) in [(1e-2f32, 0.0f32), (5e-3, 1.0), (1e-3, 1e3)]
         .into_iter()
         .enumerate()
@@ -1280,10 +1309,12 @@ fn fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling() {
                 .unwrap();
         }
         let norm = reference_step(&mut host, &grads, &hyper, lr, t, max_norm);
-        opt.step(&be, &mut groups, lr, t, loss_scale, max_norm, true)
+        opt.step(&be, &mut groups, t - 1, lr, max_norm, true)
             .unwrap();
         let state = opt.read_state(&be).unwrap();
-        assert_eq!(state.found_inf, 0, "step {t}");
+        assert_eq!((state.found_inf, state.skipped), (0, 0), "step {t}");
+        assert_eq!(state.applied, t, "step {t}: t advances");
+        assert_eq!(state.next_scale, loss_scale, "step {t}: no growth");
         assert!(
             (state.grad_norm as f64 - norm).abs() <= 1e-5 * norm,
             "step {t}: norm {} vs {norm}",
@@ -1325,23 +1356,21 @@ fn an_inf_or_nan_gradient_skips_the_step_and_backs_off_the_scale() {
     let be = gpu_or_skip!();
     let values = random_vec(300, 600, 1.0);
     let mut groups = vec![ParamGroup::from_host(&be, true, &values).unwrap()];
-    let mut opt = FusedAdamW::new(&be, AdamWConfig::default(), &groups).unwrap();
-    let mut scaler = LossScaler::new(LossScalerConfig::default()).unwrap();
+    let config = LossScalerConfig::default();
+    let mut opt = FusedAdamW::new(&be, AdamWConfig::default(), config, &groups).unwrap();
+    let mut scaler = LossScaler::new(config).unwrap();
     for bad in [f32::INFINITY, f32::NAN] {
         let mut grads = random_vec(300, 601, 1.0);
         grads[17] = bad;
         be.compute_stream()
             .memcpy_htod(&grads, &mut groups[0].grad.slice)
             .unwrap();
-        let used = scaler.scale();
-        opt.step(&be, &mut groups, 1e-2, 1, used, 1.0, true)
-            .unwrap();
+        opt.step(&be, &mut groups, 0, 1e-2, 1.0, true).unwrap();
         let state = opt.read_state(&be).unwrap();
-        assert_eq!(state.found_inf, 1, "{bad}");
-        assert_eq!(
-            scaler.update(used, state.found_inf != 0),
-            StepOutcome::Skipped
-        );
+        assert_eq!((state.found_inf, state.skipped), (1, 1), "{bad}");
+        assert_eq!(scaler.update(true), StepOutcome::Skipped);
+        assert_eq!(state.next_scale, scaler.scale(), "{bad}: backed off");
+        assert_eq!(state.applied, 0, "{bad}: t does not advance");
         assert_eq!(
             groups[0].read_master(&be).unwrap(),
             values,
@@ -1360,6 +1389,205 @@ fn an_inf_or_nan_gradient_skips_the_step_and_backs_off_the_scale() {
         );
     }
     assert_eq!(scaler.scale(), 16_384.0, "halved twice");
+    assert_eq!(download(&be, opt.loss_scale()), [16_384.0]);
+}
+
+/// The loss scaler on the device (in step_finalize) against the reference
+/// `LossScaler`, over growth, back-off, the floor and the ceiling; the
+/// gradients are scaled by the device's scale as backward would leave them,
+/// so the norm also shows the kernel unscales by the scale it holds.
+#[test]
+fn the_device_loss_scaler_follows_the_reference_rule() {
+    let be = gpu_or_skip!();
+    let n = 64;
+    let values = random_vec(n, 610, 1.0);
+    let mut groups = vec![ParamGroup::from_host(&be, false, &values).unwrap()];
+    let config = LossScalerConfig {
+        init_scale: 4096.0,
+        growth_interval: 3,
+        min_scale: 1024.0,
+        max_scale: 16_384.0,
+        ..LossScalerConfig::default()
+    };
+    let mut opt = FusedAdamW::new(&be, AdamWConfig::default(), config, &groups).unwrap();
+    let mut reference = LossScaler::new(config).unwrap();
+    // Growth twice (to the ceiling), a third growth held at the ceiling,
+    // back-off to the floor and past it, then growth again.
+    let verdicts = "ccc ccc ccc i c i i i ccc c".replace(' ', "");
+    for (step, verdict) in verdicts.chars().enumerate() {
+        let overflow = verdict == 'i';
+        let grads = random_vec(n, 620 + step as u64, 0.5);
+        let scale = reference.scale();
+        let mut scaled: Vec<f32> = grads.iter().map(|g| g * scale).collect();
+        if overflow {
+            scaled[5] = f32::INFINITY;
+        }
+        be.compute_stream()
+            .memcpy_htod(&scaled, &mut groups[0].grad.slice)
+            .unwrap();
+        opt.step(&be, &mut groups, reference.applied_steps(), 1e-3, 0.0, true)
+            .unwrap();
+        let state = opt.read_state(&be).unwrap();
+        reference.update(overflow);
+        let what = format!("step {step} ({verdict})");
+        assert_eq!(state.found_inf, overflow as u32, "{what}");
+        assert_eq!(state.next_scale, reference.scale(), "{what}: scale");
+        assert_eq!(
+            state.clean_steps,
+            reference.state().clean_steps,
+            "{what}: clean steps"
+        );
+        assert_eq!(state.applied, reference.applied_steps(), "{what}: applied");
+        assert_eq!(
+            download(&be, opt.loss_scale()),
+            [reference.scale()],
+            "{what}"
+        );
+        if !overflow {
+            let norm = grads
+                .iter()
+                .map(|&g| g as f64 * g as f64)
+                .sum::<f64>()
+                .sqrt();
+            assert!(
+                (state.grad_norm as f64 - norm).abs() <= 1e-5 * norm,
+                "{what}: the norm of the unscaled gradients, {} vs {norm}",
+                state.grad_norm
+            );
+        }
+    }
+    assert_eq!(
+        reference.scale(),
+        2048.0,
+        "the sequence ends above the floor"
+    );
+}
+
+/// A step queued while the verdict of the one before is unknown gets one
+/// learning rate per count of applied steps it may find; the device picks
+/// by the count it holds, and a schedule without that count skips the step
+/// and says so.
+#[test]
+fn the_device_picks_the_learning_rate_of_the_t_it_finds() {
+    let be = gpu_or_skip!();
+    let n = 100;
+    let hyper = AdamWConfig {
+        weight_decay: 0.05,
+        ..AdamWConfig::default()
+    };
+    let mut host = vec![HostGroup {
+        p: random_vec(n, 630, 0.5),
+        m: vec![0.0; n],
+        v: vec![0.0; n],
+        decay: true,
+    }];
+    let mut groups = vec![ParamGroup::from_host(&be, true, &host[0].p).unwrap()];
+    let mut opt = FusedAdamW::new(&be, hyper.clone(), fixed_scaler(1.0), &groups).unwrap();
+    let put = |groups: &mut Vec<ParamGroup>, seed: u64, overflow: bool| {
+        let mut g = random_vec(n, seed, 0.2);
+        let clean = g.clone();
+        if overflow {
+            g[0] = f32::NAN;
+        }
+        be.compute_stream()
+            .memcpy_htod(&g, &mut groups[0].grad.slice)
+            .unwrap();
+        vec![clean]
+    };
+    // Step 1, applied (t = 1).
+    let grads = put(&mut groups, 640, false);
+    reference_step(&mut host, &grads, &hyper, 1e-2, 1, 0.0);
+    opt.set_schedule(&be, 0, &[1e-2]).unwrap();
+    opt.enqueue(&be, &mut groups, 0.0, true).unwrap();
+    // Step 2, queued as if step 1's verdict were unknown: candidates for 0
+    // and 1 applied steps; the device holds 1, so t = 2 at 5e-3.
+    let grads = put(&mut groups, 641, false);
+    reference_step(&mut host, &grads, &hyper, 5e-3, 2, 0.0);
+    opt.set_schedule(&be, 0, &[7e-2, 5e-3]).unwrap();
+    opt.enqueue(&be, &mut groups, 0.0, true).unwrap();
+    // Step 3 overflows: skipped, t stays 2.
+    put(&mut groups, 642, true);
+    opt.set_schedule(&be, 1, &[9e-2, 8e-2]).unwrap();
+    opt.enqueue(&be, &mut groups, 0.0, true).unwrap();
+    // Step 4: candidates from 1; the device holds 2 applied steps: t = 3.
+    let grads = put(&mut groups, 643, false);
+    reference_step(&mut host, &grads, &hyper, 2e-3, 3, 0.0);
+    opt.set_schedule(&be, 1, &[6e-2, 2e-3, 4e-2]).unwrap();
+    opt.enqueue(&be, &mut groups, 0.0, true).unwrap();
+    let state = opt.read_state(&be).unwrap();
+    assert_eq!((state.skipped, state.applied), (0, 3));
+    assert_close(
+        "weights after picked rates",
+        &groups[0].read_master(&be).unwrap(),
+        &host[0].p,
+        1e-5,
+        1e-6,
+    );
+    // A schedule that has no rate for 3 applied steps: skipped, nothing
+    // changes, the scaler included.
+    let before = groups[0].read_master(&be).unwrap();
+    put(&mut groups, 644, false);
+    opt.set_schedule(&be, 5, &[1e-2]).unwrap();
+    opt.enqueue(&be, &mut groups, 0.0, true).unwrap();
+    let state = opt.read_state(&be).unwrap();
+    assert_eq!(
+        (state.schedule_missed, state.skipped, state.found_inf),
+        (1, 1, 0)
+    );
+    assert_eq!((state.applied, state.next_scale), (3, 1.0));
+    assert_eq!(groups[0].read_master(&be).unwrap(), before);
+    assert!(
+        opt.set_schedule(&be, 0, &[1e-3; 5]).is_err(),
+        "at most 4 candidates"
+    );
+}
+
+#[test]
+fn running_statistics_are_put_back_only_after_a_skipped_step() {
+    let be = gpu_or_skip!();
+    let c = 300;
+    let saved = (random_vec(c, 650, 1.0), random_vec(c, 651, 1.0));
+    let live = (random_vec(c, 652, 1.0), random_vec(c, 653, 1.0));
+    let saved_d = (upload_f32(&be, &saved.0), upload_f32(&be, &saved.1));
+    for skipped in [0u32, 1] {
+        let verdict = be
+            .compute_stream()
+            .clone_htod(&[StepState {
+                skipped,
+                ..StepState::default()
+            }])
+            .unwrap();
+        let mut mean = upload_f32(&be, &live.0);
+        let mut var = upload_f32(&be, &live.1);
+        ops::batch_norm_restore_if_skipped(
+            &be,
+            &verdict,
+            (&saved_d.0, &saved_d.1),
+            &mut mean,
+            &mut var,
+        )
+        .unwrap();
+        let expected = if skipped == 1 { &saved } else { &live };
+        assert_eq!(download(&be, &mean), expected.0, "skipped = {skipped}");
+        assert_eq!(download(&be, &var), expected.1, "skipped = {skipped}");
+    }
+    let short = upload_f32(&be, &saved.0[..c - 1]);
+    let verdict = be
+        .compute_stream()
+        .clone_htod(&[StepState::default()])
+        .unwrap();
+    let (mut mean, mut var) = (upload_f32(&be, &live.0), upload_f32(&be, &live.1));
+    assert!(
+        ops::batch_norm_restore_if_skipped(
+            &be,
+            &verdict,
+            (&short, &saved_d.1),
+            &mut mean,
+            &mut var
+        )
+        .is_err(),
+        "lengths are checked"
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -2127,6 +2355,18 @@ const COVERAGE: &[(&str, &str)] = &[
     (
         "step_finalize",
         "an_inf_or_nan_gradient_skips_the_step_and_backs_off_the_scale",
+    ),
+    (
+        "step_finalize",
+        "the_device_loss_scaler_follows_the_reference_rule",
+    ),
+    (
+        "step_finalize",
+        "the_device_picks_the_learning_rate_of_the_t_it_finds",
+    ),
+    (
+        "bn_running_restore",
+        "running_statistics_are_put_back_only_after_a_skipped_step",
     ),
     (
         "adamw_fused",

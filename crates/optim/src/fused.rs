@@ -9,36 +9,40 @@
 //! parameter is a range of a group (`CudaSlice::slice`). Two groups (decay,
 //! no decay) cover a network.
 //!
-//! `FusedAdamW::step` enqueues, with no host synchronisation:
-//! `grad_sumsq` per group (partial sums of squares) → `step_finalize` (inf/NaN
-//! flag, global norm of the unscaled gradients, clip factor, into a device
-//! `StepState`) → `adamw_fused` per group (skips everything on inf/NaN; else
-//! unscale + clip, moments, master update, f16 write-back; optionally zeroes
-//! the gradients). The arithmetic is headroom-optim's `AdamW::step` and
-//! `clip_grad_norm` (PyTorch semantics); the scalar factors are computed here
-//! in f64 by the same code (`AdamWConfig::step_factors`).
+//! `FusedAdamW::enqueue` queues, with no host synchronisation:
+//! `grad_sumsq` per group (partial sums of squares) → `step_finalize` (the
+//! verdict: inf/NaN flag, global norm of the unscaled gradients, clip
+//! factor; the step's AdamW factors; the dynamic loss scale's update; all in
+//! a device `StepState`) → `adamw_fused` per group (skips everything on a
+//! skipped step; else unscale + clip, moments, master update, f16
+//! write-back; optionally zeroes the gradients). The arithmetic is
+//! headroom-optim's `AdamW::step`, `clip_grad_norm` and `LossScaler::update`
+//! (PyTorch semantics); the AdamW factors are computed on the host in f64 by
+//! the same code (`AdamWConfig::step_factors`).
 //!
-//! The learning rate and `t` (the index of this step among APPLIED steps,
-//! from 1) reach the kernel through device memory (`set_schedule`, a pinned
-//! copy on the compute stream), not as launch arguments: the launches
-//! `enqueue` makes are the same from step to step, so a training step can
-//! be captured into a CUDA graph and replayed. The host reads the
-//! `StepState` afterwards (`read_state`, or a copy into pinned memory) to
-//! feed the `LossScaler` and advance its step counter and schedule only on
-//! applied steps. Reading it for step s just before enqueuing the optimizer
-//! of step s+1 (after s+1's forward and backward are queued) keeps the GPU
-//! busy while the host waits.
+//! Nothing a step needs comes from the host after it is queued, so the host
+//! can queue step s+1 before it has read step s's verdict:
+//! - The loss scale lives in device memory (`loss_scale`): the loss kernels
+//!   read it, `step_finalize` updates it.
+//! - AdamW's t is the count of applied steps, kept in the `StepState`. The
+//!   host gives, through `set_schedule` (a pinned copy on the compute
+//!   stream), the learning-rate factors for every count the step may find
+//!   (one more than the steps in flight); `step_finalize` picks.
+//!
+//! The launches are the same from step to step, so a training step can be
+//! captured into a CUDA graph and replayed.
 
 use cudarc::driver::{
     CudaEvent, CudaSlice, DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use headroom_model::cuda::kernels as k;
 use headroom_model::cuda::params::{
-    AdamWParams, AdamWScalars, FinalizeParams, StepState, SumSqParams,
+    AdamWParams, AdamWScalars, FinalizeParams, StepSchedule, StepState, SumSqParams,
+    SCHEDULE_CANDIDATES,
 };
 use headroom_model::cuda::{CudaBackend, CudaError, DeviceBuffer, ParamGroup};
 
-use crate::{AdamWConfig, OptimError};
+use crate::{AdamWConfig, LossScalerConfig, LossScalerState, OptimError};
 
 type Result<T> = std::result::Result<T, OptimError>;
 
@@ -57,17 +61,19 @@ fn sumsq_blocks(n: usize) -> usize {
 }
 
 /// The device side of the optimizer step: scratch for the norm's partial
-/// sums, the `StepState` the kernels share, and the step's learning-rate
-/// factors in device memory.
+/// sums, the `StepState` the kernels share (verdict and loss scaler), the
+/// loss scale, and the learning-rate candidates of the next step.
 pub struct FusedAdamW {
     config: AdamWConfig,
+    scaler: LossScalerConfig,
     partials: DeviceBuffer<f64>,
     state: DeviceBuffer<StepState>,
-    scalars: DeviceBuffer<AdamWScalars>,
-    scalars_host: PinnedHostSlice<AdamWScalars>,
-    /// Recorded after the copy of `scalars_host`: the host writes it again
+    loss_scale: DeviceBuffer<f32>,
+    schedule: DeviceBuffer<StepSchedule>,
+    schedule_host: PinnedHostSlice<StepSchedule>,
+    /// Recorded after the copy of `schedule_host`: the host writes it again
     /// only once that copy has read it.
-    scalars_copied: CudaEvent,
+    schedule_copied: CudaEvent,
     /// grad_sumsq blocks of each group, in group order.
     blocks: Vec<usize>,
 }
@@ -76,98 +82,177 @@ impl std::fmt::Debug for FusedAdamW {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FusedAdamW")
             .field("config", &self.config)
+            .field("scaler", &self.scaler)
             .field("blocks", &self.blocks)
             .finish_non_exhaustive()
     }
 }
 
 impl FusedAdamW {
-    /// For exactly these groups (their lengths fix the scratch size).
-    pub fn new(be: &CudaBackend, config: AdamWConfig, groups: &[ParamGroup]) -> Result<Self> {
+    /// For exactly these groups (their lengths fix the scratch size), with
+    /// the loss scaler at its initial scale and no step applied.
+    pub fn new(
+        be: &CudaBackend,
+        config: AdamWConfig,
+        scaler: LossScalerConfig,
+        groups: &[ParamGroup],
+    ) -> Result<Self> {
         config.validate()?;
+        scaler.validate().map_err(OptimError::InvalidState)?;
         let blocks: Vec<usize> = groups.iter().map(|g| sumsq_blocks(g.len())).collect();
         let total: usize = blocks.iter().sum();
         let ctx = be.context();
         // SAFETY: written by set_schedule before every copy that reads it.
-        let scalars_host =
-            unsafe { ctx.alloc_pinned::<AdamWScalars>(1) }.map_err(driver("cuMemHostAlloc"))?;
-        Ok(Self {
+        let schedule_host =
+            unsafe { ctx.alloc_pinned::<StepSchedule>(1) }.map_err(driver("cuMemHostAlloc"))?;
+        let mut optimizer = Self {
             config,
+            scaler,
             partials: be.alloc_zeros::<f64>(total.max(1))?,
             state: be.alloc_zeros::<StepState>(1)?,
-            scalars: be.alloc_zeros::<AdamWScalars>(1)?,
-            scalars_host,
-            scalars_copied: ctx.new_event(None).map_err(driver("cuEventCreate"))?,
+            loss_scale: be.alloc_zeros::<f32>(1)?,
+            schedule: be.alloc_zeros::<StepSchedule>(1)?,
+            schedule_host,
+            schedule_copied: ctx.new_event(None).map_err(driver("cuEventCreate"))?,
             blocks,
-        })
+        };
+        let start = LossScalerState {
+            scale: scaler.init_scale,
+            clean_steps: 0,
+        };
+        optimizer.load_state(be, start, 0)?;
+        Ok(optimizer)
     }
 
     pub fn config(&self) -> &AdamWConfig {
         &self.config
     }
 
-    /// Enqueues one optimizer step: `set_schedule(lr, t)`, then `enqueue`.
-    /// `t` is this step's index among applied steps (1 for the first), `lr`
-    /// its learning rate, `loss_scale` the scale the gradients carry,
-    /// `max_norm` the global-norm clip (0 = off). With `zero_grad` the
-    /// gradients are cleared afterwards, whether the step was applied or
-    /// skipped.
-    #[allow(clippy::too_many_arguments)]
+    pub fn scaler_config(&self) -> &LossScalerConfig {
+        &self.scaler
+    }
+
+    /// The loss scale the next step's gradients are to carry (one f32 in
+    /// device memory), for the loss kernels.
+    pub fn loss_scale(&self) -> &CudaSlice<f32> {
+        &self.loss_scale.slice
+    }
+
+    /// Sets the loss scaler's state and the count of applied steps (from a
+    /// checkpoint), waiting for the copies.
+    pub fn load_state(
+        &mut self,
+        be: &CudaBackend,
+        scaler: LossScalerState,
+        applied: u64,
+    ) -> Result<()> {
+        let c = &self.scaler;
+        if !(scaler.scale.is_finite() && scaler.scale > 0.0) {
+            return Err(OptimError::InvalidState(format!(
+                "loss scaler: invalid scale {} in checkpoint",
+                scaler.scale
+            )));
+        }
+        let scale = scaler.scale.clamp(c.min_scale, c.max_scale);
+        let state = StepState {
+            next_scale: scale,
+            clean_steps: scaler.clean_steps.min(c.growth_interval - 1),
+            applied,
+            ..StepState::default()
+        };
+        let stream = be.compute_stream();
+        stream
+            .memcpy_htod(&[state], &mut self.state.slice)
+            .map_err(driver("cuMemcpyHtoDAsync"))?;
+        stream
+            .memcpy_htod(&[scale], &mut self.loss_scale.slice)
+            .map_err(driver("cuMemcpyHtoDAsync"))?;
+        stream
+            .synchronize()
+            .map_err(driver("cuStreamSynchronize"))?;
+        Ok(())
+    }
+
+    /// Queues one optimizer step with one learning rate, `lr`, for a step
+    /// queued with no other in flight: `applied` is the count of applied
+    /// steps so far (the t of this step is applied + 1). `max_norm` is the
+    /// global-norm clip (0 = off); with `zero_grad` the gradients are
+    /// cleared afterwards, whether the step was applied or skipped.
     pub fn step(
         &mut self,
         be: &CudaBackend,
         groups: &mut [ParamGroup],
+        applied: u64,
         lr: f32,
-        t: u64,
-        loss_scale: f32,
         max_norm: f32,
         zero_grad: bool,
     ) -> Result<()> {
-        self.set_schedule(be, lr, t)?;
-        self.enqueue(be, groups, loss_scale, max_norm, zero_grad)
+        self.set_schedule(be, applied, &[lr])?;
+        self.enqueue(be, groups, max_norm, zero_grad)
     }
 
-    /// Copies the factors of learning rate `lr` at applied step `t` (from 1)
-    /// to the device, on the compute stream, for the next step's kernels
-    /// (queued by `enqueue`, or replayed by a captured graph). The factors
-    /// are the CPU AdamW's (`AdamWConfig::step_factors`).
-    pub fn set_schedule(&mut self, be: &CudaBackend, lr: f32, t: u64) -> Result<()> {
-        if !(lr.is_finite() && lr >= 0.0 && t >= 1) {
+    /// Copies the next step's learning-rate candidates to the device, on
+    /// the compute stream: `lrs[j]` is its rate if it finds `first_applied
+    /// + j` steps applied before it (its t then being first_applied + j +
+    /// 1). With k steps in flight, pass the rates for the k + 1 counts it
+    /// may find. The factors are the CPU AdamW's (`AdamWConfig::step_factors`).
+    pub fn set_schedule(
+        &mut self,
+        be: &CudaBackend,
+        first_applied: u64,
+        lrs: &[f32],
+    ) -> Result<()> {
+        if lrs.is_empty() || lrs.len() > SCHEDULE_CANDIDATES {
             return Err(OptimError::from(CudaError::Unsupported {
                 op: "FusedAdamW::set_schedule",
-                reason: format!("needs a finite lr ≥ 0 and t ≥ 1; got {lr}, {t}"),
+                reason: format!(
+                    "needs 1 to {SCHEDULE_CANDIDATES} learning rates (steps in flight + 1); got {}",
+                    lrs.len()
+                ),
             }));
         }
-        let f = self.config.step_factors(lr, t);
-        let scalars = AdamWScalars {
-            decay_factor: f.decay_factor,
-            neg_step_size: f.neg_step_size,
-            bias_correction2_sqrt: f.bias_correction2_sqrt,
+        let mut schedule = StepSchedule {
+            first_applied,
+            candidates: lrs.len() as u32,
+            ..StepSchedule::default()
         };
+        for (j, (&lr, slot)) in lrs.iter().zip(schedule.at.iter_mut()).enumerate() {
+            if !(lr.is_finite() && lr >= 0.0) {
+                return Err(OptimError::from(CudaError::Unsupported {
+                    op: "FusedAdamW::set_schedule",
+                    reason: format!("needs finite learning rates ≥ 0; got {lr}"),
+                }));
+            }
+            let f = self.config.step_factors(lr, first_applied + j as u64 + 1);
+            *slot = AdamWScalars {
+                decay_factor: f.decay_factor,
+                neg_step_size: f.neg_step_size,
+                bias_correction2_sqrt: f.bias_correction2_sqrt,
+            };
+        }
         let stream = be.compute_stream();
-        self.scalars_copied
+        self.schedule_copied
             .synchronize()
             .map_err(driver("cuEventSynchronize"))?;
-        self.scalars_host
+        self.schedule_host
             .as_mut_slice()
-            .map_err(driver("pinned buffer"))?[0] = scalars;
+            .map_err(driver("pinned buffer"))?[0] = schedule;
         stream
-            .memcpy_htod(&self.scalars_host, &mut self.scalars.slice)
+            .memcpy_htod(&self.schedule_host, &mut self.schedule.slice)
             .map_err(driver("cuMemcpyHtoDAsync"))?;
-        self.scalars_copied
+        self.schedule_copied
             .record(stream)
             .map_err(driver("cuEventRecord"))
     }
 
-    /// Enqueues the kernels of one step (norm, verdict, AdamW per group) on
-    /// the compute stream, with the learning rate and t last given to
-    /// `set_schedule`. Only launches with arguments fixed for a run (the
-    /// loss scale aside), and no host synchronisation: capturable.
+    /// Enqueues the kernels of one step (norm, verdict and loss scale,
+    /// AdamW per group) on the compute stream, with the candidates last
+    /// given to `set_schedule`. Only launches with arguments fixed for a
+    /// run, and no host synchronisation: capturable.
     pub fn enqueue(
         &mut self,
         be: &CudaBackend,
         groups: &mut [ParamGroup],
-        loss_scale: f32,
         max_norm: f32,
         zero_grad: bool,
     ) -> Result<()> {
@@ -179,12 +264,6 @@ impl FusedAdamW {
                 format!("the {} groups it was made for", self.blocks.len()),
                 format!("groups of lengths {lens:?}"),
             )));
-        }
-        if !(loss_scale.is_finite() && loss_scale > 0.0) {
-            return Err(OptimError::from(CudaError::Unsupported {
-                op: "FusedAdamW::enqueue",
-                reason: format!("needs a finite loss_scale > 0; got {loss_scale}"),
-            }));
         }
         let stream = be.compute_stream();
 
@@ -216,12 +295,18 @@ impl FusedAdamW {
             offset += blocks;
         }
 
-        // 2. The verdict: inf/NaN, norm, clip factor.
+        // 2. The verdict (inf/NaN, norm, clip factor), the step's factors and
+        // the loss scaler.
         {
+            let c = &self.scaler;
             let p = FinalizeParams {
                 partials: offset as u32,
-                inv_loss_scale: 1.0 / loss_scale,
                 max_norm: max_norm.max(0.0),
+                growth_factor: c.growth_factor,
+                backoff_factor: c.backoff_factor,
+                growth_interval: c.growth_interval,
+                min_scale: c.min_scale,
+                max_scale: c.max_scale,
             };
             let f = be.function(&k::STEP_FINALIZE)?;
             let cfg = LaunchConfig {
@@ -232,13 +317,16 @@ impl FusedAdamW {
             let mut b = stream.launch_builder(&f);
             b.arg(&p)
                 .arg(&self.partials.slice)
+                .arg(&self.schedule.slice)
+                .arg(&mut self.loss_scale.slice)
                 .arg(&mut self.state.slice);
             // SAFETY: step_finalize(FinalizeParams, const double* partials
-            // [offset], StepState* state [1]) with one thread.
+            // [offset], const StepSchedule* [1], float* loss_scale [1],
+            // StepState* state [1]) with one thread.
             unsafe { b.launch(cfg) }.map_err(driver("step_finalize"))?;
         }
 
-        // 3. AdamW per group, with set_schedule's factors.
+        // 3. AdamW per group, with the factors step_finalize picked.
         let h = &self.config;
         let base = AdamWParams {
             n: 0,
@@ -276,15 +364,14 @@ impl FusedAdamW {
             } = group;
             let mut b = stream.launch_builder(&adamw);
             b.arg(&p)
-                .arg(&self.scalars.slice)
                 .arg(&self.state.slice)
                 .arg(&mut master.slice)
                 .arg(&mut grad.slice)
                 .arg(&mut first_moment.slice)
                 .arg(&mut second_moment.slice)
                 .arg(&mut compute.slice);
-            // SAFETY: adamw_fused(AdamWParams, const AdamWScalars* [1], const
-            // StepState* [1], float* master, float* grad, float* m, float* v,
+            // SAFETY: adamw_fused(AdamWParams, const StepState* [1], float*
+            // master, float* grad, float* m, float* v,
             // hr_half* compute), all of the group's n elements (ParamGroup
             // allocates them together).
             unsafe { b.launch(cfg) }.map_err(driver("adamw_fused"))?;
@@ -297,7 +384,8 @@ impl FusedAdamW {
         &self.state.slice
     }
 
-    /// Downloads the verdict of the last enqueued step (waits for it).
+    /// Downloads the verdict of the last enqueued step and the loss
+    /// scaler's state after it (waits for it).
     pub fn read_state(&self, be: &CudaBackend) -> Result<StepState> {
         let v = be.download(&self.state.slice)?;
         Ok(v[0])

@@ -1,4 +1,4 @@
-//! Dynamic loss scaling (host side, pure Rust).
+//! Dynamic loss scaling: the rule, in pure Rust.
 //!
 //! f16 gradients underflow for small losses; the loss (in practice its
 //! gradient, in the loss kernel) is multiplied by a scale S before backward
@@ -9,13 +9,12 @@
 //! Only applied steps advance the step counter and the learning-rate
 //! schedule: `update` says which happened.
 //!
-//! The flag comes from the device (`StepState::found_inf`), read one step
-//! late so the host never stalls the GPU: by then the next step may already
-//! have run with the old scale. `update` is told the scale each step ran
-//! with, and an overflow of a step that ran ABOVE the current scale (queued
-//! before an earlier overflow's back-off) skips that step without halving
-//! again, so one burst of overflow halves once, as it would with an
-//! immediate read.
+//! On the GPU the scaler runs on the device, in the optimizer's
+//! `step_finalize` kernel, so that no step waits for the host to learn the
+//! verdict; its state reaches the host with each step's record. `LossScaler`
+//! here is the reference that kernel is checked against, and
+//! `LossScalerConfig`/`LossScalerState` are its settings and its
+//! checkpointed state.
 
 /// Settings of the loss scaler.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -124,18 +123,14 @@ impl LossScaler {
         self.scale
     }
 
-    /// Records the verdict of one step that ran with `used_scale`, in step
-    /// order, once per step.
-    pub fn update(&mut self, used_scale: f32, found_inf: bool) -> StepOutcome {
+    /// Records the verdict of one step that ran at `scale()`, in step order,
+    /// once per step.
+    pub fn update(&mut self, found_inf: bool) -> StepOutcome {
         if found_inf {
             self.skipped += 1;
             self.consecutive_skips += 1;
             self.clean_steps = 0;
-            // A step queued before an earlier back-off ran above the current
-            // scale: its overflow is that same event, already answered.
-            if used_scale <= self.scale {
-                self.scale = (self.scale * self.config.backoff_factor).max(self.config.min_scale);
-            }
+            self.scale = (self.scale * self.config.backoff_factor).max(self.config.min_scale);
             StepOutcome::Skipped
         } else {
             self.applied += 1;
@@ -202,8 +197,7 @@ mod tests {
 
     /// Runs one step at the current scale with the given verdict.
     fn step(s: &mut LossScaler, found_inf: bool) -> StepOutcome {
-        let used = s.scale();
-        s.update(used, found_inf)
+        s.update(found_inf)
     }
 
     #[test]
@@ -281,23 +275,6 @@ mod tests {
             step(&mut s, false);
         }
         assert_eq!(s.scale(), 262_144.0);
-    }
-
-    #[test]
-    fn a_late_flag_does_not_halve_twice_for_one_overflow() {
-        let mut s = scaler(2000, 1.0);
-        // Steps 1 and 2 were both queued at 65536 before step 1's flag was
-        // read; both overflowed.
-        let used = s.scale();
-        assert_eq!(s.update(used, true), StepOutcome::Skipped);
-        assert_eq!(s.scale(), 32_768.0);
-        assert_eq!(s.update(used, true), StepOutcome::Skipped);
-        assert_eq!(s.scale(), 32_768.0, "the stale overflow is not a new event");
-        // A step that overflows at the reduced scale backs off again.
-        let used = s.scale();
-        s.update(used, true);
-        assert_eq!(s.scale(), 16_384.0);
-        assert_eq!(s.skipped_steps(), 3);
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! What `cargo xtask bench` measures: the training step of an experiment's
-//! model (`Learner::train_batch`: forward, loss, backward, clip, AdamW, with
-//! the experiment's settings) on fixed random data after a warm-up; the loader alone; and the machine's peak FP32 rate, measured with
+//! model (forward, loss, backward, clip, AdamW, with the experiment's
+//! settings; submitted and collected as the training loop does, so a GPU
+//! step is queued while the one before runs) on fixed random data after a
+//! warm-up; the loader alone; and the machine's peak FP32 rate, measured with
 //! an FMA loop on every compute thread, so "share of peak" is a measured
 //! ratio rather than a datasheet guess.
 
@@ -16,7 +18,7 @@ use headroom_model::Device;
 use serde::{Deserialize, Serialize};
 
 use crate::config::ExperimentConfig;
-use crate::learner;
+use crate::learner::{self, Learner, StepLr};
 use crate::{data, PipelineError, Result};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -70,13 +72,9 @@ pub fn training_step(
         let mut learner = learner::open(&config, MemoryPool::new(Device::Cpu), options)?;
         let batch = synthetic_batch(&config, batch, learner.num_classes());
         let lr = config.optimizer.lr;
-        for _ in 0..warmup {
-            learner.train_batch(&batch, lr)?;
-        }
+        run_steps(learner.as_mut(), &batch, lr, warmup)?;
         let started = Instant::now();
-        for _ in 0..steps {
-            learner.train_batch(&batch, lr)?;
-        }
+        run_steps(learner.as_mut(), &batch, lr, steps)?;
         let seconds = started.elapsed().as_secs_f64();
         let macs = learner.macs_per_sample()?;
         let samples_per_sec = (batch.len() * steps) as f64 / seconds;
@@ -96,6 +94,27 @@ pub fn training_step(
                 .to_lowercase(),
         })
     })
+}
+
+/// `steps` training steps as the training loop runs them: up to
+/// `pipeline_depth()` steps left in flight while the next is submitted, and
+/// every one collected by the end.
+fn run_steps(learner: &mut dyn Learner, batch: &Batch, lr: f32, steps: usize) -> Result<()> {
+    let at = move |_: u64| lr;
+    for _ in 0..steps {
+        learner.submit_batch(
+            batch,
+            StepLr {
+                applied: 0,
+                at: &at,
+            },
+        )?;
+        while learner.steps_in_flight() > learner.pipeline_depth() {
+            learner.collect_step()?;
+        }
+    }
+    while learner.collect_step()?.is_some() {}
+    Ok(())
 }
 
 /// Fixed pseudo-random pixels and cycling labels in the experiment's shape.

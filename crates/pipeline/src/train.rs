@@ -3,6 +3,7 @@
 //! checkpoints (at epoch ends, every N steps, and when asked to stop), and
 //! resume at the exact batch where a checkpoint was taken.
 
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use headroom_optim::{OneCycle, Schedule};
 use crate::checkpoint::{Checkpoint, CheckpointMeta, EpochProgress};
 use crate::config::{ExperimentConfig, ScheduleConfig};
 use crate::eval::evaluate;
-use crate::learner::{self, CudaOptions, Learner, LearnerState};
+use crate::learner::{self, CudaOptions, Learner, LearnerState, StepLr, StepResult};
 use crate::memory::MemoryGuard;
 use crate::resume::{self, Resume};
 use crate::rundir;
@@ -457,6 +458,12 @@ fn stop_requested(options: &TrainOptions) -> bool {
 
 /// Trains the rest of the current epoch and evaluates. None when a stop was
 /// requested first (the caller writes the checkpoint).
+///
+/// A GPU learner runs a step while the host loads, stages and queues the
+/// next (`Learner::pipeline_depth`), so a step's result is collected one
+/// step after it was submitted. Every step is collected before a checkpoint
+/// (which then holds exactly the collected steps), before evaluation and
+/// before a stop.
 fn run_epoch(
     config: &ExperimentConfig,
     options: &TrainOptions,
@@ -470,47 +477,40 @@ fn run_epoch(
         test_loader,
     } = run;
     let epoch = trainee.position.epoch;
-    let batches_per_epoch = train_loader.batches_per_epoch();
-    let mut started = Instant::now();
-    for batch in run.train_loader.epoch(epoch, trainee.position.batches_done) {
+    let mut steps = Steps {
+        config,
+        options,
+        events,
+        batches_per_epoch: train_loader.batches_per_epoch(),
+        in_flight: VecDeque::new(),
+        started: Instant::now(),
+    };
+    for batch in train_loader.epoch(epoch, trainee.position.batches_done) {
         let batch = batch?;
-        let report = match train_step(trainee, &batch, memory) {
+        if steps.checkpoint_may_follow(trainee) && steps.drain(trainee, memory)? {
+            return Ok(None);
+        }
+        match submit_step(trainee, &batch, memory) {
             Err(stop @ PipelineError::OutOfMemory(_)) => {
-                // The failed step changed nothing: checkpoint the state before it.
+                // The failed step changed nothing: checkpoint the steps before it.
+                steps.drain(trainee, memory)?;
                 checkpoint_now(config, trainee, events, memory)?;
                 return Err(stop);
             }
             other => other?,
-        };
-        let seconds = started.elapsed().as_secs_f64();
-        started = Instant::now();
-        trainee.position.progress.train_seconds += seconds;
-        send(
-            events,
-            Event::Step(StepReport {
-                batches_per_epoch,
-                memory_bytes: trainee.learner.memory_stats().reserved_bytes,
-                samples_per_sec: report.samples as f64 / seconds.max(1e-9),
-                oom_events: memory.oom_events,
-                ..report
-            }),
-        )?;
-        if trainee.position.consecutive_skips >= config.train.max_consecutive_skips {
-            checkpoint_now(config, trainee, events, memory)?;
-            return Err(PipelineError::Diverged {
-                skips: trainee.position.consecutive_skips,
-                dir: config.output_dir().to_path_buf(),
-            });
         }
-        let (step, done) = (trainee.position.step, trainee.position.batches_done);
-        memory.after_step(step, trainee.learner.as_mut());
-        let every = config.checkpoint.every_steps;
-        if !report.skipped && every > 0 && step % every == 0 && done < batches_per_epoch {
-            checkpoint_now(config, trainee, events, memory)?;
+        steps.in_flight.push_back(Submitted {
+            index: batch.index,
+            samples: batch.len(),
+        });
+        while trainee.learner.steps_in_flight() > trainee.learner.pipeline_depth() {
+            if steps.collect(trainee, memory)? {
+                return Ok(None);
+            }
         }
-        if stop_requested(options) {
-            return Ok(None);
-        }
+    }
+    if steps.drain(trainee, memory)? {
+        return Ok(None);
     }
     let test = evaluate(trainee.learner.as_mut(), test_loader, config.eval.tta)?;
     let position = &mut trainee.position;
@@ -535,42 +535,138 @@ fn run_epoch(
     }))
 }
 
-/// One optimizer step on one batch, with the position advanced. Out of
-/// memory is handled here by the memory policy (the learner leaves the model
-/// as it was when a step fails).
-fn train_step(
-    trainee: &mut Trainee,
-    batch: &Batch,
-    memory: &mut MemoryGuard,
-) -> Result<StepReport> {
-    let step = trainee.position.step;
-    let lr = trainee.schedule.lr_at(step);
+/// A batch whose step was submitted and not yet collected.
+struct Submitted {
+    index: usize,
+    samples: usize,
+}
+
+/// The steps of an epoch in flight, and what collecting one involves.
+struct Steps<'a> {
+    config: &'a ExperimentConfig,
+    options: &'a TrainOptions,
+    events: &'a Sender<Event>,
+    batches_per_epoch: usize,
+    in_flight: VecDeque<Submitted>,
+    /// When the last step was collected (or the epoch began).
+    started: Instant,
+}
+
+impl Steps<'_> {
+    /// Whether a step in flight may be one after which a periodic
+    /// checkpoint is due: then it is collected before the next is submitted,
+    /// so that the checkpoint holds exactly the steps before it.
+    fn checkpoint_may_follow(&self, trainee: &Trainee) -> bool {
+        let every = self.config.checkpoint.every_steps;
+        let step = trainee.position.step;
+        every > 0 && (1..=self.in_flight.len() as u64).any(|j| (step + j).is_multiple_of(every))
+    }
+
+    /// Collects every step in flight; true when a stop was requested.
+    fn drain(&mut self, trainee: &mut Trainee, memory: &mut MemoryGuard) -> Result<bool> {
+        let mut stop = false;
+        while !self.in_flight.is_empty() {
+            stop |= self.collect(trainee, memory)?;
+        }
+        Ok(stop)
+    }
+
+    /// Collects the oldest step in flight: the position advances, its
+    /// report goes out, then a divergence stop, the memory policy, a
+    /// periodic checkpoint. True when a stop was requested (every step
+    /// collected by then).
+    fn collect(&mut self, trainee: &mut Trainee, memory: &mut MemoryGuard) -> Result<bool> {
+        let (config, events) = (self.config, self.events);
+        let Some(submitted) = self.in_flight.pop_front() else {
+            return Ok(false);
+        };
+        let result = trainee
+            .learner
+            .collect_step()?
+            .ok_or_else(|| PipelineError::Stage {
+                stage: "train",
+                reason: format!("the step of batch {} left no result", submitted.index),
+            })?;
+        let report = record_step(trainee, &submitted, result);
+        let seconds = self.started.elapsed().as_secs_f64();
+        self.started = Instant::now();
+        trainee.position.progress.train_seconds += seconds;
+        send(
+            events,
+            Event::Step(StepReport {
+                batches_per_epoch: self.batches_per_epoch,
+                memory_bytes: trainee.learner.memory_stats().reserved_bytes,
+                samples_per_sec: report.samples as f64 / seconds.max(1e-9),
+                oom_events: memory.oom_events,
+                ..report
+            }),
+        )?;
+        if trainee.position.consecutive_skips >= config.train.max_consecutive_skips {
+            self.drain(trainee, memory)?;
+            checkpoint_now(config, trainee, events, memory)?;
+            return Err(PipelineError::Diverged {
+                skips: trainee.position.consecutive_skips,
+                dir: config.output_dir().to_path_buf(),
+            });
+        }
+        let (step, done) = (trainee.position.step, trainee.position.batches_done);
+        memory.after_step(step, trainee.learner.as_mut());
+        let every = config.checkpoint.every_steps;
+        if !report.skipped && every > 0 && step % every == 0 && done < self.batches_per_epoch {
+            let stop = self.drain(trainee, memory)?;
+            checkpoint_now(config, trainee, events, memory)?;
+            if stop {
+                return Ok(true);
+            }
+        }
+        if stop_requested(self.options) {
+            self.drain(trainee, memory)?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+}
+
+/// Submits the optimizer step of `batch` to the learner. Out of memory is
+/// handled here by the memory policy (the learner leaves the model as it was
+/// when a submission fails).
+fn submit_step(trainee: &mut Trainee, batch: &Batch, memory: &mut MemoryGuard) -> Result<()> {
+    let Trainee {
+        learner,
+        schedule,
+        position,
+    } = trainee;
+    let step = position.step;
     memory.before_step(step);
+    let at = |i: u64| schedule.lr_at(i);
     let mut freed_cache = false;
-    let result = loop {
-        match trainee.learner.train_batch(batch, lr) {
-            Ok(result) => break result,
+    loop {
+        let lr = StepLr {
+            applied: position.step,
+            at: &at,
+        };
+        match learner.submit_batch(batch, lr) {
+            Ok(()) => return Ok(()),
             Err(e) if e.is_out_of_memory() => {
-                memory.on_oom(
-                    &e,
-                    step,
-                    trainee.learner.as_mut(),
-                    &mut freed_cache,
-                    batch.len(),
-                )?;
+                memory.on_oom(&e, step, learner.as_mut(), &mut freed_cache, batch.len())?;
             }
             Err(e) => return Err(e),
         }
-    };
+    }
+}
+
+/// Advances the position by a collected step's result.
+fn record_step(trainee: &mut Trainee, submitted: &Submitted, result: StepResult) -> StepReport {
+    let lr = trainee.schedule.lr_at(trainee.position.step);
     let position = &mut trainee.position;
-    position.batches_done = batch.index + 1;
+    position.batches_done = submitted.index + 1;
     match result.grad_norm {
         Some(_) => {
             position.step += 1;
             position.consecutive_skips = 0;
-            position.progress.loss_sum += result.loss as f64 * batch.len() as f64;
+            position.progress.loss_sum += result.loss as f64 * submitted.samples as f64;
             position.progress.correct += result.correct as u64;
-            position.progress.seen += batch.len() as u64;
+            position.progress.seen += submitted.samples as u64;
         }
         None => {
             position.consecutive_skips += 1;
@@ -578,17 +674,17 @@ fn train_step(
             tracing::warn!(
                 "epoch {} batch {}: non-finite loss or gradient, step skipped ({} in a row)",
                 position.epoch + 1,
-                batch.index,
+                submitted.index,
                 position.consecutive_skips
             );
         }
     }
-    Ok(StepReport {
+    StepReport {
         epoch: position.epoch,
         step: position.step,
-        batch: batch.index,
+        batch: submitted.index,
         batches_per_epoch: 0,
-        samples: batch.len(),
+        samples: submitted.samples,
         loss: result.loss,
         lr,
         grad_norm: result.grad_norm.unwrap_or(f32::NAN),
@@ -596,7 +692,7 @@ fn train_step(
         memory_bytes: 0,
         samples_per_sec: 0.0,
         oom_events: 0,
-    })
+    }
 }
 
 fn snapshot(config: &ExperimentConfig, trainee: &mut Trainee) -> Result<Checkpoint> {

@@ -17,7 +17,7 @@ use headroom_loader::Batch;
 use headroom_model::cuda::{CudaBackend, CudaError};
 use headroom_model::memory::MemoryPool;
 use headroom_model::{BuildOptions, CheckpointPolicy, Device, LayerSpec, ModelSpec};
-use headroom_pipeline::learner::{CpuLearner, CudaLearner, CudaOptions, Learner};
+use headroom_pipeline::learner::{CpuLearner, CudaLearner, CudaOptions, Learner, StepLr};
 
 const MODEL: &str = r#"
 input = [8, 8, 1]
@@ -324,9 +324,9 @@ fn mixed_soft_targets_train_as_on_the_cpu() {
 }
 
 /// A run of steps that exercises every way a captured step is made, used
-/// and given up: eager warm-up, capture, replays, a new loss scale (every
-/// 3 clean steps here), a smaller last batch (eager), a split batch (eager),
-/// and back.
+/// and given up: eager warm-up, capture, replays across new loss scales
+/// (every 3 clean steps here; the scale lives in device memory), a smaller
+/// last batch (eager), a split batch (eager), and back.
 fn graph_workout(graphs: bool) -> (Vec<u32>, Vec<u32>, u64) {
     let be = CudaBackend::new(0).unwrap();
     let options = CudaOptions {
@@ -363,12 +363,128 @@ fn captured_steps_train_to_the_bits_of_launched_ones() {
     let (eager_state, eager_results, eager_replays) = graph_workout(false);
     let (graph_state, graph_results, graph_replays) = graph_workout(true);
     assert_eq!(eager_replays, 0, "device.graphs = false never replays");
-    // Step 0 warms up (eager); 1 captures and replays, 2 replays; the scale
-    // grows after 2, 5 and 8, so 3 and 6 capture again and replay, 4 and 5
-    // replay; 7 (5 samples) runs eagerly and 8 replays 6's graph; 9 (split
-    // in two) runs eagerly; 10 warms up the new micro-batch size; 11
-    // captures and replays: 8 replays.
+    // Step 0 warms up (eager); 1 captures and replays, 2 to 6 replay (the
+    // scale grows after 2 and 5 without a new capture); 7 (5 samples) runs
+    // eagerly and 8 replays 1's graph; 9 (split in two) runs eagerly; 10
+    // warms up the new micro-batch size; 11 captures and replays: 8 replays.
     assert_eq!(graph_replays, 8, "replays");
     assert_eq!(graph_results, eager_results, "losses, counts and norms");
     assert_eq!(graph_state, eager_state, "weights, statistics and moments");
+}
+
+/// The learning rate of the i-th applied step: different at every step, so
+/// a step that took another step's rate would show in the bits.
+fn schedule(i: u64) -> f32 {
+    1e-3 * (1.0 + i as f32 * 0.25)
+}
+
+/// A learner whose loss scale starts far too high: the first steps
+/// overflow and are skipped while the scale backs off, and growth every 3
+/// clean steps makes some overflow again later.
+fn overflowing_learner(graphs: bool) -> CudaLearner {
+    let be = CudaBackend::new(0).unwrap();
+    let top = 2f32.powi(30);
+    let options = CudaOptions {
+        graphs,
+        loss_scaler: headroom_optim::LossScalerConfig {
+            init_scale: top,
+            max_scale: top,
+            growth_interval: 3,
+            ..Default::default()
+        },
+        ..CudaOptions::default()
+    };
+    CudaLearner::new(be, &spec(), 31, settings(), 8, options).unwrap()
+}
+
+/// One result as bits: loss, correct count, norm (or a skip).
+fn result_bits(r: &headroom_pipeline::learner::StepResult) -> [u32; 3] {
+    [
+        r.loss.to_bits(),
+        r.correct as u32,
+        r.grad_norm.map_or(u32::MAX, f32::to_bits),
+    ]
+}
+
+#[test]
+fn steps_queued_behind_a_running_step_train_to_the_bits_of_waited_ones() {
+    let Some(_gpu) = backend() else { return };
+    const STEPS: usize = 30;
+    // Each step waited for before the next is queued (graphs off).
+    let mut waited = overflowing_learner(false);
+    let mut applied = 0u64;
+    let mut waited_results = Vec::new();
+    for i in 0..STEPS {
+        let lr = StepLr {
+            applied,
+            at: &schedule,
+        };
+        waited.submit_batch(&batch(i), lr).unwrap();
+        let r = waited.collect_step().unwrap().unwrap();
+        applied += r.grad_norm.is_some() as u64;
+        waited_results.push(result_bits(&r));
+    }
+    // Step i+1 queued before step i is collected, as the training loop does
+    // on a GPU (graphs on): its learning rate is picked on the device.
+    let mut queued = overflowing_learner(true);
+    assert_eq!(queued.pipeline_depth(), 1);
+    let mut applied = 0u64;
+    let mut queued_results = Vec::new();
+    let mut most_in_flight = 0;
+    for i in 0..=STEPS {
+        if i < STEPS {
+            let lr = StepLr {
+                applied,
+                at: &schedule,
+            };
+            queued.submit_batch(&batch(i), lr).unwrap();
+        }
+        most_in_flight = most_in_flight.max(queued.steps_in_flight());
+        if queued.steps_in_flight() > 1 || i == STEPS {
+            let r = queued.collect_step().unwrap().unwrap();
+            applied += r.grad_norm.is_some() as u64;
+            queued_results.push(result_bits(&r));
+        }
+    }
+    assert!(queued.collect_step().unwrap().is_none(), "all collected");
+    assert_eq!(most_in_flight, 2, "a step was queued behind another");
+    let skipped = waited_results.iter().filter(|r| r[2] == u32::MAX).count();
+    assert!(
+        (3..STEPS - 5).contains(&skipped),
+        "the run mixes skipped and applied steps ({skipped} skipped)"
+    );
+    assert_eq!(
+        queued_results, waited_results,
+        "losses, counts, norms, skips"
+    );
+    let (queued_state, waited_state) = (queued.snapshot().unwrap(), waited.snapshot().unwrap());
+    assert_eq!(
+        bits(&queued_state),
+        bits(&waited_state),
+        "weights, statistics and moments"
+    );
+    assert_eq!(
+        queued_state.optimizer.step, applied,
+        "t counts applied steps"
+    );
+    assert_eq!(waited_state.optimizer.step, applied);
+    assert_eq!(queued_state.loss_scale, waited_state.loss_scale);
+    assert_eq!(queued.loss_scale(), waited.loss_scale());
+    assert!(queued.graph_replays() > 0, "graph replays took part");
+}
+
+#[test]
+fn a_snapshot_waits_for_every_step_to_be_collected() {
+    let Some(_gpu) = backend() else { return };
+    let mut gpu = gpu_learner(37);
+    let lr = StepLr {
+        applied: 0,
+        at: &schedule,
+    };
+    gpu.submit_batch(&batch(0), lr).unwrap();
+    let err = gpu.snapshot().unwrap_err().to_string();
+    assert!(err.contains("in flight"), "{err}");
+    assert!(gpu.train_batch(&batch(1), 1e-3).is_err(), "train_batch too");
+    gpu.collect_step().unwrap().unwrap();
+    gpu.snapshot().unwrap();
 }

@@ -79,20 +79,22 @@ pub const BN_BACKWARD_FINALIZE: KernelSig =
     sig!("batchnorm", "bn_backward_finalize", BnBackwardParams, 9);
 pub const BN_BACKWARD_APPLY: KernelSig =
     sig!("batchnorm", "bn_backward_apply", BnBackwardParams, 8);
+pub const BN_RUNNING_RESTORE: KernelSig =
+    sig!("batchnorm", "bn_running_restore", BnRestoreParams, 5);
 
 pub const POOL_FORWARD: KernelSig = sig!("pool", "global_avg_pool_forward", PoolParams, 2);
 pub const POOL_BACKWARD: KernelSig = sig!("pool", "global_avg_pool_backward", PoolParams, 2);
 
-pub const SOFTMAX_XENT: KernelSig = sig!("loss", "softmax_xent", XentParams, 5);
-pub const SOFTMAX_XENT_SOFT: KernelSig = sig!("loss", "softmax_xent_soft", XentParams, 5);
+pub const SOFTMAX_XENT: KernelSig = sig!("loss", "softmax_xent", XentParams, 6);
+pub const SOFTMAX_XENT_SOFT: KernelSig = sig!("loss", "softmax_xent_soft", XentParams, 6);
 pub const XENT_REDUCE: KernelSig = sig!("loss", "xent_reduce", XentReduceParams, 4);
 
 pub const IM2COL: KernelSig = sig!("conv", "im2col", ConvParams, 2);
 pub const COL2IM: KernelSig = sig!("conv", "col2im", ConvParams, 2);
 
 pub const GRAD_SUMSQ: KernelSig = sig!("optim", "grad_sumsq", SumSqParams, 2);
-pub const STEP_FINALIZE: KernelSig = sig!("optim", "step_finalize", FinalizeParams, 2);
-pub const ADAMW_FUSED: KernelSig = sig!("optim", "adamw_fused", AdamWParams, 7);
+pub const STEP_FINALIZE: KernelSig = sig!("optim", "step_finalize", FinalizeParams, 4);
+pub const ADAMW_FUSED: KernelSig = sig!("optim", "adamw_fused", AdamWParams, 6);
 
 /// Every kernel file and its entry points.
 pub static FILES: &[KernelFile] = &[
@@ -131,6 +133,7 @@ pub static FILES: &[KernelFile] = &[
             BN_BACKWARD_PARTIAL_MASK,
             BN_BACKWARD_FINALIZE,
             BN_BACKWARD_APPLY,
+            BN_RUNNING_RESTORE,
         ],
     },
     KernelFile {

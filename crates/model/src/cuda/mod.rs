@@ -41,6 +41,7 @@ mod network;
 pub mod ops;
 mod param_group;
 pub mod params;
+mod records;
 pub mod staging;
 mod tensor;
 
@@ -51,6 +52,7 @@ pub use error::{CudaError, CudaResult};
 pub use graph::CapturedGraph;
 pub use network::{zeros_input, CudaBuildOptions, CudaNetwork};
 pub use param_group::ParamGroup;
+pub use records::{Record, StepRecords, MAX_IN_FLIGHT};
 pub use staging::{check_recipes, InputStaging, ResidentImages, StagedBatch};
 pub use tensor::{CudaBuffer, CudaTensor, DType, MAX_ELEMENTS};
 

@@ -35,13 +35,14 @@
 //! run without it. Not on the GPU yet (`build` refuses them, naming the
 //! layer): the layers beyond the reference ResNet's.
 
-use cudarc::driver::{CudaView, CudaViewMut};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use half::f16;
 
 use super::backend::{CudaBackend, DeviceBuffer};
 use super::error::Context;
 use super::ops::{self, BatchNormConfig, BatchNormSaved, ConvShape, CONV_SCRATCH_BYTES};
 use super::param_group::ParamGroup;
+use super::params::StepState;
 use super::tensor::{CudaTensor, DType};
 use super::{CudaError, CudaResult};
 use crate::memory::MemoryPool;
@@ -377,7 +378,26 @@ impl CudaNetwork {
         })
     }
 
-    /// Puts back the copies `save_running_stats` took (a step not applied).
+    /// Puts back the copies `save_running_stats` took when the optimizer's
+    /// `verdict` (on the device) says the step was skipped.
+    pub fn restore_running_stats_if_skipped(
+        &mut self,
+        be: &CudaBackend,
+        verdict: &CudaSlice<StepState>,
+    ) -> CudaResult<()> {
+        for_each_running(&mut self.layers, &mut |r| {
+            ops::batch_norm_restore_if_skipped(
+                be,
+                verdict,
+                (&r.saved_mean.slice, &r.saved_var.slice),
+                &mut r.mean.slice,
+                &mut r.var.slice,
+            )
+        })
+    }
+
+    /// Puts back the copies `save_running_stats` took (a step that failed
+    /// part-way).
     pub fn restore_running_stats(&mut self, be: &CudaBackend) -> CudaResult<()> {
         for_each_running(&mut self.layers, &mut |r| {
             be.copy_device(&r.saved_mean, &mut r.mean)?;

@@ -24,7 +24,7 @@
 //! Every launch is asynchronous; nothing here waits for the GPU except the
 //! explicit downloads.
 
-use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use half::f16;
 
 use super::backend::{CudaBackend, DeviceBuffer};
@@ -750,6 +750,43 @@ fn bn_forward_eval(
     bn_apply(be, x, skip, rows, c, &scale, &shift, cfg.relu)
 }
 
+/// Puts the running statistics saved before a step back over `mean`/`var`
+/// when that step was skipped (`verdict.skipped`, decided on the device by
+/// the optimizer): a skipped step leaves no trace, and the host need not
+/// know the verdict before it queues the next step.
+pub fn batch_norm_restore_if_skipped(
+    be: &CudaBackend,
+    verdict: &CudaSlice<StepState>,
+    saved: (&CudaSlice<f32>, &CudaSlice<f32>),
+    mean: &mut CudaSlice<f32>,
+    var: &mut CudaSlice<f32>,
+) -> CudaResult<()> {
+    let c = mean.len();
+    for (name, len) in [
+        ("saved mean", saved.0.len()),
+        ("saved var", saved.1.len()),
+        ("var", var.len()),
+    ] {
+        same_len("batch_norm_restore_if_skipped", name, c, len)?;
+    }
+    let p = BnRestoreParams {
+        channels: u32_of("batch_norm_restore_if_skipped", c)?,
+    };
+    let f = be.function(&k::BN_RUNNING_RESTORE)?;
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p)
+        .arg(verdict)
+        .arg(saved.0)
+        .arg(saved.1)
+        .arg(mean)
+        .arg(var);
+    // SAFETY: bn_running_restore(BnRestoreParams, const StepState* [1],
+    // const float* saved_mean, const float* saved_var, float* mean, float*
+    // var), each of `channels` elements (checked above).
+    unsafe { b.launch(per_channel(c)) }.during("bn_running_restore")?;
+    Ok(())
+}
+
 /// Backward of a training forward: accumulates dγ and dβ into the f32
 /// gradients and returns dx. `output` is the forward's output, required
 /// when the ReLU was fused (`relu = true`) and ignored otherwise.
@@ -1448,9 +1485,32 @@ impl XentOutput {
     /// Mean loss and correct count, reduced on the device into one f32 and
     /// one u32 (no host synchronisation).
     pub fn summary(&self, be: &CudaBackend) -> CudaResult<(DeviceBuffer<f32>, DeviceBuffer<u32>)> {
-        let rows = self.row_loss.len();
         let mut loss = be.alloc::<f32>(1)?;
         let mut correct = be.alloc::<u32>(1)?;
+        self.summary_into(
+            be,
+            &mut loss.slice.as_view_mut(),
+            &mut correct.slice.as_view_mut(),
+        )?;
+        Ok((loss, correct))
+    }
+
+    /// `summary` into `loss[0]` and `correct[0]` (e.g. one micro-batch's
+    /// entry of a step's record).
+    pub fn summary_into(
+        &self,
+        be: &CudaBackend,
+        loss: &mut CudaViewMut<'_, f32>,
+        correct: &mut CudaViewMut<'_, u32>,
+    ) -> CudaResult<()> {
+        if loss.is_empty() || correct.is_empty() {
+            return Err(CudaError::shape(
+                "xent_reduce",
+                "one f32 and one u32 to write",
+                format!("{} and {}", loss.len(), correct.len()),
+            ));
+        }
+        let rows = self.row_loss.len();
         let p = XentReduceParams {
             rows: u32_of("xent_reduce", rows)?,
         };
@@ -1460,20 +1520,18 @@ impl XentOutput {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        {
-            let mut b = be.compute_stream().launch_builder(&f);
-            b.arg(&p)
-                .arg(&self.row_loss.slice)
-                .arg(&self.row_correct.slice)
-                .arg(&mut loss.slice)
-                .arg(&mut correct.slice);
-            // SAFETY: xent_reduce(XentReduceParams, const float* row_loss,
-            // const u32* row_correct [rows], float* out_loss, u32*
-            // out_correct [1]) with exactly one block of 256 threads, as the
-            // kernel requires.
-            unsafe { b.launch(cfg) }.during("xent_reduce")?;
-        }
-        Ok((loss, correct))
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p)
+            .arg(&self.row_loss.slice)
+            .arg(&self.row_correct.slice)
+            .arg(loss)
+            .arg(correct);
+        // SAFETY: xent_reduce(XentReduceParams, const float* row_loss,
+        // const u32* row_correct [rows], float* out_loss, u32*
+        // out_correct [1]) with exactly one block of 256 threads, as the
+        // kernel requires; both outputs hold at least one element.
+        unsafe { b.launch(cfg) }.during("xent_reduce")?;
+        Ok(())
     }
 
     /// `summary`, downloaded (waits for the compute stream): (mean loss,
@@ -1486,16 +1544,27 @@ impl XentOutput {
     }
 }
 
+/// What a loss kernel multiplies its gradient by, besides 1 / rows: the
+/// dynamic loss scale, read from device memory when the kernel runs (the
+/// optimizer keeps it there, so a step never waits for the host to learn
+/// it), and this micro-batch's share of the batch.
+#[derive(Clone, Copy, Debug)]
+pub struct GradScale<'a> {
+    /// One f32.
+    pub loss_scale: &'a CudaSlice<f32>,
+    pub share: f32,
+}
+
 /// Softmax cross-entropy with label smoothing, forward and gradient in one
 /// kernel. `labels` are class indices on the device (use
 /// `upload_labels`, which validates them); the gradient is multiplied by
-/// `loss_scale` (dynamic loss scaling) and divided by the batch size.
+/// `scale` (dynamic loss scaling) and divided by the batch size.
 pub fn softmax_cross_entropy(
     be: &CudaBackend,
     logits: &CudaTensor,
     labels: &CudaView<'_, u32>,
     smoothing: f32,
-    loss_scale: f32,
+    scale: GradScale<'_>,
 ) -> CudaResult<XentOutput> {
     let (n, _) = xent_shape(logits)?;
     same_len("cross_entropy", "labels", n, labels.len())?;
@@ -1506,13 +1575,7 @@ pub fn softmax_cross_entropy(
             format!("{smoothing}"),
         ));
     }
-    xent_launch(
-        be,
-        logits,
-        XentTarget::Labels(labels),
-        smoothing,
-        loss_scale,
-    )
+    xent_launch(be, logits, XentTarget::Labels(labels), smoothing, scale)
 }
 
 /// Cross-entropy against soft targets (Mixup, CutMix): `targets` [n, k]
@@ -1523,11 +1586,11 @@ pub fn soft_cross_entropy(
     be: &CudaBackend,
     logits: &CudaTensor,
     targets: &CudaView<'_, f32>,
-    loss_scale: f32,
+    scale: GradScale<'_>,
 ) -> CudaResult<XentOutput> {
     let (n, classes) = xent_shape(logits)?;
     same_len("soft_cross_entropy", "targets", n * classes, targets.len())?;
-    xent_launch(be, logits, XentTarget::Soft(targets), 0.0, loss_scale)
+    xent_launch(be, logits, XentTarget::Soft(targets), 0.0, scale)
 }
 
 fn xent_shape(logits: &CudaTensor) -> CudaResult<(usize, usize)> {
@@ -1555,8 +1618,15 @@ fn xent_launch(
     logits: &CudaTensor,
     target: XentTarget<'_, '_>,
     smoothing: f32,
-    loss_scale: f32,
+    scale: GradScale<'_>,
 ) -> CudaResult<XentOutput> {
+    if scale.loss_scale.len() != 1 {
+        return Err(CudaError::shape(
+            "cross_entropy",
+            "a loss scale of one f32",
+            format!("{} values", scale.loss_scale.len()),
+        ));
+    }
     let sig = match target {
         XentTarget::Labels(_) => &k::SOFTMAX_XENT,
         XentTarget::Soft(_) => &k::SOFTMAX_XENT_SOFT,
@@ -1569,7 +1639,7 @@ fn xent_launch(
         rows: u32_of("cross_entropy", n)?,
         classes: u32_of("cross_entropy", classes)?,
         smoothing,
-        grad_scale: (loss_scale as f64 / n as f64) as f32,
+        share: scale.share,
     };
     let threads = u32_of("cross_entropy", n * 32)? as usize;
     let cfg = LaunchConfig {
@@ -1580,7 +1650,7 @@ fn xent_launch(
     {
         let f = be.function(sig)?;
         let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p).arg(logits.f16()?);
+        b.arg(&p).arg(scale.loss_scale).arg(logits.f16()?);
         match target {
             XentTarget::Labels(labels) => b.arg(labels),
             XentTarget::Soft(targets) => b.arg(targets),
@@ -1588,8 +1658,9 @@ fn xent_launch(
         b.arg(&mut row_loss.slice)
             .arg(&mut row_correct.slice)
             .arg(grad.f16_mut()?);
-        // SAFETY: softmax_xent(XentParams, const hr_half* logits [n, k],
-        // const u32* labels [n], ...) and softmax_xent_soft(..., const float*
+        // SAFETY: softmax_xent(XentParams, const float* loss_scale [1],
+        // const hr_half* logits [n, k], const u32* labels [n], ...) and
+        // softmax_xent_soft(..., const float*
         // targets [n, k], ...), then float* row_loss [n], u32* row_correct
         // [n], hr_half* grad [n, k]; the callers checked the target's length.
         unsafe { b.launch(cfg) }.during(sig.name)?;

@@ -1,6 +1,6 @@
 //! Kernel parameters, passed by value: each struct mirrors the struct of the
 //! same name in `crates/model/kernels/*.cu` field for field (u32 ↔ `u32`,
-//! f32 ↔ `float`). Both sides assert the size; `tests/cuda_ptx.rs` checks
+//! f32 ↔ `float`, u64 ↔ `u64`). Both sides assert the size; `tests/cuda_ptx.rs` checks
 //! every kernel's first PTX parameter against `size_of` of its struct here.
 //! Buffers are passed as separate pointer arguments after the struct.
 
@@ -56,8 +56,9 @@ kernel_params! {
     /// pool.cu: global_avg_pool_forward, global_avg_pool_backward.
     PoolParams(16) { n: u32, hw: u32, c: u32, inv_hw: f32 }
     /// loss.cu: softmax_xent, softmax_xent_soft (which ignores smoothing).
-    /// grad_scale = loss_scale / rows.
-    XentParams(16) { rows: u32, classes: u32, smoothing: f32, grad_scale: f32 }
+    /// The gradient's scale is loss_scale * share / rows, the loss scale
+    /// read from device memory.
+    XentParams(16) { rows: u32, classes: u32, smoothing: f32, share: f32 }
     /// loss.cu: xent_reduce.
     XentReduceParams(4) { rows: u32 }
     /// conv.cu: im2col, col2im, for images [n0, n0 + images).
@@ -67,8 +68,15 @@ kernel_params! {
     }
     /// optim.cu: grad_sumsq.
     SumSqParams(8) { n: u32, offset: u32 }
-    /// optim.cu: step_finalize.
-    FinalizeParams(12) { partials: u32, inv_loss_scale: f32, max_norm: f32 }
+    /// batchnorm.cu: bn_running_restore.
+    BnRestoreParams(4) { channels: u32 }
+    /// optim.cu: step_finalize: the clip norm and the loss scaler's
+    /// settings, fixed for a run.
+    FinalizeParams(28) {
+        partials: u32, max_norm: f32,
+        growth_factor: f32, backoff_factor: f32, growth_interval: u32,
+        min_scale: f32, max_scale: f32,
+    }
     /// optim.cu: adamw_fused.
     AdamWParams(28) {
         n: u32, zero_grad: u32,
@@ -76,25 +84,55 @@ kernel_params! {
         decay: u32,
         beta1_complement: f32, beta2: f32, beta2_complement: f32, eps: f32,
     }
-    /// optim.cu: what adamw_fused reads of the step from device memory (the
-    /// learning rate and t change every step; a captured step replays them
-    /// from here).
+    /// optim.cu: the factors of one learning rate at one t.
     AdamWScalars(12) { decay_factor: f32, neg_step_size: f32, bias_correction2_sqrt: f32 }
-    /// optim.cu: the optimizer step's verdict, written by step_finalize into
-    /// device memory and read by adamw_fused and (when it likes) the host.
-    StepState(16) {
-        /// 1 if any gradient was inf or NaN: the step was skipped.
+    /// optim.cu: the learning rate of the next step, written by the host
+    /// (a pinned copy on the stream) for each count of applied steps the
+    /// step may find: `at[applied - first_applied]` is the one it uses.
+    StepSchedule(64) {
+        first_applied: u64,
+        candidates: u32,
+        unused: u32,
+        at: [AdamWScalars; SCHEDULE_CANDIDATES],
+    }
+    /// common.cuh: the optimizer's verdict on the last step and the dynamic
+    /// loss scaler's state, in device memory: written by step_finalize,
+    /// read by adamw_fused, bn_running_restore and (when it likes) the host.
+    StepState(56) {
+        /// found_inf or schedule_missed: the step changed nothing.
+        skipped: u32,
+        /// A gradient was inf or NaN.
         found_inf: u32,
+        /// The host's schedule had no learning rate for this step's t.
+        schedule_missed: u32,
         /// Global L2 norm of the unscaled gradients (before clipping).
         grad_norm: f32,
         /// The clip coefficient applied (1 when not clipped).
         clip_factor: f32,
         /// clip_factor / loss_scale: what a stored gradient was multiplied by.
         grad_factor: f32,
+        /// The step's AdamW factors, for its t.
+        decay_factor: f32,
+        neg_step_size: f32,
+        bias_correction2_sqrt: f32,
+        /// The loss scale of the next step.
+        next_scale: f32,
+        /// Clean steps since the scale last changed.
+        clean_steps: u32,
+        unused: u32,
+        /// Steps applied so far: AdamW's t of the last applied one.
+        applied: u64,
     }
 }
+
+/// Learning-rate candidates a `StepSchedule` holds (optim.cu's
+/// HR_SCHEDULE_CANDIDATES): a step may be queued with up to this many minus
+/// one steps still in flight.
+pub const SCHEDULE_CANDIDATES: usize = 4;
 
 // SAFETY: all-zero bits are a valid StepState (found_inf = 0, zeros).
 unsafe impl ValidAsZeroBits for StepState {}
 // SAFETY: three f32; zeros are valid.
 unsafe impl ValidAsZeroBits for AdamWScalars {}
+// SAFETY: integers and f32 scalars; zeros are valid.
+unsafe impl ValidAsZeroBits for StepSchedule {}

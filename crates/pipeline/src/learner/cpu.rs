@@ -12,6 +12,7 @@
 //! frame's successor), scored by per-pixel MSE in [0, 1]; evaluation also
 //! scores the copy-last-frame baseline on the same frames.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use headroom_loader::Batch;
@@ -23,7 +24,7 @@ use headroom_model::memory::{try_scratch, MemoryPool};
 use headroom_model::{BuildOptions, Mode, ModelSpec, Network, PoolStats, Tensor, TokenInput};
 use headroom_optim::{clip_grad_norm, grad_norm, AdamW};
 
-use super::{softmax_rows, EvalResult, Learner, LearnerState, StepResult, StepSettings};
+use super::{softmax_rows, EvalResult, Learner, LearnerState, StepLr, StepResult, StepSettings};
 use crate::Result;
 
 /// The f32 CPU learner.
@@ -37,6 +38,8 @@ pub struct CpuLearner {
     tokens: Option<TokenInput>,
     /// Set for a frame model: the frames it reads per sequence.
     frames: Option<usize>,
+    /// Results of steps submitted and not yet collected.
+    ready: VecDeque<StepResult>,
 }
 
 /// A micro-batch as the network takes it, and what its scores are compared
@@ -87,6 +90,7 @@ impl CpuLearner {
             pool,
             tokens: spec.tokens,
             frames: spec.frames,
+            ready: VecDeque::new(),
         })
     }
 
@@ -345,9 +349,22 @@ fn training_loss(
 }
 
 impl Learner for CpuLearner {
-    fn train_batch(&mut self, batch: &Batch, lr: f32) -> Result<StepResult> {
+    /// Runs the step now; its result waits for `collect_step`.
+    fn submit_batch(&mut self, batch: &Batch, lr: StepLr<'_>) -> Result<()> {
+        let applied = self.ready.iter().filter(|r| r.grad_norm.is_some()).count();
+        let lr = (lr.at)(lr.applied + applied as u64);
         let pool = Arc::clone(&self.pool);
-        pool.scope(|| self.train_in_scope(batch, lr))
+        let result = pool.scope(|| self.train_in_scope(batch, lr))?;
+        self.ready.push_back(result);
+        Ok(())
+    }
+
+    fn collect_step(&mut self) -> Result<Option<StepResult>> {
+        Ok(self.ready.pop_front())
+    }
+
+    fn steps_in_flight(&self) -> usize {
+        self.ready.len()
     }
 
     fn eval_batch(&mut self, batch: &Batch) -> Result<EvalResult> {
@@ -379,6 +396,7 @@ impl Learner for CpuLearner {
     }
 
     fn snapshot(&mut self) -> Result<LearnerState> {
+        super::require_no_steps_in_flight(self.ready.len(), "snapshot")?;
         // Copies as large as the model, made fallibly: short memory at a
         // checkpoint is an out-of-memory value, never an abort.
         let params = self
@@ -400,6 +418,8 @@ impl Learner for CpuLearner {
     }
 
     fn restore(&mut self, state: LearnerState) -> std::result::Result<(), String> {
+        super::require_no_steps_in_flight(self.ready.len(), "restore")
+            .map_err(|e| e.to_string())?;
         self.check_shapes(&state)?;
         // Last fallible step first, so a refusal changes nothing.
         self.optimizer

@@ -4,11 +4,15 @@
 //! dynamic loss scaling. Batches cross the bus as u8 through the pinned
 //! staging ring on the copy stream and are normalised to f16 on the device.
 //!
-//! A step reads back one small verdict (inf flag, gradient norm) and the
-//! loss once the optimizer is queued: the only host synchronisation of a
-//! step. A step whose gradients overflow is skipped by the optimizer kernel;
-//! the batch-norm running statistics it changed are put back, the loss scale
-//! halves, and the step counter (the `t` of AdamW) does not advance.
+//! A step never waits for the host, nor the host for a step: everything a
+//! step decides stays on the device. The optimizer's verdict (inf/NaN),
+//! the loss scale and AdamW's t live in device memory; a step whose
+//! gradients overflow is skipped by the optimizer kernel, a kernel puts back
+//! the batch-norm running statistics it changed, the scale halves and t
+//! does not advance. `submit_batch` queues a step and returns; its loss,
+//! correct count, norm and verdict are copied into pinned memory
+//! (`records.rs`) and read by `collect_step`, which the training loop calls
+//! one step later, while the GPU runs the next.
 //!
 //! With `data.on_device` the training set is held on the device
 //! (`ResidentImages`) and a batch crosses the bus as recipes (sample id,
@@ -23,19 +27,23 @@
 //! refused with a message naming it: f32 training (`--no-amp`), the
 //! sequence layers.
 
+use std::collections::VecDeque;
+
 use headroom_loader::{Batch, Dataset, SampleRecipe};
-use headroom_model::cuda::params::StepState;
 use headroom_model::cuda::{
-    ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, DeviceInfo, InputStaging,
-    ResidentImages, StagedBatch,
+    ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, DeviceBuffer, DeviceInfo,
+    InputStaging, ResidentImages, StagedBatch, StepRecords, MAX_IN_FLIGHT,
 };
 use headroom_model::{ModelError, ModelSpec, PoolStats};
-use headroom_optim::{AdamWState, FusedAdamW, LossScaler, LossScalerConfig, StepOutcome};
+use headroom_optim::{AdamWState, FusedAdamW, LossScalerConfig, LossScalerState};
 
 mod graph;
 
 use super::cpu::arg_max;
-use super::{softmax_rows, EvalResult, Learner, LearnerState, StepResult, StepSettings};
+use super::{
+    require_no_steps_in_flight, softmax_rows, EvalResult, Learner, LearnerState, StepLr,
+    StepResult, StepSettings,
+};
 use crate::{PipelineError, Result};
 
 /// GPU-specific settings.
@@ -64,19 +72,32 @@ fn cuda<T>(r: std::result::Result<T, CudaError>) -> Result<T> {
     r.map_err(|e| PipelineError::Model(ModelError::from(e)))
 }
 
+/// A step queued and not yet collected.
+struct InFlight {
+    /// Its slot in the records ring.
+    slot: usize,
+    /// Each micro-batch's share of the batch (its loss's weight).
+    shares: Vec<f32>,
+}
+
 pub struct CudaLearner {
     be: CudaBackend,
     network: CudaNetwork,
     optimizer: FusedAdamW,
-    scaler: LossScaler,
     staging: InputStaging,
     staged_samples: usize,
     /// The training set, when it is held on the device (`data.on_device`).
     resident: Option<ResidentImages>,
     settings: StepSettings,
     micro_batch: usize,
-    /// Applied optimizer steps (AdamW's t).
-    applied_steps: u64,
+    records: StepRecords,
+    in_flight: VecDeque<InFlight>,
+    /// Applied steps (AdamW's t) and the loss scale as of the last step
+    /// collected (or restored).
+    collected_applied: u64,
+    collected_scale: f32,
+    /// A loss scale of 1 in device memory, for evaluation.
+    unit_scale: DeviceBuffer<f32>,
     macs_per_sample: u64,
     graphs: graph::Graphs,
 }
@@ -98,21 +119,28 @@ impl CudaLearner {
             .or_else(|| Some(be.info().free_memory / 10 * 9).filter(|&b| b > 0));
         be.set_memory_limit(limit);
         let mut network = CudaNetwork::build(&be, spec, seed, options.build)?;
-        let optimizer = FusedAdamW::new(&be, settings.optimizer.clone(), network.groups_mut())?;
-        let scaler = LossScaler::new(options.loss_scaler).map_err(ModelError::State)?;
+        let optimizer = FusedAdamW::new(
+            &be,
+            settings.optimizer.clone(),
+            options.loss_scaler,
+            network.groups_mut(),
+        )?;
         let staging = staging_for(&be, spec, batch_size)?;
         Ok(Self {
             macs_per_sample: network.macs_per_sample(),
+            records: cuda(StepRecords::new(&be, batch_size))?,
+            unit_scale: cuda(be.upload(&[1.0f32]))?,
             be,
             network,
             optimizer,
-            scaler,
             staging,
             staged_samples: batch_size.max(1),
             resident: None,
             settings,
             micro_batch: batch_size.max(1),
-            applied_steps: 0,
+            in_flight: VecDeque::new(),
+            collected_applied: 0,
+            collected_scale: options.loss_scaler.init_scale,
             graphs: graph::Graphs::new(options.graphs),
         })
     }
@@ -121,8 +149,9 @@ impl CudaLearner {
         self.be.info()
     }
 
+    /// The loss scale as of the last step collected.
     pub fn loss_scale(&self) -> f32 {
-        self.scaler.scale()
+        self.collected_scale
     }
 
     /// Training steps that ran as a replay of a captured CUDA graph.
@@ -174,23 +203,64 @@ impl CudaLearner {
         ))
     }
 
-    fn step(&mut self, batch: &Batch, lr: f32) -> Result<StepResult> {
-        match self.graph_step(batch, lr)? {
-            Some(result) => Ok(result),
-            None => self.eager_step(batch, lr),
+    /// Queues a step: its schedule, its kernels (a graph replay or one
+    /// launch at a time), then the copies of its record.
+    fn submit(&mut self, batch: &Batch, lr: StepLr<'_>) -> Result<()> {
+        if self.in_flight.len() >= MAX_IN_FLIGHT {
+            return Err(PipelineError::Stage {
+                stage: "learner",
+                reason: format!(
+                    "{} steps are in flight, the most the GPU learner queues; collect one first",
+                    self.in_flight.len()
+                ),
+            });
         }
+        let parts = batch.len().div_ceil(self.micro_batch).max(1);
+        if parts > self.records.parts() {
+            require_no_steps_in_flight(self.in_flight.len(), "a step with more micro-batches")?;
+            self.graphs.forget();
+            self.records = cuda(StepRecords::new(&self.be, parts))?;
+        }
+        let lrs: Vec<f32> = (0..=self.in_flight.len() as u64)
+            .map(|j| (lr.at)(lr.applied + j))
+            .collect();
+        self.optimizer
+            .set_schedule(&self.be, self.collected_applied, &lrs)?;
+        let shares = match self.graph_step(batch)? {
+            Some(shares) => shares,
+            None => self.eager_step(batch)?,
+        };
+        let slot = cuda(
+            self.records
+                .copy_out(&self.be, self.optimizer.state(), shares.len()),
+        )?;
+        self.in_flight.push_back(InFlight { slot, shares });
+        Ok(())
     }
 
-    /// The step one launch at a time, in micro-batches.
-    fn eager_step(&mut self, batch: &Batch, lr: f32) -> Result<StepResult> {
+    /// The step one launch at a time, in micro-batches: each micro-batch's
+    /// share of the batch. A failure part-way puts the running statistics
+    /// back.
+    fn eager_step(&mut self, batch: &Batch) -> Result<Vec<f32>> {
         cuda(self.network.save_running_stats(&self.be))?;
-        let scale = self.scaler.scale();
+        let result = self.eager_parts(batch);
+        if result.is_err() {
+            cuda(self.network.restore_running_stats(&self.be))?;
+        }
+        result
+    }
+
+    fn eager_parts(&mut self, batch: &Batch) -> Result<Vec<f32>> {
         let n = batch.len();
-        let mut summaries = Vec::new();
+        let mut shares = Vec::new();
         for part in batch.micro_batches(self.micro_batch) {
             let share = part.len() as f32 / n as f32;
             let staged = self.stage(&part)?;
             let be = &self.be;
+            let scale = ops::GradScale {
+                loss_scale: self.optimizer.loss_scale(),
+                share,
+            };
             let logits = cuda(self.network.forward_train(be, &staged.images))?;
             let xent = match &part.soft_targets {
                 None => cuda(ops::softmax_cross_entropy(
@@ -198,7 +268,7 @@ impl CudaLearner {
                     &logits,
                     &staged.labels.slice.as_view(),
                     self.settings.label_smoothing,
-                    scale * share,
+                    scale,
                 ))?,
                 Some(soft) => {
                     let smoothed =
@@ -208,61 +278,68 @@ impl CudaLearner {
                         be,
                         &logits,
                         &targets.slice.as_view(),
-                        scale * share,
+                        scale,
                     ))?
                 }
             };
             drop(logits);
-            summaries.push((cuda(xent.summary(be))?, share));
+            let at = shares.len();
+            cuda(xent.summary_into(
+                be,
+                &mut self.records.losses.slice.slice_mut(at..at + 1),
+                &mut self.records.corrects.slice.slice_mut(at..at + 1),
+            ))?;
+            shares.push(share);
             cuda(self.network.backward(be, &xent.grad))?;
         }
+        self.finish_on_device()?;
+        Ok(shares)
+    }
+
+    /// The end of every step, eager or captured: the optimizer, then the
+    /// running statistics put back if it skipped the step.
+    fn finish_on_device(&mut self) -> Result<()> {
         let be = &self.be;
-        self.optimizer.step(
-            be,
-            self.network.groups_mut(),
-            lr,
-            self.applied_steps + 1,
-            scale,
-            self.settings.clip_norm,
-            true,
-        )?;
-        let verdict = self.optimizer.read_state(be)?;
-        let (mut loss, mut correct) = (0.0f64, 0usize);
-        for ((loss_dev, correct_dev), share) in &summaries {
-            loss += cuda(be.download(&loss_dev.slice))?[0] as f64 * *share as f64;
-            correct += cuda(be.download(&correct_dev.slice))?[0] as usize;
-        }
-        self.finish_step(verdict, scale, loss, correct)
+        self.optimizer
+            .enqueue(be, self.network.groups_mut(), self.settings.clip_norm, true)?;
+        cuda(
+            self.network
+                .restore_running_stats_if_skipped(be, self.optimizer.state()),
+        )
     }
 
-    /// The loss scaler's verdict on a step whose kernels have run: an
-    /// applied step advances t; a skipped one puts the running statistics
-    /// back.
-    fn finish_step(
-        &mut self,
-        verdict: StepState,
-        scale: f32,
-        loss: f64,
-        correct: usize,
-    ) -> Result<StepResult> {
-        let grad_norm = match self.scaler.update(scale, verdict.found_inf != 0) {
-            StepOutcome::Applied => {
-                self.applied_steps += 1;
-                Some(verdict.grad_norm)
-            }
-            StepOutcome::Skipped => {
-                cuda(self.network.restore_running_stats(&self.be))?;
-                None
-            }
+    /// The oldest step in flight, read once its record is in host memory.
+    fn collect(&mut self) -> Result<Option<StepResult>> {
+        let Some(step) = self.in_flight.pop_front() else {
+            return Ok(None);
         };
-        Ok(StepResult {
+        let record = cuda(self.records.read(step.slot, step.shares.len()))?;
+        let state = record.state;
+        if state.schedule_missed != 0 {
+            return Err(PipelineError::Stage {
+                stage: "learner",
+                reason: format!(
+                    "the GPU found {} applied steps, for which the host gave no learning rate",
+                    state.applied
+                ),
+            });
+        }
+        self.collected_applied = state.applied;
+        self.collected_scale = state.next_scale;
+        let loss: f64 = record
+            .losses
+            .iter()
+            .zip(&step.shares)
+            .map(|(&loss, &share)| loss as f64 * share as f64)
+            .sum();
+        Ok(Some(StepResult {
             loss: loss as f32,
-            correct,
-            grad_norm,
-        })
+            correct: record.corrects.iter().map(|&c| c as usize).sum(),
+            grad_norm: (state.skipped == 0).then_some(state.grad_norm),
+        }))
     }
 
-    /// Back to the state before a step that failed part-way.
+    /// Back to the state before a dry run.
     fn undo_step(&mut self) -> Result<()> {
         self.network.clear_saved();
         cuda(self.network.zero_grad(&self.be))?;
@@ -303,12 +380,29 @@ fn read_all(dataset: &dyn Dataset) -> Result<Vec<u8>> {
 }
 
 impl Learner for CudaLearner {
-    fn train_batch(&mut self, batch: &Batch, lr: f32) -> Result<StepResult> {
-        let result = self.step(batch, lr);
+    fn submit_batch(&mut self, batch: &Batch, lr: StepLr<'_>) -> Result<()> {
+        let result = self.submit(batch, lr);
         if result.is_err() {
-            self.undo_step()?;
+            // The running statistics are back already (`eager_step`; a
+            // graph that failed to launch ran nothing).
+            self.network.clear_saved();
+            cuda(self.network.zero_grad(&self.be))?;
         }
         result
+    }
+
+    fn collect_step(&mut self) -> Result<Option<StepResult>> {
+        self.collect()
+    }
+
+    fn steps_in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// One step queued behind the one running: the host stages and queues
+    /// step s+1 while the GPU runs step s.
+    fn pipeline_depth(&self) -> usize {
+        1
     }
 
     fn eval_batch(&mut self, batch: &Batch) -> Result<EvalResult> {
@@ -323,12 +417,16 @@ impl Learner for CudaLearner {
             let staged = self.stage(&part)?;
             let be = &self.be;
             let logits = cuda(self.network.forward_eval(be, &staged.images))?;
+            let unit = ops::GradScale {
+                loss_scale: &self.unit_scale.slice,
+                share: 1.0,
+            };
             let xent = cuda(ops::softmax_cross_entropy(
                 be,
                 &logits,
                 &staged.labels.slice.as_view(),
                 0.0,
-                1.0,
+                unit,
             ))?;
             let (loss, _) = cuda(xent.read_summary(be))?;
             result.loss_sum += loss as f64 * part.len() as f64;
@@ -365,8 +463,10 @@ impl Learner for CudaLearner {
     }
 
     fn snapshot(&mut self) -> Result<LearnerState> {
+        require_no_steps_in_flight(self.in_flight.len(), "snapshot")?;
         let be = &self.be;
-        let (first_moment, second_moment) = if self.applied_steps == 0 {
+        let state = self.optimizer.read_state(be)?;
+        let (first_moment, second_moment) = if state.applied == 0 {
             (Vec::new(), Vec::new())
         } else {
             cuda(self.network.read_moments(be))?
@@ -375,21 +475,31 @@ impl Learner for CudaLearner {
             params: cuda(self.network.read_params(be))?,
             buffers: cuda(self.network.read_buffers(be))?,
             optimizer: AdamWState {
-                step: self.applied_steps,
+                step: state.applied,
                 first_moment,
                 second_moment,
             },
-            loss_scale: Some(self.scaler.state()),
+            loss_scale: Some(LossScalerState {
+                scale: state.next_scale,
+                clean_steps: state.clean_steps,
+            }),
         })
     }
 
     fn restore(&mut self, state: LearnerState) -> std::result::Result<(), String> {
+        require_no_steps_in_flight(self.in_flight.len(), "restore").map_err(|e| e.to_string())?;
         let LearnerState {
             params,
             buffers,
             optimizer,
             loss_scale,
         } = state;
+        if let Some(bad) = loss_scale.filter(|s| !(s.scale.is_finite() && s.scale > 0.0)) {
+            return Err(format!(
+                "loss scaler: invalid scale {} in checkpoint",
+                bad.scale
+            ));
+        }
         let zeros: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
         let (first, second) = if optimizer.step == 0 {
             (&zeros, &zeros)
@@ -402,10 +512,21 @@ impl Learner for CudaLearner {
         self.network
             .load_state(&self.be, &params, &buffers, (first, second))
             .map_err(|e| e.to_string())?;
-        self.applied_steps = optimizer.step;
         // A CPU checkpoint has no scale: the scaler starts afresh.
-        let scale = loss_scale.unwrap_or(LossScaler::new(*self.scaler.config())?.state());
-        self.scaler.load_state(scale)?;
+        let config: LossScalerConfig = *self.optimizer.scaler_config();
+        let scale = loss_scale.unwrap_or(LossScalerState {
+            scale: config.init_scale,
+            clean_steps: 0,
+        });
+        self.optimizer
+            .load_state(&self.be, scale, optimizer.step)
+            .map_err(|e| e.to_string())?;
+        self.collected_applied = optimizer.step;
+        self.collected_scale = self
+            .optimizer
+            .read_state(&self.be)
+            .map_err(|e| e.to_string())?
+            .next_scale;
         Ok(())
     }
 

@@ -92,12 +92,62 @@ pub struct LearnerState {
     pub loss_scale: Option<LossScalerState>,
 }
 
+/// The learning rate of a step being submitted: `at(i)` is the rate of the
+/// i-th applied step (the schedule), and `applied` counts the applied steps
+/// among those already collected. A learner with k steps in flight does not
+/// know yet how many of them were applied; it takes `at(applied + j)` for
+/// each j in 0..=k and its device picks.
+#[derive(Clone, Copy)]
+pub struct StepLr<'a> {
+    pub applied: u64,
+    pub at: &'a dyn Fn(u64) -> f32,
+}
+
 pub trait Learner: Send {
-    /// One optimizer step on `batch` at learning rate `lr`, in micro-batches
-    /// of `micro_batch()` samples whose gradients add up to the whole batch's.
-    /// A skipped step and a failed one (out of memory, say) both leave the
-    /// model, its buffers and the optimizer exactly as they were.
-    fn train_batch(&mut self, batch: &Batch, lr: f32) -> Result<StepResult>;
+    /// Queues one optimizer step on `batch`, in micro-batches of
+    /// `micro_batch()` samples whose gradients add up to the whole batch's.
+    /// A GPU learner returns before the step has run; its result comes from
+    /// `collect_step`, in submission order. A step that fails here (out of
+    /// memory, say) was not queued and left the model, its buffers and the
+    /// optimizer exactly as they were; a skipped step changes nothing either.
+    fn submit_batch(&mut self, batch: &Batch, lr: StepLr<'_>) -> Result<()>;
+
+    /// The result of the oldest step submitted and not yet collected,
+    /// waiting for it; None when there is none.
+    fn collect_step(&mut self) -> Result<Option<StepResult>>;
+
+    /// Steps submitted and not yet collected.
+    fn steps_in_flight(&self) -> usize;
+
+    /// Steps the caller may leave in flight while it prepares and submits
+    /// the next: 0 where a step's result is ready when it is submitted (the
+    /// CPU).
+    fn pipeline_depth(&self) -> usize {
+        0
+    }
+
+    /// One step at learning rate `lr`, waited for (`submit_batch`, then
+    /// `collect_step`); for callers with no step in flight.
+    fn train_batch(&mut self, batch: &Batch, lr: f32) -> Result<StepResult> {
+        if self.steps_in_flight() > 0 {
+            return Err(PipelineError::Stage {
+                stage: "learner",
+                reason: "train_batch was called with steps in flight; collect them first".into(),
+            });
+        }
+        let at = move |_: u64| lr;
+        self.submit_batch(
+            batch,
+            StepLr {
+                applied: 0,
+                at: &at,
+            },
+        )?;
+        self.collect_step()?.ok_or_else(|| PipelineError::Stage {
+            stage: "learner",
+            reason: "a submitted step left no result".into(),
+        })
+    }
 
     /// Inference on `batch` in micro-batches; changes nothing.
     fn eval_batch(&mut self, batch: &Batch) -> Result<EvalResult>;
@@ -110,6 +160,7 @@ pub trait Learner: Send {
     fn micro_batch(&self) -> usize;
     fn set_micro_batch(&mut self, size: usize);
 
+    /// The whole state, for a checkpoint; with no step in flight.
     fn snapshot(&mut self) -> Result<LearnerState>;
 
     /// Replaces the whole state; refuses (saying why) a state of another
@@ -159,6 +210,18 @@ pub trait Learner: Send {
             format!("{} cannot hold a dataset", self.device_name()),
         ))
     }
+}
+
+/// A snapshot or a restore needs every submitted step collected first: a
+/// checkpoint's position counts collected steps only.
+fn require_no_steps_in_flight(in_flight: usize, what: &str) -> Result<()> {
+    if in_flight == 0 {
+        return Ok(());
+    }
+    Err(PipelineError::Stage {
+        stage: "learner",
+        reason: format!("{what} with {in_flight} step(s) in flight; collect them first"),
+    })
 }
 
 /// How the CPU network is built for `config` (`device.fusion`).

@@ -8,17 +8,16 @@
 //! What a graph needs, and how the step provides it:
 //! - Fixed addresses. The batch goes through the staging ring as always,
 //!   then one copy on the device moves it into this graph's input buffers;
-//!   the loss and correct count land in this graph's output buffers. Every
+//!   the loss and correct count land in the learner's step records. Every
 //!   other buffer the step allocates is allocated and freed inside the
 //!   capture, so the graph owns it (the driver's graph memory), and the
 //!   step's working set is held against `device.memory_limit` as one lease.
-//! - Arguments that do not change. The learning rate and AdamW's t reach
-//!   the optimizer kernels through device memory (`FusedAdamW::set_schedule`,
-//!   before each launch). The loss scale is a launch argument: a new scale
-//!   (rare: an overflow, or 2000 clean steps) is a new capture, as is a new
-//!   batch size, input kind or micro-batch size.
-//! - No host synchronisation inside. The verdict, loss and correct count
-//!   are read after the launch, as the eager step reads them.
+//! - Arguments that do not change. The learning rate candidates reach the
+//!   optimizer kernels through device memory (`FusedAdamW::set_schedule`,
+//!   before each launch), and the loss scale and AdamW's t live there. A
+//!   new batch size, input kind or micro-batch size is a new capture.
+//! - No host synchronisation inside. The step's record is copied out after
+//!   the launch and read when the step is collected, as for an eager step.
 //!
 //! The graph is dropped before evaluation (and dry runs, and cache
 //! releases), so that a run's peak memory is what it is without graphs; the
@@ -35,7 +34,6 @@ use headroom_loader::{Batch, SampleRecipe};
 use headroom_model::cuda::{ops, CapturedGraph, DeviceBuffer};
 
 use super::{cuda, CudaLearner};
-use crate::learner::StepResult;
 use crate::{PipelineError, Result};
 
 /// What a captured step is specialised to; it replays only for a batch that
@@ -44,14 +42,6 @@ use crate::{PipelineError, Result};
 pub(super) struct GraphKey {
     samples: usize,
     recipes: bool,
-    /// The loss scale's bits (the loss kernels take it by value).
-    loss_scale: u32,
-}
-
-impl GraphKey {
-    fn shape(&self) -> (usize, bool) {
-        (self.samples, self.recipes)
-    }
 }
 
 /// One captured training step and the buffers it reads and writes.
@@ -61,16 +51,14 @@ pub(super) struct StepGraph {
     /// The batch: u8 pixels, or recipe words.
     input: DeviceBuffer<u8>,
     labels: DeviceBuffer<u32>,
-    loss: DeviceBuffer<f32>,
-    correct: DeviceBuffer<u32>,
 }
 
 /// Whether steps may be captured, and what has been seen.
 #[derive(Default)]
 pub(super) struct Graphs {
     pub enabled: bool,
-    /// The (samples, recipes) of the last eager step that could be captured.
-    warm: Option<(usize, bool)>,
+    /// The key of the last eager step that could be captured.
+    warm: Option<GraphKey>,
     pub step: Option<StepGraph>,
     /// Steps run as a graph replay so far.
     pub replays: u64,
@@ -111,20 +99,19 @@ impl CudaLearner {
         eligible.then(|| GraphKey {
             samples: n,
             recipes: batch.recipes.is_some(),
-            loss_scale: self.scaler.scale().to_bits(),
         })
     }
 
-    /// The step as a graph replay (capturing first if needed), or None when
-    /// this batch runs eagerly (first of its shape, not eligible, or graphs
-    /// turned off by a failed capture).
-    pub(super) fn graph_step(&mut self, batch: &Batch, lr: f32) -> Result<Option<StepResult>> {
+    /// The step as a graph replay (capturing first if needed), with its one
+    /// micro-batch's share; None when this batch runs eagerly (first of its
+    /// shape, not eligible, or graphs turned off by a failed capture).
+    pub(super) fn graph_step(&mut self, batch: &Batch) -> Result<Option<Vec<f32>>> {
         let Some(key) = self.graph_key(batch) else {
             return Ok(None);
         };
         if self.graphs.step.as_ref().map(|g| g.key) != Some(key) {
-            if self.graphs.warm != Some(key.shape()) {
-                self.graphs.warm = Some(key.shape());
+            if self.graphs.warm != Some(key) {
+                self.graphs.warm = Some(key);
                 return Ok(None);
             }
             self.graphs.step = None;
@@ -143,7 +130,8 @@ impl CudaLearner {
                 }
             }
         }
-        self.replay(batch, lr).map(Some)
+        self.replay(batch)?;
+        Ok(Some(vec![1.0]))
     }
 
     /// Records one step into a new graph (nothing runs).
@@ -154,10 +142,8 @@ impl CudaLearner {
         let bytes = if key.recipes { 8 * n } else { n * h * w * c };
         let input = cuda(be.alloc::<u8>(bytes))?;
         let labels = cuda(be.alloc::<u32>(n))?;
-        let mut loss = cuda(be.alloc::<f32>(1))?;
-        let mut correct = cuda(be.alloc::<u32>(1))?;
         let before = cuda(be.begin_capture())?;
-        let recorded = self.record_step(key, &input, &labels, &mut loss, &mut correct);
+        let recorded = self.record_step(key, &input, &labels);
         if recorded.is_err() {
             // Inside the capture, so that its frees are the graph's.
             self.network.clear_saved();
@@ -169,22 +155,18 @@ impl CudaLearner {
             graph: cuda(ended)?,
             input,
             labels,
-            loss,
-            correct,
         })
     }
 
     /// The device side of a step, as the eager step queues it for one
     /// micro-batch, reading the batch from `input`/`labels` and leaving the
-    /// loss and correct count in `loss_out`/`correct_out`. Every buffer it
-    /// allocates is freed before it returns.
+    /// loss and correct count in the first entry of the step records. Every
+    /// buffer it allocates is freed before it returns.
     fn record_step(
         &mut self,
         key: GraphKey,
         input: &DeviceBuffer<u8>,
         labels: &DeviceBuffer<u32>,
-        loss_out: &mut DeviceBuffer<f32>,
-        correct_out: &mut DeviceBuffer<u32>,
     ) -> Result<()> {
         let be = &self.be;
         let n = key.samples;
@@ -209,7 +191,10 @@ impl CudaLearner {
                 std,
             ))?,
         };
-        let scale = f32::from_bits(key.loss_scale);
+        let scale = ops::GradScale {
+            loss_scale: self.optimizer.loss_scale(),
+            share: 1.0,
+        };
         let logits = cuda(self.network.forward_train(be, &images))?;
         let xent = cuda(ops::softmax_cross_entropy(
             be,
@@ -219,23 +204,18 @@ impl CudaLearner {
             scale,
         ))?;
         drop(logits);
-        let (loss, correct) = cuda(xent.summary(be))?;
-        cuda(be.copy_device(&loss, loss_out))?;
-        cuda(be.copy_device(&correct, correct_out))?;
-        cuda(self.network.backward(be, &xent.grad))?;
-        self.optimizer.enqueue(
+        cuda(xent.summary_into(
             be,
-            self.network.groups_mut(),
-            scale,
-            self.settings.clip_norm,
-            true,
-        )?;
-        Ok(())
+            &mut self.records.losses.slice.slice_mut(..1),
+            &mut self.records.corrects.slice.slice_mut(..1),
+        ))?;
+        cuda(self.network.backward(be, &xent.grad))?;
+        self.finish_on_device()
     }
 
-    /// Stages `batch` into the graph's input, sets the schedule and launches
-    /// the graph; then reads the step's results as the eager step does.
-    fn replay(&mut self, batch: &Batch, lr: f32) -> Result<StepResult> {
+    /// Stages `batch` into the graph's input and launches the graph (the
+    /// schedule is set already).
+    fn replay(&mut self, batch: &Batch) -> Result<()> {
         self.ensure_staging(batch.len())?;
         let classes = self.network.num_classes();
         let Some(graph) = self.graphs.step.as_mut() else {
@@ -257,18 +237,12 @@ impl CudaLearner {
             &mut graph.input,
             &mut graph.labels,
         ))?;
-        self.optimizer
-            .set_schedule(be, lr, self.applied_steps + 1)?;
         if let Err(e) = graph.graph.launch(be) {
             self.graphs
                 .turn_off(&format!("launching the step's graph failed: {e}"));
             return cuda(Err(e));
         }
         self.graphs.replays += 1;
-        let verdict = self.optimizer.read_state(be)?;
-        let loss = cuda(be.download(&graph.loss.slice))?[0];
-        let correct = cuda(be.download(&graph.correct.slice))?[0];
-        let scale = f32::from_bits(graph.key.loss_scale);
-        self.finish_step(verdict, scale, loss as f64, correct as usize)
+        Ok(())
     }
 }
