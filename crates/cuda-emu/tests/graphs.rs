@@ -6,39 +6,14 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{
-    sys, CudaContext, CudaGraph, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg,
-};
-use cudarc::nvrtc::Ptx;
+use cudarc::driver::{sys, CudaGraph, CudaStream, DevicePtrMut, PushKernelArg};
+
+mod common;
+
+use common::{one_block, reverse, stream};
 
 const MODE: sys::CUstreamCaptureMode =
     sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-
-/// A stream of a context that orders its work itself (no cudarc event
-/// tracking, which would wait on events recorded before the capture).
-fn stream() -> Arc<CudaStream> {
-    headroom_cuda_emu::install().unwrap_or_else(|e| panic!("{e}"));
-    let ctx = CudaContext::new(0).expect("the emulated device opens");
-    // SAFETY: set before any buffer of this context exists.
-    unsafe { ctx.disable_event_tracking() };
-    ctx.new_stream().expect("stream")
-}
-
-fn reverse(s: &Arc<CudaStream>) -> cudarc::driver::CudaFunction {
-    let module = s
-        .context()
-        .load_module(Ptx::from_src("// emulated"))
-        .unwrap();
-    module.load_function("hr_emu_selftest_reverse").unwrap()
-}
-
-fn one_block(threads: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
 
 fn end(s: &Arc<CudaStream>) -> Result<Option<CudaGraph>, cudarc::driver::DriverError> {
     s.end_capture(sys::CUgraphInstantiate_flags(0))

@@ -5,35 +5,11 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{
-    result, CudaContext, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
-};
-use cudarc::nvrtc::Ptx;
+use cudarc::driver::{result, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
 
-/// A stream of a context that orders its work itself, as the backend's.
-fn stream() -> Arc<CudaStream> {
-    headroom_cuda_emu::install().unwrap_or_else(|e| panic!("{e}"));
-    let ctx = CudaContext::new(0).expect("the emulated device opens");
-    // SAFETY: set before any buffer of this context exists.
-    unsafe { ctx.disable_event_tracking() };
-    ctx.new_stream().expect("stream")
-}
+mod common;
 
-fn reverse(s: &Arc<CudaStream>) -> cudarc::driver::CudaFunction {
-    let module = s
-        .context()
-        .load_module(Ptx::from_src("// emulated"))
-        .unwrap();
-    module.load_function("hr_emu_selftest_reverse").unwrap()
-}
-
-fn one_block(threads: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
+use common::{one_block, reverse, stream};
 
 /// Pinned host memory holding `values`.
 fn pinned_with(s: &Arc<CudaStream>, values: &[u32]) -> cudarc::driver::PinnedHostSlice<u32> {
