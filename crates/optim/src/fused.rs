@@ -138,25 +138,22 @@ impl FusedAdamW {
         &self.loss_scale.slice
     }
 
-    /// Sets the loss scaler's state and the count of applied steps (from a
-    /// checkpoint), waiting for the copies.
+    /// Sets the loss scaler's state (`LossScalerConfig::admit`) and the
+    /// count of applied steps, from a checkpoint, waiting for the copies;
+    /// the state as admitted.
     pub fn load_state(
         &mut self,
         be: &CudaBackend,
         scaler: LossScalerState,
         applied: u64,
-    ) -> Result<()> {
-        let c = &self.scaler;
-        if !(scaler.scale.is_finite() && scaler.scale > 0.0) {
-            return Err(OptimError::InvalidState(format!(
-                "loss scaler: invalid scale {} in checkpoint",
-                scaler.scale
-            )));
-        }
-        let scale = scaler.scale.clamp(c.min_scale, c.max_scale);
+    ) -> Result<LossScalerState> {
+        let admitted = self
+            .scaler
+            .admit(scaler)
+            .map_err(OptimError::InvalidState)?;
         let state = StepState {
-            next_scale: scale,
-            clean_steps: scaler.clean_steps.min(c.growth_interval - 1),
+            next_scale: admitted.scale,
+            clean_steps: admitted.clean_steps,
             applied,
             ..StepState::default()
         };
@@ -165,12 +162,12 @@ impl FusedAdamW {
             .memcpy_htod(&[state], &mut self.state.slice)
             .map_err(driver("cuMemcpyHtoDAsync"))?;
         stream
-            .memcpy_htod(&[scale], &mut self.loss_scale.slice)
+            .memcpy_htod(&[admitted.scale], &mut self.loss_scale.slice)
             .map_err(driver("cuMemcpyHtoDAsync"))?;
         stream
             .synchronize()
             .map_err(driver("cuStreamSynchronize"))?;
-        Ok(())
+        Ok(admitted)
     }
 
     /// Queues one optimizer step with one learning rate, `lr`, for a step

@@ -74,6 +74,24 @@ impl LossScalerConfig {
     }
 }
 
+impl LossScalerConfig {
+    /// A checkpointed state as this configuration continues it: the scale
+    /// clamped into [min_scale, max_scale], the clean-step count below the
+    /// growth interval; a scale that is not finite and positive is refused.
+    pub fn admit(&self, state: LossScalerState) -> Result<LossScalerState, String> {
+        if !(state.scale.is_finite() && state.scale > 0.0) {
+            return Err(format!(
+                "loss scaler: invalid scale {} in checkpoint",
+                state.scale
+            ));
+        }
+        Ok(LossScalerState {
+            scale: state.scale.clamp(self.min_scale, self.max_scale),
+            clean_steps: state.clean_steps.min(self.growth_interval - 1),
+        })
+    }
+}
+
 /// What happened to one optimizer step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StepOutcome {
@@ -165,18 +183,11 @@ impl LossScaler {
         }
     }
 
-    /// Restores a checkpointed state (clamped into [min_scale, max_scale]).
+    /// Restores a checkpointed state (`LossScalerConfig::admit`).
     pub fn load_state(&mut self, state: LossScalerState) -> Result<(), String> {
-        if !(state.scale.is_finite() && state.scale > 0.0) {
-            return Err(format!(
-                "loss scaler: invalid scale {} in checkpoint",
-                state.scale
-            ));
-        }
-        self.scale = state
-            .scale
-            .clamp(self.config.min_scale, self.config.max_scale);
-        self.clean_steps = state.clean_steps.min(self.config.growth_interval - 1);
+        let state = self.config.admit(state)?;
+        self.scale = state.scale;
+        self.clean_steps = state.clean_steps;
         self.consecutive_skips = 0;
         Ok(())
     }

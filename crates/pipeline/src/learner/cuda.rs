@@ -11,7 +11,7 @@
 //! the batch-norm running statistics it changed, the scale halves and t
 //! does not advance. `submit_batch` queues a step and returns; its loss,
 //! correct count, norm and verdict are copied into pinned memory
-//! (`records.rs`) and read by `collect_step`, which the training loop calls
+//! (`StepRecords`) and read by `collect_step`, which the training loop calls
 //! one step later, while the GPU runs the next.
 //!
 //! With `data.on_device` the training set is held on the device
@@ -494,12 +494,13 @@ impl Learner for CudaLearner {
             optimizer,
             loss_scale,
         } = state;
-        if let Some(bad) = loss_scale.filter(|s| !(s.scale.is_finite() && s.scale > 0.0)) {
-            return Err(format!(
-                "loss scaler: invalid scale {} in checkpoint",
-                bad.scale
-            ));
-        }
+        // A CPU checkpoint has no scale: the scaler starts afresh. Checked
+        // before anything changes.
+        let config: LossScalerConfig = *self.optimizer.scaler_config();
+        let scale = config.admit(loss_scale.unwrap_or(LossScalerState {
+            scale: config.init_scale,
+            clean_steps: 0,
+        }))?;
         let zeros: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
         let (first, second) = if optimizer.step == 0 {
             (&zeros, &zeros)
@@ -512,21 +513,12 @@ impl Learner for CudaLearner {
         self.network
             .load_state(&self.be, &params, &buffers, (first, second))
             .map_err(|e| e.to_string())?;
-        // A CPU checkpoint has no scale: the scaler starts afresh.
-        let config: LossScalerConfig = *self.optimizer.scaler_config();
-        let scale = loss_scale.unwrap_or(LossScalerState {
-            scale: config.init_scale,
-            clean_steps: 0,
-        });
-        self.optimizer
+        let admitted = self
+            .optimizer
             .load_state(&self.be, scale, optimizer.step)
             .map_err(|e| e.to_string())?;
         self.collected_applied = optimizer.step;
-        self.collected_scale = self
-            .optimizer
-            .read_state(&self.be)
-            .map_err(|e| e.to_string())?
-            .next_scale;
+        self.collected_scale = admitted.scale;
         Ok(())
     }
 
