@@ -373,8 +373,9 @@ fn apply_switches(switches: &Switches, overrides: &mut Vec<String>) {
 /// The train switches that map to config keys.
 #[derive(clap::Args, Debug)]
 struct Switches {
-    /// f32 instead of mixed precision. Same as --set device.amp=false: the
-    /// GPU kernels are f16, so this trains on the CPU (which is f32 already).
+    /// f32 instead of mixed precision on the GPU (f32 activations and
+    /// weights, no loss scaling). Same as --set device.amp=false; the CPU
+    /// trains in f32 either way.
     #[arg(long)]
     no_amp: bool,
     /// Fusion off: batch norm, ReLU and the residual add as separate

@@ -12,7 +12,7 @@
 //                      scale = gamma*inv_std and shift = beta - mean*scale,
 //                      and the running statistics (unless recomputing)
 //   bn_apply           y = x*scale + shift (then ReLU if fused)
-//   bn_apply_add       y = relu(f16(x*scale + shift) + skip): a residual
+//   bn_apply_add       y = relu(T(x*scale + shift) + skip): a residual
 //                      block's last batch norm, its sum and the ReLU after it
 // After the optimizer: bn_running_restore puts back the running statistics
 // saved before the step when the step was skipped (StepState::skipped).
@@ -79,7 +79,8 @@ HR_CHECK_SIZE(BnBackwardParams, 20);
 
 #define BN_LANES 8
 
-extern "C" __global__ void bn_stats_partial(BnDims d, const hr_half* __restrict__ x,
+template <typename T>
+__device__ void bn_stats_partial_k(BnDims d, const T* __restrict__ x,
                                             float* __restrict__ part_mean,
                                             float* __restrict__ part_m2) {
     __shared__ float s_count[BN_LANES][32];
@@ -92,7 +93,7 @@ extern "C" __global__ void bn_stats_partial(BnDims d, const hr_half* __restrict_
     float count = 0.0f, mean = 0.0f, m2 = 0.0f;
     if (c < d.channels) {
         for (u32 r = r0 + threadIdx.y; r < r1; r += BN_LANES) {
-            const float v = h2f(x[r * d.channels + c]);
+            const float v = hr_ld(x[r * d.channels + c]);
             count += 1.0f;
             const float delta = v - mean;
             mean += delta / count;
@@ -174,56 +175,60 @@ extern "C" __global__ void bn_eval_prepare(BnEvalParams p, const float* __restri
     shift_out[c] = beta[c] - running_mean[c] * scale;
 }
 
-extern "C" __global__ void bn_apply(BnApplyParams p, const hr_half* __restrict__ x,
+template <typename T>
+__device__ void bn_apply_k(BnApplyParams p, const T* __restrict__ x,
                                     const float* __restrict__ scale,
-                                    const float* __restrict__ shift, hr_half* __restrict__ y) {
+                                    const float* __restrict__ shift, T* __restrict__ y) {
     const u32 n = p.rows * p.channels;
     HR_FOR_EACH(i, n) {
         const u32 c = i % p.channels;
-        float v = fmaf(h2f(x[i]), scale[c], shift[c]);
+        float v = fmaf(hr_ld(x[i]), scale[c], shift[c]);
         if (p.relu) {
             v = hr_relu(v);
         }
-        y[i] = f2h(v);
+        hr_st(&y[i], v);
     }
 }
 
 // The unfused block runs bn_apply, add_inplace and relu_forward, each
-// rounding its result to f16; this rounds at the same three points, so the
+// rounding its result to the storage T; this rounds at the same three points, so the
 // fused and unfused networks compute the same bits. p.relu = 0 leaves the
 // sum (not used by the network, but defined).
-extern "C" __global__ void bn_apply_add(BnApplyParams p, const hr_half* __restrict__ x,
+template <typename T>
+__device__ void bn_apply_add_k(BnApplyParams p, const T* __restrict__ x,
                                         const float* __restrict__ scale,
                                         const float* __restrict__ shift,
-                                        const hr_half* __restrict__ skip,
-                                        hr_half* __restrict__ y) {
+                                        const T* __restrict__ skip,
+                                        T* __restrict__ y) {
     const u32 n = p.rows * p.channels;
     HR_FOR_EACH(i, n) {
         const u32 c = i % p.channels;
-        const hr_half v = f2h(fmaf(h2f(x[i]), scale[c], shift[c]));
-        float s = h2f(f2h(h2f(v) + h2f(skip[i])));
+        const float v = hr_round<T>(fmaf(hr_ld(x[i]), scale[c], shift[c]));
+        float s = hr_round<T>(v + hr_ld(skip[i]));
         if (p.relu) {
             s = hr_relu(s);
         }
-        y[i] = f2h(s);
+        hr_st(&y[i], s);
     }
 }
 
-__device__ __forceinline__ float bn_masked_grad(u32 relu, const hr_half* g, const hr_half* y,
+template <typename T>
+__device__ __forceinline__ float bn_masked_grad(u32 relu, const T* g, const T* y,
                                                 u32 i) {
-    const float gv = h2f(g[i]);
+    const float gv = hr_ld(g[i]);
     if (relu) {
-        return h2f(y[i]) > 0.0f ? gv : 0.0f;
+        return hr_ld(y[i]) > 0.0f ? gv : 0.0f;
     }
     return gv;
 }
 
 // The body of both partial kernels. With g_out (then g itself), a masked
 // element of g is overwritten with +0: the bits relu_backward would store.
-__device__ __forceinline__ void bn_backward_sums(const BnBackwardParams& p, const hr_half* g,
-                                                 const hr_half* x, const hr_half* y,
-                                                 const float* mean, float* part_sum_g,
-                                                 float* part_sum_gx, hr_half* g_out) {
+template <typename T>
+__device__ __forceinline__ void bn_backward_sums(const BnBackwardParams& p, const T* g,
+                                                 const T* x, const T* y, const float* mean,
+                                                 float* part_sum_g, float* part_sum_gx,
+                                                 T* g_out) {
     __shared__ float s_g[BN_LANES][32];
     __shared__ float s_gx[BN_LANES][32];
     const u32 c = blockIdx.x * 32 + threadIdx.x;
@@ -235,15 +240,15 @@ __device__ __forceinline__ void bn_backward_sums(const BnBackwardParams& p, cons
         const float mu = mean[c];
         for (u32 r = r0 + threadIdx.y; r < r1; r += BN_LANES) {
             const u32 i = r * p.channels + c;
-            float gv = h2f(g[i]);
-            if (p.relu && !(h2f(y[i]) > 0.0f)) {  // bn_masked_grad's mask
+            float gv = hr_ld(g[i]);
+            if (p.relu && !(hr_ld(y[i]) > 0.0f)) {  // bn_masked_grad's mask
                 gv = 0.0f;
                 if (g_out != nullptr) {
-                    g_out[i] = (hr_half)0;
+                    g_out[i] = (T)0;
                 }
             }
             sg += gv;
-            sgx += gv * (h2f(x[i]) - mu);
+            sgx += gv * (hr_ld(x[i]) - mu);
         }
     }
     s_g[threadIdx.y][threadIdx.x] = sg;
@@ -260,24 +265,26 @@ __device__ __forceinline__ void bn_backward_sums(const BnBackwardParams& p, cons
 }
 
 // y may be any valid pointer when relu == 0 (it is not read).
-extern "C" __global__ void bn_backward_partial(BnBackwardParams p, const hr_half* __restrict__ g,
-                                               const hr_half* __restrict__ x,
-                                               const hr_half* __restrict__ y,
+template <typename T>
+__device__ void bn_backward_partial_k(BnBackwardParams p, const T* __restrict__ g,
+                                               const T* __restrict__ x,
+                                               const T* __restrict__ y,
                                                const float* __restrict__ mean,
                                                float* __restrict__ part_sum_g,
                                                float* __restrict__ part_sum_gx) {
-    bn_backward_sums(p, g, x, y, mean, part_sum_g, part_sum_gx, nullptr);
+    bn_backward_sums<T>(p, g, x, y, mean, part_sum_g, part_sum_gx, nullptr);
 }
 
 // Each element of g is read, then written, by the one thread that sums it,
 // so masking in place races with nothing.
-extern "C" __global__ void bn_backward_partial_mask(BnBackwardParams p, hr_half* __restrict__ g,
-                                                    const hr_half* __restrict__ x,
-                                                    const hr_half* __restrict__ y,
+template <typename T>
+__device__ void bn_backward_partial_mask_k(BnBackwardParams p, T* __restrict__ g,
+                                                    const T* __restrict__ x,
+                                                    const T* __restrict__ y,
                                                     const float* __restrict__ mean,
                                                     float* __restrict__ part_sum_g,
                                                     float* __restrict__ part_sum_gx) {
-    bn_backward_sums(p, g, x, y, mean, part_sum_g, part_sum_gx, g);
+    bn_backward_sums<T>(p, g, x, y, mean, part_sum_g, part_sum_gx, g);
 }
 
 extern "C" __global__ void bn_backward_finalize(
@@ -306,19 +313,20 @@ extern "C" __global__ void bn_backward_finalize(
     beta_grad[c] += (float)dbeta;
 }
 
-extern "C" __global__ void bn_backward_apply(BnBackwardParams p, const hr_half* __restrict__ g,
-                                             const hr_half* __restrict__ x,
-                                             const hr_half* __restrict__ y,
+template <typename T>
+__device__ void bn_backward_apply_k(BnBackwardParams p, const T* __restrict__ g,
+                                             const T* __restrict__ x,
+                                             const T* __restrict__ y,
                                              const float* __restrict__ mean,
                                              const float* __restrict__ coef_k,
                                              const float* __restrict__ coef_b,
                                              const float* __restrict__ coef_d,
-                                             hr_half* __restrict__ dx) {
+                                             T* __restrict__ dx) {
     const u32 n = p.rows * p.channels;
     HR_FOR_EACH(i, n) {
         const u32 c = i % p.channels;
         const float gv = bn_masked_grad(p.relu, g, y, i);
-        dx[i] = f2h(coef_k[c] * gv + coef_b[c] * (h2f(x[i]) - mean[c]) + coef_d[c]);
+        hr_st(&dx[i], coef_k[c] * gv + coef_b[c] * (hr_ld(x[i]) - mean[c]) + coef_d[c]);
     }
 }
 
@@ -339,4 +347,103 @@ extern "C" __global__ void bn_running_restore(BnRestoreParams p, const StepState
         running_mean[c] = saved_mean[c];
         running_var[c] = saved_var[c];
     }
+}
+
+// Entry points, one per storage type.
+extern "C" __global__ void bn_stats_partial_f16(BnDims p, const hr_half* __restrict__ x,
+                                                float* __restrict__ part_mean,
+                                                float* __restrict__ part_m2) {
+    bn_stats_partial_k(p, x, part_mean, part_m2);
+}
+
+extern "C" __global__ void bn_stats_partial_f32(BnDims p, const float* __restrict__ x,
+                                                float* __restrict__ part_mean,
+                                                float* __restrict__ part_m2) {
+    bn_stats_partial_k(p, x, part_mean, part_m2);
+}
+
+extern "C" __global__ void bn_apply_f16(BnApplyParams p, const hr_half* __restrict__ x,
+                                        const float* __restrict__ scale,
+                                        const float* __restrict__ shift, hr_half* __restrict__ y) {
+    bn_apply_k(p, x, scale, shift, y);
+}
+
+extern "C" __global__ void bn_apply_f32(BnApplyParams p, const float* __restrict__ x,
+                                        const float* __restrict__ scale,
+                                        const float* __restrict__ shift, float* __restrict__ y) {
+    bn_apply_k(p, x, scale, shift, y);
+}
+
+extern "C" __global__ void bn_apply_add_f16(BnApplyParams p, const hr_half* __restrict__ x,
+                                            const float* __restrict__ scale,
+                                            const float* __restrict__ shift,
+                                            const hr_half* __restrict__ skip,
+                                            hr_half* __restrict__ y) {
+    bn_apply_add_k(p, x, scale, shift, skip, y);
+}
+
+extern "C" __global__ void bn_apply_add_f32(BnApplyParams p, const float* __restrict__ x,
+                                            const float* __restrict__ scale,
+                                            const float* __restrict__ shift,
+                                            const float* __restrict__ skip, float* __restrict__ y) {
+    bn_apply_add_k(p, x, scale, shift, skip, y);
+}
+
+extern "C" __global__ void bn_backward_partial_f16(BnBackwardParams p,
+                                                   const hr_half* __restrict__ g,
+                                                   const hr_half* __restrict__ x,
+                                                   const hr_half* __restrict__ y,
+                                                   const float* __restrict__ mean,
+                                                   float* __restrict__ part_sum_g,
+                                                   float* __restrict__ part_sum_gx) {
+    bn_backward_partial_k(p, g, x, y, mean, part_sum_g, part_sum_gx);
+}
+
+extern "C" __global__ void bn_backward_partial_f32(BnBackwardParams p, const float* __restrict__ g,
+                                                   const float* __restrict__ x,
+                                                   const float* __restrict__ y,
+                                                   const float* __restrict__ mean,
+                                                   float* __restrict__ part_sum_g,
+                                                   float* __restrict__ part_sum_gx) {
+    bn_backward_partial_k(p, g, x, y, mean, part_sum_g, part_sum_gx);
+}
+
+extern "C" __global__ void bn_backward_partial_mask_f16(BnBackwardParams p, hr_half* __restrict__ g,
+                                                        const hr_half* __restrict__ x,
+                                                        const hr_half* __restrict__ y,
+                                                        const float* __restrict__ mean,
+                                                        float* __restrict__ part_sum_g,
+                                                        float* __restrict__ part_sum_gx) {
+    bn_backward_partial_mask_k(p, g, x, y, mean, part_sum_g, part_sum_gx);
+}
+
+extern "C" __global__ void bn_backward_partial_mask_f32(BnBackwardParams p, float* __restrict__ g,
+                                                        const float* __restrict__ x,
+                                                        const float* __restrict__ y,
+                                                        const float* __restrict__ mean,
+                                                        float* __restrict__ part_sum_g,
+                                                        float* __restrict__ part_sum_gx) {
+    bn_backward_partial_mask_k(p, g, x, y, mean, part_sum_g, part_sum_gx);
+}
+
+extern "C" __global__ void bn_backward_apply_f16(BnBackwardParams p, const hr_half* __restrict__ g,
+                                                 const hr_half* __restrict__ x,
+                                                 const hr_half* __restrict__ y,
+                                                 const float* __restrict__ mean,
+                                                 const float* __restrict__ coef_k,
+                                                 const float* __restrict__ coef_b,
+                                                 const float* __restrict__ coef_d,
+                                                 hr_half* __restrict__ dx) {
+    bn_backward_apply_k(p, g, x, y, mean, coef_k, coef_b, coef_d, dx);
+}
+
+extern "C" __global__ void bn_backward_apply_f32(BnBackwardParams p, const float* __restrict__ g,
+                                                 const float* __restrict__ x,
+                                                 const float* __restrict__ y,
+                                                 const float* __restrict__ mean,
+                                                 const float* __restrict__ coef_k,
+                                                 const float* __restrict__ coef_b,
+                                                 const float* __restrict__ coef_d,
+                                                 float* __restrict__ dx) {
+    bn_backward_apply_k(p, g, x, y, mean, coef_k, coef_b, coef_d, dx);
 }

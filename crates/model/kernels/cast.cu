@@ -1,9 +1,9 @@
 // Casts between f32 and f16, and the fused normalisation of u8 input
-// batches: y = f16(x * scale - shift) with scale = 1 / (255 * std) and
-// shift = mean / std, i.e. (x / 255 - mean) / std in the same arithmetic as
-// the CPU's Tensor::from_u8_normalized. Elementwise, any layout.
+// batches: y = T(x * scale - shift) in the storage T (f16 or f32), with
+// scale = 1 / (255 * std) and shift = mean / std, i.e. (x / 255 - mean) / std
+// in the same arithmetic as the CPU's Tensor::from_u8_normalized. Elementwise, any layout.
 //
-// gather_crop_flip_u8_to_f16 makes a batch from a training set resident on
+// gather_crop_flip_u8 makes a batch from a training set resident on
 // the device (u8 NHWC, sample after sample): sample s of the batch is
 // dataset sample recipes[2s], zero-padded by `pad` on every side, cropped
 // back to h x w at (dy, dx) and mirrored left to right if `flip`, where
@@ -46,18 +46,17 @@ extern "C" __global__ void cast_f16_to_f32(CastParams p, const hr_half* __restri
     HR_FOR_EACH(i, p.n) { y[i] = h2f(x[i]); }
 }
 
-extern "C" __global__ void normalize_u8_to_f16(NormalizeParams p,
-                                               const unsigned char* __restrict__ x,
-                                               hr_half* __restrict__ y) {
-    HR_FOR_EACH(i, p.n) { y[i] = f2h((float)x[i] * p.scale - p.shift); }
+template <typename T>
+__device__ void normalize_u8_k(NormalizeParams p, const unsigned char* __restrict__ x,
+                               T* __restrict__ y) {
+    HR_FOR_EACH(i, p.n) { hr_st(&y[i], (float)x[i] * p.scale - p.shift); }
 }
 
 // The host checks every recipe (id below the set's size, dy and dx at most
 // 2 * pad) before the launch, so every read is inside `images`.
-extern "C" __global__ void gather_crop_flip_u8_to_f16(GatherParams p,
-                                                      const unsigned char* __restrict__ images,
-                                                      const u32* __restrict__ recipes,
-                                                      hr_half* __restrict__ y) {
+template <typename T>
+__device__ void gather_crop_flip_u8_k(GatherParams p, const unsigned char* __restrict__ images,
+                                      const u32* __restrict__ recipes, T* __restrict__ y) {
     const u32 row = p.w * p.c;
     const u32 per_sample = p.h * row;
     HR_FOR_EACH(i, p.n * per_sample) {
@@ -76,6 +75,31 @@ extern "C" __global__ void gather_crop_flip_u8_to_f16(GatherParams p,
             const u64 at = (u64)recipes[2 * s] * per_sample + (u32)sy * row + (u32)sx * p.c + ch;
             v = (float)images[at];
         }
-        y[i] = f2h(v * p.scale - p.shift);
+        hr_st(&y[i], v * p.scale - p.shift);
     }
+}
+
+// Entry points, one per storage type.
+extern "C" __global__ void normalize_u8_f16(NormalizeParams p, const unsigned char* __restrict__ x,
+                                            hr_half* __restrict__ y) {
+    normalize_u8_k(p, x, y);
+}
+
+extern "C" __global__ void normalize_u8_f32(NormalizeParams p, const unsigned char* __restrict__ x,
+                                            float* __restrict__ y) {
+    normalize_u8_k(p, x, y);
+}
+
+extern "C" __global__ void gather_crop_flip_u8_f16(GatherParams p,
+                                                   const unsigned char* __restrict__ images,
+                                                   const u32* __restrict__ recipes,
+                                                   hr_half* __restrict__ y) {
+    gather_crop_flip_u8_k(p, images, recipes, y);
+}
+
+extern "C" __global__ void gather_crop_flip_u8_f32(GatherParams p,
+                                                   const unsigned char* __restrict__ images,
+                                                   const u32* __restrict__ recipes,
+                                                   float* __restrict__ y) {
+    gather_crop_flip_u8_k(p, images, recipes, y);
 }

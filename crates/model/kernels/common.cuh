@@ -85,6 +85,34 @@ __device__ __forceinline__ hr_half f2h(float f) {
 }
 #endif
 
+// Storage-generic loads and stores: the layer kernels are templates over
+// their activation storage T, hr_half (mixed precision) or float (f32
+// training, `device.amp = false`), with f32 arithmetic either way. Each .cu
+// file instantiates both as `NAME_f16` and `NAME_f32` entry points.
+__device__ __forceinline__ float hr_ld(hr_half v) {
+    return h2f(v);
+}
+
+__device__ __forceinline__ float hr_ld(float v) {
+    return v;
+}
+
+__device__ __forceinline__ void hr_st(hr_half* p, float v) {
+    *p = f2h(v);
+}
+
+__device__ __forceinline__ void hr_st(float* p, float v) {
+    *p = v;
+}
+
+// v rounded to what storage T holds (identity for float).
+template <typename T>
+__device__ __forceinline__ float hr_round(float v) {
+    T t;
+    hr_st(&t, v);
+    return hr_ld(t);
+}
+
 __device__ __forceinline__ bool hr_isfinite(float x) {
     return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
 }

@@ -2,11 +2,11 @@
 // input x [N, H, W, Cin], weight [KH, KW, Cin, Cout] = W[K, Cout] with
 // K = KH*KW*Cin in (ky, kx, ci) order, output y [N, OH, OW, Cout]. One row of
 // the im2col matrix A [N*OH*OW, K] is the receptive field of one output pixel,
-// so the convolution is Y = A W, and the GEMMs go to cuBLAS (f16 operands,
-// f32 accumulation):
-//   forward   Y  = A W            (f16 out)
+// so the convolution is Y = A W, and the GEMMs go to cuBLAS (f16 or f32
+// operands as the storage T, f32 accumulation):
+//   forward   Y  = A W            (T out)
 //   backward  dW += A^T dY        (f32 out, accumulated)
-//             dA = dY W^T         (f16 out), then dX = col2im(dA)
+//             dA = dY W^T         (T out), then dX = col2im(dA)
 // Both kernels work on a range of images [n0, n0 + images) so that A can be
 // built for part of the batch at a time (the wrapper picks the range from a
 // scratch budget); row 0 of A / dA is output pixel 0 of image n0.
@@ -29,8 +29,9 @@ struct ConvParams {
 HR_CHECK_SIZE(ConvParams, 40);
 
 // a[row, col] for row in this range's output pixels, col in [0, K).
-extern "C" __global__ void im2col(ConvParams p, const hr_half* __restrict__ x,
-                                  hr_half* __restrict__ a) {
+template <typename T>
+__device__ void im2col_k(ConvParams p, const T* __restrict__ x,
+                                  T* __restrict__ a) {
     const u32 kk = p.k * p.k * p.cin;
     const u32 opix = p.oh * p.ow;
     const u32 total = p.images * opix * kk;
@@ -48,7 +49,7 @@ extern "C" __global__ void im2col(ConvParams p, const hr_half* __restrict__ x,
         // Signed: the padding reaches before row/column 0.
         const int iy = (int)(oy * p.stride + ky) - (int)p.pad;
         const int ix = (int)(ox * p.stride + kx) - (int)p.pad;
-        hr_half v = 0;
+        T v = 0;
         if (iy >= 0 && iy < (int)p.h && ix >= 0 && ix < (int)p.w) {
             v = x[(((p.n0 + img) * p.h + (u32)iy) * p.w + (u32)ix) * p.cin + ci];
         }
@@ -59,8 +60,9 @@ extern "C" __global__ void im2col(ConvParams p, const hr_half* __restrict__ x,
 // dx[n0 + img, iy, ix, ci] = sum over taps (ky, kx) with
 // oy*stride + ky - pad == iy (and the same for x) of da[row(img, oy, ox), col].
 // Writes every element of the images in range (zero where no tap reaches).
-extern "C" __global__ void col2im(ConvParams p, const hr_half* __restrict__ da,
-                                  hr_half* __restrict__ dx) {
+template <typename T>
+__device__ void col2im_k(ConvParams p, const T* __restrict__ da,
+                                  T* __restrict__ dx) {
     const u32 kk = p.k * p.k * p.cin;
     const u32 opix = p.oh * p.ow;
     const u32 image = p.h * p.w * p.cin;
@@ -92,9 +94,30 @@ extern "C" __global__ void col2im(ConvParams p, const hr_half* __restrict__ da,
                 }
                 const u32 row = img * opix + oy * p.ow + ox;
                 const u32 col = (ky * p.k + kx) * p.cin + ci;
-                acc += h2f(da[row * kk + col]);
+                acc += hr_ld(da[row * kk + col]);
             }
         }
-        dx[(p.n0 + img) * image + rem] = f2h(acc);
+        hr_st(&dx[(p.n0 + img) * image + rem], acc);
     }
+}
+
+// Entry points, one per storage type.
+extern "C" __global__ void im2col_f16(ConvParams p, const hr_half* __restrict__ x,
+                                      hr_half* __restrict__ a) {
+    im2col_k(p, x, a);
+}
+
+extern "C" __global__ void im2col_f32(ConvParams p, const float* __restrict__ x,
+                                      float* __restrict__ a) {
+    im2col_k(p, x, a);
+}
+
+extern "C" __global__ void col2im_f16(ConvParams p, const hr_half* __restrict__ da,
+                                      hr_half* __restrict__ dx) {
+    col2im_k(p, da, dx);
+}
+
+extern "C" __global__ void col2im_f32(ConvParams p, const float* __restrict__ da,
+                                      float* __restrict__ dx) {
+    col2im_k(p, da, dx);
 }

@@ -1,4 +1,4 @@
-// Elementwise layers and helpers, f16 storage with f32 arithmetic:
+// Elementwise layers and helpers, f16 or f32 storage (T) with f32 arithmetic:
 // ReLU forward/backward (the CPU's Relu: NaN propagates, backward masks by the
 // saved OUTPUT), the residual addition (forward y = body + x, backward
 // g_in = body_grad + g, both as an in-place accumulation), and the bias of
@@ -17,48 +17,49 @@ struct RowsColsParams {
 };
 HR_CHECK_SIZE(RowsColsParams, 8);
 
-extern "C" __global__ void relu_forward(EwParams p, const hr_half* __restrict__ x,
-                                        hr_half* __restrict__ y) {
-    HR_FOR_EACH(i, p.n) { y[i] = f2h(hr_relu(h2f(x[i]))); }
+template <typename T>
+__device__ void relu_forward_k(EwParams p, const T* __restrict__ x, T* __restrict__ y) {
+    HR_FOR_EACH(i, p.n) { hr_st(&y[i], hr_relu(hr_ld(x[i]))); }
 }
 
 // dx = y > 0 ? g : 0, where y is the forward's output.
-extern "C" __global__ void relu_backward(EwParams p, const hr_half* __restrict__ g,
-                                         const hr_half* __restrict__ y,
-                                         hr_half* __restrict__ dx) {
-    HR_FOR_EACH(i, p.n) { dx[i] = h2f(y[i]) > 0.0f ? g[i] : (hr_half)0; }
+template <typename T>
+__device__ void relu_backward_k(EwParams p, const T* __restrict__ g, const T* __restrict__ y,
+                                T* __restrict__ dx) {
+    HR_FOR_EACH(i, p.n) { dx[i] = hr_ld(y[i]) > 0.0f ? g[i] : (T)0; }
 }
 
 // acc += b (residual forward: acc is the body's output, b the block input;
 // residual backward: acc is the body's input gradient, b the output gradient).
-extern "C" __global__ void add_inplace(EwParams p, hr_half* __restrict__ acc,
-                                       const hr_half* __restrict__ b) {
-    HR_FOR_EACH(i, p.n) { acc[i] = f2h(h2f(acc[i]) + h2f(b[i])); }
+template <typename T>
+__device__ void add_inplace_k(EwParams p, T* __restrict__ acc, const T* __restrict__ b) {
+    HR_FOR_EACH(i, p.n) { hr_st(&acc[i], hr_ld(acc[i]) + hr_ld(b[i])); }
 }
 
 // out = a + b.
-extern "C" __global__ void add(EwParams p, const hr_half* __restrict__ a,
-                               const hr_half* __restrict__ b, hr_half* __restrict__ out) {
-    HR_FOR_EACH(i, p.n) { out[i] = f2h(h2f(a[i]) + h2f(b[i])); }
+template <typename T>
+__device__ void add_k(EwParams p, const T* __restrict__ a, const T* __restrict__ b,
+                      T* __restrict__ out) {
+    HR_FOR_EACH(i, p.n) { hr_st(&out[i], hr_ld(a[i]) + hr_ld(b[i])); }
 }
 
 // y[r, c] += bias[c].
-extern "C" __global__ void bias_add(RowsColsParams p, hr_half* __restrict__ y,
-                                    const hr_half* __restrict__ bias) {
+template <typename T>
+__device__ void bias_add_k(RowsColsParams p, T* __restrict__ y, const T* __restrict__ bias) {
     const u32 n = p.rows * p.cols;
-    HR_FOR_EACH(i, n) { y[i] = f2h(h2f(y[i]) + h2f(bias[i % p.cols])); }
+    HR_FOR_EACH(i, n) { hr_st(&y[i], hr_ld(y[i]) + hr_ld(bias[i % p.cols])); }
 }
 
 // grad[c] += sum over r of g[r, c], in a fixed order (deterministic).
 // Block (32, 8): 32 columns by 8 row lanes; grid.x = ceil(cols / 32).
-extern "C" __global__ void bias_grad(RowsColsParams p, const hr_half* __restrict__ g,
-                                     float* __restrict__ grad) {
+template <typename T>
+__device__ void bias_grad_k(RowsColsParams p, const T* __restrict__ g, float* __restrict__ grad) {
     __shared__ float partial[8][32];
     const u32 c = blockIdx.x * 32 + threadIdx.x;
     float s = 0.0f;
     if (c < p.cols) {
         for (u32 r = threadIdx.y; r < p.rows; r += 8) {
-            s += h2f(g[r * p.cols + c]);
+            s += hr_ld(g[r * p.cols + c]);
         }
     }
     partial[threadIdx.y][threadIdx.x] = s;
@@ -70,4 +71,66 @@ extern "C" __global__ void bias_grad(RowsColsParams p, const hr_half* __restrict
         }
         grad[c] += total;
     }
+}
+
+// Entry points, one per storage type.
+extern "C" __global__ void relu_forward_f16(EwParams p, const hr_half* __restrict__ x,
+                                            hr_half* __restrict__ y) {
+    relu_forward_k(p, x, y);
+}
+
+extern "C" __global__ void relu_forward_f32(EwParams p, const float* __restrict__ x,
+                                            float* __restrict__ y) {
+    relu_forward_k(p, x, y);
+}
+
+extern "C" __global__ void relu_backward_f16(EwParams p, const hr_half* __restrict__ g,
+                                             const hr_half* __restrict__ y,
+                                             hr_half* __restrict__ dx) {
+    relu_backward_k(p, g, y, dx);
+}
+
+extern "C" __global__ void relu_backward_f32(EwParams p, const float* __restrict__ g,
+                                             const float* __restrict__ y, float* __restrict__ dx) {
+    relu_backward_k(p, g, y, dx);
+}
+
+extern "C" __global__ void add_inplace_f16(EwParams p, hr_half* __restrict__ acc,
+                                           const hr_half* __restrict__ b) {
+    add_inplace_k(p, acc, b);
+}
+
+extern "C" __global__ void add_inplace_f32(EwParams p, float* __restrict__ acc,
+                                           const float* __restrict__ b) {
+    add_inplace_k(p, acc, b);
+}
+
+extern "C" __global__ void add_f16(EwParams p, const hr_half* __restrict__ a,
+                                   const hr_half* __restrict__ b, hr_half* __restrict__ out) {
+    add_k(p, a, b, out);
+}
+
+extern "C" __global__ void add_f32(EwParams p, const float* __restrict__ a,
+                                   const float* __restrict__ b, float* __restrict__ out) {
+    add_k(p, a, b, out);
+}
+
+extern "C" __global__ void bias_add_f16(RowsColsParams p, hr_half* __restrict__ y,
+                                        const hr_half* __restrict__ bias) {
+    bias_add_k(p, y, bias);
+}
+
+extern "C" __global__ void bias_add_f32(RowsColsParams p, float* __restrict__ y,
+                                        const float* __restrict__ bias) {
+    bias_add_k(p, y, bias);
+}
+
+extern "C" __global__ void bias_grad_f16(RowsColsParams p, const hr_half* __restrict__ g,
+                                         float* __restrict__ grad) {
+    bias_grad_k(p, g, grad);
+}
+
+extern "C" __global__ void bias_grad_f32(RowsColsParams p, const float* __restrict__ g,
+                                         float* __restrict__ grad) {
+    bias_grad_k(p, g, grad);
 }

@@ -4,7 +4,7 @@
 //
 // Per row: row_loss = logsumexp(x) - sum_j t_j x_j (f32), row_correct = 1 if
 // the first maximum's index is the label (NaN never wins, as on the CPU), and
-// grad = (softmax(x) - t) * grad_scale in f16, with grad_scale =
+// grad = (softmax(x) - t) * grad_scale in the logits' storage T, with grad_scale =
 // loss_scale * share / rows: the mean over the batch, times the dynamic loss
 // scale (read from device memory, where the optimizer's step_finalize keeps
 // it), times this micro-batch's share of the batch. A non-finite logit gives
@@ -30,28 +30,30 @@ __device__ __forceinline__ float xent_grad_scale(const XentParams& p, const floa
     return (float)((double)(*loss_scale * p.share) / (double)p.rows);
 }
 
-// log(sum_j exp(x_j)) over one row of k f16 values, by the 32 lanes of a
+// log(sum_j exp(x_j)) over one row of k values, by the 32 lanes of a
 // warp (each lane's partial sums in index order, then the warp reduction):
 // every lane gets the result.
-__device__ __forceinline__ float row_logsumexp(const hr_half* x, u32 k, u32 lane) {
+template <typename T>
+__device__ __forceinline__ float row_logsumexp(const T* x, u32 k, u32 lane) {
     float mx = hr_neg_inf();
     for (u32 j = lane; j < k; j += 32) {
-        mx = fmaxf(mx, h2f(x[j]));
+        mx = fmaxf(mx, hr_ld(x[j]));
     }
     mx = warp_max(mx);
     float sum = 0.0f;
     for (u32 j = lane; j < k; j += 32) {
-        sum += expf(h2f(x[j]) - mx);
+        sum += expf(hr_ld(x[j]) - mx);
     }
     return mx + logf(warp_sum(sum));
 }
 
-extern "C" __global__ void softmax_xent(XentParams p, const float* __restrict__ loss_scale,
-                                        const hr_half* __restrict__ logits,
+template <typename T>
+__device__ void softmax_xent_k(XentParams p, const float* __restrict__ loss_scale,
+                                        const T* __restrict__ logits,
                                         const u32* __restrict__ labels,
                                         float* __restrict__ row_loss,
                                         u32* __restrict__ row_correct,
-                                        hr_half* __restrict__ grad) {
+                                        T* __restrict__ grad) {
     const u32 row = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const u32 lane = threadIdx.x % 32;
     if (row >= p.rows) {
@@ -59,7 +61,7 @@ extern "C" __global__ void softmax_xent(XentParams p, const float* __restrict__ 
     }
     const u32 k = p.classes;
     const float grad_scale = xent_grad_scale(p, loss_scale);
-    const hr_half* x = logits + row * k;
+    const T* x = logits + row * k;
     const u32 label = labels[row];
     const float off = p.smoothing / (float)k;
     const float on = 1.0f - p.smoothing + off;
@@ -67,7 +69,7 @@ extern "C" __global__ void softmax_xent(XentParams p, const float* __restrict__ 
     const float lse = row_logsumexp(x, k, lane);
     float dot = 0.0f;
     for (u32 j = lane; j < k; j += 32) {
-        dot += (j == label ? on : off) * h2f(x[j]);
+        dot += (j == label ? on : off) * hr_ld(x[j]);
     }
     dot = warp_sum(dot);
     // An out-of-range label (the host validates labels it uploads) poisons
@@ -75,17 +77,17 @@ extern "C" __global__ void softmax_xent(XentParams p, const float* __restrict__ 
     const bool valid = label < k;
 
     for (u32 j = lane; j < k; j += 32) {
-        const float prob = expf(h2f(x[j]) - lse);
+        const float prob = expf(hr_ld(x[j]) - lse);
         const float t = j == label ? on : off;
-        grad[row * k + j] = f2h(valid ? (prob - t) * grad_scale : __int_as_float(0x7fc00000));
+        hr_st(&grad[row * k + j], valid ? (prob - t) * grad_scale : __int_as_float(0x7fc00000));
     }
     if (lane == 0) {
         row_loss[row] = valid ? lse - dot : __int_as_float(0x7fc00000);
         // First maximum, scanning in order like the CPU's argmax.
         u32 best = 0;
-        float best_v = h2f(x[0]);
+        float best_v = hr_ld(x[0]);
         for (u32 j = 1; j < k; ++j) {
-            const float v = h2f(x[j]);
+            const float v = hr_ld(x[j]);
             if (v > best_v) {
                 best = j;
                 best_v = v;
@@ -100,12 +102,13 @@ extern "C" __global__ void softmax_xent(XentParams p, const float* __restrict__ 
 // row_loss = sum_j t_j (lse - x_j), grad = (mass * softmax(x) - t) *
 // grad_scale with mass = sum_j t_j, and row_correct = 1 where the first
 // maximum of the logits is the first maximum of the targets.
-extern "C" __global__ void softmax_xent_soft(XentParams p, const float* __restrict__ loss_scale,
-                                             const hr_half* __restrict__ logits,
+template <typename T>
+__device__ void softmax_xent_soft_k(XentParams p, const float* __restrict__ loss_scale,
+                                             const T* __restrict__ logits,
                                              const float* __restrict__ targets,
                                              float* __restrict__ row_loss,
                                              u32* __restrict__ row_correct,
-                                             hr_half* __restrict__ grad) {
+                                             T* __restrict__ grad) {
     const u32 row = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const u32 lane = threadIdx.x % 32;
     if (row >= p.rows) {
@@ -113,28 +116,28 @@ extern "C" __global__ void softmax_xent_soft(XentParams p, const float* __restri
     }
     const u32 k = p.classes;
     const float grad_scale = xent_grad_scale(p, loss_scale);
-    const hr_half* x = logits + row * k;
+    const T* x = logits + row * k;
     const float* t = targets + row * k;
 
     const float lse = row_logsumexp(x, k, lane);
     float dot = 0.0f, mass = 0.0f;
     for (u32 j = lane; j < k; j += 32) {
-        dot += t[j] * h2f(x[j]);
+        dot += t[j] * hr_ld(x[j]);
         mass += t[j];
     }
     dot = warp_sum(dot);
     mass = warp_sum(mass);
 
     for (u32 j = lane; j < k; j += 32) {
-        const float prob = expf(h2f(x[j]) - lse);
-        grad[row * k + j] = f2h((mass * prob - t[j]) * grad_scale);
+        const float prob = expf(hr_ld(x[j]) - lse);
+        hr_st(&grad[row * k + j], (mass * prob - t[j]) * grad_scale);
     }
     if (lane == 0) {
         row_loss[row] = mass * lse - dot;
         u32 best_x = 0, best_t = 0;
-        float vx = h2f(x[0]), vt = t[0];
+        float vx = hr_ld(x[0]), vt = t[0];
         for (u32 j = 1; j < k; ++j) {
-            const float a = h2f(x[j]);
+            const float a = hr_ld(x[j]);
             if (a > vx) {
                 best_x = j;
                 vx = a;
@@ -146,6 +149,43 @@ extern "C" __global__ void softmax_xent_soft(XentParams p, const float* __restri
         }
         row_correct[row] = best_x == best_t ? 1u : 0u;
     }
+}
+
+// Entry points, one per storage type.
+extern "C" __global__ void softmax_xent_f16(XentParams p, const float* __restrict__ loss_scale,
+                                            const hr_half* __restrict__ logits,
+                                            const u32* __restrict__ labels,
+                                            float* __restrict__ row_loss,
+                                            u32* __restrict__ row_correct,
+                                            hr_half* __restrict__ grad) {
+    softmax_xent_k(p, loss_scale, logits, labels, row_loss, row_correct, grad);
+}
+
+extern "C" __global__ void softmax_xent_f32(XentParams p, const float* __restrict__ loss_scale,
+                                            const float* __restrict__ logits,
+                                            const u32* __restrict__ labels,
+                                            float* __restrict__ row_loss,
+                                            u32* __restrict__ row_correct,
+                                            float* __restrict__ grad) {
+    softmax_xent_k(p, loss_scale, logits, labels, row_loss, row_correct, grad);
+}
+
+extern "C" __global__ void softmax_xent_soft_f16(XentParams p, const float* __restrict__ loss_scale,
+                                                 const hr_half* __restrict__ logits,
+                                                 const float* __restrict__ targets,
+                                                 float* __restrict__ row_loss,
+                                                 u32* __restrict__ row_correct,
+                                                 hr_half* __restrict__ grad) {
+    softmax_xent_soft_k(p, loss_scale, logits, targets, row_loss, row_correct, grad);
+}
+
+extern "C" __global__ void softmax_xent_soft_f32(XentParams p, const float* __restrict__ loss_scale,
+                                                 const float* __restrict__ logits,
+                                                 const float* __restrict__ targets,
+                                                 float* __restrict__ row_loss,
+                                                 u32* __restrict__ row_correct,
+                                                 float* __restrict__ grad) {
+    softmax_xent_soft_k(p, loss_scale, logits, targets, row_loss, row_correct, grad);
 }
 
 // out_loss[0] = mean of row_loss, out_correct[0] = sum of row_correct.

@@ -161,10 +161,14 @@ extern "C" __global__ void step_finalize(FinalizeParams p, const double* __restr
     *state = out;
 }
 
-extern "C" __global__ void adamw_fused(AdamWParams p, const StepState* __restrict__ state,
-                                       float* __restrict__ master, float* __restrict__ grad,
-                                       float* __restrict__ m, float* __restrict__ v,
-                                       hr_half* __restrict__ compute_copy) {
+// With a compute copy (mixed precision) the new master weight is also
+// written to it in f16; without one (f32 training) the layers read the
+// masters themselves.
+template <bool kCopy>
+__device__ void adamw_fused_k(AdamWParams p, const StepState* __restrict__ state,
+                              float* __restrict__ master, float* __restrict__ grad,
+                              float* __restrict__ m, float* __restrict__ v,
+                              hr_half* __restrict__ compute_copy) {
     const bool skip = state->skipped != 0u;
     const float factor = state->grad_factor;
     const float decay_factor = p.decay ? state->decay_factor : 1.0f;
@@ -182,10 +186,25 @@ extern "C" __global__ void adamw_fused(AdamWParams p, const StepState* __restric
             m[i] = mi;
             v[i] = vi;
             master[i] = w;
-            compute_copy[i] = f2h(w);
+            if (kCopy) {
+                compute_copy[i] = f2h(w);
+            }
         }
         if (p.zero_grad) {
             grad[i] = 0.0f;
         }
     }
+}
+
+extern "C" __global__ void adamw_fused(AdamWParams p, const StepState* __restrict__ state,
+                                       float* __restrict__ master, float* __restrict__ grad,
+                                       float* __restrict__ m, float* __restrict__ v,
+                                       hr_half* __restrict__ compute_copy) {
+    adamw_fused_k<true>(p, state, master, grad, m, v, compute_copy);
+}
+
+extern "C" __global__ void adamw_fused_f32(AdamWParams p, const StepState* __restrict__ state,
+                                           float* __restrict__ master, float* __restrict__ grad,
+                                           float* __restrict__ m, float* __restrict__ v) {
+    adamw_fused_k<false>(p, state, master, grad, m, v, nullptr);
 }

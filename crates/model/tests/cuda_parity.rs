@@ -32,15 +32,15 @@ use half::f16;
 use headroom_model::cuda::ops::{self, BatchNormConfig, ConvShape, CONV_SCRATCH_BYTES};
 use headroom_model::cuda::params::StepState;
 use headroom_model::cuda::{
-    kernels, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, CudaTensor, DType,
-    InputStaging, ParamGroup, ResidentImages,
+    kernels, AnyView, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, CudaTensor, DType,
+    InputStaging, Normalization, ParamGroup, ResidentImages,
 };
 use headroom_model::init::InitRng;
 use headroom_model::layers::{
     BatchNorm2d, Conv2d, FusedResidual, GlobalAvgPool, Linear, Relu, Residual,
 };
 use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy};
-use headroom_model::{CheckpointPolicy, Layer, Mode, ModelSpec, Tensor};
+use headroom_model::{CheckpointPolicy, Layer, Mode, ModelSpec, Network, Tensor};
 use headroom_optim::{AdamWConfig, FusedAdamW, LossScaler, LossScalerConfig, StepOutcome};
 
 /// A loss scaler that starts at `init_scale` and does not grow within a
@@ -152,6 +152,15 @@ macro_rules! gpu_or_skip {
             None => return,
         }
     };
+}
+
+/// The mixed-precision network input of pixels normalised by (mean, std).
+fn f16_input(mean: f32, std: f32) -> Normalization {
+    Normalization {
+        mean,
+        std,
+        dtype: DType::F16,
+    }
 }
 
 fn h(v: f32) -> f32 {
@@ -306,7 +315,7 @@ fn u8_batches_normalise_like_the_cpu() {
     let (mean, std) = (0.2860, 0.3530);
     let cpu = Tensor::from_u8_normalized(&shape, &pixels, mean, std).unwrap();
     let dev = be.upload(&pixels).unwrap();
-    let gpu = ops::normalize_u8(&be, &dev.slice.as_view(), &shape, mean, std).unwrap();
+    let gpu = ops::normalize_u8(&be, &dev.slice.as_view(), &shape, f16_input(mean, std)).unwrap();
     // One f16 rounding of the f32 value (the GPU may fuse the multiply-add).
     assert_close(
         "normalize_u8",
@@ -314,6 +323,21 @@ fn u8_batches_normalise_like_the_cpu() {
         cpu.data(),
         1e-3,
         1e-4,
+    );
+    // f32 training's input: the f32 value itself, up to that fused rounding.
+    let f32_input = Normalization {
+        mean,
+        std,
+        dtype: DType::F32,
+    };
+    let gpu = ops::normalize_u8(&be, &dev.slice.as_view(), &shape, f32_input).unwrap();
+    assert_eq!(gpu.dtype(), DType::F32);
+    assert_close(
+        "normalize_u8 f32",
+        &gpu.to_host(&be).unwrap(),
+        cpu.data(),
+        1e-6,
+        1e-6,
     );
 }
 
@@ -333,7 +357,7 @@ fn staged_batches_arrive_normalised_with_their_labels() {
             .collect();
         let labels: Vec<u32> = (0..8).map(|i| (i + b as u32) % 10).collect();
         let staged = staging
-            .stage(&be, &shape, &pixels, &labels, 10, 0.5, 0.25)
+            .stage(&be, &shape, &pixels, &labels, 10, f16_input(0.5, 0.25))
             .unwrap();
         kept.push((pixels, labels, staged));
     }
@@ -349,7 +373,14 @@ fn staged_batches_arrive_normalised_with_their_labels() {
         assert_eq!(&be.download(&staged.labels.slice).unwrap(), labels);
     }
     let err = staging
-        .stage(&be, &shape, &vec![0u8; per_batch], &[10; 8], 10, 0.5, 0.25)
+        .stage(
+            &be,
+            &shape,
+            &vec![0u8; per_batch],
+            &[10; 8],
+            10,
+            f16_input(0.5, 0.25),
+        )
         .unwrap_err();
     assert!(err.to_string().contains("label 10"), "{err}");
 }
@@ -412,14 +443,21 @@ fn batches_made_from_a_resident_set_equal_staged_host_batches() {
         ));
     }
     let batch_shape = [recipes.len(), 6, 5, 3];
-    // Twice through the ring, with a host batch between: slots are shared.
-    for _ in 0..2 {
+    // Twice through the ring per storage type, with a host batch between:
+    // slots are shared.
+    for dtype in [DType::F16, DType::F16, DType::F32, DType::F32] {
+        let norm = Normalization {
+            mean: 0.3,
+            std: 0.4,
+            dtype,
+        };
         let made = staging
-            .stage_recipes(&be, &set, &recipes, &labels, 8, 0.3, 0.4)
+            .stage_recipes(&be, &set, &recipes, &labels, 8, norm)
             .unwrap();
         let staged = staging
-            .stage(&be, &batch_shape, &host, &labels, 8, 0.3, 0.4)
+            .stage(&be, &batch_shape, &host, &labels, 8, norm)
             .unwrap();
+        assert_eq!(made.images.dtype(), dtype);
         let bits = |t: &CudaTensor| -> Vec<u32> {
             t.to_host(&be)
                 .unwrap()
@@ -438,7 +476,7 @@ fn batches_made_from_a_resident_set_equal_staged_host_batches() {
         ([0, 1 << 17], "word"),
     ] {
         let err = staging
-            .stage_recipes(&be, &set, &[bad], &[0], 8, 0.3, 0.4)
+            .stage_recipes(&be, &set, &[bad], &[0], 8, f16_input(0.3, 0.4))
             .unwrap_err();
         assert!(err.to_string().contains(what), "{what}: {err}");
     }
@@ -894,8 +932,8 @@ fn conv_parity(be: &CudaBackend, case: &ConvCase, seed: u64) {
     let gy = ops::conv2d_forward(
         be,
         &gx,
-        &w_d.as_view(),
-        case.bias.then(|| b_d.as_view()).as_ref(),
+        &AnyView::F16(w_d.as_view()),
+        case.bias.then(|| AnyView::F16(b_d.as_view())).as_ref(),
         s,
         case.scratch,
     )
@@ -908,7 +946,7 @@ fn conv_parity(be: &CudaBackend, case: &ConvCase, seed: u64) {
             be,
             &gx,
             &upload(be, &g),
-            &w_d.as_view(),
+            &AnyView::F16(w_d.as_view()),
             &mut dw_d.as_view_mut(),
             if case.bias { Some(&mut db_view) } else { None },
             s,
@@ -1046,8 +1084,8 @@ fn linear_matches_the_cpu_layer() {
         let gy = ops::linear_forward(
             &be,
             &gx,
-            &w_d.as_view(),
-            bias.then(|| b_d.as_view()).as_ref(),
+            &AnyView::F16(w_d.as_view()),
+            bias.then(|| AnyView::F16(b_d.as_view())).as_ref(),
             out,
         )
         .unwrap();
@@ -1059,7 +1097,7 @@ fn linear_matches_the_cpu_layer() {
                 &be,
                 &gx,
                 &upload(&be, &g),
-                &w_d.as_view(),
+                &AnyView::F16(w_d.as_view()),
                 &mut dw_d.as_view_mut(),
                 if bias { Some(&mut db_view) } else { None },
             )
@@ -1269,6 +1307,15 @@ fn reference_step(
 #[test]
 fn fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling() {
     let be = gpu_or_skip!();
+    // With an f16 compute copy (mixed precision: adamw_fused) and without
+    // one (f32 training: adamw_fused_f32).
+    for dtype in [DType::F16, DType::F32] {
+        fused_adamw_case(&be, dtype);
+    }
+}
+
+fn fused_adamw_case(be: &CudaBackend, dtype: DType) {
+    let be = be;
     let hyper = AdamWConfig {
         weight_decay: 0.05,
         ..AdamWConfig::default()
@@ -1286,8 +1333,9 @@ fn fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling() {
         .collect();
     let mut groups: Vec<ParamGroup> = host
         .iter()
-        .map(|hg| ParamGroup::from_host(&be, hg.decay, &hg.p).unwrap())
+        .map(|hg| ParamGroup::from_host(be, hg.decay, &hg.p, dtype).unwrap())
         .collect();
+    assert_eq!(groups[0].compute.is_some(), dtype == DType::F16);
     let loss_scale = 1024.0f32;
     let mut opt = FusedAdamW::new(&be, hyper.clone(), fixed_scaler(loss_scale), &groups).unwrap();
     for (step, (lr, max_norm)) in [(1e-2f32, 0.0f32), (5e-3, 1.0), (1e-3, 1e3)]
@@ -1326,7 +1374,7 @@ fn fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling() {
             assert_eq!(state.clip_factor, 1.0, "step {t} does not clip");
         }
         for (i, (group, hg)) in groups.iter().zip(&host).enumerate() {
-            let what = format!("step {t} group {i}");
+            let what = format!("{dtype:?} step {t} group {i}");
             assert_close(
                 &format!("{what} master"),
                 &group.read_master(&be).unwrap(),
@@ -1339,9 +1387,10 @@ fn fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling() {
             assert_close(&format!("{what} v"), &gv, &hg.v, 1e-4, 1e-6);
             let master = group.read_master(&be).unwrap();
             let compute = group.read_compute(&be).unwrap();
+            let copy_of = |w: f32| if dtype == DType::F16 { h(w) } else { w };
             assert!(
-                compute.iter().zip(&master).all(|(&c, &w)| c == h(w)),
-                "{what}: the f16 copy is the rounded master"
+                compute.iter().zip(&master).all(|(&c, &w)| c == copy_of(w)),
+                "{what}: the layers compute with the (rounded) master"
             );
             assert!(
                 download(&be, &group.grad.slice).iter().all(|&g| g == 0.0),
@@ -1355,7 +1404,7 @@ fn fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling() {
 fn an_inf_or_nan_gradient_skips_the_step_and_backs_off_the_scale() {
     let be = gpu_or_skip!();
     let values = random_vec(300, 600, 1.0);
-    let mut groups = vec![ParamGroup::from_host(&be, true, &values).unwrap()];
+    let mut groups = vec![ParamGroup::from_host(&be, true, &values, DType::F16).unwrap()];
     let config = LossScalerConfig::default();
     let mut opt = FusedAdamW::new(&be, AdamWConfig::default(), config, &groups).unwrap();
     let mut scaler = LossScaler::new(config).unwrap();
@@ -1401,7 +1450,7 @@ fn the_device_loss_scaler_follows_the_reference_rule() {
     let be = gpu_or_skip!();
     let n = 64;
     let values = random_vec(n, 610, 1.0);
-    let mut groups = vec![ParamGroup::from_host(&be, false, &values).unwrap()];
+    let mut groups = vec![ParamGroup::from_host(&be, false, &values, DType::F16).unwrap()];
     let config = LossScalerConfig {
         init_scale: 4096.0,
         growth_interval: 3,
@@ -1481,7 +1530,7 @@ fn the_device_picks_the_learning_rate_of_the_t_it_finds() {
         v: vec![0.0; n],
         decay: true,
     }];
-    let mut groups = vec![ParamGroup::from_host(&be, true, &host[0].p).unwrap()];
+    let mut groups = vec![ParamGroup::from_host(&be, true, &host[0].p, DType::F16).unwrap()];
     let mut opt = FusedAdamW::new(&be, hyper.clone(), fixed_scaler(1.0), &groups).unwrap();
     let put = |groups: &mut Vec<ParamGroup>, seed: u64, overflow: bool| {
         let mut g = random_vec(n, seed, 0.2);
@@ -1698,7 +1747,15 @@ fn a_basic_block_forward_and_backward_match_the_cpu_layers() {
     let (rm2, rv2) = r2.split_at_mut(1);
     let gx = upload(&be, &x);
     // Forward.
-    let a1 = ops::conv2d_forward(&be, &gx, &w1.as_view(), None, s, CONV_SCRATCH_BYTES).unwrap();
+    let a1 = ops::conv2d_forward(
+        &be,
+        &gx,
+        &AnyView::F16(w1.as_view()),
+        None,
+        s,
+        CONV_SCRATCH_BYTES,
+    )
+    .unwrap();
     let relu_cfg = BatchNormConfig { relu: true, ..BN };
     let (h1, saved1) = ops::batch_norm_forward_train(
         &be,
@@ -1710,7 +1767,15 @@ fn a_basic_block_forward_and_backward_match_the_cpu_layers() {
         relu_cfg,
     )
     .unwrap();
-    let a2 = ops::conv2d_forward(&be, &h1, &w2.as_view(), None, s, CONV_SCRATCH_BYTES).unwrap();
+    let a2 = ops::conv2d_forward(
+        &be,
+        &h1,
+        &AnyView::F16(w2.as_view()),
+        None,
+        s,
+        CONV_SCRATCH_BYTES,
+    )
+    .unwrap();
     let (mut z, saved2) = ops::batch_norm_forward_train(
         &be,
         &a2,
@@ -1752,7 +1817,7 @@ fn a_basic_block_forward_and_backward_match_the_cpu_layers() {
         &be,
         &h1,
         &ga2,
-        &w2.as_view(),
+        &AnyView::F16(w2.as_view()),
         &mut gw2[0].as_view_mut(),
         None,
         s,
@@ -1775,7 +1840,7 @@ fn a_basic_block_forward_and_backward_match_the_cpu_layers() {
         &be,
         &gx,
         &ga1,
-        &w1.as_view(),
+        &AnyView::F16(w1.as_view()),
         &mut gw1[0].as_view_mut(),
         None,
         s,
@@ -2032,14 +2097,30 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
     let gx = upload(&be, &x);
     let relu_cfg = BatchNormConfig { relu: true, ..BN };
     // Forward: conv, bn+relu, conv, then bn + x + relu in one kernel.
-    let a1 = ops::conv2d_forward(&be, &gx, &w1.as_view(), None, s, CONV_SCRATCH_BYTES).unwrap();
+    let a1 = ops::conv2d_forward(
+        &be,
+        &gx,
+        &AnyView::F16(w1.as_view()),
+        None,
+        s,
+        CONV_SCRATCH_BYTES,
+    )
+    .unwrap();
     let (h1, saved1) = {
         let (m, v) = running[..2].split_at_mut(1);
         let (m, v) = (&mut m[0].as_view_mut(), &mut v[0].as_view_mut());
         let (g, b) = (g1d.as_view(), b1d.as_view());
         ops::batch_norm_forward_train(&be, &a1, &g, &b, m, v, relu_cfg).unwrap()
     };
-    let a2 = ops::conv2d_forward(&be, &h1, &w2.as_view(), None, s, CONV_SCRATCH_BYTES).unwrap();
+    let a2 = ops::conv2d_forward(
+        &be,
+        &h1,
+        &AnyView::F16(w2.as_view()),
+        None,
+        s,
+        CONV_SCRATCH_BYTES,
+    )
+    .unwrap();
     let (out, saved2) = {
         let (m, v) = running[2..].split_at_mut(1);
         let (m, v) = (&mut m[0].as_view_mut(), &mut v[0].as_view_mut());
@@ -2088,7 +2169,7 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
         &be,
         &h1,
         &ga2,
-        &w2.as_view(),
+        &AnyView::F16(w2.as_view()),
         &mut gw2[0].as_view_mut(),
         None,
         s,
@@ -2111,7 +2192,7 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
         &be,
         &gx,
         &ga1,
-        &w1.as_view(),
+        &AnyView::F16(w1.as_view()),
         &mut gw1[0].as_view_mut(),
         None,
         s,
@@ -2139,11 +2220,27 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
         assert_close_l2(name, &download(&be, gpu), cpu, 3e-2);
     }
     // Eval forward on the running statistics both sides updated.
-    let a1 = ops::conv2d_forward(&be, &gx, &w1.as_view(), None, s, CONV_SCRATCH_BYTES).unwrap();
+    let a1 = ops::conv2d_forward(
+        &be,
+        &gx,
+        &AnyView::F16(w1.as_view()),
+        None,
+        s,
+        CONV_SCRATCH_BYTES,
+    )
+    .unwrap();
     let (g, b) = (g1d.as_view(), b1d.as_view());
     let (m, v) = (running[0].as_view(), running[1].as_view());
     let h1 = ops::batch_norm_forward_eval(&be, &a1, &g, &b, &m, &v, relu_cfg).unwrap();
-    let a2 = ops::conv2d_forward(&be, &h1, &w2.as_view(), None, s, CONV_SCRATCH_BYTES).unwrap();
+    let a2 = ops::conv2d_forward(
+        &be,
+        &h1,
+        &AnyView::F16(w2.as_view()),
+        None,
+        s,
+        CONV_SCRATCH_BYTES,
+    )
+    .unwrap();
     let (g, b) = (g2d.as_view(), b2d.as_view());
     let (m, v) = (running[2].as_view(), running[3].as_view());
     let out = ops::batch_norm_add_forward_eval(&be, &a2, &gx, &g, &b, &m, &v, relu_cfg).unwrap();
@@ -2194,7 +2291,10 @@ fn network_bits(
     checkpoint: CheckpointPolicy,
 ) -> (Vec<u32>, u64, u64) {
     let spec = two_block_spec(checkpoint);
-    let options = CudaBuildOptions { fuse };
+    let options = CudaBuildOptions {
+        fuse,
+        activations: DType::F16,
+    };
     let mut network = CudaNetwork::build(be, &spec, 5, options).unwrap();
     let n = 6;
     let batches: Vec<CudaTensor> = (0..2)
@@ -2229,6 +2329,122 @@ fn network_bits(
         end.allocations - start.allocations,
         end.peak_in_use_bytes - start.in_use_bytes,
     )
+}
+
+/// f32 training (`device.amp = false`): built with f32 activations, the
+/// network of `two_block_spec`, fused and unfused, computes what the CPU
+/// network computes from the same weights, up to f32 summation order:
+/// logits, both losses, parameter gradients of two accumulated passes,
+/// running statistics, and an eval forward. Every `_f32` layer kernel runs
+/// here (the unfused build runs the standalone ReLU and residual sums, the
+/// fused one bn_apply_add and the in-place masked backward).
+#[test]
+fn an_f32_network_matches_the_cpu_network() {
+    let be = gpu_or_skip!();
+    let spec = two_block_spec(CheckpointPolicy::None);
+    let n = 6;
+    let batches: Vec<Tensor> = (0..2)
+        .map(|i| random(&[n, 9, 9, 2], 840 + i, 1.0, 0.0))
+        .collect();
+    let labels: Vec<u32> = (0..n as u32).map(|i| (i * 3 + 1) % 4).collect();
+    let soft: Vec<f32> = (0..n * 4).map(|i| [0.7, 0.1, 0.2, 0.0][i % 4]).collect();
+    let mut cpu = Network::build(&spec, 5).unwrap();
+    let mut want = Vec::new();
+    for x in &batches {
+        let logits = cpu.forward(x, Mode::Train).unwrap();
+        let hard = softmax_cross_entropy(&logits, &labels, 0.1).unwrap();
+        let soft_t = Tensor::from_vec(&[n, 4], soft.clone()).unwrap();
+        let smooth = soft_cross_entropy(&logits, &soft_t).unwrap();
+        cpu.backward(&hard.grad).unwrap();
+        want.push((logits.data().to_vec(), hard, smooth));
+    }
+    let cpu_grads: Vec<Vec<f32>> = cpu
+        .params_mut()
+        .iter()
+        .map(|p| p.grad.data().to_vec())
+        .collect();
+    let cpu_buffers = cpu.buffer_values();
+    let cpu_eval = cpu.forward(&batches[0], Mode::Eval).unwrap();
+    let labels_d = ops::upload_labels(&be, &labels, 4).unwrap();
+    let soft_d = upload_f32(&be, &soft);
+    let one = upload_f32(&be, &[1.0]);
+    let unit = ops::GradScale {
+        loss_scale: &one,
+        share: 1.0,
+    };
+    for fuse in [true, false] {
+        let options = CudaBuildOptions {
+            fuse,
+            activations: DType::F32,
+        };
+        let mut net = CudaNetwork::build(&be, &spec, 5, options).unwrap();
+        assert!(net.groups().iter().all(|g| g.compute.is_none()));
+        let f16_batch = upload(&be, &batches[0]);
+        let err = net.forward_train(&be, &f16_batch).unwrap_err();
+        assert!(err.to_string().contains("F16"), "{err}");
+        for (i, (x, (logits_want, hard, smooth))) in batches.iter().zip(&want).enumerate() {
+            let what = format!("fuse={fuse} batch {i}");
+            let x = CudaTensor::from_tensor(&be, x, DType::F32).unwrap();
+            let logits = net.forward_train(&be, &x).unwrap();
+            assert_eq!(logits.dtype(), DType::F32);
+            let host = logits.to_host(&be).unwrap();
+            assert_close(&format!("{what} logits"), &host, logits_want, 1e-4, 1e-5);
+            let view = labels_d.slice.as_view();
+            let out = ops::softmax_cross_entropy(&be, &logits, &view, 0.1, unit).unwrap();
+            assert_close(
+                &format!("{what} grad"),
+                &out.grad.to_host(&be).unwrap(),
+                hard.grad.data(),
+                1e-4,
+                1e-6,
+            );
+            let (loss, correct) = out.read_summary(&be).unwrap();
+            assert!(
+                (loss - hard.loss).abs() <= 1e-5 * hard.loss.abs().max(1.0),
+                "{what}: {loss} vs {}",
+                hard.loss
+            );
+            assert_eq!(correct as usize, hard.correct, "{what}");
+            let soft_out = ops::soft_cross_entropy(&be, &logits, &soft_d.as_view(), unit).unwrap();
+            assert_close(
+                &format!("{what} soft grad"),
+                &soft_out.grad.to_host(&be).unwrap(),
+                smooth.grad.data(),
+                1e-4,
+                1e-6,
+            );
+            let (loss, _) = soft_out.read_summary(&be).unwrap();
+            assert!(
+                (loss - smooth.loss).abs() <= 1e-5 * smooth.loss.abs().max(1.0),
+                "{what}: soft {loss} vs {}",
+                smooth.loss
+            );
+            net.backward(&be, &out.grad).unwrap();
+        }
+        let grads = net.read_grads(&be).unwrap();
+        assert_eq!(grads.len(), cpu_grads.len());
+        for (i, (g, c)) in grads.iter().zip(&cpu_grads).enumerate() {
+            assert_close(&format!("fuse={fuse} param {i} grad"), g, c, 1e-3, 1e-5);
+        }
+        for (i, (b, c)) in net
+            .read_buffers(&be)
+            .unwrap()
+            .iter()
+            .zip(&cpu_buffers)
+            .enumerate()
+        {
+            assert_close(&format!("fuse={fuse} buffer {i}"), b, c, 1e-5, 1e-6);
+        }
+        let x = CudaTensor::from_tensor(&be, &batches[0], DType::F32).unwrap();
+        let eval = net.forward_eval(&be, &x).unwrap().to_host(&be).unwrap();
+        assert_close(
+            &format!("fuse={fuse} eval"),
+            &eval,
+            cpu_eval.data(),
+            1e-4,
+            1e-5,
+        );
+    }
 }
 
 #[test]
@@ -2271,27 +2487,78 @@ fn fused_residual_networks_compute_the_bits_of_unfused_ones() {
 /// `kernels::FILES` without a line here (and so, presumably, without a
 /// parity test) fails `every_kernel_has_a_parity_test`.
 const COVERAGE: &[(&str, &str)] = &[
+    ("relu_forward_f32", "an_f32_network_matches_the_cpu_network"),
+    (
+        "relu_backward_f32",
+        "an_f32_network_matches_the_cpu_network",
+    ),
+    ("add_inplace_f32", "an_f32_network_matches_the_cpu_network"),
+    ("add_f32", "an_f32_network_matches_the_cpu_network"),
+    ("bias_add_f32", "an_f32_network_matches_the_cpu_network"),
+    ("bias_grad_f32", "an_f32_network_matches_the_cpu_network"),
+    (
+        "bn_stats_partial_f32",
+        "an_f32_network_matches_the_cpu_network",
+    ),
+    ("bn_apply_f32", "an_f32_network_matches_the_cpu_network"),
+    ("bn_apply_add_f32", "an_f32_network_matches_the_cpu_network"),
+    (
+        "bn_backward_partial_f32",
+        "an_f32_network_matches_the_cpu_network",
+    ),
+    (
+        "bn_backward_partial_mask_f32",
+        "an_f32_network_matches_the_cpu_network",
+    ),
+    (
+        "bn_backward_apply_f32",
+        "an_f32_network_matches_the_cpu_network",
+    ),
+    (
+        "global_avg_pool_forward_f32",
+        "an_f32_network_matches_the_cpu_network",
+    ),
+    (
+        "global_avg_pool_backward_f32",
+        "an_f32_network_matches_the_cpu_network",
+    ),
+    ("softmax_xent_f32", "an_f32_network_matches_the_cpu_network"),
+    (
+        "softmax_xent_soft_f32",
+        "an_f32_network_matches_the_cpu_network",
+    ),
+    ("im2col_f32", "an_f32_network_matches_the_cpu_network"),
+    ("col2im_f32", "an_f32_network_matches_the_cpu_network"),
     ("cast_f32_to_f16", "casts_round_like_half_and_widen_exactly"),
     ("cast_f16_to_f32", "casts_round_like_half_and_widen_exactly"),
-    ("normalize_u8_to_f16", "u8_batches_normalise_like_the_cpu"),
+    ("normalize_u8_f16", "u8_batches_normalise_like_the_cpu"),
     (
-        "gather_crop_flip_u8_to_f16",
+        "gather_crop_flip_u8_f16",
+        "batches_made_from_a_resident_set_equal_staged_host_batches",
+    ),
+    ("normalize_u8_f32", "u8_batches_normalise_like_the_cpu"),
+    (
+        "normalize_u8_f32",
         "batches_made_from_a_resident_set_equal_staged_host_batches",
     ),
     (
-        "relu_forward",
+        "gather_crop_flip_u8_f32",
+        "batches_made_from_a_resident_set_equal_staged_host_batches",
+    ),
+    (
+        "relu_forward_f16",
         "relu_forward_and_backward_match_the_cpu_layer",
     ),
     (
-        "relu_backward",
+        "relu_backward_f16",
         "relu_forward_and_backward_match_the_cpu_layer",
     ),
-    ("add_inplace", "residual_sums_match_the_cpu_residual"),
-    ("add", "residual_sums_match_the_cpu_residual"),
-    ("bias_add", "linear_matches_the_cpu_layer"),
-    ("bias_grad", "linear_matches_the_cpu_layer"),
+    ("add_inplace_f16", "residual_sums_match_the_cpu_residual"),
+    ("add_f16", "residual_sums_match_the_cpu_residual"),
+    ("bias_add_f16", "linear_matches_the_cpu_layer"),
+    ("bias_grad_f16", "linear_matches_the_cpu_layer"),
     (
-        "bn_stats_partial",
+        "bn_stats_partial_f16",
         "batch_norm_training_forward_backward_and_running_stats_match",
     ),
     (
@@ -2303,19 +2570,19 @@ const COVERAGE: &[(&str, &str)] = &[
         "batch_norm_eval_uses_the_running_statistics",
     ),
     (
-        "bn_apply",
+        "bn_apply_f16",
         "batch_norm_training_forward_backward_and_running_stats_match",
     ),
     (
-        "bn_apply_add",
+        "bn_apply_add_f16",
         "a_fused_basic_block_matches_the_cpu_fused_residual",
     ),
     (
-        "bn_backward_partial",
+        "bn_backward_partial_f16",
         "batch_norm_with_fused_relu_matches_bn_then_relu",
     ),
     (
-        "bn_backward_partial_mask",
+        "bn_backward_partial_mask_f16",
         "a_fused_basic_block_matches_the_cpu_fused_residual",
     ),
     (
@@ -2323,29 +2590,32 @@ const COVERAGE: &[(&str, &str)] = &[
         "batch_norm_with_fused_relu_matches_bn_then_relu",
     ),
     (
-        "bn_backward_apply",
+        "bn_backward_apply_f16",
         "batch_norm_with_fused_relu_matches_bn_then_relu",
     ),
     (
-        "global_avg_pool_forward",
+        "global_avg_pool_forward_f16",
         "global_average_pooling_matches_the_cpu_layer",
     ),
     (
-        "global_avg_pool_backward",
+        "global_avg_pool_backward_f16",
         "global_average_pooling_matches_the_cpu_layer",
     ),
-    ("softmax_xent", "softmax_cross_entropy_matches_the_cpu_loss"),
     (
-        "softmax_xent_soft",
+        "softmax_xent_f16",
+        "softmax_cross_entropy_matches_the_cpu_loss",
+    ),
+    (
+        "softmax_xent_soft_f16",
         "soft_target_cross_entropy_matches_the_cpu_loss",
     ),
     ("xent_reduce", "softmax_cross_entropy_matches_the_cpu_loss"),
     (
-        "im2col",
+        "im2col_f16",
         "convolution_matches_the_cpu_layer_for_the_reference_shapes",
     ),
     (
-        "col2im",
+        "col2im_f16",
         "convolution_matches_the_cpu_layer_for_the_reference_shapes",
     ),
     (
@@ -2370,6 +2640,10 @@ const COVERAGE: &[(&str, &str)] = &[
     ),
     (
         "adamw_fused",
+        "fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling",
+    ),
+    (
+        "adamw_fused_f32",
         "fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling",
     ),
 ];

@@ -1,11 +1,12 @@
 //! The fused AdamW step on the GPU, over headroom-model's `ParamGroup`s
-//! (f32 masters, gradients and moments, f16 compute copies; two groups,
-//! decay and no decay, cover a network).
+//! (f32 masters, gradients and moments, f16 compute copies in mixed
+//! precision; two groups, decay and no decay, cover a network).
 //!
 //! A `ParamGroup` holds, for a contiguous run of parameters that share their
 //! weight-decay setting, the f32 master weights, the f32 gradients (kept
 //! multiplied by the loss scale, as backward produces them), the f32 moments
-//! and the f16 compute copy the forward and backward read. A layer's
+//! and, in mixed precision, the f16 compute copy the forward and backward
+//! read (f32 training reads the masters). A layer's
 //! parameter is a range of a group (`CudaSlice::slice`). Two groups (decay,
 //! no decay) cover a network.
 //!
@@ -15,7 +16,8 @@
 //! factor; the step's AdamW factors; the dynamic loss scale's update; all in
 //! a device `StepState`) → `adamw_fused` per group (skips everything on a
 //! skipped step; else unscale + clip, moments, master update, f16
-//! write-back; optionally zeroes the gradients). The arithmetic is
+//! write-back when the group has a copy (`adamw_fused_f32` when it has
+//! none); optionally zeroes the gradients). The arithmetic is
 //! headroom-optim's `AdamW::step`, `clip_grad_norm` and `LossScaler::update`
 //! (PyTorch semantics); the AdamW factors are computed on the host in f64 by
 //! the same code (`AdamWConfig::step_factors`).
@@ -334,7 +336,6 @@ impl FusedAdamW {
             beta2_complement: 1.0 - h.beta2,
             eps: h.eps,
         };
-        let adamw = be.function(&k::ADAMW_FUSED)?;
         for group in groups.iter_mut() {
             let n = group.len();
             if n == 0 {
@@ -359,19 +360,26 @@ impl FusedAdamW {
                 compute,
                 ..
             } = group;
+            let sig = match compute {
+                Some(_) => &k::ADAMW_FUSED,
+                None => &k::ADAMW_FUSED_F32,
+            };
+            let adamw = be.function(sig)?;
             let mut b = stream.launch_builder(&adamw);
             b.arg(&p)
                 .arg(&self.state.slice)
                 .arg(&mut master.slice)
                 .arg(&mut grad.slice)
                 .arg(&mut first_moment.slice)
-                .arg(&mut second_moment.slice)
-                .arg(&mut compute.slice);
+                .arg(&mut second_moment.slice);
+            if let Some(copy) = compute {
+                b.arg(&mut copy.slice);
+            }
             // SAFETY: adamw_fused(AdamWParams, const StepState* [1], float*
-            // master, float* grad, float* m, float* v,
-            // hr_half* compute), all of the group's n elements (ParamGroup
-            // allocates them together).
-            unsafe { b.launch(cfg) }.map_err(driver("adamw_fused"))?;
+            // master, float* grad, float* m, float* v, hr_half* compute), or
+            // adamw_fused_f32 with the same arguments but the copy; all of
+            // the group's n elements (ParamGroup allocates them together).
+            unsafe { b.launch(cfg) }.map_err(driver(sig.name))?;
         }
         Ok(())
     }

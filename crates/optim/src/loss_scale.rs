@@ -44,6 +44,18 @@ impl Default for LossScalerConfig {
 }
 
 impl LossScalerConfig {
+    /// No loss scaling (f32 training): the scale stays 1, and a step whose
+    /// gradients hold inf or NaN is still skipped, as on the CPU.
+    pub fn unit() -> Self {
+        Self {
+            init_scale: 1.0,
+            min_scale: 1.0,
+            max_scale: 1.0,
+            growth_interval: u32::MAX,
+            ..Self::default()
+        }
+    }
+
     /// Names the first bad field.
     pub fn validate(&self) -> Result<(), String> {
         let c = self;

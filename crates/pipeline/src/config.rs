@@ -94,9 +94,9 @@ pub fn device_memory(config: &ExperimentConfig) -> Result<Option<u64>> {
 }
 
 /// The total memory of the GPU this run will train on, if it will train on
-/// one (`device.kind` "cuda", or "auto" with a GPU present; mixed precision).
+/// one (`device.kind` "cuda", or "auto" with a GPU present).
 fn gpu_memory(config: &ExperimentConfig) -> Option<u64> {
-    if config.device.kind == "cpu" || !config.device.amp {
+    if config.device.kind == "cpu" {
         return None;
     }
     match headroom_model::cuda::CudaBackend::probe() {
@@ -291,8 +291,9 @@ pub struct DeviceConfig {
     #[serde(default)]
     pub memory_limit: Option<String>,
     /// Mixed precision on the GPU (f16 activations and compute weights, f32
-    /// masters, dynamic loss scaling). false asks for f32, which only the
-    /// CPU backend does: "auto" then picks the CPU, "cuda" refuses.
+    /// masters, dynamic loss scaling). false trains in f32 on the GPU too
+    /// (f32 activations, the masters as compute weights, no loss scaling);
+    /// the CPU trains in f32 either way.
     #[serde(default = "default_true")]
     pub amp: bool,
     /// Batch norm + ReLU, and a basic block's batch norm + add + ReLU, in

@@ -13,7 +13,7 @@ use std::time::Instant;
 use crossbeam_channel::{bounded, Sender};
 use headroom_loader::{Batch, DataLoader, Dataset, LoaderConfig, LoaderMemory};
 use headroom_model::PoolStats;
-use headroom_optim::{OneCycle, Schedule};
+use headroom_optim::{LossScalerConfig, OneCycle, Schedule};
 
 use crate::checkpoint::{Checkpoint, CheckpointMeta, EpochProgress};
 use crate::config::{ExperimentConfig, ScheduleConfig};
@@ -24,7 +24,7 @@ use crate::resume::{self, Resume};
 use crate::rundir;
 use crate::sink::{self, EpochSummary, Event, SinkSettings, StepReport};
 use crate::{data, PipelineError, Result};
-use headroom_model::cuda::CudaBuildOptions;
+use headroom_model::cuda::{CudaBuildOptions, DType};
 
 #[derive(Clone, Debug, Default)]
 pub struct TrainOptions {
@@ -324,15 +324,23 @@ fn prepare(config: &ExperimentConfig, options: &TrainOptions, memory: &MemoryGua
     })
 }
 
-/// The GPU settings of an experiment.
+/// The GPU settings of an experiment: mixed precision with dynamic loss
+/// scaling, or (`device.amp = false`) f32 activations and weights with the
+/// loss scale held at 1.
 pub(crate) fn cuda_options(config: &ExperimentConfig) -> Result<CudaOptions> {
+    let (activations, loss_scaler) = if config.device.amp {
+        (DType::F16, LossScalerConfig::default())
+    } else {
+        (DType::F32, LossScalerConfig::unit())
+    };
     Ok(CudaOptions {
         memory_limit: config.memory_limit()?,
         build: CudaBuildOptions {
             fuse: config.device.fusion,
+            activations,
         },
+        loss_scaler,
         graphs: config.device.graphs,
-        ..CudaOptions::default()
     })
 }
 

@@ -1,15 +1,17 @@
-//! Row-major matrix products through cuBLAS `cublasGemmEx`: f16 operands,
-//! f32 accumulation (`CUBLAS_COMPUTE_32F`, which uses tensor cores), and an
-//! f16 or f32 result. cuBLAS is column-major; a row-major C = op(A)·op(B) is
+//! Row-major matrix products through cuBLAS `cublasGemmEx`: f16 operands
+//! (mixed precision) or f32 operands (f32 training), f32 accumulation
+//! (`CUBLAS_COMPUTE_32F`: tensor cores for f16 operands; plain f32, not
+//! TF32, for f32 operands, since the default math mode is kept), and an f16
+//! or f32 result. cuBLAS is column-major; a row-major C = op(A)·op(B) is
 //! the column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so the operands are swapped and the
 //! transposes kept.
 
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
-use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
-use half::f16;
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 
 use super::backend::CudaBackend;
 use super::error::Context;
+use super::tensor::{AnyView, AnyViewMut, DType};
 use super::{CudaError, CudaResult};
 
 /// A row-major matrix operand: `rows × cols` of `op(X)` (after the
@@ -20,18 +22,19 @@ pub struct Operand {
     pub ld: usize,
 }
 
-/// Where the product goes.
-pub enum GemmOut<'a, 'b> {
-    F16(&'a mut CudaViewMut<'b, f16>),
-    F32(&'a mut CudaViewMut<'b, f32>),
+fn data_type(dtype: DType) -> cublas_sys::cudaDataType {
+    match dtype {
+        DType::F16 => cublas_sys::cudaDataType::CUDA_R_16F,
+        DType::F32 => cublas_sys::cudaDataType::CUDA_R_32F,
+    }
 }
 
-impl GemmOut<'_, '_> {
-    fn len(&self) -> usize {
-        match self {
-            GemmOut::F16(v) => v.len(),
-            GemmOut::F32(v) => v.len(),
-        }
+/// The device pointer of an operand on `stream`, and the guard that keeps
+/// it in use until dropped (after the call).
+fn operand_ptr<'a>(stream: &'a CudaStream, v: &'a AnyView<'_>) -> (u64, SyncOnDrop<'a>) {
+    match v {
+        AnyView::F16(v) => v.device_ptr(stream),
+        AnyView::F32(v) => v.device_ptr(stream),
     }
 }
 
@@ -83,11 +86,11 @@ pub fn gemm(
     m: usize,
     n: usize,
     k: usize,
-    a: &CudaView<'_, f16>,
+    a: &AnyView<'_>,
     op_a: Operand,
-    b: &CudaView<'_, f16>,
+    b: &AnyView<'_>,
     op_b: Operand,
-    c: GemmOut<'_, '_>,
+    c: &mut AnyViewMut<'_>,
     ldc: usize,
     alpha: f32,
     beta: f32,
@@ -95,6 +98,16 @@ pub fn gemm(
     check_extent("A", m, k, op_a.ld, op_a.transpose, a.len())?;
     check_extent("B", k, n, op_b.ld, op_b.transpose, b.len())?;
     check_extent("C", m, n, ldc, false, c.len())?;
+    if a.dtype() != b.dtype() {
+        return Err(CudaError::Unsupported {
+            op: "gemm",
+            reason: format!(
+                "operands of mixed types ({:?} and {:?})",
+                a.dtype(),
+                b.dtype()
+            ),
+        });
+    }
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -112,52 +125,46 @@ pub fn gemm(
         }
     };
     let stream = be.compute_stream();
-    let (a_ptr, _ra) = a.device_ptr(stream);
-    let (b_ptr, _rb) = b.device_ptr(stream);
+    let ab_type = data_type(a.dtype());
+    let (a_ptr, _ra) = operand_ptr(stream, a);
+    let (b_ptr, _rb) = operand_ptr(stream, b);
     let handle = *be.blas().handle();
     let alpha_ptr = &alpha as *const f32 as *const std::ffi::c_void;
     let beta_ptr = &beta as *const f32 as *const std::ffi::c_void;
-    let run = |c_ptr: u64, c_type| {
-        // SAFETY: the extents of A, B and C were checked against their
-        // buffers above (for the row-major shapes, which are the column-major
-        // transposes cuBLAS sees); the handle's stream is the compute stream
-        // the pointers were synchronised for; alpha and beta are f32 as
-        // CUBLAS_COMPUTE_32F requires and live across the call.
-        unsafe {
-            cublas::gemm_ex(
-                handle,
-                op(op_b.transpose),
-                op(op_a.transpose),
-                ni,
-                mi,
-                ki,
-                alpha_ptr,
-                b_ptr as *const std::ffi::c_void,
-                cublas_sys::cudaDataType::CUDA_R_16F,
-                ldb,
-                a_ptr as *const std::ffi::c_void,
-                cublas_sys::cudaDataType::CUDA_R_16F,
-                lda,
-                beta_ptr,
-                c_ptr as *mut std::ffi::c_void,
-                c_type,
-                ldcc,
-                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT, // = CUBLAS_GEMM_DEFAULT (-1)
-            )
-        }
-        .during("cublasGemmEx")
+    let c_type = data_type(c.dtype());
+    let (c_ptr, _rc) = match c {
+        AnyViewMut::F16(v) => v.device_ptr_mut(stream),
+        AnyViewMut::F32(v) => v.device_ptr_mut(stream),
     };
-    match c {
-        GemmOut::F16(v) => {
-            let (c_ptr, _rc) = v.device_ptr_mut(stream);
-            run(c_ptr, cublas_sys::cudaDataType::CUDA_R_16F)
-        }
-        GemmOut::F32(v) => {
-            let (c_ptr, _rc) = v.device_ptr_mut(stream);
-            run(c_ptr, cublas_sys::cudaDataType::CUDA_R_32F)
-        }
+    // SAFETY: the extents of A, B and C were checked against their buffers
+    // above (for the row-major shapes, which are the column-major transposes
+    // cuBLAS sees) and A and B share one type; the handle's stream is the
+    // compute stream; alpha and beta are f32 as CUBLAS_COMPUTE_32F requires
+    // and live across the call.
+    unsafe {
+        cublas::gemm_ex(
+            handle,
+            op(op_b.transpose),
+            op(op_a.transpose),
+            ni,
+            mi,
+            ki,
+            alpha_ptr,
+            b_ptr as *const std::ffi::c_void,
+            ab_type,
+            ldb,
+            a_ptr as *const std::ffi::c_void,
+            ab_type,
+            lda,
+            beta_ptr,
+            c_ptr as *mut std::ffi::c_void,
+            c_type,
+            ldcc,
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT, // = CUBLAS_GEMM_DEFAULT (-1)
+        )
     }
+    .during("cublasGemmEx")
 }
 
 #[cfg(test)]

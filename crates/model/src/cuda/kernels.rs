@@ -16,6 +16,7 @@ use std::path::PathBuf;
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
 use super::params::*;
+use super::tensor::DType;
 use super::{libs, CudaError, CudaResult};
 
 /// Text spliced into every kernel file in place of `#include "common.cuh"`.
@@ -43,7 +44,7 @@ pub struct KernelFile {
 }
 
 macro_rules! sig {
-    ($file:literal, $name:literal, $params:ty, $buffers:expr) => {
+    ($file:literal, $name:expr, $params:ty, $buffers:expr) => {
         KernelSig {
             file: $file,
             name: $name,
@@ -53,48 +54,79 @@ macro_rules! sig {
     };
 }
 
+/// A layer kernel's two entry points, one per activation storage type: the
+/// `.cu` file defines a template over the storage and instantiates it as
+/// `NAME_f16` (mixed precision) and `NAME_f32` (f32 training).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelPair {
+    pub f16: KernelSig,
+    pub f32: KernelSig,
+}
+
+impl KernelPair {
+    /// The entry point for activations stored as `dtype`.
+    pub fn of(&self, dtype: DType) -> &KernelSig {
+        match dtype {
+            DType::F16 => &self.f16,
+            DType::F32 => &self.f32,
+        }
+    }
+}
+
+macro_rules! pair {
+    ($file:literal, $name:literal, $params:ty, $buffers:expr) => {
+        KernelPair {
+            f16: sig!($file, concat!($name, "_f16"), $params, $buffers),
+            f32: sig!($file, concat!($name, "_f32"), $params, $buffers),
+        }
+    };
+}
+
 pub const CAST_F32_TO_F16: KernelSig = sig!("cast", "cast_f32_to_f16", CastParams, 2);
 pub const CAST_F16_TO_F32: KernelSig = sig!("cast", "cast_f16_to_f32", CastParams, 2);
-pub const NORMALIZE_U8: KernelSig = sig!("cast", "normalize_u8_to_f16", NormalizeParams, 2);
-pub const GATHER_CROP_FLIP: KernelSig = sig!("cast", "gather_crop_flip_u8_to_f16", GatherParams, 3);
+pub const NORMALIZE_U8: KernelPair = pair!("cast", "normalize_u8", NormalizeParams, 2);
+pub const GATHER_CROP_FLIP: KernelPair = pair!("cast", "gather_crop_flip_u8", GatherParams, 3);
 
-pub const RELU_FORWARD: KernelSig = sig!("elementwise", "relu_forward", EwParams, 2);
-pub const RELU_BACKWARD: KernelSig = sig!("elementwise", "relu_backward", EwParams, 3);
-pub const ADD_INPLACE: KernelSig = sig!("elementwise", "add_inplace", EwParams, 2);
-pub const ADD: KernelSig = sig!("elementwise", "add", EwParams, 3);
-pub const BIAS_ADD: KernelSig = sig!("elementwise", "bias_add", RowsColsParams, 2);
-pub const BIAS_GRAD: KernelSig = sig!("elementwise", "bias_grad", RowsColsParams, 2);
+pub const RELU_FORWARD: KernelPair = pair!("elementwise", "relu_forward", EwParams, 2);
+pub const RELU_BACKWARD: KernelPair = pair!("elementwise", "relu_backward", EwParams, 3);
+pub const ADD_INPLACE: KernelPair = pair!("elementwise", "add_inplace", EwParams, 2);
+pub const ADD: KernelPair = pair!("elementwise", "add", EwParams, 3);
+pub const BIAS_ADD: KernelPair = pair!("elementwise", "bias_add", RowsColsParams, 2);
+pub const BIAS_GRAD: KernelPair = pair!("elementwise", "bias_grad", RowsColsParams, 2);
 
-pub const BN_STATS_PARTIAL: KernelSig = sig!("batchnorm", "bn_stats_partial", BnDims, 3);
+pub const BN_STATS_PARTIAL: KernelPair = pair!("batchnorm", "bn_stats_partial", BnDims, 3);
 pub const BN_STATS_FINALIZE: KernelSig =
     sig!("batchnorm", "bn_stats_finalize", BnFinalizeParams, 10);
 pub const BN_EVAL_PREPARE: KernelSig = sig!("batchnorm", "bn_eval_prepare", BnEvalParams, 6);
-pub const BN_APPLY: KernelSig = sig!("batchnorm", "bn_apply", BnApplyParams, 4);
-pub const BN_APPLY_ADD: KernelSig = sig!("batchnorm", "bn_apply_add", BnApplyParams, 5);
-pub const BN_BACKWARD_PARTIAL: KernelSig =
-    sig!("batchnorm", "bn_backward_partial", BnBackwardParams, 6);
-pub const BN_BACKWARD_PARTIAL_MASK: KernelSig =
-    sig!("batchnorm", "bn_backward_partial_mask", BnBackwardParams, 6);
+pub const BN_APPLY: KernelPair = pair!("batchnorm", "bn_apply", BnApplyParams, 4);
+pub const BN_APPLY_ADD: KernelPair = pair!("batchnorm", "bn_apply_add", BnApplyParams, 5);
+pub const BN_BACKWARD_PARTIAL: KernelPair =
+    pair!("batchnorm", "bn_backward_partial", BnBackwardParams, 6);
+pub const BN_BACKWARD_PARTIAL_MASK: KernelPair =
+    pair!("batchnorm", "bn_backward_partial_mask", BnBackwardParams, 6);
 pub const BN_BACKWARD_FINALIZE: KernelSig =
     sig!("batchnorm", "bn_backward_finalize", BnBackwardParams, 9);
-pub const BN_BACKWARD_APPLY: KernelSig =
-    sig!("batchnorm", "bn_backward_apply", BnBackwardParams, 8);
+pub const BN_BACKWARD_APPLY: KernelPair =
+    pair!("batchnorm", "bn_backward_apply", BnBackwardParams, 8);
 pub const BN_RUNNING_RESTORE: KernelSig =
     sig!("batchnorm", "bn_running_restore", BnRestoreParams, 5);
 
-pub const POOL_FORWARD: KernelSig = sig!("pool", "global_avg_pool_forward", PoolParams, 2);
-pub const POOL_BACKWARD: KernelSig = sig!("pool", "global_avg_pool_backward", PoolParams, 2);
+pub const POOL_FORWARD: KernelPair = pair!("pool", "global_avg_pool_forward", PoolParams, 2);
+pub const POOL_BACKWARD: KernelPair = pair!("pool", "global_avg_pool_backward", PoolParams, 2);
 
-pub const SOFTMAX_XENT: KernelSig = sig!("loss", "softmax_xent", XentParams, 6);
-pub const SOFTMAX_XENT_SOFT: KernelSig = sig!("loss", "softmax_xent_soft", XentParams, 6);
+pub const SOFTMAX_XENT: KernelPair = pair!("loss", "softmax_xent", XentParams, 6);
+pub const SOFTMAX_XENT_SOFT: KernelPair = pair!("loss", "softmax_xent_soft", XentParams, 6);
 pub const XENT_REDUCE: KernelSig = sig!("loss", "xent_reduce", XentReduceParams, 4);
 
-pub const IM2COL: KernelSig = sig!("conv", "im2col", ConvParams, 2);
-pub const COL2IM: KernelSig = sig!("conv", "col2im", ConvParams, 2);
+pub const IM2COL: KernelPair = pair!("conv", "im2col", ConvParams, 2);
+pub const COL2IM: KernelPair = pair!("conv", "col2im", ConvParams, 2);
 
 pub const GRAD_SUMSQ: KernelSig = sig!("optim", "grad_sumsq", SumSqParams, 2);
 pub const STEP_FINALIZE: KernelSig = sig!("optim", "step_finalize", FinalizeParams, 4);
+/// The fused AdamW step with the f16 compute copy written (mixed precision).
 pub const ADAMW_FUSED: KernelSig = sig!("optim", "adamw_fused", AdamWParams, 6);
+/// The same without a compute copy (f32 training: layers read the masters).
+pub const ADAMW_FUSED_F32: KernelSig = sig!("optim", "adamw_fused_f32", AdamWParams, 5);
 
 /// Every kernel file and its entry points.
 pub static FILES: &[KernelFile] = &[
@@ -104,57 +136,82 @@ pub static FILES: &[KernelFile] = &[
         kernels: &[
             CAST_F32_TO_F16,
             CAST_F16_TO_F32,
-            NORMALIZE_U8,
-            GATHER_CROP_FLIP,
+            NORMALIZE_U8.f16,
+            NORMALIZE_U8.f32,
+            GATHER_CROP_FLIP.f16,
+            GATHER_CROP_FLIP.f32,
         ],
     },
     KernelFile {
         name: "elementwise",
         source: include_str!("../../kernels/elementwise.cu"),
         kernels: &[
-            RELU_FORWARD,
-            RELU_BACKWARD,
-            ADD_INPLACE,
-            ADD,
-            BIAS_ADD,
-            BIAS_GRAD,
+            RELU_FORWARD.f16,
+            RELU_FORWARD.f32,
+            RELU_BACKWARD.f16,
+            RELU_BACKWARD.f32,
+            ADD_INPLACE.f16,
+            ADD_INPLACE.f32,
+            ADD.f16,
+            ADD.f32,
+            BIAS_ADD.f16,
+            BIAS_ADD.f32,
+            BIAS_GRAD.f16,
+            BIAS_GRAD.f32,
         ],
     },
     KernelFile {
         name: "batchnorm",
         source: include_str!("../../kernels/batchnorm.cu"),
         kernels: &[
-            BN_STATS_PARTIAL,
+            BN_STATS_PARTIAL.f16,
+            BN_STATS_PARTIAL.f32,
             BN_STATS_FINALIZE,
             BN_EVAL_PREPARE,
-            BN_APPLY,
-            BN_APPLY_ADD,
-            BN_BACKWARD_PARTIAL,
-            BN_BACKWARD_PARTIAL_MASK,
+            BN_APPLY.f16,
+            BN_APPLY.f32,
+            BN_APPLY_ADD.f16,
+            BN_APPLY_ADD.f32,
+            BN_BACKWARD_PARTIAL.f16,
+            BN_BACKWARD_PARTIAL.f32,
+            BN_BACKWARD_PARTIAL_MASK.f16,
+            BN_BACKWARD_PARTIAL_MASK.f32,
             BN_BACKWARD_FINALIZE,
-            BN_BACKWARD_APPLY,
+            BN_BACKWARD_APPLY.f16,
+            BN_BACKWARD_APPLY.f32,
             BN_RUNNING_RESTORE,
         ],
     },
     KernelFile {
         name: "pool",
         source: include_str!("../../kernels/pool.cu"),
-        kernels: &[POOL_FORWARD, POOL_BACKWARD],
+        kernels: &[
+            POOL_FORWARD.f16,
+            POOL_FORWARD.f32,
+            POOL_BACKWARD.f16,
+            POOL_BACKWARD.f32,
+        ],
     },
     KernelFile {
         name: "loss",
         source: include_str!("../../kernels/loss.cu"),
-        kernels: &[SOFTMAX_XENT, SOFTMAX_XENT_SOFT, XENT_REDUCE],
+        kernels: &[
+            SOFTMAX_XENT.f16,
+            SOFTMAX_XENT.f32,
+            SOFTMAX_XENT_SOFT.f16,
+            SOFTMAX_XENT_SOFT.f32,
+            XENT_REDUCE,
+        ],
     },
     KernelFile {
         name: "conv",
         source: include_str!("../../kernels/conv.cu"),
-        kernels: &[IM2COL, COL2IM],
+        kernels: &[IM2COL.f16, IM2COL.f32, COL2IM.f16, COL2IM.f32],
     },
     KernelFile {
         name: "optim",
         source: include_str!("../../kernels/optim.cu"),
-        kernels: &[GRAD_SUMSQ, STEP_FINALIZE, ADAMW_FUSED],
+        kernels: &[GRAD_SUMSQ, STEP_FINALIZE, ADAMW_FUSED, ADAMW_FUSED_F32],
     },
 ];
 

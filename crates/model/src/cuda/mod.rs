@@ -50,11 +50,12 @@ pub use backend::{
 };
 pub use error::{CudaError, CudaResult};
 pub use graph::CapturedGraph;
-pub use network::{zeros_input, CudaBuildOptions, CudaNetwork};
+pub use network::{CudaBuildOptions, CudaNetwork};
+pub use ops::Normalization;
 pub use param_group::ParamGroup;
 pub use records::{Record, StepRecords, MAX_IN_FLIGHT};
 pub use staging::{check_recipes, InputStaging, ResidentImages, StagedBatch};
-pub use tensor::{CudaBuffer, CudaTensor, DType, MAX_ELEMENTS};
+pub use tensor::{AnyView, AnyViewMut, CudaBuffer, CudaTensor, DType, MAX_ELEMENTS};
 
 /// The test binaries `cargo xtask gpu-check` should run on a GPU machine,
 /// with `HEADROOM_REQUIRE_GPU=1` so that a missing GPU fails instead of

@@ -3,11 +3,13 @@
 //! from the same weights and list their parameters and buffers in the same
 //! order (a checkpoint moves between CPU and GPU runs).
 //!
-//! Storage: activations are f16 NHWC `CudaTensor`s; parameters live in two
-//! `ParamGroup`s (weight decay on, off), each holding f32 masters, f32
-//! gradients (carrying the loss scale), f32 moments and the f16 compute copy
-//! the convolutions and linear layers read; batch norm reads its f32 gamma
-//! and beta from the masters. A layer's parameter is a range of a group.
+//! Storage: activations are NHWC `CudaTensor`s, f16 in mixed precision and
+//! f32 in f32 training (`CudaBuildOptions::activations`); parameters live in
+//! two `ParamGroup`s (weight decay on, off), each holding f32 masters, f32
+//! gradients (carrying the loss scale), f32 moments and, in mixed precision,
+//! the f16 compute copy the convolutions and linear layers read (in f32
+//! training they read the masters); batch norm reads its f32 gamma and beta
+//! from the masters. A layer's parameter is a range of a group.
 //!
 //! What a training forward saves for backward (a stack, popped in reverse):
 //! a convolution or linear layer its input; batch norm its input, its batch
@@ -36,14 +38,13 @@
 //! layer): the layers beyond the reference ResNet's.
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
-use half::f16;
 
 use super::backend::{CudaBackend, DeviceBuffer};
 use super::error::Context;
 use super::ops::{self, BatchNormConfig, BatchNormSaved, ConvShape, CONV_SCRATCH_BYTES};
 use super::param_group::ParamGroup;
 use super::params::StepState;
-use super::tensor::{CudaTensor, DType};
+use super::tensor::{AnyView, CudaTensor, DType};
 use super::{CudaError, CudaResult};
 use crate::memory::MemoryPool;
 use crate::network::{arrange, is_block, Group};
@@ -140,17 +141,24 @@ enum Saved {
     Nothing,
 }
 
-/// Build options that change the kernels used, not the results' meaning.
+/// How the network computes.
 #[derive(Clone, Copy, Debug)]
 pub struct CudaBuildOptions {
     /// Fuse batch norm with the ReLU after it, and a residual block's last
-    /// batch norm with the block's sum and the ReLU after the block.
+    /// batch norm with the block's sum and the ReLU after the block (other
+    /// kernels, the same bits).
     pub fuse: bool,
+    /// Storage of activations and compute weights: F16 (mixed precision,
+    /// the default) or F32 (f32 training, `device.amp = false`).
+    pub activations: DType,
 }
 
 impl Default for CudaBuildOptions {
     fn default() -> Self {
-        Self { fuse: true }
+        Self {
+            fuse: true,
+            activations: DType::F16,
+        }
     }
 }
 
@@ -168,6 +176,7 @@ pub struct CudaNetwork {
     params: Vec<ParamSlot>,
     classes: usize,
     macs_per_sample: u64,
+    activations: DType,
     saved: Vec<Saved>,
 }
 
@@ -274,8 +283,8 @@ impl CudaNetwork {
         }
         let [decay, no_decay] = host;
         let groups = [
-            group_from_host(be, true, decay)?,
-            group_from_host(be, false, no_decay)?,
+            group_from_host(be, true, decay, options.activations)?,
+            group_from_host(be, false, no_decay, options.activations)?,
         ];
         let mut network = Self {
             spec: spec.clone(),
@@ -284,6 +293,7 @@ impl CudaNetwork {
             params: slots,
             classes,
             macs_per_sample,
+            activations: options.activations,
             saved: Vec::new(),
         };
         network.set_buffers(be, &cpu.buffer_values())?;
@@ -316,9 +326,36 @@ impl CudaNetwork {
         &self.groups
     }
 
-    /// Training forward of a normalised f16 batch: logits [n, classes], and
+    /// The storage of activations and compute weights (F16: mixed
+    /// precision; F32: f32 training).
+    pub fn activations(&self) -> DType {
+        self.activations
+    }
+
+    /// A zero batch [n, h, w, c] of the network's input (dry runs).
+    pub fn zeros_input(&self, be: &CudaBackend, n: usize) -> CudaResult<CudaTensor> {
+        let [h, w, c] = self.spec.input;
+        CudaTensor::zeros(be, &[n, h, w, c], self.activations)
+    }
+
+    fn expect_input(&self, x: &CudaTensor) -> CudaResult<()> {
+        if x.dtype() != self.activations {
+            return Err(CudaError::Unsupported {
+                op: "CudaNetwork::forward",
+                reason: format!(
+                    "an input stored as {:?} for a network computing in {:?}",
+                    x.dtype(),
+                    self.activations
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Training forward of a normalised batch: logits [n, classes], and
     /// what backward needs saved. Updates the batch-norm running statistics.
     pub fn forward_train(&mut self, be: &CudaBackend, x: &CudaTensor) -> CudaResult<CudaTensor> {
+        self.expect_input(x)?;
         self.saved.clear();
         let mut saved = std::mem::take(&mut self.saved);
         let train = Pass::Train {
@@ -338,6 +375,7 @@ impl CudaNetwork {
 
     /// Inference forward: running statistics, nothing saved.
     pub fn forward_eval(&mut self, be: &CudaBackend, x: &CudaTensor) -> CudaResult<CudaTensor> {
+        self.expect_input(x)?;
         forward_list(
             be,
             &mut self.layers,
@@ -412,6 +450,16 @@ impl CudaNetwork {
             be.download(&self.groups[1].master.slice)?,
         ];
         Ok(self.split(&masters))
+    }
+
+    /// Every parameter's f32 gradient (times the loss scale backward was
+    /// given), in the CPU network's order.
+    pub fn read_grads(&self, be: &CudaBackend) -> CudaResult<Vec<Vec<f32>>> {
+        let grads = [
+            be.download(&self.groups[0].grad.slice)?,
+            be.download(&self.groups[1].grad.slice)?,
+        ];
+        Ok(self.split(&grads))
     }
 
     /// (first, second) AdamW moments per parameter, in order.
@@ -510,7 +558,7 @@ impl CudaNetwork {
         }
     }
 
-    /// Replaces masters (and their f16 copies), moments and running
+    /// Replaces masters (and any f16 copies), moments and running
     /// statistics; gradients are zeroed. Call `check_state` first.
     pub fn load_state(
         &mut self,
@@ -527,11 +575,7 @@ impl CudaNetwork {
             copy_host(be, &masters[i], &mut group.master)?;
             copy_host(be, &first[i], &mut group.first_moment)?;
             copy_host(be, &second[i], &mut group.second_moment)?;
-            ops::cast_f32_to_f16_into(
-                be,
-                &group.master.slice.as_view(),
-                &mut group.compute.slice.as_view_mut(),
-            )?;
+            group.refresh_compute(be)?;
             group.zero_grad(be)?;
         }
         self.set_buffers(be, buffers)?;
@@ -542,11 +586,16 @@ impl CudaNetwork {
 /// A group of the given values; an empty group holds one unused zero, so
 /// every group has device buffers (the optimizer leaves a zero with a zero
 /// gradient at zero).
-fn group_from_host(be: &CudaBackend, decay: bool, values: Vec<f32>) -> CudaResult<ParamGroup> {
+fn group_from_host(
+    be: &CudaBackend,
+    decay: bool,
+    values: Vec<f32>,
+    compute: DType,
+) -> CudaResult<ParamGroup> {
     if values.is_empty() {
-        return ParamGroup::from_host(be, decay, &[0.0]);
+        return ParamGroup::from_host(be, decay, &[0.0], compute);
     }
-    ParamGroup::from_host(be, decay, &values)
+    ParamGroup::from_host(be, decay, &values, compute)
 }
 
 fn copy_host(be: &CudaBackend, host: &[f32], dev: &mut DeviceBuffer<f32>) -> CudaResult<()> {
@@ -778,9 +827,9 @@ fn build_one(
     })
 }
 
-/// The f16 compute copy of a parameter.
-fn compute<'a>(groups: &'a [ParamGroup; 2], p: &ParamRef) -> CudaView<'a, f16> {
-    groups[p.group].compute.slice.slice(p.range())
+/// The weights a layer computes with (the f16 copy, or the f32 masters).
+fn compute<'a>(groups: &'a [ParamGroup; 2], p: &ParamRef) -> AnyView<'a> {
+    groups[p.group].weights(p.range())
 }
 
 /// The f32 master of a parameter (batch norm reads gamma and beta in f32).
@@ -1048,11 +1097,11 @@ fn missing() -> CudaError {
     }
 }
 
-/// Views of parameter `a` (its f16 compute copy, f32 master and f32
-/// gradient) and the gradient of `b`, lent together to `f` even when both
-/// live in one group.
+/// Views of parameter `a` (the weights it computes with, its f32 master and
+/// f32 gradient) and the gradient of `b`, lent together to `f` even when
+/// both live in one group.
 struct Views<'a> {
-    compute: CudaView<'a, f16>,
+    compute: AnyView<'a>,
     master: CudaView<'a, f32>,
     grad: CudaViewMut<'a, f32>,
     other_grad: Option<CudaViewMut<'a, f32>>,
@@ -1070,7 +1119,12 @@ fn with_grads<R>(
     } else {
         (second, first)
     };
-    let compute = ga.compute.slice.slice(a.range());
+    // Field by field (not `ga.weights`), so that the gradient can be lent
+    // mutably beside them.
+    let compute = match &ga.compute {
+        Some(copy) => AnyView::F16(copy.slice.slice(a.range())),
+        None => AnyView::F32(ga.master.slice.slice(a.range())),
+    };
     let master = ga.master.slice.slice(a.range());
     match b {
         Some(b) if b.group == a.group => {
@@ -1251,10 +1305,4 @@ fn with_bn_grads<R>(
         };
         f(&v.master, &mut v.grad, beta_grad)
     })
-}
-
-/// A zero f16 batch [n, h, w, c] (dry runs).
-pub fn zeros_input(be: &CudaBackend, spec: &ModelSpec, n: usize) -> CudaResult<CudaTensor> {
-    let [h, w, c] = spec.input;
-    CudaTensor::zeros(be, &[n, h, w, c], DType::F16)
 }

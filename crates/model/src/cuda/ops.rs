@@ -1,9 +1,13 @@
 //! The operations of the reference ResNet on the GPU, forward and backward,
 //! each a thin wrapper that checks shapes, allocates outputs and launches the
 //! kernels of `crates/model/kernels/*.cu` (or cuBLAS) on the compute stream.
-//! Activations are f16 `CudaTensor`s (NHWC); parameters are views into f32
-//! master / f16 compute buffers (see `optim::ParamGroup`); parameter
-//! gradients are f32 and ACCUMULATED (`+=`), like the CPU layers'.
+//! Activations are `CudaTensor`s (NHWC) stored as f16 (mixed precision) or
+//! f32 (f32 training); each op takes the storage type T of its inputs and
+//! launches that instantiation of its kernel (`KernelPair::of`), and a
+//! mix of types is an error. Parameters are views of the same type into
+//! the groups' compute weights (see `ParamGroup`); parameter gradients are
+//! f32 and ACCUMULATED (`+=`), like the CPU layers'. In the SAFETY notes,
+//! `T*` is `hr_half*` or `float*` as the launched instantiation says.
 //!
 //! Each wrapper mirrors a CPU reference, which `tests/cuda_parity.rs`
 //! compares it with:
@@ -29,10 +33,12 @@ use half::f16;
 
 use super::backend::{CudaBackend, DeviceBuffer};
 use super::error::Context;
-use super::gemm::{gemm, GemmOut, Operand};
+use super::gemm::{gemm, Operand};
 use super::kernels as k;
 use super::params::*;
-use super::tensor::{checked_len, CudaTensor, DType, MAX_ELEMENTS};
+use super::tensor::{
+    checked_len, same_dtype, AnyView, AnyViewMut, CudaTensor, DType, MAX_ELEMENTS,
+};
 use super::{CudaError, CudaResult};
 
 /// Threads per block of the elementwise kernels.
@@ -152,34 +158,41 @@ pub fn cast_f16_to_f32(be: &CudaBackend, x: &CudaTensor) -> CudaResult<CudaTenso
     Ok(y)
 }
 
-/// u8 pixels (already on the device) → f16 (x/255 - mean)/std, computed as
+/// How u8 pixels become a network input: (x/255 - mean)/std, stored as
+/// `dtype` (the network's activations).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Normalization {
+    pub mean: f32,
+    pub std: f32,
+    pub dtype: DType,
+}
+
+/// u8 pixels (already on the device) → the network's input, computed as
 /// the CPU's `Tensor::from_u8_normalized` does: x·(1/(255·std)) - mean/std.
 pub fn normalize_u8(
     be: &CudaBackend,
     pixels: &CudaView<'_, u8>,
     shape: &[usize],
-    mean: f32,
-    std: f32,
+    norm: Normalization,
 ) -> CudaResult<CudaTensor> {
     let n = checked_len("normalize_u8", shape)?;
     same_len("normalize_u8", "pixels", n, pixels.len())?;
-    let mut y = CudaTensor::uninit(be, shape, DType::F16)?;
+    let mut y = CudaTensor::uninit(be, shape, norm.dtype)?;
     if n == 0 {
         return Ok(y);
     }
-    let scale = 1.0 / (255.0 * std);
     let p = NormalizeParams {
         n: n as u32,
-        scale,
-        shift: mean / std,
+        scale: 1.0 / (255.0 * norm.std),
+        shift: norm.mean / norm.std,
     };
-    let f = be.function(&k::NORMALIZE_U8)?;
+    let f = be.function(k::NORMALIZE_U8.of(norm.dtype))?;
     {
         let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p).arg(pixels).arg(y.f16_mut()?);
-        // SAFETY: normalize_u8_to_f16(NormalizeParams, const u8*, hr_half*);
-        // pixels and y hold n elements each.
-        unsafe { b.launch(elementwise(n)) }.during("normalize_u8_to_f16")?;
+        b.arg(&p).arg(pixels).arg(&mut y);
+        // SAFETY: normalize_u8_T(NormalizeParams, const u8*, T*); pixels and
+        // y hold n elements each.
+        unsafe { b.launch(elementwise(n)) }.during("normalize_u8")?;
     }
     Ok(y)
 }
@@ -197,8 +210,7 @@ pub fn gather_crop_flip(
     recipes: &CudaView<'_, u32>,
     n: usize,
     [h, w, c]: [usize; 3],
-    mean: f32,
-    std: f32,
+    norm: Normalization,
 ) -> CudaResult<CudaTensor> {
     let shape = [n, h, w, c];
     let len = checked_len("gather_crop_flip", &shape)?;
@@ -210,7 +222,7 @@ pub fn gather_crop_flip(
             format!("{} bytes", images.len()),
         ));
     }
-    let mut y = CudaTensor::uninit(be, &shape, DType::F16)?;
+    let mut y = CudaTensor::uninit(be, &shape, norm.dtype)?;
     if len == 0 {
         return Ok(y);
     }
@@ -219,18 +231,18 @@ pub fn gather_crop_flip(
         h: h as u32,
         w: w as u32,
         c: c as u32,
-        scale: 1.0 / (255.0 * std),
-        shift: mean / std,
+        scale: 1.0 / (255.0 * norm.std),
+        shift: norm.mean / norm.std,
     };
-    let f = be.function(&k::GATHER_CROP_FLIP)?;
+    let f = be.function(k::GATHER_CROP_FLIP.of(norm.dtype))?;
     {
         let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p).arg(images).arg(recipes).arg(y.f16_mut()?);
-        // SAFETY: gather_crop_flip_u8_to_f16(GatherParams, const u8* images,
-        // const u32* recipes [2n], hr_half* y [n*h*w*c]); every recipe's id
+        b.arg(&p).arg(images).arg(recipes).arg(&mut y);
+        // SAFETY: gather_crop_flip_u8_T(GatherParams, const u8* images,
+        // const u32* recipes [2n], T* y [n*h*w*c]); every recipe's id
         // is below the set's size and its crop inside the padding (checked
         // by the caller), so every read of `images` is in bounds.
-        unsafe { b.launch(elementwise(len)) }.during("gather_crop_flip_u8_to_f16")?;
+        unsafe { b.launch(elementwise(len)) }.during("gather_crop_flip_u8")?;
     }
     Ok(y)
 }
@@ -241,13 +253,13 @@ pub fn gather_crop_flip(
 /// ReLU forward (NaN propagates). The output is what backward needs.
 pub fn relu_forward(be: &CudaBackend, x: &CudaTensor) -> CudaResult<CudaTensor> {
     let n = x.len();
-    let mut y = CudaTensor::uninit(be, x.shape(), DType::F16)?;
+    let mut y = CudaTensor::uninit(be, x.shape(), x.dtype())?;
     if n > 0 {
         let p = EwParams { n: n as u32 };
-        let f = be.function(&k::RELU_FORWARD)?;
+        let f = be.function(k::RELU_FORWARD.of(x.dtype()))?;
         let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p).arg(x.f16()?).arg(y.f16_mut()?);
-        // SAFETY: relu_forward(EwParams, const hr_half*, hr_half*); x and y
+        b.arg(&p).arg(x).arg(&mut y);
+        // SAFETY: relu_forward_T(EwParams, const T*, T*); x and y
         // hold n elements.
         unsafe { b.launch(elementwise(n)) }.during("relu_forward")?;
     }
@@ -257,15 +269,16 @@ pub fn relu_forward(be: &CudaBackend, x: &CudaTensor) -> CudaResult<CudaTensor> 
 /// ReLU backward: dx = y > 0 ? g : 0 with y the forward's output.
 pub fn relu_backward(be: &CudaBackend, g: &CudaTensor, y: &CudaTensor) -> CudaResult<CudaTensor> {
     g.expect_shape("relu backward", y.shape())?;
+    same_dtype("relu backward", g.dtype(), &[y.dtype()])?;
     let n = g.len();
-    let mut dx = CudaTensor::uninit(be, g.shape(), DType::F16)?;
+    let mut dx = CudaTensor::uninit(be, g.shape(), g.dtype())?;
     if n > 0 {
         let p = EwParams { n: n as u32 };
-        let f = be.function(&k::RELU_BACKWARD)?;
+        let f = be.function(k::RELU_BACKWARD.of(g.dtype()))?;
         let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p).arg(g.f16()?).arg(y.f16()?).arg(dx.f16_mut()?);
-        // SAFETY: relu_backward(EwParams, const hr_half* g, const hr_half* y,
-        // hr_half* dx); all hold n elements.
+        b.arg(&p).arg(g).arg(y).arg(&mut dx);
+        // SAFETY: relu_backward_T(EwParams, const T* g, const T* y, T* dx);
+        // all hold n elements.
         unsafe { b.launch(elementwise(n)) }.during("relu_backward")?;
     }
     Ok(dx)
@@ -274,15 +287,16 @@ pub fn relu_backward(be: &CudaBackend, g: &CudaTensor, y: &CudaTensor) -> CudaRe
 /// acc += b (the residual sum in forward and in backward).
 pub fn add_inplace(be: &CudaBackend, acc: &mut CudaTensor, b_in: &CudaTensor) -> CudaResult<()> {
     b_in.expect_shape("residual add", acc.shape())?;
+    same_dtype("residual add", acc.dtype(), &[b_in.dtype()])?;
     let n = acc.len();
     if n == 0 {
         return Ok(());
     }
     let p = EwParams { n: n as u32 };
-    let f = be.function(&k::ADD_INPLACE)?;
+    let f = be.function(k::ADD_INPLACE.of(acc.dtype()))?;
     let mut b = be.compute_stream().launch_builder(&f);
-    b.arg(&p).arg(acc.f16_mut()?).arg(b_in.f16()?);
-    // SAFETY: add_inplace(EwParams, hr_half* acc, const hr_half* b); both
+    b.arg(&p).arg(acc).arg(b_in);
+    // SAFETY: add_inplace_T(EwParams, T* acc, const T* b); both
     // hold n elements and are distinct tensors (the borrow checker
     // guarantees acc is not b_in).
     unsafe { b.launch(elementwise(n)) }.during("add_inplace")?;
@@ -292,14 +306,15 @@ pub fn add_inplace(be: &CudaBackend, acc: &mut CudaTensor, b_in: &CudaTensor) ->
 /// out = a + b.
 pub fn add(be: &CudaBackend, a: &CudaTensor, b_in: &CudaTensor) -> CudaResult<CudaTensor> {
     b_in.expect_shape("add", a.shape())?;
+    same_dtype("add", a.dtype(), &[b_in.dtype()])?;
     let n = a.len();
-    let mut out = CudaTensor::uninit(be, a.shape(), DType::F16)?;
+    let mut out = CudaTensor::uninit(be, a.shape(), a.dtype())?;
     if n > 0 {
         let p = EwParams { n: n as u32 };
-        let f = be.function(&k::ADD)?;
+        let f = be.function(k::ADD.of(a.dtype()))?;
         let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p).arg(a.f16()?).arg(b_in.f16()?).arg(out.f16_mut()?);
-        // SAFETY: add(EwParams, const hr_half*, const hr_half*, hr_half*);
+        b.arg(&p).arg(a).arg(b_in).arg(&mut out);
+        // SAFETY: add_T(EwParams, const T*, const T*, T*);
         // all hold n elements.
         unsafe { b.launch(elementwise(n)) }.during("add")?;
     }
@@ -307,11 +322,8 @@ pub fn add(be: &CudaBackend, a: &CudaTensor, b_in: &CudaTensor) -> CudaResult<Cu
 }
 
 /// y[r, c] += bias[c] for y viewed as [rows, cols] with cols = bias.len().
-pub fn bias_add(
-    be: &CudaBackend,
-    y: &mut CudaViewMut<'_, f16>,
-    bias: &CudaView<'_, f16>,
-) -> CudaResult<()> {
+pub fn bias_add(be: &CudaBackend, y: &mut AnyViewMut<'_>, bias: &AnyView<'_>) -> CudaResult<()> {
+    same_dtype("bias_add", y.dtype(), &[bias.dtype()])?;
     let cols = bias.len();
     if cols == 0 || y.len() % cols != 0 {
         return Err(CudaError::shape(
@@ -328,10 +340,10 @@ pub fn bias_add(
         rows: u32_of("bias_add", rows)?,
         cols: cols as u32,
     };
-    let f = be.function(&k::BIAS_ADD)?;
+    let f = be.function(k::BIAS_ADD.of(y.dtype()))?;
     let mut b = be.compute_stream().launch_builder(&f);
     b.arg(&p).arg(y).arg(bias);
-    // SAFETY: bias_add(RowsColsParams, hr_half* y, const hr_half* bias); y
+    // SAFETY: bias_add_T(RowsColsParams, T* y, const T* bias); y
     // holds rows·cols elements, bias cols.
     unsafe { b.launch(elementwise(rows * cols)) }.during("bias_add")?;
     Ok(())
@@ -340,7 +352,7 @@ pub fn bias_add(
 /// grad[c] += Σ_r g[r, c] for g viewed as [rows, cols], cols = grad.len().
 pub fn bias_grad(
     be: &CudaBackend,
-    g: &CudaView<'_, f16>,
+    g: &AnyView<'_>,
     grad: &mut CudaViewMut<'_, f32>,
 ) -> CudaResult<()> {
     let cols = grad.len();
@@ -356,7 +368,7 @@ pub fn bias_grad(
         rows: u32_of("bias_grad", rows)?,
         cols: cols as u32,
     };
-    let f = be.function(&k::BIAS_GRAD)?;
+    let f = be.function(k::BIAS_GRAD.of(g.dtype()))?;
     let cfg = LaunchConfig {
         grid_dim: (cols.div_ceil(32) as u32, 1, 1),
         block_dim: (32, 8, 1),
@@ -364,7 +376,7 @@ pub fn bias_grad(
     };
     let mut b = be.compute_stream().launch_builder(&f);
     b.arg(&p).arg(g).arg(grad);
-    // SAFETY: bias_grad(RowsColsParams, const hr_half* g, float* grad) with
+    // SAFETY: bias_grad_T(RowsColsParams, const T* g, float* grad) with
     // block (32, 8) as the kernel requires; g holds rows·cols, grad cols.
     unsafe { b.launch(cfg) }.during("bias_grad")?;
     Ok(())
@@ -385,17 +397,17 @@ fn pool_params(n: usize, hw: usize, c: usize) -> CudaResult<PoolParams> {
 /// [n, h, w, c] → [n, c].
 pub fn global_avg_pool_forward(be: &CudaBackend, x: &CudaTensor) -> CudaResult<CudaTensor> {
     let [n, h, w, c] = nhwc("global_avg_pool", x.shape())?;
-    let mut y = CudaTensor::uninit(be, &[n, c], DType::F16)?;
+    let mut y = CudaTensor::uninit(be, &[n, c], x.dtype())?;
     if n * c == 0 {
         return Ok(y);
     }
     let p = pool_params(n, h * w, c)?;
-    let f = be.function(&k::POOL_FORWARD)?;
+    let f = be.function(k::POOL_FORWARD.of(x.dtype()))?;
     {
         let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p).arg(x.f16()?).arg(y.f16_mut()?);
-        // SAFETY: global_avg_pool_forward(PoolParams, const hr_half* x
-        // [n, hw, c], hr_half* y [n, c]).
+        b.arg(&p).arg(x).arg(&mut y);
+        // SAFETY: global_avg_pool_forward_T(PoolParams, const T* x
+        // [n, hw, c], T* y [n, c]).
         unsafe { b.launch(elementwise(n * c)) }.during("global_avg_pool_forward")?;
     }
     Ok(y)
@@ -409,18 +421,18 @@ pub fn global_avg_pool_backward(
 ) -> CudaResult<CudaTensor> {
     let [n, h, w, c] = nhwc("global_avg_pool backward", input_shape)?;
     g.expect_shape("global_avg_pool backward", &[n, c])?;
-    let mut dx = CudaTensor::uninit(be, input_shape, DType::F16)?;
+    let mut dx = CudaTensor::uninit(be, input_shape, g.dtype())?;
     let total = dx.len();
     if total == 0 {
         return Ok(dx);
     }
     let p = pool_params(n, h * w, c)?;
-    let f = be.function(&k::POOL_BACKWARD)?;
+    let f = be.function(k::POOL_BACKWARD.of(g.dtype()))?;
     {
         let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p).arg(g.f16()?).arg(dx.f16_mut()?);
-        // SAFETY: global_avg_pool_backward(PoolParams, const hr_half* g
-        // [n, c], hr_half* dx [n, hw, c]).
+        b.arg(&p).arg(g).arg(&mut dx);
+        // SAFETY: global_avg_pool_backward_T(PoolParams, const T* g
+        // [n, c], T* dx [n, hw, c]).
         unsafe { b.launch(elementwise(total)) }.during("global_avg_pool_backward")?;
     }
     Ok(dx)
@@ -482,7 +494,7 @@ fn bn_check(
 }
 
 /// y = x·scale + shift (`bn_apply`), or with a skip input
-/// relu(f16(x·scale + shift) + skip) (`bn_apply_add`, the ReLU as `relu`
+/// relu(T(x·scale + shift) + skip) (`bn_apply_add`, the ReLU as `relu`
 /// says).
 #[allow(clippy::too_many_arguments)]
 fn bn_apply(
@@ -495,7 +507,8 @@ fn bn_apply(
     shift: &DeviceBuffer<f32>,
     relu: bool,
 ) -> CudaResult<CudaTensor> {
-    let mut y = CudaTensor::uninit(be, x.shape(), DType::F16)?;
+    let dtype = x.dtype();
+    let mut y = CudaTensor::uninit(be, x.shape(), dtype)?;
     let p = BnApplyParams {
         rows: rows as u32,
         channels: c as u32,
@@ -504,30 +517,30 @@ fn bn_apply(
     let stream = be.compute_stream();
     match skip {
         None => {
-            let f = be.function(&k::BN_APPLY)?;
+            let f = be.function(k::BN_APPLY.of(dtype))?;
             let mut b = stream.launch_builder(&f);
             b.arg(&p)
-                .arg(x.f16()?)
+                .arg(x)
                 .arg(&scale.slice)
                 .arg(&shift.slice)
-                .arg(y.f16_mut()?);
-            // SAFETY: bn_apply(BnApplyParams, const hr_half* x, const float*
-            // scale, const float* shift, hr_half* y); x, y hold rows·c, scale
+                .arg(&mut y);
+            // SAFETY: bn_apply_T(BnApplyParams, const T* x, const float*
+            // scale, const float* shift, T* y); x, y hold rows·c, scale
             // and shift c.
             unsafe { b.launch(elementwise(rows * c)) }.during("bn_apply")?;
         }
         Some(skip) => {
-            let f = be.function(&k::BN_APPLY_ADD)?;
+            same_dtype("batch_norm residual add", dtype, &[skip.dtype()])?;
+            let f = be.function(k::BN_APPLY_ADD.of(dtype))?;
             let mut b = stream.launch_builder(&f);
             b.arg(&p)
-                .arg(x.f16()?)
+                .arg(x)
                 .arg(&scale.slice)
                 .arg(&shift.slice)
-                .arg(skip.f16()?)
-                .arg(y.f16_mut()?);
-            // SAFETY: bn_apply_add(BnApplyParams, const hr_half* x, const
-            // float* scale, const float* shift, const hr_half* skip, hr_half*
-            // y); x, skip (its shape checked by both callers) and y hold
+                .arg(skip)
+                .arg(&mut y);
+            // SAFETY: bn_apply_add_T(BnApplyParams, const T* x, const float*
+            // scale, const float* shift, const T* skip, T* y); x, skip (its shape checked by both callers) and y hold
             // rows·c, scale and shift c; y is freshly allocated, so it
             // aliases neither input.
             unsafe { b.launch(elementwise(rows * c)) }.during("bn_apply_add")?;
@@ -617,7 +630,7 @@ fn bn_forward_train(
     };
     let stream = be.compute_stream();
     {
-        let f = be.function(&k::BN_STATS_PARTIAL)?;
+        let f = be.function(k::BN_STATS_PARTIAL.of(x.dtype()))?;
         let cfg_partial = LaunchConfig {
             grid_dim: (c.div_ceil(32) as u32, chunks as u32, 1),
             block_dim: (32, 8, 1),
@@ -625,10 +638,10 @@ fn bn_forward_train(
         };
         let mut b = stream.launch_builder(&f);
         b.arg(&dims)
-            .arg(x.f16()?)
+            .arg(x)
             .arg(&mut part_mean.slice)
             .arg(&mut part_m2.slice);
-        // SAFETY: bn_stats_partial(BnDims, const hr_half* x [rows, c], float*
+        // SAFETY: bn_stats_partial_T(BnDims, const T* x [rows, c], float*
         // part_mean, float* part_m2 [chunks, c]) with block (32, 8) and grid
         // (ceil(c/32), chunks) as the kernel requires.
         unsafe { b.launch(cfg_partial) }.during("bn_stats_partial")?;
@@ -745,7 +758,7 @@ fn bn_forward_eval(
         unsafe { b.launch(per_channel(c)) }.during("bn_eval_prepare")?;
     }
     if rows == 0 {
-        return CudaTensor::uninit(be, x.shape(), DType::F16);
+        return CudaTensor::uninit(be, x.shape(), x.dtype());
     }
     bn_apply(be, x, skip, rows, c, &scale, &shift, cfg.relu)
 }
@@ -877,10 +890,11 @@ fn bn_backward(
     beta_grad: &mut CudaViewMut<'_, f32>,
     relu: bool,
 ) -> CudaResult<CudaTensor> {
-    let g_shape = match &g {
-        BnGrad::Read(g) => g.shape(),
-        BnGrad::MaskInPlace(g) => g.shape(),
+    let (g_shape, dtype) = match &g {
+        BnGrad::Read(g) => (g.shape(), g.dtype()),
+        BnGrad::MaskInPlace(g) => (g.shape(), g.dtype()),
     };
+    same_dtype("batch_norm backward", dtype, &[x.dtype(), y.dtype()])?;
     if g_shape != x.shape() {
         return Err(CudaError::shape(
             "batch_norm backward",
@@ -918,32 +932,32 @@ fn bn_backward(
     };
     match &mut g {
         BnGrad::Read(g) => {
-            let f = be.function(&k::BN_BACKWARD_PARTIAL)?;
+            let f = be.function(k::BN_BACKWARD_PARTIAL.of(dtype))?;
             let mut b = stream.launch_builder(&f);
             b.arg(&p)
-                .arg(g.f16()?)
-                .arg(x.f16()?)
-                .arg(y.f16()?)
+                .arg(*g)
+                .arg(x)
+                .arg(y)
                 .arg(&saved.mean.slice)
                 .arg(&mut part_g.slice)
                 .arg(&mut part_gx.slice);
-            // SAFETY: bn_backward_partial(BnBackwardParams, g, x, y [rows, c]
-            // f16, mean [c], part_sum_g, part_sum_gx [chunks, c]) with block
+            // SAFETY: bn_backward_partial_T(BnBackwardParams, g, x, y [rows, c]
+            // T, mean [c], part_sum_g, part_sum_gx [chunks, c]) with block
             // (32, 8) and grid (ceil(c/32), chunks).
             unsafe { b.launch(partial) }.during("bn_backward_partial")?;
         }
         BnGrad::MaskInPlace(g) => {
-            let f = be.function(&k::BN_BACKWARD_PARTIAL_MASK)?;
+            let f = be.function(k::BN_BACKWARD_PARTIAL_MASK.of(dtype))?;
             let mut b = stream.launch_builder(&f);
             b.arg(&p)
-                .arg(g.f16_mut()?)
-                .arg(x.f16()?)
-                .arg(y.f16()?)
+                .arg(&mut **g)
+                .arg(x)
+                .arg(y)
                 .arg(&saved.mean.slice)
                 .arg(&mut part_g.slice)
                 .arg(&mut part_gx.slice);
-            // SAFETY: bn_backward_partial_mask(BnBackwardParams, hr_half* g,
-            // const x, y [rows, c] f16, mean [c], part_sum_g, part_sum_gx
+            // SAFETY: bn_backward_partial_mask_T(BnBackwardParams, T* g,
+            // const x, y [rows, c] T, mean [c], part_sum_g, part_sum_gx
             // [chunks, c]) with block (32, 8) and grid (ceil(c/32), chunks);
             // g, borrowed mutably, is neither x nor y.
             unsafe { b.launch(partial) }.during("bn_backward_partial_mask")?;
@@ -975,20 +989,20 @@ fn bn_backward(
         // coef_k, coef_b, coef_d [c]); one thread per channel.
         unsafe { b.launch(per_channel(c)) }.during("bn_backward_finalize")?;
     }
-    let mut dx = CudaTensor::uninit(be, x.shape(), DType::F16)?;
+    let mut dx = CudaTensor::uninit(be, x.shape(), dtype)?;
     if rows * c > 0 {
-        let f = be.function(&k::BN_BACKWARD_APPLY)?;
+        let f = be.function(k::BN_BACKWARD_APPLY.of(dtype))?;
         let mut b = stream.launch_builder(&f);
         b.arg(&p)
-            .arg(g.f16()?)
-            .arg(x.f16()?)
-            .arg(y.f16()?)
+            .arg(g)
+            .arg(x)
+            .arg(y)
             .arg(&saved.mean.slice)
             .arg(&coef_k.slice)
             .arg(&coef_b.slice)
             .arg(&coef_d.slice)
-            .arg(dx.f16_mut()?);
-        // SAFETY: bn_backward_apply(BnBackwardParams, g, x, y [rows, c], mean,
+            .arg(&mut dx);
+        // SAFETY: bn_backward_apply_T(BnBackwardParams, g, x, y [rows, c], mean,
         // coef_k, coef_b, coef_d [c], dx [rows, c]).
         unsafe { b.launch(elementwise(rows * c)) }.during("bn_backward_apply")?;
     }
@@ -1073,8 +1087,8 @@ impl ConvShape {
 /// groups of whole images whose A fits in it (at least one image).
 pub const CONV_SCRATCH_BYTES: usize = 64 << 20;
 
-fn images_per_chunk(s: &ConvShape, opix: usize, scratch_bytes: usize) -> usize {
-    let per_image = (opix * s.kk() * 2).max(1);
+fn images_per_chunk(s: &ConvShape, opix: usize, scratch_bytes: usize, dtype: DType) -> usize {
+    let per_image = (opix * s.kk() * dtype.size()).max(1);
     (scratch_bytes / per_image).clamp(1, s.n.max(1))
 }
 
@@ -1082,31 +1096,34 @@ fn im2col(
     be: &CudaBackend,
     x: &CudaTensor,
     p: &ConvParams,
-    a: &mut DeviceBuffer<f16>,
+    a: &mut CudaTensor,
     total: usize,
 ) -> CudaResult<()> {
-    let f = be.function(&k::IM2COL)?;
+    let f = be.function(k::IM2COL.of(x.dtype()))?;
     let mut b = be.compute_stream().launch_builder(&f);
-    b.arg(p).arg(x.f16()?).arg(&mut a.slice);
-    // SAFETY: im2col(ConvParams, const hr_half* x [n, h, w, cin], hr_half* a)
+    b.arg(p).arg(x).arg(a);
+    // SAFETY: im2col_T(ConvParams, const T* x [n, h, w, cin], T* a), a made
+    // with x's type,
     // writes images·oh·ow·kk = total ≤ a.len() elements and reads only images
     // n0..n0+images of x, which the caller checked against x's shape.
     unsafe { b.launch(elementwise(total)) }.during("im2col")?;
     Ok(())
 }
 
-/// y = conv(x, W) (+ bias), f16 [n, oh, ow, cout].
+/// y = conv(x, W) (+ bias), [n, oh, ow, cout] in x's type.
 pub fn conv2d_forward(
     be: &CudaBackend,
     x: &CudaTensor,
-    weight: &CudaView<'_, f16>,
-    bias: Option<&CudaView<'_, f16>>,
+    weight: &AnyView<'_>,
+    bias: Option<&AnyView<'_>>,
     s: ConvShape,
     scratch_bytes: usize,
 ) -> CudaResult<CudaTensor> {
     let (oh, ow) = s.check(x, weight.len())?;
+    let dtype = x.dtype();
+    same_dtype("conv2d", dtype, &[weight.dtype()])?;
     let opix = oh * ow;
-    let mut y = CudaTensor::uninit(be, &[s.n, oh, ow, s.cout], DType::F16)?;
+    let mut y = CudaTensor::uninit(be, &[s.n, oh, ow, s.cout], dtype)?;
     if y.is_empty() {
         return Ok(y);
     }
@@ -1115,48 +1132,47 @@ pub fn conv2d_forward(
         ld: s.cout,
     };
     if s.is_pointwise() {
-        let mut yv = y.f16_view_mut()?;
         gemm(
             be,
             s.n * opix,
             s.cout,
             s.cin,
-            &x.f16_view()?,
+            &x.view(),
             Operand {
                 transpose: false,
                 ld: s.cin,
             },
             weight,
             w_op,
-            GemmOut::F16(&mut yv),
+            &mut y.view_mut(),
             s.cout,
             1.0,
             0.0,
         )?;
     } else {
         let kk = s.kk();
-        let ipc = images_per_chunk(&s, opix, scratch_bytes);
-        let mut a = be.alloc::<f16>(ipc * opix * kk)?;
+        let ipc = images_per_chunk(&s, opix, scratch_bytes, dtype);
+        let mut a = CudaTensor::uninit(be, &[ipc * opix * kk], dtype)?;
         for n0 in (0..s.n).step_by(ipc) {
             let images = ipc.min(s.n - n0);
             let p = s.params(oh, ow, n0, images);
             im2col(be, x, &p, &mut a, images * opix * kk)?;
             let rows = images * opix;
-            let y_all = y.f16_mut()?;
+            let mut y_all = y.view_mut();
             let mut yv = y_all.slice_mut(n0 * opix * s.cout..(n0 + images) * opix * s.cout);
             gemm(
                 be,
                 rows,
                 s.cout,
                 kk,
-                &a.slice.slice(..rows * kk),
+                &a.view().slice(0..rows * kk),
                 Operand {
                     transpose: false,
                     ld: kk,
                 },
                 weight,
                 w_op,
-                GemmOut::F16(&mut yv),
+                &mut yv,
                 s.cout,
                 1.0,
                 0.0,
@@ -1165,7 +1181,7 @@ pub fn conv2d_forward(
     }
     if let Some(bias) = bias {
         same_len("conv2d", "bias", s.cout, bias.len())?;
-        bias_add(be, &mut y.f16_view_mut()?, bias)?;
+        bias_add(be, &mut y.view_mut(), bias)?;
     }
     Ok(y)
 }
@@ -1176,13 +1192,15 @@ pub fn conv2d_backward(
     be: &CudaBackend,
     x: &CudaTensor,
     dy: &CudaTensor,
-    weight: &CudaView<'_, f16>,
+    weight: &AnyView<'_>,
     weight_grad: &mut CudaViewMut<'_, f32>,
     bias_grad: Option<&mut CudaViewMut<'_, f32>>,
     s: ConvShape,
     scratch_bytes: usize,
 ) -> CudaResult<CudaTensor> {
     let (oh, ow) = s.check(x, weight.len())?;
+    let dtype = x.dtype();
+    same_dtype("conv2d backward", dtype, &[dy.dtype(), weight.dtype()])?;
     dy.expect_shape("conv2d backward", &[s.n, oh, ow, s.cout])?;
     same_len(
         "conv2d backward",
@@ -1198,9 +1216,9 @@ pub fn conv2d_backward(
     }
     if dy.is_empty() {
         // No output pixels: the input gradient is zero.
-        return CudaTensor::zeros(be, x.shape(), DType::F16);
+        return CudaTensor::zeros(be, x.shape(), dtype);
     }
-    let mut dx = CudaTensor::uninit(be, x.shape(), DType::F16)?;
+    let mut dx = CudaTensor::uninit(be, x.shape(), dtype)?;
     let w_t = Operand {
         transpose: true,
         ld: s.cout,
@@ -1212,52 +1230,50 @@ pub fn conv2d_backward(
             s.cin,
             s.cout,
             s.n * opix,
-            &x.f16_view()?,
+            &x.view(),
             Operand {
                 transpose: true,
                 ld: s.cin,
             },
-            &dy.f16_view()?,
+            &dy.view(),
             Operand {
                 transpose: false,
                 ld: s.cout,
             },
-            GemmOut::F32(&mut *weight_grad),
+            &mut AnyViewMut::F32(weight_grad.slice_mut(..)),
             s.cout,
             1.0,
             1.0,
         )?;
         // dX[n·h·w × cin] = dY · Wᵀ
-        let mut dxv = dx.f16_view_mut()?;
         gemm(
             be,
             s.n * opix,
             s.cin,
             s.cout,
-            &dy.f16_view()?,
+            &dy.view(),
             Operand {
                 transpose: false,
                 ld: s.cout,
             },
             weight,
             w_t,
-            GemmOut::F16(&mut dxv),
+            &mut dx.view_mut(),
             s.cin,
             1.0,
             0.0,
         )?;
         return Ok(dx);
     }
-    let ipc = images_per_chunk(&s, opix, scratch_bytes);
-    let mut a = be.alloc::<f16>(ipc * opix * kk)?;
-    let col2im = be.function(&k::COL2IM)?;
+    let ipc = images_per_chunk(&s, opix, scratch_bytes, dtype);
+    let mut a = CudaTensor::uninit(be, &[ipc * opix * kk], dtype)?;
+    let col2im = be.function(k::COL2IM.of(dtype))?;
     for n0 in (0..s.n).step_by(ipc) {
         let images = ipc.min(s.n - n0);
         let rows = images * opix;
         let p = s.params(oh, ow, n0, images);
-        let dy_rows = dy
-            .f16()?
-            .slice(n0 * opix * s.cout..(n0 + images) * opix * s.cout);
+        let dy_all = dy.view();
+        let dy_rows = dy_all.slice(n0 * opix * s.cout..(n0 + images) * opix * s.cout);
         // dW[K × cout] += Aᵀ · dY for this group of images.
         im2col(be, x, &p, &mut a, rows * kk)?;
         gemm(
@@ -1265,7 +1281,7 @@ pub fn conv2d_backward(
             kk,
             s.cout,
             rows,
-            &a.slice.slice(..rows * kk),
+            &a.view().slice(0..rows * kk),
             Operand {
                 transpose: true,
                 ld: kk,
@@ -1275,7 +1291,7 @@ pub fn conv2d_backward(
                 transpose: false,
                 ld: s.cout,
             },
-            GemmOut::F32(&mut *weight_grad),
+            &mut AnyViewMut::F32(weight_grad.slice_mut(..)),
             s.cout,
             1.0,
             1.0,
@@ -1283,7 +1299,8 @@ pub fn conv2d_backward(
         // dA = dY · Wᵀ into the same scratch (stream order: after the dW
         // product has read A), then col2im into dX.
         {
-            let mut av = a.slice.slice_mut(..rows * kk);
+            let mut a_all = a.view_mut();
+            let mut av = a_all.slice_mut(0..rows * kk);
             gemm(
                 be,
                 rows,
@@ -1296,7 +1313,7 @@ pub fn conv2d_backward(
                 },
                 weight,
                 w_t,
-                GemmOut::F16(&mut av),
+                &mut av,
                 kk,
                 1.0,
                 0.0,
@@ -1304,9 +1321,9 @@ pub fn conv2d_backward(
         }
         let total = images * s.h * s.w * s.cin;
         let mut b = be.compute_stream().launch_builder(&col2im);
-        b.arg(&p).arg(&a.slice).arg(dx.f16_mut()?);
-        // SAFETY: col2im(ConvParams, const hr_half* da [rows, kk], hr_half*
-        // dx [n, h, w, cin]) reads rows·kk ≤ a.len() elements and writes the
+        b.arg(&p).arg(&a).arg(&mut dx);
+        // SAFETY: col2im_T(ConvParams, const T* da [rows, kk], T* dx
+        // [n, h, w, cin]) reads rows·kk ≤ a.len() elements and writes the
         // `images` images from n0 of dx, inside its n images.
         unsafe { b.launch(elementwise(total)) }.during("col2im")?;
     }
@@ -1318,15 +1335,15 @@ fn bias_grad_into(
     dy: &CudaTensor,
     db: &mut CudaViewMut<'_, f32>,
 ) -> CudaResult<()> {
-    bias_grad(be, &dy.f16_view()?, db)
+    bias_grad(be, &dy.view(), db)
 }
 
 /// y[n, out] = x[n, in] · W[in, out] (+ bias).
 pub fn linear_forward(
     be: &CudaBackend,
     x: &CudaTensor,
-    weight: &CudaView<'_, f16>,
-    bias: Option<&CudaView<'_, f16>>,
+    weight: &AnyView<'_>,
+    bias: Option<&AnyView<'_>>,
     out_features: usize,
 ) -> CudaResult<CudaTensor> {
     let (n, inf) = match *x.shape() {
@@ -1345,18 +1362,18 @@ pub fn linear_forward(
         inf * out_features,
         weight.len(),
     )?;
-    let mut y = CudaTensor::uninit(be, &[n, out_features], DType::F16)?;
+    same_dtype("linear", x.dtype(), &[weight.dtype()])?;
+    let mut y = CudaTensor::uninit(be, &[n, out_features], x.dtype())?;
     if y.is_empty() {
         return Ok(y);
     }
     {
-        let mut yv = y.f16_view_mut()?;
         gemm(
             be,
             n,
             out_features,
             inf,
-            &x.f16_view()?,
+            &x.view(),
             Operand {
                 transpose: false,
                 ld: inf,
@@ -1366,7 +1383,7 @@ pub fn linear_forward(
                 transpose: false,
                 ld: out_features,
             },
-            GemmOut::F16(&mut yv),
+            &mut y.view_mut(),
             out_features,
             1.0,
             0.0,
@@ -1374,7 +1391,7 @@ pub fn linear_forward(
     }
     if let Some(bias) = bias {
         same_len("linear", "bias", out_features, bias.len())?;
-        bias_add(be, &mut y.f16_view_mut()?, bias)?;
+        bias_add(be, &mut y.view_mut(), bias)?;
     }
     Ok(y)
 }
@@ -1384,7 +1401,7 @@ pub fn linear_backward(
     be: &CudaBackend,
     x: &CudaTensor,
     g: &CudaTensor,
-    weight: &CudaView<'_, f16>,
+    weight: &AnyView<'_>,
     weight_grad: &mut CudaViewMut<'_, f32>,
     bias_grad: Option<&mut CudaViewMut<'_, f32>>,
 ) -> CudaResult<CudaTensor> {
@@ -1416,41 +1433,42 @@ pub fn linear_backward(
         same_len("linear backward", "bias gradient", out, db.len())?;
         bias_grad_into(be, g, db)?;
     }
-    let mut dx = CudaTensor::uninit(be, &[n, inf], DType::F16)?;
+    let dtype = x.dtype();
+    same_dtype("linear backward", dtype, &[g.dtype(), weight.dtype()])?;
+    let mut dx = CudaTensor::uninit(be, &[n, inf], dtype)?;
     if n == 0 || inf == 0 {
         return Ok(dx);
     }
     if out == 0 {
-        return CudaTensor::zeros(be, &[n, inf], DType::F16);
+        return CudaTensor::zeros(be, &[n, inf], dtype);
     }
     gemm(
         be,
         inf,
         out,
         n,
-        &x.f16_view()?,
+        &x.view(),
         Operand {
             transpose: true,
             ld: inf,
         },
-        &g.f16_view()?,
+        &g.view(),
         Operand {
             transpose: false,
             ld: out,
         },
-        GemmOut::F32(&mut *weight_grad),
+        &mut AnyViewMut::F32(weight_grad.slice_mut(..)),
         out,
         1.0,
         1.0,
     )?;
     {
-        let mut dxv = dx.f16_view_mut()?;
         gemm(
             be,
             n,
             inf,
             out,
-            &g.f16_view()?,
+            &g.view(),
             Operand {
                 transpose: false,
                 ld: out,
@@ -1460,7 +1478,7 @@ pub fn linear_backward(
                 transpose: true,
                 ld: out,
             },
-            GemmOut::F16(&mut dxv),
+            &mut dx.view_mut(),
             inf,
             1.0,
             0.0,
@@ -1475,7 +1493,8 @@ pub fn linear_backward(
 /// Per-row results of `softmax_cross_entropy`, all on the device.
 #[derive(Debug)]
 pub struct XentOutput {
-    /// (softmax - target) · loss_scale / rows, f16 [rows, classes].
+    /// (softmax - target) · loss_scale / rows, [rows, classes] in the
+    /// logits' type.
     pub grad: CudaTensor,
     pub row_loss: DeviceBuffer<f32>,
     pub row_correct: DeviceBuffer<u32>,
@@ -1628,11 +1647,11 @@ fn xent_launch(
         ));
     }
     let sig = match target {
-        XentTarget::Labels(_) => &k::SOFTMAX_XENT,
-        XentTarget::Soft(_) => &k::SOFTMAX_XENT_SOFT,
+        XentTarget::Labels(_) => k::SOFTMAX_XENT.of(logits.dtype()),
+        XentTarget::Soft(_) => k::SOFTMAX_XENT_SOFT.of(logits.dtype()),
     };
     let (n, classes) = xent_shape(logits)?;
-    let mut grad = CudaTensor::uninit(be, logits.shape(), DType::F16)?;
+    let mut grad = CudaTensor::uninit(be, logits.shape(), logits.dtype())?;
     let mut row_loss = be.alloc::<f32>(n)?;
     let mut row_correct = be.alloc::<u32>(n)?;
     let p = XentParams {
@@ -1650,19 +1669,18 @@ fn xent_launch(
     {
         let f = be.function(sig)?;
         let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p).arg(scale.loss_scale).arg(logits.f16()?);
+        b.arg(&p).arg(scale.loss_scale).arg(logits);
         match target {
             XentTarget::Labels(labels) => b.arg(labels),
             XentTarget::Soft(targets) => b.arg(targets),
         };
         b.arg(&mut row_loss.slice)
             .arg(&mut row_correct.slice)
-            .arg(grad.f16_mut()?);
-        // SAFETY: softmax_xent(XentParams, const float* loss_scale [1],
-        // const hr_half* logits [n, k], const u32* labels [n], ...) and
-        // softmax_xent_soft(..., const float*
-        // targets [n, k], ...), then float* row_loss [n], u32* row_correct
-        // [n], hr_half* grad [n, k]; the callers checked the target's length.
+            .arg(&mut grad);
+        // SAFETY: softmax_xent_T(XentParams, const float* loss_scale [1],
+        // const T* logits [n, k], const u32* labels [n], ...) and
+        // softmax_xent_soft_T(..., const float* targets [n, k], ...), then
+        // float* row_loss [n], u32* row_correct [n], T* grad [n, k]; the callers checked the target's length.
         unsafe { b.launch(cfg) }.during(sig.name)?;
     }
     Ok(XentOutput {
@@ -1741,10 +1759,15 @@ mod tests {
         };
         assert_eq!(s.out_hw().unwrap(), (14, 14));
         assert_eq!(s.kk(), 288);
-        // 196 pixels × 288 columns × 2 B = 112,896 B per image.
-        assert_eq!(images_per_chunk(&s, 196, CONV_SCRATCH_BYTES), 128);
-        assert_eq!(images_per_chunk(&s, 196, 1_000_000), 8);
-        assert_eq!(images_per_chunk(&s, 196, 1), 1);
+        // 196 pixels × 288 columns × 2 B = 112,896 B per image in f16,
+        // twice that in f32.
+        assert_eq!(
+            images_per_chunk(&s, 196, CONV_SCRATCH_BYTES, DType::F16),
+            128
+        );
+        assert_eq!(images_per_chunk(&s, 196, 1_000_000, DType::F16), 8);
+        assert_eq!(images_per_chunk(&s, 196, 1_000_000, DType::F32), 4);
+        assert_eq!(images_per_chunk(&s, 196, 1, DType::F16), 1);
         let bad = ConvShape { k: 40, ..s };
         assert!(bad.out_hw().is_err());
     }

@@ -1,9 +1,10 @@
 //! Parameters on the GPU: a `ParamGroup` holds, for a contiguous run of
 //! parameters that share their weight-decay setting, the f32 master
 //! weights, the f32 gradients (kept multiplied by the loss scale, as
-//! backward produces them), the f32 moments and the f16 compute copy the
-//! forward and backward read. A layer's parameter is a range of a group
-//! (`CudaSlice::slice`). Two groups (decay, no decay) cover a network. The
+//! backward produces them), the f32 moments and, in mixed precision, the
+//! f16 compute copy the forward and backward read (in f32 training they
+//! read the masters, and there is no copy). A layer's parameter is a range
+//! of a group (`CudaSlice::slice`). Two groups (decay, no decay) cover a network. The
 //! fused AdamW step over them lives in headroom-optim (`FusedAdamW`).
 
 use half::f16;
@@ -11,7 +12,7 @@ use half::f16;
 use super::backend::{CudaBackend, DeviceBuffer};
 use super::error::Context;
 use super::ops::cast_f32_to_f16_into;
-use super::tensor::MAX_ELEMENTS;
+use super::tensor::{AnyView, DType, MAX_ELEMENTS};
 use super::{CudaError, CudaResult};
 
 /// One group of parameters sharing a weight-decay setting.
@@ -22,13 +23,21 @@ pub struct ParamGroup {
     pub grad: DeviceBuffer<f32>,
     pub first_moment: DeviceBuffer<f32>,
     pub second_moment: DeviceBuffer<f32>,
-    pub compute: DeviceBuffer<f16>,
+    /// The f16 copy the layers read in mixed precision; None in f32
+    /// training.
+    pub compute: Option<DeviceBuffer<f16>>,
 }
 
 impl ParamGroup {
-    /// Uploads master weights; gradients and moments start at zero and the
-    /// f16 compute copy is cast from the masters.
-    pub fn from_host(be: &CudaBackend, decay: bool, values: &[f32]) -> CudaResult<Self> {
+    /// Uploads master weights; gradients and moments start at zero and,
+    /// when the layers compute in f16, the compute copy is cast from the
+    /// masters.
+    pub fn from_host(
+        be: &CudaBackend,
+        decay: bool,
+        values: &[f32],
+        compute: DType,
+    ) -> CudaResult<Self> {
         if values.len() > MAX_ELEMENTS {
             return Err(CudaError::Unsupported {
                 op: "ParamGroup",
@@ -36,12 +45,14 @@ impl ParamGroup {
             });
         }
         let master = be.upload(values)?;
-        let mut compute = be.alloc::<f16>(values.len())?;
-        cast_f32_to_f16_into(
-            be,
-            &master.slice.as_view(),
-            &mut compute.slice.as_view_mut(),
-        )?;
+        let compute = match compute {
+            DType::F16 => {
+                let mut copy = be.alloc::<f16>(values.len())?;
+                cast_f32_to_f16_into(be, &master.slice.as_view(), &mut copy.slice.as_view_mut())?;
+                Some(copy)
+            }
+            DType::F32 => None,
+        };
         Ok(Self {
             decay,
             master,
@@ -58,6 +69,27 @@ impl ParamGroup {
 
     pub fn is_empty(&self) -> bool {
         self.master.is_empty()
+    }
+
+    /// The weights the layers compute with: the f16 copy, or the masters.
+    pub fn weights(&self, range: std::ops::Range<usize>) -> AnyView<'_> {
+        match &self.compute {
+            Some(copy) => AnyView::F16(copy.slice.slice(range)),
+            None => AnyView::F32(self.master.slice.slice(range)),
+        }
+    }
+
+    /// Casts the masters into the f16 copy again (after they were replaced);
+    /// nothing to do without a copy.
+    pub fn refresh_compute(&mut self, be: &CudaBackend) -> CudaResult<()> {
+        match &mut self.compute {
+            Some(copy) => cast_f32_to_f16_into(
+                be,
+                &self.master.slice.as_view(),
+                &mut copy.slice.as_view_mut(),
+            ),
+            None => Ok(()),
+        }
     }
 
     /// Sets the gradients to zero (compute stream).
@@ -83,12 +115,15 @@ impl ParamGroup {
         ))
     }
 
-    /// The f16 compute copy, downloaded as f32.
+    /// The weights the layers compute with, downloaded as f32.
     pub fn read_compute(&self, be: &CudaBackend) -> CudaResult<Vec<f32>> {
-        Ok(be
-            .download(&self.compute.slice)?
-            .into_iter()
-            .map(f16::to_f32)
-            .collect())
+        match &self.compute {
+            Some(copy) => Ok(be
+                .download(&copy.slice)?
+                .into_iter()
+                .map(f16::to_f32)
+                .collect()),
+            None => self.read_master(be),
+        }
     }
 }

@@ -13,7 +13,7 @@ use cudarc::driver::{sys, CudaEvent, CudaView, PinnedHostSlice};
 
 use super::backend::{CudaBackend, DeviceBuffer};
 use super::error::Context;
-use super::ops::{gather_crop_flip, normalize_u8};
+use super::ops::{gather_crop_flip, normalize_u8, Normalization};
 use super::tensor::CudaTensor;
 use super::{CudaError, CudaResult};
 
@@ -97,8 +97,9 @@ impl InputStaging {
 
     /// Copies one batch (u8 NHWC pixels of `shape`, labels below `classes`)
     /// to the device through the next slot and normalises it there:
-    /// (x/255 - mean)/std in f16. Returns without waiting for the GPU; the
-    /// host blocks only if the slot's previous copy has not finished.
+    /// (x/255 - mean)/std, stored as `norm.dtype`. Returns without waiting
+    /// for the GPU; the host blocks only if the slot's previous copy has not
+    /// finished.
     #[allow(clippy::too_many_arguments)]
     pub fn stage(
         &mut self,
@@ -107,8 +108,7 @@ impl InputStaging {
         pixels: &[u8],
         labels: &[u32],
         classes: usize,
-        mean: f32,
-        std: f32,
+        norm: Normalization,
     ) -> CudaResult<StagedBatch> {
         let index = self.copy_in(be, pixels, labels, classes)?;
         let slot = &self.slots[index];
@@ -116,8 +116,7 @@ impl InputStaging {
             be,
             &slot.pixels_dev.slice.slice(..pixels.len()),
             shape,
-            mean,
-            std,
+            norm,
         )?;
         self.finish(be, index, images, labels.len())
     }
@@ -134,8 +133,7 @@ impl InputStaging {
         recipes: &[[u32; 2]],
         labels: &[u32],
         classes: usize,
-        mean: f32,
-        std: f32,
+        norm: Normalization,
     ) -> CudaResult<StagedBatch> {
         let bytes = set.recipe_bytes(recipes, labels)?;
         let index = self.copy_in(be, &bytes, labels, classes)?;
@@ -151,7 +149,7 @@ impl InputStaging {
                     format!("{} bytes", slot.pixels_dev.slice.len()),
                 )
             })?;
-        let images = set.gather(be, &words, recipes.len(), mean, std)?;
+        let images = set.gather(be, &words, recipes.len(), norm)?;
         self.finish(be, index, images, labels.len())
     }
 
@@ -361,7 +359,7 @@ impl ResidentImages {
             .collect())
     }
 
-    /// The f16 batch that `n` recipes on the device (words from
+    /// The batch that `n` recipes on the device (words from
     /// `recipe_bytes`, already checked) make from this set: gathered,
     /// cropped, flipped and normalised in one kernel.
     pub fn gather(
@@ -369,8 +367,7 @@ impl ResidentImages {
         be: &CudaBackend,
         recipes: &CudaView<'_, u32>,
         n: usize,
-        mean: f32,
-        std: f32,
+        norm: Normalization,
     ) -> CudaResult<CudaTensor> {
         gather_crop_flip(
             be,
@@ -378,8 +375,7 @@ impl ResidentImages {
             recipes,
             n,
             self.shape,
-            mean,
-            std,
+            norm,
         )
     }
 }

@@ -1,8 +1,14 @@
 //! `CudaTensor`: a shape and an f16 or f32 device buffer (NHWC like the CPU
-//! tensor), with host↔device copies. Activations are f16; f32 tensors hold
-//! master weights, gradients, moments and per-channel statistics.
+//! tensor), with host↔device copies. Activations are f16 in mixed precision
+//! and f32 in f32 training; f32 tensors also hold master weights,
+//! gradients, moments and per-channel statistics.
+//!
+//! The layer kernels take their storage type from the tensors they are
+//! given: a tensor (or an `AnyView` of parameters) is pushed as a kernel
+//! argument whatever its element type, and the op picks the `_f16` or `_f32`
+//! entry point from `dtype()` (`kernels::KernelPair`).
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchArgs, PushKernelArg};
 use half::f16;
 
 use super::backend::{CudaBackend, DeviceBuffer};
@@ -224,6 +230,21 @@ impl CudaTensor {
         Ok(self.f32_mut()?.as_view_mut())
     }
 
+    /// The whole buffer, whatever its element type.
+    pub fn view(&self) -> AnyView<'_> {
+        match &self.buffer {
+            CudaBuffer::F16(b) => AnyView::F16(b.slice.as_view()),
+            CudaBuffer::F32(b) => AnyView::F32(b.slice.as_view()),
+        }
+    }
+
+    pub fn view_mut(&mut self) -> AnyViewMut<'_> {
+        match &mut self.buffer {
+            CudaBuffer::F16(b) => AnyViewMut::F16(b.slice.as_view_mut()),
+            CudaBuffer::F32(b) => AnyViewMut::F32(b.slice.as_view_mut()),
+        }
+    }
+
     /// A copy on the device (compute stream).
     pub fn try_clone(&self, be: &CudaBackend) -> CudaResult<Self> {
         let mut out = Self::uninit(be, &self.shape, self.dtype())?;
@@ -238,6 +259,129 @@ impl CudaTensor {
             _ => unreachable!("uninit made the same dtype"),
         }
         Ok(out)
+    }
+}
+
+/// A view of f16 or f32 device memory: a parameter's compute weights (f16
+/// copy in mixed precision, the f32 masters in f32 training) or a tensor.
+#[derive(Debug)]
+pub enum AnyView<'a> {
+    F16(CudaView<'a, f16>),
+    F32(CudaView<'a, f32>),
+}
+
+impl<'a> AnyView<'a> {
+    /// Elements `range` (in bounds: the callers check their extents).
+    pub fn slice(&self, range: std::ops::Range<usize>) -> AnyView<'a> {
+        match self {
+            AnyView::F16(v) => AnyView::F16(v.slice(range)),
+            AnyView::F32(v) => AnyView::F32(v.slice(range)),
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            AnyView::F16(_) => DType::F16,
+            AnyView::F32(_) => DType::F32,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            AnyView::F16(v) => v.len(),
+            AnyView::F32(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The writable counterpart of `AnyView`.
+#[derive(Debug)]
+pub enum AnyViewMut<'a> {
+    F16(CudaViewMut<'a, f16>),
+    F32(CudaViewMut<'a, f32>),
+}
+
+impl AnyViewMut<'_> {
+    /// Elements `range` (in bounds: the callers check their extents).
+    pub fn slice_mut(&mut self, range: std::ops::Range<usize>) -> AnyViewMut<'_> {
+        match self {
+            AnyViewMut::F16(v) => AnyViewMut::F16(v.slice_mut(range)),
+            AnyViewMut::F32(v) => AnyViewMut::F32(v.slice_mut(range)),
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            AnyViewMut::F16(_) => DType::F16,
+            AnyViewMut::F32(_) => DType::F32,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            AnyViewMut::F16(v) => v.len(),
+            AnyViewMut::F32(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The tensors an op is given must share one storage type (its kernels are
+/// instantiated per type).
+pub(crate) fn same_dtype(op: &'static str, expected: DType, got: &[DType]) -> CudaResult<()> {
+    match got.iter().find(|&&d| d != expected) {
+        None => Ok(()),
+        Some(d) => Err(CudaError::Unsupported {
+            op,
+            reason: format!("operands of mixed storage types ({expected:?} and {d:?})"),
+        }),
+    }
+}
+
+// SAFETY (all four impls): each pushes the tensor's or view's underlying
+// `CudaSlice`/`CudaView` through cudarc's own impl for it, so the argument
+// is the same device pointer, with the same stream-ordering events, as when
+// the typed slice is pushed directly.
+unsafe impl<'a, 'b: 'a> PushKernelArg<&'b CudaTensor> for LaunchArgs<'a> {
+    fn arg(&mut self, t: &'b CudaTensor) -> &mut Self {
+        match &t.buffer {
+            CudaBuffer::F16(b) => self.arg(&b.slice),
+            CudaBuffer::F32(b) => self.arg(&b.slice),
+        }
+    }
+}
+
+unsafe impl<'a, 'b: 'a> PushKernelArg<&'b mut CudaTensor> for LaunchArgs<'a> {
+    fn arg(&mut self, t: &'b mut CudaTensor) -> &mut Self {
+        match &mut t.buffer {
+            CudaBuffer::F16(b) => self.arg(&mut b.slice),
+            CudaBuffer::F32(b) => self.arg(&mut b.slice),
+        }
+    }
+}
+
+unsafe impl<'a, 'b: 'a, 'c: 'b> PushKernelArg<&'b AnyView<'c>> for LaunchArgs<'a> {
+    fn arg(&mut self, v: &'b AnyView<'c>) -> &mut Self {
+        match v {
+            AnyView::F16(v) => self.arg(v),
+            AnyView::F32(v) => self.arg(v),
+        }
+    }
+}
+
+unsafe impl<'a, 'b: 'a, 'c: 'b> PushKernelArg<&'b mut AnyViewMut<'c>> for LaunchArgs<'a> {
+    fn arg(&mut self, v: &'b mut AnyViewMut<'c>) -> &mut Self {
+        match v {
+            AnyViewMut::F16(v) => self.arg(v),
+            AnyViewMut::F32(v) => self.arg(v),
+        }
     }
 }
 

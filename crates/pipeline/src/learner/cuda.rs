@@ -31,8 +31,8 @@ use std::collections::VecDeque;
 
 use headroom_loader::{Batch, Dataset, SampleRecipe};
 use headroom_model::cuda::{
-    ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, DeviceBuffer, DeviceInfo,
-    InputStaging, ResidentImages, StagedBatch, StepRecords, MAX_IN_FLIGHT,
+    ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, DType, DeviceBuffer, DeviceInfo,
+    InputStaging, Normalization, ResidentImages, StagedBatch, StepRecords, MAX_IN_FLIGHT,
 };
 use headroom_model::{ModelError, ModelSpec, PoolStats};
 use headroom_optim::{AdamWState, FusedAdamW, LossScalerConfig, LossScalerState};
@@ -169,10 +169,26 @@ impl CudaLearner {
         Ok(())
     }
 
+    /// How a batch becomes the network's input on the device.
+    fn normalization(&self) -> Normalization {
+        let spec = self.network.spec();
+        Normalization {
+            mean: spec.mean,
+            std: spec.std,
+            dtype: self.network.activations(),
+        }
+    }
+
+    /// Mixed precision (f16 activations, dynamic loss scaling), or f32
+    /// training (loss scale fixed at 1).
+    fn mixed_precision(&self) -> bool {
+        self.network.activations() == DType::F16
+    }
+
     /// Copies a micro-batch to the device and normalises it there.
     fn stage(&mut self, part: &Batch) -> Result<StagedBatch> {
         self.ensure_staging(part.len())?;
-        let spec = self.network.spec();
+        let norm = self.normalization();
         let classes = self.network.num_classes();
         let Some(recipes) = &part.recipes else {
             return cuda(self.staging.stage(
@@ -181,8 +197,7 @@ impl CudaLearner {
                 &part.pixels,
                 &part.labels,
                 classes,
-                spec.mean,
-                spec.std,
+                norm,
             ));
         };
         let set = self.resident.as_ref().ok_or_else(|| {
@@ -192,15 +207,10 @@ impl CudaLearner {
             )
         })?;
         let packed: Vec<[u32; 2]> = recipes.iter().map(SampleRecipe::packed).collect();
-        cuda(self.staging.stage_recipes(
-            &self.be,
-            set,
-            &packed,
-            &part.labels,
-            classes,
-            spec.mean,
-            spec.std,
-        ))
+        cuda(
+            self.staging
+                .stage_recipes(&self.be, set, &packed, &part.labels, classes, norm),
+        )
     }
 
     /// Queues a step: its schedule, its kernels (a graph replay or one
@@ -479,7 +489,7 @@ impl Learner for CudaLearner {
                 first_moment,
                 second_moment,
             },
-            loss_scale: Some(LossScalerState {
+            loss_scale: self.mixed_precision().then_some(LossScalerState {
                 scale: state.next_scale,
                 clean_steps: state.clean_steps,
             }),
@@ -494,7 +504,8 @@ impl Learner for CudaLearner {
             optimizer,
             loss_scale,
         } = state;
-        // A CPU checkpoint has no scale: the scaler starts afresh. Checked
+        // A CPU or f32 checkpoint has no scale: the scaler starts afresh
+        // (f32 training holds it at 1 whatever the checkpoint says). Checked
         // before anything changes.
         let config: LossScalerConfig = *self.optimizer.scaler_config();
         let scale = config.admit(loss_scale.unwrap_or(LossScalerState {
@@ -529,13 +540,9 @@ impl Learner for CudaLearner {
         be.reset_peak();
         cuda(self.network.save_running_stats(be))?;
         let dry_run = (|| -> std::result::Result<(), CudaError> {
-            let input = headroom_model::cuda::zeros_input(be, self.network.spec(), micro_batch)?;
+            let input = self.network.zeros_input(be, micro_batch)?;
             let logits = self.network.forward_train(be, &input)?;
-            let grad = headroom_model::cuda::CudaTensor::zeros(
-                be,
-                logits.shape(),
-                headroom_model::cuda::DType::F16,
-            )?;
+            let grad = headroom_model::cuda::CudaTensor::zeros(be, logits.shape(), logits.dtype())?;
             drop(logits);
             self.network.backward(be, &grad)
         })();

@@ -270,12 +270,6 @@ pub fn open(
                 "\"focal\" runs on the CPU only for now",
             ));
         }
-        if !config.device.amp {
-            return Err(PipelineError::value(
-                "device.amp",
-                "false asks for f32 training, which runs on the CPU only for now (the GPU kernels are f16)",
-            ));
-        }
         let be = CudaBackend::new(0).map_err(|e| {
             PipelineError::value("device.kind", format!("\"cuda\" cannot be used: {e}"))
         })?;

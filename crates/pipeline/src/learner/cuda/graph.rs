@@ -170,9 +170,8 @@ impl CudaLearner {
     ) -> Result<()> {
         let be = &self.be;
         let n = key.samples;
-        let spec = self.network.spec();
-        let (mean, std) = (spec.mean, spec.std);
-        let [h, w, c] = spec.input;
+        let norm = self.normalization();
+        let [h, w, c] = self.network.spec().input;
         cuda(self.network.save_running_stats(be))?;
         let images = match &self.resident {
             Some(set) if key.recipes => {
@@ -181,14 +180,13 @@ impl CudaLearner {
                 let words = unsafe { input.slice.transmute::<u32>(2 * n) }.ok_or_else(|| {
                     PipelineError::value("device.graphs", "recipe buffer too small")
                 })?;
-                cuda(set.gather(be, &words, n, mean, std))?
+                cuda(set.gather(be, &words, n, norm))?
             }
             _ => cuda(ops::normalize_u8(
                 be,
                 &input.slice.as_view(),
                 &[n, h, w, c],
-                mean,
-                std,
+                norm,
             ))?,
         };
         let scale = ops::GradScale {
