@@ -198,3 +198,53 @@ fn a_gpu_budget_below_one_step_splits_the_batch_with_the_data_on_the_device() {
     assert!(tight.micro_batch < 32, "micro-batch {}", tight.micro_batch);
     assert_eq!(tight.step, 4, "128 samples in batches of 32, all applied");
 }
+
+/// The final checkpoint's parameters, flattened.
+fn final_params(dir: &std::path::Path) -> Vec<f32> {
+    let files = checkpoint::list(dir).unwrap();
+    let saved = checkpoint::load(files.last().unwrap()).unwrap();
+    saved.params.into_iter().flatten().collect()
+}
+
+/// `device.amp = false` on the GPU path: f32 activations and weights, no
+/// loss scale in the checkpoint, and the same training as the CPU's f32
+/// run of the same experiment, up to summation order.
+#[test]
+fn an_f32_run_on_the_gpu_path_trains_as_the_cpu_run_does() {
+    if !cuda_path_available("cuda_training") {
+        return;
+    }
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 256, 64);
+    let run = |kind: &str| {
+        let out = tempfile::tempdir().unwrap();
+        let device = format!("device.kind={kind}");
+        let sets = [
+            device.as_str(),
+            "device.amp=false",
+            "train.epochs=1",
+            "augment.crop_padding=0",
+        ];
+        let config = smoke_config(data.path(), out.path(), &sets);
+        let summary = train(&config, &TrainOptions::default()).unwrap();
+        (summary, out)
+    };
+    let (gpu, gpu_dir) = run("cuda");
+    let (cpu, cpu_dir) = run("cpu");
+    assert_eq!((gpu.step, cpu.step), (8, 8));
+    let files = checkpoint::list(gpu_dir.path()).unwrap();
+    let saved = checkpoint::load(files.last().unwrap()).unwrap();
+    assert!(saved.loss_scale.is_none(), "f32 training has no loss scale");
+    let (g, c) = (final_params(gpu_dir.path()), final_params(cpu_dir.path()));
+    assert_eq!(g.len(), c.len());
+    let diff: f64 = g
+        .iter()
+        .zip(&c)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let norm: f64 = c.iter().map(|b| (*b as f64).powi(2)).sum();
+    let apart = (diff / norm).sqrt();
+    assert!(apart < 1e-3, "GPU f32 and CPU weights differ by {apart}");
+    let (ga, ca) = (gpu.test_accuracy.unwrap(), cpu.test_accuracy.unwrap());
+    assert!((ga - ca).abs() <= 2.0 / 64.0, "accuracy {ga} vs {ca}");
+}

@@ -14,9 +14,10 @@ mod common;
 
 use common::{bits, settings};
 use headroom_loader::Batch;
-use headroom_model::cuda::{CudaBackend, CudaError};
+use headroom_model::cuda::{CudaBackend, CudaBuildOptions, CudaError, DType};
 use headroom_model::memory::MemoryPool;
 use headroom_model::{BuildOptions, CheckpointPolicy, Device, LayerSpec, ModelSpec};
+use headroom_optim::LossScalerConfig;
 use headroom_pipeline::learner::{CpuLearner, CudaLearner, CudaOptions, Learner, StepLr};
 
 const MODEL: &str = r#"
@@ -150,6 +151,54 @@ fn gpu_learner_starts_from_the_cpu_weights_and_trains_like_it() {
     let stats = relative_l2(&flat(&end_gpu.buffers), &flat(&end_cpu.buffers));
     assert!(stats < 1e-2, "running statistics differ by {stats}");
     assert_eq!(end_gpu.optimizer.step, 6);
+}
+
+/// f32 training on the GPU (`device.amp = false`): no f16 copy, no loss
+/// scaling, and the CPU learner's steps up to f32 summation order, so the
+/// two agree far more closely than in mixed precision.
+#[test]
+fn an_f32_gpu_learner_trains_as_the_cpu_learner_does() {
+    let Some(_gpu) = backend() else { return };
+    let options = CudaOptions {
+        build: CudaBuildOptions {
+            activations: DType::F32,
+            ..CudaBuildOptions::default()
+        },
+        loss_scaler: LossScalerConfig::unit(),
+        ..CudaOptions::default()
+    };
+    let be = CudaBackend::new(0).unwrap();
+    let mut gpu = CudaLearner::new(be, &spec(), 7, settings(), 8, options).unwrap();
+    let mut cpu = cpu_learner(7);
+    let start = cpu.snapshot().unwrap();
+    for i in 0..6 {
+        let (c, g) = (
+            cpu.train_batch(&batch(i), 5e-3).unwrap(),
+            gpu.train_batch(&batch(i), 5e-3).unwrap(),
+        );
+        assert!(
+            (g.loss - c.loss).abs() <= 1e-4 * c.loss.abs(),
+            "step {i}: loss {} vs {}",
+            g.loss,
+            c.loss
+        );
+        let norm = (g.grad_norm.unwrap(), c.grad_norm.unwrap());
+        assert!(
+            (norm.0 - norm.1).abs() <= 1e-3 * norm.1,
+            "step {i}: grad norm {norm:?}"
+        );
+        assert_eq!(gpu.loss_scale(), 1.0, "step {i}: no loss scaling");
+    }
+    let (end_cpu, end_gpu) = (cpu.snapshot().unwrap(), gpu.snapshot().unwrap());
+    assert!(end_gpu.loss_scale.is_none(), "an f32 snapshot has no scale");
+    let moved = relative_l2(&flat(&end_cpu.params), &flat(&start.params));
+    let apart = relative_l2(&flat(&end_gpu.params), &flat(&end_cpu.params));
+    assert!(
+        apart < 1e-3 * moved,
+        "GPU f32 and CPU weights differ by {apart}, training moved them {moved}"
+    );
+    let stats = relative_l2(&flat(&end_gpu.buffers), &flat(&end_cpu.buffers));
+    assert!(stats < 1e-5, "running statistics differ by {stats}");
 }
 
 #[test]
