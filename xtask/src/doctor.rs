@@ -122,7 +122,7 @@ fn gpu_line() -> String {
 fn auto_pick() -> String {
     match headroom_model::cuda::CudaBackend::new(0) {
         Ok(be) => format!(
-            "the GPU ({}): mixed precision (f16 activations, f32 masters, loss scaling)",
+            "the GPU ({}): mixed precision (f16 activations, f32 masters, loss scaling; f32 with --no-amp)",
             be.info().name
         ),
         Err(e) => match headroom_model::cuda::CudaBackend::probe() {

@@ -60,6 +60,10 @@ if wants train; then
     # the wall time shows what residency is worth.
     step train-host-data "$XTASK" train --no-install --set device.kind=cuda \
         --set data.on_device=false --set "run.output_dir=$OUT/default-host-data"
+    # f32 training on the GPU (--no-amp), one epoch: it must learn as the
+    # mixed-precision run does (its test accuracy is in the log).
+    step train-no-amp "$XTASK" train --no-install --set device.kind=cuda --no-amp \
+        --set train.epochs=1 --set "run.output_dir=$OUT/default-no-amp"
     # The same job in PyTorch (AMP, channels_last, fused AdamW,
     # torch.compile, DataLoader with 4 workers), for the whole-job wall time.
     step torch-job python3 "$BUNDLE/bench/torch_fashion_mnist.py" --device cuda \

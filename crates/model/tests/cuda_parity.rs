@@ -1315,7 +1315,6 @@ fn fused_adamw_matches_the_reference_step_with_clipping_and_loss_scaling() {
 }
 
 fn fused_adamw_case(be: &CudaBackend, dtype: DType) {
-    let be = be;
     let hyper = AdamWConfig {
         weight_decay: 0.05,
         ..AdamWConfig::default()
@@ -1337,7 +1336,7 @@ fn fused_adamw_case(be: &CudaBackend, dtype: DType) {
         .collect();
     assert_eq!(groups[0].compute.is_some(), dtype == DType::F16);
     let loss_scale = 1024.0f32;
-    let mut opt = FusedAdamW::new(&be, hyper.clone(), fixed_scaler(loss_scale), &groups).unwrap();
+    let mut opt = FusedAdamW::new(be, hyper.clone(), fixed_scaler(loss_scale), &groups).unwrap();
     for (step, (lr, max_norm)) in [(1e-2f32, 0.0f32), (5e-3, 1.0), (1e-3, 1e3)]
         .into_iter()
         .enumerate()
@@ -1357,9 +1356,9 @@ fn fused_adamw_case(be: &CudaBackend, dtype: DType) {
                 .unwrap();
         }
         let norm = reference_step(&mut host, &grads, &hyper, lr, t, max_norm);
-        opt.step(&be, &mut groups, t - 1, lr, max_norm, true)
+        opt.step(be, &mut groups, t - 1, lr, max_norm, true)
             .unwrap();
-        let state = opt.read_state(&be).unwrap();
+        let state = opt.read_state(be).unwrap();
         assert_eq!((state.found_inf, state.skipped), (0, 0), "step {t}");
         assert_eq!(state.applied, t, "step {t}: t advances");
         assert_eq!(state.next_scale, loss_scale, "step {t}: no growth");
@@ -1377,23 +1376,23 @@ fn fused_adamw_case(be: &CudaBackend, dtype: DType) {
             let what = format!("{dtype:?} step {t} group {i}");
             assert_close(
                 &format!("{what} master"),
-                &group.read_master(&be).unwrap(),
+                &group.read_master(be).unwrap(),
                 &hg.p,
                 1e-5,
                 1e-6,
             );
-            let (gm, gv) = group.read_moments(&be).unwrap();
+            let (gm, gv) = group.read_moments(be).unwrap();
             assert_close(&format!("{what} m"), &gm, &hg.m, 1e-4, 1e-6);
             assert_close(&format!("{what} v"), &gv, &hg.v, 1e-4, 1e-6);
-            let master = group.read_master(&be).unwrap();
-            let compute = group.read_compute(&be).unwrap();
+            let master = group.read_master(be).unwrap();
+            let compute = group.read_compute(be).unwrap();
             let copy_of = |w: f32| if dtype == DType::F16 { h(w) } else { w };
             assert!(
                 compute.iter().zip(&master).all(|(&c, &w)| c == copy_of(w)),
                 "{what}: the layers compute with the (rounded) master"
             );
             assert!(
-                download(&be, &group.grad.slice).iter().all(|&g| g == 0.0),
+                download(be, &group.grad.slice).iter().all(|&g| g == 0.0),
                 "{what}: zero_grad"
             );
         }

@@ -325,7 +325,7 @@ pub fn add(be: &CudaBackend, a: &CudaTensor, b_in: &CudaTensor) -> CudaResult<Cu
 pub fn bias_add(be: &CudaBackend, y: &mut AnyViewMut<'_>, bias: &AnyView<'_>) -> CudaResult<()> {
     same_dtype("bias_add", y.dtype(), &[bias.dtype()])?;
     let cols = bias.len();
-    if cols == 0 || y.len() % cols != 0 {
+    if cols == 0 || !y.len().is_multiple_of(cols) {
         return Err(CudaError::shape(
             "bias_add",
             format!("a multiple of the {cols} bias elements"),
@@ -356,7 +356,7 @@ pub fn bias_grad(
     grad: &mut CudaViewMut<'_, f32>,
 ) -> CudaResult<()> {
     let cols = grad.len();
-    if cols == 0 || g.len() % cols != 0 {
+    if cols == 0 || !g.len().is_multiple_of(cols) {
         return Err(CudaError::shape(
             "bias_grad",
             format!("a multiple of the {cols} bias elements"),

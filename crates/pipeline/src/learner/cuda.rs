@@ -1,8 +1,10 @@
-//! The mixed-precision GPU learner: `CudaNetwork` (f16 activations and
-//! compute weights, f32 masters), the fused AdamW (unscale, inf check, clip,
+//! The GPU learner: `CudaNetwork` (mixed precision by default: f16
+//! activations and compute weights, f32 masters; or f32 activations reading
+//! the masters, `device.amp = false`), the fused AdamW (unscale, inf check, clip,
 //! moments, master update and f16 write-back in one pass per group) and
 //! dynamic loss scaling. Batches cross the bus as u8 through the pinned
-//! staging ring on the copy stream and are normalised to f16 on the device.
+//! staging ring on the copy stream and are normalised on the device to the
+//! network's storage type.
 //!
 //! A step never waits for the host, nor the host for a step: everything a
 //! step decides stays on the device. The optimizer's verdict (inf/NaN),
@@ -24,8 +26,7 @@
 //!
 //! Mixup/CutMix soft targets go up as f32 rows (smoothing applied as on the
 //! CPU) to the soft-target cross-entropy kernel. Not on the GPU yet, each
-//! refused with a message naming it: f32 training (`--no-amp`), the
-//! sequence layers.
+//! refused with a message naming it: the sequence layers.
 
 use std::collections::VecDeque;
 

@@ -7,7 +7,7 @@
 //! see this trait, so the training step is written once per device.
 //!
 //! `CpuLearner` (`cpu.rs`) trains in f32 over `Network` and `AdamW`;
-//! `CudaLearner` (`cuda.rs`) in mixed precision on the GPU over
+//! `CudaLearner` (`cuda.rs`) on the GPU (mixed precision, or f32) over
 //! `CudaNetwork`, the fused AdamW and dynamic loss scaling. `open` picks one
 //! from `device.kind`.
 
