@@ -1,4 +1,4 @@
-//! The CUDA backend: f16 kernels of our own (`crates/model/kernels/*.cu`,
+//! The CUDA backend: f16 / f32 kernels of our own (`crates/model/kernels/*.cu`,
 //! compiled with NVRTC on first use and cached on disk), cuBLAS for the
 //! matrix products, through `cudarc` with run-time loading of the driver and
 //! libraries, so the crate builds and its CPU path runs on machines without
@@ -22,11 +22,11 @@
 //! - `params`: the `#[repr(C)]` kernel parameter structs.
 //! - `tensor`: `CudaTensor` (shape + f16/f32 device buffer).
 //! - `ops`: forward/backward of every op of the reference ResNet.
-//! - `gemm`: row-major cuBLAS GEMM, f16 in, f32 accumulate.
+//! - `gemm`: row-major cuBLAS GEMM, f16 or f32 in, f32 accumulate.
 //! - `network`: `CudaNetwork`, a `ModelSpec` on the GPU (same parameter
 //!   order as the CPU `Network`), forward and backward over the ops.
 //! - `param_group`: parameters on the GPU (f32 masters, gradients and
-//!   moments, f16 compute copies); the fused AdamW step over them and the
+//!   moments, f16 compute copies in mixed precision); the fused AdamW step over them and the
 //!   loss scaler live in headroom-optim.
 //! - `staging`: pinned input staging ring, copy stream, events.
 //! - `libs`: locating NVRTC/cuBLAS (pip wheels included) without panicking.
