@@ -22,6 +22,8 @@ pub struct BenchArgs<'a> {
     pub warmup: usize,
     pub steps: usize,
     pub json: bool,
+    /// Where to write the JSON report as well.
+    pub json_out: Option<&'a Path>,
     pub compare_torch: bool,
     /// Both sides limited to AVX2+FMA on an AVX-512 CPU, to stand in for an
     /// AVX2-only machine (Zen 3, say) in the same run.
@@ -93,8 +95,13 @@ pub fn run(args: &BenchArgs, experiment: &ExperimentConfig) -> Result<()> {
         rows,
         loader,
     };
+    let json = serde_json::to_string_pretty(&report)?;
+    if let Some(path) = args.json_out {
+        std::fs::write(path, format!("{json}\n"))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        println!("{json}");
     } else {
         print_table(&report);
     }

@@ -6,6 +6,12 @@
 //! trains the default experiment on the GPU, checks the OOM policy and
 //! bit-exact resume there, runs `bench --device cuda --compare-torch`, and
 //! writes `report.json` and `summary.txt` into `$OUT` (or `./out`).
+//!
+//! `--dry-run` then runs that script here, on the CPU emulator of the driver
+//! and cuBLAS (`crates/cuda-emu`, preloaded so that the bundle's own release
+//! binary loads it in place of `libcuda.so`), with every job shrunk to the
+//! smoke model and a few hundred samples: a GPU session's minutes are not
+//! spent finding a broken step, a wrong path or a report that does not parse.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -193,6 +199,110 @@ fn dir_bytes(dir: &Path) -> Result<u64> {
         };
     }
     Ok(total)
+}
+
+/// The steps a dry run takes: the CUDA tests need a real GPU
+/// (`HEADROOM_REQUIRE_GPU=1`) and already run on the emulator in
+/// `cargo test`.
+const DRY_RUN_STEPS: [&str; 4] = ["train", "oom", "resume", "bench"];
+
+/// Runs the bundle in `bundle` on the CPU emulator with small jobs; fails
+/// unless every step passed or was skipped (those that need PyTorch with
+/// CUDA).
+pub fn dry_run(bundle: &Path) -> Result<()> {
+    let emulator = emulator_dir()?;
+    let out = bundle.join("dry-run");
+    if out.exists() {
+        fs::remove_dir_all(&out).with_context(|| format!("removing {}", out.display()))?;
+    }
+    println!(
+        "dry run of {}/run.sh on the CPU emulator; logs in {}",
+        bundle.display(),
+        out.display()
+    );
+    let status = Command::new("bash")
+        .arg(bundle.join("run.sh"))
+        .args(DRY_RUN_STEPS)
+        .env("OUT", &out)
+        .env("LD_PRELOAD", emulator.join("libcuda.so"))
+        .env("LD_LIBRARY_PATH", &emulator)
+        .env("EXPERIMENT", "experiments/smoke.toml")
+        .env(
+            "HEADROOM_SETS",
+            "--set data.train_samples=256 --set data.test_samples=64 --set checkpoint.every_steps=2",
+        )
+        .env("OOM_BUDGET", "6MiB")
+        .env("BENCH_ARGS", "--batch 32,64 --warmup 1 --steps 2")
+        .env("STEP_TIMEOUT", "300")
+        .status()
+        .context("running bash run.sh")?;
+    let results = out.join("results.tsv");
+    let text = fs::read_to_string(&results).with_context(|| {
+        format!(
+            "reading {} (run.sh exited with {status})",
+            results.display()
+        )
+    })?;
+    let failed: Vec<&str> = text
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split('\t');
+            let (name, exit) = (fields.next()?, fields.next()?);
+            (exit != "0" && exit != "skip").then_some(name)
+        })
+        .collect();
+    let ran = text.lines().count();
+    if ran == 0 || !failed.is_empty() || !status.success() {
+        bail!(
+            "the dry run failed: {} of {ran} steps ({}); run.sh exited with {status}; see {}/<step>.log",
+            failed.len(),
+            failed.join(", "),
+            out.display()
+        );
+    }
+    println!(
+        "dry run: all {ran} steps passed or were skipped (summary in {})",
+        out.join("summary.txt").display()
+    );
+    Ok(())
+}
+
+/// The emulator's fake `libcuda.so` and `libcublas.so`, built in release.
+fn emulator_dir() -> Result<PathBuf> {
+    let output = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "headroom-cuda-emu",
+            "--message-format=json",
+        ])
+        .output()
+        .context("building the CUDA emulator with cargo")?;
+    if !output.status.success() {
+        bail!(
+            "building the CUDA emulator failed:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let dir = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|m| m["reason"] == "build-script-executed")
+        .filter(|m| {
+            m["package_id"]
+                .as_str()
+                .is_some_and(|id| id.contains("headroom-cuda-emu"))
+        })
+        .find_map(|m| m["out_dir"].as_str().map(PathBuf::from))
+        .context("cargo did not report the CUDA emulator's build directory")?;
+    if !dir.join("libcuda.so").is_file() {
+        bail!(
+            "the CUDA emulator was not built in {} (it needs g++ or $CXX)",
+            dir.display()
+        );
+    }
+    Ok(dir)
 }
 
 /// The script that runs on the GPU machine.

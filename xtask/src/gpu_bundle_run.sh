@@ -4,10 +4,21 @@
 #
 #   bash run.sh [tests] [train] [oom] [resume] [bench]    (default: all five)
 #
-# Each step's output goes to $OUT/<step>.log (OUT defaults to ./out); every
-# step runs even if an earlier one failed; report.json and summary.txt say
-# what passed, with the figures. Fashion-MNIST comes from ./data (if the
-# bundle carries it) or $FASHION_MNIST_DIR.
+# The device tool gives a command 10 minutes: run it in two calls,
+# `bash run.sh tests train`, then `bash run.sh oom resume bench`.
+#
+# Each step's output goes to $OUT/<step>.log (OUT defaults to ./out). Every
+# step runs even if an earlier one failed, under STEP_TIMEOUT seconds (480),
+# and report.json and summary.txt are rewritten after each, so a call cut
+# short still says what passed, with the figures. A step that needs PyTorch
+# with CUDA is recorded as skipped where it has none. Fashion-MNIST comes from
+# ./data (if the bundle carries it) or $FASHION_MNIST_DIR.
+#
+# To shrink every job, `cargo xtask gpu-bundle --dry-run` runs this script on
+# the CPU emulator of the driver with: EXPERIMENT (the config every new job
+# starts from; experiments/fashion_mnist.toml), HEADROOM_SETS (`--set K=V`
+# overrides added last to every new job), OOM_BUDGET (the oom-budget step's
+# device.memory_limit; 40MiB) and BENCH_ARGS (`--steps 50`).
 set -u
 cd "$(dirname "$0")"
 BUNDLE=$PWD
@@ -18,99 +29,167 @@ if [ -z "${FASHION_MNIST_DIR:-}" ] && [ -f data/train-images-idx3-ubyte.gz ]; th
 fi
 export HEADROOM_KERNEL_CACHE=${HEADROOM_KERNEL_CACHE:-$OUT/kernel-cache}
 export HEADROOM_REQUIRE_GPU=1
-XTASK=$BUNDLE/bin/xtask
+export OUT BUNDLE XTASK=$BUNDLE/bin/xtask HEADROOM_SETS=${HEADROOM_SETS:-}
+export EXPERIMENT=${EXPERIMENT:-experiments/fashion_mnist.toml}
+OOM_BUDGET=${OOM_BUDGET:-40MiB}
+read -r -a BENCH_ARGS <<< "${BENCH_ARGS:---steps 50}"
+STEP_TIMEOUT=${STEP_TIMEOUT:-480}
 STEPS=${*:-tests train oom resume bench}
 RESULTS=$OUT/results.tsv
-: > "$RESULTS"
+touch "$RESULTS"
 
-# step NAME COMMAND...: runs it with its output in $OUT/NAME.log, records
-# "NAME<TAB>exit<TAB>seconds".
+# hr COMMAND ARGS...: the bundle's `xtask COMMAND` on EXPERIMENT with ARGS,
+# then the HEADROOM_SETS overrides.
+hr() {
+    local extra command=$1; shift
+    read -r -a extra <<< "$HEADROOM_SETS"
+    "$XTASK" "$command" --config "$EXPERIMENT" "$@" ${extra[@]+"${extra[@]}"}
+}
+
+# torch_cuda: whether python3 has PyTorch with a usable GPU.
+torch_cuda() { python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; }
+
+# step NAME COMMAND...: runs COMMAND (a program or one of the functions
+# here) with its output in $OUT/NAME.log and records
+# "NAME<TAB>exit<TAB>seconds" (exit 124: it ran past STEP_TIMEOUT).
 step() {
     local name=$1; shift
     local started=$SECONDS
     echo "== $name: $*"
-    "$@" > "$OUT/$name.log" 2>&1
+    timeout -k 20 "$STEP_TIMEOUT" bash -c '"$@"' "$name" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
-    printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - started))" >> "$RESULTS"
+    record "$name" "$rc" "$((SECONDS - started))"
     echo "   exit $rc after $((SECONDS - started)) s"
     return $rc
 }
 
-# last_line FILE PATTERN: the last line of FILE that matches.
-last_line() { grep -E "$2" "$1" 2>/dev/null | tail -n 1; }
+# skip NAME WHY: records NAME as not run.
+skip() {
+    echo "== $1: skipped, $2"
+    echo "skipped: $2" > "$OUT/$1.log"
+    record "$1" skip 0
+}
+
+record() {
+    printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$RESULTS"
+    write_report > /dev/null
+}
 
 wants() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 
-nvidia-smi -L > "$OUT/gpu.txt" 2>&1 || echo "nvidia-smi failed" >> "$OUT/gpu.txt"
-python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' >> "$OUT/gpu.txt" 2>&1
-"$XTASK" doctor >> "$OUT/gpu.txt" 2>&1
+# train_on_auto: device.kind = "auto" must pick the GPU and train.
+train_on_auto() {
+    hr train --no-install --set device.kind=auto --set train.epochs=1 \
+        --set "run.output_dir=$OUT/default-auto" || return 1
+    grep -q "device: cuda" "$OUT/train-auto.log" \
+        || { echo "device.kind=auto did not train on the GPU"; return 1; }
+}
 
-if wants tests; then
-    for t in "$BUNDLE"/bin/tests/*; do
-        step "test-$(basename "$t")" "$t" --test-threads=1 --nocapture
-    done
-fi
-
-if wants train; then
-    # (b) The default experiment (5 epochs, batch 128) on the GPU.
-    step train "$XTASK" train --no-install --set device.kind=cuda \
-        --set "run.output_dir=$OUT/default"
-    # The same job with every batch staged from the host instead of made
-    # from the training set held on the GPU (data.on_device): same bits,
-    # the wall time shows what residency is worth.
-    step train-host-data "$XTASK" train --no-install --set device.kind=cuda \
-        --set data.on_device=false --set "run.output_dir=$OUT/default-host-data"
-    # f32 training on the GPU (--no-amp), one epoch: it must learn as the
-    # mixed-precision run does (its test accuracy is in the log).
-    step train-no-amp "$XTASK" train --no-install --set device.kind=cuda --no-amp \
-        --set train.epochs=1 --set "run.output_dir=$OUT/default-no-amp"
-    # The same job in PyTorch (AMP, channels_last, fused AdamW,
-    # torch.compile, DataLoader with 4 workers), for the whole-job wall time.
-    step torch-job python3 "$BUNDLE/bench/torch_fashion_mnist.py" --device cuda \
-        --data "${FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}"
-fi
-
-if wants oom; then
-    # (c1) A budget below what a batch-128 step needs: the run must adapt
-    # (split the micro-batch) and finish.
-    step oom-budget "$XTASK" train --no-install --set device.kind=cuda \
-        --set device.memory_limit=40MiB --set train.epochs=1 \
-        --set data.train_samples=8192 --set "run.output_dir=$OUT/oom-budget"
-    # (c2) Another process holds all but ~300 MiB of the GPU: a real driver
-    # out-of-memory must be handled the same way (never a crash or a hang).
+# hog_and_train: another process holds all but HOG_LEAVES_MIB of the GPU;
+# a job that needs far more (batch 4096), with a budget that does not bind,
+# must meet the driver's own out-of-memory and adapt, never crash or hang.
+hog_and_train() {
     python3 - > "$OUT/hog.log" 2>&1 <<'EOF' &
-import time, torch
+import os, time, torch
 free, _ = torch.cuda.mem_get_info()
-hold = torch.empty(max(free - (300 << 20), 0), dtype=torch.uint8, device="cuda")
-print("holding", hold.numel() >> 20, "MiB", flush=True)
-time.sleep(900)
+leave = int(os.environ.get("HOG_LEAVES_MIB", "768")) << 20
+hold = torch.empty(max(free - leave, 0), dtype=torch.uint8, device="cuda")
+print("holding", hold.numel() >> 20, "MiB of", free >> 20, "MiB free", flush=True)
+time.sleep(600)
 EOF
-    HOG=$!
-    sleep 20
-    step oom-driver timeout 300 "$XTASK" train --no-install --set device.kind=cuda \
+    local hog=$! waited=0
+    until grep -q holding "$OUT/hog.log" 2>/dev/null; do
+        sleep 1; waited=$((waited + 1))
+        if [ $waited -ge 90 ] || ! kill -0 "$hog" 2>/dev/null; then
+            echo "the memory hog did not start:"; cat "$OUT/hog.log"; kill "$hog" 2>/dev/null; return 1
+        fi
+    done
+    cat "$OUT/hog.log"
+    hr train --no-install --set device.kind=cuda --set device.memory_limit=64GiB \
         --set train.batch_size=4096 --set train.epochs=1 --set data.train_samples=16384 \
         --set "run.output_dir=$OUT/oom-driver"
-    kill "$HOG" 2>/dev/null
-    wait "$HOG" 2>/dev/null
-fi
+    local rc=$?
+    kill "$hog" 2>/dev/null; wait "$hog" 2>/dev/null
+    return $rc
+}
 
-if wants resume; then
-    # (c3) SIGKILL twice at different moments and resume: the step losses
-    # and final figures must equal an uninterrupted run's, bit for bit.
-    job=(--no-install --set device.kind=cuda --set train.epochs=2 \
-        --set data.train_samples=30000 --set checkpoint.every_steps=20)
-    step resume-reference "$XTASK" train "${job[@]}" --set "run.output_dir=$OUT/resume-a"
-    resumed() {
-        local dir=$OUT/resume-b
-        "$XTASK" train "${job[@]}" --set "run.output_dir=$dir" & local pid=$!
-        sleep 6; kill -9 "$pid"; wait "$pid"
-        "$XTASK" train --resume "$dir" & pid=$!
-        sleep 4; kill -9 "$pid"; wait "$pid"
-        "$XTASK" train --resume "$dir"
-        echo "resumes that continued a killed run: $(grep -c 'resuming from' "$OUT/resume-killed.log")"
-    }
-    step resume-killed resumed
-    step resume-compare python3 - "$OUT/resume-a/metrics.jsonl" "$OUT/resume-b/metrics.jsonl" <<'EOF'
+# step_reached LOG: the run's global step by its last progress line in LOG
+# ("epoch E/EE step B/BPE"), then its batches per epoch; "0 0" before one.
+step_reached() {
+    local line e b n
+    line=$(grep -oE 'epoch [0-9]+/[0-9]+ step [0-9]+/[0-9]+' "$1" 2>/dev/null | tail -n 1)
+    read -r e b n <<< "$(echo "$line" | sed -E 's#epoch ([0-9]+)/[0-9]+ step ([0-9]+)/([0-9]+)#\1 \2 \3#')"
+    if [ -n "$n" ]; then echo "$(((e - 1) * n + b)) $n"; else echo "0 0"; fi
+}
+
+# kill_at PID LOG N: SIGKILL PID a random few milliseconds after its LOG
+# shows step N; fails if PID ends first (then nothing was interrupted).
+kill_at() {
+    local pid=$1 log=$2 n=$3 reached
+    while kill -0 "$pid" 2>/dev/null; do
+        read -r reached _ <<< "$(step_reached "$log")"
+        if [ "$reached" -ge "$n" ]; then
+            sleep "0.0$((RANDOM % 50))"
+            kill -9 "$pid"; wait "$pid" 2>/dev/null
+            echo "== SIGKILL at step $(step_reached "$log" | cut -d' ' -f1) (aimed at $n)"
+            return 0
+        fi
+        sleep 0.01
+    done
+    wait "$pid"
+    echo "the run ended before step $n: nothing was interrupted"
+    return 1
+}
+
+RESUME_EPOCHS=2
+# Every step logged, so that kill_at sees each one.
+RESUME_JOB="--no-install --set device.kind=cuda --set train.epochs=$RESUME_EPOCHS \
+    --set data.train_samples=30000 --set checkpoint.every_steps=20 --set run.log_every=1"
+
+# resume_reference: the job uninterrupted.
+resume_reference() {
+    # shellcheck disable=SC2086
+    hr train $RESUME_JOB --set "run.output_dir=$OUT/resume-a"
+}
+
+# resume_killed: the same job, SIGKILLed at a random step of its first half
+# (before or after a checkpoint, maybe during one), resumed, killed again at
+# a random later step, and resumed to the end. Each process's log is in
+# $OUT/resume-b-N.log.
+resume_killed() {
+    local dir=$OUT/resume-b extra reached per_epoch total first second pid
+    read -r -a extra <<< "$HEADROOM_SETS"
+    # shellcheck disable=SC2086
+    "$XTASK" train --config "$EXPERIMENT" $RESUME_JOB --set "run.output_dir=$dir" \
+        ${extra[@]+"${extra[@]}"} > "$OUT/resume-b-1.log" 2>&1 &
+    pid=$!
+    per_epoch=0
+    while [ "$per_epoch" -eq 0 ] && kill -0 "$pid" 2>/dev/null; do
+        sleep 0.01
+        read -r reached per_epoch <<< "$(step_reached "$OUT/resume-b-1.log")"
+    done
+    total=$((RESUME_EPOCHS * per_epoch))
+    if [ "$total" -lt 4 ]; then
+        kill -9 "$pid" 2>/dev/null; cat "$OUT/resume-b-1.log"
+        echo "$total steps are too few to kill twice"; return 1
+    fi
+    first=$((2 + RANDOM % (total / 2 - 1)))
+    second=$((first + 1 + RANDOM % (total - first - 1)))
+    echo "$total steps; SIGKILL at step $first, then at step $second"
+    kill_at "$pid" "$OUT/resume-b-1.log" "$first" || return 1
+    "$XTASK" train --resume "$dir" > "$OUT/resume-b-2.log" 2>&1 &
+    kill_at $! "$OUT/resume-b-2.log" "$second" || return 1
+    "$XTASK" train --resume "$dir" > "$OUT/resume-b-3.log" 2>&1
+    local rc=$?
+    grep -h "resuming from" "$OUT"/resume-b-[23].log
+    tail -n 15 "$OUT/resume-b-3.log"
+    return $rc
+}
+
+# resume_compare A B: the step losses, gradient norms and epoch figures of
+# the two runs' metrics, bit for bit.
+resume_compare() {
+    python3 - "$1" "$2" <<'EOF'
 import json, sys
 def figures(path):
     steps, epochs = {}, []
@@ -119,25 +198,46 @@ def figures(path):
         if record["kind"] == "step":
             data = record["data"]
             steps[data["step"]] = (data["loss"], data["grad_norm"])
-        else:
+        elif record["kind"] == "epoch":
             epochs.append((record["data"]["test_loss"], record["data"]["test_accuracy"]))
     return steps, epochs
 a, b = figures(sys.argv[1]), figures(sys.argv[2])
 print("steps", len(a[0]), len(b[0]), "epochs", a[1], b[1])
-sys.exit(0 if a == b else 1)
+differ = [s for s in sorted(set(a[0]) | set(b[0])) if a[0].get(s) != b[0].get(s)]
+if differ:
+    print("steps that differ:", differ[:20], "..." if len(differ) > 20 else "")
+sys.exit(0 if a == b and a[0] else 1)
 EOF
-fi
+}
 
-if wants bench; then
-    # (d) The training step beside PyTorch (AMP, channels_last, fused AdamW,
-    # torch.compile) on this GPU, batch 128 and 512.
-    step bench "$XTASK" bench --device cuda --compare-torch --steps 50 --json
-    step bench-table "$XTASK" bench --device cuda --compare-torch --steps 50
-    # What CUDA graphs give: the same step launched kernel by kernel.
-    step bench-no-graphs "$XTASK" bench --device cuda --steps 50 --set device.graphs=false
-fi
+# weights_equal A B: the two runs' final weights (their last checkpoints,
+# exported as safetensors) hold the same tensors, bit for bit.
+weights_equal() {
+    local run last
+    for run in "$1" "$2"; do
+        last=$(ls "$run"/checkpoint-step*.ckpt 2>/dev/null | sort | tail -n 1)
+        [ -n "$last" ] || { echo "no checkpoint in $run"; return 1; }
+        "$XTASK" export --checkpoint "$last" --output "$run.safetensors" || return 1
+    done
+    python3 - "$1.safetensors" "$2.safetensors" <<'EOF'
+import json, struct, sys
+def tensors(path):
+    raw = open(path, "rb").read()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + size])
+    header.pop("__metadata__", None)
+    data = raw[8 + size:]
+    return {name: (t["dtype"], t["shape"], data[t["data_offsets"][0]:t["data_offsets"][1]])
+            for name, t in header.items()}
+a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
+differ = sorted(name for name in set(a) | set(b) if a.get(name) != b.get(name))
+print(f"{len(a)} tensors; differ: {differ}" if differ else f"the final weights are identical ({len(a)} tensors)")
+sys.exit(1 if differ or not a else 0)
+EOF
+}
 
-python3 - "$OUT" <<'EOF'
+write_report() {
+    python3 - "$OUT" <<'EOF'
 import json, os, re, sys
 out = sys.argv[1]
 def read(name):
@@ -145,11 +245,11 @@ def read(name):
         return open(os.path.join(out, name)).read()
     except OSError:
         return ""
-steps = []
+steps = {}
 for line in read("results.tsv").splitlines():
     name, rc, seconds = line.split("\t")
-    steps.append({"step": name, "exit": int(rc), "seconds": int(seconds)})
-report = {"gpu": read("gpu.txt").strip(), "steps": steps}
+    steps[name] = {"step": name, "exit": rc if rc == "skip" else int(rc), "seconds": int(seconds)}
+report = {"gpu": read("gpu.txt").strip(), "steps": list(steps.values())}
 train = read("train.log")
 found = re.findall(r"test accuracy\s+([0-9.]+)%", train)
 if found:
@@ -164,6 +264,10 @@ report["whole_job_seconds"] = {
     "headroom": wall(train),
     "headroom_data_on_host": wall(read("train-host-data.log")),
 }
+for name in ("train-no-amp", "train-auto"):
+    found = re.findall(r"test accuracy\s+([0-9.]+)%", read(name + ".log"))
+    if found:
+        report[name + "_test_accuracy_percent"] = float(found[-1])
 torch_job = [l for l in read("torch-job.log").splitlines() if l.startswith("{")]
 if torch_job:
     try:
@@ -172,30 +276,137 @@ if torch_job:
         report["whole_job_seconds"]["pytorch"] = job["wall_seconds"]
     except ValueError:
         report["torch_job"] = "unparsed; see torch-job.log"
-for name in ("oom-budget", "oom-driver"):
+for name in ("oom-budget", "oom-budget-reactive", "oom-driver"):
     log = read(name + ".log")
+    auto = re.findall(r'micro_batch = "auto": ([0-9]+)', log)
+    final = re.findall(r"; micro-batch ([0-9]+)", log)
     report[name] = {
+        "auto_micro_batch": int(auto[-1]) if auto else None,
+        "final_micro_batch": int(final[-1]) if final else None,
+        "budget_refusals": len(re.findall(r"\(over the [^)]* budget\)", log)),
+        "device_refusals": len(re.findall(r"device itself had no room", log)),
         "splits": len(re.findall(r"splitting the batch", log)),
         "cache_releases": len(re.findall(r"released .* of cached blocks", log)),
+        "low_memory_profile": "applying the low_memory profile" in log,
+        "graphs_turned_off": "CUDA graphs off" in log,
+        "finished": "test accuracy" in log,
     }
-bench = read("bench.log")
-start = bench.find("{")
-if start >= 0:
-    try:
-        report["bench"] = json.loads(bench[start:])
-    except ValueError:
-        report["bench"] = "unparsed; see bench.log"
+report["resume"] = {
+    "kills": read("resume-killed.log").count("== SIGKILL"),
+    "resumed_from_a_checkpoint": read("resume-killed.log").count("resuming from"),
+    "plan": [l for l in read("resume-killed.log").splitlines() if "SIGKILL at step" in l],
+    "compare": read("resume-compare.log").strip().splitlines()[-3:],
+    "weights": read("resume-weights.log").strip().splitlines()[-1:],
+}
+try:
+    report["bench"] = json.load(open(os.path.join(out, "bench.json")))
+except (OSError, ValueError):
+    pass
 json.dump(report, open(os.path.join(out, "report.json"), "w"), indent=2)
 lines = [report["gpu"], ""]
-lines += [f'{s["step"]:<28} {"ok" if s["exit"] == 0 else "FAILED (exit %d)" % s["exit"]:<16} {s["seconds"]} s' for s in steps]
+def status(s):
+    if s["exit"] == "skip":
+        return "skipped"
+    return "ok" if s["exit"] == 0 else "TIMED OUT" if s["exit"] == 124 else "FAILED (exit %d)" % s["exit"]
+lines += [f'{s["step"]:<28} {status(s):<16} {s["seconds"]} s' for s in report["steps"]]
 if "default_run" in report:
     lines += [""] + report["default_run"]["summary"]
 jobs = report["whole_job_seconds"]
 lines += ["", "whole default job, wall seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in jobs.items() if v is not None)]
 if isinstance(report.get("torch_job"), dict):
     lines += [f'pytorch test accuracy {100 * report["torch_job"]["test_accuracy"]:.2f}%']
-lines += ["", read("bench-table.log").strip()]
+for name in ("train-no-amp", "train-auto"):
+    if name + "_test_accuracy_percent" in report:
+        lines += [f"{name} test accuracy {report[name + '_test_accuracy_percent']:.2f}%"]
+for name in ("oom-budget", "oom-budget-reactive", "oom-driver"):
+    if name in steps:
+        lines += [f"{name}: {json.dumps(report[name])}"]
+if "resume-killed" in steps:
+    lines += ["resume: " + json.dumps(report["resume"])]
+lines += ["", read("bench.log").strip()]
 lines += ["", "without CUDA graphs (device.graphs=false):", read("bench-no-graphs.log").strip()]
 open(os.path.join(out, "summary.txt"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
+}
+
+export -f hr torch_cuda train_on_auto hog_and_train step_reached kill_at \
+    resume_reference resume_killed resume_compare weights_equal
+export RESUME_EPOCHS RESUME_JOB
+
+{
+    nvidia-smi -L 2>&1 || echo "nvidia-smi failed"
+    python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
+    "$XTASK" doctor 2>&1
+} > "$OUT/gpu.txt"
+
+if wants tests; then
+    for t in "$BUNDLE"/bin/tests/*; do
+        step "test-$(basename "$t")" "$t" --test-threads=1 --nocapture
+    done
+fi
+
+if wants train; then
+    # The default experiment (5 epochs) on the GPU, its training set held
+    # there (data.on_device), batches made on the device.
+    step train hr train --no-install --set device.kind=cuda \
+        --set "run.output_dir=$OUT/default"
+    # The same job with every batch staged from the host: same bits, and
+    # the wall time shows what residency is worth.
+    step train-host-data hr train --no-install --set device.kind=cuda \
+        --set data.on_device=false --set "run.output_dir=$OUT/default-host-data"
+    # f32 training on the GPU (--no-amp), one epoch: it must learn as the
+    # mixed-precision run does.
+    step train-no-amp hr train --no-install --set device.kind=cuda --no-amp \
+        --set train.epochs=1 --set "run.output_dir=$OUT/default-no-amp"
+    step train-auto train_on_auto
+    # The same job in PyTorch (AMP, channels_last, fused AdamW,
+    # torch.compile, DataLoader with 4 workers), for the whole-job wall time.
+    if torch_cuda; then
+        step torch-job python3 "$BUNDLE/bench/torch_fashion_mnist.py" --device cuda \
+            --data "${FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}"
+    else
+        skip torch-job "python3 has no PyTorch with CUDA"
+    fi
+fi
+
+if wants oom; then
+    # A budget below what a batch-128 step needs: the run must adapt and
+    # finish. Under 4 GiB the low_memory profile applies (recompute, and the
+    # micro-batch found by a trial step); without it (run.profile=none) the
+    # step itself runs out and the batch is split then.
+    step oom-budget hr train --no-install --set device.kind=cuda \
+        --set "device.memory_limit=$OOM_BUDGET" --set train.batch_size=128 --set train.epochs=1 \
+        --set data.train_samples=8192 --set "run.output_dir=$OUT/oom-budget"
+    step oom-budget-reactive hr train --no-install --set device.kind=cuda --set run.profile=none \
+        --set "device.memory_limit=$OOM_BUDGET" --set train.batch_size=128 --set train.epochs=1 \
+        --set data.train_samples=8192 --set "run.output_dir=$OUT/oom-budget-reactive"
+    if torch_cuda; then
+        step oom-driver hog_and_train
+    else
+        skip oom-driver "python3 has no PyTorch with CUDA to hold the GPU's memory"
+    fi
+fi
+
+if wants resume; then
+    # SIGKILL twice at random steps and resume: the step losses, the epoch
+    # figures and the final weights must equal an uninterrupted run's.
+    step resume-reference resume_reference
+    step resume-killed resume_killed
+    step resume-compare resume_compare "$OUT/resume-a/metrics.jsonl" "$OUT/resume-b/metrics.jsonl"
+    step resume-weights weights_equal "$OUT/resume-a" "$OUT/resume-b"
+fi
+
+if wants bench; then
+    # The training step beside PyTorch (AMP, channels_last, fused AdamW,
+    # torch.compile) on this GPU, batch 128 and 512.
+    if torch_cuda; then
+        step bench hr bench --device cuda --compare-torch "${BENCH_ARGS[@]}" --json-out "$OUT/bench.json"
+    else
+        step bench hr bench --device cuda "${BENCH_ARGS[@]}" --json-out "$OUT/bench.json"
+    fi
+    # What CUDA graphs give: the same step launched kernel by kernel.
+    step bench-no-graphs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.graphs=false
+fi
+
+write_report

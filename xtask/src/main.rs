@@ -82,6 +82,9 @@ enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Also write the JSON report to this file (the table is still printed).
+        #[arg(long, value_name = "PATH")]
+        json_out: Option<PathBuf>,
         /// Also run the PyTorch equivalent (same model, batch, threads) and print the ratio.
         #[arg(long)]
         compare_torch: bool,
@@ -185,6 +188,10 @@ enum Command {
         /// Also copy the four Fashion-MNIST files (about 30 MB) into data/.
         #[arg(long)]
         with_data: bool,
+        /// Then run the bundle's run.sh here, on the CPU emulator of the
+        /// driver, with every job shrunk: checks the script, not the GPU.
+        #[arg(long)]
+        dry_run: bool,
     },
     /// One timed configuration as a JSON line (used by `bench`).
     #[command(hide = true)]
@@ -573,6 +580,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             warmup,
             steps,
             json,
+            json_out,
             compare_torch,
             loader,
             device,
@@ -603,6 +611,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 warmup,
                 steps,
                 json,
+                json_out: json_out.as_deref(),
                 compare_torch,
                 avx2_only,
             };
@@ -686,12 +695,23 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Doctor => done(doctor::run()),
         Command::GpuCheck => done(gpu_check()),
-        Command::GpuBundle { output, with_data } => {
+        Command::GpuBundle {
+            output,
+            with_data,
+            dry_run,
+        } => {
             let data = match with_data {
                 true => Some(headroom_pipeline::data::locate_fashion_mnist(None, false)?),
                 false => None,
             };
-            done(gpu_bundle::build(&gpu_bundle::BundleArgs { output, data }))
+            gpu_bundle::build(&gpu_bundle::BundleArgs {
+                output: output.clone(),
+                data,
+            })?;
+            match dry_run {
+                true => done(gpu_bundle::dry_run(&output)),
+                false => done(Ok(())),
+            }
         }
     }
 }

@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
@@ -137,4 +138,41 @@ fn sigkill_at_random_points_then_resume_is_bit_identical() {
     assert!(a.params == b.params, "weights differ after {kills} kills");
     assert!(a.buffers == b.buffers, "batch-norm statistics differ");
     assert!(a.optimizer == b.optimizer, "optimizer state differs");
+    let (steps, epochs) = figures(&straight);
+    let (killed_steps, killed_epochs) = figures(&killed);
+    assert_eq!(steps.len() as u64, a.meta.step, "one record per step");
+    let differ: Vec<u64> = (1..=a.meta.step)
+        .filter(|step| steps.get(step) != killed_steps.get(step))
+        .collect();
+    assert!(
+        differ.is_empty(),
+        "the killed run's metrics lost or changed {} step records, from step {:?}",
+        differ.len(),
+        differ.first()
+    );
+    assert_eq!(epochs, killed_epochs, "epoch figures differ");
+}
+
+/// A run's step records (step: loss, gradient norm) and epoch figures.
+type Figures = (BTreeMap<u64, (String, String)>, Vec<String>);
+
+fn figures(run: &Path) -> Figures {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let (mut steps, mut epochs) = (BTreeMap::new(), Vec::new());
+    for line in text.lines() {
+        let record: serde_json::Value = serde_json::from_str(line).unwrap();
+        let data = &record["data"];
+        match record["kind"].as_str() {
+            Some("step") => {
+                let step = data["step"].as_u64().unwrap();
+                let figures = (data["loss"].to_string(), data["grad_norm"].to_string());
+                assert!(steps.insert(step, figures).is_none(), "step {step} twice");
+            }
+            Some("epoch") => {
+                epochs.push(format!("{} {}", data["test_loss"], data["test_accuracy"]))
+            }
+            _ => {}
+        }
+    }
+    (steps, epochs)
 }

@@ -93,6 +93,12 @@ pub fn device_memory(config: &ExperimentConfig) -> Result<Option<u64>> {
     Ok(ceiling.or_else(crate::system_memory_bytes))
 }
 
+/// Whether this run will train on a GPU (`device.kind` "cuda", or "auto"
+/// with a GPU present).
+pub(crate) fn trains_on_gpu(config: &ExperimentConfig) -> bool {
+    gpu_memory(config).is_some()
+}
+
 /// The total memory of the GPU this run will train on, if it will train on
 /// one (`device.kind` "cuda", or "auto" with a GPU present).
 fn gpu_memory(config: &ExperimentConfig) -> Option<u64> {

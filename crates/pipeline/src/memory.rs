@@ -64,12 +64,16 @@ fn budget(config: &ExperimentConfig) -> Result<Option<u64>> {
         tracing::warn!("no memory ceiling found (no cgroup limit, rlimit or /proc/meminfo): tensor memory is unbounded");
         return Ok(None);
     };
-    tracing::info!(
-        "tensor budget {} (device.memory_limit unset): half of the {} left under {}",
-        mib(budget),
-        mib(ceiling.room),
-        ceiling.source
-    );
+    // A GPU run's tensors live on the GPU, whose learner states its own
+    // budget; this host one would only mislead there.
+    if !crate::config::trains_on_gpu(config) {
+        tracing::info!(
+            "tensor budget {} (device.memory_limit unset): half of the {} left under {}",
+            mib(budget),
+            mib(ceiling.room),
+            ceiling.source
+        );
+    }
     Ok(Some(budget))
 }
 
@@ -122,8 +126,14 @@ impl MemoryGuard {
         let stats = learner.memory_stats();
         let micro_batch = learner.micro_batch();
         let wanted = match error {
-            PipelineError::Model(ModelError::OutOfMemory { requested, .. }) => {
-                format!("a {} block", mib(*requested))
+            PipelineError::Model(ModelError::OutOfMemory {
+                requested, limit, ..
+            }) => {
+                let why = match limit {
+                    Some(limit) => format!("over the {} budget", mib(*limit)),
+                    None => "the device itself had no room".into(),
+                };
+                format!("a {} block ({why})", mib(*requested))
             }
             _ => "an allocation".into(),
         };

@@ -137,6 +137,11 @@ fn receive(events: Receiver<Event>, settings: &SinkSettings) -> Result<SinkOutco
             }
             Event::Checkpoint(snapshot) => {
                 let started = Instant::now();
+                // Every step before the checkpoint reaches the disk first: a
+                // resume keeps the records that precede its checkpoint and
+                // never writes them again, so any still buffered at a kill
+                // would be lost for good.
+                sync_metrics(&mut metrics, &metrics_path)?;
                 let path = checkpoint::write(&settings.output_dir, &snapshot, settings.keep)?;
                 tracing::info!(
                     "checkpoint {} written in {:.0} ms",
@@ -151,6 +156,14 @@ fn receive(events: Receiver<Event>, settings: &SinkSettings) -> Result<SinkOutco
         .flush()
         .map_err(|e| PipelineError::io(&metrics_path, e))?;
     Ok(outcome)
+}
+
+fn sync_metrics(metrics: &mut BufWriter<File>, path: &Path) -> Result<()> {
+    metrics.flush().map_err(|e| PipelineError::io(path, e))?;
+    metrics
+        .get_ref()
+        .sync_data()
+        .map_err(|e| PipelineError::io(path, e))
 }
 
 /// Appends to the run's metrics (resume cut them back to its checkpoint).
@@ -339,9 +352,76 @@ impl Progress {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::CheckpointMeta;
 
     fn step(epoch: u64, batch: usize) -> String {
         format!("{{\"kind\":\"step\",\"data\":{{\"epoch\":{epoch},\"batch\":{batch},\"step\":{batch}}}}}\n")
+    }
+
+    fn report(step: u64) -> StepReport {
+        StepReport {
+            epoch: 0,
+            step,
+            batch: step as usize - 1,
+            batches_per_epoch: 100,
+            samples: 8,
+            loss: 1.0,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            skipped: false,
+            memory_bytes: 0,
+            samples_per_sec: 1.0,
+            oom_events: 0,
+        }
+    }
+
+    fn snapshot(step: u64) -> Checkpoint {
+        Checkpoint {
+            meta: CheckpointMeta {
+                config_fingerprint: 0,
+                config_json: String::new(),
+                model_json: String::new(),
+                epoch: 0,
+                batches_done: step as usize,
+                step,
+                consecutive_skips: 0,
+                progress: Default::default(),
+            },
+            params: vec![vec![0.5; 4]],
+            buffers: Vec::new(),
+            optimizer: Default::default(),
+            loss_scale: None,
+        }
+    }
+
+    /// A SIGKILL right after a checkpoint must not cost the steps before it:
+    /// their records are on disk by the time the checkpoint is.
+    #[test]
+    fn the_steps_before_a_checkpoint_are_on_disk_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (send, events) = crossbeam_channel::unbounded();
+        let settings = SinkSettings {
+            output_dir: dir.path().to_path_buf(),
+            epochs: 1,
+            log_every: 1000,
+            keep: 2,
+        };
+        let sink = std::thread::spawn(move || run(events, settings));
+        for step in 1..=3 {
+            send.send(Event::Step(report(step))).unwrap();
+        }
+        send.send(Event::Checkpoint(Box::new(snapshot(3)))).unwrap();
+        // The sink is still running (the channel is open): wait for the
+        // checkpoint, then read the metrics as a kill would leave them.
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
+        while checkpoint::list(dir.path()).unwrap().is_empty() {
+            assert!(Instant::now() < deadline, "no checkpoint was written");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let on_disk = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+        assert_eq!(on_disk.lines().count(), 3, "{on_disk}");
+        drop(send);
+        sink.join().unwrap().unwrap();
     }
 
     #[test]

@@ -41,10 +41,11 @@ impl CapturedGraph {
         self.graph.launch().map_err(|e| {
             if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
                 let m = be.memory_stats();
+                // The driver refused, whatever the budget: limit None.
                 CudaError::OutOfMemory {
                     requested: self.working_set.bytes(),
                     in_use: m.in_use_bytes,
-                    limit: m.limit,
+                    limit: None,
                 }
             } else {
                 CudaError::Driver {

@@ -45,6 +45,7 @@ use super::{
     require_no_steps_in_flight, softmax_rows, EvalResult, Learner, LearnerState, StepLr,
     StepResult, StepSettings,
 };
+use crate::memory::mib;
 use crate::{PipelineError, Result};
 
 /// GPU-specific settings.
@@ -118,6 +119,19 @@ impl CudaLearner {
         let limit = options
             .memory_limit
             .or_else(|| Some(be.info().free_memory / 10 * 9).filter(|&b| b > 0));
+        match (options.memory_limit, limit) {
+            (Some(set), _) => {
+                tracing::info!("GPU tensor budget {} (device.memory_limit)", mib(set))
+            }
+            (None, Some(budget)) => tracing::info!(
+                "GPU tensor budget {}: 90% of the {} free at start",
+                mib(budget),
+                mib(be.info().free_memory)
+            ),
+            (None, None) => {
+                tracing::warn!("the GPU reports no free memory: tensor memory is unbounded")
+            }
+        }
         be.set_memory_limit(limit);
         let mut network = CudaNetwork::build(&be, spec, seed, options.build)?;
         let optimizer = FusedAdamW::new(
