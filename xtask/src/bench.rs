@@ -24,6 +24,8 @@ pub struct BenchArgs<'a> {
     pub json: bool,
     /// Where to write the JSON report as well.
     pub json_out: Option<&'a Path>,
+    /// Time a few more steps segment by segment (GPU).
+    pub profile: bool,
     pub compare_torch: bool,
     /// Both sides limited to AVX2+FMA on an AVX-512 CPU, to stand in for an
     /// AVX2-only machine (Zen 3, say) in the same run.
@@ -108,15 +110,25 @@ pub fn run(args: &BenchArgs, experiment: &ExperimentConfig) -> Result<()> {
     Ok(())
 }
 
+/// One `bench-step` configuration.
+pub struct StepRun {
+    pub batch: usize,
+    pub threads: usize,
+    pub warmup: usize,
+    pub steps: usize,
+    pub profile: bool,
+}
+
 /// The hidden `bench-step` command: one configuration, one JSON line.
-pub fn step_here(
-    experiment: &ExperimentConfig,
-    batch: usize,
-    threads: usize,
-    warmup: usize,
-    steps: usize,
-) -> Result<()> {
-    let result = bench::training_step(experiment, batch, threads, warmup, steps)?;
+pub fn step_here(experiment: &ExperimentConfig, run: &StepRun) -> Result<()> {
+    let result = bench::training_step(
+        experiment,
+        run.batch,
+        run.threads,
+        run.warmup,
+        run.steps,
+        run.profile,
+    )?;
     println!("{}", serde_json::to_string(&result)?);
     Ok(())
 }
@@ -134,6 +146,9 @@ fn step_in_subprocess(args: &BenchArgs, batch: usize) -> Result<StepBench> {
         .args(["--steps", &args.steps.to_string()]);
     for pair in args.overrides {
         command.args(["--set", pair]);
+    }
+    if args.profile {
+        command.arg("--profile");
     }
     if args.avx2_only {
         command.env("HEADROOM_CPU_KERNELS", "avx2");
@@ -303,6 +318,35 @@ fn print_gpu_table(report: &Report, device: &str) {
             "PyTorch {} on {} (AMP with GradScaler, channels_last, fused AdamW, torch.compile; same model and batch)",
             t.version,
             t.device.as_deref().unwrap_or("?")
+        );
+    }
+    for row in report
+        .rows
+        .iter()
+        .filter(|r| !r.headroom.profile.is_empty())
+    {
+        print_profile(&row.headroom);
+    }
+}
+
+/// A profiled step's segments, longest first.
+fn print_profile(step: &StepBench) {
+    let total: f64 = step.profile.iter().map(|p| p.ms_per_step).sum();
+    println!(
+        "\nwhere a step of batch {} goes ({} steps launched one kernel at a time, timed with CUDA events; \
+         {total:.3} ms a step):",
+        step.batch,
+        bench::PROFILE_STEPS
+    );
+    let mut rows: Vec<_> = step.profile.iter().collect();
+    rows.sort_by(|a, b| b.ms_per_step.total_cmp(&a.ms_per_step));
+    for p in rows {
+        println!(
+            "{:>9.3} ms {:>5.1}%  {:>4}x  {}",
+            p.ms_per_step,
+            100.0 * p.ms_per_step / total.max(1e-12),
+            p.per_step,
+            p.label
         );
     }
 }

@@ -399,11 +399,12 @@ fi
 
 if wants bench; then
     # The training step beside PyTorch (AMP, channels_last, fused AdamW,
-    # torch.compile) on this GPU, batch 128 and 512.
+    # torch.compile) on this GPU, batch 128 and 512; then 10 more steps
+    # timed layer by layer (--profile), to say what holds a ratio back.
     if torch_cuda; then
-        step bench hr bench --device cuda --compare-torch "${BENCH_ARGS[@]}" --json-out "$OUT/bench.json"
+        step bench hr bench --device cuda --compare-torch --profile "${BENCH_ARGS[@]}" --json-out "$OUT/bench.json"
     else
-        step bench hr bench --device cuda "${BENCH_ARGS[@]}" --json-out "$OUT/bench.json"
+        step bench hr bench --device cuda --profile "${BENCH_ARGS[@]}" --json-out "$OUT/bench.json"
     fi
     # What CUDA graphs give: the same step launched kernel by kernel.
     step bench-no-graphs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.graphs=false

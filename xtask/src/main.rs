@@ -85,6 +85,11 @@ enum Command {
         /// Also write the JSON report to this file (the table is still printed).
         #[arg(long, value_name = "PATH")]
         json_out: Option<PathBuf>,
+        /// GPU: after the timed steps, time 10 more segment by segment (each
+        /// layer's forward and backward, the loss, the optimizer; launched
+        /// one kernel at a time) and print where the time goes.
+        #[arg(long)]
+        profile: bool,
         /// Also run the PyTorch equivalent (same model, batch, threads) and print the ratio.
         #[arg(long)]
         compare_torch: bool,
@@ -208,6 +213,8 @@ enum Command {
         warmup: usize,
         #[arg(long)]
         steps: usize,
+        #[arg(long)]
+        profile: bool,
     },
 }
 
@@ -581,6 +588,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             steps,
             json,
             json_out,
+            profile,
             compare_torch,
             loader,
             device,
@@ -612,6 +620,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 steps,
                 json,
                 json_out: json_out.as_deref(),
+                profile,
                 compare_torch,
                 avx2_only,
             };
@@ -645,9 +654,17 @@ fn run(cli: Cli) -> Result<ExitCode> {
             threads,
             warmup,
             steps,
+            profile,
         } => {
             let experiment = ExperimentConfig::load(&config, &Overrides::parse(&overrides)?)?;
-            done(bench::step_here(&experiment, batch, threads, warmup, steps))
+            let run = bench::StepRun {
+                batch,
+                threads,
+                warmup,
+                steps,
+                profile,
+            };
+            done(bench::step_here(&experiment, &run))
         }
         Command::Eval {
             checkpoint,

@@ -47,7 +47,25 @@ pub struct StepBench {
     /// "winograd"; HEADROOM_CONV_ALGORITHM chooses it).
     #[serde(default)]
     pub conv_algorithm: String,
+    /// Where a GPU step's time goes, from extra steps after the timed ones
+    /// (`--profile`; launched one kernel at a time, so their sum is an eager
+    /// step's time, not a graph replay's). Empty when not asked or on the CPU.
+    #[serde(default)]
+    pub profile: Vec<ProfileRow>,
 }
+
+/// One segment of a profiled step.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ProfileRow {
+    pub label: String,
+    /// GPU milliseconds a step spends in it.
+    pub ms_per_step: f64,
+    /// How many times a step passes through it.
+    pub per_step: f64,
+}
+
+/// How many steps `--profile` times, after the timed ones.
+pub const PROFILE_STEPS: usize = 10;
 
 /// Times `steps` training steps at `batch` after `warmup` untimed ones, on
 /// the device `config.device.kind` names.
@@ -57,6 +75,7 @@ pub fn training_step(
     threads: usize,
     warmup: usize,
     steps: usize,
+    profile: bool,
 ) -> Result<StepBench> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
@@ -76,6 +95,11 @@ pub fn training_step(
         let started = Instant::now();
         run_steps(learner.as_mut(), &batch, lr, steps)?;
         let seconds = started.elapsed().as_secs_f64();
+        let peak_tensor_bytes = learner.memory_stats().peak_in_use_bytes;
+        let profile = match profile {
+            true => profile_steps(learner.as_mut(), &batch, lr)?,
+            false => Vec::new(),
+        };
         let macs = learner.macs_per_sample()?;
         let samples_per_sec = (batch.len() * steps) as f64 / seconds;
         Ok(StepBench {
@@ -89,9 +113,10 @@ pub fn training_step(
             parameters: learner.num_params(),
             macs_per_sample: macs,
             device: learner.device_name(),
-            peak_tensor_bytes: learner.memory_stats().peak_in_use_bytes,
+            peak_tensor_bytes,
             conv_algorithm: format!("{:?}", headroom_model::layers::conv_algorithm())
                 .to_lowercase(),
+            profile,
         })
     })
 }
@@ -115,6 +140,24 @@ fn run_steps(learner: &mut dyn Learner, batch: &Batch, lr: f32, steps: usize) ->
     }
     while learner.collect_step()?.is_some() {}
     Ok(())
+}
+
+/// `PROFILE_STEPS` more steps, timed segment by segment (none on the CPU).
+fn profile_steps(learner: &mut dyn Learner, batch: &Batch, lr: f32) -> Result<Vec<ProfileRow>> {
+    if !learner.profile_start()? {
+        return Ok(Vec::new());
+    }
+    run_steps(learner, batch, lr, PROFILE_STEPS)?;
+    let steps = PROFILE_STEPS as f64;
+    Ok(learner
+        .profile_finish()?
+        .into_iter()
+        .map(|segment| ProfileRow {
+            label: segment.label,
+            ms_per_step: segment.ms / steps,
+            per_step: segment.count as f64 / steps,
+        })
+        .collect())
 }
 
 /// Fixed pseudo-random pixels and cycling labels in the experiment's shape.

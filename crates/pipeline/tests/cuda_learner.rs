@@ -537,3 +537,63 @@ fn a_snapshot_waits_for_every_step_to_be_collected() {
     gpu.collect_step().unwrap().unwrap();
     gpu.snapshot().unwrap();
 }
+
+/// `bench --profile`: the profiled steps run eagerly, every layer's
+/// forward and backward, the input, the loss and the optimizer show up
+/// once per step (twice for the block's two equal convolutions), and the
+/// captured steps come back after.
+#[test]
+fn a_profile_times_every_segment_of_the_steps_it_covers() {
+    let Some(_gpu) = backend() else { return };
+    let be = CudaBackend::new(0).unwrap();
+    let options = CudaOptions {
+        graphs: true,
+        ..CudaOptions::default()
+    };
+    let mut gpu = CudaLearner::new(be, &spec(), 5, settings(), 8, options).unwrap();
+    for i in 0..3 {
+        gpu.train_batch(&batch(i), 1e-3).unwrap();
+    }
+    let replays = gpu.graph_replays();
+    assert!(replays > 0, "the warm-up steps replay a captured graph");
+    assert!(gpu.profile_start().unwrap(), "a GPU learner profiles");
+    for i in 3..6 {
+        gpu.train_batch(&batch(i), 1e-3).unwrap();
+    }
+    let segments = gpu.profile_finish().unwrap();
+    assert_eq!(gpu.graph_replays(), replays, "profiled steps run eagerly");
+    let count = |label: &str| {
+        segments
+            .iter()
+            .find(|s| s.label == label)
+            .map_or(0, |s| s.count)
+    };
+    let labels: Vec<&str> = segments.iter().map(|s| s.label.as_str()).collect();
+    for (label, per_step) in [
+        ("input: staged, normalised", 1),
+        ("fwd conv 3x3/1 to 8 in 8x8x1", 1),
+        ("fwd conv 3x3/1 to 8 in 8x8x8", 2),
+        ("bwd conv 3x3/1 to 8 out 8x8x8", 3),
+        ("fwd conv 3x3/2 to 16 in 8x8x8", 1),
+        ("bwd conv 3x3/2 to 16 out 4x4x16", 1),
+        ("fwd global_avg_pool in 4x4x16", 1),
+        ("bwd linear to 4 out 4", 1),
+        ("loss: softmax cross-entropy", 1),
+        ("optimizer: unscale, clip, AdamW", 1),
+    ] {
+        assert_eq!(count(label), 3 * per_step, "{label} in {labels:?}");
+    }
+    assert!(segments.iter().all(|s| s.ms >= 0.0), "{segments:?}");
+    assert!(segments.iter().map(|s| s.ms).sum::<f64>() > 0.0);
+    for i in 6..9 {
+        gpu.train_batch(&batch(i), 1e-3).unwrap();
+    }
+    assert!(
+        gpu.graph_replays() > replays,
+        "graphs again after the profile"
+    );
+    assert!(
+        gpu.profile_finish().unwrap().is_empty(),
+        "nothing left over"
+    );
+}

@@ -14,6 +14,7 @@ use cudarc::nvrtc::Ptx;
 
 use super::error::{alloc_error, Context};
 use super::kernels::{self, KernelSig, Target};
+use super::profile::{ProfileSegment, Profiler};
 use super::{libs, CudaError, CudaResult};
 
 /// What `CudaBackend::probe` reports about a GPU.
@@ -209,6 +210,7 @@ pub struct CudaBackend {
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     memory: Arc<DeviceMemory>,
     pool: Option<MemPool>,
+    profiler: Profiler,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -320,11 +322,29 @@ impl CudaBackend {
             functions: Mutex::new(HashMap::new()),
             memory: Arc::new(DeviceMemory::default()),
             pool,
+            profiler: Profiler::default(),
         })
     }
 
     pub fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    /// Starts timing the compute stream's work between marks (see
+    /// `profile`); the caller keeps graph captures out of it.
+    pub fn profile_start(&self) -> CudaResult<()> {
+        self.profiler.start(&self.compute)
+    }
+
+    /// Ends a segment of the running profile, if one runs; `label` is only
+    /// called then.
+    pub fn profile_mark(&self, label: impl FnOnce() -> String) -> CudaResult<()> {
+        self.profiler.mark(&self.compute, label)
+    }
+
+    /// Stops the profile and returns its segments.
+    pub fn profile_finish(&self) -> CudaResult<Vec<ProfileSegment>> {
+        self.profiler.finish()
     }
 
     /// What the kernels are compiled for on this device.

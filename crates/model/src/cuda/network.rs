@@ -904,6 +904,7 @@ fn forward_list(
             pass,
             saved.as_deref_mut(),
         )?;
+        be.profile_mark(|| format!("fwd {} in {}", layer.describe(), dims(current.tensor())))?;
         if let Some(list) = saved.as_deref_mut() {
             list.push(match keep {
                 Keep::Input => Saved::Input(current.into_owned(be)?),
@@ -1085,9 +1086,39 @@ fn backward_list(
     mut g: CudaTensor,
 ) -> CudaResult<CudaTensor> {
     for layer in layers.iter_mut().rev() {
+        let out = dims(&g);
         g = backward_one(be, layer, groups, saved, g)?;
+        be.profile_mark(|| format!("bwd {} out {out}", layer.describe()))?;
     }
     Ok(g)
+}
+
+/// A tensor's dimensions after the batch, for profile labels: "28x28x32".
+fn dims(t: &CudaTensor) -> String {
+    let inner: Vec<String> = t.shape().iter().skip(1).map(usize::to_string).collect();
+    inner.join("x")
+}
+
+impl GpuLayer {
+    /// What the layer is, for profile labels.
+    fn describe(&self) -> String {
+        match self {
+            GpuLayer::Conv {
+                kernel,
+                stride,
+                cout,
+                ..
+            } => format!("conv {kernel}x{kernel}/{stride} to {cout}"),
+            GpuLayer::BatchNorm { relu: true, .. } => "batch_norm+relu".into(),
+            GpuLayer::BatchNorm { relu: false, .. } => "batch_norm".into(),
+            GpuLayer::Relu => "relu".into(),
+            GpuLayer::Residual(_) => "residual add".into(),
+            GpuLayer::FusedResidual { .. } => "residual batch_norm+add+relu".into(),
+            GpuLayer::Checkpointed(_) => "checkpointed segment (its own layers apart)".into(),
+            GpuLayer::GlobalAvgPool => "global_avg_pool".into(),
+            GpuLayer::Linear { out, .. } => format!("linear to {out}"),
+        }
+    }
 }
 
 fn missing() -> CudaError {

@@ -33,7 +33,8 @@ use std::collections::VecDeque;
 use headroom_loader::{Batch, Dataset, SampleRecipe};
 use headroom_model::cuda::{
     ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, DType, DeviceBuffer, DeviceInfo,
-    InputStaging, Normalization, ResidentImages, StagedBatch, StepRecords, MAX_IN_FLIGHT,
+    InputStaging, Normalization, ProfileSegment, ResidentImages, StagedBatch, StepRecords,
+    MAX_IN_FLIGHT,
 };
 use headroom_model::{ModelError, ModelSpec, PoolStats};
 use headroom_optim::{AdamWState, FusedAdamW, LossScalerConfig, LossScalerState};
@@ -282,6 +283,7 @@ impl CudaLearner {
             let share = part.len() as f32 / n as f32;
             let staged = self.stage(&part)?;
             let be = &self.be;
+            cuda(be.profile_mark(|| "input: staged, normalised".into()))?;
             let scale = ops::GradScale {
                 loss_scale: self.optimizer.loss_scale(),
                 share,
@@ -315,9 +317,14 @@ impl CudaLearner {
                 &mut self.records.corrects.slice.slice_mut(at..at + 1),
             ))?;
             shares.push(share);
+            cuda(be.profile_mark(|| "loss: softmax cross-entropy".into()))?;
             cuda(self.network.backward(be, &xent.grad))?;
         }
         self.finish_on_device()?;
+        cuda(
+            self.be
+                .profile_mark(|| "optimizer: unscale, clip, AdamW".into()),
+        )?;
         Ok(shares)
     }
 
@@ -613,6 +620,20 @@ impl Learner for CudaLearner {
 
     /// A quarter of the device budget: the rest is for the model, its
     /// activations and the cache.
+    fn profile_start(&mut self) -> Result<bool> {
+        require_no_steps_in_flight(self.in_flight.len(), "starting a profile")?;
+        self.graphs.forget();
+        self.graphs.profiling = true;
+        cuda(self.be.profile_start())?;
+        Ok(true)
+    }
+
+    fn profile_finish(&mut self) -> Result<Vec<ProfileSegment>> {
+        require_no_steps_in_flight(self.in_flight.len(), "finishing a profile")?;
+        self.graphs.profiling = false;
+        cuda(self.be.profile_finish())
+    }
+
     fn resident_capacity(&self) -> Option<u64> {
         let m = self.be.memory_stats();
         let budget = m.limit.unwrap_or(self.be.info().total_memory);

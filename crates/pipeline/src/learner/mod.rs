@@ -20,7 +20,7 @@ pub use cuda::{CudaLearner, CudaOptions};
 use std::sync::Arc;
 
 use headroom_loader::{Batch, Dataset};
-use headroom_model::cuda::CudaBackend;
+use headroom_model::cuda::{CudaBackend, ProfileSegment};
 use headroom_model::memory::MemoryPool;
 use headroom_model::{BuildOptions, PoolStats};
 use headroom_optim::{AdamWConfig, AdamWState, LossScalerState};
@@ -192,6 +192,20 @@ pub trait Learner: Send {
     /// frozen parameters), when the learner can say before the first step.
     fn optimizer_state_bytes(&mut self) -> Option<u64> {
         None
+    }
+
+    /// Starts timing the device's work by segment (each layer's forward
+    /// and backward, the loss, the optimizer) for the steps that follow,
+    /// which run without CUDA graphs until `profile_finish`; false when the
+    /// learner cannot (the CPU).
+    fn profile_start(&mut self) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Ends the profile: its segments, summed over the steps since the start
+    /// (all of them collected first).
+    fn profile_finish(&mut self) -> Result<Vec<ProfileSegment>> {
+        Ok(Vec::new())
     }
 
     /// The most bytes a training set held on the learner's device may take

@@ -57,6 +57,9 @@ pub(super) struct StepGraph {
 #[derive(Default)]
 pub(super) struct Graphs {
     pub enabled: bool,
+    /// A profile runs (`Learner::profile_start`): steps run eagerly, since
+    /// its events are recorded between launches.
+    pub profiling: bool,
     /// The key of the last eager step that could be captured.
     warm: Option<GraphKey>,
     pub step: Option<StepGraph>,
@@ -92,6 +95,7 @@ impl CudaLearner {
     fn graph_key(&self, batch: &Batch) -> Option<GraphKey> {
         let n = batch.len();
         let eligible = self.graphs.enabled
+            && !self.graphs.profiling
             && n > 0
             && n <= self.micro_batch
             && batch.soft_targets.is_none()
