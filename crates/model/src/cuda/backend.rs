@@ -106,7 +106,9 @@ impl DeviceMemory {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Accounts `bytes`, or refuses past the budget.
+    /// Accounts `bytes`, or refuses past the budget. The peak counts them
+    /// only once they are held (`note_held`): a reservation the driver then
+    /// refuses never held memory.
     fn reserve(self: &Arc<Self>, bytes: u64) -> CudaResult<Lease> {
         let mut m = self.lock();
         if let Some(limit) = m.limit {
@@ -120,13 +122,18 @@ impl DeviceMemory {
             }
         }
         m.in_use += bytes;
-        m.peak = m.peak.max(m.in_use);
-        m.watermark = m.watermark.max(m.in_use);
-        m.allocations += 1;
         Ok(Lease {
             bytes,
             memory: Arc::clone(self),
         })
+    }
+
+    /// A reservation now holds device memory.
+    fn note_held(&self) {
+        let mut m = self.lock();
+        m.peak = m.peak.max(m.in_use);
+        m.watermark = m.watermark.max(m.in_use);
+        m.allocations += 1;
     }
 
     fn note_oom(&self) -> u64 {
@@ -452,13 +459,18 @@ impl CudaBackend {
                 match unsafe { self.compute.alloc::<T>(len) } {
                     Ok(s) => s,
                     Err(e) => {
-                        let in_use = self.memory.note_oom();
+                        // In use before this refused request.
+                        let in_use = self.memory.note_oom().saturating_sub(bytes);
                         return Err(alloc_error(e, bytes, in_use));
                     }
                 }
             }
-            Err(e) => return Err(alloc_error(e, bytes, self.memory.lock().in_use)),
+            Err(e) => {
+                let in_use = self.memory.lock().in_use.saturating_sub(bytes);
+                return Err(alloc_error(e, bytes, in_use));
+            }
         };
+        self.memory.note_held();
         Ok(DeviceBuffer {
             slice,
             _lease: lease,
@@ -551,7 +563,9 @@ impl CudaBackend {
     /// captured graph's working set), or refuses past the budget like an
     /// allocation; given back when the lease drops.
     pub(crate) fn hold(&self, bytes: u64) -> CudaResult<Lease> {
-        self.memory.reserve(bytes)
+        let lease = self.memory.reserve(bytes)?;
+        self.memory.note_held();
+        Ok(lease)
     }
 
     /// Starts measuring the most bytes in use from now; returns the bytes
