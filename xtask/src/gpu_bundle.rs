@@ -103,32 +103,38 @@ fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 20) as f64
 }
 
+/// Runs cargo with `args` (a build that prints JSON messages) and returns
+/// its messages; `what` names the build in errors.
+fn cargo_messages(args: &[&str], what: &str) -> Result<Vec<serde_json::Value>> {
+    let output = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(args)
+        .output()
+        .with_context(|| format!("building {what} with cargo"))?;
+    if !output.status.success() {
+        bail!(
+            "building {what} failed:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str(line).ok())
+        .collect())
+}
+
 /// Builds the CUDA test binaries in release and returns their paths.
 fn test_binaries() -> Result<Vec<PathBuf>> {
-    let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    command.args([
+    let mut args = vec![
         "test",
         "--release",
         "--no-run",
         "--message-format=json-render-diagnostics",
-    ]);
+    ];
     for (package, test) in CUDA_TESTS {
-        command.args(["-p", package, "--test", test]);
-    }
-    let output = command
-        .output()
-        .context("building the CUDA test binaries with cargo")?;
-    if !output.status.success() {
-        bail!(
-            "building the CUDA test binaries failed:\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+        args.extend(["-p", package, "--test", test]);
     }
     let mut found = Vec::new();
-    for line in String::from_utf8_lossy(&output.stdout).lines() {
-        let Ok(message) = serde_json::from_str::<serde_json::Value>(line) else {
-            continue;
-        };
+    for message in cargo_messages(&args, "the CUDA test binaries")? {
         let is_wanted = message["target"]["name"]
             .as_str()
             .is_some_and(|name| CUDA_TESTS.iter().any(|(_, test)| *test == name));
@@ -269,25 +275,15 @@ pub fn dry_run(bundle: &Path) -> Result<()> {
 
 /// The emulator's fake `libcuda.so` and `libcublas.so`, built in release.
 fn emulator_dir() -> Result<PathBuf> {
-    let output = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "headroom-cuda-emu",
-            "--message-format=json",
-        ])
-        .output()
-        .context("building the CUDA emulator with cargo")?;
-    if !output.status.success() {
-        bail!(
-            "building the CUDA emulator failed:\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    let dir = String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+    let args = [
+        "build",
+        "--release",
+        "-p",
+        "headroom-cuda-emu",
+        "--message-format=json",
+    ];
+    let dir = cargo_messages(&args, "the CUDA emulator")?
+        .into_iter()
         .filter(|m| m["reason"] == "build-script-executed")
         .filter(|m| {
             m["package_id"]
