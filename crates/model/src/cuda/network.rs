@@ -13,11 +13,13 @@
 //!
 //! What a training forward saves for backward (a stack, popped in reverse):
 //! a convolution or linear layer its input; batch norm its input, its batch
-//! statistics, and (fused with the ReLU after it) a copy of its output; a
-//! standalone ReLU a copy of its output; global pooling its input's shape; a
-//! fused residual block (below) its body's entries, its last batch norm's
-//! input and statistics, and a copy of the block's output (the ReLU's mask,
-//! which is also that batch norm's).
+//! statistics, and (fused with the ReLU after it) its output; a standalone
+//! ReLU its output; global pooling its input's shape; a fused residual block
+//! (below) its body's entries, its last batch norm's input and statistics,
+//! and the block's output (the ReLU's mask, which is also that batch
+//! norm's). Entries are references (`Shared`), never copies: a batch norm's
+//! output and the next convolution's input are one buffer, as are a block's
+//! input and its first convolution's.
 //!
 //! Fusion (`CudaBuildOptions::fuse`, on by default) changes the kernels,
 //! not the bits: batch norm followed by ReLU runs as one kernel, and a
@@ -36,6 +38,8 @@
 //! running statistics untouched), so gradients are bit for bit those of a
 //! run without it. Not on the GPU yet (`build` refuses them, naming the
 //! layer): the layers beyond the reference ResNet's.
+
+use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 
@@ -123,10 +127,14 @@ enum GpuLayer {
 
 #[derive(Debug)]
 struct SavedBatchNorm {
-    input: CudaTensor,
-    output: Option<CudaTensor>,
+    input: Shared,
+    output: Option<Shared>,
     stats: BatchNormSaved,
 }
+
+/// An activation kept for backward by every layer that needs it: a batch
+/// norm's output and the next convolution's input are one buffer, not two.
+type Shared = Arc<CudaTensor>;
 
 /// Per-parameter host copies, in the CPU network's order.
 pub type HostParams = Vec<Vec<f32>>;
@@ -134,9 +142,9 @@ pub type HostParams = Vec<Vec<f32>>;
 /// What a training forward left for backward, one entry per layer run.
 #[derive(Debug)]
 enum Saved {
-    Input(CudaTensor),
+    Input(Shared),
     BatchNorm(Box<SavedBatchNorm>),
-    Output(CudaTensor),
+    Output(Shared),
     Shape(Vec<usize>),
     Nothing,
 }
@@ -863,25 +871,44 @@ fn conv_shape(
     }
 }
 
-/// A list's input: lent by the caller, or handed over (then moved, not
-/// copied, into what the first layer keeps for backward).
+/// A list's input: lent by the caller (copied if a layer keeps it), or
+/// shared (kept by reference, never copied).
 enum Input<'a> {
     Lent(&'a CudaTensor),
-    Given(CudaTensor),
+    Shared(Shared),
 }
 
 impl Input<'_> {
     fn tensor(&self) -> &CudaTensor {
         match self {
             Input::Lent(t) => t,
-            Input::Given(t) => t,
+            Input::Shared(t) => t,
         }
     }
 
+    /// The same input for a nested list (a block's body).
+    fn lend(&self) -> Input<'_> {
+        match self {
+            Input::Lent(t) => Input::Lent(t),
+            Input::Shared(t) => Input::Shared(Arc::clone(t)),
+        }
+    }
+
+    /// A reference to keep for backward (a copy only of a lent tensor).
+    fn share(&mut self, be: &CudaBackend) -> CudaResult<Shared> {
+        let shared = match self {
+            Input::Lent(t) => Arc::new(t.try_clone(be)?),
+            Input::Shared(t) => return Ok(Arc::clone(t)),
+        };
+        *self = Input::Shared(Arc::clone(&shared));
+        Ok(shared)
+    }
+
+    /// The tensor itself, copied only if something else still holds it.
     fn into_owned(self, be: &CudaBackend) -> CudaResult<CudaTensor> {
         match self {
             Input::Lent(t) => t.try_clone(be),
-            Input::Given(t) => Ok(t),
+            Input::Shared(t) => Arc::try_unwrap(t).or_else(|t| t.try_clone(be)),
         }
     }
 }
@@ -896,37 +923,35 @@ fn forward_list(
 ) -> CudaResult<CudaTensor> {
     let mut current = x;
     for layer in layers.iter_mut() {
-        let (y, keep) = forward_one(
-            be,
-            layer,
-            groups,
-            current.tensor(),
-            pass,
-            saved.as_deref_mut(),
-        )?;
+        let (y, keep) = forward_one(be, layer, groups, &current, pass, saved.as_deref_mut())?;
         be.profile_mark(|| format!("fwd {} in {}", layer.describe(), dims(current.tensor())))?;
+        let y = Arc::new(y);
         if let Some(list) = saved.as_deref_mut() {
             list.push(match keep {
-                Keep::Input => Saved::Input(current.into_owned(be)?),
+                Keep::Input => Saved::Input(current.share(be)?),
+                Keep::Output => Saved::Output(Arc::clone(&y)),
                 Keep::BatchNorm { output, stats } => Saved::BatchNorm(Box::new(SavedBatchNorm {
-                    input: current.into_owned(be)?,
-                    output,
+                    input: current.share(be)?,
+                    output: output.then(|| Arc::clone(&y)),
                     stats,
                 })),
                 Keep::Other(s) => s,
             });
         }
-        current = Input::Given(y);
+        current = Input::Shared(y);
     }
     current.into_owned(be)
 }
 
-/// What one layer's forward keeps: its input (moved, not copied, by the
-/// caller) or something of its own.
+/// What one layer's forward keeps: a reference to its input or its output
+/// (the caller's, shared with the layers around it), or something of its
+/// own.
 enum Keep {
     Input,
+    Output,
     BatchNorm {
-        output: Option<CudaTensor>,
+        /// Whether the output is kept too (the fused ReLU's mask).
+        output: bool,
         stats: BatchNormSaved,
     },
     Other(Saved),
@@ -945,10 +970,11 @@ fn forward_one(
     be: &CudaBackend,
     layer: &mut GpuLayer,
     groups: &[ParamGroup; 2],
-    x: &CudaTensor,
+    input: &Input<'_>,
     pass: Pass,
     mut saved: Option<&mut Vec<Saved>>,
 ) -> CudaResult<(CudaTensor, Keep)> {
+    let x = input.tensor();
     // Inside a checkpointed segment's first pass a training forward keeps
     // nothing: `saved` is None.
     let keeping = saved.is_some();
@@ -978,47 +1004,48 @@ fn forward_one(
             let Some(stats) = stats else {
                 return Ok((y, Keep::Other(Saved::Nothing)));
             };
-            let output = if *relu && keeping {
-                Some(y.try_clone(be)?)
-            } else {
-                None
-            };
+            let output = *relu && keeping;
             (y, Keep::BatchNorm { output, stats })
         }
         GpuLayer::Relu => {
             let y = ops::relu_forward(be, x)?;
-            let keep = if keeping {
-                Saved::Output(y.try_clone(be)?)
-            } else {
-                Saved::Nothing
-            };
-            (y, Keep::Other(keep))
+            (
+                y,
+                if keeping {
+                    Keep::Output
+                } else {
+                    Keep::Other(Saved::Nothing)
+                },
+            )
         }
         GpuLayer::Residual(body) => {
-            let mut y = forward_list(be, body, groups, Input::Lent(x), pass, saved)?;
+            let body_input = input.lend();
+            let mut y = forward_list(be, body, groups, body_input, pass, saved)?;
             ops::add_inplace(be, &mut y, x)?;
             (y, Keep::Other(Saved::Nothing))
         }
         GpuLayer::FusedResidual { body, tail } => {
-            let z = forward_list(be, body, groups, Input::Lent(x), pass, saved.as_deref_mut())?;
+            let body_input = input.lend();
+            let z = forward_list(be, body, groups, body_input, pass, saved.as_deref_mut())?;
             let (y, stats) = batch_norm_forward(be, tail, groups, &z, Some(x), true, pass)?;
             // The tail's entry goes on the stack above the body's, and the
             // block's own (its output, the ReLU's mask) above that.
             let keep = match (saved, stats) {
                 (Some(list), Some(stats)) => {
                     list.push(Saved::BatchNorm(Box::new(SavedBatchNorm {
-                        input: z,
+                        input: Arc::new(z),
                         output: None,
                         stats,
                     })));
-                    Saved::Output(y.try_clone(be)?)
+                    Keep::Output
                 }
-                _ => Saved::Nothing,
+                _ => Keep::Other(Saved::Nothing),
             };
-            (y, Keep::Other(keep))
+            (y, keep)
         }
         GpuLayer::Checkpointed(body) => {
-            let y = forward_list(be, body, groups, Input::Lent(x), pass, None)?;
+            let body_input = input.lend();
+            let y = forward_list(be, body, groups, body_input, pass, None)?;
             (y, Keep::Input)
         }
         GpuLayer::GlobalAvgPool => {
@@ -1238,7 +1265,7 @@ fn backward_one(
                 be,
                 body,
                 groups,
-                Input::Given(x),
+                Input::Shared(x),
                 recompute,
                 Some(&mut inner),
             )?);
@@ -1302,7 +1329,7 @@ fn backward_leaf(
                     be,
                     &g,
                     &input,
-                    output.as_ref(),
+                    output.as_deref(),
                     &stats,
                     gamma,
                     gamma_grad,
