@@ -2287,12 +2287,14 @@ layers = [
 fn network_bits(
     be: &CudaBackend,
     fuse: bool,
+    recompute: bool,
     checkpoint: CheckpointPolicy,
 ) -> (Vec<u32>, u64, u64) {
     let spec = two_block_spec(checkpoint);
     let options = CudaBuildOptions {
         fuse,
         activations: DType::F16,
+        recompute,
     };
     let mut network = CudaNetwork::build(be, &spec, 5, options).unwrap();
     let n = 6;
@@ -2375,6 +2377,7 @@ fn an_f32_network_matches_the_cpu_network() {
         let options = CudaBuildOptions {
             fuse,
             activations: DType::F32,
+            recompute: fuse,
         };
         let mut net = CudaNetwork::build(&be, &spec, 5, options).unwrap();
         assert!(net.groups().iter().all(|g| g.compute.is_none()));
@@ -2446,28 +2449,34 @@ fn an_f32_network_matches_the_cpu_network() {
     }
 }
 
+/// Fusion, recomputing batch norm + ReLU outputs in backward, and
+/// activation checkpointing change the kernels and the memory, never the
+/// bits.
 #[test]
 fn fused_residual_networks_compute_the_bits_of_unfused_ones() {
     let be = gpu_or_skip!();
-    let (want, plain_allocations, plain_peak) = network_bits(&be, false, CheckpointPolicy::None);
+    let (want, plain_allocations, plain_peak) =
+        network_bits(&be, false, false, CheckpointPolicy::None);
+    let mut fused_peak = [0u64; 2];
     for checkpoint in [
         CheckpointPolicy::None,
         CheckpointPolicy::Blocks,
         CheckpointPolicy::All,
     ] {
-        for fuse in [false, true] {
-            let (got, allocations, peak) = network_bits(&be, fuse, checkpoint);
+        for (fuse, recompute) in [(false, false), (false, true), (true, false), (true, true)] {
+            let what = format!("{checkpoint:?}, fuse {fuse}, recompute {recompute}");
+            let (got, allocations, peak) = network_bits(&be, fuse, recompute, checkpoint);
             eprintln!(
-                "{checkpoint:?}, fuse {fuse}: {allocations} allocations, peak {peak} bytes \
-                 (unfused without recompute: {plain_allocations}, {plain_peak})"
+                "{what}: {allocations} allocations, peak {peak} bytes \
+                 (unfused, kept: {plain_allocations}, {plain_peak})"
             );
-            assert_eq!(want.len(), got.len(), "{checkpoint:?}, fuse {fuse}");
+            assert_eq!(want.len(), got.len(), "{what}");
             let differ = want.iter().zip(&got).filter(|(a, b)| a != b).count();
-            assert_eq!(
-                differ, 0,
-                "{checkpoint:?}, fuse {fuse}: {differ} values differ"
-            );
+            assert_eq!(differ, 0, "{what}: {differ} values differ");
             if fuse && checkpoint == CheckpointPolicy::None {
+                fused_peak[recompute as usize] = peak;
+            }
+            if fuse && !recompute && checkpoint == CheckpointPolicy::None {
                 // Per step, each of the 3 batch norm + ReLU pairs allocates
                 // 2 tensors fewer (the ReLU's output, the masked gradient),
                 // each of the 3 fused residuals 4 (the ReLU's output, the
@@ -2477,6 +2486,14 @@ fn fused_residual_networks_compute_the_bits_of_unfused_ones() {
             }
         }
     }
+    // Fused, 3 batch norm + ReLU outputs (the stem's and each block's
+    // first) are not kept through the forward but computed again, one at a
+    // time, in backward.
+    let [kept, recomputed] = fused_peak;
+    assert!(
+        recomputed < kept,
+        "recomputing peaked at {recomputed} bytes, keeping at {kept}"
+    );
 }
 
 // ---------------------------------------------------------------------------

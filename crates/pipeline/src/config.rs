@@ -312,6 +312,12 @@ pub struct DeviceConfig {
     /// host. Same bits either way; no effect on the CPU.
     #[serde(default = "default_true")]
     pub graphs: bool,
+    /// On the GPU, keep a batch norm + ReLU's input but not its output for
+    /// backward, which computes the output again where it is needed: one
+    /// activation fewer per such pair for one more elementwise pass. false
+    /// keeps the output. Same bits either way; no effect on the CPU.
+    #[serde(default = "default_true")]
+    pub recompute: bool,
     /// Fault injection for tests: fail an allocation at these steps ...
     #[serde(default)]
     pub inject_oom: InjectOom,
@@ -329,6 +335,7 @@ impl Default for DeviceConfig {
             amp: true,
             fusion: true,
             graphs: true,
+            recompute: true,
             inject_oom: InjectOom::default(),
         }
     }

@@ -338,6 +338,7 @@ pub(crate) fn cuda_options(config: &ExperimentConfig) -> Result<CudaOptions> {
         build: CudaBuildOptions {
             fuse: config.device.fusion,
             activations,
+            recompute: config.device.recompute,
         },
         loss_scaler,
         graphs: config.device.graphs,

@@ -39,7 +39,7 @@
 //! run without it. Not on the GPU yet (`build` refuses them, naming the
 //! layer): the layers beyond the reference ResNet's.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 
@@ -128,13 +128,60 @@ enum GpuLayer {
 #[derive(Debug)]
 struct SavedBatchNorm {
     input: Shared,
-    output: Option<Shared>,
-    stats: BatchNormSaved,
+    output: Option<Activation>,
+    stats: Arc<BatchNormSaved>,
 }
 
 /// An activation kept for backward by every layer that needs it: a batch
 /// norm's output and the next convolution's input are one buffer, not two.
 type Shared = Arc<CudaTensor>;
+
+/// An activation backward needs: kept since the forward, or computed again.
+#[derive(Debug)]
+enum Activation {
+    Kept(Shared),
+    Recomputed(Arc<Recomputable>),
+}
+
+impl Activation {
+    fn get(&self, be: &CudaBackend) -> CudaResult<Shared> {
+        match self {
+            Activation::Kept(t) => Ok(Arc::clone(t)),
+            Activation::Recomputed(r) => r.get(be),
+        }
+    }
+}
+
+/// The output of a training batch norm + ReLU, not kept after the forward
+/// (`CudaBuildOptions::recompute`) but computed again in backward from the
+/// batch norm's input and statistics, which backward keeps anyway. The
+/// first layer to ask (the next convolution's weight gradient) computes
+/// it; the batch norm's own backward (the ReLU's mask), asking next, gets
+/// the same tensor, which is freed after it.
+#[derive(Debug)]
+struct Recomputable {
+    input: Shared,
+    stats: Arc<BatchNormSaved>,
+    value: Mutex<Option<Shared>>,
+}
+
+impl Recomputable {
+    fn get(&self, be: &CudaBackend) -> CudaResult<Shared> {
+        // A poisoned lock only means another thread panicked while holding
+        // it; the cached value is still either absent or whole.
+        let mut value = self.value.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(y) = value.as_ref() {
+            return Ok(Arc::clone(y));
+        }
+        let y = Arc::new(ops::batch_norm_relu_recompute(
+            be,
+            &self.input,
+            &self.stats,
+        )?);
+        *value = Some(Arc::clone(&y));
+        Ok(y)
+    }
+}
 
 /// Per-parameter host copies, in the CPU network's order.
 pub type HostParams = Vec<Vec<f32>>;
@@ -142,7 +189,9 @@ pub type HostParams = Vec<Vec<f32>>;
 /// What a training forward left for backward, one entry per layer run.
 #[derive(Debug)]
 enum Saved {
-    Input(Shared),
+    Input(Activation),
+    /// A checkpointed segment's input, and how its forward ran.
+    Segment(Activation, Pass),
     BatchNorm(Box<SavedBatchNorm>),
     Output(Shared),
     Shape(Vec<usize>),
@@ -159,6 +208,11 @@ pub struct CudaBuildOptions {
     /// Storage of activations and compute weights: F16 (mixed precision,
     /// the default) or F32 (f32 training, `device.amp = false`).
     pub activations: DType,
+    /// Keep a batch norm + ReLU's input, not also its output, for backward,
+    /// which computes the output again where the next layer's gradient and
+    /// the ReLU's mask need it (`device.recompute`): the same bits, one
+    /// activation fewer per such pair, one more elementwise pass each.
+    pub recompute: bool,
 }
 
 impl Default for CudaBuildOptions {
@@ -166,6 +220,7 @@ impl Default for CudaBuildOptions {
         Self {
             fuse: true,
             activations: DType::F16,
+            recompute: true,
         }
     }
 }
@@ -185,6 +240,7 @@ pub struct CudaNetwork {
     classes: usize,
     macs_per_sample: u64,
     activations: DType,
+    recompute: bool,
     saved: Vec<Saved>,
 }
 
@@ -302,6 +358,7 @@ impl CudaNetwork {
             classes,
             macs_per_sample,
             activations: options.activations,
+            recompute: options.recompute,
             saved: Vec::new(),
         };
         network.set_buffers(be, &cpu.buffer_values())?;
@@ -368,6 +425,7 @@ impl CudaNetwork {
         let mut saved = std::mem::take(&mut self.saved);
         let train = Pass::Train {
             update_running: true,
+            recompute: self.recompute,
         };
         let result = forward_list(
             be,
@@ -872,17 +930,18 @@ fn conv_shape(
 }
 
 /// A list's input: lent by the caller (copied if a layer keeps it), or
-/// shared (kept by reference, never copied).
+/// shared (kept by reference, never copied), and then perhaps the output
+/// of a batch norm + ReLU that backward can compute again instead.
 enum Input<'a> {
     Lent(&'a CudaTensor),
-    Shared(Shared),
+    Shared(Shared, Option<Arc<Recomputable>>),
 }
 
 impl Input<'_> {
     fn tensor(&self) -> &CudaTensor {
         match self {
             Input::Lent(t) => t,
-            Input::Shared(t) => t,
+            Input::Shared(t, _) => t,
         }
     }
 
@@ -890,25 +949,35 @@ impl Input<'_> {
     fn lend(&self) -> Input<'_> {
         match self {
             Input::Lent(t) => Input::Lent(t),
-            Input::Shared(t) => Input::Shared(Arc::clone(t)),
+            Input::Shared(t, r) => Input::Shared(Arc::clone(t), r.clone()),
         }
     }
 
-    /// A reference to keep for backward (a copy only of a lent tensor).
+    /// A reference to the tensor itself, to keep for backward (a copy only
+    /// of a lent tensor).
     fn share(&mut self, be: &CudaBackend) -> CudaResult<Shared> {
         let shared = match self {
             Input::Lent(t) => Arc::new(t.try_clone(be)?),
-            Input::Shared(t) => return Ok(Arc::clone(t)),
+            Input::Shared(t, _) => return Ok(Arc::clone(t)),
         };
-        *self = Input::Shared(Arc::clone(&shared));
+        *self = Input::Shared(Arc::clone(&shared), None);
         Ok(shared)
+    }
+
+    /// What backward needs of this input: the way to compute it again if
+    /// there is one, else the tensor.
+    fn for_backward(&mut self, be: &CudaBackend) -> CudaResult<Activation> {
+        match self {
+            Input::Shared(_, Some(r)) => Ok(Activation::Recomputed(Arc::clone(r))),
+            _ => self.share(be).map(Activation::Kept),
+        }
     }
 
     /// The tensor itself, copied only if something else still holds it.
     fn into_owned(self, be: &CudaBackend) -> CudaResult<CudaTensor> {
         match self {
             Input::Lent(t) => t.try_clone(be),
-            Input::Shared(t) => Arc::try_unwrap(t).or_else(|t| t.try_clone(be)),
+            Input::Shared(t, _) => Arc::try_unwrap(t).or_else(|t| t.try_clone(be)),
         }
     }
 }
@@ -926,19 +995,43 @@ fn forward_list(
         let (y, keep) = forward_one(be, layer, groups, &current, pass, saved.as_deref_mut())?;
         be.profile_mark(|| format!("fwd {} in {}", layer.describe(), dims(current.tensor())))?;
         let y = Arc::new(y);
+        let mut recomputable = None;
         if let Some(list) = saved.as_deref_mut() {
             list.push(match keep {
-                Keep::Input => Saved::Input(current.share(be)?),
+                Keep::Input => Saved::Input(current.for_backward(be)?),
+                Keep::Segment => Saved::Segment(current.for_backward(be)?, pass),
                 Keep::Output => Saved::Output(Arc::clone(&y)),
-                Keep::BatchNorm { output, stats } => Saved::BatchNorm(Box::new(SavedBatchNorm {
-                    input: current.share(be)?,
-                    output: output.then(|| Arc::clone(&y)),
-                    stats,
-                })),
+                Keep::BatchNorm { output, stats } => {
+                    let input = current.share(be)?;
+                    let stats = Arc::new(stats);
+                    let output = match (output, pass) {
+                        (false, _) => None,
+                        (
+                            true,
+                            Pass::Train {
+                                recompute: true, ..
+                            },
+                        ) => {
+                            let r = Arc::new(Recomputable {
+                                input: Arc::clone(&input),
+                                stats: Arc::clone(&stats),
+                                value: Mutex::new(None),
+                            });
+                            recomputable = Some(Arc::clone(&r));
+                            Some(Activation::Recomputed(r))
+                        }
+                        (true, _) => Some(Activation::Kept(Arc::clone(&y))),
+                    };
+                    Saved::BatchNorm(Box::new(SavedBatchNorm {
+                        input,
+                        output,
+                        stats,
+                    }))
+                }
                 Keep::Other(s) => s,
             });
         }
-        current = Input::Shared(y);
+        current = Input::Shared(y, recomputable);
     }
     current.into_owned(be)
 }
@@ -948,6 +1041,8 @@ fn forward_list(
 /// own.
 enum Keep {
     Input,
+    /// A checkpointed segment's input.
+    Segment,
     Output,
     BatchNorm {
         /// Whether the output is kept too (the fused ReLU's mask).
@@ -963,7 +1058,11 @@ enum Keep {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Pass {
     Eval,
-    Train { update_running: bool },
+    Train {
+        update_running: bool,
+        /// `CudaBuildOptions::recompute`.
+        recompute: bool,
+    },
 }
 
 fn forward_one(
@@ -1035,7 +1134,7 @@ fn forward_one(
                     list.push(Saved::BatchNorm(Box::new(SavedBatchNorm {
                         input: Arc::new(z),
                         output: None,
-                        stats,
+                        stats: Arc::new(stats),
                     })));
                     Keep::Output
                 }
@@ -1046,7 +1145,7 @@ fn forward_one(
         GpuLayer::Checkpointed(body) => {
             let body_input = input.lend();
             let y = forward_list(be, body, groups, body_input, pass, None)?;
-            (y, Keep::Input)
+            (y, Keep::Segment)
         }
         GpuLayer::GlobalAvgPool => {
             let y = ops::global_avg_pool_forward(be, x)?;
@@ -1073,7 +1172,7 @@ fn batch_norm_forward(
     pass: Pass,
 ) -> CudaResult<(CudaTensor, Option<BatchNormSaved>)> {
     let (g, b) = (master(groups, &bn.gamma), master(groups, &bn.beta));
-    let Pass::Train { update_running } = pass else {
+    let Pass::Train { update_running, .. } = pass else {
         let cfg = BatchNormConfig {
             momentum: bn.momentum,
             eps: bn.eps,
@@ -1252,21 +1351,22 @@ fn backward_one(
             Ok(dx)
         }
         GpuLayer::Checkpointed(body) => {
-            let Some(Saved::Input(x)) = saved.pop() else {
+            let Some(Saved::Segment(x, Pass::Train { recompute, .. })) = saved.pop() else {
                 return Err(missing());
             };
             // Recompute the segment, keeping what its backward needs this
             // time; the running statistics stay as the first pass left them.
             let mut inner = Vec::new();
-            let recompute = Pass::Train {
+            let again = Pass::Train {
                 update_running: false,
+                recompute,
             };
             drop(forward_list(
                 be,
                 body,
                 groups,
-                Input::Shared(x),
-                recompute,
+                Input::Shared(x.get(be)?, None),
+                again,
                 Some(&mut inner),
             )?);
             backward_list(be, body, groups, &mut inner, g)
@@ -1297,6 +1397,7 @@ fn backward_leaf(
             },
             Saved::Input(x),
         ) => {
+            let x = x.get(be)?;
             let s = conv_shape(&x, *kernel, *stride, *pad, *cout)?;
             with_grads(groups, weight, bias.as_ref(), |mut v| {
                 let bias_grad = v.other_grad.as_mut();
@@ -1313,6 +1414,7 @@ fn backward_leaf(
             })
         }
         (GpuLayer::Linear { weight, bias, .. }, Saved::Input(x)) => {
+            let x = x.get(be)?;
             with_grads(groups, weight, bias.as_ref(), |mut v| {
                 let bias_grad = v.other_grad.as_mut();
                 ops::linear_backward(be, &x, &g, &v.compute, &mut v.grad, bias_grad)
@@ -1324,6 +1426,7 @@ fn backward_leaf(
                 output,
                 stats,
             } = *saved;
+            let output = output.map(|y| y.get(be)).transpose()?;
             with_bn_grads(groups, bn, |gamma, gamma_grad, beta_grad| {
                 ops::batch_norm_backward(
                     be,

@@ -461,6 +461,10 @@ pub struct BatchNormConfig {
 pub struct BatchNormSaved {
     pub mean: DeviceBuffer<f32>,
     pub inv_std: DeviceBuffer<f32>,
+    /// The affine map the forward applied, y = x·scale + shift, kept so
+    /// that backward can compute the output again instead of keeping it.
+    pub scale: DeviceBuffer<f32>,
+    pub shift: DeviceBuffer<f32>,
 }
 
 /// Rows per chunk of the per-channel reductions: 256, raised when the grid
@@ -679,7 +683,33 @@ fn bn_forward_train(
         unsafe { b.launch(per_channel(c)) }.during("bn_stats_finalize")?;
     }
     let y = bn_apply(be, x, skip, rows, c, &scale, &shift, cfg.relu)?;
-    Ok((y, BatchNormSaved { mean, inv_std }))
+    let saved = BatchNormSaved {
+        mean,
+        inv_std,
+        scale,
+        shift,
+    };
+    Ok((y, saved))
+}
+
+/// The output of `batch_norm_forward_train` with the fused ReLU, computed
+/// again from its input `x` and what that forward saved: the forward's bits
+/// (the same kernel on the same values), for a backward that recomputes
+/// the output instead of keeping it.
+pub fn batch_norm_relu_recompute(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    saved: &BatchNormSaved,
+) -> CudaResult<CudaTensor> {
+    let [n, h, w, c] = nhwc("batch_norm recompute", x.shape())?;
+    for (what, len) in [
+        ("saved scale", saved.scale.len()),
+        ("saved shift", saved.shift.len()),
+    ] {
+        same_len("batch_norm recompute", what, c, len)?;
+    }
+    let rows = u32_of("batch_norm recompute", n * h * w)? as usize;
+    bn_apply(be, x, None, rows, c, &saved.scale, &saved.shift, true)
 }
 
 /// Eval forward: normalise with the running statistics; saves nothing.
