@@ -1003,7 +1003,6 @@ fn forward_list(
                 Keep::Output => Saved::Output(Arc::clone(&y)),
                 Keep::BatchNorm { output, stats } => {
                     let input = current.share(be)?;
-                    let stats = Arc::new(stats);
                     let output = match (output, pass) {
                         (false, _) => None,
                         (
@@ -1047,7 +1046,7 @@ enum Keep {
     BatchNorm {
         /// Whether the output is kept too (the fused ReLU's mask).
         output: bool,
-        stats: BatchNormSaved,
+        stats: Arc<BatchNormSaved>,
     },
     Other(Saved),
 }
@@ -1104,6 +1103,7 @@ fn forward_one(
                 return Ok((y, Keep::Other(Saved::Nothing)));
             };
             let output = *relu && keeping;
+            let stats = Arc::new(stats);
             (y, Keep::BatchNorm { output, stats })
         }
         GpuLayer::Relu => {
