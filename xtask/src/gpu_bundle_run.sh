@@ -324,7 +324,10 @@ for name in ("oom-budget", "oom-budget-reactive", "oom-driver"):
 if "resume-killed" in steps:
     lines += ["resume: " + json.dumps(report["resume"])]
 lines += ["", read("bench.log").strip()]
-lines += ["", "without CUDA graphs (device.graphs=false):", read("bench-no-graphs.log").strip()]
+for name, what in (("bench-no-graphs", "without CUDA graphs (device.graphs=false)"),
+                   ("bench-keep-outputs", "keeping batch norm + ReLU outputs (device.recompute=false)"),
+                   ("bench-workspace-64", "with a 64 MiB im2col workspace (device.conv_workspace=64MiB)")):
+    lines += ["", what + ":", read(name + ".log").strip()]
 open(os.path.join(out, "summary.txt"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
@@ -408,6 +411,10 @@ if wants bench; then
     fi
     # What CUDA graphs give: the same step launched kernel by kernel.
     step bench-no-graphs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.graphs=false
+    # What the memory savings cost in speed: batch norm + ReLU outputs kept
+    # instead of recomputed, and a 64 MiB im2col workspace instead of 16.
+    step bench-keep-outputs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.recompute=false
+    step bench-workspace-64 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.conv_workspace=64MiB
 fi
 
 write_report

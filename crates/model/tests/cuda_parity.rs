@@ -2295,6 +2295,7 @@ fn network_bits(
         fuse,
         activations: DType::F16,
         recompute,
+        ..CudaBuildOptions::default()
     };
     let mut network = CudaNetwork::build(be, &spec, 5, options).unwrap();
     let n = 6;
@@ -2378,6 +2379,7 @@ fn an_f32_network_matches_the_cpu_network() {
             fuse,
             activations: DType::F32,
             recompute: fuse,
+            ..CudaBuildOptions::default()
         };
         let mut net = CudaNetwork::build(&be, &spec, 5, options).unwrap();
         assert!(net.groups().iter().all(|g| g.compute.is_none()));

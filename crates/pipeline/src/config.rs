@@ -318,6 +318,11 @@ pub struct DeviceConfig {
     /// keeps the output. Same bits either way; no effect on the CPU.
     #[serde(default = "default_true")]
     pub recompute: bool,
+    /// On the GPU, the bytes a convolution's im2col matrix may take at a
+    /// time, e.g. "16MiB" (the default): less memory, more and smaller
+    /// matrix products.
+    #[serde(default)]
+    pub conv_workspace: Option<String>,
     /// Fault injection for tests: fail an allocation at these steps ...
     #[serde(default)]
     pub inject_oom: InjectOom,
@@ -336,6 +341,7 @@ impl Default for DeviceConfig {
             fusion: true,
             graphs: true,
             recompute: true,
+            conv_workspace: None,
             inject_oom: InjectOom::default(),
         }
     }
@@ -924,6 +930,7 @@ impl ExperimentConfig {
         if let Some(text) = &self.device.memory_limit {
             parse_bytes("device.memory_limit", text)?;
         }
+        self.conv_workspace()?;
         if !matches!(self.memory.oom_policy.as_str(), "adapt" | "stop") {
             return Err(PipelineError::value(
                 "memory.oom_policy",
@@ -1039,6 +1046,23 @@ impl ExperimentConfig {
             .as_deref()
             .map(|text| parse_bytes("device.memory_limit", text))
             .transpose()
+    }
+
+    /// `device.conv_workspace` in bytes, or the default.
+    pub fn conv_workspace(&self) -> Result<usize> {
+        let Some(text) = self.device.conv_workspace.as_deref() else {
+            return Ok(headroom_model::cuda::ops::CONV_SCRATCH_BYTES);
+        };
+        let bytes = parse_bytes("device.conv_workspace", text)?;
+        usize::try_from(bytes)
+            .ok()
+            .filter(|&b| b > 0)
+            .ok_or_else(|| {
+                PipelineError::value(
+                    "device.conv_workspace",
+                    format!("expected a positive byte size such as \"16MiB\", got \"{text}\""),
+                )
+            })
     }
 
     /// The run directory once claimed (see `rundir::RunDir::claim`).

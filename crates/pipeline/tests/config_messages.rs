@@ -90,3 +90,16 @@ fn data_on_device_reads_true_false_and_auto_and_refuses_the_rest() {
     assert!(err.contains("data.on_device"), "{err}");
     assert!(err.contains("\"auto\""), "{err}");
 }
+
+#[test]
+fn the_conv_workspace_is_a_positive_byte_size() {
+    let default = load(&[]).unwrap().conv_workspace().unwrap();
+    assert_eq!(default, headroom_model::cuda::ops::CONV_SCRATCH_BYTES);
+    let set = load(&["device.conv_workspace=64MiB"]).unwrap();
+    assert_eq!(set.conv_workspace().unwrap(), 64 << 20);
+    for bad in ["0", "lots"] {
+        let err = load(&[&format!("device.conv_workspace={bad}")]).unwrap_err();
+        assert!(err.contains("device.conv_workspace"), "{bad}: {err}");
+        assert!(err.contains(bad), "{bad}: {err}");
+    }
+}

@@ -99,6 +99,8 @@ enum GpuLayer {
         stride: usize,
         pad: usize,
         cout: usize,
+        /// Bytes of im2col matrix a pass may use (`CudaBuildOptions`).
+        scratch: usize,
     },
     BatchNorm {
         bn: BatchNormLayer,
@@ -213,6 +215,11 @@ pub struct CudaBuildOptions {
     /// the ReLU's mask need it (`device.recompute`): the same bits, one
     /// activation fewer per such pair, one more elementwise pass each.
     pub recompute: bool,
+    /// Bytes a convolution's im2col matrix may take at a time
+    /// (`device.conv_workspace`): the batch goes through it in groups of
+    /// whole images (at least one), so less memory means more, smaller
+    /// matrix products.
+    pub conv_workspace: usize,
 }
 
 impl Default for CudaBuildOptions {
@@ -221,6 +228,7 @@ impl Default for CudaBuildOptions {
             fuse: true,
             activations: DType::F16,
             recompute: true,
+            conv_workspace: CONV_SCRATCH_BYTES,
         }
     }
 }
@@ -328,7 +336,8 @@ impl CudaNetwork {
         let mut shape = spec.input.to_vec();
         let groups = build_groups(be, &spec.layers, "model.layers", &mut shape, &mut cursor)?;
         let layers = arrange(groups, spec.checkpoint, GpuLayer::Checkpointed);
-        let layers = if options.fuse { fuse(layers) } else { layers };
+        let mut layers = if options.fuse { fuse(layers) } else { layers };
+        set_conv_scratch(&mut layers, options.conv_workspace);
         if cursor.next != cpu_params.len() {
             return Err(CudaError::shape(
                 "CudaNetwork::build",
@@ -788,6 +797,18 @@ fn fuse(layers: Vec<GpuLayer>) -> Vec<GpuLayer> {
     out
 }
 
+fn set_conv_scratch(layers: &mut [GpuLayer], bytes: usize) {
+    for layer in layers {
+        match layer {
+            GpuLayer::Conv { scratch, .. } => *scratch = bytes,
+            GpuLayer::Residual(body)
+            | GpuLayer::Checkpointed(body)
+            | GpuLayer::FusedResidual { body, .. } => set_conv_scratch(body, bytes),
+            _ => {}
+        }
+    }
+}
+
 fn build_one(
     be: &CudaBackend,
     spec: &LayerSpec,
@@ -826,6 +847,7 @@ fn build_one(
                 stride: *stride,
                 pad,
                 cout: *out,
+                scratch: CONV_SCRATCH_BYTES,
             }]
         }
         LayerSpec::BatchNorm { momentum, eps } => {
@@ -1084,17 +1106,11 @@ fn forward_one(
             stride,
             pad,
             cout,
+            scratch,
         } => {
             let s = conv_shape(x, *kernel, *stride, *pad, *cout)?;
             let b = bias.as_ref().map(|b| compute(groups, b));
-            let y = ops::conv2d_forward(
-                be,
-                x,
-                &compute(groups, weight),
-                b.as_ref(),
-                s,
-                CONV_SCRATCH_BYTES,
-            )?;
+            let y = ops::conv2d_forward(be, x, &compute(groups, weight), b.as_ref(), s, *scratch)?;
             (y, Keep::Input)
         }
         GpuLayer::BatchNorm { bn, relu } => {
@@ -1394,6 +1410,7 @@ fn backward_leaf(
                 stride,
                 pad,
                 cout,
+                scratch,
             },
             Saved::Input(x),
         ) => {
@@ -1401,16 +1418,7 @@ fn backward_leaf(
             let s = conv_shape(&x, *kernel, *stride, *pad, *cout)?;
             with_grads(groups, weight, bias.as_ref(), |mut v| {
                 let bias_grad = v.other_grad.as_mut();
-                ops::conv2d_backward(
-                    be,
-                    &x,
-                    &g,
-                    &v.compute,
-                    &mut v.grad,
-                    bias_grad,
-                    s,
-                    CONV_SCRATCH_BYTES,
-                )
+                ops::conv2d_backward(be, &x, &g, &v.compute, &mut v.grad, bias_grad, s, *scratch)
             })
         }
         (GpuLayer::Linear { weight, bias, .. }, Saved::Input(x)) => {
