@@ -217,6 +217,9 @@ const DRY_RUN_STEPS: [&str; 4] = ["train", "oom", "resume", "bench"];
 /// CUDA).
 pub fn dry_run(bundle: &Path) -> Result<()> {
     let emulator = emulator_dir()?;
+    // run.sh changes to its own directory: OUT must not be relative.
+    let bundle = &std::path::absolute(bundle)
+        .with_context(|| format!("the absolute path of {}", bundle.display()))?;
     let out = bundle.join("dry-run");
     if out.exists() {
         fs::remove_dir_all(&out).with_context(|| format!("removing {}", out.display()))?;
