@@ -2460,6 +2460,7 @@ fn fused_residual_networks_compute_the_bits_of_unfused_ones() {
     let (want, plain_allocations, plain_peak) =
         network_bits(&be, false, false, CheckpointPolicy::None);
     let mut fused_peak = [0u64; 2];
+    let mut fused_allocations = [0u64; 2];
     for checkpoint in [
         CheckpointPolicy::None,
         CheckpointPolicy::Blocks,
@@ -2477,6 +2478,7 @@ fn fused_residual_networks_compute_the_bits_of_unfused_ones() {
             assert_eq!(differ, 0, "{what}: {differ} values differ");
             if fuse && checkpoint == CheckpointPolicy::None {
                 fused_peak[recompute as usize] = peak;
+                fused_allocations[recompute as usize] = allocations;
             }
             if fuse && !recompute && checkpoint == CheckpointPolicy::None {
                 // Per step, each of the 3 batch norm + ReLU pairs allocates
@@ -2491,6 +2493,9 @@ fn fused_residual_networks_compute_the_bits_of_unfused_ones() {
     // Fused, 3 batch norm + ReLU outputs (the stem's and each block's
     // first) are not kept through the forward but computed again, one at a
     // time, in backward.
+    // Each is computed once per step (2 steps), for the convolution after
+    // it and then its own ReLU mask.
+    assert_eq!(fused_allocations[1] - fused_allocations[0], 2 * 3);
     let [kept, recomputed] = fused_peak;
     assert!(
         recomputed < kept,

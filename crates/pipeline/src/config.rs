@@ -320,7 +320,7 @@ pub struct DeviceConfig {
     pub recompute: bool,
     /// On the GPU, the bytes a convolution's im2col matrix may take at a
     /// time, e.g. "16MiB" (the default): less memory, more and smaller
-    /// matrix products.
+    /// matrix products (and the weight gradient summed in another order).
     #[serde(default)]
     pub conv_workspace: Option<String>,
     /// Fault injection for tests: fail an allocation at these steps ...

@@ -343,6 +343,50 @@ fn recomputation_trains_bit_for_bit_the_same_with_a_lower_peak() {
     }
 }
 
+/// `device.recompute` changes what a step keeps, never the bits: steps
+/// with graphs (captured and replayed) train to the same weights with batch
+/// norm + ReLU outputs kept or recomputed, and recomputing peaks lower.
+/// `device.conv_workspace` cuts the weight gradient's sum over the batch
+/// into per-chunk products, so it changes the f32 summation order: an
+/// im2col workspace of one image's rows trains to within a hair of one
+/// holding the whole batch.
+#[test]
+fn recomputed_outputs_train_to_the_same_bits_and_any_workspace_alike() {
+    let Some(_gpu) = backend() else { return };
+    let run = |recompute: bool, conv_workspace: usize| {
+        let options = CudaOptions {
+            build: CudaBuildOptions {
+                recompute,
+                conv_workspace,
+                ..CudaBuildOptions::default()
+            },
+            ..CudaOptions::default()
+        };
+        let be = CudaBackend::new(0).unwrap();
+        let mut learner = CudaLearner::new(be, &spec(), 23, settings(), 8, options).unwrap();
+        let peak = learner.measure_step_peak(8).unwrap();
+        let start = flat(&learner.snapshot().unwrap().params);
+        for i in 0..4 {
+            learner.train_batch(&batch(i), 5e-3).unwrap();
+        }
+        let end = learner.snapshot().unwrap();
+        (peak, bits(&end), start, flat(&end.params))
+    };
+    let (kept_peak, kept, start, kept_params) = run(false, 64 << 20);
+    let (peak, recomputed, ..) = run(true, 64 << 20);
+    assert!(recomputed == kept, "recomputing trains differently");
+    assert!(
+        peak < kept_peak,
+        "recomputing peaked at {peak}, keeping at {kept_peak}"
+    );
+    // 1 byte: every chunk is a single image.
+    let (.., one_image) = run(true, 1);
+    let moved = relative_l2(&kept_params, &start);
+    let apart = relative_l2(&one_image, &kept_params);
+    eprintln!("one-image workspace: apart {apart:e}, moved {moved:e}");
+    assert!(apart < 1e-3 * moved, "apart {apart}, moved {moved}");
+}
+
 #[test]
 fn mixed_soft_targets_train_as_on_the_cpu() {
     let Some(_gpu) = backend() else { return };
