@@ -2490,12 +2490,15 @@ fn fused_residual_networks_compute_the_bits_of_unfused_ones() {
             }
         }
     }
-    // Fused, 3 batch norm + ReLU outputs (the stem's and each block's
-    // first) are not kept through the forward but computed again, one at a
-    // time, in backward.
-    // Each is computed once per step (2 steps), for the convolution after
-    // it and then its own ReLU mask.
-    assert_eq!(fused_allocations[1] - fused_allocations[0], 2 * 3);
+    // Fused, 5 outputs are not kept through the forward but computed again
+    // in backward: 3 batch norm + ReLU outputs (the stem's and each block's
+    // first), the first block's output (from the stem's, computed again)
+    // and the last residual's (from the second block's, kept: computing it
+    // from the first's, itself computed again, would go too deep). Each is
+    // computed once per step (2 steps), for the layer after it and then its
+    // own ReLU mask, and the stem's once more, not held, for the first
+    // block's output.
+    assert_eq!(fused_allocations[1] - fused_allocations[0], 2 * 6);
     let [kept, recomputed] = fused_peak;
     assert!(
         recomputed < kept,

@@ -313,9 +313,11 @@ pub struct DeviceConfig {
     #[serde(default = "default_true")]
     pub graphs: bool,
     /// On the GPU, keep a batch norm + ReLU's input but not its output for
-    /// backward, which computes the output again where it is needed: one
-    /// activation fewer per such pair for one more elementwise pass. false
-    /// keeps the output. Same bits either way; no effect on the CPU.
+    /// backward, which computes the output again where it is needed (and a
+    /// basic block's output from its batch norm's input and the block's
+    /// input): one activation fewer per such layer for one more elementwise
+    /// pass or two. false keeps the outputs. Same bits either way; no effect
+    /// on the CPU.
     #[serde(default = "default_true")]
     pub recompute: bool,
     /// On the GPU, the bytes a convolution's im2col matrix may take at a

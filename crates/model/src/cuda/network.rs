@@ -19,7 +19,10 @@
 //! and the block's output (the ReLU's mask, which is also that batch
 //! norm's). Entries are references (`Shared`), never copies: a batch norm's
 //! output and the next convolution's input are one buffer, as are a block's
-//! input and its first convolution's.
+//! input and its first convolution's. With `CudaBuildOptions::recompute` a
+//! fused batch norm + ReLU's output and a fused residual's output are not
+//! kept but computed again in backward (`Recomputable`), so that in the
+//! reference model only the convolutions' outputs stay through the forward.
 //!
 //! Fusion (`CudaBuildOptions::fuse`, on by default) changes the kernels,
 //! not the bits: batch norm followed by ReLU runs as one kernel, and a
@@ -145,43 +148,102 @@ enum Activation {
     Recomputed(Arc<Recomputable>),
 }
 
+/// How deep a chain of recomputations may go: a block's output is computed
+/// again only from a block input that is kept or itself a batch norm +
+/// ReLU's output computed again from what is kept. In a stack of blocks
+/// every third block's output is kept, so recomputing one never
+/// recomputes (and holds) the whole stack's.
+const MAX_RECOMPUTE_DEPTH: u8 = 2;
+
 impl Activation {
-    fn get(&self, be: &CudaBackend) -> CudaResult<Shared> {
+    /// How many recomputations deep this is: 0 for a kept tensor.
+    fn depth(&self) -> u8 {
         match self {
-            Activation::Kept(t) => Ok(Arc::clone(t)),
+            Activation::Kept(_) => 0,
+            Activation::Recomputed(r) => r.depth,
+        }
+    }
+
+    /// The tensor, letting go of this hold on it (so that dropping the
+    /// result frees it if nothing else holds it).
+    fn take(self, be: &CudaBackend) -> CudaResult<Shared> {
+        match self {
+            Activation::Kept(t) => Ok(t),
             Activation::Recomputed(r) => r.get(be),
         }
     }
 }
 
-/// The output of a training batch norm + ReLU, not kept after the forward
-/// (`CudaBuildOptions::recompute`) but computed again in backward from the
-/// batch norm's input and statistics, which backward keeps anyway. The
-/// first layer to ask (the next convolution's weight gradient) computes
-/// it; the batch norm's own backward (the ReLU's mask), asking next, gets
-/// the same tensor, which is freed after it.
+/// The output of a training batch norm + ReLU, or of a fused residual
+/// block (batch norm, the skip input added, ReLU), not kept after the
+/// forward (`CudaBuildOptions::recompute`) but computed again in backward
+/// from the batch norm's input and statistics, which backward keeps anyway
+/// (and the skip input, itself perhaps computed again). The first layer to
+/// ask (the next convolution's weight gradient) computes it; the batch
+/// norm's own backward (the ReLU's mask), asking later, gets the same
+/// tensor, which is freed once neither needs it.
 #[derive(Debug)]
 struct Recomputable {
     input: Shared,
     stats: Arc<BatchNormSaved>,
+    skip: Option<Activation>,
+    /// 1 + the skip input's depth.
+    depth: u8,
     value: Mutex<Option<Shared>>,
 }
 
 impl Recomputable {
+    fn new(input: Shared, stats: Arc<BatchNormSaved>, skip: Option<Activation>) -> Arc<Self> {
+        let depth = 1 + skip.as_ref().map_or(0, Activation::depth);
+        Arc::new(Self {
+            input,
+            stats,
+            skip,
+            depth,
+            value: Mutex::new(None),
+        })
+    }
+
+    /// The output, computed on first use and held while this is.
     fn get(&self, be: &CudaBackend) -> CudaResult<Shared> {
-        // A poisoned lock only means another thread panicked while holding
-        // it; the cached value is still either absent or whole.
-        let mut value = self.value.lock().unwrap_or_else(|e| e.into_inner());
+        let mut value = self.lock();
         if let Some(y) = value.as_ref() {
             return Ok(Arc::clone(y));
         }
-        let y = Arc::new(ops::batch_norm_relu_recompute(
-            be,
-            &self.input,
-            &self.stats,
-        )?);
+        let y = Arc::new(self.compute(be)?);
         *value = Some(Arc::clone(&y));
         Ok(y)
+    }
+
+    /// The output, computed for the caller alone unless already held.
+    fn get_once(&self, be: &CudaBackend) -> CudaResult<Shared> {
+        if let Some(y) = self.lock().as_ref() {
+            return Ok(Arc::clone(y));
+        }
+        self.compute(be).map(Arc::new)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Shared>> {
+        // A poisoned lock only means another thread panicked while holding
+        // it; the cached value is still either absent or whole.
+        self.value.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn compute(&self, be: &CudaBackend) -> CudaResult<CudaTensor> {
+        match &self.skip {
+            None => ops::batch_norm_relu_recompute(be, &self.input, &self.stats),
+            Some(skip) => {
+                // The block's input only for this sum: not held beside the
+                // output (the block's first convolution computes it again),
+                // so that a block's backward starts with one more activation
+                // alive, not two.
+                let skip = match skip {
+                    Activation::Kept(t) => Arc::clone(t),
+                    Activation::Recomputed(r) => r.get_once(be)?,
+                };
+                ops::batch_norm_add_relu_recompute(be, &self.input, &skip, &self.stats)
+            }
+        }
     }
 }
 
@@ -195,7 +257,7 @@ enum Saved {
     /// A checkpointed segment's input, and how its forward ran.
     Segment(Activation, Pass),
     BatchNorm(Box<SavedBatchNorm>),
-    Output(Shared),
+    Output(Activation),
     Shape(Vec<usize>),
     Nothing,
 }
@@ -212,8 +274,9 @@ pub struct CudaBuildOptions {
     pub activations: DType,
     /// Keep a batch norm + ReLU's input, not also its output, for backward,
     /// which computes the output again where the next layer's gradient and
-    /// the ReLU's mask need it (`device.recompute`): the same bits, one
-    /// activation fewer per such pair, one more elementwise pass each.
+    /// the ReLU's mask need it, and a fused residual's output likewise
+    /// (`device.recompute`, `Recomputable`): the same bits, one activation
+    /// fewer per such layer, an elementwise pass or two more each.
     pub recompute: bool,
     /// Bytes a convolution's im2col matrix may take at a time
     /// (`device.conv_workspace`): the batch goes through it in groups of
@@ -986,6 +1049,16 @@ impl Input<'_> {
         Ok(shared)
     }
 
+    /// What backward needs of this input, as `for_backward`, but copying a
+    /// lent tensor every time.
+    fn activation(&self, be: &CudaBackend) -> CudaResult<Activation> {
+        Ok(match self {
+            Input::Lent(t) => Activation::Kept(Arc::new(t.try_clone(be)?)),
+            Input::Shared(t, None) => Activation::Kept(Arc::clone(t)),
+            Input::Shared(_, Some(r)) => Activation::Recomputed(Arc::clone(r)),
+        })
+    }
+
     /// What backward needs of this input: the way to compute it again if
     /// there is one, else the tensor.
     fn for_backward(&mut self, be: &CudaBackend) -> CudaResult<Activation> {
@@ -1022,7 +1095,11 @@ fn forward_list(
             list.push(match keep {
                 Keep::Input => Saved::Input(current.for_backward(be)?),
                 Keep::Segment => Saved::Segment(current.for_backward(be)?, pass),
-                Keep::Output => Saved::Output(Arc::clone(&y)),
+                Keep::Output => Saved::Output(Activation::Kept(Arc::clone(&y))),
+                Keep::Recomputed(r) => {
+                    recomputable = Some(Arc::clone(&r));
+                    Saved::Output(Activation::Recomputed(r))
+                }
                 Keep::BatchNorm { output, stats } => {
                     let input = current.share(be)?;
                     let output = match (output, pass) {
@@ -1033,11 +1110,7 @@ fn forward_list(
                                 recompute: true, ..
                             },
                         ) => {
-                            let r = Arc::new(Recomputable {
-                                input: Arc::clone(&input),
-                                stats: Arc::clone(&stats),
-                                value: Mutex::new(None),
-                            });
+                            let r = Recomputable::new(Arc::clone(&input), Arc::clone(&stats), None);
                             recomputable = Some(Arc::clone(&r));
                             Some(Activation::Recomputed(r))
                         }
@@ -1065,6 +1138,8 @@ enum Keep {
     /// A checkpointed segment's input.
     Segment,
     Output,
+    /// The output, to be computed again in backward.
+    Recomputed(Arc<Recomputable>),
     BatchNorm {
         /// Whether the output is kept too (the fused ReLU's mask).
         output: bool,
@@ -1147,12 +1222,24 @@ fn forward_one(
             // block's own (its output, the ReLU's mask) above that.
             let keep = match (saved, stats) {
                 (Some(list), Some(stats)) => {
+                    let (z, stats) = (Arc::new(z), Arc::new(stats));
                     list.push(Saved::BatchNorm(Box::new(SavedBatchNorm {
-                        input: Arc::new(z),
+                        input: Arc::clone(&z),
                         output: None,
-                        stats: Arc::new(stats),
+                        stats: Arc::clone(&stats),
                     })));
-                    Keep::Output
+                    let skip = match pass {
+                        Pass::Train {
+                            recompute: true, ..
+                        } => Some(input.activation(be)?),
+                        _ => None,
+                    };
+                    match skip {
+                        Some(skip) if skip.depth() < MAX_RECOMPUTE_DEPTH => {
+                            Keep::Recomputed(Recomputable::new(z, stats, Some(skip)))
+                        }
+                        _ => Keep::Output,
+                    }
                 }
                 _ => Keep::Other(Saved::Nothing),
             };
@@ -1347,6 +1434,7 @@ fn backward_one(
             let Some(Saved::Output(y)) = saved.pop() else {
                 return Err(missing());
             };
+            let y = y.take(be)?;
             let Some(Saved::BatchNorm(tail_saved)) = saved.pop() else {
                 return Err(missing());
             };
@@ -1381,7 +1469,7 @@ fn backward_one(
                 be,
                 body,
                 groups,
-                Input::Shared(x.get(be)?, None),
+                Input::Shared(x.take(be)?, None),
                 again,
                 Some(&mut inner),
             )?);
@@ -1414,7 +1502,7 @@ fn backward_leaf(
             },
             Saved::Input(x),
         ) => {
-            let x = x.get(be)?;
+            let x = x.take(be)?;
             let s = conv_shape(&x, *kernel, *stride, *pad, *cout)?;
             with_grads(groups, weight, bias.as_ref(), |mut v| {
                 let bias_grad = v.other_grad.as_mut();
@@ -1422,7 +1510,7 @@ fn backward_leaf(
             })
         }
         (GpuLayer::Linear { weight, bias, .. }, Saved::Input(x)) => {
-            let x = x.get(be)?;
+            let x = x.take(be)?;
             with_grads(groups, weight, bias.as_ref(), |mut v| {
                 let bias_grad = v.other_grad.as_mut();
                 ops::linear_backward(be, &x, &g, &v.compute, &mut v.grad, bias_grad)
@@ -1434,7 +1522,7 @@ fn backward_leaf(
                 output,
                 stats,
             } = *saved;
-            let output = output.map(|y| y.get(be)).transpose()?;
+            let output = output.map(|y| y.take(be)).transpose()?;
             with_bn_grads(groups, bn, |gamma, gamma_grad, beta_grad| {
                 ops::batch_norm_backward(
                     be,
@@ -1449,7 +1537,10 @@ fn backward_leaf(
                 )
             })
         }
-        (GpuLayer::Relu, Saved::Output(y)) => ops::relu_backward(be, &g, &y),
+        (GpuLayer::Relu, Saved::Output(y)) => {
+            let y = y.take(be)?;
+            ops::relu_backward(be, &g, &y)
+        }
         (GpuLayer::GlobalAvgPool, Saved::Shape(shape)) => {
             ops::global_avg_pool_backward(be, &g, &shape)
         }

@@ -712,6 +712,27 @@ pub fn batch_norm_relu_recompute(
     bn_apply(be, x, None, rows, c, &saved.scale, &saved.shift, true)
 }
 
+/// The output of `batch_norm_add_forward_train` with the ReLU (a residual
+/// block's), computed again from the batch norm's input `x`, the block's
+/// input `skip` and what the forward saved: the forward's bits.
+pub fn batch_norm_add_relu_recompute(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    skip: &CudaTensor,
+    saved: &BatchNormSaved,
+) -> CudaResult<CudaTensor> {
+    skip.expect_shape("batch_norm recompute (residual input)", x.shape())?;
+    let [n, h, w, c] = nhwc("batch_norm recompute", x.shape())?;
+    for (what, len) in [
+        ("saved scale", saved.scale.len()),
+        ("saved shift", saved.shift.len()),
+    ] {
+        same_len("batch_norm recompute", what, c, len)?;
+    }
+    let rows = u32_of("batch_norm recompute", n * h * w)? as usize;
+    bn_apply(be, x, Some(skip), rows, c, &saved.scale, &saved.shift, true)
+}
+
 /// Eval forward: normalise with the running statistics; saves nothing.
 pub fn batch_norm_forward_eval(
     be: &CudaBackend,
