@@ -229,7 +229,22 @@ impl Recomputable {
         self.value.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Computes the output; under `--profile` its time is a segment of its
+    /// own (a layer's backward asks before it launches anything, so the
+    /// segment holds the recomputation alone).
     fn compute(&self, be: &CudaBackend) -> CudaResult<CudaTensor> {
+        let y = self.compute_unmarked(be)?;
+        be.profile_mark(|| {
+            let what = match self.skip {
+                None => "batch_norm+relu",
+                Some(_) => "residual batch_norm+add+relu",
+            };
+            format!("recompute {what} out {}", dims(&y))
+        })?;
+        Ok(y)
+    }
+
+    fn compute_unmarked(&self, be: &CudaBackend) -> CudaResult<CudaTensor> {
         match &self.skip {
             None => ops::batch_norm_relu_recompute(be, &self.input, &self.stats),
             Some(skip) => {
