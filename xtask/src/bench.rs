@@ -284,12 +284,21 @@ fn print_table(report: &Report) {
 }
 
 /// On a GPU the share of the CPU's FMA peak means nothing; peak device
-/// memory does.
+/// memory does: "ratio" is samples/s over PyTorch's (≥ 1 is faster),
+/// "mem ratio" peak memory over PyTorch's (≤ 1 is smaller).
 fn print_gpu_table(report: &Report, device: &str) {
     println!("training step, reference model, on {device}");
     println!(
-        "{:>6} | {:>12} {:>9} {:>11} | {:>12} {:>9} {:>11} | {:>6}",
-        "batch", "samples/s", "step ms", "peak mem", "torch s/s", "step ms", "peak mem", "ratio"
+        "{:>6} | {:>12} {:>9} {:>11} | {:>12} {:>9} {:>11} | {:>6} {:>9}",
+        "batch",
+        "samples/s",
+        "step ms",
+        "peak mem",
+        "torch s/s",
+        "step ms",
+        "peak mem",
+        "ratio",
+        "mem ratio"
     );
     for row in &report.rows {
         let h = &row.headroom;
@@ -301,8 +310,16 @@ fn print_gpu_table(report: &Report, device: &str) {
             ),
             None => ("-".into(), "-".into(), "-".into()),
         };
+        let mem_ratio = row
+            .pytorch
+            .as_ref()
+            .and_then(|t| t.peak_device_bytes)
+            .filter(|&torch| torch > 0)
+            .map_or("-".into(), |torch| {
+                format!("{:.2}", h.peak_tensor_bytes as f64 / torch as f64)
+            });
         println!(
-            "{:>6} | {:>12.0} {:>9.2} {:>11} | {:>12} {:>9} {:>11} | {:>6}",
+            "{:>6} | {:>12.0} {:>9.2} {:>11} | {:>12} {:>9} {:>11} | {:>6} {:>9}",
             h.batch,
             h.samples_per_sec,
             h.step_ms,
@@ -310,7 +327,8 @@ fn print_gpu_table(report: &Report, device: &str) {
             t_rate,
             t_ms,
             t_mem,
-            row.ratio.map_or("-".into(), |r| format!("{r:.2}"))
+            row.ratio.map_or("-".into(), |r| format!("{r:.2}")),
+            mem_ratio
         );
     }
     if let Some(t) = report.rows.iter().find_map(|r| r.pytorch.as_ref()) {
