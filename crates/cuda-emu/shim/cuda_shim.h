@@ -133,6 +133,10 @@ static inline T __shfl_xor_sync(unsigned int, T v, int lane_mask, int width = 32
     return ::hr_emu::shuffle(v, 3, lane_mask, width);
 }
 
+static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+    return (unsigned int)(((unsigned long long)a * b) >> 32);
+}
+
 static inline unsigned int __ballot_sync(unsigned int mask, int pred) {
     unsigned long long all[32];
     unsigned int lane;

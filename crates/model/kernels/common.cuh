@@ -167,6 +167,22 @@ struct StepState {
 };
 HR_CHECK_SIZE(StepState, 56);
 
+// n / d for n < 2^31 by one multiply-high, an add and a shift: a 32-bit
+// division by a value known only at run time costs some twenty
+// instructions on a GPU, and im2col/col2im take several per element. The
+// host computes m and s for d (FastDiv::new in params.rs, Granlund and
+// Montgomery's round-up multiplier); n < 2^31 keeps n + mulhi(n, m) from
+// overflowing.
+struct FastDiv {
+    u32 m;
+    u32 s;
+};
+HR_CHECK_SIZE(FastDiv, 8);
+
+__device__ __forceinline__ u32 hr_div(FastDiv f, u32 n) {
+    return (__umulhi(n, f.m) + n) >> f.s;
+}
+
 // Grid-stride loop over [0, n).
 #define HR_FOR_EACH(i, n)                                                   \
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < (n);           \

@@ -11,7 +11,11 @@
 // built for part of the batch at a time (the wrapper picks the range from a
 // scratch budget); row 0 of A / dA is output pixel 0 of image n0.
 // col2im gathers (each input element sums the taps that read it, in f32) so
-// it needs no atomics and is deterministic.
+// it needs no atomics and is deterministic. Both split flat indices with
+// the host's FastDiv multipliers instead of division instructions: a
+// division by a run-time value costs a GPU some twenty instructions, and
+// these kernels took five or more per element (col2im two per tap).
+// Compiled and emulated, not yet timed on a GPU.
 #include "common.cuh"
 
 struct ConvParams {
@@ -25,8 +29,17 @@ struct ConvParams {
     u32 pad;
     u32 n0;
     u32 images;
+    // Divisors of the index math, each set up by the host (hr_div).
+    FastDiv by_kk;     // k*k*cin
+    FastDiv by_opix;   // oh*ow
+    FastDiv by_ow;
+    FastDiv by_kcin;   // k*cin
+    FastDiv by_cin;
+    FastDiv by_image;  // h*w*cin
+    FastDiv by_wcin;   // w*cin
+    FastDiv by_stride;
 };
-HR_CHECK_SIZE(ConvParams, 40);
+HR_CHECK_SIZE(ConvParams, 104);
 
 // a[row, col] for row in this range's output pixels, col in [0, K).
 template <typename T>
@@ -35,17 +48,18 @@ __device__ void im2col_k(ConvParams p, const T* __restrict__ x,
     const u32 kk = p.k * p.k * p.cin;
     const u32 opix = p.oh * p.ow;
     const u32 total = p.images * opix * kk;
+    const u32 kcin = p.k * p.cin;
     HR_FOR_EACH(i, total) {
-        const u32 row = i / kk;
-        const u32 col = i % kk;
-        const u32 img = row / opix;
-        const u32 pix = row % opix;
-        const u32 oy = pix / p.ow;
-        const u32 ox = pix % p.ow;
-        const u32 ky = col / (p.k * p.cin);
-        const u32 rem = col % (p.k * p.cin);
-        const u32 kx = rem / p.cin;
-        const u32 ci = rem % p.cin;
+        const u32 row = hr_div(p.by_kk, i);
+        const u32 col = i - row * kk;
+        const u32 img = hr_div(p.by_opix, row);
+        const u32 pix = row - img * opix;
+        const u32 oy = hr_div(p.by_ow, pix);
+        const u32 ox = pix - oy * p.ow;
+        const u32 ky = hr_div(p.by_kcin, col);
+        const u32 rem = col - ky * kcin;
+        const u32 kx = hr_div(p.by_cin, rem);
+        const u32 ci = rem - kx * p.cin;
         // Signed: the padding reaches before row/column 0.
         const int iy = (int)(oy * p.stride + ky) - (int)p.pad;
         const int ix = (int)(ox * p.stride + kx) - (int)p.pad;
@@ -67,29 +81,31 @@ __device__ void col2im_k(ConvParams p, const T* __restrict__ da,
     const u32 opix = p.oh * p.ow;
     const u32 image = p.h * p.w * p.cin;
     const u32 total = p.images * image;
+    const u32 wcin = p.w * p.cin;
     HR_FOR_EACH(i, total) {
-        const u32 img = i / image;
-        const u32 rem = i % image;
-        const u32 iy = rem / (p.w * p.cin);
-        const u32 ix = (rem / p.cin) % p.w;
-        const u32 ci = rem % p.cin;
+        const u32 img = hr_div(p.by_image, i);
+        const u32 rem = i - img * image;
+        const u32 iy = hr_div(p.by_wcin, rem);
+        const u32 in_row = rem - iy * wcin;
+        const u32 ix = hr_div(p.by_cin, in_row);
+        const u32 ci = in_row - ix * p.cin;
         float acc = 0.0f;
         for (u32 ky = 0; ky < p.k; ++ky) {
             const int ty = (int)(iy + p.pad) - (int)ky;  // = oy * stride
-            if (ty < 0 || ty % (int)p.stride != 0) {
+            if (ty < 0) {
                 continue;
             }
-            const u32 oy = (u32)ty / p.stride;
-            if (oy >= p.oh) {
+            const u32 oy = hr_div(p.by_stride, (u32)ty);
+            if (oy * p.stride != (u32)ty || oy >= p.oh) {
                 continue;
             }
             for (u32 kx = 0; kx < p.k; ++kx) {
                 const int tx = (int)(ix + p.pad) - (int)kx;
-                if (tx < 0 || tx % (int)p.stride != 0) {
+                if (tx < 0) {
                     continue;
                 }
-                const u32 ox = (u32)tx / p.stride;
-                if (ox >= p.ow) {
+                const u32 ox = hr_div(p.by_stride, (u32)tx);
+                if (ox * p.stride != (u32)tx || ox >= p.ow) {
                     continue;
                 }
                 const u32 row = img * opix + oy * p.ow + ox;

@@ -1104,7 +1104,10 @@ impl ConvShape {
         self.k == 1 && self.stride == 1 && self.pad == 0
     }
 
+    /// The kernels' parameters; `check` has made every product here fit
+    /// in 32 bits.
     fn params(&self, oh: usize, ow: usize, n0: usize, images: usize) -> ConvParams {
+        let by = |d: usize| FastDiv::new(d as u32);
         ConvParams {
             h: self.h as u32,
             w: self.w as u32,
@@ -1116,6 +1119,14 @@ impl ConvShape {
             pad: self.pad as u32,
             n0: n0 as u32,
             images: images as u32,
+            by_kk: by(self.kk()),
+            by_opix: by(oh * ow),
+            by_ow: by(ow),
+            by_kcin: by(self.k * self.cin),
+            by_cin: by(self.cin),
+            by_image: by(self.h * self.w * self.cin),
+            by_wcin: by(self.w * self.cin),
+            by_stride: by(self.stride),
         }
     }
 

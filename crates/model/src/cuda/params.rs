@@ -61,10 +61,16 @@ kernel_params! {
     XentParams(16) { rows: u32, classes: u32, smoothing: f32, share: f32 }
     /// loss.cu: xent_reduce.
     XentReduceParams(4) { rows: u32 }
-    /// conv.cu: im2col, col2im, for images [n0, n0 + images).
-    ConvParams(40) {
+    /// common.cuh: division of n < 2^31 by a fixed d as a multiply-high,
+    /// an add and a shift (`FastDiv::new`).
+    FastDiv(8) { m: u32, s: u32 }
+    /// conv.cu: im2col, col2im, for images [n0, n0 + images), with the
+    /// divisors of their index math.
+    ConvParams(104) {
         h: u32, w: u32, cin: u32, oh: u32, ow: u32,
         k: u32, stride: u32, pad: u32, n0: u32, images: u32,
+        by_kk: FastDiv, by_opix: FastDiv, by_ow: FastDiv, by_kcin: FastDiv,
+        by_cin: FastDiv, by_image: FastDiv, by_wcin: FastDiv, by_stride: FastDiv,
     }
     /// optim.cu: grad_sumsq.
     SumSqParams(8) { n: u32, offset: u32 }
@@ -125,6 +131,25 @@ kernel_params! {
     }
 }
 
+impl FastDiv {
+    /// Granlund and Montgomery's round-up multiplier for d ≥ 1 (0 is taken
+    /// as 1): with l = ⌈log2 d⌉, m = ⌊2^32 (2^l - d) / d⌋ + 1, and
+    /// n / d = (mulhi(n, m) + n) >> l for every n < 2^31. m < 2^32 since
+    /// 2^l < 2d.
+    pub fn new(d: u32) -> Self {
+        let d = u64::from(d.max(1));
+        let l = 64 - (d - 1).leading_zeros();
+        let m = ((1u64 << 32) * ((1u64 << l) - d)) / d + 1;
+        Self { m: m as u32, s: l }
+    }
+
+    /// What `hr_div` computes on the device.
+    pub fn quotient(self, n: u32) -> u32 {
+        let high = ((u64::from(n) * u64::from(self.m)) >> 32) as u32;
+        (high + n) >> self.s
+    }
+}
+
 /// Learning-rate candidates a `StepSchedule` holds (optim.cu's
 /// HR_SCHEDULE_CANDIDATES): a step may be queued with up to this many minus
 /// one steps still in flight.
@@ -136,3 +161,39 @@ unsafe impl ValidAsZeroBits for StepState {}
 unsafe impl ValidAsZeroBits for AdamWScalars {}
 // SAFETY: integers and f32 scalars; zeros are valid.
 unsafe impl ValidAsZeroBits for StepSchedule {}
+
+#[cfg(test)]
+mod tests {
+    use super::FastDiv;
+
+    /// Every divisor an index may meet up to 4096, and large ones, against
+    /// every dividend class that matters: small, around multiples of d, and
+    /// up to 2^31 - 1.
+    #[test]
+    fn fast_division_is_exact_below_two_to_the_31() {
+        let mut divisors: Vec<u32> = (1..=4096).collect();
+        for shift in 12..31 {
+            let p = 1u32 << shift;
+            divisors.extend([p - 1, p, p + 1, p / 3 * 2 + 1]);
+        }
+        divisors.push(i32::MAX as u32);
+        for d in divisors {
+            let f = FastDiv::new(d);
+            let mut dividends: Vec<u32> = (0..600).collect();
+            for k in [1u32, 2, 3, 7, 1000, 65_537] {
+                if let Some(m) = d.checked_mul(k).filter(|&m| m < 1 << 31) {
+                    dividends.extend([m - 1, m, m.saturating_add(1)]);
+                }
+            }
+            dividends.extend([(1 << 31) - 1, (1 << 31) - 2, (1 << 30) + 12_345]);
+            for n in dividends.into_iter().filter(|&n| n < 1 << 31) {
+                assert_eq!(f.quotient(n), n / d, "{n} / {d} with {f:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_zero_divisor_divides_by_one() {
+        assert_eq!(FastDiv::new(0).quotient(1234), 1234);
+    }
+}
