@@ -61,12 +61,15 @@ struct BnEvalParams {
 };
 HR_CHECK_SIZE(BnEvalParams, 8);
 
+// by_channels: the channel of a flat NHWC index without a division
+// instruction (hr_div), in the kernels that touch every element.
 struct BnApplyParams {
     u32 rows;
     u32 channels;
     u32 relu;
+    FastDiv by_channels;
 };
-HR_CHECK_SIZE(BnApplyParams, 12);
+HR_CHECK_SIZE(BnApplyParams, 20);
 
 struct BnBackwardParams {
     u32 rows;
@@ -74,8 +77,13 @@ struct BnBackwardParams {
     u32 rows_per_chunk;
     u32 chunks;
     u32 relu;
+    FastDiv by_channels;
 };
-HR_CHECK_SIZE(BnBackwardParams, 20);
+HR_CHECK_SIZE(BnBackwardParams, 28);
+
+__device__ __forceinline__ u32 bn_channel(FastDiv by_channels, u32 channels, u32 i) {
+    return i - hr_div(by_channels, i) * channels;
+}
 
 #define BN_LANES 8
 
@@ -181,7 +189,7 @@ __device__ void bn_apply_k(BnApplyParams p, const T* __restrict__ x,
                                     const float* __restrict__ shift, T* __restrict__ y) {
     const u32 n = p.rows * p.channels;
     HR_FOR_EACH(i, n) {
-        const u32 c = i % p.channels;
+        const u32 c = bn_channel(p.by_channels, p.channels, i);
         float v = fmaf(hr_ld(x[i]), scale[c], shift[c]);
         if (p.relu) {
             v = hr_relu(v);
@@ -202,7 +210,7 @@ __device__ void bn_apply_add_k(BnApplyParams p, const T* __restrict__ x,
                                         T* __restrict__ y) {
     const u32 n = p.rows * p.channels;
     HR_FOR_EACH(i, n) {
-        const u32 c = i % p.channels;
+        const u32 c = bn_channel(p.by_channels, p.channels, i);
         const float v = hr_round<T>(fmaf(hr_ld(x[i]), scale[c], shift[c]));
         float s = hr_round<T>(v + hr_ld(skip[i]));
         if (p.relu) {
@@ -324,7 +332,7 @@ __device__ void bn_backward_apply_k(BnBackwardParams p, const T* __restrict__ g,
                                              T* __restrict__ dx) {
     const u32 n = p.rows * p.channels;
     HR_FOR_EACH(i, n) {
-        const u32 c = i % p.channels;
+        const u32 c = bn_channel(p.by_channels, p.channels, i);
         const float gv = bn_masked_grad(p.relu, g, y, i);
         hr_st(&dx[i], coef_k[c] * gv + coef_b[c] * (hr_ld(x[i]) - mean[c]) + coef_d[c]);
     }

@@ -517,6 +517,7 @@ fn bn_apply(
         rows: rows as u32,
         channels: c as u32,
         relu: relu as u32,
+        by_channels: FastDiv::new(c as u32),
     };
     let stream = be.compute_stream();
     match skip {
@@ -972,6 +973,7 @@ fn bn_backward(
         rows_per_chunk: rpc as u32,
         chunks: chunks as u32,
         relu: relu as u32,
+        by_channels: FastDiv::new(c as u32),
     };
     let stream = be.compute_stream();
     let mut part_g = be.alloc::<f32>(chunks * c)?;

@@ -49,10 +49,13 @@ kernel_params! {
     /// batchnorm.cu: bn_eval_prepare.
     BnEvalParams(8) { channels: u32, eps: f32 }
     /// batchnorm.cu: bn_apply (relu = 1 fuses the ReLU), bn_apply_add.
-    BnApplyParams(12) { rows: u32, channels: u32, relu: u32 }
+    BnApplyParams(20) { rows: u32, channels: u32, relu: u32, by_channels: FastDiv }
     /// batchnorm.cu: bn_backward_partial, bn_backward_partial_mask,
     /// bn_backward_finalize, bn_backward_apply.
-    BnBackwardParams(20) { rows: u32, channels: u32, rows_per_chunk: u32, chunks: u32, relu: u32 }
+    BnBackwardParams(28) {
+        rows: u32, channels: u32, rows_per_chunk: u32, chunks: u32, relu: u32,
+        by_channels: FastDiv,
+    }
     /// pool.cu: global_avg_pool_forward, global_avg_pool_backward.
     PoolParams(16) { n: u32, hw: u32, c: u32, inv_hw: f32 }
     /// loss.cu: softmax_xent, softmax_xent_soft (which ignores smoothing).
