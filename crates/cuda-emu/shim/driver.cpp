@@ -44,7 +44,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <deque>
+#include <thread>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -500,9 +502,14 @@ struct Capture {
 // streams waiting on those, so that they outlive the stream's handle.
 struct Queue {
     std::recursive_mutex lock;
+    // Notified whenever an operation finishes.
+    std::condition_variable_any progress;
     std::deque<std::function<CUresult()>> pending;
     unsigned long long enqueued = 0;  // operations ever queued
-    unsigned long long done = 0;      // operations run
+    unsigned long long done = 0;      // operations taken to run
+    unsigned long long finished = 0;  // operations that have finished running
+    // The thread running an operation of this queue now (none: default).
+    std::thread::id runner;
 };
 
 struct Stream {
@@ -555,16 +562,41 @@ CUresult record(Stream* s, std::function<CUresult()> node) {
     return CUDA_SUCCESS;
 }
 
-// Runs the work of `q` up to its operation number `upto`, in order; the
-// first failure is returned once all of it has run.
+// Runs the work of `q` up to its operation number `upto`, in order (or
+// waits while another thread runs it); the first failure this call ran is
+// returned once all of it has run.
+//
+// No lock is held while an operation runs. An operation may wait on
+// another queue, so a thread that held its queue's lock through that wait
+// could deadlock against a thread running the other queue and waiting,
+// in turn, on work of the first that had long finished (one test's
+// context synchronisation while another test's streams run, say), though
+// the streams themselves, like a GPU's, would not.
 CUresult run_until(Queue& q, unsigned long long upto) {
-    std::lock_guard<std::recursive_mutex> g(q.lock);
+    const std::thread::id me = std::this_thread::get_id();
+    std::unique_lock<std::recursive_mutex> g(q.lock);
     CUresult first = CUDA_SUCCESS;
-    while (q.done < upto && !q.pending.empty()) {
+    while (q.finished < upto) {
+        if (q.runner == me) {
+            // An operation of this queue waits on this queue: what it has
+            // taken counts as done (anything later runs here, nested).
+            if (q.done >= upto) break;
+        } else if (q.runner != std::thread::id()) {
+            q.progress.wait(g);
+            continue;
+        }
+        if (q.pending.empty()) break;
         std::function<CUresult()> node = std::move(q.pending.front());
         q.pending.pop_front();
         ++q.done;
+        const std::thread::id outer = q.runner;
+        q.runner = me;
+        g.unlock();
         const CUresult rc = node();
+        g.lock();
+        q.runner = outer;
+        ++q.finished;
+        q.progress.notify_all();
         if (first == CUDA_SUCCESS) first = rc;
     }
     return first;
