@@ -121,3 +121,51 @@ fn a_stream_waiting_on_an_event_runs_after_the_recorded_work() {
     s.memcpy_dtoh(&out, &mut back).unwrap();
     assert_eq!(back, [4, 3, 2, 1]);
 }
+
+/// Two streams that wait on each other's earlier work in turn (a valid
+/// program: each waits only on work queued before its wait), run to the end
+/// by two threads at once, each synchronising one stream. Each thread then
+/// runs its stream's waits, which run the other stream's work; neither may
+/// hold up the other on work that has already run.
+#[test]
+fn two_threads_running_streams_that_wait_on_each_other_both_finish() {
+    let a = stream();
+    let b = a.context().new_stream().unwrap();
+    let n = 64u32;
+    let f = reverse(&a);
+    let mut bufs = [
+        a.alloc_zeros::<u32>(64).unwrap(),
+        a.alloc_zeros::<u32>(64).unwrap(),
+    ];
+    a.synchronize().unwrap();
+    for _ in 0..200 {
+        for (s, other) in [(&a, &b), (&b, &a)] {
+            let [x, y] = &mut bufs;
+            let mut launch = s.launch_builder(&f);
+            launch.arg(&n).arg(&*x).arg(y);
+            // SAFETY: hr_emu_selftest_reverse(n, const u32* [n], u32* [n]),
+            // n threads; the streams' waits order every use of the buffers.
+            unsafe { launch.launch(one_block(n)) }.unwrap();
+            let ready = s.record_event(None).unwrap();
+            other.wait(&ready).unwrap();
+        }
+    }
+    // Never freed: a free queues on a stream, and behind a deadlock it
+    // would hang this test instead of letting it fail.
+    std::mem::forget((bufs, f));
+    let start = Arc::new(std::sync::Barrier::new(2));
+    let (done, finished) = std::sync::mpsc::channel();
+    for s in [a, b] {
+        let (done, start) = (done.clone(), Arc::clone(&start));
+        std::thread::spawn(move || {
+            start.wait();
+            s.synchronize().unwrap();
+            done.send(()).unwrap();
+        });
+    }
+    for _ in 0..2 {
+        finished
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .expect("both streams finish (no deadlock)");
+    }
+}
