@@ -246,7 +246,7 @@ impl Recomputable {
 
     fn compute_unmarked(&self, be: &CudaBackend) -> CudaResult<CudaTensor> {
         match &self.skip {
-            None => ops::batch_norm_relu_recompute(be, &self.input, &self.stats),
+            None => ops::batch_norm_relu_recompute(be, &self.input, None, &self.stats),
             Some(skip) => {
                 // The block's input only for this sum: not held beside the
                 // output (the block's first convolution computes it again),
@@ -256,7 +256,7 @@ impl Recomputable {
                     Activation::Kept(t) => Arc::clone(t),
                     Activation::Recomputed(r) => r.get_once(be)?,
                 };
-                ops::batch_norm_add_relu_recompute(be, &self.input, &skip, &self.stats)
+                ops::batch_norm_relu_recompute(be, &self.input, Some(&skip), &self.stats)
             }
         }
     }

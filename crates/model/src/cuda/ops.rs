@@ -693,15 +693,20 @@ fn bn_forward_train(
     Ok((y, saved))
 }
 
-/// The output of `batch_norm_forward_train` with the fused ReLU, computed
-/// again from its input `x` and what that forward saved: the forward's bits
-/// (the same kernel on the same values), for a backward that recomputes
-/// the output instead of keeping it.
+/// The output of `batch_norm_forward_train` with the fused ReLU (or of
+/// `batch_norm_add_forward_train` with the ReLU, a residual block's, when
+/// `skip` is the block's input), computed again from its input `x` and what
+/// that forward saved: the forward's bits (the same kernel on the same
+/// values), for a backward that recomputes the output instead of keeping it.
 pub fn batch_norm_relu_recompute(
     be: &CudaBackend,
     x: &CudaTensor,
+    skip: Option<&CudaTensor>,
     saved: &BatchNormSaved,
 ) -> CudaResult<CudaTensor> {
+    if let Some(skip) = skip {
+        skip.expect_shape("batch_norm recompute (residual input)", x.shape())?;
+    }
     let [n, h, w, c] = nhwc("batch_norm recompute", x.shape())?;
     for (what, len) in [
         ("saved scale", saved.scale.len()),
@@ -710,28 +715,7 @@ pub fn batch_norm_relu_recompute(
         same_len("batch_norm recompute", what, c, len)?;
     }
     let rows = u32_of("batch_norm recompute", n * h * w)? as usize;
-    bn_apply(be, x, None, rows, c, &saved.scale, &saved.shift, true)
-}
-
-/// The output of `batch_norm_add_forward_train` with the ReLU (a residual
-/// block's), computed again from the batch norm's input `x`, the block's
-/// input `skip` and what the forward saved: the forward's bits.
-pub fn batch_norm_add_relu_recompute(
-    be: &CudaBackend,
-    x: &CudaTensor,
-    skip: &CudaTensor,
-    saved: &BatchNormSaved,
-) -> CudaResult<CudaTensor> {
-    skip.expect_shape("batch_norm recompute (residual input)", x.shape())?;
-    let [n, h, w, c] = nhwc("batch_norm recompute", x.shape())?;
-    for (what, len) in [
-        ("saved scale", saved.scale.len()),
-        ("saved shift", saved.shift.len()),
-    ] {
-        same_len("batch_norm recompute", what, c, len)?;
-    }
-    let rows = u32_of("batch_norm recompute", n * h * w)? as usize;
-    bn_apply(be, x, Some(skip), rows, c, &saved.scale, &saved.shift, true)
+    bn_apply(be, x, skip, rows, c, &saved.scale, &saved.shift, true)
 }
 
 /// Eval forward: normalise with the running statistics; saves nothing.
