@@ -327,7 +327,8 @@ lines += ["", read("bench.log").strip()]
 for name, what in (("bench-no-graphs", "without CUDA graphs (device.graphs=false)"),
                    ("bench-keep-outputs", "keeping batch norm + ReLU and block outputs (device.recompute=false)"),
                    ("bench-workspace-64", "with a 64 MiB im2col workspace (device.conv_workspace=64MiB)"),
-                   ("bench-workspace-4", "with a 4 MiB im2col workspace (device.conv_workspace=4MiB)")):
+                   ("bench-workspace-4", "with a 4 MiB im2col workspace (device.conv_workspace=4MiB)"),
+                   ("bench-implicit-gemm", "with the implicit-GEMM convolution kernel (device.conv_algorithm=implicit_gemm)")):
     lines += ["", what + ":", read(name + ".log").strip()]
 open(os.path.join(out, "summary.txt"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
@@ -417,6 +418,10 @@ if wants bench; then
     step bench-keep-outputs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.recompute=false
     step bench-workspace-64 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.conv_workspace=64MiB
     step bench-workspace-4 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.conv_workspace=4MiB
+    # Our tensor-core convolution (conv_mma.cu) against im2col + cuBLAS,
+    # layer by layer: which one the default should be.
+    step bench-implicit-gemm hr bench --device cuda --profile "${BENCH_ARGS[@]}" \
+        --set device.conv_algorithm=implicit_gemm
 fi
 
 write_report

@@ -1281,6 +1281,11 @@ EXPORT CUresult cuFuncGetAttribute(int* v, int attrib, const hr_emu::KernelEntry
 }
 
 namespace {
+// How many times each kernel has run (directly or in a graph), for tests
+// that must know which path an op took.
+std::mutex g_runs_mutex;
+std::map<std::string, unsigned long long> g_runs;
+
 CUresult launch_now(const hr_emu::KernelEntry* f, unsigned int gx, unsigned int gy, unsigned int gz,
                     unsigned int bx, unsigned int by, unsigned int bz, void** params) {
     const unsigned long long threads = (unsigned long long)bx * by * bz;
@@ -1288,6 +1293,10 @@ CUresult launch_now(const hr_emu::KernelEntry* f, unsigned int gx, unsigned int 
     if (s.entry != nullptr) {
         // A kernel launching a kernel (dynamic parallelism) is not emulated.
         return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    {
+        std::lock_guard<std::mutex> lock(g_runs_mutex);
+        ++g_runs[f->name];
     }
     if (!s.ensure((unsigned int)threads)) return CUDA_ERROR_OUT_OF_MEMORY;
     s.entry = f;
@@ -1356,6 +1365,13 @@ namespace hr_conv {
 
 EXPORT unsigned short hr_emu_f32_to_f16(float f) { return hr_conv::f2h(f); }
 EXPORT float hr_emu_f16_to_f32(unsigned short h) { return hr_conv::h2f(h); }
+
+// How many times kernel `name` has run in this process.
+EXPORT unsigned long long hr_emu_kernel_runs(const char* name) {
+    std::lock_guard<std::mutex> lock(g_runs_mutex);
+    const auto it = g_runs.find(name);
+    return it == g_runs.end() ? 0 : it->second;
+}
 
 // The names of every kernel compiled in, one per line (for a test that the
 // registry is complete).

@@ -175,6 +175,17 @@ pub fn kernel_names() -> Result<Vec<String>, String> {
         .collect())
 }
 
+/// How many times the kernel `name` has run in this process (launched
+/// directly or replayed in a graph).
+pub fn kernel_runs(name: &str) -> Result<u64, String> {
+    type F = unsafe extern "C" fn(*const c_char) -> u64;
+    let f = symbol(c"hr_emu_kernel_runs")?;
+    let name = CString::new(name).map_err(|e| format!("kernel name {name:?}: {e}"))?;
+    // SAFETY: the symbol has this signature and reads the NUL-terminated
+    // name only during the call.
+    Ok(unsafe { std::mem::transmute::<*mut c_void, F>(f)(name.as_ptr()) })
+}
+
 /// The fake libraries' paths (for messages).
 pub fn libraries() -> [PathBuf; 2] {
     [lib_dir().join("libcuda.so"), lib_dir().join("libcublas.so")]

@@ -29,7 +29,7 @@ use std::sync::{Mutex, MutexGuard, Once, OnceLock};
 
 use cudarc::driver::CudaSlice;
 use half::f16;
-use headroom_model::cuda::ops::{self, BatchNormConfig, ConvShape, CONV_SCRATCH_BYTES};
+use headroom_model::cuda::ops::{self, BatchNormConfig, ConvAlgorithm, ConvPlan, ConvShape};
 use headroom_model::cuda::params::StepState;
 use headroom_model::cuda::{
     kernels, AnyView, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, CudaTensor, DType,
@@ -894,8 +894,9 @@ fn batch_norm_recompute_leaves_running_statistics_alone_and_is_deterministic() {
 struct ConvCase {
     shape: ConvShape,
     bias: bool,
-    /// im2col scratch budget: small values force several image groups.
-    scratch: usize,
+    /// Algorithm and im2col workspace (a small one forces several image
+    /// groups).
+    plan: ConvPlan,
 }
 
 fn conv_parity(be: &CudaBackend, case: &ConvCase, seed: u64) {
@@ -935,7 +936,7 @@ fn conv_parity(be: &CudaBackend, case: &ConvCase, seed: u64) {
         &AnyView::F16(w_d.as_view()),
         case.bias.then(|| AnyView::F16(b_d.as_view())).as_ref(),
         s,
-        case.scratch,
+        case.plan,
     )
     .unwrap();
     let mut dw_d = upload_f32(be, &vec![0.0; weight.len()]);
@@ -950,11 +951,11 @@ fn conv_parity(be: &CudaBackend, case: &ConvCase, seed: u64) {
             &mut dw_d.as_view_mut(),
             if case.bias { Some(&mut db_view) } else { None },
             s,
-            case.scratch,
+            case.plan,
         )
         .unwrap()
     };
-    let name = format!("conv {s:?} bias {} scratch {}", case.bias, case.scratch);
+    let name = format!("conv {s:?} bias {} {:?}", case.bias, case.plan);
     // Products of f16 values accumulated in f32 (tensor cores), one f16
     // rounding of the output.
     assert_close(
@@ -997,58 +998,117 @@ fn convolution_matches_the_cpu_layer_for_the_reference_shapes() {
         ConvCase {
             shape: conv(4, 28, 28, 1, 32, 3, 1, 1),
             bias: false,
-            scratch: CONV_SCRATCH_BYTES,
+            plan: ConvPlan::default(),
         },
         ConvCase {
             shape: conv(4, 28, 28, 32, 32, 3, 1, 1),
             bias: false,
-            scratch: CONV_SCRATCH_BYTES,
+            plan: ConvPlan::default(),
         },
         ConvCase {
             shape: conv(4, 28, 28, 32, 64, 3, 2, 1),
             bias: false,
-            scratch: CONV_SCRATCH_BYTES,
+            plan: ConvPlan::default(),
         },
         ConvCase {
             shape: conv(4, 14, 14, 64, 128, 3, 2, 1),
             bias: false,
-            scratch: CONV_SCRATCH_BYTES,
+            plan: ConvPlan::default(),
         },
         ConvCase {
             shape: conv(4, 7, 7, 128, 128, 3, 1, 1),
             bias: false,
-            scratch: CONV_SCRATCH_BYTES,
+            plan: ConvPlan::default(),
         },
         // Pointwise (no im2col), bias, odd sizes, padding 0, 5×5 kernels.
         ConvCase {
             shape: conv(3, 6, 5, 16, 24, 1, 1, 0),
             bias: true,
-            scratch: CONV_SCRATCH_BYTES,
+            plan: ConvPlan::default(),
         },
         ConvCase {
             shape: conv(3, 5, 7, 3, 8, 3, 2, 1),
             bias: true,
-            scratch: CONV_SCRATCH_BYTES,
+            plan: ConvPlan::default(),
         },
         ConvCase {
             shape: conv(2, 9, 9, 4, 6, 5, 1, 0),
             bias: true,
-            scratch: CONV_SCRATCH_BYTES,
+            plan: ConvPlan::default(),
         },
         ConvCase {
             shape: conv(2, 8, 8, 5, 7, 3, 3, 2),
             bias: false,
-            scratch: CONV_SCRATCH_BYTES,
+            plan: ConvPlan::default(),
         },
         // A scratch of one image forces one group per image.
         ConvCase {
             shape: conv(5, 14, 14, 16, 16, 3, 1, 1),
             bias: true,
-            scratch: 1,
+            plan: ConvPlan {
+                workspace: 1,
+                ..ConvPlan::default()
+            },
         },
     ];
     for (i, case) in cases.iter().enumerate() {
         conv_parity(&be, case, 100 + 10 * i as u64);
+    }
+}
+
+/// Runs of conv_mma.cu's kernels so far, on the emulator (None on a GPU,
+/// where nothing counts them).
+fn implicit_conv_runs() -> Option<u64> {
+    if !emulated() {
+        return None;
+    }
+    let runs = |name| headroom_cuda_emu::kernel_runs(name).unwrap();
+    Some(runs("implicit_conv_n32_f16") + runs("implicit_conv_n64_f16"))
+}
+
+/// `device.conv_algorithm = "implicit_gemm"`: conv_mma.cu's tensor-core
+/// kernel, forward and input gradient, against the CPU layer, for the
+/// reference shapes and the edges of its tiles: rows past a block of 128,
+/// output channels short of a column tile of 32 or 64, K not a multiple of
+/// its step of 32, strides whose taps the input gradient's gather must skip.
+/// Shapes it does not take (one input channel, pointwise) go to im2col; on
+/// the emulator the test counts which kernel ran.
+#[test]
+fn implicit_gemm_convolution_matches_the_cpu_layer() {
+    let be = gpu_or_skip!();
+    let conv = |n, h, w, cin, cout, k, stride, pad| ConvShape {
+        n,
+        h,
+        w,
+        cin,
+        cout,
+        k,
+        stride,
+        pad,
+    };
+    let plan = ConvPlan {
+        algorithm: ConvAlgorithm::ImplicitGemm,
+        ..ConvPlan::default()
+    };
+    // (shape, bias, runs of the implicit kernel: forward and input gradient)
+    let cases = [
+        (conv(4, 28, 28, 32, 32, 3, 1, 1), false, 2),
+        (conv(4, 28, 28, 32, 64, 3, 2, 1), false, 2),
+        (conv(4, 14, 14, 64, 128, 3, 2, 1), false, 2),
+        (conv(4, 7, 7, 128, 128, 3, 1, 1), false, 2),
+        (conv(3, 7, 7, 8, 24, 3, 1, 1), true, 2),
+        (conv(2, 9, 9, 16, 48, 5, 1, 0), false, 2),
+        (conv(2, 8, 8, 8, 16, 3, 3, 2), true, 2),
+        (conv(3, 5, 7, 24, 40, 3, 2, 1), false, 2),
+        (conv(4, 28, 28, 1, 32, 3, 1, 1), false, 0),
+        (conv(2, 6, 6, 16, 16, 1, 1, 0), true, 0),
+    ];
+    for (i, (shape, bias, runs)) in cases.into_iter().enumerate() {
+        let before = implicit_conv_runs();
+        conv_parity(&be, &ConvCase { shape, bias, plan }, 300 + 10 * i as u64);
+        if let (Some(before), Some(after)) = (before, implicit_conv_runs()) {
+            assert_eq!(after - before, runs, "implicit kernel runs for {shape:?}");
+        }
     }
 }
 
@@ -1752,7 +1812,7 @@ fn a_basic_block_forward_and_backward_match_the_cpu_layers() {
         &AnyView::F16(w1.as_view()),
         None,
         s,
-        CONV_SCRATCH_BYTES,
+        ConvPlan::default(),
     )
     .unwrap();
     let relu_cfg = BatchNormConfig { relu: true, ..BN };
@@ -1772,7 +1832,7 @@ fn a_basic_block_forward_and_backward_match_the_cpu_layers() {
         &AnyView::F16(w2.as_view()),
         None,
         s,
-        CONV_SCRATCH_BYTES,
+        ConvPlan::default(),
     )
     .unwrap();
     let (mut z, saved2) = ops::batch_norm_forward_train(
@@ -1820,7 +1880,7 @@ fn a_basic_block_forward_and_backward_match_the_cpu_layers() {
         &mut gw2[0].as_view_mut(),
         None,
         s,
-        CONV_SCRATCH_BYTES,
+        ConvPlan::default(),
     )
     .unwrap();
     let ga1 = ops::batch_norm_backward(
@@ -1843,7 +1903,7 @@ fn a_basic_block_forward_and_backward_match_the_cpu_layers() {
         &mut gw1[0].as_view_mut(),
         None,
         s,
-        CONV_SCRATCH_BYTES,
+        ConvPlan::default(),
     )
     .unwrap();
     ops::add_inplace(&be, &mut gdx, &gz).unwrap();
@@ -2102,7 +2162,7 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
         &AnyView::F16(w1.as_view()),
         None,
         s,
-        CONV_SCRATCH_BYTES,
+        ConvPlan::default(),
     )
     .unwrap();
     let (h1, saved1) = {
@@ -2117,7 +2177,7 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
         &AnyView::F16(w2.as_view()),
         None,
         s,
-        CONV_SCRATCH_BYTES,
+        ConvPlan::default(),
     )
     .unwrap();
     let (out, saved2) = {
@@ -2172,7 +2232,7 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
         &mut gw2[0].as_view_mut(),
         None,
         s,
-        CONV_SCRATCH_BYTES,
+        ConvPlan::default(),
     )
     .unwrap();
     let ga1 = ops::batch_norm_backward(
@@ -2195,7 +2255,7 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
         &mut gw1[0].as_view_mut(),
         None,
         s,
-        CONV_SCRATCH_BYTES,
+        ConvPlan::default(),
     )
     .unwrap();
     ops::add_inplace(&be, &mut gdx, &gg).unwrap();
@@ -2225,7 +2285,7 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
         &AnyView::F16(w1.as_view()),
         None,
         s,
-        CONV_SCRATCH_BYTES,
+        ConvPlan::default(),
     )
     .unwrap();
     let (g, b) = (g1d.as_view(), b1d.as_view());
@@ -2237,7 +2297,7 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
         &AnyView::F16(w2.as_view()),
         None,
         s,
-        CONV_SCRATCH_BYTES,
+        ConvPlan::default(),
     )
     .unwrap();
     let (g, b) = (g2d.as_view(), b2d.as_view());
@@ -2555,6 +2615,14 @@ const COVERAGE: &[(&str, &str)] = &[
     ),
     ("im2col_f32", "an_f32_network_matches_the_cpu_network"),
     ("col2im_f32", "an_f32_network_matches_the_cpu_network"),
+    (
+        "implicit_conv_n32_f16",
+        "implicit_gemm_convolution_matches_the_cpu_layer",
+    ),
+    (
+        "implicit_conv_n64_f16",
+        "implicit_gemm_convolution_matches_the_cpu_layer",
+    ),
     ("cast_f32_to_f16", "casts_round_like_half_and_widen_exactly"),
     ("cast_f16_to_f32", "casts_round_like_half_and_widen_exactly"),
     ("normalize_u8_f16", "u8_batches_normalise_like_the_cpu"),

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use config::{Config, Environment, File, FileFormat};
 use headroom_loader::{AugmentConfig, ShuffleMode};
+use headroom_model::cuda::ops::{ConvAlgorithm, ConvPlan};
 use headroom_model::ModelSpec;
 use serde::{Deserialize, Serialize};
 
@@ -325,6 +326,13 @@ pub struct DeviceConfig {
     /// matrix products (and the weight gradient summed in another order).
     #[serde(default)]
     pub conv_workspace: Option<String>,
+    /// On the GPU, how a convolution's forward and input gradient are
+    /// multiplied: "im2col" (the default: an im2col matrix in the
+    /// workspace, cuBLAS) or "implicit_gemm" (our tensor-core kernel that
+    /// gathers the matrix tile by tile in shared memory; f16, channels in
+    /// multiples of 8, sm_80 or newer, else im2col). No effect on the CPU.
+    #[serde(default = "default_conv_algorithm")]
+    pub conv_algorithm: String,
     /// Fault injection for tests: fail an allocation at these steps ...
     #[serde(default)]
     pub inject_oom: InjectOom,
@@ -332,6 +340,10 @@ pub struct DeviceConfig {
 
 fn default_device_kind() -> String {
     "auto".into()
+}
+
+fn default_conv_algorithm() -> String {
+    "im2col".into()
 }
 
 impl Default for DeviceConfig {
@@ -344,6 +356,7 @@ impl Default for DeviceConfig {
             graphs: true,
             recompute: true,
             conv_workspace: None,
+            conv_algorithm: default_conv_algorithm(),
             inject_oom: InjectOom::default(),
         }
     }
@@ -932,7 +945,7 @@ impl ExperimentConfig {
         if let Some(text) = &self.device.memory_limit {
             parse_bytes("device.memory_limit", text)?;
         }
-        self.conv_workspace()?;
+        self.conv_plan()?;
         if !matches!(self.memory.oom_policy.as_str(), "adapt" | "stop") {
             return Err(PipelineError::value(
                 "memory.oom_policy",
@@ -1048,6 +1061,24 @@ impl ExperimentConfig {
             .as_deref()
             .map(|text| parse_bytes("device.memory_limit", text))
             .transpose()
+    }
+
+    /// `device.conv_algorithm` and `device.conv_workspace`.
+    pub fn conv_plan(&self) -> Result<ConvPlan> {
+        let algorithm = match self.device.conv_algorithm.as_str() {
+            "im2col" => ConvAlgorithm::Im2col,
+            "implicit_gemm" => ConvAlgorithm::ImplicitGemm,
+            other => {
+                return Err(PipelineError::value(
+                    "device.conv_algorithm",
+                    format!("expected \"im2col\" or \"implicit_gemm\", got \"{other}\""),
+                ))
+            }
+        };
+        Ok(ConvPlan {
+            algorithm,
+            workspace: self.conv_workspace()?,
+        })
     }
 
     /// `device.conv_workspace` in bytes, or the default.

@@ -339,7 +339,7 @@ pub(crate) fn cuda_options(config: &ExperimentConfig) -> Result<CudaOptions> {
             fuse: config.device.fusion,
             activations,
             recompute: config.device.recompute,
-            conv_workspace: config.conv_workspace()?,
+            conv: config.conv_plan()?,
         },
         loss_scaler,
         graphs: config.device.graphs,

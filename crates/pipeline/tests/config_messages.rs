@@ -103,3 +103,25 @@ fn the_conv_workspace_is_a_positive_byte_size() {
         assert!(err.contains(bad), "{bad}: {err}");
     }
 }
+
+#[test]
+fn the_conv_algorithm_is_im2col_or_implicit_gemm() {
+    use headroom_model::cuda::ops::{ConvAlgorithm, ConvPlan};
+    assert_eq!(load(&[]).unwrap().conv_plan().unwrap(), ConvPlan::default());
+    let set = load(&[
+        "device.conv_algorithm=implicit_gemm",
+        "device.conv_workspace=4MiB",
+    ])
+    .unwrap();
+    assert_eq!(
+        set.conv_plan().unwrap(),
+        ConvPlan {
+            algorithm: ConvAlgorithm::ImplicitGemm,
+            workspace: 4 << 20,
+        }
+    );
+    let err = load(&["device.conv_algorithm=winograd"]).unwrap_err();
+    assert!(err.contains("device.conv_algorithm"), "{err}");
+    assert!(err.contains("\"implicit_gemm\""), "{err}");
+    assert!(err.contains("winograd"), "{err}");
+}

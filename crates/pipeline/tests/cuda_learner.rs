@@ -14,6 +14,7 @@ mod common;
 
 use common::{bits, settings};
 use headroom_loader::Batch;
+use headroom_model::cuda::ops::{ConvAlgorithm, ConvPlan};
 use headroom_model::cuda::{CudaBackend, CudaBuildOptions, CudaError, DType};
 use headroom_model::memory::MemoryPool;
 use headroom_model::{BuildOptions, CheckpointPolicy, Device, LayerSpec, ModelSpec};
@@ -349,15 +350,20 @@ fn recomputation_trains_bit_for_bit_the_same_with_a_lower_peak() {
 /// `device.conv_workspace` cuts the weight gradient's sum over the batch
 /// into per-chunk products, so it changes the f32 summation order: an
 /// im2col workspace of one image's rows trains to within a hair of one
-/// holding the whole batch.
+/// holding the whole batch. `device.conv_algorithm = "implicit_gemm"`
+/// rounds the input gradient once instead of twice: close too.
 #[test]
-fn recomputed_outputs_train_to_the_same_bits_and_any_workspace_alike() {
+fn recomputed_outputs_train_to_the_same_bits_and_any_conv_plan_alike() {
     let Some(_gpu) = backend() else { return };
-    let run = |recompute: bool, conv_workspace: usize| {
+    let im2col = |workspace| ConvPlan {
+        algorithm: ConvAlgorithm::Im2col,
+        workspace,
+    };
+    let run = |recompute: bool, conv: ConvPlan| {
         let options = CudaOptions {
             build: CudaBuildOptions {
                 recompute,
-                conv_workspace,
+                conv,
                 ..CudaBuildOptions::default()
             },
             ..CudaOptions::default()
@@ -383,20 +389,34 @@ fn recomputed_outputs_train_to_the_same_bits_and_any_workspace_alike() {
         let end = learner.snapshot().unwrap();
         (peak, bits(&end), start, flat(&end.params))
     };
-    let (kept_peak, kept, start, kept_params) = run(false, 64 << 20);
-    let (peak, recomputed, ..) = run(true, 64 << 20);
+    let (kept_peak, kept, start, kept_params) = run(false, im2col(64 << 20));
+    let (peak, recomputed, ..) = run(true, im2col(64 << 20));
     assert!(recomputed == kept, "recomputing trains differently");
     eprintln!("step peak: {peak} bytes recomputing, {kept_peak} keeping");
     assert!(
         peak < kept_peak,
         "recomputing peaked at {peak}, keeping at {kept_peak}"
     );
-    // 1 byte: every chunk is a single image.
-    let (.., one_image) = run(true, 1);
     let moved = relative_l2(&kept_params, &start);
+    // 1 byte: every chunk is a single image.
+    let (.., one_image) = run(true, im2col(1));
     let apart = relative_l2(&one_image, &kept_params);
     eprintln!("one-image workspace: apart {apart:e}, moved {moved:e}");
     assert!(apart < 1e-3 * moved, "apart {apart}, moved {moved}");
+    let (implicit_peak, _, _, implicit) = run(
+        true,
+        ConvPlan {
+            algorithm: ConvAlgorithm::ImplicitGemm,
+            workspace: 64 << 20,
+        },
+    );
+    let apart = relative_l2(&implicit, &kept_params);
+    eprintln!("implicit GEMM: apart {apart:e}, moved {moved:e}, peak {implicit_peak}");
+    assert!(apart < 5e-2 * moved, "apart {apart}, moved {moved}");
+    assert!(
+        implicit_peak <= peak,
+        "implicit GEMM peaked at {implicit_peak}, im2col at {peak}"
+    );
 }
 
 #[test]

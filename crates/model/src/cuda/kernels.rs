@@ -120,6 +120,11 @@ pub const XENT_REDUCE: KernelSig = sig!("loss", "xent_reduce", XentReduceParams,
 
 pub const IM2COL: KernelPair = pair!("conv", "im2col", ConvParams, 2);
 pub const COL2IM: KernelPair = pair!("conv", "col2im", ConvParams, 2);
+/// Implicit-GEMM convolution, f16 only, by column tile (32 or 64).
+pub const IMPLICIT_CONV_N32: KernelSig =
+    sig!("conv_mma", "implicit_conv_n32_f16", ImplicitConvParams, 3);
+pub const IMPLICIT_CONV_N64: KernelSig =
+    sig!("conv_mma", "implicit_conv_n64_f16", ImplicitConvParams, 3);
 
 pub const GRAD_SUMSQ: KernelSig = sig!("optim", "grad_sumsq", SumSqParams, 2);
 pub const STEP_FINALIZE: KernelSig = sig!("optim", "step_finalize", FinalizeParams, 4);
@@ -207,6 +212,11 @@ pub static FILES: &[KernelFile] = &[
         name: "conv",
         source: include_str!("../../kernels/conv.cu"),
         kernels: &[IM2COL.f16, IM2COL.f32, COL2IM.f16, COL2IM.f32],
+    },
+    KernelFile {
+        name: "conv_mma",
+        source: include_str!("../../kernels/conv_mma.cu"),
+        kernels: &[IMPLICIT_CONV_N32, IMPLICIT_CONV_N64],
     },
     KernelFile {
         name: "optim",

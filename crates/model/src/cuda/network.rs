@@ -48,7 +48,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 
 use super::backend::{CudaBackend, DeviceBuffer};
 use super::error::Context;
-use super::ops::{self, BatchNormConfig, BatchNormSaved, ConvShape, CONV_SCRATCH_BYTES};
+use super::ops::{self, BatchNormConfig, BatchNormSaved, ConvPlan, ConvShape};
 use super::param_group::ParamGroup;
 use super::params::StepState;
 use super::tensor::{AnyView, CudaTensor, DType};
@@ -102,8 +102,8 @@ enum GpuLayer {
         stride: usize,
         pad: usize,
         cout: usize,
-        /// Bytes of im2col matrix a pass may use (`CudaBuildOptions`).
-        scratch: usize,
+        /// Its algorithm and im2col workspace (`CudaBuildOptions`).
+        plan: ConvPlan,
     },
     BatchNorm {
         bn: BatchNormLayer,
@@ -293,11 +293,12 @@ pub struct CudaBuildOptions {
     /// (`device.recompute`, `Recomputable`): the same bits, one activation
     /// fewer per such layer, an elementwise pass or two more each.
     pub recompute: bool,
-    /// Bytes a convolution's im2col matrix may take at a time
-    /// (`device.conv_workspace`): the batch goes through it in groups of
-    /// whole images (at least one), so less memory means more, smaller
-    /// matrix products.
-    pub conv_workspace: usize,
+    /// How convolutions run: `device.conv_algorithm` (im2col + cuBLAS, or
+    /// the implicit-GEMM kernel) and the bytes an im2col matrix may take at
+    /// a time (`device.conv_workspace`): the batch goes through it in
+    /// groups of whole images (at least one), so less memory means more,
+    /// smaller matrix products.
+    pub conv: ConvPlan,
 }
 
 impl Default for CudaBuildOptions {
@@ -306,7 +307,7 @@ impl Default for CudaBuildOptions {
             fuse: true,
             activations: DType::F16,
             recompute: true,
-            conv_workspace: CONV_SCRATCH_BYTES,
+            conv: ConvPlan::default(),
         }
     }
 }
@@ -415,7 +416,7 @@ impl CudaNetwork {
         let groups = build_groups(be, &spec.layers, "model.layers", &mut shape, &mut cursor)?;
         let layers = arrange(groups, spec.checkpoint, GpuLayer::Checkpointed);
         let mut layers = if options.fuse { fuse(layers) } else { layers };
-        set_conv_scratch(&mut layers, options.conv_workspace);
+        set_conv_plan(&mut layers, options.conv);
         if cursor.next != cpu_params.len() {
             return Err(CudaError::shape(
                 "CudaNetwork::build",
@@ -875,13 +876,13 @@ fn fuse(layers: Vec<GpuLayer>) -> Vec<GpuLayer> {
     out
 }
 
-fn set_conv_scratch(layers: &mut [GpuLayer], bytes: usize) {
+fn set_conv_plan(layers: &mut [GpuLayer], conv: ConvPlan) {
     for layer in layers {
         match layer {
-            GpuLayer::Conv { scratch, .. } => *scratch = bytes,
+            GpuLayer::Conv { plan, .. } => *plan = conv,
             GpuLayer::Residual(body)
             | GpuLayer::Checkpointed(body)
-            | GpuLayer::FusedResidual { body, .. } => set_conv_scratch(body, bytes),
+            | GpuLayer::FusedResidual { body, .. } => set_conv_plan(body, conv),
             _ => {}
         }
     }
@@ -925,7 +926,7 @@ fn build_one(
                 stride: *stride,
                 pad,
                 cout: *out,
-                scratch: CONV_SCRATCH_BYTES,
+                plan: ConvPlan::default(),
             }]
         }
         LayerSpec::BatchNorm { momentum, eps } => {
@@ -1196,11 +1197,11 @@ fn forward_one(
             stride,
             pad,
             cout,
-            scratch,
+            plan,
         } => {
             let s = conv_shape(x, *kernel, *stride, *pad, *cout)?;
             let b = bias.as_ref().map(|b| compute(groups, b));
-            let y = ops::conv2d_forward(be, x, &compute(groups, weight), b.as_ref(), s, *scratch)?;
+            let y = ops::conv2d_forward(be, x, &compute(groups, weight), b.as_ref(), s, *plan)?;
             (y, Keep::Input)
         }
         GpuLayer::BatchNorm { bn, relu } => {
@@ -1513,7 +1514,7 @@ fn backward_leaf(
                 stride,
                 pad,
                 cout,
-                scratch,
+                plan,
             },
             Saved::Input(x),
         ) => {
@@ -1521,7 +1522,7 @@ fn backward_leaf(
             let s = conv_shape(&x, *kernel, *stride, *pad, *cout)?;
             with_grads(groups, weight, bias.as_ref(), |mut v| {
                 let bias_grad = v.other_grad.as_mut();
-                ops::conv2d_backward(be, &x, &g, &v.compute, &mut v.grad, bias_grad, s, *scratch)
+                ops::conv2d_backward(be, &x, &g, &v.compute, &mut v.grad, bias_grad, s, *plan)
             })
         }
         (GpuLayer::Linear { weight, bias, .. }, Saved::Input(x)) => {

@@ -1160,6 +1160,127 @@ fn im2col(
     Ok(())
 }
 
+/// How the GPU runs a convolution.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvPlan {
+    /// `device.conv_algorithm`.
+    pub algorithm: ConvAlgorithm,
+    /// `device.conv_workspace`: the most an im2col matrix may take (the
+    /// batch goes through it in groups of whole images).
+    pub workspace: usize,
+}
+
+impl Default for ConvPlan {
+    fn default() -> Self {
+        ConvPlan {
+            algorithm: ConvAlgorithm::Im2col,
+            workspace: CONV_SCRATCH_BYTES,
+        }
+    }
+}
+
+/// The products of a convolution's forward and input gradient.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConvAlgorithm {
+    /// An im2col matrix in a workspace, multiplied by cuBLAS.
+    Im2col,
+    /// conv_mma.cu: the matrix gathered tile by tile into shared memory and
+    /// multiplied on the tensor cores, where the shape allows it (f16,
+    /// channels in and out multiples of 8, sm_80 or newer; otherwise
+    /// im2col). The weight gradient stays on im2col either way.
+    ImplicitGemm,
+}
+
+/// Rows of the implicit kernel's block tile (conv_mma.cu `IC_BM`).
+const IMPLICIT_ROWS: usize = 128;
+
+/// Whether the implicit-GEMM kernel takes a product that gathers `chans`
+/// channels into `cols`.
+fn implicit_fits(
+    be: &CudaBackend,
+    plan: ConvPlan,
+    dtype: DType,
+    chans: usize,
+    cols: usize,
+) -> bool {
+    plan.algorithm == ConvAlgorithm::ImplicitGemm
+        && dtype == DType::F16
+        && chans.is_multiple_of(8)
+        && cols.is_multiple_of(8)
+        && be.info().arch() >= 80
+}
+
+/// The implicit kernel's product `out = gather(src) · B(weight)`, forward
+/// (`transposed` false: src is x, out is y) or for the input gradient
+/// (src is dy, out is dx).
+fn implicit_conv(
+    be: &CudaBackend,
+    src: &CudaTensor,
+    weight: &AnyView<'_>,
+    out: &mut CudaTensor,
+    s: &ConvShape,
+    (oh, ow): (usize, usize),
+    transposed: bool,
+) -> CudaResult<()> {
+    let by = |d: usize| FastDiv::new(d as u32);
+    // (gathered channels, its size, output channels, output size)
+    let (chans, (src_h, src_w), cols, (row_h, row_w)) = if transposed {
+        (s.cout, (oh, ow), s.cin, (s.h, s.w))
+    } else {
+        (s.cin, (s.h, s.w), s.cout, (oh, ow))
+    };
+    let rows = s.n * row_h * row_w;
+    // Forward B[(tap, ci), co] = W[tap, ci, co]; transposed B[(tap, co), ci]
+    // = W[tap, ci, co].
+    let (b_chan_stride, b_col_stride) = if transposed { (1, s.cout) } else { (s.cout, 1) };
+    let p = ImplicitConvParams {
+        rows: rows as u32,
+        cols: cols as u32,
+        depth: (s.k * s.k * chans) as u32,
+        chans: chans as u32,
+        src_h: src_h as u32,
+        src_w: src_w as u32,
+        row_h: row_h as u32,
+        row_w: row_w as u32,
+        k: s.k as u32,
+        stride: s.stride as u32,
+        pad: s.pad as u32,
+        transposed: transposed as u32,
+        b_chan_stride: b_chan_stride as u32,
+        b_col_stride: b_col_stride as u32,
+        by_row_pix: by(row_h * row_w),
+        by_row_w: by(row_w),
+        by_chans: by(chans),
+        by_k: by(s.k),
+        by_stride: by(s.stride),
+    };
+    let (sig, tile_cols) = if cols <= 32 {
+        (&k::IMPLICIT_CONV_N32, 32)
+    } else {
+        (&k::IMPLICIT_CONV_N64, 64)
+    };
+    let f = be.function(sig)?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            u32_of("implicit conv", rows.div_ceil(IMPLICIT_ROWS))?,
+            u32_of("implicit conv", cols.div_ceil(tile_cols))?,
+            1,
+        ),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p).arg(src).arg(weight).arg(out);
+    // SAFETY: implicit_conv_nBN_f16(ImplicitConvParams, const half* src,
+    // const half* w, half* out): src is a whole f16 tensor (256-byte aligned,
+    // as the kernel's 16-byte gathers need) of n·src_h·src_w·chans elements,
+    // w holds k·k·cin·cout, out is a whole tensor of rows·cols; the kernel
+    // reads and writes only inside those (the caller checked the shapes, and
+    // implicit_fits the channel multiples of 8 and the architecture).
+    unsafe { b.launch(cfg) }.during("implicit conv")?;
+    Ok(())
+}
+
 /// y = conv(x, W) (+ bias), [n, oh, ow, cout] in x's type.
 pub fn conv2d_forward(
     be: &CudaBackend,
@@ -1167,7 +1288,7 @@ pub fn conv2d_forward(
     weight: &AnyView<'_>,
     bias: Option<&AnyView<'_>>,
     s: ConvShape,
-    scratch_bytes: usize,
+    plan: ConvPlan,
 ) -> CudaResult<CudaTensor> {
     let (oh, ow) = s.check(x, weight.len())?;
     let dtype = x.dtype();
@@ -1199,9 +1320,11 @@ pub fn conv2d_forward(
             1.0,
             0.0,
         )?;
+    } else if implicit_fits(be, plan, dtype, s.cin, s.cout) {
+        implicit_conv(be, x, weight, &mut y, &s, (oh, ow), false)?;
     } else {
         let kk = s.kk();
-        let ipc = images_per_chunk(&s, opix, scratch_bytes, dtype);
+        let ipc = images_per_chunk(&s, opix, plan.workspace, dtype);
         let mut a = CudaTensor::uninit(be, &[ipc * opix * kk], dtype)?;
         for n0 in (0..s.n).step_by(ipc) {
             let images = ipc.min(s.n - n0);
@@ -1246,7 +1369,7 @@ pub fn conv2d_backward(
     weight_grad: &mut CudaViewMut<'_, f32>,
     bias_grad: Option<&mut CudaViewMut<'_, f32>>,
     s: ConvShape,
-    scratch_bytes: usize,
+    plan: ConvPlan,
 ) -> CudaResult<CudaTensor> {
     let (oh, ow) = s.check(x, weight.len())?;
     let dtype = x.dtype();
@@ -1315,7 +1438,8 @@ pub fn conv2d_backward(
         )?;
         return Ok(dx);
     }
-    let ipc = images_per_chunk(&s, opix, scratch_bytes, dtype);
+    let implicit_dx = implicit_fits(be, plan, dtype, s.cout, s.cin);
+    let ipc = images_per_chunk(&s, opix, plan.workspace, dtype);
     let mut a = CudaTensor::uninit(be, &[ipc * opix * kk], dtype)?;
     let col2im = be.function(k::COL2IM.of(dtype))?;
     for n0 in (0..s.n).step_by(ipc) {
@@ -1346,6 +1470,9 @@ pub fn conv2d_backward(
             1.0,
             1.0,
         )?;
+        if implicit_dx {
+            continue;
+        }
         // dA = dY · Wᵀ into the same scratch (stream order: after the dW
         // product has read A), then col2im into dX.
         {
@@ -1376,6 +1503,9 @@ pub fn conv2d_backward(
         // [n, h, w, cin]) reads rows·kk ≤ a.len() elements and writes the
         // `images` images from n0 of dx, inside its n images.
         unsafe { b.launch(elementwise(total)) }.during("col2im")?;
+    }
+    if implicit_dx {
+        implicit_conv(be, dy, weight, &mut dx, &s, (oh, ow), true)?;
     }
     Ok(dx)
 }

@@ -75,6 +75,16 @@ kernel_params! {
         by_kk: FastDiv, by_opix: FastDiv, by_ow: FastDiv, by_kcin: FastDiv,
         by_cin: FastDiv, by_image: FastDiv, by_wcin: FastDiv, by_stride: FastDiv,
     }
+    /// conv_mma.cu: implicit_conv_n32_f16, implicit_conv_n64_f16 (forward
+    /// or, with `transposed = 1`, the input gradient).
+    ImplicitConvParams(96) {
+        rows: u32, cols: u32, depth: u32, chans: u32,
+        src_h: u32, src_w: u32, row_h: u32, row_w: u32,
+        k: u32, stride: u32, pad: u32, transposed: u32,
+        b_chan_stride: u32, b_col_stride: u32,
+        by_row_pix: FastDiv, by_row_w: FastDiv, by_chans: FastDiv, by_k: FastDiv,
+        by_stride: FastDiv,
+    }
     /// optim.cu: grad_sumsq.
     SumSqParams(8) { n: u32, offset: u32 }
     /// batchnorm.cu: bn_running_restore.
