@@ -319,6 +319,200 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
     }
 }
 
+// The weight gradient, dW[(ky, kx, ci), co] += sum over output pixels m of
+// A[m, (ky, kx, ci)] dy[m, co], with A gathered from x as in the forward.
+// The sum runs over n*oh*ow pixels into a small K x cout matrix, so the
+// pixels are split among blocks (grid z): block z sums rows_per_split of
+// them for a 64 x BN tile of dW and writes its f32 partial; wgrad_reduce
+// then adds the partials to dW in split order. No atomics: the same bits
+// every run. Tiles are stored transposed in shared memory (K or cout rows,
+// pixels along the row), so the mma's fragments, whose pairs run along the
+// summed dimension, are single 32-bit reads.
+struct WgradParams {
+    u32 rows;            // n * oh * ow
+    u32 depth;           // k * k * cin
+    u32 cout;
+    u32 cin;
+    u32 h;
+    u32 w;
+    u32 opix;            // oh * ow
+    u32 ow;
+    u32 k;
+    u32 stride;
+    u32 pad;
+    u32 rows_per_split;  // a multiple of WG_BM
+    FastDiv by_opix;     // oh * ow
+    FastDiv by_ow;
+    FastDiv by_cin;
+    FastDiv by_k;
+};
+HR_CHECK_SIZE(WgradParams, 80);
+
+#define WG_BK 64
+#define WG_BM 32
+#define WG_LD (WG_BM + 8)
+
+template <int BN>
+struct alignas(16) WgradTiles {
+    hr_half a[WG_BK][WG_LD];  // [k][pixel]
+    hr_half b[BN][WG_LD];     // [co][pixel]
+};
+
+template <int BN>
+__device__ void wgrad_k(WgradParams p, const hr_half* __restrict__ x, const hr_half* __restrict__ dy,
+                        float* __restrict__ partial) {
+    constexpr int NT = BN / 8;
+    constexpr int B_VECS = BN / 32;  // 8-channel vectors of dy per thread and step
+    __shared__ WgradTiles<BN> tile;
+    const u32 tid = threadIdx.x;
+    const u32 warp = tid >> 5;
+    const u32 g = (tid & 31u) >> 2;
+    const u32 t = tid & 3u;
+    const u32 k0 = blockIdx.x * WG_BK;
+    const u32 n0 = blockIdx.y * BN;
+    const u32 m_begin = blockIdx.z * p.rows_per_split;
+    const u32 m_end = min(p.rows, m_begin + p.rows_per_split);
+
+    // Each thread loads pixel `pix` of every step: vectors 8j..8j+7 of the
+    // block's K rows (j = vec + 4i, tap and channel fixed for the whole
+    // loop) and of its dy columns.
+    const u32 pix = tid & (WG_BM - 1);
+    const u32 vec = tid / WG_BM;
+    u32 a_ky[2];
+    u32 a_kx[2];
+    u32 a_c[2];
+    bool a_ok[2];
+    for (int i = 0; i < 2; ++i) {
+        const u32 kv = k0 + 8u * (vec + 4u * (u32)i);
+        const u32 tap = hr_div(p.by_cin, kv);
+        a_c[i] = kv - tap * p.cin;
+        a_ky[i] = hr_div(p.by_k, tap);
+        a_kx[i] = tap - a_ky[i] * p.k;
+        a_ok[i] = kv < p.depth;
+    }
+    const u32 b_col = n0 + 8u * vec;  // + 32 i for i < B_VECS
+
+    HalfVec8 a_next[2];
+    HalfVec8 b_next[B_VECS];
+    auto load = [&](u32 m_step) {
+        const u32 m = m_step + pix;
+        const bool live = m < m_end;
+        const u32 img = hr_div(p.by_opix, m);
+        const u32 rem = m - img * p.opix;
+        const u32 oy = hr_div(p.by_ow, rem);
+        const u32 ox = rem - oy * p.ow;
+        for (int i = 0; i < 2; ++i) {
+            HalfVec8 v = {{0u, 0u, 0u, 0u}};
+            const int iy = (int)(oy * p.stride + a_ky[i]) - (int)p.pad;
+            const int ix = (int)(ox * p.stride + a_kx[i]) - (int)p.pad;
+            if (live && a_ok[i] && iy >= 0 && iy < (int)p.h && ix >= 0 && ix < (int)p.w) {
+                v = hr_ld_vec8(x + (((img * p.h + (u32)iy) * p.w + (u32)ix) * p.cin + a_c[i]));
+            }
+            a_next[i] = v;
+        }
+        for (int i = 0; i < B_VECS; ++i) {
+            const u32 col = b_col + 32u * (u32)i;
+            HalfVec8 v = {{0u, 0u, 0u, 0u}};
+            if (live && col < p.cout) {
+                v = hr_ld_vec8(dy + m * p.cout + col);
+            }
+            b_next[i] = v;
+        }
+    };
+    // Transposed into the tiles: the 8 values of a vector go down a column.
+    auto store = [&]() {
+        for (int i = 0; i < 2; ++i) {
+            const u32 row = 8u * (vec + 4u * (u32)i);
+            for (u32 e = 0; e < 8; ++e) {
+                tile.a[row + e][pix] = (hr_half)(a_next[i].w[e >> 1] >> (16u * (e & 1u)));
+            }
+        }
+        for (int i = 0; i < B_VECS; ++i) {
+            const u32 row = 8u * vec + 32u * (u32)i;
+            for (u32 e = 0; e < 8; ++e) {
+                tile.b[row + e][pix] = (hr_half)(b_next[i].w[e >> 1] >> (16u * (e & 1u)));
+            }
+        }
+    };
+
+    float acc[NT][4];
+    for (int nt = 0; nt < NT; ++nt) {
+        for (int e = 0; e < 4; ++e) {
+            acc[nt][e] = 0.0f;
+        }
+    }
+    load(m_begin);
+    store();
+    __syncthreads();
+    for (u32 m_step = m_begin; m_step < m_end; m_step += WG_BM) {
+        const bool more = m_step + WG_BM < m_end;
+        if (more) {
+            load(m_step + WG_BM);
+        }
+        for (u32 ks = 0; ks < WG_BM; ks += 16) {
+            const u32 r = warp * 16u + g;
+            u32 af[4];
+            af[0] = hr_ld_pair(&tile.a[r][ks + 2u * t]);
+            af[1] = hr_ld_pair(&tile.a[r + 8u][ks + 2u * t]);
+            af[2] = hr_ld_pair(&tile.a[r][ks + 2u * t + 8u]);
+            af[3] = hr_ld_pair(&tile.a[r + 8u][ks + 2u * t + 8u]);
+            for (int nt = 0; nt < NT; ++nt) {
+                u32 bf[2];
+                bf[0] = hr_ld_pair(&tile.b[8u * (u32)nt + g][ks + 2u * t]);
+                bf[1] = hr_ld_pair(&tile.b[8u * (u32)nt + g][ks + 2u * t + 8u]);
+                hr_mma_16816(acc[nt], af, bf);
+            }
+        }
+        __syncthreads();
+        if (more) {
+            store();
+            __syncthreads();
+        }
+    }
+
+    float* out = partial + (u64)blockIdx.z * p.depth * p.cout;
+    for (int half = 0; half < 2; ++half) {
+        const u32 row = k0 + warp * 16u + g + 8u * (u32)half;
+        if (row >= p.depth) {
+            continue;
+        }
+        for (int nt = 0; nt < NT; ++nt) {
+            const u32 col = n0 + 8u * (u32)nt + 2u * t;
+            if (col < p.cout) {
+                out[row * p.cout + col] = acc[nt][2 * half];
+                out[row * p.cout + col + 1u] = acc[nt][2 * half + 1];
+            }
+        }
+    }
+}
+
+struct WgradReduceParams {
+    u32 n;       // depth * cout
+    u32 splits;
+};
+HR_CHECK_SIZE(WgradReduceParams, 8);
+
+// dw[i] += the splits' partials of element i, summed in split order.
+extern "C" __global__ void wgrad_reduce(WgradReduceParams p, const float* __restrict__ partial,
+                                        float* __restrict__ dw) {
+    HR_FOR_EACH(i, p.n) {
+        float sum = 0.0f;
+        for (u32 z = 0; z < p.splits; ++z) {
+            sum += partial[z * p.n + i];
+        }
+        dw[i] += sum;
+    }
+}
+
+extern "C" __global__ void implicit_wgrad_n32_f16(WgradParams p, const hr_half* __restrict__ x,
+                                                 const hr_half* __restrict__ dy, float* __restrict__ partial) {
+    wgrad_k<32>(p, x, dy, partial);
+}
+
+extern "C" __global__ void implicit_wgrad_n64_f16(WgradParams p, const hr_half* __restrict__ x,
+                                                 const hr_half* __restrict__ dy, float* __restrict__ partial) {
+    wgrad_k<64>(p, x, dy, partial);
+}
 // Entry points by column tile: 32 for 32-channel outputs, 64 otherwise.
 extern "C" __global__ void implicit_conv_n32_f16(ImplicitConvParams p, const hr_half* __restrict__ src,
                                                 const hr_half* __restrict__ w, hr_half* __restrict__ out) {

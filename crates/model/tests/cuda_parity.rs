@@ -1062,12 +1062,24 @@ fn implicit_conv_runs() -> Option<u64> {
     if !emulated() {
         return None;
     }
-    let runs = |name| headroom_cuda_emu::kernel_runs(name).unwrap();
-    Some(runs("implicit_conv_n32_f16") + runs("implicit_conv_n64_f16"))
+    let names = [
+        "implicit_conv_n32_f16",
+        "implicit_conv_n64_f16",
+        "implicit_wgrad_n32_f16",
+        "implicit_wgrad_n64_f16",
+        "wgrad_reduce",
+    ];
+    Some(
+        names
+            .iter()
+            .map(|name| headroom_cuda_emu::kernel_runs(name).unwrap())
+            .sum(),
+    )
 }
 
 /// `device.conv_algorithm = "implicit_gemm"`: conv_mma.cu's tensor-core
-/// kernel, forward and input gradient, against the CPU layer, for the
+/// kernels (forward, input gradient, weight gradient and its reduction)
+/// against the CPU layer, for the
 /// reference shapes and the edges of its tiles: rows past a block of 128,
 /// output channels short of a column tile of 32 or 64, K not a multiple of
 /// its step of 32, strides whose taps the input gradient's gather must skip.
@@ -1090,20 +1102,35 @@ fn implicit_gemm_convolution_matches_the_cpu_layer() {
         algorithm: ConvAlgorithm::ImplicitGemm,
         ..ConvPlan::default()
     };
-    // (shape, bias, runs of the implicit kernel: forward and input gradient)
+    // (shape, bias, runs of conv_mma.cu's kernels: forward, input gradient,
+    // weight gradient, its reduction)
     let cases = [
-        (conv(4, 28, 28, 32, 32, 3, 1, 1), false, 2),
-        (conv(4, 28, 28, 32, 64, 3, 2, 1), false, 2),
-        (conv(4, 14, 14, 64, 128, 3, 2, 1), false, 2),
-        (conv(4, 7, 7, 128, 128, 3, 1, 1), false, 2),
-        (conv(3, 7, 7, 8, 24, 3, 1, 1), true, 2),
-        (conv(2, 9, 9, 16, 48, 5, 1, 0), false, 2),
-        (conv(2, 8, 8, 8, 16, 3, 3, 2), true, 2),
-        (conv(3, 5, 7, 24, 40, 3, 2, 1), false, 2),
+        (conv(4, 28, 28, 32, 32, 3, 1, 1), false, 4),
+        (conv(4, 28, 28, 32, 64, 3, 2, 1), false, 4),
+        (conv(4, 14, 14, 64, 128, 3, 2, 1), false, 4),
+        (conv(4, 7, 7, 128, 128, 3, 1, 1), false, 4),
+        (conv(3, 7, 7, 8, 24, 3, 1, 1), true, 4),
+        (conv(2, 9, 9, 16, 48, 5, 1, 0), false, 4),
+        (conv(2, 8, 8, 8, 16, 3, 3, 2), true, 4),
+        (conv(3, 5, 7, 24, 40, 3, 2, 1), false, 4),
         (conv(4, 28, 28, 1, 32, 3, 1, 1), false, 0),
         (conv(2, 6, 6, 16, 16, 1, 1, 0), true, 0),
     ];
-    for (i, (shape, bias, runs)) in cases.into_iter().enumerate() {
+    // A workspace too small for two partial sums of dW: one block sums
+    // every pixel, many steps of 32 (the others split them a step or two
+    // per block).
+    let one_split = ConvPlan {
+        workspace: 1,
+        ..plan
+    };
+    let cases = cases
+        .into_iter()
+        .map(|(shape, bias, runs)| (shape, bias, plan, runs));
+    let cases = cases.chain([
+        (conv(4, 14, 14, 32, 64, 3, 1, 1), false, one_split, 4),
+        (conv(3, 9, 9, 16, 24, 3, 2, 1), true, one_split, 4),
+    ]);
+    for (i, (shape, bias, plan, runs)) in cases.enumerate() {
         let before = implicit_conv_runs();
         conv_parity(&be, &ConvCase { shape, bias, plan }, 300 + 10 * i as u64);
         if let (Some(before), Some(after)) = (before, implicit_conv_runs()) {
@@ -2621,6 +2648,18 @@ const COVERAGE: &[(&str, &str)] = &[
     ),
     (
         "implicit_conv_n64_f16",
+        "implicit_gemm_convolution_matches_the_cpu_layer",
+    ),
+    (
+        "implicit_wgrad_n32_f16",
+        "implicit_gemm_convolution_matches_the_cpu_layer",
+    ),
+    (
+        "implicit_wgrad_n64_f16",
+        "implicit_gemm_convolution_matches_the_cpu_layer",
+    ),
+    (
+        "wgrad_reduce",
         "implicit_gemm_convolution_matches_the_cpu_layer",
     ),
     ("cast_f32_to_f16", "casts_round_like_half_and_widen_exactly"),

@@ -125,6 +125,13 @@ pub const IMPLICIT_CONV_N32: KernelSig =
     sig!("conv_mma", "implicit_conv_n32_f16", ImplicitConvParams, 3);
 pub const IMPLICIT_CONV_N64: KernelSig =
     sig!("conv_mma", "implicit_conv_n64_f16", ImplicitConvParams, 3);
+/// The implicit weight gradient's partial sums, by column tile, and their
+/// reduction into dW.
+pub const IMPLICIT_WGRAD_N32: KernelSig =
+    sig!("conv_mma", "implicit_wgrad_n32_f16", WgradParams, 3);
+pub const IMPLICIT_WGRAD_N64: KernelSig =
+    sig!("conv_mma", "implicit_wgrad_n64_f16", WgradParams, 3);
+pub const WGRAD_REDUCE: KernelSig = sig!("conv_mma", "wgrad_reduce", WgradReduceParams, 2);
 
 pub const GRAD_SUMSQ: KernelSig = sig!("optim", "grad_sumsq", SumSqParams, 2);
 pub const STEP_FINALIZE: KernelSig = sig!("optim", "step_finalize", FinalizeParams, 4);
@@ -216,7 +223,13 @@ pub static FILES: &[KernelFile] = &[
     KernelFile {
         name: "conv_mma",
         source: include_str!("../../kernels/conv_mma.cu"),
-        kernels: &[IMPLICIT_CONV_N32, IMPLICIT_CONV_N64],
+        kernels: &[
+            IMPLICIT_CONV_N32,
+            IMPLICIT_CONV_N64,
+            IMPLICIT_WGRAD_N32,
+            IMPLICIT_WGRAD_N64,
+            WGRAD_REDUCE,
+        ],
     },
     KernelFile {
         name: "optim",

@@ -1281,6 +1281,97 @@ fn implicit_conv(
     Ok(())
 }
 
+/// Blocks the implicit weight gradient aims for: the pixels are split until
+/// its grid has about this many (a constant, not the GPU's SM count, so
+/// the sum's order and bits do not depend on the GPU).
+const WGRAD_TARGET_BLOCKS: usize = 512;
+/// Pixels the weight-gradient kernel sums per step (conv_mma.cu `WG_BM`),
+/// and the rows of dW in its block tile (`WG_BK`).
+const WGRAD_STEP: usize = 32;
+const WGRAD_ROWS: usize = 64;
+
+/// dW += Aᵀ·dY by conv_mma.cu's kernel: `splits` blocks along the pixels
+/// each write an f32 partial of dW (at most `workspace` bytes of them,
+/// at least one split), which `wgrad_reduce` adds to dW in split order.
+fn implicit_wgrad(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    dy: &CudaTensor,
+    weight_grad: &mut CudaViewMut<'_, f32>,
+    s: &ConvShape,
+    (oh, ow): (usize, usize),
+    workspace: usize,
+) -> CudaResult<()> {
+    let by = |d: usize| FastDiv::new(d as u32);
+    let rows = s.n * oh * ow;
+    let depth = s.kk();
+    let dw_len = depth * s.cout;
+    let (sig, tile_cols) = if s.cout <= 32 {
+        (&k::IMPLICIT_WGRAD_N32, 32)
+    } else {
+        (&k::IMPLICIT_WGRAD_N64, 64)
+    };
+    let tiles = depth.div_ceil(WGRAD_ROWS) * s.cout.div_ceil(tile_cols);
+    let steps = rows.div_ceil(WGRAD_STEP);
+    let room = (workspace / (dw_len * 4)).max(1);
+    let wanted = WGRAD_TARGET_BLOCKS
+        .div_ceil(tiles)
+        .clamp(1, steps)
+        .min(room);
+    let rows_per_split = steps.div_ceil(wanted) * WGRAD_STEP;
+    let splits = rows.div_ceil(rows_per_split);
+    checked_len("implicit weight gradient", &[splits, dw_len])?;
+    let mut partial = CudaTensor::uninit(be, &[splits * dw_len], DType::F32)?;
+    let p = WgradParams {
+        rows: rows as u32,
+        depth: depth as u32,
+        cout: s.cout as u32,
+        cin: s.cin as u32,
+        h: s.h as u32,
+        w: s.w as u32,
+        opix: (oh * ow) as u32,
+        ow: ow as u32,
+        k: s.k as u32,
+        stride: s.stride as u32,
+        pad: s.pad as u32,
+        rows_per_split: rows_per_split as u32,
+        by_opix: by(oh * ow),
+        by_ow: by(ow),
+        by_cin: by(s.cin),
+        by_k: by(s.k),
+    };
+    let f = be.function(sig)?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            depth.div_ceil(WGRAD_ROWS) as u32,
+            s.cout.div_ceil(tile_cols) as u32,
+            splits as u32,
+        ),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p).arg(x).arg(dy).arg(&mut partial);
+    // SAFETY: implicit_wgrad_nBN_f16(WgradParams, const half* x, const half*
+    // dy, float* partial): x [n, h, w, cin] and dy [n, oh, ow, cout] are
+    // whole f16 tensors (256-byte aligned for the 16-byte loads; the caller
+    // checked their shapes, implicit_fits the multiples of 8), and block z
+    // writes only its depth·cout slice of partial, which holds splits of them.
+    unsafe { b.launch(cfg) }.during("implicit weight gradient")?;
+    let reduce = be.function(&k::WGRAD_REDUCE)?;
+    let rp = WgradReduceParams {
+        n: dw_len as u32,
+        splits: splits as u32,
+    };
+    let mut b = be.compute_stream().launch_builder(&reduce);
+    b.arg(&rp).arg(&partial).arg(weight_grad);
+    // SAFETY: wgrad_reduce(WgradReduceParams, const float* partial [splits,
+    // n], float* dw [n]): the caller checked dw's length against the
+    // weight's, depth·cout = n.
+    unsafe { b.launch(elementwise(dw_len)) }.during("weight gradient reduce")?;
+    Ok(())
+}
+
 /// y = conv(x, W) (+ bias), [n, oh, ow, cout] in x's type.
 pub fn conv2d_forward(
     be: &CudaBackend,
@@ -1438,7 +1529,11 @@ pub fn conv2d_backward(
         )?;
         return Ok(dx);
     }
-    let implicit_dx = implicit_fits(be, plan, dtype, s.cout, s.cin);
+    if implicit_fits(be, plan, dtype, s.cin, s.cout) {
+        implicit_wgrad(be, x, dy, weight_grad, &s, (oh, ow), plan.workspace)?;
+        implicit_conv(be, dy, weight, &mut dx, &s, (oh, ow), true)?;
+        return Ok(dx);
+    }
     let ipc = images_per_chunk(&s, opix, plan.workspace, dtype);
     let mut a = CudaTensor::uninit(be, &[ipc * opix * kk], dtype)?;
     let col2im = be.function(k::COL2IM.of(dtype))?;
@@ -1470,9 +1565,6 @@ pub fn conv2d_backward(
             1.0,
             1.0,
         )?;
-        if implicit_dx {
-            continue;
-        }
         // dA = dY · Wᵀ into the same scratch (stream order: after the dW
         // product has read A), then col2im into dX.
         {
@@ -1503,9 +1595,6 @@ pub fn conv2d_backward(
         // [n, h, w, cin]) reads rows·kk ≤ a.len() elements and writes the
         // `images` images from n0 of dx, inside its n images.
         unsafe { b.launch(elementwise(total)) }.during("col2im")?;
-    }
-    if implicit_dx {
-        implicit_conv(be, dy, weight, &mut dx, &s, (oh, ow), true)?;
     }
     Ok(dx)
 }

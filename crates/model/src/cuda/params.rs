@@ -85,6 +85,15 @@ kernel_params! {
         by_row_pix: FastDiv, by_row_w: FastDiv, by_chans: FastDiv, by_k: FastDiv,
         by_stride: FastDiv,
     }
+    /// conv_mma.cu: implicit_wgrad_n32_f16, implicit_wgrad_n64_f16 (the
+    /// weight gradient's partial sums, one per split of the pixels).
+    WgradParams(80) {
+        rows: u32, depth: u32, cout: u32, cin: u32, h: u32, w: u32,
+        opix: u32, ow: u32, k: u32, stride: u32, pad: u32, rows_per_split: u32,
+        by_opix: FastDiv, by_ow: FastDiv, by_cin: FastDiv, by_k: FastDiv,
+    }
+    /// conv_mma.cu: wgrad_reduce.
+    WgradReduceParams(8) { n: u32, splits: u32 }
     /// optim.cu: grad_sumsq.
     SumSqParams(8) { n: u32, offset: u32 }
     /// batchnorm.cu: bn_running_restore.
