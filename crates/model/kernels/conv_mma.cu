@@ -18,7 +18,7 @@
 //
 // Tiles: a block of 128 threads (4 warps) computes 128 rows x BN columns
 // (BN = 32 or 64) in steps of 32 along K. Each thread gathers one 8-channel
-// vector (16 bytes) of 4 rows per step and a column of B; while the warps
+// vector (16 bytes) of 4 rows per step and 8 or 16 weights of B; while the warps
 // multiply the tile in shared memory (mma.sync m16n8k16, f16 operands, f32
 // accumulators, warp w owning rows 32w..32w+31), the next step's loads are
 // in flight in registers. Shared rows are padded to 40 halves, so the
@@ -226,10 +226,16 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
         ry[i] = (int)y;
         rx[i] = (int)(pix - y * p.row_w);
     }
-    // B: this thread loads column j0 + (IC_THREADS / IC_BK) i of row kb of
-    // each step.
-    const u32 kb = tid & (IC_BK - 1);
-    const u32 j0 = tid / IC_BK;
+    // B: this thread loads elements tid + IC_THREADS i of each step's
+    // IC_BK x BN tile, at (row, column) b_at(i). The input gradient's weight
+    // is contiguous along K and the forward's along the columns: the faster
+    // index follows it, so a warp's loads are contiguous either way.
+    const bool k_fast = p.b_chan_stride == 1;
+    auto b_at = [&](int i, u32& kb, u32& j) {
+        const u32 e = tid + IC_THREADS * (u32)i;
+        kb = k_fast ? e % IC_BK : e / BN;
+        j = k_fast ? e / IC_BK : e % BN;
+    };
     const u32 b_tap_stride = p.chans * p.cols;
 
     HalfVec8 a_next[4];
@@ -243,13 +249,15 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
         for (int i = 0; i < 4; ++i) {
             a_next[i] = gather8(p, src, ka < p.depth ? img_row[i] : -1, ry[i], rx[i], ky, kx, c);
         }
-        const u32 kw = k_step * IC_BK + kb;
-        const u32 wtap = hr_div(p.by_chans, kw);
-        const u32 wc = kw - wtap * p.chans;
-        const u32 row_at = wtap * b_tap_stride + wc * p.b_chan_stride;
         for (int i = 0; i < B_PER_THREAD; ++i) {
-            const u32 col = n0 + j0 + (IC_THREADS / IC_BK) * (u32)i;
-            b_next[i] = kw < p.depth && col < p.cols ? w[row_at + col * p.b_col_stride] : (hr_half)0;
+            u32 kb;
+            u32 j;
+            b_at(i, kb, j);
+            const u32 kw = k_step * IC_BK + kb;
+            const u32 wtap = hr_div(p.by_chans, kw);
+            const u32 at = wtap * b_tap_stride + (kw - wtap * p.chans) * p.b_chan_stride;
+            const u32 col = n0 + j;
+            b_next[i] = kw < p.depth && col < p.cols ? w[at + col * p.b_col_stride] : (hr_half)0;
         }
     };
     auto store = [&]() {
@@ -257,7 +265,10 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
             hr_st_vec8(&tile.a[r0 + 32u * (u32)i][8u * v], a_next[i]);
         }
         for (int i = 0; i < B_PER_THREAD; ++i) {
-            tile.b[j0 + (IC_THREADS / IC_BK) * (u32)i][kb] = b_next[i];
+            u32 kb;
+            u32 j;
+            b_at(i, kb, j);
+            tile.b[j][kb] = b_next[i];
         }
     };
 
