@@ -263,8 +263,9 @@ def wall(log):
 report["whole_job_seconds"] = {
     "headroom": wall(train),
     "headroom_data_on_host": wall(read("train-host-data.log")),
+    "headroom_implicit_gemm": wall(read("train-implicit-gemm.log")),
 }
-for name in ("train-no-amp", "train-auto"):
+for name in ("train-no-amp", "train-auto", "train-implicit-gemm"):
     found = re.findall(r"test accuracy\s+([0-9.]+)%", read(name + ".log"))
     if found:
         report[name + "_test_accuracy_percent"] = float(found[-1])
@@ -315,7 +316,7 @@ jobs = report["whole_job_seconds"]
 lines += ["", "whole default job, wall seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in jobs.items() if v is not None)]
 if isinstance(report.get("torch_job"), dict):
     lines += [f'pytorch test accuracy {100 * report["torch_job"]["test_accuracy"]:.2f}%']
-for name in ("train-no-amp", "train-auto"):
+for name in ("train-no-amp", "train-auto", "train-implicit-gemm"):
     if name + "_test_accuracy_percent" in report:
         lines += [f"{name} test accuracy {report[name + '_test_accuracy_percent']:.2f}%"]
 for name in ("oom-budget", "oom-budget-reactive", "oom-driver"):
@@ -373,6 +374,11 @@ if wants train; then
     else
         skip torch-job "python3 has no PyTorch with CUDA"
     fi
+    # Last, as the least needed: the default job with our implicit-GEMM
+    # convolutions instead of im2col + cuBLAS, which must reach the same
+    # accuracy before it may be the default.
+    step train-implicit-gemm hr train --no-install --set device.kind=cuda \
+        --set device.conv_algorithm=implicit_gemm --set "run.output_dir=$OUT/default-implicit-gemm"
 fi
 
 if wants oom; then

@@ -14,7 +14,8 @@
 //                W'[(ky, kx, co), ci] = W[ky, kx, ci, co]
 // so the input gradient is one pass with one f32 sum per element and one
 // rounding to f16 (im2col's dA = dY W^T is rounded to f16 before col2im
-// sums it). The weight gradient stays on im2col + cuBLAS.
+// sums it). The weight gradient (wgrad_k, below) gathers A the same way and
+// sums over the pixels in per-block partials.
 //
 // Tiles: a block of 128 threads (4 warps) computes 128 rows x BN columns
 // (BN = 32 or 64) in steps of 32 along K. Each thread gathers one 8-channel
@@ -27,7 +28,8 @@
 // Needs: f16, channels of the gathered tensor % 8 == 0 (a vector stays in
 // one tap), output columns % 8 == 0, whole tensors (256-byte aligned), and
 // sm_80 or newer (the host checks all of these and uses im2col otherwise).
-// Memory: 15 KiB of shared memory per block, no device workspace.
+// Memory: at most 15 KiB of shared memory per block; the only device
+// memory besides the tensors is the weight gradient's f32 partials.
 // Emulated on the CPU (the mma through a warp exchange with the fragment
 // layout of the PTX ISA); compiled, not yet run on a GPU.
 #include "common.cuh"

@@ -1187,7 +1187,7 @@ pub enum ConvAlgorithm {
     /// conv_mma.cu: the matrix gathered tile by tile into shared memory and
     /// multiplied on the tensor cores, where the shape allows it (f16,
     /// channels in and out multiples of 8, sm_80 or newer; otherwise
-    /// im2col). The weight gradient stays on im2col either way.
+    /// im2col), for the forward and both gradients.
     ImplicitGemm,
 }
 
