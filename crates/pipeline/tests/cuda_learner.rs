@@ -351,7 +351,8 @@ fn recomputation_trains_bit_for_bit_the_same_with_a_lower_peak() {
 /// into per-chunk products, so it changes the f32 summation order: an
 /// im2col workspace of one image's rows trains to within a hair of one
 /// holding the whole batch. `device.conv_algorithm = "implicit_gemm"`
-/// rounds the input gradient once instead of twice: close too.
+/// rounds the input gradient once instead of twice (close too) and needs
+/// no im2col matrix (a lower peak).
 #[test]
 fn recomputed_outputs_train_to_the_same_bits_and_any_conv_plan_alike() {
     let Some(_gpu) = backend() else { return };
@@ -414,7 +415,7 @@ fn recomputed_outputs_train_to_the_same_bits_and_any_conv_plan_alike() {
     eprintln!("implicit GEMM: apart {apart:e}, moved {moved:e}, peak {implicit_peak}");
     assert!(apart < 5e-2 * moved, "apart {apart}, moved {moved}");
     assert!(
-        implicit_peak <= peak,
+        implicit_peak < peak,
         "implicit GEMM peaked at {implicit_peak}, im2col at {peak}"
     );
 }
