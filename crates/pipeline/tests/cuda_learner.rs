@@ -344,54 +344,57 @@ fn recomputation_trains_bit_for_bit_the_same_with_a_lower_peak() {
     }
 }
 
+fn im2col(workspace: usize) -> ConvPlan {
+    ConvPlan {
+        algorithm: ConvAlgorithm::Im2col,
+        workspace,
+    }
+}
+
+/// The peak of a dry-run step of a deeper model on larger images (where the
+/// activations kept through the forward outweigh the rest), then the state
+/// before and after 4 steps of `spec()` with these options.
+fn train_with(recompute: bool, conv: ConvPlan) -> (u64, Vec<u32>, Vec<f32>, Vec<f32>) {
+    let options = CudaOptions {
+        build: CudaBuildOptions {
+            recompute,
+            conv,
+            ..CudaBuildOptions::default()
+        },
+        ..CudaOptions::default()
+    };
+    let mut large = ModelSpec {
+        input: [32, 32, 1],
+        ..spec()
+    };
+    large.layers.splice(3..3, vec![LayerSpec::BasicBlock; 4]);
+    let be = CudaBackend::new(0).unwrap();
+    let peak = CudaLearner::new(be, &large, 23, settings(), 8, options.clone())
+        .unwrap()
+        .measure_step_peak(8)
+        .unwrap();
+    let be = CudaBackend::new(0).unwrap();
+    let mut learner = CudaLearner::new(be, &spec(), 23, settings(), 8, options).unwrap();
+    let start = flat(&learner.snapshot().unwrap().params);
+    for i in 0..4 {
+        learner.train_batch(&batch(i), 5e-3).unwrap();
+    }
+    let end = learner.snapshot().unwrap();
+    (peak, bits(&end), start, flat(&end.params))
+}
+
 /// `device.recompute` changes what a step keeps, never the bits: steps
 /// with graphs (captured and replayed) train to the same weights with batch
 /// norm + ReLU outputs kept or recomputed, and recomputing peaks lower.
 /// `device.conv_workspace` cuts the weight gradient's sum over the batch
 /// into per-chunk products, so it changes the f32 summation order: an
 /// im2col workspace of one image's rows trains to within a hair of one
-/// holding the whole batch. `device.conv_algorithm = "implicit_gemm"`
-/// rounds the input gradient once instead of twice (close too) and needs
-/// no im2col matrix (a lower peak).
+/// holding the whole batch.
 #[test]
-fn recomputed_outputs_train_to_the_same_bits_and_any_conv_plan_alike() {
+fn recomputed_outputs_train_to_the_same_bits_and_any_workspace_alike() {
     let Some(_gpu) = backend() else { return };
-    let im2col = |workspace| ConvPlan {
-        algorithm: ConvAlgorithm::Im2col,
-        workspace,
-    };
-    let run = |recompute: bool, conv: ConvPlan| {
-        let options = CudaOptions {
-            build: CudaBuildOptions {
-                recompute,
-                conv,
-                ..CudaBuildOptions::default()
-            },
-            ..CudaOptions::default()
-        };
-        // The peak of a deeper model on larger images, where the
-        // activations kept through the forward outweigh the rest.
-        let mut large = ModelSpec {
-            input: [32, 32, 1],
-            ..spec()
-        };
-        large.layers.splice(3..3, vec![LayerSpec::BasicBlock; 4]);
-        let be = CudaBackend::new(0).unwrap();
-        let peak = CudaLearner::new(be, &large, 23, settings(), 8, options.clone())
-            .unwrap()
-            .measure_step_peak(8)
-            .unwrap();
-        let be = CudaBackend::new(0).unwrap();
-        let mut learner = CudaLearner::new(be, &spec(), 23, settings(), 8, options).unwrap();
-        let start = flat(&learner.snapshot().unwrap().params);
-        for i in 0..4 {
-            learner.train_batch(&batch(i), 5e-3).unwrap();
-        }
-        let end = learner.snapshot().unwrap();
-        (peak, bits(&end), start, flat(&end.params))
-    };
-    let (kept_peak, kept, start, kept_params) = run(false, im2col(64 << 20));
-    let (peak, recomputed, ..) = run(true, im2col(64 << 20));
+    let (kept_peak, kept, start, kept_params) = train_with(false, im2col(64 << 20));
+    let (peak, recomputed, ..) = train_with(true, im2col(64 << 20));
     assert!(recomputed == kept, "recomputing trains differently");
     eprintln!("step peak: {peak} bytes recomputing, {kept_peak} keeping");
     assert!(
@@ -400,19 +403,30 @@ fn recomputed_outputs_train_to_the_same_bits_and_any_conv_plan_alike() {
     );
     let moved = relative_l2(&kept_params, &start);
     // 1 byte: every chunk is a single image.
-    let (.., one_image) = run(true, im2col(1));
+    let (.., one_image) = train_with(true, im2col(1));
     let apart = relative_l2(&one_image, &kept_params);
     eprintln!("one-image workspace: apart {apart:e}, moved {moved:e}");
     assert!(apart < 1e-3 * moved, "apart {apart}, moved {moved}");
-    let (implicit_peak, _, _, implicit) = run(
-        true,
-        ConvPlan {
-            algorithm: ConvAlgorithm::ImplicitGemm,
-            workspace: 64 << 20,
-        },
+}
+
+/// `device.conv_algorithm = "implicit_gemm"` rounds the input gradient
+/// once instead of twice and sums the weight gradient in another order, so
+/// it trains close to im2col, not to its bits; it needs no im2col matrix, so
+/// its step peaks lower.
+#[test]
+fn implicit_gemm_trains_close_to_im2col_with_a_lower_peak() {
+    let Some(_gpu) = backend() else { return };
+    let (peak, _, start, params) = train_with(true, im2col(64 << 20));
+    let implicit = ConvPlan {
+        algorithm: ConvAlgorithm::ImplicitGemm,
+        workspace: 64 << 20,
+    };
+    let (implicit_peak, _, _, implicit_params) = train_with(true, implicit);
+    let moved = relative_l2(&params, &start);
+    let apart = relative_l2(&implicit_params, &params);
+    eprintln!(
+        "implicit GEMM: apart {apart:e}, moved {moved:e}, peak {implicit_peak} (im2col {peak})"
     );
-    let apart = relative_l2(&implicit, &kept_params);
-    eprintln!("implicit GEMM: apart {apart:e}, moved {moved:e}, peak {implicit_peak}");
     assert!(apart < 5e-2 * moved, "apart {apart}, moved {moved}");
     assert!(
         implicit_peak < peak,
