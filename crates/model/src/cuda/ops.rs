@@ -1194,19 +1194,15 @@ pub enum ConvAlgorithm {
 /// Rows of the implicit kernel's block tile (conv_mma.cu `IC_BM`).
 const IMPLICIT_ROWS: usize = 128;
 
-/// Whether the implicit-GEMM kernel takes a product that gathers `chans`
-/// channels into `cols`.
-fn implicit_fits(
-    be: &CudaBackend,
-    plan: ConvPlan,
-    dtype: DType,
-    chans: usize,
-    cols: usize,
-) -> bool {
+/// Whether conv_mma.cu's kernels take convolution `s` (forward and both
+/// gradients): 8-channel vectors of its input and of its output gradient
+/// must each lie in one tap and be 16-byte aligned, and `mma.m16n8k16`
+/// needs sm_80.
+fn implicit_fits(be: &CudaBackend, plan: ConvPlan, dtype: DType, s: &ConvShape) -> bool {
     plan.algorithm == ConvAlgorithm::ImplicitGemm
         && dtype == DType::F16
-        && chans.is_multiple_of(8)
-        && cols.is_multiple_of(8)
+        && s.cin.is_multiple_of(8)
+        && s.cout.is_multiple_of(8)
         && be.info().arch() >= 80
 }
 
@@ -1411,7 +1407,7 @@ pub fn conv2d_forward(
             1.0,
             0.0,
         )?;
-    } else if implicit_fits(be, plan, dtype, s.cin, s.cout) {
+    } else if implicit_fits(be, plan, dtype, &s) {
         implicit_conv(be, x, weight, &mut y, &s, (oh, ow), false)?;
     } else {
         let kk = s.kk();
@@ -1529,7 +1525,7 @@ pub fn conv2d_backward(
         )?;
         return Ok(dx);
     }
-    if implicit_fits(be, plan, dtype, s.cin, s.cout) {
+    if implicit_fits(be, plan, dtype, &s) {
         implicit_wgrad(be, x, dy, weight_grad, &s, (oh, ow), plan.workspace)?;
         implicit_conv(be, dy, weight, &mut dx, &s, (oh, ow), true)?;
         return Ok(dx);
