@@ -183,6 +183,45 @@ __device__ __forceinline__ u32 hr_div(FastDiv f, u32 n) {
     return (__umulhi(n, f.m) + n) >> f.s;
 }
 
+// 8 halves, loaded and stored as one 16-byte access.
+struct alignas(16) HalfVec8 {
+    u32 w[4];
+};
+
+// Two or eight halves as one access (p aligned to its size). The emulator
+// copies bytes instead, since the casts break C++'s aliasing rules.
+#ifndef HR_EMULATE
+__device__ __forceinline__ u32 hr_ld_pair(const hr_half* p) {
+    return *reinterpret_cast<const u32*>(p);
+}
+__device__ __forceinline__ void hr_st_pair(hr_half* p, u32 v) {
+    *reinterpret_cast<u32*>(p) = v;
+}
+__device__ __forceinline__ HalfVec8 hr_ld_vec8(const hr_half* p) {
+    return *reinterpret_cast<const HalfVec8*>(p);
+}
+__device__ __forceinline__ void hr_st_vec8(hr_half* p, HalfVec8 v) {
+    *reinterpret_cast<HalfVec8*>(p) = v;
+}
+#else
+__device__ __forceinline__ u32 hr_ld_pair(const hr_half* p) {
+    u32 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+__device__ __forceinline__ void hr_st_pair(hr_half* p, u32 v) {
+    memcpy(p, &v, sizeof v);
+}
+__device__ __forceinline__ HalfVec8 hr_ld_vec8(const hr_half* p) {
+    HalfVec8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+__device__ __forceinline__ void hr_st_vec8(hr_half* p, HalfVec8 v) {
+    memcpy(p, &v, sizeof v);
+}
+#endif
+
 // Grid-stride loop over [0, n).
 #define HR_FOR_EACH(i, n)                                                   \
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < (n);           \

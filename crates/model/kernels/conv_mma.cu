@@ -63,10 +63,6 @@ HR_CHECK_SIZE(ImplicitConvParams, 96);
 #define IC_LD (IC_BK + 8)
 #define IC_THREADS 128
 
-// 8 halves, loaded and stored as one 16-byte access.
-struct alignas(16) HalfVec8 {
-    u32 w[4];
-};
 
 template <int BN>
 struct alignas(16) ImplicitTiles {
@@ -130,39 +126,6 @@ __device__ __forceinline__ void hr_mma_16816(float d[4], const u32 a[4], const u
 }
 #endif
 
-// Two or eight halves as one access (p aligned to its size). The emulator
-// copies bytes instead, since the casts break C++'s aliasing rules.
-#ifndef HR_EMULATE
-__device__ __forceinline__ u32 hr_ld_pair(const hr_half* p) {
-    return *reinterpret_cast<const u32*>(p);
-}
-__device__ __forceinline__ void hr_st_pair(hr_half* p, u32 v) {
-    *reinterpret_cast<u32*>(p) = v;
-}
-__device__ __forceinline__ HalfVec8 hr_ld_vec8(const hr_half* p) {
-    return *reinterpret_cast<const HalfVec8*>(p);
-}
-__device__ __forceinline__ void hr_st_vec8(hr_half* p, HalfVec8 v) {
-    *reinterpret_cast<HalfVec8*>(p) = v;
-}
-#else
-__device__ __forceinline__ u32 hr_ld_pair(const hr_half* p) {
-    u32 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-__device__ __forceinline__ void hr_st_pair(hr_half* p, u32 v) {
-    memcpy(p, &v, sizeof v);
-}
-__device__ __forceinline__ HalfVec8 hr_ld_vec8(const hr_half* p) {
-    HalfVec8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-__device__ __forceinline__ void hr_st_vec8(hr_half* p, HalfVec8 v) {
-    memcpy(p, &v, sizeof v);
-}
-#endif
 
 // The 8 channels c..c+7 of the gathered tensor that output row (img, ry, rx)
 // reads at tap (ky, kx), or zeros (padding, a stride the tap misses, a row

@@ -1051,24 +1051,26 @@ fn convolution_matches_the_cpu_layer_for_the_reference_shapes() {
             },
         },
     ];
+    // f16 with whole 8-channel runs goes 8 at a time (im2col_v8_f16, and
+    // col2im_v8_f16 in backward); on the emulator, count that it did.
+    let vectorized = ["im2col_v8_f16", "col2im_v8_f16"];
     for (i, case) in cases.iter().enumerate() {
+        let before = kernel_runs(&vectorized);
         conv_parity(&be, case, 100 + 10 * i as u64);
+        if let (Some(before), Some(after)) = (before, kernel_runs(&vectorized)) {
+            let s = case.shape;
+            let expected = s.cin % 8 == 0 && !s.is_pointwise();
+            assert_eq!(after > before, expected, "vectorized im2col for {s:?}");
+        }
     }
 }
 
-/// Runs of conv_mma.cu's kernels so far, on the emulator (None on a GPU,
-/// where nothing counts them).
-fn implicit_conv_runs() -> Option<u64> {
+/// How many times these kernels have run so far, on the emulator (None on
+/// a GPU, where nothing counts them).
+fn kernel_runs(names: &[&str]) -> Option<u64> {
     if !emulated() {
         return None;
     }
-    let names = [
-        "implicit_conv_n32_f16",
-        "implicit_conv_n64_f16",
-        "implicit_wgrad_n32_f16",
-        "implicit_wgrad_n64_f16",
-        "wgrad_reduce",
-    ];
     Some(
         names
             .iter()
@@ -1076,6 +1078,15 @@ fn implicit_conv_runs() -> Option<u64> {
             .sum(),
     )
 }
+
+/// conv_mma.cu's kernels.
+const IMPLICIT_KERNELS: [&str; 5] = [
+    "implicit_conv_n32_f16",
+    "implicit_conv_n64_f16",
+    "implicit_wgrad_n32_f16",
+    "implicit_wgrad_n64_f16",
+    "wgrad_reduce",
+];
 
 /// `device.conv_algorithm = "implicit_gemm"`: conv_mma.cu's tensor-core
 /// kernels (forward, input gradient, weight gradient and its reduction)
@@ -1131,9 +1142,9 @@ fn implicit_gemm_convolution_matches_the_cpu_layer() {
         (conv(3, 9, 9, 16, 24, 3, 2, 1), true, one_split, 4),
     ]);
     for (i, (shape, bias, plan, runs)) in cases.enumerate() {
-        let before = implicit_conv_runs();
+        let before = kernel_runs(&IMPLICIT_KERNELS);
         conv_parity(&be, &ConvCase { shape, bias, plan }, 300 + 10 * i as u64);
-        if let (Some(before), Some(after)) = (before, implicit_conv_runs()) {
+        if let (Some(before), Some(after)) = (before, kernel_runs(&IMPLICIT_KERNELS)) {
             assert_eq!(after - before, runs, "implicit kernel runs for {shape:?}");
         }
     }
@@ -2642,6 +2653,14 @@ const COVERAGE: &[(&str, &str)] = &[
     ),
     ("im2col_f32", "an_f32_network_matches_the_cpu_network"),
     ("col2im_f32", "an_f32_network_matches_the_cpu_network"),
+    (
+        "im2col_v8_f16",
+        "convolution_matches_the_cpu_layer_for_the_reference_shapes",
+    ),
+    (
+        "col2im_v8_f16",
+        "convolution_matches_the_cpu_layer_for_the_reference_shapes",
+    ),
     (
         "implicit_conv_n32_f16",
         "implicit_gemm_convolution_matches_the_cpu_layer",

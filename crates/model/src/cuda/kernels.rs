@@ -120,6 +120,9 @@ pub const XENT_REDUCE: KernelSig = sig!("loss", "xent_reduce", XentReduceParams,
 
 pub const IM2COL: KernelPair = pair!("conv", "im2col", ConvParams, 2);
 pub const COL2IM: KernelPair = pair!("conv", "col2im", ConvParams, 2);
+/// im2col / col2im 8 channels at a time (f16, cin % 8 == 0).
+pub const IM2COL_V8: KernelSig = sig!("conv", "im2col_v8_f16", ConvParams, 2);
+pub const COL2IM_V8: KernelSig = sig!("conv", "col2im_v8_f16", ConvParams, 2);
 /// Implicit-GEMM convolution, f16 only, by column tile (32 or 64).
 pub const IMPLICIT_CONV_N32: KernelSig =
     sig!("conv_mma", "implicit_conv_n32_f16", ImplicitConvParams, 3);
@@ -218,7 +221,9 @@ pub static FILES: &[KernelFile] = &[
     KernelFile {
         name: "conv",
         source: include_str!("../../kernels/conv.cu"),
-        kernels: &[IM2COL.f16, IM2COL.f32, COL2IM.f16, COL2IM.f32],
+        kernels: &[
+            IM2COL.f16, IM2COL.f32, COL2IM.f16, COL2IM.f32, IM2COL_V8, COL2IM_V8,
+        ],
     },
     KernelFile {
         name: "conv_mma",

@@ -1086,7 +1086,9 @@ impl ConvShape {
         self.k * self.k * self.cin
     }
 
-    fn is_pointwise(&self) -> bool {
+    /// A 1×1 convolution with stride 1 and no padding: one matrix product,
+    /// no im2col.
+    pub fn is_pointwise(&self) -> bool {
         self.k == 1 && self.stride == 1 && self.pad == 0
     }
 
@@ -1149,15 +1151,27 @@ fn im2col(
     a: &mut CudaTensor,
     total: usize,
 ) -> CudaResult<()> {
-    let f = be.function(k::IM2COL.of(x.dtype()))?;
+    let vectors = by_eight(x.dtype(), p.cin as usize);
+    let f = be.function(if vectors {
+        &k::IM2COL_V8
+    } else {
+        k::IM2COL.of(x.dtype())
+    })?;
     let mut b = be.compute_stream().launch_builder(&f);
     b.arg(p).arg(x).arg(a);
     // SAFETY: im2col_T(ConvParams, const T* x [n, h, w, cin], T* a), a made
-    // with x's type,
-    // writes images·oh·ow·kk = total ≤ a.len() elements and reads only images
-    // n0..n0+images of x, which the caller checked against x's shape.
-    unsafe { b.launch(elementwise(total)) }.during("im2col")?;
+    // with x's type, writes images·oh·ow·kk = total ≤ a.len() elements and
+    // reads only images n0..n0+images of x, which the caller checked against
+    // x's shape. im2col_v8_f16 does the same 8 at a time: f16, cin % 8 == 0
+    // (by_eight), x and a whole tensors, so its 16-byte accesses are aligned.
+    unsafe { b.launch(elementwise(if vectors { total / 8 } else { total })) }.during("im2col")?;
     Ok(())
+}
+
+/// Whether im2col and col2im go 8 channels at a time (`*_v8_f16`): f16
+/// with whole 8-channel runs in every tap.
+fn by_eight(dtype: DType, cin: usize) -> bool {
+    dtype == DType::F16 && cin.is_multiple_of(8)
 }
 
 /// How the GPU runs a convolution.
@@ -1532,7 +1546,12 @@ pub fn conv2d_backward(
     }
     let ipc = images_per_chunk(&s, opix, plan.workspace, dtype);
     let mut a = CudaTensor::uninit(be, &[ipc * opix * kk], dtype)?;
-    let col2im = be.function(k::COL2IM.of(dtype))?;
+    let col2im_vectors = by_eight(dtype, s.cin);
+    let col2im = be.function(if col2im_vectors {
+        &k::COL2IM_V8
+    } else {
+        k::COL2IM.of(dtype)
+    })?;
     for n0 in (0..s.n).step_by(ipc) {
         let images = ipc.min(s.n - n0);
         let rows = images * opix;
@@ -1589,8 +1608,10 @@ pub fn conv2d_backward(
         b.arg(&p).arg(&a).arg(&mut dx);
         // SAFETY: col2im_T(ConvParams, const T* da [rows, kk], T* dx
         // [n, h, w, cin]) reads rows·kk ≤ a.len() elements and writes the
-        // `images` images from n0 of dx, inside its n images.
-        unsafe { b.launch(elementwise(total)) }.during("col2im")?;
+        // `images` images from n0 of dx, inside its n images; col2im_v8_f16
+        // the same 8 at a time (by_eight: aligned 16-byte accesses).
+        let threads = if col2im_vectors { total / 8 } else { total };
+        unsafe { b.launch(elementwise(threads)) }.during("col2im")?;
     }
     Ok(dx)
 }
