@@ -222,6 +222,19 @@ __device__ __forceinline__ void hr_st_vec8(hr_half* p, HalfVec8 v) {
 }
 #endif
 
+// Element e of 8 halves, widened; and 8 floats rounded into 8 halves.
+__device__ __forceinline__ float hr_vec8_at(const HalfVec8& v, u32 e) {
+    return h2f((hr_half)(v.w[e >> 1] >> (16u * (e & 1u))));
+}
+
+__device__ __forceinline__ HalfVec8 hr_vec8_of(const float* f) {
+    HalfVec8 v;
+    for (u32 e = 0; e < 4; ++e) {
+        v.w[e] = (u32)f2h(f[2 * e]) | (u32)f2h(f[2 * e + 1]) << 16;
+    }
+    return v;
+}
+
 // Grid-stride loop over [0, n).
 #define HR_FOR_EACH(i, n)                                                   \
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < (n);           \

@@ -186,15 +186,11 @@ extern "C" __global__ void col2im_v8_f16(ConvParams p, const hr_half* __restrict
                 const u32 row = img * opix + oy * p.ow + ox;
                 const HalfVec8 v = hr_ld_vec8(da + row * kk + (ky * p.k + kx) * p.cin + ci);
                 for (u32 c = 0; c < 8; ++c) {
-                    acc[c] += h2f((hr_half)(v.w[c >> 1] >> (16u * (c & 1u))));
+                    acc[c] += hr_vec8_at(v, c);
                 }
             }
         }
-        HalfVec8 out;
-        for (u32 c = 0; c < 4; ++c) {
-            out.w[c] = (u32)f2h(acc[2 * c]) | (u32)f2h(acc[2 * c + 1]) << 16;
-        }
-        hr_st_vec8(dx + (p.n0 + img) * image + rem, out);
+        hr_st_vec8(dx + (p.n0 + img) * image + rem, hr_vec8_of(acc));
     }
 }
 

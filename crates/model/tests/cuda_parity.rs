@@ -611,7 +611,19 @@ const BN: BatchNormConfig = BatchNormConfig {
 fn batch_norm_training_forward_backward_and_running_stats_match() {
     let be = gpu_or_skip!();
     // c = 40: a partial 32-channel tile; rows 392 and 3136: 2 and 13 chunks.
-    for (shape, seed) in [([8usize, 7, 7, 40], 20u64), ([16, 14, 14, 64], 30)] {
+    // c = 12: not a multiple of 8, so the per-element kernels go one
+    // element at a time (bn_apply_f16, bn_backward_apply_f16), not eight
+    // (the _v8_f16 entry points); on the emulator, count which ran.
+    let shapes = [
+        ([8usize, 7, 7, 40], 20u64),
+        ([16, 14, 14, 64], 30),
+        ([6, 5, 5, 12], 40),
+    ];
+    let eight = ["bn_apply_v8_f16", "bn_backward_apply_v8_f16"];
+    let one = ["bn_apply_f16", "bn_backward_apply_f16"];
+    for (shape, seed) in shapes {
+        let runs = || kernel_runs(&eight).zip(kernel_runs(&one));
+        let before = runs();
         let c = shape[3];
         let BnCase {
             mut cpu,
@@ -688,6 +700,11 @@ fn batch_norm_training_forward_backward_and_running_stats_match() {
             5e-3,
             3e-3,
         );
+        if let (Some(before), Some(after)) = (before, runs()) {
+            let by_eight = c % 8 == 0;
+            assert_eq!(after.0 - before.0, if by_eight { 2 } else { 0 }, "c = {c}");
+            assert_eq!(after.1 - before.1, if by_eight { 0 } else { 2 }, "c = {c}");
+        }
     }
 }
 
@@ -2117,10 +2134,26 @@ fn basic_block_parts(c: usize) -> BlockParts {
     }
 }
 
+/// 16 channels go through the per-element kernels 8 at a time (the
+/// `_v8_f16` entry points: bn_apply_add_v8_f16 here), 12 one at a time; on
+/// the emulator, count which ran.
 #[test]
 fn a_fused_basic_block_matches_the_cpu_fused_residual() {
     let be = gpu_or_skip!();
-    let (n, hw, c) = (4usize, 10usize, 16usize);
+    for c in [16, 12] {
+        let runs = || kernel_runs(&["bn_apply_add_v8_f16"]).zip(kernel_runs(&["bn_apply_add_f16"]));
+        let before = runs();
+        fused_block_parity(&be, c);
+        if let (Some(before), Some(after)) = (before, runs()) {
+            let by_eight = c % 8 == 0;
+            assert_eq!(after.0 > before.0, by_eight, "c = {c}");
+            assert_eq!(after.1 > before.1, !by_eight, "c = {c}");
+        }
+    }
+}
+
+fn fused_block_parity(be: &CudaBackend, c: usize) {
+    let (n, hw) = (4usize, 10usize);
     let x = random(&[n, hw, hw, c], 713, 1.0, 0.0);
     // The unfused CPU block's sum before its ReLU, only to find the elements
     // within rounding of zero (see a_basic_block_forward_and_backward_...).
@@ -2180,22 +2213,22 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
         stride: 1,
         pad: 1,
     };
-    let (w1, w2) = (upload_f16(&be, &w[0]), upload_f16(&be, &w[1]));
+    let (w1, w2) = (upload_f16(be, &w[0]), upload_f16(be, &w[1]));
     let (g1d, b1d, g2d, b2d) = (
-        upload_f32(&be, &bn1.gamma),
-        upload_f32(&be, &bn1.beta),
-        upload_f32(&be, &bn2.gamma),
-        upload_f32(&be, &bn2.beta),
+        upload_f32(be, &bn1.gamma),
+        upload_f32(be, &bn1.beta),
+        upload_f32(be, &bn2.gamma),
+        upload_f32(be, &bn2.beta),
     );
     let mut running: Vec<CudaSlice<f32>> = [0.0f32, 1.0, 0.0, 1.0]
         .iter()
-        .map(|&v| upload_f32(&be, &vec![v; c]))
+        .map(|&v| upload_f32(be, &vec![v; c]))
         .collect();
-    let gx = upload(&be, &x);
+    let gx = upload(be, &x);
     let relu_cfg = BatchNormConfig { relu: true, ..BN };
     // Forward: conv, bn+relu, conv, then bn + x + relu in one kernel.
     let a1 = ops::conv2d_forward(
-        &be,
+        be,
         &gx,
         &AnyView::F16(w1.as_view()),
         None,
@@ -2207,10 +2240,10 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
         let (m, v) = running[..2].split_at_mut(1);
         let (m, v) = (&mut m[0].as_view_mut(), &mut v[0].as_view_mut());
         let (g, b) = (g1d.as_view(), b1d.as_view());
-        ops::batch_norm_forward_train(&be, &a1, &g, &b, m, v, relu_cfg).unwrap()
+        ops::batch_norm_forward_train(be, &a1, &g, &b, m, v, relu_cfg).unwrap()
     };
     let a2 = ops::conv2d_forward(
-        &be,
+        be,
         &h1,
         &AnyView::F16(w2.as_view()),
         None,
@@ -2222,18 +2255,18 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
         let (m, v) = running[2..].split_at_mut(1);
         let (m, v) = (&mut m[0].as_view_mut(), &mut v[0].as_view_mut());
         let (g, b) = (g2d.as_view(), b2d.as_view());
-        ops::batch_norm_add_forward_train(&be, &a2, &gx, &g, &b, m, v, relu_cfg).unwrap()
+        ops::batch_norm_add_forward_train(be, &a2, &gx, &g, &b, m, v, relu_cfg).unwrap()
     };
     assert_close_l2(
         "fused block forward",
-        &out.to_host(&be).unwrap(),
+        &out.to_host(be).unwrap(),
         y.data(),
         1e-2,
     );
     for (i, (gpu, cpu)) in running.iter().zip(&cpu_running).enumerate() {
         assert_close(
             &format!("fused block running statistic {i}"),
-            &download(&be, gpu),
+            &download(be, gpu),
             cpu,
             1e-3,
             1e-4,
@@ -2241,10 +2274,10 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
     }
     // Backward: the tail masks g in place by the block's output; the masked
     // g joins the body's input gradient at the end.
-    let mut gg = upload(&be, &g);
+    let mut gg = upload(be, &g);
     let mut grads: Vec<CudaSlice<f32>> = cpu_grads
         .iter()
-        .map(|v| upload_f32(&be, &vec![0.0; v.len()]))
+        .map(|v| upload_f32(be, &vec![0.0; v.len()]))
         .collect();
     let (gw1, rest) = grads.split_at_mut(1);
     let (gbn1, rest) = rest.split_at_mut(2);
@@ -2252,7 +2285,7 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
     let (gbn1g, gbn1b) = gbn1.split_at_mut(1);
     let (gbn2g, gbn2b) = gbn2.split_at_mut(1);
     let ga2 = ops::batch_norm_add_relu_backward(
-        &be,
+        be,
         &mut gg,
         &a2,
         &out,
@@ -2263,7 +2296,7 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
     )
     .unwrap();
     let gh1 = ops::conv2d_backward(
-        &be,
+        be,
         &h1,
         &ga2,
         &AnyView::F16(w2.as_view()),
@@ -2274,7 +2307,7 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
     )
     .unwrap();
     let ga1 = ops::batch_norm_backward(
-        &be,
+        be,
         &gh1,
         &a1,
         Some(&h1),
@@ -2286,7 +2319,7 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
     )
     .unwrap();
     let mut gdx = ops::conv2d_backward(
-        &be,
+        be,
         &gx,
         &ga1,
         &AnyView::F16(w1.as_view()),
@@ -2296,15 +2329,10 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
         ConvPlan::default(),
     )
     .unwrap();
-    ops::add_inplace(&be, &mut gdx, &gg).unwrap();
+    ops::add_inplace(be, &mut gdx, &gg).unwrap();
     // As for the unfused block: an L2 bound (f16 activations, inner ReLU
     // masks that may differ within rounding of zero).
-    assert_close_l2(
-        "fused block dx",
-        &gdx.to_host(&be).unwrap(),
-        dx.data(),
-        3e-2,
-    );
+    assert_close_l2("fused block dx", &gdx.to_host(be).unwrap(), dx.data(), 3e-2);
     let names = [
         "conv1 dW",
         "bn1 dgamma",
@@ -2314,11 +2342,11 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
         "bn2 dbeta",
     ];
     for ((name, gpu), cpu) in names.iter().zip(&grads).zip(&cpu_grads) {
-        assert_close_l2(name, &download(&be, gpu), cpu, 3e-2);
+        assert_close_l2(name, &download(be, gpu), cpu, 3e-2);
     }
     // Eval forward on the running statistics both sides updated.
     let a1 = ops::conv2d_forward(
-        &be,
+        be,
         &gx,
         &AnyView::F16(w1.as_view()),
         None,
@@ -2328,9 +2356,9 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
     .unwrap();
     let (g, b) = (g1d.as_view(), b1d.as_view());
     let (m, v) = (running[0].as_view(), running[1].as_view());
-    let h1 = ops::batch_norm_forward_eval(&be, &a1, &g, &b, &m, &v, relu_cfg).unwrap();
+    let h1 = ops::batch_norm_forward_eval(be, &a1, &g, &b, &m, &v, relu_cfg).unwrap();
     let a2 = ops::conv2d_forward(
-        &be,
+        be,
         &h1,
         &AnyView::F16(w2.as_view()),
         None,
@@ -2340,10 +2368,10 @@ fn a_fused_basic_block_matches_the_cpu_fused_residual() {
     .unwrap();
     let (g, b) = (g2d.as_view(), b2d.as_view());
     let (m, v) = (running[2].as_view(), running[3].as_view());
-    let out = ops::batch_norm_add_forward_eval(&be, &a2, &gx, &g, &b, &m, &v, relu_cfg).unwrap();
+    let out = ops::batch_norm_add_forward_eval(be, &a2, &gx, &g, &b, &m, &v, relu_cfg).unwrap();
     assert_close_l2(
         "fused block eval forward",
-        &out.to_host(&be).unwrap(),
+        &out.to_host(be).unwrap(),
         y_eval.data(),
         1e-2,
     );
@@ -2653,6 +2681,18 @@ const COVERAGE: &[(&str, &str)] = &[
     ),
     ("im2col_f32", "an_f32_network_matches_the_cpu_network"),
     ("col2im_f32", "an_f32_network_matches_the_cpu_network"),
+    (
+        "bn_apply_v8_f16",
+        "batch_norm_training_forward_backward_and_running_stats_match",
+    ),
+    (
+        "bn_backward_apply_v8_f16",
+        "batch_norm_training_forward_backward_and_running_stats_match",
+    ),
+    (
+        "bn_apply_add_v8_f16",
+        "a_fused_basic_block_matches_the_cpu_fused_residual",
+    ),
     (
         "im2col_v8_f16",
         "convolution_matches_the_cpu_layer_for_the_reference_shapes",

@@ -108,6 +108,12 @@ pub const BN_BACKWARD_FINALIZE: KernelSig =
     sig!("batchnorm", "bn_backward_finalize", BnBackwardParams, 9);
 pub const BN_BACKWARD_APPLY: KernelPair =
     pair!("batchnorm", "bn_backward_apply", BnBackwardParams, 8);
+/// bn_apply, bn_apply_add and bn_backward_apply 8 channels at a time (f16,
+/// channels % 8 == 0).
+pub const BN_APPLY_V8: KernelSig = sig!("batchnorm", "bn_apply_v8_f16", BnApplyParams, 4);
+pub const BN_APPLY_ADD_V8: KernelSig = sig!("batchnorm", "bn_apply_add_v8_f16", BnApplyParams, 5);
+pub const BN_BACKWARD_APPLY_V8: KernelSig =
+    sig!("batchnorm", "bn_backward_apply_v8_f16", BnBackwardParams, 8);
 pub const BN_RUNNING_RESTORE: KernelSig =
     sig!("batchnorm", "bn_running_restore", BnRestoreParams, 5);
 
@@ -194,6 +200,9 @@ pub static FILES: &[KernelFile] = &[
             BN_BACKWARD_FINALIZE,
             BN_BACKWARD_APPLY.f16,
             BN_BACKWARD_APPLY.f32,
+            BN_APPLY_V8,
+            BN_APPLY_ADD_V8,
+            BN_BACKWARD_APPLY_V8,
             BN_RUNNING_RESTORE,
         ],
     },

@@ -28,13 +28,13 @@
 //! Every launch is asynchronous; nothing here waits for the GPU except the
 //! explicit downloads.
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use half::f16;
 
 use super::backend::{CudaBackend, DeviceBuffer};
 use super::error::Context;
 use super::gemm::{gemm, Operand};
-use super::kernels as k;
+use super::kernels::{self as k, KernelPair, KernelSig};
 use super::params::*;
 use super::tensor::{
     checked_len, same_dtype, AnyView, AnyViewMut, CudaTensor, DType, MAX_ELEMENTS,
@@ -522,7 +522,7 @@ fn bn_apply(
     let stream = be.compute_stream();
     match skip {
         None => {
-            let f = be.function(k::BN_APPLY.of(dtype))?;
+            let (f, cfg) = per_element(be, &k::BN_APPLY, &k::BN_APPLY_V8, dtype, c, rows * c)?;
             let mut b = stream.launch_builder(&f);
             b.arg(&p)
                 .arg(x)
@@ -531,12 +531,20 @@ fn bn_apply(
                 .arg(&mut y);
             // SAFETY: bn_apply_T(BnApplyParams, const T* x, const float*
             // scale, const float* shift, T* y); x, y hold rows·c, scale
-            // and shift c.
-            unsafe { b.launch(elementwise(rows * c)) }.during("bn_apply")?;
+            // and shift c (per_element: the v8 kernel's 16-byte accesses
+            // are aligned in these whole tensors).
+            unsafe { b.launch(cfg) }.during("bn_apply")?;
         }
         Some(skip) => {
             same_dtype("batch_norm residual add", dtype, &[skip.dtype()])?;
-            let f = be.function(k::BN_APPLY_ADD.of(dtype))?;
+            let (f, cfg) = per_element(
+                be,
+                &k::BN_APPLY_ADD,
+                &k::BN_APPLY_ADD_V8,
+                dtype,
+                c,
+                rows * c,
+            )?;
             let mut b = stream.launch_builder(&f);
             b.arg(&p)
                 .arg(x)
@@ -548,7 +556,7 @@ fn bn_apply(
             // scale, const float* shift, const T* skip, T* y); x, skip (its shape checked by both callers) and y hold
             // rows·c, scale and shift c; y is freshly allocated, so it
             // aliases neither input.
-            unsafe { b.launch(elementwise(rows * c)) }.during("bn_apply_add")?;
+            unsafe { b.launch(cfg) }.during("bn_apply_add")?;
         }
     }
     Ok(y)
@@ -1028,7 +1036,14 @@ fn bn_backward(
     }
     let mut dx = CudaTensor::uninit(be, x.shape(), dtype)?;
     if rows * c > 0 {
-        let f = be.function(k::BN_BACKWARD_APPLY.of(dtype))?;
+        let (f, cfg) = per_element(
+            be,
+            &k::BN_BACKWARD_APPLY,
+            &k::BN_BACKWARD_APPLY_V8,
+            dtype,
+            c,
+            rows * c,
+        )?;
         let mut b = stream.launch_builder(&f);
         b.arg(&p)
             .arg(g)
@@ -1040,8 +1055,8 @@ fn bn_backward(
             .arg(&coef_d.slice)
             .arg(&mut dx);
         // SAFETY: bn_backward_apply_T(BnBackwardParams, g, x, y [rows, c], mean,
-        // coef_k, coef_b, coef_d [c], dx [rows, c]).
-        unsafe { b.launch(elementwise(rows * c)) }.during("bn_backward_apply")?;
+        // coef_k, coef_b, coef_d [c], dx [rows, c]), whole tensors.
+        unsafe { b.launch(cfg) }.during("bn_backward_apply")?;
     }
     Ok(dx)
 }
@@ -1151,12 +1166,14 @@ fn im2col(
     a: &mut CudaTensor,
     total: usize,
 ) -> CudaResult<()> {
-    let vectors = by_eight(x.dtype(), p.cin as usize);
-    let f = be.function(if vectors {
-        &k::IM2COL_V8
-    } else {
-        k::IM2COL.of(x.dtype())
-    })?;
+    let (f, cfg) = per_element(
+        be,
+        &k::IM2COL,
+        &k::IM2COL_V8,
+        x.dtype(),
+        p.cin as usize,
+        total,
+    )?;
     let mut b = be.compute_stream().launch_builder(&f);
     b.arg(p).arg(x).arg(a);
     // SAFETY: im2col_T(ConvParams, const T* x [n, h, w, cin], T* a), a made
@@ -1164,14 +1181,33 @@ fn im2col(
     // reads only images n0..n0+images of x, which the caller checked against
     // x's shape. im2col_v8_f16 does the same 8 at a time: f16, cin % 8 == 0
     // (by_eight), x and a whole tensors, so its 16-byte accesses are aligned.
-    unsafe { b.launch(elementwise(if vectors { total / 8 } else { total })) }.during("im2col")?;
+    unsafe { b.launch(cfg) }.during("im2col")?;
     Ok(())
 }
 
-/// Whether im2col and col2im go 8 channels at a time (`*_v8_f16`): f16
-/// with whole 8-channel runs in every tap.
-fn by_eight(dtype: DType, cin: usize) -> bool {
-    dtype == DType::F16 && cin.is_multiple_of(8)
+/// Whether a kernel over rows of `channels` may go 8 channels at a time
+/// (its `*_v8_f16` entry point): f16, and no 8-channel run crosses a row
+/// (or an im2col tap). Its 16-byte accesses are aligned in whole tensors.
+fn by_eight(dtype: DType, channels: usize) -> bool {
+    dtype == DType::F16 && channels.is_multiple_of(8)
+}
+
+/// A per-element kernel over `n` elements in rows of `c` channels: the
+/// 8-at-a-time entry point where `by_eight` allows, else the scalar one for
+/// `dtype`, with its launch.
+fn per_element(
+    be: &CudaBackend,
+    scalar: &KernelPair,
+    eight: &KernelSig,
+    dtype: DType,
+    c: usize,
+    n: usize,
+) -> CudaResult<(CudaFunction, LaunchConfig)> {
+    if by_eight(dtype, c) {
+        Ok((be.function(eight)?, elementwise(n / 8)))
+    } else {
+        Ok((be.function(scalar.of(dtype))?, elementwise(n)))
+    }
 }
 
 /// How the GPU runs a convolution.
@@ -1546,12 +1582,6 @@ pub fn conv2d_backward(
     }
     let ipc = images_per_chunk(&s, opix, plan.workspace, dtype);
     let mut a = CudaTensor::uninit(be, &[ipc * opix * kk], dtype)?;
-    let col2im_vectors = by_eight(dtype, s.cin);
-    let col2im = be.function(if col2im_vectors {
-        &k::COL2IM_V8
-    } else {
-        k::COL2IM.of(dtype)
-    })?;
     for n0 in (0..s.n).step_by(ipc) {
         let images = ipc.min(s.n - n0);
         let rows = images * opix;
@@ -1604,14 +1634,14 @@ pub fn conv2d_backward(
             )?;
         }
         let total = images * s.h * s.w * s.cin;
+        let (col2im, cfg) = per_element(be, &k::COL2IM, &k::COL2IM_V8, dtype, s.cin, total)?;
         let mut b = be.compute_stream().launch_builder(&col2im);
         b.arg(&p).arg(&a).arg(&mut dx);
         // SAFETY: col2im_T(ConvParams, const T* da [rows, kk], T* dx
         // [n, h, w, cin]) reads rows·kk ≤ a.len() elements and writes the
         // `images` images from n0 of dx, inside its n images; col2im_v8_f16
         // the same 8 at a time (by_eight: aligned 16-byte accesses).
-        let threads = if col2im_vectors { total / 8 } else { total };
-        unsafe { b.launch(elementwise(threads)) }.during("col2im")?;
+        unsafe { b.launch(cfg) }.during("col2im")?;
     }
     Ok(dx)
 }
