@@ -396,16 +396,6 @@ impl CudaBackend {
         Ok(f)
     }
 
-    /// Compiles and loads every kernel file now (warm start, gpu-check).
-    pub fn load_all_kernels(&self) -> CudaResult<()> {
-        for file in kernels::FILES {
-            for k in file.kernels {
-                self.function(k)?;
-            }
-        }
-        Ok(())
-    }
-
     fn module(&self, file: &'static str) -> CudaResult<Arc<CudaModule>> {
         let mut modules = lock(&self.modules);
         if let Some(m) = modules.get(file) {
