@@ -51,6 +51,10 @@ extern thread_local hr_uint3 t_grid_dim;
 
 // Block-wide barrier among the live threads of the current block.
 void syncthreads();
+// A vector access of `bytes` at p: the GPU faults (CUDA_ERROR_MISALIGNED_ADDRESS)
+// unless p is a multiple of `bytes`, where a CPU would not notice, so the
+// emulator records the first such access of a launch and fails the launch.
+void check_aligned(const void* p, unsigned int bytes);
 // Warp rendezvous: contributes `mine`, waits for every live lane of the
 // warp, then copies the 32 lanes' values into `all` and returns the mask of
 // live lanes. The lane of the caller is returned through `lane`.

@@ -113,6 +113,7 @@ enum : int {
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_ILLEGAL_ADDRESS = 700,
     CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701,
+    CUDA_ERROR_MISALIGNED_ADDRESS = 716,
     CUDA_ERROR_LAUNCH_FAILED = 719,
     CUDA_ERROR_NOT_SUPPORTED = 801,
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
@@ -325,6 +326,20 @@ std::string run_block(Scheduler& s, unsigned int n) {
 
 namespace hr_emu {
 void syncthreads() { park(FState::Barrier); }
+
+// The first misaligned access of the launch running on this OS thread.
+thread_local std::string t_misaligned;
+
+void check_aligned(const void* p, unsigned int bytes) {
+    if ((std::uintptr_t)p % bytes == 0 || !t_misaligned.empty()) {
+        return;
+    }
+    const hr_uint3 b = t_block_idx, t = t_thread_idx;
+    char what[160];
+    std::snprintf(what, sizeof what, "a %u-byte access at %p, block (%u,%u,%u) thread (%u,%u,%u)",
+                  bytes, p, b.x, b.y, b.z, t.x, t.y, t.z);
+    t_misaligned = what;
+}
 
 unsigned int warp_exchange(unsigned long long mine, unsigned long long* all, unsigned int* lane) {
     Scheduler& s = t_sched;
@@ -1315,6 +1330,14 @@ CUresult launch_now(const hr_emu::KernelEntry* f, unsigned int gx, unsigned int 
     s.entry = nullptr;
     s.params = nullptr;
     s.cur = nullptr;
+    const std::string misaligned = std::move(hr_emu::t_misaligned);
+    hr_emu::t_misaligned.clear();
+    if (failure.empty() && !misaligned.empty()) {
+        std::fprintf(stderr, "headroom CUDA emulator: kernel %s grid %s block %s: misaligned: %s\n",
+                     f->name, dim_str(hr_uint3{gx, gy, gz}).c_str(),
+                     dim_str(hr_uint3{bx, by, bz}).c_str(), misaligned.c_str());
+        return CUDA_ERROR_MISALIGNED_ADDRESS;
+    }
     if (!failure.empty()) {
         std::fprintf(stderr, "headroom CUDA emulator: kernel %s grid %s block %s: %s\n", f->name,
                      dim_str(hr_uint3{gx, gy, gz}).c_str(), dim_str(hr_uint3{bx, by, bz}).c_str(),

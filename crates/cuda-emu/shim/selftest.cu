@@ -67,3 +67,9 @@ extern "C" __global__ void hr_emu_selftest_overrun(u32 n, u32* out) {
         out[t] = t;
     }
 }
+
+// Copies 8 halves from `in + offset` with one 16-byte load: an offset that
+// is not a multiple of 8 halves must fail the launch, as on the GPU.
+extern "C" __global__ void hr_emu_selftest_vec8(u32 offset, const hr_half* in, hr_half* out) {
+    hr_st_vec8(out, hr_ld_vec8(in + offset));
+}

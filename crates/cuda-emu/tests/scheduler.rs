@@ -2,7 +2,8 @@
 //! __syncthreads is a real barrier and __shared__ is per block, every warp
 //! shuffle and vote gives CUDA's answer, atomics add up, a barrier/shuffle
 //! deadlock is a launch error (not a hang), and an out-of-bounds write is
-//! caught by the guard bytes. Kernels: shim/selftest.cu.
+//! caught by the guard bytes, and a misaligned vector access fails the
+//! launch as it faults on a GPU. Kernels: shim/selftest.cu.
 
 use std::sync::{Arc, OnceLock};
 
@@ -172,4 +173,25 @@ fn an_out_of_bounds_write_is_caught() {
     unsafe { b.launch(cfg(1, (128, 1, 1))) }.unwrap();
     let err = s.synchronize().unwrap_err();
     assert!(format!("{err:?}").contains("ILLEGAL_ADDRESS"), "{err:?}");
+}
+
+#[test]
+fn a_misaligned_vector_access_fails_the_launch() {
+    let s = stream();
+    let f = function(&s, "hr_emu_selftest_vec8");
+    let input: Vec<u16> = (0..32).collect();
+    let input = s.clone_htod(&input).unwrap();
+    let copy = |offset: u32| {
+        let mut out = s.alloc_zeros::<u16>(8).unwrap();
+        let mut b = s.launch_builder(&f);
+        b.arg(&offset).arg(&input).arg(&mut out);
+        // SAFETY: one thread reads 8 of the 32 inputs and writes the 8 outputs.
+        unsafe { b.launch(cfg(1, (1, 1, 1))) }.unwrap();
+        s.synchronize().map(|()| s.clone_dtoh(&out).unwrap())
+    };
+    // 8 halves in is 16 bytes in: aligned, and the copy is exact.
+    assert_eq!(copy(8).unwrap(), (8..16).collect::<Vec<u16>>());
+    // 4 halves in is 8 bytes: a GPU faults on the 16-byte load.
+    let err = copy(4).unwrap_err();
+    assert!(format!("{err:?}").contains("MISALIGNED_ADDRESS"), "{err:?}");
 }

@@ -189,7 +189,8 @@ struct alignas(16) HalfVec8 {
 };
 
 // Two or eight halves as one access (p aligned to its size). The emulator
-// copies bytes instead, since the casts break C++'s aliasing rules.
+// copies bytes instead, since the casts break C++'s aliasing rules, and
+// fails the launch where the GPU would fault on a misaligned address.
 #ifndef HR_EMULATE
 __device__ __forceinline__ u32 hr_ld_pair(const hr_half* p) {
     return *reinterpret_cast<const u32*>(p);
@@ -205,19 +206,23 @@ __device__ __forceinline__ void hr_st_vec8(hr_half* p, HalfVec8 v) {
 }
 #else
 __device__ __forceinline__ u32 hr_ld_pair(const hr_half* p) {
+    hr_emu::check_aligned(p, 4);
     u32 v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 __device__ __forceinline__ void hr_st_pair(hr_half* p, u32 v) {
+    hr_emu::check_aligned(p, 4);
     memcpy(p, &v, sizeof v);
 }
 __device__ __forceinline__ HalfVec8 hr_ld_vec8(const hr_half* p) {
+    hr_emu::check_aligned(p, 16);
     HalfVec8 v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 __device__ __forceinline__ void hr_st_vec8(hr_half* p, HalfVec8 v) {
+    hr_emu::check_aligned(p, 16);
     memcpy(p, &v, sizeof v);
 }
 #endif
