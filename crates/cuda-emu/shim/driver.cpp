@@ -35,7 +35,13 @@
 // - A launch runs the blocks one after another on the calling thread; the
 //   threads of a block are fibers (fiber.h), so __syncthreads and warp
 //   shuffles are real rendezvous and __shared__ is shared by exactly the
-//   threads of one block.
+//   threads of one block. A GPU runs blocks, and threads between two
+//   barriers, in no fixed order; so that a kernel that depends on one order
+//   (a block reading what another block writes, a thread reading shared
+//   memory another writes without a barrier between) fails here too, every
+//   other launch runs its blocks last to first and the ready threads of a
+//   block last to first (HEADROOM_CUDA_EMU_ORDER = forward | reverse |
+//   alternate, the default).
 // Only what cudarc and headroom use is implemented; anything else is a
 // missing symbol, which cudarc reports by name.
 
@@ -234,8 +240,33 @@ std::string dim_str(hr_uint3 d) {
     return "(" + std::to_string(d.x) + "," + std::to_string(d.y) + "," + std::to_string(d.z) + ")";
 }
 
+// The order of a launch's blocks and of a block's threads: first to last,
+// or last to first.
+enum class Order { Forward, Reverse };
+
+// HEADROOM_CUDA_EMU_ORDER: the order of every launch, or (unset or
+// "alternate") forward and reverse in turn.
+Order next_order() {
+    static const int fixed = [] {
+        const char* v = std::getenv("HEADROOM_CUDA_EMU_ORDER");
+        if (v == nullptr || std::strcmp(v, "alternate") == 0) return -1;
+        if (std::strcmp(v, "forward") == 0) return 0;
+        if (std::strcmp(v, "reverse") == 0) return 1;
+        std::fprintf(stderr,
+                     "headroom CUDA emulator: HEADROOM_CUDA_EMU_ORDER=%s: expected forward, "
+                     "reverse or alternate\n",
+                     v);
+        std::abort();
+    }();
+    // Per OS thread (queued work runs on the thread that waits for it), so
+    // the turns of one test's launches do not depend on other tests' threads.
+    static thread_local unsigned long long launches = 0;
+    const bool reverse = fixed < 0 ? (launches++ & 1u) != 0 : fixed == 1;
+    return reverse ? Order::Reverse : Order::Forward;
+}
+
 // Runs one block to completion. Returns an empty string, or why it failed.
-std::string run_block(Scheduler& s, unsigned int n) {
+std::string run_block(Scheduler& s, unsigned int n, Order order) {
     const hr_uint3 bd = hr_emu::t_block_dim;
     const unsigned int nwarps = (n + 31) / 32;
     s.warps.resize(nwarps);
@@ -249,8 +280,8 @@ std::string run_block(Scheduler& s, unsigned int n) {
     }
     unsigned int live = n;
     for (;;) {
-        for (unsigned int i = 0; i < n; ++i) {
-            Fiber& f = s.fibers[i];
+        for (unsigned int k = 0; k < n; ++k) {
+            Fiber& f = s.fibers[order == Order::Forward ? k : n - 1 - k];
             if (f.state != FState::Ready) {
                 continue;
             }
@@ -1319,13 +1350,13 @@ CUresult launch_now(const hr_emu::KernelEntry* f, unsigned int gx, unsigned int 
     hr_emu::t_grid_dim = hr_uint3{gx, gy, gz};
     hr_emu::t_block_dim = hr_uint3{bx, by, bz};
     std::string failure;
-    for (unsigned int z = 0; z < gz && failure.empty(); ++z) {
-        for (unsigned int y = 0; y < gy && failure.empty(); ++y) {
-            for (unsigned int x = 0; x < gx && failure.empty(); ++x) {
-                hr_emu::t_block_idx = hr_uint3{x, y, z};
-                failure = run_block(s, (unsigned int)threads);
-            }
-        }
+    const Order order = next_order();
+    const unsigned long long blocks = (unsigned long long)gx * gy * gz;
+    for (unsigned long long k = 0; k < blocks && failure.empty(); ++k) {
+        const unsigned long long b = order == Order::Forward ? k : blocks - 1 - k;
+        hr_emu::t_block_idx = hr_uint3{(unsigned int)(b % gx), (unsigned int)(b / gx % gy),
+                                       (unsigned int)(b / gx / gy)};
+        failure = run_block(s, (unsigned int)threads, order);
     }
     s.entry = nullptr;
     s.params = nullptr;

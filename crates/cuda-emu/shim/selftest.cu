@@ -73,3 +73,22 @@ extern "C" __global__ void hr_emu_selftest_overrun(u32 n, u32* out) {
 extern "C" __global__ void hr_emu_selftest_vec8(u32 offset, const hr_half* in, hr_half* out) {
     hr_st_vec8(out, hr_ld_vec8(in + offset));
 }
+
+// Block b > 0 reads what block b - 1 wrote, with nothing to order them:
+// wrong on a GPU, and it must give different answers here in the two
+// orders the emulator runs blocks in.
+extern "C" __global__ void hr_emu_selftest_block_order(u32* out) {
+    if (threadIdx.x == 0) {
+        out[blockIdx.x] = blockIdx.x == 0 ? 1u : out[blockIdx.x - 1] + 1u;
+    }
+}
+
+// Thread t > 0 reads the shared value thread t - 1 wrote, without a
+// barrier: the same race within a block.
+extern "C" __global__ void hr_emu_selftest_thread_order(u32* out) {
+    __shared__ u32 s[32];
+    s[threadIdx.x] = 0u;
+    __syncthreads();
+    s[threadIdx.x] = threadIdx.x == 0 ? 1u : s[threadIdx.x - 1] + 1u;
+    out[threadIdx.x] = s[threadIdx.x];
+}

@@ -195,3 +195,44 @@ fn a_misaligned_vector_access_fails_the_launch() {
     let err = copy(4).unwrap_err();
     assert!(format!("{err:?}").contains("MISALIGNED_ADDRESS"), "{err:?}");
 }
+
+/// Launches `name` on one stream twice, each time into zeros, and returns
+/// both results.
+fn launched_twice(name: &str, grid: u32, block: u32) -> [Vec<u32>; 2] {
+    let s = stream();
+    let f = function(&s, name);
+    let once = || {
+        let mut out = s.alloc_zeros::<u32>(32).unwrap();
+        let mut b = s.launch_builder(&f);
+        b.arg(&mut out);
+        // SAFETY: at most 32 blocks or threads, each writing one of 32 elements.
+        unsafe { b.launch(cfg(grid, (block, 1, 1))) }.unwrap();
+        s.synchronize().unwrap();
+        s.clone_dtoh(&out).unwrap()
+    };
+    [once(), once()]
+}
+
+#[test]
+fn consecutive_launches_run_blocks_and_threads_in_opposite_orders() {
+    // HEADROOM_CUDA_EMU_ORDER unset: forward and reverse take turns, so a
+    // kernel whose answer depends on the order gives two answers.
+    if std::env::var_os("HEADROOM_CUDA_EMU_ORDER").is_some() {
+        return;
+    }
+    let chained: Vec<u32> = (1..=32).collect();
+    for (name, grid, block) in [
+        ("hr_emu_selftest_block_order", 32, 1),
+        ("hr_emu_selftest_thread_order", 1, 32),
+    ] {
+        let [a, b] = launched_twice(name, grid, block);
+        assert_ne!(a, b, "{name}");
+        // First to last, each reads its predecessor's value; last to first,
+        // each reads the zero (or the fresh value) its predecessor had not
+        // yet replaced.
+        assert!(a == chained || b == chained, "{name}: {a:?} {b:?}");
+        let other = if a == chained { &b } else { &a };
+        assert_eq!(other[0], 1, "{name}");
+        assert_eq!(other[1..], [1; 31], "{name}");
+    }
+}
