@@ -65,6 +65,15 @@ fn per_channel(c: usize) -> LaunchConfig {
     }
 }
 
+/// 32 channels by 8 lanes a block (batchnorm.cu's finalize kernels).
+fn per_channel_lanes(c: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (c.div_ceil(32).max(1) as u32, 1, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 fn u32_of(op: &'static str, v: usize) -> CudaResult<u32> {
     if v > MAX_ELEMENTS {
         return Err(CudaError::Unsupported {
@@ -688,8 +697,9 @@ fn bn_forward_train(
             .arg(running_var);
         // SAFETY: bn_stats_finalize(BnFinalizeParams, part_mean, part_m2
         // [chunks, c], gamma, beta, mean, inv_std, scale, shift, running_mean,
-        // running_var [c]); one thread per channel.
-        unsafe { b.launch(per_channel(c)) }.during("bn_stats_finalize")?;
+        // running_var [c]) with block (32, 8) and grid ceil(c/32), as its
+        // shared arrays require.
+        unsafe { b.launch(per_channel_lanes(c)) }.during("bn_stats_finalize")?;
     }
     let y = bn_apply(be, x, skip, rows, c, &scale, &shift, cfg.relu)?;
     let saved = BatchNormSaved {
@@ -1031,8 +1041,9 @@ fn bn_backward(
             .arg(&mut coef_d.slice);
         // SAFETY: bn_backward_finalize(BnBackwardParams, part_sum_g,
         // part_sum_gx [chunks, c], gamma, inv_std, gamma_grad, beta_grad,
-        // coef_k, coef_b, coef_d [c]); one thread per channel.
-        unsafe { b.launch(per_channel(c)) }.during("bn_backward_finalize")?;
+        // coef_k, coef_b, coef_d [c]) with block (32, 8) and grid
+        // ceil(c/32), as its shared arrays require.
+        unsafe { b.launch(per_channel_lanes(c)) }.during("bn_backward_finalize")?;
     }
     let mut dx = CudaTensor::uninit(be, x.shape(), dtype)?;
     if rows * c > 0 {
