@@ -3,9 +3,10 @@
 //   grad_sumsq      sum of squares of a range of f32 gradients (still
 //                   multiplied by the loss scale), one f64 partial per block
 //                   into partials[offset + blockIdx.x]
-//   step_finalize   one thread: the verdict, the step's factors and the
+//   step_finalize   one block: the verdict, the step's factors and the
 //                   loss scaler, into the StepState (common.cuh):
-//                   - sums the partials in order (f64); found_inf if the sum
+//                   - sums the partials in a fixed order (f64, 256 threads
+//                     then a tree); found_inf if the sum
 //                     is not finite; the global norm of the UNSCALED
 //                     gradients; the clip factor (PyTorch's clip_grad_norm_:
 //                     max_norm / (norm + 1e-6) when norm > max_norm, as in
@@ -104,22 +105,41 @@ extern "C" __global__ void grad_sumsq(SumSqParams p, const float* __restrict__ g
     }
 }
 
-// Launch with one thread. `loss_scale` is the scale this step's gradients
-// carry; it is left holding the next step's.
+// The sum of the partials (one per grad_sumsq block, a thousand or more):
+// thread t adds every 256th from t, then the tree of grad_sumsq; a fixed
+// order, and no thread walks them all. Every thread of the block returns
+// it.
+__device__ double sum_partials(u32 n, const double* __restrict__ partials) {
+    __shared__ double s[256];
+    double acc = 0.0;
+    for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+        acc += partials[i];
+    }
+    s[threadIdx.x] = acc;
+    __syncthreads();
+    for (u32 stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) {
+            s[threadIdx.x] += s[threadIdx.x + stride];
+        }
+        __syncthreads();
+    }
+    return s[0];
+}
+
+// Launch with one block of 256 threads; thread 0 does all but the sum.
+// `loss_scale` is the scale this step's gradients carry; it is left holding
+// the next step's.
 extern "C" __global__ void step_finalize(FinalizeParams p, const double* __restrict__ partials,
                                          const StepSchedule* __restrict__ schedule,
                                          float* __restrict__ loss_scale,
                                          StepState* __restrict__ state) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) {
+    const double sumsq = sum_partials(p.partials, partials);
+    if (threadIdx.x != 0) {
         return;
     }
     const StepState prev = *state;
     const float scale = *loss_scale;
     const float inv_loss_scale = 1.0f / scale;
-    double sumsq = 0.0;
-    for (u32 i = 0; i < p.partials; ++i) {
-        sumsq += partials[i];
-    }
     StepState out = prev;
     const double norm = sqrt(sumsq) * (double)inv_loss_scale;
     out.found_inf = hr_isfinite_d(sumsq) && hr_isfinite((float)norm) ? 0u : 1u;

@@ -55,6 +55,8 @@ fn driver(op: &'static str) -> impl Fn(DriverError) -> OptimError {
 
 /// Threads per block of grad_sumsq (the kernel's shared array has 256).
 const SUMSQ_THREADS: u32 = 256;
+/// Threads of step_finalize's one block (its shared array has 256).
+const FINALIZE_THREADS: u32 = 256;
 /// Upper bound on grad_sumsq blocks per group.
 const SUMSQ_MAX_BLOCKS: usize = 1024;
 
@@ -310,7 +312,7 @@ impl FusedAdamW {
             let f = be.function(&k::STEP_FINALIZE)?;
             let cfg = LaunchConfig {
                 grid_dim: (1, 1, 1),
-                block_dim: (1, 1, 1),
+                block_dim: (FINALIZE_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
             let mut b = stream.launch_builder(&f);
@@ -321,7 +323,8 @@ impl FusedAdamW {
                 .arg(&mut self.state.slice);
             // SAFETY: step_finalize(FinalizeParams, const double* partials
             // [offset], const StepSchedule* [1], float* loss_scale [1],
-            // StepState* state [1]) with one thread.
+            // StepState* state [1]) with one block of 256 threads (its shared
+            // array's size).
             unsafe { b.launch(cfg) }.map_err(driver("step_finalize"))?;
         }
 
