@@ -1395,7 +1395,13 @@ EXPORT CUresult cuLaunchKernel(const hr_emu::KernelEntry* f, unsigned int gx, un
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     const unsigned long long threads = (unsigned long long)bx * by * bz;
-    if (gx == 0 || gy == 0 || gz == 0 || threads == 0 || bz > 64) return CUDA_ERROR_INVALID_VALUE;
+    if (gx == 0 || gy == 0 || gz == 0 || threads == 0) return CUDA_ERROR_INVALID_VALUE;
+    // CUDA's limits on each dimension (cuDeviceGetAttribute's MAX_GRID_DIM_*
+    // and MAX_BLOCK_DIM_*): a grid of more than 65535 in y or z is refused
+    // on a GPU, so it is here.
+    if (gx > 0x7fffffffu || gy > 65535 || gz > 65535 || bx > 1024 || by > 1024 || bz > 64) {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     if (threads > kMaxThreads || shared_bytes > 48 * 1024) return CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
     // Queued or captured work keeps copies of the argument values.
     auto args = std::make_shared<std::vector<std::vector<char>>>();

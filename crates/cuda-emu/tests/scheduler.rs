@@ -3,7 +3,8 @@
 //! shuffle and vote gives CUDA's answer, atomics add up, a barrier/shuffle
 //! deadlock is a launch error (not a hang), and an out-of-bounds write is
 //! caught by the guard bytes, and a misaligned vector access fails the
-//! launch as it faults on a GPU. Kernels: shim/selftest.cu.
+//! launch as it faults on a GPU, and a grid or block past CUDA's limits is
+//! refused. Kernels: shim/selftest.cu.
 
 use std::sync::{Arc, OnceLock};
 
@@ -194,6 +195,40 @@ fn a_misaligned_vector_access_fails_the_launch() {
     // 4 halves in is 8 bytes: a GPU faults on the 16-byte load.
     let err = copy(4).unwrap_err();
     assert!(format!("{err:?}").contains("MISALIGNED_ADDRESS"), "{err:?}");
+}
+
+#[test]
+fn a_grid_past_cudas_limits_is_refused_and_one_at_them_runs() {
+    let s = stream();
+    let f = function(&s, "hr_emu_selftest_atomics");
+    let launch = |grid: (u32, u32, u32), block: (u32, u32, u32)| {
+        let mut counter = s.alloc_zeros::<u32>(1).unwrap();
+        let mut sum = s.alloc_zeros::<f32>(1).unwrap();
+        let mut max_seen = s.alloc_zeros::<u32>(1).unwrap();
+        let mut b = s.launch_builder(&f);
+        b.arg(&mut counter).arg(&mut sum).arg(&mut max_seen);
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: each argument is one element, as the kernel expects.
+        unsafe { b.launch(cfg) }.map(|_| s.clone_dtoh(&counter).unwrap()[0])
+    };
+    // 65535 blocks in y: CUDA's limit, and every block runs.
+    assert_eq!(launch((1, 65_535, 1), (1, 1, 1)).unwrap(), 65_535);
+    for (grid, block) in [
+        ((1, 65_536, 1), (1, 1, 1)),
+        ((1, 1, 65_536), (1, 1, 1)),
+        ((1, 1, 1), (1, 1, 65)),
+        ((1, 1, 1), (1, 2048, 1)),
+    ] {
+        let err = launch(grid, block).unwrap_err();
+        assert!(
+            format!("{err:?}").contains("INVALID_VALUE"),
+            "{grid:?} {block:?}: {err:?}"
+        );
+    }
 }
 
 /// Launches `name` on one stream twice, each time into zeros, and returns
