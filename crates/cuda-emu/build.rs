@@ -6,7 +6,9 @@
 //!   with shim/cuda_shim.h force-included and `HR_EMULATE` defined. Each
 //!   `.cu` file gets a generated unit that includes it inside a namespace of
 //!   its own and registers every `extern "C" __global__ void NAME(` it
-//!   finds, so a kernel added later is emulated without a list to update.
+//!   finds, so a kernel added later is emulated without a list to update,
+//!   with which of its parameters are `__restrict__` pointers, and which of
+//!   those are not `const` (the driver refuses a launch that aliases them).
 //!   shim/selftest.cu (the emulator's own test kernels) is built likewise.
 //! - `libcublas.so` (SONAME `libcublas.so`): the fake cuBLAS (shim/cublas.cpp).
 //!
@@ -140,9 +142,18 @@ fn link(cxx: &str, lib: &Path, soname: &str, objects: &[PathBuf]) {
     run(&mut cmd, soname);
 }
 
-/// The names of the `extern "C" __global__ void NAME(` entry points of a
-/// kernel source, comments ignored.
-fn kernel_names(source: &str) -> Vec<String> {
+/// An entry point of a kernel source: its name and, as bit masks over its
+/// parameters, which are `__restrict__` pointers and which of those it may
+/// write (not `const`).
+struct Kernel {
+    name: String,
+    restrict_mask: u32,
+    written_mask: u32,
+}
+
+/// The `extern "C" __global__ void NAME(...)` entry points of a kernel
+/// source, comments ignored.
+fn kernels(source: &str) -> Vec<Kernel> {
     let code = strip_comments(source);
     let flat: String = code.split_whitespace().collect::<Vec<_>>().join(" ");
     let marker = "extern \"C\" __global__ void ";
@@ -154,9 +165,25 @@ fn kernel_names(source: &str) -> Vec<String> {
             .chars()
             .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
             .collect();
-        if !name.is_empty() && rest[name.len()..].trim_start().starts_with('(') {
-            names.push(name);
+        let after = rest[name.len()..].trim_start();
+        if name.is_empty() || !after.starts_with('(') {
+            continue;
         }
+        let params = after[1..].split(')').next().unwrap_or("");
+        let (mut restrict_mask, mut written_mask) = (0u32, 0u32);
+        for (i, param) in params.split(',').enumerate().take(32) {
+            if param.contains("__restrict__") {
+                restrict_mask |= 1 << i;
+                if !param.trim_start().starts_with("const ") {
+                    written_mask |= 1 << i;
+                }
+            }
+        }
+        names.push(Kernel {
+            name,
+            restrict_mask,
+            written_mask,
+        });
     }
     names
 }
@@ -210,9 +237,12 @@ fn generate_unit(file: &Path, gen: &Path) -> PathBuf {
          }}\n",
         path = file.display()
     );
-    for name in kernel_names(&source) {
+    for k in kernels(&source) {
         text.push_str(&format!(
-            "static hr_registrar hr_reg_{name}(hr_entry(\"{name}\", &{ns}::{name}));\n"
+            "static hr_registrar hr_reg_{name}(hr_entry(\"{name}\", &{ns}::{name}, {r:#x}u, {w:#x}u));\n",
+            name = k.name,
+            r = k.restrict_mask,
+            w = k.written_mask,
         ));
     }
     let unit = gen.join(format!("kernels_{ident}.cpp"));

@@ -1386,6 +1386,34 @@ CUresult launch_now(const hr_emu::KernelEntry* f, unsigned int gx, unsigned int 
 }
 }  // namespace
 
+namespace {
+// Two `__restrict__` pointer arguments with the same address, one of them
+// written through: the compiler may keep a value in a register, or read it
+// through the read-only cache, across the other's write, so the result on a
+// GPU can differ from the one a CPU computes. Refused here, where the CPU
+// would not show it. (The same address only: views of one allocation that
+// overlap without starting together are not detected.)
+const char* restrict_alias(const hr_emu::KernelEntry* f, void** params) {
+    for (unsigned int i = 0; i < f->arity; ++i) {
+        if (!(f->restrict_mask >> i & 1u) || f->arg_bytes[i] != sizeof(CUdeviceptr)) continue;
+        for (unsigned int j = i + 1; j < f->arity; ++j) {
+            if (!(f->restrict_mask >> j & 1u) || f->arg_bytes[j] != sizeof(CUdeviceptr)) continue;
+            if (!((f->written_mask >> i | f->written_mask >> j) & 1u)) continue;
+            CUdeviceptr a, b;
+            std::memcpy(&a, params[i], sizeof a);
+            std::memcpy(&b, params[j], sizeof b);
+            if (a != 0 && a == b) {
+                static thread_local char why[96];
+                std::snprintf(why, sizeof why,
+                              "__restrict__ arguments %u and %u are the same address, one written", i, j);
+                return why;
+            }
+        }
+    }
+    return nullptr;
+}
+}  // namespace
+
 EXPORT CUresult cuLaunchKernel(const hr_emu::KernelEntry* f, unsigned int gx, unsigned int gy,
                                unsigned int gz, unsigned int bx, unsigned int by, unsigned int bz,
                                unsigned int shared_bytes, Stream* stream, void** params, void** extra) {
@@ -1403,6 +1431,10 @@ EXPORT CUresult cuLaunchKernel(const hr_emu::KernelEntry* f, unsigned int gx, un
         return CUDA_ERROR_INVALID_VALUE;
     }
     if (threads > kMaxThreads || shared_bytes > 48 * 1024) return CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
+    if (const char* clash = restrict_alias(f, params)) {
+        std::fprintf(stderr, "headroom CUDA emulator: %s: %s\n", f->name, clash);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     // Queued or captured work keeps copies of the argument values.
     auto args = std::make_shared<std::vector<std::vector<char>>>();
     for (unsigned int i = 0; i < f->arity; ++i) {

@@ -26,6 +26,10 @@ struct KernelEntry {
     // The byte size of each argument: a launch captured into a graph copies
     // the argument values, as cuStreamBeginCapture's kernel nodes do.
     std::size_t arg_bytes[kMaxKernelArgs];
+    // Bit i: parameter i is a `__restrict__` pointer; and one the kernel
+    // may write through (not const). build.rs reads them from the source.
+    unsigned int restrict_mask;
+    unsigned int written_mask;
 };
 
 void register_kernel(const KernelEntry& entry);
@@ -54,10 +58,16 @@ void hr_invoke(void* fn, void** params) {
 }
 
 template <typename... A>
-hr_emu::KernelEntry hr_entry(const char* name, void (*fn)(A...)) {
+hr_emu::KernelEntry hr_entry(const char* name, void (*fn)(A...), unsigned int restrict_mask,
+                             unsigned int written_mask) {
     static_assert(sizeof...(A) <= hr_emu::kMaxKernelArgs, "too many kernel arguments to emulate");
-    return hr_emu::KernelEntry{name, reinterpret_cast<void*>(fn), &hr_invoke<A...>,
-                               (unsigned int)sizeof...(A), {sizeof(typename hr_arg<A>::type)...}};
+    return hr_emu::KernelEntry{name,
+                               reinterpret_cast<void*>(fn),
+                               &hr_invoke<A...>,
+                               (unsigned int)sizeof...(A),
+                               {sizeof(typename hr_arg<A>::type)...},
+                               restrict_mask,
+                               written_mask};
 }
 
 struct hr_registrar {

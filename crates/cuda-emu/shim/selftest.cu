@@ -92,3 +92,14 @@ extern "C" __global__ void hr_emu_selftest_thread_order(u32* out) {
     s[threadIdx.x] = threadIdx.x == 0 ? 1u : s[threadIdx.x - 1] + 1u;
     out[threadIdx.x] = s[threadIdx.x];
 }
+
+// out = a + b through __restrict__ pointers: a and b may be one buffer
+// (both only read), out may be neither.
+extern "C" __global__ void hr_emu_selftest_restrict(u32 n, const u32* __restrict__ a,
+                                                    const u32* __restrict__ b,
+                                                    u32* __restrict__ out) {
+    const u32 t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < n) {
+        out[t] = a[t] + b[t];
+    }
+}

@@ -3,8 +3,9 @@
 //! shuffle and vote gives CUDA's answer, atomics add up, a barrier/shuffle
 //! deadlock is a launch error (not a hang), and an out-of-bounds write is
 //! caught by the guard bytes, and a misaligned vector access fails the
-//! launch as it faults on a GPU, and a grid or block past CUDA's limits is
-//! refused. Kernels: shim/selftest.cu.
+//! launch as it faults on a GPU, a grid or block past CUDA's limits is
+//! refused, and so is a launch whose written `__restrict__` argument has
+//! another's address. Kernels: shim/selftest.cu.
 
 use std::sync::{Arc, OnceLock};
 
@@ -228,6 +229,38 @@ fn a_grid_past_cudas_limits_is_refused_and_one_at_them_runs() {
             format!("{err:?}").contains("INVALID_VALUE"),
             "{grid:?} {block:?}: {err:?}"
         );
+    }
+}
+
+#[test]
+fn a_written_restrict_argument_that_aliases_another_is_refused() {
+    use cudarc::driver::DevicePtr;
+    let s = stream();
+    let f = function(&s, "hr_emu_selftest_restrict");
+    let n = 16u32;
+    let a = s.clone_htod(&(0..n).collect::<Vec<u32>>()).unwrap();
+    let out = s.alloc_zeros::<u32>(n as usize).unwrap();
+    // Raw addresses, so that one buffer can be passed twice (a safe launch
+    // builder would not allow it for a written argument).
+    let (a_ptr, _a_sync) = a.device_ptr(&s);
+    let (out_ptr, _out_sync) = out.device_ptr(&s);
+    let launch = |x: u64, y: u64, o: u64| {
+        let mut b = s.launch_builder(&f);
+        b.arg(&n).arg(&x).arg(&y).arg(&o);
+        // SAFETY: three device addresses of n u32 each (the refused launch
+        // does not run).
+        unsafe { b.launch(cfg(1, (32, 1, 1))) }.map(|_| ())
+    };
+    // a read twice is no alias that matters.
+    launch(a_ptr, a_ptr, out_ptr).unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(
+        s.clone_dtoh(&out).unwrap(),
+        (0..n).map(|i| 2 * i).collect::<Vec<u32>>()
+    );
+    for (x, y, o) in [(a_ptr, out_ptr, out_ptr), (out_ptr, a_ptr, out_ptr)] {
+        let err = launch(x, y, o).unwrap_err();
+        assert!(format!("{err:?}").contains("INVALID_VALUE"), "{err:?}");
     }
 }
 
