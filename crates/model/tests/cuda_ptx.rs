@@ -1,6 +1,7 @@
 //! Every CUDA kernel compiles with NVRTC, for sm_80 and sm_90, to PTX and to
 //! CUBIN, and every entry point takes exactly the parameters its Rust
-//! wrapper passes (a struct of `size_of` the Rust mirror, then N pointers).
+//! wrapper passes (a struct of `size_of` the Rust mirror, then N pointers),
+//! without spilling registers and within a 256-thread block's resources.
 //! No GPU is needed, only libnvrtc: this is what makes a kernel that does
 //! not compile fail CI.
 //!
@@ -176,6 +177,90 @@ fn every_kernel_compiles_to_cubin_for_sm80_and_sm90() {
             );
         }
     }
+}
+
+/// Per entry point in a ptxas `-v` log: (name, registers, spill bytes
+/// stored and loaded, shared bytes).
+fn ptxas_usage(log: &str) -> Vec<(String, u32, u32, u32)> {
+    let number_before = |line: &str, unit: &str| -> u32 {
+        line.split(',')
+            .find_map(|part| {
+                part.trim()
+                    .strip_suffix(unit)?
+                    .trim()
+                    .rsplit(' ')
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or(0)
+    };
+    let mut out: Vec<(String, u32, u32, u32)> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap_or_default().to_string();
+            out.push((name, 0, 0, 0));
+        } else if let Some(last) = out.last_mut() {
+            if line.contains("spill stores") {
+                last.2 = number_before(line, "bytes spill stores")
+                    + number_before(line, "bytes spill loads");
+            } else if line.contains("Used") {
+                last.1 = number_before(line, "registers");
+                last.3 = number_before(line, "bytes smem");
+            }
+        }
+    }
+    out
+}
+
+/// No kernel spills registers to local memory (slow, and a sign the kernel
+/// outgrew its design) and every one fits a 256-thread block, the largest
+/// the backend launches, in the 64K registers of an SM.
+#[test]
+fn no_kernel_spills_registers_and_each_fits_a_256_thread_block() {
+    if nvrtc().is_none() {
+        return;
+    }
+    for file in kernels::FILES {
+        for arch in ARCHS {
+            let log = kernels::ptxas_report(file, arch).unwrap_or_else(|e| panic!("{e}"));
+            let usage = ptxas_usage(&log);
+            assert_eq!(
+                usage.len(),
+                file.kernels.len(),
+                "{}.cu sm_{arch}: ptxas reported {} entry points, kernels.rs lists {}:\n{log}",
+                file.name,
+                usage.len(),
+                file.kernels.len()
+            );
+            for (name, registers, spilled, shared) in usage {
+                eprintln!("sm_{arch} {name}: {registers} registers, {shared} B shared");
+                assert!(registers > 0, "{name}: no register count in\n{log}");
+                assert_eq!(spilled, 0, "{name} (sm_{arch}) spills registers:\n{log}");
+                assert!(
+                    registers * 256 <= 65_536 && shared <= 48 * 1024,
+                    "{name} (sm_{arch}): {registers} registers, {shared} B shared"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn ptxas_usage_reads_registers_spills_and_shared_memory() {
+    let log = "ptxas info    : Compiling entry function 'a' for 'sm_90'\n\
+               ptxas info    : Function properties for a\n\
+               \x20   8 bytes stack frame, 4 bytes spill stores, 6 bytes spill loads\n\
+               ptxas info    : Used 214 registers, used 1 barriers, 15360 bytes smem, 384 bytes cmem[0]\n\
+               ptxas info    : Compiling entry function 'b' for 'sm_90'\n\
+               ptxas info    : Used 12 registers, used 0 barriers, 380 bytes cmem[0]\n";
+    assert_eq!(
+        ptxas_usage(log),
+        vec![
+            ("a".to_string(), 214, 10, 15360),
+            ("b".to_string(), 12, 0, 0)
+        ]
+    );
 }
 
 #[test]

@@ -370,14 +370,16 @@ impl Drop for Program {
     }
 }
 
-/// Compiles `file` for `target` with NVRTC, without the disk cache. Returns
-/// the PTX text (without its trailing NUL) or the CUBIN bytes.
-pub fn compile(file: &KernelFile, target: Target) -> CudaResult<Vec<u8>> {
-    libs::ensure_nvrtc()?;
-    let nvrtc_err = |op, e: nvrtc::NvrtcError| CudaError::Nvrtc {
+fn nvrtc_err(op: &'static str, e: nvrtc::NvrtcError) -> CudaError {
+    CudaError::Nvrtc {
         op,
         detail: format!("{e}"),
-    };
+    }
+}
+
+/// `file` compiled for `target` with NVRTC, with `extra` options after ours.
+fn compiled(file: &KernelFile, target: Target, extra: &[&str]) -> CudaResult<Program> {
+    libs::ensure_nvrtc()?;
     let source = CString::new(file.full_source()).map_err(|_| CudaError::Nvrtc {
         op: "nvrtcCreateProgram",
         detail: format!("{}.cu contains a NUL byte", file.name),
@@ -389,20 +391,39 @@ pub fn compile(file: &KernelFile, target: Target) -> CudaResult<Vec<u8>> {
     );
     let mut options: Vec<String> = OPTIONS.iter().map(|s| s.to_string()).collect();
     options.push(target.arch_option());
+    options.extend(extra.iter().map(|s| s.to_string()));
     // SAFETY: `program` is live (destroyed only by its Drop); `source` and
-    // `name` outlive it (declared before it, dropped after it).
-    let compiled = unsafe { nvrtc::compile_program(program.0, &options) };
-    if let Err(e) = compiled {
-        // SAFETY: as above.
-        let log = unsafe { nvrtc::get_program_log(program.0) }
-            .map(|raw| c_chars_to_string(&raw))
-            .unwrap_or_else(|_| "(no log)".into());
-        return Err(CudaError::Compile {
+    // `name` outlive the call.
+    let result = unsafe { nvrtc::compile_program(program.0, &options) };
+    match result {
+        Ok(()) => Ok(program),
+        Err(e) => Err(CudaError::Compile {
             file: file.name,
             target: target.to_string(),
-            log: format!("{e}\n{log}"),
-        });
+            log: format!("{e}\n{}", program_log(&program)),
+        }),
     }
+}
+
+fn program_log(program: &Program) -> String {
+    // SAFETY: the program is live (destroyed only by its Drop).
+    unsafe { nvrtc::get_program_log(program.0) }
+        .map(|raw| c_chars_to_string(&raw))
+        .unwrap_or_else(|_| "(no log)".into())
+}
+
+/// What ptxas says of each entry point of `file` compiled for `sm_{arch}`
+/// (`--ptxas-options=-v`: registers, shared memory, spill bytes), as its
+/// log text.
+pub fn ptxas_report(file: &KernelFile, arch: u32) -> CudaResult<String> {
+    let program = compiled(file, Target::Cubin(arch), &["--ptxas-options=-v"])?;
+    Ok(program_log(&program))
+}
+
+/// Compiles `file` for `target` with NVRTC, without the disk cache. Returns
+/// the PTX text (without its trailing NUL) or the CUBIN bytes.
+pub fn compile(file: &KernelFile, target: Target) -> CudaResult<Vec<u8>> {
+    let program = compiled(file, target, &[])?;
     match target {
         Target::Ptx(_) => {
             // SAFETY: as above; compiled successfully.
