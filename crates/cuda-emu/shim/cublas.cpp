@@ -99,8 +99,14 @@ EXPORT cublasStatus_t cublasSetMathMode(Handle* h, int mode) {
     return CUBLAS_STATUS_SUCCESS;
 }
 
-EXPORT cublasStatus_t cublasSetWorkspace_v2(Handle* h, void*, std::size_t) {
-    return h == nullptr ? CUBLAS_STATUS_NOT_INITIALIZED : CUBLAS_STATUS_SUCCESS;
+// The CPU GEMM needs no workspace; what cuBLAS demands of one is checked:
+// 256-byte aligned, and present when it has a size.
+EXPORT cublasStatus_t cublasSetWorkspace_v2(Handle* h, void* workspace, std::size_t bytes) {
+    if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+    if ((bytes > 0 && workspace == nullptr) || (std::uintptr_t)workspace % 256 != 0) {
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    return CUBLAS_STATUS_SUCCESS;
 }
 
 

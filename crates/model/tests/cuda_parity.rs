@@ -32,8 +32,8 @@ use half::f16;
 use headroom_model::cuda::ops::{self, BatchNormConfig, ConvAlgorithm, ConvPlan, ConvShape};
 use headroom_model::cuda::params::StepState;
 use headroom_model::cuda::{
-    kernels, AnyView, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, CudaTensor, DType,
-    InputStaging, Normalization, ParamGroup, ResidentImages,
+    blas_workspace_bytes, kernels, AnyView, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork,
+    CudaTensor, DType, InputStaging, Normalization, ParamGroup, ResidentImages,
 };
 use headroom_model::init::InitRng;
 use headroom_model::layers::{
@@ -1763,21 +1763,31 @@ fn the_memory_budget_refuses_allocations_as_values() {
     }
     // A backend of its own: the budget is per backend.
     let be = CudaBackend::new(0).unwrap();
+    let limit = 8u64 << 20;
+    be.set_memory_limit(Some(limit)).unwrap();
+    // All the backend holds now is cuBLAS's workspace, sized to the budget.
     let before = be.memory_stats().in_use_bytes;
-    be.set_memory_limit(Some(before + (1 << 20)));
-    let small = CudaTensor::zeros(&be, &[1 << 18], DType::F16).unwrap(); // 512 KiB
+    let workspace = blas_workspace_bytes(be.info().arch(), Some(limit));
+    assert_eq!(before, workspace);
+    assert_eq!(workspace, 256 << 10, "1/32 of the budget");
+    let big = CudaTensor::zeros(&be, &[7 << 19], DType::F16).unwrap(); // 7 MiB
     let err = CudaTensor::zeros(&be, &[1 << 19], DType::F16).unwrap_err(); // 1 MiB more
     assert!(err.is_out_of_memory(), "{err}");
     let model_err: headroom_model::ModelError = err.into();
     assert!(model_err.is_out_of_memory());
-    drop(small);
+    drop(big);
     assert_eq!(
         be.memory_stats().in_use_bytes,
         before,
         "freed tensors give their bytes back"
     );
     assert!(CudaTensor::zeros(&be, &[1 << 19], DType::F16).is_ok());
-    be.set_memory_limit(None);
+    be.set_memory_limit(None).unwrap();
+    assert_eq!(
+        be.memory_stats().in_use_bytes,
+        blas_workspace_bytes(be.info().arch(), None),
+        "without a budget cuBLAS gets NVIDIA's recommended workspace"
+    );
     be.empty_cache().unwrap();
     assert!(be.memory_stats().oom_events >= 1);
 }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    result as driver, sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream,
+    result as driver, sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
     DeviceRepr, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
@@ -213,6 +213,9 @@ pub struct CudaBackend {
     compute: Arc<CudaStream>,
     copy: Arc<CudaStream>,
     blas: CudaBlas,
+    /// The workspace cuBLAS is given (`set_memory_limit` sizes it); after
+    /// `blas`, so the handle is destroyed before the memory is freed.
+    blas_workspace: Mutex<Option<DeviceBuffer<u8>>>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     memory: Arc<DeviceMemory>,
@@ -238,6 +241,17 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// cuBLAS's workspace: NVIDIA's recommendation (32 MiB on Hopper and
+/// newer, 4 MiB before), but at most 1/32 of a tensor budget (and at least
+/// 64 KiB), so that a small one keeps its room for tensors (cuBLAS then
+/// picks algorithms that need less). Fixed by the device and budget alone, so a run and its
+/// resumption, eager steps and graph replays, get the same algorithms.
+pub fn blas_workspace_bytes(arch: u32, limit: Option<u64>) -> u64 {
+    let recommended: u64 = if arch >= 90 { 32 << 20 } else { 4 << 20 };
+    let cap = limit.map_or(u64::MAX, |l| l / 32 / 256 * 256);
+    recommended.min(cap).max(64 << 10)
 }
 
 impl CudaBackend {
@@ -318,19 +332,22 @@ impl CudaBackend {
         } else {
             None
         };
-        Ok(Self {
+        let backend = Self {
             info,
             target,
             ctx,
             compute,
             copy,
             blas,
+            blas_workspace: Mutex::new(None),
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             memory: Arc::new(DeviceMemory::default()),
             pool,
             profiler: Profiler::default(),
-        })
+        };
+        backend.size_blas_workspace(None)?;
+        Ok(backend)
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -517,8 +534,45 @@ impl CudaBackend {
     }
 
     /// The budget on bytes held by live CUDA buffers (None: the GPU's size).
-    pub fn set_memory_limit(&self, limit: Option<u64>) {
+    /// Sets the budget and sizes cuBLAS's workspace to it
+    /// (`blas_workspace_bytes`). Call it before any GEMM is captured into a
+    /// graph: a capture must use the workspace its replays will find.
+    pub fn set_memory_limit(&self, limit: Option<u64>) -> CudaResult<()> {
         self.memory.lock().limit = limit;
+        self.size_blas_workspace(limit)
+    }
+
+    /// Gives cuBLAS a workspace of `blas_workspace_bytes(arch, limit)` from
+    /// the accounted memory (the old one, if any, is freed in stream order
+    /// after the GEMMs that used it). Left to itself cuBLAS allocates its
+    /// own outside the budget and the peak figures, and a new one in every
+    /// graph capture.
+    fn size_blas_workspace(&self, limit: Option<u64>) -> CudaResult<()> {
+        let bytes = blas_workspace_bytes(self.info.arch(), limit);
+        let mut current = lock(&self.blas_workspace);
+        if current.as_ref().map(|w| w.len() as u64) == Some(bytes) {
+            return Ok(());
+        }
+        // The old workspace goes first, so that a tight budget has room.
+        *current = None;
+        let workspace = self.alloc::<u8>(bytes as usize)?;
+        // Event tracking is off: the guard records nothing.
+        let ptr = workspace.slice.device_ptr(&self.compute).0;
+        // SAFETY: the handle is live (self.blas); the buffer holds `bytes`
+        // device bytes, 256-byte aligned as the pool allocates, and outlives
+        // every GEMM queued with it: it is replaced only here, in stream
+        // order on the handle's stream, and dropped after the handle.
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *self.blas.handle(),
+                ptr as *mut std::ffi::c_void,
+                bytes as usize,
+            )
+        }
+        .result()
+        .during("cublasSetWorkspace")?;
+        *current = Some(workspace);
+        Ok(())
     }
 
     pub fn memory_stats(&self) -> DeviceMemoryStats {

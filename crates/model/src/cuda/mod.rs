@@ -47,7 +47,8 @@ pub mod staging;
 mod tensor;
 
 pub use backend::{
-    auto_device_kind, CudaBackend, DeviceBuffer, DeviceInfo, DeviceMemoryStats, Lease,
+    auto_device_kind, blas_workspace_bytes, CudaBackend, DeviceBuffer, DeviceInfo,
+    DeviceMemoryStats, Lease,
 };
 pub use error::{CudaError, CudaResult};
 pub use graph::CapturedGraph;

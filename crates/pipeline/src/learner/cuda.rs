@@ -133,7 +133,7 @@ impl CudaLearner {
                 tracing::warn!("the GPU reports no free memory: tensor memory is unbounded")
             }
         }
-        be.set_memory_limit(limit);
+        cuda(be.set_memory_limit(limit))?;
         let mut network = CudaNetwork::build(&be, spec, seed, options.build)?;
         let optimizer = FusedAdamW::new(
             &be,
