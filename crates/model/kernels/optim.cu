@@ -83,39 +83,11 @@ struct StepSchedule {
 };
 HR_CHECK_SIZE(StepSchedule, 64);
 
-// Launch with 256 threads per block.
-extern "C" __global__ void grad_sumsq(SumSqParams p, const float* __restrict__ g,
-                                      double* __restrict__ partials) {
+// The sum of one value per thread of a block of 256, by a tree in shared
+// memory (a fixed order); every thread returns it.
+__device__ double block_sum_256(double v) {
     __shared__ double s[256];
-    double acc = 0.0;
-    HR_FOR_EACH(i, p.n) {
-        const double v = (double)g[i];
-        acc += v * v;
-    }
-    s[threadIdx.x] = acc;
-    __syncthreads();
-    for (u32 stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (threadIdx.x < stride) {
-            s[threadIdx.x] += s[threadIdx.x + stride];
-        }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-        partials[p.offset + blockIdx.x] = s[0];
-    }
-}
-
-// The sum of the partials (one per grad_sumsq block, a thousand or more):
-// thread t adds every 256th from t, then the tree of grad_sumsq; a fixed
-// order, and no thread walks them all. Every thread of the block returns
-// it.
-__device__ double sum_partials(u32 n, const double* __restrict__ partials) {
-    __shared__ double s[256];
-    double acc = 0.0;
-    for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
-        acc += partials[i];
-    }
-    s[threadIdx.x] = acc;
+    s[threadIdx.x] = v;
     __syncthreads();
     for (u32 stride = blockDim.x / 2; stride > 0; stride >>= 1) {
         if (threadIdx.x < stride) {
@@ -124,6 +96,31 @@ __device__ double sum_partials(u32 n, const double* __restrict__ partials) {
         __syncthreads();
     }
     return s[0];
+}
+
+// Launch with 256 threads per block.
+extern "C" __global__ void grad_sumsq(SumSqParams p, const float* __restrict__ g,
+                                      double* __restrict__ partials) {
+    double acc = 0.0;
+    HR_FOR_EACH(i, p.n) {
+        const double v = (double)g[i];
+        acc += v * v;
+    }
+    const double sum = block_sum_256(acc);
+    if (threadIdx.x == 0) {
+        partials[p.offset + blockIdx.x] = sum;
+    }
+}
+
+// The sum of the partials (one per grad_sumsq block, a thousand or more):
+// thread t adds every 256th from t, then the block's tree; a fixed order,
+// and no thread walks them all. Every thread of the block returns it.
+__device__ double sum_partials(u32 n, const double* __restrict__ partials) {
+    double acc = 0.0;
+    for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+        acc += partials[i];
+    }
+    return block_sum_256(acc);
 }
 
 // Launch with one block of 256 threads; thread 0 does all but the sum.
