@@ -245,9 +245,10 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 
 /// cuBLAS's workspace: NVIDIA's recommendation (32 MiB on Hopper and
 /// newer, 4 MiB before), but at most 1/32 of a tensor budget (and at least
-/// 64 KiB), so that a small one keeps its room for tensors (cuBLAS then
-/// picks algorithms that need less). Fixed by the device and budget alone, so a run and its
-/// resumption, eager steps and graph replays, get the same algorithms.
+/// 64 KiB), so that a small budget keeps its room for tensors (cuBLAS then
+/// picks algorithms that need less). Fixed by the device and budget alone,
+/// so a run and its resumption, eager steps and graph replays, get the
+/// same algorithms.
 pub fn blas_workspace_bytes(arch: u32, limit: Option<u64>) -> u64 {
     let recommended: u64 = if arch >= 90 { 32 << 20 } else { 4 << 20 };
     let cap = limit.map_or(u64::MAX, |l| l / 32 / 256 * 256);
@@ -533,8 +534,8 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// The budget on bytes held by live CUDA buffers (None: the GPU's size).
-    /// Sets the budget and sizes cuBLAS's workspace to it
+    /// Sets the budget on bytes held by live CUDA buffers (None: the GPU's
+    /// size) and sizes cuBLAS's workspace to it
     /// (`blas_workspace_bytes`). Call it before any GEMM is captured into a
     /// graph: a capture must use the workspace its replays will find.
     pub fn set_memory_limit(&self, limit: Option<u64>) -> CudaResult<()> {
@@ -553,15 +554,26 @@ impl CudaBackend {
         if current.as_ref().map(|w| w.len() as u64) == Some(bytes) {
             return Ok(());
         }
-        // The old workspace goes first, so that a tight budget has room.
+        // cuBLAS lets go of the old workspace before it is freed (so that a
+        // tight budget has room for the new one, and a refused allocation
+        // leaves cuBLAS with none rather than a freed one).
+        self.give_blas_workspace(0, 0)?;
         *current = None;
         let workspace = self.alloc::<u8>(bytes as usize)?;
         // Event tracking is off: the guard records nothing.
-        let ptr = workspace.slice.device_ptr(&self.compute).0;
-        // SAFETY: the handle is live (self.blas); the buffer holds `bytes`
-        // device bytes, 256-byte aligned as the pool allocates, and outlives
-        // every GEMM queued with it: it is replaced only here, in stream
-        // order on the handle's stream, and dropped after the handle.
+        self.give_blas_workspace(workspace.slice.device_ptr(&self.compute).0, bytes)?;
+        *current = Some(workspace);
+        Ok(())
+    }
+
+    /// `cublasSetWorkspace` with `bytes` at device address `ptr` (0 and 0:
+    /// none).
+    fn give_blas_workspace(&self, ptr: u64, bytes: u64) -> CudaResult<()> {
+        // SAFETY: the handle is live (self.blas). The memory at `ptr` is the
+        // `bytes` of a 256-byte aligned buffer that `blas_workspace` holds
+        // until cuBLAS is given another or the handle is destroyed (it is
+        // dropped after `blas`); the old one is freed in stream order after
+        // the GEMMs that used it, on the handle's stream.
         unsafe {
             cudarc::cublas::sys::cublasSetWorkspace_v2(
                 *self.blas.handle(),
@@ -570,9 +582,7 @@ impl CudaBackend {
             )
         }
         .result()
-        .during("cublasSetWorkspace")?;
-        *current = Some(workspace);
-        Ok(())
+        .during("cublasSetWorkspace")
     }
 
     pub fn memory_stats(&self) -> DeviceMemoryStats {
