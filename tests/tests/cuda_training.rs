@@ -5,7 +5,7 @@
 //! skips with one line unless HEADROOM_REQUIRE_NVRTC=1 (CI).
 
 use headroom_model::cuda::{blas_workspace_bytes, CudaBackend};
-use headroom_pipeline::{checkpoint, train, Resume, TrainOptions};
+use headroom_pipeline::{checkpoint, train, ExperimentConfig, Overrides, Resume, TrainOptions};
 use headroom_tests::{cuda_path_available, smoke_config, write_synthetic_fashion_mnist};
 
 #[test]
@@ -251,4 +251,52 @@ fn an_f32_run_on_the_gpu_path_trains_as_the_cpu_run_does() {
     assert!(apart < 1e-3, "GPU f32 and CPU weights differ by {apart}");
     let (ga, ca) = (gpu.test_accuracy.unwrap(), cpu.test_accuracy.unwrap());
     assert!((ga - ca).abs() <= 2.0 / 64.0, "accuracy {ga} vs {ca}");
+}
+
+/// The SiLU MLP experiment (`experiments/mlp_silu.toml`, its low-memory
+/// profile included) on the GPU path: flatten, linear and SiLU layers on
+/// the device, in f32 ending within 1e-3 (relative L2) of the CPU run's
+/// weights, and with mixed precision training too.
+#[test]
+fn the_silu_mlp_experiment_trains_on_the_gpu_path_as_on_the_cpu() {
+    if !cuda_path_available("cuda_training") {
+        return;
+    }
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 256, 64);
+    let experiment =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../experiments/mlp_silu.toml");
+    let run = |sets: &[&str]| {
+        let out = tempfile::tempdir().unwrap();
+        let mut pairs = vec![
+            format!("data.dir={}", data.path().display()),
+            format!("run.output_dir={}", out.path().display()),
+            "train.epochs=1".to_string(),
+            "train.batch_size=32".to_string(),
+        ];
+        pairs.extend(sets.iter().map(|s| s.to_string()));
+        let overrides = Overrides::parse(&pairs).unwrap();
+        let config = ExperimentConfig::load(&experiment, &overrides).unwrap();
+        assert_eq!(config.run.profile, "low_memory");
+        let summary = train(&config, &TrainOptions::default()).unwrap();
+        (summary, out)
+    };
+    let (gpu, gpu_dir) = run(&["device.kind=cuda", "device.amp=false"]);
+    let (cpu, cpu_dir) = run(&["device.kind=cpu"]);
+    assert_eq!((gpu.step, cpu.step), (8, 8));
+    let (g, c) = (final_params(gpu_dir.path()), final_params(cpu_dir.path()));
+    assert_eq!(g.len(), c.len());
+    let diff: f64 = g
+        .iter()
+        .zip(&c)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let norm: f64 = c.iter().map(|b| (*b as f64).powi(2)).sum();
+    let apart = (diff / norm).sqrt();
+    assert!(apart < 1e-3, "GPU f32 and CPU weights differ by {apart}");
+
+    let (mixed, _dir) = run(&["device.kind=cuda"]);
+    assert_eq!(mixed.step, 8);
+    let (ma, ca) = (mixed.test_accuracy.unwrap(), cpu.test_accuracy.unwrap());
+    assert!((ma - ca).abs() <= 4.0 / 64.0, "accuracy {ma} vs {ca}");
 }

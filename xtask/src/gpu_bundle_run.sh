@@ -85,6 +85,16 @@ train_on_auto() {
         || { echo "device.kind=auto did not train on the GPU"; return 1; }
 }
 
+# train_mlp: the SiLU MLP experiment (flatten, linear, SiLU and its
+# low-memory profile on the GPU), one epoch, then the same on the CPU: the
+# two must reach the same accuracy within noise.
+train_mlp() {
+    EXPERIMENT=experiments/mlp_silu.toml hr train --no-install --set device.kind=cuda \
+        --set train.epochs=1 --set "run.output_dir=$OUT/mlp-silu" || return 1
+    EXPERIMENT=experiments/mlp_silu.toml hr train --no-install --set device.kind=cpu \
+        --set train.epochs=1 --set "run.output_dir=$OUT/mlp-silu-cpu"
+}
+
 # hog_and_train: another process holds all but HOG_LEAVES_MIB of the GPU;
 # a job that needs far more (batch 4096), with a budget that does not bind,
 # must meet the driver's own out-of-memory and adapt, never crash or hang.
@@ -269,6 +279,12 @@ for name in ("train-no-amp", "train-auto", "train-implicit-gemm"):
     found = re.findall(r"test accuracy\s+([0-9.]+)%", read(name + ".log"))
     if found:
         report[name + "_test_accuracy_percent"] = float(found[-1])
+# train-mlp's log holds the GPU run's summary, then the CPU run's.
+mlp_log = read("train-mlp.log")
+mlp = dict(zip(("gpu", "cpu"), re.findall(r"test accuracy\s+([0-9.]+)%", mlp_log)))
+mlp_wall = dict(zip(("gpu", "cpu"), re.findall(r"wall time\s+([0-9.]+) s", mlp_log)))
+if mlp:
+    report["mlp_silu_one_epoch"] = {k: {"test_accuracy_percent": float(v), "wall_seconds": float(mlp_wall[k]) if k in mlp_wall else None} for k, v in mlp.items()}
 torch_job = [l for l in read("torch-job.log").splitlines() if l.startswith("{")]
 if torch_job:
     try:
@@ -319,6 +335,8 @@ if isinstance(report.get("torch_job"), dict):
 for name in ("train-no-amp", "train-auto", "train-implicit-gemm"):
     if name + "_test_accuracy_percent" in report:
         lines += [f"{name} test accuracy {report[name + '_test_accuracy_percent']:.2f}%"]
+if "mlp_silu_one_epoch" in report:
+    lines += ["mlp_silu, one epoch: " + json.dumps(report["mlp_silu_one_epoch"])]
 for name in ("oom-budget", "oom-budget-reactive", "oom-driver"):
     if name in steps:
         lines += [f"{name}: {json.dumps(report[name])}"]
@@ -336,7 +354,7 @@ print("\n".join(lines))
 EOF
 }
 
-export -f hr torch_cuda train_on_auto hog_and_train step_reached kill_at \
+export -f hr torch_cuda train_on_auto train_mlp hog_and_train step_reached kill_at \
     resume_reference resume_killed resume_compare weights_equal
 export RESUME_EPOCHS RESUME_JOB
 
@@ -372,6 +390,7 @@ if wants train; then
     step train-no-amp hr train --no-install --set device.kind=cuda --no-amp \
         --set train.epochs=1 --set "run.output_dir=$OUT/default-no-amp"
     step train-auto train_on_auto
+    step train-mlp train_mlp
     # The same job in PyTorch (AMP, channels_last, fused AdamW,
     # torch.compile, DataLoader with 4 workers), for the whole-job wall time.
     if torch_cuda; then

@@ -4,6 +4,9 @@
 // g_in = body_grad + g, both as an in-place accumulation), and the bias of
 // convolutions and linear layers over [rows, cols] (channels last): bias add
 // in forward, column sums accumulated into the f32 gradient in backward.
+// SiLU and GELU (tanh approximation) as `layers::smooth_activation` computes
+// them: their derivative is not a function of the output, so backward reads
+// the forward's INPUT and computes it again.
 #include "common.cuh"
 
 struct EwParams {
@@ -27,6 +30,51 @@ template <typename T>
 __device__ void relu_backward_k(EwParams p, const T* __restrict__ g, const T* __restrict__ y,
                                 T* __restrict__ dx) {
     HR_FOR_EACH(i, p.n) { dx[i] = hr_ld(y[i]) > 0.0f ? g[i] : (T)0; }
+}
+
+// x·σ(x) and GELU's tanh approximation, with their derivatives, in the
+// CPU layers' f32 arithmetic (expf and tanhf at full accuracy: no fast math).
+enum SmoothKind { kSilu, kGelu };
+constexpr float kGeluSqrt2OverPi = 0.7978846f;
+constexpr float kGeluCubic = 0.044715f;
+
+__device__ __forceinline__ float hr_sigmoid(float x) {
+    return 1.0f / (1.0f + expf(-x));
+}
+
+template <int Kind>
+__device__ __forceinline__ float smooth_value(float x) {
+    if constexpr (Kind == kSilu) {
+        return x * hr_sigmoid(x);
+    } else {
+        const float u = kGeluSqrt2OverPi * (x + kGeluCubic * x * x * x);
+        return 0.5f * x * (1.0f + tanhf(u));
+    }
+}
+
+template <int Kind>
+__device__ __forceinline__ float smooth_derivative(float x) {
+    if constexpr (Kind == kSilu) {
+        const float s = hr_sigmoid(x);
+        return s * (1.0f + x * (1.0f - s));
+    } else {
+        const float u = kGeluSqrt2OverPi * (x + kGeluCubic * x * x * x);
+        const float t = tanhf(u);
+        const float du = kGeluSqrt2OverPi * (1.0f + 3.0f * kGeluCubic * x * x);
+        return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
+    }
+}
+
+template <int Kind, typename T>
+__device__ void smooth_forward_k(EwParams p, const T* __restrict__ x, T* __restrict__ y) {
+    HR_FOR_EACH(i, p.n) { hr_st(&y[i], smooth_value<Kind>(hr_ld(x[i]))); }
+}
+
+// dx = g · f'(x), where x is the forward's input.
+template <int Kind, typename T>
+__device__ void smooth_backward_k(EwParams p, const T* __restrict__ g, const T* __restrict__ x,
+                                  T* __restrict__ dx) {
+    HR_FOR_EACH(i, p.n) { hr_st(&dx[i], hr_ld(g[i]) * smooth_derivative<Kind>(hr_ld(x[i]))); }
 }
 
 // acc += b (residual forward: acc is the body's output, b the block input;
@@ -93,6 +141,46 @@ extern "C" __global__ void relu_backward_f16(EwParams p, const hr_half* __restri
 extern "C" __global__ void relu_backward_f32(EwParams p, const float* __restrict__ g,
                                              const float* __restrict__ y, float* __restrict__ dx) {
     relu_backward_k(p, g, y, dx);
+}
+
+extern "C" __global__ void silu_forward_f16(EwParams p, const hr_half* __restrict__ x,
+                                            hr_half* __restrict__ y) {
+    smooth_forward_k<kSilu>(p, x, y);
+}
+
+extern "C" __global__ void silu_forward_f32(EwParams p, const float* __restrict__ x,
+                                            float* __restrict__ y) {
+    smooth_forward_k<kSilu>(p, x, y);
+}
+
+extern "C" __global__ void silu_backward_f16(EwParams p, const hr_half* __restrict__ g,
+                                             const hr_half* __restrict__ x, hr_half* __restrict__ dx) {
+    smooth_backward_k<kSilu>(p, g, x, dx);
+}
+
+extern "C" __global__ void silu_backward_f32(EwParams p, const float* __restrict__ g,
+                                             const float* __restrict__ x, float* __restrict__ dx) {
+    smooth_backward_k<kSilu>(p, g, x, dx);
+}
+
+extern "C" __global__ void gelu_forward_f16(EwParams p, const hr_half* __restrict__ x,
+                                            hr_half* __restrict__ y) {
+    smooth_forward_k<kGelu>(p, x, y);
+}
+
+extern "C" __global__ void gelu_forward_f32(EwParams p, const float* __restrict__ x,
+                                            float* __restrict__ y) {
+    smooth_forward_k<kGelu>(p, x, y);
+}
+
+extern "C" __global__ void gelu_backward_f16(EwParams p, const hr_half* __restrict__ g,
+                                             const hr_half* __restrict__ x, hr_half* __restrict__ dx) {
+    smooth_backward_k<kGelu>(p, g, x, dx);
+}
+
+extern "C" __global__ void gelu_backward_f32(EwParams p, const float* __restrict__ g,
+                                             const float* __restrict__ x, float* __restrict__ dx) {
+    smooth_backward_k<kGelu>(p, g, x, dx);
 }
 
 extern "C" __global__ void add_inplace_f16(EwParams p, hr_half* __restrict__ acc,

@@ -37,7 +37,7 @@ use headroom_model::cuda::{
 };
 use headroom_model::init::InitRng;
 use headroom_model::layers::{
-    BatchNorm2d, Conv2d, FusedResidual, GlobalAvgPool, Linear, Relu, Residual,
+    BatchNorm2d, Conv2d, FusedResidual, Gelu, GlobalAvgPool, Linear, Relu, Residual, Silu,
 };
 use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy};
 use headroom_model::{CheckpointPolicy, Layer, Mode, ModelSpec, Network, Tensor};
@@ -511,6 +511,46 @@ fn relu_forward_and_backward_match_the_cpu_layer() {
         0.0,
         0.0,
     );
+}
+
+/// SiLU and GELU in f16 and f32 storage: the CPU layers' values and
+/// gradients from the same inputs (f16: one rounding of each result).
+#[test]
+fn silu_and_gelu_match_the_cpu_layers() {
+    let be = gpu_or_skip!();
+    // Wide enough to reach both tails of the sigmoid and the tanh.
+    let mut x = random(&[4, 9, 9, 24], 31, 3.0, 0.0);
+    x.data_mut()[7] = f32::NAN;
+    let g = random(x.shape(), 32, 1.0, 0.0);
+    for kind in [ops::Smooth::Silu, ops::Smooth::Gelu] {
+        let mut layer: Box<dyn Layer> = match kind {
+            ops::Smooth::Silu => Box::new(Silu::new()),
+            ops::Smooth::Gelu => Box::new(Gelu::new()),
+        };
+        let y = layer.forward(&x, Mode::Train).unwrap();
+        let dx = layer.backward(&g).unwrap();
+        for (dtype, rel, abs) in [(DType::F16, 1e-3, 1e-4), (DType::F32, 1e-5, 1e-6)] {
+            let what = format!("{} {dtype:?}", kind.name());
+            let gx = CudaTensor::from_tensor(&be, &x, dtype).unwrap();
+            let gg = CudaTensor::from_tensor(&be, &g, dtype).unwrap();
+            let gy = ops::smooth_forward(&be, kind, &gx).unwrap();
+            let gdx = ops::smooth_backward(&be, kind, &gg, &gx).unwrap();
+            assert_close(
+                &format!("{what} forward"),
+                &gy.to_host(&be).unwrap(),
+                y.data(),
+                rel,
+                abs,
+            );
+            assert_close(
+                &format!("{what} backward"),
+                &gdx.to_host(&be).unwrap(),
+                dx.data(),
+                rel,
+                abs,
+            );
+        }
+    }
 }
 
 #[test]
@@ -2416,6 +2456,138 @@ layers = [
     spec
 }
 
+/// Networks that flatten into linear layers with SiLU and GELU between
+/// them: an MLP (its flatten's input is the lent batch, which it copies), a
+/// convolution whose ReLU output, kept for backward, is flattened (copied
+/// too), and one whose SiLU output, held by nothing else, is flattened in
+/// place.
+fn flattening_specs(checkpoint: CheckpointPolicy) -> Vec<ModelSpec> {
+    let layers = [
+        r#"{ type = "flatten" }, { type = "linear", out = 16 }, { type = "silu" },
+           { type = "linear", out = 12 }, { type = "gelu" }, { type = "linear", out = 4 }"#,
+        r#"{ type = "conv", out = 4 }, { type = "relu" }, { type = "flatten" },
+           { type = "linear", out = 8 }, { type = "silu" }, { type = "linear", out = 4 }"#,
+        r#"{ type = "conv", out = 4, bias = true }, { type = "silu" }, { type = "flatten" },
+           { type = "gelu" }, { type = "linear", out = 4 }"#,
+    ];
+    layers
+        .iter()
+        .map(|layers| {
+            let text = format!(
+                "[model]\ninput = [6, 5, 2]\nmean = 0.5\nstd = 0.25\nlayers = [{layers}]\n"
+            );
+            let mut spec = toml::from_str::<SpecFile>(&text).unwrap().model;
+            spec.checkpoint = checkpoint;
+            spec
+        })
+        .collect()
+}
+
+/// What `flattening_specs`' networks compute on the GPU: the logits of two
+/// training forwards, then the accumulated parameter gradients.
+fn flattening_network_run(
+    be: &CudaBackend,
+    spec: &ModelSpec,
+    dtype: DType,
+    batches: &[Tensor],
+    grad_logits: &Tensor,
+) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let options = CudaBuildOptions {
+        activations: dtype,
+        ..CudaBuildOptions::default()
+    };
+    let mut net = CudaNetwork::build(be, spec, 9, options).unwrap();
+    let g = CudaTensor::from_tensor(be, grad_logits, dtype).unwrap();
+    let mut logits = Vec::new();
+    for x in batches {
+        let x = CudaTensor::from_tensor(be, x, dtype).unwrap();
+        let y = net.forward_train(be, &x).unwrap();
+        assert_eq!(y.shape(), &[x.shape()[0], 4]);
+        logits.extend(y.to_host(be).unwrap());
+        net.backward(be, &g).unwrap();
+    }
+    (logits, net.read_grads(be).unwrap())
+}
+
+/// Flatten, SiLU and GELU in whole networks, f32 and f16, with and without
+/// checkpointing: the CPU network's logits and gradients (f32 to summation
+/// order, f16 to its rounding), and checkpointing the same bits as not.
+#[test]
+fn networks_that_flatten_into_silu_and_gelu_layers_match_the_cpu_network() {
+    let be = gpu_or_skip!();
+    let n = 5;
+    let batches: Vec<Tensor> = (0..2)
+        .map(|i| random(&[n, 6, 5, 2], 870 + i, 1.0, 0.0))
+        .collect();
+    let grad_logits = random(&[n, 4], 880, 0.5, 0.0);
+    let plain = flattening_specs(CheckpointPolicy::None);
+    let checkpointed = flattening_specs(CheckpointPolicy::All);
+    for (i, (spec, spec_all)) in plain.iter().zip(&checkpointed).enumerate() {
+        let mut cpu = Network::build(spec, 9).unwrap();
+        let mut want = Vec::new();
+        for x in &batches {
+            want.extend(cpu.forward(x, Mode::Train).unwrap().data().to_vec());
+            cpu.backward(&grad_logits).unwrap();
+        }
+        let cpu_grads: Vec<Vec<f32>> = cpu
+            .params_mut()
+            .iter()
+            .map(|p| p.grad.data().to_vec())
+            .collect();
+        for dtype in [DType::F32, DType::F16] {
+            let what = format!("network {i} {dtype:?}");
+            let (logits, grads) = flattening_network_run(&be, spec, dtype, &batches, &grad_logits);
+            let again = flattening_network_run(&be, spec_all, dtype, &batches, &grad_logits);
+            assert!(
+                logits
+                    .iter()
+                    .zip(&again.0)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+                    && grads.len() == again.1.len()
+                    && grads.iter().zip(&again.1).all(|(a, b)| a == b),
+                "{what}: checkpointing changed the bits"
+            );
+            assert_eq!(grads.len(), cpu_grads.len(), "{what}");
+            if dtype == DType::F32 {
+                assert_close(&format!("{what} logits"), &logits, &want, 1e-4, 1e-5);
+                for (p, (g, c)) in grads.iter().zip(&cpu_grads).enumerate() {
+                    assert_close(&format!("{what} param {p} grad"), g, c, 1e-3, 1e-5);
+                }
+            } else {
+                assert_close_l2(&format!("{what} logits"), &logits, &want, 4e-3);
+                for (p, (g, c)) in grads.iter().zip(&cpu_grads).enumerate() {
+                    assert_close_l2(&format!("{what} param {p} grad"), g, c, 1e-2);
+                }
+            }
+        }
+    }
+}
+
+/// A layer the GPU path lacks is refused at build, naming where it is and
+/// its type as the config spells it.
+#[test]
+fn a_layer_without_a_gpu_kernel_is_refused_by_name() {
+    let be = gpu_or_skip!();
+    let text = r#"
+[model]
+input = [4, 4, 2]
+mean = 0.5
+std = 0.25
+layers = [{ type = "flatten" }, { type = "layer_norm" }, { type = "linear", out = 4 }]
+"#;
+    let spec = toml::from_str::<SpecFile>(text).unwrap().model;
+    let Err(err) = CudaNetwork::build(&be, &spec, 1, CudaBuildOptions::default()) else {
+        panic!("layer_norm has no GPU kernel yet, but the build succeeded");
+    };
+    let err = err.to_string();
+    assert!(
+        err.contains("model.layers[1]")
+            && err.contains("\"layer_norm\"")
+            && err.contains("CPU only"),
+        "{err}"
+    );
+}
+
 /// What one build computes, as bits: two training forwards and backwards
 /// on two batches (the gradients accumulate; no step), the parameter
 /// gradients, the running statistics, the parameters and an eval forward.
@@ -2654,6 +2826,14 @@ const COVERAGE: &[(&str, &str)] = &[
         "relu_backward_f32",
         "an_f32_network_matches_the_cpu_network",
     ),
+    ("silu_forward_f16", "silu_and_gelu_match_the_cpu_layers"),
+    ("silu_forward_f32", "silu_and_gelu_match_the_cpu_layers"),
+    ("silu_backward_f16", "silu_and_gelu_match_the_cpu_layers"),
+    ("silu_backward_f32", "silu_and_gelu_match_the_cpu_layers"),
+    ("gelu_forward_f16", "silu_and_gelu_match_the_cpu_layers"),
+    ("gelu_forward_f32", "silu_and_gelu_match_the_cpu_layers"),
+    ("gelu_backward_f16", "silu_and_gelu_match_the_cpu_layers"),
+    ("gelu_backward_f32", "silu_and_gelu_match_the_cpu_layers"),
     ("add_inplace_f32", "an_f32_network_matches_the_cpu_network"),
     ("add_f32", "an_f32_network_matches_the_cpu_network"),
     ("bias_add_f32", "an_f32_network_matches_the_cpu_network"),

@@ -89,6 +89,10 @@ pub const GATHER_CROP_FLIP: KernelPair = pair!("cast", "gather_crop_flip_u8", Ga
 
 pub const RELU_FORWARD: KernelPair = pair!("elementwise", "relu_forward", EwParams, 2);
 pub const RELU_BACKWARD: KernelPair = pair!("elementwise", "relu_backward", EwParams, 3);
+pub const SILU_FORWARD: KernelPair = pair!("elementwise", "silu_forward", EwParams, 2);
+pub const SILU_BACKWARD: KernelPair = pair!("elementwise", "silu_backward", EwParams, 3);
+pub const GELU_FORWARD: KernelPair = pair!("elementwise", "gelu_forward", EwParams, 2);
+pub const GELU_BACKWARD: KernelPair = pair!("elementwise", "gelu_backward", EwParams, 3);
 pub const ADD_INPLACE: KernelPair = pair!("elementwise", "add_inplace", EwParams, 2);
 pub const ADD: KernelPair = pair!("elementwise", "add", EwParams, 3);
 pub const BIAS_ADD: KernelPair = pair!("elementwise", "bias_add", RowsColsParams, 2);
@@ -171,6 +175,14 @@ pub static FILES: &[KernelFile] = &[
             RELU_FORWARD.f32,
             RELU_BACKWARD.f16,
             RELU_BACKWARD.f32,
+            SILU_FORWARD.f16,
+            SILU_FORWARD.f32,
+            SILU_BACKWARD.f16,
+            SILU_BACKWARD.f32,
+            GELU_FORWARD.f16,
+            GELU_FORWARD.f32,
+            GELU_BACKWARD.f16,
+            GELU_BACKWARD.f32,
             ADD_INPLACE.f16,
             ADD_INPLACE.f32,
             ADD.f16,

@@ -128,6 +128,11 @@ enum GpuLayer {
         bias: Option<ParamRef>,
         out: usize,
     },
+    /// [n, h, w, c] -> [n, h·w·c]: the same bytes (NHWC is the CPU's
+    /// order), so no kernel; a copy only where its input is still held.
+    Flatten,
+    /// SiLU or GELU; keeps its input for backward.
+    Smooth(ops::Smooth),
 }
 
 #[derive(Debug)]
@@ -378,6 +383,21 @@ impl ParamCursor<'_> {
         });
         Ok(at)
     }
+}
+
+/// `spec`'s `type` as a config spells it ("layer_norm"): its variant name
+/// in snake case, as serde's `rename_all` derives it.
+fn layer_type(spec: &LayerSpec) -> String {
+    let debug = format!("{spec:?}");
+    let variant = debug.split(|c: char| !c.is_alphanumeric()).next();
+    let mut name = String::new();
+    for (i, c) in variant.unwrap_or_default().chars().enumerate() {
+        if c.is_uppercase() && i > 0 {
+            name.push('_');
+        }
+        name.extend(c.to_lowercase());
+    }
+    name
 }
 
 fn cpu_only(path: &str, what: &str) -> CudaError {
@@ -972,6 +992,12 @@ fn build_one(
                 out: *out,
             }]
         }
+        LayerSpec::Flatten => {
+            *shape = vec![shape.iter().product()];
+            vec![GpuLayer::Flatten]
+        }
+        LayerSpec::Silu => vec![GpuLayer::Smooth(ops::Smooth::Silu)],
+        LayerSpec::Gelu => vec![GpuLayer::Smooth(ops::Smooth::Gelu)],
         LayerSpec::Residual { layers } => {
             let mut inner = shape.clone();
             let groups = build_groups(be, layers, &format!("{path}.layers"), &mut inner, cursor)?;
@@ -990,7 +1016,7 @@ fn build_one(
             built.push(GpuLayer::Relu);
             built
         }
-        _ => return Err(cpu_only(path, "this layer")),
+        other => return Err(cpu_only(path, &format!("\"{}\"", layer_type(other)))),
     })
 }
 
@@ -1084,6 +1110,16 @@ impl Input<'_> {
         }
     }
 
+    /// The input as [n, features]: the same buffer when nothing else holds
+    /// it, else a copy (a lent tensor, or an output kept for backward).
+    fn flattened(self, be: &CudaBackend) -> CudaResult<Input<'static>> {
+        let shape = self.tensor().shape();
+        let features = shape.iter().skip(1).product();
+        let flat = [shape.first().copied().unwrap_or(0), features];
+        let owned = self.into_owned(be)?.reshape(&flat)?;
+        Ok(Input::Shared(Arc::new(owned), None))
+    }
+
     /// The tensor itself, copied only if something else still holds it.
     fn into_owned(self, be: &CudaBackend) -> CudaResult<CudaTensor> {
         match self {
@@ -1103,6 +1139,15 @@ fn forward_list(
 ) -> CudaResult<CudaTensor> {
     let mut current = x;
     for layer in layers.iter_mut() {
+        if let GpuLayer::Flatten = layer {
+            let shape = current.tensor().shape().to_vec();
+            if let Some(list) = saved.as_deref_mut() {
+                list.push(Saved::Shape(shape.clone()));
+            }
+            current = current.flattened(be)?;
+            be.profile_mark(|| format!("fwd flatten in {}", dims_of(&shape)))?;
+            continue;
+        }
         let (y, keep) = forward_one(be, layer, groups, &current, pass, saved.as_deref_mut())?;
         be.profile_mark(|| format!("fwd {} in {}", layer.describe(), dims(current.tensor())))?;
         let y = Arc::new(y);
@@ -1275,6 +1320,14 @@ fn forward_one(
             let y = ops::linear_forward(be, x, &compute(groups, weight), b.as_ref(), *out)?;
             (y, Keep::Input)
         }
+        GpuLayer::Smooth(kind) => (ops::smooth_forward(be, *kind, x)?, Keep::Input),
+        // A reshape of the input itself, which `forward_list` does.
+        GpuLayer::Flatten => {
+            return Err(CudaError::Unsupported {
+                op: "CudaNetwork::forward",
+                reason: "flatten outside forward_list".into(),
+            })
+        }
     })
 }
 
@@ -1340,7 +1393,11 @@ fn backward_list(
 
 /// A tensor's dimensions after the batch, for profile labels: "28x28x32".
 fn dims(t: &CudaTensor) -> String {
-    let inner: Vec<String> = t.shape().iter().skip(1).map(usize::to_string).collect();
+    dims_of(t.shape())
+}
+
+fn dims_of(shape: &[usize]) -> String {
+    let inner: Vec<String> = shape.iter().skip(1).map(usize::to_string).collect();
     inner.join("x")
 }
 
@@ -1362,6 +1419,8 @@ impl GpuLayer {
             GpuLayer::Checkpointed(_) => "checkpointed segment (its own layers apart)".into(),
             GpuLayer::GlobalAvgPool => "global_avg_pool".into(),
             GpuLayer::Linear { out, .. } => format!("linear to {out}"),
+            GpuLayer::Flatten => "flatten".into(),
+            GpuLayer::Smooth(kind) => kind.name().into(),
         }
     }
 }
@@ -1557,6 +1616,11 @@ fn backward_leaf(
             let y = y.take(be)?;
             ops::relu_backward(be, &g, &y)
         }
+        (GpuLayer::Smooth(kind), Saved::Input(x)) => {
+            let x = x.take(be)?;
+            ops::smooth_backward(be, *kind, &g, &x)
+        }
+        (GpuLayer::Flatten, Saved::Shape(shape)) => g.reshape(&shape),
         (GpuLayer::GlobalAvgPool, Saved::Shape(shape)) => {
             ops::global_avg_pool_backward(be, &g, &shape)
         }

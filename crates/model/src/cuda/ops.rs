@@ -20,6 +20,7 @@
 //! | `batch_norm_forward_train` / `_eval` / `batch_norm_backward` | `layers::BatchNorm2d` (+ `Relu` when fused) |
 //! | `batch_norm_add_forward_train` / `_eval` / `batch_norm_add_relu_backward` | `layers::FusedResidual`'s tail (`BatchNorm2d::forward_add_relu`) |
 //! | `relu_forward` / `relu_backward` | `layers::Relu` |
+//! | `smooth_forward` / `smooth_backward` | `layers::Silu`, `layers::Gelu` |
 //! | `add_inplace`, `add` | `layers::Residual`'s sums |
 //! | `global_avg_pool_forward` / `_backward` | `layers::GlobalAvgPool` |
 //! | `linear_forward` / `linear_backward`, `bias_add`, `bias_grad` | `layers::Linear` |
@@ -289,6 +290,80 @@ pub fn relu_backward(be: &CudaBackend, g: &CudaTensor, y: &CudaTensor) -> CudaRe
         // SAFETY: relu_backward_T(EwParams, const T* g, const T* y, T* dx);
         // all hold n elements.
         unsafe { b.launch(elementwise(n)) }.during("relu_backward")?;
+    }
+    Ok(dx)
+}
+
+/// A smooth activation: its derivative needs the forward's input, which
+/// backward reads (`layers::smooth_activation`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Smooth {
+    /// x·σ(x).
+    Silu,
+    /// GELU, tanh approximation.
+    Gelu,
+}
+
+impl Smooth {
+    /// The forward and backward kernels, with their names for errors.
+    fn kernels(self) -> [(KernelPair, &'static str); 2] {
+        match self {
+            Smooth::Silu => [
+                (k::SILU_FORWARD, "silu_forward"),
+                (k::SILU_BACKWARD, "silu_backward"),
+            ],
+            Smooth::Gelu => [
+                (k::GELU_FORWARD, "gelu_forward"),
+                (k::GELU_BACKWARD, "gelu_backward"),
+            ],
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Smooth::Silu => "silu",
+            Smooth::Gelu => "gelu",
+        }
+    }
+}
+
+/// SiLU or GELU forward; backward needs `x`.
+pub fn smooth_forward(be: &CudaBackend, kind: Smooth, x: &CudaTensor) -> CudaResult<CudaTensor> {
+    let n = x.len();
+    let mut y = CudaTensor::uninit(be, x.shape(), x.dtype())?;
+    if n > 0 {
+        let p = EwParams { n: n as u32 };
+        let [(kernel, op), _] = kind.kernels();
+        let f = be.function(kernel.of(x.dtype()))?;
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p).arg(x).arg(&mut y);
+        // SAFETY: silu_forward_T / gelu_forward_T(EwParams, const T* x,
+        // T* y); x and y hold n elements.
+        unsafe { b.launch(elementwise(n)) }.during(op)?;
+    }
+    Ok(y)
+}
+
+/// SiLU or GELU backward: dx = g · f'(x), x the forward's input.
+pub fn smooth_backward(
+    be: &CudaBackend,
+    kind: Smooth,
+    g: &CudaTensor,
+    x: &CudaTensor,
+) -> CudaResult<CudaTensor> {
+    g.expect_shape("smooth activation backward", x.shape())?;
+    same_dtype("smooth activation backward", g.dtype(), &[x.dtype()])?;
+    let n = g.len();
+    let mut dx = CudaTensor::uninit(be, g.shape(), g.dtype())?;
+    if n > 0 {
+        let p = EwParams { n: n as u32 };
+        let [_, (kernel, op)] = kind.kernels();
+        let f = be.function(kernel.of(g.dtype()))?;
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p).arg(g).arg(x).arg(&mut dx);
+        // SAFETY: silu_backward_T / gelu_backward_T(EwParams, const T* g,
+        // const T* x, T* dx); all hold n elements.
+        unsafe { b.launch(elementwise(n)) }.during(op)?;
     }
     Ok(dx)
 }
