@@ -37,7 +37,8 @@ use headroom_model::cuda::{
 };
 use headroom_model::init::InitRng;
 use headroom_model::layers::{
-    BatchNorm2d, Conv2d, FusedResidual, Gelu, GlobalAvgPool, Linear, Relu, Residual, Silu,
+    BatchNorm2d, Conv2d, FusedResidual, Gelu, GlobalAvgPool, LayerNorm, Linear, Relu, Residual,
+    Silu,
 };
 use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy};
 use headroom_model::{CheckpointPolicy, Layer, Mode, ModelSpec, Network, Tensor};
@@ -1280,6 +1281,89 @@ fn linear_matches_the_cpu_layer() {
 }
 
 // ---------------------------------------------------------------------------
+// Layer normalisation
+
+/// Layer norm over the last axis, f16 and f32: rows not a multiple of a
+/// block's 8, columns not of a warp's 32, and enough rows for several
+/// chunks of the parameter gradients' sums; the gradients of γ and β are
+/// accumulated into what the buffers held.
+#[test]
+fn layer_norm_matches_the_cpu_layer() {
+    let be = gpu_or_skip!();
+    for (shape, seed) in [(vec![3usize, 5, 40], 300u64), (vec![2, 300, 24], 310)] {
+        let c = *shape.last().unwrap();
+        let mut ln = LayerNorm::new("ln", c, 1e-5);
+        let (gamma, beta) = (random_vec(c, seed, 1.0), random_vec(c, seed + 1, 0.5));
+        {
+            let mut p = ln.params_mut();
+            p[0].value.data_mut().copy_from_slice(&gamma);
+            p[1].value.data_mut().copy_from_slice(&beta);
+        }
+        // An offset per column, so that mean and variance matter.
+        let x = random(&shape, seed + 2, 1.5, 0.25);
+        let g = random(&shape, seed + 3, 1.0, 0.0);
+        let y = ln.forward(&x, Mode::Train).unwrap();
+        let dx = ln.backward(&g).unwrap();
+        let (dgamma, dbeta) = {
+            let p = ln.params_mut();
+            (p[0].grad.data().to_vec(), p[1].grad.data().to_vec())
+        };
+        let held = random_vec(c, seed + 4, 1.0);
+        for (dtype, rel, abs) in [(DType::F16, 2e-3, 2e-3), (DType::F32, 1e-4, 1e-5)] {
+            let what = format!("layer norm {shape:?} {dtype:?}");
+            let (gamma_d, beta_d) = (upload_f32(&be, &gamma), upload_f32(&be, &beta));
+            let gx = CudaTensor::from_tensor(&be, &x, dtype).unwrap();
+            let gg = CudaTensor::from_tensor(&be, &g, dtype).unwrap();
+            let (gy, saved) =
+                ops::layer_norm_forward(&be, &gx, &gamma_d.as_view(), &beta_d.as_view(), 1e-5)
+                    .unwrap();
+            let mut dgamma_d = upload_f32(&be, &held);
+            let mut dbeta_d = upload_f32(&be, &held);
+            let gdx = ops::layer_norm_backward(
+                &be,
+                &gg,
+                &gx,
+                &saved,
+                &gamma_d.as_view(),
+                &mut dgamma_d.as_view_mut(),
+                &mut dbeta_d.as_view_mut(),
+            )
+            .unwrap();
+            let plus_held =
+                |v: &[f32]| -> Vec<f32> { v.iter().zip(&held).map(|(a, b)| a + b).collect() };
+            assert_close(
+                &format!("{what} forward"),
+                &gy.to_host(&be).unwrap(),
+                y.data(),
+                rel,
+                abs,
+            );
+            assert_close(
+                &format!("{what} dx"),
+                &gdx.to_host(&be).unwrap(),
+                dx.data(),
+                rel,
+                abs,
+            );
+            assert_close(
+                &format!("{what} dγ"),
+                &download(&be, &dgamma_d),
+                &plus_held(&dgamma),
+                1e-4,
+                1e-5,
+            );
+            assert_close(
+                &format!("{what} dβ"),
+                &download(&be, &dbeta_d),
+                &plus_held(&dbeta),
+                1e-4,
+                1e-5,
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Loss
 
 #[test]
@@ -2456,19 +2540,21 @@ layers = [
     spec
 }
 
-/// Networks that flatten into linear layers with SiLU and GELU between
-/// them: an MLP (its flatten's input is the lent batch, which it copies), a
-/// convolution whose ReLU output, kept for backward, is flattened (copied
-/// too), and one whose SiLU output, held by nothing else, is flattened in
-/// place.
+/// Networks that flatten into linear layers with SiLU, GELU and layer norm
+/// between them: an MLP (its flatten's input is the lent batch, which it
+/// copies; a layer norm over features), a convolution whose ReLU output,
+/// kept for backward, is flattened (copied too), and one whose SiLU output,
+/// held by nothing else, is flattened in place (a layer norm over each
+/// pixel's channels before it).
 fn flattening_specs(checkpoint: CheckpointPolicy) -> Vec<ModelSpec> {
     let layers = [
-        r#"{ type = "flatten" }, { type = "linear", out = 16 }, { type = "silu" },
-           { type = "linear", out = 12 }, { type = "gelu" }, { type = "linear", out = 4 }"#,
+        r#"{ type = "flatten" }, { type = "linear", out = 16 }, { type = "layer_norm" },
+           { type = "silu" }, { type = "linear", out = 12 }, { type = "gelu" },
+           { type = "linear", out = 4 }"#,
         r#"{ type = "conv", out = 4 }, { type = "relu" }, { type = "flatten" },
            { type = "linear", out = 8 }, { type = "silu" }, { type = "linear", out = 4 }"#,
-        r#"{ type = "conv", out = 4, bias = true }, { type = "silu" }, { type = "flatten" },
-           { type = "gelu" }, { type = "linear", out = 4 }"#,
+        r#"{ type = "conv", out = 4, bias = true }, { type = "layer_norm" }, { type = "silu" },
+           { type = "flatten" }, { type = "gelu" }, { type = "linear", out = 4 }"#,
     ];
     layers
         .iter()
@@ -2509,11 +2595,11 @@ fn flattening_network_run(
     (logits, net.read_grads(be).unwrap())
 }
 
-/// Flatten, SiLU and GELU in whole networks, f32 and f16, with and without
+/// Flatten, SiLU, GELU and layer norm in whole networks, f32 and f16, with and without
 /// checkpointing: the CPU network's logits and gradients (f32 to summation
 /// order, f16 to its rounding), and checkpointing the same bits as not.
 #[test]
-fn networks_that_flatten_into_silu_and_gelu_layers_match_the_cpu_network() {
+fn networks_that_flatten_into_silu_gelu_and_layer_norm_match_the_cpu_network() {
     let be = gpu_or_skip!();
     let n = 5;
     let batches: Vec<Tensor> = (0..2)
@@ -2573,17 +2659,15 @@ fn a_layer_without_a_gpu_kernel_is_refused_by_name() {
 input = [4, 4, 2]
 mean = 0.5
 std = 0.25
-layers = [{ type = "flatten" }, { type = "layer_norm" }, { type = "linear", out = 4 }]
+layers = [{ type = "flatten" }, { type = "dropout", p = 0.1 }, { type = "linear", out = 4 }]
 "#;
     let spec = toml::from_str::<SpecFile>(text).unwrap().model;
     let Err(err) = CudaNetwork::build(&be, &spec, 1, CudaBuildOptions::default()) else {
-        panic!("layer_norm has no GPU kernel yet, but the build succeeded");
+        panic!("dropout has no GPU kernel yet, but the build succeeded");
     };
     let err = err.to_string();
     assert!(
-        err.contains("model.layers[1]")
-            && err.contains("\"layer_norm\"")
-            && err.contains("CPU only"),
+        err.contains("model.layers[1]") && err.contains("\"dropout\"") && err.contains("CPU only"),
         "{err}"
     );
 }
@@ -2834,6 +2918,28 @@ const COVERAGE: &[(&str, &str)] = &[
     ("gelu_forward_f32", "silu_and_gelu_match_the_cpu_layers"),
     ("gelu_backward_f16", "silu_and_gelu_match_the_cpu_layers"),
     ("gelu_backward_f32", "silu_and_gelu_match_the_cpu_layers"),
+    ("layer_norm_forward_f16", "layer_norm_matches_the_cpu_layer"),
+    ("layer_norm_forward_f32", "layer_norm_matches_the_cpu_layer"),
+    (
+        "layer_norm_backward_f16",
+        "layer_norm_matches_the_cpu_layer",
+    ),
+    (
+        "layer_norm_backward_f32",
+        "layer_norm_matches_the_cpu_layer",
+    ),
+    (
+        "layer_norm_grad_partial_f16",
+        "layer_norm_matches_the_cpu_layer",
+    ),
+    (
+        "layer_norm_grad_partial_f32",
+        "layer_norm_matches_the_cpu_layer",
+    ),
+    (
+        "layer_norm_grad_finalize",
+        "layer_norm_matches_the_cpu_layer",
+    ),
     ("add_inplace_f32", "an_f32_network_matches_the_cpu_network"),
     ("add_f32", "an_f32_network_matches_the_cpu_network"),
     ("bias_add_f32", "an_f32_network_matches_the_cpu_network"),

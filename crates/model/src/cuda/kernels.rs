@@ -121,6 +121,13 @@ pub const BN_BACKWARD_APPLY_V8: KernelSig =
 pub const BN_RUNNING_RESTORE: KernelSig =
     sig!("batchnorm", "bn_running_restore", BnRestoreParams, 5);
 
+pub const LAYER_NORM_FORWARD: KernelPair = pair!("layernorm", "layer_norm_forward", LnParams, 5);
+pub const LAYER_NORM_BACKWARD: KernelPair = pair!("layernorm", "layer_norm_backward", LnParams, 5);
+pub const LAYER_NORM_GRAD_PARTIAL: KernelPair =
+    pair!("layernorm", "layer_norm_grad_partial", LnParams, 5);
+pub const LAYER_NORM_GRAD_FINALIZE: KernelSig =
+    sig!("layernorm", "layer_norm_grad_finalize", LnParams, 4);
+
 pub const POOL_FORWARD: KernelPair = pair!("pool", "global_avg_pool_forward", PoolParams, 2);
 pub const POOL_BACKWARD: KernelPair = pair!("pool", "global_avg_pool_backward", PoolParams, 2);
 
@@ -216,6 +223,19 @@ pub static FILES: &[KernelFile] = &[
             BN_APPLY_ADD_V8,
             BN_BACKWARD_APPLY_V8,
             BN_RUNNING_RESTORE,
+        ],
+    },
+    KernelFile {
+        name: "layernorm",
+        source: include_str!("../../kernels/layernorm.cu"),
+        kernels: &[
+            LAYER_NORM_FORWARD.f16,
+            LAYER_NORM_FORWARD.f32,
+            LAYER_NORM_BACKWARD.f16,
+            LAYER_NORM_BACKWARD.f32,
+            LAYER_NORM_GRAD_PARTIAL.f16,
+            LAYER_NORM_GRAD_PARTIAL.f32,
+            LAYER_NORM_GRAD_FINALIZE,
         ],
     },
     KernelFile {

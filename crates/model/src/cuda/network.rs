@@ -133,6 +133,12 @@ enum GpuLayer {
     Flatten,
     /// SiLU or GELU; keeps its input for backward.
     Smooth(ops::Smooth),
+    /// Keeps its input, and each row's mean and rstd, for backward.
+    LayerNorm {
+        gamma: ParamRef,
+        beta: ParamRef,
+        eps: f32,
+    },
 }
 
 #[derive(Debug)]
@@ -274,6 +280,8 @@ pub type HostParams = Vec<Vec<f32>>;
 #[derive(Debug)]
 enum Saved {
     Input(Activation),
+    /// A layer norm's input and row statistics.
+    LayerNorm(Activation, ops::LayerNormSaved),
     /// A checkpointed segment's input, and how its forward ran.
     Segment(Activation, Pass),
     BatchNorm(Box<SavedBatchNorm>),
@@ -996,6 +1004,22 @@ fn build_one(
             *shape = vec![shape.iter().product()];
             vec![GpuLayer::Flatten]
         }
+        LayerSpec::LayerNorm { eps } => {
+            let Some(&features) = shape.last() else {
+                return Err(CudaError::shape(
+                    "CudaNetwork::build",
+                    format!("{path}: a non-scalar input"),
+                    format!("{shape:?}"),
+                ));
+            };
+            let gamma = cursor.take(path, features)?;
+            let beta = cursor.take(path, features)?;
+            vec![GpuLayer::LayerNorm {
+                gamma,
+                beta,
+                eps: *eps,
+            }]
+        }
         LayerSpec::Silu => vec![GpuLayer::Smooth(ops::Smooth::Silu)],
         LayerSpec::Gelu => vec![GpuLayer::Smooth(ops::Smooth::Gelu)],
         LayerSpec::Residual { layers } => {
@@ -1155,6 +1179,7 @@ fn forward_list(
         if let Some(list) = saved.as_deref_mut() {
             list.push(match keep {
                 Keep::Input => Saved::Input(current.for_backward(be)?),
+                Keep::InputAnd(stats) => Saved::LayerNorm(current.for_backward(be)?, stats),
                 Keep::Segment => Saved::Segment(current.for_backward(be)?, pass),
                 Keep::Output => Saved::Output(Activation::Kept(Arc::clone(&y))),
                 Keep::Recomputed(r) => {
@@ -1196,6 +1221,8 @@ fn forward_list(
 /// own.
 enum Keep {
     Input,
+    /// The input, and a layer norm's row statistics.
+    InputAnd(ops::LayerNormSaved),
     /// A checkpointed segment's input.
     Segment,
     Output,
@@ -1321,6 +1348,11 @@ fn forward_one(
             (y, Keep::Input)
         }
         GpuLayer::Smooth(kind) => (ops::smooth_forward(be, *kind, x)?, Keep::Input),
+        GpuLayer::LayerNorm { gamma, beta, eps } => {
+            let (g, b) = (master(groups, gamma), master(groups, beta));
+            let (y, stats) = ops::layer_norm_forward(be, x, &g, &b, *eps)?;
+            (y, Keep::InputAnd(stats))
+        }
         // A reshape of the input itself, which `forward_list` does.
         GpuLayer::Flatten => {
             return Err(CudaError::Unsupported {
@@ -1421,6 +1453,7 @@ impl GpuLayer {
             GpuLayer::Linear { out, .. } => format!("linear to {out}"),
             GpuLayer::Flatten => "flatten".into(),
             GpuLayer::Smooth(kind) => kind.name().into(),
+            GpuLayer::LayerNorm { .. } => "layer_norm".into(),
         }
     }
 }
@@ -1621,6 +1654,15 @@ fn backward_leaf(
             ops::smooth_backward(be, *kind, &g, &x)
         }
         (GpuLayer::Flatten, Saved::Shape(shape)) => g.reshape(&shape),
+        (GpuLayer::LayerNorm { gamma, beta, .. }, Saved::LayerNorm(x, stats)) => {
+            let x = x.take(be)?;
+            with_grads(groups, gamma, Some(beta), |mut v| {
+                let Some(beta_grad) = v.other_grad.as_mut() else {
+                    return Err(missing());
+                };
+                ops::layer_norm_backward(be, &g, &x, &stats, &v.master, &mut v.grad, beta_grad)
+            })
+        }
         (GpuLayer::GlobalAvgPool, Saved::Shape(shape)) => {
             ops::global_avg_pool_backward(be, &g, &shape)
         }

@@ -23,6 +23,7 @@
 //! | `smooth_forward` / `smooth_backward` | `layers::Silu`, `layers::Gelu` |
 //! | `add_inplace`, `add` | `layers::Residual`'s sums |
 //! | `global_avg_pool_forward` / `_backward` | `layers::GlobalAvgPool` |
+//! | `layer_norm_forward` / `layer_norm_backward` | `layers::LayerNorm` |
 //! | `linear_forward` / `linear_backward`, `bias_add`, `bias_grad` | `layers::Linear` |
 //! | `softmax_cross_entropy`, `XentOutput::summary` | `loss::softmax_cross_entropy` |
 //!
@@ -464,6 +465,158 @@ pub fn bias_grad(
     // block (32, 8) as the kernel requires; g holds rows·cols, grad cols.
     unsafe { b.launch(cfg) }.during("bias_grad")?;
     Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Layer normalisation
+
+/// What a training forward of `layer_norm_forward` keeps for backward,
+/// besides its input: [mean, rstd] of each row.
+#[derive(Debug)]
+pub struct LayerNormSaved {
+    stats: DeviceBuffer<f32>,
+    eps: f32,
+}
+
+/// Rows and columns of `x` normalised over its last axis by γ and β.
+fn ln_dims(
+    x: &CudaTensor,
+    gamma: &CudaView<'_, f32>,
+    beta: &CudaView<'_, f32>,
+) -> CudaResult<(usize, usize)> {
+    let cols = gamma.len();
+    if x.shape().len() < 2 || x.shape().last() != Some(&cols) || beta.len() != cols {
+        return Err(CudaError::shape(
+            "layer_norm",
+            format!("[n, ..., {cols}] with γ and β of {cols}"),
+            format!("{:?}, β of {}", x.shape(), beta.len()),
+        ));
+    }
+    Ok((x.len() / cols.max(1), cols))
+}
+
+fn ln_params(op: &'static str, rows: usize, cols: usize, eps: f32) -> CudaResult<LnParams> {
+    let (rpc, chunks) = bn_chunking(rows);
+    Ok(LnParams {
+        rows: u32_of(op, rows)?,
+        cols: u32_of(op, cols)?,
+        rows_per_chunk: rpc as u32,
+        chunks: chunks as u32,
+        eps,
+    })
+}
+
+/// A warp per row, 8 rows a block.
+fn per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(8).max(1) as u32, 1, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Layer norm over the last axis with the f32 γ and β: the output, and
+/// what backward needs besides the input.
+pub fn layer_norm_forward(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    gamma: &CudaView<'_, f32>,
+    beta: &CudaView<'_, f32>,
+    eps: f32,
+) -> CudaResult<(CudaTensor, LayerNormSaved)> {
+    let (rows, cols) = ln_dims(x, gamma, beta)?;
+    let p = ln_params("layer_norm", rows, cols, eps)?;
+    let mut y = CudaTensor::uninit(be, x.shape(), x.dtype())?;
+    let mut stats = be.alloc::<f32>(2 * rows)?;
+    if !y.is_empty() {
+        let f = be.function(k::LAYER_NORM_FORWARD.of(x.dtype()))?;
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p)
+            .arg(x)
+            .arg(gamma)
+            .arg(beta)
+            .arg(&mut y)
+            .arg(&mut stats.slice);
+        // SAFETY: layer_norm_forward_T(LnParams, const T* x [rows, cols],
+        // γ, β [cols], T* y [rows, cols], float* stats [rows, 2]) with block
+        // (32, 8) and a row per warp, as the kernel requires.
+        unsafe { b.launch(per_row(rows)) }.during("layer_norm_forward")?;
+    }
+    Ok((y, LayerNormSaved { stats, eps }))
+}
+
+/// Layer norm backward: dx, with dγ += Σ g·x̂ and dβ += Σ g.
+pub fn layer_norm_backward(
+    be: &CudaBackend,
+    g: &CudaTensor,
+    x: &CudaTensor,
+    saved: &LayerNormSaved,
+    gamma: &CudaView<'_, f32>,
+    gamma_grad: &mut CudaViewMut<'_, f32>,
+    beta_grad: &mut CudaViewMut<'_, f32>,
+) -> CudaResult<CudaTensor> {
+    g.expect_shape("layer_norm backward", x.shape())?;
+    same_dtype("layer_norm backward", g.dtype(), &[x.dtype()])?;
+    let (rows, cols) = ln_dims(x, gamma, &gamma_grad.as_view())?;
+    same_len("layer_norm backward", "dβ", cols, beta_grad.len())?;
+    same_len("layer_norm backward", "stats", 2 * rows, saved.stats.len())?;
+    let p = ln_params("layer_norm backward", rows, cols, saved.eps)?;
+    let mut dx = CudaTensor::uninit(be, g.shape(), g.dtype())?;
+    if dx.is_empty() {
+        return Ok(dx);
+    }
+    let stream = be.compute_stream();
+    {
+        let f = be.function(k::LAYER_NORM_BACKWARD.of(g.dtype()))?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&p)
+            .arg(g)
+            .arg(x)
+            .arg(gamma)
+            .arg(&saved.stats.slice)
+            .arg(&mut dx);
+        // SAFETY: layer_norm_backward_T(LnParams, const T* g, const T* x
+        // [rows, cols], γ [cols], stats [rows, 2], T* dx [rows, cols]) with
+        // block (32, 8) and a row per warp.
+        unsafe { b.launch(per_row(rows)) }.during("layer_norm_backward")?;
+    }
+    let chunks = p.chunks as usize;
+    let mut part_gamma = be.alloc::<f32>(chunks * cols)?;
+    let mut part_beta = be.alloc::<f32>(chunks * cols)?;
+    {
+        let f = be.function(k::LAYER_NORM_GRAD_PARTIAL.of(g.dtype()))?;
+        let cfg = LaunchConfig {
+            grid_dim: (cols.div_ceil(32) as u32, chunks as u32, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&f);
+        b.arg(&p)
+            .arg(g)
+            .arg(x)
+            .arg(&saved.stats.slice)
+            .arg(&mut part_gamma.slice)
+            .arg(&mut part_beta.slice);
+        // SAFETY: layer_norm_grad_partial_T(LnParams, const T* g, const T* x
+        // [rows, cols], stats [rows, 2], float* part_gamma, part_beta
+        // [chunks, cols]) with block (32, 8) and grid (ceil(cols/32),
+        // chunks), as its shared arrays require.
+        unsafe { b.launch(cfg) }.during("layer_norm_grad_partial")?;
+    }
+    {
+        let f = be.function(&k::LAYER_NORM_GRAD_FINALIZE)?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&p)
+            .arg(&part_gamma.slice)
+            .arg(&part_beta.slice)
+            .arg(gamma_grad)
+            .arg(beta_grad);
+        // SAFETY: layer_norm_grad_finalize(LnParams, part_gamma, part_beta
+        // [chunks, cols], float* dgamma, dbeta [cols]) with block (32, 8)
+        // and grid ceil(cols/32), as its shared arrays require.
+        unsafe { b.launch(per_channel_lanes(cols)) }.during("layer_norm_grad_finalize")?;
+    }
+    Ok(dx)
 }
 
 // ---------------------------------------------------------------------------

@@ -37,6 +37,8 @@ kernel_params! {
     EwParams(4) { n: u32 }
     /// elementwise.cu: bias_add, bias_grad.
     RowsColsParams(8) { rows: u32, cols: u32 }
+    /// layernorm.cu: every kernel.
+    LnParams(20) { rows: u32, cols: u32, rows_per_chunk: u32, chunks: u32, eps: f32 }
     /// batchnorm.cu: bn_stats_partial.
     BnDims(16) { rows: u32, channels: u32, rows_per_chunk: u32, chunks: u32 }
     /// batchnorm.cu: bn_stats_finalize.
