@@ -6,7 +6,12 @@
 // in forward, column sums accumulated into the f32 gradient in backward.
 // SiLU and GELU (tanh approximation) as `layers::smooth_activation` computes
 // them: their derivative is not a function of the output, so backward reads
-// the forward's INPUT and computes it again.
+// the forward's INPUT and computes it again. Dropout as `layers::Dropout`
+// draws it: element i is kept unless a hash of (seed, counter, i) falls
+// under p, so no mask is stored; the counter lives on the device (the
+// CPU's four 16-bit limbs in f32), so a captured graph draws new masks each
+// replay: forward uses it and `dropout_count` advances it, backward and a
+// recomputation use the one before.
 #include "common.cuh"
 
 struct EwParams {
@@ -75,6 +80,68 @@ template <int Kind, typename T>
 __device__ void smooth_backward_k(EwParams p, const T* __restrict__ g, const T* __restrict__ x,
                                   T* __restrict__ dx) {
     HR_FOR_EACH(i, p.n) { hr_st(&dx[i], hr_ld(g[i]) * smooth_derivative<Kind>(hr_ld(x[i]))); }
+}
+
+struct DropoutParams {
+    u32 n;
+    float p;
+    float scale;  // 1/(1 - p), as the CPU computes it
+    u32 seed_lo;
+    u32 seed_hi;
+    u32 previous;  // 1: the counter's value before the last forward
+};
+HR_CHECK_SIZE(DropoutParams, 24);
+
+__device__ __forceinline__ u64 hr_mix(u64 z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ u64 dropout_counter(const float* limbs, u32 previous) {
+    u64 c = 0;
+    for (int l = 3; l >= 0; --l) {
+        c = c * 65536ull + (u64)limbs[l];
+    }
+    return previous && c > 0 ? c - 1 : c;
+}
+
+// y = x · (0 or 1/(1 - p)); the same for a gradient, with the same mask.
+template <typename T>
+__device__ void dropout_apply_k(DropoutParams p, const float* __restrict__ counter,
+                                const T* __restrict__ x, T* __restrict__ y) {
+    const u64 seed = ((u64)p.seed_hi << 32) | p.seed_lo;
+    const u64 c = dropout_counter(counter, p.previous);
+    const u64 stream = hr_mix(seed ^ hr_mix(c + 0x9E3779B97F4A7C15ull));
+    HR_FOR_EACH(i, p.n) {
+        const u64 bits = hr_mix(stream ^ ((u64)i * 0xD6E8FEB86659FD93ull));
+        const float u = (float)(bits >> 40) / 16777216.0f;
+        hr_st(&y[i], hr_ld(x[i]) * (u < p.p ? 0.0f : p.scale));
+    }
+}
+
+// One thread: counter += 1, in its limbs.
+extern "C" __global__ void dropout_count(DropoutParams p, float* __restrict__ counter) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) {
+        return;
+    }
+    u64 c = dropout_counter(counter, 0) + 1;
+    for (int l = 0; l < 4; ++l) {
+        counter[l] = (float)(c % 65536ull);
+        c /= 65536ull;
+    }
+}
+
+// After the optimizer: the counter as before the step, if it was skipped
+// (the CPU puts every buffer back then).
+extern "C" __global__ void dropout_counter_restore(DropoutParams p,
+                                                   const StepState* __restrict__ state,
+                                                   const float* __restrict__ saved,
+                                                   float* __restrict__ counter) {
+    if (!state->skipped || blockIdx.x != 0 || threadIdx.x >= 4) {
+        return;
+    }
+    counter[threadIdx.x] = saved[threadIdx.x];
 }
 
 // acc += b (residual forward: acc is the body's output, b the block input;
@@ -181,6 +248,17 @@ extern "C" __global__ void gelu_backward_f16(EwParams p, const hr_half* __restri
 extern "C" __global__ void gelu_backward_f32(EwParams p, const float* __restrict__ g,
                                              const float* __restrict__ x, float* __restrict__ dx) {
     smooth_backward_k<kGelu>(p, g, x, dx);
+}
+
+extern "C" __global__ void dropout_apply_f16(DropoutParams p, const float* __restrict__ counter,
+                                             const hr_half* __restrict__ x,
+                                             hr_half* __restrict__ y) {
+    dropout_apply_k(p, counter, x, y);
+}
+
+extern "C" __global__ void dropout_apply_f32(DropoutParams p, const float* __restrict__ counter,
+                                             const float* __restrict__ x, float* __restrict__ y) {
+    dropout_apply_k(p, counter, x, y);
 }
 
 extern "C" __global__ void add_inplace_f16(EwParams p, hr_half* __restrict__ acc,

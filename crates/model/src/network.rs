@@ -424,6 +424,12 @@ impl Network {
             .collect()
     }
 
+    /// The dropout layers' seeds, in the order of their counters among
+    /// `buffers_mut`.
+    pub fn dropout_seeds(&self) -> Vec<u64> {
+        self.layers.iter().flat_map(|l| l.dropout_seeds()).collect()
+    }
+
     pub fn zero_grad(&mut self) {
         for p in self.params_mut() {
             p.zero_grad();

@@ -37,8 +37,8 @@ use headroom_model::cuda::{
 };
 use headroom_model::init::InitRng;
 use headroom_model::layers::{
-    BatchNorm2d, Conv2d, FusedResidual, Gelu, GlobalAvgPool, LayerNorm, Linear, Relu, Residual,
-    Silu,
+    BatchNorm2d, Conv2d, Dropout, FusedResidual, Gelu, GlobalAvgPool, LayerNorm, Linear, Relu,
+    Residual, Silu,
 };
 use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy};
 use headroom_model::{CheckpointPolicy, Layer, Mode, ModelSpec, Network, Tensor};
@@ -551,6 +551,80 @@ fn silu_and_gelu_match_the_cpu_layers() {
                 abs,
             );
         }
+    }
+}
+
+/// Dropout draws the CPU layer's masks from the counter on the device:
+/// forward with the counter, a count, backward (and a recomputation) with
+/// the counter before it; at a counter past 2^32 and a seed past 2^32 too.
+/// A skipped step's verdict puts the counter back; an applied one does not.
+#[test]
+fn dropout_draws_the_cpu_layers_masks_from_the_device_counter() {
+    let be = gpu_or_skip!();
+    let x = random(&[3, 7, 5, 8], 41, 1.0, 0.0);
+    let g = random(x.shape(), 42, 1.0, 0.0);
+    let seed = 0x0123_4567_89AB_CDEF;
+    let mask = ops::DropoutMask { p: 0.3, seed };
+    for start in [0u64, 0x1234_5678_9ABC] {
+        let limbs: Vec<f32> = (0..4)
+            .map(|l| ((start >> (16 * l)) & 0xffff) as f32)
+            .collect();
+        let mut cpu = Dropout::new(0.3, seed).unwrap();
+        cpu.buffers_mut()[0].data_mut().copy_from_slice(&limbs);
+        let y = cpu.forward(&x, Mode::Train).unwrap();
+        let dx = cpu.backward(&g).unwrap();
+        let y_next = cpu.forward(&x, Mode::Train).unwrap();
+        assert!(
+            y.data() != y_next.data(),
+            "the next forward draws a new mask"
+        );
+        let after: Vec<f32> = cpu.buffers_mut()[0].data().to_vec();
+        for (dtype, rel) in [(DType::F32, 0.0), (DType::F16, 1e-3)] {
+            let what = format!("dropout from counter {start:#x} {dtype:?}");
+            let mut counter = upload_f32(&be, &limbs);
+            let gx = CudaTensor::from_tensor(&be, &x, dtype).unwrap();
+            let gy = ops::dropout_apply(&be, mask, &counter, false, &gx).unwrap();
+            ops::dropout_count(&be, mask, &mut counter).unwrap();
+            let again = ops::dropout_apply(&be, mask, &counter, true, &gx).unwrap();
+            let gg = CudaTensor::from_tensor(&be, &g, dtype).unwrap();
+            let gdx = ops::dropout_apply(&be, mask, &counter, true, &gg).unwrap();
+            let gy_next = ops::dropout_apply(&be, mask, &counter, false, &gx).unwrap();
+            ops::dropout_count(&be, mask, &mut counter).unwrap();
+            let gy = gy.to_host(&be).unwrap();
+            assert_close(&format!("{what} forward"), &gy, y.data(), rel, 0.0);
+            assert_eq!(gy, again.to_host(&be).unwrap(), "{what}: recomputed");
+            assert_close(
+                &format!("{what} backward"),
+                &gdx.to_host(&be).unwrap(),
+                dx.data(),
+                rel,
+                0.0,
+            );
+            assert_close(
+                &format!("{what} next"),
+                &gy_next.to_host(&be).unwrap(),
+                y_next.data(),
+                rel,
+                0.0,
+            );
+            assert_eq!(download(&be, &counter), after, "{what}: counter");
+        }
+    }
+    let saved = [1.0f32, 2.0, 0.0, 0.0];
+    let live = [3.0f32, 2.0, 0.0, 0.0];
+    for skipped in [0u32, 1] {
+        let verdict = be
+            .compute_stream()
+            .clone_htod(&[StepState {
+                skipped,
+                ..StepState::default()
+            }])
+            .unwrap();
+        let mut counter = upload_f32(&be, &live);
+        let saved_d = upload_f32(&be, &saved);
+        ops::dropout_restore_if_skipped(&be, mask, &verdict, &saved_d, &mut counter).unwrap();
+        let expected = if skipped == 1 { saved } else { live };
+        assert_eq!(download(&be, &counter), expected, "skipped = {skipped}");
     }
 }
 
@@ -2540,17 +2614,17 @@ layers = [
     spec
 }
 
-/// Networks that flatten into linear layers with SiLU, GELU and layer norm
-/// between them: an MLP (its flatten's input is the lent batch, which it
-/// copies; a layer norm over features), a convolution whose ReLU output,
+/// Networks that flatten into linear layers with SiLU, GELU, layer norm and
+/// dropout between them: an MLP (its flatten's input is the lent batch,
+/// which it copies; a layer norm over features; two dropouts), a convolution whose ReLU output,
 /// kept for backward, is flattened (copied too), and one whose SiLU output,
 /// held by nothing else, is flattened in place (a layer norm over each
 /// pixel's channels before it).
 fn flattening_specs(checkpoint: CheckpointPolicy) -> Vec<ModelSpec> {
     let layers = [
         r#"{ type = "flatten" }, { type = "linear", out = 16 }, { type = "layer_norm" },
-           { type = "silu" }, { type = "linear", out = 12 }, { type = "gelu" },
-           { type = "linear", out = 4 }"#,
+           { type = "silu" }, { type = "dropout", p = 0.25 }, { type = "linear", out = 12 },
+           { type = "gelu" }, { type = "dropout", p = 0.1 }, { type = "linear", out = 4 }"#,
         r#"{ type = "conv", out = 4 }, { type = "relu" }, { type = "flatten" },
            { type = "linear", out = 8 }, { type = "silu" }, { type = "linear", out = 4 }"#,
         r#"{ type = "conv", out = 4, bias = true }, { type = "layer_norm" }, { type = "silu" },
@@ -2570,14 +2644,15 @@ fn flattening_specs(checkpoint: CheckpointPolicy) -> Vec<ModelSpec> {
 }
 
 /// What `flattening_specs`' networks compute on the GPU: the logits of two
-/// training forwards, then the accumulated parameter gradients.
+/// training forwards and then of an eval forward, the accumulated parameter
+/// gradients, and the buffers (dropout counters).
 fn flattening_network_run(
     be: &CudaBackend,
     spec: &ModelSpec,
     dtype: DType,
     batches: &[Tensor],
     grad_logits: &Tensor,
-) -> (Vec<f32>, Vec<Vec<f32>>) {
+) -> (Vec<f32>, Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let options = CudaBuildOptions {
         activations: dtype,
         ..CudaBuildOptions::default()
@@ -2592,14 +2667,20 @@ fn flattening_network_run(
         logits.extend(y.to_host(be).unwrap());
         net.backward(be, &g).unwrap();
     }
-    (logits, net.read_grads(be).unwrap())
+    let x = CudaTensor::from_tensor(be, &batches[0], dtype).unwrap();
+    logits.extend(net.forward_eval(be, &x).unwrap().to_host(be).unwrap());
+    (
+        logits,
+        net.read_grads(be).unwrap(),
+        net.read_buffers(be).unwrap(),
+    )
 }
 
-/// Flatten, SiLU, GELU and layer norm in whole networks, f32 and f16, with and without
+/// Flatten, SiLU, GELU, layer norm and dropout in whole networks, f32 and f16, with and without
 /// checkpointing: the CPU network's logits and gradients (f32 to summation
 /// order, f16 to its rounding), and checkpointing the same bits as not.
 #[test]
-fn networks_that_flatten_into_silu_gelu_and_layer_norm_match_the_cpu_network() {
+fn networks_with_flatten_silu_gelu_layer_norm_and_dropout_match_the_cpu_network() {
     let be = gpu_or_skip!();
     let n = 5;
     let batches: Vec<Tensor> = (0..2)
@@ -2615,6 +2696,13 @@ fn networks_that_flatten_into_silu_gelu_and_layer_norm_match_the_cpu_network() {
             want.extend(cpu.forward(x, Mode::Train).unwrap().data().to_vec());
             cpu.backward(&grad_logits).unwrap();
         }
+        want.extend(
+            cpu.forward(&batches[0], Mode::Eval)
+                .unwrap()
+                .data()
+                .to_vec(),
+        );
+        let cpu_buffers = cpu.buffer_values();
         let cpu_grads: Vec<Vec<f32>> = cpu
             .params_mut()
             .iter()
@@ -2622,7 +2710,9 @@ fn networks_that_flatten_into_silu_gelu_and_layer_norm_match_the_cpu_network() {
             .collect();
         for dtype in [DType::F32, DType::F16] {
             let what = format!("network {i} {dtype:?}");
-            let (logits, grads) = flattening_network_run(&be, spec, dtype, &batches, &grad_logits);
+            let (logits, grads, buffers) =
+                flattening_network_run(&be, spec, dtype, &batches, &grad_logits);
+            assert_eq!(buffers, cpu_buffers, "{what}: dropout counters");
             let again = flattening_network_run(&be, spec_all, dtype, &batches, &grad_logits);
             assert!(
                 logits
@@ -2659,15 +2749,17 @@ fn a_layer_without_a_gpu_kernel_is_refused_by_name() {
 input = [4, 4, 2]
 mean = 0.5
 std = 0.25
-layers = [{ type = "flatten" }, { type = "dropout", p = 0.1 }, { type = "linear", out = 4 }]
+layers = [{ type = "upsample2x" }, { type = "flatten" }, { type = "linear", out = 4 }]
 "#;
     let spec = toml::from_str::<SpecFile>(text).unwrap().model;
     let Err(err) = CudaNetwork::build(&be, &spec, 1, CudaBuildOptions::default()) else {
-        panic!("dropout has no GPU kernel yet, but the build succeeded");
+        panic!("upsample2x has no GPU kernel yet, but the build succeeded");
     };
     let err = err.to_string();
     assert!(
-        err.contains("model.layers[1]") && err.contains("\"dropout\"") && err.contains("CPU only"),
+        err.contains("model.layers[0]")
+            && err.contains("\"upsample2x\"")
+            && err.contains("CPU only"),
         "{err}"
     );
 }
@@ -2939,6 +3031,22 @@ const COVERAGE: &[(&str, &str)] = &[
     (
         "layer_norm_grad_finalize",
         "layer_norm_matches_the_cpu_layer",
+    ),
+    (
+        "dropout_apply_f16",
+        "dropout_draws_the_cpu_layers_masks_from_the_device_counter",
+    ),
+    (
+        "dropout_apply_f32",
+        "dropout_draws_the_cpu_layers_masks_from_the_device_counter",
+    ),
+    (
+        "dropout_count",
+        "dropout_draws_the_cpu_layers_masks_from_the_device_counter",
+    ),
+    (
+        "dropout_counter_restore",
+        "dropout_draws_the_cpu_layers_masks_from_the_device_counter",
     ),
     ("add_inplace_f32", "an_f32_network_matches_the_cpu_network"),
     ("add_f32", "an_f32_network_matches_the_cpu_network"),

@@ -696,3 +696,123 @@ fn a_profile_times_every_segment_of_the_steps_it_covers() {
         "nothing left over"
     );
 }
+
+/// An MLP with layer norm and dropout between its layers.
+const DROPOUT_MODEL: &str = r#"
+input = [8, 8, 1]
+mean = 0.5
+std = 0.25
+layers = [
+  { type = "flatten" },
+  { type = "linear", out = 32 }, { type = "layer_norm" }, { type = "silu" },
+  { type = "dropout", p = 0.25 },
+  { type = "linear", out = 16 }, { type = "gelu" }, { type = "dropout", p = 0.1 },
+  { type = "linear", out = 4 },
+]
+"#;
+
+/// Dropout on the GPU draws the CPU learner's masks step after step,
+/// through captured graphs (the counter advances on the device in each
+/// replay) and a split batch (a count per micro-batch): an f32 GPU
+/// learner ends within 1e-3 of how far the CPU learner moved its weights,
+/// with the same counters.
+#[test]
+fn dropout_masks_follow_the_cpu_learner_through_graphs_and_micro_batches() {
+    let Some(_gpu) = backend() else { return };
+    let spec: ModelSpec = toml::from_str(DROPOUT_MODEL).unwrap();
+    let options = CudaOptions {
+        build: CudaBuildOptions {
+            activations: DType::F32,
+            ..CudaBuildOptions::default()
+        },
+        loss_scaler: LossScalerConfig::unit(),
+        ..CudaOptions::default()
+    };
+    let be = CudaBackend::new(0).unwrap();
+    let mut gpu = CudaLearner::new(be, &spec, 13, settings(), 8, options).unwrap();
+    let pool = MemoryPool::new(Device::Cpu);
+    let mut cpu = CpuLearner::new(&spec, 13, BuildOptions::default(), settings(), 8, pool).unwrap();
+    let start = cpu.snapshot().unwrap();
+    for i in 0..8 {
+        if i == 5 {
+            gpu.set_micro_batch(4);
+            cpu.set_micro_batch(4);
+        }
+        let (c, g) = (
+            cpu.train_batch(&batch(i), 5e-3).unwrap(),
+            gpu.train_batch(&batch(i), 5e-3).unwrap(),
+        );
+        assert!(
+            (g.loss - c.loss).abs() <= 1e-4 * c.loss.abs(),
+            "step {i}: loss {} vs {}",
+            g.loss,
+            c.loss
+        );
+    }
+    assert!(gpu.graph_replays() > 0, "some steps were replayed");
+    let (end_cpu, end_gpu) = (cpu.snapshot().unwrap(), gpu.snapshot().unwrap());
+    // 5 whole steps and 3 split in two: 11 forwards.
+    assert_eq!(end_gpu.buffers, end_cpu.buffers, "dropout counters");
+    assert_eq!(end_gpu.buffers[0], vec![11.0, 0.0, 0.0, 0.0]);
+    let moved = relative_l2(&flat(&end_cpu.params), &flat(&start.params));
+    let apart = relative_l2(&flat(&end_gpu.params), &flat(&end_cpu.params));
+    assert!(
+        apart < 1e-3 * moved,
+        "GPU f32 and CPU weights differ by {apart}, training moved them {moved}"
+    );
+    // The counters travel in checkpoints both ways.
+    let mut back = gpu_learner_for(&spec, 99);
+    back.restore(end_cpu.clone()).unwrap();
+    assert_eq!(back.snapshot().unwrap().buffers, end_cpu.buffers);
+    let pool = MemoryPool::new(Device::Cpu);
+    let mut cpu_again =
+        CpuLearner::new(&spec, 99, BuildOptions::default(), settings(), 8, pool).unwrap();
+    cpu_again.restore(end_gpu.clone()).unwrap();
+    assert_eq!(bits(&cpu_again.snapshot().unwrap()), bits(&end_gpu));
+}
+
+/// A skipped step (the loss scale overflows) puts the dropout counters
+/// back, as the CPU learner puts back every buffer, eagerly and in a
+/// captured graph alike: the counters count only the applied steps.
+#[test]
+fn a_skipped_step_puts_the_dropout_counters_back() {
+    let Some(_gpu) = backend() else { return };
+    let spec: ModelSpec = toml::from_str(DROPOUT_MODEL).unwrap();
+    for graphs in [false, true] {
+        let be = CudaBackend::new(0).unwrap();
+        let top = 2f32.powi(20);
+        let options = CudaOptions {
+            graphs,
+            loss_scaler: LossScalerConfig {
+                init_scale: top,
+                max_scale: top,
+                ..Default::default()
+            },
+            ..CudaOptions::default()
+        };
+        let mut gpu = CudaLearner::new(be, &spec, 17, settings(), 8, options).unwrap();
+        let mut applied = 0.0f32;
+        let mut skipped = 0;
+        for i in 0..10 {
+            let r = gpu.train_batch(&batch(i), 1e-3).unwrap();
+            match r.grad_norm {
+                Some(_) => applied += 1.0,
+                None => skipped += 1,
+            }
+            let counters = gpu.snapshot().unwrap().buffers;
+            assert_eq!(counters.len(), 2);
+            for counter in counters {
+                assert_eq!(
+                    counter,
+                    vec![applied, 0.0, 0.0, 0.0],
+                    "graphs {graphs}, step {i}"
+                );
+            }
+        }
+        assert!(
+            skipped > 0 && applied > 0.0,
+            "graphs {graphs}: {skipped} skipped, {applied} applied"
+        );
+        assert_eq!(gpu.graph_replays() > 0, graphs, "graphs {graphs}: replays");
+    }
+}

@@ -93,6 +93,10 @@ pub const SILU_FORWARD: KernelPair = pair!("elementwise", "silu_forward", EwPara
 pub const SILU_BACKWARD: KernelPair = pair!("elementwise", "silu_backward", EwParams, 3);
 pub const GELU_FORWARD: KernelPair = pair!("elementwise", "gelu_forward", EwParams, 2);
 pub const GELU_BACKWARD: KernelPair = pair!("elementwise", "gelu_backward", EwParams, 3);
+pub const DROPOUT_APPLY: KernelPair = pair!("elementwise", "dropout_apply", DropoutParams, 3);
+pub const DROPOUT_COUNT: KernelSig = sig!("elementwise", "dropout_count", DropoutParams, 1);
+pub const DROPOUT_COUNTER_RESTORE: KernelSig =
+    sig!("elementwise", "dropout_counter_restore", DropoutParams, 3);
 pub const ADD_INPLACE: KernelPair = pair!("elementwise", "add_inplace", EwParams, 2);
 pub const ADD: KernelPair = pair!("elementwise", "add", EwParams, 3);
 pub const BIAS_ADD: KernelPair = pair!("elementwise", "bias_add", RowsColsParams, 2);
@@ -190,6 +194,10 @@ pub static FILES: &[KernelFile] = &[
             GELU_FORWARD.f32,
             GELU_BACKWARD.f16,
             GELU_BACKWARD.f32,
+            DROPOUT_APPLY.f16,
+            DROPOUT_APPLY.f32,
+            DROPOUT_COUNT,
+            DROPOUT_COUNTER_RESTORE,
             ADD_INPLACE.f16,
             ADD_INPLACE.f32,
             ADD.f16,

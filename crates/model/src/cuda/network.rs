@@ -83,6 +83,22 @@ struct RunningStats {
     saved_var: DeviceBuffer<f32>,
 }
 
+/// A dropout layer's mask and its counter of training forwards (the CPU's
+/// buffer: four 16-bit limbs in f32), with the copy taken before a step.
+#[derive(Debug)]
+struct DropoutLayer {
+    mask: ops::DropoutMask,
+    counter: DeviceBuffer<f32>,
+    saved: DeviceBuffer<f32>,
+}
+
+/// What a step changes besides the parameters, put back if the step is
+/// not applied and kept in checkpoints, in the CPU's order of buffers.
+enum StepBuffers<'a> {
+    Running(&'a mut RunningStats),
+    Dropout(&'a mut DropoutLayer),
+}
+
 /// A batch norm's parameters, running statistics and settings.
 #[derive(Debug)]
 struct BatchNormLayer {
@@ -133,6 +149,8 @@ enum GpuLayer {
     Flatten,
     /// SiLU or GELU; keeps its input for backward.
     Smooth(ops::Smooth),
+    /// Keeps nothing: backward draws the mask again.
+    Dropout(Box<DropoutLayer>),
     /// Keeps its input, and each row's mean and rstd, for backward.
     LayerNorm {
         gamma: ParamRef,
@@ -356,6 +374,8 @@ impl std::fmt::Debug for CudaNetwork {
 /// Hands out parameter ranges in the CPU network's parameter order.
 struct ParamCursor<'a> {
     cpu: &'a [(String, usize, bool)],
+    /// The CPU network's dropout seeds, taken in order as the parameters.
+    dropout_seeds: std::vec::IntoIter<u64>,
     next: usize,
     offsets: [usize; 2],
     slots: Vec<ParamSlot>,
@@ -436,6 +456,7 @@ impl CudaNetwork {
             .collect();
         let mut cursor = ParamCursor {
             cpu: &cpu_params,
+            dropout_seeds: cpu.dropout_seeds().into_iter(),
             next: 0,
             offsets: [0, 0],
             slots: Vec::new(),
@@ -590,38 +611,52 @@ impl CudaNetwork {
         Ok(())
     }
 
-    /// Copies the running statistics aside (before a step).
-    pub fn save_running_stats(&mut self, be: &CudaBackend) -> CudaResult<()> {
-        for_each_running(&mut self.layers, &mut |r| {
-            be.copy_device(&r.mean, &mut r.saved_mean)?;
-            be.copy_device(&r.var, &mut r.saved_var)
+    /// Copies the running statistics and dropout counters aside (before a
+    /// step).
+    pub fn save_step_buffers(&mut self, be: &CudaBackend) -> CudaResult<()> {
+        for_each_step_buffers(&mut self.layers, &mut |buffers| match buffers {
+            StepBuffers::Running(r) => {
+                be.copy_device(&r.mean, &mut r.saved_mean)?;
+                be.copy_device(&r.var, &mut r.saved_var)
+            }
+            StepBuffers::Dropout(d) => be.copy_device(&d.counter, &mut d.saved),
         })
     }
 
-    /// Puts back the copies `save_running_stats` took when the optimizer's
+    /// Puts back the copies `save_step_buffers` took when the optimizer's
     /// `verdict` (on the device) says the step was skipped.
-    pub fn restore_running_stats_if_skipped(
+    pub fn restore_step_buffers_if_skipped(
         &mut self,
         be: &CudaBackend,
         verdict: &CudaSlice<StepState>,
     ) -> CudaResult<()> {
-        for_each_running(&mut self.layers, &mut |r| {
-            ops::batch_norm_restore_if_skipped(
+        for_each_step_buffers(&mut self.layers, &mut |buffers| match buffers {
+            StepBuffers::Running(r) => ops::batch_norm_restore_if_skipped(
                 be,
                 verdict,
                 (&r.saved_mean.slice, &r.saved_var.slice),
                 &mut r.mean.slice,
                 &mut r.var.slice,
-            )
+            ),
+            StepBuffers::Dropout(d) => ops::dropout_restore_if_skipped(
+                be,
+                d.mask,
+                verdict,
+                &d.saved.slice,
+                &mut d.counter.slice,
+            ),
         })
     }
 
-    /// Puts back the copies `save_running_stats` took (a step that failed
-    /// part-way).
-    pub fn restore_running_stats(&mut self, be: &CudaBackend) -> CudaResult<()> {
-        for_each_running(&mut self.layers, &mut |r| {
-            be.copy_device(&r.saved_mean, &mut r.mean)?;
-            be.copy_device(&r.saved_var, &mut r.var)
+    /// Puts back the copies `save_step_buffers` took (a step that failed
+    /// part-way, or a dry run).
+    pub fn restore_step_buffers(&mut self, be: &CudaBackend) -> CudaResult<()> {
+        for_each_step_buffers(&mut self.layers, &mut |buffers| match buffers {
+            StepBuffers::Running(r) => {
+                be.copy_device(&r.saved_mean, &mut r.mean)?;
+                be.copy_device(&r.saved_var, &mut r.var)
+            }
+            StepBuffers::Dropout(d) => be.copy_device(&d.saved, &mut d.counter),
         })
     }
 
@@ -686,25 +721,24 @@ impl CudaNetwork {
 
     /// Batch-norm running statistics (mean, var per layer), in order.
     pub fn read_buffers(&self, be: &CudaBackend) -> CudaResult<Vec<Vec<f32>>> {
-        let mut out = Vec::new();
-        for_each_running_ref(&self.layers, &mut |r| {
-            out.push(be.download(&r.mean.slice)?);
-            out.push(be.download(&r.var.slice)?);
-            Ok(())
-        })?;
-        Ok(out)
+        let mut buffers = Vec::new();
+        checkpointed_buffers(&self.layers, &mut buffers);
+        buffers.into_iter().map(|b| be.download(&b.slice)).collect()
     }
 
     fn set_buffers(&mut self, be: &CudaBackend, values: &[Vec<f32>]) -> CudaResult<()> {
         let mut it = values.iter();
-        for_each_running(&mut self.layers, &mut |r| {
-            for target in [&mut r.mean, &mut r.var] {
-                let Some(v) = it.next() else {
-                    return Err(CudaError::shape("buffers", "one per statistic", "too few"));
-                };
-                copy_host(be, v, target)?;
+        let mut next = || {
+            it.next().ok_or_else(|| {
+                CudaError::shape("buffers", "one per statistic and counter", "too few")
+            })
+        };
+        for_each_step_buffers(&mut self.layers, &mut |buffers| match buffers {
+            StepBuffers::Running(r) => {
+                copy_host(be, next()?, &mut r.mean)?;
+                copy_host(be, next()?, &mut r.var)
             }
-            Ok(())
+            StepBuffers::Dropout(d) => copy_host(be, next()?, &mut d.counter),
         })
     }
 
@@ -717,12 +751,9 @@ impl CudaNetwork {
     ) -> Result<(), String> {
         self.join("parameter tensors", params)?;
         self.join("moment tensors", moments)?;
-        let mut lens = Vec::new();
-        let _ = for_each_running_ref(&self.layers, &mut |r| {
-            lens.push(r.mean.len());
-            lens.push(r.var.len());
-            Ok(())
-        });
+        let mut model_buffers = Vec::new();
+        checkpointed_buffers(&self.layers, &mut model_buffers);
+        let lens: Vec<usize> = model_buffers.iter().map(|b| b.len()).collect();
         if lens.len() != buffers.len() {
             return Err(format!(
                 "{} buffers, the model has {}",
@@ -796,18 +827,21 @@ fn copy_host(be: &CudaBackend, host: &[f32], dev: &mut DeviceBuffer<f32>) -> Cud
         .during("cuMemcpyHtoDAsync")
 }
 
-fn for_each_running(
+fn for_each_step_buffers(
     layers: &mut [GpuLayer],
-    f: &mut dyn FnMut(&mut RunningStats) -> CudaResult<()>,
+    f: &mut dyn FnMut(StepBuffers<'_>) -> CudaResult<()>,
 ) -> CudaResult<()> {
     for layer in layers {
         match layer {
-            GpuLayer::BatchNorm { bn, .. } => f(&mut bn.running)?,
-            GpuLayer::Residual(body) | GpuLayer::Checkpointed(body) => for_each_running(body, f)?,
+            GpuLayer::BatchNorm { bn, .. } => f(StepBuffers::Running(&mut bn.running))?,
+            GpuLayer::Dropout(d) => f(StepBuffers::Dropout(d))?,
+            GpuLayer::Residual(body) | GpuLayer::Checkpointed(body) => {
+                for_each_step_buffers(body, f)?
+            }
             // The body's statistics come first, as in the CPU's order.
             GpuLayer::FusedResidual { body, tail } => {
-                for_each_running(body, f)?;
-                f(&mut tail.running)?
+                for_each_step_buffers(body, f)?;
+                f(StepBuffers::Running(&mut tail.running))?
             }
             _ => {}
         }
@@ -815,24 +849,23 @@ fn for_each_running(
     Ok(())
 }
 
-fn for_each_running_ref(
-    layers: &[GpuLayer],
-    f: &mut dyn FnMut(&RunningStats) -> CudaResult<()>,
-) -> CudaResult<()> {
+/// The buffers a checkpoint keeps, in the CPU's order: each batch norm's
+/// running mean and variance, each dropout's counter.
+fn checkpointed_buffers<'a>(layers: &'a [GpuLayer], out: &mut Vec<&'a DeviceBuffer<f32>>) {
     for layer in layers {
         match layer {
-            GpuLayer::BatchNorm { bn, .. } => f(&bn.running)?,
+            GpuLayer::BatchNorm { bn, .. } => out.extend([&bn.running.mean, &bn.running.var]),
+            GpuLayer::Dropout(d) => out.push(&d.counter),
             GpuLayer::Residual(body) | GpuLayer::Checkpointed(body) => {
-                for_each_running_ref(body, f)?
+                checkpointed_buffers(body, out)
             }
             GpuLayer::FusedResidual { body, tail } => {
-                for_each_running_ref(body, f)?;
-                f(&tail.running)?
+                checkpointed_buffers(body, out);
+                out.extend([&tail.running.mean, &tail.running.var]);
             }
             _ => {}
         }
     }
-    Ok(())
 }
 
 fn channels(path: &str, shape: &[usize]) -> CudaResult<usize> {
@@ -1020,6 +1053,20 @@ fn build_one(
                 eps: *eps,
             }]
         }
+        LayerSpec::Dropout { p } => {
+            let Some(seed) = cursor.dropout_seeds.next() else {
+                return Err(CudaError::shape(
+                    "CudaNetwork::build",
+                    format!("a dropout seed for {path}"),
+                    "none left in the CPU network".to_string(),
+                ));
+            };
+            vec![GpuLayer::Dropout(Box::new(DropoutLayer {
+                mask: ops::DropoutMask { p: *p, seed },
+                counter: be.alloc_zeros(4)?,
+                saved: be.alloc_zeros(4)?,
+            }))]
+        }
         LayerSpec::Silu => vec![GpuLayer::Smooth(ops::Smooth::Silu)],
         LayerSpec::Gelu => vec![GpuLayer::Smooth(ops::Smooth::Gelu)],
         LayerSpec::Residual { layers } => {
@@ -1163,6 +1210,10 @@ fn forward_list(
 ) -> CudaResult<CudaTensor> {
     let mut current = x;
     for layer in layers.iter_mut() {
+        if let (GpuLayer::Dropout(_), Pass::Eval) = (&*layer, pass) {
+            // The identity in evaluation: the input itself.
+            continue;
+        }
         if let GpuLayer::Flatten = layer {
             let shape = current.tensor().shape().to_vec();
             if let Some(list) = saved.as_deref_mut() {
@@ -1348,6 +1399,21 @@ fn forward_one(
             (y, Keep::Input)
         }
         GpuLayer::Smooth(kind) => (ops::smooth_forward(be, *kind, x)?, Keep::Input),
+        GpuLayer::Dropout(d) => {
+            // A recomputation draws the first pass's mask and counts nothing.
+            let first_pass = matches!(
+                pass,
+                Pass::Train {
+                    update_running: true,
+                    ..
+                }
+            );
+            let y = ops::dropout_apply(be, d.mask, &d.counter.slice, !first_pass, x)?;
+            if first_pass {
+                ops::dropout_count(be, d.mask, &mut d.counter.slice)?;
+            }
+            (y, Keep::Other(Saved::Nothing))
+        }
         GpuLayer::LayerNorm { gamma, beta, eps } => {
             let (g, b) = (master(groups, gamma), master(groups, beta));
             let (y, stats) = ops::layer_norm_forward(be, x, &g, &b, *eps)?;
@@ -1454,6 +1520,7 @@ impl GpuLayer {
             GpuLayer::Flatten => "flatten".into(),
             GpuLayer::Smooth(kind) => kind.name().into(),
             GpuLayer::LayerNorm { .. } => "layer_norm".into(),
+            GpuLayer::Dropout(d) => format!("dropout {}", d.mask.p),
         }
     }
 }
@@ -1654,6 +1721,9 @@ fn backward_leaf(
             ops::smooth_backward(be, *kind, &g, &x)
         }
         (GpuLayer::Flatten, Saved::Shape(shape)) => g.reshape(&shape),
+        (GpuLayer::Dropout(d), Saved::Nothing) => {
+            ops::dropout_apply(be, d.mask, &d.counter.slice, true, &g)
+        }
         (GpuLayer::LayerNorm { gamma, beta, .. }, Saved::LayerNorm(x, stats)) => {
             let x = x.take(be)?;
             with_grads(groups, gamma, Some(beta), |mut v| {

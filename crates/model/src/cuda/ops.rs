@@ -21,6 +21,7 @@
 //! | `batch_norm_add_forward_train` / `_eval` / `batch_norm_add_relu_backward` | `layers::FusedResidual`'s tail (`BatchNorm2d::forward_add_relu`) |
 //! | `relu_forward` / `relu_backward` | `layers::Relu` |
 //! | `smooth_forward` / `smooth_backward` | `layers::Silu`, `layers::Gelu` |
+//! | `dropout_apply`, `dropout_count`, `dropout_restore_if_skipped` | `layers::Dropout` |
 //! | `add_inplace`, `add` | `layers::Residual`'s sums |
 //! | `global_avg_pool_forward` / `_backward` | `layers::GlobalAvgPool` |
 //! | `layer_norm_forward` / `layer_norm_backward` | `layers::LayerNorm` |
@@ -367,6 +368,101 @@ pub fn smooth_backward(
         unsafe { b.launch(elementwise(n)) }.during(op)?;
     }
     Ok(dx)
+}
+
+/// A dropout layer's mask: zero with probability `p`, else 1/(1 − p), by
+/// a hash of (`seed`, the counter on the device, the index).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DropoutMask {
+    pub p: f32,
+    pub seed: u64,
+}
+
+impl DropoutMask {
+    fn params(&self, op: &'static str, n: usize, previous: bool) -> CudaResult<DropoutParams> {
+        Ok(DropoutParams {
+            n: u32_of(op, n)?,
+            p: self.p,
+            scale: 1.0 / (1.0 - self.p),
+            seed_lo: self.seed as u32,
+            seed_hi: (self.seed >> 32) as u32,
+            previous: previous as u32,
+        })
+    }
+}
+
+/// One block of one warp (the counter's kernels).
+fn one_warp() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn expect_counter(op: &'static str, counter: &CudaSlice<f32>) -> CudaResult<()> {
+    same_len(op, "counter limbs", 4, counter.len())
+}
+
+/// `x` times the mask of `counter` (forward), or of the counter before the
+/// last forward (`previous`: backward, or a recomputed forward).
+pub fn dropout_apply(
+    be: &CudaBackend,
+    mask: DropoutMask,
+    counter: &CudaSlice<f32>,
+    previous: bool,
+    x: &CudaTensor,
+) -> CudaResult<CudaTensor> {
+    expect_counter("dropout", counter)?;
+    let n = x.len();
+    let p = mask.params("dropout", n, previous)?;
+    let mut y = CudaTensor::uninit(be, x.shape(), x.dtype())?;
+    if n > 0 {
+        let f = be.function(k::DROPOUT_APPLY.of(x.dtype()))?;
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p).arg(counter).arg(x).arg(&mut y);
+        // SAFETY: dropout_apply_T(DropoutParams, const float* counter [4],
+        // const T* x, T* y); x and y hold n elements.
+        unsafe { b.launch(elementwise(n)) }.during("dropout_apply")?;
+    }
+    Ok(y)
+}
+
+/// Advances the counter by one (after a training forward).
+pub fn dropout_count(
+    be: &CudaBackend,
+    mask: DropoutMask,
+    counter: &mut CudaSlice<f32>,
+) -> CudaResult<()> {
+    expect_counter("dropout_count", counter)?;
+    let p = mask.params("dropout_count", 0, false)?;
+    let f = be.function(&k::DROPOUT_COUNT)?;
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p).arg(counter);
+    // SAFETY: dropout_count(DropoutParams, float* counter [4]): one thread.
+    unsafe { b.launch(one_warp()) }.during("dropout_count")?;
+    Ok(())
+}
+
+/// Puts back the counter saved before the step if `verdict` says the step
+/// was skipped.
+pub fn dropout_restore_if_skipped(
+    be: &CudaBackend,
+    mask: DropoutMask,
+    verdict: &CudaSlice<StepState>,
+    saved: &CudaSlice<f32>,
+    counter: &mut CudaSlice<f32>,
+) -> CudaResult<()> {
+    expect_counter("dropout_restore_if_skipped", saved)?;
+    expect_counter("dropout_restore_if_skipped", counter)?;
+    let p = mask.params("dropout_restore_if_skipped", 0, false)?;
+    let f = be.function(&k::DROPOUT_COUNTER_RESTORE)?;
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p).arg(verdict).arg(saved).arg(counter);
+    // SAFETY: dropout_counter_restore(DropoutParams, const StepState* [1],
+    // const float* saved [4], float* counter [4]): threads 0..4 copy.
+    unsafe { b.launch(one_warp()) }.during("dropout_counter_restore")?;
+    Ok(())
 }
 
 /// acc += b (the residual sum in forward and in backward).

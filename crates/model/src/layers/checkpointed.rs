@@ -166,6 +166,10 @@ impl Layer for Checkpointed {
             .collect()
     }
 
+    fn dropout_seeds(&self) -> Vec<u64> {
+        self.layers.iter().flat_map(|l| l.dropout_seeds()).collect()
+    }
+
     fn clear_saved(&mut self) {
         self.saved_input = None;
         self.clear_inner();

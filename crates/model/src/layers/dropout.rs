@@ -141,6 +141,10 @@ impl Layer for Dropout {
         vec![&mut self.counter]
     }
 
+    fn dropout_seeds(&self) -> Vec<u64> {
+        vec![self.seed]
+    }
+
     fn clear_saved(&mut self) {
         self.saved = None;
     }

@@ -133,6 +133,12 @@ pub trait Layer: Send {
         Vec::new()
     }
 
+    /// The seeds of the dropout layers within, in the order of
+    /// `buffers_mut` (the GPU network draws the same masks with them).
+    fn dropout_seeds(&self) -> Vec<u64> {
+        Vec::new()
+    }
+
     /// Drops saved activations (after an aborted step, or before evaluation).
     fn clear_saved(&mut self) {}
 

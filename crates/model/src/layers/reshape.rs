@@ -157,6 +157,10 @@ impl Layer for PerPosition {
         self.inner.buffers_mut()
     }
 
+    fn dropout_seeds(&self) -> Vec<u64> {
+        self.inner.dropout_seeds()
+    }
+
     fn clear_saved(&mut self) {
         self.saved_positions = None;
         self.inner.clear_saved();
@@ -255,6 +259,10 @@ impl Layer for PerFrame {
 
     fn buffers_mut(&mut self) -> Vec<&mut Tensor> {
         self.inner.buffers_mut()
+    }
+
+    fn dropout_seeds(&self) -> Vec<u64> {
+        self.inner.dropout_seeds()
     }
 
     fn clear_saved(&mut self) {

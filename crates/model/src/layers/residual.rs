@@ -132,6 +132,10 @@ impl Layer for Residual {
         self.body.iter_mut().flat_map(|l| l.buffers_mut()).collect()
     }
 
+    fn dropout_seeds(&self) -> Vec<u64> {
+        self.body.iter().flat_map(|l| l.dropout_seeds()).collect()
+    }
+
     fn clear_saved(&mut self) {
         self.saved_shape = None;
         for layer in &mut self.body {
@@ -234,6 +238,12 @@ impl Layer for FusedResidual {
             self.body.iter_mut().flat_map(|l| l.buffers_mut()).collect();
         buffers.extend(self.tail.buffers_mut());
         buffers
+    }
+
+    fn dropout_seeds(&self) -> Vec<u64> {
+        let mut seeds: Vec<u64> = self.body.iter().flat_map(|l| l.dropout_seeds()).collect();
+        seeds.extend(self.tail.dropout_seeds());
+        seeds
     }
 
     fn clear_saved(&mut self) {

@@ -242,6 +242,10 @@ impl Layer for UnetSkip {
         self.body.iter_mut().flat_map(|l| l.buffers_mut()).collect()
     }
 
+    fn dropout_seeds(&self) -> Vec<u64> {
+        self.body.iter().flat_map(|l| l.dropout_seeds()).collect()
+    }
+
     fn clear_saved(&mut self) {
         self.saved_channels = None;
         for layer in &mut self.body {

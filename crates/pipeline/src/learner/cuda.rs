@@ -9,8 +9,9 @@
 //! A step never waits for the host, nor the host for a step: everything a
 //! step decides stays on the device. The optimizer's verdict (inf/NaN),
 //! the loss scale and AdamW's t live in device memory; a step whose
-//! gradients overflow is skipped by the optimizer kernel, a kernel puts back
-//! the batch-norm running statistics it changed, the scale halves and t
+//! gradients overflow is skipped by the optimizer kernel, kernels put back
+//! the batch-norm running statistics and dropout counters it changed (as
+//! the CPU learner puts back every buffer), the scale halves and t
 //! does not advance. `submit_batch` queues a step and returns; its loss,
 //! correct count, norm and verdict are copied into pinned memory
 //! (`StepRecords`) and read by `collect_step`, which the training loop calls
@@ -266,12 +267,12 @@ impl CudaLearner {
 
     /// The step one launch at a time, in micro-batches: each micro-batch's
     /// share of the batch. A failure part-way puts the running statistics
-    /// back.
+    /// and dropout counters back.
     fn eager_step(&mut self, batch: &Batch) -> Result<Vec<f32>> {
-        cuda(self.network.save_running_stats(&self.be))?;
+        cuda(self.network.save_step_buffers(&self.be))?;
         let result = self.eager_parts(batch);
         if result.is_err() {
-            cuda(self.network.restore_running_stats(&self.be))?;
+            cuda(self.network.restore_step_buffers(&self.be))?;
         }
         result
     }
@@ -329,14 +330,15 @@ impl CudaLearner {
     }
 
     /// The end of every step, eager or captured: the optimizer, then the
-    /// running statistics put back if it skipped the step.
+    /// running statistics and dropout counters put back if it skipped the
+    /// step.
     fn finish_on_device(&mut self) -> Result<()> {
         let be = &self.be;
         self.optimizer
             .enqueue(be, self.network.groups_mut(), self.settings.clip_norm, true)?;
         cuda(
             self.network
-                .restore_running_stats_if_skipped(be, self.optimizer.state()),
+                .restore_step_buffers_if_skipped(be, self.optimizer.state()),
         )
     }
 
@@ -375,7 +377,7 @@ impl CudaLearner {
     fn undo_step(&mut self) -> Result<()> {
         self.network.clear_saved();
         cuda(self.network.zero_grad(&self.be))?;
-        cuda(self.network.restore_running_stats(&self.be))
+        cuda(self.network.restore_step_buffers(&self.be))
     }
 }
 
@@ -415,7 +417,7 @@ impl Learner for CudaLearner {
     fn submit_batch(&mut self, batch: &Batch, lr: StepLr<'_>) -> Result<()> {
         let result = self.submit(batch, lr);
         if result.is_err() {
-            // The running statistics are back already (`eager_step`; a
+            // The step's buffers are back already (`eager_step`; a
             // graph that failed to launch ran nothing).
             self.network.clear_saved();
             cuda(self.network.zero_grad(&self.be))?;
@@ -560,7 +562,7 @@ impl Learner for CudaLearner {
         let be = &self.be;
         let before = be.memory_stats().in_use_bytes;
         be.reset_peak();
-        cuda(self.network.save_running_stats(be))?;
+        cuda(self.network.save_step_buffers(be))?;
         let dry_run = (|| -> std::result::Result<(), CudaError> {
             let input = self.network.zeros_input(be, micro_batch)?;
             let logits = self.network.forward_train(be, &input)?;

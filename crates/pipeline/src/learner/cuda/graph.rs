@@ -176,7 +176,7 @@ impl CudaLearner {
         let n = key.samples;
         let norm = self.normalization();
         let [h, w, c] = self.network.spec().input;
-        cuda(self.network.save_running_stats(be))?;
+        cuda(self.network.save_step_buffers(be))?;
         let images = match &self.resident {
             Some(set) if key.recipes => {
                 // SAFETY: `input` holds 8 bytes a sample (capture sized it)
