@@ -210,6 +210,19 @@ fn final_params(dir: &std::path::Path) -> Vec<f32> {
     saved.params.into_iter().flatten().collect()
 }
 
+/// ‖GPU run's final parameters − CPU run's‖ / ‖CPU run's‖.
+fn weights_apart(gpu_dir: &std::path::Path, cpu_dir: &std::path::Path) -> f64 {
+    let (g, c) = (final_params(gpu_dir), final_params(cpu_dir));
+    assert_eq!(g.len(), c.len());
+    let diff: f64 = g
+        .iter()
+        .zip(&c)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let norm: f64 = c.iter().map(|b| (*b as f64).powi(2)).sum();
+    (diff / norm).sqrt()
+}
+
 /// `device.amp = false` on the GPU path: f32 activations and weights, no
 /// loss scale in the checkpoint, and the same training as the CPU's f32
 /// run of the same experiment, up to summation order.
@@ -239,15 +252,7 @@ fn an_f32_run_on_the_gpu_path_trains_as_the_cpu_run_does() {
     let files = checkpoint::list(gpu_dir.path()).unwrap();
     let saved = checkpoint::load(files.last().unwrap()).unwrap();
     assert!(saved.loss_scale.is_none(), "f32 training has no loss scale");
-    let (g, c) = (final_params(gpu_dir.path()), final_params(cpu_dir.path()));
-    assert_eq!(g.len(), c.len());
-    let diff: f64 = g
-        .iter()
-        .zip(&c)
-        .map(|(a, b)| ((a - b) as f64).powi(2))
-        .sum();
-    let norm: f64 = c.iter().map(|b| (*b as f64).powi(2)).sum();
-    let apart = (diff / norm).sqrt();
+    let apart = weights_apart(gpu_dir.path(), cpu_dir.path());
     assert!(apart < 1e-3, "GPU f32 and CPU weights differ by {apart}");
     let (ga, ca) = (gpu.test_accuracy.unwrap(), cpu.test_accuracy.unwrap());
     assert!((ga - ca).abs() <= 2.0 / 64.0, "accuracy {ga} vs {ca}");
@@ -284,15 +289,7 @@ fn the_silu_mlp_experiment_trains_on_the_gpu_path_as_on_the_cpu() {
     let (gpu, gpu_dir) = run(&["device.kind=cuda", "device.amp=false"]);
     let (cpu, cpu_dir) = run(&["device.kind=cpu"]);
     assert_eq!((gpu.step, cpu.step), (8, 8));
-    let (g, c) = (final_params(gpu_dir.path()), final_params(cpu_dir.path()));
-    assert_eq!(g.len(), c.len());
-    let diff: f64 = g
-        .iter()
-        .zip(&c)
-        .map(|(a, b)| ((a - b) as f64).powi(2))
-        .sum();
-    let norm: f64 = c.iter().map(|b| (*b as f64).powi(2)).sum();
-    let apart = (diff / norm).sqrt();
+    let apart = weights_apart(gpu_dir.path(), cpu_dir.path());
     assert!(apart < 1e-3, "GPU f32 and CPU weights differ by {apart}");
 
     let (mixed, _dir) = run(&["device.kind=cuda"]);

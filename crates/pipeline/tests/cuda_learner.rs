@@ -19,7 +19,9 @@ use headroom_model::cuda::{CudaBackend, CudaBuildOptions, CudaError, DType};
 use headroom_model::memory::MemoryPool;
 use headroom_model::{BuildOptions, CheckpointPolicy, Device, LayerSpec, ModelSpec};
 use headroom_optim::LossScalerConfig;
-use headroom_pipeline::learner::{CpuLearner, CudaLearner, CudaOptions, Learner, StepLr};
+use headroom_pipeline::learner::{
+    CpuLearner, CudaLearner, CudaOptions, Learner, StepLr, StepResult,
+};
 
 const MODEL: &str = r#"
 input = [8, 8, 1]
@@ -154,35 +156,52 @@ fn gpu_learner_starts_from_the_cpu_weights_and_trains_like_it() {
     assert_eq!(end_gpu.optimizer.step, 6);
 }
 
-/// f32 training on the GPU (`device.amp = false`): no f16 copy, no loss
-/// scaling, and the CPU learner's steps up to f32 summation order, so the
-/// two agree far more closely than in mixed precision.
-#[test]
-fn an_f32_gpu_learner_trains_as_the_cpu_learner_does() {
-    let Some(_gpu) = backend() else { return };
-    let options = CudaOptions {
+/// Batch `i` on both learners at one learning rate; their losses agree
+/// to within `rel`.
+fn train_both(
+    cpu: &mut CpuLearner,
+    gpu: &mut CudaLearner,
+    i: usize,
+    rel: f32,
+) -> (StepResult, StepResult) {
+    let (c, g) = (
+        cpu.train_batch(&batch(i), 5e-3).unwrap(),
+        gpu.train_batch(&batch(i), 5e-3).unwrap(),
+    );
+    assert!(
+        (g.loss - c.loss).abs() <= rel * c.loss.abs(),
+        "step {i}: loss {} vs {}",
+        g.loss,
+        c.loss
+    );
+    (c, g)
+}
+
+/// f32 activations and weights, no loss scaling (`device.amp = false`).
+fn f32_options() -> CudaOptions {
+    CudaOptions {
         build: CudaBuildOptions {
             activations: DType::F32,
             ..CudaBuildOptions::default()
         },
         loss_scaler: LossScalerConfig::unit(),
         ..CudaOptions::default()
-    };
+    }
+}
+
+/// f32 training on the GPU (`device.amp = false`): no f16 copy, no loss
+/// scaling, and the CPU learner's steps up to f32 summation order, so the
+/// two agree far more closely than in mixed precision.
+#[test]
+fn an_f32_gpu_learner_trains_as_the_cpu_learner_does() {
+    let Some(_gpu) = backend() else { return };
+    let options = f32_options();
     let be = CudaBackend::new(0).unwrap();
     let mut gpu = CudaLearner::new(be, &spec(), 7, settings(), 8, options).unwrap();
     let mut cpu = cpu_learner(7);
     let start = cpu.snapshot().unwrap();
     for i in 0..6 {
-        let (c, g) = (
-            cpu.train_batch(&batch(i), 5e-3).unwrap(),
-            gpu.train_batch(&batch(i), 5e-3).unwrap(),
-        );
-        assert!(
-            (g.loss - c.loss).abs() <= 1e-4 * c.loss.abs(),
-            "step {i}: loss {} vs {}",
-            g.loss,
-            c.loss
-        );
+        let (c, g) = train_both(&mut cpu, &mut gpu, i, 1e-4);
         let norm = (g.grad_norm.unwrap(), c.grad_norm.unwrap());
         assert!(
             (norm.0 - norm.1).abs() <= 1e-3 * norm.1,
@@ -538,7 +557,7 @@ fn overflowing_learner(graphs: bool) -> CudaLearner {
 }
 
 /// One result as bits: loss, correct count, norm (or a skip).
-fn result_bits(r: &headroom_pipeline::learner::StepResult) -> [u32; 3] {
+fn result_bits(r: &StepResult) -> [u32; 3] {
     [
         r.loss.to_bits(),
         r.correct as u32,
@@ -720,14 +739,7 @@ layers = [
 fn dropout_masks_follow_the_cpu_learner_through_graphs_and_micro_batches() {
     let Some(_gpu) = backend() else { return };
     let spec: ModelSpec = toml::from_str(DROPOUT_MODEL).unwrap();
-    let options = CudaOptions {
-        build: CudaBuildOptions {
-            activations: DType::F32,
-            ..CudaBuildOptions::default()
-        },
-        loss_scaler: LossScalerConfig::unit(),
-        ..CudaOptions::default()
-    };
+    let options = f32_options();
     let be = CudaBackend::new(0).unwrap();
     let mut gpu = CudaLearner::new(be, &spec, 13, settings(), 8, options).unwrap();
     let pool = MemoryPool::new(Device::Cpu);
@@ -738,16 +750,7 @@ fn dropout_masks_follow_the_cpu_learner_through_graphs_and_micro_batches() {
             gpu.set_micro_batch(4);
             cpu.set_micro_batch(4);
         }
-        let (c, g) = (
-            cpu.train_batch(&batch(i), 5e-3).unwrap(),
-            gpu.train_batch(&batch(i), 5e-3).unwrap(),
-        );
-        assert!(
-            (g.loss - c.loss).abs() <= 1e-4 * c.loss.abs(),
-            "step {i}: loss {} vs {}",
-            g.loss,
-            c.loss
-        );
+        train_both(&mut cpu, &mut gpu, i, 1e-4);
     }
     assert!(gpu.graph_replays() > 0, "some steps were replayed");
     let (end_cpu, end_gpu) = (cpu.snapshot().unwrap(), gpu.snapshot().unwrap());
