@@ -719,7 +719,9 @@ impl CudaNetwork {
         Ok(host)
     }
 
-    /// Batch-norm running statistics (mean, var per layer), in order.
+    /// The buffers a checkpoint keeps, in the CPU network's order: batch
+    /// norm's running statistics (mean, var per layer) and dropout's
+    /// counters.
     pub fn read_buffers(&self, be: &CudaBackend) -> CudaResult<Vec<Vec<f32>>> {
         let mut buffers = Vec::new();
         checkpointed_buffers(&self.layers, &mut buffers);
@@ -1400,7 +1402,8 @@ fn forward_one(
         }
         GpuLayer::Smooth(kind) => (ops::smooth_forward(be, *kind, x)?, Keep::Input),
         GpuLayer::Dropout(d) => {
-            // A recomputation draws the first pass's mask and counts nothing.
+            // A recomputation draws the first pass's mask and counts nothing
+            // (evaluation skips the layer in `forward_list`).
             let first_pass = matches!(
                 pass,
                 Pass::Train {
