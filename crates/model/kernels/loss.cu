@@ -11,6 +11,12 @@
 // a non-finite loss and gradient, which the optimizer's inf/NaN check then
 // sees. xent_reduce turns the per-row values
 // into the batch mean and the correct count (one block, fixed order).
+//
+// Focal loss (the CPU's loss::focal_loss and soft_focal_loss, train.loss =
+// "focal"): the same targets, each class's log-probability weighted by
+// q^γ with q = 1 - p, in f32 where the CPU sums in f64. q is computed from
+// the other classes' exponentials, not as 1 - p, so that a confident row's
+// small weights stay exact, as on the CPU.
 #include "common.cuh"
 
 struct XentParams {
@@ -20,6 +26,15 @@ struct XentParams {
     float share;
 };
 HR_CHECK_SIZE(XentParams, 16);
+
+struct FocalParams {
+    u32 rows;
+    u32 classes;
+    float smoothing;
+    float share;
+    float gamma;
+};
+HR_CHECK_SIZE(FocalParams, 20);
 
 struct XentReduceParams {
     u32 rows;
@@ -151,6 +166,107 @@ __device__ void softmax_xent_soft_k(XentParams p, const float* __restrict__ loss
     }
 }
 
+// p_j, q_j = 1 - p_j and log p_j of a row whose first maximum, at `top`, is
+// mx, with others = sum of exp(x_i - mx) over i != top.
+struct FocalTerms {
+    float p, q, log_p;
+};
+
+__device__ __forceinline__ FocalTerms focal_terms(float x, bool is_top, float mx, float others) {
+    const float sum = 1.0f + others;
+    if (is_top) {
+        return {1.0f / sum, others / sum, -log1pf(others)};
+    }
+    const float e = expf(x - mx);
+    return {e / sum, (sum - e) / sum, x - mx - logf(sum)};
+}
+
+// c_j = q^γ - γ·p·log p·q^(γ-1), its limit 0 at q = 0 for the second term;
+// q^γ into q_gamma.
+__device__ __forceinline__ float focal_c(FocalTerms f, float gamma, float* q_gamma) {
+    *q_gamma = powf(f.q, gamma);
+    const float log_p_q = f.q > 0.0f ? f.log_p * *q_gamma / f.q : 0.0f;
+    return *q_gamma - gamma * f.p * log_p_q;
+}
+
+// Focal loss of one row per warp against labels (smoothed as in
+// softmax_xent) or soft targets [rows, k] (exactly one of the two is
+// given): row_loss = -Σ t_j·q_j^γ·log p_j, grad = (p·Σ_j t_j·c_j - t·c) ·
+// grad_scale, row_correct as in the cross-entropy kernels. A non-finite
+// logit makes the row's loss NaN.
+template <typename T>
+__device__ void softmax_focal_k(FocalParams p, const float* __restrict__ loss_scale,
+                                const T* __restrict__ logits, const u32* __restrict__ labels,
+                                const float* __restrict__ targets, float* __restrict__ row_loss,
+                                u32* __restrict__ row_correct, T* __restrict__ grad) {
+    const u32 row = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const u32 lane = threadIdx.x % 32;
+    if (row >= p.rows) {
+        return;  // whole warps leave together: rows are warp-aligned
+    }
+    const u32 k = p.classes;
+    const float grad_scale = (float)((double)(*loss_scale * p.share) / (double)p.rows);
+    const T* x = logits + row * k;
+    const float* t_row = targets ? targets + row * k : nullptr;
+    const u32 label = labels ? labels[row] : 0;
+    const bool valid = t_row || label < k;
+    const float off = p.smoothing / (float)k;
+    const float on = 1.0f - p.smoothing + off;
+    // The first maximum (every lane scans the row: k is a class count).
+    u32 top = 0;
+    float mx = hr_ld(x[0]);
+    bool finite = hr_isfinite(mx);
+    for (u32 j = 1; j < k; ++j) {
+        const float v = hr_ld(x[j]);
+        finite = finite && hr_isfinite(v);
+        if (v > mx) {
+            top = j;
+            mx = v;
+        }
+    }
+    float others = 0.0f;
+    for (u32 j = lane; j < k; j += 32) {
+        if (j != top) {
+            others += expf(hr_ld(x[j]) - mx);
+        }
+    }
+    others = warp_sum(others);
+    float loss = 0.0f, weighted = 0.0f;
+    for (u32 j = lane; j < k; j += 32) {
+        const float t = t_row ? t_row[j] : (j == label ? on : off);
+        const FocalTerms f = focal_terms(hr_ld(x[j]), j == top, mx, others);
+        float q_gamma;
+        const float c = focal_c(f, p.gamma, &q_gamma);
+        loss -= t * q_gamma * f.log_p;
+        weighted += t * c;
+    }
+    loss = warp_sum(loss);
+    weighted = warp_sum(weighted);
+    for (u32 j = lane; j < k; j += 32) {
+        const float t = t_row ? t_row[j] : (j == label ? on : off);
+        const FocalTerms f = focal_terms(hr_ld(x[j]), j == top, mx, others);
+        float q_gamma;
+        const float c = focal_c(f, p.gamma, &q_gamma);
+        hr_st(&grad[row * k + j],
+              valid ? (f.p * weighted - t * c) * grad_scale : __int_as_float(0x7fc00000));
+    }
+    if (lane == 0) {
+        row_loss[row] = valid && finite ? loss : __int_as_float(0x7fc00000);
+        u32 want = label;
+        if (t_row) {
+            float best = t_row[0];
+            want = 0;
+            for (u32 j = 1; j < k; ++j) {
+                if (t_row[j] > best) {
+                    want = j;
+                    best = t_row[j];
+                }
+            }
+        }
+        row_correct[row] = (valid && top == want) ? 1u : 0u;
+    }
+}
+
 // Entry points, one per storage type.
 extern "C" __global__ void softmax_xent_f16(XentParams p, const float* __restrict__ loss_scale,
                                             const hr_half* __restrict__ logits,
@@ -186,6 +302,44 @@ extern "C" __global__ void softmax_xent_soft_f32(XentParams p, const float* __re
                                                  u32* __restrict__ row_correct,
                                                  float* __restrict__ grad) {
     softmax_xent_soft_k(p, loss_scale, logits, targets, row_loss, row_correct, grad);
+}
+
+extern "C" __global__ void softmax_focal_f16(FocalParams p, const float* __restrict__ loss_scale,
+                                             const hr_half* __restrict__ logits,
+                                             const u32* __restrict__ labels,
+                                             float* __restrict__ row_loss,
+                                             u32* __restrict__ row_correct,
+                                             hr_half* __restrict__ grad) {
+    softmax_focal_k(p, loss_scale, logits, labels, nullptr, row_loss, row_correct, grad);
+}
+
+extern "C" __global__ void softmax_focal_f32(FocalParams p, const float* __restrict__ loss_scale,
+                                             const float* __restrict__ logits,
+                                             const u32* __restrict__ labels,
+                                             float* __restrict__ row_loss,
+                                             u32* __restrict__ row_correct,
+                                             float* __restrict__ grad) {
+    softmax_focal_k(p, loss_scale, logits, labels, nullptr, row_loss, row_correct, grad);
+}
+
+extern "C" __global__ void softmax_focal_soft_f16(FocalParams p,
+                                                  const float* __restrict__ loss_scale,
+                                                  const hr_half* __restrict__ logits,
+                                                  const float* __restrict__ targets,
+                                                  float* __restrict__ row_loss,
+                                                  u32* __restrict__ row_correct,
+                                                  hr_half* __restrict__ grad) {
+    softmax_focal_k(p, loss_scale, logits, nullptr, targets, row_loss, row_correct, grad);
+}
+
+extern "C" __global__ void softmax_focal_soft_f32(FocalParams p,
+                                                  const float* __restrict__ loss_scale,
+                                                  const float* __restrict__ logits,
+                                                  const float* __restrict__ targets,
+                                                  float* __restrict__ row_loss,
+                                                  u32* __restrict__ row_correct,
+                                                  float* __restrict__ grad) {
+    softmax_focal_k(p, loss_scale, logits, nullptr, targets, row_loss, row_correct, grad);
 }
 
 // out_loss[0] = mean of row_loss, out_correct[0] = sum of row_correct.

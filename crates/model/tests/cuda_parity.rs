@@ -40,7 +40,9 @@ use headroom_model::layers::{
     BatchNorm2d, Conv2d, Dropout, FusedResidual, Gelu, GlobalAvgPool, LayerNorm, Linear, Relu,
     Residual, Silu,
 };
-use headroom_model::loss::{soft_cross_entropy, softmax_cross_entropy};
+use headroom_model::loss::{
+    focal_loss, soft_cross_entropy, soft_focal_loss, softmax_cross_entropy,
+};
 use headroom_model::{CheckpointPolicy, Layer, Mode, ModelSpec, Network, Tensor};
 use headroom_optim::{AdamWConfig, FusedAdamW, LossScaler, LossScalerConfig, StepOutcome};
 
@@ -1498,6 +1500,99 @@ fn soft_target_cross_entropy_matches_the_cpu_loss() {
         ops::soft_cross_entropy(&be, &upload(&be, &logits), &short.as_view(), unit).is_err(),
         "the targets' length is checked"
     );
+}
+
+/// Focal loss (`train.loss = "focal"`), hard labels with label smoothing
+/// and soft targets, γ of 0 (the cross-entropy), 0.5 and 2, f32 and f16
+/// logits: the CPU's loss, gradient (times the loss scale and the
+/// micro-batch's share) and correct count. The rows include a confident
+/// one (p of its top class ≈ 1), whose small weights the kernel must
+/// keep, and a NaN logit, which must poison the loss.
+#[test]
+fn focal_loss_matches_the_cpu_loss() {
+    let be = gpu_or_skip!();
+    let (n, k) = (13usize, 10usize);
+    let mut logits = random(&[n, k], 340, 3.0, 0.0);
+    logits.data_mut()[2 * k + 4] = 12.0;
+    let labels: Vec<u32> = (0..n as u32).map(|i| (i * 7 + 3) % k as u32).collect();
+    let mut targets = vec![0.0f32; n * k];
+    for (i, row) in targets.chunks_exact_mut(k).enumerate() {
+        let lambda = (i as f32 * 0.37).fract();
+        row[(i * 3) % k] += lambda;
+        row[(i * 7 + 1) % k] += 1.0 - lambda;
+        for t in row.iter_mut() {
+            *t = 0.9 * *t + 0.1 / k as f32;
+        }
+    }
+    let targets_t = Tensor::from_vec(&[n, k], targets.clone()).unwrap();
+    let labels_d = ops::upload_labels(&be, &labels, k).unwrap();
+    let targets_d = upload_f32(&be, &targets);
+    let (loss_scale, share) = (256.0f32, 0.5f32);
+    let scale_d = upload_f32(&be, &[loss_scale]);
+    let scale = ops::GradScale {
+        loss_scale: &scale_d,
+        share,
+    };
+    for gamma in [0.0f32, 0.5, 2.0] {
+        let hard = focal_loss(&logits, &labels, 0.1, gamma).unwrap();
+        let soft = soft_focal_loss(&logits, &targets_t, gamma).unwrap();
+        if gamma == 0.0 {
+            let xent = softmax_cross_entropy(&logits, &labels, 0.1).unwrap();
+            assert!(
+                (hard.loss - xent.loss).abs() <= 1e-5 * xent.loss,
+                "γ = 0 is the cross-entropy"
+            );
+        }
+        for (dtype, rel, abs) in [(DType::F32, 1e-4, 1e-5), (DType::F16, 2e-3, 1e-3)] {
+            let x = CudaTensor::from_tensor(&be, &logits, dtype).unwrap();
+            let outs = [
+                (
+                    "hard",
+                    &hard,
+                    ops::focal_loss(&be, &x, &labels_d.slice.as_view(), 0.1, gamma, scale),
+                ),
+                (
+                    "soft",
+                    &soft,
+                    ops::soft_focal_loss(&be, &x, &targets_d.as_view(), gamma, scale),
+                ),
+            ];
+            for (what, cpu, out) in outs {
+                let what = format!("focal {what} γ={gamma} {dtype:?}");
+                let out = out.unwrap();
+                let grad: Vec<f32> = out
+                    .grad
+                    .to_host(&be)
+                    .unwrap()
+                    .iter()
+                    .map(|g| g / (loss_scale * share))
+                    .collect();
+                assert_close(&format!("{what} grad"), &grad, cpu.grad.data(), rel, abs);
+                let (loss, correct) = out.read_summary(&be).unwrap();
+                assert!(
+                    (loss - cpu.loss).abs() <= 1e-4 * cpu.loss.abs().max(1.0),
+                    "{what}: loss {loss} vs {}",
+                    cpu.loss
+                );
+                assert_eq!(correct as usize, cpu.correct, "{what}: correct");
+            }
+        }
+    }
+    let mut poisoned = logits.clone();
+    poisoned.data_mut()[5] = f32::NAN;
+    let x = CudaTensor::from_tensor(&be, &poisoned, DType::F32).unwrap();
+    let out = ops::focal_loss(&be, &x, &labels_d.slice.as_view(), 0.1, 2.0, scale).unwrap();
+    assert!(
+        out.read_summary(&be).unwrap().0.is_nan(),
+        "a NaN logit poisons the loss"
+    );
+    let x = CudaTensor::from_tensor(&be, &logits, DType::F32).unwrap();
+    for bad in [-1.0f32, f32::NAN, f32::INFINITY] {
+        assert!(
+            ops::focal_loss(&be, &x, &labels_d.slice.as_view(), 0.1, bad, scale).is_err(),
+            "γ = {bad} is refused"
+        );
+    }
 }
 
 #[test]
@@ -3048,6 +3143,10 @@ const COVERAGE: &[(&str, &str)] = &[
         "dropout_counter_restore",
         "dropout_draws_the_cpu_layers_masks_from_the_device_counter",
     ),
+    ("softmax_focal_f16", "focal_loss_matches_the_cpu_loss"),
+    ("softmax_focal_f32", "focal_loss_matches_the_cpu_loss"),
+    ("softmax_focal_soft_f16", "focal_loss_matches_the_cpu_loss"),
+    ("softmax_focal_soft_f32", "focal_loss_matches_the_cpu_loss"),
     ("add_inplace_f32", "an_f32_network_matches_the_cpu_network"),
     ("add_f32", "an_f32_network_matches_the_cpu_network"),
     ("bias_add_f32", "an_f32_network_matches_the_cpu_network"),

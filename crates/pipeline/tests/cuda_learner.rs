@@ -20,7 +20,7 @@ use headroom_model::memory::MemoryPool;
 use headroom_model::{BuildOptions, CheckpointPolicy, Device, LayerSpec, ModelSpec};
 use headroom_optim::LossScalerConfig;
 use headroom_pipeline::learner::{
-    CpuLearner, CudaLearner, CudaOptions, Learner, StepLr, StepResult,
+    CpuLearner, CudaLearner, CudaOptions, Learner, StepLr, StepResult, StepSettings,
 };
 
 const MODEL: &str = r#"
@@ -453,20 +453,26 @@ fn implicit_gemm_trains_close_to_im2col_with_a_lower_peak() {
     );
 }
 
+/// Batch `i` with Mixup-like soft targets: λ on each sample's class, 1 - λ
+/// on the next one.
+fn mixed_batch(i: usize) -> Batch {
+    let mut mixed = batch(i);
+    let mut targets = vec![0.0f32; 8 * 4];
+    for (row, (t, &label)) in targets.chunks_exact_mut(4).zip(&mixed.labels).enumerate() {
+        let lambda = 0.55 + 0.05 * row as f32;
+        t[label as usize] += lambda;
+        t[(label as usize + 1) % 4] += 1.0 - lambda;
+    }
+    mixed.soft_targets = Some(targets);
+    mixed
+}
+
 #[test]
 fn mixed_soft_targets_train_as_on_the_cpu() {
     let Some(_gpu) = backend() else { return };
     let (mut cpu, mut gpu) = (cpu_learner(19), gpu_learner(19));
     for i in 0..3 {
-        let mut mixed = batch(i);
-        // Mixup-like rows: λ on the sample's class, 1 - λ on the next one.
-        let mut targets = vec![0.0f32; 8 * 4];
-        for (row, (t, &label)) in targets.chunks_exact_mut(4).zip(&mixed.labels).enumerate() {
-            let lambda = 0.55 + 0.05 * row as f32;
-            t[label as usize] += lambda;
-            t[(label as usize + 1) % 4] += 1.0 - lambda;
-        }
-        mixed.soft_targets = Some(targets);
+        let mixed = mixed_batch(i);
         let (c, g) = (
             cpu.train_batch(&mixed, 5e-3).unwrap(),
             gpu.train_batch(&mixed, 5e-3).unwrap(),
@@ -818,4 +824,47 @@ fn a_skipped_step_puts_the_dropout_counters_back() {
         );
         assert_eq!(gpu.graph_replays() > 0, graphs, "graphs {graphs}: replays");
     }
+}
+
+/// `train.loss = "focal"` on the GPU: an f32 learner follows the CPU
+/// learner's focal-loss steps, hard labels (eager, then captured and
+/// replayed) and a Mixup-like batch of soft targets, to within 1e-3 of how
+/// far the CPU moved its weights.
+#[test]
+fn focal_loss_trains_as_on_the_cpu() {
+    let Some(_gpu) = backend() else { return };
+    let focal = StepSettings {
+        focal_gamma: Some(2.0),
+        ..settings()
+    };
+    let be = CudaBackend::new(0).unwrap();
+    let mut gpu = CudaLearner::new(be, &spec(), 29, focal.clone(), 8, f32_options()).unwrap();
+    let pool = MemoryPool::new(Device::Cpu);
+    let mut cpu = CpuLearner::new(&spec(), 29, BuildOptions::default(), focal, 8, pool).unwrap();
+    let start = cpu.snapshot().unwrap();
+    for i in 0..6 {
+        if i == 4 {
+            let mixed = mixed_batch(i);
+            let (c, g) = (
+                cpu.train_batch(&mixed, 5e-3).unwrap(),
+                gpu.train_batch(&mixed, 5e-3).unwrap(),
+            );
+            assert!(
+                (g.loss - c.loss).abs() <= 1e-4 * c.loss,
+                "mixed: {} vs {}",
+                g.loss,
+                c.loss
+            );
+            continue;
+        }
+        train_both(&mut cpu, &mut gpu, i, 1e-4);
+    }
+    assert!(gpu.graph_replays() > 0, "some focal steps were replayed");
+    let (end_cpu, end_gpu) = (cpu.snapshot().unwrap(), gpu.snapshot().unwrap());
+    let moved = relative_l2(&flat(&end_cpu.params), &flat(&start.params));
+    let apart = relative_l2(&flat(&end_gpu.params), &flat(&end_cpu.params));
+    assert!(
+        apart < 1e-3 * moved,
+        "GPU and CPU focal-loss weights differ by {apart}, training moved them {moved}"
+    );
 }

@@ -137,6 +137,8 @@ pub const POOL_BACKWARD: KernelPair = pair!("pool", "global_avg_pool_backward", 
 
 pub const SOFTMAX_XENT: KernelPair = pair!("loss", "softmax_xent", XentParams, 6);
 pub const SOFTMAX_XENT_SOFT: KernelPair = pair!("loss", "softmax_xent_soft", XentParams, 6);
+pub const SOFTMAX_FOCAL: KernelPair = pair!("loss", "softmax_focal", FocalParams, 6);
+pub const SOFTMAX_FOCAL_SOFT: KernelPair = pair!("loss", "softmax_focal_soft", FocalParams, 6);
 pub const XENT_REDUCE: KernelSig = sig!("loss", "xent_reduce", XentReduceParams, 4);
 
 pub const IM2COL: KernelPair = pair!("conv", "im2col", ConvParams, 2);
@@ -264,6 +266,10 @@ pub static FILES: &[KernelFile] = &[
             SOFTMAX_XENT.f32,
             SOFTMAX_XENT_SOFT.f16,
             SOFTMAX_XENT_SOFT.f32,
+            SOFTMAX_FOCAL.f16,
+            SOFTMAX_FOCAL.f32,
+            SOFTMAX_FOCAL_SOFT.f16,
+            SOFTMAX_FOCAL_SOFT.f32,
             XENT_REDUCE,
         ],
     },

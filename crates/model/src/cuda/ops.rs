@@ -27,6 +27,8 @@
 //! | `layer_norm_forward` / `layer_norm_backward` | `layers::LayerNorm` |
 //! | `linear_forward` / `linear_backward`, `bias_add`, `bias_grad` | `layers::Linear` |
 //! | `softmax_cross_entropy`, `XentOutput::summary` | `loss::softmax_cross_entropy` |
+//! | `soft_cross_entropy` | `loss::soft_cross_entropy` |
+//! | `focal_loss`, `soft_focal_loss` | `loss::focal_loss`, `loss::soft_focal_loss` |
 //!
 //! Every launch is asynchronous; nothing here waits for the GPU except the
 //! explicit downloads.
@@ -2245,7 +2247,80 @@ pub fn softmax_cross_entropy(
             format!("{smoothing}"),
         ));
     }
-    xent_launch(be, logits, XentTarget::Labels(labels), smoothing, scale)
+    xent_launch(
+        be,
+        logits,
+        XentTarget::Labels(labels),
+        smoothing,
+        None,
+        scale,
+    )
+}
+
+/// Focal loss with label smoothing (`loss::focal_loss`): the targets of
+/// `softmax_cross_entropy`, each class's log-probability weighted by
+/// (1 − p)^gamma; the gradient scaled as there. gamma = 0 is the
+/// cross-entropy.
+pub fn focal_loss(
+    be: &CudaBackend,
+    logits: &CudaTensor,
+    labels: &CudaView<'_, u32>,
+    smoothing: f32,
+    gamma: f32,
+    scale: GradScale<'_>,
+) -> CudaResult<XentOutput> {
+    let (n, _) = xent_shape(logits)?;
+    same_len("focal_loss", "labels", n, labels.len())?;
+    if !(0.0..1.0).contains(&smoothing) {
+        return Err(CudaError::shape(
+            "focal_loss",
+            "label smoothing in [0, 1)",
+            format!("{smoothing}"),
+        ));
+    }
+    let gamma = focal_gamma(gamma)?;
+    xent_launch(
+        be,
+        logits,
+        XentTarget::Labels(labels),
+        smoothing,
+        Some(gamma),
+        scale,
+    )
+}
+
+/// Focal loss against soft targets (`loss::soft_focal_loss`), `targets`
+/// as in `soft_cross_entropy`.
+pub fn soft_focal_loss(
+    be: &CudaBackend,
+    logits: &CudaTensor,
+    targets: &CudaView<'_, f32>,
+    gamma: f32,
+    scale: GradScale<'_>,
+) -> CudaResult<XentOutput> {
+    let (n, classes) = xent_shape(logits)?;
+    same_len("soft_focal_loss", "targets", n * classes, targets.len())?;
+    let gamma = focal_gamma(gamma)?;
+    xent_launch(
+        be,
+        logits,
+        XentTarget::Soft(targets),
+        0.0,
+        Some(gamma),
+        scale,
+    )
+}
+
+fn focal_gamma(gamma: f32) -> CudaResult<f32> {
+    if gamma >= 0.0 && gamma.is_finite() {
+        Ok(gamma)
+    } else {
+        Err(CudaError::shape(
+            "focal_loss",
+            "gamma finite and >= 0",
+            format!("{gamma}"),
+        ))
+    }
 }
 
 /// Cross-entropy against soft targets (Mixup, CutMix): `targets` [n, k]
@@ -2260,7 +2335,7 @@ pub fn soft_cross_entropy(
 ) -> CudaResult<XentOutput> {
     let (n, classes) = xent_shape(logits)?;
     same_len("soft_cross_entropy", "targets", n * classes, targets.len())?;
-    xent_launch(be, logits, XentTarget::Soft(targets), 0.0, scale)
+    xent_launch(be, logits, XentTarget::Soft(targets), 0.0, None, scale)
 }
 
 fn xent_shape(logits: &CudaTensor) -> CudaResult<(usize, usize)> {
@@ -2280,14 +2355,16 @@ enum XentTarget<'a, 'v> {
     Soft(&'a CudaView<'v, f32>),
 }
 
-/// Launches one of the cross-entropy kernels: (params, logits, labels or
-/// soft targets, row_loss, row_correct, grad). One warp per row, 8 rows per
+/// Launches one of the cross-entropy kernels, or with `focal` (its γ) one
+/// of the focal-loss kernels: (params, loss scale, logits, labels or soft
+/// targets, row_loss, row_correct, grad). One warp per row, 8 rows per
 /// block.
 fn xent_launch(
     be: &CudaBackend,
     logits: &CudaTensor,
     target: XentTarget<'_, '_>,
     smoothing: f32,
+    focal: Option<f32>,
     scale: GradScale<'_>,
 ) -> CudaResult<XentOutput> {
     if scale.loss_scale.len() != 1 {
@@ -2297,10 +2374,13 @@ fn xent_launch(
             format!("{} values", scale.loss_scale.len()),
         ));
     }
-    let sig = match target {
-        XentTarget::Labels(_) => k::SOFTMAX_XENT.of(logits.dtype()),
-        XentTarget::Soft(_) => k::SOFTMAX_XENT_SOFT.of(logits.dtype()),
+    let pair = match (&target, focal) {
+        (XentTarget::Labels(_), None) => k::SOFTMAX_XENT,
+        (XentTarget::Soft(_), None) => k::SOFTMAX_XENT_SOFT,
+        (XentTarget::Labels(_), Some(_)) => k::SOFTMAX_FOCAL,
+        (XentTarget::Soft(_), Some(_)) => k::SOFTMAX_FOCAL_SOFT,
     };
+    let sig = pair.of(logits.dtype());
     let (n, classes) = xent_shape(logits)?;
     let mut grad = CudaTensor::uninit(be, logits.shape(), logits.dtype())?;
     let mut row_loss = be.alloc::<f32>(n)?;
@@ -2311,6 +2391,13 @@ fn xent_launch(
         smoothing,
         share: scale.share,
     };
+    let focal_params = focal.map(|gamma| FocalParams {
+        rows: p.rows,
+        classes: p.classes,
+        smoothing,
+        share: scale.share,
+        gamma,
+    });
     let threads = u32_of("cross_entropy", n * 32)? as usize;
     let cfg = LaunchConfig {
         grid_dim: (threads.div_ceil(BLOCK as usize) as u32, 1, 1),
@@ -2320,7 +2407,11 @@ fn xent_launch(
     {
         let f = be.function(sig)?;
         let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p).arg(scale.loss_scale).arg(logits);
+        match &focal_params {
+            Some(focal) => b.arg(focal),
+            None => b.arg(&p),
+        };
+        b.arg(scale.loss_scale).arg(logits);
         match target {
             XentTarget::Labels(labels) => b.arg(labels),
             XentTarget::Soft(targets) => b.arg(targets),
@@ -2331,7 +2422,9 @@ fn xent_launch(
         // SAFETY: softmax_xent_T(XentParams, const float* loss_scale [1],
         // const T* logits [n, k], const u32* labels [n], ...) and
         // softmax_xent_soft_T(..., const float* targets [n, k], ...), then
-        // float* row_loss [n], u32* row_correct [n], T* grad [n, k]; the callers checked the target's length.
+        // float* row_loss [n], u32* row_correct [n], T* grad [n, k]; the
+        // focal kernels alike with FocalParams; the callers checked the
+        // target's length.
         unsafe { b.launch(cfg) }.during(sig.name)?;
     }
     Ok(XentOutput {

@@ -66,6 +66,8 @@ kernel_params! {
     /// The gradient's scale is loss_scale * share / rows, the loss scale
     /// read from device memory.
     XentParams(16) { rows: u32, classes: u32, smoothing: f32, share: f32 }
+    /// loss.cu: softmax_focal, softmax_focal_soft.
+    FocalParams(20) { rows: u32, classes: u32, smoothing: f32, share: f32, gamma: f32 }
     /// loss.cu: xent_reduce.
     XentReduceParams(4) { rows: u32 }
     /// common.cuh: division of n < 2^31 by a fixed d as a multiply-high,

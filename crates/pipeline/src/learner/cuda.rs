@@ -33,9 +33,9 @@ use std::collections::VecDeque;
 
 use headroom_loader::{Batch, Dataset, SampleRecipe};
 use headroom_model::cuda::{
-    ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, DType, DeviceBuffer, DeviceInfo,
-    InputStaging, Normalization, ProfileSegment, ResidentImages, StagedBatch, StepRecords,
-    MAX_IN_FLIGHT,
+    ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, CudaTensor, DType, DeviceBuffer,
+    DeviceInfo, InputStaging, Normalization, ProfileSegment, ResidentImages, StagedBatch,
+    StepRecords, MAX_IN_FLIGHT,
 };
 use headroom_model::{ModelError, ModelSpec, PoolStats};
 use headroom_optim::{AdamWState, FusedAdamW, LossScalerConfig, LossScalerState};
@@ -291,23 +291,16 @@ impl CudaLearner {
             };
             let logits = cuda(self.network.forward_train(be, &staged.images))?;
             let xent = match &part.soft_targets {
-                None => cuda(ops::softmax_cross_entropy(
-                    be,
-                    &logits,
-                    &staged.labels.slice.as_view(),
-                    self.settings.label_smoothing,
-                    scale,
-                ))?,
+                None => training_loss(be, &self.settings, &logits, &staged.labels, scale)?,
                 Some(soft) => {
                     let smoothed =
                         smoothed_targets(soft, self.settings.label_smoothing, part.len());
                     let targets = cuda(be.upload(&smoothed))?;
-                    cuda(ops::soft_cross_entropy(
-                        be,
-                        &logits,
-                        &targets.slice.as_view(),
-                        scale,
-                    ))?
+                    let targets = targets.slice.as_view();
+                    cuda(match self.settings.focal_gamma {
+                        Some(gamma) => ops::soft_focal_loss(be, &logits, &targets, gamma, scale),
+                        None => ops::soft_cross_entropy(be, &logits, &targets, scale),
+                    })?
                 }
             };
             drop(logits);
@@ -382,6 +375,23 @@ impl CudaLearner {
 }
 
 /// Mixup/CutMix targets with label smoothing, as the CPU learner forms them.
+/// The training loss against hard labels: label-smoothed cross-entropy, or
+/// focal loss with `settings.focal_gamma` (`train.loss = "focal"`).
+pub(crate) fn training_loss(
+    be: &CudaBackend,
+    settings: &StepSettings,
+    logits: &CudaTensor,
+    labels: &DeviceBuffer<u32>,
+    scale: ops::GradScale<'_>,
+) -> Result<ops::XentOutput> {
+    let smoothing = settings.label_smoothing;
+    let labels = &labels.slice.as_view();
+    cuda(match settings.focal_gamma {
+        Some(gamma) => ops::focal_loss(be, logits, labels, smoothing, gamma, scale),
+        None => ops::softmax_cross_entropy(be, logits, labels, smoothing, scale),
+    })
+}
+
 fn smoothed_targets(soft: &[f32], smoothing: f32, rows: usize) -> Vec<f32> {
     let classes = soft.len() / rows.max(1);
     soft.iter()

@@ -278,12 +278,6 @@ pub fn open(
                  set device.kind = \"cpu\"",
             ));
         }
-        if settings.focal_gamma.is_some() {
-            return Err(PipelineError::value(
-                "train.loss",
-                "\"focal\" runs on the CPU only for now",
-            ));
-        }
         let be = CudaBackend::new(0).map_err(|e| {
             PipelineError::value("device.kind", format!("\"cuda\" cannot be used: {e}"))
         })?;

@@ -33,7 +33,7 @@
 use headroom_loader::{Batch, SampleRecipe};
 use headroom_model::cuda::{ops, CapturedGraph, DeviceBuffer};
 
-use super::{cuda, CudaLearner};
+use super::{cuda, training_loss, CudaLearner};
 use crate::{PipelineError, Result};
 
 /// What a captured step is specialised to; it replays only for a batch that
@@ -198,13 +198,7 @@ impl CudaLearner {
             share: 1.0,
         };
         let logits = cuda(self.network.forward_train(be, &images))?;
-        let xent = cuda(ops::softmax_cross_entropy(
-            be,
-            &logits,
-            &labels.slice.as_view(),
-            self.settings.label_smoothing,
-            scale,
-        ))?;
+        let xent = training_loss(be, &self.settings, &logits, labels, scale)?;
         drop(logits);
         cuda(xent.summary_into(
             be,
