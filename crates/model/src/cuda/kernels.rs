@@ -132,6 +132,11 @@ pub const LAYER_NORM_GRAD_PARTIAL: KernelPair =
 pub const LAYER_NORM_GRAD_FINALIZE: KernelSig =
     sig!("layernorm", "layer_norm_grad_finalize", LnParams, 4);
 
+pub const UPSAMPLE2X_FORWARD: KernelPair = pair!("unet", "upsample2x_forward", UpsampleParams, 2);
+pub const UPSAMPLE2X_BACKWARD: KernelPair = pair!("unet", "upsample2x_backward", UpsampleParams, 2);
+pub const CHANNELS_CONCAT: KernelPair = pair!("unet", "channels_concat", ConcatParams, 3);
+pub const CHANNELS_SPLIT: KernelPair = pair!("unet", "channels_split", ConcatParams, 3);
+
 pub const POOL_FORWARD: KernelPair = pair!("pool", "global_avg_pool_forward", PoolParams, 2);
 pub const POOL_BACKWARD: KernelPair = pair!("pool", "global_avg_pool_backward", PoolParams, 2);
 
@@ -246,6 +251,20 @@ pub static FILES: &[KernelFile] = &[
             LAYER_NORM_GRAD_PARTIAL.f16,
             LAYER_NORM_GRAD_PARTIAL.f32,
             LAYER_NORM_GRAD_FINALIZE,
+        ],
+    },
+    KernelFile {
+        name: "unet",
+        source: include_str!("../../kernels/unet.cu"),
+        kernels: &[
+            UPSAMPLE2X_FORWARD.f16,
+            UPSAMPLE2X_FORWARD.f32,
+            UPSAMPLE2X_BACKWARD.f16,
+            UPSAMPLE2X_BACKWARD.f32,
+            CHANNELS_CONCAT.f16,
+            CHANNELS_CONCAT.f32,
+            CHANNELS_SPLIT.f16,
+            CHANNELS_SPLIT.f32,
         ],
     },
     KernelFile {

@@ -151,6 +151,13 @@ enum GpuLayer {
     Smooth(ops::Smooth),
     /// Keeps nothing: backward draws the mask again.
     Dropout(Box<DropoutLayer>),
+    /// Nearest-neighbour ×2; keeps the input's shape.
+    Upsample2x,
+    /// concat_c(x, body(x)); `channels` is x's. Keeps nothing of its own.
+    UnetSkip {
+        body: Vec<GpuLayer>,
+        channels: usize,
+    },
     /// Keeps its input, and each row's mean and rstd, for backward.
     LayerNorm {
         gamma: ParamRef,
@@ -837,9 +844,9 @@ fn for_each_step_buffers(
         match layer {
             GpuLayer::BatchNorm { bn, .. } => f(StepBuffers::Running(&mut bn.running))?,
             GpuLayer::Dropout(d) => f(StepBuffers::Dropout(d))?,
-            GpuLayer::Residual(body) | GpuLayer::Checkpointed(body) => {
-                for_each_step_buffers(body, f)?
-            }
+            GpuLayer::Residual(body)
+            | GpuLayer::Checkpointed(body)
+            | GpuLayer::UnetSkip { body, .. } => for_each_step_buffers(body, f)?,
             // The body's statistics come first, as in the CPU's order.
             GpuLayer::FusedResidual { body, tail } => {
                 for_each_step_buffers(body, f)?;
@@ -858,9 +865,9 @@ fn checkpointed_buffers<'a>(layers: &'a [GpuLayer], out: &mut Vec<&'a DeviceBuff
         match layer {
             GpuLayer::BatchNorm { bn, .. } => out.extend([&bn.running.mean, &bn.running.var]),
             GpuLayer::Dropout(d) => out.push(&d.counter),
-            GpuLayer::Residual(body) | GpuLayer::Checkpointed(body) => {
-                checkpointed_buffers(body, out)
-            }
+            GpuLayer::Residual(body)
+            | GpuLayer::Checkpointed(body)
+            | GpuLayer::UnetSkip { body, .. } => checkpointed_buffers(body, out),
             GpuLayer::FusedResidual { body, tail } => {
                 checkpointed_buffers(body, out);
                 out.extend([&tail.running.mean, &tail.running.var]);
@@ -912,6 +919,10 @@ fn fuse(layers: Vec<GpuLayer>) -> Vec<GpuLayer> {
     for layer in layers {
         let layer = match layer {
             GpuLayer::Residual(body) => GpuLayer::Residual(fuse(body)),
+            GpuLayer::UnetSkip { body, channels } => GpuLayer::UnetSkip {
+                body: fuse(body),
+                channels,
+            },
             GpuLayer::Checkpointed(body) => GpuLayer::Checkpointed(fuse(body)),
             GpuLayer::Relu => match out.pop() {
                 Some(GpuLayer::BatchNorm { bn, relu: false }) => {
@@ -945,6 +956,7 @@ fn set_conv_plan(layers: &mut [GpuLayer], conv: ConvPlan) {
             GpuLayer::Conv { plan, .. } => *plan = conv,
             GpuLayer::Residual(body)
             | GpuLayer::Checkpointed(body)
+            | GpuLayer::UnetSkip { body, .. }
             | GpuLayer::FusedResidual { body, .. } => set_conv_plan(body, conv),
             _ => {}
         }
@@ -1068,6 +1080,30 @@ fn build_one(
                 counter: be.alloc_zeros(4)?,
                 saved: be.alloc_zeros(4)?,
             }))]
+        }
+        LayerSpec::Upsample2x => {
+            let c = channels(path, shape)?;
+            *shape = vec![2 * shape[0], 2 * shape[1], c];
+            vec![GpuLayer::Upsample2x]
+        }
+        LayerSpec::UnetSkip { layers } => {
+            let c = channels(path, shape)?;
+            let mut inner = shape.clone();
+            let groups = build_groups(be, layers, &format!("{path}.layers"), &mut inner, cursor)?;
+            let body = groups.into_iter().flat_map(|g| g.layers).collect();
+            let body_c = channels(path, &inner)?;
+            if inner[..2] != shape[..2] {
+                return Err(CudaError::shape(
+                    "CudaNetwork::build",
+                    format!(
+                        "{path}: a body output of {:?} and any channels",
+                        &shape[..2]
+                    ),
+                    format!("{inner:?}"),
+                ));
+            }
+            *shape = vec![shape[0], shape[1], c + body_c];
+            vec![GpuLayer::UnetSkip { body, channels: c }]
         }
         LayerSpec::Silu => vec![GpuLayer::Smooth(ops::Smooth::Silu)],
         LayerSpec::Gelu => vec![GpuLayer::Smooth(ops::Smooth::Gelu)],
@@ -1401,6 +1437,18 @@ fn forward_one(
             (y, Keep::Input)
         }
         GpuLayer::Smooth(kind) => (ops::smooth_forward(be, *kind, x)?, Keep::Input),
+        GpuLayer::Upsample2x => (
+            ops::upsample2x_forward(be, x)?,
+            Keep::Other(Saved::Shape(x.shape().to_vec())),
+        ),
+        GpuLayer::UnetSkip { body, .. } => {
+            let body_input = input.lend();
+            let z = forward_list(be, body, groups, body_input, pass, saved)?;
+            (
+                ops::channels_concat(be, x, &z)?,
+                Keep::Other(Saved::Nothing),
+            )
+        }
         GpuLayer::Dropout(d) => {
             // A recomputation draws the first pass's mask and counts nothing
             // (evaluation skips the layer in `forward_list`).
@@ -1524,6 +1572,8 @@ impl GpuLayer {
             GpuLayer::Smooth(kind) => kind.name().into(),
             GpuLayer::LayerNorm { .. } => "layer_norm".into(),
             GpuLayer::Dropout(d) => format!("dropout {}", d.mask.p),
+            GpuLayer::Upsample2x => "upsample2x".into(),
+            GpuLayer::UnetSkip { .. } => "unet_skip concat".into(),
         }
     }
 }
@@ -1607,6 +1657,14 @@ fn backward_one(
             let _ = saved.pop().ok_or_else(missing)?;
             let dx = backward_list(be, body, groups, saved, g.try_clone(be)?)?;
             ops::add(be, &dx, &g)
+        }
+        GpuLayer::UnetSkip { body, channels } => {
+            let _ = saved.pop().ok_or_else(missing)?;
+            let (mut dx, g_body) = ops::channels_split(be, &g, *channels)?;
+            drop(g);
+            let dx_body = backward_list(be, body, groups, saved, g_body)?;
+            ops::add_inplace(be, &mut dx, &dx_body)?;
+            Ok(dx)
         }
         GpuLayer::FusedResidual { body, tail } => {
             let Some(Saved::Output(y)) = saved.pop() else {
@@ -1724,6 +1782,7 @@ fn backward_leaf(
             ops::smooth_backward(be, *kind, &g, &x)
         }
         (GpuLayer::Flatten, Saved::Shape(shape)) => g.reshape(&shape),
+        (GpuLayer::Upsample2x, Saved::Shape(shape)) => ops::upsample2x_backward(be, &g, &shape),
         (GpuLayer::Dropout(d), Saved::Nothing) => {
             ops::dropout_apply(be, d.mask, &d.counter.slice, true, &g)
         }

@@ -25,6 +25,7 @@
 //! | `add_inplace`, `add` | `layers::Residual`'s sums |
 //! | `global_avg_pool_forward` / `_backward` | `layers::GlobalAvgPool` |
 //! | `layer_norm_forward` / `layer_norm_backward` | `layers::LayerNorm` |
+//! | `upsample2x_forward` / `_backward`, `channels_concat` / `_split` | `layers::Upsample2x`, `layers::UnetSkip` |
 //! | `linear_forward` / `linear_backward`, `bias_add`, `bias_grad` | `layers::Linear` |
 //! | `softmax_cross_entropy`, `XentOutput::summary` | `loss::softmax_cross_entropy` |
 //! | `soft_cross_entropy` | `loss::soft_cross_entropy` |
@@ -563,6 +564,155 @@ pub fn bias_grad(
     // block (32, 8) as the kernel requires; g holds rows·cols, grad cols.
     unsafe { b.launch(cfg) }.during("bias_grad")?;
     Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// UNet pieces
+
+fn image_dims(op: &'static str, shape: &[usize]) -> CudaResult<UpsampleParams> {
+    match *shape {
+        [n, h, w, c] => Ok(UpsampleParams {
+            n: u32_of(op, n)?,
+            h: u32_of(op, h)?,
+            w: u32_of(op, w)?,
+            c: u32_of(op, c)?,
+        }),
+        _ => Err(CudaError::shape(
+            op,
+            "an image batch [n, h, w, c]",
+            format!("{shape:?}"),
+        )),
+    }
+}
+
+/// Nearest-neighbour ×2: [n, h, w, c] -> [n, 2h, 2w, c].
+pub fn upsample2x_forward(be: &CudaBackend, x: &CudaTensor) -> CudaResult<CudaTensor> {
+    let p = image_dims("upsample2x", x.shape())?;
+    let (n, h, w, c) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
+    let mut y = CudaTensor::uninit(be, &[n, 2 * h, 2 * w, c], x.dtype())?;
+    if !y.is_empty() {
+        let cfg = elementwise(y.len());
+        let f = be.function(k::UPSAMPLE2X_FORWARD.of(x.dtype()))?;
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p).arg(x).arg(&mut y);
+        // SAFETY: upsample2x_forward_T(UpsampleParams of x, const T* x
+        // [n, h, w, c], T* y [n, 2h, 2w, c]).
+        unsafe { b.launch(cfg) }.during("upsample2x_forward")?;
+    }
+    Ok(y)
+}
+
+/// Upsample2x backward: each element of `input_shape` the sum of its 2×2
+/// block of `g`.
+pub fn upsample2x_backward(
+    be: &CudaBackend,
+    g: &CudaTensor,
+    input_shape: &[usize],
+) -> CudaResult<CudaTensor> {
+    let p = image_dims("upsample2x backward", input_shape)?;
+    let [n, h, w, c] = *input_shape else {
+        return Err(CudaError::shape(
+            "upsample2x backward",
+            "[n, h, w, c]",
+            format!("{input_shape:?}"),
+        ));
+    };
+    g.expect_shape("upsample2x backward", &[n, 2 * h, 2 * w, c])?;
+    let mut dx = CudaTensor::uninit(be, input_shape, g.dtype())?;
+    if !dx.is_empty() {
+        let cfg = elementwise(dx.len());
+        let f = be.function(k::UPSAMPLE2X_BACKWARD.of(g.dtype()))?;
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p).arg(g).arg(&mut dx);
+        // SAFETY: upsample2x_backward_T(UpsampleParams of dx, const T* g
+        // [n, 2h, 2w, c], T* dx [n, h, w, c]) (shapes checked above).
+        unsafe { b.launch(cfg) }.during("upsample2x_backward")?;
+    }
+    Ok(dx)
+}
+
+/// Every index but the channels' (rows), and the channels, of `t`.
+fn rows_and_channels(op: &'static str, t: &CudaTensor) -> CudaResult<(Vec<usize>, usize)> {
+    match t.shape() {
+        [lead @ .., c] if !lead.is_empty() => Ok((lead.to_vec(), *c)),
+        shape => Err(CudaError::shape(op, "[n, ..., c]", format!("{shape:?}"))),
+    }
+}
+
+/// `a` and `b` side by side along the channels (unet_skip's output); every
+/// other axis must agree.
+pub fn channels_concat(
+    be: &CudaBackend,
+    a: &CudaTensor,
+    b_in: &CudaTensor,
+) -> CudaResult<CudaTensor> {
+    let (lead, c1) = rows_and_channels("channels_concat", a)?;
+    let (lead_b, c2) = rows_and_channels("channels_concat", b_in)?;
+    if lead != lead_b {
+        return Err(CudaError::shape(
+            "channels_concat",
+            format!("{lead:?} and any channels"),
+            format!("{:?}", b_in.shape()),
+        ));
+    }
+    same_dtype("channels_concat", a.dtype(), &[b_in.dtype()])?;
+    let rows: usize = lead.iter().product();
+    let p = ConcatParams {
+        rows: u32_of("channels_concat", rows)?,
+        c1: u32_of("channels_concat", c1)?,
+        c2: u32_of("channels_concat", c2)?,
+    };
+    let mut shape = lead;
+    shape.push(c1 + c2);
+    let mut y = CudaTensor::uninit(be, &shape, a.dtype())?;
+    if !y.is_empty() {
+        let cfg = elementwise(y.len());
+        let f = be.function(k::CHANNELS_CONCAT.of(a.dtype()))?;
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p).arg(a).arg(b_in).arg(&mut y);
+        // SAFETY: channels_concat_T(ConcatParams, const T* a [rows, c1],
+        // const T* b [rows, c2], T* y [rows, c1 + c2]).
+        unsafe { b.launch(cfg) }.during("channels_concat")?;
+    }
+    Ok(y)
+}
+
+/// `g` split along the channels into its first `c1` and the rest.
+pub fn channels_split(
+    be: &CudaBackend,
+    g: &CudaTensor,
+    c1: usize,
+) -> CudaResult<(CudaTensor, CudaTensor)> {
+    let (lead, c) = rows_and_channels("channels_split", g)?;
+    if c1 > c {
+        return Err(CudaError::shape(
+            "channels_split",
+            format!("at least {c1} channels"),
+            format!("{:?}", g.shape()),
+        ));
+    }
+    let rows: usize = lead.iter().product();
+    let p = ConcatParams {
+        rows: u32_of("channels_split", rows)?,
+        c1: c1 as u32,
+        c2: (c - c1) as u32,
+    };
+    let shape_of = |channels: usize| {
+        let mut s = lead.clone();
+        s.push(channels);
+        s
+    };
+    let mut ga = CudaTensor::uninit(be, &shape_of(c1), g.dtype())?;
+    let mut gb = CudaTensor::uninit(be, &shape_of(c - c1), g.dtype())?;
+    if !g.is_empty() {
+        let f = be.function(k::CHANNELS_SPLIT.of(g.dtype()))?;
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p).arg(g).arg(&mut ga).arg(&mut gb);
+        // SAFETY: channels_split_T(ConcatParams, const T* g [rows, c1 + c2],
+        // T* ga [rows, c1], T* gb [rows, c2]).
+        unsafe { b.launch(elementwise(g.len())) }.during("channels_split")?;
+    }
+    Ok((ga, gb))
 }
 
 // ---------------------------------------------------------------------------

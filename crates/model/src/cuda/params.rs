@@ -39,6 +39,10 @@ kernel_params! {
     DropoutParams(24) { n: u32, p: f32, scale: f32, seed_lo: u32, seed_hi: u32, previous: u32 }
     /// elementwise.cu: bias_add, bias_grad.
     RowsColsParams(8) { rows: u32, cols: u32 }
+    /// unet.cu: upsample2x_forward, upsample2x_backward (the input's size).
+    UpsampleParams(16) { n: u32, h: u32, w: u32, c: u32 }
+    /// unet.cu: channels_concat, channels_split.
+    ConcatParams(12) { rows: u32, c1: u32, c2: u32 }
     /// layernorm.cu: every kernel.
     LnParams(20) { rows: u32, cols: u32, rows_per_chunk: u32, chunks: u32, eps: f32 }
     /// batchnorm.cu: bn_stats_partial.
