@@ -223,6 +223,27 @@ fn weights_apart(gpu_dir: &std::path::Path, cpu_dir: &std::path::Path) -> f64 {
     (diff / norm).sqrt()
 }
 
+/// One f32 epoch of the smoke experiment on `device.kind = kind` (no crop
+/// padding, `extra` overrides last): its summary and its run directory.
+fn f32_smoke_run(
+    data: &std::path::Path,
+    kind: &str,
+    extra: &[&str],
+) -> (headroom_pipeline::RunSummary, tempfile::TempDir) {
+    let out = tempfile::tempdir().unwrap();
+    let device = format!("device.kind={kind}");
+    let mut sets = vec![
+        device.as_str(),
+        "device.amp=false",
+        "train.epochs=1",
+        "augment.crop_padding=0",
+    ];
+    sets.extend_from_slice(extra);
+    let config = smoke_config(data, out.path(), &sets);
+    let summary = train(&config, &TrainOptions::default()).unwrap();
+    (summary, out)
+}
+
 /// `device.amp = false` on the GPU path: f32 activations and weights, no
 /// loss scale in the checkpoint, and the same training as the CPU's f32
 /// run of the same experiment, up to summation order.
@@ -233,21 +254,8 @@ fn an_f32_run_on_the_gpu_path_trains_as_the_cpu_run_does() {
     }
     let data = tempfile::tempdir().unwrap();
     write_synthetic_fashion_mnist(data.path(), 256, 64);
-    let run = |kind: &str| {
-        let out = tempfile::tempdir().unwrap();
-        let device = format!("device.kind={kind}");
-        let sets = [
-            device.as_str(),
-            "device.amp=false",
-            "train.epochs=1",
-            "augment.crop_padding=0",
-        ];
-        let config = smoke_config(data.path(), out.path(), &sets);
-        let summary = train(&config, &TrainOptions::default()).unwrap();
-        (summary, out)
-    };
-    let (gpu, gpu_dir) = run("cuda");
-    let (cpu, cpu_dir) = run("cpu");
+    let (gpu, gpu_dir) = f32_smoke_run(data.path(), "cuda", &[]);
+    let (cpu, cpu_dir) = f32_smoke_run(data.path(), "cpu", &[]);
     assert_eq!((gpu.step, cpu.step), (8, 8));
     let files = checkpoint::list(gpu_dir.path()).unwrap();
     let saved = checkpoint::load(files.last().unwrap()).unwrap();
@@ -308,22 +316,8 @@ fn a_focal_loss_run_trains_on_the_gpu_path_as_on_the_cpu() {
     }
     let data = tempfile::tempdir().unwrap();
     write_synthetic_fashion_mnist(data.path(), 128, 64);
-    let run = |kind: &str| {
-        let out = tempfile::tempdir().unwrap();
-        let device = format!("device.kind={kind}");
-        let sets = [
-            device.as_str(),
-            "device.amp=false",
-            "train.loss=focal",
-            "train.epochs=1",
-            "augment.crop_padding=0",
-        ];
-        let config = smoke_config(data.path(), out.path(), &sets);
-        let summary = train(&config, &TrainOptions::default()).unwrap();
-        (summary, out)
-    };
-    let (gpu, gpu_dir) = run("cuda");
-    let (cpu, cpu_dir) = run("cpu");
+    let (gpu, gpu_dir) = f32_smoke_run(data.path(), "cuda", &["train.loss=focal"]);
+    let (cpu, cpu_dir) = f32_smoke_run(data.path(), "cpu", &["train.loss=focal"]);
     assert_eq!((gpu.step, cpu.step), (4, 4));
     assert!(gpu.test_accuracy.unwrap().is_finite());
     let apart = weights_apart(gpu_dir.path(), cpu_dir.path());
