@@ -420,19 +420,13 @@ impl ParamCursor<'_> {
     }
 }
 
-/// `spec`'s `type` as a config spells it ("layer_norm"): its variant name
-/// in snake case, as serde's `rename_all` derives it.
+/// `spec`'s `type` as a config spells it ("layer_norm"): the tag serde
+/// writes, so it cannot drift from what the parser reads.
 fn layer_type(spec: &LayerSpec) -> String {
-    let debug = format!("{spec:?}");
-    let variant = debug.split(|c: char| !c.is_alphanumeric()).next();
-    let mut name = String::new();
-    for (i, c) in variant.unwrap_or_default().chars().enumerate() {
-        if c.is_uppercase() && i > 0 {
-            name.push('_');
-        }
-        name.extend(c.to_lowercase());
-    }
-    name
+    serde_json::to_value(spec)
+        .ok()
+        .and_then(|v| v.get("type")?.as_str().map(str::to_string))
+        .unwrap_or_else(|| "unknown".to_string())
 }
 
 fn cpu_only(path: &str, what: &str) -> CudaError {
