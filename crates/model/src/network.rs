@@ -104,7 +104,7 @@ fn default_true() -> bool {
 fn default_momentum() -> f32 {
     0.1
 }
-fn default_eps() -> f32 {
+pub(crate) fn default_eps() -> f32 {
     1e-5
 }
 

@@ -2917,15 +2917,180 @@ layers = [{ type = "embedding", dim = 4 }, { type = "lstm", hidden = 4 }, { type
 "#;
     let spec = toml::from_str::<SpecFile>(text).unwrap().model;
     let Err(err) = CudaNetwork::build(&be, &spec, 1, CudaBuildOptions::default()) else {
-        panic!("embedding has no GPU kernel yet, but the build succeeded");
+        panic!("lstm has no GPU kernel yet, but the build succeeded");
     };
     let err = err.to_string();
     assert!(
-        err.contains("model.layers[0]")
-            && err.contains("\"embedding\"")
-            && err.contains("CPU only"),
+        err.contains("model.layers[1]") && err.contains("\"lstm\"") && err.contains("CPU only"),
         "{err}"
     );
+}
+
+/// Token models: an embedding with positions, transformer blocks (dropout,
+/// LoRA on the attention projections), a standalone attention and LoRA
+/// linear, a per-token head. `t` = 37 crosses the kernels' 32-key chunks.
+fn token_specs(checkpoint: &str) -> Vec<ModelSpec> {
+    let models = [
+        r#"tokens = { length = 37, vocab = 11 }
+           layers = [
+             { type = "embedding", dim = 16, positions = true },
+             { type = "transformer_block", heads = 2, mlp_ratio = 2, dropout = 0.1 },
+             { type = "layer_norm" },
+             { type = "linear", out = 11 },
+           ]"#,
+        r#"tokens = { length = 37, vocab = 11 }
+           layers = [
+             { type = "embedding", dim = 16, positions = true },
+             { type = "transformer_block", heads = 4, mlp_ratio = 2, lora = { r = 2, alpha = 4 } },
+             { type = "causal_self_attention", heads = 2, lora = { r = 3 } },
+             { type = "gelu" },
+             { type = "lora_linear", out = 12, lora = { r = 2, alpha = 8 } },
+             { type = "layer_norm" },
+             { type = "linear", out = 11 },
+           ]"#,
+    ];
+    models
+        .iter()
+        .map(|m| {
+            let text = format!("[model]\ncheckpoint = \"{checkpoint}\"\n{m}");
+            toml::from_str::<SpecFile>(&text).unwrap().model
+        })
+        .collect()
+}
+
+/// The CPU network of `spec`, with everything but the LoRA adapters frozen
+/// when `frozen` (as `finetune.train = "lora"` does).
+fn token_network(spec: &ModelSpec, frozen: bool) -> Network {
+    let mut net = Network::build(spec, 21).unwrap();
+    // A fresh adapter's B is zero, which would zero A's gradient and the
+    // adapter's share of dx: give it values.
+    for p in net.params_mut() {
+        if p.name.ends_with("lora_b") {
+            for (i, v) in p.value.data_mut().iter_mut().enumerate() {
+                *v = ((i * 37 % 17) as f32 - 8.0) / 40.0;
+            }
+        }
+    }
+    if frozen {
+        for p in net.params_mut() {
+            if !(p.name.ends_with("lora_a") || p.name.ends_with("lora_b")) {
+                p.freeze();
+            }
+        }
+    }
+    net
+}
+
+/// Two training passes and an eval forward of the GPU network built from
+/// `token_network(spec, frozen)`: logits, gradients, buffers.
+fn token_network_run(
+    be: &CudaBackend,
+    spec: &ModelSpec,
+    frozen: bool,
+    dtype: DType,
+    batches: &[Tensor],
+    grad_logits: &Tensor,
+) -> (Vec<f32>, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let options = CudaBuildOptions {
+        activations: dtype,
+        ..CudaBuildOptions::default()
+    };
+    let mut cpu = token_network(spec, frozen);
+    let mut net = CudaNetwork::from_cpu(be, &mut cpu, options).unwrap();
+    let g = CudaTensor::from_tensor(be, grad_logits, dtype).unwrap();
+    let g = g.reshape(&[grad_logits.len() / 11, 11]).unwrap();
+    let mut logits = Vec::new();
+    for ids in batches {
+        let x = CudaTensor::from_tensor(be, ids, DType::F32).unwrap();
+        let y = net.forward_train(be, &x).unwrap();
+        assert_eq!(y.shape(), &[ids.len(), 11]);
+        logits.extend(y.to_host(be).unwrap());
+        net.backward(be, &g).unwrap();
+    }
+    let x = CudaTensor::from_tensor(be, &batches[0], DType::F32).unwrap();
+    logits.extend(net.forward_eval(be, &x).unwrap().to_host(be).unwrap());
+    (
+        logits,
+        net.read_grads(be).unwrap(),
+        net.read_buffers(be).unwrap(),
+    )
+}
+
+/// Token networks against the CPU network, f32 and f16, trainable and
+/// frozen as fine-tuning freezes them: logits, gradients (none for a frozen
+/// parameter) and dropout counters; checkpointing blocks gives the same
+/// bits as not.
+#[test]
+fn token_networks_match_the_cpu_network() {
+    let be = gpu_or_skip!();
+    let (n, t) = (3, 37);
+    let batches: Vec<Tensor> = (0..2)
+        .map(|b| {
+            let ids = (0..n * t)
+                .map(|i| ((i * 7 + b * 5 + i / 5) % 11) as f32)
+                .collect();
+            Tensor::from_vec(&[n, t], ids).unwrap()
+        })
+        .collect();
+    let grad_logits = random(&[n, t, 11], 990, 0.05, 0.0);
+    let plain = token_specs("none");
+    let checkpointed = token_specs("blocks");
+    for (i, (spec, spec_blocks)) in plain.iter().zip(&checkpointed).enumerate() {
+        for frozen in [false, true] {
+            if frozen && i == 0 {
+                continue; // no adapters to train
+            }
+            let mut cpu = token_network(spec, frozen);
+            let mut want = Vec::new();
+            for ids in &batches {
+                want.extend(cpu.forward(ids, Mode::Train).unwrap().data().to_vec());
+                cpu.backward(&grad_logits).unwrap();
+            }
+            want.extend(
+                cpu.forward(&batches[0], Mode::Eval)
+                    .unwrap()
+                    .data()
+                    .to_vec(),
+            );
+            let cpu_buffers = cpu.buffer_values();
+            let cpu_grads: Vec<Vec<f32>> = cpu
+                .params_mut()
+                .iter()
+                .map(|p| p.grad.data().to_vec())
+                .collect();
+            for dtype in [DType::F32, DType::F16] {
+                let what = format!("token network {i} frozen {frozen} {dtype:?}");
+                let (logits, grads, buffers) =
+                    token_network_run(&be, spec, frozen, dtype, &batches, &grad_logits);
+                assert_eq!(buffers, cpu_buffers, "{what}: dropout counters");
+                let again =
+                    token_network_run(&be, spec_blocks, frozen, dtype, &batches, &grad_logits);
+                assert!(
+                    logits
+                        .iter()
+                        .zip(&again.0)
+                        .all(|(a, b)| a.to_bits() == b.to_bits())
+                        && grads == again.1,
+                    "{what}: checkpointing blocks changed the bits"
+                );
+                assert_eq!(grads.len(), cpu_grads.len(), "{what}");
+                for (p, (g, c)) in grads.iter().zip(&cpu_grads).enumerate() {
+                    assert_eq!(g.len(), c.len(), "{what} param {p}: gradient length");
+                }
+                if dtype == DType::F32 {
+                    assert_close(&format!("{what} logits"), &logits, &want, 1e-3, 1e-4);
+                    for (p, (g, c)) in grads.iter().zip(&cpu_grads).enumerate() {
+                        assert_close(&format!("{what} param {p} grad"), g, c, 1e-3, 1e-3);
+                    }
+                } else {
+                    assert_close_l2(&format!("{what} logits"), &logits, &want, 4e-3);
+                    for (p, (g, c)) in grads.iter().zip(&cpu_grads).enumerate() {
+                        assert_close_l2(&format!("{what} param {p} grad"), g, c, 2e-2);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// What one build computes, as bits: two training forwards and backwards
@@ -3174,6 +3339,54 @@ const COVERAGE: &[(&str, &str)] = &[
     ("gelu_forward_f32", "silu_and_gelu_match_the_cpu_layers"),
     ("gelu_backward_f16", "silu_and_gelu_match_the_cpu_layers"),
     ("gelu_backward_f32", "silu_and_gelu_match_the_cpu_layers"),
+    (
+        "embedding_forward_f16",
+        "token_networks_match_the_cpu_network",
+    ),
+    (
+        "embedding_forward_f32",
+        "token_networks_match_the_cpu_network",
+    ),
+    (
+        "embedding_grad_table_f16",
+        "token_networks_match_the_cpu_network",
+    ),
+    (
+        "embedding_grad_table_f32",
+        "token_networks_match_the_cpu_network",
+    ),
+    (
+        "embedding_grad_positions_f16",
+        "token_networks_match_the_cpu_network",
+    ),
+    (
+        "embedding_grad_positions_f32",
+        "token_networks_match_the_cpu_network",
+    ),
+    (
+        "attention_forward_f16",
+        "token_networks_match_the_cpu_network",
+    ),
+    (
+        "attention_forward_f32",
+        "token_networks_match_the_cpu_network",
+    ),
+    (
+        "attention_backward_query_f16",
+        "token_networks_match_the_cpu_network",
+    ),
+    (
+        "attention_backward_query_f32",
+        "token_networks_match_the_cpu_network",
+    ),
+    (
+        "attention_backward_key_f16",
+        "token_networks_match_the_cpu_network",
+    ),
+    (
+        "attention_backward_key_f32",
+        "token_networks_match_the_cpu_network",
+    ),
     ("layer_norm_forward_f16", "layer_norm_matches_the_cpu_layer"),
     ("layer_norm_forward_f32", "layer_norm_matches_the_cpu_layer"),
     (

@@ -132,6 +132,17 @@ pub const LAYER_NORM_GRAD_PARTIAL: KernelPair =
 pub const LAYER_NORM_GRAD_FINALIZE: KernelSig =
     sig!("layernorm", "layer_norm_grad_finalize", LnParams, 4);
 
+pub const EMBEDDING_FORWARD: KernelPair = pair!("sequence", "embedding_forward", EmbedParams, 4);
+pub const EMBEDDING_GRAD_TABLE: KernelPair =
+    pair!("sequence", "embedding_grad_table", EmbedParams, 3);
+pub const EMBEDDING_GRAD_POSITIONS: KernelPair =
+    pair!("sequence", "embedding_grad_positions", EmbedParams, 2);
+pub const ATTENTION_FORWARD: KernelPair = pair!("sequence", "attention_forward", AttnParams, 3);
+pub const ATTENTION_BACKWARD_QUERY: KernelPair =
+    pair!("sequence", "attention_backward_query", AttnParams, 6);
+pub const ATTENTION_BACKWARD_KEY: KernelPair =
+    pair!("sequence", "attention_backward_key", AttnParams, 5);
+
 pub const UPSAMPLE2X_FORWARD: KernelPair = pair!("unet", "upsample2x_forward", UpsampleParams, 2);
 pub const UPSAMPLE2X_BACKWARD: KernelPair = pair!("unet", "upsample2x_backward", UpsampleParams, 2);
 pub const CHANNELS_CONCAT: KernelPair = pair!("unet", "channels_concat", ConcatParams, 3);
@@ -238,6 +249,24 @@ pub static FILES: &[KernelFile] = &[
             BN_APPLY_ADD_V8,
             BN_BACKWARD_APPLY_V8,
             BN_RUNNING_RESTORE,
+        ],
+    },
+    KernelFile {
+        name: "sequence",
+        source: include_str!("../../kernels/sequence.cu"),
+        kernels: &[
+            EMBEDDING_FORWARD.f16,
+            EMBEDDING_FORWARD.f32,
+            EMBEDDING_GRAD_TABLE.f16,
+            EMBEDDING_GRAD_TABLE.f32,
+            EMBEDDING_GRAD_POSITIONS.f16,
+            EMBEDDING_GRAD_POSITIONS.f32,
+            ATTENTION_FORWARD.f16,
+            ATTENTION_FORWARD.f32,
+            ATTENTION_BACKWARD_QUERY.f16,
+            ATTENTION_BACKWARD_QUERY.f32,
+            ATTENTION_BACKWARD_KEY.f16,
+            ATTENTION_BACKWARD_KEY.f32,
         ],
     },
     KernelFile {

@@ -39,8 +39,25 @@
 //! segmentation: a checkpointed segment keeps only its input after forward
 //! and runs again in backward (batch norm on the same batch statistics,
 //! running statistics untouched), so gradients are bit for bit those of a
-//! run without it. Not on the GPU yet (`build` refuses them, naming the
-//! layer): the layers beyond the reference ResNet's.
+//! run without it.
+//!
+//! Token models (`model.tokens`): the input is the ids [n, t] as f32 (the
+//! CPU network's input), and a sequence [n, t, c] is stored as rows
+//! [n·t, c], so linear layers, layer norms, activations and residual sums
+//! are the image path's own; the logits are [n·t, vocab], a row per token.
+//! The embedding keeps the ids; attention keeps its qkv projection's output,
+//! the heads' output (the output projection's input, one buffer) and each
+//! row's log-sum-exp, never a T×T matrix (`ops::attention_forward`); a LoRA
+//! layer keeps its input and u = s·x·Aᵀ.
+//!
+//! Frozen parameters (a LoRA base; with `finetune.train = "lora"` all but
+//! the adapters) live in a third group that holds masters and the compute
+//! copy only: no gradient, no moments, and the optimizer never sees it, so
+//! fine-tuning a frozen model costs no optimizer memory for it. Layers
+//! compute no gradient for a frozen parameter.
+//!
+//! Not on the GPU yet (`build` refuses them, naming the layer): LSTM and
+//! the frame models' layers.
 
 use std::sync::{Arc, Mutex};
 
@@ -53,6 +70,7 @@ use super::param_group::ParamGroup;
 use super::params::StepState;
 use super::tensor::{AnyView, CudaTensor, DType};
 use super::{CudaError, CudaResult};
+use crate::layers::LoraConfig;
 use crate::memory::MemoryPool;
 use crate::network::{arrange, is_block, Group};
 use crate::{Device, LayerSpec, ModelSpec, Network};
@@ -73,6 +91,17 @@ impl ParamRef {
 
 const DECAY: usize = 0;
 const NO_DECAY: usize = 1;
+/// Frozen parameters: masters and compute copies only, never stepped.
+const FROZEN: usize = 2;
+
+/// The three groups: decay, no decay, frozen.
+type Groups = [ParamGroup; 3];
+
+impl ParamRef {
+    fn trainable(&self) -> bool {
+        self.group != FROZEN
+    }
+}
 
 #[derive(Debug)]
 struct RunningStats {
@@ -164,6 +193,55 @@ enum GpuLayer {
         beta: ParamRef,
         eps: f32,
     },
+    /// Token ids [n, t] (f32) -> rows [n·t, dim]; keeps the ids.
+    Embedding {
+        table: ParamRef,
+        positions: Option<ParamRef>,
+        shape: ops::EmbeddingShape,
+    },
+    /// Causal self-attention between its projections (each one `Linear` or
+    /// `Lora` layer) over sequences of `length` tokens.
+    Attention {
+        qkv: Vec<GpuLayer>,
+        proj: Vec<GpuLayer>,
+        length: usize,
+        heads: usize,
+    },
+    /// A linear layer with a frozen base and a trainable LoRA adapter.
+    Lora(Box<LoraLayer>),
+}
+
+/// y = x·W + b + s·(x·Aᵀ)·Bᵀ with W and b frozen.
+#[derive(Debug)]
+struct LoraLayer {
+    weight: ParamRef,
+    bias: Option<ParamRef>,
+    a: ParamRef,
+    b: ParamRef,
+    rank: usize,
+    scale: f32,
+    out: usize,
+}
+
+impl LoraLayer {
+    fn weights<'a>(&self, groups: &'a Groups) -> ops::LoraWeights<'a> {
+        ops::LoraWeights {
+            weight: compute(groups, &self.weight),
+            bias: self.bias.as_ref().map(|b| compute(groups, b)),
+            a: compute(groups, &self.a),
+            b: compute(groups, &self.b),
+            rank: self.rank,
+            scale: self.scale,
+        }
+    }
+}
+
+/// What attention keeps besides its projections' own entries.
+#[derive(Debug)]
+struct SavedAttention {
+    qkv: Shared,
+    heads_out: Shared,
+    stats: ops::AttentionSaved,
 }
 
 #[derive(Debug)]
@@ -307,6 +385,9 @@ enum Saved {
     Input(Activation),
     /// A layer norm's input and row statistics.
     LayerNorm(Activation, ops::LayerNormSaved),
+    /// A LoRA layer's input and u = s·x·Aᵀ.
+    Lora(Activation, Shared),
+    Attention(Box<SavedAttention>),
     /// A checkpointed segment's input, and how its forward ran.
     Segment(Activation, Pass),
     BatchNorm(Box<SavedBatchNorm>),
@@ -360,7 +441,7 @@ struct ParamSlot {
 pub struct CudaNetwork {
     spec: ModelSpec,
     layers: Vec<GpuLayer>,
-    groups: [ParamGroup; 2],
+    groups: Groups,
     params: Vec<ParamSlot>,
     classes: usize,
     macs_per_sample: u64,
@@ -380,17 +461,36 @@ impl std::fmt::Debug for CudaNetwork {
 
 /// Hands out parameter ranges in the CPU network's parameter order.
 struct ParamCursor<'a> {
-    cpu: &'a [(String, usize, bool)],
+    cpu: &'a [CpuParam],
     /// The CPU network's dropout seeds, taken in order as the parameters.
     dropout_seeds: std::vec::IntoIter<u64>,
+    /// `model.tokens.vocab`, for embeddings.
+    vocab: Option<usize>,
     next: usize,
-    offsets: [usize; 2],
+    offsets: [usize; 3],
     slots: Vec<ParamSlot>,
 }
 
+/// A CPU parameter's name, length, and whether weight decay applies and
+/// whether it is frozen.
+struct CpuParam {
+    name: String,
+    len: usize,
+    decay: bool,
+    frozen: bool,
+}
+
 impl ParamCursor<'_> {
+    /// The next parameter, for a layer that computes no gradient for it
+    /// when it is frozen.
     fn take(&mut self, path: &str, len: usize) -> CudaResult<ParamRef> {
-        let Some((name, cpu_len, decay)) = self.cpu.get(self.next) else {
+        let Some(CpuParam {
+            name,
+            len: cpu_len,
+            decay,
+            frozen,
+        }) = self.cpu.get(self.next)
+        else {
             return Err(CudaError::shape(
                 "CudaNetwork::build",
                 format!("a parameter for {path}"),
@@ -404,7 +504,11 @@ impl ParamCursor<'_> {
                 format!("{name} of {cpu_len}"),
             ));
         }
-        let group = if *decay { DECAY } else { NO_DECAY };
+        let group = match (*frozen, *decay) {
+            (true, _) => FROZEN,
+            (false, true) => DECAY,
+            (false, false) => NO_DECAY,
+        };
         let at = ParamRef {
             group,
             offset: self.offsets[group],
@@ -416,6 +520,19 @@ impl ParamCursor<'_> {
             name: name.clone(),
             at,
         });
+        Ok(at)
+    }
+
+    /// The next parameter, for a layer that cannot leave it out of its
+    /// gradients (the image layers: fine-tuning freezes token models only).
+    fn take_trainable(&mut self, path: &str, len: usize) -> CudaResult<ParamRef> {
+        let at = self.take(path, len)?;
+        if !at.trainable() {
+            return Err(CudaError::Unsupported {
+                op: "CudaNetwork::build",
+                reason: format!("{path}: a frozen parameter in a layer that trains all of its own"),
+            });
+        }
         Ok(at)
     }
 }
@@ -448,21 +565,41 @@ impl CudaNetwork {
         // The CPU network is the reference for initial values and order; it
         // is built in a private pool so it never counts against a budget.
         let mut cpu = MemoryPool::new(Device::Cpu).scope(|| Network::build(spec, seed))?;
+        Self::from_cpu(be, &mut cpu, options)
+    }
+
+    /// The GPU network of a CPU network: its spec, its current weights,
+    /// buffers and frozen parameters (a fine-tuning base loaded into it).
+    pub fn from_cpu(
+        be: &CudaBackend,
+        cpu: &mut Network,
+        options: CudaBuildOptions,
+    ) -> crate::Result<Self> {
+        let spec = cpu.spec().clone();
         let classes = cpu.num_classes();
         let macs_per_sample = cpu.macs_per_sample()?;
-        let cpu_params: Vec<(String, usize, bool)> = cpu
+        let cpu_params: Vec<CpuParam> = cpu
             .params_mut()
             .iter()
-            .map(|p| (p.name.clone(), p.value.len(), p.decay))
+            .map(|p| CpuParam {
+                name: p.name.clone(),
+                len: p.value.len(),
+                decay: p.decay,
+                frozen: p.frozen,
+            })
             .collect();
         let mut cursor = ParamCursor {
             cpu: &cpu_params,
             dropout_seeds: cpu.dropout_seeds().into_iter(),
+            vocab: spec.tokens.map(|t| t.vocab),
             next: 0,
-            offsets: [0, 0],
+            offsets: [0; 3],
             slots: Vec::new(),
         };
-        let mut shape = spec.input.to_vec();
+        let mut shape = match spec.tokens {
+            Some(tokens) => vec![tokens.length],
+            None => spec.input.to_vec(),
+        };
         let groups = build_groups(be, &spec.layers, "model.layers", &mut shape, &mut cursor)?;
         let layers = arrange(groups, spec.checkpoint, GpuLayer::Checkpointed);
         let mut layers = if options.fuse { fuse(layers) } else { layers };
@@ -476,20 +613,18 @@ impl CudaNetwork {
             .into());
         }
         let slots = cursor.slots;
-        let mut host = [
-            vec![0.0f32; cursor.offsets[0]],
-            vec![0.0f32; cursor.offsets[1]],
-        ];
+        let mut host = cursor.offsets.map(|len| vec![0.0f32; len]);
         for (slot, param) in slots.iter().zip(cpu.params_mut()) {
             host[slot.at.group][slot.at.range()].copy_from_slice(param.value.data());
         }
-        let [decay, no_decay] = host;
+        let [decay, no_decay, frozen] = host;
         let groups = [
             group_from_host(be, true, decay, options.activations)?,
             group_from_host(be, false, no_decay, options.activations)?,
+            ParamGroup::frozen_from_host(be, &frozen, options.activations)?,
         ];
         let mut network = Self {
-            spec: spec.clone(),
+            spec,
             layers,
             groups,
             params: slots,
@@ -520,13 +655,20 @@ impl CudaNetwork {
         self.params.iter().map(|p| p.at.len).sum()
     }
 
-    /// The two parameter groups (decay, no decay), for the optimizer.
-    pub fn groups_mut(&mut self) -> &mut [ParamGroup; 2] {
-        &mut self.groups
+    /// The trainable parameter groups (decay, no decay), for the
+    /// optimizer; the frozen group is not among them.
+    pub fn groups_mut(&mut self) -> &mut [ParamGroup] {
+        &mut self.groups[..FROZEN]
     }
 
-    pub fn groups(&self) -> &[ParamGroup; 2] {
-        &self.groups
+    pub fn groups(&self) -> &[ParamGroup] {
+        &self.groups[..FROZEN]
+    }
+
+    /// Values in the frozen group (none unless fine-tuning).
+    pub fn num_frozen(&self) -> usize {
+        let frozen = self.params.iter().filter(|p| !p.at.trainable());
+        frozen.map(|p| p.at.len).sum()
     }
 
     /// The storage of activations and compute weights (F16: mixed
@@ -535,20 +677,33 @@ impl CudaNetwork {
         self.activations
     }
 
-    /// A zero batch [n, h, w, c] of the network's input (dry runs).
+    /// A zero batch of the network's input (dry runs): [n, h, w, c], or
+    /// token ids [n, t] (all id 0).
     pub fn zeros_input(&self, be: &CudaBackend, n: usize) -> CudaResult<CudaTensor> {
+        if let Some(tokens) = self.spec.tokens {
+            return CudaTensor::zeros(be, &[n, tokens.length], DType::F32);
+        }
         let [h, w, c] = self.spec.input;
         CudaTensor::zeros(be, &[n, h, w, c], self.activations)
     }
 
+    /// The storage of the input: f32 token ids, or images as the
+    /// activations.
+    pub fn input_dtype(&self) -> DType {
+        match self.spec.tokens {
+            Some(_) => DType::F32,
+            None => self.activations,
+        }
+    }
+
     fn expect_input(&self, x: &CudaTensor) -> CudaResult<()> {
-        if x.dtype() != self.activations {
+        if x.dtype() != self.input_dtype() {
             return Err(CudaError::Unsupported {
                 op: "CudaNetwork::forward",
                 reason: format!(
                     "an input stored as {:?} for a network computing in {:?}",
                     x.dtype(),
-                    self.activations
+                    self.input_dtype()
                 ),
             });
         }
@@ -666,35 +821,50 @@ impl CudaNetwork {
         let masters = [
             be.download(&self.groups[0].master.slice)?,
             be.download(&self.groups[1].master.slice)?,
+            be.download(&self.groups[FROZEN].master.slice)?,
         ];
-        Ok(self.split(&masters))
+        Ok(self.split(&masters, true))
     }
 
     /// Every parameter's f32 gradient (times the loss scale backward was
     /// given), in the CPU network's order.
+    /// A frozen parameter's is empty, as on the CPU.
     pub fn read_grads(&self, be: &CudaBackend) -> CudaResult<Vec<Vec<f32>>> {
         let grads = [
             be.download(&self.groups[0].grad.slice)?,
             be.download(&self.groups[1].grad.slice)?,
+            Vec::new(),
         ];
-        Ok(self.split(&grads))
+        Ok(self.split(&grads, false))
     }
 
-    /// (first, second) AdamW moments per parameter, in order.
+    /// (first, second) AdamW moments per parameter, in order (empty for a
+    /// frozen parameter, as on the CPU).
     pub fn read_moments(&self, be: &CudaBackend) -> CudaResult<(HostParams, HostParams)> {
         let (m0, v0) = self.groups[0].read_moments(be)?;
         let (m1, v1) = self.groups[1].read_moments(be)?;
-        Ok((self.split(&[m0, m1]), self.split(&[v0, v1])))
+        Ok((
+            self.split(&[m0, m1, Vec::new()], false),
+            self.split(&[v0, v1, Vec::new()], false),
+        ))
     }
 
-    fn split(&self, groups: &[Vec<f32>; 2]) -> Vec<Vec<f32>> {
+    /// Per-parameter values out of per-group ones; frozen parameters get
+    /// theirs only when `frozen` says the frozen group has values.
+    fn split(&self, groups: &[Vec<f32>; 3], frozen: bool) -> Vec<Vec<f32>> {
         self.params
             .iter()
-            .map(|p| groups[p.at.group][p.at.range()].to_vec())
+            .map(|p| match p.at.trainable() || frozen {
+                true => groups[p.at.group][p.at.range()].to_vec(),
+                false => Vec::new(),
+            })
             .collect()
     }
 
-    fn join(&self, what: &str, values: &[Vec<f32>]) -> Result<[Vec<f32>; 2], String> {
+    /// Per-group values out of per-parameter ones, in the CPU's order. A
+    /// frozen parameter's moments are empty (or anything: they are not
+    /// used); its values are required.
+    fn join(&self, what: &str, values: &[Vec<f32>]) -> Result<[Vec<f32>; 3], String> {
         if values.len() != self.params.len() {
             return Err(format!(
                 "{} {what}, the model has {}",
@@ -702,11 +872,12 @@ impl CudaNetwork {
                 self.params.len()
             ));
         }
-        let mut host = [
-            vec![0.0f32; self.groups[0].len()],
-            vec![0.0f32; self.groups[1].len()],
-        ];
+        let moments = what.starts_with("moment");
+        let mut host = [0, 1, FROZEN].map(|g| vec![0.0f32; self.groups[g].len()]);
         for (slot, v) in self.params.iter().zip(values) {
+            if moments && !slot.at.trainable() {
+                continue;
+            }
             if v.len() != slot.at.len {
                 return Err(format!(
                     "{} has {} values, the model expects {}",
@@ -789,10 +960,12 @@ impl CudaNetwork {
         let second = self.join("moment tensors", moments.1).map_err(refuse)?;
         for (i, group) in self.groups.iter_mut().enumerate() {
             copy_host(be, &masters[i], &mut group.master)?;
-            copy_host(be, &first[i], &mut group.first_moment)?;
-            copy_host(be, &second[i], &mut group.second_moment)?;
             group.refresh_compute(be)?;
-            group.zero_grad(be)?;
+            if i != FROZEN {
+                copy_host(be, &first[i], &mut group.first_moment)?;
+                copy_host(be, &second[i], &mut group.second_moment)?;
+                group.zero_grad(be)?;
+            }
         }
         self.set_buffers(be, buffers)?;
         Ok(())
@@ -974,8 +1147,10 @@ fn build_one(
         } => {
             let cin = channels(path, shape)?;
             let pad = padding.unwrap_or(kernel / 2);
-            let weight = cursor.take(path, kernel * kernel * cin * out)?;
-            let bias = bias.then(|| cursor.take(path, *out)).transpose()?;
+            let weight = cursor.take_trainable(path, kernel * kernel * cin * out)?;
+            let bias = bias
+                .then(|| cursor.take_trainable(path, *out))
+                .transpose()?;
             let probe = ConvShape {
                 n: 1,
                 h: shape[0],
@@ -1000,8 +1175,8 @@ fn build_one(
         }
         LayerSpec::BatchNorm { momentum, eps } => {
             let c = channels(path, shape)?;
-            let gamma = cursor.take(path, c)?;
-            let beta = cursor.take(path, c)?;
+            let gamma = cursor.take_trainable(path, c)?;
+            let beta = cursor.take_trainable(path, c)?;
             vec![GpuLayer::BatchNorm {
                 bn: BatchNormLayer {
                     gamma,
@@ -1025,22 +1200,39 @@ fn build_one(
             vec![GpuLayer::GlobalAvgPool]
         }
         LayerSpec::Linear { out, bias } => {
-            let [features] = shape[..] else {
-                return Err(CudaError::shape(
-                    "CudaNetwork::build",
-                    format!("{path}: a feature vector [c]"),
-                    format!("{shape:?}"),
-                ));
-            };
-            let weight = cursor.take(path, features * out)?;
-            let bias = bias.then(|| cursor.take(path, *out)).transpose()?;
-            *shape = vec![*out];
-            vec![GpuLayer::Linear {
-                weight,
-                bias,
-                out: *out,
-            }]
+            let features = features(path, shape)?;
+            let layer = linear_layer(path, features, *out, *bias, cursor)?;
+            set_features(shape, *out);
+            vec![layer]
         }
+        LayerSpec::LoraLinear { out, bias, lora } => {
+            let features = features(path, shape)?;
+            let layer = lora_layer(path, features, *out, *bias, lora, cursor)?;
+            set_features(shape, *out);
+            vec![layer]
+        }
+        LayerSpec::Embedding { dim, positions } => {
+            vec![embedding_layer(path, shape, *dim, *positions, cursor)?]
+        }
+        LayerSpec::CausalSelfAttention { heads, lora, .. } => {
+            vec![attention_layer(path, shape, *heads, lora.as_ref(), cursor)?]
+        }
+        LayerSpec::TransformerBlock {
+            heads,
+            mlp_ratio,
+            dropout,
+            lora,
+            ..
+        } => transformer_block(
+            be,
+            path,
+            shape,
+            *heads,
+            *mlp_ratio,
+            *dropout,
+            lora.as_ref(),
+            cursor,
+        )?,
         LayerSpec::Flatten => {
             *shape = vec![shape.iter().product()];
             vec![GpuLayer::Flatten]
@@ -1053,28 +1245,9 @@ fn build_one(
                     format!("{shape:?}"),
                 ));
             };
-            let gamma = cursor.take(path, features)?;
-            let beta = cursor.take(path, features)?;
-            vec![GpuLayer::LayerNorm {
-                gamma,
-                beta,
-                eps: *eps,
-            }]
+            vec![layer_norm_layer(path, features, *eps, cursor)?]
         }
-        LayerSpec::Dropout { p } => {
-            let Some(seed) = cursor.dropout_seeds.next() else {
-                return Err(CudaError::shape(
-                    "CudaNetwork::build",
-                    format!("a dropout seed for {path}"),
-                    "none left in the CPU network".to_string(),
-                ));
-            };
-            vec![GpuLayer::Dropout(Box::new(DropoutLayer {
-                mask: ops::DropoutMask { p: *p, seed },
-                counter: be.alloc_zeros(4)?,
-                saved: be.alloc_zeros(4)?,
-            }))]
-        }
+        LayerSpec::Dropout { p } => vec![dropout_layer(be, path, *p, cursor)?],
         LayerSpec::Upsample2x => {
             let c = channels(path, shape)?;
             *shape = vec![2 * shape[0], 2 * shape[1], c];
@@ -1123,13 +1296,255 @@ fn build_one(
     })
 }
 
+fn build_error(what: String, got: String) -> CudaError {
+    CudaError::shape("CudaNetwork::build", what, got)
+}
+
+/// The features of a vector [c] or of each position of a sequence [t, c].
+fn features(path: &str, shape: &[usize]) -> CudaResult<usize> {
+    match *shape {
+        [c] | [_, c] => Ok(c),
+        _ => Err(build_error(
+            format!("{path}: a feature vector [c] or a sequence [t, c]"),
+            format!("{shape:?}"),
+        )),
+    }
+}
+
+fn set_features(shape: &mut [usize], out: usize) {
+    if let Some(last) = shape.last_mut() {
+        *last = out;
+    }
+}
+
+/// A parameter pair a layer trains together or not at all (a weight and
+/// its bias, γ and β): fine-tuning freezes both or neither.
+fn same_freezing(path: &str, a: &ParamRef, b: Option<&ParamRef>) -> CudaResult<()> {
+    match b {
+        Some(b) if b.trainable() != a.trainable() => Err(CudaError::Unsupported {
+            op: "CudaNetwork::build",
+            reason: format!("{path}: one of its parameters frozen and the other not"),
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn linear_layer(
+    path: &str,
+    features: usize,
+    out: usize,
+    bias: bool,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<GpuLayer> {
+    let weight = cursor.take(path, features * out)?;
+    let bias = bias.then(|| cursor.take(path, out)).transpose()?;
+    same_freezing(path, &weight, bias.as_ref())?;
+    Ok(GpuLayer::Linear { weight, bias, out })
+}
+
+fn lora_layer(
+    path: &str,
+    features: usize,
+    out: usize,
+    bias: bool,
+    lora: &LoraConfig,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<GpuLayer> {
+    let scale = lora
+        .validate(&format!("{path}.lora"), features, out)
+        .map_err(|e| CudaError::Unsupported {
+            op: "CudaNetwork::build",
+            reason: e.to_string(),
+        })?;
+    let weight = cursor.take(path, features * out)?;
+    let bias = bias.then(|| cursor.take(path, out)).transpose()?;
+    let a = cursor.take_trainable(path, lora.r * features)?;
+    let b = cursor.take_trainable(path, out * lora.r)?;
+    Ok(GpuLayer::Lora(Box::new(LoraLayer {
+        weight,
+        bias,
+        a,
+        b,
+        rank: lora.r,
+        scale,
+        out,
+    })))
+}
+
+fn layer_norm_layer(
+    path: &str,
+    features: usize,
+    eps: f32,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<GpuLayer> {
+    let gamma = cursor.take(path, features)?;
+    let beta = cursor.take(path, features)?;
+    same_freezing(path, &gamma, Some(&beta))?;
+    Ok(GpuLayer::LayerNorm { gamma, beta, eps })
+}
+
+fn dropout_layer(
+    be: &CudaBackend,
+    path: &str,
+    p: f32,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<GpuLayer> {
+    let Some(seed) = cursor.dropout_seeds.next() else {
+        return Err(build_error(
+            format!("a dropout seed for {path}"),
+            "none left in the CPU network".to_string(),
+        ));
+    };
+    Ok(GpuLayer::Dropout(Box::new(DropoutLayer {
+        mask: ops::DropoutMask { p, seed },
+        counter: be.alloc_zeros(4)?,
+        saved: be.alloc_zeros(4)?,
+    })))
+}
+
+fn embedding_layer(
+    path: &str,
+    shape: &mut Vec<usize>,
+    dim: usize,
+    positions: bool,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<GpuLayer> {
+    let (Some(vocab), &[length]) = (cursor.vocab, shape.as_slice()) else {
+        return Err(build_error(
+            format!("{path}: token ids [t] (model.tokens)"),
+            format!("{shape:?}"),
+        ));
+    };
+    let table = cursor.take(path, vocab * dim)?;
+    let positions_at = positions
+        .then(|| cursor.take(path, length * dim))
+        .transpose()?;
+    *shape = vec![length, dim];
+    Ok(GpuLayer::Embedding {
+        table,
+        positions: positions_at,
+        shape: ops::EmbeddingShape {
+            vocab,
+            dim,
+            length,
+            positions,
+        },
+    })
+}
+
+/// A projection of attention: linear, or LoRA when the spec adapts it.
+fn projection(
+    path: &str,
+    features: usize,
+    out: usize,
+    lora: Option<&LoraConfig>,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<GpuLayer> {
+    match lora {
+        Some(lora) => lora_layer(path, features, out, true, lora, cursor),
+        None => linear_layer(path, features, out, true, cursor),
+    }
+}
+
+fn attention_layer(
+    path: &str,
+    shape: &[usize],
+    heads: usize,
+    lora: Option<&LoraConfig>,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<GpuLayer> {
+    let [length, width] = *shape else {
+        return Err(build_error(
+            format!("{path}: a sequence [t, c]"),
+            format!("{shape:?}"),
+        ));
+    };
+    if heads == 0 || !width.is_multiple_of(heads) {
+        return Err(build_error(
+            format!("{path}.heads: a divisor of the width {width}"),
+            heads.to_string(),
+        ));
+    }
+    if width / heads > ops::ATTENTION_MAX_HEAD {
+        return Err(CudaError::Unsupported {
+            op: "CudaNetwork::build",
+            reason: format!(
+                "{path}.heads: heads of {} values; the GPU's attention kernels take at most {} \
+                 (use at least {} heads, or device.kind = \"cpu\")",
+                width / heads,
+                ops::ATTENTION_MAX_HEAD,
+                width.div_ceil(ops::ATTENTION_MAX_HEAD)
+            ),
+        });
+    }
+    let qkv = projection(&format!("{path}.qkv"), width, 3 * width, lora, cursor)?;
+    let proj = projection(&format!("{path}.proj"), width, width, lora, cursor)?;
+    Ok(GpuLayer::Attention {
+        qkv: vec![qkv],
+        proj: vec![proj],
+        length,
+        heads,
+    })
+}
+
+/// The CPU's pre-norm GPT block (`network::build_transformer_block`):
+/// x + drop(attn(ln1(x))), then x + drop(fc_out(gelu(fc(ln2(x))))).
+#[allow(clippy::too_many_arguments)]
+fn transformer_block(
+    be: &CudaBackend,
+    path: &str,
+    shape: &[usize],
+    heads: usize,
+    mlp_ratio: usize,
+    dropout: f32,
+    lora: Option<&LoraConfig>,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<Vec<GpuLayer>> {
+    let width = match *shape {
+        [_, width] => width,
+        _ => {
+            return Err(build_error(
+                format!("{path}: a sequence [t, c]"),
+                format!("{shape:?}"),
+            ))
+        }
+    };
+    let eps = crate::network::default_eps();
+    let mut attention = vec![
+        layer_norm_layer(&format!("{path}.ln1"), width, eps, cursor)?,
+        attention_layer(&format!("{path}.attn"), shape, heads, lora, cursor)?,
+    ];
+    if dropout > 0.0 {
+        attention.push(dropout_layer(be, path, dropout, cursor)?);
+    }
+    let hidden = width * mlp_ratio;
+    let mut mlp = vec![
+        layer_norm_layer(&format!("{path}.ln2"), width, eps, cursor)?,
+        linear_layer(&format!("{path}.fc"), width, hidden, true, cursor)?,
+        GpuLayer::Smooth(ops::Smooth::Gelu),
+        linear_layer(&format!("{path}.fc_out"), hidden, width, true, cursor)?,
+    ];
+    if dropout > 0.0 {
+        mlp.push(dropout_layer(be, path, dropout, cursor)?);
+    }
+    Ok(vec![GpuLayer::Residual(attention), GpuLayer::Residual(mlp)])
+}
+
+/// The storage of activations, as the groups' compute copies say.
+fn activations_of(groups: &Groups) -> DType {
+    match groups[DECAY].compute {
+        Some(_) => DType::F16,
+        None => DType::F32,
+    }
+}
+
 /// The weights a layer computes with (the f16 copy, or the f32 masters).
-fn compute<'a>(groups: &'a [ParamGroup; 2], p: &ParamRef) -> AnyView<'a> {
+fn compute<'a>(groups: &'a Groups, p: &ParamRef) -> AnyView<'a> {
     groups[p.group].weights(p.range())
 }
 
 /// The f32 master of a parameter (batch norm reads gamma and beta in f32).
-fn master<'a>(groups: &'a [ParamGroup; 2], p: &ParamRef) -> CudaView<'a, f32> {
+fn master<'a>(groups: &'a Groups, p: &ParamRef) -> CudaView<'a, f32> {
     groups[p.group].master.slice.slice(p.range())
 }
 
@@ -1235,7 +1650,7 @@ impl Input<'_> {
 fn forward_list(
     be: &CudaBackend,
     layers: &mut [GpuLayer],
-    groups: &[ParamGroup; 2],
+    groups: &Groups,
     x: Input<'_>,
     pass: Pass,
     mut saved: Option<&mut Vec<Saved>>,
@@ -1335,7 +1750,7 @@ enum Pass {
 fn forward_one(
     be: &CudaBackend,
     layer: &mut GpuLayer,
-    groups: &[ParamGroup; 2],
+    groups: &Groups,
     input: &Input<'_>,
     pass: Pass,
     mut saved: Option<&mut Vec<Saved>>,
@@ -1464,6 +1879,47 @@ fn forward_one(
             let (y, stats) = ops::layer_norm_forward(be, x, &g, &b, *eps)?;
             (y, Keep::InputAnd(stats))
         }
+        GpuLayer::Embedding {
+            table,
+            positions,
+            shape,
+        } => {
+            let table = master(groups, table);
+            let positions = positions.as_ref().map(|p| master(groups, p));
+            let dtype = activations_of(groups);
+            let y = ops::embedding_forward(be, x, &table, positions.as_ref(), *shape, dtype)?;
+            (y, Keep::Input)
+        }
+        GpuLayer::Lora(lora) => {
+            let (y, u) = ops::lora_forward(be, x, &lora.weights(groups), lora.out)?;
+            let keep = match keeping {
+                true => Saved::Lora(input.activation(be)?, Arc::new(u)),
+                false => Saved::Nothing,
+            };
+            (y, Keep::Other(keep))
+        }
+        GpuLayer::Attention {
+            qkv,
+            proj,
+            length,
+            heads,
+        } => {
+            // The projections' entries go on the stack below attention's own.
+            let qkv_out = forward_list(be, qkv, groups, input.lend(), pass, saved.as_deref_mut())?;
+            let (heads_out, stats) = ops::attention_forward(be, &qkv_out, *length, *heads)?;
+            let heads_out = Arc::new(heads_out);
+            let o = Input::Shared(Arc::clone(&heads_out), None);
+            let y = forward_list(be, proj, groups, o, pass, saved)?;
+            let keep = match keeping {
+                true => Saved::Attention(Box::new(SavedAttention {
+                    qkv: Arc::new(qkv_out),
+                    heads_out,
+                    stats,
+                })),
+                false => Saved::Nothing,
+            };
+            (y, Keep::Other(keep))
+        }
         // A reshape of the input itself, which `forward_list` does.
         GpuLayer::Flatten => {
             return Err(CudaError::Unsupported {
@@ -1480,7 +1936,7 @@ fn forward_one(
 fn batch_norm_forward(
     be: &CudaBackend,
     bn: &mut BatchNormLayer,
-    groups: &[ParamGroup; 2],
+    groups: &Groups,
     x: &CudaTensor,
     skip: Option<&CudaTensor>,
     relu: bool,
@@ -1522,7 +1978,7 @@ fn batch_norm_forward(
 fn backward_list(
     be: &CudaBackend,
     layers: &mut [GpuLayer],
-    groups: &mut [ParamGroup; 2],
+    groups: &mut Groups,
     saved: &mut Vec<Saved>,
     mut g: CudaTensor,
 ) -> CudaResult<CudaTensor> {
@@ -1568,6 +2024,11 @@ impl GpuLayer {
             GpuLayer::Dropout(d) => format!("dropout {}", d.mask.p),
             GpuLayer::Upsample2x => "upsample2x".into(),
             GpuLayer::UnetSkip { .. } => "unet_skip concat".into(),
+            GpuLayer::Embedding { shape, .. } => {
+                format!("embedding {}x{}", shape.vocab, shape.dim)
+            }
+            GpuLayer::Lora(lora) => format!("lora to {} (r {})", lora.out, lora.rank),
+            GpuLayer::Attention { heads, .. } => format!("causal attention {heads} heads"),
         }
     }
 }
@@ -1590,12 +2051,12 @@ struct Views<'a> {
 }
 
 fn with_grads<R>(
-    groups: &mut [ParamGroup; 2],
+    groups: &mut Groups,
     a: &ParamRef,
     b: Option<&ParamRef>,
     f: impl FnOnce(Views<'_>) -> R,
 ) -> R {
-    let [first, second] = groups;
+    let [first, second, _] = groups;
     let (ga, gb) = if a.group == DECAY {
         (first, second)
     } else {
@@ -1642,7 +2103,7 @@ fn with_grads<R>(
 fn backward_one(
     be: &CudaBackend,
     layer: &mut GpuLayer,
-    groups: &mut [ParamGroup; 2],
+    groups: &mut Groups,
     saved: &mut Vec<Saved>,
     g: CudaTensor,
 ) -> CudaResult<CudaTensor> {
@@ -1684,6 +2145,27 @@ fn backward_one(
             ops::add_inplace(be, &mut dx, &g)?;
             Ok(dx)
         }
+        GpuLayer::Attention {
+            qkv,
+            proj,
+            length,
+            heads,
+        } => {
+            let Some(Saved::Attention(kept)) = saved.pop() else {
+                return Err(missing());
+            };
+            let d_heads = backward_list(be, proj, groups, saved, g)?;
+            let SavedAttention {
+                qkv: qkv_out,
+                heads_out,
+                stats,
+            } = *kept;
+            let d_qkv = ops::attention_backward(
+                be, &qkv_out, &heads_out, &d_heads, &stats, *length, *heads,
+            )?;
+            drop((qkv_out, heads_out, stats, d_heads));
+            backward_list(be, qkv, groups, saved, d_qkv)
+        }
         GpuLayer::Checkpointed(body) => {
             let Some(Saved::Segment(x, Pass::Train { recompute, .. })) = saved.pop() else {
                 return Err(missing());
@@ -1715,7 +2197,7 @@ fn backward_one(
 fn backward_leaf(
     be: &CudaBackend,
     layer: &GpuLayer,
-    groups: &mut [ParamGroup; 2],
+    groups: &mut Groups,
     entry: Saved,
     g: CudaTensor,
 ) -> CudaResult<CudaTensor> {
@@ -1738,6 +2220,11 @@ fn backward_leaf(
                 let bias_grad = v.other_grad.as_mut();
                 ops::conv2d_backward(be, &x, &g, &v.compute, &mut v.grad, bias_grad, s, *plan)
             })
+        }
+        (GpuLayer::Linear { weight, .. }, Saved::Input(x)) if !weight.trainable() => {
+            // Its bias is frozen too (`same_freezing`).
+            let inf = x.take(be)?.shape().get(1).copied().unwrap_or(0);
+            ops::linear_backward_input(be, &g, &compute(groups, weight), inf)
         }
         (GpuLayer::Linear { weight, bias, .. }, Saved::Input(x)) => {
             let x = x.take(be)?;
@@ -1780,6 +2267,10 @@ fn backward_leaf(
         (GpuLayer::Dropout(d), Saved::Nothing) => {
             ops::dropout_apply(be, d.mask, &d.counter.slice, true, &g)
         }
+        (GpuLayer::LayerNorm { gamma, .. }, Saved::LayerNorm(x, stats)) if !gamma.trainable() => {
+            let x = x.take(be)?;
+            ops::layer_norm_backward_input(be, &g, &x, &stats, &master(groups, gamma))
+        }
         (GpuLayer::LayerNorm { gamma, beta, .. }, Saved::LayerNorm(x, stats)) => {
             let x = x.take(be)?;
             with_grads(groups, gamma, Some(beta), |mut v| {
@@ -1792,14 +2283,62 @@ fn backward_leaf(
         (GpuLayer::GlobalAvgPool, Saved::Shape(shape)) => {
             ops::global_avg_pool_backward(be, &g, &shape)
         }
+        (GpuLayer::Lora(lora), Saved::Lora(x, u)) => {
+            let x = x.take(be)?;
+            let inf = x.shape().get(1).copied().unwrap_or(0);
+            let (dx, du) = ops::lora_backward_input(be, &g, &lora.weights(groups), inf)?;
+            with_grads(groups, &lora.a, Some(&lora.b), |mut v| {
+                let Some(b_grad) = v.other_grad.as_mut() else {
+                    return Err(missing());
+                };
+                ops::lora_grads(be, &x, &u, &g, &du, &mut v.grad, b_grad)
+            })?;
+            Ok(dx)
+        }
+        (
+            GpuLayer::Embedding {
+                table,
+                positions,
+                shape,
+            },
+            Saved::Input(ids),
+        ) => {
+            let ids = ids.take(be)?;
+            embedding_grads(be, groups, &ids, &g, *table, *positions, *shape)?;
+            // Ids have no gradient.
+            CudaTensor::zeros(be, ids.shape(), ids.dtype())
+        }
         _ => Err(missing()),
+    }
+}
+
+/// An embedding's gradients into whichever of its table and positions
+/// are trainable.
+fn embedding_grads(
+    be: &CudaBackend,
+    groups: &mut Groups,
+    ids: &CudaTensor,
+    g: &CudaTensor,
+    table: ParamRef,
+    positions: Option<ParamRef>,
+    shape: ops::EmbeddingShape,
+) -> CudaResult<()> {
+    let positions = positions.filter(ParamRef::trainable);
+    match (table.trainable(), positions) {
+        (true, positions) => with_grads(groups, &table, positions.as_ref(), |mut v| {
+            ops::embedding_backward(be, ids, g, shape, Some(&mut v.grad), v.other_grad.as_mut())
+        }),
+        (false, Some(positions)) => with_grads(groups, &positions, None, |mut v| {
+            ops::embedding_backward(be, ids, g, shape, None, Some(&mut v.grad))
+        }),
+        (false, None) => Ok(()),
     }
 }
 
 /// Lends a batch norm's f32 gamma and the f32 gradients of gamma and beta
 /// to `f`.
 fn with_bn_grads<R>(
-    groups: &mut [ParamGroup; 2],
+    groups: &mut Groups,
     bn: &BatchNormLayer,
     f: impl FnOnce(
         &CudaView<'_, f32>,

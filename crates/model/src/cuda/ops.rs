@@ -30,6 +30,7 @@
 //! | `softmax_cross_entropy`, `XentOutput::summary` | `loss::softmax_cross_entropy` |
 //! | `soft_cross_entropy` | `loss::soft_cross_entropy` |
 //! | `focal_loss`, `soft_focal_loss` | `loss::focal_loss`, `loss::soft_focal_loss` |
+//! | the token models' ops (`sequence.rs`) | `layers::Embedding`, `layers::CausalSelfAttention`, `layers::LoraLinear` |
 //!
 //! Every launch is asynchronous; nothing here waits for the GPU except the
 //! explicit downloads.
@@ -46,6 +47,9 @@ use super::tensor::{
     checked_len, same_dtype, AnyView, AnyViewMut, CudaTensor, DType, MAX_ELEMENTS,
 };
 use super::{CudaError, CudaResult};
+
+mod sequence;
+pub use sequence::*;
 
 /// Threads per block of the elementwise kernels.
 const BLOCK: u32 = 256;
@@ -803,31 +807,14 @@ pub fn layer_norm_backward(
     gamma_grad: &mut CudaViewMut<'_, f32>,
     beta_grad: &mut CudaViewMut<'_, f32>,
 ) -> CudaResult<CudaTensor> {
-    g.expect_shape("layer_norm backward", x.shape())?;
-    same_dtype("layer_norm backward", g.dtype(), &[x.dtype()])?;
+    let dx = layer_norm_backward_input(be, g, x, saved, gamma)?;
     let (rows, cols) = ln_dims(x, gamma, &gamma_grad.as_view())?;
     same_len("layer_norm backward", "dβ", cols, beta_grad.len())?;
-    same_len("layer_norm backward", "stats", 2 * rows, saved.stats.len())?;
-    let p = ln_params("layer_norm backward", rows, cols, saved.eps)?;
-    let mut dx = CudaTensor::uninit(be, g.shape(), g.dtype())?;
     if dx.is_empty() {
         return Ok(dx);
     }
+    let p = ln_params("layer_norm backward", rows, cols, saved.eps)?;
     let stream = be.compute_stream();
-    {
-        let f = be.function(k::LAYER_NORM_BACKWARD.of(g.dtype()))?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&p)
-            .arg(g)
-            .arg(x)
-            .arg(gamma)
-            .arg(&saved.stats.slice)
-            .arg(&mut dx);
-        // SAFETY: layer_norm_backward_T(LnParams, const T* g, const T* x
-        // [rows, cols], γ [cols], stats [rows, 2], T* dx [rows, cols]) with
-        // block (32, 8) and a row per warp.
-        unsafe { b.launch(per_row(rows)) }.during("layer_norm_backward")?;
-    }
     let chunks = p.chunks as usize;
     let mut part_gamma = be.alloc::<f32>(chunks * cols)?;
     let mut part_beta = be.alloc::<f32>(chunks * cols)?;
@@ -864,6 +851,38 @@ pub fn layer_norm_backward(
         // and grid ceil(cols/32), as its shared arrays require.
         unsafe { b.launch(per_channel_lanes(cols)) }.during("layer_norm_grad_finalize")?;
     }
+    Ok(dx)
+}
+
+/// Layer norm backward's dx alone (a frozen γ and β get no gradient).
+pub fn layer_norm_backward_input(
+    be: &CudaBackend,
+    g: &CudaTensor,
+    x: &CudaTensor,
+    saved: &LayerNormSaved,
+    gamma: &CudaView<'_, f32>,
+) -> CudaResult<CudaTensor> {
+    g.expect_shape("layer_norm backward", x.shape())?;
+    same_dtype("layer_norm backward", g.dtype(), &[x.dtype()])?;
+    let (rows, cols) = ln_dims(x, gamma, gamma)?;
+    same_len("layer_norm backward", "stats", 2 * rows, saved.stats.len())?;
+    let p = ln_params("layer_norm backward", rows, cols, saved.eps)?;
+    let mut dx = CudaTensor::uninit(be, g.shape(), g.dtype())?;
+    if dx.is_empty() {
+        return Ok(dx);
+    }
+    let f = be.function(k::LAYER_NORM_BACKWARD.of(g.dtype()))?;
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p)
+        .arg(g)
+        .arg(x)
+        .arg(gamma)
+        .arg(&saved.stats.slice)
+        .arg(&mut dx);
+    // SAFETY: layer_norm_backward_T(LnParams, const T* g, const T* x
+    // [rows, cols], γ [cols], stats [rows, 2], T* dx [rows, cols]) with
+    // block (32, 8) and a row per warp.
+    unsafe { b.launch(per_row(rows)) }.during("layer_norm_backward")?;
     Ok(dx)
 }
 
@@ -2236,57 +2255,85 @@ pub fn linear_backward(
         same_len("linear backward", "bias gradient", out, db.len())?;
         bias_grad_into(be, g, db)?;
     }
-    let dtype = x.dtype();
-    same_dtype("linear backward", dtype, &[g.dtype(), weight.dtype()])?;
-    let mut dx = CudaTensor::uninit(be, &[n, inf], dtype)?;
-    if n == 0 || inf == 0 {
-        return Ok(dx);
-    }
-    if out == 0 {
-        return CudaTensor::zeros(be, &[n, inf], dtype);
-    }
-    gemm(
-        be,
-        inf,
-        out,
-        n,
-        &x.view(),
-        Operand {
-            transpose: true,
-            ld: inf,
-        },
-        &g.view(),
-        Operand {
-            transpose: false,
-            ld: out,
-        },
-        &mut AnyViewMut::F32(weight_grad.slice_mut(..)),
-        out,
-        1.0,
-        1.0,
-    )?;
-    {
+    same_dtype("linear backward", x.dtype(), &[g.dtype(), weight.dtype()])?;
+    if n > 0 && inf > 0 && out > 0 {
         gemm(
             be,
-            n,
             inf,
             out,
+            n,
+            &x.view(),
+            Operand {
+                transpose: true,
+                ld: inf,
+            },
             &g.view(),
             Operand {
                 transpose: false,
                 ld: out,
             },
-            weight,
-            Operand {
-                transpose: true,
-                ld: out,
-            },
-            &mut dx.view_mut(),
-            inf,
+            &mut AnyViewMut::F32(weight_grad.slice_mut(..)),
+            out,
             1.0,
-            0.0,
+            1.0,
         )?;
     }
+    linear_backward_input(be, g, weight, inf)
+}
+
+/// dx = g·Wᵀ [n, in] for g [n, out] and W [in, out] (a frozen weight's
+/// layer needs only this).
+pub fn linear_backward_input(
+    be: &CudaBackend,
+    g: &CudaTensor,
+    weight: &AnyView<'_>,
+    inf: usize,
+) -> CudaResult<CudaTensor> {
+    let (n, out) = match *g.shape() {
+        [n, out] => (n, out),
+        _ => {
+            return Err(CudaError::shape(
+                "linear backward",
+                "gradient [n, out]",
+                format!("{:?}", g.shape()),
+            ))
+        }
+    };
+    same_len(
+        "linear backward",
+        "weight [in, out]",
+        inf * out,
+        weight.len(),
+    )?;
+    let dtype = g.dtype();
+    same_dtype("linear backward", dtype, &[weight.dtype()])?;
+    if out == 0 {
+        return CudaTensor::zeros(be, &[n, inf], dtype);
+    }
+    let mut dx = CudaTensor::uninit(be, &[n, inf], dtype)?;
+    if n == 0 || inf == 0 {
+        return Ok(dx);
+    }
+    gemm(
+        be,
+        n,
+        inf,
+        out,
+        &g.view(),
+        Operand {
+            transpose: false,
+            ld: out,
+        },
+        weight,
+        Operand {
+            transpose: true,
+            ld: out,
+        },
+        &mut dx.view_mut(),
+        inf,
+        1.0,
+        0.0,
+    )?;
     Ok(dx)
 }
 

@@ -4,7 +4,9 @@
 //! backward produces them), the f32 moments and, in mixed precision, the
 //! f16 compute copy the forward and backward read (in f32 training they
 //! read the masters, and there is no copy). A layer's parameter is a range
-//! of a group (`CudaSlice::slice`). Two groups (decay, no decay) cover a network. The
+//! of a group (`CudaSlice::slice`). Two groups (decay, no decay) hold a
+//! network's trainable parameters; a third, frozen one
+//! (`frozen_from_host`) only their values. The
 //! fused AdamW step over them lives in headroom-optim (`FusedAdamW`).
 
 use half::f16;
@@ -61,6 +63,36 @@ impl ParamGroup {
             second_moment: be.alloc_zeros(values.len())?,
             compute,
         })
+    }
+
+    /// A group of frozen parameters: masters and (in mixed precision) the
+    /// compute copy, with one-element placeholders for the gradient and
+    /// moments (never read: the optimizer is not given this group).
+    pub fn frozen_from_host(be: &CudaBackend, values: &[f32], compute: DType) -> CudaResult<Self> {
+        // Every group has device buffers, an empty one a single zero.
+        let values = if values.is_empty() {
+            &[0.0][..]
+        } else {
+            values
+        };
+        let mut group = Self::from_host(be, false, &[0.0], DType::F32)?;
+        if values.len() > MAX_ELEMENTS {
+            return Err(CudaError::Unsupported {
+                op: "ParamGroup",
+                reason: format!("{} frozen parameters exceed {MAX_ELEMENTS}", values.len()),
+            });
+        }
+        group.master = be.upload(values)?;
+        if compute == DType::F16 {
+            let mut copy = be.alloc::<f16>(values.len())?;
+            cast_f32_to_f16_into(
+                be,
+                &group.master.slice.as_view(),
+                &mut copy.slice.as_view_mut(),
+            )?;
+            group.compute = Some(copy);
+        }
+        Ok(group)
     }
 
     pub fn len(&self) -> usize {

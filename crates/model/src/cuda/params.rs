@@ -43,6 +43,10 @@ kernel_params! {
     UpsampleParams(16) { n: u32, h: u32, w: u32, c: u32 }
     /// unet.cu: channels_concat, channels_split.
     ConcatParams(12) { rows: u32, c1: u32, c2: u32 }
+    /// sequence.cu: the embedding kernels (`positions` 0 or 1).
+    EmbedParams(20) { rows: u32, dim: u32, length: u32, vocab: u32, positions: u32 }
+    /// sequence.cu: the attention kernels; `scale` = 1/√d.
+    AttnParams(20) { n: u32, t: u32, heads: u32, d: u32, scale: f32 }
     /// layernorm.cu: every kernel.
     LnParams(20) { rows: u32, cols: u32, rows_per_chunk: u32, chunks: u32, eps: f32 }
     /// batchnorm.cu: bn_stats_partial.
