@@ -26,8 +26,16 @@
 //! (`graph.rs`, `device.graphs`), with the same results as the eager step.
 //!
 //! Mixup/CutMix soft targets go up as f32 rows (smoothing applied as on the
-//! CPU) to the soft-target cross-entropy kernel. Not on the GPU yet, each
-//! refused with a message naming it: the sequence layers.
+//! CPU) to the soft-target cross-entropy kernel.
+//!
+//! A token model (`model.tokens`) reads text windows as the CPU learner
+//! does: the ids (checked against the vocabulary on the host) go up as
+//! f32 [n, t] and the targets as a label per token, so its loss, accuracy
+//! and predictions are per token; these steps run eagerly (no graph). A
+//! fine-tuning run starts from the CPU network `finetune::initialise`
+//! loaded and froze (`from_network`): frozen parameters hold no gradient or
+//! optimizer state on the device. Not on the GPU yet, refused naming the
+//! layer: LSTM and the frame models' layers.
 
 use std::collections::VecDeque;
 
@@ -37,7 +45,8 @@ use headroom_model::cuda::{
     DeviceInfo, InputStaging, Normalization, ProfileSegment, ResidentImages, StagedBatch,
     StepRecords, MAX_IN_FLIGHT,
 };
-use headroom_model::{ModelError, ModelSpec, PoolStats};
+use headroom_model::memory::MemoryPool;
+use headroom_model::{Device, ModelError, ModelSpec, Network, PoolStats, TokenInput};
 use headroom_optim::{AdamWState, FusedAdamW, LossScalerConfig, LossScalerState};
 
 mod graph;
@@ -116,6 +125,19 @@ impl CudaLearner {
         batch_size: usize,
         options: CudaOptions,
     ) -> Result<Self> {
+        let mut cpu = MemoryPool::new(Device::Cpu).scope(|| Network::build(spec, seed))?;
+        Self::from_network(be, &mut cpu, settings, batch_size, options)
+    }
+
+    /// The GPU copy of a CPU network (its weights, buffers and frozen
+    /// parameters: a fine-tuning base loaded into it).
+    pub fn from_network(
+        be: CudaBackend,
+        cpu: &mut Network,
+        settings: StepSettings,
+        batch_size: usize,
+        options: CudaOptions,
+    ) -> Result<Self> {
         // Without a budget, 90% of what was free at start: the policy then
         // adapts before the driver refuses (which is handled too).
         let limit = options
@@ -135,7 +157,8 @@ impl CudaLearner {
             }
         }
         cuda(be.set_memory_limit(limit))?;
-        let mut network = CudaNetwork::build(&be, spec, seed, options.build)?;
+        let mut network = CudaNetwork::from_cpu(&be, cpu, options.build)?;
+        let spec = &network.spec().clone();
         let optimizer = FusedAdamW::new(
             &be,
             settings.optimizer.clone(),
@@ -202,8 +225,12 @@ impl CudaLearner {
         self.network.activations() == DType::F16
     }
 
-    /// Copies a micro-batch to the device and normalises it there.
+    /// Copies a micro-batch to the device and normalises it there; a token
+    /// model's ids and per-token targets.
     fn stage(&mut self, part: &Batch) -> Result<StagedBatch> {
+        if let Some(tokens) = self.network.spec().tokens {
+            return self.stage_tokens(part, tokens);
+        }
         self.ensure_staging(part.len())?;
         let norm = self.normalization();
         let classes = self.network.num_classes();
@@ -228,6 +255,28 @@ impl CudaLearner {
             self.staging
                 .stage_recipes(&self.be, set, &packed, &part.labels, classes, norm),
         )
+    }
+
+    /// A batch of text windows: the ids [n, t] as f32, the next byte of
+    /// each as its label.
+    fn stage_tokens(&self, part: &Batch, tokens: TokenInput) -> Result<StagedBatch> {
+        let (ids, targets) = part.next_token_pairs();
+        if let Some(at) = ids.iter().position(|&id| id as usize >= tokens.vocab) {
+            return Err(PipelineError::value(
+                "model.tokens.vocab",
+                format!(
+                    "token id {} at position {at} of the batch is not below the vocabulary of {}",
+                    ids[at], tokens.vocab
+                ),
+            ));
+        }
+        let ids: Vec<f32> = ids.iter().map(|&id| id as f32).collect();
+        let shape = [part.len(), tokens.length];
+        let be = &self.be;
+        Ok(StagedBatch {
+            images: cuda(CudaTensor::from_host(be, &shape, &ids, DType::F32))?,
+            labels: cuda(be.upload(&targets))?,
+        })
     }
 
     /// Queues a step: its schedule, its kernels (a graph replay or one
@@ -646,7 +695,12 @@ impl Learner for CudaLearner {
         cuda(self.be.profile_finish())
     }
 
+    /// None for a token model: its windows are staged per batch (the
+    /// resident set and its kernels are images).
     fn resident_capacity(&self) -> Option<u64> {
+        if self.network.spec().tokens.is_some() {
+            return None;
+        }
         let m = self.be.memory_stats();
         let budget = m.limit.unwrap_or(self.be.info().total_memory);
         Some(budget / 4)

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use headroom_loader::{Batch, Dataset};
 use headroom_model::cuda::{CudaBackend, ProfileSegment};
 use headroom_model::memory::MemoryPool;
-use headroom_model::{BuildOptions, PoolStats};
+use headroom_model::{BuildOptions, Device, Network, PoolStats};
 use headroom_optim::{AdamWConfig, AdamWState, LossScalerState};
 
 use crate::config::ExperimentConfig;
@@ -210,7 +210,8 @@ pub trait Learner: Send {
 
     /// The most bytes a training set held on the learner's device may take
     /// (`data.on_device`); None when the learner has no device memory of its
-    /// own to hold one in (the CPU: its batches are in that memory already).
+    /// own to hold one in (the CPU: its batches are in that memory already),
+    /// or no kernels to make batches there from this model's samples.
     fn resident_capacity(&self) -> Option<u64> {
         None
     }
@@ -271,17 +272,15 @@ pub fn open(
                  set device.kind = \"cpu\"",
             ));
         }
-        if config.model.tokens.is_some() {
-            return Err(PipelineError::value(
-                "device.kind",
-                "token models (model.tokens: embedding, attention, LSTM layers) run on the CPU only for now; \
-                 set device.kind = \"cpu\"",
-            ));
-        }
         let be = CudaBackend::new(0).map_err(|e| {
             PipelineError::value("device.kind", format!("\"cuda\" cannot be used: {e}"))
         })?;
-        CudaLearner::new(be, &config.model, config.run.seed, settings, batch, cuda)
+        // Built on the CPU first, where a fine-tuning base is loaded and
+        // frozen, then copied up.
+        let mut network = MemoryPool::new(Device::Cpu)
+            .scope(|| Network::build(&config.model, config.run.seed))?;
+        crate::finetune::initialise(config, &mut network)?;
+        CudaLearner::from_network(be, &mut network, settings, batch, cuda)
     };
     match config.device.kind.as_str() {
         "cpu" => on_cpu(settings),

@@ -99,6 +99,7 @@ impl CudaLearner {
             && n > 0
             && n <= self.micro_batch
             && batch.soft_targets.is_none()
+            && self.network.spec().tokens.is_none()
             && (batch.recipes.is_none() || self.resident.is_some());
         eligible.then(|| GraphKey {
             samples: n,
