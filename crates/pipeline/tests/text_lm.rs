@@ -4,9 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use headroom_model::memory::MemoryPool;
-use headroom_model::{Device, Tensor};
-use headroom_pipeline::learner::{self, per_token_loss, CudaOptions};
+use headroom_model::Tensor;
+use headroom_pipeline::learner::per_token_loss;
 use headroom_pipeline::{text, train, ExperimentConfig, Overrides, Resume, TrainOptions};
 
 const LENGTH: usize = 16;
@@ -271,24 +270,4 @@ fn text_data_without_a_token_model_names_model_tokens() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("model.tokens"), "{err}");
-}
-
-#[test]
-fn the_gpu_learner_refuses_token_models_saying_they_run_on_the_cpu() {
-    let dir = tempfile::tempdir().unwrap();
-    let corpus = write_corpus(dir.path());
-    let config = load(
-        dir.path(),
-        &experiment_text(dir.path(), &corpus, LENGTH, 256, 256),
-        &["device.kind=cuda"],
-    );
-    let pool = MemoryPool::new(Device::Cpu);
-    let err = learner::open(&config, pool, CudaOptions::default())
-        .err()
-        .expect("a token model must not open on the GPU")
-        .to_string();
-    assert!(
-        err.contains("device.kind") && err.contains("CPU only"),
-        "{err}"
-    );
 }
