@@ -240,6 +240,10 @@ pub fn dry_run(bundle: &Path) -> Result<()> {
             "HEADROOM_SETS",
             "--set data.train_samples=256 --set data.test_samples=64 --set checkpoint.every_steps=2",
         )
+        .env(
+            "GPT_SETS",
+            "--set data.train_samples=32 --set data.test_samples=8 --set text.sample_bytes=16",
+        )
         .env("OOM_BUDGET", "6MiB")
         .env("BENCH_ARGS", "--batch 32,64 --warmup 1 --steps 2")
         .env("STEP_TIMEOUT", "300")

@@ -18,7 +18,8 @@
 # the CPU emulator of the driver with: EXPERIMENT (the config every new job
 # starts from; experiments/fashion_mnist.toml), HEADROOM_SETS (`--set K=V`
 # overrides added last to every new job), OOM_BUDGET (the oom-budget step's
-# device.memory_limit; 40MiB) and BENCH_ARGS (`--steps 50`).
+# device.memory_limit; 40MiB), BENCH_ARGS (`--steps 50`) and GPT_SETS
+# (overrides after HEADROOM_SETS for the train-gpt step's three jobs).
 set -u
 cd "$(dirname "$0")"
 BUNDLE=$PWD
@@ -93,6 +94,32 @@ train_mlp() {
         --set train.epochs=1 --set "run.output_dir=$OUT/mlp-silu" || return 1
     EXPERIMENT=experiments/mlp_silu.toml hr train --no-install --set device.kind=cpu \
         --set train.epochs=1 --set "run.output_dir=$OUT/mlp-silu-cpu"
+}
+
+# train_gpt: token models on the GPU. tiny_gpt for one epoch on the
+# licence texts lora_finetune reads (/usr/share/common-licenses, in Debian's
+# and Ubuntu's essential base-files), then LoRA fine-tuning of that base
+# (batch 1 x accumulation 8, blocks recomputed), then the full fine-tune
+# of it, for their tensor peaks on the device.
+train_gpt() {
+    python3 - "$OUT" <<'EOF' || return 1
+import re, sys
+out = sys.argv[1]
+corpus = re.compile(r"^package = .*?^\]\n", re.S | re.M)
+gpt = open("experiments/tiny_gpt.toml").read()
+lora = open("experiments/lora_finetune.toml").read()
+gpt = corpus.sub(lambda _: corpus.search(lora).group(0), gpt)
+open(out + "/gpt_licences.toml", "w").write(gpt)
+lora = re.sub(r"^base = .*$", 'base = "%s/gpt-base"' % out, lora, flags=re.M)
+open(out + "/lora_gpu.toml", "w").write(lora)
+EOF
+    local HEADROOM_SETS="$HEADROOM_SETS ${GPT_SETS:-}"
+    EXPERIMENT=$OUT/gpt_licences.toml hr train --no-install --set device.kind=cuda \
+        --set train.epochs=1 --set "run.output_dir=$OUT/gpt-base" || return 1
+    EXPERIMENT=$OUT/lora_gpu.toml hr train --no-install --set device.kind=cuda \
+        --set "run.output_dir=$OUT/lora" || return 1
+    EXPERIMENT=$OUT/lora_gpu.toml hr train --no-install --set device.kind=cuda \
+        --set finetune.train=full --set "run.output_dir=$OUT/lora-full"
 }
 
 # hog_and_train: another process holds all but HOG_LEAVES_MIB of the GPU;
@@ -283,6 +310,11 @@ for name in ("train-no-amp", "train-auto", "train-implicit-gemm"):
 mlp_log = read("train-mlp.log")
 mlp = dict(zip(("gpu", "cpu"), re.findall(r"test accuracy\s+([0-9.]+)%", mlp_log)))
 mlp_wall = dict(zip(("gpu", "cpu"), re.findall(r"wall time\s+([0-9.]+) s", mlp_log)))
+# train-gpt's log: tiny_gpt's summary, then LoRA's, then the full fine-tune's.
+gpt_log = read("train-gpt.log")
+gpt = [l for l in gpt_log.splitlines() if re.match(r"^(test |wall|train speed|peak|tensor)", l)]
+if gpt:
+    report["tiny_gpt_then_lora_then_full"] = gpt
 if mlp:
     report["mlp_silu_one_epoch"] = {k: {"test_accuracy_percent": float(v), "wall_seconds": float(mlp_wall[k]) if k in mlp_wall else None} for k, v in mlp.items()}
 torch_job = [l for l in read("torch-job.log").splitlines() if l.startswith("{")]
@@ -337,6 +369,9 @@ for name in ("train-no-amp", "train-auto", "train-implicit-gemm"):
         lines += [f"{name} test accuracy {report[name + '_test_accuracy_percent']:.2f}%"]
 if "mlp_silu_one_epoch" in report:
     lines += ["mlp_silu, one epoch: " + json.dumps(report["mlp_silu_one_epoch"])]
+if "tiny_gpt_then_lora_then_full" in report:
+    lines += ["", "tiny_gpt (1 epoch), then LoRA, then the full fine-tune, on the GPU:"]
+    lines += report["tiny_gpt_then_lora_then_full"]
 for name in ("oom-budget", "oom-budget-reactive", "oom-driver"):
     if name in steps:
         lines += [f"{name}: {json.dumps(report[name])}"]
@@ -354,7 +389,7 @@ print("\n".join(lines))
 EOF
 }
 
-export -f hr torch_cuda train_on_auto train_mlp hog_and_train step_reached kill_at \
+export -f hr torch_cuda train_on_auto train_mlp train_gpt hog_and_train step_reached kill_at \
     resume_reference resume_killed resume_compare weights_equal
 export RESUME_EPOCHS RESUME_JOB
 
@@ -391,6 +426,7 @@ if wants train; then
         --set train.epochs=1 --set "run.output_dir=$OUT/default-no-amp"
     step train-auto train_on_auto
     step train-mlp train_mlp
+    step train-gpt train_gpt
     # The same job in PyTorch (AMP, channels_last, fused AdamW,
     # torch.compile, DataLoader with 4 workers), for the whole-job wall time.
     if torch_cuda; then

@@ -94,6 +94,15 @@ fn u32_of(op: &'static str, v: usize) -> CudaResult<u32> {
     Ok(v as u32)
 }
 
+/// (rows, columns) of a matrix [rows, cols]; anything else is an error
+/// saying what `op` expected.
+fn matrix_dims(op: &'static str, expected: &str, t: &CudaTensor) -> CudaResult<(usize, usize)> {
+    match *t.shape() {
+        [rows, cols] => Ok((rows, cols)),
+        _ => Err(CudaError::shape(op, expected, format!("{:?}", t.shape()))),
+    }
+}
+
 fn same_len(op: &'static str, what: &str, expected: usize, got: usize) -> CudaResult<()> {
     if expected != got {
         return Err(CudaError::shape(
@@ -2168,16 +2177,7 @@ pub fn linear_forward(
     bias: Option<&AnyView<'_>>,
     out_features: usize,
 ) -> CudaResult<CudaTensor> {
-    let (n, inf) = match *x.shape() {
-        [n, f] => (n, f),
-        _ => {
-            return Err(CudaError::shape(
-                "linear",
-                "features [n, in]",
-                format!("{:?}", x.shape()),
-            ))
-        }
-    };
+    let (n, inf) = matrix_dims("linear", "features [n, in]", x)?;
     same_len(
         "linear",
         "weight [in, out]",
@@ -2227,16 +2227,7 @@ pub fn linear_backward(
     weight_grad: &mut CudaViewMut<'_, f32>,
     bias_grad: Option<&mut CudaViewMut<'_, f32>>,
 ) -> CudaResult<CudaTensor> {
-    let (n, inf) = match *x.shape() {
-        [n, f] => (n, f),
-        _ => {
-            return Err(CudaError::shape(
-                "linear backward",
-                "features [n, in]",
-                format!("{:?}", x.shape()),
-            ))
-        }
-    };
+    let (n, inf) = matrix_dims("linear backward", "features [n, in]", x)?;
     let out = weight.len().checked_div(inf).unwrap_or(0);
     same_len(
         "linear backward",
@@ -2289,16 +2280,7 @@ pub fn linear_backward_input(
     weight: &AnyView<'_>,
     inf: usize,
 ) -> CudaResult<CudaTensor> {
-    let (n, out) = match *g.shape() {
-        [n, out] => (n, out),
-        _ => {
-            return Err(CudaError::shape(
-                "linear backward",
-                "gradient [n, out]",
-                format!("{:?}", g.shape()),
-            ))
-        }
-    };
+    let (n, out) = matrix_dims("linear backward", "gradient [n, out]", g)?;
     same_len(
         "linear backward",
         "weight [in, out]",

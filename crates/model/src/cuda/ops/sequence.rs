@@ -10,7 +10,7 @@
 
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
-use super::{elementwise, linear_backward_input, linear_forward, same_len, u32_of};
+use super::{elementwise, linear_backward_input, linear_forward, matrix_dims, same_len, u32_of};
 use crate::cuda::backend::{CudaBackend, DeviceBuffer};
 use crate::cuda::error::Context;
 use crate::cuda::gemm::{gemm, Operand};
@@ -158,16 +158,7 @@ fn attention_params(
     t: usize,
     heads: usize,
 ) -> CudaResult<AttnParams> {
-    let (rows, width3) = match *qkv.shape() {
-        [rows, w] => (rows, w),
-        _ => {
-            return Err(CudaError::shape(
-                op,
-                "qkv [n·t, 3c]",
-                format!("{:?}", qkv.shape()),
-            ))
-        }
-    };
+    let (rows, width3) = matrix_dims(op, "qkv [n·t, 3c]", qkv)?;
     let c = width3 / 3;
     let ok = t > 0 && heads > 0 && width3 == 3 * c && rows.is_multiple_of(t) && c % heads == 0;
     if !ok {
@@ -416,16 +407,7 @@ pub fn lora_grads(
     b_grad: &mut CudaViewMut<'_, f32>,
 ) -> CudaResult<()> {
     let op = "lora backward";
-    let (rows, inf) = match *x.shape() {
-        [rows, inf] => (rows, inf),
-        _ => {
-            return Err(CudaError::shape(
-                op,
-                "x [rows, in]",
-                format!("{:?}", x.shape()),
-            ))
-        }
-    };
+    let (rows, inf) = matrix_dims(op, "x [rows, in]", x)?;
     let r = u.shape().get(1).copied().unwrap_or(0);
     let out = g.shape().get(1).copied().unwrap_or(0);
     g.expect_shape(op, &[rows, out])?;
