@@ -447,6 +447,10 @@ fn a_tiny_gpt_trains_on_the_gpu_path_as_on_the_cpu() {
     assert_eq!(gpu.step, cpu.step);
     assert!(gpu.step > 0);
     let apart = weights_apart(&dir.path().join("gpu"), &dir.path().join("cpu"));
+    eprintln!(
+        "tiny gpt: {} steps, GPU and CPU weights {apart:.1e} apart",
+        gpu.step
+    );
     assert!(apart < 1e-3, "GPU f32 and CPU weights differ by {apart}");
     let (ga, ca) = (gpu.test_accuracy.unwrap(), cpu.test_accuracy.unwrap());
     assert!((ga - ca).abs() <= 0.02, "per-token accuracy {ga} vs {ca}");
@@ -488,6 +492,7 @@ fn lora_finetuning_trains_the_adapters_on_the_gpu_path_as_on_the_cpu() {
             None => {
                 adapters += 1;
                 let apart = relative_l2(g, c);
+                eprintln!("{name}: GPU and CPU adapters {apart:.1e} apart");
                 assert!(
                     apart < 1e-3,
                     "{name}: GPU and CPU adapters differ by {apart}"
@@ -496,4 +501,32 @@ fn lora_finetuning_trains_the_adapters_on_the_gpu_path_as_on_the_cpu() {
         }
     }
     assert_eq!(adapters, 4, "A and B of the qkv and proj adapters");
+}
+
+/// A character LSTM (char_lm's layers, smaller) trains on the GPU path as
+/// on the CPU: f32 weights within 1e-3 (relative L2) after an epoch.
+#[test]
+fn an_lstm_language_model_trains_on_the_gpu_path_as_on_the_cpu() {
+    if !cuda_path_available("cuda_training") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let lstm = |kind: &str| {
+        text_experiment(dir.path(), kind, kind, "", "").replace(
+            r#"{ type = "transformer_block", heads = 2, mlp_ratio = 2 }"#,
+            r#"{ type = "lstm", hidden = 24 }"#,
+        )
+    };
+    let (gpu_text, cpu_text) = (lstm("cuda"), lstm("cpu"));
+    assert!(gpu_text.contains("lstm"));
+    let gpu = text_run(dir.path(), "cuda", &gpu_text);
+    let cpu = text_run(dir.path(), "cpu", &cpu_text);
+    assert_eq!(gpu.step, cpu.step);
+    assert!(gpu.step > 0);
+    let apart = weights_apart(&dir.path().join("cuda"), &dir.path().join("cpu"));
+    eprintln!(
+        "lstm: {} steps, GPU and CPU weights {apart:.1e} apart",
+        gpu.step
+    );
+    assert!(apart < 1e-3, "GPU f32 and CPU weights differ by {apart}");
 }

@@ -29,6 +29,16 @@
 //   attention_backward_key   a warp per key row j: dk_j = Σ_{i>=j} dS_ij q_i,
 //                            dv_j = Σ_{i>=j} P_ij dO_i
 // Every sum is in a fixed order (no atomics): the same bits every run.
+//
+// LSTM (layers::Lstm, gates i, f, g, o): the input projection of every step
+// is one GEMM before the time loop (f32 output) and h_{t-1}·Wh one GEMM a
+// step; these kernels are the elementwise part of a step, a thread per
+// (sample, unit):
+//   lstm_cell_forward   pre = x·Wx + b + h·Wh; the activated gates and the
+//                       cell state kept in f32, h_t stored as T
+//   lstm_cell_backward  dh = g + dh_next; the pre-activation gradients
+//                       (stored as T for the GEMMs) and dc carried to the
+//                       step before, as the CPU layer's backward
 // Block (32, 4): four rows a block. A row's own vectors (q_i and dO_i, or
 // k_j and v_j) sit in shared memory, one slot per warp; each lane owns the
 // output columns lane, lane + 32, ... (head size at most ATTN_MAX_D).
@@ -51,6 +61,14 @@ struct AttnParams {
     float scale;
 };
 HR_CHECK_SIZE(AttnParams, 20);
+
+struct LstmParams {
+    u32 n;
+    u32 t;
+    u32 hidden;
+    u32 step;
+};
+HR_CHECK_SIZE(LstmParams, 16);
 
 #define ATTN_ROWS 4
 #define ATTN_MAX_D 128
@@ -111,6 +129,70 @@ __device__ void embedding_grad_positions_k(EmbedParams p, const T* __restrict__ 
             acc += hr_ld(g[r * p.dim + col]);
         }
         dpos[i] = acc;
+    }
+}
+
+__device__ __forceinline__ float hr_sigmoid(float x) {
+    return 1.0f / (1.0f + expf(-x));
+}
+
+template <typename T>
+__device__ void lstm_cell_forward_k(LstmParams p, const float* __restrict__ rec,
+                                    const float* __restrict__ bias, float* __restrict__ gates,
+                                    float* __restrict__ cells, T* __restrict__ hs) {
+    const u32 h = p.hidden;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < p.n * h;
+         i += gridDim.x * blockDim.x) {
+        const u32 sample = i / h;
+        const u32 j = i - sample * h;
+        const u32 row = sample * p.t + p.step;
+        float* gate = gates + row * 4u * h;
+        float pre[4];
+        for (u32 k = 0; k < 4; ++k) {
+            pre[k] = gate[k * h + j] + bias[k * h + j];
+            if (p.step > 0) {
+                pre[k] += rec[sample * 4u * h + k * h + j];
+            }
+        }
+        const float ig = hr_sigmoid(pre[0]);
+        const float fg = hr_sigmoid(pre[1]);
+        const float gg = tanhf(pre[2]);
+        const float og = hr_sigmoid(pre[3]);
+        const float c_prev = p.step > 0 ? cells[(row - 1u) * h + j] : 0.0f;
+        const float c = fg * c_prev + ig * gg;
+        gate[j] = ig;
+        gate[h + j] = fg;
+        gate[2u * h + j] = gg;
+        gate[3u * h + j] = og;
+        cells[row * h + j] = c;
+        hr_st(&hs[row * h + j], og * tanhf(c));
+    }
+}
+
+template <typename T>
+__device__ void lstm_cell_backward_k(LstmParams p, const float* __restrict__ gates,
+                                     const float* __restrict__ cells, const T* __restrict__ g,
+                                     const float* __restrict__ dh_next,
+                                     float* __restrict__ dc_carry, T* __restrict__ d_pre) {
+    const u32 h = p.hidden;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < p.n * h;
+         i += gridDim.x * blockDim.x) {
+        const u32 sample = i / h;
+        const u32 j = i - sample * h;
+        const u32 row = sample * p.t + p.step;
+        const float* gate = gates + row * 4u * h;
+        const float ig = gate[j], fg = gate[h + j], gg = gate[2u * h + j], og = gate[3u * h + j];
+        const float c_prev = p.step > 0 ? cells[(row - 1u) * h + j] : 0.0f;
+        const float tc = tanhf(cells[row * h + j]);
+        const float dh = hr_ld(g[row * h + j]) + dh_next[i];
+        const float d_o = dh * tc;
+        const float dc = dh * og * (1.0f - tc * tc) + dc_carry[i];
+        dc_carry[i] = dc * fg;
+        T* d = d_pre + row * 4u * h;
+        hr_st(&d[j], dc * gg * ig * (1.0f - ig));
+        hr_st(&d[h + j], dc * c_prev * fg * (1.0f - fg));
+        hr_st(&d[2u * h + j], dc * ig * (1.0f - gg * gg));
+        hr_st(&d[3u * h + j], d_o * og * (1.0f - og));
     }
 }
 
@@ -415,4 +497,30 @@ extern "C" __global__ void attention_backward_key_f32(
         AttnParams p, const float* __restrict__ qkv, const float* __restrict__ d_o,
         const float* __restrict__ lse, const float* __restrict__ drow, float* __restrict__ dqkv) {
     attention_backward_key_k<float>(p, qkv, d_o, lse, drow, dqkv);
+}
+
+extern "C" __global__ void lstm_cell_forward_f16(
+        LstmParams p, const float* __restrict__ rec, const float* __restrict__ bias,
+        float* __restrict__ gates, float* __restrict__ cells, hr_half* __restrict__ hs) {
+    lstm_cell_forward_k<hr_half>(p, rec, bias, gates, cells, hs);
+}
+
+extern "C" __global__ void lstm_cell_forward_f32(
+        LstmParams p, const float* __restrict__ rec, const float* __restrict__ bias,
+        float* __restrict__ gates, float* __restrict__ cells, float* __restrict__ hs) {
+    lstm_cell_forward_k<float>(p, rec, bias, gates, cells, hs);
+}
+
+extern "C" __global__ void lstm_cell_backward_f16(
+        LstmParams p, const float* __restrict__ gates, const float* __restrict__ cells,
+        const hr_half* __restrict__ g, const float* __restrict__ dh_next,
+        float* __restrict__ dc_carry, hr_half* __restrict__ d_pre) {
+    lstm_cell_backward_k<hr_half>(p, gates, cells, g, dh_next, dc_carry, d_pre);
+}
+
+extern "C" __global__ void lstm_cell_backward_f32(
+        LstmParams p, const float* __restrict__ gates, const float* __restrict__ cells,
+        const float* __restrict__ g, const float* __restrict__ dh_next,
+        float* __restrict__ dc_carry, float* __restrict__ d_pre) {
+    lstm_cell_backward_k<float>(p, gates, cells, g, dh_next, dc_carry, d_pre);
 }

@@ -142,6 +142,8 @@ pub const ATTENTION_BACKWARD_QUERY: KernelPair =
     pair!("sequence", "attention_backward_query", AttnParams, 6);
 pub const ATTENTION_BACKWARD_KEY: KernelPair =
     pair!("sequence", "attention_backward_key", AttnParams, 5);
+pub const LSTM_CELL_FORWARD: KernelPair = pair!("sequence", "lstm_cell_forward", LstmParams, 5);
+pub const LSTM_CELL_BACKWARD: KernelPair = pair!("sequence", "lstm_cell_backward", LstmParams, 6);
 
 pub const UPSAMPLE2X_FORWARD: KernelPair = pair!("unet", "upsample2x_forward", UpsampleParams, 2);
 pub const UPSAMPLE2X_BACKWARD: KernelPair = pair!("unet", "upsample2x_backward", UpsampleParams, 2);
@@ -267,6 +269,10 @@ pub static FILES: &[KernelFile] = &[
             ATTENTION_BACKWARD_QUERY.f32,
             ATTENTION_BACKWARD_KEY.f16,
             ATTENTION_BACKWARD_KEY.f32,
+            LSTM_CELL_FORWARD.f16,
+            LSTM_CELL_FORWARD.f32,
+            LSTM_CELL_BACKWARD.f16,
+            LSTM_CELL_BACKWARD.f32,
         ],
     },
     KernelFile {

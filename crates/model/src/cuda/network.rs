@@ -56,8 +56,11 @@
 //! fine-tuning a frozen model costs no optimizer memory for it. Layers
 //! compute no gradient for a frozen parameter.
 //!
-//! Not on the GPU yet (`build` refuses them, naming the layer): LSTM and
-//! the frame models' layers.
+//! An LSTM keeps its input, its output, and its activated gates and cell
+//! states in f32 (`ops::lstm_forward`).
+//!
+//! Not on the GPU yet (`build` refuses them, naming the layer): the frame
+//! models' layers.
 
 use std::sync::{Arc, Mutex};
 
@@ -209,6 +212,14 @@ enum GpuLayer {
     },
     /// A linear layer with a frozen base and a trainable LoRA adapter.
     Lora(Box<LoraLayer>),
+    /// An LSTM over sequences of `length` tokens; keeps its input, its
+    /// output, the activated gates and the cell states.
+    Lstm {
+        wx: ParamRef,
+        wh: ParamRef,
+        bias: ParamRef,
+        length: usize,
+    },
 }
 
 /// y = x·W + b + s·(x·Aᵀ)·Bᵀ with W and b frozen.
@@ -388,6 +399,8 @@ enum Saved {
     /// A LoRA layer's input and u = s·x·Aᵀ.
     Lora(Activation, Shared),
     Attention(Box<SavedAttention>),
+    /// An LSTM's input, output, gates and cells.
+    Lstm(Activation, Shared, Box<ops::LstmSaved>),
     /// A checkpointed segment's input, and how its forward ran.
     Segment(Activation, Pass),
     BatchNorm(Box<SavedBatchNorm>),
@@ -1217,6 +1230,24 @@ fn build_one(
         LayerSpec::CausalSelfAttention { heads, lora, .. } => {
             vec![attention_layer(path, shape, *heads, lora.as_ref(), cursor)?]
         }
+        LayerSpec::Lstm { hidden } => {
+            let [length, features] = shape[..] else {
+                return Err(build_error(
+                    format!("{path}: a sequence [t, c]"),
+                    format!("{shape:?}"),
+                ));
+            };
+            let wx = cursor.take_trainable(path, features * 4 * hidden)?;
+            let wh = cursor.take_trainable(path, hidden * 4 * hidden)?;
+            let bias = cursor.take_trainable(path, 4 * hidden)?;
+            *shape = vec![length, *hidden];
+            vec![GpuLayer::Lstm {
+                wx,
+                wh,
+                bias,
+                length,
+            }]
+        }
         LayerSpec::TransformerBlock {
             heads,
             mlp_ratio,
@@ -1707,6 +1738,7 @@ fn forward_list(
                     }))
                 }
                 Keep::Other(s) => s,
+                Keep::Lstm(kept) => Saved::Lstm(current.for_backward(be)?, Arc::clone(&y), kept),
             });
         }
         current = Input::Shared(y, recomputable);
@@ -1732,6 +1764,8 @@ enum Keep {
         stats: Arc<BatchNormSaved>,
     },
     Other(Saved),
+    /// The input and output, and an LSTM's gates and cells.
+    Lstm(Box<ops::LstmSaved>),
 }
 
 /// How a forward runs: inference (running statistics), or training (batch
@@ -1890,6 +1924,16 @@ fn forward_one(
             let y = ops::embedding_forward(be, x, &table, positions.as_ref(), *shape, dtype)?;
             (y, Keep::Input)
         }
+        GpuLayer::Lstm {
+            wx,
+            wh,
+            bias,
+            length,
+        } => {
+            let (wx, wh) = (compute(groups, wx), compute(groups, wh));
+            let (y, kept) = ops::lstm_forward(be, x, &wx, &wh, &master(groups, bias), *length)?;
+            (y, Keep::Lstm(Box::new(kept)))
+        }
         GpuLayer::Lora(lora) => {
             let (y, u) = ops::lora_forward(be, x, &lora.weights(groups), lora.out)?;
             let keep = match keeping {
@@ -2028,6 +2072,7 @@ impl GpuLayer {
                 format!("embedding {}x{}", shape.vocab, shape.dim)
             }
             GpuLayer::Lora(lora) => format!("lora to {} (r {})", lora.out, lora.rank),
+            GpuLayer::Lstm { bias, .. } => format!("lstm {}", bias.len / 4),
             GpuLayer::Attention { heads, .. } => format!("causal attention {heads} heads"),
         }
     }
@@ -2282,6 +2327,25 @@ fn backward_leaf(
         }
         (GpuLayer::GlobalAvgPool, Saved::Shape(shape)) => {
             ops::global_avg_pool_backward(be, &g, &shape)
+        }
+        (
+            GpuLayer::Lstm {
+                wx,
+                wh,
+                bias,
+                length,
+            },
+            Saved::Lstm(x, y, kept),
+        ) => {
+            let d_pre = with_grads(groups, wh, None, |mut v| {
+                ops::lstm_backward_steps(be, &y, &g, &kept, &v.compute, &mut v.grad, *length)
+            })?;
+            drop((y, kept));
+            let x = x.take(be)?;
+            with_grads(groups, wx, Some(bias), |mut v| {
+                let bias_grad = v.other_grad.as_mut();
+                ops::linear_backward(be, &x, &d_pre, &v.compute, &mut v.grad, bias_grad)
+            })
         }
         (GpuLayer::Lora(lora), Saved::Lora(x, u)) => {
             let x = x.take(be)?;

@@ -47,6 +47,8 @@ kernel_params! {
     EmbedParams(20) { rows: u32, dim: u32, length: u32, vocab: u32, positions: u32 }
     /// sequence.cu: the attention kernels; `scale` = 1/√d.
     AttnParams(20) { n: u32, t: u32, heads: u32, d: u32, scale: f32 }
+    /// sequence.cu: the LSTM cell kernels, for time step `step`.
+    LstmParams(16) { n: u32, t: u32, hidden: u32, step: u32 }
     /// layernorm.cu: every kernel.
     LnParams(20) { rows: u32, cols: u32, rows_per_chunk: u32, chunks: u32, eps: f32 }
     /// batchnorm.cu: bn_stats_partial.

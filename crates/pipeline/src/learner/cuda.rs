@@ -35,7 +35,7 @@
 //! fine-tuning run starts from the CPU network `finetune::initialise`
 //! loaded and froze (`from_network`): frozen parameters hold no gradient or
 //! optimizer state on the device. Not on the GPU yet, refused naming the
-//! layer: LSTM and the frame models' layers.
+//! key: frame models (`model.frames`).
 
 use std::collections::VecDeque;
 

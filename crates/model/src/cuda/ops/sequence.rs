@@ -6,6 +6,7 @@
 //! |---|---|
 //! | `embedding_forward` / `embedding_backward` | `layers::Embedding` |
 //! | `attention_forward` / `attention_backward` | `layers::CausalSelfAttention` between its projections (`lean`) |
+//! | `lstm_forward` / `lstm_backward_steps` + `linear_backward` | `layers::Lstm` |
 //! | `lora_forward` / `lora_backward_input` + `lora_grads` | `layers::LoraLinear` |
 
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
@@ -15,7 +16,7 @@ use crate::cuda::backend::{CudaBackend, DeviceBuffer};
 use crate::cuda::error::Context;
 use crate::cuda::gemm::{gemm, Operand};
 use crate::cuda::kernels as k;
-use crate::cuda::params::{AttnParams, EmbedParams};
+use crate::cuda::params::{AttnParams, EmbedParams, LstmParams};
 use crate::cuda::tensor::{same_dtype, AnyView, AnyViewMut, CudaTensor, DType};
 use crate::cuda::{CudaError, CudaResult};
 
@@ -452,4 +453,202 @@ pub fn lora_grads(
         )?;
     }
     Ok(())
+}
+
+/// What an LSTM's backward needs besides its input and output: the
+/// activated gates [n·t, 4H] and the cell states [n·t, H], in f32.
+#[derive(Debug)]
+pub struct LstmSaved {
+    pub gates: DeviceBuffer<f32>,
+    pub cells: DeviceBuffer<f32>,
+}
+
+fn lstm_params(n: usize, t: usize, hidden: usize, step: usize) -> CudaResult<LstmParams> {
+    Ok(LstmParams {
+        n: u32_of("lstm", n)?,
+        t: u32_of("lstm", t)?,
+        hidden: u32_of("lstm", hidden)?,
+        step: u32_of("lstm", step)?,
+    })
+}
+
+/// Sequences [n·t, C] -> every hidden state [n·t, H] of an LSTM with
+/// weights Wx [C, 4H], Wh [H, 4H] (compute copies) and the f32 bias [4H],
+/// from zero state.
+pub fn lstm_forward(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    wx: &AnyView<'_>,
+    wh: &AnyView<'_>,
+    bias: &CudaView<'_, f32>,
+    t: usize,
+) -> CudaResult<(CudaTensor, LstmSaved)> {
+    let (rows, c) = matrix_dims("lstm", "sequences [n·t, c]", x)?;
+    let g4 = bias.len();
+    let h = g4 / 4;
+    if t == 0 || !rows.is_multiple_of(t) || g4 != 4 * h {
+        return Err(CudaError::shape(
+            "lstm",
+            format!("[n·{t}, c] and a bias of 4·hidden"),
+            format!("{:?} and {g4}", x.shape()),
+        ));
+    }
+    same_len("lstm", "Wx [c, 4H]", c * g4, wx.len())?;
+    same_len("lstm", "Wh [H, 4H]", h * g4, wh.len())?;
+    same_dtype("lstm", x.dtype(), &[wx.dtype(), wh.dtype()])?;
+    let n = rows / t;
+    let mut gates = be.alloc::<f32>(rows * g4)?;
+    let mut cells = be.alloc::<f32>(rows * h)?;
+    let mut hs = CudaTensor::uninit(be, &[rows, h], x.dtype())?;
+    if hs.is_empty() {
+        return Ok((hs, LstmSaved { gates, cells }));
+    }
+    gemm(
+        be,
+        rows,
+        g4,
+        c,
+        &x.view(),
+        operand(false, c),
+        wx,
+        operand(false, g4),
+        &mut AnyViewMut::F32(gates.slice.slice_mut(..)),
+        g4,
+        1.0,
+        0.0,
+    )?;
+    let mut rec = be.alloc_zeros::<f32>(n * g4)?;
+    let f = be.function(k::LSTM_CELL_FORWARD.of(x.dtype()))?;
+    for step in 0..t {
+        if step > 0 {
+            // h_{step-1} of every sample: rows step-1, t+step-1, ...
+            let previous = hs.view();
+            let previous = previous.slice((step - 1) * h..previous.len());
+            let mut out = AnyViewMut::F32(rec.slice.slice_mut(..));
+            gemm(
+                be,
+                n,
+                g4,
+                h,
+                &previous,
+                operand(false, t * h),
+                wh,
+                operand(false, g4),
+                &mut out,
+                g4,
+                1.0,
+                0.0,
+            )?;
+        }
+        let p = lstm_params(n, t, h, step)?;
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p)
+            .arg(&rec.slice)
+            .arg(bias)
+            .arg(&mut gates.slice)
+            .arg(&mut cells.slice)
+            .arg(&mut hs);
+        // SAFETY: lstm_cell_forward_T(LstmParams, const float* rec [n, 4H],
+        // const float* bias [4H], float* gates [n·t, 4H], float* cells
+        // [n·t, H], T* hs [n·t, H]); lengths checked above, grid-stride
+        // over n·H, each thread its own unit's elements.
+        unsafe { b.launch(elementwise(n * h)) }.during("lstm_cell_forward")?;
+    }
+    Ok((hs, LstmSaved { gates, cells }))
+}
+
+/// LSTM backward through time from g [n·t, H]: dWh += Σ h_{t−1}ᵀ·d_pre_t
+/// into `wh_grad`, and the pre-activation gradients d_pre [n·t, 4H] (in the
+/// storage type), from which `linear_backward(x, d_pre, Wx, dWx, db)` gives
+/// dWx, db and dx.
+pub fn lstm_backward_steps(
+    be: &CudaBackend,
+    hs: &CudaTensor,
+    g: &CudaTensor,
+    saved: &LstmSaved,
+    wh: &AnyView<'_>,
+    wh_grad: &mut CudaViewMut<'_, f32>,
+    t: usize,
+) -> CudaResult<CudaTensor> {
+    let op = "lstm backward";
+    let (rows, h) = matrix_dims(op, "hidden states [n·t, H]", hs)?;
+    g.expect_shape(op, &[rows, h])?;
+    same_dtype(op, g.dtype(), &[hs.dtype(), wh.dtype()])?;
+    let g4 = 4 * h;
+    same_len(op, "Wh [H, 4H]", h * g4, wh.len())?;
+    same_len(op, "dWh", h * g4, wh_grad.len())?;
+    same_len(op, "gates", rows * g4, saved.gates.len())?;
+    same_len(op, "cells", rows * h, saved.cells.len())?;
+    if t == 0 || !rows.is_multiple_of(t) {
+        return Err(CudaError::shape(
+            op,
+            format!("[n·{t}, H]"),
+            format!("{:?}", hs.shape()),
+        ));
+    }
+    let n = rows / t;
+    let mut d_pre = CudaTensor::uninit(be, &[rows, g4], g.dtype())?;
+    if d_pre.is_empty() {
+        return Ok(d_pre);
+    }
+    let mut dh_next = be.alloc_zeros::<f32>(n * h)?;
+    let mut dc_carry = be.alloc_zeros::<f32>(n * h)?;
+    let f = be.function(k::LSTM_CELL_BACKWARD.of(g.dtype()))?;
+    for step in (0..t).rev() {
+        let p = lstm_params(n, t, h, step)?;
+        {
+            let mut b = be.compute_stream().launch_builder(&f);
+            b.arg(&p)
+                .arg(&saved.gates.slice)
+                .arg(&saved.cells.slice)
+                .arg(g)
+                .arg(&dh_next.slice)
+                .arg(&mut dc_carry.slice)
+                .arg(&mut d_pre);
+            // SAFETY: lstm_cell_backward_T(LstmParams, const float* gates
+            // [n·t, 4H], const float* cells [n·t, H], const T* g [n·t, H],
+            // const float* dh_next [n, H], float* dc [n, H], T* d_pre
+            // [n·t, 4H]); lengths checked above, grid-stride over n·H.
+            unsafe { b.launch(elementwise(n * h)) }.during("lstm_cell_backward")?;
+        }
+        if step == 0 {
+            break;
+        }
+        // This step's rows of d_pre: step, t+step, ...
+        let all = d_pre.view();
+        let d_step = all.slice(step * g4..all.len());
+        let previous = hs.view();
+        let previous = previous.slice((step - 1) * h..previous.len());
+        let mut dwh = AnyViewMut::F32(wh_grad.slice_mut(..));
+        gemm(
+            be,
+            h,
+            g4,
+            n,
+            &previous,
+            operand(true, t * h),
+            &d_step,
+            operand(false, t * g4),
+            &mut dwh,
+            g4,
+            1.0,
+            1.0,
+        )?;
+        let mut carry = AnyViewMut::F32(dh_next.slice.slice_mut(..));
+        gemm(
+            be,
+            n,
+            h,
+            g4,
+            &d_step,
+            operand(false, t * g4),
+            wh,
+            operand(true, g4),
+            &mut carry,
+            h,
+            1.0,
+            0.0,
+        )?;
+    }
+    Ok(d_pre)
 }
