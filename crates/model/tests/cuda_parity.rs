@@ -41,7 +41,7 @@ use headroom_model::layers::{
     Residual, Silu, Upsample2x,
 };
 use headroom_model::loss::{
-    focal_loss, soft_cross_entropy, soft_focal_loss, softmax_cross_entropy,
+    focal_loss, pixel_mse, soft_cross_entropy, soft_focal_loss, softmax_cross_entropy,
 };
 use headroom_model::{CheckpointPolicy, Layer, Mode, ModelSpec, Network, Tensor};
 use headroom_optim::{AdamWConfig, FusedAdamW, LossScaler, LossScalerConfig, StepOutcome};
@@ -2905,34 +2905,168 @@ fn networks_of_the_mlp_and_unet_layers_match_the_cpu_network() {
     }
 }
 
-/// A layer the GPU path lacks is refused at build, naming where it is and
-/// its type as the config spells it.
+/// Pixel MSE against u8 targets: the CPU loss's value and gradient (times
+/// the loss scale and share), f32 and f16, frames not a multiple of the
+/// kernel's 8 rows a block nor of its 32 lanes.
 #[test]
-fn a_layer_without_a_gpu_kernel_is_refused_by_name() {
+fn pixel_mse_matches_the_cpu_loss() {
     let be = gpu_or_skip!();
-    let text = r#"
+    let (frames, pixels) = (11usize, 45usize);
+    let predictions = random(&[frames, 5, 9, 1], 1300, 0.4, 0.0);
+    let targets: Vec<u8> = (0..frames * pixels).map(|i| (i * 37 % 256) as u8).collect();
+    let cpu = pixel_mse(&predictions, &targets).unwrap();
+    let targets_d = be.compute_stream().clone_htod(&targets).unwrap();
+    let (loss_scale, share) = (64.0f32, 0.25f32);
+    let scale_d = upload_f32(&be, &[loss_scale]);
+    let scale = ops::GradScale {
+        loss_scale: &scale_d,
+        share,
+    };
+    for (dtype, rel, abs) in [(DType::F32, 1e-5, 1e-6), (DType::F16, 2e-3, 1e-3)] {
+        let what = format!("pixel_mse {dtype:?}");
+        let y = CudaTensor::from_tensor(&be, &predictions, dtype).unwrap();
+        let out = ops::pixel_mse(&be, &y, &targets_d.as_view(), scale).unwrap();
+        let grad: Vec<f32> = out
+            .grad
+            .to_host(&be)
+            .unwrap()
+            .iter()
+            .map(|g| g / (loss_scale * share))
+            .collect();
+        assert_close(&format!("{what} grad"), &grad, cpu.grad.data(), rel, abs);
+        let (loss, correct) = out.read_summary(&be).unwrap();
+        assert!(
+            (loss - cpu.loss).abs() <= 1e-5 * cpu.loss,
+            "{what}: loss {loss} vs {}",
+            cpu.loss
+        );
+        assert_eq!(
+            correct, 0,
+            "{what}: a regression counts no correct predictions"
+        );
+    }
+    let short = be.compute_stream().clone_htod(&targets[1..]).unwrap();
+    let y = CudaTensor::from_tensor(&be, &predictions, DType::F32).unwrap();
+    let err = ops::pixel_mse(&be, &y, &short.as_view(), scale).unwrap_err();
+    assert!(err.to_string().contains("pixel_mse"), "{err}");
+}
+
+/// A small UNet-ConvLSTM (`experiments/conv_lstm.toml`'s shape): a strided
+/// convolution, a ConvLSTM and an upsampling inside a UNet skip, batch norm,
+/// ReLU and a last convolution, over 3 frames.
+fn frame_spec(checkpoint: &str) -> ModelSpec {
+    let text = format!(
+        r#"
 [model]
-input = [4, 4, 1]
+checkpoint = "{checkpoint}"
+input = [8, 8, 1]
 frames = 3
 mean = 0.0
 std = 1.0
 layers = [
-  { type = "conv", out = 2, bias = true },
-  { type = "conv_lstm", hidden = 2 },
-  { type = "conv", out = 1, bias = true },
+  {{ type = "unet_skip", layers = [
+    {{ type = "conv", out = 4, stride = 2, bias = true }}, {{ type = "relu" }},
+    {{ type = "conv_lstm", hidden = 4, kernel = 3 }},
+    {{ type = "upsample2x" }},
+  ] }},
+  {{ type = "batch_norm" }}, {{ type = "relu" }},
+  {{ type = "conv", out = 1, bias = true }},
 ]
-"#;
-    let spec = toml::from_str::<SpecFile>(text).unwrap().model;
-    let Err(err) = CudaNetwork::build(&be, &spec, 1, CudaBuildOptions::default()) else {
-        panic!("conv_lstm has no GPU kernel yet, but the build succeeded");
-    };
-    let err = err.to_string();
-    assert!(
-        err.contains("model.layers[1]")
-            && err.contains("\"conv_lstm\"")
-            && err.contains("CPU only"),
-        "{err}"
+"#
     );
+    toml::from_str::<SpecFile>(&text).unwrap().model
+}
+
+/// A frame network against the CPU network, f32 and f16: predictions of
+/// two training passes and an eval pass, gradients and running statistics;
+/// checkpointing every layer gives the same bits as not.
+#[test]
+fn frame_networks_match_the_cpu_network() {
+    let be = gpu_or_skip!();
+    let (n, frames) = (2, 3);
+    let batches: Vec<Tensor> = (0..2)
+        .map(|i| random(&[n, frames, 8, 8, 1], 1200 + i, 1.0, 0.0))
+        .collect();
+    let grad = random(&[n, frames, 8, 8, 1], 1210, 0.1, 0.0);
+    let spec = frame_spec("none");
+    let mut cpu = Network::build(&spec, 13).unwrap();
+    let mut want = Vec::new();
+    for x in &batches {
+        want.extend(cpu.forward(x, Mode::Train).unwrap().data().to_vec());
+        cpu.backward(&grad).unwrap();
+    }
+    want.extend(
+        cpu.forward(&batches[0], Mode::Eval)
+            .unwrap()
+            .data()
+            .to_vec(),
+    );
+    let cpu_buffers = cpu.buffer_values();
+    let cpu_grads: Vec<Vec<f32>> = cpu
+        .params_mut()
+        .iter()
+        .map(|p| p.grad.data().to_vec())
+        .collect();
+    let images = [n * frames, 8, 8, 1];
+    let run = |spec: &ModelSpec, dtype: DType| {
+        let options = CudaBuildOptions {
+            activations: dtype,
+            ..CudaBuildOptions::default()
+        };
+        let mut net = CudaNetwork::build(&be, spec, 13, options).unwrap();
+        let g = CudaTensor::from_tensor(&be, &grad, dtype)
+            .unwrap()
+            .reshape(&images)
+            .unwrap();
+        let mut out = Vec::new();
+        for x in &batches {
+            let x = CudaTensor::from_tensor(&be, x, dtype)
+                .unwrap()
+                .reshape(&images)
+                .unwrap();
+            let y = net.forward_train(&be, &x).unwrap();
+            assert_eq!(y.shape(), &images);
+            out.extend(y.to_host(&be).unwrap());
+            net.backward(&be, &g).unwrap();
+        }
+        let x = CudaTensor::from_tensor(&be, &batches[0], dtype)
+            .unwrap()
+            .reshape(&images)
+            .unwrap();
+        out.extend(net.forward_eval(&be, &x).unwrap().to_host(&be).unwrap());
+        (
+            out,
+            net.read_grads(&be).unwrap(),
+            net.read_buffers(&be).unwrap(),
+        )
+    };
+    for dtype in [DType::F32, DType::F16] {
+        let what = format!("frame network {dtype:?}");
+        let (out, grads, buffers) = run(&spec, dtype);
+        let again = run(&frame_spec("all"), dtype);
+        assert!(
+            out.iter()
+                .zip(&again.0)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+                && grads == again.1,
+            "{what}: checkpointing changed the bits"
+        );
+        assert_eq!(grads.len(), cpu_grads.len(), "{what}");
+        for (b, c) in buffers.iter().zip(&cpu_buffers) {
+            assert_close(&format!("{what} buffer"), b, c, 1e-3, 1e-3);
+        }
+        if dtype == DType::F32 {
+            assert_close(&format!("{what} predictions"), &out, &want, 1e-3, 1e-4);
+            for (p, (g, c)) in grads.iter().zip(&cpu_grads).enumerate() {
+                assert_close(&format!("{what} param {p} grad"), g, c, 1e-3, 1e-3);
+            }
+        } else {
+            assert_close_l2(&format!("{what} predictions"), &out, &want, 4e-3);
+            for (p, (g, c)) in grads.iter().zip(&cpu_grads).enumerate() {
+                assert_close_l2(&format!("{what} param {p} grad"), g, c, 5e-2);
+            }
+        }
+    }
 }
 
 /// Token models: an embedding with positions, transformer blocks (dropout,
@@ -3420,6 +3554,40 @@ const COVERAGE: &[(&str, &str)] = &[
         "lstm_cell_backward_f32",
         "token_networks_match_the_cpu_network",
     ),
+    (
+        "frames_step_concat_f16",
+        "frame_networks_match_the_cpu_network",
+    ),
+    (
+        "frames_step_concat_f32",
+        "frame_networks_match_the_cpu_network",
+    ),
+    (
+        "frames_step_split_f16",
+        "frame_networks_match_the_cpu_network",
+    ),
+    (
+        "frames_step_split_f32",
+        "frame_networks_match_the_cpu_network",
+    ),
+    (
+        "conv_lstm_cell_forward_f16",
+        "frame_networks_match_the_cpu_network",
+    ),
+    (
+        "conv_lstm_cell_forward_f32",
+        "frame_networks_match_the_cpu_network",
+    ),
+    (
+        "conv_lstm_cell_backward_f16",
+        "frame_networks_match_the_cpu_network",
+    ),
+    (
+        "conv_lstm_cell_backward_f32",
+        "frame_networks_match_the_cpu_network",
+    ),
+    ("pixel_mse_f16", "pixel_mse_matches_the_cpu_loss"),
+    ("pixel_mse_f32", "pixel_mse_matches_the_cpu_loss"),
     ("layer_norm_forward_f16", "layer_norm_matches_the_cpu_layer"),
     ("layer_norm_forward_f32", "layer_norm_matches_the_cpu_layer"),
     (

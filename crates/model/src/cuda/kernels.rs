@@ -145,6 +145,14 @@ pub const ATTENTION_BACKWARD_KEY: KernelPair =
 pub const LSTM_CELL_FORWARD: KernelPair = pair!("sequence", "lstm_cell_forward", LstmParams, 5);
 pub const LSTM_CELL_BACKWARD: KernelPair = pair!("sequence", "lstm_cell_backward", LstmParams, 6);
 
+pub const FRAMES_STEP_CONCAT: KernelPair = pair!("frames", "frames_step_concat", FramesParams, 3);
+pub const FRAMES_STEP_SPLIT: KernelPair = pair!("frames", "frames_step_split", FramesParams, 3);
+pub const CONV_LSTM_CELL_FORWARD: KernelPair =
+    pair!("frames", "conv_lstm_cell_forward", FramesParams, 4);
+pub const CONV_LSTM_CELL_BACKWARD: KernelPair =
+    pair!("frames", "conv_lstm_cell_backward", FramesParams, 6);
+pub const PIXEL_MSE: KernelPair = pair!("frames", "pixel_mse", MseParams, 6);
+
 pub const UPSAMPLE2X_FORWARD: KernelPair = pair!("unet", "upsample2x_forward", UpsampleParams, 2);
 pub const UPSAMPLE2X_BACKWARD: KernelPair = pair!("unet", "upsample2x_backward", UpsampleParams, 2);
 pub const CHANNELS_CONCAT: KernelPair = pair!("unet", "channels_concat", ConcatParams, 3);
@@ -273,6 +281,22 @@ pub static FILES: &[KernelFile] = &[
             LSTM_CELL_FORWARD.f32,
             LSTM_CELL_BACKWARD.f16,
             LSTM_CELL_BACKWARD.f32,
+        ],
+    },
+    KernelFile {
+        name: "frames",
+        source: include_str!("../../kernels/frames.cu"),
+        kernels: &[
+            FRAMES_STEP_CONCAT.f16,
+            FRAMES_STEP_CONCAT.f32,
+            FRAMES_STEP_SPLIT.f16,
+            FRAMES_STEP_SPLIT.f32,
+            CONV_LSTM_CELL_FORWARD.f16,
+            CONV_LSTM_CELL_FORWARD.f32,
+            CONV_LSTM_CELL_BACKWARD.f16,
+            CONV_LSTM_CELL_BACKWARD.f32,
+            PIXEL_MSE.f16,
+            PIXEL_MSE.f32,
         ],
     },
     KernelFile {

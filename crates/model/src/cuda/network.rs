@@ -59,8 +59,12 @@
 //! An LSTM keeps its input, its output, and its activated gates and cell
 //! states in f32 (`ops::lstm_forward`).
 //!
-//! Not on the GPU yet (`build` refuses them, naming the layer): the frame
-//! models' layers.
+//! Frame models (`model.frames`): a batch of sequences [n, f, h, w, c] is
+//! images [n·f, h, w, c] (sample s's frames at s·f ..), so the per-frame
+//! layers are the image layers; a ConvLSTM keeps its input, output, and
+//! every step's gates and cells in f32 (`ops::conv_lstm_forward`). (The
+//! CPU builder already refuses a frame model whose layers would mix a
+//! sample's frames: it must end in per-frame predictions.)
 
 use std::sync::{Arc, Mutex};
 
@@ -212,6 +216,15 @@ enum GpuLayer {
     },
     /// A linear layer with a frozen base and a trainable LoRA adapter.
     Lora(Box<LoraLayer>),
+    /// A ConvLSTM over each sample's frames (images s·F .. s·F + F − 1 of
+    /// the batch); keeps its input, its output, and every step's activated
+    /// gates and cell state.
+    ConvLstm {
+        weight: ParamRef,
+        bias: ParamRef,
+        shape: ops::ConvLstmShape,
+        plan: ConvPlan,
+    },
     /// An LSTM over sequences of `length` tokens; keeps its input, its
     /// output, the activated gates and the cell states.
     Lstm {
@@ -401,6 +414,8 @@ enum Saved {
     Attention(Box<SavedAttention>),
     /// An LSTM's input, output, gates and cells.
     Lstm(Activation, Shared, Box<ops::LstmSaved>),
+    /// A ConvLSTM's input, output, gates and cells.
+    ConvLstm(Activation, Shared, Box<ops::ConvLstmSaved>),
     /// A checkpointed segment's input, and how its forward ran.
     Segment(Activation, Pass),
     BatchNorm(Box<SavedBatchNorm>),
@@ -479,6 +494,8 @@ struct ParamCursor<'a> {
     dropout_seeds: std::vec::IntoIter<u64>,
     /// `model.tokens.vocab`, for embeddings.
     vocab: Option<usize>,
+    /// `model.frames`: the batch is images, F a sample.
+    frames: Option<usize>,
     next: usize,
     offsets: [usize; 3],
     slots: Vec<ParamSlot>,
@@ -550,22 +567,6 @@ impl ParamCursor<'_> {
     }
 }
 
-/// `spec`'s `type` as a config spells it ("layer_norm"): the tag serde
-/// writes, so it cannot drift from what the parser reads.
-fn layer_type(spec: &LayerSpec) -> String {
-    serde_json::to_value(spec)
-        .ok()
-        .and_then(|v| v.get("type")?.as_str().map(str::to_string))
-        .unwrap_or_else(|| "unknown".to_string())
-}
-
-fn cpu_only(path: &str, what: &str) -> CudaError {
-    CudaError::Unsupported {
-        op: "CudaNetwork::build",
-        reason: format!("{path}: {what} runs on the CPU only for now (set device.kind = \"cpu\")"),
-    }
-}
-
 impl CudaNetwork {
     /// Builds the network of `spec` on the GPU with the weights the CPU's
     /// `Network::build(spec, seed)` starts from.
@@ -605,6 +606,7 @@ impl CudaNetwork {
             cpu: &cpu_params,
             dropout_seeds: cpu.dropout_seeds().into_iter(),
             vocab: spec.tokens.map(|t| t.vocab),
+            frames: spec.frames,
             next: 0,
             offsets: [0; 3],
             slots: Vec::new(),
@@ -690,14 +692,15 @@ impl CudaNetwork {
         self.activations
     }
 
-    /// A zero batch of the network's input (dry runs): [n, h, w, c], or
-    /// token ids [n, t] (all id 0).
+    /// A zero batch of the network's input (dry runs): [n, h, w, c],
+    /// frames [n·f, h, w, c], or token ids [n, t] (all id 0).
     pub fn zeros_input(&self, be: &CudaBackend, n: usize) -> CudaResult<CudaTensor> {
         if let Some(tokens) = self.spec.tokens {
             return CudaTensor::zeros(be, &[n, tokens.length], DType::F32);
         }
         let [h, w, c] = self.spec.input;
-        CudaTensor::zeros(be, &[n, h, w, c], self.activations)
+        let images = n * self.spec.frames.unwrap_or(1);
+        CudaTensor::zeros(be, &[images, h, w, c], self.activations)
     }
 
     /// The storage of the input: f32 token ids, or images as the
@@ -1133,7 +1136,7 @@ fn fuse(layers: Vec<GpuLayer>) -> Vec<GpuLayer> {
 fn set_conv_plan(layers: &mut [GpuLayer], conv: ConvPlan) {
     for layer in layers {
         match layer {
-            GpuLayer::Conv { plan, .. } => *plan = conv,
+            GpuLayer::Conv { plan, .. } | GpuLayer::ConvLstm { plan, .. } => *plan = conv,
             GpuLayer::Residual(body)
             | GpuLayer::Checkpointed(body)
             | GpuLayer::UnetSkip { body, .. }
@@ -1230,6 +1233,31 @@ fn build_one(
         LayerSpec::CausalSelfAttention { heads, lora, .. } => {
             vec![attention_layer(path, shape, *heads, lora.as_ref(), cursor)?]
         }
+        LayerSpec::ConvLstm { hidden, kernel } => {
+            let (Some(frames), &[h, w, channels]) = (cursor.frames, shape.as_slice()) else {
+                return Err(build_error(
+                    format!("{path}: frames of [h, w, c] images (model.frames)"),
+                    format!("{shape:?}"),
+                ));
+            };
+            let weight =
+                cursor.take_trainable(path, kernel * kernel * (channels + hidden) * 4 * hidden)?;
+            let bias = cursor.take_trainable(path, 4 * hidden)?;
+            *shape = vec![h, w, *hidden];
+            vec![GpuLayer::ConvLstm {
+                weight,
+                bias,
+                shape: ops::ConvLstmShape {
+                    frames,
+                    h,
+                    w,
+                    channels,
+                    hidden: *hidden,
+                    kernel: *kernel,
+                },
+                plan: ConvPlan::default(),
+            }]
+        }
         LayerSpec::Lstm { hidden } => {
             let [length, features] = shape[..] else {
                 return Err(build_error(
@@ -1323,7 +1351,6 @@ fn build_one(
             built.push(GpuLayer::Relu);
             built
         }
-        other => return Err(cpu_only(path, &format!("\"{}\"", layer_type(other)))),
     })
 }
 
@@ -1739,6 +1766,9 @@ fn forward_list(
                 }
                 Keep::Other(s) => s,
                 Keep::Lstm(kept) => Saved::Lstm(current.for_backward(be)?, Arc::clone(&y), kept),
+                Keep::ConvLstm(kept) => {
+                    Saved::ConvLstm(current.for_backward(be)?, Arc::clone(&y), kept)
+                }
             });
         }
         current = Input::Shared(y, recomputable);
@@ -1766,6 +1796,7 @@ enum Keep {
     Other(Saved),
     /// The input and output, and an LSTM's gates and cells.
     Lstm(Box<ops::LstmSaved>),
+    ConvLstm(Box<ops::ConvLstmSaved>),
 }
 
 /// How a forward runs: inference (running statistics), or training (batch
@@ -1924,6 +1955,16 @@ fn forward_one(
             let y = ops::embedding_forward(be, x, &table, positions.as_ref(), *shape, dtype)?;
             (y, Keep::Input)
         }
+        GpuLayer::ConvLstm {
+            weight,
+            bias,
+            shape,
+            plan,
+        } => {
+            let (w, b) = (compute(groups, weight), compute(groups, bias));
+            let (y, kept) = ops::conv_lstm_forward(be, x, &w, &b, *shape, *plan)?;
+            (y, Keep::ConvLstm(Box::new(kept)))
+        }
         GpuLayer::Lstm {
             wx,
             wh,
@@ -2073,6 +2114,7 @@ impl GpuLayer {
             }
             GpuLayer::Lora(lora) => format!("lora to {} (r {})", lora.out, lora.rank),
             GpuLayer::Lstm { bias, .. } => format!("lstm {}", bias.len / 4),
+            GpuLayer::ConvLstm { shape, .. } => format!("conv_lstm {}", shape.hidden),
             GpuLayer::Attention { heads, .. } => format!("causal attention {heads} heads"),
         }
     }
@@ -2345,6 +2387,34 @@ fn backward_leaf(
             with_grads(groups, wx, Some(bias), |mut v| {
                 let bias_grad = v.other_grad.as_mut();
                 ops::linear_backward(be, &x, &d_pre, &v.compute, &mut v.grad, bias_grad)
+            })
+        }
+        (
+            GpuLayer::ConvLstm {
+                weight,
+                bias,
+                shape,
+                plan,
+            },
+            Saved::ConvLstm(x, y, kept),
+        ) => {
+            let x = x.take(be)?;
+            with_grads(groups, weight, Some(bias), |mut v| {
+                let Some(bias_grad) = v.other_grad.as_mut() else {
+                    return Err(missing());
+                };
+                ops::conv_lstm_backward(
+                    be,
+                    &x,
+                    &y,
+                    &g,
+                    &kept,
+                    &v.compute,
+                    &mut v.grad,
+                    bias_grad,
+                    *shape,
+                    *plan,
+                )
             })
         }
         (GpuLayer::Lora(lora), Saved::Lora(x, u)) => {

@@ -30,6 +30,7 @@
 //! | `softmax_cross_entropy`, `XentOutput::summary` | `loss::softmax_cross_entropy` |
 //! | `soft_cross_entropy` | `loss::soft_cross_entropy` |
 //! | `focal_loss`, `soft_focal_loss` | `loss::focal_loss`, `loss::soft_focal_loss` |
+//! | the frame models' ops (`frames.rs`) | `layers::ConvLstm`, `loss::pixel_mse` |
 //! | the token models' ops (`sequence.rs`) | `layers::Embedding`, `layers::CausalSelfAttention`, `layers::LoraLinear` |
 //!
 //! Every launch is asynchronous; nothing here waits for the GPU except the
@@ -48,7 +49,9 @@ use super::tensor::{
 };
 use super::{CudaError, CudaResult};
 
+mod frames;
 mod sequence;
+pub use frames::*;
 pub use sequence::*;
 
 /// Threads per block of the elementwise kernels.

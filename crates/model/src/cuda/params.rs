@@ -49,6 +49,10 @@ kernel_params! {
     AttnParams(20) { n: u32, t: u32, heads: u32, d: u32, scale: f32 }
     /// sequence.cu: the LSTM cell kernels, for time step `step`.
     LstmParams(16) { n: u32, t: u32, hidden: u32, step: u32 }
+    /// frames.cu: the ConvLSTM step kernels (`pixels` = h·w of a frame).
+    FramesParams(24) { n: u32, frames: u32, step: u32, pixels: u32, channels: u32, hidden: u32 }
+    /// frames.cu: pixel_mse (a row per frame, `cols` values each).
+    MseParams(12) { rows: u32, cols: u32, share: f32 }
     /// layernorm.cu: every kernel.
     LnParams(20) { rows: u32, cols: u32, rows_per_chunk: u32, chunks: u32, eps: f32 }
     /// batchnorm.cu: bn_stats_partial.

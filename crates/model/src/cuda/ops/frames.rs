@@ -1,0 +1,272 @@
+//! The frame models' operations on the GPU (`kernels/frames.cu`, and the
+//! image path's convolution for the ConvLSTM's gates). A batch of frame
+//! sequences [n, f, h, w, c] is stored as images [n·f, h, w, c].
+//!
+//! | wrapper | CPU reference |
+//! |---|---|
+//! | `conv_lstm_forward` / `conv_lstm_backward` | `layers::ConvLstm` |
+//! | `pixel_mse` | `loss::pixel_mse` |
+
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+
+use super::{
+    conv2d_backward, conv2d_forward, elementwise, u32_of, ConvPlan, ConvShape, GradScale,
+    XentOutput,
+};
+use crate::cuda::backend::{CudaBackend, DeviceBuffer};
+use crate::cuda::error::Context;
+use crate::cuda::kernels as k;
+use crate::cuda::params::{FramesParams, MseParams};
+use crate::cuda::tensor::{AnyView, CudaTensor};
+use crate::cuda::{CudaError, CudaResult};
+
+/// A ConvLSTM over `frames` steps of [h, w, channels] images, `hidden`
+/// channels of state, gates by one `kernel`×`kernel` convolution.
+#[derive(Clone, Copy, Debug)]
+pub struct ConvLstmShape {
+    pub frames: usize,
+    pub h: usize,
+    pub w: usize,
+    pub channels: usize,
+    pub hidden: usize,
+    pub kernel: usize,
+}
+
+impl ConvLstmShape {
+    /// Samples in a batch of frames [n·f, h, w, channels].
+    fn samples(&self, x: &CudaTensor, op: &'static str) -> CudaResult<usize> {
+        let ok = matches!(*x.shape(), [nf, h, w, c]
+            if self.frames > 0 && nf.is_multiple_of(self.frames) && h == self.h && w == self.w && c == self.channels);
+        if !ok {
+            return Err(CudaError::shape(
+                op,
+                format!(
+                    "frames [n·{}, {}, {}, {}]",
+                    self.frames, self.h, self.w, self.channels
+                ),
+                format!("{:?}", x.shape()),
+            ));
+        }
+        Ok(x.shape()[0] / self.frames)
+    }
+
+    /// The gates' convolution over one step of `n` samples.
+    fn conv(&self, n: usize) -> ConvShape {
+        ConvShape {
+            n,
+            h: self.h,
+            w: self.w,
+            cin: self.channels + self.hidden,
+            cout: 4 * self.hidden,
+            k: self.kernel,
+            stride: 1,
+            pad: self.kernel / 2,
+        }
+    }
+
+    fn params(&self, n: usize, step: usize) -> CudaResult<FramesParams> {
+        let op = "conv_lstm";
+        Ok(FramesParams {
+            n: u32_of(op, n)?,
+            frames: u32_of(op, self.frames)?,
+            step: u32_of(op, step)?,
+            pixels: u32_of(op, self.h * self.w)?,
+            channels: u32_of(op, self.channels)?,
+            hidden: u32_of(op, self.hidden)?,
+        })
+    }
+}
+
+/// What a ConvLSTM's backward needs besides its input and output: the
+/// activated gates [n·f, h, w, 4·hidden] and cell states [n·f, h, w,
+/// hidden] of every step, in f32.
+#[derive(Debug)]
+pub struct ConvLstmSaved {
+    pub gates: DeviceBuffer<f32>,
+    pub cells: DeviceBuffer<f32>,
+}
+
+/// [x_t, h_{t−1}] of every sample, [n, h, w, channels + hidden].
+fn step_input(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    hs: &CudaTensor,
+    s: &ConvLstmShape,
+    n: usize,
+    step: usize,
+) -> CudaResult<CudaTensor> {
+    let width = s.channels + s.hidden;
+    let mut xh = CudaTensor::uninit(be, &[n, s.h, s.w, width], x.dtype())?;
+    let p = s.params(n, step)?;
+    let cfg = elementwise(xh.len());
+    let f = be.function(k::FRAMES_STEP_CONCAT.of(x.dtype()))?;
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p).arg(x).arg(hs).arg(&mut xh);
+    // SAFETY: frames_step_concat_T(FramesParams, const T* x [n·f, h, w, c],
+    // const T* hs [n·f, h, w, hidden], T* xh [n, h, w, c + hidden]); the
+    // shapes were checked by the caller, grid-stride over xh.
+    unsafe { b.launch(cfg) }.during("frames_step_concat")?;
+    Ok(xh)
+}
+
+/// Every hidden state [n·f, h, w, hidden] of a ConvLSTM over frames
+/// [n·f, h, w, channels], from zero state; `weight` and `bias` are the
+/// gates' convolution's.
+pub fn conv_lstm_forward(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    weight: &AnyView<'_>,
+    bias: &AnyView<'_>,
+    s: ConvLstmShape,
+    plan: ConvPlan,
+) -> CudaResult<(CudaTensor, ConvLstmSaved)> {
+    let n = s.samples(x, "conv_lstm")?;
+    let units = x.shape()[0] * s.h * s.w * s.hidden;
+    let mut gates = be.alloc::<f32>(4 * units)?;
+    let mut cells = be.alloc::<f32>(units)?;
+    let mut hs = CudaTensor::uninit(be, &[x.shape()[0], s.h, s.w, s.hidden], x.dtype())?;
+    if hs.is_empty() {
+        return Ok((hs, ConvLstmSaved { gates, cells }));
+    }
+    let f = be.function(k::CONV_LSTM_CELL_FORWARD.of(x.dtype()))?;
+    for step in 0..s.frames {
+        let xh = step_input(be, x, &hs, &s, n, step)?;
+        let pre = conv2d_forward(be, &xh, weight, Some(bias), s.conv(n), plan)?;
+        drop(xh);
+        let p = s.params(n, step)?;
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p)
+            .arg(&pre)
+            .arg(&mut gates.slice)
+            .arg(&mut cells.slice)
+            .arg(&mut hs);
+        // SAFETY: conv_lstm_cell_forward_T(FramesParams, const T* pre [n, h,
+        // w, 4·hidden], float* gates [n·f, h, w, 4·hidden], float* cells
+        // [n·f, h, w, hidden], T* hs [n·f, h, w, hidden]); grid-stride over
+        // n·h·w·hidden, each thread its own unit's elements.
+        unsafe { b.launch(elementwise(n * s.h * s.w * s.hidden)) }
+            .during("conv_lstm_cell_forward")?;
+    }
+    Ok((hs, ConvLstmSaved { gates, cells }))
+}
+
+/// ConvLSTM backward through time from g [n·f, h, w, hidden]: the gates'
+/// convolution's dW and db accumulated (+=), dx returned. Each step's
+/// convolution input is gathered again from x and the output.
+#[allow(clippy::too_many_arguments)]
+pub fn conv_lstm_backward(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    hs: &CudaTensor,
+    g: &CudaTensor,
+    saved: &ConvLstmSaved,
+    weight: &AnyView<'_>,
+    weight_grad: &mut CudaViewMut<'_, f32>,
+    bias_grad: &mut CudaViewMut<'_, f32>,
+    s: ConvLstmShape,
+    plan: ConvPlan,
+) -> CudaResult<CudaTensor> {
+    let op = "conv_lstm backward";
+    let n = s.samples(x, op)?;
+    g.expect_shape(op, hs.shape())?;
+    let mut dx = CudaTensor::uninit(be, x.shape(), x.dtype())?;
+    if dx.is_empty() {
+        return Ok(dx);
+    }
+    let state = n * s.h * s.w * s.hidden;
+    let mut dh_next = be.alloc_zeros::<f32>(state)?;
+    let mut dc_carry = be.alloc_zeros::<f32>(state)?;
+    let cell = be.function(k::CONV_LSTM_CELL_BACKWARD.of(g.dtype()))?;
+    let split = be.function(k::FRAMES_STEP_SPLIT.of(g.dtype()))?;
+    for step in (0..s.frames).rev() {
+        let p = s.params(n, step)?;
+        let mut d_pre = CudaTensor::uninit(be, &[n, s.h, s.w, 4 * s.hidden], g.dtype())?;
+        {
+            let mut b = be.compute_stream().launch_builder(&cell);
+            b.arg(&p)
+                .arg(&saved.gates.slice)
+                .arg(&saved.cells.slice)
+                .arg(g)
+                .arg(&dh_next.slice)
+                .arg(&mut dc_carry.slice)
+                .arg(&mut d_pre);
+            // SAFETY: conv_lstm_cell_backward_T(FramesParams, const float*
+            // gates, const float* cells (every step), const T* g [n·f, h, w,
+            // hidden], const float* dh_next, float* dc [n, h, w, hidden], T*
+            // d_pre [n, h, w, 4·hidden]); grid-stride over n·h·w·hidden.
+            unsafe { b.launch(elementwise(state)) }.during("conv_lstm_cell_backward")?;
+        }
+        let xh = step_input(be, x, hs, &s, n, step)?;
+        let dxh = conv2d_backward(
+            be,
+            &xh,
+            &d_pre,
+            weight,
+            weight_grad,
+            Some(bias_grad),
+            s.conv(n),
+            plan,
+        )?;
+        drop((xh, d_pre));
+        let cfg = elementwise(dxh.len());
+        let mut b = be.compute_stream().launch_builder(&split);
+        b.arg(&p).arg(&dxh).arg(&mut dx).arg(&mut dh_next.slice);
+        // SAFETY: frames_step_split_T(FramesParams, const T* dxh [n, h, w,
+        // c + hidden], T* dx [n·f, h, w, c], float* dh_next [n, h, w,
+        // hidden]); grid-stride over dxh.
+        unsafe { b.launch(cfg) }.during("frames_step_split")?;
+    }
+    Ok(dx)
+}
+
+/// Mean squared error of `y` against u8 `targets` read as t/255 (the same
+/// count), a row per frame of `y` [rows, ...]: the loss kernels' output,
+/// with gradient 2·(y − t)/count times the loss scale and the share.
+pub fn pixel_mse(
+    be: &CudaBackend,
+    y: &CudaTensor,
+    targets: &CudaView<'_, u8>,
+    scale: GradScale<'_>,
+) -> CudaResult<XentOutput> {
+    let rows = y.shape().first().copied().unwrap_or(0);
+    if rows == 0 || y.len() != targets.len() {
+        return Err(CudaError::shape(
+            "pixel_mse",
+            format!("{} target pixels for predictions {:?}", y.len(), y.shape()),
+            format!("{}", targets.len()),
+        ));
+    }
+    let p = MseParams {
+        rows: u32_of("pixel_mse", rows)?,
+        cols: u32_of("pixel_mse", y.len() / rows)?,
+        share: scale.share,
+    };
+    let mut grad = CudaTensor::uninit(be, y.shape(), y.dtype())?;
+    let mut row_loss = be.alloc::<f32>(rows)?;
+    let mut row_correct = be.alloc::<u32>(rows)?;
+    let loss_scale: &CudaSlice<f32> = scale.loss_scale;
+    let f = be.function(k::PIXEL_MSE.of(y.dtype()))?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(8) as u32, 1, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p)
+        .arg(y)
+        .arg(targets)
+        .arg(loss_scale)
+        .arg(&mut grad)
+        .arg(&mut row_loss.slice)
+        .arg(&mut row_correct.slice);
+    // SAFETY: pixel_mse_T(MseParams, const T* y [rows, cols], const u8*
+    // target [rows, cols], const float* loss_scale [1], T* grad [rows,
+    // cols], float* row_loss, u32* row_correct [rows]) with block (32, 8),
+    // a row per warp; lengths checked above.
+    unsafe { b.launch(cfg) }.during("pixel_mse")?;
+    Ok(XentOutput {
+        grad,
+        row_loss,
+        row_correct,
+    })
+}
