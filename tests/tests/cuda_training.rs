@@ -530,3 +530,94 @@ fn an_lstm_language_model_trains_on_the_gpu_path_as_on_the_cpu() {
     );
     assert!(apart < 1e-3, "GPU f32 and CPU weights differ by {apart}");
 }
+
+/// A tiny UNet-ConvLSTM on Moving-Fashion-MNIST-style sequences (made from
+/// synthetic Fashion-MNIST files) on `kind`, f32, its run in `dir/<kind>`.
+fn frames_experiment(dir: &std::path::Path, kind: &str) -> String {
+    format!(
+        r#"
+[run]
+name = "frames-{kind}"
+seed = 1
+log_every = 1000
+profile = "none"
+output_dir = "{run}"
+
+[data]
+format = "moving_fashion_mnist"
+dir = "{data}"
+workers = 1
+
+[frames]
+size = 32
+garments = 2
+train_sequences = 32
+test_sequences = 8
+
+[device]
+kind = "{kind}"
+amp = false
+
+[model]
+input = [32, 32, 1]
+frames = 4
+mean = 0.0
+std = 1.0
+layers = [
+  {{ type = "unet_skip", layers = [
+    {{ type = "conv", out = 4, stride = 2, bias = true }}, {{ type = "relu" }},
+    {{ type = "conv_lstm", hidden = 4 }},
+    {{ type = "upsample2x" }},
+  ] }},
+  {{ type = "conv", out = 1, bias = true }},
+]
+
+[train]
+epochs = 1
+batch_size = 8
+threads = 1
+
+[optimizer]
+lr = 1e-2
+weight_decay = 0.0
+
+[schedule]
+kind = "constant"
+"#,
+        run = dir.join(kind).display(),
+        data = dir.join("data").display(),
+    )
+}
+
+/// The UNet-ConvLSTM frame model on the GPU path as on the CPU: an f32
+/// epoch ends within 1e-3 (relative L2) of the CPU run's weights, with the
+/// same validation MSE and copy-last baseline.
+#[test]
+fn a_unet_conv_lstm_trains_on_the_gpu_path_as_on_the_cpu() {
+    if !cuda_path_available("cuda_training") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("data")).unwrap();
+    write_synthetic_fashion_mnist(&dir.path().join("data"), 64, 16);
+    let gpu = text_run(dir.path(), "cuda", &frames_experiment(dir.path(), "cuda"));
+    let cpu = text_run(dir.path(), "cpu", &frames_experiment(dir.path(), "cpu"));
+    assert_eq!(gpu.step, cpu.step);
+    assert!(gpu.step > 0);
+    let apart = weights_apart(&dir.path().join("cuda"), &dir.path().join("cpu"));
+    eprintln!(
+        "conv_lstm: {} steps, GPU and CPU weights {apart:.1e} apart",
+        gpu.step
+    );
+    assert!(apart < 1e-3, "GPU f32 and CPU weights differ by {apart}");
+    let (g, c) = (gpu.test_loss.unwrap(), cpu.test_loss.unwrap());
+    assert!((g - c).abs() <= 1e-3 * c.abs(), "validation MSE {g} vs {c}");
+    let (gb, cb) = (
+        gpu.test_baseline_loss.unwrap(),
+        cpu.test_baseline_loss.unwrap(),
+    );
+    assert!(
+        (gb - cb).abs() <= 1e-6 * cb.abs(),
+        "copy-last baseline {gb} vs {cb}"
+    );
+}

@@ -1,13 +1,11 @@
 //! Frame prediction through the pipeline: a tiny UNet-ConvLSTM trained a
 //! few steps on Moving-Fashion-MNIST-style sequences made from small
 //! Fashion-MNIST-format files the test writes; evaluation scores it beside
-//! the copy-last-frame baseline and reports no accuracy; the GPU refuses it.
+//! the copy-last-frame baseline and reports no accuracy. (The GPU path's
+//! frame training is tests/tests/cuda_training.rs.)
 
 use std::path::Path;
 
-use headroom_model::memory::MemoryPool;
-use headroom_model::Device;
-use headroom_pipeline::learner::{self, CudaOptions};
 use headroom_pipeline::{train, ExperimentConfig, Overrides, Resume, TrainOptions};
 
 /// An IDX file: magic, dimensions (big-endian u32), then the bytes.
@@ -159,21 +157,6 @@ fn per_step_recompute_trains_to_the_same_weights() {
         (summary.epochs[0].train_loss, summary.test_loss.unwrap())
     };
     assert_eq!(losses(&[]), losses(&["model.checkpoint=blocks"]));
-}
-
-#[test]
-fn the_gpu_refuses_frame_models_by_name() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = load(dir.path(), &["device.kind=cuda"]);
-    let pool = MemoryPool::new(Device::Cpu);
-    let err = learner::open(&config, pool, CudaOptions::default())
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(
-        err.contains("device.kind") && err.contains("CPU only"),
-        "{err}"
-    );
 }
 
 #[test]

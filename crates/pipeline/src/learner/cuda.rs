@@ -34,8 +34,13 @@
 //! and predictions are per token; these steps run eagerly (no graph). A
 //! fine-tuning run starts from the CPU network `finetune::initialise`
 //! loaded and froze (`from_network`): frozen parameters hold no gradient or
-//! optimizer state on the device. Not on the GPU yet, refused naming the
-//! key: frame models (`model.frames`).
+//! optimizer state on the device.
+//!
+//! A frame model (`model.frames`) reads frame sequences as the CPU learner
+//! does: its input frames go up as images [n·f, h, w, c] (normalised on the
+//! device like any batch), the target frames as u8, scored by pixel MSE on
+//! the device; evaluation also scores the copy-last-frame baseline on the
+//! host. These steps run eagerly too.
 
 use std::collections::VecDeque;
 
@@ -45,6 +50,7 @@ use headroom_model::cuda::{
     DeviceInfo, InputStaging, Normalization, ProfileSegment, ResidentImages, StagedBatch,
     StepRecords, MAX_IN_FLIGHT,
 };
+use headroom_model::loss::pixel_mse_u8;
 use headroom_model::memory::MemoryPool;
 use headroom_model::{Device, ModelError, ModelSpec, Network, PoolStats, TokenInput};
 use headroom_optim::{AdamWState, FusedAdamW, LossScalerConfig, LossScalerState};
@@ -231,6 +237,12 @@ impl CudaLearner {
         if let Some(tokens) = self.network.spec().tokens {
             return self.stage_tokens(part, tokens);
         }
+        if self.network.spec().frames.is_some() {
+            return Err(PipelineError::value(
+                "model.frames",
+                "a frame model's batches carry target frames, not labels (stage_frames)",
+            ));
+        }
         self.ensure_staging(part.len())?;
         let norm = self.normalization();
         let classes = self.network.num_classes();
@@ -277,6 +289,43 @@ impl CudaLearner {
             images: cuda(CudaTensor::from_host(be, &shape, &ids, DType::F32))?,
             labels: cuda(be.upload(&targets))?,
         })
+    }
+
+    /// A batch of frame sequences: the first `frames` frames of each as
+    /// images [n·frames, h, w, c], normalised on the device, and the last
+    /// `frames` (each input frame's successor) as u8 targets.
+    fn stage_frames(&mut self, part: &Batch, frames: usize) -> Result<StagedFrames> {
+        let (inputs, targets) = part.next_frame_pairs(frames);
+        let [h, w, c] = self.network.spec().input;
+        let images = part.len() * frames;
+        self.ensure_staging(images)?;
+        let norm = self.normalization();
+        // The ring carries a label per image; a frame model has none.
+        let labels = vec![0u32; images];
+        let classes = self.network.num_classes().max(1);
+        let shape = [images, h, w, c];
+        let staged = cuda(
+            self.staging
+                .stage(&self.be, &shape, &inputs, &labels, classes, norm),
+        )?;
+        Ok(StagedFrames {
+            staged,
+            targets: cuda(self.be.upload(&targets))?,
+            host: (inputs, targets),
+        })
+    }
+
+    /// A micro-batch on the device, with a frame model's target frames.
+    fn stage_part(&mut self, part: &Batch) -> Result<(StagedBatch, Option<DeviceBuffer<u8>>)> {
+        match self.network.spec().frames {
+            Some(frames) => {
+                let StagedFrames {
+                    staged, targets, ..
+                } = self.stage_frames(part, frames)?;
+                Ok((staged, Some(targets)))
+            }
+            None => Ok((self.stage(part)?, None)),
+        }
     }
 
     /// Queues a step: its schedule, its kernels (a graph replay or one
@@ -331,7 +380,7 @@ impl CudaLearner {
         let mut shares = Vec::new();
         for part in batch.micro_batches(self.micro_batch) {
             let share = part.len() as f32 / n as f32;
-            let staged = self.stage(&part)?;
+            let (staged, frames) = self.stage_part(&part)?;
             let be = &self.be;
             cuda(be.profile_mark(|| "input: staged, normalised".into()))?;
             let scale = ops::GradScale {
@@ -339,9 +388,12 @@ impl CudaLearner {
                 share,
             };
             let logits = cuda(self.network.forward_train(be, &staged.images))?;
-            let xent = match &part.soft_targets {
-                None => training_loss(be, &self.settings, &logits, &staged.labels, scale)?,
-                Some(soft) => {
+            let xent = match (&frames, &part.soft_targets) {
+                (Some(targets), _) => {
+                    cuda(ops::pixel_mse(be, &logits, &targets.slice.as_view(), scale))?
+                }
+                (None, None) => training_loss(be, &self.settings, &logits, &staged.labels, scale)?,
+                (None, Some(soft)) => {
                     let smoothed =
                         smoothed_targets(soft, self.settings.label_smoothing, part.len());
                     let targets = cuda(be.upload(&smoothed))?;
@@ -423,6 +475,45 @@ impl CudaLearner {
     }
 }
 
+/// A frame model's micro-batch: its input frames as images on the device,
+/// its target frames, and both as u8 on the host (the baseline).
+struct StagedFrames {
+    staged: StagedBatch,
+    targets: DeviceBuffer<u8>,
+    host: (Vec<u8>, Vec<u8>),
+}
+
+impl CudaLearner {
+    /// Evaluation of a frame model: the per-pixel MSE of its predictions
+    /// and of the copy-last-frame baseline, as per-sample sums.
+    fn eval_frames(&mut self, batch: &Batch, frames: usize) -> Result<EvalResult> {
+        let mut result = EvalResult {
+            loss_sum: 0.0,
+            predictions: Vec::new(),
+            baseline_loss_sum: Some(0.0),
+        };
+        for part in batch.micro_batches(self.micro_batch) {
+            let staged = self.stage_frames(&part, frames)?;
+            let be = &self.be;
+            let predictions = cuda(self.network.forward_eval(be, &staged.staged.images))?;
+            let unit = ops::GradScale {
+                loss_scale: &self.unit_scale.slice,
+                share: 1.0,
+            };
+            let targets = staged.targets.slice.as_view();
+            let mse = cuda(ops::pixel_mse(be, &predictions, &targets, unit))?;
+            let (loss, _) = cuda(mse.read_summary(be))?;
+            let samples = part.len() as f64;
+            result.loss_sum += loss as f64 * samples;
+            let (inputs, targets) = &staged.host;
+            if let Some(sum) = result.baseline_loss_sum.as_mut() {
+                *sum += pixel_mse_u8(inputs, targets) * samples;
+            }
+        }
+        Ok(result)
+    }
+}
+
 /// Mixup/CutMix targets with label smoothing, as the CPU learner forms them.
 /// The training loss against hard labels: label-smoothed cross-entropy, or
 /// focal loss with `settings.focal_gamma` (`train.loss = "focal"`).
@@ -500,6 +591,9 @@ impl Learner for CudaLearner {
 
     fn eval_batch(&mut self, batch: &Batch) -> Result<EvalResult> {
         self.graphs.forget();
+        if let Some(frames) = self.network.spec().frames {
+            return self.eval_frames(batch, frames);
+        }
         let classes = self.network.num_classes();
         let mut result = EvalResult {
             loss_sum: 0.0,
@@ -695,10 +789,11 @@ impl Learner for CudaLearner {
         cuda(self.be.profile_finish())
     }
 
-    /// None for a token model: its windows are staged per batch (the
-    /// resident set and its kernels are images).
+    /// None for a token or frame model: its samples are staged per batch
+    /// (the resident set and its kernels are images).
     fn resident_capacity(&self) -> Option<u64> {
-        if self.network.spec().tokens.is_some() {
+        let spec = self.network.spec();
+        if spec.tokens.is_some() || spec.frames.is_some() {
             return None;
         }
         let m = self.be.memory_stats();

@@ -265,13 +265,6 @@ pub fn open(
         Ok(Box::new(learner))
     };
     let on_gpu = |settings: StepSettings| -> Result<CudaLearner> {
-        if config.model.frames.is_some() {
-            return Err(PipelineError::value(
-                "device.kind",
-                "frame models (model.frames: conv_lstm, per-frame layers) run on the CPU only for now; \
-                 set device.kind = \"cpu\"",
-            ));
-        }
         let be = CudaBackend::new(0).map_err(|e| {
             PipelineError::value("device.kind", format!("\"cuda\" cannot be used: {e}"))
         })?;

@@ -100,6 +100,7 @@ impl CudaLearner {
             && n <= self.micro_batch
             && batch.soft_targets.is_none()
             && self.network.spec().tokens.is_none()
+            && self.network.spec().frames.is_none()
             && (batch.recipes.is_none() || self.resident.is_some());
         eligible.then(|| GraphKey {
             samples: n,
