@@ -244,6 +244,10 @@ pub fn dry_run(bundle: &Path) -> Result<()> {
             "GPT_SETS",
             "--set data.train_samples=32 --set data.test_samples=8 --set text.sample_bytes=16",
         )
+        .env(
+            "FRAMES_SETS",
+            "--set model.frames=4 --set frames.train_sequences=16 --set frames.test_sequences=8",
+        )
         .env("OOM_BUDGET", "6MiB")
         .env("BENCH_ARGS", "--batch 32,64 --warmup 1 --steps 2")
         .env("STEP_TIMEOUT", "300")

@@ -18,8 +18,9 @@
 # the CPU emulator of the driver with: EXPERIMENT (the config every new job
 # starts from; experiments/fashion_mnist.toml), HEADROOM_SETS (`--set K=V`
 # overrides added last to every new job), OOM_BUDGET (the oom-budget step's
-# device.memory_limit; 40MiB), BENCH_ARGS (`--steps 50`) and GPT_SETS
-# (overrides after HEADROOM_SETS for the train-gpt step's three jobs).
+# device.memory_limit; 40MiB), BENCH_ARGS (`--steps 50`), and GPT_SETS and
+# FRAMES_SETS (overrides after HEADROOM_SETS for the train-gpt and
+# train-frames steps' jobs).
 set -u
 cd "$(dirname "$0")"
 BUNDLE=$PWD
@@ -120,6 +121,14 @@ EOF
         --set "run.output_dir=$OUT/lora" || return 1
     EXPERIMENT=$OUT/lora_gpu.toml hr train --no-install --set device.kind=cuda \
         --set finetune.train=full --set "run.output_dir=$OUT/lora-full"
+}
+
+# train_frames: the UNet-ConvLSTM frame model (experiments/conv_lstm.toml)
+# for one epoch on the GPU.
+train_frames() {
+    local HEADROOM_SETS="$HEADROOM_SETS ${FRAMES_SETS:-}"
+    EXPERIMENT=experiments/conv_lstm.toml hr train --no-install --set device.kind=cuda \
+        --set train.epochs=1 --set "run.output_dir=$OUT/frames"
 }
 
 # hog_and_train: another process holds all but HOG_LEAVES_MIB of the GPU;
@@ -315,6 +324,10 @@ gpt_log = read("train-gpt.log")
 gpt = [l for l in gpt_log.splitlines() if re.match(r"^(test |wall|train speed|peak|tensor)", l)]
 if gpt:
     report["tiny_gpt_then_lora_then_full"] = gpt
+frames = [l for l in read("train-frames.log").splitlines()
+          if re.match(r"^(test |wall|train speed|peak|tensor|validation|baseline|copy)", l)]
+if frames:
+    report["conv_lstm_one_epoch"] = frames
 if mlp:
     report["mlp_silu_one_epoch"] = {k: {"test_accuracy_percent": float(v), "wall_seconds": float(mlp_wall[k]) if k in mlp_wall else None} for k, v in mlp.items()}
 torch_job = [l for l in read("torch-job.log").splitlines() if l.startswith("{")]
@@ -369,6 +382,8 @@ for name in ("train-no-amp", "train-auto", "train-implicit-gemm"):
         lines += [f"{name} test accuracy {report[name + '_test_accuracy_percent']:.2f}%"]
 if "mlp_silu_one_epoch" in report:
     lines += ["mlp_silu, one epoch: " + json.dumps(report["mlp_silu_one_epoch"])]
+if "conv_lstm_one_epoch" in report:
+    lines += ["", "conv_lstm, one epoch on the GPU:"] + report["conv_lstm_one_epoch"]
 if "tiny_gpt_then_lora_then_full" in report:
     lines += ["", "tiny_gpt (1 epoch), then LoRA, then the full fine-tune, on the GPU:"]
     lines += report["tiny_gpt_then_lora_then_full"]
@@ -389,7 +404,7 @@ print("\n".join(lines))
 EOF
 }
 
-export -f hr torch_cuda train_on_auto train_mlp train_gpt hog_and_train step_reached kill_at \
+export -f hr torch_cuda train_on_auto train_mlp train_gpt train_frames hog_and_train step_reached kill_at \
     resume_reference resume_killed resume_compare weights_equal
 export RESUME_EPOCHS RESUME_JOB
 
@@ -427,6 +442,7 @@ if wants train; then
     step train-auto train_on_auto
     step train-mlp train_mlp
     step train-gpt train_gpt
+    step train-frames train_frames
     # The same job in PyTorch (AMP, channels_last, fused AdamW,
     # torch.compile, DataLoader with 4 workers), for the whole-job wall time.
     if torch_cuda; then
