@@ -125,6 +125,37 @@ __device__ __forceinline__ float hr_neg_inf() {
     return __int_as_float(0xff800000);
 }
 
+__device__ __forceinline__ float hr_sigmoid(float x) {
+    return 1.0f / (1.0f + expf(-x));
+}
+
+// One LSTM unit's step, gates i, f, g, o (the LSTM in sequence.cu and the
+// ConvLSTM in frames.cu): the activated gates of the pre-activations into
+// act, the new cell state returned.
+__device__ __forceinline__ float hr_lstm_step(const float pre[4], float c_prev, float act[4]) {
+    act[0] = hr_sigmoid(pre[0]);
+    act[1] = hr_sigmoid(pre[1]);
+    act[2] = tanhf(pre[2]);
+    act[3] = hr_sigmoid(pre[3]);
+    return act[1] * c_prev + act[0] * act[2];
+}
+
+// Its backward: from dh (the output's gradient plus the carry) and the
+// carried cell gradient, the pre-activation gradients into d; returns the
+// cell gradient carried to the step before.
+__device__ __forceinline__ float hr_lstm_step_backward(const float act[4], float c,
+                                                       float c_prev, float dh, float dc_in,
+                                                       float d[4]) {
+    const float tc = tanhf(c);
+    const float d_o = dh * tc;
+    const float dc = dh * act[3] * (1.0f - tc * tc) + dc_in;
+    d[0] = dc * act[2] * act[0] * (1.0f - act[0]);
+    d[1] = dc * c_prev * act[1] * (1.0f - act[1]);
+    d[2] = dc * act[0] * (1.0f - act[2] * act[2]);
+    d[3] = d_o * act[3] * (1.0f - act[3]);
+    return dc * act[1];
+}
+
 // ReLU that keeps NaN (max(x, 0) would hide it from the inf/NaN check).
 __device__ __forceinline__ float hr_relu(float x) {
     return x < 0.0f ? 0.0f : x;

@@ -43,10 +43,6 @@ enum SmoothKind { kSilu, kGelu };
 constexpr float kGeluSqrt2OverPi = 0.7978846f;
 constexpr float kGeluCubic = 0.044715f;
 
-__device__ __forceinline__ float hr_sigmoid(float x) {
-    return 1.0f / (1.0f + expf(-x));
-}
-
 template <int Kind>
 __device__ __forceinline__ float smooth_value(float x) {
     if constexpr (Kind == kSilu) {

@@ -41,10 +41,6 @@ HR_CHECK_SIZE(MseParams, 12);
 #define GRID_STRIDE(i, total) \
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < (total); i += gridDim.x * blockDim.x)
 
-__device__ __forceinline__ float frames_sigmoid(float x) {
-    return 1.0f / (1.0f + expf(-x));
-}
-
 template <typename T>
 __device__ void frames_step_concat_k(FramesParams p, const T* __restrict__ x,
                                      const T* __restrict__ hs, T* __restrict__ xh) {
@@ -93,19 +89,19 @@ __device__ void conv_lstm_cell_forward_k(FramesParams p, const T* __restrict__ p
         const u32 q = pix - s * p.pixels;
         const u32 at = (s * p.frames + p.step) * p.pixels + q;
         const T* pr = pre + pix * 4u * hc;
-        const float ig = frames_sigmoid(hr_ld(pr[j]));
-        const float fg = frames_sigmoid(hr_ld(pr[hc + j]));
-        const float gg = tanhf(hr_ld(pr[2u * hc + j]));
-        const float og = frames_sigmoid(hr_ld(pr[3u * hc + j]));
+        float in[4];
+        for (u32 k = 0; k < 4; ++k) {
+            in[k] = hr_ld(pr[k * hc + j]);
+        }
         const float c_prev = p.step > 0 ? cells[(at - p.pixels) * hc + j] : 0.0f;
-        const float c = fg * c_prev + ig * gg;
+        float act[4];
+        const float c = hr_lstm_step(in, c_prev, act);
         float* gate = gates + at * 4u * hc;
-        gate[j] = ig;
-        gate[hc + j] = fg;
-        gate[2u * hc + j] = gg;
-        gate[3u * hc + j] = og;
+        for (u32 k = 0; k < 4; ++k) {
+            gate[k * hc + j] = act[k];
+        }
         cells[at * hc + j] = c;
-        hr_st(&hs[at * hc + j], og * tanhf(c));
+        hr_st(&hs[at * hc + j], act[3] * tanhf(c));
     }
 }
 
@@ -123,18 +119,15 @@ __device__ void conv_lstm_cell_backward_k(FramesParams p, const float* __restric
         const u32 q = pix - s * p.pixels;
         const u32 at = (s * p.frames + p.step) * p.pixels + q;
         const float* gate = gates + at * 4u * hc;
-        const float ig = gate[j], fg = gate[hc + j], gg = gate[2u * hc + j], og = gate[3u * hc + j];
+        const float act[4] = {gate[j], gate[hc + j], gate[2u * hc + j], gate[3u * hc + j]};
         const float c_prev = p.step > 0 ? cells[(at - p.pixels) * hc + j] : 0.0f;
-        const float tc = tanhf(cells[at * hc + j]);
         const float dh = hr_ld(g[at * hc + j]) + dh_next[i];
-        const float d_o = dh * tc;
-        const float dc = dh * og * (1.0f - tc * tc) + dc_carry[i];
-        dc_carry[i] = dc * fg;
-        T* d = d_pre + pix * 4u * hc;
-        hr_st(&d[j], dc * gg * ig * (1.0f - ig));
-        hr_st(&d[hc + j], dc * c_prev * fg * (1.0f - fg));
-        hr_st(&d[2u * hc + j], dc * ig * (1.0f - gg * gg));
-        hr_st(&d[3u * hc + j], d_o * og * (1.0f - og));
+        float d[4];
+        dc_carry[i] = hr_lstm_step_backward(act, cells[at * hc + j], c_prev, dh, dc_carry[i], d);
+        T* out = d_pre + pix * 4u * hc;
+        for (u32 k = 0; k < 4; ++k) {
+            hr_st(&out[k * hc + j], d[k]);
+        }
     }
 }
 

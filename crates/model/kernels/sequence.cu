@@ -132,10 +132,6 @@ __device__ void embedding_grad_positions_k(EmbedParams p, const T* __restrict__ 
     }
 }
 
-__device__ __forceinline__ float hr_sigmoid(float x) {
-    return 1.0f / (1.0f + expf(-x));
-}
-
 template <typename T>
 __device__ void lstm_cell_forward_k(LstmParams p, const float* __restrict__ rec,
                                     const float* __restrict__ bias, float* __restrict__ gates,
@@ -154,18 +150,14 @@ __device__ void lstm_cell_forward_k(LstmParams p, const float* __restrict__ rec,
                 pre[k] += rec[sample * 4u * h + k * h + j];
             }
         }
-        const float ig = hr_sigmoid(pre[0]);
-        const float fg = hr_sigmoid(pre[1]);
-        const float gg = tanhf(pre[2]);
-        const float og = hr_sigmoid(pre[3]);
         const float c_prev = p.step > 0 ? cells[(row - 1u) * h + j] : 0.0f;
-        const float c = fg * c_prev + ig * gg;
-        gate[j] = ig;
-        gate[h + j] = fg;
-        gate[2u * h + j] = gg;
-        gate[3u * h + j] = og;
+        float act[4];
+        const float c = hr_lstm_step(pre, c_prev, act);
+        for (u32 k = 0; k < 4; ++k) {
+            gate[k * h + j] = act[k];
+        }
         cells[row * h + j] = c;
-        hr_st(&hs[row * h + j], og * tanhf(c));
+        hr_st(&hs[row * h + j], act[3] * tanhf(c));
     }
 }
 
@@ -181,18 +173,15 @@ __device__ void lstm_cell_backward_k(LstmParams p, const float* __restrict__ gat
         const u32 j = i - sample * h;
         const u32 row = sample * p.t + p.step;
         const float* gate = gates + row * 4u * h;
-        const float ig = gate[j], fg = gate[h + j], gg = gate[2u * h + j], og = gate[3u * h + j];
+        const float act[4] = {gate[j], gate[h + j], gate[2u * h + j], gate[3u * h + j]};
         const float c_prev = p.step > 0 ? cells[(row - 1u) * h + j] : 0.0f;
-        const float tc = tanhf(cells[row * h + j]);
         const float dh = hr_ld(g[row * h + j]) + dh_next[i];
-        const float d_o = dh * tc;
-        const float dc = dh * og * (1.0f - tc * tc) + dc_carry[i];
-        dc_carry[i] = dc * fg;
-        T* d = d_pre + row * 4u * h;
-        hr_st(&d[j], dc * gg * ig * (1.0f - ig));
-        hr_st(&d[h + j], dc * c_prev * fg * (1.0f - fg));
-        hr_st(&d[2u * h + j], dc * ig * (1.0f - gg * gg));
-        hr_st(&d[3u * h + j], d_o * og * (1.0f - og));
+        float d[4];
+        dc_carry[i] = hr_lstm_step_backward(act, cells[row * h + j], c_prev, dh, dc_carry[i], d);
+        T* out = d_pre + row * 4u * h;
+        for (u32 k = 0; k < 4; ++k) {
+            hr_st(&out[k * h + j], d[k]);
+        }
     }
 }
 
