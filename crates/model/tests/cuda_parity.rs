@@ -2832,6 +2832,71 @@ fn flattening_network_run(
     )
 }
 
+/// What a CPU network computes over `batches` with `grad` as its output
+/// gradient: two training passes' outputs and an eval pass's, the
+/// gradients the training passes accumulated, and its buffers.
+struct CpuRun {
+    outputs: Vec<f32>,
+    grads: Vec<Vec<f32>>,
+    buffers: Vec<Vec<f32>>,
+}
+
+fn cpu_run(cpu: &mut Network, batches: &[Tensor], grad: &Tensor) -> CpuRun {
+    let mut outputs = Vec::new();
+    for x in batches {
+        outputs.extend(cpu.forward(x, Mode::Train).unwrap().data().to_vec());
+        cpu.backward(grad).unwrap();
+    }
+    outputs.extend(
+        cpu.forward(&batches[0], Mode::Eval)
+            .unwrap()
+            .data()
+            .to_vec(),
+    );
+    CpuRun {
+        outputs,
+        grads: cpu
+            .params_mut()
+            .iter()
+            .map(|p| p.grad.data().to_vec())
+            .collect(),
+        buffers: cpu.buffer_values(),
+    }
+}
+
+/// f32: (relative, absolute fraction) element-wise bounds for outputs and
+/// gradients; f16: relative L2 bounds.
+struct Tolerances {
+    f32_outputs: (f32, f32),
+    f32_grads: (f32, f32),
+    f16_outputs: f64,
+    f16_grads: f64,
+}
+
+/// A GPU network's outputs and gradients against the CPU network's.
+fn assert_matches_cpu(
+    what: &str,
+    dtype: DType,
+    (outputs, grads): (&[f32], &[Vec<f32>]),
+    (want, cpu_grads): (&[f32], &[Vec<f32>]),
+    tol: Tolerances,
+) {
+    assert_eq!(grads.len(), cpu_grads.len(), "{what}: gradients");
+    let pairs = grads.iter().zip(cpu_grads).enumerate();
+    if dtype == DType::F32 {
+        let ((ro, ao), (rg, ag)) = (tol.f32_outputs, tol.f32_grads);
+        assert_close(&format!("{what} outputs"), outputs, want, ro, ao);
+        for (p, (g, c)) in pairs {
+            assert_close(&format!("{what} param {p} grad"), g, c, rg, ag);
+        }
+    } else {
+        assert_close_l2(&format!("{what} outputs"), outputs, want, tol.f16_outputs);
+        for (p, (g, c)) in pairs {
+            assert_close_l2(&format!("{what} param {p} grad"), g, c, tol.f16_grads);
+        }
+    }
+}
+
 /// Flatten, SiLU, GELU, layer norm, dropout, upsample2x and unet_skip in
 /// whole networks, f32 and f16, with and without
 /// checkpointing: the CPU network's logits and gradients (f32 to summation
@@ -2848,23 +2913,9 @@ fn networks_of_the_mlp_and_unet_layers_match_the_cpu_network() {
     let checkpointed = flattening_specs(CheckpointPolicy::All);
     for (i, (spec, spec_all)) in plain.iter().zip(&checkpointed).enumerate() {
         let mut cpu = Network::build(spec, 9).unwrap();
-        let mut want = Vec::new();
-        for x in &batches {
-            want.extend(cpu.forward(x, Mode::Train).unwrap().data().to_vec());
-            cpu.backward(&grad_logits).unwrap();
-        }
-        want.extend(
-            cpu.forward(&batches[0], Mode::Eval)
-                .unwrap()
-                .data()
-                .to_vec(),
-        );
-        let cpu_buffers = cpu.buffer_values();
-        let cpu_grads: Vec<Vec<f32>> = cpu
-            .params_mut()
-            .iter()
-            .map(|p| p.grad.data().to_vec())
-            .collect();
+        let reference = cpu_run(&mut cpu, &batches, &grad_logits);
+        let (want, cpu_grads, cpu_buffers) =
+            (&reference.outputs, &reference.grads, &reference.buffers);
         // Batch norm's backward (the UNet's two) subtracts nearly equal
         // terms, which magnifies f16's rounding in the gradients before it
         // (2e-2 to 3e-2 on the emulator here; a wrong kernel is off by O(1)).
@@ -2876,7 +2927,7 @@ fn networks_of_the_mlp_and_unet_layers_match_the_cpu_network() {
             // Running statistics to the activations' precision; dropout
             // counters (whole numbers) exactly.
             assert_eq!(buffers.len(), cpu_buffers.len(), "{what}: buffers");
-            for (b, c) in buffers.iter().zip(&cpu_buffers) {
+            for (b, c) in buffers.iter().zip(cpu_buffers) {
                 assert_close(&format!("{what} buffer"), b, c, 1e-3, 1e-3);
             }
             let again = flattening_network_run(&be, spec_all, dtype, &batches, &grad_logits);
@@ -2889,18 +2940,19 @@ fn networks_of_the_mlp_and_unet_layers_match_the_cpu_network() {
                     && grads.iter().zip(&again.1).all(|(a, b)| a == b),
                 "{what}: checkpointing changed the bits"
             );
-            assert_eq!(grads.len(), cpu_grads.len(), "{what}");
-            if dtype == DType::F32 {
-                assert_close(&format!("{what} logits"), &logits, &want, 1e-4, 1e-5);
-                for (p, (g, c)) in grads.iter().zip(&cpu_grads).enumerate() {
-                    assert_close(&format!("{what} param {p} grad"), g, c, 1e-3, 1e-5);
-                }
-            } else {
-                assert_close_l2(&format!("{what} logits"), &logits, &want, 4e-3);
-                for (p, (g, c)) in grads.iter().zip(&cpu_grads).enumerate() {
-                    assert_close_l2(&format!("{what} param {p} grad"), g, c, f16_grad_tolerance);
-                }
-            }
+            let tolerances = Tolerances {
+                f32_outputs: (1e-4, 1e-5),
+                f32_grads: (1e-3, 1e-5),
+                f16_outputs: 4e-3,
+                f16_grads: f16_grad_tolerance,
+            };
+            assert_matches_cpu(
+                &what,
+                dtype,
+                (&logits, &grads),
+                (want, cpu_grads),
+                tolerances,
+            );
         }
     }
 }
@@ -2990,23 +3042,8 @@ fn frame_networks_match_the_cpu_network() {
     let grad = random(&[n, frames, 8, 8, 1], 1210, 0.1, 0.0);
     let spec = frame_spec("none");
     let mut cpu = Network::build(&spec, 13).unwrap();
-    let mut want = Vec::new();
-    for x in &batches {
-        want.extend(cpu.forward(x, Mode::Train).unwrap().data().to_vec());
-        cpu.backward(&grad).unwrap();
-    }
-    want.extend(
-        cpu.forward(&batches[0], Mode::Eval)
-            .unwrap()
-            .data()
-            .to_vec(),
-    );
-    let cpu_buffers = cpu.buffer_values();
-    let cpu_grads: Vec<Vec<f32>> = cpu
-        .params_mut()
-        .iter()
-        .map(|p| p.grad.data().to_vec())
-        .collect();
+    let reference = cpu_run(&mut cpu, &batches, &grad);
+    let (want, cpu_grads, cpu_buffers) = (&reference.outputs, &reference.grads, &reference.buffers);
     let images = [n * frames, 8, 8, 1];
     let run = |spec: &ModelSpec, dtype: DType| {
         let options = CudaBuildOptions {
@@ -3051,21 +3088,16 @@ fn frame_networks_match_the_cpu_network() {
                 && grads == again.1,
             "{what}: checkpointing changed the bits"
         );
-        assert_eq!(grads.len(), cpu_grads.len(), "{what}");
-        for (b, c) in buffers.iter().zip(&cpu_buffers) {
+        for (b, c) in buffers.iter().zip(cpu_buffers) {
             assert_close(&format!("{what} buffer"), b, c, 1e-3, 1e-3);
         }
-        if dtype == DType::F32 {
-            assert_close(&format!("{what} predictions"), &out, &want, 1e-3, 1e-4);
-            for (p, (g, c)) in grads.iter().zip(&cpu_grads).enumerate() {
-                assert_close(&format!("{what} param {p} grad"), g, c, 1e-3, 1e-3);
-            }
-        } else {
-            assert_close_l2(&format!("{what} predictions"), &out, &want, 4e-3);
-            for (p, (g, c)) in grads.iter().zip(&cpu_grads).enumerate() {
-                assert_close_l2(&format!("{what} param {p} grad"), g, c, 5e-2);
-            }
-        }
+        let tolerances = Tolerances {
+            f32_outputs: (1e-3, 1e-4),
+            f32_grads: (1e-3, 1e-3),
+            f16_outputs: 4e-3,
+            f16_grads: 5e-2,
+        };
+        assert_matches_cpu(&what, dtype, (&out, &grads), (want, cpu_grads), tolerances);
     }
 }
 
@@ -3192,28 +3224,14 @@ fn token_networks_match_the_cpu_network() {
                 continue; // no adapters to train
             }
             let mut cpu = token_network(spec, frozen);
-            let mut want = Vec::new();
-            for ids in &batches {
-                want.extend(cpu.forward(ids, Mode::Train).unwrap().data().to_vec());
-                cpu.backward(&grad_logits).unwrap();
-            }
-            want.extend(
-                cpu.forward(&batches[0], Mode::Eval)
-                    .unwrap()
-                    .data()
-                    .to_vec(),
-            );
-            let cpu_buffers = cpu.buffer_values();
-            let cpu_grads: Vec<Vec<f32>> = cpu
-                .params_mut()
-                .iter()
-                .map(|p| p.grad.data().to_vec())
-                .collect();
+            let reference = cpu_run(&mut cpu, &batches, &grad_logits);
+            let (want, cpu_grads, cpu_buffers) =
+                (&reference.outputs, &reference.grads, &reference.buffers);
             for dtype in [DType::F32, DType::F16] {
                 let what = format!("token network {i} frozen {frozen} {dtype:?}");
                 let (logits, grads, buffers) =
                     token_network_run(&be, spec, frozen, dtype, &batches, &grad_logits);
-                assert_eq!(buffers, cpu_buffers, "{what}: dropout counters");
+                assert_eq!(&buffers, cpu_buffers, "{what}: dropout counters");
                 let again =
                     token_network_run(&be, spec_blocks, frozen, dtype, &batches, &grad_logits);
                 assert!(
@@ -3224,21 +3242,22 @@ fn token_networks_match_the_cpu_network() {
                         && grads == again.1,
                     "{what}: checkpointing blocks changed the bits"
                 );
-                assert_eq!(grads.len(), cpu_grads.len(), "{what}");
-                for (p, (g, c)) in grads.iter().zip(&cpu_grads).enumerate() {
+                for (p, (g, c)) in grads.iter().zip(cpu_grads).enumerate() {
                     assert_eq!(g.len(), c.len(), "{what} param {p}: gradient length");
                 }
-                if dtype == DType::F32 {
-                    assert_close(&format!("{what} logits"), &logits, &want, 1e-3, 1e-4);
-                    for (p, (g, c)) in grads.iter().zip(&cpu_grads).enumerate() {
-                        assert_close(&format!("{what} param {p} grad"), g, c, 1e-3, 1e-3);
-                    }
-                } else {
-                    assert_close_l2(&format!("{what} logits"), &logits, &want, 4e-3);
-                    for (p, (g, c)) in grads.iter().zip(&cpu_grads).enumerate() {
-                        assert_close_l2(&format!("{what} param {p} grad"), g, c, 2e-2);
-                    }
-                }
+                let tolerances = Tolerances {
+                    f32_outputs: (1e-3, 1e-4),
+                    f32_grads: (1e-3, 1e-3),
+                    f16_outputs: 4e-3,
+                    f16_grads: 2e-2,
+                };
+                assert_matches_cpu(
+                    &what,
+                    dtype,
+                    (&logits, &grads),
+                    (want, cpu_grads),
+                    tolerances,
+                );
             }
         }
     }
