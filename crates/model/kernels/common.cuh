@@ -131,12 +131,17 @@ __device__ __forceinline__ float hr_sigmoid(float x) {
 
 // One LSTM unit's step, gates i, f, g, o (the LSTM in sequence.cu and the
 // ConvLSTM in frames.cu): the activated gates of the pre-activations into
-// act, the new cell state returned.
-__device__ __forceinline__ float hr_lstm_step(const float pre[4], float c_prev, float act[4]) {
+// act (hr_lstm_gates alone: a recompute of them), the new cell state
+// returned.
+__device__ __forceinline__ void hr_lstm_gates(const float pre[4], float act[4]) {
     act[0] = hr_sigmoid(pre[0]);
     act[1] = hr_sigmoid(pre[1]);
     act[2] = tanhf(pre[2]);
     act[3] = hr_sigmoid(pre[3]);
+}
+
+__device__ __forceinline__ float hr_lstm_step(const float pre[4], float c_prev, float act[4]) {
+    hr_lstm_gates(pre, act);
     return act[1] * c_prev + act[0] * act[2];
 }
 

@@ -11,9 +11,16 @@
 //                           (h_{-1} = 0), from the layer's input and output
 //   conv_lstm_cell_forward  the activated gates and cell state (kept in f32
 //                           for every step) and h_t into the output
+//   conv_lstm_cell_forward_cells
+//                           the same keeping the cell state only (per-step
+//                           recompute: backward reruns the step's gates)
 //   conv_lstm_cell_backward dh = g + dh_next: the pre-activation gradients
 //                           [N, H, W, 4·Hc] (T, for the convolution's
 //                           backward) and dc carried to the step before
+//   conv_lstm_cell_backward_rerun
+//                           the same from the step's recomputed
+//                           pre-activations [N, H, W, 4·Hc] (T) instead of
+//                           the kept gates: the same values, so the same bits
 //   frames_step_split       the convolution's input gradient into dx_t and
 //                           dh_next (f32) for the step before
 // pixel_mse: a warp per frame, the mean of (y − t/255)² over its pixels
@@ -77,7 +84,9 @@ __device__ void frames_step_split_k(FramesParams p, const T* __restrict__ dxh,
     }
 }
 
-template <typename T>
+// KEEP_GATES: write every step's activated gates for backward; without
+// it only the cell state is kept and backward reruns the gates.
+template <typename T, bool KEEP_GATES>
 __device__ void conv_lstm_cell_forward_k(FramesParams p, const T* __restrict__ pre,
                                          float* __restrict__ gates, float* __restrict__ cells,
                                          T* __restrict__ hs) {
@@ -96,13 +105,40 @@ __device__ void conv_lstm_cell_forward_k(FramesParams p, const T* __restrict__ p
         const float c_prev = p.step > 0 ? cells[(at - p.pixels) * hc + j] : 0.0f;
         float act[4];
         const float c = hr_lstm_step(in, c_prev, act);
-        float* gate = gates + at * 4u * hc;
-        for (u32 k = 0; k < 4; ++k) {
-            gate[k * hc + j] = act[k];
+        if (KEEP_GATES) {
+            float* gate = gates + at * 4u * hc;
+            for (u32 k = 0; k < 4; ++k) {
+                gate[k * hc + j] = act[k];
+            }
         }
         cells[at * hc + j] = c;
         hr_st(&hs[at * hc + j], act[3] * tanhf(c));
     }
+}
+
+// One unit's backward at step p.step (index i of the step's n·h·w·hidden,
+// `at` its row among every step's) from its activated gates.
+template <typename T>
+__device__ __forceinline__ void conv_lstm_unit_backward(
+        FramesParams p, u32 i, u32 at, const float act[4], const float* __restrict__ cells,
+        const T* __restrict__ g, const float* __restrict__ dh_next,
+        float* __restrict__ dc_carry, T* __restrict__ d_pre) {
+    const u32 hc = p.hidden;
+    const u32 j = i % hc;
+    const u32 pix = i / hc;
+    const float c_prev = p.step > 0 ? cells[(at - p.pixels) * hc + j] : 0.0f;
+    const float dh = hr_ld(g[at * hc + j]) + dh_next[i];
+    float d[4];
+    dc_carry[i] = hr_lstm_step_backward(act, cells[at * hc + j], c_prev, dh, dc_carry[i], d);
+    T* out = d_pre + pix * 4u * hc;
+    for (u32 k = 0; k < 4; ++k) {
+        hr_st(&out[k * hc + j], d[k]);
+    }
+}
+
+__device__ __forceinline__ u32 conv_lstm_row(FramesParams p, u32 pix) {
+    const u32 s = pix / p.pixels;
+    return (s * p.frames + p.step) * p.pixels + (pix - s * p.pixels);
 }
 
 template <typename T>
@@ -114,20 +150,34 @@ __device__ void conv_lstm_cell_backward_k(FramesParams p, const float* __restric
     const u32 hc = p.hidden;
     GRID_STRIDE(i, p.n * p.pixels * hc) {
         const u32 j = i % hc;
-        const u32 pix = i / hc;
-        const u32 s = pix / p.pixels;
-        const u32 q = pix - s * p.pixels;
-        const u32 at = (s * p.frames + p.step) * p.pixels + q;
+        const u32 at = conv_lstm_row(p, i / hc);
         const float* gate = gates + at * 4u * hc;
         const float act[4] = {gate[j], gate[hc + j], gate[2u * hc + j], gate[3u * hc + j]};
-        const float c_prev = p.step > 0 ? cells[(at - p.pixels) * hc + j] : 0.0f;
-        const float dh = hr_ld(g[at * hc + j]) + dh_next[i];
-        float d[4];
-        dc_carry[i] = hr_lstm_step_backward(act, cells[at * hc + j], c_prev, dh, dc_carry[i], d);
-        T* out = d_pre + pix * 4u * hc;
+        conv_lstm_unit_backward<T>(p, i, at, act, cells, g, dh_next, dc_carry, d_pre);
+    }
+}
+
+// `pre` is the step's pre-activations [n, h, w, 4·hidden], computed again.
+template <typename T>
+__device__ void conv_lstm_cell_backward_rerun_k(FramesParams p, const T* __restrict__ pre,
+                                                const float* __restrict__ cells,
+                                                const T* __restrict__ g,
+                                                const float* __restrict__ dh_next,
+                                                float* __restrict__ dc_carry,
+                                                T* __restrict__ d_pre) {
+    const u32 hc = p.hidden;
+    GRID_STRIDE(i, p.n * p.pixels * hc) {
+        const u32 j = i % hc;
+        const u32 pix = i / hc;
+        const T* pr = pre + pix * 4u * hc;
+        float in[4];
         for (u32 k = 0; k < 4; ++k) {
-            hr_st(&out[k * hc + j], d[k]);
+            in[k] = hr_ld(pr[k * hc + j]);
         }
+        float act[4];
+        hr_lstm_gates(in, act);
+        conv_lstm_unit_backward<T>(p, i, conv_lstm_row(p, pix), act, cells, g, dh_next,
+                                   dc_carry, d_pre);
     }
 }
 
@@ -184,13 +234,25 @@ extern "C" __global__ void frames_step_split_f32(
 extern "C" __global__ void conv_lstm_cell_forward_f16(
         FramesParams p, const hr_half* __restrict__ pre, float* __restrict__ gates,
         float* __restrict__ cells, hr_half* __restrict__ hs) {
-    conv_lstm_cell_forward_k<hr_half>(p, pre, gates, cells, hs);
+    conv_lstm_cell_forward_k<hr_half, true>(p, pre, gates, cells, hs);
 }
 
 extern "C" __global__ void conv_lstm_cell_forward_f32(
         FramesParams p, const float* __restrict__ pre, float* __restrict__ gates,
         float* __restrict__ cells, float* __restrict__ hs) {
-    conv_lstm_cell_forward_k<float>(p, pre, gates, cells, hs);
+    conv_lstm_cell_forward_k<float, true>(p, pre, gates, cells, hs);
+}
+
+extern "C" __global__ void conv_lstm_cell_forward_cells_f16(
+        FramesParams p, const hr_half* __restrict__ pre, float* __restrict__ cells,
+        hr_half* __restrict__ hs) {
+    conv_lstm_cell_forward_k<hr_half, false>(p, pre, nullptr, cells, hs);
+}
+
+extern "C" __global__ void conv_lstm_cell_forward_cells_f32(
+        FramesParams p, const float* __restrict__ pre, float* __restrict__ cells,
+        float* __restrict__ hs) {
+    conv_lstm_cell_forward_k<float, false>(p, pre, nullptr, cells, hs);
 }
 
 extern "C" __global__ void conv_lstm_cell_backward_f16(
@@ -205,6 +267,20 @@ extern "C" __global__ void conv_lstm_cell_backward_f32(
         const float* __restrict__ g, const float* __restrict__ dh_next,
         float* __restrict__ dc_carry, float* __restrict__ d_pre) {
     conv_lstm_cell_backward_k<float>(p, gates, cells, g, dh_next, dc_carry, d_pre);
+}
+
+extern "C" __global__ void conv_lstm_cell_backward_rerun_f16(
+        FramesParams p, const hr_half* __restrict__ pre, const float* __restrict__ cells,
+        const hr_half* __restrict__ g, const float* __restrict__ dh_next,
+        float* __restrict__ dc_carry, hr_half* __restrict__ d_pre) {
+    conv_lstm_cell_backward_rerun_k<hr_half>(p, pre, cells, g, dh_next, dc_carry, d_pre);
+}
+
+extern "C" __global__ void conv_lstm_cell_backward_rerun_f32(
+        FramesParams p, const float* __restrict__ pre, const float* __restrict__ cells,
+        const float* __restrict__ g, const float* __restrict__ dh_next,
+        float* __restrict__ dc_carry, float* __restrict__ d_pre) {
+    conv_lstm_cell_backward_rerun_k<float>(p, pre, cells, g, dh_next, dc_carry, d_pre);
 }
 
 extern "C" __global__ void pixel_mse_f16(

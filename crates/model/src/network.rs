@@ -92,6 +92,26 @@ pub struct TokenInput {
 /// Ids travel as f32 values, exact up to 2^24.
 const MAX_VOCAB: usize = 1 << 24;
 
+impl TokenInput {
+    /// A batch's ids as the f32 values the embedding reads (CPU and GPU
+    /// alike); an id outside the vocabulary is an error naming it.
+    pub fn id_values(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        if let Some(at) = ids.iter().position(|&id| id as usize >= self.vocab) {
+            return Err(ModelError::Shape {
+                op: "network input",
+                expected: format!("token ids in 0..{} (model.tokens.vocab)", self.vocab),
+                got: format!("{} at index {at}", ids[at]),
+            });
+        }
+        let mut values = Vec::new();
+        values
+            .try_reserve_exact(ids.len())
+            .map_err(|_| ModelError::State("token batch too large".into()))?;
+        values.extend(ids.iter().map(|&id| id as f32));
+        Ok(values)
+    }
+}
+
 fn default_kernel() -> usize {
     3
 }
@@ -324,19 +344,7 @@ impl Network {
                 "this model reads pixels: set model.tokens to feed token ids".into(),
             ));
         };
-        if let Some(at) = ids.iter().position(|&id| id as usize >= tokens.vocab) {
-            return Err(ModelError::Shape {
-                op: "network input",
-                expected: format!("token ids in 0..{}", tokens.vocab),
-                got: format!("{} at index {at}", ids[at]),
-            });
-        }
-        let mut values = Vec::new();
-        values
-            .try_reserve_exact(ids.len())
-            .map_err(|_| ModelError::State("token batch too large".into()))?;
-        values.extend(ids.iter().map(|&id| id as f32));
-        Tensor::from_vec(&[batch, tokens.length], values)
+        Tensor::from_vec(&[batch, tokens.length], tokens.id_values(ids)?)
     }
 
     /// Returns the logits, [N, classes].

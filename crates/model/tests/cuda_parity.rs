@@ -3101,6 +3101,69 @@ fn frame_networks_match_the_cpu_network() {
     }
 }
 
+/// Under `model.checkpoint` a ConvLSTM keeps each step's cell state only
+/// and reruns the step's gates in backward, as the CPU layer does: the
+/// same gradients, bit for bit, and a training step's peak lower by most
+/// of the gates it no longer keeps (4·hidden f32 per pixel and frame).
+#[test]
+fn a_checkpointed_conv_lstm_keeps_its_cells_only() {
+    let be = gpu_or_skip!();
+    let (n, frames, side, hidden) = (2, 8, 8, 8);
+    let images = [n * frames, side, side, 2];
+    let x = random(&[n, frames, side, side, 2], 1250, 1.0, 0.0);
+    let grad = random(&[n, frames, side, side, 2], 1251, 0.1, 0.0);
+    let run = |checkpoint: &str| {
+        let text = format!(
+            r#"
+[model]
+checkpoint = "{checkpoint}"
+input = [{side}, {side}, 2]
+frames = {frames}
+mean = 0.0
+std = 1.0
+layers = [
+  {{ type = "conv_lstm", hidden = {hidden}, kernel = 3 }},
+  {{ type = "conv", out = 2, bias = true }},
+]
+"#
+        );
+        let spec = toml::from_str::<SpecFile>(&text).unwrap().model;
+        let options = CudaBuildOptions {
+            activations: DType::F16,
+            ..CudaBuildOptions::default()
+        };
+        let mut net = CudaNetwork::build(&be, &spec, 21, options).unwrap();
+        let x = CudaTensor::from_tensor(&be, &x, DType::F16)
+            .unwrap()
+            .reshape(&images)
+            .unwrap();
+        let g = CudaTensor::from_tensor(&be, &grad, DType::F16)
+            .unwrap()
+            .reshape(&images)
+            .unwrap();
+        be.reset_peak();
+        let start = be.memory_stats();
+        let y = net.forward_train(&be, &x).unwrap().to_host(&be).unwrap();
+        net.backward(&be, &g).unwrap();
+        let peak = be.memory_stats().peak_in_use_bytes - start.in_use_bytes;
+        (y, net.read_grads(&be).unwrap(), peak)
+    };
+    let (kept_y, kept_grads, kept_peak) = run("none");
+    let (rerun_y, rerun_grads, rerun_peak) = run("all");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&kept_y), bits(&rerun_y), "outputs");
+    assert_eq!(kept_grads.len(), rerun_grads.len());
+    for (a, b) in kept_grads.iter().zip(&rerun_grads) {
+        assert_eq!(bits(a), bits(b), "gradients");
+    }
+    let gates_bytes = (n * frames * side * side * 4 * hidden * 4) as u64;
+    assert!(
+        rerun_peak + gates_bytes / 2 <= kept_peak,
+        "peak {rerun_peak} bytes recomputing, {kept_peak} keeping the gates \
+         ({gates_bytes} bytes of them)"
+    );
+}
+
 /// Token models: an embedding with positions, transformer blocks (dropout,
 /// LoRA on the attention projections), a standalone attention and LoRA
 /// linear, a per-token head; and two stacked LSTMs. `t` = 37 crosses the
@@ -3604,6 +3667,30 @@ const COVERAGE: &[(&str, &str)] = &[
     (
         "conv_lstm_cell_backward_f32",
         "frame_networks_match_the_cpu_network",
+    ),
+    (
+        "conv_lstm_cell_forward_cells_f16",
+        "frame_networks_match_the_cpu_network",
+    ),
+    (
+        "conv_lstm_cell_forward_cells_f32",
+        "frame_networks_match_the_cpu_network",
+    ),
+    (
+        "conv_lstm_cell_backward_rerun_f16",
+        "frame_networks_match_the_cpu_network",
+    ),
+    (
+        "conv_lstm_cell_backward_rerun_f32",
+        "frame_networks_match_the_cpu_network",
+    ),
+    (
+        "conv_lstm_cell_forward_cells_f16",
+        "a_checkpointed_conv_lstm_keeps_its_cells_only",
+    ),
+    (
+        "conv_lstm_cell_backward_rerun_f16",
+        "a_checkpointed_conv_lstm_keeps_its_cells_only",
     ),
     ("pixel_mse_f16", "pixel_mse_matches_the_cpu_loss"),
     ("pixel_mse_f32", "pixel_mse_matches_the_cpu_loss"),

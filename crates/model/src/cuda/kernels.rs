@@ -149,8 +149,12 @@ pub const FRAMES_STEP_CONCAT: KernelPair = pair!("frames", "frames_step_concat",
 pub const FRAMES_STEP_SPLIT: KernelPair = pair!("frames", "frames_step_split", FramesParams, 3);
 pub const CONV_LSTM_CELL_FORWARD: KernelPair =
     pair!("frames", "conv_lstm_cell_forward", FramesParams, 4);
+pub const CONV_LSTM_CELL_FORWARD_CELLS: KernelPair =
+    pair!("frames", "conv_lstm_cell_forward_cells", FramesParams, 3);
 pub const CONV_LSTM_CELL_BACKWARD: KernelPair =
     pair!("frames", "conv_lstm_cell_backward", FramesParams, 6);
+pub const CONV_LSTM_CELL_BACKWARD_RERUN: KernelPair =
+    pair!("frames", "conv_lstm_cell_backward_rerun", FramesParams, 6);
 pub const PIXEL_MSE: KernelPair = pair!("frames", "pixel_mse", MseParams, 6);
 
 pub const UPSAMPLE2X_FORWARD: KernelPair = pair!("unet", "upsample2x_forward", UpsampleParams, 2);
@@ -293,8 +297,12 @@ pub static FILES: &[KernelFile] = &[
             FRAMES_STEP_SPLIT.f32,
             CONV_LSTM_CELL_FORWARD.f16,
             CONV_LSTM_CELL_FORWARD.f32,
+            CONV_LSTM_CELL_FORWARD_CELLS.f16,
+            CONV_LSTM_CELL_FORWARD_CELLS.f32,
             CONV_LSTM_CELL_BACKWARD.f16,
             CONV_LSTM_CELL_BACKWARD.f32,
+            CONV_LSTM_CELL_BACKWARD_RERUN.f16,
+            CONV_LSTM_CELL_BACKWARD_RERUN.f32,
             PIXEL_MSE.f16,
             PIXEL_MSE.f32,
         ],

@@ -62,7 +62,9 @@
 //! Frame models (`model.frames`): a batch of sequences [n, f, h, w, c] is
 //! images [n·f, h, w, c] (sample s's frames at s·f ..), so the per-frame
 //! layers are the image layers; a ConvLSTM keeps its input, output, and
-//! every step's gates and cells in f32 (`ops::conv_lstm_forward`). (The
+//! every step's cells in f32, and its gates too unless `model.checkpoint`
+//! is on: then backward reruns each step's gates' convolution, as the CPU
+//! layer does (`ops::conv_lstm_forward`). (The
 //! CPU builder already refuses a frame model whose layers would mix a
 //! sample's frames: it must end in per-frame predictions.)
 
@@ -217,13 +219,15 @@ enum GpuLayer {
     /// A linear layer with a frozen base and a trainable LoRA adapter.
     Lora(Box<LoraLayer>),
     /// A ConvLSTM over each sample's frames (images s·F .. s·F + F − 1 of
-    /// the batch); keeps its input, its output, and every step's activated
-    /// gates and cell state.
+    /// the batch); keeps its input, its output, every step's cell state
+    /// and, without `step_recompute` (on under `model.checkpoint`, as on
+    /// the CPU), every step's activated gates.
     ConvLstm {
         weight: ParamRef,
         bias: ParamRef,
         shape: ops::ConvLstmShape,
         plan: ConvPlan,
+        step_recompute: bool,
     },
     /// An LSTM over sequences of `length` tokens; keeps its input, its
     /// output, the activated gates and the cell states.
@@ -496,6 +500,8 @@ struct ParamCursor<'a> {
     vocab: Option<usize>,
     /// `model.frames`: the batch is images, F a sample.
     frames: Option<usize>,
+    /// `model.checkpoint` is on: a ConvLSTM keeps its cells only.
+    step_recompute: bool,
     next: usize,
     offsets: [usize; 3],
     slots: Vec<ParamSlot>,
@@ -607,6 +613,7 @@ impl CudaNetwork {
             dropout_seeds: cpu.dropout_seeds().into_iter(),
             vocab: spec.tokens.map(|t| t.vocab),
             frames: spec.frames,
+            step_recompute: !spec.checkpoint.is_none(),
             next: 0,
             offsets: [0; 3],
             slots: Vec::new(),
@@ -1256,6 +1263,7 @@ fn build_one(
                     kernel: *kernel,
                 },
                 plan: ConvPlan::default(),
+                step_recompute: cursor.step_recompute,
             }]
         }
         LayerSpec::Lstm { hidden } => {
@@ -1960,9 +1968,10 @@ fn forward_one(
             bias,
             shape,
             plan,
+            step_recompute,
         } => {
             let (w, b) = (compute(groups, weight), compute(groups, bias));
-            let (y, kept) = ops::conv_lstm_forward(be, x, &w, &b, *shape, *plan)?;
+            let (y, kept) = ops::conv_lstm_forward(be, x, &w, &b, *shape, *plan, *step_recompute)?;
             (y, Keep::ConvLstm(Box::new(kept)))
         }
         GpuLayer::Lstm {
@@ -2128,13 +2137,26 @@ fn missing() -> CudaError {
 }
 
 /// Views of parameter `a` (the weights it computes with, its f32 master and
-/// f32 gradient) and the gradient of `b`, lent together to `f` even when
-/// both live in one group.
+/// f32 gradient) and the weights and gradient of `b`, lent together to `f`
+/// even when both live in one group.
 struct Views<'a> {
     compute: AnyView<'a>,
     master: CudaView<'a, f32>,
     grad: CudaViewMut<'a, f32>,
-    other_grad: Option<CudaViewMut<'a, f32>>,
+    other: Option<(AnyView<'a>, CudaViewMut<'a, f32>)>,
+}
+
+/// The weights a layer computes with, from a group's fields (so that its
+/// gradient can be lent mutably beside them).
+fn compute_view<'a>(
+    copy: &'a Option<DeviceBuffer<half::f16>>,
+    master: &'a DeviceBuffer<f32>,
+    range: std::ops::Range<usize>,
+) -> AnyView<'a> {
+    match copy {
+        Some(copy) => AnyView::F16(copy.slice.slice(range)),
+        None => AnyView::F32(master.slice.slice(range)),
+    }
 }
 
 fn with_grads<R>(
@@ -2149,12 +2171,7 @@ fn with_grads<R>(
     } else {
         (second, first)
     };
-    // Field by field (not `ga.weights`), so that the gradient can be lent
-    // mutably beside them.
-    let compute = match &ga.compute {
-        Some(copy) => AnyView::F16(copy.slice.slice(a.range())),
-        None => AnyView::F32(ga.master.slice.slice(a.range())),
-    };
+    let compute = compute_view(&ga.compute, &ga.master, a.range());
     let master = ga.master.slice.slice(a.range());
     match b {
         Some(b) if b.group == a.group => {
@@ -2165,24 +2182,28 @@ fn with_grads<R>(
             } else {
                 (high.slice_mut(0..a.len), low.slice_mut(b.range()))
             };
+            let other_compute = compute_view(&ga.compute, &ga.master, b.range());
             f(Views {
                 compute,
                 master,
                 grad,
-                other_grad: Some(other),
+                other: Some((other_compute, other)),
             })
         }
         Some(b) => f(Views {
             compute,
             master,
             grad: ga.grad.slice.slice_mut(a.range()),
-            other_grad: Some(gb.grad.slice.slice_mut(b.range())),
+            other: Some((
+                compute_view(&gb.compute, &gb.master, b.range()),
+                gb.grad.slice.slice_mut(b.range()),
+            )),
         }),
         None => f(Views {
             compute,
             master,
             grad: ga.grad.slice.slice_mut(a.range()),
-            other_grad: None,
+            other: None,
         }),
     }
 }
@@ -2304,7 +2325,7 @@ fn backward_leaf(
             let x = x.take(be)?;
             let s = conv_shape(&x, *kernel, *stride, *pad, *cout)?;
             with_grads(groups, weight, bias.as_ref(), |mut v| {
-                let bias_grad = v.other_grad.as_mut();
+                let bias_grad = v.other.as_mut().map(|(_, grad)| grad);
                 ops::conv2d_backward(be, &x, &g, &v.compute, &mut v.grad, bias_grad, s, *plan)
             })
         }
@@ -2316,7 +2337,7 @@ fn backward_leaf(
         (GpuLayer::Linear { weight, bias, .. }, Saved::Input(x)) => {
             let x = x.take(be)?;
             with_grads(groups, weight, bias.as_ref(), |mut v| {
-                let bias_grad = v.other_grad.as_mut();
+                let bias_grad = v.other.as_mut().map(|(_, grad)| grad);
                 ops::linear_backward(be, &x, &g, &v.compute, &mut v.grad, bias_grad)
             })
         }
@@ -2361,7 +2382,7 @@ fn backward_leaf(
         (GpuLayer::LayerNorm { gamma, beta, .. }, Saved::LayerNorm(x, stats)) => {
             let x = x.take(be)?;
             with_grads(groups, gamma, Some(beta), |mut v| {
-                let Some(beta_grad) = v.other_grad.as_mut() else {
+                let Some(beta_grad) = v.other.as_mut().map(|(_, grad)| grad) else {
                     return Err(missing());
                 };
                 ops::layer_norm_backward(be, &g, &x, &stats, &v.master, &mut v.grad, beta_grad)
@@ -2385,7 +2406,7 @@ fn backward_leaf(
             drop((y, kept));
             let x = x.take(be)?;
             with_grads(groups, wx, Some(bias), |mut v| {
-                let bias_grad = v.other_grad.as_mut();
+                let bias_grad = v.other.as_mut().map(|(_, grad)| grad);
                 ops::linear_backward(be, &x, &d_pre, &v.compute, &mut v.grad, bias_grad)
             })
         }
@@ -2395,12 +2416,13 @@ fn backward_leaf(
                 bias,
                 shape,
                 plan,
+                ..
             },
             Saved::ConvLstm(x, y, kept),
         ) => {
             let x = x.take(be)?;
             with_grads(groups, weight, Some(bias), |mut v| {
-                let Some(bias_grad) = v.other_grad.as_mut() else {
+                let Some((bias, bias_grad)) = v.other.as_mut() else {
                     return Err(missing());
                 };
                 ops::conv_lstm_backward(
@@ -2410,6 +2432,7 @@ fn backward_leaf(
                     &g,
                     &kept,
                     &v.compute,
+                    bias,
                     &mut v.grad,
                     bias_grad,
                     *shape,
@@ -2422,7 +2445,7 @@ fn backward_leaf(
             let inf = x.shape().get(1).copied().unwrap_or(0);
             let (dx, du) = ops::lora_backward_input(be, &g, &lora.weights(groups), inf)?;
             with_grads(groups, &lora.a, Some(&lora.b), |mut v| {
-                let Some(b_grad) = v.other_grad.as_mut() else {
+                let Some(b_grad) = v.other.as_mut().map(|(_, grad)| grad) else {
                     return Err(missing());
                 };
                 ops::lora_grads(be, &x, &u, &g, &du, &mut v.grad, b_grad)
@@ -2460,7 +2483,14 @@ fn embedding_grads(
     let positions = positions.filter(ParamRef::trainable);
     match (table.trainable(), positions) {
         (true, positions) => with_grads(groups, &table, positions.as_ref(), |mut v| {
-            ops::embedding_backward(be, ids, g, shape, Some(&mut v.grad), v.other_grad.as_mut())
+            ops::embedding_backward(
+                be,
+                ids,
+                g,
+                shape,
+                Some(&mut v.grad),
+                v.other.as_mut().map(|(_, grad)| grad),
+            )
         }),
         (false, Some(positions)) => with_grads(groups, &positions, None, |mut v| {
             ops::embedding_backward(be, ids, g, shape, None, Some(&mut v.grad))
@@ -2481,7 +2511,7 @@ fn with_bn_grads<R>(
     ) -> CudaResult<R>,
 ) -> CudaResult<R> {
     with_grads(groups, &bn.gamma, Some(&bn.beta), |mut v| {
-        let Some(beta_grad) = v.other_grad.as_mut() else {
+        let Some(beta_grad) = v.other.as_mut().map(|(_, grad)| grad) else {
             return Err(missing());
         };
         f(&v.master, &mut v.grad, beta_grad)

@@ -2409,6 +2409,20 @@ pub struct GradScale<'a> {
     pub share: f32,
 }
 
+impl GradScale<'_> {
+    /// The loss kernels read one f32 of scale.
+    fn check(&self, op: &'static str) -> CudaResult<()> {
+        match self.loss_scale.len() {
+            1 => Ok(()),
+            len => Err(CudaError::shape(
+                op,
+                "a loss scale of one f32",
+                format!("{len} values"),
+            )),
+        }
+    }
+}
+
 /// Softmax cross-entropy with label smoothing, forward and gradient in one
 /// kernel. `labels` are class indices on the device (use
 /// `upload_labels`, which validates them); the gradient is multiplied by
@@ -2549,13 +2563,7 @@ fn xent_launch(
     focal: Option<f32>,
     scale: GradScale<'_>,
 ) -> CudaResult<XentOutput> {
-    if scale.loss_scale.len() != 1 {
-        return Err(CudaError::shape(
-            "cross_entropy",
-            "a loss scale of one f32",
-            format!("{} values", scale.loss_scale.len()),
-        ));
-    }
+    scale.check("cross_entropy")?;
     let pair = match (&target, focal) {
         (XentTarget::Labels(_), None) => k::SOFTMAX_XENT,
         (XentTarget::Soft(_), None) => k::SOFTMAX_XENT_SOFT,

@@ -164,14 +164,13 @@ impl CudaLearner {
         }
         cuda(be.set_memory_limit(limit))?;
         let mut network = CudaNetwork::from_cpu(&be, cpu, options.build)?;
-        let spec = &network.spec().clone();
+        let staging = staging_for(&be, network.spec(), batch_size)?;
         let optimizer = FusedAdamW::new(
             &be,
             settings.optimizer.clone(),
             options.loss_scaler,
             network.groups_mut(),
         )?;
-        let staging = staging_for(&be, spec, batch_size)?;
         Ok(Self {
             macs_per_sample: network.macs_per_sample(),
             records: cuda(StepRecords::new(&be, batch_size))?,
@@ -273,16 +272,7 @@ impl CudaLearner {
     /// each as its label.
     fn stage_tokens(&self, part: &Batch, tokens: TokenInput) -> Result<StagedBatch> {
         let (ids, targets) = part.next_token_pairs();
-        if let Some(at) = ids.iter().position(|&id| id as usize >= tokens.vocab) {
-            return Err(PipelineError::value(
-                "model.tokens.vocab",
-                format!(
-                    "token id {} at position {at} of the batch is not below the vocabulary of {}",
-                    ids[at], tokens.vocab
-                ),
-            ));
-        }
-        let ids: Vec<f32> = ids.iter().map(|&id| id as f32).collect();
+        let ids = tokens.id_values(&ids)?;
         let shape = [part.len(), tokens.length];
         let be = &self.be;
         Ok(StagedBatch {

@@ -7,7 +7,7 @@
 //! | `conv_lstm_forward` / `conv_lstm_backward` | `layers::ConvLstm` |
 //! | `pixel_mse` | `loss::pixel_mse` |
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
 use super::{
     conv2d_backward, conv2d_forward, elementwise, u32_of, ConvPlan, ConvShape, GradScale,
@@ -77,12 +77,14 @@ impl ConvLstmShape {
     }
 }
 
-/// What a ConvLSTM's backward needs besides its input and output: the
-/// activated gates [n·f, h, w, 4·hidden] and cell states [n·f, h, w,
-/// hidden] of every step, in f32.
+/// What a ConvLSTM's backward needs besides its input and output: the cell
+/// states [n·f, h, w, hidden] of every step, in f32, and with
+/// `step_recompute` off the activated gates [n·f, h, w, 4·hidden] too
+/// (f32). Without them backward reruns each step's gates' convolution:
+/// one more convolution per step for 4/5 less kept, the same bits.
 #[derive(Debug)]
 pub struct ConvLstmSaved {
-    pub gates: DeviceBuffer<f32>,
+    pub gates: Option<DeviceBuffer<f32>>,
     pub cells: DeviceBuffer<f32>,
 }
 
@@ -111,7 +113,7 @@ fn step_input(
 
 /// Every hidden state [n·f, h, w, hidden] of a ConvLSTM over frames
 /// [n·f, h, w, channels], from zero state; `weight` and `bias` are the
-/// gates' convolution's.
+/// gates' convolution's. `step_recompute` keeps the cells only.
 pub fn conv_lstm_forward(
     be: &CudaBackend,
     x: &CudaTensor,
@@ -119,31 +121,40 @@ pub fn conv_lstm_forward(
     bias: &AnyView<'_>,
     s: ConvLstmShape,
     plan: ConvPlan,
+    step_recompute: bool,
 ) -> CudaResult<(CudaTensor, ConvLstmSaved)> {
     let n = s.samples(x, "conv_lstm")?;
     let units = x.shape()[0] * s.h * s.w * s.hidden;
-    let mut gates = be.alloc::<f32>(4 * units)?;
+    let mut gates = match step_recompute {
+        true => None,
+        false => Some(be.alloc::<f32>(4 * units)?),
+    };
     let mut cells = be.alloc::<f32>(units)?;
     let mut hs = CudaTensor::uninit(be, &[x.shape()[0], s.h, s.w, s.hidden], x.dtype())?;
     if hs.is_empty() {
         return Ok((hs, ConvLstmSaved { gates, cells }));
     }
-    let f = be.function(k::CONV_LSTM_CELL_FORWARD.of(x.dtype()))?;
+    let cell = match step_recompute {
+        true => k::CONV_LSTM_CELL_FORWARD_CELLS,
+        false => k::CONV_LSTM_CELL_FORWARD,
+    };
+    let f = be.function(cell.of(x.dtype()))?;
     for step in 0..s.frames {
         let xh = step_input(be, x, &hs, &s, n, step)?;
         let pre = conv2d_forward(be, &xh, weight, Some(bias), s.conv(n), plan)?;
         drop(xh);
         let p = s.params(n, step)?;
         let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p)
-            .arg(&pre)
-            .arg(&mut gates.slice)
-            .arg(&mut cells.slice)
-            .arg(&mut hs);
+        b.arg(&p).arg(&pre);
+        if let Some(gates) = gates.as_mut() {
+            b.arg(&mut gates.slice);
+        }
+        b.arg(&mut cells.slice).arg(&mut hs);
         // SAFETY: conv_lstm_cell_forward_T(FramesParams, const T* pre [n, h,
         // w, 4·hidden], float* gates [n·f, h, w, 4·hidden], float* cells
-        // [n·f, h, w, hidden], T* hs [n·f, h, w, hidden]); grid-stride over
-        // n·h·w·hidden, each thread its own unit's elements.
+        // [n·f, h, w, hidden], T* hs [n·f, h, w, hidden]), or its _cells
+        // form without gates; grid-stride over n·h·w·hidden, each thread
+        // its own unit's elements.
         unsafe { b.launch(elementwise(n * s.h * s.w * s.hidden)) }
             .during("conv_lstm_cell_forward")?;
     }
@@ -152,7 +163,8 @@ pub fn conv_lstm_forward(
 
 /// ConvLSTM backward through time from g [n·f, h, w, hidden]: the gates'
 /// convolution's dW and db accumulated (+=), dx returned. Each step's
-/// convolution input is gathered again from x and the output.
+/// convolution input is gathered again from x and the output, and without
+/// kept gates its convolution is rerun for them.
 #[allow(clippy::too_many_arguments)]
 pub fn conv_lstm_backward(
     be: &CudaBackend,
@@ -161,6 +173,7 @@ pub fn conv_lstm_backward(
     g: &CudaTensor,
     saved: &ConvLstmSaved,
     weight: &AnyView<'_>,
+    bias: &AnyView<'_>,
     weight_grad: &mut CudaViewMut<'_, f32>,
     bias_grad: &mut CudaViewMut<'_, f32>,
     s: ConvLstmShape,
@@ -176,27 +189,42 @@ pub fn conv_lstm_backward(
     let state = n * s.h * s.w * s.hidden;
     let mut dh_next = be.alloc_zeros::<f32>(state)?;
     let mut dc_carry = be.alloc_zeros::<f32>(state)?;
-    let cell = be.function(k::CONV_LSTM_CELL_BACKWARD.of(g.dtype()))?;
     let split = be.function(k::FRAMES_STEP_SPLIT.of(g.dtype()))?;
     for step in (0..s.frames).rev() {
         let p = s.params(n, step)?;
-        let mut d_pre = CudaTensor::uninit(be, &[n, s.h, s.w, 4 * s.hidden], g.dtype())?;
-        {
-            let mut b = be.compute_stream().launch_builder(&cell);
-            b.arg(&p)
-                .arg(&saved.gates.slice)
-                .arg(&saved.cells.slice)
-                .arg(g)
-                .arg(&dh_next.slice)
-                .arg(&mut dc_carry.slice)
-                .arg(&mut d_pre);
-            // SAFETY: conv_lstm_cell_backward_T(FramesParams, const float*
-            // gates, const float* cells (every step), const T* g [n·f, h, w,
-            // hidden], const float* dh_next, float* dc [n, h, w, hidden], T*
-            // d_pre [n, h, w, 4·hidden]); grid-stride over n·h·w·hidden.
-            unsafe { b.launch(elementwise(state)) }.during("conv_lstm_cell_backward")?;
-        }
         let xh = step_input(be, x, hs, &s, n, step)?;
+        let mut d_pre = CudaTensor::uninit(be, &[n, s.h, s.w, 4 * s.hidden], g.dtype())?;
+        let cells = &saved.cells.slice;
+        match &saved.gates {
+            Some(gates) => {
+                let f = be.function(k::CONV_LSTM_CELL_BACKWARD.of(g.dtype()))?;
+                let mut b = be.compute_stream().launch_builder(&f);
+                b.arg(&p).arg(&gates.slice).arg(cells).arg(g);
+                b.arg(&dh_next.slice)
+                    .arg(&mut dc_carry.slice)
+                    .arg(&mut d_pre);
+                // SAFETY: conv_lstm_cell_backward_T(FramesParams, const
+                // float* gates, const float* cells (every step), const T* g
+                // [n·f, h, w, hidden], const float* dh_next, float* dc [n,
+                // h, w, hidden], T* d_pre [n, h, w, 4·hidden]); grid-stride
+                // over n·h·w·hidden.
+                unsafe { b.launch(elementwise(state)) }.during("conv_lstm_cell_backward")?;
+            }
+            None => {
+                let pre = conv2d_forward(be, &xh, weight, Some(bias), s.conv(n), plan)?;
+                let f = be.function(k::CONV_LSTM_CELL_BACKWARD_RERUN.of(g.dtype()))?;
+                let mut b = be.compute_stream().launch_builder(&f);
+                b.arg(&p).arg(&pre).arg(cells).arg(g);
+                b.arg(&dh_next.slice)
+                    .arg(&mut dc_carry.slice)
+                    .arg(&mut d_pre);
+                // SAFETY: conv_lstm_cell_backward_rerun_T(FramesParams, const
+                // T* pre [n, h, w, 4·hidden] (the step's, computed again),
+                // then as conv_lstm_cell_backward_T; grid-stride over
+                // n·h·w·hidden.
+                unsafe { b.launch(elementwise(state)) }.during("conv_lstm_cell_backward_rerun")?;
+            }
+        }
         let dxh = conv2d_backward(
             be,
             &xh,
@@ -228,6 +256,7 @@ pub fn pixel_mse(
     targets: &CudaView<'_, u8>,
     scale: GradScale<'_>,
 ) -> CudaResult<XentOutput> {
+    scale.check("pixel_mse")?;
     let rows = y.shape().first().copied().unwrap_or(0);
     if rows == 0 || y.len() != targets.len() {
         return Err(CudaError::shape(
@@ -244,7 +273,6 @@ pub fn pixel_mse(
     let mut grad = CudaTensor::uninit(be, y.shape(), y.dtype())?;
     let mut row_loss = be.alloc::<f32>(rows)?;
     let mut row_correct = be.alloc::<u32>(rows)?;
-    let loss_scale: &CudaSlice<f32> = scale.loss_scale;
     let f = be.function(k::PIXEL_MSE.of(y.dtype()))?;
     let cfg = LaunchConfig {
         grid_dim: (rows.div_ceil(8) as u32, 1, 1),
@@ -255,7 +283,7 @@ pub fn pixel_mse(
     b.arg(&p)
         .arg(y)
         .arg(targets)
-        .arg(loss_scale)
+        .arg(scale.loss_scale)
         .arg(&mut grad)
         .arg(&mut row_loss.slice)
         .arg(&mut row_correct.slice);
