@@ -3,8 +3,9 @@
 to end, for the wall-time comparison of the whole job: data loading with
 torch's DataLoader, training and evaluation included.
 
-The same recipe: the reference ResNet of torch_resnet.py, random crop
-(2 pixels of zero padding) and horizontal flip, batch 64, AdamW (lr 3e-3,
+The same recipe: the model of experiments/fashion_mnist.toml (built by
+torch_models.py), random crop (2 pixels of zero padding) and horizontal
+flip, batch 64, AdamW (lr 3e-3,
 weight decay 1e-4 on conv and linear weights only, betas 0.9/0.999),
 OneCycleLR (pct_start 0.3, div_factor 25, final_div_factor 1e4, cosine),
 label smoothing 0.1, gradient clipping at norm 1.0, 5 epochs, test accuracy
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from torch_resnet import reference_resnet
+from torch_models import experiment, model_from_spec
 
 MEAN, STD = 0.2860, 0.3530
 
@@ -134,7 +135,8 @@ def main():
     test_x = torch.from_numpy(test_images).unsqueeze(1)
     test_y = torch.from_numpy(test_labels)
 
-    model = reference_resnet().to(device=device, memory_format=torch.channels_last)
+    model = model_from_spec(experiment("fashion_mnist.toml")["model"])
+    model = model.to(device=device, memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(
         param_groups(model, 1e-4), lr=args.lr, betas=(0.9, 0.999), **({"fused": True} if cuda else {})
     )

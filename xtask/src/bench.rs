@@ -1,8 +1,10 @@
 //! `cargo xtask bench`: the training step at several batch sizes, each in its
 //! own process so that peak RSS belongs to that configuration alone; the
 //! loader on its own; and, with `--compare-torch`, the same step in PyTorch
-//! (bench/torch_resnet.py: same model, batch, threads, channels_last) run
-//! right after ours, with the ratio.
+//! (bench/torch_step.py: the experiment's model built from its `[model]`
+//! table by bench/torch_models.py, same settings, batch and threads,
+//! channels_last) run right after ours, with the ratio. A ratio is given
+//! only when both sides count the same parameters, trainable and all.
 
 use std::path::Path;
 use std::process::Command;
@@ -42,6 +44,8 @@ struct TorchStep {
     device: Option<String>,
     #[serde(default)]
     peak_device_bytes: Option<u64>,
+    parameters: usize,
+    trainable_parameters: usize,
 }
 
 #[derive(Debug, Serialize)]
@@ -55,6 +59,8 @@ struct Row {
 
 #[derive(Debug, Serialize)]
 struct Report {
+    /// `run.name` of the experiment timed.
+    experiment: String,
     machine_peak_gflops: f64,
     threads: usize,
     avx2_only: bool,
@@ -64,14 +70,20 @@ struct Report {
 
 pub fn run(args: &BenchArgs, experiment: &ExperimentConfig) -> Result<()> {
     let peak = bench::peak_gflops(args.threads, args.avx2_only);
+    let torch_config = match args.compare_torch {
+        true => Some(TorchConfig::write(experiment)?),
+        false => None,
+    };
     let mut rows = Vec::new();
     for &batch in args.batches {
         let headroom = step_in_subprocess(args, batch)?;
-        let pytorch = if args.compare_torch {
-            torch_step(args, batch)?
-        } else {
-            None
+        let pytorch = match &torch_config {
+            Some(config) => torch_step(args, config, batch)?,
+            None => None,
         };
+        if let Some(torch) = &pytorch {
+            same_model(&headroom, torch)?;
+        }
         let ratio = pytorch
             .as_ref()
             .map(|t| headroom.samples_per_sec / t.samples_per_sec);
@@ -91,6 +103,7 @@ pub fn run(args: &BenchArgs, experiment: &ExperimentConfig) -> Result<()> {
         }
     };
     let report = Report {
+        experiment: experiment.run.name.clone(),
         machine_peak_gflops: peak,
         threads: args.threads,
         avx2_only: args.avx2_only,
@@ -164,8 +177,52 @@ fn step_in_subprocess(args: &BenchArgs, batch: usize) -> Result<StepBench> {
     serde_json::from_str(line.trim()).with_context(|| format!("bench-step printed {line}"))
 }
 
-fn torch_step(args: &BenchArgs, batch: usize) -> Result<Option<TorchStep>> {
-    let script = Path::new("bench/torch_resnet.py");
+/// The resolved experiment as JSON in a temporary file, for
+/// bench/torch_step.py; removed when dropped.
+struct TorchConfig {
+    path: std::path::PathBuf,
+}
+
+impl TorchConfig {
+    fn write(experiment: &ExperimentConfig) -> Result<Self> {
+        let path = std::env::temp_dir().join(format!(
+            "headroom-bench-{}-{}.json",
+            experiment.run.name,
+            std::process::id()
+        ));
+        let json = serde_json::to_string(&bench::resolved(experiment))?;
+        std::fs::write(&path, json).with_context(|| format!("writing {}", path.display()))?;
+        Ok(Self { path })
+    }
+}
+
+impl Drop for TorchConfig {
+    fn drop(&mut self) {
+        // A leftover temporary file is harmless; nothing to report.
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// A ratio between two different models would be meaningless: the counts
+/// of parameters, all and trainable, must agree.
+fn same_model(headroom: &StepBench, torch: &TorchStep) -> Result<()> {
+    let ours = (headroom.parameters, headroom.trainable_parameters);
+    let theirs = (torch.parameters, torch.trainable_parameters);
+    if ours != theirs {
+        bail!(
+            "--compare-torch: PyTorch's model has {} parameters ({} trainable), headroom's {} ({} trainable): \
+             bench/torch_models.py does not build this experiment's model; no ratio",
+            theirs.0,
+            theirs.1,
+            ours.0,
+            ours.1
+        );
+    }
+    Ok(())
+}
+
+fn torch_step(args: &BenchArgs, config: &TorchConfig, batch: usize) -> Result<Option<TorchStep>> {
+    let script = Path::new("bench/torch_step.py");
     let probe = Command::new("python3")
         .args(["-c", "import torch"])
         .output();
@@ -174,7 +231,7 @@ fn torch_step(args: &BenchArgs, batch: usize) -> Result<Option<TorchStep>> {
         return Ok(None);
     }
     let mut command = Command::new("python3");
-    command.arg(script);
+    command.arg(script).arg("--config-json").arg(&config.path);
     if args.avx2_only {
         // ATen's vectorised kernels and oneDNN's convolutions, both held to AVX2.
         command.env("ATEN_CPU_CAPABILITY", "avx2");
@@ -225,9 +282,9 @@ fn print_table(report: &Report) {
         ""
     };
     println!(
-        "training step, reference model, {} threads; machine peak {:.0} GFLOP/s (measured FMA loop); \
+        "training step, {}, {} threads; machine peak {:.0} GFLOP/s (measured FMA loop); \
          convolutions: {algorithm}{isa}",
-        report.threads, report.machine_peak_gflops
+        report.experiment, report.threads, report.machine_peak_gflops
     );
     println!(
         "{:>6} | {:>12} {:>9} {:>10} {:>7} | {:>12} {:>9} {:>10} | {:>6}",
@@ -287,7 +344,7 @@ fn print_table(report: &Report) {
 /// memory does: "ratio" is samples/s over PyTorch's (≥ 1 is faster),
 /// "mem ratio" peak memory over PyTorch's (≤ 1 is smaller).
 fn print_gpu_table(report: &Report, device: &str) {
-    println!("training step, reference model, on {device}");
+    println!("training step, {}, on {device}", report.experiment);
     println!(
         "{:>6} | {:>12} {:>9} {:>11} | {:>12} {:>9} {:>11} | {:>6} {:>9}",
         "batch",
@@ -366,5 +423,41 @@ fn print_profile(step: &StepBench) {
             p.per_step,
             p.label
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ours(parameters: usize, trainable_parameters: usize) -> StepBench {
+        let json = serde_json::json!({
+            "batch": 8, "threads": 2, "steps": 1, "samples_per_sec": 1.0, "step_ms": 1.0,
+            "gflops": 1.0, "peak_rss_bytes": null, "parameters": parameters,
+            "trainable_parameters": trainable_parameters, "macs_per_sample": 1,
+        });
+        serde_json::from_value(json).unwrap()
+    }
+
+    fn theirs(parameters: usize, trainable_parameters: usize) -> TorchStep {
+        TorchStep {
+            version: "2".into(),
+            samples_per_sec: 1.0,
+            step_ms: 1.0,
+            peak_rss_bytes: 0,
+            device: None,
+            peak_device_bytes: None,
+            parameters,
+            trainable_parameters,
+        }
+    }
+
+    #[test]
+    fn a_ratio_needs_the_same_parameter_counts_on_both_sides() {
+        assert!(same_model(&ours(100, 10), &theirs(100, 10)).is_ok());
+        let other_model = same_model(&ours(100, 10), &theirs(104, 10)).unwrap_err();
+        assert!(other_model.to_string().contains("104 parameters"));
+        let other_freezing = same_model(&ours(100, 10), &theirs(100, 100)).unwrap_err();
+        assert!(other_freezing.to_string().contains("(100 trainable)"));
     }
 }

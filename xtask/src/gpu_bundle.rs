@@ -64,7 +64,7 @@ pub fn build(args: &BundleArgs) -> Result<()> {
     }
     copy_dir(Path::new("experiments"), &out.join("experiments"))?;
     fs::create_dir_all(out.join("bench"))?;
-    for script in ["torch_resnet.py", "torch_fashion_mnist.py"] {
+    for script in ["torch_models.py", "torch_step.py", "torch_fashion_mnist.py"] {
         let from = Path::new("bench").join(script);
         fs::copy(&from, out.join("bench").join(script))
             .with_context(|| format!("copying {}", from.display()))?;
@@ -250,6 +250,7 @@ pub fn dry_run(bundle: &Path) -> Result<()> {
         )
         .env("OOM_BUDGET", "6MiB")
         .env("BENCH_ARGS", "--batch 32,64 --warmup 1 --steps 2")
+        .env("MODEL_BENCH_ARGS", "--batch 2 --warmup 1 --steps 1")
         .env("STEP_TIMEOUT", "300")
         .status()
         .context("running bash run.sh")?;

@@ -18,8 +18,9 @@
 # the CPU emulator of the driver with: EXPERIMENT (the config every new job
 # starts from; experiments/fashion_mnist.toml), HEADROOM_SETS (`--set K=V`
 # overrides added last to every new job), OOM_BUDGET (the oom-budget step's
-# device.memory_limit; 40MiB), BENCH_ARGS (`--steps 50`), and GPT_SETS and
-# FRAMES_SETS (overrides after HEADROOM_SETS for the train-gpt and
+# device.memory_limit; 40MiB), BENCH_ARGS (`--steps 50`), MODEL_BENCH_ARGS
+# (the other trainers' bench steps; `--batch 32 --steps 50`), and GPT_SETS
+# and FRAMES_SETS (overrides after HEADROOM_SETS for the train-gpt and
 # train-frames steps' jobs).
 set -u
 cd "$(dirname "$0")"
@@ -35,6 +36,7 @@ export OUT BUNDLE XTASK=$BUNDLE/bin/xtask HEADROOM_SETS=${HEADROOM_SETS:-}
 export EXPERIMENT=${EXPERIMENT:-experiments/fashion_mnist.toml}
 OOM_BUDGET=${OOM_BUDGET:-40MiB}
 read -r -a BENCH_ARGS <<< "${BENCH_ARGS:---steps 50}"
+export MODEL_BENCH_ARGS=${MODEL_BENCH_ARGS:---batch 32 --steps 50}
 STEP_TIMEOUT=${STEP_TIMEOUT:-480}
 STEPS=${*:-tests train oom resume bench}
 RESULTS=$OUT/results.tsv
@@ -129,6 +131,16 @@ train_frames() {
     local HEADROOM_SETS="$HEADROOM_SETS ${FRAMES_SETS:-}"
     EXPERIMENT=experiments/conv_lstm.toml hr train --no-install --set device.kind=cuda \
         --set train.epochs=1 --set "run.output_dir=$OUT/frames"
+}
+
+# bench_model NAME: experiments/NAME.toml's training step on the GPU,
+# beside PyTorch's (bench/torch_models.py builds the same model: SDPA
+# attention, cuDNN's LSTM, a step-by-step ConvLSTM) when it has CUDA.
+bench_model() {
+    local args
+    read -r -a args <<< "$MODEL_BENCH_ARGS"
+    if torch_cuda; then args+=(--compare-torch); fi
+    EXPERIMENT=experiments/$1.toml hr bench --device cuda "${args[@]}" --json-out "$OUT/bench-$1.json"
 }
 
 # hog_and_train: another process holds all but HOG_LEAVES_MIB of the GPU;
@@ -404,7 +416,7 @@ print("\n".join(lines))
 EOF
 }
 
-export -f hr torch_cuda train_on_auto train_mlp train_gpt train_frames hog_and_train step_reached kill_at \
+export -f hr torch_cuda train_on_auto train_mlp train_gpt train_frames bench_model hog_and_train step_reached kill_at \
     resume_reference resume_killed resume_compare weights_equal
 export RESUME_EPOCHS RESUME_JOB
 
@@ -505,6 +517,10 @@ if wants bench; then
     # layer by layer: which one the default should be.
     step bench-implicit-gemm hr bench --device cuda --profile "${BENCH_ARGS[@]}" \
         --set device.conv_algorithm=implicit_gemm
+    # The other trainers: a transformer, an LSTM, the UNet-ConvLSTM.
+    step bench-tiny-gpt bench_model tiny_gpt
+    step bench-char-lm bench_model char_lm
+    step bench-conv-lstm bench_model conv_lstm
 fi
 
 write_report

@@ -497,6 +497,16 @@ impl Network {
         self.params_mut().iter().map(|p| p.value.len()).sum()
     }
 
+    /// Parameters the optimizer updates (not frozen).
+    pub fn num_trainable_params(&mut self) -> usize {
+        let params = self.params_mut();
+        params
+            .iter()
+            .filter(|p| !p.frozen)
+            .map(|p| p.value.len())
+            .sum()
+    }
+
     /// Multiply-adds of one sample's forward.
     pub fn macs_per_sample(&self) -> Result<u64> {
         let mut shape = self.input_shape();

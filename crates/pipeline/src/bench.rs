@@ -36,6 +36,9 @@ pub struct StepBench {
     pub gflops: f64,
     pub peak_rss_bytes: Option<u64>,
     pub parameters: usize,
+    /// Parameters the optimizer updates (a LoRA fine-tune: the adapters).
+    #[serde(default)]
+    pub trainable_parameters: usize,
     pub macs_per_sample: u64,
     /// "cpu", or the GPU's description.
     #[serde(default)]
@@ -67,6 +70,14 @@ pub struct ProfileRow {
 /// How many steps `--profile` times, after the timed ones.
 pub const PROFILE_STEPS: usize = 10;
 
+/// The experiment as a run trains it (a full fine-tune's model without
+/// its adapters): what the step and any comparison must time.
+pub fn resolved(config: &ExperimentConfig) -> ExperimentConfig {
+    let mut config = config.clone();
+    config.model = crate::finetune::effective_model(&config);
+    config
+}
+
 /// Times `steps` training steps at `batch` after `warmup` untimed ones, on
 /// the device `config.device.kind` names.
 pub fn training_step(
@@ -85,10 +96,12 @@ pub fn training_step(
             reason: e.to_string(),
         })?;
     pool.install(|| {
-        let mut config = config.clone();
+        let mut config = resolved(config);
         config.train.batch_size = batch;
         let options = crate::train::cuda_options(&config)?;
-        let mut learner = learner::open(&config, MemoryPool::new(Device::Cpu), options)?;
+        let pool = MemoryPool::new(Device::Cpu);
+        let initialise = crate::finetune::initialise_for_timing;
+        let mut learner = learner::open_with(&config, pool, options, initialise)?;
         let batch = synthetic_batch(&config, batch, learner.num_classes());
         let lr = config.optimizer.lr;
         run_steps(learner.as_mut(), &batch, lr, warmup)?;
@@ -111,6 +124,7 @@ pub fn training_step(
             gflops: samples_per_sec * macs as f64 * 2.0 * 3.0 / 1e9,
             peak_rss_bytes: crate::peak_rss_bytes(),
             parameters: learner.num_params(),
+            trainable_parameters: learner.num_trainable_params(),
             macs_per_sample: macs,
             device: learner.device_name(),
             peak_tensor_bytes,
@@ -160,15 +174,24 @@ fn profile_steps(learner: &mut dyn Learner, batch: &Batch, lr: f32) -> Result<Ve
         .collect())
 }
 
-/// Fixed pseudo-random pixels and cycling labels in the experiment's shape.
+/// Fixed pseudo-random samples and cycling labels in the layout the
+/// experiment's loader delivers: images, text windows of `length + 1` ids
+/// below the vocabulary, or `frames + 1` frames stacked along the height.
 fn synthetic_batch(config: &ExperimentConfig, n: usize, classes: usize) -> Batch {
-    let [h, w, c] = config.model.input;
+    let model = &config.model;
+    let [h, w, c] = model.input;
+    let (shape, values) = match (model.tokens, model.frames) {
+        (Some(tokens), _) => ([1, tokens.length + 1, 1], tokens.vocab.clamp(1, 256)),
+        (None, Some(frames)) => ([(frames + 1) * h, w, c], 256),
+        (None, None) => (model.input, 256),
+    };
+    let sample = shape.iter().product::<usize>();
     Batch {
         epoch: 0,
         index: 0,
-        shape: [n, h, w, c],
-        pixels: (0..n * h * w * c)
-            .map(|i| ((i * 2_654_435_761) >> 13) as u8)
+        shape: [n, shape[0], shape[1], shape[2]],
+        pixels: (0..n * sample)
+            .map(|i| (((i * 2_654_435_761) >> 13) % values) as u8)
             .collect(),
         labels: (0..n).map(|i| (i % classes.max(1)) as u32).collect(),
         soft_targets: None,

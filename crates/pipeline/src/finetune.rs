@@ -217,6 +217,26 @@ pub fn initialise(config: &ExperimentConfig, network: &mut Network) -> Result<us
     Ok(loaded)
 }
 
+/// `initialise` for timing a step (`cargo xtask bench`): a base's values
+/// do not change a step's speed, so without a trained base the network
+/// keeps its own initial weights, frozen as the run would freeze them.
+pub fn initialise_for_timing(config: &ExperimentConfig, network: &mut Network) -> Result<usize> {
+    let Some(finetune) = &config.finetune else {
+        return Ok(0);
+    };
+    if base_checkpoint(finetune).is_ok() {
+        return initialise(config, network);
+    }
+    tracing::warn!(
+        "finetune.base {} holds no checkpoint: timing with random base weights",
+        finetune.base.display()
+    );
+    if finetune.train == FinetuneMode::Lora {
+        freeze_all_but_adapters(network);
+    }
+    Ok(0)
+}
+
 /// Freezes every parameter but the LoRA factors (releasing their
 /// gradient buffers: layers compute no gradient for a frozen parameter).
 pub fn freeze_all_but_adapters(network: &mut Network) {

@@ -677,6 +677,12 @@ impl CudaNetwork {
         self.params.iter().map(|p| p.at.len).sum()
     }
 
+    /// Parameters the optimizer updates (not in the frozen group).
+    pub fn num_trainable_params(&self) -> usize {
+        let trainable = self.params.iter().filter(|p| p.at.trainable());
+        trainable.map(|p| p.at.len).sum()
+    }
+
     /// The trainable parameter groups (decay, no decay), for the
     /// optimizer; the frozen group is not among them.
     pub fn groups_mut(&mut self) -> &mut [ParamGroup] {

@@ -457,6 +457,10 @@ impl Learner for CpuLearner {
         self.network.num_params()
     }
 
+    fn num_trainable_params(&mut self) -> usize {
+        self.network.num_trainable_params()
+    }
+
     fn macs_per_sample(&self) -> Result<u64> {
         Ok(self.network.macs_per_sample()?)
     }

@@ -751,6 +751,10 @@ impl Learner for CudaLearner {
         self.network.num_params()
     }
 
+    fn num_trainable_params(&mut self) -> usize {
+        self.network.num_trainable_params()
+    }
+
     fn macs_per_sample(&self) -> Result<u64> {
         Ok(self.macs_per_sample)
     }

@@ -182,6 +182,8 @@ pub trait Learner: Send {
     fn release_cache(&mut self) -> u64;
 
     fn num_params(&mut self) -> usize;
+    /// Parameters the optimizer updates (all but the frozen).
+    fn num_trainable_params(&mut self) -> usize;
     fn macs_per_sample(&self) -> Result<u64>;
     fn num_classes(&self) -> usize;
 
@@ -255,13 +257,27 @@ pub fn open(
     pool: Arc<MemoryPool>,
     cuda: CudaOptions,
 ) -> Result<Box<dyn Learner>> {
+    open_with(config, pool, cuda, crate::finetune::initialise)
+}
+
+/// How a fine-tuning base gets into a freshly built network (loaded and
+/// frozen; `finetune::initialise`).
+pub type Initialise = fn(&ExperimentConfig, &mut Network) -> Result<usize>;
+
+/// `open` with the base put in by `initialise`.
+pub fn open_with(
+    config: &ExperimentConfig,
+    pool: Arc<MemoryPool>,
+    cuda: CudaOptions,
+    initialise: Initialise,
+) -> Result<Box<dyn Learner>> {
     let batch = config.train.batch_size;
     let settings = StepSettings::from_config(config);
     let on_cpu = |settings: StepSettings| -> Result<Box<dyn Learner>> {
         let build = cpu_build_options(config);
         let mut learner =
             CpuLearner::new(&config.model, config.run.seed, build, settings, batch, pool)?;
-        crate::finetune::initialise(config, learner.network_mut())?;
+        initialise(config, learner.network_mut())?;
         Ok(Box::new(learner))
     };
     let on_gpu = |settings: StepSettings| -> Result<CudaLearner> {
@@ -272,7 +288,7 @@ pub fn open(
         // frozen, then copied up.
         let mut network = MemoryPool::new(Device::Cpu)
             .scope(|| Network::build(&config.model, config.run.seed))?;
-        crate::finetune::initialise(config, &mut network)?;
+        initialise(config, &mut network)?;
         CudaLearner::from_network(be, &mut network, settings, batch, cuda)
     };
     match config.device.kind.as_str() {
