@@ -48,6 +48,40 @@ pub(super) unsafe fn par_build(
     }
 }
 
+/// A tensor of `shape` made of rows of `row` values, row k copied from
+/// `from(k)` (a slice of `row` values): the layout changes of attention's
+/// heads, one copy per row, in parallel for large tensors.
+///
+/// # Panics
+/// If `row` does not divide the shape's length, or `from` returns a slice
+/// of another length.
+pub(super) fn gather_rows<'a>(
+    shape: &[usize],
+    row: usize,
+    from: impl Fn(usize) -> &'a [f32] + Sync,
+) -> Result<Tensor> {
+    let row = row.max(1);
+    assert_eq!(
+        shape.iter().product::<usize>() % row,
+        0,
+        "gather_rows: shape"
+    );
+    let chunk = PAR_CHUNK.div_ceil(row) * row;
+    // SAFETY: chunks are whole rows, and every row is written by the zip
+    // with a source slice of the same length (asserted).
+    unsafe {
+        par_build(shape, chunk, |offset, out| {
+            for (r, out_row) in out.chunks_mut(row).enumerate() {
+                let src = from(offset / row + r);
+                assert_eq!(src.len(), row, "gather_rows: source row");
+                for (o, &v) in out_row.iter_mut().zip(src) {
+                    o.write(v);
+                }
+            }
+        })
+    }
+}
+
 /// `out[i] = f(a[i])` into a new tensor of `shape`, in parallel for large
 /// inputs.
 ///

@@ -19,6 +19,7 @@
 
 use rayon::prelude::*;
 
+use super::activation::gather_rows;
 use super::matmul::{matmul, View};
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
@@ -180,11 +181,11 @@ impl CausalSelfAttention {
         let (c, h, d) = (self.width, self.heads, self.head_dim());
         let src = qkv.data();
         let part = |which: usize| {
-            Tensor::try_from_fn(&[n, h, t, d], |i| {
-                let (j, rest) = (i % d, i / d);
-                let (pos, rest) = (rest % t, rest / t);
+            gather_rows(&[n, h, t, d], d, |k| {
+                let (pos, rest) = (k % t, k / t);
                 let (head, sample) = (rest % h, rest / h);
-                src[(sample * t + pos) * 3 * c + which * c + head * d + j]
+                let at = (sample * t + pos) * 3 * c + which * c + head * d;
+                &src[at..at + d]
             })
         };
         Ok([part(0)?, part(1)?, part(2)?])
@@ -194,11 +195,11 @@ impl CausalSelfAttention {
     fn merge_heads(&self, per_head: &Tensor, n: usize, t: usize) -> Result<Tensor> {
         let (c, h, d) = (self.width, self.heads, self.head_dim());
         let src = per_head.data();
-        Tensor::try_from_fn(&[n * t, c], |i| {
-            let (row, col) = (i / c, i % c);
+        gather_rows(&[n * t, c], d, |k| {
+            let (head, row) = (k % h, k / h);
             let (sample, pos) = (row / t, row % t);
-            let (head, j) = (col / d, col % d);
-            src[((sample * h + head) * t + pos) * d + j]
+            let at = ((sample * h + head) * t + pos) * d;
+            &src[at..at + d]
         })
     }
 }
@@ -350,23 +351,23 @@ impl CausalSelfAttention {
     fn split_merged(&self, merged: &Tensor, n: usize, t: usize) -> Result<Tensor> {
         let (c, h, d) = (self.width, self.heads, self.head_dim());
         let src = merged.data();
-        Tensor::try_from_fn(&[n, h, t, d], |i| {
-            let (j, rest) = (i % d, i / d);
-            let (pos, rest) = (rest % t, rest / t);
+        gather_rows(&[n, h, t, d], d, |k| {
+            let (pos, rest) = (k % t, k / t);
             let (head, sample) = (rest % h, rest / h);
-            src[(sample * t + pos) * c + head * d + j]
+            let at = (sample * t + pos) * c + head * d;
+            &src[at..at + d]
         })
     }
 
     /// Three [N, heads, T, d] -> [N·T, 3C], the qkv projection's layout.
     fn join_qkv(&self, parts: [&Tensor; 3], n: usize, t: usize) -> Result<Tensor> {
         let (c, h, d) = (self.width, self.heads, self.head_dim());
-        Tensor::try_from_fn(&[n * t, 3 * c], |i| {
-            let (row, col) = (i / (3 * c), i % (3 * c));
+        gather_rows(&[n * t, 3 * c], d, |k| {
+            let (head, rest) = (k % h, k / h);
+            let (which, row) = (rest % 3, rest / 3);
             let (sample, pos) = (row / t, row % t);
-            let (which, col) = (col / c, col % c);
-            let (head, j) = (col / d, col % d);
-            parts[which].data()[((sample * h + head) * t + pos) * d + j]
+            let at = ((sample * h + head) * t + pos) * d;
+            &parts[which].data()[at..at + d]
         })
     }
 }

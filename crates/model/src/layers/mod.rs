@@ -25,6 +25,7 @@ mod reshape;
 mod residual;
 mod smooth_activation;
 mod unet;
+mod vector_math;
 
 pub use activation::Relu;
 pub use attention::CausalSelfAttention;

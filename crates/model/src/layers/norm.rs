@@ -102,14 +102,17 @@ impl Layer for LayerNorm {
         self.check_state()?;
         let c = self.features;
         let x = input.data();
-        let stats = Tensor::try_from_fn(&[rows, 2], |i| {
-            let (mean, rstd) = row_statistics(&x[(i / 2) * c..(i / 2 + 1) * c], self.eps);
-            if i % 2 == 0 {
-                mean
-            } else {
-                rstd
-            }
-        })?;
+        // SAFETY: each chunk holds whole rows' pairs; both are written.
+        let stats = unsafe {
+            par_build(&[rows, 2], ROWS_PER_TASK * 2, |offset, out| {
+                for (r, pair) in out.chunks_mut(2).enumerate() {
+                    let row = offset / 2 + r;
+                    let (mean, rstd) = row_statistics(&x[row * c..(row + 1) * c], self.eps);
+                    pair[0].write(mean);
+                    pair[1].write(rstd);
+                }
+            })?
+        };
         let (gamma, beta, s) = (
             self.gamma.value.data(),
             self.beta.value.data(),
