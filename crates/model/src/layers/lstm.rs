@@ -12,11 +12,14 @@
 //! through time, from the last step, carrying dh and dc:
 //! dh = g_t + dh_next; do = dh·tanh(c); dc = dh·o·(1 − tanh²c) + dc_next;
 //! di = dc·g, dg = dc·i, df = dc·c_{t−1}, dc_next = dc·f; the pre-activation
-//! gradients d_pre feed dWh += h_{t−1}ᵀ·d_pre and dh_next = d_pre·Whᵀ; after
-//! the loop dWx += xᵀ·d_pre(all steps), db += Σ d_pre, dx = d_pre·Wxᵀ.
+//! gradients d_pre feed dh_next = d_pre·Whᵀ; after the loop, one product
+//! each over all steps: dWh += h_{t−1}ᵀ·d_pre (from a copy of the outputs
+//! shifted by a step), dWx += xᵀ·d_pre, db += Σ d_pre, dx = d_pre·Wxᵀ.
 
+use super::activation::gather_rows;
 use super::lora::product;
 use super::matmul::View;
+use super::vector_math;
 use crate::init::InitRng;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
@@ -36,8 +39,85 @@ struct Saved {
     cells: Tensor,
 }
 
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+/// One sample's step: adds the recurrent product to the pre-activations
+/// `pre` [4H], activates them in place (i, f, g, o) and writes c_t and
+/// h_t. Lane-wise loops over the hidden units, vectorised by the caller's
+/// `vector_math::wide`.
+#[inline(always)]
+fn cell_forward(
+    pre: &mut [f32],
+    recurrent: Option<&[f32]>,
+    c_prev: &[f32],
+    cell: &mut [f32],
+    h_out: &mut [f32],
+) {
+    if let Some(rec) = recurrent {
+        for (p, &r) in pre.iter_mut().zip(rec) {
+            *p += r;
+        }
+    }
+    let h = cell.len();
+    let (i, rest) = pre.split_at_mut(h);
+    let (f, rest) = rest.split_at_mut(h);
+    let (g, o) = rest.split_at_mut(h);
+    let units = i
+        .iter_mut()
+        .zip(f.iter_mut())
+        .zip(g.iter_mut())
+        .zip(&mut o[..h]);
+    let outs = cell.iter_mut().zip(h_out.iter_mut()).zip(c_prev);
+    for ((((i, f), g), o), ((c, h), &c_prev)) in units.zip(outs) {
+        *i = vector_math::sigmoid(*i);
+        *f = vector_math::sigmoid(*f);
+        *g = vector_math::tanh(*g);
+        *o = vector_math::sigmoid(*o);
+        *c = *f * c_prev + *i * *g;
+        *h = *o * vector_math::tanh(*c);
+    }
+}
+
+/// What one sample's step kept: its activated gates [4H], c_t and c_{t−1}.
+struct CellSaved<'a> {
+    gates: &'a [f32],
+    cell: &'a [f32],
+    c_prev: &'a [f32],
+}
+
+/// One sample's step backward: from the output's gradient `g` and the
+/// carried `dh_carry`, the pre-activation gradients into `d` [4H]; the
+/// carried `dc` is updated in place to the step before's.
+#[inline(always)]
+fn cell_backward(saved: CellSaved<'_>, g: &[f32], dh_carry: &[f32], dc: &mut [f32], d: &mut [f32]) {
+    let h = saved.cell.len();
+    let (gi, rest) = saved.gates.split_at(h);
+    let (gf, rest) = rest.split_at(h);
+    let (gg, go) = rest.split_at(h);
+    let (di, rest) = d.split_at_mut(h);
+    let (df, rest) = rest.split_at_mut(h);
+    let (dg, d_o) = rest.split_at_mut(h);
+    let gates = gi.iter().zip(gf).zip(gg).zip(&go[..h]);
+    let grads = di
+        .iter_mut()
+        .zip(df.iter_mut())
+        .zip(dg.iter_mut())
+        .zip(&mut d_o[..h]);
+    let state = saved
+        .cell
+        .iter()
+        .zip(saved.c_prev)
+        .zip(g.iter().zip(dh_carry));
+    for (((((&i, &f), &gv), &o), (((di, df), dg), d_o)), (((&cell, &c_prev), (&g, &dh_in)), dc)) in
+        gates.zip(grads).zip(state.zip(dc.iter_mut()))
+    {
+        let tc = vector_math::tanh(cell);
+        let dh = g + dh_in;
+        let dcell = dh * o * (1.0 - tc * tc) + *dc;
+        *dc = dcell * f;
+        *di = dcell * gv * i * (1.0 - i);
+        *df = dcell * c_prev * f * (1.0 - f);
+        *dg = dcell * i * (1.0 - gv * gv);
+        *d_o = dh * tc * o * (1.0 - o);
+    }
 }
 
 /// Uniform in ±1/√H, as PyTorch initialises its LSTM.
@@ -145,7 +225,7 @@ impl Layer for Lstm {
         let g4 = 4 * h;
         // Input projections of every step, bias included: [N·T, 4H].
         let bias = self.bias.value.data();
-        let mut gates = Tensor::try_from_fn(&[n, steps, g4], |i| bias[i % g4])?;
+        let mut gates = gather_rows(&[n, steps, g4], g4, |_| bias)?;
         let wx = View::rm(self.wx.value.data(), g4);
         product(
             gates.try_data_mut()?,
@@ -159,6 +239,7 @@ impl Layer for Lstm {
         let mut hs = Tensor::try_zeros(&[n, steps, h])?;
         let mut cells = Tensor::try_zeros(&[n, steps, h])?;
         let mut recurrent = Tensor::try_zeros(&[n, g4])?;
+        let zeros = vec![0.0; h];
         let wh = View::rm(self.wh.value.data(), g4);
         for t in 0..steps {
             let rec = recurrent.try_data_mut()?;
@@ -178,33 +259,23 @@ impl Layer for Lstm {
                 cells.try_data_mut()?,
                 hs.try_data_mut()?,
             );
-            for sample in 0..n {
-                let row = sample * steps + t;
-                let pre = &mut gate_data[row * g4..(row + 1) * g4];
-                for (p, &r) in pre.iter_mut().zip(&rec[sample * g4..(sample + 1) * g4]) {
-                    *p += if t > 0 { r } else { 0.0 };
-                }
-                for j in 0..h {
-                    let (i, f, g, o) = (
-                        sigmoid(pre[j]),
-                        sigmoid(pre[h + j]),
-                        pre[2 * h + j].tanh(),
-                        sigmoid(pre[3 * h + j]),
-                    );
-                    pre[j] = i;
-                    pre[h + j] = f;
-                    pre[2 * h + j] = g;
-                    pre[3 * h + j] = o;
-                    let c_prev = if t > 0 {
-                        cell_data[(row - 1) * h + j]
-                    } else {
-                        0.0
+            vector_math::wide(|| {
+                for sample in 0..n {
+                    let row = sample * steps + t;
+                    let (before, now) = cell_data.split_at_mut(row * h);
+                    let c_prev = match t {
+                        0 => &zeros[..],
+                        _ => &before[(row - 1) * h..],
                     };
-                    let cell = f * c_prev + i * g;
-                    cell_data[row * h + j] = cell;
-                    h_data[row * h + j] = o * cell.tanh();
+                    cell_forward(
+                        &mut gate_data[row * g4..(row + 1) * g4],
+                        (t > 0).then(|| &rec[sample * g4..(sample + 1) * g4]),
+                        &c_prev[..h],
+                        &mut now[..h],
+                        &mut h_data[row * h..(row + 1) * h],
+                    );
                 }
-            }
+            });
         }
         if mode == Mode::Train {
             self.saved = Some(Saved {
@@ -232,29 +303,30 @@ impl Layer for Lstm {
         let mut dh_next = Tensor::try_zeros(&[n, h])?;
         let mut dc_next = Tensor::try_zeros(&[n, h])?;
         let mut step_grad = Tensor::try_zeros(&[n, g4])?;
+        let zeros = vec![0.0; h];
         for t in (0..steps).rev() {
             let (dh_carry, dc_carry) = (dh_next.try_data_mut()?, dc_next.try_data_mut()?);
             let dstep = step_grad.try_data_mut()?;
-            for sample in 0..n {
-                let row = sample * steps + t;
-                let gate = &gates[row * g4..(row + 1) * g4];
-                for j in 0..h {
-                    let (i, f, gg, o) = (gate[j], gate[h + j], gate[2 * h + j], gate[3 * h + j]);
-                    let cell = cells[row * h + j];
-                    let c_prev = if t > 0 { cells[(row - 1) * h + j] } else { 0.0 };
-                    let tc = cell.tanh();
-                    let at = sample * h + j;
-                    let dh = g[row * h + j] + dh_carry[at];
-                    let d_o = dh * tc;
-                    let dc = dh * o * (1.0 - tc * tc) + dc_carry[at];
-                    dc_carry[at] = dc * f;
-                    let d = &mut dstep[sample * g4..(sample + 1) * g4];
-                    d[j] = dc * gg * i * (1.0 - i);
-                    d[h + j] = dc * c_prev * f * (1.0 - f);
-                    d[2 * h + j] = dc * i * (1.0 - gg * gg);
-                    d[3 * h + j] = d_o * o * (1.0 - o);
+            vector_math::wide(|| {
+                for sample in 0..n {
+                    let (row, at) = (sample * steps + t, sample * h);
+                    let c_prev = match t {
+                        0 => &zeros[..],
+                        _ => &cells[(row - 1) * h..row * h],
+                    };
+                    cell_backward(
+                        CellSaved {
+                            gates: &gates[row * g4..(row + 1) * g4],
+                            cell: &cells[row * h..(row + 1) * h],
+                            c_prev,
+                        },
+                        &g[row * h..(row + 1) * h],
+                        &dh_carry[at..at + h],
+                        &mut dc_carry[at..at + h],
+                        &mut dstep[sample * g4..(sample + 1) * g4],
+                    );
                 }
-            }
+            });
             let dstep = step_grad.data();
             let d_all = d_pre.try_data_mut()?;
             for sample in 0..n {
@@ -263,27 +335,29 @@ impl Layer for Lstm {
                     .copy_from_slice(&dstep[sample * g4..(sample + 1) * g4]);
             }
             let dstep_view = View::rm(dstep, g4);
-            if t > 0 {
-                let h_prev = step_view(saved.h.data(), t - 1, steps, h);
-                let h_prev_t = View {
-                    data: h_prev.data,
-                    row_stride: 1,
-                    col_stride: steps * h,
-                };
-                product(
-                    self.wh.grad.data_mut(),
-                    h,
-                    g4,
-                    n,
-                    h_prev_t,
-                    dstep_view,
-                    true,
-                );
-            }
             let wh_t = View::cm(self.wh.value.data(), g4);
             product(dh_next.try_data_mut()?, n, h, g4, dstep_view, wh_t, false);
         }
         let d_all = View::rm(d_pre.data(), g4);
+        // dWh = Σ_t h_{t−1}ᵀ·d_pre_t as one product over every step: the
+        // outputs shifted one step later (zero before the first), so that
+        // row (sample, t) holds h_{t−1}.
+        let h_data = saved.h.data();
+        let h_prev = gather_rows(&[n, steps, h], h, |row| match row % steps {
+            0 => &zeros[..],
+            _ => &h_data[(row - 1) * h..row * h],
+        })?;
+        let h_prev_t = View::cm(h_prev.data(), h);
+        product(
+            self.wh.grad.data_mut(),
+            h,
+            g4,
+            n * steps,
+            h_prev_t,
+            d_all,
+            true,
+        );
+        drop(h_prev);
         let x_t = View::cm(saved.x.data(), c);
         product(self.wx.grad.data_mut(), c, g4, n * steps, x_t, d_all, true);
         for row in d_pre.data().chunks_exact(g4.max(1)) {

@@ -98,7 +98,7 @@ pub fn zip_into(
 /// Runs `body` compiled for the widest vectors the CPU has (AVX-512F, or
 /// AVX2; `HEADROOM_CPU_KERNELS=avx2` holds it to AVX2), else as it is.
 #[inline(always)]
-fn wide(body: impl FnOnce()) {
+pub(super) fn wide(body: impl FnOnce()) {
     #[cfg(target_arch = "x86_64")]
     {
         if cpu_kernels() == CpuKernels::Auto && is_x86_feature_detected!("avx512f") {
