@@ -48,9 +48,36 @@ pub(super) unsafe fn par_build(
     }
 }
 
+/// A tensor of `shape` built row by row (`row` values each), in parallel
+/// for large tensors: `fill(k, out)` writes row k.
+///
+/// # Safety
+/// `fill` must initialise every element of the row it is given.
+///
+/// # Panics
+/// If `row` does not divide the shape's length.
+pub(super) unsafe fn par_rows(
+    shape: &[usize],
+    row: usize,
+    fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
+) -> Result<Tensor> {
+    let row = row.max(1);
+    assert_eq!(shape.iter().product::<usize>() % row, 0, "par_rows: shape");
+    let chunk = PAR_CHUNK.div_ceil(row) * row;
+    // SAFETY: chunks are whole rows, each handed to `fill` (our caller's
+    // contract).
+    unsafe {
+        par_build(shape, chunk, |offset, out| {
+            for (r, out_row) in out.chunks_mut(row).enumerate() {
+                fill(offset / row + r, out_row);
+            }
+        })
+    }
+}
+
 /// A tensor of `shape` made of rows of `row` values, row k copied from
-/// `from(k)` (a slice of `row` values): the layout changes of attention's
-/// heads, one copy per row, in parallel for large tensors.
+/// `from(k)` (a slice of `row` values): layout changes (attention's heads,
+/// a frame out of a sequence), one copy per row.
 ///
 /// # Panics
 /// If `row` does not divide the shape's length, or `from` returns a slice
@@ -60,23 +87,14 @@ pub(super) fn gather_rows<'a>(
     row: usize,
     from: impl Fn(usize) -> &'a [f32] + Sync,
 ) -> Result<Tensor> {
-    let row = row.max(1);
-    assert_eq!(
-        shape.iter().product::<usize>() % row,
-        0,
-        "gather_rows: shape"
-    );
-    let chunk = PAR_CHUNK.div_ceil(row) * row;
-    // SAFETY: chunks are whole rows, and every row is written by the zip
-    // with a source slice of the same length (asserted).
+    // SAFETY: every row is written by the zip with a source slice of the
+    // same length (asserted).
     unsafe {
-        par_build(shape, chunk, |offset, out| {
-            for (r, out_row) in out.chunks_mut(row).enumerate() {
-                let src = from(offset / row + r);
-                assert_eq!(src.len(), row, "gather_rows: source row");
-                for (o, &v) in out_row.iter_mut().zip(src) {
-                    o.write(v);
-                }
+        par_rows(shape, row, |k, out| {
+            let src = from(k);
+            assert_eq!(src.len(), out.len(), "gather_rows: source row");
+            for (o, &v) in out.iter_mut().zip(src) {
+                o.write(v);
             }
         })
     }

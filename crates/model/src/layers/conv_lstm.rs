@@ -23,7 +23,12 @@
 //! the convolution's input gradient splits into dx_t and dh_{t−1}. Each
 //! step's saved tensors are dropped as soon as its backward is done.
 
+use rayon::prelude::*;
+
+use super::activation::{gather_rows, par_rows};
 use super::conv::Conv2d;
+use super::lstm::{activate_gates, cell_backward, cell_forward, CellSaved};
+use super::vector_math;
 use crate::init::InitRng;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
@@ -56,20 +61,8 @@ enum Kept {
     Recompute { input: Tensor, output: Tensor },
 }
 
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-/// The activated gates of one pixel's pre-activations, in place.
-fn activate(pre: &mut [f32], hidden: usize) {
-    for (k, v) in pre.iter_mut().enumerate() {
-        *v = if k / hidden == 2 {
-            v.tanh()
-        } else {
-            sigmoid(*v)
-        };
-    }
-}
+/// Pixels per parallel task of the cell's loops.
+const PIXELS_PER_TASK: usize = 64;
 
 /// Dimensions of a frame sequence: (n, t, h, w, c).
 fn frame_dims(shape: &[usize]) -> Result<[usize; 5]> {
@@ -126,9 +119,9 @@ impl ConvLstm {
     fn hidden_at(output: &Tensor, t: usize) -> Result<Tensor> {
         let [n, steps, h, w, hc] = frame_dims(output.shape())?;
         let (o, frame) = (output.data(), h * w * hc);
-        Tensor::try_from_fn(&[n, h, w, hc], |i| {
-            let (sample, within) = (i / frame, i % frame);
-            o[(sample * steps + t) * frame + within]
+        gather_rows(&[n, h, w, hc], frame, |sample| {
+            let at = (sample * steps + t) * frame;
+            &o[at..at + frame]
         })
     }
 
@@ -158,27 +151,73 @@ impl ConvLstm {
     /// [x_t, h_prev] along channels, [N, H, W, C + Hc].
     fn conv_input(&self, x: &Tensor, t: usize, h_prev: Option<&Tensor>) -> Result<Tensor> {
         let [n, steps, h, w, c] = frame_dims(x.shape())?;
-        let (hc, width) = (self.hidden, c + self.hidden);
-        let (xd, pixels) = (x.data(), h * w);
-        Tensor::try_from_fn(&[n, h, w, width], |i| {
-            let (ch, pixel) = (i % width, i / width);
-            let (sample, p) = (pixel / pixels, pixel % pixels);
-            if ch < c {
-                xd[((sample * steps + t) * pixels + p) * c + ch]
-            } else {
-                h_prev.map_or(0.0, |hp| hp.data()[pixel * hc + ch - c])
-            }
-        })
+        let (hc, width, pixels) = (self.hidden, c + self.hidden, h * w);
+        let xd = x.data();
+        // SAFETY: each row gets its c input channels, then its hc state
+        // channels: all `width` written.
+        unsafe {
+            par_rows(&[n, h, w, width], width, |pixel, row| {
+                let (sample, p) = (pixel / pixels, pixel % pixels);
+                let at = ((sample * steps + t) * pixels + p) * c;
+                let (xs, hs) = row.split_at_mut(c);
+                for (o, &v) in xs.iter_mut().zip(&xd[at..at + c]) {
+                    o.write(v);
+                }
+                match h_prev {
+                    Some(hp) => {
+                        let src = &hp.data()[pixel * hc..(pixel + 1) * hc];
+                        for (o, &v) in hs.iter_mut().zip(src) {
+                            o.write(v);
+                        }
+                    }
+                    None => hs.iter_mut().for_each(|o| {
+                        o.write(0.0);
+                    }),
+                }
+            })
+        }
     }
 
     /// Activated gates of one step from the convolution.
     fn gates(&mut self, conv_input: &Tensor, mode: Mode) -> Result<Tensor> {
         let mut pre = self.conv.forward(conv_input, mode)?;
-        let hidden = self.hidden;
+        let row = 4 * self.hidden;
         pre.try_data_mut()?
-            .chunks_exact_mut(4 * hidden)
-            .for_each(|p| activate(p, hidden));
+            .par_chunks_mut(PIXELS_PER_TASK * row)
+            .for_each(|chunk| {
+                vector_math::wide(|| chunk.chunks_exact_mut(row).for_each(activate_gates))
+            });
         Ok(pre)
+    }
+
+    /// One step's cell over every pixel: activates the convolution's
+    /// output `pre` [N, H, W, 4·Hc] in place and returns c_t and h_t.
+    fn step(&self, pre: &mut Tensor, c_prev: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        let shape = [pre.shape()[..3].to_vec(), vec![self.hidden]].concat();
+        let hc = self.hidden;
+        let mut cell = Tensor::try_zeros(&shape)?;
+        let mut hidden = Tensor::try_zeros(&shape)?;
+        let zeros = vec![0.0; PIXELS_PER_TASK * hc];
+        let c_prev = c_prev.map(|t| t.data());
+        pre.try_data_mut()?
+            .par_chunks_mut(PIXELS_PER_TASK * 4 * hc)
+            .zip(cell.try_data_mut()?.par_chunks_mut(PIXELS_PER_TASK * hc))
+            .zip(hidden.try_data_mut()?.par_chunks_mut(PIXELS_PER_TASK * hc))
+            .enumerate()
+            .for_each(|(task, ((pre, cell), hidden))| {
+                let at = task * PIXELS_PER_TASK * hc;
+                let before = c_prev.map_or(&zeros[..cell.len()], |cp| &cp[at..at + cell.len()]);
+                vector_math::wide(|| {
+                    let rows = pre.chunks_exact_mut(4 * hc).zip(cell.chunks_exact_mut(hc));
+                    let rows = rows
+                        .zip(hidden.chunks_exact_mut(hc))
+                        .zip(before.chunks_exact(hc));
+                    for (((pre, cell), hidden), before) in rows {
+                        cell_forward(pre, None, before, cell, hidden);
+                    }
+                });
+            });
+        Ok((cell, hidden))
     }
 }
 
@@ -217,18 +256,8 @@ impl Layer for ConvLstm {
         for t in 0..steps {
             let xh = self.conv_input(input, t, h_prev.as_ref())?;
             // Eval: the convolution need not keep its input; backward arms it.
-            let gates = self.gates(&xh, Mode::Eval)?;
-            let g = gates.data();
-            let cell = Tensor::try_from_fn(&[n, h, w, hc], |i| {
-                let (pixel, j) = (i / hc, i % hc);
-                let gate = &g[pixel * 4 * hc..(pixel + 1) * 4 * hc];
-                let before = c_prev.as_ref().map_or(0.0, |cp| cp.data()[i]);
-                gate[hc + j] * before + gate[j] * gate[2 * hc + j]
-            })?;
-            let hidden = Tensor::try_from_fn(&[n, h, w, hc], |i| {
-                let (pixel, j) = (i / hc, i % hc);
-                g[pixel * 4 * hc + 3 * hc + j] * cell.data()[i].tanh()
-            })?;
+            let mut gates = self.conv.forward(&xh, Mode::Eval)?;
+            let (cell, hidden) = self.step(&mut gates, c_prev.as_ref())?;
             let frame = h * w * hc;
             let o = out.try_data_mut()?;
             for sample in 0..n {
@@ -273,7 +302,7 @@ impl Layer for ConvLstm {
         let [n, steps, h, w, c] = frame_dims(&saved.shape)?;
         let hc = self.hidden;
         grad_output.expect_shape("conv_lstm backward", &[n, steps, h, w, hc])?;
-        let (g_out, frame) = (grad_output.data(), h * w * hc);
+        let g_out = grad_output.data();
         let mut dx = Tensor::try_zeros(&saved.shape)?;
         let mut dh_next = Tensor::try_zeros(&[n, h, w, hc])?;
         let mut dc_next = Tensor::try_zeros(&[n, h, w, hc])?;
@@ -286,27 +315,43 @@ impl Layer for ConvLstm {
             let (g, cell) = (gates.data(), cell_t.data());
             let c_prev = saved.cells.last().map(|cp| cp.data());
             let mut d_pre = Tensor::try_zeros(&[n, h, w, 4 * hc])?;
-            let (d, dh_carry, dc_carry) = (
-                d_pre.try_data_mut()?,
-                dh_next.data(),
-                dc_next.try_data_mut()?,
-            );
-            for i in 0..n * h * w * hc {
-                let (pixel, j) = (i / hc, i % hc);
-                let (sample, within) = (i / frame, i % frame);
-                let gate = &g[pixel * 4 * hc..(pixel + 1) * 4 * hc];
-                let (ig, fg, gg, og) = (gate[j], gate[hc + j], gate[2 * hc + j], gate[3 * hc + j]);
-                let tc = cell[i].tanh();
-                let dh = g_out[(sample * steps + t) * frame + within] + dh_carry[i];
-                let dc = dh * og * (1.0 - tc * tc) + dc_carry[i];
-                dc_carry[i] = dc * fg;
-                let before = c_prev.map_or(0.0, |cp: &[f32]| cp[i]);
-                let dp = &mut d[pixel * 4 * hc..(pixel + 1) * 4 * hc];
-                dp[j] = dc * gg * ig * (1.0 - ig);
-                dp[hc + j] = dc * before * fg * (1.0 - fg);
-                dp[2 * hc + j] = dc * ig * (1.0 - gg * gg);
-                dp[3 * hc + j] = dh * tc * og * (1.0 - og);
-            }
+            let zeros = vec![0.0; PIXELS_PER_TASK * hc];
+            let (pixels, units) = (h * w, PIXELS_PER_TASK * hc);
+            d_pre
+                .try_data_mut()?
+                .par_chunks_mut(PIXELS_PER_TASK * 4 * hc)
+                .zip(dc_next.try_data_mut()?.par_chunks_mut(units))
+                .enumerate()
+                .for_each(|(task, (d, dc))| {
+                    let first = task * PIXELS_PER_TASK;
+                    let at = first * hc;
+                    let range = at..at + dc.len();
+                    let before = c_prev.map_or(&zeros[..dc.len()], |cp| &cp[range.clone()]);
+                    vector_math::wide(|| {
+                        for (k, (d, dc)) in d
+                            .chunks_exact_mut(4 * hc)
+                            .zip(dc.chunks_exact_mut(hc))
+                            .enumerate()
+                        {
+                            let pixel = first + k;
+                            let (sample, p) = (pixel / pixels, pixel % pixels);
+                            let out_at = ((sample * steps + t) * pixels + p) * hc;
+                            let unit = pixel * hc..(pixel + 1) * hc;
+                            let local = k * hc..(k + 1) * hc;
+                            cell_backward(
+                                CellSaved {
+                                    gates: &g[pixel * 4 * hc..(pixel + 1) * 4 * hc],
+                                    cell: &cell[unit.clone()],
+                                    c_prev: &before[local],
+                                },
+                                &g_out[out_at..out_at + hc],
+                                &dh_next.data()[unit],
+                                dc,
+                                d,
+                            );
+                        }
+                    });
+                });
             drop((gates, cell_t));
             let d_conv_input = self.conv.backward(&d_pre)?;
             let (dxh, width) = (d_conv_input.data(), c + hc);

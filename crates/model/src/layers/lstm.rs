@@ -39,12 +39,26 @@ struct Saved {
     cells: Tensor,
 }
 
-/// One sample's step: adds the recurrent product to the pre-activations
-/// `pre` [4H], activates them in place (i, f, g, o) and writes c_t and
-/// h_t. Lane-wise loops over the hidden units, vectorised by the caller's
-/// `vector_math::wide`.
+// The cell of one sample (or, for the ConvLSTM, one pixel): H units whose
+// four gates lie side by side, [i (H), f (H), g (H), o (H)]. Lane-wise
+// loops over the units, vectorised by the caller's `vector_math::wide`.
+
+/// Activates one unit row's pre-activations [4H] in place: σ for i, f, o
+/// and tanh for g.
 #[inline(always)]
-fn cell_forward(
+pub(super) fn activate_gates(pre: &mut [f32]) {
+    let h = pre.len() / 4;
+    let (i_f, g_o) = pre.split_at_mut(2 * h);
+    let (g, o) = g_o.split_at_mut(h);
+    i_f.iter_mut().for_each(|v| *v = vector_math::sigmoid(*v));
+    g.iter_mut().for_each(|v| *v = vector_math::tanh(*v));
+    o.iter_mut().for_each(|v| *v = vector_math::sigmoid(*v));
+}
+
+/// One step: adds the recurrent product (if any) to the pre-activations
+/// `pre` [4H], activates them in place and writes c_t and h_t.
+#[inline(always)]
+pub(super) fn cell_forward(
     pre: &mut [f32],
     recurrent: Option<&[f32]>,
     c_prev: &[f32],
@@ -56,38 +70,37 @@ fn cell_forward(
             *p += r;
         }
     }
+    activate_gates(pre);
     let h = cell.len();
-    let (i, rest) = pre.split_at_mut(h);
-    let (f, rest) = rest.split_at_mut(h);
-    let (g, o) = rest.split_at_mut(h);
-    let units = i
-        .iter_mut()
-        .zip(f.iter_mut())
-        .zip(g.iter_mut())
-        .zip(&mut o[..h]);
+    let (i, rest) = pre.split_at(h);
+    let (f, rest) = rest.split_at(h);
+    let (g, o) = rest.split_at(h);
+    let units = i.iter().zip(f).zip(g).zip(&o[..h]);
     let outs = cell.iter_mut().zip(h_out.iter_mut()).zip(c_prev);
-    for ((((i, f), g), o), ((c, h), &c_prev)) in units.zip(outs) {
-        *i = vector_math::sigmoid(*i);
-        *f = vector_math::sigmoid(*f);
-        *g = vector_math::tanh(*g);
-        *o = vector_math::sigmoid(*o);
-        *c = *f * c_prev + *i * *g;
-        *h = *o * vector_math::tanh(*c);
+    for ((((&i, &f), &g), &o), ((c, h), &c_prev)) in units.zip(outs) {
+        *c = f * c_prev + i * g;
+        *h = o * vector_math::tanh(*c);
     }
 }
 
-/// What one sample's step kept: its activated gates [4H], c_t and c_{t−1}.
-struct CellSaved<'a> {
-    gates: &'a [f32],
-    cell: &'a [f32],
-    c_prev: &'a [f32],
+/// What one step kept: its activated gates [4H], c_t and c_{t−1}.
+pub(super) struct CellSaved<'a> {
+    pub gates: &'a [f32],
+    pub cell: &'a [f32],
+    pub c_prev: &'a [f32],
 }
 
-/// One sample's step backward: from the output's gradient `g` and the
-/// carried `dh_carry`, the pre-activation gradients into `d` [4H]; the
-/// carried `dc` is updated in place to the step before's.
+/// One step backward: from the output's gradient `g` and the carried
+/// `dh_carry`, the pre-activation gradients into `d` [4H]; the carried
+/// `dc` is updated in place to the step before's.
 #[inline(always)]
-fn cell_backward(saved: CellSaved<'_>, g: &[f32], dh_carry: &[f32], dc: &mut [f32], d: &mut [f32]) {
+pub(super) fn cell_backward(
+    saved: CellSaved<'_>,
+    g: &[f32],
+    dh_carry: &[f32],
+    dc: &mut [f32],
+    d: &mut [f32],
+) {
     let h = saved.cell.len();
     let (gi, rest) = saved.gates.split_at(h);
     let (gf, rest) = rest.split_at(h);

@@ -12,7 +12,7 @@
 //! holding a `conv_lstm` and per-frame layers): every axis but the channels
 //! must come back unchanged.
 
-use super::activation::par_add_assign;
+use super::activation::{gather_rows, par_add_assign, par_rows};
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 fn image_dims(op: &'static str, shape: &[usize]) -> Result<(usize, usize, usize, usize)> {
@@ -61,11 +61,11 @@ impl Layer for Upsample2x {
         self.saved_shape = None;
         let (n, h, w, c) = image_dims("upsample2x", input.shape())?;
         let x = input.data();
-        let out = Tensor::try_from_fn(&[n, 2 * h, 2 * w, c], |i| {
-            let (ch, rest) = (i % c, i / c);
-            let (col, rest) = (rest % (2 * w), rest / (2 * w));
+        let out = gather_rows(&[n, 2 * h, 2 * w, c], c, |pixel| {
+            let (col, rest) = (pixel % (2 * w), pixel / (2 * w));
             let (row, sample) = (rest % (2 * h), rest / (2 * h));
-            x[((sample * h + row / 2) * w + col / 2) * c + ch]
+            let at = ((sample * h + row / 2) * w + col / 2) * c;
+            &x[at..at + c]
         })?;
         self.saved_shape = (mode == Mode::Train).then(|| input.shape().to_vec());
         Ok(out)
@@ -79,15 +79,21 @@ impl Layer for Upsample2x {
         let (n, h, w, c) = image_dims("upsample2x", &shape)?;
         grad_output.expect_shape("upsample2x backward", &[n, 2 * h, 2 * w, c])?;
         let g = grad_output.data();
-        Tensor::try_from_fn(&shape, |i| {
-            let (ch, rest) = (i % c, i / c);
-            let (col, rest) = (rest % w, rest / w);
-            let (row, sample) = (rest % h, rest / h);
-            let at = |dr: usize, dc: usize| {
-                g[((sample * 2 * h + 2 * row + dr) * 2 * w + 2 * col + dc) * c + ch]
-            };
-            at(0, 0) + at(0, 1) + at(1, 0) + at(1, 1)
-        })
+        // SAFETY: each pixel's row of c channels is written whole.
+        unsafe {
+            par_rows(&shape, c, |pixel, out| {
+                let (col, rest) = (pixel % w, pixel / w);
+                let (row, sample) = (rest % h, rest / h);
+                let at = |dr: usize, dc: usize| {
+                    let from = ((sample * 2 * h + 2 * row + dr) * 2 * w + 2 * col + dc) * c;
+                    &g[from..from + c]
+                };
+                let (a, b, d, e) = (at(0, 0), at(0, 1), at(1, 0), at(1, 1));
+                for (k, o) in out.iter_mut().enumerate() {
+                    o.write(a[k] + b[k] + d[k] + e[k]);
+                }
+            })
+        }
     }
 
     fn clear_saved(&mut self) {
@@ -138,14 +144,18 @@ impl UnetSkip {
 
 /// [rows, a] and [rows, b] -> [rows, a + b], or back.
 fn interleave(x: &[f32], a: usize, y: &[f32], b: usize, shape: &[usize]) -> Result<Tensor> {
-    Tensor::try_from_fn(shape, |i| {
-        let (row, ch) = (i / (a + b), i % (a + b));
-        if ch < a {
-            x[row * a + ch]
-        } else {
-            y[row * b + ch - a]
-        }
-    })
+    // SAFETY: each row's a + b values are written by the two zips.
+    unsafe {
+        par_rows(shape, a + b, |row, out| {
+            let (first, second) = out.split_at_mut(a);
+            for (o, &v) in first.iter_mut().zip(&x[row * a..(row + 1) * a]) {
+                o.write(v);
+            }
+            for (o, &v) in second.iter_mut().zip(&y[row * b..(row + 1) * b]) {
+                o.write(v);
+            }
+        })
+    }
 }
 
 fn channel_slice(
@@ -155,7 +165,10 @@ fn channel_slice(
     len: usize,
     shape: &[usize],
 ) -> Result<Tensor> {
-    Tensor::try_from_fn(shape, |i| g[(i / len) * total + from + i % len])
+    gather_rows(shape, len, |row| {
+        let at = row * total + from;
+        &g[at..at + len]
+    })
 }
 
 impl Layer for UnetSkip {
