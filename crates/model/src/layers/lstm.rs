@@ -16,7 +16,7 @@
 //! each over all steps: dWh += h_{t−1}ᵀ·d_pre (from a copy of the outputs
 //! shifted by a step), dWx += xᵀ·d_pre, db += Σ d_pre, dx = d_pre·Wxᵀ.
 
-use super::activation::gather_rows;
+use super::activation::{gather_rows, par_rows};
 use super::lora::product;
 use super::matmul::View;
 use super::vector_math;
@@ -317,6 +317,18 @@ impl Layer for Lstm {
         let mut dc_next = Tensor::try_zeros(&[n, h])?;
         let mut step_grad = Tensor::try_zeros(&[n, g4])?;
         let zeros = vec![0.0; h];
+        // Whᵀ as a row-major copy, made once: read through strides, the
+        // gemm crate would repack all of Wh at each of the T steps.
+        let wh_data = self.wh.value.data();
+        // SAFETY: row j gets Wh's column j, all h values.
+        let wh_transposed = unsafe {
+            par_rows(&[g4, h], h, |j, out| {
+                for (k, o) in out.iter_mut().enumerate() {
+                    o.write(wh_data[k * g4 + j]);
+                }
+            })?
+        };
+        let wh_t = View::rm(wh_transposed.data(), h);
         for t in (0..steps).rev() {
             let (dh_carry, dc_carry) = (dh_next.try_data_mut()?, dc_next.try_data_mut()?);
             let dstep = step_grad.try_data_mut()?;
@@ -348,7 +360,6 @@ impl Layer for Lstm {
                     .copy_from_slice(&dstep[sample * g4..(sample + 1) * g4]);
             }
             let dstep_view = View::rm(dstep, g4);
-            let wh_t = View::cm(self.wh.value.data(), g4);
             product(dh_next.try_data_mut()?, n, h, g4, dstep_view, wh_t, false);
         }
         let d_all = View::rm(d_pre.data(), g4);
