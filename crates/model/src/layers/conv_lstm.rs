@@ -185,7 +185,7 @@ impl ConvLstm {
         pre.try_data_mut()?
             .par_chunks_mut(PIXELS_PER_TASK * row)
             .for_each(|chunk| {
-                vector_math::wide(|| chunk.chunks_exact_mut(row).for_each(activate_gates))
+                vector_math::wide(#[inline(always)] || chunk.chunks_exact_mut(row).for_each(activate_gates))
             });
         Ok(pre)
     }
@@ -207,7 +207,7 @@ impl ConvLstm {
             .for_each(|(task, ((pre, cell), hidden))| {
                 let at = task * PIXELS_PER_TASK * hc;
                 let before = c_prev.map_or(&zeros[..cell.len()], |cp| &cp[at..at + cell.len()]);
-                vector_math::wide(|| {
+                vector_math::wide(#[inline(always)] || {
                     let rows = pre.chunks_exact_mut(4 * hc).zip(cell.chunks_exact_mut(hc));
                     let rows = rows
                         .zip(hidden.chunks_exact_mut(hc))
@@ -327,7 +327,7 @@ impl Layer for ConvLstm {
                     let at = first * hc;
                     let range = at..at + dc.len();
                     let before = c_prev.map_or(&zeros[..dc.len()], |cp| &cp[range.clone()]);
-                    vector_math::wide(|| {
+                    vector_math::wide(#[inline(always)] || {
                         for (k, (d, dc)) in d
                             .chunks_exact_mut(4 * hc)
                             .zip(dc.chunks_exact_mut(hc))

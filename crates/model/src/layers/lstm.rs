@@ -16,9 +16,11 @@
 //! each over all steps: dWh += h_{t−1}ᵀ·d_pre (from a copy of the outputs
 //! shifted by a step), dWx += xᵀ·d_pre, db += Σ d_pre, dx = d_pre·Wxᵀ.
 
+use rayon::prelude::*;
+
 use super::activation::{gather_rows, par_rows};
 use super::lora::product;
-use super::matmul::View;
+use super::matmul::{matmul, View};
 use super::vector_math;
 use crate::init::InitRng;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
@@ -150,6 +152,153 @@ fn step_view(data: &[f32], t: usize, steps: usize, width: usize) -> View<'_> {
     }
 }
 
+
+/// Samples per task of the time loop. Samples are independent through
+/// time, so each task runs its own through every step: the T sequential
+/// steps need no synchronisation between threads.
+fn samples_per_task(n: usize) -> usize {
+    n.div_ceil(rayon::current_num_threads()).max(1)
+}
+
+/// The recurrence of a block of S samples ([S, T, ·] slices): `gates`
+/// holds x_t·Wx + b on entry and the activated gates on return; `rec`
+/// [S, 4H] is scratch for h_{t−1}·Wh.
+fn forward_through_time(
+    gates: &mut [f32],
+    cells: &mut [f32],
+    hs: &mut [f32],
+    rec: &mut [f32],
+    steps: usize,
+    wh: View,
+) {
+    let g4 = wh.row_stride;
+    let h = g4 / 4;
+    let samples = rec.len() / g4;
+    let zeros = vec![0.0; h];
+    for t in 0..steps {
+        if t > 0 {
+            matmul(rec, samples, g4, h, step_view(hs, t - 1, steps, h), wh, false);
+        }
+        let rec = (t > 0).then_some(&*rec);
+        let block = Block { steps, h, t };
+        vector_math::wide(#[inline(always)] || cells_forward(block, &zeros, gates, cells, hs, rec));
+    }
+}
+
+/// Where a step lies in a block's [S, T, ·] slices.
+#[derive(Clone, Copy)]
+struct Block {
+    steps: usize,
+    h: usize,
+    t: usize,
+}
+
+impl Block {
+    fn row(self, sample: usize) -> usize {
+        sample * self.steps + self.t
+    }
+}
+
+/// Step t of every sample of a block. `#[inline(always)]` (as are the
+/// cell's functions) so that it is compiled inside `vector_math::wide`'s
+/// wide-vector function, not beside it.
+#[inline(always)]
+fn cells_forward(
+    block: Block,
+    zeros: &[f32],
+    gates: &mut [f32],
+    cells: &mut [f32],
+    hs: &mut [f32],
+    rec: Option<&[f32]>,
+) {
+    let h = block.h;
+    let g4 = 4 * h;
+    for sample in 0..cells.len() / (block.steps * h) {
+        let row = block.row(sample);
+        let (before, now) = cells.split_at_mut(row * h);
+        let c_prev = match block.t {
+            0 => zeros,
+            _ => &before[(row - 1) * h..row * h],
+        };
+        cell_forward(
+            &mut gates[row * g4..(row + 1) * g4],
+            rec.map(|r| &r[sample * g4..(sample + 1) * g4]),
+            c_prev,
+            &mut now[..h],
+            &mut hs[row * h..(row + 1) * h],
+        );
+    }
+}
+
+/// What the forward of a block of samples kept: gates [S, T, 4H], cells
+/// [S, T, H].
+struct SequenceSaved<'a> {
+    gates: &'a [f32],
+    cells: &'a [f32],
+}
+
+/// Backward through time of a block of S samples: from the outputs'
+/// gradient `g` [S, T, H], every step's pre-activation gradient into
+/// `d_pre` [S, T, 4H]; `dh` and `dc` [S, H] carry between steps and start
+/// at zero.
+fn backward_through_time(
+    saved: SequenceSaved<'_>,
+    g: &[f32],
+    d_pre: &mut [f32],
+    dh: &mut [f32],
+    dc: &mut [f32],
+    steps: usize,
+    wh_t: View,
+) {
+    let h = wh_t.row_stride;
+    let g4 = 4 * h;
+    let samples = dh.len() / h;
+    let zeros = vec![0.0; h];
+    for t in (0..steps).rev() {
+        let block = Block { steps, h, t };
+        vector_math::wide(#[inline(always)] || cells_backward(block, &saved, g, &zeros, dh, dc, d_pre));
+        // dh_{t−1} = d_pre_t·Whᵀ, read from the rows just written.
+        if t > 0 {
+            matmul(dh, samples, h, g4, step_view(d_pre, t, steps, g4), wh_t, false);
+        }
+    }
+}
+
+/// Step t backward for every sample of a block (inlined into
+/// `vector_math::wide`, as `cells_forward` is).
+#[inline(always)]
+fn cells_backward(
+    block: Block,
+    saved: &SequenceSaved<'_>,
+    g: &[f32],
+    zeros: &[f32],
+    dh: &[f32],
+    dc: &mut [f32],
+    d_pre: &mut [f32],
+) {
+    let h = block.h;
+    let g4 = 4 * h;
+    let (gates, cells) = (saved.gates, saved.cells);
+    for sample in 0..dh.len() / h {
+        let (row, at) = (block.row(sample), sample * h);
+        let c_prev = match block.t {
+            0 => zeros,
+            _ => &cells[(row - 1) * h..row * h],
+        };
+        cell_backward(
+            CellSaved {
+                gates: &gates[row * g4..(row + 1) * g4],
+                cell: &cells[row * h..(row + 1) * h],
+                c_prev,
+            },
+            &g[row * h..(row + 1) * h],
+            &dh[at..at + h],
+            &mut dc[at..at + h],
+            &mut d_pre[row * g4..(row + 1) * g4],
+        );
+    }
+}
+
 impl Lstm {
     pub fn new(name: &str, input: usize, hidden: usize, rng: &mut InitRng) -> Self {
         let wx = uniform_weights(rng, hidden, input * 4 * hidden);
@@ -252,44 +401,21 @@ impl Layer for Lstm {
         let mut hs = Tensor::try_zeros(&[n, steps, h])?;
         let mut cells = Tensor::try_zeros(&[n, steps, h])?;
         let mut recurrent = Tensor::try_zeros(&[n, g4])?;
-        let zeros = vec![0.0; h];
         let wh = View::rm(self.wh.value.data(), g4);
-        for t in 0..steps {
-            let rec = recurrent.try_data_mut()?;
-            if t > 0 {
-                product(
-                    rec,
-                    n,
-                    g4,
-                    h,
-                    step_view(hs.data(), t - 1, steps, h),
-                    wh,
-                    false,
-                );
-            }
-            let (gate_data, cell_data, h_data) = (
-                gates.try_data_mut()?,
-                cells.try_data_mut()?,
-                hs.try_data_mut()?,
-            );
-            vector_math::wide(|| {
-                for sample in 0..n {
-                    let row = sample * steps + t;
-                    let (before, now) = cell_data.split_at_mut(row * h);
-                    let c_prev = match t {
-                        0 => &zeros[..],
-                        _ => &before[(row - 1) * h..],
-                    };
-                    cell_forward(
-                        &mut gate_data[row * g4..(row + 1) * g4],
-                        (t > 0).then(|| &rec[sample * g4..(sample + 1) * g4]),
-                        &c_prev[..h],
-                        &mut now[..h],
-                        &mut h_data[row * h..(row + 1) * h],
-                    );
-                }
+        let per_task = samples_per_task(n);
+        let (gate_data, cell_data, h_data) = (
+            gates.try_data_mut()?,
+            cells.try_data_mut()?,
+            hs.try_data_mut()?,
+        );
+        gate_data
+            .par_chunks_mut(per_task * steps * g4)
+            .zip(cell_data.par_chunks_mut(per_task * steps * h))
+            .zip(h_data.par_chunks_mut(per_task * steps * h))
+            .zip(recurrent.try_data_mut()?.par_chunks_mut(per_task * g4))
+            .for_each(|(((gates, cells), hs), rec)| {
+                forward_through_time(gates, cells, hs, rec, steps, wh);
             });
-        }
         if mode == Mode::Train {
             self.saved = Some(Saved {
                 x: input.clone(),
@@ -315,8 +441,6 @@ impl Layer for Lstm {
         let mut d_pre = Tensor::try_zeros(&[n, steps, g4])?;
         let mut dh_next = Tensor::try_zeros(&[n, h])?;
         let mut dc_next = Tensor::try_zeros(&[n, h])?;
-        let mut step_grad = Tensor::try_zeros(&[n, g4])?;
-        let zeros = vec![0.0; h];
         // Whᵀ as a row-major copy, made once: read through strides, the
         // gemm crate would repack all of Wh at each of the T steps.
         let wh_data = self.wh.value.data();
@@ -329,39 +453,21 @@ impl Layer for Lstm {
             })?
         };
         let wh_t = View::rm(wh_transposed.data(), h);
-        for t in (0..steps).rev() {
-            let (dh_carry, dc_carry) = (dh_next.try_data_mut()?, dc_next.try_data_mut()?);
-            let dstep = step_grad.try_data_mut()?;
-            vector_math::wide(|| {
-                for sample in 0..n {
-                    let (row, at) = (sample * steps + t, sample * h);
-                    let c_prev = match t {
-                        0 => &zeros[..],
-                        _ => &cells[(row - 1) * h..row * h],
-                    };
-                    cell_backward(
-                        CellSaved {
-                            gates: &gates[row * g4..(row + 1) * g4],
-                            cell: &cells[row * h..(row + 1) * h],
-                            c_prev,
-                        },
-                        &g[row * h..(row + 1) * h],
-                        &dh_carry[at..at + h],
-                        &mut dc_carry[at..at + h],
-                        &mut dstep[sample * g4..(sample + 1) * g4],
-                    );
-                }
+        let per_task = samples_per_task(n);
+        let (seq, carry) = (per_task * steps, per_task * h);
+        d_pre
+            .try_data_mut()?
+            .par_chunks_mut(seq * g4)
+            .zip(gates.par_chunks(seq * g4))
+            .zip(cells.par_chunks(seq * h))
+            .zip(g.par_chunks(seq * h))
+            .zip(dh_next.try_data_mut()?.par_chunks_mut(carry))
+            .zip(dc_next.try_data_mut()?.par_chunks_mut(carry))
+            .for_each(|(((((d_pre, gates), cells), g), dh), dc)| {
+                let saved = SequenceSaved { gates, cells };
+                backward_through_time(saved, g, d_pre, dh, dc, steps, wh_t);
             });
-            let dstep = step_grad.data();
-            let d_all = d_pre.try_data_mut()?;
-            for sample in 0..n {
-                let row = sample * steps + t;
-                d_all[row * g4..(row + 1) * g4]
-                    .copy_from_slice(&dstep[sample * g4..(sample + 1) * g4]);
-            }
-            let dstep_view = View::rm(dstep, g4);
-            product(dh_next.try_data_mut()?, n, h, g4, dstep_view, wh_t, false);
-        }
+        let zeros = vec![0.0; h];
         let d_all = View::rm(d_pre.data(), g4);
         // dWh = Σ_t h_{t−1}ᵀ·d_pre_t as one product over every step: the
         // outputs shifted one step later (zero before the first), so that

@@ -83,12 +83,14 @@ pub fn sigmoid(x: f32) -> f32 {
 /// If `x` and `out` differ in length.
 pub fn map_into(x: &[f32], out: &mut [MaybeUninit<f32>], f: impl Fn(f32) -> f32 + Copy) {
     assert_eq!(x.len(), out.len(), "map_into: lengths");
-    let body = |x: &[f32], out: &mut [MaybeUninit<f32>]| {
-        for (o, &v) in out.iter_mut().zip(x) {
-            o.write(f(v));
-        }
-    };
-    wide(|| body(x, out));
+    wide(
+        #[inline(always)]
+        || {
+            for (o, &v) in out.iter_mut().zip(x) {
+                o.write(f(v));
+            }
+        },
+    );
 }
 
 /// `out[i] = f(a[i], b[i])`, as wide as the CPU allows.
@@ -105,16 +107,21 @@ pub fn zip_into(
         a.len() == out.len() && b.len() == out.len(),
         "zip_into: lengths"
     );
-    let body = |a: &[f32], b: &[f32], out: &mut [MaybeUninit<f32>]| {
-        for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
-            o.write(f(x, y));
-        }
-    };
-    wide(|| body(a, b, out));
+    wide(
+        #[inline(always)]
+        || {
+            for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+                o.write(f(x, y));
+            }
+        },
+    );
 }
 
 /// Runs `body` compiled for the widest vectors the CPU has (AVX-512F, or
 /// AVX2; `HEADROOM_CPU_KERNELS=avx2` holds it to AVX2), else as it is.
+/// Mark the closure `#[inline(always)]` (and what it calls): a closure
+/// is called from three places here, and one that LLVM leaves outlined
+/// runs with the baseline's 4-lane SSE whatever the CPU has.
 #[inline(always)]
 pub(super) fn wide(body: impl FnOnce()) {
     #[cfg(target_arch = "x86_64")]
