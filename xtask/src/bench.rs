@@ -6,7 +6,7 @@
 //! channels_last) run right after ours, with the ratio. A ratio is given
 //! only when both sides count the same parameters, trainable and all.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
@@ -123,6 +123,42 @@ pub fn run(args: &BenchArgs, experiment: &ExperimentConfig) -> Result<()> {
     Ok(())
 }
 
+/// This xtask built without the `avx512-gemm` feature, in its own target
+/// directory: the gemm crate picks AVX-512 whenever the CPU has it, so
+/// `HEADROOM_CPU_KERNELS=avx2` alone would hold only our own kernels to
+/// AVX2. Built once (a few minutes), then up to date in seconds.
+fn avx2_gemm_binary() -> Result<PathBuf> {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    if let Some(path) = BUILT.get() {
+        return Ok(path.clone());
+    }
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .context("locating the workspace")?;
+    let target_dir = workspace.join("target").join("avx2-gemm");
+    eprintln!(
+        "--avx2-only: building xtask without the avx512-gemm feature in {}",
+        target_dir.display()
+    );
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["build", "--release", "--quiet", "--package", "xtask"])
+        .arg("--no-default-features")
+        .arg("--manifest-path")
+        .arg(workspace.join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target_dir)
+        .status()
+        .context("running cargo build for the AVX2-only bench binary")?;
+    if !status.success() {
+        bail!("cargo build of the AVX2-only bench binary failed ({status})");
+    }
+    let path = target_dir
+        .join("release")
+        .join(format!("xtask{}", std::env::consts::EXE_SUFFIX));
+    Ok(BUILT.get_or_init(|| path).clone())
+}
+
 /// One `bench-step` configuration.
 pub struct StepRun {
     pub batch: usize,
@@ -147,7 +183,10 @@ pub fn step_here(experiment: &ExperimentConfig, run: &StepRun) -> Result<()> {
 }
 
 fn step_in_subprocess(args: &BenchArgs, batch: usize) -> Result<StepBench> {
-    let exe = std::env::current_exe().context("locating the xtask binary")?;
+    let exe = match args.avx2_only && cfg!(feature = "avx512-gemm") {
+        true => avx2_gemm_binary()?,
+        false => std::env::current_exe().context("locating the xtask binary")?,
+    };
     let mut command = Command::new(exe);
     command
         .arg("bench-step")
@@ -233,9 +272,11 @@ fn torch_step(args: &BenchArgs, config: &TorchConfig, batch: usize) -> Result<Op
     let mut command = Command::new("python3");
     command.arg(script).arg("--config-json").arg(&config.path);
     if args.avx2_only {
-        // ATen's vectorised kernels and oneDNN's convolutions, both held to AVX2.
+        // ATen's vectorised kernels, oneDNN's convolutions and MKL's
+        // matrix products, all held to AVX2.
         command.env("ATEN_CPU_CAPABILITY", "avx2");
         command.env("ONEDNN_MAX_CPU_ISA", "AVX2");
+        command.env("MKL_ENABLE_INSTRUCTIONS", "AVX2");
     }
     if args.gpu {
         command.args(["--device", "cuda"]);

@@ -185,7 +185,10 @@ impl ConvLstm {
         pre.try_data_mut()?
             .par_chunks_mut(PIXELS_PER_TASK * row)
             .for_each(|chunk| {
-                vector_math::wide(#[inline(always)] || chunk.chunks_exact_mut(row).for_each(activate_gates))
+                vector_math::wide(
+                    #[inline(always)]
+                    || chunk.chunks_exact_mut(row).for_each(activate_gates),
+                )
             });
         Ok(pre)
     }
@@ -207,15 +210,18 @@ impl ConvLstm {
             .for_each(|(task, ((pre, cell), hidden))| {
                 let at = task * PIXELS_PER_TASK * hc;
                 let before = c_prev.map_or(&zeros[..cell.len()], |cp| &cp[at..at + cell.len()]);
-                vector_math::wide(#[inline(always)] || {
-                    let rows = pre.chunks_exact_mut(4 * hc).zip(cell.chunks_exact_mut(hc));
-                    let rows = rows
-                        .zip(hidden.chunks_exact_mut(hc))
-                        .zip(before.chunks_exact(hc));
-                    for (((pre, cell), hidden), before) in rows {
-                        cell_forward(pre, None, before, cell, hidden);
-                    }
-                });
+                vector_math::wide(
+                    #[inline(always)]
+                    || {
+                        let rows = pre.chunks_exact_mut(4 * hc).zip(cell.chunks_exact_mut(hc));
+                        let rows = rows
+                            .zip(hidden.chunks_exact_mut(hc))
+                            .zip(before.chunks_exact(hc));
+                        for (((pre, cell), hidden), before) in rows {
+                            cell_forward(pre, None, before, cell, hidden);
+                        }
+                    },
+                );
             });
         Ok((cell, hidden))
     }
@@ -327,30 +333,33 @@ impl Layer for ConvLstm {
                     let at = first * hc;
                     let range = at..at + dc.len();
                     let before = c_prev.map_or(&zeros[..dc.len()], |cp| &cp[range.clone()]);
-                    vector_math::wide(#[inline(always)] || {
-                        for (k, (d, dc)) in d
-                            .chunks_exact_mut(4 * hc)
-                            .zip(dc.chunks_exact_mut(hc))
-                            .enumerate()
-                        {
-                            let pixel = first + k;
-                            let (sample, p) = (pixel / pixels, pixel % pixels);
-                            let out_at = ((sample * steps + t) * pixels + p) * hc;
-                            let unit = pixel * hc..(pixel + 1) * hc;
-                            let local = k * hc..(k + 1) * hc;
-                            cell_backward(
-                                CellSaved {
-                                    gates: &g[pixel * 4 * hc..(pixel + 1) * 4 * hc],
-                                    cell: &cell[unit.clone()],
-                                    c_prev: &before[local],
-                                },
-                                &g_out[out_at..out_at + hc],
-                                &dh_next.data()[unit],
-                                dc,
-                                d,
-                            );
-                        }
-                    });
+                    vector_math::wide(
+                        #[inline(always)]
+                        || {
+                            for (k, (d, dc)) in d
+                                .chunks_exact_mut(4 * hc)
+                                .zip(dc.chunks_exact_mut(hc))
+                                .enumerate()
+                            {
+                                let pixel = first + k;
+                                let (sample, p) = (pixel / pixels, pixel % pixels);
+                                let out_at = ((sample * steps + t) * pixels + p) * hc;
+                                let unit = pixel * hc..(pixel + 1) * hc;
+                                let local = k * hc..(k + 1) * hc;
+                                cell_backward(
+                                    CellSaved {
+                                        gates: &g[pixel * 4 * hc..(pixel + 1) * 4 * hc],
+                                        cell: &cell[unit.clone()],
+                                        c_prev: &before[local],
+                                    },
+                                    &g_out[out_at..out_at + hc],
+                                    &dh_next.data()[unit],
+                                    dc,
+                                    d,
+                                );
+                            }
+                        },
+                    );
                 });
             drop((gates, cell_t));
             let d_conv_input = self.conv.backward(&d_pre)?;

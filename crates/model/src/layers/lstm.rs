@@ -152,7 +152,6 @@ fn step_view(data: &[f32], t: usize, steps: usize, width: usize) -> View<'_> {
     }
 }
 
-
 /// Samples per task of the time loop. Samples are independent through
 /// time, so each task runs its own through every step: the T sequential
 /// steps need no synchronisation between threads.
@@ -177,11 +176,22 @@ fn forward_through_time(
     let zeros = vec![0.0; h];
     for t in 0..steps {
         if t > 0 {
-            matmul(rec, samples, g4, h, step_view(hs, t - 1, steps, h), wh, false);
+            matmul(
+                rec,
+                samples,
+                g4,
+                h,
+                step_view(hs, t - 1, steps, h),
+                wh,
+                false,
+            );
         }
         let rec = (t > 0).then_some(&*rec);
         let block = Block { steps, h, t };
-        vector_math::wide(#[inline(always)] || cells_forward(block, &zeros, gates, cells, hs, rec));
+        vector_math::wide(
+            #[inline(always)]
+            || cells_forward(block, &zeros, gates, cells, hs, rec),
+        );
     }
 }
 
@@ -256,10 +266,21 @@ fn backward_through_time(
     let zeros = vec![0.0; h];
     for t in (0..steps).rev() {
         let block = Block { steps, h, t };
-        vector_math::wide(#[inline(always)] || cells_backward(block, &saved, g, &zeros, dh, dc, d_pre));
+        vector_math::wide(
+            #[inline(always)]
+            || cells_backward(block, &saved, g, &zeros, dh, dc, d_pre),
+        );
         // dh_{t−1} = d_pre_t·Whᵀ, read from the rows just written.
         if t > 0 {
-            matmul(dh, samples, h, g4, step_view(d_pre, t, steps, g4), wh_t, false);
+            matmul(
+                dh,
+                samples,
+                h,
+                g4,
+                step_view(d_pre, t, steps, g4),
+                wh_t,
+                false,
+            );
         }
     }
 }
