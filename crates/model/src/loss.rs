@@ -14,6 +14,8 @@
 //! comparable MSE (its BCE would hinge on a clamp of log 0), and because
 //! MSE in [0, 1] units reads directly as squared pixel error.
 
+use rayon::prelude::*;
+
 use crate::{ModelError, Result, Tensor};
 
 #[derive(Clone, Debug)]
@@ -141,31 +143,33 @@ pub fn softmax_cross_entropy(
     let inv_n = 1.0 / n as f64;
     let mut grad_tensor = Tensor::try_zeros(&[n, k])?;
     let grad = grad_tensor.try_data_mut()?;
-    let mut total = 0.0f64;
-    let mut correct = 0;
-    for ((row, g), &label) in logits
+    // Rows in parallel, each row's loss kept and summed in row order after:
+    // the same bits whatever the thread count.
+    let mut row_losses = vec![(0.0f64, false); n];
+    logits
         .data()
-        .chunks_exact(k)
-        .zip(grad.chunks_exact_mut(k))
-        .zip(labels)
-    {
-        let label = label as usize;
-        let lse = softmax_row(row, g);
-        // -Σ t·log p with log p = x - lse and Σ t = 1.
-        let mut dot = 0.0f64;
-        for (j, &v) in row.iter().enumerate() {
-            let t = if j == label { on } else { off };
-            dot += t * v as f64;
-        }
-        total += lse - dot;
-        for (j, p) in g.iter_mut().enumerate() {
-            let t = if j == label { on } else { off };
-            *p = ((*p as f64 - t) * inv_n) as f32;
-        }
-        if argmax(row) == label {
-            correct += 1;
-        }
-    }
+        .par_chunks_exact(k)
+        .zip(grad.par_chunks_exact_mut(k))
+        .zip(labels.par_iter())
+        .zip(row_losses.par_iter_mut())
+        .with_min_len(64)
+        .for_each(|(((row, g), &label), out)| {
+            let label = label as usize;
+            let lse = softmax_row(row, g);
+            // -Σ t·log p with log p = x - lse and Σ t = 1.
+            let mut dot = 0.0f64;
+            for (j, &v) in row.iter().enumerate() {
+                let t = if j == label { on } else { off };
+                dot += t * v as f64;
+            }
+            for (j, p) in g.iter_mut().enumerate() {
+                let t = if j == label { on } else { off };
+                *p = ((*p as f64 - t) * inv_n) as f32;
+            }
+            *out = (lse - dot, argmax(row) == label);
+        });
+    let total: f64 = row_losses.iter().map(|&(loss, _)| loss).sum();
+    let correct = row_losses.iter().filter(|&&(_, hit)| hit).count();
     Ok(LossOutput {
         loss: (total * inv_n) as f32,
         grad: grad_tensor,
