@@ -229,7 +229,7 @@ impl TorchConfig {
             experiment.run.name,
             std::process::id()
         ));
-        let json = serde_json::to_string(&bench::resolved(experiment))?;
+        let json = serde_json::to_string(&headroom_pipeline::finetune::as_trained(experiment))?;
         std::fs::write(&path, json).with_context(|| format!("writing {}", path.display()))?;
         Ok(Self { path })
     }

@@ -70,14 +70,6 @@ pub struct ProfileRow {
 /// How many steps `--profile` times, after the timed ones.
 pub const PROFILE_STEPS: usize = 10;
 
-/// The experiment as a run trains it (a full fine-tune's model without
-/// its adapters): what the step and any comparison must time.
-pub fn resolved(config: &ExperimentConfig) -> ExperimentConfig {
-    let mut config = config.clone();
-    config.model = crate::finetune::effective_model(&config);
-    config
-}
-
 /// Times `steps` training steps at `batch` after `warmup` untimed ones, on
 /// the device `config.device.kind` names.
 pub fn training_step(
@@ -96,7 +88,7 @@ pub fn training_step(
             reason: e.to_string(),
         })?;
     pool.install(|| {
-        let mut config = resolved(config);
+        let mut config = crate::finetune::as_trained(config);
         config.train.batch_size = batch;
         let options = crate::train::cuda_options(&config)?;
         let pool = MemoryPool::new(Device::Cpu);

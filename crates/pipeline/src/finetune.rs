@@ -85,6 +85,14 @@ pub fn is_adapter(name: &str) -> bool {
     name.ends_with(".lora_a") || name.ends_with(".lora_b")
 }
 
+/// The experiment as a run trains it, `effective_model` in place of its
+/// `[model]`: what training, the step benchmark and any comparison use.
+pub fn as_trained(config: &ExperimentConfig) -> ExperimentConfig {
+    let mut config = config.clone();
+    config.model = effective_model(&config);
+    config
+}
+
 /// The model a run trains: the experiment's, without its adapters for a
 /// full fine-tune (the base architecture, every weight trainable).
 pub fn effective_model(config: &ExperimentConfig) -> ModelSpec {

@@ -107,10 +107,9 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
     // Held (locked) for the whole run; removed on drop if this start made it
     // and it holds no progress.
     let run_dir = rundir::RunDir::claim(config, &options.resume)?;
-    let mut resolved = config.clone();
-    resolved.run.output_dir = Some(run_dir.path().to_path_buf());
     // A full fine-tune trains the base architecture (no adapters).
-    resolved.model = crate::finetune::effective_model(&resolved);
+    let mut resolved = crate::finetune::as_trained(config);
+    resolved.run.output_dir = Some(run_dir.path().to_path_buf());
     let config = &resolved;
     let threads = compute_threads(config.train.threads);
     let pool = rayon::ThreadPoolBuilder::new()

@@ -8,6 +8,7 @@ use std::path::Path;
 
 use headroom_model::Network;
 use headroom_pipeline::bench::{self, StepBench};
+use headroom_pipeline::finetune;
 use headroom_pipeline::{ExperimentConfig, Overrides};
 
 fn experiment(name: &str, sets: &[&str]) -> ExperimentConfig {
@@ -27,7 +28,7 @@ fn one_step(config: &ExperimentConfig, batch: usize) -> StepBench {
 }
 
 fn parameters_of(config: &ExperimentConfig) -> usize {
-    Network::build(&bench::resolved(config).model, 0)
+    Network::build(&finetune::as_trained(config).model, 0)
         .unwrap()
         .num_params()
 }
