@@ -537,6 +537,77 @@ fn captured_steps_train_to_the_bits_of_launched_ones() {
     assert_eq!(graph_state, eager_state, "weights, statistics and moments");
 }
 
+const TOKEN_MODEL: &str = r#"
+tokens = { length = 8, vocab = 32 }
+layers = [
+  { type = "embedding", dim = 16, positions = true },
+  { type = "transformer_block", heads = 2, mlp_ratio = 2, dropout = 0.1 },
+  { type = "layer_norm" },
+  { type = "linear", out = 32 },
+]
+"#;
+
+const LSTM_MODEL: &str = r#"
+tokens = { length = 8, vocab = 32 }
+layers = [
+  { type = "embedding", dim = 8 },
+  { type = "lstm", hidden = 16 },
+  { type = "linear", out = 32 },
+]
+"#;
+
+/// `n` text windows of 9 ids below 32 (8 inputs, each one's next id).
+fn token_batch(index: usize, n: usize) -> Batch {
+    Batch {
+        epoch: 0,
+        index,
+        shape: [n, 9, 1, 1],
+        pixels: (0..n * 9)
+            .map(|i| ((((i * 2_654_435_761) >> 7) ^ (index * 131)) % 32) as u8)
+            .collect(),
+        labels: vec![0; n],
+        soft_targets: None,
+        recipes: None,
+    }
+}
+
+/// A token model's steps, with a smaller batch (eager) between replays.
+fn token_workout(model: &str, graphs: bool) -> (Vec<u32>, Vec<u32>, u64) {
+    let spec: ModelSpec = toml::from_str(model).unwrap();
+    let be = CudaBackend::new(0).unwrap();
+    let options = CudaOptions {
+        graphs,
+        ..CudaOptions::default()
+    };
+    let mut gpu = CudaLearner::new(be, &spec, 23, settings(), 8, options).unwrap();
+    let mut results = Vec::new();
+    for i in 0..6 {
+        let b = token_batch(i, if i == 4 { 5 } else { 8 });
+        let r = gpu.train_batch(&b, 1e-3 * (1.0 + i as f32)).unwrap();
+        results.extend([r.loss.to_bits(), r.correct as u32]);
+        results.push(r.grad_norm.map_or(u32::MAX, f32::to_bits));
+    }
+    (bits(&gpu.snapshot().unwrap()), results, gpu.graph_replays())
+}
+
+/// A token model's captured step (a transformer with dropout, an LSTM)
+/// reads its ids from the graph's input buffer and a label per token, and
+/// trains to the bits of launched steps.
+#[test]
+fn captured_token_steps_train_to_the_bits_of_launched_ones() {
+    let Some(_gpu) = backend() else { return };
+    for model in [TOKEN_MODEL, LSTM_MODEL] {
+        let (eager_state, eager_results, eager_replays) = token_workout(model, false);
+        let (graph_state, graph_results, graph_replays) = token_workout(model, true);
+        assert_eq!(eager_replays, 0, "device.graphs = false never replays");
+        // Step 0 warms up, 1 captures and replays, 2 and 3 replay, 4 (5
+        // samples) runs eagerly, 5 replays.
+        assert_eq!(graph_replays, 4, "replays of {model}");
+        assert_eq!(graph_results, eager_results, "losses, counts and norms");
+        assert_eq!(graph_state, eager_state, "weights and moments");
+    }
+}
+
 /// The learning rate of the i-th applied step: different at every step, so
 /// a step that took another step's rate would show in the bits.
 fn schedule(i: u64) -> f32 {

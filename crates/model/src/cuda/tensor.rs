@@ -116,6 +116,36 @@ impl CudaTensor {
         })
     }
 
+    /// An f32 tensor of `shape` copied on the device out of the start of
+    /// `bytes` (f32 values in the host's byte order): a captured step reads
+    /// its token ids from the graph's fixed input buffer this way, into a
+    /// tensor of its own.
+    pub fn f32_from_bytes(
+        be: &CudaBackend,
+        bytes: &DeviceBuffer<u8>,
+        shape: &[usize],
+    ) -> CudaResult<Self> {
+        let op = "CudaTensor::f32_from_bytes";
+        let len = checked_len(op, shape)?;
+        // SAFETY: f32 has no invalid bit patterns, and device allocations
+        // are aligned far beyond 4 bytes; transmute checks the length.
+        let values = unsafe { bytes.slice.transmute::<f32>(len) }.ok_or_else(|| {
+            CudaError::shape(
+                op,
+                format!("{} bytes for shape {shape:?}", len * 4),
+                format!("{} bytes", bytes.len()),
+            )
+        })?;
+        let mut out = be.alloc::<f32>(len)?;
+        be.compute_stream()
+            .memcpy_dtod(&values, &mut out.slice)
+            .during("cuMemcpyDtoDAsync")?;
+        Ok(Self {
+            shape: shape.to_vec(),
+            buffer: CudaBuffer::F32(out),
+        })
+    }
+
     /// Uploads a CPU tensor.
     pub fn from_tensor(be: &CudaBackend, t: &Tensor, dtype: DType) -> CudaResult<Self> {
         Self::from_host(be, t.shape(), t.data(), dtype)

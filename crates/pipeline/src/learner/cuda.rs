@@ -31,7 +31,8 @@
 //! A token model (`model.tokens`) reads text windows as the CPU learner
 //! does: the ids (checked against the vocabulary on the host) go up as
 //! f32 [n, t] and the targets as a label per token, so its loss, accuracy
-//! and predictions are per token; these steps run eagerly (no graph). A
+//! and predictions are per token; its steady-state steps are captured too
+//! (the graph reads the ids from its input buffer as f32). A
 //! fine-tuning run starts from the CPU network `finetune::initialise`
 //! loaded and froze (`from_network`): frozen parameters hold no gradient or
 //! optimizer state on the device.
@@ -40,7 +41,7 @@
 //! does: its input frames go up as images [n·f, h, w, c] (normalised on the
 //! device like any batch), the target frames as u8, scored by pixel MSE on
 //! the device; evaluation also scores the copy-last-frame baseline on the
-//! host. These steps run eagerly too.
+//! host. These steps run eagerly.
 
 use std::collections::VecDeque;
 
@@ -530,11 +531,15 @@ fn smoothed_targets(soft: &[f32], smoothing: f32, rows: usize) -> Vec<f32> {
 }
 
 /// A ring for batches of up to `samples` samples, as pixels or as recipes
-/// (8 bytes a sample).
+/// (8 bytes a sample), or a token model's ids (f32) and per-token targets.
 fn staging_for(be: &CudaBackend, spec: &ModelSpec, samples: usize) -> Result<InputStaging> {
-    let [h, w, c] = spec.input;
     let samples = samples.max(1);
-    let per_sample = (h * w * c).max(std::mem::size_of::<[u32; 2]>());
+    if let Some(tokens) = spec.tokens {
+        let ids = samples * tokens.length;
+        return cuda(InputStaging::new(be, 2, ids * size_of::<f32>(), ids));
+    }
+    let [h, w, c] = spec.input;
+    let per_sample = (h * w * c).max(size_of::<[u32; 2]>());
     cuda(InputStaging::new(be, 2, samples * per_sample, samples))
 }
 

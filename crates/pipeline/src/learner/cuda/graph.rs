@@ -31,7 +31,9 @@
 //! same arguments in the same order, so they compute the same bits.
 
 use headroom_loader::{Batch, SampleRecipe};
-use headroom_model::cuda::{ops, CapturedGraph, DeviceBuffer};
+use std::borrow::Cow;
+
+use headroom_model::cuda::{ops, CapturedGraph, CudaTensor, DeviceBuffer};
 
 use super::{cuda, training_loss, CudaLearner};
 use crate::{PipelineError, Result};
@@ -48,7 +50,7 @@ pub(super) struct GraphKey {
 pub(super) struct StepGraph {
     key: GraphKey,
     graph: CapturedGraph,
-    /// The batch: u8 pixels, or recipe words.
+    /// The batch: u8 pixels, recipe words, or a token model's ids as f32.
     input: DeviceBuffer<u8>,
     labels: DeviceBuffer<u32>,
 }
@@ -99,7 +101,6 @@ impl CudaLearner {
             && n > 0
             && n <= self.micro_batch
             && batch.soft_targets.is_none()
-            && self.network.spec().tokens.is_none()
             && self.network.spec().frames.is_none()
             && (batch.recipes.is_none() || self.resident.is_some());
         eligible.then(|| GraphKey {
@@ -145,9 +146,13 @@ impl CudaLearner {
         let be = &self.be;
         let n = key.samples;
         let [h, w, c] = self.network.spec().input;
-        let bytes = if key.recipes { 8 * n } else { n * h * w * c };
+        let (bytes, labels) = match self.network.spec().tokens {
+            Some(tokens) => (n * tokens.length * size_of::<f32>(), n * tokens.length),
+            None if key.recipes => (8 * n, n),
+            None => (n * h * w * c, n),
+        };
         let input = cuda(be.alloc::<u8>(bytes))?;
-        let labels = cuda(be.alloc::<u32>(n))?;
+        let labels = cuda(be.alloc::<u32>(labels))?;
         let before = cuda(be.begin_capture())?;
         let recorded = self.record_step(key, &input, &labels);
         if recorded.is_err() {
@@ -179,8 +184,9 @@ impl CudaLearner {
         let norm = self.normalization();
         let [h, w, c] = self.network.spec().input;
         cuda(self.network.save_step_buffers(be))?;
-        let images = match &self.resident {
-            Some(set) if key.recipes => {
+        let images = match (self.network.spec().tokens, &self.resident) {
+            (Some(tokens), _) => cuda(CudaTensor::f32_from_bytes(be, input, &[n, tokens.length]))?,
+            (None, Some(set)) if key.recipes => {
                 // SAFETY: `input` holds 8 bytes a sample (capture sized it)
                 // and device allocations are aligned far beyond 4 bytes.
                 let words = unsafe { input.slice.transmute::<u32>(2 * n) }.ok_or_else(|| {
@@ -188,7 +194,7 @@ impl CudaLearner {
                 })?;
                 cuda(set.gather(be, &words, n, norm))?
             }
-            _ => cuda(ops::normalize_u8(
+            (None, _) => cuda(ops::normalize_u8(
                 be,
                 &input.slice.as_view(),
                 &[n, h, w, c],
@@ -216,21 +222,35 @@ impl CudaLearner {
     fn replay(&mut self, batch: &Batch) -> Result<()> {
         self.ensure_staging(batch.len())?;
         let classes = self.network.num_classes();
+        let tokens = self.network.spec().tokens;
         let Some(graph) = self.graphs.step.as_mut() else {
             return Err(PipelineError::value("device.graphs", "no captured step"));
         };
         let be = &self.be;
-        let bytes = match (&batch.recipes, &self.resident) {
-            (Some(recipes), Some(set)) => {
-                let packed: Vec<[u32; 2]> = recipes.iter().map(SampleRecipe::packed).collect();
-                std::borrow::Cow::Owned(cuda(set.recipe_bytes(&packed, &batch.labels))?)
+        let (bytes, labels) = match (tokens, &batch.recipes, &self.resident) {
+            (Some(tokens), _, _) => {
+                let (ids, targets) = batch.next_token_pairs();
+                let ids: Vec<u8> = tokens
+                    .id_values(&ids)?
+                    .iter()
+                    .flat_map(|v| v.to_ne_bytes())
+                    .collect();
+                (Cow::Owned(ids), Cow::Owned(targets))
             }
-            _ => std::borrow::Cow::Borrowed(batch.pixels.as_slice()),
+            (None, Some(recipes), Some(set)) => {
+                let packed: Vec<[u32; 2]> = recipes.iter().map(SampleRecipe::packed).collect();
+                let words = cuda(set.recipe_bytes(&packed, &batch.labels))?;
+                (Cow::Owned(words), Cow::Borrowed(batch.labels.as_slice()))
+            }
+            _ => (
+                Cow::Borrowed(batch.pixels.as_slice()),
+                Cow::Borrowed(batch.labels.as_slice()),
+            ),
         };
         cuda(self.staging.stage_into(
             be,
             &bytes,
-            &batch.labels,
+            &labels,
             classes,
             &mut graph.input,
             &mut graph.labels,
@@ -244,3 +264,4 @@ impl CudaLearner {
         Ok(())
     }
 }
+
