@@ -608,6 +608,70 @@ fn captured_token_steps_train_to_the_bits_of_launched_ones() {
     }
 }
 
+const FRAME_MODEL: &str = r#"
+input = [8, 8, 1]
+frames = 3
+mean = 0.0
+std = 1.0
+layers = [
+  { type = "unet_skip", layers = [
+    { type = "conv", out = 4, stride = 2, bias = true }, { type = "relu" },
+    { type = "conv_lstm", hidden = 4 },
+    { type = "upsample2x" },
+  ] },
+  { type = "conv", out = 1, bias = true },
+]
+"#;
+
+/// `n` sequences of 4 frames of 8×8 (3 inputs, each one's successor),
+/// stacked along the height.
+fn frame_batch(index: usize, n: usize) -> Batch {
+    Batch {
+        epoch: 0,
+        index,
+        shape: [n, 32, 8, 1],
+        pixels: (0..n * 256)
+            .map(|i| (((i * 2_654_435_761) >> 7) ^ (index * 131)) as u8)
+            .collect(),
+        labels: vec![0; n],
+        soft_targets: None,
+        recipes: None,
+    }
+}
+
+/// A frame model's steps, with a smaller batch (eager) between replays.
+fn frame_workout(graphs: bool) -> (Vec<u32>, Vec<u32>, u64) {
+    let spec: ModelSpec = toml::from_str(FRAME_MODEL).unwrap();
+    let be = CudaBackend::new(0).unwrap();
+    let options = CudaOptions {
+        graphs,
+        ..CudaOptions::default()
+    };
+    let mut gpu = CudaLearner::new(be, &spec, 23, settings(), 4, options).unwrap();
+    let mut results = Vec::new();
+    for i in 0..6 {
+        let b = frame_batch(i, if i == 4 { 3 } else { 4 });
+        let r = gpu.train_batch(&b, 1e-3 * (1.0 + i as f32)).unwrap();
+        results.push(r.loss.to_bits());
+        results.push(r.grad_norm.map_or(u32::MAX, f32::to_bits));
+    }
+    (bits(&gpu.snapshot().unwrap()), results, gpu.graph_replays())
+}
+
+/// A frame model's captured step reads its input frames and then its
+/// target frames from the graph's one input buffer, and trains to the bits
+/// of launched steps.
+#[test]
+fn captured_frame_steps_train_to_the_bits_of_launched_ones() {
+    let Some(_gpu) = backend() else { return };
+    let (eager_state, eager_results, eager_replays) = frame_workout(false);
+    let (graph_state, graph_results, graph_replays) = frame_workout(true);
+    assert_eq!(eager_replays, 0, "device.graphs = false never replays");
+    assert_eq!(graph_replays, 4, "replays");
+    assert_eq!(graph_results, eager_results, "losses and norms");
+    assert_eq!(graph_state, eager_state, "weights and moments");
+}
+
 /// The learning rate of the i-th applied step: different at every step, so
 /// a step that took another step's rate would show in the bits.
 fn schedule(i: u64) -> f32 {

@@ -41,7 +41,8 @@
 //! does: its input frames go up as images [n·f, h, w, c] (normalised on the
 //! device like any batch), the target frames as u8, scored by pixel MSE on
 //! the device; evaluation also scores the copy-last-frame baseline on the
-//! host. These steps run eagerly.
+//! host. Its steady-state steps are captured too: the graph's input
+//! buffer holds the input frames and then the target frames.
 
 use std::collections::VecDeque;
 
@@ -539,7 +540,10 @@ fn staging_for(be: &CudaBackend, spec: &ModelSpec, samples: usize) -> Result<Inp
         return cuda(InputStaging::new(be, 2, ids * size_of::<f32>(), ids));
     }
     let [h, w, c] = spec.input;
-    let per_sample = (h * w * c).max(size_of::<[u32; 2]>());
+    // A frame model's samples here are frames: its input frames, and for a
+    // captured step its target frames beside them.
+    let copies = if spec.frames.is_some() { 2 } else { 1 };
+    let per_sample = (copies * h * w * c).max(size_of::<[u32; 2]>());
     cuda(InputStaging::new(be, 2, samples * per_sample, samples))
 }
 

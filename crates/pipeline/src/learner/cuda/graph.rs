@@ -46,11 +46,28 @@ pub(super) struct GraphKey {
     recipes: bool,
 }
 
+/// A batch as `replay` stages it: input bytes and labels.
+type Staged<'b> = (Cow<'b, [u8]>, Cow<'b, [u32]>);
+
+/// What a step's input buffer holds, for `samples` samples.
+#[derive(Clone, Copy)]
+enum StepInput {
+    /// u8 pixels [n, h, w, c] and a label a sample.
+    Pixels,
+    /// Recipe words (8 bytes a sample) for the data held on the device.
+    Recipes,
+    /// A token model's ids as f32 [n, length], and a label a token.
+    Tokens { length: usize },
+    /// A frame model's input frames [n·frames, h, w, c] as u8, then its
+    /// target frames (as many bytes again); no labels.
+    Frames { frames: usize },
+}
+
 /// One captured training step and the buffers it reads and writes.
 pub(super) struct StepGraph {
     key: GraphKey,
     graph: CapturedGraph,
-    /// The batch: u8 pixels, recipe words, or a token model's ids as f32.
+    /// The batch as `StepInput` says.
     input: DeviceBuffer<u8>,
     labels: DeviceBuffer<u32>,
 }
@@ -101,7 +118,6 @@ impl CudaLearner {
             && n > 0
             && n <= self.micro_batch
             && batch.soft_targets.is_none()
-            && self.network.spec().frames.is_none()
             && (batch.recipes.is_none() || self.resident.is_some());
         eligible.then(|| GraphKey {
             samples: n,
@@ -141,18 +157,31 @@ impl CudaLearner {
         Ok(Some(vec![1.0]))
     }
 
+    fn step_input(&self, key: GraphKey) -> StepInput {
+        let spec = self.network.spec();
+        match (spec.tokens, spec.frames) {
+            (Some(tokens), _) => StepInput::Tokens {
+                length: tokens.length,
+            },
+            (None, Some(frames)) => StepInput::Frames { frames },
+            (None, None) if key.recipes => StepInput::Recipes,
+            (None, None) => StepInput::Pixels,
+        }
+    }
+
     /// Records one step into a new graph (nothing runs).
     fn capture(&mut self, key: GraphKey) -> Result<StepGraph> {
         let be = &self.be;
         let n = key.samples;
         let [h, w, c] = self.network.spec().input;
-        let (bytes, labels) = match self.network.spec().tokens {
-            Some(tokens) => (n * tokens.length * size_of::<f32>(), n * tokens.length),
-            None if key.recipes => (8 * n, n),
-            None => (n * h * w * c, n),
+        let (bytes, labels) = match self.step_input(key) {
+            StepInput::Pixels => (n * h * w * c, n),
+            StepInput::Recipes => (8 * n, n),
+            StepInput::Tokens { length } => (n * length * size_of::<f32>(), n * length),
+            StepInput::Frames { frames } => (2 * n * frames * h * w * c, 0),
         };
         let input = cuda(be.alloc::<u8>(bytes))?;
-        let labels = cuda(be.alloc::<u32>(labels))?;
+        let labels = cuda(be.alloc::<u32>(labels.max(1)))?;
         let before = cuda(be.begin_capture())?;
         let recorded = self.record_step(key, &input, &labels);
         if recorded.is_err() {
@@ -184,9 +213,18 @@ impl CudaLearner {
         let norm = self.normalization();
         let [h, w, c] = self.network.spec().input;
         cuda(self.network.save_step_buffers(be))?;
-        let images = match (self.network.spec().tokens, &self.resident) {
-            (Some(tokens), _) => cuda(CudaTensor::f32_from_bytes(be, input, &[n, tokens.length]))?,
-            (None, Some(set)) if key.recipes => {
+        let mut frame_targets = None;
+        let images = match (self.step_input(key), &self.resident) {
+            (StepInput::Tokens { length }, _) => {
+                cuda(CudaTensor::f32_from_bytes(be, input, &[n, length]))?
+            }
+            (StepInput::Frames { frames }, _) => {
+                let len = n * frames * h * w * c;
+                frame_targets = Some(input.slice.slice(len..2 * len));
+                let inputs = input.slice.slice(..len);
+                cuda(ops::normalize_u8(be, &inputs, &[n * frames, h, w, c], norm))?
+            }
+            (StepInput::Recipes, Some(set)) => {
                 // SAFETY: `input` holds 8 bytes a sample (capture sized it)
                 // and device allocations are aligned far beyond 4 bytes.
                 let words = unsafe { input.slice.transmute::<u32>(2 * n) }.ok_or_else(|| {
@@ -194,7 +232,7 @@ impl CudaLearner {
                 })?;
                 cuda(set.gather(be, &words, n, norm))?
             }
-            (None, _) => cuda(ops::normalize_u8(
+            (StepInput::Recipes | StepInput::Pixels, _) => cuda(ops::normalize_u8(
                 be,
                 &input.slice.as_view(),
                 &[n, h, w, c],
@@ -206,7 +244,10 @@ impl CudaLearner {
             share: 1.0,
         };
         let logits = cuda(self.network.forward_train(be, &images))?;
-        let xent = training_loss(be, &self.settings, &logits, labels, scale)?;
+        let xent = match &frame_targets {
+            Some(targets) => cuda(ops::pixel_mse(be, &logits, targets, scale))?,
+            None => training_loss(be, &self.settings, &logits, labels, scale)?,
+        };
         drop(logits);
         cuda(xent.summary_into(
             be,
@@ -217,36 +258,62 @@ impl CudaLearner {
         self.finish_on_device()
     }
 
+    /// What `replay` stages for `batch`: its input bytes and labels, laid
+    /// out as the captured step reads them.
+    fn replay_input<'b>(
+        &self,
+        key: GraphKey,
+        batch: &'b Batch,
+    ) -> Result<Staged<'b>> {
+        let labels = Cow::Borrowed(batch.labels.as_slice());
+        Ok(
+            match (self.step_input(key), &batch.recipes, &self.resident) {
+                (StepInput::Tokens { .. }, _, _) => {
+                    let tokens = self.network.spec().tokens.ok_or_else(|| {
+                        PipelineError::value("model.tokens", "a token step without token input")
+                    })?;
+                    let (ids, targets) = batch.next_token_pairs();
+                    let ids = tokens.id_values(&ids)?;
+                    let bytes = ids.iter().flat_map(|v| v.to_ne_bytes()).collect();
+                    (Cow::Owned(bytes), Cow::Owned(targets))
+                }
+                (StepInput::Frames { frames }, _, _) => {
+                    let (mut inputs, targets) = batch.next_frame_pairs(frames);
+                    inputs.extend_from_slice(&targets);
+                    (Cow::Owned(inputs), Cow::Owned(Vec::new()))
+                }
+                (StepInput::Recipes, Some(recipes), Some(set)) => {
+                    let packed: Vec<[u32; 2]> = recipes.iter().map(SampleRecipe::packed).collect();
+                    (
+                        Cow::Owned(cuda(set.recipe_bytes(&packed, &batch.labels))?),
+                        labels,
+                    )
+                }
+                _ => (Cow::Borrowed(batch.pixels.as_slice()), labels),
+            },
+        )
+    }
+
     /// Stages `batch` into the graph's input and launches the graph (the
     /// schedule is set already).
     fn replay(&mut self, batch: &Batch) -> Result<()> {
-        self.ensure_staging(batch.len())?;
-        let classes = self.network.num_classes();
-        let tokens = self.network.spec().tokens;
+        let key = self
+            .graphs
+            .step
+            .as_ref()
+            .map(|g| g.key)
+            .ok_or_else(|| PipelineError::value("device.graphs", "no captured step"))?;
+        let staged_samples = match self.step_input(key) {
+            StepInput::Frames { frames } => batch.len() * frames,
+            _ => batch.len(),
+        };
+        self.ensure_staging(staged_samples)?;
+        let (bytes, labels) = self.replay_input(key, batch)?;
+        let classes = self.network.num_classes().max(1);
         let Some(graph) = self.graphs.step.as_mut() else {
             return Err(PipelineError::value("device.graphs", "no captured step"));
         };
         let be = &self.be;
-        let (bytes, labels) = match (tokens, &batch.recipes, &self.resident) {
-            (Some(tokens), _, _) => {
-                let (ids, targets) = batch.next_token_pairs();
-                let ids: Vec<u8> = tokens
-                    .id_values(&ids)?
-                    .iter()
-                    .flat_map(|v| v.to_ne_bytes())
-                    .collect();
-                (Cow::Owned(ids), Cow::Owned(targets))
-            }
-            (None, Some(recipes), Some(set)) => {
-                let packed: Vec<[u32; 2]> = recipes.iter().map(SampleRecipe::packed).collect();
-                let words = cuda(set.recipe_bytes(&packed, &batch.labels))?;
-                (Cow::Owned(words), Cow::Borrowed(batch.labels.as_slice()))
-            }
-            _ => (
-                Cow::Borrowed(batch.pixels.as_slice()),
-                Cow::Borrowed(batch.labels.as_slice()),
-            ),
-        };
         cuda(self.staging.stage_into(
             be,
             &bytes,
@@ -264,4 +331,3 @@ impl CudaLearner {
         Ok(())
     }
 }
-
