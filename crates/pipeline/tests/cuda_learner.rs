@@ -556,14 +556,16 @@ layers = [
 ]
 "#;
 
-/// `n` text windows of 9 ids below 32 (8 inputs, each one's next id).
-fn token_batch(index: usize, n: usize) -> Batch {
+/// `n` samples of `shape` (per sample) of pseudo-random bytes below
+/// `below`, without labels: text windows or frame sequences.
+fn sequence_batch(index: usize, n: usize, shape: [usize; 3], below: usize) -> Batch {
+    let len = shape.iter().product::<usize>();
     Batch {
         epoch: 0,
         index,
-        shape: [n, 9, 1, 1],
-        pixels: (0..n * 9)
-            .map(|i| ((((i * 2_654_435_761) >> 7) ^ (index * 131)) % 32) as u8)
+        shape: [n, shape[0], shape[1], shape[2]],
+        pixels: (0..n * len)
+            .map(|i| ((((i * 2_654_435_761) >> 7) ^ (index * 131)) % below) as u8)
             .collect(),
         labels: vec![0; n],
         soft_targets: None,
@@ -571,23 +573,46 @@ fn token_batch(index: usize, n: usize) -> Batch {
     }
 }
 
-/// A token model's steps, with a smaller batch (eager) between replays.
-fn token_workout(model: &str, graphs: bool) -> (Vec<u32>, Vec<u32>, u64) {
+/// Six steps of `model` at micro-batch `full`, step 4 one sample short
+/// (eager): the state's bits, each step's loss, count and norm, and how
+/// many steps were graph replays.
+fn sequence_workout(
+    model: &str,
+    full: usize,
+    batch: impl Fn(usize, usize) -> Batch,
+    graphs: bool,
+) -> (Vec<u32>, Vec<u32>, u64) {
     let spec: ModelSpec = toml::from_str(model).unwrap();
     let be = CudaBackend::new(0).unwrap();
     let options = CudaOptions {
         graphs,
         ..CudaOptions::default()
     };
-    let mut gpu = CudaLearner::new(be, &spec, 23, settings(), 8, options).unwrap();
+    let mut gpu = CudaLearner::new(be, &spec, 23, settings(), full, options).unwrap();
     let mut results = Vec::new();
     for i in 0..6 {
-        let b = token_batch(i, if i == 4 { 5 } else { 8 });
-        let r = gpu.train_batch(&b, 1e-3 * (1.0 + i as f32)).unwrap();
+        let r = gpu
+            .train_batch(
+                &batch(i, if i == 4 { full - 1 } else { full }),
+                1e-3 * (1.0 + i as f32),
+            )
+            .unwrap();
         results.extend([r.loss.to_bits(), r.correct as u32]);
         results.push(r.grad_norm.map_or(u32::MAX, f32::to_bits));
     }
     (bits(&gpu.snapshot().unwrap()), results, gpu.graph_replays())
+}
+
+/// Captured and launched runs of `sequence_workout` give the same bits.
+/// Step 0 warms up, 1 captures and replays, 2 and 3 replay, 4 (a sample
+/// short) runs eagerly, 5 replays.
+fn assert_captured_like_launched(model: &str, full: usize, batch: impl Fn(usize, usize) -> Batch) {
+    let (eager_state, eager_results, eager_replays) = sequence_workout(model, full, &batch, false);
+    let (graph_state, graph_results, graph_replays) = sequence_workout(model, full, &batch, true);
+    assert_eq!(eager_replays, 0, "device.graphs = false never replays");
+    assert_eq!(graph_replays, 4, "replays of {model}");
+    assert_eq!(graph_results, eager_results, "losses, counts and norms");
+    assert_eq!(graph_state, eager_state, "weights and moments");
 }
 
 /// A token model's captured step (a transformer with dropout, an LSTM)
@@ -597,14 +622,8 @@ fn token_workout(model: &str, graphs: bool) -> (Vec<u32>, Vec<u32>, u64) {
 fn captured_token_steps_train_to_the_bits_of_launched_ones() {
     let Some(_gpu) = backend() else { return };
     for model in [TOKEN_MODEL, LSTM_MODEL] {
-        let (eager_state, eager_results, eager_replays) = token_workout(model, false);
-        let (graph_state, graph_results, graph_replays) = token_workout(model, true);
-        assert_eq!(eager_replays, 0, "device.graphs = false never replays");
-        // Step 0 warms up, 1 captures and replays, 2 and 3 replay, 4 (5
-        // samples) runs eagerly, 5 replays.
-        assert_eq!(graph_replays, 4, "replays of {model}");
-        assert_eq!(graph_results, eager_results, "losses, counts and norms");
-        assert_eq!(graph_state, eager_state, "weights and moments");
+        // Windows of 9 ids below the vocabulary of 32.
+        assert_captured_like_launched(model, 8, |i, n| sequence_batch(i, n, [9, 1, 1], 32));
     }
 }
 
@@ -623,53 +642,15 @@ layers = [
 ]
 "#;
 
-/// `n` sequences of 4 frames of 8×8 (3 inputs, each one's successor),
-/// stacked along the height.
-fn frame_batch(index: usize, n: usize) -> Batch {
-    Batch {
-        epoch: 0,
-        index,
-        shape: [n, 32, 8, 1],
-        pixels: (0..n * 256)
-            .map(|i| (((i * 2_654_435_761) >> 7) ^ (index * 131)) as u8)
-            .collect(),
-        labels: vec![0; n],
-        soft_targets: None,
-        recipes: None,
-    }
-}
-
-/// A frame model's steps, with a smaller batch (eager) between replays.
-fn frame_workout(graphs: bool) -> (Vec<u32>, Vec<u32>, u64) {
-    let spec: ModelSpec = toml::from_str(FRAME_MODEL).unwrap();
-    let be = CudaBackend::new(0).unwrap();
-    let options = CudaOptions {
-        graphs,
-        ..CudaOptions::default()
-    };
-    let mut gpu = CudaLearner::new(be, &spec, 23, settings(), 4, options).unwrap();
-    let mut results = Vec::new();
-    for i in 0..6 {
-        let b = frame_batch(i, if i == 4 { 3 } else { 4 });
-        let r = gpu.train_batch(&b, 1e-3 * (1.0 + i as f32)).unwrap();
-        results.push(r.loss.to_bits());
-        results.push(r.grad_norm.map_or(u32::MAX, f32::to_bits));
-    }
-    (bits(&gpu.snapshot().unwrap()), results, gpu.graph_replays())
-}
-
 /// A frame model's captured step reads its input frames and then its
 /// target frames from the graph's one input buffer, and trains to the bits
 /// of launched steps.
 #[test]
 fn captured_frame_steps_train_to_the_bits_of_launched_ones() {
     let Some(_gpu) = backend() else { return };
-    let (eager_state, eager_results, eager_replays) = frame_workout(false);
-    let (graph_state, graph_results, graph_replays) = frame_workout(true);
-    assert_eq!(eager_replays, 0, "device.graphs = false never replays");
-    assert_eq!(graph_replays, 4, "replays");
-    assert_eq!(graph_results, eager_results, "losses and norms");
-    assert_eq!(graph_state, eager_state, "weights and moments");
+    // 4 frames of 8×8 stacked along the height: 3 inputs, each one's
+    // successor.
+    assert_captured_like_launched(FRAME_MODEL, 4, |i, n| sequence_batch(i, n, [32, 8, 1], 256));
 }
 
 /// The learning rate of the i-th applied step: different at every step, so

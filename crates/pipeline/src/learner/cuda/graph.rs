@@ -260,11 +260,7 @@ impl CudaLearner {
 
     /// What `replay` stages for `batch`: its input bytes and labels, laid
     /// out as the captured step reads them.
-    fn replay_input<'b>(
-        &self,
-        key: GraphKey,
-        batch: &'b Batch,
-    ) -> Result<Staged<'b>> {
+    fn replay_input<'b>(&self, key: GraphKey, batch: &'b Batch) -> Result<Staged<'b>> {
         let labels = Cow::Borrowed(batch.labels.as_slice());
         Ok(
             match (self.step_input(key), &batch.recipes, &self.resident) {
