@@ -34,6 +34,7 @@ use headroom_loader::{Batch, SampleRecipe};
 use std::borrow::Cow;
 
 use headroom_model::cuda::{ops, CapturedGraph, CudaTensor, DeviceBuffer};
+use headroom_model::TokenInput;
 
 use super::{cuda, training_loss, CudaLearner};
 use crate::{PipelineError, Result};
@@ -57,7 +58,7 @@ enum StepInput {
     /// Recipe words (8 bytes a sample) for the data held on the device.
     Recipes,
     /// A token model's ids as f32 [n, length], and a label a token.
-    Tokens { length: usize },
+    Tokens(TokenInput),
     /// A frame model's input frames [n·frames, h, w, c] as u8, then its
     /// target frames (as many bytes again); no labels.
     Frames { frames: usize },
@@ -160,9 +161,7 @@ impl CudaLearner {
     fn step_input(&self, key: GraphKey) -> StepInput {
         let spec = self.network.spec();
         match (spec.tokens, spec.frames) {
-            (Some(tokens), _) => StepInput::Tokens {
-                length: tokens.length,
-            },
+            (Some(tokens), _) => StepInput::Tokens(tokens),
             (None, Some(frames)) => StepInput::Frames { frames },
             (None, None) if key.recipes => StepInput::Recipes,
             (None, None) => StepInput::Pixels,
@@ -177,7 +176,10 @@ impl CudaLearner {
         let (bytes, labels) = match self.step_input(key) {
             StepInput::Pixels => (n * h * w * c, n),
             StepInput::Recipes => (8 * n, n),
-            StepInput::Tokens { length } => (n * length * size_of::<f32>(), n * length),
+            StepInput::Tokens(tokens) => {
+                let ids = n * tokens.length;
+                (ids * size_of::<f32>(), ids)
+            }
             StepInput::Frames { frames } => (2 * n * frames * h * w * c, 0),
         };
         let input = cuda(be.alloc::<u8>(bytes))?;
@@ -215,8 +217,8 @@ impl CudaLearner {
         cuda(self.network.save_step_buffers(be))?;
         let mut frame_targets = None;
         let images = match (self.step_input(key), &self.resident) {
-            (StepInput::Tokens { length }, _) => {
-                cuda(CudaTensor::f32_from_bytes(be, input, &[n, length]))?
+            (StepInput::Tokens(tokens), _) => {
+                cuda(CudaTensor::f32_from_bytes(be, input, &[n, tokens.length]))?
             }
             (StepInput::Frames { frames }, _) => {
                 let len = n * frames * h * w * c;
@@ -264,10 +266,7 @@ impl CudaLearner {
         let labels = Cow::Borrowed(batch.labels.as_slice());
         Ok(
             match (self.step_input(key), &batch.recipes, &self.resident) {
-                (StepInput::Tokens { .. }, _, _) => {
-                    let tokens = self.network.spec().tokens.ok_or_else(|| {
-                        PipelineError::value("model.tokens", "a token step without token input")
-                    })?;
+                (StepInput::Tokens(tokens), _, _) => {
                     let (ids, targets) = batch.next_token_pairs();
                     let ids = tokens.id_values(&ids)?;
                     let bytes = ids.iter().flat_map(|v| v.to_ne_bytes()).collect();
