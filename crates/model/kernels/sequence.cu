@@ -9,7 +9,11 @@
 //                          a poison the loss reports, never a stray read)
 //   embedding_grad_table   dtable[v, c] += Σ g[r, c] over the rows r whose
 //                          id is v, in row order (the CPU layer's order),
-//                          a thread per (v, c) reading every id: no atomics
+//                          no atomics: a warp per (v, 32 columns) reads the
+//                          ids 32 at a time, ballots the rows whose id is v
+//                          and adds just those, lowest row first. The ids
+//                          are read V·⌈D/32⌉ times, 32 lanes a load; each
+//                          row of g once, by the warps of its own id
 //   embedding_grad_positions  dpos[t, c] += Σ_n g[n·T + t, c], in n order
 //
 // Attention reads q, k and v where the qkv projection wrote them, [N·T, 3C]
@@ -103,17 +107,27 @@ __device__ void embedding_forward_k(EmbedParams p, const float* __restrict__ ids
 template <typename T>
 __device__ void embedding_grad_table_k(EmbedParams p, const float* __restrict__ ids,
                                        const T* __restrict__ g, float* __restrict__ dtable) {
-    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < p.vocab * p.dim;
-         i += gridDim.x * blockDim.x) {
-        const int v = (int)(i / p.dim);
-        const u32 col = i - (u32)v * p.dim;
-        float acc = dtable[i];
-        for (u32 r = 0; r < p.rows; ++r) {
-            if (token_id(ids[r], p.vocab) == v) {
-                acc += hr_ld(g[r * p.dim + col]);
+    const u32 lane = threadIdx.x;
+    const u32 col_tiles = (p.dim + 31u) / 32u;
+    const u32 warps = p.vocab * col_tiles;
+    for (u32 w = blockIdx.x * blockDim.y + threadIdx.y; w < warps; w += gridDim.x * blockDim.y) {
+        const int v = (int)(w / col_tiles);
+        const u32 col = (w - (u32)v * col_tiles) * 32u + lane;
+        const bool owns_col = col < p.dim;
+        float acc = owns_col ? dtable[(u32)v * p.dim + col] : 0.0f;
+        for (u32 r0 = 0; r0 < p.rows; r0 += 32u) {
+            const u32 r = r0 + lane;
+            const bool hit = r < p.rows && token_id(ids[r], p.vocab) == v;
+            for (u32 mask = __ballot_sync(0xffffffffu, hit); mask != 0u; mask &= mask - 1u) {
+                const u32 row = r0 + (u32)(__ffs((int)mask) - 1);
+                if (owns_col) {
+                    acc += hr_ld(g[row * p.dim + col]);
+                }
             }
         }
-        dtable[i] = acc;
+        if (owns_col) {
+            dtable[(u32)v * p.dim + col] = acc;
+        }
     }
 }
 

@@ -122,10 +122,10 @@ pub fn embedding_backward(
         let mut b = stream.launch_builder(&f);
         b.arg(&p).arg(ids).arg(g).arg(dtable);
         // SAFETY: embedding_grad_table_T(EmbedParams, const float* ids
-        // [rows], const T* g [rows, dim], float* dtable [vocab, dim]);
-        // grid-stride over vocab·dim, each element read and written by one
-        // thread.
-        unsafe { b.launch(elementwise(shape.vocab * shape.dim)) }.during("embedding_grad_table")?;
+        // [rows], const T* g [rows, dim], float* dtable [vocab, dim]) with
+        // the whole warps of block (32, 4) its ballot needs; warp-stride
+        // over (id, 32 columns), each element read and written by one lane.
+        unsafe { b.launch(warp_per_id_tile(shape)) }.during("embedding_grad_table")?;
     }
     if let Some(dpos) = positions_grad {
         same_len(
@@ -143,6 +143,17 @@ pub fn embedding_backward(
             .during("embedding_grad_positions")?;
     }
     Ok(())
+}
+
+/// A warp per (id, 32 columns) of the table, four warps a block.
+fn warp_per_id_tile(s: EmbeddingShape) -> LaunchConfig {
+    const WARPS_PER_BLOCK: usize = 4;
+    let warps = s.vocab * s.dim.div_ceil(32);
+    LaunchConfig {
+        grid_dim: (warps.div_ceil(WARPS_PER_BLOCK).clamp(1, 65_535) as u32, 1, 1),
+        block_dim: (32, WARPS_PER_BLOCK as u32, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// What attention's backward needs besides q, k, v (the qkv projection's
