@@ -21,9 +21,10 @@
 
 use rayon::prelude::*;
 
-use super::activation::{gather_rows, par_rows};
+use super::activation::gather_rows;
 use super::lora::product;
-use super::matmul::{matmul, View};
+use super::matmul::View;
+use super::panel_product::RecurrentWeights;
 use super::vector_math;
 use crate::init::InitRng;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
@@ -146,15 +147,6 @@ fn uniform_weights(rng: &mut InitRng, hidden: usize, len: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Rows of step `t` in a [N, T, width] tensor, as a matrix view.
-fn step_view(data: &[f32], t: usize, steps: usize, width: usize) -> View<'_> {
-    View {
-        data: &data[t * width..],
-        row_stride: steps * width,
-        col_stride: 1,
-    }
-}
-
 /// Samples per task of the time loop. Samples are independent through
 /// time, so each task runs its own through every step: the T sequential
 /// steps need no synchronisation between threads.
@@ -171,23 +163,15 @@ fn forward_through_time(
     hs: &mut [f32],
     rec: &mut [f32],
     steps: usize,
-    wh: View,
+    wh: &RecurrentWeights,
 ) {
-    let g4 = wh.row_stride;
+    let g4 = wh.cols();
     let h = g4 / 4;
     let samples = rec.len() / g4;
     let zeros = vec![0.0; h];
     for t in 0..steps {
         if t > 0 {
-            matmul(
-                rec,
-                samples,
-                g4,
-                h,
-                step_view(hs, t - 1, steps, h),
-                wh,
-                false,
-            );
+            wh.product(rec, samples, &hs[(t - 1) * h..], steps * h);
         }
         let rec = (t > 0).then_some(&*rec);
         let block = Block { steps, h, t };
@@ -261,9 +245,9 @@ fn backward_through_time(
     dh: &mut [f32],
     dc: &mut [f32],
     steps: usize,
-    wh_t: View,
+    wh_t: &RecurrentWeights,
 ) {
-    let h = wh_t.row_stride;
+    let h = wh_t.cols();
     let g4 = 4 * h;
     let samples = dh.len() / h;
     let zeros = vec![0.0; h];
@@ -275,15 +259,7 @@ fn backward_through_time(
         );
         // dh_{t−1} = d_pre_t·Whᵀ, read from the rows just written.
         if t > 0 {
-            matmul(
-                dh,
-                samples,
-                h,
-                g4,
-                step_view(d_pre, t, steps, g4),
-                wh_t,
-                false,
-            );
+            wh_t.product(dh, samples, &d_pre[t * g4..], steps * g4);
         }
     }
 }
@@ -425,7 +401,7 @@ impl Layer for Lstm {
         let mut hs = Tensor::try_zeros(&[n, steps, h])?;
         let mut cells = Tensor::try_zeros(&[n, steps, h])?;
         let mut recurrent = Tensor::try_zeros(&[n, g4])?;
-        let wh = View::rm(self.wh.value.data(), g4);
+        let wh = RecurrentWeights::new(View::rm(self.wh.value.data(), g4), h, g4)?;
         let per_task = samples_per_task(n);
         let (gate_data, cell_data, h_data) = (
             gates.try_data_mut()?,
@@ -438,7 +414,7 @@ impl Layer for Lstm {
             .zip(h_data.par_chunks_mut(per_task * steps * h))
             .zip(recurrent.try_data_mut()?.par_chunks_mut(per_task * g4))
             .for_each(|(((gates, cells), hs), rec)| {
-                forward_through_time(gates, cells, hs, rec, steps, wh);
+                forward_through_time(gates, cells, hs, rec, steps, &wh);
             });
         if mode == Mode::Train {
             self.saved = Some(Saved {
@@ -465,18 +441,8 @@ impl Layer for Lstm {
         let mut d_pre = Tensor::try_zeros(&[n, steps, g4])?;
         let mut dh_next = Tensor::try_zeros(&[n, h])?;
         let mut dc_next = Tensor::try_zeros(&[n, h])?;
-        // Whᵀ as a row-major copy, made once: read through strides, the
-        // gemm crate would repack all of Wh at each of the T steps.
-        let wh_data = self.wh.value.data();
-        // SAFETY: row j gets Wh's column j, all h values.
-        let wh_transposed = unsafe {
-            par_rows(&[g4, h], h, |j, out| {
-                for (k, o) in out.iter_mut().enumerate() {
-                    o.write(wh_data[k * g4 + j]);
-                }
-            })?
-        };
-        let wh_t = View::rm(wh_transposed.data(), h);
+        // Whᵀ [4H, H], packed or copied row-major once for the T steps.
+        let wh_t = RecurrentWeights::new(View::cm(self.wh.value.data(), g4), g4, h)?;
         let per_task = samples_per_task(n);
         let (seq, carry) = (per_task * steps, per_task * h);
         d_pre
@@ -489,7 +455,7 @@ impl Layer for Lstm {
             .zip(dc_next.try_data_mut()?.par_chunks_mut(carry))
             .for_each(|(((((d_pre, gates), cells), g), dh), dc)| {
                 let saved = SequenceSaved { gates, cells };
-                backward_through_time(saved, g, d_pre, dh, dc, steps, wh_t);
+                backward_through_time(saved, g, d_pre, dh, dc, steps, &wh_t);
             });
         let zeros = vec![0.0; h];
         let d_all = View::rm(d_pre.data(), g4);

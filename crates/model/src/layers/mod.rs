@@ -20,6 +20,7 @@ mod lora;
 mod lstm;
 mod matmul;
 mod norm;
+mod panel_product;
 mod pool;
 mod reshape;
 mod residual;

@@ -150,7 +150,11 @@ fn warp_per_id_tile(s: EmbeddingShape) -> LaunchConfig {
     const WARPS_PER_BLOCK: usize = 4;
     let warps = s.vocab * s.dim.div_ceil(32);
     LaunchConfig {
-        grid_dim: (warps.div_ceil(WARPS_PER_BLOCK).clamp(1, 65_535) as u32, 1, 1),
+        grid_dim: (
+            warps.div_ceil(WARPS_PER_BLOCK).clamp(1, 65_535) as u32,
+            1,
+            1,
+        ),
         block_dim: (32, WARPS_PER_BLOCK as u32, 1),
         shared_mem_bytes: 0,
     }
