@@ -335,6 +335,9 @@ fn resumed_experiment(path: &Path, configs: &[PathBuf], overrides: &Overrides) -
         (dir, Resume::From(path.to_path_buf()))
     };
     let recorded = dir.join(rundir::CONFIG_FILE);
+    if configs.is_empty() && !recorded.is_file() {
+        refuse_unknown_directory(&dir)?;
+    }
     let (experiment, source) = match configs {
         [] if recorded.is_file() => {
             let mut experiment = ExperimentConfig::load_resolved(&recorded, overrides)?;
@@ -362,6 +365,24 @@ fn resumed_experiment(path: &Path, configs: &[PathBuf], overrides: &Overrides) -
         source,
         resume,
     })
+}
+
+/// `--resume DIR` without `--config`, where DIR has no `config.toml`: a
+/// directory with checkpoints (from before runs recorded their config) is
+/// resumed with the default experiment, checked against them; one without
+/// is not a run at all (`--resume runs`, a typo), and training the default
+/// experiment into it would be a surprise, not a resume.
+fn refuse_unknown_directory(dir: &Path) -> Result<()> {
+    if !headroom_pipeline::checkpoint::list(dir)?.is_empty() {
+        return Ok(());
+    }
+    bail!(
+        "--resume {}: not a run directory (no {} and no checkpoint-step*.ckpt in it). \
+         Give a run's directory (runs/NAME-DATE), one of its checkpoints, or \
+         `--config EXPERIMENT --resume` for the newest run of that experiment",
+        dir.display(),
+        rundir::CONFIG_FILE
+    )
 }
 
 /// The switches that map to config keys become overrides; the one that

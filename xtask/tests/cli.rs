@@ -156,6 +156,30 @@ fn killed_run_resumes_from_its_last_checkpoint_and_finishes() {
     assert!(stdout.contains("test accuracy"), "{stdout}");
 }
 
+/// `--resume` of a directory that is not a run (no config.toml, no
+/// checkpoint) is refused, and nothing is written into it.
+#[test]
+fn resuming_a_directory_that_is_no_run_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("notes.txt"), "not a run").unwrap();
+    let out = run(&["train", "--resume", &dir.path().display().to_string()]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("not a run directory") && err.contains("config.toml"),
+        "{err}"
+    );
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        names,
+        ["notes.txt"],
+        "the refused resume wrote into the directory"
+    );
+}
+
 #[test]
 fn negative_size_and_nan_learning_rate_are_named() {
     let out = run(&[
