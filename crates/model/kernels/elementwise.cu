@@ -25,6 +25,14 @@ struct RowsColsParams {
 };
 HR_CHECK_SIZE(RowsColsParams, 8);
 
+struct ColumnSumParams {
+    u32 rows;
+    u32 cols;
+    u32 rows_per_chunk;
+    u32 chunks;
+};
+HR_CHECK_SIZE(ColumnSumParams, 16);
+
 template <typename T>
 __device__ void relu_forward_k(EwParams p, const T* __restrict__ x, T* __restrict__ y) {
     HR_FOR_EACH(i, p.n) { hr_st(&y[i], hr_relu(hr_ld(x[i]))); }
@@ -161,15 +169,24 @@ __device__ void bias_add_k(RowsColsParams p, T* __restrict__ y, const T* __restr
     HR_FOR_EACH(i, n) { hr_st(&y[i], hr_ld(y[i]) + hr_ld(bias[i % p.cols])); }
 }
 
-// grad[c] += sum over r of g[r, c], in a fixed order (deterministic).
-// Block (32, 8): 32 columns by 8 row lanes; grid.x = ceil(cols / 32).
+// Column sums of g [rows, cols] over chunks of rows_per_chunk rows, a
+// block per (32 columns, chunk): with one chunk, out[c] += Σ_r g[r, c];
+// with more, out[chunk, c] = the chunk's sum, and the caller sums those
+// [chunks, cols] partials with this kernel again (f32, one chunk). Before
+// chunks, a block per 32 columns read every row: 4 blocks for 128
+// columns, each looping over rows/8 rows (4096 for 32768 tokens).
+// Block (32, 8): 32 columns by 8 row lanes, added in lane order: the
+// same bits every run.
 template <typename T>
-__device__ void bias_grad_k(RowsColsParams p, const T* __restrict__ g, float* __restrict__ grad) {
+__device__ void bias_grad_k(ColumnSumParams p, const T* __restrict__ g, float* __restrict__ out) {
     __shared__ float partial[8][32];
     const u32 c = blockIdx.x * 32 + threadIdx.x;
+    const u32 chunk = blockIdx.y;
+    const u32 r0 = chunk * p.rows_per_chunk;
+    const u32 r1 = min(r0 + p.rows_per_chunk, p.rows);
     float s = 0.0f;
     if (c < p.cols) {
-        for (u32 r = threadIdx.y; r < p.rows; r += 8) {
+        for (u32 r = r0 + threadIdx.y; r < r1; r += 8) {
             s += hr_ld(g[r * p.cols + c]);
         }
     }
@@ -180,7 +197,11 @@ __device__ void bias_grad_k(RowsColsParams p, const T* __restrict__ g, float* __
         for (int l = 0; l < 8; ++l) {
             total += partial[l][threadIdx.x];
         }
-        grad[c] += total;
+        if (p.chunks == 1) {
+            out[c] += total;
+        } else {
+            out[chunk * p.cols + c] = total;
+        }
     }
 }
 
@@ -287,12 +308,12 @@ extern "C" __global__ void bias_add_f32(RowsColsParams p, float* __restrict__ y,
     bias_add_k(p, y, bias);
 }
 
-extern "C" __global__ void bias_grad_f16(RowsColsParams p, const hr_half* __restrict__ g,
+extern "C" __global__ void bias_grad_f16(ColumnSumParams p, const hr_half* __restrict__ g,
                                          float* __restrict__ grad) {
     bias_grad_k(p, g, grad);
 }
 
-extern "C" __global__ void bias_grad_f32(RowsColsParams p, const float* __restrict__ g,
+extern "C" __global__ void bias_grad_f32(ColumnSumParams p, const float* __restrict__ g,
                                          float* __restrict__ grad) {
     bias_grad_k(p, g, grad);
 }

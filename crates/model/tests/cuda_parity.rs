@@ -3164,6 +3164,45 @@ layers = [
     );
 }
 
+/// Bias gradients over many rows (the tokens of a sequence batch) are
+/// summed by chunks of rows and then the chunks in order: the column sums
+/// of a [1000, 70] gradient (4 chunks, the last part-filled; 3 column
+/// blocks, the last part-filled), in f32 and f16, added to what the
+/// gradient held, the same bits on a second run.
+#[test]
+fn bias_gradients_over_many_rows_sum_by_chunks() {
+    let be = gpu_or_skip!();
+    let (rows, cols) = (1000usize, 70usize);
+    let mut g = Tensor::from_vec(&[rows, cols], random_vec(rows * cols, 81, 1.0)).unwrap();
+    round_f16(&mut g);
+    let start = random_vec(cols, 82, 0.5);
+    let mut expected = start.clone();
+    for row in g.data().chunks_exact(cols) {
+        for (e, &v) in expected.iter_mut().zip(row) {
+            *e += v;
+        }
+    }
+    for dtype in [DType::F32, DType::F16] {
+        let gd = CudaTensor::from_tensor(&be, &g, dtype).unwrap();
+        let runs: Vec<Vec<f32>> = (0..2)
+            .map(|_| {
+                let mut grad = upload_f32(&be, &start);
+                ops::bias_grad(&be, &gd.view(), &mut grad.as_view_mut()).unwrap();
+                download(&be, &grad)
+            })
+            .collect();
+        assert_close(
+            &format!("{dtype:?} bias gradient"),
+            &runs[0],
+            &expected,
+            1e-5,
+            1e-5,
+        );
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&runs[0]), bits(&runs[1]), "{dtype:?}: two runs differ");
+    }
+}
+
 /// The table gradient sums each id's rows in row order, as the CPU layer
 /// does: f32 gradients give the host loop's bits. 40 columns leave the
 /// second 32-column tile part-empty; 3·37 rows end part-way through a

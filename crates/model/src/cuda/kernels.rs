@@ -100,7 +100,7 @@ pub const DROPOUT_COUNTER_RESTORE: KernelSig =
 pub const ADD_INPLACE: KernelPair = pair!("elementwise", "add_inplace", EwParams, 2);
 pub const ADD: KernelPair = pair!("elementwise", "add", EwParams, 3);
 pub const BIAS_ADD: KernelPair = pair!("elementwise", "bias_add", RowsColsParams, 2);
-pub const BIAS_GRAD: KernelPair = pair!("elementwise", "bias_grad", RowsColsParams, 2);
+pub const BIAS_GRAD: KernelPair = pair!("elementwise", "bias_grad", ColumnSumParams, 2);
 
 pub const BN_STATS_PARTIAL: KernelPair = pair!("batchnorm", "bn_stats_partial", BnDims, 3);
 pub const BN_STATS_FINALIZE: KernelSig =

@@ -549,7 +549,9 @@ pub fn bias_add(be: &CudaBackend, y: &mut AnyViewMut<'_>, bias: &AnyView<'_>) ->
     Ok(())
 }
 
-/// grad[c] += Σ_r g[r, c] for g viewed as [rows, cols], cols = grad.len().
+/// grad[c] += Σ_r g[r, c] for g viewed as [rows, cols], cols = grad.len():
+/// per chunk of rows (`bn_chunking`, a rule of the row count alone), then
+/// the chunks' partials in order, so the bits do not vary between runs.
 pub fn bias_grad(
     be: &CudaBackend,
     g: &AnyView<'_>,
@@ -564,20 +566,53 @@ pub fn bias_grad(
         ));
     }
     let rows = g.len() / cols;
-    let p = RowsColsParams {
+    let (rows_per_chunk, chunks) = bn_chunking(rows);
+    if chunks == 1 {
+        return column_sums(be, g, rows, cols, rows_per_chunk, 1, grad);
+    }
+    let mut partials = be.alloc::<f32>(chunks * cols)?;
+    column_sums(
+        be,
+        g,
+        rows,
+        cols,
+        rows_per_chunk,
+        chunks,
+        &mut partials.slice.as_view_mut(),
+    )?;
+    let partials = AnyView::F32(partials.slice.as_view());
+    column_sums(be, &partials, chunks, cols, chunks, 1, grad)
+}
+
+/// One `bias_grad_T` launch: `out` += the column sums (one chunk), or
+/// `out` [chunks, cols] = each chunk's.
+fn column_sums(
+    be: &CudaBackend,
+    g: &AnyView<'_>,
+    rows: usize,
+    cols: usize,
+    rows_per_chunk: usize,
+    chunks: usize,
+    out: &mut CudaViewMut<'_, f32>,
+) -> CudaResult<()> {
+    same_len("bias_grad", "column sums", chunks * cols, out.len())?;
+    let p = ColumnSumParams {
         rows: u32_of("bias_grad", rows)?,
-        cols: cols as u32,
+        cols: u32_of("bias_grad", cols)?,
+        rows_per_chunk: u32_of("bias_grad", rows_per_chunk)?,
+        chunks: u32_of("bias_grad", chunks)?,
     };
     let f = be.function(k::BIAS_GRAD.of(g.dtype()))?;
     let cfg = LaunchConfig {
-        grid_dim: (cols.div_ceil(32) as u32, 1, 1),
+        grid_dim: (cols.div_ceil(32) as u32, chunks as u32, 1),
         block_dim: (32, 8, 1),
         shared_mem_bytes: 0,
     };
     let mut b = be.compute_stream().launch_builder(&f);
-    b.arg(&p).arg(g).arg(grad);
-    // SAFETY: bias_grad_T(RowsColsParams, const T* g, float* grad) with
-    // block (32, 8) as the kernel requires; g holds rows·cols, grad cols.
+    b.arg(&p).arg(g).arg(out);
+    // SAFETY: bias_grad_T(ColumnSumParams, const T* g [rows, cols], float*
+    // out [chunks, cols]) with block (32, 8) and grid (⌈cols/32⌉, chunks),
+    // as its shared array and chunk index require; lengths checked above.
     unsafe { b.launch(cfg) }.during("bias_grad")?;
     Ok(())
 }

@@ -37,8 +37,10 @@ kernel_params! {
     EwParams(4) { n: u32 }
     /// elementwise.cu: dropout_apply, dropout_count, dropout_counter_restore.
     DropoutParams(24) { n: u32, p: f32, scale: f32, seed_lo: u32, seed_hi: u32, previous: u32 }
-    /// elementwise.cu: bias_add, bias_grad.
+    /// elementwise.cu: bias_add.
     RowsColsParams(8) { rows: u32, cols: u32 }
+    /// elementwise.cu: bias_grad, by chunks of rows.
+    ColumnSumParams(16) { rows: u32, cols: u32, rows_per_chunk: u32, chunks: u32 }
     /// unet.cu: upsample2x_forward, upsample2x_backward (the input's size).
     UpsampleParams(16) { n: u32, h: u32, w: u32, c: u32 }
     /// unet.cu: channels_concat, channels_split.
