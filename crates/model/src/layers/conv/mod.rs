@@ -647,6 +647,13 @@ fn pad_into(src: &[f32], h: usize, w: usize, c: usize, p: usize, dst: &mut [f32]
     }
 }
 
+/// The direct kernels' tile engine, for the other layers' small products
+/// against a packed weight (`panel_product`): the same tiles, the same
+/// bits at either vector width.
+pub(super) mod direct_tiles {
+    pub(in crate::layers) use super::direct::{supports, tile_width, tiles, Init, Steps, WIDE};
+}
+
 /// Direct convolution kernels: no im2col matrix, no packing.
 ///
 /// One tile is MR rows × NR columns of a product accumulated in registers
@@ -733,7 +740,7 @@ mod direct {
     /// dst + rows[r].1 are inside dst_len, writable, distinct between rows,
     /// and overlap nothing that is read.
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn tiles(
+    pub(in crate::layers) unsafe fn tiles(
         rows: &[(usize, usize)],
         a: &[f32],
         b: &[f32],
