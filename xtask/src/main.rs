@@ -120,7 +120,7 @@ enum Command {
         /// The store to write (Fashion-MNIST; required without --config).
         #[arg(long, required_unless_present = "config")]
         output: Option<PathBuf>,
-        /// A text experiment (data.format = "text"): pack its [text] corpus
+        /// A text experiment (data.format = "text"): pack its `[text]` corpus
         /// where `train` will read it (data.dir), installing the package if
         /// missing and allowed.
         #[arg(long, conflicts_with_all = ["input", "output"])]

@@ -159,7 +159,7 @@ pub enum LayerSpec {
     /// block's input, ReLU. Its width is its input's.
     BasicBlock,
     GlobalAvgPool,
-    /// Over a feature vector [c], or at every position of a sequence [t, c].
+    /// Over a feature vector `[c]`, or at every position of a sequence `[t, c]`.
     Linear {
         out: usize,
         #[serde(default = "default_true")]
@@ -176,7 +176,7 @@ pub enum LayerSpec {
         #[serde(default = "default_eps")]
         eps: f32,
     },
-    /// Token ids [t] -> [t, dim]; needs `model.tokens` (its vocabulary).
+    /// Token ids `[t]` -> `[t, dim]`; needs `model.tokens` (its vocabulary).
     /// `positions` adds a learned position embedding of t rows.
     Embedding {
         dim: usize,
@@ -307,7 +307,7 @@ impl Network {
         &self.spec
     }
 
-    /// Classes scored: the last dimension of the output ([classes], or
+    /// Classes scored: the last dimension of the output (`[classes]`, or
     /// [length, classes] for per-token scores).
     pub fn num_classes(&self) -> usize {
         self.output_shape.last().copied().unwrap_or(0)
@@ -318,7 +318,7 @@ impl Network {
         &self.output_shape
     }
 
-    /// The per-sample input shape: [h, w, c] for pixels, [length] for tokens.
+    /// The per-sample input shape: `[h, w, c]` for pixels, `[length]` for tokens.
     pub fn input_shape(&self) -> Vec<usize> {
         input_shape(&self.spec)
     }

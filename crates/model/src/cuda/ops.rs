@@ -521,7 +521,7 @@ pub fn add(be: &CudaBackend, a: &CudaTensor, b_in: &CudaTensor) -> CudaResult<Cu
     Ok(out)
 }
 
-/// y[r, c] += bias[c] for y viewed as [rows, cols] with cols = bias.len().
+/// `y[r, c] += bias[c]` for y viewed as [rows, cols] with cols = bias.len().
 pub fn bias_add(be: &CudaBackend, y: &mut AnyViewMut<'_>, bias: &AnyView<'_>) -> CudaResult<()> {
     same_dtype("bias_add", y.dtype(), &[bias.dtype()])?;
     let cols = bias.len();
@@ -549,7 +549,7 @@ pub fn bias_add(be: &CudaBackend, y: &mut AnyViewMut<'_>, bias: &AnyView<'_>) ->
     Ok(())
 }
 
-/// grad[c] += Σ_r g[r, c] for g viewed as [rows, cols], cols = grad.len():
+/// `grad[c] += Σ_r g[r, c]` for g viewed as [rows, cols], cols = grad.len():
 /// per chunk of rows (`bn_chunking`, a rule of the row count alone), then
 /// the chunks' partials in order, so the bits do not vary between runs.
 pub fn bias_grad(

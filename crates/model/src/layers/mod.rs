@@ -115,7 +115,7 @@ pub trait Layer: Send {
     fn describe(&self) -> String;
 
     /// Per-sample output shape for a per-sample input shape (NHWC without N,
-    /// or [C] for feature vectors). Errors name the mismatch.
+    /// or `[C]` for feature vectors). Errors name the mismatch.
     fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>>;
 
     /// Multiply-adds per sample of one forward, for the summary and the bench.

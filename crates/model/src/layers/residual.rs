@@ -158,7 +158,7 @@ impl Layer for Residual {
 ///
 /// Saves the block's output (the next layer usually keeps the same buffer)
 /// for the ReLU's mask; the body and the tail save what they need.
-/// Backward: gm = g·[y > 0]; g_in = body.backward(tail.backward(gm)) + gm.
+/// Backward: gm = g·`[y > 0]`; g_in = body.backward(tail.backward(gm)) + gm.
 pub struct FusedResidual {
     body: Vec<Box<dyn Layer>>,
     tail: BatchNorm2d,

@@ -488,7 +488,7 @@ fn lstm_params(n: usize, t: usize, hidden: usize, step: usize) -> CudaResult<Lst
 }
 
 /// Sequences [n·t, C] -> every hidden state [n·t, H] of an LSTM with
-/// weights Wx [C, 4H], Wh [H, 4H] (compute copies) and the f32 bias [4H],
+/// weights Wx `[C, 4H]`, Wh `[H, 4H]` (compute copies) and the f32 bias `[4H]`,
 /// from zero state.
 pub fn lstm_forward(
     be: &CudaBackend,
