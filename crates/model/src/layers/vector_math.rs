@@ -14,6 +14,7 @@
 
 use std::mem::MaybeUninit;
 
+#[cfg(target_arch = "x86_64")]
 use super::conv::{cpu_kernels, CpuKernels};
 
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
