@@ -8,7 +8,9 @@
 //! only h_{t−1}·Wh is sequential. Samples are independent through time,
 //! so each thread takes its own block of samples through all T steps,
 //! forward and backward: the sequential loop never waits on another
-//! thread (a join per step was most of a small model's step).
+//! thread (a join per step was most of a small model's step). Those
+//! per-step products read Wh (Whᵀ backward) packed once per pass
+//! (`panel_product`): the `gemm` crate would repack it at every step.
 //!
 //! Saves for backward: the input and the output (reference-counted handles),
 //! the activated gates [N, T, 4H] and the cell states [N, T, H]. Backward
