@@ -379,6 +379,7 @@ fn print_table(report: &Report) {
             l.samples_per_sec, l.batch, l.workers
         );
     }
+    print_profiles(report);
 }
 
 /// On a GPU the share of the CPU's FMA peak means nothing; peak device
@@ -436,6 +437,11 @@ fn print_gpu_table(report: &Report, device: &str) {
             t.device.as_deref().unwrap_or("?")
         );
     }
+    print_profiles(report);
+}
+
+/// Every profiled row's segments (`--profile`).
+fn print_profiles(report: &Report) {
     for row in report
         .rows
         .iter()
@@ -448,9 +454,12 @@ fn print_gpu_table(report: &Report, device: &str) {
 /// A profiled step's segments, longest first.
 fn print_profile(step: &StepBench) {
     let total: f64 = step.profile.iter().map(|p| p.ms_per_step).sum();
+    let how = match step.device.as_str() {
+        "cpu" => "wall time between layers",
+        _ => "launched one kernel at a time, timed with CUDA events",
+    };
     println!(
-        "\nwhere a step of batch {} goes ({} steps launched one kernel at a time, timed with CUDA events; \
-         {total:.3} ms a step):",
+        "\nwhere a step of batch {} goes ({} steps, {how}; {total:.3} ms a step):",
         step.batch,
         bench::PROFILE_STEPS
     );

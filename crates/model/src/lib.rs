@@ -14,6 +14,7 @@ pub mod layers;
 pub mod loss;
 pub mod memory;
 mod network;
+pub mod profile;
 mod tensor;
 
 pub use device::Device;

@@ -17,6 +17,7 @@ use crate::layers::{
     FusedResidual, Gelu, GlobalAvgPool, LayerNorm, Linear, LoraConfig, LoraLinear, Lstm, PerFrame,
     PerPosition, Relu, Residual, Silu, UnetSkip, Upsample2x,
 };
+use crate::profile::{self, ProfileSegment};
 use crate::{Device, Layer, MemoryPool, Mode, ModelError, Param, PoolStats, Result, Tensor};
 
 /// `model.checkpoint`: which activations a training step recomputes in
@@ -361,7 +362,10 @@ impl Network {
         let mut x = input.clone();
         for i in 0..self.layers.len() {
             match self.layers[i].forward(&x, mode) {
-                Ok(y) => x = y,
+                Ok(y) => {
+                    profile::mark_layer("fwd", self.layers[i].as_ref(), "in", x.shape());
+                    x = y;
+                }
                 Err(e) => {
                     self.clear_saved();
                     if let Some(before) = before {
@@ -383,7 +387,10 @@ impl Network {
         let mut g = grad_logits.clone();
         for i in (0..self.layers.len()).rev() {
             match self.layers[i].backward(&g) {
-                Ok(next) => g = next,
+                Ok(next) => {
+                    profile::mark_layer("bwd", self.layers[i].as_ref(), "out", g.shape());
+                    g = next;
+                }
                 Err(e) => {
                     self.clear_saved();
                     return Err(e);
@@ -391,6 +398,24 @@ impl Network {
             }
         }
         Ok(())
+    }
+
+    /// Starts timing every layer's forward and backward on this thread
+    /// (`profile_mark` adds the caller's own segments, the loss and the
+    /// optimizer), until `profile_finish`.
+    pub fn profile_start(&mut self) {
+        profile::start();
+    }
+
+    /// Ends a segment labelled `label` here, while a profile runs.
+    pub fn profile_mark(&mut self, label: impl FnOnce() -> String) {
+        profile::mark(label);
+    }
+
+    /// The segments since `profile_start` (none if no profile ran), summed
+    /// by label; profiling stops.
+    pub fn profile_finish(&mut self) -> Vec<ProfileSegment> {
+        profile::finish()
     }
 
     /// A copy of the non-trainable state (batch-norm running statistics), to

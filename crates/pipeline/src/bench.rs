@@ -50,9 +50,10 @@ pub struct StepBench {
     /// "winograd"; HEADROOM_CONV_ALGORITHM chooses it).
     #[serde(default)]
     pub conv_algorithm: String,
-    /// Where a GPU step's time goes, from extra steps after the timed ones
-    /// (`--profile`; launched one kernel at a time, so their sum is an eager
-    /// step's time, not a graph replay's). Empty when not asked or on the CPU.
+    /// Where a step's time goes, from extra steps after the timed ones
+    /// (`--profile`). On the GPU they are launched one kernel at a time, so
+    /// the segments sum to an eager step's time, not a graph replay's; on
+    /// the CPU they are wall time between marks. Empty when not asked.
     #[serde(default)]
     pub profile: Vec<ProfileRow>,
 }
@@ -148,7 +149,7 @@ fn run_steps(learner: &mut dyn Learner, batch: &Batch, lr: f32, steps: usize) ->
     Ok(())
 }
 
-/// `PROFILE_STEPS` more steps, timed segment by segment (none on the CPU).
+/// `PROFILE_STEPS` more steps, timed segment by segment.
 fn profile_steps(learner: &mut dyn Learner, batch: &Batch, lr: f32) -> Result<Vec<ProfileRow>> {
     if !learner.profile_start()? {
         return Ok(Vec::new());

@@ -14,8 +14,9 @@ use cudarc::nvrtc::Ptx;
 
 use super::error::{alloc_error, Context};
 use super::kernels::{self, KernelSig, Target};
-use super::profile::{ProfileSegment, Profiler};
+use super::profile::Profiler;
 use super::{libs, CudaError, CudaResult};
+use crate::profile::ProfileSegment;
 
 /// What `CudaBackend::probe` reports about a GPU.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -46,6 +46,7 @@ mod records;
 pub mod staging;
 mod tensor;
 
+pub use crate::profile::ProfileSegment;
 pub use backend::{
     auto_device_kind, blas_workspace_bytes, CudaBackend, DeviceBuffer, DeviceInfo,
     DeviceMemoryStats, Lease,
@@ -55,7 +56,6 @@ pub use graph::CapturedGraph;
 pub use network::{CudaBuildOptions, CudaNetwork};
 pub use ops::Normalization;
 pub use param_group::ParamGroup;
-pub use profile::ProfileSegment;
 pub use records::{Record, StepRecords, MAX_IN_FLIGHT};
 pub use staging::{check_recipes, InputStaging, ResidentImages, StagedBatch};
 pub use tensor::{AnyView, AnyViewMut, CudaBuffer, CudaTensor, DType, MAX_ELEMENTS};

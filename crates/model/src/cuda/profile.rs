@@ -13,16 +13,7 @@ use cudarc::driver::{sys, CudaEvent, CudaStream};
 
 use super::error::Context;
 use super::CudaResult;
-
-/// One labelled segment of a profile, summed over the steps profiled.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ProfileSegment {
-    pub label: String,
-    /// GPU milliseconds between the previous mark and this one, summed.
-    pub ms: f64,
-    /// How many marks carried this label.
-    pub count: u64,
-}
+use crate::profile::{add_segment, ProfileSegment};
 
 #[derive(Default)]
 pub(crate) struct Profiler {
@@ -62,17 +53,7 @@ impl Profiler {
                 continue;
             };
             let ms = f64::from(from.elapsed_ms(to).during("cuEventElapsedTime")?);
-            match segments.iter_mut().find(|s| &s.label == label) {
-                Some(segment) => {
-                    segment.ms += ms;
-                    segment.count += 1;
-                }
-                None => segments.push(ProfileSegment {
-                    label: label.clone(),
-                    ms,
-                    count: 1,
-                }),
-            }
+            add_segment(&mut segments, label.clone(), ms);
         }
         Ok(segments)
     }

@@ -21,6 +21,7 @@
 //!
 //! Eval forward: the inner layers' eval forward; nothing saved.
 
+use crate::profile;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 pub struct Checkpointed {
@@ -71,33 +72,8 @@ impl Checkpointed {
         }
         Ok(x)
     }
-}
 
-impl Layer for Checkpointed {
-    fn describe(&self) -> String {
-        let names: Vec<String> = self.layers.iter().map(|l| l.describe()).collect();
-        format!("checkpoint[{}]", names.join(", "))
-    }
-
-    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
-        let mut shape = input.to_vec();
-        for layer in &self.layers {
-            shape = layer.output_shape(&shape)?;
-        }
-        Ok(shape)
-    }
-
-    fn macs(&self, input: &[usize]) -> Result<u64> {
-        let mut shape = input.to_vec();
-        let mut total = 0;
-        for layer in &self.layers {
-            total += layer.macs(&shape)?;
-            shape = layer.output_shape(&shape)?;
-        }
-        Ok(total)
-    }
-
-    fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
+    fn forward_group(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
         self.saved_input = None;
         match mode {
             Mode::Eval => {
@@ -117,7 +93,7 @@ impl Layer for Checkpointed {
         }
     }
 
-    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+    fn backward_group(&mut self, grad_output: &Tensor) -> Result<Tensor> {
         let input = self
             .saved_input
             .take()
@@ -151,7 +127,41 @@ impl Layer for Checkpointed {
         }
         Ok(g)
     }
+}
 
+impl Layer for Checkpointed {
+    fn describe(&self) -> String {
+        let names: Vec<String> = self.layers.iter().map(|l| l.describe()).collect();
+        format!("checkpoint[{}]", names.join(", "))
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
+        let mut shape = input.to_vec();
+        for layer in &self.layers {
+            shape = layer.output_shape(&shape)?;
+        }
+        Ok(shape)
+    }
+
+    fn macs(&self, input: &[usize]) -> Result<u64> {
+        let mut shape = input.to_vec();
+        let mut total = 0;
+        for layer in &self.layers {
+            total += layer.macs(&shape)?;
+            shape = layer.output_shape(&shape)?;
+        }
+        Ok(total)
+    }
+
+    /// A running profile sees the group whole (its parts' marks paused):
+    /// the recompute in backward would read as a second forward.
+    fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
+        profile::paused(|| self.forward_group(input, mode))
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        profile::paused(|| self.backward_group(grad_output))
+    }
     fn params_mut(&mut self) -> Vec<&mut Param> {
         self.layers
             .iter_mut()

@@ -125,6 +125,12 @@ pub trait Layer: Send {
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor>;
 
+    /// Whether this layer marks a running profile itself, part by part (a
+    /// container): then whoever runs it does not mark it whole.
+    fn marks_its_parts(&self) -> bool {
+        false
+    }
+
     /// Trainable parameters, in a fixed order (checkpoints rely on it).
     fn params_mut(&mut self) -> Vec<&mut Param> {
         Vec::new()

@@ -6,6 +6,7 @@
 
 use super::activation::{par_add_assign, relu_backward};
 use super::BatchNorm2d;
+use crate::profile;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 pub struct Residual {
@@ -90,7 +91,9 @@ impl Layer for Residual {
         self.saved_shape = None;
         let mut y = input.clone();
         for layer in &mut self.body {
-            y = layer.forward(&y, mode)?;
+            let next = layer.forward(&y, mode)?;
+            profile::mark_layer("fwd", layer.as_ref(), "in", y.shape());
+            y = next;
         }
         if y.shape() != input.shape() {
             return Err(ModelError::Shape {
@@ -103,6 +106,7 @@ impl Layer for Residual {
         // it), so the sum is formed in place without a copy (an empty body
         // returns the input itself: then the sum is a copy from the pool).
         par_add_assign(y.try_data_mut()?, input.data());
+        profile::mark(|| format!("fwd residual add in {}", profile::dims(input.shape())));
         if mode == Mode::Train {
             self.saved_shape = Some(input.shape().to_vec());
         }
@@ -117,11 +121,18 @@ impl Layer for Residual {
         grad_output.expect_shape("residual backward", &shape)?;
         let mut g = grad_output.clone();
         for layer in self.body.iter_mut().rev() {
-            g = layer.backward(&g)?;
+            let next = layer.backward(&g)?;
+            profile::mark_layer("bwd", layer.as_ref(), "out", g.shape());
+            g = next;
         }
         g.expect_shape("residual backward (body gradient)", &shape)?;
         par_add_assign(g.try_data_mut()?, grad_output.data());
+        profile::mark(|| format!("bwd residual add out {}", profile::dims(&shape)));
         Ok(g)
+    }
+
+    fn marks_its_parts(&self) -> bool {
+        true
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
@@ -200,9 +211,18 @@ impl Layer for FusedResidual {
         self.saved_output = None;
         let mut z = input.clone();
         for layer in &mut self.body {
-            z = layer.forward(&z, mode)?;
+            let next = layer.forward(&z, mode)?;
+            profile::mark_layer("fwd", layer.as_ref(), "in", z.shape());
+            z = next;
         }
         let y = self.tail.forward_add_relu(&z, input, mode)?;
+        profile::mark(|| {
+            format!(
+                "fwd residual {}+add+relu in {}",
+                self.tail.describe(),
+                profile::dims(z.shape())
+            )
+        });
         if mode == Mode::Train {
             self.saved_output = Some(y.clone());
         }
@@ -218,12 +238,26 @@ impl Layer for FusedResidual {
         let masked = relu_backward(grad_output, &out)?;
         drop(out);
         let mut g = self.tail.backward(&masked)?;
+        profile::mark(|| {
+            format!(
+                "bwd residual {}+add+relu out {}",
+                self.tail.describe(),
+                profile::dims(masked.shape())
+            )
+        });
         for layer in self.body.iter_mut().rev() {
-            g = layer.backward(&g)?;
+            let next = layer.backward(&g)?;
+            profile::mark_layer("bwd", layer.as_ref(), "out", g.shape());
+            g = next;
         }
         g.expect_shape("residual backward (body gradient)", masked.shape())?;
         par_add_assign(g.try_data_mut()?, masked.data());
+        profile::mark(|| format!("bwd residual add out {}", profile::dims(masked.shape())));
         Ok(g)
+    }
+
+    fn marks_its_parts(&self) -> bool {
+        true
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {

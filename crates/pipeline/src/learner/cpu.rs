@@ -21,6 +21,7 @@ use headroom_model::loss::{
     softmax_cross_entropy, LossOutput,
 };
 use headroom_model::memory::{try_scratch, MemoryPool};
+use headroom_model::profile::ProfileSegment;
 use headroom_model::{BuildOptions, Mode, ModelSpec, Network, PoolStats, Tensor, TokenInput};
 use headroom_optim::{clip_grad_norm, grad_norm, AdamW};
 
@@ -140,6 +141,7 @@ impl CpuLearner {
         let (mut loss, mut correct) = (0.0f64, 0usize);
         for part in batch.micro_batches(self.micro_batch) {
             let prepared = self.prepare(&part)?;
+            self.network.profile_mark(|| "input: prepared".into());
             let logits = self.network.forward(&prepared.input, Mode::Train)?;
             let smoothing = self.settings.label_smoothing;
             let mut out = match (&prepared.targets, &prepared.frames) {
@@ -150,6 +152,7 @@ impl CpuLearner {
                 (Some(targets), None) => per_token_loss(&logits, targets, smoothing)?,
             };
             drop(logits);
+            self.network.profile_mark(|| "loss".into());
             if !out.loss.is_finite() {
                 return Ok((f32::NAN, 0));
             }
@@ -211,6 +214,8 @@ impl CpuLearner {
             Some(_) => self.network.zero_grad(),
             None => self.undo_step(&statistics)?,
         }
+        self.network
+            .profile_mark(|| "optimizer: clip, AdamW, zero gradients".into());
         Ok(StepResult {
             loss,
             correct,
@@ -361,6 +366,17 @@ impl Learner for CpuLearner {
 
     fn collect_step(&mut self) -> Result<Option<StepResult>> {
         Ok(self.ready.pop_front())
+    }
+
+    /// Wall time after each layer's forward and backward, the loss and the
+    /// optimizer (steps run one at a time here, as always on the CPU).
+    fn profile_start(&mut self) -> Result<bool> {
+        self.network.profile_start();
+        Ok(true)
+    }
+
+    fn profile_finish(&mut self) -> Result<Vec<ProfileSegment>> {
+        Ok(self.network.profile_finish())
     }
 
     fn steps_in_flight(&self) -> usize {
