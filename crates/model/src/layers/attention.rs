@@ -21,6 +21,7 @@ use rayon::prelude::*;
 
 use super::activation::gather_rows;
 use super::matmul::{matmul, View};
+use crate::profile;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 pub struct CausalSelfAttention {
@@ -236,6 +237,7 @@ impl Layer for CausalSelfAttention {
         let (h, d) = (self.heads, self.head_dim());
         let rows = input.clone().reshape(&[n * t, self.width])?;
         let qkv = self.qkv.forward(&rows, mode)?;
+        profile::mark_layer("fwd", self.qkv.as_ref(), "in", rows.shape());
         qkv.expect_shape("causal_self_attention qkv", &[n * t, 3 * self.width])?;
         let [q, k, v] = self.split_heads(&qkv, n, t)?;
         drop(qkv);
@@ -268,7 +270,11 @@ impl Layer for CausalSelfAttention {
         }
         let merged = self.merge_heads(&heads_out, n, t)?;
         drop(heads_out);
+        profile::mark(|| {
+            format!("fwd attention heads {h}x{t}x{t} (split, softmax(q·kᵀ)·v, merge)")
+        });
         let y = self.proj.forward(&merged, mode)?;
+        profile::mark_layer("fwd", self.proj.as_ref(), "in", merged.shape());
         if mode == Mode::Train {
             self.saved = Some(Saved {
                 n,
@@ -292,6 +298,7 @@ impl Layer for CausalSelfAttention {
         let d_merged = self
             .proj
             .backward(&grad_output.clone().reshape(&[n * t, c])?)?;
+        profile::mark_layer("bwd", self.proj.as_ref(), "out", d_merged.shape());
         // dO by head, the layout the per-head products want.
         let d_heads = self.split_merged(&d_merged, n, t)?;
         drop(d_merged);
@@ -324,8 +331,14 @@ impl Layer for CausalSelfAttention {
         drop(saved);
         let d_qkv = self.join_qkv([&dq, &dk, &dv], n, t)?;
         drop((dq, dk, dv));
+        profile::mark(|| format!("bwd attention heads {h}x{t}x{t} (split, dS, dq·dk·dv, join)"));
         let dx = self.qkv.backward(&d_qkv)?;
+        profile::mark_layer("bwd", self.qkv.as_ref(), "out", d_qkv.shape());
         dx.reshape(&[n, t, c])
+    }
+
+    fn marks_its_parts(&self) -> bool {
+        true
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
