@@ -82,6 +82,7 @@ use super::{CudaError, CudaResult};
 use crate::layers::LoraConfig;
 use crate::memory::MemoryPool;
 use crate::network::{arrange, is_block, Group};
+use crate::profile;
 use crate::{Device, LayerSpec, ModelSpec, Network};
 
 /// Where one parameter lives: a range of the decay or the no-decay group.
@@ -1739,7 +1740,7 @@ fn forward_list(
                 list.push(Saved::Shape(shape.clone()));
             }
             current = current.flattened(be)?;
-            be.profile_mark(|| format!("fwd flatten in {}", dims_of(&shape)))?;
+            be.profile_mark(|| format!("fwd flatten in {}", profile::dims(&shape)))?;
             continue;
         }
         let (y, keep) = forward_one(be, layer, groups, &current, pass, saved.as_deref_mut())?;
@@ -2092,12 +2093,7 @@ fn backward_list(
 
 /// A tensor's dimensions after the batch, for profile labels: "28x28x32".
 fn dims(t: &CudaTensor) -> String {
-    dims_of(t.shape())
-}
-
-fn dims_of(shape: &[usize]) -> String {
-    let inner: Vec<String> = shape.iter().skip(1).map(usize::to_string).collect();
-    inner.join("x")
+    profile::dims(t.shape())
 }
 
 impl GpuLayer {
