@@ -20,7 +20,9 @@
 use rayon::prelude::*;
 
 use super::activation::gather_rows;
+use super::head_products::{self, TiledHead};
 use super::matmul::{matmul, View};
+use super::vector_math::{self, lane_sum, wide};
 use crate::profile;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
@@ -58,52 +60,116 @@ impl Head<'_> {
         1.0 / (self.d as f32).sqrt()
     }
 
+    /// The direct tiles' form of this head, where they run.
+    fn tiled(&self) -> Option<TiledHead<'_>> {
+        head_products::supported(self.t, self.d).then_some(TiledHead {
+            q: self.q,
+            k: self.k,
+            v: self.v,
+            t: self.t,
+            d: self.d,
+        })
+    }
+
     /// P = causal softmax(q·kᵀ/√d) into `p` [T, T] (zeros above the
     /// diagonal). The forward and the lean backward both call this, so P is
     /// bitwise the same in both.
     fn probabilities(&self, p: &mut [f32]) {
         let (t, d) = (self.t, self.d);
-        matmul(p, t, t, d, View::rm(self.q, d), View::cm(self.k, d), false);
-        let scale = self.scale();
-        for (i, row) in p.chunks_exact_mut(t).enumerate() {
-            let (visible, future) = row.split_at_mut(i + 1);
-            let max = visible
-                .iter()
-                .fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
-            let mut sum = 0.0f32;
-            for s in visible.iter_mut() {
-                *s = (*s * scale - max).exp();
-                sum += *s;
-            }
-            let inv = 1.0 / sum;
-            visible.iter_mut().for_each(|s| *s *= inv);
-            future.fill(0.0);
+        match self.tiled() {
+            Some(head) => head.scores(p),
+            None => matmul(p, t, t, d, View::rm(self.q, d), View::cm(self.k, d), false),
         }
+        causal_softmax(p, t, self.scale());
     }
 
     /// o = P·v into `o` [T, d].
     fn output(&self, p: &[f32], o: &mut [f32]) {
         let (t, d) = (self.t, self.d);
-        matmul(o, t, d, t, View::rm(p, t), View::rm(self.v, d), false);
+        match self.tiled() {
+            Some(head) => head.output(p, o),
+            None => matmul(o, t, d, t, View::rm(p, t), View::rm(self.v, d), false),
+        }
     }
 
     /// dq, dk, dv from dO and P; `dp` is T×T scratch.
     fn backward(&self, p: &[f32], d_out: &[f32], dp: &mut [f32], grads: [&mut [f32]; 3]) {
         let (t, d) = (self.t, self.d);
-        let [dq, dk, dv] = grads;
-        matmul(dp, t, t, d, View::rm(d_out, d), View::cm(self.v, d), false);
-        let scale = self.scale();
-        for (dp_row, p_row) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
-            let dot: f32 = dp_row.iter().zip(p_row).map(|(a, b)| a * b).sum();
-            for (g, &pv) in dp_row.iter_mut().zip(p_row) {
-                *g = pv * (*g - dot) * scale;
-            }
+        let tiled = self.tiled();
+        match &tiled {
+            Some(head) => head.d_probabilities(d_out, dp),
+            None => matmul(dp, t, t, d, View::rm(d_out, d), View::cm(self.v, d), false),
         }
+        d_scores(dp, p, t, self.scale());
         let ds = &*dp;
+        if let Some(head) = tiled {
+            return head.gradients(p, ds, d_out, grads);
+        }
+        let [dq, dk, dv] = grads;
         matmul(dq, t, d, t, View::rm(ds, t), View::rm(self.k, d), false);
         matmul(dk, t, d, t, View::cm(ds, t), View::rm(self.q, d), false);
         matmul(dv, t, d, t, View::cm(p, t), View::rm(d_out, d), false);
     }
+}
+
+/// Rows of S [T, T] -> P: row i is softmax(S[i, ..=i]·scale), the future
+/// zeroed (whatever S held there). Lane-wise max and sum, so the rows
+/// vectorise.
+fn causal_softmax(p: &mut [f32], t: usize, scale: f32) {
+    wide(
+        #[inline(always)]
+        || {
+            for (i, row) in p.chunks_exact_mut(t).enumerate() {
+                let (visible, future) = row.split_at_mut(i + 1);
+                // Rounding is monotonic and scale > 0: the max of the
+                // scaled values is the scaled max.
+                let max = lane_max(visible) * scale;
+                for s in visible.iter_mut() {
+                    *s = vector_math::exp(*s * scale - max);
+                }
+                let inv = 1.0 / lane_sum(visible, visible, |s, _| s);
+                visible.iter_mut().for_each(|s| *s *= inv);
+                future.fill(0.0);
+            }
+        },
+    );
+}
+
+/// dP [T, T] -> dS = P ∘ (dP − rowsum(dP ∘ P))·scale over the visible
+/// columns; the future (where P is 0) zeroed.
+fn d_scores(dp: &mut [f32], p: &[f32], t: usize, scale: f32) {
+    wide(
+        #[inline(always)]
+        || {
+            let rows = dp.chunks_exact_mut(t).zip(p.chunks_exact(t));
+            for (i, (dp_row, p_row)) in rows.enumerate() {
+                let (visible, future) = dp_row.split_at_mut(i + 1);
+                let p_visible = &p_row[..=i];
+                let dot = lane_sum(visible, p_visible, |g, p| g * p);
+                for (g, &pv) in visible.iter_mut().zip(p_visible) {
+                    *g = pv * (*g - dot) * scale;
+                }
+                future.fill(0.0);
+            }
+        },
+    );
+}
+
+/// The largest of `values` (−∞ for none), eight lanes wide.
+#[inline(always)]
+fn lane_max(values: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = values.chunks_exact(8);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+            *lane = lane.max(v);
+        }
+    }
+    lanes
+        .into_iter()
+        .chain(tail.iter().copied())
+        .fold(f32::NEG_INFINITY, f32::max)
 }
 
 /// Head `index` (sample-major, head-minor) of q, k, v [N, heads, T, d].
@@ -420,6 +486,92 @@ mod tests {
         let y2 = attn.forward(&later_changed, Mode::Eval).unwrap();
         assert_eq!(&y.data()[..3 * 4], &y2.data()[..3 * 4]);
         assert_ne!(&y.data()[3 * 4..], &y2.data()[3 * 4..]);
+    }
+
+    /// One head in f64: P, o, dq, dk, dv.
+    fn reference_head(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        d_out: &[f32],
+        t: usize,
+        d: usize,
+    ) -> [Vec<f64>; 5] {
+        let at = |m: &[f32], i: usize, c: usize| m[i * d + c] as f64;
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut p = vec![0.0; t * t];
+        for i in 0..t {
+            let s: Vec<f64> = (0..=i)
+                .map(|j| (0..d).map(|c| at(q, i, c) * at(k, j, c)).sum::<f64>() * scale)
+                .collect();
+            let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let total: f64 = s.iter().map(|x| (x - max).exp()).sum();
+            for j in 0..=i {
+                p[i * t + j] = (s[j] - max).exp() / total;
+            }
+        }
+        let mut o = vec![0.0; t * d];
+        let (mut dq, mut dk, mut dv) = (vec![0.0; t * d], vec![0.0; t * d], vec![0.0; t * d]);
+        for i in 0..t {
+            let dp: Vec<f64> = (0..t)
+                .map(|j| (0..d).map(|c| at(d_out, i, c) * at(v, j, c)).sum())
+                .collect();
+            let dot: f64 = (0..t).map(|j| dp[j] * p[i * t + j]).sum();
+            for j in 0..t {
+                let ds = p[i * t + j] * (dp[j] - dot) * scale;
+                for c in 0..d {
+                    o[i * d + c] += p[i * t + j] * at(v, j, c);
+                    dq[i * d + c] += ds * at(k, j, c);
+                    dk[j * d + c] += ds * at(q, i, c);
+                    dv[j * d + c] += p[i * t + j] * at(d_out, i, c);
+                }
+            }
+        }
+        [p, o, dq, dk, dv]
+    }
+
+    /// Heads the direct tiles take (T and d multiples of 16: 32- and
+    /// 16-column tiles, causal blocks skipped) and one they do not, against
+    /// the f64 reference.
+    #[test]
+    fn heads_match_an_f64_reference_on_the_tiles_and_off_them() {
+        for (t, d) in [(64, 32), (48, 16), (32, 48), (10, 6)] {
+            let [q, k, v, d_out] = [1, 2, 3, 4].map(|seed| random_tensor(&[t, d], seed));
+            let head = Head {
+                q: q.data(),
+                k: k.data(),
+                v: v.data(),
+                t,
+                d,
+            };
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                assert_eq!(head.tiled().is_some(), d != 6, "{t}x{d}");
+            }
+            let mut p = vec![f32::NAN; t * t];
+            head.probabilities(&mut p);
+            let mut o = vec![f32::NAN; t * d];
+            head.output(&p, &mut o);
+            let mut dp = vec![f32::NAN; t * t];
+            let mut grads = [0, 1, 2].map(|_| vec![f32::NAN; t * d]);
+            let [dq, dk, dv] = &mut grads;
+            head.backward(&p, d_out.data(), &mut dp, [dq, dk, dv]);
+            let want = reference_head(q.data(), k.data(), v.data(), d_out.data(), t, d);
+            let got = [&p, &o, &grads[0], &grads[1], &grads[2]];
+            for (name, (got, want)) in ["P", "o", "dq", "dk", "dv"]
+                .iter()
+                .zip(got.iter().zip(&want))
+            {
+                for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
+                    assert!(
+                        (a as f64 - b).abs() <= 2e-5 * (1.0 + b.abs()),
+                        "{t}x{d} {name}[{i}]: {a} against {b}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

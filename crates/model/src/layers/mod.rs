@@ -15,6 +15,7 @@ mod conv;
 mod conv_lstm;
 mod dropout;
 mod embedding;
+mod head_products;
 mod linear;
 mod lora;
 mod lstm;

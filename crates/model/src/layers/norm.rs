@@ -21,15 +21,12 @@ use std::mem::MaybeUninit;
 use rayon::prelude::*;
 
 use super::activation::par_build;
-use super::vector_math::wide;
+use super::vector_math::{lane_sum, wide};
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 /// Rows per parallel task: enough work to amortise scheduling. Fixed (not
 /// the thread count): the tasks' partial dγ and dβ are summed in order.
 const ROWS_PER_TASK: usize = 64;
-
-/// Independent f64 chains of a row's sums.
-const LANES: usize = 8;
 
 pub struct LayerNorm {
     features: usize,
@@ -81,25 +78,6 @@ impl LayerNorm {
         }
         Ok(())
     }
-}
-
-/// Σ term(a[j], b[j]) in f64 over eight lanes, then the lanes and the tail
-/// in order: the same bits whatever width the loop is compiled at.
-#[inline(always)]
-fn lane_sum(a: &[f32], b: &[f32], term: impl Fn(f32, f32) -> f64) -> f64 {
-    let mut lanes = [0.0f64; LANES];
-    let (a8, b8) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let (a_tail, b_tail) = (a8.remainder(), b8.remainder());
-    for (a8, b8) in a8.zip(b8) {
-        for l in 0..LANES {
-            lanes[l] += term(a8[l], b8[l]);
-        }
-    }
-    let mut total = lanes.iter().sum::<f64>();
-    for (&a, &b) in a_tail.iter().zip(b_tail) {
-        total += term(a, b);
-    }
-    total
 }
 
 /// Mean and rstd of one row, accumulated in f64 (rows can be long).

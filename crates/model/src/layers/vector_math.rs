@@ -118,6 +118,32 @@ pub fn zip_into(
     );
 }
 
+/// Independent chains of `lane_sum`.
+const LANES: usize = 8;
+
+/// Σ term(a[j], b[j]) (over the shorter slice) as eight chains, added in
+/// order at the end, then the tail: the loop vectorises (a single chain
+/// would wait on each add) and gives the same bits at any width.
+#[inline(always)]
+pub fn lane_sum<T>(a: &[f32], b: &[f32], term: impl Fn(f32, f32) -> T) -> T
+where
+    T: Copy + Default + std::ops::Add<Output = T>,
+{
+    let mut lanes = [T::default(); LANES];
+    let (a8, b8) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (a_tail, b_tail) = (a8.remainder(), b8.remainder());
+    for (a8, b8) in a8.zip(b8) {
+        for l in 0..LANES {
+            lanes[l] = lanes[l] + term(a8[l], b8[l]);
+        }
+    }
+    let mut total = lanes.into_iter().fold(T::default(), |s, v| s + v);
+    for (&a, &b) in a_tail.iter().zip(b_tail) {
+        total = total + term(a, b);
+    }
+    total
+}
+
 /// Runs `body` compiled for the widest vectors the CPU has (AVX-512F, or
 /// AVX2; `HEADROOM_CPU_KERNELS=avx2` holds it to AVX2), else as it is.
 /// Mark the closure `#[inline(always)]` (and what it calls): a closure

@@ -651,7 +651,9 @@ fn pad_into(src: &[f32], h: usize, w: usize, c: usize, p: usize, dst: &mut [f32]
 /// against a packed weight (`panel_product`): the same tiles, the same
 /// bits at either vector width.
 pub(super) mod direct_tiles {
-    pub(in crate::layers) use super::direct::{supports, tile_width, tiles, Init, Steps, WIDE};
+    pub(in crate::layers) use super::direct::{
+        supports, tile_rows, tile_width, tiles, Init, Steps, WIDE,
+    };
 }
 
 /// Direct convolution kernels: no im2col matrix, no packing.
@@ -731,6 +733,14 @@ mod direct {
         }
     }
 
+    /// The rows of one tile `width` columns wide.
+    pub fn tile_rows(width: usize) -> usize {
+        match width == WIDE {
+            true => MR_WIDE,
+            false => MR,
+        }
+    }
+
     /// Runs tiles over `rows`: row r walks `a` from rows[r].0 and writes 16
     /// floats at dst + rows[r].1 (`dst_len` floats are valid from dst).
     ///
@@ -769,8 +779,21 @@ mod direct {
                 ..*st
             };
             let mut at = 0;
-            let mr = if width == WIDE { MR_WIDE } else { MR };
-            for n in split_rows(rows.len(), mr) {
+            let mr = tile_rows(width);
+            // A block of at most one tile's rows (attention's heads call
+            // per block) is that one tile, without a Vec.
+            let (one, split);
+            let tiles: &[usize] = match (1..=mr).contains(&rows.len()) {
+                true => {
+                    one = [rows.len()];
+                    &one
+                }
+                false => {
+                    split = split_rows(rows.len(), mr);
+                    &split
+                }
+            };
+            for &n in tiles {
                 let t = &rows[at..at + n];
                 at += n;
                 // SAFETY: forwarded from the caller.
