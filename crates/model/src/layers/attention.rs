@@ -4,9 +4,10 @@
 //! y = o·Wproj. The projections are layers of their own (a linear, or a
 //! LoRA linear with the base frozen), applied to the batch as [N·T, C].
 //!
-//! Saves for backward: q, k and v split by head ([N, heads, T, d], contiguous
-//! per head, 3·N·T·C floats), and P ([N, heads, T, T]) unless `lean` is on;
-//! the projections save their own inputs (x, and the concatenated heads).
+//! Saves for backward: the qkv projection's output as it is ([N·T, 3C],
+//! which the heads read in place, rows 3C floats apart), and P
+//! ([N, heads, T, T]) unless `lean` is on; the projections save their own
+//! inputs (x, and the concatenated heads).
 //! With `lean` no T×T matrix outlives its head: backward recomputes each
 //! head's P from q and k with the same function the forward used, so the
 //! gradients are bitwise those of the path that keeps P, for one more
@@ -15,14 +16,17 @@
 //! Backward per head, with dO the gradient of o: dP = dO·vᵀ,
 //! dS = P ∘ (dP − rowsum(dP ∘ P)) / √d, dq = dS·k, dk = dSᵀ·q, dv = Pᵀ·dO.
 //! Heads run in parallel, each with one or two T×T scratch blocks from the
-//! pool.
+//! pool and its outputs in [T, d] blocks of its own, copied into the
+//! concatenated heads (forward) or dqkv (backward): no tensor is split
+//! into heads or merged back.
+
+use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
-use super::activation::gather_rows;
 use super::head_products::{self, TiledHead};
 use super::matmul::{matmul, View};
-use super::vector_math::{self, lane_sum, wide};
+use super::vector_math::{self, lane_max, lane_sum, wide};
 use crate::profile;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
@@ -38,19 +42,19 @@ pub struct CausalSelfAttention {
 struct Saved {
     n: usize,
     t: usize,
-    /// [N, heads, T, d] each.
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    /// [N·T, 3C]: q | k | v, heads side by side.
+    qkv: Tensor,
     /// [N, heads, T, T], unless lean.
     probs: Option<Tensor>,
 }
 
-/// One head's operands, row-major: q, k, v [T, d].
+/// One head's operands read in place: q, k, v [T, d] with rows `stride`
+/// floats apart, each slice from the operand's first element.
 struct Head<'a> {
     q: &'a [f32],
     k: &'a [f32],
     v: &'a [f32],
+    stride: usize,
     t: usize,
     d: usize,
 }
@@ -66,9 +70,28 @@ impl Head<'_> {
             q: self.q,
             k: self.k,
             v: self.v,
+            stride: self.stride,
             t: self.t,
             d: self.d,
         })
+    }
+
+    /// One of the operands as a [T, d] view for the `gemm` crate.
+    fn rows<'b>(&self, m: &'b [f32]) -> View<'b> {
+        View {
+            data: m,
+            row_stride: self.stride,
+            col_stride: 1,
+        }
+    }
+
+    /// Its transpose [d, T].
+    fn columns<'b>(&self, m: &'b [f32]) -> View<'b> {
+        View {
+            data: m,
+            row_stride: 1,
+            col_stride: self.stride,
+        }
     }
 
     /// P = causal softmax(q·kᵀ/√d) into `p` [T, T] (zeros above the
@@ -78,7 +101,7 @@ impl Head<'_> {
         let (t, d) = (self.t, self.d);
         match self.tiled() {
             Some(head) => head.scores(p),
-            None => matmul(p, t, t, d, View::rm(self.q, d), View::cm(self.k, d), false),
+            None => matmul(p, t, t, d, self.rows(self.q), self.columns(self.k), false),
         }
         causal_softmax(p, t, self.scale());
     }
@@ -88,27 +111,65 @@ impl Head<'_> {
         let (t, d) = (self.t, self.d);
         match self.tiled() {
             Some(head) => head.output(p, o),
-            None => matmul(o, t, d, t, View::rm(p, t), View::rm(self.v, d), false),
+            None => matmul(o, t, d, t, View::rm(p, t), self.rows(self.v), false),
         }
     }
 
-    /// dq, dk, dv from dO and P; `dp` is T×T scratch.
-    fn backward(&self, p: &[f32], d_out: &[f32], dp: &mut [f32], grads: [&mut [f32]; 3]) {
+    /// dq, dk, dv [T, d] from P and dO (rows `d_out_stride` apart);
+    /// `dp` is T×T scratch.
+    fn backward(
+        &self,
+        p: &[f32],
+        (d_out, d_out_stride): (&[f32], usize),
+        dp: &mut [f32],
+        grads: [&mut [f32]; 3],
+    ) {
         let (t, d) = (self.t, self.d);
+        let d_out_rows = View {
+            data: d_out,
+            row_stride: d_out_stride,
+            col_stride: 1,
+        };
         let tiled = self.tiled();
         match &tiled {
-            Some(head) => head.d_probabilities(d_out, dp),
-            None => matmul(dp, t, t, d, View::rm(d_out, d), View::cm(self.v, d), false),
+            Some(head) => head.d_probabilities((d_out, d_out_stride), dp),
+            None => matmul(dp, t, t, d, d_out_rows, self.columns(self.v), false),
         }
         d_scores(dp, p, t, self.scale());
         let ds = &*dp;
         if let Some(head) = tiled {
-            return head.gradients(p, ds, d_out, grads);
+            return head.gradients(p, ds, (d_out, d_out_stride), grads);
         }
         let [dq, dk, dv] = grads;
-        matmul(dq, t, d, t, View::rm(ds, t), View::rm(self.k, d), false);
-        matmul(dk, t, d, t, View::cm(ds, t), View::rm(self.q, d), false);
-        matmul(dv, t, d, t, View::cm(p, t), View::rm(d_out, d), false);
+        matmul(dq, t, d, t, View::rm(ds, t), self.rows(self.k), false);
+        matmul(dk, t, d, t, View::cm(ds, t), self.rows(self.q), false);
+        matmul(dv, t, d, t, View::cm(p, t), d_out_rows, false);
+    }
+}
+
+/// Columns a row's vector loops cover: whole chunks of 16.
+const CHUNK: usize = 16;
+
+/// The columns row i works on: its visible ones, padded to whole chunks
+/// (within T), so that no row ends in a scalar loop (row lengths vary
+/// from 1 to T; scalar tails were most of the softmax's time). The
+/// padding is masked, whatever it held.
+fn padded(i: usize, t: usize) -> usize {
+    (i + 1).next_multiple_of(CHUNK).min(t)
+}
+
+/// `row[j] = f(row[j])`, in whole chunks of 16 (one AVX-512 or two AVX2
+/// vectors each), then any tail.
+#[inline(always)]
+fn map_chunked(row: &mut [f32], f: impl Fn(f32) -> f32) {
+    let mut chunks = row.chunks_exact_mut(CHUNK);
+    for chunk in &mut chunks {
+        for v in chunk.iter_mut() {
+            *v = f(*v);
+        }
+    }
+    for v in chunks.into_remainder() {
+        *v = f(*v);
     }
 }
 
@@ -120,74 +181,112 @@ fn causal_softmax(p: &mut [f32], t: usize, scale: f32) {
         #[inline(always)]
         || {
             for (i, row) in p.chunks_exact_mut(t).enumerate() {
-                let (visible, future) = row.split_at_mut(i + 1);
                 // Rounding is monotonic and scale > 0: the max of the
                 // scaled values is the scaled max.
-                let max = lane_max(visible) * scale;
-                for s in visible.iter_mut() {
-                    *s = vector_math::exp(*s * scale - max);
-                }
-                let inv = 1.0 / lane_sum(visible, visible, |s, _| s);
-                visible.iter_mut().for_each(|s| *s *= inv);
-                future.fill(0.0);
+                let max = lane_max(&row[..=i]) * scale;
+                let (work, rest) = row.split_at_mut(padded(i, t));
+                // The padding's values are discarded just after.
+                map_chunked(
+                    work,
+                    #[inline(always)]
+                    |s| vector_math::exp(s * scale - max),
+                );
+                work[i + 1..].fill(0.0);
+                let inv = 1.0
+                    / lane_sum(
+                        work,
+                        work,
+                        #[inline(always)]
+                        |s, _| s,
+                    );
+                map_chunked(
+                    work,
+                    #[inline(always)]
+                    |s| s * inv,
+                );
+                rest.fill(0.0);
             }
         },
     );
 }
 
 /// dP [T, T] -> dS = P ∘ (dP − rowsum(dP ∘ P))·scale over the visible
-/// columns; the future (where P is 0) zeroed.
+/// columns; the future (where P is 0) zeroed, whatever dP held there.
 fn d_scores(dp: &mut [f32], p: &[f32], t: usize, scale: f32) {
     wide(
         #[inline(always)]
         || {
             let rows = dp.chunks_exact_mut(t).zip(p.chunks_exact(t));
             for (i, (dp_row, p_row)) in rows.enumerate() {
-                let (visible, future) = dp_row.split_at_mut(i + 1);
-                let p_visible = &p_row[..=i];
-                let dot = lane_sum(visible, p_visible, |g, p| g * p);
-                for (g, &pv) in visible.iter_mut().zip(p_visible) {
-                    *g = pv * (*g - dot) * scale;
+                dp_row[i + 1..].fill(0.0);
+                let work = &mut dp_row[..padded(i, t)];
+                let p_work = &p_row[..work.len()];
+                let dot = lane_sum(
+                    work,
+                    p_work,
+                    #[inline(always)]
+                    |g, p| g * p,
+                );
+                for (g, &p) in work.iter_mut().zip(p_work) {
+                    *g = p * (*g - dot) * scale;
                 }
-                future.fill(0.0);
             }
         },
     );
 }
 
-/// The largest of `values` (−∞ for none), eight lanes wide.
-#[inline(always)]
-fn lane_max(values: &[f32]) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; 8];
-    let chunks = values.chunks_exact(8);
-    let tail = chunks.remainder();
-    for chunk in chunks {
-        for (lane, &v) in lanes.iter_mut().zip(chunk) {
-            *lane = lane.max(v);
-        }
-    }
-    lanes
-        .into_iter()
-        .chain(tail.iter().copied())
-        .fold(f32::NEG_INFINITY, f32::max)
-}
-
-/// Head `index` (sample-major, head-minor) of q, k, v [N, heads, T, d].
-fn head_at<'a>(
-    q: &'a Tensor,
-    k: &'a Tensor,
-    v: &'a Tensor,
-    index: usize,
-    t: usize,
-    d: usize,
-) -> Head<'a> {
-    let range = index * t * d..(index + 1) * t * d;
+/// Head `index` (sample-major, head-minor) of qkv [N·T, 3C], in place.
+fn head_at(qkv: &[f32], index: usize, heads: usize, t: usize, d: usize) -> Head<'_> {
+    let (sample, head) = (index / heads, index % heads);
+    let c = heads * d;
+    let first = sample * t * 3 * c + head * d;
     Head {
-        q: &q.data()[range.clone()],
-        k: &k.data()[range.clone()],
-        v: &v.data()[range],
+        q: &qkv[first..],
+        k: &qkv[first + c..],
+        v: &qkv[first + 2 * c..],
+        stride: 3 * c,
         t,
         d,
+    }
+}
+
+/// A row-major matrix, `stride` floats a row, that parallel tasks fill in
+/// disjoint blocks (each head its columns of its sample's rows).
+struct SharedRows {
+    data: *mut f32,
+    len: usize,
+    stride: usize,
+}
+
+// SAFETY: tasks write disjoint elements through it (`write_block`'s
+// contract), and the call that made it waits for them all.
+unsafe impl Send for SharedRows {}
+unsafe impl Sync for SharedRows {}
+
+impl SharedRows {
+    fn new(out: &mut [MaybeUninit<f32>], stride: usize) -> Self {
+        Self {
+            data: out.as_mut_ptr().cast(),
+            len: out.len(),
+            stride,
+        }
+    }
+
+    /// Rows `first`.. and columns `col`..`col + width` from `block`
+    /// ([rows × width], contiguous).
+    ///
+    /// # Safety
+    /// No other task reads or writes those elements meanwhile.
+    unsafe fn write_block(&self, first: usize, col: usize, width: usize, block: &[f32]) {
+        assert!(col + width <= self.stride, "write_block: columns");
+        for (r, row) in block.chunks_exact(width.max(1)).enumerate() {
+            let at = (first + r) * self.stride + col;
+            assert!(at + width <= self.len, "write_block: rows");
+            // SAFETY: inside the buffer (asserted); the elements are this
+            // task's alone (our caller's contract), and `block` is a
+            // separate allocation.
+            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), self.data.add(at), width) };
+        }
     }
 }
 
@@ -242,33 +341,6 @@ impl CausalSelfAttention {
             }),
         }
     }
-
-    /// [N·T, 3C] (q | k | v, heads side by side) -> three [N, heads, T, d].
-    fn split_heads(&self, qkv: &Tensor, n: usize, t: usize) -> Result<[Tensor; 3]> {
-        let (c, h, d) = (self.width, self.heads, self.head_dim());
-        let src = qkv.data();
-        let part = |which: usize| {
-            gather_rows(&[n, h, t, d], d, |k| {
-                let (pos, rest) = (k % t, k / t);
-                let (head, sample) = (rest % h, rest / h);
-                let at = (sample * t + pos) * 3 * c + which * c + head * d;
-                &src[at..at + d]
-            })
-        };
-        Ok([part(0)?, part(1)?, part(2)?])
-    }
-
-    /// [N, heads, T, d] -> [N·T, C] with the heads side by side.
-    fn merge_heads(&self, per_head: &Tensor, n: usize, t: usize) -> Result<Tensor> {
-        let (c, h, d) = (self.width, self.heads, self.head_dim());
-        let src = per_head.data();
-        gather_rows(&[n * t, c], d, |k| {
-            let (head, row) = (k % h, k / h);
-            let (sample, pos) = (row / t, row % t);
-            let at = ((sample * h + head) * t + pos) * d;
-            &src[at..at + d]
-        })
-    }
 }
 
 impl Layer for CausalSelfAttention {
@@ -300,58 +372,52 @@ impl Layer for CausalSelfAttention {
     fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
         self.saved = None;
         let (n, t) = self.dims(input.shape())?;
-        let (h, d) = (self.heads, self.head_dim());
-        let rows = input.clone().reshape(&[n * t, self.width])?;
+        let (c, h, d) = (self.width, self.heads, self.head_dim());
+        let rows = input.clone().reshape(&[n * t, c])?;
         let qkv = self.qkv.forward(&rows, mode)?;
         profile::mark_layer("fwd", self.qkv.as_ref(), "in", rows.shape());
-        qkv.expect_shape("causal_self_attention qkv", &[n * t, 3 * self.width])?;
-        let [q, k, v] = self.split_heads(&qkv, n, t)?;
-        drop(qkv);
+        qkv.expect_shape("causal_self_attention qkv", &[n * t, 3 * c])?;
         let keep_probs = mode == Mode::Train && !self.lean;
-        let mut probs = if keep_probs {
-            Some(Tensor::try_zeros(&[n, h, t, t])?)
-        } else {
-            None
+        let mut probs = match keep_probs {
+            true => Some(Tensor::try_zeros(&[n, h, t, t])?),
+            false => None,
         };
-        let mut heads_out = Tensor::try_zeros(&[n, h, t, d])?;
-        let out_chunks = heads_out.try_data_mut()?.par_chunks_mut((t * d).max(1));
-        match probs.as_mut() {
-            Some(p) => out_chunks
-                .zip(p.try_data_mut()?.par_chunks_mut((t * t).max(1)))
-                .enumerate()
-                .for_each(|(i, (o, p))| {
-                    let head = head_at(&q, &k, &v, i, t, d);
-                    head.probabilities(p);
-                    head.output(p, o);
+        let mut status: Result<()> = Ok(());
+        let fill = |out: &mut [MaybeUninit<f32>]| {
+            let out = SharedRows::new(out, c);
+            let run = |i: usize, p: &mut [f32]| {
+                let head = head_at(qkv.data(), i, h, t, d);
+                head.probabilities(p);
+                let mut o = vec![0.0; t * d];
+                head.output(p, &mut o);
+                // SAFETY: these rows and columns are head i's alone.
+                unsafe { out.write_block(i / h * t, i % h * d, d, &o) };
+            };
+            status = match probs.as_mut() {
+                Some(p) => p.try_data_mut().map(|p| {
+                    p.par_chunks_mut((t * t).max(1))
+                        .enumerate()
+                        .for_each(|(i, p)| run(i, p))
                 }),
-            None => out_chunks
-                .enumerate()
-                .try_for_each(|(i, o)| -> Result<()> {
-                    let head = head_at(&q, &k, &v, i, t, d);
+                None => (0..n * h).into_par_iter().try_for_each(|i| {
                     let mut p = scratch(t)?;
-                    head.probabilities(p.try_data_mut()?);
-                    head.output(p.data(), o);
+                    run(i, p.try_data_mut()?);
                     Ok(())
-                })?,
-        }
-        let merged = self.merge_heads(&heads_out, n, t)?;
-        drop(heads_out);
-        profile::mark(|| {
-            format!("fwd attention heads {h}x{t}x{t} (split, softmax(q·kᵀ)·v, merge)")
-        });
+                }),
+            };
+        };
+        // SAFETY: head i writes its d columns of its sample's T rows, and
+        // the heads together write every element; on an error the tensor
+        // is dropped unread.
+        let merged = unsafe { Tensor::try_init_with(&[n * t, c], fill)? };
+        status?;
+        profile::mark(|| format!("fwd attention heads {h}x{t}x{t} (softmax(q·kᵀ)·v)"));
         let y = self.proj.forward(&merged, mode)?;
         profile::mark_layer("fwd", self.proj.as_ref(), "in", merged.shape());
         if mode == Mode::Train {
-            self.saved = Some(Saved {
-                n,
-                t,
-                q,
-                k,
-                v,
-                probs,
-            });
+            self.saved = Some(Saved { n, t, qkv, probs });
         }
-        y.reshape(&[n, t, self.width])
+        y.reshape(&[n, t, c])
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
@@ -365,21 +431,14 @@ impl Layer for CausalSelfAttention {
             .proj
             .backward(&grad_output.clone().reshape(&[n * t, c])?)?;
         profile::mark_layer("bwd", self.proj.as_ref(), "out", d_merged.shape());
-        // dO by head, the layout the per-head products want.
-        let d_heads = self.split_merged(&d_merged, n, t)?;
-        drop(d_merged);
-        let mut dq = Tensor::try_zeros(&[n, h, t, d])?;
-        let mut dk = Tensor::try_zeros(&[n, h, t, d])?;
-        let mut dv = Tensor::try_zeros(&[n, h, t, d])?;
-        let chunk = (t * d).max(1);
-        dq.try_data_mut()?
-            .par_chunks_mut(chunk)
-            .zip(dk.try_data_mut()?.par_chunks_mut(chunk))
-            .zip(dv.try_data_mut()?.par_chunks_mut(chunk))
-            .enumerate()
-            .try_for_each(|(i, ((dq, dk), dv))| -> Result<()> {
-                let head = head_at(&saved.q, &saved.k, &saved.v, i, t, d);
-                let d_out = &d_heads.data()[i * t * d..(i + 1) * t * d];
+        d_merged.expect_shape("causal_self_attention backward", &[n * t, c])?;
+        let mut status: Result<()> = Ok(());
+        let fill = |out: &mut [MaybeUninit<f32>]| {
+            let out = SharedRows::new(out, 3 * c);
+            status = (0..n * h).into_par_iter().try_for_each(|i| {
+                let head = head_at(saved.qkv.data(), i, h, t, d);
+                let (sample, column) = (i / h, i % h * d);
+                let d_out = &d_merged.data()[sample * t * c + column..];
                 let mut dp = scratch(t)?;
                 let recomputed;
                 let p = match &saved.probs {
@@ -391,13 +450,23 @@ impl Layer for CausalSelfAttention {
                         recomputed.data()
                     }
                 };
-                head.backward(p, d_out, dp.try_data_mut()?, [dq, dk, dv]);
+                let mut grads = [(); 3].map(|_| vec![0.0; t * d]);
+                let [dq, dk, dv] = &mut grads;
+                head.backward(p, (d_out, c), dp.try_data_mut()?, [dq, dk, dv]);
+                for (which, grad) in grads.iter().enumerate() {
+                    // SAFETY: these rows and columns are head i's alone.
+                    unsafe { out.write_block(sample * t, which * c + column, d, grad) };
+                }
                 Ok(())
-            })?;
-        drop(saved);
-        let d_qkv = self.join_qkv([&dq, &dk, &dv], n, t)?;
-        drop((dq, dk, dv));
-        profile::mark(|| format!("bwd attention heads {h}x{t}x{t} (split, dS, dq·dk·dv, join)"));
+            });
+        };
+        // SAFETY: head i writes its d columns of q, k and v in its
+        // sample's T rows, and the heads together write every element; on
+        // an error the tensor is dropped unread.
+        let d_qkv = unsafe { Tensor::try_init_with(&[n * t, 3 * c], fill)? };
+        status?;
+        drop((saved, d_merged));
+        profile::mark(|| format!("bwd attention heads {h}x{t}x{t} (dS, dq·dk·dv)"));
         let dx = self.qkv.backward(&d_qkv)?;
         profile::mark_layer("bwd", self.qkv.as_ref(), "out", d_qkv.shape());
         dx.reshape(&[n, t, c])
@@ -425,32 +494,6 @@ impl Layer for CausalSelfAttention {
     }
 }
 
-impl CausalSelfAttention {
-    /// [N·T, C] -> [N, heads, T, d].
-    fn split_merged(&self, merged: &Tensor, n: usize, t: usize) -> Result<Tensor> {
-        let (c, h, d) = (self.width, self.heads, self.head_dim());
-        let src = merged.data();
-        gather_rows(&[n, h, t, d], d, |k| {
-            let (pos, rest) = (k % t, k / t);
-            let (head, sample) = (rest % h, rest / h);
-            let at = (sample * t + pos) * c + head * d;
-            &src[at..at + d]
-        })
-    }
-
-    /// Three [N, heads, T, d] -> [N·T, 3C], the qkv projection's layout.
-    fn join_qkv(&self, parts: [&Tensor; 3], n: usize, t: usize) -> Result<Tensor> {
-        let (c, h, d) = (self.width, self.heads, self.head_dim());
-        gather_rows(&[n * t, 3 * c], d, |k| {
-            let (head, rest) = (k % h, k / h);
-            let (which, row) = (rest % 3, rest / 3);
-            let (sample, pos) = (row / t, row % t);
-            let at = ((sample * h + head) * t + pos) * d;
-            &parts[which].data()[at..at + d]
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -472,6 +515,35 @@ mod tests {
             let report = check_layer(&mut attn, &random_tensor(&[2, 4, 6], 2), 1e-2, 2e-3);
             assert!(report.is_ok(), "lean {lean}: {}", report.unwrap_err());
         }
+    }
+
+    /// Heads of width 16 and length 16 run on the tiles (where the CPU
+    /// has AVX2+FMA), reading q, k, v and dO in place from the
+    /// projections' rows; lean recomputes P bit for bit.
+    #[test]
+    fn tiled_heads_in_place_have_true_gradients_and_lean_changes_no_bit() {
+        let mut attn = attention(32, 2, false, 6);
+        let small = random_tensor(&[1, 16, 32], 5);
+        let report = check_layer(&mut attn, &small, 2e-2, 5e-3);
+        assert!(report.is_ok(), "{}", report.unwrap_err());
+        let x = random_tensor(&[2, 16, 32], 5);
+        let g = random_tensor(&[2, 16, 32], 7);
+        let bits = |lean: bool| {
+            let mut attn = attention(32, 2, lean, 6);
+            let y = attn.forward(&x, Mode::Train).unwrap();
+            let dx = attn.backward(&g).unwrap();
+            let mut bits: Vec<u32> = y
+                .data()
+                .iter()
+                .chain(dx.data())
+                .map(|v| v.to_bits())
+                .collect();
+            for p in attn.params_mut() {
+                bits.extend(p.grad.data().iter().map(|v| v.to_bits()));
+            }
+            bits
+        };
+        assert_eq!(bits(false), bits(true));
     }
 
     #[test]
@@ -541,6 +613,7 @@ mod tests {
                 q: q.data(),
                 k: k.data(),
                 v: v.data(),
+                stride: d,
                 t,
                 d,
             };
@@ -557,7 +630,7 @@ mod tests {
             let mut dp = vec![f32::NAN; t * t];
             let mut grads = [0, 1, 2].map(|_| vec![f32::NAN; t * d]);
             let [dq, dk, dv] = &mut grads;
-            head.backward(&p, d_out.data(), &mut dp, [dq, dk, dv]);
+            head.backward(&p, (d_out.data(), d), &mut dp, [dq, dk, dv]);
             let want = reference_head(q.data(), k.data(), v.data(), d_out.data(), t, d);
             let got = [&p, &o, &grads[0], &grads[1], &grads[2]];
             for (name, (got, want)) in ["P", "o", "dq", "dk", "dv"]

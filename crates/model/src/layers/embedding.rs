@@ -10,6 +10,7 @@
 //! sums it over the batch into the positions); ids have no gradient, so the
 //! returned input gradient is zeros.
 
+use super::activation::par_rows;
 use crate::init::InitRng;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
@@ -126,11 +127,26 @@ impl Layer for Embedding {
         let (n, t, d) = (input.shape()[0], input.shape()[1], self.dim);
         let table = self.table.value.data();
         let positions = self.positions.as_ref().map(|p| p.value.data());
-        let out = Tensor::try_from_fn(&[n, t, d], |i| {
-            let (token, j) = (i / d, i % d);
-            let pos = positions.map_or(0.0, |p| p[(token % t) * d + j]);
-            table[rows[token] * d + j] + pos
-        })?;
+        // SAFETY: row `token` gets all d values of its table row (plus its
+        // position's).
+        let out = unsafe {
+            par_rows(&[n, t, d], d, |token, out| {
+                let row = &table[rows[token] * d..][..d];
+                match positions {
+                    Some(p) => {
+                        let pos = &p[(token % t) * d..][..d];
+                        for ((o, &v), &q) in out.iter_mut().zip(row).zip(pos) {
+                            o.write(v + q);
+                        }
+                    }
+                    None => {
+                        for (o, &v) in out.iter_mut().zip(row) {
+                            o.write(v);
+                        }
+                    }
+                }
+            })?
+        };
         if mode == Mode::Train {
             self.saved_ids = Some(input.clone());
         }

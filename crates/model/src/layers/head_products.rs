@@ -8,8 +8,9 @@
 //!
 //! Every output is one chain of FMAs in order, so the bits do not depend
 //! on the vector width; the terms skipped are exact zeros of P and dS
-//! (the future), which add nothing. kᵀ and vᵀ are packed per head
-//! (2·T·d floats) so that the tiles read contiguous columns.
+//! (the future), which add nothing. q, k, v and dO are read in place
+//! (rows of the projections' outputs); kᵀ and vᵀ are copied per head
+//! (T·d floats each) so that the tiles read contiguous columns.
 //!
 //! Taken where T and d are multiples of 16 and the CPU has AVX2+FMA
 //! (`supported`); `attention.rs` keeps the `gemm` path for the rest.
@@ -26,11 +27,13 @@ pub(super) fn supported(t: usize, d: usize) -> bool {
     t > 0 && d > 0 && direct::supports(t) && direct::supports(d)
 }
 
-/// One head's operands, row-major [T, d]; `supported(t, d)` holds.
+/// One head's operands read in place: q, k, v [T, d] with rows `stride`
+/// floats apart; `supported(t, d)` holds.
 pub(super) struct TiledHead<'a> {
     pub q: &'a [f32],
     pub k: &'a [f32],
     pub v: &'a [f32],
+    pub stride: usize,
     pub t: usize,
     pub d: usize,
 }
@@ -51,53 +54,60 @@ struct Rhs<'a> {
 }
 
 impl TiledHead<'_> {
+    fn rows<'b>(&self, data: &'b [f32]) -> Lhs<'b> {
+        Lhs {
+            data,
+            row: self.stride,
+            step: 1,
+        }
+    }
+
     /// S = q·kᵀ into `s` [T, T], the visible column tiles of each row
     /// block (the rest is left for the softmax to zero).
     pub fn scores(&self, s: &mut [f32]) {
-        let k_t = transpose(self.k, self.d);
-        let lhs = Lhs {
-            data: self.q,
-            row: self.d,
-            step: 1,
-        };
-        let rhs = Rhs {
-            data: &k_t,
-            row: self.t,
-        };
-        product(s, self.t, self.t, lhs, rhs, |_, _| 0..self.d, true);
+        let (t, d) = (self.t, self.d);
+        let k_t = transpose(self.k, t, d, self.stride);
+        let rhs = Rhs { data: &k_t, row: t };
+        product(s, t, t, self.rows(self.q), rhs, |_, _| 0..d, true);
     }
 
     /// o = P·v into `o` [T, d]: keys up to the block's last row.
     pub fn output(&self, p: &[f32], o: &mut [f32]) {
+        let (t, d) = (self.t, self.d);
         let lhs = Lhs {
             data: p,
-            row: self.t,
+            row: t,
             step: 1,
         };
         let rhs = Rhs {
             data: self.v,
-            row: self.d,
+            row: self.stride,
         };
-        product(o, self.t, self.d, lhs, rhs, |_, end| 0..end, false);
+        product(o, t, d, lhs, rhs, |_, end| 0..end, false);
     }
 
-    /// dP = dO·vᵀ into `dp` [T, T], the visible column tiles.
-    pub fn d_probabilities(&self, d_out: &[f32], dp: &mut [f32]) {
-        let v_t = transpose(self.v, self.d);
+    /// dP = dO·vᵀ into `dp` [T, T], the visible column tiles; dO's rows
+    /// are `d_out_stride` floats apart.
+    pub fn d_probabilities(&self, (d_out, d_out_stride): (&[f32], usize), dp: &mut [f32]) {
+        let (t, d) = (self.t, self.d);
+        let v_t = transpose(self.v, t, d, self.stride);
         let lhs = Lhs {
             data: d_out,
-            row: self.d,
+            row: d_out_stride,
             step: 1,
         };
-        let rhs = Rhs {
-            data: &v_t,
-            row: self.t,
-        };
-        product(dp, self.t, self.t, lhs, rhs, |_, _| 0..self.d, true);
+        let rhs = Rhs { data: &v_t, row: t };
+        product(dp, t, t, lhs, rhs, |_, _| 0..d, true);
     }
 
-    /// dq = dS·k, dk = dSᵀ·q and dv = Pᵀ·dO.
-    pub fn gradients(&self, p: &[f32], ds: &[f32], d_out: &[f32], grads: [&mut [f32]; 3]) {
+    /// dq = dS·k, dk = dSᵀ·q and dv = Pᵀ·dO into [T, d] blocks.
+    pub fn gradients(
+        &self,
+        p: &[f32],
+        ds: &[f32],
+        (d_out, d_out_stride): (&[f32], usize),
+        grads: [&mut [f32]; 3],
+    ) {
         let (t, d) = (self.t, self.d);
         let [dq, dk, dv] = grads;
         let rows = |data| Lhs {
@@ -110,28 +120,38 @@ impl TiledHead<'_> {
             row: 1,
             step: t,
         };
-        let rhs = |data| Rhs { data, row: d };
-        product(dq, t, d, rows(ds), rhs(self.k), |_, end| 0..end, false);
-        // Key j is seen by queries j..T.
+        let rhs = |data, row| Rhs { data, row };
+        let stride = self.stride;
         product(
-            dk,
+            dq,
             t,
             d,
-            columns(ds),
-            rhs(self.q),
-            |start, _| start..t,
+            rows(ds),
+            rhs(self.k, stride),
+            |_, end| 0..end,
             false,
         );
-        product(dv, t, d, columns(p), rhs(d_out), |start, _| start..t, false);
+        // Key j is seen by queries j..T.
+        let seen_by = |start, _| start..t;
+        product(dk, t, d, columns(ds), rhs(self.q, stride), seen_by, false);
+        product(
+            dv,
+            t,
+            d,
+            columns(p),
+            rhs(d_out, d_out_stride),
+            seen_by,
+            false,
+        );
     }
 }
 
-/// [rows, cols] row-major -> its transpose [cols, rows].
-fn transpose(m: &[f32], cols: usize) -> Vec<f32> {
-    let rows = m.len() / cols.max(1);
-    let mut out = vec![0.0; m.len()];
-    for (i, row) in m.chunks_exact(cols.max(1)).enumerate() {
-        for (j, &value) in row.iter().enumerate() {
+/// The [rows × cols] matrix with rows `stride` floats apart, transposed
+/// into a contiguous [cols × rows].
+fn transpose(m: &[f32], rows: usize, cols: usize, stride: usize) -> Vec<f32> {
+    let mut out = vec![0.0; rows * cols];
+    for i in 0..rows {
+        for (j, &value) in m[i * stride..][..cols].iter().enumerate() {
             out[j * rows + i] = value;
         }
     }

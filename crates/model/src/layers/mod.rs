@@ -27,7 +27,7 @@ mod reshape;
 mod residual;
 mod smooth_activation;
 mod unet;
-mod vector_math;
+pub(crate) mod vector_math;
 
 pub use activation::Relu;
 pub use attention::CausalSelfAttention;

@@ -31,7 +31,8 @@ const ROUND: f32 = 12_582_912.0;
 pub fn exp(x: f32) -> f32 {
     let clamped = x.clamp(-87.0, 88.0);
     // NaN through the clamp: `clamp` keeps NaN, and so does the rest.
-    let n = (clamped * LOG2_E + ROUND) - ROUND;
+    let shifted = clamped * LOG2_E + ROUND;
+    let n = shifted - ROUND;
     let r = (clamped - n * LN2_HI) - n * LN2_LO;
     // Taylor series of e^r to r^7 on |r| ≤ ln2/2: remainder below 2e-8.
     let mut p = 1.0 / 5040.0;
@@ -42,9 +43,16 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 0.5;
     p = p * r + 1.0;
     p = p * r + 1.0;
-    // 2^n from its exponent bits; n + 127 is in [1, 254] after the clamp
-    // (NaN's n converts to 0 and the NaN in p carries through).
-    let scale = f32::from_bits((((n as i32) + 127) as u32) << 23);
+    // 2^n from its exponent bits; n + 127 is in [1, 254] after the clamp.
+    // `shifted` holds n in its low mantissa bits (ROUND's trick), so n is
+    // an integer subtraction away: `n as i32` saturates, which LLVM does
+    // one lane at a time (it was most of this function's time). NaN gives
+    // some finite scale, and the NaN in p carries through.
+    let n_plus_bias = shifted
+        .to_bits()
+        .wrapping_sub(ROUND.to_bits())
+        .wrapping_add(127);
+    let scale = f32::from_bits(n_plus_bias << 23);
     p * scale
 }
 
@@ -144,13 +152,31 @@ where
     total
 }
 
+/// The largest of `values` (−∞ for none) over eight lanes, so that the
+/// loop vectorises.
+#[inline(always)]
+pub fn lane_max(values: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = values.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+            *lane = lane.max(v);
+        }
+    }
+    lanes
+        .into_iter()
+        .chain(tail.iter().copied())
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
 /// Runs `body` compiled for the widest vectors the CPU has (AVX-512F, or
 /// AVX2; `HEADROOM_CPU_KERNELS=avx2` holds it to AVX2), else as it is.
 /// Mark the closure `#[inline(always)]` (and what it calls): a closure
 /// is called from three places here, and one that LLVM leaves outlined
 /// runs with the baseline's 4-lane SSE whatever the CPU has.
 #[inline(always)]
-pub(super) fn wide(body: impl FnOnce()) {
+pub(crate) fn wide(body: impl FnOnce()) {
     #[cfg(target_arch = "x86_64")]
     {
         if cpu_kernels() == CpuKernels::Auto && is_x86_feature_detected!("avx512f") {
