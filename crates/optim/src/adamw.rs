@@ -12,10 +12,14 @@
 //! The scalar factors are computed in f64 (PyTorch computes them as Python
 //! floats), the element-wise work in f32. Master weights and moments are f32.
 
-use headroom_model::Param;
+use headroom_model::{wide, Param};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::{check, OptimError};
+
+/// Elements per parallel task of the update.
+const CHUNK: usize = 1 << 14;
 
 /// Hyper-parameters of AdamW. The learning rate is not one of them: it is
 /// passed to every [`AdamW::step`], since it comes from a schedule.
@@ -182,14 +186,29 @@ impl AdamW {
             let Param { value, grad, .. } = &mut **param;
             let p = value.data_mut();
             let g = grad.data();
-            // Lengths were checked above; equal-length slices let the zip
-            // run without bounds checks and vectorise.
-            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                *m += one_minus_beta1 * (g - *m);
-                *v = beta2 * *v + one_minus_beta2 * g * g;
-                let denom = v.sqrt() / bias_correction2_sqrt + eps;
-                *p = *p * decay + neg_step_size * (*m / denom);
-            }
+            // Elementwise, so chunks in parallel give the same bits; each
+            // compiled for the CPU's widest vectors (IEEE operations only,
+            // so the width does not change them either).
+            p.par_chunks_mut(CHUNK)
+                .zip(g.par_chunks(CHUNK))
+                .zip(m.par_chunks_mut(CHUNK))
+                .zip(v.par_chunks_mut(CHUNK))
+                .for_each(|(((p, g), m), v)| {
+                    wide(
+                        #[inline(always)]
+                        || {
+                            // Equal-length chunks (lengths were checked
+                            // above): the zip runs without bounds checks.
+                            let moments = m.iter_mut().zip(v.iter_mut());
+                            for ((p, &g), (m, v)) in p.iter_mut().zip(g).zip(moments) {
+                                *m += one_minus_beta1 * (g - *m);
+                                *v = beta2 * *v + one_minus_beta2 * g * g;
+                                let denom = v.sqrt() / bias_correction2_sqrt + eps;
+                                *p = *p * decay + neg_step_size * (*m / denom);
+                            }
+                        },
+                    )
+                });
         }
         Ok(())
     }

@@ -4,7 +4,8 @@
 
 use std::borrow::Borrow;
 
-use headroom_model::Param;
+use headroom_model::{wide, Param};
+use rayon::prelude::*;
 
 /// Added to the norm in the clip coefficient, as in PyTorch.
 const CLIP_EPS: f64 = 1e-6;
@@ -12,7 +13,7 @@ const CLIP_EPS: f64 = 1e-6;
 /// Global L2 norm over all gradients. Accepts `&[&mut Param]` (a
 /// `Vec<&mut Param>` from `params_mut`), `&[&Param]` or `&[Param]`.
 /// Non-finite gradients give a non-finite norm (NaN or +inf).
-pub fn grad_norm<P: Borrow<Param>>(params: &[P]) -> f32 {
+pub fn grad_norm<P: Borrow<Param> + Sync>(params: &[P]) -> f32 {
     global_norm(params) as f32
 }
 
@@ -37,38 +38,50 @@ pub fn clip_grad_norm(params: &mut [&mut Param], max_norm: f32) -> f32 {
     }
     if norm > max_norm as f64 {
         let coef = (max_norm as f64 / (norm + CLIP_EPS)) as f32;
-        for p in params.iter_mut() {
-            for g in p.grad.data_mut() {
-                *g *= coef;
-            }
-        }
+        params.par_iter_mut().for_each(|p| {
+            let g = p.grad.data_mut();
+            wide(
+                #[inline(always)]
+                || g.iter_mut().for_each(|g| *g *= coef),
+            );
+        });
     }
     norm32
 }
 
-fn global_norm<P: Borrow<Param>>(params: &[P]) -> f64 {
-    params
-        .iter()
+/// One sum per parameter, in parallel, added in parameter order: the same
+/// bits on any number of threads.
+fn global_norm<P: Borrow<Param> + Sync>(params: &[P]) -> f64 {
+    let sums: Vec<f64> = params
+        .par_iter()
         .map(|p| sum_of_squares(p.borrow().grad.data()))
-        .sum::<f64>()
-        .sqrt()
+        .collect();
+    sums.iter().sum::<f64>().sqrt()
 }
 
 /// Σx² in f64 with eight independent accumulators, so that the loop
-/// vectorises (a single f64 accumulator is a serial dependency chain).
+/// vectorises (a single f64 accumulator is a serial dependency chain),
+/// compiled for the CPU's widest vectors.
 fn sum_of_squares(x: &[f32]) -> f64 {
     const LANES: usize = 8;
-    let mut acc = [0.0f64; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for chunk in chunks {
-        for (a, &v) in acc.iter_mut().zip(chunk) {
-            let v = v as f64;
-            *a += v * v;
-        }
-    }
-    let tail: f64 = tail.iter().map(|&v| (v as f64) * (v as f64)).sum();
-    acc.iter().sum::<f64>() + tail
+    let mut total = 0.0;
+    wide(
+        #[inline(always)]
+        || {
+            let mut acc = [0.0f64; LANES];
+            let chunks = x.chunks_exact(LANES);
+            let tail = chunks.remainder();
+            for chunk in chunks {
+                for (a, &v) in acc.iter_mut().zip(chunk) {
+                    let v = v as f64;
+                    *a += v * v;
+                }
+            }
+            let tail: f64 = tail.iter().map(|&v| (v as f64) * (v as f64)).sum();
+            total = acc.iter().sum::<f64>() + tail;
+        },
+    );
+    total
 }
 
 #[cfg(test)]

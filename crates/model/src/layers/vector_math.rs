@@ -172,11 +172,12 @@ pub fn lane_max(values: &[f32]) -> f32 {
 
 /// Runs `body` compiled for the widest vectors the CPU has (AVX-512F, or
 /// AVX2; `HEADROOM_CPU_KERNELS=avx2` holds it to AVX2), else as it is.
+/// Public (as `headroom_model::wide`) for the optimizer's loops.
 /// Mark the closure `#[inline(always)]` (and what it calls): a closure
 /// is called from three places here, and one that LLVM leaves outlined
 /// runs with the baseline's 4-lane SSE whatever the CPU has.
 #[inline(always)]
-pub(crate) fn wide(body: impl FnOnce()) {
+pub fn wide(body: impl FnOnce()) {
     #[cfg(target_arch = "x86_64")]
     {
         if cpu_kernels() == CpuKernels::Auto && is_x86_feature_detected!("avx512f") {
