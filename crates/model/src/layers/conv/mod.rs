@@ -31,7 +31,9 @@
 //!   channels of one tap, the walk is every output pixel that tap reaches,
 //!   along dY.
 //! - general (any shape, any CPU): im2col + `gemm` in L2-sized blocks, and
-//!   dX = col2im(dY·Wᵀ). 1x1 / stride 1 / pad 0 skips im2col.
+//!   dX = col2im(dY·Wᵀ). 1x1 / stride 1 / pad 0 skips im2col. Where Cout
+//!   is below 16 (and Cin not in 16s), dX instead gathers per input pixel
+//!   (`narrow`): no product with a handful of columns, no scatter.
 //!
 //! Parallelism (rayon's global pool; no nested parallelism):
 //! - forward, dX: tasks of whole images (several small ones per task, see
@@ -61,6 +63,7 @@ use crate::init::InitRng;
 use crate::memory::{try_scratch, try_zeroed};
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
+mod narrow;
 mod winograd;
 
 /// Which kernels run the 3×3, stride-1, padding-1 convolutions (the others
@@ -563,6 +566,18 @@ fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Vec<f32>> {
                 let imgs = dx.len() / g.in_image();
                 let dy_t = &dy[t * per_task * out_image..][..imgs * out_image];
                 direct::grad_input(g, dy_t, imgs, &wt, dx);
+            })
+        }
+    } else if narrow::fits(g) {
+        let out_image = g.opix() * g.cout;
+        let per_task = images_per_task(g.n, out_image);
+        let wt = narrow::by_input(g, w);
+        // SAFETY: `narrow::grad_input` writes every element of its chunk.
+        unsafe {
+            par_build(len, per_task * g.in_image(), |t, dx| {
+                let imgs = dx.len() / g.in_image();
+                let dy_t = &dy[t * per_task * out_image..][..imgs * out_image];
+                narrow::grad_input(g, dy_t, imgs, &wt, dx);
             })
         }
     } else {
@@ -1736,7 +1751,8 @@ mod tests {
     use std::cell::Cell;
 
     thread_local! {
-        /// Makes this thread's convolutions take the im2col + gemm path.
+        /// Makes this thread's convolutions take the im2col + gemm path
+        /// (not the direct or the narrow kernels).
         pub(super) static FORCE_GEMM: Cell<bool> = const { Cell::new(false) };
         /// Overrides the process-wide algorithm on this thread only, so
         /// that tests running in parallel do not steer each other.
@@ -1744,7 +1760,8 @@ mod tests {
     }
 
     /// Runs `f` once per implementation: Winograd (3×3 s1 p1 with channels
-    /// in 16s), direct kernels (where this CPU has them) and im2col + gemm.
+    /// in 16s), direct kernels (where this CPU has them; the narrow ones
+    /// for fewer than 16 outputs) and im2col + gemm.
     fn both_paths(f: impl Fn(&str)) {
         for (algorithm, gemm, name) in [
             (ConvAlgorithm::Winograd, false, "winograd"),
@@ -1787,6 +1804,11 @@ mod tests {
         (2, 6, 6, 7, 16, 3, 1, 1, false),  // dW tiles of 4 + 3 channels
         (2, 5, 5, 8, 16, 3, 2, 1, true),   // dW tiles of 4 + 4 channels
         (1, 5, 6, 16, 16, 3, 1, 3, false), // padding 3: pixels no tap reaches
+        // Fewer than 16 outputs: dX through the narrow kernels (but in the
+        // gemm run).
+        (2, 9, 8, 17, 1, 3, 1, 1, true), // a frame head: 16 lanes + a tail
+        (1, 7, 6, 33, 3, 3, 2, 1, false), // 3 outputs, stride 2
+        (1, 5, 5, 40, 2, 5, 1, 2, false), // 5x5: 5 runs of up to 200 floats
     ];
 
     fn random(rng: &mut InitRng, len: usize) -> Vec<f32> {
