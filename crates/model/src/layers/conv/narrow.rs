@@ -6,8 +6,8 @@
 //! large: 45 MB for `conv_lstm`'s 17 -> 1 head at batch 16). Here each
 //! input pixel gathers dY·W over the (tap, output channel) pairs that
 //! reach it, in a fixed order, 16 input channels at a time in registers,
-//! and writes its Cin values once. Measured on that head (160 frames of
-//! 64×64×17, 2 threads): 19-20 ms against 29-37 ms through im2col.
+//! and writes its Cin values once: `conv_lstm`'s step 7-8% shorter
+//! (`xtask bench-step`, see the README).
 //!
 //! The forward and the weight gradient stay on im2col + `gemm`: per-pixel
 //! dot products (a horizontal sum per output) were no faster there.
