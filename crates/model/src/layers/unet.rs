@@ -13,6 +13,7 @@
 //! must come back unchanged.
 
 use super::activation::{gather_rows, par_add_assign, par_rows};
+use crate::profile;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 fn image_dims(op: &'static str, shape: &[usize]) -> Result<(usize, usize, usize, usize)> {
@@ -208,7 +209,9 @@ impl Layer for UnetSkip {
         let (lead, c) = split_channels("unet_skip", input.shape())?;
         let mut y = input.clone();
         for layer in &mut self.body {
-            y = layer.forward(&y, mode)?;
+            let next = layer.forward(&y, mode)?;
+            profile::mark_layer("fwd", layer.as_ref(), "in", y.shape());
+            y = next;
         }
         let (body_lead, bc) = split_channels("unet_skip body", y.shape())?;
         if body_lead != lead {
@@ -219,6 +222,12 @@ impl Layer for UnetSkip {
             });
         }
         let out = interleave(input.data(), c, y.data(), bc, &with_channels(&lead, c + bc))?;
+        profile::mark(|| {
+            format!(
+                "fwd unet_skip concat {c}+{bc} out {}",
+                profile::dims(out.shape())
+            )
+        });
         self.saved_channels = (mode == Mode::Train).then_some((c, bc));
         Ok(out)
     }
@@ -238,13 +247,26 @@ impl Layer for UnetSkip {
         }
         let g = grad_output.data();
         let mut g_body = channel_slice(g, total, c, bc, &with_channels(&lead, bc))?;
+        profile::mark(|| {
+            format!(
+                "bwd unet_skip split {c}+{bc} of {}",
+                profile::dims(grad_output.shape())
+            )
+        });
         for layer in self.body.iter_mut().rev() {
-            g_body = layer.backward(&g_body)?;
+            let next = layer.backward(&g_body)?;
+            profile::mark_layer("bwd", layer.as_ref(), "out", g_body.shape());
+            g_body = next;
         }
         let mut dx = channel_slice(g, total, 0, c, &with_channels(&lead, c))?;
         g_body.expect_shape("unet_skip backward", dx.shape())?;
         par_add_assign(dx.try_data_mut()?, g_body.data());
+        profile::mark(|| format!("bwd unet_skip add out {}", profile::dims(dx.shape())));
         Ok(dx)
+    }
+
+    fn marks_its_parts(&self) -> bool {
+        true
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
@@ -279,6 +301,33 @@ mod tests {
     use crate::gradcheck::{check_layer, random_tensor};
     use crate::init::InitRng;
     use crate::layers::Conv2d;
+
+    /// `--profile` sees the body's layers, the concat and the add, not
+    /// the block whole.
+    #[test]
+    fn the_profile_opens_the_body_and_marks_the_concat_and_the_add() {
+        let mut rng = InitRng::new(1);
+        let conv = Conv2d::new("c", 2, 3, 3, 1, 1, true, &mut rng).unwrap();
+        let mut skip = UnetSkip::new(vec![Box::new(conv)]);
+        let x = random_tensor(&[2, 4, 4, 2], 1);
+        crate::profile::start();
+        let y = skip.forward(&x, Mode::Train).unwrap();
+        skip.backward(&y).unwrap();
+        let labels: Vec<String> = crate::profile::finish()
+            .into_iter()
+            .map(|s| s.label)
+            .collect();
+        assert_eq!(
+            labels,
+            [
+                "fwd conv3x3 2->3 in 4x4x2",
+                "fwd unet_skip concat 2+3 out 4x4x5",
+                "bwd unet_skip split 2+3 of 4x4x5",
+                "bwd conv3x3 2->3 out 4x4x3",
+                "bwd unet_skip add out 4x4x2",
+            ]
+        );
+    }
 
     #[test]
     fn upsample_repeats_pixels_and_its_gradient_checks() {
