@@ -19,7 +19,7 @@ mod tensor;
 
 pub use device::Device;
 pub use error::{ModelError, Result};
-pub use layers::vector_math::wide;
+pub use layers::vector_math::{lane_sum, wide};
 pub use layers::{Layer, Mode, Param};
 pub use memory::{MemoryPool, OomInjection, PoolStats};
 pub use network::{

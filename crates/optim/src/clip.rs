@@ -4,7 +4,7 @@
 
 use std::borrow::Borrow;
 
-use headroom_model::{wide, Param};
+use headroom_model::{lane_sum, wide, Param};
 use rayon::prelude::*;
 
 /// Added to the norm in the clip coefficient, as in PyTorch.
@@ -59,26 +59,19 @@ fn global_norm<P: Borrow<Param> + Sync>(params: &[P]) -> f64 {
     sums.iter().sum::<f64>().sqrt()
 }
 
-/// Σx² in f64 with eight independent accumulators, so that the loop
-/// vectorises (a single f64 accumulator is a serial dependency chain),
-/// compiled for the CPU's widest vectors.
+/// Σx² in f64 over eight lanes (`lane_sum`: a single f64 accumulator is a
+/// serial dependency chain), compiled for the CPU's widest vectors.
 fn sum_of_squares(x: &[f32]) -> f64 {
-    const LANES: usize = 8;
     let mut total = 0.0;
     wide(
         #[inline(always)]
         || {
-            let mut acc = [0.0f64; LANES];
-            let chunks = x.chunks_exact(LANES);
-            let tail = chunks.remainder();
-            for chunk in chunks {
-                for (a, &v) in acc.iter_mut().zip(chunk) {
-                    let v = v as f64;
-                    *a += v * v;
-                }
-            }
-            let tail: f64 = tail.iter().map(|&v| (v as f64) * (v as f64)).sum();
-            total = acc.iter().sum::<f64>() + tail;
+            total = lane_sum(
+                x,
+                x,
+                #[inline(always)]
+                |v, _| (v as f64) * (v as f64),
+            )
         },
     );
     total

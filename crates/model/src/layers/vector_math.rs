@@ -131,7 +131,8 @@ const LANES: usize = 8;
 
 /// Σ term(a[j], b[j]) (over the shorter slice) as eight chains, added in
 /// order at the end, then the tail: the loop vectorises (a single chain
-/// would wait on each add) and gives the same bits at any width.
+/// would wait on each add) and gives the same bits at any width. Public
+/// as `headroom_model::lane_sum` (the gradient norm's sum of squares).
 #[inline(always)]
 pub fn lane_sum<T>(a: &[f32], b: &[f32], term: impl Fn(f32, f32) -> T) -> T
 where
@@ -171,8 +172,8 @@ pub fn lane_max(values: &[f32]) -> f32 {
 }
 
 /// Runs `body` compiled for the widest vectors the CPU has (AVX-512F, or
-/// AVX2; `HEADROOM_CPU_KERNELS=avx2` holds it to AVX2), else as it is.
-/// Public (as `headroom_model::wide`) for the optimizer's loops.
+/// AVX2; `HEADROOM_CPU_KERNELS=avx2` holds it to AVX2), else as it is
+/// (public as `headroom_model::wide`, for the optimizer's loops).
 /// Mark the closure `#[inline(always)]` (and what it calls): a closure
 /// is called from three places here, and one that LLVM leaves outlined
 /// runs with the baseline's 4-lane SSE whatever the CPU has.

@@ -537,6 +537,22 @@ fn forward(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Result<Vec<f
     }
 }
 
+/// Wᵀ per tap, [k·k, cout, cin], for dX: the input channels of a (tap,
+/// output channel) pair are contiguous.
+fn transposed_per_tap(g: &Geom, w: &[f32]) -> Result<Vec<f32>> {
+    let mut wt = try_zeroed(w.len())?;
+    wt.par_chunks_mut(g.cin * g.cout)
+        .zip(w.par_chunks(g.cin * g.cout))
+        .for_each(|(dst, src)| {
+            for (ci, row) in src.chunks_exact(g.cout).enumerate() {
+                for (co, &v) in row.iter().enumerate() {
+                    dst[co * g.cin + ci] = v;
+                }
+            }
+        });
+    Ok(wt)
+}
+
 /// dX, [n·h·w × cin].
 fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Vec<f32>> {
     let len = g.n * g.in_image();
@@ -549,17 +565,7 @@ fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Vec<f32>> {
     if direct::supports(g.cin) {
         let out_image = g.opix() * g.cout;
         let per_task = images_per_task(g.n, out_image);
-        // Wᵀ per tap: [k·k, cout, cin], so 16 input channels are contiguous.
-        let mut wt = try_zeroed(w.len())?;
-        wt.par_chunks_mut(g.cin * g.cout)
-            .zip(w.par_chunks(g.cin * g.cout))
-            .for_each(|(dst, src)| {
-                for (ci, row) in src.chunks_exact(g.cout).enumerate() {
-                    for (co, &v) in row.iter().enumerate() {
-                        dst[co * g.cin + ci] = v;
-                    }
-                }
-            });
+        let wt = transposed_per_tap(g, w)?;
         // SAFETY: `direct::grad_input` writes every element of its chunk.
         unsafe {
             par_build(len, per_task * g.in_image(), |t, dx| {
@@ -571,7 +577,7 @@ fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Vec<f32>> {
     } else if narrow::fits(g) {
         let out_image = g.opix() * g.cout;
         let per_task = images_per_task(g.n, out_image);
-        let wt = narrow::by_input(g, w);
+        let wt = transposed_per_tap(g, w)?;
         // SAFETY: `narrow::grad_input` writes every element of its chunk.
         unsafe {
             par_build(len, per_task * g.in_image(), |t, dx| {

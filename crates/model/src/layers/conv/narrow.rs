@@ -34,22 +34,8 @@ pub(super) fn fits(g: &Geom) -> bool {
     g.cout < 16 && g.k * g.k * g.cout <= MAX_TERMS
 }
 
-/// W [KH, KW, Cin, Cout] as [KH·KW][Cout][Cin], for dX.
-pub(super) fn by_input(g: &Geom, w: &[f32]) -> Vec<f32> {
-    let mut out = vec![0.0; w.len()];
-    let per_tap = g.cin * g.cout;
-    for (dst, src) in out.chunks_exact_mut(per_tap).zip(w.chunks_exact(per_tap)) {
-        for (ci, values) in src.chunks_exact(g.cout).enumerate() {
-            for (co, &v) in values.iter().enumerate() {
-                dst[co * g.cin + ci] = v;
-            }
-        }
-    }
-    out
-}
-
 /// Terms of one input pixel's gradient: (dY value, start of its Cin
-/// weights in `by_input`'s layout), at most MAX_TERMS.
+/// weights in `wt`, Wᵀ per tap [k·k, cout, cin]), at most MAX_TERMS.
 const MAX_TERMS: usize = 64;
 
 /// dX for `imgs` images into `dx` (their [H·W·Cin]), every element written
