@@ -129,7 +129,7 @@ pub fn zip_into(
 /// Independent chains of `lane_sum`.
 const LANES: usize = 8;
 
-/// Σ term(a[j], b[j]) (over the shorter slice) as eight chains, added in
+/// `Σ term(a[j], b[j])` (over the shorter slice) as eight chains, added in
 /// order at the end, then the tail: the loop vectorises (a single chain
 /// would wait on each add) and gives the same bits at any width. Public
 /// as `headroom_model::lane_sum` (the gradient norm's sum of squares).
