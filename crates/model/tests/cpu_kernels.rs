@@ -3,7 +3,8 @@
 //! same order for every output, so a network's forward and backward must
 //! agree bit for bit, through the direct kernels (the stem, the stride-2
 //! layers) and through Winograd's products (the 3×3 stride-1 layers,
-//! weight gradients included) alike. On a CPU without AVX-512 both runs take
+//! weight gradients included) alike, and the narrow kernels (fewer than 16
+//! outputs) compiled for either width. On a CPU without AVX-512 both runs take
 //! the AVX2 tiles and the test says so.
 //!
 //! One test in its own binary: the kernel choice is a process-wide setting.
@@ -19,7 +20,8 @@ struct Wrapper {
 }
 
 /// Channels of 32, 64 and 96: widths in 32s take the AVX-512 tiles, 48
-/// (a multiple of 16 only) keeps the AVX2 tiles beside them.
+/// (a multiple of 16 only) keeps the AVX2 tiles beside them. Then 5, 4 and
+/// 3 outputs: the narrow kernels (`wide` loops, at stride 1 and 2).
 fn spec() -> ModelSpec {
     let text = r#"
 [model]
@@ -33,6 +35,9 @@ layers = [
   { type = "basic_block" },
   { type = "conv", out = 48 }, { type = "relu" },
   { type = "conv", out = 96, stride = 2 }, { type = "relu" },
+  { type = "conv", out = 5 }, { type = "relu" },
+  { type = "conv", out = 4 }, { type = "relu" },
+  { type = "conv", out = 3, stride = 2 },
   { type = "global_avg_pool" },
   { type = "linear", out = 5 },
 ]

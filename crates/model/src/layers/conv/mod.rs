@@ -31,9 +31,11 @@
 //!   channels of one tap, the walk is every output pixel that tap reaches,
 //!   along dY.
 //! - general (any shape, any CPU): im2col + `gemm` in L2-sized blocks, and
-//!   dX = col2im(dY·Wᵀ). 1x1 / stride 1 / pad 0 skips im2col. Where Cout
-//!   is below 16 (and Cin not in 16s), dX instead gathers per input pixel
-//!   (`narrow`): no product with a handful of columns, no scatter.
+//!   dX = col2im(dY·Wᵀ). 1x1 / stride 1 / pad 0 skips im2col.
+//! - `narrow` (Cout below 16, any CPU): forward and dW on the contiguous
+//!   runs a kernel row reads in NHWC, dX (where Cin is not in 16s) a gather
+//!   per input pixel: no product with a handful of columns, no im2col copy,
+//!   no scatter.
 //!
 //! Parallelism (rayon's global pool; no nested parallelism):
 //! - forward, dX: tasks of whole images (several small ones per task, see
@@ -53,14 +55,14 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 use std::cell::RefCell;
-use std::mem::{ManuallyDrop, MaybeUninit};
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::matmul::{matmul, View};
 use rayon::prelude::*;
 
 use crate::init::InitRng;
-use crate::memory::{try_scratch, try_zeroed};
+use crate::memory::try_zeroed;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 mod narrow;
@@ -415,7 +417,7 @@ impl Layer for Conv2d {
             Mode::Train => Some(input.clone()),
             Mode::Eval => None,
         };
-        Tensor::from_vec(&[g.n, g.oh, g.ow, g.cout], out)
+        Ok(out)
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
@@ -446,7 +448,7 @@ impl Layer for Conv2d {
                 reduce_partials(b.grad.data_mut(), partials, g.kk * g.cout, stride);
             }
         }
-        Tensor::from_vec(&[g.n, g.h, g.w, g.cin], grad_in)
+        Ok(grad_in)
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
@@ -511,11 +513,11 @@ fn images_per_task(n: usize, image_floats: usize) -> usize {
     by_cache.min(by_balance).max(1)
 }
 
-/// y = conv(x, w) + bias, [n·oh·ow × cout].
-fn forward(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Result<Vec<f32>> {
-    let len = g.n * g.opix() * g.cout;
-    if len == 0 {
-        return Ok(Vec::new());
+/// y = conv(x, w) + bias, [n, oh, ow, cout].
+fn forward(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Result<Tensor> {
+    let shape = [g.n, g.oh, g.ow, g.cout];
+    if g.n * g.opix() * g.cout == 0 {
+        return Tensor::try_zeros(&shape);
     }
     if use_winograd(g) {
         return winograd::forward(g, x, w, bias);
@@ -524,15 +526,26 @@ fn forward(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Result<Vec<f
         let per_task = images_per_task(g.n, g.in_image());
         // SAFETY: `direct::forward` writes every element of its chunk.
         unsafe {
-            par_build(len, per_task * g.opix() * g.cout, |t, out| {
+            par_build(&shape, per_task * g.opix() * g.cout, |t, out| {
                 let imgs = out.len() / (g.opix() * g.cout);
                 let x_t = &x[t * per_task * g.in_image()..][..imgs * g.in_image()];
                 direct::forward(g, x_t, imgs, w, bias, out);
             })
         }
+    } else if narrow::takes(g) {
+        let per_task = images_per_task(g.n, g.in_image());
+        let w_by_out = narrow::by_output(g, w)?;
+        // SAFETY: `narrow::forward` writes every element of its chunk.
+        unsafe {
+            par_build(&shape, per_task * g.opix() * g.cout, |t, out| {
+                let imgs = out.len() / (g.opix() * g.cout);
+                let x_t = &x[t * per_task * g.in_image()..][..imgs * g.in_image()];
+                narrow::forward(g, x_t, imgs, &w_by_out, bias, out);
+            })
+        }
     } else {
-        let mut out = try_zeroed(len)?;
-        forward_gemm(g, x, w, bias, &mut out);
+        let mut out = Tensor::try_zeros(&shape)?;
+        forward_gemm(g, x, w, bias, out.try_data_mut()?);
         Ok(out)
     }
 }
@@ -553,11 +566,11 @@ fn transposed_per_tap(g: &Geom, w: &[f32]) -> Result<Vec<f32>> {
     Ok(wt)
 }
 
-/// dX, [n·h·w × cin].
-fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Vec<f32>> {
-    let len = g.n * g.in_image();
-    if len == 0 {
-        return Ok(Vec::new());
+/// dX, [n, h, w, cin].
+fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Tensor> {
+    let shape = [g.n, g.h, g.w, g.cin];
+    if g.n * g.in_image() == 0 {
+        return Tensor::try_zeros(&shape);
     }
     if use_winograd(g) {
         return winograd::grad_input(g, dy, w);
@@ -568,27 +581,27 @@ fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Vec<f32>> {
         let wt = transposed_per_tap(g, w)?;
         // SAFETY: `direct::grad_input` writes every element of its chunk.
         unsafe {
-            par_build(len, per_task * g.in_image(), |t, dx| {
+            par_build(&shape, per_task * g.in_image(), |t, dx| {
                 let imgs = dx.len() / g.in_image();
                 let dy_t = &dy[t * per_task * out_image..][..imgs * out_image];
                 direct::grad_input(g, dy_t, imgs, &wt, dx);
             })
         }
-    } else if narrow::fits(g) {
+    } else if narrow::takes_grad_input(g) {
         let out_image = g.opix() * g.cout;
         let per_task = images_per_task(g.n, out_image);
         let wt = transposed_per_tap(g, w)?;
         // SAFETY: `narrow::grad_input` writes every element of its chunk.
         unsafe {
-            par_build(len, per_task * g.in_image(), |t, dx| {
+            par_build(&shape, per_task * g.in_image(), |t, dx| {
                 let imgs = dx.len() / g.in_image();
                 let dy_t = &dy[t * per_task * out_image..][..imgs * out_image];
                 narrow::grad_input(g, dy_t, imgs, &wt, dx);
             })
         }
     } else {
-        let mut dx = try_zeroed(len)?;
-        grad_input_gemm(g, dy, w, &mut dx);
+        let mut dx = Tensor::try_zeros(&shape)?;
+        grad_input_gemm(g, dy, w, dx.try_data_mut()?);
         Ok(dx)
     }
 }
@@ -597,6 +610,7 @@ fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Vec<f32>> {
 fn grad_params(g: &Geom, groups: &Groups, x: &[f32], dy: &[f32], partials: &mut [f32]) {
     let stride = g.kk * g.cout + g.cout;
     let direct = direct::supports(g.cout);
+    let narrow = narrow::takes(g);
     let winograd = use_winograd(g) && winograd_weight_gradient_pays(g);
     partials
         .par_chunks_mut(stride)
@@ -623,33 +637,38 @@ fn grad_params(g: &Geom, groups: &Groups, x: &[f32], dy: &[f32], partials: &mut 
                 } else {
                     direct::grad_weight_padded(g, x_g, dy_g, imgs, dw);
                 }
+            } else if narrow {
+                narrow::grad_weight(g, x_g, dy_g, imgs, dw);
             } else {
                 grad_weight_gemm(g, x_g, dy_g, imgs, dw);
             }
         });
 }
 
-/// Allocates `len` floats and runs `fill(i, chunk)` on chunks of `chunk`
-/// elements in parallel (the last may be shorter). Skips the zeroing pass a
-/// `vec![0.0; len]` would make on one thread (3% of a step, measured).
+/// A pool tensor of `shape` whose elements `fill(i, chunk)` writes, chunk
+/// i of `chunk` elements at a time in parallel (the last may be shorter).
+/// From the pool, not a fresh `Vec`: a large output taken from the OS on
+/// every call is faulted in page by page on every step (the 45 MB dX of
+/// `conv_lstm`'s head cost several ms of page faults a step), and there is
+/// no zeroing pass.
 ///
 /// # Safety
 /// `fill` must write every element of the chunk it is given.
 unsafe fn par_build(
-    len: usize,
+    shape: &[usize],
     chunk: usize,
     fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
-) -> Result<Vec<f32>> {
-    let mut v: Vec<MaybeUninit<f32>> = try_scratch(len)?;
-    // SAFETY: MaybeUninit needs no initialisation; capacity is len.
-    unsafe { v.set_len(len) };
-    v.par_chunks_mut(chunk.max(1))
-        .enumerate()
-        .for_each(|(i, c)| fill(i, c));
-    let mut v = ManuallyDrop::new(v);
-    // SAFETY: every element was written (the caller's contract); f32 and
-    // MaybeUninit<f32> have the same layout, and we take over the allocation.
-    Ok(unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<f32>(), v.len(), v.capacity()) })
+) -> Result<Tensor> {
+    let chunk = chunk.max(1);
+    // SAFETY: every chunk is handed to `fill`, which writes it (our
+    // caller's contract).
+    unsafe {
+        Tensor::try_init_with(shape, |out| {
+            out.par_chunks_mut(chunk)
+                .enumerate()
+                .for_each(|(i, c)| fill(i, c));
+        })
+    }
 }
 
 /// Copies one [h, w, c] image into `dst` ([h+2p, w+2p, c]) inside a zero
@@ -2121,6 +2140,9 @@ mod tests {
         for case in [
             (37, 7, 7, 16, 32, 3, 1, 1, true),
             (37, 8, 8, 32, 16, 3, 2, 1, false),
+            // Narrow: the column kernels at stride 1, the gather at 2.
+            (37, 9, 8, 17, 1, 3, 1, 1, true),
+            (37, 7, 7, 5, 3, 3, 2, 1, false),
         ] {
             let x = input(case, 2);
             for (force_gemm, algorithm) in [

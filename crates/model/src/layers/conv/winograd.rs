@@ -51,7 +51,7 @@ use rayon::prelude::*;
 use super::direct::{self, Init, Steps, NR};
 use super::{par_build, with_scratch, Geom};
 use crate::memory::try_zeroed;
-use crate::Result;
+use crate::{Result, Tensor};
 
 /// Positions of a transformed 4×4 tile.
 const XI: usize = 16;
@@ -491,7 +491,7 @@ fn convolve(
     x: &[f32],
     u: &[f32],
     bias: Option<&[f32]>,
-) -> Result<Vec<f32>> {
+) -> Result<Tensor> {
     let plan = Plan::new(h, w, inputs, outputs);
     let (in_image, out_image) = (h * w * inputs, h * w * outputs);
     assert!(x.len() == n * in_image && u.len() == XI * inputs * outputs);
@@ -500,7 +500,7 @@ fn convolve(
     // SAFETY: `convolve_images` writes every output pixel of its images:
     // each belongs to exactly one tile.
     unsafe {
-        par_build(n * out_image, per_task * out_image, |t, out| {
+        par_build(&[n, h, w, outputs], per_task * out_image, |t, out| {
             let imgs = out.len() / out_image;
             let x_t = &x[t * per_task * in_image..][..imgs * in_image];
             convolve_images(&plan, x_t, imgs, u, bias, out);
@@ -569,14 +569,14 @@ fn convolve_images(
 }
 
 /// y = conv(x, w) + bias for a shape `shape_fits` accepts.
-pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Result<Vec<f32>> {
+pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Result<Tensor> {
     let (cin, cout) = (g.cin, g.cout);
     let u = transform_filter(cin, cout, |tap, i, o| w[(tap * cin + i) * cout + o])?;
     convolve(g.n, g.h, g.w, cin, cout, x, &u, bias)
 }
 
 /// dX: dY convolved with W flipped in space, its channels transposed.
-pub(super) fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Vec<f32>> {
+pub(super) fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Tensor> {
     let (cin, cout) = (g.cin, g.cout);
     let u = transform_filter(cout, cin, |tap, co, ci| {
         w[((8 - tap) * cin + ci) * cout + co]
