@@ -1,11 +1,13 @@
 //! `cargo xtask gpu-bundle`: everything a GPU machine without a Rust
 //! toolchain needs to prove and time the CUDA path, built here: the
-//! stripped release `xtask` and CUDA test binaries, the experiments, the
+//! stripped release `xtask` and CUDA test binaries (gzipped), the experiments, the
 //! PyTorch comparison script, optionally the four Fashion-MNIST files, and
 //! `run.sh`, which runs the CUDA tests with skipping turned into failure,
 //! trains the default experiment on the GPU, checks the OOM policy and
 //! bit-exact resume there, runs `bench --device cuda --compare-torch`, and
-//! writes `report.json` and `summary.txt` into `$OUT` (or `./out`).
+//! more, most needed first, within one call of the device tool; after each
+//! step it writes `report.json`, `summary.txt` and `logs.tar.gz` into `$OUT`
+//! (or `./out`), which the device tool brings back.
 //!
 //! `--dry-run` then runs that script here, on the CPU emulator of the driver
 //! and cuBLAS (`crates/cuda-emu`, preloaded so that the bundle's own release
@@ -14,14 +16,17 @@
 //! spent finding a broken step, a wrong path or a report that does not parse.
 
 use std::fs;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
+use flate2::{write::GzEncoder, Compression};
 
-/// The bundle without the dataset must stay under this (the device tool
-/// carries 64 MiB in all, and Fashion-MNIST's four files are about 30 MB).
-pub const MAX_BUNDLE_BYTES: u64 = 30 << 20;
+/// The bundle without the dataset must stay under this: the device tool
+/// carries 64 MiB in all, the repository's files included (about 4 MiB),
+/// and Fashion-MNIST's four files are about 30 MB.
+pub const MAX_BUNDLE_BYTES: u64 = 24 << 20;
 
 /// (package, test target) of every test binary that checks the CUDA path.
 const CUDA_TESTS: [(&str, &str); 5] = [
@@ -53,14 +58,14 @@ pub fn build(args: &BundleArgs) -> Result<()> {
     fs::create_dir_all(out.join("bin/tests"))
         .with_context(|| format!("creating {}", out.display()))?;
     let xtask = std::env::current_exe().context("locating the xtask binary")?;
-    copy_stripped(&xtask, &out.join("bin/xtask"))?;
+    pack_program(&xtask, &out.join("bin/xtask"))?;
     for test in test_binaries()? {
         let name = test
             .file_name()
             .and_then(|n| n.to_str())
             .and_then(|n| n.rsplit_once('-').map(|(stem, _)| stem.to_string()))
             .with_context(|| format!("an unexpected test binary name {}", test.display()))?;
-        copy_stripped(&test, &out.join("bin/tests").join(name))?;
+        pack_program(&test, &out.join("bin/tests").join(name))?;
     }
     copy_dir(Path::new("experiments"), &out.join("experiments"))?;
     fs::create_dir_all(out.join("bench"))?;
@@ -93,7 +98,7 @@ pub fn build(args: &BundleArgs) -> Result<()> {
         mib(dir_bytes(out)?)
     );
     println!(
-        "on the GPU machine: bash {}/run.sh (writes $OUT or ./out)",
+        "on the GPU machine: bash {}/run.sh (report.json, summary.txt, logs.tar.gz into $OUT or ./out)",
         out.display()
     );
     Ok(())
@@ -151,27 +156,36 @@ fn test_binaries() -> Result<Vec<PathBuf>> {
     Ok(found)
 }
 
-/// Copies `from` without its debug information (`strip --strip-debug`;
-/// a plain copy, with a warning, where `strip` is missing).
-fn copy_stripped(from: &Path, to: &Path) -> Result<()> {
+/// Writes `from` to `to` + `.gz`, without its debug information (`strip
+/// --strip-debug`; with it, and a warning, where `strip` is missing) and
+/// gzipped: the programs travel at a third of their size, and run.sh
+/// unpacks them.
+fn pack_program(from: &Path, to: &Path) -> Result<()> {
     let stripped = Command::new("strip")
         .arg("--strip-debug")
         .arg("-o")
         .arg(to)
         .arg(from)
         .status();
-    match stripped {
-        Ok(status) if status.success() => Ok(()),
-        _ => {
-            tracing::warn!(
-                "strip failed or is missing; copying {} with its debug information",
-                from.display()
-            );
-            fs::copy(from, to)
-                .map(drop)
-                .with_context(|| format!("copying {}", from.display()))
-        }
+    if !matches!(stripped, Ok(status) if status.success()) {
+        tracing::warn!(
+            "strip failed or is missing; packing {} with its debug information",
+            from.display()
+        );
+        fs::copy(from, to).with_context(|| format!("copying {}", from.display()))?;
     }
+    let program = fs::read(to).with_context(|| format!("reading {}", to.display()))?;
+    let mut packed = to.as_os_str().to_owned();
+    packed.push(".gz");
+    let packed = PathBuf::from(packed);
+    let file =
+        fs::File::create(&packed).with_context(|| format!("creating {}", packed.display()))?;
+    let mut encoder = GzEncoder::new(file, Compression::default());
+    encoder
+        .write_all(&program)
+        .and_then(|()| encoder.finish().map(drop))
+        .with_context(|| format!("writing {}", packed.display()))?;
+    fs::remove_file(to).with_context(|| format!("removing {}", to.display()))
 }
 
 fn copy_dir(from: &Path, to: &Path) -> Result<()> {
@@ -212,29 +226,81 @@ fn dir_bytes(dir: &Path) -> Result<u64> {
 /// `cargo test`.
 const DRY_RUN_STEPS: [&str; 4] = ["train", "oom", "resume", "bench"];
 
+/// The device tool brings back at most 8 files of `$OUT`, each at most
+/// this size and named in letters, digits, `.`, `_` and `-`.
+const MAX_RETURNED_FILE_BYTES: u64 = 16 << 20;
+
 /// Runs the bundle in `bundle` on the CPU emulator with small jobs; fails
 /// unless every step passed or was skipped (those that need PyTorch with
-/// CUDA).
+/// CUDA), and unless what run.sh leaves in `$OUT` is what the device tool
+/// can bring back. Then runs it again with no time left, which must record
+/// every step as out of time and still write its report.
 pub fn dry_run(bundle: &Path) -> Result<()> {
     let emulator = emulator_dir()?;
-    // run.sh changes to its own directory: OUT must not be relative.
+    // run.sh changes to its own directory: WORK and OUT must not be relative.
     let bundle = &std::path::absolute(bundle)
         .with_context(|| format!("the absolute path of {}", bundle.display()))?;
-    let out = bundle.join("dry-run");
-    if out.exists() {
-        fs::remove_dir_all(&out).with_context(|| format!("removing {}", out.display()))?;
+    let dir = bundle.join("dry-run");
+    if dir.exists() {
+        fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
     }
     println!(
         "dry run of {}/run.sh on the CPU emulator; logs in {}",
         bundle.display(),
-        out.display()
+        dir.display()
     );
-    let status = Command::new("bash")
+    let (work, out) = (dir.join("work"), dir.join("out"));
+    let status = emulated_run(bundle, &emulator, &work, &out, "3000")?;
+    let results = step_results(&work, status)?;
+    let failed: Vec<&str> = results
+        .iter()
+        .filter(|(_, exit)| exit != "0" && exit != "skip")
+        .map(|(name, _)| name.as_str())
+        .collect();
+    if results.is_empty() || !failed.is_empty() || !status.success() {
+        bail!(
+            "the dry run failed: {} of {} steps ({}); run.sh exited with {status}; see {}/<step>.log",
+            failed.len(),
+            results.len(),
+            failed.join(", "),
+            work.display()
+        );
+    }
+    check_returnable(&out)?;
+    let (late_work, late_out) = (dir.join("late-work"), dir.join("late-out"));
+    let status = emulated_run(bundle, &emulator, &late_work, &late_out, "0")?;
+    let late = step_results(&late_work, status)?;
+    if late.len() != results.len() || late.iter().any(|(_, exit)| exit != "skip") {
+        bail!(
+            "with DEADLINE=0 run.sh should record all {} steps as out of time, it recorded {late:?}",
+            results.len()
+        );
+    }
+    check_returnable(&late_out)?;
+    println!(
+        "dry run: all {} steps passed or were skipped (summary in {}); with no time left all were recorded as out of time",
+        results.len(),
+        out.join("summary.txt").display()
+    );
+    Ok(())
+}
+
+/// Runs `bundle`'s run.sh on the emulator, shrunk, with `deadline` seconds.
+fn emulated_run(
+    bundle: &Path,
+    emulator: &Path,
+    work: &Path,
+    out: &Path,
+    deadline: &str,
+) -> Result<std::process::ExitStatus> {
+    Command::new("bash")
         .arg(bundle.join("run.sh"))
         .args(DRY_RUN_STEPS)
-        .env("OUT", &out)
+        .env("WORK", work)
+        .env("OUT", out)
+        .env("DEADLINE", deadline)
         .env("LD_PRELOAD", emulator.join("libcuda.so"))
-        .env("LD_LIBRARY_PATH", &emulator)
+        .env("LD_LIBRARY_PATH", emulator)
         .env("EXPERIMENT", "experiments/smoke.toml")
         .env(
             "HEADROOM_SETS",
@@ -253,35 +319,64 @@ pub fn dry_run(bundle: &Path) -> Result<()> {
         .env("MODEL_BENCH_ARGS", "--batch 2 --warmup 1 --steps 1")
         .env("STEP_TIMEOUT", "300")
         .status()
-        .context("running bash run.sh")?;
-    let results = out.join("results.tsv");
-    let text = fs::read_to_string(&results).with_context(|| {
-        format!(
-            "reading {} (run.sh exited with {status})",
-            results.display()
-        )
-    })?;
-    let failed: Vec<&str> = text
-        .lines()
-        .filter_map(|line| {
+        .context("running bash run.sh")
+}
+
+/// The (step, exit) pairs of run.sh's `results.tsv` in `work`.
+fn step_results(work: &Path, status: std::process::ExitStatus) -> Result<Vec<(String, String)>> {
+    let path = work.join("results.tsv");
+    let text = fs::read_to_string(&path)
+        .with_context(|| format!("reading {} (run.sh exited with {status})", path.display()))?;
+    text.lines()
+        .map(|line| {
             let mut fields = line.split('\t');
-            let (name, exit) = (fields.next()?, fields.next()?);
-            (exit != "0" && exit != "skip").then_some(name)
+            match (fields.next(), fields.next()) {
+                (Some(name), Some(exit)) => Ok((name.to_string(), exit.to_string())),
+                _ => bail!(
+                    "{}: a line that is no step result: {line:?}",
+                    path.display()
+                ),
+            }
         })
-        .collect();
-    let ran = text.lines().count();
-    if ran == 0 || !failed.is_empty() || !status.success() {
+        .collect()
+}
+
+/// Fails unless `out` holds the report, the summary and the logs, as
+/// plain files that the device tool brings back whole.
+fn check_returnable(out: &Path) -> Result<()> {
+    let mut names = Vec::new();
+    for entry in fs::read_dir(out).with_context(|| format!("reading {}", out.display()))? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let meta = entry.metadata()?;
+        let plain_name = name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+        if !meta.is_file() || !plain_name || meta.len() > MAX_RETURNED_FILE_BYTES {
+            bail!(
+                "{}: {name} would not come back from a GPU machine (a plain file, a plain name, at most {} MiB)",
+                out.display(),
+                MAX_RETURNED_FILE_BYTES >> 20
+            );
+        }
+        names.push(name);
+    }
+    names.sort();
+    if names != ["logs.tar.gz", "report.json", "summary.txt"] {
         bail!(
-            "the dry run failed: {} of {ran} steps ({}); run.sh exited with {status}; see {}/<step>.log",
-            failed.len(),
-            failed.join(", "),
+            "{}: run.sh left {names:?}; it should leave report.json, summary.txt and logs.tar.gz",
             out.display()
         );
     }
-    println!(
-        "dry run: all {ran} steps passed or were skipped (summary in {})",
-        out.join("summary.txt").display()
-    );
+    let listing = Command::new("tar")
+        .arg("tzf")
+        .arg(out.join("logs.tar.gz"))
+        .output()
+        .context("listing logs.tar.gz with tar")?;
+    let listing = String::from_utf8_lossy(&listing.stdout);
+    if !listing.lines().any(|l| l.ends_with("results.tsv")) {
+        bail!("{}/logs.tar.gz lacks results.tsv", out.display());
+    }
     Ok(())
 }
 

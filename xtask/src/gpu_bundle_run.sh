@@ -2,17 +2,31 @@
 # headroom's GPU proof, for a machine with an NVIDIA driver, python3 and
 # PyTorch but no Rust toolchain (made by `cargo xtask gpu-bundle`).
 #
-#   bash run.sh [tests] [train] [oom] [resume] [bench]    (default: all five)
+#   bash run.sh [GROUP or STEP ...]    (default: every step)
 #
-# The device tool gives a command 10 minutes: run it in two calls,
-# `bash run.sh tests train`, then `bash run.sh oom resume bench`.
+# GROUPs: tests, train, oom, resume, bench; a STEP by its name (train,
+# bench, oom-driver, bench-tiny-gpt, ...; the list is in summary.txt).
 #
-# Each step's output goes to $OUT/<step>.log (OUT defaults to ./out). Every
-# step runs even if an earlier one failed, under STEP_TIMEOUT seconds (480),
-# and report.json and summary.txt are rewritten after each, so a call cut
-# short still says what passed, with the figures. A step that needs PyTorch
-# with CUDA is recorded as skipped where it has none. Fashion-MNIST comes from
-# ./data (if the bundle carries it) or $FASHION_MNIST_DIR.
+# A lent GPU gives a session 15 minutes in all, its start included, and a
+# command 10: one call of `bash run.sh` must say as much as it can. So the
+# steps run in order of what the GPU issue needs most (the CUDA tests, the
+# default job, the training step beside PyTorch, OOM, bit-exact resume, the
+# whole PyTorch job, then the variants and the other trainers), whatever
+# order they are named in, and none starts once fewer than MIN_STEP seconds
+# (30) are left of DEADLINE (570 s from the start of the script): those are
+# recorded as "out of time", and a later call names them. Each step also
+# stops at STEP_TIMEOUT seconds (240; TEST_TIMEOUT, 120, for each test
+# binary), so a hang costs one step, not the call.
+#
+# Everything goes into WORK ($BUNDLE/work): each step's output in
+# WORK/<step>.log, run directories, the kernel cache. After every step
+# report.json, summary.txt and logs.tar.gz (every log, metrics.jsonl and
+# bench JSON; no checkpoints) are written into OUT ($BUNDLE/out), three
+# files: the device tool brings back at most 8 files of $OUT, so a call
+# cut short still brings back what passed, with the figures. A step that
+# needs PyTorch with CUDA is recorded as skipped where it has none.
+# Fashion-MNIST comes from ./data (if the bundle carries it) or
+# $FASHION_MNIST_DIR.
 #
 # To shrink every job, `cargo xtask gpu-bundle --dry-run` runs this script on
 # the CPU emulator of the driver with: EXPERIMENT (the config every new job
@@ -26,21 +40,31 @@ set -u
 cd "$(dirname "$0")"
 BUNDLE=$PWD
 OUT=${OUT:-$BUNDLE/out}
-mkdir -p "$OUT"
+WORK=${WORK:-$BUNDLE/work}
+mkdir -p "$OUT" "$WORK"
 if [ -z "${FASHION_MNIST_DIR:-}" ] && [ -f data/train-images-idx3-ubyte.gz ]; then
     export FASHION_MNIST_DIR=$BUNDLE/data
 fi
-export HEADROOM_KERNEL_CACHE=${HEADROOM_KERNEL_CACHE:-$OUT/kernel-cache}
+export HEADROOM_KERNEL_CACHE=${HEADROOM_KERNEL_CACHE:-$WORK/kernel-cache}
 export HEADROOM_REQUIRE_GPU=1
-export OUT BUNDLE XTASK=$BUNDLE/bin/xtask HEADROOM_SETS=${HEADROOM_SETS:-}
+# The programs travel gzipped (a third of their size): unpacked into WORK.
+mkdir -p "$WORK/bin/tests"
+for packed in bin/xtask.gz bin/tests/*.gz; do
+    gunzip -c "$packed" > "$WORK/${packed%.gz}" && chmod +x "$WORK/${packed%.gz}" \
+        || { echo "could not unpack $packed into $WORK"; exit 1; }
+done
+export WORK BUNDLE XTASK=$WORK/bin/xtask HEADROOM_SETS=${HEADROOM_SETS:-}
 export EXPERIMENT=${EXPERIMENT:-experiments/fashion_mnist.toml}
 OOM_BUDGET=${OOM_BUDGET:-40MiB}
 read -r -a BENCH_ARGS <<< "${BENCH_ARGS:---steps 50}"
 export MODEL_BENCH_ARGS=${MODEL_BENCH_ARGS:---batch 32 --steps 50}
-STEP_TIMEOUT=${STEP_TIMEOUT:-480}
-STEPS=${*:-tests train oom resume bench}
-RESULTS=$OUT/results.tsv
-touch "$RESULTS"
+DEADLINE=${DEADLINE:-570}
+MIN_STEP=${MIN_STEP:-30}
+STEP_TIMEOUT=${STEP_TIMEOUT:-240}
+TEST_TIMEOUT=${TEST_TIMEOUT:-120}
+STEPS=" ${*:-all} "
+RESULTS=$WORK/results.tsv
+: > "$RESULTS"
 
 # hr COMMAND ARGS...: the bundle's `xtask COMMAND` on EXPERIMENT with ARGS,
 # then the HEADROOM_SETS overrides.
@@ -53,39 +77,69 @@ hr() {
 # torch_cuda: whether python3 has PyTorch with a usable GPU.
 torch_cuda() { python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; }
 
-# step NAME COMMAND...: runs COMMAND (a program or one of the functions
-# here) with its output in $OUT/NAME.log and records
-# "NAME<TAB>exit<TAB>seconds" (exit 124: it ran past STEP_TIMEOUT).
+# step GROUP NAME COMMAND...: if GROUP or NAME was asked for, runs COMMAND
+# (a program or one of the functions here) with its output in
+# $WORK/NAME.log and records "NAME<TAB>exit<TAB>seconds" (exit 124: it ran
+# past its time); "out of time" instead when too little of DEADLINE is left.
 step() {
-    local name=$1; shift
+    local group=$1 name=$2; shift 2
+    wants "$group" "$name" || return 0
+    local left=$((DEADLINE - SECONDS)) limit=$STEP_TIMEOUT
+    [ "$group" = tests ] && limit=$TEST_TIMEOUT
+    if [ "$left" -lt "$MIN_STEP" ]; then
+        skip "$name" "out of time ($left s of DEADLINE=$DEADLINE left)"
+        return 0
+    fi
+    [ "$limit" -le "$((left - 10))" ] || limit=$((left - 10))
     local started=$SECONDS
-    echo "== $name: $*"
-    timeout -k 20 "$STEP_TIMEOUT" bash -c '"$@"' "$name" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $name (at most $limit s): $*"
+    timeout -k 10 "$limit" bash -c '"$@"' "$name" "$@" > "$WORK/$name.log" 2>&1
     local rc=$?
     record "$name" "$rc" "$((SECONDS - started))"
     echo "   exit $rc after $((SECONDS - started)) s"
-    return $rc
 }
 
 # skip NAME WHY: records NAME as not run.
 skip() {
     echo "== $1: skipped, $2"
-    echo "skipped: $2" > "$OUT/$1.log"
+    echo "skipped: $2" > "$WORK/$1.log"
     record "$1" skip 0
+}
+
+# torch_step GROUP NAME COMMAND...: step, where python3 has PyTorch with
+# CUDA; else recorded as skipped.
+torch_step() {
+    wants "$1" "$2" || return 0
+    if torch_cuda; then step "$@"; else skip "$2" "python3 has no PyTorch with CUDA"; fi
 }
 
 record() {
     printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$RESULTS"
     write_report > /dev/null
+    publish
 }
 
-wants() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
+# publish: the report, the summary and every log into OUT, three files,
+# each replaced whole (written beside, then moved).
+publish() {
+    [ -f "$WORK/report.json" ] && cp "$WORK/report.json" "$OUT/report.json.part" \
+        && mv "$OUT/report.json.part" "$OUT/report.json"
+    [ -f "$WORK/summary.txt" ] && cp "$WORK/summary.txt" "$OUT/summary.txt.part" \
+        && mv "$OUT/summary.txt.part" "$OUT/summary.txt"
+    (cd "$WORK" && find . -maxdepth 3 -type f \( -name '*.log' -o -name '*.tsv' -o -name '*.txt' \
+        -o -name '*.json' -o -name '*.jsonl' -o -name '*.toml' \) -print0 \
+        | tar czf "$OUT/logs.tar.gz.part" --null -T -) \
+        && mv "$OUT/logs.tar.gz.part" "$OUT/logs.tar.gz"
+}
+
+# wants GROUP NAME: whether the command line named GROUP or NAME (or none).
+wants() { case "$STEPS" in *" all "* | *" $1 "* | *" $2 "*) return 0 ;; esac; return 1; }
 
 # train_on_auto: device.kind = "auto" must pick the GPU and train.
 train_on_auto() {
     hr train --no-install --set device.kind=auto --set train.epochs=1 \
-        --set "run.output_dir=$OUT/default-auto" || return 1
-    grep -q "device: cuda" "$OUT/train-auto.log" \
+        --set "run.output_dir=$WORK/default-auto" || return 1
+    grep -q "device: cuda" "$WORK/train-auto.log" \
         || { echo "device.kind=auto did not train on the GPU"; return 1; }
 }
 
@@ -94,9 +148,9 @@ train_on_auto() {
 # two must reach the same accuracy within noise.
 train_mlp() {
     EXPERIMENT=experiments/mlp_silu.toml hr train --no-install --set device.kind=cuda \
-        --set train.epochs=1 --set "run.output_dir=$OUT/mlp-silu" || return 1
+        --set train.epochs=1 --set "run.output_dir=$WORK/mlp-silu" || return 1
     EXPERIMENT=experiments/mlp_silu.toml hr train --no-install --set device.kind=cpu \
-        --set train.epochs=1 --set "run.output_dir=$OUT/mlp-silu-cpu"
+        --set train.epochs=1 --set "run.output_dir=$WORK/mlp-silu-cpu"
 }
 
 # train_gpt: token models on the GPU. tiny_gpt for one epoch on the
@@ -105,7 +159,7 @@ train_mlp() {
 # (batch 1 x accumulation 8, blocks recomputed), then the full fine-tune
 # of it, for their tensor peaks on the device.
 train_gpt() {
-    python3 - "$OUT" <<'EOF' || return 1
+    python3 - "$WORK" <<'EOF' || return 1
 import re, sys
 out = sys.argv[1]
 corpus = re.compile(r"^package = .*?^\]\n", re.S | re.M)
@@ -117,12 +171,12 @@ lora = re.sub(r"^base = .*$", 'base = "%s/gpt-base"' % out, lora, flags=re.M)
 open(out + "/lora_gpu.toml", "w").write(lora)
 EOF
     local HEADROOM_SETS="$HEADROOM_SETS ${GPT_SETS:-}"
-    EXPERIMENT=$OUT/gpt_licences.toml hr train --no-install --set device.kind=cuda \
-        --set train.epochs=1 --set "run.output_dir=$OUT/gpt-base" || return 1
-    EXPERIMENT=$OUT/lora_gpu.toml hr train --no-install --set device.kind=cuda \
-        --set "run.output_dir=$OUT/lora" || return 1
-    EXPERIMENT=$OUT/lora_gpu.toml hr train --no-install --set device.kind=cuda \
-        --set finetune.train=full --set "run.output_dir=$OUT/lora-full"
+    EXPERIMENT=$WORK/gpt_licences.toml hr train --no-install --set device.kind=cuda \
+        --set train.epochs=1 --set "run.output_dir=$WORK/gpt-base" || return 1
+    EXPERIMENT=$WORK/lora_gpu.toml hr train --no-install --set device.kind=cuda \
+        --set "run.output_dir=$WORK/lora" || return 1
+    EXPERIMENT=$WORK/lora_gpu.toml hr train --no-install --set device.kind=cuda \
+        --set finetune.train=full --set "run.output_dir=$WORK/lora-full"
 }
 
 # train_frames: the UNet-ConvLSTM frame model (experiments/conv_lstm.toml)
@@ -130,7 +184,7 @@ EOF
 train_frames() {
     local HEADROOM_SETS="$HEADROOM_SETS ${FRAMES_SETS:-}"
     EXPERIMENT=experiments/conv_lstm.toml hr train --no-install --set device.kind=cuda \
-        --set train.epochs=1 --set "run.output_dir=$OUT/frames"
+        --set train.epochs=1 --set "run.output_dir=$WORK/frames"
 }
 
 # bench_model NAME: experiments/NAME.toml's training step on the GPU,
@@ -140,14 +194,14 @@ bench_model() {
     local args
     read -r -a args <<< "$MODEL_BENCH_ARGS"
     if torch_cuda; then args+=(--compare-torch); fi
-    EXPERIMENT=experiments/$1.toml hr bench --device cuda "${args[@]}" --json-out "$OUT/bench-$1.json"
+    EXPERIMENT=experiments/$1.toml hr bench --device cuda "${args[@]}" --json-out "$WORK/bench-$1.json"
 }
 
 # hog_and_train: another process holds all but HOG_LEAVES_MIB of the GPU;
 # a job that needs far more (batch 4096), with a budget that does not bind,
 # must meet the driver's own out-of-memory and adapt, never crash or hang.
 hog_and_train() {
-    python3 - > "$OUT/hog.log" 2>&1 <<'EOF' &
+    python3 - > "$WORK/hog.log" 2>&1 <<'EOF' &
 import os, time, torch
 free, _ = torch.cuda.mem_get_info()
 leave = int(os.environ.get("HOG_LEAVES_MIB", "768")) << 20
@@ -156,16 +210,16 @@ print("holding", hold.numel() >> 20, "MiB of", free >> 20, "MiB free", flush=Tru
 time.sleep(600)
 EOF
     local hog=$! waited=0
-    until grep -q holding "$OUT/hog.log" 2>/dev/null; do
+    until grep -q holding "$WORK/hog.log" 2>/dev/null; do
         sleep 1; waited=$((waited + 1))
         if [ $waited -ge 90 ] || ! kill -0 "$hog" 2>/dev/null; then
-            echo "the memory hog did not start:"; cat "$OUT/hog.log"; kill "$hog" 2>/dev/null; return 1
+            echo "the memory hog did not start:"; cat "$WORK/hog.log"; kill "$hog" 2>/dev/null; return 1
         fi
     done
-    cat "$OUT/hog.log"
+    cat "$WORK/hog.log"
     hr train --no-install --set device.kind=cuda --set device.memory_limit=64GiB \
         --set train.batch_size=4096 --set train.epochs=1 --set data.train_samples=16384 \
-        --set "run.output_dir=$OUT/oom-driver"
+        --set "run.output_dir=$WORK/oom-driver"
     local rc=$?
     kill "$hog" 2>/dev/null; wait "$hog" 2>/dev/null
     return $rc
@@ -207,40 +261,40 @@ RESUME_JOB="--no-install --set device.kind=cuda --set train.epochs=$RESUME_EPOCH
 # resume_reference: the job uninterrupted.
 resume_reference() {
     # shellcheck disable=SC2086
-    hr train $RESUME_JOB --set "run.output_dir=$OUT/resume-a"
+    hr train $RESUME_JOB --set "run.output_dir=$WORK/resume-a"
 }
 
 # resume_killed: the same job, SIGKILLed at a random step of its first half
 # (before or after a checkpoint, maybe during one), resumed, killed again at
 # a random later step, and resumed to the end. Each process's log is in
-# $OUT/resume-b-N.log.
+# $WORK/resume-b-N.log.
 resume_killed() {
-    local dir=$OUT/resume-b extra reached per_epoch total first second pid
+    local dir=$WORK/resume-b extra reached per_epoch total first second pid
     read -r -a extra <<< "$HEADROOM_SETS"
     # shellcheck disable=SC2086
     "$XTASK" train --config "$EXPERIMENT" $RESUME_JOB --set "run.output_dir=$dir" \
-        ${extra[@]+"${extra[@]}"} > "$OUT/resume-b-1.log" 2>&1 &
+        ${extra[@]+"${extra[@]}"} > "$WORK/resume-b-1.log" 2>&1 &
     pid=$!
     per_epoch=0
     while [ "$per_epoch" -eq 0 ] && kill -0 "$pid" 2>/dev/null; do
         sleep 0.01
-        read -r reached per_epoch <<< "$(step_reached "$OUT/resume-b-1.log")"
+        read -r reached per_epoch <<< "$(step_reached "$WORK/resume-b-1.log")"
     done
     total=$((RESUME_EPOCHS * per_epoch))
     if [ "$total" -lt 4 ]; then
-        kill -9 "$pid" 2>/dev/null; cat "$OUT/resume-b-1.log"
+        kill -9 "$pid" 2>/dev/null; cat "$WORK/resume-b-1.log"
         echo "$total steps are too few to kill twice"; return 1
     fi
     first=$((2 + RANDOM % (total / 2 - 1)))
     second=$((first + 1 + RANDOM % (total - first - 1)))
     echo "$total steps; SIGKILL at step $first, then at step $second"
-    kill_at "$pid" "$OUT/resume-b-1.log" "$first" || return 1
-    "$XTASK" train --resume "$dir" > "$OUT/resume-b-2.log" 2>&1 &
-    kill_at $! "$OUT/resume-b-2.log" "$second" || return 1
-    "$XTASK" train --resume "$dir" > "$OUT/resume-b-3.log" 2>&1
+    kill_at "$pid" "$WORK/resume-b-1.log" "$first" || return 1
+    "$XTASK" train --resume "$dir" > "$WORK/resume-b-2.log" 2>&1 &
+    kill_at $! "$WORK/resume-b-2.log" "$second" || return 1
+    "$XTASK" train --resume "$dir" > "$WORK/resume-b-3.log" 2>&1
     local rc=$?
-    grep -h "resuming from" "$OUT"/resume-b-[23].log
-    tail -n 15 "$OUT/resume-b-3.log"
+    grep -h "resuming from" "$WORK"/resume-b-[23].log
+    tail -n 15 "$WORK/resume-b-3.log"
     return $rc
 }
 
@@ -295,7 +349,7 @@ EOF
 }
 
 write_report() {
-    python3 - "$OUT" <<'EOF'
+    python3 - "$WORK" <<'EOF'
 import json, os, re, sys
 out = sys.argv[1]
 def read(name):
@@ -380,9 +434,9 @@ json.dump(report, open(os.path.join(out, "report.json"), "w"), indent=2)
 lines = [report["gpu"], ""]
 def status(s):
     if s["exit"] == "skip":
-        return "skipped"
+        return read(s["step"] + ".log").strip() or "skipped"
     return "ok" if s["exit"] == 0 else "TIMED OUT" if s["exit"] == 124 else "FAILED (exit %d)" % s["exit"]
-lines += [f'{s["step"]:<28} {status(s):<16} {s["seconds"]} s' for s in report["steps"]]
+lines += [f'{s["step"]:<28} {s["seconds"]:>4} s  {status(s)}' for s in report["steps"]]
 if "default_run" in report:
     lines += [""] + report["default_run"]["summary"]
 jobs = report["whole_job_seconds"]
@@ -424,103 +478,91 @@ export RESUME_EPOCHS RESUME_JOB
     nvidia-smi -L 2>&1 || echo "nvidia-smi failed"
     python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
     "$XTASK" doctor 2>&1
-} > "$OUT/gpu.txt"
+} > "$WORK/gpu.txt"
+echo "$(head -n 1 "$WORK/gpu.txt"); steps: $STEPS; DEADLINE=$DEADLINE s"
 
-if wants tests; then
-    for t in "$BUNDLE"/bin/tests/*; do
-        # The implicit-GEMM kernels' tests (their first run on a GPU) go in
-        # a process of their own: a fault there leaves a sticky CUDA error
-        # that would fail every later test of the binary.
-        step "test-$(basename "$t")" "$t" --test-threads=1 --nocapture --skip implicit
-        if "$t" --list 2>/dev/null | grep -q implicit; then
-            step "test-$(basename "$t")-implicit" "$t" --test-threads=1 --nocapture implicit
-        fi
-    done
-fi
-
-if wants train; then
-    # The default experiment (5 epochs) on the GPU, its training set held
-    # there (data.on_device), batches made on the device.
-    step train hr train --no-install --set device.kind=cuda \
-        --set "run.output_dir=$OUT/default"
-    # The same job with every batch staged from the host: same bits, and
-    # the wall time shows what residency is worth.
-    step train-host-data hr train --no-install --set device.kind=cuda \
-        --set data.on_device=false --set "run.output_dir=$OUT/default-host-data"
-    # f32 training on the GPU (--no-amp), one epoch: it must learn as the
-    # mixed-precision run does.
-    step train-no-amp hr train --no-install --set device.kind=cuda --no-amp \
-        --set train.epochs=1 --set "run.output_dir=$OUT/default-no-amp"
-    step train-auto train_on_auto
-    step train-mlp train_mlp
-    step train-gpt train_gpt
-    step train-frames train_frames
-    # The same job in PyTorch (AMP, channels_last, fused AdamW,
-    # torch.compile, DataLoader with 4 workers), for the whole-job wall time.
-    if torch_cuda; then
-        step torch-job python3 "$BUNDLE/bench/torch_fashion_mnist.py" --device cuda \
-            --data "${FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}"
-    else
-        skip torch-job "python3 has no PyTorch with CUDA"
+# 1. Correctness: every CUDA test binary, skipping turned into failure.
+for t in "$WORK"/bin/tests/*; do
+    # The implicit-GEMM kernels' tests (their first run on a GPU) go in a
+    # process of their own: a fault there leaves a sticky CUDA error that
+    # would fail every later test of the binary.
+    step tests "test-$(basename "$t")" "$t" --test-threads=1 --nocapture --skip implicit
+    if "$t" --list 2>/dev/null | grep -q implicit; then
+        step tests "test-$(basename "$t")-implicit" "$t" --test-threads=1 --nocapture implicit
     fi
-    # Last, as the least needed: the default job with our implicit-GEMM
-    # convolutions instead of im2col + cuBLAS, which must reach the same
-    # accuracy before it may be the default.
-    step train-implicit-gemm hr train --no-install --set device.kind=cuda \
-        --set device.conv_algorithm=implicit_gemm --set "run.output_dir=$OUT/default-implicit-gemm"
+done
+
+# 2. The default experiment (5 epochs) on the GPU, its training set held
+# there (data.on_device), batches made on the device.
+step train train hr train --no-install --set device.kind=cuda --set "run.output_dir=$WORK/default"
+
+# 3. The training step beside PyTorch (AMP, channels_last, fused AdamW,
+# torch.compile) on this GPU, batch 128 and 512; then 10 more steps timed
+# layer by layer (--profile), to say what holds a ratio back.
+if torch_cuda; then
+    step bench bench hr bench --device cuda --compare-torch --profile "${BENCH_ARGS[@]}" --json-out "$WORK/bench.json"
+else
+    step bench bench hr bench --device cuda --profile "${BENCH_ARGS[@]}" --json-out "$WORK/bench.json"
 fi
 
-if wants oom; then
-    # A budget below what a batch-128 step needs: the run must adapt and
-    # finish. Under 4 GiB the low_memory profile applies (recompute, and the
-    # micro-batch found by a trial step); without it (run.profile=none) the
-    # step itself runs out and the batch is split then.
-    step oom-budget hr train --no-install --set device.kind=cuda \
-        --set "device.memory_limit=$OOM_BUDGET" --set train.batch_size=128 --set train.epochs=1 \
-        --set data.train_samples=8192 --set "run.output_dir=$OUT/oom-budget"
-    step oom-budget-reactive hr train --no-install --set device.kind=cuda --set run.profile=none \
-        --set "device.memory_limit=$OOM_BUDGET" --set train.batch_size=128 --set train.epochs=1 \
-        --set data.train_samples=8192 --set "run.output_dir=$OUT/oom-budget-reactive"
-    if torch_cuda; then
-        step oom-driver hog_and_train
-    else
-        skip oom-driver "python3 has no PyTorch with CUDA to hold the GPU's memory"
-    fi
-fi
+# 4. A budget below what a batch-128 step needs: the run must adapt and
+# finish. Under 4 GiB the low_memory profile applies (recompute, and the
+# micro-batch found by a trial step). Then another process holds all but
+# 768 MiB of the GPU and the driver itself must refuse, and be handled.
+step oom oom-budget hr train --no-install --set device.kind=cuda \
+    --set "device.memory_limit=$OOM_BUDGET" --set train.batch_size=128 --set train.epochs=1 \
+    --set data.train_samples=8192 --set "run.output_dir=$WORK/oom-budget"
+torch_step oom oom-driver hog_and_train
 
-if wants resume; then
-    # SIGKILL twice at random steps and resume: the step losses, the epoch
-    # figures and the final weights must equal an uninterrupted run's.
-    step resume-reference resume_reference
-    step resume-killed resume_killed
-    step resume-compare resume_compare "$OUT/resume-a/metrics.jsonl" "$OUT/resume-b/metrics.jsonl"
-    step resume-weights weights_equal "$OUT/resume-a" "$OUT/resume-b"
-fi
+# 5. SIGKILL twice at random steps and resume: the step losses, the epoch
+# figures and the final weights must equal an uninterrupted run's.
+step resume resume-reference resume_reference
+step resume resume-killed resume_killed
+step resume resume-compare resume_compare "$WORK/resume-a/metrics.jsonl" "$WORK/resume-b/metrics.jsonl"
+step resume resume-weights weights_equal "$WORK/resume-a" "$WORK/resume-b"
 
-if wants bench; then
-    # The training step beside PyTorch (AMP, channels_last, fused AdamW,
-    # torch.compile) on this GPU, batch 128 and 512; then 10 more steps
-    # timed layer by layer (--profile), to say what holds a ratio back.
-    if torch_cuda; then
-        step bench hr bench --device cuda --compare-torch --profile "${BENCH_ARGS[@]}" --json-out "$OUT/bench.json"
-    else
-        step bench hr bench --device cuda --profile "${BENCH_ARGS[@]}" --json-out "$OUT/bench.json"
-    fi
-    # What CUDA graphs give: the same step launched kernel by kernel.
-    step bench-no-graphs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.graphs=false
-    # What the memory savings cost in speed: outputs kept instead of
-    # recomputed, and an im2col workspace of 64 MiB (and 4 MiB) against 16.
-    step bench-keep-outputs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.recompute=false
-    step bench-workspace-64 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.conv_workspace=64MiB
-    step bench-workspace-4 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.conv_workspace=4MiB
-    # Our tensor-core convolution (conv_mma.cu) against im2col + cuBLAS,
-    # layer by layer: which one the default should be.
-    step bench-implicit-gemm hr bench --device cuda --profile "${BENCH_ARGS[@]}" \
-        --set device.conv_algorithm=implicit_gemm
-    # The other trainers: a transformer, an LSTM, the UNet-ConvLSTM.
-    step bench-tiny-gpt bench_model tiny_gpt
-    step bench-char-lm bench_model char_lm
-    step bench-conv-lstm bench_model conv_lstm
-fi
+# 6. The default job in PyTorch (AMP, channels_last, fused AdamW,
+# torch.compile, DataLoader with 4 workers), for the whole-job wall time.
+torch_step train torch-job python3 "$BUNDLE/bench/torch_fashion_mnist.py" --device cuda \
+    --data "${FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}"
+
+# 7. Variants of the default job: device.kind = "auto" must pick the GPU;
+# f32 (--no-amp) must learn as mixed precision does; batches staged from
+# the host give the same bits, and the wall time shows what residency is
+# worth; without the low_memory profile (run.profile=none) the step itself
+# runs out of the budget and the batch is split.
+step train train-auto train_on_auto
+step train train-no-amp hr train --no-install --set device.kind=cuda --no-amp \
+    --set train.epochs=1 --set "run.output_dir=$WORK/default-no-amp"
+step train train-host-data hr train --no-install --set device.kind=cuda \
+    --set data.on_device=false --set "run.output_dir=$WORK/default-host-data"
+step oom oom-budget-reactive hr train --no-install --set device.kind=cuda --set run.profile=none \
+    --set "device.memory_limit=$OOM_BUDGET" --set train.batch_size=128 --set train.epochs=1 \
+    --set data.train_samples=8192 --set "run.output_dir=$WORK/oom-budget-reactive"
+
+# 8. What the step's choices cost or give: CUDA graphs off, outputs kept
+# instead of recomputed, and our tensor-core convolution (conv_mma.cu)
+# against im2col + cuBLAS, layer by layer.
+step bench bench-no-graphs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.graphs=false
+step bench bench-keep-outputs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.recompute=false
+step bench bench-implicit-gemm hr bench --device cuda --profile "${BENCH_ARGS[@]}" \
+    --set device.conv_algorithm=implicit_gemm
+
+# 9. The other trainers on the GPU, then their steps beside PyTorch's.
+step train train-mlp train_mlp
+step train train-gpt train_gpt
+step train train-frames train_frames
+step bench bench-tiny-gpt bench_model tiny_gpt
+step bench bench-char-lm bench_model char_lm
+step bench bench-conv-lstm bench_model conv_lstm
+
+# 10. Least needed: the default job with implicit-GEMM convolutions (which
+# must reach im2col's accuracy before it may be the default), and the im2col
+# workspace at 64 and 4 MiB against 16.
+step train train-implicit-gemm hr train --no-install --set device.kind=cuda \
+    --set device.conv_algorithm=implicit_gemm --set "run.output_dir=$WORK/default-implicit-gemm"
+step bench bench-workspace-64 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.conv_workspace=64MiB
+step bench bench-workspace-4 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.conv_workspace=4MiB
 
 write_report
+publish
