@@ -240,7 +240,11 @@ pub fn dry_run(bundle: &Path) -> Result<()> {
     // run.sh changes to its own directory: WORK and OUT must not be relative.
     let bundle = &std::path::absolute(bundle)
         .with_context(|| format!("the absolute path of {}", bundle.display()))?;
-    let dir = bundle.join("dry-run");
+    // Beside the bundle, not in it: the bundle is what a GPU session
+    // carries, and a dry run leaves about 90 MiB of runs.
+    let mut dir = bundle.as_os_str().to_owned();
+    dir.push("-dry-run");
+    let dir = PathBuf::from(dir);
     if dir.exists() {
         fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
     }

@@ -225,6 +225,28 @@ EOF
     return $rc
 }
 
+# rerun_failed BINARY LOG: each test that BINARY's run in LOG failed, again
+# in a process of its own. A kernel fault leaves a sticky CUDA error that
+# fails every later test of its process: this tells the test that faulted
+# from those that failed after it.
+rerun_failed() {
+    local binary=$1 log=$2 name failed=0
+    # libtest's last "failures:" section lists the failed tests, indented.
+    for name in $(awk '/^failures:$/ { list = ""; on = 1; next }
+                       on && /^    [A-Za-z_][A-Za-z0-9_:]*$/ { list = list " " $1; next }
+                       on && /^$/ { on = 0 }
+                       END { print list }' "$log"); do
+        if timeout -k 5 60 "$binary" --exact "$name" --test-threads=1 --nocapture > "$log.one" 2>&1; then
+            echo "ok alone:     $name"
+        else
+            echo "FAILED alone: $name"; failed=1
+            { grep -m 1 -A 8 "panicked at" "$log.one" || tail -n 20 "$log.one"; } | sed 's/^/    /'
+        fi
+    done
+    rm -f "$log.one"
+    return $failed
+}
+
 # step_reached LOG: the run's global step by its last progress line in LOG
 # ("epoch E/EE step B/BPE"), then its batches per epoch; "0 0" before one.
 step_reached() {
@@ -470,7 +492,7 @@ print("\n".join(lines))
 EOF
 }
 
-export -f hr torch_cuda train_on_auto train_mlp train_gpt train_frames bench_model hog_and_train step_reached kill_at \
+export -f hr torch_cuda rerun_failed train_on_auto train_mlp train_gpt train_frames bench_model hog_and_train step_reached kill_at \
     resume_reference resume_killed resume_compare weights_equal
 export RESUME_EPOCHS RESUME_JOB
 
@@ -487,6 +509,9 @@ for t in "$WORK"/bin/tests/*; do
     # process of their own: a fault there leaves a sticky CUDA error that
     # would fail every later test of the binary.
     step tests "test-$(basename "$t")" "$t" --test-threads=1 --nocapture --skip implicit
+    if grep -q "^test result: FAILED" "$WORK/test-$(basename "$t").log" 2>/dev/null; then
+        step tests "test-$(basename "$t")-alone" rerun_failed "$t" "$WORK/test-$(basename "$t").log"
+    fi
     if "$t" --list 2>/dev/null | grep -q implicit; then
         step tests "test-$(basename "$t")-implicit" "$t" --test-threads=1 --nocapture implicit
     fi
