@@ -575,36 +575,31 @@ fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Tensor> {
     if use_winograd(g) {
         return winograd::grad_input(g, dy, w);
     }
-    if direct::supports(g.cin) {
-        let out_image = g.opix() * g.cout;
-        let per_task = images_per_task(g.n, out_image);
-        let wt = transposed_per_tap(g, w)?;
-        // SAFETY: `direct::grad_input` writes every element of its chunk.
-        unsafe {
-            par_build(&shape, per_task * g.in_image(), |t, dx| {
-                let imgs = dx.len() / g.in_image();
-                let dy_t = &dy[t * per_task * out_image..][..imgs * out_image];
-                direct::grad_input(g, dy_t, imgs, &wt, dx);
-            })
-        }
+    // Both gather kernels read Wᵀ per tap and write whole images of dX.
+    let gather: PerImageGradInput = if direct::supports(g.cin) {
+        direct::grad_input
     } else if narrow::takes_grad_input(g) {
-        let out_image = g.opix() * g.cout;
-        let per_task = images_per_task(g.n, out_image);
-        let wt = transposed_per_tap(g, w)?;
-        // SAFETY: `narrow::grad_input` writes every element of its chunk.
-        unsafe {
-            par_build(&shape, per_task * g.in_image(), |t, dx| {
-                let imgs = dx.len() / g.in_image();
-                let dy_t = &dy[t * per_task * out_image..][..imgs * out_image];
-                narrow::grad_input(g, dy_t, imgs, &wt, dx);
-            })
-        }
+        narrow::grad_input
     } else {
         let mut dx = Tensor::try_zeros(&shape)?;
         grad_input_gemm(g, dy, w, dx.try_data_mut()?);
-        Ok(dx)
+        return Ok(dx);
+    };
+    let out_image = g.opix() * g.cout;
+    let per_task = images_per_task(g.n, out_image);
+    let wt = transposed_per_tap(g, w)?;
+    // SAFETY: both gather kernels write every element of their chunk.
+    unsafe {
+        par_build(&shape, per_task * g.in_image(), |t, dx| {
+            let imgs = dx.len() / g.in_image();
+            let dy_t = &dy[t * per_task * out_image..][..imgs * out_image];
+            gather(g, dy_t, imgs, &wt, dx);
+        })
     }
 }
+
+/// dX of `imgs` whole images from their dY and Wᵀ per tap.
+type PerImageGradInput = fn(&Geom, &[f32], usize, &[f32], &mut [MaybeUninit<f32>]);
 
 /// Per-group partial gradients: `partials` is groups × [kk·cout weight, cout bias].
 fn grad_params(g: &Geom, groups: &Groups, x: &[f32], dy: &[f32], partials: &mut [f32]) {
