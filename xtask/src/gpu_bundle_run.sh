@@ -74,8 +74,14 @@ hr() {
     "$XTASK" "$command" --config "$EXPERIMENT" "$@" ${extra[@]+"${extra[@]}"}
 }
 
-# torch_cuda: whether python3 has PyTorch with a usable GPU.
-torch_cuda() { python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; }
+# torch_cuda: whether python3 has PyTorch with a usable GPU (asked once:
+# importing torch takes seconds).
+if python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+    export TORCH_CUDA=1
+else
+    export TORCH_CUDA=0
+fi
+torch_cuda() { [ "$TORCH_CUDA" = 1 ]; }
 
 # step GROUP NAME COMMAND...: if GROUP or NAME was asked for, runs COMMAND
 # (a program or one of the functions here) with its output in
