@@ -1,7 +1,7 @@
 //! `cargo xtask gpu-bundle`: everything a GPU machine without a Rust
 //! toolchain needs to prove and time the CUDA path, built here: the
-//! stripped release `xtask` and CUDA test binaries (gzipped), the experiments, the
-//! PyTorch comparison script, optionally the four Fashion-MNIST files, and
+//! stripped release `xtask` and CUDA test binaries (gzipped), the
+//! experiments, the PyTorch comparison script, optionally the four Fashion-MNIST files, and
 //! `run.sh`, which runs the CUDA tests with skipping turned into failure,
 //! trains the default experiment on the GPU, checks the OOM policy and
 //! bit-exact resume there, runs `bench --device cuda --compare-torch`, and
@@ -175,9 +175,7 @@ fn pack_program(from: &Path, to: &Path) -> Result<()> {
         fs::copy(from, to).with_context(|| format!("copying {}", from.display()))?;
     }
     let program = fs::read(to).with_context(|| format!("reading {}", to.display()))?;
-    let mut packed = to.as_os_str().to_owned();
-    packed.push(".gz");
-    let packed = PathBuf::from(packed);
+    let packed = with_suffix(to, ".gz");
     let file =
         fs::File::create(&packed).with_context(|| format!("creating {}", packed.display()))?;
     let mut encoder = GzEncoder::new(file, Compression::default());
@@ -186,6 +184,13 @@ fn pack_program(from: &Path, to: &Path) -> Result<()> {
         .and_then(|()| encoder.finish().map(drop))
         .with_context(|| format!("writing {}", packed.display()))?;
     fs::remove_file(to).with_context(|| format!("removing {}", to.display()))
+}
+
+/// `path` with `suffix` appended to its last component.
+fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(suffix);
+    PathBuf::from(name)
 }
 
 fn copy_dir(from: &Path, to: &Path) -> Result<()> {
@@ -242,9 +247,7 @@ pub fn dry_run(bundle: &Path) -> Result<()> {
         .with_context(|| format!("the absolute path of {}", bundle.display()))?;
     // Beside the bundle, not in it: the bundle is what a GPU session
     // carries, and a dry run leaves about 90 MiB of runs.
-    let mut dir = bundle.as_os_str().to_owned();
-    dir.push("-dry-run");
-    let dir = PathBuf::from(dir);
+    let dir = with_suffix(bundle, "-dry-run");
     if dir.exists() {
         fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
     }
