@@ -228,8 +228,9 @@ fn dir_bytes(dir: &Path) -> Result<u64> {
 
 /// The steps a dry run takes: the CUDA tests need a real GPU
 /// (`HEADROOM_REQUIRE_GPU=1`) and already run on the emulator in
-/// `cargo test`.
-const DRY_RUN_STEPS: [&str; 4] = ["train", "oom", "resume", "bench"];
+/// `cargo test`; the sanitize steps are recorded as skipped where there is
+/// no compute-sanitizer.
+const DRY_RUN_STEPS: [&str; 5] = ["train", "oom", "resume", "bench", "sanitize"];
 
 /// The device tool brings back at most 8 files of `$OUT`, each at most
 /// this size and named in letters, digits, `.`, `_` and `-`.

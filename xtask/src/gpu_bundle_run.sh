@@ -4,11 +4,12 @@
 #
 #   bash run.sh [GROUP or STEP ...]    (default: every step)
 #
-# GROUPs: tests, train, oom, resume, bench; a STEP by its name (train,
+# GROUPs: tests, train, oom, resume, bench, sanitize; a STEP by its name (train,
 # bench, oom-driver, bench-tiny-gpt, ...; the list is in summary.txt).
 #
-# A lent GPU gives a session 15 minutes in all, its start included, and a
-# command 10: one call of `bash run.sh` must say as much as it can. So the
+# A lent GPU gives a session 15 to 30 minutes in all (the device tool's
+# status says how many are left), its start included, and a command 10:
+# one call of `bash run.sh` must say as much as it can. So the
 # steps run in order of what the GPU issue needs most (the CUDA tests, the
 # default job, the training step beside PyTorch, OOM, bit-exact resume, the
 # whole PyTorch job, then the variants and the other trainers), whatever
@@ -229,6 +230,28 @@ EOF
     local rc=$?
     kill "$hog" 2>/dev/null; wait "$hog" 2>/dev/null
     return $rc
+}
+
+# SANITIZER: CUDA's compute-sanitizer, where the machine has it (or as set).
+SANITIZER=${SANITIZER-$(command -v compute-sanitizer \
+    || ls /usr/local/cuda*/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -n 1)}
+export SANITIZER
+
+# sanitize_step TOOL: the kernel parity tests under compute-sanitizer's
+# TOOL, which sees what the emulator cannot: memcheck, an access outside
+# a device allocation or misaligned on the GPU itself; racecheck, two
+# threads of a block at one shared-memory word between barriers (the
+# emulator runs them in one order and shows no race); synccheck, a barrier
+# that not every thread of a block reaches.
+sanitize_step() {
+    local tool=$1 name=sanitize-$1
+    wants sanitize "$name" || return 0
+    if [ -z "$SANITIZER" ]; then
+        skip "$name" "compute-sanitizer not found"
+        return 0
+    fi
+    step sanitize "$name" "$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 20 \
+        "$WORK/bin/tests/cuda_parity" --test-threads=1
 }
 
 # rerun_failed BINARY LOG: each test that BINARY's run in LOG failed, again
@@ -486,13 +509,19 @@ for name in ("oom-budget", "oom-budget-reactive", "oom-driver"):
         lines += [f"{name}: {json.dumps(report[name])}"]
 if "resume-killed" in steps:
     lines += ["resume: " + json.dumps(report["resume"])]
-lines += ["", read("bench.log").strip()]
+for tool in ("memcheck", "racecheck", "synccheck"):
+    found = re.findall(r"ERROR SUMMARY: .*", read("sanitize-" + tool + ".log"))
+    if found:
+        lines += [f"compute-sanitizer {tool}: {found[-1]}"]
+if read("bench.log").strip():
+    lines += ["", read("bench.log").strip()]
 for name, what in (("bench-no-graphs", "without CUDA graphs (device.graphs=false)"),
                    ("bench-keep-outputs", "keeping batch norm + ReLU and block outputs (device.recompute=false)"),
                    ("bench-workspace-64", "with a 64 MiB im2col workspace (device.conv_workspace=64MiB)"),
                    ("bench-workspace-4", "with a 4 MiB im2col workspace (device.conv_workspace=4MiB)"),
                    ("bench-implicit-gemm", "with the implicit-GEMM convolution kernel (device.conv_algorithm=implicit_gemm)")):
-    lines += ["", what + ":", read(name + ".log").strip()]
+    if read(name + ".log").strip():
+        lines += ["", what + ":", read(name + ".log").strip()]
 open(os.path.join(out, "summary.txt"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
@@ -594,6 +623,13 @@ step train train-implicit-gemm hr train --no-install --set device.kind=cuda \
     --set device.conv_algorithm=implicit_gemm --set "run.output_dir=$WORK/default-implicit-gemm"
 step bench bench-workspace-64 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.conv_workspace=64MiB
 step bench bench-workspace-4 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.conv_workspace=4MiB
+
+# 11. The kernel tests again under compute-sanitizer (each kernel runs many
+# times slower there; a second call names `sanitize` when the first had
+# no time left, or when a test failed and the cause is in doubt).
+for tool in memcheck racecheck synccheck; do
+    sanitize_step "$tool"
+done
 
 write_report
 publish
