@@ -30,12 +30,18 @@
 //   allocated during a capture must be freed in it, and every replay refills
 //   the graph's allocations with 0xff, so work that relies on what a
 //   previous replay left in graph memory shows up.
+// - Every call but the device queries, the primary context's retain and
+//   release, and getting or setting the current context needs a context
+//   current on the calling thread (CUDA_ERROR_INVALID_CONTEXT otherwise),
+//   as the driver does: a thread that reaches the driver without binding
+//   one (cudarc's safe calls bind it; a raw call does not) fails here too.
 // - Modules ignore their PTX/CUBIN image; functions are found by name among
 //   the kernels compiled into this library (emu.h's registry).
 // - A launch runs the blocks one after another on the calling thread; the
 //   threads of a block are fibers (fiber.h), so __syncthreads and warp
 //   shuffles are real rendezvous and __shared__ is shared by exactly the
-//   threads of one block. A GPU runs blocks, and threads between two
+//   threads of one block; a shuffle from a lane past the block's end or one
+//   that has exited reads all-ones bits (a GPU's value is undefined). A GPU runs blocks, and threads between two
 //   barriers, in no fixed order; so that a kernel that depends on one order
 //   (a block reading what another block writes, a thread reading shared
 //   memory another writes without a barrier between) fails here too, every
@@ -115,6 +121,7 @@ enum : int {
     CUDA_ERROR_OUT_OF_MEMORY = 2,
     CUDA_ERROR_NOT_INITIALIZED = 3,
     CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_ILLEGAL_ADDRESS = 700,
@@ -316,7 +323,11 @@ std::string run_block(Scheduler& s, unsigned int n, Order order) {
                 continue;
             }
             WarpSlot& slot = s.warps[w];
-            std::memset(slot.published, 0, sizeof slot.published);
+            // A lane that has exited or is past the block's end publishes
+            // nothing: a shuffle reading it gets all-ones bits (NaN, or an
+            // index far out of range), as a GPU gives an undefined value,
+            // so a kernel that uses what it read shows up as wrong here.
+            std::memset(slot.published, 0xff, sizeof slot.published);
             slot.live_mask = mask;
             for (unsigned int i = lo; i < hi; ++i) {
                 Fiber& f = s.fibers[i];
@@ -715,6 +726,19 @@ MemPool g_pool{0};
 std::mutex g_objects;
 thread_local Context* t_current = nullptr;
 
+// Every entry point but the device queries, the primary context and the
+// current-context calls needs a context current on the calling thread, as
+// the driver does (CUDA_ERROR_INVALID_CONTEXT): a thread of ours that reached
+// the driver without binding one would pass here and fail on a GPU.
+CUresult no_context(const char* what) {
+    std::fprintf(stderr, "headroom CUDA emulator: %s on a thread with no current context\n", what);
+    return CUDA_ERROR_INVALID_CONTEXT;
+}
+#define HR_NEED_CONTEXT(what) \
+    do { \
+        if (t_current == nullptr) return no_context(what); \
+    } while (0)
+
 const char kDeviceName[] = "headroom CPU emulator";
 }  // namespace
 
@@ -797,6 +821,7 @@ EXPORT CUresult cuGetErrorString(CUresult e, const char** s) {
         case CUDA_ERROR_INVALID_VALUE: *s = "invalid argument"; break;
         case CUDA_ERROR_OUT_OF_MEMORY: *s = "out of memory (headroom CPU emulator)"; break;
         case CUDA_ERROR_INVALID_DEVICE: *s = "invalid device ordinal"; break;
+        case CUDA_ERROR_INVALID_CONTEXT: *s = "invalid device context"; break;
         case CUDA_ERROR_INVALID_HANDLE: *s = "invalid resource handle"; break;
         case CUDA_ERROR_NOT_FOUND: *s = "named symbol not found (no such kernel in the emulator)"; break;
         case CUDA_ERROR_ILLEGAL_ADDRESS: *s = "an illegal memory access was encountered (emulator guard bytes)"; break;
@@ -815,6 +840,7 @@ EXPORT CUresult cuGetErrorName(CUresult e, const char** s) {
         case CUDA_ERROR_INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
         case CUDA_ERROR_OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
         case CUDA_ERROR_INVALID_DEVICE: *s = "CUDA_ERROR_INVALID_DEVICE"; break;
+        case CUDA_ERROR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
         case CUDA_ERROR_INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
         case CUDA_ERROR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
         case CUDA_ERROR_ILLEGAL_ADDRESS: *s = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
@@ -857,12 +883,17 @@ EXPORT CUresult cuCtxSetCurrent(Context* ctx) {
 }
 
 EXPORT CUresult cuCtxSynchronize() {
+    HR_NEED_CONTEXT("cuCtxSynchronize");
     const CUresult rc = refuse_while_capturing("cuCtxSynchronize");
     return rc != CUDA_SUCCESS ? rc : run_everything();
 }
-EXPORT CUresult cuCtxSetFlags(unsigned int) { return CUDA_SUCCESS; }
+EXPORT CUresult cuCtxSetFlags(unsigned int) {
+    HR_NEED_CONTEXT("cuCtxSetFlags");
+    return CUDA_SUCCESS;
+}
 
 EXPORT CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
+    HR_NEED_CONTEXT("cuCtxGetStreamPriorityRange");
     if (least != nullptr) *least = 0;
     if (greatest != nullptr) *greatest = 0;
     return CUDA_SUCCESS;
@@ -872,6 +903,7 @@ EXPORT CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
 // Streams and events (lazy: work runs when something waits for it)
 
 EXPORT CUresult cuStreamCreate(Stream** s, unsigned int flags) {
+    HR_NEED_CONTEXT("cuStreamCreate");
     if (s == nullptr) return CUDA_ERROR_INVALID_VALUE;
     *s = new (std::nothrow) Stream{flags};
     if (*s == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -880,11 +912,13 @@ EXPORT CUresult cuStreamCreate(Stream** s, unsigned int flags) {
 }
 
 EXPORT CUresult cuStreamCreateWithPriority(Stream** s, unsigned int flags, int) {
+    HR_NEED_CONTEXT("cuStreamCreateWithPriority");
     return cuStreamCreate(s, flags);
 }
 
 // A destroyed stream's queued work still runs (as on a GPU): here, now.
 EXPORT CUresult cuStreamDestroy_v2(Stream* s) {
+    HR_NEED_CONTEXT("cuStreamDestroy_v2");
     if (capturing(s)) return CUDA_ERROR_ILLEGAL_STATE;
     const CUresult rc = s != nullptr ? run_all(*s->queue) : CUDA_SUCCESS;
     delete s;
@@ -892,16 +926,19 @@ EXPORT CUresult cuStreamDestroy_v2(Stream* s) {
 }
 
 EXPORT CUresult cuStreamSynchronize(Stream* s) {
+    HR_NEED_CONTEXT("cuStreamSynchronize");
     if (capturing(s)) return invalidate(s, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "cuStreamSynchronize");
     return s != nullptr ? run_all(*s->queue) : run_everything();
 }
 // Done once asked: the queued work runs, rather than answering "not ready"
 // to a host that may poll without ever synchronising.
 EXPORT CUresult cuStreamQuery(Stream* s) {
+    HR_NEED_CONTEXT("cuStreamQuery");
     if (capturing(s)) return invalidate(s, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "cuStreamQuery");
     return s != nullptr ? run_all(*s->queue) : run_everything();
 }
 EXPORT CUresult cuStreamWaitEvent(Stream* s, Event* e, unsigned int) {
+    HR_NEED_CONTEXT("cuStreamWaitEvent");
     if (e == nullptr) return CUDA_ERROR_INVALID_HANDLE;
     if (capturing(s) && e->captured != s->capture) {
         return invalidate(s, CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
@@ -924,6 +961,7 @@ EXPORT CUresult cuStreamWaitEvent(Stream* s, Event* e, unsigned int) {
 }
 
 EXPORT CUresult cuStreamIsCapturing(Stream* s, int* status) {
+    HR_NEED_CONTEXT("cuStreamIsCapturing");
     if (status == nullptr) return CUDA_ERROR_INVALID_VALUE;
     // CU_STREAM_CAPTURE_STATUS_NONE, _ACTIVE, _INVALIDATED
     *status = !capturing(s) ? 0 : s->capture->invalid ? 2 : 1;
@@ -931,6 +969,7 @@ EXPORT CUresult cuStreamIsCapturing(Stream* s, int* status) {
 }
 
 EXPORT CUresult cuStreamBeginCapture_v2(Stream* s, int mode) {
+    HR_NEED_CONTEXT("cuStreamBeginCapture_v2");
     if (s == nullptr) return CUDA_ERROR_NOT_SUPPORTED;  // the legacy stream cannot capture
     if (capturing(s) || capturing(t_capturing)) return CUDA_ERROR_ILLEGAL_STATE;
     s->capture = new (std::nothrow) Capture();
@@ -942,6 +981,7 @@ EXPORT CUresult cuStreamBeginCapture_v2(Stream* s, int mode) {
 EXPORT CUresult cuStreamBeginCapture(Stream* s, int mode) { return cuStreamBeginCapture_v2(s, mode); }
 
 EXPORT CUresult cuStreamEndCapture(Stream* s, Graph** graph) {
+    HR_NEED_CONTEXT("cuStreamEndCapture");
     if (graph == nullptr) return CUDA_ERROR_INVALID_VALUE;
     *graph = nullptr;
     if (!capturing(s)) return CUDA_ERROR_ILLEGAL_STATE;
@@ -967,12 +1007,14 @@ EXPORT CUresult cuStreamEndCapture(Stream* s, Graph** graph) {
 }
 
 EXPORT CUresult cuGraphInstantiateWithFlags(GraphExec** exec, Graph* graph, unsigned long long) {
+    HR_NEED_CONTEXT("cuGraphInstantiateWithFlags");
     if (exec == nullptr || graph == nullptr) return CUDA_ERROR_INVALID_VALUE;
     *exec = new (std::nothrow) GraphExec{graph->data};
     return *exec != nullptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 
 EXPORT CUresult cuGraphLaunch(GraphExec* exec, Stream* s) {
+    HR_NEED_CONTEXT("cuGraphLaunch");
     if (exec == nullptr) return CUDA_ERROR_INVALID_HANDLE;
     if (capturing(s)) return invalidate(s, CUDA_ERROR_NOT_SUPPORTED, "a graph launch (child graphs are not emulated)");
     // The launch keeps the graph alive until it has run.
@@ -987,31 +1029,37 @@ EXPORT CUresult cuGraphLaunch(GraphExec* exec, Stream* s) {
 }
 
 EXPORT CUresult cuGraphUpload(GraphExec* exec, Stream*) {
+    HR_NEED_CONTEXT("cuGraphUpload");
     return exec != nullptr ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 
 EXPORT CUresult cuGraphExecDestroy(GraphExec* exec) {
+    HR_NEED_CONTEXT("cuGraphExecDestroy");
     delete exec;
     return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuGraphDestroy(Graph* graph) {
+    HR_NEED_CONTEXT("cuGraphDestroy");
     delete graph;
     return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuEventCreate(Event** e, unsigned int) {
+    HR_NEED_CONTEXT("cuEventCreate");
     if (e == nullptr) return CUDA_ERROR_INVALID_VALUE;
     *e = new (std::nothrow) Event();
     return *e != nullptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 
 EXPORT CUresult cuEventDestroy_v2(Event* e) {
+    HR_NEED_CONTEXT("cuEventDestroy_v2");
     delete e;
     return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuEventRecord(Event* e, Stream* s) {
+    HR_NEED_CONTEXT("cuEventRecord");
     if (e == nullptr) return CUDA_ERROR_INVALID_HANDLE;
     if (capturing(s)) {
         e->captured = s->capture;
@@ -1044,22 +1092,31 @@ CUresult reach(Event* e) {
 }
 
 // As cuStreamQuery: complete once asked.
-EXPORT CUresult cuEventQuery(Event* e) { return reach(e); }
-EXPORT CUresult cuEventSynchronize(Event* e) { return reach(e); }
+EXPORT CUresult cuEventQuery(Event* e) {
+    HR_NEED_CONTEXT("cuEventQuery");
+    return reach(e);
+}
+EXPORT CUresult cuEventSynchronize(Event* e) {
+    HR_NEED_CONTEXT("cuEventSynchronize");
+    return reach(e);
+}
 
 EXPORT CUresult cuEventElapsedTime(float* ms, Event* start, Event* end) {
+    HR_NEED_CONTEXT("cuEventElapsedTime");
     if (ms == nullptr || start == nullptr || end == nullptr) return CUDA_ERROR_INVALID_VALUE;
     *ms = std::chrono::duration<float, std::milli>(*end->at - *start->at).count();
     return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuEventElapsedTime_v2(float* ms, Event* start, Event* end) {
+    HR_NEED_CONTEXT("cuEventElapsedTime_v2");
     return cuEventElapsedTime(ms, start, end);
 }
 
 typedef void (*CUhostFn)(void*);
 
 EXPORT CUresult cuLaunchHostFunc(Stream* s, CUhostFn fn, void* data) {
+    HR_NEED_CONTEXT("cuLaunchHostFunc");
     if (fn == nullptr) return CUDA_ERROR_INVALID_VALUE;
     return enqueue(s, [fn, data] {
         fn(data);
@@ -1071,16 +1128,19 @@ EXPORT CUresult cuLaunchHostFunc(Stream* s, CUhostFn fn, void* data) {
 // Memory
 
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* p, std::size_t bytes) {
+    HR_NEED_CONTEXT("cuMemAlloc_v2");
     const CUresult rc = refuse_while_capturing("cuMemAlloc");
     return rc != CUDA_SUCCESS ? rc : mem_alloc(p, bytes);
 }
 // Synchronous, as cuMemFree is: queued work that may use `p` runs first.
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+    HR_NEED_CONTEXT("cuMemFree_v2");
     CUresult rc = refuse_while_capturing("cuMemFree");
     if (rc == CUDA_SUCCESS) rc = run_everything();
     return rc != CUDA_SUCCESS ? rc : mem_free(p);
 }
 EXPORT CUresult cuMemAllocAsync(CUdeviceptr* p, std::size_t bytes, Stream* s) {
+    HR_NEED_CONTEXT("cuMemAllocAsync");
     const CUresult rc = mem_alloc(p, bytes);
     if (rc != CUDA_SUCCESS || !capturing(s)) return rc;
     // An alloc node: the address is the graph's for its lifetime, and every
@@ -1093,9 +1153,11 @@ EXPORT CUresult cuMemAllocAsync(CUdeviceptr* p, std::size_t bytes, Stream* s) {
     });
 }
 EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr* p, std::size_t bytes, MemPool*, Stream* s) {
+    HR_NEED_CONTEXT("cuMemAllocFromPoolAsync");
     return cuMemAllocAsync(p, bytes, s);
 }
 EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, Stream* s) {
+    HR_NEED_CONTEXT("cuMemFreeAsync");
     if (!capturing(s)) return enqueue(s, [p] { return mem_free(p); });
     if (s->capture->live.erase(p) == 0) {
         return invalidate(s, CUDA_ERROR_INVALID_VALUE,
@@ -1106,6 +1168,7 @@ EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, Stream* s) {
 }
 
 EXPORT CUresult cuMemGetInfo_v2(std::size_t* free_bytes, std::size_t* total) {
+    HR_NEED_CONTEXT("cuMemGetInfo_v2");
     if (free_bytes == nullptr || total == nullptr) return CUDA_ERROR_INVALID_VALUE;
     Memory& m = memory();
     std::lock_guard<std::mutex> g(m.lock);
@@ -1131,6 +1194,7 @@ bool is_pinned(const void* ptr, std::size_t n) {
 }
 
 EXPORT CUresult cuMemHostAlloc(void** p, std::size_t bytes, unsigned int) {
+    HR_NEED_CONTEXT("cuMemHostAlloc");
     if (p == nullptr) return CUDA_ERROR_INVALID_VALUE;
     const CUresult rc = refuse_while_capturing("cuMemHostAlloc");
     if (rc != CUDA_SUCCESS) return rc;
@@ -1142,6 +1206,7 @@ EXPORT CUresult cuMemHostAlloc(void** p, std::size_t bytes, unsigned int) {
 }
 
 EXPORT CUresult cuMemFreeHost(void* p) {
+    HR_NEED_CONTEXT("cuMemFreeHost");
     CUresult rc = refuse_while_capturing("cuMemFreeHost");
     if (rc == CUDA_SUCCESS) rc = run_everything();  // synchronous, as in CUDA
     if (rc != CUDA_SUCCESS) return rc;
@@ -1198,21 +1263,27 @@ CUresult copy_now(const char* what, void* dst, const void* src, std::size_t n, b
 }
 
 EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, std::size_t n) {
+    HR_NEED_CONTEXT("cuMemcpyHtoD_v2");
     return copy_now("cuMemcpyHtoD", (void*)dst, src, n, true, false);
 }
 EXPORT CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, std::size_t n) {
+    HR_NEED_CONTEXT("cuMemcpyDtoH_v2");
     return copy_now("cuMemcpyDtoH", dst, (const void*)src, n, false, true);
 }
 EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, std::size_t n) {
+    HR_NEED_CONTEXT("cuMemcpyDtoD_v2");
     return copy_now("cuMemcpyDtoD", (void*)dst, (const void*)src, n, true, true);
 }
 EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, std::size_t n, Stream* s) {
+    HR_NEED_CONTEXT("cuMemcpyHtoDAsync_v2");
     return copy_on(s, (void*)dst, src, n, true, false);
 }
 EXPORT CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, std::size_t n, Stream* s) {
+    HR_NEED_CONTEXT("cuMemcpyDtoHAsync_v2");
     return copy_on(s, dst, (const void*)src, n, false, true);
 }
 EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, std::size_t n, Stream* s) {
+    HR_NEED_CONTEXT("cuMemcpyDtoDAsync_v2");
     return copy_on(s, (void*)dst, (const void*)src, n, true, true);
 }
 
@@ -1231,25 +1302,30 @@ CUresult memset32(CUdeviceptr dst, unsigned int v, std::size_t n) {
 }
 
 EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, std::size_t n) {
+    HR_NEED_CONTEXT("cuMemsetD8_v2");
     CUresult rc = refuse_while_capturing("cuMemsetD8");
     if (rc == CUDA_SUCCESS) rc = run_everything();
     return rc != CUDA_SUCCESS ? rc : memset8(dst, v, n);
 }
 EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, std::size_t n, Stream* s) {
+    HR_NEED_CONTEXT("cuMemsetD8Async");
     return enqueue(s, [=] { return memset8(dst, v, n); });
 }
 EXPORT CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned int v, std::size_t n) {
+    HR_NEED_CONTEXT("cuMemsetD32_v2");
     CUresult rc = refuse_while_capturing("cuMemsetD32");
     if (rc == CUDA_SUCCESS) rc = run_everything();
     return rc != CUDA_SUCCESS ? rc : memset32(dst, v, n);
 }
 EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int v, std::size_t n, Stream* s) {
+    HR_NEED_CONTEXT("cuMemsetD32Async");
     return enqueue(s, [=] { return memset32(dst, v, n); });
 }
 
 // The stream-ordered pool: allocations are immediate, so nothing is cached;
 // "reserved" is what is in use.
 EXPORT CUresult cuDeviceGetDefaultMemPool(MemPool** pool, CUdevice d) {
+    HR_NEED_CONTEXT("cuDeviceGetDefaultMemPool");
     if (pool == nullptr) return CUDA_ERROR_INVALID_VALUE;
     if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
     *pool = &g_pool;
@@ -1258,6 +1334,7 @@ EXPORT CUresult cuDeviceGetDefaultMemPool(MemPool** pool, CUdevice d) {
 EXPORT CUresult cuDeviceGetMemPool(MemPool** pool, CUdevice d) { return cuDeviceGetDefaultMemPool(pool, d); }
 
 EXPORT CUresult cuMemPoolSetAttribute(MemPool* pool, int attr, void* value) {
+    HR_NEED_CONTEXT("cuMemPoolSetAttribute");
     if (pool == nullptr || value == nullptr) return CUDA_ERROR_INVALID_VALUE;
     if (attr == 4) {  // RELEASE_THRESHOLD
         std::memcpy(&pool->release_threshold, value, 8);
@@ -1266,6 +1343,7 @@ EXPORT CUresult cuMemPoolSetAttribute(MemPool* pool, int attr, void* value) {
 }
 
 EXPORT CUresult cuMemPoolGetAttribute(MemPool* pool, int attr, void* value) {
+    HR_NEED_CONTEXT("cuMemPoolGetAttribute");
     if (pool == nullptr || value == nullptr) return CUDA_ERROR_INVALID_VALUE;
     unsigned long long v = 0;
     switch (attr) {
@@ -1283,14 +1361,21 @@ EXPORT CUresult cuMemPoolGetAttribute(MemPool* pool, int attr, void* value) {
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuMemPoolTrimTo(MemPool*, std::size_t) { return CUDA_SUCCESS; }
+EXPORT CUresult cuMemPoolTrimTo(MemPool*, std::size_t) {
+    HR_NEED_CONTEXT("cuMemPoolTrimTo");
+    return CUDA_SUCCESS;
+}
 // Graph memory is freed with its graph here; nothing is cached to trim.
-EXPORT CUresult cuDeviceGraphMemTrim(CUdevice d) { return d == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE; }
+EXPORT CUresult cuDeviceGraphMemTrim(CUdevice d) {
+    HR_NEED_CONTEXT("cuDeviceGraphMemTrim");
+    return d == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+}
 
 // ---------------------------------------------------------------------------
 // Modules and launches
 
 EXPORT CUresult cuModuleLoadData(Module** m, const void* image) {
+    HR_NEED_CONTEXT("cuModuleLoadData");
     if (m == nullptr || image == nullptr) return CUDA_ERROR_INVALID_VALUE;
     const CUresult rc = refuse_while_capturing("cuModuleLoadData");
     if (rc != CUDA_SUCCESS) return rc;
@@ -1301,11 +1386,13 @@ EXPORT CUresult cuModuleLoadData(Module** m, const void* image) {
 }
 
 EXPORT CUresult cuModuleUnload(Module* m) {
+    HR_NEED_CONTEXT("cuModuleUnload");
     delete m;
     return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuModuleGetFunction(const hr_emu::KernelEntry** f, Module* m, const char* name) {
+    HR_NEED_CONTEXT("cuModuleGetFunction");
     if (f == nullptr || m == nullptr || name == nullptr) return CUDA_ERROR_INVALID_VALUE;
     auto& r = hr_emu::registry();
     auto it = r.find(name);
@@ -1317,10 +1404,17 @@ EXPORT CUresult cuModuleGetFunction(const hr_emu::KernelEntry** f, Module* m, co
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuFuncSetAttribute(const hr_emu::KernelEntry*, int, int) { return CUDA_SUCCESS; }
-EXPORT CUresult cuFuncSetCacheConfig(const hr_emu::KernelEntry*, int) { return CUDA_SUCCESS; }
+EXPORT CUresult cuFuncSetAttribute(const hr_emu::KernelEntry*, int, int) {
+    HR_NEED_CONTEXT("cuFuncSetAttribute");
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuFuncSetCacheConfig(const hr_emu::KernelEntry*, int) {
+    HR_NEED_CONTEXT("cuFuncSetCacheConfig");
+    return CUDA_SUCCESS;
+}
 
 EXPORT CUresult cuFuncGetAttribute(int* v, int attrib, const hr_emu::KernelEntry*) {
+    HR_NEED_CONTEXT("cuFuncGetAttribute");
     if (v == nullptr) return CUDA_ERROR_INVALID_VALUE;
     *v = attrib == 0 ? (int)kMaxThreads : 0;  // MAX_THREADS_PER_BLOCK
     return CUDA_SUCCESS;
@@ -1417,6 +1511,7 @@ const char* restrict_alias(const hr_emu::KernelEntry* f, void** params) {
 EXPORT CUresult cuLaunchKernel(const hr_emu::KernelEntry* f, unsigned int gx, unsigned int gy,
                                unsigned int gz, unsigned int bx, unsigned int by, unsigned int bz,
                                unsigned int shared_bytes, Stream* stream, void** params, void** extra) {
+    HR_NEED_CONTEXT("cuLaunchKernel");
     if (f == nullptr) return CUDA_ERROR_INVALID_HANDLE;
     if (extra != nullptr || (params == nullptr && f->arity > 0)) {
         std::fprintf(stderr, "headroom CUDA emulator: %s: only kernelParams are supported\n", f->name);

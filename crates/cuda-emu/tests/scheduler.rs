@@ -108,6 +108,40 @@ fn warp_shuffles_and_votes_match_cuda() {
     }
 }
 
+/// A GPU gives an undefined value to a shuffle that reads a lane past the
+/// block's end (or one that has exited); here it reads all-ones bits, so a
+/// kernel that uses such a value (a warp sum over a partial warp, say) gets
+/// NaN or a wild index instead of the zero that would make it look right.
+#[test]
+fn a_shuffle_from_a_lane_past_the_blocks_end_reads_all_ones() {
+    let s = stream();
+    let f = function(&s, "hr_emu_selftest_warp");
+    let threads = 20usize;
+    let input: Vec<u32> = (0..threads as u32).map(|i| i * 3 + 1).collect();
+    let dev_in = s.clone_htod(&input).unwrap();
+    let mut dev_out = s.alloc_zeros::<u32>(threads * 8).unwrap();
+    let mut b = s.launch_builder(&f);
+    b.arg(&dev_in).arg(&mut dev_out);
+    // SAFETY: 20 threads read 20 values and write 8 each.
+    unsafe { b.launch(cfg(1, (20, 1, 1))) }.unwrap();
+    let out = s.clone_dtoh(&dev_out).unwrap();
+    let read = |lane: usize| input.get(lane).copied().unwrap_or(u32::MAX);
+    for t in 0..threads {
+        let o = &out[t * 8..t * 8 + 8];
+        assert_eq!(o[0], read(t ^ 5), "xor, thread {t}");
+        assert_eq!(
+            o[1],
+            read(if t + 3 < 32 { t + 3 } else { t }),
+            "down, thread {t}"
+        );
+        assert_eq!(o[3], read(9), "idx, thread {t}");
+    }
+    assert!(
+        (0..threads).any(|t| out[t * 8] == u32::MAX),
+        "some lane read past the block's end"
+    );
+}
+
 #[test]
 fn warp_sum_and_max_of_common_cuh_reduce_the_warp() {
     let s = stream();
