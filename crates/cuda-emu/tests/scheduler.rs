@@ -66,21 +66,27 @@ fn barriers_and_shared_memory_are_per_block() {
     }
 }
 
-#[test]
-fn warp_shuffles_and_votes_match_cuda() {
+/// hr_emu_selftest_warp in one block of `input.len()` threads, each reading
+/// its value: 8 results per thread (see selftest.cu).
+fn warp_selftest(input: &[u32]) -> Vec<u32> {
     let s = stream();
     let f = function(&s, "hr_emu_selftest_warp");
+    let dev_in = s.clone_htod(input).unwrap();
+    let mut dev_out = s.alloc_zeros::<u32>(input.len() * 8).unwrap();
+    let mut b = s.launch_builder(&f);
+    b.arg(&dev_in).arg(&mut dev_out);
+    // SAFETY: each thread reads its one value and writes its 8 results.
+    unsafe { b.launch(cfg(1, (input.len() as u32, 1, 1))) }.unwrap();
+    s.clone_dtoh(&dev_out).unwrap()
+}
+
+#[test]
+fn warp_shuffles_and_votes_match_cuda() {
     let threads = 64usize;
     let input: Vec<u32> = (0..threads as u32)
         .map(|i| if i == 37 { 100 } else { i * 3 })
         .collect();
-    let dev_in = s.clone_htod(&input).unwrap();
-    let mut dev_out = s.alloc_zeros::<u32>(threads * 8).unwrap();
-    let mut b = s.launch_builder(&f);
-    b.arg(&dev_in).arg(&mut dev_out);
-    // SAFETY: 64 threads read 64 values and write 8 each.
-    unsafe { b.launch(cfg(1, (64, 1, 1))) }.unwrap();
-    let out = s.clone_dtoh(&dev_out).unwrap();
+    let out = warp_selftest(&input);
     for t in 0..threads {
         let w = t / 32 * 32;
         let lane = t % 32;
@@ -114,17 +120,9 @@ fn warp_shuffles_and_votes_match_cuda() {
 /// NaN or a wild index instead of the zero that would make it look right.
 #[test]
 fn a_shuffle_from_a_lane_past_the_blocks_end_reads_all_ones() {
-    let s = stream();
-    let f = function(&s, "hr_emu_selftest_warp");
     let threads = 20usize;
     let input: Vec<u32> = (0..threads as u32).map(|i| i * 3 + 1).collect();
-    let dev_in = s.clone_htod(&input).unwrap();
-    let mut dev_out = s.alloc_zeros::<u32>(threads * 8).unwrap();
-    let mut b = s.launch_builder(&f);
-    b.arg(&dev_in).arg(&mut dev_out);
-    // SAFETY: 20 threads read 20 values and write 8 each.
-    unsafe { b.launch(cfg(1, (20, 1, 1))) }.unwrap();
-    let out = s.clone_dtoh(&dev_out).unwrap();
+    let out = warp_selftest(&input);
     let read = |lane: usize| input.get(lane).copied().unwrap_or(u32::MAX);
     for t in 0..threads {
         let o = &out[t * 8..t * 8 + 8];
