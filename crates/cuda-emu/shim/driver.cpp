@@ -41,13 +41,13 @@
 //   threads of a block are fibers (fiber.h), so __syncthreads and warp
 //   shuffles are real rendezvous and __shared__ is shared by exactly the
 //   threads of one block; a shuffle from a lane past the block's end or one
-//   that has exited reads all-ones bits (a GPU's value is undefined). A GPU runs blocks, and threads between two
-//   barriers, in no fixed order; so that a kernel that depends on one order
-//   (a block reading what another block writes, a thread reading shared
-//   memory another writes without a barrier between) fails here too, every
-//   other launch runs its blocks last to first and the ready threads of a
-//   block last to first (HEADROOM_CUDA_EMU_ORDER = forward | reverse |
-//   alternate, the default).
+//   that has exited reads all-ones bits (a GPU's value is undefined). A GPU
+//   runs blocks, and threads between two barriers, in no fixed order; so that
+//   a kernel that depends on one order (a block reading what another block
+//   writes, a thread reading shared memory another writes without a barrier
+//   between) fails here too, every other launch runs its blocks last to first
+//   and the ready threads of a block last to first (HEADROOM_CUDA_EMU_ORDER =
+//   forward | reverse | alternate, the default).
 // Only what cudarc and headroom use is implemented; anything else is a
 // missing symbol, which cudarc reports by name.
 
@@ -726,10 +726,7 @@ MemPool g_pool{0};
 std::mutex g_objects;
 thread_local Context* t_current = nullptr;
 
-// Every entry point but the device queries, the primary context and the
-// current-context calls needs a context current on the calling thread, as
-// the driver does (CUDA_ERROR_INVALID_CONTEXT): a thread of ours that reached
-// the driver without binding one would pass here and fail on a GPU.
+// For the entry points that need a current context (see the top of the file).
 CUresult no_context(const char* what) {
     std::fprintf(stderr, "headroom CUDA emulator: %s on a thread with no current context\n", what);
     return CUDA_ERROR_INVALID_CONTEXT;
