@@ -9,7 +9,10 @@
 //   - threadIdx/blockIdx/blockDim/gridDim are per-fiber values the scheduler
 //     swaps in at every switch;
 //   - __shared__ is `static thread_local`: one copy per OS thread, which the
-//     fibers of the block running on it share, exactly the CUDA scope;
+//     fibers of the block running on it share, exactly the CUDA scope; build.rs
+//     follows each declaration with HR_SHARED_FRESH, so that every block
+//     finds it filled with 0xff bytes (NaN, or an all-ones integer), not the
+//     zeros or the last block's values a kernel could wrongly rely on;
 //   - __syncthreads() parks the fiber until every live thread of the block
 //     has arrived (a real barrier, not a no-op);
 //   - warp shuffles and votes park the fiber until every live lane of its
@@ -51,6 +54,10 @@ extern thread_local hr_uint3 t_grid_dim;
 
 // Block-wide barrier among the live threads of the current block.
 void syncthreads();
+// Passed by every thread at each __shared__ declaration it reaches: the
+// first thread of a block to pass it fills the `bytes` at p with 0xff.
+// Those after it in the same block leave what the first may have written.
+void shared_declared(void* p, std::size_t bytes);
 // A vector access of `bytes` at p: the GPU faults (CUDA_ERROR_MISALIGNED_ADDRESS)
 // unless p is a multiple of `bytes`, where a CPU would not notice, so the
 // emulator records the first such access of a launch and fails the launch.
@@ -103,6 +110,9 @@ inline T shuffle(T v, int mode, int arg, int width) {
     return from_bits<T>(all[src & 31]);
 }
 }  // namespace hr_emu
+
+// Appended by build.rs after the `;` of each `__shared__` declaration.
+#define HR_SHARED_FRESH(var) ::hr_emu::shared_declared(&(var), sizeof(var))
 
 #define threadIdx (::hr_emu::t_thread_idx)
 #define blockIdx (::hr_emu::t_block_idx)

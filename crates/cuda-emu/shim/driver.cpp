@@ -41,7 +41,8 @@
 //   threads of a block are fibers (fiber.h), so __syncthreads and warp
 //   shuffles are real rendezvous and __shared__ is shared by exactly the
 //   threads of one block; a shuffle from a lane past the block's end or one
-//   that has exited reads all-ones bits (a GPU's value is undefined). A GPU
+//   that has exited reads all-ones bits, and so does __shared__ memory no
+//   thread of the block has written yet (a GPU's values are undefined). A GPU
 //   runs blocks, and threads between two barriers, in no fixed order; so that
 //   a kernel that depends on one order (a block reading what another block
 //   writes, a thread reading shared memory another writes without a barrier
@@ -272,8 +273,13 @@ Order next_order() {
     return reverse ? Order::Reverse : Order::Forward;
 }
 
+// Counts the blocks run on this OS thread; a __shared__ variable last filled
+// in an earlier block is filled again by the first thread to declare it.
+thread_local unsigned long long t_block_serial = 0;
+
 // Runs one block to completion. Returns an empty string, or why it failed.
 std::string run_block(Scheduler& s, unsigned int n, Order order) {
+    ++t_block_serial;
     const hr_uint3 bd = hr_emu::t_block_dim;
     const unsigned int nwarps = (n + 31) / 32;
     s.warps.resize(nwarps);
@@ -368,6 +374,35 @@ std::string run_block(Scheduler& s, unsigned int n, Order order) {
 
 namespace hr_emu {
 void syncthreads() { park(FState::Barrier); }
+
+namespace {
+// The __shared__ variables this OS thread's blocks have declared, and the
+// block that last filled each: a handful per thread (one per declaration).
+struct SharedVar {
+    void* p;
+    unsigned long long filled_in;
+};
+thread_local std::vector<SharedVar> t_shared;
+}  // namespace
+
+void shared_declared(void* p, std::size_t bytes) {
+    SharedVar* var = nullptr;
+    for (SharedVar& v : t_shared) {
+        if (v.p == p) {
+            var = &v;
+            break;
+        }
+    }
+    if (var == nullptr) {
+        t_shared.push_back(SharedVar{p, 0});
+        var = &t_shared.back();
+    }
+    if (var->filled_in != t_block_serial) {
+        // What a GPU's shared memory holds at a block's start is undefined.
+        std::memset(p, 0xff, bytes);
+        var->filled_in = t_block_serial;
+    }
+}
 
 // The first misaligned access of the launch running on this OS thread.
 thread_local std::string t_misaligned;

@@ -103,3 +103,16 @@ extern "C" __global__ void hr_emu_selftest_restrict(u32 n, const u32* __restrict
         out[t] = a[t] + b[t];
     }
 }
+
+// Block 0 writes all 64 shared words, every later block only the first 32,
+// then each thread reads its own word back: the 32 no thread of the block
+// wrote must read all-ones bits, whichever block ran before.
+extern "C" __global__ void hr_emu_selftest_unwritten_shared(u32* out) {
+    __shared__ u32 s[64];
+    const u32 written = blockIdx.x == 0 ? 64u : 32u;
+    if (threadIdx.x < written) {
+        s[threadIdx.x] = blockIdx.x + 1u;
+    }
+    __syncthreads();
+    out[blockIdx.x * 64u + threadIdx.x] = s[threadIdx.x];
+}

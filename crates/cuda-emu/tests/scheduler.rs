@@ -5,7 +5,8 @@
 //! caught by the guard bytes, and a misaligned vector access fails the
 //! launch as it faults on a GPU, a grid or block past CUDA's limits is
 //! refused, and so is a launch whose written `__restrict__` argument has
-//! another's address. Kernels: shim/selftest.cu.
+//! another's address, and shared memory a block has not written reads
+//! all-ones bits. Kernels: shim/selftest.cu.
 
 use std::sync::{Arc, OnceLock};
 
@@ -293,6 +294,36 @@ fn a_written_restrict_argument_that_aliases_another_is_refused() {
     for (x, y, o) in [(a_ptr, out_ptr, out_ptr), (out_ptr, a_ptr, out_ptr)] {
         let err = launch(x, y, o).unwrap_err();
         assert!(format!("{err:?}").contains("INVALID_VALUE"), "{err:?}");
+    }
+}
+
+#[test]
+fn shared_memory_no_thread_of_the_block_wrote_reads_all_ones() {
+    let s = stream();
+    let f = function(&s, "hr_emu_selftest_unwritten_shared");
+    // Twice, so that the blocks run in both orders: block 0 (which writes
+    // all 64 words) runs before the others once and after them once.
+    for launch in 0..2 {
+        let mut out = s.alloc_zeros::<u32>(3 * 64).unwrap();
+        let mut b = s.launch_builder(&f);
+        b.arg(&mut out);
+        // SAFETY: 3 blocks of 64 threads, each writing its one of 3·64 words.
+        unsafe { b.launch(cfg(3, (64, 1, 1))) }.unwrap();
+        let out = s.clone_dtoh(&out).unwrap();
+        for block in 0..3u32 {
+            for t in 0..64u32 {
+                let expected = if block == 0 || t < 32 {
+                    block + 1
+                } else {
+                    u32::MAX
+                };
+                assert_eq!(
+                    out[(block * 64 + t) as usize],
+                    expected,
+                    "launch {launch}, block {block}, thread {t}"
+                );
+            }
+        }
     }
 }
 
