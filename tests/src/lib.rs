@@ -4,6 +4,7 @@
 use std::io::Write;
 use std::path::Path;
 
+use headroom_model::cuda::MAX_BLOCK_THREADS;
 use headroom_pipeline::{ExperimentConfig, Overrides};
 
 /// Writes gzip IDX files with `train` / `test` samples of 28x28 images whose
@@ -95,7 +96,7 @@ pub fn cuda_path_available(test: &str) -> bool {
     if !env_is_1("HEADROOM_REQUIRE_GPU")
         && (env_is_1("HEADROOM_CUDA_EMULATE") || !headroom_cuda_emu::real_gpu_present())
     {
-        if let Err(e) = headroom_cuda_emu::install() {
+        if let Err(e) = headroom_cuda_emu::install_with_widest_block(MAX_BLOCK_THREADS) {
             panic!("the CUDA emulator is unavailable: {e}");
         }
     }

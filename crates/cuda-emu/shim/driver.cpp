@@ -56,6 +56,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -1453,6 +1454,11 @@ EXPORT CUresult cuFuncGetAttribute(int* v, int attrib, const hr_emu::KernelEntry
 }
 
 namespace {
+// The widest block a launch may have: CUDA's 1024, or less where a test
+// harness says its kernels were checked to fit only narrower blocks (a GPU
+// refuses a launch whose block needs more registers than an SM has).
+std::atomic<unsigned int> g_widest_block{kMaxThreads};
+
 // How many times each kernel has run (directly or in a graph), for tests
 // that must know which path an op took.
 std::mutex g_runs_mutex;
@@ -1557,7 +1563,15 @@ EXPORT CUresult cuLaunchKernel(const hr_emu::KernelEntry* f, unsigned int gx, un
     if (gx > 0x7fffffffu || gy > 65535 || gz > 65535 || bx > 1024 || by > 1024 || bz > 64) {
         return CUDA_ERROR_INVALID_VALUE;
     }
-    if (threads > kMaxThreads || shared_bytes > 48 * 1024) return CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
+    if (shared_bytes > 48 * 1024) return CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
+    const unsigned int widest = g_widest_block.load();
+    if (threads > widest) {
+        std::fprintf(stderr,
+                     "headroom CUDA emulator: %s: a block of %llu threads, more than the %u "
+                     "this process allows\n",
+                     f->name, threads, widest);
+        return CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
+    }
     if (const char* clash = restrict_alias(f, params)) {
         std::fprintf(stderr, "headroom CUDA emulator: %s: %s\n", f->name, clash);
         return CUDA_ERROR_INVALID_VALUE;
@@ -1584,6 +1598,12 @@ namespace hr_conv {
 
 EXPORT unsigned short hr_emu_f32_to_f16(float f) { return hr_conv::f2h(f); }
 EXPORT float hr_emu_f16_to_f32(unsigned short h) { return hr_conv::h2f(h); }
+
+// Launches with more than `threads` threads in a block (1 to 1024) fail from
+// now on, as CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES.
+EXPORT void hr_emu_limit_block_threads(unsigned int threads) {
+    g_widest_block.store(std::min(std::max(threads, 1u), kMaxThreads));
+}
 
 // How many times kernel `name` has run in this process.
 EXPORT unsigned long long hr_emu_kernel_runs(const char* name) {

@@ -186,6 +186,21 @@ pub fn kernel_runs(name: &str) -> Result<u64, String> {
     Ok(unsafe { std::mem::transmute::<*mut c_void, F>(f)(name.as_ptr()) })
 }
 
+/// [`install`], and from then on refuse a launch with more than `threads`
+/// threads in a block (clamped to 1..=1024) with
+/// `CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES`, as a GPU refuses a block whose
+/// registers do not fit an SM. A harness passes the width its kernels'
+/// resources were checked against, so that a wider launch fails in the
+/// tests, not first on a GPU. The limit is the whole process's.
+pub fn install_with_widest_block(threads: u32) -> Result<(), String> {
+    install()?;
+    type F = unsafe extern "C" fn(u32);
+    let f = symbol(c"hr_emu_limit_block_threads")?;
+    // SAFETY: the symbol is `void hr_emu_limit_block_threads(unsigned int)`.
+    unsafe { std::mem::transmute::<*mut c_void, F>(f)(threads) };
+    Ok(())
+}
+
 /// The fake libraries' paths (for messages).
 pub fn libraries() -> [PathBuf; 2] {
     [lib_dir().join("libcuda.so"), lib_dir().join("libcublas.so")]

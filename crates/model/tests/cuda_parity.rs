@@ -33,7 +33,7 @@ use headroom_model::cuda::ops::{self, BatchNormConfig, ConvAlgorithm, ConvPlan, 
 use headroom_model::cuda::params::StepState;
 use headroom_model::cuda::{
     blas_workspace_bytes, kernels, AnyView, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork,
-    CudaTensor, DType, InputStaging, Normalization, ParamGroup, ResidentImages,
+    CudaTensor, DType, InputStaging, Normalization, ParamGroup, ResidentImages, MAX_BLOCK_THREADS,
 };
 use headroom_model::init::InitRng;
 use headroom_model::layers::{
@@ -41,7 +41,7 @@ use headroom_model::layers::{
     Residual, Silu, Upsample2x,
 };
 use headroom_model::loss::{
-    focal_loss, pixel_mse, soft_cross_entropy, soft_focal_loss, softmax_cross_entropy,
+    focal_loss, pixel_mse, soft_cross_entropy, soft_focal_loss, softmax_cross_entropy, LossOutput,
 };
 use headroom_model::{CheckpointPolicy, Layer, Mode, ModelSpec, Network, Tensor};
 use headroom_optim::{AdamWConfig, FusedAdamW, LossScaler, LossScalerConfig, StepOutcome};
@@ -93,7 +93,7 @@ fn emulated() -> bool {
 fn open_backend() -> Result<CudaBackend, String> {
     let emulate = emulated();
     if emulate {
-        if let Err(e) = headroom_cuda_emu::install() {
+        if let Err(e) = headroom_cuda_emu::install_with_widest_block(MAX_BLOCK_THREADS) {
             assert!(
                 !require_nvrtc(),
                 "HEADROOM_REQUIRE_NVRTC=1 but the CUDA emulator is unavailable: {e}"
@@ -247,6 +247,42 @@ fn assert_close(what: &str, gpu: &[f32], cpu: &[f32], rel: f32, abs_frac: f32) {
 /// ‖gpu - cpu‖₂ / ‖cpu‖₂ ≤ tol: for compositions whose ReLU masks may differ
 /// at a few elements within rounding of zero, where an element-wise bound
 /// would measure the mask, not the arithmetic.
+/// A loss op's device result against the CPU loss: the gradient, divided by
+/// `unscale` (the loss scale times the share), within `grad_tol` (rel, abs
+/// as `assert_close`); the mean loss within `loss_rel` of the CPU's (of 1
+/// where the loss is smaller); the count of correct rows exactly.
+fn assert_loss_matches(
+    be: &CudaBackend,
+    what: &str,
+    out: &ops::XentOutput,
+    cpu: &LossOutput,
+    unscale: f32,
+    grad_tol: (f32, f32),
+    loss_rel: f32,
+) {
+    let grad: Vec<f32> = out
+        .grad
+        .to_host(be)
+        .unwrap()
+        .iter()
+        .map(|g| g / unscale)
+        .collect();
+    assert_close(
+        &format!("{what} grad"),
+        &grad,
+        cpu.grad.data(),
+        grad_tol.0,
+        grad_tol.1,
+    );
+    let (loss, correct) = out.read_summary(be).unwrap();
+    assert!(
+        (loss - cpu.loss).abs() <= loss_rel * cpu.loss.abs().max(1.0),
+        "{what}: loss {loss} vs {}",
+        cpu.loss
+    );
+    assert_eq!(correct as usize, cpu.correct, "{what}: correct");
+}
+
 fn assert_close_l2(what: &str, gpu: &[f32], cpu: &[f32], tol: f64) {
     assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
     let (mut num, mut den) = (0.0f64, 0.0f64);
@@ -1526,23 +1562,17 @@ fn soft_target_cross_entropy_matches_the_cpu_loss() {
         };
         let out = ops::soft_cross_entropy(&be, &upload(&be, &logits), &targets_d.as_view(), scale)
             .unwrap();
-        let grad: Vec<f32> = out
-            .grad
-            .to_host(&be)
-            .unwrap()
-            .iter()
-            .map(|g| g / (loss_scale * share))
-            .collect();
         let what = format!("soft xent scale={loss_scale} share={share}");
         // f32 softmax vs f64, then one f16 rounding of the gradient.
-        assert_close(&format!("{what} grad"), &grad, cpu.grad.data(), 2e-3, 1e-3);
-        let (loss, correct) = out.read_summary(&be).unwrap();
-        assert!(
-            (loss - cpu.loss).abs() <= 1e-4 * cpu.loss.abs().max(1.0),
-            "{what}: loss {loss} vs {}",
-            cpu.loss
+        assert_loss_matches(
+            &be,
+            &what,
+            &out,
+            &cpu,
+            loss_scale * share,
+            (2e-3, 1e-3),
+            1e-4,
         );
-        assert_eq!(correct as usize, cpu.correct, "{what}: correct");
     }
     let short = upload_f32(&be, &targets[..k]);
     let one = upload_f32(&be, &[1.0]);
@@ -1614,21 +1644,7 @@ fn focal_loss_matches_the_cpu_loss() {
             for (what, cpu, out) in outs {
                 let what = format!("focal {what} γ={gamma} {dtype:?}");
                 let out = out.unwrap();
-                let grad: Vec<f32> = out
-                    .grad
-                    .to_host(&be)
-                    .unwrap()
-                    .iter()
-                    .map(|g| g / (loss_scale * share))
-                    .collect();
-                assert_close(&format!("{what} grad"), &grad, cpu.grad.data(), rel, abs);
-                let (loss, correct) = out.read_summary(&be).unwrap();
-                assert!(
-                    (loss - cpu.loss).abs() <= 1e-4 * cpu.loss.abs().max(1.0),
-                    "{what}: loss {loss} vs {}",
-                    cpu.loss
-                );
-                assert_eq!(correct as usize, cpu.correct, "{what}: correct");
+                assert_loss_matches(&be, &what, &out, cpu, loss_scale * share, (rel, abs), 1e-4);
             }
         }
     }
@@ -1672,23 +1688,17 @@ fn softmax_cross_entropy_matches_the_cpu_loss() {
                 scale,
             )
             .unwrap();
-            let grad: Vec<f32> = out
-                .grad
-                .to_host(&be)
-                .unwrap()
-                .iter()
-                .map(|g| g / (loss_scale * share))
-                .collect();
             let what = format!("xent s={smoothing} scale={loss_scale} share={share}");
             // f32 softmax vs f64, then one f16 rounding of the gradient.
-            assert_close(&format!("{what} grad"), &grad, cpu.grad.data(), 2e-3, 1e-3);
-            let (loss, correct) = out.read_summary(&be).unwrap();
-            assert!(
-                (loss - cpu.loss).abs() <= 1e-4 * cpu.loss.abs().max(1.0),
-                "{what}: loss {loss} vs {}",
-                cpu.loss
+            assert_loss_matches(
+                &be,
+                &what,
+                &out,
+                &cpu,
+                loss_scale * share,
+                (2e-3, 1e-3),
+                1e-4,
             );
-            assert_eq!(correct as usize, cpu.correct, "{what}: correct");
         }
     }
     // A NaN logit gives a NaN loss (the inf/NaN check downstream sees it).
@@ -3533,34 +3543,10 @@ fn an_f32_network_matches_the_cpu_network() {
             assert_close(&format!("{what} logits"), &host, logits_want, 1e-4, 1e-5);
             let view = labels_d.slice.as_view();
             let out = ops::softmax_cross_entropy(&be, &logits, &view, 0.1, unit).unwrap();
-            assert_close(
-                &format!("{what} grad"),
-                &out.grad.to_host(&be).unwrap(),
-                hard.grad.data(),
-                1e-4,
-                1e-6,
-            );
-            let (loss, correct) = out.read_summary(&be).unwrap();
-            assert!(
-                (loss - hard.loss).abs() <= 1e-5 * hard.loss.abs().max(1.0),
-                "{what}: {loss} vs {}",
-                hard.loss
-            );
-            assert_eq!(correct as usize, hard.correct, "{what}");
+            assert_loss_matches(&be, &what, &out, hard, 1.0, (1e-4, 1e-6), 1e-5);
             let soft_out = ops::soft_cross_entropy(&be, &logits, &soft_d.as_view(), unit).unwrap();
-            assert_close(
-                &format!("{what} soft grad"),
-                &soft_out.grad.to_host(&be).unwrap(),
-                smooth.grad.data(),
-                1e-4,
-                1e-6,
-            );
-            let (loss, _) = soft_out.read_summary(&be).unwrap();
-            assert!(
-                (loss - smooth.loss).abs() <= 1e-5 * smooth.loss.abs().max(1.0),
-                "{what}: soft {loss} vs {}",
-                smooth.loss
-            );
+            let soft_what = format!("{what} soft");
+            assert_loss_matches(&be, &soft_what, &soft_out, smooth, 1.0, (1e-4, 1e-6), 1e-5);
             net.backward(&be, &out.grad).unwrap();
         }
         let grads = net.read_grads(&be).unwrap();

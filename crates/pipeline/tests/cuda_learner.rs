@@ -15,7 +15,7 @@ mod common;
 use common::{bits, settings};
 use headroom_loader::Batch;
 use headroom_model::cuda::ops::{ConvAlgorithm, ConvPlan};
-use headroom_model::cuda::{CudaBackend, CudaBuildOptions, CudaError, DType};
+use headroom_model::cuda::{CudaBackend, CudaBuildOptions, CudaError, DType, MAX_BLOCK_THREADS};
 use headroom_model::memory::MemoryPool;
 use headroom_model::{BuildOptions, CheckpointPolicy, Device, LayerSpec, ModelSpec};
 use headroom_optim::LossScalerConfig;
@@ -51,7 +51,7 @@ fn backend() -> Option<MutexGuard<'static, ()>> {
         if !require_gpu
             && (env_is_1("HEADROOM_CUDA_EMULATE") || !headroom_cuda_emu::real_gpu_present())
         {
-            headroom_cuda_emu::install()?;
+            headroom_cuda_emu::install_with_widest_block(MAX_BLOCK_THREADS)?;
         }
         match CudaBackend::new(0) {
             Ok(be) => {

@@ -54,8 +54,13 @@ mod sequence;
 pub use frames::*;
 pub use sequence::*;
 
+/// The most threads any launch of the backend puts in one block. cuda_ptx
+/// checks that every kernel's registers and shared memory fit a block this
+/// wide on an SM (wider, a GPU refuses the launch for want of resources),
+/// and the tests have the emulator refuse any wider launch.
+pub const MAX_BLOCK_THREADS: u32 = 256;
 /// Threads per block of the elementwise kernels.
-const BLOCK: u32 = 256;
+const BLOCK: u32 = MAX_BLOCK_THREADS;
 /// Grid-stride kernels never need more blocks than this.
 const MAX_BLOCKS: usize = 1 << 16;
 
