@@ -76,6 +76,10 @@ fn main() {
         // build rounds every operation, which the tolerances cover.
         .arg("-ffp-contract=off")
         .args(["-Wall", "-Wno-unused-function", "-Wno-unused-variable"])
+        // A GPU gives an uninitialised register whatever it held; the host
+        // compiler can see some such reads, and a kernel with one must not
+        // build.
+        .args(["-Werror=uninitialized", "-Werror=maybe-uninitialized"])
         .arg("-DHR_EMULATE")
         .arg("-include")
         .arg(shim.join("cuda_shim.h"))
