@@ -309,6 +309,12 @@ fn emulated_run(
         .env("DEADLINE", deadline)
         .env("LD_PRELOAD", emulator.join("libcuda.so"))
         .env("LD_LIBRARY_PATH", emulator)
+        // A launch wider than the kernels were checked for fails here as
+        // it would on the GPU.
+        .env(
+            "HEADROOM_CUDA_EMU_WIDEST_BLOCK",
+            headroom_model::cuda::MAX_BLOCK_THREADS.to_string(),
+        )
         .env("EXPERIMENT", "experiments/smoke.toml")
         .env(
             "HEADROOM_SETS",

@@ -1456,8 +1456,24 @@ EXPORT CUresult cuFuncGetAttribute(int* v, int attrib, const hr_emu::KernelEntry
 namespace {
 // The widest block a launch may have: CUDA's 1024, or less where a test
 // harness says its kernels were checked to fit only narrower blocks (a GPU
-// refuses a launch whose block needs more registers than an SM has).
-std::atomic<unsigned int> g_widest_block{kMaxThreads};
+// refuses a launch whose block needs more registers than an SM has), or
+// where HEADROOM_CUDA_EMU_WIDEST_BLOCK says so for a whole program (the GPU
+// bundle's dry run, whose binaries load the emulator without a harness).
+unsigned int widest_block_from_env() {
+    const char* v = std::getenv("HEADROOM_CUDA_EMU_WIDEST_BLOCK");
+    if (v == nullptr) return kMaxThreads;
+    char* end = nullptr;
+    const unsigned long n = std::strtoul(v, &end, 10);
+    if (end == v || *end != '\0' || n < 1 || n > kMaxThreads) {
+        std::fprintf(stderr,
+                     "headroom CUDA emulator: HEADROOM_CUDA_EMU_WIDEST_BLOCK=%s: expected a "
+                     "number of threads from 1 to %u\n",
+                     v, kMaxThreads);
+        std::abort();
+    }
+    return (unsigned int)n;
+}
+std::atomic<unsigned int> g_widest_block{widest_block_from_env()};
 
 // How many times each kernel has run (directly or in a graph), for tests
 // that must know which path an op took.
