@@ -5,12 +5,13 @@
 //!   and every kernel of `crates/model/kernels/*.cu` compiled as host C++
 //!   with shim/cuda_shim.h force-included and `HR_EMULATE` defined. Each
 //!   `.cu` file gets a generated unit that holds a copy of it inside a
-//!   namespace of its own and registers every `extern "C" __global__ void NAME(` it
-//!   finds, so a kernel added later is emulated without a list to update,
-//!   with which of its parameters are `__restrict__` pointers, and which of
-//!   those are not `const` (the driver refuses a launch that aliases them).
-//!   The copy has a call after each `__shared__` declaration, which fills
-//!   the variable with 0xff bytes at each block's start.
+//!   namespace of its own and registers every `extern "C" __global__ void
+//!   NAME(` it finds, so a kernel added later is emulated without a list to
+//!   update, with which of its parameters are `__restrict__` pointers, and
+//!   which of those are not `const` (the driver refuses a launch that
+//!   aliases them). The copy has a call after each `__shared__`
+//!   declaration, which fills the variable with 0xff bytes at each block's
+//!   start.
 //!   shim/selftest.cu (the emulator's own test kernels) is built likewise.
 //! - `libcublas.so` (SONAME `libcublas.so`): the fake cuBLAS (shim/cublas.cpp).
 //!
