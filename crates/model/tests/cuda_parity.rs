@@ -244,9 +244,6 @@ fn assert_close(what: &str, gpu: &[f32], cpu: &[f32], rel: f32, abs_frac: f32) {
     );
 }
 
-/// ‖gpu - cpu‖₂ / ‖cpu‖₂ ≤ tol: for compositions whose ReLU masks may differ
-/// at a few elements within rounding of zero, where an element-wise bound
-/// would measure the mask, not the arithmetic.
 /// A loss op's device result against the CPU loss: the gradient, divided by
 /// `unscale` (the loss scale times the share), within `grad_tol` (rel, abs
 /// as `assert_close`); the mean loss within `loss_rel` of the CPU's (of 1
@@ -283,6 +280,9 @@ fn assert_loss_matches(
     assert_eq!(correct as usize, cpu.correct, "{what}: correct");
 }
 
+/// ‖gpu - cpu‖₂ / ‖cpu‖₂ ≤ tol: for compositions whose ReLU masks may differ
+/// at a few elements within rounding of zero, where an element-wise bound
+/// would measure the mask, not the arithmetic.
 fn assert_close_l2(what: &str, gpu: &[f32], cpu: &[f32], tol: f64) {
     assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
     let (mut num, mut den) = (0.0f64, 0.0f64);
