@@ -110,7 +110,7 @@ fn mib(bytes: u64) -> f64 {
 
 /// Runs cargo with `args` (a build that prints JSON messages) and returns
 /// its messages; `what` names the build in errors.
-fn cargo_messages(args: &[&str], what: &str) -> Result<Vec<serde_json::Value>> {
+pub(crate) fn cargo_messages(args: &[&str], what: &str) -> Result<Vec<serde_json::Value>> {
     let output = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(args)
         .output()

@@ -15,6 +15,7 @@ mod bench;
 mod doctor;
 mod gpu_bundle;
 mod loader_bench;
+mod memcheck;
 mod signals;
 
 const DEFAULT_EXPERIMENT: &str = "experiments/fashion_mnist.toml";
@@ -197,6 +198,13 @@ enum Command {
         /// driver, with every job shrunk: checks the script, not the GPU.
         #[arg(long)]
         dry_run: bool,
+    },
+    /// Run every CUDA parity test on the CPU emulator under valgrind's
+    /// memcheck (after a control it must fault): finds kernels that read
+    /// locals they never wrote. Logs in target/memcheck.
+    Memcheck {
+        /// Only the parity tests whose name contains this.
+        filter: Option<String>,
     },
     /// One timed configuration as a JSON line (used by `bench`).
     #[command(hide = true)]
@@ -733,6 +741,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Doctor => done(doctor::run()),
         Command::GpuCheck => done(gpu_check()),
+        Command::Memcheck { filter } => done(memcheck::run(filter.as_deref())),
         Command::GpuBundle {
             output,
             with_data,

@@ -116,3 +116,17 @@ extern "C" __global__ void hr_emu_selftest_unwritten_shared(u32* out) {
     __syncthreads();
     out[blockIdx.x * 64u + threadIdx.x] = s[threadIdx.x];
 }
+
+// Each thread writes only the first `written` of its four local words, then
+// stores all four: the words past `written` were never written, a read that
+// the compiler cannot see at build time. valgrind's memcheck must report it
+// (`cargo xtask memcheck` checks that it does before it trusts a clean run).
+extern "C" __global__ void hr_emu_selftest_uninitialised_local(u32 written, u32* out) {
+    u32 v[4];
+    for (u32 i = 0; i < written && i < 4u; ++i) {
+        v[i] = i + 1u;
+    }
+    for (u32 i = 0; i < 4u; ++i) {
+        out[threadIdx.x * 4u + i] = v[i];
+    }
+}

@@ -12,7 +12,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 fn a_block_wider_than_the_harness_allows_is_refused() {
     headroom_cuda_emu::install_with_widest_block(256).unwrap_or_else(|e| panic!("{e}"));
     let s = common::stream();
-    let f = common::reverse(&s);
+    let f = common::selftest(&s, "hr_emu_selftest_reverse");
     let input: Vec<u32> = (0..512).collect();
     let dev_in = s.clone_htod(&input).unwrap();
     let launch = |threads: u32| {

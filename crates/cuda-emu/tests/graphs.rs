@@ -10,7 +10,7 @@ use cudarc::driver::{sys, CudaGraph, CudaStream, DevicePtrMut, PushKernelArg};
 
 mod common;
 
-use common::{one_block, reverse, stream};
+use common::{one_block, selftest, stream};
 
 const MODE: sys::CUstreamCaptureMode =
     sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
@@ -22,7 +22,7 @@ fn end(s: &Arc<CudaStream>) -> Result<Option<CudaGraph>, cudarc::driver::DriverE
 #[test]
 fn captured_work_runs_at_each_replay_with_the_captured_arguments() {
     let s = stream();
-    let f = reverse(&s);
+    let f = selftest(&s, "hr_emu_selftest_reverse");
     let mut n = 8u32;
     let input = s.clone_htod(&[1u32, 2, 3, 4, 5, 6, 7, 8]).unwrap();
     let mut out = s.alloc_zeros::<u32>(8).unwrap();

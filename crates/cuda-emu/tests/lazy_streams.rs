@@ -9,7 +9,7 @@ use cudarc::driver::{result, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg}
 
 mod common;
 
-use common::{one_block, reverse, stream};
+use common::{one_block, selftest, stream};
 
 /// Pinned host memory holding `values`.
 fn pinned_with(s: &Arc<CudaStream>, values: &[u32]) -> cudarc::driver::PinnedHostSlice<u32> {
@@ -34,7 +34,7 @@ fn a_result_copied_to_pinned_memory_arrives_when_its_event_is_waited_on() {
     let input = s.clone_htod(&[1u32, 2, 3, 4]).unwrap();
     let mut dev = s.alloc_zeros::<u32>(4).unwrap();
     let host = pinned_with(&s, &[0; 4]);
-    let f = reverse(&s);
+    let f = selftest(&s, "hr_emu_selftest_reverse");
     let mut b = s.launch_builder(&f);
     b.arg(&n).arg(&input).arg(&mut dev);
     // SAFETY: hr_emu_selftest_reverse(n, const u32* [n], u32* [n]), n threads.
@@ -112,7 +112,7 @@ fn a_stream_waiting_on_an_event_runs_after_the_recorded_work() {
     }
     let copied = other.record_event(None).unwrap();
     s.wait(&copied).unwrap();
-    let f = reverse(&s);
+    let f = selftest(&s, "hr_emu_selftest_reverse");
     let mut b = s.launch_builder(&f);
     b.arg(&n).arg(&dev).arg(&mut out);
     // SAFETY: hr_emu_selftest_reverse(n, const u32* [n], u32* [n]), n threads.
@@ -132,7 +132,7 @@ fn two_threads_running_streams_that_wait_on_each_other_both_finish() {
     let a = stream();
     let b = a.context().new_stream().unwrap();
     let n = 64u32;
-    let f = reverse(&a);
+    let f = selftest(&a, "hr_emu_selftest_reverse");
     let mut bufs = [
         a.alloc_zeros::<u32>(64).unwrap(),
         a.alloc_zeros::<u32>(64).unwrap(),

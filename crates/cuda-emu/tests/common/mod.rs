@@ -1,5 +1,5 @@
 //! What the emulator's cudarc-level tests share: a stream of a context that
-//! orders its work itself, as the backend's does, and the self-test kernel.
+//! orders its work itself, as the backend's does, and the self-test kernels.
 
 use std::sync::Arc;
 
@@ -16,14 +16,15 @@ pub fn stream() -> Arc<CudaStream> {
     ctx.new_stream().expect("stream")
 }
 
-/// hr_emu_selftest_reverse(n, const u32* in, u32* out): each block
-/// reverses n elements through shared memory.
-pub fn reverse(s: &Arc<CudaStream>) -> CudaFunction {
+/// A kernel of shim/selftest.cu, e.g. hr_emu_selftest_reverse(n, const u32*
+/// in, u32* out): each block reverses n elements through shared memory.
+pub fn selftest(s: &Arc<CudaStream>, name: &str) -> CudaFunction {
+    // The image is ignored: kernels are found by name.
     let module = s
         .context()
         .load_module(Ptx::from_src("// emulated"))
         .unwrap();
-    module.load_function("hr_emu_selftest_reverse").unwrap()
+    module.load_function(name).unwrap()
 }
 
 pub fn one_block(threads: u32) -> LaunchConfig {
