@@ -24,10 +24,11 @@ use anyhow::{bail, Context, Result};
 
 use crate::gpu_bundle::cargo_messages;
 
-/// (package, test target) of the control, which memcheck must fault.
-const CONTROL: (&str, &str) = ("headroom-cuda-emu", "memcheck_control");
-/// (package, test target) whose every test must run clean.
-const AUDITED: (&str, &str) = ("headroom-model", "cuda_parity");
+/// The test target of the control, which memcheck must fault
+/// (headroom-cuda-emu).
+const CONTROL: &str = "memcheck_control";
+/// The test target whose every test must run clean (headroom-model).
+const AUDITED: &str = "cuda_parity";
 /// valgrind's exit status when memcheck found an error.
 const ERROR_EXIT: i32 = 99;
 /// memcheck's origin of a value a kernel never wrote: a stack frame, at a
@@ -56,8 +57,7 @@ pub fn run(filter: Option<&str>) -> Result<()> {
     let suppressions = logs.join("memcheck.supp");
     fs::write(&suppressions, SUPPRESSIONS)
         .with_context(|| format!("writing {}", suppressions.display()))?;
-    let control = test_binary(CONTROL)?;
-    let audited = test_binary(AUDITED)?;
+    let (control, audited) = test_binaries()?;
     println!("{version}: the positive control first");
     check_control(&Valgrind::new(&control, &suppressions), &logs)?;
 
@@ -66,11 +66,11 @@ pub fn run(filter: Option<&str>) -> Result<()> {
         tests.retain(|name| name.contains(filter));
     }
     if tests.is_empty() {
-        bail!("no test of {} matches {filter:?}", AUDITED.1);
+        bail!("no test of {} matches {filter:?}", AUDITED);
     }
     let started = Instant::now();
     let valgrind = Valgrind::new(&audited, &suppressions);
-    let outcomes = run_all(&valgrind, &tests, &logs.join(AUDITED.1));
+    let outcomes = run_all(&valgrind, &tests, &logs.join(AUDITED));
     let bad: Vec<&Outcome> = outcomes
         .iter()
         .filter(|o| !o.passed || o.memcheck_errors)
@@ -78,7 +78,7 @@ pub fn run(filter: Option<&str>) -> Result<()> {
     println!(
         "{} tests of {} under memcheck in {:.0} s: {} clean, {} not",
         outcomes.len(),
-        AUDITED.1,
+        AUDITED,
         started.elapsed().as_secs_f64(),
         outcomes.len() - bad.len(),
         bad.len()
@@ -101,23 +101,30 @@ pub fn run(filter: Option<&str>) -> Result<()> {
     Ok(())
 }
 
-/// Builds `(package, test)` in the dev profile (line tables, so memcheck's
-/// reports name lines) and returns its path.
-fn test_binary((package, test): (&str, &str)) -> Result<PathBuf> {
+/// Builds the control and the audited tests in the dev profile (line
+/// tables, so memcheck's reports name lines) and returns their paths.
+/// `--workspace` resolves features as `cargo test --workspace` does, so the
+/// binaries it built are reused, not built again in another variant.
+fn test_binaries() -> Result<(PathBuf, PathBuf)> {
     let args = [
         "test",
+        "--workspace",
         "--no-run",
         "--message-format=json-render-diagnostics",
-        "-p",
-        package,
         "--test",
-        test,
+        CONTROL,
+        "--test",
+        AUDITED,
     ];
-    cargo_messages(&args, test)?
-        .iter()
-        .filter(|message| message["target"]["name"].as_str() == Some(test))
-        .find_map(|message| message["executable"].as_str().map(PathBuf::from))
-        .with_context(|| format!("cargo reported no executable for the test {test} of {package}"))
+    let messages = cargo_messages(&args, "the memcheck tests")?;
+    let executable = |test: &str| {
+        messages
+            .iter()
+            .filter(|message| message["target"]["name"].as_str() == Some(test))
+            .find_map(|message| message["executable"].as_str().map(PathBuf::from))
+            .with_context(|| format!("cargo reported no executable for the test {test}"))
+    };
+    Ok((executable(CONTROL)?, executable(AUDITED)?))
 }
 
 /// Runs the control under memcheck: it must pass as a test and be reported,
