@@ -203,8 +203,12 @@ enum Command {
     /// memcheck (after a control it must fault): finds kernels that read
     /// locals they never wrote. Logs in target/memcheck.
     Memcheck {
-        /// Only the parity tests whose name contains this.
+        /// Only the tests whose name contains this.
         filter: Option<String>,
+        /// Also the learner's and the training runs' CUDA tests
+        /// (cuda_learner, cuda_training): about three times as long.
+        #[arg(long)]
+        all: bool,
     },
     /// One timed configuration as a JSON line (used by `bench`).
     #[command(hide = true)]
@@ -741,7 +745,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Doctor => done(doctor::run()),
         Command::GpuCheck => done(gpu_check()),
-        Command::Memcheck { filter } => done(memcheck::run(filter.as_deref())),
+        Command::Memcheck { filter, all } => done(memcheck::run(filter.as_deref(), all)),
         Command::GpuBundle {
             output,
             with_data,

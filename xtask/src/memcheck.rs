@@ -27,8 +27,12 @@ use crate::gpu_bundle::cargo_messages;
 /// The test target of the control, which memcheck must fault
 /// (headroom-cuda-emu).
 const CONTROL: &str = "memcheck_control";
-/// The test target whose every test must run clean (headroom-model).
-const AUDITED: &str = "cuda_parity";
+/// The test target whose every test must run clean: every kernel against
+/// its CPU layer (headroom-model).
+const PARITY: &str = "cuda_parity";
+/// With `--all`, these too: the learner's steps and whole training runs on
+/// the emulated device (the loop, the staging ring, OOM and resume paths).
+const WITH_ALL: [&str; 2] = ["cuda_learner", "cuda_training"];
 /// valgrind's exit status when memcheck found an error.
 const ERROR_EXIT: i32 = 99;
 /// memcheck's origin of a value a kernel never wrote: a stack frame, at a
@@ -47,7 +51,14 @@ struct Outcome {
     log: PathBuf,
 }
 
-pub fn run(filter: Option<&str>) -> Result<()> {
+/// One test to run under memcheck.
+struct Job<'a> {
+    valgrind: Valgrind<'a>,
+    target: &'a str,
+    test: String,
+}
+
+pub fn run(filter: Option<&str>, all: bool) -> Result<()> {
     let version = Command::new("valgrind").arg("--version").output();
     let Ok(version) = version.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()) else {
         bail!("valgrind is not on PATH; install it (Debian: apt-get install valgrind)");
@@ -57,20 +68,32 @@ pub fn run(filter: Option<&str>) -> Result<()> {
     let suppressions = logs.join("memcheck.supp");
     fs::write(&suppressions, SUPPRESSIONS)
         .with_context(|| format!("writing {}", suppressions.display()))?;
-    let (control, audited) = test_binaries()?;
+    let mut targets = vec![PARITY];
+    if all {
+        targets.extend(WITH_ALL);
+    }
+    let (control, audited) = test_binaries(&targets)?;
     println!("{version}: the positive control first");
     check_control(&Valgrind::new(&control, &suppressions), &logs)?;
 
-    let mut tests = list_tests(&audited)?;
-    if let Some(filter) = filter {
-        tests.retain(|name| name.contains(filter));
+    let mut jobs = Vec::new();
+    for (target, binary) in targets.iter().zip(&audited) {
+        for test in list_tests(binary)? {
+            if filter.is_none_or(|filter| test.contains(filter)) {
+                let valgrind = Valgrind::new(binary, &suppressions);
+                jobs.push(Job {
+                    valgrind,
+                    target,
+                    test,
+                });
+            }
+        }
     }
-    if tests.is_empty() {
-        bail!("no test of {} matches {filter:?}", AUDITED);
+    if jobs.is_empty() {
+        bail!("no test of {} matches {filter:?}", targets.join(", "));
     }
     let started = Instant::now();
-    let valgrind = Valgrind::new(&audited, &suppressions);
-    let outcomes = run_all(&valgrind, &tests, &logs.join(AUDITED));
+    let outcomes = run_all(&jobs, &logs);
     let bad: Vec<&Outcome> = outcomes
         .iter()
         .filter(|o| !o.passed || o.memcheck_errors)
@@ -78,7 +101,7 @@ pub fn run(filter: Option<&str>) -> Result<()> {
     println!(
         "{} tests of {} under memcheck in {:.0} s: {} clean, {} not",
         outcomes.len(),
-        AUDITED,
+        targets.join(", "),
         started.elapsed().as_secs_f64(),
         outcomes.len() - bad.len(),
         bad.len()
@@ -101,30 +124,33 @@ pub fn run(filter: Option<&str>) -> Result<()> {
     Ok(())
 }
 
-/// Builds the control and the audited tests in the dev profile (line
-/// tables, so memcheck's reports name lines) and returns their paths.
-/// `--workspace` resolves features as `cargo test --workspace` does, so the
-/// binaries it built are reused, not built again in another variant.
-fn test_binaries() -> Result<(PathBuf, PathBuf)> {
-    let args = [
+/// Builds the control and the audited `targets` in the dev profile (line
+/// tables, so memcheck's reports name lines) and returns their paths, the
+/// audited in the order given. `--workspace` resolves features as `cargo
+/// test --workspace` does, so the binaries it built are reused, not built
+/// again in another variant.
+fn test_binaries(targets: &[&str]) -> Result<(PathBuf, Vec<PathBuf>)> {
+    let mut args = vec![
         "test",
         "--workspace",
         "--no-run",
         "--message-format=json-render-diagnostics",
         "--test",
         CONTROL,
-        "--test",
-        AUDITED,
     ];
+    for target in targets {
+        args.extend(["--test", target]);
+    }
     let messages = cargo_messages(&args, "the memcheck tests")?;
-    let executable = |test: &str| {
+    let executable = |target: &str| {
         messages
             .iter()
-            .filter(|message| message["target"]["name"].as_str() == Some(test))
+            .filter(|message| message["target"]["name"].as_str() == Some(target))
             .find_map(|message| message["executable"].as_str().map(PathBuf::from))
-            .with_context(|| format!("cargo reported no executable for the test {test}"))
+            .with_context(|| format!("cargo reported no executable for the test {target}"))
     };
-    Ok((executable(CONTROL)?, executable(AUDITED)?))
+    let audited = targets.iter().map(|target| executable(target));
+    Ok((executable(CONTROL)?, audited.collect::<Result<_>>()?))
 }
 
 /// Runs the control under memcheck: it must pass as a test and be reported,
@@ -167,27 +193,34 @@ fn list_tests(binary: &Path) -> Result<Vec<String>> {
         .collect())
 }
 
-/// Runs every test in a memcheck process of its own, as many at once as the
+/// Runs every job in a memcheck process of its own, as many at once as the
 /// machine has cores, and prints each as it ends.
-fn run_all(valgrind: &Valgrind, tests: &[String], logs: &Path) -> Vec<Outcome> {
+fn run_all(jobs: &[Job], logs: &Path) -> Vec<Outcome> {
     let next = AtomicUsize::new(0);
     let outcomes = Mutex::new(Vec::new());
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
     std::thread::scope(|scope| {
-        for _ in 0..workers.min(tests.len()) {
+        for _ in 0..workers.min(jobs.len()) {
             scope.spawn(|| {
-                while let Some(test) = tests.get(next.fetch_add(1, Ordering::Relaxed)) {
+                while let Some(job) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
                     let started = Instant::now();
-                    let outcome = audit(valgrind, test, &logs.join(format!("{test}.log")))
-                        .unwrap_or_else(|error| Outcome {
-                            test: test.clone(),
+                    let name = format!("{}::{}", job.target, job.test);
+                    let log = logs.join(job.target).join(format!("{}.log", job.test));
+                    let outcome = match audit(&job.valgrind, &job.test, &log) {
+                        Ok(outcome) => Outcome {
+                            test: name,
+                            ..outcome
+                        },
+                        Err(error) => Outcome {
+                            test: name,
                             passed: false,
                             memcheck_errors: false,
                             log: PathBuf::from(format!("(not run: {error:#})")),
-                        });
+                        },
+                    };
                     println!(
                         "  {:<72} {:>5.0} s  {}",
-                        test,
+                        outcome.test,
                         started.elapsed().as_secs_f64(),
                         verdict(&outcome)
                     );
@@ -229,6 +262,7 @@ enum Origins {
 }
 
 /// memcheck on one test binary, with headroom's suppressions.
+#[derive(Clone, Copy)]
 struct Valgrind<'a> {
     binary: &'a Path,
     suppressions: &'a Path,
