@@ -219,7 +219,7 @@ fn run_all(jobs: &[Job], logs: &Path) -> Vec<Outcome> {
                         },
                     };
                     println!(
-                        "  {:<72} {:>5.0} s  {}",
+                        "  {:<88} {:>5.0} s  {}",
                         outcome.test,
                         started.elapsed().as_secs_f64(),
                         verdict(&outcome)
