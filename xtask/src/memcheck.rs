@@ -1,5 +1,5 @@
-//! `cargo xtask memcheck`: every CUDA parity test, on the CPU emulator of the
-//! driver, under valgrind's memcheck. It finds what neither the host
+//! `cargo xtask memcheck`: every CUDA parity test (with `--all`, every CUDA
+//! test), on the CPU emulator of the driver, under valgrind's memcheck. It finds what neither the host
 //! compiler's warnings nor the emulator's own checks see: a kernel that reads
 //! a local it never wrote. On a GPU that read gives whatever the register
 //! held; in the emulator the local is stack memory that memcheck marks
@@ -9,7 +9,7 @@
 //! A clean run proves something only if memcheck would have seen such a
 //! read, so the positive control (`crates/cuda-emu/tests/memcheck_control.rs`,
 //! a kernel that stores two locals it never wrote) runs first and must be
-//! reported. Then each parity test runs in a process of its own, as many at
+//! reported. Then each audited test runs in a process of its own, as many at
 //! once as there are cores (valgrind runs one thread at a time), with a log
 //! each in `target/memcheck`.
 
@@ -173,7 +173,7 @@ fn check_control(valgrind: &Valgrind, logs: &Path) -> Result<()> {
             outcome.log.display()
         );
     }
-    println!("the control's unwritten locals were reported; now the parity tests");
+    println!("the control's unwritten locals were reported; now the audited tests");
     Ok(())
 }
 
@@ -235,7 +235,7 @@ fn run_all(jobs: &[Job], logs: &Path) -> Vec<Outcome> {
     outcomes.into_inner().unwrap_or_else(|e| e.into_inner())
 }
 
-/// One parity test under memcheck, fast (no origins); where memcheck
+/// One audited test under memcheck, fast (no origins); where memcheck
 /// reports errors, again with their origins, for the log.
 fn audit(valgrind: &Valgrind, test: &str, log: &Path) -> Result<Outcome> {
     let outcome = valgrind.run(Some(test), Origins::Untracked, log)?;
