@@ -8,10 +8,11 @@
 //! another's address, and shared memory a block has not written reads
 //! all-ones bits. Kernels: shim/selftest.cu.
 
+mod common;
+
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::Ptx;
 
 fn stream() -> Arc<CudaStream> {
     static CTX: OnceLock<Arc<CudaContext>> = OnceLock::new();
@@ -22,15 +23,6 @@ fn stream() -> Arc<CudaStream> {
         ctx
     });
     ctx.new_stream().expect("stream")
-}
-
-fn function(s: &Arc<CudaStream>, name: &str) -> cudarc::driver::CudaFunction {
-    // The image is ignored: kernels are found by name.
-    let module = s
-        .context()
-        .load_module(Ptx::from_src("// emulated"))
-        .unwrap();
-    module.load_function(name).unwrap()
 }
 
 fn cfg(grid: u32, block: (u32, u32, u32)) -> LaunchConfig {
@@ -44,7 +36,7 @@ fn cfg(grid: u32, block: (u32, u32, u32)) -> LaunchConfig {
 #[test]
 fn barriers_and_shared_memory_are_per_block() {
     let s = stream();
-    let f = function(&s, "hr_emu_selftest_reverse");
+    let f = common::selftest(&s, "hr_emu_selftest_reverse");
     // 3 blocks of 16×8 threads (two dimensions, several warps).
     let n = 128u32;
     let input: Vec<u32> = (0..3 * n).map(|i| i * 7 + 1).collect();
@@ -71,7 +63,7 @@ fn barriers_and_shared_memory_are_per_block() {
 /// its value: 8 results per thread (see selftest.cu).
 fn warp_selftest(input: &[u32]) -> Vec<u32> {
     let s = stream();
-    let f = function(&s, "hr_emu_selftest_warp");
+    let f = common::selftest(&s, "hr_emu_selftest_warp");
     let dev_in = s.clone_htod(input).unwrap();
     let mut dev_out = s.alloc_zeros::<u32>(input.len() * 8).unwrap();
     let mut b = s.launch_builder(&f);
@@ -144,7 +136,7 @@ fn a_shuffle_from_a_lane_past_the_blocks_end_reads_all_ones() {
 #[test]
 fn warp_sum_and_max_of_common_cuh_reduce_the_warp() {
     let s = stream();
-    let f = function(&s, "hr_emu_selftest_warp_reduce");
+    let f = common::selftest(&s, "hr_emu_selftest_warp_reduce");
     let input: Vec<f32> = (0..32).map(|i| (i as f32 - 10.5) * 0.25).collect();
     let dev_in = s.clone_htod(&input).unwrap();
     let mut dev_out = s.alloc_zeros::<f32>(64).unwrap();
@@ -168,7 +160,7 @@ fn warp_sum_and_max_of_common_cuh_reduce_the_warp() {
 #[test]
 fn atomics_count_every_thread() {
     let s = stream();
-    let f = function(&s, "hr_emu_selftest_atomics");
+    let f = common::selftest(&s, "hr_emu_selftest_atomics");
     let mut counter = s.alloc_zeros::<u32>(1).unwrap();
     let mut sum = s.alloc_zeros::<f32>(1).unwrap();
     let mut max_seen = s.alloc_zeros::<u32>(1).unwrap();
@@ -184,7 +176,7 @@ fn atomics_count_every_thread() {
 #[test]
 fn a_barrier_shuffle_deadlock_is_a_launch_error() {
     let s = stream();
-    let f = function(&s, "hr_emu_selftest_deadlock");
+    let f = common::selftest(&s, "hr_emu_selftest_deadlock");
     let mut out = s.alloc_zeros::<u32>(32).unwrap();
     let mut b = s.launch_builder(&f);
     b.arg(&mut out);
@@ -198,7 +190,7 @@ fn a_barrier_shuffle_deadlock_is_a_launch_error() {
 #[test]
 fn an_out_of_bounds_write_is_caught() {
     let s = stream();
-    let f = function(&s, "hr_emu_selftest_overrun");
+    let f = common::selftest(&s, "hr_emu_selftest_overrun");
     let n = 100u32;
     let mut out = s.alloc_zeros::<u32>(n as usize).unwrap();
     let mut b = s.launch_builder(&f);
@@ -213,7 +205,7 @@ fn an_out_of_bounds_write_is_caught() {
 #[test]
 fn a_misaligned_vector_access_fails_the_launch() {
     let s = stream();
-    let f = function(&s, "hr_emu_selftest_vec8");
+    let f = common::selftest(&s, "hr_emu_selftest_vec8");
     let input: Vec<u16> = (0..32).collect();
     let input = s.clone_htod(&input).unwrap();
     let copy = |offset: u32| {
@@ -234,7 +226,7 @@ fn a_misaligned_vector_access_fails_the_launch() {
 #[test]
 fn a_grid_past_cudas_limits_is_refused_and_one_at_them_runs() {
     let s = stream();
-    let f = function(&s, "hr_emu_selftest_atomics");
+    let f = common::selftest(&s, "hr_emu_selftest_atomics");
     let launch = |grid: (u32, u32, u32), block: (u32, u32, u32)| {
         let mut counter = s.alloc_zeros::<u32>(1).unwrap();
         let mut sum = s.alloc_zeros::<f32>(1).unwrap();
@@ -269,7 +261,7 @@ fn a_grid_past_cudas_limits_is_refused_and_one_at_them_runs() {
 fn a_written_restrict_argument_that_aliases_another_is_refused() {
     use cudarc::driver::DevicePtr;
     let s = stream();
-    let f = function(&s, "hr_emu_selftest_restrict");
+    let f = common::selftest(&s, "hr_emu_selftest_restrict");
     let n = 16u32;
     let a = s.clone_htod(&(0..n).collect::<Vec<u32>>()).unwrap();
     let out = s.alloc_zeros::<u32>(n as usize).unwrap();
@@ -300,7 +292,7 @@ fn a_written_restrict_argument_that_aliases_another_is_refused() {
 #[test]
 fn shared_memory_no_thread_of_the_block_wrote_reads_all_ones() {
     let s = stream();
-    let f = function(&s, "hr_emu_selftest_unwritten_shared");
+    let f = common::selftest(&s, "hr_emu_selftest_unwritten_shared");
     // Twice, so that the blocks run in both orders: block 0 (which writes
     // all 64 words) runs before the others once and after them once.
     for launch in 0..2 {
@@ -331,7 +323,7 @@ fn shared_memory_no_thread_of_the_block_wrote_reads_all_ones() {
 /// both results.
 fn launched_twice(name: &str, grid: u32, block: u32) -> [Vec<u32>; 2] {
     let s = stream();
-    let f = function(&s, name);
+    let f = common::selftest(&s, name);
     let once = || {
         let mut out = s.alloc_zeros::<u32>(32).unwrap();
         let mut b = s.launch_builder(&f);

@@ -1,5 +1,7 @@
 //! What the emulator's cudarc-level tests share: a stream of a context that
 //! orders its work itself, as the backend's does, and the self-test kernels.
+//! Not every test binary uses every item.
+#![allow(dead_code)]
 
 use std::sync::Arc;
 
