@@ -162,3 +162,59 @@ fn budget_too_small_for_one_sample_stops_with_a_checkpoint_and_resumes_with_more
     assert_eq!(summary.epoch, 2);
     assert!(summary.test_accuracy.is_some());
 }
+
+#[test]
+fn a_refused_checkpoint_copy_is_made_again_after_releasing_the_cache() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 512, 64);
+    let (clean, refused) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    train(
+        &smoke_config(data.path(), clean.path(), &[]),
+        &TrainOptions::default(),
+    )
+    .unwrap();
+    let config = smoke_config(
+        data.path(),
+        refused.path(),
+        &["device.inject_oom.snapshots=1".into()],
+    );
+    let summary = train(&config, &TrainOptions::default()).unwrap();
+    assert_eq!(summary.oom_events, 1, "{summary:?}");
+    assert_eq!(checkpoint::list(refused.path()).unwrap().len(), 2);
+    let (a, b) = (newest(clean.path()), newest(refused.path()));
+    assert_eq!(a.meta.step, b.meta.step);
+    assert!(a.params == b.params && a.optimizer == b.optimizer);
+}
+
+#[test]
+fn a_checkpoint_copy_refused_twice_stops_and_keeps_the_last_checkpoint() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 512, 64);
+    let out = tempfile::tempdir().unwrap();
+    let first = smoke_config(data.path(), out.path(), &["train.epochs=1".into()]);
+    train(&first, &TrainOptions::default()).unwrap();
+    let resume = TrainOptions {
+        resume: Resume::Latest,
+        ..Default::default()
+    };
+    let refusing = smoke_config(
+        data.path(),
+        out.path(),
+        &["device.inject_oom.snapshots=2".into()],
+    );
+    let err = train(&refusing, &resume).unwrap_err().to_string();
+    assert!(
+        err.contains("out of memory copying the state for the checkpoint of step")
+            && err.contains(&out.path().display().to_string())
+            && err.contains("--resume"),
+        "{err}"
+    );
+    assert_eq!(
+        newest(out.path()).meta.epoch,
+        1,
+        "epoch 1's checkpoint stays"
+    );
+
+    let summary = train(&smoke_config(data.path(), out.path(), &[]), &resume).unwrap();
+    assert_eq!(summary.epoch, 2);
+}

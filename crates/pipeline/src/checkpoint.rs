@@ -9,15 +9,20 @@
 //!
 //! Tensors are written raw with their lengths checked against the bytes that
 //! remain, so no corrupt or hostile file can make the reader allocate more
-//! than the file holds. A file is written to a temporary name in the same
+//! than the file holds. Both ways stream through a 1 MiB buffer, the CRC
+//! computed on the way: writing encodes the snapshot straight into the file,
+//! reading fills each tensor straight from it (fallibly: short memory on
+//! resume is an out-of-memory value), so a checkpoint is never in memory
+//! twice over. A file is written to a temporary name in the same
 //! directory, fsynced, renamed, and the directory fsynced: a crash or a full
 //! disk leaves the previous checkpoints intact. Resume picks the newest file
 //! that verifies and names any it skips.
 
 use std::fs::{self, File};
-use std::io::Write;
+use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
+use headroom_model::memory::try_scratch;
 use headroom_model::ModelSpec;
 use headroom_optim::{AdamWState, LossScalerState};
 use serde::{Deserialize, Serialize};
@@ -31,6 +36,9 @@ const OLDEST_READABLE: u32 = 2;
 const MAX_META_BYTES: usize = 16 << 20;
 const PREFIX: &str = "checkpoint-";
 const SUFFIX: &str = ".ckpt";
+/// The file buffer of a checkpoint's write or read: the only copy of its
+/// bytes in memory, whatever the model's size.
+const IO_BUFFER: usize = 1 << 20;
 
 /// Everything but the tensors.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -83,106 +91,223 @@ impl Checkpoint {
             .map_err(|e| format!("unreadable model specification: {e}"))
     }
 
+    /// The whole file in memory (tests and tools; `write` streams it).
     pub fn encode(&self) -> Result<Vec<u8>> {
-        let meta = bincode::serde::encode_to_vec(&self.meta, bincode::config::standard()).map_err(
-            |e| PipelineError::Checkpoint {
+        let meta = self.encode_meta()?;
+        self.encode_to(&meta, Vec::new())
+            .map_err(|e| PipelineError::Checkpoint {
                 path: PathBuf::new(),
                 reason: format!("cannot encode: {e}"),
-            },
-        )?;
+            })
+    }
+
+    fn encode_meta(&self) -> Result<Vec<u8>> {
+        bincode::serde::encode_to_vec(&self.meta, bincode::config::standard()).map_err(|e| {
+            PipelineError::Checkpoint {
+                path: PathBuf::new(),
+                reason: format!("cannot encode: {e}"),
+            }
+        })
+    }
+
+    /// Writes the file's bytes to `out` as they are made, the checksum
+    /// computed on the way: a checkpoint never exists twice in memory.
+    fn encode_to<W: Write>(&self, meta: &[u8], out: W) -> std::io::Result<W> {
+        let mut out = Hashed {
+            inner: out,
+            hasher: crc32fast::Hasher::new(),
+        };
+        out.write_all(MAGIC)?;
+        out.write_all(&FORMAT_VERSION.to_le_bytes())?;
+        out.write_all(&(meta.len() as u64).to_le_bytes())?;
+        out.write_all(meta)?;
         let tensors = [
             &self.params,
             &self.buffers,
             &self.optimizer.first_moment,
             &self.optimizer.second_moment,
         ];
-        let tensor_bytes: usize = tensors
-            .iter()
-            .flat_map(|l| l.iter())
-            .map(|t| 8 + 4 * t.len())
-            .sum();
-        let mut bytes = Vec::with_capacity(20 + meta.len() + 16 + tensor_bytes + 4);
-        bytes.extend_from_slice(MAGIC);
-        bytes.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        bytes.extend_from_slice(&(meta.len() as u64).to_le_bytes());
-        bytes.extend_from_slice(&meta);
         for list in tensors {
-            bytes.extend_from_slice(&(list.len() as u32).to_le_bytes());
+            out.write_all(&(list.len() as u32).to_le_bytes())?;
             for tensor in list {
-                bytes.extend_from_slice(&(tensor.len() as u64).to_le_bytes());
-                for value in tensor {
-                    bytes.extend_from_slice(&value.to_le_bytes());
-                }
+                out.write_all(&(tensor.len() as u64).to_le_bytes())?;
+                write_values(&mut out, tensor)?;
             }
         }
-        bytes.extend_from_slice(&self.optimizer.step.to_le_bytes());
+        out.write_all(&self.optimizer.step.to_le_bytes())?;
         match self.loss_scale {
-            None => bytes.push(0),
+            None => out.write_all(&[0])?,
             Some(state) => {
-                bytes.push(1);
-                bytes.extend_from_slice(&state.scale.to_le_bytes());
-                bytes.extend_from_slice(&state.clean_steps.to_le_bytes());
+                out.write_all(&[1])?;
+                out.write_all(&state.scale.to_le_bytes())?;
+                out.write_all(&state.clean_steps.to_le_bytes())?;
             }
         }
-        let crc = crc32fast::hash(&bytes);
-        bytes.extend_from_slice(&crc.to_le_bytes());
-        Ok(bytes)
+        let crc = out.hasher.finalize();
+        let mut inner = out.inner;
+        inner.write_all(&crc.to_le_bytes())?;
+        Ok(inner)
     }
 
     /// Verifies magic, version and checksum, then decodes with every length
     /// checked, so a torn or corrupt file is reported, never half-loaded.
     pub fn decode(bytes: &[u8], path: &Path) -> Result<Self> {
+        Self::read_from(bytes, bytes.len() as u64, path)
+    }
+
+    /// Decodes the `len` bytes `input` holds as they are read, checking every
+    /// length against the bytes that remain and the checksum at the end;
+    /// nothing is returned before the checksum verified. A file that fails
+    /// to parse is read to its end: if its checksum fails too, that is what
+    /// is reported (a torn or corrupt file), not the parse error it caused.
+    fn read_from(input: impl Read, len: u64, path: &Path) -> Result<Self> {
         let bad = |reason: String| PipelineError::Checkpoint {
             path: path.to_path_buf(),
             reason,
         };
-        if bytes.len() < 8 || &bytes[..8] != MAGIC {
-            return Err(bad(
-                "not a headroom checkpoint (bad magic or too short)".into()
-            ));
+        let too_short = || bad("not a headroom checkpoint (bad magic or too short)".into());
+        if len < MAGIC.len() as u64 {
+            return Err(too_short());
         }
-        let Some((body, crc_bytes)) = bytes.split_last_chunk::<4>() else {
+        let mut source = Source {
+            inner: input,
+            hasher: crc32fast::Hasher::new(),
+            remaining: len,
+        };
+        let magic: [u8; 8] = source.array().map_err(|e| e.into_error(path))?;
+        if &magic != MAGIC {
+            return Err(too_short());
+        }
+        let Some(body) = source.remaining.checked_sub(4) else {
             return Err(bad("truncated".into()));
         };
-        if crc32fast::hash(body) != u32::from_le_bytes(*crc_bytes) {
-            return Err(bad(
-                "checksum mismatch: the file is truncated or corrupt".into()
-            ));
+        source.remaining = body;
+        match source.checkpoint() {
+            Ok(checkpoint) => match source.checksum_matches() {
+                Ok(true) => Ok(checkpoint),
+                Ok(false) => Err(bad(CHECKSUM_FAILED.into())),
+                Err(e) => Err(e.into_error(path)),
+            },
+            Err(parse) => match source.drain_and_check() {
+                Ok(false) => Err(bad(CHECKSUM_FAILED.into())),
+                Ok(true) | Err(_) => Err(parse.into_error(path)),
+            },
         }
-        let mut reader = Reader { bytes: &body[8..] };
-        let version = u32::from_le_bytes(reader.array().map_err(&bad)?);
+    }
+}
+
+const CHECKSUM_FAILED: &str = "checksum mismatch: the file is truncated or corrupt";
+
+/// Values per block written or read at once.
+const VALUES_PER_BLOCK: usize = 4096;
+
+fn write_values(out: &mut impl Write, values: &[f32]) -> std::io::Result<()> {
+    let mut block = [0u8; 4 * VALUES_PER_BLOCK];
+    for chunk in values.chunks(VALUES_PER_BLOCK) {
+        for (bytes, value) in block.chunks_exact_mut(4).zip(chunk) {
+            bytes.copy_from_slice(&value.to_le_bytes());
+        }
+        out.write_all(&block[..4 * chunk.len()])?;
+    }
+    Ok(())
+}
+
+/// A writer that hashes what passes through it.
+struct Hashed<W> {
+    inner: W,
+    hasher: crc32fast::Hasher,
+}
+
+impl<W: Write> Write for Hashed<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let written = self.inner.write(buf)?;
+        self.hasher.update(&buf[..written]);
+        Ok(written)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Why a checkpoint could not be read.
+enum Fault {
+    /// The bytes are not a valid checkpoint.
+    Format(String),
+    /// The OS failed the read.
+    Io(std::io::Error),
+    /// A tensor's memory was refused: an out-of-memory value the caller's
+    /// policy sees, as everywhere else.
+    Memory(headroom_model::ModelError),
+}
+
+impl Fault {
+    fn into_error(self, path: &Path) -> PipelineError {
+        match self {
+            Fault::Format(reason) => PipelineError::Checkpoint {
+                path: path.to_path_buf(),
+                reason,
+            },
+            Fault::Io(cause) => PipelineError::io(path, cause),
+            Fault::Memory(e) => PipelineError::Model(e),
+        }
+    }
+}
+
+/// A reader of the checkpoint's body whose every read is checked against
+/// the bytes that remain before the checksum, and hashed.
+struct Source<R> {
+    inner: R,
+    hasher: crc32fast::Hasher,
+    remaining: u64,
+}
+
+impl<R: Read> Source<R> {
+    fn fill(&mut self, buf: &mut [u8]) -> std::result::Result<(), Fault> {
+        if buf.len() as u64 > self.remaining {
+            return Err(Fault::Format(format!(
+                "truncated: needs {} more bytes, {} remain",
+                buf.len(),
+                self.remaining
+            )));
+        }
+        self.inner.read_exact(buf).map_err(Fault::Io)?;
+        self.hasher.update(buf);
+        self.remaining -= buf.len() as u64;
+        Ok(())
+    }
+
+    fn array<const N: usize>(&mut self) -> std::result::Result<[u8; N], Fault> {
+        let mut out = [0; N];
+        self.fill(&mut out)?;
+        Ok(out)
+    }
+
+    fn checkpoint(&mut self) -> std::result::Result<Checkpoint, Fault> {
+        let version = u32::from_le_bytes(self.array()?);
         if !(OLDEST_READABLE..=FORMAT_VERSION).contains(&version) {
-            return Err(bad(format!(
+            return Err(Fault::Format(format!(
                 "format version {version}, this build reads {OLDEST_READABLE} to {FORMAT_VERSION}"
             )));
         }
-        let meta_len = u64::from_le_bytes(reader.array().map_err(&bad)?);
-        if meta_len > MAX_META_BYTES as u64 {
-            return Err(bad(format!("metadata of {meta_len} bytes is implausible")));
-        }
-        let meta_bytes = reader.take(meta_len as usize).map_err(&bad)?;
-        let (meta, _) = bincode::serde::decode_from_slice::<CheckpointMeta, _>(
-            meta_bytes,
-            bincode::config::standard().with_limit::<MAX_META_BYTES>(),
-        )
-        .map_err(|e| bad(format!("cannot decode metadata: {e}")))?;
-        let params = reader.tensors().map_err(&bad)?;
-        let buffers = reader.tensors().map_err(&bad)?;
-        let first_moment = reader.tensors().map_err(&bad)?;
-        let second_moment = reader.tensors().map_err(&bad)?;
-        let step = u64::from_le_bytes(reader.array().map_err(&bad)?);
+        let meta = self.meta()?;
+        let params = self.tensors()?;
+        let buffers = self.tensors()?;
+        let first_moment = self.tensors()?;
+        let second_moment = self.tensors()?;
+        let step = u64::from_le_bytes(self.array()?);
         let loss_scale = if version >= 3 {
-            reader.loss_scale().map_err(&bad)?
+            self.loss_scale()?
         } else {
             None
         };
-        if !reader.bytes.is_empty() {
-            return Err(bad(format!(
+        if self.remaining > 0 {
+            return Err(Fault::Format(format!(
                 "{} unexpected bytes after the tensors",
-                reader.bytes.len()
+                self.remaining
             )));
         }
-        Ok(Self {
+        Ok(Checkpoint {
             meta,
             params,
             buffers,
@@ -194,71 +319,102 @@ impl Checkpoint {
             loss_scale,
         })
     }
-}
 
-/// A cursor whose every read is checked against what remains.
-struct Reader<'a> {
-    bytes: &'a [u8],
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> std::result::Result<&'a [u8], String> {
-        if n > self.bytes.len() {
-            return Err(format!(
-                "truncated: needs {n} more bytes, {} remain",
-                self.bytes.len()
-            ));
+    fn meta(&mut self) -> std::result::Result<CheckpointMeta, Fault> {
+        let meta_len = u64::from_le_bytes(self.array()?);
+        if meta_len > MAX_META_BYTES as u64 || meta_len > self.remaining {
+            return Err(Fault::Format(format!(
+                "metadata of {meta_len} bytes is implausible"
+            )));
         }
-        let (head, tail) = self.bytes.split_at(n);
-        self.bytes = tail;
-        Ok(head)
+        let mut bytes = vec![0; meta_len as usize];
+        self.fill(&mut bytes)?;
+        let (meta, _) = bincode::serde::decode_from_slice::<CheckpointMeta, _>(
+            &bytes,
+            bincode::config::standard().with_limit::<MAX_META_BYTES>(),
+        )
+        .map_err(|e| Fault::Format(format!("cannot decode metadata: {e}")))?;
+        Ok(meta)
     }
 
-    fn array<const N: usize>(&mut self) -> std::result::Result<[u8; N], String> {
-        let mut out = [0; N];
-        out.copy_from_slice(self.take(N)?);
-        Ok(out)
-    }
-
-    fn loss_scale(&mut self) -> std::result::Result<Option<LossScalerState>, String> {
+    fn loss_scale(&mut self) -> std::result::Result<Option<LossScalerState>, Fault> {
         match self.array::<1>()? {
             [0] => Ok(None),
             [1] => {
                 let scale = f32::from_le_bytes(self.array()?);
                 let clean_steps = u32::from_le_bytes(self.array()?);
                 if !(scale.is_finite() && scale > 0.0) {
-                    return Err(format!("loss scale {scale} is not a positive number"));
+                    return Err(Fault::Format(format!(
+                        "loss scale {scale} is not a positive number"
+                    )));
                 }
                 Ok(Some(LossScalerState { scale, clean_steps }))
             }
-            [other] => Err(format!("loss-scale flag {other} is neither 0 nor 1")),
+            [other] => Err(Fault::Format(format!(
+                "loss-scale flag {other} is neither 0 nor 1"
+            ))),
         }
     }
 
-    fn tensors(&mut self) -> std::result::Result<Vec<Vec<f32>>, String> {
-        let count = u32::from_le_bytes(self.array()?) as usize;
+    fn tensors(&mut self) -> std::result::Result<Vec<Vec<f32>>, Fault> {
+        let count = u32::from_le_bytes(self.array()?) as u64;
         // Each tensor needs at least its 8-byte length: bounds the list.
-        if count > self.bytes.len() / 8 {
-            return Err(format!(
+        if count > self.remaining / 8 {
+            return Err(Fault::Format(format!(
                 "claims {count} tensors in {} bytes",
-                self.bytes.len()
-            ));
+                self.remaining
+            )));
         }
-        let mut list = Vec::with_capacity(count);
+        let mut list = try_scratch(count as usize).map_err(Fault::Memory)?;
         for _ in 0..count {
-            let len = u64::from_le_bytes(self.array()?);
-            let byte_len = usize::try_from(len)
-                .ok()
-                .and_then(|l| l.checked_mul(4))
-                .ok_or_else(|| format!("tensor length {len} is implausible"))?;
-            let raw = self.take(byte_len)?;
-            list.push(
-                raw.chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            );
+            list.push(self.tensor()?);
         }
         Ok(list)
+    }
+
+    /// One tensor, read block by block straight into its own memory.
+    fn tensor(&mut self) -> std::result::Result<Vec<f32>, Fault> {
+        let len = u64::from_le_bytes(self.array()?);
+        if len
+            .checked_mul(4)
+            .is_none_or(|bytes| bytes > self.remaining)
+        {
+            return Err(Fault::Format(format!(
+                "tensor length {len} is implausible: {} bytes remain",
+                self.remaining
+            )));
+        }
+        let mut values = try_scratch(len as usize).map_err(Fault::Memory)?;
+        let mut block = [0u8; 4 * VALUES_PER_BLOCK];
+        let mut left = len as usize;
+        while left > 0 {
+            let n = left.min(VALUES_PER_BLOCK);
+            self.fill(&mut block[..4 * n])?;
+            values.extend(
+                block[..4 * n]
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            );
+            left -= n;
+        }
+        Ok(values)
+    }
+
+    /// Whether the 4 bytes after the body hold the body's CRC-32.
+    fn checksum_matches(&mut self) -> std::result::Result<bool, Fault> {
+        let mut stored = [0u8; 4];
+        self.inner.read_exact(&mut stored).map_err(Fault::Io)?;
+        Ok(self.hasher.clone().finalize() == u32::from_le_bytes(stored))
+    }
+
+    /// Hashes the rest of the body, then checks the checksum.
+    fn drain_and_check(&mut self) -> std::result::Result<bool, Fault> {
+        let mut block = [0u8; 4 * VALUES_PER_BLOCK];
+        while self.remaining > 0 {
+            let n = self.remaining.min(block.len() as u64) as usize;
+            self.fill(&mut block[..n])?;
+        }
+        self.checksum_matches()
     }
 }
 
@@ -272,14 +428,14 @@ pub fn file_name(step: u64) -> String {
 /// If the write fails (a full disk, say) the older checkpoints are untouched.
 pub fn write(dir: &Path, checkpoint: &Checkpoint, keep: usize) -> Result<PathBuf> {
     fs::create_dir_all(dir).map_err(|e| PipelineError::io(dir, e))?;
-    let bytes = checkpoint.encode()?;
+    let meta = checkpoint.encode_meta()?;
     let name = file_name(checkpoint.meta.step);
     let path = dir.join(&name);
     let tmp = dir.join(format!(".{name}.tmp"));
     let write_tmp = || -> std::io::Result<()> {
-        let mut file = File::create(&tmp)?;
-        file.write_all(&bytes)?;
-        file.sync_all()
+        let file = BufWriter::with_capacity(IO_BUFFER, File::create(&tmp)?);
+        let file = checkpoint.encode_to(&meta, file)?;
+        file.into_inner().map_err(|e| e.into_error())?.sync_all()
     };
     if let Err(e) = write_tmp() {
         let _ = fs::remove_file(&tmp);
@@ -322,8 +478,12 @@ fn prune(dir: &Path, keep: usize) -> Result<()> {
 
 /// Reads and verifies one checkpoint.
 pub fn load(path: &Path) -> Result<Checkpoint> {
-    let bytes = fs::read(path).map_err(|e| PipelineError::io(path, e))?;
-    Checkpoint::decode(&bytes, path)
+    let file = File::open(path).map_err(|e| PipelineError::io(path, e))?;
+    let len = file
+        .metadata()
+        .map_err(|e| PipelineError::io(path, e))?
+        .len();
+    Checkpoint::read_from(BufReader::with_capacity(IO_BUFFER, file), len, path)
 }
 
 /// A checkpoint file and what it holds.
@@ -452,6 +612,44 @@ mod tests {
             let err = Checkpoint::decode(&bytes[..cut], Path::new("x.ckpt")).unwrap_err();
             assert!(err.to_string().contains("x.ckpt"), "{err}");
         }
+    }
+
+    #[test]
+    fn a_corrupt_length_is_reported_as_corruption_unless_the_checksum_holds() {
+        let mut bytes = sample(3).encode().unwrap();
+        let meta_len = u64::from_le_bytes(bytes[12..20].try_into().unwrap()) as usize;
+        // The first parameter's length, after the list's count.
+        let at = 20 + meta_len + 4;
+        assert_eq!(bytes[at..at + 8], 2u64.to_le_bytes());
+        bytes[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+        let err = Checkpoint::decode(&bytes, Path::new("torn.ckpt")).unwrap_err();
+        assert!(err.to_string().contains(CHECKSUM_FAILED), "{err}");
+
+        // Written that way, checksum and all: the parse error is the news.
+        let body = bytes.len() - 4;
+        let crc = crc32fast::hash(&bytes[..body]);
+        bytes[body..].copy_from_slice(&crc.to_le_bytes());
+        let err = Checkpoint::decode(&bytes, Path::new("odd.ckpt")).unwrap_err();
+        let message = err.to_string();
+        assert!(
+            message.contains("odd.ckpt")
+                && message.contains("tensor length")
+                && message.contains("implausible"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn a_file_streamed_to_disk_holds_the_bytes_encode_makes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut large = sample(4);
+        // Longer than one block of values, not a multiple of it.
+        large.params[0] = (0..3 * VALUES_PER_BLOCK + 5)
+            .map(|i| i as f32 * 0.5)
+            .collect();
+        let path = write(dir.path(), &large, 1).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), large.encode().unwrap());
+        assert_eq!(load(&path).unwrap(), large);
     }
 
     #[test]

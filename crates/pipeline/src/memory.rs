@@ -13,7 +13,7 @@ use headroom_model::memory::{MemoryPool, OomInjection, PoolStats};
 use headroom_model::{Device, ModelError};
 
 use crate::config::{ExperimentConfig, InjectOom};
-use crate::learner::Learner;
+use crate::learner::{Learner, LearnerState};
 use crate::{PipelineError, Result};
 
 /// Head-room kept above a dry run's measured peak when choosing a micro-batch.
@@ -24,6 +24,8 @@ pub struct MemoryGuard {
     adapt: bool,
     min_micro_batch: usize,
     inject: InjectOom,
+    /// Copies for checkpoints still to refuse (`inject_oom.snapshots`).
+    snapshot_refusals: u64,
     empty_every: u64,
     empty_after_checkpoint: bool,
     /// Releases of the cache for housekeeping, and their total time.
@@ -86,6 +88,7 @@ impl MemoryGuard {
             adapt: config.memory.oom_policy == "adapt",
             min_micro_batch: config.memory.min_micro_batch,
             inject: config.device.inject_oom.clone(),
+            snapshot_refusals: config.device.inject_oom.snapshots,
             empty_every: config.memory.empty_cache_every,
             empty_after_checkpoint: config.memory.empty_cache_after_checkpoint,
             cleanups: 0,
@@ -181,6 +184,51 @@ impl MemoryGuard {
         if self.empty_every > 0 && step.is_multiple_of(self.empty_every) {
             self.release_cache("periodic", learner);
         }
+    }
+
+    /// The learner's state, copied for the checkpoint of `step`. A copy the
+    /// memory refuses is made once more after the cached blocks go back to
+    /// the system: a checkpoint is most needed when memory is short (the
+    /// OOM policy's last one, say), and the failed step's blocks are then
+    /// still cached. A second refusal stops the run saying what is on disk.
+    pub fn snapshot(&mut self, learner: &mut dyn Learner, step: u64) -> Result<LearnerState> {
+        let refused = match self.copy_state(learner) {
+            Err(e) if e.is_out_of_memory() => e,
+            other => return other,
+        };
+        self.oom_events += 1;
+        let released = learner.release_cache();
+        tracing::warn!(
+            "out of memory copying the state for the checkpoint of step {step} ({refused}): released {} of cached blocks, copying again",
+            mib(released)
+        );
+        match self.copy_state(learner) {
+            Err(e) if e.is_out_of_memory() => {
+                self.oom_events += 1;
+                Err(PipelineError::OutOfMemory(format!(
+                    "out of memory copying the state for the checkpoint of step {step}, even after releasing {} of cached \
+                     blocks: {e}. No checkpoint of step {step} was written; the newest one in {} is the last that was. Give \
+                     the run more memory (fewer other processes, a higher ulimit or cgroup limit), then continue with --resume",
+                    mib(released),
+                    self.dir.display()
+                )))
+            }
+            other => other,
+        }
+    }
+
+    fn copy_state(&mut self, learner: &mut dyn Learner) -> Result<LearnerState> {
+        if self.snapshot_refusals > 0 {
+            self.snapshot_refusals -= 1;
+            let stats = learner.memory_stats();
+            return Err(PipelineError::Model(ModelError::OutOfMemory {
+                requested: 0,
+                in_use: stats.in_use_bytes,
+                reserved: stats.reserved_bytes,
+                limit: learner.memory_limit(),
+            }));
+        }
+        learner.snapshot()
     }
 
     pub fn after_checkpoint(&mut self, learner: &mut dyn Learner) {

@@ -445,7 +445,8 @@ fn checkpoint_now(
     events: &Sender<Event>,
     memory: &mut MemoryGuard,
 ) -> Result<()> {
-    let checkpoint = snapshot(config, trainee)?;
+    let state = memory.snapshot(trainee.learner.as_mut(), trainee.position.step)?;
+    let checkpoint = checkpoint_of(config, &trainee.position, state);
     send(events, Event::Checkpoint(Box::new(checkpoint)))?;
     memory.after_checkpoint(trainee.learner.as_mut());
     Ok(())
@@ -704,10 +705,13 @@ fn record_step(trainee: &mut Trainee, submitted: &Submitted, result: StepResult)
     }
 }
 
-fn snapshot(config: &ExperimentConfig, trainee: &mut Trainee) -> Result<Checkpoint> {
-    let state = trainee.learner.snapshot()?;
-    let position = trainee.position.clone();
-    Ok(Checkpoint {
+fn checkpoint_of(
+    config: &ExperimentConfig,
+    position: &Position,
+    state: LearnerState,
+) -> Checkpoint {
+    let position = position.clone();
+    Checkpoint {
         meta: CheckpointMeta {
             config_fingerprint: config.fingerprint(),
             config_json: serde_json::to_string(config).unwrap_or_default(),
@@ -722,5 +726,5 @@ fn snapshot(config: &ExperimentConfig, trainee: &mut Trainee) -> Result<Checkpoi
         buffers: state.buffers,
         optimizer: state.optimizer,
         loss_scale: state.loss_scale,
-    })
+    }
 }
