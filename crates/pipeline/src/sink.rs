@@ -8,7 +8,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crossbeam_channel::Receiver;
+use crossbeam_channel::{bounded, Receiver, Sender};
 use serde::Serialize;
 
 use crate::checkpoint::{self, Checkpoint};
@@ -68,6 +68,49 @@ pub struct SinkSettings {
     pub epochs: u64,
     pub log_every: u64,
     pub keep: usize,
+    /// Where the sink hands back the checkpoint token once a checkpoint is
+    /// on disk (see [`SinkLink`]).
+    pub checkpoint_written: Sender<()>,
+}
+
+/// The training side of the sink: its events, and the one token a
+/// checkpoint's snapshot needs. The token goes to the sink with the
+/// snapshot and comes back when the file is written, so at most one
+/// snapshot lives beside the model: a slow disk makes training wait at its
+/// next checkpoint, never memory grow by a model's size per checkpoint
+/// queued.
+pub struct SinkLink {
+    events: Sender<Event>,
+    token: Receiver<()>,
+}
+
+impl SinkLink {
+    /// The link, and the sender for the sink's settings; the token starts
+    /// on the training side.
+    pub fn new(capacity: usize) -> (Self, Receiver<Event>, Sender<()>) {
+        let (events, receiver) = bounded(capacity);
+        let (written, token) = bounded(1);
+        // The channel is empty and its receiver alive: this cannot fail.
+        let _ = written.send(());
+        (Self { events, token }, receiver, written)
+    }
+
+    pub fn send(&self, event: Event) -> Result<()> {
+        self.events.send(event).map_err(|_| stopped())
+    }
+
+    /// Waits until the previous checkpoint is on disk; the caller then owns
+    /// the token until it sends its own checkpoint.
+    pub fn take_checkpoint_token(&self) -> Result<()> {
+        self.token.recv().map_err(|_| stopped())
+    }
+}
+
+fn stopped() -> PipelineError {
+    PipelineError::Stage {
+        stage: "sink",
+        reason: "it stopped receiving events".into(),
+    }
 }
 
 /// What the sink leaves behind for the summary.
@@ -149,6 +192,9 @@ fn receive(events: Receiver<Event>, settings: &SinkSettings) -> Result<SinkOutco
                     started.elapsed().as_secs_f64() * 1e3
                 );
                 outcome.last_checkpoint = Some(path);
+                // The training side holds no token while this one is out,
+                // so the slot is free; if it has gone, nobody waits.
+                let _ = settings.checkpoint_written.try_send(());
             }
         }
     }
@@ -394,19 +440,64 @@ mod tests {
         }
     }
 
+    fn start(dir: &Path) -> (SinkLink, std::thread::JoinHandle<Result<SinkOutcome>>) {
+        let (link, events, checkpoint_written) = SinkLink::new(16);
+        let settings = SinkSettings {
+            output_dir: dir.to_path_buf(),
+            epochs: 1,
+            log_every: 1000,
+            keep: 2,
+            checkpoint_written,
+        };
+        (link, std::thread::spawn(move || run(events, settings)))
+    }
+
+    /// The token comes back only once the checkpoint it went with is on
+    /// disk: a second snapshot waits for the first one's write.
+    #[test]
+    fn the_checkpoint_token_returns_when_the_file_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let (link, sink) = start(dir.path());
+        link.take_checkpoint_token().unwrap();
+        assert!(
+            link.token.try_recv().is_err(),
+            "a second token before any checkpoint was sent"
+        );
+        for step in [1, 2] {
+            link.send(Event::Checkpoint(Box::new(snapshot(step))))
+                .unwrap();
+            link.take_checkpoint_token().unwrap();
+            let on_disk = checkpoint::list(dir.path()).unwrap();
+            assert_eq!(on_disk.len(), step as usize, "{on_disk:?}");
+            assert!(on_disk
+                .last()
+                .unwrap()
+                .ends_with(checkpoint::file_name(step)));
+        }
+        drop(link);
+        sink.join().unwrap().unwrap();
+    }
+
+    /// A sink that stopped (here: it cannot create its metrics file) fails
+    /// the wait for the token instead of hanging it.
+    #[test]
+    fn waiting_on_a_stopped_sink_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let blocked = dir.path().join("metrics.jsonl");
+        std::fs::create_dir_all(blocked.join("metrics.jsonl")).unwrap();
+        let (link, sink) = start(&blocked);
+        link.take_checkpoint_token().unwrap();
+        assert!(sink.join().unwrap().is_err());
+        let err = link.take_checkpoint_token().unwrap_err().to_string();
+        assert!(err.contains("sink"), "{err}");
+    }
+
     /// A SIGKILL right after a checkpoint must not cost the steps before it:
     /// their records are on disk by the time the checkpoint is.
     #[test]
     fn the_steps_before_a_checkpoint_are_on_disk_with_it() {
         let dir = tempfile::tempdir().unwrap();
-        let (send, events) = crossbeam_channel::unbounded();
-        let settings = SinkSettings {
-            output_dir: dir.path().to_path_buf(),
-            epochs: 1,
-            log_every: 1000,
-            keep: 2,
-        };
-        let sink = std::thread::spawn(move || run(events, settings));
+        let (send, sink) = start(dir.path());
         for step in 1..=3 {
             send.send(Event::Step(report(step))).unwrap();
         }

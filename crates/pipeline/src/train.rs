@@ -10,7 +10,6 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Instant;
 
-use crossbeam_channel::{bounded, Sender};
 use headroom_loader::{Batch, DataLoader, Dataset, LoaderConfig, LoaderMemory};
 use headroom_model::PoolStats;
 use headroom_optim::{LossScalerConfig, OneCycle, Schedule};
@@ -22,7 +21,7 @@ use crate::learner::{self, CudaOptions, Learner, LearnerState, StepLr, StepResul
 use crate::memory::MemoryGuard;
 use crate::resume::{self, Resume};
 use crate::rundir;
-use crate::sink::{self, EpochSummary, Event, SinkSettings, StepReport};
+use crate::sink::{self, EpochSummary, Event, SinkLink, SinkSettings, StepReport};
 use crate::{data, PipelineError, Result};
 use headroom_model::cuda::{CudaBuildOptions, DType};
 
@@ -165,12 +164,13 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         config.loader_workers()
     );
 
-    let (events, receiver) = bounded::<Event>(256);
+    let (events, receiver, checkpoint_written) = SinkLink::new(256);
     let settings = SinkSettings {
         output_dir: config.output_dir().to_path_buf(),
         epochs: config.train.epochs,
         log_every: config.run.log_every,
         keep: config.checkpoint.keep,
+        checkpoint_written,
     };
     let sink = thread::Builder::new()
         .name("sink".into())
@@ -420,7 +420,7 @@ fn run_epochs(
     config: &ExperimentConfig,
     options: &TrainOptions,
     run: &mut Run,
-    events: &Sender<Event>,
+    events: &SinkLink,
     summaries: &mut Vec<EpochSummary>,
     memory: &mut MemoryGuard,
 ) -> Result<Finish> {
@@ -429,7 +429,7 @@ fn run_epochs(
             checkpoint_now(config, &mut run.trainee, events, memory)?;
             return Ok(Finish::Stopped);
         };
-        send(events, Event::Epoch(summary.clone()))?;
+        events.send(Event::Epoch(summary.clone()))?;
         if config.checkpoint.every_epoch || run.trainee.position.epoch == config.train.epochs {
             checkpoint_now(config, &mut run.trainee, events, memory)?;
         }
@@ -438,25 +438,20 @@ fn run_epochs(
     Ok(Finish::Completed)
 }
 
-/// Snapshots to host memory on this thread; the sink stage writes the file.
+/// Snapshots to host memory on this thread, once the previous checkpoint is
+/// on disk; the sink stage writes the file.
 fn checkpoint_now(
     config: &ExperimentConfig,
     trainee: &mut Trainee,
-    events: &Sender<Event>,
+    events: &SinkLink,
     memory: &mut MemoryGuard,
 ) -> Result<()> {
+    events.take_checkpoint_token()?;
     let state = memory.snapshot(trainee.learner.as_mut(), trainee.position.step)?;
     let checkpoint = checkpoint_of(config, &trainee.position, state);
-    send(events, Event::Checkpoint(Box::new(checkpoint)))?;
+    events.send(Event::Checkpoint(Box::new(checkpoint)))?;
     memory.after_checkpoint(trainee.learner.as_mut());
     Ok(())
-}
-
-fn send(events: &Sender<Event>, event: Event) -> Result<()> {
-    events.send(event).map_err(|_| PipelineError::Stage {
-        stage: "sink",
-        reason: "it stopped receiving events".into(),
-    })
 }
 
 fn stop_requested(options: &TrainOptions) -> bool {
@@ -478,7 +473,7 @@ fn run_epoch(
     config: &ExperimentConfig,
     options: &TrainOptions,
     run: &mut Run,
-    events: &Sender<Event>,
+    events: &SinkLink,
     memory: &mut MemoryGuard,
 ) -> Result<Option<EpochSummary>> {
     let Run {
@@ -555,7 +550,7 @@ struct Submitted {
 struct Steps<'a> {
     config: &'a ExperimentConfig,
     options: &'a TrainOptions,
-    events: &'a Sender<Event>,
+    events: &'a SinkLink,
     batches_per_epoch: usize,
     in_flight: VecDeque<Submitted>,
     /// When the last step was collected (or the epoch began).
@@ -601,16 +596,13 @@ impl Steps<'_> {
         let seconds = self.started.elapsed().as_secs_f64();
         self.started = Instant::now();
         trainee.position.progress.train_seconds += seconds;
-        send(
-            events,
-            Event::Step(StepReport {
-                batches_per_epoch: self.batches_per_epoch,
-                memory_bytes: trainee.learner.memory_stats().reserved_bytes,
-                samples_per_sec: report.samples as f64 / seconds.max(1e-9),
-                oom_events: memory.oom_events,
-                ..report
-            }),
-        )?;
+        events.send(Event::Step(StepReport {
+            batches_per_epoch: self.batches_per_epoch,
+            memory_bytes: trainee.learner.memory_stats().reserved_bytes,
+            samples_per_sec: report.samples as f64 / seconds.max(1e-9),
+            oom_events: memory.oom_events,
+            ..report
+        }))?;
         if trainee.position.consecutive_skips >= config.train.max_consecutive_skips {
             self.drain(trainee, memory)?;
             checkpoint_now(config, trainee, events, memory)?;
