@@ -483,9 +483,9 @@ mod tests {
     #[test]
     fn waiting_on_a_stopped_sink_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
-        let blocked = dir.path().join("metrics.jsonl");
-        std::fs::create_dir_all(blocked.join("metrics.jsonl")).unwrap();
-        let (link, sink) = start(&blocked);
+        // The metrics file's path is taken by a directory.
+        std::fs::create_dir_all(dir.path().join("metrics.jsonl")).unwrap();
+        let (link, sink) = start(dir.path());
         link.take_checkpoint_token().unwrap();
         assert!(sink.join().unwrap().is_err());
         let err = link.take_checkpoint_token().unwrap_err().to_string();
@@ -497,21 +497,19 @@ mod tests {
     #[test]
     fn the_steps_before_a_checkpoint_are_on_disk_with_it() {
         let dir = tempfile::tempdir().unwrap();
-        let (send, sink) = start(dir.path());
+        let (link, sink) = start(dir.path());
         for step in 1..=3 {
-            send.send(Event::Step(report(step))).unwrap();
+            link.send(Event::Step(report(step))).unwrap();
         }
-        send.send(Event::Checkpoint(Box::new(snapshot(3)))).unwrap();
+        link.take_checkpoint_token().unwrap();
+        link.send(Event::Checkpoint(Box::new(snapshot(3)))).unwrap();
         // The sink is still running (the channel is open): wait for the
         // checkpoint, then read the metrics as a kill would leave them.
-        let deadline = Instant::now() + std::time::Duration::from_secs(30);
-        while checkpoint::list(dir.path()).unwrap().is_empty() {
-            assert!(Instant::now() < deadline, "no checkpoint was written");
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        link.take_checkpoint_token().unwrap();
+        assert_eq!(checkpoint::list(dir.path()).unwrap().len(), 1);
         let on_disk = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
         assert_eq!(on_disk.lines().count(), 3, "{on_disk}");
-        drop(send);
+        drop(link);
         sink.join().unwrap().unwrap();
     }
 
