@@ -230,3 +230,42 @@ fn store_ten_times_the_cache_trains_within_the_loader_budget() {
         .to_string();
     assert!(err.contains("memory_budget"), "{err}");
 }
+
+#[test]
+fn checkpoint_every_minutes_writes_checkpoints_inside_an_epoch() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 512, 64);
+    let steps = 512 / 32;
+    let run = |minutes: &str| {
+        let out = tempfile::tempdir().unwrap();
+        let every = format!("checkpoint.every_minutes={minutes}");
+        let config = smoke_config(
+            data.path(),
+            out.path(),
+            &["train.epochs=1", "checkpoint.keep=1000", &every],
+        );
+        train(&config, &TrainOptions::default()).unwrap();
+        let files = checkpoint::list(out.path()).unwrap();
+        files
+            .iter()
+            .map(|f| checkpoint::load(f).unwrap().meta.step)
+            .collect::<Vec<_>>()
+    };
+    // 6 µs: overdue after every step, each of which takes longer.
+    let every_step: Vec<u64> = (1..=steps).collect();
+    assert_eq!(run("1e-7"), every_step);
+    // An hour: only the epoch's end.
+    assert_eq!(run("60"), vec![steps]);
+    let out = tempfile::tempdir().unwrap();
+    let err = headroom_pipeline::ExperimentConfig::load(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../experiments/smoke.toml"),
+        &headroom_pipeline::Overrides::parse(&[
+            format!("run.output_dir={}", out.path().display()),
+            "checkpoint.every_minutes=-1".into(),
+        ])
+        .unwrap(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("checkpoint.every_minutes"), "{err}");
+}

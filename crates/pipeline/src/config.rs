@@ -660,6 +660,11 @@ pub struct CheckpointConfig {
     /// Write one at the end of every epoch.
     #[serde(default = "default_true")]
     pub every_epoch: bool,
+    /// Also write one once this many minutes have passed since the last
+    /// (or the run's start), at the next step (0 = never): bounds the work
+    /// a crash can cost whatever an epoch's length.
+    #[serde(default)]
+    pub every_minutes: f64,
 }
 
 fn default_keep() -> usize {
@@ -676,6 +681,7 @@ impl Default for CheckpointConfig {
             keep: default_keep(),
             every_steps: 0,
             every_epoch: true,
+            every_minutes: 0.0,
         }
     }
 }
@@ -972,6 +978,7 @@ impl ExperimentConfig {
         positive("data.prefetch", self.data.prefetch as f64)?;
         positive("run.log_every", self.run.log_every as f64)?;
         positive("checkpoint.keep", self.checkpoint.keep as f64)?;
+        non_negative("checkpoint.every_minutes", self.checkpoint.every_minutes)?;
         positive(
             "train.max_consecutive_skips",
             self.train.max_consecutive_skips as f64,

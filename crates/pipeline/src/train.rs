@@ -88,6 +88,17 @@ struct Trainee {
     learner: Box<dyn Learner>,
     schedule: Schedule,
     position: Position,
+    /// When the last checkpoint was taken (or the run started), for
+    /// `checkpoint.every_minutes`.
+    checkpointed_at: Instant,
+}
+
+impl Trainee {
+    /// Whether `checkpoint.every_minutes` asks for a checkpoint now.
+    fn checkpoint_overdue(&self, config: &ExperimentConfig) -> bool {
+        let minutes = config.checkpoint.every_minutes;
+        minutes > 0.0 && self.checkpointed_at.elapsed().as_secs_f64() >= minutes * 60.0
+    }
 }
 
 struct Run {
@@ -317,6 +328,7 @@ fn prepare(config: &ExperimentConfig, options: &TrainOptions, memory: &MemoryGua
             learner,
             schedule: schedule(config, total_steps)?,
             position: Position::default(),
+            checkpointed_at: Instant::now(),
         },
         train_loader,
         test_loader,
@@ -450,6 +462,7 @@ fn checkpoint_now(
     let state = memory.snapshot(trainee.learner.as_mut(), trainee.position.step)?;
     let checkpoint = checkpoint_of(config, &trainee.position, state);
     events.send(Event::Checkpoint(Box::new(checkpoint)))?;
+    trainee.checkpointed_at = Instant::now();
     memory.after_checkpoint(trainee.learner.as_mut());
     Ok(())
 }
@@ -614,7 +627,12 @@ impl Steps<'_> {
         let (step, done) = (trainee.position.step, trainee.position.batches_done);
         memory.after_step(step, trainee.learner.as_mut());
         let every = config.checkpoint.every_steps;
-        if !report.skipped && every > 0 && step % every == 0 && done < self.batches_per_epoch {
+        let by_steps = every > 0 && step % every == 0;
+        let due = by_steps || trainee.checkpoint_overdue(config);
+        if !report.skipped && due && done < self.batches_per_epoch {
+            // Claimed before the steps in flight are collected, so that
+            // none of them is taken for another checkpoint on the way.
+            trainee.checkpointed_at = Instant::now();
             let stop = self.drain(trainee, memory)?;
             checkpoint_now(config, trainee, events, memory)?;
             if stop {
@@ -637,6 +655,7 @@ fn submit_step(trainee: &mut Trainee, batch: &Batch, memory: &mut MemoryGuard) -
         learner,
         schedule,
         position,
+        ..
     } = trainee;
     let step = position.step;
     memory.before_step(step);
