@@ -663,12 +663,18 @@ pub struct CheckpointConfig {
     /// Also write one once this many minutes have passed since the last
     /// (or the run's start), at the next step (0 = never): bounds the work
     /// a crash can cost whatever an epoch's length.
-    #[serde(default)]
+    #[serde(default = "default_every_minutes")]
     pub every_minutes: f64,
 }
 
 fn default_keep() -> usize {
     3
+}
+
+/// Half an hour: a crash costs at most that much of a run whose epochs are
+/// longer, for one checkpoint's write per half hour.
+fn default_every_minutes() -> f64 {
+    30.0
 }
 
 fn default_true() -> bool {
@@ -681,7 +687,7 @@ impl Default for CheckpointConfig {
             keep: default_keep(),
             every_steps: 0,
             every_epoch: true,
-            every_minutes: 0.0,
+            every_minutes: default_every_minutes(),
         }
     }
 }
