@@ -94,20 +94,12 @@ impl Checkpoint {
     /// The whole file in memory (tests and tools; `write` streams it).
     pub fn encode(&self) -> Result<Vec<u8>> {
         let meta = self.encode_meta()?;
-        self.encode_to(&meta, Vec::new())
-            .map_err(|e| PipelineError::Checkpoint {
-                path: PathBuf::new(),
-                reason: format!("cannot encode: {e}"),
-            })
+        self.encode_to(&meta, Vec::new()).map_err(cannot_encode)
     }
 
     fn encode_meta(&self) -> Result<Vec<u8>> {
-        bincode::serde::encode_to_vec(&self.meta, bincode::config::standard()).map_err(|e| {
-            PipelineError::Checkpoint {
-                path: PathBuf::new(),
-                reason: format!("cannot encode: {e}"),
-            }
-        })
+        bincode::serde::encode_to_vec(&self.meta, bincode::config::standard())
+            .map_err(cannot_encode)
     }
 
     /// Writes the file's bytes to `out` as they are made, the checksum
@@ -193,6 +185,13 @@ impl Checkpoint {
                 Ok(true) | Err(_) => Err(parse.into_error(path)),
             },
         }
+    }
+}
+
+fn cannot_encode(e: impl std::fmt::Display) -> PipelineError {
+    PipelineError::Checkpoint {
+        path: PathBuf::new(),
+        reason: format!("cannot encode: {e}"),
     }
 }
 

@@ -368,11 +368,12 @@ pub struct InjectOom {
     /// ... (optimizer steps, counted from 0; a list, or "3,17,40" from --set) ...
     #[serde(default, deserialize_with = "step_list")]
     pub steps: Vec<u64>,
-    /// ... and every N steps (0 = never); and refuse the first N copies of
-    /// the state that checkpoints take (each checkpoint copies once more,
-    /// after releasing cached blocks, before it gives up).
+    /// ... and every N steps (0 = never).
     #[serde(default)]
     pub every: u64,
+    /// Refuse the first N copies of the state that checkpoints take (each
+    /// checkpoint copies once more, after releasing cached blocks, before
+    /// it gives up).
     #[serde(default)]
     pub snapshots: u64,
 }
