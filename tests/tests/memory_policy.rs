@@ -186,8 +186,40 @@ fn a_refused_checkpoint_copy_is_made_again_after_releasing_the_cache() {
     assert!(a.params == b.params && a.optimizer == b.optimizer);
 }
 
+/// Refused twice, the copy is not made at all: the loop writes the
+/// learner's own tensors to the file, and the checkpoints are those of a
+/// run that was never refused.
 #[test]
-fn a_checkpoint_copy_refused_twice_stops_and_keeps_the_last_checkpoint() {
+fn a_checkpoint_copy_refused_twice_is_written_from_the_learner_s_own_tensors() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 512, 64);
+    let (clean, refused) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    train(
+        &smoke_config(data.path(), clean.path(), &[]),
+        &TrainOptions::default(),
+    )
+    .unwrap();
+    let config = smoke_config(
+        data.path(),
+        refused.path(),
+        &["device.inject_oom.snapshots=2".into()],
+    );
+    let summary = train(&config, &TrainOptions::default()).unwrap();
+    assert_eq!(summary.oom_events, 2, "{summary:?}");
+    let (clean, refused) = (
+        checkpoint::list(clean.path()).unwrap(),
+        checkpoint::list(refused.path()).unwrap(),
+    );
+    assert_eq!(refused.len(), 2);
+    for (a, b) in clean.iter().zip(&refused) {
+        let (a, b) = (checkpoint::load(a).unwrap(), checkpoint::load(b).unwrap());
+        assert_eq!(a.meta.step, b.meta.step);
+        assert!(a.params == b.params && a.buffers == b.buffers && a.optimizer == b.optimizer);
+    }
+}
+
+#[test]
+fn a_checkpoint_refused_even_with_no_copy_stops_and_keeps_the_last_checkpoint() {
     let data = tempfile::tempdir().unwrap();
     write_synthetic_fashion_mnist(data.path(), 512, 64);
     let out = tempfile::tempdir().unwrap();
@@ -200,11 +232,11 @@ fn a_checkpoint_copy_refused_twice_stops_and_keeps_the_last_checkpoint() {
     let refusing = smoke_config(
         data.path(),
         out.path(),
-        &["device.inject_oom.snapshots=2".into()],
+        &["device.inject_oom.snapshots=3".into()],
     );
     let err = train(&refusing, &resume).unwrap_err().to_string();
     assert!(
-        err.contains("out of memory copying the state for the checkpoint of step")
+        err.contains("out of memory writing the checkpoint of step")
             && err.contains(&out.path().display().to_string())
             && err.contains("--resume"),
         "{err}"
@@ -214,6 +246,12 @@ fn a_checkpoint_copy_refused_twice_stops_and_keeps_the_last_checkpoint() {
         1,
         "epoch 1's checkpoint stays"
     );
+    let strays: Vec<_> = std::fs::read_dir(out.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|name| name.to_string_lossy().ends_with(".tmp"))
+        .collect();
+    assert!(strays.is_empty(), "{strays:?}");
 
     let summary = train(&smoke_config(data.path(), out.path(), &[]), &resume).unwrap();
     assert_eq!(summary.epoch, 2);

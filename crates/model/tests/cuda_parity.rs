@@ -33,7 +33,8 @@ use headroom_model::cuda::ops::{self, BatchNormConfig, ConvAlgorithm, ConvPlan, 
 use headroom_model::cuda::params::StepState;
 use headroom_model::cuda::{
     blas_workspace_bytes, kernels, AnyView, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork,
-    CudaTensor, DType, InputStaging, Normalization, ParamGroup, ResidentImages, MAX_BLOCK_THREADS,
+    CudaTensor, DType, InputStaging, Normalization, ParamGroup, ResidentImages, StateList,
+    StatePiece, MAX_BLOCK_THREADS,
 };
 use headroom_model::init::InitRng;
 use headroom_model::layers::{
@@ -3362,6 +3363,63 @@ fn token_network_run(
         net.read_grads(be).unwrap(),
         net.read_buffers(be).unwrap(),
     )
+}
+
+/// `stream_state` hands on, in pieces of 5 values that end inside tensors,
+/// the very values the network holds: every parameter's master (a frozen
+/// one's too, as built from the CPU network), the buffers (dropout
+/// counters), and both moments as loaded (none for a frozen parameter).
+#[test]
+fn a_streamed_state_holds_what_the_network_holds() {
+    let be = gpu_or_skip!();
+    let specs = token_specs("none");
+    for (spec, frozen) in [(&specs[0], false), (&specs[1], true)] {
+        let mut cpu = token_network(spec, frozen);
+        let params: Vec<Vec<f32>> = cpu
+            .params_mut()
+            .iter()
+            .map(|p| p.value.data().to_vec())
+            .collect();
+        let trainable: Vec<bool> = cpu.params_mut().iter().map(|p| !p.frozen).collect();
+        assert_eq!(trainable.contains(&false), frozen);
+        let mut net = CudaNetwork::from_cpu(&be, &mut cpu, CudaBuildOptions::default()).unwrap();
+        let moment = |seed: u64| -> Vec<Vec<f32>> {
+            params
+                .iter()
+                .zip(&trainable)
+                .enumerate()
+                .map(|(i, (p, &t))| match t {
+                    true => random_vec(p.len(), seed + i as u64, 1.0),
+                    false => Vec::new(),
+                })
+                .collect()
+        };
+        let (first, second) = (moment(700), moment(800));
+        let buffers = net.read_buffers(&be).unwrap();
+        assert!(frozen || !buffers.is_empty(), "the dropout counters");
+        net.load_state(&be, &params, &buffers, (&first, &second))
+            .unwrap();
+        let lists = [
+            (StateList::Params, &params),
+            (StateList::Buffers, &buffers),
+            (StateList::FirstMoments, &first),
+            (StateList::SecondMoments, &second),
+        ];
+        for (list, want) in lists {
+            let (mut count, mut got) = (None, Vec::<Vec<f32>>::new());
+            net.stream_state(&be, list, &mut [0.0; 5], &mut |piece| {
+                match piece {
+                    StatePiece::List(n) => count = Some(n),
+                    StatePiece::Tensor(len) => got.push(Vec::with_capacity(len)),
+                    StatePiece::Values(v) => got.last_mut().unwrap().extend_from_slice(v),
+                }
+                Ok::<(), CudaError>(())
+            })
+            .unwrap();
+            assert_eq!(count, Some(want.len()), "{list:?} frozen {frozen}");
+            assert!(got == *want, "{list:?} frozen {frozen}: the values differ");
+        }
+    }
 }
 
 /// Token networks against the CPU network, f32 and f16, trainable and

@@ -218,6 +218,16 @@ impl AdamW {
         self.step
     }
 
+    /// The first and second moments of every parameter, borrowed: what
+    /// `state` copies, for a checkpoint written with no copy. Empty before
+    /// the first step.
+    pub fn moments(&self) -> [&[Vec<f32>]; 2] {
+        match &self.moments {
+            Some(m) => [&m.first, &m.second],
+            None => [&[], &[]],
+        }
+    }
+
     /// A copy of the state, for checkpoints.
     pub fn state(&self) -> Result<AdamWState, OptimError> {
         Ok(match &self.moments {

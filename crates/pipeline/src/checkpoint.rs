@@ -4,16 +4,20 @@
 //! "HDRMCKPT" | version u32 | meta length u64 | meta (bincode, ≤ 16 MiB)
 //!   | 4 tensor lists: params, buffers, Adam first and second moments,
 //!     each: count u32, then per tensor: length u64 + f32 LE values
+//!   | AdamW step u64 | loss scale: 0 u8, or 1 u8 + scale f32 + clean steps u32
 //!   | CRC-32 of everything before u32
 //! ```
 //!
 //! Tensors are written raw with their lengths checked against the bytes that
 //! remain, so no corrupt or hostile file can make the reader allocate more
 //! than the file holds. Both ways stream through a 1 MiB buffer, the CRC
-//! computed on the way: writing encodes the snapshot straight into the file,
+//! computed on the way: writing encodes the state straight into the file,
 //! reading fills each tensor straight from it (fallibly: short memory on
 //! resume is an out-of-memory value), so a checkpoint is never in memory
-//! twice over. A file is written to a temporary name in the same
+//! twice over. The state comes through `StateWriter`, from a snapshot
+//! (`write`) or from the learner's own tensors with no copy at all
+//! (`write_with`), and a state that does not fill the layout fails the
+//! write. A file is written to a temporary name in the same
 //! directory, fsynced, renamed, and the directory fsynced: a crash or a full
 //! disk leaves the previous checkpoints intact. Resume picks the newest file
 //! that verifies and names any it skips.
@@ -27,6 +31,7 @@ use headroom_model::ModelSpec;
 use headroom_optim::{AdamWState, LossScalerState};
 use serde::{Deserialize, Serialize};
 
+use crate::learner::{write_host_state, StateWriter};
 use crate::{PipelineError, Result};
 
 const MAGIC: &[u8; 8] = b"HDRMCKPT";
@@ -93,52 +98,21 @@ impl Checkpoint {
 
     /// The whole file in memory (tests and tools; `write` streams it).
     pub fn encode(&self) -> Result<Vec<u8>> {
-        let meta = self.encode_meta()?;
-        self.encode_to(&meta, Vec::new()).map_err(cannot_encode)
+        encode_with(&self.meta, Vec::new(), Path::new(""), |out| {
+            self.write_state(out)
+        })
     }
 
-    fn encode_meta(&self) -> Result<Vec<u8>> {
-        bincode::serde::encode_to_vec(&self.meta, bincode::config::standard())
-            .map_err(cannot_encode)
-    }
-
-    /// Writes the file's bytes to `out` as they are made, the checksum
-    /// computed on the way: a checkpoint never exists twice in memory.
-    fn encode_to<W: Write>(&self, meta: &[u8], out: W) -> std::io::Result<W> {
-        let mut out = Hashed {
-            inner: out,
-            hasher: crc32fast::Hasher::new(),
-        };
-        out.write_all(MAGIC)?;
-        out.write_all(&FORMAT_VERSION.to_le_bytes())?;
-        out.write_all(&(meta.len() as u64).to_le_bytes())?;
-        out.write_all(meta)?;
-        let tensors = [
+    /// The tensors and the optimizer's and scaler's figures, in the file's
+    /// order.
+    pub fn write_state(&self, out: &mut dyn StateWriter) -> Result<()> {
+        write_host_state(
+            out,
             &self.params,
             &self.buffers,
-            &self.optimizer.first_moment,
-            &self.optimizer.second_moment,
-        ];
-        for list in tensors {
-            out.write_all(&(list.len() as u32).to_le_bytes())?;
-            for tensor in list {
-                out.write_all(&(tensor.len() as u64).to_le_bytes())?;
-                write_values(&mut out, tensor)?;
-            }
-        }
-        out.write_all(&self.optimizer.step.to_le_bytes())?;
-        match self.loss_scale {
-            None => out.write_all(&[0])?,
-            Some(state) => {
-                out.write_all(&[1])?;
-                out.write_all(&state.scale.to_le_bytes())?;
-                out.write_all(&state.clean_steps.to_le_bytes())?;
-            }
-        }
-        let crc = out.hasher.finalize();
-        let mut inner = out.inner;
-        inner.write_all(&crc.to_le_bytes())?;
-        Ok(inner)
+            &self.optimizer,
+            self.loss_scale,
+        )
     }
 
     /// Verifies magic, version and checksum, then decodes with every length
@@ -194,6 +168,132 @@ fn cannot_encode(e: impl std::fmt::Display) -> PipelineError {
         reason: format!("cannot encode: {e}"),
     }
 }
+
+/// Writes a whole file to `out` as its bytes are made, the checksum
+/// computed on the way; `state` writes the tensors (a snapshot's, or a
+/// learner's own, with no copy): a checkpoint never exists twice in memory.
+fn encode_with<W: Write>(
+    meta: &CheckpointMeta,
+    out: W,
+    path: &Path,
+    state: impl FnOnce(&mut dyn StateWriter) -> Result<()>,
+) -> Result<W> {
+    let meta =
+        bincode::serde::encode_to_vec(meta, bincode::config::standard()).map_err(cannot_encode)?;
+    let mut file = StateFile {
+        out: Hashed {
+            inner: out,
+            hasher: crc32fast::Hasher::new(),
+        },
+        path,
+        lists: 0,
+        tensors_left: 0,
+        values_left: 0,
+        finished: false,
+    };
+    let header = [
+        MAGIC.as_slice(),
+        &FORMAT_VERSION.to_le_bytes(),
+        &(meta.len() as u64).to_le_bytes(),
+        &meta,
+    ];
+    for bytes in header {
+        file.write(bytes)?;
+    }
+    state(&mut file)?;
+    if !file.finished {
+        return Err(file.misuse("the state ended before its optimizer step"));
+    }
+    let crc = file.out.hasher.finalize();
+    let mut inner = file.out.inner;
+    inner
+        .write_all(&crc.to_le_bytes())
+        .map_err(|e| PipelineError::io(path, e))?;
+    Ok(inner)
+}
+
+/// The file after its meta, written as a learner hands its state on:
+/// every count and length is checked against what follows, so a learner
+/// that wrote too little or too much fails the write instead of leaving a
+/// file no reader accepts.
+struct StateFile<'a, W> {
+    out: Hashed<W>,
+    path: &'a Path,
+    lists: usize,
+    tensors_left: usize,
+    values_left: usize,
+    finished: bool,
+}
+
+impl<W: Write> StateFile<'_, W> {
+    fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        self.out
+            .write_all(bytes)
+            .map_err(|e| PipelineError::io(self.path, e))
+    }
+
+    fn misuse(&self, what: &str) -> PipelineError {
+        PipelineError::Checkpoint {
+            path: self.path.to_path_buf(),
+            reason: format!(
+                "the learner's state is malformed: {what} (list {}, {} tensors and {} values left)",
+                self.lists, self.tensors_left, self.values_left
+            ),
+        }
+    }
+
+    fn tensor_done(&self) -> bool {
+        self.tensors_left == 0 && self.values_left == 0
+    }
+}
+
+impl<W: Write> StateWriter for StateFile<'_, W> {
+    fn list(&mut self, count: usize) -> Result<()> {
+        if self.lists == LISTS || !self.tensor_done() {
+            return Err(self.misuse("a list out of place"));
+        }
+        let count = u32::try_from(count).map_err(|_| self.misuse("a list too long"))?;
+        self.lists += 1;
+        self.tensors_left = count as usize;
+        self.write(&count.to_le_bytes())
+    }
+
+    fn tensor(&mut self, len: usize) -> Result<()> {
+        if self.tensors_left == 0 || self.values_left > 0 {
+            return Err(self.misuse("a tensor out of place"));
+        }
+        self.tensors_left -= 1;
+        self.values_left = len;
+        self.write(&(len as u64).to_le_bytes())
+    }
+
+    fn values(&mut self, values: &[f32]) -> Result<()> {
+        if values.len() > self.values_left {
+            return Err(self.misuse("more values than the tensor holds"));
+        }
+        self.values_left -= values.len();
+        write_values(&mut self.out, values).map_err(|e| PipelineError::io(self.path, e))
+    }
+
+    fn finish(&mut self, optimizer_step: u64, loss_scale: Option<LossScalerState>) -> Result<()> {
+        if self.lists != LISTS || !self.tensor_done() || self.finished {
+            return Err(self.misuse("the end before the last list was written"));
+        }
+        self.finished = true;
+        self.write(&optimizer_step.to_le_bytes())?;
+        match loss_scale {
+            None => self.write(&[0]),
+            Some(state) => {
+                self.write(&[1])?;
+                self.write(&state.scale.to_le_bytes())?;
+                self.write(&state.clean_steps.to_le_bytes())
+            }
+        }
+    }
+}
+
+/// Parameters, buffers, first and second moments.
+const LISTS: usize = 4;
 
 const CHECKSUM_FAILED: &str = "checksum mismatch: the file is truncated or corrupt";
 
@@ -426,19 +526,34 @@ pub fn file_name(step: u64) -> String {
 /// Writes atomically, then deletes all but the newest `keep` checkpoints.
 /// If the write fails (a full disk, say) the older checkpoints are untouched.
 pub fn write(dir: &Path, checkpoint: &Checkpoint, keep: usize) -> Result<PathBuf> {
+    write_with(dir, &checkpoint.meta, keep, |out| {
+        checkpoint.write_state(out)
+    })
+}
+
+/// `write`, with the tensors written by `state` as the file is made: a
+/// learner's `write_state` puts its own tensors in, with no copy.
+pub fn write_with(
+    dir: &Path,
+    meta: &CheckpointMeta,
+    keep: usize,
+    state: impl FnOnce(&mut dyn StateWriter) -> Result<()>,
+) -> Result<PathBuf> {
     fs::create_dir_all(dir).map_err(|e| PipelineError::io(dir, e))?;
-    let meta = checkpoint.encode_meta()?;
-    let name = file_name(checkpoint.meta.step);
+    let name = file_name(meta.step);
     let path = dir.join(&name);
     let tmp = dir.join(format!(".{name}.tmp"));
-    let write_tmp = || -> std::io::Result<()> {
-        let file = BufWriter::with_capacity(IO_BUFFER, File::create(&tmp)?);
-        let file = checkpoint.encode_to(&meta, file)?;
-        file.into_inner().map_err(|e| e.into_error())?.sync_all()
+    let write_tmp = || -> Result<()> {
+        let file = File::create(&tmp).map_err(|e| PipelineError::io(&tmp, e))?;
+        let file = encode_with(meta, BufWriter::with_capacity(IO_BUFFER, file), &tmp, state)?;
+        file.into_inner()
+            .map_err(|e| e.into_error())
+            .and_then(|f| f.sync_all())
+            .map_err(|e| PipelineError::io(&tmp, e))
     };
     if let Err(e) = write_tmp() {
         let _ = fs::remove_file(&tmp);
-        return Err(PipelineError::io(&tmp, e));
+        return Err(e);
     }
     fs::rename(&tmp, &path).map_err(|e| PipelineError::io(&path, e))?;
     File::open(dir)
@@ -649,6 +764,44 @@ mod tests {
         let path = write(dir.path(), &large, 1).unwrap();
         assert_eq!(fs::read(&path).unwrap(), large.encode().unwrap());
         assert_eq!(load(&path).unwrap(), large);
+    }
+
+    /// A state written out of order, short or long fails the write, names
+    /// what was wrong, and leaves the checkpoints there as they were.
+    #[test]
+    fn a_malformed_state_fails_the_write_and_leaves_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), &sample(1), 3).unwrap();
+        let meta = sample(2).meta;
+        type Writes = fn(&mut dyn StateWriter) -> Result<()>;
+        let cases: [(&str, Writes); 4] = [
+            ("the state ended", |out| out.list(0)),
+            ("the end before the last list", |out| {
+                out.list(0)?;
+                out.finish(0, None)
+            }),
+            ("more values than the tensor holds", |out| {
+                out.list(1)?;
+                out.tensor(2)?;
+                out.values(&[1.0, 2.0, 3.0])
+            }),
+            ("a tensor out of place", |out| {
+                out.list(1)?;
+                out.tensor(1)?;
+                out.tensor(1)
+            }),
+        ];
+        for (reason, state) in cases {
+            let err = write_with(dir.path(), &meta, 3, state)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(reason), "{err}");
+            let names: Vec<_> = fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            assert_eq!(names, [std::ffi::OsString::from(file_name(1))]);
+        }
     }
 
     #[test]

@@ -372,8 +372,9 @@ pub struct InjectOom {
     #[serde(default)]
     pub every: u64,
     /// Refuse the first N copies of the state that checkpoints take (each
-    /// checkpoint copies once more, after releasing cached blocks, before
-    /// it gives up).
+    /// checkpoint copies once more, after releasing cached blocks, then
+    /// writes the learner's own tensors with no copy, which counts as a
+    /// third; refused too, the run stops).
     #[serde(default)]
     pub snapshots: u64,
 }

@@ -44,6 +44,12 @@ pub enum PipelineError {
     Stage { stage: &'static str, reason: String },
 }
 
+impl From<headroom_model::cuda::CudaError> for PipelineError {
+    fn from(e: headroom_model::cuda::CudaError) -> Self {
+        Self::Model(e.into())
+    }
+}
+
 impl PipelineError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {

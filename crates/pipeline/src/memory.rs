@@ -13,7 +13,7 @@ use headroom_model::memory::{MemoryPool, OomInjection, PoolStats};
 use headroom_model::{Device, ModelError};
 
 use crate::config::{ExperimentConfig, InjectOom};
-use crate::learner::{Learner, LearnerState};
+use crate::learner::{Learner, LearnerState, StateWriter};
 use crate::{PipelineError, Result};
 
 /// Head-room kept above a dry run's measured peak when choosing a micro-batch.
@@ -24,7 +24,8 @@ pub struct MemoryGuard {
     adapt: bool,
     min_micro_batch: usize,
     inject: InjectOom,
-    /// Copies for checkpoints still to refuse (`inject_oom.snapshots`).
+    /// Checkpoint copies, and writes with no copy, still to refuse
+    /// (`inject_oom.snapshots`).
     snapshot_refusals: u64,
     empty_every: u64,
     empty_after_checkpoint: bool,
@@ -190,11 +191,16 @@ impl MemoryGuard {
     /// memory refuses is made once more after the cached blocks go back to
     /// the system: a checkpoint is most needed when memory is short (the
     /// OOM policy's last one, say), and the failed step's blocks are then
-    /// still cached. A second refusal stops the run saying what is on disk.
-    pub fn snapshot(&mut self, learner: &mut dyn Learner, step: u64) -> Result<LearnerState> {
+    /// still cached. None when it is refused again: the caller then writes
+    /// the learner's own tensors (`write_state`).
+    pub fn snapshot(
+        &mut self,
+        learner: &mut dyn Learner,
+        step: u64,
+    ) -> Result<Option<LearnerState>> {
         let refused = match self.copy_state(learner) {
             Err(e) if e.is_out_of_memory() => e,
-            other => return other,
+            other => return other.map(Some),
         };
         self.oom_events += 1;
         let released = learner.release_cache();
@@ -205,11 +211,37 @@ impl MemoryGuard {
         match self.copy_state(learner) {
             Err(e) if e.is_out_of_memory() => {
                 self.oom_events += 1;
+                tracing::warn!(
+                    "out of memory copying the state for the checkpoint of step {step} again ({e}): writing the \
+                     learner's own tensors to the file instead, with no copy"
+                );
+                Ok(None)
+            }
+            other => other.map(Some),
+        }
+    }
+
+    /// Writes the learner's state to `out` with no copy of it, for the
+    /// checkpoint of `step` after `snapshot` was refused. Refused even so
+    /// (a GPU learner's 1 MiB download buffer, say), the run stops saying
+    /// what is on disk.
+    pub fn write_state(
+        &mut self,
+        learner: &mut dyn Learner,
+        step: u64,
+        out: &mut dyn StateWriter,
+    ) -> Result<()> {
+        let written = match self.take_refusal(learner) {
+            Some(refused) => Err(refused),
+            None => learner.write_state(out),
+        };
+        match written {
+            Err(e) if e.is_out_of_memory() => {
+                self.oom_events += 1;
                 Err(PipelineError::OutOfMemory(format!(
-                    "out of memory copying the state for the checkpoint of step {step}, even after releasing {} of cached \
-                     blocks: {e}. No checkpoint of step {step} was written; the newest one in {} is the last that was. Give \
-                     the run more memory (fewer other processes, a higher ulimit or cgroup limit), then continue with --resume",
-                    mib(released),
+                    "out of memory writing the checkpoint of step {step}, even with no copy of the state: {e}. No \
+                     checkpoint of step {step} was written; the newest one in {} is the last that was. Give the run \
+                     more memory (fewer other processes, a higher ulimit or cgroup limit), then continue with --resume",
                     self.dir.display()
                 )))
             }
@@ -218,17 +250,26 @@ impl MemoryGuard {
     }
 
     fn copy_state(&mut self, learner: &mut dyn Learner) -> Result<LearnerState> {
-        if self.snapshot_refusals > 0 {
-            self.snapshot_refusals -= 1;
-            let stats = learner.memory_stats();
-            return Err(PipelineError::Model(ModelError::OutOfMemory {
-                requested: 0,
-                in_use: stats.in_use_bytes,
-                reserved: stats.reserved_bytes,
-                limit: learner.memory_limit(),
-            }));
+        match self.take_refusal(learner) {
+            Some(refused) => Err(refused),
+            None => learner.snapshot(),
         }
-        learner.snapshot()
+    }
+
+    /// An out-of-memory error while `inject_oom.snapshots` has refusals
+    /// left, as the learner's memory would report it.
+    fn take_refusal(&mut self, learner: &dyn Learner) -> Option<PipelineError> {
+        if self.snapshot_refusals == 0 {
+            return None;
+        }
+        self.snapshot_refusals -= 1;
+        let stats = learner.memory_stats();
+        Some(PipelineError::Model(ModelError::OutOfMemory {
+            requested: 0,
+            in_use: stats.in_use_bytes,
+            reserved: stats.reserved_bytes,
+            limit: learner.memory_limit(),
+        }))
     }
 
     pub fn after_checkpoint(&mut self, learner: &mut dyn Learner) {

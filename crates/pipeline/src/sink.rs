@@ -61,6 +61,11 @@ pub enum Event {
     Step(StepReport),
     Epoch(EpochSummary),
     Checkpoint(Box<Checkpoint>),
+    /// Every event before it is on disk: the sink answers once the
+    /// metrics are synced (`SinkLink::write_here`).
+    SyncMetrics(Sender<()>),
+    /// A checkpoint the training side wrote itself (`SinkLink::write_here`).
+    CheckpointWritten(PathBuf),
 }
 
 pub struct SinkSettings {
@@ -103,6 +108,20 @@ impl SinkLink {
     /// the token until it sends its own checkpoint.
     pub fn take_checkpoint_token(&self) -> Result<()> {
         self.token.recv().map_err(|_| stopped())
+    }
+
+    /// Runs `write`, a checkpoint written on this thread (the learner's own
+    /// tensors, when memory refused a copy of them), in the sink's order:
+    /// every step sent before it is on disk first, as with a checkpoint the
+    /// sink writes, and the sink takes it as its last and hands the token
+    /// back. The caller holds the token.
+    pub fn write_here(&self, write: impl FnOnce() -> Result<PathBuf>) -> Result<PathBuf> {
+        let (synced, wait) = bounded(1);
+        self.send(Event::SyncMetrics(synced))?;
+        wait.recv().map_err(|_| stopped())?;
+        let path = write()?;
+        self.send(Event::CheckpointWritten(path.clone()))?;
+        Ok(path)
     }
 }
 
@@ -194,6 +213,15 @@ fn receive(events: Receiver<Event>, settings: &SinkSettings) -> Result<SinkOutco
                 outcome.last_checkpoint = Some(path);
                 // The training side holds no token while this one is out,
                 // so the slot is free; if it has gone, nobody waits.
+                let _ = settings.checkpoint_written.try_send(());
+            }
+            Event::SyncMetrics(synced) => {
+                sync_metrics(&mut metrics, &metrics_path)?;
+                // The sender waits; if it has gone, nobody does.
+                let _ = synced.send(());
+            }
+            Event::CheckpointWritten(path) => {
+                outcome.last_checkpoint = Some(path);
                 let _ = settings.checkpoint_written.try_send(());
             }
         }
@@ -511,6 +539,31 @@ mod tests {
         assert_eq!(on_disk.lines().count(), 3, "{on_disk}");
         drop(link);
         sink.join().unwrap().unwrap();
+    }
+
+    /// A checkpoint the training side writes itself keeps the same order:
+    /// the steps before it are on disk when it is written, and the sink
+    /// takes it as its last and hands the token back.
+    #[test]
+    fn a_checkpoint_written_here_follows_the_steps_before_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (link, sink) = start(dir.path());
+        for step in 1..=3 {
+            link.send(Event::Step(report(step))).unwrap();
+        }
+        link.take_checkpoint_token().unwrap();
+        let metrics = dir.path().join("metrics.jsonl");
+        let written = link
+            .write_here(|| {
+                let on_disk = std::fs::read_to_string(&metrics).unwrap();
+                assert_eq!(on_disk.lines().count(), 3, "{on_disk}");
+                checkpoint::write(dir.path(), &snapshot(3), 2)
+            })
+            .unwrap();
+        link.take_checkpoint_token().unwrap();
+        drop(link);
+        let outcome = sink.join().unwrap().unwrap();
+        assert_eq!(outcome.last_checkpoint, Some(written));
     }
 
     #[test]

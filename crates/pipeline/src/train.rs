@@ -14,7 +14,7 @@ use headroom_loader::{Batch, DataLoader, Dataset, LoaderConfig, LoaderMemory};
 use headroom_model::PoolStats;
 use headroom_optim::{LossScalerConfig, OneCycle, Schedule};
 
-use crate::checkpoint::{Checkpoint, CheckpointMeta, EpochProgress};
+use crate::checkpoint::{self, Checkpoint, CheckpointMeta, EpochProgress};
 use crate::config::{ExperimentConfig, ScheduleConfig};
 use crate::eval::evaluate;
 use crate::learner::{self, CudaOptions, Learner, LearnerState, StepLr, StepResult};
@@ -354,6 +354,7 @@ pub(crate) fn cuda_options(config: &ExperimentConfig) -> Result<CudaOptions> {
         },
         loss_scaler,
         graphs: config.device.graphs,
+        ..CudaOptions::default()
     })
 }
 
@@ -451,7 +452,8 @@ fn run_epochs(
 }
 
 /// Snapshots to host memory on this thread, once the previous checkpoint is
-/// on disk; the sink stage writes the file.
+/// on disk; the sink stage writes the file. When memory refuses the copy,
+/// this thread writes the file from the learner's own tensors instead.
 fn checkpoint_now(
     config: &ExperimentConfig,
     trainee: &mut Trainee,
@@ -459,9 +461,24 @@ fn checkpoint_now(
     memory: &mut MemoryGuard,
 ) -> Result<()> {
     events.take_checkpoint_token()?;
-    let state = memory.snapshot(trainee.learner.as_mut(), trainee.position.step)?;
-    let checkpoint = checkpoint_of(config, &trainee.position, state);
-    events.send(Event::Checkpoint(Box::new(checkpoint)))?;
+    let meta = checkpoint_meta(config, &trainee.position);
+    match memory.snapshot(trainee.learner.as_mut(), meta.step)? {
+        Some(state) => events.send(Event::Checkpoint(Box::new(checkpoint_of(meta, state))))?,
+        None => {
+            let started = Instant::now();
+            let learner = trainee.learner.as_mut();
+            let path = events.write_here(|| {
+                checkpoint::write_with(config.output_dir(), &meta, config.checkpoint.keep, |out| {
+                    memory.write_state(learner, meta.step, out)
+                })
+            })?;
+            tracing::info!(
+                "checkpoint {} written from the learner's own tensors in {:.0} ms",
+                path.display(),
+                started.elapsed().as_secs_f64() * 1e3
+            );
+        }
+    }
     trainee.checkpointed_at = Instant::now();
     memory.after_checkpoint(trainee.learner.as_mut());
     Ok(())
@@ -716,23 +733,23 @@ fn record_step(trainee: &mut Trainee, submitted: &Submitted, result: StepResult)
     }
 }
 
-fn checkpoint_of(
-    config: &ExperimentConfig,
-    position: &Position,
-    state: LearnerState,
-) -> Checkpoint {
+fn checkpoint_meta(config: &ExperimentConfig, position: &Position) -> CheckpointMeta {
     let position = position.clone();
+    CheckpointMeta {
+        config_fingerprint: config.fingerprint(),
+        config_json: serde_json::to_string(config).unwrap_or_default(),
+        model_json: Checkpoint::model_json(&config.model),
+        epoch: position.epoch,
+        batches_done: position.batches_done,
+        step: position.step,
+        consecutive_skips: position.consecutive_skips,
+        progress: position.progress,
+    }
+}
+
+fn checkpoint_of(meta: CheckpointMeta, state: LearnerState) -> Checkpoint {
     Checkpoint {
-        meta: CheckpointMeta {
-            config_fingerprint: config.fingerprint(),
-            config_json: serde_json::to_string(config).unwrap_or_default(),
-            model_json: Checkpoint::model_json(&config.model),
-            epoch: position.epoch,
-            batches_done: position.batches_done,
-            step: position.step,
-            consecutive_skips: position.consecutive_skips,
-            progress: position.progress,
-        },
+        meta,
         params: state.params,
         buffers: state.buffers,
         optimizer: state.optimizer,

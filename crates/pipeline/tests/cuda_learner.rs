@@ -1,7 +1,8 @@
 //! The GPU learner against the CPU learner: the same model, seed and
 //! batches give the same training within f16 rounding; a checkpoint moves
-//! between them; an overflowing step is skipped with the model left as it
-//! was; and a restored learner continues bit for bit.
+//! between them, and is written with no copy as a snapshot would be; an
+//! overflowing step is skipped with the model left as it was; and a
+//! restored learner continues bit for bit.
 //!
 //! Without a GPU these run on the CPU emulator of CUDA (headroom-cuda-emu);
 //! with one (or HEADROOM_REQUIRE_GPU=1) on the device. Without NVRTC they
@@ -20,7 +21,7 @@ use headroom_model::memory::MemoryPool;
 use headroom_model::{BuildOptions, CheckpointPolicy, Device, LayerSpec, ModelSpec};
 use headroom_optim::LossScalerConfig;
 use headroom_pipeline::learner::{
-    CpuLearner, CudaLearner, CudaOptions, Learner, StepLr, StepResult, StepSettings,
+    CpuLearner, CudaLearner, CudaOptions, HostState, Learner, StepLr, StepResult, StepSettings,
 };
 
 const MODEL: &str = r#"
@@ -253,6 +254,31 @@ fn a_checkpoint_moves_between_gpu_and_cpu() {
     assert_eq!(probabilities.0.len(), 8 * 4);
     let apart = relative_l2(&probabilities.0, &probabilities.1);
     assert!(apart < 1e-2, "probabilities differ by {apart}");
+}
+
+/// Downloaded 7 values at a time, so that pieces end inside tensors, the
+/// state makes the snapshot's file: mixed precision (with its loss scale)
+/// and f32, before the first step (no moments) and after three. The GPU
+/// snapshot is collected from the same download (`HostState`); that the
+/// download holds the network's values is `cuda_parity`'s
+/// `a_streamed_state_holds_what_the_network_holds`, and that the snapshot
+/// holds the CPU learner's, the tests above.
+#[test]
+fn a_state_written_with_no_copy_is_the_snapshot_s_file() {
+    let Some(_gpu) = backend() else { return };
+    for options in [CudaOptions::default(), f32_options()] {
+        let options = CudaOptions {
+            state_staging_values: 7,
+            ..options
+        };
+        let be = CudaBackend::new(0).unwrap();
+        let mut gpu = CudaLearner::new(be, &spec(), 3, settings(), 8, options).unwrap();
+        common::assert_writes_its_snapshot(&mut gpu);
+        for i in 0..3 {
+            gpu.train_batch(&batch(i), 5e-3).unwrap();
+        }
+        common::assert_writes_its_snapshot(&mut gpu);
+    }
 }
 
 #[test]
@@ -765,6 +791,8 @@ fn a_snapshot_waits_for_every_step_to_be_collected() {
     gpu.submit_batch(&batch(0), lr).unwrap();
     let err = gpu.snapshot().unwrap_err().to_string();
     assert!(err.contains("in flight"), "{err}");
+    let err = gpu.write_state(&mut HostState::default()).unwrap_err();
+    assert!(err.to_string().contains("in flight"), "{err}");
     assert!(gpu.train_batch(&batch(1), 1e-3).is_err(), "train_batch too");
     gpu.collect_step().unwrap().unwrap();
     gpu.snapshot().unwrap();

@@ -1,6 +1,7 @@
 //! The CPU learner behind the training loop's seam: a skipped step leaves
 //! everything as it was (batch-norm statistics included), a refused restore
-//! changes nothing, snapshot + restore continue bit for bit, and flip
+//! changes nothing, snapshot + restore continue bit for bit, a state
+//! written with no copy is the snapshot's file, and flip
 //! test-time augmentation scores an image and its mirror image alike.
 
 mod common;
@@ -98,6 +99,16 @@ fn snapshot_and_restore_continue_bit_for_bit() {
         bits(&first.snapshot().unwrap()),
         bits(&second.snapshot().unwrap())
     );
+}
+
+#[test]
+fn a_state_written_with_no_copy_is_the_snapshot_s_file() {
+    let mut learner = learner(3);
+    common::assert_writes_its_snapshot(&mut learner);
+    for i in 0..3 {
+        learner.train_batch(&batch(i), 1e-2).unwrap();
+    }
+    common::assert_writes_its_snapshot(&mut learner);
 }
 
 #[test]

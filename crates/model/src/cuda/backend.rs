@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    result as driver, sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    DeviceRepr, ValidAsZeroBits,
+    result as driver, sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView,
+    DevicePtr, DeviceRepr, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -533,6 +533,19 @@ impl CudaBackend {
         let out = self.compute.clone_dtoh(src).during("cuMemcpyDtoHAsync")?;
         self.synchronize()?;
         Ok(out)
+    }
+
+    /// Copies `src` into `dst` (same length) on the host, waiting for the
+    /// compute stream: a download into memory the caller already has.
+    pub fn download_into<T: DeviceRepr>(
+        &self,
+        src: &CudaView<'_, T>,
+        dst: &mut [T],
+    ) -> CudaResult<()> {
+        self.compute
+            .memcpy_dtoh(src, dst)
+            .during("cuMemcpyDtoHAsync")?;
+        self.synchronize()
     }
 
     /// Sets the budget on bytes held by live CUDA buffers (None: the GPU's

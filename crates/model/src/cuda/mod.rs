@@ -53,7 +53,7 @@ pub use backend::{
 };
 pub use error::{CudaError, CudaResult};
 pub use graph::CapturedGraph;
-pub use network::{CudaBuildOptions, CudaNetwork};
+pub use network::{CudaBuildOptions, CudaNetwork, StateList, StatePiece};
 pub use ops::{Normalization, MAX_BLOCK_THREADS};
 pub use param_group::ParamGroup;
 pub use records::{Record, StepRecords, MAX_IN_FLIGHT};

@@ -405,9 +405,6 @@ impl Recomputable {
     }
 }
 
-/// Per-parameter host copies, in the CPU network's order.
-pub type HostParams = Vec<Vec<f32>>;
-
 /// What a training forward left for backward, one entry per layer run.
 #[derive(Debug)]
 enum Saved {
@@ -469,6 +466,23 @@ impl Default for CudaBuildOptions {
 struct ParamSlot {
     name: String,
     at: ParamRef,
+}
+
+/// The four lists of a checkpoint's state, for `CudaNetwork::stream_state`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateList {
+    Params,
+    Buffers,
+    FirstMoments,
+    SecondMoments,
+}
+
+/// What `CudaNetwork::stream_state` hands on, in order.
+#[derive(Debug)]
+pub enum StatePiece<'a> {
+    List(usize),
+    Tensor(usize),
+    Values(&'a [f32]),
 }
 
 pub struct CudaNetwork {
@@ -868,15 +882,57 @@ impl CudaNetwork {
         Ok(self.split(&grads, false))
     }
 
-    /// (first, second) AdamW moments per parameter, in order (empty for a
-    /// frozen parameter, as on the CPU).
-    pub fn read_moments(&self, be: &CudaBackend) -> CudaResult<(HostParams, HostParams)> {
-        let (m0, v0) = self.groups[0].read_moments(be)?;
-        let (m1, v1) = self.groups[1].read_moments(be)?;
-        Ok((
-            self.split(&[m0, m1, Vec::new()], false),
-            self.split(&[v0, v1, Vec::new()], false),
-        ))
+    /// One of the four lists a checkpoint holds, in the CPU network's
+    /// order (a frozen parameter's moments empty, as on the CPU),
+    /// downloaded tensor by tensor through `staging`, whose length sets the
+    /// piece: no copy of the list is made. `visit` gets `List(count)`, then per tensor
+    /// `Tensor(len)` and its values in `Values` pieces.
+    pub fn stream_state<E: From<CudaError>>(
+        &self,
+        be: &CudaBackend,
+        list: StateList,
+        staging: &mut [f32],
+        visit: &mut dyn FnMut(StatePiece<'_>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        if staging.is_empty() {
+            return Err(
+                CudaError::shape("stream_state", "a staging buffer", "an empty one").into(),
+            );
+        }
+        let mut tensors: Vec<CudaView<'_, f32>> = Vec::new();
+        match list {
+            StateList::Buffers => {
+                let mut buffers = Vec::new();
+                checkpointed_buffers(&self.layers, &mut buffers);
+                tensors.extend(buffers.iter().map(|b| b.slice.as_view()));
+            }
+            StateList::Params | StateList::FirstMoments | StateList::SecondMoments => {
+                for p in &self.params {
+                    let group = &self.groups[p.at.group];
+                    let array = match list {
+                        StateList::FirstMoments => &group.first_moment.slice,
+                        StateList::SecondMoments => &group.second_moment.slice,
+                        _ => &group.master.slice,
+                    };
+                    let held = list == StateList::Params || p.at.trainable();
+                    let range = if held { p.at.range() } else { 0..0 };
+                    tensors.push(array.slice(range));
+                }
+            }
+        }
+        visit(StatePiece::List(tensors.len()))?;
+        for tensor in &tensors {
+            visit(StatePiece::Tensor(tensor.len()))?;
+            let mut start = 0;
+            while start < tensor.len() {
+                let piece = (tensor.len() - start).min(staging.len());
+                let host = &mut staging[..piece];
+                be.download_into(&tensor.slice(start..start + piece), host)?;
+                visit(StatePiece::Values(host))?;
+                start += piece;
+            }
+        }
+        Ok(())
     }
 
     /// Per-parameter values out of per-group ones; frozen parameters get

@@ -25,7 +25,10 @@ use headroom_model::profile::ProfileSegment;
 use headroom_model::{BuildOptions, Mode, ModelSpec, Network, PoolStats, Tensor, TokenInput};
 use headroom_optim::{clip_grad_norm, grad_norm, AdamW};
 
-use super::{softmax_rows, EvalResult, Learner, LearnerState, StepLr, StepResult, StepSettings};
+use super::{
+    softmax_rows, write_list, EvalResult, Learner, LearnerState, StateWriter, StepLr, StepResult,
+    StepSettings,
+};
 use crate::Result;
 
 /// The f32 CPU learner.
@@ -431,6 +434,18 @@ impl Learner for CpuLearner {
             optimizer: self.optimizer.state()?,
             loss_scale: None,
         })
+    }
+
+    fn write_state(&mut self, out: &mut dyn StateWriter) -> Result<()> {
+        super::require_no_steps_in_flight(self.ready.len(), "write_state")?;
+        let params = self.network.params_mut();
+        write_list(out, params.iter().map(|p| p.value.data()))?;
+        let buffers = self.network.buffers_mut();
+        write_list(out, buffers.iter().map(|b| b.data()))?;
+        for moments in self.optimizer.moments() {
+            write_list(out, moments.iter().map(Vec::as_slice))?;
+        }
+        out.finish(self.optimizer.steps_taken(), None)
     }
 
     fn restore(&mut self, state: LearnerState) -> std::result::Result<(), String> {

@@ -50,19 +50,19 @@ use headroom_loader::{Batch, Dataset, SampleRecipe};
 use headroom_model::cuda::{
     ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, CudaTensor, DType, DeviceBuffer,
     DeviceInfo, InputStaging, Normalization, ProfileSegment, ResidentImages, StagedBatch,
-    StepRecords, MAX_IN_FLIGHT,
+    StateList, StatePiece, StepRecords, MAX_IN_FLIGHT,
 };
 use headroom_model::loss::pixel_mse_u8;
-use headroom_model::memory::MemoryPool;
+use headroom_model::memory::{try_zeroed, MemoryPool};
 use headroom_model::{Device, ModelError, ModelSpec, Network, PoolStats, TokenInput};
-use headroom_optim::{AdamWState, FusedAdamW, LossScalerConfig, LossScalerState};
+use headroom_optim::{FusedAdamW, LossScalerConfig, LossScalerState};
 
 mod graph;
 
 use super::cpu::arg_max;
 use super::{
-    require_no_steps_in_flight, softmax_rows, EvalResult, Learner, LearnerState, StepLr,
-    StepResult, StepSettings,
+    require_no_steps_in_flight, softmax_rows, EvalResult, HostState, Learner, LearnerState,
+    StateWriter, StepLr, StepResult, StepSettings,
 };
 use crate::memory::mib;
 use crate::{PipelineError, Result};
@@ -76,6 +76,10 @@ pub struct CudaOptions {
     pub memory_limit: Option<u64>,
     /// Capture the steady-state step in a CUDA graph (`device.graphs`).
     pub graphs: bool,
+    /// Values downloaded at once when the state is written with no copy of
+    /// it (`Learner::write_state`): 1 MiB's worth of host memory by default,
+    /// whatever the model's size.
+    pub state_staging_values: usize,
 }
 
 impl Default for CudaOptions {
@@ -85,6 +89,7 @@ impl Default for CudaOptions {
             loss_scaler: LossScalerConfig::default(),
             memory_limit: None,
             graphs: true,
+            state_staging_values: 1 << 18,
         }
     }
 }
@@ -121,6 +126,7 @@ pub struct CudaLearner {
     unit_scale: DeviceBuffer<f32>,
     macs_per_sample: u64,
     graphs: graph::Graphs,
+    state_staging_values: usize,
 }
 
 impl CudaLearner {
@@ -189,6 +195,7 @@ impl CudaLearner {
             collected_applied: 0,
             collected_scale: options.loss_scaler.init_scale,
             graphs: graph::Graphs::new(options.graphs),
+            state_staging_values: options.state_staging_values.max(1),
         })
     }
 
@@ -649,27 +656,40 @@ impl Learner for CudaLearner {
     }
 
     fn snapshot(&mut self) -> Result<LearnerState> {
-        require_no_steps_in_flight(self.in_flight.len(), "snapshot")?;
+        // Downloaded tensor by tensor into memory taken fallibly: the host
+        // holds each value once, and short memory is a value, not an abort.
+        let mut state = HostState::default();
+        self.write_state(&mut state)?;
+        state.into_state()
+    }
+
+    fn write_state(&mut self, out: &mut dyn StateWriter) -> Result<()> {
+        require_no_steps_in_flight(self.in_flight.len(), "write_state")?;
         let be = &self.be;
         let state = self.optimizer.read_state(be)?;
-        let (first_moment, second_moment) = if state.applied == 0 {
-            (Vec::new(), Vec::new())
-        } else {
-            cuda(self.network.read_moments(be))?
-        };
-        Ok(LearnerState {
-            params: cuda(self.network.read_params(be))?,
-            buffers: cuda(self.network.read_buffers(be))?,
-            optimizer: AdamWState {
-                step: state.applied,
-                first_moment,
-                second_moment,
-            },
-            loss_scale: self.mixed_precision().then_some(LossScalerState {
-                scale: state.next_scale,
-                clean_steps: state.clean_steps,
-            }),
-        })
+        let mut staging = try_zeroed(self.state_staging_values)?;
+        let mut lists = vec![StateList::Params, StateList::Buffers];
+        if state.applied > 0 {
+            lists.extend([StateList::FirstMoments, StateList::SecondMoments]);
+        }
+        for list in lists {
+            self.network
+                .stream_state(be, list, &mut staging, &mut |piece| match piece {
+                    StatePiece::List(count) => out.list(count),
+                    StatePiece::Tensor(len) => out.tensor(len),
+                    StatePiece::Values(values) => out.values(values),
+                })?;
+        }
+        if state.applied == 0 {
+            // No step yet: no moments, as `snapshot` says.
+            out.list(0)?;
+            out.list(0)?;
+        }
+        let loss_scale = self.mixed_precision().then_some(LossScalerState {
+            scale: state.next_scale,
+            clean_steps: state.clean_steps,
+        });
+        out.finish(state.applied, loss_scale)
     }
 
     fn restore(&mut self, state: LearnerState) -> std::result::Result<(), String> {

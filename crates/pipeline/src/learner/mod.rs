@@ -103,6 +103,121 @@ pub struct StepLr<'a> {
     pub at: &'a dyn Fn(u64) -> f32,
 }
 
+/// Where `Learner::write_state` puts the whole state, in a checkpoint's
+/// order: four lists (parameters, buffers, first and second moments), each
+/// `list(count)` then, per tensor, `tensor(len)` and `values` until it is
+/// full; then `finish`. A checkpoint file is one
+/// (`checkpoint::write_with`), so a state reaches the disk without a copy
+/// of it in memory.
+pub trait StateWriter {
+    fn list(&mut self, count: usize) -> Result<()>;
+    fn tensor(&mut self, len: usize) -> Result<()>;
+    fn values(&mut self, values: &[f32]) -> Result<()>;
+    fn finish(&mut self, optimizer_step: u64, loss_scale: Option<LossScalerState>) -> Result<()>;
+}
+
+/// Writes one of the four lists whole, from host memory.
+pub fn write_list<'a>(
+    out: &mut dyn StateWriter,
+    tensors: impl ExactSizeIterator<Item = &'a [f32]>,
+) -> Result<()> {
+    out.list(tensors.len())?;
+    for values in tensors {
+        out.tensor(values.len())?;
+        out.values(values)?;
+    }
+    Ok(())
+}
+
+/// Writes a whole state held in host memory, in the order above.
+pub fn write_host_state(
+    out: &mut dyn StateWriter,
+    params: &[Vec<f32>],
+    buffers: &[Vec<f32>],
+    optimizer: &AdamWState,
+    loss_scale: Option<LossScalerState>,
+) -> Result<()> {
+    write_list(out, params.iter().map(Vec::as_slice))?;
+    write_list(out, buffers.iter().map(Vec::as_slice))?;
+    write_list(out, optimizer.first_moment.iter().map(Vec::as_slice))?;
+    write_list(out, optimizer.second_moment.iter().map(Vec::as_slice))?;
+    out.finish(optimizer.step, loss_scale)
+}
+
+/// A `StateWriter` that keeps the state in host memory, each tensor's
+/// taken fallibly: a snapshot made by `write_state`, so that short memory
+/// is an out-of-memory value and each tensor is held once.
+#[derive(Default)]
+pub struct HostState {
+    lists: Vec<Vec<Vec<f32>>>,
+    finished: Option<(u64, Option<LossScalerState>)>,
+}
+
+impl HostState {
+    fn malformed(what: &str) -> PipelineError {
+        PipelineError::Stage {
+            stage: "learner",
+            reason: format!("its state is malformed: {what}"),
+        }
+    }
+
+    pub fn into_state(self) -> Result<LearnerState> {
+        let Some((step, loss_scale)) = self.finished else {
+            return Err(Self::malformed("it ended before its optimizer step"));
+        };
+        let Ok([params, buffers, first_moment, second_moment]) =
+            <[Vec<Vec<f32>>; 4]>::try_from(self.lists)
+        else {
+            return Err(Self::malformed("not four lists"));
+        };
+        Ok(LearnerState {
+            params,
+            buffers,
+            optimizer: AdamWState {
+                step,
+                first_moment,
+                second_moment,
+            },
+            loss_scale,
+        })
+    }
+}
+
+impl StateWriter for HostState {
+    fn list(&mut self, count: usize) -> Result<()> {
+        self.lists.push(Vec::with_capacity(count));
+        Ok(())
+    }
+
+    fn tensor(&mut self, len: usize) -> Result<()> {
+        let list = self
+            .lists
+            .last_mut()
+            .ok_or_else(|| Self::malformed("a tensor before any list"))?;
+        list.push(headroom_model::memory::try_scratch(len)?);
+        Ok(())
+    }
+
+    fn values(&mut self, values: &[f32]) -> Result<()> {
+        let tensor = self
+            .lists
+            .last_mut()
+            .and_then(|list| list.last_mut())
+            .ok_or_else(|| Self::malformed("values before any tensor"))?;
+        // Within the capacity `tensor` took: never a reallocation.
+        if tensor.len() + values.len() > tensor.capacity() {
+            return Err(Self::malformed("more values than the tensor holds"));
+        }
+        tensor.extend_from_slice(values);
+        Ok(())
+    }
+
+    fn finish(&mut self, optimizer_step: u64, loss_scale: Option<LossScalerState>) -> Result<()> {
+        self.finished = Some((optimizer_step, loss_scale));
+        Ok(())
+    }
+}
+
 pub trait Learner: Send {
     /// Queues one optimizer step on `batch`, in micro-batches of
     /// `micro_batch()` samples whose gradients add up to the whole batch's.
@@ -162,6 +277,12 @@ pub trait Learner: Send {
 
     /// The whole state, for a checkpoint; with no step in flight.
     fn snapshot(&mut self) -> Result<LearnerState>;
+
+    /// Writes the state `snapshot` copies to `out`, tensor by tensor, with
+    /// no copy of it: what a checkpoint falls back on when memory refuses
+    /// the copy. A GPU learner downloads through a small host buffer. With
+    /// no step in flight.
+    fn write_state(&mut self, out: &mut dyn StateWriter) -> Result<()>;
 
     /// Replaces the whole state; refuses (saying why) a state of another
     /// shape, leaving the learner as it was.

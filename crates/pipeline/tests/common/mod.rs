@@ -1,9 +1,11 @@
-//! Shared by the learner tests: step settings, synthetic batches, and a
-//! learner state as bits (so NaN compares equal to itself).
+//! Shared by the learner tests: step settings, synthetic batches, a
+//! learner state as bits (so NaN compares equal to itself), and the check
+//! that a state written with no copy makes a snapshot's file.
 
 use headroom_loader::Batch;
 use headroom_optim::AdamWConfig;
-use headroom_pipeline::learner::{LearnerState, StepSettings};
+use headroom_pipeline::checkpoint::{self, Checkpoint, CheckpointMeta};
+use headroom_pipeline::learner::{Learner, LearnerState, StepSettings};
 
 pub fn settings() -> StepSettings {
     StepSettings {
@@ -45,4 +47,36 @@ pub fn bits(state: &LearnerState) -> Vec<u32> {
         .flat_map(|v| v.iter().flatten())
         .map(|x| x.to_bits())
         .collect()
+}
+
+/// The checkpoint file `write_state` makes holds the very bytes of the one
+/// a snapshot of the same learner makes: the same tensors, each of the
+/// same length, the same optimizer step and loss scale.
+pub fn assert_writes_its_snapshot(learner: &mut dyn Learner) {
+    let meta = CheckpointMeta {
+        config_fingerprint: 1,
+        config_json: "{}".into(),
+        model_json: "{}".into(),
+        epoch: 0,
+        batches_done: 3,
+        step: 3,
+        consecutive_skips: 0,
+        progress: Default::default(),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path =
+        checkpoint::write_with(dir.path(), &meta, 1, |out| learner.write_state(out)).unwrap();
+    let state = learner.snapshot().unwrap();
+    let expected = Checkpoint {
+        meta,
+        params: state.params,
+        buffers: state.buffers,
+        optimizer: state.optimizer,
+        loss_scale: state.loss_scale,
+    }
+    .encode()
+    .unwrap();
+    let written = std::fs::read(&path).unwrap();
+    assert_eq!(written.len(), expected.len());
+    assert!(written == expected, "the bytes differ");
 }
