@@ -163,8 +163,10 @@ fn budget_too_small_for_one_sample_stops_with_a_checkpoint_and_resumes_with_more
     assert!(summary.test_accuracy.is_some());
 }
 
-#[test]
-fn a_refused_checkpoint_copy_is_made_again_after_releasing_the_cache() {
+/// A run whose first `refusals` checkpoint copies memory refuses writes
+/// the checkpoints of a run never refused, with an out-of-memory event for
+/// each refusal.
+fn refused_copies_leave_the_checkpoints_of_a_clean_run(refusals: u64) {
     let data = tempfile::tempdir().unwrap();
     write_synthetic_fashion_mnist(data.path(), 512, 64);
     let (clean, refused) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
@@ -176,36 +178,10 @@ fn a_refused_checkpoint_copy_is_made_again_after_releasing_the_cache() {
     let config = smoke_config(
         data.path(),
         refused.path(),
-        &["device.inject_oom.snapshots=1".into()],
+        &[format!("device.inject_oom.snapshots={refusals}")],
     );
     let summary = train(&config, &TrainOptions::default()).unwrap();
-    assert_eq!(summary.oom_events, 1, "{summary:?}");
-    assert_eq!(checkpoint::list(refused.path()).unwrap().len(), 2);
-    let (a, b) = (newest(clean.path()), newest(refused.path()));
-    assert_eq!(a.meta.step, b.meta.step);
-    assert!(a.params == b.params && a.optimizer == b.optimizer);
-}
-
-/// Refused twice, the copy is not made at all: the loop writes the
-/// learner's own tensors to the file, and the checkpoints are those of a
-/// run that was never refused.
-#[test]
-fn a_checkpoint_copy_refused_twice_is_written_from_the_learner_s_own_tensors() {
-    let data = tempfile::tempdir().unwrap();
-    write_synthetic_fashion_mnist(data.path(), 512, 64);
-    let (clean, refused) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    train(
-        &smoke_config(data.path(), clean.path(), &[]),
-        &TrainOptions::default(),
-    )
-    .unwrap();
-    let config = smoke_config(
-        data.path(),
-        refused.path(),
-        &["device.inject_oom.snapshots=2".into()],
-    );
-    let summary = train(&config, &TrainOptions::default()).unwrap();
-    assert_eq!(summary.oom_events, 2, "{summary:?}");
+    assert_eq!(summary.oom_events, refusals, "{summary:?}");
     let (clean, refused) = (
         checkpoint::list(clean.path()).unwrap(),
         checkpoint::list(refused.path()).unwrap(),
@@ -216,6 +192,18 @@ fn a_checkpoint_copy_refused_twice_is_written_from_the_learner_s_own_tensors() {
         assert_eq!(a.meta.step, b.meta.step);
         assert!(a.params == b.params && a.buffers == b.buffers && a.optimizer == b.optimizer);
     }
+}
+
+#[test]
+fn a_refused_checkpoint_copy_is_made_again_after_releasing_the_cache() {
+    refused_copies_leave_the_checkpoints_of_a_clean_run(1);
+}
+
+/// Refused twice, the copy is not made at all: the loop writes the
+/// learner's own tensors to the file.
+#[test]
+fn a_checkpoint_copy_refused_twice_is_written_from_the_learner_s_own_tensors() {
+    refused_copies_leave_the_checkpoints_of_a_clean_run(2);
 }
 
 #[test]
