@@ -67,6 +67,14 @@ fn resumed_run_matches_an_uninterrupted_one_bit_for_bit() {
     train(&config, &TrainOptions::default()).unwrap();
     let files = checkpoint::list(interrupted.path()).unwrap();
     std::fs::remove_file(files.last().unwrap()).unwrap();
+    // A kill in the middle of a write leaves its temporary behind; the
+    // resume removes it, and only it.
+    let unfinished = interrupted
+        .path()
+        .join(format!(".{}.tmp", checkpoint::file_name(999_999)));
+    let unrelated = interrupted.path().join("notes.tmp");
+    std::fs::write(&unfinished, [7u8; 4096]).unwrap();
+    std::fs::write(&unrelated, "mine").unwrap();
     let options = TrainOptions {
         resume: Resume::Latest,
         ..Default::default()
@@ -74,6 +82,7 @@ fn resumed_run_matches_an_uninterrupted_one_bit_for_bit() {
     let summary = train(&config, &options).unwrap();
     assert_eq!(summary.epochs.len(), 1, "only the lost epoch is run again");
     assert_eq!(summary.resumed_from.as_ref(), Some(&files[files.len() - 2]));
+    assert!(!unfinished.exists() && unrelated.exists());
 
     let newest = |dir: &Path| {
         let files = checkpoint::list(dir).unwrap();

@@ -542,7 +542,7 @@ pub fn write_with(
     fs::create_dir_all(dir).map_err(|e| PipelineError::io(dir, e))?;
     let name = file_name(meta.step);
     let path = dir.join(&name);
-    let tmp = dir.join(format!(".{name}.tmp"));
+    let tmp = dir.join(temporary_name(&name));
     let write_tmp = || -> Result<()> {
         let file = File::create(&tmp).map_err(|e| PipelineError::io(&tmp, e))?;
         let file = encode_with(meta, BufWriter::with_capacity(IO_BUFFER, file), &tmp, state)?;
@@ -561,6 +561,40 @@ pub fn write_with(
         .map_err(|e| PipelineError::io(dir, e))?;
     prune(dir, keep)?;
     Ok(path)
+}
+
+/// The temporary a checkpoint is written to before its rename.
+fn temporary_name(name: &str) -> String {
+    format!(".{name}.tmp")
+}
+
+/// Removes the temporaries of checkpoints whose write never finished: a
+/// run killed while writing leaves one, named by its step, so they would
+/// pile up, each the size of the model. Call it with the run directory
+/// claimed, so that no other process is writing there. Returns each file
+/// removed with its size.
+pub fn remove_unfinished(dir: &Path) -> Result<Vec<(PathBuf, u64)>> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Ok(Vec::new());
+    };
+    let mut removed = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| PipelineError::io(dir, e))?;
+        let name = entry.file_name();
+        let unfinished = name.to_str().is_some_and(|n| {
+            n.strip_prefix('.')
+                .and_then(|n| n.strip_suffix(".tmp"))
+                .is_some_and(|n| n.starts_with(PREFIX) && n.ends_with(SUFFIX))
+        });
+        if !unfinished {
+            continue;
+        }
+        let path = entry.path();
+        let bytes = entry.metadata().map(|m| m.len()).unwrap_or(0);
+        fs::remove_file(&path).map_err(|e| PipelineError::io(&path, e))?;
+        removed.push((path, bytes));
+    }
+    Ok(removed)
 }
 
 /// Checkpoint files in `dir`, oldest first.

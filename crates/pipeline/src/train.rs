@@ -132,6 +132,13 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         })?;
     check_writable(config.output_dir())?;
     tracing::info!("run directory {}", config.output_dir().display());
+    for (path, bytes) in checkpoint::remove_unfinished(config.output_dir())? {
+        tracing::warn!(
+            "removed {} ({}): a checkpoint a stopped run did not finish writing",
+            path.display(),
+            crate::memory::mib(bytes)
+        );
+    }
     rundir::write_resolved_config(config.output_dir(), config)?;
     let resume_point = resume::choose(config, &options.resume)?;
     let mut memory = MemoryGuard::new(config)?;
