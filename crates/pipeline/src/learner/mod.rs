@@ -2,7 +2,8 @@
 //! touches tensors sits behind `Learner`: train one batch at a given learning
 //! rate (forward, loss, backward and gradient accumulation over micro-batches,
 //! clip, optimizer step), evaluate a batch, snapshot and restore the whole
-//! state for checkpoints, and the dry run that plans a micro-batch. The loop
+//! state for checkpoints (or write it to one with no copy, when memory
+//! refuses the snapshot), and the dry run that plans a micro-batch. The loop
 //! (`train.rs`), evaluation (`eval.rs`) and the benchmark (`bench.rs`) only
 //! see this trait, so the training step is written once per device.
 //!
