@@ -206,6 +206,49 @@ fn a_checkpoint_copy_refused_twice_is_written_from_the_learner_s_own_tensors() {
     refused_copies_leave_the_checkpoints_of_a_clean_run(2);
 }
 
+/// A copy that would take more than half the memory left is not made:
+/// the checkpoints are written with no copy, and are a clean run's.
+#[test]
+fn a_copy_that_would_crowd_the_memory_left_is_not_made() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 512, 64);
+    let (clean, crowded) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    train(
+        &smoke_config(data.path(), clean.path(), &[]),
+        &TrainOptions::default(),
+    )
+    .unwrap();
+    let room = "device.inject_oom.snapshot_room=4096".to_string();
+    let config = smoke_config(data.path(), crowded.path(), std::slice::from_ref(&room));
+    let summary = train(&config, &TrainOptions::default()).unwrap();
+    assert_eq!(summary.oom_events, 0, "{summary:?}");
+    let (clean, crowded) = (
+        checkpoint::list(clean.path()).unwrap(),
+        checkpoint::list(crowded.path()).unwrap(),
+    );
+    assert_eq!(crowded.len(), 2);
+    for (a, b) in clean.iter().zip(&crowded) {
+        let (a, b) = (checkpoint::load(a).unwrap(), checkpoint::load(b).unwrap());
+        assert!(a.params == b.params && a.buffers == b.buffers && a.optimizer == b.optimizer);
+    }
+
+    // No copy was even tried: the one refusal falls on the write with no
+    // copy (a copy would have taken it, and its retry succeeded).
+    let refused = tempfile::tempdir().unwrap();
+    let config = smoke_config(
+        data.path(),
+        refused.path(),
+        &[room, "device.inject_oom.snapshots=1".into()],
+    );
+    let err = train(&config, &TrainOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("out of memory writing the checkpoint of step"),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_checkpoint_refused_even_with_no_copy_stops_and_keeps_the_last_checkpoint() {
     let data = tempfile::tempdir().unwrap();

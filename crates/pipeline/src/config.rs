@@ -377,6 +377,11 @@ pub struct InjectOom {
     /// third; refused too, the run stops).
     #[serde(default)]
     pub snapshots: u64,
+    /// Take this many bytes as the memory the process has left when a
+    /// checkpoint decides whether to copy the state (unset: what the OS
+    /// says, `limits::tightest`).
+    #[serde(default)]
+    pub snapshot_room: Option<u64>,
 }
 
 /// A list of steps, written as a TOML array or as comma-separated text.

@@ -191,13 +191,20 @@ impl MemoryGuard {
     /// memory refuses is made once more after the cached blocks go back to
     /// the system: a checkpoint is most needed when memory is short (the
     /// OOM policy's last one, say), and the failed step's blocks are then
-    /// still cached. None when it is refused again: the caller then writes
-    /// the learner's own tensors (`write_state`).
+    /// still cached. None when it is refused again, or would crowd the
+    /// memory left: the caller then writes the learner's own tensors
+    /// (`write_state`).
     pub fn snapshot(
         &mut self,
         learner: &mut dyn Learner,
         step: u64,
     ) -> Result<Option<LearnerState>> {
+        if let Some(why) = self.copy_would_crowd(learner) {
+            tracing::info!(
+                "checkpoint of step {step}: {why}; writing the learner's own tensors to the file instead, with no copy"
+            );
+            return Ok(None);
+        }
         let refused = match self.copy_state(learner) {
             Err(e) if e.is_out_of_memory() => e,
             other => return other.map(Some),
@@ -219,6 +226,32 @@ impl MemoryGuard {
             }
             other => other.map(Some),
         }
+    }
+
+    /// Why the state should not be copied: the copy would take more than
+    /// half the memory the process has left. The OS may grant such a
+    /// request and then kill the process when its pages are touched (a
+    /// container's cgroup limit, overcommit), so a refusal is not to be
+    /// counted on; the other half is for whatever the run needs meanwhile.
+    fn copy_would_crowd(&self, learner: &mut dyn Learner) -> Option<String> {
+        let (room, source) = match self.inject.snapshot_room {
+            Some(room) => (room, "device.inject_oom.snapshot_room".to_string()),
+            None => {
+                let ceiling = crate::limits::tightest()?;
+                (ceiling.room, ceiling.source)
+            }
+        };
+        // Every parameter, and both moments of the trainable ones; the
+        // buffers (batch-norm statistics, dropout counters) are small.
+        let values = learner.num_params() + 2 * learner.num_trainable_params();
+        let bytes = 4 * values as u64;
+        (bytes > room / 2).then(|| {
+            format!(
+                "a copy of the state ({}) would take more than half of the {} left under {source}",
+                mib(bytes),
+                mib(room)
+            )
+        })
     }
 
     /// Writes the learner's state to `out` with no copy of it, for the
