@@ -7,7 +7,7 @@ use std::path::Path;
 
 use headroom_model::{measure_step_peak, Device, MemoryPool, Network};
 use headroom_pipeline::checkpoint::{self, Checkpoint};
-use headroom_pipeline::{train, ExperimentConfig, Overrides, Resume, TrainOptions};
+use headroom_pipeline::{train, ExperimentConfig, Overrides, Resume, RunSummary, TrainOptions};
 use headroom_tests::write_synthetic_fashion_mnist;
 
 fn smoke_config(data: &Path, out: &Path, extra: &[String]) -> ExperimentConfig {
@@ -163,35 +163,43 @@ fn budget_too_small_for_one_sample_stops_with_a_checkpoint_and_resumes_with_more
     assert!(summary.test_accuracy.is_some());
 }
 
+/// Trains the smoke run on `data` twice, as it is and with `sets`; the
+/// second writes the checkpoints of the first (weights, buffers, optimizer).
+/// Its summary.
+fn train_beside_a_clean_run(data: &Path, sets: &[String]) -> RunSummary {
+    let (clean, changed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    train(
+        &smoke_config(data, clean.path(), &[]),
+        &TrainOptions::default(),
+    )
+    .unwrap();
+    let summary = train(
+        &smoke_config(data, changed.path(), sets),
+        &TrainOptions::default(),
+    )
+    .unwrap();
+    let (clean, changed) = (
+        checkpoint::list(clean.path()).unwrap(),
+        checkpoint::list(changed.path()).unwrap(),
+    );
+    assert_eq!(changed.len(), 2);
+    for (a, b) in clean.iter().zip(&changed) {
+        let (a, b) = (checkpoint::load(a).unwrap(), checkpoint::load(b).unwrap());
+        assert_eq!(a.meta.step, b.meta.step);
+        assert!(a.params == b.params && a.buffers == b.buffers && a.optimizer == b.optimizer);
+    }
+    summary
+}
+
 /// A run whose first `refusals` checkpoint copies memory refuses writes
 /// the checkpoints of a run never refused, with an out-of-memory event for
 /// each refusal.
 fn refused_copies_leave_the_checkpoints_of_a_clean_run(refusals: u64) {
     let data = tempfile::tempdir().unwrap();
     write_synthetic_fashion_mnist(data.path(), 512, 64);
-    let (clean, refused) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    train(
-        &smoke_config(data.path(), clean.path(), &[]),
-        &TrainOptions::default(),
-    )
-    .unwrap();
-    let config = smoke_config(
-        data.path(),
-        refused.path(),
-        &[format!("device.inject_oom.snapshots={refusals}")],
-    );
-    let summary = train(&config, &TrainOptions::default()).unwrap();
+    let sets = [format!("device.inject_oom.snapshots={refusals}")];
+    let summary = train_beside_a_clean_run(data.path(), &sets);
     assert_eq!(summary.oom_events, refusals, "{summary:?}");
-    let (clean, refused) = (
-        checkpoint::list(clean.path()).unwrap(),
-        checkpoint::list(refused.path()).unwrap(),
-    );
-    assert_eq!(refused.len(), 2);
-    for (a, b) in clean.iter().zip(&refused) {
-        let (a, b) = (checkpoint::load(a).unwrap(), checkpoint::load(b).unwrap());
-        assert_eq!(a.meta.step, b.meta.step);
-        assert!(a.params == b.params && a.buffers == b.buffers && a.optimizer == b.optimizer);
-    }
 }
 
 #[test]
@@ -212,25 +220,9 @@ fn a_checkpoint_copy_refused_twice_is_written_from_the_learner_s_own_tensors() {
 fn a_copy_that_would_crowd_the_memory_left_is_not_made() {
     let data = tempfile::tempdir().unwrap();
     write_synthetic_fashion_mnist(data.path(), 512, 64);
-    let (clean, crowded) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    train(
-        &smoke_config(data.path(), clean.path(), &[]),
-        &TrainOptions::default(),
-    )
-    .unwrap();
     let room = "device.inject_oom.snapshot_room=4096".to_string();
-    let config = smoke_config(data.path(), crowded.path(), std::slice::from_ref(&room));
-    let summary = train(&config, &TrainOptions::default()).unwrap();
+    let summary = train_beside_a_clean_run(data.path(), std::slice::from_ref(&room));
     assert_eq!(summary.oom_events, 0, "{summary:?}");
-    let (clean, crowded) = (
-        checkpoint::list(clean.path()).unwrap(),
-        checkpoint::list(crowded.path()).unwrap(),
-    );
-    assert_eq!(crowded.len(), 2);
-    for (a, b) in clean.iter().zip(&crowded) {
-        let (a, b) = (checkpoint::load(a).unwrap(), checkpoint::load(b).unwrap());
-        assert!(a.params == b.params && a.buffers == b.buffers && a.optimizer == b.optimizer);
-    }
 
     // No copy was even tried: the one refusal falls on the write with no
     // copy (a copy would have taken it, and its retry succeeded).

@@ -31,7 +31,7 @@ use headroom_model::ModelSpec;
 use headroom_optim::{AdamWState, LossScalerState};
 use serde::{Deserialize, Serialize};
 
-use crate::learner::{write_host_state, StateWriter};
+use crate::learner::{write_host_state, LearnerState, StateWriter};
 use crate::{PipelineError, Result};
 
 const MAGIC: &[u8; 8] = b"HDRMCKPT";
@@ -86,6 +86,16 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
+    pub fn new(meta: CheckpointMeta, state: LearnerState) -> Self {
+        Self {
+            meta,
+            params: state.params,
+            buffers: state.buffers,
+            optimizer: state.optimizer,
+            loss_scale: state.loss_scale,
+        }
+    }
+
     pub fn model_json(spec: &ModelSpec) -> String {
         serde_json::to_string(spec).unwrap_or_default()
     }
@@ -390,10 +400,12 @@ impl<R: Read> Source<R> {
             )));
         }
         let meta = self.meta()?;
-        let params = self.tensors()?;
-        let buffers = self.tensors()?;
-        let first_moment = self.tensors()?;
-        let second_moment = self.tensors()?;
+        let lists = [
+            self.tensors()?,
+            self.tensors()?,
+            self.tensors()?,
+            self.tensors()?,
+        ];
         let step = u64::from_le_bytes(self.array()?);
         let loss_scale = if version >= 3 {
             self.loss_scale()?
@@ -406,17 +418,8 @@ impl<R: Read> Source<R> {
                 self.remaining
             )));
         }
-        Ok(Checkpoint {
-            meta,
-            params,
-            buffers,
-            optimizer: AdamWState {
-                step,
-                first_moment,
-                second_moment,
-            },
-            loss_scale,
-        })
+        let state = LearnerState::from_lists(lists, step, loss_scale);
+        Ok(Checkpoint::new(meta, state))
     }
 
     fn meta(&mut self) -> std::result::Result<CheckpointMeta, Fault> {

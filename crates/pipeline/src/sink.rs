@@ -520,16 +520,22 @@ mod tests {
         assert!(err.contains("sink"), "{err}");
     }
 
+    /// A sink that was sent steps 1 to 3, and the checkpoint token taken.
+    fn three_steps_sent(dir: &Path) -> (SinkLink, std::thread::JoinHandle<Result<SinkOutcome>>) {
+        let (link, sink) = start(dir);
+        for step in 1..=3 {
+            link.send(Event::Step(report(step))).unwrap();
+        }
+        link.take_checkpoint_token().unwrap();
+        (link, sink)
+    }
+
     /// A SIGKILL right after a checkpoint must not cost the steps before it:
     /// their records are on disk by the time the checkpoint is.
     #[test]
     fn the_steps_before_a_checkpoint_are_on_disk_with_it() {
         let dir = tempfile::tempdir().unwrap();
-        let (link, sink) = start(dir.path());
-        for step in 1..=3 {
-            link.send(Event::Step(report(step))).unwrap();
-        }
-        link.take_checkpoint_token().unwrap();
+        let (link, sink) = three_steps_sent(dir.path());
         link.send(Event::Checkpoint(Box::new(snapshot(3)))).unwrap();
         // The sink is still running (the channel is open): wait for the
         // checkpoint, then read the metrics as a kill would leave them.
@@ -547,11 +553,7 @@ mod tests {
     #[test]
     fn a_checkpoint_written_here_follows_the_steps_before_it() {
         let dir = tempfile::tempdir().unwrap();
-        let (link, sink) = start(dir.path());
-        for step in 1..=3 {
-            link.send(Event::Step(report(step))).unwrap();
-        }
-        link.take_checkpoint_token().unwrap();
+        let (link, sink) = three_steps_sent(dir.path());
         let metrics = dir.path().join("metrics.jsonl");
         let written = link
             .write_here(|| {

@@ -470,7 +470,7 @@ fn checkpoint_now(
     events.take_checkpoint_token()?;
     let meta = checkpoint_meta(config, &trainee.position);
     match memory.snapshot(trainee.learner.as_mut(), meta.step)? {
-        Some(state) => events.send(Event::Checkpoint(Box::new(checkpoint_of(meta, state))))?,
+        Some(state) => events.send(Event::Checkpoint(Box::new(Checkpoint::new(meta, state))))?,
         None => {
             let started = Instant::now();
             let learner = trainee.learner.as_mut();
@@ -751,15 +751,5 @@ fn checkpoint_meta(config: &ExperimentConfig, position: &Position) -> Checkpoint
         step: position.step,
         consecutive_skips: position.consecutive_skips,
         progress: position.progress,
-    }
-}
-
-fn checkpoint_of(meta: CheckpointMeta, state: LearnerState) -> Checkpoint {
-    Checkpoint {
-        meta,
-        params: state.params,
-        buffers: state.buffers,
-        optimizer: state.optimizer,
-        loss_scale: state.loss_scale,
     }
 }

@@ -93,6 +93,27 @@ pub struct LearnerState {
     pub loss_scale: Option<LossScalerState>,
 }
 
+impl LearnerState {
+    /// The state out of a checkpoint's four lists (parameters, buffers,
+    /// first and second moments), the AdamW step and the loss scale.
+    pub fn from_lists(
+        [params, buffers, first_moment, second_moment]: [Vec<Vec<f32>>; 4],
+        step: u64,
+        loss_scale: Option<LossScalerState>,
+    ) -> Self {
+        Self {
+            params,
+            buffers,
+            optimizer: AdamWState {
+                step,
+                first_moment,
+                second_moment,
+            },
+            loss_scale,
+        }
+    }
+}
+
 /// The learning rate of a step being submitted: `at(i)` is the rate of the
 /// i-th applied step (the schedule), and `applied` counts the applied steps
 /// among those already collected. A learner with k steps in flight does not
@@ -166,21 +187,10 @@ impl HostState {
         let Some((step, loss_scale)) = self.finished else {
             return Err(Self::malformed("it ended before its optimizer step"));
         };
-        let Ok([params, buffers, first_moment, second_moment]) =
-            <[Vec<Vec<f32>>; 4]>::try_from(self.lists)
-        else {
+        let Ok(lists) = <[Vec<Vec<f32>>; 4]>::try_from(self.lists) else {
             return Err(Self::malformed("not four lists"));
         };
-        Ok(LearnerState {
-            params,
-            buffers,
-            optimizer: AdamWState {
-                step,
-                first_moment,
-                second_moment,
-            },
-            loss_scale,
-        })
+        Ok(LearnerState::from_lists(lists, step, loss_scale))
     }
 }
 

@@ -66,16 +66,9 @@ pub fn assert_writes_its_snapshot(learner: &mut dyn Learner) {
     let dir = tempfile::tempdir().unwrap();
     let path =
         checkpoint::write_with(dir.path(), &meta, 1, |out| learner.write_state(out)).unwrap();
-    let state = learner.snapshot().unwrap();
-    let expected = Checkpoint {
-        meta,
-        params: state.params,
-        buffers: state.buffers,
-        optimizer: state.optimizer,
-        loss_scale: state.loss_scale,
-    }
-    .encode()
-    .unwrap();
+    let expected = Checkpoint::new(meta, learner.snapshot().unwrap())
+        .encode()
+        .unwrap();
     let written = std::fs::read(&path).unwrap();
     assert_eq!(written.len(), expected.len());
     assert!(written == expected, "the bytes differ");
