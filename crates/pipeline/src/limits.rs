@@ -74,7 +74,13 @@ fn cgroup_v2() -> Option<MemoryCeiling> {
     let mut tightest: Option<MemoryCeiling> = None;
     // A parent's limit binds the child too.
     loop {
-        if let Some(found) = cgroup_limit(&dir, "memory.max", "memory.current", "cgroup v2") {
+        let files = CgroupFiles {
+            max: "memory.max",
+            usage: "memory.current",
+            reclaimable: "inactive_file",
+            kind: "cgroup v2",
+        };
+        if let Some(found) = cgroup_limit(&dir, &files) {
             if tightest.as_ref().is_none_or(|t| found.room < t.room) {
                 tightest = Some(found);
             }
@@ -96,15 +102,30 @@ fn cgroup_v1() -> Option<MemoryCeiling> {
             .then_some(path)
     })?;
     let dir = PathBuf::from("/sys/fs/cgroup/memory").join(relative.trim_start_matches('/'));
-    cgroup_limit(
-        &dir,
-        "memory.limit_in_bytes",
-        "memory.usage_in_bytes",
-        "cgroup v1",
-    )
+    let files = CgroupFiles {
+        max: "memory.limit_in_bytes",
+        usage: "memory.usage_in_bytes",
+        reclaimable: "total_inactive_file",
+        kind: "cgroup v1",
+    };
+    cgroup_limit(&dir, &files)
 }
 
-fn cgroup_limit(dir: &Path, max_file: &str, usage_file: &str, kind: &str) -> Option<MemoryCeiling> {
+/// Where a cgroup version keeps its limit, its usage, and the key in
+/// `memory.stat` of the page cache it would drop before it kills.
+struct CgroupFiles {
+    max: &'static str,
+    usage: &'static str,
+    reclaimable: &'static str,
+    kind: &'static str,
+}
+
+/// The cgroup's limit and the room under it. Its usage counts the page
+/// cache of the files the run reads and writes (the dataset, every
+/// checkpoint); the inactive part of it is dropped before anything is
+/// killed, so it is room, as `docker stats` counts it.
+fn cgroup_limit(dir: &Path, files: &CgroupFiles) -> Option<MemoryCeiling> {
+    let (max_file, kind) = (files.max, files.kind);
     let max_path = dir.join(max_file);
     let limit: u64 = std::fs::read_to_string(&max_path)
         .ok()?
@@ -115,14 +136,24 @@ fn cgroup_limit(dir: &Path, max_file: &str, usage_file: &str, kind: &str) -> Opt
     if limit >= 1 << 60 {
         return None;
     }
-    let used: u64 = std::fs::read_to_string(dir.join(usage_file))
+    let usage: u64 = std::fs::read_to_string(dir.join(files.usage))
         .ok()
         .and_then(|t| t.trim().parse().ok())
         .unwrap_or(0);
+    let stat = std::fs::read_to_string(dir.join("memory.stat")).unwrap_or_default();
+    let used = usage.saturating_sub(stat_value(&stat, files.reclaimable).unwrap_or(0));
     Some(MemoryCeiling {
         room: limit.saturating_sub(used),
         limit,
         source: format!("{kind} {max_file} ({})", max_path.display()),
+    })
+}
+
+/// The value of `key` in a cgroup's `memory.stat` ("key value" lines).
+fn stat_value(stat: &str, key: &str) -> Option<u64> {
+    stat.lines().find_map(|line| {
+        let (name, value) = line.split_once(' ')?;
+        (name == key).then(|| value.trim().parse().ok())?
     })
 }
 
@@ -336,6 +367,34 @@ impl ModelSize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The inactive page cache is room: a run that has written gigabytes
+    /// of checkpoints under a cgroup limit is not out of memory for it.
+    #[test]
+    fn a_cgroup_s_inactive_page_cache_counts_as_room() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
+        write("memory.limit_in_bytes", "1000000\n");
+        write("memory.usage_in_bytes", "900000\n");
+        let files = CgroupFiles {
+            max: "memory.limit_in_bytes",
+            usage: "memory.usage_in_bytes",
+            reclaimable: "total_inactive_file",
+            kind: "cgroup v1",
+        };
+        assert_eq!(cgroup_limit(dir.path(), &files).unwrap().room, 100_000);
+        write(
+            "memory.stat",
+            "cache 700000\ninactive_file 1\ntotal_inactive_file 600000\ntotal_active_file 5\n",
+        );
+        let ceiling = cgroup_limit(dir.path(), &files).unwrap();
+        assert_eq!((ceiling.room, ceiling.limit), (700_000, 1_000_000));
+        assert!(ceiling
+            .source
+            .starts_with("cgroup v1 memory.limit_in_bytes"));
+        write("memory.limit_in_bytes", "9223372036854771712\n");
+        assert!(cgroup_limit(dir.path(), &files).is_none(), "no limit");
+    }
 
     #[test]
     fn the_tightest_ceiling_comes_first() {
