@@ -459,8 +459,9 @@ fn run_epochs(
 }
 
 /// Snapshots to host memory on this thread, once the previous checkpoint is
-/// on disk; the sink stage writes the file. When memory refuses the copy,
-/// this thread writes the file from the learner's own tensors instead.
+/// on disk; the sink stage writes the file. When the copy is refused, or
+/// would crowd the memory left, this thread writes the file from the
+/// learner's own tensors instead.
 fn checkpoint_now(
     config: &ExperimentConfig,
     trainee: &mut Trainee,
@@ -471,23 +472,33 @@ fn checkpoint_now(
     let meta = checkpoint_meta(config, &trainee.position);
     match memory.snapshot(trainee.learner.as_mut(), meta.step)? {
         Some(state) => events.send(Event::Checkpoint(Box::new(Checkpoint::new(meta, state))))?,
-        None => {
-            let started = Instant::now();
-            let learner = trainee.learner.as_mut();
-            let path = events.write_here(|| {
-                checkpoint::write_with(config.output_dir(), &meta, config.checkpoint.keep, |out| {
-                    memory.write_state(learner, meta.step, out)
-                })
-            })?;
-            tracing::info!(
-                "checkpoint {} written from the learner's own tensors in {:.0} ms",
-                path.display(),
-                started.elapsed().as_secs_f64() * 1e3
-            );
-        }
+        None => write_with_no_copy(config, &meta, trainee.learner.as_mut(), events, memory)?,
     }
     trainee.checkpointed_at = Instant::now();
     memory.after_checkpoint(trainee.learner.as_mut());
+    Ok(())
+}
+
+/// The checkpoint of `meta` written on this thread from the learner's own
+/// tensors, in the sink's order (`SinkLink::write_here`).
+fn write_with_no_copy(
+    config: &ExperimentConfig,
+    meta: &CheckpointMeta,
+    learner: &mut dyn Learner,
+    events: &SinkLink,
+    memory: &mut MemoryGuard,
+) -> Result<()> {
+    let started = Instant::now();
+    let path = events.write_here(|| {
+        checkpoint::write_with(config.output_dir(), meta, config.checkpoint.keep, |out| {
+            memory.write_state(learner, meta.step, out)
+        })
+    })?;
+    tracing::info!(
+        "checkpoint {} written from the learner's own tensors in {:.0} ms",
+        path.display(),
+        started.elapsed().as_secs_f64() * 1e3
+    );
     Ok(())
 }
 
