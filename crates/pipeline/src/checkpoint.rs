@@ -31,7 +31,7 @@ use headroom_model::ModelSpec;
 use headroom_optim::{AdamWState, LossScalerState};
 use serde::{Deserialize, Serialize};
 
-use crate::learner::{write_host_state, LearnerState, StateWriter};
+use crate::learner::{write_list, LearnerState, StateWriter};
 use crate::{PipelineError, Result};
 
 const MAGIC: &[u8; 8] = b"HDRMCKPT";
@@ -116,13 +116,17 @@ impl Checkpoint {
     /// The tensors and the optimizer's and scaler's figures, in the file's
     /// order.
     pub fn write_state(&self, out: &mut dyn StateWriter) -> Result<()> {
-        write_host_state(
-            out,
+        let optimizer = &self.optimizer;
+        let lists = [
             &self.params,
             &self.buffers,
-            &self.optimizer,
-            self.loss_scale,
-        )
+            &optimizer.first_moment,
+            &optimizer.second_moment,
+        ];
+        for list in lists {
+            write_list(out, list.iter().map(Vec::as_slice))?;
+        }
+        out.finish(optimizer.step, self.loss_scale)
     }
 
     /// Verifies magic, version and checksum, then decodes with every length

@@ -885,8 +885,8 @@ impl CudaNetwork {
     /// One of the four lists a checkpoint holds, in the CPU network's
     /// order (a frozen parameter's moments empty, as on the CPU),
     /// downloaded tensor by tensor through `staging`, whose length sets the
-    /// piece: no copy of the list is made. `visit` gets `List(count)`, then per tensor
-    /// `Tensor(len)` and its values in `Values` pieces.
+    /// piece: no copy of the list is made. `visit` gets `List(count)`,
+    /// then per tensor `Tensor(len)` and its values in `Values` pieces.
     pub fn stream_state<E: From<CudaError>>(
         &self,
         be: &CudaBackend,

@@ -656,6 +656,7 @@ impl Learner for CudaLearner {
     }
 
     fn snapshot(&mut self) -> Result<LearnerState> {
+        require_no_steps_in_flight(self.in_flight.len(), "snapshot")?;
         // Downloaded tensor by tensor into memory taken fallibly: the host
         // holds each value once, and short memory is a value, not an abort.
         let mut state = HostState::default();
@@ -681,7 +682,7 @@ impl Learner for CudaLearner {
                 })?;
         }
         if state.applied == 0 {
-            // No step yet: no moments, as `snapshot` says.
+            // No step yet: no moments, as the CPU learner has none then.
             out.list(0)?;
             out.list(0)?;
         }

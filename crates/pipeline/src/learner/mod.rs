@@ -151,21 +151,6 @@ pub fn write_list<'a>(
     Ok(())
 }
 
-/// Writes a whole state held in host memory, in the order above.
-pub fn write_host_state(
-    out: &mut dyn StateWriter,
-    params: &[Vec<f32>],
-    buffers: &[Vec<f32>],
-    optimizer: &AdamWState,
-    loss_scale: Option<LossScalerState>,
-) -> Result<()> {
-    write_list(out, params.iter().map(Vec::as_slice))?;
-    write_list(out, buffers.iter().map(Vec::as_slice))?;
-    write_list(out, optimizer.first_moment.iter().map(Vec::as_slice))?;
-    write_list(out, optimizer.second_moment.iter().map(Vec::as_slice))?;
-    out.finish(optimizer.step, loss_scale)
-}
-
 /// A `StateWriter` that keeps the state in host memory, each tensor's
 /// taken fallibly: a snapshot made by `write_state`, so that short memory
 /// is an out-of-memory value and each tensor is held once.
