@@ -719,9 +719,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
             if format != "safetensors" {
                 bail!("--format {format}: only \"safetensors\" is supported");
             }
-            let output = output.unwrap_or_else(|| checkpoint.with_extension("safetensors"));
-            let count = headroom_pipeline::export::safetensors(&checkpoint, &output)?;
-            println!("{count} tensors written to {}", output.display());
+            let exported = headroom_pipeline::export::safetensors(&checkpoint, output.as_deref())?;
+            println!(
+                "{} tensors of {} written to {}",
+                exported.tensors,
+                exported.checkpoint.display(),
+                exported.output.display()
+            );
             Ok(ExitCode::SUCCESS)
         }
         Command::LoraMerge {

@@ -456,6 +456,119 @@ fn export_writes_safetensors_with_the_model_names_and_layouts() {
     assert!(tensors.names().iter().any(|n| n.ends_with(".running_mean")));
 }
 
+/// `xtask` with the umask set, for the permissions of what it writes.
+fn run_with_umask(list: &[&str], mask: libc::mode_t) -> Output {
+    let mut command = xtask(list);
+    // SAFETY: umask is async-signal-safe and touches only this child.
+    unsafe {
+        command.pre_exec(move || {
+            libc::umask(mask);
+            Ok(())
+        });
+    }
+    command.output().unwrap()
+}
+
+#[test]
+fn eval_and_export_take_a_run_directory_and_name_what_they_cannot_use() {
+    use std::os::unix::fs::PermissionsExt;
+    let data = synthetic_data(256, 32);
+    let out = tempfile::tempdir().unwrap();
+    let run_dir = out.path().join("run");
+    let list = with_sets(smoke_args(data.path(), &run_dir), &["train.epochs=2"]);
+    assert!(run(&args(&list)).status.success());
+    let newest = checkpoint::list(&run_dir).unwrap().pop().unwrap();
+    let (dir_arg, newest_arg) = (run_dir.display().to_string(), newest.display().to_string());
+
+    // A run directory is its newest checkpoint, for eval as for export.
+    let by_file = run(&["eval", "--checkpoint", &newest_arg]);
+    let by_dir = run(&["eval", "--checkpoint", &dir_arg]);
+    assert!(by_dir.status.success(), "{}", stderr(&by_dir));
+    assert_eq!(text(&by_dir).0, text(&by_file).0);
+    assert!(text(&by_dir).0.contains(&newest_arg), "{}", text(&by_dir).0);
+    let explicit = out.path().join("explicit.safetensors");
+    let explicit_arg = explicit.display().to_string();
+    let exported = run(&[
+        "export",
+        "--checkpoint",
+        &newest_arg,
+        "--output",
+        &explicit_arg,
+    ]);
+    assert!(exported.status.success(), "{}", stderr(&exported));
+    let exported = run_with_umask(&["export", "--checkpoint", &dir_arg], 0o022);
+    assert!(exported.status.success(), "{}", stderr(&exported));
+    // The same bytes each time: the header is in name order.
+    let beside = newest.with_extension("safetensors");
+    assert_eq!(
+        std::fs::read(&beside).unwrap(),
+        std::fs::read(&explicit).unwrap()
+    );
+    // Readable by others, as any file made under umask 022 (the
+    // safetensors crate's writer made it 0600).
+    let mode = std::fs::metadata(&beside).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o644, "{mode:o}");
+
+    // A corrupt newer checkpoint is named and passed over.
+    let corrupt = run_dir.join("checkpoint-step9999999999.ckpt");
+    std::fs::write(&corrupt, b"not a checkpoint").unwrap();
+    let past_corrupt = run(&["eval", "--checkpoint", &dir_arg]);
+    assert!(past_corrupt.status.success(), "{}", stderr(&past_corrupt));
+    assert_eq!(text(&past_corrupt).0, text(&by_file).0);
+    assert!(
+        stderr(&past_corrupt).contains("skipped checkpoint"),
+        "{}",
+        stderr(&past_corrupt)
+    );
+    assert!(stderr(&past_corrupt).contains(&corrupt.display().to_string()));
+
+    // What cannot be used is named, and nothing is written.
+    let empty = out.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let missing_dir = out.path().join("no/such/dir/w.safetensors");
+    let refusals = [
+        (
+            vec!["eval", "--checkpoint", "/no/such/run"],
+            "no such checkpoint file or run directory",
+        ),
+        (
+            vec!["export", "--checkpoint", empty.to_str().unwrap()],
+            "a directory with no checkpoint-*.ckpt",
+        ),
+        (
+            vec![
+                "export",
+                "--checkpoint",
+                &dir_arg,
+                "--output",
+                missing_dir.to_str().unwrap(),
+            ],
+            "does not exist",
+        ),
+        (
+            vec![
+                "export",
+                "--checkpoint",
+                &dir_arg,
+                "--output",
+                empty.to_str().unwrap(),
+            ],
+            "is a directory",
+        ),
+    ];
+    for (list, reason) in refusals {
+        let refused = run(&list);
+        assert!(!refused.status.success(), "{list:?}");
+        assert!(
+            stderr(&refused).contains(reason),
+            "{list:?}: {}",
+            stderr(&refused)
+        );
+    }
+    assert!(!out.path().join("no").exists());
+    assert_eq!(std::fs::read_dir(&empty).unwrap().count(), 0);
+}
+
 #[test]
 fn doctor_shows_the_limit_it_found_and_where_from() {
     let mut command = xtask(&["doctor"]);

@@ -1,5 +1,7 @@
 use thiserror::Error;
 
+use crate::memory::bytes_text;
+
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 
 /// Every failure of the model crate. Running out of memory is an ordinary
@@ -27,7 +29,7 @@ pub enum ModelError {
         "out of memory: a {} block did not fit ({} in use, {} reserved, {}); \
          lower the batch size (or raise gradient accumulation), enable \
          model.checkpoint, or raise the memory budget",
-        mib(*.requested), mib(*.in_use), mib(*.reserved), limit_text(*.limit)
+        bytes_text(*.requested), bytes_text(*.in_use), bytes_text(*.reserved), limit_text(*.limit)
     )]
     OutOfMemory {
         requested: u64,
@@ -43,13 +45,9 @@ impl ModelError {
     }
 }
 
-fn mib(bytes: u64) -> String {
-    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
-}
-
 fn limit_text(limit: Option<u64>) -> String {
     match limit {
-        Some(l) => format!("limit {}", mib(l)),
+        Some(l) => format!("limit {}", bytes_text(l)),
         None => "no limit set".into(),
     }
 }

@@ -101,6 +101,17 @@ pub enum OomInjection {
     Always,
 }
 
+/// Bytes for people: bytes below a KiB, KiB below a MiB, MiB below a GiB,
+/// then GiB (a budget of a few KiB must not read "0.0 MiB").
+pub fn bytes_text(bytes: u64) -> String {
+    match bytes {
+        b if b < 1 << 10 => format!("{b} B"),
+        b if b < 1 << 20 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b if b < 1 << 30 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+        b => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
+    }
+}
+
 /// The rounded size of a request of `bytes`: at least `MIN_BLOCK`, then four
 /// classes per power of two.
 pub fn class_bytes(bytes: u64) -> u64 {
@@ -548,6 +559,28 @@ mod tests {
 
     fn zeros(n: usize) -> Result<Tensor> {
         Tensor::try_zeros(&[n])
+    }
+
+    #[test]
+    fn byte_figures_keep_a_unit_that_shows_them() {
+        assert_eq!(bytes_text(0), "0 B");
+        assert_eq!(bytes_text(1023), "1023 B");
+        assert_eq!(bytes_text(10 << 10), "10.0 KiB");
+        assert_eq!(bytes_text(3 << 19), "1.5 MiB");
+        assert_eq!(bytes_text(5 << 29), "2.50 GiB");
+        let refused = ModelError::OutOfMemory {
+            requested: 4096,
+            in_use: 512,
+            reserved: 0,
+            limit: Some(10 << 10),
+        };
+        let text = refused.to_string();
+        assert!(
+            text.contains(
+                "a 4.0 KiB block did not fit (512 B in use, 0 B reserved, limit 10.0 KiB)"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

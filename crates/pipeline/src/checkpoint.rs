@@ -314,7 +314,7 @@ const CHECKSUM_FAILED: &str = "checksum mismatch: the file is truncated or corru
 /// Values per block written or read at once.
 const VALUES_PER_BLOCK: usize = 4096;
 
-fn write_values(out: &mut impl Write, values: &[f32]) -> std::io::Result<()> {
+pub(crate) fn write_values(out: &mut impl Write, values: &[f32]) -> std::io::Result<()> {
     let mut block = [0u8; 4 * VALUES_PER_BLOCK];
     for chunk in values.chunks(VALUES_PER_BLOCK) {
         for (bytes, value) in block.chunks_exact_mut(4).zip(chunk) {
@@ -547,12 +547,31 @@ pub fn write_with(
     state: impl FnOnce(&mut dyn StateWriter) -> Result<()>,
 ) -> Result<PathBuf> {
     fs::create_dir_all(dir).map_err(|e| PipelineError::io(dir, e))?;
-    let name = file_name(meta.step);
-    let path = dir.join(&name);
+    let path = dir.join(file_name(meta.step));
+    write_atomically(&path, |out, tmp| encode_with(meta, out, tmp, state))?;
+    prune(dir, keep)?;
+    Ok(path)
+}
+
+/// Makes `path` whole or not at all: `fill` writes a temporary beside it
+/// (named for the error messages it makes), which is fsynced and renamed
+/// over `path`, then the directory is fsynced. A crash or a full disk
+/// leaves what was at `path` before; a failed write removes the temporary.
+pub(crate) fn write_atomically(
+    path: &Path,
+    fill: impl FnOnce(BufWriter<File>, &Path) -> Result<BufWriter<File>>,
+) -> Result<()> {
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let name = path
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
     let tmp = dir.join(temporary_name(&name));
     let write_tmp = || -> Result<()> {
         let file = File::create(&tmp).map_err(|e| PipelineError::io(&tmp, e))?;
-        let file = encode_with(meta, BufWriter::with_capacity(IO_BUFFER, file), &tmp, state)?;
+        let file = fill(BufWriter::with_capacity(IO_BUFFER, file), &tmp)?;
         file.into_inner()
             .map_err(|e| e.into_error())
             .and_then(|f| f.sync_all())
@@ -562,12 +581,10 @@ pub fn write_with(
         let _ = fs::remove_file(&tmp);
         return Err(e);
     }
-    fs::rename(&tmp, &path).map_err(|e| PipelineError::io(&path, e))?;
+    fs::rename(&tmp, path).map_err(|e| PipelineError::io(path, e))?;
     File::open(dir)
         .and_then(|d| d.sync_all())
-        .map_err(|e| PipelineError::io(dir, e))?;
-    prune(dir, keep)?;
-    Ok(path)
+        .map_err(|e| PipelineError::io(dir, e))
 }
 
 /// The temporary a checkpoint is written to before its rename.
@@ -655,6 +672,32 @@ pub fn newest_valid(dir: &Path) -> Result<(Option<Found>, Vec<PipelineError>)> {
         }
     }
     Ok((None, skipped))
+}
+
+/// The checkpoint a command names (`eval`, `export`): a checkpoint file, or
+/// a run directory, whose newest checkpoint that verifies is taken (each
+/// newer one it skips is logged with its reason), as `--resume` takes it.
+pub fn load_named(path: &Path) -> Result<Found> {
+    let refuse = |reason: String| PipelineError::Checkpoint {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if !path.is_dir() {
+        if !path.exists() {
+            return Err(refuse("no such checkpoint file or run directory".into()));
+        }
+        return Ok((path.to_path_buf(), load(path)?));
+    }
+    let (found, skipped) = newest_valid(path)?;
+    for e in &skipped {
+        tracing::warn!("skipped {e}");
+    }
+    found.ok_or_else(|| match skipped.len() {
+        0 => refuse(format!(
+            "a directory with no {PREFIX}*{SUFFIX} in it: name a checkpoint file, or a run directory that holds one"
+        )),
+        n => refuse(format!("none of its {n} checkpoints verifies (each is named above)")),
+    })
 }
 
 #[cfg(test)]

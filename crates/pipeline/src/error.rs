@@ -24,6 +24,9 @@ pub enum PipelineError {
     },
     #[error("checkpoint {path}: {reason}")]
     Checkpoint { path: PathBuf, reason: String },
+    /// A file a command was asked to write (`export`, `lora-merge`).
+    #[error("output {path}: {reason}")]
+    Output { path: PathBuf, reason: String },
     #[error(transparent)]
     Loader(#[from] headroom_loader::LoaderError),
     #[error(transparent)]

@@ -175,7 +175,8 @@ pub struct EvalReport {
     pub bits_per_byte: Option<f32>,
 }
 
-/// Evaluates `path` on the test split of the experiment that wrote it (its
+/// Evaluates `path` (a checkpoint file, or a run directory's newest valid
+/// checkpoint) on the test split of the experiment that wrote it (its
 /// data directory replaced by `data_dir` when given), `batch` samples at a
 /// time, with the run's test-time augmentation unless `tta` says otherwise.
 pub fn evaluate_checkpoint(
@@ -184,7 +185,8 @@ pub fn evaluate_checkpoint(
     batch: usize,
     tta: Option<TestTimeAugmentation>,
 ) -> Result<EvalReport> {
-    let saved = checkpoint::load(path)?;
+    let (path, saved) = checkpoint::load_named(path)?;
+    let path = path.as_path();
     let mut config: ExperimentConfig =
         serde_json::from_str(&saved.meta.config_json).map_err(|e| PipelineError::Checkpoint {
             path: path.to_path_buf(),

@@ -5,11 +5,12 @@
 //! linear weights `[in, out]`, activations NHWC. Batch-norm running
 //! statistics are written beside their layer's parameters.
 
-use std::collections::HashMap;
-use std::path::Path;
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::path::{Path, PathBuf};
 
 use headroom_model::Network;
-use safetensors::{serialize_to_file, Dtype, View};
+use safetensors::Dtype;
 
 use crate::checkpoint::{self, Checkpoint};
 use crate::{PipelineError, Result};
@@ -19,64 +20,63 @@ const LAYOUT: &str =
     "activations NHWC; conv weight HWIO [kh, kw, in, out] (PyTorch: permute(3, 2, 0, 1)); \
                       linear weight [in, out] (PyTorch: transpose); f32 little-endian";
 
-/// One tensor to write: shape and little-endian f32 bytes.
-struct Named {
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
+/// What `safetensors` wrote.
+pub struct Exported {
+    /// The checkpoint read (a run directory's newest valid one when a
+    /// directory was named).
+    pub checkpoint: PathBuf,
+    pub output: PathBuf,
+    pub tensors: usize,
 }
 
-impl View for &Named {
-    fn dtype(&self) -> Dtype {
-        Dtype::F32
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        std::borrow::Cow::Borrowed(&self.bytes)
-    }
-    fn data_len(&self) -> usize {
-        self.bytes.len()
-    }
-}
-
-/// Writes the weights of `checkpoint_path` to `output` in safetensors format;
-/// returns the number of tensors written.
-pub fn safetensors(checkpoint_path: &Path, output: &Path) -> Result<usize> {
-    let saved = checkpoint::load(checkpoint_path)?;
-    let tensors = named_tensors(&saved, checkpoint_path)?;
-    let spec = saved.meta.model_json.clone();
-    let metadata = HashMap::from([
+/// Writes the weights of `checkpoint` (a checkpoint file or a run directory)
+/// to `output` in safetensors format; by default beside the checkpoint read,
+/// with the extension `.safetensors`.
+pub fn safetensors(checkpoint: &Path, output: Option<&Path>) -> Result<Exported> {
+    let (checkpoint, saved) = checkpoint::load_named(checkpoint)?;
+    let output = output.map_or_else(
+        || checkpoint.with_extension("safetensors"),
+        Path::to_path_buf,
+    );
+    check_output(&output)?;
+    let tensors = named_values(&saved, &checkpoint)?;
+    let metadata = BTreeMap::from([
         ("format".to_string(), "pt".to_string()),
         ("producer".to_string(), "headroom".to_string()),
         ("layout".to_string(), LAYOUT.to_string()),
-        ("model_spec".to_string(), spec),
+        ("model_spec".to_string(), saved.meta.model_json.clone()),
         ("step".to_string(), saved.meta.step.to_string()),
     ]);
-    let views: Vec<(String, &Named)> = tensors.iter().map(|(n, t)| (n.clone(), t)).collect();
-    serialize_to_file(views, Some(metadata), output).map_err(|e| PipelineError::Checkpoint {
-        path: output.to_path_buf(),
-        reason: format!("cannot write safetensors: {e}"),
-    })?;
-    Ok(tensors.len())
+    let views = tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t.shape.as_slice(), t.values));
+    write_safetensors(views, &metadata, &output)?;
+    Ok(Exported {
+        checkpoint,
+        output,
+        tensors: tensors.len(),
+    })
 }
 
-/// The checkpoint's parameters and buffers under the model's own names and
-/// shapes, as little-endian bytes for the file.
-fn named_tensors(saved: &Checkpoint, path: &Path) -> Result<Vec<(String, Named)>> {
-    Ok(named_values(saved, path)?
-        .into_iter()
-        .map(|t| {
-            let bytes = t.values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            (
-                t.name,
-                Named {
-                    shape: t.shape,
-                    bytes,
-                },
-            )
-        })
-        .collect())
+/// Refuses, before any work, an output that cannot be a file: a directory,
+/// or a path whose directory does not exist.
+pub fn check_output(output: &Path) -> Result<()> {
+    let refuse = |reason: String| PipelineError::Output {
+        path: output.to_path_buf(),
+        reason,
+    };
+    if output.is_dir() {
+        return Err(refuse(
+            "is a directory: name the file to write, e.g. DIR/model.safetensors".into(),
+        ));
+    }
+    match output.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(dir) if !dir.is_dir() => Err(refuse(format!(
+            "its directory {} does not exist",
+            dir.display()
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// One tensor of a checkpoint under the name its model gives it.
@@ -173,23 +173,71 @@ pub type F32Tensor = (String, Vec<usize>, Vec<f32>);
 /// Writes f32 `tensors` and `metadata` to `output` in safetensors format.
 pub fn write_f32_safetensors(
     tensors: &[F32Tensor],
-    metadata: HashMap<String, String>,
+    metadata: &BTreeMap<String, String>,
     output: &Path,
 ) -> Result<()> {
-    let named: Vec<(String, Named)> = tensors
+    let views = tensors
         .iter()
-        .map(|(name, shape, values)| {
-            let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let shape = shape.clone();
-            (name.clone(), Named { shape, bytes })
-        })
-        .collect();
-    let views: Vec<(String, &Named)> = named.iter().map(|(n, t)| (n.clone(), t)).collect();
-    serialize_to_file(views, Some(metadata), output).map_err(|e| PipelineError::Checkpoint {
+        .map(|(name, shape, values)| (name.as_str(), shape.as_slice(), values.as_slice()));
+    write_safetensors(views, metadata, output)
+}
+
+/// The safetensors format, written here rather than by the `safetensors`
+/// crate (which still reads it back, in the tests and in
+/// `read_f32_safetensors`): an 8-byte little-endian header length, a JSON
+/// header padded with spaces to a multiple of 8 bytes (the metadata, then
+/// each tensor's dtype, shape and byte range), then the values. Because
+/// - the crate takes the metadata as a `HashMap`, whose order changes from
+///   one process to the next, so the same weights made different bytes;
+///   here the metadata and the tensors go in name order;
+/// - the crate's temporary file is private (0600) and its rename keeps
+///   that, so a file exported for other tools or users could not be read
+///   by them;
+/// - the values stream to the file; the crate wants them all as bytes
+///   first, a second copy of the model in memory;
+/// - the file is made as a checkpoint is (`write_atomically`): fsynced and
+///   renamed into place, never half-written.
+fn write_safetensors<'a>(
+    tensors: impl Iterator<Item = (&'a str, &'a [usize], &'a [f32])>,
+    metadata: &BTreeMap<String, String>,
+    output: &Path,
+) -> Result<()> {
+    let mut tensors: Vec<_> = tensors.collect();
+    tensors.sort_by_key(|t| t.0);
+    let refuse = |reason: String| PipelineError::Output {
         path: output.to_path_buf(),
-        reason: format!("cannot write safetensors: {e}"),
+        reason,
+    };
+    if let Some(pair) = tensors.windows(2).find(|pair| pair[0].0 == pair[1].0) {
+        return Err(refuse(format!("two tensors are named {}", pair[0].0)));
+    }
+    let mut header = serde_json::Map::new();
+    header.insert(METADATA_KEY.into(), serde_json::json!(metadata));
+    let mut offset = 0;
+    for (name, shape, values) in &tensors {
+        let end = offset + 4 * values.len();
+        let entry =
+            serde_json::json!({ "dtype": "F32", "shape": shape, "data_offsets": [offset, end] });
+        header.insert((*name).to_string(), entry);
+        offset = end;
+    }
+    let mut header = serde_json::to_vec(&header).map_err(|e| refuse(format!("header: {e}")))?;
+    header.resize(header.len().next_multiple_of(8), b' ');
+    checkpoint::write_atomically(output, |mut out, tmp| {
+        let mut fill = || -> std::io::Result<()> {
+            out.write_all(&(header.len() as u64).to_le_bytes())?;
+            out.write_all(&header)?;
+            tensors
+                .iter()
+                .try_for_each(|(_, _, values)| checkpoint::write_values(&mut out, values))
+        };
+        fill().map_err(|e| PipelineError::io(tmp, e))?;
+        Ok(out)
     })
 }
+
+/// The header entry that holds the file's metadata, not a tensor.
+const METADATA_KEY: &str = "__metadata__";
 
 /// Reads every tensor (f32 only) and the metadata of a safetensors file.
 pub fn read_f32_safetensors(path: &Path) -> Result<(Vec<F32Tensor>, HashMap<String, String>)> {
@@ -217,4 +265,71 @@ pub fn read_f32_safetensors(path: &Path) -> Result<(Vec<F32Tensor>, HashMap<Stri
     }
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     Ok((tensors, metadata))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metadata() -> BTreeMap<String, String> {
+        BTreeMap::from([
+            ("producer".to_string(), "headroom".to_string()),
+            ("format".to_string(), "pt".to_string()),
+        ])
+    }
+
+    #[test]
+    fn the_safetensors_crate_reads_what_is_written_and_the_bytes_do_not_depend_on_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let tensors: Vec<F32Tensor> = vec![
+            (
+                "b.weight".into(),
+                vec![2, 3],
+                vec![1.0, -2.5, 3.0, 0.0, f32::MIN_POSITIVE, 7.0],
+            ),
+            ("a.bias".into(), vec![1], vec![0.25]),
+            ("c.empty".into(), vec![0, 4], vec![]),
+        ];
+        let forward = dir.path().join("forward.safetensors");
+        write_f32_safetensors(&tensors, &metadata(), &forward).unwrap();
+        let reversed: Vec<F32Tensor> = tensors.iter().rev().cloned().collect();
+        let backward = dir.path().join("backward.safetensors");
+        write_f32_safetensors(&reversed, &metadata(), &backward).unwrap();
+        let bytes = std::fs::read(&forward).unwrap();
+        assert_eq!(bytes, std::fs::read(&backward).unwrap());
+
+        let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        assert_eq!(header_len % 8, 0, "the values start 8-byte aligned");
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (name, shape, values) in &tensors {
+            let view = file.tensor(name).unwrap();
+            assert_eq!(view.dtype(), Dtype::F32);
+            assert_eq!(view.shape(), shape.as_slice());
+            let read: Vec<f32> = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            assert_eq!(&read, values, "{name}");
+        }
+        let (read, read_metadata) = read_f32_safetensors(&forward).unwrap();
+        assert_eq!(read.len(), 3);
+        assert_eq!(
+            read_metadata,
+            metadata().into_iter().collect::<HashMap<_, _>>()
+        );
+    }
+
+    #[test]
+    fn two_tensors_of_one_name_are_refused_and_nothing_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let output = dir.path().join("twice.safetensors");
+        let tensors: Vec<F32Tensor> = vec![
+            ("w".into(), vec![1], vec![1.0]),
+            ("w".into(), vec![1], vec![2.0]),
+        ];
+        let e = write_f32_safetensors(&tensors, &metadata(), &output).unwrap_err();
+        assert!(e.to_string().contains("two tensors are named w"), "{e}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
 }

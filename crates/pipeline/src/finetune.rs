@@ -220,7 +220,7 @@ pub fn initialise(config: &ExperimentConfig, network: &mut Network) -> Result<us
         path.display(),
         figures.trainable,
         figures.parameters,
-        crate::memory::mib(figures.optimizer_state_bytes)
+        headroom_model::memory::bytes_text(figures.optimizer_state_bytes)
     );
     Ok(loaded)
 }
@@ -490,7 +490,7 @@ pub fn write_adapters(checkpoint_path: &Path, base: &Path, output: &Path) -> Res
         .map(|t| (t.name, t.shape, t.values.to_vec()))
         .collect();
     let scales = serde_json::to_string(&adapter_scales(&spec)).unwrap_or_default();
-    let metadata = HashMap::from([
+    let metadata = BTreeMap::from([
         ("producer".to_string(), "headroom".to_string()),
         ("adapter".to_string(), "lora".to_string()),
         ("scales".to_string(), scales),
@@ -498,7 +498,7 @@ pub fn write_adapters(checkpoint_path: &Path, base: &Path, output: &Path) -> Res
         ("base".to_string(), base.display().to_string()),
         ("step".to_string(), saved.meta.step.to_string()),
     ]);
-    export::write_f32_safetensors(&tensors, metadata, output)?;
+    export::write_f32_safetensors(&tensors, &metadata, output)?;
     Ok(tensors.len())
 }
 
@@ -594,8 +594,9 @@ fn fold(
 /// architecture, adapters folded in) as safetensors named as `export`
 /// names them; returns the number of tensors.
 pub fn merge(base: &Path, adapters: &Path, output: &Path) -> Result<usize> {
+    export::check_output(output)?;
     let (tensors, model_json) = merged_tensors(base, adapters)?;
-    let metadata = HashMap::from([
+    let metadata = BTreeMap::from([
         ("format".to_string(), "pt".to_string()),
         ("producer".to_string(), "headroom".to_string()),
         ("model_spec".to_string(), model_json),
@@ -604,6 +605,6 @@ pub fn merge(base: &Path, adapters: &Path, output: &Path) -> Result<usize> {
             adapters.display().to_string(),
         ),
     ]);
-    export::write_f32_safetensors(&tensors, metadata, output)?;
+    export::write_f32_safetensors(&tensors, &metadata, output)?;
     Ok(tensors.len())
 }

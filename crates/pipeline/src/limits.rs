@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use headroom_model::{LayerSpec, ModelSpec};
 
 use crate::config::ExperimentConfig;
-use crate::memory::mib;
 use crate::{PipelineError, Result};
+use headroom_model::memory::bytes_text;
 
 /// Share of the room left that the tensor pool may take by default: the
 /// rest is for what lives outside the pool (the dataset, loader batches,
@@ -225,9 +225,9 @@ pub fn check_sizes(config: &ExperimentConfig) -> Result<()> {
             format!(
                 "the model needs at least {} ({} parameters with gradients and AdamW moments, plus one sample's \
                  activations), more than the {} this process may use ({from}); the largest layer is {}",
-                mib(needed),
+                bytes_text(needed),
                 model.parameters,
-                mib(available),
+                bytes_text(available),
                 model.largest_key
             ),
         ));

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use headroom_model::memory::{MemoryPool, OomInjection, PoolStats};
+use headroom_model::memory::{bytes_text, MemoryPool, OomInjection, PoolStats};
 use headroom_model::{Device, ModelError};
 
 use crate::config::{ExperimentConfig, InjectOom};
@@ -37,22 +37,13 @@ pub struct MemoryGuard {
     dir: std::path::PathBuf,
 }
 
-/// Bytes for people: KiB below a MiB, MiB below a GiB, then GiB.
-pub fn mib(bytes: u64) -> String {
-    match bytes {
-        b if b < 1 << 20 => format!("{:.1} KiB", b as f64 / 1024.0),
-        b if b < 1 << 30 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
-        b => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
-    }
-}
-
 fn figures(stats: &PoolStats, limit: Option<u64>) -> String {
     format!(
         "in use {}, reserved {}, peak {}, limit {}",
-        mib(stats.in_use_bytes),
-        mib(stats.reserved_bytes),
-        mib(stats.peak_in_use_bytes),
-        limit.map_or("none".into(), mib)
+        bytes_text(stats.in_use_bytes),
+        bytes_text(stats.reserved_bytes),
+        bytes_text(stats.peak_in_use_bytes),
+        limit.map_or("none".into(), bytes_text)
     )
 }
 
@@ -72,8 +63,8 @@ fn budget(config: &ExperimentConfig) -> Result<Option<u64>> {
     if !crate::config::trains_on_gpu(config) {
         tracing::info!(
             "tensor budget {} (device.memory_limit unset): half of the {} left under {}",
-            mib(budget),
-            mib(ceiling.room),
+            bytes_text(budget),
+            bytes_text(ceiling.room),
             ceiling.source
         );
     }
@@ -134,10 +125,10 @@ impl MemoryGuard {
                 requested, limit, ..
             }) => {
                 let why = match limit {
-                    Some(limit) => format!("over the {} budget", mib(*limit)),
+                    Some(limit) => format!("over the {} budget", bytes_text(*limit)),
                     None => "the device itself had no room".into(),
                 };
-                format!("a {} block ({why})", mib(*requested))
+                format!("a {} block ({why})", bytes_text(*requested))
             }
             _ => "an allocation".into(),
         };
@@ -153,7 +144,7 @@ impl MemoryGuard {
             *freed_cache = true;
             tracing::warn!(
                 "{here}: released {} of cached blocks, retrying the step",
-                mib(released)
+                bytes_text(released)
             );
             return Ok(());
         }
@@ -213,7 +204,7 @@ impl MemoryGuard {
         let released = learner.release_cache();
         tracing::warn!(
             "out of memory copying the state for the checkpoint of step {step} ({refused}): released {} of cached blocks, copying again",
-            mib(released)
+            bytes_text(released)
         );
         match self.copy_state(learner) {
             Err(e) if e.is_out_of_memory() => {
@@ -248,8 +239,8 @@ impl MemoryGuard {
         (bytes > room / 2).then(|| {
             format!(
                 "a copy of the state ({}) would take more than half of the {} left under {source}",
-                mib(bytes),
-                mib(room)
+                bytes_text(bytes),
+                bytes_text(room)
             )
         })
     }
@@ -319,7 +310,7 @@ impl MemoryGuard {
         self.cleanup_seconds += seconds;
         tracing::debug!(
             "{why} cache release: {} in {:.3} ms",
-            mib(released),
+            bytes_text(released),
             seconds * 1e3
         );
     }
@@ -337,9 +328,9 @@ impl MemoryGuard {
                 Ok(peak) => {
                     tracing::info!(
                         "dry run: a step of {micro} samples peaks at {} ({} per sample); room {}",
-                        mib(peak),
-                        mib(peak / micro as u64),
-                        mib(room)
+                        bytes_text(peak),
+                        bytes_text(peak / micro as u64),
+                        bytes_text(room)
                     );
                     (peak as f64 * PLANNING_MARGIN) as u64 <= room
                 }
@@ -356,8 +347,8 @@ impl MemoryGuard {
                 tracing::warn!(
                     "train.micro_batch = \"auto\": not even {micro} samples fit device.memory_limit = {} \
                      (in use {} before the first step)",
-                    mib(limit),
-                    mib(learner.memory_stats().in_use_bytes)
+                    bytes_text(limit),
+                    bytes_text(learner.memory_stats().in_use_bytes)
                 );
                 return Ok(micro);
             }
@@ -391,11 +382,11 @@ impl MemoryGuard {
              one training step of {micro_batch} samples (measured peak) {} = {} (nothing spills to host memory); \
              raise device.memory_limit, or, where not already set, fine-tune with LoRA (finetune.train = \"lora\") and \
              recompute blocks (model.checkpoint = \"blocks\")",
-            mib(limit),
-            mib(weights),
-            mib(optimizer),
-            mib(peak),
-            mib(need)
+            bytes_text(limit),
+            bytes_text(weights),
+            bytes_text(optimizer),
+            bytes_text(peak),
+            bytes_text(need)
         )))
     }
 }

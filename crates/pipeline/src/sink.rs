@@ -366,7 +366,7 @@ impl Window {
             self.mean_loss(),
             report.lr,
             self.rate(),
-            crate::memory::mib(report.memory_bytes)
+            headroom_model::memory::bytes_text(report.memory_bytes)
         );
         *self = Self::new();
     }
@@ -410,7 +410,7 @@ impl Progress {
                 window.mean_loss(),
                 report.lr,
                 window.rate(),
-                crate::memory::mib(report.memory_bytes)
+                headroom_model::memory::bytes_text(report.memory_bytes)
             ));
             *window = Window::new();
             self.last_draw = Instant::now();

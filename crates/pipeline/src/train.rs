@@ -136,7 +136,7 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         tracing::warn!(
             "removed {} ({}): a checkpoint a stopped run did not finish writing",
             path.display(),
-            crate::memory::mib(bytes)
+            headroom_model::memory::bytes_text(bytes)
         );
     }
     rundir::write_resolved_config(config.output_dir(), config)?;

@@ -64,8 +64,8 @@ use super::{
     require_no_steps_in_flight, softmax_rows, EvalResult, HostState, Learner, LearnerState,
     StateWriter, StepLr, StepResult, StepSettings,
 };
-use crate::memory::mib;
 use crate::{PipelineError, Result};
+use headroom_model::memory::bytes_text;
 
 /// GPU-specific settings.
 #[derive(Clone, Debug)]
@@ -159,12 +159,15 @@ impl CudaLearner {
             .or_else(|| Some(be.info().free_memory / 10 * 9).filter(|&b| b > 0));
         match (options.memory_limit, limit) {
             (Some(set), _) => {
-                tracing::info!("GPU tensor budget {} (device.memory_limit)", mib(set))
+                tracing::info!(
+                    "GPU tensor budget {} (device.memory_limit)",
+                    bytes_text(set)
+                )
             }
             (None, Some(budget)) => tracing::info!(
                 "GPU tensor budget {}: 90% of the {} free at start",
-                mib(budget),
-                mib(be.info().free_memory)
+                bytes_text(budget),
+                bytes_text(be.info().free_memory)
             ),
             (None, None) => {
                 tracing::warn!("the GPU reports no free memory: tensor memory is unbounded")
