@@ -67,18 +67,18 @@ enum Command {
         #[arg(long = "set", value_name = "KEY=VALUE")]
         overrides: Vec<String>,
         /// Batch sizes to time [default: 32,128,256 on the CPU, 128,512 on a GPU].
-        #[arg(long, value_delimiter = ',')]
+        #[arg(long, value_delimiter = ',', value_parser = at_least_one())]
         batch: Vec<usize>,
         /// Where the step runs: cpu or cuda (the GPU; PyTorch then runs with
         /// AMP, channels_last, fused AdamW and torch.compile).
         #[arg(long, default_value = "cpu")]
         device: String,
         /// Compute threads (default: every core).
-        #[arg(long)]
+        #[arg(long, value_parser = at_least_one())]
         threads: Option<usize>,
         #[arg(long, default_value_t = 3)]
         warmup: usize,
-        #[arg(long, default_value_t = 20)]
+        #[arg(long, default_value_t = 20, value_parser = at_least_one())]
         steps: usize,
         /// Print JSON instead of a table.
         #[arg(long)]
@@ -217,13 +217,13 @@ enum Command {
         config: PathBuf,
         #[arg(long = "set", value_name = "KEY=VALUE")]
         overrides: Vec<String>,
-        #[arg(long)]
+        #[arg(long, value_parser = at_least_one())]
         batch: usize,
-        #[arg(long)]
+        #[arg(long, value_parser = at_least_one())]
         threads: usize,
         #[arg(long)]
         warmup: usize,
-        #[arg(long)]
+        #[arg(long, value_parser = at_least_one())]
         steps: usize,
         #[arg(long)]
         profile: bool,
@@ -860,6 +860,12 @@ fn gpu_check() -> Result<()> {
         bail!("gpu-check failed: see the report and the test output above");
     }
     Ok(())
+}
+
+/// A count that must be 1 or more (a batch, a number of steps or threads):
+/// 0 is refused by the argument parser, naming the switch.
+fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..)
 }
 
 fn parse_tta(text: &str) -> Result<TestTimeAugmentation> {

@@ -154,6 +154,28 @@ fn killed_run_resumes_from_its_last_checkpoint_and_finishes() {
     assert!(err.contains("epoch 4/4 done"), "{err}");
     let stdout = String::from_utf8_lossy(&resumed.stdout);
     assert!(stdout.contains("test accuracy"), "{stdout}");
+
+    // Resumed once more, the finished run says it is finished, trains
+    // nothing and leaves its checkpoints as they are.
+    let finished: Vec<_> = checkpoints(&run_dir)
+        .into_iter()
+        .map(|path| (std::fs::read(&path).unwrap(), path))
+        .collect();
+    let again = run(&args(&resume));
+    let err = stderr(&again);
+    assert!(again.status.success(), "{err}");
+    assert!(
+        err.contains("is the end of the run (step") && err.contains("all 4 epochs done"),
+        "{err}"
+    );
+    assert!(!err.contains("epoch 5"), "{err}");
+    let stdout = String::from_utf8_lossy(&again.stdout);
+    assert!(stdout.contains("epochs run      0"), "{stdout}");
+    let after: Vec<_> = checkpoints(&run_dir)
+        .into_iter()
+        .map(|path| (std::fs::read(&path).unwrap(), path))
+        .collect();
+    assert!(finished == after, "the checkpoints changed");
 }
 
 /// `--resume` of a directory that is not a run (no config.toml, no

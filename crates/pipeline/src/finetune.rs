@@ -505,6 +505,14 @@ pub fn write_adapters(checkpoint_path: &Path, base: &Path, output: &Path) -> Res
 /// The adapters file's recorded base checkpoint.
 pub fn recorded_base(adapters: &Path) -> Result<PathBuf> {
     let (_, metadata) = export::read_f32_safetensors(adapters)?;
+    if metadata.get("adapter").map(String::as_str) != Some("lora") {
+        return Err(PipelineError::Checkpoint {
+            path: adapters.to_path_buf(),
+            reason: "not a LoRA adapters file (its metadata has no adapter = \"lora\"): give the \
+                     adapters.safetensors a LoRA run writes"
+                .into(),
+        });
+    }
     metadata
         .get("base")
         .map(PathBuf::from)

@@ -4,7 +4,7 @@
 //! resume at the exact batch where a checkpoint was taken.
 
 use std::collections::VecDeque;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
@@ -149,15 +149,7 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
                 path: path.clone(),
                 reason,
             })?;
-            let at = &run.trainee.position;
-            tracing::info!(
-                "resuming from {} (epoch {} of {}, batch {}, step {})",
-                path.display(),
-                at.epoch + 1,
-                config.train.epochs,
-                at.batches_done,
-                at.step
-            );
+            log_resume_point(&path, &run.trainee.position, config.train.epochs);
             Some(path)
         }
         None => None,
@@ -277,6 +269,27 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
             memory.stats().in_use_bytes
         },
     })
+}
+
+/// Where a resumed run goes on from; a run that has done all its epochs
+/// says so instead of "epoch 4 of 3".
+fn log_resume_point(path: &Path, at: &Position, epochs: u64) {
+    if at.epoch >= epochs {
+        tracing::info!(
+            "{} is the end of the run (step {}, all {epochs} epochs done): nothing to train, \
+             the checkpoint is evaluated; raise train.epochs to train on",
+            path.display(),
+            at.step
+        );
+        return;
+    }
+    tracing::info!(
+        "resuming from {} (epoch {} of {epochs}, batch {}, step {})",
+        path.display(),
+        at.epoch + 1,
+        at.batches_done,
+        at.step
+    );
 }
 
 fn compute_threads(configured: usize) -> usize {

@@ -319,6 +319,14 @@ fn the_adapters_file_round_trips_and_merged_weights_give_the_adapted_outputs() {
     }
     assert!(metadata["scales"].contains("2.0") || metadata["scales"].contains(":2"));
     assert_eq!(finetune::recorded_base(&file).unwrap(), base_path);
+    // A file that holds no adapters (the merged weights, below) is named
+    // for what it is, not for the base it does not record.
+    let not_adapters = setup.dir.path().join("weights.safetensors");
+    export::safetensors(&last, Some(&not_adapters)).unwrap();
+    let refused = finetune::recorded_base(&not_adapters)
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("not a LoRA adapters file"), "{refused}");
 
     // The adapted model, as trained.
     let mut adapted = Network::build(&saved.model().unwrap(), 0).unwrap();
