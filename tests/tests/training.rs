@@ -240,6 +240,105 @@ fn store_ten_times_the_cache_trains_within_the_loader_budget() {
     assert!(err.contains("memory_budget"), "{err}");
 }
 
+/// Flips 8 bytes in the middle of `shard`, as a failing disk or a torn copy
+/// would; returns the good bytes.
+fn corrupt(shard: &Path) -> Vec<u8> {
+    let good = std::fs::read(shard).unwrap();
+    let mut bad = good.clone();
+    let middle = bad.len() / 2;
+    bad[middle..middle + 8].copy_from_slice(b"XXXXXXXX");
+    std::fs::write(shard, &bad).unwrap();
+    good
+}
+
+#[test]
+fn a_corrupt_shard_stops_with_a_checkpoint_and_the_repaired_store_resumes_bit_for_bit() {
+    let store = tempfile::tempdir().unwrap();
+    for (split, samples) in [("train", 640), ("test", 64)] {
+        headroom_loader::write_synthetic_store(
+            &store.path().join(split),
+            samples,
+            [28, 28, 1],
+            10,
+            headroom_loader::ShardSize::Samples(80),
+        )
+        .unwrap();
+    }
+    let sets = [
+        "data.format=shards",
+        "data.train_samples=0",
+        "data.test_samples=0",
+        "train.epochs=2",
+        "train.threads=2",
+    ];
+    let straight = tempfile::tempdir().unwrap();
+    train(
+        &smoke_config(store.path(), straight.path(), &sets),
+        &TrainOptions::default(),
+    )
+    .unwrap();
+    let newest = |dir: &Path| {
+        let files = checkpoint::list(dir).unwrap();
+        checkpoint::load(files.last().unwrap()).unwrap()
+    };
+    let finished = newest(straight.path());
+
+    // Shards first read at batch 5 and at batch 15 of the first epoch's 20.
+    for shard in ["train/shard-000003.bin", "train/shard-000001.bin"] {
+        let shard = store.path().join(shard);
+        let good = corrupt(&shard);
+        let interrupted = tempfile::tempdir().unwrap();
+        let config = smoke_config(store.path(), interrupted.path(), &sets);
+        let err = train(&config, &TrainOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&shard.display().to_string()) && err.contains("checksum"),
+            "{err}"
+        );
+        assert!(
+            err.contains("is saved in") && err.contains("--resume"),
+            "{err}"
+        );
+        // The steps before the bad batch are in the checkpoint, not lost.
+        let saved = checkpoint::list(interrupted.path()).unwrap();
+        let stopped_at = newest(interrupted.path()).meta.step;
+        assert!(
+            stopped_at > 0 && stopped_at < 2 * 640 / 32,
+            "stopped at step {stopped_at}"
+        );
+        assert!(err.contains(&format!("up to step {stopped_at}")), "{err}");
+
+        // Repaired, the run goes on from there and ends where the run that
+        // never met the bad shard ended.
+        std::fs::write(&shard, &good).unwrap();
+        let options = TrainOptions {
+            resume: Resume::Latest,
+            ..Default::default()
+        };
+        let summary = train(&config, &options).unwrap();
+        assert_eq!(summary.resumed_from.as_ref(), saved.last());
+        let resumed = newest(interrupted.path());
+        assert_eq!(finished.meta.step, resumed.meta.step);
+        assert!(
+            finished.params == resumed.params,
+            "weights differ after the repair"
+        );
+        assert!(
+            finished.buffers == resumed.buffers,
+            "batch-norm statistics differ"
+        );
+        assert!(
+            finished.optimizer == resumed.optimizer,
+            "optimizer moments differ"
+        );
+        assert_eq!(
+            step_losses(straight.path()),
+            step_losses(interrupted.path())
+        );
+    }
+}
+
 #[test]
 fn checkpoint_every_minutes_writes_checkpoints_inside_an_epoch() {
     let data = tempfile::tempdir().unwrap();

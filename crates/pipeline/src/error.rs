@@ -41,6 +41,19 @@ pub enum PipelineError {
         dir.display()
     )]
     Diverged { skips: u64, dir: PathBuf },
+    /// The data failed mid-run; the steps before were checkpointed.
+    #[error(
+        "{cause}. The run up to step {step} is saved in {}: repair or replace the data (for a \
+         shard store, run `cargo xtask preprocess` again with --overwrite), then go on exactly where it \
+         stopped: cargo xtask train --resume {}",
+        dir.display(),
+        dir.display()
+    )]
+    DataStopped {
+        cause: Box<PipelineError>,
+        step: u64,
+        dir: PathBuf,
+    },
     #[error("{0}")]
     OutOfMemory(String),
     #[error("{stage} stage stopped unexpectedly: {reason}")]

@@ -552,7 +552,17 @@ fn run_epoch(
         started: Instant::now(),
     };
     for batch in train_loader.epoch(epoch, trainee.position.batches_done) {
-        let batch = batch?;
+        let batch = match batch {
+            Ok(batch) => batch,
+            Err(cause) => {
+                return Err(stop_on_data_error(
+                    &mut steps,
+                    trainee,
+                    memory,
+                    cause.into(),
+                ))
+            }
+        };
         if steps.checkpoint_may_follow(trainee) && steps.drain(trainee, memory)? {
             return Ok(None);
         }
@@ -599,6 +609,33 @@ fn run_epoch(
         train_samples_per_sec: progress.seen as f64 / progress.train_seconds.max(1e-9),
         skipped_steps: progress.skipped,
     }))
+}
+
+/// The loader could not make a training batch (a corrupt shard, a file gone
+/// or unreadable): the steps before it are collected and checkpointed, so that
+/// once the data is repaired `--resume` goes on exactly there, instead of
+/// losing every step since the last checkpoint. The error says so; should
+/// the checkpoint fail too, the data's error is still the one returned.
+fn stop_on_data_error(
+    steps: &mut Steps<'_>,
+    trainee: &mut Trainee,
+    memory: &mut MemoryGuard,
+    cause: PipelineError,
+) -> PipelineError {
+    let saved = steps
+        .drain(trainee, memory)
+        .and_then(|_| checkpoint_now(steps.config, trainee, steps.events, memory));
+    match saved {
+        Ok(()) => PipelineError::DataStopped {
+            cause: Box::new(cause),
+            step: trainee.position.step,
+            dir: steps.config.output_dir().to_path_buf(),
+        },
+        Err(e) => {
+            tracing::error!("no checkpoint after the data error: {e}");
+            cause
+        }
+    }
 }
 
 /// A batch whose step was submitted and not yet collected.
