@@ -839,6 +839,14 @@ fn print_text_report(report: &headroom_pipeline::text::TextReport) {
 fn gpu_check() -> Result<()> {
     let report = headroom_model::cuda::gpu_check_report();
     println!("{report}");
+    if !report.has_gpu() {
+        // Every parity test would fail for want of a GPU, 40 failures that
+        // say nothing the report above does not.
+        bail!(
+            "gpu-check needs a GPU, and this machine has none that can be used (see the report above). \
+             Here, `cargo test --workspace` runs the same CUDA parity tests on the CPU emulator of the driver"
+        );
+    }
     let status = std::process::Command::new("cargo")
         .args(["test", "--release", "-p", "headroom-model"])
         .args([

@@ -275,3 +275,23 @@ fn checkpoint_of_another_model_is_refused_with_the_difference() {
         "{err}"
     );
 }
+
+/// Without a GPU, gpu-check says so after its report and runs no test (each
+/// of the 40 parity tests would fail for want of one).
+#[test]
+fn gpu_check_without_a_gpu_says_so_instead_of_failing_every_test() {
+    let out = run(&["gpu-check"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !stdout.contains("GPU: none") {
+        eprintln!("a GPU is here: gpu-check is the GPU's own check");
+        return;
+    }
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("gpu-check needs a GPU"), "{err}");
+    assert!(err.contains("CPU emulator"), "{err}");
+    assert!(
+        !stdout.contains("test result") && !err.contains("test result"),
+        "{err}"
+    );
+}

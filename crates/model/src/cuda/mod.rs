@@ -88,8 +88,13 @@ pub struct GpuCheckReport {
 
 impl GpuCheckReport {
     /// True when a GPU is present and everything it needs works.
-    pub fn gpu_ready(&self) -> bool {
+    /// A driver and a GPU were found (whatever else failed).
+    pub fn has_gpu(&self) -> bool {
         matches!(self.device, Ok(Some(_)))
+    }
+
+    pub fn gpu_ready(&self) -> bool {
+        self.has_gpu()
             && self.nvrtc.is_ok()
             && self.cublas.is_ok()
             && self.kernels.iter().all(|(_, _, r)| r.is_ok())
