@@ -196,9 +196,11 @@ pub struct ShardedDataset {
 
 impl ShardedDataset {
     /// Opens the store in `dir`, reading only its index (or, with
-    /// `full_load`, every shard).
+    /// `full_load`, every shard); each shard file's presence and size are
+    /// checked against the index.
     pub fn open(dir: &Path, config: ShardCacheConfig) -> Result<Self, LoaderError> {
         let index = StoreIndex::read(dir)?;
+        check_shard_files(dir, &index)?;
         let n = index.shards.len();
         let mut starts = Vec::with_capacity(n + 1);
         let mut acc = 0u64;
@@ -520,6 +522,50 @@ impl Dataset for ShardedDataset {
     }
 }
 
+/// Why a shard file cannot be opened, for its error.
+fn unopenable(e: &io::Error) -> String {
+    if e.kind() == io::ErrorKind::NotFound {
+        "missing: the store is incomplete (re-run preprocess)".into()
+    } else {
+        format!("cannot open: {e}")
+    }
+}
+
+/// What is wrong with a shard file whose size is `on_disk` where the index
+/// says `expected` bytes; None when nothing is.
+fn size_fault(on_disk: io::Result<u64>, expected: u64) -> Option<String> {
+    match on_disk {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Some(unopenable(&e)),
+        Err(e) => Some(format!("cannot stat: {e}")),
+        Ok(actual) if actual != expected => Some(format!(
+            "{} file: {actual} bytes on disk, the index says {expected} (re-run preprocess)",
+            if actual < expected {
+                "truncated"
+            } else {
+                "overlong"
+            },
+        )),
+        Ok(_) => None,
+    }
+}
+
+/// Every shard file of the index is there with its size: a store with a
+/// file missing or cut short is refused when it is opened (one `stat` per
+/// shard, nothing read), not at whatever step first touches that shard.
+fn check_shard_files(dir: &Path, index: &StoreIndex) -> Result<(), LoaderError> {
+    for (k, meta) in index.shards.iter().enumerate() {
+        let path = dir.join(store::shard_file_name(k));
+        if let Some(message) = size_fault(std::fs::metadata(&path).map(|m| m.len()), meta.bytes) {
+            return Err(LoaderError::Shard {
+                path,
+                index: None,
+                message,
+            });
+        }
+    }
+    Ok(())
+}
+
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
         // The lock is only held for bookkeeping and copies that cannot
@@ -720,27 +766,10 @@ impl Inner {
             index,
             message,
         };
-        let mut file = File::open(&path).map_err(|e| {
-            fail(if e.kind() == io::ErrorKind::NotFound {
-                "missing: the store is incomplete (re-run preprocess)".into()
-            } else {
-                format!("cannot open: {e}")
-            })
-        })?;
-        let actual = file
-            .metadata()
-            .map_err(|e| fail(format!("cannot stat: {e}")))?
-            .len();
-        if actual != meta.bytes {
-            return Err(fail(format!(
-                "{} file: {actual} bytes on disk, the index says {} (re-run preprocess)",
-                if actual < meta.bytes {
-                    "truncated"
-                } else {
-                    "overlong"
-                },
-                meta.bytes
-            )));
+        let mut file = File::open(&path).map_err(|e| fail(unopenable(&e)))?;
+        let on_disk = file.metadata().map(|m| m.len());
+        if let Some(fault) = size_fault(on_disk, meta.bytes) {
+            return Err(fail(fault));
         }
         let mut bytes = vec![0u8; meta.bytes as usize];
         file.read_exact(&mut bytes).map_err(|e| {

@@ -1,5 +1,5 @@
 //! The shard store: preprocess round trips, refusal and atomic replacement,
-//! open-reads-only-the-index, the LRU shard cache and its limits,
+//! open-reads-only-the-index (and refuses missing shards), the LRU shard cache and its limits,
 //! corruption, read-ahead, full load, and shard-aware shuffling.
 
 mod common;
@@ -259,9 +259,11 @@ fn open_reads_only_the_index() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("store");
     let s = write_synthetic_store(&dir, 200, [4, 4, 2], 10, ShardSize::Samples(25)).unwrap();
-    // The shards can be gone: opening does not look at them.
+    // The shards' contents can be garbage: opening does not read them (it
+    // checks only that each file is there with the index's size).
     for f in shard_files(&dir) {
-        fs::remove_file(f).unwrap();
+        let len = fs::metadata(&f).unwrap().len() as usize;
+        fs::write(f, vec![0xA5u8; len]).unwrap();
     }
     let ds = open(&dir, cache(2));
     assert_eq!(
@@ -279,11 +281,20 @@ fn open_reads_only_the_index() {
         msg.contains("shard-000002.bin") && msg.contains("sample 60"),
         "{msg}"
     );
-    assert!(msg.contains("missing"), "{msg}");
+    assert!(msg.contains("not a headroom shard"), "{msg}");
     assert_eq!(
         ds.cache_stats().resident_bytes,
         0,
         "a failed read frees its room"
+    );
+    // A missing shard is refused at open, not at the step that needs it.
+    fs::remove_file(dir.join("shard-000005.bin")).unwrap();
+    let e = ShardedDataset::open(&dir, cache(2))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("shard-000005.bin") && e.contains("missing"),
+        "{e}"
     );
     // A missing index is a clear error.
     let e = ShardedDataset::open(tmp.path(), cache(2)).unwrap_err();
@@ -472,16 +483,30 @@ fn a_corrupt_or_truncated_shard_is_an_error_naming_the_file_and_sample() {
     let e = open(&dir, cache(2)).read(25, &mut [0; 16]).unwrap_err();
     assert!(e.to_string().contains("checksum mismatch"), "{e}");
 
-    // Truncated.
-    fs::write(&shard1, &pristine[..pristine.len() - 100]).unwrap();
-    let e = open(&dir, cache(2)).read(21, &mut [0; 16]).unwrap_err();
-    let msg = e.to_string();
+    // Truncated: refused when the store is opened, and, when it is cut
+    // after that, at the read that needs it.
+    let truncate = || fs::write(&shard1, &pristine[..pristine.len() - 100]).unwrap();
+    truncate();
+    let e = ShardedDataset::open(&dir, cache(2))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("shard-000001.bin") && e.contains("truncated"),
+        "{e}"
+    );
+    fs::write(&shard1, &pristine).unwrap();
+    let ds = open(&dir, cache(2));
+    truncate();
+    let msg = ds.read(21, &mut [0; 16]).unwrap_err().to_string();
     assert!(
         msg.contains("truncated") && msg.contains("sample 21"),
         "{msg}"
     );
     for workers in [0, 2] {
-        expect_loader_error(open(&dir, cache(1)), workers, "shard-000001.bin", 20..40);
+        fs::write(&shard1, &pristine).unwrap();
+        let ds = open(&dir, cache(1));
+        truncate();
+        expect_loader_error(ds, workers, "shard-000001.bin", 20..40);
     }
     // Replaced by another valid shard: the index's checksum catches it.
     fs::write(&shard1, fs::read(dir.join("shard-000000.bin")).unwrap()).unwrap();
