@@ -19,6 +19,26 @@ fn step_losses(run_dir: &Path) -> Vec<f64> {
         .collect()
 }
 
+/// The newest checkpoint in `dir`.
+fn newest(dir: &Path) -> checkpoint::Checkpoint {
+    let files = checkpoint::list(dir).unwrap();
+    checkpoint::load(files.last().unwrap()).unwrap()
+}
+
+/// Two runs' checkpoints hold the same step and the same state, bit for bit.
+fn assert_same_state(a: &checkpoint::Checkpoint, b: &checkpoint::Checkpoint, after: &str) {
+    assert_eq!(a.meta.step, b.meta.step);
+    assert!(a.params == b.params, "weights differ after {after}");
+    assert!(
+        a.buffers == b.buffers,
+        "batch-norm statistics differ after {after}"
+    );
+    assert!(
+        a.optimizer == b.optimizer,
+        "optimizer moments differ after {after}"
+    );
+}
+
 #[test]
 fn smoke_network_loss_falls_well_below_its_start() {
     let data = tempfile::tempdir().unwrap();
@@ -84,20 +104,10 @@ fn resumed_run_matches_an_uninterrupted_one_bit_for_bit() {
     assert_eq!(summary.resumed_from.as_ref(), Some(&files[files.len() - 2]));
     assert!(!unfinished.exists() && unrelated.exists());
 
-    let newest = |dir: &Path| {
-        let files = checkpoint::list(dir).unwrap();
-        checkpoint::load(files.last().unwrap()).unwrap()
-    };
-    let (a, b) = (newest(straight.path()), newest(interrupted.path()));
-    assert_eq!(a.meta.step, b.meta.step);
-    assert!(a.params == b.params, "weights differ after resume");
-    assert!(
-        a.buffers == b.buffers,
-        "batch-norm statistics differ after resume"
-    );
-    assert!(
-        a.optimizer == b.optimizer,
-        "optimizer moments differ after resume"
+    assert_same_state(
+        &newest(straight.path()),
+        &newest(interrupted.path()),
+        "resume",
     );
 }
 
@@ -177,19 +187,24 @@ fn diverging_run_stops_with_a_checkpoint_of_the_last_good_state() {
     assert_eq!(saved.meta.consecutive_skips, 3);
 }
 
+/// A store of `samples` synthetic 28×28 images in shards of `per_shard`.
+fn synthetic_store(dir: &Path, samples: usize, per_shard: usize) -> headroom_loader::StoreSummary {
+    headroom_loader::write_synthetic_store(
+        dir,
+        samples,
+        [28, 28, 1],
+        10,
+        headroom_loader::ShardSize::Samples(per_shard),
+    )
+    .unwrap()
+}
+
 #[test]
 fn store_ten_times_the_cache_trains_within_the_loader_budget() {
     let store = tempfile::tempdir().unwrap();
     let mut shard_bytes = 0;
     for (split, samples) in [("train", 2000), ("test", 200)] {
-        let summary = headroom_loader::write_synthetic_store(
-            &store.path().join(split),
-            samples,
-            [28, 28, 1],
-            10,
-            headroom_loader::ShardSize::Samples(100),
-        )
-        .unwrap();
+        let summary = synthetic_store(&store.path().join(split), samples, 100);
         if split == "train" {
             assert_eq!(summary.shards, 20, "ten times the two-shard cache");
             shard_bytes = summary.total_bytes.div_ceil(summary.shards as u64) as usize;
@@ -255,14 +270,7 @@ fn corrupt(shard: &Path) -> Vec<u8> {
 fn a_corrupt_shard_stops_with_a_checkpoint_and_the_repaired_store_resumes_bit_for_bit() {
     let store = tempfile::tempdir().unwrap();
     for (split, samples) in [("train", 640), ("test", 64)] {
-        headroom_loader::write_synthetic_store(
-            &store.path().join(split),
-            samples,
-            [28, 28, 1],
-            10,
-            headroom_loader::ShardSize::Samples(80),
-        )
-        .unwrap();
+        synthetic_store(&store.path().join(split), samples, 80);
     }
     let sets = [
         "data.format=shards",
@@ -277,10 +285,6 @@ fn a_corrupt_shard_stops_with_a_checkpoint_and_the_repaired_store_resumes_bit_fo
         &TrainOptions::default(),
     )
     .unwrap();
-    let newest = |dir: &Path| {
-        let files = checkpoint::list(dir).unwrap();
-        checkpoint::load(files.last().unwrap()).unwrap()
-    };
     let finished = newest(straight.path());
 
     // Shards first read at batch 5 and at batch 15 of the first epoch's 20.
@@ -318,20 +322,7 @@ fn a_corrupt_shard_stops_with_a_checkpoint_and_the_repaired_store_resumes_bit_fo
         };
         let summary = train(&config, &options).unwrap();
         assert_eq!(summary.resumed_from.as_ref(), saved.last());
-        let resumed = newest(interrupted.path());
-        assert_eq!(finished.meta.step, resumed.meta.step);
-        assert!(
-            finished.params == resumed.params,
-            "weights differ after the repair"
-        );
-        assert!(
-            finished.buffers == resumed.buffers,
-            "batch-norm statistics differ"
-        );
-        assert!(
-            finished.optimizer == resumed.optimizer,
-            "optimizer moments differ"
-        );
+        assert_same_state(&finished, &newest(interrupted.path()), "the repair");
         assert_eq!(
             step_losses(straight.path()),
             step_losses(interrupted.path())

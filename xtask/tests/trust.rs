@@ -413,13 +413,21 @@ fn a_failed_start_leaves_no_run_directory() {
     assert!(left.is_empty(), "left behind: {left:?}");
 }
 
-#[test]
-fn export_writes_safetensors_with_the_model_names_and_layouts() {
+/// A finished smoke run of `epochs` on synthetic data: the data and output
+/// directories (kept alive by the caller) and the run directory.
+fn trained_smoke_run(epochs: u64) -> (tempfile::TempDir, tempfile::TempDir, PathBuf) {
     let data = synthetic_data(256, 32);
     let out = tempfile::tempdir().unwrap();
     let run_dir = out.path().join("run");
-    let list = with_sets(smoke_args(data.path(), &run_dir), &["train.epochs=1"]);
+    let epochs = format!("train.epochs={epochs}");
+    let list = with_sets(smoke_args(data.path(), &run_dir), &[&epochs]);
     assert!(run(&args(&list)).status.success());
+    (data, out, run_dir)
+}
+
+#[test]
+fn export_writes_safetensors_with_the_model_names_and_layouts() {
+    let (_data, out, run_dir) = trained_smoke_run(1);
     let ckpt = checkpoint::list(&run_dir).unwrap().pop().unwrap();
     let file = out.path().join("weights.safetensors");
     let ckpt_arg = ckpt.display().to_string();
@@ -472,11 +480,7 @@ fn run_with_umask(list: &[&str], mask: libc::mode_t) -> Output {
 #[test]
 fn eval_and_export_take_a_run_directory_and_name_what_they_cannot_use() {
     use std::os::unix::fs::PermissionsExt;
-    let data = synthetic_data(256, 32);
-    let out = tempfile::tempdir().unwrap();
-    let run_dir = out.path().join("run");
-    let list = with_sets(smoke_args(data.path(), &run_dir), &["train.epochs=2"]);
-    assert!(run(&args(&list)).status.success());
+    let (_data, out, run_dir) = trained_smoke_run(2);
     let newest = checkpoint::list(&run_dir).unwrap().pop().unwrap();
     let (dir_arg, newest_arg) = (run_dir.display().to_string(), newest.display().to_string());
 
