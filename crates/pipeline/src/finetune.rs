@@ -526,12 +526,7 @@ pub fn recorded_base(adapters: &Path) -> Result<PathBuf> {
 /// W[in, out] += s·Aᵀ·Bᵀ, with A [r, in], B [out, r] and s = alpha / r.
 /// `base` is a checkpoint file or a run directory.
 pub fn merged_tensors(base: &Path, adapters: &Path) -> Result<(Vec<F32Tensor>, String)> {
-    let base_path = base_checkpoint(&FinetuneConfig {
-        base: base.to_path_buf(),
-        train: FinetuneMode::Lora,
-        base_experiment: None,
-    })?;
-    let saved = checkpoint::load(&base_path)?;
+    let (base_path, saved) = checkpoint::load_named(base)?;
     let mut tensors: Vec<F32Tensor> = export::named_values(&saved, &base_path)?
         .into_iter()
         .map(|t| (t.name, t.shape, t.values.to_vec()))
