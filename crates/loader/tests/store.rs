@@ -27,6 +27,12 @@ fn open(dir: &Path, config: ShardCacheConfig) -> ShardedDataset {
     ShardedDataset::open(dir, config).expect("open store")
 }
 
+/// Opening the store in `dir` fails, naming `file` and `reason`.
+fn assert_open_refused(dir: &Path, file: &str, reason: &str) {
+    let e = ShardedDataset::open(dir, cache(2)).unwrap_err().to_string();
+    assert!(e.contains(file) && e.contains(reason), "{e}");
+}
+
 fn read(ds: &dyn Dataset, i: usize) -> (Vec<u8>, u32) {
     let mut out = vec![0; ds.sample_shape().iter().product()];
     let label = ds.read(i, &mut out).expect("read");
@@ -289,13 +295,7 @@ fn open_reads_only_the_index() {
     );
     // A missing shard is refused at open, not at the step that needs it.
     fs::remove_file(dir.join("shard-000005.bin")).unwrap();
-    let e = ShardedDataset::open(&dir, cache(2))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("shard-000005.bin") && e.contains("missing"),
-        "{e}"
-    );
+    assert_open_refused(&dir, "shard-000005.bin", "missing");
     // A missing index is a clear error.
     let e = ShardedDataset::open(tmp.path(), cache(2)).unwrap_err();
     assert!(e.to_string().contains(INDEX_FILE), "{e}");
@@ -487,13 +487,7 @@ fn a_corrupt_or_truncated_shard_is_an_error_naming_the_file_and_sample() {
     // after that, at the read that needs it.
     let truncate = || fs::write(&shard1, &pristine[..pristine.len() - 100]).unwrap();
     truncate();
-    let e = ShardedDataset::open(&dir, cache(2))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("shard-000001.bin") && e.contains("truncated"),
-        "{e}"
-    );
+    assert_open_refused(&dir, "shard-000001.bin", "truncated");
     fs::write(&shard1, &pristine).unwrap();
     let ds = open(&dir, cache(2));
     truncate();
