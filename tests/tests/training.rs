@@ -266,22 +266,40 @@ fn corrupt(shard: &Path) -> Vec<u8> {
     good
 }
 
-#[test]
-fn a_corrupt_shard_stops_with_a_checkpoint_and_the_repaired_store_resumes_bit_for_bit() {
-    let store = tempfile::tempdir().unwrap();
-    for (split, samples) in [("train", 640), ("test", 64)] {
-        synthetic_store(&store.path().join(split), samples, 80);
-    }
-    let sets = [
+/// A run of the smoke network on the shard store at `store`, two epochs.
+fn store_config(store: &Path, out: &Path, extra: &[&str]) -> headroom_pipeline::ExperimentConfig {
+    let mut sets = vec![
         "data.format=shards",
         "data.train_samples=0",
         "data.test_samples=0",
         "train.epochs=2",
         "train.threads=2",
     ];
+    sets.extend_from_slice(extra);
+    smoke_config(store, out, &sets)
+}
+
+/// A run stopped by a bad `shard` says which, and that it is saved.
+fn assert_stopped_saved(err: &str, shard: &Path) {
+    assert!(
+        err.contains(&shard.display().to_string()) && err.contains("checksum"),
+        "{err}"
+    );
+    assert!(
+        err.contains("is saved in") && err.contains("--resume"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_corrupt_shard_stops_with_a_checkpoint_and_the_repaired_store_resumes_bit_for_bit() {
+    let store = tempfile::tempdir().unwrap();
+    for (split, samples) in [("train", 640), ("test", 64)] {
+        synthetic_store(&store.path().join(split), samples, 80);
+    }
     let straight = tempfile::tempdir().unwrap();
     train(
-        &smoke_config(store.path(), straight.path(), &sets),
+        &store_config(store.path(), straight.path(), &[]),
         &TrainOptions::default(),
     )
     .unwrap();
@@ -292,18 +310,11 @@ fn a_corrupt_shard_stops_with_a_checkpoint_and_the_repaired_store_resumes_bit_fo
         let shard = store.path().join(shard);
         let good = corrupt(&shard);
         let interrupted = tempfile::tempdir().unwrap();
-        let config = smoke_config(store.path(), interrupted.path(), &sets);
+        let config = store_config(store.path(), interrupted.path(), &[]);
         let err = train(&config, &TrainOptions::default())
             .unwrap_err()
             .to_string();
-        assert!(
-            err.contains(&shard.display().to_string()) && err.contains("checksum"),
-            "{err}"
-        );
-        assert!(
-            err.contains("is saved in") && err.contains("--resume"),
-            "{err}"
-        );
+        assert_stopped_saved(&err, &shard);
         // The steps before the bad batch are in the checkpoint, not lost.
         let saved = checkpoint::list(interrupted.path()).unwrap();
         let stopped_at = newest(interrupted.path()).meta.step;
@@ -328,6 +339,87 @@ fn a_corrupt_shard_stops_with_a_checkpoint_and_the_repaired_store_resumes_bit_fo
             step_losses(interrupted.path())
         );
     }
+}
+
+/// Every line of one kind in a run's `metrics.jsonl`, less its timings.
+fn metric_lines(run_dir: &Path, kind: &str) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap())
+        .filter(|value| value["kind"] == kind)
+        .map(|mut value| {
+            let data = value["data"].as_object_mut().unwrap();
+            data.retain(|key, _| !key.contains("seconds") && !key.contains("per_sec"));
+            value
+        })
+        .collect()
+}
+
+#[test]
+fn an_evaluation_that_fails_keeps_the_epoch_it_ends_and_the_resume_evaluates() {
+    // Three test shards and a two-shard cache: each evaluation reads shard
+    // 0 from disk again, after the start has checked the whole test set.
+    let store = tempfile::tempdir().unwrap();
+    synthetic_store(&store.path().join("train"), 640, 80);
+    synthetic_store(&store.path().join("test"), 96, 32);
+    let sets = [
+        "loader.max_cache_shards=2",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep=2",
+    ];
+    let straight = tempfile::tempdir().unwrap();
+    train(
+        &store_config(store.path(), straight.path(), &sets),
+        &TrainOptions::default(),
+    )
+    .unwrap();
+
+    // The test shard goes bad once the run has started (its first
+    // checkpoint is on disk), 19 and 39 steps before the two evaluations.
+    let shard = store.path().join("test/shard-000000.bin");
+    let interrupted = tempfile::tempdir().unwrap();
+    let config = store_config(store.path(), interrupted.path(), &sets);
+    let good = std::thread::scope(|scope| {
+        let spoiler = scope.spawn(|| loop {
+            if !checkpoint::list(interrupted.path()).unwrap().is_empty() {
+                return corrupt(&shard);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        });
+        let err = train(&config, &TrainOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert_stopped_saved(&err, &shard);
+        assert!(err.contains("the evaluation after training epoch"), "{err}");
+        spoiler.join().unwrap()
+    });
+    // The checkpoint holds the whole epoch the failed evaluation ended.
+    let stopped = newest(interrupted.path()).meta;
+    assert_eq!(stopped.batches_done, 640 / 32, "{stopped:?}");
+    assert_eq!(stopped.step % (640 / 32), 0, "{stopped:?}");
+
+    std::fs::write(&shard, &good).unwrap();
+    let options = TrainOptions {
+        resume: Resume::Latest,
+        ..Default::default()
+    };
+    let summary = train(&config, &options).unwrap();
+    assert_eq!(summary.epochs.len() as u64, 2 - stopped.epoch);
+    assert_same_state(
+        &newest(straight.path()),
+        &newest(interrupted.path()),
+        "the repair",
+    );
+    assert_eq!(
+        step_losses(straight.path()),
+        step_losses(interrupted.path())
+    );
+    // The resumed run evaluates the epoch that was trained: each epoch's
+    // figures once, as the run that never failed logged them.
+    assert_eq!(
+        metric_lines(straight.path(), "epoch"),
+        metric_lines(interrupted.path(), "epoch")
+    );
 }
 
 #[test]

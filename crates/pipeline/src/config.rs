@@ -1206,16 +1206,29 @@ fn typed_value(text: &str) -> config::Value {
 /// Names where a bad value came from: the `--set` override, the
 /// environment variable, or the experiment file(s).
 fn blame_source(message: &str, files: &str, overrides: &Overrides) -> PipelineError {
-    let key = message
-        .split_once("for key `")
-        .and_then(|(_, rest)| rest.split_once('`'))
-        .map(|(key, _)| key.to_string());
+    let quoted = |after: &str| {
+        message
+            .split_once(after)
+            .and_then(|(_, rest)| rest.split_once('`'))
+            .map(|(name, _)| name.to_string())
+    };
+    // An unknown key is reported against its table: `--set loader.workers`
+    // gives "unknown field `workers` ... for key `loader`".
+    let key = match (quoted("for key `"), quoted("unknown field `")) {
+        (Some(table), Some(field)) => Some(format!("{table}.{field}")),
+        (table, field) => table.or(field),
+    };
     let message = message.trim_end_matches(" in the environment");
     let Some(key) = key else {
         return PipelineError::Config(format!("{files}: {message}"));
     };
-    if overrides.0.iter().any(|(k, _)| *k == key) {
-        return PipelineError::Config(format!("--set {key}: {message}"));
+    let within = |k: &str| {
+        k == key
+            || k.strip_prefix(key.as_str())
+                .is_some_and(|r| r.starts_with('.'))
+    };
+    if let Some((set, _)) = overrides.0.iter().find(|(k, _)| within(k)) {
+        return PipelineError::Config(format!("--set {set}: {message}"));
     }
     let variable = env_variable(&key);
     if std::env::var_os(&variable).is_some() {

@@ -41,15 +41,22 @@ pub enum PipelineError {
         dir.display()
     )]
     Diverged { skips: u64, dir: PathBuf },
-    /// The data failed mid-run; the steps before were checkpointed.
+    /// The test pass at the end of a training epoch (counted from 1).
+    #[error("the evaluation after training epoch {epoch} failed: {cause}")]
+    Evaluation {
+        epoch: u64,
+        cause: Box<PipelineError>,
+    },
+    /// The data or the evaluation failed mid-run; the steps before were
+    /// checkpointed.
     #[error(
-        "{cause}. The run up to step {step} is saved in {}: repair or replace the data (for a \
-         shard store, run `cargo xtask preprocess` again with --overwrite), then go on exactly where it \
+        "{cause}. The run up to step {step} is saved in {}: {}, then go on exactly where it \
          stopped: cargo xtask train --resume {}",
         dir.display(),
+        remedy(cause),
         dir.display()
     )]
-    DataStopped {
+    StoppedSaved {
         cause: Box<PipelineError>,
         step: u64,
         dir: PathBuf,
@@ -63,6 +70,22 @@ pub enum PipelineError {
 impl From<headroom_model::cuda::CudaError> for PipelineError {
     fn from(e: headroom_model::cuda::CudaError) -> Self {
         Self::Model(e.into())
+    }
+}
+
+/// What to do before resuming a run stopped by `cause`.
+fn remedy(cause: &PipelineError) -> &'static str {
+    match cause {
+        PipelineError::Evaluation { cause, .. } => remedy(cause),
+        PipelineError::Loader(_)
+        | PipelineError::BadData(_)
+        | PipelineError::DatasetMissing(_)
+        | PipelineError::Io { .. } => {
+            "repair or replace the data (for a shard store, run `cargo xtask preprocess` again \
+             with --overwrite)"
+        }
+        e if e.is_out_of_memory() => "free memory (or set a smaller train.micro_batch)",
+        _ => "remove the cause above",
     }
 }
 

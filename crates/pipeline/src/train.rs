@@ -555,7 +555,7 @@ fn run_epoch(
         let batch = match batch {
             Ok(batch) => batch,
             Err(cause) => {
-                return Err(stop_on_data_error(
+                return Err(stop_with_checkpoint(
                     &mut steps,
                     trainee,
                     memory,
@@ -588,7 +588,18 @@ fn run_epoch(
     if steps.drain(trainee, memory)? {
         return Ok(None);
     }
-    let test = evaluate(trainee.learner.as_mut(), test_loader, config.eval.tta)?;
+    // The epoch's training is not lost when its evaluation fails: the
+    // checkpoint's position is the epoch's end, and a resume evaluates.
+    let test = match evaluate(trainee.learner.as_mut(), test_loader, config.eval.tta) {
+        Ok(test) => test,
+        Err(cause) => {
+            let cause = PipelineError::Evaluation {
+                epoch: epoch + 1,
+                cause: Box::new(cause),
+            };
+            return Err(stop_with_checkpoint(&mut steps, trainee, memory, cause));
+        }
+    };
     let position = &mut trainee.position;
     let progress = std::mem::take(&mut position.progress);
     position.epoch += 1;
@@ -612,11 +623,12 @@ fn run_epoch(
 }
 
 /// The loader could not make a training batch (a corrupt shard, a file gone
-/// or unreadable): the steps before it are collected and checkpointed, so that
-/// once the data is repaired `--resume` goes on exactly there, instead of
-/// losing every step since the last checkpoint. The error says so; should
-/// the checkpoint fail too, the data's error is still the one returned.
-fn stop_on_data_error(
+/// or unreadable), or the epoch's evaluation failed: the steps before are
+/// collected and checkpointed, so that once the cause is removed `--resume`
+/// goes on exactly there, instead of losing every step since the last
+/// checkpoint. The error says so; should the checkpoint fail too, the
+/// original error is still the one returned.
+fn stop_with_checkpoint(
     steps: &mut Steps<'_>,
     trainee: &mut Trainee,
     memory: &mut MemoryGuard,
@@ -626,13 +638,13 @@ fn stop_on_data_error(
         .drain(trainee, memory)
         .and_then(|_| checkpoint_now(steps.config, trainee, steps.events, memory));
     match saved {
-        Ok(()) => PipelineError::DataStopped {
+        Ok(()) => PipelineError::StoppedSaved {
             cause: Box::new(cause),
             step: trainee.position.step,
             dir: steps.config.output_dir().to_path_buf(),
         },
         Err(e) => {
-            tracing::error!("no checkpoint after the data error: {e}");
+            tracing::error!("no checkpoint after the error: {e}");
             cause
         }
     }

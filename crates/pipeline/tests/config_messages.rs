@@ -32,6 +32,19 @@ fn a_bad_set_value_blames_the_set_not_the_file() {
 }
 
 #[test]
+fn an_unknown_set_key_blames_the_set_not_the_file() {
+    for (set, key) in [
+        ("loader.workers=4", "loader.workers"),
+        ("trian.epochs=2", "trian.epochs"),
+    ] {
+        let err = load(&[set]).unwrap_err();
+        assert!(err.contains(&format!("--set {key}:")), "{err}");
+        assert!(err.contains("unknown field"), "{err}");
+        assert!(!err.contains("smoke.toml"), "{err}");
+    }
+}
+
+#[test]
 fn byte_sizes_are_explained_as_byte_sizes() {
     assert_eq!(
         parse_bytes("device.memory_limit", "3.5GiB").unwrap(),
