@@ -866,7 +866,19 @@ fn read_sample(
         epoch,
         batch,
         index,
-        source: Box::new(source),
+        source: Box::new(match source {
+            // The wrapper names the sample already.
+            LoaderError::Shard {
+                path,
+                index: Some(i),
+                message,
+            } if i == index => LoaderError::Shard {
+                path,
+                index: None,
+                message,
+            },
+            other => other,
+        }),
     };
     let label = catch_unwind(AssertUnwindSafe(read))
         .map_err(|payload| LoaderError::Panic {
