@@ -164,11 +164,11 @@ fn budget_too_small_for_one_sample_stops_with_a_checkpoint_and_resumes_with_more
 }
 
 /// Trains the smoke run on `data` twice, as it is and with `sets`; the
-/// second writes the checkpoints of the first (weights, buffers, optimizer).
-/// Its summary.
+/// second writes the checkpoints of the first (weights, buffers, optimizer)
+/// and reports the same losses and accuracies. Its summary.
 fn train_beside_a_clean_run(data: &Path, sets: &[String]) -> RunSummary {
     let (clean, changed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    train(
+    let clean_summary = train(
         &smoke_config(data, clean.path(), &[]),
         &TrainOptions::default(),
     )
@@ -188,7 +188,72 @@ fn train_beside_a_clean_run(data: &Path, sets: &[String]) -> RunSummary {
         assert_eq!(a.meta.step, b.meta.step);
         assert!(a.params == b.params && a.buffers == b.buffers && a.optimizer == b.optimizer);
     }
+    let figures = |s: &RunSummary| {
+        s.epochs
+            .iter()
+            .map(|e| (e.train_loss, e.test_loss, e.test_accuracy))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(figures(&clean_summary), figures(&summary));
     summary
+}
+
+#[test]
+fn an_evaluation_out_of_memory_is_retried_and_changes_nothing() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 512, 64);
+    let sets = ["device.inject_oom.evaluations=1,2".to_string()];
+    let summary = train_beside_a_clean_run(data.path(), &sets);
+    assert_eq!(summary.oom_events, 2, "{summary:?}");
+    assert_eq!(summary.micro_batch, 128, "the cache released was enough");
+}
+
+#[test]
+fn an_evaluation_out_of_memory_under_the_stop_policy_keeps_the_epoch() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 512, 64);
+    let (clean, stopped) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    train(
+        &smoke_config(data.path(), clean.path(), &[]),
+        &TrainOptions::default(),
+    )
+    .unwrap();
+    let sets = [
+        "device.inject_oom.evaluations=1".to_string(),
+        "memory.oom_policy=stop".into(),
+    ];
+    let config = smoke_config(data.path(), stopped.path(), &sets);
+    let err = train(&config, &TrainOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("out of memory in the evaluation after training epoch 1"),
+        "{err}"
+    );
+    assert!(
+        err.contains("is saved in") && err.contains("--resume"),
+        "{err}"
+    );
+    let saved = newest(stopped.path()).meta;
+    assert_eq!(
+        (saved.epoch, saved.batches_done),
+        (0, 512 / 128),
+        "{saved:?}"
+    );
+
+    let resume = TrainOptions {
+        resume: Resume::Latest,
+        ..Default::default()
+    };
+    let summary = train(&smoke_config(data.path(), stopped.path(), &[]), &resume).unwrap();
+    assert_eq!(
+        summary.epochs.len(),
+        2,
+        "the first epoch evaluated on resume"
+    );
+    let (a, b) = (newest(clean.path()), newest(stopped.path()));
+    assert_eq!(a.meta.step, b.meta.step);
+    assert!(a.params == b.params && a.optimizer == b.optimizer);
 }
 
 /// A run whose first `refusals` checkpoint copies memory refuses writes

@@ -371,6 +371,10 @@ pub struct InjectOom {
     /// ... and every N steps (0 = never).
     #[serde(default)]
     pub every: u64,
+    /// ... and in the evaluations after these training epochs (counted
+    /// from 1).
+    #[serde(default, deserialize_with = "step_list")]
+    pub evaluations: Vec<u64>,
     /// Refuse the first N copies of the state that checkpoints take (each
     /// checkpoint copies once more, after releasing cached blocks, then
     /// writes the learner's own tensors with no copy, which counts as a
@@ -384,7 +388,8 @@ pub struct InjectOom {
     pub snapshot_room: Option<u64>,
 }
 
-/// A list of steps, written as a TOML array or as comma-separated text.
+/// A list of steps, written as a TOML array, one number, or comma-separated
+/// text.
 fn step_list<'de, D: serde::Deserializer<'de>>(
     deserializer: D,
 ) -> std::result::Result<Vec<u64>, D::Error> {
@@ -392,10 +397,12 @@ fn step_list<'de, D: serde::Deserializer<'de>>(
     #[serde(untagged)]
     enum Steps {
         List(Vec<u64>),
+        One(u64),
         Text(String),
     }
     match Steps::deserialize(deserializer)? {
         Steps::List(list) => Ok(list),
+        Steps::One(step) => Ok(vec![step]),
         Steps::Text(text) => text
             .trim_matches(|c| c == '[' || c == ']')
             .split(',')

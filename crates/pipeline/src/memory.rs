@@ -1,6 +1,7 @@
 //! The memory policy of a run. Every tensor of the run comes from the run's
 //! own pool (so a budget is exact and everything is released when the run
-//! ends). When an allocation fails: free the pool's cache and retry the step;
+//! ends). When an allocation fails: free the pool's cache and retry the step
+//! (or the epoch's evaluation);
 //! then halve the micro-batch (accumulating gradients over twice as many
 //! micro-batches, so the update, the loss and the schedule do not change),
 //! down to `memory.min_micro_batch`; only then checkpoint and stop with the
@@ -35,6 +36,14 @@ pub struct MemoryGuard {
     pub oom_events: u64,
     /// Where the stop checkpoint goes, for the message.
     dir: std::path::PathBuf,
+}
+
+/// What the memory policy did about an out-of-memory error.
+enum Recovery {
+    /// Released this many bytes of cached blocks.
+    Released(u64),
+    /// Halved the micro-batch to this.
+    Split(usize),
 }
 
 fn figures(stats: &PoolStats, limit: Option<u64>) -> String {
@@ -106,6 +115,14 @@ impl MemoryGuard {
         }
     }
 
+    /// Arms an injected failure for the evaluation after training epoch
+    /// `epoch` (counted from 1) when the test plan says so.
+    pub fn before_evaluation(&self, epoch: u64) {
+        if self.inject.evaluations.contains(&epoch) {
+            self.pool.inject_oom(OomInjection::Next);
+        }
+    }
+
     /// Decides what follows an out-of-memory error in a step of `learner`:
     /// Ok to retry (its cache released, or its micro-batch halved), or the
     /// error that stops the run.
@@ -117,9 +134,59 @@ impl MemoryGuard {
         freed_cache: &mut bool,
         batch: usize,
     ) -> Result<()> {
+        let here = format!(
+            "out of memory at step {step}: {}",
+            self.describe(error, learner)
+        );
+        match self.recover(learner, freed_cache) {
+            Some(Recovery::Released(bytes)) => tracing::warn!(
+                "{here}: released {} of cached blocks, retrying the step",
+                bytes_text(bytes)
+            ),
+            Some(Recovery::Split(smaller)) => tracing::warn!(
+                "{here}: splitting the batch of {batch} into micro-batches of {smaller} ({} per step, gradients \
+                 accumulated; the update and the schedule are unchanged)",
+                batch.div_ceil(smaller)
+            ),
+            None => return Err(self.stop_message(&here, learner.micro_batch())),
+        }
+        Ok(())
+    }
+
+    /// The same for an evaluation, which is then run again from its start:
+    /// its micro-batch is the training's, and a halved one stays so.
+    pub fn on_evaluation_oom(
+        &mut self,
+        error: &PipelineError,
+        epoch: u64,
+        learner: &mut dyn Learner,
+        freed_cache: &mut bool,
+    ) -> Result<()> {
+        let here = format!(
+            "out of memory in the evaluation after training epoch {epoch}: {}",
+            self.describe(error, learner)
+        );
+        match self.recover(learner, freed_cache) {
+            Some(Recovery::Released(bytes)) => tracing::warn!(
+                "{here}: released {} of cached blocks, evaluating again",
+                bytes_text(bytes)
+            ),
+            Some(Recovery::Split(smaller)) => tracing::warn!(
+                "{here}: evaluating again in micro-batches of {smaller}, as training will go on"
+            ),
+            None => {
+                return Err(PipelineError::OutOfMemory(format!(
+                    "{here}; even a micro-batch of {} does not fit",
+                    learner.micro_batch()
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    /// The block that did not fit and the pool's figures then.
+    fn describe(&mut self, error: &PipelineError, learner: &mut dyn Learner) -> String {
         self.oom_events += 1;
-        let stats = learner.memory_stats();
-        let micro_batch = learner.micro_batch();
         let wanted = match error {
             PipelineError::Model(ModelError::OutOfMemory {
                 requested, limit, ..
@@ -132,34 +199,29 @@ impl MemoryGuard {
             }
             _ => "an allocation".into(),
         };
-        let here = format!(
-            "out of memory at step {step}: {wanted} did not fit ({})",
-            figures(&stats, learner.memory_limit())
-        );
+        format!(
+            "{wanted} did not fit ({})",
+            figures(&learner.memory_stats(), learner.memory_limit())
+        )
+    }
+
+    /// The policy's next move after an out-of-memory error: release the
+    /// cache, else halve the micro-batch; None when it may do neither.
+    fn recover(&mut self, learner: &mut dyn Learner, freed_cache: &mut bool) -> Option<Recovery> {
         if !self.adapt {
-            return Err(self.stop_message(&here, micro_batch));
+            return None;
         }
         if !*freed_cache {
-            let released = learner.release_cache();
             *freed_cache = true;
-            tracing::warn!(
-                "{here}: released {} of cached blocks, retrying the step",
-                bytes_text(released)
-            );
-            return Ok(());
+            return Some(Recovery::Released(learner.release_cache()));
         }
-        let smaller = micro_batch / 2;
+        let smaller = learner.micro_batch() / 2;
         if smaller < self.min_micro_batch.max(1) {
-            return Err(self.stop_message(&here, micro_batch));
+            return None;
         }
         learner.set_micro_batch(smaller);
         *freed_cache = false;
-        tracing::warn!(
-            "{here}: splitting the batch of {batch} into micro-batches of {smaller} ({} per step, gradients accumulated; \
-             the update and the schedule are unchanged)",
-            batch.div_ceil(smaller)
-        );
-        Ok(())
+        Some(Recovery::Split(smaller))
     }
 
     fn stop_message(&self, here: &str, micro_batch: usize) -> PipelineError {

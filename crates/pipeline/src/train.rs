@@ -16,7 +16,7 @@ use headroom_optim::{LossScalerConfig, OneCycle, Schedule};
 
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta, EpochProgress};
 use crate::config::{ExperimentConfig, ScheduleConfig};
-use crate::eval::evaluate;
+use crate::eval::{evaluate, Evaluation};
 use crate::learner::{self, CudaOptions, Learner, LearnerState, StepLr, StepResult};
 use crate::memory::MemoryGuard;
 use crate::resume::{self, Resume};
@@ -590,7 +590,7 @@ fn run_epoch(
     }
     // The epoch's training is not lost when its evaluation fails: the
     // checkpoint's position is the epoch's end, and a resume evaluates.
-    let test = match evaluate(trainee.learner.as_mut(), test_loader, config.eval.tta) {
+    let test = match evaluate_within_memory(trainee, test_loader, config, memory) {
         Ok(test) => test,
         Err(cause) => {
             let cause = PipelineError::Evaluation {
@@ -620,6 +620,28 @@ fn run_epoch(
         train_samples_per_sec: progress.seen as f64 / progress.train_seconds.max(1e-9),
         skipped_steps: progress.skipped,
     }))
+}
+
+/// The epoch-end evaluation, its out-of-memory errors handled by the
+/// memory policy as a step's are.
+fn evaluate_within_memory(
+    trainee: &mut Trainee,
+    test_loader: &DataLoader,
+    config: &ExperimentConfig,
+    memory: &mut MemoryGuard,
+) -> Result<Evaluation> {
+    let epoch = trainee.position.epoch + 1;
+    let learner = trainee.learner.as_mut();
+    memory.before_evaluation(epoch);
+    let mut freed_cache = false;
+    loop {
+        match evaluate(learner, test_loader, config.eval.tta) {
+            Err(e) if e.is_out_of_memory() => {
+                memory.on_evaluation_oom(&e, epoch, learner, &mut freed_cache)?
+            }
+            done => return done,
+        }
+    }
 }
 
 /// The loader could not make a training batch (a corrupt shard, a file gone
