@@ -1,11 +1,11 @@
 //! The memory policy of a run. Every tensor of the run comes from the run's
 //! own pool (so a budget is exact and everything is released when the run
 //! ends). When an allocation fails: free the pool's cache and retry the step
-//! (or the epoch's evaluation);
-//! then halve the micro-batch (accumulating gradients over twice as many
-//! micro-batches, so the update, the loss and the schedule do not change),
-//! down to `memory.min_micro_batch`; only then checkpoint and stop with the
-//! figures and what to change. Every event is logged with the pool's figures.
+//! (or the epoch's evaluation); then halve the micro-batch (accumulating
+//! gradients over twice as many micro-batches, so the update, the loss and
+//! the schedule do not change), down to `memory.min_micro_batch`; only then
+//! checkpoint and stop with the figures and what to change. Every event is
+//! logged with the pool's figures.
 
 use std::sync::Arc;
 use std::time::Instant;
