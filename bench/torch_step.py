@@ -12,7 +12,8 @@ The experiment comes as the JSON of the resolved config that `cargo xtask
 bench --compare-torch` writes (`--config-json`) or as an experiment file
 (`--experiment experiments/tiny_gpt.toml`).
 
-On the CPU: f32, a fixed thread count.
+On the CPU: f32, a fixed thread count, eager (`--compile-on-cpu` adds
+torch.compile, which was slower than eager on the 2-core EPYC; see the README).
     python3 bench/torch_step.py --experiment experiments/fashion_mnist.toml --threads 2 --batch 128
 On a GPU, PyTorch at its best: AMP (f16 autocast with a GradScaler),
 channels_last, the fused AdamW and torch.compile (unless --no-compile); it
@@ -100,6 +101,11 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--no-compile", action="store_true", help="GPU: skip torch.compile")
+    parser.add_argument(
+        "--compile-on-cpu",
+        action="store_true",
+        help="CPU: torch.compile too (off by default: slower than eager there, see the README)",
+    )
     args = parser.parse_args()
     if args.device == "cpu" and args.threads is None:
         parser.error("--threads is required on the CPU")
@@ -122,7 +128,8 @@ def main():
     clip = config["train"].get("clip_norm", 0.0)
     x, target = synthetic_inputs(config["model"], args.batch, device)
     scaler = torch.amp.GradScaler("cuda", enabled=cuda)
-    forward = module if not cuda or args.no_compile else torch.compile(module)
+    compiled = (cuda and not args.no_compile) or (not cuda and args.compile_on_cpu)
+    forward = torch.compile(module) if compiled else module
     module.train()
 
     def step():
@@ -161,9 +168,9 @@ def main():
         "parameters": parameters,
         "trainable_parameters": trainable,
     }
+    report["compiled"] = compiled
     if cuda:
         report["peak_device_bytes"] = torch.cuda.max_memory_allocated()
-        report["compiled"] = not args.no_compile
     print(json.dumps(report))
 
 
