@@ -122,24 +122,8 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
     resolved.run.output_dir = Some(run_dir.path().to_path_buf());
     let config = &resolved;
     let threads = compute_threads(config.train.threads);
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .thread_name(|i| format!("compute-{i}"))
-        .build()
-        .map_err(|e| PipelineError::Stage {
-            stage: "train",
-            reason: format!("cannot start {threads} compute threads: {e}"),
-        })?;
-    check_writable(config.output_dir())?;
-    tracing::info!("run directory {}", config.output_dir().display());
-    for (path, bytes) in checkpoint::remove_unfinished(config.output_dir())? {
-        tracing::warn!(
-            "removed {} ({}): a checkpoint a stopped run did not finish writing",
-            path.display(),
-            headroom_model::memory::bytes_text(bytes)
-        );
-    }
-    rundir::write_resolved_config(config.output_dir(), config)?;
+    let pool = compute_pool(threads)?;
+    open_run_dir(config)?;
     let resume_point = resume::choose(config, &options.resume)?;
     let mut memory = MemoryGuard::new(config)?;
     let mut run = prepare(config, options, &memory)?;
@@ -154,18 +138,7 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         }
         None => None,
     };
-    let micro_batch = match config.micro_batch()? {
-        Some(size) => size,
-        None => memory.plan_micro_batch(run.trainee.learner.as_mut(), config.train.batch_size)?,
-    };
-    run.trainee.learner.set_micro_batch(micro_batch);
-    // A fine-tuning run checks up front that the model, its optimizer state
-    // and a step fit the budget (other runs keep the adaptive OOM policy,
-    // which checkpoints and stops when not even one sample fits).
-    if config.finetune.is_some() && config.memory_limit()?.is_some() {
-        let smallest = micro_batch.min(config.memory.min_micro_batch.max(1));
-        memory.check_fits(run.trainee.learner.as_mut(), smallest)?;
-    }
+    set_micro_batch(config, &mut run.trainee, &mut memory)?;
     let parameters = run.trainee.learner.num_params();
     let macs_per_sample = run.trainee.learner.macs_per_sample()?;
     tracing::info!(
@@ -174,61 +147,24 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         config.loader_workers()
     );
 
-    let (events, receiver, checkpoint_written) = SinkLink::new(256);
-    let settings = SinkSettings {
-        output_dir: config.output_dir().to_path_buf(),
-        epochs: config.train.epochs,
-        log_every: config.run.log_every,
-        keep: config.checkpoint.keep,
-        checkpoint_written,
-    };
-    let sink = thread::Builder::new()
-        .name("sink".into())
-        .spawn(move || sink::run(receiver, settings))
-        .map_err(|e| PipelineError::Stage {
-            stage: "sink",
-            reason: e.to_string(),
-        })?;
-
+    let (events, sink) = start_sink(config)?;
     let mut epochs = Vec::new();
     let result =
         pool.install(|| run_epochs(config, options, &mut run, &events, &mut epochs, &mut memory));
     drop(events);
-    let outcome = sink
-        .join()
-        .map_err(|_| PipelineError::Stage {
-            stage: "sink",
-            reason: "the sink thread panicked".into(),
-        })
-        .and_then(|r| r);
-    // A training error explains a sink that stopped early, so it goes first,
-    // unless the training stopped because the sink did: then the sink's own
-    // error (a full disk, say) is the cause.
-    let (finish, outcome) = match (result, outcome) {
-        (Err(PipelineError::Stage { stage: "sink", .. }), Err(cause)) => return Err(cause),
-        (result, outcome) => (result?, outcome?),
-    };
+    let (finish, outcome) = join_sink(sink, result)?;
     match crate::plot::write(config.output_dir()) {
         Ok(path) => tracing::info!("plots: {}", path.display()),
         Err(e) => tracing::warn!("no plot: {e}"),
     }
-
-    let (test_loss, test_accuracy, test_baseline_loss) = match (&finish, epochs.last()) {
-        (_, Some(last)) => (
-            Some(last.test_loss),
-            last.test_accuracy,
-            last.test_baseline_loss,
-        ),
-        (Finish::Stopped, None) => (None, None, None),
+    let test = match (&finish, epochs.last()) {
+        (_, Some(last)) => Some((last.test_loss, last.test_accuracy, last.test_baseline_loss)),
+        (Finish::Stopped, None) => None,
+        // A resumed run that had done all its epochs: its checkpoint, scored.
         (Finish::Completed, None) => {
-            let test = pool.install(|| {
-                evaluate(
-                    run.trainee.learner.as_mut(),
-                    &run.test_loader,
-                    config.eval.tta,
-                )
-            })?;
-            (Some(test.loss), test.accuracy, test.baseline_loss)
+            let learner = run.trainee.learner.as_mut();
+            let test = pool.install(|| evaluate(learner, &run.test_loader, config.eval.tta))?;
+            Some((test.loss, test.accuracy, test.baseline_loss))
         }
     };
     let train_seconds: f64 = epochs.iter().map(|e| e.train_seconds).sum();
@@ -243,9 +179,9 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         interrupted: matches!(finish, Finish::Stopped),
         epoch: run.trainee.position.epoch,
         step: run.trainee.position.step,
-        test_accuracy,
-        test_loss,
-        test_baseline_loss,
+        test_accuracy: test.and_then(|(_, accuracy, _)| accuracy),
+        test_loss: test.map(|(loss, _, _)| loss),
+        test_baseline_loss: test.and_then(|(_, _, baseline)| baseline),
         wall_seconds: started.elapsed().as_secs_f64(),
         train_samples_per_sec: if train_seconds > 0.0 {
             train_samples / train_seconds
@@ -269,6 +205,100 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
             memory.stats().in_use_bytes
         },
     })
+}
+
+fn compute_pool(threads: usize) -> Result<rayon::ThreadPool> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("compute-{i}"))
+        .build()
+        .map_err(|e| PipelineError::Stage {
+            stage: "train",
+            reason: format!("cannot start {threads} compute threads: {e}"),
+        })
+}
+
+/// The run directory made ready: writable, rid of the temporaries of
+/// checkpoints a killed run did not finish, the resolved config written
+/// (once: a resumed run keeps its own).
+fn open_run_dir(config: &ExperimentConfig) -> Result<()> {
+    check_writable(config.output_dir())?;
+    tracing::info!("run directory {}", config.output_dir().display());
+    for (path, bytes) in checkpoint::remove_unfinished(config.output_dir())? {
+        tracing::warn!(
+            "removed {} ({}): a checkpoint a stopped run did not finish writing",
+            path.display(),
+            headroom_model::memory::bytes_text(bytes)
+        );
+    }
+    rundir::write_resolved_config(config.output_dir(), config)
+}
+
+/// The micro-batch the run starts with: configured, or planned within the
+/// budget.
+fn set_micro_batch(
+    config: &ExperimentConfig,
+    trainee: &mut Trainee,
+    memory: &mut MemoryGuard,
+) -> Result<()> {
+    let learner = trainee.learner.as_mut();
+    let micro_batch = match config.micro_batch()? {
+        Some(size) => size,
+        None => memory.plan_micro_batch(learner, config.train.batch_size)?,
+    };
+    learner.set_micro_batch(micro_batch);
+    // A fine-tuning run checks up front that the model, its optimizer state
+    // and a step fit the budget (other runs keep the adaptive OOM policy,
+    // which checkpoints and stops when not even one sample fits).
+    if config.finetune.is_some() && config.memory_limit()?.is_some() {
+        let smallest = micro_batch.min(config.memory.min_micro_batch.max(1));
+        memory.check_fits(learner, smallest)?;
+    }
+    Ok(())
+}
+
+/// The writer stage (metrics, checkpoints) on its own thread, and the link
+/// the training thread sends it events through.
+fn start_sink(
+    config: &ExperimentConfig,
+) -> Result<(SinkLink, thread::JoinHandle<Result<sink::SinkOutcome>>)> {
+    let (events, receiver, checkpoint_written) = SinkLink::new(256);
+    let settings = SinkSettings {
+        output_dir: config.output_dir().to_path_buf(),
+        epochs: config.train.epochs,
+        log_every: config.run.log_every,
+        keep: config.checkpoint.keep,
+        checkpoint_written,
+    };
+    let sink = thread::Builder::new()
+        .name("sink".into())
+        .spawn(move || sink::run(receiver, settings))
+        .map_err(|e| PipelineError::Stage {
+            stage: "sink",
+            reason: e.to_string(),
+        })?;
+    Ok((events, sink))
+}
+
+/// The training's result and the sink's, once the sink has written
+/// everything. A training error explains a sink that stopped early, so it
+/// goes first, unless the training stopped because the sink did: then the
+/// sink's own error (a full disk, say) is the cause.
+fn join_sink(
+    sink: thread::JoinHandle<Result<sink::SinkOutcome>>,
+    result: Result<Finish>,
+) -> Result<(Finish, sink::SinkOutcome)> {
+    let outcome = sink
+        .join()
+        .map_err(|_| PipelineError::Stage {
+            stage: "sink",
+            reason: "the sink thread panicked".into(),
+        })
+        .and_then(|r| r);
+    match (result, outcome) {
+        (Err(PipelineError::Stage { stage: "sink", .. }), Err(cause)) => Err(cause),
+        (result, outcome) => Ok((result?, outcome?)),
+    }
 }
 
 /// Where a resumed run goes on from; a run that has done all its epochs
