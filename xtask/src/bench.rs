@@ -364,8 +364,9 @@ fn print_table(report: &Report) {
     }
     println!(
         "% peak: the step's rate in direct-convolution-equivalent FLOP/s (every layer's direct \
-         arithmetic, backward counted as twice the forward) over the peak; Winograd does less \
-         arithmetic, so it can pass 100%"
+         arithmetic, backward counted as twice the forward, also where it is less: the first \
+         trainable layer makes no input gradient, a frozen one no weight gradient) over the peak; \
+         Winograd does less arithmetic, so it can pass 100%"
     );
     if let Some(t) = report.rows.iter().find_map(|r| r.pytorch.as_ref()) {
         println!(

@@ -383,19 +383,40 @@ impl Network {
     /// gradients may hold part of this backward's contribution, so zero them
     /// before retrying the step (and restore the running statistics saved
     /// with `buffer_values` before the step's forward, which updated them).
+    ///
+    /// No gradient flows into the layers before the first trainable
+    /// parameter: that layer computes its parameters' gradients only (the
+    /// first convolution's or linear layer's input gradient, as large a
+    /// product as its weight gradient, is never made), and the layers
+    /// before it are not run backward, their saved activations dropped.
     pub fn backward(&mut self, grad_logits: &Tensor) -> Result<()> {
+        let result = self.backward_to_first_trainable(grad_logits);
+        if result.is_err() {
+            self.clear_saved();
+        }
+        result
+    }
+
+    fn backward_to_first_trainable(&mut self, grad_logits: &Tensor) -> Result<()> {
+        let first = self
+            .layers
+            .iter_mut()
+            .position(|l| l.has_trainable_params());
+        let Some(first) = first else {
+            self.clear_saved();
+            return Ok(());
+        };
         let mut g = grad_logits.clone();
-        for i in (0..self.layers.len()).rev() {
-            match self.layers[i].backward(&g) {
-                Ok(next) => {
-                    profile::mark_layer("bwd", self.layers[i].as_ref(), "out", g.shape());
-                    g = next;
-                }
-                Err(e) => {
-                    self.clear_saved();
-                    return Err(e);
-                }
-            }
+        for layer in self.layers[first + 1..].iter_mut().rev() {
+            let next = layer.backward(&g)?;
+            profile::mark_layer("bwd", layer.as_ref(), "out", g.shape());
+            g = next;
+        }
+        let layer = &mut self.layers[first];
+        layer.backward_params_only(&g)?;
+        profile::mark_layer("bwd", layer.as_ref(), "out", g.shape());
+        for layer in &mut self.layers[..first] {
+            layer.clear_saved();
         }
         Ok(())
     }

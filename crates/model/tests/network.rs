@@ -231,3 +231,57 @@ fn backward_accumulates_and_needs_a_training_forward() {
     net.clear_saved();
     assert!(net.backward(&logits).is_err());
 }
+
+/// The loss of `labels` for `x`, batch statistics as in training.
+fn training_loss(net: &mut Network, x: &Tensor, labels: &[u32]) -> f64 {
+    let logits = net.forward(x, Mode::Train).unwrap();
+    net.clear_saved();
+    softmax_cross_entropy(&logits, labels, 0.0).unwrap().loss as f64
+}
+
+/// The first layer's weight gradient from `backward` agrees with central
+/// differences of the loss: that layer's backward computes its parameters'
+/// gradients without the input gradient no one wants.
+fn assert_first_weights_match_differences(net: &mut Network, x: &Tensor, labels: &[u32]) {
+    net.zero_grad();
+    let logits = net.forward(x, Mode::Train).unwrap();
+    let out = softmax_cross_entropy(&logits, labels, 0.0).unwrap();
+    net.backward(&out.grad).unwrap();
+    let analytic = net.params_mut()[0].grad.data().to_vec();
+    assert!(analytic.iter().any(|&g| g != 0.0));
+    // The 12 largest, where a wrong factor shows above the differences' noise.
+    let mut largest: Vec<usize> = (0..analytic.len()).collect();
+    largest.sort_by(|&a, &b| analytic[b].abs().total_cmp(&analytic[a].abs()));
+    let eps = 1e-3f32;
+    for &j in &largest[..12] {
+        let nudge = |net: &mut Network, by: f32| net.params_mut()[0].value.data_mut()[j] += by;
+        nudge(net, eps);
+        let up = training_loss(net, x, labels);
+        nudge(net, -2.0 * eps);
+        let down = training_loss(net, x, labels);
+        nudge(net, eps);
+        let numeric = (up - down) / (2.0 * eps as f64);
+        let got = analytic[j] as f64;
+        assert!(
+            (got - numeric).abs() <= 1e-4 + 0.03 * numeric.abs(),
+            "weight {j}: backward {got}, central difference {numeric}"
+        );
+    }
+}
+
+#[test]
+fn the_first_convolution_and_linear_layers_get_the_loss_gradient() {
+    let mut net = Network::build(&small_spec(), 5).unwrap();
+    let (pixels, labels) = blobs();
+    let x = net.input_from_u8(16, &pixels).unwrap();
+    assert_first_weights_match_differences(&mut net, &x, &labels);
+
+    let mlp = parse(&with_layers(
+        r#"{ type = "flatten" }, { type = "linear", out = 16 }, { type = "silu" }, { type = "linear", out = 4 },"#,
+    ))
+    .unwrap();
+    let mut net = Network::build(&mlp, 5).unwrap();
+    let pixels: Vec<u8> = (0..16 * 784).map(|i| (i * 37 % 251) as u8).collect();
+    let x = net.input_from_u8(16, &pixels).unwrap();
+    assert_first_weights_match_differences(&mut net, &x, &labels);
+}

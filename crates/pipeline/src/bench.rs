@@ -31,8 +31,10 @@ pub struct StepBench {
     /// Forward + backward FLOP/s, counting backward as twice the forward,
     /// in direct-convolution-equivalent FLOP: the arithmetic the direct
     /// definition of every layer would do (`macs_per_sample`), whatever
-    /// algorithm ran. Winograd does less, so its share of the machine's FMA
-    /// peak can pass 100%.
+    /// algorithm ran, and whatever the backward leaves out (the first
+    /// trainable layer's input gradient, a frozen layer's weight gradient).
+    /// Winograd does less, so its share of the machine's FMA peak can pass
+    /// 100%.
     pub gflops: f64,
     pub peak_rss_bytes: Option<u64>,
     pub parameters: usize,

@@ -41,6 +41,45 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// dW and db of `grad_output` for the saved input (taken: backward
+    /// runs once per forward), added to the gradients; a frozen parameter
+    /// gets none.
+    fn add_param_grads(&mut self, grad_output: &Tensor) -> Result<()> {
+        let x = self
+            .saved_input
+            .take()
+            .ok_or(ModelError::NoSavedActivation { op: "linear" })?;
+        let n = x.batch();
+        let (k, o) = (self.in_features, self.out_features);
+        grad_output.expect_shape("linear backward", &[n, o])?;
+        self.check_state()?;
+        let g = grad_output.data();
+        // dW[k×o] += xᵀ[k×n] · g[n×o]
+        let xt = View {
+            data: x.data(),
+            row_stride: 1,
+            col_stride: k,
+        };
+        let gv = View {
+            data: g,
+            row_stride: o,
+            col_stride: 1,
+        };
+        if !self.weight.frozen {
+            matmul(self.weight.grad.data_mut(), k, o, n, xt, gv, true);
+        }
+        // db[o] += Σₙ g
+        if let Some(b) = self.bias.as_mut().filter(|b| !b.frozen) {
+            let db = b.grad.data_mut();
+            for row in g.chunks_exact(o.max(1)) {
+                for (d, &v) in db.iter_mut().zip(row) {
+                    *d += v;
+                }
+            }
+        }
+        Ok(())
+    }
+
     pub fn new(
         name: &str,
         in_features: usize,
@@ -165,43 +204,14 @@ impl Layer for Linear {
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
-        let x = self
-            .saved_input
-            .take()
-            .ok_or(ModelError::NoSavedActivation { op: "linear" })?;
-        let n = x.batch();
-        let (k, o) = (self.in_features, self.out_features);
-        grad_output.expect_shape("linear backward", &[n, o])?;
-        self.check_state()?;
-        let g = grad_output.data();
-
-        // dW[k×o] += xᵀ[k×n] · g[n×o]
-        let xt = View {
-            data: x.data(),
-            row_stride: 1,
-            col_stride: k,
-        };
+        self.add_param_grads(grad_output)?;
+        let (n, k, o) = (grad_output.batch(), self.in_features, self.out_features);
+        // dx[n×k] = g[n×o] · Wᵀ[o×k]
         let gv = View {
-            data: g,
+            data: grad_output.data(),
             row_stride: o,
             col_stride: 1,
         };
-        // A frozen weight (fine-tuning) gets no gradient: none computed.
-        if !self.weight.frozen {
-            matmul(self.weight.grad.data_mut(), k, o, n, xt, gv, true);
-        }
-
-        // db[o] += Σₙ g
-        if let Some(b) = self.bias.as_mut().filter(|b| !b.frozen) {
-            let db = b.grad.data_mut();
-            for row in g.chunks_exact(o.max(1)) {
-                for (d, &v) in db.iter_mut().zip(row) {
-                    *d += v;
-                }
-            }
-        }
-
-        // dx[n×k] = g[n×o] · Wᵀ[o×k]
         let wt = View {
             data: self.weight.value.data(),
             row_stride: 1,
@@ -210,6 +220,10 @@ impl Layer for Linear {
         let mut dx = Tensor::try_zeros(&[n, k])?;
         matmul(dx.try_data_mut()?, n, k, o, gv, wt, false);
         Ok(dx)
+    }
+
+    fn backward_params_only(&mut self, grad_output: &Tensor) -> Result<()> {
+        self.add_param_grads(grad_output)
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
@@ -321,6 +335,23 @@ mod tests {
         let x = random(&[5, 7], 4);
         let report = check_layer(&mut lin, &x, 1e-2, 1e-3);
         assert!(report.is_ok(), "{}", report.unwrap_err());
+    }
+
+    #[test]
+    fn backward_params_only_adds_the_parameter_gradients_of_backward() {
+        let mut rng = InitRng::new(1);
+        let mut full = Linear::new("fc", 5, 3, true, &mut rng);
+        let mut rng = InitRng::new(1);
+        let mut params_only = Linear::new("fc", 5, 3, true, &mut rng);
+        let (x, g) = (random(&[4, 5], 2), random(&[4, 3], 3));
+        full.forward(&x, Mode::Train).unwrap();
+        params_only.forward(&x, Mode::Train).unwrap();
+        full.backward(&g).unwrap();
+        params_only.backward_params_only(&g).unwrap();
+        for (a, b) in full.params_mut().into_iter().zip(params_only.params_mut()) {
+            assert!(a.grad.data() == b.grad.data(), "{}", a.name);
+        }
+        assert!(params_only.backward_params_only(&g).is_err());
     }
 
     #[test]

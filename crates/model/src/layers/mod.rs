@@ -126,6 +126,19 @@ pub trait Layer: Send {
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor>;
 
+    /// `backward` for a layer whose input no gradient is wanted for (no
+    /// trainable parameter before it): only its parameters' gradients. The
+    /// layers whose input gradient costs as much as those (convolution,
+    /// linear) skip computing it; the rest compute it and drop it.
+    fn backward_params_only(&mut self, grad_output: &Tensor) -> Result<()> {
+        self.backward(grad_output).map(drop)
+    }
+
+    /// Whether any parameter of this layer is trained (not frozen).
+    fn has_trainable_params(&mut self) -> bool {
+        self.params_mut().iter().any(|p| !p.frozen)
+    }
+
     /// Whether this layer marks a running profile itself, part by part (a
     /// container): then whoever runs it does not mark it whole.
     fn marks_its_parts(&self) -> bool {

@@ -269,6 +269,43 @@ impl Geom {
 }
 
 impl Conv2d {
+    /// The saved input (taken: backward runs once per forward) and the
+    /// geometry, with `grad_output`'s shape checked against it.
+    fn take_saved(&mut self, grad_output: &Tensor) -> Result<(Geom, Tensor)> {
+        let Some(input) = self.saved_input.as_ref() else {
+            return Err(ModelError::NoSavedActivation { op: "Conv2d" });
+        };
+        let g = self.geom(input.shape())?;
+        grad_output.expect_shape("Conv2d backward", &[g.n, g.oh, g.ow, g.cout])?;
+        let Some(input) = self.saved_input.take() else {
+            return Err(ModelError::NoSavedActivation { op: "Conv2d" });
+        };
+        Ok((g, input))
+    }
+
+    /// dW (and db) of `dy` for `input`, added to the gradients.
+    fn add_param_grads(&mut self, g: &Geom, input: &Tensor, dy: &[f32]) -> Result<()> {
+        if g.n == 0 {
+            return Ok(());
+        }
+        let groups = Groups::new(g.n);
+        let stride = g.kk * g.cout + g.cout;
+        let wanted = groups.count * stride;
+        if wanted > self.partials.len() {
+            let mut grown = try_zeroed(wanted)?;
+            grown[..self.partials.len()].copy_from_slice(&self.partials);
+            self.partials = grown;
+        }
+        self.partials.truncate(wanted);
+        grad_params(g, &groups, input.data(), dy, &mut self.partials);
+        let partials = &self.partials;
+        reduce_partials(self.weight.grad.data_mut(), partials, 0, stride);
+        if let Some(b) = self.bias.as_mut() {
+            reduce_partials(b.grad.data_mut(), partials, g.kk * g.cout, stride);
+        }
+        Ok(())
+    }
+
     /// Keeps `input` as a training forward on it would, without computing
     /// the output: for a layer that runs one convolution at many steps
     /// (`conv_lstm`), keeps each step's input itself and hands it back
@@ -421,34 +458,16 @@ impl Layer for Conv2d {
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
-        let Some(input) = self.saved_input.as_ref() else {
-            return Err(ModelError::NoSavedActivation { op: "Conv2d" });
-        };
-        let g = self.geom(input.shape())?;
-        grad_output.expect_shape("Conv2d backward", &[g.n, g.oh, g.ow, g.cout])?;
-        let Some(input) = self.saved_input.take() else {
-            return Err(ModelError::NoSavedActivation { op: "Conv2d" });
-        };
+        let (g, input) = self.take_saved(grad_output)?;
         let dy = grad_output.data();
         let grad_in = grad_input(&g, dy, self.weight.value.data())?;
-        if g.n > 0 {
-            let groups = Groups::new(g.n);
-            let stride = g.kk * g.cout + g.cout;
-            let wanted = groups.count * stride;
-            if wanted > self.partials.len() {
-                let mut grown = try_zeroed(wanted)?;
-                grown[..self.partials.len()].copy_from_slice(&self.partials);
-                self.partials = grown;
-            }
-            self.partials.truncate(wanted);
-            grad_params(&g, &groups, input.data(), dy, &mut self.partials);
-            let partials = &self.partials;
-            reduce_partials(self.weight.grad.data_mut(), partials, 0, stride);
-            if let Some(b) = self.bias.as_mut() {
-                reduce_partials(b.grad.data_mut(), partials, g.kk * g.cout, stride);
-            }
-        }
+        self.add_param_grads(&g, &input, dy)?;
         Ok(grad_in)
+    }
+
+    fn backward_params_only(&mut self, grad_output: &Tensor) -> Result<()> {
+        let (g, input) = self.take_saved(grad_output)?;
+        self.add_param_grads(&g, &input, grad_output.data())
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
@@ -2097,6 +2116,27 @@ mod tests {
         l.forward(&input(case, 2), Mode::Train).unwrap();
         l.backward(&dy).unwrap();
         assert!(l.backward(&dy).is_err());
+    }
+
+    #[test]
+    fn backward_params_only_adds_the_parameter_gradients_of_backward() {
+        both_paths(|path| {
+            for &case in CASES {
+                let x = input(case, 2);
+                let (mut full, mut params_only) = (layer(case, 1), layer(case, 1));
+                let y = full.forward(&x, Mode::Train).unwrap();
+                params_only.forward(&x, Mode::Train).unwrap();
+                let mut rng = InitRng::new(9);
+                let dy = Tensor::from_vec(y.shape(), random(&mut rng, y.len())).unwrap();
+                full.backward(&dy).unwrap();
+                params_only.backward_params_only(&dy).unwrap();
+                for (a, b) in full.params_mut().into_iter().zip(params_only.params_mut()) {
+                    assert!(a.grad.data() == b.grad.data(), "{path} {case:?} {}", a.name);
+                }
+                // The saved input is used up, as by backward.
+                assert!(params_only.backward_params_only(&dy).is_err());
+            }
+        });
     }
 
     #[test]
