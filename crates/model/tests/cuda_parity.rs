@@ -1151,6 +1151,46 @@ fn conv_parity(be: &CudaBackend, case: &ConvCase, seed: u64) {
     }
 }
 
+/// The backward without dX (a network's first layer) accumulates the dW
+/// and db of the whole backward, bit for bit.
+fn conv_params_only_parity(be: &CudaBackend, case: &ConvCase, seed: u64) {
+    let s = case.shape;
+    let (oh, ow) = (
+        (s.h + 2 * s.pad - s.k) / s.stride + 1,
+        (s.w + 2 * s.pad - s.k) / s.stride + 1,
+    );
+    let weight = random_vec(s.k * s.k * s.cin * s.cout, seed, 0.2);
+    let w_d = upload_f16(be, &weight);
+    let gx = upload(be, &random(&[s.n, s.h, s.w, s.cin], seed + 1, 1.0, 0.0));
+    let gy = upload(be, &random(&[s.n, oh, ow, s.cout], seed + 2, 1.0, 0.0));
+    let grads = |with_dx: bool| {
+        let mut dw = upload_f32(be, &vec![0.0; weight.len()]);
+        let mut db = upload_f32(be, &vec![0.0; s.cout]);
+        {
+            let (w, mut dw_view, mut db_view) = (
+                AnyView::F16(w_d.as_view()),
+                dw.as_view_mut(),
+                db.as_view_mut(),
+            );
+            let db_view = case.bias.then_some(&mut db_view);
+            if with_dx {
+                ops::conv2d_backward(be, &gx, &gy, &w, &mut dw_view, db_view, s, case.plan)
+                    .map(drop)
+            } else {
+                ops::conv2d_backward_params(be, &gx, &gy, &w, &mut dw_view, db_view, s, case.plan)
+            }
+            .unwrap();
+        }
+        (download(be, &dw), download(be, &db))
+    };
+    assert_eq!(
+        grads(false),
+        grads(true),
+        "conv {s:?} {:?}: dW and db alone",
+        case.plan
+    );
+}
+
 #[test]
 fn convolution_matches_the_cpu_layer_for_the_reference_shapes() {
     let be = gpu_or_skip!();
@@ -1228,6 +1268,7 @@ fn convolution_matches_the_cpu_layer_for_the_reference_shapes() {
     for (i, case) in cases.iter().enumerate() {
         let before = kernel_runs(&vectorized);
         conv_parity(&be, case, 100 + 10 * i as u64);
+        conv_params_only_parity(&be, case, 150 + 10 * i as u64);
         if let (Some(before), Some(after)) = (before, kernel_runs(&vectorized)) {
             let s = case.shape;
             let expected = s.cin % 8 == 0 && !s.is_pointwise();
@@ -1318,6 +1359,7 @@ fn implicit_gemm_convolution_matches_the_cpu_layer() {
         if let (Some(before), Some(after)) = (before, kernel_runs(&IMPLICIT_KERNELS)) {
             assert_eq!(after - before, runs, "implicit kernel runs for {shape:?}");
         }
+        conv_params_only_parity(&be, &ConvCase { shape, bias, plan }, 350 + 10 * i as u64);
     }
 }
 
@@ -1390,6 +1432,31 @@ fn linear_matches_the_cpu_layer() {
         if let Some(db) = db {
             assert_close("linear db", &download(&be, &db_d), &db, 1e-3, 1e-4);
         }
+        // Without dx (a network's first layer): the same dW and db, bit for bit.
+        let mut dw_p = upload_f32(&be, &vec![0.0; weight.len()]);
+        let mut db_p = upload_f32(&be, &vec![0.0; out]);
+        {
+            let mut db_view = db_p.as_view_mut();
+            ops::linear_backward_params(
+                &be,
+                &gx,
+                &upload(&be, &g),
+                &AnyView::F16(w_d.as_view()),
+                &mut dw_p.as_view_mut(),
+                if bias { Some(&mut db_view) } else { None },
+            )
+            .unwrap();
+        }
+        assert_eq!(
+            download(&be, &dw_p),
+            download(&be, &dw_d),
+            "linear dW alone"
+        );
+        assert_eq!(
+            download(&be, &db_p),
+            download(&be, &db_d),
+            "linear db alone"
+        );
     }
 }
 
@@ -2808,6 +2875,42 @@ fn flattening_specs(checkpoint: CheckpointPolicy) -> Vec<ModelSpec> {
             spec
         })
         .collect()
+}
+
+/// A network's first convolution makes no input gradient (no one wants the
+/// images'): its backward runs no col2im, where a second one does (the
+/// emulator counts kernel runs; the gradients are checked against the CPU
+/// network by `networks_of_the_mlp_and_unet_layers_match_the_cpu_network`).
+#[test]
+fn a_first_convolution_makes_no_input_gradient() {
+    let be = gpu_or_skip!();
+    let col2im = [
+        kernels::COL2IM.f16.name,
+        kernels::COL2IM.f32.name,
+        kernels::COL2IM_V8.name,
+    ];
+    let x = random(&[3, 6, 6, 2], 890, 1.0, 0.0);
+    let g = random(&[3, 4], 891, 0.5, 0.0);
+    for (convs, runs) in [(1, 0), (2, 1)] {
+        let layers = vec![r#"{ type = "conv", out = 4 }, { type = "relu" }"#; convs].join(", ");
+        let text = format!(
+            "[model]\ninput = [6, 6, 2]\nmean = 0.5\nstd = 0.25\nlayers = [{layers}, \
+             {{ type = \"global_avg_pool\" }}, {{ type = \"linear\", out = 4 }}]\n"
+        );
+        let spec = toml::from_str::<SpecFile>(&text).unwrap().model;
+        let mut net = CudaNetwork::build(&be, &spec, 9, CudaBuildOptions::default()).unwrap();
+        let x = CudaTensor::from_tensor(&be, &x, DType::F16).unwrap();
+        let g = CudaTensor::from_tensor(&be, &g, DType::F16).unwrap();
+        net.forward_train(&be, &x).unwrap();
+        // The emulator's streams run when waited for.
+        be.compute_stream().synchronize().unwrap();
+        let before = kernel_runs(&col2im);
+        net.backward(&be, &g).unwrap();
+        be.compute_stream().synchronize().unwrap();
+        if let (Some(before), Some(after)) = (before, kernel_runs(&col2im)) {
+            assert_eq!(after - before, runs, "{convs} convolutions");
+        }
+    }
 }
 
 /// What `flattening_specs`' networks compute on the GPU: the logits of two

@@ -790,13 +790,16 @@ impl CudaNetwork {
     }
 
     /// Backward from the logits' gradient: parameter gradients are
-    /// accumulated (+=) into the groups' f32 gradients.
+    /// accumulated (+=) into the groups' f32 gradients. No gradient is
+    /// wanted for the network's input: the layers before the first with
+    /// parameters are not run backward, and a first convolution or linear
+    /// layer makes its parameters' gradients only (as the CPU network).
     pub fn backward(&mut self, be: &CudaBackend, grad_logits: &CudaTensor) -> CudaResult<()> {
         let mut saved = std::mem::take(&mut self.saved);
         let g = grad_logits.try_clone(be)?;
-        let result = backward_list(be, &mut self.layers, &mut self.groups, &mut saved, g);
+        let result = backward_network(be, &mut self.layers, &mut self.groups, &mut saved, g);
         self.saved.clear();
-        result.map(drop)
+        result
     }
 
     /// Drops whatever a failed step left saved.
@@ -2147,12 +2150,99 @@ fn backward_list(
     Ok(g)
 }
 
+/// The network's backward, down to its first layer with parameters (what
+/// the layers before it saved is dropped unused).
+fn backward_network(
+    be: &CudaBackend,
+    layers: &mut [GpuLayer],
+    groups: &mut Groups,
+    saved: &mut Vec<Saved>,
+    mut g: CudaTensor,
+) -> CudaResult<()> {
+    let Some(first) = layers.iter().position(GpuLayer::may_have_params) else {
+        return Ok(());
+    };
+    let Some((first, after)) = layers[first..].split_first_mut() else {
+        return Ok(());
+    };
+    g = backward_list(be, after, groups, saved, g)?;
+    let out = dims(&g);
+    backward_params_only(be, first, groups, saved, g)?;
+    be.profile_mark(|| format!("bwd {} out {out}", first.describe()))
+}
+
+/// `layer`'s parameter gradients for `g`: a convolution or linear layer
+/// skips its input gradient, any other layer computes and drops it.
+fn backward_params_only(
+    be: &CudaBackend,
+    layer: &mut GpuLayer,
+    groups: &mut Groups,
+    saved: &mut Vec<Saved>,
+    g: CudaTensor,
+) -> CudaResult<()> {
+    match layer {
+        GpuLayer::Conv {
+            weight,
+            bias,
+            kernel,
+            stride,
+            pad,
+            cout,
+            plan,
+        } if weight.trainable() => {
+            let Some(Saved::Input(x)) = saved.pop() else {
+                return Err(missing());
+            };
+            let x = x.take(be)?;
+            let s = conv_shape(&x, *kernel, *stride, *pad, *cout)?;
+            with_grads(groups, weight, bias.as_ref(), |mut v| {
+                let bias_grad = v.other.as_mut().map(|(_, grad)| grad);
+                ops::conv2d_backward_params(
+                    be,
+                    &x,
+                    &g,
+                    &v.compute,
+                    &mut v.grad,
+                    bias_grad,
+                    s,
+                    *plan,
+                )
+            })
+        }
+        GpuLayer::Linear { weight, bias, .. } if weight.trainable() => {
+            let Some(Saved::Input(x)) = saved.pop() else {
+                return Err(missing());
+            };
+            let x = x.take(be)?;
+            with_grads(groups, weight, bias.as_ref(), |mut v| {
+                let bias_grad = v.other.as_mut().map(|(_, grad)| grad);
+                ops::linear_backward_params(be, &x, &g, &v.compute, &mut v.grad, bias_grad)
+            })
+        }
+        _ => backward_one(be, layer, groups, saved, g).map(drop),
+    }
+}
+
 /// A tensor's dimensions after the batch, for profile labels: "28x28x32".
 fn dims(t: &CudaTensor) -> String {
     profile::dims(t.shape())
 }
 
 impl GpuLayer {
+    /// Whether its backward may make parameter gradients (a container is
+    /// taken to).
+    fn may_have_params(&self) -> bool {
+        !matches!(
+            self,
+            GpuLayer::Relu
+                | GpuLayer::GlobalAvgPool
+                | GpuLayer::Flatten
+                | GpuLayer::Smooth(_)
+                | GpuLayer::Dropout(_)
+                | GpuLayer::Upsample2x
+        )
+    }
+
     /// What the layer is, for profile labels.
     fn describe(&self) -> String {
         match self {

@@ -2066,6 +2066,41 @@ pub fn conv2d_backward(
     s: ConvShape,
     plan: ConvPlan,
 ) -> CudaResult<CudaTensor> {
+    let mut dx = CudaTensor::uninit(be, x.shape(), x.dtype())?;
+    let dx_out = Some(&mut dx);
+    conv2d_backward_into(be, x, dy, weight, weight_grad, bias_grad, dx_out, s, plan)?;
+    Ok(dx)
+}
+
+/// Backward without dX: dW += Aᵀ·dY, db += Σ dY (a network's first layer,
+/// whose input no gradient is wanted for).
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_backward_params(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    dy: &CudaTensor,
+    weight: &AnyView<'_>,
+    weight_grad: &mut CudaViewMut<'_, f32>,
+    bias_grad: Option<&mut CudaViewMut<'_, f32>>,
+    s: ConvShape,
+    plan: ConvPlan,
+) -> CudaResult<()> {
+    conv2d_backward_into(be, x, dy, weight, weight_grad, bias_grad, None, s, plan)
+}
+
+/// dW and db accumulated, and dX overwritten when `input_grad` is given.
+#[allow(clippy::too_many_arguments)]
+fn conv2d_backward_into(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    dy: &CudaTensor,
+    weight: &AnyView<'_>,
+    weight_grad: &mut CudaViewMut<'_, f32>,
+    bias_grad: Option<&mut CudaViewMut<'_, f32>>,
+    mut input_grad: Option<&mut CudaTensor>,
+    s: ConvShape,
+    plan: ConvPlan,
+) -> CudaResult<()> {
     let (oh, ow) = s.check(x, weight.len())?;
     let dtype = x.dtype();
     same_dtype("conv2d backward", dtype, &[dy.dtype(), weight.dtype()])?;
@@ -2084,9 +2119,11 @@ pub fn conv2d_backward(
     }
     if dy.is_empty() {
         // No output pixels: the input gradient is zero.
-        return CudaTensor::zeros(be, x.shape(), dtype);
+        if let Some(dx) = input_grad {
+            *dx = CudaTensor::zeros(be, x.shape(), dtype)?;
+        }
+        return Ok(());
     }
-    let mut dx = CudaTensor::uninit(be, x.shape(), dtype)?;
     let w_t = Operand {
         transpose: true,
         ld: s.cout,
@@ -2114,29 +2151,33 @@ pub fn conv2d_backward(
             1.0,
         )?;
         // dX[n·h·w × cin] = dY · Wᵀ
-        gemm(
-            be,
-            s.n * opix,
-            s.cin,
-            s.cout,
-            &dy.view(),
-            Operand {
-                transpose: false,
-                ld: s.cout,
-            },
-            weight,
-            w_t,
-            &mut dx.view_mut(),
-            s.cin,
-            1.0,
-            0.0,
-        )?;
-        return Ok(dx);
+        if let Some(dx) = input_grad {
+            gemm(
+                be,
+                s.n * opix,
+                s.cin,
+                s.cout,
+                &dy.view(),
+                Operand {
+                    transpose: false,
+                    ld: s.cout,
+                },
+                weight,
+                w_t,
+                &mut dx.view_mut(),
+                s.cin,
+                1.0,
+                0.0,
+            )?;
+        }
+        return Ok(());
     }
     if implicit_fits(be, plan, dtype, &s) {
         implicit_wgrad(be, x, dy, weight_grad, &s, (oh, ow), plan.workspace)?;
-        implicit_conv(be, dy, weight, &mut dx, &s, (oh, ow), true)?;
-        return Ok(dx);
+        if let Some(dx) = input_grad {
+            implicit_conv(be, dy, weight, dx, &s, (oh, ow), true)?;
+        }
+        return Ok(());
     }
     let ipc = images_per_chunk(&s, opix, plan.workspace, dtype);
     let mut a = CudaTensor::uninit(be, &[ipc * opix * kk], dtype)?;
@@ -2168,6 +2209,9 @@ pub fn conv2d_backward(
             1.0,
             1.0,
         )?;
+        let Some(dx) = input_grad.as_deref_mut() else {
+            continue;
+        };
         // dA = dY · Wᵀ into the same scratch (stream order: after the dW
         // product has read A), then col2im into dX.
         {
@@ -2194,14 +2238,14 @@ pub fn conv2d_backward(
         let total = images * s.h * s.w * s.cin;
         let (col2im, cfg) = per_element(be, &k::COL2IM, &k::COL2IM_V8, dtype, s.cin, total)?;
         let mut b = be.compute_stream().launch_builder(&col2im);
-        b.arg(&p).arg(&a).arg(&mut dx);
+        b.arg(&p).arg(&a).arg(dx);
         // SAFETY: col2im_T(ConvParams, const T* da [rows, kk], T* dx
         // [n, h, w, cin]) reads rows·kk ≤ a.len() elements and writes the
         // `images` images from n0 of dx, inside its n images; col2im_v8_f16
         // the same 8 at a time (by_eight: aligned 16-byte accesses).
         unsafe { b.launch(cfg) }.during("col2im")?;
     }
-    Ok(dx)
+    Ok(())
 }
 
 fn bias_grad_into(
@@ -2270,6 +2314,21 @@ pub fn linear_backward(
     weight_grad: &mut CudaViewMut<'_, f32>,
     bias_grad: Option<&mut CudaViewMut<'_, f32>>,
 ) -> CudaResult<CudaTensor> {
+    linear_backward_params(be, x, g, weight, weight_grad, bias_grad)?;
+    let inf = x.shape().get(1).copied().unwrap_or(0);
+    linear_backward_input(be, g, weight, inf)
+}
+
+/// dW += xᵀ·g (f32) and db += Σ g, without dx (a network's first layer,
+/// whose input no gradient is wanted for).
+pub fn linear_backward_params(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    g: &CudaTensor,
+    weight: &AnyView<'_>,
+    weight_grad: &mut CudaViewMut<'_, f32>,
+    bias_grad: Option<&mut CudaViewMut<'_, f32>>,
+) -> CudaResult<()> {
     let (n, inf) = matrix_dims("linear backward", "features [n, in]", x)?;
     let out = weight.len().checked_div(inf).unwrap_or(0);
     same_len(
@@ -2312,7 +2371,7 @@ pub fn linear_backward(
             1.0,
         )?;
     }
-    linear_backward_input(be, g, weight, inf)
+    Ok(())
 }
 
 /// dx = g·Wᵀ [n, in] for g [n, out] and W [in, out] (a frozen weight's
