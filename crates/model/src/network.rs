@@ -13,9 +13,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::init::InitRng;
 use crate::layers::{
-    BatchNorm2d, CausalSelfAttention, Checkpointed, Conv2d, ConvLstm, Dropout, Embedding, Flatten,
-    FusedResidual, Gelu, GlobalAvgPool, LayerNorm, Linear, LoraConfig, LoraLinear, Lstm, PerFrame,
-    PerPosition, Relu, Residual, Silu, UnetSkip, Upsample2x,
+    backward_params_only_through, BatchNorm2d, CausalSelfAttention, Checkpointed, Conv2d, ConvLstm,
+    Dropout, Embedding, Flatten, FusedResidual, Gelu, GlobalAvgPool, LayerNorm, Linear, LoraConfig,
+    LoraLinear, Lstm, PerFrame, PerPosition, Relu, Residual, Silu, UnetSkip, Upsample2x,
 };
 use crate::profile::{self, ProfileSegment};
 use crate::{Device, Layer, MemoryPool, Mode, ModelError, Param, PoolStats, Result, Tensor};
@@ -390,35 +390,11 @@ impl Network {
     /// product as its weight gradient, is never made), and the layers
     /// before it are not run backward, their saved activations dropped.
     pub fn backward(&mut self, grad_logits: &Tensor) -> Result<()> {
-        let result = self.backward_to_first_trainable(grad_logits);
+        let result = backward_params_only_through(&mut self.layers, grad_logits.clone());
         if result.is_err() {
             self.clear_saved();
         }
         result
-    }
-
-    fn backward_to_first_trainable(&mut self, grad_logits: &Tensor) -> Result<()> {
-        let first = self
-            .layers
-            .iter_mut()
-            .position(|l| l.has_trainable_params());
-        let Some(first) = first else {
-            self.clear_saved();
-            return Ok(());
-        };
-        let mut g = grad_logits.clone();
-        for layer in self.layers[first + 1..].iter_mut().rev() {
-            let next = layer.backward(&g)?;
-            profile::mark_layer("bwd", layer.as_ref(), "out", g.shape());
-            g = next;
-        }
-        let layer = &mut self.layers[first];
-        layer.backward_params_only(&g)?;
-        profile::mark_layer("bwd", layer.as_ref(), "out", g.shape());
-        for layer in &mut self.layers[..first] {
-            layer.clear_saved();
-        }
-        Ok(())
     }
 
     /// Starts timing every layer's forward and backward on this thread

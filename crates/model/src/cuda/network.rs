@@ -2172,7 +2172,8 @@ fn backward_network(
 }
 
 /// `layer`'s parameter gradients for `g`: a convolution or linear layer
-/// skips its input gradient, any other layer computes and drops it.
+/// skips its input gradient, a UNet skip its add (and its body's first
+/// input gradient), any other layer computes and drops it.
 fn backward_params_only(
     be: &CudaBackend,
     layer: &mut GpuLayer,
@@ -2218,6 +2219,14 @@ fn backward_params_only(
                 let bias_grad = v.other.as_mut().map(|(_, grad)| grad);
                 ops::linear_backward_params(be, &x, &g, &v.compute, &mut v.grad, bias_grad)
             })
+        }
+        // The skip's share of the gradient goes nowhere; the body is first
+        // in the network too.
+        GpuLayer::UnetSkip { body, channels } => {
+            let _ = saved.pop().ok_or_else(missing)?;
+            let (_, g_body) = ops::channels_split(be, &g, *channels)?;
+            drop(g);
+            backward_network(be, body, groups, saved, g_body)
         }
         _ => backward_one(be, layer, groups, saved, g).map(drop),
     }

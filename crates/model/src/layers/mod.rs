@@ -50,6 +50,7 @@ pub use residual::{FusedResidual, Residual};
 pub use smooth_activation::{Gelu, Silu};
 pub use unet::{UnetSkip, Upsample2x};
 
+use crate::profile;
 use crate::{Result, Tensor};
 
 /// Training saves activations and updates batch-norm running statistics;
@@ -170,4 +171,33 @@ pub trait Layer: Send {
     /// normalises with the batch statistics and leaves its running
     /// statistics alone. Containers pass it on to their layers.
     fn set_recompute(&mut self, _on: bool) {}
+}
+
+/// The backward of a sequence of layers whose input no gradient is wanted
+/// for (a network's, or a container's that is first in one): down to the
+/// first layer with a trained parameter, which makes its parameters'
+/// gradients only (`Layer::backward_params_only`); the layers before it are
+/// not run backward, and their saved activations are dropped.
+pub(crate) fn backward_params_only_through(
+    layers: &mut [Box<dyn Layer>],
+    grad_output: Tensor,
+) -> Result<()> {
+    let first = layers.iter_mut().position(|l| l.has_trainable_params());
+    let Some(first) = first else {
+        layers.iter_mut().for_each(|l| l.clear_saved());
+        return Ok(());
+    };
+    let mut g = grad_output;
+    for layer in layers[first + 1..].iter_mut().rev() {
+        let next = layer.backward(&g)?;
+        profile::mark_layer("bwd", layer.as_ref(), "out", g.shape());
+        g = next;
+    }
+    let layer = &mut layers[first];
+    layer.backward_params_only(&g)?;
+    profile::mark_layer("bwd", layer.as_ref(), "out", g.shape());
+    for layer in &mut layers[..first] {
+        layer.clear_saved();
+    }
+    Ok(())
 }

@@ -184,6 +184,26 @@ impl PerFrame {
             saved_frames: None,
         }
     }
+
+    /// The frames' gradient as the inner layer's images [N·T, ...], with
+    /// N and T of the training forward (taken).
+    fn images_gradient(&mut self, grad_output: &Tensor) -> Result<(usize, usize, Tensor)> {
+        let (n, t) = self
+            .saved_frames
+            .take()
+            .ok_or(ModelError::NoSavedActivation {
+                op: "per-frame layer",
+            })?;
+        let [gn, gt, h, w, c] = frames_dims("per-frame backward", grad_output.shape())?;
+        if (gn, gt) != (n, t) {
+            return Err(ModelError::Shape {
+                op: "per-frame backward",
+                expected: format!("[{n}, {t}, _, _, _]"),
+                got: format!("{:?}", grad_output.shape()),
+            });
+        }
+        Ok((n, t, grad_output.clone().reshape(&[n * t, h, w, c])?))
+    }
 }
 
 fn frames_dims(op: &'static str, shape: &[usize]) -> Result<[usize; 5]> {
@@ -235,22 +255,13 @@ impl Layer for PerFrame {
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
-        let (n, t) = self
-            .saved_frames
-            .take()
-            .ok_or(ModelError::NoSavedActivation {
-                op: "per-frame layer",
-            })?;
-        let [gn, gt, h, w, c] = frames_dims("per-frame backward", grad_output.shape())?;
-        if (gn, gt) != (n, t) {
-            return Err(ModelError::Shape {
-                op: "per-frame backward",
-                expected: format!("[{n}, {t}, _, _, _]"),
-                got: format!("{:?}", grad_output.shape()),
-            });
-        }
-        let g = grad_output.clone().reshape(&[n * t, h, w, c])?;
+        let (n, t, g) = self.images_gradient(grad_output)?;
         unfold_frames(self.inner.backward(&g)?, n, t)
+    }
+
+    fn backward_params_only(&mut self, grad_output: &Tensor) -> Result<()> {
+        let (_, _, g) = self.images_gradient(grad_output)?;
+        self.inner.backward_params_only(&g)
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {

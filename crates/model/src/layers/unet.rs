@@ -13,6 +13,7 @@
 //! must come back unchanged.
 
 use super::activation::{gather_rows, par_add_assign, par_rows};
+use super::backward_params_only_through;
 use crate::profile;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
@@ -134,6 +135,32 @@ impl UnetSkip {
         }
     }
 
+    /// The input channels (of the training forward, taken) and the body's
+    /// share of `grad_output`.
+    fn body_gradient(&mut self, grad_output: &Tensor) -> Result<(usize, Tensor)> {
+        let (c, bc) = self
+            .saved_channels
+            .take()
+            .ok_or(ModelError::NoSavedActivation { op: "unet_skip" })?;
+        let (lead, total) = split_channels("unet_skip backward", grad_output.shape())?;
+        if total != c + bc {
+            return Err(ModelError::Shape {
+                op: "unet_skip backward",
+                expected: format!("{} channels", c + bc),
+                got: format!("{:?}", grad_output.shape()),
+            });
+        }
+        let g = grad_output.data();
+        let g_body = channel_slice(g, total, c, bc, &with_channels(&lead, bc))?;
+        profile::mark(|| {
+            format!(
+                "bwd unet_skip split {c}+{bc} of {}",
+                profile::dims(grad_output.shape())
+            )
+        });
+        Ok((c, g_body))
+    }
+
     fn body_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
         let mut shape = input.to_vec();
         for layer in &self.body {
@@ -233,36 +260,25 @@ impl Layer for UnetSkip {
     }
 
     fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
-        let (c, bc) = self
-            .saved_channels
-            .take()
-            .ok_or(ModelError::NoSavedActivation { op: "unet_skip" })?;
-        let (lead, total) = split_channels("unet_skip backward", grad_output.shape())?;
-        if total != c + bc {
-            return Err(ModelError::Shape {
-                op: "unet_skip backward",
-                expected: format!("{} channels", c + bc),
-                got: format!("{:?}", grad_output.shape()),
-            });
-        }
-        let g = grad_output.data();
-        let mut g_body = channel_slice(g, total, c, bc, &with_channels(&lead, bc))?;
-        profile::mark(|| {
-            format!(
-                "bwd unet_skip split {c}+{bc} of {}",
-                profile::dims(grad_output.shape())
-            )
-        });
+        let (c, mut g_body) = self.body_gradient(grad_output)?;
         for layer in self.body.iter_mut().rev() {
             let next = layer.backward(&g_body)?;
             profile::mark_layer("bwd", layer.as_ref(), "out", g_body.shape());
             g_body = next;
         }
-        let mut dx = channel_slice(g, total, 0, c, &with_channels(&lead, c))?;
+        let (lead, total) = split_channels("unet_skip backward", grad_output.shape())?;
+        let mut dx = channel_slice(grad_output.data(), total, 0, c, &with_channels(&lead, c))?;
         g_body.expect_shape("unet_skip backward", dx.shape())?;
         par_add_assign(dx.try_data_mut()?, g_body.data());
         profile::mark(|| format!("bwd unet_skip add out {}", profile::dims(dx.shape())));
         Ok(dx)
+    }
+
+    /// First in a network: the skip's share of the gradient goes nowhere,
+    /// and the body needs no input gradient either.
+    fn backward_params_only(&mut self, grad_output: &Tensor) -> Result<()> {
+        let (_, g_body) = self.body_gradient(grad_output)?;
+        backward_params_only_through(&mut self.body, g_body)
     }
 
     fn marks_its_parts(&self) -> bool {
@@ -349,6 +365,36 @@ mod tests {
         let mut rng = InitRng::new(seed);
         let down = Conv2d::new("down", 2, 3, 3, 2, 1, true, &mut rng).unwrap();
         UnetSkip::new(vec![Box::new(down), Box::new(Upsample2x::new())])
+    }
+
+    /// First in a network, a skip makes its body's parameter gradients
+    /// only: those of its whole backward, bit for bit, without the add
+    /// (nor the body's first input gradient).
+    #[test]
+    fn backward_params_only_adds_the_parameter_gradients_of_backward() {
+        let x = random_tensor(&[2, 4, 6, 2], 3);
+        let (mut full, mut params_only) = (skip(1), skip(1));
+        let y = full.forward(&x, Mode::Train).unwrap();
+        params_only.forward(&x, Mode::Train).unwrap();
+        let g = random_tensor(y.shape(), 4);
+        crate::profile::start();
+        full.backward(&g).unwrap();
+        params_only.backward_params_only(&g).unwrap();
+        let labels: Vec<String> = crate::profile::finish()
+            .into_iter()
+            .map(|s| s.label)
+            .collect();
+        for (a, b) in full.params_mut().into_iter().zip(params_only.params_mut()) {
+            assert!(a.grad.data() == b.grad.data(), "{}", a.name);
+        }
+        assert_eq!(
+            labels
+                .iter()
+                .filter(|l| l.contains("unet_skip add"))
+                .count(),
+            1
+        );
+        assert!(params_only.backward_params_only(&g).is_err(), "used up");
     }
 
     #[test]
