@@ -43,6 +43,16 @@ use crate::{Dataset, LoaderError};
 /// would otherwise evict, before it treats the order hint as stale.
 pub const PLAN_WAIT: Duration = Duration::from_secs(1);
 
+/// The pauses before each new try of a shard read that failed with an I/O
+/// error that may pass (a network file system's EIO or stale handle, a
+/// timeout): the file is opened again each time. A corrupt, truncated or
+/// missing file is not read again.
+const RETRY_DELAYS: [Duration; 3] = [
+    Duration::from_millis(50),
+    Duration::from_millis(250),
+    Duration::from_secs(1),
+];
+
 /// How a [`ShardedDataset`] caches shards.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -523,6 +533,92 @@ impl Dataset for ShardedDataset {
 }
 
 /// Why a shard file cannot be opened, for its error.
+/// Why a shard file could not be read, and whether reading it again may
+/// succeed.
+#[derive(Debug, PartialEq)]
+struct ReadFault {
+    message: String,
+    may_pass: bool,
+}
+
+impl ReadFault {
+    fn io(message: String, e: &io::Error) -> Self {
+        Self {
+            message,
+            may_pass: may_pass(e),
+        }
+    }
+
+    fn lasting(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            may_pass: false,
+        }
+    }
+}
+
+/// An I/O error that a later try may not meet.
+fn may_pass(e: &io::Error) -> bool {
+    use io::ErrorKind::{Interrupted, TimedOut, WouldBlock};
+    matches!(e.kind(), Interrupted | TimedOut | WouldBlock) || passing_os_error(e)
+}
+
+#[cfg(target_os = "linux")]
+fn passing_os_error(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EIO | libc::ESTALE))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn passing_os_error(_: &io::Error) -> bool {
+    false
+}
+
+/// The whole of a shard file that the index says holds `expected` bytes.
+fn read_shard_file(path: &Path, expected: u64) -> Result<Vec<u8>, ReadFault> {
+    let mut file = File::open(path).map_err(|e| ReadFault::io(unopenable(&e), &e))?;
+    if let Some(fault) = size_fault(file.metadata().map(|m| m.len()), expected) {
+        return Err(ReadFault::lasting(fault));
+    }
+    let mut bytes = vec![0u8; expected as usize];
+    file.read_exact(&mut bytes).map_err(|e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            ReadFault::lasting("truncated while being read")
+        } else {
+            ReadFault::io(format!("read failed: {e}"), &e)
+        }
+    })?;
+    Ok(bytes)
+}
+
+/// `read`, tried again after each of `delays` while it fails with a fault
+/// that may pass; each new try is logged.
+fn with_retries<T>(
+    path: &Path,
+    delays: &[Duration],
+    mut read: impl FnMut() -> Result<T, ReadFault>,
+) -> Result<T, ReadFault> {
+    let mut delays = delays.iter();
+    for tries in 1.. {
+        match read() {
+            Err(mut fault) if fault.may_pass => {
+                let Some(&delay) = delays.next() else {
+                    fault.message = format!("{} ({tries} tries)", fault.message);
+                    return Err(fault);
+                };
+                tracing::warn!(
+                    "shard {}: {}; reading it again in {} ms",
+                    path.display(),
+                    fault.message,
+                    delay.as_millis()
+                );
+                std::thread::sleep(delay);
+            }
+            done => return done,
+        }
+    }
+    unreachable!("the tries end with the delays")
+}
+
 fn unopenable(e: &io::Error) -> String {
     if e.kind() == io::ErrorKind::NotFound {
         "missing: the store is incomplete (re-run preprocess)".into()
@@ -766,19 +862,8 @@ impl Inner {
             index,
             message,
         };
-        let mut file = File::open(&path).map_err(|e| fail(unopenable(&e)))?;
-        let on_disk = file.metadata().map(|m| m.len());
-        if let Some(fault) = size_fault(on_disk, meta.bytes) {
-            return Err(fail(fault));
-        }
-        let mut bytes = vec![0u8; meta.bytes as usize];
-        file.read_exact(&mut bytes).map_err(|e| {
-            fail(if e.kind() == io::ErrorKind::UnexpectedEof {
-                "truncated while being read".into()
-            } else {
-                format!("read failed: {e}")
-            })
-        })?;
+        let bytes = with_retries(&path, &RETRY_DELAYS, || read_shard_file(&path, meta.bytes))
+            .map_err(|fault| fail(fault.message))?;
         self.verify(&bytes, k, meta).map_err(fail)?;
         let count = meta.count as usize;
         Ok(ShardData {
@@ -916,4 +1001,54 @@ fn next_to_read_ahead(st: &State, read_ahead: usize) -> Option<usize> {
         .iter()
         .map(|&k| k as usize)
         .find(|&k| matches!(st.slots[k], Slot::Absent) && !plan.ahead_failed[k])
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+
+    fn eio() -> io::Error {
+        io::Error::from_raw_os_error(libc::EIO)
+    }
+
+    /// A read that fails `failures` times with `fault`, then gives 7; the
+    /// tries it took.
+    fn flaky(failures: usize, fault: impl Fn() -> ReadFault) -> (Result<u32, ReadFault>, usize) {
+        let mut tries = 0;
+        let delays = [Duration::ZERO; 3];
+        let result = with_retries(Path::new("s.bin"), &delays, || {
+            tries += 1;
+            if tries <= failures {
+                Err(fault())
+            } else {
+                Ok(7)
+            }
+        });
+        (result, tries)
+    }
+
+    #[test]
+    fn an_error_that_may_pass_is_tried_again_and_one_that_lasts_is_not() {
+        let passing = || ReadFault::io("read failed: EIO".into(), &eio());
+        assert!(passing().may_pass);
+        assert_eq!(flaky(2, passing), (Ok(7), 3));
+        let (result, tries) = flaky(9, passing);
+        assert_eq!(tries, 4, "once and again after each of the 3 delays");
+        assert_eq!(result.unwrap_err().message, "read failed: EIO (4 tries)");
+        let (result, tries) = flaky(1, || ReadFault::lasting("truncated while being read"));
+        assert_eq!(tries, 1);
+        assert_eq!(result.unwrap_err().message, "truncated while being read");
+    }
+
+    #[test]
+    fn only_errors_that_may_pass_are_retried() {
+        assert!(may_pass(&io::Error::from_raw_os_error(libc::ESTALE)));
+        assert!(may_pass(&io::Error::from(io::ErrorKind::TimedOut)));
+        for lasting in [libc::ENOENT, libc::EACCES, libc::EISDIR] {
+            assert!(
+                !may_pass(&io::Error::from_raw_os_error(lasting)),
+                "{lasting}"
+            );
+        }
+    }
 }
