@@ -234,6 +234,7 @@ fn an_evaluation_out_of_memory_under_the_stop_policy_keeps_the_epoch() {
         err.contains("is saved in") && err.contains("--resume"),
         "{err}"
     );
+    assert!(err.contains("free memory"), "{err}");
     let saved = newest(stopped.path()).meta;
     assert_eq!(
         (saved.epoch, saved.batches_done),

@@ -84,6 +84,7 @@ fn remedy(cause: &PipelineError) -> &'static str {
             "repair or replace the data (for a shard store, run `cargo xtask preprocess` again \
              with --overwrite)"
         }
+        PipelineError::OutOfMemory(_) => "free memory (or set a smaller train.micro_batch)",
         e if e.is_out_of_memory() => "free memory (or set a smaller train.micro_batch)",
         _ => "remove the cause above",
     }
