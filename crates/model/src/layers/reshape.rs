@@ -375,6 +375,21 @@ mod tests {
     }
 
     #[test]
+    fn per_frame_backward_params_only_adds_the_parameter_gradients_of_backward() {
+        let x = random_tensor(&[2, 3, 5, 4, 2], 7);
+        let (mut full, mut params_only) = (per_frame_conv(1), per_frame_conv(1));
+        let y = full.forward(&x, Mode::Train).unwrap();
+        params_only.forward(&x, Mode::Train).unwrap();
+        let g = random_tensor(y.shape(), 8);
+        full.backward(&g).unwrap();
+        params_only.backward_params_only(&g).unwrap();
+        for (a, b) in full.params_mut().into_iter().zip(params_only.params_mut()) {
+            assert!(a.grad.data() == b.grad.data(), "{}", a.name);
+        }
+        assert!(params_only.backward_params_only(&g).is_err(), "used up");
+    }
+
+    #[test]
     fn per_frame_gradient_matches_finite_differences() {
         let report = check_layer(
             &mut per_frame_conv(9),
