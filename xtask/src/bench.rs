@@ -29,6 +29,9 @@ pub struct BenchArgs<'a> {
     /// Time a few more steps segment by segment (GPU).
     pub profile: bool,
     pub compare_torch: bool,
+    /// PyTorch's `torch.compile` mode on the GPU (`reduce-overhead`: CUDA
+    /// graphs, as headroom's step).
+    pub torch_compile_mode: &'a str,
     /// Both sides limited to AVX2+FMA on an AVX-512 CPU, to stand in for an
     /// AVX2-only machine (Zen 3, say) in the same run.
     pub avx2_only: bool,
@@ -46,6 +49,9 @@ struct TorchStep {
     peak_device_bytes: Option<u64>,
     parameters: usize,
     trainable_parameters: usize,
+    /// torch.compile's mode; absent when the step ran eager.
+    #[serde(default)]
+    compile_mode: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -279,7 +285,12 @@ fn torch_step(args: &BenchArgs, config: &TorchConfig, batch: usize) -> Result<Op
         command.env("MKL_ENABLE_INSTRUCTIONS", "AVX2");
     }
     if args.gpu {
-        command.args(["--device", "cuda"]);
+        command.args([
+            "--device",
+            "cuda",
+            "--compile-mode",
+            args.torch_compile_mode,
+        ]);
     } else {
         command.args(["--threads", &args.threads.to_string()]);
     }
@@ -433,10 +444,14 @@ fn print_gpu_table(report: &Report, device: &str) {
     }
     if let Some(t) = report.rows.iter().find_map(|r| r.pytorch.as_ref()) {
         println!(
-            "PyTorch {} on {} (AMP with GradScaler, channels_last, fused AdamW, torch.compile; same model and batch)",
+            "PyTorch {} on {} (AMP with GradScaler, channels_last, fused AdamW, torch.compile mode {}; same model and batch)",
             t.version,
-            t.device.as_deref().unwrap_or("?")
+            t.device.as_deref().unwrap_or("?"),
+            t.compile_mode.as_deref().unwrap_or("off")
         );
+        if t.compile_mode.as_deref().is_some_and(|m| m != "default") {
+            println!("PyTorch's peak memory in that mode covers its warm-up, when its CUDA graphs were recorded");
+        }
     }
     print_profiles(report);
 }

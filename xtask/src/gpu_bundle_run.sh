@@ -142,9 +142,10 @@ publish() {
 # wants GROUP NAME: whether the command line named GROUP or NAME (or none).
 wants() { case "$STEPS" in *" all "* | *" $1 "* | *" $2 "*) return 0 ;; esac; return 1; }
 
-# train_on_auto: device.kind = "auto" must pick the GPU and train.
+# train_on_auto: device.kind = "auto" must pick the GPU and train the
+# default job (5 epochs) as device.kind = "cuda" does.
 train_on_auto() {
-    hr train --no-install --set device.kind=auto --set train.epochs=1 \
+    hr train --no-install --set device.kind=auto \
         --set "run.output_dir=$WORK/default-auto" || return 1
     grep -q "device: cuda" "$WORK/train-auto.log" \
         || { echo "device.kind=auto did not train on the GPU"; return 1; }
@@ -196,12 +197,13 @@ train_frames() {
 
 # bench_model NAME: experiments/NAME.toml's training step on the GPU,
 # beside PyTorch's (bench/torch_models.py builds the same model: SDPA
-# attention, cuDNN's LSTM, a step-by-step ConvLSTM) when it has CUDA.
+# attention, cuDNN's LSTM, a step-by-step ConvLSTM) when it has CUDA, then
+# layer by layer (conv_lstm's step was 0.90x PyTorch's on an H100).
 bench_model() {
     local args
     read -r -a args <<< "$MODEL_BENCH_ARGS"
     if torch_cuda; then args+=(--compare-torch); fi
-    EXPERIMENT=experiments/$1.toml hr bench --device cuda "${args[@]}" --json-out "$WORK/bench-$1.json"
+    EXPERIMENT=experiments/$1.toml hr bench --device cuda --profile "${args[@]}" --json-out "$WORK/bench-$1.json"
 }
 
 # hog_and_train: another process holds all but HOG_LEAVES_MIB of the GPU;
@@ -250,9 +252,44 @@ sanitize_step() {
         skip "$name" "compute-sanitizer not found"
         return 0
     fi
+    if [ "$tool" = racecheck ]; then
+        step sanitize "$name" racecheck_ours
+        return 0
+    fi
     step sanitize "$name" "$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 20 \
         "$WORK/bin/tests/cuda_parity" --test-threads=1
 }
+
+# racecheck_ours: cuda_parity under racecheck, failing on a hazard in one
+# of our kernels. On an H100 racecheck reports hazards inside cuBLAS's own
+# GEMM kernels (nvjet_*), which are not ours to fix, and leaving them out
+# (--kernel-name-exclude) makes the sanitizer itself fail ("failed to
+# handle a hardware exception"): so every hazard is printed and judged by
+# the kernels it names.
+racecheck_ours() {
+    local log=$WORK/racecheck-raw.log ours
+    "$SANITIZER" --tool racecheck --print-limit 10000 "$WORK/bin/tests/cuda_parity" \
+        --test-threads=1 > "$log" 2>&1
+    local rc=$?
+    cat "$log"
+    [ "$rc" = 0 ] && grep -q '^test result: ok' "$log" && grep -q 'RACECHECK SUMMARY' "$log" \
+        || { echo "racecheck: the tests did not pass under it (exit $rc)"; return 1; }
+    ours=$(hazard_kernels "$log" | grep -vE "$CUBLAS_KERNELS" | sort -u)
+    echo "racecheck: $(hazard_kernels "$log" | grep -cE "$CUBLAS_KERNELS") hazard reports in cuBLAS's kernels"
+    if [ -n "$ours" ]; then
+        echo "racecheck: hazards in our kernels: $(echo $ours)"
+        return 86
+    fi
+    echo "racecheck: no hazard in our kernels"
+}
+
+# hazard_kernels LOG: the kernel of each access racecheck reported, a line
+# each ("Read access at KERNEL+0xb20 ... and Write access at KERNEL+0x30c0").
+hazard_kernels() {
+    grep -oE '(Read|Write) access at [A-Za-z_][A-Za-z0-9_]*' "$1" | awk '{print $4}'
+}
+# Kernel names of cuBLAS and the libraries it calls.
+CUBLAS_KERNELS='^(nvjet_|cutlass|sm[0-9]+_xmma|gemm|gemv|cublas|splitKreduce)'
 
 # rerun_failed BINARY LOG: each test that BINARY's run in LOG failed, again
 # in a process of its own. A kernel fault leaves a sticky CUDA error that
@@ -427,8 +464,9 @@ report["whole_job_seconds"] = {
     "headroom": wall(train),
     "headroom_data_on_host": wall(read("train-host-data.log")),
     "headroom_implicit_gemm": wall(read("train-implicit-gemm.log")),
+    "headroom_auto_conv": wall(read("train-auto-conv.log")),
 }
-for name in ("train-no-amp", "train-auto", "train-implicit-gemm"):
+for name in ("train-no-amp", "train-auto", "train-implicit-gemm", "train-auto-conv"):
     found = re.findall(r"test accuracy\s+([0-9.]+)%", read(name + ".log"))
     if found:
         report[name + "_test_accuracy_percent"] = float(found[-1])
@@ -494,7 +532,7 @@ jobs = report["whole_job_seconds"]
 lines += ["", "whole default job, wall seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in jobs.items() if v is not None)]
 if isinstance(report.get("torch_job"), dict):
     lines += [f'pytorch test accuracy {100 * report["torch_job"]["test_accuracy"]:.2f}%']
-for name in ("train-no-amp", "train-auto", "train-implicit-gemm"):
+for name in ("train-no-amp", "train-auto", "train-implicit-gemm", "train-auto-conv"):
     if name + "_test_accuracy_percent" in report:
         lines += [f"{name} test accuracy {report[name + '_test_accuracy_percent']:.2f}%"]
 if "mlp_silu_one_epoch" in report:
@@ -510,16 +548,18 @@ for name in ("oom-budget", "oom-budget-reactive", "oom-driver"):
 if "resume-killed" in steps:
     lines += ["resume: " + json.dumps(report["resume"])]
 for tool in ("memcheck", "racecheck", "synccheck"):
-    found = re.findall(r"ERROR SUMMARY: .*", read("sanitize-" + tool + ".log"))
-    if found:
-        lines += [f"compute-sanitizer {tool}: {found[-1]}"]
+    found = re.findall(r"ERROR SUMMARY: .*|^racecheck: .*", read("sanitize-" + tool + ".log"), re.M)
+    for line in found[-3:] if tool == "racecheck" else found[-1:]:
+        lines += [f"compute-sanitizer {tool}: {line}"]
 if read("bench.log").strip():
     lines += ["", read("bench.log").strip()]
 for name, what in (("bench-no-graphs", "without CUDA graphs (device.graphs=false)"),
                    ("bench-keep-outputs", "keeping batch norm + ReLU and block outputs (device.recompute=false)"),
                    ("bench-workspace-64", "with a 64 MiB im2col workspace (device.conv_workspace=64MiB)"),
                    ("bench-workspace-4", "with a 4 MiB im2col workspace (device.conv_workspace=4MiB)"),
-                   ("bench-implicit-gemm", "with the implicit-GEMM convolution kernel (device.conv_algorithm=implicit_gemm)")):
+                   ("bench-torch-graphs", "beside PyTorch with CUDA graphs (torch.compile mode=\"reduce-overhead\")"),
+                   ("bench-implicit-gemm", "with the implicit-GEMM convolution kernel (device.conv_algorithm=implicit_gemm)"),
+                   ("bench-auto-conv", "each convolution's algorithm by its shape (device.conv_algorithm=auto)")):
     if read(name + ".log").strip():
         lines += ["", what + ":", read(name + ".log").strip()]
 open(os.path.join(out, "summary.txt"), "w").write("\n".join(lines) + "\n")
@@ -527,7 +567,7 @@ print("\n".join(lines))
 EOF
 }
 
-export -f hr torch_cuda rerun_failed train_on_auto train_mlp train_gpt train_frames bench_model hog_and_train step_reached kill_at \
+export -f hr torch_cuda rerun_failed racecheck_ours hazard_kernels train_on_auto train_mlp train_gpt train_frames bench_model hog_and_train step_reached kill_at \
     resume_reference resume_killed resume_compare weights_equal
 export RESUME_EPOCHS RESUME_JOB
 
@@ -586,6 +626,11 @@ step resume resume-weights weights_equal "$WORK/resume-a" "$WORK/resume-b"
 torch_step train torch-job python3 "$BUNDLE/bench/torch_fashion_mnist.py" --device cuda \
     --data "${FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}"
 
+# 6b. The training step beside PyTorch given CUDA graphs too
+# (torch.compile mode="reduce-overhead"), as headroom's step replays one.
+torch_step bench bench-torch-graphs hr bench --device cuda --compare-torch \
+    --torch-compile-mode reduce-overhead "${BENCH_ARGS[@]}" --json-out "$WORK/bench-torch-graphs.json"
+
 # 7. Variants of the default job: device.kind = "auto" must pick the GPU;
 # f32 (--no-amp) must learn as mixed precision does; batches staged from
 # the host give the same bits, and the wall time shows what residency is
@@ -607,6 +652,8 @@ step bench bench-no-graphs hr bench --device cuda "${BENCH_ARGS[@]}" --set devic
 step bench bench-keep-outputs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.recompute=false
 step bench bench-implicit-gemm hr bench --device cuda --profile "${BENCH_ARGS[@]}" \
     --set device.conv_algorithm=implicit_gemm
+step bench bench-auto-conv hr bench --device cuda --profile "${BENCH_ARGS[@]}" \
+    --set device.conv_algorithm=auto
 
 # 9. The other trainers on the GPU, then their steps beside PyTorch's.
 step train train-mlp train_mlp
@@ -621,6 +668,8 @@ step bench bench-conv-lstm bench_model conv_lstm
 # workspace at 64 and 4 MiB against 16.
 step train train-implicit-gemm hr train --no-install --set device.kind=cuda \
     --set device.conv_algorithm=implicit_gemm --set "run.output_dir=$WORK/default-implicit-gemm"
+step train train-auto-conv hr train --no-install --set device.kind=cuda \
+    --set device.conv_algorithm=auto --set "run.output_dir=$WORK/default-auto-conv"
 step bench bench-workspace-64 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.conv_workspace=64MiB
 step bench bench-workspace-4 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.conv_workspace=4MiB
 

@@ -94,6 +94,11 @@ enum Command {
         /// Also run the PyTorch equivalent (same model, batch, threads) and print the ratio.
         #[arg(long)]
         compare_torch: bool,
+        /// With --device cuda --compare-torch: torch.compile's mode for
+        /// PyTorch's step (`reduce-overhead` replays CUDA graphs, as
+        /// headroom's step does).
+        #[arg(long, default_value = "default", value_parser = ["default", "reduce-overhead", "max-autotune"])]
+        torch_compile_mode: String,
         /// Time the loader alone: shards with cache 1 and 2, full load, and IDX in memory.
         #[arg(long)]
         loader: bool,
@@ -623,6 +628,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             json_out,
             profile,
             compare_torch,
+            torch_compile_mode,
             loader,
             device,
             avx2_only,
@@ -655,6 +661,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 json_out: json_out.as_deref(),
                 profile,
                 compare_torch,
+                torch_compile_mode: &torch_compile_mode,
                 avx2_only,
             };
             done(bench::run(&args, &experiment))

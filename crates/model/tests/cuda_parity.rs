@@ -1363,6 +1363,51 @@ fn implicit_gemm_convolution_matches_the_cpu_layer() {
     }
 }
 
+/// `device.conv_algorithm = "auto"`: the implicit kernels for a stride-1
+/// convolution of at most 64 channels, im2col for stride 2, for 128
+/// channels and for shapes the implicit kernels do not take; each matches
+/// the CPU layer, and on the emulator the test counts which kernels ran.
+#[test]
+fn auto_picks_the_convolution_algorithm_by_shape() {
+    let be = gpu_or_skip!();
+    let conv = |n, h, w, cin, cout, stride| ConvShape {
+        n,
+        h,
+        w,
+        cin,
+        cout,
+        k: 3,
+        stride,
+        pad: 1,
+    };
+    let plan = ConvPlan {
+        algorithm: ConvAlgorithm::Auto,
+        ..ConvPlan::default()
+    };
+    // (shape, runs of conv_mma.cu's kernels)
+    let cases = [
+        (conv(4, 28, 28, 32, 32, 1), 4),
+        (conv(4, 14, 14, 64, 64, 1), 4),
+        (conv(4, 14, 14, 32, 64, 1), 4),
+        (conv(4, 28, 28, 32, 64, 2), 0),
+        (conv(4, 7, 7, 128, 128, 1), 0),
+        (conv(4, 7, 7, 64, 128, 1), 0),
+        (conv(4, 28, 28, 1, 32, 1), 0),
+    ];
+    for (i, (shape, runs)) in cases.into_iter().enumerate() {
+        let before = kernel_runs(&IMPLICIT_KERNELS);
+        let case = ConvCase {
+            shape,
+            bias: false,
+            plan,
+        };
+        conv_parity(&be, &case, 500 + 10 * i as u64);
+        if let (Some(before), Some(after)) = (before, kernel_runs(&IMPLICIT_KERNELS)) {
+            assert_eq!(after - before, runs, "implicit kernel runs for {shape:?}");
+        }
+    }
+}
+
 #[test]
 fn linear_matches_the_cpu_layer() {
     let be = gpu_or_skip!();

@@ -330,7 +330,9 @@ pub struct DeviceConfig {
     /// multiplied: "im2col" (the default: an im2col matrix in the
     /// workspace, cuBLAS) or "implicit_gemm" (our tensor-core kernel that
     /// gathers the matrix tile by tile in shared memory; f16, channels in
-    /// multiples of 8, sm_80 or newer, else im2col). No effect on the CPU.
+    /// multiples of 8, sm_80 or newer, else im2col), or "auto" (each
+    /// convolution by its shape: implicit GEMM for stride 1 and at most 64
+    /// channels, im2col elsewhere). No effect on the CPU.
     #[serde(default = "default_conv_algorithm")]
     pub conv_algorithm: String,
     /// Fault injection for tests: fail an allocation at these steps ...
@@ -1099,10 +1101,11 @@ impl ExperimentConfig {
         let algorithm = match self.device.conv_algorithm.as_str() {
             "im2col" => ConvAlgorithm::Im2col,
             "implicit_gemm" => ConvAlgorithm::ImplicitGemm,
+            "auto" => ConvAlgorithm::Auto,
             other => {
                 return Err(PipelineError::value(
                     "device.conv_algorithm",
-                    format!("expected \"im2col\" or \"implicit_gemm\", got \"{other}\""),
+                    format!("expected \"im2col\", \"implicit_gemm\" or \"auto\", got \"{other}\""),
                 ))
             }
         };

@@ -118,7 +118,7 @@ fn the_conv_workspace_is_a_positive_byte_size() {
 }
 
 #[test]
-fn the_conv_algorithm_is_im2col_or_implicit_gemm() {
+fn the_conv_algorithm_is_im2col_implicit_gemm_or_auto() {
     use headroom_model::cuda::ops::{ConvAlgorithm, ConvPlan};
     assert_eq!(load(&[]).unwrap().conv_plan().unwrap(), ConvPlan::default());
     let set = load(&[
@@ -133,8 +133,10 @@ fn the_conv_algorithm_is_im2col_or_implicit_gemm() {
             workspace: 4 << 20,
         }
     );
+    let auto = load(&["device.conv_algorithm=auto"]).unwrap();
+    assert_eq!(auto.conv_plan().unwrap().algorithm, ConvAlgorithm::Auto);
     let err = load(&["device.conv_algorithm=winograd"]).unwrap_err();
     assert!(err.contains("device.conv_algorithm"), "{err}");
-    assert!(err.contains("\"implicit_gemm\""), "{err}");
+    assert!(err.contains("\"implicit_gemm\" or \"auto\""), "{err}");
     assert!(err.contains("winograd"), "{err}");
 }

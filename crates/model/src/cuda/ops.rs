@@ -1797,6 +1797,32 @@ pub enum ConvAlgorithm {
     /// channels in and out multiples of 8, sm_80 or newer; otherwise
     /// im2col), for the forward and both gradients.
     ImplicitGemm,
+    /// Each convolution by its shape: implicit GEMM where it was the faster
+    /// of the two on an H100 (stride 1, at most `AUTO_IMPLICIT_CHANNELS`
+    /// channels in and out), im2col + cuBLAS elsewhere. A rule, not a
+    /// timing: every run of a model picks the same, so its bits (and a
+    /// resumed run's) do not depend on how a timing fell.
+    Auto,
+}
+
+/// `ConvAlgorithm::Auto` takes the implicit kernel up to this many channels.
+/// On an H100 (README, "Measured on an NVIDIA H100") it took a 3×3
+/// stride-1 convolution's step from 1.10 to 0.52 ms at 32 channels (batch
+/// 512) and from 0.54 to 0.43 at 64, but from 0.30 to 0.49 at 128, where
+/// its 64-column tile gathers each input tile twice and cuBLAS's GEMM is
+/// wide enough to run well; with stride 2 im2col was faster at 64 and 128.
+const AUTO_IMPLICIT_CHANNELS: usize = 64;
+
+impl ConvAlgorithm {
+    /// Whether convolution `s` asks for the implicit kernel (which must
+    /// still take its shape: `implicit_fits`).
+    fn wants_implicit(self, s: &ConvShape) -> bool {
+        match self {
+            ConvAlgorithm::Im2col => false,
+            ConvAlgorithm::ImplicitGemm => true,
+            ConvAlgorithm::Auto => s.stride == 1 && s.cin.max(s.cout) <= AUTO_IMPLICIT_CHANNELS,
+        }
+    }
 }
 
 /// Rows of the implicit kernel's block tile (conv_mma.cu `IC_BM`).
@@ -1807,7 +1833,7 @@ const IMPLICIT_ROWS: usize = 128;
 /// must each lie in one tap and be 16-byte aligned, and `mma.m16n8k16`
 /// needs sm_80.
 fn implicit_fits(be: &CudaBackend, plan: ConvPlan, dtype: DType, s: &ConvShape) -> bool {
-    plan.algorithm == ConvAlgorithm::ImplicitGemm
+    plan.algorithm.wants_implicit(s)
         && dtype == DType::F16
         && s.cin.is_multiple_of(8)
         && s.cout.is_multiple_of(8)
