@@ -515,6 +515,7 @@ mod tests {
             peak_device_bytes: None,
             parameters,
             trainable_parameters,
+            compile_mode: None,
         }
     }
 
