@@ -1808,9 +1808,10 @@ pub enum ConvAlgorithm {
 /// `ConvAlgorithm::Auto` takes the implicit kernel up to this many channels.
 /// On an H100 (README, "Measured on an NVIDIA H100") it took a 3×3
 /// stride-1 convolution's step from 1.10 to 0.52 ms at 32 channels (batch
-/// 512) and from 0.54 to 0.43 at 64, but from 0.30 to 0.49 at 128, where
-/// its 64-column tile gathers each input tile twice and cuBLAS's GEMM is
-/// wide enough to run well; with stride 2 im2col was faster at 64 and 128.
+/// 512) and from 0.54 to 0.43 at 64, but from 0.30 to 0.49 at 128 (not
+/// profiled further: its 64-column tiles gather each input tile twice
+/// there, and cuBLAS's GEMM is wider); with stride 2 im2col was faster at
+/// 64 and 128 channels.
 const AUTO_IMPLICIT_CHANNELS: usize = 64;
 
 impl ConvAlgorithm {
