@@ -229,8 +229,8 @@ fn dir_bytes(dir: &Path) -> Result<u64> {
 /// The steps a dry run takes: the CUDA tests need a real GPU
 /// (`HEADROOM_REQUIRE_GPU=1`) and already run on the emulator in
 /// `cargo test`; the sanitize steps are recorded as skipped where there is
-/// no compute-sanitizer.
-const DRY_RUN_STEPS: [&str; 5] = ["train", "oom", "resume", "bench", "sanitize"];
+/// no compute-sanitizer, and the profile step where there is no ncu.
+const DRY_RUN_STEPS: [&str; 6] = ["train", "oom", "resume", "bench", "sanitize", "profile"];
 
 /// The device tool brings back at most 8 files of `$OUT`, each at most
 /// this size and named in letters, digits, `.`, `_` and `-`.

@@ -4,7 +4,7 @@
 #
 #   bash run.sh [GROUP or STEP ...]    (default: every step)
 #
-# GROUPs: tests, train, oom, resume, bench, sanitize; a STEP by its name (train,
+# GROUPs: tests, train, oom, resume, bench, sanitize, profile; a STEP by its name (train,
 # bench, oom-driver, bench-tiny-gpt, ...; the list is in summary.txt).
 #
 # A lent GPU gives a session 15 to 30 minutes in all (the device tool's
@@ -291,6 +291,53 @@ hazard_kernels() {
 # Kernel names of cuBLAS and the libraries it calls.
 CUBLAS_KERNELS='^(nvjet_|cutlass|sm[0-9]+_xmma|gemm|gemv|cublas|splitKreduce)'
 
+# kernel_profile: one training step of the default model at batch 512,
+# eager, each convolution by its shape (device.conv_algorithm=auto, so
+# both the implicit kernels and im2col + cuBLAS run), under Nsight
+# Compute: every kernel's duration and how near it ran to the memory and
+# compute roofs, summed by kernel name, longest first. The layer-by-layer
+# profile says which layer costs; this says which kernel and why.
+kernel_profile() {
+    local csv=$WORK/ncu.csv
+    "$NCU" --csv --page raw --launch-count 2000 --metrics "$NCU_METRICS" \
+        "$XTASK" bench-step --config "$EXPERIMENT" --batch 512 --threads 1 --warmup 1 --steps 1 \
+        --set device.kind=cuda --set device.graphs=false --set device.conv_algorithm=auto \
+        > "$csv" 2> "$WORK/ncu.err"
+    local rc=$?
+    tail -n 5 "$WORK/ncu.err"
+    [ "$rc" = 0 ] || { echo "ncu exited with $rc"; return 1; }
+    python3 - "$csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+if len(rows) < 3:
+    sys.exit("ncu printed no kernel rows")
+head, units, data = rows[0], rows[1], rows[2:]
+col = {name: i for i, name in enumerate(head)}
+def num(r, name):
+    try:
+        return float(r[col[name]].replace(",", ""))
+    except (KeyError, ValueError):
+        return 0.0
+by = {}
+for r in data:
+    k = by.setdefault(r[col["Kernel Name"]], [0, 0.0, 0.0, 0.0])
+    unit = units[col["gpu__time_duration.sum"]]
+    ns = num(r, "gpu__time_duration.sum") * {"usecond": 1e3, "msecond": 1e6, "second": 1e9}.get(unit, 1.0)
+    k[0] += 1
+    k[1] += ns
+    k[2] += ns * num(r, "dram__throughput.avg.pct_of_peak_sustained_elapsed")
+    k[3] += ns * num(r, "sm__throughput.avg.pct_of_peak_sustained_elapsed")
+total = sum(k[1] for k in by.values())
+print(f"ncu kernels: {len(data)} launches over the warm-up and one timed step, {total / 1e6:.3f} ms on the GPU")
+print(f"{'ms':>8} {'share':>6} {'runs':>5} {'dram%':>6} {'sm%':>5}  kernel (time-weighted % of peak)")
+for name, (runs, ns, dram, sm) in sorted(by.items(), key=lambda kv: -kv[1][1])[:40]:
+    print(f"{ns / 1e6:8.3f} {100 * ns / total:5.1f}% {runs:5d} {dram / ns if ns else 0:6.1f} {sm / ns if ns else 0:5.1f}  {name[:90]}")
+PY
+}
+NCU=${NCU-$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)}
+NCU_METRICS=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed
+export NCU NCU_METRICS
+
 # rerun_failed BINARY LOG: each test that BINARY's run in LOG failed, again
 # in a process of its own. A kernel fault leaves a sticky CUDA error that
 # fails every later test of its process: this tells the test that faulted
@@ -553,6 +600,9 @@ for tool in ("memcheck", "racecheck", "synccheck"):
         lines += [f"compute-sanitizer {tool}: {line}"]
 if read("bench.log").strip():
     lines += ["", read("bench.log").strip()]
+ncu = read("ncu-kernels.log")
+if "ncu kernels:" in ncu:
+    lines += ["", ncu[ncu.index("ncu kernels:"):].strip()]
 for name, what in (("bench-no-graphs", "without CUDA graphs (device.graphs=false)"),
                    ("bench-keep-outputs", "keeping batch norm + ReLU and block outputs (device.recompute=false)"),
                    ("bench-workspace-64", "with a 64 MiB im2col workspace (device.conv_workspace=64MiB)"),
@@ -567,7 +617,7 @@ print("\n".join(lines))
 EOF
 }
 
-export -f hr torch_cuda rerun_failed racecheck_ours hazard_kernels train_on_auto train_mlp train_gpt train_frames bench_model hog_and_train step_reached kill_at \
+export -f hr torch_cuda rerun_failed kernel_profile racecheck_ours hazard_kernels train_on_auto train_mlp train_gpt train_frames bench_model hog_and_train step_reached kill_at \
     resume_reference resume_killed resume_compare weights_equal
 export RESUME_EPOCHS RESUME_JOB
 
@@ -682,6 +732,14 @@ step bench bench-workspace-4 hr bench --device cuda "${BENCH_ARGS[@]}" --set dev
 for tool in memcheck racecheck synccheck; do
     sanitize_step "$tool"
 done
+
+# 12. Every kernel of a batch-512 step under Nsight Compute (where the
+# machine has it), for the next round of kernel work.
+if [ -z "$NCU" ]; then
+    wants profile ncu-kernels && skip ncu-kernels "ncu (Nsight Compute) not found"
+else
+    step profile ncu-kernels kernel_profile
+fi
 
 write_report
 publish
