@@ -726,20 +726,20 @@ step train train-auto-conv hr train --no-install --set device.kind=cuda \
 step bench bench-workspace-64 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.conv_workspace=64MiB
 step bench bench-workspace-4 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.conv_workspace=4MiB
 
-# 11. The kernel tests again under compute-sanitizer (each kernel runs many
-# times slower there; a second call names `sanitize` when the first had
-# no time left, or when a test failed and the cause is in doubt).
-for tool in memcheck racecheck synccheck; do
-    sanitize_step "$tool"
-done
-
-# 12. Every kernel of a batch-512 step under Nsight Compute (where the
+# 11. Every kernel of a batch-512 step under Nsight Compute (where the
 # machine has it), for the next round of kernel work.
 if [ -z "$NCU" ]; then
     wants profile ncu-kernels && skip ncu-kernels "ncu (Nsight Compute) not found"
 else
     step profile ncu-kernels kernel_profile
 fi
+
+# 12. The kernel tests again under compute-sanitizer (each kernel runs many
+# times slower there; a second call names `sanitize` when the first had
+# no time left, or when a test failed and the cause is in doubt).
+for tool in memcheck racecheck synccheck; do
+    sanitize_step "$tool"
+done
 
 write_report
 publish
