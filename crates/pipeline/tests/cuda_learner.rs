@@ -479,6 +479,34 @@ fn implicit_gemm_trains_close_to_im2col_with_a_lower_peak() {
     );
 }
 
+/// `device.conv_algorithm = "auto"` mixes the two algorithms in one
+/// network: here the basic block's 8-channel stride-1 convolutions take the
+/// implicit kernels, the stride-2 one (which `implicit_gemm` would take)
+/// and the first (one channel in) im2col. So its weights differ from both
+/// all-im2col and all-implicit runs, stay close to them, and are the same
+/// bits every run.
+#[test]
+fn auto_mixes_the_convolution_algorithms_to_the_same_bits_every_run() {
+    let Some(_gpu) = backend() else { return };
+    let (_, im2col_bits, start, params) = train_with(true, im2col(64 << 20));
+    let plan = |algorithm| ConvPlan {
+        algorithm,
+        workspace: 64 << 20,
+    };
+    let (_, implicit_bits, _, _) = train_with(true, plan(ConvAlgorithm::ImplicitGemm));
+    let (_, auto_bits, _, auto_params) = train_with(true, plan(ConvAlgorithm::Auto));
+    let (_, again_bits, _, _) = train_with(true, plan(ConvAlgorithm::Auto));
+    assert_eq!(auto_bits, again_bits, "two auto runs");
+    assert_ne!(auto_bits, im2col_bits, "auto ran no implicit kernel");
+    assert_ne!(
+        auto_bits, implicit_bits,
+        "auto ran the implicit kernels everywhere"
+    );
+    let moved = relative_l2(&params, &start);
+    let apart = relative_l2(&auto_params, &params);
+    assert!(apart < 5e-2 * moved, "apart {apart}, moved {moved}");
+}
+
 /// Batch `i` with Mixup-like soft targets: λ on each sample's class, 1 - λ
 /// on the next one.
 fn mixed_batch(i: usize) -> Batch {
