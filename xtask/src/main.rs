@@ -636,6 +636,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             if !matches!(device.as_str(), "cpu" | "cuda") {
                 bail!("--device: expected cpu or cuda, got {device:?}");
             }
+            if torch_compile_mode != "default" && !(device == "cuda" && compare_torch) {
+                bail!("--torch-compile-mode sets PyTorch's mode beside headroom on the GPU: it needs --device cuda and --compare-torch");
+            }
             let mut overrides = overrides;
             overrides.push(format!("device.kind={device}"));
             let experiment = ExperimentConfig::load(&config, &Overrides::parse(&overrides)?)?;
