@@ -195,7 +195,7 @@ train_frames() {
         --set train.epochs=1 --set "run.output_dir=$WORK/frames"
 }
 
-# bench_model NAME: experiments/NAME.toml's training step on the GPU,
+# bench_model NAME [ARGS...]: experiments/NAME.toml's training step on the GPU,
 # beside PyTorch's (bench/torch_models.py builds the same model: SDPA
 # attention, cuDNN's LSTM, a step-by-step ConvLSTM) when it has CUDA, then
 # layer by layer (conv_lstm's step was 0.90x PyTorch's on an H100).
@@ -203,7 +203,8 @@ bench_model() {
     local args
     read -r -a args <<< "$MODEL_BENCH_ARGS"
     if torch_cuda; then args+=(--compare-torch); fi
-    EXPERIMENT=experiments/$1.toml hr bench --device cuda --profile "${args[@]}" --json-out "$WORK/bench-$1.json"
+    EXPERIMENT=experiments/$1.toml hr bench --device cuda --profile "${args[@]}" "${@:2}" \
+        --json-out "$WORK/bench-$1${2:+-variant}.json"
 }
 
 # hog_and_train: another process holds all but HOG_LEAVES_MIB of the GPU;
@@ -712,6 +713,9 @@ step train train-frames train_frames
 step bench bench-tiny-gpt bench_model tiny_gpt
 step bench bench-char-lm bench_model char_lm
 step bench bench-conv-lstm bench_model conv_lstm
+# Its 17 -> 1 head through conv_narrow.cu's direct kernels instead of 27
+# im2col groups, its 48 -> 16 convolution on the implicit kernels.
+step bench bench-conv-lstm-auto bench_model conv_lstm --set device.conv_algorithm=auto
 # LoRA's epoch ran at 538 samples/s on an H100 against the full
 # fine-tune's 850: where do its adapters' steps go?
 step bench bench-lora bench_model lora_finetune

@@ -1408,6 +1408,111 @@ fn auto_picks_the_convolution_algorithm_by_shape() {
     }
 }
 
+/// conv_narrow.cu's kernels.
+const NARROW_KERNELS: [&str; 6] = [
+    "narrow_forward_f16",
+    "narrow_forward_f32",
+    "narrow_grad_input_f16",
+    "narrow_grad_input_f32",
+    "narrow_wgrad_f16",
+    "narrow_wgrad_f32",
+];
+
+/// `device.conv_algorithm = "auto"` runs a convolution to fewer than 8
+/// output channels with conv_narrow.cu's direct kernels: a frame head
+/// (17 -> 1), an RGB head with a stride and padding its gathers must skip,
+/// 7 outputs (all its registers hold), a stride of 3 with no padding, and
+/// a workspace that holds 3 splits of the weight gradient's partial sums.
+/// In f16 (against the CPU layer as `conv_parity` does, the kernels' runs
+/// counted on the emulator; the weight gradient without dX the same bits)
+/// and in f32 (`narrow_f32_parity`).
+#[test]
+fn narrow_convolution_matches_the_cpu_layer() {
+    let be = gpu_or_skip!();
+    let conv = |n, h, w, cin, cout, k, stride, pad| ConvShape {
+        n,
+        h,
+        w,
+        cin,
+        cout,
+        k,
+        stride,
+        pad,
+    };
+    let auto = ConvPlan {
+        algorithm: ConvAlgorithm::Auto,
+        ..ConvPlan::default()
+    };
+    let three_splits = ConvPlan {
+        workspace: 3 * 9 * 17 * 4,
+        ..auto
+    };
+    let cases = [
+        (conv(4, 16, 16, 17, 1, 3, 1, 1), true, auto),
+        (conv(3, 9, 11, 5, 3, 3, 2, 1), true, auto),
+        (conv(2, 8, 8, 24, 7, 5, 1, 2), false, auto),
+        (conv(2, 7, 7, 3, 2, 3, 3, 0), true, auto),
+        (conv(4, 16, 16, 17, 1, 3, 1, 1), false, three_splits),
+    ];
+    for (i, (shape, bias, plan)) in cases.into_iter().enumerate() {
+        let case = ConvCase { shape, bias, plan };
+        let before = kernel_runs(&NARROW_KERNELS);
+        conv_parity(&be, &case, 600 + 10 * i as u64);
+        if let (Some(before), Some(after)) = (before, kernel_runs(&NARROW_KERNELS)) {
+            assert_eq!(after - before, 3, "narrow kernel runs for {shape:?}");
+        }
+        conv_params_only_parity(&be, &case, 650 + 10 * i as u64);
+        narrow_f32_parity(&be, &case, 680 + 10 * i as u64);
+    }
+}
+
+/// The f32 entry points against the CPU layer: f32 storage, f32 sums in
+/// another order than the CPU's, so within 1e-5.
+fn narrow_f32_parity(be: &CudaBackend, case: &ConvCase, seed: u64) {
+    let s = case.shape;
+    let mut rng = InitRng::new(seed);
+    let mut conv = Conv2d::new("c", s.cin, s.cout, s.k, s.stride, s.pad, false, &mut rng).unwrap();
+    let weight = conv.params_mut()[0].value.data().to_vec();
+    let x = random(&[s.n, s.h, s.w, s.cin], seed + 1, 1.0, 0.0);
+    let y = conv.forward(&x, Mode::Train).unwrap();
+    let g = random(y.shape(), seed + 2, 1.0, 0.0);
+    let dx = conv.backward(&g).unwrap();
+    let dw = conv.params_mut()[0].grad.data().to_vec();
+    let w_d = upload_f32(be, &weight);
+    let gx = CudaTensor::from_tensor(be, &x, DType::F32).unwrap();
+    let gg = CudaTensor::from_tensor(be, &g, DType::F32).unwrap();
+    let w = AnyView::F32(w_d.as_view());
+    let gy = ops::conv2d_forward(be, &gx, &w, None, s, case.plan).unwrap();
+    let mut dw_d = upload_f32(be, &vec![0.0; weight.len()]);
+    let gdx = ops::conv2d_backward(
+        be,
+        &gx,
+        &gg,
+        &w,
+        &mut dw_d.as_view_mut(),
+        None,
+        s,
+        case.plan,
+    )
+    .unwrap();
+    let name = format!("f32 conv {s:?}");
+    assert_close(
+        &format!("{name} forward"),
+        &gy.to_host(be).unwrap(),
+        y.data(),
+        1e-5,
+        1e-5,
+    );
+    assert_close(
+        &format!("{name} dx"),
+        &gdx.to_host(be).unwrap(),
+        dx.data(),
+        1e-5,
+        1e-5,
+    );
+    assert_close(&format!("{name} dW"), &download(be, &dw_d), &dw, 1e-5, 1e-5);
+}
+
 #[test]
 fn linear_matches_the_cpu_layer() {
     let be = gpu_or_skip!();
@@ -3190,7 +3295,10 @@ layers = [
 
 /// A frame network against the CPU network, f32 and f16: predictions of
 /// two training passes and an eval pass, gradients and running statistics;
-/// checkpointing every layer gives the same bits as not.
+/// checkpointing every layer gives the same bits as not. With
+/// `device.conv_algorithm = "auto"` (its 4- and 1-channel convolutions on
+/// conv_narrow.cu's kernels, the ConvLSTM's gates on the implicit ones in
+/// f16) it matches the CPU network as well.
 #[test]
 fn frame_networks_match_the_cpu_network() {
     let be = gpu_or_skip!();
@@ -3204,9 +3312,10 @@ fn frame_networks_match_the_cpu_network() {
     let reference = cpu_run(&mut cpu, &batches, &grad);
     let (want, cpu_grads, cpu_buffers) = (&reference.outputs, &reference.grads, &reference.buffers);
     let images = [n * frames, 8, 8, 1];
-    let run = |spec: &ModelSpec, dtype: DType| {
+    let run = |spec: &ModelSpec, dtype: DType, conv: ConvPlan| {
         let options = CudaBuildOptions {
             activations: dtype,
+            conv,
             ..CudaBuildOptions::default()
         };
         let mut net = CudaNetwork::build(&be, spec, 13, options).unwrap();
@@ -3236,10 +3345,23 @@ fn frame_networks_match_the_cpu_network() {
             net.read_buffers(&be).unwrap(),
         )
     };
-    for dtype in [DType::F32, DType::F16] {
-        let what = format!("frame network {dtype:?}");
-        let (out, grads, buffers) = run(&spec, dtype);
-        let again = run(&frame_spec("all"), dtype);
+    let auto = ConvPlan {
+        algorithm: ConvAlgorithm::Auto,
+        ..ConvPlan::default()
+    };
+    let plans = [ConvPlan::default(), auto];
+    for (dtype, plan) in [DType::F32, DType::F16]
+        .into_iter()
+        .flat_map(|d| plans.map(|p| (d, p)))
+    {
+        let what = format!("frame network {dtype:?} {:?}", plan.algorithm);
+        let before = kernel_runs(&NARROW_KERNELS);
+        let (out, grads, buffers) = run(&spec, dtype, plan);
+        if let (Some(before), Some(after)) = (before, kernel_runs(&NARROW_KERNELS)) {
+            let narrow = plan.algorithm == ConvAlgorithm::Auto;
+            assert_eq!(after > before, narrow, "{what}: narrow kernels ran");
+        }
+        let again = run(&frame_spec("all"), dtype, plan);
         assert!(
             out.iter()
                 .zip(&again.0)
@@ -4112,6 +4234,30 @@ const COVERAGE: &[(&str, &str)] = &[
     (
         "implicit_conv_n32_f16",
         "implicit_gemm_convolution_matches_the_cpu_layer",
+    ),
+    (
+        "narrow_forward_f16",
+        "narrow_convolution_matches_the_cpu_layer",
+    ),
+    (
+        "narrow_forward_f32",
+        "narrow_convolution_matches_the_cpu_layer",
+    ),
+    (
+        "narrow_grad_input_f16",
+        "narrow_convolution_matches_the_cpu_layer",
+    ),
+    (
+        "narrow_grad_input_f32",
+        "narrow_convolution_matches_the_cpu_layer",
+    ),
+    (
+        "narrow_wgrad_f16",
+        "narrow_convolution_matches_the_cpu_layer",
+    ),
+    (
+        "narrow_wgrad_f32",
+        "narrow_convolution_matches_the_cpu_layer",
     ),
     (
         "implicit_conv_n64_f16",

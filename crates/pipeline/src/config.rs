@@ -332,7 +332,8 @@ pub struct DeviceConfig {
     /// gathers the matrix tile by tile in shared memory; f16, channels in
     /// multiples of 8, sm_80 or newer, else im2col), or "auto" (each
     /// convolution by its shape: implicit GEMM for stride 1 and at most 64
-    /// channels, im2col elsewhere). No effect on the CPU.
+    /// channels, direct kernels for fewer than 8 output channels, im2col
+    /// elsewhere). No effect on the CPU.
     #[serde(default = "default_conv_algorithm")]
     pub conv_algorithm: String,
     /// Fault injection for tests: fail an allocation at these steps ...

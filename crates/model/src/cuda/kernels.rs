@@ -188,6 +188,13 @@ pub const IMPLICIT_WGRAD_N32: KernelSig =
 pub const IMPLICIT_WGRAD_N64: KernelSig =
     sig!("conv_mma", "implicit_wgrad_n64_f16", WgradParams, 3);
 pub const WGRAD_REDUCE: KernelSig = sig!("conv_mma", "wgrad_reduce", WgradReduceParams, 2);
+/// Direct convolution to fewer than 8 output channels: forward, input
+/// gradient, and the weight gradient's partial sums (reduced by
+/// `WGRAD_REDUCE`).
+pub const NARROW_FORWARD: KernelPair = pair!("conv_narrow", "narrow_forward", NarrowParams, 3);
+pub const NARROW_GRAD_INPUT: KernelPair =
+    pair!("conv_narrow", "narrow_grad_input", NarrowParams, 3);
+pub const NARROW_WGRAD: KernelPair = pair!("conv_narrow", "narrow_wgrad", NarrowParams, 3);
 
 pub const GRAD_SUMSQ: KernelSig = sig!("optim", "grad_sumsq", SumSqParams, 2);
 pub const STEP_FINALIZE: KernelSig = sig!("optim", "step_finalize", FinalizeParams, 4);
@@ -375,6 +382,18 @@ pub static FILES: &[KernelFile] = &[
             IMPLICIT_WGRAD_N32,
             IMPLICIT_WGRAD_N64,
             WGRAD_REDUCE,
+        ],
+    },
+    KernelFile {
+        name: "conv_narrow",
+        source: include_str!("../../kernels/conv_narrow.cu"),
+        kernels: &[
+            NARROW_FORWARD.f16,
+            NARROW_FORWARD.f32,
+            NARROW_GRAD_INPUT.f16,
+            NARROW_GRAD_INPUT.f32,
+            NARROW_WGRAD.f16,
+            NARROW_WGRAD.f32,
         ],
     },
     KernelFile {

@@ -49,8 +49,10 @@ use super::tensor::{
 };
 use super::{CudaError, CudaResult};
 
+mod conv_narrow;
 mod frames;
 mod sequence;
+use conv_narrow::{narrow_fits, narrow_forward, narrow_grad_input, narrow_wgrad};
 pub use frames::*;
 pub use sequence::*;
 
@@ -1799,7 +1801,8 @@ pub enum ConvAlgorithm {
     ImplicitGemm,
     /// Each convolution by its shape: implicit GEMM where it was the faster
     /// of the two on an H100 (stride 1, at most `AUTO_IMPLICIT_CHANNELS`
-    /// channels in and out), im2col + cuBLAS elsewhere. A rule, not a
+    /// channels in and out), direct kernels for fewer than 8 output channels
+    /// (`conv_narrow.cu`), im2col + cuBLAS elsewhere. A rule, not a
     /// timing: every run of a model picks the same, so its bits (and a
     /// resumed run's) do not depend on how a timing fell.
     Auto,
@@ -2042,6 +2045,8 @@ pub fn conv2d_forward(
             1.0,
             0.0,
         )?;
+    } else if narrow_fits(plan, &s) {
+        narrow_forward(be, x, weight, &mut y, &s, (oh, ow))?;
     } else if implicit_fits(be, plan, dtype, &s) {
         implicit_conv(be, x, weight, &mut y, &s, (oh, ow), false)?;
     } else {
@@ -2196,6 +2201,13 @@ fn conv2d_backward_into(
                 1.0,
                 0.0,
             )?;
+        }
+        return Ok(());
+    }
+    if narrow_fits(plan, &s) {
+        narrow_wgrad(be, x, dy, weight_grad, &s, (oh, ow), plan.workspace)?;
+        if let Some(dx) = input_grad {
+            narrow_grad_input(be, dy, weight, dx, &s, (oh, ow))?;
         }
         return Ok(());
     }

@@ -116,6 +116,14 @@ kernel_params! {
     }
     /// conv_mma.cu: wgrad_reduce.
     WgradReduceParams(8) { n: u32, splits: u32 }
+    /// conv_narrow.cu: narrow_forward, narrow_grad_input, narrow_wgrad
+    /// (fewer than 8 output channels).
+    NarrowParams(100) {
+        n: u32, h: u32, w: u32, cin: u32, cout: u32, oh: u32, ow: u32,
+        k: u32, stride: u32, pad: u32, rows_per_split: u32,
+        by_opix: FastDiv, by_ow: FastDiv, by_hw: FastDiv, by_w: FastDiv,
+        by_cin: FastDiv, by_cout: FastDiv, by_stride: FastDiv,
+    }
     /// optim.cu: grad_sumsq.
     SumSqParams(8) { n: u32, offset: u32 }
     /// batchnorm.cu: bn_running_restore.

@@ -1,0 +1,202 @@
+// Convolutions with fewer than 8 output channels (a frame predictor's last
+// layer to one channel, an RGB head), direct, in NHWC, under
+// device.conv_algorithm = "auto". Through im2col + cuBLAS each pass of such
+// a layer is a matrix product one to seven columns wide behind an im2col
+// copy of k*k*Cin values per pixel: conv_lstm's 17 -> 1 head over 320
+// frames of 64x64 makes 400 MB of im2col matrix per pass, 25 image groups
+// of a 16 MiB workspace, each an im2col and a thin GEMM (and a col2im for
+// dX). Here nothing the size of im2col is made:
+//   narrow_forward       y[pixel, co] = sum over (ky, kx, ci) of
+//                        x[tap] * W[ky, kx, ci, co]: a thread per output
+//                        pixel, all its (at most 7) outputs in registers,
+//                        summed in f32 in (ky, kx, ci) order, rounded once
+//   narrow_grad_input    dx[pixel, ci] = sum over the taps that reach it of
+//                        dy[out, co] * W[ky, kx, ci, co]: a thread per
+//                        input element, gathering (no atomics)
+//   narrow_wgrad         dW[ky, kx, ci, co] over the pixels of one split:
+//                        a thread per weight, its f32 partial written for
+//                        conv_mma.cu's wgrad_reduce to add in split order
+// Splits are fixed by the shape (host side), so the bits do not depend on
+// the GPU or the run. Compiled and emulated, not yet run on a GPU.
+#include "common.cuh"
+
+#define NARROW_COUT 7
+
+struct NarrowParams {
+    u32 n;
+    u32 h;
+    u32 w;
+    u32 cin;
+    u32 cout;
+    u32 oh;
+    u32 ow;
+    u32 k;
+    u32 stride;
+    u32 pad;
+    u32 rows_per_split;  // narrow_wgrad: output pixels a split sums
+    FastDiv by_opix;     // oh * ow
+    FastDiv by_ow;
+    FastDiv by_hw;       // h * w
+    FastDiv by_w;
+    FastDiv by_cin;
+    FastDiv by_cout;
+    FastDiv by_stride;
+};
+HR_CHECK_SIZE(NarrowParams, 100);
+
+template <typename T>
+__device__ void narrow_forward_k(NarrowParams p, const T* __restrict__ x,
+                                 const T* __restrict__ wt, T* __restrict__ y) {
+    const u32 opix = p.oh * p.ow;
+    HR_FOR_EACH(row, p.n * opix) {
+        const u32 img = hr_div(p.by_opix, row);
+        const u32 pix = row - img * opix;
+        const u32 oy = hr_div(p.by_ow, pix);
+        const u32 ox = pix - oy * p.ow;
+        float acc[NARROW_COUT] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (u32 ky = 0; ky < p.k; ++ky) {
+            const int iy = (int)(oy * p.stride + ky) - (int)p.pad;
+            if (iy < 0 || iy >= (int)p.h) {
+                continue;
+            }
+            for (u32 kx = 0; kx < p.k; ++kx) {
+                const int ix = (int)(ox * p.stride + kx) - (int)p.pad;
+                if (ix < 0 || ix >= (int)p.w) {
+                    continue;
+                }
+                const T* xs = x + ((img * p.h + (u32)iy) * p.w + (u32)ix) * p.cin;
+                const T* ws = wt + (ky * p.k + kx) * p.cin * p.cout;
+                for (u32 ci = 0; ci < p.cin; ++ci) {
+                    const float v = hr_ld(xs[ci]);
+#pragma unroll
+                    for (u32 co = 0; co < NARROW_COUT; ++co) {
+                        if (co < p.cout) {
+                            acc[co] += v * hr_ld(ws[ci * p.cout + co]);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (u32 co = 0; co < NARROW_COUT; ++co) {
+            if (co < p.cout) {
+                hr_st(y + row * p.cout + co, acc[co]);
+            }
+        }
+    }
+}
+
+template <typename T>
+__device__ void narrow_grad_input_k(NarrowParams p, const T* __restrict__ dy,
+                                    const T* __restrict__ wt, T* __restrict__ dx) {
+    const u32 hw = p.h * p.w;
+    HR_FOR_EACH(e, p.n * hw * p.cin) {
+        const u32 in_pix = hr_div(p.by_cin, e);
+        const u32 ci = e - in_pix * p.cin;
+        const u32 img = hr_div(p.by_hw, in_pix);
+        const u32 rem = in_pix - img * hw;
+        const u32 iy = hr_div(p.by_w, rem);
+        const u32 ix = rem - iy * p.w;
+        float acc = 0.0f;
+        for (u32 ky = 0; ky < p.k; ++ky) {
+            const int ty = (int)(iy + p.pad) - (int)ky;
+            if (ty < 0) {
+                continue;
+            }
+            const u32 oy = hr_div(p.by_stride, (u32)ty);
+            if (oy * p.stride != (u32)ty || oy >= p.oh) {
+                continue;
+            }
+            for (u32 kx = 0; kx < p.k; ++kx) {
+                const int tx = (int)(ix + p.pad) - (int)kx;
+                if (tx < 0) {
+                    continue;
+                }
+                const u32 ox = hr_div(p.by_stride, (u32)tx);
+                if (ox * p.stride != (u32)tx || ox >= p.ow) {
+                    continue;
+                }
+                const T* g = dy + ((img * p.oh + oy) * p.ow + ox) * p.cout;
+                const T* ws = wt + ((ky * p.k + kx) * p.cin + ci) * p.cout;
+                for (u32 co = 0; co < p.cout; ++co) {
+                    acc += hr_ld(g[co]) * hr_ld(ws[co]);
+                }
+            }
+        }
+        hr_st(dx + e, acc);
+    }
+}
+
+// Block (256) x split: thread j of the block row holds weight element j of
+// [k, k, cin, cout] and sums x * dy over the split's output pixels.
+template <typename T>
+__device__ void narrow_wgrad_k(NarrowParams p, const T* __restrict__ x,
+                               const T* __restrict__ dy, float* __restrict__ partial) {
+    const u32 n_w = p.k * p.k * p.cin * p.cout;
+    const u32 j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n_w) {
+        return;
+    }
+    const u32 tap_ci = hr_div(p.by_cout, j);
+    const u32 co = j - tap_ci * p.cout;
+    const u32 tap = hr_div(p.by_cin, tap_ci);
+    const u32 ci = tap_ci - tap * p.cin;
+    const u32 ky = tap / p.k;
+    const u32 kx = tap - ky * p.k;
+    const u32 opix = p.oh * p.ow;
+    const u32 rows = p.n * opix;
+    const u32 r0 = blockIdx.y * p.rows_per_split;
+    const u32 r1 = min(r0 + p.rows_per_split, rows);
+    float acc = 0.0f;
+    for (u32 row = r0; row < r1; ++row) {
+        const u32 img = hr_div(p.by_opix, row);
+        const u32 pix = row - img * opix;
+        const u32 oy = hr_div(p.by_ow, pix);
+        const u32 ox = pix - oy * p.ow;
+        const int iy = (int)(oy * p.stride + ky) - (int)p.pad;
+        const int ix = (int)(ox * p.stride + kx) - (int)p.pad;
+        if (iy < 0 || iy >= (int)p.h || ix < 0 || ix >= (int)p.w) {
+            continue;
+        }
+        const float v = hr_ld(x[((img * p.h + (u32)iy) * p.w + (u32)ix) * p.cin + ci]);
+        acc += v * hr_ld(dy[row * p.cout + co]);
+    }
+    partial[blockIdx.y * n_w + j] = acc;
+}
+
+// Entry points, one per storage type.
+extern "C" __global__ void narrow_forward_f16(NarrowParams p, const hr_half* __restrict__ x,
+                                              const hr_half* __restrict__ wt,
+                                              hr_half* __restrict__ y) {
+    narrow_forward_k(p, x, wt, y);
+}
+
+extern "C" __global__ void narrow_forward_f32(NarrowParams p, const float* __restrict__ x,
+                                              const float* __restrict__ wt,
+                                              float* __restrict__ y) {
+    narrow_forward_k(p, x, wt, y);
+}
+
+extern "C" __global__ void narrow_grad_input_f16(NarrowParams p, const hr_half* __restrict__ dy,
+                                                 const hr_half* __restrict__ wt,
+                                                 hr_half* __restrict__ dx) {
+    narrow_grad_input_k(p, dy, wt, dx);
+}
+
+extern "C" __global__ void narrow_grad_input_f32(NarrowParams p, const float* __restrict__ dy,
+                                                 const float* __restrict__ wt,
+                                                 float* __restrict__ dx) {
+    narrow_grad_input_k(p, dy, wt, dx);
+}
+
+extern "C" __global__ void narrow_wgrad_f16(NarrowParams p, const hr_half* __restrict__ x,
+                                            const hr_half* __restrict__ dy,
+                                            float* __restrict__ partial) {
+    narrow_wgrad_k(p, x, dy, partial);
+}
+
+extern "C" __global__ void narrow_wgrad_f32(NarrowParams p, const float* __restrict__ x,
+                                            const float* __restrict__ dy,
+                                            float* __restrict__ partial) {
+    narrow_wgrad_k(p, x, dy, partial);
+}

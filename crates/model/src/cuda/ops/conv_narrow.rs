@@ -1,0 +1,147 @@
+//! Convolutions to fewer than 8 output channels (`kernels/conv_narrow.cu`),
+//! which `ConvAlgorithm::Auto` runs directly instead of through im2col and
+//! a matrix product one to seven columns wide (see the `.cu` file for why).
+//! Forward, input gradient and weight gradient, each against the CPU layer
+//! in `cuda_parity.rs::narrow_convolution_matches_the_cpu_layer`.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::{checked_len, elementwise, ConvAlgorithm, ConvPlan, ConvShape, BLOCK};
+use crate::cuda::backend::CudaBackend;
+use crate::cuda::error::Context;
+use crate::cuda::kernels as k;
+use crate::cuda::params::{FastDiv, NarrowParams, WgradReduceParams};
+use crate::cuda::tensor::{AnyView, CudaTensor, DType};
+use crate::cuda::CudaResult;
+
+/// Output channels the narrow kernels hold in registers (`NARROW_COUT`).
+const NARROW_COUT: usize = 7;
+
+/// The weight gradient's pixels are split this many ways (fewer when there
+/// are fewer than `MIN_SPLIT_ROWS` pixels a split): a constant, so that the
+/// partial sums, and so the bits, depend on the shape alone.
+const SPLITS: usize = 1024;
+const MIN_SPLIT_ROWS: usize = 256;
+
+/// Whether `Auto` runs convolution `s` with the narrow kernels (a 1×1 one
+/// with stride 1 and no padding is a plain matrix product before this).
+pub(super) fn narrow_fits(plan: ConvPlan, s: &ConvShape) -> bool {
+    plan.algorithm == ConvAlgorithm::Auto && s.cout <= NARROW_COUT
+}
+
+fn params(s: &ConvShape, (oh, ow): (usize, usize), rows_per_split: usize) -> NarrowParams {
+    let by = |d: usize| FastDiv::new(d as u32);
+    NarrowParams {
+        n: s.n as u32,
+        h: s.h as u32,
+        w: s.w as u32,
+        cin: s.cin as u32,
+        cout: s.cout as u32,
+        oh: oh as u32,
+        ow: ow as u32,
+        k: s.k as u32,
+        stride: s.stride as u32,
+        pad: s.pad as u32,
+        rows_per_split: rows_per_split as u32,
+        by_opix: by(oh * ow),
+        by_ow: by(ow),
+        by_hw: by(s.h * s.w),
+        by_w: by(s.w),
+        by_cin: by(s.cin),
+        by_cout: by(s.cout),
+        by_stride: by(s.stride),
+    }
+}
+
+/// y [n, oh, ow, cout] = conv(x, W), in x's type.
+pub(super) fn narrow_forward(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    weight: &AnyView<'_>,
+    y: &mut CudaTensor,
+    s: &ConvShape,
+    out: (usize, usize),
+) -> CudaResult<()> {
+    checked_len("narrow convolution", &[s.n, s.h, s.w, s.cin])?;
+    let p = params(s, out, 0);
+    let f = be.function(k::NARROW_FORWARD.of(x.dtype()))?;
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p).arg(x).arg(weight).arg(y);
+    // SAFETY: narrow_forward_T(NarrowParams, const T* x [n, h, w, cin],
+    // const T* w [k, k, cin, cout], T* y [n, oh, ow, cout]): the caller
+    // checked x's and W's shapes and made y [n, oh, ow, cout] in x's type;
+    // cout ≤ NARROW_COUT (narrow_fits), and every index fits in 32 bits
+    // (ConvShape::check and the check above).
+    unsafe { b.launch(elementwise(s.n * out.0 * out.1)) }.during("narrow convolution forward")?;
+    Ok(())
+}
+
+/// dX [n, h, w, cin] = the input gradient of dy, overwritten.
+pub(super) fn narrow_grad_input(
+    be: &CudaBackend,
+    dy: &CudaTensor,
+    weight: &AnyView<'_>,
+    dx: &mut CudaTensor,
+    s: &ConvShape,
+    out: (usize, usize),
+) -> CudaResult<()> {
+    let total = checked_len("narrow convolution", &[s.n, s.h, s.w, s.cin])?;
+    let p = params(s, out, 0);
+    let f = be.function(k::NARROW_GRAD_INPUT.of(dy.dtype()))?;
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p).arg(dy).arg(weight).arg(dx);
+    // SAFETY: narrow_grad_input_T(NarrowParams, const T* dy [n, oh, ow,
+    // cout], const T* w, T* dx [n, h, w, cin]): shapes checked by the
+    // caller (dx made like x), one thread per element of dx, each written
+    // once.
+    unsafe { b.launch(elementwise(total)) }.during("narrow convolution input gradient")?;
+    Ok(())
+}
+
+/// dW [k, k, cin, cout] += the weight gradient: f32 partial sums over
+/// fixed splits of the output pixels, then `wgrad_reduce` adds them in
+/// split order (no atomics: the same bits every run).
+pub(super) fn narrow_wgrad(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    dy: &CudaTensor,
+    weight_grad: &mut cudarc::driver::CudaViewMut<'_, f32>,
+    s: &ConvShape,
+    out: (usize, usize),
+    workspace: usize,
+) -> CudaResult<()> {
+    let rows = s.n * out.0 * out.1;
+    let n_w = s.kk() * s.cout;
+    let room = (workspace / (n_w * 4)).max(1);
+    let splits = rows.div_ceil(MIN_SPLIT_ROWS).clamp(1, SPLITS).min(room);
+    let rows_per_split = rows.div_ceil(splits);
+    let splits = rows.div_ceil(rows_per_split);
+    checked_len("narrow weight gradient", &[splits, n_w])?;
+    let mut partial = CudaTensor::uninit(be, &[splits * n_w], DType::F32)?;
+    let p = params(s, out, rows_per_split);
+    let f = be.function(k::NARROW_WGRAD.of(x.dtype()))?;
+    let cfg = LaunchConfig {
+        grid_dim: (n_w.div_ceil(BLOCK as usize) as u32, splits as u32, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p).arg(x).arg(dy).arg(&mut partial);
+    // SAFETY: narrow_wgrad_T(NarrowParams, const T* x, const T* dy, float*
+    // partial [splits, k·k·cin·cout]): shapes checked by the caller; block
+    // row y writes only its split's n_w partials, threads past n_w return,
+    // and splits ≤ SPLITS keeps grid y under 65536.
+    unsafe { b.launch(cfg) }.during("narrow weight gradient")?;
+    let reduce = be.function(&k::WGRAD_REDUCE)?;
+    let rp = WgradReduceParams {
+        n: n_w as u32,
+        splits: splits as u32,
+    };
+    let mut b = be.compute_stream().launch_builder(&reduce);
+    b.arg(&rp).arg(&partial).arg(weight_grad);
+    // SAFETY: wgrad_reduce(WgradReduceParams, const float* partial [splits,
+    // n], float* dw [n]): the caller checked dW's length against the
+    // weight's, k·k·cin·cout = n.
+    unsafe { b.launch(elementwise(n_w)) }.during("narrow weight gradient reduce")?;
+    Ok(())
+}
