@@ -219,6 +219,20 @@ __device__ __forceinline__ u32 hr_div(FastDiv f, u32 n) {
     return (__umulhi(n, f.m) + n) >> f.s;
 }
 
+// Whether a convolution's kernel tap t reads input coordinate i from an
+// output coordinate below `out` (o * stride + t - pad == i), and that o:
+// the input gradient's gathers (col2im, conv_narrow.cu) sum over the taps
+// that reach an input element this way, with no atomics.
+__device__ __forceinline__ bool hr_tap_source(u32 i, u32 t, u32 pad, u32 stride,
+                                              FastDiv by_stride, u32 out, u32* o) {
+    const int at = (int)(i + pad) - (int)t;
+    if (at < 0) {
+        return false;
+    }
+    *o = hr_div(by_stride, (u32)at);
+    return *o * stride == (u32)at && *o < out;
+}
+
 // 8 halves, loaded and stored as one 16-byte access.
 struct alignas(16) HalfVec8 {
     u32 w[4];

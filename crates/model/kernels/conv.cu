@@ -91,21 +91,13 @@ __device__ void col2im_k(ConvParams p, const T* __restrict__ da,
         const u32 ci = in_row - ix * p.cin;
         float acc = 0.0f;
         for (u32 ky = 0; ky < p.k; ++ky) {
-            const int ty = (int)(iy + p.pad) - (int)ky;  // = oy * stride
-            if (ty < 0) {
-                continue;
-            }
-            const u32 oy = hr_div(p.by_stride, (u32)ty);
-            if (oy * p.stride != (u32)ty || oy >= p.oh) {
+            u32 oy = 0;
+            if (!hr_tap_source(iy, ky, p.pad, p.stride, p.by_stride, p.oh, &oy)) {
                 continue;
             }
             for (u32 kx = 0; kx < p.k; ++kx) {
-                const int tx = (int)(ix + p.pad) - (int)kx;
-                if (tx < 0) {
-                    continue;
-                }
-                const u32 ox = hr_div(p.by_stride, (u32)tx);
-                if (ox * p.stride != (u32)tx || ox >= p.ow) {
+                u32 ox = 0;
+                if (!hr_tap_source(ix, kx, p.pad, p.stride, p.by_stride, p.ow, &ox)) {
                     continue;
                 }
                 const u32 row = img * opix + oy * p.ow + ox;
@@ -166,21 +158,13 @@ extern "C" __global__ void col2im_v8_f16(ConvParams p, const hr_half* __restrict
         const u32 ci = in_row - ix * p.cin;
         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
         for (u32 ky = 0; ky < p.k; ++ky) {
-            const int ty = (int)(iy + p.pad) - (int)ky;
-            if (ty < 0) {
-                continue;
-            }
-            const u32 oy = hr_div(p.by_stride, (u32)ty);
-            if (oy * p.stride != (u32)ty || oy >= p.oh) {
+            u32 oy = 0;
+            if (!hr_tap_source(iy, ky, p.pad, p.stride, p.by_stride, p.oh, &oy)) {
                 continue;
             }
             for (u32 kx = 0; kx < p.k; ++kx) {
-                const int tx = (int)(ix + p.pad) - (int)kx;
-                if (tx < 0) {
-                    continue;
-                }
-                const u32 ox = hr_div(p.by_stride, (u32)tx);
-                if (ox * p.stride != (u32)tx || ox >= p.ow) {
+                u32 ox = 0;
+                if (!hr_tap_source(ix, kx, p.pad, p.stride, p.by_stride, p.ow, &ox)) {
                     continue;
                 }
                 const u32 row = img * opix + oy * p.ow + ox;

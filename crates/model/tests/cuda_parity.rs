@@ -1194,16 +1194,7 @@ fn conv_params_only_parity(be: &CudaBackend, case: &ConvCase, seed: u64) {
 #[test]
 fn convolution_matches_the_cpu_layer_for_the_reference_shapes() {
     let be = gpu_or_skip!();
-    let conv = |n, h, w, cin, cout, k, stride, pad| ConvShape {
-        n,
-        h,
-        w,
-        cin,
-        cout,
-        k,
-        stride,
-        pad,
-    };
+    let conv = conv_shape;
     let cases = [
         // The reference ResNet at batch 4: stem, blocks, strided stems.
         ConvCase {
@@ -1291,6 +1282,30 @@ fn kernel_runs(names: &[&str]) -> Option<u64> {
     )
 }
 
+/// A convolution's shape, its fields in order.
+#[allow(clippy::too_many_arguments)]
+fn conv_shape(
+    n: usize,
+    h: usize,
+    w: usize,
+    cin: usize,
+    cout: usize,
+    k: usize,
+    stride: usize,
+    pad: usize,
+) -> ConvShape {
+    ConvShape {
+        n,
+        h,
+        w,
+        cin,
+        cout,
+        k,
+        stride,
+        pad,
+    }
+}
+
 /// conv_mma.cu's kernels.
 const IMPLICIT_KERNELS: [&str; 5] = [
     "implicit_conv_n32_f16",
@@ -1311,16 +1326,7 @@ const IMPLICIT_KERNELS: [&str; 5] = [
 #[test]
 fn implicit_gemm_convolution_matches_the_cpu_layer() {
     let be = gpu_or_skip!();
-    let conv = |n, h, w, cin, cout, k, stride, pad| ConvShape {
-        n,
-        h,
-        w,
-        cin,
-        cout,
-        k,
-        stride,
-        pad,
-    };
+    let conv = conv_shape;
     let plan = ConvPlan {
         algorithm: ConvAlgorithm::ImplicitGemm,
         ..ConvPlan::default()
@@ -1370,16 +1376,7 @@ fn implicit_gemm_convolution_matches_the_cpu_layer() {
 #[test]
 fn auto_picks_the_convolution_algorithm_by_shape() {
     let be = gpu_or_skip!();
-    let conv = |n, h, w, cin, cout, stride| ConvShape {
-        n,
-        h,
-        w,
-        cin,
-        cout,
-        k: 3,
-        stride,
-        pad: 1,
-    };
+    let conv = |n, h, w, cin, cout, stride| conv_shape(n, h, w, cin, cout, 3, stride, 1);
     let plan = ConvPlan {
         algorithm: ConvAlgorithm::Auto,
         ..ConvPlan::default()
@@ -1429,16 +1426,7 @@ const NARROW_KERNELS: [&str; 6] = [
 #[test]
 fn narrow_convolution_matches_the_cpu_layer() {
     let be = gpu_or_skip!();
-    let conv = |n, h, w, cin, cout, k, stride, pad| ConvShape {
-        n,
-        h,
-        w,
-        cin,
-        cout,
-        k,
-        stride,
-        pad,
-    };
+    let conv = conv_shape;
     let auto = ConvPlan {
         algorithm: ConvAlgorithm::Auto,
         ..ConvPlan::default()

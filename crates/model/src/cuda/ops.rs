@@ -1992,17 +1992,36 @@ fn implicit_wgrad(
     // checked their shapes, implicit_fits the multiples of 8), and block z
     // writes only its depth·cout slice of partial, which holds splits of them.
     unsafe { b.launch(cfg) }.during("implicit weight gradient")?;
+    add_weight_partials(be, &partial, weight_grad, splits)
+}
+
+/// dW += the weight gradient's partial sums `partial` [splits, dW's
+/// length], added in split order (conv_mma.cu's wgrad_reduce): the same
+/// bits every run, where atomics would add in whatever order blocks end.
+fn add_weight_partials(
+    be: &CudaBackend,
+    partial: &CudaTensor,
+    weight_grad: &mut CudaViewMut<'_, f32>,
+    splits: usize,
+) -> CudaResult<()> {
+    let n = weight_grad.len();
+    same_len(
+        "weight gradient reduce",
+        "partial sums",
+        splits * n,
+        partial.len(),
+    )?;
     let reduce = be.function(&k::WGRAD_REDUCE)?;
     let rp = WgradReduceParams {
-        n: dw_len as u32,
+        n: n as u32,
         splits: splits as u32,
     };
     let mut b = be.compute_stream().launch_builder(&reduce);
-    b.arg(&rp).arg(&partial).arg(weight_grad);
+    b.arg(&rp).arg(partial).arg(weight_grad);
     // SAFETY: wgrad_reduce(WgradReduceParams, const float* partial [splits,
-    // n], float* dw [n]): the caller checked dw's length against the
-    // weight's, depth·cout = n.
-    unsafe { b.launch(elementwise(dw_len)) }.during("weight gradient reduce")?;
+    // n], float* dw [n]): both lengths checked above (the callers made
+    // partial f32).
+    unsafe { b.launch(elementwise(n)) }.during("weight gradient reduce")?;
     Ok(())
 }
 

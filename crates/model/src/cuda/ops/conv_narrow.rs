@@ -4,13 +4,15 @@
 //! Forward, input gradient and weight gradient, each against the CPU layer
 //! in `cuda_parity.rs::narrow_convolution_matches_the_cpu_layer`.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaViewMut, LaunchConfig, PushKernelArg};
 
-use super::{checked_len, elementwise, ConvAlgorithm, ConvPlan, ConvShape, BLOCK};
+use super::{
+    add_weight_partials, checked_len, elementwise, ConvAlgorithm, ConvPlan, ConvShape, BLOCK,
+};
 use crate::cuda::backend::CudaBackend;
 use crate::cuda::error::Context;
 use crate::cuda::kernels as k;
-use crate::cuda::params::{FastDiv, NarrowParams, WgradReduceParams};
+use crate::cuda::params::{FastDiv, NarrowParams};
 use crate::cuda::tensor::{AnyView, CudaTensor, DType};
 use crate::cuda::CudaResult;
 
@@ -105,7 +107,7 @@ pub(super) fn narrow_wgrad(
     be: &CudaBackend,
     x: &CudaTensor,
     dy: &CudaTensor,
-    weight_grad: &mut cudarc::driver::CudaViewMut<'_, f32>,
+    weight_grad: &mut CudaViewMut<'_, f32>,
     s: &ConvShape,
     out: (usize, usize),
     workspace: usize,
@@ -132,16 +134,5 @@ pub(super) fn narrow_wgrad(
     // row y writes only its split's n_w partials, threads past n_w return,
     // and splits ≤ SPLITS keeps grid y under 65536.
     unsafe { b.launch(cfg) }.during("narrow weight gradient")?;
-    let reduce = be.function(&k::WGRAD_REDUCE)?;
-    let rp = WgradReduceParams {
-        n: n_w as u32,
-        splits: splits as u32,
-    };
-    let mut b = be.compute_stream().launch_builder(&reduce);
-    b.arg(&rp).arg(&partial).arg(weight_grad);
-    // SAFETY: wgrad_reduce(WgradReduceParams, const float* partial [splits,
-    // n], float* dw [n]): the caller checked dW's length against the
-    // weight's, k·k·cin·cout = n.
-    unsafe { b.launch(elementwise(n_w)) }.during("narrow weight gradient reduce")?;
-    Ok(())
+    add_weight_partials(be, &partial, weight_grad, splits)
 }
