@@ -198,3 +198,25 @@ extern "C" __global__ void col2im_f32(ConvParams p, const float* __restrict__ da
                                       float* __restrict__ dx) {
     col2im_k(p, da, dx);
 }
+
+// The weight gradient of conv_mma.cu's implicit kernels and of
+// conv_narrow.cu is summed over fixed splits of the pixels, each split
+// writing an f32 partial of dW; this adds them. Here, in a file of plain
+// kernels, so that the narrow kernels need no sm_80 (conv_mma.cu's mma).
+struct WgradReduceParams {
+    u32 n;       // dW's length
+    u32 splits;
+};
+HR_CHECK_SIZE(WgradReduceParams, 8);
+
+// dw[i] += the splits' partials of element i, summed in split order.
+extern "C" __global__ void wgrad_reduce(WgradReduceParams p, const float* __restrict__ partial,
+                                        float* __restrict__ dw) {
+    HR_FOR_EACH(i, p.n) {
+        float sum = 0.0f;
+        for (u32 z = 0; z < p.splits; ++z) {
+            sum += partial[z * p.n + i];
+        }
+        dw[i] += sum;
+    }
+}

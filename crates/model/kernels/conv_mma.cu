@@ -299,7 +299,7 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
 // A[m, (ky, kx, ci)] dy[m, co], with A gathered from x as in the forward.
 // The sum runs over n*oh*ow pixels into a small K x cout matrix, so the
 // pixels are split among blocks (grid z): block z sums rows_per_split of
-// them for a 64 x BN tile of dW and writes its f32 partial; wgrad_reduce
+// them for a 64 x BN tile of dW and writes its f32 partial; wgrad_reduce (conv.cu)
 // then adds the partials to dW in split order. No atomics: the same bits
 // every run. Tiles are stored transposed in shared memory (K or cout rows,
 // pixels along the row), so the mma's fragments, whose pairs run along the
@@ -459,24 +459,6 @@ __device__ void wgrad_k(WgradParams p, const hr_half* __restrict__ x, const hr_h
                 out[row * p.cout + col + 1u] = acc[nt][2 * half + 1];
             }
         }
-    }
-}
-
-struct WgradReduceParams {
-    u32 n;       // depth * cout
-    u32 splits;
-};
-HR_CHECK_SIZE(WgradReduceParams, 8);
-
-// dw[i] += the splits' partials of element i, summed in split order.
-extern "C" __global__ void wgrad_reduce(WgradReduceParams p, const float* __restrict__ partial,
-                                        float* __restrict__ dw) {
-    HR_FOR_EACH(i, p.n) {
-        float sum = 0.0f;
-        for (u32 z = 0; z < p.splits; ++z) {
-            sum += partial[z * p.n + i];
-        }
-        dw[i] += sum;
     }
 }
 

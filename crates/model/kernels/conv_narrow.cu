@@ -15,7 +15,7 @@
 //                        input element, gathering (no atomics)
 //   narrow_wgrad         dW[ky, kx, ci, co] over the pixels of one split:
 //                        a thread per weight, its f32 partial written for
-//                        conv_mma.cu's wgrad_reduce to add in split order
+//                        conv.cu's wgrad_reduce to add in split order
 // Splits are fixed by the shape (host side), so the bits do not depend on
 // the GPU or the run. Compiled and emulated, not yet run on a GPU.
 #include "common.cuh"

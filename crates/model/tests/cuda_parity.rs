@@ -1306,7 +1306,7 @@ fn conv_shape(
     }
 }
 
-/// conv_mma.cu's kernels.
+/// conv_mma.cu's kernels, and conv.cu's reduce of their weight gradient.
 const IMPLICIT_KERNELS: [&str; 5] = [
     "implicit_conv_n32_f16",
     "implicit_conv_n64_f16",

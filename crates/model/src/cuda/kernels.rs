@@ -187,7 +187,7 @@ pub const IMPLICIT_WGRAD_N32: KernelSig =
     sig!("conv_mma", "implicit_wgrad_n32_f16", WgradParams, 3);
 pub const IMPLICIT_WGRAD_N64: KernelSig =
     sig!("conv_mma", "implicit_wgrad_n64_f16", WgradParams, 3);
-pub const WGRAD_REDUCE: KernelSig = sig!("conv_mma", "wgrad_reduce", WgradReduceParams, 2);
+pub const WGRAD_REDUCE: KernelSig = sig!("conv", "wgrad_reduce", WgradReduceParams, 2);
 /// Direct convolution to fewer than 8 output channels: forward, input
 /// gradient, and the weight gradient's partial sums (reduced by
 /// `WGRAD_REDUCE`).
@@ -370,7 +370,13 @@ pub static FILES: &[KernelFile] = &[
         name: "conv",
         source: include_str!("../../kernels/conv.cu"),
         kernels: &[
-            IM2COL.f16, IM2COL.f32, COL2IM.f16, COL2IM.f32, IM2COL_V8, COL2IM_V8,
+            IM2COL.f16,
+            IM2COL.f32,
+            COL2IM.f16,
+            COL2IM.f32,
+            IM2COL_V8,
+            COL2IM_V8,
+            WGRAD_REDUCE,
         ],
     },
     KernelFile {
@@ -381,7 +387,6 @@ pub static FILES: &[KernelFile] = &[
             IMPLICIT_CONV_N64,
             IMPLICIT_WGRAD_N32,
             IMPLICIT_WGRAD_N64,
-            WGRAD_REDUCE,
         ],
     },
     KernelFile {

@@ -1996,7 +1996,7 @@ fn implicit_wgrad(
 }
 
 /// dW += the weight gradient's partial sums `partial` [splits, dW's
-/// length], added in split order (conv_mma.cu's wgrad_reduce): the same
+/// length], added in split order (conv.cu's wgrad_reduce): the same
 /// bits every run, where atomics would add in whatever order blocks end.
 fn add_weight_partials(
     be: &CudaBackend,

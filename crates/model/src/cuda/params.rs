@@ -114,7 +114,7 @@ kernel_params! {
         opix: u32, ow: u32, k: u32, stride: u32, pad: u32, rows_per_split: u32,
         by_opix: FastDiv, by_ow: FastDiv, by_cin: FastDiv, by_k: FastDiv,
     }
-    /// conv_mma.cu: wgrad_reduce.
+    /// conv.cu: wgrad_reduce (the implicit and narrow weight gradients).
     WgradReduceParams(8) { n: u32, splits: u32 }
     /// conv_narrow.cu: narrow_forward, narrow_grad_input, narrow_wgrad
     /// (fewer than 8 output channels).
