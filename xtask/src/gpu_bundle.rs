@@ -48,6 +48,8 @@ pub struct BundleArgs {
     pub output: PathBuf,
     /// Fashion-MNIST's directory, to copy its four files into `data/`.
     pub data: Option<PathBuf>,
+    /// An earlier bundle's gzipped xtask, to carry as bin/baseline-xtask.gz.
+    pub baseline: Option<PathBuf>,
 }
 
 pub fn build(args: &BundleArgs) -> Result<()> {
@@ -75,6 +77,10 @@ pub fn build(args: &BundleArgs) -> Result<()> {
             .with_context(|| format!("copying {}", from.display()))?;
     }
     write_executable(&out.join("run.sh"), RUN_SH)?;
+    if let Some(baseline) = &args.baseline {
+        fs::copy(baseline, out.join("bin/baseline-xtask.gz"))
+            .with_context(|| format!("copying the baseline {}", baseline.display()))?;
+    }
     let size = dir_bytes(out)?;
     if size > MAX_BUNDLE_BYTES {
         bail!(

@@ -207,6 +207,17 @@ bench_model() {
         --json-out "$WORK/bench-$1${2:+-variant}.json"
 }
 
+# bench_baseline: the bench step's command (graphs, no PyTorch) with the
+# earlier build in bin/baseline-xtask.gz, its convolutions as this build's
+# default has them (device.conv_algorithm=auto, which that build had, but
+# not as its default).
+bench_baseline() {
+    gunzip -c "$BUNDLE/bin/baseline-xtask.gz" > "$WORK/bin/baseline-xtask" \
+        && chmod +x "$WORK/bin/baseline-xtask" || return 1
+    XTASK=$WORK/bin/baseline-xtask hr bench --device cuda "${BENCH_ARGS[@]}" \
+        --set device.conv_algorithm=auto
+}
+
 # hog_and_train: another process holds all but HOG_LEAVES_MIB of the GPU;
 # a job that needs far more (batch 4096), with a budget that does not bind,
 # must meet the driver's own out-of-memory and adapt, never crash or hang.
@@ -293,8 +304,8 @@ hazard_kernels() {
 CUBLAS_KERNELS='^(nvjet_|cutlass|sm[0-9]+_xmma|gemm|gemv|cublas|splitKreduce)'
 
 # kernel_profile: one training step of the default model at batch 512,
-# eager, each convolution by its shape (device.conv_algorithm=auto, so
-# both the implicit kernels and im2col + cuBLAS run), under Nsight
+# eager, each convolution by its shape (device.conv_algorithm=auto, the
+# default: the implicit, narrow and im2col + cuBLAS kernels), under Nsight
 # Compute: every kernel's duration and how near it ran to the memory and
 # compute roofs, summed by kernel name, longest first. The layer-by-layer
 # profile says which layer costs; this says which kernel and why.
@@ -302,7 +313,7 @@ kernel_profile() {
     local csv=$WORK/ncu.csv
     "$NCU" --csv --page raw --launch-count 2000 --metrics "$NCU_METRICS" \
         "$XTASK" bench-step --config "$EXPERIMENT" --batch 512 --threads 1 --warmup 1 --steps 1 \
-        --set device.kind=cuda --set device.graphs=false --set device.conv_algorithm=auto \
+        --set device.kind=cuda --set device.graphs=false \
         > "$csv" 2> "$WORK/ncu.err"
     local rc=$?
     tail -n 5 "$WORK/ncu.err"
@@ -512,9 +523,9 @@ report["whole_job_seconds"] = {
     "headroom": wall(train),
     "headroom_data_on_host": wall(read("train-host-data.log")),
     "headroom_implicit_gemm": wall(read("train-implicit-gemm.log")),
-    "headroom_auto_conv": wall(read("train-auto-conv.log")),
+    "headroom_im2col": wall(read("train-im2col.log")),
 }
-for name in ("train-no-amp", "train-auto", "train-implicit-gemm", "train-auto-conv"):
+for name in ("train-no-amp", "train-auto", "train-implicit-gemm", "train-im2col"):
     found = re.findall(r"test accuracy\s+([0-9.]+)%", read(name + ".log"))
     if found:
         report[name + "_test_accuracy_percent"] = float(found[-1])
@@ -580,7 +591,7 @@ jobs = report["whole_job_seconds"]
 lines += ["", "whole default job, wall seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in jobs.items() if v is not None)]
 if isinstance(report.get("torch_job"), dict):
     lines += [f'pytorch test accuracy {100 * report["torch_job"]["test_accuracy"]:.2f}%']
-for name in ("train-no-amp", "train-auto", "train-implicit-gemm", "train-auto-conv"):
+for name in ("train-no-amp", "train-auto", "train-implicit-gemm", "train-im2col"):
     if name + "_test_accuracy_percent" in report:
         lines += [f"{name} test accuracy {report[name + '_test_accuracy_percent']:.2f}%"]
 if "mlp_silu_one_epoch" in report:
@@ -610,7 +621,8 @@ for name, what in (("bench-no-graphs", "without CUDA graphs (device.graphs=false
                    ("bench-workspace-4", "with a 4 MiB im2col workspace (device.conv_workspace=4MiB)"),
                    ("bench-torch-graphs", "beside PyTorch with CUDA graphs (torch.compile mode=\"reduce-overhead\")"),
                    ("bench-implicit-gemm", "with the implicit-GEMM convolution kernel (device.conv_algorithm=implicit_gemm)"),
-                   ("bench-auto-conv", "each convolution's algorithm by its shape (device.conv_algorithm=auto)")):
+                   ("bench-im2col", "every convolution through im2col + cuBLAS (device.conv_algorithm=im2col)"),
+                   ("bench-baseline", "the same step built from BASELINE_XTASK (the A of an A/B on this GPU)")):
     if read(name + ".log").strip():
         lines += ["", what + ":", read(name + ".log").strip()]
 open(os.path.join(out, "summary.txt"), "w").write("\n".join(lines) + "\n")
@@ -703,8 +715,13 @@ step bench bench-no-graphs hr bench --device cuda "${BENCH_ARGS[@]}" --set devic
 step bench bench-keep-outputs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.recompute=false
 step bench bench-implicit-gemm hr bench --device cuda --profile "${BENCH_ARGS[@]}" \
     --set device.conv_algorithm=implicit_gemm
-step bench bench-auto-conv hr bench --device cuda --profile "${BENCH_ARGS[@]}" \
-    --set device.conv_algorithm=auto
+step bench bench-im2col hr bench --device cuda --profile "${BENCH_ARGS[@]}" \
+    --set device.conv_algorithm=im2col
+# An A/B on this GPU: the bench of an earlier build (bin/baseline-xtask.gz,
+# where the bundle carries one) beside this build's (the bench step's).
+if [ -f "$BUNDLE/bin/baseline-xtask.gz" ]; then
+    step bench bench-baseline bench_baseline
+fi
 
 # 9. The other trainers on the GPU, then their steps beside PyTorch's.
 step train train-mlp train_mlp
@@ -713,20 +730,20 @@ step train train-frames train_frames
 step bench bench-tiny-gpt bench_model tiny_gpt
 step bench bench-char-lm bench_model char_lm
 step bench bench-conv-lstm bench_model conv_lstm
-# Its 17 -> 1 head through conv_narrow.cu's direct kernels instead of 27
-# im2col groups, its 48 -> 16 convolution on the implicit kernels.
-step bench bench-conv-lstm-auto bench_model conv_lstm --set device.conv_algorithm=auto
+# Every convolution through im2col (its 17 -> 1 head in 27 im2col groups,
+# where the default runs conv_narrow.cu's direct kernels).
+step bench bench-conv-lstm-im2col bench_model conv_lstm --set device.conv_algorithm=im2col
 # LoRA's epoch ran at 538 samples/s on an H100 against the full
 # fine-tune's 850: where do its adapters' steps go?
 step bench bench-lora bench_model lora_finetune
 
-# 10. Least needed: the default job with implicit-GEMM convolutions (which
-# must reach im2col's accuracy before it may be the default), and the im2col
-# workspace at 64 and 4 MiB against 16.
+# 10. Least needed: the default job with implicit-GEMM convolutions and
+# with im2col alone (each must reach the default's accuracy), and the
+# im2col workspace at 64 and 4 MiB against 16.
 step train train-implicit-gemm hr train --no-install --set device.kind=cuda \
     --set device.conv_algorithm=implicit_gemm --set "run.output_dir=$WORK/default-implicit-gemm"
-step train train-auto-conv hr train --no-install --set device.kind=cuda \
-    --set device.conv_algorithm=auto --set "run.output_dir=$WORK/default-auto-conv"
+step train train-im2col hr train --no-install --set device.kind=cuda \
+    --set device.conv_algorithm=im2col --set "run.output_dir=$WORK/default-im2col"
 step bench bench-workspace-64 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.conv_workspace=64MiB
 step bench bench-workspace-4 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.conv_workspace=4MiB
 

@@ -199,6 +199,11 @@ enum Command {
         /// Also copy the four Fashion-MNIST files (about 30 MB) into data/.
         #[arg(long)]
         with_data: bool,
+        /// An earlier bundle's bin/xtask.gz, carried as bin/baseline-xtask.gz:
+        /// run.sh's bench-baseline step then times that build's step beside
+        /// this one's on the same GPU (an A/B).
+        #[arg(long)]
+        baseline: Option<PathBuf>,
         /// Then run the bundle's run.sh here, on the CPU emulator of the
         /// driver, with every job shrunk: checks the script, not the GPU.
         #[arg(long)]
@@ -763,6 +768,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::GpuBundle {
             output,
             with_data,
+            baseline,
             dry_run,
         } => {
             let data = match with_data {
@@ -772,6 +778,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             gpu_bundle::build(&gpu_bundle::BundleArgs {
                 output: output.clone(),
                 data,
+                baseline,
             })?;
             match dry_run {
                 true => done(gpu_bundle::dry_run(&output)),

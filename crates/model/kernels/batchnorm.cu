@@ -7,7 +7,7 @@
 // Training forward:
 //   bn_stats_partial   Welford (count, mean, M2) per channel over fixed
 //                      chunks of rows, f32 -> part_mean/part_m2 [chunks, C]
-//   bn_stats_finalize  per channel, 8 lanes sum the chunks (f64, in a fixed
+//   bn_stats_finalize  per channel, 32 lanes sum the chunks (f64, in a fixed
 //                      order): the mean from the chunks' sums, then M2 from
 //                      each chunk's M2 and its mean's distance to the
 //                      mean; then inv_std, the affine
@@ -34,11 +34,14 @@
 // Chunk boundaries depend only on the shape and every merge runs in a fixed
 // order, so results are deterministic run to run.
 //
-// The partial kernels run with block (32, 8): 32 consecutive channels (a
-// coalesced 64-byte row segment) by 8 row lanes; grid (ceil(C/32), chunks).
-// The finalize kernels too, with grid ceil(C/32): the 8 lanes of a channel
-// take every 8th chunk, so no thread waits on a chain as long as the chunks
-// (1568 of them at batch 512 on 28x28), and lane 0 adds the 8 in order.
+// Chunks: at most 256 (ops.rs's bn_chunking), so that the finalize kernels
+// read little. The scalar partial kernels run with block (32, 8): 32
+// consecutive channels by 8 row lanes; grid (ceil(C/32), chunks); the _v8
+// ones (f16, C % 8 == 0) 8 channels a thread (below). The finalize kernels
+// run 8 channels by 32 lanes, grid ceil(C/8): the lanes of a channel take
+// every 32nd chunk, then lane 0 adds them in order. (With 8 lanes and 1568
+// chunks, each lane's chain of dependent loads made the forward's finalize
+// 43 us, ahead of the partial pass itself, on an H100.)
 #include "common.cuh"
 
 struct BnDims {
@@ -91,6 +94,10 @@ __device__ __forceinline__ u32 bn_channel(FastDiv by_channels, u32 channels, u32
 }
 
 #define BN_LANES 8
+// The finalize kernels' blocks: 8 channels by 32 lanes, each lane a strided
+// share of the chunks (256 threads, the widest block our kernels launch).
+#define BN_FIN_CHANNELS 8
+#define BN_FIN_LANES 32
 
 template <typename T>
 __device__ void bn_stats_partial_k(BnDims d, const T* __restrict__ x,
@@ -145,17 +152,17 @@ extern "C" __global__ void bn_stats_finalize(
     const float* __restrict__ gamma, const float* __restrict__ beta, float* __restrict__ mean_out,
     float* __restrict__ inv_std_out, float* __restrict__ scale_out, float* __restrict__ shift_out,
     float* __restrict__ running_mean, float* __restrict__ running_var) {
-    __shared__ double s_part[BN_LANES][32];
-    __shared__ double s_mean[32];
-    const u32 c = blockIdx.x * 32 + threadIdx.x;
+    __shared__ double s_part[BN_FIN_LANES][BN_FIN_CHANNELS];
+    __shared__ double s_mean[BN_FIN_CHANNELS];
+    const u32 c = blockIdx.x * BN_FIN_CHANNELS + threadIdx.x;
     const bool live = c < p.channels;
     // Two passes over the chunks, each split over the lanes: the mean from
     // the chunks' sums, then M2 = sum of M2_k + n_k (mean_k - mean)^2. Every
     // step is an f64 add (no division), and the chain one thread waits on
-    // is chunks / BN_LANES + BN_LANES long rather than chunks.
+    // is chunks / BN_FIN_LANES + BN_FIN_LANES long rather than chunks.
     double sum = 0.0;
     if (live) {
-        for (u32 k = threadIdx.y; k < p.chunks; k += BN_LANES) {
+        for (u32 k = threadIdx.y; k < p.chunks; k += BN_FIN_LANES) {
             sum += bn_chunk_rows(p, k) * (double)part_mean[k * p.channels + c];
         }
     }
@@ -163,7 +170,7 @@ extern "C" __global__ void bn_stats_finalize(
     __syncthreads();
     if (threadIdx.y == 0) {
         double total = 0.0;
-        for (int l = 0; l < BN_LANES; ++l) {
+        for (int l = 0; l < BN_FIN_LANES; ++l) {
             total += s_part[l][threadIdx.x];
         }
         s_mean[threadIdx.x] = total / (double)p.rows;
@@ -172,7 +179,7 @@ extern "C" __global__ void bn_stats_finalize(
     const double mean = s_mean[threadIdx.x];
     double m2 = 0.0;
     if (live) {
-        for (u32 k = threadIdx.y; k < p.chunks; k += BN_LANES) {
+        for (u32 k = threadIdx.y; k < p.chunks; k += BN_FIN_LANES) {
             const double d = (double)part_mean[k * p.channels + c] - mean;
             m2 += (double)part_m2[k * p.channels + c] + bn_chunk_rows(p, k) * d * d;
         }
@@ -183,7 +190,7 @@ extern "C" __global__ void bn_stats_finalize(
         return;
     }
     m2 = 0.0;
-    for (int l = 0; l < BN_LANES; ++l) {
+    for (int l = 0; l < BN_FIN_LANES; ++l) {
         m2 += s_part[l][threadIdx.x];
     }
     const double count = (double)p.rows;
@@ -339,14 +346,14 @@ extern "C" __global__ void bn_backward_finalize(
     const float* __restrict__ gamma, const float* __restrict__ inv_std,
     float* __restrict__ gamma_grad, float* __restrict__ beta_grad, float* __restrict__ coef_k,
     float* __restrict__ coef_b, float* __restrict__ coef_d) {
-    __shared__ double s_g[BN_LANES][32];
-    __shared__ double s_gx[BN_LANES][32];
-    const u32 c = blockIdx.x * 32 + threadIdx.x;
+    __shared__ double s_g[BN_FIN_LANES][BN_FIN_CHANNELS];
+    __shared__ double s_gx[BN_FIN_LANES][BN_FIN_CHANNELS];
+    const u32 c = blockIdx.x * BN_FIN_CHANNELS + threadIdx.x;
     const bool live = c < p.channels;
     // The chunks split over the lanes, then the lanes' sums in lane order.
     double sum_g = 0.0, sum_gx = 0.0;
     if (live) {
-        for (u32 k = threadIdx.y; k < p.chunks; k += BN_LANES) {
+        for (u32 k = threadIdx.y; k < p.chunks; k += BN_FIN_LANES) {
             sum_g += (double)part_sum_g[k * p.channels + c];
             sum_gx += (double)part_sum_gx[k * p.channels + c];
         }
@@ -359,7 +366,7 @@ extern "C" __global__ void bn_backward_finalize(
     }
     sum_g = 0.0;
     sum_gx = 0.0;
-    for (int l = 0; l < BN_LANES; ++l) {
+    for (int l = 0; l < BN_FIN_LANES; ++l) {
         sum_g += s_g[l][threadIdx.x];
         sum_gx += s_gx[l][threadIdx.x];
     }
@@ -462,6 +469,200 @@ extern "C" __global__ void bn_backward_apply_v8_f16(
         }
         hr_st_vec8(dx + 8u * i, hr_vec8_of(out));
     }
+}
+
+// The partial sums 8 channels at a time (f16, channels % 8 == 0): one
+// 16-byte load per thread and row instead of 8 two-byte loads, which left
+// the scalar kernels at under a fifth of the memory bandwidth on an H100.
+// A block of BN_V8_THREADS threads: min(C/8, 32) groups of 8 channels
+// across by as many row lanes down as fit; grid (ceil(C/8 / 32), chunks). Lanes merge in a fixed tree over ty, so the bits depend only on
+// the shape.
+#define BN_V8_THREADS 256u
+
+struct BnV8Lane {
+    u32 ty;      // row lane
+    u32 lanes;   // row lanes in the block
+    u32 across;  // threads a row lane spans (groups of 8 channels)
+    u32 c0;      // first of this thread's 8 channels
+    bool live;   // a real lane with real channels
+};
+
+__device__ __forceinline__ BnV8Lane bn_v8_lane(u32 channels) {
+    const u32 groups = channels / 8u;
+    BnV8Lane l;
+    l.across = min(groups, 32u);
+    l.lanes = BN_V8_THREADS / l.across;
+    l.ty = threadIdx.x / l.across;
+    const u32 group = blockIdx.x * l.across + threadIdx.x % l.across;
+    l.c0 = 8u * group;
+    l.live = l.ty < l.lanes && group < groups;
+    return l;
+}
+
+// The tree's first stride: the largest power of two below `lanes`.
+__device__ __forceinline__ u32 bn_v8_first_stride(u32 lanes) {
+    u32 s = 1u;
+    while (2u * s < lanes) {
+        s *= 2u;
+    }
+    return s;
+}
+
+extern "C" __global__ void bn_stats_partial_v8_f16(BnDims d, const hr_half* __restrict__ x,
+                                                   float* __restrict__ part_mean,
+                                                   float* __restrict__ part_m2) {
+    __shared__ float s_count[BN_V8_THREADS];
+    __shared__ float s_mean[BN_V8_THREADS][8];
+    __shared__ float s_m2[BN_V8_THREADS][8];
+    const BnV8Lane l = bn_v8_lane(d.channels);
+    const u32 chunk = blockIdx.y;
+    const u32 r0 = chunk * d.rows_per_chunk;
+    const u32 r1 = min(r0 + d.rows_per_chunk, d.rows);
+    float count = 0.0f, mean[8], m2[8];
+    for (u32 e = 0; e < 8; ++e) {
+        mean[e] = 0.0f;
+        m2[e] = 0.0f;
+    }
+    if (l.live) {
+        for (u32 r = r0 + l.ty; r < r1; r += l.lanes) {
+            const HalfVec8 v = hr_ld_vec8(x + r * d.channels + l.c0);
+            count += 1.0f;
+            // One reciprocal for the 8 channels' Welford updates.
+            const float inv = 1.0f / count;
+            for (u32 e = 0; e < 8; ++e) {
+                const float ve = hr_vec8_at(v, e);
+                const float delta = ve - mean[e];
+                mean[e] += delta * inv;
+                m2[e] += delta * (ve - mean[e]);
+            }
+        }
+    }
+    const u32 t = threadIdx.x;
+    s_count[t] = count;
+    for (u32 e = 0; e < 8; ++e) {
+        s_mean[t][e] = mean[e];
+        s_m2[t][e] = m2[e];
+    }
+    __syncthreads();
+    // Lane ty takes in lane ty + stride (Chan et al.'s merge), halving.
+    for (u32 stride = bn_v8_first_stride(l.lanes); stride > 0u; stride /= 2u) {
+        if (l.live && l.ty < stride && l.ty + stride < l.lanes) {
+            const u32 o = t + stride * l.across;
+            const float nb = s_count[o];
+            if (nb > 0.0f) {
+                const float na = s_count[t];
+                const float total = na + nb;
+                for (u32 e = 0; e < 8; ++e) {
+                    const float delta = s_mean[o][e] - s_mean[t][e];
+                    s_mean[t][e] += delta * (nb / total);
+                    s_m2[t][e] += s_m2[o][e] + delta * delta * (na * nb / total);
+                }
+                s_count[t] = total;
+            }
+        }
+        __syncthreads();
+    }
+    if (l.live && l.ty == 0u) {
+        for (u32 e = 0; e < 8; ++e) {
+            part_mean[chunk * d.channels + l.c0 + e] = s_mean[t][e];
+            part_m2[chunk * d.channels + l.c0 + e] = s_m2[t][e];
+        }
+    }
+}
+
+// bn_backward_sums 8 channels at a time; with g_out (then g itself) a
+// vector with a masked element is written back with those elements +0.
+__device__ __forceinline__ void bn_backward_sums_v8(const BnBackwardParams& p, const hr_half* g,
+                                                    const hr_half* x, const hr_half* y,
+                                                    const float* mean, float* part_sum_g,
+                                                    float* part_sum_gx, hr_half* g_out) {
+    __shared__ float s_g[BN_V8_THREADS][8];
+    __shared__ float s_gx[BN_V8_THREADS][8];
+    const BnV8Lane l = bn_v8_lane(p.channels);
+    const u32 chunk = blockIdx.y;
+    const u32 r0 = chunk * p.rows_per_chunk;
+    const u32 r1 = min(r0 + p.rows_per_chunk, p.rows);
+    float sg[8], sgx[8], mu[8];
+    for (u32 e = 0; e < 8; ++e) {
+        sg[e] = 0.0f;
+        sgx[e] = 0.0f;
+        mu[e] = l.live ? mean[l.c0 + e] : 0.0f;
+    }
+    if (l.live) {
+        for (u32 r = r0 + l.ty; r < r1; r += l.lanes) {
+            const u32 i = r * p.channels + l.c0;
+            const HalfVec8 gv8 = hr_ld_vec8(g + i);
+            const HalfVec8 xv = hr_ld_vec8(x + i);
+            HalfVec8 yv = {{0u, 0u, 0u, 0u}};
+            if (p.relu) {
+                yv = hr_ld_vec8(y + i);
+            }
+            float gv[8];
+            bool masked = false;
+            for (u32 e = 0; e < 8; ++e) {
+                gv[e] = hr_vec8_at(gv8, e);
+                if (p.relu && !(hr_vec8_at(yv, e) > 0.0f)) {  // bn_masked_grad's mask
+                    gv[e] = 0.0f;
+                    masked = true;
+                }
+                sg[e] += gv[e];
+                sgx[e] += gv[e] * (hr_vec8_at(xv, e) - mu[e]);
+            }
+            if (g_out != nullptr && masked) {
+                // Unmasked elements keep their bits; masked ones become +0.
+                HalfVec8 out = gv8;
+                for (u32 e = 0; e < 8; ++e) {
+                    if (p.relu && !(hr_vec8_at(yv, e) > 0.0f)) {
+                        out.w[e >> 1] &= ~(0xffffu << (16u * (e & 1u)));
+                    }
+                }
+                hr_st_vec8(g_out + i, out);
+            }
+        }
+    }
+    const u32 t = threadIdx.x;
+    for (u32 e = 0; e < 8; ++e) {
+        s_g[t][e] = sg[e];
+        s_gx[t][e] = sgx[e];
+    }
+    __syncthreads();
+    for (u32 stride = bn_v8_first_stride(l.lanes); stride > 0u; stride /= 2u) {
+        if (l.live && l.ty < stride && l.ty + stride < l.lanes) {
+            const u32 o = t + stride * l.across;
+            for (u32 e = 0; e < 8; ++e) {
+                s_g[t][e] += s_g[o][e];
+                s_gx[t][e] += s_gx[o][e];
+            }
+        }
+        __syncthreads();
+    }
+    if (l.live && l.ty == 0u) {
+        for (u32 e = 0; e < 8; ++e) {
+            part_sum_g[chunk * p.channels + l.c0 + e] = s_g[t][e];
+            part_sum_gx[chunk * p.channels + l.c0 + e] = s_gx[t][e];
+        }
+    }
+}
+
+extern "C" __global__ void bn_backward_partial_v8_f16(BnBackwardParams p,
+                                                      const hr_half* __restrict__ g,
+                                                      const hr_half* __restrict__ x,
+                                                      const hr_half* __restrict__ y,
+                                                      const float* __restrict__ mean,
+                                                      float* __restrict__ part_sum_g,
+                                                      float* __restrict__ part_sum_gx) {
+    bn_backward_sums_v8(p, g, x, y, mean, part_sum_g, part_sum_gx, nullptr);
+}
+
+// Each vector of g is read, then written, by the one thread that sums it.
+extern "C" __global__ void bn_backward_partial_mask_v8_f16(BnBackwardParams p,
+                                                           hr_half* __restrict__ g,
+                                                           const hr_half* __restrict__ x,
+                                                           const hr_half* __restrict__ y,
+                                                           const float* __restrict__ mean,
+                                                           float* __restrict__ part_sum_g,
+                                                           float* __restrict__ part_sum_gx) {
+    bn_backward_sums_v8(p, g, x, y, mean, part_sum_g, part_sum_gx, g);
 }
 
 struct BnRestoreParams {

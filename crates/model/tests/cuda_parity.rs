@@ -764,17 +764,32 @@ const BN: BatchNormConfig = BatchNormConfig {
 #[test]
 fn batch_norm_training_forward_backward_and_running_stats_match() {
     let be = gpu_or_skip!();
-    // c = 40: a partial 32-channel tile; rows 392 and 3136: 2 and 13 chunks.
-    // c = 12: not a multiple of 8, so the per-element kernels go one
-    // element at a time (bn_apply_f16, bn_backward_apply_f16), not eight
-    // (the _v8_f16 entry points); on the emulator, count which ran.
+    // c = 40: a partial 32-channel tile, and 5 groups of 8 channels by 51
+    // row lanes in the _v8 partial kernels (a tree over lanes that are not
+    // a power of two); rows 392 and 3136: 2 and 13 chunks. c = 264: two
+    // blocks across, the second with one group. 66560 rows of 8 channels:
+    // 256 chunks of 260 rows, 256 lanes each. c = 12: not a multiple of 8,
+    // so every kernel goes one element at a time (bn_apply_f16, ...), not
+    // eight (the _v8_f16 entry points); on the emulator, count which ran.
     let shapes = [
         ([8usize, 7, 7, 40], 20u64),
         ([16, 14, 14, 64], 30),
+        ([2, 3, 3, 264], 35),
+        ([2, 130, 256, 8], 45),
         ([6, 5, 5, 12], 40),
     ];
-    let eight = ["bn_apply_v8_f16", "bn_backward_apply_v8_f16"];
-    let one = ["bn_apply_f16", "bn_backward_apply_f16"];
+    let eight = [
+        "bn_apply_v8_f16",
+        "bn_backward_apply_v8_f16",
+        "bn_stats_partial_v8_f16",
+        "bn_backward_partial_v8_f16",
+    ];
+    let one = [
+        "bn_apply_f16",
+        "bn_backward_apply_f16",
+        "bn_stats_partial_f16",
+        "bn_backward_partial_f16",
+    ];
     for (shape, seed) in shapes {
         let runs = || kernel_runs(&eight).zip(kernel_runs(&one));
         let before = runs();
@@ -856,8 +871,8 @@ fn batch_norm_training_forward_backward_and_running_stats_match() {
         );
         if let (Some(before), Some(after)) = (before, runs()) {
             let by_eight = c % 8 == 0;
-            assert_eq!(after.0 - before.0, if by_eight { 2 } else { 0 }, "c = {c}");
-            assert_eq!(after.1 - before.1, if by_eight { 0 } else { 2 }, "c = {c}");
+            assert_eq!(after.0 - before.0, if by_eight { 4 } else { 0 }, "c = {c}");
+            assert_eq!(after.1 - before.1, if by_eight { 0 } else { 4 }, "c = {c}");
         }
     }
 }
@@ -2557,7 +2572,14 @@ fn a_basic_block_forward_and_backward_match_the_cpu_layers() {
 #[test]
 fn fused_residual_kernels_round_like_the_unfused_ones() {
     let be = gpu_or_skip!();
-    let shape = [4usize, 6, 6, 40];
+    // 40 channels: the _v8 kernels (bn_apply_add_v8_f16,
+    // bn_backward_partial_mask_v8_f16); 12: the one-at-a-time ones.
+    for shape in [[4usize, 6, 6, 40], [4, 6, 6, 12]] {
+        fused_residual_case(&be, shape);
+    }
+}
+
+fn fused_residual_case(be: &CudaBackend, shape: [usize; 4]) {
     let c = shape[3];
     let BnCase { gamma, beta, .. } = bn_case(c, 800);
     let x = random(&shape, 801, 1.5, 0.2);
@@ -2578,18 +2600,18 @@ fn fused_residual_kernels_round_like_the_unfused_ones() {
         acc.data_mut()[41 * i + 5] = v;
     }
     let grad = random(&shape, 804, 1.0, 0.0);
-    let (gx, gskip, gg) = (upload(&be, &x), upload(&be, &skip), upload(&be, &grad));
-    let (gamma_d, beta_d) = (upload_f32(&be, &gamma), upload_f32(&be, &beta));
+    let (gx, gskip, gg) = (upload(be, &x), upload(be, &skip), upload(be, &grad));
+    let (gamma_d, beta_d) = (upload_f32(be, &gamma), upload_f32(be, &beta));
     let bits = |t: &CudaTensor| -> Vec<u16> {
         let v: Vec<f16> = be.download(t.f16().unwrap()).unwrap();
         v.iter().map(|h| h.to_bits()).collect()
     };
     let bits32 =
-        |s: &CudaSlice<f32>| -> Vec<u32> { download(&be, s).iter().map(|v| v.to_bits()).collect() };
+        |s: &CudaSlice<f32>| -> Vec<u32> { download(be, s).iter().map(|v| v.to_bits()).collect() };
     let relu = BatchNormConfig { relu: true, ..BN };
     let mut running: Vec<CudaSlice<f32>> = [0.0f32, 1.0, 0.0, 1.0]
         .iter()
-        .map(|&v| upload_f32(&be, &vec![v; c]))
+        .map(|&v| upload_f32(be, &vec![v; c]))
         .collect();
     let (plain, fused) = running.split_at_mut(2);
 
@@ -2598,15 +2620,15 @@ fn fused_residual_kernels_round_like_the_unfused_ones() {
         let (m, v) = plain.split_at_mut(1);
         let (gm, gv) = (&mut m[0].as_view_mut(), &mut v[0].as_view_mut());
         let (g, b) = (gamma_d.as_view(), beta_d.as_view());
-        ops::batch_norm_forward_train(&be, &gx, &g, &b, gm, gv, BN).unwrap()
+        ops::batch_norm_forward_train(be, &gx, &g, &b, gm, gv, BN).unwrap()
     };
-    ops::add_inplace(&be, &mut z, &gskip).unwrap();
-    let want = ops::relu_forward(&be, &z).unwrap();
+    ops::add_inplace(be, &mut z, &gskip).unwrap();
+    let want = ops::relu_forward(be, &z).unwrap();
     let (got, fused_saved) = {
         let (m, v) = fused.split_at_mut(1);
         let (gm, gv) = (&mut m[0].as_view_mut(), &mut v[0].as_view_mut());
         let (g, b) = (gamma_d.as_view(), beta_d.as_view());
-        ops::batch_norm_add_forward_train(&be, &gx, &gskip, &g, &b, gm, gv, relu).unwrap()
+        ops::batch_norm_add_forward_train(be, &gx, &gskip, &g, &b, gm, gv, relu).unwrap()
     };
     assert_eq!(bits(&want), bits(&got), "training forward");
     assert_eq!(bits32(&plain[0]), bits32(&fused[0]), "running mean");
@@ -2614,12 +2636,12 @@ fn fused_residual_kernels_round_like_the_unfused_ones() {
     // A skip of another shape is refused before the running statistics
     // change.
     let before = bits32(&fused[0]);
-    let odd = upload(&be, &random(&[4, 6, 5, 40], 805, 1.0, 0.0));
+    let odd = upload(be, &random(&[4, 6, 5, 40], 805, 1.0, 0.0));
     let err = {
         let (m, v) = fused.split_at_mut(1);
         let (gm, gv) = (&mut m[0].as_view_mut(), &mut v[0].as_view_mut());
         let (g, b) = (gamma_d.as_view(), beta_d.as_view());
-        ops::batch_norm_add_forward_train(&be, &gx, &odd, &g, &b, gm, gv, relu).unwrap_err()
+        ops::batch_norm_add_forward_train(be, &gx, &odd, &g, &b, gm, gv, relu).unwrap_err()
     };
     assert!(matches!(err, CudaError::Shape { .. }), "{err}");
     assert_eq!(
@@ -2631,48 +2653,47 @@ fn fused_residual_kernels_round_like_the_unfused_ones() {
     // Eval, with and without the ReLU.
     let (g, b) = (gamma_d.as_view(), beta_d.as_view());
     let (rm, rv) = (plain[0].as_view(), plain[1].as_view());
-    let mut z_eval = ops::batch_norm_forward_eval(&be, &gx, &g, &b, &rm, &rv, BN).unwrap();
-    ops::add_inplace(&be, &mut z_eval, &gskip).unwrap();
-    let sum = ops::batch_norm_add_forward_eval(&be, &gx, &gskip, &g, &b, &rm, &rv, BN).unwrap();
+    let mut z_eval = ops::batch_norm_forward_eval(be, &gx, &g, &b, &rm, &rv, BN).unwrap();
+    ops::add_inplace(be, &mut z_eval, &gskip).unwrap();
+    let sum = ops::batch_norm_add_forward_eval(be, &gx, &gskip, &g, &b, &rm, &rv, BN).unwrap();
     assert_eq!(bits(&z_eval), bits(&sum), "eval forward without the ReLU");
-    let want_eval = ops::relu_forward(&be, &z_eval).unwrap();
+    let want_eval = ops::relu_forward(be, &z_eval).unwrap();
     let got_eval =
-        ops::batch_norm_add_forward_eval(&be, &gx, &gskip, &g, &b, &rm, &rv, relu).unwrap();
+        ops::batch_norm_add_forward_eval(be, &gx, &gskip, &g, &b, &rm, &rv, relu).unwrap();
     assert_eq!(bits(&want_eval), bits(&got_eval), "eval forward");
-    let err = ops::batch_norm_add_forward_eval(&be, &gx, &odd, &g, &b, &rm, &rv, relu).unwrap_err();
+    let err = ops::batch_norm_add_forward_eval(be, &gx, &odd, &g, &b, &rm, &rv, relu).unwrap_err();
     assert!(matches!(err, CudaError::Shape { .. }), "{err}");
 
     // Backward: relu_backward, then batch norm without the ReLU, against
     // batch norm masking g in place.
-    let masked = ops::relu_backward(&be, &gg, &want).unwrap();
-    let mut grads: Vec<CudaSlice<f32>> = (0..4).map(|_| upload_f32(&be, &vec![0.0; c])).collect();
+    let masked = ops::relu_backward(be, &gg, &want).unwrap();
+    let mut grads: Vec<CudaSlice<f32>> = (0..4).map(|_| upload_f32(be, &vec![0.0; c])).collect();
     let (plain_grads, fused_grads) = grads.split_at_mut(2);
     let want_dz = {
         let (dg, db) = plain_grads.split_at_mut(1);
         let (dg, db) = (&mut dg[0].as_view_mut(), &mut db[0].as_view_mut());
-        ops::batch_norm_backward(&be, &masked, &gx, None, &plain_saved, &g, dg, db, false).unwrap()
+        ops::batch_norm_backward(be, &masked, &gx, None, &plain_saved, &g, dg, db, false).unwrap()
     };
-    let mut gm = upload(&be, &grad);
+    let mut gm = upload(be, &grad);
     let got_dz = {
         let (dg, db) = fused_grads.split_at_mut(1);
         let (dg, db) = (&mut dg[0].as_view_mut(), &mut db[0].as_view_mut());
-        ops::batch_norm_add_relu_backward(&be, &mut gm, &gx, &got, &fused_saved, &g, dg, db)
-            .unwrap()
+        ops::batch_norm_add_relu_backward(be, &mut gm, &gx, &got, &fused_saved, &g, dg, db).unwrap()
     };
     assert_eq!(bits(&masked), bits(&gm), "g masked in place");
     assert_eq!(bits(&want_dz), bits(&got_dz), "batch norm dx");
     assert_eq!(bits32(&plain_grads[0]), bits32(&fused_grads[0]), "dgamma");
     assert_eq!(bits32(&plain_grads[1]), bits32(&fused_grads[1]), "dbeta");
     // The block's input gradient: add (unfused) against add_inplace (fused).
-    let want_dx = ops::add(&be, &upload(&be, &acc), &masked).unwrap();
-    let mut got_dx = upload(&be, &acc);
-    ops::add_inplace(&be, &mut got_dx, &gm).unwrap();
+    let want_dx = ops::add(be, &upload(be, &acc), &masked).unwrap();
+    let mut got_dx = upload(be, &acc);
+    ops::add_inplace(be, &mut got_dx, &gm).unwrap();
     assert_eq!(bits(&want_dx), bits(&got_dx), "block dx");
     // A saved output of another shape is refused.
     let err = {
         let (dg, db) = fused_grads.split_at_mut(1);
         let (dg, db) = (&mut dg[0].as_view_mut(), &mut db[0].as_view_mut());
-        ops::batch_norm_add_relu_backward(&be, &mut gm, &gx, &odd, &fused_saved, &g, dg, db)
+        ops::batch_norm_add_relu_backward(be, &mut gm, &gx, &odd, &fused_saved, &g, dg, db)
             .unwrap_err()
     };
     assert!(matches!(err, CudaError::Shape { .. }), "{err}");
@@ -4313,11 +4334,23 @@ const COVERAGE: &[(&str, &str)] = &[
     ),
     (
         "bn_backward_partial_f16",
-        "batch_norm_with_fused_relu_matches_bn_then_relu",
+        "batch_norm_training_forward_backward_and_running_stats_match",
     ),
     (
         "bn_backward_partial_mask_f16",
-        "a_fused_basic_block_matches_the_cpu_fused_residual",
+        "fused_residual_kernels_round_like_the_unfused_ones",
+    ),
+    (
+        "bn_stats_partial_v8_f16",
+        "batch_norm_training_forward_backward_and_running_stats_match",
+    ),
+    (
+        "bn_backward_partial_v8_f16",
+        "batch_norm_training_forward_backward_and_running_stats_match",
+    ),
+    (
+        "bn_backward_partial_mask_v8_f16",
+        "fused_residual_kernels_round_like_the_unfused_ones",
     ),
     (
         "bn_backward_finalize",

@@ -119,8 +119,17 @@ fn the_conv_workspace_is_a_positive_byte_size() {
 
 #[test]
 fn the_conv_algorithm_is_im2col_implicit_gemm_or_auto() {
-    use headroom_model::cuda::ops::{ConvAlgorithm, ConvPlan};
-    assert_eq!(load(&[]).unwrap().conv_plan().unwrap(), ConvPlan::default());
+    use headroom_model::cuda::ops::{ConvAlgorithm, ConvPlan, CONV_SCRATCH_BYTES};
+    assert_eq!(
+        load(&[]).unwrap().conv_plan().unwrap(),
+        ConvPlan {
+            algorithm: ConvAlgorithm::Auto,
+            workspace: CONV_SCRATCH_BYTES,
+        },
+        "auto by default"
+    );
+    let im2col = load(&["device.conv_algorithm=im2col"]).unwrap();
+    assert_eq!(im2col.conv_plan().unwrap(), ConvPlan::default());
     let set = load(&[
         "device.conv_algorithm=implicit_gemm",
         "device.conv_workspace=4MiB",
@@ -133,8 +142,6 @@ fn the_conv_algorithm_is_im2col_implicit_gemm_or_auto() {
             workspace: 4 << 20,
         }
     );
-    let auto = load(&["device.conv_algorithm=auto"]).unwrap();
-    assert_eq!(auto.conv_plan().unwrap().algorithm, ConvAlgorithm::Auto);
     let err = load(&["device.conv_algorithm=winograd"]).unwrap_err();
     assert!(err.contains("device.conv_algorithm"), "{err}");
     assert!(err.contains("\"implicit_gemm\" or \"auto\""), "{err}");

@@ -122,6 +122,21 @@ pub const BN_APPLY_V8: KernelSig = sig!("batchnorm", "bn_apply_v8_f16", BnApplyP
 pub const BN_APPLY_ADD_V8: KernelSig = sig!("batchnorm", "bn_apply_add_v8_f16", BnApplyParams, 5);
 pub const BN_BACKWARD_APPLY_V8: KernelSig =
     sig!("batchnorm", "bn_backward_apply_v8_f16", BnBackwardParams, 8);
+/// bn_stats_partial, bn_backward_partial and bn_backward_partial_mask 8
+/// channels a thread (f16, channels % 8 == 0), blocks of 256 threads.
+pub const BN_STATS_PARTIAL_V8: KernelSig = sig!("batchnorm", "bn_stats_partial_v8_f16", BnDims, 3);
+pub const BN_BACKWARD_PARTIAL_V8: KernelSig = sig!(
+    "batchnorm",
+    "bn_backward_partial_v8_f16",
+    BnBackwardParams,
+    6
+);
+pub const BN_BACKWARD_PARTIAL_MASK_V8: KernelSig = sig!(
+    "batchnorm",
+    "bn_backward_partial_mask_v8_f16",
+    BnBackwardParams,
+    6
+);
 pub const BN_RUNNING_RESTORE: KernelSig =
     sig!("batchnorm", "bn_running_restore", BnRestoreParams, 5);
 
@@ -269,6 +284,9 @@ pub static FILES: &[KernelFile] = &[
             BN_APPLY_V8,
             BN_APPLY_ADD_V8,
             BN_BACKWARD_APPLY_V8,
+            BN_STATS_PARTIAL_V8,
+            BN_BACKWARD_PARTIAL_V8,
+            BN_BACKWARD_PARTIAL_MASK_V8,
             BN_RUNNING_RESTORE,
         ],
     },

@@ -85,7 +85,16 @@ fn per_channel(c: usize) -> LaunchConfig {
     }
 }
 
-/// 32 channels by 8 lanes a block (batchnorm.cu's finalize kernels).
+/// 8 channels by 32 lanes a block (batchnorm.cu's finalize kernels).
+fn bn_finalize_lanes(c: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (c.div_ceil(8).max(1) as u32, 1, 1),
+        block_dim: (8, 32, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// 32 channels by 8 lanes a block (layernorm.cu's finalize kernel).
 fn per_channel_lanes(c: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (c.div_ceil(32).max(1) as u32, 1, 1),
@@ -1035,6 +1044,34 @@ fn bn_chunking(rows: usize) -> (usize, usize) {
     (rpc, rows.div_ceil(rpc).max(1))
 }
 
+/// Rows per chunk of a batch norm's partial sums: 256, or more so that
+/// there are at most 256 chunks (the finalize kernels then read little).
+/// Depends only on the row count.
+fn batch_norm_chunking(rows: usize) -> (usize, usize) {
+    let rpc = rows.div_ceil(BN_MAX_CHUNKS).max(256);
+    (rpc, rows.div_ceil(rpc).max(1))
+}
+
+const BN_MAX_CHUNKS: usize = 256;
+
+/// A partial-sums pass over [rows, c] in `chunks`: the _v8 kernels' 256
+/// threads a block where `by_eight`, else the scalar kernels' (32, 8).
+fn bn_partial_launch(dtype: DType, c: usize, chunks: usize) -> LaunchConfig {
+    if by_eight(dtype, c) {
+        LaunchConfig {
+            grid_dim: ((c / 8).div_ceil(32) as u32, chunks as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    } else {
+        LaunchConfig {
+            grid_dim: (c.div_ceil(32) as u32, chunks as u32, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
 fn bn_check(
     op: &'static str,
     x: &CudaTensor,
@@ -1190,7 +1227,7 @@ fn bn_forward_train(
             format!("{:?}", x.shape()),
         ));
     }
-    let (rpc, chunks) = bn_chunking(rows);
+    let (rpc, chunks) = batch_norm_chunking(rows);
     let mut part_mean = be.alloc::<f32>(chunks * c)?;
     let mut part_m2 = be.alloc::<f32>(chunks * c)?;
     let dims = BnDims {
@@ -1201,20 +1238,21 @@ fn bn_forward_train(
     };
     let stream = be.compute_stream();
     {
-        let f = be.function(k::BN_STATS_PARTIAL.of(x.dtype()))?;
-        let cfg_partial = LaunchConfig {
-            grid_dim: (c.div_ceil(32) as u32, chunks as u32, 1),
-            block_dim: (32, 8, 1),
-            shared_mem_bytes: 0,
+        let f = if by_eight(x.dtype(), c) {
+            be.function(&k::BN_STATS_PARTIAL_V8)?
+        } else {
+            be.function(k::BN_STATS_PARTIAL.of(x.dtype()))?
         };
+        let cfg_partial = bn_partial_launch(x.dtype(), c, chunks);
         let mut b = stream.launch_builder(&f);
         b.arg(&dims)
             .arg(x)
             .arg(&mut part_mean.slice)
             .arg(&mut part_m2.slice);
-        // SAFETY: bn_stats_partial_T(BnDims, const T* x [rows, c], float*
-        // part_mean, float* part_m2 [chunks, c]) with block (32, 8) and grid
-        // (ceil(c/32), chunks) as the kernel requires.
+        // SAFETY: bn_stats_partial_T / _v8_f16 (BnDims, const T* x [rows, c],
+        // float* part_mean, float* part_m2 [chunks, c]) with the block and
+        // grid bn_partial_launch gives each (its shared arrays are sized by
+        // the block); x is a whole tensor, so the v8 loads are aligned.
         unsafe { b.launch(cfg_partial) }.during("bn_stats_partial")?;
     }
     let mut mean = be.alloc::<f32>(c)?;
@@ -1246,9 +1284,9 @@ fn bn_forward_train(
             .arg(running_var);
         // SAFETY: bn_stats_finalize(BnFinalizeParams, part_mean, part_m2
         // [chunks, c], gamma, beta, mean, inv_std, scale, shift, running_mean,
-        // running_var [c]) with block (32, 8) and grid ceil(c/32), as its
+        // running_var [c]) with block (8, 32) and grid ceil(c/8), as its
         // shared arrays require.
-        unsafe { b.launch(per_channel_lanes(c)) }.during("bn_stats_finalize")?;
+        unsafe { b.launch(bn_finalize_lanes(c)) }.during("bn_stats_finalize")?;
     }
     let y = bn_apply(be, x, skip, rows, c, &scale, &shift, cfg.relu)?;
     let saved = BatchNormSaved {
@@ -1517,7 +1555,7 @@ fn bn_backward(
     ] {
         same_len("batch_norm backward", what, c, len)?;
     }
-    let (rpc, chunks) = bn_chunking(rows);
+    let (rpc, chunks) = batch_norm_chunking(rows);
     let p = BnBackwardParams {
         rows: rows as u32,
         channels: c as u32,
@@ -1529,14 +1567,15 @@ fn bn_backward(
     let stream = be.compute_stream();
     let mut part_g = be.alloc::<f32>(chunks * c)?;
     let mut part_gx = be.alloc::<f32>(chunks * c)?;
-    let partial = LaunchConfig {
-        grid_dim: (c.div_ceil(32) as u32, chunks as u32, 1),
-        block_dim: (32, 8, 1),
-        shared_mem_bytes: 0,
-    };
+    let partial = bn_partial_launch(dtype, c, chunks);
+    let eight = by_eight(dtype, c);
     match &mut g {
         BnGrad::Read(g) => {
-            let f = be.function(k::BN_BACKWARD_PARTIAL.of(dtype))?;
+            let f = if eight {
+                be.function(&k::BN_BACKWARD_PARTIAL_V8)?
+            } else {
+                be.function(k::BN_BACKWARD_PARTIAL.of(dtype))?
+            };
             let mut b = stream.launch_builder(&f);
             b.arg(&p)
                 .arg(*g)
@@ -1545,13 +1584,18 @@ fn bn_backward(
                 .arg(&saved.mean.slice)
                 .arg(&mut part_g.slice)
                 .arg(&mut part_gx.slice);
-            // SAFETY: bn_backward_partial_T(BnBackwardParams, g, x, y [rows, c]
-            // T, mean [c], part_sum_g, part_sum_gx [chunks, c]) with block
-            // (32, 8) and grid (ceil(c/32), chunks).
+            // SAFETY: bn_backward_partial_T / _v8_f16 (BnBackwardParams, g,
+            // x, y [rows, c] T, mean [c], part_sum_g, part_sum_gx [chunks,
+            // c]) with bn_partial_launch's block and grid; whole tensors, so
+            // the v8 loads are aligned.
             unsafe { b.launch(partial) }.during("bn_backward_partial")?;
         }
         BnGrad::MaskInPlace(g) => {
-            let f = be.function(k::BN_BACKWARD_PARTIAL_MASK.of(dtype))?;
+            let f = if eight {
+                be.function(&k::BN_BACKWARD_PARTIAL_MASK_V8)?
+            } else {
+                be.function(k::BN_BACKWARD_PARTIAL_MASK.of(dtype))?
+            };
             let mut b = stream.launch_builder(&f);
             b.arg(&p)
                 .arg(&mut **g)
@@ -1560,10 +1604,10 @@ fn bn_backward(
                 .arg(&saved.mean.slice)
                 .arg(&mut part_g.slice)
                 .arg(&mut part_gx.slice);
-            // SAFETY: bn_backward_partial_mask_T(BnBackwardParams, T* g,
-            // const x, y [rows, c] T, mean [c], part_sum_g, part_sum_gx
-            // [chunks, c]) with block (32, 8) and grid (ceil(c/32), chunks);
-            // g, borrowed mutably, is neither x nor y.
+            // SAFETY: bn_backward_partial_mask_T / _v8_f16 (BnBackwardParams,
+            // T* g, const x, y [rows, c] T, mean [c], part_sum_g, part_sum_gx
+            // [chunks, c]) with bn_partial_launch's block and grid; g,
+            // borrowed mutably, is neither x nor y.
             unsafe { b.launch(partial) }.during("bn_backward_partial_mask")?;
         }
     }
@@ -1590,9 +1634,9 @@ fn bn_backward(
             .arg(&mut coef_d.slice);
         // SAFETY: bn_backward_finalize(BnBackwardParams, part_sum_g,
         // part_sum_gx [chunks, c], gamma, inv_std, gamma_grad, beta_grad,
-        // coef_k, coef_b, coef_d [c]) with block (32, 8) and grid
-        // ceil(c/32), as its shared arrays require.
-        unsafe { b.launch(per_channel_lanes(c)) }.during("bn_backward_finalize")?;
+        // coef_k, coef_b, coef_d [c]) with block (8, 32) and grid
+        // ceil(c/8), as its shared arrays require.
+        unsafe { b.launch(bn_finalize_lanes(c)) }.during("bn_backward_finalize")?;
     }
     let mut dx = CudaTensor::uninit(be, x.shape(), dtype)?;
     if rows * c > 0 {
@@ -1780,6 +1824,9 @@ pub struct ConvPlan {
     pub workspace: usize,
 }
 
+/// The library's default is the plain im2col path, which every GPU and
+/// shape takes; a training run's default is `device.conv_algorithm`'s
+/// (`auto`, in the pipeline's config).
 impl Default for ConvPlan {
     fn default() -> Self {
         ConvPlan {
@@ -2812,6 +2859,21 @@ mod tests {
         assert_eq!(elementwise(257).grid_dim.0, 2);
         assert_eq!(elementwise(usize::MAX / 2).grid_dim.0 as usize, MAX_BLOCKS);
         assert_eq!(per_channel(129).grid_dim.0, 2);
+    }
+
+    #[test]
+    fn batch_norm_chunks_are_few_and_cover_the_rows() {
+        assert_eq!(batch_norm_chunking(2), (256, 1));
+        assert_eq!(batch_norm_chunking(64 * 28 * 28), (256, 196));
+        assert_eq!(batch_norm_chunking(512 * 28 * 28), (1568, 256));
+        for rows in [1usize, 255, 256, 257, 65_536, 65_537, 1 << 31] {
+            let (rpc, chunks) = batch_norm_chunking(rows);
+            assert!(chunks <= BN_MAX_CHUNKS && rpc * chunks >= rows, "{rows}");
+            assert!(
+                rpc * (chunks - 1) < rows.max(1),
+                "no empty chunk for {rows}"
+            );
+        }
     }
 
     #[test]
