@@ -5,7 +5,9 @@
 #   bash run.sh [GROUP or STEP ...]    (default: every step)
 #
 # GROUPs: tests, train, oom, resume, bench, sanitize, profile; a STEP by its name (train,
-# bench, oom-driver, bench-tiny-gpt, ...; the list is in summary.txt).
+# bench, oom-driver, bench-tiny-gpt, ...; the list is in summary.txt). A
+# name that is both (train, bench) means the whole group: a call that meant
+# the one step ran every bench step, and ran out of time.
 #
 # A lent GPU gives a session 15 to 30 minutes in all (the device tool's
 # status says how many are left), its start included, and a command 10:
@@ -630,7 +632,7 @@ print("\n".join(lines))
 EOF
 }
 
-export -f hr torch_cuda rerun_failed kernel_profile racecheck_ours hazard_kernels train_on_auto train_mlp train_gpt train_frames bench_model hog_and_train step_reached kill_at \
+export -f hr torch_cuda rerun_failed kernel_profile racecheck_ours hazard_kernels train_on_auto train_mlp train_gpt train_frames bench_model bench_baseline hog_and_train step_reached kill_at \
     resume_reference resume_killed resume_compare weights_equal
 export RESUME_EPOCHS RESUME_JOB
 

@@ -302,7 +302,11 @@ __device__ __forceinline__ void bn_backward_sums(const BnBackwardParams& p, cons
                 }
             }
             sg += gv;
-            sgx += gv * (hr_ld(x[i]) - mu);
+            // fmaf, not a product and a sum the compiler may or may not
+            // contract: it contracted in one of the two kernels and not in
+            // the other on an H100, so masked in place or before, the sums
+            // differed in their last bits.
+            sgx = fmaf(gv, hr_ld(x[i]) - mu, sgx);
         }
     }
     s_g[threadIdx.y][threadIdx.x] = sg;
@@ -606,7 +610,7 @@ __device__ __forceinline__ void bn_backward_sums_v8(const BnBackwardParams& p, c
                     masked = true;
                 }
                 sg[e] += gv[e];
-                sgx[e] += gv[e] * (hr_vec8_at(xv, e) - mu[e]);
+                sgx[e] = fmaf(gv[e], hr_vec8_at(xv, e) - mu[e], sgx[e]);  // as bn_backward_sums
             }
             if (g_out != nullptr && masked) {
                 // Unmasked elements keep their bits; masked ones become +0.
