@@ -335,3 +335,61 @@ fn compiled_kernels_are_cached_on_disk() {
     std::env::remove_var("HEADROOM_KERNEL_CACHE");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The body of entry `name` in `ptx`: from its `.entry` line to the next.
+fn entry_body<'a>(ptx: &'a str, name: &str) -> &'a str {
+    let start = ptx
+        .find(&format!(".entry {name}("))
+        .unwrap_or_else(|| panic!("no entry {name} in the PTX"));
+    let rest = &ptx[start + 1..];
+    let end = rest.find(".entry ").map_or(ptx.len(), |e| start + 1 + e);
+    &ptx[start..end]
+}
+
+/// How many of each f32 multiply, add and fused multiply-add `body` has.
+fn f32_arithmetic(body: &str) -> [usize; 3] {
+    let count = |op: &str| {
+        body.lines()
+            .filter(|l| l.split_whitespace().any(|w| w == op))
+            .count()
+    };
+    [count("mul.f32"), count("add.f32"), count("fma.rn.f32")]
+}
+
+/// Kernel pairs whose results the tests hold bit for bit equal (the batch
+/// norm backward's partial sums, masking g in place or reading it masked)
+/// must multiply with fused multiply-adds in both: the compiler contracted
+/// `sgx += g * (x - mean)` in one of the two _v8 kernels and not in the other,
+/// and their sums differed in the last bits on an H100. Here, without a GPU.
+#[test]
+fn twin_batch_norm_kernels_multiply_alike() {
+    if nvrtc().is_none() {
+        return;
+    }
+    let file = kernels::FILES
+        .iter()
+        .find(|f| f.name == "batchnorm")
+        .expect("batchnorm.cu is listed");
+    let ptx = kernels::compile(file, Target::Ptx(90)).unwrap_or_else(|e| panic!("{e}"));
+    let ptx = String::from_utf8(ptx).expect("PTX is text");
+    for (plain, masking) in [
+        (
+            "bn_backward_partial_v8_f16",
+            "bn_backward_partial_mask_v8_f16",
+        ),
+        ("bn_backward_partial_f16", "bn_backward_partial_mask_f16"),
+        ("bn_backward_partial_f32", "bn_backward_partial_mask_f32"),
+    ] {
+        let [plain_mul, _, plain_fma] = f32_arithmetic(entry_body(&ptx, plain));
+        let [masking_mul, _, masking_fma] = f32_arithmetic(entry_body(&ptx, masking));
+        assert_eq!(
+            (plain_mul, masking_mul),
+            (0, 0),
+            "{plain} / {masking}: an f32 product not fused into its sum"
+        );
+        assert!(
+            plain_fma > 0 && masking_fma > 0,
+            "{plain}: {plain_fma} fma, {masking}: {masking_fma}"
+        );
+    }
+}
