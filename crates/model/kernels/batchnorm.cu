@@ -20,9 +20,10 @@
 // saved before the step when the step was skipped (StepState::skipped).
 // Eval forward: bn_eval_prepare (scale/shift from the running statistics),
 // then bn_apply or bn_apply_add.
-// Backward (g is dL/dy; with the fused ReLU, g' = y > 0 ? g : 0 where y is
-// the saved output of BN+ReLU, or of the whole block after bn_apply_add;
-// without it g' = g):
+// Backward (g is dL/dy; with the fused ReLU, g' = y > 0 ? g : 0, where
+// y > 0 is decided from x, scale and shift as bn_apply computed y
+// (bn_relu_passed: y itself is not read), or, after bn_apply_add, from the
+// block's saved output; without it g' = g):
 //   bn_backward_partial   sum g' and sum g'*(x - mean) per channel and chunk
 //   bn_backward_partial_mask  the same, and g' written over g (after
 //                         bn_apply_add: g' is also the gradient of the skip
@@ -266,21 +267,29 @@ __device__ void bn_apply_add_k(BnApplyParams p, const T* __restrict__ x,
     }
 }
 
+// Whether the fused ReLU passed x's element of channel c: bn_apply's own
+// arithmetic and rounding to T, so exactly where its output y is > 0
+// (NaN included: not passed), without reading y.
 template <typename T>
-__device__ __forceinline__ float bn_masked_grad(u32 relu, const T* g, const T* y,
-                                                u32 i) {
-    const float gv = hr_ld(g[i]);
-    if (relu) {
-        return hr_ld(y[i]) > 0.0f ? gv : 0.0f;
-    }
-    return gv;
+__device__ __forceinline__ bool bn_relu_passed(float xv, float scale, float shift) {
+    return hr_round<T>(hr_relu(fmaf(xv, scale, shift))) > 0.0f;
 }
 
-// The body of both partial kernels. With g_out (then g itself), a masked
-// element of g is overwritten with +0: the bits relu_backward would store.
+// dx of one element: k*g' + b*(x - mean) + d, its products fused as
+// written (not as the compiler might choose, differently per kernel).
+__device__ __forceinline__ float bn_dx(float k, float g, float b, float centred, float d) {
+    return fmaf(k, g, fmaf(b, centred, d));
+}
+
+// The body of both partial kernels. With p.relu the ReLU's mask applies:
+// from the block's output y where y is given (the masking kernel, after
+// bn_apply_add), else from x and the forward's scale and shift
+// (bn_relu_passed). With g_out (then g itself), a masked element of g is
+// overwritten with +0: the bits relu_backward would store.
 template <typename T>
 __device__ __forceinline__ void bn_backward_sums(const BnBackwardParams& p, const T* g,
-                                                 const T* x, const T* y, const float* mean,
+                                                 const T* x, const T* y, const float* scale,
+                                                 const float* shift, const float* mean,
                                                  float* part_sum_g, float* part_sum_gx,
                                                  T* g_out) {
     __shared__ float s_g[BN_LANES][32];
@@ -292,10 +301,15 @@ __device__ __forceinline__ void bn_backward_sums(const BnBackwardParams& p, cons
     float sg = 0.0f, sgx = 0.0f;
     if (c < p.channels) {
         const float mu = mean[c];
+        const float sc = y == nullptr ? scale[c] : 0.0f;
+        const float sh = y == nullptr ? shift[c] : 0.0f;
         for (u32 r = r0 + threadIdx.y; r < r1; r += BN_LANES) {
             const u32 i = r * p.channels + c;
             float gv = hr_ld(g[i]);
-            if (p.relu && !(hr_ld(y[i]) > 0.0f)) {  // bn_masked_grad's mask
+            const float xv = hr_ld(x[i]);
+            const bool passed =
+                y != nullptr ? hr_ld(y[i]) > 0.0f : bn_relu_passed<T>(xv, sc, sh);
+            if (p.relu && !passed) {
                 gv = 0.0f;
                 if (g_out != nullptr) {
                     g_out[i] = (T)0;
@@ -306,7 +320,7 @@ __device__ __forceinline__ void bn_backward_sums(const BnBackwardParams& p, cons
             // contract: it contracted in one of the two kernels and not in
             // the other on an H100, so masked in place or before, the sums
             // differed in their last bits.
-            sgx = fmaf(gv, hr_ld(x[i]) - mu, sgx);
+            sgx = fmaf(gv, xv - mu, sgx);
         }
     }
     s_g[threadIdx.y][threadIdx.x] = sg;
@@ -322,15 +336,16 @@ __device__ __forceinline__ void bn_backward_sums(const BnBackwardParams& p, cons
     }
 }
 
-// y may be any valid pointer when relu == 0 (it is not read).
+// With p.relu, the mask from x, scale and shift (bn_relu_passed).
 template <typename T>
 __device__ void bn_backward_partial_k(BnBackwardParams p, const T* __restrict__ g,
                                                const T* __restrict__ x,
-                                               const T* __restrict__ y,
+                                               const float* __restrict__ scale,
+                                               const float* __restrict__ shift,
                                                const float* __restrict__ mean,
                                                float* __restrict__ part_sum_g,
                                                float* __restrict__ part_sum_gx) {
-    bn_backward_sums<T>(p, g, x, y, mean, part_sum_g, part_sum_gx, nullptr);
+    bn_backward_sums<T>(p, g, x, nullptr, scale, shift, mean, part_sum_g, part_sum_gx, nullptr);
 }
 
 // Each element of g is read, then written, by the one thread that sums it,
@@ -342,7 +357,7 @@ __device__ void bn_backward_partial_mask_k(BnBackwardParams p, T* __restrict__ g
                                                     const float* __restrict__ mean,
                                                     float* __restrict__ part_sum_g,
                                                     float* __restrict__ part_sum_gx) {
-    bn_backward_sums<T>(p, g, x, y, mean, part_sum_g, part_sum_gx, g);
+    bn_backward_sums<T>(p, g, x, y, nullptr, nullptr, mean, part_sum_g, part_sum_gx, g);
 }
 
 extern "C" __global__ void bn_backward_finalize(
@@ -386,10 +401,12 @@ extern "C" __global__ void bn_backward_finalize(
     beta_grad[c] += (float)dbeta;
 }
 
+// With p.relu, g masked by bn_relu_passed (x, scale, shift).
 template <typename T>
 __device__ void bn_backward_apply_k(BnBackwardParams p, const T* __restrict__ g,
                                              const T* __restrict__ x,
-                                             const T* __restrict__ y,
+                                             const float* __restrict__ scale,
+                                             const float* __restrict__ shift,
                                              const float* __restrict__ mean,
                                              const float* __restrict__ coef_k,
                                              const float* __restrict__ coef_b,
@@ -398,8 +415,12 @@ __device__ void bn_backward_apply_k(BnBackwardParams p, const T* __restrict__ g,
     const u32 n = p.rows * p.channels;
     HR_FOR_EACH(i, n) {
         const u32 c = bn_channel(p.by_channels, p.channels, i);
-        const float gv = bn_masked_grad(p.relu, g, y, i);
-        hr_st(&dx[i], coef_k[c] * gv + coef_b[c] * (hr_ld(x[i]) - mean[c]) + coef_d[c]);
+        const float xv = hr_ld(x[i]);
+        float gv = hr_ld(g[i]);
+        if (p.relu && !bn_relu_passed<T>(xv, scale[c], shift[c])) {
+            gv = 0.0f;
+        }
+        hr_st(&dx[i], bn_dx(coef_k[c], gv, coef_b[c], xv - mean[c], coef_d[c]));
     }
 }
 
@@ -449,27 +470,25 @@ extern "C" __global__ void bn_apply_add_v8_f16(BnApplyParams p, const hr_half* _
     }
 }
 
-// y is read only when p.relu (as in the scalar kernel).
+// As bn_backward_apply_k (the mask from x, scale and shift).
 extern "C" __global__ void bn_backward_apply_v8_f16(
     BnBackwardParams p, const hr_half* __restrict__ g, const hr_half* __restrict__ x,
-    const hr_half* __restrict__ y, const float* __restrict__ mean, const float* __restrict__ coef_k,
+    const float* __restrict__ scale, const float* __restrict__ shift,
+    const float* __restrict__ mean, const float* __restrict__ coef_k,
     const float* __restrict__ coef_b, const float* __restrict__ coef_d, hr_half* __restrict__ dx) {
     const u32 vectors = p.rows * p.channels / 8u;
     HR_FOR_EACH(i, vectors) {
         const u32 c = bn_channel(p.by_channels, p.channels, 8u * i);
         const HalfVec8 gv8 = hr_ld_vec8(g + 8u * i);
         const HalfVec8 xv = hr_ld_vec8(x + 8u * i);
-        HalfVec8 yv = {{0u, 0u, 0u, 0u}};
-        if (p.relu) {
-            yv = hr_ld_vec8(y + 8u * i);
-        }
         float out[8];
         for (u32 e = 0; e < 8; ++e) {
+            const float xe = hr_vec8_at(xv, e);
             float gv = hr_vec8_at(gv8, e);
-            if (p.relu) {
-                gv = hr_vec8_at(yv, e) > 0.0f ? gv : 0.0f;
+            if (p.relu && !bn_relu_passed<hr_half>(xe, scale[c + e], shift[c + e])) {
+                gv = 0.0f;
             }
-            out[e] = coef_k[c + e] * gv + coef_b[c + e] * (hr_vec8_at(xv, e) - mean[c + e]) + coef_d[c + e];
+            out[e] = bn_dx(coef_k[c + e], gv, coef_b[c + e], xe - mean[c + e], coef_d[c + e]);
         }
         hr_st_vec8(dx + 8u * i, hr_vec8_of(out));
     }
@@ -479,8 +498,9 @@ extern "C" __global__ void bn_backward_apply_v8_f16(
 // 16-byte load per thread and row instead of 8 two-byte loads, which left
 // the scalar kernels at under a fifth of the memory bandwidth on an H100.
 // A block of BN_V8_THREADS threads: min(C/8, 32) groups of 8 channels
-// across by as many row lanes down as fit; grid (ceil(C/8 / 32), chunks). Lanes merge in a fixed tree over ty, so the bits depend only on
-// the shape.
+// across by as many row lanes down as fit; grid (ceil(C/8 / 32), chunks).
+// Lanes merge in a fixed tree over ty, so the bits depend only on the
+// shape.
 #define BN_V8_THREADS 256u
 
 struct BnV8Lane {
@@ -574,10 +594,12 @@ extern "C" __global__ void bn_stats_partial_v8_f16(BnDims d, const hr_half* __re
     }
 }
 
-// bn_backward_sums 8 channels at a time; with g_out (then g itself) a
-// vector with a masked element is written back with those elements +0.
+// bn_backward_sums 8 channels at a time (its mask from y, or from x, scale
+// and shift); with g_out (then g itself) a vector with a masked element is
+// written back with those elements +0.
 __device__ __forceinline__ void bn_backward_sums_v8(const BnBackwardParams& p, const hr_half* g,
                                                     const hr_half* x, const hr_half* y,
+                                                    const float* scale, const float* shift,
                                                     const float* mean, float* part_sum_g,
                                                     float* part_sum_gx, hr_half* g_out) {
     __shared__ float s_g[BN_V8_THREADS][8];
@@ -586,11 +608,14 @@ __device__ __forceinline__ void bn_backward_sums_v8(const BnBackwardParams& p, c
     const u32 chunk = blockIdx.y;
     const u32 r0 = chunk * p.rows_per_chunk;
     const u32 r1 = min(r0 + p.rows_per_chunk, p.rows);
-    float sg[8], sgx[8], mu[8];
+    const bool from_x = y == nullptr;
+    float sg[8], sgx[8], mu[8], sc[8], sh[8];
     for (u32 e = 0; e < 8; ++e) {
         sg[e] = 0.0f;
         sgx[e] = 0.0f;
         mu[e] = l.live ? mean[l.c0 + e] : 0.0f;
+        sc[e] = l.live && from_x ? scale[l.c0 + e] : 0.0f;
+        sh[e] = l.live && from_x ? shift[l.c0 + e] : 0.0f;
     }
     if (l.live) {
         for (u32 r = r0 + l.ty; r < r1; r += l.lanes) {
@@ -598,29 +623,27 @@ __device__ __forceinline__ void bn_backward_sums_v8(const BnBackwardParams& p, c
             const HalfVec8 gv8 = hr_ld_vec8(g + i);
             const HalfVec8 xv = hr_ld_vec8(x + i);
             HalfVec8 yv = {{0u, 0u, 0u, 0u}};
-            if (p.relu) {
+            if (p.relu && !from_x) {
                 yv = hr_ld_vec8(y + i);
             }
-            float gv[8];
+            HalfVec8 kept = gv8;  // g with its masked elements +0
             bool masked = false;
             for (u32 e = 0; e < 8; ++e) {
-                gv[e] = hr_vec8_at(gv8, e);
-                if (p.relu && !(hr_vec8_at(yv, e) > 0.0f)) {  // bn_masked_grad's mask
-                    gv[e] = 0.0f;
+                const float xe = hr_vec8_at(xv, e);
+                float gv = hr_vec8_at(gv8, e);
+                const bool passed = from_x ? bn_relu_passed<hr_half>(xe, sc[e], sh[e])
+                                           : hr_vec8_at(yv, e) > 0.0f;
+                if (p.relu && !passed) {
+                    gv = 0.0f;
                     masked = true;
+                    kept.w[e >> 1] &= ~(0xffffu << (16u * (e & 1u)));
                 }
-                sg[e] += gv[e];
-                sgx[e] = fmaf(gv[e], hr_vec8_at(xv, e) - mu[e], sgx[e]);  // as bn_backward_sums
+                sg[e] += gv;
+                sgx[e] = fmaf(gv, xe - mu[e], sgx[e]);  // as bn_backward_sums
             }
             if (g_out != nullptr && masked) {
-                // Unmasked elements keep their bits; masked ones become +0.
-                HalfVec8 out = gv8;
-                for (u32 e = 0; e < 8; ++e) {
-                    if (p.relu && !(hr_vec8_at(yv, e) > 0.0f)) {
-                        out.w[e >> 1] &= ~(0xffffu << (16u * (e & 1u)));
-                    }
-                }
-                hr_st_vec8(g_out + i, out);
+                // Unmasked elements keep their bits.
+                hr_st_vec8(g_out + i, kept);
             }
         }
     }
@@ -648,14 +671,16 @@ __device__ __forceinline__ void bn_backward_sums_v8(const BnBackwardParams& p, c
     }
 }
 
+// With p.relu, the mask from x, scale and shift (bn_relu_passed).
 extern "C" __global__ void bn_backward_partial_v8_f16(BnBackwardParams p,
                                                       const hr_half* __restrict__ g,
                                                       const hr_half* __restrict__ x,
-                                                      const hr_half* __restrict__ y,
+                                                      const float* __restrict__ scale,
+                                                      const float* __restrict__ shift,
                                                       const float* __restrict__ mean,
                                                       float* __restrict__ part_sum_g,
                                                       float* __restrict__ part_sum_gx) {
-    bn_backward_sums_v8(p, g, x, y, mean, part_sum_g, part_sum_gx, nullptr);
+    bn_backward_sums_v8(p, g, x, nullptr, scale, shift, mean, part_sum_g, part_sum_gx, nullptr);
 }
 
 // Each vector of g is read, then written, by the one thread that sums it.
@@ -666,7 +691,7 @@ extern "C" __global__ void bn_backward_partial_mask_v8_f16(BnBackwardParams p,
                                                            const float* __restrict__ mean,
                                                            float* __restrict__ part_sum_g,
                                                            float* __restrict__ part_sum_gx) {
-    bn_backward_sums_v8(p, g, x, y, mean, part_sum_g, part_sum_gx, g);
+    bn_backward_sums_v8(p, g, x, y, nullptr, nullptr, mean, part_sum_g, part_sum_gx, g);
 }
 
 struct BnRestoreParams {
@@ -731,20 +756,23 @@ extern "C" __global__ void bn_apply_add_f32(BnApplyParams p, const float* __rest
 extern "C" __global__ void bn_backward_partial_f16(BnBackwardParams p,
                                                    const hr_half* __restrict__ g,
                                                    const hr_half* __restrict__ x,
-                                                   const hr_half* __restrict__ y,
+                                                   const float* __restrict__ scale,
+                                                   const float* __restrict__ shift,
                                                    const float* __restrict__ mean,
                                                    float* __restrict__ part_sum_g,
                                                    float* __restrict__ part_sum_gx) {
-    bn_backward_partial_k(p, g, x, y, mean, part_sum_g, part_sum_gx);
+    bn_backward_partial_k(p, g, x, scale, shift, mean, part_sum_g, part_sum_gx);
 }
 
-extern "C" __global__ void bn_backward_partial_f32(BnBackwardParams p, const float* __restrict__ g,
+extern "C" __global__ void bn_backward_partial_f32(BnBackwardParams p,
+                                                   const float* __restrict__ g,
                                                    const float* __restrict__ x,
-                                                   const float* __restrict__ y,
+                                                   const float* __restrict__ scale,
+                                                   const float* __restrict__ shift,
                                                    const float* __restrict__ mean,
                                                    float* __restrict__ part_sum_g,
                                                    float* __restrict__ part_sum_gx) {
-    bn_backward_partial_k(p, g, x, y, mean, part_sum_g, part_sum_gx);
+    bn_backward_partial_k(p, g, x, scale, shift, mean, part_sum_g, part_sum_gx);
 }
 
 extern "C" __global__ void bn_backward_partial_mask_f16(BnBackwardParams p, hr_half* __restrict__ g,
@@ -767,22 +795,24 @@ extern "C" __global__ void bn_backward_partial_mask_f32(BnBackwardParams p, floa
 
 extern "C" __global__ void bn_backward_apply_f16(BnBackwardParams p, const hr_half* __restrict__ g,
                                                  const hr_half* __restrict__ x,
-                                                 const hr_half* __restrict__ y,
+                                                 const float* __restrict__ scale,
+                                                 const float* __restrict__ shift,
                                                  const float* __restrict__ mean,
                                                  const float* __restrict__ coef_k,
                                                  const float* __restrict__ coef_b,
                                                  const float* __restrict__ coef_d,
                                                  hr_half* __restrict__ dx) {
-    bn_backward_apply_k(p, g, x, y, mean, coef_k, coef_b, coef_d, dx);
+    bn_backward_apply_k(p, g, x, scale, shift, mean, coef_k, coef_b, coef_d, dx);
 }
 
 extern "C" __global__ void bn_backward_apply_f32(BnBackwardParams p, const float* __restrict__ g,
                                                  const float* __restrict__ x,
-                                                 const float* __restrict__ y,
+                                                 const float* __restrict__ scale,
+                                                 const float* __restrict__ shift,
                                                  const float* __restrict__ mean,
                                                  const float* __restrict__ coef_k,
                                                  const float* __restrict__ coef_b,
                                                  const float* __restrict__ coef_d,
                                                  float* __restrict__ dx) {
-    bn_backward_apply_k(p, g, x, y, mean, coef_k, coef_b, coef_d, dx);
+    bn_backward_apply_k(p, g, x, scale, shift, mean, coef_k, coef_b, coef_d, dx);
 }

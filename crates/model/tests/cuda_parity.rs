@@ -833,7 +833,6 @@ fn batch_norm_training_forward_backward_and_running_stats_match() {
             &be,
             &upload(&be, &g),
             &gx,
-            None,
             &saved,
             &gamma_d.as_view(),
             &mut dgamma_d.as_view_mut(),
@@ -880,13 +879,30 @@ fn batch_norm_training_forward_backward_and_running_stats_match() {
 #[test]
 fn batch_norm_with_fused_relu_matches_bn_then_relu() {
     let be = gpu_or_skip!();
-    let shape = [8usize, 14, 14, 32];
+    // 32 channels: the _v8 kernels; 12: one element at a time.
+    for shape in [[8usize, 14, 14, 32], [6, 5, 5, 12]] {
+        fused_relu_case(&be, shape);
+    }
+}
+
+/// Channel 0's γ is 3e-8 and β 0: its outputs x̂·3e-8 round to ±0 or to
+/// f16's smallest subnormals, so the ReLU's mask, which backward
+/// takes from x and the forward's scale and shift (not from the output),
+/// must round as the output did to agree with it there.
+fn fused_relu_case(be: &CudaBackend, shape: [usize; 4]) {
     let c = shape[3];
     let BnCase {
         mut cpu,
-        gamma,
-        beta,
+        mut gamma,
+        mut beta,
     } = bn_case(c, 40);
+    gamma[0] = 3e-8;
+    beta[0] = 0.0;
+    {
+        let mut params = cpu.params_mut();
+        params[0].value.data_mut()[0] = gamma[0];
+        params[1].value.data_mut()[0] = beta[0];
+    }
     let mut relu = Relu::new();
     let x = random(&shape, 42, 1.5, -0.3);
     let g = random(&shape, 43, 1.0, 0.0);
@@ -895,14 +911,14 @@ fn batch_norm_with_fused_relu_matches_bn_then_relu() {
         .unwrap();
     relu.clear_saved();
 
-    let gx = upload(&be, &x);
-    let gamma_d = upload_f32(&be, &gamma);
-    let beta_d = upload_f32(&be, &beta);
-    let mut rmean_d = upload_f32(&be, &vec![0.0; c]);
-    let mut rvar_d = upload_f32(&be, &vec![1.0; c]);
+    let gx = upload(be, &x);
+    let gamma_d = upload_f32(be, &gamma);
+    let beta_d = upload_f32(be, &beta);
+    let mut rmean_d = upload_f32(be, &vec![0.0; c]);
+    let mut rvar_d = upload_f32(be, &vec![1.0; c]);
     let cfg = BatchNormConfig { relu: true, ..BN };
     let (gy, saved) = ops::batch_norm_forward_train(
-        &be,
+        be,
         &gx,
         &gamma_d.as_view(),
         &beta_d.as_view(),
@@ -911,7 +927,7 @@ fn batch_norm_with_fused_relu_matches_bn_then_relu() {
         cfg,
     )
     .unwrap();
-    let gy_host = gy.to_host(&be).unwrap();
+    let gy_host = gy.to_host(be).unwrap();
     // ReLU is 1-Lipschitz: the forward bound of plain batch norm holds.
     assert_close("bn+relu forward", &gy_host, y.data(), 2e-3, 2e-3);
 
@@ -930,13 +946,12 @@ fn batch_norm_with_fused_relu_matches_bn_then_relu() {
         let p = cpu.params_mut();
         (p[0].grad.data().to_vec(), p[1].grad.data().to_vec())
     };
-    let mut dgamma_d = upload_f32(&be, &vec![0.0; c]);
-    let mut dbeta_d = upload_f32(&be, &vec![0.0; c]);
+    let mut dgamma_d = upload_f32(be, &vec![0.0; c]);
+    let mut dbeta_d = upload_f32(be, &vec![0.0; c]);
     let gdx = ops::batch_norm_backward(
-        &be,
-        &upload(&be, &g),
+        be,
+        &upload(be, &g),
         &gx,
-        Some(&gy),
         &saved,
         &gamma_d.as_view(),
         &mut dgamma_d.as_view_mut(),
@@ -946,39 +961,67 @@ fn batch_norm_with_fused_relu_matches_bn_then_relu() {
     .unwrap();
     assert_close(
         "bn+relu dgamma",
-        &download(&be, &dgamma_d),
+        &download(be, &dgamma_d),
         &dgamma,
         1e-3,
         1e-4,
     );
-    assert_close(
-        "bn+relu dbeta",
-        &download(&be, &dbeta_d),
-        &dbeta,
-        1e-3,
-        1e-4,
-    );
+    assert_close("bn+relu dbeta", &download(be, &dbeta_d), &dbeta, 1e-3, 1e-4);
     assert_close(
         "bn+relu backward",
-        &gdx.to_host(&be).unwrap(),
+        &gdx.to_host(be).unwrap(),
         dx.data(),
         5e-3,
         3e-3,
     );
-    // Without the saved output a fused backward is refused.
-    let err = ops::batch_norm_backward(
-        &be,
-        &upload(&be, &g),
+    // The same bits as the ReLU's backward by the output, then the batch
+    // norm's without the ReLU.
+    let masked_d = ops::relu_backward(be, &upload(be, &g), &gy).unwrap();
+    let mut plain_dgamma = upload_f32(be, &vec![0.0; c]);
+    let mut plain_dbeta = upload_f32(be, &vec![0.0; c]);
+    let plain_dx = ops::batch_norm_backward(
+        be,
+        &masked_d,
         &gx,
-        None,
         &saved,
         &gamma_d.as_view(),
-        &mut dgamma_d.as_view_mut(),
-        &mut dbeta_d.as_view_mut(),
-        true,
+        &mut plain_dgamma.as_view_mut(),
+        &mut plain_dbeta.as_view_mut(),
+        false,
     )
-    .unwrap_err();
-    assert!(matches!(err, CudaError::Shape { .. }), "{err}");
+    .unwrap();
+    let bits = |t: &CudaTensor| -> Vec<u32> {
+        t.to_host(be).unwrap().iter().map(|v| v.to_bits()).collect()
+    };
+    let bits32 = |v: Vec<f32>| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
+    assert_eq!(bits(&plain_dx), bits(&gdx), "dx, c = {c}");
+    assert_eq!(
+        bits32(download(be, &plain_dgamma)),
+        bits32(download(be, &dgamma_d)),
+        "dgamma, c = {c}"
+    );
+    assert_eq!(
+        bits32(download(be, &plain_dbeta)),
+        bits32(download(be, &dbeta_d)),
+        "dbeta, c = {c}"
+    );
+    // Channel 0 had outputs that passed, and some that were above zero
+    // before their rounding to f16 and zero after (the mask's edge).
+    let gy_host = gy.to_host(be).unwrap();
+    let (scale, shift) = (
+        download(be, &saved.scale.slice),
+        download(be, &saved.shift.slice),
+    );
+    let xs = gx.to_host(be).unwrap();
+    let rows = gy_host.len() / c;
+    let passed = (0..rows).filter(|r| gy_host[r * c] > 0.0).count();
+    let edge = (0..rows)
+        .filter(|r| xs[r * c].mul_add(scale[0], shift[0]) > 0.0 && gy_host[r * c] == 0.0)
+        .count();
+    assert!(
+        passed > 0 && edge > 0,
+        "channel 0, c = {c}: {passed} passed, {edge} rounded to zero"
+    );
 }
 
 #[test]
@@ -2507,7 +2550,6 @@ fn a_basic_block_forward_and_backward_match_the_cpu_layers() {
         &be,
         &gz,
         &a2,
-        None,
         &saved2,
         &g2d.as_view(),
         &mut gbn2g[0].as_view_mut(),
@@ -2530,7 +2572,6 @@ fn a_basic_block_forward_and_backward_match_the_cpu_layers() {
         &be,
         &gh1,
         &a1,
-        Some(&h1),
         &saved1,
         &g1d.as_view(),
         &mut gbn1g[0].as_view_mut(),
@@ -2672,7 +2713,7 @@ fn fused_residual_case(be: &CudaBackend, shape: [usize; 4]) {
     let want_dz = {
         let (dg, db) = plain_grads.split_at_mut(1);
         let (dg, db) = (&mut dg[0].as_view_mut(), &mut db[0].as_view_mut());
-        ops::batch_norm_backward(be, &masked, &gx, None, &plain_saved, &g, dg, db, false).unwrap()
+        ops::batch_norm_backward(be, &masked, &gx, &plain_saved, &g, dg, db, false).unwrap()
     };
     let mut gm = upload(be, &grad);
     let got_dz = {
@@ -2904,7 +2945,6 @@ fn fused_block_parity(be: &CudaBackend, c: usize) {
         be,
         &gh1,
         &a1,
-        Some(&h1),
         &saved1,
         &g1d.as_view(),
         &mut gbn1g[0].as_view_mut(),

@@ -109,19 +109,19 @@ pub const BN_EVAL_PREPARE: KernelSig = sig!("batchnorm", "bn_eval_prepare", BnEv
 pub const BN_APPLY: KernelPair = pair!("batchnorm", "bn_apply", BnApplyParams, 4);
 pub const BN_APPLY_ADD: KernelPair = pair!("batchnorm", "bn_apply_add", BnApplyParams, 5);
 pub const BN_BACKWARD_PARTIAL: KernelPair =
-    pair!("batchnorm", "bn_backward_partial", BnBackwardParams, 6);
+    pair!("batchnorm", "bn_backward_partial", BnBackwardParams, 7);
 pub const BN_BACKWARD_PARTIAL_MASK: KernelPair =
     pair!("batchnorm", "bn_backward_partial_mask", BnBackwardParams, 6);
 pub const BN_BACKWARD_FINALIZE: KernelSig =
     sig!("batchnorm", "bn_backward_finalize", BnBackwardParams, 9);
 pub const BN_BACKWARD_APPLY: KernelPair =
-    pair!("batchnorm", "bn_backward_apply", BnBackwardParams, 8);
+    pair!("batchnorm", "bn_backward_apply", BnBackwardParams, 9);
 /// bn_apply, bn_apply_add and bn_backward_apply 8 channels at a time (f16,
 /// channels % 8 == 0).
 pub const BN_APPLY_V8: KernelSig = sig!("batchnorm", "bn_apply_v8_f16", BnApplyParams, 4);
 pub const BN_APPLY_ADD_V8: KernelSig = sig!("batchnorm", "bn_apply_add_v8_f16", BnApplyParams, 5);
 pub const BN_BACKWARD_APPLY_V8: KernelSig =
-    sig!("batchnorm", "bn_backward_apply_v8_f16", BnBackwardParams, 8);
+    sig!("batchnorm", "bn_backward_apply_v8_f16", BnBackwardParams, 9);
 /// bn_stats_partial, bn_backward_partial and bn_backward_partial_mask 8
 /// channels a thread (f16, channels % 8 == 0), blocks of 256 threads.
 pub const BN_STATS_PARTIAL_V8: KernelSig = sig!("batchnorm", "bn_stats_partial_v8_f16", BnDims, 3);
@@ -129,7 +129,7 @@ pub const BN_BACKWARD_PARTIAL_V8: KernelSig = sig!(
     "batchnorm",
     "bn_backward_partial_v8_f16",
     BnBackwardParams,
-    6
+    7
 );
 pub const BN_BACKWARD_PARTIAL_MASK_V8: KernelSig = sig!(
     "batchnorm",

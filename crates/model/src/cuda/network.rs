@@ -273,10 +273,11 @@ struct SavedAttention {
     stats: ops::AttentionSaved,
 }
 
+/// A batch norm's input and statistics: all its backward reads (the fused
+/// ReLU's mask too, from the input).
 #[derive(Debug)]
 struct SavedBatchNorm {
     input: Shared,
-    output: Option<Activation>,
     stats: Arc<BatchNormSaved>,
 }
 
@@ -321,10 +322,11 @@ impl Activation {
 /// block (batch norm, the skip input added, ReLU), not kept after the
 /// forward (`CudaBuildOptions::recompute`) but computed again in backward
 /// from the batch norm's input and statistics, which backward keeps anyway
-/// (and the skip input, itself perhaps computed again). The first layer to
-/// ask (the next convolution's weight gradient) computes it; the batch
-/// norm's own backward (the ReLU's mask), asking later, gets the same
-/// tensor, which is freed once neither needs it.
+/// (and the skip input, itself perhaps computed again). The layer that asks
+/// (the next convolution's weight gradient) computes it, and it is freed
+/// with that layer's backward: the batch norm's own backward takes the
+/// ReLU's mask from its input. A fused block's output is asked for twice
+/// (the next convolution, then the block's ReLU mask), and held between.
 #[derive(Debug)]
 struct Recomputable {
     input: Shared,
@@ -1816,27 +1818,24 @@ fn forward_list(
                     recomputable = Some(Arc::clone(&r));
                     Saved::Output(Activation::Recomputed(r))
                 }
-                Keep::BatchNorm { output, stats } => {
+                Keep::BatchNorm { fused_relu, stats } => {
                     let input = current.share(be)?;
-                    let output = match (output, pass) {
-                        (false, _) => None,
-                        (
-                            true,
-                            Pass::Train {
-                                recompute: true, ..
-                            },
-                        ) => {
-                            let r = Recomputable::new(Arc::clone(&input), Arc::clone(&stats), None);
-                            recomputable = Some(Arc::clone(&r));
-                            Some(Activation::Recomputed(r))
-                        }
-                        (true, _) => Some(Activation::Kept(Arc::clone(&y))),
-                    };
-                    Saved::BatchNorm(Box::new(SavedBatchNorm {
-                        input,
-                        output,
-                        stats,
-                    }))
+                    // The next layer's input, if it keeps it: computed again
+                    // from this one's input where recomputing.
+                    if let (
+                        true,
+                        Pass::Train {
+                            recompute: true, ..
+                        },
+                    ) = (fused_relu, pass)
+                    {
+                        recomputable = Some(Recomputable::new(
+                            Arc::clone(&input),
+                            Arc::clone(&stats),
+                            None,
+                        ));
+                    }
+                    Saved::BatchNorm(Box::new(SavedBatchNorm { input, stats }))
                 }
                 Keep::Other(s) => s,
                 Keep::Lstm(kept) => Saved::Lstm(current.for_backward(be)?, Arc::clone(&y), kept),
@@ -1863,8 +1862,9 @@ enum Keep {
     /// The output, to be computed again in backward.
     Recomputed(Arc<Recomputable>),
     BatchNorm {
-        /// Whether the output is kept too (the fused ReLU's mask).
-        output: bool,
+        /// With the ReLU fused, in a pass that keeps activations: the output
+        /// (the next layer's input) can be computed again from the input.
+        fused_relu: bool,
         stats: Arc<BatchNormSaved>,
     },
     Other(Saved),
@@ -1918,9 +1918,9 @@ fn forward_one(
             let Some(stats) = stats else {
                 return Ok((y, Keep::Other(Saved::Nothing)));
             };
-            let output = *relu && keeping;
+            let fused_relu = *relu && keeping;
             let stats = Arc::new(stats);
-            (y, Keep::BatchNorm { output, stats })
+            (y, Keep::BatchNorm { fused_relu, stats })
         }
         GpuLayer::Relu => {
             let y = ops::relu_forward(be, x)?;
@@ -1950,7 +1950,6 @@ fn forward_one(
                     let (z, stats) = (Arc::new(z), Arc::new(stats));
                     list.push(Saved::BatchNorm(Box::new(SavedBatchNorm {
                         input: Arc::clone(&z),
-                        output: None,
                         stats: Arc::clone(&stats),
                     })));
                     let skip = match pass {
@@ -2499,23 +2498,10 @@ fn backward_leaf(
             })
         }
         (GpuLayer::BatchNorm { bn, relu }, Saved::BatchNorm(saved)) => {
-            let SavedBatchNorm {
-                input,
-                output,
-                stats,
-            } = *saved;
-            let output = output.map(|y| y.take(be)).transpose()?;
+            let SavedBatchNorm { input, stats } = *saved;
             with_bn_grads(groups, bn, |gamma, gamma_grad, beta_grad| {
                 ops::batch_norm_backward(
-                    be,
-                    &g,
-                    &input,
-                    output.as_deref(),
-                    &stats,
-                    gamma,
-                    gamma_grad,
-                    beta_grad,
-                    *relu,
+                    be, &g, &input, &stats, gamma, gamma_grad, beta_grad, *relu,
                 )
             })
         }

@@ -1029,7 +1029,8 @@ pub struct BatchNormSaved {
     pub mean: DeviceBuffer<f32>,
     pub inv_std: DeviceBuffer<f32>,
     /// The affine map the forward applied, y = x·scale + shift, kept so
-    /// that backward can compute the output again instead of keeping it.
+    /// that backward can compute the output again instead of keeping it,
+    /// and the fused ReLU's mask without it.
     pub scale: DeviceBuffer<f32>,
     pub shift: DeviceBuffer<f32>,
 }
@@ -1442,37 +1443,25 @@ pub fn batch_norm_restore_if_skipped(
 }
 
 /// Backward of a training forward: accumulates dγ and dβ into the f32
-/// gradients and returns dx. `output` is the forward's output, required
-/// when the ReLU was fused (`relu = true`) and ignored otherwise.
+/// gradients and returns dx. With the ReLU fused (`relu = true`) its mask
+/// comes from `x` and the forward's scale and shift, computed as the
+/// forward computed its output (so exactly where that output is > 0): the
+/// output itself is not read, so backward need not keep or recompute it.
 #[allow(clippy::too_many_arguments)]
 pub fn batch_norm_backward(
     be: &CudaBackend,
     g: &CudaTensor,
     x: &CudaTensor,
-    output: Option<&CudaTensor>,
     saved: &BatchNormSaved,
     gamma: &CudaView<'_, f32>,
     gamma_grad: &mut CudaViewMut<'_, f32>,
     beta_grad: &mut CudaViewMut<'_, f32>,
     relu: bool,
 ) -> CudaResult<CudaTensor> {
-    // Without the fused ReLU the kernels never read y: pass g in its place.
-    let y = match (relu, output) {
-        (true, Some(y)) => y,
-        (true, None) => {
-            return Err(CudaError::shape(
-                "batch_norm backward",
-                "the forward's output (fused ReLU)",
-                "none",
-            ))
-        }
-        (false, _) => g,
-    };
     bn_backward(
         be,
         BnGrad::Read(g),
         x,
-        y,
         saved,
         gamma,
         gamma_grad,
@@ -1500,9 +1489,8 @@ pub fn batch_norm_add_relu_backward(
 ) -> CudaResult<CudaTensor> {
     bn_backward(
         be,
-        BnGrad::MaskInPlace(g),
+        BnGrad::MaskInPlace(g, output),
         x,
-        output,
         saved,
         gamma,
         gamma_grad,
@@ -1511,20 +1499,19 @@ pub fn batch_norm_add_relu_backward(
     )
 }
 
-/// The output gradient a batch-norm backward reads: as it is, or masked in
-/// place by the fused ReLU first (and left masked).
+/// The output gradient a batch-norm backward reads: as it is (masked by
+/// the fused ReLU, if any, as it is read), or masked in place by the
+/// block's ReLU first, by the block's output (and left masked).
 enum BnGrad<'a> {
     Read(&'a CudaTensor),
-    MaskInPlace(&'a mut CudaTensor),
+    MaskInPlace(&'a mut CudaTensor, &'a CudaTensor),
 }
 
-/// `y` is read only when `relu` is set.
 #[allow(clippy::too_many_arguments)]
 fn bn_backward(
     be: &CudaBackend,
     mut g: BnGrad<'_>,
     x: &CudaTensor,
-    y: &CudaTensor,
     saved: &BatchNormSaved,
     gamma: &CudaView<'_, f32>,
     gamma_grad: &mut CudaViewMut<'_, f32>,
@@ -1533,9 +1520,13 @@ fn bn_backward(
 ) -> CudaResult<CudaTensor> {
     let (g_shape, dtype) = match &g {
         BnGrad::Read(g) => (g.shape(), g.dtype()),
-        BnGrad::MaskInPlace(g) => (g.shape(), g.dtype()),
+        BnGrad::MaskInPlace(g, y) => {
+            same_dtype("batch_norm backward", g.dtype(), &[y.dtype()])?;
+            y.expect_shape("batch_norm backward (saved output)", x.shape())?;
+            (g.shape(), g.dtype())
+        }
     };
-    same_dtype("batch_norm backward", dtype, &[x.dtype(), y.dtype()])?;
+    same_dtype("batch_norm backward", dtype, &[x.dtype()])?;
     if g_shape != x.shape() {
         return Err(CudaError::shape(
             "batch_norm backward",
@@ -1543,7 +1534,6 @@ fn bn_backward(
             format!("{g_shape:?}"),
         ));
     }
-    y.expect_shape("batch_norm backward (saved output)", x.shape())?;
     let [n, h, w, c] = nhwc("batch_norm backward", x.shape())?;
     let rows = u32_of("batch_norm backward", n * h * w)? as usize;
     for (what, len) in [
@@ -1580,17 +1570,18 @@ fn bn_backward(
             b.arg(&p)
                 .arg(*g)
                 .arg(x)
-                .arg(y)
+                .arg(&saved.scale.slice)
+                .arg(&saved.shift.slice)
                 .arg(&saved.mean.slice)
                 .arg(&mut part_g.slice)
                 .arg(&mut part_gx.slice);
             // SAFETY: bn_backward_partial_T / _v8_f16 (BnBackwardParams, g,
-            // x, y [rows, c] T, mean [c], part_sum_g, part_sum_gx [chunks,
-            // c]) with bn_partial_launch's block and grid; whole tensors, so
-            // the v8 loads are aligned.
+            // x [rows, c] T, scale, shift, mean [c], part_sum_g, part_sum_gx
+            // [chunks, c]) with bn_partial_launch's block and grid; whole
+            // tensors, so the v8 loads are aligned.
             unsafe { b.launch(partial) }.during("bn_backward_partial")?;
         }
-        BnGrad::MaskInPlace(g) => {
+        BnGrad::MaskInPlace(g, y) => {
             let f = if eight {
                 be.function(&k::BN_BACKWARD_PARTIAL_MASK_V8)?
             } else {
@@ -1600,7 +1591,7 @@ fn bn_backward(
             b.arg(&p)
                 .arg(&mut **g)
                 .arg(x)
-                .arg(y)
+                .arg(*y)
                 .arg(&saved.mean.slice)
                 .arg(&mut part_g.slice)
                 .arg(&mut part_gx.slice);
@@ -1614,7 +1605,7 @@ fn bn_backward(
     // A gradient masked in place is read as it now is.
     let (g, p) = match g {
         BnGrad::Read(g) => (g, p),
-        BnGrad::MaskInPlace(g) => (&*g, BnBackwardParams { relu: 0, ..p }),
+        BnGrad::MaskInPlace(g, _) => (&*g, BnBackwardParams { relu: 0, ..p }),
     };
     let mut coef_k = be.alloc::<f32>(c)?;
     let mut coef_b = be.alloc::<f32>(c)?;
@@ -1652,14 +1643,16 @@ fn bn_backward(
         b.arg(&p)
             .arg(g)
             .arg(x)
-            .arg(y)
+            .arg(&saved.scale.slice)
+            .arg(&saved.shift.slice)
             .arg(&saved.mean.slice)
             .arg(&coef_k.slice)
             .arg(&coef_b.slice)
             .arg(&coef_d.slice)
             .arg(&mut dx);
-        // SAFETY: bn_backward_apply_T(BnBackwardParams, g, x, y [rows, c], mean,
-        // coef_k, coef_b, coef_d [c], dx [rows, c]), whole tensors.
+        // SAFETY: bn_backward_apply_T(BnBackwardParams, g, x [rows, c],
+        // scale, shift, mean, coef_k, coef_b, coef_d [c], dx [rows, c]),
+        // whole tensors.
         unsafe { b.launch(cfg) }.during("bn_backward_apply")?;
     }
     Ok(dx)
