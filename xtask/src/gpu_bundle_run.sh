@@ -213,11 +213,11 @@ bench_model() {
 # earlier build in bin/baseline-xtask.gz, its convolutions as this build's
 # default has them (device.conv_algorithm=auto, which that build had, but
 # not as its default).
+# Its arguments: BENCH_ARGS (an array does not reach a step's shell).
 bench_baseline() {
     gunzip -c "$BUNDLE/bin/baseline-xtask.gz" > "$WORK/bin/baseline-xtask" \
         && chmod +x "$WORK/bin/baseline-xtask" || return 1
-    XTASK=$WORK/bin/baseline-xtask hr bench --device cuda "${BENCH_ARGS[@]}" \
-        --set device.conv_algorithm=auto
+    XTASK=$WORK/bin/baseline-xtask hr bench --device cuda "$@" --set device.conv_algorithm=auto
 }
 
 # hog_and_train: another process holds all but HOG_LEAVES_MIB of the GPU;
@@ -624,7 +624,7 @@ for name, what in (("bench-no-graphs", "without CUDA graphs (device.graphs=false
                    ("bench-torch-graphs", "beside PyTorch with CUDA graphs (torch.compile mode=\"reduce-overhead\")"),
                    ("bench-implicit-gemm", "with the implicit-GEMM convolution kernel (device.conv_algorithm=implicit_gemm)"),
                    ("bench-im2col", "every convolution through im2col + cuBLAS (device.conv_algorithm=im2col)"),
-                   ("bench-baseline", "the same step built from BASELINE_XTASK (the A of an A/B on this GPU)")):
+                   ("bench-baseline", "the same step built from the bundle's bin/baseline-xtask.gz, an earlier build (the A of an A/B on this GPU)")):
     if read(name + ".log").strip():
         lines += ["", what + ":", read(name + ".log").strip()]
 open(os.path.join(out, "summary.txt"), "w").write("\n".join(lines) + "\n")
@@ -722,7 +722,7 @@ step bench bench-im2col hr bench --device cuda --profile "${BENCH_ARGS[@]}" \
 # An A/B on this GPU: the bench of an earlier build (bin/baseline-xtask.gz,
 # where the bundle carries one) beside this build's (the bench step's).
 if [ -f "$BUNDLE/bin/baseline-xtask.gz" ]; then
-    step bench bench-baseline bench_baseline
+    step bench bench-baseline bench_baseline "${BENCH_ARGS[@]}"
 fi
 
 # 9. The other trainers on the GPU, then their steps beside PyTorch's.
