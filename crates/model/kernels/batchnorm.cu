@@ -532,6 +532,19 @@ __device__ __forceinline__ u32 bn_v8_first_stride(u32 lanes) {
     return s;
 }
 
+// The fixed tree over a block's row lanes: merge(t, o), for each stride
+// halving from bn_v8_first_stride, folds thread o (lane ty + stride) into
+// thread t (lane ty); every thread reaches each barrier.
+template <typename Merge>
+__device__ __forceinline__ void bn_v8_tree(const BnV8Lane& l, Merge merge) {
+    for (u32 stride = bn_v8_first_stride(l.lanes); stride > 0u; stride /= 2u) {
+        if (l.live && l.ty < stride && l.ty + stride < l.lanes) {
+            merge(threadIdx.x, threadIdx.x + stride * l.across);
+        }
+        __syncthreads();
+    }
+}
+
 extern "C" __global__ void bn_stats_partial_v8_f16(BnDims d, const hr_half* __restrict__ x,
                                                    float* __restrict__ part_mean,
                                                    float* __restrict__ part_m2) {
@@ -568,24 +581,20 @@ extern "C" __global__ void bn_stats_partial_v8_f16(BnDims d, const hr_half* __re
         s_m2[t][e] = m2[e];
     }
     __syncthreads();
-    // Lane ty takes in lane ty + stride (Chan et al.'s merge), halving.
-    for (u32 stride = bn_v8_first_stride(l.lanes); stride > 0u; stride /= 2u) {
-        if (l.live && l.ty < stride && l.ty + stride < l.lanes) {
-            const u32 o = t + stride * l.across;
-            const float nb = s_count[o];
-            if (nb > 0.0f) {
-                const float na = s_count[t];
-                const float total = na + nb;
-                for (u32 e = 0; e < 8; ++e) {
-                    const float delta = s_mean[o][e] - s_mean[t][e];
-                    s_mean[t][e] += delta * (nb / total);
-                    s_m2[t][e] += s_m2[o][e] + delta * delta * (na * nb / total);
-                }
-                s_count[t] = total;
+    // Chan et al.'s merge of two lanes' (count, mean, M2).
+    bn_v8_tree(l, [&](u32 t, u32 o) {
+        const float nb = s_count[o];
+        if (nb > 0.0f) {
+            const float na = s_count[t];
+            const float total = na + nb;
+            for (u32 e = 0; e < 8; ++e) {
+                const float delta = s_mean[o][e] - s_mean[t][e];
+                s_mean[t][e] += delta * (nb / total);
+                s_m2[t][e] += s_m2[o][e] + delta * delta * (na * nb / total);
             }
+            s_count[t] = total;
         }
-        __syncthreads();
-    }
+    });
     if (l.live && l.ty == 0u) {
         for (u32 e = 0; e < 8; ++e) {
             part_mean[chunk * d.channels + l.c0 + e] = s_mean[t][e];
@@ -653,16 +662,12 @@ __device__ __forceinline__ void bn_backward_sums_v8(const BnBackwardParams& p, c
         s_gx[t][e] = sgx[e];
     }
     __syncthreads();
-    for (u32 stride = bn_v8_first_stride(l.lanes); stride > 0u; stride /= 2u) {
-        if (l.live && l.ty < stride && l.ty + stride < l.lanes) {
-            const u32 o = t + stride * l.across;
-            for (u32 e = 0; e < 8; ++e) {
-                s_g[t][e] += s_g[o][e];
-                s_gx[t][e] += s_gx[o][e];
-            }
+    bn_v8_tree(l, [&](u32 t, u32 o) {
+        for (u32 e = 0; e < 8; ++e) {
+            s_g[t][e] += s_g[o][e];
+            s_gx[t][e] += s_gx[o][e];
         }
-        __syncthreads();
-    }
+    });
     if (l.live && l.ty == 0u) {
         for (u32 e = 0; e < 8; ++e) {
             part_sum_g[chunk * p.channels + l.c0 + e] = s_g[t][e];
