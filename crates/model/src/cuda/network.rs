@@ -12,8 +12,9 @@
 //! from the masters. A layer's parameter is a range of a group.
 //!
 //! What a training forward saves for backward (a stack, popped in reverse):
-//! a convolution or linear layer its input; batch norm its input, its batch
-//! statistics, and (fused with the ReLU after it) its output; a standalone
+//! a convolution or linear layer its input; batch norm its input and its
+//! batch statistics (fused with the ReLU after it, the ReLU's mask comes
+//! from those, and its output is kept only as the next layer's input); a standalone
 //! ReLU its output; global pooling its input's shape; a fused residual block
 //! (below) its body's entries, its last batch norm's input and statistics,
 //! and the block's output (the ReLU's mask, which is also that batch
@@ -439,8 +440,9 @@ pub struct CudaBuildOptions {
     /// the default) or F32 (f32 training, `device.amp = false`).
     pub activations: DType,
     /// Keep a batch norm + ReLU's input, not also its output, for backward,
-    /// which computes the output again where the next layer's gradient and
-    /// the ReLU's mask need it, and a fused residual's output likewise
+    /// which computes the output again where the next layer's gradient
+    /// needs it (the ReLU's mask comes from the input), and a fused
+    /// residual's output likewise
     /// (`device.recompute`, `Recomputable`): the same bits, one activation
     /// fewer per such layer, an elementwise pass or two more each.
     pub recompute: bool,
