@@ -66,6 +66,16 @@ void check_aligned(const void* p, unsigned int bytes);
 // warp, then copies the 32 lanes' values into `all` and returns the mask of
 // live lanes. The lane of the caller is returned through `lane`.
 unsigned int warp_exchange(unsigned long long mine, unsigned long long* all, unsigned int* lane);
+// cp.async as the GPU may run it: a 16-byte copy (zeros when src is null)
+// is only queued, in the calling thread's current group; commit closes the
+// group, and wait(n) completes every copy but those of the newest n
+// closed groups (and of the open one). A kernel that reads shared memory
+// before waiting for the copy into it reads what was there before (0xff
+// bytes at a block's start), and a block that ends with copies never
+// waited for fails its launch.
+void cp_async16(void* dst, const void* src);
+void cp_async_commit();
+void cp_async_wait(unsigned int newest_pending);
 
 template <typename T>
 inline unsigned long long to_bits(T v) {

@@ -178,6 +178,14 @@ struct Fiber {
     unsigned int warp = 0;
     FState state = FState::Done;
     unsigned long long warp_value = 0;
+    // cp.async copies queued and not yet completed, with the group each is in.
+    struct AsyncCopy {
+        void* dst;
+        const void* src;  // null: zeros
+        unsigned long long group;
+    };
+    std::vector<AsyncCopy> copies;
+    unsigned long long groups_closed = 0;
 };
 
 struct WarpSlot {
@@ -290,6 +298,8 @@ std::string run_block(Scheduler& s, unsigned int n, Order order) {
         f.lane = i % 32;
         f.warp = i / 32;
         f.state = FState::Ready;
+        f.copies.clear();
+        f.groups_closed = 0;
         hr_emu::fiber_make(&f.ctx, f.stack, kStackBytes, &fiber_entry);
     }
     unsigned int live = n;
@@ -307,6 +317,13 @@ std::string run_block(Scheduler& s, unsigned int n, Order order) {
             }
         }
         if (live == 0) {
+            for (unsigned int i = 0; i < n; ++i) {
+                if (!s.fibers[i].copies.empty()) {
+                    return "block " + dim_str(hr_emu::t_block_idx) + " ended with " +
+                           std::to_string(s.fibers[i].copies.size()) +
+                           " cp.async copies never waited for";
+                }
+            }
             return std::string();
         }
         // Everyone is parked. A warp whose live lanes all wait in a shuffle
@@ -417,6 +434,36 @@ void check_aligned(const void* p, unsigned int bytes) {
     std::snprintf(what, sizeof what, "a %u-byte access at %p, block (%u,%u,%u) thread (%u,%u,%u)",
                   bytes, p, b.x, b.y, b.z, t.x, t.y, t.z);
     t_misaligned = what;
+}
+
+void cp_async16(void* dst, const void* src) {
+    check_aligned(dst, 16);
+    if (src != nullptr) {
+        check_aligned(src, 16);
+    }
+    Fiber* f = t_sched.cur;
+    f->copies.push_back(Fiber::AsyncCopy{dst, src, f->groups_closed});
+}
+
+void cp_async_commit() { ++t_sched.cur->groups_closed; }
+
+void cp_async_wait(unsigned int newest_pending) {
+    Fiber* f = t_sched.cur;
+    const unsigned long long done_below =
+        f->groups_closed > newest_pending ? f->groups_closed - newest_pending : 0;
+    std::size_t kept = 0;
+    for (const Fiber::AsyncCopy& c : f->copies) {
+        if (c.group < done_below) {
+            if (c.src != nullptr) {
+                std::memcpy(c.dst, c.src, 16);
+            } else {
+                std::memset(c.dst, 0, 16);
+            }
+        } else {
+            f->copies[kept++] = c;
+        }
+    }
+    f->copies.resize(kept);
 }
 
 unsigned int warp_exchange(unsigned long long mine, unsigned long long* all, unsigned int* lane) {

@@ -1,11 +1,12 @@
 // Implicit-GEMM convolution on the tensor cores (`device.conv_algorithm =
-// "implicit_gemm"`): the same product as im2col + GEMM (conv.cu), but the
-// rows of the im2col matrix are gathered straight from the NHWC tensor into
-// shared memory, tile by tile, so the matrix never exists in device memory.
-// im2col writes and reads k*k times the input (9x for 3x3); this reads it
-// about once per column block, and needs no workspace.
+// "implicit_gemm"`, and `auto` for stride-1 layers of up to 64 channels):
+// the same product as im2col + GEMM (conv.cu), but the rows of the im2col
+// matrix are gathered straight from the NHWC tensor into shared memory,
+// tile by tile, so the matrix never exists in device memory. im2col writes
+// and reads k*k times the input (9x for 3x3); this reads it about once per
+// column block, and needs no workspace.
 //
-// One kernel does two products (p.transposed):
+// One kernel does two products (B_KN below):
 //   forward      y [M = n*oh*ow, cout] = A W,
 //                A[(img, oy, ox), (ky, kx, ci)] = x[img, oy*s + ky - pad, ox*s + kx - pad, ci]
 //   input grad   dx[M = n*h*w, cin]    = A' W',
@@ -18,20 +19,27 @@
 // sums over the pixels in per-block partials.
 //
 // Tiles: a block of 128 threads (4 warps) computes 128 rows x BN columns
-// (BN = 32 or 64) in steps of 32 along K. Each thread gathers one 8-channel
-// vector (16 bytes) of 4 rows per step and 8 or 16 weights of B; while the warps
-// multiply the tile in shared memory (mma.sync m16n8k16, f16 operands, f32
-// accumulators, warp w owning rows 32w..32w+31), the next step's loads are
-// in flight in registers. Shared rows are padded to 40 halves, so the
-// fragment reads (row g, column 2t of a warp) hit 32 different banks.
+// (BN = 32 or 64) in steps of 32 along K, warp w owning rows 32w..32w+31
+// (mma.sync m16n8k16, f16 operands, f32 accumulators). The tiles of a step
+// go from global to shared memory by cp.async (16 bytes a copy, zeros for
+// padding and edges, no registers on the way) into one of three stages, so
+// two steps' loads are in flight while the warps multiply a third; one
+// barrier a step. The warps read their fragments with ldmatrix (one
+// instruction for four 8x8 matrices; .trans where the tile in shared
+// memory runs along the other dimension: W's forward tile [k][n], and both
+// of the weight gradient's tiles, [pixel][k] and [pixel][co]). Shared rows
+// are padded by 16 bytes, so the eight rows of an 8x8 matrix fall in eight
+// different 16-byte bank groups.
 //
 // Needs: f16, channels of the gathered tensor % 8 == 0 (a vector stays in
 // one tap), output columns % 8 == 0, whole tensors (256-byte aligned), and
-// sm_80 or newer (the host checks all of these and uses im2col otherwise).
-// Memory: at most 15 KiB of shared memory per block; the only device
-// memory besides the tensors is the weight gradient's f32 partials.
-// Emulated on the CPU (the mma through a warp exchange with the fragment
-// layout of the PTX ISA); compiled, not yet run on a GPU.
+// sm_80 or newer for mma.m16n8k16 and cp.async (the host checks all of
+// these and uses im2col otherwise). Memory: at most 45 KiB of static shared
+// memory per block (three stages); the only device memory besides the
+// tensors is the weight gradient's f32 partials.
+// Emulated on the CPU: the mma and ldmatrix through a warp exchange with
+// the fragment layouts of the PTX ISA, cp.async as copies queued until the
+// thread waits for their group (cuda-emu's cuda_shim.h).
 #include "common.cuh"
 
 struct ImplicitConvParams {
@@ -62,12 +70,16 @@ HR_CHECK_SIZE(ImplicitConvParams, 96);
 #define IC_BK 32
 #define IC_LD (IC_BK + 8)
 #define IC_THREADS 128
+#define IC_STAGES 3
 
-
-template <int BN>
-struct alignas(16) ImplicitTiles {
+// One stage of the forward / input-gradient tiles. B is stored the way W
+// runs in memory, so each 16-byte copy is 8 consecutive weights: [k][n]
+// for the forward (W[tap, ci, co] runs along co), [n][k] for the input
+// gradient (W'[(tap, co), ci] runs along co = k).
+template <int BN, bool B_KN>
+struct alignas(16) ImplicitStage {
     hr_half a[IC_BM][IC_LD];
-    hr_half b[BN][IC_LD];
+    hr_half b[B_KN ? IC_BK : BN][B_KN ? BN + 8 : IC_LD];
 };
 
 // d += A B for one warp: A 16x16 (row-major fragments a), B 16x8
@@ -127,14 +139,120 @@ __device__ __forceinline__ void hr_mma_16816(float d[4], const u32 a[4], const u
 #endif
 
 
-// The 8 channels c..c+7 of the gathered tensor that output row (img, ry, rx)
-// reads at tap (ky, kx), or zeros (padding, a stride the tap misses, a row
-// past the end: img_row < 0).
-__device__ __forceinline__ HalfVec8 gather8(const ImplicitConvParams& p, const hr_half* __restrict__ src,
-                                            int img_row, int ry, int rx, u32 ky, u32 kx, u32 c) {
-    HalfVec8 zero = {{0u, 0u, 0u, 0u}};
+// The shared-space address of a pointer into shared memory (ldmatrix's
+// and cp.async's operand).
+#ifndef HR_EMULATE
+__device__ __forceinline__ u32 hr_smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes from global to shared memory without registers; zeros when src
+// is null (a source size of 0 reads nothing).
+__device__ __forceinline__ void hr_cp_async16(hr_half* dst, const hr_half* src, const hr_half* any) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(hr_smem_addr(dst)),
+                 "l"(src != nullptr ? src : any), "r"(src != nullptr ? 16 : 0)
+                 : "memory");
+#else
+    asm volatile("trap;");
+#endif
+}
+__device__ __forceinline__ void hr_cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+// Waits until at most `n` of this thread's newest committed groups are pending.
+template <int N>
+__device__ __forceinline__ void hr_cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// Four 8x8 matrices of halves from shared memory: lane 8i + r gives the
+// address of row r of matrix i; register i of lane 4g + t gets matrix i's
+// row g, columns 2t..2t+1 (or with TRANS its column g, rows 2t..2t+1).
+template <bool TRANS>
+__device__ __forceinline__ void hr_ldmatrix_x4(u32 r[4], const hr_half* row) {
+#if __CUDA_ARCH__ >= 800
+    if (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(hr_smem_addr(row))
+                     : "memory");
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(hr_smem_addr(row))
+                     : "memory");
+    }
+#else
+    asm volatile("trap;");
+#endif
+}
+#else
+__device__ __forceinline__ void hr_cp_async16(hr_half* dst, const hr_half* src, const hr_half*) {
+    ::hr_emu::cp_async16(dst, src);
+}
+__device__ __forceinline__ void hr_cp_async_commit() { ::hr_emu::cp_async_commit(); }
+template <int N>
+__device__ __forceinline__ void hr_cp_async_wait() {
+    ::hr_emu::cp_async_wait(N);
+}
+
+template <bool TRANS>
+__device__ __forceinline__ void hr_ldmatrix_x4(u32 r[4], const hr_half* row) {
+    ::hr_emu::check_aligned(row, 16);
+    u64 rows[32];
+    unsigned int lane = 0;
+    ::hr_emu::warp_exchange((u64)(std::uintptr_t)row, rows, &lane);
+    const u32 g = lane >> 2;
+    const u32 t = lane & 3u;
+    for (u32 i = 0; i < 4; ++i) {
+        hr_half lo;
+        hr_half hi;
+        if (TRANS) {
+            lo = reinterpret_cast<const hr_half*>(rows[8u * i + 2u * t])[g];
+            hi = reinterpret_cast<const hr_half*>(rows[8u * i + 2u * t + 1u])[g];
+        } else {
+            const hr_half* mine = reinterpret_cast<const hr_half*>(rows[8u * i + g]);
+            lo = mine[2u * t];
+            hi = mine[2u * t + 1u];
+        }
+        r[i] = (u32)lo | (u32)hi << 16;
+    }
+}
+#endif
+
+// Fragments of one k16 slice, by the layouts of mma.m16n8k16 (above).
+// A, 16 rows from `row0`, stored [m][k] (row-major).
+__device__ __forceinline__ void hr_frag_a_mk(u32 a[4], const hr_half* tile, u32 ld, u32 row0, u32 k0, u32 lane) {
+    hr_ldmatrix_x4<false>(a, tile + (row0 + (lane & 15u)) * ld + k0 + 8u * (lane >> 4));
+}
+// A, 16 rows from `row0`, stored [k][m] (column-major).
+__device__ __forceinline__ void hr_frag_a_km(u32 a[4], const hr_half* tile, u32 ld, u32 row0, u32 k0, u32 lane) {
+    hr_ldmatrix_x4<true>(a, tile + (k0 + (lane & 7u) + 8u * (lane >> 4)) * ld + row0 + 8u * ((lane >> 3) & 1u));
+}
+// B of two 8-column tiles from `col0` (b[0..1] the first, b[2..3] the
+// second), stored [k][n] (row-major).
+__device__ __forceinline__ void hr_frag_b_kn(u32 b[4], const hr_half* tile, u32 ld, u32 col0, u32 k0, u32 lane) {
+    hr_ldmatrix_x4<true>(b, tile + (k0 + (lane & 15u)) * ld + col0 + 8u * (lane >> 4));
+}
+// The same, stored [n][k] (column-major).
+__device__ __forceinline__ void hr_frag_b_nk(u32 b[4], const hr_half* tile, u32 ld, u32 col0, u32 k0, u32 lane) {
+    hr_ldmatrix_x4<false>(b, tile + (col0 + (lane & 7u) + 8u * (lane >> 4)) * ld + k0 + 8u * ((lane >> 3) & 1u));
+}
+
+// Where the 8 channels c..c+7 of the gathered tensor that output row
+// (img, ry, rx) reads at tap (ky, kx) start, or null for zeros (padding, a
+// stride the tap misses, a row past the end: img_row < 0).
+__device__ __forceinline__ const hr_half* gather_at(const ImplicitConvParams& p, const hr_half* __restrict__ src,
+                                                    int img_row, int ry, int rx, u32 ky, u32 kx, u32 c) {
     if (img_row < 0) {
-        return zero;
+        return nullptr;
     }
     int sy;
     int sx;
@@ -145,31 +263,32 @@ __device__ __forceinline__ HalfVec8 gather8(const ImplicitConvParams& p, const h
         const int ty = ry + (int)p.pad - (int)ky;
         const int tx = rx + (int)p.pad - (int)kx;
         if (ty < 0 || tx < 0) {
-            return zero;
+            return nullptr;
         }
         sy = (int)hr_div(p.by_stride, (u32)ty);
         sx = (int)hr_div(p.by_stride, (u32)tx);
         if (sy * (int)p.stride != ty || sx * (int)p.stride != tx) {
-            return zero;
+            return nullptr;
         }
     }
     if (sy < 0 || sy >= (int)p.src_h || sx < 0 || sx >= (int)p.src_w) {
-        return zero;
+        return nullptr;
     }
-    const u32 at = (((u32)img_row + (u32)sy) * p.src_w + (u32)sx) * p.chans + c;
-    return hr_ld_vec8(src + at);
+    return src + (((u32)img_row + (u32)sy) * p.src_w + (u32)sx) * p.chans + c;
 }
 
-template <int BN>
+template <int BN, bool B_KN>
 __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict__ src,
                                 const hr_half* __restrict__ w, hr_half* __restrict__ out) {
-    constexpr int B_PER_THREAD = BN * IC_BK / IC_THREADS;
     constexpr int NT = BN / 8;
-    __shared__ ImplicitTiles<BN> tile;
+    constexpr int B_VECS = BN * IC_BK / 8 / IC_THREADS;
+    constexpr u32 B_LD = B_KN ? BN + 8 : IC_LD;
+    __shared__ ImplicitStage<BN, B_KN> stage[IC_STAGES];
     const u32 tid = threadIdx.x;
     const u32 warp = tid >> 5;
-    const u32 g = (tid & 31u) >> 2;
-    const u32 t = tid & 3u;
+    const u32 lane = tid & 31u;
+    const u32 g = lane >> 2;
+    const u32 t = lane & 3u;
     const u32 m0 = blockIdx.x * IC_BM;
     const u32 n0 = blockIdx.y * BN;
 
@@ -191,49 +310,31 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
         ry[i] = (int)y;
         rx[i] = (int)(pix - y * p.row_w);
     }
-    // B: this thread loads elements tid + IC_THREADS i of each step's
-    // IC_BK x BN tile, at (row, column) b_at(i). The input gradient's weight
-    // is contiguous along K and the forward's along the columns: the faster
-    // index follows it, so a warp's loads are contiguous either way.
-    const bool k_fast = p.b_chan_stride == 1;
-    auto b_at = [&](int i, u32& kb, u32& j) {
-        const u32 e = tid + IC_THREADS * (u32)i;
-        kb = k_fast ? e % IC_BK : e / BN;
-        j = k_fast ? e / IC_BK : e % BN;
-    };
     const u32 b_tap_stride = p.chans * p.cols;
 
-    HalfVec8 a_next[4];
-    hr_half b_next[B_PER_THREAD];
-    auto load = [&](u32 k_step) {
+    // Queues the copies of step `k_step` into stage `st`.
+    auto load = [&](u32 k_step, ImplicitStage<BN, B_KN>& st) {
         const u32 ka = k_step * IC_BK + 8u * v;
         const u32 tap = hr_div(p.by_chans, ka);
         const u32 c = ka - tap * p.chans;
         const u32 ky = hr_div(p.by_k, tap);
         const u32 kx = tap - ky * p.k;
         for (int i = 0; i < 4; ++i) {
-            a_next[i] = gather8(p, src, ka < p.depth ? img_row[i] : -1, ry[i], rx[i], ky, kx, c);
+            const int row = ka < p.depth ? img_row[i] : -1;
+            hr_cp_async16(&st.a[r0 + 32u * (u32)i][8u * v], gather_at(p, src, row, ry[i], rx[i], ky, kx, c), src);
         }
-        for (int i = 0; i < B_PER_THREAD; ++i) {
-            u32 kb;
-            u32 j;
-            b_at(i, kb, j);
+        // B: vector e of the step's tile, 8 weights along W's contiguous
+        // dimension (columns for the forward, K for the input gradient).
+        for (int i = 0; i < B_VECS; ++i) {
+            const u32 e = tid + IC_THREADS * (u32)i;
+            const u32 kb = B_KN ? e / (BN / 8) : 8u * (e % (IC_BK / 8));
+            const u32 j = B_KN ? 8u * (e % (BN / 8)) : e / (IC_BK / 8);
             const u32 kw = k_step * IC_BK + kb;
-            const u32 wtap = hr_div(p.by_chans, kw);
-            const u32 at = wtap * b_tap_stride + (kw - wtap * p.chans) * p.b_chan_stride;
             const u32 col = n0 + j;
-            b_next[i] = kw < p.depth && col < p.cols ? w[at + col * p.b_col_stride] : (hr_half)0;
-        }
-    };
-    auto store = [&]() {
-        for (int i = 0; i < 4; ++i) {
-            hr_st_vec8(&tile.a[r0 + 32u * (u32)i][8u * v], a_next[i]);
-        }
-        for (int i = 0; i < B_PER_THREAD; ++i) {
-            u32 kb;
-            u32 j;
-            b_at(i, kb, j);
-            tile.b[j][kb] = b_next[i];
+            const u32 wtap = hr_div(p.by_chans, kw);
+            const u32 at = wtap * b_tap_stride + (kw - wtap * p.chans) * p.b_chan_stride + col * p.b_col_stride;
+            const hr_half* from = kw < p.depth && col < p.cols ? w + at : nullptr;
+            hr_cp_async16(B_KN ? &st.b[kb][j] : &st.b[j][kb], from, w);
         }
     };
 
@@ -246,34 +347,41 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
         }
     }
     const u32 steps = (p.depth + IC_BK - 1) / IC_BK;
-    load(0);
-    store();
-    __syncthreads();
-    for (u32 step = 0; step < steps; ++step) {
-        if (step + 1 < steps) {
-            load(step + 1);
+    for (u32 s = 0; s + 1 < IC_STAGES; ++s) {
+        if (s < steps) {
+            load(s, stage[s]);
         }
+        hr_cp_async_commit();
+    }
+    for (u32 step = 0; step < steps; ++step) {
+        // This step's copies have landed (each thread waits for its own, the
+        // barrier for everyone's), and every warp is done with the stage
+        // the next load overwrites (the one multiplied a step ago).
+        hr_cp_async_wait<IC_STAGES - 2>();
+        __syncthreads();
+        const u32 ahead = step + IC_STAGES - 1;
+        if (ahead < steps) {
+            load(ahead, stage[ahead % IC_STAGES]);
+        }
+        hr_cp_async_commit();
+        const ImplicitStage<BN, B_KN>& st = stage[step % IC_STAGES];
         for (u32 ks = 0; ks < IC_BK; ks += 16) {
             u32 af[2][4];
             for (int mt = 0; mt < 2; ++mt) {
-                const u32 r = warp * 32u + 16u * (u32)mt + g;
-                af[mt][0] = hr_ld_pair(&tile.a[r][ks + 2u * t]);
-                af[mt][1] = hr_ld_pair(&tile.a[r + 8u][ks + 2u * t]);
-                af[mt][2] = hr_ld_pair(&tile.a[r][ks + 2u * t + 8u]);
-                af[mt][3] = hr_ld_pair(&tile.a[r + 8u][ks + 2u * t + 8u]);
+                hr_frag_a_mk(af[mt], &st.a[0][0], IC_LD, warp * 32u + 16u * (u32)mt, ks, lane);
             }
-            for (int nt = 0; nt < NT; ++nt) {
-                u32 bf[2];
-                bf[0] = hr_ld_pair(&tile.b[8u * (u32)nt + g][ks + 2u * t]);
-                bf[1] = hr_ld_pair(&tile.b[8u * (u32)nt + g][ks + 2u * t + 8u]);
-                hr_mma_16816(acc[0][nt], af[0], bf);
-                hr_mma_16816(acc[1][nt], af[1], bf);
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 bf[4];
+                if (B_KN) {
+                    hr_frag_b_kn(bf, &st.b[0][0], B_LD, 16u * (u32)np, ks, lane);
+                } else {
+                    hr_frag_b_nk(bf, &st.b[0][0], B_LD, 16u * (u32)np, ks, lane);
+                }
+                for (int h = 0; h < 2; ++h) {
+                    hr_mma_16816(acc[0][2 * np + h], af[0], bf + 2 * h);
+                    hr_mma_16816(acc[1][2 * np + h], af[1], bf + 2 * h);
+                }
             }
-        }
-        __syncthreads();
-        if (step + 1 < steps) {
-            store();
-            __syncthreads();
         }
     }
 
@@ -301,9 +409,9 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
 // pixels are split among blocks (grid z): block z sums rows_per_split of
 // them for a 64 x BN tile of dW and writes its f32 partial; wgrad_reduce (conv.cu)
 // then adds the partials to dW in split order. No atomics: the same bits
-// every run. Tiles are stored transposed in shared memory (K or cout rows,
-// pixels along the row), so the mma's fragments, whose pairs run along the
-// summed dimension, are single 32-bit reads.
+// every run. Both tiles are stored as they run in memory ([pixel][k] and
+// [pixel][co], 16-byte copies) and ldmatrix .trans turns them into the
+// fragments, whose pairs run along the summed pixels.
 struct WgradParams {
     u32 rows;            // n * oh * ow
     u32 depth;           // k * k * cin
@@ -326,12 +434,12 @@ HR_CHECK_SIZE(WgradParams, 80);
 
 #define WG_BK 64
 #define WG_BM 32
-#define WG_LD (WG_BM + 8)
+#define WG_STAGES 3
 
 template <int BN>
-struct alignas(16) WgradTiles {
-    hr_half a[WG_BK][WG_LD];  // [k][pixel]
-    hr_half b[BN][WG_LD];     // [co][pixel]
+struct alignas(16) WgradStage {
+    hr_half a[WG_BM][WG_BK + 8];  // [pixel][k]
+    hr_half b[WG_BM][BN + 8];     // [pixel][co]
 };
 
 template <int BN>
@@ -339,11 +447,12 @@ __device__ void wgrad_k(WgradParams p, const hr_half* __restrict__ x, const hr_h
                         float* __restrict__ partial) {
     constexpr int NT = BN / 8;
     constexpr int B_VECS = BN / 32;  // 8-channel vectors of dy per thread and step
-    __shared__ WgradTiles<BN> tile;
+    __shared__ WgradStage<BN> stage[WG_STAGES];
     const u32 tid = threadIdx.x;
     const u32 warp = tid >> 5;
-    const u32 g = (tid & 31u) >> 2;
-    const u32 t = tid & 3u;
+    const u32 lane = tid & 31u;
+    const u32 g = lane >> 2;
+    const u32 t = lane & 3u;
     const u32 k0 = blockIdx.x * WG_BK;
     const u32 n0 = blockIdx.y * BN;
     const u32 m_begin = blockIdx.z * p.rows_per_split;
@@ -368,9 +477,8 @@ __device__ void wgrad_k(WgradParams p, const hr_half* __restrict__ x, const hr_h
     }
     const u32 b_col = n0 + 8u * vec;  // + 32 i for i < B_VECS
 
-    HalfVec8 a_next[2];
-    HalfVec8 b_next[B_VECS];
-    auto load = [&](u32 m_step) {
+    // Queues the copies of the pixels from m_step into stage `st`.
+    auto load = [&](u32 m_step, WgradStage<BN>& st) {
         const u32 m = m_step + pix;
         const bool live = m < m_end;
         const u32 img = hr_div(p.by_opix, m);
@@ -378,36 +486,16 @@ __device__ void wgrad_k(WgradParams p, const hr_half* __restrict__ x, const hr_h
         const u32 oy = hr_div(p.by_ow, rem);
         const u32 ox = rem - oy * p.ow;
         for (int i = 0; i < 2; ++i) {
-            HalfVec8 v = {{0u, 0u, 0u, 0u}};
             const int iy = (int)(oy * p.stride + a_ky[i]) - (int)p.pad;
             const int ix = (int)(ox * p.stride + a_kx[i]) - (int)p.pad;
-            if (live && a_ok[i] && iy >= 0 && iy < (int)p.h && ix >= 0 && ix < (int)p.w) {
-                v = hr_ld_vec8(x + (((img * p.h + (u32)iy) * p.w + (u32)ix) * p.cin + a_c[i]));
-            }
-            a_next[i] = v;
+            const bool in = live && a_ok[i] && iy >= 0 && iy < (int)p.h && ix >= 0 && ix < (int)p.w;
+            const hr_half* from = in ? x + (((img * p.h + (u32)iy) * p.w + (u32)ix) * p.cin + a_c[i]) : nullptr;
+            hr_cp_async16(&st.a[pix][8u * (vec + 4u * (u32)i)], from, x);
         }
         for (int i = 0; i < B_VECS; ++i) {
             const u32 col = b_col + 32u * (u32)i;
-            HalfVec8 v = {{0u, 0u, 0u, 0u}};
-            if (live && col < p.cout) {
-                v = hr_ld_vec8(dy + m * p.cout + col);
-            }
-            b_next[i] = v;
-        }
-    };
-    // Transposed into the tiles: the 8 values of a vector go down a column.
-    auto store = [&]() {
-        for (int i = 0; i < 2; ++i) {
-            const u32 row = 8u * (vec + 4u * (u32)i);
-            for (u32 e = 0; e < 8; ++e) {
-                tile.a[row + e][pix] = (hr_half)(a_next[i].w[e >> 1] >> (16u * (e & 1u)));
-            }
-        }
-        for (int i = 0; i < B_VECS; ++i) {
-            const u32 row = 8u * vec + 32u * (u32)i;
-            for (u32 e = 0; e < 8; ++e) {
-                tile.b[row + e][pix] = (hr_half)(b_next[i].w[e >> 1] >> (16u * (e & 1u)));
-            }
+            const hr_half* from = live && col < p.cout ? dy + m * p.cout + col : nullptr;
+            hr_cp_async16(&st.b[pix][8u * vec + 32u * (u32)i], from, dy);
         }
     };
 
@@ -417,32 +505,33 @@ __device__ void wgrad_k(WgradParams p, const hr_half* __restrict__ x, const hr_h
             acc[nt][e] = 0.0f;
         }
     }
-    load(m_begin);
-    store();
-    __syncthreads();
-    for (u32 m_step = m_begin; m_step < m_end; m_step += WG_BM) {
-        const bool more = m_step + WG_BM < m_end;
-        if (more) {
-            load(m_step + WG_BM);
+    const u32 steps = m_end > m_begin ? (m_end - m_begin + WG_BM - 1) / WG_BM : 0u;
+    for (u32 s = 0; s + 1 < WG_STAGES; ++s) {
+        if (s < steps) {
+            load(m_begin + s * WG_BM, stage[s]);
         }
-        for (u32 ks = 0; ks < WG_BM; ks += 16) {
-            const u32 r = warp * 16u + g;
-            u32 af[4];
-            af[0] = hr_ld_pair(&tile.a[r][ks + 2u * t]);
-            af[1] = hr_ld_pair(&tile.a[r + 8u][ks + 2u * t]);
-            af[2] = hr_ld_pair(&tile.a[r][ks + 2u * t + 8u]);
-            af[3] = hr_ld_pair(&tile.a[r + 8u][ks + 2u * t + 8u]);
-            for (int nt = 0; nt < NT; ++nt) {
-                u32 bf[2];
-                bf[0] = hr_ld_pair(&tile.b[8u * (u32)nt + g][ks + 2u * t]);
-                bf[1] = hr_ld_pair(&tile.b[8u * (u32)nt + g][ks + 2u * t + 8u]);
-                hr_mma_16816(acc[nt], af, bf);
-            }
-        }
+        hr_cp_async_commit();
+    }
+    for (u32 step = 0; step < steps; ++step) {
+        // As in implicit_conv_k: this step's copies are in, the stage the
+        // next load overwrites is free.
+        hr_cp_async_wait<WG_STAGES - 2>();
         __syncthreads();
-        if (more) {
-            store();
-            __syncthreads();
+        const u32 ahead = step + WG_STAGES - 1;
+        if (ahead < steps) {
+            load(m_begin + ahead * WG_BM, stage[ahead % WG_STAGES]);
+        }
+        hr_cp_async_commit();
+        const WgradStage<BN>& st = stage[step % WG_STAGES];
+        for (u32 ks = 0; ks < WG_BM; ks += 16) {
+            u32 af[4];
+            hr_frag_a_km(af, &st.a[0][0], WG_BK + 8, warp * 16u, ks, lane);
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 bf[4];
+                hr_frag_b_kn(bf, &st.b[0][0], BN + 8, 16u * (u32)np, ks, lane);
+                hr_mma_16816(acc[2 * np], af, bf);
+                hr_mma_16816(acc[2 * np + 1], af, bf + 2);
+            }
         }
     }
 
@@ -471,13 +560,24 @@ extern "C" __global__ void implicit_wgrad_n64_f16(WgradParams p, const hr_half* 
                                                  const hr_half* __restrict__ dy, float* __restrict__ partial) {
     wgrad_k<64>(p, x, dy, partial);
 }
-// Entry points by column tile: 32 for 32-channel outputs, 64 otherwise.
+// Entry points by column tile (32 for 32-channel outputs, 64 otherwise)
+// and product: the forward (W's tile [k][n]) or the input gradient ([n][k]).
 extern "C" __global__ void implicit_conv_n32_f16(ImplicitConvParams p, const hr_half* __restrict__ src,
                                                 const hr_half* __restrict__ w, hr_half* __restrict__ out) {
-    implicit_conv_k<32>(p, src, w, out);
+    implicit_conv_k<32, true>(p, src, w, out);
 }
 
 extern "C" __global__ void implicit_conv_n64_f16(ImplicitConvParams p, const hr_half* __restrict__ src,
                                                 const hr_half* __restrict__ w, hr_half* __restrict__ out) {
-    implicit_conv_k<64>(p, src, w, out);
+    implicit_conv_k<64, true>(p, src, w, out);
+}
+
+extern "C" __global__ void implicit_dgrad_n32_f16(ImplicitConvParams p, const hr_half* __restrict__ src,
+                                                 const hr_half* __restrict__ w, hr_half* __restrict__ out) {
+    implicit_conv_k<32, false>(p, src, w, out);
+}
+
+extern "C" __global__ void implicit_dgrad_n64_f16(ImplicitConvParams p, const hr_half* __restrict__ src,
+                                                 const hr_half* __restrict__ w, hr_half* __restrict__ out) {
+    implicit_conv_k<64, false>(p, src, w, out);
 }

@@ -1365,9 +1365,11 @@ fn conv_shape(
 }
 
 /// conv_mma.cu's kernels, and conv.cu's reduce of their weight gradient.
-const IMPLICIT_KERNELS: [&str; 5] = [
+const IMPLICIT_KERNELS: [&str; 7] = [
     "implicit_conv_n32_f16",
     "implicit_conv_n64_f16",
+    "implicit_dgrad_n32_f16",
+    "implicit_dgrad_n64_f16",
     "implicit_wgrad_n32_f16",
     "implicit_wgrad_n64_f16",
     "wgrad_reduce",
@@ -4310,6 +4312,14 @@ const COVERAGE: &[(&str, &str)] = &[
     ),
     (
         "implicit_conv_n64_f16",
+        "implicit_gemm_convolution_matches_the_cpu_layer",
+    ),
+    (
+        "implicit_dgrad_n32_f16",
+        "implicit_gemm_convolution_matches_the_cpu_layer",
+    ),
+    (
+        "implicit_dgrad_n64_f16",
         "implicit_gemm_convolution_matches_the_cpu_layer",
     ),
     (

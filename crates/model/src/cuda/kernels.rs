@@ -191,11 +191,16 @@ pub const COL2IM: KernelPair = pair!("conv", "col2im", ConvParams, 2);
 /// im2col / col2im 8 channels at a time (f16, cin % 8 == 0).
 pub const IM2COL_V8: KernelSig = sig!("conv", "im2col_v8_f16", ConvParams, 2);
 pub const COL2IM_V8: KernelSig = sig!("conv", "col2im_v8_f16", ConvParams, 2);
-/// Implicit-GEMM convolution, f16 only, by column tile (32 or 64).
+/// Implicit-GEMM convolution, f16 only, by column tile (32 or 64): the
+/// forward and the input gradient.
 pub const IMPLICIT_CONV_N32: KernelSig =
     sig!("conv_mma", "implicit_conv_n32_f16", ImplicitConvParams, 3);
 pub const IMPLICIT_CONV_N64: KernelSig =
     sig!("conv_mma", "implicit_conv_n64_f16", ImplicitConvParams, 3);
+pub const IMPLICIT_DGRAD_N32: KernelSig =
+    sig!("conv_mma", "implicit_dgrad_n32_f16", ImplicitConvParams, 3);
+pub const IMPLICIT_DGRAD_N64: KernelSig =
+    sig!("conv_mma", "implicit_dgrad_n64_f16", ImplicitConvParams, 3);
 /// The implicit weight gradient's partial sums, by column tile, and their
 /// reduction into dW.
 pub const IMPLICIT_WGRAD_N32: KernelSig =
@@ -403,6 +408,8 @@ pub static FILES: &[KernelFile] = &[
         kernels: &[
             IMPLICIT_CONV_N32,
             IMPLICIT_CONV_N64,
+            IMPLICIT_DGRAD_N32,
+            IMPLICIT_DGRAD_N64,
             IMPLICIT_WGRAD_N32,
             IMPLICIT_WGRAD_N64,
         ],

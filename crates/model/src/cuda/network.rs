@@ -526,6 +526,13 @@ struct ParamCursor<'a> {
     slots: Vec<ParamSlot>,
 }
 
+/// Every parameter starts at a multiple of this many elements of its group
+/// (16 bytes of the f16 compute copy, 32 of the f32 arrays), so kernels may
+/// read weights 8 at a time (conv_mma.cu's 16-byte copies). The gaps are
+/// zeros with zero gradients, which AdamW, clipping and the loss scaler's
+/// check leave as they are; checkpoints hold each parameter's own range.
+const PARAM_ALIGN: usize = 8;
+
 /// A CPU parameter's name, length, and whether weight decay applies and
 /// whether it is frozen.
 struct CpuParam {
@@ -566,10 +573,10 @@ impl ParamCursor<'_> {
         };
         let at = ParamRef {
             group,
-            offset: self.offsets[group],
+            offset: self.offsets[group].next_multiple_of(PARAM_ALIGN),
             len,
         };
-        self.offsets[group] += len;
+        self.offsets[group] = at.offset + len;
         self.next += 1;
         self.slots.push(ParamSlot {
             name: name.clone(),

@@ -1873,15 +1873,24 @@ impl ConvAlgorithm {
 const IMPLICIT_ROWS: usize = 128;
 
 /// Whether conv_mma.cu's kernels take convolution `s` (forward and both
-/// gradients): 8-channel vectors of its input and of its output gradient
-/// must each lie in one tap and be 16-byte aligned, and `mma.m16n8k16`
-/// needs sm_80.
-fn implicit_fits(be: &CudaBackend, plan: ConvPlan, dtype: DType, s: &ConvShape) -> bool {
+/// gradients): 8-channel vectors of its input, of its output gradient and
+/// of its weight must each lie in one tap and be 16-byte aligned (a
+/// network's parameters start at multiples of 8 elements of their group,
+/// `network.rs::PARAM_ALIGN`), and `mma.m16n8k16` and `cp.async` need
+/// sm_80.
+fn implicit_fits(
+    be: &CudaBackend,
+    plan: ConvPlan,
+    dtype: DType,
+    s: &ConvShape,
+    weight: &AnyView<'_>,
+) -> bool {
     plan.algorithm.wants_implicit(s)
         && dtype == DType::F16
         && s.cin.is_multiple_of(8)
         && s.cout.is_multiple_of(8)
         && be.info().arch() >= 80
+        && weight.is_aligned_to(be.compute_stream(), 16)
 }
 
 /// The implicit kernel's product `out = gather(src) · B(weight)`, forward
@@ -1928,10 +1937,11 @@ fn implicit_conv(
         by_k: by(s.k),
         by_stride: by(s.stride),
     };
-    let (sig, tile_cols) = if cols <= 32 {
-        (&k::IMPLICIT_CONV_N32, 32)
-    } else {
-        (&k::IMPLICIT_CONV_N64, 64)
+    let (sig, tile_cols) = match (transposed, cols <= 32) {
+        (false, true) => (&k::IMPLICIT_CONV_N32, 32),
+        (false, false) => (&k::IMPLICIT_CONV_N64, 64),
+        (true, true) => (&k::IMPLICIT_DGRAD_N32, 32),
+        (true, false) => (&k::IMPLICIT_DGRAD_N64, 64),
     };
     let f = be.function(sig)?;
     let cfg = LaunchConfig {
@@ -2106,7 +2116,7 @@ pub fn conv2d_forward(
         )?;
     } else if narrow_fits(plan, &s) {
         narrow_forward(be, x, weight, &mut y, &s, (oh, ow))?;
-    } else if implicit_fits(be, plan, dtype, &s) {
+    } else if implicit_fits(be, plan, dtype, &s, weight) {
         implicit_conv(be, x, weight, &mut y, &s, (oh, ow), false)?;
     } else {
         let kk = s.kk();
@@ -2270,7 +2280,7 @@ fn conv2d_backward_into(
         }
         return Ok(());
     }
-    if implicit_fits(be, plan, dtype, &s) {
+    if implicit_fits(be, plan, dtype, &s, weight) {
         implicit_wgrad(be, x, dy, weight_grad, &s, (oh, ow), plan.workspace)?;
         if let Some(dx) = input_grad {
             implicit_conv(be, dy, weight, dx, &s, (oh, ow), true)?;

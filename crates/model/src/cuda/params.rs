@@ -97,8 +97,9 @@ kernel_params! {
         by_kk: FastDiv, by_opix: FastDiv, by_ow: FastDiv, by_kcin: FastDiv,
         by_cin: FastDiv, by_image: FastDiv, by_wcin: FastDiv, by_stride: FastDiv,
     }
-    /// conv_mma.cu: implicit_conv_n32_f16, implicit_conv_n64_f16 (forward
-    /// or, with `transposed = 1`, the input gradient).
+    /// conv_mma.cu: implicit_conv_n32_f16, implicit_conv_n64_f16 (the
+    /// forward) and implicit_dgrad_n32_f16, implicit_dgrad_n64_f16 (the
+    /// input gradient, `transposed = 1`).
     ImplicitConvParams(96) {
         rows: u32, cols: u32, depth: u32, chans: u32,
         src_h: u32, src_w: u32, row_h: u32, row_w: u32,

@@ -8,7 +8,9 @@
 //! argument whatever its element type, and the op picks the `_f16` or `_f32`
 //! entry point from `dtype()` (`kernels::KernelPair`).
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchArgs, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, LaunchArgs, PushKernelArg,
+};
 use half::f16;
 
 use super::backend::{CudaBackend, DeviceBuffer};
@@ -325,6 +327,17 @@ impl<'a> AnyView<'a> {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Whether the view starts at a multiple of `bytes` (a kernel's vector
+    /// loads need it; a parameter's range of its group may start anywhere
+    /// the group's layout put it).
+    pub(crate) fn is_aligned_to(&self, stream: &CudaStream, bytes: u64) -> bool {
+        let address = match self {
+            AnyView::F16(v) => v.device_ptr(stream).0,
+            AnyView::F32(v) => v.device_ptr(stream).0,
+        };
+        address.is_multiple_of(bytes)
     }
 }
 
