@@ -1429,6 +1429,97 @@ fn implicit_gemm_convolution_matches_the_cpu_layer() {
     }
 }
 
+/// conv_mma.cu copies weights 8 at a time: a weight that does not start
+/// on 16 bytes (a range of a buffer that no network builds: its parameters
+/// are 8-aligned in their groups) goes to im2col, with the same bits as an
+/// aligned copy of it there, forward and backward.
+#[test]
+fn a_weight_off_sixteen_bytes_takes_im2col() {
+    let be = gpu_or_skip!();
+    let s = conv_shape(2, 6, 6, 8, 16, 3, 1, 1);
+    let weight = random_vec(s.kk() * s.cout, 900, 0.3);
+    let x = upload(&be, &random(&[s.n, s.h, s.w, s.cin], 901, 1.0, 0.0));
+    let dy = upload(&be, &random(&[s.n, s.h, s.w, s.cout], 902, 1.0, 0.0));
+    let aligned = upload_f16(&be, &weight);
+    let shifted = upload_f16(&be, &[vec![0.0; 4], weight.clone()].concat());
+    let implicit = ConvPlan {
+        algorithm: ConvAlgorithm::ImplicitGemm,
+        ..ConvPlan::default()
+    };
+    let run = |w: AnyView<'_>, plan: ConvPlan| {
+        let y = ops::conv2d_forward(&be, &x, &w, None, s, plan).unwrap();
+        let mut dw = upload_f32(&be, &vec![0.0; weight.len()]);
+        let dx =
+            ops::conv2d_backward(&be, &x, &dy, &w, &mut dw.as_view_mut(), None, s, plan).unwrap();
+        (
+            y.to_host(&be).unwrap(),
+            dx.to_host(&be).unwrap(),
+            download(&be, &dw),
+        )
+    };
+    let before = kernel_runs(&IMPLICIT_KERNELS);
+    let off = run(AnyView::F16(shifted.slice(4..)), implicit);
+    if let (Some(before), Some(after)) = (before, kernel_runs(&IMPLICIT_KERNELS)) {
+        assert_eq!(after, before, "implicit kernels ran on a misaligned weight");
+    }
+    let reference = run(AnyView::F16(aligned.as_view()), ConvPlan::default());
+    assert_eq!(off, reference);
+    // And the aligned weight does take the implicit kernels.
+    let before = kernel_runs(&IMPLICIT_KERNELS);
+    run(AnyView::F16(aligned.as_view()), implicit);
+    if let (Some(before), Some(after)) = (before, kernel_runs(&IMPLICIT_KERNELS)) {
+        assert_eq!(
+            after - before,
+            4,
+            "implicit kernel runs on an aligned weight"
+        );
+    }
+}
+
+/// A network places its parameters 8-aligned in their groups, so a
+/// convolution after one of odd length still takes the implicit kernels:
+/// here 27 weights (1 → 3) and 216 (3 → 8, im2col: 3 channels) come before
+/// the 8 → 8 convolution's in the decay group.
+#[test]
+fn a_network_places_weights_where_the_implicit_kernels_take_them() {
+    let be = gpu_or_skip!();
+    let text = r#"
+[model]
+input = [6, 6, 1]
+mean = 0.0
+std = 1.0
+layers = [
+  { type = "conv", out = 3 }, { type = "conv", out = 8 }, { type = "conv", out = 8 },
+  { type = "global_avg_pool" }, { type = "linear", out = 8 },
+]
+"#;
+    let spec = toml::from_str::<SpecFile>(text).unwrap().model;
+    let options = CudaBuildOptions {
+        activations: DType::F16,
+        conv: ConvPlan {
+            algorithm: ConvAlgorithm::ImplicitGemm,
+            ..ConvPlan::default()
+        },
+        ..CudaBuildOptions::default()
+    };
+    let mut net = CudaNetwork::build(&be, &spec, 3, options).unwrap();
+    let x =
+        CudaTensor::from_tensor(&be, &random(&[2, 6, 6, 1], 910, 1.0, 0.0), DType::F16).unwrap();
+    let g = CudaTensor::from_tensor(&be, &random(&[2, 8], 911, 0.1, 0.0), DType::F16).unwrap();
+    let before = kernel_runs(&IMPLICIT_KERNELS);
+    net.forward_train(&be, &x).unwrap();
+    net.backward(&be, &g).unwrap();
+    // The emulator runs queued kernels when the host waits for them.
+    net.read_grads(&be).unwrap();
+    if let (Some(before), Some(after)) = (before, kernel_runs(&IMPLICIT_KERNELS)) {
+        assert_eq!(
+            after - before,
+            4,
+            "implicit kernel runs of the 8 → 8 convolution"
+        );
+    }
+}
+
 /// `device.conv_algorithm = "auto"`: the implicit kernels for a stride-1
 /// convolution of at most 64 channels, im2col for stride 2, for 128
 /// channels and for shapes the implicit kernels do not take; each matches
