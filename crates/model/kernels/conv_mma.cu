@@ -29,7 +29,8 @@
 // memory runs along the other dimension: W's forward tile [k][n], and both
 // of the weight gradient's tiles, [pixel][k] and [pixel][co]). Shared rows
 // are padded by 16 bytes, so the eight rows of an 8x8 matrix fall in eight
-// different 16-byte bank groups.
+// different 16-byte bank groups. The output tile goes out through the
+// stages' shared memory, a row at a time in 16-byte stores.
 //
 // Needs: f16, channels of the gathered tensor % 8 == 0 (a vector stays in
 // one tap), output columns % 8 == 0, whole tensors (256-byte aligned), and
@@ -385,20 +386,30 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
         }
     }
 
+    // The tile leaves through shared memory (the stages are free once every
+    // warp is past its last fragment reads), so that each row goes out in
+    // 16-byte stores rather than a lane's 4 bytes.
+    constexpr u32 OUT_LD = BN + 8;
+    static_assert(sizeof(stage) >= IC_BM * OUT_LD * sizeof(hr_half), "the output tile fits the stages");
+    hr_half* staged = &stage[0].a[0][0];
+    hr_cp_async_wait<0>();
+    __syncthreads();
     for (int mt = 0; mt < 2; ++mt) {
         for (int half = 0; half < 2; ++half) {
-            const u32 row = m0 + warp * 32u + 16u * (u32)mt + g + 8u * (u32)half;
-            if (row >= p.rows) {
-                continue;
-            }
+            const u32 row = warp * 32u + 16u * (u32)mt + g + 8u * (u32)half;
             for (int nt = 0; nt < NT; ++nt) {
-                const u32 col = n0 + 8u * (u32)nt + 2u * t;
-                if (col < p.cols) {
-                    const u32 lo = f2h(acc[mt][nt][2 * half]);
-                    const u32 hi = f2h(acc[mt][nt][2 * half + 1]);
-                    hr_st_pair(out + row * p.cols + col, lo | hi << 16);
-                }
+                const u32 lo = f2h(acc[mt][nt][2 * half]);
+                const u32 hi = f2h(acc[mt][nt][2 * half + 1]);
+                hr_st_pair(staged + row * OUT_LD + 8u * (u32)nt + 2u * t, lo | hi << 16);
             }
+        }
+    }
+    __syncthreads();
+    for (u32 e = tid; e < IC_BM * (BN / 8); e += IC_THREADS) {
+        const u32 row = e / (BN / 8);
+        const u32 col = 8u * (e % (BN / 8));
+        if (m0 + row < p.rows && n0 + col < p.cols) {
+            hr_st_vec8(out + (m0 + row) * p.cols + n0 + col, hr_ld_vec8(staged + row * OUT_LD + col));
         }
     }
 }
