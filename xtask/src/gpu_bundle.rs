@@ -48,8 +48,17 @@ pub struct BundleArgs {
     pub output: PathBuf,
     /// Fashion-MNIST's directory, to copy its four files into `data/`.
     pub data: Option<PathBuf>,
-    /// An earlier bundle's gzipped xtask, to carry as bin/baseline-xtask.gz.
-    pub baseline: Option<PathBuf>,
+    /// An earlier build, to carry as bin/baseline-xtask.gz.
+    pub baseline: Option<Baseline>,
+}
+
+/// Where the A of an A/B comes from.
+pub enum Baseline {
+    /// An earlier bundle's bin/xtask.gz.
+    Packed(PathBuf),
+    /// A git revision of this repository, built here in a worktree of its
+    /// own (target/baseline-src, its build in target/baseline-target).
+    Revision(String),
 }
 
 pub fn build(args: &BundleArgs) -> Result<()> {
@@ -77,9 +86,13 @@ pub fn build(args: &BundleArgs) -> Result<()> {
             .with_context(|| format!("copying {}", from.display()))?;
     }
     write_executable(&out.join("run.sh"), RUN_SH)?;
-    if let Some(baseline) = &args.baseline {
-        fs::copy(baseline, out.join("bin/baseline-xtask.gz"))
-            .with_context(|| format!("copying the baseline {}", baseline.display()))?;
+    match &args.baseline {
+        Some(Baseline::Packed(packed)) => {
+            fs::copy(packed, out.join("bin/baseline-xtask.gz"))
+                .with_context(|| format!("copying the baseline {}", packed.display()))?;
+        }
+        Some(Baseline::Revision(rev)) => build_baseline(rev, &out.join("bin/baseline-xtask"))?,
+        None => {}
     }
     let size = dir_bytes(out)?;
     if size > MAX_BUNDLE_BYTES {
@@ -107,6 +120,57 @@ pub fn build(args: &BundleArgs) -> Result<()> {
         "on the GPU machine: bash {}/run.sh (report.json, summary.txt, logs.tar.gz into $OUT or ./out)",
         out.display()
     );
+    Ok(())
+}
+
+/// Builds revision `rev`'s release xtask in a worktree of its own and packs
+/// it as `to`.gz. The worktree is made afresh and removed after; its build
+/// directory is kept, so a second bundle of the same baseline is quick.
+fn build_baseline(rev: &str, to: &Path) -> Result<()> {
+    let source = Path::new("target/baseline-src");
+    let target =
+        std::path::absolute("target/baseline-target").context("locating target/baseline-target")?;
+    if source.exists() {
+        git(&["worktree", "remove", "--force", &source.to_string_lossy()])?;
+    }
+    git(&[
+        "worktree",
+        "add",
+        "--detach",
+        &source.to_string_lossy(),
+        rev,
+    ])
+    .with_context(|| format!("checking out the baseline revision {rev}"))?;
+    println!(
+        "building the baseline {rev} (release xtask) in {}",
+        source.display()
+    );
+    let built = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["build", "--release", "--quiet", "--package", "xtask"])
+        .current_dir(source)
+        .env("CARGO_TARGET_DIR", &target)
+        .status()
+        .context("running cargo for the baseline")?;
+    let removed = git(&["worktree", "remove", "--force", &source.to_string_lossy()]);
+    if !built.success() {
+        bail!("building the baseline revision {rev} failed");
+    }
+    removed?;
+    pack_program(&target.join("release/xtask"), to)
+}
+
+fn git(args: &[&str]) -> Result<()> {
+    let output = Command::new("git")
+        .args(args)
+        .output()
+        .with_context(|| format!("running git {}", args.join(" ")))?;
+    if !output.status.success() {
+        bail!(
+            "git {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
     Ok(())
 }
 

@@ -202,8 +202,12 @@ enum Command {
         /// An earlier bundle's bin/xtask.gz, carried as bin/baseline-xtask.gz:
         /// run.sh's bench-baseline step then times that build's step beside
         /// this one's on the same GPU (an A/B).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "baseline_rev")]
         baseline: Option<PathBuf>,
+        /// The same, built here from a git revision of this repository
+        /// (a worktree in target/baseline-src; a release build, minutes).
+        #[arg(long)]
+        baseline_rev: Option<String>,
         /// Then run the bundle's run.sh here, on the CPU emulator of the
         /// driver, with every job shrunk: checks the script, not the GPU.
         #[arg(long)]
@@ -769,6 +773,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             output,
             with_data,
             baseline,
+            baseline_rev,
             dry_run,
         } => {
             let data = match with_data {
@@ -778,7 +783,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
             gpu_bundle::build(&gpu_bundle::BundleArgs {
                 output: output.clone(),
                 data,
-                baseline,
+                baseline: match (baseline, baseline_rev) {
+                    (Some(packed), _) => Some(gpu_bundle::Baseline::Packed(packed)),
+                    (None, Some(rev)) => Some(gpu_bundle::Baseline::Revision(rev)),
+                    (None, None) => None,
+                },
             })?;
             match dry_run {
                 true => done(gpu_bundle::dry_run(&output)),
