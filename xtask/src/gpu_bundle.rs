@@ -494,3 +494,20 @@ fn emulator_dir() -> Result<PathBuf> {
 
 /// The script that runs on the GPU machine.
 const RUN_SH: &str = include_str!("gpu_bundle_run.sh");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_baseline_revision_that_does_not_exist_is_named_in_the_error() {
+        let to = std::env::temp_dir().join(format!("baseline-test-{}", std::process::id()));
+        let err = build_baseline("no-such-revision-0000", &to).unwrap_err();
+        let message = format!("{err:#}");
+        assert!(
+            message.contains("checking out the baseline revision no-such-revision-0000"),
+            "{message}"
+        );
+        assert!(!to.with_extension("gz").exists());
+    }
+}
