@@ -247,6 +247,32 @@ __device__ __forceinline__ void hr_frag_b_nk(u32 b[4], const hr_half* tile, u32 
     hr_ldmatrix_x4<false>(b, tile + (col0 + (lane & 7u) + 8u * (lane >> 4)) * ld + k0 + 8u * ((lane >> 3) & 1u));
 }
 
+// The loop both kernels run: the copies of the first STAGES - 1 steps
+// queued, then at each step wait for its own (each thread for its copies,
+// the barrier for everyone's; after it every warp is also done with the
+// stage multiplied a step ago), queue the copies STAGES - 1 steps ahead
+// into that stage, and multiply this one. load(step, stage) queues the
+// copies of `step`; multiply(stage) runs the mma over it.
+template <u32 STAGES, typename Load, typename Multiply>
+__device__ __forceinline__ void hr_multistage(u32 steps, Load load, Multiply multiply) {
+    for (u32 s = 0; s + 1 < STAGES; ++s) {
+        if (s < steps) {
+            load(s, s);
+        }
+        hr_cp_async_commit();
+    }
+    for (u32 step = 0; step < steps; ++step) {
+        hr_cp_async_wait<(int)STAGES - 2>();
+        __syncthreads();
+        const u32 ahead = step + STAGES - 1;
+        if (ahead < steps) {
+            load(ahead, ahead % STAGES);
+        }
+        hr_cp_async_commit();
+        multiply(step % STAGES);
+    }
+}
+
 // Where the 8 channels c..c+7 of the gathered tensor that output row
 // (img, ry, rx) reads at tap (ky, kx) start, or null for zeros (padding, a
 // stride the tap misses, a row past the end: img_row < 0).
@@ -313,8 +339,9 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
     }
     const u32 b_tap_stride = p.chans * p.cols;
 
-    // Queues the copies of step `k_step` into stage `st`.
-    auto load = [&](u32 k_step, ImplicitStage<BN, B_KN>& st) {
+    // Queues the copies of step `k_step` into stage `s`.
+    auto load = [&](u32 k_step, u32 s) {
+        ImplicitStage<BN, B_KN>& st = stage[s];
         const u32 ka = k_step * IC_BK + 8u * v;
         const u32 tap = hr_div(p.by_chans, ka);
         const u32 c = ka - tap * p.chans;
@@ -347,25 +374,8 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
             }
         }
     }
-    const u32 steps = (p.depth + IC_BK - 1) / IC_BK;
-    for (u32 s = 0; s + 1 < IC_STAGES; ++s) {
-        if (s < steps) {
-            load(s, stage[s]);
-        }
-        hr_cp_async_commit();
-    }
-    for (u32 step = 0; step < steps; ++step) {
-        // This step's copies have landed (each thread waits for its own, the
-        // barrier for everyone's), and every warp is done with the stage
-        // the next load overwrites (the one multiplied a step ago).
-        hr_cp_async_wait<IC_STAGES - 2>();
-        __syncthreads();
-        const u32 ahead = step + IC_STAGES - 1;
-        if (ahead < steps) {
-            load(ahead, stage[ahead % IC_STAGES]);
-        }
-        hr_cp_async_commit();
-        const ImplicitStage<BN, B_KN>& st = stage[step % IC_STAGES];
+    auto multiply = [&](u32 s) {
+        const ImplicitStage<BN, B_KN>& st = stage[s];
         for (u32 ks = 0; ks < IC_BK; ks += 16) {
             u32 af[2][4];
             for (int mt = 0; mt < 2; ++mt) {
@@ -384,7 +394,8 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
                 }
             }
         }
-    }
+    };
+    hr_multistage<IC_STAGES>((p.depth + IC_BK - 1) / IC_BK, load, multiply);
 
     // The tile leaves through shared memory (the stages are free once every
     // warp is past its last fragment reads), so that each row goes out in
@@ -488,9 +499,11 @@ __device__ void wgrad_k(WgradParams p, const hr_half* __restrict__ x, const hr_h
     }
     const u32 b_col = n0 + 8u * vec;  // + 32 i for i < B_VECS
 
-    // Queues the copies of the pixels from m_step into stage `st`.
-    auto load = [&](u32 m_step, WgradStage<BN>& st) {
-        const u32 m = m_step + pix;
+    // Queues the copies of step `step` (the pixels from m_begin + 32 step)
+    // into stage `s`.
+    auto load = [&](u32 step, u32 s) {
+        WgradStage<BN>& st = stage[s];
+        const u32 m = m_begin + step * WG_BM + pix;
         const bool live = m < m_end;
         const u32 img = hr_div(p.by_opix, m);
         const u32 rem = m - img * p.opix;
@@ -516,24 +529,8 @@ __device__ void wgrad_k(WgradParams p, const hr_half* __restrict__ x, const hr_h
             acc[nt][e] = 0.0f;
         }
     }
-    const u32 steps = m_end > m_begin ? (m_end - m_begin + WG_BM - 1) / WG_BM : 0u;
-    for (u32 s = 0; s + 1 < WG_STAGES; ++s) {
-        if (s < steps) {
-            load(m_begin + s * WG_BM, stage[s]);
-        }
-        hr_cp_async_commit();
-    }
-    for (u32 step = 0; step < steps; ++step) {
-        // As in implicit_conv_k: this step's copies are in, the stage the
-        // next load overwrites is free.
-        hr_cp_async_wait<WG_STAGES - 2>();
-        __syncthreads();
-        const u32 ahead = step + WG_STAGES - 1;
-        if (ahead < steps) {
-            load(m_begin + ahead * WG_BM, stage[ahead % WG_STAGES]);
-        }
-        hr_cp_async_commit();
-        const WgradStage<BN>& st = stage[step % WG_STAGES];
+    auto multiply = [&](u32 s) {
+        const WgradStage<BN>& st = stage[s];
         for (u32 ks = 0; ks < WG_BM; ks += 16) {
             u32 af[4];
             hr_frag_a_km(af, &st.a[0][0], WG_BK + 8, warp * 16u, ks, lane);
@@ -544,7 +541,9 @@ __device__ void wgrad_k(WgradParams p, const hr_half* __restrict__ x, const hr_h
                 hr_mma_16816(acc[2 * np + 1], af, bf + 2);
             }
         }
-    }
+    };
+    const u32 steps = m_end > m_begin ? (m_end - m_begin + WG_BM - 1) / WG_BM : 0u;
+    hr_multistage<WG_STAGES>(steps, load, multiply);
 
     float* out = partial + (u64)blockIdx.z * p.depth * p.cout;
     for (int half = 0; half < 2; ++half) {
