@@ -330,8 +330,7 @@ impl<'a> AnyView<'a> {
     }
 
     /// Whether the view starts at a multiple of `bytes` (a kernel's vector
-    /// loads need it; a parameter's range of its group may start anywhere
-    /// the group's layout put it).
+    /// loads need it; a whole buffer does, a range cut from one may not).
     pub(crate) fn is_aligned_to(&self, stream: &CudaStream, bytes: u64) -> bool {
         let address = match self {
             AnyView::F16(v) => v.device_ptr(stream).0,
