@@ -424,76 +424,6 @@ __device__ void bn_backward_apply_k(BnBackwardParams p, const T* __restrict__ g,
     }
 }
 
-// bn_apply, bn_apply_add and bn_backward_apply 8 channels at a time, for
-// f16 with channels % 8 == 0: 16-byte accesses, one channel division per 8
-// elements (8 consecutive elements then share a row). Each element's
-// arithmetic and roundings are the scalar kernel's, so the same bits.
-extern "C" __global__ void bn_apply_v8_f16(BnApplyParams p, const hr_half* __restrict__ x,
-                                           const float* __restrict__ scale,
-                                           const float* __restrict__ shift, hr_half* __restrict__ y) {
-    const u32 vectors = p.rows * p.channels / 8u;
-    HR_FOR_EACH(i, vectors) {
-        const u32 c = bn_channel(p.by_channels, p.channels, 8u * i);
-        const HalfVec8 xv = hr_ld_vec8(x + 8u * i);
-        float out[8];
-        for (u32 e = 0; e < 8; ++e) {
-            float v = fmaf(hr_vec8_at(xv, e), scale[c + e], shift[c + e]);
-            if (p.relu) {
-                v = hr_relu(v);
-            }
-            out[e] = v;
-        }
-        hr_st_vec8(y + 8u * i, hr_vec8_of(out));
-    }
-}
-
-extern "C" __global__ void bn_apply_add_v8_f16(BnApplyParams p, const hr_half* __restrict__ x,
-                                               const float* __restrict__ scale,
-                                               const float* __restrict__ shift,
-                                               const hr_half* __restrict__ skip,
-                                               hr_half* __restrict__ y) {
-    const u32 vectors = p.rows * p.channels / 8u;
-    HR_FOR_EACH(i, vectors) {
-        const u32 c = bn_channel(p.by_channels, p.channels, 8u * i);
-        const HalfVec8 xv = hr_ld_vec8(x + 8u * i);
-        const HalfVec8 sv = hr_ld_vec8(skip + 8u * i);
-        float out[8];
-        for (u32 e = 0; e < 8; ++e) {
-            const float v = hr_round<hr_half>(fmaf(hr_vec8_at(xv, e), scale[c + e], shift[c + e]));
-            float s = hr_round<hr_half>(v + hr_vec8_at(sv, e));
-            if (p.relu) {
-                s = hr_relu(s);
-            }
-            out[e] = s;
-        }
-        hr_st_vec8(y + 8u * i, hr_vec8_of(out));
-    }
-}
-
-// As bn_backward_apply_k (the mask from x, scale and shift).
-extern "C" __global__ void bn_backward_apply_v8_f16(
-    BnBackwardParams p, const hr_half* __restrict__ g, const hr_half* __restrict__ x,
-    const float* __restrict__ scale, const float* __restrict__ shift,
-    const float* __restrict__ mean, const float* __restrict__ coef_k,
-    const float* __restrict__ coef_b, const float* __restrict__ coef_d, hr_half* __restrict__ dx) {
-    const u32 vectors = p.rows * p.channels / 8u;
-    HR_FOR_EACH(i, vectors) {
-        const u32 c = bn_channel(p.by_channels, p.channels, 8u * i);
-        const HalfVec8 gv8 = hr_ld_vec8(g + 8u * i);
-        const HalfVec8 xv = hr_ld_vec8(x + 8u * i);
-        float out[8];
-        for (u32 e = 0; e < 8; ++e) {
-            const float xe = hr_vec8_at(xv, e);
-            float gv = hr_vec8_at(gv8, e);
-            if (p.relu && !bn_relu_passed<hr_half>(xe, scale[c + e], shift[c + e])) {
-                gv = 0.0f;
-            }
-            out[e] = bn_dx(coef_k[c + e], gv, coef_b[c + e], xe - mean[c + e], coef_d[c + e]);
-        }
-        hr_st_vec8(dx + 8u * i, hr_vec8_of(out));
-    }
-}
-
 // The partial sums 8 channels at a time (f16, channels % 8 == 0): one
 // 16-byte load per thread and row instead of 8 two-byte loads, which left
 // the scalar kernels at under a fifth of the memory bandwidth on an H100.
@@ -502,6 +432,10 @@ extern "C" __global__ void bn_backward_apply_v8_f16(
 // Lanes merge in a fixed tree over ty, so the bits depend only on the
 // shape.
 #define BN_V8_THREADS 256u
+// Rows whose 16-byte loads a thread issues together before it does any
+// arithmetic on them (one load in flight a thread left the partial
+// kernels, a few blocks an SM, well short of the memory's bandwidth).
+#define BN_V8_ROWS 4u
 
 struct BnV8Lane {
     u32 ty;      // row lane
@@ -511,13 +445,14 @@ struct BnV8Lane {
     bool live;   // a real lane with real channels
 };
 
-__device__ __forceinline__ BnV8Lane bn_v8_lane(u32 channels) {
+// A thread's lane in channel block `channel_block` (32 groups a block).
+__device__ __forceinline__ BnV8Lane bn_v8_lane(u32 channels, u32 channel_block) {
     const u32 groups = channels / 8u;
     BnV8Lane l;
     l.across = min(groups, 32u);
     l.lanes = BN_V8_THREADS / l.across;
     l.ty = threadIdx.x / l.across;
-    const u32 group = blockIdx.x * l.across + threadIdx.x % l.across;
+    const u32 group = channel_block * l.across + threadIdx.x % l.across;
     l.c0 = 8u * group;
     l.live = l.ty < l.lanes && group < groups;
     return l;
@@ -545,13 +480,152 @@ __device__ __forceinline__ void bn_v8_tree(const BnV8Lane& l, Merge merge) {
     }
 }
 
+// bn_apply, bn_apply_add and bn_backward_apply 8 channels at a time, for
+// f16 with channels % 8 == 0: 16-byte accesses, and the lanes of the
+// partial kernels (bn_v8_lane), so that a thread keeps its 8 channels for
+// every row it touches and reads their per-channel factors once, not once
+// per 16 bytes. (One vector a thread with those factors reread each time
+// made a warp's 16 scattered 4-byte loads per 512 bytes of x the bulk of
+// the L1's work, and the apply kernels ran at a third of an H100's
+// bandwidth.) A block's rows are BN_V8_ROWS spans of its row lanes,
+// whose loads are all issued before any arithmetic; grid (row blocks,
+// ceil(C/8 / 32)). Each element's arithmetic and roundings are the scalar
+// kernel's, so the same bits.
+
+// Row j of this thread in row block blockIdx.x, or `rows` when there is
+// none.
+__device__ __forceinline__ u32 bn_apply_row(const BnV8Lane& l, u32 j, u32 rows) {
+    const u32 r = (blockIdx.x * BN_V8_ROWS + j) * l.lanes + l.ty;
+    return r < rows ? r : rows;
+}
+
+__device__ __forceinline__ void bn_load8(float out[8], const float* __restrict__ v, u32 c0) {
+    for (u32 e = 0; e < 8; ++e) {
+        out[e] = v[c0 + e];
+    }
+}
+
+extern "C" __global__ void bn_apply_v8_f16(BnApplyParams p, const hr_half* __restrict__ x,
+                                           const float* __restrict__ scale,
+                                           const float* __restrict__ shift, hr_half* __restrict__ y) {
+    const BnV8Lane l = bn_v8_lane(p.channels, blockIdx.y);
+    if (!l.live) {
+        return;
+    }
+    float sc[8], sh[8];
+    bn_load8(sc, scale, l.c0);
+    bn_load8(sh, shift, l.c0);
+    HalfVec8 xv[BN_V8_ROWS] = {};
+    for (u32 j = 0; j < BN_V8_ROWS; ++j) {
+        const u32 r = bn_apply_row(l, j, p.rows);
+        if (r < p.rows) {
+            xv[j] = hr_ld_vec8(x + r * p.channels + l.c0);
+        }
+    }
+    for (u32 j = 0; j < BN_V8_ROWS; ++j) {
+        const u32 r = bn_apply_row(l, j, p.rows);
+        if (r < p.rows) {
+            float out[8];
+            for (u32 e = 0; e < 8; ++e) {
+                float v = fmaf(hr_vec8_at(xv[j], e), sc[e], sh[e]);
+                if (p.relu) {
+                    v = hr_relu(v);
+                }
+                out[e] = v;
+            }
+            hr_st_vec8(y + r * p.channels + l.c0, hr_vec8_of(out));
+        }
+    }
+}
+
+extern "C" __global__ void bn_apply_add_v8_f16(BnApplyParams p, const hr_half* __restrict__ x,
+                                               const float* __restrict__ scale,
+                                               const float* __restrict__ shift,
+                                               const hr_half* __restrict__ skip,
+                                               hr_half* __restrict__ y) {
+    const BnV8Lane l = bn_v8_lane(p.channels, blockIdx.y);
+    if (!l.live) {
+        return;
+    }
+    float sc[8], sh[8];
+    bn_load8(sc, scale, l.c0);
+    bn_load8(sh, shift, l.c0);
+    HalfVec8 xv[BN_V8_ROWS] = {};
+    HalfVec8 sv[BN_V8_ROWS] = {};
+    for (u32 j = 0; j < BN_V8_ROWS; ++j) {
+        const u32 r = bn_apply_row(l, j, p.rows);
+        if (r < p.rows) {
+            xv[j] = hr_ld_vec8(x + r * p.channels + l.c0);
+            sv[j] = hr_ld_vec8(skip + r * p.channels + l.c0);
+        }
+    }
+    for (u32 j = 0; j < BN_V8_ROWS; ++j) {
+        const u32 r = bn_apply_row(l, j, p.rows);
+        if (r < p.rows) {
+            float out[8];
+            for (u32 e = 0; e < 8; ++e) {
+                const float v = hr_round<hr_half>(fmaf(hr_vec8_at(xv[j], e), sc[e], sh[e]));
+                float s = hr_round<hr_half>(v + hr_vec8_at(sv[j], e));
+                if (p.relu) {
+                    s = hr_relu(s);
+                }
+                out[e] = s;
+            }
+            hr_st_vec8(y + r * p.channels + l.c0, hr_vec8_of(out));
+        }
+    }
+}
+
+// As bn_backward_apply_k (the mask from x, scale and shift).
+extern "C" __global__ void bn_backward_apply_v8_f16(
+    BnBackwardParams p, const hr_half* __restrict__ g, const hr_half* __restrict__ x,
+    const float* __restrict__ scale, const float* __restrict__ shift,
+    const float* __restrict__ mean, const float* __restrict__ coef_k,
+    const float* __restrict__ coef_b, const float* __restrict__ coef_d, hr_half* __restrict__ dx) {
+    const BnV8Lane l = bn_v8_lane(p.channels, blockIdx.y);
+    if (!l.live) {
+        return;
+    }
+    float sc[8], sh[8], mu[8], ck[8], cb[8], cd[8];
+    bn_load8(sc, scale, l.c0);
+    bn_load8(sh, shift, l.c0);
+    bn_load8(mu, mean, l.c0);
+    bn_load8(ck, coef_k, l.c0);
+    bn_load8(cb, coef_b, l.c0);
+    bn_load8(cd, coef_d, l.c0);
+    HalfVec8 gv[BN_V8_ROWS] = {};
+    HalfVec8 xv[BN_V8_ROWS] = {};
+    for (u32 j = 0; j < BN_V8_ROWS; ++j) {
+        const u32 r = bn_apply_row(l, j, p.rows);
+        if (r < p.rows) {
+            gv[j] = hr_ld_vec8(g + r * p.channels + l.c0);
+            xv[j] = hr_ld_vec8(x + r * p.channels + l.c0);
+        }
+    }
+    for (u32 j = 0; j < BN_V8_ROWS; ++j) {
+        const u32 r = bn_apply_row(l, j, p.rows);
+        if (r < p.rows) {
+            float out[8];
+            for (u32 e = 0; e < 8; ++e) {
+                const float xe = hr_vec8_at(xv[j], e);
+                float ge = hr_vec8_at(gv[j], e);
+                if (p.relu && !bn_relu_passed<hr_half>(xe, sc[e], sh[e])) {
+                    ge = 0.0f;
+                }
+                out[e] = bn_dx(ck[e], ge, cb[e], xe - mu[e], cd[e]);
+            }
+            hr_st_vec8(dx + r * p.channels + l.c0, hr_vec8_of(out));
+        }
+    }
+}
+
 extern "C" __global__ void bn_stats_partial_v8_f16(BnDims d, const hr_half* __restrict__ x,
                                                    float* __restrict__ part_mean,
                                                    float* __restrict__ part_m2) {
     __shared__ float s_count[BN_V8_THREADS];
     __shared__ float s_mean[BN_V8_THREADS][8];
     __shared__ float s_m2[BN_V8_THREADS][8];
-    const BnV8Lane l = bn_v8_lane(d.channels);
+    const BnV8Lane l = bn_v8_lane(d.channels, blockIdx.x);
     const u32 chunk = blockIdx.y;
     const u32 r0 = chunk * d.rows_per_chunk;
     const u32 r1 = min(r0 + d.rows_per_chunk, d.rows);
@@ -561,16 +635,26 @@ extern "C" __global__ void bn_stats_partial_v8_f16(BnDims d, const hr_half* __re
         m2[e] = 0.0f;
     }
     if (l.live) {
-        for (u32 r = r0 + l.ty; r < r1; r += l.lanes) {
-            const HalfVec8 v = hr_ld_vec8(x + r * d.channels + l.c0);
-            count += 1.0f;
-            // One reciprocal for the 8 channels' Welford updates.
-            const float inv = 1.0f / count;
-            for (u32 e = 0; e < 8; ++e) {
-                const float ve = hr_vec8_at(v, e);
-                const float delta = ve - mean[e];
-                mean[e] += delta * inv;
-                m2[e] += delta * (ve - mean[e]);
+        // Rows r0 + ty, then every lanes-th: BN_V8_ROWS of them loaded
+        // at once, then taken in that order.
+        for (u32 base = r0 + l.ty; base < r1; base += BN_V8_ROWS * l.lanes) {
+            HalfVec8 v[BN_V8_ROWS] = {};
+            for (u32 j = 0; j < BN_V8_ROWS; ++j) {
+                const u32 r = base + j * l.lanes;
+                if (r < r1) {
+                    v[j] = hr_ld_vec8(x + r * d.channels + l.c0);
+                }
+            }
+            for (u32 j = 0; j < BN_V8_ROWS && base + j * l.lanes < r1; ++j) {
+                count += 1.0f;
+                // One reciprocal for the 8 channels' Welford updates.
+                const float inv = 1.0f / count;
+                for (u32 e = 0; e < 8; ++e) {
+                    const float ve = hr_vec8_at(v[j], e);
+                    const float delta = ve - mean[e];
+                    mean[e] += delta * inv;
+                    m2[e] += delta * (ve - mean[e]);
+                }
             }
         }
     }
@@ -603,6 +687,33 @@ extern "C" __global__ void bn_stats_partial_v8_f16(BnDims d, const hr_half* __re
     }
 }
 
+// One row's 8 channels of bn_backward_sums_v8: g' (g masked by the ReLU,
+// from y, or from x, scale and shift) added to sg, g'(x - mean) to sgx;
+// with g_out, written back there when an element was masked (unmasked
+// elements keep their bits).
+__device__ __forceinline__ void bn_backward_row_v8(u32 relu, bool from_x, HalfVec8 gv8, HalfVec8 xv,
+                                                   HalfVec8 yv, const float sc[8], const float sh[8],
+                                                   const float mu[8], float sg[8], float sgx[8],
+                                                   hr_half* g_out) {
+    HalfVec8 kept = gv8;  // g with its masked elements +0
+    bool masked = false;
+    for (u32 e = 0; e < 8; ++e) {
+        const float xe = hr_vec8_at(xv, e);
+        float gv = hr_vec8_at(gv8, e);
+        const bool passed = from_x ? bn_relu_passed<hr_half>(xe, sc[e], sh[e]) : hr_vec8_at(yv, e) > 0.0f;
+        if (relu && !passed) {
+            gv = 0.0f;
+            masked = true;
+            kept.w[e >> 1] &= ~(0xffffu << (16u * (e & 1u)));
+        }
+        sg[e] += gv;
+        sgx[e] = fmaf(gv, xe - mu[e], sgx[e]);  // as bn_backward_sums
+    }
+    if (g_out != nullptr && masked) {
+        hr_st_vec8(g_out, kept);
+    }
+}
+
 // bn_backward_sums 8 channels at a time (its mask from y, or from x, scale
 // and shift); with g_out (then g itself) a vector with a masked element is
 // written back with those elements +0.
@@ -613,7 +724,7 @@ __device__ __forceinline__ void bn_backward_sums_v8(const BnBackwardParams& p, c
                                                     float* part_sum_gx, hr_half* g_out) {
     __shared__ float s_g[BN_V8_THREADS][8];
     __shared__ float s_gx[BN_V8_THREADS][8];
-    const BnV8Lane l = bn_v8_lane(p.channels);
+    const BnV8Lane l = bn_v8_lane(p.channels, blockIdx.x);
     const u32 chunk = blockIdx.y;
     const u32 r0 = chunk * p.rows_per_chunk;
     const u32 r1 = min(r0 + p.rows_per_chunk, p.rows);
@@ -627,32 +738,25 @@ __device__ __forceinline__ void bn_backward_sums_v8(const BnBackwardParams& p, c
         sh[e] = l.live && from_x ? shift[l.c0 + e] : 0.0f;
     }
     if (l.live) {
-        for (u32 r = r0 + l.ty; r < r1; r += l.lanes) {
-            const u32 i = r * p.channels + l.c0;
-            const HalfVec8 gv8 = hr_ld_vec8(g + i);
-            const HalfVec8 xv = hr_ld_vec8(x + i);
-            HalfVec8 yv = {{0u, 0u, 0u, 0u}};
-            if (p.relu && !from_x) {
-                yv = hr_ld_vec8(y + i);
-            }
-            HalfVec8 kept = gv8;  // g with its masked elements +0
-            bool masked = false;
-            for (u32 e = 0; e < 8; ++e) {
-                const float xe = hr_vec8_at(xv, e);
-                float gv = hr_vec8_at(gv8, e);
-                const bool passed = from_x ? bn_relu_passed<hr_half>(xe, sc[e], sh[e])
-                                           : hr_vec8_at(yv, e) > 0.0f;
-                if (p.relu && !passed) {
-                    gv = 0.0f;
-                    masked = true;
-                    kept.w[e >> 1] &= ~(0xffffu << (16u * (e & 1u)));
+        // As bn_stats_partial_v8_f16: BN_V8_ROWS rows loaded at once.
+        for (u32 base = r0 + l.ty; base < r1; base += BN_V8_ROWS * l.lanes) {
+            HalfVec8 gs[BN_V8_ROWS] = {};
+            HalfVec8 xs[BN_V8_ROWS] = {};
+            HalfVec8 ys[BN_V8_ROWS] = {};
+            for (u32 j = 0; j < BN_V8_ROWS; ++j) {
+                const u32 r = base + j * l.lanes;
+                if (r < r1) {
+                    const u32 i = r * p.channels + l.c0;
+                    gs[j] = hr_ld_vec8(g + i);
+                    xs[j] = hr_ld_vec8(x + i);
+                    if (p.relu && !from_x) {
+                        ys[j] = hr_ld_vec8(y + i);
+                    }
                 }
-                sg[e] += gv;
-                sgx[e] = fmaf(gv, xe - mu[e], sgx[e]);  // as bn_backward_sums
             }
-            if (g_out != nullptr && masked) {
-                // Unmasked elements keep their bits.
-                hr_st_vec8(g_out + i, kept);
+            for (u32 j = 0; j < BN_V8_ROWS && base + j * l.lanes < r1; ++j) {
+                hr_half* out = g_out != nullptr ? g_out + (base + j * l.lanes) * p.channels + l.c0 : nullptr;
+                bn_backward_row_v8(p.relu, from_x, gs[j], xs[j], ys[j], sc, sh, mu, sg, sgx, out);
             }
         }
     }

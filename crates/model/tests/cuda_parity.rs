@@ -2717,8 +2717,10 @@ fn a_basic_block_forward_and_backward_match_the_cpu_layers() {
 fn fused_residual_kernels_round_like_the_unfused_ones() {
     let be = gpu_or_skip!();
     // 40 channels: the _v8 kernels (bn_apply_add_v8_f16,
-    // bn_backward_partial_mask_v8_f16); 12: the one-at-a-time ones.
-    for shape in [[4usize, 6, 6, 40], [4, 6, 6, 12]] {
+    // bn_backward_partial_mask_v8_f16); 12: the one-at-a-time ones. 16×16
+    // images: 4 chunks of 256 rows, so each of the 51 row lanes of the
+    // partial kernels takes 5 rows (two rounds of its 4 loads at once).
+    for shape in [[4usize, 6, 6, 40], [4, 16, 16, 40], [4, 6, 6, 12]] {
         fused_residual_case(&be, shape);
     }
 }

@@ -1118,7 +1118,7 @@ fn bn_apply(
     let stream = be.compute_stream();
     match skip {
         None => {
-            let (f, cfg) = per_element(be, &k::BN_APPLY, &k::BN_APPLY_V8, dtype, c, rows * c)?;
+            let (f, cfg) = bn_per_element(be, &k::BN_APPLY, &k::BN_APPLY_V8, dtype, rows, c)?;
             let mut b = stream.launch_builder(&f);
             b.arg(&p)
                 .arg(x)
@@ -1127,20 +1127,15 @@ fn bn_apply(
                 .arg(&mut y);
             // SAFETY: bn_apply_T(BnApplyParams, const T* x, const float*
             // scale, const float* shift, T* y); x, y hold rows·c, scale
-            // and shift c (per_element: the v8 kernel's 16-byte accesses
-            // are aligned in these whole tensors).
+            // and shift c (bn_per_element: the v8 kernel's 16-byte
+            // accesses are aligned in these whole tensors, and its grid
+            // covers every row and channel group).
             unsafe { b.launch(cfg) }.during("bn_apply")?;
         }
         Some(skip) => {
             same_dtype("batch_norm residual add", dtype, &[skip.dtype()])?;
-            let (f, cfg) = per_element(
-                be,
-                &k::BN_APPLY_ADD,
-                &k::BN_APPLY_ADD_V8,
-                dtype,
-                c,
-                rows * c,
-            )?;
+            let (f, cfg) =
+                bn_per_element(be, &k::BN_APPLY_ADD, &k::BN_APPLY_ADD_V8, dtype, rows, c)?;
             let mut b = stream.launch_builder(&f);
             b.arg(&p)
                 .arg(x)
@@ -1631,13 +1626,13 @@ fn bn_backward(
     }
     let mut dx = CudaTensor::uninit(be, x.shape(), dtype)?;
     if rows * c > 0 {
-        let (f, cfg) = per_element(
+        let (f, cfg) = bn_per_element(
             be,
             &k::BN_BACKWARD_APPLY,
             &k::BN_BACKWARD_APPLY_V8,
             dtype,
+            rows,
             c,
-            rows * c,
         )?;
         let mut b = stream.launch_builder(&f);
         b.arg(&p)
@@ -1787,6 +1782,41 @@ fn im2col(
 /// (or an im2col tap). Its 16-byte accesses are aligned in whole tensors.
 fn by_eight(dtype: DType, channels: usize) -> bool {
     dtype == DType::F16 && channels.is_multiple_of(8)
+}
+
+/// Rows each thread of a `_v8` apply kernel takes in one span
+/// (batchnorm.cu `BN_V8_ROWS`).
+const BN_V8_ROWS: usize = 4;
+
+/// A batch norm's per-element pass over [rows, c] (apply, apply + add, the
+/// input gradient): the `_v8` kernel where `by_eight` allows, on the
+/// partial kernels' lanes (256 threads a block, min(c/8, 32) groups of 8
+/// channels across, row lanes down, `BN_V8_ROWS` rows a thread; grid.x
+/// the row blocks, grid.y the channel blocks), else the scalar one for
+/// `dtype`, a thread per element.
+fn bn_per_element(
+    be: &CudaBackend,
+    scalar: &KernelPair,
+    eight: &KernelSig,
+    dtype: DType,
+    rows: usize,
+    c: usize,
+) -> CudaResult<(CudaFunction, LaunchConfig)> {
+    if !by_eight(dtype, c) {
+        return Ok((be.function(scalar.of(dtype))?, elementwise(rows * c)));
+    }
+    let groups = c / 8;
+    let lanes = 256 / groups.min(32);
+    let cfg = LaunchConfig {
+        grid_dim: (
+            u32_of("batch norm", rows.div_ceil(lanes * BN_V8_ROWS).max(1))?,
+            u32_of("batch norm", groups.div_ceil(32))?,
+            1,
+        ),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    Ok((be.function(eight)?, cfg))
 }
 
 /// A per-element kernel over `n` elements in rows of `c` channels: the
