@@ -15,7 +15,13 @@
 //                W'[(ky, kx, co), ci] = W[ky, kx, ci, co]
 // so the input gradient is one pass with one f32 sum per element and one
 // rounding to f16 (im2col's dA = dY W^T is rounded to f16 before col2im
-// sums it). The weight gradient (wgrad_k, below) gathers A the same way and
+// sums it). With stride s it is s*s products, one per parity class (py,
+// px) of dx's pixels (iy = s*y + py, ix = s*x + px): the taps that reach
+// such a pixel are exactly ky = tap_y0 + s*j with tap_y0 = (py + pad) mod
+// s (and likewise kx), so each product gathers only those (for 3x3 and
+// stride 2, 1, 2, 2 or 4 of the 9) instead of multiplying the zeros of
+// the taps the stride skips; a class no tap reaches (a 1x1 stride-2
+// convolution's odd pixels) is a product of depth 0, which writes zeros. The weight gradient (wgrad_k, below) gathers A the same way and
 // sums over the pixels in per-block partials.
 //
 // Tiles: a block of 128 threads (4 warps) computes 128 rows x BN columns
@@ -44,28 +50,41 @@
 #include "common.cuh"
 
 struct ImplicitConvParams {
-    u32 rows;        // M: pixels of the output tensor (n * row_h * row_w)
+    u32 rows;        // M: the product's rows (n * row_h * row_w)
     u32 cols;        // N: channels of the output tensor
-    u32 depth;       // K: k * k * chans
+    u32 depth;       // K: taps_y * taps_x * chans
     u32 chans;       // channels of the gathered tensor
     u32 src_h;       // spatial size of the gathered tensor
     u32 src_w;
-    u32 row_h;       // spatial size of the output tensor
-    u32 row_w;
+    u32 row_h;       // the grid of the rows: the output's size (forward), or
+    u32 row_w;       // one parity class's (input gradient, below)
+    u32 out_h;       // spatial size of the output tensor
+    u32 out_w;
+    // Row (img, y, x) of the grid is pixel (y * step + row_y0, x * step +
+    // row_x0) of the output, and tap j = (jy, jx) of the product is W's tap
+    // (tap_y0 + step * jy, tap_x0 + step * jx): step 1 and offsets 0 in
+    // the forward.
+    u32 step;
+    u32 row_y0;
+    u32 row_x0;
+    u32 tap_y0;
+    u32 tap_x0;
+    u32 taps_x;      // the product's taps along x: k in the forward
     u32 k;
     u32 stride;
     u32 pad;
     u32 transposed;  // 0: forward gather; 1: input-gradient gather
-    // B[(tap, c), j] = w[tap * chans * cols + c * b_chan_stride + j * b_col_stride]
+    // B[(tap, c), j] = w[(ky * k + kx) * chans * cols + c * b_chan_stride +
+    // j * b_col_stride], (ky, kx) W's tap of the product's tap (weight_tap)
     u32 b_chan_stride;
     u32 b_col_stride;
     FastDiv by_row_pix;  // row_h * row_w
     FastDiv by_row_w;
     FastDiv by_chans;
-    FastDiv by_k;
+    FastDiv by_taps_x;
     FastDiv by_stride;
 };
-HR_CHECK_SIZE(ImplicitConvParams, 96);
+HR_CHECK_SIZE(ImplicitConvParams, 128);
 
 #define IC_BM 128
 #define IC_BK 32
@@ -304,6 +323,26 @@ __device__ __forceinline__ const hr_half* gather_at(const ImplicitConvParams& p,
     return src + (((u32)img_row + (u32)sy) * p.src_w + (u32)sx) * p.chans + c;
 }
 
+// W's tap (ky, kx) of the product's tap `tap` (ImplicitConvParams).
+__device__ __forceinline__ void weight_tap(const ImplicitConvParams& p, u32 tap, u32* ky, u32* kx) {
+    const u32 jy = hr_div(p.by_taps_x, tap);
+    *ky = p.tap_y0 + p.step * jy;
+    *kx = p.tap_x0 + p.step * (tap - jy * p.taps_x);
+}
+
+// The output tensor's pixel of row m: m itself where the grid is the
+// output's (step 1).
+__device__ __forceinline__ u32 output_pixel(const ImplicitConvParams& p, u32 m) {
+    if (p.step == 1u) {
+        return m;
+    }
+    const u32 img = hr_div(p.by_row_pix, m);
+    const u32 pix = m - img * p.row_h * p.row_w;
+    const u32 y = hr_div(p.by_row_w, pix);
+    const u32 x = pix - y * p.row_w;
+    return (img * p.out_h + y * p.step + p.row_y0) * p.out_w + x * p.step + p.row_x0;
+}
+
 template <int BN, bool B_KN>
 __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict__ src,
                                 const hr_half* __restrict__ w, hr_half* __restrict__ out) {
@@ -334,8 +373,8 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
         const u32 pix = m - img * row_pix;
         const u32 y = hr_div(p.by_row_w, pix);
         img_row[i] = m < p.rows ? (int)(img * p.src_h) : -1;
-        ry[i] = (int)y;
-        rx[i] = (int)(pix - y * p.row_w);
+        ry[i] = (int)(y * p.step + p.row_y0);
+        rx[i] = (int)((pix - y * p.row_w) * p.step + p.row_x0);
     }
     const u32 b_tap_stride = p.chans * p.cols;
 
@@ -345,8 +384,9 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
         const u32 ka = k_step * IC_BK + 8u * v;
         const u32 tap = hr_div(p.by_chans, ka);
         const u32 c = ka - tap * p.chans;
-        const u32 ky = hr_div(p.by_k, tap);
-        const u32 kx = tap - ky * p.k;
+        u32 ky;
+        u32 kx;
+        weight_tap(p, tap, &ky, &kx);
         for (int i = 0; i < 4; ++i) {
             const int row = ka < p.depth ? img_row[i] : -1;
             hr_cp_async16(&st.a[r0 + 32u * (u32)i][8u * v], gather_at(p, src, row, ry[i], rx[i], ky, kx, c), src);
@@ -360,7 +400,11 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
             const u32 kw = k_step * IC_BK + kb;
             const u32 col = n0 + j;
             const u32 wtap = hr_div(p.by_chans, kw);
-            const u32 at = wtap * b_tap_stride + (kw - wtap * p.chans) * p.b_chan_stride + col * p.b_col_stride;
+            u32 ky;
+            u32 kx;
+            weight_tap(p, wtap, &ky, &kx);
+            const u32 at = (ky * p.k + kx) * b_tap_stride + (kw - wtap * p.chans) * p.b_chan_stride +
+                           col * p.b_col_stride;
             const hr_half* from = kw < p.depth && col < p.cols ? w + at : nullptr;
             hr_cp_async16(B_KN ? &st.b[kb][j] : &st.b[j][kb], from, w);
         }
@@ -420,7 +464,8 @@ __device__ void implicit_conv_k(ImplicitConvParams p, const hr_half* __restrict_
         const u32 row = e / (BN / 8);
         const u32 col = 8u * (e % (BN / 8));
         if (m0 + row < p.rows && n0 + col < p.cols) {
-            hr_st_vec8(out + (m0 + row) * p.cols + n0 + col, hr_ld_vec8(staged + row * OUT_LD + col));
+            const u32 pixel = output_pixel(p, m0 + row);
+            hr_st_vec8(out + pixel * p.cols + n0 + col, hr_ld_vec8(staged + row * OUT_LD + col));
         }
     }
 }

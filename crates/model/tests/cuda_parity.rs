@@ -1391,17 +1391,23 @@ fn implicit_gemm_convolution_matches_the_cpu_layer() {
         algorithm: ConvAlgorithm::ImplicitGemm,
         ..ConvPlan::default()
     };
-    // (shape, bias, runs of conv_mma.cu's kernels: forward, input gradient,
-    // weight gradient, its reduction)
+    // (shape, bias, runs of conv_mma.cu's kernels: forward, input gradient
+    // (a run per parity class of dx's pixels: stride² where dx has them
+    // all), weight gradient, its reduction)
     let cases = [
         (conv(4, 28, 28, 32, 32, 3, 1, 1), false, 4),
-        (conv(4, 28, 28, 32, 64, 3, 2, 1), false, 4),
-        (conv(4, 14, 14, 64, 128, 3, 2, 1), false, 4),
+        (conv(4, 28, 28, 32, 64, 3, 2, 1), false, 7),
+        (conv(4, 14, 14, 64, 128, 3, 2, 1), false, 7),
         (conv(4, 7, 7, 128, 128, 3, 1, 1), false, 4),
         (conv(3, 7, 7, 8, 24, 3, 1, 1), true, 4),
         (conv(2, 9, 9, 16, 48, 5, 1, 0), false, 4),
-        (conv(2, 8, 8, 8, 16, 3, 3, 2), true, 4),
-        (conv(3, 5, 7, 24, 40, 3, 2, 1), false, 4),
+        (conv(2, 8, 8, 8, 16, 3, 3, 2), true, 12),
+        (conv(3, 5, 7, 24, 40, 3, 2, 1), false, 7),
+        // A 1×1 stride-2 shortcut: three classes no tap reaches (zeros).
+        (conv(2, 7, 6, 16, 24, 1, 2, 0), true, 7),
+        // 2×2 stride 2: one tap a class; a dx one row high: two classes.
+        (conv(2, 6, 6, 8, 16, 2, 2, 0), false, 7),
+        (conv(2, 1, 5, 8, 16, 3, 2, 1), false, 5),
         (conv(4, 28, 28, 1, 32, 3, 1, 1), false, 0),
         (conv(2, 6, 6, 16, 16, 1, 1, 0), true, 0),
     ];
@@ -1417,7 +1423,7 @@ fn implicit_gemm_convolution_matches_the_cpu_layer() {
         .map(|(shape, bias, runs)| (shape, bias, plan, runs));
     let cases = cases.chain([
         (conv(4, 14, 14, 32, 64, 3, 1, 1), false, one_split, 4),
-        (conv(3, 9, 9, 16, 24, 3, 2, 1), true, one_split, 4),
+        (conv(3, 9, 9, 16, 24, 3, 2, 1), true, one_split, 7),
     ]);
     for (i, (shape, bias, plan, runs)) in cases.enumerate() {
         let before = kernel_runs(&IMPLICIT_KERNELS);

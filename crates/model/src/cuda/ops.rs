@@ -1884,7 +1884,8 @@ pub enum ConvAlgorithm {
 /// 512) and from 0.54 to 0.43 at 64, but from 0.30 to 0.49 at 128 (not
 /// profiled further: its 64-column tiles gather each input tile twice
 /// there, and cuBLAS's GEMM is wider); with stride 2 im2col was faster at
-/// 64 and 128 channels.
+/// 64 and 128 channels (measured before the input gradient gathered only
+/// the taps that reach each parity class: `implicit_products`).
 const AUTO_IMPLICIT_CHANNELS: usize = 64;
 
 impl ConvAlgorithm {
@@ -1923,9 +1924,79 @@ fn implicit_fits(
         && weight.is_aligned_to(be.compute_stream(), 16)
 }
 
+/// The rows and taps of one launch of the implicit kernel: the output's
+/// pixels and every tap (the forward), or one parity class (py, px) of
+/// dx's pixels, (s·y + py, s·x + px), and the taps that reach them,
+/// tap_y0 + s·j (the input gradient; conv_mma.cu's header).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ImplicitProduct {
+    /// The grid of the rows, and where its (0, 0) lies in the output.
+    row_h: usize,
+    row_w: usize,
+    row_y0: usize,
+    row_x0: usize,
+    /// W's first tap along y and x, and how many (a step apart).
+    tap_y0: usize,
+    tap_x0: usize,
+    taps_y: usize,
+    taps_x: usize,
+}
+
+/// The products of a forward (one) or of an input gradient (one per
+/// parity class with pixels: stride² of them, fewer where dx is smaller
+/// than the stride).
+fn implicit_products(
+    s: &ConvShape,
+    (oh, ow): (usize, usize),
+    transposed: bool,
+) -> Vec<ImplicitProduct> {
+    if !transposed {
+        return vec![ImplicitProduct {
+            row_h: oh,
+            row_w: ow,
+            row_y0: 0,
+            row_x0: 0,
+            tap_y0: 0,
+            tap_x0: 0,
+            taps_y: s.k,
+            taps_x: s.k,
+        }];
+    }
+    let st = s.stride;
+    // (pixels of the class along a side, its first tap, its taps)
+    let class = |size: usize, p: usize| {
+        let first = (p + s.pad) % st;
+        (
+            size.saturating_sub(p).div_ceil(st),
+            first,
+            s.k.saturating_sub(first).div_ceil(st),
+        )
+    };
+    let mut products = Vec::with_capacity(st * st);
+    for py in 0..st {
+        for px in 0..st {
+            let ((row_h, tap_y0, taps_y), (row_w, tap_x0, taps_x)) =
+                (class(s.h, py), class(s.w, px));
+            if row_h * row_w > 0 {
+                products.push(ImplicitProduct {
+                    row_h,
+                    row_w,
+                    row_y0: py,
+                    row_x0: px,
+                    tap_y0,
+                    tap_x0,
+                    taps_y,
+                    taps_x,
+                });
+            }
+        }
+    }
+    products
+}
+
 /// The implicit kernel's product `out = gather(src) · B(weight)`, forward
 /// (`transposed` false: src is x, out is y) or for the input gradient
-/// (src is dy, out is dx).
+/// (src is dy, out is dx, a launch per parity class of its pixels).
 fn implicit_conv(
     be: &CudaBackend,
     src: &CudaTensor,
@@ -1935,38 +2006,15 @@ fn implicit_conv(
     (oh, ow): (usize, usize),
     transposed: bool,
 ) -> CudaResult<()> {
-    let by = |d: usize| FastDiv::new(d as u32);
     // (gathered channels, its size, output channels, output size)
-    let (chans, (src_h, src_w), cols, (row_h, row_w)) = if transposed {
+    let (chans, (src_h, src_w), cols, (out_h, out_w)) = if transposed {
         (s.cout, (oh, ow), s.cin, (s.h, s.w))
     } else {
         (s.cin, (s.h, s.w), s.cout, (oh, ow))
     };
-    let rows = s.n * row_h * row_w;
     // Forward B[(tap, ci), co] = W[tap, ci, co]; transposed B[(tap, co), ci]
     // = W[tap, ci, co].
     let (b_chan_stride, b_col_stride) = if transposed { (1, s.cout) } else { (s.cout, 1) };
-    let p = ImplicitConvParams {
-        rows: rows as u32,
-        cols: cols as u32,
-        depth: (s.k * s.k * chans) as u32,
-        chans: chans as u32,
-        src_h: src_h as u32,
-        src_w: src_w as u32,
-        row_h: row_h as u32,
-        row_w: row_w as u32,
-        k: s.k as u32,
-        stride: s.stride as u32,
-        pad: s.pad as u32,
-        transposed: transposed as u32,
-        b_chan_stride: b_chan_stride as u32,
-        b_col_stride: b_col_stride as u32,
-        by_row_pix: by(row_h * row_w),
-        by_row_w: by(row_w),
-        by_chans: by(chans),
-        by_k: by(s.k),
-        by_stride: by(s.stride),
-    };
     let (sig, tile_cols) = match (transposed, cols <= 32) {
         (false, true) => (&k::IMPLICIT_CONV_N32, 32),
         (false, false) => (&k::IMPLICIT_CONV_N64, 64),
@@ -1974,24 +2022,60 @@ fn implicit_conv(
         (true, false) => (&k::IMPLICIT_DGRAD_N64, 64),
     };
     let f = be.function(sig)?;
-    let cfg = LaunchConfig {
-        grid_dim: (
-            u32_of("implicit conv", rows.div_ceil(IMPLICIT_ROWS))?,
-            u32_of("implicit conv", cols.div_ceil(tile_cols))?,
-            1,
-        ),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut b = be.compute_stream().launch_builder(&f);
-    b.arg(&p).arg(src).arg(weight).arg(out);
-    // SAFETY: implicit_conv_nBN_f16(ImplicitConvParams, const half* src,
-    // const half* w, half* out): src is a whole f16 tensor (256-byte aligned,
-    // as the kernel's 16-byte gathers need) of n·src_h·src_w·chans elements,
-    // w holds k·k·cin·cout, out is a whole tensor of rows·cols; the kernel
-    // reads and writes only inside those (the caller checked the shapes, and
-    // implicit_fits the channel multiples of 8 and the architecture).
-    unsafe { b.launch(cfg) }.during("implicit conv")?;
+    let by = |d: usize| FastDiv::new(d.max(1) as u32);
+    for c in implicit_products(s, (oh, ow), transposed) {
+        let rows = s.n * c.row_h * c.row_w;
+        let p = ImplicitConvParams {
+            rows: rows as u32,
+            cols: cols as u32,
+            depth: (c.taps_y * c.taps_x * chans) as u32,
+            chans: chans as u32,
+            src_h: src_h as u32,
+            src_w: src_w as u32,
+            row_h: c.row_h as u32,
+            row_w: c.row_w as u32,
+            out_h: out_h as u32,
+            out_w: out_w as u32,
+            step: if transposed { s.stride as u32 } else { 1 },
+            row_y0: c.row_y0 as u32,
+            row_x0: c.row_x0 as u32,
+            tap_y0: c.tap_y0 as u32,
+            tap_x0: c.tap_x0 as u32,
+            taps_x: c.taps_x as u32,
+            k: s.k as u32,
+            stride: s.stride as u32,
+            pad: s.pad as u32,
+            transposed: transposed as u32,
+            b_chan_stride: b_chan_stride as u32,
+            b_col_stride: b_col_stride as u32,
+            by_row_pix: by(c.row_h * c.row_w),
+            by_row_w: by(c.row_w),
+            by_chans: by(chans),
+            by_taps_x: by(c.taps_x),
+            by_stride: by(s.stride),
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32_of("implicit conv", rows.div_ceil(IMPLICIT_ROWS))?,
+                u32_of("implicit conv", cols.div_ceil(tile_cols))?,
+                1,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = be.compute_stream().launch_builder(&f);
+        b.arg(&p).arg(src).arg(weight).arg(&mut *out);
+        // SAFETY: implicit_conv_nBN_f16 / implicit_dgrad_nBN_f16
+        // (ImplicitConvParams, const half* src, const half* w, half* out):
+        // src is a whole f16 tensor (256-byte aligned, as the kernel's
+        // 16-byte gathers need) of n·src_h·src_w·chans elements, w holds
+        // k·k·cin·cout, out is a whole tensor of n·out_h·out_w·cols; the
+        // rows of a product are pixels of out and its taps taps of W, so the
+        // kernel reads and writes only inside those (the caller checked the
+        // shapes, and implicit_fits the channel multiples of 8 and the
+        // architecture).
+        unsafe { b.launch(cfg) }.during("implicit conv")?;
+    }
     Ok(())
 }
 
@@ -2956,5 +3040,72 @@ mod tests {
         assert_eq!(images_per_chunk(&s, 196, 1, DType::F16), 1);
         let bad = ConvShape { k: 40, ..s };
         assert!(bad.out_hw().is_err());
+    }
+
+    /// The input gradient's parity classes: every pixel of dx in exactly
+    /// one, and a class's taps exactly those that reach its pixels, those
+    /// (ky, kx) with iy + pad − ky and ix + pad − kx multiples of the
+    /// stride (the kernel still checks that the dy position is inside).
+    #[test]
+    fn input_gradient_classes_take_every_tap_that_reaches_a_pixel() {
+        for (h, w, k, stride, pad) in [
+            (28, 28, 3, 2, 1),
+            (5, 7, 3, 2, 1),
+            (8, 8, 3, 3, 2),
+            (7, 6, 1, 2, 0),
+            (6, 6, 2, 2, 0),
+            (1, 5, 3, 2, 1),
+            (9, 9, 5, 1, 0),
+            (10, 11, 5, 3, 2),
+        ] {
+            let s = ConvShape {
+                n: 1,
+                h,
+                w,
+                cin: 8,
+                cout: 8,
+                k,
+                stride,
+                pad,
+            };
+            let out = s.out_hw().unwrap();
+            let mut seen = vec![0; h * w];
+            for c in implicit_products(&s, out, true) {
+                let taps = |first: usize, count: usize| -> Vec<usize> {
+                    (0..count).map(|j| first + stride * j).collect()
+                };
+                let (tys, txs) = (taps(c.tap_y0, c.taps_y), taps(c.tap_x0, c.taps_x));
+                for y in 0..c.row_h {
+                    for x in 0..c.row_w {
+                        let (iy, ix) = (c.row_y0 + stride * y, c.row_x0 + stride * x);
+                        seen[iy * w + ix] += 1;
+                        let reach = |i: usize| -> Vec<usize> {
+                            (0..k)
+                                .filter(|kk| (i + pad).abs_diff(*kk) % stride == 0)
+                                .collect()
+                        };
+                        assert_eq!(tys, reach(iy), "{s:?}: taps of row {iy}");
+                        assert_eq!(txs, reach(ix), "{s:?}: taps of column {ix}");
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&n| n == 1), "{s:?}: {seen:?}");
+        }
+        let forward = implicit_products(
+            &ConvShape {
+                n: 2,
+                h: 9,
+                w: 9,
+                cin: 8,
+                cout: 8,
+                k: 3,
+                stride: 2,
+                pad: 1,
+            },
+            (5, 5),
+            false,
+        );
+        assert_eq!(forward.len(), 1);
+        assert_eq!((forward[0].taps_y, forward[0].taps_x), (3, 3));
     }
 }

@@ -99,13 +99,15 @@ kernel_params! {
     }
     /// conv_mma.cu: implicit_conv_n32_f16, implicit_conv_n64_f16 (the
     /// forward) and implicit_dgrad_n32_f16, implicit_dgrad_n64_f16 (the
-    /// input gradient, `transposed = 1`).
-    ImplicitConvParams(96) {
+    /// input gradient, `transposed = 1`, one parity class of dx's pixels a
+    /// launch).
+    ImplicitConvParams(128) {
         rows: u32, cols: u32, depth: u32, chans: u32,
-        src_h: u32, src_w: u32, row_h: u32, row_w: u32,
+        src_h: u32, src_w: u32, row_h: u32, row_w: u32, out_h: u32, out_w: u32,
+        step: u32, row_y0: u32, row_x0: u32, tap_y0: u32, tap_x0: u32, taps_x: u32,
         k: u32, stride: u32, pad: u32, transposed: u32,
         b_chan_stride: u32, b_col_stride: u32,
-        by_row_pix: FastDiv, by_row_w: FastDiv, by_chans: FastDiv, by_k: FastDiv,
+        by_row_pix: FastDiv, by_row_w: FastDiv, by_chans: FastDiv, by_taps_x: FastDiv,
         by_stride: FastDiv,
     }
     /// conv_mma.cu: implicit_wgrad_n32_f16, implicit_wgrad_n64_f16 (the
