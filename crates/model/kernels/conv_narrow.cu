@@ -18,6 +18,21 @@
 //                        conv.cu's wgrad_reduce to add in split order
 // Splits are fixed by the shape (host side), so the bits do not depend on
 // the GPU or the run. Compiled and emulated, not yet run on a GPU.
+//
+// The other thin case: few input channels (cin not a multiple of 8, so no
+// implicit GEMM) into a multiple of 8 outputs, in f16 (a network's first
+// convolution, 1 -> 32 on Fashion-MNIST, 3 -> 64 on RGB). Through im2col
+// its product is k*k*cin deep (9 for one channel), which cuBLAS multiplies
+// with kernels for unaligned operands. Here:
+//   thin_forward_f16     y[pixel, 8g..8g+7]: a thread per output pixel and
+//                        group of 8 outputs, summed in f32 in (ky, kx, ci)
+//                        order from 16-byte rows of W, one 16-byte store
+//   thin_wgrad_f16       dW over the pixels of one split: a thread per
+//                        (tap, ci, group of 8 outputs) and row lane, 16-byte
+//                        loads of dy, the lanes then added in a fixed order;
+//                        f32 partials for wgrad_reduce, as narrow_wgrad's
+// and the input gradient, where one is wanted (not for a first layer),
+// narrow_grad_input's gather, which takes any cout.
 #include "common.cuh"
 
 #define NARROW_COUT 7
@@ -154,6 +169,100 @@ __device__ void narrow_wgrad_k(NarrowParams p, const T* __restrict__ x,
         acc += v * hr_ld(dy[row * p.cout + co]);
     }
     partial[blockIdx.y * n_w + j] = acc;
+}
+
+// Thread e: output pixel 8e / cout, outputs 8e mod cout .. + 7.
+extern "C" __global__ void thin_forward_f16(NarrowParams p, const hr_half* __restrict__ x,
+                                            const hr_half* __restrict__ wt, hr_half* __restrict__ y) {
+    const u32 opix = p.oh * p.ow;
+    HR_FOR_EACH(e, p.n * opix * (p.cout / 8u)) {
+        const u32 row = hr_div(p.by_cout, 8u * e);
+        const u32 co = 8u * e - row * p.cout;
+        const u32 img = hr_div(p.by_opix, row);
+        const u32 pix = row - img * opix;
+        const u32 oy = hr_div(p.by_ow, pix);
+        const u32 ox = pix - oy * p.ow;
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (u32 ky = 0; ky < p.k; ++ky) {
+            const int iy = (int)(oy * p.stride + ky) - (int)p.pad;
+            if (iy < 0 || iy >= (int)p.h) {
+                continue;
+            }
+            for (u32 kx = 0; kx < p.k; ++kx) {
+                const int ix = (int)(ox * p.stride + kx) - (int)p.pad;
+                if (ix < 0 || ix >= (int)p.w) {
+                    continue;
+                }
+                const hr_half* xs = x + ((img * p.h + (u32)iy) * p.w + (u32)ix) * p.cin;
+                const hr_half* ws = wt + (ky * p.k + kx) * p.cin * p.cout + co;
+                for (u32 ci = 0; ci < p.cin; ++ci) {
+                    const float v = hr_ld(xs[ci]);
+                    const HalfVec8 w8 = hr_ld_vec8(ws + ci * p.cout);
+                    for (u32 j = 0; j < 8; ++j) {
+                        acc[j] = fmaf(v, hr_vec8_at(w8, j), acc[j]);
+                    }
+                }
+            }
+        }
+        hr_st_vec8(y + row * p.cout + co, hr_vec8_of(acc));
+    }
+}
+
+// Block (256) per split: thread t holds outputs 8g..8g+7 of weight row
+// (tap, ci) for kg = t mod (k*k*cin * cout/8) = (tap*cin + ci)*cout/8 + g,
+// and row lane t / that (lanes of the block: 256 / it, at least 1, host
+// checked); a lane sums every lanes-th pixel of the split, then the lanes'
+// sums are added in lane order.
+#define THIN_THREADS 256u
+extern "C" __global__ void thin_wgrad_f16(NarrowParams p, const hr_half* __restrict__ x,
+                                          const hr_half* __restrict__ dy, float* __restrict__ partial) {
+    __shared__ float sums[THIN_THREADS * 8u];
+    const u32 groups = p.cout / 8u;
+    const u32 n_kg = p.k * p.k * p.cin * groups;
+    const u32 lanes = THIN_THREADS / n_kg;
+    const u32 kg = threadIdx.x % n_kg;
+    const u32 lane = threadIdx.x / n_kg;
+    const u32 tap_ci = kg / groups;
+    const u32 co = 8u * (kg - tap_ci * groups);
+    const u32 tap = tap_ci / p.cin;
+    const u32 ci = tap_ci - tap * p.cin;
+    const u32 ky = tap / p.k;
+    const u32 kx = tap - ky * p.k;
+    const u32 opix = p.oh * p.ow;
+    const u32 rows = p.n * opix;
+    const u32 r0 = blockIdx.x * p.rows_per_split;
+    const u32 r1 = min(r0 + p.rows_per_split, rows);
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (lane < lanes) {
+        for (u32 row = r0 + lane; row < r1; row += lanes) {
+            const u32 img = hr_div(p.by_opix, row);
+            const u32 pix = row - img * opix;
+            const u32 oy = hr_div(p.by_ow, pix);
+            const u32 ox = pix - oy * p.ow;
+            const int iy = (int)(oy * p.stride + ky) - (int)p.pad;
+            const int ix = (int)(ox * p.stride + kx) - (int)p.pad;
+            if (iy < 0 || iy >= (int)p.h || ix < 0 || ix >= (int)p.w) {
+                continue;
+            }
+            const float v = hr_ld(x[((img * p.h + (u32)iy) * p.w + (u32)ix) * p.cin + ci]);
+            const HalfVec8 g8 = hr_ld_vec8(dy + row * p.cout + co);
+            for (u32 j = 0; j < 8; ++j) {
+                acc[j] = fmaf(v, hr_vec8_at(g8, j), acc[j]);
+            }
+        }
+    }
+    for (u32 j = 0; j < 8; ++j) {
+        sums[threadIdx.x * 8u + j] = acc[j];
+    }
+    __syncthreads();
+    // Element i = 8 kg + j of the partial is weight (tap*cin + ci)*cout + co + j.
+    for (u32 i = threadIdx.x; i < 8u * n_kg; i += THIN_THREADS) {
+        float total = 0.0f;
+        for (u32 l = 0; l < lanes; ++l) {
+            total += sums[l * n_kg * 8u + i];
+        }
+        partial[blockIdx.x * 8u * n_kg + i] = total;
+    }
 }
 
 // Entry points, one per storage type.

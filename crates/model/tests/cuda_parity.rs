@@ -1548,7 +1548,8 @@ fn auto_picks_the_convolution_algorithm_by_shape() {
         algorithm: ConvAlgorithm::Auto,
         ..ConvPlan::default()
     };
-    // (shape, runs of conv_mma.cu's kernels)
+    // (shape, runs of conv_mma.cu's kernels and of wgrad_reduce, which the
+    // thin kernels' dW also runs: 1 for the 1 → 32 layer)
     let cases = [
         (conv(4, 28, 28, 32, 32, 1), 4),
         (conv(4, 14, 14, 64, 64, 1), 4),
@@ -1556,7 +1557,7 @@ fn auto_picks_the_convolution_algorithm_by_shape() {
         (conv(4, 28, 28, 32, 64, 2), 0),
         (conv(4, 7, 7, 128, 128, 1), 0),
         (conv(4, 7, 7, 64, 128, 1), 0),
-        (conv(4, 28, 28, 1, 32, 1), 0),
+        (conv(4, 28, 28, 1, 32, 1), 1),
     ];
     for (i, (shape, runs)) in cases.into_iter().enumerate() {
         let before = kernel_runs(&IMPLICIT_KERNELS);
@@ -1618,6 +1619,52 @@ fn narrow_convolution_matches_the_cpu_layer() {
         }
         conv_params_only_parity(&be, &case, 650 + 10 * i as u64);
         narrow_f32_parity(&be, &case, 680 + 10 * i as u64);
+    }
+}
+
+/// conv_narrow.cu's thin kernels and the gather they borrow for dX.
+const THIN_KERNELS: [&str; 3] = [
+    "thin_forward_f16",
+    "thin_wgrad_f16",
+    "narrow_grad_input_f16",
+];
+
+/// `device.conv_algorithm = "auto"` runs a convolution from few input
+/// channels (not a multiple of 8) to a multiple of 8 with the thin kernels:
+/// Fashion-MNIST's first layer (1 → 32), an RGB stem with a stride (3 →
+/// 64: 216 groups of a tap, a channel and 8 outputs, so 1 row lane a
+/// block), 5×5 from 5 channels with padding 2, a workspace for 3 splits
+/// of dW. Shapes past a block's 256 groups go to im2col (7×7, 3 → 64).
+/// Against the CPU layer as `conv_parity` does (and dW alone, as a first
+/// layer asks for it, the same bits), the runs counted on the emulator:
+/// forward, dW, and the input gradient's gather where dX is wanted.
+#[test]
+fn thin_convolution_matches_the_cpu_layer() {
+    let be = gpu_or_skip!();
+    let conv = conv_shape;
+    let auto = ConvPlan {
+        algorithm: ConvAlgorithm::Auto,
+        ..ConvPlan::default()
+    };
+    let three_splits = ConvPlan {
+        workspace: 3 * 9 * 32 * 4,
+        ..auto
+    };
+    let cases = [
+        (conv(4, 28, 28, 1, 32, 3, 1, 1), false, auto, 3),
+        (conv(3, 9, 11, 3, 64, 3, 2, 1), true, auto, 3),
+        (conv(2, 8, 8, 5, 8, 5, 1, 2), false, auto, 3),
+        (conv(4, 28, 28, 1, 32, 3, 1, 1), true, three_splits, 3),
+        (conv(2, 12, 12, 3, 64, 7, 2, 3), false, auto, 0),
+    ];
+    for (i, (shape, bias, plan, runs)) in cases.into_iter().enumerate() {
+        let case = ConvCase { shape, bias, plan };
+        let before = kernel_runs(&THIN_KERNELS);
+        conv_parity(&be, &case, 700 + 10 * i as u64);
+        if let (Some(before), Some(after)) = (before, kernel_runs(&THIN_KERNELS)) {
+            assert_eq!(after - before, runs, "thin kernel runs for {shape:?}");
+        }
+        conv_params_only_parity(&be, &case, 750 + 10 * i as u64);
     }
 }
 
@@ -4419,6 +4466,8 @@ const COVERAGE: &[(&str, &str)] = &[
         "narrow_wgrad_f32",
         "narrow_convolution_matches_the_cpu_layer",
     ),
+    ("thin_forward_f16", "thin_convolution_matches_the_cpu_layer"),
+    ("thin_wgrad_f16", "thin_convolution_matches_the_cpu_layer"),
     (
         "implicit_conv_n64_f16",
         "implicit_gemm_convolution_matches_the_cpu_layer",

@@ -215,6 +215,10 @@ pub const NARROW_FORWARD: KernelPair = pair!("conv_narrow", "narrow_forward", Na
 pub const NARROW_GRAD_INPUT: KernelPair =
     pair!("conv_narrow", "narrow_grad_input", NarrowParams, 3);
 pub const NARROW_WGRAD: KernelPair = pair!("conv_narrow", "narrow_wgrad", NarrowParams, 3);
+/// Direct convolution from few input channels to a multiple of 8 outputs
+/// (f16): forward, and the weight gradient's partial sums.
+pub const THIN_FORWARD: KernelSig = sig!("conv_narrow", "thin_forward_f16", NarrowParams, 3);
+pub const THIN_WGRAD: KernelSig = sig!("conv_narrow", "thin_wgrad_f16", NarrowParams, 3);
 
 pub const GRAD_SUMSQ: KernelSig = sig!("optim", "grad_sumsq", SumSqParams, 2);
 pub const STEP_FINALIZE: KernelSig = sig!("optim", "step_finalize", FinalizeParams, 4);
@@ -424,6 +428,8 @@ pub static FILES: &[KernelFile] = &[
             NARROW_GRAD_INPUT.f32,
             NARROW_WGRAD.f16,
             NARROW_WGRAD.f32,
+            THIN_FORWARD,
+            THIN_WGRAD,
         ],
     },
     KernelFile {

@@ -52,7 +52,10 @@ use super::{CudaError, CudaResult};
 mod conv_narrow;
 mod frames;
 mod sequence;
-use conv_narrow::{narrow_fits, narrow_forward, narrow_grad_input, narrow_wgrad};
+use conv_narrow::{
+    narrow_fits, narrow_forward, narrow_grad_input, narrow_wgrad, thin_fits, thin_forward,
+    thin_wgrad,
+};
 pub use frames::*;
 pub use sequence::*;
 
@@ -1872,9 +1875,11 @@ pub enum ConvAlgorithm {
     /// Each convolution by its shape: implicit GEMM where it was the faster
     /// of the two on an H100 (stride 1, at most `AUTO_IMPLICIT_CHANNELS`
     /// channels in and out), direct kernels for fewer than 8 output channels
-    /// (`conv_narrow.cu`), im2col + cuBLAS elsewhere. A rule, not a
-    /// timing: every run of a model picks the same, so its bits (and a
-    /// resumed run's) do not depend on how a timing fell.
+    /// and, in f16, from input channels not a multiple of 8 to a multiple
+    /// of 8 outputs (`conv_narrow.cu`: a first layer), im2col + cuBLAS
+    /// elsewhere. A rule, not a timing: every run of a model picks the
+    /// same, so its bits (and a resumed run's) do not depend on how a
+    /// timing fell.
     Auto,
 }
 
@@ -2230,6 +2235,8 @@ pub fn conv2d_forward(
         )?;
     } else if narrow_fits(plan, &s) {
         narrow_forward(be, x, weight, &mut y, &s, (oh, ow))?;
+    } else if thin_fits(be, plan, dtype, &s, weight) {
+        thin_forward(be, x, weight, &mut y, &s, (oh, ow))?;
     } else if implicit_fits(be, plan, dtype, &s, weight) {
         implicit_conv(be, x, weight, &mut y, &s, (oh, ow), false)?;
     } else {
@@ -2389,6 +2396,13 @@ fn conv2d_backward_into(
     }
     if narrow_fits(plan, &s) {
         narrow_wgrad(be, x, dy, weight_grad, &s, (oh, ow), plan.workspace)?;
+        if let Some(dx) = input_grad {
+            narrow_grad_input(be, dy, weight, dx, &s, (oh, ow))?;
+        }
+        return Ok(());
+    }
+    if thin_fits(be, plan, dtype, &s, weight) {
+        thin_wgrad(be, x, dy, weight_grad, &s, (oh, ow), plan.workspace)?;
         if let Some(dx) = input_grad {
             narrow_grad_input(be, dy, weight, dx, &s, (oh, ow))?;
         }

@@ -2,7 +2,10 @@
 //! which `ConvAlgorithm::Auto` runs directly instead of through im2col and
 //! a matrix product one to seven columns wide (see the `.cu` file for why).
 //! Forward, input gradient and weight gradient, each against the CPU layer
-//! in `cuda_parity.rs::narrow_convolution_matches_the_cpu_layer`.
+//! in `cuda_parity.rs::narrow_convolution_matches_the_cpu_layer`. And
+//! convolutions from few input channels to a multiple of 8 (a network's
+//! first layer), whose im2col product is a few columns deep: the thin
+//! kernels, `cuda_parity.rs::thin_convolution_matches_the_cpu_layer`.
 
 use cudarc::driver::{CudaViewMut, LaunchConfig, PushKernelArg};
 
@@ -53,6 +56,106 @@ fn params(s: &ConvShape, (oh, ow): (usize, usize), rows_per_split: usize) -> Nar
         by_cout: by(s.cout),
         by_stride: by(s.stride),
     }
+}
+
+/// Threads of a thin weight-gradient block (`THIN_THREADS`): each holds 8
+/// outputs of one (tap, input channel), so a block takes shapes of at most
+/// this many k·k·cin·cout/8.
+const THIN_THREADS: usize = 256;
+
+/// Whether `Auto` runs convolution `s` with the thin kernels: f16, input
+/// channels not a multiple of 8 (the implicit kernels take those), outputs
+/// a multiple of 8 (16-byte rows of y, W and dy, W on 16 bytes), at most
+/// `THIN_THREADS` groups of (tap, input channel, 8 outputs), and not a
+/// plain matrix product (1×1, stride 1, no padding).
+pub(super) fn thin_fits(
+    be: &CudaBackend,
+    plan: ConvPlan,
+    dtype: DType,
+    s: &ConvShape,
+    weight: &AnyView<'_>,
+) -> bool {
+    plan.algorithm == ConvAlgorithm::Auto
+        && dtype == DType::F16
+        && !s.cin.is_multiple_of(8)
+        && s.cout.is_multiple_of(8)
+        && s.kk() * s.cout / 8 <= THIN_THREADS
+        && !s.is_pointwise()
+        && weight.is_aligned_to(be.compute_stream(), 16)
+}
+
+/// y [n, oh, ow, cout] = conv(x, W) by `thin_forward_f16`.
+pub(super) fn thin_forward(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    weight: &AnyView<'_>,
+    y: &mut CudaTensor,
+    s: &ConvShape,
+    out: (usize, usize),
+) -> CudaResult<()> {
+    let total = checked_len("thin convolution", &[s.n, out.0, out.1, s.cout])?;
+    let p = params(s, out, 0);
+    let f = be.function(&k::THIN_FORWARD)?;
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p).arg(x).arg(weight).arg(y);
+    // SAFETY: thin_forward_f16(NarrowParams, const half* x [n, h, w, cin],
+    // const half* w [k, k, cin, cout], half* y [n, oh, ow, cout]): the
+    // caller checked x's and W's shapes and made y; thin_fits: f16, cout a
+    // multiple of 8 and W on 16 bytes (y is a whole tensor), so the
+    // 16-byte accesses are aligned; a thread per 8 outputs.
+    unsafe { b.launch(elementwise(total / 8)) }.during("thin convolution forward")?;
+    Ok(())
+}
+
+/// dW [k, k, cin, cout] += the weight gradient by `thin_wgrad_f16`: f32
+/// partial sums over fixed splits of the output pixels (as
+/// `narrow_wgrad`'s), added by `wgrad_reduce` in split order.
+pub(super) fn thin_wgrad(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    dy: &CudaTensor,
+    weight_grad: &mut CudaViewMut<'_, f32>,
+    s: &ConvShape,
+    out: (usize, usize),
+    workspace: usize,
+) -> CudaResult<()> {
+    let (splits, rows_per_split, n_w) = wgrad_splits(s, out, workspace)?;
+    let mut partial = CudaTensor::uninit(be, &[splits * n_w], DType::F32)?;
+    let p = params(s, out, rows_per_split);
+    let f = be.function(&k::THIN_WGRAD)?;
+    let cfg = LaunchConfig {
+        grid_dim: (splits as u32, 1, 1),
+        block_dim: (THIN_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = be.compute_stream().launch_builder(&f);
+    b.arg(&p).arg(x).arg(dy).arg(&mut partial);
+    // SAFETY: thin_wgrad_f16(NarrowParams, const half* x, const half* dy,
+    // float* partial [splits, k·k·cin·cout]): shapes checked by the caller;
+    // thin_fits: k·k·cin·cout/8 ≤ THIN_THREADS, the block's width, and dy's
+    // rows of cout (a multiple of 8) on 16 bytes; block x writes only its
+    // split's n_w partials.
+    unsafe { b.launch(cfg) }.during("thin weight gradient")?;
+    add_weight_partials(be, &partial, weight_grad, splits)
+}
+
+/// The weight gradient's splits of the output pixels (at most `SPLITS`,
+/// at least `MIN_SPLIT_ROWS` pixels each where there are that many, no
+/// more partial sums than `workspace` holds): (splits, pixels a split,
+/// weights).
+fn wgrad_splits(
+    s: &ConvShape,
+    out: (usize, usize),
+    workspace: usize,
+) -> CudaResult<(usize, usize, usize)> {
+    let rows = s.n * out.0 * out.1;
+    let n_w = s.kk() * s.cout;
+    let room = (workspace / (n_w * 4)).max(1);
+    let splits = rows.div_ceil(MIN_SPLIT_ROWS).clamp(1, SPLITS).min(room);
+    let rows_per_split = rows.div_ceil(splits);
+    let splits = rows.div_ceil(rows_per_split);
+    checked_len("convolution weight gradient", &[splits, n_w])?;
+    Ok((splits, rows_per_split, n_w))
 }
 
 /// y [n, oh, ow, cout] = conv(x, W), in x's type.
@@ -112,13 +215,7 @@ pub(super) fn narrow_wgrad(
     out: (usize, usize),
     workspace: usize,
 ) -> CudaResult<()> {
-    let rows = s.n * out.0 * out.1;
-    let n_w = s.kk() * s.cout;
-    let room = (workspace / (n_w * 4)).max(1);
-    let splits = rows.div_ceil(MIN_SPLIT_ROWS).clamp(1, SPLITS).min(room);
-    let rows_per_split = rows.div_ceil(splits);
-    let splits = rows.div_ceil(rows_per_split);
-    checked_len("narrow weight gradient", &[splits, n_w])?;
+    let (splits, rows_per_split, n_w) = wgrad_splits(s, out, workspace)?;
     let mut partial = CudaTensor::uninit(be, &[splits * n_w], DType::F32)?;
     let p = params(s, out, rows_per_split);
     let f = be.function(k::NARROW_WGRAD.of(x.dtype()))?;
