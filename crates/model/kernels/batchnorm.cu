@@ -492,11 +492,24 @@ __device__ __forceinline__ void bn_v8_tree(const BnV8Lane& l, Merge merge) {
 // ceil(C/8 / 32)). Each element's arithmetic and roundings are the scalar
 // kernel's, so the same bits.
 
-// Row j of this thread in row block blockIdx.x, or `rows` when there is
-// none.
-__device__ __forceinline__ u32 bn_apply_row(const BnV8Lane& l, u32 j, u32 rows) {
-    const u32 r = (blockIdx.x * BN_V8_ROWS + j) * l.lanes + l.ty;
-    return r < rows ? r : rows;
+// The BN_V8_ROWS rows of this thread in row block blockIdx.x: load(j, i)
+// for each (i: the offset of its 8 channels in row j), then finish(j, i)
+// for each, so that all of the loads are in flight before the arithmetic.
+template <typename Load, typename Finish>
+__device__ __forceinline__ void bn_apply_rows(const BnV8Lane& l, u32 rows, u32 channels, Load load,
+                                              Finish finish) {
+    for (u32 j = 0; j < BN_V8_ROWS; ++j) {
+        const u32 r = (blockIdx.x * BN_V8_ROWS + j) * l.lanes + l.ty;
+        if (r < rows) {
+            load(j, r * channels + l.c0);
+        }
+    }
+    for (u32 j = 0; j < BN_V8_ROWS; ++j) {
+        const u32 r = (blockIdx.x * BN_V8_ROWS + j) * l.lanes + l.ty;
+        if (r < rows) {
+            finish(j, r * channels + l.c0);
+        }
+    }
 }
 
 __device__ __forceinline__ void bn_load8(float out[8], const float* __restrict__ v, u32 c0) {
@@ -516,15 +529,9 @@ extern "C" __global__ void bn_apply_v8_f16(BnApplyParams p, const hr_half* __res
     bn_load8(sc, scale, l.c0);
     bn_load8(sh, shift, l.c0);
     HalfVec8 xv[BN_V8_ROWS] = {};
-    for (u32 j = 0; j < BN_V8_ROWS; ++j) {
-        const u32 r = bn_apply_row(l, j, p.rows);
-        if (r < p.rows) {
-            xv[j] = hr_ld_vec8(x + r * p.channels + l.c0);
-        }
-    }
-    for (u32 j = 0; j < BN_V8_ROWS; ++j) {
-        const u32 r = bn_apply_row(l, j, p.rows);
-        if (r < p.rows) {
+    bn_apply_rows(
+        l, p.rows, p.channels, [&](u32 j, u32 i) { xv[j] = hr_ld_vec8(x + i); },
+        [&](u32 j, u32 i) {
             float out[8];
             for (u32 e = 0; e < 8; ++e) {
                 float v = fmaf(hr_vec8_at(xv[j], e), sc[e], sh[e]);
@@ -533,9 +540,8 @@ extern "C" __global__ void bn_apply_v8_f16(BnApplyParams p, const hr_half* __res
                 }
                 out[e] = v;
             }
-            hr_st_vec8(y + r * p.channels + l.c0, hr_vec8_of(out));
-        }
-    }
+            hr_st_vec8(y + i, hr_vec8_of(out));
+        });
 }
 
 extern "C" __global__ void bn_apply_add_v8_f16(BnApplyParams p, const hr_half* __restrict__ x,
@@ -552,16 +558,13 @@ extern "C" __global__ void bn_apply_add_v8_f16(BnApplyParams p, const hr_half* _
     bn_load8(sh, shift, l.c0);
     HalfVec8 xv[BN_V8_ROWS] = {};
     HalfVec8 sv[BN_V8_ROWS] = {};
-    for (u32 j = 0; j < BN_V8_ROWS; ++j) {
-        const u32 r = bn_apply_row(l, j, p.rows);
-        if (r < p.rows) {
-            xv[j] = hr_ld_vec8(x + r * p.channels + l.c0);
-            sv[j] = hr_ld_vec8(skip + r * p.channels + l.c0);
-        }
-    }
-    for (u32 j = 0; j < BN_V8_ROWS; ++j) {
-        const u32 r = bn_apply_row(l, j, p.rows);
-        if (r < p.rows) {
+    bn_apply_rows(
+        l, p.rows, p.channels,
+        [&](u32 j, u32 i) {
+            xv[j] = hr_ld_vec8(x + i);
+            sv[j] = hr_ld_vec8(skip + i);
+        },
+        [&](u32 j, u32 i) {
             float out[8];
             for (u32 e = 0; e < 8; ++e) {
                 const float v = hr_round<hr_half>(fmaf(hr_vec8_at(xv[j], e), sc[e], sh[e]));
@@ -571,9 +574,8 @@ extern "C" __global__ void bn_apply_add_v8_f16(BnApplyParams p, const hr_half* _
                 }
                 out[e] = s;
             }
-            hr_st_vec8(y + r * p.channels + l.c0, hr_vec8_of(out));
-        }
-    }
+            hr_st_vec8(y + i, hr_vec8_of(out));
+        });
 }
 
 // As bn_backward_apply_k (the mask from x, scale and shift).
@@ -595,16 +597,13 @@ extern "C" __global__ void bn_backward_apply_v8_f16(
     bn_load8(cd, coef_d, l.c0);
     HalfVec8 gv[BN_V8_ROWS] = {};
     HalfVec8 xv[BN_V8_ROWS] = {};
-    for (u32 j = 0; j < BN_V8_ROWS; ++j) {
-        const u32 r = bn_apply_row(l, j, p.rows);
-        if (r < p.rows) {
-            gv[j] = hr_ld_vec8(g + r * p.channels + l.c0);
-            xv[j] = hr_ld_vec8(x + r * p.channels + l.c0);
-        }
-    }
-    for (u32 j = 0; j < BN_V8_ROWS; ++j) {
-        const u32 r = bn_apply_row(l, j, p.rows);
-        if (r < p.rows) {
+    bn_apply_rows(
+        l, p.rows, p.channels,
+        [&](u32 j, u32 i) {
+            gv[j] = hr_ld_vec8(g + i);
+            xv[j] = hr_ld_vec8(x + i);
+        },
+        [&](u32 j, u32 i) {
             float out[8];
             for (u32 e = 0; e < 8; ++e) {
                 const float xe = hr_vec8_at(xv[j], e);
@@ -614,9 +613,8 @@ extern "C" __global__ void bn_backward_apply_v8_f16(
                 }
                 out[e] = bn_dx(ck[e], ge, cb[e], xe - mu[e], cd[e]);
             }
-            hr_st_vec8(dx + r * p.channels + l.c0, hr_vec8_of(out));
-        }
-    }
+            hr_st_vec8(dx + i, hr_vec8_of(out));
+        });
 }
 
 extern "C" __global__ void bn_stats_partial_v8_f16(BnDims d, const hr_half* __restrict__ x,

@@ -59,39 +59,65 @@ struct NarrowParams {
 };
 HR_CHECK_SIZE(NarrowParams, 100);
 
+// The forward's taps of output pixel `row`, in (ky, kx) order, those
+// inside the input: body(xs, tap), xs the input's channels at the tap.
+template <typename T, typename Body>
+__device__ __forceinline__ void narrow_taps(const NarrowParams& p, const T* x, u32 row, Body body) {
+    const u32 opix = p.oh * p.ow;
+    const u32 img = hr_div(p.by_opix, row);
+    const u32 pix = row - img * opix;
+    const u32 oy = hr_div(p.by_ow, pix);
+    const u32 ox = pix - oy * p.ow;
+    for (u32 ky = 0; ky < p.k; ++ky) {
+        const int iy = (int)(oy * p.stride + ky) - (int)p.pad;
+        if (iy < 0 || iy >= (int)p.h) {
+            continue;
+        }
+        for (u32 kx = 0; kx < p.k; ++kx) {
+            const int ix = (int)(ox * p.stride + kx) - (int)p.pad;
+            if (ix < 0 || ix >= (int)p.w) {
+                continue;
+            }
+            body(x + ((img * p.h + (u32)iy) * p.w + (u32)ix) * p.cin, ky * p.k + kx);
+        }
+    }
+}
+
+// The element of x that weight (ky, kx, ci) multiplies for output pixel
+// `row`, or null where the tap falls in the padding.
+template <typename T>
+__device__ __forceinline__ const T* narrow_tap_input(const NarrowParams& p, const T* x, u32 row, u32 ky,
+                                                     u32 kx, u32 ci) {
+    const u32 opix = p.oh * p.ow;
+    const u32 img = hr_div(p.by_opix, row);
+    const u32 pix = row - img * opix;
+    const u32 oy = hr_div(p.by_ow, pix);
+    const u32 ox = pix - oy * p.ow;
+    const int iy = (int)(oy * p.stride + ky) - (int)p.pad;
+    const int ix = (int)(ox * p.stride + kx) - (int)p.pad;
+    if (iy < 0 || iy >= (int)p.h || ix < 0 || ix >= (int)p.w) {
+        return nullptr;
+    }
+    return x + ((img * p.h + (u32)iy) * p.w + (u32)ix) * p.cin + ci;
+}
+
 template <typename T>
 __device__ void narrow_forward_k(NarrowParams p, const T* __restrict__ x,
                                  const T* __restrict__ wt, T* __restrict__ y) {
-    const u32 opix = p.oh * p.ow;
-    HR_FOR_EACH(row, p.n * opix) {
-        const u32 img = hr_div(p.by_opix, row);
-        const u32 pix = row - img * opix;
-        const u32 oy = hr_div(p.by_ow, pix);
-        const u32 ox = pix - oy * p.ow;
+    HR_FOR_EACH(row, p.n * p.oh * p.ow) {
         float acc[NARROW_COUT] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (u32 ky = 0; ky < p.k; ++ky) {
-            const int iy = (int)(oy * p.stride + ky) - (int)p.pad;
-            if (iy < 0 || iy >= (int)p.h) {
-                continue;
-            }
-            for (u32 kx = 0; kx < p.k; ++kx) {
-                const int ix = (int)(ox * p.stride + kx) - (int)p.pad;
-                if (ix < 0 || ix >= (int)p.w) {
-                    continue;
-                }
-                const T* xs = x + ((img * p.h + (u32)iy) * p.w + (u32)ix) * p.cin;
-                const T* ws = wt + (ky * p.k + kx) * p.cin * p.cout;
-                for (u32 ci = 0; ci < p.cin; ++ci) {
-                    const float v = hr_ld(xs[ci]);
+        narrow_taps(p, x, row, [&](const T* xs, u32 tap) {
+            const T* ws = wt + tap * p.cin * p.cout;
+            for (u32 ci = 0; ci < p.cin; ++ci) {
+                const float v = hr_ld(xs[ci]);
 #pragma unroll
-                    for (u32 co = 0; co < NARROW_COUT; ++co) {
-                        if (co < p.cout) {
-                            acc[co] += v * hr_ld(ws[ci * p.cout + co]);
-                        }
+                for (u32 co = 0; co < NARROW_COUT; ++co) {
+                    if (co < p.cout) {
+                        acc[co] += v * hr_ld(ws[ci * p.cout + co]);
                     }
                 }
             }
-        }
+        });
 #pragma unroll
         for (u32 co = 0; co < NARROW_COUT; ++co) {
             if (co < p.cout) {
@@ -150,23 +176,15 @@ __device__ void narrow_wgrad_k(NarrowParams p, const T* __restrict__ x,
     const u32 ci = tap_ci - tap * p.cin;
     const u32 ky = tap / p.k;
     const u32 kx = tap - ky * p.k;
-    const u32 opix = p.oh * p.ow;
-    const u32 rows = p.n * opix;
+    const u32 rows = p.n * p.oh * p.ow;
     const u32 r0 = blockIdx.y * p.rows_per_split;
     const u32 r1 = min(r0 + p.rows_per_split, rows);
     float acc = 0.0f;
     for (u32 row = r0; row < r1; ++row) {
-        const u32 img = hr_div(p.by_opix, row);
-        const u32 pix = row - img * opix;
-        const u32 oy = hr_div(p.by_ow, pix);
-        const u32 ox = pix - oy * p.ow;
-        const int iy = (int)(oy * p.stride + ky) - (int)p.pad;
-        const int ix = (int)(ox * p.stride + kx) - (int)p.pad;
-        if (iy < 0 || iy >= (int)p.h || ix < 0 || ix >= (int)p.w) {
-            continue;
+        const T* xe = narrow_tap_input(p, x, row, ky, kx, ci);
+        if (xe != nullptr) {
+            acc += hr_ld(*xe) * hr_ld(dy[row * p.cout + co]);
         }
-        const float v = hr_ld(x[((img * p.h + (u32)iy) * p.w + (u32)ix) * p.cin + ci]);
-        acc += v * hr_ld(dy[row * p.cout + co]);
     }
     partial[blockIdx.y * n_w + j] = acc;
 }
@@ -174,36 +192,20 @@ __device__ void narrow_wgrad_k(NarrowParams p, const T* __restrict__ x,
 // Thread e: output pixel 8e / cout, outputs 8e mod cout .. + 7.
 extern "C" __global__ void thin_forward_f16(NarrowParams p, const hr_half* __restrict__ x,
                                             const hr_half* __restrict__ wt, hr_half* __restrict__ y) {
-    const u32 opix = p.oh * p.ow;
-    HR_FOR_EACH(e, p.n * opix * (p.cout / 8u)) {
+    HR_FOR_EACH(e, p.n * p.oh * p.ow * (p.cout / 8u)) {
         const u32 row = hr_div(p.by_cout, 8u * e);
         const u32 co = 8u * e - row * p.cout;
-        const u32 img = hr_div(p.by_opix, row);
-        const u32 pix = row - img * opix;
-        const u32 oy = hr_div(p.by_ow, pix);
-        const u32 ox = pix - oy * p.ow;
         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (u32 ky = 0; ky < p.k; ++ky) {
-            const int iy = (int)(oy * p.stride + ky) - (int)p.pad;
-            if (iy < 0 || iy >= (int)p.h) {
-                continue;
-            }
-            for (u32 kx = 0; kx < p.k; ++kx) {
-                const int ix = (int)(ox * p.stride + kx) - (int)p.pad;
-                if (ix < 0 || ix >= (int)p.w) {
-                    continue;
-                }
-                const hr_half* xs = x + ((img * p.h + (u32)iy) * p.w + (u32)ix) * p.cin;
-                const hr_half* ws = wt + (ky * p.k + kx) * p.cin * p.cout + co;
-                for (u32 ci = 0; ci < p.cin; ++ci) {
-                    const float v = hr_ld(xs[ci]);
-                    const HalfVec8 w8 = hr_ld_vec8(ws + ci * p.cout);
-                    for (u32 j = 0; j < 8; ++j) {
-                        acc[j] = fmaf(v, hr_vec8_at(w8, j), acc[j]);
-                    }
+        narrow_taps(p, x, row, [&](const hr_half* xs, u32 tap) {
+            const hr_half* ws = wt + tap * p.cin * p.cout + co;
+            for (u32 ci = 0; ci < p.cin; ++ci) {
+                const float v = hr_ld(xs[ci]);
+                const HalfVec8 w8 = hr_ld_vec8(ws + ci * p.cout);
+                for (u32 j = 0; j < 8; ++j) {
+                    acc[j] = fmaf(v, hr_vec8_at(w8, j), acc[j]);
                 }
             }
-        }
+        });
         hr_st_vec8(y + row * p.cout + co, hr_vec8_of(acc));
     }
 }
@@ -228,23 +230,17 @@ extern "C" __global__ void thin_wgrad_f16(NarrowParams p, const hr_half* __restr
     const u32 ci = tap_ci - tap * p.cin;
     const u32 ky = tap / p.k;
     const u32 kx = tap - ky * p.k;
-    const u32 opix = p.oh * p.ow;
-    const u32 rows = p.n * opix;
+    const u32 rows = p.n * p.oh * p.ow;
     const u32 r0 = blockIdx.x * p.rows_per_split;
     const u32 r1 = min(r0 + p.rows_per_split, rows);
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     if (lane < lanes) {
         for (u32 row = r0 + lane; row < r1; row += lanes) {
-            const u32 img = hr_div(p.by_opix, row);
-            const u32 pix = row - img * opix;
-            const u32 oy = hr_div(p.by_ow, pix);
-            const u32 ox = pix - oy * p.ow;
-            const int iy = (int)(oy * p.stride + ky) - (int)p.pad;
-            const int ix = (int)(ox * p.stride + kx) - (int)p.pad;
-            if (iy < 0 || iy >= (int)p.h || ix < 0 || ix >= (int)p.w) {
+            const hr_half* xe = narrow_tap_input(p, x, row, ky, kx, ci);
+            if (xe == nullptr) {
                 continue;
             }
-            const float v = hr_ld(x[((img * p.h + (u32)iy) * p.w + (u32)ix) * p.cin + ci]);
+            const float v = hr_ld(*xe);
             const HalfVec8 g8 = hr_ld_vec8(dy + row * p.cout + co);
             for (u32 j = 0; j < 8; ++j) {
                 acc[j] = fmaf(v, hr_vec8_at(g8, j), acc[j]);

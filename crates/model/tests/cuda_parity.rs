@@ -1340,6 +1340,23 @@ fn kernel_runs(names: &[&str]) -> Option<u64> {
     )
 }
 
+/// `conv_parity` (forward and both gradients) and then
+/// `conv_params_only_parity` (dW alone, as a first layer asks) for `case`,
+/// the first counted on the emulator: `kernels` must run `runs` times.
+fn counted_conv_parity(be: &CudaBackend, case: &ConvCase, kernels: &[&str], runs: u64, seed: u64) {
+    let before = kernel_runs(kernels);
+    conv_parity(be, case, seed);
+    if let (Some(before), Some(after)) = (before, kernel_runs(kernels)) {
+        assert_eq!(
+            after - before,
+            runs,
+            "runs of {kernels:?} for {:?}",
+            case.shape
+        );
+    }
+    conv_params_only_parity(be, case, seed + 50);
+}
+
 /// A convolution's shape, its fields in order.
 #[allow(clippy::too_many_arguments)]
 fn conv_shape(
@@ -1426,12 +1443,8 @@ fn implicit_gemm_convolution_matches_the_cpu_layer() {
         (conv(3, 9, 9, 16, 24, 3, 2, 1), true, one_split, 7),
     ]);
     for (i, (shape, bias, plan, runs)) in cases.enumerate() {
-        let before = kernel_runs(&IMPLICIT_KERNELS);
-        conv_parity(&be, &ConvCase { shape, bias, plan }, 300 + 10 * i as u64);
-        if let (Some(before), Some(after)) = (before, kernel_runs(&IMPLICIT_KERNELS)) {
-            assert_eq!(after - before, runs, "implicit kernel runs for {shape:?}");
-        }
-        conv_params_only_parity(&be, &ConvCase { shape, bias, plan }, 350 + 10 * i as u64);
+        let case = ConvCase { shape, bias, plan };
+        counted_conv_parity(&be, &case, &IMPLICIT_KERNELS, runs, 300 + 10 * i as u64);
     }
 }
 
@@ -1612,12 +1625,7 @@ fn narrow_convolution_matches_the_cpu_layer() {
     ];
     for (i, (shape, bias, plan)) in cases.into_iter().enumerate() {
         let case = ConvCase { shape, bias, plan };
-        let before = kernel_runs(&NARROW_KERNELS);
-        conv_parity(&be, &case, 600 + 10 * i as u64);
-        if let (Some(before), Some(after)) = (before, kernel_runs(&NARROW_KERNELS)) {
-            assert_eq!(after - before, 3, "narrow kernel runs for {shape:?}");
-        }
-        conv_params_only_parity(&be, &case, 650 + 10 * i as u64);
+        counted_conv_parity(&be, &case, &NARROW_KERNELS, 3, 600 + 10 * i as u64);
         narrow_f32_parity(&be, &case, 680 + 10 * i as u64);
     }
 }
@@ -1659,12 +1667,7 @@ fn thin_convolution_matches_the_cpu_layer() {
     ];
     for (i, (shape, bias, plan, runs)) in cases.into_iter().enumerate() {
         let case = ConvCase { shape, bias, plan };
-        let before = kernel_runs(&THIN_KERNELS);
-        conv_parity(&be, &case, 700 + 10 * i as u64);
-        if let (Some(before), Some(after)) = (before, kernel_runs(&THIN_KERNELS)) {
-            assert_eq!(after - before, runs, "thin kernel runs for {shape:?}");
-        }
-        conv_params_only_parity(&be, &case, 750 + 10 * i as u64);
+        counted_conv_parity(&be, &case, &THIN_KERNELS, runs, 700 + 10 * i as u64);
     }
 }
 

@@ -53,8 +53,8 @@ mod conv_narrow;
 mod frames;
 mod sequence;
 use conv_narrow::{
-    narrow_fits, narrow_forward, narrow_grad_input, narrow_wgrad, thin_fits, thin_forward,
-    thin_wgrad,
+    direct_wgrad, narrow_fits, narrow_forward, narrow_grad_input, thin_fits, thin_forward,
+    DirectWgrad,
 };
 pub use frames::*;
 pub use sequence::*;
@@ -2395,14 +2395,16 @@ fn conv2d_backward_into(
         return Ok(());
     }
     if narrow_fits(plan, &s) {
-        narrow_wgrad(be, x, dy, weight_grad, &s, (oh, ow), plan.workspace)?;
+        let kind = DirectWgrad::Narrow;
+        direct_wgrad(be, x, dy, weight_grad, &s, (oh, ow), plan.workspace, kind)?;
         if let Some(dx) = input_grad {
             narrow_grad_input(be, dy, weight, dx, &s, (oh, ow))?;
         }
         return Ok(());
     }
     if thin_fits(be, plan, dtype, &s, weight) {
-        thin_wgrad(be, x, dy, weight_grad, &s, (oh, ow), plan.workspace)?;
+        let kind = DirectWgrad::Thin;
+        direct_wgrad(be, x, dy, weight_grad, &s, (oh, ow), plan.workspace, kind)?;
         if let Some(dx) = input_grad {
             narrow_grad_input(be, dy, weight, dx, &s, (oh, ow))?;
         }

@@ -107,38 +107,6 @@ pub(super) fn thin_forward(
     Ok(())
 }
 
-/// dW [k, k, cin, cout] += the weight gradient by `thin_wgrad_f16`: f32
-/// partial sums over fixed splits of the output pixels (as
-/// `narrow_wgrad`'s), added by `wgrad_reduce` in split order.
-pub(super) fn thin_wgrad(
-    be: &CudaBackend,
-    x: &CudaTensor,
-    dy: &CudaTensor,
-    weight_grad: &mut CudaViewMut<'_, f32>,
-    s: &ConvShape,
-    out: (usize, usize),
-    workspace: usize,
-) -> CudaResult<()> {
-    let (splits, rows_per_split, n_w) = wgrad_splits(s, out, workspace)?;
-    let mut partial = CudaTensor::uninit(be, &[splits * n_w], DType::F32)?;
-    let p = params(s, out, rows_per_split);
-    let f = be.function(&k::THIN_WGRAD)?;
-    let cfg = LaunchConfig {
-        grid_dim: (splits as u32, 1, 1),
-        block_dim: (THIN_THREADS as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut b = be.compute_stream().launch_builder(&f);
-    b.arg(&p).arg(x).arg(dy).arg(&mut partial);
-    // SAFETY: thin_wgrad_f16(NarrowParams, const half* x, const half* dy,
-    // float* partial [splits, k·k·cin·cout]): shapes checked by the caller;
-    // thin_fits: k·k·cin·cout/8 ≤ THIN_THREADS, the block's width, and dy's
-    // rows of cout (a multiple of 8) on 16 bytes; block x writes only its
-    // split's n_w partials.
-    unsafe { b.launch(cfg) }.during("thin weight gradient")?;
-    add_weight_partials(be, &partial, weight_grad, splits)
-}
-
 /// The weight gradient's splits of the output pixels (at most `SPLITS`,
 /// at least `MIN_SPLIT_ROWS` pixels each where there are that many, no
 /// more partial sums than `workspace` holds): (splits, pixels a split,
@@ -203,10 +171,22 @@ pub(super) fn narrow_grad_input(
     Ok(())
 }
 
-/// dW [k, k, cin, cout] += the weight gradient: f32 partial sums over
-/// fixed splits of the output pixels, then `wgrad_reduce` adds them in
-/// split order (no atomics: the same bits every run).
-pub(super) fn narrow_wgrad(
+/// The direct weight-gradient kernels of conv_narrow.cu.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum DirectWgrad {
+    /// `narrow_wgrad`: a thread per weight (any cout; f16 or f32).
+    Narrow,
+    /// `thin_wgrad_f16`: a thread per 8 outputs of a (tap, input channel)
+    /// and row lane (`thin_fits` shapes).
+    Thin,
+}
+
+/// dW [k, k, cin, cout] += the weight gradient by `kind`'s kernel: f32
+/// partial sums over fixed splits of the output pixels, then
+/// `wgrad_reduce` adds them in split order (no atomics: the same bits
+/// every run).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn direct_wgrad(
     be: &CudaBackend,
     x: &CudaTensor,
     dy: &CudaTensor,
@@ -214,22 +194,37 @@ pub(super) fn narrow_wgrad(
     s: &ConvShape,
     out: (usize, usize),
     workspace: usize,
+    kind: DirectWgrad,
 ) -> CudaResult<()> {
     let (splits, rows_per_split, n_w) = wgrad_splits(s, out, workspace)?;
     let mut partial = CudaTensor::uninit(be, &[splits * n_w], DType::F32)?;
     let p = params(s, out, rows_per_split);
-    let f = be.function(k::NARROW_WGRAD.of(x.dtype()))?;
+    let (f, grid_dim, block) = match kind {
+        DirectWgrad::Narrow => (
+            be.function(k::NARROW_WGRAD.of(x.dtype()))?,
+            (n_w.div_ceil(BLOCK as usize) as u32, splits as u32, 1),
+            BLOCK,
+        ),
+        DirectWgrad::Thin => (
+            be.function(&k::THIN_WGRAD)?,
+            (splits as u32, 1, 1),
+            THIN_THREADS as u32,
+        ),
+    };
     let cfg = LaunchConfig {
-        grid_dim: (n_w.div_ceil(BLOCK as usize) as u32, splits as u32, 1),
-        block_dim: (BLOCK, 1, 1),
+        grid_dim,
+        block_dim: (block, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut b = be.compute_stream().launch_builder(&f);
     b.arg(&p).arg(x).arg(dy).arg(&mut partial);
-    // SAFETY: narrow_wgrad_T(NarrowParams, const T* x, const T* dy, float*
-    // partial [splits, k·k·cin·cout]): shapes checked by the caller; block
-    // row y writes only its split's n_w partials, threads past n_w return,
-    // and splits ≤ SPLITS keeps grid y under 65536.
-    unsafe { b.launch(cfg) }.during("narrow weight gradient")?;
+    // SAFETY: narrow_wgrad_T / thin_wgrad_f16 (NarrowParams, const T* x,
+    // const T* dy, float* partial [splits, k·k·cin·cout]): shapes checked
+    // by the caller. narrow: block row y writes only its split's n_w
+    // partials, threads past n_w return, and splits ≤ SPLITS keeps grid y
+    // under 65536. thin (thin_fits): k·k·cin·cout/8 ≤ THIN_THREADS, the
+    // block's width, dy's rows of cout (a multiple of 8) on 16 bytes, and
+    // block x writes only its split's n_w partials.
+    unsafe { b.launch(cfg) }.during("direct weight gradient")?;
     add_weight_partials(be, &partial, weight_grad, splits)
 }
