@@ -1787,8 +1787,8 @@ fn by_eight(dtype: DType, channels: usize) -> bool {
     dtype == DType::F16 && channels.is_multiple_of(8)
 }
 
-/// Rows each thread of a `_v8` apply kernel takes in one span
-/// (batchnorm.cu `BN_V8_ROWS`).
+/// Rows each thread of a `_v8` apply kernel takes, their loads issued
+/// together (batchnorm.cu `BN_V8_ROWS`).
 const BN_V8_ROWS: usize = 4;
 
 /// A batch norm's per-element pass over [rows, c] (apply, apply + add, the
