@@ -622,6 +622,7 @@ for name, what in (("bench-no-graphs", "without CUDA graphs (device.graphs=false
                    ("bench-workspace-64", "with a 64 MiB im2col workspace (device.conv_workspace=64MiB)"),
                    ("bench-workspace-4", "with a 4 MiB im2col workspace (device.conv_workspace=4MiB)"),
                    ("bench-torch-graphs", "beside PyTorch with CUDA graphs (torch.compile mode=\"reduce-overhead\")"),
+                   ("bench-profile", "the default step layer by layer (--profile), without PyTorch"),
                    ("bench-implicit-gemm", "with the implicit-GEMM convolution kernel (device.conv_algorithm=implicit_gemm)"),
                    ("bench-im2col", "every convolution through im2col + cuBLAS (device.conv_algorithm=im2col)"),
                    ("bench-baseline", "the same step built from the bundle's bin/baseline-xtask.gz, an earlier build (the A of an A/B on this GPU)")):
@@ -712,9 +713,11 @@ step oom oom-budget-reactive hr train --no-install --set device.kind=cuda --set 
 
 # 8. What the step's choices cost or give: CUDA graphs off, outputs kept
 # instead of recomputed, and our tensor-core convolution (conv_mma.cu)
-# against im2col + cuBLAS, layer by layer.
+# against im2col + cuBLAS, layer by layer (bench-profile: the default's
+# layers, a few seconds where the bench step with PyTorch takes minutes).
 step bench bench-no-graphs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.graphs=false
 step bench bench-keep-outputs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.recompute=false
+step bench bench-profile hr bench --device cuda --profile "${BENCH_ARGS[@]}"
 step bench bench-implicit-gemm hr bench --device cuda --profile "${BENCH_ARGS[@]}" \
     --set device.conv_algorithm=implicit_gemm
 step bench bench-im2col hr bench --device cuda --profile "${BENCH_ARGS[@]}" \
