@@ -21,8 +21,9 @@
 // s (and likewise kx), so each product gathers only those (for 3x3 and
 // stride 2, 1, 2, 2 or 4 of the 9) instead of multiplying the zeros of
 // the taps the stride skips; a class no tap reaches (a 1x1 stride-2
-// convolution's odd pixels) is a product of depth 0, which writes zeros. The weight gradient (wgrad_k, below) gathers A the same way and
-// sums over the pixels in per-block partials.
+// convolution's odd pixels) is a product of depth 0, which writes zeros.
+// The weight gradient (wgrad_k, below) gathers A the same way and sums
+// over the pixels in per-block partials.
 //
 // Tiles: a block of 128 threads (4 warps) computes 128 rows x BN columns
 // (BN = 32 or 64) in steps of 32 along K, warp w owning rows 32w..32w+31
