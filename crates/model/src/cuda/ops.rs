@@ -52,10 +52,7 @@ use super::{CudaError, CudaResult};
 mod conv_narrow;
 mod frames;
 mod sequence;
-use conv_narrow::{
-    direct_wgrad, narrow_fits, narrow_forward, narrow_grad_input, thin_fits, thin_forward,
-    DirectWgrad,
-};
+use conv_narrow::{direct_forward, direct_kind, direct_wgrad, narrow_grad_input};
 pub use frames::*;
 pub use sequence::*;
 
@@ -2233,10 +2230,8 @@ pub fn conv2d_forward(
             1.0,
             0.0,
         )?;
-    } else if narrow_fits(plan, &s) {
-        narrow_forward(be, x, weight, &mut y, &s, (oh, ow))?;
-    } else if thin_fits(be, plan, dtype, &s, weight) {
-        thin_forward(be, x, weight, &mut y, &s, (oh, ow))?;
+    } else if let Some(kind) = direct_kind(be, plan, dtype, &s, weight) {
+        direct_forward(be, x, weight, &mut y, &s, (oh, ow), kind)?;
     } else if implicit_fits(be, plan, dtype, &s, weight) {
         implicit_conv(be, x, weight, &mut y, &s, (oh, ow), false)?;
     } else {
@@ -2394,17 +2389,9 @@ fn conv2d_backward_into(
         }
         return Ok(());
     }
-    if narrow_fits(plan, &s) {
-        let kind = DirectWgrad::Narrow;
+    if let Some(kind) = direct_kind(be, plan, dtype, &s, weight) {
         direct_wgrad(be, x, dy, weight_grad, &s, (oh, ow), plan.workspace, kind)?;
-        if let Some(dx) = input_grad {
-            narrow_grad_input(be, dy, weight, dx, &s, (oh, ow))?;
-        }
-        return Ok(());
-    }
-    if thin_fits(be, plan, dtype, &s, weight) {
-        let kind = DirectWgrad::Thin;
-        direct_wgrad(be, x, dy, weight_grad, &s, (oh, ow), plan.workspace, kind)?;
+        // The narrow kernels' gather takes any cout: the thin shapes' too.
         if let Some(dx) = input_grad {
             narrow_grad_input(be, dy, weight, dx, &s, (oh, ow))?;
         }

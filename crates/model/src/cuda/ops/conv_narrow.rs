@@ -28,12 +28,6 @@ const NARROW_COUT: usize = 7;
 const SPLITS: usize = 1024;
 const MIN_SPLIT_ROWS: usize = 256;
 
-/// Whether `Auto` runs convolution `s` with the narrow kernels (a 1×1 one
-/// with stride 1 and no padding is a plain matrix product before this).
-pub(super) fn narrow_fits(plan: ConvPlan, s: &ConvShape) -> bool {
-    plan.algorithm == ConvAlgorithm::Auto && s.cout <= NARROW_COUT
-}
-
 fn params(s: &ConvShape, (oh, ow): (usize, usize), rows_per_split: usize) -> NarrowParams {
     let by = |d: usize| FastDiv::new(d as u32);
     NarrowParams {
@@ -63,47 +57,77 @@ fn params(s: &ConvShape, (oh, ow): (usize, usize), rows_per_split: usize) -> Nar
 /// this many k·k·cin·cout/8.
 const THIN_THREADS: usize = 256;
 
-/// Whether `Auto` runs convolution `s` with the thin kernels: f16, input
-/// channels not a multiple of 8 (the implicit kernels take those), outputs
-/// a multiple of 8 (16-byte rows of y, W and dy, W on 16 bytes), at most
-/// `THIN_THREADS` groups of (tap, input channel, 8 outputs), and not a
-/// plain matrix product (1×1, stride 1, no padding).
-pub(super) fn thin_fits(
+/// The direct kernels of conv_narrow.cu that `Auto` runs a convolution
+/// with, where a matrix product would be a few columns wide or deep.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Direct {
+    /// To fewer than 8 outputs (`NARROW_COUT`), f16 or f32: a thread per
+    /// output pixel, per input element, per weight.
+    Narrow,
+    /// f16 from input channels not a multiple of 8 (the implicit kernels
+    /// take those) to a multiple of 8 outputs (16-byte rows of y, W and dy,
+    /// W on 16 bytes), at most `THIN_THREADS` groups of (tap, input
+    /// channel, 8 outputs): a first layer.
+    Thin,
+}
+
+/// Which direct kernels `Auto` runs convolution `s` with, if any (a 1×1
+/// one with stride 1 and no padding is a plain matrix product before
+/// this).
+pub(super) fn direct_kind(
     be: &CudaBackend,
     plan: ConvPlan,
     dtype: DType,
     s: &ConvShape,
     weight: &AnyView<'_>,
-) -> bool {
-    plan.algorithm == ConvAlgorithm::Auto
-        && dtype == DType::F16
+) -> Option<Direct> {
+    if plan.algorithm != ConvAlgorithm::Auto || s.is_pointwise() {
+        None
+    } else if s.cout <= NARROW_COUT {
+        Some(Direct::Narrow)
+    } else if dtype == DType::F16
         && !s.cin.is_multiple_of(8)
         && s.cout.is_multiple_of(8)
         && s.kk() * s.cout / 8 <= THIN_THREADS
-        && !s.is_pointwise()
         && weight.is_aligned_to(be.compute_stream(), 16)
+    {
+        Some(Direct::Thin)
+    } else {
+        None
+    }
 }
 
-/// y [n, oh, ow, cout] = conv(x, W) by `thin_forward_f16`.
-pub(super) fn thin_forward(
+/// y [n, oh, ow, cout] = conv(x, W) in x's type by `kind`'s forward.
+pub(super) fn direct_forward(
     be: &CudaBackend,
     x: &CudaTensor,
     weight: &AnyView<'_>,
     y: &mut CudaTensor,
     s: &ConvShape,
     out: (usize, usize),
+    kind: Direct,
 ) -> CudaResult<()> {
-    let total = checked_len("thin convolution", &[s.n, out.0, out.1, s.cout])?;
+    checked_len("direct convolution", &[s.n, s.h, s.w, s.cin])?;
+    let total = checked_len("direct convolution", &[s.n, out.0, out.1, s.cout])?;
     let p = params(s, out, 0);
-    let f = be.function(&k::THIN_FORWARD)?;
+    let (f, threads) = match kind {
+        Direct::Narrow => (
+            be.function(k::NARROW_FORWARD.of(x.dtype()))?,
+            total / s.cout,
+        ),
+        Direct::Thin => (be.function(&k::THIN_FORWARD)?, total / 8),
+    };
     let mut b = be.compute_stream().launch_builder(&f);
     b.arg(&p).arg(x).arg(weight).arg(y);
-    // SAFETY: thin_forward_f16(NarrowParams, const half* x [n, h, w, cin],
-    // const half* w [k, k, cin, cout], half* y [n, oh, ow, cout]): the
-    // caller checked x's and W's shapes and made y; thin_fits: f16, cout a
-    // multiple of 8 and W on 16 bytes (y is a whole tensor), so the
-    // 16-byte accesses are aligned; a thread per 8 outputs.
-    unsafe { b.launch(elementwise(total / 8)) }.during("thin convolution forward")?;
+    // SAFETY: narrow_forward_T / thin_forward_f16 (NarrowParams, const T* x
+    // [n, h, w, cin], const T* w [k, k, cin, cout], T* y [n, oh, ow, cout]):
+    // the caller checked x's and W's shapes and made y in x's type; every
+    // index fits in 32 bits (ConvShape::check and the checks above).
+    // narrow: a thread per output pixel, cout ≤ NARROW_COUT. thin
+    // (direct_kind): f16, cout a multiple of 8 and W on 16 bytes (y is a
+    // whole tensor), so the 16-byte accesses are aligned; a thread per 8
+    // outputs.
+    unsafe { b.launch(elementwise(threads)) }.during("direct convolution forward")?;
     Ok(())
 }
 
@@ -124,29 +148,6 @@ fn wgrad_splits(
     let splits = rows.div_ceil(rows_per_split);
     checked_len("convolution weight gradient", &[splits, n_w])?;
     Ok((splits, rows_per_split, n_w))
-}
-
-/// y [n, oh, ow, cout] = conv(x, W), in x's type.
-pub(super) fn narrow_forward(
-    be: &CudaBackend,
-    x: &CudaTensor,
-    weight: &AnyView<'_>,
-    y: &mut CudaTensor,
-    s: &ConvShape,
-    out: (usize, usize),
-) -> CudaResult<()> {
-    checked_len("narrow convolution", &[s.n, s.h, s.w, s.cin])?;
-    let p = params(s, out, 0);
-    let f = be.function(k::NARROW_FORWARD.of(x.dtype()))?;
-    let mut b = be.compute_stream().launch_builder(&f);
-    b.arg(&p).arg(x).arg(weight).arg(y);
-    // SAFETY: narrow_forward_T(NarrowParams, const T* x [n, h, w, cin],
-    // const T* w [k, k, cin, cout], T* y [n, oh, ow, cout]): the caller
-    // checked x's and W's shapes and made y [n, oh, ow, cout] in x's type;
-    // cout ≤ NARROW_COUT (narrow_fits), and every index fits in 32 bits
-    // (ConvShape::check and the check above).
-    unsafe { b.launch(elementwise(s.n * out.0 * out.1)) }.during("narrow convolution forward")?;
-    Ok(())
 }
 
 /// dX [n, h, w, cin] = the input gradient of dy, overwritten.
@@ -171,16 +172,6 @@ pub(super) fn narrow_grad_input(
     Ok(())
 }
 
-/// The direct weight-gradient kernels of conv_narrow.cu.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum DirectWgrad {
-    /// `narrow_wgrad`: a thread per weight (any cout; f16 or f32).
-    Narrow,
-    /// `thin_wgrad_f16`: a thread per 8 outputs of a (tap, input channel)
-    /// and row lane (`thin_fits` shapes).
-    Thin,
-}
-
 /// dW [k, k, cin, cout] += the weight gradient by `kind`'s kernel: f32
 /// partial sums over fixed splits of the output pixels, then
 /// `wgrad_reduce` adds them in split order (no atomics: the same bits
@@ -194,18 +185,18 @@ pub(super) fn direct_wgrad(
     s: &ConvShape,
     out: (usize, usize),
     workspace: usize,
-    kind: DirectWgrad,
+    kind: Direct,
 ) -> CudaResult<()> {
     let (splits, rows_per_split, n_w) = wgrad_splits(s, out, workspace)?;
     let mut partial = CudaTensor::uninit(be, &[splits * n_w], DType::F32)?;
     let p = params(s, out, rows_per_split);
     let (f, grid_dim, block) = match kind {
-        DirectWgrad::Narrow => (
+        Direct::Narrow => (
             be.function(k::NARROW_WGRAD.of(x.dtype()))?,
             (n_w.div_ceil(BLOCK as usize) as u32, splits as u32, 1),
             BLOCK,
         ),
-        DirectWgrad::Thin => (
+        Direct::Thin => (
             be.function(&k::THIN_WGRAD)?,
             (splits as u32, 1, 1),
             THIN_THREADS as u32,
@@ -222,7 +213,7 @@ pub(super) fn direct_wgrad(
     // const T* dy, float* partial [splits, k·k·cin·cout]): shapes checked
     // by the caller. narrow: block row y writes only its split's n_w
     // partials, threads past n_w return, and splits ≤ SPLITS keeps grid y
-    // under 65536. thin (thin_fits): k·k·cin·cout/8 ≤ THIN_THREADS, the
+    // under 65536. thin (direct_kind): k·k·cin·cout/8 ≤ THIN_THREADS, the
     // block's width, dy's rows of cout (a multiple of 8) on 16 bytes, and
     // block x writes only its split's n_w partials.
     unsafe { b.launch(cfg) }.during("direct weight gradient")?;
