@@ -43,6 +43,7 @@ fn meta() -> CheckpointMeta {
         step: 40,
         consecutive_skips: 0,
         progress: EpochProgress::default(),
+        tuned_convs: Vec::new(),
     }
 }
 

@@ -621,3 +621,119 @@ fn a_unet_conv_lstm_trains_on_the_gpu_path_as_on_the_cpu() {
         "copy-last baseline {gb} vs {cb}"
     );
 }
+
+/// `device.conv_algorithm = "tune"`: the checkpoints keep the kernels the
+/// run chose for each product of its convolutions, and a resumed run takes
+/// them from the checkpoint it resumes from instead of timing again. On the
+/// emulator both resumes are checked: with the choices as saved, the
+/// resumed run ends with the uninterrupted run's bits; with every choice in
+/// that checkpoint flipped, the resumed run's own checkpoint holds the
+/// flipped choices (a run that timed again would hold its own).
+#[test]
+fn a_tuned_run_keeps_its_kernels_across_a_resume() {
+    use headroom_model::cuda::ops::{ConvPath, ConvProduct};
+    if !cuda_path_available("cuda_training") {
+        return;
+    }
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 128, 64);
+    let out = tempfile::tempdir().unwrap();
+    let config = smoke_config(
+        data.path(),
+        out.path(),
+        &[
+            "device.kind=cuda",
+            "device.conv_algorithm=tune",
+            "train.epochs=2",
+            "augment.crop_padding=0",
+        ],
+    );
+    train(&config, &TrainOptions::default()).unwrap();
+    let straight_bits = final_state_bits(out.path());
+    let files = checkpoint::list(out.path()).unwrap();
+    let [first, last] = &files[..] else {
+        panic!("two checkpoints: {files:?}")
+    };
+    let tuned = checkpoint::load(last).unwrap().meta.tuned_convs;
+    // The basic block's 16 → 16 and the strided 16 → 32 convolutions at
+    // batch 32, each product (the stem, 1 → 16, runs the thin kernels).
+    for (cin, cout, stride) in [(16, 16, 1), (16, 32, 2)] {
+        let products: Vec<ConvProduct> = tuned
+            .iter()
+            .filter(|t| {
+                (t.shape.n, t.shape.cin, t.shape.cout, t.shape.stride) == (32, cin, cout, stride)
+            })
+            .map(|t| t.product)
+            .collect();
+        assert_eq!(
+            products,
+            [
+                ConvProduct::Forward,
+                ConvProduct::InputGrad,
+                ConvProduct::WeightGrad
+            ],
+            "{cin} → {cout}: {tuned:?}"
+        );
+    }
+    assert!(tuned.iter().all(|t| t.shape.cin % 8 == 0), "{tuned:?}");
+
+    let resume = TrainOptions {
+        resume: Resume::Latest,
+        ..TrainOptions::default()
+    };
+    std::fs::remove_file(last).unwrap();
+    train(&config, &resume).unwrap();
+    assert_eq!(
+        final_state_bits(out.path()),
+        straight_bits,
+        "resumed as saved"
+    );
+
+    std::fs::remove_file(last).unwrap();
+    let mut saved = checkpoint::load(first).unwrap();
+    assert!(!saved.meta.tuned_convs.is_empty());
+    for t in &mut saved.meta.tuned_convs {
+        t.path = match t.path {
+            ConvPath::Implicit => ConvPath::Im2col,
+            ConvPath::Im2col => ConvPath::Implicit,
+        };
+    }
+    checkpoint::write(out.path(), &saved, 2).unwrap();
+    train(&config, &resume).unwrap();
+    let resumed = checkpoint::load(checkpoint::list(out.path()).unwrap().last().unwrap())
+        .unwrap()
+        .meta
+        .tuned_convs;
+    for flipped in &saved.meta.tuned_convs {
+        assert!(
+            resumed.contains(flipped),
+            "{flipped:?} not kept: {resumed:?}"
+        );
+    }
+}
+
+/// `cargo xtask bench --set device.conv_algorithm=tune` reports what the
+/// warm-up step chose for each product (both timings); `auto` tunes nothing.
+#[test]
+fn the_bench_reports_the_tuned_convolutions() {
+    if !cuda_path_available("cuda_training") {
+        return;
+    }
+    let data = tempfile::tempdir().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let tuned = |algorithm: &str| {
+        let setting = format!("device.conv_algorithm={algorithm}");
+        let config = smoke_config(data.path(), out.path(), &["device.kind=cuda", &setting]);
+        headroom_pipeline::bench::training_step(&config, 8, 1, 1, 1, false)
+            .unwrap()
+            .tuned_convs
+    };
+    assert!(tuned("auto").is_empty());
+    let chosen = tuned("tune");
+    // Forward, input and weight gradients of the block's two 16 → 16
+    // convolutions (one shape) and of the strided 16 → 32 one.
+    assert_eq!(chosen.len(), 6, "{chosen:?}");
+    assert!(chosen
+        .iter()
+        .all(|t| t.shape.n == 8 && t.implicit_ms > 0.0 && t.im2col_ms > 0.0));
+}

@@ -128,6 +128,7 @@ fn sample_checkpoint() -> Checkpoint {
             step: 99,
             consecutive_skips: 0,
             progress: EpochProgress::default(),
+            tuned_convs: Vec::new(),
         },
         params: vec![vec![0.5; 300], vec![-1.0; 17]],
         buffers: vec![vec![1.0; 32]],

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
+use headroom_model::cuda::ops::{ConvPath, TunedConv};
 use headroom_pipeline::bench::{self, StepBench, StoreBench};
 use headroom_pipeline::ExperimentConfig;
 use serde::{Deserialize, Serialize};
@@ -392,6 +393,7 @@ fn print_table(report: &Report) {
         );
     }
     print_profiles(report);
+    print_tunings(report);
 }
 
 /// On a GPU the share of the CPU's FMA peak means nothing; peak device
@@ -454,6 +456,7 @@ fn print_gpu_table(report: &Report, device: &str) {
         }
     }
     print_profiles(report);
+    print_tunings(report);
 }
 
 /// Every profiled row's segments (`--profile`).
@@ -465,6 +468,43 @@ fn print_profiles(report: &Report) {
     {
         print_profile(&row.headroom);
     }
+}
+
+/// What `device.conv_algorithm = "tune"` chose in each row that tuned.
+fn print_tunings(report: &Report) {
+    for row in report
+        .rows
+        .iter()
+        .filter(|r| !r.headroom.tuned_convs.is_empty())
+    {
+        println!(
+            "\nconvolutions tuned at batch {} (device.conv_algorithm = \"tune\"), GPU ms, the faster of two timed runs each way:",
+            row.headroom.batch
+        );
+        for t in &row.headroom.tuned_convs {
+            println!("{}", tuning_line(t));
+        }
+    }
+}
+
+fn tuning_line(t: &TunedConv) -> String {
+    let s = &t.shape;
+    let kept = match t.path {
+        ConvPath::Implicit => "implicit",
+        ConvPath::Im2col => "im2col",
+    };
+    format!(
+        "  {k}x{k}/{stride} {cin:>4} -> {cout:<4} at {h}x{w} {product:<11} implicit {implicit:>8.3}  im2col {im2col:>8.3}  -> {kept}",
+        k = s.k,
+        stride = s.stride,
+        cin = s.cin,
+        cout = s.cout,
+        h = s.h,
+        w = s.w,
+        product = format!("{:?}", t.product),
+        implicit = t.implicit_ms,
+        im2col = t.im2col_ms,
+    )
 }
 
 /// A profiled step's segments, longest first.

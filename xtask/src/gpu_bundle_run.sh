@@ -625,6 +625,7 @@ for name, what in (("bench-no-graphs", "without CUDA graphs (device.graphs=false
                    ("bench-profile", "the default step layer by layer (--profile), without PyTorch"),
                    ("bench-implicit-gemm", "with the implicit-GEMM convolution kernel (device.conv_algorithm=implicit_gemm)"),
                    ("bench-im2col", "every convolution through im2col + cuBLAS (device.conv_algorithm=im2col)"),
+                   ("bench-tune", "each convolution's products timed both ways on this GPU, the faster kept (device.conv_algorithm=tune)"),
                    ("bench-baseline", "the same step built from the bundle's bin/baseline-xtask.gz, an earlier build (the A of an A/B on this GPU)")):
     if read(name + ".log").strip():
         lines += ["", what + ":", read(name + ".log").strip()]
@@ -714,7 +715,10 @@ step oom oom-budget-reactive hr train --no-install --set device.kind=cuda --set 
 # 8. What the step's choices cost or give: CUDA graphs off, outputs kept
 # instead of recomputed, and our tensor-core convolution (conv_mma.cu)
 # against im2col + cuBLAS, layer by layer (bench-profile: the default's
-# layers, a few seconds where the bench step with PyTorch takes minutes).
+# layers, a few seconds where the bench step with PyTorch takes minutes);
+# bench-tune times each convolution's products both ways on this GPU and
+# keeps the faster (device.conv_algorithm=tune), and prints what it chose:
+# the figures to set auto's rule by.
 step bench bench-no-graphs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.graphs=false
 step bench bench-keep-outputs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.recompute=false
 step bench bench-profile hr bench --device cuda --profile "${BENCH_ARGS[@]}"
@@ -722,6 +726,8 @@ step bench bench-implicit-gemm hr bench --device cuda --profile "${BENCH_ARGS[@]
     --set device.conv_algorithm=implicit_gemm
 step bench bench-im2col hr bench --device cuda --profile "${BENCH_ARGS[@]}" \
     --set device.conv_algorithm=im2col
+step bench bench-tune hr bench --device cuda --profile "${BENCH_ARGS[@]}" \
+    --set device.conv_algorithm=tune
 # An A/B on this GPU: the bench of an earlier build (bin/baseline-xtask.gz,
 # where the bundle carries one) beside this build's (the bench step's).
 if [ -f "$BUNDLE/bin/baseline-xtask.gz" ]; then

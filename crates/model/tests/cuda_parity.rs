@@ -29,7 +29,9 @@ use std::sync::{Mutex, MutexGuard, Once, OnceLock};
 
 use cudarc::driver::CudaSlice;
 use half::f16;
-use headroom_model::cuda::ops::{self, BatchNormConfig, ConvAlgorithm, ConvPlan, ConvShape};
+use headroom_model::cuda::ops::{
+    self, BatchNormConfig, ConvAlgorithm, ConvPath, ConvPlan, ConvProduct, ConvShape, TunedConv,
+};
 use headroom_model::cuda::params::StepState;
 use headroom_model::cuda::{
     blas_workspace_bytes, kernels, AnyView, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork,
@@ -1584,6 +1586,123 @@ fn auto_picks_the_convolution_algorithm_by_shape() {
             assert_eq!(after - before, runs, "implicit kernel runs for {shape:?}");
         }
     }
+}
+
+/// Runs of conv_mma.cu's kernels (and the reduce of its dW) for one
+/// convolution of stride 1: forward 1, input gradient 1, weight gradient 2.
+fn implicit_runs(product: ConvProduct) -> u64 {
+    match product {
+        ConvProduct::Forward | ConvProduct::InputGrad => 1,
+        ConvProduct::WeightGrad => 2,
+    }
+}
+
+/// This backend's tuned products of convolution `s`.
+fn tuned_of(be: &CudaBackend, s: ConvShape) -> Vec<TunedConv> {
+    let all = be.tuned_convolutions();
+    all.into_iter().filter(|t| t.shape == s).collect()
+}
+
+/// `device.conv_algorithm = "tune"`: the first forward and backward of a
+/// shape time each product both ways (a warm-up and two timed runs each),
+/// keep the faster, and still match the CPU layer (the weight gradient,
+/// which accumulates, timed into scratch: dW once, not seven times); the
+/// next run of the shape times nothing and runs the kept ways. Choices
+/// restored from a checkpoint are run as given, mixed per product (each
+/// mix of im2col for one gradient and the implicit kernel for the other
+/// against the CPU layer), and a shape first met in a graph capture takes
+/// `auto`'s rule without a timing.
+#[test]
+fn tune_times_each_product_once_and_keeps_the_faster() {
+    let be = gpu_or_skip!();
+    let plan = ConvPlan {
+        algorithm: ConvAlgorithm::Tune,
+        ..ConvPlan::default()
+    };
+    let case = |shape| ConvCase {
+        shape,
+        bias: true,
+        plan,
+    };
+    let s = conv_shape(2, 8, 8, 16, 24, 3, 1, 1);
+    let before = kernel_runs(&IMPLICIT_KERNELS);
+    conv_parity(&be, &case(s), 700);
+    let tuned = tuned_of(&be, s);
+    let products: Vec<ConvProduct> = tuned.iter().map(|t| t.product).collect();
+    let all = [
+        ConvProduct::Forward,
+        ConvProduct::InputGrad,
+        ConvProduct::WeightGrad,
+    ];
+    assert_eq!(products, all, "{tuned:?}");
+    let mut kept_runs = 0;
+    for t in &tuned {
+        assert!(t.implicit_ms > 0.0 && t.im2col_ms > 0.0, "{t:?}");
+        let faster = if t.implicit_ms <= t.im2col_ms {
+            ConvPath::Implicit
+        } else {
+            ConvPath::Im2col
+        };
+        assert_eq!(t.path, faster, "{t:?}");
+        kept_runs += u64::from(t.path == ConvPath::Implicit) * implicit_runs(t.product);
+    }
+    let every_product: u64 = all.iter().map(|&p| implicit_runs(p)).sum();
+    if let (Some(before), Some(after)) = (before, kernel_runs(&IMPLICIT_KERNELS)) {
+        assert_eq!(
+            after - before,
+            3 * every_product + kept_runs,
+            "while tuning"
+        );
+    }
+    let before = kernel_runs(&IMPLICIT_KERNELS);
+    conv_parity(&be, &case(s), 710);
+    if let (Some(before), Some(after)) = (before, kernel_runs(&IMPLICIT_KERNELS)) {
+        assert_eq!(after - before, kept_runs, "once tuned");
+    }
+    assert_eq!(tuned_of(&be, s), tuned, "no second timing");
+
+    // Restored choices, as a resumed run has them.
+    use ConvPath::{Im2col, Implicit};
+    let mixes = [
+        [Im2col, Implicit, Implicit],
+        [Implicit, Im2col, Implicit],
+        [Implicit, Implicit, Im2col],
+        [Im2col, Im2col, Im2col],
+    ];
+    for (i, mix) in mixes.into_iter().enumerate() {
+        let s = conv_shape(2, 6, 6, 8, 16 + 8 * i, 3, 1, 1);
+        let restored: Vec<TunedConv> = all
+            .iter()
+            .zip(mix)
+            .map(|(&product, path)| TunedConv {
+                shape: s,
+                product,
+                path,
+                implicit_ms: 1.0,
+                im2col_ms: 1.0,
+            })
+            .collect();
+        be.restore_tuned_convolutions(&restored);
+        let runs = all
+            .iter()
+            .zip(mix)
+            .map(|(&p, path)| u64::from(path == Implicit) * implicit_runs(p))
+            .sum();
+        counted_conv_parity(&be, &case(s), &IMPLICIT_KERNELS, runs, 720 + 10 * i as u64);
+        assert_eq!(tuned_of(&be, s), restored, "{mix:?}");
+    }
+
+    // In a capture: auto's rule (the implicit kernel for this shape), no
+    // timing, nothing kept.
+    let s = conv_shape(2, 6, 6, 16, 16, 3, 1, 1);
+    let w = upload_f16(&be, &random_vec(s.kk() * s.cout, 780, 0.3));
+    let x = upload(&be, &random(&[s.n, s.h, s.w, s.cin], 781, 1.0, 0.0));
+    let in_use = be.begin_capture().unwrap();
+    let y = ops::conv2d_forward(&be, &x, &AnyView::F16(w.as_view()), None, s, plan);
+    drop(y.expect("a convolution in a capture"));
+    let graph = be.end_capture(in_use).unwrap();
+    drop(graph);
+    assert!(tuned_of(&be, s).is_empty(), "tuned in a capture");
 }
 
 /// conv_narrow.cu's kernels.

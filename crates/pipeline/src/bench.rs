@@ -13,6 +13,7 @@ use headroom_loader::{
     Batch, DataLoader, Dataset, IdxDataset, LoaderConfig, ShardCacheConfig, ShardedDataset,
     ShuffleMode, Split,
 };
+use headroom_model::cuda::ops::TunedConv;
 use headroom_model::memory::MemoryPool;
 use headroom_model::Device;
 use serde::{Deserialize, Serialize};
@@ -58,6 +59,10 @@ pub struct StepBench {
     /// the CPU they are wall time between marks. Empty when not asked.
     #[serde(default)]
     pub profile: Vec<ProfileRow>,
+    /// What `device.conv_algorithm = "tune"` chose for each product of the
+    /// step's convolutions, with both timings (empty under other settings).
+    #[serde(default)]
+    pub tuned_convs: Vec<TunedConv>,
 }
 
 /// One segment of a profiled step.
@@ -126,6 +131,7 @@ pub fn training_step(
             conv_algorithm: format!("{:?}", headroom_model::layers::conv_algorithm())
                 .to_lowercase(),
             profile,
+            tuned_convs: learner.tuned_convolutions(),
         })
     })
 }

@@ -1,7 +1,8 @@
 //! One file per checkpoint:
 //!
 //! ```text
-//! "HDRMCKPT" | version u32 | meta length u64 | meta (bincode, ≤ 16 MiB)
+//! "HDRMCKPT" | version u32 | meta length u64 | meta (bincode, ≤ 16 MiB;
+//!     from version 4 it ends with the tuned convolutions)
 //!   | 4 tensor lists: params, buffers, Adam first and second moments,
 //!     each: count u32, then per tensor: length u64 + f32 LE values
 //!   | AdamW step u64 | loss scale: 0 u8, or 1 u8 + scale f32 + clean steps u32
@@ -26,6 +27,7 @@ use std::fs::{self, File};
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
+use headroom_model::cuda::ops::TunedConv;
 use headroom_model::memory::try_scratch;
 use headroom_model::ModelSpec;
 use headroom_optim::{AdamWState, LossScalerState};
@@ -35,8 +37,9 @@ use crate::learner::{write_list, LearnerState, StateWriter};
 use crate::{PipelineError, Result};
 
 const MAGIC: &[u8; 8] = b"HDRMCKPT";
-/// 3 adds the loss scaler's state after the optimizer step; 2 is still read.
-const FORMAT_VERSION: u32 = 3;
+/// 3 adds the loss scaler's state after the optimizer step, 4 the tuned
+/// convolutions to the meta; 2 and 3 are still read.
+const FORMAT_VERSION: u32 = 4;
 const OLDEST_READABLE: u32 = 2;
 const MAX_META_BYTES: usize = 16 << 20;
 const PREFIX: &str = "checkpoint-";
@@ -63,6 +66,38 @@ pub struct CheckpointMeta {
     pub consecutive_skips: u64,
     /// The epoch's running figures, so its summary survives a resume.
     pub progress: EpochProgress,
+    /// The ways `device.conv_algorithm = "tune"` chose for the run's
+    /// convolutions, so that a resumed run keeps its kernels (and bits).
+    pub tuned_convs: Vec<TunedConv>,
+}
+
+/// The meta of formats 2 and 3, before the tuned convolutions.
+#[derive(Deserialize)]
+struct MetaBeforeTuning {
+    config_fingerprint: u32,
+    config_json: String,
+    model_json: String,
+    epoch: u64,
+    batches_done: usize,
+    step: u64,
+    consecutive_skips: u64,
+    progress: EpochProgress,
+}
+
+impl From<MetaBeforeTuning> for CheckpointMeta {
+    fn from(m: MetaBeforeTuning) -> Self {
+        CheckpointMeta {
+            config_fingerprint: m.config_fingerprint,
+            config_json: m.config_json,
+            model_json: m.model_json,
+            epoch: m.epoch,
+            batches_done: m.batches_done,
+            step: m.step,
+            consecutive_skips: m.consecutive_skips,
+            progress: m.progress,
+            tuned_convs: Vec::new(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -403,7 +438,7 @@ impl<R: Read> Source<R> {
                 "format version {version}, this build reads {OLDEST_READABLE} to {FORMAT_VERSION}"
             )));
         }
-        let meta = self.meta()?;
+        let meta = self.meta(version)?;
         let lists = [
             self.tensors()?,
             self.tensors()?,
@@ -426,7 +461,7 @@ impl<R: Read> Source<R> {
         Ok(Checkpoint::new(meta, state))
     }
 
-    fn meta(&mut self) -> std::result::Result<CheckpointMeta, Fault> {
+    fn meta(&mut self, version: u32) -> std::result::Result<CheckpointMeta, Fault> {
         let meta_len = u64::from_le_bytes(self.array()?);
         if meta_len > MAX_META_BYTES as u64 || meta_len > self.remaining {
             return Err(Fault::Format(format!(
@@ -435,12 +470,14 @@ impl<R: Read> Source<R> {
         }
         let mut bytes = vec![0; meta_len as usize];
         self.fill(&mut bytes)?;
-        let (meta, _) = bincode::serde::decode_from_slice::<CheckpointMeta, _>(
-            &bytes,
-            bincode::config::standard().with_limit::<MAX_META_BYTES>(),
-        )
-        .map_err(|e| Fault::Format(format!("cannot decode metadata: {e}")))?;
-        Ok(meta)
+        let config = bincode::config::standard().with_limit::<MAX_META_BYTES>();
+        let meta = if version >= 4 {
+            bincode::serde::decode_from_slice::<CheckpointMeta, _>(&bytes, config).map(|m| m.0)
+        } else {
+            bincode::serde::decode_from_slice::<MetaBeforeTuning, _>(&bytes, config)
+                .map(|m| m.0.into())
+        };
+        meta.map_err(|e| Fault::Format(format!("cannot decode metadata: {e}")))
     }
 
     fn loss_scale(&mut self) -> std::result::Result<Option<LossScalerState>, Fault> {
@@ -729,6 +766,22 @@ mod tests {
                     skipped: 0,
                     train_seconds: 0.25,
                 },
+                tuned_convs: vec![TunedConv {
+                    shape: headroom_model::cuda::ops::ConvShape {
+                        n: 128,
+                        h: 28,
+                        w: 28,
+                        cin: 32,
+                        cout: 64,
+                        k: 3,
+                        stride: 2,
+                        pad: 1,
+                    },
+                    product: headroom_model::cuda::ops::ConvProduct::InputGrad,
+                    path: headroom_model::cuda::ops::ConvPath::Implicit,
+                    implicit_ms: 0.125,
+                    im2col_ms: 0.25,
+                }],
             },
             params: vec![vec![1.0, -2.5], vec![3.0]],
             buffers: vec![vec![0.5]],
@@ -744,13 +797,47 @@ mod tests {
         }
     }
 
+    /// `checkpoint`'s file as format 3 wrote it: the meta without its last
+    /// field, the tuned convolutions (a list of none: one byte).
+    fn format_3_bytes(checkpoint: &Checkpoint) -> Vec<u8> {
+        assert!(checkpoint.meta.tuned_convs.is_empty());
+        let mut bytes = checkpoint.encode().unwrap();
+        bytes[8..12].copy_from_slice(&3u32.to_le_bytes());
+        let meta_len = u64::from_le_bytes(bytes[12..20].try_into().unwrap());
+        assert_eq!(bytes[20 + meta_len as usize - 1], 0, "an empty list");
+        bytes.remove(20 + meta_len as usize - 1);
+        bytes[12..20].copy_from_slice(&(meta_len - 1).to_le_bytes());
+        bytes.truncate(bytes.len() - 4);
+        let crc = crc32fast::hash(&bytes);
+        bytes.extend_from_slice(&crc.to_le_bytes());
+        bytes
+    }
+
+    #[test]
+    fn a_format_3_file_without_tuned_convolutions_still_loads() {
+        let mut checkpoint = sample(12);
+        checkpoint.meta.tuned_convs.clear();
+        let bytes = format_3_bytes(&checkpoint);
+        let loaded = Checkpoint::decode(&bytes, Path::new("v3.ckpt")).unwrap();
+        assert_eq!(loaded, checkpoint);
+        // The same bytes claiming format 4 lack the meta's last field.
+        let mut claimed = bytes.clone();
+        claimed[8..12].copy_from_slice(&4u32.to_le_bytes());
+        claimed.truncate(claimed.len() - 4);
+        let crc = crc32fast::hash(&claimed);
+        claimed.extend_from_slice(&crc.to_le_bytes());
+        let err = Checkpoint::decode(&claimed, Path::new("v4.ckpt")).unwrap_err();
+        assert!(err.to_string().contains("cannot decode metadata"), "{err}");
+    }
+
     #[test]
     fn a_format_2_file_without_a_loss_scale_still_loads() {
-        let checkpoint = Checkpoint {
+        let mut checkpoint = Checkpoint {
             loss_scale: None,
             ..sample(12)
         };
-        let mut bytes = checkpoint.encode().unwrap();
+        checkpoint.meta.tuned_convs.clear();
+        let mut bytes = format_3_bytes(&checkpoint);
         // Format 2: version 2 and no loss-scale flag before the checksum.
         bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
         bytes.truncate(bytes.len() - 5);

@@ -333,7 +333,11 @@ pub struct DeviceConfig {
     /// newer, else im2col), or "auto" (the default: each convolution by its
     /// shape, implicit GEMM for stride 1 and at most 64 channels, direct
     /// kernels for fewer than 8 output channels, im2col elsewhere; the
-    /// fastest of the three on an H100). No effect on the CPU.
+    /// fastest of the three on an H100), or "tune" (auto's direct kernels,
+    /// and each other product timed both ways on this GPU the first time
+    /// its shape runs, the faster kept; the choices are saved with the
+    /// checkpoints, so a resumed run keeps them, but two runs may choose,
+    /// and so compute, differently). No effect on the CPU.
     #[serde(default = "default_conv_algorithm")]
     pub conv_algorithm: String,
     /// Fault injection for tests: fail an allocation at these steps ...
@@ -1103,12 +1107,13 @@ impl ExperimentConfig {
             "im2col" => ConvAlgorithm::Im2col,
             "implicit_gemm" => ConvAlgorithm::ImplicitGemm,
             "auto" => ConvAlgorithm::Auto,
-            other => {
-                return Err(PipelineError::value(
-                    "device.conv_algorithm",
-                    format!("expected \"im2col\", \"implicit_gemm\" or \"auto\", got \"{other}\""),
-                ))
-            }
+            "tune" => ConvAlgorithm::Tune,
+            other => return Err(PipelineError::value(
+                "device.conv_algorithm",
+                format!(
+                    "expected \"im2col\", \"implicit_gemm\", \"auto\" or \"tune\", got \"{other}\""
+                ),
+            )),
         };
         Ok(ConvPlan {
             algorithm,

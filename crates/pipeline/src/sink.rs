@@ -460,6 +460,7 @@ mod tests {
                 step,
                 consecutive_skips: 0,
                 progress: Default::default(),
+                tuned_convs: Vec::new(),
             },
             params: vec![vec![0.5; 4]],
             buffers: Vec::new(),

@@ -23,6 +23,7 @@ use crate::resume::{self, Resume};
 use crate::rundir;
 use crate::sink::{self, EpochSummary, Event, SinkLink, SinkSettings, StepReport};
 use crate::{data, PipelineError, Result};
+use headroom_model::cuda::ops::TunedConv;
 use headroom_model::cuda::{CudaBuildOptions, DType};
 
 #[derive(Clone, Debug, Default)]
@@ -469,6 +470,9 @@ fn restore(trainee: &mut Trainee, saved: Checkpoint) -> std::result::Result<(), 
         optimizer: saved.optimizer,
         loss_scale: saved.loss_scale,
     })?;
+    trainee
+        .learner
+        .restore_tuned_convolutions(&meta.tuned_convs);
     trainee.position = Position {
         epoch: meta.epoch,
         batches_done: meta.batches_done,
@@ -512,7 +516,8 @@ fn checkpoint_now(
     memory: &mut MemoryGuard,
 ) -> Result<()> {
     events.take_checkpoint_token()?;
-    let meta = checkpoint_meta(config, &trainee.position);
+    let tuned_convs = trainee.learner.tuned_convolutions();
+    let meta = checkpoint_meta(config, &trainee.position, tuned_convs);
     match memory.snapshot(trainee.learner.as_mut(), meta.step)? {
         Some(state) => events.send(Event::Checkpoint(Box::new(Checkpoint::new(meta, state))))?,
         None => write_with_no_copy(config, &meta, trainee.learner.as_mut(), events, memory)?,
@@ -865,7 +870,11 @@ fn record_step(trainee: &mut Trainee, submitted: &Submitted, result: StepResult)
     }
 }
 
-fn checkpoint_meta(config: &ExperimentConfig, position: &Position) -> CheckpointMeta {
+fn checkpoint_meta(
+    config: &ExperimentConfig,
+    position: &Position,
+    tuned_convs: Vec<TunedConv>,
+) -> CheckpointMeta {
     let position = position.clone();
     CheckpointMeta {
         config_fingerprint: config.fingerprint(),
@@ -876,5 +885,6 @@ fn checkpoint_meta(config: &ExperimentConfig, position: &Position) -> Checkpoint
         step: position.step,
         consecutive_skips: position.consecutive_skips,
         progress: position.progress,
+        tuned_convs,
     }
 }

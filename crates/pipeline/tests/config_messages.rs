@@ -118,7 +118,7 @@ fn the_conv_workspace_is_a_positive_byte_size() {
 }
 
 #[test]
-fn the_conv_algorithm_is_im2col_implicit_gemm_or_auto() {
+fn the_conv_algorithm_is_im2col_implicit_gemm_auto_or_tune() {
     use headroom_model::cuda::ops::{ConvAlgorithm, ConvPlan, CONV_SCRATCH_BYTES};
     assert_eq!(
         load(&[]).unwrap().conv_plan().unwrap(),
@@ -142,8 +142,10 @@ fn the_conv_algorithm_is_im2col_implicit_gemm_or_auto() {
             workspace: 4 << 20,
         }
     );
+    let tune = load(&["device.conv_algorithm=tune"]).unwrap();
+    assert_eq!(tune.conv_plan().unwrap().algorithm, ConvAlgorithm::Tune);
     let err = load(&["device.conv_algorithm=winograd"]).unwrap_err();
     assert!(err.contains("device.conv_algorithm"), "{err}");
-    assert!(err.contains("\"implicit_gemm\" or \"auto\""), "{err}");
+    assert!(err.contains("\"auto\" or \"tune\""), "{err}");
     assert!(err.contains("winograd"), "{err}");
 }

@@ -14,6 +14,7 @@ use cudarc::nvrtc::Ptx;
 
 use super::error::{alloc_error, Context};
 use super::kernels::{self, KernelSig, Target};
+use super::ops::ConvTuning;
 use super::profile::Profiler;
 use super::{libs, CudaError, CudaResult};
 use crate::profile::ProfileSegment;
@@ -222,6 +223,8 @@ pub struct CudaBackend {
     memory: Arc<DeviceMemory>,
     pool: Option<MemPool>,
     profiler: Profiler,
+    /// `device.conv_algorithm = "tune"`'s choices (ops/conv_tune.rs).
+    conv_tuning: ConvTuning,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -347,6 +350,7 @@ impl CudaBackend {
             memory: Arc::new(DeviceMemory::default()),
             pool,
             profiler: Profiler::default(),
+            conv_tuning: ConvTuning::default(),
         };
         backend.size_blas_workspace(None)?;
         Ok(backend)
@@ -354,6 +358,10 @@ impl CudaBackend {
 
     pub fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    pub(crate) fn conv_tuning(&self) -> &ConvTuning {
+        &self.conv_tuning
     }
 
     /// Starts timing the compute stream's work between marks (see

@@ -50,9 +50,13 @@ use super::tensor::{
 use super::{CudaError, CudaResult};
 
 mod conv_narrow;
+mod conv_tune;
 mod frames;
 mod sequence;
 use conv_narrow::{direct_forward, direct_kind, direct_wgrad, narrow_grad_input};
+use conv_tune::choose_path;
+pub(crate) use conv_tune::ConvTuning;
+pub use conv_tune::{ConvPath, ConvProduct, TunedConv};
 pub use frames::*;
 pub use sequence::*;
 
@@ -1658,7 +1662,7 @@ fn bn_backward(
 
 /// Shapes of one convolution; the weight is [k, k, cin, cout] = W[K, cout]
 /// with K = k·k·cin, as in the CPU's `Conv2d`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct ConvShape {
     pub n: usize,
     pub h: usize,
@@ -1859,7 +1863,7 @@ impl Default for ConvPlan {
     }
 }
 
-/// The products of a convolution's forward and input gradient.
+/// How the products of a convolution run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ConvAlgorithm {
     /// An im2col matrix in a workspace, multiplied by cuBLAS.
@@ -1878,6 +1882,19 @@ pub enum ConvAlgorithm {
     /// same, so its bits (and a resumed run's) do not depend on how a
     /// timing fell.
     Auto,
+    /// `Auto`'s direct kernels, and for the rest each product timed both
+    /// ways (implicit GEMM and im2col) on this GPU the first time its shape
+    /// runs, the faster kept (`conv_tune.rs`). Two runs may choose, and so
+    /// compute, differently; a resumed run keeps its checkpoint's choices.
+    Tune,
+}
+
+impl ConvAlgorithm {
+    /// Whether the algorithm picks kernels by the convolution's shape
+    /// (`Auto`, `Tune`), which takes the direct kernels where they apply.
+    fn by_shape(self) -> bool {
+        matches!(self, ConvAlgorithm::Auto | ConvAlgorithm::Tune)
+    }
 }
 
 /// `ConvAlgorithm::Auto` takes the implicit kernel up to this many channels.
@@ -1890,18 +1907,6 @@ pub enum ConvAlgorithm {
 /// the taps that reach each parity class: `implicit_products`).
 const AUTO_IMPLICIT_CHANNELS: usize = 64;
 
-impl ConvAlgorithm {
-    /// Whether convolution `s` asks for the implicit kernel (which must
-    /// still take its shape: `implicit_fits`).
-    fn wants_implicit(self, s: &ConvShape) -> bool {
-        match self {
-            ConvAlgorithm::Im2col => false,
-            ConvAlgorithm::ImplicitGemm => true,
-            ConvAlgorithm::Auto => s.stride == 1 && s.cin.max(s.cout) <= AUTO_IMPLICIT_CHANNELS,
-        }
-    }
-}
-
 /// Rows of the implicit kernel's block tile (conv_mma.cu `IC_BM`).
 const IMPLICIT_ROWS: usize = 128;
 
@@ -1911,15 +1916,8 @@ const IMPLICIT_ROWS: usize = 128;
 /// network's parameters start at multiples of 8 elements of their group,
 /// `network.rs::PARAM_ALIGN`), and `mma.m16n8k16` and `cp.async` need
 /// sm_80.
-fn implicit_fits(
-    be: &CudaBackend,
-    plan: ConvPlan,
-    dtype: DType,
-    s: &ConvShape,
-    weight: &AnyView<'_>,
-) -> bool {
-    plan.algorithm.wants_implicit(s)
-        && dtype == DType::F16
+fn implicit_takes(be: &CudaBackend, dtype: DType, s: &ConvShape, weight: &AnyView<'_>) -> bool {
+    dtype == DType::F16
         && s.cin.is_multiple_of(8)
         && s.cout.is_multiple_of(8)
         && be.info().arch() >= 80
@@ -2074,7 +2072,7 @@ fn implicit_conv(
         // k·k·cin·cout, out is a whole tensor of n·out_h·out_w·cols; the
         // rows of a product are pixels of out and its taps taps of W, so the
         // kernel reads and writes only inside those (the caller checked the
-        // shapes, and implicit_fits the channel multiples of 8 and the
+        // shapes, and implicit_takes the channel multiples of 8 and the
         // architecture).
         unsafe { b.launch(cfg) }.during("implicit conv")?;
     }
@@ -2155,7 +2153,7 @@ fn implicit_wgrad(
     // SAFETY: implicit_wgrad_nBN_f16(WgradParams, const half* x, const half*
     // dy, float* partial): x [n, h, w, cin] and dy [n, oh, ow, cout] are
     // whole f16 tensors (256-byte aligned for the 16-byte loads; the caller
-    // checked their shapes, implicit_fits the multiples of 8), and block z
+    // checked their shapes, implicit_takes the multiples of 8), and block z
     // writes only its depth·cout slice of partial, which holds splits of them.
     unsafe { b.launch(cfg) }.during("implicit weight gradient")?;
     add_weight_partials(be, &partial, weight_grad, splits)
@@ -2208,10 +2206,6 @@ pub fn conv2d_forward(
     if y.is_empty() {
         return Ok(y);
     }
-    let w_op = Operand {
-        transpose: false,
-        ld: s.cout,
-    };
     if s.is_pointwise() {
         gemm(
             be,
@@ -2224,7 +2218,10 @@ pub fn conv2d_forward(
                 ld: s.cin,
             },
             weight,
-            w_op,
+            Operand {
+                transpose: false,
+                ld: s.cout,
+            },
             &mut y.view_mut(),
             s.cout,
             1.0,
@@ -2232,43 +2229,67 @@ pub fn conv2d_forward(
         )?;
     } else if let Some(kind) = direct_kind(be, plan, dtype, &s, weight) {
         direct_forward(be, x, weight, &mut y, &s, (oh, ow), kind)?;
-    } else if implicit_fits(be, plan, dtype, &s, weight) {
-        implicit_conv(be, x, weight, &mut y, &s, (oh, ow), false)?;
     } else {
-        let kk = s.kk();
-        let ipc = images_per_chunk(&s, opix, plan.workspace, dtype);
-        let mut a = CudaTensor::uninit(be, &[ipc * opix * kk], dtype)?;
-        for n0 in (0..s.n).step_by(ipc) {
-            let images = ipc.min(s.n - n0);
-            let p = s.params(oh, ow, n0, images);
-            im2col(be, x, &p, &mut a, images * opix * kk)?;
-            let rows = images * opix;
-            let mut y_all = y.view_mut();
-            let mut yv = y_all.slice_mut(n0 * opix * s.cout..(n0 + images) * opix * s.cout);
-            gemm(
-                be,
-                rows,
-                s.cout,
-                kk,
-                &a.view().slice(0..rows * kk),
-                Operand {
-                    transpose: false,
-                    ld: kk,
-                },
-                weight,
-                w_op,
-                &mut yv,
-                s.cout,
-                1.0,
-                0.0,
-            )?;
-        }
+        let takes = implicit_takes(be, dtype, &s, weight);
+        let run = |path| forward_by(be, path, x, weight, &mut y, &s, (oh, ow), plan.workspace);
+        let path = choose_path(be, plan, takes, &s, ConvProduct::Forward, run)?;
+        forward_by(be, path, x, weight, &mut y, &s, (oh, ow), plan.workspace)?;
     }
     if let Some(bias) = bias {
         same_len("conv2d", "bias", s.cout, bias.len())?;
         bias_add(be, &mut y.view_mut(), bias)?;
     }
     Ok(y)
+}
+
+/// y = conv(x, W) by `path`, the batch through an im2col workspace of at
+/// most `workspace` bytes in groups of whole images.
+#[allow(clippy::too_many_arguments)]
+fn forward_by(
+    be: &CudaBackend,
+    path: ConvPath,
+    x: &CudaTensor,
+    weight: &AnyView<'_>,
+    y: &mut CudaTensor,
+    s: &ConvShape,
+    (oh, ow): (usize, usize),
+    workspace: usize,
+) -> CudaResult<()> {
+    if path == ConvPath::Implicit {
+        return implicit_conv(be, x, weight, y, s, (oh, ow), false);
+    }
+    let (opix, kk, dtype) = (oh * ow, s.kk(), x.dtype());
+    let ipc = images_per_chunk(s, opix, workspace, dtype);
+    let mut a = CudaTensor::uninit(be, &[ipc * opix * kk], dtype)?;
+    for n0 in (0..s.n).step_by(ipc) {
+        let images = ipc.min(s.n - n0);
+        let p = s.params(oh, ow, n0, images);
+        im2col(be, x, &p, &mut a, images * opix * kk)?;
+        let rows = images * opix;
+        let mut y_all = y.view_mut();
+        let mut yv = y_all.slice_mut(n0 * opix * s.cout..(n0 + images) * opix * s.cout);
+        gemm(
+            be,
+            rows,
+            s.cout,
+            kk,
+            &a.view().slice(0..rows * kk),
+            Operand {
+                transpose: false,
+                ld: kk,
+            },
+            weight,
+            Operand {
+                transpose: false,
+                ld: s.cout,
+            },
+            &mut yv,
+            s.cout,
+            1.0,
+            0.0,
+        )?;
+    }
+    Ok(())
 }
 
 /// Backward: dW += Aᵀ·dY (f32, accumulated), db += Σ dY, returns dX.
@@ -2329,7 +2350,6 @@ fn conv2d_backward_into(
         weight_grad.len(),
     )?;
     let opix = oh * ow;
-    let kk = s.kk();
     if let Some(db) = bias_grad {
         same_len("conv2d backward", "bias gradient", s.cout, db.len())?;
         bias_grad_into(be, dy, db)?;
@@ -2397,14 +2417,120 @@ fn conv2d_backward_into(
         }
         return Ok(());
     }
-    if implicit_fits(be, plan, dtype, &s, weight) {
-        implicit_wgrad(be, x, dy, weight_grad, &s, (oh, ow), plan.workspace)?;
-        if let Some(dx) = input_grad {
-            implicit_conv(be, dy, weight, dx, &s, (oh, ow), true)?;
+    let takes = implicit_takes(be, dtype, &s, weight);
+    let out = (oh, ow);
+    let wgrad_trial = |path| {
+        // Timed into a scratch gradient: the product accumulates.
+        let mut scratch = CudaTensor::zeros(be, &[weight_grad.len()], DType::F32)?;
+        let mut dw = scratch.f32_mut()?.slice_mut(..);
+        weight_grad_by(be, path, x, dy, weight, &mut dw, &s, out, plan.workspace)
+    };
+    let wgrad_path = choose_path(be, plan, takes, &s, ConvProduct::WeightGrad, wgrad_trial)?;
+    let dgrad_path = match input_grad.as_deref_mut() {
+        Some(dx) => {
+            let trial = |path| input_grad_by(be, path, dy, weight, dx, &s, out, plan.workspace);
+            Some(choose_path(
+                be,
+                plan,
+                takes,
+                &s,
+                ConvProduct::InputGrad,
+                trial,
+            )?)
         }
+        None => None,
+    };
+    let mut im2col_dw = None;
+    match wgrad_path {
+        ConvPath::Implicit => implicit_wgrad(be, x, dy, weight_grad, &s, out, plan.workspace)?,
+        ConvPath::Im2col => im2col_dw = Some((x, weight_grad)),
+    }
+    let mut im2col_dx = None;
+    if let Some(dx) = input_grad {
+        match dgrad_path {
+            Some(ConvPath::Implicit) => implicit_conv(be, dy, weight, dx, &s, out, true)?,
+            _ => im2col_dx = Some(dx),
+        }
+    }
+    // Both products by im2col share each group's matrix (as before tuning).
+    im2col_backward(
+        be,
+        dy,
+        weight,
+        im2col_dw,
+        im2col_dx,
+        &s,
+        out,
+        plan.workspace,
+    )
+}
+
+/// dW += Aᵀ·dY by `path`.
+#[allow(clippy::too_many_arguments)]
+fn weight_grad_by(
+    be: &CudaBackend,
+    path: ConvPath,
+    x: &CudaTensor,
+    dy: &CudaTensor,
+    weight: &AnyView<'_>,
+    weight_grad: &mut CudaViewMut<'_, f32>,
+    s: &ConvShape,
+    out: (usize, usize),
+    workspace: usize,
+) -> CudaResult<()> {
+    match path {
+        ConvPath::Implicit => implicit_wgrad(be, x, dy, weight_grad, s, out, workspace),
+        ConvPath::Im2col => im2col_backward(
+            be,
+            dy,
+            weight,
+            Some((x, weight_grad)),
+            None,
+            s,
+            out,
+            workspace,
+        ),
+    }
+}
+
+/// dX = the input gradient by `path` (x is not read: its shape is dX's).
+#[allow(clippy::too_many_arguments)]
+fn input_grad_by(
+    be: &CudaBackend,
+    path: ConvPath,
+    dy: &CudaTensor,
+    weight: &AnyView<'_>,
+    dx: &mut CudaTensor,
+    s: &ConvShape,
+    out: (usize, usize),
+    workspace: usize,
+) -> CudaResult<()> {
+    match path {
+        ConvPath::Implicit => implicit_conv(be, dy, weight, dx, s, out, true),
+        ConvPath::Im2col => im2col_backward(be, dy, weight, None, Some(dx), s, out, workspace),
+    }
+}
+
+/// The backward's products by im2col + cuBLAS, a group of whole images at
+/// a time through a workspace of at most `workspace` bytes: dW += Aᵀ·dY
+/// where `weight_grad` (x, dW) is given, dX = col2im(dY·Wᵀ) where `dx` is.
+/// When both are, each group's matrix serves both (A, then dA in its place).
+#[allow(clippy::too_many_arguments)]
+fn im2col_backward(
+    be: &CudaBackend,
+    dy: &CudaTensor,
+    weight: &AnyView<'_>,
+    mut weight_grad: Option<(&CudaTensor, &mut CudaViewMut<'_, f32>)>,
+    mut dx: Option<&mut CudaTensor>,
+    s: &ConvShape,
+    (oh, ow): (usize, usize),
+    workspace: usize,
+) -> CudaResult<()> {
+    if weight_grad.is_none() && dx.is_none() {
         return Ok(());
     }
-    let ipc = images_per_chunk(&s, opix, plan.workspace, dtype);
+    let (opix, kk, dtype) = (oh * ow, s.kk(), dy.dtype());
+    let ipc = images_per_chunk(s, opix, workspace, dtype);
     let mut a = CudaTensor::uninit(be, &[ipc * opix * kk], dtype)?;
     for n0 in (0..s.n).step_by(ipc) {
         let images = ipc.min(s.n - n0);
@@ -2413,31 +2539,33 @@ fn conv2d_backward_into(
         let dy_all = dy.view();
         let dy_rows = dy_all.slice(n0 * opix * s.cout..(n0 + images) * opix * s.cout);
         // dW[K × cout] += Aᵀ · dY for this group of images.
-        im2col(be, x, &p, &mut a, rows * kk)?;
-        gemm(
-            be,
-            kk,
-            s.cout,
-            rows,
-            &a.view().slice(0..rows * kk),
-            Operand {
-                transpose: true,
-                ld: kk,
-            },
-            &dy_rows,
-            Operand {
-                transpose: false,
-                ld: s.cout,
-            },
-            &mut AnyViewMut::F32(weight_grad.slice_mut(..)),
-            s.cout,
-            1.0,
-            1.0,
-        )?;
-        let Some(dx) = input_grad.as_deref_mut() else {
+        if let Some((x, dw)) = weight_grad.as_mut() {
+            im2col(be, x, &p, &mut a, rows * kk)?;
+            gemm(
+                be,
+                kk,
+                s.cout,
+                rows,
+                &a.view().slice(0..rows * kk),
+                Operand {
+                    transpose: true,
+                    ld: kk,
+                },
+                &dy_rows,
+                Operand {
+                    transpose: false,
+                    ld: s.cout,
+                },
+                &mut AnyViewMut::F32(dw.slice_mut(..)),
+                s.cout,
+                1.0,
+                1.0,
+            )?;
+        }
+        let Some(dx) = dx.as_deref_mut() else {
             continue;
         };
-        // dA = dY · Wᵀ into the same scratch (stream order: after the dW
+        // dA = dY · Wᵀ into the same scratch (stream order: after a dW
         // product has read A), then col2im into dX.
         {
             let mut a_all = a.view_mut();
@@ -2453,7 +2581,10 @@ fn conv2d_backward_into(
                     ld: s.cout,
                 },
                 weight,
-                w_t,
+                Operand {
+                    transpose: true,
+                    ld: s.cout,
+                },
                 &mut av,
                 kk,
                 1.0,

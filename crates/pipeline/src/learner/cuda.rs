@@ -47,6 +47,7 @@
 use std::collections::VecDeque;
 
 use headroom_loader::{Batch, Dataset, SampleRecipe};
+use headroom_model::cuda::ops::TunedConv;
 use headroom_model::cuda::{
     ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, CudaTensor, DType, DeviceBuffer,
     DeviceInfo, InputStaging, Normalization, ProfileSegment, ResidentImages, StagedBatch,
@@ -798,6 +799,14 @@ impl Learner for CudaLearner {
 
     fn device_name(&self) -> String {
         self.be.info().to_string()
+    }
+
+    fn tuned_convolutions(&self) -> Vec<TunedConv> {
+        self.be.tuned_convolutions()
+    }
+
+    fn restore_tuned_convolutions(&mut self, tuned: &[TunedConv]) {
+        self.be.restore_tuned_convolutions(tuned);
     }
 
     /// A quarter of the device budget: the rest is for the model, its

@@ -21,6 +21,7 @@ pub use cuda::{CudaLearner, CudaOptions};
 use std::sync::Arc;
 
 use headroom_loader::{Batch, Dataset};
+use headroom_model::cuda::ops::TunedConv;
 use headroom_model::cuda::{CudaBackend, ProfileSegment};
 use headroom_model::memory::MemoryPool;
 use headroom_model::{BuildOptions, Device, Network, PoolStats};
@@ -283,6 +284,17 @@ pub trait Learner: Send {
     /// Replaces the whole state; refuses (saying why) a state of another
     /// shape, leaving the learner as it was.
     fn restore(&mut self, state: LearnerState) -> std::result::Result<(), String>;
+
+    /// The convolution kernels `device.conv_algorithm = "tune"` chose so
+    /// far (none on the CPU, or under another algorithm): a checkpoint
+    /// keeps them.
+    fn tuned_convolutions(&self) -> Vec<TunedConv> {
+        Vec::new()
+    }
+
+    /// Takes a checkpoint's tuned convolutions, so that a resumed run runs
+    /// the kernels the interrupted one chose.
+    fn restore_tuned_convolutions(&mut self, _tuned: &[TunedConv]) {}
 
     /// Peak bytes one training step of `micro_batch` samples needs beyond
     /// what the learner already holds (a dry run; zeroes gradients).

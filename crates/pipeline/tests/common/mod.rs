@@ -62,6 +62,7 @@ pub fn assert_writes_its_snapshot(learner: &mut dyn Learner) {
         step: 3,
         consecutive_skips: 0,
         progress: Default::default(),
+        tuned_convs: Vec::new(),
     };
     let dir = tempfile::tempdir().unwrap();
     let path =

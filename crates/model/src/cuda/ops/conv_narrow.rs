@@ -9,9 +9,7 @@
 
 use cudarc::driver::{CudaViewMut, LaunchConfig, PushKernelArg};
 
-use super::{
-    add_weight_partials, checked_len, elementwise, ConvAlgorithm, ConvPlan, ConvShape, BLOCK,
-};
+use super::{add_weight_partials, checked_len, elementwise, ConvPlan, ConvShape, BLOCK};
 use crate::cuda::backend::CudaBackend;
 use crate::cuda::error::Context;
 use crate::cuda::kernels as k;
@@ -57,7 +55,7 @@ fn params(s: &ConvShape, (oh, ow): (usize, usize), rows_per_split: usize) -> Nar
 /// this many k·k·cin·cout/8.
 const THIN_THREADS: usize = 256;
 
-/// The direct kernels of conv_narrow.cu that `Auto` runs a convolution
+/// The direct kernels of conv_narrow.cu that `Auto` (and `Tune`) runs a convolution
 /// with, where a matrix product would be a few columns wide or deep.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Direct {
@@ -81,7 +79,7 @@ pub(super) fn direct_kind(
     s: &ConvShape,
     weight: &AnyView<'_>,
 ) -> Option<Direct> {
-    if plan.algorithm != ConvAlgorithm::Auto || s.is_pointwise() {
+    if !plan.algorithm.by_shape() || s.is_pointwise() {
         None
     } else if s.cout <= NARROW_COUT {
         Some(Direct::Narrow)
