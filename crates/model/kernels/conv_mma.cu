@@ -616,6 +616,14 @@ extern "C" __global__ void implicit_wgrad_n64_f16(WgradParams p, const hr_half* 
                                                  const hr_half* __restrict__ dy, float* __restrict__ partial) {
     wgrad_k<64>(p, x, dy, partial);
 }
+
+// Outputs in 128s: each step's tile of x then serves 128 columns of dW
+// instead of 64 (a 64-column tile gathers it twice for 128 outputs), at 64
+// accumulators a thread; 39 KiB of shared memory in three stages.
+extern "C" __global__ void implicit_wgrad_n128_f16(WgradParams p, const hr_half* __restrict__ x,
+                                                  const hr_half* __restrict__ dy, float* __restrict__ partial) {
+    wgrad_k<128>(p, x, dy, partial);
+}
 // Entry points by column tile (32 for 32-channel outputs, 64 otherwise)
 // and product: the forward (W's tile [k][n]) or the input gradient ([n][k]).
 extern "C" __global__ void implicit_conv_n32_f16(ImplicitConvParams p, const hr_half* __restrict__ src,

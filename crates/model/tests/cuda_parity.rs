@@ -1384,13 +1384,14 @@ fn conv_shape(
 }
 
 /// conv_mma.cu's kernels, and conv.cu's reduce of their weight gradient.
-const IMPLICIT_KERNELS: [&str; 7] = [
+const IMPLICIT_KERNELS: [&str; 8] = [
     "implicit_conv_n32_f16",
     "implicit_conv_n64_f16",
     "implicit_dgrad_n32_f16",
     "implicit_dgrad_n64_f16",
     "implicit_wgrad_n32_f16",
     "implicit_wgrad_n64_f16",
+    "implicit_wgrad_n128_f16",
     "wgrad_reduce",
 ];
 
@@ -1418,6 +1419,9 @@ fn implicit_gemm_convolution_matches_the_cpu_layer() {
         (conv(4, 28, 28, 32, 64, 3, 2, 1), false, 7),
         (conv(4, 14, 14, 64, 128, 3, 2, 1), false, 7),
         (conv(4, 7, 7, 128, 128, 3, 1, 1), false, 4),
+        // dW in 128-column tiles (two of them), and 192 outputs: 64s.
+        (conv(2, 4, 4, 16, 256, 3, 1, 1), true, 4),
+        (conv(2, 5, 3, 8, 192, 3, 1, 1), false, 4),
         (conv(3, 7, 7, 8, 24, 3, 1, 1), true, 4),
         (conv(2, 9, 9, 16, 48, 5, 1, 0), false, 4),
         (conv(2, 8, 8, 8, 16, 3, 3, 2), true, 12),
@@ -1443,6 +1447,7 @@ fn implicit_gemm_convolution_matches_the_cpu_layer() {
     let cases = cases.chain([
         (conv(4, 14, 14, 32, 64, 3, 1, 1), false, one_split, 4),
         (conv(3, 9, 9, 16, 24, 3, 2, 1), true, one_split, 7),
+        (conv(2, 9, 9, 8, 128, 3, 1, 1), false, one_split, 4),
     ]);
     for (i, (shape, bias, plan, runs)) in cases.enumerate() {
         let case = ConvCase { shape, bias, plan };
@@ -4608,6 +4613,10 @@ const COVERAGE: &[(&str, &str)] = &[
     ),
     (
         "implicit_wgrad_n64_f16",
+        "implicit_gemm_convolution_matches_the_cpu_layer",
+    ),
+    (
+        "implicit_wgrad_n128_f16",
         "implicit_gemm_convolution_matches_the_cpu_layer",
     ),
     (

@@ -1108,12 +1108,14 @@ impl ExperimentConfig {
             "implicit_gemm" => ConvAlgorithm::ImplicitGemm,
             "auto" => ConvAlgorithm::Auto,
             "tune" => ConvAlgorithm::Tune,
-            other => return Err(PipelineError::value(
-                "device.conv_algorithm",
-                format!(
+            other => {
+                return Err(PipelineError::value(
+                    "device.conv_algorithm",
+                    format!(
                     "expected \"im2col\", \"implicit_gemm\", \"auto\" or \"tune\", got \"{other}\""
                 ),
-            )),
+                ))
+            }
         };
         Ok(ConvPlan {
             algorithm,

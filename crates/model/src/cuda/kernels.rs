@@ -207,6 +207,8 @@ pub const IMPLICIT_WGRAD_N32: KernelSig =
     sig!("conv_mma", "implicit_wgrad_n32_f16", WgradParams, 3);
 pub const IMPLICIT_WGRAD_N64: KernelSig =
     sig!("conv_mma", "implicit_wgrad_n64_f16", WgradParams, 3);
+pub const IMPLICIT_WGRAD_N128: KernelSig =
+    sig!("conv_mma", "implicit_wgrad_n128_f16", WgradParams, 3);
 pub const WGRAD_REDUCE: KernelSig = sig!("conv", "wgrad_reduce", WgradReduceParams, 2);
 /// Direct convolution to fewer than 8 output channels: forward, input
 /// gradient, and the weight gradient's partial sums (reduced by
@@ -416,6 +418,7 @@ pub static FILES: &[KernelFile] = &[
             IMPLICIT_DGRAD_N64,
             IMPLICIT_WGRAD_N32,
             IMPLICIT_WGRAD_N64,
+            IMPLICIT_WGRAD_N128,
         ],
     },
     KernelFile {

@@ -2106,6 +2106,8 @@ fn implicit_wgrad(
     let dw_len = depth * s.cout;
     let (sig, tile_cols) = if s.cout <= 32 {
         (&k::IMPLICIT_WGRAD_N32, 32)
+    } else if s.cout.is_multiple_of(128) {
+        (&k::IMPLICIT_WGRAD_N128, 128)
     } else {
         (&k::IMPLICIT_WGRAD_N64, 64)
     };

@@ -110,7 +110,7 @@ kernel_params! {
         by_row_pix: FastDiv, by_row_w: FastDiv, by_chans: FastDiv, by_taps_x: FastDiv,
         by_stride: FastDiv,
     }
-    /// conv_mma.cu: implicit_wgrad_n32_f16, implicit_wgrad_n64_f16 (the
+    /// conv_mma.cu: implicit_wgrad_n32_f16, _n64_f16, _n128_f16 (the
     /// weight gradient's partial sums, one per split of the pixels).
     WgradParams(80) {
         rows: u32, depth: u32, cout: u32, cin: u32, h: u32, w: u32,
