@@ -494,7 +494,7 @@ fn tuning_line(t: &TunedConv) -> String {
         ConvPath::Im2col => "im2col",
     };
     format!(
-        "  {k}x{k}/{stride} {cin:>4} -> {cout:<4} at {h}x{w} {product:<11} implicit {implicit:>8.3}  im2col {im2col:>8.3}  -> {kept}",
+        "  {k}x{k}/{stride} {cin:>4} -> {cout:<4} in {h}x{w} {product:<11} implicit {implicit:>8.3}  im2col {im2col:>8.3}  -> {kept}",
         k = s.k,
         stride = s.stride,
         cin = s.cin,
