@@ -169,10 +169,11 @@ fn parse_variant(text: &str) -> Result<(ConvAlgorithm, CpuKernels, String), Stri
     let algorithm = match name {
         "direct" => ConvAlgorithm::Direct,
         "winograd" => ConvAlgorithm::Winograd,
+        "winograd4" => ConvAlgorithm::Winograd4,
         "auto" => ConvAlgorithm::Auto,
         other => {
             return Err(format!(
-                "unknown algorithm {other:?} (direct, winograd, auto; add /avx2 for the AVX2 tiles)"
+                "unknown algorithm {other:?} (direct, winograd, winograd4, auto; add /avx2 for the AVX2 tiles)"
             ))
         }
     };

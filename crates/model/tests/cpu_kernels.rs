@@ -3,7 +3,7 @@
 //! same order for every output, so a network's forward and backward must
 //! agree bit for bit, through the direct kernels (the stem, the stride-2
 //! layers) and through Winograd's products (the 3×3 stride-1 layers,
-//! weight gradients included) alike, and the narrow kernels (fewer than 16
+//! weight gradients included, F(2×2, 3×3) and F(4×4, 3×3)) alike, and the narrow kernels (fewer than 16
 //! outputs) compiled for either width. On a CPU without AVX-512 both runs take
 //! the AVX2 tiles and the test says so.
 //!
@@ -72,7 +72,11 @@ fn avx512_and_avx2_tiles_agree_bit_for_bit() {
     if !std::arch::is_x86_feature_detected!("avx512f") {
         eprintln!("this CPU has no AVX-512: both runs take the AVX2 tiles");
     }
-    for algorithm in [ConvAlgorithm::Direct, ConvAlgorithm::Winograd] {
+    for algorithm in [
+        ConvAlgorithm::Direct,
+        ConvAlgorithm::Winograd,
+        ConvAlgorithm::Winograd4,
+    ] {
         let narrow = step(CpuKernels::Avx2, algorithm);
         let wide = step(CpuKernels::Auto, algorithm);
         assert_eq!(narrow.len(), wide.len());

@@ -53,8 +53,42 @@ use super::{par_build, with_scratch, Geom};
 use crate::memory::try_zeroed;
 use crate::{Result, Tensor};
 
-/// Positions of a transformed 4×4 tile.
-const XI: usize = 16;
+/// Which Winograd algorithm: the output tile it computes at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Tile {
+    /// F(2×2, 3×3): 4×4 input patches, 16 multiplies per 4 outputs.
+    F2,
+    /// F(4×4, 3×3): 6×6 input patches, 36 multiplies per 16 outputs.
+    F4,
+}
+
+impl Tile {
+    /// Outputs along each side of a tile.
+    fn m(self) -> usize {
+        match self {
+            Tile::F2 => 2,
+            Tile::F4 => 4,
+        }
+    }
+
+    /// Inputs along each side of a tile's patch (m + 2 for a 3×3 filter).
+    fn alpha(self) -> usize {
+        self.m() + 2
+    }
+
+    /// Positions ξ of a transformed tile.
+    fn xi(self) -> usize {
+        self.alpha() * self.alpha()
+    }
+
+    /// The filter transform G, [α × 3].
+    fn g(self) -> &'static [[f32; 3]] {
+        match self {
+            Tile::F2 => &G2,
+            Tile::F4 => &G4,
+        }
+    }
+}
 
 /// Target bytes of one block of V and M together (per thread): small enough
 /// to stay in the 1 MiB L2 of a Zen core with U's slice, large enough that
@@ -80,6 +114,10 @@ pub(super) fn shape_fits(g: &Geom) -> bool {
 /// The tiling of one image and the block size of one call.
 #[derive(Clone, Copy)]
 struct Plan {
+    tile: Tile,
+    /// `tile.m()` and `tile.xi()`, kept at hand.
+    m: usize,
+    xi: usize,
     h: usize,
     w: usize,
     inputs: usize,
@@ -101,17 +139,21 @@ struct Plan {
 
 impl Plan {
     /// The forward's plan: blocks of ~BLOCK_BYTES, padded chunks of ~PAD_BYTES.
-    fn new(h: usize, w: usize, inputs: usize, outputs: usize) -> Self {
-        let (th, tw) = (h.div_ceil(2), w.div_ceil(2));
-        let padded_image = (2 * th + 2) * (2 * tw + 2) * inputs;
+    fn new(tile: Tile, h: usize, w: usize, inputs: usize, outputs: usize) -> Self {
+        let (m, xi) = (tile.m(), tile.xi());
+        let (th, tw) = (h.div_ceil(m), w.div_ceil(m));
+        let padded_image = (m * th + 2) * (m * tw + 2) * inputs;
         Self {
+            tile,
+            m,
+            xi,
             h,
             w,
             inputs,
             outputs,
             th,
             tw,
-            block: (BLOCK_BYTES / (4 * XI * (inputs + outputs))).clamp(12, 256),
+            block: (BLOCK_BYTES / (4 * xi * (inputs + outputs))).clamp(12, 256),
             chunk: (PAD_BYTES / (4 * padded_image)).max(1),
             tile_major: true,
         }
@@ -120,7 +162,7 @@ impl Plan {
     /// (slot stride, ξ stride) of a block of `c`-channel transformed tiles.
     fn strides(&self, c: usize) -> (usize, usize) {
         if self.tile_major {
-            (XI * c, c)
+            (self.xi * c, c)
         } else {
             (c, self.block * c)
         }
@@ -129,7 +171,7 @@ impl Plan {
     /// Floats a block of `count` such tiles spans.
     fn span(&self, count: usize, c: usize) -> usize {
         let (slot, xi) = self.strides(c);
-        (count.max(1) - 1) * slot + (XI - 1) * xi + c
+        (count.max(1) - 1) * slot + (self.xi - 1) * xi + c
     }
 
     /// The weight gradient's plan: blocks of ~GRAD_BLOCK_BYTES, the images
@@ -137,9 +179,9 @@ impl Plan {
     /// (1 MiB at 128→128), so its reduction must be longer than the
     /// forward's blocks. 1 MiB measured as fast as 4 MiB and 384 KiB on
     /// the 2-core Zen 4 (within its noise) and keeps the scratch small.
-    fn for_weight_gradient(h: usize, w: usize, inputs: usize, outputs: usize) -> Self {
-        let plan = Self::new(h, w, inputs, outputs);
-        let block = (GRAD_BLOCK_BYTES / (4 * XI * (inputs + outputs))).clamp(12, 1024);
+    fn for_weight_gradient(tile: Tile, h: usize, w: usize, inputs: usize, outputs: usize) -> Self {
+        let plan = Self::new(tile, h, w, inputs, outputs);
+        let block = (GRAD_BLOCK_BYTES / (4 * plan.xi * (inputs + outputs))).clamp(12, 1024);
         Self {
             block,
             chunk: block.div_ceil(plan.tiles_per_image()),
@@ -150,7 +192,7 @@ impl Plan {
 
     /// Rows and columns of a padded image (see `pad_images`).
     fn padded_dims(&self) -> (usize, usize) {
-        (2 * self.th + 2, 2 * self.tw + 2)
+        (self.m * self.th + 2, self.m * self.tw + 2)
     }
 
     fn padded_image(&self) -> usize {
@@ -170,30 +212,42 @@ impl Plan {
 }
 
 /// G of F(2, 3), [4 × 3]: the filter transform.
-const G: [[f32; 3]; 4] = [
+const G2: [[f32; 3]; 4] = [
     [1.0, 0.0, 0.0],
     [0.5, 0.5, 0.5],
     [0.5, -0.5, 0.5],
     [0.0, 0.0, 1.0],
 ];
 
+/// G of F(4, 3), [6 × 3] (Lavin and Gray's points 0, ±1, ±2, ∞).
+const G4: [[f32; 3]; 6] = [
+    [1.0 / 4.0, 0.0, 0.0],
+    [-1.0 / 6.0, -1.0 / 6.0, -1.0 / 6.0],
+    [-1.0 / 6.0, 1.0 / 6.0, -1.0 / 6.0],
+    [1.0 / 24.0, 1.0 / 12.0, 1.0 / 6.0],
+    [1.0 / 24.0, -1.0 / 12.0, 1.0 / 6.0],
+    [0.0, 0.0, 1.0],
+];
+
 /// U[ξ][i][o] = (G·f·Gᵀ)[ξ] for the 3×3 filter f(ky, kx) = tap(3·ky + kx, i, o).
 fn transform_filter(
+    tile: Tile,
     inputs: usize,
     outputs: usize,
     tap: impl Fn(usize, usize, usize) -> f32 + Sync,
 ) -> Result<Vec<f32>> {
-    let mut u = try_zeroed(XI * inputs * outputs)?;
+    let (g, alpha) = (tile.g(), tile.alpha());
+    let mut u = try_zeroed(tile.xi() * inputs * outputs)?;
     u.par_chunks_mut(inputs * outputs)
         .enumerate()
         .for_each(|(xi, dst)| {
-            let (a, b) = (xi / 4, xi % 4);
+            let (a, b) = (xi / alpha, xi % alpha);
             for (i, row) in dst.chunks_exact_mut(outputs).enumerate() {
                 for (o, v) in row.iter_mut().enumerate() {
                     let mut s = 0.0f32;
                     for ky in 0..3 {
                         for kx in 0..3 {
-                            let c = G[a][ky] * G[b][kx];
+                            let c = g[a][ky] * g[b][kx];
                             if c != 0.0 {
                                 s += c * tap(3 * ky + kx, i, o);
                             }
@@ -317,9 +371,66 @@ fn a(y: [Lanes; 2]) -> [Lanes; 4] {
     [y[0], add(y[0], y[1]), sub(y[0], y[1]), neg(y[1])]
 }
 
+#[inline(always)]
+fn scale(a: Lanes, k: f32) -> Lanes {
+    let mut r = a;
+    for x in r.iter_mut() {
+        *x *= k;
+    }
+    r
+}
+
+/// Bᵀ·(d0..d5) of F(4, 3), Bᵀ = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0;
+/// 0 -2 -1 2 1 0; 0 2 -1 -2 1 0; 0 4 0 -5 0 1], in shared differences.
+#[inline(always)]
+fn bt6(d: [Lanes; 6]) -> [Lanes; 6] {
+    let d4_d2 = sub(d[4], d[2]);
+    let d3_d1 = sub(d[3], d[1]);
+    [
+        add(scale(sub(d[0], d[2]), 4.0), d4_d2),
+        sub(add(d[4], d[3]), scale(add(d[1], d[2]), 4.0)),
+        add(sub(d[4], d[3]), scale(sub(d[1], d[2]), 4.0)),
+        add(d4_d2, scale(d3_d1, 2.0)),
+        sub(d4_d2, scale(d3_d1, 2.0)),
+        add(scale(sub(d[1], d[3]), 4.0), sub(d[5], d[3])),
+    ]
+}
+
+/// Aᵀ·(m0..m5) of F(4, 3), Aᵀ = [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 0;
+/// 0 1 -1 8 -8 1].
+#[inline(always)]
+fn at6(m: [Lanes; 6]) -> [Lanes; 4] {
+    let (p12, d12) = (add(m[1], m[2]), sub(m[1], m[2]));
+    let (p34, d34) = (add(m[3], m[4]), sub(m[3], m[4]));
+    [
+        add(add(m[0], p12), p34),
+        add(d12, scale(d34, 2.0)),
+        add(p12, scale(p34, 4.0)),
+        add(add(d12, scale(d34, 8.0)), m[5]),
+    ]
+}
+
+/// A·(y0..y3) of F(4, 3) (the adjoint of `at6`).
+#[inline(always)]
+fn a6(y: [Lanes; 4]) -> [Lanes; 6] {
+    let (p02, p13) = (add(y[0], y[2]), add(y[1], y[3]));
+    let (q02, q13) = (
+        add(y[0], scale(y[2], 4.0)),
+        add(scale(y[1], 2.0), scale(y[3], 8.0)),
+    );
+    [
+        y[0],
+        add(p02, p13),
+        sub(p02, p13),
+        add(q02, q13),
+        sub(q02, q13),
+        y[3],
+    ]
+}
+
 /// Copies `imgs` images of `x` ([h, w, c]) into `dst` with one zero pixel
 /// above and left and enough below and right for whole tiles
-/// ([2·th + 2, 2·tw + 2, c] each), so that every tile reads a full 4×4
+/// ([m·th + 2, m·tw + 2, c] each), so that every tile reads a full α×α
 /// patch at fixed offsets.
 fn pad_images(plan: &Plan, x: &[f32], imgs: usize, dst: &mut [f32]) {
     let c = plan.inputs;
@@ -343,16 +454,16 @@ multiversioned! {
     /// V[slot, ξ][c] = (Bᵀ·d·B)[ξ] (laid out as `plan.strides` says) for tiles t0..t0+count of the padded
     /// images `xp` (tile numbers counted from image 0 of `xp`), slot = t - t0.
     fn transform_input_block(plan: &Plan, xp: &[f32], t0: usize, count: usize, v: &mut [f32]) {
-        let c = plan.inputs;
+        let (c, m, alpha) = (plan.inputs, plan.m, plan.tile.alpha());
         let (hp, wp) = plan.padded_dims();
         let row = wp * c;
         let (slot_stride, xi_stride) = plan.strides(c);
         assert!(c % LANES == 0 && v.len() >= plan.span(count, c));
         for slot in 0..count {
             let (img, ty, tx) = plan.tile(t0 + slot);
-            let base = (img * hp + 2 * ty) * row + 2 * tx * c;
-            // The whole 4×4 patch: rows base + i·row, i < 4, of 4 pixels.
-            assert!(base + 3 * row + 4 * c <= xp.len());
+            let base = (img * hp + m * ty) * row + m * tx * c;
+            // The whole α×α patch: rows base + i·row, i < α, of α pixels.
+            assert!(base + (alpha - 1) * row + alpha * c <= xp.len());
             let src = xp[base..].as_ptr();
             let dst = v[slot * slot_stride..].as_mut_ptr();
             for c0 in (0..c).step_by(LANES) {
@@ -361,14 +472,29 @@ multiversioned! {
                 // write at slot·slot_stride + ξ·xi_stride + c0 < span(count),
                 // checked on entry.
                 unsafe {
+                    let patch = |i: usize, j: usize| load_at(src.add(i * row + j * c + c0));
+                    let put = |k: usize, v: Lanes| store_at(dst.add(k * xi_stride + c0), v);
                     // Bᵀ down each column, then along each row.
-                    let cols: [[Lanes; 4]; 4] = std::array::from_fn(|j| {
-                        bt(std::array::from_fn(|i| load_at(src.add(i * row + j * c + c0))))
-                    });
-                    for i in 0..4 {
-                        let r = bt([cols[0][i], cols[1][i], cols[2][i], cols[3][i]]);
-                        for (j, rj) in r.into_iter().enumerate() {
-                            store_at(dst.add((4 * i + j) * xi_stride + c0), rj);
+                    match plan.tile {
+                        Tile::F2 => {
+                            let cols: [[Lanes; 4]; 4] =
+                                std::array::from_fn(|j| bt(std::array::from_fn(|i| patch(i, j))));
+                            for i in 0..4 {
+                                let r = bt(std::array::from_fn(|j| cols[j][i]));
+                                for (j, rj) in r.into_iter().enumerate() {
+                                    put(4 * i + j, rj);
+                                }
+                            }
+                        }
+                        Tile::F4 => {
+                            let cols: [[Lanes; 6]; 6] =
+                                std::array::from_fn(|j| bt6(std::array::from_fn(|i| patch(i, j))));
+                            for i in 0..6 {
+                                let r = bt6(std::array::from_fn(|j| cols[j][i]));
+                                for (j, rj) in r.into_iter().enumerate() {
+                                    put(6 * i + j, rj);
+                                }
+                            }
                         }
                     }
                 }
@@ -389,20 +515,20 @@ multiversioned! {
         bias: Option<&[f32]>,
         out: &mut [MaybeUninit<f32>],
     ) {
-        let c = plan.outputs;
+        let (c, side) = (plan.outputs, plan.m);
         let image = plan.h * plan.w * c;
         let (slot_stride, xi_stride) = plan.strides(c);
         assert!(c % LANES == 0 && m.len() >= plan.span(count, c));
         assert!(bias.is_none_or(|b| b.len() == c));
         for slot in 0..count {
             let (img, ty, tx) = plan.tile(t0 + slot);
-            let whole = 2 * ty + 1 < plan.h && 2 * tx + 1 < plan.w;
             let src = m[slot * slot_stride..].as_ptr();
-            // The tile's pixels that lie in the image, and where they go.
-            let mut targets = [None; 4];
-            for (k, target) in targets.iter_mut().enumerate() {
-                let (oy, ox) = (2 * ty + k / 2, 2 * tx + k % 2);
-                if whole || (oy < plan.h && ox < plan.w) {
+            // The tile's pixels (row-major, side × side) that lie in the
+            // image, and where they go.
+            let mut targets = [None; 16];
+            for (k, target) in targets.iter_mut().take(side * side).enumerate() {
+                let (oy, ox) = (side * ty + k / side, side * tx + k % side);
+                if oy < plan.h && ox < plan.w {
                     let at = img * image + (oy * plan.w + ox) * c;
                     // Inside `out`: checked once per pixel.
                     *target = Some(out[at..at + c].as_mut_ptr().cast::<f32>());
@@ -415,24 +541,33 @@ multiversioned! {
                 // checked above (MaybeUninit<f32> has f32's layout).
                 unsafe {
                     let at_m = |k: usize| load_at(src.add(k * xi_stride + c0));
-                    // Aᵀ down each column, then along each of the two rows.
-                    let cols: [[Lanes; 2]; 4] =
-                        std::array::from_fn(|j| at([at_m(j), at_m(4 + j), at_m(8 + j), at_m(12 + j)]));
-                    let mut y = [
-                        at([cols[0][0], cols[1][0], cols[2][0], cols[3][0]]),
-                        at([cols[0][1], cols[1][1], cols[2][1], cols[3][1]]),
-                    ];
-                    if let Some(bias) = bias {
-                        let b = load_at(bias.as_ptr().add(c0));
-                        for ya in y.iter_mut() {
-                            for yab in ya.iter_mut() {
-                                *yab = add(*yab, b);
+                    let bias = bias.map(|b| load_at(b.as_ptr().add(c0)));
+                    let put = |k: usize, v: Lanes| {
+                        if let Some(p) = targets[k] {
+                            store_at(p.add(c0), bias.map_or(v, |b| add(v, b)));
+                        }
+                    };
+                    // Aᵀ down each column, then along each row.
+                    match plan.tile {
+                        Tile::F2 => {
+                            let cols: [[Lanes; 2]; 4] =
+                                std::array::from_fn(|j| at(std::array::from_fn(|i| at_m(4 * i + j))));
+                            for r in 0..2 {
+                                let y = at(std::array::from_fn(|j| cols[j][r]));
+                                for (s, ys) in y.into_iter().enumerate() {
+                                    put(2 * r + s, ys);
+                                }
                             }
                         }
-                    }
-                    for (k, target) in targets.iter().enumerate() {
-                        if let Some(p) = target {
-                            store_at(p.add(c0), y[k / 2][k % 2]);
+                        Tile::F4 => {
+                            let cols: [[Lanes; 4]; 6] =
+                                std::array::from_fn(|j| at6(std::array::from_fn(|i| at_m(6 * i + j))));
+                            for r in 0..4 {
+                                let y = at6(std::array::from_fn(|j| cols[j][r]));
+                                for (s, ys) in y.into_iter().enumerate() {
+                                    put(4 * r + s, ys);
+                                }
+                            }
                         }
                     }
                 }
@@ -445,19 +580,20 @@ multiversioned! {
     /// Z[slot, ξ][c] = (A·dy·Aᵀ)[ξ] (laid out as `plan.strides` says) for tiles t0..t0+count of `dy` (the
     /// adjoint of the output transform; pixels outside the image read as 0).
     fn transform_grad_block(plan: &Plan, dy: &[f32], t0: usize, count: usize, z: &mut [f32]) {
-        let c = plan.outputs;
+        let (c, side) = (plan.outputs, plan.m);
         let image = plan.h * plan.w * c;
         let (slot_stride, xi_stride) = plan.strides(c);
         assert!(c % LANES == 0 && z.len() >= plan.span(count, c));
         for slot in 0..count {
             let (img, ty, tx) = plan.tile(t0 + slot);
-            let sources: [Option<*const f32>; 4] = std::array::from_fn(|k| {
-                let (oy, ox) = (2 * ty + k / 2, 2 * tx + k % 2);
-                (oy < plan.h && ox < plan.w).then(|| {
+            let mut sources: [Option<*const f32>; 16] = [None; 16];
+            for (k, source) in sources.iter_mut().take(side * side).enumerate() {
+                let (oy, ox) = (side * ty + k / side, side * tx + k % side);
+                if oy < plan.h && ox < plan.w {
                     let at = img * image + (oy * plan.w + ox) * c;
-                    dy[at..at + c].as_ptr()
-                })
-            });
+                    *source = Some(dy[at..at + c].as_ptr());
+                }
+            }
             let dst = z[slot * slot_stride..].as_mut_ptr();
             for c0 in (0..c).step_by(LANES) {
                 // SAFETY: c0 + LANES <= c: reads stay in the c floats of a
@@ -465,12 +601,28 @@ multiversioned! {
                 // on entry).
                 unsafe {
                     let y = |k: usize| sources[k].map_or([0.0; LANES], |p| load_at(p.add(c0)));
-                    // A down each of the two columns, then along each row.
-                    let cols = [a([y(0), y(2)]), a([y(1), y(3)])];
-                    for i in 0..4 {
-                        let r = a([cols[0][i], cols[1][i]]);
-                        for (j, rj) in r.into_iter().enumerate() {
-                            store_at(dst.add((4 * i + j) * xi_stride + c0), rj);
+                    let put = |k: usize, v: Lanes| store_at(dst.add(k * xi_stride + c0), v);
+                    // A down each column, then along each row.
+                    match plan.tile {
+                        Tile::F2 => {
+                            let cols: [[Lanes; 4]; 2] =
+                                std::array::from_fn(|j| a(std::array::from_fn(|i| y(2 * i + j))));
+                            for i in 0..4 {
+                                let r = a(std::array::from_fn(|j| cols[j][i]));
+                                for (j, rj) in r.into_iter().enumerate() {
+                                    put(4 * i + j, rj);
+                                }
+                            }
+                        }
+                        Tile::F4 => {
+                            let cols: [[Lanes; 6]; 4] =
+                                std::array::from_fn(|j| a6(std::array::from_fn(|i| y(4 * i + j))));
+                            for i in 0..6 {
+                                let r = a6(std::array::from_fn(|j| cols[j][i]));
+                                for (j, rj) in r.into_iter().enumerate() {
+                                    put(6 * i + j, rj);
+                                }
+                            }
                         }
                     }
                 }
@@ -483,6 +635,7 @@ multiversioned! {
 /// transformed filter `u`, + bias.
 #[allow(clippy::too_many_arguments)]
 fn convolve(
+    tile: Tile,
     n: usize,
     h: usize,
     w: usize,
@@ -492,9 +645,9 @@ fn convolve(
     u: &[f32],
     bias: Option<&[f32]>,
 ) -> Result<Tensor> {
-    let plan = Plan::new(h, w, inputs, outputs);
+    let plan = Plan::new(tile, h, w, inputs, outputs);
     let (in_image, out_image) = (h * w * inputs, h * w * outputs);
-    assert!(x.len() == n * in_image && u.len() == XI * inputs * outputs);
+    assert!(x.len() == n * in_image && u.len() == plan.xi * inputs * outputs);
     // Several tasks per thread for balance; the split does not change results.
     let per_task = n.div_ceil(4 * rayon::current_num_threads()).max(1);
     // SAFETY: `convolve_images` writes every output pixel of its images:
@@ -516,10 +669,10 @@ fn convolve_images(
     bias: Option<&[f32]>,
     out: &mut [MaybeUninit<f32>],
 ) {
-    let (inputs, outputs, block) = (plan.inputs, plan.outputs, plan.block);
+    let (inputs, outputs, block, xis) = (plan.inputs, plan.outputs, plan.block, plan.xi);
     let (in_image, out_image) = (plan.h * plan.w * inputs, plan.h * plan.w * outputs);
     let rows: Vec<(usize, usize)> = (0..block)
-        .map(|t| (t * XI * inputs, t * XI * outputs))
+        .map(|t| (t * xis * inputs, t * xis * outputs))
         .collect();
     let steps = Steps {
         segs: &[(0, 0)],
@@ -528,9 +681,9 @@ fn convolve_images(
         b_step: outputs as isize,
     };
     let padded_len = plan.chunk.min(imgs) * plan.padded_image();
-    with_scratch(padded_len + XI * block * (inputs + outputs), |buf| {
+    with_scratch(padded_len + xis * block * (inputs + outputs), |buf| {
         let (xp, rest) = buf.split_at_mut(padded_len);
-        let (v, m) = rest.split_at_mut(XI * block * inputs);
+        let (v, m) = rest.split_at_mut(xis * block * inputs);
         for i0 in (0..imgs).step_by(plan.chunk) {
             let cc = plan.chunk.min(imgs - i0);
             pad_images(plan, &x[i0 * in_image..][..cc * in_image], cc, xp);
@@ -539,10 +692,10 @@ fn convolve_images(
             for t0 in (0..tiles).step_by(block) {
                 let count = block.min(tiles - t0);
                 transform_input_block(plan, xp, t0, count, v);
-                for xi in 0..XI {
-                    let a = &v[xi * inputs..count * XI * inputs];
+                for xi in 0..xis {
+                    let a = &v[xi * inputs..count * xis * inputs];
                     let b = &u[xi * inputs * outputs..][..inputs * outputs];
-                    let dst = &mut m[xi * outputs..count * XI * outputs];
+                    let dst = &mut m[xi * outputs..count * xis * outputs];
                     let width = direct::tile_width(outputs);
                     for co0 in (0..outputs).step_by(width) {
                         // SAFETY: the caller checked `direct::supports`; row t
@@ -569,38 +722,51 @@ fn convolve_images(
 }
 
 /// y = conv(x, w) + bias for a shape `shape_fits` accepts.
-pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Result<Tensor> {
+pub(super) fn forward(
+    tile: Tile,
+    g: &Geom,
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+) -> Result<Tensor> {
     let (cin, cout) = (g.cin, g.cout);
-    let u = transform_filter(cin, cout, |tap, i, o| w[(tap * cin + i) * cout + o])?;
-    convolve(g.n, g.h, g.w, cin, cout, x, &u, bias)
+    let u = transform_filter(tile, cin, cout, |tap, i, o| w[(tap * cin + i) * cout + o])?;
+    convolve(tile, g.n, g.h, g.w, cin, cout, x, &u, bias)
 }
 
 /// dX: dY convolved with W flipped in space, its channels transposed.
-pub(super) fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Tensor> {
+pub(super) fn grad_input(tile: Tile, g: &Geom, dy: &[f32], w: &[f32]) -> Result<Tensor> {
     let (cin, cout) = (g.cin, g.cout);
-    let u = transform_filter(cout, cin, |tap, co, ci| {
+    let u = transform_filter(tile, cout, cin, |tap, co, ci| {
         w[((8 - tap) * cin + ci) * cout + co]
     })?;
-    convolve(g.n, g.h, g.w, cout, cin, dy, &u, None)
+    convolve(tile, g.n, g.h, g.w, cout, cin, dy, &u, None)
 }
 
 /// Overwrites `dw` ([3·3·cin × cout]) with the weight gradient of `imgs`
 /// images.
-pub(super) fn grad_weight(g: &Geom, x_g: &[f32], dy_g: &[f32], imgs: usize, dw: &mut [f32]) {
+pub(super) fn grad_weight(
+    tile: Tile,
+    g: &Geom,
+    x_g: &[f32],
+    dy_g: &[f32],
+    imgs: usize,
+    dw: &mut [f32],
+) {
     let (cin, cout) = (g.cin, g.cout);
-    let plan = Plan::for_weight_gradient(g.h, g.w, cin, cout);
-    let block = plan.block;
+    let plan = Plan::for_weight_gradient(tile, g.h, g.w, cin, cout);
+    let (block, xis, alpha, gt) = (plan.block, plan.xi, tile.alpha(), tile.g());
     assert!(x_g.len() == imgs * g.in_image() && dy_g.len() == imgs * g.opix() * cout);
     assert!(dw.len() == 9 * cin * cout);
     let out_image = g.opix() * cout;
     let rows: Vec<(usize, usize)> = (0..cin).map(|ci| (ci, ci * cout)).collect();
     let padded_len = plan.chunk.min(imgs) * plan.padded_image();
     with_scratch(
-        XI * cin * cout + padded_len + XI * block * (cin + cout),
+        xis * cin * cout + padded_len + xis * block * (cin + cout),
         |buf| {
-            let (du, rest) = buf.split_at_mut(XI * cin * cout);
+            let (du, rest) = buf.split_at_mut(xis * cin * cout);
             let (xp, rest) = rest.split_at_mut(padded_len);
-            let (v, z) = rest.split_at_mut(XI * block * cin);
+            let (v, z) = rest.split_at_mut(xis * block * cin);
             du.fill(0.0);
             // Chunks and blocks depend on the shape alone, so the order of the
             // sums does too.
@@ -624,7 +790,7 @@ pub(super) fn grad_weight(g: &Geom, x_g: &[f32], dy_g: &[f32], imgs: usize, dw: 
                         a_step: cin as isize,
                         b_step: cout as isize,
                     };
-                    for xi in 0..XI {
+                    for xi in 0..xis {
                         let a = &v[xi * block * cin..][..count * cin];
                         let b = &z[xi * block * cout..][..count * cout];
                         let dst = &mut du[xi * cin * cout..][..cin * cout];
@@ -655,8 +821,8 @@ pub(super) fn grad_weight(g: &Geom, x_g: &[f32], dy_g: &[f32], imgs: usize, dw: 
             for (tap, dst) in dw.chunks_exact_mut(plane).enumerate() {
                 let (ky, kx) = (tap / 3, tap % 3);
                 dst.fill(0.0);
-                for xi in 0..XI {
-                    let c = G[xi / 4][ky] * G[xi % 4][kx];
+                for xi in 0..xis {
+                    let c = gt[xi / alpha][ky] * gt[xi % alpha][kx];
                     if c != 0.0 {
                         for (d, s) in dst.iter_mut().zip(&du[xi * plane..][..plane]) {
                             *d += c * s;
