@@ -50,7 +50,7 @@ pub struct StepBench {
     #[serde(default)]
     pub peak_tensor_bytes: u64,
     /// The CPU convolutions' algorithm setting ("auto", "direct",
-    /// "winograd"; HEADROOM_CONV_ALGORITHM chooses it).
+    /// "winograd", "winograd4"; HEADROOM_CONV_ALGORITHM chooses it).
     #[serde(default)]
     pub conv_algorithm: String,
     /// Where a step's time goes, from extra steps after the timed ones

@@ -1,37 +1,39 @@
-//! Winograd F(2×2, 3×3) convolution for 3×3, stride 1, padding 1 layers in
-//! NHWC: forward, input gradient and weight gradient.
+//! Winograd convolution, F(2×2, 3×3) and F(4×4, 3×3) (`Tile`), for 3×3,
+//! stride 1, padding 1 layers in NHWC: forward, input gradient and weight
+//! gradient.
 //!
-//! What it computes. The output is cut into 2×2 tiles; each reads a 4×4
-//! input patch d (zeros outside the image). Per channel pair,
-//! y = Aᵀ·[(G·g·Gᵀ) ⊙ (Bᵀ·d·B)]·A, which needs 16 multiplies per tile
-//! instead of 36: 2.25× less arithmetic than the direct kernel. Across
-//! channels the 16 element-wise products become 16 independent matrix
-//! products, M[ξ] = V[ξ]·U[ξ] ([tiles × Cin]·[Cin × Cout]), run by the
-//! direct convolution's register-tiled micro-kernel (`direct::tiles`).
+//! What it computes. The output is cut into m×m tiles (m = 2 or 4); each
+//! reads an α×α input patch d (α = m + 2, zeros outside the image). Per
+//! channel pair, y = Aᵀ·[(G·g·Gᵀ) ⊙ (Bᵀ·d·B)]·A, which needs α² multiplies
+//! per tile instead of 9m²: 16 for 4 outputs (2.25× less arithmetic than
+//! the direct kernel) or 36 for 16 (4× less). Across channels the α²
+//! element-wise products become α² independent matrix products,
+//! M[ξ] = V[ξ]·U[ξ] ([tiles × Cin]·[Cin × Cout]), run by the direct
+//! convolution's register-tiled micro-kernel (`direct::tiles`).
 //! - input gradient: the same forward on dY with the filter flipped in
 //!   space and transposed in channels (a 3×3 s1 p1 convolution's adjoint);
 //! - weight gradient: the exact adjoint of the forward,
 //!   dU[ξ] = Σ_tiles V[ξ]ᵀ·(A·dY·Aᵀ)[ξ], then dW = Gᵀ·dU·G.
 //!
-//! Accuracy. The transforms only add, subtract and halve, so rounding grows
-//! by a small constant over the direct sum (the tests bound it; see
-//! `tests::winograd_error_is_close_to_direct`: 2-5·10⁻⁷ of the largest
-//! value, as the direct kernels). F(4×4, 3×3) would cut the arithmetic 4×
-//! (and move less data: 36 transformed values per 16 outputs, against 16
-//! per 4 here), but its transforms scale by up to 8 and 1/24, which the
-//! error analyses of Winograd convolution put at about an order of
-//! magnitude more f32 error (not measured here), and its 4×4 output tiles
-//! do not divide the 14×14 images (23% of the tiles' area is wasted there,
-//! none with 2×2 tiles). It is the next step if that error proves harmless
-//! in training.
+//! Accuracy. F(2×2)'s transforms only add, subtract and halve, so its
+//! rounding stays close to the direct sum's (2-5·10⁻⁷ of the largest
+//! value, as the direct kernels; `tests::winograd_error_is_close_to_direct`).
+//! F(4×4)'s scale by up to 8 and 1/24 and its error is about ten times
+//! that, 1-6·10⁻⁶ of the largest value on the reference ResNet's layers
+//! (same test): far below what f32 training notices (a training curve
+//! stays within 10⁻⁴ of the direct kernels', `tests/winograd_training.rs`).
+//! F(4×4) also moves less data (36 transformed values per 16 outputs,
+//! against 16 per 4), but its tiles waste a third of their area on 7×7
+//! images (8×8 covered, as with 2×2 tiles) and a quarter on 14×14: which
+//! one `Auto` takes, if any, is measured (`super::winograd_pays`).
 //!
-//! Memory. Per call: the transformed filter U, 16·Cin·Cout floats (1 MiB
-//! for 128→128). Per thread, reused (the convolution's thread-local
-//! scratch): a zero-padded copy of a few images (~PAD_BYTES), one block of
-//! transformed inputs V and products M, 16 floats per tile per channel,
-//! ~BLOCK_BYTES together; the weight gradient uses longer blocks of V and
-//! the transformed dY (~GRAD_BLOCK_BYTES, 1 MiB) and one dU, 16·Cin·Cout
-//! floats. Nothing is kept between calls.
+//! Memory. Per call: the transformed filter U, α²·Cin·Cout floats (2.25
+//! MiB for 128→128 with F(4×4)). Per thread, reused (the convolution's
+//! thread-local scratch): a zero-padded copy of a few images (~PAD_BYTES),
+//! one block of transformed inputs V and products M, α² floats per tile
+//! per channel, ~BLOCK_BYTES together; the weight gradient uses longer
+//! blocks of V and the transformed dY (~GRAD_BLOCK_BYTES, 1 MiB) and one
+//! dU, α²·Cin·Cout floats. Nothing is kept between calls.
 //!
 //! Determinism. Every output is a sum in a fixed order over data that does
 //! not depend on how the batch is split across threads: a tile's forward
