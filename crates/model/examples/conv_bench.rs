@@ -4,8 +4,9 @@
 //!
 //! cargo run --release -p headroom-model --example conv_bench [-- THREADS [BATCH [SHAPE [ALGORITHMS]]]]
 //!
-//! THREADS sizes rayon's pool (default: one per core), SHAPE (an index into
-//! SHAPES, or `all`) times one shape only. ALGORITHMS (default
+//! THREADS sizes rayon's pool (default: one per core), SHAPE (`all`, an
+//! index into SHAPES, or `HxWxCIN:COUT` for a 3×3 stride-1 layer outside
+//! the network) chooses what is timed. ALGORITHMS (default
 //! `direct,auto`; `/avx2` after a name keeps the AVX2 tiles on an AVX-512
 //! CPU, e.g. `auto/avx2,auto`) are timed side by side, alternating shape by shape, so
 //! that both see the same machine load; `winograd` forces Winograd on every
@@ -21,7 +22,9 @@ use headroom_model::layers::{
 use headroom_model::{Layer, Mode, Tensor};
 
 /// (h, w, cin, cout, kernel, stride, count in the network)
-const SHAPES: &[(usize, usize, usize, usize, usize, usize, usize)] = &[
+type Shape = (usize, usize, usize, usize, usize, usize, usize);
+
+const SHAPES: &[Shape] = &[
     (28, 28, 1, 32, 3, 1, 1),
     (28, 28, 32, 32, 3, 1, 2),
     (28, 28, 32, 64, 3, 2, 1),
@@ -57,9 +60,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .build_global()?;
     }
     let batch: usize = args.next().map(|b| b.parse()).transpose()?.unwrap_or(128);
-    let only: Option<usize> = match args.next().as_deref() {
-        None | Some("all") => None,
-        Some(s) => Some(s.parse()?),
+    let shapes = match args.next() {
+        None => SHAPES.to_vec(),
+        Some(spec) => parse_shapes(&spec)?,
     };
     let algorithms = args
         .next()
@@ -87,10 +90,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "GFLOP"
     );
     let mut rng = InitRng::new(1);
-    for (i, &(h, w, cin, cout, k, stride, count)) in SHAPES.iter().enumerate() {
-        if only.is_some_and(|o| o != i) {
-            continue;
-        }
+    for &(h, w, cin, cout, k, stride, count) in &shapes {
         let mut conv = Conv2d::new("bench", cin, cout, k, stride, k / 2, false, &mut rng)?;
         let data: Vec<f32> = (0..batch * h * w * cin)
             .map(|_| rng.normal() as f32)
@@ -157,6 +157,36 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     Ok(())
+}
+
+/// `all` (the reference ResNet's shapes), an index into SHAPES, or
+/// `HxWxCIN:COUT` for one 3×3 stride-1 shape outside the network (counted
+/// once in the totals), e.g. `32x32x48:16`, conv_lstm's decoder layer.
+fn parse_shapes(spec: &str) -> Result<Vec<Shape>, String> {
+    let bad = || {
+        format!(
+            "shape {spec:?}: expected all, 0-{}, or HxWxCIN:COUT",
+            SHAPES.len() - 1
+        )
+    };
+    if spec == "all" {
+        return Ok(SHAPES.to_vec());
+    }
+    if let Ok(i) = spec.parse::<usize>() {
+        return SHAPES.get(i).map(|s| vec![*s]).ok_or_else(bad);
+    }
+    let (image, cout) = spec.split_once(':').ok_or_else(bad)?;
+    let dims = image
+        .split('x')
+        .map(|d| d.parse::<usize>().map_err(|_| bad()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let cout = cout.parse::<usize>().map_err(|_| bad())?;
+    match dims[..] {
+        [h, w, cin] if h > 0 && w > 0 && cin > 0 && cout > 0 => {
+            Ok(vec![(h, w, cin, cout, 3, 1, 1)])
+        }
+        _ => Err(bad()),
+    }
 }
 
 /// "direct", "winograd" or "auto", with "/avx2" to keep the AVX2 tiles on

@@ -181,18 +181,24 @@ fn winograd_tile(g: &Geom) -> Option<Tile> {
 }
 
 /// The measured rule for `Auto` (README, "Measured": `conv_bench` on a
-/// 2-core Zen 4, `direct,winograd,winograd4` side by side): F(4×4, 3×3)
-/// took the reference ResNet's 28×28×32 layers' forward from 10.0 ms
-/// (direct) and 8.0-8.8 ms (F(2×2)) to 6.1-7.3 ms and their backward from
-/// 20.1 and 19.7-21.2 ms to 13.5-15.3 ms, and the 14×14×64 layers' from
-/// 8.7-9.1 / 8.2-8.9 to 6.9-7.3 ms and 18.4 / 16.8-18.5 to 16.1-16.7 ms.
-/// On 7×7 images a third of every tile falls outside the image (8×8 for
-/// 49 pixels, with either tile), and the direct kernels were the fastest
-/// there (backward 16.2-17.5 ms against 18.1-19.4 with F(4×4) and
-/// 20.5-22.6 with F(2×2)). With fewer than 32 channels the transforms
-/// weigh more against the products.
+/// 2-core AMD EPYC with AVX-512, `direct,winograd,winograd4` side by side,
+/// ms a layer at batch 128, forward / backward): F(4×4, 3×3) is the
+/// fastest of the three on the reference ResNet's stride-1 layers, 28×28×32
+/// 5.3 / 11.2 (direct 8.9 / 17.7), 14×14×64 5.0 / 12.0 (8.0 / 16.2) and
+/// even 7×7×128, where a third of every tile lies outside the image, 5.0 /
+/// 12.7 (7.2 / 14.9); and from 16 channels on maps of 16 pixels a side or
+/// more (16×16×16 0.72 / 1.53 against 0.80 / 1.68; conv_lstm's 32×32×48→16
+/// 5.9 / 13.3 against 8.9 / 19.4). Direct wins below: at 14×14×16 and
+/// 7×7×16 the transforms weigh more against the products, and on maps
+/// under 7 pixels a side most of a tile is padding (5×5×64 0.91 / 1.99
+/// direct against 1.44 / 3.62).
 fn winograd_pays(g: &Geom) -> bool {
-    g.cin >= 32 && g.cout >= 32 && g.h >= 14 && g.w >= 14
+    let side = g.h.min(g.w);
+    if g.cin >= 32 && g.cout >= 32 {
+        side >= 7
+    } else {
+        side >= 16
+    }
 }
 
 /// General path: target size of one block of the im2col matrix. Measured
@@ -596,7 +602,7 @@ fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Tensor> {
         return Tensor::try_zeros(&shape);
     }
     if let Some(tile) = winograd_tile(g) {
-        return winograd::grad_input(tile, g, dy, w);
+        return winograd::grad_input(tile, g, dy, &transposed_per_tap(g, w)?);
     }
     // Both gather kernels read Wᵀ per tap and write whole images of dX.
     let gather: PerImageGradInput = if direct::supports(g.cin) {

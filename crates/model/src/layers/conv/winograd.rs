@@ -231,34 +231,33 @@ const G4: [[f32; 3]; 6] = [
     [0.0, 0.0, 1.0],
 ];
 
-/// U[ξ][i][o] = (G·f·Gᵀ)[ξ] for the 3×3 filter f(ky, kx) = tap(3·ky + kx, i, o).
-fn transform_filter(
+/// U[ξ][i][o] = (G·f·Gᵀ)[ξ] for the 3×3 filter whose tap 3·ky + kx is the
+/// [inputs × outputs] plane `tap_plane(3·ky + kx)`. Each ξ sums its taps
+/// plane by plane, so the sum vectorises over the contiguous plane (one
+/// element at a time it took 1.1 ms a call at 64→128, more than a batch
+/// of 4 images' products); every element still adds the same terms in the
+/// same order, from zero.
+fn transform_filter<'w>(
     tile: Tile,
     inputs: usize,
     outputs: usize,
-    tap: impl Fn(usize, usize, usize) -> f32 + Sync,
+    tap_plane: impl Fn(usize) -> &'w [f32] + Sync,
 ) -> Result<Vec<f32>> {
-    let (g, alpha) = (tile.g(), tile.alpha());
-    let mut u = try_zeroed(tile.xi() * inputs * outputs)?;
-    u.par_chunks_mut(inputs * outputs)
-        .enumerate()
-        .for_each(|(xi, dst)| {
-            let (a, b) = (xi / alpha, xi % alpha);
-            for (i, row) in dst.chunks_exact_mut(outputs).enumerate() {
-                for (o, v) in row.iter_mut().enumerate() {
-                    let mut s = 0.0f32;
-                    for ky in 0..3 {
-                        for kx in 0..3 {
-                            let c = g[a][ky] * g[b][kx];
-                            if c != 0.0 {
-                                s += c * tap(3 * ky + kx, i, o);
-                            }
-                        }
+    let (g, alpha, plane) = (tile.g(), tile.alpha(), inputs * outputs);
+    let mut u = try_zeroed(tile.xi() * plane)?;
+    u.par_chunks_mut(plane).enumerate().for_each(|(xi, dst)| {
+        let (a, b) = (xi / alpha, xi % alpha);
+        for ky in 0..3 {
+            for kx in 0..3 {
+                let c = g[a][ky] * g[b][kx];
+                if c != 0.0 {
+                    for (d, &f) in dst.iter_mut().zip(&tap_plane(3 * ky + kx)[..plane]) {
+                        *d += c * f;
                     }
-                    *v = s;
                 }
             }
-        });
+        }
+    });
     Ok(u)
 }
 
@@ -732,16 +731,15 @@ pub(super) fn forward(
     bias: Option<&[f32]>,
 ) -> Result<Tensor> {
     let (cin, cout) = (g.cin, g.cout);
-    let u = transform_filter(tile, cin, cout, |tap, i, o| w[(tap * cin + i) * cout + o])?;
+    let u = transform_filter(tile, cin, cout, |tap| &w[tap * cin * cout..])?;
     convolve(tile, g.n, g.h, g.w, cin, cout, x, &u, bias)
 }
 
-/// dX: dY convolved with W flipped in space, its channels transposed.
-pub(super) fn grad_input(tile: Tile, g: &Geom, dy: &[f32], w: &[f32]) -> Result<Tensor> {
+/// dX: dY convolved with W flipped in space, its channels transposed
+/// (`wt`: Wᵀ per tap, [9, cout, cin]).
+pub(super) fn grad_input(tile: Tile, g: &Geom, dy: &[f32], wt: &[f32]) -> Result<Tensor> {
     let (cin, cout) = (g.cin, g.cout);
-    let u = transform_filter(tile, cout, cin, |tap, co, ci| {
-        w[((8 - tap) * cin + ci) * cout + co]
-    })?;
+    let u = transform_filter(tile, cout, cin, |tap| &wt[(8 - tap) * cin * cout..])?;
     convolve(tile, g.n, g.h, g.w, cout, cin, dy, &u, None)
 }
 
