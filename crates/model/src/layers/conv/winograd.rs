@@ -833,3 +833,39 @@ pub(super) fn grad_weight(
         },
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plane-wise filter transform gives the bits of the definition,
+    /// U[ξ][i][o] = Σ_{ky,kx} G[a][ky]·G[b][kx]·f[ky][kx][i][o], each
+    /// element summed over the nonzero coefficients in tap order from zero.
+    #[test]
+    fn filter_transform_matches_the_definition_bit_for_bit() {
+        let (inputs, outputs) = (48, 32);
+        let plane = inputs * outputs;
+        let mut rng = crate::init::InitRng::new(7);
+        let f: Vec<f32> = (0..9 * plane).map(|_| rng.normal() as f32).collect();
+        for tile in [Tile::F2, Tile::F4] {
+            let u = transform_filter(tile, inputs, outputs, |tap| &f[tap * plane..]).unwrap();
+            let (g, alpha) = (tile.g(), tile.alpha());
+            for xi in 0..tile.xi() {
+                for e in 0..plane {
+                    let mut s = 0.0f32;
+                    for tap in 0..9 {
+                        let c = g[xi / alpha][tap / 3] * g[xi % alpha][tap % 3];
+                        if c != 0.0 {
+                            s += c * f[tap * plane + e];
+                        }
+                    }
+                    assert_eq!(
+                        u[xi * plane + e].to_bits(),
+                        s.to_bits(),
+                        "{tile:?} ξ {xi} element {e}"
+                    );
+                }
+            }
+        }
+    }
+}
