@@ -429,6 +429,24 @@ fn a6(y: [Lanes; 4]) -> [Lanes; 6] {
     ]
 }
 
+/// A 2-D transform T·d·Tᵀ of an N×N block, `get(N·i + j)`, by the 1-D
+/// transform `t` (N values in, M out): down each column, then along each
+/// row, writing the M×M results to `put(M·i + j)`.
+#[inline(always)]
+fn separable<const N: usize, const M: usize>(
+    get: impl Fn(usize) -> Lanes,
+    t: impl Fn([Lanes; N]) -> [Lanes; M],
+    mut put: impl FnMut(usize, Lanes),
+) {
+    let cols: [[Lanes; M]; N] = std::array::from_fn(|j| t(std::array::from_fn(|i| get(N * i + j))));
+    for i in 0..M {
+        let row = t(std::array::from_fn(|j| cols[j][i]));
+        for (j, v) in row.into_iter().enumerate() {
+            put(M * i + j, v);
+        }
+    }
+}
+
 /// Copies `imgs` images of `x` ([h, w, c]) into `dst` with one zero pixel
 /// above and left and enough below and right for whole tiles
 /// ([m·th + 2, m·tw + 2, c] each), so that every tile reads a full α×α
@@ -477,26 +495,8 @@ multiversioned! {
                     let put = |k: usize, v: Lanes| store_at(dst.add(k * xi_stride + c0), v);
                     // Bᵀ down each column, then along each row.
                     match plan.tile {
-                        Tile::F2 => {
-                            let cols: [[Lanes; 4]; 4] =
-                                std::array::from_fn(|j| bt(std::array::from_fn(|i| patch(i, j))));
-                            for i in 0..4 {
-                                let r = bt(std::array::from_fn(|j| cols[j][i]));
-                                for (j, rj) in r.into_iter().enumerate() {
-                                    put(4 * i + j, rj);
-                                }
-                            }
-                        }
-                        Tile::F4 => {
-                            let cols: [[Lanes; 6]; 6] =
-                                std::array::from_fn(|j| bt6(std::array::from_fn(|i| patch(i, j))));
-                            for i in 0..6 {
-                                let r = bt6(std::array::from_fn(|j| cols[j][i]));
-                                for (j, rj) in r.into_iter().enumerate() {
-                                    put(6 * i + j, rj);
-                                }
-                            }
-                        }
+                        Tile::F2 => separable::<4, 4>(|k| patch(k / 4, k % 4), bt, put),
+                        Tile::F4 => separable::<6, 6>(|k| patch(k / 6, k % 6), bt6, put),
                     }
                 }
             }
@@ -550,26 +550,8 @@ multiversioned! {
                     };
                     // Aᵀ down each column, then along each row.
                     match plan.tile {
-                        Tile::F2 => {
-                            let cols: [[Lanes; 2]; 4] =
-                                std::array::from_fn(|j| at(std::array::from_fn(|i| at_m(4 * i + j))));
-                            for r in 0..2 {
-                                let y = at(std::array::from_fn(|j| cols[j][r]));
-                                for (s, ys) in y.into_iter().enumerate() {
-                                    put(2 * r + s, ys);
-                                }
-                            }
-                        }
-                        Tile::F4 => {
-                            let cols: [[Lanes; 4]; 6] =
-                                std::array::from_fn(|j| at6(std::array::from_fn(|i| at_m(6 * i + j))));
-                            for r in 0..4 {
-                                let y = at6(std::array::from_fn(|j| cols[j][r]));
-                                for (s, ys) in y.into_iter().enumerate() {
-                                    put(4 * r + s, ys);
-                                }
-                            }
-                        }
+                        Tile::F2 => separable::<4, 2>(at_m, at, put),
+                        Tile::F4 => separable::<6, 4>(at_m, at6, put),
                     }
                 }
             }
@@ -605,26 +587,8 @@ multiversioned! {
                     let put = |k: usize, v: Lanes| store_at(dst.add(k * xi_stride + c0), v);
                     // A down each column, then along each row.
                     match plan.tile {
-                        Tile::F2 => {
-                            let cols: [[Lanes; 4]; 2] =
-                                std::array::from_fn(|j| a(std::array::from_fn(|i| y(2 * i + j))));
-                            for i in 0..4 {
-                                let r = a(std::array::from_fn(|j| cols[j][i]));
-                                for (j, rj) in r.into_iter().enumerate() {
-                                    put(4 * i + j, rj);
-                                }
-                            }
-                        }
-                        Tile::F4 => {
-                            let cols: [[Lanes; 6]; 4] =
-                                std::array::from_fn(|j| a6(std::array::from_fn(|i| y(4 * i + j))));
-                            for i in 0..6 {
-                                let r = a6(std::array::from_fn(|j| cols[j][i]));
-                                for (j, rj) in r.into_iter().enumerate() {
-                                    put(6 * i + j, rj);
-                                }
-                            }
-                        }
+                        Tile::F2 => separable::<2, 4>(y, a, put),
+                        Tile::F4 => separable::<4, 6>(y, a6, put),
                     }
                 }
             }
