@@ -185,7 +185,7 @@ fn winograd_tile(g: &Geom) -> Option<Tile> {
 /// ms a layer at batch 128, forward / backward): F(4×4, 3×3) is the
 /// fastest of the three on the reference ResNet's stride-1 layers, 28×28×32
 /// 5.3 / 11.2 (direct 8.9 / 17.7), 14×14×64 5.0 / 12.0 (8.0 / 16.2) and
-/// even 7×7×128, where a third of every tile lies outside the image, 5.0 /
+/// even 7×7×128, where 15 of 64 tile pixels lie outside the image, 5.0 /
 /// 12.7 (7.2 / 14.9); and from 16 channels on maps of 16 pixels a side or
 /// more (16×16×16 0.72 / 1.53 against 0.80 / 1.68; conv_lstm's 32×32×48→16
 /// 5.9 / 13.3 against 8.9 / 19.4). Direct wins below: at 14×14×16 and

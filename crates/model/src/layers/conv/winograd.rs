@@ -23,8 +23,8 @@
 //! (same test): far below what f32 training notices (a training curve
 //! stays within 10⁻⁴ of the direct kernels', `tests/winograd_training.rs`).
 //! F(4×4) also moves less data (36 transformed values per 16 outputs,
-//! against 16 per 4), but its tiles waste a third of their area on 7×7
-//! images (8×8 covered, as with 2×2 tiles) and a quarter on 14×14: which
+//! against 16 per 4), but its tiles waste 23% of their area on 7×7
+//! images (8×8 covered, as with 2×2 tiles) as on 14×14 (16×16 covered): which
 //! one `Auto` takes, if any, is measured (`super::winograd_pays`).
 //!
 //! Memory. Per call: the transformed filter U, α²·Cin·Cout floats (2.25
