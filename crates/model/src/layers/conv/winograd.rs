@@ -33,7 +33,9 @@
 //! one block of transformed inputs V and products M, α² floats per tile
 //! per channel, ~BLOCK_BYTES together; the weight gradient uses longer
 //! blocks of V and the transformed dY (~GRAD_BLOCK_BYTES, 1 MiB) and one
-//! dU, α²·Cin·Cout floats. Nothing is kept between calls.
+//! dU, α²·Cin·Cout floats; the input gradient also takes Wᵀ per tap,
+//! 9·Cin·Cout floats, for its filter transform. Nothing is kept between
+//! calls.
 //!
 //! Determinism. Every output is a sum in a fixed order over data that does
 //! not depend on how the batch is split across threads: a tile's forward
@@ -117,9 +119,6 @@ pub(super) fn shape_fits(g: &Geom) -> bool {
 #[derive(Clone, Copy)]
 struct Plan {
     tile: Tile,
-    /// `tile.m()` and `tile.xi()`, kept at hand.
-    m: usize,
-    xi: usize,
     h: usize,
     w: usize,
     inputs: usize,
@@ -147,8 +146,6 @@ impl Plan {
         let padded_image = (m * th + 2) * (m * tw + 2) * inputs;
         Self {
             tile,
-            m,
-            xi,
             h,
             w,
             inputs,
@@ -164,7 +161,7 @@ impl Plan {
     /// (slot stride, ξ stride) of a block of `c`-channel transformed tiles.
     fn strides(&self, c: usize) -> (usize, usize) {
         if self.tile_major {
-            (self.xi * c, c)
+            (self.tile.xi() * c, c)
         } else {
             (c, self.block * c)
         }
@@ -173,7 +170,7 @@ impl Plan {
     /// Floats a block of `count` such tiles spans.
     fn span(&self, count: usize, c: usize) -> usize {
         let (slot, xi) = self.strides(c);
-        (count.max(1) - 1) * slot + (self.xi - 1) * xi + c
+        (count.max(1) - 1) * slot + (self.tile.xi() - 1) * xi + c
     }
 
     /// The weight gradient's plan: blocks of ~GRAD_BLOCK_BYTES, the images
@@ -183,7 +180,7 @@ impl Plan {
     /// the 2-core Zen 4 (within its noise) and keeps the scratch small.
     fn for_weight_gradient(tile: Tile, h: usize, w: usize, inputs: usize, outputs: usize) -> Self {
         let plan = Self::new(tile, h, w, inputs, outputs);
-        let block = (GRAD_BLOCK_BYTES / (4 * plan.xi * (inputs + outputs))).clamp(12, 1024);
+        let block = (GRAD_BLOCK_BYTES / (4 * plan.tile.xi() * (inputs + outputs))).clamp(12, 1024);
         Self {
             block,
             chunk: block.div_ceil(plan.tiles_per_image()),
@@ -194,7 +191,8 @@ impl Plan {
 
     /// Rows and columns of a padded image (see `pad_images`).
     fn padded_dims(&self) -> (usize, usize) {
-        (self.m * self.th + 2, self.m * self.tw + 2)
+        let m = self.tile.m();
+        (m * self.th + 2, m * self.tw + 2)
     }
 
     fn padded_image(&self) -> usize {
@@ -473,7 +471,7 @@ multiversioned! {
     /// V[slot, ξ][c] = (Bᵀ·d·B)[ξ] (laid out as `plan.strides` says) for tiles t0..t0+count of the padded
     /// images `xp` (tile numbers counted from image 0 of `xp`), slot = t - t0.
     fn transform_input_block(plan: &Plan, xp: &[f32], t0: usize, count: usize, v: &mut [f32]) {
-        let (c, m, alpha) = (plan.inputs, plan.m, plan.tile.alpha());
+        let (c, m, alpha) = (plan.inputs, plan.tile.m(), plan.tile.alpha());
         let (hp, wp) = plan.padded_dims();
         let row = wp * c;
         let (slot_stride, xi_stride) = plan.strides(c);
@@ -516,7 +514,7 @@ multiversioned! {
         bias: Option<&[f32]>,
         out: &mut [MaybeUninit<f32>],
     ) {
-        let (c, side) = (plan.outputs, plan.m);
+        let (c, side) = (plan.outputs, plan.tile.m());
         let image = plan.h * plan.w * c;
         let (slot_stride, xi_stride) = plan.strides(c);
         assert!(c % LANES == 0 && m.len() >= plan.span(count, c));
@@ -563,7 +561,7 @@ multiversioned! {
     /// Z[slot, ξ][c] = (A·dy·Aᵀ)[ξ] (laid out as `plan.strides` says) for tiles t0..t0+count of `dy` (the
     /// adjoint of the output transform; pixels outside the image read as 0).
     fn transform_grad_block(plan: &Plan, dy: &[f32], t0: usize, count: usize, z: &mut [f32]) {
-        let (c, side) = (plan.outputs, plan.m);
+        let (c, side) = (plan.outputs, plan.tile.m());
         let image = plan.h * plan.w * c;
         let (slot_stride, xi_stride) = plan.strides(c);
         assert!(c % LANES == 0 && z.len() >= plan.span(count, c));
@@ -612,7 +610,7 @@ fn convolve(
 ) -> Result<Tensor> {
     let plan = Plan::new(tile, h, w, inputs, outputs);
     let (in_image, out_image) = (h * w * inputs, h * w * outputs);
-    assert!(x.len() == n * in_image && u.len() == plan.xi * inputs * outputs);
+    assert!(x.len() == n * in_image && u.len() == plan.tile.xi() * inputs * outputs);
     // Several tasks per thread for balance; the split does not change results.
     let per_task = n.div_ceil(4 * rayon::current_num_threads()).max(1);
     // SAFETY: `convolve_images` writes every output pixel of its images:
@@ -634,7 +632,7 @@ fn convolve_images(
     bias: Option<&[f32]>,
     out: &mut [MaybeUninit<f32>],
 ) {
-    let (inputs, outputs, block, xis) = (plan.inputs, plan.outputs, plan.block, plan.xi);
+    let (inputs, outputs, block, xis) = (plan.inputs, plan.outputs, plan.block, plan.tile.xi());
     let (in_image, out_image) = (plan.h * plan.w * inputs, plan.h * plan.w * outputs);
     let rows: Vec<(usize, usize)> = (0..block)
         .map(|t| (t * xis * inputs, t * xis * outputs))
@@ -719,7 +717,7 @@ pub(super) fn grad_weight(
 ) {
     let (cin, cout) = (g.cin, g.cout);
     let plan = Plan::for_weight_gradient(tile, g.h, g.w, cin, cout);
-    let (block, xis, alpha, gt) = (plan.block, plan.xi, tile.alpha(), tile.g());
+    let (block, xis, alpha, gt) = (plan.block, plan.tile.xi(), tile.alpha(), tile.g());
     assert!(x_g.len() == imgs * g.in_image() && dy_g.len() == imgs * g.opix() * cout);
     assert!(dw.len() == 9 * cin * cout);
     let out_image = g.opix() * cout;
