@@ -2091,6 +2091,9 @@ mod tests {
             (2, 28, 28, 32, 32, 3, 1, 1, false),
             (2, 14, 14, 64, 64, 3, 1, 1, true),
             (2, 7, 7, 128, 128, 3, 1, 1, false),
+            // Two images a group, each a whole weight-gradient block: dU is
+            // written by the first block and added to by the second.
+            (16, 64, 64, 16, 16, 3, 1, 1, true),
         ] {
             let x = input(case, 2);
             let mut errors = Vec::new();

@@ -32,8 +32,9 @@
 //! thread-local scratch): a zero-padded copy of a few images (~PAD_BYTES),
 //! one block of transformed inputs V and products M, α² floats per tile
 //! per channel, ~BLOCK_BYTES together; the weight gradient uses longer
-//! blocks of V and the transformed dY (~GRAD_BLOCK_BYTES, 1 MiB) and one
-//! dU, α²·Cin·Cout floats; the input gradient also takes Wᵀ per tap,
+//! blocks of V and the transformed dY (~GRAD_BLOCK_BYTES, 1 MiB, or more
+//! where dU is large: up to 4·(dU's size), whole images, at most one
+//! group's) and one dU, α²·Cin·Cout floats; the input gradient also takes Wᵀ per tap,
 //! 9·Cin·Cout floats, for its filter transform. Nothing is kept between
 //! calls.
 //!
@@ -101,6 +102,10 @@ const BLOCK_BYTES: usize = 384 * 1024;
 
 /// Target bytes of one block of V and Z in the weight gradient (per thread).
 const GRAD_BLOCK_BYTES: usize = 1 << 20;
+
+/// How many times V's and Z's traffic dU's may be, at most, in the weight
+/// gradient (`Plan::for_weight_gradient`).
+const REDUCTION_RATIO: usize = 4;
 
 /// Target bytes of the zero-padded copy of a chunk of images (per thread).
 const PAD_BYTES: usize = 512 * 1024;
@@ -173,17 +178,33 @@ impl Plan {
         (count.max(1) - 1) * slot + (self.tile.xi() - 1) * xi + c
     }
 
-    /// The weight gradient's plan: blocks of ~GRAD_BLOCK_BYTES, the images
-    /// of one block padded at once. Every block reads and writes all of dU
-    /// (1 MiB at 128→128), so its reduction must be longer than the
-    /// forward's blocks. 1 MiB measured as fast as 4 MiB and 384 KiB on
-    /// the 2-core Zen 4 (within its noise) and keeps the scratch small.
-    fn for_weight_gradient(tile: Tile, h: usize, w: usize, inputs: usize, outputs: usize) -> Self {
+    /// The weight gradient's plan for groups of `imgs` images: blocks of
+    /// whole images, ~GRAD_BLOCK_BYTES of V and Z, and long enough that
+    /// dU's passes cost little beside them. Each block reads and writes
+    /// all of dU (α²·Cin·Cout floats) once, while V and Z cost α²·(Cin +
+    /// Cout) floats per tile: at least REDUCTION_RATIO·Cin·Cout/(Cin + Cout)
+    /// tiles keeps dU's traffic under 1/REDUCTION_RATIO of theirs. Short
+    /// blocks ran 7×7×128 (dU 2.25 MiB, out of L2) at 28 tiles a pass.
+    fn for_weight_gradient(
+        tile: Tile,
+        h: usize,
+        w: usize,
+        inputs: usize,
+        outputs: usize,
+        imgs: usize,
+    ) -> Self {
         let plan = Self::new(tile, h, w, inputs, outputs);
-        let block = (GRAD_BLOCK_BYTES / (4 * plan.tile.xi() * (inputs + outputs))).clamp(12, 1024);
+        let per_image = plan.tiles_per_image();
+        let by_bytes = GRAD_BLOCK_BYTES / (4 * plan.tile.xi() * (inputs + outputs));
+        let by_reduction = REDUCTION_RATIO * inputs * outputs / (inputs + outputs);
+        let tiles = by_bytes
+            .max(by_reduction)
+            .clamp(12, 1024)
+            .min(imgs * per_image);
+        let chunk = tiles.div_ceil(per_image).max(1);
         Self {
-            block,
-            chunk: block.div_ceil(plan.tiles_per_image()),
+            block: chunk * per_image,
+            chunk,
             tile_major: false,
             ..plan
         }
@@ -716,8 +737,8 @@ pub(super) fn grad_weight(
     dw: &mut [f32],
 ) {
     let (cin, cout) = (g.cin, g.cout);
-    let plan = Plan::for_weight_gradient(tile, g.h, g.w, cin, cout);
-    let (block, xis, alpha, gt) = (plan.block, plan.tile.xi(), tile.alpha(), tile.g());
+    let plan = Plan::for_weight_gradient(tile, g.h, g.w, cin, cout, imgs);
+    let (block, xis) = (plan.block, plan.tile.xi());
     assert!(x_g.len() == imgs * g.in_image() && dy_g.len() == imgs * g.opix() * cout);
     assert!(dw.len() == 9 * cin * cout);
     let out_image = g.opix() * cout;
@@ -729,9 +750,8 @@ pub(super) fn grad_weight(
             let (du, rest) = buf.split_at_mut(xis * cin * cout);
             let (xp, rest) = rest.split_at_mut(padded_len);
             let (v, z) = rest.split_at_mut(xis * block * cin);
-            du.fill(0.0);
             // Chunks and blocks depend on the shape alone, so the order of the
-            // sums does too.
+            // sums does too. The first block writes dU, the rest add to it.
             for i0 in (0..imgs).step_by(plan.chunk) {
                 let cc = plan.chunk.min(imgs - i0);
                 pad_images(
@@ -744,6 +764,11 @@ pub(super) fn grad_weight(
                 let tiles = cc * plan.tiles_per_image();
                 for t0 in (0..tiles).step_by(block) {
                     let count = block.min(tiles - t0);
+                    let init = if i0 == 0 && t0 == 0 {
+                        Init::Zero
+                    } else {
+                        Init::Accumulate
+                    };
                     transform_input_block(&plan, xp, t0, count, v);
                     transform_grad_block(&plan, dy_c, t0, count, z);
                     let steps = Steps {
@@ -771,29 +796,37 @@ pub(super) fn grad_weight(
                                     width,
                                     dst.as_mut_ptr().add(co0),
                                     dst.len() - co0,
-                                    Init::Accumulate,
+                                    init,
                                 );
                             }
                         }
                     }
                 }
             }
-            // dW[ky][kx] = Σ_ξ G[a][ky]·G[b][kx]·dU[ξ], in a fixed order.
-            let plane = cin * cout;
-            for (tap, dst) in dw.chunks_exact_mut(plane).enumerate() {
-                let (ky, kx) = (tap / 3, tap % 3);
-                dst.fill(0.0);
-                for xi in 0..xis {
-                    let c = gt[xi / alpha][ky] * gt[xi % alpha][kx];
-                    if c != 0.0 {
-                        for (d, s) in dst.iter_mut().zip(&du[xi * plane..][..plane]) {
-                            *d += c * s;
-                        }
+            filter_gradient(tile, cin * cout, du, dw);
+        },
+    );
+}
+
+multiversioned! {
+    /// dW[ky][kx] = Σ_ξ G[a][ky]·G[b][kx]·dU[ξ] (ξ = α·a + b), plane by
+    /// plane in a fixed order; multiply then add, never fused, so every
+    /// build rounds alike.
+    fn filter_gradient(tile: Tile, plane: usize, du: &[f32], dw: &mut [f32]) {
+        let (alpha, gt) = (tile.alpha(), tile.g());
+        for (tap, dst) in dw.chunks_exact_mut(plane).enumerate() {
+            let (ky, kx) = (tap / 3, tap % 3);
+            dst.fill(0.0);
+            for xi in 0..tile.xi() {
+                let c = gt[xi / alpha][ky] * gt[xi % alpha][kx];
+                if c != 0.0 {
+                    for (d, s) in dst.iter_mut().zip(&du[xi * plane..][..plane]) {
+                        *d += c * s;
                     }
                 }
             }
-        },
-    );
+        }
+    }
 }
 
 #[cfg(test)]
