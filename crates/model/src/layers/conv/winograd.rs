@@ -457,10 +457,22 @@ fn separable<const N: usize, const M: usize>(
     t: impl Fn([Lanes; N]) -> [Lanes; M],
     mut put: impl FnMut(usize, Lanes),
 ) {
-    let cols: [[Lanes; M]; N] = std::array::from_fn(|j| t(std::array::from_fn(|i| get(N * i + j))));
+    // Plain loops over fixed sizes: `array::from_fn` here was left as a
+    // call and the lanes went through the stack.
+    let mut cols = [[[0.0; LANES]; M]; N];
+    for (j, col) in cols.iter_mut().enumerate() {
+        let mut column = [[0.0; LANES]; N];
+        for (i, v) in column.iter_mut().enumerate() {
+            *v = get(N * i + j);
+        }
+        *col = t(column);
+    }
     for i in 0..M {
-        let row = t(std::array::from_fn(|j| cols[j][i]));
-        for (j, v) in row.into_iter().enumerate() {
+        let mut row = [[0.0; LANES]; N];
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = cols[j][i];
+        }
+        for (j, v) in t(row).into_iter().enumerate() {
             put(M * i + j, v);
         }
     }
