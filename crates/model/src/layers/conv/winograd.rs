@@ -32,9 +32,9 @@
 //! thread-local scratch): a zero-padded copy of a few images (~PAD_BYTES),
 //! one block of transformed inputs V and products M, α² floats per tile
 //! per channel, ~BLOCK_BYTES together; the weight gradient uses longer
-//! blocks of V and the transformed dY (~GRAD_BLOCK_BYTES, 1 MiB, or more
-//! where dU is large: up to 4·(dU's size), whole images, at most one
-//! group's) and one dU, α²·Cin·Cout floats; the input gradient also takes Wᵀ per tap,
+//! blocks of V and the transformed dY (~GRAD_BLOCK_BYTES, 1 MiB; more
+//! where dU is large, at most MAX_GRAD_BLOCK_BYTES, 4 MiB) and one dU,
+//! α²·Cin·Cout floats; the input gradient also takes Wᵀ per tap,
 //! 9·Cin·Cout floats, for its filter transform. Nothing is kept between
 //! calls.
 //!
@@ -106,6 +106,9 @@ const GRAD_BLOCK_BYTES: usize = 1 << 20;
 /// How many times V's and Z's traffic dU's may be, at most, in the weight
 /// gradient (`Plan::for_weight_gradient`).
 const REDUCTION_RATIO: usize = 4;
+
+/// Most bytes of one block of V and Z in the weight gradient (per thread).
+const MAX_GRAD_BLOCK_BYTES: usize = 4 << 20;
 
 /// Target bytes of the zero-padded copy of a chunk of images (per thread).
 const PAD_BYTES: usize = 512 * 1024;
@@ -179,12 +182,13 @@ impl Plan {
     }
 
     /// The weight gradient's plan for groups of `imgs` images: blocks of
-    /// whole images, ~GRAD_BLOCK_BYTES of V and Z, and long enough that
-    /// dU's passes cost little beside them. Each block reads and writes
-    /// all of dU (α²·Cin·Cout floats) once, while V and Z cost α²·(Cin +
-    /// Cout) floats per tile: at least REDUCTION_RATIO·Cin·Cout/(Cin + Cout)
-    /// tiles keeps dU's traffic under 1/REDUCTION_RATIO of theirs. Short
-    /// blocks ran 7×7×128 (dU 2.25 MiB, out of L2) at 28 tiles a pass.
+    /// ~GRAD_BLOCK_BYTES of V and Z, longer where dU is large. Each block
+    /// reads and writes all of dU (α²·Cin·Cout floats) once, while V and Z
+    /// cost α²·(Cin + Cout) floats per tile: blocks of
+    /// REDUCTION_RATIO·Cin·Cout/(Cin + Cout) tiles keep dU's traffic under
+    /// 1/REDUCTION_RATIO of theirs (short blocks ran 7×7×128, dU 2.25 MiB,
+    /// at 28 tiles a pass), up to MAX_GRAD_BLOCK_BYTES. A block of at least one image's tiles is cut
+    /// to whole images, so that no short block is left at a chunk's end.
     fn for_weight_gradient(
         tile: Tile,
         h: usize,
@@ -195,15 +199,21 @@ impl Plan {
     ) -> Self {
         let plan = Self::new(tile, h, w, inputs, outputs);
         let per_image = plan.tiles_per_image();
-        let by_bytes = GRAD_BLOCK_BYTES / (4 * plan.tile.xi() * (inputs + outputs));
-        let by_reduction = REDUCTION_RATIO * inputs * outputs / (inputs + outputs);
-        let tiles = by_bytes
+        let tile_bytes = 4 * plan.tile.xi() * (inputs + outputs);
+        let by_reduction = (REDUCTION_RATIO * inputs * outputs / (inputs + outputs))
+            .min(MAX_GRAD_BLOCK_BYTES / tile_bytes);
+        let tiles = (GRAD_BLOCK_BYTES / tile_bytes)
             .max(by_reduction)
             .clamp(12, 1024)
-            .min(imgs * per_image);
-        let chunk = tiles.div_ceil(per_image).max(1);
+            .min(imgs.max(1) * per_image);
+        let (block, chunk) = if tiles >= per_image {
+            let chunk = tiles / per_image;
+            (chunk * per_image, chunk)
+        } else {
+            (tiles, 1)
+        };
         Self {
-            block: chunk * per_image,
+            block,
             chunk,
             tile_major: false,
             ..plan
@@ -844,6 +854,36 @@ multiversioned! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The weight gradient's blocks stay within their byte bound however
+    /// large the images or the layer, and on the reference ResNet's 7×7×128
+    /// layer one block covers a whole group (dU read and written once).
+    #[test]
+    fn weight_gradient_blocks_are_bounded() {
+        for tile in [Tile::F2, Tile::F4] {
+            for (h, cin, cout, imgs) in [
+                (224, 64, 64, 16),
+                (56, 256, 256, 16),
+                (28, 32, 32, 16),
+                (14, 64, 64, 16),
+                (7, 128, 128, 16),
+                (5, 16, 16, 3),
+                (64, 16, 16, 2),
+            ] {
+                let plan = Plan::for_weight_gradient(tile, h, h, cin, cout, imgs);
+                let tile_bytes = 4 * tile.xi() * (cin + cout);
+                let what = format!("{tile:?} {h}x{h} {cin}->{cout}: block {}", plan.block);
+                assert!(plan.block >= 1 && plan.chunk >= 1, "{what}");
+                assert!(
+                    plan.block * tile_bytes <= MAX_GRAD_BLOCK_BYTES.max(12 * tile_bytes),
+                    "{what}"
+                );
+                assert!(plan.block <= plan.chunk * plan.tiles_per_image(), "{what}");
+            }
+        }
+        let plan = Plan::for_weight_gradient(Tile::F4, 7, 7, 128, 128, 16);
+        assert_eq!(plan.block, 16 * plan.tiles_per_image());
+    }
 
     /// The plane-wise filter transform gives the bits of the definition,
     /// U[ξ][i][o] = Σ_{ky,kx} G[a][ky]·G[b][kx]·f[ky][kx][i][o], each
