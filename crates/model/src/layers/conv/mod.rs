@@ -62,7 +62,7 @@ use super::matmul::{matmul, View};
 use rayon::prelude::*;
 
 use crate::init::InitRng;
-use crate::memory::try_zeroed;
+use crate::memory::{try_scratch, try_zeroed};
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 mod narrow;
@@ -307,7 +307,7 @@ impl Conv2d {
             self.partials = grown;
         }
         self.partials.truncate(wanted);
-        grad_params(g, &groups, input.data(), dy, &mut self.partials);
+        grad_params(g, &groups, input.data(), dy, &mut self.partials)?;
         let partials = &self.partials;
         reduce_partials(self.weight.grad.data_mut(), partials, 0, stride);
         if let Some(b) = self.bias.as_mut() {
@@ -558,7 +558,7 @@ fn forward(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Result<Tenso
             par_build(&shape, per_task * g.opix() * g.cout, |t, out| {
                 let imgs = out.len() / (g.opix() * g.cout);
                 let x_t = &x[t * per_task * g.in_image()..][..imgs * g.in_image()];
-                direct::forward(g, x_t, imgs, w, bias, out);
+                direct::forward(g, x_t, imgs, w, bias, out)
             })
         }
     } else if narrow::takes(g) {
@@ -569,12 +569,12 @@ fn forward(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>) -> Result<Tenso
             par_build(&shape, per_task * g.opix() * g.cout, |t, out| {
                 let imgs = out.len() / (g.opix() * g.cout);
                 let x_t = &x[t * per_task * g.in_image()..][..imgs * g.in_image()];
-                narrow::forward(g, x_t, imgs, &w_by_out, bias, out);
+                narrow::forward(g, x_t, imgs, &w_by_out, bias, out)
             })
         }
     } else {
         let mut out = Tensor::try_zeros(&shape)?;
-        forward_gemm(g, x, w, bias, out.try_data_mut()?);
+        forward_gemm(g, x, w, bias, out.try_data_mut()?)?;
         Ok(out)
     }
 }
@@ -611,7 +611,7 @@ fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Tensor> {
         narrow::grad_input
     } else {
         let mut dx = Tensor::try_zeros(&shape)?;
-        grad_input_gemm(g, dy, w, dx.try_data_mut()?);
+        grad_input_gemm(g, dy, w, dx.try_data_mut()?)?;
         return Ok(dx);
     };
     let out_image = g.opix() * g.cout;
@@ -622,16 +622,22 @@ fn grad_input(g: &Geom, dy: &[f32], w: &[f32]) -> Result<Tensor> {
         par_build(&shape, per_task * g.in_image(), |t, dx| {
             let imgs = dx.len() / g.in_image();
             let dy_t = &dy[t * per_task * out_image..][..imgs * out_image];
-            gather(g, dy_t, imgs, &wt, dx);
+            gather(g, dy_t, imgs, &wt, dx)
         })
     }
 }
 
 /// dX of `imgs` whole images from their dY and Wᵀ per tap.
-type PerImageGradInput = fn(&Geom, &[f32], usize, &[f32], &mut [MaybeUninit<f32>]);
+type PerImageGradInput = fn(&Geom, &[f32], usize, &[f32], &mut [MaybeUninit<f32>]) -> Result<()>;
 
 /// Per-group partial gradients: `partials` is groups × [kk·cout weight, cout bias].
-fn grad_params(g: &Geom, groups: &Groups, x: &[f32], dy: &[f32], partials: &mut [f32]) {
+fn grad_params(
+    g: &Geom,
+    groups: &Groups,
+    x: &[f32],
+    dy: &[f32],
+    partials: &mut [f32],
+) -> Result<()> {
     let stride = g.kk * g.cout + g.cout;
     let direct = direct::supports(g.cout);
     let narrow = narrow::takes(g);
@@ -639,7 +645,7 @@ fn grad_params(g: &Geom, groups: &Groups, x: &[f32], dy: &[f32], partials: &mut 
     partials
         .par_chunks_mut(stride)
         .enumerate()
-        .for_each(|(gi, part)| {
+        .try_for_each(|(gi, part)| {
             let img0 = gi * groups.images;
             let imgs = groups.images.min(g.n - img0);
             let x_g = &x[img0 * g.in_image()..(img0 + imgs) * g.in_image()];
@@ -653,20 +659,20 @@ fn grad_params(g: &Geom, groups: &Groups, x: &[f32], dy: &[f32], partials: &mut 
                 }
             }
             if let Some(tile) = winograd {
-                winograd::grad_weight(tile, g, x_g, dy_g, imgs, dw);
+                winograd::grad_weight(tile, g, x_g, dy_g, imgs, dw)
             } else if direct {
                 dw.fill(0.0);
                 if g.cin >= direct::MR {
-                    direct::grad_weight(g, x_g, dy_g, imgs, dw);
+                    direct::grad_weight(g, x_g, dy_g, imgs, dw)
                 } else {
-                    direct::grad_weight_padded(g, x_g, dy_g, imgs, dw);
+                    direct::grad_weight_padded(g, x_g, dy_g, imgs, dw)
                 }
             } else if narrow {
-                narrow::grad_weight(g, x_g, dy_g, imgs, dw);
+                narrow::grad_weight(g, x_g, dy_g, imgs, dw)
             } else {
-                grad_weight_gemm(g, x_g, dy_g, imgs, dw);
+                grad_weight_gemm(g, x_g, dy_g, imgs, dw)
             }
-        });
+        })
 }
 
 /// A pool tensor of `shape` whose elements `fill(i, chunk)` writes, chunk
@@ -676,23 +682,33 @@ fn grad_params(g: &Geom, groups: &Groups, x: &[f32], dy: &[f32], partials: &mut 
 /// `conv_lstm`'s head cost several ms of page faults a step), and there is
 /// no zeroing pass.
 ///
+/// The first error of any `fill` is returned (the tensor, zeroed so that
+/// no element is left unwritten, dropped).
+///
 /// # Safety
-/// `fill` must write every element of the chunk it is given.
+/// `fill` must write every element of the chunk it is given when it
+/// returns Ok.
 unsafe fn par_build(
     shape: &[usize],
     chunk: usize,
-    fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
+    fill: impl Fn(usize, &mut [MaybeUninit<f32>]) -> Result<()> + Sync,
 ) -> Result<Tensor> {
     let chunk = chunk.max(1);
-    // SAFETY: every chunk is handed to `fill`, which writes it (our
-    // caller's contract).
-    unsafe {
+    let mut filled = Ok(());
+    // SAFETY: every chunk is handed to `fill`, which writes it when it
+    // succeeds (our caller's contract); after a failure all is zeroed.
+    let tensor = unsafe {
         Tensor::try_init_with(shape, |out| {
-            out.par_chunks_mut(chunk)
+            filled = out
+                .par_chunks_mut(chunk)
                 .enumerate()
-                .for_each(|(i, c)| fill(i, c));
-        })
-    }
+                .try_for_each(|(i, c)| fill(i, c));
+            if filled.is_err() {
+                out.fill(MaybeUninit::new(0.0));
+            }
+        })?
+    };
+    filled.map(|()| tensor)
 }
 
 /// Copies one [h, w, c] image into `dst` ([h+2p, w+2p, c]) inside a zero
@@ -733,6 +749,7 @@ pub(super) mod direct_tiles {
 /// stable at our MSRV (AVX-512's need Rust 1.89).
 mod direct {
     use super::{pad_into, with_scratch, Geom};
+    use crate::Result;
     use std::mem::MaybeUninit;
 
     pub const MR: usize = 6;
@@ -992,7 +1009,7 @@ mod direct {
         w: &[f32],
         bias: Option<&[f32]>,
         out: &mut [MaybeUninit<f32>],
-    ) {
+    ) -> Result<()> {
         let opix = g.opix();
         assert!(out.len() == imgs * opix * g.cout && x.len() == imgs * g.in_image());
         assert!(w.len() == g.kk * g.cout && g.cout % NR == 0);
@@ -1080,7 +1097,7 @@ mod direct {
                     }
                 }
             }
-        });
+        })
     }
 
     /// dX of `imgs` images: writes all of `dx` ([imgs·h·w × cin]).
@@ -1091,7 +1108,13 @@ mod direct {
     /// that reach the pixel × output channels, along Wᵀ's rows (`wt`:
     /// [k·k, cout, cin]). Which taps reach a pixel depends on (iy + p) mod s
     /// and on the edges, so pixels are grouped by that, as in `forward`.
-    pub fn grad_input(g: &Geom, dy: &[f32], imgs: usize, wt: &[f32], dx: &mut [MaybeUninit<f32>]) {
+    pub fn grad_input(
+        g: &Geom,
+        dy: &[f32],
+        imgs: usize,
+        wt: &[f32],
+        dx: &mut [MaybeUninit<f32>],
+    ) -> Result<()> {
         let s = g.stride;
         assert!(dx.len() == imgs * g.in_image() && dy.len() == imgs * g.opix() * g.cout);
         assert!(wt.len() == g.kk * g.cout && g.cin % NR == 0);
@@ -1179,7 +1202,7 @@ mod direct {
                     }
                 }
             }
-        });
+        })
     }
 
     /// Splits `n` rows into tiles of at most MR, none smaller than needed:
@@ -1214,7 +1237,13 @@ mod direct {
     /// walk is over the output pixels that tap reaches inside the image (a
     /// rectangle: taps in the padding are skipped, as in `forward`), one
     /// segment per output row, along dY's rows and the input read in place.
-    pub fn grad_weight(g: &Geom, x_g: &[f32], dy_g: &[f32], imgs: usize, dw: &mut [f32]) {
+    pub fn grad_weight(
+        g: &Geom,
+        x_g: &[f32],
+        dy_g: &[f32],
+        imgs: usize,
+        dw: &mut [f32],
+    ) -> Result<()> {
         let out_image = g.opix() * g.cout;
         assert!(x_g.len() == imgs * g.in_image() && dy_g.len() == imgs * out_image);
         assert!(dw.len() == g.kk * g.cout && g.cout % NR == 0 && g.cin >= MR);
@@ -1283,9 +1312,10 @@ mod direct {
                         }
                     }
                 }
-            });
+            })?;
             c0 += cc;
         }
+        Ok(())
     }
 
     /// The output positions o in 0..out whose tap t lands inside 0..size:
@@ -1304,7 +1334,13 @@ mod direct {
     /// padded images at that tap's offset), columns output channels; the walk
     /// is over every output pixel of a chunk of images (one segment per
     /// output row), along dY's rows.
-    pub fn grad_weight_padded(g: &Geom, x_g: &[f32], dy_g: &[f32], imgs: usize, dw: &mut [f32]) {
+    pub fn grad_weight_padded(
+        g: &Geom,
+        x_g: &[f32],
+        dy_g: &[f32],
+        imgs: usize,
+        dw: &mut [f32],
+    ) -> Result<()> {
         let (hp, wp) = g.padded();
         let pimg = hp * wp * g.cin;
         let out_image = g.opix() * g.cout;
@@ -1367,9 +1403,10 @@ mod direct {
                         );
                     }
                 }
-            });
+            })?;
             c0 += cc;
         }
+        Ok(())
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -1562,11 +1599,17 @@ mod direct {
 // The general path: im2col + gemm (any channel counts, any stride).
 
 /// y = conv(x, w) + bias into `out` ([n·oh·ow × cout]).
-fn forward_gemm(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
+fn forward_gemm(
+    g: &Geom,
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) -> Result<()> {
     let r = g.block_rows();
     out.par_chunks_mut(r * g.cout)
         .enumerate()
-        .for_each(|(b, dst)| {
+        .try_for_each(|(b, dst)| {
             let r0 = b * r;
             let rows = dst.len() / g.cout;
             if let Some(bias) = bias {
@@ -1586,7 +1629,7 @@ fn forward_gemm(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>, out: &mut 
                     View::rm(w, g.cout),
                     acc,
                 );
-                return;
+                return Ok(());
             }
             with_scratch(rows * g.kk, |a| {
                 im2col(g, x, r0, rows, a);
@@ -1599,19 +1642,19 @@ fn forward_gemm(g: &Geom, x: &[f32], w: &[f32], bias: Option<&[f32]>, out: &mut 
                     View::rm(w, g.cout),
                     acc,
                 );
-            });
-        });
+            })
+        })
 }
 
 /// dX (zeroed on entry) += col2im(dY·Wᵀ), in groups of whole images so that
 /// the scatter-adds of different tasks never meet.
-fn grad_input_gemm(g: &Geom, dy: &[f32], w: &[f32], dx: &mut [f32]) {
+fn grad_input_gemm(g: &Geom, dy: &[f32], w: &[f32], dx: &mut [f32]) -> Result<()> {
     let groups = Groups::new(g.n);
     let r = g.block_rows();
     let wt = View::cm(w, g.cout); // Wᵀ: [cout × kk]
     dx.par_chunks_mut(groups.images * g.in_image())
         .enumerate()
-        .for_each(|(gi, dx_g)| {
+        .try_for_each(|(gi, dx_g)| {
             let img0 = gi * groups.images;
             let rows_g = dx_g.len() / g.in_image() * g.opix();
             let dy_g = &dy[img0 * g.opix() * g.cout..][..rows_g * g.cout];
@@ -1626,15 +1669,22 @@ fn grad_input_gemm(g: &Geom, dy: &[f32], w: &[f32], dx: &mut [f32]) {
                     with_scratch(rows * g.kk, |buf| {
                         matmul(buf, rows, g.kk, g.cout, dy_b, wt, false);
                         col2im(g, buf, r0, rows, dx_g);
-                    });
+                    })?;
                 }
                 r0 += rows;
             }
-        });
+            Ok(())
+        })
 }
 
 /// dw = Σ over the group's rows of im2col(x)ᵀ·dY (overwrites `dw`).
-fn grad_weight_gemm(g: &Geom, x_g: &[f32], dy_g: &[f32], imgs: usize, dw: &mut [f32]) {
+fn grad_weight_gemm(
+    g: &Geom,
+    x_g: &[f32],
+    dy_g: &[f32],
+    imgs: usize,
+    dw: &mut [f32],
+) -> Result<()> {
     let r = g.block_rows();
     let rows_g = imgs * g.opix();
     let mut r0 = 0;
@@ -1649,20 +1699,25 @@ fn grad_weight_gemm(g: &Geom, x_g: &[f32], dy_g: &[f32], imgs: usize, dw: &mut [
             with_scratch(rows * g.kk, |buf| {
                 im2col(g, x_g, r0, rows, buf);
                 matmul(dw, g.kk, g.cout, rows, View::cm(buf, g.kk), dy_b, !first);
-            });
+            })?;
         }
         r0 += rows;
     }
+    Ok(())
 }
 
-/// Runs `f` on this thread's scratch buffer, grown to at least `len`.
-fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+/// Runs `f` on this thread's scratch buffer, grown to at least `len`;
+/// `ModelError::OutOfMemory` if the OS refuses the growth (see
+/// `memory::try_scratch`), the buffer then left as it was.
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> Result<R> {
     SCRATCH.with(|cell| {
         let mut buf = cell.borrow_mut();
         if buf.len() < len {
-            buf.resize(len, 0.0);
+            let mut grown = try_scratch(len)?;
+            grown.resize(len, 0.0);
+            *buf = grown;
         }
-        f(&mut buf[..len])
+        Ok(f(&mut buf[..len]))
     })
 }
 
@@ -2139,6 +2194,42 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A scratch growth the OS refuses is an out-of-memory error (which the
+    /// run's policy handles), not an abort, and the buffer stays usable.
+    #[test]
+    fn scratch_the_os_refuses_is_an_error() {
+        let err = with_scratch(usize::MAX / 8, |_| ()).unwrap_err();
+        assert!(err.is_out_of_memory(), "{err}");
+        assert_eq!(with_scratch(16, |buf| buf.len()).unwrap(), 16);
+    }
+
+    /// A kernel's error reaches the caller of `par_build`, whichever chunk
+    /// it came from; every other chunk written is dropped with the tensor.
+    #[test]
+    fn par_build_returns_a_chunks_error() {
+        for failing in [0, 3, 7] {
+            // SAFETY: every chunk that returns Ok is written whole.
+            let built = unsafe {
+                par_build(&[8, 5], 5, |i, chunk| {
+                    if i == failing {
+                        return with_scratch(usize::MAX / 8, |_| ());
+                    }
+                    chunk.fill(MaybeUninit::new(i as f32));
+                    Ok(())
+                })
+            };
+            assert!(built.unwrap_err().is_out_of_memory(), "chunk {failing}");
+        }
+        // SAFETY: as above.
+        let built = unsafe {
+            par_build(&[8, 5], 5, |i, chunk| {
+                chunk.fill(MaybeUninit::new(i as f32));
+                Ok(())
+            })
+        };
+        assert_eq!(built.unwrap().data()[5 * 7], 7.0);
     }
 
     #[test]

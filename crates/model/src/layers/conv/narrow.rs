@@ -163,7 +163,7 @@ pub(super) fn forward(
     w_by_out: &[f32],
     bias: Option<&[f32]>,
     out: &mut [MaybeUninit<f32>],
-) {
+) -> Result<()> {
     with_scratch(Planes::len(g), |scratch| {
         for img in 0..imgs {
             let planes = Planes::build(g, &x[img * g.in_image()..][..g.in_image()], scratch);
@@ -173,7 +173,7 @@ pub(super) fn forward(
                 || forward_image(g, &planes, w_by_out, bias, out_img),
             );
         }
-    });
+    })
 }
 
 #[inline(always)]
@@ -257,7 +257,13 @@ fn forward_blocks<const B: usize>(
 /// 16-float blocks stay in registers while ox walks the row. Each weight
 /// sums over the pixels in order, lanes apart (the bits depend on neither
 /// the vector width nor the thread count).
-pub(super) fn grad_weight(g: &Geom, x_g: &[f32], dy_g: &[f32], imgs: usize, dw: &mut [f32]) {
+pub(super) fn grad_weight(
+    g: &Geom,
+    x_g: &[f32],
+    dy_g: &[f32],
+    imgs: usize,
+    dw: &mut [f32],
+) -> Result<()> {
     let padded = PaddedRows::len(g);
     let acc_len = g.cout * g.k * run_floats(g);
     with_scratch(padded + acc_len, |scratch| {
@@ -277,7 +283,7 @@ pub(super) fn grad_weight(g: &Geom, x_g: &[f32], dy_g: &[f32], imgs: usize, dw: 
                 *v = acc[(co * g.k + ky) * run_floats(g) + j];
             }
         }
-    });
+    })
 }
 
 /// A kernel row's run, k·cin floats, rounded up to whole blocks.
@@ -428,7 +434,7 @@ pub(super) fn grad_input(
     imgs: usize,
     wt: &[f32],
     dx: &mut [MaybeUninit<f32>],
-) {
+) -> Result<()> {
     let rows = Reach::along(g.h, g.oh, g);
     if g.stride == 1 {
         return grad_input_by_columns(g, dy, imgs, wt, &rows, dx);
@@ -451,6 +457,7 @@ pub(super) fn grad_input(
             }
         },
     );
+    Ok(())
 }
 
 /// One input pixel's Cin gradients from its terms, 16 channels at a time.
@@ -519,7 +526,7 @@ fn grad_input_by_columns(
     wt: &[f32],
     rows: &Reach,
     dx: &mut [MaybeUninit<f32>],
-) {
+) -> Result<()> {
     let dy_rows = PaddedDy::len(g);
     with_scratch(dy_rows + g.cin * LANES, |scratch| {
         let (dy_buf, block) = scratch.split_at_mut(dy_rows);
@@ -532,7 +539,7 @@ fn grad_input_by_columns(
                 || columns_image(g, &padded, wt, rows, block, dx_img),
             );
         }
-    });
+    })
 }
 
 #[inline(always)]

@@ -662,7 +662,7 @@ fn convolve(
         par_build(&[n, h, w, outputs], per_task * out_image, |t, out| {
             let imgs = out.len() / out_image;
             let x_t = &x[t * per_task * in_image..][..imgs * in_image];
-            convolve_images(&plan, x_t, imgs, u, bias, out);
+            convolve_images(&plan, x_t, imgs, u, bias, out)
         })
     }
 }
@@ -674,7 +674,7 @@ fn convolve_images(
     u: &[f32],
     bias: Option<&[f32]>,
     out: &mut [MaybeUninit<f32>],
-) {
+) -> Result<()> {
     let (inputs, outputs, block, xis) = (plan.inputs, plan.outputs, plan.block, plan.tile.xi());
     let (in_image, out_image) = (plan.h * plan.w * inputs, plan.h * plan.w * outputs);
     let rows: Vec<(usize, usize)> = (0..block)
@@ -724,7 +724,7 @@ fn convolve_images(
                 transform_output_block(plan, m, t0, count, bias, out_c);
             }
         }
-    });
+    })
 }
 
 /// y = conv(x, w) + bias for a shape `shape_fits` accepts.
@@ -757,7 +757,7 @@ pub(super) fn grad_weight(
     dy_g: &[f32],
     imgs: usize,
     dw: &mut [f32],
-) {
+) -> Result<()> {
     let (cin, cout) = (g.cin, g.cout);
     let plan = Plan::for_weight_gradient(tile, g.h, g.w, cin, cout, imgs);
     let (block, xis) = (plan.block, plan.tile.xi());
@@ -827,7 +827,7 @@ pub(super) fn grad_weight(
             }
             filter_gradient(tile, cin * cout, du, dw);
         },
-    );
+    )
 }
 
 multiversioned! {
