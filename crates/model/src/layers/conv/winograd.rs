@@ -187,8 +187,10 @@ impl Plan {
     /// cost α²·(Cin + Cout) floats per tile: blocks of
     /// REDUCTION_RATIO·Cin·Cout/(Cin + Cout) tiles keep dU's traffic under
     /// 1/REDUCTION_RATIO of theirs (short blocks ran 7×7×128, dU 2.25 MiB,
-    /// at 28 tiles a pass), up to MAX_GRAD_BLOCK_BYTES. A block of at least one image's tiles is cut
-    /// to whole images, so that no short block is left at a chunk's end.
+    /// at 28 tiles a pass), up to MAX_GRAD_BLOCK_BYTES. A block of at least
+    /// one image's tiles is cut to whole images, so that no short block is
+    /// left at a chunk's end. Where a block ends does not change the bits:
+    /// the micro-kernel adds each product to dU's running value in turn.
     fn for_weight_gradient(
         tile: Tile,
         h: usize,
@@ -763,6 +765,11 @@ pub(super) fn grad_weight(
     let (block, xis) = (plan.block, plan.tile.xi());
     assert!(x_g.len() == imgs * g.in_image() && dy_g.len() == imgs * g.opix() * cout);
     assert!(dw.len() == 9 * cin * cout);
+    if imgs == 0 {
+        // No block would write dU.
+        dw.fill(0.0);
+        return Ok(());
+    }
     let out_image = g.opix() * cout;
     let rows: Vec<(usize, usize)> = (0..cin).map(|ci| (ci, ci * cout)).collect();
     let padded_len = plan.chunk.min(imgs) * plan.padded_image();
