@@ -837,22 +837,49 @@ pub(super) fn grad_weight(
     )
 }
 
+/// Floats of a plane `filter_gradient` finishes at once: four AVX-512
+/// vectors, summed in registers (every plane is a multiple: its channel
+/// counts are multiples of 16).
+const FILTER_CHUNK: usize = 64;
+
 multiversioned! {
-    /// dW[ky][kx] = Σ_ξ G[a][ky]·G[b][kx]·dU[ξ] (ξ = α·a + b), plane by
-    /// plane in a fixed order; multiply then add, never fused, so every
-    /// build rounds alike.
+    /// dW[ky][kx] = Σ_ξ G[a][ky]·G[b][kx]·dU[ξ] (ξ = α·a + b), each element
+    /// summed over ξ in order from zero; multiply then add, never fused, so
+    /// every build rounds alike. It runs chunk by chunk of the plane: the α²
+    /// planes' chunks are copied together first (the planes lie a multiple
+    /// of 4 KiB apart, so read in place they would share one set of L1
+    /// lines), then each tap sums its chunk in registers. Tap by tap over
+    /// whole planes (reading dU, 2.25 MiB at 128→128, nine times) it took
+    /// 0.32 ms a call at 128→128 with F(4×4), eight calls a backward; this
+    /// takes 0.16 ms (one thread, measured in isolation).
     fn filter_gradient(tile: Tile, plane: usize, du: &[f32], dw: &mut [f32]) {
-        let (alpha, gt) = (tile.alpha(), tile.g());
-        for (tap, dst) in dw.chunks_exact_mut(plane).enumerate() {
-            let (ky, kx) = (tap / 3, tap % 3);
-            dst.fill(0.0);
-            for xi in 0..tile.xi() {
-                let c = gt[xi / alpha][ky] * gt[xi % alpha][kx];
+        let (alpha, gt, xis) = (tile.alpha(), tile.g(), tile.xi());
+        assert!(plane % FILTER_CHUNK == 0 && du.len() >= xis * plane && dw.len() == 9 * plane);
+        // Each tap's nonzero (ξ, coefficient) terms, in ξ order.
+        let mut terms = [[(0usize, 0.0f32); 36]; 9];
+        let mut counts = [0usize; 9];
+        for (tap, (terms, count)) in terms.iter_mut().zip(&mut counts).enumerate() {
+            for xi in 0..xis {
+                let c = gt[xi / alpha][tap / 3] * gt[xi % alpha][tap % 3];
                 if c != 0.0 {
-                    for (d, s) in dst.iter_mut().zip(&du[xi * plane..][..plane]) {
-                        *d += c * s;
+                    terms[*count] = (xi, c);
+                    *count += 1;
+                }
+            }
+        }
+        let mut chunks = [[0.0f32; FILTER_CHUNK]; 36];
+        for e0 in (0..plane).step_by(FILTER_CHUNK) {
+            for (xi, chunk) in chunks.iter_mut().take(xis).enumerate() {
+                chunk.copy_from_slice(&du[xi * plane + e0..][..FILTER_CHUNK]);
+            }
+            for (tap, (terms, &count)) in terms.iter().zip(&counts).enumerate() {
+                let mut sum = [0.0f32; FILTER_CHUNK];
+                for &(xi, c) in &terms[..count] {
+                    for (s, d) in sum.iter_mut().zip(&chunks[xi]) {
+                        *s += c * d;
                     }
                 }
+                dw[tap * plane + e0..][..FILTER_CHUNK].copy_from_slice(&sum);
             }
         }
     }
@@ -890,6 +917,39 @@ mod tests {
         }
         let plan = Plan::for_weight_gradient(Tile::F4, 7, 7, 128, 128, 16);
         assert_eq!(plan.block, 16 * plan.tiles_per_image());
+    }
+
+    /// The chunked filter gradient gives the bits of the definition,
+    /// dW[ky][kx] = Σ_ξ G[a][ky]·G[b][kx]·dU[ξ], each element summed over
+    /// the nonzero coefficients in ξ order from zero.
+    #[test]
+    fn filter_gradient_matches_the_definition_bit_for_bit() {
+        let plane = 48 * 32;
+        let mut rng = crate::init::InitRng::new(11);
+        for tile in [Tile::F2, Tile::F4] {
+            let du: Vec<f32> = (0..tile.xi() * plane)
+                .map(|_| rng.normal() as f32)
+                .collect();
+            let mut dw = vec![f32::NAN; 9 * plane];
+            filter_gradient(tile, plane, &du, &mut dw);
+            let (g, alpha) = (tile.g(), tile.alpha());
+            for tap in 0..9 {
+                for e in 0..plane {
+                    let mut s = 0.0f32;
+                    for xi in 0..tile.xi() {
+                        let c = g[xi / alpha][tap / 3] * g[xi % alpha][tap % 3];
+                        if c != 0.0 {
+                            s += c * du[xi * plane + e];
+                        }
+                    }
+                    assert_eq!(
+                        dw[tap * plane + e].to_bits(),
+                        s.to_bits(),
+                        "{tile:?} tap {tap} element {e}"
+                    );
+                }
+            }
+        }
     }
 
     /// The plane-wise filter transform gives the bits of the definition,
