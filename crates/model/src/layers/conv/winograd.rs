@@ -93,6 +93,13 @@ impl Tile {
             Tile::F4 => &G4,
         }
     }
+
+    /// G[a][ky]·G[b][kx] for ξ = α·a + b and tap = 3·ky + kx: how much
+    /// filter tap `tap` weighs in transformed position ξ.
+    fn coefficient(self, xi: usize, tap: usize) -> f32 {
+        let (g, alpha) = (self.g(), self.alpha());
+        g[xi / alpha][tap / 3] * g[xi % alpha][tap % 3]
+    }
 }
 
 /// Target bytes of one block of V and M together (per thread): small enough
@@ -274,17 +281,14 @@ fn transform_filter<'w>(
     outputs: usize,
     tap_plane: impl Fn(usize) -> &'w [f32] + Sync,
 ) -> Result<Vec<f32>> {
-    let (g, alpha, plane) = (tile.g(), tile.alpha(), inputs * outputs);
+    let plane = inputs * outputs;
     let mut u = try_zeroed(tile.xi() * plane)?;
     u.par_chunks_mut(plane).enumerate().for_each(|(xi, dst)| {
-        let (a, b) = (xi / alpha, xi % alpha);
-        for ky in 0..3 {
-            for kx in 0..3 {
-                let c = g[a][ky] * g[b][kx];
-                if c != 0.0 {
-                    for (d, &f) in dst.iter_mut().zip(&tap_plane(3 * ky + kx)[..plane]) {
-                        *d += c * f;
-                    }
+        for tap in 0..9 {
+            let c = tile.coefficient(xi, tap);
+            if c != 0.0 {
+                for (d, &f) in dst.iter_mut().zip(&tap_plane(tap)[..plane]) {
+                    *d += c * f;
                 }
             }
         }
@@ -853,14 +857,14 @@ multiversioned! {
     /// 0.32 ms a call at 128→128 with F(4×4), eight calls a backward; this
     /// takes 0.16 ms (one thread, measured in isolation).
     fn filter_gradient(tile: Tile, plane: usize, du: &[f32], dw: &mut [f32]) {
-        let (alpha, gt, xis) = (tile.alpha(), tile.g(), tile.xi());
+        let xis = tile.xi();
         assert!(plane % FILTER_CHUNK == 0 && du.len() >= xis * plane && dw.len() == 9 * plane);
         // Each tap's nonzero (ξ, coefficient) terms, in ξ order.
         let mut terms = [[(0usize, 0.0f32); 36]; 9];
         let mut counts = [0usize; 9];
         for (tap, (terms, count)) in terms.iter_mut().zip(&mut counts).enumerate() {
             for xi in 0..xis {
-                let c = gt[xi / alpha][tap / 3] * gt[xi % alpha][tap % 3];
+                let c = tile.coefficient(xi, tap);
                 if c != 0.0 {
                     terms[*count] = (xi, c);
                     *count += 1;
@@ -919,6 +923,32 @@ mod tests {
         assert_eq!(plan.block, 16 * plan.tiles_per_image());
     }
 
+    /// Asserts that `out[o·plane + e]` has the bits of the definition,
+    /// Σ_i c(o, i)·src[i·plane + e] over the nonzero c in order of i, from
+    /// zero, for every o < outs and e < plane.
+    fn assert_definition(
+        out: &[f32],
+        src: &[f32],
+        plane: usize,
+        (outs, ins): (usize, usize),
+        c: impl Fn(usize, usize) -> f32,
+        what: &str,
+    ) {
+        for o in 0..outs {
+            for e in 0..plane {
+                let mut s = 0.0f32;
+                for i in 0..ins {
+                    let c = c(o, i);
+                    if c != 0.0 {
+                        s += c * src[i * plane + e];
+                    }
+                }
+                let got = out[o * plane + e];
+                assert_eq!(got.to_bits(), s.to_bits(), "{what}: {o}, element {e}");
+            }
+        }
+    }
+
     /// The chunked filter gradient gives the bits of the definition,
     /// dW[ky][kx] = Σ_ξ G[a][ky]·G[b][kx]·dU[ξ], each element summed over
     /// the nonzero coefficients in ξ order from zero.
@@ -932,23 +962,9 @@ mod tests {
                 .collect();
             let mut dw = vec![f32::NAN; 9 * plane];
             filter_gradient(tile, plane, &du, &mut dw);
-            let (g, alpha) = (tile.g(), tile.alpha());
-            for tap in 0..9 {
-                for e in 0..plane {
-                    let mut s = 0.0f32;
-                    for xi in 0..tile.xi() {
-                        let c = g[xi / alpha][tap / 3] * g[xi % alpha][tap % 3];
-                        if c != 0.0 {
-                            s += c * du[xi * plane + e];
-                        }
-                    }
-                    assert_eq!(
-                        dw[tap * plane + e].to_bits(),
-                        s.to_bits(),
-                        "{tile:?} tap {tap} element {e}"
-                    );
-                }
-            }
+            let coefficient = |tap, xi| tile.coefficient(xi, tap);
+            let what = format!("{tile:?} tap");
+            assert_definition(&dw, &du, plane, (9, tile.xi()), coefficient, &what);
         }
     }
 
@@ -963,23 +979,9 @@ mod tests {
         let f: Vec<f32> = (0..9 * plane).map(|_| rng.normal() as f32).collect();
         for tile in [Tile::F2, Tile::F4] {
             let u = transform_filter(tile, inputs, outputs, |tap| &f[tap * plane..]).unwrap();
-            let (g, alpha) = (tile.g(), tile.alpha());
-            for xi in 0..tile.xi() {
-                for e in 0..plane {
-                    let mut s = 0.0f32;
-                    for tap in 0..9 {
-                        let c = g[xi / alpha][tap / 3] * g[xi % alpha][tap % 3];
-                        if c != 0.0 {
-                            s += c * f[tap * plane + e];
-                        }
-                    }
-                    assert_eq!(
-                        u[xi * plane + e].to_bits(),
-                        s.to_bits(),
-                        "{tile:?} ξ {xi} element {e}"
-                    );
-                }
-            }
+            let coefficient = |xi, tap| tile.coefficient(xi, tap);
+            let what = format!("{tile:?} ξ");
+            assert_definition(&u, &f, plane, (tile.xi(), 9), coefficient, &what);
         }
     }
 }
