@@ -1914,6 +1914,9 @@ mod tests {
         (2, 9, 8, 17, 1, 3, 1, 1, true), // a frame head: 16 lanes + a tail
         (1, 7, 6, 33, 3, 3, 2, 1, false), // 3 outputs, stride 2
         (1, 5, 5, 40, 2, 5, 1, 2, false), // 5x5: 5 runs of up to 200 floats
+        // Rows wide enough for whole 16 × 16 tiles of the planar input.
+        (1, 3, 37, 17, 1, 3, 1, 1, true), // 16 + 16 + 5 columns, 16 + 1 channels
+        (1, 4, 41, 33, 3, 3, 2, 1, false), // both phases, 16 + 5 columns each
     ];
 
     fn random(rng: &mut InitRng, len: usize) -> Vec<f32> {

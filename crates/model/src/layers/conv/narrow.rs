@@ -90,6 +90,9 @@ struct Planes<'a> {
     cin: usize,
 }
 
+/// Columns and channels `Planes::build` transposes at once.
+const TILE: usize = 16;
+
 impl<'a> Planes<'a> {
     fn span(g: &Geom) -> usize {
         blocks(g) * LANES + (g.k - 1) / g.stride
@@ -99,33 +102,57 @@ impl<'a> Planes<'a> {
         g.h * g.cin * g.stride * Self::span(g)
     }
 
-    /// Lays out `img` ([h, w, cin]) in `data` (at least `len(g)` floats).
+    /// Lays out `img` ([h, w, cin]) in `data` (at least `len(g)` floats):
+    /// per input row and phase, the columns inside the image in blocks of
+    /// TILE columns × TILE channels through a local tile, each channel's
+    /// run then written whole. Element by element (a bounds-checked
+    /// scatter), `perf` put a fifth of the 17 -> 1 head's forward and
+    /// backward here; the tiles took its forward at batch 160 on one
+    /// thread from 14.3 to 13.7 ms (`conv_bench 1 160 64x64x17:1 auto`):
+    /// the rest is reading the input from memory.
     fn build(g: &Geom, img: &[f32], data: &'a mut [f32]) -> Self {
         let span = Self::span(g);
+        let (cin, stride) = (g.cin, g.stride);
         let planes = Self {
             data: &mut data[..Self::len(g)],
             span,
-            stride: g.stride,
-            cin: g.cin,
+            stride,
+            cin,
         };
         for iy in 0..g.h {
-            let row_in = &img[iy * g.w * g.cin..][..g.w * g.cin];
-            let rows = &mut planes.data[iy * g.cin * g.stride * span..][..g.cin * g.stride * span];
-            for ph in 0..g.stride {
-                for m in 0..span {
-                    let ix = (m * g.stride + ph)
-                        .checked_sub(g.pad)
-                        .filter(|&ix| ix < g.w);
-                    match ix {
-                        Some(ix) => {
-                            let pixel = &row_in[ix * g.cin..][..g.cin];
-                            for (c, &v) in pixel.iter().enumerate() {
-                                rows[(c * g.stride + ph) * span + m] = v;
+            let row_in = &img[iy * g.w * cin..][..g.w * cin];
+            let rows = &mut planes.data[iy * cin * stride * span..][..cin * stride * span];
+            for ph in 0..stride {
+                // Columns m with ix = m·stride + ph − pad inside the image.
+                let m_lo = g.pad.saturating_sub(ph).div_ceil(stride).min(span);
+                let m_hi = (g.w + g.pad)
+                    .saturating_sub(ph)
+                    .div_ceil(stride)
+                    .clamp(m_lo, span);
+                for c in 0..cin {
+                    let plane = &mut rows[(c * stride + ph) * span..][..span];
+                    plane[..m_lo].fill(0.0);
+                    plane[m_hi..].fill(0.0);
+                }
+                for m0 in (m_lo..m_hi).step_by(TILE) {
+                    let columns = TILE.min(m_hi - m0);
+                    for c0 in (0..cin).step_by(TILE) {
+                        let channels = TILE.min(cin - c0);
+                        let mut tile = [[0.0f32; TILE]; TILE];
+                        for j in 0..columns {
+                            let ix = (m0 + j) * stride + ph - g.pad;
+                            let pixel = &row_in[ix * cin + c0..][..channels];
+                            for (lane, &v) in tile.iter_mut().zip(pixel) {
+                                lane[j] = v;
                             }
                         }
-                        None => {
-                            for c in 0..g.cin {
-                                rows[(c * g.stride + ph) * span + m] = 0.0;
+                        for (c, lane) in (c0..).zip(&tile[..channels]) {
+                            let at = (c * stride + ph) * span + m0;
+                            if columns == TILE {
+                                // A known length: one vector move, no memcpy call.
+                                rows[at..at + TILE].copy_from_slice(lane);
+                            } else {
+                                rows[at..at + columns].copy_from_slice(&lane[..columns]);
                             }
                         }
                     }
