@@ -20,8 +20,11 @@ struct Wrapper {
 }
 
 /// Channels of 32, 64 and 96: widths in 32s take the AVX-512 tiles, 48
-/// (a multiple of 16 only) keeps the AVX2 tiles beside them. Then 5, 4 and
-/// 3 outputs: the narrow kernels (`wide` loops, at stride 1 and 2).
+/// (a multiple of 16 only) keeps the AVX2 tiles beside them. Then 17, 5,
+/// 4 and 3 outputs: the narrow kernels at stride 1 and 2 (`wide` loops,
+/// and the explicit AVX-512 or AVX2 forward on kernel-row runs: 17 -> 5
+/// has a run of 51 floats, three whole blocks and an overlapping fourth,
+/// and a dX of one whole channel block and one channel after it).
 fn spec() -> ModelSpec {
     let text = r#"
 [model]
@@ -35,6 +38,7 @@ layers = [
   { type = "basic_block" },
   { type = "conv", out = 48 }, { type = "relu" },
   { type = "conv", out = 96, stride = 2 }, { type = "relu" },
+  { type = "conv", out = 17 }, { type = "relu" },
   { type = "conv", out = 5 }, { type = "relu" },
   { type = "conv", out = 4 }, { type = "relu" },
   { type = "conv", out = 3, stride = 2 },

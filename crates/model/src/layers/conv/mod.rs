@@ -1917,6 +1917,9 @@ mod tests {
         // Rows wide enough for whole 16 × 16 tiles of the planar input.
         (1, 3, 37, 17, 1, 3, 1, 1, true), // 16 + 16 + 5 columns, 16 + 1 channels
         (1, 4, 41, 33, 3, 3, 2, 1, false), // both phases, 16 + 5 columns each
+        // dX of whole channel blocks only, 4 + 3 pixels a row; a forward
+        // run of 96 floats, whole blocks only.
+        (1, 4, 7, 32, 2, 3, 1, 1, true),
     ];
 
     fn random(rng: &mut InitRng, len: usize) -> Vec<f32> {
