@@ -12,7 +12,7 @@
 //! holding a `conv_lstm` and per-frame layers): every axis but the channels
 //! must come back unchanged.
 
-use super::activation::{gather_rows, par_add_assign, par_rows};
+use super::activation::{gather_rows, par_rows};
 use super::backward_params_only_through;
 use crate::profile;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
@@ -267,9 +267,21 @@ impl Layer for UnetSkip {
             g_body = next;
         }
         let (lead, total) = split_channels("unet_skip backward", grad_output.shape())?;
-        let mut dx = channel_slice(grad_output.data(), total, 0, c, &with_channels(&lead, c))?;
-        g_body.expect_shape("unet_skip backward", dx.shape())?;
-        par_add_assign(dx.try_data_mut()?, g_body.data());
+        let shape = with_channels(&lead, c);
+        g_body.expect_shape("unet_skip backward", &shape)?;
+        let (g, gb) = (grad_output.data(), g_body.data());
+        // dx = the skip's share + the body's, in one pass (a slice copied,
+        // then added to, went over dx twice).
+        // SAFETY: each row's c values are written by the zip.
+        let dx = unsafe {
+            par_rows(&shape, c, |row, out| {
+                let skip = &g[row * total..][..c];
+                let body = &gb[row * c..][..c];
+                for ((o, &a), &b) in out.iter_mut().zip(skip).zip(body) {
+                    o.write(a + b);
+                }
+            })
+        }?;
         profile::mark(|| format!("bwd unet_skip add out {}", profile::dims(dx.shape())));
         Ok(dx)
     }
