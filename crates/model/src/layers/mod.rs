@@ -165,6 +165,13 @@ pub trait Layer: Send {
     /// Drops saved activations (after an aborted step, or before evaluation).
     fn clear_saved(&mut self) {}
 
+    /// Whether this layer is a 2× nearest-neighbour upsample (alone or per
+    /// frame): a UNet skip whose body ends in one does the upsample in its
+    /// concat, and the upsample's backward in its split.
+    fn is_upsample2x(&self) -> bool {
+        false
+    }
+
     /// While on, a training forward is a recomputation (activation
     /// checkpointing) or a dry run: it must compute and save exactly what a
     /// training forward does, but change no other state — batch norm

@@ -281,6 +281,10 @@ impl Layer for PerFrame {
         self.inner.clear_saved();
     }
 
+    fn is_upsample2x(&self) -> bool {
+        self.inner.is_upsample2x()
+    }
+
     fn set_recompute(&mut self, on: bool) {
         self.inner.set_recompute(on);
     }
