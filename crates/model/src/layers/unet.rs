@@ -1,7 +1,8 @@
 //! The pieces of a UNet decoder, NHWC.
 //!
 //! `Upsample2x`: nearest neighbour, [N, H, W, C] -> [N, 2H, 2W, C]; backward
-//! sums each 2×2 block of the gradient. Saves the input shape only.
+//! sums each 2×2 block of the gradient (the skip's fused concat and split,
+//! below, with no other channels). Saves the input shape only.
 //!
 //! `UnetSkip`: a container like `residual` whose output is its input and its
 //! body's output side by side along channels: y = concat_c(x, body(x)); the
@@ -65,13 +66,8 @@ impl Layer for Upsample2x {
     fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
         self.saved_shape = None;
         let (n, h, w, c) = image_dims("upsample2x", input.shape())?;
-        let x = input.data();
-        let out = gather_rows(&[n, 2 * h, 2 * w, c], c, |pixel| {
-            let (col, rest) = (pixel % (2 * w), pixel / (2 * w));
-            let (row, sample) = (rest % (2 * h), rest / (2 * h));
-            let at = ((sample * h + row / 2) * w + col / 2) * c;
-            &x[at..at + c]
-        })?;
+        // The skip's concat with nothing beside it: one code for both.
+        let out = interleave_upsampled(&[], 0, input.data(), c, &[n, 2 * h, 2 * w])?;
         self.saved_shape = (mode == Mode::Train).then(|| input.shape().to_vec());
         Ok(out)
     }
@@ -83,22 +79,8 @@ impl Layer for Upsample2x {
             .ok_or(ModelError::NoSavedActivation { op: "upsample2x" })?;
         let (n, h, w, c) = image_dims("upsample2x", &shape)?;
         grad_output.expect_shape("upsample2x backward", &[n, 2 * h, 2 * w, c])?;
-        let g = grad_output.data();
-        // SAFETY: each pixel's row of c channels is written whole.
-        unsafe {
-            par_rows(&shape, c, |pixel, out| {
-                let (col, rest) = (pixel % w, pixel / w);
-                let (row, sample) = (rest % h, rest / h);
-                let at = |dr: usize, dc: usize| {
-                    let from = ((sample * 2 * h + 2 * row + dr) * 2 * w + 2 * col + dc) * c;
-                    &g[from..from + c]
-                };
-                let (a, b, d, e) = (at(0, 0), at(0, 1), at(1, 0), at(1, 1));
-                for (k, o) in out.iter_mut().enumerate() {
-                    o.write(a[k] + b[k] + d[k] + e[k]);
-                }
-            })
-        }
+        // The skip's split of all the channels: one code for both.
+        split_block_sums(grad_output.data(), c, 0, c, &[n, 2 * h, 2 * w])
     }
 
     fn clear_saved(&mut self) {

@@ -505,26 +505,6 @@ mod runs_simd {
         }
     }
 
-    /// # Safety
-    /// AVX-512F is available; `runs_row`'s bounds hold.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn row_avx512(
-        taps: &[(&[f32], &[f32])],
-        offsets: &[usize],
-        step: usize,
-        sums: &mut [f32],
-    ) {
-        const P: usize = 8;
-        let mut ox = 0;
-        while ox + P <= sums.len() {
-            pixels_avx512::<P>(taps, offsets, step, ox, sums);
-            ox += P;
-        }
-        for ox in ox..sums.len() {
-            pixels_avx512::<1>(taps, offsets, step, ox, sums);
-        }
-    }
-
     /// Pixels ox..ox+P with 16 lanes in two ymm each.
     ///
     /// # Safety
@@ -557,25 +537,34 @@ mod runs_simd {
         }
     }
 
-    /// # Safety
-    /// AVX2 is available; `runs_row`'s bounds hold.
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn row_avx2(
-        taps: &[(&[f32], &[f32])],
-        offsets: &[usize],
-        step: usize,
-        sums: &mut [f32],
-    ) {
-        const P: usize = 4;
-        let mut ox = 0;
-        while ox + P <= sums.len() {
-            pixels_avx2::<P>(taps, offsets, step, ox, sums);
-            ox += P;
-        }
-        for ox in ox..sums.len() {
-            pixels_avx2::<1>(taps, offsets, step, ox, sums);
-        }
+    /// Defines `$name`, a whole row of `runs_row`: `$pixels` for $p pixels
+    /// at a time (as many accumulators as the registers hold), then for
+    /// the pixels left one at a time.
+    macro_rules! row_kernel {
+        ($name:ident, $feature:literal, $pixels:ident, $p:literal) => {
+            /// # Safety
+            /// The CPU has the target feature; `runs_row`'s bounds hold.
+            #[target_feature(enable = $feature)]
+            pub unsafe fn $name(
+                taps: &[(&[f32], &[f32])],
+                offsets: &[usize],
+                step: usize,
+                sums: &mut [f32],
+            ) {
+                let mut ox = 0;
+                while ox + $p <= sums.len() {
+                    $pixels::<$p>(taps, offsets, step, ox, sums);
+                    ox += $p;
+                }
+                for ox in ox..sums.len() {
+                    $pixels::<1>(taps, offsets, step, ox, sums);
+                }
+            }
+        };
     }
+
+    row_kernel!(row_avx512, "avx512f", pixels_avx512, 8);
+    row_kernel!(row_avx2, "avx2", pixels_avx2, 4);
 }
 
 /// dW of `imgs` images into `dw` ([k·k·cin, cout], overwritten). Kernel
