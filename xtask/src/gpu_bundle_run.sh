@@ -7,7 +7,8 @@
 # GROUPs: tests, train, oom, resume, bench, sanitize, profile; a STEP by its name (train,
 # bench, oom-driver, bench-tiny-gpt, ...; the list is in summary.txt). A
 # name that is both (train, bench) means the whole group: a call that meant
-# the one step ran every bench step, and ran out of time.
+# the one step ran every bench step, and ran out of time. `=NAME` names
+# the step alone (`=train`, `=bench`), never a group.
 #
 # A lent GPU gives a session 15 to 30 minutes in all (the device tool's
 # status says how many are left), its start included, and a command 10:
@@ -141,8 +142,8 @@ publish() {
         && mv "$OUT/logs.tar.gz.part" "$OUT/logs.tar.gz"
 }
 
-# wants GROUP NAME: whether the command line named GROUP or NAME (or none).
-wants() { case "$STEPS" in *" all "* | *" $1 "* | *" $2 "*) return 0 ;; esac; return 1; }
+# wants GROUP NAME: whether the command line named GROUP, NAME or =NAME (or none).
+wants() { case "$STEPS" in *" all "* | *" $1 "* | *" $2 "* | *" =$2 "*) return 0 ;; esac; return 1; }
 
 # train_on_auto: device.kind = "auto" must pick the GPU and train the
 # default job (5 epochs) as device.kind = "cuda" does.
