@@ -2186,9 +2186,25 @@ fn add_weight_partials(
     b.arg(&rp).arg(partial).arg(weight_grad);
     // SAFETY: wgrad_reduce(WgradReduceParams, const float* partial [splits,
     // n], float* dw [n]): both lengths checked above (the callers made
-    // partial f32).
-    unsafe { b.launch(elementwise(n)) }.during("weight gradient reduce")?;
+    // partial f32); its block of at most WGRAD_REDUCE_THREADS threads, its
+    // lanes a power of two, as the kernel's shared tree needs.
+    unsafe { b.launch(wgrad_reduce_launch(n)) }.during("weight gradient reduce")?;
     Ok(())
+}
+
+/// wgrad_reduce's blocks: 32 elements by 8 lanes of splits while that
+/// fills the GPU, else (dW of a few thousand floats, whose splits are
+/// many: a narrow or thin kernel's up to 1024) 8 elements by 32 lanes.
+/// Chosen by dW's length alone, so the order of the sum, and its bits,
+/// depend on the shape and not on the GPU.
+fn wgrad_reduce_launch(n: usize) -> LaunchConfig {
+    const WIDE_FROM: usize = 32 * 512;
+    let (cols, lanes) = if n >= WIDE_FROM { (32, 8) } else { (8, 32) };
+    LaunchConfig {
+        grid_dim: (n.div_ceil(cols).max(1) as u32, 1, 1),
+        block_dim: (cols as u32, lanes, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// y = conv(x, W) (+ bias), [n, oh, ow, cout] in x's type.
