@@ -121,8 +121,7 @@ fn evaluation_bar(batches: usize) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(batches as u64);
     if let Ok(style) = indicatif::ProgressStyle::with_template(
         "evaluating [{bar:30}] {pos}/{len} | elapsed {elapsed_precise}, eta {eta_precise}",
-    )
-    {
+    ) {
         bar.set_style(style.progress_chars("=> "));
     }
     bar

@@ -287,7 +287,11 @@ impl Ticks {
         };
         let text = format!("{v:.decimals$}");
         // "-0" and "-0.0" read as zero.
-        if text.trim_start_matches('-').chars().all(|c| c == '0' || c == '.') {
+        if text
+            .trim_start_matches('-')
+            .chars()
+            .all(|c| c == '0' || c == '.')
+        {
             text.trim_start_matches('-').to_string()
         } else {
             text

@@ -29,7 +29,10 @@ fn load(path: &Path, sets: &[&str]) -> Result<ExperimentConfig, String> {
 fn the_profiles_live_in_experiments_profiles() {
     for name in ["low_memory", "max_speed", "cpu"] {
         assert!(
-            experiments().join("profiles").join(format!("{name}.toml")).is_file(),
+            experiments()
+                .join("profiles")
+                .join(format!("{name}.toml"))
+                .is_file(),
             "experiments/profiles/{name}.toml"
         );
         assert!(
@@ -389,7 +392,13 @@ fn a_frame_model_plot_draws_mse_beside_the_baseline() {
     let svg = plot(Task::Frames, 3, "\"test_baseline_loss\":0.05,");
     assert_series(
         &svg,
-        &["train-loss", "validation-loss", "mse", "baseline", "throughput"],
+        &[
+            "train-loss",
+            "validation-loss",
+            "mse",
+            "baseline",
+            "throughput",
+        ],
     );
     assert!(svg.contains("per-pixel MSE"));
     assert!(!svg.contains("accuracy"));
@@ -425,17 +434,17 @@ fn tick_labels_are_round() {
         assert_eq!((v * 2.0).fract(), 0.0, "epoch tick {label}");
     }
     let ys = tick_labels(&svg, "y");
-    // Each panel's y ticks rise from its first; a fall starts the next.
-    let mut panels: Vec<Vec<f64>> = Vec::new();
-    for label in &ys {
-        let v: f64 = label.parse().unwrap();
-        match panels.last_mut() {
-            Some(panel) if panel.last().is_some_and(|&last| v > last) => panel.push(v),
-            _ => panels.push(vec![v]),
-        }
+    // A panel's y ticks share their x position.
+    let mut panels: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
+    for line in svg.lines().filter(|l| l.contains("class=\"tick y\"")) {
+        let marker = "class=\"tick y\" x=\"";
+        let at = line.find(marker).unwrap() + marker.len();
+        let x = line[at..].split('"').next().unwrap().to_string();
+        let label = &tick_labels(line, "y")[0];
+        panels.entry(x).or_default().push(label.parse().unwrap());
     }
     assert_eq!(panels.len(), 3, "{ys:?}");
-    for ticks in panels {
+    for ticks in panels.into_values() {
         let step = ticks[1] - ticks[0];
         let mantissa = step / 10f64.powf(step.log10().floor());
         assert!(
@@ -448,7 +457,10 @@ fn tick_labels_are_round() {
         }
     }
     // No label carries more decimals than its step needs ("2.750").
-    assert!(xs.iter().chain(&ys).all(|l| !l.ends_with('0') || !l.contains('.')));
+    assert!(xs
+        .iter()
+        .chain(&ys)
+        .all(|l| !l.ends_with('0') || !l.contains('.')));
 }
 
 #[test]

@@ -66,10 +66,9 @@ impl ExperimentConfig {
     /// refused, naming the `--profile` that applies it.
     pub fn load(path: &Path, overrides: &Overrides) -> Result<Self> {
         if is_profile(path) {
-            let name = path.file_stem().map_or_else(
-                || "NAME".to_string(),
-                |s| s.to_string_lossy().into_owned(),
-            );
+            let name = path
+                .file_stem()
+                .map_or_else(|| "NAME".to_string(), |s| s.to_string_lossy().into_owned());
             return Err(PipelineError::Config(format!(
                 "{} is a profile, not an experiment: use --profile {name} (or run.profile = \"{name}\") \
                  with an experiment such as experiments/fashion_mnist.toml",
