@@ -1,17 +1,23 @@
-//! The experiment: a TOML file, then `HEADROOM__SECTION__KEY` environment
-//! variables, then `--set section.key=value` overrides, in that order of
-//! precedence. Every table denies unknown keys, and `validate` checks values,
+//! The experiment: a TOML file, then its profile overlay
+//! (`profiles/NAME.toml` beside it), then `HEADROOM__SECTION__KEY`
+//! environment variables, then `--set section.key=value` overrides, in that
+//! order of precedence (reading: `load`; `--set` typing: `overrides`). Every table denies unknown keys, and `validate` checks values,
 //! so a typo or a bad number stops the run with the key's name.
 
 use std::path::{Path, PathBuf};
 
-use config::{Config, Environment, File, FileFormat};
 use headroom_loader::{AugmentConfig, ShuffleMode};
 use headroom_model::cuda::ops::{ConvAlgorithm, ConvPlan};
 use headroom_model::ModelSpec;
 use serde::{Deserialize, Serialize};
 
 use crate::{PipelineError, Result};
+
+mod load;
+mod overrides;
+
+pub use load::{is_profile, profile_path, PROFILES_DIR};
+pub use overrides::Overrides;
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -65,7 +71,8 @@ pub struct RunConfig {
     #[serde(default)]
     pub output_dir: Option<PathBuf>,
     /// "auto" (the low-memory profile below 4 GiB), "none", or the name of a
-    /// profile file beside the experiment (low_memory, max_speed, cpu).
+    /// profile in `profiles/` beside the experiment (low_memory, max_speed,
+    /// cpu): see `load`.
     #[serde(default = "default_profile")]
     pub profile: String,
     /// Steps between progress lines.
@@ -109,19 +116,6 @@ fn gpu_memory(config: &ExperimentConfig) -> Option<u64> {
     match headroom_model::cuda::CudaBackend::probe() {
         Ok(Some(gpu)) => Some(gpu.total_memory),
         _ => None,
-    }
-}
-
-fn auto_profile(config: &ExperimentConfig) -> Result<Option<String>> {
-    match device_memory(config)? {
-        Some(bytes) if bytes < SMALL_DEVICE_BYTES => {
-            tracing::warn!(
-                "the device has {:.2} GiB (< 4 GiB): applying the low_memory profile (run.profile = \"none\" to opt out)",
-                bytes as f64 / (1u64 << 30) as f64
-            );
-            Ok(Some("low_memory".into()))
-        }
-        _ => Ok(None),
     }
 }
 
@@ -657,6 +651,18 @@ pub enum ScheduleConfig {
         #[serde(default = "default_final_div")]
         final_div_factor: f32,
     },
+    /// Linear warm-up to optimizer.lr over `warmup_steps` optimizer steps
+    /// (step `warmup_steps − 1` at the peak), then a cosine down to
+    /// `min_lr`, reached at the run's last step (`headroom_optim`'s
+    /// `Schedule::WarmupCosine`).
+    WarmupCosine {
+        /// At most the run's optimizer steps (checked once they are known,
+        /// when the data is open: `train::schedule`).
+        #[serde(default)]
+        warmup_steps: u64,
+        #[serde(default)]
+        min_lr: f32,
+    },
 }
 
 fn default_pct_start() -> f32 {
@@ -743,101 +749,7 @@ pub const RESUME_SAFE_KEYS: [&str; 18] = [
 /// (a lower learning rate, a tighter clip): allowed on resume, and logged.
 pub const ADVICE_KEYS: [&str; 2] = ["optimizer.lr", "train.clip_norm"];
 
-/// `--set key=value` pairs, applied last.
-#[derive(Clone, Debug, Default)]
-pub struct Overrides(pub Vec<(String, String)>);
-
-impl Overrides {
-    /// Parses "key=value" strings; a pair without `=` is an error naming it.
-    pub fn parse(pairs: &[String]) -> Result<Self> {
-        pairs
-            .iter()
-            .map(|pair| match pair.split_once('=') {
-                Some((k, v)) if !k.trim().is_empty() => {
-                    Ok((k.trim().to_string(), v.trim().to_string()))
-                }
-                _ => Err(PipelineError::Config(format!(
-                    "--set expects key=value, got `{pair}`"
-                ))),
-            })
-            .collect::<Result<Vec<_>>>()
-            .map(Self)
-    }
-}
-
 impl ExperimentConfig {
-    /// Loads `path`, then the environment, then `overrides`; then validates.
-    pub fn load(path: &Path, overrides: &Overrides) -> Result<Self> {
-        if !path.is_file() {
-            return Err(PipelineError::Config(format!(
-                "experiment file {} not found (expected a TOML file such as experiments/fashion_mnist.toml)",
-                path.display()
-            )));
-        }
-        let config = Self::build(path, None, overrides)?;
-        let profile = match config.run.profile.as_str() {
-            "none" => return Ok(config),
-            "auto" => match auto_profile(&config)? {
-                Some(name) => name,
-                None => return Ok(config),
-            },
-            name => name.to_string(),
-        };
-        let dir = path.parent().unwrap_or(Path::new("."));
-        let profile_path = dir.join(format!("{profile}.toml"));
-        if !profile_path.is_file() {
-            return Err(PipelineError::value(
-                "run.profile",
-                format!("no profile file {} (expected \"auto\", \"none\" or the name of a TOML file beside the experiment)", profile_path.display()),
-            ));
-        }
-        tracing::info!("profile {profile}: applying {}", profile_path.display());
-        Self::build(path, Some(&profile_path), overrides)
-    }
-
-    /// A run's own `config.toml`, as `train` recorded it: the profile is
-    /// already in it, so only the environment and `overrides` go on top.
-    pub fn load_resolved(path: &Path, overrides: &Overrides) -> Result<Self> {
-        if !path.is_file() {
-            return Err(PipelineError::Config(format!(
-                "{} not found: --resume RUN_DIR expects a run directory written by `cargo xtask train`",
-                path.display()
-            )));
-        }
-        Self::build(path, None, overrides)
-    }
-
-    /// The experiment file, then a profile overlay, then the environment,
-    /// then `--set`; deserialised and validated.
-    fn build(path: &Path, profile: Option<&Path>, overrides: &Overrides) -> Result<Self> {
-        let mut builder = Config::builder().add_source(File::from(path).format(FileFormat::Toml));
-        if let Some(profile) = profile {
-            builder = builder.add_source(File::from(profile).format(FileFormat::Toml));
-        }
-        builder = builder.add_source(
-            Environment::with_prefix(ENV_PREFIX)
-                .prefix_separator("__")
-                .separator("__")
-                .try_parsing(true),
-        );
-        for (key, value) in &overrides.0 {
-            builder = builder
-                .set_override(key.as_str(), typed_value(value))
-                .map_err(|e| PipelineError::value(key, e.to_string()))?;
-        }
-        let files = profile.map_or(path.display().to_string(), |p| {
-            format!("{} + {}", path.display(), p.display())
-        });
-        let blame = |e: config::ConfigError| blame_source(&e.to_string(), &files, overrides);
-        let config: Self = builder
-            .build()
-            .map_err(blame)?
-            .try_deserialize()
-            .map_err(blame)?;
-        config.validate()?;
-        Ok(config)
-    }
-
     /// `data.format = "text"` needs a corpus, a token model and no image
     /// augmentation.
     fn validate_text(&self) -> Result<()> {
@@ -1054,6 +966,18 @@ impl ExperimentConfig {
             positive("schedule.div_factor", *div_factor as f64)?;
             positive("schedule.final_div_factor", *final_div_factor as f64)?;
         }
+        if let ScheduleConfig::WarmupCosine { min_lr, .. } = &self.schedule {
+            non_negative("schedule.min_lr", *min_lr as f64)?;
+            if *min_lr > self.optimizer.lr {
+                return Err(PipelineError::value(
+                    "schedule.min_lr",
+                    format!(
+                        "must be at most the peak, optimizer.lr = {}, got {min_lr}",
+                        self.optimizer.lr
+                    ),
+                ));
+            }
+        }
         crate::limits::check_sizes(self)
     }
 
@@ -1181,8 +1105,6 @@ impl ExperimentConfig {
     }
 }
 
-const ENV_PREFIX: &str = "HEADROOM";
-
 /// `run.name` names a directory inside `run.runs_dir`: one plain name, so no
 /// run can write outside it (`../../x`, `/etc`, `a/b`).
 fn check_run_name(name: &str) -> Result<()> {
@@ -1198,66 +1120,6 @@ fn check_run_name(name: &str) -> Result<()> {
              run.runs_dir; use run.runs_dir or run.output_dir to choose where runs go"
         ),
     ))
-}
-
-/// A `--set` value typed the way the environment's values are
-/// (`try_parsing`): a number or a boolean when it reads as one, else text.
-/// Untyped text would reach tagged tables such as `[schedule]` as a string
-/// and be refused there (`schedule.pct_start=0.5`).
-fn typed_value(text: &str) -> config::Value {
-    let looks_numeric = text.chars().any(|c| c.is_ascii_digit());
-    if let Ok(integer) = text.parse::<i64>() {
-        return integer.into();
-    }
-    if looks_numeric {
-        if let Ok(float) = text.parse::<f64>() {
-            return float.into();
-        }
-    }
-    match text {
-        "true" => true.into(),
-        "false" => false.into(),
-        _ => text.into(),
-    }
-}
-
-/// Names where a bad value came from: the `--set` override, the
-/// environment variable, or the experiment file(s).
-fn blame_source(message: &str, files: &str, overrides: &Overrides) -> PipelineError {
-    let quoted = |after: &str| {
-        message
-            .split_once(after)
-            .and_then(|(_, rest)| rest.split_once('`'))
-            .map(|(name, _)| name.to_string())
-    };
-    // An unknown key is reported against its table: `--set loader.workers`
-    // gives "unknown field `workers` ... for key `loader`".
-    let key = match (quoted("for key `"), quoted("unknown field `")) {
-        (Some(table), Some(field)) => Some(format!("{table}.{field}")),
-        (table, field) => table.or(field),
-    };
-    let message = message.trim_end_matches(" in the environment");
-    let Some(key) = key else {
-        return PipelineError::Config(format!("{files}: {message}"));
-    };
-    let within = |k: &str| {
-        k == key
-            || k.strip_prefix(key.as_str())
-                .is_some_and(|r| r.starts_with('.'))
-    };
-    if let Some((set, _)) = overrides.0.iter().find(|(k, _)| within(k)) {
-        return PipelineError::Config(format!("--set {set}: {message}"));
-    }
-    let variable = env_variable(&key);
-    if std::env::var_os(&variable).is_some() {
-        return PipelineError::Config(format!("environment variable {variable}: {message}"));
-    }
-    PipelineError::Config(format!("{files}: {message}"))
-}
-
-/// `train.epochs` -> `HEADROOM__TRAIN__EPOCHS`.
-fn env_variable(key: &str) -> String {
-    format!("{ENV_PREFIX}__{}", key.replace('.', "__").to_uppercase())
 }
 
 fn flatten_into(

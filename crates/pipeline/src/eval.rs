@@ -119,8 +119,9 @@ fn evaluation_bar(batches: usize) -> indicatif::ProgressBar {
         return indicatif::ProgressBar::hidden();
     }
     let bar = indicatif::ProgressBar::new(batches as u64);
-    if let Ok(style) = indicatif::ProgressStyle::with_template("evaluating [{bar:30}] {pos}/{len}")
-    {
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "evaluating [{bar:30}] {pos}/{len} | elapsed {elapsed_precise}, eta {eta_precise}",
+    ) {
         bar.set_style(style.progress_chars("=> "));
     }
     bar

@@ -6,13 +6,15 @@
 //! A fresh directory is made with one `mkdir` that fails if it exists, so
 //! two runs started in the same second never share one. A run holds an
 //! exclusive `flock` on `.lock` inside its directory for as long as it
-//! lives, so a second process cannot write into a live run. A directory
-//! this run made and that holds no progress (no checkpoint, no metrics) is
-//! removed when the claim ends: a failed start leaves nothing behind.
+//! lives, so a second process cannot write into a live run, and removes
+//! the file when it ends (see `DirLock`). A directory this run made and
+//! that holds no progress (no checkpoint, no metrics) is removed when the
+//! claim ends: a failed start leaves nothing behind.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -28,7 +30,7 @@ pub const CONFIG_FILE: &str = "config.toml";
 #[derive(Debug)]
 pub struct RunDir {
     path: PathBuf,
-    _lock: File,
+    lock: Option<DirLock>,
     created: bool,
 }
 
@@ -36,10 +38,10 @@ impl RunDir {
     /// Finds or makes the directory this run writes to, and locks it.
     pub fn claim(config: &ExperimentConfig, resume: &Resume) -> Result<Self> {
         let (path, created) = locate(config, resume)?;
-        match lock(&path) {
+        match DirLock::acquire(&path) {
             Ok(lock) => Ok(Self {
                 path,
-                _lock: lock,
+                lock: Some(lock),
                 created,
             }),
             Err(e) => {
@@ -58,6 +60,9 @@ impl RunDir {
 
 impl Drop for RunDir {
     fn drop(&mut self) {
+        // An empty directory goes while the lock is still held, so no other
+        // process can have claimed it; the lock (and its file, if the
+        // directory stays) goes last.
         if self.created && holds_no_progress(&self.path) {
             if let Err(e) = std::fs::remove_dir_all(&self.path) {
                 tracing::warn!(
@@ -66,6 +71,7 @@ impl Drop for RunDir {
                 );
             }
         }
+        drop(self.lock.take());
     }
 }
 
@@ -124,36 +130,99 @@ fn not_writable(key: &str, dir: &Path, e: std::io::Error) -> PipelineError {
     )
 }
 
-/// An exclusive lock on `dir/.lock`, held while the returned file is open.
-fn lock(dir: &Path) -> Result<File> {
-    let path = dir.join(LOCK_FILE);
-    let mut file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(|e| not_writable("run.output_dir", dir, e))?;
-    // SAFETY: flock only reads the descriptor, which `file` keeps open.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let holder = std::fs::read_to_string(&path).unwrap_or_default();
-        return Err(PipelineError::value(
+/// An exclusive `flock` on `dir/.lock`, held while this lives; the file is
+/// removed when it is dropped, so a finished run leaves none behind.
+///
+/// Removing a lock file opens a race that the acquisition closes: another
+/// process may have opened the old file before it was unlinked and get its
+/// lock once released, a lock on a file no longer in the directory, while a
+/// third process creates and locks a new `.lock`. So after `flock` succeeds
+/// the path must still name the very file locked (same device and inode,
+/// `fstat` against `stat`); if it does not, the lock is worthless and the
+/// acquisition starts again. Only a holder unlinks the file, so once the
+/// check passes no one else can hold the directory.
+#[derive(Debug)]
+pub struct DirLock {
+    path: PathBuf,
+    file: File,
+}
+
+/// Attempts at a lock whose file keeps being replaced under us; each
+/// retry means another process finished in between, so a few suffice.
+const LOCK_ATTEMPTS: usize = 64;
+
+impl DirLock {
+    /// Locks `dir/.lock`, or says which process holds it.
+    pub fn acquire(dir: &Path) -> Result<Self> {
+        let path = dir.join(LOCK_FILE);
+        for _ in 0..LOCK_ATTEMPTS {
+            let mut file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .map_err(|e| not_writable("run.output_dir", dir, e))?;
+            // SAFETY: flock only reads the descriptor, which `file` keeps open.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                return Err(in_use(dir, &path));
+            }
+            if !names_file(&path, &file) {
+                // Locked a file its last holder already unlinked: closing
+                // it releases the stale lock; try the current one.
+                continue;
+            }
+            // The pid is only for the message in `in_use`; a failure to
+            // record it is harmless.
+            let _ = file
+                .set_len(0)
+                .and_then(|()| write!(file, "{}", std::process::id()));
+            return Ok(Self { path, file });
+        }
+        Err(PipelineError::value(
             "run.output_dir",
             format!(
-                "{} is in use by another training process{}; wait for it to end, or choose another run.output_dir",
-                dir.display(),
-                match holder.trim() {
-                    "" => String::new(),
-                    pid => format!(" (pid {pid})"),
-                }
+                "{} kept being replaced while this process tried to lock it; try again",
+                path.display()
             ),
-        ));
+        ))
     }
-    // The pid is only for the message above; a failure to record it is harmless.
-    let _ = file
-        .set_len(0)
-        .and_then(|()| write!(file, "{}", std::process::id()));
-    Ok(file)
+}
+
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        // Unlinked while still locked, and only if it is still ours: a
+        // process that opened it meanwhile finds it gone once it gets the
+        // lock, and retries on a fresh file (`acquire`).
+        if names_file(&self.path, &self.file) {
+            if let Err(e) = std::fs::remove_file(&self.path) {
+                tracing::warn!("could not remove {}: {e}", self.path.display());
+            }
+        }
+    }
+}
+
+/// Whether `path` names the open `file` (same device and inode).
+fn names_file(path: &Path, file: &File) -> bool {
+    match (std::fs::metadata(path), file.metadata()) {
+        (Ok(named), Ok(open)) => named.dev() == open.dev() && named.ino() == open.ino(),
+        _ => false,
+    }
+}
+
+fn in_use(dir: &Path, path: &Path) -> PipelineError {
+    let holder = std::fs::read_to_string(path).unwrap_or_default();
+    PipelineError::value(
+        "run.output_dir",
+        format!(
+            "{} is in use by another training process{}; wait for it to end, or choose another run.output_dir",
+            dir.display(),
+            match holder.trim() {
+                "" => String::new(),
+                pid => format!(" (pid {pid})"),
+            }
+        ),
+    )
 }
 
 /// No checkpoint and no metrics: nothing a user could want back.
@@ -263,6 +332,51 @@ mod tests {
         assert!(second.contains(&std::process::id().to_string()), "{second}");
         drop(first);
         RunDir::claim(&config, &Resume::Latest).unwrap();
+    }
+
+    #[test]
+    fn a_finished_claim_leaves_no_lock_file() {
+        let runs = tempfile::tempdir().unwrap();
+        let mut config = smoke_config(runs.path());
+        let dir = runs.path().join("run");
+        config.run.output_dir = Some(dir.clone());
+        let claim = RunDir::claim(&config, &Resume::Latest).unwrap();
+        assert!(dir.join(LOCK_FILE).is_file());
+        // Progress, so that the directory itself stays.
+        std::fs::write(dir.join("metrics.jsonl"), "{}\n").unwrap();
+        drop(claim);
+        assert!(dir.is_dir());
+        assert!(!dir.join(LOCK_FILE).exists(), ".lock is left behind");
+    }
+
+    /// Threads that lock, check they are alone, and unlock (removing the
+    /// file) as fast as they can: the inode check keeps a lock taken on an
+    /// unlinked file from counting, so never two hold the directory. (flock
+    /// locks belong to open files, so threads contend as processes do.)
+    #[test]
+    fn racing_claims_never_both_hold_the_lock() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let holders = AtomicUsize::new(0);
+        let acquired = AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| {
+                    for _ in 0..300 {
+                        let Ok(lock) = DirLock::acquire(dir.path()) else {
+                            continue;
+                        };
+                        assert_eq!(holders.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                        acquired.fetch_add(1, Ordering::SeqCst);
+                        std::thread::yield_now();
+                        holders.fetch_sub(1, Ordering::SeqCst);
+                        drop(lock);
+                    }
+                });
+            }
+        });
+        assert!(acquired.load(Ordering::SeqCst) > 0);
+        assert!(!dir.path().join(LOCK_FILE).exists());
     }
 
     #[test]

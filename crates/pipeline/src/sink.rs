@@ -155,17 +155,19 @@ fn receive(events: Receiver<Event>, settings: &SinkSettings) -> Result<SinkOutco
     let mut metrics = open_metrics(&metrics_path)?;
     let mut outcome = SinkOutcome::default();
     let mut window = Window::new();
+    let mut clock = Clock::new();
     let mut bar = Progress::new(settings.epochs);
     for event in events {
         match event {
             Event::Step(report) => {
                 write_json(&mut metrics, &metrics_path, "step", &report)?;
                 window.add(&report);
+                let times = clock.text(&report, settings.epochs);
                 let boundary = report.step % settings.log_every == 0
                     || report.batch + 1 == report.batches_per_epoch;
                 match &mut bar {
-                    Some(bar) => bar.update(&report, &mut window),
-                    None if boundary => window.log(&report, settings.epochs),
+                    Some(bar) => bar.update(&report, &mut window, &times),
+                    None if boundary => window.log(&report, settings.epochs, &times),
                     None => {}
                 }
             }
@@ -356,9 +358,9 @@ impl Window {
         self.loss_sum / self.steps.max(1) as f64
     }
 
-    fn log(&mut self, report: &StepReport, epochs: u64) {
+    fn log(&mut self, report: &StepReport, epochs: u64, times: &str) {
         tracing::info!(
-            "epoch {}/{} step {}/{} | loss {:.4} | lr {:.2e} | {:.0} samples/s | memory {}",
+            "epoch {}/{} step {}/{} | loss {:.4} | lr {:.2e} | {:.0} samples/s | memory {} | {times}",
             report.epoch + 1,
             epochs,
             report.batch + 1,
@@ -370,6 +372,57 @@ impl Window {
         );
         *self = Self::new();
     }
+}
+
+/// The run's elapsed time and the time it has left, for the progress bar
+/// and lines. The bar itself restarts every epoch, so indicatif's own
+/// `{elapsed}` and `{eta}` would cover one epoch; this covers the run: the
+/// time since this process started training, and the steps left at the
+/// rate of the steps it has done (a resumed run's earlier steps, done by
+/// another process, do not count towards the rate).
+struct Clock {
+    started: Instant,
+    /// Steps of the run done before this process's first report.
+    done_before: Option<u64>,
+}
+
+impl Clock {
+    fn new() -> Self {
+        Self {
+            started: Instant::now(),
+            done_before: None,
+        }
+    }
+
+    /// "elapsed 00:01:05, eta 00:10:00" after `report`.
+    fn text(&mut self, report: &StepReport, epochs: u64) -> String {
+        let per_epoch = report.batches_per_epoch.max(1) as u64;
+        let done = report.epoch * per_epoch + report.batch as u64 + 1;
+        let before = *self.done_before.get_or_insert(done.saturating_sub(1));
+        let elapsed = self.started.elapsed().as_secs_f64();
+        let left = eta_seconds(
+            elapsed,
+            done.saturating_sub(before),
+            (epochs * per_epoch).saturating_sub(done),
+        );
+        format!(
+            "elapsed {}, eta {}",
+            hms(elapsed),
+            left.map_or_else(|| "?".to_string(), hms)
+        )
+    }
+}
+
+/// The seconds `left` steps take at the rate of `done` steps in `elapsed`
+/// seconds; None before any step is done.
+fn eta_seconds(elapsed: f64, done: u64, left: u64) -> Option<f64> {
+    (done > 0).then(|| elapsed / done as f64 * left as f64)
+}
+
+/// `HH:MM:SS` (hours past 99 kept whole), as indicatif's `{elapsed_precise}`.
+fn hms(seconds: f64) -> String {
+    let s = seconds.max(0.0).round() as u64;
+    format!("{:02}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
 }
 
 /// A live progress bar when stderr is a terminal; None otherwise (CI, files),
@@ -399,14 +452,14 @@ impl Progress {
         })
     }
 
-    fn update(&mut self, report: &StepReport, window: &mut Window) {
+    fn update(&mut self, report: &StepReport, window: &mut Window, times: &str) {
         self.bar.set_length(report.batches_per_epoch as u64);
         self.bar.set_position(report.batch as u64 + 1);
         self.bar
             .set_prefix(format!("epoch {}/{}", report.epoch + 1, self.epochs));
         if self.last_draw.elapsed().as_millis() >= 500 {
             self.bar.set_message(format!(
-                "| loss {:.4} | lr {:.2e} | {:.0} samples/s | memory {}",
+                "| loss {:.4} | lr {:.2e} | {:.0} samples/s | memory {} | {times}",
                 window.mean_loss(),
                 report.lr,
                 window.rate(),
@@ -567,6 +620,23 @@ mod tests {
         drop(link);
         let outcome = sink.join().unwrap().unwrap();
         assert_eq!(outcome.last_checkpoint, Some(written));
+    }
+
+    #[test]
+    fn elapsed_and_eta_are_clock_times_for_the_whole_run() {
+        assert_eq!(hms(0.0), "00:00:00");
+        assert_eq!(hms(3725.4), "01:02:05");
+        assert_eq!(eta_seconds(10.0, 0, 5), None);
+        assert_eq!(eta_seconds(10.0, 5, 15), Some(30.0));
+        // 2 epochs of 100 batches; this process starts at epoch 1, batch 0
+        // (a resumed run): the rate counts only its own steps.
+        let mut clock = Clock::new();
+        let mut at = report(1);
+        at.epoch = 1;
+        let text = clock.text(&at, 2);
+        assert!(text.starts_with("elapsed 00:00:0"), "{text}");
+        assert!(text.contains(", eta "), "{text}");
+        assert_eq!(clock.done_before, Some(100));
     }
 
     #[test]

@@ -154,7 +154,7 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         pool.install(|| run_epochs(config, options, &mut run, &events, &mut epochs, &mut memory));
     drop(events);
     let (finish, outcome) = join_sink(sink, result)?;
-    match crate::plot::write(config.output_dir()) {
+    match crate::plot::write(config.output_dir(), crate::plot::Task::of(config)) {
         Ok(path) => tracing::info!("plots: {}", path.display()),
         Err(e) => tracing::warn!("no plot: {e}"),
     }
@@ -425,6 +425,30 @@ fn schedule(config: &ExperimentConfig, total_steps: u64) -> Result<Schedule> {
             *div_factor,
             *final_div_factor,
         )?),
+        ScheduleConfig::WarmupCosine {
+            warmup_steps,
+            min_lr,
+        } => {
+            if *warmup_steps > total_steps {
+                return Err(PipelineError::value(
+                    "schedule.warmup_steps",
+                    format!(
+                        "must be at most the run's {total_steps} optimizer steps ({} batches per \
+                         epoch × train.epochs = {}), got {warmup_steps}",
+                        total_steps / config.train.epochs.max(1),
+                        config.train.epochs
+                    ),
+                ));
+            }
+            let schedule = Schedule::WarmupCosine {
+                max_lr: config.optimizer.lr,
+                warmup_steps: *warmup_steps,
+                total_steps,
+                min_lr: *min_lr,
+            };
+            schedule.validate()?;
+            schedule
+        }
     })
 }
 

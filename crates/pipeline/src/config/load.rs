@@ -1,0 +1,160 @@
+//! Reading an experiment: the file, a profile overlay, the environment and
+//! `--set`, in that order.
+//!
+//! Profiles are overlays, not experiments: `run.profile = NAME` (or
+//! `--profile NAME`) reads `<the experiment's directory>/profiles/NAME.toml`
+//! on top of the experiment. The rule that tells the two apart is the
+//! location alone: a file whose directory is named `profiles` is a profile,
+//! and `load` refuses it as an experiment (it lacks the required keys, and
+//! the error would otherwise be a puzzling "missing field").
+
+use std::path::{Path, PathBuf};
+
+use config::{Config, Environment, File, FileFormat};
+
+use super::overrides::{blame_source, typed_value, ENV_PREFIX};
+use super::{device_memory, ExperimentConfig, Overrides, SMALL_DEVICE_BYTES};
+use crate::{PipelineError, Result};
+
+/// The directory, beside an experiment, that holds its profiles.
+pub const PROFILES_DIR: &str = "profiles";
+
+/// Whether `path` is a profile: it lies in a directory named `profiles`.
+pub fn is_profile(path: &Path) -> bool {
+    path.parent()
+        .and_then(Path::file_name)
+        .is_some_and(|dir| dir == PROFILES_DIR)
+}
+
+/// Where the profile `name` of the experiment at `experiment` is:
+/// `<experiment's directory>/profiles/<name>.toml`.
+pub fn profile_path(experiment: &Path, name: &str) -> PathBuf {
+    let dir = experiment.parent().unwrap_or(Path::new("."));
+    dir.join(PROFILES_DIR).join(format!("{name}.toml"))
+}
+
+/// The profiles in `dir` (file stems, sorted), for naming them in an error.
+fn profiles_in(dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .filter_map(|p| p.file_stem().and_then(|s| s.to_str()).map(String::from))
+        .collect();
+    names.sort();
+    names
+}
+
+fn auto_profile(config: &ExperimentConfig) -> Result<Option<String>> {
+    match device_memory(config)? {
+        Some(bytes) if bytes < SMALL_DEVICE_BYTES => {
+            tracing::warn!(
+                "the device has {:.2} GiB (< 4 GiB): applying the low_memory profile (run.profile = \"none\" to opt out)",
+                bytes as f64 / (1u64 << 30) as f64
+            );
+            Ok(Some("low_memory".into()))
+        }
+        _ => Ok(None),
+    }
+}
+
+impl ExperimentConfig {
+    /// Loads `path`, then its profile, then the environment, then
+    /// `overrides`; then validates. A profile given as the experiment is
+    /// refused, naming the `--profile` that applies it.
+    pub fn load(path: &Path, overrides: &Overrides) -> Result<Self> {
+        if is_profile(path) {
+            let name = path
+                .file_stem()
+                .map_or_else(|| "NAME".to_string(), |s| s.to_string_lossy().into_owned());
+            return Err(PipelineError::Config(format!(
+                "{} is a profile, not an experiment: use --profile {name} (or run.profile = \"{name}\") \
+                 with an experiment such as experiments/fashion_mnist.toml",
+                path.display()
+            )));
+        }
+        if !path.is_file() {
+            return Err(PipelineError::Config(format!(
+                "experiment file {} not found (expected a TOML file such as experiments/fashion_mnist.toml)",
+                path.display()
+            )));
+        }
+        let config = Self::build(path, None, overrides)?;
+        let profile = match config.run.profile.as_str() {
+            "none" => return Ok(config),
+            "auto" => match auto_profile(&config)? {
+                Some(name) => name,
+                None => return Ok(config),
+            },
+            name => name.to_string(),
+        };
+        let plain = !profile.is_empty() && !profile.contains(['/', '\\', '\0', '.']);
+        let profile_path = profile_path(path, &profile);
+        if !plain || !profile_path.is_file() {
+            let dir = profile_path.parent().unwrap_or(Path::new("."));
+            let known = profiles_in(dir);
+            return Err(PipelineError::value(
+                "run.profile",
+                format!(
+                    "no profile file {} (expected \"auto\", \"none\" or the name of a TOML file in {}{})",
+                    profile_path.display(),
+                    dir.display(),
+                    if known.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {}", known.join(", "))
+                    }
+                ),
+            ));
+        }
+        tracing::info!("profile {profile}: applying {}", profile_path.display());
+        Self::build(path, Some(&profile_path), overrides)
+    }
+
+    /// A run's own `config.toml`, as `train` recorded it: the profile is
+    /// already in it, so only the environment and `overrides` go on top
+    /// (its `run.profile` is a record, not applied again, so where the
+    /// profiles live does not matter to a resume).
+    pub fn load_resolved(path: &Path, overrides: &Overrides) -> Result<Self> {
+        if !path.is_file() {
+            return Err(PipelineError::Config(format!(
+                "{} not found: --resume RUN_DIR expects a run directory written by `cargo xtask train`",
+                path.display()
+            )));
+        }
+        Self::build(path, None, overrides)
+    }
+
+    /// The experiment file, then a profile overlay, then the environment,
+    /// then `--set`; deserialised and validated.
+    fn build(path: &Path, profile: Option<&Path>, overrides: &Overrides) -> Result<Self> {
+        let mut builder = Config::builder().add_source(File::from(path).format(FileFormat::Toml));
+        if let Some(profile) = profile {
+            builder = builder.add_source(File::from(profile).format(FileFormat::Toml));
+        }
+        builder = builder.add_source(
+            Environment::with_prefix(ENV_PREFIX)
+                .prefix_separator("__")
+                .separator("__")
+                .try_parsing(true),
+        );
+        for (key, value) in &overrides.0 {
+            builder = builder
+                .set_override(key.as_str(), typed_value(key, value)?)
+                .map_err(|e| PipelineError::value(key, e.to_string()))?;
+        }
+        let files = profile.map_or(path.display().to_string(), |p| {
+            format!("{} + {}", path.display(), p.display())
+        });
+        let blame = |e: config::ConfigError| blame_source(&e.to_string(), &files, overrides);
+        let config: Self = builder
+            .build()
+            .map_err(blame)?
+            .try_deserialize()
+            .map_err(blame)?;
+        config.validate()?;
+        Ok(config)
+    }
+}
