@@ -51,6 +51,16 @@ fn keys_in_code() -> BTreeSet<String> {
             .into_keys()
             .filter(|k| k.starts_with("finetune.")),
     );
+    // Each schedule has keys of its own; the smoke experiment takes any.
+    let warmup_cosine = Overrides::parse(&["schedule.kind=warmup_cosine".to_string()]).unwrap();
+    let smoke =
+        ExperimentConfig::load(&root.join("experiments/smoke.toml"), &warmup_cosine).unwrap();
+    keys.extend(
+        smoke
+            .flatten()
+            .into_keys()
+            .filter(|k| k.starts_with("schedule.")),
+    );
     keys
 }
 
