@@ -21,12 +21,12 @@ use std::path::Path;
 use std::sync::Mutex;
 
 /// The attribute every test that needs NVRTC carries; libtest prints its
-/// reason beside "ignored". Short enough for rustfmt to leave on one line.
+/// reason beside "ignored".
 pub const MARKER: &str =
-    "#[cfg_attr(not(headroom_nvrtc), ignore = \"no NVRTC: python3 -m pip install nvidia-cuda-nvrtc\")]";
+    "#[cfg_attr(not(headroom_nvrtc), ignore = \"NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc\")]";
 
 /// What is counted: the marker's reason, on whatever line rustfmt puts it.
-const REASON: &str = "ignore = \"no NVRTC: python3 -m pip install nvidia-cuda-nvrtc\"";
+const REASON: &str = "ignore = \"NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc\"";
 
 /// How to install NVRTC.
 pub const INSTALL: &str = "python3 -m pip install nvidia-cuda-nvrtc";

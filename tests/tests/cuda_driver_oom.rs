@@ -14,7 +14,10 @@ use headroom_tests::{cuda_path_available, smoke_config, write_synthetic_fashion_
 headroom_tests::report_nvrtc_tests!("cuda_driver_oom", include_str!("cuda_driver_oom.rs"));
 
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_driver_out_of_memory_splits_the_batch_and_the_run_finishes() {
     if headroom_cuda_emu::real_gpu_present() {
         print_past_capture(&["cuda_driver_oom: skipped on a real GPU".into()]);

@@ -11,7 +11,10 @@ use headroom_tests::{cuda_path_available, smoke_config, write_synthetic_fashion_
 headroom_tests::report_nvrtc_tests!("cuda_small_gpu", include_str!("cuda_small_gpu.rs"));
 
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_small_gpu_gets_the_low_memory_profile_and_trains() {
     if headroom_cuda_emu::real_gpu_present() {
         print_past_capture(&["cuda_small_gpu: skipped on a real GPU".into()]);

@@ -16,11 +16,17 @@ use headroom_tests::{cuda_path_available, smoke_config, write_synthetic_fashion_
 headroom_tests::report_nvrtc_tests!(
     "cuda_training",
     include_str!("cuda_training.rs"),
-    Some(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/..")))
+    Some(std::path::Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/.."
+    )))
 );
 
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_run_on_the_gpu_path_trains_checkpoints_and_resumes_on_the_cpu() {
     if !cuda_path_available("cuda_training") {
         return;
@@ -86,7 +92,10 @@ fn final_state_bits(dir: &std::path::Path) -> Vec<u32> {
 }
 
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn data_held_on_the_device_trains_to_the_bits_of_data_staged_from_the_host() {
     if !cuda_path_available("cuda_training") {
         return;
@@ -140,7 +149,10 @@ fn data_held_on_the_device_trains_to_the_bits_of_data_staged_from_the_host() {
 }
 
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn data_on_device_says_why_it_cannot_hold_the_set() {
     if !cuda_path_available("cuda_training") {
         return;
@@ -186,7 +198,10 @@ fn data_on_device_says_why_it_cannot_hold_the_set() {
 }
 
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_gpu_budget_below_one_step_splits_the_batch_with_the_data_on_the_device() {
     if !cuda_path_available("cuda_training") {
         return;
@@ -263,7 +278,10 @@ fn f32_smoke_run(
 /// loss scale in the checkpoint, and the same training as the CPU's f32
 /// run of the same experiment, up to summation order.
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn an_f32_run_on_the_gpu_path_trains_as_the_cpu_run_does() {
     if !cuda_path_available("cuda_training") {
         return;
@@ -287,7 +305,10 @@ fn an_f32_run_on_the_gpu_path_trains_as_the_cpu_run_does() {
 /// the device, in f32 ending within 1e-3 (relative L2) of the CPU run's
 /// weights, and with mixed precision training too.
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn the_silu_mlp_experiment_trains_on_the_gpu_path_as_on_the_cpu() {
     if !cuda_path_available("cuda_training") {
         return;
@@ -327,7 +348,10 @@ fn the_silu_mlp_experiment_trains_on_the_gpu_path_as_on_the_cpu() {
 /// path (it used to be refused there), in f32 within 1e-5 (relative L2) of
 /// the CPU run's weights: cross-entropy in its place ends 1.2e-3 away.
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_focal_loss_run_trains_on_the_gpu_path_as_on_the_cpu() {
     if !cuda_path_available("cuda_training") {
         return;
@@ -446,7 +470,10 @@ fn relative_l2(a: &[f32], b: &[f32]) -> f64 {
 /// per-token head) trains on the GPU path as on the CPU: f32 weights
 /// within 1e-3 (relative L2) after an epoch, the same per-token accuracy.
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_tiny_gpt_trains_on_the_gpu_path_as_on_the_cpu() {
     if !cuda_path_available("cuda_training") {
         return;
@@ -479,7 +506,10 @@ fn a_tiny_gpt_trains_on_the_gpu_path_as_on_the_cpu() {
 /// loads by name and stays bit for bit frozen, and the adapters end within
 /// 1e-3 (relative L2) of the CPU run's.
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn lora_finetuning_trains_the_adapters_on_the_gpu_path_as_on_the_cpu() {
     if !cuda_path_available("cuda_training") {
         return;
@@ -526,7 +556,10 @@ fn lora_finetuning_trains_the_adapters_on_the_gpu_path_as_on_the_cpu() {
 /// A character LSTM (char_lm's layers, smaller) trains on the GPU path as
 /// on the CPU: f32 weights within 1e-3 (relative L2) after an epoch.
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn an_lstm_language_model_trains_on_the_gpu_path_as_on_the_cpu() {
     if !cuda_path_available("cuda_training") {
         return;
@@ -614,7 +647,10 @@ kind = "constant"
 /// epoch ends within 1e-3 (relative L2) of the CPU run's weights, with the
 /// same validation MSE and copy-last baseline.
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_unet_conv_lstm_trains_on_the_gpu_path_as_on_the_cpu() {
     if !cuda_path_available("cuda_training") {
         return;
@@ -652,7 +688,10 @@ fn a_unet_conv_lstm_trains_on_the_gpu_path_as_on_the_cpu() {
 /// that checkpoint flipped, the resumed run's own checkpoint holds the
 /// flipped choices (a run that timed again would hold its own).
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_tuned_run_keeps_its_kernels_across_a_resume() {
     use headroom_model::cuda::ops::{ConvPath, ConvProduct};
     if !cuda_path_available("cuda_training") {
@@ -738,7 +777,10 @@ fn a_tuned_run_keeps_its_kernels_across_a_resume() {
 /// `cargo xtask bench --set device.conv_algorithm=tune` reports what the
 /// warm-up step chose for each product (both timings); `auto` tunes nothing.
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn the_bench_reports_the_tuned_convolutions() {
     if !cuda_path_available("cuda_training") {
         return;

@@ -142,7 +142,10 @@ fn check_signatures(file: &KernelFile, ptx: &str, arch: u32) {
 }
 
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn every_kernel_compiles_to_ptx_for_sm80_and_sm90_with_matching_signatures() {
     let Some((major, minor)) = nvrtc() else {
         return;
@@ -173,7 +176,10 @@ fn every_kernel_compiles_to_ptx_for_sm80_and_sm90_with_matching_signatures() {
 }
 
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn every_kernel_compiles_to_cubin_for_sm80_and_sm90() {
     if nvrtc().is_none() {
         return;
@@ -230,7 +236,10 @@ fn ptxas_usage(log: &str) -> Vec<(String, u32, u32, u32)> {
 /// widest the backend launches (the emulator refuses a wider one in the
 /// tests), in the 64K registers of an SM.
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn no_kernel_spills_registers_and_each_fits_the_widest_block() {
     if nvrtc().is_none() {
         return;
@@ -278,7 +287,10 @@ fn ptxas_usage_reads_registers_spills_and_shared_memory() {
 }
 
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn nvrtc_targets_the_reference_gpus() {
     if nvrtc().is_none() {
         return;
@@ -305,7 +317,10 @@ fn nvrtc_targets_the_reference_gpus() {
 }
 
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_kernel_that_does_not_compile_is_an_error_with_the_log() {
     if nvrtc().is_none() {
         return;
@@ -325,7 +340,10 @@ fn a_kernel_that_does_not_compile_is_an_error_with_the_log() {
 }
 
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn compiled_kernels_are_cached_on_disk() {
     if nvrtc().is_none() {
         return;
@@ -377,7 +395,10 @@ fn f32_arithmetic(body: &str) -> [usize; 3] {
 /// `sgx += g * (x - mean)` in one of the two _v8 kernels and not in the other,
 /// and their sums differed in the last bits on an H100. Here, without a GPU.
 #[test]
-#[cfg_attr(not(headroom_nvrtc), ignore = "no NVRTC: python3 -m pip install nvidia-cuda-nvrtc")]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn twin_batch_norm_kernels_multiply_alike() {
     if nvrtc().is_none() {
         return;

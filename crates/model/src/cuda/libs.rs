@@ -50,8 +50,7 @@ pub fn ensure_nvrtc() -> CudaResult<Option<PathBuf>> {
         .get_or_init(|| {
             // SAFETY: as in driver_present.
             let present = || unsafe { cudarc::nvrtc::sys::is_culib_present() };
-            locate(present, NVRTC_FILE_NAMES, &[])
-            .ok_or_else(|| NVRTC_INSTALL_HINT.to_string())
+            locate(present, NVRTC_FILE_NAMES, &[]).ok_or_else(|| NVRTC_INSTALL_HINT.to_string())
         })
         .clone()
         .map_err(|hint| CudaError::LibraryMissing {
