@@ -109,10 +109,11 @@ pub fn check(binary: &str, source: &str, workspace: Option<&Path>) {
              when it was built, without {var}=1): rebuild with the variable set"
         );
     }
+    let tests = if marked == 1 { "test" } else { "tests" };
     let now = headroom_model::cuda::libs::ensure_nvrtc();
     let mut lines = vec![match &now {
         Ok(at) => format!(
-            "{binary}: {marked} tests NOT RUN (ignored): NVRTC was not found when this \
+            "{binary}: {marked} {tests} NOT RUN (ignored): NVRTC was not found when this \
              binary was built, but it is found now{}; to run them: touch \
              crates/model/build.rs",
             at.as_ref()
@@ -120,7 +121,7 @@ pub fn check(binary: &str, source: &str, workspace: Option<&Path>) {
                 .unwrap_or_default()
         ),
         Err(_) => format!(
-            "{binary}: {marked} tests NOT RUN (ignored): NVRTC not found; install it with \
+            "{binary}: {marked} {tests} NOT RUN (ignored): NVRTC not found; install it with \
              `{INSTALL}` (HEADROOM_REQUIRE_NVRTC=1 makes this a failure)"
         ),
     }];
