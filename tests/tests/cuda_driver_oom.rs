@@ -3,16 +3,24 @@
 //! per process: hence a test binary of its own) and the budget is set far
 //! above that, so every refusal comes from the driver. The run must handle
 //! it as it handles the budget's (release the cache, split the batch) and
-//! finish, with the convolutions chosen by rule (`auto`) or timed (`tune`). Skipped on a real GPU, whose memory this test cannot choose (the
+//! finish, with the convolutions chosen by rule (`auto`) or timed (`tune`).
+//! Skipped on a real GPU, whose memory this test cannot choose (the
 //! GPU session's `run.sh oom` holds it with another process instead).
 
 use headroom_pipeline::{train, TrainOptions};
+use headroom_tests::nvrtc_gate::print_past_capture;
 use headroom_tests::{cuda_path_available, smoke_config, write_synthetic_fashion_mnist};
 
+headroom_tests::report_nvrtc_tests!("cuda_driver_oom", include_str!("cuda_driver_oom.rs"));
+
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_driver_out_of_memory_splits_the_batch_and_the_run_finishes() {
     if headroom_cuda_emu::real_gpu_present() {
-        eprintln!("cuda_driver_oom: skipped on a real GPU");
+        print_past_capture(&["cuda_driver_oom: skipped on a real GPU".into()]);
         return;
     }
     std::env::set_var("HEADROOM_CUDA_EMU_MEMORY", (12u64 << 20).to_string());

@@ -5,12 +5,19 @@
 //! its own). Skipped on a real GPU, whose size this test cannot choose.
 
 use headroom_pipeline::{train, TrainOptions};
+use headroom_tests::nvrtc_gate::print_past_capture;
 use headroom_tests::{cuda_path_available, smoke_config, write_synthetic_fashion_mnist};
 
+headroom_tests::report_nvrtc_tests!("cuda_small_gpu", include_str!("cuda_small_gpu.rs"));
+
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_small_gpu_gets_the_low_memory_profile_and_trains() {
     if headroom_cuda_emu::real_gpu_present() {
-        eprintln!("cuda_small_gpu: skipped on a real GPU");
+        print_past_capture(&["cuda_small_gpu: skipped on a real GPU".into()]);
         return;
     }
     std::env::set_var("HEADROOM_CUDA_EMU_MEMORY", (2u64 << 30).to_string());

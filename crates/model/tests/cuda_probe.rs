@@ -3,6 +3,8 @@
 //! nothing and the CPU backend is chosen; with HEADROOM_REQUIRE_GPU=1
 //! (`cargo xtask gpu-check`) a GPU must be found.
 
+use std::io::Write as _;
+
 use headroom_model::cuda::{self, libs, CudaBackend, CudaError};
 
 fn require_gpu() -> bool {
@@ -44,7 +46,11 @@ fn the_device_kind_follows_the_probe() {
 #[test]
 fn opening_a_missing_gpu_is_an_error_not_a_panic() {
     if let Ok(Some(_)) = CudaBackend::probe() {
-        eprintln!("skipped: a GPU is present");
+        // Past libtest's output capture: a skip is seen in a plain run.
+        let _ = writeln!(
+            std::io::stderr(),
+            "cuda_probe: opening_a_missing_gpu_is_an_error_not_a_panic skipped: a GPU is present"
+        );
         return;
     }
     let err = CudaBackend::new(0).unwrap_err();

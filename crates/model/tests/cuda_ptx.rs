@@ -6,16 +6,24 @@
 //! No GPU is needed, only libnvrtc: this is what makes a kernel that does
 //! not compile fail CI.
 //!
-//! Without NVRTC (a fresh machine with only Rust) these tests skip, with
-//! one line on stderr saying what was skipped and how to install NVRTC;
-//! `HEADROOM_REQUIRE_NVRTC=1` (set by `.ci/run`) turns that skip into a
-//! failure, so CI always compiles every kernel.
+//! Without NVRTC (a fresh machine with only Rust) these tests are built as
+//! ignored (crates/model/build.rs), and the binary ends with a line saying
+//! how many did not run and how to install NVRTC; one built to run that
+//! finds no NVRTC at run time skips, with one line past the output capture.
+//! `HEADROOM_REQUIRE_NVRTC=1` (set by `.ci/run`) makes either a failure, so
+//! CI always compiles every kernel.
 
 use std::io::Write as _;
 use std::sync::Once;
 
 use headroom_model::cuda::kernels::{self, KernelFile, KernelSig, Target};
 use headroom_model::cuda::{libs, MAX_BLOCK_THREADS};
+
+#[path = "../../../tests/src/nvrtc_gate.rs"]
+#[macro_use]
+mod nvrtc_gate;
+
+report_nvrtc_tests!("cuda_ptx", include_str!("cuda_ptx.rs"));
 
 const ARCHS: [u32; 2] = [80, 90];
 
@@ -37,7 +45,8 @@ fn nvrtc() -> Option<(i32, i32)> {
                 let _ = writeln!(
                     std::io::stderr(),
                     "cuda_ptx: SKIPPED, every test (kernel compilation with NVRTC): {e} \
-                     (HEADROOM_REQUIRE_NVRTC=1 makes this a failure)"
+                     (this binary was built expecting NVRTC; HEADROOM_REQUIRE_NVRTC=1 \
+                     makes this a failure)"
                 );
             });
             None
@@ -133,6 +142,10 @@ fn check_signatures(file: &KernelFile, ptx: &str, arch: u32) {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn every_kernel_compiles_to_ptx_for_sm80_and_sm90_with_matching_signatures() {
     let Some((major, minor)) = nvrtc() else {
         return;
@@ -163,6 +176,10 @@ fn every_kernel_compiles_to_ptx_for_sm80_and_sm90_with_matching_signatures() {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn every_kernel_compiles_to_cubin_for_sm80_and_sm90() {
     if nvrtc().is_none() {
         return;
@@ -219,6 +236,10 @@ fn ptxas_usage(log: &str) -> Vec<(String, u32, u32, u32)> {
 /// widest the backend launches (the emulator refuses a wider one in the
 /// tests), in the 64K registers of an SM.
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn no_kernel_spills_registers_and_each_fits_the_widest_block() {
     if nvrtc().is_none() {
         return;
@@ -266,6 +287,10 @@ fn ptxas_usage_reads_registers_spills_and_shared_memory() {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn nvrtc_targets_the_reference_gpus() {
     if nvrtc().is_none() {
         return;
@@ -292,6 +317,10 @@ fn nvrtc_targets_the_reference_gpus() {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_kernel_that_does_not_compile_is_an_error_with_the_log() {
     if nvrtc().is_none() {
         return;
@@ -311,6 +340,10 @@ fn a_kernel_that_does_not_compile_is_an_error_with_the_log() {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn compiled_kernels_are_cached_on_disk() {
     if nvrtc().is_none() {
         return;
@@ -362,6 +395,10 @@ fn f32_arithmetic(body: &str) -> [usize; 3] {
 /// `sgx += g * (x - mean)` in one of the two _v8 kernels and not in the other,
 /// and their sums differed in the last bits on an H100. Here, without a GPU.
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn twin_batch_norm_kernels_multiply_alike() {
     if nvrtc().is_none() {
         return;

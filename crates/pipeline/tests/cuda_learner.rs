@@ -5,13 +5,22 @@
 //! restored learner continues bit for bit.
 //!
 //! Without a GPU these run on the CPU emulator of CUDA (headroom-cuda-emu);
-//! with one (or HEADROOM_REQUIRE_GPU=1) on the device. Without NVRTC they
-//! skip with one line, unless HEADROOM_REQUIRE_NVRTC=1 (CI) makes that a
+//! with one (or HEADROOM_REQUIRE_GPU=1) on the device. Where the build
+//! found no NVRTC they are built as ignored (crates/model/build.rs), and
+//! the binary ends with a line saying how many did not run; one built to
+//! run that finds no NVRTC (or no emulator) at run time skips with one line
+//! past the output capture. HEADROOM_REQUIRE_NVRTC=1 (CI) makes either a
 //! failure.
 
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::io::Write as _;
+use std::sync::{Mutex, MutexGuard, Once, OnceLock};
 
 mod common;
+#[path = "../../../tests/src/nvrtc_gate.rs"]
+#[macro_use]
+mod nvrtc_gate;
+
+report_nvrtc_tests!("cuda_learner", include_str!("cuda_learner.rs"));
 
 use common::{bits, settings};
 use headroom_loader::Batch;
@@ -42,17 +51,25 @@ fn env_is_1(name: &str) -> bool {
 }
 
 /// A backend on the real GPU when there is one (or one is required), else
-/// on the emulator; None (with one line) only when NVRTC is missing and not
-/// required. Decided once per process, before cudarc loads a driver.
+/// on the emulator; None (with one line, once, past the output capture)
+/// only when NVRTC or the emulator is missing and not required. Decided
+/// once per process, before cudarc loads a driver.
 fn backend() -> Option<MutexGuard<'static, ()>> {
     static OPENED: OnceLock<Result<(), String>> = OnceLock::new();
     static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    static SKIP: Once = Once::new();
     let opened = OPENED.get_or_init(|| {
         let require_gpu = env_is_1("HEADROOM_REQUIRE_GPU");
         if !require_gpu
             && (env_is_1("HEADROOM_CUDA_EMULATE") || !headroom_cuda_emu::real_gpu_present())
         {
-            headroom_cuda_emu::install_with_widest_block(MAX_BLOCK_THREADS)?;
+            if let Err(e) = headroom_cuda_emu::install_with_widest_block(MAX_BLOCK_THREADS) {
+                assert!(
+                    !env_is_1("HEADROOM_REQUIRE_NVRTC"),
+                    "HEADROOM_REQUIRE_NVRTC=1 but the CUDA emulator is unavailable: {e}"
+                );
+                return Err(format!("the CPU emulator of CUDA is unavailable: {e}"));
+            }
         }
         match CudaBackend::new(0) {
             Ok(be) => {
@@ -70,7 +87,13 @@ fn backend() -> Option<MutexGuard<'static, ()>> {
     match opened {
         Ok(()) => Some(ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())),
         Err(why) => {
-            eprintln!("cuda_learner: SKIPPED: {why}");
+            SKIP.call_once(|| {
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "cuda_learner: SKIPPED, every test: {why} (HEADROOM_REQUIRE_NVRTC=1 makes \
+                     this a failure)"
+                );
+            });
             None
         }
     }
@@ -118,6 +141,10 @@ fn relative_l2(a: &[f32], b: &[f32]) -> f64 {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn gpu_learner_starts_from_the_cpu_weights_and_trains_like_it() {
     let Some(_gpu) = backend() else { return };
     let (mut cpu, mut gpu) = (cpu_learner(7), gpu_learner(7));
@@ -194,6 +221,10 @@ fn f32_options() -> CudaOptions {
 /// scaling, and the CPU learner's steps up to f32 summation order, so the
 /// two agree far more closely than in mixed precision.
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn an_f32_gpu_learner_trains_as_the_cpu_learner_does() {
     let Some(_gpu) = backend() else { return };
     let options = f32_options();
@@ -223,6 +254,10 @@ fn an_f32_gpu_learner_trains_as_the_cpu_learner_does() {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_checkpoint_moves_between_gpu_and_cpu() {
     let Some(_gpu) = backend() else { return };
     let mut gpu = gpu_learner(3);
@@ -264,6 +299,10 @@ fn a_checkpoint_moves_between_gpu_and_cpu() {
 /// `a_streamed_state_holds_what_the_network_holds`, and that the snapshot
 /// holds the CPU learner's, the tests above.
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_state_written_with_no_copy_is_the_snapshot_s_file() {
     let Some(_gpu) = backend() else { return };
     for options in [CudaOptions::default(), f32_options()] {
@@ -282,6 +321,10 @@ fn a_state_written_with_no_copy_is_the_snapshot_s_file() {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn an_overflowing_step_is_skipped_and_leaves_everything_as_it_was() {
     let Some(_gpu) = backend() else { return };
     let mut gpu = gpu_learner(5);
@@ -305,6 +348,10 @@ fn an_overflowing_step_is_skipped_and_leaves_everything_as_it_was() {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_restored_gpu_learner_continues_bit_for_bit() {
     let Some(_gpu) = backend() else { return };
     let mut first = gpu_learner(11);
@@ -327,6 +374,10 @@ fn a_restored_gpu_learner_continues_bit_for_bit() {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn micro_batches_accumulate_as_on_the_cpu() {
     let Some(_gpu) = backend() else { return };
     let (mut cpu, mut gpu) = (cpu_learner(13), gpu_learner(13));
@@ -352,6 +403,10 @@ fn micro_batches_accumulate_as_on_the_cpu() {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn recomputation_trains_bit_for_bit_the_same_with_a_lower_peak() {
     let Some(_gpu) = backend() else { return };
     let mut runs = Vec::new();
@@ -436,6 +491,10 @@ fn train_with(recompute: bool, conv: ConvPlan) -> (u64, Vec<u32>, Vec<f32>, Vec<
 /// im2col workspace of one image's rows trains to within a hair of one
 /// holding the whole batch.
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn recomputed_outputs_train_to_the_same_bits_and_any_workspace_alike() {
     let Some(_gpu) = backend() else { return };
     let (kept_peak, kept, start, kept_params) = train_with(false, im2col(64 << 20));
@@ -459,6 +518,10 @@ fn recomputed_outputs_train_to_the_same_bits_and_any_workspace_alike() {
 /// it trains close to im2col, not to its bits; it needs no im2col matrix, so
 /// its step peaks lower.
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn implicit_gemm_trains_close_to_im2col_with_a_lower_peak() {
     let Some(_gpu) = backend() else { return };
     let (peak, _, start, params) = train_with(true, im2col(64 << 20));
@@ -486,6 +549,10 @@ fn implicit_gemm_trains_close_to_im2col_with_a_lower_peak() {
 /// all-im2col and all-implicit runs, stay close to them, and are the same
 /// bits every run.
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn auto_mixes_the_convolution_algorithms_to_the_same_bits_every_run() {
     let Some(_gpu) = backend() else { return };
     let (_, im2col_bits, start, params) = train_with(true, im2col(64 << 20));
@@ -522,6 +589,10 @@ fn mixed_batch(i: usize) -> Batch {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn mixed_soft_targets_train_as_on_the_cpu() {
     let Some(_gpu) = backend() else { return };
     let (mut cpu, mut gpu) = (cpu_learner(19), gpu_learner(19));
@@ -577,6 +648,10 @@ fn graph_workout(graphs: bool) -> (Vec<u32>, Vec<u32>, u64) {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn captured_steps_train_to_the_bits_of_launched_ones() {
     let Some(_gpu) = backend() else { return };
     let (eager_state, eager_results, eager_replays) = graph_workout(false);
@@ -673,6 +748,10 @@ fn assert_captured_like_launched(model: &str, full: usize, batch: impl Fn(usize,
 /// reads its ids from the graph's input buffer and a label per token, and
 /// trains to the bits of launched steps.
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn captured_token_steps_train_to_the_bits_of_launched_ones() {
     let Some(_gpu) = backend() else { return };
     for model in [TOKEN_MODEL, LSTM_MODEL] {
@@ -700,6 +779,10 @@ layers = [
 /// target frames from the graph's one input buffer, and trains to the bits
 /// of launched steps.
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn captured_frame_steps_train_to_the_bits_of_launched_ones() {
     let Some(_gpu) = backend() else { return };
     // 4 frames of 8×8 stacked along the height: 3 inputs, each one's
@@ -742,6 +825,10 @@ fn result_bits(r: &StepResult) -> [u32; 3] {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn steps_queued_behind_a_running_step_train_to_the_bits_of_waited_ones() {
     let Some(_gpu) = backend() else { return };
     const STEPS: usize = 30;
@@ -809,6 +896,10 @@ fn steps_queued_behind_a_running_step_train_to_the_bits_of_waited_ones() {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_snapshot_waits_for_every_step_to_be_collected() {
     let Some(_gpu) = backend() else { return };
     let mut gpu = gpu_learner(37);
@@ -831,6 +922,10 @@ fn a_snapshot_waits_for_every_step_to_be_collected() {
 /// once per step (twice for the block's two equal convolutions), and the
 /// captured steps come back after.
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_profile_times_every_segment_of_the_steps_it_covers() {
     let Some(_gpu) = backend() else { return };
     let be = CudaBackend::new(0).unwrap();
@@ -915,6 +1010,10 @@ layers = [
 /// learner ends within 1e-3 of how far the CPU learner moved its weights,
 /// with the same counters.
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn dropout_masks_follow_the_cpu_learner_through_graphs_and_micro_batches() {
     let Some(_gpu) = backend() else { return };
     let spec: ModelSpec = toml::from_str(DROPOUT_MODEL).unwrap();
@@ -957,6 +1056,10 @@ fn dropout_masks_follow_the_cpu_learner_through_graphs_and_micro_batches() {
 /// back, as the CPU learner puts back every buffer, eagerly and in a
 /// captured graph alike: the counters count only the applied steps.
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn a_skipped_step_puts_the_dropout_counters_back() {
     let Some(_gpu) = backend() else { return };
     let spec: ModelSpec = toml::from_str(DROPOUT_MODEL).unwrap();
@@ -1004,6 +1107,10 @@ fn a_skipped_step_puts_the_dropout_counters_back() {
 /// replayed) and a Mixup-like batch of soft targets, to within 1e-3 of how
 /// far the CPU moved its weights.
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
 fn focal_loss_trains_as_on_the_cpu() {
     let Some(_gpu) = backend() else { return };
     let focal = StepSettings {

@@ -50,12 +50,7 @@ pub fn ensure_nvrtc() -> CudaResult<Option<PathBuf>> {
         .get_or_init(|| {
             // SAFETY: as in driver_present.
             let present = || unsafe { cudarc::nvrtc::sys::is_culib_present() };
-            locate(
-                present,
-                &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"],
-                &[],
-            )
-            .ok_or_else(|| NVRTC_INSTALL_HINT.to_string())
+            locate(present, NVRTC_FILE_NAMES, &[]).ok_or_else(|| NVRTC_INSTALL_HINT.to_string())
         })
         .clone()
         .map_err(|hint| CudaError::LibraryMissing {
@@ -115,57 +110,23 @@ fn locate(present: impl Fn() -> bool, names: &[&str], deps: &[&str]) -> Option<O
     None
 }
 
+// search_dirs_with, query_python_nvidia_dirs and the name lists: shared
+// with the build scripts that decide whether the NVRTC tests are built to
+// run (crates/model/build.rs), so that both look in the same places.
+include!("lib_search.rs");
+
 /// Directories searched for NVRTC and cuBLAS when the loader's default path
 /// lacks them, in order.
 pub fn search_dirs() -> Vec<PathBuf> {
-    let mut dirs = Vec::new();
-    if let Some(list) = std::env::var_os("HEADROOM_CUDA_LIB_DIR") {
-        dirs.extend(std::env::split_paths(&list));
-    }
-    for var in ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"] {
-        if let Some(root) = std::env::var_os(var) {
-            let root = PathBuf::from(root);
-            dirs.push(root.join("lib64"));
-            dirs.push(root.join("lib"));
-            dirs.push(root.join("targets/x86_64-linux/lib"));
-        }
-    }
-    dirs.push(PathBuf::from("/usr/local/cuda/lib64"));
-    for base in python_nvidia_dirs() {
-        // CUDA 13 wheels share nvidia/cu13/lib; CUDA 12 wheels have one
-        // directory per package.
-        for sub in ["cu13/lib", "cuda_nvrtc/lib", "cublas/lib", "cu12/lib"] {
-            dirs.push(base.join(sub));
-        }
-    }
-    dirs.retain(|d| d.is_dir());
-    dirs.dedup();
-    dirs
+    search_dirs_with(&python_nvidia_dirs())
 }
 
 /// The directories of the `nvidia` namespace package, as `python3` sees them
-/// (pip wheels of the CUDA libraries install there). Empty if there is no
-/// Python or no such package.
+/// (pip wheels of the CUDA libraries install there), asked once per
+/// process. Empty if there is no Python or no such package.
 fn python_nvidia_dirs() -> Vec<PathBuf> {
     static DIRS: OnceLock<Vec<PathBuf>> = OnceLock::new();
-    DIRS.get_or_init(|| {
-        let python = std::env::var_os("HEADROOM_PYTHON").unwrap_or_else(|| "python3".into());
-        let out = std::process::Command::new(python)
-            .args(["-c", "import nvidia\nfor p in nvidia.__path__: print(p)"])
-            .stdin(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .output();
-        match out {
-            Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout)
-                .lines()
-                .map(str::trim)
-                .filter(|l| !l.is_empty())
-                .map(PathBuf::from)
-                .collect(),
-            _ => Vec::new(),
-        }
-    })
-    .clone()
+    DIRS.get_or_init(query_python_nvidia_dirs).clone()
 }
 
 /// dlopen(path, RTLD_NOW | RTLD_GLOBAL), keeping the handle for the life of
