@@ -55,7 +55,6 @@ mod frames;
 mod sequence;
 use conv_narrow::{direct_forward, direct_kind, direct_wgrad, narrow_grad_input};
 use conv_tune::choose_path;
-pub(crate) use conv_tune::ConvTuning;
 pub use conv_tune::{ConvPath, ConvProduct, TunedConv};
 pub use frames::*;
 pub use sequence::*;

@@ -390,7 +390,7 @@ impl RunsKernel {
     fn for_this_cpu() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
-            use super::{cpu_kernels, CpuKernels};
+            use crate::layers::vector_math::{cpu_kernels, CpuKernels};
             if cpu_kernels() == CpuKernels::Auto && is_x86_feature_detected!("avx512f") {
                 return Self::Avx512;
             }
