@@ -142,7 +142,7 @@ fn winograd_tile(g: &Geom) -> Option<Tile> {
     }
 }
 
-/// The measured rule for `Auto` (README, "Measured": `conv_bench` on a
+/// The measured rule for `Auto` (docs/measurements/cpu-epyc-avx512.md: `conv_bench` on a
 /// 2-core AMD EPYC with AVX-512, `direct,winograd,winograd4` side by side,
 /// ms a layer at batch 128, forward / backward): F(4×4, 3×3) is the
 /// fastest of the three on the reference ResNet's stride-1 layers, 28×28×32

@@ -26,7 +26,7 @@
 //!
 //! `conv_lstm`'s head (17 -> 1, batch 160 frames, 2 threads), forward +
 //! backward: 46 ms through im2col, 18.4 ms with channel-planar forward
-//! and dX along the columns, 12.5 ms now (`conv_bench`, see the README).
+//! and dX along the columns, 12.5 ms now (`conv_bench`, see docs/measurements/cpu-epyc-avx512.md).
 //!
 //! Loops are compiled for the CPU's widest vectors (`vector_math::wide`)
 //! with plain multiplies and adds in a fixed order per output, lanes
