@@ -2,6 +2,7 @@
 //! compute stream and a copy stream, the cuBLAS handle, the kernel module
 //! cache and the device-memory accounting.
 
+use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -14,7 +15,6 @@ use cudarc::nvrtc::Ptx;
 
 use super::error::{alloc_error, Context};
 use super::kernels::{self, KernelSig, Target};
-use super::ops::ConvTuning;
 use super::profile::Profiler;
 use super::{libs, CudaError, CudaResult};
 use crate::profile::ProfileSegment;
@@ -223,8 +223,10 @@ pub struct CudaBackend {
     memory: Arc<DeviceMemory>,
     pool: Option<MemPool>,
     profiler: Profiler,
-    /// `device.conv_algorithm = "tune"`'s choices (ops/conv_tune.rs).
-    conv_tuning: ConvTuning,
+    /// State an op family keeps per device, one value per type (e.g. the
+    /// convolutions' tuning table, ops/conv_tune.rs): the backend holds it
+    /// without naming the families, so they depend on it and not back.
+    op_state: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -350,7 +352,7 @@ impl CudaBackend {
             memory: Arc::new(DeviceMemory::default()),
             pool,
             profiler: Profiler::default(),
-            conv_tuning: ConvTuning::default(),
+            op_state: Mutex::new(HashMap::new()),
         };
         backend.size_blas_workspace(None)?;
         Ok(backend)
@@ -360,8 +362,17 @@ impl CudaBackend {
         &self.info
     }
 
-    pub(crate) fn conv_tuning(&self) -> &ConvTuning {
-        &self.conv_tuning
+    /// This device's `T`, made with `T::default()` on first use (see
+    /// `op_state`).
+    pub(crate) fn op_state<T: Any + Default + Send + Sync>(&self) -> Arc<T> {
+        let mut states = self.op_state.lock().unwrap_or_else(|p| p.into_inner());
+        let state = states
+            .entry(TypeId::of::<T>())
+            .or_insert_with(|| Arc::new(T::default()));
+        match Arc::clone(state).downcast::<T>() {
+            Ok(state) => state,
+            Err(_) => unreachable!("op_state holds each value under its own type's id"),
+        }
     }
 
     /// Starts timing the compute stream's work between marks (see

@@ -55,7 +55,6 @@ mod frames;
 mod sequence;
 use conv_narrow::{direct_forward, direct_kind, direct_wgrad, narrow_grad_input};
 use conv_tune::choose_path;
-pub(crate) use conv_tune::ConvTuning;
 pub use conv_tune::{ConvPath, ConvProduct, TunedConv};
 pub use frames::*;
 pub use sequence::*;
@@ -1898,7 +1897,7 @@ impl ConvAlgorithm {
 }
 
 /// `ConvAlgorithm::Auto` takes the implicit kernel up to this many channels.
-/// On an H100 (README, "Measured on an NVIDIA H100") it took a 3×3
+/// On an H100 (docs/measurements/nvidia-h100.md) it took a 3×3
 /// stride-1 convolution's step from 1.10 to 0.52 ms at 32 channels (batch
 /// 512) and from 0.54 to 0.43 at 64, but from 0.30 to 0.49 at 128 (not
 /// profiled further: its 64-column tiles gather each input tile twice

@@ -13,9 +13,49 @@
 //! near zero (|x| < 1/2).
 
 use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicU8, Ordering};
 
-#[cfg(target_arch = "x86_64")]
-use super::conv::{cpu_kernels, CpuKernels};
+// The choice of micro-kernels lives here, beside `wide`, which dispatches on
+// it; the convolutions re-export it (`layers::conv`), so it keeps its public
+// paths without this module importing its user.
+/// Which micro-kernels the direct and Winograd paths may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuKernels {
+    /// The widest the CPU has: AVX-512 tiles where it exists, else AVX2+FMA.
+    Auto,
+    /// AVX2+FMA tiles even where AVX-512 exists (benchmarks compare them).
+    Avx2,
+}
+
+/// 0 = not yet read from the environment, 1 = Auto, 2 = Avx2.
+static KERNELS: AtomicU8 = AtomicU8::new(0);
+
+/// Chooses the micro-kernels for every convolution of this process from now
+/// on. Results do not change (the kernels agree bit for bit); speed does.
+pub fn set_cpu_kernels(kernels: CpuKernels) {
+    let code = match kernels {
+        CpuKernels::Auto => 1,
+        CpuKernels::Avx2 => 2,
+    };
+    KERNELS.store(code, Ordering::Relaxed);
+}
+
+/// The kernels in force: set by `set_cpu_kernels`, else by the environment
+/// variable HEADROOM_CPU_KERNELS (`auto` or `avx2`), else `Auto`.
+pub fn cpu_kernels() -> CpuKernels {
+    match KERNELS.load(Ordering::Relaxed) {
+        1 => CpuKernels::Auto,
+        2 => CpuKernels::Avx2,
+        _ => {
+            let from_env = match std::env::var("HEADROOM_CPU_KERNELS").as_deref() {
+                Ok("avx2") => CpuKernels::Avx2,
+                _ => CpuKernels::Auto,
+            };
+            set_cpu_kernels(from_env);
+            from_env
+        }
+    }
+}
 
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 /// ln 2 split in two (Cody-Waite): the high part has trailing zero bits, so

@@ -58,9 +58,9 @@ pub struct TunedConv {
     pub im2col_ms: f32,
 }
 
-/// The backend's table of tuned products.
+/// A backend's table of tuned products (its `op_state`).
 #[derive(Default)]
-pub(crate) struct ConvTuning {
+struct ConvTuning {
     table: Mutex<HashMap<(ConvShape, ConvProduct), TunedConv>>,
 }
 
@@ -74,7 +74,12 @@ impl CudaBackend {
     /// Every product tuned so far, in a fixed order (by shape, then
     /// product): what `device.conv_algorithm = "tune"` chose and why.
     pub fn tuned_convolutions(&self) -> Vec<TunedConv> {
-        let mut all: Vec<TunedConv> = self.conv_tuning().table().values().copied().collect();
+        let mut all: Vec<TunedConv> = self
+            .op_state::<ConvTuning>()
+            .table()
+            .values()
+            .copied()
+            .collect();
         all.sort_by_key(|t| (shape_key(&t.shape), t.product));
         all
     }
@@ -82,7 +87,8 @@ impl CudaBackend {
     /// Takes `tuned` as this backend's choices (a resumed run's, from its
     /// checkpoint), replacing any made for the same products.
     pub fn restore_tuned_convolutions(&self, tuned: &[TunedConv]) {
-        let mut table = self.conv_tuning().table();
+        let tuning = self.op_state::<ConvTuning>();
+        let mut table = tuning.table();
         for t in tuned {
             table.insert((t.shape, t.product), *t);
         }
@@ -132,7 +138,7 @@ fn tuned_path(
     product: ConvProduct,
     mut run: impl FnMut(ConvPath) -> CudaResult<()>,
 ) -> CudaResult<ConvPath> {
-    if let Some(t) = be.conv_tuning().table().get(&(*s, product)) {
+    if let Some(t) = be.op_state::<ConvTuning>().table().get(&(*s, product)) {
         return Ok(t.path);
     }
     let capture = be
@@ -156,7 +162,9 @@ fn tuned_path(
         implicit_ms,
         im2col_ms,
     };
-    be.conv_tuning().table().insert((*s, product), tuned);
+    be.op_state::<ConvTuning>()
+        .table()
+        .insert((*s, product), tuned);
     Ok(path)
 }
 

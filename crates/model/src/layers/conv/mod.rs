@@ -59,6 +59,7 @@ use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::matmul::{matmul, View};
+pub use super::vector_math::{cpu_kernels, set_cpu_kernels, CpuKernels};
 use rayon::prelude::*;
 
 use crate::init::InitRng;
@@ -125,45 +126,6 @@ pub fn conv_algorithm() -> ConvAlgorithm {
     from_env
 }
 
-/// Which micro-kernels the direct and Winograd paths may use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CpuKernels {
-    /// The widest the CPU has: AVX-512 tiles where it exists, else AVX2+FMA.
-    Auto,
-    /// AVX2+FMA tiles even where AVX-512 exists (benchmarks compare them).
-    Avx2,
-}
-
-/// 0 = not yet read from the environment, 1 = Auto, 2 = Avx2.
-static KERNELS: AtomicU8 = AtomicU8::new(0);
-
-/// Chooses the micro-kernels for every convolution of this process from now
-/// on. Results do not change (the kernels agree bit for bit); speed does.
-pub fn set_cpu_kernels(kernels: CpuKernels) {
-    let code = match kernels {
-        CpuKernels::Auto => 1,
-        CpuKernels::Avx2 => 2,
-    };
-    KERNELS.store(code, Ordering::Relaxed);
-}
-
-/// The kernels in force: set by `set_cpu_kernels`, else by the environment
-/// variable HEADROOM_CPU_KERNELS (`auto` or `avx2`), else `Auto`.
-pub fn cpu_kernels() -> CpuKernels {
-    match KERNELS.load(Ordering::Relaxed) {
-        1 => CpuKernels::Auto,
-        2 => CpuKernels::Avx2,
-        _ => {
-            let from_env = match std::env::var("HEADROOM_CPU_KERNELS").as_deref() {
-                Ok("avx2") => CpuKernels::Avx2,
-                _ => CpuKernels::Auto,
-            };
-            set_cpu_kernels(from_env);
-            from_env
-        }
-    }
-}
-
 /// Which Winograd algorithm, if any, computes this convolution's forward,
 /// input gradient and weight gradient: a fixed rule, not a timing at
 /// start, because the algorithms round differently and a choice by timing
@@ -180,7 +142,7 @@ fn winograd_tile(g: &Geom) -> Option<Tile> {
     }
 }
 
-/// The measured rule for `Auto` (README, "Measured": `conv_bench` on a
+/// The measured rule for `Auto` (docs/measurements/cpu-epyc-avx512.md: `conv_bench` on a
 /// 2-core AMD EPYC with AVX-512, `direct,winograd,winograd4` side by side,
 /// ms a layer at batch 128, forward / backward): F(4×4, 3×3) is the
 /// fastest of the three on the reference ResNet's stride-1 layers, 28×28×32

@@ -26,7 +26,7 @@
 //!
 //! `conv_lstm`'s head (17 -> 1, batch 160 frames, 2 threads), forward +
 //! backward: 46 ms through im2col, 18.4 ms with channel-planar forward
-//! and dX along the columns, 12.5 ms now (`conv_bench`, see the README).
+//! and dX along the columns, 12.5 ms now (`conv_bench`, see docs/measurements/cpu-epyc-avx512.md).
 //!
 //! Loops are compiled for the CPU's widest vectors (`vector_math::wide`)
 //! with plain multiplies and adds in a fixed order per output, lanes
@@ -390,7 +390,7 @@ impl RunsKernel {
     fn for_this_cpu() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
-            use super::{cpu_kernels, CpuKernels};
+            use crate::layers::vector_math::{cpu_kernels, CpuKernels};
             if cpu_kernels() == CpuKernels::Auto && is_x86_feature_detected!("avx512f") {
                 return Self::Avx512;
             }

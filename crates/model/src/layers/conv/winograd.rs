@@ -316,7 +316,8 @@ macro_rules! multiversioned {
                 unsafe fn avx2($($arg: $ty),*) {
                     body($($arg),*)
                 }
-                let wide_allowed = super::cpu_kernels() == super::CpuKernels::Auto;
+                let wide_allowed = crate::layers::vector_math::cpu_kernels()
+                    == crate::layers::vector_math::CpuKernels::Auto;
                 if wide_allowed && std::arch::is_x86_feature_detected!("avx512f") {
                     // SAFETY: the CPU has AVX-512F (checked just above).
                     return unsafe { avx512($($arg),*) };
