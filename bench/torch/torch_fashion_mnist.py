@@ -14,8 +14,8 @@ best for this model: AMP (f16 autocast, GradScaler), channels_last, the
 fused AdamW, torch.compile (unless --no-compile) and a DataLoader with
 pinned memory and persistent workers. Prints one JSON object on stdout.
 
-    python3 bench/torch_fashion_mnist.py --device cuda --data /usr/share/datasets/fashion-mnist
-    python3 bench/torch_fashion_mnist.py --device cpu --threads 2 --train-samples 2048 --epochs 1
+    python3 bench/torch/torch_fashion_mnist.py --device cuda --data /usr/share/datasets/fashion-mnist
+    python3 bench/torch/torch_fashion_mnist.py --device cpu --threads 2 --train-samples 2048 --epochs 1
 """
 import argparse
 import gzip

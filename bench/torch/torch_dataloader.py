@@ -13,7 +13,7 @@ transforms written with torch ops (pad with zeros, crop at a uniform offset
 in [0, 2 * padding], flip with probability 1/2: what torchvision does).
 `--rand-augment` adds torchvision's RandAugment(2, 9) (needs torchvision).
 
-    python3 crates/loader/bench/torch_dataloader.py [--dir DIR] [--workers 2]
+    python3 bench/torch/torch_dataloader.py [--dir DIR] [--workers 2]
         [--epochs 2] [--batch-size 256] [--rand-augment]
 """
 

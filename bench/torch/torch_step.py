@@ -14,12 +14,12 @@ bench --compare-torch` writes (`--config-json`) or as an experiment file
 
 On the CPU: f32, a fixed thread count, eager (`--compile-on-cpu` adds
 torch.compile, which was slower than eager on the 2-core EPYC; see the README).
-    python3 bench/torch_step.py --experiment experiments/fashion_mnist.toml --threads 2 --batch 128
+    python3 bench/torch/torch_step.py --experiment experiments/fashion_mnist.toml --threads 2 --batch 128
 On a GPU, PyTorch at its best: AMP (f16 autocast with a GradScaler),
 channels_last, the fused AdamW and torch.compile (unless --no-compile;
 `--compile-mode reduce-overhead` adds CUDA graphs); it reports peak device
 memory too.
-    python3 bench/torch_step.py --experiment experiments/fashion_mnist.toml --device cuda --batch 512
+    python3 bench/torch/torch_step.py --experiment experiments/fashion_mnist.toml --device cuda --batch 512
 """
 import argparse
 import json
