@@ -12,6 +12,19 @@ use headroom_pipeline::bench::{self, StoreBench};
 use headroom_pipeline::{data, ExperimentConfig};
 use serde::Deserialize;
 
+use crate::BenchLoaderOneCommand;
+
+/// The hidden `bench-loader-one` command's arguments.
+pub fn one_command(args: BenchLoaderOneCommand) -> Result<()> {
+    let BenchLoaderOneCommand {
+        config,
+        store,
+        mode,
+    } = args;
+    let experiment = ExperimentConfig::load(&config, &headroom_pipeline::Overrides::default())?;
+    one_here(&experiment, &store, &mode)
+}
+
 const WORKERS: usize = 2;
 const BATCH: usize = 256;
 const EPOCHS: u64 = 2;
@@ -131,7 +144,7 @@ fn one_in_subprocess(config_path: &Path, store: &Path, mode: &str) -> Result<Sto
 }
 
 fn torch_loader(source: &Path) -> Result<Option<TorchLoader>> {
-    let script = Path::new("crates/loader/bench/torch_dataloader.py");
+    let script = Path::new("bench/torch/torch_dataloader.py");
     let output = Command::new("python3")
         .arg(script)
         .arg("--dir")

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
-use crate::gpu_bundle::cargo_messages;
+use crate::cargo::cargo_messages;
 
 /// The test target of the control, which memcheck must fault
 /// (headroom-cuda-emu).

@@ -1,8 +1,8 @@
 //! `cargo xtask bench`: the training step at several batch sizes, each in its
 //! own process so that peak RSS belongs to that configuration alone; the
 //! loader on its own; and, with `--compare-torch`, the same step in PyTorch
-//! (bench/torch_step.py: the experiment's model built from its `[model]`
-//! table by bench/torch_models.py, same settings, batch and threads,
+//! (bench/torch/torch_step.py: the experiment's model built from its `[model]`
+//! table by bench/torch/torch_models.py, same settings, batch and threads,
 //! channels_last) run right after ours, with the ratio. A ratio is given
 //! only when both sides count the same parameters, trainable and all.
 
@@ -12,8 +12,89 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 use headroom_model::cuda::ops::{ConvPath, TunedConv};
 use headroom_pipeline::bench::{self, StepBench, StoreBench};
-use headroom_pipeline::ExperimentConfig;
+use headroom_pipeline::{ExperimentConfig, Overrides};
 use serde::{Deserialize, Serialize};
+
+use super::loader_bench;
+use crate::{BenchCommand, BenchStepCommand};
+
+/// `cargo xtask bench`: checks the switches, then times the loader
+/// (`--loader`) or the step at each batch size.
+pub fn command(args: BenchCommand) -> Result<()> {
+    let BenchCommand {
+        config,
+        overrides,
+        batch,
+        threads,
+        warmup,
+        steps,
+        json,
+        json_out,
+        profile,
+        compare_torch,
+        torch_compile_mode,
+        loader,
+        device,
+        avx2_only,
+    } = args;
+    if !matches!(device.as_str(), "cpu" | "cuda") {
+        bail!("--device: expected cpu or cuda, got {device:?}");
+    }
+    if torch_compile_mode != "default" && !(device == "cuda" && compare_torch) {
+        bail!("--torch-compile-mode sets PyTorch's mode beside headroom on the GPU: it needs --device cuda and --compare-torch");
+    }
+    let mut overrides = overrides;
+    overrides.push(format!("device.kind={device}"));
+    let experiment = ExperimentConfig::load(&config, &Overrides::parse(&overrides)?)?;
+    if loader {
+        return loader_bench::run(&config, &experiment, json, compare_torch);
+    }
+    let threads =
+        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let batch = match (batch.is_empty(), device.as_str()) {
+        (false, _) => batch,
+        (true, "cuda") => vec![128, 512],
+        (true, _) => vec![32, 128, 256],
+    };
+    let args = BenchArgs {
+        config_path: &config,
+        overrides: &overrides,
+        batches: &batch,
+        gpu: device == "cuda",
+        threads,
+        warmup,
+        steps,
+        json,
+        json_out: json_out.as_deref(),
+        profile,
+        compare_torch,
+        torch_compile_mode: &torch_compile_mode,
+        avx2_only,
+    };
+    run(&args, &experiment)
+}
+
+/// The hidden `bench-step` command's arguments, checked and run here.
+pub fn step_command(args: BenchStepCommand) -> Result<()> {
+    let BenchStepCommand {
+        config,
+        overrides,
+        batch,
+        threads,
+        warmup,
+        steps,
+        profile,
+    } = args;
+    let experiment = ExperimentConfig::load(&config, &Overrides::parse(&overrides)?)?;
+    let run = StepRun {
+        batch,
+        threads,
+        warmup,
+        steps,
+        profile,
+    };
+    step_here(&experiment, &run)
+}
 
 pub struct BenchArgs<'a> {
     pub config_path: &'a Path,
@@ -224,7 +305,7 @@ fn step_in_subprocess(args: &BenchArgs, batch: usize) -> Result<StepBench> {
 }
 
 /// The resolved experiment as JSON in a temporary file, for
-/// bench/torch_step.py; removed when dropped.
+/// bench/torch/torch_step.py; removed when dropped.
 struct TorchConfig {
     path: std::path::PathBuf,
 }
@@ -257,7 +338,7 @@ fn same_model(headroom: &StepBench, torch: &TorchStep) -> Result<()> {
     if ours != theirs {
         bail!(
             "--compare-torch: PyTorch's model has {} parameters ({} trainable), headroom's {} ({} trainable): \
-             bench/torch_models.py does not build this experiment's model; no ratio",
+             bench/torch/torch_models.py does not build this experiment's model; no ratio",
             theirs.0,
             theirs.1,
             ours.0,
@@ -268,7 +349,7 @@ fn same_model(headroom: &StepBench, torch: &TorchStep) -> Result<()> {
 }
 
 fn torch_step(args: &BenchArgs, config: &TorchConfig, batch: usize) -> Result<Option<TorchStep>> {
-    let script = Path::new("bench/torch_step.py");
+    let script = Path::new("bench/torch/torch_step.py");
     let probe = Command::new("python3")
         .args(["-c", "import torch"])
         .output();
