@@ -282,11 +282,16 @@ fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
     PathBuf::from(name)
 }
 
+/// Copies `from` into `to`, subdirectories included (the profiles live in
+/// experiments/profiles/).
 fn copy_dir(from: &Path, to: &Path) -> Result<()> {
     fs::create_dir_all(to).with_context(|| format!("creating {}", to.display()))?;
     for entry in fs::read_dir(from).with_context(|| format!("reading {}", from.display()))? {
         let entry = entry?;
-        if entry.file_type()?.is_file() {
+        let kind = entry.file_type()?;
+        if kind.is_dir() {
+            copy_dir(&entry.path(), &to.join(entry.file_name()))?;
+        } else if kind.is_file() {
             fs::copy(entry.path(), to.join(entry.file_name()))
                 .with_context(|| format!("copying {}", entry.path().display()))?;
         }
