@@ -295,3 +295,134 @@ fn gpu_check_without_a_gpu_says_so_instead_of_failing_every_test() {
         "{err}"
     );
 }
+
+/// The package of a crate directory, from its Cargo.toml's `name = "..."`.
+fn package_name(dir: &std::path::Path) -> String {
+    let manifest = std::fs::read_to_string(dir.join("Cargo.toml")).unwrap();
+    manifest
+        .lines()
+        .find_map(|line| line.strip_prefix("name = \""))
+        .and_then(|rest| rest.strip_suffix('"'))
+        .unwrap_or_else(|| panic!("no package name in {}", dir.display()))
+        .to_string()
+}
+
+/// gpu-check runs every CUDA test binary: the list it runs is the set of
+/// `cuda_*.rs` files under crates/*/tests and tests/tests, so a new CUDA
+/// test file cannot be left out of it.
+#[test]
+fn gpu_check_runs_every_cuda_test_file() {
+    let out = run(&["gpu-check", "--list"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut listed: Vec<(String, String)> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|line| {
+            let (package, test) = line.split_once(' ').expect("PACKAGE TEST");
+            (package.to_string(), test.to_string())
+        })
+        .collect();
+    let root = repo_root();
+    let mut crates: Vec<_> = std::fs::read_dir(root.join("crates"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .collect();
+    crates.push(root.join("tests"));
+    let mut found = Vec::new();
+    for dir in crates {
+        let Ok(entries) = std::fs::read_dir(dir.join("tests")) else {
+            continue;
+        };
+        for entry in entries {
+            let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+            if let Some(test) = name
+                .strip_suffix(".rs")
+                .filter(|stem| stem.starts_with("cuda_"))
+            {
+                found.push((package_name(&dir), test.to_string()));
+            }
+        }
+    }
+    listed.sort();
+    found.sort();
+    assert!(found.len() >= 7, "{found:?}");
+    assert_eq!(listed, found, "gpu-check's CUDA_TESTS against the files");
+}
+
+/// The line of doctor's report that starts with `key`.
+fn doctor_line(stdout: &str, key: &str) -> String {
+    stdout
+        .lines()
+        .find(|line| line.split_whitespace().next() == Some(key))
+        .unwrap_or_else(|| panic!("no {key} line in:\n{stdout}"))
+        .to_string()
+}
+
+/// doctor says where NVRTC is or how to install it, where the dataset is
+/// (searched as `train` searches) or how to install it, and, without a
+/// GPU, that every op runs on the CPU.
+#[test]
+fn doctor_reports_nvrtc_the_dataset_and_the_op_paths() {
+    let out = run(&["doctor"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let nvrtc = doctor_line(&stdout, "nvrtc");
+    assert!(
+        nvrtc.starts_with("nvrtc      found: ")
+            || nvrtc
+                == "nvrtc      not found: install it with `python3 -m pip install nvidia-cuda-nvrtc`",
+        "{nvrtc}"
+    );
+    let system = std::path::Path::new("/usr/share/datasets/fashion-mnist");
+    let installed = [
+        "train-images-idx3-ubyte.gz",
+        "train-labels-idx1-ubyte.gz",
+        "t10k-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz",
+    ]
+    .iter()
+    .all(|file| system.join(file).is_file());
+    let dataset = doctor_line(&stdout, "dataset");
+    if installed {
+        assert_eq!(
+            dataset,
+            "dataset    Fashion-MNIST in /usr/share/datasets/fashion-mnist"
+        );
+    } else {
+        assert!(
+            dataset.contains("not found")
+                && dataset.contains("apt-get install -y dataset-fashion-mnist"),
+            "{dataset}"
+        );
+    }
+    let no_gpu = !matches!(headroom_model::cuda::CudaBackend::probe(), Ok(Some(_)));
+    let ops = doctor_line(&stdout, "ops");
+    assert_eq!(
+        ops == "ops        no GPU: every op runs on the CPU",
+        no_gpu,
+        "{ops}"
+    );
+
+    // $FASHION_MNIST_DIR comes before the system directory, as in `train`.
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 8, 4);
+    let out = xtask(&["doctor"])
+        .env("FASHION_MNIST_DIR", data.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(
+        doctor_line(&stdout, "dataset"),
+        format!("dataset    Fashion-MNIST in {}", data.path().display())
+    );
+    let empty = tempfile::tempdir().unwrap();
+    let out = xtask(&["doctor"])
+        .env("FASHION_MNIST_DIR", empty.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let dataset = doctor_line(&stdout, "dataset");
+    assert!(
+        dataset.contains("not found") && dataset.contains("dataset-fashion-mnist"),
+        "{dataset}"
+    );
+}
