@@ -13,7 +13,7 @@ bench --compare-torch` writes (`--config-json`) or as an experiment file
 (`--experiment experiments/tiny_gpt.toml`).
 
 On the CPU: f32, a fixed thread count, eager (`--compile-on-cpu` adds
-torch.compile, which was slower than eager on the 2-core EPYC; see the README).
+torch.compile, which was slower than eager on the 2-core EPYC; see docs/measurements/cpu-epyc-avx2.md).
     python3 bench/torch/torch_step.py --experiment experiments/fashion_mnist.toml --threads 2 --batch 128
 On a GPU, PyTorch at its best: AMP (f16 autocast with a GradScaler),
 channels_last, the fused AdamW and torch.compile (unless --no-compile;
@@ -111,7 +111,7 @@ def main():
     parser.add_argument(
         "--compile-on-cpu",
         action="store_true",
-        help="CPU: torch.compile too (off by default: slower than eager there, see the README)",
+        help="CPU: torch.compile too (off by default: slower than eager there, see docs/measurements/cpu-epyc-avx2.md)",
     )
     args = parser.parse_args()
     if args.device == "cpu" and args.threads is None:
