@@ -21,6 +21,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
+
+use crate::cargo::cargo_messages;
 use flate2::{write::GzEncoder, Compression};
 
 /// The bundle without the dataset must stay under this: the device tool
@@ -195,25 +197,6 @@ fn xtask_binary() -> Result<PathBuf> {
         .filter(|m| m["target"]["name"] == "xtask")
         .find_map(|m| m["executable"].as_str().map(PathBuf::from))
         .context("cargo did not report the xtask binary it built")
-}
-
-/// Runs cargo with `args` (a build that prints JSON messages) and returns
-/// its messages; `what` names the build in errors.
-fn cargo_messages(args: &[&str], what: &str) -> Result<Vec<serde_json::Value>> {
-    let output = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args(args)
-        .output()
-        .with_context(|| format!("building {what} with cargo"))?;
-    if !output.status.success() {
-        bail!(
-            "building {what} failed:\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    Ok(String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str(line).ok())
-        .collect())
 }
 
 /// Builds the CUDA test binaries in release and returns their paths.

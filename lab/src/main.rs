@@ -9,6 +9,10 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
+// The lab builds with cargo as xtask does: one copy of that code, shared
+// by path (the lab depends on no part of xtask's crate).
+#[path = "../../xtask/src/cargo.rs"]
+mod cargo;
 mod gpu_bundle;
 
 #[derive(Parser)]

@@ -158,6 +158,41 @@ pub fn print_past_capture(lines: &[String]) {
     }
 }
 
+/// The workspace's line alone, for the last test binary cargo runs
+/// (`xtask/tests/trust.rs`: packages run in name order, xtask's last), so
+/// that the test binaries of a plain `cargo test --workspace` end with it.
+/// Only this package's build-time answer is known here: the three build
+/// scripts share one lookup, so they agree.
+pub fn report_workspace_at_exit(root: &Path) {
+    if BUILT_TO_RUN {
+        return;
+    }
+    print_past_capture(&[format!(
+        "headroom: {} tests of the workspace that need NVRTC were NOT RUN (reported as \
+         ignored, not passed): NVRTC was not found when they were built; install it with \
+         `{INSTALL}` (then `touch crates/model/build.rs`)",
+        marked_in_workspace(root)
+    )]);
+}
+
+/// Registers [`report_workspace_at_exit`] to run at the process's exit,
+/// after libtest's summary (Linux; elsewhere it does nothing):
+/// `report_nvrtc_workspace_at_exit!(ROOT)`, `ROOT` a `&str` path.
+#[macro_export]
+macro_rules! report_nvrtc_workspace_at_exit {
+    ($root:expr) => {
+        #[cfg(target_os = "linux")]
+        #[used]
+        #[link_section = ".fini_array"]
+        static NVRTC_WORKSPACE_REPORT_AT_EXIT: extern "C" fn() = {
+            extern "C" fn report() {
+                $crate::nvrtc_gate::report_workspace_at_exit(::std::path::Path::new($root));
+            }
+            report
+        };
+    };
+}
+
 /// The always-run test and the exit report of a CUDA test binary:
 /// `report_nvrtc_tests!("cuda_ptx", include_str!("cuda_ptx.rs"))`, with a
 /// third argument, the workspace root (a `&Path`), for the binary that

@@ -10,17 +10,7 @@ use headroom_model::cuda::{blas_workspace_bytes, CudaBackend};
 use headroom_pipeline::{checkpoint, train, ExperimentConfig, Overrides, Resume, TrainOptions};
 use headroom_tests::{cuda_path_available, smoke_config, write_synthetic_fashion_mnist};
 
-// The last binary of tests that need NVRTC that `cargo test --workspace`
-// runs (packages by name, then targets by name): it also reports the
-// workspace's count.
-headroom_tests::report_nvrtc_tests!(
-    "cuda_training",
-    include_str!("cuda_training.rs"),
-    Some(std::path::Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/.."
-    )))
-);
+headroom_tests::report_nvrtc_tests!("cuda_training", include_str!("cuda_training.rs"));
 
 #[test]
 #[cfg_attr(

@@ -13,6 +13,10 @@ use common::*;
 use headroom_pipeline::checkpoint;
 use headroom_tests::gzip_to;
 
+// The last test binary of `cargo test --workspace`: it ends with the count
+// of tests that did not run for want of NVRTC, if any.
+headroom_tests::report_nvrtc_workspace_at_exit!(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+
 fn args(list: &[String]) -> Vec<&str> {
     list.iter().map(String::as_str).collect()
 }
