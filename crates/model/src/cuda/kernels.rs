@@ -15,8 +15,8 @@ use std::path::PathBuf;
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
+use super::dtype::DType;
 use super::params::*;
-use super::tensor::DType;
 use super::{libs, CudaError, CudaResult};
 
 /// Text spliced into every kernel file in place of `#include "common.cuh"`.

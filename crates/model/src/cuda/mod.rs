@@ -36,6 +36,7 @@
 //! - `libs`: locating NVRTC/cuBLAS (pip wheels included) without panicking.
 
 mod backend;
+mod dtype;
 mod error;
 pub mod gemm;
 mod graph;

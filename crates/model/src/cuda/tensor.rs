@@ -18,21 +18,7 @@ use super::error::Context;
 use super::{CudaError, CudaResult};
 use crate::Tensor;
 
-/// Element type of a `CudaTensor`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DType {
-    F16,
-    F32,
-}
-
-impl DType {
-    pub fn size(self) -> usize {
-        match self {
-            DType::F16 => 2,
-            DType::F32 => 4,
-        }
-    }
-}
+pub use super::dtype::DType;
 
 #[derive(Debug)]
 pub enum CudaBuffer {
