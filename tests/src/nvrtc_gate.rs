@@ -175,7 +175,7 @@ pub fn report_workspace_at_exit(root: &Path) {
     )]);
 }
 
-/// Registers [`report_workspace_at_exit`] to run at the process's exit,
+/// Registers [`report_workspace_at_exit`](crate::nvrtc_gate::report_workspace_at_exit) to run at the process's exit,
 /// after libtest's summary (Linux; elsewhere it does nothing):
 /// `report_nvrtc_workspace_at_exit!(ROOT)`, `ROOT` a `&str` path.
 #[macro_export]
