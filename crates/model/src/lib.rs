@@ -6,6 +6,7 @@
 //! a training forward and frees it in backward, so memory is explicit.
 
 pub mod cuda;
+pub mod custom;
 mod device;
 mod error;
 pub mod gradcheck;
@@ -17,6 +18,7 @@ mod network;
 pub mod profile;
 mod tensor;
 
+pub use custom::{CustomLayerArgs, LayerFactory, LayerRegistry};
 pub use device::Device;
 pub use error::{ModelError, Result};
 pub use layers::vector_math::{lane_sum, wide};

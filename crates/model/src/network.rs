@@ -11,6 +11,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::custom::{CustomLayerArgs, LayerRegistry};
 use crate::init::InitRng;
 use crate::layers::{
     backward_params_only_through, BatchNorm2d, CausalSelfAttention, Checkpointed, Conv2d, ConvLstm,
@@ -238,6 +239,13 @@ pub enum LayerSpec {
         #[serde(default = "default_kernel")]
         kernel: usize,
     },
+    /// A layer of your own, made by the factory registered as `name` (see
+    /// `custom::LayerRegistry`); CPU only.
+    Custom {
+        name: String,
+        #[serde(default)]
+        options: std::collections::BTreeMap<String, f64>,
+    },
 }
 
 fn default_mlp_ratio() -> usize {
@@ -259,6 +267,16 @@ impl Network {
 
     /// `build` with the fusion `options` asks for.
     pub fn build_with(spec: &ModelSpec, seed: u64, options: BuildOptions) -> Result<Self> {
+        Self::build_with_layers(spec, seed, options, &LayerRegistry::default())
+    }
+
+    /// `build_with`, the `custom` entries of the spec made by `layers`.
+    pub fn build_with_layers(
+        spec: &ModelSpec,
+        seed: u64,
+        options: BuildOptions,
+        layers: &LayerRegistry,
+    ) -> Result<Self> {
         match &spec.tokens {
             None => check_pixel_input(spec)?,
             Some(tokens) => check_token_input(spec, tokens)?,
@@ -269,6 +287,7 @@ impl Network {
             vocab: spec.tokens.map(|t| t.vocab),
             checkpoint: spec.checkpoint,
             fuse: options.fuse,
+            custom: layers,
         };
         let mut shape = input_shape(spec);
         let groups = build_groups(&spec.layers, "model.layers", &mut shape, &mut ctx)?;
@@ -657,8 +676,10 @@ impl Default for BuildOptions {
 }
 
 /// What building a layer may need besides its spec and input shape.
-struct BuildContext {
+struct BuildContext<'a> {
     rng: InitRng,
+    /// The factories of `custom` entries.
+    custom: &'a LayerRegistry,
     /// `model.tokens.vocab`, for embeddings.
     vocab: Option<usize>,
     /// `model.checkpoint`, for the layers that recompute within themselves.
@@ -686,7 +707,7 @@ fn build_groups(
     specs: &[LayerSpec],
     path: &str,
     shape: &mut Vec<usize>,
-    ctx: &mut BuildContext,
+    ctx: &mut BuildContext<'_>,
 ) -> Result<Vec<Group<Box<dyn Layer>>>> {
     let mut groups = Vec::new();
     let mut fused_relu = false;
@@ -725,7 +746,7 @@ fn build_layers(
     specs: &[LayerSpec],
     path: &str,
     shape: &mut Vec<usize>,
-    ctx: &mut BuildContext,
+    ctx: &mut BuildContext<'_>,
 ) -> Result<Vec<Box<dyn Layer>>> {
     let groups = build_groups(specs, path, shape, ctx)?;
     Ok(arrange(groups, CheckpointPolicy::None, checkpointed))
@@ -801,7 +822,7 @@ fn lora_linear(
     out_features: usize,
     bias: bool,
     lora: &LoraConfig,
-    ctx: &mut BuildContext,
+    ctx: &mut BuildContext<'_>,
 ) -> Result<Box<dyn Layer>> {
     lora.validate(key_path, in_features, out_features)?;
     let base = Linear::new(name, in_features, out_features, bias, &mut ctx.rng);
@@ -817,7 +838,7 @@ fn build_attention(
     heads: usize,
     lean: bool,
     lora: Option<&LoraConfig>,
-    ctx: &mut BuildContext,
+    ctx: &mut BuildContext<'_>,
 ) -> Result<Box<dyn Layer>> {
     let [_, width] = *shape else {
         return Err(spec_error(
@@ -851,7 +872,7 @@ fn build_transformer_block(
     dropout: f32,
     lean: bool,
     lora: Option<&LoraConfig>,
-    ctx: &mut BuildContext,
+    ctx: &mut BuildContext<'_>,
 ) -> Result<Vec<Box<dyn Layer>>> {
     let [_, width] = *shape else {
         return Err(spec_error(
@@ -947,7 +968,7 @@ fn build_one(
     spec: &LayerSpec,
     path: &str,
     shape: &[usize],
-    ctx: &mut BuildContext,
+    ctx: &mut BuildContext<'_>,
 ) -> Result<Vec<Box<dyn Layer>>> {
     if let ([_, frame @ ..], true) = (shape, shape.len() == 4 && is_per_frame(spec)) {
         let inner = build_one(spec, path, frame, ctx)?;
@@ -984,6 +1005,25 @@ fn build_one(
             vec![Box::new(batch_norm(path, shape, *momentum, *eps)?)]
         }
         LayerSpec::Relu => vec![Box::new(Relu::new())],
+        LayerSpec::Custom { name, options } => {
+            let Some(factory) = ctx.custom.get(name) else {
+                return Err(spec_error(
+                    path,
+                    format!(
+                        "no custom layer \"{name}\" is registered (registered: {:?}); \
+                         register it in the LayerRegistry the network is built with",
+                        ctx.custom.names()
+                    ),
+                ));
+            };
+            let mut args = CustomLayerArgs {
+                path,
+                input_shape: shape,
+                options,
+                rng: &mut ctx.rng,
+            };
+            vec![factory(&mut args)?]
+        }
         LayerSpec::GlobalAvgPool => {
             image_channels(path, shape)?;
             vec![Box::new(GlobalAvgPool::new())]

@@ -25,11 +25,13 @@ pub mod rundir;
 mod sink;
 pub mod text;
 pub mod train;
+pub mod trainer;
 
 pub use config::{ExperimentConfig, Overrides};
 pub use error::{PipelineError, Result};
 pub use resume::Resume;
-pub use train::{train, RunSummary, TrainOptions};
+pub use train::{train, TrainOptions};
+pub use trainer::{RunSummary, Trainer};
 
 /// Total memory of the machine in bytes (MemTotal), when the OS says.
 pub fn system_memory_bytes() -> Option<u64> {

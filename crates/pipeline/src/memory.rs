@@ -56,47 +56,111 @@ fn figures(stats: &PoolStats, limit: Option<u64>) -> String {
     )
 }
 
-/// `device.memory_limit`, or a budget derived from what the process may
-/// really use (cgroup `memory.max`, RLIMIT_AS / RLIMIT_DATA, available
-/// memory), so that the policy, not the OS, meets the limit first.
-fn budget(config: &ExperimentConfig) -> Result<Option<u64>> {
-    if let Some(limit) = config.memory_limit()? {
-        return Ok(Some(limit));
+/// The memory policy's own settings (`[memory]`, `device.memory_limit`,
+/// `device.inject_oom`), typed: what a `Trainer` built in code sets.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemorySettings {
+    /// The tensor budget in bytes; None: derived from what the process may
+    /// really use (see [`MemorySettings::budget`]).
+    pub limit: Option<u64>,
+    pub oom_policy: OomPolicy,
+    /// The micro-batch the policy halves down to, no further.
+    pub min_micro_batch: usize,
+    /// Release the pool's cached blocks every N steps (0 = never) ...
+    pub empty_cache_every: u64,
+    /// ... and after every checkpoint.
+    pub empty_cache_after_checkpoint: bool,
+    /// Failures to inject, for tests of the policy.
+    pub inject_oom: InjectOom,
+    /// Whether the budget is for a GPU run's host side (the GPU learner
+    /// states its own budget): then the derived budget is not announced.
+    pub trains_on_gpu: bool,
+}
+
+/// What an out-of-memory error leads to (`memory.oom_policy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OomPolicy {
+    /// Free the cache and retry, then halve the micro-batch (doubling
+    /// accumulation) down to `min_micro_batch`, then checkpoint and stop.
+    Adapt,
+    /// Checkpoint and stop at the first out-of-memory.
+    Stop,
+}
+
+impl Default for MemorySettings {
+    fn default() -> Self {
+        Self {
+            limit: None,
+            oom_policy: OomPolicy::Adapt,
+            min_micro_batch: 1,
+            empty_cache_every: 0,
+            empty_cache_after_checkpoint: false,
+            inject_oom: InjectOom::default(),
+            trains_on_gpu: false,
+        }
     }
-    let Some((budget, ceiling)) = crate::limits::default_budget() else {
-        tracing::warn!("no memory ceiling found (no cgroup limit, rlimit or /proc/meminfo): tensor memory is unbounded");
-        return Ok(None);
-    };
-    // A GPU run's tensors live on the GPU, whose learner states its own
-    // budget; this host one would only mislead there.
-    if !crate::config::trains_on_gpu(config) {
-        tracing::info!(
-            "tensor budget {} (device.memory_limit unset): half of the {} left under {}",
-            bytes_text(budget),
-            bytes_text(ceiling.room),
-            ceiling.source
-        );
+}
+
+impl MemorySettings {
+    /// The settings of `config` (which it validated).
+    pub fn from_config(config: &ExperimentConfig) -> Result<Self> {
+        Ok(Self {
+            limit: config.memory_limit()?,
+            oom_policy: match config.memory.oom_policy.as_str() {
+                "stop" => OomPolicy::Stop,
+                _ => OomPolicy::Adapt,
+            },
+            min_micro_batch: config.memory.min_micro_batch,
+            empty_cache_every: config.memory.empty_cache_every,
+            empty_cache_after_checkpoint: config.memory.empty_cache_after_checkpoint,
+            inject_oom: config.device.inject_oom.clone(),
+            trains_on_gpu: config.memory_limit()?.is_none() && crate::config::trains_on_gpu(config),
+        })
     }
-    Ok(Some(budget))
+
+    /// `limit`, or a budget derived from what the process may really use
+    /// (cgroup `memory.max`, RLIMIT_AS / RLIMIT_DATA, available memory), so
+    /// that the policy, not the OS, meets the limit first.
+    pub fn budget(&self) -> Option<u64> {
+        if let Some(limit) = self.limit {
+            return Some(limit);
+        }
+        let Some((budget, ceiling)) = crate::limits::default_budget() else {
+            tracing::warn!("no memory ceiling found (no cgroup limit, rlimit or /proc/meminfo): tensor memory is unbounded");
+            return None;
+        };
+        // A GPU run's tensors live on the GPU, whose learner states its own
+        // budget; this host one would only mislead there.
+        if !self.trains_on_gpu {
+            tracing::info!(
+                "tensor budget {} (device.memory_limit unset): half of the {} left under {}",
+                bytes_text(budget),
+                bytes_text(ceiling.room),
+                ceiling.source
+            );
+        }
+        Some(budget)
+    }
 }
 
 impl MemoryGuard {
-    pub fn new(config: &ExperimentConfig) -> Result<Self> {
+    /// The policy of `settings`, its stop checkpoints going to `dir`.
+    pub fn new(settings: &MemorySettings, dir: &std::path::Path) -> Self {
         let pool = MemoryPool::new(Device::Cpu);
-        pool.set_limit(budget(config)?);
-        Ok(Self {
+        pool.set_limit(settings.budget());
+        Self {
             pool,
-            adapt: config.memory.oom_policy == "adapt",
-            min_micro_batch: config.memory.min_micro_batch,
-            inject: config.device.inject_oom.clone(),
-            snapshot_refusals: config.device.inject_oom.snapshots,
-            empty_every: config.memory.empty_cache_every,
-            empty_after_checkpoint: config.memory.empty_cache_after_checkpoint,
+            adapt: settings.oom_policy == OomPolicy::Adapt,
+            min_micro_batch: settings.min_micro_batch,
+            inject: settings.inject_oom.clone(),
+            snapshot_refusals: settings.inject_oom.snapshots,
+            empty_every: settings.empty_cache_every,
+            empty_after_checkpoint: settings.empty_cache_after_checkpoint,
             cleanups: 0,
             cleanup_seconds: 0.0,
             oom_events: 0,
-            dir: config.output_dir().to_path_buf(),
-        })
+            dir: dir.to_path_buf(),
+        }
     }
 
     pub fn pool(&self) -> Arc<MemoryPool> {

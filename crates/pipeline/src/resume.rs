@@ -25,25 +25,128 @@ pub enum Resume {
 
 /// Finds the checkpoint to resume from, checked against `config`, and cuts
 /// the run's metrics back to it, so that no step is recorded twice.
-pub fn choose(config: &ExperimentConfig, resume: &Resume) -> Result<Option<(PathBuf, Checkpoint)>> {
-    let chosen = find(config, resume)?;
+/// What a checkpoint records of the experiment that wrote it, and what a
+/// resume checks against it: an `ExperimentConfig` for `cargo xtask train`,
+/// a [`SettingsRecord`] for a `Trainer` built in code, or a fork's own.
+pub trait RunRecord: Send + Sync {
+    /// A hash of the settings that shape the result.
+    fn fingerprint(&self) -> u32;
+    /// The experiment as JSON, kept in every checkpoint.
+    fn to_json(&self) -> String;
+    /// The model's description, kept in every checkpoint.
+    fn model_json(&self) -> String;
+    /// Whether this experiment may go on from `saved` (found at `path`);
+    /// the error names what differs and what to do.
+    fn check_resume(&self, path: &Path, saved: &Checkpoint) -> Result<()>;
+}
+
+impl RunRecord for ExperimentConfig {
+    fn fingerprint(&self) -> u32 {
+        ExperimentConfig::fingerprint(self)
+    }
+
+    fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    fn model_json(&self) -> String {
+        Checkpoint::model_json(&self.model)
+    }
+
+    fn check_resume(&self, path: &Path, saved: &Checkpoint) -> Result<()> {
+        check_compatible(self, path, saved)
+    }
+}
+
+/// The record of a run built in code: its settings as flat `key = value`
+/// pairs (those that shape the result) and its model's description. A
+/// resume with any pair or the model changed is refused, naming them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SettingsRecord {
+    pub settings: std::collections::BTreeMap<String, String>,
+    pub model: String,
+}
+
+impl RunRecord for SettingsRecord {
+    fn fingerprint(&self) -> u32 {
+        let mut hasher = crc32fast::Hasher::new();
+        for (key, value) in &self.settings {
+            hasher.update(key.as_bytes());
+            hasher.update(b"=");
+            hasher.update(value.as_bytes());
+            hasher.update(b"\n");
+        }
+        hasher.update(self.model.as_bytes());
+        hasher.finalize()
+    }
+
+    fn to_json(&self) -> String {
+        serde_json::json!({ "settings": self.settings }).to_string()
+    }
+
+    fn model_json(&self) -> String {
+        self.model.clone()
+    }
+
+    fn check_resume(&self, path: &Path, saved: &Checkpoint) -> Result<()> {
+        let refuse = |reason: String| PipelineError::Checkpoint {
+            path: path.to_path_buf(),
+            reason,
+        };
+        if saved.meta.model_json != self.model {
+            return Err(refuse(format!(
+                "it was written for a different model ({} in the checkpoint, {} now); \
+                 resume with the model that wrote it, or use another run directory",
+                saved.meta.model_json, self.model
+            )));
+        }
+        let old: Keys = serde_json::from_str::<serde_json::Value>(&saved.meta.config_json)
+            .ok()
+            .and_then(|v| serde_json::from_value(v["settings"].clone()).ok())
+            .ok_or_else(|| {
+                refuse("it was not written by a run built in code (no settings record)".into())
+            })?;
+        let changed = differences(&old, &self.settings);
+        if !changed.is_empty() {
+            return Err(refuse(format!(
+                "the run differs in settings that change the result: {}. \
+                 Resume with the values that wrote it, or start a new run in another directory",
+                changed.join("; ")
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The checkpoint `resume` asks for in `dir`, checked against `record`;
+/// the metrics after it are cut (a resumed run writes them again).
+pub fn choose(
+    dir: &Path,
+    record: &dyn RunRecord,
+    resume: &Resume,
+) -> Result<Option<(PathBuf, Checkpoint)>> {
+    let chosen = find(dir, record, resume)?;
     let position = chosen.as_ref().map(|(_, saved)| MetricsPosition {
         epoch: saved.meta.epoch,
         batches_done: saved.meta.batches_done,
     });
-    sink::truncate_metrics(config.output_dir(), position)?;
+    sink::truncate_metrics(dir, position)?;
     Ok(chosen)
 }
 
-fn find(config: &ExperimentConfig, resume: &Resume) -> Result<Option<(PathBuf, Checkpoint)>> {
+fn find(
+    dir: &Path,
+    record: &dyn RunRecord,
+    resume: &Resume,
+) -> Result<Option<(PathBuf, Checkpoint)>> {
     let found = match resume {
         Resume::No => {
-            refuse_to_overwrite(config)?;
+            refuse_to_overwrite(dir)?;
             return Ok(None);
         }
         Resume::From(path) => (path.clone(), checkpoint::load(path)?),
         Resume::Latest => {
-            let (found, skipped) = checkpoint::newest_valid(config.output_dir())?;
+            let (found, skipped) = checkpoint::newest_valid(dir)?;
             for reason in &skipped {
                 tracing::warn!("skipping {reason}");
             }
@@ -52,19 +155,19 @@ fn find(config: &ExperimentConfig, resume: &Resume) -> Result<Option<(PathBuf, C
                 None => {
                     tracing::warn!(
                         "--resume: no valid checkpoint in {}; starting from the beginning",
-                        config.output_dir().display()
+                        dir.display()
                     );
                     return Ok(None);
                 }
             }
         }
     };
-    check_compatible(config, &found.0, &found.1)?;
+    record.check_resume(&found.0, &found.1)?;
     Ok(Some(found))
 }
 
-fn refuse_to_overwrite(config: &ExperimentConfig) -> Result<()> {
-    if checkpoint::list(config.output_dir())?.is_empty() {
+fn refuse_to_overwrite(dir: &Path) -> Result<()> {
+    if checkpoint::list(dir)?.is_empty() {
         return Ok(());
     }
     Err(PipelineError::value(
@@ -72,9 +175,9 @@ fn refuse_to_overwrite(config: &ExperimentConfig) -> Result<()> {
         format!(
             "{} already holds checkpoints of an earlier run. Continue it with `cargo xtask train --resume {}`, \
              or start afresh in another directory (--set run.output_dir=runs/NEW) or after `rm -r {}`",
-            config.output_dir().display(),
-            config.output_dir().display(),
-            config.output_dir().display()
+            dir.display(),
+            dir.display(),
+            dir.display()
         ),
     ))
 }

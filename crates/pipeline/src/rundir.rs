@@ -34,10 +34,46 @@ pub struct RunDir {
     created: bool,
 }
 
+/// Where a run's directory is: `output_dir` when set, else a new
+/// `<name>-<UTC time>` inside `runs_dir` (or, on resume, the newest there
+/// that holds checkpoints).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunPlace {
+    pub runs_dir: PathBuf,
+    pub name: String,
+    pub output_dir: Option<PathBuf>,
+}
+
+impl RunPlace {
+    /// Exactly `dir`.
+    pub fn dir(dir: impl Into<PathBuf>) -> Self {
+        let dir = dir.into();
+        Self {
+            runs_dir: dir.clone(),
+            name: String::new(),
+            output_dir: Some(dir),
+        }
+    }
+
+    /// `run.runs_dir`, `run.name` and `run.output_dir` of `config`.
+    pub fn of(config: &ExperimentConfig) -> Self {
+        Self {
+            runs_dir: config.run.runs_dir.clone(),
+            name: config.run.name.clone(),
+            output_dir: config.run.output_dir.clone(),
+        }
+    }
+}
+
 impl RunDir {
-    /// Finds or makes the directory this run writes to, and locks it.
+    /// Finds or makes the directory `config` names, and locks it.
     pub fn claim(config: &ExperimentConfig, resume: &Resume) -> Result<Self> {
-        let (path, created) = locate(config, resume)?;
+        Self::claim_at(&RunPlace::of(config), resume)
+    }
+
+    /// Finds or makes the directory this run writes to, and locks it.
+    pub fn claim_at(place: &RunPlace, resume: &Resume) -> Result<Self> {
+        let (path, created) = locate(place, resume)?;
         match DirLock::acquire(&path) {
             Ok(lock) => Ok(Self {
                 path,
@@ -76,8 +112,8 @@ impl Drop for RunDir {
 }
 
 /// The directory, and whether this call made it.
-fn locate(config: &ExperimentConfig, resume: &Resume) -> Result<(PathBuf, bool)> {
-    if let Some(dir) = &config.run.output_dir {
+fn locate(place: &RunPlace, resume: &Resume) -> Result<(PathBuf, bool)> {
+    if let Some(dir) = &place.output_dir {
         return make_or_open(dir).map(|created| (dir.clone(), created));
     }
     match resume {
@@ -86,15 +122,15 @@ fn locate(config: &ExperimentConfig, resume: &Resume) -> Result<(PathBuf, bool)>
             return Ok((dir, false));
         }
         Resume::Latest => {
-            if let Some(dir) = newest_with_checkpoints(&config.run.runs_dir, &config.run.name)? {
+            if let Some(dir) = newest_with_checkpoints(&place.runs_dir, &place.name)? {
                 return Ok((dir, false));
             }
         }
         Resume::No => {}
     }
-    let runs = &config.run.runs_dir;
+    let runs = &place.runs_dir;
     std::fs::create_dir_all(runs).map_err(|e| not_writable("run.runs_dir", runs, e))?;
-    let base = format!("{}-{}", config.run.name, utc_timestamp(SystemTime::now()));
+    let base = format!("{}-{}", place.name, utc_timestamp(SystemTime::now()));
     let mut n = 1;
     loop {
         let name = if n == 1 {

@@ -2,6 +2,10 @@
 //! bounded channel to this thread, which prints progress, appends metrics as
 //! JSON lines and writes checkpoints, so the training thread never waits for
 //! the terminal or the disk.
+//!
+//! A user's own stages ([`Sink`]: a CSV logger, a dashboard client) run on
+//! the same thread after the built-in ones, in the order given, and see the
+//! same events.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
@@ -53,6 +57,87 @@ pub struct EpochSummary {
 }
 
 /// " acc 91.23%", or nothing when there is no accuracy (frame models).
+/// A stage of your own on the sink thread, beside the metrics file, the
+/// progress bar and the checkpoint writer: it sees every step and epoch the
+/// run reports. It runs off the training thread (a slow sink makes training
+/// wait only when the channel's 256 events are full).
+///
+/// Resume: a resumed run reports again every step after its checkpoint, so
+/// [`Sink::start`] says where it goes on from and the sink drops what it
+/// recorded from there on; [`Sink::sync`] is called before each checkpoint
+/// is written, so that what the sink holds durably is never behind a
+/// checkpoint. A sink that does both leaves the same record after a kill
+/// and a resume as after an uninterrupted run.
+///
+/// An error ends the run (it is checkpointed first, as for a full disk),
+/// with the sink's name and its message.
+pub trait Sink: Send {
+    /// A short name for error messages ("csv logger").
+    fn name(&self) -> String;
+
+    /// Before any event: the run directory, the epochs, and where a
+    /// resumed run goes on from (None: from the beginning).
+    fn start(&mut self, run: &RunStart) -> SinkResult {
+        let _ = run;
+        Ok(())
+    }
+
+    fn step(&mut self, report: &StepReport) -> SinkResult {
+        let _ = report;
+        Ok(())
+    }
+
+    fn epoch(&mut self, summary: &EpochSummary) -> SinkResult {
+        let _ = summary;
+        Ok(())
+    }
+
+    /// Everything reported so far must be durable: a checkpoint is about to
+    /// be written, and a resume from it never reports those steps again.
+    fn sync(&mut self) -> SinkResult {
+        Ok(())
+    }
+
+    /// A checkpoint is on disk at `path`.
+    fn checkpoint(&mut self, path: &Path) -> SinkResult {
+        let _ = path;
+        Ok(())
+    }
+
+    /// The run is over (completed, stopped or failed): the last call.
+    fn finish(&mut self) -> SinkResult {
+        Ok(())
+    }
+}
+
+/// What a [`Sink`] returns: any error, reported with the sink's name.
+pub type SinkResult = std::result::Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+/// What a [`Sink`] is told before the first event.
+#[derive(Clone, Debug)]
+pub struct RunStart {
+    pub output_dir: PathBuf,
+    pub epochs: u64,
+    /// Where a resumed run goes on from: steps at or after it (and epochs
+    /// from its epoch on) will be reported again.
+    pub resumed_at: Option<MetricsPosition>,
+}
+
+/// The user's sinks, each call's error named after its sink.
+struct UserSinks(Vec<Box<dyn Sink>>);
+
+impl UserSinks {
+    fn each(&mut self, mut call: impl FnMut(&mut dyn Sink) -> SinkResult) -> Result<()> {
+        for sink in &mut self.0 {
+            call(sink.as_mut()).map_err(|e| PipelineError::Stage {
+                stage: "sink",
+                reason: format!("{}: {e}", sink.name()),
+            })?;
+        }
+        Ok(())
+    }
+}
+
 fn accuracy_text(accuracy: Option<f32>) -> String {
     accuracy.map_or(String::new(), |a| format!(" acc {:.2}%", a * 100.0))
 }
@@ -73,6 +158,10 @@ pub struct SinkSettings {
     pub epochs: u64,
     pub log_every: u64,
     pub keep: usize,
+    /// The user's own stages, after the built-in ones.
+    pub user: Vec<Box<dyn Sink>>,
+    /// Where a resumed run goes on from (for the user's stages).
+    pub resumed_at: Option<MetricsPosition>,
     /// Where the sink hands back the checkpoint token once a checkpoint is
     /// on disk (see [`SinkLink`]).
     pub checkpoint_written: Sender<()>,
@@ -142,15 +231,31 @@ pub struct SinkOutcome {
 /// also logged here, with the file and the OS's reason (a full disk says
 /// "No space left on device" and names the file), because the training
 /// loop only sees that the sink stopped receiving.
-pub fn run(events: Receiver<Event>, settings: SinkSettings) -> Result<SinkOutcome> {
-    let outcome = receive(events, &settings);
+pub fn run(events: Receiver<Event>, mut settings: SinkSettings) -> Result<SinkOutcome> {
+    let mut user = UserSinks(std::mem::take(&mut settings.user));
+    let start = RunStart {
+        output_dir: settings.output_dir.clone(),
+        epochs: settings.epochs,
+        resumed_at: settings.resumed_at,
+    };
+    let outcome = user
+        .each(|sink| sink.start(&start))
+        .and_then(|()| receive(events, &settings, &mut user));
+    // Every sink hears the end, whatever ended the run; the first error is
+    // the one reported.
+    let finished = user.each(|sink| sink.finish());
+    let outcome = outcome.and_then(|outcome| finished.map(|()| outcome));
     if let Err(e) = &outcome {
         tracing::error!("the sink stage stopped: {e}");
     }
     outcome
 }
 
-fn receive(events: Receiver<Event>, settings: &SinkSettings) -> Result<SinkOutcome> {
+fn receive(
+    events: Receiver<Event>,
+    settings: &SinkSettings,
+    user: &mut UserSinks,
+) -> Result<SinkOutcome> {
     let metrics_path = settings.output_dir.join("metrics.jsonl");
     let mut metrics = open_metrics(&metrics_path)?;
     let mut outcome = SinkOutcome::default();
@@ -161,6 +266,7 @@ fn receive(events: Receiver<Event>, settings: &SinkSettings) -> Result<SinkOutco
         match event {
             Event::Step(report) => {
                 write_json(&mut metrics, &metrics_path, "step", &report)?;
+                user.each(|sink| sink.step(&report))?;
                 window.add(&report);
                 let times = clock.text(&report, settings.epochs);
                 let boundary = report.step % settings.log_every == 0
@@ -176,6 +282,7 @@ fn receive(events: Receiver<Event>, settings: &SinkSettings) -> Result<SinkOutco
                     bar.finish_epoch();
                 }
                 write_json(&mut metrics, &metrics_path, "epoch", &summary)?;
+                user.each(|sink| sink.epoch(&summary))?;
                 metrics
                     .flush()
                     .map_err(|e| PipelineError::io(&metrics_path, e))?;
@@ -206,12 +313,14 @@ fn receive(events: Receiver<Event>, settings: &SinkSettings) -> Result<SinkOutco
                 // never writes them again, so any still buffered at a kill
                 // would be lost for good.
                 sync_metrics(&mut metrics, &metrics_path)?;
+                user.each(|sink| sink.sync())?;
                 let path = checkpoint::write(&settings.output_dir, &snapshot, settings.keep)?;
                 tracing::info!(
                     "checkpoint {} written in {:.0} ms",
                     path.display(),
                     started.elapsed().as_secs_f64() * 1e3
                 );
+                user.each(|sink| sink.checkpoint(&path))?;
                 outcome.last_checkpoint = Some(path);
                 // The training side holds no token while this one is out,
                 // so the slot is free; if it has gone, nobody waits.
@@ -219,10 +328,12 @@ fn receive(events: Receiver<Event>, settings: &SinkSettings) -> Result<SinkOutco
             }
             Event::SyncMetrics(synced) => {
                 sync_metrics(&mut metrics, &metrics_path)?;
+                user.each(|sink| sink.sync())?;
                 // The sender waits; if it has gone, nobody does.
                 let _ = synced.send(());
             }
             Event::CheckpointWritten(path) => {
+                user.each(|sink| sink.checkpoint(&path))?;
                 outcome.last_checkpoint = Some(path);
                 let _ = settings.checkpoint_written.try_send(());
             }
@@ -529,6 +640,8 @@ mod tests {
             epochs: 1,
             log_every: 1000,
             keep: 2,
+            user: Vec::new(),
+            resumed_at: None,
             checkpoint_written,
         };
         (link, std::thread::spawn(move || run(events, settings)))

@@ -1238,6 +1238,15 @@ fn build_one(
     cursor: &mut ParamCursor<'_>,
 ) -> CudaResult<Vec<GpuLayer>> {
     Ok(match spec {
+        LayerSpec::Custom { name, .. } => {
+            return Err(CudaError::Unsupported {
+                op: "CudaNetwork::build",
+                reason: format!(
+                    "{path}: the custom layer \"{name}\" has no CUDA implementation; \
+                     train it with device.kind = \"cpu\""
+                ),
+            })
+        }
         LayerSpec::Conv {
             out,
             kernel,

@@ -86,14 +86,26 @@ impl CpuLearner {
         pool: Arc<MemoryPool>,
     ) -> Result<Self> {
         let network = pool.scope(|| Network::build_with(spec, seed, build))?;
+        Self::from_network(network, settings, batch_size, pool)
+    }
+
+    /// Trains `network` (whose tensors should come from `pool`, so that
+    /// the budget counts them).
+    pub fn from_network(
+        network: Network,
+        settings: StepSettings,
+        batch_size: usize,
+        pool: Arc<MemoryPool>,
+    ) -> Result<Self> {
+        let (tokens, frames) = (network.spec().tokens, network.spec().frames);
         Ok(Self {
             network,
             optimizer: AdamW::new(settings.optimizer.clone())?,
             settings,
             micro_batch: batch_size.max(1),
             pool,
-            tokens: spec.tokens,
-            frames: spec.frames,
+            tokens,
+            frames,
             ready: VecDeque::new(),
         })
     }

@@ -24,7 +24,7 @@ use headroom_loader::{Batch, Dataset};
 use headroom_model::cuda::ops::TunedConv;
 use headroom_model::cuda::{CudaBackend, ProfileSegment};
 use headroom_model::memory::MemoryPool;
-use headroom_model::{BuildOptions, Device, Network, PoolStats};
+use headroom_model::{BuildOptions, Device, LayerRegistry, ModelSpec, Network, PoolStats};
 use headroom_optim::{AdamWConfig, AdamWState, LossScalerState};
 
 use crate::config::ExperimentConfig;
@@ -377,10 +377,52 @@ pub fn cpu_build_options(config: &ExperimentConfig) -> BuildOptions {
     }
 }
 
+/// Where a run trains (`device.kind`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    /// GPU 0, or an error naming what is missing.
+    Cuda,
+    /// The GPU when there is one the model can use, else the CPU, saying
+    /// why.
+    #[default]
+    Auto,
+}
+
+impl DeviceKind {
+    /// `"cpu"`, `"cuda"` or `"auto"`; `key` names the setting in the error.
+    pub fn parse(key: &str, text: &str) -> Result<Self> {
+        match text {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda),
+            "auto" => Ok(Self::Auto),
+            other => Err(PipelineError::value(
+                key,
+                format!("expected \"auto\", \"cpu\" or \"cuda\", got \"{other}\""),
+            )),
+        }
+    }
+}
+
+/// A network learner to make: the model, its initialisation and build, the
+/// step, and the device. What `open` makes from an experiment and a
+/// `Trainer` built in code from its parts.
+#[derive(Clone, Debug)]
+pub struct NetworkPlan {
+    pub spec: ModelSpec,
+    pub seed: u64,
+    pub build: BuildOptions,
+    /// The factories of the spec's `custom` layers (CPU only).
+    pub layers: LayerRegistry,
+    pub step: StepSettings,
+    /// The micro-batch to start with (the loop sets it before a step).
+    pub batch: usize,
+    pub device: DeviceKind,
+    pub cuda: CudaOptions,
+}
+
 /// The learner `device.kind` asks for, with micro-batches of `batch_size`
-/// to start with: "cpu"; "cuda" (GPU 0, or an error naming what is
-/// missing); "auto": the GPU when there is one the model can use, else the
-/// CPU, saying why. CPU tensors come from `pool`.
+/// to start with. CPU tensors come from `pool`.
 pub fn open(
     config: &ExperimentConfig,
     pool: Arc<MemoryPool>,
@@ -400,53 +442,81 @@ pub fn open_with(
     cuda: CudaOptions,
     initialise: Initialise,
 ) -> Result<Box<dyn Learner>> {
-    let batch = config.train.batch_size;
-    let settings = StepSettings::from_config(config);
-    let on_cpu = |settings: StepSettings| -> Result<Box<dyn Learner>> {
-        let build = cpu_build_options(config);
-        let mut learner =
-            CpuLearner::new(&config.model, config.run.seed, build, settings, batch, pool)?;
-        initialise(config, learner.network_mut())?;
+    let plan = NetworkPlan {
+        spec: config.model.clone(),
+        seed: config.run.seed,
+        build: cpu_build_options(config),
+        layers: LayerRegistry::default(),
+        step: StepSettings::from_config(config),
+        batch: config.train.batch_size,
+        device: DeviceKind::parse("device.kind", &config.device.kind)?,
+        cuda,
+    };
+    open_network(&plan, pool, |network| initialise(config, network).map(drop))
+}
+
+/// The learner of `plan` on the device it asks for: the one place the
+/// device is decided. `initialise` runs on the freshly built CPU network
+/// (a fine-tuning base is loaded there), before a GPU copy is made.
+pub fn open_network(
+    plan: &NetworkPlan,
+    pool: Arc<MemoryPool>,
+    initialise: impl Fn(&mut Network) -> Result<()>,
+) -> Result<Box<dyn Learner>> {
+    let on_cpu = || -> Result<Box<dyn Learner>> {
+        let mut network = pool.scope(|| {
+            Network::build_with_layers(&plan.spec, plan.seed, plan.build, &plan.layers)
+        })?;
+        initialise(&mut network)?;
+        let learner =
+            CpuLearner::from_network(network, plan.step.clone(), plan.batch, Arc::clone(&pool))?;
         Ok(Box::new(learner))
     };
-    let on_gpu = |settings: StepSettings| -> Result<CudaLearner> {
+    let on_gpu = || -> Result<CudaLearner> {
         let be = CudaBackend::new(0).map_err(|e| {
             PipelineError::value("device.kind", format!("\"cuda\" cannot be used: {e}"))
         })?;
         // Built on the CPU first, where a fine-tuning base is loaded and
         // frozen, then copied up.
-        let mut network = MemoryPool::new(Device::Cpu)
-            .scope(|| Network::build(&config.model, config.run.seed))?;
-        initialise(config, &mut network)?;
-        CudaLearner::from_network(be, &mut network, settings, batch, cuda)
+        let mut network = MemoryPool::new(Device::Cpu).scope(|| {
+            Network::build_with_layers(&plan.spec, plan.seed, BuildOptions::default(), &plan.layers)
+        })?;
+        initialise(&mut network)?;
+        CudaLearner::from_network(
+            be,
+            &mut network,
+            plan.step.clone(),
+            plan.batch,
+            plan.cuda.clone(),
+        )
     };
-    match config.device.kind.as_str() {
-        "cpu" => on_cpu(settings),
-        "cuda" => {
-            let learner = on_gpu(settings)?;
+    match plan.device {
+        DeviceKind::Cpu => on_cpu(),
+        DeviceKind::Cuda => {
+            let learner = on_gpu()?;
             tracing::info!("device: {}", learner.device());
             Ok(Box::new(learner))
         }
-        _ => match CudaBackend::probe() {
+        DeviceKind::Auto => match CudaBackend::probe() {
             Ok(Some(_)) => {
-                match on_gpu(settings.clone()) {
+                match on_gpu() {
                     Ok(learner) => {
                         tracing::info!("device: {} (device.kind = \"auto\")", learner.device());
                         Ok(Box::new(learner))
                     }
                     Err(e) => {
                         tracing::warn!("a GPU is present but this run cannot use it ({e}); training on the CPU");
-                        on_cpu(settings)
+                        on_cpu()
                     }
                 }
             }
             Ok(None) => {
                 tracing::info!("device: CPU (device.kind = \"auto\" found no CUDA driver or GPU)");
-                on_cpu(settings)
+                on_cpu()
             }
             Err(e) => {
                 tracing::warn!("device: CPU (the CUDA driver cannot be used: {e})");
-                on_cpu(settings)
+                on_cpu()
             }
         },
     }
