@@ -252,6 +252,26 @@ fn default_mlp_ratio() -> usize {
     4
 }
 
+impl ModelSpec {
+    /// The first layer with no CUDA implementation (a `custom` one), by
+    /// path and name: such a model trains on the CPU only.
+    pub fn first_cpu_only_layer(&self) -> Option<(String, String)> {
+        fn walk(layers: &[LayerSpec], path: &str) -> Option<(String, String)> {
+            layers.iter().enumerate().find_map(|(i, layer)| {
+                let here = format!("{path}[{i}]");
+                match layer {
+                    LayerSpec::Custom { name, .. } => Some((here, name.clone())),
+                    LayerSpec::Residual { layers } | LayerSpec::UnetSkip { layers } => {
+                        walk(layers, &format!("{here}.layers"))
+                    }
+                    _ => None,
+                }
+            })
+        }
+        walk(&self.layers, "model.layers")
+    }
+}
+
 pub struct Network {
     spec: ModelSpec,
     layers: Vec<Box<dyn Layer>>,

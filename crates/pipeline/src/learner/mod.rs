@@ -490,8 +490,27 @@ pub fn open_network(
             plan.cuda.clone(),
         )
     };
+    let cpu_only = plan.spec.first_cpu_only_layer();
     match plan.device {
         DeviceKind::Cpu => on_cpu(),
+        DeviceKind::Cuda if cpu_only.is_some() => {
+            let (path, name) = cpu_only.unwrap_or_default();
+            Err(PipelineError::value(
+                "device.kind",
+                format!(
+                    "\"cuda\", but {path} is the custom layer \"{name}\", which has no CUDA \
+                     implementation: train this model with device.kind = \"cpu\""
+                ),
+            ))
+        }
+        DeviceKind::Auto if cpu_only.is_some() => {
+            let (path, name) = cpu_only.unwrap_or_default();
+            tracing::info!(
+                "device: CPU (device.kind = \"auto\"; {path} is the custom layer \"{name}\", \
+                 which has no CUDA implementation)"
+            );
+            on_cpu()
+        }
         DeviceKind::Cuda => {
             let learner = on_gpu()?;
             tracing::info!("device: {}", learner.device());

@@ -153,6 +153,9 @@ pub struct Parts {
 /// Makes the learner in the run's memory pool.
 pub type MakeLearner = Box<dyn FnOnce(Arc<MemoryPool>) -> Result<Box<dyn Learner>> + Send>;
 
+/// Runs once the run directory is ready (see [`TrainerParts::on_open`]).
+pub type OnOpen = Box<dyn FnOnce(&Path) -> Result<()> + Send>;
+
 /// Makes every part of the run in its memory pool.
 pub type MakeParts = Box<dyn FnOnce(Arc<MemoryPool>) -> Result<Parts> + Send>;
 
@@ -222,7 +225,7 @@ pub struct Trainer {
     record: Arc<dyn RunRecord>,
     parts: MakeParts,
     sinks: Vec<Box<dyn Sink>>,
-    on_open: Option<Box<dyn FnOnce(&Path) -> Result<()> + Send>>,
+    on_open: Option<OnOpen>,
 }
 
 /// Everything a [`Trainer`] needs, typed: what `train()` makes from an
@@ -240,7 +243,7 @@ pub struct TrainerParts {
     pub sinks: Vec<Box<dyn Sink>>,
     /// Runs once the directory is ready, before a checkpoint is looked for
     /// (`train()` records its resolved config there).
-    pub on_open: Option<Box<dyn FnOnce(&Path) -> Result<()> + Send>>,
+    pub on_open: Option<OnOpen>,
 }
 
 impl Trainer {
