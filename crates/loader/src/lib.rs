@@ -21,6 +21,42 @@
 //!   (seed, e), and the augmentation of sample `i` in epoch `e` a function of
 //!   (seed, e, i). The batches never depend on the worker count, the
 //!   prefetch depth or the resume point.
+//!
+//! A dataset of your own and an epoch of batches from it:
+//!
+//! ```
+//! use headroom_loader::{DataLoader, Dataset, LoaderConfig, LoaderError};
+//! use std::sync::Arc;
+//!
+//! /// 100 one-pixel "images": the pixel is the index, the label its parity.
+//! struct Counting;
+//!
+//! impl Dataset for Counting {
+//!     fn len(&self) -> usize { 100 }
+//!     fn sample_shape(&self) -> [usize; 3] { [1, 1, 1] }
+//!     fn num_classes(&self) -> usize { 2 }
+//!     fn read(&self, index: usize, out: &mut [u8]) -> Result<u32, LoaderError> {
+//!         out[0] = index as u8;
+//!         Ok(index as u32 % 2)
+//!     }
+//! }
+//!
+//! let config = LoaderConfig {
+//!     batch_size: 32, shuffle: true, drop_last: true, seed: 1, ..LoaderConfig::default()
+//! };
+//! let loader = DataLoader::new(Arc::new(Counting), config)?;
+//! let mut seen = Vec::new();
+//! for batch in loader.epoch(0, 0) {
+//!     let batch = batch?;
+//!     assert_eq!(batch.labels.len(), batch.pixels.len());
+//!     seen.extend(batch.pixels);
+//! }
+//! seen.sort();
+//! assert_eq!(seen.len(), 96, "three whole batches of 32 (drop_last)");
+//! seen.dedup();
+//! assert_eq!(seen.len(), 96, "each sample at most once an epoch");
+//! # Ok::<(), LoaderError>(())
+//! ```
 
 mod augment;
 mod dataset;

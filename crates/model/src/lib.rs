@@ -4,6 +4,30 @@
 //!
 //! There is no autograd tape: every layer saves what its backward needs during
 //! a training forward and frees it in backward, so memory is explicit.
+//!
+//! A network from a spec (the `[model]` table of an experiment), one
+//! forward and backward on the CPU:
+//!
+//! ```
+//! use headroom_model::{ModelSpec, Mode, Network, Tensor};
+//!
+//! let spec: ModelSpec = toml::from_str(r#"
+//!     input = [4, 4, 1]
+//!     mean = 0.5
+//!     std = 0.25
+//!     layers = [
+//!         { type = "conv", out = 8 }, { type = "batch_norm" }, { type = "relu" },
+//!         { type = "global_avg_pool" }, { type = "linear", out = 3 },
+//!     ]
+//! "#).unwrap();
+//! let mut network = Network::build(&spec, 42)?;
+//! let input = network.input_from_u8(2, &[128u8; 2 * 4 * 4])?;
+//! let scores = network.forward(&input, Mode::Train)?;
+//! assert_eq!(scores.shape(), &[2, 3]);
+//! network.backward(&Tensor::from_vec(&[2, 3], vec![0.1; 6])?)?;
+//! assert!(network.params_mut().iter().any(|p| p.grad.data().iter().any(|g| *g != 0.0)));
+//! # Ok::<(), headroom_model::ModelError>(())
+//! ```
 
 pub mod cuda;
 pub mod custom;

@@ -10,6 +10,23 @@
 //! Parameters are passed as `&mut [&mut Param]` in the network's fixed order
 //! (what `Layer::params_mut` returns); the optimizer keeps its moments in that
 //! order and refuses a step whose parameter list changed shape.
+//!
+//! One AdamW step on a parameter, under a one-cycle schedule:
+//!
+//! ```
+//! use headroom_model::{Param, Tensor};
+//! use headroom_optim::{AdamW, AdamWConfig, OneCycle, Schedule};
+//!
+//! let mut weight = Param::new("w", Tensor::from_vec(&[2], vec![1.0, -1.0]).unwrap(), true);
+//! weight.grad = Tensor::from_vec(&[2], vec![0.5, -0.5]).unwrap();
+//! let schedule = Schedule::OneCycle(OneCycle::new(1e-2, 100, 0.3, 25.0, 1e4)?);
+//! let mut adamw = AdamW::new(AdamWConfig::default())?;
+//! adamw.step(&mut [&mut weight], schedule.lr_at(0))?;
+//! let w = weight.value.data();
+//! assert!(w[0] < 1.0 && w[1] > -1.0, "each moved against its gradient: {w:?}");
+//! assert_eq!(adamw.steps_taken(), 1);
+//! # Ok::<(), headroom_optim::OptimError>(())
+//! ```
 
 mod adamw;
 mod clip;
