@@ -19,7 +19,7 @@ use headroom_model::Device;
 use serde::{Deserialize, Serialize};
 
 use crate::config::ExperimentConfig;
-use crate::learner::{self, Learner, StepLr};
+use crate::learner::{Learner, StepLr};
 use crate::{data, PipelineError, Result};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -98,10 +98,10 @@ pub fn training_step(
     pool.install(|| {
         let mut config = crate::finetune::as_trained(config);
         config.train.batch_size = batch;
-        let options = crate::train::cuda_options(&config)?;
+        let options = crate::parts::cuda_options(&config)?;
         let pool = MemoryPool::new(Device::Cpu);
         let initialise = crate::finetune::initialise_for_timing;
-        let mut learner = learner::open_with(&config, pool, options, initialise)?;
+        let mut learner = crate::parts::open_with(&config, pool, options, initialise)?;
         let batch = synthetic_batch(&config, batch, learner.num_classes());
         let lr = config.optimizer.lr;
         run_steps(learner.as_mut(), &batch, lr, warmup)?;

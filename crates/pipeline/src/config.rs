@@ -13,8 +13,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::{PipelineError, Result};
 
+pub mod finetune;
 mod load;
 mod overrides;
+pub mod sizes;
 
 pub use load::{is_profile, profile_path, PROFILES_DIR};
 pub use overrides::Overrides;
@@ -55,7 +57,7 @@ pub struct ExperimentConfig {
     /// Start from a trained checkpoint (LoRA or full fine-tuning); absent
     /// otherwise, and then left out of the serialised config.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub finetune: Option<crate::finetune::FinetuneConfig>,
+    pub finetune: Option<finetune::FinetuneConfig>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -978,7 +980,7 @@ impl ExperimentConfig {
                 ));
             }
         }
-        crate::limits::check_sizes(self)
+        sizes::check_sizes(self)
     }
 
     /// Loader workers: `data.workers`, or a quarter of the cores (1 to 4).

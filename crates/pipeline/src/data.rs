@@ -35,7 +35,7 @@ pub fn open_splits(
     // A frame model has no classes; its samples carry the label 0.
     let classes = match config.model.frames {
         Some(_) => 1,
-        None => crate::limits::output_classes(&config.model)?,
+        None => crate::config::sizes::output_classes(&config.model)?,
     };
     let place = |split: &str| match (&config.data.format[..], &config.data.dir) {
         ("shards", Some(dir)) => dir.join(split).display().to_string(),

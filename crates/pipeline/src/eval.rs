@@ -137,9 +137,9 @@ pub fn restored_cpu_learner(
 ) -> Result<CpuLearner> {
     // A full fine-tune's checkpoints hold the model without its adapters.
     let mut learner = CpuLearner::new(
-        &crate::finetune::effective_model(config),
+        &crate::config::finetune::effective_model(config),
         config.run.seed,
-        crate::learner::cpu_build_options(config),
+        crate::parts::cpu_build_options(config),
         StepSettings::from_config(config),
         micro_batch,
         MemoryPool::new(Device::Cpu),

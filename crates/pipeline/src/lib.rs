@@ -87,6 +87,7 @@ pub mod frames;
 pub mod learner;
 pub mod limits;
 pub mod memory;
+pub mod parts;
 pub mod plot;
 pub mod resume;
 pub mod rundir;

@@ -8,18 +8,16 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use headroom_loader::{Dataset, LoaderConfig};
-use headroom_optim::LossScalerConfig;
 
 use crate::config::ExperimentConfig;
-use crate::learner::{self, CudaOptions, Learner};
+use crate::learner::{CudaOptions, Learner};
 use crate::memory::MemorySettings;
 use crate::resume::Resume;
 use crate::rundir;
 use crate::trainer::{
     LoopSettings, MicroBatch, Parts, ScheduleSettings, Task, Trainer, TrainerParts,
 };
-use crate::{data, PipelineError, Result};
-use headroom_model::cuda::{CudaBuildOptions, DType};
+use crate::{data, parts, PipelineError, Result};
 
 pub use crate::trainer::RunSummary;
 
@@ -31,6 +29,17 @@ pub struct TrainOptions {
     /// Set (by a signal handler, say) to stop after the current step with a
     /// checkpoint.
     pub stop: Option<Arc<AtomicBool>>,
+}
+
+/// The learner `device.kind` asks for, with micro-batches of
+/// `train.batch_size` to start with, its fine-tuning base loaded. CPU
+/// tensors come from `pool`.
+pub fn open(
+    config: &ExperimentConfig,
+    pool: Arc<headroom_model::memory::MemoryPool>,
+    cuda: CudaOptions,
+) -> Result<Box<dyn Learner>> {
+    parts::open_with(config, pool, cuda, crate::finetune::initialise)
 }
 
 pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSummary> {
@@ -97,7 +106,7 @@ fn make_parts(
     pool: Arc<headroom_model::memory::MemoryPool>,
 ) -> Result<Parts> {
     let (train_set, test_set) = data::open_splits(config, allow_install)?;
-    let mut learner = learner::open(config, pool, cuda_options(config)?)?;
+    let mut learner = open(config, pool, parts::cuda_options(config)?)?;
     check_data_fits_model(config, train_set.as_ref(), learner.as_ref())?;
     tracing::info!(
         "{} training samples, {} test samples",
@@ -114,29 +123,6 @@ fn make_parts(
             ..data::loader_config(config, true)?
         },
         test_loader: data::loader_config(config, false)?,
-    })
-}
-
-/// The GPU settings of an experiment: mixed precision with dynamic loss
-/// scaling, or (`device.amp = false`) f32 activations and weights with the
-/// loss scale held at 1.
-pub(crate) fn cuda_options(config: &ExperimentConfig) -> Result<CudaOptions> {
-    let (activations, loss_scaler) = if config.device.amp {
-        (DType::F16, LossScalerConfig::default())
-    } else {
-        (DType::F32, LossScalerConfig::unit())
-    };
-    Ok(CudaOptions {
-        memory_limit: config.memory_limit()?,
-        build: CudaBuildOptions {
-            fuse: config.device.fusion,
-            activations,
-            recompute: config.device.recompute,
-            conv: config.conv_plan()?,
-        },
-        loss_scaler,
-        graphs: config.device.graphs,
-        ..CudaOptions::default()
     })
 }
 

@@ -7,7 +7,7 @@ use std::path::Path;
 use headroom_model::cuda::CudaBackend;
 use headroom_model::memory::MemoryPool;
 use headroom_model::Device;
-use headroom_pipeline::learner::{self, CudaOptions};
+use headroom_pipeline::learner::CudaOptions;
 use headroom_pipeline::{ExperimentConfig, Overrides};
 
 fn smoke(kind: &str) -> ExperimentConfig {
@@ -18,7 +18,7 @@ fn smoke(kind: &str) -> ExperimentConfig {
 
 fn open(kind: &str) -> Result<String, String> {
     let pool = MemoryPool::new(Device::Cpu);
-    learner::open(&smoke(kind), pool, CudaOptions::default())
+    headroom_pipeline::train::open(&smoke(kind), pool, CudaOptions::default())
         .map(|l| l.device_name())
         .map_err(|e| e.to_string())
 }

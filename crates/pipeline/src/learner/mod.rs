@@ -27,7 +27,6 @@ use headroom_model::memory::MemoryPool;
 use headroom_model::{BuildOptions, Device, LayerRegistry, ModelSpec, Network, PoolStats};
 use headroom_optim::{AdamWConfig, AdamWState, LossScalerState};
 
-use crate::config::ExperimentConfig;
 use crate::{PipelineError, Result};
 
 /// What shapes a training step besides the learning rate.
@@ -39,23 +38,6 @@ pub struct StepSettings {
     /// Focal loss with this γ (`train.loss = "focal"`); None: cross-entropy.
     pub focal_gamma: Option<f32>,
     pub optimizer: AdamWConfig,
-}
-
-impl StepSettings {
-    pub fn from_config(config: &ExperimentConfig) -> Self {
-        Self {
-            label_smoothing: config.train.label_smoothing,
-            clip_norm: config.train.clip_norm,
-            focal_gamma: (config.train.loss == crate::config::LossKind::Focal)
-                .then_some(config.train.focal_gamma),
-            optimizer: AdamWConfig {
-                beta1: config.optimizer.beta1,
-                beta2: config.optimizer.beta2,
-                eps: config.optimizer.eps,
-                weight_decay: config.optimizer.weight_decay,
-            },
-        }
-    }
 }
 
 /// The outcome of one training step.
@@ -370,13 +352,6 @@ fn require_no_steps_in_flight(in_flight: usize, what: &str) -> Result<()> {
     })
 }
 
-/// How the CPU network is built for `config` (`device.fusion`).
-pub fn cpu_build_options(config: &ExperimentConfig) -> BuildOptions {
-    BuildOptions {
-        fuse: config.device.fusion,
-    }
-}
-
 /// Where a run trains (`device.kind`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DeviceKind {
@@ -419,40 +394,6 @@ pub struct NetworkPlan {
     pub batch: usize,
     pub device: DeviceKind,
     pub cuda: CudaOptions,
-}
-
-/// The learner `device.kind` asks for, with micro-batches of `batch_size`
-/// to start with. CPU tensors come from `pool`.
-pub fn open(
-    config: &ExperimentConfig,
-    pool: Arc<MemoryPool>,
-    cuda: CudaOptions,
-) -> Result<Box<dyn Learner>> {
-    open_with(config, pool, cuda, crate::finetune::initialise)
-}
-
-/// How a fine-tuning base gets into a freshly built network (loaded and
-/// frozen; `finetune::initialise`).
-pub type Initialise = fn(&ExperimentConfig, &mut Network) -> Result<usize>;
-
-/// `open` with the base put in by `initialise`.
-pub fn open_with(
-    config: &ExperimentConfig,
-    pool: Arc<MemoryPool>,
-    cuda: CudaOptions,
-    initialise: Initialise,
-) -> Result<Box<dyn Learner>> {
-    let plan = NetworkPlan {
-        spec: config.model.clone(),
-        seed: config.run.seed,
-        build: cpu_build_options(config),
-        layers: LayerRegistry::default(),
-        step: StepSettings::from_config(config),
-        batch: config.train.batch_size,
-        device: DeviceKind::parse("device.kind", &config.device.kind)?,
-        cuda,
-    };
-    open_network(&plan, pool, |network| initialise(config, network).map(drop))
 }
 
 /// The learner of `plan` on the device it asks for: the one place the

@@ -1,0 +1,85 @@
+//! The parts of a run made from an experiment: the step's settings, the
+//! CPU build, the GPU options, and the learner `device.kind` asks for. The
+//! stages themselves take only these typed settings.
+
+use std::sync::Arc;
+
+use headroom_model::cuda::{CudaBuildOptions, DType};
+use headroom_model::memory::MemoryPool;
+use headroom_model::{BuildOptions, LayerRegistry, Network};
+use headroom_optim::{AdamWConfig, LossScalerConfig};
+
+use crate::config::ExperimentConfig;
+use crate::learner::{open_network, CudaOptions, DeviceKind, Learner, NetworkPlan, StepSettings};
+use crate::Result;
+
+impl StepSettings {
+    pub fn from_config(config: &ExperimentConfig) -> Self {
+        Self {
+            label_smoothing: config.train.label_smoothing,
+            clip_norm: config.train.clip_norm,
+            focal_gamma: (config.train.loss == crate::config::LossKind::Focal)
+                .then_some(config.train.focal_gamma),
+            optimizer: AdamWConfig {
+                beta1: config.optimizer.beta1,
+                beta2: config.optimizer.beta2,
+                eps: config.optimizer.eps,
+                weight_decay: config.optimizer.weight_decay,
+            },
+        }
+    }
+}
+
+/// How the CPU network is built for `config` (`device.fusion`).
+pub fn cpu_build_options(config: &ExperimentConfig) -> BuildOptions {
+    BuildOptions {
+        fuse: config.device.fusion,
+    }
+}
+
+/// How a fine-tuning base gets into a freshly built network (loaded and
+/// frozen; `finetune::initialise`).
+pub type Initialise = fn(&ExperimentConfig, &mut Network) -> Result<usize>;
+
+/// `open` with the base put in by `initialise`.
+pub fn open_with(
+    config: &ExperimentConfig,
+    pool: Arc<MemoryPool>,
+    cuda: CudaOptions,
+    initialise: Initialise,
+) -> Result<Box<dyn Learner>> {
+    let plan = NetworkPlan {
+        spec: config.model.clone(),
+        seed: config.run.seed,
+        build: cpu_build_options(config),
+        layers: LayerRegistry::default(),
+        step: StepSettings::from_config(config),
+        batch: config.train.batch_size,
+        device: DeviceKind::parse("device.kind", &config.device.kind)?,
+        cuda,
+    };
+    open_network(&plan, pool, |network| initialise(config, network).map(drop))
+}
+
+/// The GPU settings of an experiment: mixed precision with dynamic loss
+/// scaling, or (`device.amp = false`) f32 activations and weights with the
+/// loss scale held at 1.
+pub fn cuda_options(config: &ExperimentConfig) -> Result<CudaOptions> {
+    let (activations, loss_scaler) = if config.device.amp {
+        (DType::F16, LossScalerConfig::default())
+    } else {
+        (DType::F32, LossScalerConfig::unit())
+    };
+    Ok(CudaOptions {
+        memory_limit: config.memory_limit()?,
+        build: CudaBuildOptions {
+            fuse: config.device.fusion,
+            activations,
+            recompute: config.device.recompute,
+            conv: config.conv_plan()?,
+        },
+        loss_scaler,
+        graphs: config.device.graphs,
+        ..CudaOptions::default()
+    })
+}
