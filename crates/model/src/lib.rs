@@ -14,6 +14,7 @@ pub mod layers;
 pub mod loss;
 pub mod memory;
 mod network;
+mod ops;
 pub mod profile;
 mod tensor;
 

@@ -35,12 +35,13 @@
 //! - `staging`: pinned input staging ring, copy stream, events.
 //! - `libs`: locating NVRTC/cuBLAS (pip wheels included) without panicking.
 
-mod backend;
+pub(crate) mod backend;
 mod dtype;
-mod error;
+pub(crate) mod error;
 pub mod gemm;
 mod graph;
 pub mod kernels;
+pub(crate) mod launch;
 pub mod libs;
 mod network;
 pub mod ops;
@@ -49,7 +50,7 @@ pub mod params;
 mod profile;
 mod records;
 pub mod staging;
-mod tensor;
+pub(crate) mod tensor;
 
 pub use crate::profile::ProfileSegment;
 pub use backend::{
