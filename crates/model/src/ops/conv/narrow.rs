@@ -2,10 +2,10 @@
 //! which `ConvAlgorithm::Auto` runs directly instead of through im2col and
 //! a matrix product one to seven columns wide (see the `.cu` file for why).
 //! Forward, input gradient and weight gradient, each against the CPU layer
-//! in `cuda_parity.rs::narrow_convolution_matches_the_cpu_layer`. And
+//! in `tests/cuda_parity/conv.rs::narrow_convolution_matches_the_cpu_layer`. And
 //! convolutions from few input channels to a multiple of 8 (a network's
 //! first layer), whose im2col product is a few columns deep: the thin
-//! kernels, `cuda_parity.rs::thin_convolution_matches_the_cpu_layer`.
+//! kernels, `tests/cuda_parity/conv.rs::thin_convolution_matches_the_cpu_layer`.
 
 use cudarc::driver::{CudaViewMut, LaunchConfig, PushKernelArg};
 
