@@ -54,7 +54,11 @@ pub fn marked(source: &str) -> usize {
 /// package directory (`root/*` and `root/crates/*` with a Cargo.toml).
 pub fn marked_in_workspace(root: &Path) -> usize {
     let mut packages = Vec::new();
-    for parent in [root.to_path_buf(), root.join("crates")] {
+    for parent in [
+        root.to_path_buf(),
+        root.join("crates"),
+        root.join("examples"),
+    ] {
         let Ok(entries) = std::fs::read_dir(&parent) else {
             continue;
         };
@@ -64,13 +68,18 @@ pub fn marked_in_workspace(root: &Path) -> usize {
                 .filter(|p| p.join("Cargo.toml").is_file()),
         );
     }
+    // A test binary is `tests/NAME.rs` or a folder `tests/NAME/` of
+    // modules (`cuda_parity/`, one file per op family).
     let mut count = 0;
-    for package in packages {
-        let Ok(entries) = std::fs::read_dir(package.join("tests")) else {
+    let mut dirs: Vec<std::path::PathBuf> = packages.iter().map(|p| p.join("tests")).collect();
+    while let Some(dir) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
             continue;
         };
         for path in entries.filter_map(|e| e.ok().map(|e| e.path())) {
-            if path.extension().is_some_and(|e| e == "rs") {
+            if path.is_dir() && dir.file_name().is_some_and(|n| n == "tests") {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
                 count += std::fs::read_to_string(&path)
                     .map(|s| marked(&s))
                     .unwrap_or(0);

@@ -308,7 +308,7 @@ fn package_name(dir: &std::path::Path) -> String {
 }
 
 /// gpu-check runs every CUDA test binary: the list it runs is the set of
-/// `cuda_*.rs` files under crates/*/tests and tests/tests, so a new CUDA
+/// `cuda_*.rs` files (and `cuda_*/main.rs` folders) under crates/*/tests and tests/tests, so a new CUDA
 /// test file cannot be left out of it.
 #[test]
 fn gpu_check_runs_every_cuda_test_file() {
@@ -333,11 +333,15 @@ fn gpu_check_runs_every_cuda_test_file() {
             continue;
         };
         for entry in entries {
-            let name = entry.unwrap().file_name().to_string_lossy().into_owned();
-            if let Some(test) = name
-                .strip_suffix(".rs")
-                .filter(|stem| stem.starts_with("cuda_"))
-            {
+            let entry = entry.unwrap();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            // A test binary is `cuda_NAME.rs`, or a folder `cuda_NAME/`
+            // with a `main.rs` (cuda_parity: one module per op family).
+            let stem = match entry.path().join("main.rs").is_file() {
+                true => Some(name.as_str()),
+                false => name.strip_suffix(".rs"),
+            };
+            if let Some(test) = stem.filter(|stem| stem.starts_with("cuda_")) {
                 found.push((package_name(&dir), test.to_string()));
             }
         }

@@ -39,6 +39,7 @@ pub mod layers;
 pub mod loss;
 pub mod memory;
 mod network;
+mod ops;
 pub mod profile;
 mod tensor;
 

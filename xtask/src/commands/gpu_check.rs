@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::GpuCheckArgs;
 
-/// (package, test target) of every CUDA test binary: each `cuda_*.rs` under
+/// (package, test target) of every CUDA test binary: each `cuda_*.rs` (or `cuda_*/main.rs`) under
 /// crates/*/tests and tests/tests (xtask's tests check that this list and
 /// those files agree, so a new one cannot be left out).
 pub const CUDA_TESTS: [(&str, &str); 7] = [

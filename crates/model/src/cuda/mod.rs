@@ -13,7 +13,7 @@
 //! structs (`tests/cuda_ptx.rs`); every kernel, and the whole path through
 //! the driver and cuBLAS (op wrappers, `CudaNetwork`, the fused AdamW, the
 //! staging ring), runs on the CPU emulator of CUDA (`crates/cuda-emu`)
-//! against the CPU layers (`tests/cuda_parity.rs`, and the pipeline's
+//! against the CPU layers (`tests/cuda_parity/`, a file per op family, and the pipeline's
 //! `cuda_learner` and the tests crate's `cuda_training`); probing a machine
 //! without a driver returns `Ok(None)` without panicking. Without NVRTC
 //! those tests are built as ignored (`build.rs`), and `cargo test` says so.
@@ -35,12 +35,13 @@
 //! - `staging`: pinned input staging ring, copy stream, events.
 //! - `libs`: locating NVRTC/cuBLAS (pip wheels included) without panicking.
 
-mod backend;
+pub(crate) mod backend;
 mod dtype;
-mod error;
+pub(crate) mod error;
 pub mod gemm;
 mod graph;
 pub mod kernels;
+pub(crate) mod launch;
 pub mod libs;
 mod network;
 pub mod ops;
@@ -49,7 +50,7 @@ pub mod params;
 mod profile;
 mod records;
 pub mod staging;
-mod tensor;
+pub(crate) mod tensor;
 
 pub use crate::profile::ProfileSegment;
 pub use backend::{

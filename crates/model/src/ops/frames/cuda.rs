@@ -9,16 +9,14 @@
 
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
-use super::{
-    conv2d_backward, conv2d_forward, elementwise, u32_of, ConvPlan, ConvShape, GradScale,
-    XentOutput,
-};
 use crate::cuda::backend::{CudaBackend, DeviceBuffer};
-use crate::cuda::error::Context;
 use crate::cuda::kernels as k;
+use crate::cuda::launch::{elementwise, launch, u32_of};
 use crate::cuda::params::{FramesParams, MseParams};
 use crate::cuda::tensor::{AnyView, CudaTensor};
 use crate::cuda::{CudaError, CudaResult};
+use crate::ops::conv::cuda::{conv2d_backward, conv2d_forward, ConvPlan, ConvShape};
+use crate::ops::loss::cuda::{GradScale, XentOutput};
 
 /// A ConvLSTM over `frames` steps of [h, w, channels] images, `hidden`
 /// channels of state, gates by one `kernel`×`kernel` convolution.
@@ -102,12 +100,14 @@ fn step_input(
     let p = s.params(n, step)?;
     let cfg = elementwise(xh.len());
     let f = be.function(k::FRAMES_STEP_CONCAT.of(x.dtype()))?;
-    let mut b = be.compute_stream().launch_builder(&f);
-    b.arg(&p).arg(x).arg(hs).arg(&mut xh);
     // SAFETY: frames_step_concat_T(FramesParams, const T* x [n·f, h, w, c],
     // const T* hs [n·f, h, w, hidden], T* xh [n, h, w, c + hidden]); the
     // shapes were checked by the caller, grid-stride over xh.
-    unsafe { b.launch(cfg) }.during("frames_step_concat")?;
+    unsafe {
+        launch(be.compute_stream(), &f, cfg, "frames_step_concat", |b| {
+            b.arg(&p).arg(x).arg(hs).arg(&mut xh);
+        })
+    }?;
     Ok(xh)
 }
 
@@ -144,19 +144,26 @@ pub fn conv_lstm_forward(
         let pre = conv2d_forward(be, &xh, weight, Some(bias), s.conv(n), plan)?;
         drop(xh);
         let p = s.params(n, step)?;
-        let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p).arg(&pre);
-        if let Some(gates) = gates.as_mut() {
-            b.arg(&mut gates.slice);
-        }
-        b.arg(&mut cells.slice).arg(&mut hs);
         // SAFETY: conv_lstm_cell_forward_T(FramesParams, const T* pre [n, h,
         // w, 4·hidden], float* gates [n·f, h, w, 4·hidden], float* cells
         // [n·f, h, w, hidden], T* hs [n·f, h, w, hidden]), or its _cells
         // form without gates; grid-stride over n·h·w·hidden, each thread
         // its own unit's elements.
-        unsafe { b.launch(elementwise(n * s.h * s.w * s.hidden)) }
-            .during("conv_lstm_cell_forward")?;
+        unsafe {
+            launch(
+                be.compute_stream(),
+                &f,
+                elementwise(n * s.h * s.w * s.hidden),
+                "conv_lstm_cell_forward",
+                |b| {
+                    b.arg(&p).arg(&pre);
+                    if let Some(gates) = gates.as_mut() {
+                        b.arg(&mut gates.slice);
+                    }
+                    b.arg(&mut cells.slice).arg(&mut hs);
+                },
+            )
+        }?;
     }
     Ok((hs, ConvLstmSaved { gates, cells }))
 }
@@ -198,31 +205,47 @@ pub fn conv_lstm_backward(
         match &saved.gates {
             Some(gates) => {
                 let f = be.function(k::CONV_LSTM_CELL_BACKWARD.of(g.dtype()))?;
-                let mut b = be.compute_stream().launch_builder(&f);
-                b.arg(&p).arg(&gates.slice).arg(cells).arg(g);
-                b.arg(&dh_next.slice)
-                    .arg(&mut dc_carry.slice)
-                    .arg(&mut d_pre);
                 // SAFETY: conv_lstm_cell_backward_T(FramesParams, const
                 // float* gates, const float* cells (every step), const T* g
                 // [n·f, h, w, hidden], const float* dh_next, float* dc [n,
                 // h, w, hidden], T* d_pre [n, h, w, 4·hidden]); grid-stride
                 // over n·h·w·hidden.
-                unsafe { b.launch(elementwise(state)) }.during("conv_lstm_cell_backward")?;
+                unsafe {
+                    launch(
+                        be.compute_stream(),
+                        &f,
+                        elementwise(state),
+                        "conv_lstm_cell_backward",
+                        |b| {
+                            b.arg(&p).arg(&gates.slice).arg(cells).arg(g);
+                            b.arg(&dh_next.slice)
+                                .arg(&mut dc_carry.slice)
+                                .arg(&mut d_pre);
+                        },
+                    )
+                }?;
             }
             None => {
                 let pre = conv2d_forward(be, &xh, weight, Some(bias), s.conv(n), plan)?;
                 let f = be.function(k::CONV_LSTM_CELL_BACKWARD_RERUN.of(g.dtype()))?;
-                let mut b = be.compute_stream().launch_builder(&f);
-                b.arg(&p).arg(&pre).arg(cells).arg(g);
-                b.arg(&dh_next.slice)
-                    .arg(&mut dc_carry.slice)
-                    .arg(&mut d_pre);
                 // SAFETY: conv_lstm_cell_backward_rerun_T(FramesParams, const
                 // T* pre [n, h, w, 4·hidden] (the step's, computed again),
                 // then as conv_lstm_cell_backward_T; grid-stride over
                 // n·h·w·hidden.
-                unsafe { b.launch(elementwise(state)) }.during("conv_lstm_cell_backward_rerun")?;
+                unsafe {
+                    launch(
+                        be.compute_stream(),
+                        &f,
+                        elementwise(state),
+                        "conv_lstm_cell_backward_rerun",
+                        |b| {
+                            b.arg(&p).arg(&pre).arg(cells).arg(g);
+                            b.arg(&dh_next.slice)
+                                .arg(&mut dc_carry.slice)
+                                .arg(&mut d_pre);
+                        },
+                    )
+                }?;
             }
         }
         let dxh = conv2d_backward(
@@ -237,12 +260,14 @@ pub fn conv_lstm_backward(
         )?;
         drop((xh, d_pre));
         let cfg = elementwise(dxh.len());
-        let mut b = be.compute_stream().launch_builder(&split);
-        b.arg(&p).arg(&dxh).arg(&mut dx).arg(&mut dh_next.slice);
         // SAFETY: frames_step_split_T(FramesParams, const T* dxh [n, h, w,
         // c + hidden], T* dx [n·f, h, w, c], float* dh_next [n, h, w,
         // hidden]); grid-stride over dxh.
-        unsafe { b.launch(cfg) }.during("frames_step_split")?;
+        unsafe {
+            launch(be.compute_stream(), &split, cfg, "frames_step_split", |b| {
+                b.arg(&p).arg(&dxh).arg(&mut dx).arg(&mut dh_next.slice);
+            })
+        }?;
     }
     Ok(dx)
 }
@@ -279,19 +304,21 @@ pub fn pixel_mse(
         block_dim: (32, 8, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = be.compute_stream().launch_builder(&f);
-    b.arg(&p)
-        .arg(y)
-        .arg(targets)
-        .arg(scale.loss_scale)
-        .arg(&mut grad)
-        .arg(&mut row_loss.slice)
-        .arg(&mut row_correct.slice);
     // SAFETY: pixel_mse_T(MseParams, const T* y [rows, cols], const u8*
     // target [rows, cols], const float* loss_scale [1], T* grad [rows,
     // cols], float* row_loss, u32* row_correct [rows]) with block (32, 8),
     // a row per warp; lengths checked above.
-    unsafe { b.launch(cfg) }.during("pixel_mse")?;
+    unsafe {
+        launch(be.compute_stream(), &f, cfg, "pixel_mse", |b| {
+            b.arg(&p)
+                .arg(y)
+                .arg(targets)
+                .arg(scale.loss_scale)
+                .arg(&mut grad)
+                .arg(&mut row_loss.slice)
+                .arg(&mut row_correct.slice);
+        })
+    }?;
     Ok(XentOutput {
         grad,
         row_loss,

@@ -2,18 +2,19 @@
 //! which `ConvAlgorithm::Auto` runs directly instead of through im2col and
 //! a matrix product one to seven columns wide (see the `.cu` file for why).
 //! Forward, input gradient and weight gradient, each against the CPU layer
-//! in `cuda_parity.rs::narrow_convolution_matches_the_cpu_layer`. And
+//! in `tests/cuda_parity/conv.rs::narrow_convolution_matches_the_cpu_layer`. And
 //! convolutions from few input channels to a multiple of 8 (a network's
 //! first layer), whose im2col product is a few columns deep: the thin
-//! kernels, `cuda_parity.rs::thin_convolution_matches_the_cpu_layer`.
+//! kernels, `tests/cuda_parity/conv.rs::thin_convolution_matches_the_cpu_layer`.
 
 use cudarc::driver::{CudaViewMut, LaunchConfig, PushKernelArg};
 
-use super::{add_weight_partials, checked_len, elementwise, ConvPlan, ConvShape, BLOCK};
+use super::cuda::{add_weight_partials, ConvPlan, ConvShape};
 use crate::cuda::backend::CudaBackend;
-use crate::cuda::error::Context;
 use crate::cuda::kernels as k;
+use crate::cuda::launch::{elementwise, launch, BLOCK};
 use crate::cuda::params::{FastDiv, NarrowParams};
+use crate::cuda::tensor::checked_len;
 use crate::cuda::tensor::{AnyView, CudaTensor, DType};
 use crate::cuda::CudaResult;
 
@@ -115,8 +116,6 @@ pub(super) fn direct_forward(
         ),
         Direct::Thin => (be.function(&k::THIN_FORWARD)?, total / 8),
     };
-    let mut b = be.compute_stream().launch_builder(&f);
-    b.arg(&p).arg(x).arg(weight).arg(y);
     // SAFETY: narrow_forward_T / thin_forward_f16 (NarrowParams, const T* x
     // [n, h, w, cin], const T* w [k, k, cin, cout], T* y [n, oh, ow, cout]):
     // the caller checked x's and W's shapes and made y in x's type; every
@@ -125,7 +124,17 @@ pub(super) fn direct_forward(
     // (direct_kind): f16, cout a multiple of 8 and W on 16 bytes (y is a
     // whole tensor), so the 16-byte accesses are aligned; a thread per 8
     // outputs.
-    unsafe { b.launch(elementwise(threads)) }.during("direct convolution forward")?;
+    unsafe {
+        launch(
+            be.compute_stream(),
+            &f,
+            elementwise(threads),
+            "direct convolution forward",
+            |b| {
+                b.arg(&p).arg(x).arg(weight).arg(y);
+            },
+        )
+    }?;
     Ok(())
 }
 
@@ -160,13 +169,21 @@ pub(super) fn narrow_grad_input(
     let total = checked_len("narrow convolution", &[s.n, s.h, s.w, s.cin])?;
     let p = params(s, out, 0);
     let f = be.function(k::NARROW_GRAD_INPUT.of(dy.dtype()))?;
-    let mut b = be.compute_stream().launch_builder(&f);
-    b.arg(&p).arg(dy).arg(weight).arg(dx);
     // SAFETY: narrow_grad_input_T(NarrowParams, const T* dy [n, oh, ow,
     // cout], const T* w, T* dx [n, h, w, cin]): shapes checked by the
     // caller (dx made like x), one thread per element of dx, each written
     // once.
-    unsafe { b.launch(elementwise(total)) }.during("narrow convolution input gradient")?;
+    unsafe {
+        launch(
+            be.compute_stream(),
+            &f,
+            elementwise(total),
+            "narrow convolution input gradient",
+            |b| {
+                b.arg(&p).arg(dy).arg(weight).arg(dx);
+            },
+        )
+    }?;
     Ok(())
 }
 
@@ -205,8 +222,6 @@ pub(super) fn direct_wgrad(
         block_dim: (block, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = be.compute_stream().launch_builder(&f);
-    b.arg(&p).arg(x).arg(dy).arg(&mut partial);
     // SAFETY: narrow_wgrad_T / thin_wgrad_f16 (NarrowParams, const T* x,
     // const T* dy, float* partial [splits, k·k·cin·cout]): shapes checked
     // by the caller. narrow: block row y writes only its split's n_w
@@ -214,6 +229,16 @@ pub(super) fn direct_wgrad(
     // under 65536. thin (direct_kind): k·k·cin·cout/8 ≤ THIN_THREADS, the
     // block's width, dy's rows of cout (a multiple of 8) on 16 bytes, and
     // block x writes only its split's n_w partials.
-    unsafe { b.launch(cfg) }.during("direct weight gradient")?;
+    unsafe {
+        launch(
+            be.compute_stream(),
+            &f,
+            cfg,
+            "direct weight gradient",
+            |b| {
+                b.arg(&p).arg(x).arg(dy).arg(&mut partial);
+            },
+        )
+    }?;
     add_weight_partials(be, &partial, weight_grad, splits)
 }

@@ -11,14 +11,14 @@
 
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
-use super::{elementwise, linear_backward_input, linear_forward, matrix_dims, same_len, u32_of};
 use crate::cuda::backend::{CudaBackend, DeviceBuffer};
-use crate::cuda::error::Context;
 use crate::cuda::gemm::{gemm, Operand};
 use crate::cuda::kernels as k;
+use crate::cuda::launch::{elementwise, launch, matrix_dims, same_len, u32_of};
 use crate::cuda::params::{AttnParams, EmbedParams, LstmParams};
 use crate::cuda::tensor::{same_dtype, AnyView, AnyViewMut, CudaTensor, DType};
 use crate::cuda::{CudaError, CudaResult};
+use crate::ops::linear::cuda::{linear_backward_input, linear_forward};
 
 /// The head size the attention kernels hold in registers and shared
 /// memory (`ATTN_MAX_D` in sequence.cu).
@@ -86,12 +86,14 @@ pub fn embedding_forward(
     };
     let cfg = elementwise(y.len());
     let f = be.function(k::EMBEDDING_FORWARD.of(dtype))?;
-    let mut b = be.compute_stream().launch_builder(&f);
-    b.arg(&p).arg(ids).arg(table).arg(pos).arg(&mut y);
     // SAFETY: embedding_forward_T(EmbedParams, const float* ids [rows],
     // const float* table [vocab, dim], const float* pos [length, dim], T* y
     // [rows, dim]); lengths checked above, grid-stride over rows·dim.
-    unsafe { b.launch(cfg) }.during("embedding_forward")?;
+    unsafe {
+        launch(be.compute_stream(), &f, cfg, "embedding_forward", |b| {
+            b.arg(&p).arg(ids).arg(table).arg(pos).arg(&mut y);
+        })
+    }?;
     Ok(y)
 }
 
@@ -119,13 +121,21 @@ pub fn embedding_backward(
             dtable.len(),
         )?;
         let f = be.function(k::EMBEDDING_GRAD_TABLE.of(g.dtype()))?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&p).arg(ids).arg(g).arg(dtable);
         // SAFETY: embedding_grad_table_T(EmbedParams, const float* ids
         // [rows], const T* g [rows, dim], float* dtable [vocab, dim]) with
         // the whole warps of block (32, 4) its ballot needs; warp-stride
         // over (id, 32 columns), each element read and written by one lane.
-        unsafe { b.launch(warp_per_id_tile(shape)) }.during("embedding_grad_table")?;
+        unsafe {
+            launch(
+                stream,
+                &f,
+                warp_per_id_tile(shape),
+                "embedding_grad_table",
+                |b| {
+                    b.arg(&p).arg(ids).arg(g).arg(dtable);
+                },
+            )
+        }?;
     }
     if let Some(dpos) = positions_grad {
         same_len(
@@ -135,12 +145,19 @@ pub fn embedding_backward(
             dpos.len(),
         )?;
         let f = be.function(k::EMBEDDING_GRAD_POSITIONS.of(g.dtype()))?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&p).arg(g).arg(dpos);
         // SAFETY: embedding_grad_positions_T(EmbedParams, const T* g [rows,
         // dim], float* dpos [length, dim]); grid-stride over length·dim.
-        unsafe { b.launch(elementwise(shape.length * shape.dim)) }
-            .during("embedding_grad_positions")?;
+        unsafe {
+            launch(
+                stream,
+                &f,
+                elementwise(shape.length * shape.dim),
+                "embedding_grad_positions",
+                |b| {
+                    b.arg(&p).arg(g).arg(dpos);
+                },
+            )
+        }?;
     }
     Ok(())
 }
@@ -228,12 +245,20 @@ pub fn attention_forward(
     let mut lse = be.alloc::<f32>(rows * heads)?;
     if !o.is_empty() {
         let f = be.function(k::ATTENTION_FORWARD.of(qkv.dtype()))?;
-        let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p).arg(qkv).arg(&mut o).arg(&mut lse.slice);
         // SAFETY: attention_forward_T(AttnParams, const T* qkv [n·t, 3c], T* o
         // [n·t, c], float* lse [n·heads·t]) with block (32, 4), a warp per
         // row; d ≤ ATTN_MAX_D and the shapes were checked above.
-        unsafe { b.launch(per_attention_row(&p)) }.during("attention_forward")?;
+        unsafe {
+            launch(
+                be.compute_stream(),
+                &f,
+                per_attention_row(&p),
+                "attention_forward",
+                |b| {
+                    b.arg(&p).arg(qkv).arg(&mut o).arg(&mut lse.slice);
+                },
+            )
+        }?;
     }
     Ok((o, AttentionSaved { lse }))
 }
@@ -265,33 +290,37 @@ pub fn attention_backward(
     let cfg = per_attention_row(&p);
     {
         let f = be.function(k::ATTENTION_BACKWARD_QUERY.of(qkv.dtype()))?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&p)
-            .arg(qkv)
-            .arg(o)
-            .arg(d_o)
-            .arg(&saved.lse.slice)
-            .arg(&mut drow.slice)
-            .arg(&mut dqkv);
         // SAFETY: attention_backward_query_T(AttnParams, const T* qkv, const
         // T* o, const T* dO, const float* lse, float* D [n·heads·t], T* dqkv
         // [n·t, 3c]) with block (32, 4); it writes D and the q part of dqkv.
-        unsafe { b.launch(cfg) }.during("attention_backward_query")?;
+        unsafe {
+            launch(stream, &f, cfg, "attention_backward_query", |b| {
+                b.arg(&p)
+                    .arg(qkv)
+                    .arg(o)
+                    .arg(d_o)
+                    .arg(&saved.lse.slice)
+                    .arg(&mut drow.slice)
+                    .arg(&mut dqkv);
+            })
+        }?;
     }
     {
         let f = be.function(k::ATTENTION_BACKWARD_KEY.of(qkv.dtype()))?;
-        let mut b = stream.launch_builder(&f);
-        b.arg(&p)
-            .arg(qkv)
-            .arg(d_o)
-            .arg(&saved.lse.slice)
-            .arg(&drow.slice)
-            .arg(&mut dqkv);
         // SAFETY: attention_backward_key_T(AttnParams, const T* qkv, const T*
         // dO, const float* lse, const float* D, T* dqkv) with block (32, 4),
         // after the query kernel on the same stream wrote D; it writes the k
         // and v parts of dqkv.
-        unsafe { b.launch(cfg) }.during("attention_backward_key")?;
+        unsafe {
+            launch(stream, &f, cfg, "attention_backward_key", |b| {
+                b.arg(&p)
+                    .arg(qkv)
+                    .arg(d_o)
+                    .arg(&saved.lse.slice)
+                    .arg(&drow.slice)
+                    .arg(&mut dqkv);
+            })
+        }?;
     }
     Ok(dqkv)
 }
@@ -556,18 +585,26 @@ pub fn lstm_forward(
             )?;
         }
         let p = lstm_params(n, t, h, step)?;
-        let mut b = be.compute_stream().launch_builder(&f);
-        b.arg(&p)
-            .arg(&rec.slice)
-            .arg(bias)
-            .arg(&mut gates.slice)
-            .arg(&mut cells.slice)
-            .arg(&mut hs);
         // SAFETY: lstm_cell_forward_T(LstmParams, const float* rec [n, 4H],
         // const float* bias [4H], float* gates [n·t, 4H], float* cells
         // [n·t, H], T* hs [n·t, H]); lengths checked above, grid-stride
         // over n·H, each thread its own unit's elements.
-        unsafe { b.launch(elementwise(n * h)) }.during("lstm_cell_forward")?;
+        unsafe {
+            launch(
+                be.compute_stream(),
+                &f,
+                elementwise(n * h),
+                "lstm_cell_forward",
+                |b| {
+                    b.arg(&p)
+                        .arg(&rec.slice)
+                        .arg(bias)
+                        .arg(&mut gates.slice)
+                        .arg(&mut cells.slice)
+                        .arg(&mut hs);
+                },
+            )
+        }?;
     }
     Ok((hs, LstmSaved { gates, cells }))
 }
@@ -612,19 +649,27 @@ pub fn lstm_backward_steps(
     for step in (0..t).rev() {
         let p = lstm_params(n, t, h, step)?;
         {
-            let mut b = be.compute_stream().launch_builder(&f);
-            b.arg(&p)
-                .arg(&saved.gates.slice)
-                .arg(&saved.cells.slice)
-                .arg(g)
-                .arg(&dh_next.slice)
-                .arg(&mut dc_carry.slice)
-                .arg(&mut d_pre);
             // SAFETY: lstm_cell_backward_T(LstmParams, const float* gates
             // [n·t, 4H], const float* cells [n·t, H], const T* g [n·t, H],
             // const float* dh_next [n, H], float* dc [n, H], T* d_pre
             // [n·t, 4H]); lengths checked above, grid-stride over n·H.
-            unsafe { b.launch(elementwise(n * h)) }.during("lstm_cell_backward")?;
+            unsafe {
+                launch(
+                    be.compute_stream(),
+                    &f,
+                    elementwise(n * h),
+                    "lstm_cell_backward",
+                    |b| {
+                        b.arg(&p)
+                            .arg(&saved.gates.slice)
+                            .arg(&saved.cells.slice)
+                            .arg(g)
+                            .arg(&dh_next.slice)
+                            .arg(&mut dc_carry.slice)
+                            .arg(&mut d_pre);
+                    },
+                )
+            }?;
         }
         if step == 0 {
             break;

@@ -1,0 +1,596 @@
+//! Building the GPU layers from a `ModelSpec`: the parameter cursor's
+//! order, the groups, fusing, and each layer spec's GPU layers.
+
+use cudarc::driver::CudaView;
+
+use crate::cuda::backend::CudaBackend;
+use crate::cuda::ops::{self, ConvPlan, ConvShape};
+use crate::cuda::tensor::{AnyView, CudaTensor, DType};
+use crate::cuda::{CudaError, CudaResult};
+use crate::layers::LoraConfig;
+use crate::network::{is_block, Group};
+use crate::LayerSpec;
+
+use super::*;
+
+pub(super) fn channels(path: &str, shape: &[usize]) -> CudaResult<usize> {
+    match shape {
+        [_, _, c] => Ok(*c),
+        _ => Err(CudaError::shape(
+            "CudaNetwork::build",
+            format!("{path}: an image input [h, w, c]"),
+            format!("{shape:?}"),
+        )),
+    }
+}
+
+/// One group per spec entry, in order (unfused).
+pub(super) fn build_groups(
+    be: &CudaBackend,
+    specs: &[LayerSpec],
+    path: &str,
+    shape: &mut Vec<usize>,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<Vec<Group<GpuLayer>>> {
+    let mut groups = Vec::new();
+    for (i, spec) in specs.iter().enumerate() {
+        let layers = build_one(be, spec, &format!("{path}[{i}]"), shape, cursor)?;
+        groups.push(Group {
+            block: is_block(spec),
+            layers,
+        });
+    }
+    Ok(groups)
+}
+
+/// Folds each ReLU that directly follows a batch norm into it (one fused
+/// kernel instead of two passes over the activations), and each ReLU that
+/// follows a residual whose body ends in a batch norm into that batch norm,
+/// with the residual's sum (a `basic_block`'s end: one kernel instead of
+/// three), inside residual bodies and checkpointed segments too. A
+/// checkpointed segment is fused within, so a ReLU outside a block's
+/// segment stays a layer of its own.
+pub(super) fn fuse(layers: Vec<GpuLayer>) -> Vec<GpuLayer> {
+    let mut out: Vec<GpuLayer> = Vec::with_capacity(layers.len());
+    for layer in layers {
+        let layer = match layer {
+            GpuLayer::Residual(body) => GpuLayer::Residual(fuse(body)),
+            GpuLayer::UnetSkip { body, channels } => GpuLayer::UnetSkip {
+                body: fuse(body),
+                channels,
+            },
+            GpuLayer::Checkpointed(body) => GpuLayer::Checkpointed(fuse(body)),
+            GpuLayer::Relu => match out.pop() {
+                Some(GpuLayer::BatchNorm { bn, relu: false }) => {
+                    GpuLayer::BatchNorm { bn, relu: true }
+                }
+                Some(GpuLayer::Residual(mut body)) => match body.pop() {
+                    Some(GpuLayer::BatchNorm { bn, relu: false }) => {
+                        GpuLayer::FusedResidual { body, tail: bn }
+                    }
+                    last => {
+                        body.extend(last);
+                        out.push(GpuLayer::Residual(body));
+                        GpuLayer::Relu
+                    }
+                },
+                last => {
+                    out.extend(last);
+                    GpuLayer::Relu
+                }
+            },
+            other => other,
+        };
+        out.push(layer);
+    }
+    out
+}
+
+pub(super) fn set_conv_plan(layers: &mut [GpuLayer], conv: ConvPlan) {
+    for layer in layers {
+        match layer {
+            GpuLayer::Conv { plan, .. } | GpuLayer::ConvLstm { plan, .. } => *plan = conv,
+            GpuLayer::Residual(body)
+            | GpuLayer::Checkpointed(body)
+            | GpuLayer::UnetSkip { body, .. }
+            | GpuLayer::FusedResidual { body, .. } => set_conv_plan(body, conv),
+            _ => {}
+        }
+    }
+}
+
+pub(super) fn build_one(
+    be: &CudaBackend,
+    spec: &LayerSpec,
+    path: &str,
+    shape: &mut Vec<usize>,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<Vec<GpuLayer>> {
+    Ok(match spec {
+        LayerSpec::Custom { name, .. } => {
+            return Err(CudaError::Unsupported {
+                op: "CudaNetwork::build",
+                reason: format!(
+                    "{path}: the custom layer \"{name}\" has no CUDA implementation; \
+                     train it with device.kind = \"cpu\""
+                ),
+            })
+        }
+        LayerSpec::Conv {
+            out,
+            kernel,
+            stride,
+            padding,
+            bias,
+        } => {
+            let cin = channels(path, shape)?;
+            let pad = padding.unwrap_or(kernel / 2);
+            let weight = cursor.take_trainable(path, kernel * kernel * cin * out)?;
+            let bias = bias
+                .then(|| cursor.take_trainable(path, *out))
+                .transpose()?;
+            let probe = ConvShape {
+                n: 1,
+                h: shape[0],
+                w: shape[1],
+                cin,
+                cout: *out,
+                k: *kernel,
+                stride: *stride,
+                pad,
+            };
+            let (oh, ow) = probe.out_hw()?;
+            *shape = vec![oh, ow, *out];
+            vec![GpuLayer::Conv {
+                weight,
+                bias,
+                kernel: *kernel,
+                stride: *stride,
+                pad,
+                cout: *out,
+                plan: ConvPlan::default(),
+            }]
+        }
+        LayerSpec::BatchNorm { momentum, eps } => {
+            let c = channels(path, shape)?;
+            let gamma = cursor.take_trainable(path, c)?;
+            let beta = cursor.take_trainable(path, c)?;
+            vec![GpuLayer::BatchNorm {
+                bn: BatchNormLayer {
+                    gamma,
+                    beta,
+                    running: Box::new(RunningStats {
+                        mean: be.alloc_zeros(c)?,
+                        var: be.alloc_zeros(c)?,
+                        saved_mean: be.alloc_zeros(c)?,
+                        saved_var: be.alloc_zeros(c)?,
+                    }),
+                    momentum: *momentum,
+                    eps: *eps,
+                },
+                relu: false,
+            }]
+        }
+        LayerSpec::Relu => vec![GpuLayer::Relu],
+        LayerSpec::GlobalAvgPool => {
+            let c = channels(path, shape)?;
+            *shape = vec![c];
+            vec![GpuLayer::GlobalAvgPool]
+        }
+        LayerSpec::Linear { out, bias } => {
+            let features = features(path, shape)?;
+            let layer = linear_layer(path, features, *out, *bias, cursor)?;
+            set_features(shape, *out);
+            vec![layer]
+        }
+        LayerSpec::LoraLinear { out, bias, lora } => {
+            let features = features(path, shape)?;
+            let layer = lora_layer(path, features, *out, *bias, lora, cursor)?;
+            set_features(shape, *out);
+            vec![layer]
+        }
+        LayerSpec::Embedding { dim, positions } => {
+            vec![embedding_layer(path, shape, *dim, *positions, cursor)?]
+        }
+        LayerSpec::CausalSelfAttention { heads, lora, .. } => {
+            vec![attention_layer(path, shape, *heads, lora.as_ref(), cursor)?]
+        }
+        LayerSpec::ConvLstm { hidden, kernel } => {
+            let (Some(frames), &[h, w, channels]) = (cursor.frames, shape.as_slice()) else {
+                return Err(build_error(
+                    format!("{path}: frames of [h, w, c] images (model.frames)"),
+                    format!("{shape:?}"),
+                ));
+            };
+            let weight =
+                cursor.take_trainable(path, kernel * kernel * (channels + hidden) * 4 * hidden)?;
+            let bias = cursor.take_trainable(path, 4 * hidden)?;
+            *shape = vec![h, w, *hidden];
+            vec![GpuLayer::ConvLstm {
+                weight,
+                bias,
+                shape: ops::ConvLstmShape {
+                    frames,
+                    h,
+                    w,
+                    channels,
+                    hidden: *hidden,
+                    kernel: *kernel,
+                },
+                plan: ConvPlan::default(),
+                step_recompute: cursor.step_recompute,
+            }]
+        }
+        LayerSpec::Lstm { hidden } => {
+            let [length, features] = shape[..] else {
+                return Err(build_error(
+                    format!("{path}: a sequence [t, c]"),
+                    format!("{shape:?}"),
+                ));
+            };
+            let wx = cursor.take_trainable(path, features * 4 * hidden)?;
+            let wh = cursor.take_trainable(path, hidden * 4 * hidden)?;
+            let bias = cursor.take_trainable(path, 4 * hidden)?;
+            *shape = vec![length, *hidden];
+            vec![GpuLayer::Lstm {
+                wx,
+                wh,
+                bias,
+                length,
+            }]
+        }
+        LayerSpec::TransformerBlock {
+            heads,
+            mlp_ratio,
+            dropout,
+            lora,
+            ..
+        } => transformer_block(
+            be,
+            path,
+            shape,
+            *heads,
+            *mlp_ratio,
+            *dropout,
+            lora.as_ref(),
+            cursor,
+        )?,
+        LayerSpec::Flatten => {
+            *shape = vec![shape.iter().product()];
+            vec![GpuLayer::Flatten]
+        }
+        LayerSpec::LayerNorm { eps } => {
+            let Some(&features) = shape.last() else {
+                return Err(CudaError::shape(
+                    "CudaNetwork::build",
+                    format!("{path}: a non-scalar input"),
+                    format!("{shape:?}"),
+                ));
+            };
+            vec![layer_norm_layer(path, features, *eps, cursor)?]
+        }
+        LayerSpec::Dropout { p } => vec![dropout_layer(be, path, *p, cursor)?],
+        LayerSpec::Upsample2x => {
+            let c = channels(path, shape)?;
+            *shape = vec![2 * shape[0], 2 * shape[1], c];
+            vec![GpuLayer::Upsample2x]
+        }
+        LayerSpec::UnetSkip { layers } => {
+            let c = channels(path, shape)?;
+            let mut inner = shape.clone();
+            let groups = build_groups(be, layers, &format!("{path}.layers"), &mut inner, cursor)?;
+            let body = groups.into_iter().flat_map(|g| g.layers).collect();
+            let body_c = channels(path, &inner)?;
+            if inner[..2] != shape[..2] {
+                return Err(CudaError::shape(
+                    "CudaNetwork::build",
+                    format!(
+                        "{path}: a body output of {:?} and any channels",
+                        &shape[..2]
+                    ),
+                    format!("{inner:?}"),
+                ));
+            }
+            *shape = vec![shape[0], shape[1], c + body_c];
+            vec![GpuLayer::UnetSkip { body, channels: c }]
+        }
+        LayerSpec::Silu => vec![GpuLayer::Smooth(ops::Smooth::Silu)],
+        LayerSpec::Gelu => vec![GpuLayer::Smooth(ops::Smooth::Gelu)],
+        LayerSpec::Residual { layers } => {
+            let mut inner = shape.clone();
+            let groups = build_groups(be, layers, &format!("{path}.layers"), &mut inner, cursor)?;
+            let body = groups.into_iter().flat_map(|g| g.layers).collect();
+            vec![GpuLayer::Residual(body)]
+        }
+        LayerSpec::BasicBlock => {
+            let body = crate::network::basic_block_body(channels(path, shape)?);
+            let mut built = build_one(
+                be,
+                &LayerSpec::Residual { layers: body },
+                path,
+                shape,
+                cursor,
+            )?;
+            built.push(GpuLayer::Relu);
+            built
+        }
+    })
+}
+
+pub(super) fn build_error(what: String, got: String) -> CudaError {
+    CudaError::shape("CudaNetwork::build", what, got)
+}
+
+/// The features of a vector [c] or of each position of a sequence [t, c].
+pub(super) fn features(path: &str, shape: &[usize]) -> CudaResult<usize> {
+    match *shape {
+        [c] | [_, c] => Ok(c),
+        _ => Err(build_error(
+            format!("{path}: a feature vector [c] or a sequence [t, c]"),
+            format!("{shape:?}"),
+        )),
+    }
+}
+
+pub(super) fn set_features(shape: &mut [usize], out: usize) {
+    if let Some(last) = shape.last_mut() {
+        *last = out;
+    }
+}
+
+/// A parameter pair a layer trains together or not at all (a weight and
+/// its bias, γ and β): fine-tuning freezes both or neither.
+pub(super) fn same_freezing(path: &str, a: &ParamRef, b: Option<&ParamRef>) -> CudaResult<()> {
+    match b {
+        Some(b) if b.trainable() != a.trainable() => Err(CudaError::Unsupported {
+            op: "CudaNetwork::build",
+            reason: format!("{path}: one of its parameters frozen and the other not"),
+        }),
+        _ => Ok(()),
+    }
+}
+
+pub(super) fn linear_layer(
+    path: &str,
+    features: usize,
+    out: usize,
+    bias: bool,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<GpuLayer> {
+    let weight = cursor.take(path, features * out)?;
+    let bias = bias.then(|| cursor.take(path, out)).transpose()?;
+    same_freezing(path, &weight, bias.as_ref())?;
+    Ok(GpuLayer::Linear { weight, bias, out })
+}
+
+pub(super) fn lora_layer(
+    path: &str,
+    features: usize,
+    out: usize,
+    bias: bool,
+    lora: &LoraConfig,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<GpuLayer> {
+    let scale = lora
+        .validate(&format!("{path}.lora"), features, out)
+        .map_err(|e| CudaError::Unsupported {
+            op: "CudaNetwork::build",
+            reason: e.to_string(),
+        })?;
+    let weight = cursor.take(path, features * out)?;
+    let bias = bias.then(|| cursor.take(path, out)).transpose()?;
+    let a = cursor.take_trainable(path, lora.r * features)?;
+    let b = cursor.take_trainable(path, out * lora.r)?;
+    Ok(GpuLayer::Lora(Box::new(LoraLayer {
+        weight,
+        bias,
+        a,
+        b,
+        rank: lora.r,
+        scale,
+        out,
+    })))
+}
+
+pub(super) fn layer_norm_layer(
+    path: &str,
+    features: usize,
+    eps: f32,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<GpuLayer> {
+    let gamma = cursor.take(path, features)?;
+    let beta = cursor.take(path, features)?;
+    same_freezing(path, &gamma, Some(&beta))?;
+    Ok(GpuLayer::LayerNorm { gamma, beta, eps })
+}
+
+pub(super) fn dropout_layer(
+    be: &CudaBackend,
+    path: &str,
+    p: f32,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<GpuLayer> {
+    let Some(seed) = cursor.dropout_seeds.next() else {
+        return Err(build_error(
+            format!("a dropout seed for {path}"),
+            "none left in the CPU network".to_string(),
+        ));
+    };
+    Ok(GpuLayer::Dropout(Box::new(DropoutLayer {
+        mask: ops::DropoutMask { p, seed },
+        counter: be.alloc_zeros(4)?,
+        saved: be.alloc_zeros(4)?,
+    })))
+}
+
+pub(super) fn embedding_layer(
+    path: &str,
+    shape: &mut Vec<usize>,
+    dim: usize,
+    positions: bool,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<GpuLayer> {
+    let (Some(vocab), &[length]) = (cursor.vocab, shape.as_slice()) else {
+        return Err(build_error(
+            format!("{path}: token ids [t] (model.tokens)"),
+            format!("{shape:?}"),
+        ));
+    };
+    let table = cursor.take(path, vocab * dim)?;
+    let positions_at = positions
+        .then(|| cursor.take(path, length * dim))
+        .transpose()?;
+    *shape = vec![length, dim];
+    Ok(GpuLayer::Embedding {
+        table,
+        positions: positions_at,
+        shape: ops::EmbeddingShape {
+            vocab,
+            dim,
+            length,
+            positions,
+        },
+    })
+}
+
+/// A projection of attention: linear, or LoRA when the spec adapts it.
+pub(super) fn projection(
+    path: &str,
+    features: usize,
+    out: usize,
+    lora: Option<&LoraConfig>,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<GpuLayer> {
+    match lora {
+        Some(lora) => lora_layer(path, features, out, true, lora, cursor),
+        None => linear_layer(path, features, out, true, cursor),
+    }
+}
+
+pub(super) fn attention_layer(
+    path: &str,
+    shape: &[usize],
+    heads: usize,
+    lora: Option<&LoraConfig>,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<GpuLayer> {
+    let [length, width] = *shape else {
+        return Err(build_error(
+            format!("{path}: a sequence [t, c]"),
+            format!("{shape:?}"),
+        ));
+    };
+    if heads == 0 || !width.is_multiple_of(heads) {
+        return Err(build_error(
+            format!("{path}.heads: a divisor of the width {width}"),
+            heads.to_string(),
+        ));
+    }
+    if width / heads > ops::ATTENTION_MAX_HEAD {
+        return Err(CudaError::Unsupported {
+            op: "CudaNetwork::build",
+            reason: format!(
+                "{path}.heads: heads of {} values; the GPU's attention kernels take at most {} \
+                 (use at least {} heads, or device.kind = \"cpu\")",
+                width / heads,
+                ops::ATTENTION_MAX_HEAD,
+                width.div_ceil(ops::ATTENTION_MAX_HEAD)
+            ),
+        });
+    }
+    let qkv = projection(&format!("{path}.qkv"), width, 3 * width, lora, cursor)?;
+    let proj = projection(&format!("{path}.proj"), width, width, lora, cursor)?;
+    Ok(GpuLayer::Attention {
+        qkv: vec![qkv],
+        proj: vec![proj],
+        length,
+        heads,
+    })
+}
+
+/// The CPU's pre-norm GPT block (`network::build_transformer_block`):
+/// x + drop(attn(ln1(x))), then x + drop(fc_out(gelu(fc(ln2(x))))).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn transformer_block(
+    be: &CudaBackend,
+    path: &str,
+    shape: &[usize],
+    heads: usize,
+    mlp_ratio: usize,
+    dropout: f32,
+    lora: Option<&LoraConfig>,
+    cursor: &mut ParamCursor<'_>,
+) -> CudaResult<Vec<GpuLayer>> {
+    let width = match *shape {
+        [_, width] => width,
+        _ => {
+            return Err(build_error(
+                format!("{path}: a sequence [t, c]"),
+                format!("{shape:?}"),
+            ))
+        }
+    };
+    let eps = crate::network::default_eps();
+    let mut attention = vec![
+        layer_norm_layer(&format!("{path}.ln1"), width, eps, cursor)?,
+        attention_layer(&format!("{path}.attn"), shape, heads, lora, cursor)?,
+    ];
+    if dropout > 0.0 {
+        attention.push(dropout_layer(be, path, dropout, cursor)?);
+    }
+    let hidden = width * mlp_ratio;
+    let mut mlp = vec![
+        layer_norm_layer(&format!("{path}.ln2"), width, eps, cursor)?,
+        linear_layer(&format!("{path}.fc"), width, hidden, true, cursor)?,
+        GpuLayer::Smooth(ops::Smooth::Gelu),
+        linear_layer(&format!("{path}.fc_out"), hidden, width, true, cursor)?,
+    ];
+    if dropout > 0.0 {
+        mlp.push(dropout_layer(be, path, dropout, cursor)?);
+    }
+    Ok(vec![GpuLayer::Residual(attention), GpuLayer::Residual(mlp)])
+}
+
+/// The storage of activations, as the groups' compute copies say.
+pub(super) fn activations_of(groups: &Groups) -> DType {
+    match groups[DECAY].compute {
+        Some(_) => DType::F16,
+        None => DType::F32,
+    }
+}
+
+/// The weights a layer computes with (the f16 copy, or the f32 masters).
+pub(super) fn compute<'a>(groups: &'a Groups, p: &ParamRef) -> AnyView<'a> {
+    groups[p.group].weights(p.range())
+}
+
+/// The f32 master of a parameter (batch norm reads gamma and beta in f32).
+pub(super) fn master<'a>(groups: &'a Groups, p: &ParamRef) -> CudaView<'a, f32> {
+    groups[p.group].master.slice.slice(p.range())
+}
+
+pub(super) fn conv_shape(
+    x: &CudaTensor,
+    kernel: usize,
+    stride: usize,
+    pad: usize,
+    cout: usize,
+) -> CudaResult<ConvShape> {
+    match *x.shape() {
+        [n, h, w, cin] => Ok(ConvShape {
+            n,
+            h,
+            w,
+            cin,
+            cout,
+            k: kernel,
+            stride,
+            pad,
+        }),
+        _ => Err(CudaError::shape(
+            "conv2d",
+            "[n, h, w, c]",
+            format!("{:?}", x.shape()),
+        )),
+    }
+}

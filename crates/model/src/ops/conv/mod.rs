@@ -1,0 +1,16 @@
+//! Convolution on the GPU: im2col + cuBLAS, the implicit-GEMM kernels
+//! (`kernels/conv.cu`, `kernels/conv_mma.cu`), the narrow and thin direct
+//! kernels (`narrow.rs`, `kernels/conv_narrow.cu`) and the per-shape
+//! tuner (`tune.rs`, `TunedConv`). Scratch memory is the plan's
+//! workspace (`ConvPlan::workspace`, an im2col matrix for a group of whole
+//! images); the weight gradient is accumulated into the caller's f32 view.
+//!
+//! | launch (`cuda.rs`) | CPU reference |
+//! |---|---|
+//! | `conv2d_forward` / `conv2d_backward` / `conv2d_backward_params` | `layers::Conv2d` |
+//!
+//! Parity tests: `tests/cuda_parity/conv.rs`.
+
+pub(crate) mod cuda;
+pub(crate) mod narrow;
+pub(crate) mod tune;
