@@ -5,19 +5,19 @@
 //! and packed by `crate::text`, which installs their package the same way.
 //! `hold_on_device` decides `data.on_device`.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
 use headroom_loader::{
-    AugmentConfig, Dataset, IdxDataset, LoaderConfig, ShardCacheConfig, ShardedDataset,
-    ShuffleMode, Split,
+    AugmentConfig, Dataset, IdxDataset, LoaderConfig, ShardedDataset, ShuffleMode, Split,
 };
 
 use crate::config::{parse_bytes, ExperimentConfig, OnDevice};
 use crate::learner::Learner;
 use crate::{PipelineError, Result};
+
+pub(crate) use crate::sources::shard_cache;
+pub use crate::sources::{has_fashion_mnist, locate_fashion_mnist, PACKAGE, SYSTEM_DIR};
 
 /// How long the training stage waits for a batch before calling the loader stuck.
 const LOADER_TIMEOUT: Duration = Duration::from_secs(60);
@@ -220,20 +220,6 @@ impl DatasetIdentity {
     }
 }
 
-pub(crate) fn shard_cache(config: &ExperimentConfig) -> Result<ShardCacheConfig> {
-    let settings = &config.loader;
-    Ok(ShardCacheConfig {
-        max_cache_shards: settings.max_cache_shards,
-        cache_bytes: settings
-            .cache_bytes
-            .as_deref()
-            .map(|text| parse_bytes("loader.cache_bytes", text))
-            .transpose()?,
-        read_ahead: settings.read_ahead,
-        full_load: settings.full_load,
-    })
-}
-
 /// The loader for training (shuffled, augmented, drop_last) or evaluation.
 pub fn loader_config(config: &ExperimentConfig, training: bool) -> Result<LoaderConfig> {
     let default_mode = if matches!(config.data.format.as_str(), "shards" | "text") {
@@ -319,134 +305,4 @@ pub fn hold_on_device(
 
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 20) as f64
-}
-
-pub const SYSTEM_DIR: &str = "/usr/share/datasets/fashion-mnist";
-pub const PACKAGE: &str = "dataset-fashion-mnist";
-const FILES: [&str; 4] = [
-    "train-images-idx3-ubyte",
-    "train-labels-idx1-ubyte",
-    "t10k-images-idx3-ubyte",
-    "t10k-labels-idx1-ubyte",
-];
-
-/// Whether a directory holds all four Fashion-MNIST files (raw or .gz).
-pub fn has_fashion_mnist(dir: &Path) -> bool {
-    FILES
-        .iter()
-        .all(|f| dir.join(f).is_file() || dir.join(format!("{f}.gz")).is_file())
-}
-
-/// The directory to read, in order of preference. An explicitly configured
-/// directory that lacks the files is an error, not a reason to look elsewhere.
-pub fn locate_fashion_mnist(configured: Option<&Path>, allow_install: bool) -> Result<PathBuf> {
-    if let Some(dir) = configured {
-        if has_fashion_mnist(dir) {
-            return Ok(dir.to_path_buf());
-        }
-        return Err(missing_files("data.dir", dir));
-    }
-    if let Some(dir) = std::env::var_os("FASHION_MNIST_DIR") {
-        let dir = PathBuf::from(dir);
-        if has_fashion_mnist(&dir) {
-            return Ok(dir);
-        }
-        return Err(missing_files("FASHION_MNIST_DIR", &dir));
-    }
-    let system = PathBuf::from(SYSTEM_DIR);
-    if has_fashion_mnist(&system) {
-        return Ok(system);
-    }
-    if allow_install && can_install_with_apt() {
-        tracing::info!(
-            "Fashion-MNIST not found; installing the Debian package {PACKAGE} with apt-get"
-        );
-        install_with_apt(PACKAGE)?;
-        if has_fashion_mnist(&system) {
-            return Ok(system);
-        }
-    }
-    Err(PipelineError::DatasetMissing(format!(
-        "Fashion-MNIST not found in data.dir, $FASHION_MNIST_DIR or {SYSTEM_DIR}. Install it with:\n    \
-         sudo apt-get update && sudo apt-get install -y {PACKAGE}\n\
-         or point data.dir (or FASHION_MNIST_DIR) at a directory holding {}",
-        FILES.join(", ")
-    )))
-}
-
-/// Names each missing file, not only the list of what was expected.
-fn missing_files(setting: &str, dir: &Path) -> PipelineError {
-    let missing: Vec<String> = FILES
-        .iter()
-        .filter(|f| !dir.join(f).is_file() && !dir.join(format!("{f}.gz")).is_file())
-        .map(|f| dir.join(f).display().to_string())
-        .collect();
-    PipelineError::DatasetMissing(format!(
-        "{setting} = {} does not hold Fashion-MNIST: missing {} (each raw or with .gz; expected {})",
-        dir.display(),
-        missing.join(", "),
-        FILES.join(", ")
-    ))
-}
-
-pub(crate) fn can_install_with_apt() -> bool {
-    let is_root = Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false);
-    let os = std::fs::read_to_string("/etc/os-release").unwrap_or_default();
-    let debian_like = os.lines().any(|l| {
-        (l.starts_with("ID=") || l.starts_with("ID_LIKE="))
-            && (l.contains("debian") || l.contains("ubuntu"))
-    });
-    is_root && debian_like && Path::new("/usr/bin/apt-get").exists()
-}
-
-/// Installs a Debian package (apt-get update, then install), as root.
-pub(crate) fn install_with_apt(package: &str) -> Result<()> {
-    let run = |args: &[&str]| -> Result<()> {
-        let status = Command::new("apt-get")
-            .args(args)
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .status()
-            .map_err(|e| PipelineError::io("apt-get", e))?;
-        if status.success() {
-            Ok(())
-        } else {
-            Err(PipelineError::DatasetMissing(format!(
-                "`apt-get {}` failed ({status}); install {package} by hand",
-                args.join(" ")
-            )))
-        }
-    };
-    run(&["update", "-qq"])?;
-    run(&["install", "-y", "-qq", package])
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn configured_dir_without_files_is_an_error_naming_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let err = locate_fashion_mnist(Some(dir.path()), false)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains(&dir.path().display().to_string()), "{err}");
-        assert!(err.contains("train-images-idx3-ubyte"), "{err}");
-    }
-
-    #[test]
-    fn configured_dir_with_files_is_used() {
-        let dir = tempfile::tempdir().unwrap();
-        for f in FILES {
-            std::fs::write(dir.path().join(format!("{f}.gz")), b"").unwrap();
-        }
-        assert_eq!(
-            locate_fashion_mnist(Some(dir.path()), false).unwrap(),
-            dir.path()
-        );
-    }
 }

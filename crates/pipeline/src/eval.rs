@@ -6,12 +6,12 @@
 use std::path::{Path, PathBuf};
 
 use headroom_loader::{Batch, DataLoader};
-use headroom_model::memory::MemoryPool;
-use headroom_model::Device;
 
 use crate::config::{ExperimentConfig, TestTimeAugmentation};
-use crate::learner::{arg_max, CpuLearner, EvalResult, Learner, LearnerState, StepSettings};
+use crate::learner::{arg_max, EvalResult, Learner};
 use crate::{checkpoint, data, PipelineError, Result};
+
+pub use crate::parts::restored_cpu_learner;
 
 /// One pass over a test loader.
 #[derive(Clone, Debug, PartialEq)]
@@ -125,37 +125,6 @@ fn evaluation_bar(batches: usize) -> indicatif::ProgressBar {
         bar.set_style(style.progress_chars("=> "));
     }
     bar
-}
-
-/// A CPU learner for `config`'s model holding the state `saved` (read from
-/// `path`, named in errors), evaluating `micro_batch` samples at a time.
-pub fn restored_cpu_learner(
-    config: &ExperimentConfig,
-    saved: checkpoint::Checkpoint,
-    path: &Path,
-    micro_batch: usize,
-) -> Result<CpuLearner> {
-    // A full fine-tune's checkpoints hold the model without its adapters.
-    let mut learner = CpuLearner::new(
-        &crate::config::finetune::effective_model(config),
-        config.run.seed,
-        crate::parts::cpu_build_options(config),
-        StepSettings::from_config(config),
-        micro_batch,
-        MemoryPool::new(Device::Cpu),
-    )?;
-    learner
-        .restore(LearnerState {
-            params: saved.params,
-            buffers: saved.buffers,
-            optimizer: saved.optimizer,
-            loss_scale: saved.loss_scale,
-        })
-        .map_err(|reason| PipelineError::Checkpoint {
-            path: path.to_path_buf(),
-            reason,
-        })?;
-    Ok(learner)
 }
 
 #[derive(Clone, Debug)]

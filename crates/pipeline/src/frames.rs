@@ -10,7 +10,7 @@ use std::sync::Arc;
 use headroom_loader::{Dataset, IdxDataset, MovingConfig, MovingFashionMnist, Split};
 
 use crate::config::{ExperimentConfig, FramesConfig};
-use crate::{data, PipelineError, Result};
+use crate::{PipelineError, Result};
 
 /// Keys of the two splits' sequences, so that they differ for one seed.
 const SPLIT_KEYS: [(Split, u64); 2] = [(Split::Train, 0), (Split::Test, 1)];
@@ -40,7 +40,7 @@ pub fn open_splits(
 ) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
     let settings = frames_config(config)?;
     let frames = model_frames(config)? + 1;
-    let dir = data::locate_fashion_mnist(config.data.dir.as_deref(), allow_install)?;
+    let dir = crate::sources::locate_fashion_mnist(config.data.dir.as_deref(), allow_install)?;
     tracing::info!("Moving-Fashion-MNIST garments from {}", dir.display());
     let mut splits = Vec::with_capacity(2);
     for (split, tag) in SPLIT_KEYS {

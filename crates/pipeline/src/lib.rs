@@ -92,6 +92,7 @@ pub mod plot;
 pub mod resume;
 pub mod rundir;
 mod sink;
+mod sources;
 pub mod text;
 pub mod train;
 pub mod trainer;

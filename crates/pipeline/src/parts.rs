@@ -2,16 +2,20 @@
 //! CPU build, the GPU options, and the learner `device.kind` asks for. The
 //! stages themselves take only these typed settings.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use headroom_model::cuda::{CudaBuildOptions, DType};
 use headroom_model::memory::MemoryPool;
-use headroom_model::{BuildOptions, LayerRegistry, Network};
+use headroom_model::{BuildOptions, Device, LayerRegistry, Network};
 use headroom_optim::{AdamWConfig, LossScalerConfig};
 
 use crate::config::ExperimentConfig;
-use crate::learner::{open_network, CudaOptions, DeviceKind, Learner, NetworkPlan, StepSettings};
-use crate::Result;
+use crate::learner::{
+    open_network, CpuLearner, CudaOptions, DeviceKind, Learner, LearnerState, NetworkPlan,
+    StepSettings,
+};
+use crate::{checkpoint, PipelineError, Result};
 
 impl StepSettings {
     pub fn from_config(config: &ExperimentConfig) -> Self {
@@ -82,4 +86,35 @@ pub fn cuda_options(config: &ExperimentConfig) -> Result<CudaOptions> {
         graphs: config.device.graphs,
         ..CudaOptions::default()
     })
+}
+
+/// A CPU learner for `config`'s model holding the state `saved` (read from
+/// `path`, named in errors), evaluating `micro_batch` samples at a time.
+pub fn restored_cpu_learner(
+    config: &ExperimentConfig,
+    saved: checkpoint::Checkpoint,
+    path: &Path,
+    micro_batch: usize,
+) -> Result<CpuLearner> {
+    // A full fine-tune's checkpoints hold the model without its adapters.
+    let mut learner = CpuLearner::new(
+        &crate::config::finetune::effective_model(config),
+        config.run.seed,
+        crate::parts::cpu_build_options(config),
+        StepSettings::from_config(config),
+        micro_batch,
+        MemoryPool::new(Device::Cpu),
+    )?;
+    learner
+        .restore(LearnerState {
+            params: saved.params,
+            buffers: saved.buffers,
+            optimizer: saved.optimizer,
+            loss_scale: saved.loss_scale,
+        })
+        .map_err(|reason| PipelineError::Checkpoint {
+            path: path.to_path_buf(),
+            reason,
+        })?;
+    Ok(learner)
 }

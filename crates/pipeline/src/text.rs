@@ -17,7 +17,7 @@ use headroom_model::{Mode, Network, TokenInput};
 
 use crate::config::{ExperimentConfig, TextConfig};
 use crate::learner::{CpuLearner, Learner};
-use crate::{checkpoint, data, PipelineError, Result, RunSummary};
+use crate::{checkpoint, PipelineError, Result, RunSummary};
 
 /// Windows per shard: small enough that a store of a small corpus has
 /// several shards (so the cache and read-ahead have work to do).
@@ -53,7 +53,7 @@ pub fn open_splits(
     allow_install: bool,
 ) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
     let store = pack(config, allow_install)?;
-    let cache = data::shard_cache(config)?;
+    let cache = crate::sources::shard_cache(config)?;
     let open = |split: &str| -> Result<Arc<dyn Dataset>> {
         let store = ShardedDataset::open(&store.join(split), cache)?;
         tracing::info!(
@@ -135,11 +135,11 @@ pub fn read_corpus(text: &TextConfig, allow_install: bool) -> Result<Vec<u8>> {
     };
     let mut absent = missing(text);
     if let (false, Some(package)) = (absent.is_empty(), &text.package) {
-        if allow_install && data::can_install_with_apt() {
+        if allow_install && crate::sources::can_install_with_apt() {
             tracing::info!(
                 "text corpus not found; installing the Debian package {package} with apt-get"
             );
-            data::install_with_apt(package)?;
+            crate::sources::install_with_apt(package)?;
             absent = missing(text);
         }
     }
@@ -295,7 +295,7 @@ pub fn write_report(config: &ExperimentConfig, summary: &RunSummary) -> Result<T
 }
 
 fn learner_from_checkpoint(config: &ExperimentConfig, path: &Path) -> Result<CpuLearner> {
-    crate::eval::restored_cpu_learner(config, checkpoint::load(path)?, path, 1)
+    crate::parts::restored_cpu_learner(config, checkpoint::load(path)?, path, 1)
 }
 
 /// `count` bytes continuing `prompt`, each drawn from the model's

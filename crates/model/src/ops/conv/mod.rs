@@ -13,4 +13,6 @@
 
 pub(crate) mod cuda;
 pub(crate) mod narrow;
+mod partials;
+pub(crate) mod plan;
 pub(crate) mod tune;

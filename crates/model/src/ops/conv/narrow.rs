@@ -9,7 +9,8 @@
 
 use cudarc::driver::{CudaViewMut, LaunchConfig, PushKernelArg};
 
-use super::cuda::{add_weight_partials, ConvPlan, ConvShape};
+use super::partials::add_weight_partials;
+use super::plan::{ConvPlan, ConvShape};
 use crate::cuda::backend::CudaBackend;
 use crate::cuda::kernels as k;
 use crate::cuda::launch::{elementwise, launch, BLOCK};

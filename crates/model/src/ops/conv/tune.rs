@@ -26,7 +26,7 @@ use std::sync::Mutex;
 use cudarc::driver::{sys, CudaEvent};
 use serde::{Deserialize, Serialize};
 
-use super::cuda::{ConvAlgorithm, ConvPlan, ConvShape, AUTO_IMPLICIT_CHANNELS};
+use super::plan::{ConvAlgorithm, ConvPlan, ConvShape, AUTO_IMPLICIT_CHANNELS};
 use crate::cuda::backend::CudaBackend;
 use crate::cuda::error::Context;
 use crate::cuda::CudaResult;
