@@ -41,6 +41,7 @@ pub mod memory;
 mod network;
 mod ops;
 pub mod profile;
+mod spec;
 mod tensor;
 
 pub use custom::{CustomLayerArgs, LayerFactory, LayerRegistry};

@@ -1,0 +1,260 @@
+//! The model as data: `[model]` of an experiment (`ModelSpec`), its layer
+//! entries (`LayerSpec`, tagged by `type`), token input and the
+//! checkpointing policy. What the CPU and GPU network builders read and
+//! checkpoints record; building lives in `network` and `cuda::network`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::layers::LoraConfig;
+use crate::{ModelError, Result};
+
+/// `model.checkpoint`: which activations a training step recomputes in
+/// backward instead of keeping from the forward.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckpointPolicy {
+    /// Keep every activation backward needs (fastest).
+    #[default]
+    None,
+    /// Each residual block (a top-level `residual`, or a `basic_block`: its
+    /// residual and the ReLU after it) keeps only its input and recomputes
+    /// the rest in backward: about one more forward of the blocks per step.
+    /// A `conv_lstm` recomputes per time step: it keeps each step's cell
+    /// state only and reruns the step's gates in backward.
+    Blocks,
+    /// Every layer is in a checkpointed segment (and `conv_lstm` as in `blocks`): the blocks as in `blocks`,
+    /// and each run of L consecutive other top-level entries in ⌊√L⌋ segments
+    /// of near-equal length. Least memory, one more forward per step.
+    All,
+}
+
+impl CheckpointPolicy {
+    pub fn is_none(&self) -> bool {
+        *self == CheckpointPolicy::None
+    }
+}
+
+/// `[model]` in an experiment file.
+///
+/// The input is either u8 pixels (`input`, `mean`, `std`: required) or token
+/// ids (`tokens`, and then none of the three).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// Per-sample input shape, NHWC without N: [height, width, channels].
+    #[serde(default)]
+    pub input: [usize; 3],
+    /// Input normalisation applied to u8 pixels: (x/255 - mean) / std.
+    #[serde(default)]
+    pub mean: f32,
+    #[serde(default)]
+    pub std: f32,
+    /// Token input: each sample is `length` ids below `vocab`, fed as a
+    /// [N, length] tensor (`Network::input_from_tokens`). Absent for pixels,
+    /// and then left out of the serialised spec (fingerprints unchanged).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokenInput>,
+    /// Frame input: each sample is a sequence of `frames` images of shape
+    /// `input`, fed as [N, frames, h, w, c]; the network predicts the next
+    /// frame at every step and ends in [frames, h, w, c]. Absent for
+    /// images, and then left out of the serialised spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frames: Option<usize>,
+    pub layers: Vec<LayerSpec>,
+    /// Activation checkpointing; absent means `none`. Left out of the
+    /// serialised spec when `none`, so specs written before it existed
+    /// serialise (and fingerprint) the same.
+    #[serde(default, skip_serializing_if = "CheckpointPolicy::is_none")]
+    pub checkpoint: CheckpointPolicy,
+}
+
+/// `model.tokens`.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TokenInput {
+    /// Ids per sample (the sequence length T).
+    pub length: usize,
+    /// Ids are in 0..vocab.
+    pub vocab: usize,
+}
+
+/// Ids travel as f32 values, exact up to 2^24.
+pub(crate) const MAX_VOCAB: usize = 1 << 24;
+
+impl TokenInput {
+    /// A batch's ids as the f32 values the embedding reads (CPU and GPU
+    /// alike); an id outside the vocabulary is an error naming it.
+    pub fn id_values(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        if let Some(at) = ids.iter().position(|&id| id as usize >= self.vocab) {
+            return Err(ModelError::Shape {
+                op: "network input",
+                expected: format!("token ids in 0..{} (model.tokens.vocab)", self.vocab),
+                got: format!("{} at index {at}", ids[at]),
+            });
+        }
+        let mut values = Vec::new();
+        values
+            .try_reserve_exact(ids.len())
+            .map_err(|_| ModelError::State("token batch too large".into()))?;
+        values.extend(ids.iter().map(|&id| id as f32));
+        Ok(values)
+    }
+}
+
+fn default_kernel() -> usize {
+    3
+}
+fn default_stride() -> usize {
+    1
+}
+fn default_true() -> bool {
+    true
+}
+pub(crate) fn default_momentum() -> f32 {
+    0.1
+}
+pub(crate) fn default_eps() -> f32 {
+    1e-5
+}
+
+/// One entry of `model.layers`, tagged by `type`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum LayerSpec {
+    /// Convolution; `padding` defaults to kernel/2 ("same" at stride 1).
+    Conv {
+        out: usize,
+        #[serde(default = "default_kernel")]
+        kernel: usize,
+        #[serde(default = "default_stride")]
+        stride: usize,
+        #[serde(default)]
+        padding: Option<usize>,
+        #[serde(default)]
+        bias: bool,
+    },
+    BatchNorm {
+        #[serde(default = "default_momentum")]
+        momentum: f32,
+        #[serde(default = "default_eps")]
+        eps: f32,
+    },
+    Relu,
+    /// `layers(x) + x`; the body must keep the shape.
+    Residual {
+        layers: Vec<LayerSpec>,
+    },
+    /// The reference ResNet block: conv3x3+BN+ReLU, conv3x3+BN, add the
+    /// block's input, ReLU. Its width is its input's.
+    BasicBlock,
+    GlobalAvgPool,
+    /// Over a feature vector `[c]`, or at every position of a sequence `[t, c]`.
+    Linear {
+        out: usize,
+        #[serde(default = "default_true")]
+        bias: bool,
+    },
+    /// [h, w, c] -> [h·w·c].
+    Flatten,
+    /// x·σ(x).
+    Silu,
+    /// GELU, tanh approximation.
+    Gelu,
+    /// Normalisation over the last axis, with a learned scale and shift.
+    LayerNorm {
+        #[serde(default = "default_eps")]
+        eps: f32,
+    },
+    /// Token ids `[t]` -> `[t, dim]`; needs `model.tokens` (its vocabulary).
+    /// `positions` adds a learned position embedding of t rows.
+    Embedding {
+        dim: usize,
+        #[serde(default)]
+        positions: bool,
+    },
+    /// Zeroes each element with probability `p` in training (counter-based
+    /// randomness: resumes draw the same masks); the identity in evaluation.
+    Dropout {
+        p: f32,
+    },
+    /// Multi-head causal self-attention over [t, c]; `heads` must divide c.
+    /// `lean` recomputes each head's T×T probabilities in backward instead
+    /// of keeping them. `lora` freezes both projections and adapts them.
+    CausalSelfAttention {
+        heads: usize,
+        #[serde(default)]
+        lean: bool,
+        #[serde(default)]
+        lora: Option<LoraConfig>,
+    },
+    /// A linear layer with its weight frozen and a trainable LoRA update.
+    LoraLinear {
+        out: usize,
+        #[serde(default = "default_true")]
+        bias: bool,
+        lora: LoraConfig,
+    },
+    /// A pre-norm GPT block, checkpointed as one block: x + attn(ln(x)),
+    /// then x + mlp(ln(x)) with mlp = linear c->mlp_ratio·c, gelu, linear
+    /// back; `dropout` after the attention and after the MLP when positive.
+    TransformerBlock {
+        heads: usize,
+        #[serde(default = "default_mlp_ratio")]
+        mlp_ratio: usize,
+        #[serde(default)]
+        dropout: f32,
+        #[serde(default)]
+        lean: bool,
+        #[serde(default)]
+        lora: Option<LoraConfig>,
+    },
+    /// One LSTM layer over [t, c] -> all hidden states [t, hidden].
+    Lstm {
+        hidden: usize,
+    },
+    /// Nearest-neighbour upsampling of an image by 2.
+    Upsample2x,
+    /// UNet skip: concatenates its input with its body's output along
+    /// channels; the body must give back the input's height and width.
+    UnetSkip {
+        layers: Vec<LayerSpec>,
+    },
+    /// A convolutional LSTM over frames [t, h, w, c] -> hidden states
+    /// [t, h, w, hidden]; the gates are one `kernel`×`kernel` convolution.
+    ConvLstm {
+        hidden: usize,
+        #[serde(default = "default_kernel")]
+        kernel: usize,
+    },
+    /// A layer of your own, made by the factory registered as `name` (see
+    /// `custom::LayerRegistry`); CPU only.
+    Custom {
+        name: String,
+        #[serde(default)]
+        options: std::collections::BTreeMap<String, f64>,
+    },
+}
+
+fn default_mlp_ratio() -> usize {
+    4
+}
+
+impl ModelSpec {
+    /// The first layer with no CUDA implementation (a `custom` one), by
+    /// path and name: such a model trains on the CPU only.
+    pub fn first_cpu_only_layer(&self) -> Option<(String, String)> {
+        fn walk(layers: &[LayerSpec], path: &str) -> Option<(String, String)> {
+            layers.iter().enumerate().find_map(|(i, layer)| {
+                let here = format!("{path}[{i}]");
+                match layer {
+                    LayerSpec::Custom { name, .. } => Some((here, name.clone())),
+                    LayerSpec::Residual { layers } | LayerSpec::UnetSkip { layers } => {
+                        walk(layers, &format!("{here}.layers"))
+                    }
+                    _ => None,
+                }
+            })
+        }
+        walk(&self.layers, "model.layers")
+    }
+}
