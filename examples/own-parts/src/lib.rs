@@ -211,6 +211,28 @@ pub fn parse_args(
     Ok((example, out))
 }
 
+/// An example program's `main`: parses the command line, makes the
+/// trainer with `make`, runs it; exit 2 on a bad command line, 1 when the
+/// run fails.
+pub fn main_with(
+    make: impl FnOnce(&Example, &Path) -> Result<TrainerBuilder>,
+) -> std::process::ExitCode {
+    let (example, out) = match parse_args(std::env::args()) {
+        Ok(parsed) => parsed,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    match make(&example, &out) {
+        Ok(trainer) => run_and_report(trainer),
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// Runs `trainer` with log lines on stderr, and prints the result.
 pub fn run_and_report(trainer: TrainerBuilder) -> std::process::ExitCode {
     let _ = tracing_subscriber::fmt()
