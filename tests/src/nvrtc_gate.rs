@@ -34,8 +34,9 @@ pub const INSTALL: &str = "python3 -m pip install nvidia-cuda-nvrtc";
 /// Whether this package's tests that need NVRTC were built to run.
 pub const BUILT_TO_RUN: bool = cfg!(headroom_nvrtc);
 
-/// Variables that demand the tests run (the build script then builds them
-/// to run whatever it finds).
+/// Variables that demand the tests run: a binary built without NVRTC fails
+/// its always-run test under them (the build scripts do not read them, so
+/// setting one rebuilds nothing).
 const REQUIRE_VARS: [&str; 2] = ["HEADROOM_REQUIRE_NVRTC", "HEADROOM_REQUIRE_GPU"];
 
 /// What the exit report prints, set by the always-run test.
@@ -108,14 +109,14 @@ pub fn check(binary: &str, source: &str, workspace: Option<&Path>) {
     if BUILT_TO_RUN {
         return;
     }
-    // The build script builds them to run under these variables, so this
-    // is a build made without them: it must not pass for a run that
-    // demands every test.
+    // Built as ignored: that must not pass for a run that demands every
+    // test.
     for var in REQUIRE_VARS {
         assert!(
             !env_is_1(var),
-            "{var}=1 but {marked} tests of {binary} were built as ignored (NVRTC not found \
-             when it was built, without {var}=1): rebuild with the variable set"
+            "{var}=1 but {marked} tests of {binary} were built as ignored: NVRTC was not \
+             found when it was built; install it (`{INSTALL}`), then touch \
+             crates/model/build.rs and run again"
         );
     }
     let tests = if marked == 1 { "test" } else { "tests" };
