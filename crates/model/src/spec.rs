@@ -148,6 +148,15 @@ pub enum LayerSpec {
     /// block's input, ReLU. Its width is its input's.
     BasicBlock,
     GlobalAvgPool,
+    /// Max pooling of an image over `kernel`×`kernel` windows every
+    /// `stride` pixels (default: `kernel`), no padding, the output side
+    /// ⌊(side − kernel)/stride⌋ + 1; ties go to the first in row-major
+    /// window order.
+    MaxPool {
+        kernel: usize,
+        #[serde(default)]
+        stride: Option<usize>,
+    },
     /// Over a feature vector `[c]`, or at every position of a sequence `[t, c]`.
     Linear {
         out: usize,

@@ -113,6 +113,61 @@ fn a_linear_after_a_conv_is_a_spec_error_naming_the_layer() {
     assert!(err.to_string().contains("model.layers[1]"), "{err}");
 }
 
+/// `max_pool`: the stride defaults to the kernel, the output side is
+/// ⌊(side − kernel)/stride⌋ + 1, and a kernel wider than the image (there is
+/// no padding) or a zero kernel is a spec error naming the layer; frames
+/// pool frame by frame.
+#[test]
+fn max_pool_shapes_and_spec_errors() {
+    let build = |layers: &str| Network::build(&parse(&with_layers(layers)).unwrap(), 0);
+    // What reaches the classifier: its weight is [features, 2].
+    let features = |layers: &str| {
+        let mut net = build(&format!(
+            r#"{layers}, {{ type = "flatten" }}, {{ type = "linear", out = 2, bias = false }}"#
+        ))
+        .unwrap();
+        net.params_mut().last().unwrap().value.len() / 2
+    };
+    assert_eq!(features(r#"{ type = "max_pool", kernel = 2 }"#), 14 * 14);
+    let layers = r#"{ type = "max_pool", kernel = 3, stride = 2 }"#;
+    assert_eq!(features(layers), 13 * 13);
+    let layers =
+        r#"{ type = "conv", out = 4, padding = 0 }, { type = "max_pool", kernel = 5, stride = 5 }"#;
+    assert_eq!(features(layers), 5 * 5 * 4);
+    for (layers, says) in [
+        (
+            r#"{ type = "max_pool", kernel = 4 }, { type = "max_pool", kernel = 8 }"#,
+            "does not fit the 7x7 image",
+        ),
+        (
+            r#"{ type = "relu" }, { type = "max_pool", kernel = 0 }"#,
+            "positive",
+        ),
+        (
+            r#"{ type = "relu" }, { type = "max_pool", kernel = 2, stride = 0 }"#,
+            "positive",
+        ),
+        (
+            r#"{ type = "global_avg_pool" }, { type = "max_pool", kernel = 2 }"#,
+            "image input",
+        ),
+    ] {
+        let err = build(layers).err().expect("must not build");
+        assert!(matches!(err, ModelError::Spec { .. }), "{err:?}");
+        assert!(err.to_string().contains("model.layers[1]"), "{err}");
+        assert!(err.to_string().contains(says), "{err}");
+    }
+    let frames = "[model]\ninput = [6, 6, 2]\nmean = 0.5\nstd = 0.5\nframes = 3\nlayers = [\n\
+        { type = \"max_pool\", kernel = 2 }, { type = \"upsample2x\" }\n]\n";
+    let mut net = Network::build(&parse(frames).unwrap(), 0).unwrap();
+    assert_eq!(net.output_shape(), &[3, 6, 6, 2]);
+    let x = Tensor::from_vec(&[1, 3, 6, 6, 2], (0..216).map(|v| v as f32).collect()).unwrap();
+    let y = net.forward(&x, Mode::Eval).unwrap();
+    // Values grow along the frame: each 2x2 window's largest is its last.
+    assert_eq!(y.data()[..2], [14.0, 15.0]);
+    assert_eq!(y.data()[72..74], [86.0, 87.0]);
+}
+
 /// A small residual net on 8×8 inputs, small enough to train in a test.
 fn small_spec() -> ModelSpec {
     parse(

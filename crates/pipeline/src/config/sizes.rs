@@ -171,6 +171,17 @@ impl ModelSize {
                 Ok((2 * 9 * channels * channels + 4 * channels, shape.to_vec()))
             }
             LayerSpec::GlobalAvgPool => Ok((0, vec![channels])),
+            LayerSpec::MaxPool { kernel, stride } => {
+                let (kernel, stride) = (*kernel as u64, stride.unwrap_or(*kernel) as u64);
+                let side = |d: u64| d.checked_sub(kernel).map(|r| r / stride.max(1) + 1);
+                match shape {
+                    [h, w, c] => match (side(*h), side(*w)) {
+                        (Some(oh), Some(ow)) => Ok((0, vec![oh, ow, *c])),
+                        _ => Ok((0, shape.to_vec())), // the model crate names this one
+                    },
+                    _ => Ok((0, shape.to_vec())),
+                }
+            }
             LayerSpec::Linear { out, bias } => {
                 let features = shape.iter().fold(1u64, |a, &d| a.saturating_mul(d));
                 let out = *out as u64;

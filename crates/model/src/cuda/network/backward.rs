@@ -121,6 +121,7 @@ impl GpuLayer {
             self,
             GpuLayer::Relu
                 | GpuLayer::GlobalAvgPool
+                | GpuLayer::MaxPool { .. }
                 | GpuLayer::Flatten
                 | GpuLayer::Smooth(_)
                 | GpuLayer::Dropout(_)
@@ -144,6 +145,7 @@ impl GpuLayer {
             GpuLayer::FusedResidual { .. } => "residual batch_norm+add+relu".into(),
             GpuLayer::Checkpointed(_) => "checkpointed segment (its own layers apart)".into(),
             GpuLayer::GlobalAvgPool => "global_avg_pool".into(),
+            GpuLayer::MaxPool { kernel, stride } => format!("max_pool {kernel}x{kernel}/{stride}"),
             GpuLayer::Linear { out, .. } => format!("linear to {out}"),
             GpuLayer::Flatten => "flatten".into(),
             GpuLayer::Smooth(kind) => kind.name().into(),
@@ -408,6 +410,7 @@ pub(super) fn backward_leaf(
                 ops::layer_norm_backward(be, &g, &x, &stats, &v.master, &mut v.grad, beta_grad)
             })
         }
+        (GpuLayer::MaxPool { .. }, Saved::MaxPool(kept)) => ops::max_pool_backward(be, &g, &kept),
         (GpuLayer::GlobalAvgPool, Saved::Shape(shape)) => {
             ops::global_avg_pool_backward(be, &g, &shape)
         }

@@ -177,6 +177,27 @@ pub(super) fn build_one(
             *shape = vec![c];
             vec![GpuLayer::GlobalAvgPool]
         }
+        LayerSpec::MaxPool { kernel, stride } => {
+            let c = channels(path, shape)?;
+            let stride = stride.unwrap_or(*kernel);
+            let side = |d: usize| {
+                (*kernel > 0 && stride > 0)
+                    .then(|| d.checked_sub(*kernel).map(|r| r / stride + 1))
+                    .flatten()
+            };
+            let (Some(oh), Some(ow)) = (side(shape[0]), side(shape[1])) else {
+                return Err(CudaError::shape(
+                    "CudaNetwork::build",
+                    format!("{path}: an image that fits the {kernel}x{kernel} max_pool kernel"),
+                    format!("{shape:?}"),
+                ));
+            };
+            *shape = vec![oh, ow, c];
+            vec![GpuLayer::MaxPool {
+                kernel: *kernel,
+                stride,
+            }]
+        }
         LayerSpec::Linear { out, bias } => {
             let features = features(path, shape)?;
             let layer = linear_layer(path, features, *out, *bias, cursor)?;

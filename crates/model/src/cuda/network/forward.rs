@@ -277,6 +277,15 @@ pub(super) fn forward_one(
             let y = forward_list(be, body, groups, body_input, pass, None)?;
             (y, Keep::Segment)
         }
+        GpuLayer::MaxPool { kernel, stride } => {
+            // Only a pass that keeps activations writes the argmax.
+            let (y, kept) = ops::max_pool_forward(be, x, *kernel, *stride, keeping)?;
+            let keep = match kept {
+                Some(kept) => Saved::MaxPool(Box::new(kept)),
+                None => Saved::Nothing,
+            };
+            (y, Keep::Other(keep))
+        }
         GpuLayer::GlobalAvgPool => {
             let y = ops::global_avg_pool_forward(be, x)?;
             (y, Keep::Other(Saved::Shape(x.shape().to_vec())))

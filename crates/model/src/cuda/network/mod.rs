@@ -18,7 +18,8 @@
 //! ReLU its output; global pooling its input's shape; a fused residual block
 //! (below) its body's entries, its last batch norm's input and statistics,
 //! and the block's output (the ReLU's mask, which is also that batch
-//! norm's). Entries are references (`Shared`), never copies: a batch norm's
+//! norm's); max pooling one u32 argmax per output, and its input's shape.
+//! Entries are references (`Shared`), never copies: a batch norm's
 //! output and the next convolution's input are one buffer, as are a block's
 //! input and its first convolution's. With `CudaBuildOptions::recompute` a
 //! fused batch norm + ReLU's output and a fused residual's output are not
@@ -185,6 +186,12 @@ enum GpuLayer {
     /// recomputed in backward (`model.checkpoint`): it keeps only its input.
     Checkpointed(Vec<GpuLayer>),
     GlobalAvgPool,
+    /// Max pooling, no padding; a training forward keeps each output's
+    /// argmax (u32) and the input's shape, not the input.
+    MaxPool {
+        kernel: usize,
+        stride: usize,
+    },
     Linear {
         weight: ParamRef,
         bias: Option<ParamRef>,
@@ -432,6 +439,8 @@ enum Saved {
     BatchNorm(Box<SavedBatchNorm>),
     Output(Activation),
     Shape(Vec<usize>),
+    /// Max pooling's argmax per output and its input's shape.
+    MaxPool(Box<ops::MaxPoolSaved>),
     Nothing,
 }
 
