@@ -13,8 +13,9 @@ use crate::custom::{CustomLayerArgs, LayerRegistry};
 use crate::init::InitRng;
 use crate::layers::{
     backward_params_only_through, BatchNorm2d, CausalSelfAttention, Checkpointed, Conv2d, ConvLstm,
-    Dropout, Embedding, Flatten, FusedResidual, Gelu, GlobalAvgPool, LayerNorm, Linear, LoraConfig,
-    LoraLinear, Lstm, MaxPool2d, PerFrame, PerPosition, Relu, Residual, Silu, UnetSkip, Upsample2x,
+    DepthwiseConv2d, Dropout, Embedding, Flatten, FusedResidual, Gelu, GlobalAvgPool, LayerNorm,
+    Linear, LoraConfig, LoraLinear, Lstm, MaxPool2d, PerFrame, PerPosition, Relu, Residual, Silu,
+    UnetSkip, Upsample2x,
 };
 use crate::profile::{self, ProfileSegment};
 use crate::{Device, Layer, MemoryPool, Mode, ModelError, Param, PoolStats, Result, Tensor};
@@ -723,6 +724,7 @@ fn is_per_frame(spec: &LayerSpec) -> bool {
             | LayerSpec::BatchNorm { .. }
             | LayerSpec::Upsample2x
             | LayerSpec::MaxPool { .. }
+            | LayerSpec::DepthwiseConv { .. }
     )
 }
 
@@ -770,6 +772,31 @@ fn build_one(
                 *kernel,
                 *stride,
                 pad,
+                *bias,
+                &mut ctx.rng,
+            )?)]
+        }
+        LayerSpec::DepthwiseConv {
+            kernel,
+            stride,
+            padding,
+            bias,
+            multiplier,
+        } => {
+            let channels = image_channels(path, shape)?;
+            if *kernel == 0 || *stride == 0 || *multiplier == 0 {
+                return Err(spec_error(
+                    path,
+                    "kernel, stride and multiplier must be positive",
+                ));
+            }
+            vec![Box::new(DepthwiseConv2d::new(
+                path,
+                channels,
+                *multiplier,
+                *kernel,
+                *stride,
+                padding.unwrap_or(kernel / 2),
                 *bias,
                 &mut ctx.rng,
             )?)]

@@ -107,6 +107,9 @@ fn default_kernel() -> usize {
 fn default_stride() -> usize {
     1
 }
+fn default_multiplier() -> usize {
+    1
+}
 fn default_true() -> bool {
     true
 }
@@ -132,6 +135,21 @@ pub enum LayerSpec {
         padding: Option<usize>,
         #[serde(default)]
         bias: bool,
+    },
+    /// Depthwise convolution: `multiplier` `kernel`×`kernel` filters per
+    /// input channel, channels never mixed (output channel c·multiplier + m
+    /// from input channel c); `padding` defaults to kernel/2.
+    DepthwiseConv {
+        #[serde(default = "default_kernel")]
+        kernel: usize,
+        #[serde(default = "default_stride")]
+        stride: usize,
+        #[serde(default)]
+        padding: Option<usize>,
+        #[serde(default)]
+        bias: bool,
+        #[serde(default = "default_multiplier")]
+        multiplier: usize,
     },
     BatchNorm {
         #[serde(default = "default_momentum")]

@@ -168,6 +168,57 @@ fn max_pool_shapes_and_spec_errors() {
     assert_eq!(y.data()[72..74], [86.0, 87.0]);
 }
 
+/// `depthwise_conv`: the defaults (3×3, stride 1, "same" padding, no bias,
+/// multiplier 1), its weight [k, k, c·multiplier] and bias [c·multiplier]
+/// named after the layer, its output size, and spec errors naming the layer.
+#[test]
+fn depthwise_conv_shapes_params_and_spec_errors() {
+    let build = |layers: &str| Network::build(&parse(&with_layers(layers)).unwrap(), 0);
+    let head = r#"{ type = "global_avg_pool" }, { type = "linear", out = 2 }"#;
+    let layers = format!(
+        r#"{{ type = "conv", out = 3 }}, {{ type = "depthwise_conv" }},
+           {{ type = "depthwise_conv", kernel = 5, stride = 2, multiplier = 2, bias = true }},
+           {head}"#
+    );
+    let mut net = build(&layers).unwrap();
+    let params: Vec<(String, Vec<usize>)> = net
+        .params_mut()
+        .iter()
+        .map(|p| (p.name.clone(), p.value.shape().to_vec()))
+        .collect();
+    assert_eq!(params[1], ("model.layers[1].weight".into(), vec![3, 3, 3]));
+    assert_eq!(params[2], ("model.layers[2].weight".into(), vec![5, 5, 6]));
+    assert_eq!(params[3], ("model.layers[2].bias".into(), vec![6]));
+    // The linear layer reads 6 channels.
+    assert_eq!(params[4].1, vec![6, 2]);
+    for (layer, says) in [
+        (r#"{ type = "depthwise_conv", multiplier = 0 }"#, "positive"),
+        (r#"{ type = "depthwise_conv", stride = 0 }"#, "positive"),
+        (
+            r#"{ type = "depthwise_conv", kernel = 9, padding = 0 }"#,
+            "at least 9x9",
+        ),
+    ] {
+        let err = build(&format!(
+            r#"{{ type = "max_pool", kernel = 4 }}, {layer}, {head}"#
+        ))
+        .err()
+        .expect("must not build");
+        assert!(matches!(err, ModelError::Spec { .. }), "{err:?}");
+        assert!(err.to_string().contains("model.layers[1]"), "{err}");
+        assert!(err.to_string().contains(says), "{err}");
+    }
+    let frames = "[model]\ninput = [6, 6, 2]\nmean = 0.5\nstd = 0.5\nframes = 3\nlayers = [\n\
+        { type = \"depthwise_conv\" }\n]\n";
+    let mut net = Network::build(&parse(frames).unwrap(), 0).unwrap();
+    assert_eq!(net.output_shape(), &[3, 6, 6, 2]);
+    let x = Tensor::from_vec(&[2, 3, 6, 6, 2], vec![1.0; 432]).unwrap();
+    assert_eq!(
+        net.forward(&x, Mode::Train).unwrap().shape(),
+        &[2, 3, 6, 6, 2]
+    );
+}
+
 /// A small residual net on 8×8 inputs, small enough to train in a test.
 fn small_spec() -> ModelSpec {
     parse(

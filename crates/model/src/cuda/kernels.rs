@@ -185,6 +185,19 @@ pub const MAX_POOL_FORWARD_TRAIN: KernelPair =
     pair!("pool", "max_pool_forward_train", MaxPoolParams, 3);
 pub const MAX_POOL_BACKWARD: KernelPair = pair!("pool", "max_pool_backward", MaxPoolParams, 3);
 
+pub const DEPTHWISE_FORWARD: KernelPair =
+    pair!("depthwise", "depthwise_forward", DepthwiseParams, 4);
+pub const DEPTHWISE_BACKWARD_INPUT: KernelPair =
+    pair!("depthwise", "depthwise_backward_input", DepthwiseParams, 3);
+pub const DEPTHWISE_WGRAD_PARTIAL: KernelPair =
+    pair!("depthwise", "depthwise_wgrad_partial", DepthwiseParams, 3);
+pub const DEPTHWISE_WGRAD_REDUCE: KernelSig = sig!(
+    "depthwise",
+    "depthwise_wgrad_reduce",
+    DepthwiseReduceParams,
+    2
+);
+
 pub const SOFTMAX_XENT: KernelPair = pair!("loss", "softmax_xent", XentParams, 6);
 pub const SOFTMAX_XENT_SOFT: KernelPair = pair!("loss", "softmax_xent_soft", XentParams, 6);
 pub const SOFTMAX_FOCAL: KernelPair = pair!("loss", "softmax_focal", FocalParams, 6);
@@ -444,6 +457,19 @@ pub static FILES: &[KernelFile] = &[
             NARROW_WGRAD.f32,
             THIN_FORWARD,
             THIN_WGRAD,
+        ],
+    },
+    KernelFile {
+        name: "depthwise",
+        source: include_str!("../../kernels/depthwise.cu"),
+        kernels: &[
+            DEPTHWISE_FORWARD.f16,
+            DEPTHWISE_FORWARD.f32,
+            DEPTHWISE_BACKWARD_INPUT.f16,
+            DEPTHWISE_BACKWARD_INPUT.f32,
+            DEPTHWISE_WGRAD_PARTIAL.f16,
+            DEPTHWISE_WGRAD_PARTIAL.f32,
+            DEPTHWISE_WGRAD_REDUCE,
         ],
     },
     KernelFile {

@@ -13,6 +13,7 @@ mod batchnorm;
 mod checkpointed;
 mod conv;
 mod conv_lstm;
+mod depthwise_conv;
 mod dropout;
 mod embedding;
 mod head_products;
@@ -39,6 +40,7 @@ pub use conv::{
     CpuKernels,
 };
 pub use conv_lstm::ConvLstm;
+pub use depthwise_conv::{depthwise_out_side, DepthwiseConv2d};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use linear::Linear;

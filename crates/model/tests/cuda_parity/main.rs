@@ -45,8 +45,8 @@ use headroom_model::cuda::{
 };
 use headroom_model::init::InitRng;
 use headroom_model::layers::{
-    BatchNorm2d, Conv2d, Dropout, FusedResidual, Gelu, GlobalAvgPool, LayerNorm, Linear, MaxPool2d,
-    Relu, Residual, Silu, Upsample2x,
+    BatchNorm2d, Conv2d, DepthwiseConv2d, Dropout, FusedResidual, Gelu, GlobalAvgPool, LayerNorm,
+    Linear, MaxPool2d, Relu, Residual, Silu, Upsample2x,
 };
 use headroom_model::loss::{
     focal_loss, pixel_mse, soft_cross_entropy, soft_focal_loss, softmax_cross_entropy, LossOutput,
@@ -796,6 +796,34 @@ const COVERAGE: &[(&str, &str)] = &[
     (
         "bn_running_restore",
         "running_statistics_are_put_back_only_after_a_skipped_step",
+    ),
+    (
+        "depthwise_forward_f16",
+        "depthwise_convolution_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "depthwise_forward_f32",
+        "depthwise_convolution_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "depthwise_backward_input_f16",
+        "depthwise_convolution_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "depthwise_backward_input_f32",
+        "depthwise_convolution_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "depthwise_wgrad_partial_f16",
+        "depthwise_convolution_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "depthwise_wgrad_partial_f32",
+        "depthwise_convolution_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "depthwise_wgrad_reduce",
+        "depthwise_convolution_matches_the_cpu_layer_bit_for_bit",
     ),
     (
         "max_pool_forward_f16",

@@ -86,6 +86,20 @@ pub(super) fn backward_params_only(
                 )
             })
         }
+        GpuLayer::DepthwiseConv {
+            weight,
+            bias,
+            shape,
+        } if weight.trainable() => {
+            let Some(Saved::Input(x)) = saved.pop() else {
+                return Err(missing());
+            };
+            let x = x.take(be)?;
+            with_grads(groups, weight, bias.as_ref(), |mut v| {
+                let bias_grad = v.other.as_mut().map(|(_, grad)| grad);
+                ops::depthwise_backward_params(be, &x, &g, &mut v.grad, bias_grad, *shape)
+            })
+        }
         GpuLayer::Linear { weight, bias, .. } if weight.trainable() => {
             let Some(Saved::Input(x)) = saved.pop() else {
                 return Err(missing());
@@ -138,6 +152,12 @@ impl GpuLayer {
                 cout,
                 ..
             } => format!("conv {kernel}x{kernel}/{stride} to {cout}"),
+            GpuLayer::DepthwiseConv { shape, .. } => format!(
+                "depthwise_conv {k}x{k}/{s} x{m}",
+                k = shape.kernel,
+                s = shape.stride,
+                m = shape.multiplier
+            ),
             GpuLayer::BatchNorm { relu: true, .. } => "batch_norm+relu".into(),
             GpuLayer::BatchNorm { relu: false, .. } => "batch_norm".into(),
             GpuLayer::Relu => "relu".into(),
@@ -362,6 +382,20 @@ pub(super) fn backward_leaf(
             with_grads(groups, weight, bias.as_ref(), |mut v| {
                 let bias_grad = v.other.as_mut().map(|(_, grad)| grad);
                 ops::conv2d_backward(be, &x, &g, &v.compute, &mut v.grad, bias_grad, s, *plan)
+            })
+        }
+        (
+            GpuLayer::DepthwiseConv {
+                weight,
+                bias,
+                shape,
+            },
+            Saved::Input(x),
+        ) => {
+            let x = x.take(be)?;
+            with_grads(groups, weight, bias.as_ref(), |mut v| {
+                let bias_grad = v.other.as_mut().map(|(_, grad)| grad);
+                ops::depthwise_backward(be, &x, &g, &v.compute, &mut v.grad, bias_grad, *shape)
             })
         }
         (GpuLayer::Linear { weight, .. }, Saved::Input(x)) if !weight.trainable() => {

@@ -12,7 +12,7 @@
 //! from the masters. A layer's parameter is a range of a group.
 //!
 //! What a training forward saves for backward (a stack, popped in reverse):
-//! a convolution or linear layer its input; batch norm its input and its
+//! a convolution (depthwise too) or linear layer its input; batch norm its input and its
 //! batch statistics (fused with the ReLU after it, the ReLU's mask comes
 //! from those, and its output is kept only as the next layer's input); a standalone
 //! ReLU its output; global pooling its input's shape; a fused residual block
@@ -167,6 +167,12 @@ enum GpuLayer {
         cout: usize,
         /// Its algorithm and im2col workspace (`CudaBuildOptions`).
         plan: ConvPlan,
+    },
+    /// Depthwise convolution (direct kernels); keeps its input.
+    DepthwiseConv {
+        weight: ParamRef,
+        bias: Option<ParamRef>,
+        shape: ops::DepthwiseShape,
     },
     BatchNorm {
         bn: BatchNormLayer,
