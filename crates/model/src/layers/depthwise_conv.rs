@@ -513,6 +513,33 @@ mod tests {
         }
     }
 
+    /// Output, dx, dW and db bit for bit the same on 1, 2 and 3 threads.
+    #[test]
+    fn results_do_not_depend_on_the_thread_count() {
+        let x = random(&[5, 9, 8, 4], 11);
+        let g = random(&[5, 5, 4, 8], 12);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let mut l = layer(4, 2, 3, 2, 1, true);
+                let y = l.forward(&x, Mode::Train).unwrap();
+                let dx = l.backward(&g).unwrap();
+                let mut bits: Vec<u32> = y.data().iter().map(|v| v.to_bits()).collect();
+                bits.extend(dx.data().iter().map(|v| v.to_bits()));
+                for p in l.params_mut() {
+                    bits.extend(p.grad.data().iter().map(|v| v.to_bits()));
+                }
+                bits
+            })
+        };
+        let one = run(1);
+        assert_eq!(one, run(2));
+        assert_eq!(one, run(3));
+    }
+
     #[test]
     fn gradient_matches_finite_differences() {
         for (m, k, s, p, bias) in [
