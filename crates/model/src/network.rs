@@ -13,8 +13,9 @@ use crate::custom::{CustomLayerArgs, LayerRegistry};
 use crate::init::InitRng;
 use crate::layers::{
     backward_params_only_through, BatchNorm2d, CausalSelfAttention, Checkpointed, Conv2d, ConvLstm,
-    Dropout, Embedding, Flatten, FusedResidual, Gelu, GlobalAvgPool, LayerNorm, Linear, LoraConfig,
-    LoraLinear, Lstm, PerFrame, PerPosition, Relu, Residual, Silu, UnetSkip, Upsample2x,
+    DepthwiseConv2d, Dropout, Embedding, Flatten, FusedResidual, Gelu, GlobalAvgPool, LayerNorm,
+    Linear, LoraConfig, LoraLinear, Lstm, MaxPool2d, PerFrame, PerPosition, Relu, Residual, Silu,
+    UnetSkip, Upsample2x,
 };
 use crate::profile::{self, ProfileSegment};
 use crate::{Device, Layer, MemoryPool, Mode, ModelError, Param, PoolStats, Result, Tensor};
@@ -719,7 +720,11 @@ pub(crate) fn basic_block_body(channels: usize) -> Vec<LayerSpec> {
 fn is_per_frame(spec: &LayerSpec) -> bool {
     matches!(
         spec,
-        LayerSpec::Conv { .. } | LayerSpec::BatchNorm { .. } | LayerSpec::Upsample2x
+        LayerSpec::Conv { .. }
+            | LayerSpec::BatchNorm { .. }
+            | LayerSpec::Upsample2x
+            | LayerSpec::MaxPool { .. }
+            | LayerSpec::DepthwiseConv { .. }
     )
 }
 
@@ -771,6 +776,31 @@ fn build_one(
                 &mut ctx.rng,
             )?)]
         }
+        LayerSpec::DepthwiseConv {
+            kernel,
+            stride,
+            padding,
+            bias,
+            multiplier,
+        } => {
+            let channels = image_channels(path, shape)?;
+            if *kernel == 0 || *stride == 0 || *multiplier == 0 {
+                return Err(spec_error(
+                    path,
+                    "kernel, stride and multiplier must be positive",
+                ));
+            }
+            vec![Box::new(DepthwiseConv2d::new(
+                path,
+                channels,
+                *multiplier,
+                *kernel,
+                *stride,
+                padding.unwrap_or(kernel / 2),
+                *bias,
+                &mut ctx.rng,
+            )?)]
+        }
         LayerSpec::BatchNorm { momentum, eps } => {
             vec![Box::new(batch_norm(path, shape, *momentum, *eps)?)]
         }
@@ -797,6 +827,27 @@ fn build_one(
         LayerSpec::GlobalAvgPool => {
             image_channels(path, shape)?;
             vec![Box::new(GlobalAvgPool::new())]
+        }
+        LayerSpec::MaxPool { kernel, stride } => {
+            let stride = stride.unwrap_or(*kernel);
+            if *kernel == 0 || stride == 0 {
+                return Err(spec_error(path, "kernel and stride must be positive"));
+            }
+            let &[h, w, _] = shape else {
+                return Err(spec_error(
+                    path,
+                    format!("max_pool needs an image input [h, w, c], got {shape:?}"),
+                ));
+            };
+            if *kernel > h || *kernel > w {
+                return Err(spec_error(
+                    path,
+                    format!(
+                        "max_pool's {kernel}x{kernel} kernel does not fit the {h}x{w} image                          (no padding)"
+                    ),
+                ));
+            }
+            vec![Box::new(MaxPool2d::new(*kernel, stride))]
         }
         LayerSpec::Linear { out, bias } => {
             if *out == 0 {

@@ -107,6 +107,9 @@ fn default_kernel() -> usize {
 fn default_stride() -> usize {
     1
 }
+fn default_multiplier() -> usize {
+    1
+}
 fn default_true() -> bool {
     true
 }
@@ -133,6 +136,21 @@ pub enum LayerSpec {
         #[serde(default)]
         bias: bool,
     },
+    /// Depthwise convolution: `multiplier` `kernel`×`kernel` filters per
+    /// input channel, channels never mixed (output channel c·multiplier + m
+    /// from input channel c); `padding` defaults to kernel/2.
+    DepthwiseConv {
+        #[serde(default = "default_kernel")]
+        kernel: usize,
+        #[serde(default = "default_stride")]
+        stride: usize,
+        #[serde(default)]
+        padding: Option<usize>,
+        #[serde(default)]
+        bias: bool,
+        #[serde(default = "default_multiplier")]
+        multiplier: usize,
+    },
     BatchNorm {
         #[serde(default = "default_momentum")]
         momentum: f32,
@@ -148,6 +166,15 @@ pub enum LayerSpec {
     /// block's input, ReLU. Its width is its input's.
     BasicBlock,
     GlobalAvgPool,
+    /// Max pooling of an image over `kernel`×`kernel` windows every
+    /// `stride` pixels (default: `kernel`), no padding, the output side
+    /// ⌊(side − kernel)/stride⌋ + 1; ties go to the first in row-major
+    /// window order.
+    MaxPool {
+        kernel: usize,
+        #[serde(default)]
+        stride: Option<usize>,
+    },
     /// Over a feature vector `[c]`, or at every position of a sequence `[t, c]`.
     Linear {
         out: usize,

@@ -113,6 +113,112 @@ fn a_linear_after_a_conv_is_a_spec_error_naming_the_layer() {
     assert!(err.to_string().contains("model.layers[1]"), "{err}");
 }
 
+/// `max_pool`: the stride defaults to the kernel, the output side is
+/// ⌊(side − kernel)/stride⌋ + 1, and a kernel wider than the image (there is
+/// no padding) or a zero kernel is a spec error naming the layer; frames
+/// pool frame by frame.
+#[test]
+fn max_pool_shapes_and_spec_errors() {
+    let build = |layers: &str| Network::build(&parse(&with_layers(layers)).unwrap(), 0);
+    // What reaches the classifier: its weight is [features, 2].
+    let features = |layers: &str| {
+        let mut net = build(&format!(
+            r#"{layers}, {{ type = "flatten" }}, {{ type = "linear", out = 2, bias = false }}"#
+        ))
+        .unwrap();
+        net.params_mut().last().unwrap().value.len() / 2
+    };
+    assert_eq!(features(r#"{ type = "max_pool", kernel = 2 }"#), 14 * 14);
+    let layers = r#"{ type = "max_pool", kernel = 3, stride = 2 }"#;
+    assert_eq!(features(layers), 13 * 13);
+    let layers =
+        r#"{ type = "conv", out = 4, padding = 0 }, { type = "max_pool", kernel = 5, stride = 5 }"#;
+    assert_eq!(features(layers), 5 * 5 * 4);
+    for (layers, says) in [
+        (
+            r#"{ type = "max_pool", kernel = 4 }, { type = "max_pool", kernel = 8 }"#,
+            "does not fit the 7x7 image",
+        ),
+        (
+            r#"{ type = "relu" }, { type = "max_pool", kernel = 0 }"#,
+            "positive",
+        ),
+        (
+            r#"{ type = "relu" }, { type = "max_pool", kernel = 2, stride = 0 }"#,
+            "positive",
+        ),
+        (
+            r#"{ type = "global_avg_pool" }, { type = "max_pool", kernel = 2 }"#,
+            "image input",
+        ),
+    ] {
+        let err = build(layers).err().expect("must not build");
+        assert!(matches!(err, ModelError::Spec { .. }), "{err:?}");
+        assert!(err.to_string().contains("model.layers[1]"), "{err}");
+        assert!(err.to_string().contains(says), "{err}");
+    }
+    let frames = "[model]\ninput = [6, 6, 2]\nmean = 0.5\nstd = 0.5\nframes = 3\nlayers = [\n\
+        { type = \"max_pool\", kernel = 2 }, { type = \"upsample2x\" }\n]\n";
+    let mut net = Network::build(&parse(frames).unwrap(), 0).unwrap();
+    assert_eq!(net.output_shape(), &[3, 6, 6, 2]);
+    let x = Tensor::from_vec(&[1, 3, 6, 6, 2], (0..216).map(|v| v as f32).collect()).unwrap();
+    let y = net.forward(&x, Mode::Eval).unwrap();
+    // Values grow along the frame: each 2x2 window's largest is its last.
+    assert_eq!(y.data()[..2], [14.0, 15.0]);
+    assert_eq!(y.data()[72..74], [86.0, 87.0]);
+}
+
+/// `depthwise_conv`: the defaults (3×3, stride 1, "same" padding, no bias,
+/// multiplier 1), its weight [k, k, c·multiplier] and bias [c·multiplier]
+/// named after the layer, its output size, and spec errors naming the layer.
+#[test]
+fn depthwise_conv_shapes_params_and_spec_errors() {
+    let build = |layers: &str| Network::build(&parse(&with_layers(layers)).unwrap(), 0);
+    let head = r#"{ type = "global_avg_pool" }, { type = "linear", out = 2 }"#;
+    let layers = format!(
+        r#"{{ type = "conv", out = 3 }}, {{ type = "depthwise_conv" }},
+           {{ type = "depthwise_conv", kernel = 5, stride = 2, multiplier = 2, bias = true }},
+           {head}"#
+    );
+    let mut net = build(&layers).unwrap();
+    let params: Vec<(String, Vec<usize>)> = net
+        .params_mut()
+        .iter()
+        .map(|p| (p.name.clone(), p.value.shape().to_vec()))
+        .collect();
+    assert_eq!(params[1], ("model.layers[1].weight".into(), vec![3, 3, 3]));
+    assert_eq!(params[2], ("model.layers[2].weight".into(), vec![5, 5, 6]));
+    assert_eq!(params[3], ("model.layers[2].bias".into(), vec![6]));
+    // The linear layer reads 6 channels.
+    assert_eq!(params[4].1, vec![6, 2]);
+    for (layer, says) in [
+        (r#"{ type = "depthwise_conv", multiplier = 0 }"#, "positive"),
+        (r#"{ type = "depthwise_conv", stride = 0 }"#, "positive"),
+        (
+            r#"{ type = "depthwise_conv", kernel = 9, padding = 0 }"#,
+            "at least 9x9",
+        ),
+    ] {
+        let err = build(&format!(
+            r#"{{ type = "max_pool", kernel = 4 }}, {layer}, {head}"#
+        ))
+        .err()
+        .expect("must not build");
+        assert!(matches!(err, ModelError::Spec { .. }), "{err:?}");
+        assert!(err.to_string().contains("model.layers[1]"), "{err}");
+        assert!(err.to_string().contains(says), "{err}");
+    }
+    let frames = "[model]\ninput = [6, 6, 2]\nmean = 0.5\nstd = 0.5\nframes = 3\nlayers = [\n\
+        { type = \"depthwise_conv\" }\n]\n";
+    let mut net = Network::build(&parse(frames).unwrap(), 0).unwrap();
+    assert_eq!(net.output_shape(), &[3, 6, 6, 2]);
+    let x = Tensor::from_vec(&[2, 3, 6, 6, 2], vec![1.0; 432]).unwrap();
+    assert_eq!(
+        net.forward(&x, Mode::Train).unwrap().shape(),
+        &[2, 3, 6, 6, 2]
+    );
+}
+
 /// A small residual net on 8×8 inputs, small enough to train in a test.
 fn small_spec() -> ModelSpec {
     parse(

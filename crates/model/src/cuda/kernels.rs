@@ -179,6 +179,24 @@ pub const CHANNELS_SPLIT: KernelPair = pair!("unet", "channels_split", ConcatPar
 
 pub const POOL_FORWARD: KernelPair = pair!("pool", "global_avg_pool_forward", PoolParams, 2);
 pub const POOL_BACKWARD: KernelPair = pair!("pool", "global_avg_pool_backward", PoolParams, 2);
+pub const MAX_POOL_FORWARD: KernelPair = pair!("pool", "max_pool_forward", MaxPoolParams, 2);
+/// max_pool_forward that also writes each output's argmax (u32).
+pub const MAX_POOL_FORWARD_TRAIN: KernelPair =
+    pair!("pool", "max_pool_forward_train", MaxPoolParams, 3);
+pub const MAX_POOL_BACKWARD: KernelPair = pair!("pool", "max_pool_backward", MaxPoolParams, 3);
+
+pub const DEPTHWISE_FORWARD: KernelPair =
+    pair!("depthwise", "depthwise_forward", DepthwiseParams, 4);
+pub const DEPTHWISE_BACKWARD_INPUT: KernelPair =
+    pair!("depthwise", "depthwise_backward_input", DepthwiseParams, 3);
+pub const DEPTHWISE_WGRAD_PARTIAL: KernelPair =
+    pair!("depthwise", "depthwise_wgrad_partial", DepthwiseParams, 3);
+pub const DEPTHWISE_WGRAD_REDUCE: KernelSig = sig!(
+    "depthwise",
+    "depthwise_wgrad_reduce",
+    DepthwiseReduceParams,
+    2
+);
 
 pub const SOFTMAX_XENT: KernelPair = pair!("loss", "softmax_xent", XentParams, 6);
 pub const SOFTMAX_XENT_SOFT: KernelPair = pair!("loss", "softmax_xent_soft", XentParams, 6);
@@ -378,6 +396,12 @@ pub static FILES: &[KernelFile] = &[
             POOL_FORWARD.f32,
             POOL_BACKWARD.f16,
             POOL_BACKWARD.f32,
+            MAX_POOL_FORWARD.f16,
+            MAX_POOL_FORWARD.f32,
+            MAX_POOL_FORWARD_TRAIN.f16,
+            MAX_POOL_FORWARD_TRAIN.f32,
+            MAX_POOL_BACKWARD.f16,
+            MAX_POOL_BACKWARD.f32,
         ],
     },
     KernelFile {
@@ -433,6 +457,19 @@ pub static FILES: &[KernelFile] = &[
             NARROW_WGRAD.f32,
             THIN_FORWARD,
             THIN_WGRAD,
+        ],
+    },
+    KernelFile {
+        name: "depthwise",
+        source: include_str!("../../kernels/depthwise.cu"),
+        kernels: &[
+            DEPTHWISE_FORWARD.f16,
+            DEPTHWISE_FORWARD.f32,
+            DEPTHWISE_BACKWARD_INPUT.f16,
+            DEPTHWISE_BACKWARD_INPUT.f32,
+            DEPTHWISE_WGRAD_PARTIAL.f16,
+            DEPTHWISE_WGRAD_PARTIAL.f32,
+            DEPTHWISE_WGRAD_REDUCE,
         ],
     },
     KernelFile {

@@ -21,6 +21,7 @@ pub use crate::ops::activation::cuda::*;
 pub use crate::ops::batch_norm::cuda::*;
 pub use crate::ops::cast::cuda::*;
 pub use crate::ops::conv::cuda::*;
+pub use crate::ops::conv::depthwise::*;
 pub use crate::ops::conv::tune::{ConvPath, ConvProduct, TunedConv};
 pub use crate::ops::frames::cuda::*;
 pub use crate::ops::layer_norm::cuda::*;

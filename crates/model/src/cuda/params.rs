@@ -78,6 +78,18 @@ kernel_params! {
     }
     /// pool.cu: global_avg_pool_forward, global_avg_pool_backward.
     PoolParams(16) { n: u32, hw: u32, c: u32, inv_hw: f32 }
+    /// depthwise.cu: depthwise_forward, depthwise_backward_input,
+    /// depthwise_wgrad_partial (`bias` 0 or 1).
+    DepthwiseParams(44) {
+        n: u32, h: u32, w: u32, c: u32, m: u32, oh: u32, ow: u32,
+        kernel: u32, stride: u32, pad: u32, bias: u32,
+    }
+    /// depthwise.cu: depthwise_wgrad_reduce (`len` elements from `offset`
+    /// of each image's `row` partials).
+    DepthwiseReduceParams(16) { images: u32, len: u32, offset: u32, row: u32 }
+    /// pool.cu: max_pool_forward, max_pool_forward_train, max_pool_backward
+    /// (the input's size, the output's, the window).
+    MaxPoolParams(32) { n: u32, h: u32, w: u32, c: u32, oh: u32, ow: u32, kernel: u32, stride: u32 }
     /// loss.cu: softmax_xent, softmax_xent_soft (which ignores smoothing).
     /// The gradient's scale is loss_scale * share / rows, the loss scale
     /// read from device memory.

@@ -755,3 +755,216 @@ fn narrow_f32_parity(be: &CudaBackend, case: &ConvCase, seed: u64) {
     );
     assert_close(&format!("{name} dW"), &download(be, &dw_d), &dw, 1e-5, 1e-5);
 }
+
+// ---------------------------------------------------------------------------
+// Depthwise convolution
+
+/// Depthwise convolution against the CPU layer, f32 and f16, with and
+/// without bias, multiplier 1 to 3, strides 1 and 2, padding 0 to 2:
+/// gradients accumulate (+=) onto nonzero values. Both sides sum in one
+/// fixed order with fused multiply-adds, so f32 gives the CPU's bits
+/// everywhere; in f16 the weight and bias gradients too (f32 sums of the
+/// same f16 values in the same order), the output and dx one f16 rounding
+/// of the CPU's. The backward without dx accumulates the same bits.
+#[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
+fn depthwise_convolution_matches_the_cpu_layer_bit_for_bit() {
+    let be = gpu_or_skip!();
+    // (x shape, multiplier, kernel, stride, padding, bias)
+    let cases = [
+        ([2, 7, 6, 5], 1, 3, 1, 1, false),
+        ([3, 8, 9, 4], 2, 3, 2, 1, true),
+        ([2, 6, 6, 3], 3, 5, 1, 2, true),
+        ([2, 7, 5, 6], 1, 2, 2, 0, true),
+        ([1, 4, 4, 2], 1, 3, 1, 0, false),
+    ];
+    for (i, (shape, m, k, stride, pad, bias)) in cases.into_iter().enumerate() {
+        let seed = 1000 + 10 * i as u64;
+        let c = shape[3];
+        let cout = c * m;
+        let mut rng = InitRng::new(seed);
+        let mut layer = DepthwiseConv2d::new("dw", c, m, k, stride, pad, bias, &mut rng).unwrap();
+        let weight = random_vec(k * k * cout, seed + 1, 0.4);
+        let bias_v = random_vec(cout, seed + 2, 0.5);
+        let (dw0, db0) = (
+            random_vec(k * k * cout, seed + 3, 1.0),
+            random_vec(cout, seed + 4, 1.0),
+        );
+        {
+            let mut p = layer.params_mut();
+            p[0].value.data_mut().copy_from_slice(&weight);
+            p[0].grad.data_mut().copy_from_slice(&dw0);
+            if bias {
+                p[1].value.data_mut().copy_from_slice(&bias_v);
+                p[1].grad.data_mut().copy_from_slice(&db0);
+            }
+        }
+        let x = random(&shape, seed + 5, 1.0, 0.0);
+        let y = layer.forward(&x, Mode::Train).unwrap();
+        let g = random(y.shape(), seed + 6, 1.0, 0.0);
+        let dx = layer.backward(&g).unwrap();
+        let (dw, db) = {
+            let p = layer.params_mut();
+            (
+                p[0].grad.data().to_vec(),
+                p.get(1).map(|b| b.grad.data().to_vec()),
+            )
+        };
+        let s = ops::DepthwiseShape {
+            kernel: k,
+            stride,
+            pad,
+            multiplier: m,
+        };
+        for dtype in [DType::F32, DType::F16] {
+            let what =
+                format!("depthwise {shape:?} x{m} k{k}/{stride} pad {pad} bias {bias} {dtype:?}");
+            let (w16, b16) = (upload_f16(&be, &weight), upload_f16(&be, &bias_v));
+            let (w32, b32) = (upload_f32(&be, &weight), upload_f32(&be, &bias_v));
+            let (w, b) = match dtype {
+                DType::F16 => (AnyView::F16(w16.as_view()), AnyView::F16(b16.as_view())),
+                DType::F32 => (AnyView::F32(w32.as_view()), AnyView::F32(b32.as_view())),
+            };
+            let gx = CudaTensor::from_tensor(&be, &x, dtype).unwrap();
+            let gg = CudaTensor::from_tensor(&be, &g, dtype).unwrap();
+            let gy = ops::depthwise_forward(&be, &gx, &w, bias.then_some(&b), s).unwrap();
+            assert_eq!(gy.shape(), y.shape(), "{what}");
+            let mut dw_d = upload_f32(&be, &dw0);
+            let mut db_d = upload_f32(&be, &db0);
+            let gdx = {
+                let mut db_view = db_d.as_view_mut();
+                ops::depthwise_backward(
+                    &be,
+                    &gx,
+                    &gg,
+                    &w,
+                    &mut dw_d.as_view_mut(),
+                    bias.then_some(&mut db_view),
+                    s,
+                )
+                .unwrap()
+            };
+            let rel = if dtype == DType::F32 { 0.0 } else { 1e-3 };
+            let (gy, gdx) = (gy.to_host(&be).unwrap(), gdx.to_host(&be).unwrap());
+            assert_close(&format!("{what} forward"), &gy, y.data(), rel, 1e-5);
+            assert_close(&format!("{what} dx"), &gdx, dx.data(), rel, 1e-5);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            if dtype == DType::F32 {
+                assert_eq!(bits(&gy), bits(y.data()), "{what}: forward bits");
+                assert_eq!(bits(&gdx), bits(dx.data()), "{what}: dx bits");
+            }
+            assert_eq!(bits(&download(&be, &dw_d)), bits(&dw), "{what}: dW bits");
+            if let Some(db) = &db {
+                assert_eq!(bits(&download(&be, &db_d)), bits(db), "{what}: db bits");
+            }
+            // Without dx: the same accumulation.
+            let mut dw_p = upload_f32(&be, &dw0);
+            let mut db_p = upload_f32(&be, &db0);
+            {
+                let mut db_view = db_p.as_view_mut();
+                ops::depthwise_backward_params(
+                    &be,
+                    &gx,
+                    &gg,
+                    &mut dw_p.as_view_mut(),
+                    bias.then_some(&mut db_view),
+                    s,
+                )
+                .unwrap();
+            }
+            assert_eq!(
+                bits(&download(&be, &dw_p)),
+                bits(&dw),
+                "{what}: params-only dW"
+            );
+            if let Some(db) = &db {
+                assert_eq!(
+                    bits(&download(&be, &db_p)),
+                    bits(db),
+                    "{what}: params-only db"
+                );
+            }
+        }
+    }
+    // Shapes are checked.
+    let s = ops::DepthwiseShape {
+        kernel: 5,
+        stride: 1,
+        pad: 0,
+        multiplier: 1,
+    };
+    let w = upload_f16(&be, &random_vec(25 * 2, 1090, 1.0));
+    let gx = upload(&be, &random(&[1, 4, 4, 2], 1091, 1.0, 0.0));
+    let err = ops::depthwise_forward(&be, &gx, &AnyView::F16(w.as_view()), None, s).unwrap_err();
+    assert!(err.to_string().contains("depthwise_conv"), "{err}");
+    let s = ops::DepthwiseShape { pad: 2, ..s };
+    let short = upload_f16(&be, &random_vec(24 * 2, 1092, 1.0));
+    assert!(ops::depthwise_forward(&be, &gx, &AnyView::F16(short.as_view()), None, s).is_err());
+}
+
+/// Networks with depthwise convolutions (multiplier 2 and stride 2, then
+/// stride 1; both with a bias), with and without checkpointing, f32 and f16: the CPU network's logits and
+/// gradients (as the other network tests), checkpointing the same bits.
+#[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
+fn a_depthwise_network_matches_the_cpu_network() {
+    let be = gpu_or_skip!();
+    let spec = |checkpoint: CheckpointPolicy| {
+        let text = r#"
+[model]
+input = [6, 6, 2]
+mean = 0.5
+std = 0.25
+layers = [
+  { type = "conv", out = 4 }, { type = "relu" },
+  { type = "depthwise_conv", multiplier = 2, stride = 2, bias = true },
+  { type = "relu" },
+  { type = "depthwise_conv", bias = true },
+  { type = "global_avg_pool" }, { type = "linear", out = 4 },
+]
+"#;
+        let mut spec = toml::from_str::<SpecFile>(text).unwrap().model;
+        spec.checkpoint = checkpoint;
+        spec
+    };
+    let (plain, all) = (spec(CheckpointPolicy::None), spec(CheckpointPolicy::All));
+    let n = 5;
+    let batches: Vec<Tensor> = (0..2)
+        .map(|i| random(&[n, 6, 6, 2], 1100 + i, 1.0, 0.0))
+        .collect();
+    let grad_logits = random(&[n, 4], 1110, 0.5, 0.0);
+    let mut cpu = Network::build(&plain, 9).unwrap();
+    let reference = cpu_run(&mut cpu, &batches, &grad_logits);
+    for dtype in [DType::F32, DType::F16] {
+        let what = format!("depthwise network {dtype:?}");
+        let (logits, grads, _) = flattening_network_run(&be, &plain, dtype, &batches, &grad_logits);
+        let again = flattening_network_run(&be, &all, dtype, &batches, &grad_logits);
+        assert!(
+            logits
+                .iter()
+                .zip(&again.0)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+                && grads == again.1,
+            "{what}: checkpointing changed the bits"
+        );
+        let tolerances = Tolerances {
+            f32_outputs: (1e-4, 1e-5),
+            f32_grads: (1e-3, 1e-5),
+            f16_outputs: 4e-3,
+            f16_grads: 1e-2,
+        };
+        assert_matches_cpu(
+            &what,
+            dtype,
+            (&logits, &grads),
+            (&reference.outputs, &reference.grads),
+            tolerances,
+        );
+    }
+}

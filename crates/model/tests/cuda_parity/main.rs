@@ -45,8 +45,8 @@ use headroom_model::cuda::{
 };
 use headroom_model::init::InitRng;
 use headroom_model::layers::{
-    BatchNorm2d, Conv2d, Dropout, FusedResidual, Gelu, GlobalAvgPool, LayerNorm, Linear, Relu,
-    Residual, Silu, Upsample2x,
+    BatchNorm2d, Conv2d, DepthwiseConv2d, Dropout, FusedResidual, Gelu, GlobalAvgPool, LayerNorm,
+    Linear, MaxPool2d, Relu, Residual, Silu, Upsample2x,
 };
 use headroom_model::loss::{
     focal_loss, pixel_mse, soft_cross_entropy, soft_focal_loss, softmax_cross_entropy, LossOutput,
@@ -343,7 +343,7 @@ mod sequence;
 
 use batch_norm::{bn_case, BN};
 use conv::{kernel_runs, NARROW_KERNELS};
-use network::{assert_matches_cpu, cpu_run, SpecFile, Tolerances};
+use network::{assert_matches_cpu, cpu_run, flattening_network_run, SpecFile, Tolerances};
 
 // ---------------------------------------------------------------------------
 // Coverage
@@ -796,6 +796,58 @@ const COVERAGE: &[(&str, &str)] = &[
     (
         "bn_running_restore",
         "running_statistics_are_put_back_only_after_a_skipped_step",
+    ),
+    (
+        "depthwise_forward_f16",
+        "depthwise_convolution_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "depthwise_forward_f32",
+        "depthwise_convolution_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "depthwise_backward_input_f16",
+        "depthwise_convolution_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "depthwise_backward_input_f32",
+        "depthwise_convolution_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "depthwise_wgrad_partial_f16",
+        "depthwise_convolution_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "depthwise_wgrad_partial_f32",
+        "depthwise_convolution_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "depthwise_wgrad_reduce",
+        "depthwise_convolution_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "max_pool_forward_f16",
+        "max_pooling_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "max_pool_forward_f32",
+        "max_pooling_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "max_pool_forward_train_f16",
+        "max_pooling_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "max_pool_forward_train_f32",
+        "max_pooling_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "max_pool_backward_f16",
+        "max_pooling_matches_the_cpu_layer_bit_for_bit",
+    ),
+    (
+        "max_pool_backward_f32",
+        "max_pooling_matches_the_cpu_layer_bit_for_bit",
     ),
     (
         "adamw_fused",

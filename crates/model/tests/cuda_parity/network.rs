@@ -350,7 +350,7 @@ fn a_first_convolution_makes_no_input_gradient() {
 /// What `flattening_specs`' networks compute on the GPU: the logits of two
 /// training forwards and then of an eval forward, the accumulated parameter
 /// gradients, and the buffers (dropout counters).
-fn flattening_network_run(
+pub(crate) fn flattening_network_run(
     be: &CudaBackend,
     spec: &ModelSpec,
     dtype: DType,

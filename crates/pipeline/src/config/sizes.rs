@@ -158,6 +158,31 @@ impl ModelSize {
                     .saturating_mul(out);
                 Ok((weights.saturating_add(if *bias { out } else { 0 }), next))
             }
+            LayerSpec::DepthwiseConv {
+                kernel,
+                stride,
+                padding,
+                bias,
+                multiplier,
+            } => {
+                let (kernel, stride) = (*kernel as u64, *stride as u64);
+                let padding = padding.map_or(kernel / 2, |p| p as u64);
+                let out = channels.saturating_mul(*multiplier as u64);
+                let side = |d: u64| {
+                    (d + 2 * padding)
+                        .checked_sub(kernel)
+                        .map(|r| r / stride.max(1) + 1)
+                };
+                let next = match shape {
+                    [h, w, _] => match (side(*h), side(*w)) {
+                        (Some(oh), Some(ow)) => vec![oh, ow, out],
+                        _ => return Ok((0, shape.to_vec())), // the model crate names this one
+                    },
+                    _ => return Ok((0, shape.to_vec())),
+                };
+                let weights = kernel.saturating_mul(kernel).saturating_mul(out);
+                Ok((weights.saturating_add(if *bias { out } else { 0 }), next))
+            }
             LayerSpec::BatchNorm { .. } => Ok((2 * channels, shape.to_vec())),
             LayerSpec::Relu => Ok((0, shape.to_vec())),
             LayerSpec::Residual { layers } => {
@@ -171,6 +196,17 @@ impl ModelSize {
                 Ok((2 * 9 * channels * channels + 4 * channels, shape.to_vec()))
             }
             LayerSpec::GlobalAvgPool => Ok((0, vec![channels])),
+            LayerSpec::MaxPool { kernel, stride } => {
+                let (kernel, stride) = (*kernel as u64, stride.unwrap_or(*kernel) as u64);
+                let side = |d: u64| d.checked_sub(kernel).map(|r| r / stride.max(1) + 1);
+                match shape {
+                    [h, w, c] => match (side(*h), side(*w)) {
+                        (Some(oh), Some(ow)) => Ok((0, vec![oh, ow, *c])),
+                        _ => Ok((0, shape.to_vec())), // the model crate names this one
+                    },
+                    _ => Ok((0, shape.to_vec())),
+                }
+            }
             LayerSpec::Linear { out, bias } => {
                 let features = shape.iter().fold(1u64, |a, &d| a.saturating_mul(d));
                 let out = *out as u64;

@@ -86,6 +86,20 @@ pub(super) fn backward_params_only(
                 )
             })
         }
+        GpuLayer::DepthwiseConv {
+            weight,
+            bias,
+            shape,
+        } if weight.trainable() => {
+            let Some(Saved::Input(x)) = saved.pop() else {
+                return Err(missing());
+            };
+            let x = x.take(be)?;
+            with_grads(groups, weight, bias.as_ref(), |mut v| {
+                let bias_grad = v.other.as_mut().map(|(_, grad)| grad);
+                ops::depthwise_backward_params(be, &x, &g, &mut v.grad, bias_grad, *shape)
+            })
+        }
         GpuLayer::Linear { weight, bias, .. } if weight.trainable() => {
             let Some(Saved::Input(x)) = saved.pop() else {
                 return Err(missing());
@@ -121,6 +135,7 @@ impl GpuLayer {
             self,
             GpuLayer::Relu
                 | GpuLayer::GlobalAvgPool
+                | GpuLayer::MaxPool { .. }
                 | GpuLayer::Flatten
                 | GpuLayer::Smooth(_)
                 | GpuLayer::Dropout(_)
@@ -137,6 +152,12 @@ impl GpuLayer {
                 cout,
                 ..
             } => format!("conv {kernel}x{kernel}/{stride} to {cout}"),
+            GpuLayer::DepthwiseConv { shape, .. } => format!(
+                "depthwise_conv {k}x{k}/{s} x{m}",
+                k = shape.kernel,
+                s = shape.stride,
+                m = shape.multiplier
+            ),
             GpuLayer::BatchNorm { relu: true, .. } => "batch_norm+relu".into(),
             GpuLayer::BatchNorm { relu: false, .. } => "batch_norm".into(),
             GpuLayer::Relu => "relu".into(),
@@ -144,6 +165,7 @@ impl GpuLayer {
             GpuLayer::FusedResidual { .. } => "residual batch_norm+add+relu".into(),
             GpuLayer::Checkpointed(_) => "checkpointed segment (its own layers apart)".into(),
             GpuLayer::GlobalAvgPool => "global_avg_pool".into(),
+            GpuLayer::MaxPool { kernel, stride } => format!("max_pool {kernel}x{kernel}/{stride}"),
             GpuLayer::Linear { out, .. } => format!("linear to {out}"),
             GpuLayer::Flatten => "flatten".into(),
             GpuLayer::Smooth(kind) => kind.name().into(),
@@ -362,6 +384,20 @@ pub(super) fn backward_leaf(
                 ops::conv2d_backward(be, &x, &g, &v.compute, &mut v.grad, bias_grad, s, *plan)
             })
         }
+        (
+            GpuLayer::DepthwiseConv {
+                weight,
+                bias,
+                shape,
+            },
+            Saved::Input(x),
+        ) => {
+            let x = x.take(be)?;
+            with_grads(groups, weight, bias.as_ref(), |mut v| {
+                let bias_grad = v.other.as_mut().map(|(_, grad)| grad);
+                ops::depthwise_backward(be, &x, &g, &v.compute, &mut v.grad, bias_grad, *shape)
+            })
+        }
         (GpuLayer::Linear { weight, .. }, Saved::Input(x)) if !weight.trainable() => {
             // Its bias is frozen too (`same_freezing`).
             let inf = x.take(be)?.shape().get(1).copied().unwrap_or(0);
@@ -408,6 +444,7 @@ pub(super) fn backward_leaf(
                 ops::layer_norm_backward(be, &g, &x, &stats, &v.master, &mut v.grad, beta_grad)
             })
         }
+        (GpuLayer::MaxPool { .. }, Saved::MaxPool(kept)) => ops::max_pool_backward(be, &g, &kept),
         (GpuLayer::GlobalAvgPool, Saved::Shape(shape)) => {
             ops::global_avg_pool_backward(be, &g, &shape)
         }

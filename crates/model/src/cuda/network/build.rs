@@ -151,6 +151,43 @@ pub(super) fn build_one(
                 plan: ConvPlan::default(),
             }]
         }
+        LayerSpec::DepthwiseConv {
+            kernel,
+            stride,
+            padding,
+            bias,
+            multiplier,
+        } => {
+            let c = channels(path, shape)?;
+            let cout = c * multiplier;
+            let weight = cursor.take_trainable(path, kernel * kernel * cout)?;
+            let bias = bias
+                .then(|| cursor.take_trainable(path, cout))
+                .transpose()?;
+            let dw = ops::DepthwiseShape {
+                kernel: *kernel,
+                stride: *stride,
+                pad: padding.unwrap_or(kernel / 2),
+                multiplier: *multiplier,
+            };
+            let side = |d: usize| {
+                let span = (d + 2 * dw.pad).checked_sub(*kernel)?;
+                (d > 0 && *stride > 0).then(|| span / stride + 1)
+            };
+            let (Some(oh), Some(ow)) = (side(shape[0]), side(shape[1])) else {
+                return Err(CudaError::shape(
+                    "CudaNetwork::build",
+                    format!("{path}: an image that fits the depthwise_conv kernel"),
+                    format!("{shape:?}"),
+                ));
+            };
+            *shape = vec![oh, ow, cout];
+            vec![GpuLayer::DepthwiseConv {
+                weight,
+                bias,
+                shape: dw,
+            }]
+        }
         LayerSpec::BatchNorm { momentum, eps } => {
             let c = channels(path, shape)?;
             let gamma = cursor.take_trainable(path, c)?;
@@ -176,6 +213,27 @@ pub(super) fn build_one(
             let c = channels(path, shape)?;
             *shape = vec![c];
             vec![GpuLayer::GlobalAvgPool]
+        }
+        LayerSpec::MaxPool { kernel, stride } => {
+            let c = channels(path, shape)?;
+            let stride = stride.unwrap_or(*kernel);
+            let side = |d: usize| {
+                (*kernel > 0 && stride > 0)
+                    .then(|| d.checked_sub(*kernel).map(|r| r / stride + 1))
+                    .flatten()
+            };
+            let (Some(oh), Some(ow)) = (side(shape[0]), side(shape[1])) else {
+                return Err(CudaError::shape(
+                    "CudaNetwork::build",
+                    format!("{path}: an image that fits the {kernel}x{kernel} max_pool kernel"),
+                    format!("{shape:?}"),
+                ));
+            };
+            *shape = vec![oh, ow, c];
+            vec![GpuLayer::MaxPool {
+                kernel: *kernel,
+                stride,
+            }]
         }
         LayerSpec::Linear { out, bias } => {
             let features = features(path, shape)?;

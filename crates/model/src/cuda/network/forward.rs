@@ -216,6 +216,16 @@ pub(super) fn forward_one(
             let y = ops::conv2d_forward(be, x, &compute(groups, weight), b.as_ref(), s, *plan)?;
             (y, Keep::Input)
         }
+        GpuLayer::DepthwiseConv {
+            weight,
+            bias,
+            shape,
+        } => {
+            let b = bias.as_ref().map(|b| compute(groups, b));
+            let w = compute(groups, weight);
+            let y = ops::depthwise_forward(be, x, &w, b.as_ref(), *shape)?;
+            (y, Keep::Input)
+        }
         GpuLayer::BatchNorm { bn, relu } => {
             let (y, stats) = batch_norm_forward(be, bn, groups, x, None, *relu, pass)?;
             let Some(stats) = stats else {
@@ -276,6 +286,15 @@ pub(super) fn forward_one(
             let body_input = input.lend();
             let y = forward_list(be, body, groups, body_input, pass, None)?;
             (y, Keep::Segment)
+        }
+        GpuLayer::MaxPool { kernel, stride } => {
+            // Only a pass that keeps activations writes the argmax.
+            let (y, kept) = ops::max_pool_forward(be, x, *kernel, *stride, keeping)?;
+            let keep = match kept {
+                Some(kept) => Saved::MaxPool(Box::new(kept)),
+                None => Saved::Nothing,
+            };
+            (y, Keep::Other(keep))
         }
         GpuLayer::GlobalAvgPool => {
             let y = ops::global_avg_pool_forward(be, x)?;

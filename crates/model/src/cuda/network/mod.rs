@@ -12,13 +12,14 @@
 //! from the masters. A layer's parameter is a range of a group.
 //!
 //! What a training forward saves for backward (a stack, popped in reverse):
-//! a convolution or linear layer its input; batch norm its input and its
+//! a convolution (depthwise too) or linear layer its input; batch norm its input and its
 //! batch statistics (fused with the ReLU after it, the ReLU's mask comes
 //! from those, and its output is kept only as the next layer's input); a standalone
 //! ReLU its output; global pooling its input's shape; a fused residual block
 //! (below) its body's entries, its last batch norm's input and statistics,
 //! and the block's output (the ReLU's mask, which is also that batch
-//! norm's). Entries are references (`Shared`), never copies: a batch norm's
+//! norm's); max pooling one u32 argmax per output, and its input's shape.
+//! Entries are references (`Shared`), never copies: a batch norm's
 //! output and the next convolution's input are one buffer, as are a block's
 //! input and its first convolution's. With `CudaBuildOptions::recompute` a
 //! fused batch norm + ReLU's output and a fused residual's output are not
@@ -167,6 +168,12 @@ enum GpuLayer {
         /// Its algorithm and im2col workspace (`CudaBuildOptions`).
         plan: ConvPlan,
     },
+    /// Depthwise convolution (direct kernels); keeps its input.
+    DepthwiseConv {
+        weight: ParamRef,
+        bias: Option<ParamRef>,
+        shape: ops::DepthwiseShape,
+    },
     BatchNorm {
         bn: BatchNormLayer,
         /// Fused with the ReLU that followed it in the spec.
@@ -185,6 +192,12 @@ enum GpuLayer {
     /// recomputed in backward (`model.checkpoint`): it keeps only its input.
     Checkpointed(Vec<GpuLayer>),
     GlobalAvgPool,
+    /// Max pooling, no padding; a training forward keeps each output's
+    /// argmax (u32) and the input's shape, not the input.
+    MaxPool {
+        kernel: usize,
+        stride: usize,
+    },
     Linear {
         weight: ParamRef,
         bias: Option<ParamRef>,
@@ -432,6 +445,8 @@ enum Saved {
     BatchNorm(Box<SavedBatchNorm>),
     Output(Activation),
     Shape(Vec<usize>),
+    /// Max pooling's argmax per output and its input's shape.
+    MaxPool(Box<ops::MaxPoolSaved>),
     Nothing,
 }
 

@@ -8,10 +8,12 @@
 //! | launch (`cuda.rs`) | CPU reference |
 //! |---|---|
 //! | `conv2d_forward` / `conv2d_backward` / `conv2d_backward_params` | `layers::Conv2d` |
+//! | `depthwise_forward` / `depthwise_backward` / `depthwise_backward_params` (`depthwise.rs`, `kernels/depthwise.cu`: direct kernels, the weight gradient by per-image partials summed in image order) | `layers::DepthwiseConv2d` |
 //!
 //! Parity tests: `tests/cuda_parity/conv.rs`.
 
 pub(crate) mod cuda;
+pub(crate) mod depthwise;
 pub(crate) mod narrow;
 mod partials;
 pub(crate) mod plan;

@@ -1,6 +1,6 @@
 use cudarc::driver::PushKernelArg;
 
-use crate::cuda::backend::CudaBackend;
+use crate::cuda::backend::{CudaBackend, DeviceBuffer};
 use crate::cuda::kernels::{self as k};
 use crate::cuda::launch::*;
 use crate::cuda::params::*;
@@ -239,5 +239,157 @@ pub fn global_avg_pool_backward(
             )
         }?;
     }
+    Ok(dx)
+}
+
+// ---------------------------------------------------------------------------
+// Max pooling
+
+/// What a training `max_pool_forward` keeps for backward: each output's
+/// argmax (its position ky·k + kx in its window, u32) and the input's
+/// shape; never the input.
+#[derive(Debug)]
+pub struct MaxPoolSaved {
+    argmax: DeviceBuffer<u32>,
+    input_shape: [usize; 4],
+    kernel: usize,
+    stride: usize,
+}
+
+impl MaxPoolSaved {
+    /// The argmax positions, for tests (one download).
+    pub fn argmax_to_host(&self, be: &CudaBackend) -> CudaResult<Vec<u32>> {
+        be.download(&self.argmax.slice)
+    }
+}
+
+fn max_pool_params(
+    op: &'static str,
+    input: [usize; 4],
+    kernel: usize,
+    stride: usize,
+) -> CudaResult<(MaxPoolParams, [usize; 4])> {
+    let [n, h, w, c] = input;
+    let side = |d: usize| {
+        (kernel > 0 && stride > 0)
+            .then(|| d.checked_sub(kernel).map(|r| r / stride + 1))
+            .flatten()
+    };
+    let (Some(oh), Some(ow)) = (side(h), side(w)) else {
+        return Err(CudaError::shape(
+            op,
+            format!("an image at least {kernel}x{kernel} (the kernel, stride {stride} > 0)"),
+            format!("{input:?}"),
+        ));
+    };
+    let p = MaxPoolParams {
+        n: u32_of(op, n)?,
+        h: u32_of(op, h)?,
+        w: u32_of(op, w)?,
+        c: u32_of(op, c)?,
+        oh: u32_of(op, oh)?,
+        ow: u32_of(op, ow)?,
+        kernel: u32_of(op, kernel)?,
+        stride: u32_of(op, stride)?,
+    };
+    u32_of(op, n * h * w * c)?;
+    Ok((p, [n, oh, ow, c]))
+}
+
+/// Max pooling of x [n, h, w, c] over `kernel`×`kernel` windows every
+/// `stride` pixels, no padding: y [n, oh, ow, c], and with `train` what
+/// backward needs (`MaxPoolSaved`). Ties go to the first in row-major window
+/// order, as on the CPU.
+pub fn max_pool_forward(
+    be: &CudaBackend,
+    x: &CudaTensor,
+    kernel: usize,
+    stride: usize,
+    train: bool,
+) -> CudaResult<(CudaTensor, Option<MaxPoolSaved>)> {
+    let input = nhwc("max_pool", x.shape())?;
+    let (p, out_shape) = max_pool_params("max_pool", input, kernel, stride)?;
+    let mut y = CudaTensor::uninit(be, &out_shape, x.dtype())?;
+    let mut saved = if train {
+        Some(MaxPoolSaved {
+            argmax: be.alloc::<u32>(y.len())?,
+            input_shape: input,
+            kernel,
+            stride,
+        })
+    } else {
+        None
+    };
+    if y.is_empty() {
+        return Ok((y, saved));
+    }
+    let cfg = elementwise(y.len());
+    match saved.as_mut() {
+        Some(s) => {
+            let f = be.function(k::MAX_POOL_FORWARD_TRAIN.of(x.dtype()))?;
+            // SAFETY: max_pool_forward_train_T(MaxPoolParams of x, const T* x
+            // [n, h, w, c], T* y [n, oh, ow, c], u32* argmax [n·oh·ow·c]):
+            // y and argmax were allocated above with y's element count.
+            unsafe {
+                launch(
+                    be.compute_stream(),
+                    &f,
+                    cfg,
+                    "max_pool_forward_train",
+                    |b| {
+                        b.arg(&p).arg(x).arg(&mut y).arg(&mut s.argmax.slice);
+                    },
+                )
+            }?;
+        }
+        None => {
+            let f = be.function(k::MAX_POOL_FORWARD.of(x.dtype()))?;
+            // SAFETY: max_pool_forward_T(MaxPoolParams of x, const T* x
+            // [n, h, w, c], T* y [n, oh, ow, c]) (y allocated above).
+            unsafe {
+                launch(be.compute_stream(), &f, cfg, "max_pool_forward", |b| {
+                    b.arg(&p).arg(x).arg(&mut y);
+                })
+            }?;
+        }
+    }
+    Ok((y, saved))
+}
+
+/// Max pooling's backward: g [n, oh, ow, c] routed to each output's argmax,
+/// dx [n, h, w, c] of the forward's input shape (overlapping windows sum in
+/// row-major output order, as on the CPU).
+pub fn max_pool_backward(
+    be: &CudaBackend,
+    g: &CudaTensor,
+    saved: &MaxPoolSaved,
+) -> CudaResult<CudaTensor> {
+    let (p, out_shape) = max_pool_params(
+        "max_pool backward",
+        saved.input_shape,
+        saved.kernel,
+        saved.stride,
+    )?;
+    g.expect_shape("max_pool backward", &out_shape)?;
+    let mut dx = CudaTensor::uninit(be, &saved.input_shape, g.dtype())?;
+    if dx.is_empty() {
+        return Ok(dx);
+    }
+    let f = be.function(k::MAX_POOL_BACKWARD.of(g.dtype()))?;
+    // SAFETY: max_pool_backward_T(MaxPoolParams, const T* g [n, oh, ow, c],
+    // const u32* argmax [n·oh·ow·c], T* dx [n, h, w, c]): g's shape checked
+    // above, argmax made by the forward with that output shape, dx
+    // allocated with the input's.
+    unsafe {
+        launch(
+            be.compute_stream(),
+            &f,
+            elementwise(dx.len()),
+            "max_pool_backward",
+            |b| {
+                b.arg(&p).arg(g).arg(&saved.argmax.slice).arg(&mut dx);
+            },
+        )
+    }?;
     Ok(dx)
 }
