@@ -318,7 +318,7 @@ fn the_silu_mlp_experiment_trains_on_the_gpu_path_as_on_the_cpu() {
         pairs.extend(sets.iter().map(|s| s.to_string()));
         let overrides = Overrides::parse(&pairs).unwrap();
         let config = ExperimentConfig::load(&experiment, &overrides).unwrap();
-        assert_eq!(config.run.profile, "low_memory");
+        assert_eq!(config.run.profile.as_str(), "low_memory");
         let summary = train(&config, &TrainOptions::default()).unwrap();
         (summary, out)
     };

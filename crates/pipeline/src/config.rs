@@ -11,13 +11,16 @@ use headroom_model::cuda::ops::{ConvAlgorithm, ConvPlan};
 use headroom_model::ModelSpec;
 use serde::{Deserialize, Serialize};
 
+use crate::device::DeviceKind;
 use crate::{PipelineError, Result};
 
 pub mod finetune;
+mod kinds;
 mod load;
 mod overrides;
 pub mod sizes;
 
+pub use kinds::{DataFormat, OomPolicy, Profile};
 pub use load::{is_profile, profile_path, PROFILES_DIR};
 pub use overrides::Overrides;
 
@@ -75,50 +78,29 @@ pub struct RunConfig {
     /// "auto" (the low-memory profile below 4 GiB), "none", or the name of a
     /// profile in `profiles/` beside the experiment (low_memory, max_speed,
     /// cpu): see `load`.
-    #[serde(default = "default_profile")]
-    pub profile: String,
+    #[serde(default)]
+    pub profile: Profile,
     /// Steps between progress lines.
     #[serde(default = "default_log_every")]
     pub log_every: u64,
 }
 
-fn default_profile() -> String {
-    "auto".into()
-}
-
 /// Devices with less than this much memory get the low-memory profile.
 pub const SMALL_DEVICE_BYTES: u64 = 4 << 30;
 
-/// The device's memory: the configured limit, else what this process may
-/// really use (cgroup, rlimits, RAM; see `limits`), the CPU backend's device
-/// memory.
-pub fn device_memory(config: &ExperimentConfig) -> Result<Option<u64>> {
+/// The device's memory: the configured limit, else `gpu` (the memory of
+/// the GPU this run will train on, from `device::gpu_memory`, or None), else
+/// what this process may really use (cgroup, rlimits, RAM; see `limits`),
+/// the CPU backend's device memory.
+pub fn device_memory(config: &ExperimentConfig, gpu: Option<u64>) -> Result<Option<u64>> {
     if let Some(limit) = config.memory_limit()? {
         return Ok(Some(limit));
     }
-    if let Some(gpu) = gpu_memory(config) {
+    if let Some(gpu) = gpu {
         return Ok(Some(gpu));
     }
     let ceiling = crate::limits::tightest().map(|c| c.limit.min(c.room));
     Ok(ceiling.or_else(crate::system_memory_bytes))
-}
-
-/// Whether this run will train on a GPU (`device.kind` "cuda", or "auto"
-/// with a GPU present).
-pub(crate) fn trains_on_gpu(config: &ExperimentConfig) -> bool {
-    gpu_memory(config).is_some()
-}
-
-/// The total memory of the GPU this run will train on, if it will train on
-/// one (`device.kind` "cuda", or "auto" with a GPU present).
-fn gpu_memory(config: &ExperimentConfig) -> Option<u64> {
-    if config.device.kind == "cpu" {
-        return None;
-    }
-    match headroom_model::cuda::CudaBackend::probe() {
-        Ok(Some(gpu)) => Some(gpu.total_memory),
-        _ => None,
-    }
 }
 
 fn default_runs_dir() -> PathBuf {
@@ -136,8 +118,8 @@ pub struct DataConfig {
     /// `cargo xtask preprocess`, with train/ and test/ inside) or "text"
     /// (the `[text]` corpus, packed into a shard store on first use) or
     /// "moving_fashion_mnist" (`[frames]` sequences from Fashion-MNIST).
-    #[serde(default = "default_format")]
-    pub format: String,
+    #[serde(default)]
+    pub format: DataFormat,
     /// Where the dataset is. For "idx", unset means $FASHION_MNIST_DIR, then
     /// the Debian package's /usr/share/datasets/fashion-mnist; "shards" needs
     /// it; for "text" it is where the packed stores are kept (unset:
@@ -276,9 +258,6 @@ fn default_temperature() -> f32 {
     0.7
 }
 
-fn default_format() -> String {
-    "idx".into()
-}
 fn default_prefetch() -> usize {
     4
 }
@@ -288,8 +267,8 @@ fn default_prefetch() -> usize {
 #[serde(deny_unknown_fields)]
 pub struct DeviceConfig {
     /// "auto" (the GPU when one can be used, else the CPU), "cpu" or "cuda".
-    #[serde(default = "default_device_kind")]
-    pub kind: String,
+    #[serde(default)]
+    pub kind: DeviceKind,
     /// A hard budget on the memory pool, e.g. "3.5GiB"; unset = none.
     #[serde(default)]
     pub memory_limit: Option<String>,
@@ -335,24 +314,20 @@ pub struct DeviceConfig {
     /// checkpoints, so a resumed run keeps them, but two runs may choose,
     /// and so compute, differently). No effect on the CPU.
     #[serde(default = "default_conv_algorithm")]
-    pub conv_algorithm: String,
+    pub conv_algorithm: ConvAlgorithm,
     /// Fault injection for tests: fail an allocation at these steps ...
     #[serde(default)]
     pub inject_oom: InjectOom,
 }
 
-fn default_device_kind() -> String {
-    "auto".into()
-}
-
-fn default_conv_algorithm() -> String {
-    "auto".into()
+fn default_conv_algorithm() -> ConvAlgorithm {
+    ConvAlgorithm::Auto
 }
 
 impl Default for DeviceConfig {
     fn default() -> Self {
         Self {
-            kind: default_device_kind(),
+            kind: DeviceKind::default(),
             memory_limit: None,
             amp: true,
             fusion: true,
@@ -426,8 +401,8 @@ pub struct MemoryConfig {
     /// "adapt": free the cache and retry, then halve the micro-batch (doubling
     /// accumulation) down to `min_micro_batch`, then checkpoint and stop.
     /// "stop": checkpoint and stop at the first out-of-memory.
-    #[serde(default = "default_oom_policy")]
-    pub oom_policy: String,
+    #[serde(default)]
+    pub oom_policy: OomPolicy,
     #[serde(default = "default_min_micro")]
     pub min_micro_batch: usize,
     /// Release the pool's cached blocks every N steps (0 = never) ...
@@ -438,10 +413,6 @@ pub struct MemoryConfig {
     pub empty_cache_after_checkpoint: bool,
 }
 
-fn default_oom_policy() -> String {
-    "adapt".into()
-}
-
 fn default_min_micro() -> usize {
     1
 }
@@ -449,7 +420,7 @@ fn default_min_micro() -> usize {
 impl Default for MemoryConfig {
     fn default() -> Self {
         Self {
-            oom_policy: default_oom_policy(),
+            oom_policy: OomPolicy::default(),
             min_micro_batch: default_min_micro(),
             empty_cache_every: 0,
             empty_cache_after_checkpoint: false,
@@ -859,9 +830,9 @@ impl ExperimentConfig {
         if let Some(finetune) = &self.finetune {
             finetune.validate(self)?;
         }
-        match self.data.format.as_str() {
-            "idx" => {}
-            "shards" => {
+        match self.data.format {
+            DataFormat::Idx => {}
+            DataFormat::Shards => {
                 if self.data.dir.is_none() {
                     return Err(PipelineError::value(
                         "data.dir",
@@ -875,37 +846,13 @@ impl ExperimentConfig {
                     ));
                 }
             }
-            "text" => self.validate_text()?,
-            "moving_fashion_mnist" => self.validate_frames()?,
-            other => {
-                return Err(PipelineError::value(
-                    "data.format",
-                    format!("expected \"idx\", \"shards\", \"text\" or \"moving_fashion_mnist\", got \"{other}\""),
-                ))
-            }
-        }
-        if !matches!(self.device.kind.as_str(), "auto" | "cpu" | "cuda") {
-            return Err(PipelineError::value(
-                "device.kind",
-                format!(
-                    "expected \"auto\", \"cpu\" or \"cuda\", got \"{}\"",
-                    self.device.kind
-                ),
-            ));
+            DataFormat::Text => self.validate_text()?,
+            DataFormat::MovingFashionMnist => self.validate_frames()?,
         }
         if let Some(text) = &self.device.memory_limit {
             parse_bytes("device.memory_limit", text)?;
         }
         self.conv_plan()?;
-        if !matches!(self.memory.oom_policy.as_str(), "adapt" | "stop") {
-            return Err(PipelineError::value(
-                "memory.oom_policy",
-                format!(
-                    "expected \"adapt\" or \"stop\", got \"{}\"",
-                    self.memory.oom_policy
-                ),
-            ));
-        }
         positive("memory.min_micro_batch", self.memory.min_micro_batch as f64)?;
         self.micro_batch()?;
         if let Some(text) = &self.loader.memory_budget {
@@ -1029,20 +976,7 @@ impl ExperimentConfig {
 
     /// `device.conv_algorithm` and `device.conv_workspace`.
     pub fn conv_plan(&self) -> Result<ConvPlan> {
-        let algorithm = match self.device.conv_algorithm.as_str() {
-            "im2col" => ConvAlgorithm::Im2col,
-            "implicit_gemm" => ConvAlgorithm::ImplicitGemm,
-            "auto" => ConvAlgorithm::Auto,
-            "tune" => ConvAlgorithm::Tune,
-            other => {
-                return Err(PipelineError::value(
-                    "device.conv_algorithm",
-                    format!(
-                    "expected \"im2col\", \"implicit_gemm\", \"auto\" or \"tune\", got \"{other}\""
-                ),
-                ))
-            }
-        };
+        let algorithm = self.device.conv_algorithm;
         Ok(ConvPlan {
             algorithm,
             workspace: self.conv_workspace()?,

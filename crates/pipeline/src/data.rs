@@ -12,7 +12,7 @@ use headroom_loader::{
     AugmentConfig, Dataset, IdxDataset, LoaderConfig, ShardedDataset, ShuffleMode, Split,
 };
 
-use crate::config::{parse_bytes, ExperimentConfig, OnDevice};
+use crate::config::{parse_bytes, DataFormat, ExperimentConfig, OnDevice};
 use crate::learner::Learner;
 use crate::{PipelineError, Result};
 
@@ -37,14 +37,14 @@ pub fn open_splits(
         Some(_) => 1,
         None => crate::config::sizes::output_classes(&config.model)?,
     };
-    let place = |split: &str| match (&config.data.format[..], &config.data.dir) {
-        ("shards", Some(dir)) => dir.join(split).display().to_string(),
+    let place = |split: &str| match (config.data.format, &config.data.dir) {
+        (DataFormat::Shards, Some(dir)) => dir.join(split).display().to_string(),
         _ => format!("the {split} split"),
     };
     verify_labels_of_idx(config, classes)?;
     let test_digest = verify_samples(test.as_ref(), classes, &place("test"))?;
     let identity = DatasetIdentity {
-        format: config.data.format.clone(),
+        format: config.data.format.as_str().to_string(),
         sample_shape: train.sample_shape(),
         train_samples: train.len(),
         test_samples: test.len(),
@@ -58,13 +58,13 @@ fn open_unchecked(
     config: &ExperimentConfig,
     allow_install: bool,
 ) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
-    if config.data.format == "text" {
+    if config.data.format == DataFormat::Text {
         return crate::text::open_splits(config, allow_install);
     }
-    if config.data.format == "moving_fashion_mnist" {
+    if config.data.format == DataFormat::MovingFashionMnist {
         return crate::frames::open_splits(config, allow_install);
     }
-    if config.data.format == "shards" {
+    if config.data.format == DataFormat::Shards {
         let root = config.data.dir.as_deref().ok_or_else(|| {
             PipelineError::value(
                 "data.dir",
@@ -131,7 +131,7 @@ fn verify_samples(data: &dyn Dataset, classes: usize, place: &str) -> Result<u32
 /// For IDX data the label files are in memory already: check both splits'
 /// labels, naming the file and the sample.
 fn verify_labels_of_idx(config: &ExperimentConfig, classes: usize) -> Result<()> {
-    if config.data.format != "idx" {
+    if config.data.format != DataFormat::Idx {
         return Ok(());
     }
     let dir = locate_fashion_mnist(config.data.dir.as_deref(), false)?;
@@ -222,7 +222,7 @@ impl DatasetIdentity {
 
 /// The loader for training (shuffled, augmented, drop_last) or evaluation.
 pub fn loader_config(config: &ExperimentConfig, training: bool) -> Result<LoaderConfig> {
-    let default_mode = if matches!(config.data.format.as_str(), "shards" | "text") {
+    let default_mode = if matches!(config.data.format, DataFormat::Shards | DataFormat::Text) {
         ShuffleMode::ShardBlocks
     } else {
         ShuffleMode::Global

@@ -77,15 +77,7 @@ pub struct MemorySettings {
     pub trains_on_gpu: bool,
 }
 
-/// What an out-of-memory error leads to (`memory.oom_policy`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OomPolicy {
-    /// Free the cache and retry, then halve the micro-batch (doubling
-    /// accumulation) down to `min_micro_batch`, then checkpoint and stop.
-    Adapt,
-    /// Checkpoint and stop at the first out-of-memory.
-    Stop,
-}
+pub use crate::config::OomPolicy;
 
 impl Default for MemorySettings {
     fn default() -> Self {
@@ -106,15 +98,13 @@ impl MemorySettings {
     pub fn from_config(config: &ExperimentConfig) -> Result<Self> {
         Ok(Self {
             limit: config.memory_limit()?,
-            oom_policy: match config.memory.oom_policy.as_str() {
-                "stop" => OomPolicy::Stop,
-                _ => OomPolicy::Adapt,
-            },
+            oom_policy: config.memory.oom_policy,
             min_micro_batch: config.memory.min_micro_batch,
             empty_cache_every: config.memory.empty_cache_every,
             empty_cache_after_checkpoint: config.memory.empty_cache_after_checkpoint,
             inject_oom: config.device.inject_oom.clone(),
-            trains_on_gpu: config.memory_limit()?.is_none() && crate::config::trains_on_gpu(config),
+            trains_on_gpu: config.memory_limit()?.is_none()
+                && crate::device::gpu_memory(config.device.kind).is_some(),
         })
     }
 

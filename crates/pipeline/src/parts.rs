@@ -12,8 +12,7 @@ use headroom_optim::{AdamWConfig, LossScalerConfig};
 
 use crate::config::ExperimentConfig;
 use crate::learner::{
-    open_network, CpuLearner, CudaOptions, DeviceKind, Learner, LearnerState, NetworkPlan,
-    StepSettings,
+    open_network, CpuLearner, CudaOptions, Learner, LearnerState, NetworkPlan, StepSettings,
 };
 use crate::{checkpoint, PipelineError, Result};
 
@@ -59,7 +58,7 @@ pub fn open_with(
         layers: LayerRegistry::default(),
         step: StepSettings::from_config(config),
         batch: config.train.batch_size,
-        device: DeviceKind::parse("device.kind", &config.device.kind)?,
+        device: config.device.kind,
         cuda,
     };
     open_network(&plan, pool, |network| initialise(config, network).map(drop))

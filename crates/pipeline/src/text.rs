@@ -228,7 +228,7 @@ pub fn check_data_fits_token_model(
 
 fn describe_source(config: &ExperimentConfig) -> String {
     match (&config.text, &config.data.dir) {
-        (Some(text), _) if config.data.format == "text" => {
+        (Some(text), _) if config.data.format == crate::config::DataFormat::Text => {
             let files: Vec<String> = text
                 .corpus
                 .iter()

@@ -149,3 +149,46 @@ fn the_conv_algorithm_is_im2col_implicit_gemm_auto_or_tune() {
     assert!(err.contains("\"auto\" or \"tune\""), "{err}");
     assert!(err.contains("winograd"), "{err}");
 }
+
+/// The word-valued settings are enums: a word they do not know is refused
+/// while the experiment is read, naming the `--set`, the key and every word
+/// they take; the known words read back as themselves.
+#[test]
+fn word_settings_name_the_key_and_every_word_they_take() {
+    for (set, expected) in [
+        (
+            "device.kind=gpu",
+            "\"auto\", \"cpu\" or \"cuda\", got \"gpu\"",
+        ),
+        (
+            "data.format=parquet",
+            "\"idx\", \"shards\", \"text\" or \"moving_fashion_mnist\", got \"parquet\"",
+        ),
+        (
+            "memory.oom_policy=retry",
+            "\"adapt\" or \"stop\", got \"retry\"",
+        ),
+        (
+            "device.conv_algorithm=winograd",
+            "\"im2col\", \"implicit_gemm\", \"auto\" or \"tune\", got \"winograd\"",
+        ),
+    ] {
+        let err = load(&[set]).unwrap_err();
+        let key = set.split('=').next().unwrap();
+        assert!(err.contains(&format!("--set {key}")), "{set}: {err}");
+        assert!(err.contains(expected), "{set}: {err}");
+    }
+    let config = load(&[
+        "device.kind=cpu",
+        "memory.oom_policy=stop",
+        "device.conv_algorithm=implicit_gemm",
+    ])
+    .unwrap();
+    // Flattened (the run's recorded settings) as the strings were.
+    let flat = config.flatten();
+    assert_eq!(flat["device.kind"], "\"cpu\"");
+    assert_eq!(flat["memory.oom_policy"], "\"stop\"");
+    assert_eq!(flat["device.conv_algorithm"], "\"implicit_gemm\"");
+    assert_eq!(flat["data.format"], "\"idx\"");
+    assert_eq!(flat["run.profile"], "\"auto\"");
+}

@@ -46,9 +46,9 @@ fn the_profiles_live_in_experiments_profiles() {
 fn a_profile_overlays_the_experiment() {
     let smoke = experiments().join("smoke.toml");
     let plain = load(&smoke, &["run.profile=none"]).unwrap();
-    assert_eq!(plain.device.kind, "auto");
+    assert_eq!(plain.device.kind.as_str(), "auto");
     let cpu = load(&smoke, &["run.profile=cpu"]).unwrap();
-    assert_eq!(cpu.device.kind, "cpu");
+    assert_eq!(cpu.device.kind.as_str(), "cpu");
     let low = load(&smoke, &["run.profile=low_memory"]).unwrap();
     assert_eq!(low.train.micro_batch.as_deref(), Some("auto"));
     assert_eq!(low.data.prefetch, 2);

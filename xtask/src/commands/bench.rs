@@ -45,7 +45,7 @@ pub fn command(args: BenchCommand) -> Result<()> {
     }
     let mut overrides = overrides;
     overrides.push(format!("device.kind={device}"));
-    let experiment = ExperimentConfig::load(&config, &Overrides::parse(&overrides)?)?;
+    let experiment = super::load_experiment(&config, &Overrides::parse(&overrides)?)?;
     if loader {
         return loader_bench::run(&config, &experiment, json, compare_torch);
     }
@@ -85,7 +85,7 @@ pub fn step_command(args: BenchStepCommand) -> Result<()> {
         steps,
         profile,
     } = args;
-    let experiment = ExperimentConfig::load(&config, &Overrides::parse(&overrides)?)?;
+    let experiment = super::load_experiment(&config, &Overrides::parse(&overrides)?)?;
     let run = StepRun {
         batch,
         threads,

@@ -11,3 +11,18 @@ pub mod lora_merge;
 pub mod memcheck;
 pub mod preprocess;
 pub mod train;
+
+/// An experiment for a command that trains or times it: `run.profile =
+/// "auto"` judged by the GPU the run will use (probed only for a
+/// `device.kind` that may use one), where `ExperimentConfig::load` touches
+/// no device.
+pub fn load_experiment(
+    path: &std::path::Path,
+    overrides: &headroom_pipeline::Overrides,
+) -> headroom_pipeline::Result<headroom_pipeline::ExperimentConfig> {
+    headroom_pipeline::ExperimentConfig::load_for_device(
+        path,
+        overrides,
+        headroom_pipeline::device::gpu_memory,
+    )
+}

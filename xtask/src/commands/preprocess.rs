@@ -50,7 +50,7 @@ fn preprocess(
 /// Packs a text experiment's corpus into the store `train` reads.
 fn preprocess_text(config: &Path, overrides: &[String], allow_install: bool) -> Result<()> {
     let experiment = ExperimentConfig::load(config, &Overrides::parse(overrides)?)?;
-    if experiment.data.format != "text" {
+    if experiment.data.format != headroom_pipeline::config::DataFormat::Text {
         bail!(
             "{}: data.format is \"{}\"; --config packs text experiments only",
             config.display(),

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
+use headroom_pipeline::config::DataFormat;
 use headroom_pipeline::{rundir, train, ExperimentConfig, Overrides, Resume, TrainOptions};
 
 use crate::signals;
@@ -60,7 +61,7 @@ fn fresh_experiments(
         .iter()
         .map(|path| {
             Ok(Planned {
-                experiment: ExperimentConfig::load(path, overrides)?,
+                experiment: super::load_experiment(path, overrides)?,
                 source: path.clone(),
                 resume: resume.clone(),
             })
@@ -102,7 +103,7 @@ fn resumed_experiment(path: &Path, configs: &[PathBuf], overrides: &Overrides) -
                 .first()
                 .cloned()
                 .unwrap_or_else(|| PathBuf::from(DEFAULT_EXPERIMENT));
-            let mut experiment = ExperimentConfig::load(&config, overrides)?;
+            let mut experiment = super::load_experiment(&config, overrides)?;
             experiment.run.output_dir.get_or_insert(dir);
             (experiment, config)
         }
@@ -182,7 +183,7 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
         let summary = train(experiment, &options)
             .with_context(|| format!("training {} failed", experiment.run.name))?;
         print_summary(experiment, &summary);
-        if experiment.data.format == "text" && !summary.interrupted {
+        if experiment.data.format == DataFormat::Text && !summary.interrupted {
             let report = headroom_pipeline::text::write_report(experiment, &summary)
                 .with_context(|| format!("writing the text report of {}", experiment.run.name))?;
             print_text_report(&report);
@@ -249,7 +250,7 @@ fn train_missing_base(experiment: &ExperimentConfig, options: &TrainOptions) -> 
         base_experiment.display()
     );
     let overrides = Overrides::parse(&[format!("run.output_dir={}", ft.base.display())])?;
-    let base = ExperimentConfig::load(base_experiment, &overrides)?;
+    let base = super::load_experiment(base_experiment, &overrides)?;
     let options = TrainOptions {
         resume: Resume::No,
         ..options.clone()

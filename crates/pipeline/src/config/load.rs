@@ -13,7 +13,8 @@ use std::path::{Path, PathBuf};
 use config::{Config, Environment, File, FileFormat};
 
 use super::overrides::{blame_source, typed_value, ENV_PREFIX};
-use super::{device_memory, ExperimentConfig, Overrides, SMALL_DEVICE_BYTES};
+use super::{device_memory, ExperimentConfig, Overrides, Profile, SMALL_DEVICE_BYTES};
+use crate::device::DeviceKind;
 use crate::{PipelineError, Result};
 
 /// The directory, beside an experiment, that holds its profiles.
@@ -47,8 +48,15 @@ fn profiles_in(dir: &Path) -> Vec<String> {
     names
 }
 
-fn auto_profile(config: &ExperimentConfig) -> Result<Option<String>> {
-    match device_memory(config)? {
+fn auto_profile(
+    config: &ExperimentConfig,
+    gpu_memory: impl FnOnce(DeviceKind) -> Option<u64>,
+) -> Result<Option<String>> {
+    let gpu = match (config.memory_limit()?, config.device.kind) {
+        (Some(_), _) | (None, DeviceKind::Cpu) => None,
+        (None, kind) => gpu_memory(kind),
+    };
+    match device_memory(config, gpu)? {
         Some(bytes) if bytes < SMALL_DEVICE_BYTES => {
             tracing::warn!(
                 "the device has {:.2} GiB (< 4 GiB): applying the low_memory profile (run.profile = \"none\" to opt out)",
@@ -64,7 +72,25 @@ impl ExperimentConfig {
     /// Loads `path`, then its profile, then the environment, then
     /// `overrides`; then validates. A profile given as the experiment is
     /// refused, naming the `--profile` that applies it.
+    ///
+    /// Touches no device: `run.profile = "auto"` is judged by
+    /// `device.memory_limit`, else by this process's memory, as for a run on
+    /// the CPU. A command about to train uses [`Self::load_for_device`].
     pub fn load(path: &Path, overrides: &Overrides) -> Result<Self> {
+        Self::load_for_device(path, overrides, |_| None)
+    }
+
+    /// As [`Self::load`], with `gpu_memory` telling, for the experiment's
+    /// `device.kind`, the memory of the GPU the run will train on (None:
+    /// the CPU), which `run.profile = "auto"` judges by when
+    /// `device.memory_limit` is unset. `crate::device::gpu_memory` probes
+    /// the GPU for it; it is asked only for "auto", and nothing else here
+    /// touches a device.
+    pub fn load_for_device(
+        path: &Path,
+        overrides: &Overrides,
+        gpu_memory: impl FnOnce(DeviceKind) -> Option<u64>,
+    ) -> Result<Self> {
         if is_profile(path) {
             let name = path
                 .file_stem()
@@ -82,13 +108,13 @@ impl ExperimentConfig {
             )));
         }
         let config = Self::build(path, None, overrides)?;
-        let profile = match config.run.profile.as_str() {
-            "none" => return Ok(config),
-            "auto" => match auto_profile(&config)? {
+        let profile = match &config.run.profile {
+            Profile::None => return Ok(config),
+            Profile::Auto => match auto_profile(&config, gpu_memory)? {
                 Some(name) => name,
                 None => return Ok(config),
             },
-            name => name.to_string(),
+            Profile::Named(name) => name.clone(),
         };
         let plain = !profile.is_empty() && !profile.contains(['/', '\\', '\0', '.']);
         let profile_path = profile_path(path, &profile);

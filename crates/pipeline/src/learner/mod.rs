@@ -352,32 +352,7 @@ fn require_no_steps_in_flight(in_flight: usize, what: &str) -> Result<()> {
     })
 }
 
-/// Where a run trains (`device.kind`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum DeviceKind {
-    Cpu,
-    /// GPU 0, or an error naming what is missing.
-    Cuda,
-    /// The GPU when there is one the model can use, else the CPU, saying
-    /// why.
-    #[default]
-    Auto,
-}
-
-impl DeviceKind {
-    /// `"cpu"`, `"cuda"` or `"auto"`; `key` names the setting in the error.
-    pub fn parse(key: &str, text: &str) -> Result<Self> {
-        match text {
-            "cpu" => Ok(Self::Cpu),
-            "cuda" => Ok(Self::Cuda),
-            "auto" => Ok(Self::Auto),
-            other => Err(PipelineError::value(
-                key,
-                format!("expected \"auto\", \"cpu\" or \"cuda\", got \"{other}\""),
-            )),
-        }
-    }
-}
+pub use crate::device::DeviceKind;
 
 /// A network learner to make: the model, its initialisation and build, the
 /// step, and the device. What `open` makes from an experiment and a

@@ -147,10 +147,54 @@ pub enum ConvAlgorithm {
 }
 
 impl ConvAlgorithm {
+    /// The words `device.conv_algorithm` takes, in this order.
+    pub const NAMES: [&'static str; 4] = ["im2col", "implicit_gemm", "auto", "tune"];
+    const ALL: [ConvAlgorithm; 4] = [
+        ConvAlgorithm::Im2col,
+        ConvAlgorithm::ImplicitGemm,
+        ConvAlgorithm::Auto,
+        ConvAlgorithm::Tune,
+    ];
+
+    /// The setting's word for this algorithm.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConvAlgorithm::Im2col => "im2col",
+            ConvAlgorithm::ImplicitGemm => "implicit_gemm",
+            ConvAlgorithm::Auto => "auto",
+            ConvAlgorithm::Tune => "tune",
+        }
+    }
+
+    /// The algorithm a word names, or what was expected instead.
+    pub fn from_name(name: &str) -> Result<Self, String> {
+        match Self::ALL.iter().find(|a| a.as_str() == name) {
+            Some(algorithm) => Ok(*algorithm),
+            None => Err(format!(
+                "expected \"im2col\", \"implicit_gemm\", \"auto\" or \"tune\", got \"{name}\""
+            )),
+        }
+    }
+
     /// Whether the algorithm picks kernels by the convolution's shape
     /// (`Auto`, `Tune`), which takes the direct kernels where they apply.
     pub(super) fn by_shape(self) -> bool {
         matches!(self, ConvAlgorithm::Auto | ConvAlgorithm::Tune)
+    }
+}
+
+/// Written and read as its word (`"implicit_gemm"`), as an experiment's
+/// TOML holds it.
+impl serde::Serialize for ConvAlgorithm {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ConvAlgorithm {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = <String as serde::Deserialize>::deserialize(deserializer)?;
+        Self::from_name(&name).map_err(<D::Error as serde::de::Error>::custom)
     }
 }
 

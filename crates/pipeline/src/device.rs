@@ -1,0 +1,67 @@
+//! Where a run trains: the `device.kind` setting, and the one probe of the
+//! GPU that turns it into a device.
+//!
+//! Reading an experiment never touches the GPU: the functions that need to
+//! know whether a run will train on one (the "auto" profile, the memory
+//! budget's wording, the learner) ask `gpu_memory` here, and only for a
+//! kind that may use a GPU. The learner itself is opened in
+//! `learner::open_network`, which is where "auto" finally becomes the GPU or
+//! the CPU (a model with a CPU-only layer stays on the CPU).
+
+use headroom_model::cuda::CudaBackend;
+
+use crate::setting_enum::setting_enum;
+
+setting_enum! {
+    /// Where a run trains (`device.kind`).
+    #[derive(Default)]
+    pub enum DeviceKind {
+        /// The GPU when there is one the model can use, else the CPU,
+        /// saying why.
+        #[default]
+        Auto = "auto",
+        Cpu = "cpu",
+        /// GPU 0, or an error naming what is missing.
+        Cuda = "cuda",
+    }
+}
+
+/// The total memory of the GPU a run of `kind` would train on: None for
+/// "cpu", and for "auto" or "cuda" where no CUDA driver or GPU can be used.
+pub fn gpu_memory(kind: DeviceKind) -> Option<u64> {
+    if kind == DeviceKind::Cpu {
+        return None;
+    }
+    match CudaBackend::probe() {
+        Ok(Some(gpu)) => Some(gpu.total_memory),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cpu_run_asks_nothing_of_the_gpu() {
+        assert_eq!(gpu_memory(DeviceKind::Cpu), None);
+    }
+
+    #[test]
+    fn the_kind_reads_and_writes_its_word() {
+        for kind in [DeviceKind::Auto, DeviceKind::Cpu, DeviceKind::Cuda] {
+            assert_eq!(
+                DeviceKind::parse("device.kind", kind.as_str()).unwrap(),
+                kind
+            );
+        }
+        let err = DeviceKind::parse("device.kind", "gpu")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("device.kind"), "{err}");
+        assert!(
+            err.contains("\"auto\", \"cpu\" or \"cuda\", got \"gpu\""),
+            "{err}"
+        );
+    }
+}
