@@ -13,6 +13,24 @@
 //! made without cudarc ([`real_gpu_present`]).
 //!
 //! This crate is a dev-dependency only: no release binary contains it.
+//!
+//! ```
+//! // Load the emulated driver before anything touches CUDA; without a C++
+//! // compiler it was not built, which a CI run (HEADROOM_REQUIRE_NVRTC)
+//! // does not accept.
+//! if let Err(why) = headroom_cuda_emu::install() {
+//!     assert!(std::env::var_os("HEADROOM_REQUIRE_NVRTC").is_none(), "{why}");
+//!     eprintln!("skipped: {why}");
+//!     return;
+//! }
+//! // The kernels' own f16 rounding, as a kernel computes it.
+//! let half = headroom_cuda_emu::f32_to_f16_bits(1.5).unwrap();
+//! assert_eq!(half, 0x3e00);
+//! assert_eq!(headroom_cuda_emu::f16_bits_to_f32(half).unwrap(), 1.5);
+//! // Every kernel of crates/model/kernels is compiled in, by name.
+//! let kernels = headroom_cuda_emu::kernel_names().unwrap();
+//! assert!(kernels.iter().any(|name| name.starts_with("adamw")), "{kernels:?}");
+//! ```
 
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::{Path, PathBuf};

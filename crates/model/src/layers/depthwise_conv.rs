@@ -302,15 +302,8 @@ impl DepthwiseConv2d {
 
 impl Layer for DepthwiseConv2d {
     fn describe(&self) -> String {
-        let mut s = format!("depthwise_conv{}x{}", self.k, self.k);
-        if self.stride != 1 {
-            s += &format!("/{}", self.stride);
-        }
-        if self.pad != self.k / 2 {
-            s += &format!(" pad {}", self.pad);
-        }
-        s += &format!(" {}x{}", self.c, self.m);
-        s
+        let channels = format!("{}x{}", self.c, self.m);
+        super::conv::describe_window("depthwise_conv", self.k, self.stride, self.pad, &channels)
     }
 
     fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {

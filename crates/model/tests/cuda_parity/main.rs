@@ -343,7 +343,7 @@ mod sequence;
 
 use batch_norm::{bn_case, BN};
 use conv::{kernel_runs, NARROW_KERNELS};
-use network::{assert_matches_cpu, cpu_run, flattening_network_run, SpecFile, Tolerances};
+use network::{assert_matches_cpu, cpu_run, small_network_matches_the_cpu, SpecFile, Tolerances};
 
 // ---------------------------------------------------------------------------
 // Coverage

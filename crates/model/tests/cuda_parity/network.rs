@@ -412,6 +412,53 @@ pub(crate) fn cpu_run(cpu: &mut Network, batches: &[Tensor], grad: &Tensor) -> C
     }
 }
 
+/// A small network of `spec`'s layers (a `[model]` TOML, input 6×6×2, 4
+/// outputs), with and without checkpointing, in f32 and f16, against the
+/// CPU network: two training batches from seed `seed` and an eval pass, the
+/// output gradient from `seed + 10`; checkpointing must give the same bits.
+/// `what` names the layer in the failures.
+pub(crate) fn small_network_matches_the_cpu(be: &CudaBackend, what: &str, spec: &str, seed: u64) {
+    let spec = |checkpoint: CheckpointPolicy| {
+        let mut spec = toml::from_str::<SpecFile>(spec).unwrap().model;
+        spec.checkpoint = checkpoint;
+        spec
+    };
+    let (plain, all) = (spec(CheckpointPolicy::None), spec(CheckpointPolicy::All));
+    let n = 5;
+    let batches: Vec<Tensor> = (0..2)
+        .map(|i| random(&[n, 6, 6, 2], seed + i, 1.0, 0.0))
+        .collect();
+    let grad_logits = random(&[n, 4], seed + 10, 0.5, 0.0);
+    let mut cpu = Network::build(&plain, 9).unwrap();
+    let reference = cpu_run(&mut cpu, &batches, &grad_logits);
+    for dtype in [DType::F32, DType::F16] {
+        let what = format!("{what} network {dtype:?}");
+        let (logits, grads, _) = flattening_network_run(be, &plain, dtype, &batches, &grad_logits);
+        let again = flattening_network_run(be, &all, dtype, &batches, &grad_logits);
+        assert!(
+            logits
+                .iter()
+                .zip(&again.0)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+                && grads == again.1,
+            "{what}: checkpointing changed the bits"
+        );
+        let tolerances = Tolerances {
+            f32_outputs: (1e-4, 1e-5),
+            f32_grads: (1e-3, 1e-5),
+            f16_outputs: 4e-3,
+            f16_grads: 1e-2,
+        };
+        assert_matches_cpu(
+            &what,
+            dtype,
+            (&logits, &grads),
+            (&reference.outputs, &reference.grads),
+            tolerances,
+        );
+    }
+}
+
 /// f32: (relative, absolute fraction) element-wise bounds for outputs and
 /// gradients; f16: relative L2 bounds.
 pub(crate) struct Tolerances {

@@ -213,8 +213,7 @@ fn max_pooling_matches_the_cpu_layer_bit_for_bit() {
 )]
 fn a_max_pool_network_matches_the_cpu_network() {
     let be = gpu_or_skip!();
-    let spec = |checkpoint: CheckpointPolicy| {
-        let text = r#"
+    let spec = r#"
 [model]
 input = [6, 6, 2]
 mean = 0.5
@@ -227,42 +226,5 @@ layers = [
   { type = "flatten" }, { type = "linear", out = 4 },
 ]
 "#;
-        let mut spec = toml::from_str::<SpecFile>(text).unwrap().model;
-        spec.checkpoint = checkpoint;
-        spec
-    };
-    let (plain, all) = (spec(CheckpointPolicy::None), spec(CheckpointPolicy::All));
-    let n = 5;
-    let batches: Vec<Tensor> = (0..2)
-        .map(|i| random(&[n, 6, 6, 2], 950 + i, 1.0, 0.0))
-        .collect();
-    let grad_logits = random(&[n, 4], 960, 0.5, 0.0);
-    let mut cpu = Network::build(&plain, 9).unwrap();
-    let reference = cpu_run(&mut cpu, &batches, &grad_logits);
-    for dtype in [DType::F32, DType::F16] {
-        let what = format!("max_pool network {dtype:?}");
-        let (logits, grads, _) = flattening_network_run(&be, &plain, dtype, &batches, &grad_logits);
-        let again = flattening_network_run(&be, &all, dtype, &batches, &grad_logits);
-        assert!(
-            logits
-                .iter()
-                .zip(&again.0)
-                .all(|(a, b)| a.to_bits() == b.to_bits())
-                && grads == again.1,
-            "{what}: checkpointing changed the bits"
-        );
-        let tolerances = Tolerances {
-            f32_outputs: (1e-4, 1e-5),
-            f32_grads: (1e-3, 1e-5),
-            f16_outputs: 4e-3,
-            f16_grads: 1e-2,
-        };
-        assert_matches_cpu(
-            &what,
-            dtype,
-            (&logits, &grads),
-            (&reference.outputs, &reference.grads),
-            tolerances,
-        );
-    }
+    small_network_matches_the_cpu(&be, "max_pool", spec, 950);
 }

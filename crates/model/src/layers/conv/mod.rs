@@ -375,17 +375,31 @@ impl Conv2d {
     }
 }
 
+/// How a windowed layer describes itself (in the model summary and the
+/// description a checkpoint records): `conv3x3`, then `/stride` unless 1,
+/// ` pad P` unless the "same" padding k/2, then its channels.
+pub(crate) fn describe_window(
+    op: &str,
+    k: usize,
+    stride: usize,
+    pad: usize,
+    channels: &str,
+) -> String {
+    let mut s = format!("{op}{k}x{k}");
+    if stride != 1 {
+        s += &format!("/{stride}");
+    }
+    if pad != k / 2 {
+        s += &format!(" pad {pad}");
+    }
+    s += &format!(" {channels}");
+    s
+}
+
 impl Layer for Conv2d {
     fn describe(&self) -> String {
-        let mut s = format!("conv{}x{}", self.k, self.k);
-        if self.stride != 1 {
-            s += &format!("/{}", self.stride);
-        }
-        if self.pad != self.k / 2 {
-            s += &format!(" pad {}", self.pad);
-        }
-        s += &format!(" {}->{}", self.cin, self.cout);
-        s
+        let channels = format!("{}->{}", self.cin, self.cout);
+        describe_window("conv", self.k, self.stride, self.pad, &channels)
     }
 
     fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
