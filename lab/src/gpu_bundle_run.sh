@@ -50,6 +50,9 @@ if [ -z "${FASHION_MNIST_DIR:-}" ] && [ -f data/train-images-idx3-ubyte.gz ]; th
     export FASHION_MNIST_DIR=$BUNDLE/data
 fi
 export HEADROOM_KERNEL_CACHE=${HEADROOM_KERNEL_CACHE:-$WORK/kernel-cache}
+# The test binaries read experiments/*.toml: the bundle's copy, not the
+# build machine's workspace (which is not on this machine).
+export HEADROOM_EXPERIMENTS=$BUNDLE/experiments
 export HEADROOM_REQUIRE_GPU=1
 # The programs travel gzipped (a third of their size): unpacked into WORK.
 mkdir -p "$WORK/bin/tests"

@@ -3,7 +3,7 @@
 //! and the gate of the tests that need NVRTC ([`nvrtc_gate`]).
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Once;
 
 pub mod nvrtc_gate;
@@ -72,6 +72,33 @@ pub fn gzip_to(path: &Path, bytes: &[u8]) {
     encoder.finish().expect("finish gzip");
 }
 
+/// `experiments/NAME`: in `$HEADROOM_EXPERIMENTS` where that is set (the
+/// GPU bundle's run.sh points it at the bundle's own copy), else in the
+/// workspace the test was built in, else under the current directory. A
+/// test binary carried to another machine (the GPU bundle) does not find
+/// the build machine's workspace.
+pub fn experiment(name: &str) -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../experiments");
+    experiment_in(
+        std::env::var_os("HEADROOM_EXPERIMENTS").map(PathBuf::from),
+        &built,
+        name,
+    )
+}
+
+/// [`experiment`]'s choice, given the variable and the built workspace's
+/// directory.
+pub fn experiment_in(set: Option<PathBuf>, built: &Path, name: &str) -> PathBuf {
+    if let Some(dir) = set {
+        return dir.join(name);
+    }
+    let beside = built.join(name);
+    if beside.is_file() {
+        return beside;
+    }
+    Path::new("experiments").join(name)
+}
+
 /// experiments/smoke.toml on the data in `data`, writing to `out`, with
 /// `extra` overrides (`key=value`).
 pub fn smoke_config(data: &Path, out: &Path, extra: &[&str]) -> ExperimentConfig {
@@ -80,7 +107,7 @@ pub fn smoke_config(data: &Path, out: &Path, extra: &[&str]) -> ExperimentConfig
         format!("run.output_dir={}", out.display()),
     ];
     pairs.extend(extra.iter().map(|s| s.to_string()));
-    let experiments = Path::new(env!("CARGO_MANIFEST_DIR")).join("../experiments/smoke.toml");
+    let experiments = experiment("smoke.toml");
     match ExperimentConfig::load(&experiments, &Overrides::parse(&pairs).expect("overrides")) {
         Ok(config) => config,
         Err(e) => panic!("smoke config: {e}"),
@@ -119,5 +146,33 @@ pub fn cuda_path_available(test: &str) -> bool {
             false
         }
         Err(e) => panic!("HEADROOM_REQUIRE_NVRTC=1 but {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bundle unpacked on another machine: the build's workspace is not
+    /// there, so the experiment is found under the current directory, or
+    /// wherever HEADROOM_EXPERIMENTS says.
+    #[test]
+    fn experiments_are_found_away_from_the_build_machine() {
+        let gone = Path::new("/nonexistent/build/machine/experiments");
+        assert_eq!(
+            experiment_in(None, gone, "smoke.toml"),
+            Path::new("experiments/smoke.toml")
+        );
+        let bundle = PathBuf::from("/bundle/experiments");
+        assert_eq!(
+            experiment_in(Some(bundle.clone()), gone, "smoke.toml"),
+            bundle.join("smoke.toml")
+        );
+        let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../experiments");
+        assert_eq!(
+            experiment_in(None, &built, "smoke.toml"),
+            built.join("smoke.toml")
+        );
+        assert!(experiment("smoke.toml").is_file());
     }
 }

@@ -305,8 +305,7 @@ fn the_silu_mlp_experiment_trains_on_the_gpu_path_as_on_the_cpu() {
     }
     let data = tempfile::tempdir().unwrap();
     write_synthetic_fashion_mnist(data.path(), 256, 64);
-    let experiment =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../experiments/mlp_silu.toml");
+    let experiment = headroom_tests::experiment("mlp_silu.toml");
     let run = |sets: &[&str]| {
         let out = tempfile::tempdir().unwrap();
         let mut pairs = vec![
