@@ -91,6 +91,7 @@ pub mod parts;
 pub mod plot;
 pub mod resume;
 pub mod rundir;
+pub mod shell;
 mod sink;
 mod sources;
 pub mod text;
