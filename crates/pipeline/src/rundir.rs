@@ -9,7 +9,10 @@
 //! lives, so a second process cannot write into a live run, and removes
 //! the file when it ends (see `DirLock`). A directory this run made and
 //! that holds no progress (no checkpoint, no metrics) is removed when the
-//! claim ends: a failed start leaves nothing behind.
+//! claim ends: a failed start leaves nothing behind. Likewise a record
+//! that a start replaced (`record_config`) is put back if the start made
+//! no checkpoint: a resume refused after its settings were recorded (other
+//! data, say) leaves the run's record as it was.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -32,6 +35,9 @@ pub struct RunDir {
     path: PathBuf,
     lock: Option<DirLock>,
     created: bool,
+    /// The checkpoints there when claimed: a claim whose checkpoints are
+    /// the same at its end made no progress under a new record.
+    checkpoints_at_claim: Vec<PathBuf>,
 }
 
 /// Where a run's directory is: `output_dir` when set, else a new
@@ -75,11 +81,17 @@ impl RunDir {
     pub fn claim_at(place: &RunPlace, resume: &Resume) -> Result<Self> {
         let (path, created) = locate(place, resume)?;
         match DirLock::acquire(&path) {
-            Ok(lock) => Ok(Self {
-                path,
-                lock: Some(lock),
-                created,
-            }),
+            Ok(lock) => {
+                // Left by a process killed after its settings were accepted:
+                // they stand (see `settle_record`).
+                let _ = std::fs::remove_file(path.join(RECORD_BEFORE));
+                Ok(Self {
+                    checkpoints_at_claim: checkpoint::list(&path).unwrap_or_default(),
+                    path,
+                    lock: Some(lock),
+                    created,
+                })
+            }
             Err(e) => {
                 if created {
                     let _ = std::fs::remove_dir_all(&path);
@@ -94,11 +106,36 @@ impl RunDir {
     }
 }
 
+impl RunDir {
+    /// Keeps the record this claim wrote if a checkpoint was written under
+    /// it, else puts back the one it replaced: the record must describe
+    /// the run its newest checkpoint belongs to. (A checkpoint list that
+    /// cannot be read counts as progress: the newer record is kept.)
+    fn settle_record(&self) {
+        let before = self.path.join(RECORD_BEFORE);
+        if !before.exists() {
+            return;
+        }
+        let progressed =
+            checkpoint::list(&self.path).map_or(true, |now| now != self.checkpoints_at_claim);
+        let settled = if progressed {
+            std::fs::remove_file(&before)
+        } else {
+            std::fs::rename(&before, self.path.join(CONFIG_FILE))
+                .and_then(|()| File::open(&self.path).and_then(|d| d.sync_all()))
+        };
+        if let Err(e) = settled {
+            tracing::warn!("could not settle {}: {e}", before.display());
+        }
+    }
+}
+
 impl Drop for RunDir {
     fn drop(&mut self) {
         // An empty directory goes while the lock is still held, so no other
         // process can have claimed it; the lock (and its file, if the
         // directory stays) goes last.
+        self.settle_record();
         if self.created && holds_no_progress(&self.path) {
             if let Err(e) = std::fs::remove_dir_all(&self.path) {
                 tracing::warn!(
@@ -285,24 +322,39 @@ pub fn write_resolved_config(dir: &Path, config: &ExperimentConfig) -> Result<()
     record_config(dir, config)
 }
 
+/// The record a start replaced, kept until the claim ends
+/// (`RunDir::settle_record`).
+const RECORD_BEFORE: &str = ".config.toml.before";
+
 /// Records `config` as the run's settings in `dir/config.toml`, replacing
 /// what is there: called when a run goes ahead with these settings (a
 /// resume accepted with overrides), so that `--resume DIR` afterwards
 /// continues with them and never with the earlier ones. Atomic (temporary,
 /// fsync, rename, directory fsync): a crash leaves the old record or the
 /// new, never a torn file. An unchanged record is not written again.
+///
+/// The replaced record is kept beside it while `dir` is claimed: checks
+/// made after this one (the data's identity, when the data is opened) may
+/// still refuse the run, and a claim that ends without a checkpoint puts
+/// it back.
 pub fn record_config(dir: &Path, config: &ExperimentConfig) -> Result<()> {
     let path = dir.join(CONFIG_FILE);
     let text = toml::to_string(config)
         .map_err(|e| PipelineError::Config(format!("cannot record the config: {e}")))?;
-    if std::fs::read(&path).is_ok_and(|old| old == text.as_bytes()) {
-        return Ok(());
+    let write = |path: &Path, bytes: &[u8]| {
+        checkpoint::write_atomically(path, |mut out, tmp| {
+            out.write_all(bytes)
+                .map_err(|e| PipelineError::io(tmp, e))?;
+            Ok(out)
+        })
+    };
+    match std::fs::read(&path) {
+        Ok(old) if old == text.as_bytes() => return Ok(()),
+        // The first record replaced in this claim is the one to go back to.
+        Ok(old) if !dir.join(RECORD_BEFORE).exists() => write(&dir.join(RECORD_BEFORE), &old)?,
+        _ => {}
     }
-    checkpoint::write_atomically(&path, |mut out, tmp| {
-        out.write_all(text.as_bytes())
-            .map_err(|e| PipelineError::io(tmp, e))?;
-        Ok(out)
-    })
+    write(&path, text.as_bytes())
 }
 
 /// `run.output_dir` as the run's `config.toml` at `path` records it,
@@ -553,12 +605,53 @@ mod tests {
         let recorded: ExperimentConfig = toml::from_str(&text).unwrap();
         assert_eq!(recorded.optimizer.lr, 1e-4);
         assert_eq!(recorded.train.epochs, 7);
-        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+        let temporaries: Vec<String> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name.ends_with(".tmp"))
             .collect();
-        names.sort();
-        assert_eq!(names, [CONFIG_FILE], "a temporary is left behind");
+        assert!(temporaries.is_empty(), "{temporaries:?}");
+    }
+
+    /// A run directory holding a checkpoint and a record of `config`,
+    /// claimed for a resume, and the record replaced by one with another
+    /// learning rate: what a resume with `--set optimizer.lr` does.
+    fn resume_with_new_record(runs: &Path) -> (RunDir, ExperimentConfig, String) {
+        let mut config = smoke_config(runs);
+        let dir = runs.join("run");
+        config.run.output_dir = Some(dir.clone());
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(dir.join(checkpoint::file_name(8)), b"x").unwrap();
+        write_resolved_config(&dir, &config).unwrap();
+        let old = std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap();
+        let claim = RunDir::claim(&config, &Resume::Latest).unwrap();
+        config.optimizer.lr = 1e-4;
+        record_config(&dir, &config).unwrap();
+        let new = std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap();
+        assert_ne!(old, new);
+        (claim, config, old)
+    }
+
+    #[test]
+    fn a_start_refused_after_its_record_was_written_puts_the_old_one_back() {
+        let runs = tempfile::tempdir().unwrap();
+        let (claim, _, old) = resume_with_new_record(runs.path());
+        let dir = claim.path().to_path_buf();
+        drop(claim); // the data check refused it: no checkpoint written
+        assert_eq!(std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap(), old);
+        assert!(!dir.join(RECORD_BEFORE).exists());
+    }
+
+    #[test]
+    fn a_resume_that_checkpoints_keeps_its_new_record() {
+        let runs = tempfile::tempdir().unwrap();
+        let (claim, config, _) = resume_with_new_record(runs.path());
+        let dir = claim.path().to_path_buf();
+        std::fs::write(dir.join(checkpoint::file_name(16)), b"x").unwrap();
+        drop(claim);
+        let text = std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap();
+        assert_eq!(text, toml::to_string(&config).unwrap());
+        assert!(!dir.join(RECORD_BEFORE).exists());
     }
 
     /// Makes `runs/<name>` holding a checkpoint-named file and, when
