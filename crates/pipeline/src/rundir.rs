@@ -118,10 +118,15 @@ impl RunDir {
         }
         let progressed =
             checkpoint::list(&self.path).map_or(true, |now| now != self.checkpoints_at_claim);
+        let record = self.path.join(CONFIG_FILE);
+        // No record was there before: an empty file says so.
+        let had_none = std::fs::metadata(&before).is_ok_and(|m| m.len() == 0);
         let settled = if progressed {
             std::fs::remove_file(&before)
+        } else if had_none {
+            std::fs::remove_file(&record).and_then(|()| std::fs::remove_file(&before))
         } else {
-            std::fs::rename(&before, self.path.join(CONFIG_FILE))
+            std::fs::rename(&before, &record)
                 .and_then(|()| File::open(&self.path).and_then(|d| d.sync_all()))
         };
         if let Err(e) = settled {
@@ -311,12 +316,13 @@ fn holds_no_progress(dir: &Path) -> bool {
 }
 
 /// Writes the experiment exactly as resolved (file, environment, --set)
-/// when the directory has no record yet: the start of a run, before its
-/// checkpoint is chosen. A resume that is refused therefore leaves the
-/// record as it was; one that is accepted rewrites it ([`record_config`],
-/// called once the checkpoint is checked).
+/// when a run starts in a directory with no record and no checkpoint,
+/// before its checkpoint is chosen. A directory with checkpoints is being
+/// resumed: its record is written only once the resume is accepted
+/// ([`record_config`], from `resume::choose`), so a refused one writes
+/// nothing, not even into a run from before runs kept a record.
 pub fn write_resolved_config(dir: &Path, config: &ExperimentConfig) -> Result<()> {
-    if dir.join(CONFIG_FILE).exists() {
+    if dir.join(CONFIG_FILE).exists() || !checkpoint::list(dir)?.is_empty() {
         return Ok(());
     }
     record_config(dir, config)
@@ -348,10 +354,13 @@ pub fn record_config(dir: &Path, config: &ExperimentConfig) -> Result<()> {
             Ok(out)
         })
     };
+    let before = dir.join(RECORD_BEFORE);
     match std::fs::read(&path) {
         Ok(old) if old == text.as_bytes() => return Ok(()),
         // The first record replaced in this claim is the one to go back to.
-        Ok(old) if !dir.join(RECORD_BEFORE).exists() => write(&dir.join(RECORD_BEFORE), &old)?,
+        Ok(old) if !before.exists() => write(&before, &old)?,
+        // A resumed run that had no record: an empty one stands for none.
+        Err(_) if !checkpoint::list(dir)?.is_empty() && !before.exists() => write(&before, b"")?,
         _ => {}
     }
     write(&path, text.as_bytes())
@@ -621,8 +630,8 @@ mod tests {
         let dir = runs.join("run");
         config.run.output_dir = Some(dir.clone());
         std::fs::create_dir(&dir).unwrap();
-        std::fs::write(dir.join(checkpoint::file_name(8)), b"x").unwrap();
         write_resolved_config(&dir, &config).unwrap();
+        std::fs::write(dir.join(checkpoint::file_name(8)), b"x").unwrap();
         let old = std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap();
         let claim = RunDir::claim(&config, &Resume::Latest).unwrap();
         config.optimizer.lr = 1e-4;
@@ -639,6 +648,27 @@ mod tests {
         let dir = claim.path().to_path_buf();
         drop(claim); // the data check refused it: no checkpoint written
         assert_eq!(std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap(), old);
+        assert!(!dir.join(RECORD_BEFORE).exists());
+    }
+
+    #[test]
+    fn a_refused_resume_of_a_run_without_a_record_leaves_none() {
+        let runs = tempfile::tempdir().unwrap();
+        let mut config = smoke_config(runs.path());
+        let dir = runs.path().join("run");
+        config.run.output_dir = Some(dir.clone());
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(dir.join(checkpoint::file_name(8)), b"x").unwrap();
+        let claim = RunDir::claim(&config, &Resume::Latest).unwrap();
+        write_resolved_config(&dir, &config).unwrap();
+        assert!(
+            !dir.join(CONFIG_FILE).exists(),
+            "written before the resume was checked"
+        );
+        record_config(&dir, &config).unwrap(); // accepted, then refused by the data
+        assert!(dir.join(CONFIG_FILE).exists());
+        drop(claim);
+        assert!(!dir.join(CONFIG_FILE).exists());
         assert!(!dir.join(RECORD_BEFORE).exists());
     }
 
