@@ -184,7 +184,7 @@ fn locate(place: &RunPlace, resume: &Resume) -> Result<(PathBuf, bool)> {
         let dir = runs.join(name);
         match std::fs::create_dir(&dir) {
             Ok(()) => {
-                record_creation(&dir, now);
+                record_creation(runs, &dir, now);
                 return Ok((dir, true));
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => n += 1,
@@ -381,21 +381,31 @@ pub fn recorded_output_dir(path: &Path) -> Option<PathBuf> {
 ///
 /// Why a file of its own: "the newest run" must mean the one made last,
 /// and nothing else in the directory keeps that moment. Name order does
-/// not (`-10` sorts before `-9` for runs started in the same second; a
-/// clock set back gives older-looking names to newer runs' neighbours);
-/// the directory's mtime changes with every file written in it;
-/// `config.toml` is rewritten by an accepted resume; the earliest
-/// checkpoint is pruned (`checkpoint.keep`); and a birth time is not
-/// reported by every file system and is lost by a plain `cp -r`. A file
-/// written once, holding the time as text, survives all of these (a copy
-/// keeps the content, if not the mtime).
+/// not (`-10` sorts before `-9` for runs started in the same second, and
+/// after the clock is set back a new run gets an older-looking name); the
+/// directory's mtime changes with every file written in it; `config.toml`
+/// is rewritten by an accepted resume; the earliest checkpoint is pruned
+/// (`checkpoint.keep`); and a birth time is not reported by every file
+/// system, follows the clock, and is lost by a plain `cp -r`. A file
+/// written once, holding the moment as text, survives all of these (a
+/// copy keeps the content, if not the mtime).
 pub const CREATED_FILE: &str = ".created";
 
-/// Records the creation time of a directory just made, in nanoseconds
-/// since the Unix epoch. A failure to record it is not fatal: the
-/// timestamp in the directory's name is the fallback (`creation_order`).
-fn record_creation(dir: &Path, now: SystemTime) {
-    let nanos = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+/// Records when `dir`, just made in `runs`, was made: nanoseconds since
+/// the Unix epoch, or one more than the latest recorded in `runs` if that
+/// is later (the clock was set back), so a new run is always the newest.
+/// A failure to record it is not fatal: the timestamp in the directory's
+/// name is the fallback (`creation_order`).
+fn record_creation(runs: &Path, dir: &Path, now: SystemTime) {
+    let now = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let latest = std::fs::read_dir(runs)
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|other| other != dir)
+        .filter_map(|other| recorded_creation(&other))
+        .max();
+    let nanos = latest.map_or(now, |latest| now.max(latest + 1));
     if let Err(e) = std::fs::write(dir.join(CREATED_FILE), format!("{nanos}\n")) {
         tracing::warn!(
             "could not record the creation time of {}: {e}",
@@ -421,11 +431,14 @@ fn creation_order(dir: &Path, rest: &str) -> Option<(u128, u64)> {
     if !digits(date, 8) || !digits(time, 6) {
         return None;
     }
-    let recorded = std::fs::read_to_string(dir.join(CREATED_FILE))
-        .ok()
-        .and_then(|text| text.trim().parse::<u128>().ok());
-    let nanos = recorded.unwrap_or_else(|| name_time_nanos(date, time));
+    let nanos = recorded_creation(dir).unwrap_or_else(|| name_time_nanos(date, time));
     Some((nanos, n))
+}
+
+/// The moment `dir/.created` records, if it holds one.
+fn recorded_creation(dir: &Path) -> Option<u128> {
+    let text = std::fs::read_to_string(dir.join(CREATED_FILE)).ok()?;
+    text.trim().parse().ok()
 }
 
 /// `YYYYMMDD`, `HHMMSS` (UTC, as `utc_timestamp` writes them) as
@@ -705,8 +718,8 @@ mod tests {
         let newest = newest_with_checkpoints(runs.path(), "smoke").unwrap();
         assert_eq!(newest.as_deref(), Some(tenth.as_path()));
 
-        // The recorded creation time rules over the name (a clock that was
-        // ahead gave the older run the later-looking name).
+        // The recorded creation time rules over the name (the clock was
+        // set back between the two).
         let runs = tempfile::tempdir().unwrap();
         run_with_checkpoint(runs.path(), "smoke-20301128-120000", Some(1_000));
         let made_last = run_with_checkpoint(runs.path(), "smoke-20261128-110000", Some(2_000));
@@ -735,6 +748,23 @@ mod tests {
             nanos >= before.as_nanos(),
             "{nanos} < {}",
             before.as_nanos()
+        );
+    }
+
+    #[test]
+    fn a_run_made_after_the_clock_was_set_back_is_still_the_newest() {
+        let runs = tempfile::tempdir().unwrap();
+        let config = smoke_config(runs.path());
+        let ahead = 4_000_000_000_000_000_000u128; // 2096
+        let earlier = run_with_checkpoint(runs.path(), "smoke-20960101-000000", Some(ahead));
+        let claim = RunDir::claim(&config, &Resume::No).unwrap();
+        std::fs::write(claim.path().join(checkpoint::file_name(1)), b"x").unwrap();
+        let newest = newest_with_checkpoints(runs.path(), "smoke").unwrap();
+        assert_eq!(
+            newest.as_deref(),
+            Some(claim.path()),
+            "not {}",
+            earlier.display()
         );
     }
 
