@@ -262,8 +262,6 @@ fn checkpoint_of_another_model_is_refused_with_the_difference() {
         "--no-install".into(),
         "--set".into(),
         format!("data.dir={}", data.path().display()),
-        "--set".into(),
-        format!("run.output_dir={}", out_dir.path().join("other").display()),
         "--resume".into(),
     ];
     other.push(checkpoint.display().to_string());

@@ -38,7 +38,7 @@ pub enum PipelineError {
          state in {}. Lower the learning rate (or set a gradient clip) and resume: \
          cargo xtask train --resume {} --set optimizer.lr=<lower> [--set train.clip_norm=1.0]",
         dir.display(),
-        dir.display()
+        crate::shell::quote_path(dir)
     )]
     Diverged { skips: u64, dir: PathBuf },
     /// The test pass at the end of a training epoch (counted from 1).
@@ -54,7 +54,7 @@ pub enum PipelineError {
          stopped: cargo xtask train --resume {}",
         dir.display(),
         remedy(cause),
-        dir.display()
+        crate::shell::quote_path(dir)
     )]
     StoppedSaved {
         cause: Box<PipelineError>,

@@ -49,13 +49,13 @@ pub fn base_checkpoint(finetune: &FinetuneConfig) -> Result<PathBuf> {
     }
     let command = match &finetune.base_experiment {
         Some(experiment) => format!(
-            "cargo xtask train --config {} --set run.output_dir={}",
-            experiment.display(),
-            base.display()
+            "cargo xtask train --config {} --set {}",
+            crate::shell::quote_path(experiment),
+            crate::shell::quote(&format!("run.output_dir={}", base.display()))
         ),
         None => format!(
-            "cargo xtask train --config experiments/tiny_gpt.toml --set run.output_dir={}",
-            base.display()
+            "cargo xtask train --config experiments/tiny_gpt.toml --set {}",
+            crate::shell::quote(&format!("run.output_dir={}", base.display()))
         ),
     };
     Err(PipelineError::value(

@@ -93,6 +93,7 @@ pub mod plot;
 pub mod resume;
 pub mod rundir;
 mod setting_enum;
+pub mod shell;
 mod sink;
 mod sources;
 pub mod text;

@@ -23,8 +23,6 @@ pub enum Resume {
     From(PathBuf),
 }
 
-/// Finds the checkpoint to resume from, checked against `config`, and cuts
-/// the run's metrics back to it, so that no step is recorded twice.
 /// What a checkpoint records of the experiment that wrote it, and what a
 /// resume checks against it: an `ExperimentConfig` for `cargo xtask train`,
 /// a [`SettingsRecord`] for a `Trainer` built in code, or a fork's own.
@@ -38,6 +36,14 @@ pub trait RunRecord: Send + Sync {
     /// Whether this experiment may go on from `saved` (found at `path`);
     /// the error names what differs and what to do.
     fn check_resume(&self, path: &Path, saved: &Checkpoint) -> Result<()>;
+    /// Records these settings in the run directory `dir` as the run's own,
+    /// once [`choose`] has accepted them (a fresh start, or a resume whose
+    /// changes are allowed), so that the next `--resume` goes on with them.
+    /// A record kept elsewhere (a run built in code) writes nothing.
+    fn record_in(&self, dir: &Path) -> Result<()> {
+        let _ = dir;
+        Ok(())
+    }
 }
 
 impl RunRecord for ExperimentConfig {
@@ -55,6 +61,12 @@ impl RunRecord for ExperimentConfig {
 
     fn check_resume(&self, path: &Path, saved: &Checkpoint) -> Result<()> {
         check_compatible(self, path, saved)
+    }
+
+    /// The run's `config.toml`: the overrides a resume was allowed (a lower
+    /// learning rate, more epochs, ...) become its settings.
+    fn record_in(&self, dir: &Path) -> Result<()> {
+        crate::rundir::record_config(dir, self)
     }
 }
 
@@ -119,13 +131,18 @@ impl RunRecord for SettingsRecord {
 }
 
 /// The checkpoint `resume` asks for in `dir`, checked against `record`;
-/// the metrics after it are cut (a resumed run writes them again).
+/// once accepted, `record` becomes the run's recorded settings
+/// ([`RunRecord::record_in`]) and the metrics after the checkpoint are cut
+/// (a resumed run writes them again). A refused resume changes nothing.
 pub fn choose(
     dir: &Path,
     record: &dyn RunRecord,
     resume: &Resume,
 ) -> Result<Option<(PathBuf, Checkpoint)>> {
     let chosen = find(dir, record, resume)?;
+    // Recorded before anything else changes, so a failure to record stops
+    // the run with the directory as it was.
+    record.record_in(dir)?;
     let position = chosen.as_ref().map(|(_, saved)| MetricsPosition {
         epoch: saved.meta.epoch,
         batches_done: saved.meta.batches_done,
@@ -176,8 +193,8 @@ fn refuse_to_overwrite(dir: &Path) -> Result<()> {
             "{} already holds checkpoints of an earlier run. Continue it with `cargo xtask train --resume {}`, \
              or start afresh in another directory (--set run.output_dir=runs/NEW) or after `rm -r {}`",
             dir.display(),
-            dir.display(),
-            dir.display()
+            crate::shell::quote_path(dir),
+            crate::shell::quote_path(dir)
         ),
     ))
 }

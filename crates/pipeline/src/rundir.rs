@@ -9,7 +9,10 @@
 //! lives, so a second process cannot write into a live run, and removes
 //! the file when it ends (see `DirLock`). A directory this run made and
 //! that holds no progress (no checkpoint, no metrics) is removed when the
-//! claim ends: a failed start leaves nothing behind.
+//! claim ends: a failed start leaves nothing behind. Likewise a record
+//! that a start replaced (`record_config`) is put back if the start made
+//! no checkpoint: a resume refused after its settings were recorded (other
+//! data, say) leaves the run's record as it was.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -32,6 +35,9 @@ pub struct RunDir {
     path: PathBuf,
     lock: Option<DirLock>,
     created: bool,
+    /// The checkpoints there when claimed: a claim whose checkpoints are
+    /// the same at its end made no progress under a new record.
+    checkpoints_at_claim: Vec<PathBuf>,
 }
 
 /// Where a run's directory is: `output_dir` when set, else a new
@@ -75,11 +81,17 @@ impl RunDir {
     pub fn claim_at(place: &RunPlace, resume: &Resume) -> Result<Self> {
         let (path, created) = locate(place, resume)?;
         match DirLock::acquire(&path) {
-            Ok(lock) => Ok(Self {
-                path,
-                lock: Some(lock),
-                created,
-            }),
+            Ok(lock) => {
+                // Left by a process killed after its settings were accepted:
+                // they stand (see `settle_record`).
+                let _ = std::fs::remove_file(path.join(RECORD_BEFORE));
+                Ok(Self {
+                    checkpoints_at_claim: checkpoint::list(&path).unwrap_or_default(),
+                    path,
+                    lock: Some(lock),
+                    created,
+                })
+            }
             Err(e) => {
                 if created {
                     let _ = std::fs::remove_dir_all(&path);
@@ -94,11 +106,41 @@ impl RunDir {
     }
 }
 
+impl RunDir {
+    /// Keeps the record this claim wrote if a checkpoint was written under
+    /// it, else puts back the one it replaced: the record must describe
+    /// the run its newest checkpoint belongs to. (A checkpoint list that
+    /// cannot be read counts as progress: the newer record is kept.)
+    fn settle_record(&self) {
+        let before = self.path.join(RECORD_BEFORE);
+        if !before.exists() {
+            return;
+        }
+        let progressed =
+            checkpoint::list(&self.path).map_or(true, |now| now != self.checkpoints_at_claim);
+        let record = self.path.join(CONFIG_FILE);
+        // No record was there before: an empty file says so.
+        let had_none = std::fs::metadata(&before).is_ok_and(|m| m.len() == 0);
+        let settled = if progressed {
+            std::fs::remove_file(&before)
+        } else if had_none {
+            std::fs::remove_file(&record).and_then(|()| std::fs::remove_file(&before))
+        } else {
+            std::fs::rename(&before, &record)
+                .and_then(|()| File::open(&self.path).and_then(|d| d.sync_all()))
+        };
+        if let Err(e) = settled {
+            tracing::warn!("could not settle {}: {e}", before.display());
+        }
+    }
+}
+
 impl Drop for RunDir {
     fn drop(&mut self) {
         // An empty directory goes while the lock is still held, so no other
         // process can have claimed it; the lock (and its file, if the
         // directory stays) goes last.
+        self.settle_record();
         if self.created && holds_no_progress(&self.path) {
             if let Err(e) = std::fs::remove_dir_all(&self.path) {
                 tracing::warn!(
@@ -130,7 +172,8 @@ fn locate(place: &RunPlace, resume: &Resume) -> Result<(PathBuf, bool)> {
     }
     let runs = &place.runs_dir;
     std::fs::create_dir_all(runs).map_err(|e| not_writable("run.runs_dir", runs, e))?;
-    let base = format!("{}-{}", place.name, utc_timestamp(SystemTime::now()));
+    let now = SystemTime::now();
+    let base = format!("{}-{}", place.name, utc_timestamp(now));
     let mut n = 1;
     loop {
         let name = if n == 1 {
@@ -140,7 +183,10 @@ fn locate(place: &RunPlace, resume: &Resume) -> Result<(PathBuf, bool)> {
         };
         let dir = runs.join(name);
         match std::fs::create_dir(&dir) {
-            Ok(()) => return Ok((dir, true)),
+            Ok(()) => {
+                record_creation(runs, &dir, now);
+                return Ok((dir, true));
+            }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => n += 1,
             Err(e) => return Err(not_writable("run.runs_dir", runs, e)),
         }
@@ -269,36 +315,167 @@ fn holds_no_progress(dir: &Path) -> bool {
     no_checkpoints && no_metrics
 }
 
-/// Writes the experiment exactly as resolved (file, environment, --set),
-/// once: a resumed or refused start leaves the run's record as it was.
+/// Writes the experiment exactly as resolved (file, environment, --set)
+/// when a run starts in a directory with no record and no checkpoint,
+/// before its checkpoint is chosen. A directory with checkpoints is being
+/// resumed: its record is written only once the resume is accepted
+/// ([`record_config`], from `resume::choose`), so a refused one writes
+/// nothing, not even into a run from before runs kept a record.
 pub fn write_resolved_config(dir: &Path, config: &ExperimentConfig) -> Result<()> {
-    let path = dir.join(CONFIG_FILE);
-    if path.exists() {
+    if dir.join(CONFIG_FILE).exists() || !checkpoint::list(dir)?.is_empty() {
         return Ok(());
     }
-    let text = toml::to_string(config)
-        .map_err(|e| PipelineError::Config(format!("cannot record the config: {e}")))?;
-    let temporary = dir.join(format!(".{CONFIG_FILE}.tmp"));
-    std::fs::write(&temporary, text).map_err(|e| PipelineError::io(&temporary, e))?;
-    std::fs::rename(&temporary, &path).map_err(|e| PipelineError::io(&path, e))
+    record_config(dir, config)
 }
 
+/// The record a start replaced, kept until the claim ends
+/// (`RunDir::settle_record`).
+const RECORD_BEFORE: &str = ".config.toml.before";
+
+/// Records `config` as the run's settings in `dir/config.toml`, replacing
+/// what is there: called when a run goes ahead with these settings (a
+/// resume accepted with overrides), so that `--resume DIR` afterwards
+/// continues with them and never with the earlier ones. Atomic (temporary,
+/// fsync, rename, directory fsync): a crash leaves the old record or the
+/// new, never a torn file. An unchanged record is not written again.
+///
+/// The replaced record is kept beside it while `dir` is claimed: checks
+/// made after this one (the data's identity, when the data is opened) may
+/// still refuse the run, and a claim that ends without a checkpoint puts
+/// it back.
+pub fn record_config(dir: &Path, config: &ExperimentConfig) -> Result<()> {
+    let path = dir.join(CONFIG_FILE);
+    let text = toml::to_string(config)
+        .map_err(|e| PipelineError::Config(format!("cannot record the config: {e}")))?;
+    let write = |path: &Path, bytes: &[u8]| {
+        checkpoint::write_atomically(path, |mut out, tmp| {
+            out.write_all(bytes)
+                .map_err(|e| PipelineError::io(tmp, e))?;
+            Ok(out)
+        })
+    };
+    let before = dir.join(RECORD_BEFORE);
+    match std::fs::read(&path) {
+        Ok(old) if old == text.as_bytes() => return Ok(()),
+        // The first record replaced in this claim is the one to go back to.
+        Ok(old) if !before.exists() => write(&before, &old)?,
+        // A resumed run that had no record: an empty one stands for none.
+        Err(_) if !checkpoint::list(dir)?.is_empty() && !before.exists() => write(&before, b"")?,
+        _ => {}
+    }
+    write(&path, text.as_bytes())
+}
+
+/// `run.output_dir` as the run's `config.toml` at `path` records it,
+/// before the environment or `--set` go on top: what `--resume` compares a
+/// requested `run.output_dir` with. None when the file holds none (or
+/// cannot be read: loading it reports that, naming the file).
+pub fn recorded_output_dir(path: &Path) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let table: toml::Table = toml::from_str(&text).ok()?;
+    let dir = table.get("run")?.get("output_dir")?.as_str()?;
+    Some(PathBuf::from(dir))
+}
+
+/// The file, in a directory `locate` made, that records when it was made.
+///
+/// Why a file of its own: "the newest run" must mean the one made last,
+/// and nothing else in the directory keeps that moment. Name order does
+/// not (`-10` sorts before `-9` for runs started in the same second, and
+/// after the clock is set back a new run gets an older-looking name); the
+/// directory's mtime changes with every file written in it; `config.toml`
+/// is rewritten by an accepted resume; the earliest checkpoint is pruned
+/// (`checkpoint.keep`); and a birth time is not reported by every file
+/// system, follows the clock, and is lost by a plain `cp -r`. A file
+/// written once, holding the moment as text, survives all of these (a
+/// copy keeps the content, if not the mtime).
+pub const CREATED_FILE: &str = ".created";
+
+/// Records when `dir`, just made in `runs`, was made: nanoseconds since
+/// the Unix epoch, or one more than the latest recorded in `runs` if that
+/// is later (the clock was set back), so a new run is always the newest.
+/// A failure to record it is not fatal: the timestamp in the directory's
+/// name is the fallback (`creation_order`).
+fn record_creation(runs: &Path, dir: &Path, now: SystemTime) {
+    let now = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let latest = std::fs::read_dir(runs)
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|other| other != dir)
+        .filter_map(|other| recorded_creation(&other))
+        .max();
+    let nanos = latest.map_or(now, |latest| now.max(latest + 1));
+    if let Err(e) = std::fs::write(dir.join(CREATED_FILE), format!("{nanos}\n")) {
+        tracing::warn!(
+            "could not record the creation time of {}: {e}",
+            dir.display()
+        );
+    }
+}
+
+/// When `dir` (named `<name>-<YYYYMMDD-HHMMSS>[-n]`, `rest` being the part
+/// after `<name>-`) was made, as a key that sorts by creation: the time in
+/// `.created` if it is there, else the time in the name (directories made
+/// before the file was written), then the same-second counter `n`
+/// (numerically). None when `rest` is not such a timestamp, so that a run
+/// of another experiment whose name merely starts alike (`smoke-2` beside
+/// `smoke`) is never taken for one of this experiment.
+fn creation_order(dir: &Path, rest: &str) -> Option<(u128, u64)> {
+    let (date, time, n) = match rest.split('-').collect::<Vec<_>>()[..] {
+        [date, time] => (date, time, 1),
+        [date, time, n] => (date, time, n.parse::<u64>().ok().filter(|&n| n >= 2)?),
+        _ => return None,
+    };
+    let digits = |s: &str, len: usize| s.len() == len && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(date, 8) || !digits(time, 6) {
+        return None;
+    }
+    let nanos = recorded_creation(dir).unwrap_or_else(|| name_time_nanos(date, time));
+    Some((nanos, n))
+}
+
+/// The moment `dir/.created` records, if it holds one.
+fn recorded_creation(dir: &Path) -> Option<u128> {
+    let text = std::fs::read_to_string(dir.join(CREATED_FILE)).ok()?;
+    text.trim().parse().ok()
+}
+
+/// `YYYYMMDD`, `HHMMSS` (UTC, as `utc_timestamp` writes them) as
+/// nanoseconds since the Unix epoch; both are known to be all digits.
+fn name_time_nanos(date: &str, time: &str) -> u128 {
+    let number = |s: &str| s.parse::<i64>().unwrap_or(0);
+    let (year, month, day) = (number(&date[..4]), number(&date[4..6]), number(&date[6..]));
+    // Days from civil (the inverse of `utc_timestamp`'s algorithm).
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs =
+        days * 86_400 + number(&time[..2]) * 3600 + number(&time[2..4]) * 60 + number(&time[4..]);
+    u128::try_from(secs).unwrap_or(0) * 1_000_000_000
+}
+
+/// The run of experiment `name` in `runs_dir` made last that holds a
+/// checkpoint: newest by creation ([`CREATED_FILE`]), not by name.
 fn newest_with_checkpoints(runs_dir: &Path, name: &str) -> Result<Option<PathBuf>> {
     let Ok(entries) = std::fs::read_dir(runs_dir) else {
         return Ok(None);
     };
     let prefix = format!("{name}-");
-    let mut candidates: Vec<PathBuf> = entries
+    let mut candidates: Vec<((u128, u64), PathBuf)> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
-                n.starts_with(&prefix)
-                    && n[prefix.len()..].starts_with(|c: char| c.is_ascii_digit())
-            })
+        .filter(|p| p.is_dir())
+        .filter_map(|p| {
+            let rest = p.file_name()?.to_str()?.strip_prefix(&prefix)?.to_string();
+            Some((creation_order(&p, &rest)?, p))
         })
         .collect();
     candidates.sort();
-    for dir in candidates.into_iter().rev() {
+    for (_, dir) in candidates.into_iter().rev() {
         if !checkpoint::list(&dir)?.is_empty() {
             return Ok(Some(dir));
         }
@@ -436,6 +613,171 @@ mod tests {
         write_resolved_config(dir.path(), &config).unwrap();
         let after = std::fs::read_to_string(dir.path().join(CONFIG_FILE)).unwrap();
         assert_eq!(first, after);
+    }
+
+    #[test]
+    fn an_accepted_change_is_recorded_whole_and_replaces_the_old_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = smoke_config(dir.path());
+        write_resolved_config(dir.path(), &config).unwrap();
+        config.optimizer.lr = 1e-4;
+        config.train.epochs = 7;
+        record_config(dir.path(), &config).unwrap();
+        let text = std::fs::read_to_string(dir.path().join(CONFIG_FILE)).unwrap();
+        let recorded: ExperimentConfig = toml::from_str(&text).unwrap();
+        assert_eq!(recorded.optimizer.lr, 1e-4);
+        assert_eq!(recorded.train.epochs, 7);
+        let temporaries: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name.ends_with(".tmp"))
+            .collect();
+        assert!(temporaries.is_empty(), "{temporaries:?}");
+    }
+
+    /// A run directory holding a checkpoint and a record of `config`,
+    /// claimed for a resume, and the record replaced by one with another
+    /// learning rate: what a resume with `--set optimizer.lr` does.
+    fn resume_with_new_record(runs: &Path) -> (RunDir, ExperimentConfig, String) {
+        let mut config = smoke_config(runs);
+        let dir = runs.join("run");
+        config.run.output_dir = Some(dir.clone());
+        std::fs::create_dir(&dir).unwrap();
+        write_resolved_config(&dir, &config).unwrap();
+        std::fs::write(dir.join(checkpoint::file_name(8)), b"x").unwrap();
+        let old = std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap();
+        let claim = RunDir::claim(&config, &Resume::Latest).unwrap();
+        config.optimizer.lr = 1e-4;
+        record_config(&dir, &config).unwrap();
+        let new = std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap();
+        assert_ne!(old, new);
+        (claim, config, old)
+    }
+
+    #[test]
+    fn a_start_refused_after_its_record_was_written_puts_the_old_one_back() {
+        let runs = tempfile::tempdir().unwrap();
+        let (claim, _, old) = resume_with_new_record(runs.path());
+        let dir = claim.path().to_path_buf();
+        drop(claim); // the data check refused it: no checkpoint written
+        assert_eq!(std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap(), old);
+        assert!(!dir.join(RECORD_BEFORE).exists());
+    }
+
+    #[test]
+    fn a_refused_resume_of_a_run_without_a_record_leaves_none() {
+        let runs = tempfile::tempdir().unwrap();
+        let mut config = smoke_config(runs.path());
+        let dir = runs.path().join("run");
+        config.run.output_dir = Some(dir.clone());
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(dir.join(checkpoint::file_name(8)), b"x").unwrap();
+        let claim = RunDir::claim(&config, &Resume::Latest).unwrap();
+        write_resolved_config(&dir, &config).unwrap();
+        assert!(
+            !dir.join(CONFIG_FILE).exists(),
+            "written before the resume was checked"
+        );
+        record_config(&dir, &config).unwrap(); // accepted, then refused by the data
+        assert!(dir.join(CONFIG_FILE).exists());
+        drop(claim);
+        assert!(!dir.join(CONFIG_FILE).exists());
+        assert!(!dir.join(RECORD_BEFORE).exists());
+    }
+
+    #[test]
+    fn a_resume_that_checkpoints_keeps_its_new_record() {
+        let runs = tempfile::tempdir().unwrap();
+        let (claim, config, _) = resume_with_new_record(runs.path());
+        let dir = claim.path().to_path_buf();
+        std::fs::write(dir.join(checkpoint::file_name(16)), b"x").unwrap();
+        drop(claim);
+        let text = std::fs::read_to_string(dir.join(CONFIG_FILE)).unwrap();
+        assert_eq!(text, toml::to_string(&config).unwrap());
+        assert!(!dir.join(RECORD_BEFORE).exists());
+    }
+
+    /// Makes `runs/<name>` holding a checkpoint-named file and, when
+    /// given, a creation record.
+    fn run_with_checkpoint(runs: &Path, name: &str, created: Option<u128>) -> PathBuf {
+        let dir = runs.join(name);
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(dir.join(checkpoint::file_name(1)), b"x").unwrap();
+        if let Some(nanos) = created {
+            std::fs::write(dir.join(CREATED_FILE), format!("{nanos}\n")).unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn the_newest_run_is_the_one_made_last_not_the_last_by_name() {
+        // Same second: `-10` was made after `-9` but sorts before it.
+        let runs = tempfile::tempdir().unwrap();
+        run_with_checkpoint(runs.path(), "smoke-20261128-103000-9", None);
+        let tenth = run_with_checkpoint(runs.path(), "smoke-20261128-103000-10", None);
+        let newest = newest_with_checkpoints(runs.path(), "smoke").unwrap();
+        assert_eq!(newest.as_deref(), Some(tenth.as_path()));
+
+        // The recorded creation time rules over the name (the clock was
+        // set back between the two).
+        let runs = tempfile::tempdir().unwrap();
+        run_with_checkpoint(runs.path(), "smoke-20301128-120000", Some(1_000));
+        let made_last = run_with_checkpoint(runs.path(), "smoke-20261128-110000", Some(2_000));
+        let newest = newest_with_checkpoints(runs.path(), "smoke").unwrap();
+        assert_eq!(newest.as_deref(), Some(made_last.as_path()));
+    }
+
+    #[test]
+    fn another_experiment_whose_name_starts_alike_is_not_a_candidate() {
+        let runs = tempfile::tempdir().unwrap();
+        let own = run_with_checkpoint(runs.path(), "smoke-20261128-103000", Some(1_000));
+        run_with_checkpoint(runs.path(), "smoke-3-20261128-103001", Some(2_000));
+        let newest = newest_with_checkpoints(runs.path(), "smoke").unwrap();
+        assert_eq!(newest.as_deref(), Some(own.as_path()));
+    }
+
+    #[test]
+    fn a_new_run_directory_records_when_it_was_made() {
+        let runs = tempfile::tempdir().unwrap();
+        let config = smoke_config(runs.path());
+        let before = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+        let claim = RunDir::claim(&config, &Resume::No).unwrap();
+        let text = std::fs::read_to_string(claim.path().join(CREATED_FILE)).unwrap();
+        let nanos: u128 = text.trim().parse().unwrap();
+        assert!(
+            nanos >= before.as_nanos(),
+            "{nanos} < {}",
+            before.as_nanos()
+        );
+    }
+
+    #[test]
+    fn a_run_made_after_the_clock_was_set_back_is_still_the_newest() {
+        let runs = tempfile::tempdir().unwrap();
+        let config = smoke_config(runs.path());
+        let ahead = 4_000_000_000_000_000_000u128; // 2096
+        let earlier = run_with_checkpoint(runs.path(), "smoke-20960101-000000", Some(ahead));
+        let claim = RunDir::claim(&config, &Resume::No).unwrap();
+        std::fs::write(claim.path().join(checkpoint::file_name(1)), b"x").unwrap();
+        let newest = newest_with_checkpoints(runs.path(), "smoke").unwrap();
+        assert_eq!(
+            newest.as_deref(),
+            Some(claim.path()),
+            "not {}",
+            earlier.display()
+        );
+    }
+
+    #[test]
+    fn names_read_back_as_the_time_they_were_made_from() {
+        for secs in [0, 951_782_400, 1_795_258_861] {
+            let stamp = utc_timestamp(UNIX_EPOCH + Duration::from_secs(secs));
+            let (date, time) = stamp.split_once('-').unwrap();
+            assert_eq!(
+                name_time_nanos(date, time),
+                u128::from(secs) * 1_000_000_000
+            );
+        }
     }
 
     #[test]

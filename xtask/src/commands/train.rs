@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use headroom_pipeline::config::DataFormat;
-use headroom_pipeline::{rundir, train, ExperimentConfig, Overrides, Resume, TrainOptions};
+use headroom_pipeline::{rundir, shell, train, ExperimentConfig, Overrides, Resume, TrainOptions};
 
 use crate::signals;
 use crate::{Switches, TrainArgs, DEFAULT_EXPERIMENT};
@@ -93,6 +93,12 @@ fn resumed_experiment(path: &Path, configs: &[PathBuf], overrides: &Overrides) -
     let (experiment, source) = match configs {
         [] if recorded.is_file() => {
             let mut experiment = ExperimentConfig::load_resolved(&recorded, overrides)?;
+            // The record's own output_dir may name where the run was before
+            // it was moved; only one set on top of it is a request.
+            let as_recorded = rundir::recorded_output_dir(&recorded);
+            if experiment.run.output_dir != as_recorded {
+                refuse_another_output_dir(path, &dir, experiment.run.output_dir.as_deref())?;
+            }
             experiment.run.output_dir = Some(dir);
             (experiment, recorded)
         }
@@ -104,7 +110,8 @@ fn resumed_experiment(path: &Path, configs: &[PathBuf], overrides: &Overrides) -
                 .cloned()
                 .unwrap_or_else(|| PathBuf::from(DEFAULT_EXPERIMENT));
             let mut experiment = super::load_experiment(&config, overrides)?;
-            experiment.run.output_dir.get_or_insert(dir);
+            refuse_another_output_dir(path, &dir, experiment.run.output_dir.as_deref())?;
+            experiment.run.output_dir = Some(dir);
             (experiment, config)
         }
         _ => bail!(
@@ -117,6 +124,34 @@ fn resumed_experiment(path: &Path, configs: &[PathBuf], overrides: &Overrides) -
         source,
         resume,
     })
+}
+
+/// `--resume D` continues the run in D: a `run.output_dir` naming another
+/// directory (from `--set`, the environment or the `--config` file) is
+/// refused rather than ignored (the run would go on in D) or obeyed (a
+/// resume in an empty NEW silently starts from scratch). Forking is one
+/// copy away, and the message says so.
+fn refuse_another_output_dir(given: &Path, dir: &Path, requested: Option<&Path>) -> Result<()> {
+    let Some(requested) = requested else {
+        return Ok(());
+    };
+    let same = requested == dir
+        || matches!(
+            (requested.canonicalize(), dir.canonicalize()),
+            (Ok(a), Ok(b)) if a == b
+        );
+    if same {
+        return Ok(());
+    }
+    let (dir_word, new_word) = (shell::quote_path(dir), shell::quote_path(requested));
+    bail!(
+        "--resume {} continues the run in {}, but run.output_dir is {}: a resume cannot move a run. \
+         Leave run.output_dir out to continue it where it is, or continue a copy elsewhere: \
+         cp -r {dir_word} {new_word} && cargo xtask train --resume {new_word}",
+        given.display(),
+        dir.display(),
+        requested.display(),
+    )
 }
 
 /// `--resume DIR` without `--config`, where DIR has no `config.toml`: a
@@ -207,10 +242,9 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
                 .last_checkpoint
                 .as_deref()
                 .and_then(Path::parent)
-                .map_or_else(
-                    || experiment.output_dir().display().to_string(),
-                    |d| d.display().to_string(),
-                );
+                .map_or_else(|| experiment.output_dir().to_path_buf(), Path::to_path_buf);
+            // Quoted: the line is meant to be pasted into a shell.
+            let dir = shell::quote_path(&dir);
             println!(
                 "stopped at epoch {} step {}; continue with: cargo xtask train --resume {dir}",
                 summary.epoch + 1,
@@ -300,7 +334,7 @@ fn print_finetune_report(report: &headroom_pipeline::finetune::FinetuneReport) {
         );
         println!(
             "merge with      cargo xtask lora-merge --adapters {} --output merged.safetensors",
-            file.display()
+            shell::quote_path(file)
         );
     }
 }
