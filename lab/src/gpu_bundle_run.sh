@@ -39,7 +39,7 @@
 # device.memory_limit; 40MiB), BENCH_ARGS (`--steps 50`), MODEL_BENCH_ARGS
 # (the other trainers' bench steps; `--batch 32 --steps 50`), and GPT_SETS
 # and FRAMES_SETS (overrides after HEADROOM_SETS for the train-gpt and
-# train-frames steps' jobs).
+# train-frames steps' jobs; FRAMES_SETS also for the conv_lstm benches).
 set -u
 cd "$(dirname "$0")"
 BUNDLE=$PWD
@@ -206,8 +206,12 @@ train_frames() {
 # attention, cuDNN's LSTM, a step-by-step ConvLSTM) when it has CUDA, then
 # layer by layer (conv_lstm's step was 0.90x PyTorch's on an H100).
 bench_model() {
-    local args
+    local args frames
     read -r -a args <<< "$MODEL_BENCH_ARGS"
+    if [ "$1" = conv_lstm ] && [ -n "${FRAMES_SETS:-}" ]; then
+        read -r -a frames <<< "$FRAMES_SETS"
+        args+=("${frames[@]}")
+    fi
     if torch_cuda; then args+=(--compare-torch); fi
     EXPERIMENT=experiments/$1.toml hr bench --device cuda --profile "${args[@]}" "${@:2}" \
         --json-out "$WORK/bench-$1${2:+-variant}.json"
