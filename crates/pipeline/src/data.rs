@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use headroom_loader::{
-    AugmentConfig, Dataset, IdxDataset, ImageFolder, LoaderConfig, ShardedDataset, ShuffleMode,
-    Split,
+    AugmentConfig, Dataset, IdxDataset, ImageFolder, ImageFolderConfig, LoaderConfig,
+    ShardedDataset, ShuffleMode, Split,
 };
 
 use crate::config::{parse_bytes, DataFormat, ExperimentConfig, OnDevice};
@@ -142,18 +142,7 @@ fn open_image_folders(
             "data.format = \"image_folder\" needs the folder holding train/ and test/",
         )
     })?;
-    let images = config.data.image_folder();
-    let train = ImageFolder::open(&root.join("train"), images)?;
-    let test = ImageFolder::open(&root.join("test"), images)?;
-    if train.classes() != test.classes() {
-        return Err(PipelineError::BadData(format!(
-            "{} and {} must hold the same class folders: train has {:?}, test has {:?}",
-            train.root().display(),
-            test.root().display(),
-            train.classes(),
-            test.classes()
-        )));
-    }
+    let (train, test) = open_image_folder_splits(root, config.data.image_folder())?;
     if train.classes().len() > outputs {
         return Err(PipelineError::value(
             "model.layers",
@@ -166,6 +155,26 @@ fn open_image_folders(
                 train.classes().len()
             ),
         ));
+    }
+    Ok((train, test))
+}
+
+/// `root/train` and `root/test` as image folders, which must hold the same
+/// class folders (an error naming both lists otherwise).
+pub fn open_image_folder_splits(
+    root: &Path,
+    images: ImageFolderConfig,
+) -> Result<(ImageFolder, ImageFolder)> {
+    let train = ImageFolder::open(&root.join("train"), images)?;
+    let test = ImageFolder::open(&root.join("test"), images)?;
+    if train.classes() != test.classes() {
+        return Err(PipelineError::BadData(format!(
+            "{} and {} must hold the same class folders: train has {:?}, test has {:?}",
+            train.root().display(),
+            test.root().display(),
+            train.classes(),
+            test.classes()
+        )));
     }
     tracing::info!(
         "images from {}: {} training and {} test images, {} classes, each {:?} (h, w, c)",
