@@ -161,7 +161,7 @@ impl Dataset for Counted<'_> {
     fn read(&self, index: usize, out: &mut [u8]) -> Result<u32, LoaderError> {
         let label = self.inner.read(index, out)?;
         let done = self.done.fetch_add(1, Ordering::Relaxed) + 1;
-        if done % 256 == 0 {
+        if done.is_multiple_of(256) {
             self.show(done);
         }
         Ok(label)
