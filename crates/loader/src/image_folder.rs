@@ -10,14 +10,15 @@
 //! Pixels are decoded when a sample is read (`&self`, no shared state, so
 //! the loader's workers decode in parallel); a file whose body turns out
 //! corrupt or truncated is an error naming it, never a panic or a black
-//! sample.
+//! sample. An EXIF orientation (a phone's photo stored sideways) is
+//! applied, so samples are upright as image viewers show them.
 
 use std::ffi::OsStr;
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
 
 use image::imageops::FilterType;
-use image::{DynamicImage, ImageEncoder as _, ImageFormat, ImageReader};
+use image::{DynamicImage, ImageDecoder as _, ImageEncoder as _, ImageFormat, ImageReader};
 
 use crate::error::io_err;
 use crate::{Dataset, LoaderError};
@@ -296,9 +297,13 @@ fn decode(path: &Path, config: &ImageFolderConfig, out: &mut [u8]) -> Result<(),
     if reader.format() == Some(ImageFormat::Jpeg) {
         check_jpeg_end(path, &bytes)?;
     }
-    let image = reader
-        .decode()
-        .map_err(|e| bad(path, format!("cannot decode the image: {e}")))?;
+    let undecodable = |e: image::ImageError| bad(path, format!("cannot decode the image: {e}"));
+    let mut decoder = reader.into_decoder().map_err(undecodable)?;
+    // A phone's photo is stored sideways with an EXIF note saying how to
+    // turn it: turned here, so the sample is upright as viewers show it.
+    let orientation = decoder.orientation().map_err(undecodable)?;
+    let mut image = DynamicImage::from_decoder(decoder).map_err(undecodable)?;
+    image.apply_orientation(orientation);
     let [h, w] = config.size;
     let (h32, w32) = (h as u32, w as u32);
     // An image of the right size is used as is (exact pixels); resampling

@@ -274,3 +274,29 @@ fn a_header_cut_short_is_refused_at_open() {
     let err = open_err(dir.path());
     assert!(err.contains(&path.display().to_string()), "{err}");
 }
+
+/// A photo stored sideways with an EXIF orientation (6: turn 90° clockwise
+/// to view) is read upright.
+#[test]
+fn an_exif_orientation_is_applied() {
+    use image::ImageEncoder as _;
+    let dir = tempfile::tempdir().unwrap();
+    let class = mkdir(&dir.path().join("a"));
+    // Big-endian TIFF header, one IFD entry: Orientation (0x0112), SHORT, 6.
+    let exif = vec![
+        0x4D, 0x4D, 0, 0x2A, 0, 0, 0, 8, 0, 1, 0x01, 0x12, 0, 3, 0, 0, 0, 1, 0, 6, 0, 0, 0, 0, 0, 0,
+    ];
+    // 2 high, 3 wide: [[1, 2, 3], [4, 5, 6]] (times 40).
+    let stored: Vec<u8> = (1..=6).map(|v| v * 40).collect();
+    let mut bytes = Vec::new();
+    let mut encoder = image::codecs::png::PngEncoder::new(&mut bytes);
+    encoder.set_exif_metadata(exif).unwrap();
+    encoder
+        .write_image(&stored, 3, 2, image::ExtendedColorType::L8)
+        .unwrap();
+    std::fs::write(class.join("sideways.png"), bytes).unwrap();
+    let data = ImageFolder::open(dir.path(), config([3, 2], 1, ImageFit::Resize)).unwrap();
+    // Turned clockwise: 3 high, 2 wide, [[4, 1], [5, 2], [6, 3]].
+    let upright: Vec<u8> = [4, 1, 5, 2, 6, 3].iter().map(|v| v * 40).collect();
+    assert_eq!(read_all(&data), vec![(upright, 0)]);
+}
