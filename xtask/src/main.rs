@@ -154,13 +154,32 @@ struct PreprocessArgs {
     /// Directory with the IDX files (default: where `train` would look).
     #[arg(long)]
     input: Option<PathBuf>,
-    /// The store to write (Fashion-MNIST; required without --config).
+    /// The store to write (Fashion-MNIST, or --from's images; required
+    /// without --config). It gets train/ and test/ shard stores.
     #[arg(long, required_unless_present = "config")]
     output: Option<PathBuf>,
+    /// Data of your own to pack, of the --kind given: for image_folder, a
+    /// folder holding train/ and test/, each with one subfolder of PNG or
+    /// JPEG images per class.
+    #[arg(long, requires = "kind", conflicts_with = "input")]
+    from: Option<PathBuf>,
+    /// What --from holds: image_folder.
+    #[arg(long, requires = "from")]
+    kind: Option<String>,
+    /// With --kind image_folder: each image's HEIGHTxWIDTH [default: 28x28].
+    #[arg(long, requires = "from", value_name = "HxW")]
+    image_size: Option<String>,
+    /// With --kind image_folder: 1 (grayscale) or 3 (RGB) [default: 1].
+    #[arg(long, requires = "from")]
+    channels: Option<usize>,
+    /// With --kind image_folder: how an image of another size is fit,
+    /// center_crop or resize [default: center_crop].
+    #[arg(long, requires = "from")]
+    fit: Option<String>,
     /// A text experiment (data.format = "text"): pack its `[text]` corpus
     /// where `train` will read it (data.dir), installing the package if
     /// missing and allowed.
-    #[arg(long, conflicts_with_all = ["input", "output"])]
+    #[arg(long, conflicts_with_all = ["input", "output", "from"])]
     config: Option<PathBuf>,
     /// --set key=value overrides of the text experiment.
     #[arg(long = "set", requires = "config")]

@@ -45,6 +45,12 @@ pub enum LoaderError {
         container: &'static str,
     },
 
+    /// An image folder, a class folder or an image in it is not what an
+    /// [`crate::ImageFolder`] needs (missing, empty, not a PNG or JPEG,
+    /// corrupt or truncated); `path` names it.
+    #[error("{}: {message}", path.display())]
+    Image { path: PathBuf, message: String },
+
     /// The image file and the label file disagree on the number of samples.
     #[error(
         "{} holds {image_count} images but {} holds {label_count} labels; the counts must agree",

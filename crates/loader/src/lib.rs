@@ -2,7 +2,9 @@
 //! prefetching worker pool.
 //!
 //! - [`Dataset`]: random access to labelled u8 HWC images; [`IdxDataset`]
-//!   reads MNIST-format IDX files (raw or gzip).
+//!   reads MNIST-format IDX files (raw or gzip); [`ImageFolder`] reads a
+//!   folder of PNG and JPEG photos, one subfolder per class, decoding each
+//!   image when it is read.
 //! - [`preprocess`] packs any dataset into a shard store (shard files with
 //!   checksums and a small index); [`ShardedDataset`] reads it through a
 //!   bounded LRU shard cache with read-ahead, or all at once (`full_load`).
@@ -62,6 +64,7 @@ mod augment;
 mod dataset;
 mod error;
 mod idx;
+mod image_folder;
 mod loader;
 mod mix;
 mod moving;
@@ -76,6 +79,7 @@ pub use augment::{AugmentConfig, RandAugmentConfig, MAX_MAGNITUDE};
 pub use dataset::{Dataset, MemoryUsage, ShardLayout};
 pub use error::LoaderError;
 pub use idx::{IdxDataset, Split};
+pub use image_folder::{write_image, ImageFit, ImageFolder, ImageFolderConfig, IMAGE_EXTENSIONS};
 pub use loader::{
     Batch, DataLoader, EpochIter, LoaderConfig, LoaderMemory, LoaderState, SampleRecipe,
 };

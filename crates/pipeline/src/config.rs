@@ -15,12 +15,13 @@ use crate::device::DeviceKind;
 use crate::{PipelineError, Result};
 
 pub mod finetune;
+mod images;
 mod kinds;
 mod load;
 mod overrides;
 pub mod sizes;
 
-pub use kinds::{DataFormat, OomPolicy, Profile};
+pub use kinds::{DataFormat, ImageFit, OomPolicy, Profile};
 pub use load::{is_profile, profile_path, PROFILES_DIR};
 pub use overrides::Overrides;
 
@@ -117,13 +118,15 @@ pub struct DataConfig {
     /// "idx" (MNIST-format files), "shards" (a store written by
     /// `cargo xtask preprocess`, with train/ and test/ inside) or "text"
     /// (the `[text]` corpus, packed into a shard store on first use) or
-    /// "moving_fashion_mnist" (`[frames]` sequences from Fashion-MNIST).
+    /// "moving_fashion_mnist" (`[frames]` sequences from Fashion-MNIST) or
+    /// "image_folder" (PNG/JPEG photos: train/ and test/, one subfolder per
+    /// class).
     #[serde(default)]
     pub format: DataFormat,
     /// Where the dataset is. For "idx", unset means $FASHION_MNIST_DIR, then
     /// the Debian package's /usr/share/datasets/fashion-mnist; "shards" needs
     /// it; for "text" it is where the packed stores are kept (unset:
-    /// ~/.cache/headroom/text).
+    /// ~/.cache/headroom/text); "image_folder" needs it (train/, test/).
     #[serde(default)]
     pub dir: Option<PathBuf>,
     /// Use only the first N training / test samples (0 = all).
@@ -146,6 +149,19 @@ pub struct DataConfig {
     /// way.
     #[serde(default)]
     pub on_device: OnDevice,
+    /// For "image_folder": the `[height, width]` every photo is fit to
+    /// (unset: [28, 28], the Fashion-MNIST models' input). The three image
+    /// keys are left out of the serialised config when unset, so other
+    /// experiments' fingerprints are unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_size: Option<[usize; 2]>,
+    /// For "image_folder": 1 (grayscale) or 3 (RGB); unset: 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub channels: Option<usize>,
+    /// For "image_folder": how a photo of another size is fit,
+    /// "center_crop" (unset: the default) or "resize".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fit: Option<ImageFit>,
 }
 
 /// `data.on_device`: true, false or "auto".
@@ -830,8 +846,9 @@ impl ExperimentConfig {
         if let Some(finetune) = &self.finetune {
             finetune.validate(self)?;
         }
+        self.data.check_image_keys(&self.model)?;
         match self.data.format {
-            DataFormat::Idx => {}
+            DataFormat::Idx | DataFormat::ImageFolder => {}
             DataFormat::Shards => {
                 if self.data.dir.is_none() {
                     return Err(PipelineError::value(

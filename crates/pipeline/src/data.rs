@@ -3,13 +3,18 @@
 //! are root on Debian or Ubuntu; otherwise stop with the exact command. Never
 //! fall back to other data. Text corpora (`data.format = "text"`) are found
 //! and packed by `crate::text`, which installs their package the same way.
-//! `hold_on_device` decides `data.on_device`.
+//! Photos (`data.format = "image_folder"`) are read from `data.dir`'s
+//! train/ and test/ folders, whose class folders must agree; their class
+//! names are recorded with the run (`dataset.json`). `hold_on_device`
+//! decides `data.on_device`.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use headroom_loader::{
-    AugmentConfig, Dataset, IdxDataset, LoaderConfig, ShardedDataset, ShuffleMode, Split,
+    AugmentConfig, Dataset, IdxDataset, ImageFolder, ImageFolderConfig, LoaderConfig,
+    ShardedDataset, ShuffleMode, Split,
 };
 
 use crate::config::{parse_bytes, DataFormat, ExperimentConfig, OnDevice};
@@ -31,14 +36,28 @@ pub fn open_splits(
     config: &ExperimentConfig,
     allow_install: bool,
 ) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
-    let (train, test) = open_unchecked(config, allow_install)?;
     // A frame model has no classes; its samples carry the label 0.
     let classes = match config.model.frames {
         Some(_) => 1,
         None => crate::config::sizes::output_classes(&config.model)?,
     };
+    let (train, test, class_names) = match config.data.format {
+        DataFormat::ImageFolder => {
+            let (train, test) = open_image_folders(config, classes)?;
+            let names = train.classes().to_vec();
+            let (train, test): (Arc<dyn Dataset>, Arc<dyn Dataset>) =
+                (Arc::new(train), Arc::new(test));
+            (train, test, Some(names))
+        }
+        _ => {
+            let (train, test) = open_unchecked(config, allow_install)?;
+            (train, test, store_classes(config)?)
+        }
+    };
     let place = |split: &str| match (config.data.format, &config.data.dir) {
-        (DataFormat::Shards, Some(dir)) => dir.join(split).display().to_string(),
+        (DataFormat::Shards | DataFormat::ImageFolder, Some(dir)) => {
+            dir.join(split).display().to_string()
+        }
         _ => format!("the {split} split"),
     };
     verify_labels_of_idx(config, classes)?;
@@ -49,6 +68,7 @@ pub fn open_splits(
         train_samples: train.len(),
         test_samples: test.len(),
         test_digest,
+        classes: class_names,
     };
     identity.check_against_run(config)?;
     Ok((train, test))
@@ -63,6 +83,10 @@ fn open_unchecked(
     }
     if config.data.format == DataFormat::MovingFashionMnist {
         return crate::frames::open_splits(config, allow_install);
+    }
+    if config.data.format == DataFormat::ImageFolder {
+        let (train, test) = open_image_folders(config, usize::MAX)?;
+        return Ok((Arc::new(train), Arc::new(test)));
     }
     if config.data.format == DataFormat::Shards {
         let root = config.data.dir.as_deref().ok_or_else(|| {
@@ -104,6 +128,102 @@ fn open_unchecked(
             config.data.test_samples,
         ),
     ))
+}
+
+/// `data.dir`'s train/ and test/ image folders, which must hold the same
+/// classes, no more than the model's `outputs`.
+fn open_image_folders(
+    config: &ExperimentConfig,
+    outputs: usize,
+) -> Result<(ImageFolder, ImageFolder)> {
+    let root = config.data.dir.as_deref().ok_or_else(|| {
+        PipelineError::value(
+            "data.dir",
+            "data.format = \"image_folder\" needs the folder holding train/ and test/",
+        )
+    })?;
+    let (train, test) = open_image_folder_splits(root, config.data.image_folder())?;
+    if train.classes().len() > outputs {
+        return Err(PipelineError::value(
+            "model.layers",
+            format!(
+                "{} holds {} classes {:?}, but the model has {outputs} outputs: \
+                 set the last linear layer's out = {}",
+                train.root().display(),
+                train.classes().len(),
+                train.classes(),
+                train.classes().len()
+            ),
+        ));
+    }
+    Ok((train, test))
+}
+
+/// `root/train` and `root/test` as image folders, which must hold the same
+/// class folders (an error naming both lists otherwise).
+pub fn open_image_folder_splits(
+    root: &Path,
+    images: ImageFolderConfig,
+) -> Result<(ImageFolder, ImageFolder)> {
+    let train = ImageFolder::open(&root.join("train"), images)?;
+    let test = ImageFolder::open(&root.join("test"), images)?;
+    if train.classes() != test.classes() {
+        return Err(PipelineError::BadData(format!(
+            "{} and {} must hold the same class folders: train has {:?}, test has {:?}",
+            train.root().display(),
+            test.root().display(),
+            train.classes(),
+            test.classes()
+        )));
+    }
+    tracing::info!(
+        "images from {}: {} training and {} test images, {} classes, each {:?} (h, w, c)",
+        root.display(),
+        train.len(),
+        test.len(),
+        train.classes().len(),
+        train.sample_shape()
+    );
+    Ok((train, test))
+}
+
+/// The file beside a shard store's train/ and test/ that names its
+/// classes in label order (written by `cargo xtask preprocess` from an
+/// image folder).
+pub const CLASSES_FILE: &str = "classes.json";
+
+/// A shard store's class names, when it has a `classes.json`.
+fn store_classes(config: &ExperimentConfig) -> Result<Option<Vec<String>>> {
+    match (config.data.format, &config.data.dir) {
+        (DataFormat::Shards, Some(dir)) => read_class_names(&dir.join(CLASSES_FILE)),
+        _ => Ok(None),
+    }
+}
+
+/// A JSON list of class names; None when the file does not exist.
+pub fn read_class_names(path: &Path) -> Result<Option<Vec<String>>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(PipelineError::io(path, e)),
+    };
+    serde_json::from_str(&text).map(Some).map_err(|e| {
+        PipelineError::BadData(format!(
+            "{}: {e}; expected a JSON list of class names such as [\"cat\", \"dog\"]",
+            path.display()
+        ))
+    })
+}
+
+/// The class names a run's data had (label order), recorded in its
+/// `dataset.json` when it started: an image folder's class folders, or a
+/// store's `classes.json`. None for data without names (Fashion-MNIST, text).
+pub fn recorded_classes(run_dir: &Path) -> Result<Option<Vec<String>>> {
+    let path = run_dir.join(IDENTITY_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| PipelineError::io(&path, e))?;
+    let identity: DatasetIdentity = serde_json::from_str(&text)
+        .map_err(|e| PipelineError::BadData(format!("{}: {e}", path.display())))?;
+    Ok(identity.classes)
 }
 
 /// Reads every sample once: a read error names the shard or file, a label
@@ -173,6 +293,11 @@ pub struct DatasetIdentity {
     pub test_samples: usize,
     /// CRC-32 of every test sample's pixels and label.
     pub test_digest: u32,
+    /// Class names in label order, where the data names them (an image
+    /// folder's class folders), so a later `predict` can name classes; left
+    /// out for data without names (earlier records read back unchanged).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub classes: Option<Vec<String>>,
 }
 
 const IDENTITY_FILE: &str = "dataset.json";
@@ -213,8 +338,12 @@ impl DatasetIdentity {
     }
 
     fn describe(&self) -> String {
+        let classes = match &self.classes {
+            Some(names) => format!(", classes {names:?}"),
+            None => String::new(),
+        };
         format!(
-            "{} {:?}, {} training and {} test samples, test digest {:08x}",
+            "{} {:?}, {} training and {} test samples, test digest {:08x}{classes}",
             self.format, self.sample_shape, self.train_samples, self.test_samples, self.test_digest
         )
     }
@@ -222,6 +351,8 @@ impl DatasetIdentity {
 
 /// The loader for training (shuffled, augmented, drop_last) or evaluation.
 pub fn loader_config(config: &ExperimentConfig, training: bool) -> Result<LoaderConfig> {
+    // Image folders are one file per sample, all equally cheap to reach:
+    // shuffled globally like IDX data.
     let default_mode = if matches!(config.data.format, DataFormat::Shards | DataFormat::Text) {
         ShuffleMode::ShardBlocks
     } else {

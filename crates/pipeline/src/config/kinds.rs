@@ -1,5 +1,5 @@
 //! The experiment's word-valued settings as enums: `data.format`,
-//! `memory.oom_policy` and `run.profile` (`device.kind` is
+//! `data.fit`, `memory.oom_policy` and `run.profile` (`device.kind` is
 //! `crate::device::DeviceKind`, `device.conv_algorithm` the model's
 //! `ConvAlgorithm`). Each reads and writes the word the TOML holds.
 
@@ -19,6 +19,32 @@ setting_enum! {
         Text = "text",
         /// `[frames]` sequences made from Fashion-MNIST.
         MovingFashionMnist = "moving_fashion_mnist",
+        /// A folder of PNG and JPEG photos with train/ and test/ inside,
+        /// each holding one subfolder per class, decoded as read.
+        ImageFolder = "image_folder",
+    }
+}
+
+setting_enum! {
+    /// How a photo of another size is fit to `data.image_size`
+    /// (`data.fit`, for `data.format = "image_folder"`).
+    #[derive(Default)]
+    pub enum ImageFit {
+        /// Scale so the shorter side fits, then keep the center: nothing is
+        /// distorted, the edges of the longer side are cut.
+        #[default]
+        CenterCrop = "center_crop",
+        /// Stretch to exactly the size (the aspect ratio may change).
+        Resize = "resize",
+    }
+}
+
+impl From<ImageFit> for headroom_loader::ImageFit {
+    fn from(fit: ImageFit) -> Self {
+        match fit {
+            ImageFit::CenterCrop => headroom_loader::ImageFit::CenterCrop,
+            ImageFit::Resize => headroom_loader::ImageFit::Resize,
+        }
     }
 }
 
@@ -94,10 +120,16 @@ mod tests {
             DataFormat::Shards,
             DataFormat::Text,
             DataFormat::MovingFashionMnist,
+            DataFormat::ImageFolder,
         ] {
             let word = toml::Value::try_from(format).unwrap();
             assert_eq!(word.as_str(), Some(format.as_str()));
             assert_eq!(word.try_into::<DataFormat>().unwrap(), format);
+        }
+        for fit in [ImageFit::CenterCrop, ImageFit::Resize] {
+            let word = toml::Value::try_from(fit).unwrap();
+            assert_eq!(word.as_str(), Some(fit.as_str()));
+            assert_eq!(word.try_into::<ImageFit>().unwrap(), fit);
         }
         for profile in [
             Profile::Auto,
