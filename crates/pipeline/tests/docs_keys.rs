@@ -12,7 +12,7 @@ use headroom_pipeline::{ExperimentConfig, Overrides};
 fn keys_in_code() -> BTreeSet<String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     // Keys that cannot all be set in one valid experiment come from several.
-    let experiments: [&[&str]; 2] = [
+    let experiments: [&[&str]; 3] = [
         &[
             "augment.rand_augment.num_ops=2",
             "augment.rand_augment.magnitude=9",
@@ -29,6 +29,15 @@ fn keys_in_code() -> BTreeSet<String> {
             "augment.rand_augment.num_ops=2",
             "augment.rand_augment.magnitude=9",
             "eval.tta=flip",
+        ],
+        &[
+            "augment.rand_augment.num_ops=2",
+            "augment.rand_augment.magnitude=9",
+            "data.format=image_folder",
+            "data.dir=photos",
+            "data.image_size=[28, 28]",
+            "data.channels=1",
+            "data.fit=center_crop",
         ],
     ];
     let mut keys = BTreeSet::new();

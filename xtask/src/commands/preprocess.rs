@@ -12,7 +12,7 @@ use headroom_loader::{
 };
 use headroom_pipeline::config::ImageFit;
 use headroom_pipeline::data::CLASSES_FILE;
-use headroom_pipeline::{ExperimentConfig, Overrides};
+use headroom_pipeline::{shell, ExperimentConfig, Overrides};
 
 use crate::PreprocessArgs;
 
@@ -107,9 +107,9 @@ fn preprocess_images(
     println!("{} classes: {}", classes.len(), classes.join(", "));
     let [h, w] = images.size;
     println!(
-        "train on it with: cargo xtask train --set data.format=shards --set data.dir={} \
+        "train on it with: cargo xtask train --set data.format=shards --set {} \
          --set 'model.input=[{h}, {w}, {}]'",
-        output.display(),
+        shell::quote(&format!("data.dir={}", output.display())),
         images.channels
     );
     Ok(())
@@ -195,8 +195,8 @@ fn preprocess(
         println!("{name}: {summary}");
     }
     println!(
-        "train on it with: cargo xtask train --set data.format=shards --set data.dir={}",
-        output.display()
+        "train on it with: cargo xtask train --set data.format=shards --set {}",
+        shell::quote(&format!("data.dir={}", output.display()))
     );
     Ok(())
 }
@@ -218,7 +218,7 @@ fn preprocess_text(config: &Path, overrides: &[String], allow_install: bool) -> 
     );
     println!(
         "train on it with: cargo xtask train --config {}",
-        config.display()
+        shell::quote_path(config)
     );
     Ok(())
 }
