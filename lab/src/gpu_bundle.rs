@@ -404,8 +404,8 @@ fn emulated_run(
             headroom_model::cuda::MAX_BLOCK_THREADS.to_string(),
         )
         // The emulator runs the tensor-core convolution (every lane's MMA
-        // fragments exchanged across its warp) about 14 times slower than
-        // im2col + cuBLAS: a job that leaves device.conv_algorithm at its
+        // fragments exchanged across its warp) far slower than im2col +
+        // cuBLAS (docs/cuda.md): a job that leaves device.conv_algorithm at its
         // default takes im2col here (the environment is below --set), and
         // the steps that name implicit_gemm, tune or auto still run them.
         // The parity tests prove each algorithm's kernels; this run proves
