@@ -33,9 +33,9 @@ const PARITY: &str = "cuda_parity";
 /// With `--all`, these too: the learner's steps and whole training runs on
 /// the emulated device (the loop, the staging ring, OOM and resume paths).
 const WITH_ALL: [&str; 2] = ["cuda_learner", "cuda_training"];
-/// The parity tests that take longest under memcheck, longest first (each
-/// 1.5 to 6 minutes on two cores, most of the run): they start first. A
-/// name that no longer matches only loses its place in the order.
+/// The parity tests that take longest under memcheck, longest first
+/// (together most of the run): they start first. A name that no longer
+/// matches only loses its place in the order.
 const LONGEST_FIRST: [&str; 6] = [
     "implicit_gemm_convolution_matches_the_cpu_layer",
     "token_networks_match_the_cpu_network",
