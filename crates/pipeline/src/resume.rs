@@ -12,16 +12,7 @@ use crate::config::{ExperimentConfig, ADVICE_KEYS};
 use crate::sink::{self, MetricsPosition};
 use crate::{PipelineError, Result};
 
-#[derive(Clone, Debug, Default, PartialEq)]
-pub enum Resume {
-    /// Start from scratch; refuse a directory that holds checkpoints.
-    #[default]
-    No,
-    /// The newest valid checkpoint in run.output_dir, or scratch if none.
-    Latest,
-    /// Exactly this file.
-    From(PathBuf),
-}
+pub use crate::rundir::Resume;
 
 /// What a checkpoint records of the experiment that wrote it, and what a
 /// resume checks against it: an `ExperimentConfig` for `cargo xtask train`,

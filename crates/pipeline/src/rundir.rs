@@ -22,8 +22,19 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::config::ExperimentConfig;
-use crate::resume::Resume;
 use crate::{checkpoint, PipelineError, Result};
+
+/// Where a run starts (`--resume`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum Resume {
+    /// Start from scratch; refuse a directory that holds checkpoints.
+    #[default]
+    No,
+    /// The newest valid checkpoint in run.output_dir, or scratch if none.
+    Latest,
+    /// Exactly this file.
+    From(PathBuf),
+}
 
 const LOCK_FILE: &str = ".lock";
 pub const CONFIG_FILE: &str = "config.toml";
