@@ -34,18 +34,18 @@ pub use crate::config::finetune::{
     adapter_scales, as_trained, effective_model, is_adapter, FinetuneConfig, FinetuneMode,
 };
 
-/// The base checkpoint of `finetune`: the file, or the newest valid one in
-/// the run directory. Missing: an error naming `finetune.base` and the
+/// The base checkpoint of `finetune`: the file, or the run directory's
+/// newest valid one of its own. Missing: an error naming `finetune.base` and the
 /// command that trains it.
 pub fn base_checkpoint(finetune: &FinetuneConfig) -> Result<PathBuf> {
     let base = &finetune.base;
     if base.is_file() {
         return Ok(base.clone());
     }
-    if base.is_dir() {
-        if let (Some((path, _)), _) = checkpoint::newest_valid(base)? {
-            return Ok(path);
-        }
+    // The base run's own newest checkpoint, never another run's file that
+    // sorts last in its directory (see `eval::run_checkpoint`).
+    if base.is_dir() && !checkpoint::list(base)?.is_empty() {
+        return crate::eval::run_checkpoint(base).map(|(path, _)| path);
     }
     let command = match &finetune.base_experiment {
         Some(experiment) => format!(
@@ -393,7 +393,7 @@ pub fn recorded_base(adapters: &Path) -> Result<PathBuf> {
 /// W[in, out] += s·Aᵀ·Bᵀ, with A [r, in], B [out, r] and s = alpha / r.
 /// `base` is a checkpoint file or a run directory.
 pub fn merged_tensors(base: &Path, adapters: &Path) -> Result<(Vec<F32Tensor>, String)> {
-    let (base_path, saved) = checkpoint::load_named(base)?;
+    let (base_path, saved) = crate::eval::run_checkpoint(base)?;
     let mut tensors: Vec<F32Tensor> = export::named_values(&saved, &base_path)?
         .into_iter()
         .map(|t| (t.name, t.shape, t.values.to_vec()))
@@ -464,7 +464,7 @@ fn fold(
 /// architecture, adapters folded in) as safetensors named as `export`
 /// names them; returns the number of tensors.
 pub fn merge(base: &Path, adapters: &Path, output: &Path) -> Result<usize> {
-    export::check_output(output)?;
+    export::check_output(output, &[base, adapters])?;
     let (tensors, model_json) = merged_tensors(base, adapters)?;
     let metadata = BTreeMap::from([
         ("format".to_string(), "pt".to_string()),

@@ -1,0 +1,155 @@
+//! Commands never destroy or mis-score their inputs: `export` (and a
+//! merge) refuses an output that is its own input, by any path to it;
+//! `eval RUN_DIR` scores only the run's own checkpoints.
+
+use std::path::{Path, PathBuf};
+
+use headroom_pipeline::checkpoint;
+use headroom_pipeline::{eval, export, train, ExperimentConfig, Overrides, Resume, TrainOptions};
+
+/// A tiny GPT (width `dim`) over `corpus`, run in `dir/<name>`.
+fn experiment(dir: &Path, name: &str, corpus: &Path, dim: usize) -> String {
+    format!(
+        r#"
+[run]
+name = "{name}"
+seed = 5
+log_every = 1000
+profile = "none"
+output_dir = "{run}"
+
+[data]
+format = "text"
+dir = "{store}"
+workers = 1
+prefetch = 2
+
+[text]
+corpus = ["{corpus}"]
+sample_bytes = 8
+
+[device]
+kind = "cpu"
+
+[model]
+tokens = {{ length = 16, vocab = 256 }}
+layers = [
+  {{ type = "embedding", dim = {dim}, positions = true }},
+  {{ type = "layer_norm" }},
+  {{ type = "linear", out = 256 }},
+]
+
+[train]
+epochs = 1
+batch_size = 8
+threads = 1
+
+[optimizer]
+lr = 1e-2
+
+[schedule]
+kind = "constant"
+"#,
+        run = dir.join(name).display(),
+        store = dir.join(format!("store-{name}")).display(),
+        corpus = corpus.display(),
+    )
+}
+
+/// Trains the run `name` (width `dim`) in `dir`; returns its directory.
+fn trained(dir: &Path, name: &str, dim: usize) -> PathBuf {
+    let corpus = dir.join("corpus.txt");
+    if !corpus.exists() {
+        std::fs::write(
+            &corpus,
+            b"the cat sat on the mat. the dog ran to the log.\n".repeat(20),
+        )
+        .unwrap();
+    }
+    let toml = dir.join(format!("{name}.toml"));
+    std::fs::write(&toml, experiment(dir, name, &corpus, dim)).unwrap();
+    let config = ExperimentConfig::load(&toml, &Overrides::default()).unwrap();
+    let options = TrainOptions {
+        resume: Resume::No,
+        allow_install: false,
+        stop: None,
+    };
+    train(&config, &options).unwrap();
+    dir.join(name)
+}
+
+fn newest(run: &Path) -> PathBuf {
+    checkpoint::list(run).unwrap().pop().unwrap()
+}
+
+#[test]
+fn export_refuses_an_output_that_is_its_input_by_any_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = trained(dir.path(), "run", 8);
+    let input = newest(&run);
+    let before = std::fs::read(&input).unwrap();
+    let symlink = dir.path().join("link.safetensors");
+    std::os::unix::fs::symlink(&input, &symlink).unwrap();
+    let hard = dir.path().join("hard.safetensors");
+    std::fs::hard_link(&input, &hard).unwrap();
+    let older = run.join(checkpoint::file_name(0));
+    std::fs::write(&older, b"an older checkpoint").unwrap();
+    for (named, output) in [
+        (&input, &input),
+        (&run, &input),
+        (&input, &symlink),
+        (&input, &hard),
+        (&run, &older),
+    ] {
+        let e = export::safetensors(named, Some(output))
+            .err()
+            .unwrap_or_else(|| panic!("{} over {}", named.display(), output.display()))
+            .to_string();
+        assert!(
+            e.contains("the same file") || e.contains("is a checkpoint"),
+            "{e}"
+        );
+        assert!(e.contains(&output.display().to_string()), "{e}");
+    }
+    assert_eq!(
+        std::fs::read(&input).unwrap(),
+        before,
+        "the input is intact"
+    );
+    assert_eq!(std::fs::read(&older).unwrap(), b"an older checkpoint");
+    // A new file beside it is written.
+    let fresh = dir.path().join("model.safetensors");
+    export::safetensors(&run, Some(&fresh)).unwrap();
+    assert!(fresh.is_file());
+}
+
+#[test]
+fn eval_and_export_of_a_run_directory_take_only_the_runs_own_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let own = trained(dir.path(), "own", 8);
+    let other = trained(dir.path(), "other", 4);
+    let own_checkpoint = newest(&own);
+    // Another run's checkpoint, named to sort after every one of this run.
+    let foreign = own.join(checkpoint::file_name(9_999_999_999));
+    std::fs::copy(newest(&other), &foreign).unwrap();
+
+    let report = eval::evaluate_checkpoint(&own, None, 8, None).unwrap();
+    assert_eq!(report.checkpoint, own_checkpoint);
+    let direct = eval::evaluate_checkpoint(&own_checkpoint, None, 8, None).unwrap();
+    assert_eq!(report.loss, direct.loss);
+
+    let exported = export::safetensors(&own, Some(&dir.path().join("own.safetensors"))).unwrap();
+    assert_eq!(exported.checkpoint, own_checkpoint);
+
+    // Only foreign files: refused, not scored.
+    std::fs::remove_file(&own_checkpoint).unwrap();
+    for path in checkpoint::list(&own).unwrap() {
+        if path != foreign {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+    let e = eval::evaluate_checkpoint(&own, None, 8, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("none of its 1 checkpoints"), "{e}");
+}
