@@ -294,6 +294,36 @@ pub fn write_report(config: &ExperimentConfig, summary: &RunSummary) -> Result<T
     Ok(report)
 }
 
+/// `text` made safe to print on a terminal: a generated sample (or its
+/// prompt) may hold any byte, and a raw escape sequence would recolour,
+/// retitle or clear the user's terminal, or hide what was printed before.
+/// Every control character but the newline and the tab, and the Unicode
+/// controls that reorder text (bidirectional overrides), is written as an
+/// escape: `\x1b`, `\r`, `\u{202e}`. The file `sample.txt` keeps the raw
+/// bytes.
+pub fn terminal_safe(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '\n' | '\t' => out.push(c),
+            '\r' => out.push_str("\\r"),
+            c if c.is_control() && u32::from(c) < 0x80 => {
+                out.push_str(&format!("\\x{:02x}", u32::from(c)));
+            }
+            c if c.is_control() || is_bidi_control(c) => {
+                out.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The characters that change the direction text is shown in.
+fn is_bidi_control(c: char) -> bool {
+    matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
 fn learner_from_checkpoint(config: &ExperimentConfig, path: &Path) -> Result<CpuLearner> {
     crate::parts::restored_cpu_learner(config, checkpoint::load(path)?, path, 1)
 }
@@ -362,6 +392,16 @@ mod tests {
         assert_eq!(draw(&row, 1.0, 0.3), 1);
         // At a low temperature the larger score takes almost everything.
         assert_eq!(draw(&row, 0.05, 0.01), 1);
+    }
+
+    #[test]
+    fn terminal_safe_escapes_every_control_but_newline_and_tab() {
+        let raw = "a\x1b[2J\x07b\r\nc\td\\x1b \u{9b}\u{202e}é\x7f";
+        let safe = terminal_safe(raw);
+        assert_eq!(safe, "a\\x1b[2J\\x07b\\r\nc\td\\x1b \\u{9b}\\u{202e}é\\x7f");
+        assert!(!safe
+            .chars()
+            .any(|c| c.is_control() && c != '\n' && c != '\t'));
     }
 
     #[test]
