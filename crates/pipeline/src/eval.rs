@@ -10,7 +10,7 @@ use headroom_loader::{Batch, DataLoader};
 use crate::checkpoint::{self, Checkpoint};
 use crate::config::{ExperimentConfig, TestTimeAugmentation};
 use crate::learner::{arg_max, EvalResult, Learner};
-use crate::{data, rundir, PipelineError, Result};
+use crate::{data, paths, rundir, PipelineError, Result};
 
 pub use crate::parts::restored_cpu_learner;
 
@@ -203,6 +203,18 @@ pub fn evaluate_checkpoint(
 /// directory without a record (a run from before runs kept one) takes the
 /// newest that verifies.
 pub fn run_checkpoint(path: &Path) -> Result<checkpoint::Found> {
+    // A path that is there but is neither a checkpoint nor a run directory
+    // (a symlink loop, a FIFO, a directory it may not list) is named as
+    // what it is, not as "no such checkpoint".
+    if !paths::is_absent(path) {
+        let as_dir = path.is_dir().then_some(paths::Want::Dir);
+        if let Some(reason) = paths::problem(path, as_dir.unwrap_or(paths::Want::File)) {
+            return Err(PipelineError::Checkpoint {
+                path: path.to_path_buf(),
+                reason,
+            });
+        }
+    }
     let record_path = path.join(rundir::CONFIG_FILE);
     if !path.is_dir() || !record_path.exists() {
         return checkpoint::load_named(path);

@@ -47,6 +47,21 @@ pub fn base_checkpoint(finetune: &FinetuneConfig) -> Result<PathBuf> {
     if base.is_dir() && !checkpoint::list(base)?.is_empty() {
         return crate::eval::run_checkpoint(base).map(|(path, _)| path);
     }
+    // There but unusable (a symlink loop, a directory it may not list):
+    // named as what it is, not as a base to train.
+    if !crate::paths::is_absent(base) {
+        let want = if base.is_dir() {
+            crate::paths::Want::Dir
+        } else {
+            crate::paths::Want::File
+        };
+        if let Some(reason) = crate::paths::problem(base, want) {
+            return Err(PipelineError::value(
+                "finetune.base",
+                format!("{} {reason}", base.display()),
+            ));
+        }
+    }
     let command = match &finetune.base_experiment {
         Some(experiment) => format!(
             "cargo xtask train --config {} --set {}",

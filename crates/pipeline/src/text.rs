@@ -17,6 +17,7 @@ use headroom_model::{Mode, Network, TokenInput};
 
 use crate::config::{ExperimentConfig, TextConfig};
 use crate::learner::{CpuLearner, Learner};
+use crate::paths::{self, Want};
 use crate::{checkpoint, PipelineError, Result, RunSummary};
 
 /// Windows per shard: small enough that a store of a small corpus has
@@ -124,8 +125,23 @@ fn store_key(corpus: &[u8], length: usize, fraction: f64, limits: (usize, usize)
 
 /// The corpus files joined in order. A missing file installs `text.package`
 /// when we may (root on Debian or Ubuntu, not --no-install), else is an error
-/// naming the file, the key and the command that installs it.
+/// naming the file, the key and the command that installs it. A path that
+/// is there but is no readable regular file (a directory, a symlink loop or
+/// a dangling one, a FIFO, a permission error) is refused as what it is,
+/// before anything is installed: a package would not change it, and a FIFO
+/// would hang the read.
 pub fn read_corpus(text: &TextConfig, allow_install: bool) -> Result<Vec<u8>> {
+    for path in text.corpus.iter().filter(|p| !paths::is_absent(p)) {
+        if let Some(reason) = paths::problem(path, Want::File) {
+            return Err(PipelineError::value(
+                "text.corpus",
+                format!(
+                    "{} {reason} (expected a text file to train on)",
+                    path.display()
+                ),
+            ));
+        }
+    }
     let missing = |text: &TextConfig| -> Vec<PathBuf> {
         text.corpus
             .iter()
@@ -162,8 +178,9 @@ fn missing_corpus(text: &TextConfig, file: &Path) -> PipelineError {
         None => String::new(),
     };
     PipelineError::DatasetMissing(format!(
-        "text.corpus: {} not found{install}",
-        file.display()
+        "text.corpus: {} {}{install}",
+        file.display(),
+        paths::problem(file, Want::File).unwrap_or_else(|| "does not exist".into())
     ))
 }
 

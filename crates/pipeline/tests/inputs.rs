@@ -153,3 +153,71 @@ fn eval_and_export_of_a_run_directory_take_only_the_runs_own_checkpoint() {
         .to_string();
     assert!(e.contains("none of its 1 checkpoints"), "{e}");
 }
+
+/// `[text]` with `corpus` and `package`.
+fn text_config(corpus: &Path, package: &str) -> headroom_pipeline::config::TextConfig {
+    let mut text: headroom_pipeline::config::TextConfig = toml::from_str("").unwrap();
+    text.corpus = vec![corpus.to_path_buf()];
+    text.package = Some(package.into());
+    text
+}
+
+#[test]
+fn a_corpus_path_that_is_not_a_regular_file_is_refused_as_what_it_is_before_any_install() {
+    let dir = tempfile::tempdir().unwrap();
+    let looped = dir.path().join("loop.txt");
+    std::os::unix::fs::symlink(&looped, &looped).unwrap();
+    let fifo = dir.path().join("fifo.txt");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let dangling = dir.path().join("dangling.txt");
+    std::os::unix::fs::symlink(dir.path().join("gone.txt"), &dangling).unwrap();
+    let cases = [
+        (dir.path().to_path_buf(), "is a directory, not a file"),
+        (looped, "is a symlink loop"),
+        (fifo, "is not a regular file (a FIFO)"),
+        (dangling, "is a dangling symlink"),
+    ];
+    for (path, said) in cases {
+        // Install allowed, and a package named: were it tried, apt-get
+        // would run (and fail on a package that does not exist).
+        let started = std::time::Instant::now();
+        let e = headroom_pipeline::text::read_corpus(
+            &text_config(&path, "headroom-no-such-package"),
+            true,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("text.corpus") && e.contains(said), "{e}");
+        assert!(e.contains(&path.display().to_string()), "{e}");
+        assert!(!e.contains("apt-get"), "{e}");
+        assert!(
+            started.elapsed().as_secs() < 5,
+            "took {:?}",
+            started.elapsed()
+        );
+    }
+    let absent = dir.path().join("absent.txt");
+    let e = headroom_pipeline::text::read_corpus(&text_config(&absent, "pkg"), false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("does not exist") && e.contains("apt-get install -y pkg"),
+        "{e}"
+    );
+}
+
+#[test]
+fn eval_names_a_symlink_loop_as_such_not_as_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let looped = dir.path().join("loop");
+    std::os::unix::fs::symlink(&looped, &looped).unwrap();
+    let e = eval::evaluate_checkpoint(&looped, None, 8, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("symlink loop"), "{e}");
+    assert!(!e.contains("no such"), "{e}");
+}
