@@ -221,3 +221,39 @@ fn eval_names_a_symlink_loop_as_such_not_as_missing() {
     assert!(e.contains("symlink loop"), "{e}");
     assert!(!e.contains("no such"), "{e}");
 }
+
+#[test]
+fn an_experiment_outside_experiments_finds_the_built_in_profiles() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    let text = experiment(dir.path(), "elsewhere", &corpus, 8)
+        .replace("profile = \"none\"", "profile = \"max_speed\"");
+    let toml = dir.path().join("elsewhere.toml");
+    std::fs::write(&toml, text).unwrap();
+    let config = ExperimentConfig::load(&toml, &Overrides::default()).unwrap();
+    // max_speed sets data.prefetch = 8 (the experiment says 2).
+    assert_eq!(config.data.prefetch, 8);
+
+    // A profile beside the experiment still comes first.
+    std::fs::create_dir(dir.path().join("profiles")).unwrap();
+    std::fs::write(
+        dir.path().join("profiles/max_speed.toml"),
+        "[data]\nprefetch = 3\n",
+    )
+    .unwrap();
+    let config = ExperimentConfig::load(&toml, &Overrides::default()).unwrap();
+    assert_eq!(config.data.prefetch, 3);
+
+    // An unknown one names every place looked in and the profiles there.
+    let e = ExperimentConfig::load(
+        &toml,
+        &Overrides::parse(&["run.profile=nonesuch".to_string()]).unwrap(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("no profile file nonesuch.toml"), "{e}");
+    assert!(
+        e.contains("experiments/profiles") && e.contains("low_memory"),
+        "{e}"
+    );
+}
