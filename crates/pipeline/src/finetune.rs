@@ -372,7 +372,9 @@ pub fn write_adapters(checkpoint_path: &Path, base: &Path, output: &Path) -> Res
         .map(|t| (t.name, t.shape, t.values.to_vec()))
         .collect();
     let scales = serde_json::to_string(&adapter_scales(&spec)).unwrap_or_default();
+    let checksum = adapters_checksum(&tensors, &scales);
     let metadata = BTreeMap::from([
+        (CHECKSUM_KEY.to_string(), checksum),
         ("producer".to_string(), "headroom".to_string()),
         ("adapter".to_string(), "lora".to_string()),
         ("scales".to_string(), scales),
@@ -382,6 +384,86 @@ pub fn write_adapters(checkpoint_path: &Path, base: &Path, output: &Path) -> Res
     ]);
     export::write_f32_safetensors(&tensors, &metadata, output)?;
     Ok(tensors.len())
+}
+
+/// The metadata key of an adapters file's checksum.
+pub const CHECKSUM_KEY: &str = "checksum";
+
+/// The checksum an adapters file records of its contents: CRC-32 of every
+/// tensor's name, shape and values (in name order) and of the scales, as
+/// `crc32:XXXXXXXX`. A file changed or damaged after it was written (a
+/// flipped bit, a tensor replaced by hand) no longer matches, and `merge`
+/// refuses it instead of folding wrong numbers into the base.
+pub fn adapters_checksum(tensors: &[F32Tensor], scales: &str) -> String {
+    let mut sorted: Vec<&F32Tensor> = tensors.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut hasher = crc32fast::Hasher::new();
+    for (name, shape, values) in sorted {
+        hasher.update(name.as_bytes());
+        hasher.update(&[0]);
+        hasher.update(&(shape.len() as u64).to_le_bytes());
+        for &d in shape {
+            hasher.update(&(d as u64).to_le_bytes());
+        }
+        for v in values {
+            hasher.update(&v.to_le_bytes());
+        }
+    }
+    hasher.update(scales.as_bytes());
+    format!("crc32:{:08x}", hasher.finalize())
+}
+
+/// Checks an adapters file read from disk before anything is folded: its
+/// checksum (when it records one; files from before checksums are taken
+/// with a warning), that every tensor is an adapter factor of a layer the
+/// scales name, and that every value and scale is finite (one NaN would
+/// make every merged weight it touches NaN).
+fn check_adapters(
+    factors: &[F32Tensor],
+    metadata: &HashMap<String, String>,
+    scales: &BTreeMap<String, f32>,
+    bad: &dyn Fn(String) -> PipelineError,
+) -> Result<()> {
+    let scales_text = metadata.get("scales").map_or("", String::as_str);
+    let computed = adapters_checksum(factors, scales_text);
+    match metadata.get(CHECKSUM_KEY) {
+        Some(recorded) if *recorded != computed => {
+            return Err(bad(format!(
+                "its metadata records checksum {recorded}, its contents hash to {computed}: \
+                 the file was changed or damaged after it was written; use the \
+                 {ADAPTERS_FILE} the LoRA run wrote"
+            )))
+        }
+        Some(_) => {}
+        None => tracing::warn!(
+            "the adapters file records no checksum (written before checksums were kept): \
+             its contents cannot be verified"
+        ),
+    }
+    for (layer, scale) in scales {
+        if !scale.is_finite() {
+            return Err(bad(format!("the scale of {layer} is {scale}, not finite")));
+        }
+    }
+    for (name, _, values) in factors {
+        let known = [".lora_a", ".lora_b"]
+            .iter()
+            .filter_map(|suffix| name.strip_suffix(suffix))
+            .any(|layer| scales.contains_key(layer));
+        if !known {
+            return Err(bad(format!(
+                "holds {name}, which is not the lora_a or lora_b of a layer its scales name \
+                 ({}): not an adapters file written by a LoRA run",
+                scales.keys().cloned().collect::<Vec<_>>().join(", ")
+            )));
+        }
+        if let Some((i, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return Err(bad(format!(
+                "{name}[{i}] is {v}: every adapter value must be finite"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The adapters file's recorded base checkpoint.
@@ -424,6 +506,7 @@ pub fn merged_tensors(base: &Path, adapters: &Path) -> Result<(Vec<F32Tensor>, S
         .ok_or_else(|| {
             bad("no readable \"scales\" in the metadata: not a headroom adapters file".into())
         })?;
+    check_adapters(&factors, &metadata, &scales, &bad)?;
     let factor = |name: String| {
         factors
             .iter()

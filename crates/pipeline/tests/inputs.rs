@@ -257,3 +257,82 @@ fn an_experiment_outside_experiments_finds_the_built_in_profiles() {
         "{e}"
     );
 }
+
+#[test]
+fn lora_merge_verifies_the_adapters_checksum_shapes_and_finite_values() {
+    use headroom_pipeline::export::F32Tensor;
+    use headroom_pipeline::finetune;
+    let dir = tempfile::tempdir().unwrap();
+    let base = trained(dir.path(), "base", 8);
+    let saved = checkpoint::load(&newest(&base)).unwrap();
+    let named = export::named_values(&saved, &newest(&base)).unwrap();
+    let weight = named
+        .iter()
+        .find(|t| t.shape == [8, 256])
+        .expect("the output projection");
+    let layer = weight.name.strip_suffix(".weight").unwrap().to_string();
+    let scales = format!("{{\"{layer}\":2.0}}");
+    // Writes an adapters file of `tensors`; `checksum` None: the right one.
+    let write = |file: &str, tensors: &[F32Tensor], checksum: Option<&str>| -> PathBuf {
+        let path = dir.path().join(file);
+        let right = finetune::adapters_checksum(tensors, &scales);
+        let metadata = std::collections::BTreeMap::from([
+            ("adapter".to_string(), "lora".to_string()),
+            ("scales".to_string(), scales.clone()),
+            (
+                finetune::CHECKSUM_KEY.to_string(),
+                checksum.map_or(right, String::from),
+            ),
+        ]);
+        export::write_f32_safetensors(tensors, &metadata, &path).unwrap();
+        path
+    };
+    let a: F32Tensor = (format!("{layer}.lora_a"), vec![1, 8], vec![0.125; 8]);
+    let b: F32Tensor = (format!("{layer}.lora_b"), vec![256, 1], vec![0.5; 256]);
+    let good = write("good.safetensors", &[a.clone(), b.clone()], None);
+    let merged = dir.path().join("merged.safetensors");
+    finetune::merge(&base, &good, &merged).unwrap();
+    let (tensors, _) = export::read_f32_safetensors(&merged).unwrap();
+    let folded = tensors.iter().find(|t| t.0 == weight.name).unwrap();
+    assert!((folded.2[0] - (weight.values[0] + 2.0 * 0.125 * 0.5)).abs() < 1e-6);
+
+    let mut nan_a = a.clone();
+    nan_a.2[3] = f32::NAN;
+    let mut stray = a.clone();
+    stray.0 = "layers.0.lora_a".into();
+    let cases = [
+        (
+            write(
+                "tampered.safetensors",
+                &[a.clone(), b.clone()],
+                Some("crc32:00000000"),
+            ),
+            "checksum crc32:00000000",
+        ),
+        (
+            write("nan.safetensors", &[nan_a, b.clone()], None),
+            "lora_a[3] is NaN: every adapter value must be finite",
+        ),
+        (
+            write("stray.safetensors", &[a.clone(), b.clone(), stray], None),
+            "holds layers.0.lora_a",
+        ),
+        (
+            write(
+                "shape.safetensors",
+                &[(a.0.clone(), vec![1, 7], vec![0.0; 7]), b.clone()],
+                None,
+            ),
+            "do not fit the base weight",
+        ),
+    ];
+    for (file, said) in cases {
+        let output = dir.path().join("refused.safetensors");
+        let e = finetune::merge(&base, &file, &output)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(said), "{}: {e}", file.display());
+        assert!(e.contains(&file.display().to_string()), "{e}");
+        assert!(!output.exists());
+    }
+}
