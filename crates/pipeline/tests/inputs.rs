@@ -251,11 +251,13 @@ fn an_experiment_outside_experiments_finds_the_built_in_profiles() {
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("no profile file nonesuch.toml"), "{e}");
+    let beside = dir.path().join("profiles/nonesuch.toml");
     assert!(
-        e.contains("experiments/profiles") && e.contains("low_memory"),
+        e.contains(&format!("no profile file {}", beside.display())),
         "{e}"
     );
+    assert!(e.contains("experiments/profiles/nonesuch.toml"), "{e}");
+    assert!(e.contains("low_memory") && e.contains("max_speed"), "{e}");
 }
 
 #[test]

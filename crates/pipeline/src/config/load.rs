@@ -40,6 +40,7 @@ pub fn is_profile(path: &Path) -> bool {
 pub fn profile_candidates(experiment: &Path, name: &str) -> Vec<PathBuf> {
     let beside = experiment.parent().unwrap_or(Path::new("."));
     let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments");
+    let built = std::fs::canonicalize(&built).unwrap_or(built);
     let dirs = [
         beside.join(PROFILES_DIR),
         Path::new("experiments").join(PROFILES_DIR),
@@ -163,18 +164,27 @@ impl ExperimentConfig {
                 ));
             }
         } else {
-            let dirs: Vec<PathBuf> = profile_candidates(path, &profile)
-                .iter()
-                .filter_map(|p| p.parent().map(Path::to_path_buf))
+            // Each place looked in, by the file it would be (a directory
+            // that is not there is left out, but for the experiment's own).
+            let looked: Vec<PathBuf> = profile_candidates(path, &profile)
+                .into_iter()
+                .enumerate()
+                .filter(|(i, p)| *i == 0 || p.parent().is_some_and(Path::is_dir))
+                .map(|(_, p)| p)
                 .collect();
-            let mut known: Vec<String> = dirs.iter().flat_map(|d| profiles_in(d)).collect();
+            let mut known: Vec<String> = looked
+                .iter()
+                .filter_map(|p| p.parent())
+                .flat_map(profiles_in)
+                .collect();
             known.sort();
             known.dedup();
-            let shown: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+            let shown: Vec<String> = looked.iter().map(|p| p.display().to_string()).collect();
             return Err(PipelineError::value(
                 "run.profile",
                 format!(
-                    "no profile file {profile}.toml (expected \"auto\", \"none\" or the name of a TOML file in {}{})",
+                    "no profile file {} (expected \"auto\", \"none\" or the name of a TOML file in \
+                     one of their directories{})",
                     shown.join(" or "),
                     if known.is_empty() {
                         String::new()
