@@ -361,6 +361,7 @@ pub fn evaluate_base(config: &ExperimentConfig) -> Result<f32> {
 /// `output`, with their scales, the model spec and the base in the
 /// metadata; returns the number of tensors.
 pub fn write_adapters(checkpoint_path: &Path, base: &Path, output: &Path) -> Result<usize> {
+    export::check_output(output, &[checkpoint_path, base])?;
     let saved = checkpoint::load(checkpoint_path)?;
     let spec = saved.model().map_err(|reason| PipelineError::Checkpoint {
         path: checkpoint_path.to_path_buf(),
