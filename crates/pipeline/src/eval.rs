@@ -7,9 +7,10 @@ use std::path::{Path, PathBuf};
 
 use headroom_loader::{Batch, DataLoader};
 
+use crate::checkpoint::{self, Checkpoint};
 use crate::config::{ExperimentConfig, TestTimeAugmentation};
 use crate::learner::{arg_max, EvalResult, Learner};
-use crate::{checkpoint, data, PipelineError, Result};
+use crate::{data, paths, rundir, PipelineError, Result};
 
 pub use crate::parts::restored_cpu_learner;
 
@@ -155,7 +156,7 @@ pub fn evaluate_checkpoint(
     batch: usize,
     tta: Option<TestTimeAugmentation>,
 ) -> Result<EvalReport> {
-    let (path, saved) = checkpoint::load_named(path)?;
+    let (path, saved) = run_checkpoint(path)?;
     let path = path.as_path();
     let mut config: ExperimentConfig =
         serde_json::from_str(&saved.meta.config_json).map_err(|e| PipelineError::Checkpoint {
@@ -188,5 +189,94 @@ pub fn evaluate_checkpoint(
             .model
             .tokens
             .map(|_| evaluation.loss / std::f32::consts::LN_2),
+    })
+}
+
+/// The checkpoint a command names (`eval`, `export`, a merge's base): a
+/// checkpoint file as it is, or a run directory's newest checkpoint that
+/// verifies *and is the run's own*. A run directory can hold a file of
+/// another run (copied in, or left by a reused `run.output_dir`) whose name
+/// sorts last; scoring it would report another model's figures under this
+/// run's name. The run's own are those its record (`config.toml`) accepts
+/// as `--resume` would: the same model and the same settings that shape
+/// the result. Each newer checkpoint skipped is logged with its reason. A
+/// directory without a record (a run from before runs kept one) takes the
+/// newest that verifies.
+pub fn run_checkpoint(path: &Path) -> Result<checkpoint::Found> {
+    // A path that is there but is neither a checkpoint nor a run directory
+    // (a symlink loop, a FIFO, a directory it may not list) is named as
+    // what it is, not as "no such checkpoint".
+    if !paths::is_absent(path) {
+        let as_dir = path.is_dir().then_some(paths::Want::Dir);
+        if let Some(reason) = paths::problem(path, as_dir.unwrap_or(paths::Want::File)) {
+            return Err(PipelineError::Checkpoint {
+                path: path.to_path_buf(),
+                reason,
+            });
+        }
+    }
+    let record_path = path.join(rundir::CONFIG_FILE);
+    if !path.is_dir() || !record_path.exists() {
+        return checkpoint::load_named(path);
+    }
+    let record = ExperimentConfig::load_resolved(&record_path, &crate::Overrides::default())?;
+    let refuse = |reason: String| PipelineError::Checkpoint {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let files = checkpoint::list(path)?;
+    let mut skipped = 0;
+    for file in files.iter().rev() {
+        let reason = match checkpoint::load(file) {
+            Ok(saved) => match foreign(&record, &saved) {
+                None => return Ok((file.clone(), saved)),
+                Some(reason) => format!(
+                    "checkpoint {}: not this run's own ({reason}; the run's record is {})",
+                    file.display(),
+                    record_path.display()
+                ),
+            },
+            Err(e) => e.to_string(),
+        };
+        tracing::warn!("skipped {reason}");
+        skipped += 1;
+    }
+    Err(refuse(match skipped {
+        0 => "a directory with no checkpoint in it: name a checkpoint file, or a run directory \
+              that holds one"
+            .into(),
+        n => format!(
+            "none of its {n} checkpoints is a verified checkpoint of this run (each is named above)"
+        ),
+    }))
+}
+
+/// Why `saved` is not a checkpoint of the run recorded as `record`: another
+/// model, or other settings that shape the result. None: it is the run's.
+fn foreign(record: &ExperimentConfig, saved: &Checkpoint) -> Option<String> {
+    let model = match saved.model() {
+        Ok(model) => model,
+        Err(reason) => return Some(reason),
+    };
+    if model != record.model {
+        return Some("written for a different model".into());
+    }
+    if saved.meta.config_fingerprint == record.fingerprint() {
+        return None;
+    }
+    let written: ExperimentConfig = match serde_json::from_str(&saved.meta.config_json) {
+        Ok(config) => config,
+        Err(e) => return Some(format!("unreadable experiment record: {e}")),
+    };
+    let (old, new) = (written.result_keys(), record.result_keys());
+    let changed: Vec<&String> = new
+        .iter()
+        .filter(|(key, value)| old.get(*key) != Some(*value))
+        .map(|(key, _)| key)
+        .chain(old.keys().filter(|key| !new.contains_key(*key)))
+        .collect();
+    (!changed.is_empty()).then(|| {
+        let keys: Vec<&str> = changed.iter().map(|k| k.as_str()).collect();
+        format!("written with other {}", keys.join(", "))
     })
 }

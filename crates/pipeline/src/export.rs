@@ -33,12 +33,12 @@ pub struct Exported {
 /// to `output` in safetensors format; by default beside the checkpoint read,
 /// with the extension `.safetensors`.
 pub fn safetensors(checkpoint: &Path, output: Option<&Path>) -> Result<Exported> {
-    let (checkpoint, saved) = checkpoint::load_named(checkpoint)?;
+    let (checkpoint, saved) = crate::eval::run_checkpoint(checkpoint)?;
     let output = output.map_or_else(
         || checkpoint.with_extension("safetensors"),
         Path::to_path_buf,
     );
-    check_output(&output)?;
+    check_output(&output, &[&checkpoint])?;
     let tensors = named_values(&saved, &checkpoint)?;
     let metadata = BTreeMap::from([
         ("format".to_string(), "pt".to_string()),
@@ -58,9 +58,13 @@ pub fn safetensors(checkpoint: &Path, output: Option<&Path>) -> Result<Exported>
     })
 }
 
-/// Refuses, before any work, an output that cannot be a file: a directory,
-/// or a path whose directory does not exist.
-pub fn check_output(output: &Path) -> Result<()> {
+/// Refuses, before any work, an output that cannot be a file (a directory,
+/// or a path whose directory does not exist), that is one of the command's
+/// `inputs` (the same path, or the same file through a symlink or a hard
+/// link: the written file replaces it, so the input would be lost), or
+/// that is a checkpoint of a run (export writes a new file, never over the
+/// state a run resumes from).
+pub fn check_output(output: &Path, inputs: &[&Path]) -> Result<()> {
     let refuse = |reason: String| PipelineError::Output {
         path: output.to_path_buf(),
         reason,
@@ -70,6 +74,19 @@ pub fn check_output(output: &Path) -> Result<()> {
             "is a directory: name the file to write, e.g. DIR/model.safetensors".into(),
         ));
     }
+    if let Some(input) = inputs.iter().find(|input| same_file(output, input)) {
+        return Err(refuse(format!(
+            "is the input {} (the same file): writing it would destroy what is read; \
+             name another output file",
+            input.display()
+        )));
+    }
+    if is_checkpoint(output) {
+        return Err(refuse(
+            "is a checkpoint of a run: writing it would destroy it; name another output file"
+                .into(),
+        ));
+    }
     match output.parent().filter(|p| !p.as_os_str().is_empty()) {
         Some(dir) if !dir.is_dir() => Err(refuse(format!(
             "its directory {} does not exist",
@@ -77,6 +94,33 @@ pub fn check_output(output: &Path) -> Result<()> {
         ))),
         _ => Ok(()),
     }
+}
+
+/// Whether `a` and `b` name one file: one path, or through a symlink or a
+/// hard link (one device and inode). A path that does not exist is no
+/// input's file; its canonical form is compared as well, for an input
+/// that has gone since it was read.
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+        return (x.dev(), x.ino()) == (y.dev(), y.ino());
+    }
+    matches!(
+        (std::fs::canonicalize(a), std::fs::canonicalize(b)),
+        (Ok(x), Ok(y)) if x == y
+    )
+}
+
+/// Whether `path` is one of the checkpoints in its directory.
+fn is_checkpoint(path: &Path) -> bool {
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let Some(name) = path.file_name() else {
+        return false;
+    };
+    checkpoint::list(dir).is_ok_and(|list| list.iter().any(|p| p.file_name() == Some(name)))
 }
 
 /// One tensor of a checkpoint under the name its model gives it.

@@ -34,17 +34,32 @@ pub use crate::config::finetune::{
     adapter_scales, as_trained, effective_model, is_adapter, FinetuneConfig, FinetuneMode,
 };
 
-/// The base checkpoint of `finetune`: the file, or the newest valid one in
-/// the run directory. Missing: an error naming `finetune.base` and the
+/// The base checkpoint of `finetune`: the file, or the run directory's
+/// newest valid one of its own. Missing: an error naming `finetune.base` and the
 /// command that trains it.
 pub fn base_checkpoint(finetune: &FinetuneConfig) -> Result<PathBuf> {
     let base = &finetune.base;
     if base.is_file() {
         return Ok(base.clone());
     }
-    if base.is_dir() {
-        if let (Some((path, _)), _) = checkpoint::newest_valid(base)? {
-            return Ok(path);
+    // The base run's own newest checkpoint, never another run's file that
+    // sorts last in its directory (see `eval::run_checkpoint`).
+    if base.is_dir() && !checkpoint::list(base)?.is_empty() {
+        return crate::eval::run_checkpoint(base).map(|(path, _)| path);
+    }
+    // There but unusable (a symlink loop, a directory it may not list):
+    // named as what it is, not as a base to train.
+    if !crate::paths::is_absent(base) {
+        let want = if base.is_dir() {
+            crate::paths::Want::Dir
+        } else {
+            crate::paths::Want::File
+        };
+        if let Some(reason) = crate::paths::problem(base, want) {
+            return Err(PipelineError::value(
+                "finetune.base",
+                format!("{} {reason}", base.display()),
+            ));
         }
     }
     let command = match &finetune.base_experiment {
@@ -346,6 +361,7 @@ pub fn evaluate_base(config: &ExperimentConfig) -> Result<f32> {
 /// `output`, with their scales, the model spec and the base in the
 /// metadata; returns the number of tensors.
 pub fn write_adapters(checkpoint_path: &Path, base: &Path, output: &Path) -> Result<usize> {
+    export::check_output(output, &[checkpoint_path, base])?;
     let saved = checkpoint::load(checkpoint_path)?;
     let spec = saved.model().map_err(|reason| PipelineError::Checkpoint {
         path: checkpoint_path.to_path_buf(),
@@ -357,7 +373,9 @@ pub fn write_adapters(checkpoint_path: &Path, base: &Path, output: &Path) -> Res
         .map(|t| (t.name, t.shape, t.values.to_vec()))
         .collect();
     let scales = serde_json::to_string(&adapter_scales(&spec)).unwrap_or_default();
+    let checksum = adapters_checksum(&tensors, &scales);
     let metadata = BTreeMap::from([
+        (CHECKSUM_KEY.to_string(), checksum),
         ("producer".to_string(), "headroom".to_string()),
         ("adapter".to_string(), "lora".to_string()),
         ("scales".to_string(), scales),
@@ -367,6 +385,86 @@ pub fn write_adapters(checkpoint_path: &Path, base: &Path, output: &Path) -> Res
     ]);
     export::write_f32_safetensors(&tensors, &metadata, output)?;
     Ok(tensors.len())
+}
+
+/// The metadata key of an adapters file's checksum.
+pub const CHECKSUM_KEY: &str = "checksum";
+
+/// The checksum an adapters file records of its contents: CRC-32 of every
+/// tensor's name, shape and values (in name order) and of the scales, as
+/// `crc32:XXXXXXXX`. A file changed or damaged after it was written (a
+/// flipped bit, a tensor replaced by hand) no longer matches, and `merge`
+/// refuses it instead of folding wrong numbers into the base.
+pub fn adapters_checksum(tensors: &[F32Tensor], scales: &str) -> String {
+    let mut sorted: Vec<&F32Tensor> = tensors.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut hasher = crc32fast::Hasher::new();
+    for (name, shape, values) in sorted {
+        hasher.update(name.as_bytes());
+        hasher.update(&[0]);
+        hasher.update(&(shape.len() as u64).to_le_bytes());
+        for &d in shape {
+            hasher.update(&(d as u64).to_le_bytes());
+        }
+        for v in values {
+            hasher.update(&v.to_le_bytes());
+        }
+    }
+    hasher.update(scales.as_bytes());
+    format!("crc32:{:08x}", hasher.finalize())
+}
+
+/// Checks an adapters file read from disk before anything is folded: its
+/// checksum (when it records one; files from before checksums are taken
+/// with a warning), that every tensor is an adapter factor of a layer the
+/// scales name, and that every value and scale is finite (one NaN would
+/// make every merged weight it touches NaN).
+fn check_adapters(
+    factors: &[F32Tensor],
+    metadata: &HashMap<String, String>,
+    scales: &BTreeMap<String, f32>,
+    bad: &dyn Fn(String) -> PipelineError,
+) -> Result<()> {
+    let scales_text = metadata.get("scales").map_or("", String::as_str);
+    let computed = adapters_checksum(factors, scales_text);
+    match metadata.get(CHECKSUM_KEY) {
+        Some(recorded) if *recorded != computed => {
+            return Err(bad(format!(
+                "its metadata records checksum {recorded}, its contents hash to {computed}: \
+                 the file was changed or damaged after it was written; use the \
+                 {ADAPTERS_FILE} the LoRA run wrote"
+            )))
+        }
+        Some(_) => {}
+        None => tracing::warn!(
+            "the adapters file records no checksum (written before checksums were kept): \
+             its contents cannot be verified"
+        ),
+    }
+    for (layer, scale) in scales {
+        if !scale.is_finite() {
+            return Err(bad(format!("the scale of {layer} is {scale}, not finite")));
+        }
+    }
+    for (name, _, values) in factors {
+        let known = [".lora_a", ".lora_b"]
+            .iter()
+            .filter_map(|suffix| name.strip_suffix(suffix))
+            .any(|layer| scales.contains_key(layer));
+        if !known {
+            return Err(bad(format!(
+                "holds {name}, which is not the lora_a or lora_b of a layer its scales name \
+                 ({}): not an adapters file written by a LoRA run",
+                scales.keys().cloned().collect::<Vec<_>>().join(", ")
+            )));
+        }
+        if let Some((i, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return Err(bad(format!(
+                "{name}[{i}] is {v}: every adapter value must be finite"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The adapters file's recorded base checkpoint.
@@ -393,7 +491,7 @@ pub fn recorded_base(adapters: &Path) -> Result<PathBuf> {
 /// W[in, out] += s·Aᵀ·Bᵀ, with A [r, in], B [out, r] and s = alpha / r.
 /// `base` is a checkpoint file or a run directory.
 pub fn merged_tensors(base: &Path, adapters: &Path) -> Result<(Vec<F32Tensor>, String)> {
-    let (base_path, saved) = checkpoint::load_named(base)?;
+    let (base_path, saved) = crate::eval::run_checkpoint(base)?;
     let mut tensors: Vec<F32Tensor> = export::named_values(&saved, &base_path)?
         .into_iter()
         .map(|t| (t.name, t.shape, t.values.to_vec()))
@@ -409,6 +507,7 @@ pub fn merged_tensors(base: &Path, adapters: &Path) -> Result<(Vec<F32Tensor>, S
         .ok_or_else(|| {
             bad("no readable \"scales\" in the metadata: not a headroom adapters file".into())
         })?;
+    check_adapters(&factors, &metadata, &scales, &bad)?;
     let factor = |name: String| {
         factors
             .iter()
@@ -464,7 +563,7 @@ fn fold(
 /// architecture, adapters folded in) as safetensors named as `export`
 /// names them; returns the number of tensors.
 pub fn merge(base: &Path, adapters: &Path, output: &Path) -> Result<usize> {
-    export::check_output(output)?;
+    export::check_output(output, &[base, adapters])?;
     let (tensors, model_json) = merged_tensors(base, adapters)?;
     let metadata = BTreeMap::from([
         ("format".to_string(), "pt".to_string()),

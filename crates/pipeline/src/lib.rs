@@ -89,6 +89,7 @@ pub mod learner;
 pub mod limits;
 pub mod memory;
 pub mod parts;
+pub mod paths;
 pub mod plot;
 pub mod resume;
 pub mod rundir;

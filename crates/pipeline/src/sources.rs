@@ -9,6 +9,7 @@ use std::process::Command;
 use headroom_loader::ShardCacheConfig;
 
 use crate::config::{parse_bytes, ExperimentConfig};
+use crate::paths::{self, Want};
 use crate::{PipelineError, Result};
 
 pub(crate) fn shard_cache(config: &ExperimentConfig) -> Result<ShardCacheConfig> {
@@ -78,17 +79,43 @@ pub fn locate_fashion_mnist(configured: Option<&Path>, allow_install: bool) -> R
     )))
 }
 
-/// Names each missing file, not only the list of what was expected.
+/// Names each missing file, not only the list of what was expected, and
+/// each file that is there but cannot be read as what it is (a directory,
+/// a symlink loop, a permission error); likewise the directory itself.
 fn missing_files(setting: &str, dir: &Path) -> PipelineError {
-    let missing: Vec<String> = FILES
-        .iter()
-        .filter(|f| !dir.join(f).is_file() && !dir.join(format!("{f}.gz")).is_file())
-        .map(|f| dir.join(f).display().to_string())
-        .collect();
+    if let Some(reason) = paths::problem(dir, Want::Dir) {
+        return PipelineError::DatasetMissing(format!(
+            "{setting} = {} {reason} (expected a directory holding {}, each raw or with .gz)",
+            dir.display(),
+            FILES.join(", ")
+        ));
+    }
+    let mut missing = Vec::new();
+    let mut unreadable = Vec::new();
+    for f in FILES {
+        let (raw, gz) = (dir.join(f), dir.join(format!("{f}.gz")));
+        if raw.is_file() || gz.is_file() {
+            continue;
+        }
+        let there = [raw.clone(), gz].into_iter().find(|p| !paths::is_absent(p));
+        match there {
+            Some(there) => unreadable.push(format!(
+                "{} {}",
+                there.display(),
+                paths::problem(&there, Want::File).unwrap_or_default()
+            )),
+            None => missing.push(raw.display().to_string()),
+        }
+    }
+    let mut problems = Vec::new();
+    if !missing.is_empty() {
+        problems.push(format!("missing {}", missing.join(", ")));
+    }
+    problems.extend(unreadable);
     PipelineError::DatasetMissing(format!(
-        "{setting} = {} does not hold Fashion-MNIST: missing {} (each raw or with .gz; expected {})",
+        "{setting} = {} does not hold Fashion-MNIST: {} (each raw or with .gz; expected {})",
         dir.display(),
-        missing.join(", "),
+        problems.join("; "),
         FILES.join(", ")
     ))
 }
@@ -140,6 +167,28 @@ mod tests {
             .to_string();
         assert!(err.contains(&dir.path().display().to_string()), "{err}");
         assert!(err.contains("train-images-idx3-ubyte"), "{err}");
+    }
+
+    #[test]
+    fn a_file_that_is_there_but_unreadable_is_named_as_what_it_is_not_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        for f in &FILES[1..] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        std::fs::create_dir(dir.path().join(FILES[0])).unwrap();
+        let err = locate_fashion_mnist(Some(dir.path()), false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("{} is a directory, not a file", FILES[0])),
+            "{err}"
+        );
+        assert!(!err.contains("missing"), "{err}");
+        let file = dir.path().join(FILES[1]);
+        let err = locate_fashion_mnist(Some(&file), false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("is a file, not a directory"), "{err}");
     }
 
     #[test]

@@ -17,6 +17,7 @@ use headroom_model::{Mode, Network, TokenInput};
 
 use crate::config::{ExperimentConfig, TextConfig};
 use crate::learner::{CpuLearner, Learner};
+use crate::paths::{self, Want};
 use crate::{checkpoint, PipelineError, Result, RunSummary};
 
 /// Windows per shard: small enough that a store of a small corpus has
@@ -124,8 +125,23 @@ fn store_key(corpus: &[u8], length: usize, fraction: f64, limits: (usize, usize)
 
 /// The corpus files joined in order. A missing file installs `text.package`
 /// when we may (root on Debian or Ubuntu, not --no-install), else is an error
-/// naming the file, the key and the command that installs it.
+/// naming the file, the key and the command that installs it. A path that
+/// is there but is no readable regular file (a directory, a symlink loop or
+/// a dangling one, a FIFO, a permission error) is refused as what it is,
+/// before anything is installed: a package would not change it, and a FIFO
+/// would hang the read.
 pub fn read_corpus(text: &TextConfig, allow_install: bool) -> Result<Vec<u8>> {
+    for path in text.corpus.iter().filter(|p| !paths::is_absent(p)) {
+        if let Some(reason) = paths::problem(path, Want::File) {
+            return Err(PipelineError::value(
+                "text.corpus",
+                format!(
+                    "{} {reason} (expected a text file to train on)",
+                    path.display()
+                ),
+            ));
+        }
+    }
     let missing = |text: &TextConfig| -> Vec<PathBuf> {
         text.corpus
             .iter()
@@ -162,8 +178,9 @@ fn missing_corpus(text: &TextConfig, file: &Path) -> PipelineError {
         None => String::new(),
     };
     PipelineError::DatasetMissing(format!(
-        "text.corpus: {} not found{install}",
-        file.display()
+        "text.corpus: {} {}{install}",
+        file.display(),
+        paths::problem(file, Want::File).unwrap_or_else(|| "does not exist".into())
     ))
 }
 
@@ -294,6 +311,36 @@ pub fn write_report(config: &ExperimentConfig, summary: &RunSummary) -> Result<T
     Ok(report)
 }
 
+/// `text` made safe to print on a terminal: a generated sample (or its
+/// prompt) may hold any byte, and a raw escape sequence would recolour,
+/// retitle or clear the user's terminal, or hide what was printed before.
+/// Every control character but the newline and the tab, and the Unicode
+/// controls that reorder text (bidirectional overrides), is written as an
+/// escape: `\x1b`, `\r`, `\u{202e}`. The file `sample.txt` keeps the raw
+/// bytes.
+pub fn terminal_safe(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '\n' | '\t' => out.push(c),
+            '\r' => out.push_str("\\r"),
+            c if c.is_control() && u32::from(c) < 0x80 => {
+                out.push_str(&format!("\\x{:02x}", u32::from(c)));
+            }
+            c if c.is_control() || is_bidi_control(c) => {
+                out.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The characters that change the direction text is shown in.
+fn is_bidi_control(c: char) -> bool {
+    matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
 fn learner_from_checkpoint(config: &ExperimentConfig, path: &Path) -> Result<CpuLearner> {
     crate::parts::restored_cpu_learner(config, checkpoint::load(path)?, path, 1)
 }
@@ -362,6 +409,16 @@ mod tests {
         assert_eq!(draw(&row, 1.0, 0.3), 1);
         // At a low temperature the larger score takes almost everything.
         assert_eq!(draw(&row, 0.05, 0.01), 1);
+    }
+
+    #[test]
+    fn terminal_safe_escapes_every_control_but_newline_and_tab() {
+        let raw = "a\x1b[2J\x07b\r\nc\td\\x1b \u{9b}\u{202e}é\x7f";
+        let safe = terminal_safe(raw);
+        assert_eq!(safe, "a\\x1b[2J\\x07b\\r\nc\td\\x1b \\u{9b}\\u{202e}é\\x7f");
+        assert!(!safe
+            .chars()
+            .any(|c| c.is_control() && c != '\n' && c != '\t'));
     }
 
     #[test]

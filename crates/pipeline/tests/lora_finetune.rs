@@ -318,6 +318,10 @@ fn the_adapters_file_round_trips_and_merged_weights_give_the_adapted_outputs() {
         assert_eq!((&t.shape, t.values), (shape, values.as_slice()));
     }
     assert!(metadata["scales"].contains("2.0") || metadata["scales"].contains(":2"));
+    assert_eq!(
+        metadata[finetune::CHECKSUM_KEY],
+        finetune::adapters_checksum(&tensors, &metadata["scales"])
+    );
     assert_eq!(finetune::recorded_base(&file).unwrap(), base_path);
     // A file that holds no adapters (the merged weights, below) is named
     // for what it is, not for the base it does not record.

@@ -351,7 +351,9 @@ fn print_text_report(report: &headroom_pipeline::text::TextReport) {
         report.train_samples_per_sec, report.train_tokens_per_sec
     );
     println!("sample          {}", report.sample_file.display());
-    println!("{}", report.sample);
+    // The sample is the model's raw bytes: escaped, so that none of them
+    // can drive the terminal (sample.txt keeps them as they are).
+    println!("{}", headroom_pipeline::text::terminal_safe(&report.sample));
 }
 
 fn print_summary(experiment: &ExperimentConfig, summary: &headroom_pipeline::RunSummary) {

@@ -3,10 +3,12 @@
 //!
 //! Profiles are overlays, not experiments: `run.profile = NAME` (or
 //! `--profile NAME`) reads `<the experiment's directory>/profiles/NAME.toml`
-//! on top of the experiment. The rule that tells the two apart is the
-//! location alone: a file whose directory is named `profiles` is a profile,
-//! and `load` refuses it as an experiment (it lacks the required keys, and
-//! the error would otherwise be a puzzling "missing field").
+//! on top of the experiment (or, when there is none, the built-in one in
+//! `experiments/profiles/`: see `profile_candidates`). The rule that tells
+//! the two apart is the location alone: a file whose directory is named
+//! `profiles` is a profile, and `load` refuses it as an experiment (it
+//! lacks the required keys, and the error would otherwise be a puzzling
+//! "missing field").
 
 use std::path::{Path, PathBuf};
 
@@ -27,11 +29,47 @@ pub fn is_profile(path: &Path) -> bool {
         .is_some_and(|dir| dir == PROFILES_DIR)
 }
 
-/// Where the profile `name` of the experiment at `experiment` is:
-/// `<experiment's directory>/profiles/<name>.toml`.
+/// Where the profile `name` of the experiment at `experiment` may be, in
+/// order: `<experiment's directory>/profiles/`, then the current
+/// directory's `experiments/profiles/` (a clone's root, where the default
+/// experiment lives), then the `experiments/profiles/` of the workspace
+/// this program was built from. The built-in profiles are found so for an
+/// experiment kept anywhere (a copy in /tmp, a user's own directory), not
+/// only for one in `experiments/`. Duplicates (the same directory reached
+/// twice) are left out.
+pub fn profile_candidates(experiment: &Path, name: &str) -> Vec<PathBuf> {
+    let beside = experiment.parent().unwrap_or(Path::new("."));
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments");
+    let built = std::fs::canonicalize(&built).unwrap_or(built);
+    let dirs = [
+        beside.join(PROFILES_DIR),
+        Path::new("experiments").join(PROFILES_DIR),
+        built.join(PROFILES_DIR),
+    ];
+    let mut seen: Vec<PathBuf> = Vec::new();
+    let mut candidates = Vec::new();
+    for dir in dirs {
+        let key = std::fs::canonicalize(&dir).unwrap_or_else(|_| dir.clone());
+        if seen.contains(&key) {
+            continue;
+        }
+        seen.push(key);
+        candidates.push(dir.join(format!("{name}.toml")));
+    }
+    candidates
+}
+
+/// Where the profile `name` of the experiment at `experiment` is: the
+/// first of [`profile_candidates`] that is there (even if it cannot be
+/// read: loading it says why), else the one beside the experiment.
 pub fn profile_path(experiment: &Path, name: &str) -> PathBuf {
-    let dir = experiment.parent().unwrap_or(Path::new("."));
-    dir.join(PROFILES_DIR).join(format!("{name}.toml"))
+    let candidates = profile_candidates(experiment, name);
+    candidates
+        .iter()
+        .find(|p| !crate::paths::is_absent(p))
+        .or(candidates.first())
+        .cloned()
+        .unwrap_or_else(|| PathBuf::from(format!("{name}.toml")))
 }
 
 /// The profiles in `dir` (file stems, sorted), for naming them in an error.
@@ -118,15 +156,36 @@ impl ExperimentConfig {
         };
         let plain = !profile.is_empty() && !profile.contains(['/', '\\', '\0', '.']);
         let profile_path = profile_path(path, &profile);
-        if !plain || !profile_path.is_file() {
-            let dir = profile_path.parent().unwrap_or(Path::new("."));
-            let known = profiles_in(dir);
+        if plain && !crate::paths::is_absent(&profile_path) {
+            if let Some(reason) = crate::paths::problem(&profile_path, crate::paths::Want::File) {
+                return Err(PipelineError::value(
+                    "run.profile",
+                    format!("profile file {} {reason}", profile_path.display()),
+                ));
+            }
+        } else {
+            // Each place looked in, by the file it would be (a directory
+            // that is not there is left out, but for the experiment's own).
+            let looked: Vec<PathBuf> = profile_candidates(path, &profile)
+                .into_iter()
+                .enumerate()
+                .filter(|(i, p)| *i == 0 || p.parent().is_some_and(Path::is_dir))
+                .map(|(_, p)| p)
+                .collect();
+            let mut known: Vec<String> = looked
+                .iter()
+                .filter_map(|p| p.parent())
+                .flat_map(profiles_in)
+                .collect();
+            known.sort();
+            known.dedup();
+            let shown: Vec<String> = looked.iter().map(|p| p.display().to_string()).collect();
             return Err(PipelineError::value(
                 "run.profile",
                 format!(
-                    "no profile file {} (expected \"auto\", \"none\" or the name of a TOML file in {}{})",
-                    profile_path.display(),
-                    dir.display(),
+                    "no profile file {} (expected \"auto\", \"none\" or the name of a TOML file in \
+                     one of their directories{})",
+                    shown.join(" or "),
                     if known.is_empty() {
                         String::new()
                     } else {
