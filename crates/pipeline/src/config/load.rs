@@ -60,7 +60,7 @@ pub fn profile_candidates(experiment: &Path, name: &str) -> Vec<PathBuf> {
 }
 
 /// Where the profile `name` of the experiment at `experiment` is: the
-/// first of [`profile_candidates`] that is there (even if it cannot be
+/// first of `profile_candidates` that is there (even if it cannot be
 /// read: loading it says why), else the one beside the experiment.
 pub fn profile_path(experiment: &Path, name: &str) -> PathBuf {
     let candidates = profile_candidates(experiment, name);
