@@ -99,6 +99,26 @@ pub fn experiment_in(set: Option<PathBuf>, built: &Path, name: &str) -> PathBuf 
     Path::new("experiments").join(name)
 }
 
+/// [`smoke_config`] read as a command that trains reads it: `run.profile =
+/// "auto"` judged by the GPU the run will use (`device::gpu_memory`), where
+/// `smoke_config` touches no device. Call it after `cuda_path_available`.
+pub fn smoke_config_for_device(data: &Path, out: &Path, extra: &[&str]) -> ExperimentConfig {
+    let mut pairs = vec![
+        format!("data.dir={}", data.display()),
+        format!("run.output_dir={}", out.display()),
+    ];
+    pairs.extend(extra.iter().map(|s| s.to_string()));
+    let overrides = Overrides::parse(&pairs).expect("overrides");
+    match ExperimentConfig::load_for_device(
+        &experiment("smoke.toml"),
+        &overrides,
+        headroom_pipeline::device::gpu_memory,
+    ) {
+        Ok(config) => config,
+        Err(e) => panic!("smoke config: {e}"),
+    }
+}
+
 /// experiments/smoke.toml on the data in `data`, writing to `out`, with
 /// `extra` overrides (`key=value`).
 pub fn smoke_config(data: &Path, out: &Path, extra: &[&str]) -> ExperimentConfig {

@@ -6,7 +6,7 @@
 
 use headroom_pipeline::{train, TrainOptions};
 use headroom_tests::nvrtc_gate::print_past_capture;
-use headroom_tests::{cuda_path_available, smoke_config, write_synthetic_fashion_mnist};
+use headroom_tests::{cuda_path_available, smoke_config_for_device, write_synthetic_fashion_mnist};
 
 headroom_tests::report_nvrtc_tests!("cuda_small_gpu", include_str!("cuda_small_gpu.rs"));
 
@@ -27,7 +27,7 @@ fn a_small_gpu_gets_the_low_memory_profile_and_trains() {
     let data = tempfile::tempdir().unwrap();
     write_synthetic_fashion_mnist(data.path(), 128, 64);
     let out = tempfile::tempdir().unwrap();
-    let config = smoke_config(
+    let config = smoke_config_for_device(
         data.path(),
         out.path(),
         &[
