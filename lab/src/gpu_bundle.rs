@@ -312,7 +312,9 @@ fn dir_bytes(dir: &Path) -> Result<u64> {
 /// (`HEADROOM_REQUIRE_GPU=1`) and already run on the emulator in
 /// `cargo test`; the sanitize steps are recorded as skipped where there is
 /// no compute-sanitizer, and the profile step where there is no ncu.
-const DRY_RUN_STEPS: [&str; 6] = ["train", "oom", "resume", "bench", "sanitize", "profile"];
+const DRY_RUN_STEPS: [&str; 7] = [
+    "train", "oom", "resume", "small", "bench", "sanitize", "profile",
+];
 
 /// The device tool brings back at most 8 files of `$OUT`, each at most
 /// this size and named in letters, digits, `.`, `_` and `-`.

@@ -4,7 +4,7 @@
 #
 #   bash run.sh [GROUP or STEP ...]    (default: every step)
 #
-# GROUPs: tests, train, oom, resume, bench, sanitize, profile; a STEP by its name (train,
+# GROUPs: tests, train, oom, resume, small, bench, sanitize, profile; a STEP by its name (train,
 # bench, oom-driver, bench-tiny-gpt, ...; the list is in summary.txt). A
 # name that is both (train, bench) means the whole group: a call that meant
 # the one step ran every bench step, and ran out of time. `=NAME` names
@@ -254,6 +254,99 @@ EOF
     local rc=$?
     kill "$hog" 2>/dev/null; wait "$hog" 2>/dev/null
     return $rc
+}
+
+# small_gpu LEAVE_MIB: every trainer in experiments/ for one epoch on the
+# GPU under the automatic profile (run.profile = "auto", device.memory_limit
+# unset), while another process (PyTorch) holds all but LEAVE_MIB of it, as
+# on a 4 or 2 GiB laptop card; LEAVE_MIB = all: nothing held, the reference.
+# Each run must finish (no crash, no hang); the table at the end gives each
+# one's profile, micro-batch, OOM events, tensor peak and wall time.
+# char_lm, tiny_gpt and its LoRA and full fine-tunes read the licence texts
+# of base-files (fortunes-min is not on the GPU machine).
+small_gpu() {
+    local leave=$1 hog="" waited=0 failed=0 dir=$WORK/small-gpu-$1
+    mkdir -p "$dir"
+    python3 - "$dir" <<'PY' || return 1
+import re, sys
+out = sys.argv[1]
+corpus = re.compile(r"^package = .*?^\]\n", re.S | re.M)
+lora = open("experiments/lora_finetune.toml").read()
+licences = corpus.search(lora).group(0)
+for name in ("tiny_gpt", "char_lm"):
+    text = corpus.sub(lambda _: licences, open("experiments/%s.toml" % name).read())
+    open("%s/%s.toml" % (out, name), "w").write(text)
+lora = re.sub(r"^base = .*$", 'base = "%s/tiny_gpt"' % out, lora, flags=re.M)
+open(out + "/lora_finetune.toml", "w").write(lora)
+PY
+    if [ "$leave" != all ]; then
+        HOG_LEAVES_MIB=$leave python3 - > "$dir/hog.log" 2>&1 <<'PY' &
+import os, time, torch
+free, _ = torch.cuda.mem_get_info()
+leave = int(os.environ["HOG_LEAVES_MIB"]) << 20
+hold = torch.empty(max(free - leave, 0), dtype=torch.uint8, device="cuda")
+free_now, total = torch.cuda.mem_get_info()
+print("holding", hold.numel() >> 20, "MiB;", free_now >> 20, "MiB of", total >> 20, "MiB free", flush=True)
+time.sleep(900)
+PY
+        hog=$!
+        until grep -q holding "$dir/hog.log" 2>/dev/null; do
+            sleep 1; waited=$((waited + 1))
+            if [ $waited -ge 90 ] || ! kill -0 "$hog" 2>/dev/null; then
+                echo "the memory hog did not start:"; cat "$dir/hog.log"; kill "$hog" 2>/dev/null; return 1
+            fi
+        done
+        cat "$dir/hog.log"
+    fi
+    local name config extra started rc sets
+    while read -r name config extra; do
+        started=$SECONDS
+        case $name in
+            conv_lstm) sets=${FRAMES_SETS:-} ;;
+            char_lm | tiny_gpt | lora*) sets=${GPT_SETS:-} ;;
+            *) sets= ;;
+        esac
+        # shellcheck disable=SC2086
+        HEADROOM_SETS="$HEADROOM_SETS $sets" EXPERIMENT=$config hr train --no-install \
+            --set device.kind=cuda --set run.profile=auto --set train.epochs=1 \
+            --set "run.output_dir=$dir/$name" $extra > "$dir/$name.log" 2>&1
+        rc=$?
+        echo "$name: exit $rc after $((SECONDS - started)) s"
+        [ $rc -eq 0 ] || { failed=1; tail -n 5 "$dir/$name.log"; }
+    done <<LIST
+default experiments/fashion_mnist.toml
+mlp_silu experiments/mlp_silu.toml
+conv_lstm experiments/conv_lstm.toml
+char_lm $dir/char_lm.toml
+tiny_gpt $dir/tiny_gpt.toml
+lora $dir/lora_finetune.toml
+lora_full $dir/lora_finetune.toml --set finetune.train=full
+LIST
+    if [ -n "$hog" ]; then kill "$hog" 2>/dev/null; wait "$hog" 2>/dev/null; fi
+    python3 - "$dir" "$leave" <<'PY'
+import re, sys, os
+out, leave = sys.argv[1], sys.argv[2]
+print("\nnothing held:" if leave == "all" else "\nall but %s MiB held by another process:" % leave)
+print("%-10s %-9s %-6s %-9s %-7s %-11s %-8s %s" % (
+    "trainer", "profile", "micro", "refusals", "splits", "peak", "wall", "result"))
+for name in ("default", "mlp_silu", "conv_lstm", "char_lm", "tiny_gpt", "lora", "lora_full"):
+    try:
+        log = open(os.path.join(out, name + ".log"), errors="replace").read()
+    except OSError:
+        continue
+    peak = re.findall(r"tensor memory\s+peak ([0-9.]+ \w+)", log)
+    micro = re.findall(r"micro-batch ([0-9]+)", log)
+    wall = re.findall(r"wall time\s+([0-9.]+ s)", log)
+    result = re.findall(r"^(test accuracy|test loss|validation loss)\s+(\S+)", log, re.M)
+    print("%-10s %-9s %-6s %-9d %-7d %-11s %-8s %s" % (
+        name, "low_mem" if "applying the low_memory profile" in log else "default",
+        micro[-1] if micro else "-",
+        len(re.findall(r"\(over the [^)]* budget\)|device itself had no room", log)),
+        len(re.findall(r"splitting the batch", log)),
+        peak[-1] if peak else "-", wall[-1] if wall else "-",
+        " ".join(result[0]) if result else "no result"))
+PY
+    return $failed
 }
 
 # SANITIZER: CUDA's compute-sanitizer, where the machine has it (or as set).
@@ -642,7 +735,7 @@ print("\n".join(lines))
 EOF
 }
 
-export -f hr torch_cuda rerun_failed kernel_profile racecheck_ours hazard_kernels train_on_auto train_mlp train_gpt train_frames bench_model bench_baseline hog_and_train step_reached kill_at \
+export -f small_gpu hr torch_cuda rerun_failed kernel_profile racecheck_ours hazard_kernels train_on_auto train_mlp train_gpt train_frames bench_model bench_baseline hog_and_train step_reached kill_at \
     resume_reference resume_killed resume_compare weights_equal
 export RESUME_EPOCHS RESUME_JOB
 
@@ -695,6 +788,14 @@ step resume resume-reference resume_reference
 step resume resume-killed resume_killed
 step resume resume-compare resume_compare "$WORK/resume-a/metrics.jsonl" "$WORK/resume-b/metrics.jsonl"
 step resume resume-weights weights_equal "$WORK/resume-a" "$WORK/resume-b"
+
+# 5b. A 4 and a 2 GiB GPU, made by another process holding the rest: every
+# trainer under the automatic profile, beside the same runs with nothing held.
+step small small-gpu-free small_gpu all
+torch_step small small-gpu-4g small_gpu 4096
+torch_step small small-gpu-2g small_gpu 2048
+# The kernel report test again, the compiled-kernel cache now warm.
+step tests test-cuda_ptx-warm "$WORK/bin/tests/cuda_ptx" --test-threads=1 --nocapture
 
 # 6. The default job in PyTorch (AMP, channels_last, fused AdamW,
 # torch.compile, DataLoader with 4 workers), for the whole-job wall time.

@@ -270,6 +270,33 @@ fn no_kernel_spills_registers_and_each_fits_the_widest_block() {
 }
 
 #[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
+fn a_second_report_of_a_kernel_file_lists_every_entry_point_again() {
+    // NVRTC 13.0 on an H200 served a second, identical compile from its
+    // own cache and ptxas wrote no report ("0 entry points"): every report
+    // must compile afresh, in one process as across processes.
+    if nvrtc().is_none() {
+        return;
+    }
+    let file = kernels::FILES
+        .iter()
+        .min_by_key(|f| f.kernels.len())
+        .expect("kernel files");
+    for round in 0..2 {
+        let log = kernels::ptxas_report(file, 80).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            ptxas_usage(&log).len(),
+            file.kernels.len(),
+            "{}.cu, report {round}:\n{log}",
+            file.name
+        );
+    }
+}
+
+#[test]
 fn ptxas_usage_reads_registers_spills_and_shared_memory() {
     let log = "ptxas info    : Compiling entry function 'a' for 'sm_90'\n\
                ptxas info    : Function properties for a\n\

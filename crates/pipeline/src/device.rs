@@ -26,21 +26,39 @@ setting_enum! {
     }
 }
 
-/// The total memory of the GPU a run of `kind` would train on: None for
-/// "cpu", and for "auto" or "cuda" where no CUDA driver or GPU can be used.
+/// The memory a run of `kind` would have on its GPU: what the driver
+/// reports free now (never more than the card's total), so that another
+/// process's allocations or a display's framebuffer count against it as on
+/// a shared or laptop GPU. None for "cpu", and for "auto" or "cuda" where no
+/// CUDA driver or GPU can be used.
 pub fn gpu_memory(kind: DeviceKind) -> Option<u64> {
     if kind == DeviceKind::Cpu {
         return None;
     }
     match CudaBackend::probe() {
-        Ok(Some(gpu)) => Some(gpu.total_memory),
+        Ok(Some(gpu)) => Some(usable_memory(gpu.total_memory, gpu.free_memory)),
         _ => None,
     }
+}
+
+/// What a run can count on of a GPU with `total` bytes of which `free` are
+/// free now.
+fn usable_memory(total: u64, free: u64) -> u64 {
+    total.min(free)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gpu_shared_with_another_process_counts_only_its_free_memory() {
+        let gib = 1u64 << 30;
+        assert_eq!(usable_memory(140 * gib, 3 * gib), 3 * gib);
+        assert_eq!(usable_memory(4 * gib, 4 * gib), 4 * gib);
+        // A driver reporting more free than total is read as the total.
+        assert_eq!(usable_memory(2 * gib, 3 * gib), 2 * gib);
+    }
 
     #[test]
     fn a_cpu_run_asks_nothing_of_the_gpu() {

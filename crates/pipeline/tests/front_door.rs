@@ -57,6 +57,50 @@ fn a_profile_overlays_the_experiment() {
 }
 
 #[test]
+fn every_experiment_loads_under_every_profile() {
+    // "auto" applies low_memory on a small GPU to whatever the user trains:
+    // no pairing of experiment and profile may be refused for a setting
+    // the user never wrote (LoRA's train.accumulate met low_memory's
+    // train.micro_batch on a 4 GiB GPU).
+    let mut experiments_seen = 0;
+    for entry in std::fs::read_dir(experiments()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("toml") {
+            continue;
+        }
+        experiments_seen += 1;
+        for profile in ["low_memory", "max_speed", "cpu"] {
+            let set = format!("run.profile={profile}");
+            if let Err(e) = load(&path, &[set.as_str()]) {
+                panic!("{} with {profile}: {e}", path.display());
+            }
+        }
+    }
+    assert!(experiments_seen >= 8, "{experiments_seen} experiments");
+}
+
+#[test]
+fn an_experiment_that_accumulates_keeps_its_micro_batch_under_low_memory() {
+    let lora = experiments().join("lora_finetune.toml");
+    let plain = load(&lora, &["run.profile=none"]).unwrap();
+    assert!(plain.train.accumulate > 1, "lora_finetune accumulates");
+    let low = load(&lora, &["run.profile=low_memory"]).unwrap();
+    assert_eq!(low.train.micro_batch, None);
+    assert_eq!(low.train.accumulate, plain.train.accumulate);
+    assert_eq!(low.micro_batch().unwrap(), plain.micro_batch().unwrap());
+    // The rest of the profile still applies.
+    assert_eq!(low.data.prefetch, 2);
+    // Where the experiment does not accumulate, the profile picks the
+    // micro-batch as before.
+    let smoke = load(
+        &experiments().join("smoke.toml"),
+        &["run.profile=low_memory"],
+    )
+    .unwrap();
+    assert_eq!(smoke.train.micro_batch.as_deref(), Some("auto"));
+}
+
+#[test]
 fn a_profile_given_as_the_experiment_is_refused_naming_the_flag() {
     let profile = experiments().join("profiles/low_memory.toml");
     let err = load(&profile, &[]).unwrap_err();

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 use headroom_pipeline::bench::peak_gflops;
 use headroom_pipeline::config::SMALL_DEVICE_BYTES;
+use headroom_pipeline::device::DeviceKind;
 use headroom_pipeline::{available_memory_bytes, limits, system_memory_bytes};
 use headroom_pipeline::{ExperimentConfig, Overrides};
 
@@ -59,12 +60,23 @@ pub fn run() -> Result<()> {
     for line in op_paths() {
         println!("ops        {line}");
     }
-    let usable = ceiling.map(|c| c.limit.min(c.room)).or(total);
+    // Judged as `run.profile = "auto"` judges a run with device.memory_limit
+    // unset: by the GPU's free memory where "auto" trains on the GPU, else
+    // by what this process may use of the host's.
+    let gpu = headroom_pipeline::device::gpu_memory(DeviceKind::Auto);
+    let usable = gpu.or_else(|| ceiling.map(|c| c.limit.min(c.room)).or(total));
+    let on = if gpu.is_some() {
+        "the GPU has"
+    } else {
+        "this process may use"
+    };
     let profile = match usable {
-        Some(bytes) if bytes < SMALL_DEVICE_BYTES => {
-            "low_memory (less than 4 GiB: applied automatically)"
-        }
-        _ => "max_speed (or the default); low_memory only with a device.memory_limit below 4 GiB",
+        Some(bytes) if bytes < SMALL_DEVICE_BYTES => format!(
+            "low_memory ({on} {}, less than 4 GiB: applied automatically)",
+            gib(Some(bytes))
+        ),
+        _ => "max_speed (or the default); low_memory only with a device.memory_limit below 4 GiB"
+            .into(),
     };
     println!("profile    {profile}");
     Ok(())

@@ -606,8 +606,18 @@ fn nvrtc_err(op: &'static str, e: nvrtc::NvrtcError) -> CudaError {
 
 /// `file` compiled for `target` with NVRTC, with `extra` options after ours.
 fn compiled(file: &KernelFile, target: Target, extra: &[&str]) -> CudaResult<Program> {
+    compiled_with(file, "", target, extra)
+}
+
+/// As `compiled`, with `appended` after the file's source.
+fn compiled_with(
+    file: &KernelFile,
+    appended: &str,
+    target: Target,
+    extra: &[&str],
+) -> CudaResult<Program> {
     libs::ensure_nvrtc()?;
-    let source = CString::new(file.full_source()).map_err(|_| CudaError::Nvrtc {
+    let source = CString::new(file.full_source() + appended).map_err(|_| CudaError::Nvrtc {
         op: "nvrtcCreateProgram",
         detail: format!("{}.cu contains a NUL byte", file.name),
     })?;
@@ -642,8 +652,23 @@ fn program_log(program: &Program) -> String {
 /// What ptxas says of each entry point of `file` compiled for `sm_{arch}`
 /// (`--ptxas-options=-v`: registers, shared memory, spill bytes), as its
 /// log text.
+///
+///
+/// NVRTC 12.9 and newer keep a cache of their own, which a macro on the
+/// command line does not miss: a second run found every program there and
+/// ptxas, never run, wrote no report. So each report compiles a source
+/// that differs from every other, by one global variable no kernel reads.
 pub fn ptxas_report(file: &KernelFile, arch: u32) -> CudaResult<String> {
-    let program = compiled(file, Target::Cubin(arch), &["--ptxas-options=-v"])?;
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let fresh = format!(
+        "\n__device__ int headroom_ptxas_report_{}_{nanos}_{call};\n",
+        std::process::id()
+    );
+    let program = compiled_with(file, &fresh, Target::Cubin(arch), &["--ptxas-options=-v"])?;
     Ok(program_log(&program))
 }
 

@@ -195,7 +195,20 @@ impl ExperimentConfig {
             ));
         }
         tracing::info!("profile {profile}: applying {}", profile_path.display());
-        Self::build(path, Some(&profile_path), overrides)
+        // An experiment that fixes its micro-batch through train.accumulate
+        // (LoRA's batch 1 x 8) keeps it: a profile's train.micro_batch would
+        // contradict it, and the run would be refused for a setting the user
+        // never wrote.
+        let mut left_out = Vec::new();
+        if config.train.accumulate != 1 && config.train.micro_batch.is_none() {
+            left_out.push(("train", "micro_batch"));
+        }
+        let overlay = ProfileOverlay {
+            path: &profile_path,
+            left_out: &left_out,
+            accumulate: config.train.accumulate,
+        };
+        Self::build(path, Some(&overlay), overrides)
     }
 
     /// A run's own `config.toml`, as `train` recorded it: the profile is
@@ -214,10 +227,13 @@ impl ExperimentConfig {
 
     /// The experiment file, then a profile overlay, then the environment,
     /// then `--set`; deserialised and validated.
-    fn build(path: &Path, profile: Option<&Path>, overrides: &Overrides) -> Result<Self> {
+    fn build(path: &Path, profile: Option<&ProfileOverlay>, overrides: &Overrides) -> Result<Self> {
         let mut builder = Config::builder().add_source(File::from(path).format(FileFormat::Toml));
-        if let Some(profile) = profile {
-            builder = builder.add_source(File::from(profile).format(FileFormat::Toml));
+        if let Some(overlay) = profile {
+            builder = match overlay.kept_text()? {
+                None => builder.add_source(File::from(overlay.path).format(FileFormat::Toml)),
+                Some(text) => builder.add_source(File::from_str(&text, FileFormat::Toml)),
+            };
         }
         builder = builder.add_source(
             Environment::with_prefix(ENV_PREFIX)
@@ -231,7 +247,7 @@ impl ExperimentConfig {
                 .map_err(|e| PipelineError::value(key, e.to_string()))?;
         }
         let files = profile.map_or(path.display().to_string(), |p| {
-            format!("{} + {}", path.display(), p.display())
+            format!("{} + {}", path.display(), p.path.display())
         });
         let blame = |e: config::ConfigError| blame_source(&e.to_string(), &files, overrides);
         let config: Self = builder
@@ -241,5 +257,63 @@ impl ExperimentConfig {
             .map_err(blame)?;
         config.validate()?;
         Ok(config)
+    }
+}
+
+/// A profile file applied over an experiment, less the keys the experiment
+/// decides itself.
+struct ProfileOverlay<'a> {
+    path: &'a Path,
+    /// (table, key) pairs of the profile left out.
+    left_out: &'a [(&'a str, &'a str)],
+    /// The experiment's train.accumulate, for the log line.
+    accumulate: usize,
+}
+
+impl ProfileOverlay<'_> {
+    /// The profile's text without the left-out keys it sets, or None when
+    /// it sets none of them (the file is then read as it is).
+    fn kept_text(&self) -> Result<Option<String>> {
+        if self.left_out.is_empty() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(self.path).map_err(|e| {
+            PipelineError::value(
+                "run.profile",
+                format!("reading profile file {}: {e}", self.path.display()),
+            )
+        })?;
+        let mut table: toml::Table = text.parse().map_err(|e| {
+            PipelineError::value(
+                "run.profile",
+                format!(
+                    "profile file {} is not valid TOML: {e}",
+                    self.path.display()
+                ),
+            )
+        })?;
+        let mut removed = false;
+        for (section, key) in self.left_out {
+            if let Some(toml::Value::Table(inner)) = table.get_mut(*section) {
+                if let Some(value) = inner.remove(*key) {
+                    tracing::info!(
+                        "profile {}: {section}.{key} = {value} left out: the experiment sets \
+                         train.accumulate = {}, which fixes the micro-batch",
+                        self.path.display(),
+                        self.accumulate
+                    );
+                    removed = true;
+                }
+            }
+        }
+        if !removed {
+            return Ok(None);
+        }
+        toml::to_string(&table).map(Some).map_err(|e| {
+            PipelineError::value(
+                "run.profile",
+                format!("profile file {}: {e}", self.path.display()),
+            )
+        })
     }
 }
