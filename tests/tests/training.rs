@@ -160,10 +160,67 @@ fn resume_names_a_changed_setting_and_allows_more_epochs() {
 }
 
 #[test]
-fn diverging_run_stops_with_a_checkpoint_of_the_last_good_state() {
+fn a_diverging_run_keeps_no_state_from_after_its_bad_update_and_the_advice_works() {
     let data = tempfile::tempdir().unwrap();
     write_synthetic_fashion_mnist(data.path(), 256, 64);
     let out = tempfile::tempdir().unwrap();
+    let settings = |lr: &str, clip: &str| {
+        smoke_config(
+            data.path(),
+            out.path(),
+            &[
+                "train.epochs=1",
+                &format!("optimizer.lr={lr}"),
+                &format!("train.clip_norm={clip}"),
+                "train.max_consecutive_skips=3",
+                "checkpoint.every_steps=1",
+            ],
+        )
+    };
+    // A learning rate of 1e35: the first update is accepted (its gradient
+    // is finite) and leaves weights that are finite but give NaN; every
+    // step after it is skipped.
+    let diverging = settings("1e35", "0");
+    let err = train(&diverging, &TrainOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("non-finite") && err.contains("3 steps") && err.contains("made step 1"),
+        "{err}"
+    );
+    assert!(err.contains("starts from the beginning"), "{err}");
+    // The checkpoint written after that update is set aside, not deleted.
+    assert!(checkpoint::list(out.path()).unwrap().is_empty());
+    let aside: Vec<_> = std::fs::read_dir(out.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.ends_with(".ckpt.diverged"))
+        .collect();
+    assert_eq!(aside, vec!["checkpoint-step0000000001.ckpt.diverged"]);
+
+    let resume = TrainOptions {
+        resume: Resume::Latest,
+        ..Default::default()
+    };
+    // The same settings again diverge again.
+    let err = train(&diverging, &resume).unwrap_err().to_string();
+    assert!(err.contains("3 steps"), "{err}");
+    // The advice followed: a lower learning rate and a clip. The epoch
+    // finishes, its figures real ones.
+    let summary = train(&settings("1e-3", "1.0"), &resume).unwrap();
+    let epoch = &summary.epochs[0];
+    assert!(epoch.train_loss.is_some_and(f32::is_finite), "{epoch:?}");
+    assert!(summary.test_loss.is_some_and(f32::is_finite));
+    assert_eq!(epoch.skipped_steps, 0, "{epoch:?}");
+}
+
+#[test]
+fn an_evaluation_whose_loss_is_not_finite_is_an_error_not_a_result() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 64, 32);
+    let out = tempfile::tempdir().unwrap();
+    // The first update (learning rate 1e35) leaves weights that give NaN;
+    // the run would skip 100 steps before stopping, so the epoch ends first.
     let config = smoke_config(
         data.path(),
         out.path(),
@@ -171,20 +228,20 @@ fn diverging_run_stops_with_a_checkpoint_of_the_last_good_state() {
             "train.epochs=1",
             "optimizer.lr=1e35",
             "train.clip_norm=0",
-            "train.max_consecutive_skips=3",
+            "train.max_consecutive_skips=100",
         ],
     );
     let err = train(&config, &TrainOptions::default())
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("non-finite") && err.contains("3 steps"),
+        err.contains("epoch 1") && err.contains("test loss is NaN") && err.contains("--resume"),
         "{err}"
     );
-    let files = checkpoint::list(out.path()).unwrap();
-    assert_eq!(files.len(), 1, "one checkpoint of the last good state");
-    let saved = checkpoint::load(&files[0]).unwrap();
-    assert_eq!(saved.meta.consecutive_skips, 3);
+    assert!(
+        checkpoint::list(out.path()).unwrap().is_empty(),
+        "no checkpoint of those weights"
+    );
 }
 
 /// A store of `samples` synthetic 28×28 images in shards of `per_shard`.

@@ -121,6 +121,28 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
+    /// The first tensor holding a NaN or an infinity, named by its list and
+    /// its index there (the model's order), with the value's position: a
+    /// weight, a buffer (running statistics) or an optimizer moment. A file
+    /// with one is refused as a corrupt one is, so that resume falls back to
+    /// the checkpoint before it and `eval` or `export` never report from it.
+    pub fn first_non_finite(&self) -> Option<String> {
+        let lists: [&Vec<Vec<f32>>; LISTS] = [
+            &self.params,
+            &self.buffers,
+            &self.optimizer.first_moment,
+            &self.optimizer.second_moment,
+        ];
+        LIST_NAMES.iter().zip(lists).find_map(|(kind, tensors)| {
+            tensors.iter().enumerate().find_map(|(index, values)| {
+                values
+                    .iter()
+                    .position(|v| !v.is_finite())
+                    .map(|at| format!("{kind} {index} (value {at}: {})", values[at]))
+            })
+        })
+    }
+
     pub fn new(meta: CheckpointMeta, state: LearnerState) -> Self {
         Self {
             meta,
@@ -199,7 +221,12 @@ impl Checkpoint {
         source.remaining = body;
         match source.checkpoint() {
             Ok(checkpoint) => match source.checksum_matches() {
-                Ok(true) => Ok(checkpoint),
+                Ok(true) => match checkpoint.first_non_finite() {
+                    None => Ok(checkpoint),
+                    Some(what) => Err(bad(format!(
+                        "{what} holds a non-finite value: not a state to train on or report from"
+                    ))),
+                },
                 Ok(false) => Err(bad(CHECKSUM_FAILED.into())),
                 Err(e) => Err(e.into_error(path)),
             },
@@ -236,6 +263,8 @@ fn encode_with<W: Write>(
         },
         path,
         lists: 0,
+        list_len: 0,
+        tensor_len: 0,
         tensors_left: 0,
         values_left: 0,
         finished: false,
@@ -269,6 +298,10 @@ struct StateFile<'a, W> {
     out: Hashed<W>,
     path: &'a Path,
     lists: usize,
+    /// Tensors in the list being written, and its tensor's length: they
+    /// name a non-finite value's place.
+    list_len: usize,
+    tensor_len: usize,
     tensors_left: usize,
     values_left: usize,
     finished: bool,
@@ -303,6 +336,7 @@ impl<W: Write> StateWriter for StateFile<'_, W> {
         }
         let count = u32::try_from(count).map_err(|_| self.misuse("a list too long"))?;
         self.lists += 1;
+        self.list_len = count as usize;
         self.tensors_left = count as usize;
         self.write(&count.to_le_bytes())
     }
@@ -312,6 +346,7 @@ impl<W: Write> StateWriter for StateFile<'_, W> {
             return Err(self.misuse("a tensor out of place"));
         }
         self.tensors_left -= 1;
+        self.tensor_len = len;
         self.values_left = len;
         self.write(&(len as u64).to_le_bytes())
     }
@@ -319,6 +354,22 @@ impl<W: Write> StateWriter for StateFile<'_, W> {
     fn values(&mut self, values: &[f32]) -> Result<()> {
         if values.len() > self.values_left {
             return Err(self.misuse("more values than the tensor holds"));
+        }
+        // A NaN or an infinity is never written: the write fails, the file
+        // is not made and the checkpoints before it are kept (none pruned),
+        // so that no resume, `eval` or `export` starts from one.
+        if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+            let kind = LIST_NAMES[self.lists.saturating_sub(1).min(LISTS - 1)];
+            let index = self.list_len - self.tensors_left - 1;
+            let offset = self.tensor_len - self.values_left + at;
+            return Err(PipelineError::Checkpoint {
+                path: self.path.to_path_buf(),
+                reason: format!(
+                    "{kind} {index} (value {offset}: {}) is not finite: not written, the \
+                     checkpoints before it are kept",
+                    values[at]
+                ),
+            });
         }
         self.values_left -= values.len();
         write_values(&mut self.out, values).map_err(|e| PipelineError::io(self.path, e))
@@ -343,6 +394,13 @@ impl<W: Write> StateWriter for StateFile<'_, W> {
 
 /// Parameters, buffers, first and second moments.
 const LISTS: usize = 4;
+/// What each list's tensors are, for messages.
+const LIST_NAMES: [&str; LISTS] = [
+    "parameter",
+    "buffer",
+    "first moment of parameter",
+    "second moment of parameter",
+];
 
 const CHECKSUM_FAILED: &str = "checksum mismatch: the file is truncated or corrupt";
 
@@ -685,6 +743,17 @@ fn prune(dir: &Path, keep: usize) -> Result<()> {
     Ok(())
 }
 
+/// The step a checkpoint file's name gives (`file_name`'s inverse).
+pub fn step_of(path: &Path) -> Option<u64> {
+    path.file_name()?
+        .to_str()?
+        .strip_prefix(PREFIX)?
+        .strip_suffix(SUFFIX)?
+        .strip_prefix("step")?
+        .parse()
+        .ok()
+}
+
 /// Reads and verifies one checkpoint.
 pub fn load(path: &Path) -> Result<Checkpoint> {
     let file = File::open(path).map_err(|e| PipelineError::io(path, e))?;
@@ -851,6 +920,86 @@ mod tests {
         bytes.extend_from_slice(&crc.to_le_bytes());
         let err = Checkpoint::decode(&bytes, Path::new("older.ckpt")).unwrap_err();
         assert!(err.to_string().contains("format version 1"), "{err}");
+    }
+
+    /// Writes `checkpoint` (which `mark` gives one value of 4242.5), then
+    /// turns that value into `poison` in the file, its checksum made to
+    /// match: a file as a run that carried the value would have left it.
+    fn write_poisoned(
+        dir: &Path,
+        mut checkpoint: Checkpoint,
+        mark: fn(&mut Checkpoint) -> &mut f32,
+        poison: f32,
+    ) -> PathBuf {
+        *mark(&mut checkpoint) = 4242.5;
+        let path = write(dir, &checkpoint, 5).unwrap();
+        let mut bytes = std::fs::read(&path).unwrap();
+        let marker = 4242.5f32.to_le_bytes();
+        let at = bytes.windows(4).position(|w| w == marker).unwrap();
+        bytes[at..at + 4].copy_from_slice(&poison.to_le_bytes());
+        let body = bytes.len() - 4;
+        let crc = crc32fast::hash(&bytes[..body]);
+        bytes[body..].copy_from_slice(&crc.to_le_bytes());
+        std::fs::write(&path, bytes).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_non_finite_weight_buffer_or_moment_is_refused_by_name_and_resume_takes_the_one_before() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), &sample(1), 5).unwrap();
+        type Mark = fn(&mut Checkpoint) -> &mut f32;
+        let cases: [(Mark, f32, &str); 4] = [
+            (
+                |c| &mut c.params[0][1],
+                f32::NAN,
+                "parameter 0 (value 1: NaN)",
+            ),
+            (
+                |c| &mut c.buffers[0][0],
+                f32::INFINITY,
+                "buffer 0 (value 0: inf)",
+            ),
+            (
+                |c| &mut c.optimizer.first_moment[1][0],
+                f32::NEG_INFINITY,
+                "first moment of parameter 1 (value 0: -inf)",
+            ),
+            (
+                |c| &mut c.optimizer.second_moment[0][1],
+                f32::NAN,
+                "second moment of parameter 0 (value 1: NaN)",
+            ),
+        ];
+        for (mark, poison, named) in cases {
+            let path = write_poisoned(dir.path(), sample(2), mark, poison);
+            let err = load(&path).unwrap_err().to_string();
+            assert!(err.contains(named) && err.contains("non-finite"), "{err}");
+            let (found, skipped) = newest_valid(dir.path()).unwrap();
+            assert_eq!(found.unwrap().1.meta.step, 1, "fell back to the good one");
+            assert_eq!(skipped.len(), 1);
+            std::fs::remove_file(&path).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_non_finite_state_is_never_written_and_prunes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = write(dir.path(), &sample(1), 1).unwrap();
+        let mut bad = sample(2);
+        bad.buffers[0][0] = f32::NAN;
+        let err = write(dir.path(), &bad, 1).unwrap_err().to_string();
+        assert!(
+            err.contains("buffer 0 (value 0: NaN) is not finite"),
+            "{err}"
+        );
+        assert_eq!(
+            list(dir.path()).unwrap(),
+            vec![good],
+            "keep = 1 pruned nothing"
+        );
+        let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(leftovers.len(), 1, "no temporary left behind");
     }
 
     #[test]

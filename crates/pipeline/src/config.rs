@@ -548,8 +548,8 @@ pub struct TrainConfig {
     /// device.memory_limit, found by a dry-run step before training.
     #[serde(default)]
     pub micro_batch: Option<String>,
-    /// Non-finite steps in a row after which the run stops (with a checkpoint
-    /// of the last good state).
+    /// Non-finite steps in a row after which the run stops (its checkpoints
+    /// from after the update before them set aside).
     #[serde(default = "default_max_skips")]
     pub max_consecutive_skips: u64,
 }

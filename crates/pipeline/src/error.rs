@@ -34,13 +34,22 @@ pub enum PipelineError {
     #[error(transparent)]
     Optim(#[from] headroom_optim::OptimError),
     #[error(
-        "{skips} steps in a row had a non-finite loss or gradient; stopped with a checkpoint of the last good \
-         state in {}. Lower the learning rate (or set a gradient clip) and resume: \
-         cargo xtask train --resume {} --set optimizer.lr=<lower> [--set train.clip_norm=1.0]",
+        "{skips} steps in a row had a non-finite loss or gradient, after the update that made step \
+         {from_step}: stopped in {}. {resume_from} Lower the learning rate (or set a gradient clip) and \
+         resume: cargo xtask train --resume {} --set optimizer.lr=<lower> [--set train.clip_norm=1.0]",
         dir.display(),
         crate::shell::quote_path(dir)
     )]
-    Diverged { skips: u64, dir: PathBuf },
+    Diverged {
+        skips: u64,
+        /// The optimizer steps applied when the skips began: the last of
+        /// them is the update the weights may not recover from.
+        from_step: u64,
+        dir: PathBuf,
+        /// Where a resume continues from, once the checkpoints written
+        /// after that update are set aside.
+        resume_from: String,
+    },
     /// The test pass at the end of a training epoch (counted from 1).
     #[error("the evaluation after training epoch {epoch} failed: {cause}")]
     Evaluation {
@@ -63,6 +72,9 @@ pub enum PipelineError {
     },
     #[error("{0}")]
     OutOfMemory(String),
+    /// A figure or a state that must be finite is not.
+    #[error("{0}")]
+    NonFinite(String),
     #[error("{stage} stage stopped unexpectedly: {reason}")]
     Stage { stage: &'static str, reason: String },
 }

@@ -40,7 +40,11 @@ pub struct StepReport {
 #[derive(Clone, Debug, Serialize)]
 pub struct EpochSummary {
     pub epoch: u64,
-    pub train_loss: f32,
+    /// The mean loss of the epoch's trained steps; None (and left out of
+    /// metrics.jsonl) when every step was skipped, so that no 0.0 passes
+    /// for a result.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub train_loss: Option<f32>,
     /// None (and left out of metrics.jsonl) for a frame model: a
     /// regression has no accuracy.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -287,10 +291,13 @@ fn receive(
                     .flush()
                     .map_err(|e| PipelineError::io(&metrics_path, e))?;
                 tracing::info!(
-                    "epoch {}/{} done: train loss {:.4}{} | test loss {:.4}{} | {:.1}s, {:.0} samples/s{}",
+                    "epoch {}/{} done: train loss {}{} | test loss {:.4}{} | {:.1}s, {:.0} samples/s{}",
                     summary.epoch + 1,
                     settings.epochs,
-                    summary.train_loss,
+                    summary.train_loss.map_or_else(
+                        || "none (every step skipped)".to_string(),
+                        |loss| format!("{loss:.4}")
+                    ),
                     accuracy_text(summary.train_accuracy),
                     summary.test_loss,
                     match summary.test_baseline_loss {

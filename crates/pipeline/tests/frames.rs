@@ -136,8 +136,8 @@ fn a_tiny_conv_lstm_trains_and_is_scored_against_copy_last() {
     assert!(loss.is_finite() && loss > 0.0, "{loss}");
     // The blocks cover part of a 32x32 frame and move 2-4 px a frame.
     assert!(baseline > 0.0 && baseline < 0.2, "{baseline}");
-    let first = summary.epochs[0].train_loss;
-    let last = summary.epochs[2].train_loss;
+    let first = summary.epochs[0].train_loss.expect("epoch 1 trained");
+    let last = summary.epochs[2].train_loss.expect("epoch 3 trained");
     assert!(last < first, "the loss falls: {first} -> {last}");
     let metrics = std::fs::read_to_string(dir.path().join("run/metrics.jsonl")).unwrap();
     let epoch_line = metrics.lines().find(|l| l.contains("\"epoch\",")).unwrap();
@@ -154,7 +154,10 @@ fn per_step_recompute_trains_to_the_same_weights() {
         let mut sets = sets.to_vec();
         sets.push("train.epochs=1");
         let summary = train(&load(dir.path(), &sets), &options()).unwrap();
-        (summary.epochs[0].train_loss, summary.test_loss.unwrap())
+        (
+            summary.epochs[0].train_loss.unwrap(),
+            summary.test_loss.unwrap(),
+        )
     };
     assert_eq!(losses(&[]), losses(&["model.checkpoint=blocks"]));
 }

@@ -145,7 +145,7 @@ impl Sink for CsvSink {
         epochs.row(format!(
             "{},{},{},{},{},{}\n",
             summary.epoch,
-            summary.train_loss,
+            optional(summary.train_loss),
             optional(summary.train_accuracy),
             summary.test_loss,
             optional(summary.test_accuracy),

@@ -207,6 +207,21 @@ fn run_epoch(
     // The epoch's training is not lost when its evaluation fails: the
     // checkpoint's position is the epoch's end, and a resume evaluates.
     let test = match evaluate_within_memory(trainee, test_loader, plan, memory) {
+        // Weights that give a non-finite test loss are no result to report
+        // and no state to keep: the run stops with the checkpoints before
+        // them as they were.
+        Ok(test) if !test.loss.is_finite() => {
+            return Err(PipelineError::Evaluation {
+                epoch: epoch + 1,
+                cause: Box::new(PipelineError::NonFinite(format!(
+                    "the test loss is {}: the weights no longer give finite outputs. Nothing was \
+                     checkpointed after the last one written; lower the learning rate (or set \
+                     train.clip_norm) and resume: cargo xtask train --resume {} --set optimizer.lr=<lower>",
+                    test.loss,
+                    crate::shell::quote_path(&plan.dir)
+                ))),
+            });
+        }
         Ok(test) => test,
         Err(cause) => {
             let cause = PipelineError::Evaluation {
@@ -222,11 +237,8 @@ fn run_epoch(
     position.batches_done = 0;
     Ok(Some(EpochSummary {
         epoch,
-        train_loss: (progress.loss_sum / progress.seen.max(1) as f64) as f32,
-        // A token model's correct predictions are tokens, `length` per
-        // sample; a frame model has none to count.
-        train_accuracy: predictions_per_sample(plan.settings.task)
-            .map(|per_sample| progress.correct as f32 / (progress.seen * per_sample).max(1) as f32),
+        train_loss: train_loss(&progress),
+        train_accuracy: train_accuracy(&progress, predictions_per_sample(plan.settings.task)),
         test_loss: test.loss,
         test_accuracy: test.accuracy,
         test_baseline_loss: test.baseline_loss,
@@ -234,6 +246,20 @@ fn run_epoch(
         train_samples_per_sec: progress.seen as f64 / progress.train_seconds.max(1e-9),
         skipped_steps: progress.skipped,
     }))
+}
+
+/// The mean loss of the epoch's trained steps: None when every step was
+/// skipped (nothing was trained, so there is no figure to show).
+fn train_loss(progress: &EpochProgress) -> Option<f32> {
+    (progress.seen > 0).then(|| (progress.loss_sum / progress.seen as f64) as f32)
+}
+
+/// The share of correct predictions over the epoch's trained steps, where
+/// the task has them (a token model's are tokens, `per_sample` to a sample;
+/// a frame model has none): None too when every step was skipped.
+fn train_accuracy(progress: &EpochProgress, per_sample: Option<u64>) -> Option<f32> {
+    let per_sample = per_sample.filter(|_| progress.seen > 0)?;
+    Some(progress.correct as f32 / (progress.seen * per_sample) as f32)
 }
 
 /// The epoch-end evaluation, its out-of-memory errors handled by the
@@ -349,11 +375,17 @@ impl Steps<'_> {
             ..report
         }))?;
         if trainee.position.consecutive_skips >= plan.settings.max_consecutive_skips {
+            // No checkpoint of this state: the update before the skips may
+            // have left weights that are finite but give nothing finite (a
+            // learning rate of 1e35 does), and resuming from them with a
+            // lower rate would diverge again. The trainer sets aside the
+            // checkpoints written after that update once the sink is done.
             self.drain(trainee, memory)?;
-            checkpoint_now(plan, trainee, events, memory)?;
             return Err(PipelineError::Diverged {
                 skips: trainee.position.consecutive_skips,
+                from_step: trainee.position.step,
                 dir: plan.dir.clone(),
+                resume_from: String::new(),
             });
         }
         let (step, done) = (trainee.position.step, trainee.position.batches_done);
@@ -474,5 +506,34 @@ fn predictions_per_sample(task: Task) -> Option<u64> {
         Task::Classifier => Some(1),
         Task::Tokens { length } => Some(length as u64),
         Task::Frames => None,
+    }
+}
+
+#[cfg(test)]
+mod figures_tests {
+    use super::*;
+
+    #[test]
+    fn an_epoch_whose_every_step_was_skipped_has_no_training_figures() {
+        let skipped_all = EpochProgress {
+            loss_sum: 0.0,
+            correct: 0,
+            seen: 0,
+            skipped: 7,
+            train_seconds: 1.0,
+        };
+        assert_eq!(train_loss(&skipped_all), None);
+        assert_eq!(train_accuracy(&skipped_all, Some(1)), None);
+        let trained = EpochProgress {
+            loss_sum: 6.0,
+            correct: 3,
+            seen: 4,
+            skipped: 1,
+            train_seconds: 1.0,
+        };
+        assert_eq!(train_loss(&trained), Some(1.5));
+        assert_eq!(train_accuracy(&trained, Some(1)), Some(0.75));
+        assert_eq!(train_accuracy(&trained, Some(3)), Some(0.25));
+        assert_eq!(train_accuracy(&trained, None), None);
     }
 }

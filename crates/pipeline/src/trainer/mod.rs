@@ -64,7 +64,8 @@ pub struct LoopSettings {
     /// Compute threads; 0: one per core.
     pub threads: usize,
     /// Steps skipped in a row (non-finite loss or gradient) before the run
-    /// stops with a checkpoint of its last good state.
+    /// stops, its checkpoints from after the update before the skips set
+    /// aside (`*.ckpt.diverged`), so a resume starts before that update.
     pub max_consecutive_skips: u64,
     /// A log line every N steps where there is no progress bar.
     pub log_every: u64,
@@ -300,10 +301,12 @@ impl Trainer {
         let mut run = prepare(&loop_settings, &self.schedule, made)?;
         let resumed_from = match resume_point {
             Some((path, saved)) => {
+                let settings_changed = saved.meta.config_json != loop_settings.record_json;
                 restore(&mut run.trainee, saved).map_err(|reason| PipelineError::Checkpoint {
                     path: path.clone(),
                     reason,
                 })?;
+                restart_skip_count(&mut run.trainee.position, settings_changed);
                 log_resume_point(&path, &run.trainee.position, self.settings.epochs);
                 Some(path)
             }
@@ -334,7 +337,19 @@ impl Trainer {
             )
         });
         drop(events);
-        let (finish, outcome) = join_sink(sink, result)?;
+        let (finish, outcome) = match join_sink(sink, result) {
+            Err(PipelineError::Diverged {
+                skips, from_step, ..
+            }) => {
+                return Err(PipelineError::Diverged {
+                    skips,
+                    from_step,
+                    resume_from: set_aside_after(&dir, from_step)?,
+                    dir,
+                })
+            }
+            other => other?,
+        };
         match crate::plot::write(&dir, self.settings.task.plot()) {
             Ok(path) => tracing::info!("plots: {}", path.display()),
             Err(e) => tracing::warn!("no plot: {e}"),
@@ -844,6 +859,53 @@ fn log_resume_point(path: &Path, at: &Position, epochs: u64) {
         at.batches_done,
         at.step
     );
+}
+
+/// Renames the checkpoints of `dir` written at step `from_step` or later
+/// (after the update the run diverged from) to `*.ckpt.diverged`, kept for
+/// a look but never resumed from, and says where a resume continues.
+fn set_aside_after(dir: &Path, from_step: u64) -> Result<String> {
+    let mut set_aside = Vec::new();
+    for path in checkpoint::list(dir)? {
+        let saved = checkpoint::step_of(&path);
+        if saved.is_some_and(|step| step >= from_step) {
+            let mut aside = path.clone().into_os_string();
+            aside.push(".diverged");
+            std::fs::rename(&path, &aside).map_err(|e| PipelineError::io(&path, e))?;
+            set_aside.push(PathBuf::from(aside));
+        }
+    }
+    let kept = checkpoint::newest_valid(dir)?.0;
+    let mut note = match kept {
+        Some((path, saved)) => format!(
+            "A resume continues from {} (step {}), before that update.",
+            path.display(),
+            saved.meta.step
+        ),
+        None => "No checkpoint precedes that update: a resume starts from the beginning.".into(),
+    };
+    if !set_aside.is_empty() {
+        let names: Vec<String> = set_aside.iter().map(|p| p.display().to_string()).collect();
+        note.push_str(&format!(
+            " Set aside (written after it): {}.",
+            names.join(", ")
+        ));
+    }
+    Ok(note)
+}
+
+/// A run stopped for diverging advises a lower learning rate (or a clip)
+/// and a resume: with a setting changed, the steps skipped in a row before
+/// it say nothing of the new setting, so the count starts again. With the
+/// same settings it is kept, and the resume is exact.
+fn restart_skip_count(position: &mut Position, settings_changed: bool) {
+    if settings_changed && position.consecutive_skips > 0 {
+        tracing::info!(
+            "{} steps skipped in a row before the checkpoint, under other settings: the count starts again",
+            position.consecutive_skips
+        );
+        position.consecutive_skips = 0;
+    }
 }
 
 fn restore(trainee: &mut epochs::Trainee, saved: Checkpoint) -> std::result::Result<(), String> {
