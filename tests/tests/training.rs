@@ -517,3 +517,50 @@ fn checkpoint_every_minutes_writes_checkpoints_inside_an_epoch() {
     .to_string();
     assert!(err.contains("checkpoint.every_minutes"), "{err}");
 }
+
+#[test]
+fn resume_checks_the_training_set_and_never_rewrites_a_lost_record() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 64, 32);
+    let out = tempfile::tempdir().unwrap();
+    let epochs = |n: usize| smoke_config(data.path(), out.path(), &[&format!("train.epochs={n}")]);
+    train(&epochs(1), &TrainOptions::default()).unwrap();
+    let resume = TrainOptions {
+        resume: Resume::Latest,
+        ..Default::default()
+    };
+    let record = out.path().join("dataset.json");
+    let read_record = || -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(&record).unwrap()).unwrap()
+    };
+    let fingerprint = read_record()["train_digest"].as_u64().expect("recorded");
+
+    // A record from before the training set's fingerprint: compared on the
+    // rest, then completed with the same fingerprint.
+    let mut older = read_record();
+    older.as_object_mut().unwrap().remove("train_digest");
+    std::fs::write(&record, older.to_string()).unwrap();
+    train(&epochs(2), &resume).unwrap();
+    assert_eq!(read_record()["train_digest"].as_u64(), Some(fingerprint));
+
+    // The training labels changed, the counts and the test set the same.
+    let mut labels = vec![0, 0, 8, 1];
+    labels.extend_from_slice(&64u32.to_be_bytes());
+    labels.extend((0..64u8).map(|i| (i + 1) % 10));
+    headroom_tests::gzip_to(&data.path().join("train-labels-idx1-ubyte.gz"), &labels);
+    let err = train(&epochs(3), &resume).unwrap_err().to_string();
+    assert!(
+        err.contains("differs from the data this run started with")
+            && err.contains("training digest"),
+        "{err}"
+    );
+
+    // The record gone: refused, and not written anew.
+    std::fs::remove_file(&record).unwrap();
+    let err = train(&epochs(3), &resume).unwrap_err().to_string();
+    assert!(err.contains("dataset.json could not be read"), "{err}");
+    assert!(
+        !record.exists(),
+        "a lost record is never silently rewritten"
+    );
+}

@@ -50,6 +50,15 @@ pub trait Dataset: Send + Sync {
     /// returns its label.
     fn read(&self, index: usize, out: &mut [u8]) -> Result<u32, LoaderError>;
 
+    /// A checksum that changes with the dataset's content, where the
+    /// dataset can tell one without reading every sample (a store's index
+    /// holds each shard's checksum; data in memory hashes fast). A resumed
+    /// run compares it with the one its data had. Default: `None` (the
+    /// caller reads every sample instead).
+    fn fingerprint(&self) -> Option<u32> {
+        None
+    }
+
     /// How samples are grouped into shards, if they are. Default: `None`
     /// (random access is uniformly cheap).
     fn shard_layout(&self) -> Option<ShardLayout> {

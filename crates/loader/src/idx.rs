@@ -153,6 +153,15 @@ impl Dataset for IdxDataset {
         self.num_classes
     }
 
+    fn fingerprint(&self) -> Option<u32> {
+        let mut digest = crc32fast::Hasher::new();
+        digest.update(&self.pixels);
+        digest.update(&self.labels);
+        digest.update(&(self.rows as u64).to_le_bytes());
+        digest.update(&(self.cols as u64).to_le_bytes());
+        Some(digest.finalize())
+    }
+
     #[inline]
     fn read(&self, index: usize, out: &mut [u8]) -> Result<u32, LoaderError> {
         let len = self.rows * self.cols;

@@ -349,6 +349,27 @@ impl Dataset for ImageFolder {
         self.classes.len()
     }
 
+    /// Each image's path under the root, size in bytes and class, and the
+    /// fit settings: decoding every photo at each start would cost what an
+    /// epoch does. A file edited in place to the same size is not seen.
+    fn fingerprint(&self) -> Option<u32> {
+        let mut digest = crc32fast::Hasher::new();
+        for name in &self.classes {
+            digest.update(name.as_bytes());
+            digest.update(&[0]);
+        }
+        for (path, label) in &self.files {
+            let relative = path.strip_prefix(&self.root).unwrap_or(path);
+            digest.update(relative.to_string_lossy().as_bytes());
+            digest.update(&[0]);
+            let size = std::fs::metadata(path).map_or(u64::MAX, |m| m.len());
+            digest.update(&size.to_le_bytes());
+            digest.update(&label.to_le_bytes());
+        }
+        digest.update(format!("{:?}", self.config).as_bytes());
+        Some(digest.finalize())
+    }
+
     fn read(&self, index: usize, out: &mut [u8]) -> Result<u32, LoaderError> {
         let (path, label) = self.files.get(index).ok_or(LoaderError::Index {
             index,

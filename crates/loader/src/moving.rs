@@ -148,6 +148,16 @@ impl Dataset for MovingFashionMnist {
         1
     }
 
+    /// The source images' fingerprint and the settings that draw the
+    /// sequences from them (the sequences are a function of both).
+    fn fingerprint(&self) -> Option<u32> {
+        let source = self.source.fingerprint()?;
+        let mut digest = crc32fast::Hasher::new();
+        digest.update(&source.to_le_bytes());
+        digest.update(format!("{:?}", self.config).as_bytes());
+        Some(digest.finalize())
+    }
+
     fn read(&self, index: usize, out: &mut [u8]) -> Result<u32, LoaderError> {
         if index >= self.config.sequences {
             return Err(LoaderError::Index {

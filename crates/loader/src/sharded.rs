@@ -433,6 +433,24 @@ impl Dataset for ShardedDataset {
         self.inner.index.num_classes
     }
 
+    /// The index's shape, classes and every shard's sample count, size and
+    /// checksum: a shard rewritten with other content has another checksum
+    /// (checked again as it is read), so no shard need be read here.
+    fn fingerprint(&self) -> Option<u32> {
+        let index = &self.inner.index;
+        let mut digest = crc32fast::Hasher::new();
+        for side in index.shape {
+            digest.update(&(side as u64).to_le_bytes());
+        }
+        digest.update(&(index.num_classes as u64).to_le_bytes());
+        for shard in &index.shards {
+            digest.update(&shard.count.to_le_bytes());
+            digest.update(&shard.bytes.to_le_bytes());
+            digest.update(&shard.crc.to_le_bytes());
+        }
+        Some(digest.finalize())
+    }
+
     fn read(&self, index: usize, out: &mut [u8]) -> Result<u32, LoaderError> {
         let inner = &self.inner;
         if index as u64 >= inner.index.total {

@@ -80,6 +80,14 @@ impl Dataset for TextWindows {
         BYTE_VOCAB
     }
 
+    fn fingerprint(&self) -> Option<u32> {
+        let mut digest = crc32fast::Hasher::new();
+        digest.update(&self.bytes);
+        digest.update(&(self.length as u64).to_le_bytes());
+        digest.update(&(self.count as u64).to_le_bytes());
+        Some(digest.finalize())
+    }
+
     fn read(&self, index: usize, out: &mut [u8]) -> Result<u32, LoaderError> {
         if index >= self.count {
             return Err(LoaderError::Index {

@@ -48,6 +48,6 @@ impl ModelError {
 fn limit_text(limit: Option<u64>) -> String {
     match limit {
         Some(l) => format!("limit {}", bytes_text(l)),
-        None => "no limit set".into(),
+        None => "refused by the system, not by a budget".into(),
     }
 }

@@ -179,6 +179,18 @@ impl Inner {
         }
     }
 
+    /// The operating system (or the driver) refused `requested` bytes: no
+    /// budget was passed, whatever the pool's limit is.
+    fn refused_by_system(&mut self, requested: u64) -> ModelError {
+        self.stats.oom_events += 1;
+        ModelError::OutOfMemory {
+            requested,
+            in_use: self.stats.in_use_bytes,
+            reserved: self.stats.reserved_bytes,
+            limit: None,
+        }
+    }
+
     fn oom(&mut self, requested: u64) -> ModelError {
         self.stats.oom_events += 1;
         ModelError::OutOfMemory {
@@ -443,7 +455,7 @@ impl MemoryPool {
                 s.in_use_bytes -= class;
                 s.allocations -= 1;
                 s.cache_misses -= 1;
-                Err(g.oom(class))
+                Err(g.refused_by_system(class))
             }
         }
     }
@@ -534,7 +546,7 @@ pub fn try_scratch<T>(len: usize) -> Result<Vec<T>> {
         Err(_) => {
             let pool = current(Device::Cpu);
             let mut g = pool.lock();
-            Err(g.oom((len * std::mem::size_of::<T>()) as u64))
+            Err(g.refused_by_system((len * std::mem::size_of::<T>()) as u64))
         }
     }
 }
@@ -631,6 +643,32 @@ mod tests {
             assert_eq!((s.cache_hits, s.cache_misses), (10, 1));
             assert_eq!(s.reserved_bytes, class_bytes(400_000));
         });
+    }
+
+    #[test]
+    fn a_refusal_by_the_system_under_a_budget_is_not_called_the_budgets() {
+        let pool = private();
+        // A budget far above anything the system can give: the block fits
+        // it, and the allocator refuses it.
+        pool.set_limit(Some(u64::MAX / 2));
+        pool.scope(|| {
+            let err = zeros(1 << 60).unwrap_err();
+            match &err {
+                ModelError::OutOfMemory { limit, .. } => assert_eq!(*limit, None, "{err}"),
+                other => panic!("expected OutOfMemory, got {other:?}"),
+            }
+            let text = err.to_string();
+            assert!(
+                text.contains("refused by the system, not by a budget"),
+                "{text}"
+            );
+            assert_eq!(pool.stats().in_use_bytes, 0, "nothing left accounted");
+        });
+        let err = try_scratch::<f32>(1 << 60).unwrap_err();
+        assert!(
+            matches!(err, ModelError::OutOfMemory { limit: None, .. }),
+            "{err}"
+        );
     }
 
     #[test]

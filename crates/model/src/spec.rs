@@ -267,6 +267,23 @@ fn default_mlp_ratio() -> usize {
 }
 
 impl ModelSpec {
+    /// Whether training normalises with each batch's own statistics (batch
+    /// norm, in a layer of its own or inside a basic block; a custom layer
+    /// may too, so it counts): then a batch split into micro-batches gives
+    /// another update, not only another memory peak.
+    pub fn uses_batch_statistics(&self) -> bool {
+        fn walk(layers: &[LayerSpec]) -> bool {
+            layers.iter().any(|layer| match layer {
+                LayerSpec::BatchNorm { .. } | LayerSpec::BasicBlock | LayerSpec::Custom { .. } => {
+                    true
+                }
+                LayerSpec::Residual { layers } | LayerSpec::UnetSkip { layers } => walk(layers),
+                _ => false,
+            })
+        }
+        walk(&self.layers)
+    }
+
     /// The first layer with no CUDA implementation (a `custom` one), by
     /// path and name: such a model trains on the CPU only.
     pub fn first_cpu_only_layer(&self) -> Option<(String, String)> {
@@ -283,5 +300,36 @@ impl ModelSpec {
             })
         }
         walk(&self.layers, "model.layers")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(layers: Vec<LayerSpec>) -> ModelSpec {
+        ModelSpec {
+            input: [4, 4, 1],
+            mean: 0.0,
+            std: 1.0,
+            layers,
+            checkpoint: Default::default(),
+            tokens: None,
+            frames: None,
+        }
+    }
+
+    #[test]
+    fn batch_statistics_are_found_wherever_batch_norm_is() {
+        let linear = LayerSpec::Linear { out: 2, bias: true };
+        assert!(!spec(vec![LayerSpec::Flatten, linear.clone()]).uses_batch_statistics());
+        assert!(spec(vec![LayerSpec::BasicBlock, linear.clone()]).uses_batch_statistics());
+        let nested = LayerSpec::Residual {
+            layers: vec![LayerSpec::BatchNorm {
+                momentum: 0.1,
+                eps: 1e-5,
+            }],
+        };
+        assert!(spec(vec![nested, linear]).uses_batch_statistics());
     }
 }

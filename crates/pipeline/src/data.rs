@@ -62,12 +62,17 @@ pub fn open_splits(
     };
     verify_labels_of_idx(config, classes)?;
     let test_digest = verify_samples(test.as_ref(), classes, &place("test"))?;
+    let train_digest = match train.fingerprint() {
+        Some(digest) => digest,
+        None => digest_of_samples(train.as_ref())?,
+    };
     let identity = DatasetIdentity {
         format: config.data.format.as_str().to_string(),
         sample_shape: train.sample_shape(),
         train_samples: train.len(),
         test_samples: test.len(),
         test_digest,
+        train_digest: Some(train_digest),
         classes: class_names,
     };
     identity.check_against_run(config)?;
@@ -248,6 +253,20 @@ fn verify_samples(data: &dyn Dataset, classes: usize, place: &str) -> Result<u32
     Ok(digest.finalize())
 }
 
+/// A CRC of every sample's pixels and label, for a dataset that has no
+/// cheaper fingerprint.
+fn digest_of_samples(data: &dyn Dataset) -> Result<u32> {
+    let [h, w, c] = data.sample_shape();
+    let mut pixels = vec![0u8; h * w * c];
+    let mut digest = crc32fast::Hasher::new();
+    for index in 0..data.len() {
+        let label = data.read(index, &mut pixels)?;
+        digest.update(&pixels);
+        digest.update(&label.to_le_bytes());
+    }
+    Ok(digest.finalize())
+}
+
 /// For IDX data the label files are in memory already: check both splits'
 /// labels, naming the file and the sample.
 fn verify_labels_of_idx(config: &ExperimentConfig, classes: usize) -> Result<()> {
@@ -293,6 +312,12 @@ pub struct DatasetIdentity {
     pub test_samples: usize,
     /// CRC-32 of every test sample's pixels and label.
     pub test_digest: u32,
+    /// The training set's fingerprint (`Dataset::fingerprint`: the IDX
+    /// files' bytes, a store's index and shard checksums, an image folder's
+    /// files and sizes). None in records written before it was kept: a
+    /// resume adds it, saying so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_digest: Option<u32>,
     /// Class names in label order, where the data names them (an image
     /// folder's class folders), so a later `predict` can name classes; left
     /// out for data without names (earlier records read back unchanged).
@@ -309,12 +334,37 @@ impl DatasetIdentity {
         };
         let path = dir.join(IDENTITY_FILE);
         let resuming = !crate::checkpoint::list(dir)?.is_empty();
-        let recorded = match std::fs::read_to_string(&path) {
-            Ok(text) if resuming => serde_json::from_str::<Self>(&text).ok(),
-            _ => None,
+        if !resuming {
+            return self.record(&path);
+        }
+        // A run with checkpoints recorded its data when it started: a record
+        // that is gone or unreadable cannot vouch for the data, and is
+        // never silently written anew.
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            PipelineError::value(
+                "data.dir",
+                format!(
+                    "{} could not be read ({e}): it records the data this run started with, \
+                     and a resume checks the data against it; put it back, or start a new run",
+                    path.display()
+                ),
+            )
+        })?;
+        let recorded: Self = serde_json::from_str(&text).map_err(|e| {
+            PipelineError::BadData(format!(
+                "{}: {e}; it records the data this run started with: put it back as written, \
+                 or start a new run",
+                path.display()
+            ))
+        })?;
+        // A record from before the training set's fingerprint was kept is
+        // compared on everything else, then completed.
+        let comparable = Self {
+            train_digest: recorded.train_digest.and(self.train_digest),
+            ..self.clone()
         };
-        match recorded {
-            Some(recorded) if recorded != *self => Err(PipelineError::value(
+        if recorded != comparable {
+            return Err(PipelineError::value(
                 "data.dir",
                 format!(
                     "the data differs from the data this run started with ({} recorded in {}: {}; now: {}); \
@@ -324,17 +374,30 @@ impl DatasetIdentity {
                     recorded.describe(),
                     self.describe()
                 ),
-            )),
-            Some(_) => Ok(()),
-            None if resuming && path.exists() => Ok(()),
-            None => {
-                let text = serde_json::to_string_pretty(self).map_err(|e| PipelineError::Stage {
-                    stage: "data",
-                    reason: e.to_string(),
-                })?;
-                std::fs::write(&path, text).map_err(|e| PipelineError::io(&path, e))
-            }
+            ));
         }
+        if recorded.train_digest.is_none() {
+            tracing::info!(
+                "{} had no fingerprint of the training set (an earlier version wrote it): recorded now",
+                path.display()
+            );
+            return self.record(&path);
+        }
+        Ok(())
+    }
+
+    /// Writes the record atomically (a temporary, renamed over `path`).
+    fn record(&self, path: &Path) -> Result<()> {
+        let text = serde_json::to_string_pretty(self).map_err(|e| PipelineError::Stage {
+            stage: "data",
+            reason: e.to_string(),
+        })?;
+        crate::checkpoint::write_atomically(path, |mut out, tmp| {
+            use std::io::Write as _;
+            out.write_all(text.as_bytes())
+                .map_err(|e| PipelineError::io(tmp, e))?;
+            Ok(out)
+        })
     }
 
     fn describe(&self) -> String {
@@ -342,8 +405,12 @@ impl DatasetIdentity {
             Some(names) => format!(", classes {names:?}"),
             None => String::new(),
         };
+        let train = match self.train_digest {
+            Some(digest) => format!(", training digest {digest:08x}"),
+            None => String::new(),
+        };
         format!(
-            "{} {:?}, {} training and {} test samples, test digest {:08x}{classes}",
+            "{} {:?}, {} training and {} test samples, test digest {:08x}{train}{classes}",
             self.format, self.sample_shape, self.train_samples, self.test_samples, self.test_digest
         )
     }

@@ -36,6 +36,9 @@ pub struct MemoryGuard {
     pub oom_events: u64,
     /// Where the stop checkpoint goes, for the message.
     dir: std::path::PathBuf,
+    /// The block refused just before the last split, and the micro-batch
+    /// split from: a refusal as large after it means splitting does not help.
+    last_split: Option<(u64, usize)>,
 }
 
 /// What the memory policy did about an out-of-memory error.
@@ -150,6 +153,7 @@ impl MemoryGuard {
             cleanup_seconds: 0.0,
             oom_events: 0,
             dir: dir.to_path_buf(),
+            last_split: None,
         }
     }
 
@@ -192,17 +196,50 @@ impl MemoryGuard {
             "out of memory at step {step}: {}",
             self.describe(error, learner)
         );
+        let requested = refused_bytes(error);
+        // A block that did not shrink when the micro-batch was halved does
+        // not grow with the batch (weights, optimizer state, a fixed
+        // workspace): halving again would only slow the run down to
+        // micro-batch 1 and still fail.
+        if let Some((before, split_from, now)) =
+            split_did_not_help(self.last_split, learner.micro_batch(), requested)
+        {
+            return Err(self.stop_message(
+                    &format!(
+                        "{here}; halving the micro-batch from {split_from} to {} did not make the refused \
+                         block smaller ({} before, {} now): it does not grow with the batch",
+                        learner.micro_batch(),
+                        bytes_text(before),
+                        bytes_text(now)
+                    ),
+                    None,
+                ));
+        }
+        let from = learner.micro_batch();
         match self.recover(learner, freed_cache) {
             Some(Recovery::Released(bytes)) => tracing::warn!(
                 "{here}: released {} of cached blocks, retrying the step",
                 bytes_text(bytes)
             ),
-            Some(Recovery::Split(smaller)) => tracing::warn!(
-                "{here}: splitting the batch of {batch} into micro-batches of {smaller} ({} per step, gradients \
-                 accumulated; the update and the schedule are unchanged)",
-                batch.div_ceil(smaller)
-            ),
-            None => return Err(self.stop_message(&here, learner.micro_batch())),
+            Some(Recovery::Split(smaller)) => {
+                self.last_split = requested.map(|bytes| (bytes, from));
+                let effect = if learner.uses_batch_statistics() {
+                    format!(
+                        "the schedule is unchanged; batch norm's statistics are now those of each \
+                         micro-batch of {smaller}, so the updates differ from the whole batch's"
+                    )
+                } else {
+                    "the update and the schedule are unchanged".to_string()
+                };
+                tracing::warn!(
+                    "{here}: splitting the batch of {batch} into micro-batches of {smaller} ({} per step, \
+                     gradients accumulated; {effect})",
+                    batch.div_ceil(smaller)
+                )
+            }
+            None => {
+                return Err(self.stop_message(&here, Some(learner.micro_batch())));
+            }
         }
         Ok(())
     }
@@ -278,9 +315,15 @@ impl MemoryGuard {
         Some(Recovery::Split(smaller))
     }
 
-    fn stop_message(&self, here: &str, micro_batch: usize) -> PipelineError {
+    /// The error that stops the run: `micro_batch` is the smallest tried,
+    /// where the reason is that even it did not fit.
+    fn stop_message(&self, here: &str, micro_batch: Option<usize>) -> PipelineError {
+        let even = match micro_batch {
+            Some(size) => format!("; even a micro-batch of {size} does not fit"),
+            None => String::new(),
+        };
         PipelineError::OutOfMemory(format!(
-            "{here}; even a micro-batch of {micro_batch} does not fit. A checkpoint of the last completed step was \
+            "{here}{even}. A checkpoint of the last completed step was \
              written to {}; raise device.memory_limit, set model.checkpoint = \"blocks\", lower train.batch_size, or set \
              memory.oom_policy = \"adapt\" with a lower memory.min_micro_batch, then continue with --resume",
             self.dir.display()
@@ -504,5 +547,56 @@ impl MemoryGuard {
             bytes_text(peak),
             bytes_text(need)
         )))
+    }
+}
+
+/// Whether the last split failed to make the refused block smaller: the
+/// block refused before it and the micro-batch split from (`last_split`),
+/// against the block refused now at `micro_batch`. Some((before,
+/// split_from, now)) when the micro-batch is smaller and the block is not.
+fn split_did_not_help(
+    last_split: Option<(u64, usize)>,
+    micro_batch: usize,
+    refused_now: Option<u64>,
+) -> Option<(u64, usize, u64)> {
+    let (before, split_from) = last_split?;
+    let now = refused_now?;
+    (micro_batch < split_from && now >= before).then_some((before, split_from, now))
+}
+
+/// The size of the block an out-of-memory error names, where it names one.
+fn refused_bytes(error: &PipelineError) -> Option<u64> {
+    match error {
+        PipelineError::Model(ModelError::OutOfMemory { requested, .. }) => Some(*requested),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splitting_stops_when_the_refused_block_does_not_shrink() {
+        // 64 -> 32 and the 8 MiB block is now a 4 MiB one: splitting helps.
+        assert_eq!(
+            split_did_not_help(Some((8 << 20, 64)), 32, Some(4 << 20)),
+            None
+        );
+        // The same 8 MiB block at 32: it does not grow with the batch.
+        assert_eq!(
+            split_did_not_help(Some((8 << 20, 64)), 32, Some(8 << 20)),
+            Some((8 << 20, 64, 8 << 20))
+        );
+        // A larger one is no better.
+        assert!(split_did_not_help(Some((8 << 20, 64)), 32, Some(9 << 20)).is_some());
+        // Before any split, or at the micro-batch split from (the cache was
+        // released in between), or with no block named: no judgement.
+        assert_eq!(split_did_not_help(None, 32, Some(8 << 20)), None);
+        assert_eq!(
+            split_did_not_help(Some((8 << 20, 64)), 64, Some(8 << 20)),
+            None
+        );
+        assert_eq!(split_did_not_help(Some((8 << 20, 64)), 32, None), None);
     }
 }

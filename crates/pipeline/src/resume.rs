@@ -251,6 +251,23 @@ fn differences(old: &Keys, new: &Keys) -> Vec<String> {
 /// The keys a stopped run's advice names may change; each change is said.
 fn log_advised_changes(saved: &ExperimentConfig, now: &ExperimentConfig) {
     let (old, new) = (saved.flatten(), now.flatten());
+    // How a batch is split may change on resume; what that does to the
+    // updates depends on batch norm, and is said as it is.
+    for key in ["train.accumulate", "train.micro_batch"] {
+        if old.get(key) != new.get(key) {
+            let effect = if now.model.uses_batch_statistics() {
+                "batch norm's statistics are now those of the new micro-batches, so the updates \
+                 differ from those the run had"
+            } else {
+                "the model has no batch norm: the updates are the same, only the memory changes"
+            };
+            tracing::info!(
+                "{key} changed on resume from {} to {}: {effect}",
+                old.get(key).map_or("unset", String::as_str),
+                new.get(key).map_or("unset", String::as_str)
+            );
+        }
+    }
     for key in ADVICE_KEYS {
         if old.get(key) != new.get(key) {
             tracing::info!(

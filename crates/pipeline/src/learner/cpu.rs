@@ -418,6 +418,10 @@ impl Learner for CpuLearner {
         })
     }
 
+    fn uses_batch_statistics(&self) -> bool {
+        self.network.spec().uses_batch_statistics()
+    }
+
     fn micro_batch(&self) -> usize {
         self.micro_batch
     }

@@ -648,6 +648,10 @@ impl Learner for CudaLearner {
         Ok(probabilities)
     }
 
+    fn uses_batch_statistics(&self) -> bool {
+        self.network.spec().uses_batch_statistics()
+    }
+
     fn micro_batch(&self) -> usize {
         self.micro_batch
     }

@@ -251,6 +251,14 @@ pub trait Learner: Send {
     /// Test-time augmentation averages these over views of a batch.
     fn eval_probabilities(&mut self, batch: &Batch) -> Result<Vec<f32>>;
 
+    /// Whether training normalises with each batch's own statistics
+    /// (batch norm): then micro-batches change the update, and the memory
+    /// policy says so instead of "unchanged". Default: true, the claim a
+    /// learner that does not know cannot disprove.
+    fn uses_batch_statistics(&self) -> bool {
+        true
+    }
+
     fn micro_batch(&self) -> usize;
     fn set_micro_batch(&mut self, size: usize);
 
