@@ -314,7 +314,7 @@ PY
         echo "$name: exit $rc after $((SECONDS - started)) s"
         [ $rc -eq 0 ] || { failed=1; tail -n 5 "$dir/$name.log"; }
     done <<LIST
-default experiments/fashion_mnist.toml
+default $EXPERIMENT
 mlp_silu experiments/mlp_silu.toml
 conv_lstm experiments/conv_lstm.toml
 char_lm $dir/char_lm.toml
