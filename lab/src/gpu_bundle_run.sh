@@ -232,29 +232,40 @@ bench_baseline() {
 # a job that needs far more (batch 4096), with a budget that does not bind,
 # must meet the driver's own out-of-memory and adapt, never crash or hang.
 hog_and_train() {
-    python3 - > "$WORK/hog.log" 2>&1 <<'EOF' &
-import os, time, torch
-free, _ = torch.cuda.mem_get_info()
-leave = int(os.environ.get("HOG_LEAVES_MIB", "768")) << 20
-hold = torch.empty(max(free - leave, 0), dtype=torch.uint8, device="cuda")
-print("holding", hold.numel() >> 20, "MiB of", free >> 20, "MiB free", flush=True)
-time.sleep(600)
-EOF
-    local hog=$! waited=0
-    until grep -q holding "$WORK/hog.log" 2>/dev/null; do
-        sleep 1; waited=$((waited + 1))
-        if [ $waited -ge 90 ] || ! kill -0 "$hog" 2>/dev/null; then
-            echo "the memory hog did not start:"; cat "$WORK/hog.log"; kill "$hog" 2>/dev/null; return 1
-        fi
-    done
-    cat "$WORK/hog.log"
+    start_hog "${HOG_LEAVES_MIB:-768}" "$WORK/hog.log" || return 1
     hr train --no-install --set device.kind=cuda --set device.memory_limit=64GiB \
         --set train.batch_size=4096 --set train.epochs=1 --set data.train_samples=16384 \
         --set "run.output_dir=$WORK/oom-driver"
     local rc=$?
-    kill "$hog" 2>/dev/null; wait "$hog" 2>/dev/null
+    stop_hog
     return $rc
 }
+
+# start_hog LEAVE_MIB LOG: another process (PyTorch) holds all but
+# LEAVE_MIB of the GPU until stop_hog (its pid in HOG_PID), its line in LOG;
+# fails, saying why, if it is not holding within 90 s.
+start_hog() {
+    HOG_LEAVES_MIB=$1 python3 - > "$2" 2>&1 <<'PY' &
+import os, time, torch
+free, _ = torch.cuda.mem_get_info()
+leave = int(os.environ["HOG_LEAVES_MIB"]) << 20
+hold = torch.empty(max(free - leave, 0), dtype=torch.uint8, device="cuda")
+free_now, total = torch.cuda.mem_get_info()
+print("holding", hold.numel() >> 20, "MiB;", free_now >> 20, "MiB of", total >> 20, "MiB free", flush=True)
+time.sleep(900)
+PY
+    HOG_PID=$!
+    local waited=0
+    until grep -q holding "$2" 2>/dev/null; do
+        sleep 1; waited=$((waited + 1))
+        if [ $waited -ge 90 ] || ! kill -0 "$HOG_PID" 2>/dev/null; then
+            echo "the memory hog did not start:"; cat "$2"; kill "$HOG_PID" 2>/dev/null; return 1
+        fi
+    done
+    cat "$2"
+}
+
+stop_hog() { kill "$HOG_PID" 2>/dev/null; wait "$HOG_PID" 2>/dev/null; }
 
 # small_gpu LEAVE_MIB: every trainer in experiments/ for one epoch on the
 # GPU under the automatic profile (run.profile = "auto", device.memory_limit
@@ -265,7 +276,7 @@ EOF
 # char_lm, tiny_gpt and its LoRA and full fine-tunes read the licence texts
 # of base-files (fortunes-min is not on the GPU machine).
 small_gpu() {
-    local leave=$1 hog="" waited=0 failed=0 dir=$WORK/small-gpu-$1
+    local leave=$1 failed=0 dir=$WORK/small-gpu-$1
     mkdir -p "$dir"
     python3 - "$dir" <<'PY' || return 1
 import re, sys
@@ -280,23 +291,7 @@ lora = re.sub(r"^base = .*$", 'base = "%s/tiny_gpt"' % out, lora, flags=re.M)
 open(out + "/lora_finetune.toml", "w").write(lora)
 PY
     if [ "$leave" != all ]; then
-        HOG_LEAVES_MIB=$leave python3 - > "$dir/hog.log" 2>&1 <<'PY' &
-import os, time, torch
-free, _ = torch.cuda.mem_get_info()
-leave = int(os.environ["HOG_LEAVES_MIB"]) << 20
-hold = torch.empty(max(free - leave, 0), dtype=torch.uint8, device="cuda")
-free_now, total = torch.cuda.mem_get_info()
-print("holding", hold.numel() >> 20, "MiB;", free_now >> 20, "MiB of", total >> 20, "MiB free", flush=True)
-time.sleep(900)
-PY
-        hog=$!
-        until grep -q holding "$dir/hog.log" 2>/dev/null; do
-            sleep 1; waited=$((waited + 1))
-            if [ $waited -ge 90 ] || ! kill -0 "$hog" 2>/dev/null; then
-                echo "the memory hog did not start:"; cat "$dir/hog.log"; kill "$hog" 2>/dev/null; return 1
-            fi
-        done
-        cat "$dir/hog.log"
+        start_hog "$leave" "$dir/hog.log" || return 1
     fi
     local name config extra started rc sets
     while read -r name config extra; do
@@ -322,7 +317,7 @@ tiny_gpt $dir/tiny_gpt.toml
 lora $dir/lora_finetune.toml
 lora_full $dir/lora_finetune.toml --set finetune.train=full
 LIST
-    if [ -n "$hog" ]; then kill "$hog" 2>/dev/null; wait "$hog" 2>/dev/null; fi
+    [ "$leave" = all ] || stop_hog
     python3 - "$dir" "$leave" <<'PY'
 import re, sys, os
 out, leave = sys.argv[1], sys.argv[2]
@@ -735,7 +730,7 @@ print("\n".join(lines))
 EOF
 }
 
-export -f small_gpu hr torch_cuda rerun_failed kernel_profile racecheck_ours hazard_kernels train_on_auto train_mlp train_gpt train_frames bench_model bench_baseline hog_and_train step_reached kill_at \
+export -f start_hog stop_hog small_gpu hr torch_cuda rerun_failed kernel_profile racecheck_ours hazard_kernels train_on_auto train_mlp train_gpt train_frames bench_model bench_baseline hog_and_train step_reached kill_at \
     resume_reference resume_killed resume_compare weights_equal
 export RESUME_EPOCHS RESUME_JOB
 

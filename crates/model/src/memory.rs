@@ -182,22 +182,21 @@ impl Inner {
     /// The operating system (or the driver) refused `requested` bytes: no
     /// budget was passed, whatever the pool's limit is.
     fn refused_by_system(&mut self, requested: u64) -> ModelError {
-        self.stats.oom_events += 1;
-        ModelError::OutOfMemory {
-            requested,
-            in_use: self.stats.in_use_bytes,
-            reserved: self.stats.reserved_bytes,
-            limit: None,
-        }
+        self.refusal(requested, None)
     }
 
+    /// The budget (or an injected fault) refused `requested` bytes.
     fn oom(&mut self, requested: u64) -> ModelError {
+        self.refusal(requested, self.limit)
+    }
+
+    fn refusal(&mut self, requested: u64, limit: Option<u64>) -> ModelError {
         self.stats.oom_events += 1;
         ModelError::OutOfMemory {
             requested,
             in_use: self.stats.in_use_bytes,
             reserved: self.stats.reserved_bytes,
-            limit: self.limit,
+            limit,
         }
     }
 
