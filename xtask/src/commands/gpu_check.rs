@@ -7,8 +7,9 @@ use crate::GpuCheckArgs;
 
 /// (package, test target) of every CUDA test binary: each `cuda_*.rs` (or `cuda_*/main.rs`) under
 /// crates/*/tests and tests/tests (xtask's tests check that this list and
-/// those files agree, so a new one cannot be left out).
-pub const CUDA_TESTS: [(&str, &str); 7] = [
+/// those files agree, so a new one cannot be left out), and
+/// `memory_release`, whose GPU test frees the device between two runs.
+pub const CUDA_TESTS: [(&str, &str); 8] = [
     ("headroom-model", "cuda_parity"),
     ("headroom-model", "cuda_ptx"),
     ("headroom-model", "cuda_probe"),
@@ -16,6 +17,7 @@ pub const CUDA_TESTS: [(&str, &str); 7] = [
     ("headroom-tests", "cuda_training"),
     ("headroom-tests", "cuda_driver_oom"),
     ("headroom-tests", "cuda_small_gpu"),
+    ("headroom-tests", "memory_release"),
 ];
 
 pub fn run(args: &GpuCheckArgs) -> Result<()> {
