@@ -333,13 +333,20 @@ fn gpu_check_runs_every_cuda_test_file() {
         for entry in entries {
             let entry = entry.unwrap();
             let name = entry.file_name().to_string_lossy().into_owned();
-            // A test binary is `cuda_NAME.rs`, or a folder `cuda_NAME/`
-            // with a `main.rs` (cuda_parity: one module per op family).
-            let stem = match entry.path().join("main.rs").is_file() {
-                true => Some(name.as_str()),
-                false => name.strip_suffix(".rs"),
+            // A test binary is `NAME.rs`, or a folder `NAME/` with a
+            // `main.rs` (cuda_parity: one module per op family); a CUDA one
+            // is named `cuda_*` or reports NVRTC-gated tests
+            // (`report_nvrtc_tests!`: memory_release, CPU tests beside a GPU one).
+            let main = entry.path().join("main.rs");
+            let (stem, source) = match main.is_file() {
+                true => (Some(name.as_str()), main),
+                false => (name.strip_suffix(".rs"), entry.path()),
             };
-            if let Some(test) = stem.filter(|stem| stem.starts_with("cuda_")) {
+            let gated = || {
+                std::fs::read_to_string(&source)
+                    .is_ok_and(|text| text.contains("report_nvrtc_tests!("))
+            };
+            if let Some(test) = stem.filter(|stem| stem.starts_with("cuda_") || gated()) {
                 found.push((package_name(&dir), test.to_string()));
             }
         }
