@@ -169,6 +169,22 @@ pub fn cuda_path_available(test: &str) -> bool {
     }
 }
 
+/// A memory budget between what a training step of `config`'s model needs
+/// at micro-batch 32 and at 64 (measured on the CPU, on top of the network's
+/// own parameters and gradients): a run under it must plan or split to 32.
+pub fn budget_between_32_and_64(config: &ExperimentConfig) -> u64 {
+    use headroom_model::{measure_step_peak, Device, MemoryPool, Network};
+    let pool = MemoryPool::new(Device::Cpu);
+    pool.scope(|| {
+        let mut network = Network::build(&config.model, config.run.seed).expect("the model builds");
+        let base = pool.stats().in_use_bytes;
+        let at32 = measure_step_peak(&mut network, 32).expect("a step at 32 is measured");
+        let at64 = measure_step_peak(&mut network, 64).expect("a step at 64 is measured");
+        assert!(at64 > at32 * 3 / 2, "peaks {at32} and {at64}");
+        base + (at32 + at64) / 2
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,10 +5,9 @@
 
 use std::path::Path;
 
-use headroom_model::{measure_step_peak, Device, MemoryPool, Network};
 use headroom_pipeline::checkpoint::{self, Checkpoint};
 use headroom_pipeline::{train, ExperimentConfig, Overrides, Resume, RunSummary, TrainOptions};
-use headroom_tests::write_synthetic_fashion_mnist;
+use headroom_tests::{budget_between_32_and_64, write_synthetic_fashion_mnist};
 
 fn smoke_config(data: &Path, out: &Path, extra: &[String]) -> ExperimentConfig {
     let mut pairs = vec![
@@ -25,20 +24,6 @@ fn smoke_config(data: &Path, out: &Path, extra: &[String]) -> ExperimentConfig {
 
 fn newest(dir: &Path) -> Checkpoint {
     checkpoint::load(checkpoint::list(dir).unwrap().last().unwrap()).unwrap()
-}
-
-/// A budget between what a step at 32 and a step at 64 need, on top of the
-/// network's own parameters and gradients.
-fn budget_between_32_and_64(config: &ExperimentConfig) -> u64 {
-    let pool = MemoryPool::new(Device::Cpu);
-    pool.scope(|| {
-        let mut network = Network::build(&config.model, config.run.seed).unwrap();
-        let base = pool.stats().in_use_bytes;
-        let at32 = measure_step_peak(&mut network, 32).unwrap();
-        let at64 = measure_step_peak(&mut network, 64).unwrap();
-        assert!(at64 > at32 * 3 / 2, "peaks {at32} and {at64}");
-        base + (at32 + at64) / 2
-    })
 }
 
 #[test]

@@ -12,11 +12,12 @@
 
 use std::path::Path;
 
-use headroom_model::{measure_step_peak, Device, MemoryPool, Network};
 use headroom_pipeline::checkpoint;
 use headroom_pipeline::device::{gpu_memory, DeviceKind};
 use headroom_pipeline::{train, ExperimentConfig, RunSummary, TrainOptions};
-use headroom_tests::{cuda_path_available, smoke_config, write_synthetic_fashion_mnist};
+use headroom_tests::{
+    budget_between_32_and_64, cuda_path_available, smoke_config, write_synthetic_fashion_mnist,
+};
 
 headroom_tests::report_nvrtc_tests!("memory_release", include_str!("memory_release.rs"));
 
@@ -124,20 +125,6 @@ fn two_experiments_in_one_process_each_free_their_memory() {
     );
     assert_eq!(first.memory.cache_misses, second.memory.cache_misses);
     assert!(final_params(a.path()) == final_params(b.path()));
-}
-
-/// A budget between what a step at 32 and a step at 64 need, on top of the
-/// network's own parameters and gradients.
-fn budget_between_32_and_64(config: &ExperimentConfig) -> u64 {
-    let pool = MemoryPool::new(Device::Cpu);
-    pool.scope(|| {
-        let mut network = Network::build(&config.model, config.run.seed).unwrap();
-        let base = pool.stats().in_use_bytes;
-        let at32 = measure_step_peak(&mut network, 32).unwrap();
-        let at64 = measure_step_peak(&mut network, 64).unwrap();
-        assert!(at64 > at32 * 3 / 2, "peaks {at32} and {at64}");
-        base + (at32 + at64) / 2
-    })
 }
 
 #[test]
