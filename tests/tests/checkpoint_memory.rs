@@ -134,6 +134,8 @@ fn a_learner_s_state_is_written_with_no_copy_at_all() {
         labels: vec![0, 1],
         soft_targets: None,
         recipes: None,
+        features: None,
+        values: None,
     };
     learner.train_batch(&batch, 1e-3).unwrap();
     let dir = tempfile::tempdir().unwrap();

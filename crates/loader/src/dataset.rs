@@ -23,7 +23,69 @@ pub struct MemoryUsage {
     pub peak: u64,
 }
 
-/// A random-access collection of labelled u8 images.
+/// What one element of a sample is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Element {
+    /// A byte: an image's pixel or a text's byte, normalised by the model.
+    #[default]
+    U8,
+    /// A number already scaled as the model takes it (table features,
+    /// preprocessed tensors), stored little-endian.
+    F32,
+}
+
+impl Element {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Element::U8 => 1,
+            Element::F32 => 4,
+        }
+    }
+}
+
+/// How a dataset's samples are laid out beyond their shape: the element
+/// type and, for a dataset whose targets are numbers (regression), how
+/// many of them each sample carries.
+///
+/// A sample's record, as [`Dataset::read`] writes it, is its
+/// `h * w * c` elements (little-endian for f32) followed by `values`
+/// little-endian f32 targets. The loader splits it into
+/// [`crate::Batch::features`] (or `pixels`) and [`crate::Batch::values`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SampleKind {
+    pub element: Element,
+    /// Numeric targets per sample (0: the label is the target).
+    pub values: usize,
+    /// For each of the `values` targets, `(mean, std)`: the target in the
+    /// user's units is `stored * std + mean` (a dataset that standardises
+    /// its targets says how to undo it; empty means stored as they are).
+    pub value_scale: Vec<(f32, f32)>,
+}
+
+impl SampleKind {
+    /// Bytes of a sample's record for samples of `shape`, or None on
+    /// overflow.
+    pub fn record_len(&self, shape: [usize; 3]) -> Option<usize> {
+        let elements = shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))?;
+        elements
+            .checked_mul(self.element.size())?
+            .checked_add(self.values.checked_mul(4)?)
+    }
+
+    /// Target `k` in the user's units.
+    pub fn unscale(&self, k: usize, stored: f32) -> f32 {
+        match self.value_scale.get(k) {
+            Some(&(mean, std)) => stored * std + mean,
+            None => stored,
+        }
+    }
+}
+
+/// A random-access collection of labelled samples: u8 images by default,
+/// or f32 features with numeric targets ([`Dataset::sample_kind`]).
 ///
 /// Implementations are shared by the worker threads through an `Arc`, so
 /// `read` takes `&self` and must be safe to call concurrently.
@@ -46,9 +108,16 @@ pub trait Dataset: Send + Sync {
     /// Number of classes; every label is below it.
     fn num_classes(&self) -> usize;
 
-    /// Copies sample `index`'s pixels (u8, HWC) into `out` (len h*w*c) and
-    /// returns its label.
+    /// Copies sample `index`'s record into `out` and returns its label:
+    /// for u8 images (the default kind) its pixels, HWC, `h*w*c` bytes;
+    /// otherwise the record [`SampleKind`] describes.
     fn read(&self, index: usize, out: &mut [u8]) -> Result<u32, LoaderError>;
+
+    /// The element type and numeric targets of the samples. Default: u8
+    /// images with a class label.
+    fn sample_kind(&self) -> SampleKind {
+        SampleKind::default()
+    }
 
     /// A checksum that changes with the dataset's content, where the
     /// dataset can tell one without reading every sample (a store's index

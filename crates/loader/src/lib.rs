@@ -73,10 +73,11 @@ mod rng;
 mod sampler;
 mod sharded;
 mod store;
+mod table;
 mod text;
 
 pub use augment::{AugmentConfig, RandAugmentConfig, MAX_MAGNITUDE};
-pub use dataset::{Dataset, MemoryUsage, ShardLayout};
+pub use dataset::{Dataset, Element, MemoryUsage, SampleKind, ShardLayout};
 pub use error::LoaderError;
 pub use idx::{IdxDataset, Split};
 pub use image_folder::{write_image, ImageFit, ImageFolder, ImageFolderConfig, IMAGE_EXTENSIONS};
@@ -90,4 +91,5 @@ pub use store::{
     preprocess, write_synthetic_store, ParseShardSizeError, ShardSize, StoreSummary,
     SyntheticDataset, INDEX_FILE,
 };
+pub use table::{CsvTable, TableConfig, TableScale, TableTarget};
 pub use text::{split_for_validation, window_length, TextWindows, BYTE_VOCAB};

@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::augment::{self, AugmentConfig, AugmentParams, MAX_MAGNITUDE, MAX_NUM_OPS};
 use crate::sampler::{EpochOrder, ShuffleMode};
-use crate::{mix, randaugment, Dataset, LoaderError, ShardLayout};
+use crate::{mix, randaugment, Dataset, Element, LoaderError, SampleKind, ShardLayout};
 
 /// Upper bounds that catch configuration typos (e.g. a byte count given as
 /// a worker count) before they exhaust threads or memory.
@@ -121,8 +121,8 @@ pub struct LoaderMemory {
     pub budget: Option<u64>,
 }
 
-/// A batch of samples, u8 NHWC, with their labels.
-#[derive(Clone, Debug, PartialEq)]
+/// A batch of samples, u8 NHWC (or f32 features), with their labels.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Batch {
     /// The epoch it belongs to.
     pub epoch: u64,
@@ -140,6 +140,12 @@ pub struct Batch {
     /// With [`LoaderConfig::resident`]: how to make each sample from the
     /// copy of the dataset its consumer holds, and `pixels` is empty.
     pub recipes: Option<Vec<SampleRecipe>>,
+    /// For a dataset of f32 elements ([`crate::Element::F32`]):
+    /// `n * h * w * c` values, NHWC, and `pixels` is empty.
+    pub features: Option<Vec<f32>>,
+    /// For a dataset with numeric targets ([`crate::SampleKind::values`]):
+    /// `n * values` targets, sample after sample, as the dataset stores them.
+    pub values: Option<Vec<f32>>,
 }
 
 /// One sample of a batch as an instruction instead of pixels: dataset
@@ -197,19 +203,25 @@ impl Batch {
         let n = self.len();
         let sample = self.shape[1] * self.shape[2] * self.shape[3];
         let classes = self.soft_targets.as_ref().map_or(0, |t| t.len() / n.max(1));
+        let per_sample = |v: &Vec<f32>| {
+            let k = v.len() / n.max(1);
+            v[range.start * k..range.end * k].to_vec()
+        };
         Batch {
             epoch: self.epoch,
             index: self.index,
             shape: [range.len(), self.shape[1], self.shape[2], self.shape[3]],
-            pixels: match self.recipes {
-                Some(_) => Vec::new(),
-                None => self.pixels[range.start * sample..range.end * sample].to_vec(),
+            pixels: match (&self.recipes, &self.features) {
+                (None, None) => self.pixels[range.start * sample..range.end * sample].to_vec(),
+                _ => Vec::new(),
             },
             labels: self.labels[range.clone()].to_vec(),
             soft_targets: self
                 .soft_targets
                 .as_ref()
                 .map(|t| t[range.start * classes..range.end * classes].to_vec()),
+            features: self.features.as_ref().map(per_sample),
+            values: self.values.as_ref().map(per_sample),
             recipes: self.recipes.as_ref().map(|r| r[range].to_vec()),
         }
     }
@@ -242,6 +254,8 @@ impl Batch {
                     })
                     .collect()
             }),
+            features: self.features.clone(),
+            values: self.values.clone(),
         }
     }
 
@@ -305,7 +319,10 @@ struct Shared {
     dataset: Arc<dyn Dataset>,
     config: LoaderConfig,
     shape: [usize; 3],
+    /// Bytes of a sample's record ([`SampleKind::record_len`]): `h*w*c` for
+    /// u8 images.
     sample_len: usize,
+    kind: SampleKind,
     num_classes: usize,
     len: usize,
     batches: usize,
@@ -591,10 +608,11 @@ fn validate(dataset: Arc<dyn Dataset>, config: LoaderConfig) -> Result<Shared, L
         return Err(config_err("timeout", "must be > 0".into()));
     }
     let shape = dataset.sample_shape();
-    let sample_len = shape
-        .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .filter(|&n| n > 0)
+    let kind = dataset.sample_kind();
+    validate_kind(&kind, &config)?;
+    let sample_len = kind
+        .record_len(shape)
+        .filter(|_| shape.iter().all(|&d| d > 0))
         .ok_or_else(|| {
             config_err(
                 "dataset",
@@ -727,6 +745,7 @@ fn validate(dataset: Arc<dyn Dataset>, config: LoaderConfig) -> Result<Shared, L
         config,
         shape,
         sample_len,
+        kind,
         num_classes,
         len,
         batches,
@@ -735,6 +754,59 @@ fn validate(dataset: Arc<dyn Dataset>, config: LoaderConfig) -> Result<Shared, L
         limit_bytes,
         inflight: Arc::default(),
     })
+}
+
+/// Samples that are not u8 images, or carry numeric targets, are moved as
+/// they are: the augmentations (which draw on pixels and mix labels) and a
+/// device-resident copy (which holds u8 pixels) do not apply to them.
+fn validate_kind(kind: &SampleKind, config: &LoaderConfig) -> Result<(), LoaderError> {
+    if *kind == SampleKind::default() {
+        return Ok(());
+    }
+    if !kind.value_scale.is_empty() && kind.value_scale.len() != kind.values {
+        return Err(config_err(
+            "dataset",
+            format!(
+                "{} target scales for {} numeric targets",
+                kind.value_scale.len(),
+                kind.values
+            ),
+        ));
+    }
+    let what = match kind.element {
+        Element::F32 => "f32 features",
+        Element::U8 => "numeric targets",
+    };
+    let augment = &config.augment;
+    let on = [
+        ("augment.crop_padding", augment.crop_padding > 0),
+        ("augment.flip", augment.flip),
+        (
+            "augment.rand_augment",
+            augment.rand_augment.is_some_and(|r| r.num_ops > 0),
+        ),
+        ("augment.mixup_alpha", augment.mixup_alpha > 0.0),
+        ("augment.cutmix_alpha", augment.cutmix_alpha > 0.0),
+    ];
+    if let Some((field, _)) = on.iter().find(|(_, on)| *on) {
+        return Err(config_err(
+            field,
+            format!(
+                "applies to u8 images with class labels, and this dataset holds {what}: \
+                 turn it off"
+            ),
+        ));
+    }
+    if config.resident {
+        return Err(config_err(
+            "resident",
+            format!(
+                "a dataset resident on the device holds u8 images, and this one holds {what}: \
+                 keep the data on the host (data.on_device = false)"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// What a batch of [`SampleRecipe`]s can describe: crop and flip of at
@@ -812,9 +884,15 @@ fn produce(
                 labels,
                 soft_targets: None,
                 recipes: Some(recipes),
+                features: None,
+                values: None,
             };
             (batch, guard)
         }));
+    }
+    if s.kind != SampleKind::default() {
+        return typed_batch(s, order, (epoch, batch), n, scratch, cancelled)
+            .map(|made| made.map(|b| (b, guard)));
     }
     let mut pixels = vec![0u8; n * len];
     let mut labels = Vec::with_capacity(n);
@@ -849,9 +927,70 @@ fn produce(
             labels,
             soft_targets,
             recipes: None,
+            features: None,
+            values: None,
         },
         guard,
     )))
+}
+
+/// Batch `batch` of a dataset whose samples are typed records
+/// ([`SampleKind`]): each record split into its elements (pixels, or f32
+/// features) and its numeric targets. No augmentation applies
+/// (`validate_kind`). None if cancelled.
+fn typed_batch(
+    s: &Shared,
+    order: &EpochOrder,
+    (epoch, batch): (u64, usize),
+    n: usize,
+    scratch: &mut Scratch,
+    cancelled: &AtomicBool,
+) -> Result<Option<Batch>, LoaderError> {
+    let first = batch * s.config.batch_size;
+    let [h, w, c] = s.shape;
+    let elements = h * w * c;
+    let element_bytes = elements * s.kind.element.size();
+    let f32s = |bytes: &[u8], out: &mut Vec<f32>| {
+        out.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        )
+    };
+    let mut pixels = Vec::new();
+    let mut features = Vec::new();
+    match s.kind.element {
+        Element::U8 => pixels.reserve(n * elements),
+        Element::F32 => features.reserve(n * elements),
+    }
+    let mut values = Vec::with_capacity(n * s.kind.values);
+    let mut labels = Vec::with_capacity(n);
+    for k in 0..n {
+        if cancelled.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let index = order.index(first + k);
+        let record = &mut scratch.src;
+        let label = read_sample(s, (epoch, batch, index), || s.dataset.read(index, record))?;
+        let (sample, targets) = record.split_at(element_bytes);
+        match s.kind.element {
+            Element::U8 => pixels.extend_from_slice(sample),
+            Element::F32 => f32s(sample, &mut features),
+        }
+        f32s(targets, &mut values);
+        labels.push(label);
+    }
+    Ok(Some(Batch {
+        epoch,
+        index: batch,
+        shape: [n, h, w, c],
+        pixels,
+        labels,
+        soft_targets: None,
+        recipes: None,
+        features: (s.kind.element == Element::F32).then_some(features),
+        values: (s.kind.values > 0).then_some(values),
+    }))
 }
 
 /// Runs `read` for sample `index` of batch `batch` (a dataset read, and

@@ -655,6 +655,8 @@ fn micro_batches_cover_the_batch_in_order_and_lend_a_whole_one() {
         labels: vec![0, 1, 2, 3, 4],
         soft_targets: Some((0..10).map(|i| i as f32).collect()),
         recipes: None,
+        features: None,
+        values: None,
     };
     let parts: Vec<_> = batch.micro_batches(2).collect();
     assert_eq!(parts.len(), 3);
@@ -685,6 +687,8 @@ fn a_mirrored_batch_reverses_each_row_keeping_channels_together() {
         labels: vec![4, 5],
         soft_targets: None,
         recipes: None,
+        features: None,
+        values: None,
     };
     let mirrored = batch.mirrored();
     let row0 = &mirrored.sample(1)[..6];

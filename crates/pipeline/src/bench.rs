@@ -197,6 +197,8 @@ fn synthetic_batch(config: &ExperimentConfig, n: usize, classes: usize) -> Batch
         labels: (0..n).map(|i| (i % classes.max(1)) as u32).collect(),
         soft_targets: None,
         recipes: None,
+        features: None,
+        values: None,
     }
 }
 

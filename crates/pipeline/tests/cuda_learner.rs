@@ -699,6 +699,8 @@ fn sequence_batch(index: usize, n: usize, shape: [usize; 3], below: usize) -> Ba
         labels: vec![0; n],
         soft_targets: None,
         recipes: None,
+        features: None,
+        values: None,
     }
 }
 

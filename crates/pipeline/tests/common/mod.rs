@@ -32,6 +32,8 @@ pub fn batch(index: usize, n: usize, classes: usize) -> Batch {
         labels: (0..n).map(|i| ((i + index) % classes) as u32).collect(),
         soft_targets: None,
         recipes: None,
+        features: None,
+        values: None,
     }
 }
 
