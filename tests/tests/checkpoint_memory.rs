@@ -121,6 +121,7 @@ fn a_learner_s_state_is_written_with_no_copy_at_all() {
         label_smoothing: 0.0,
         clip_norm: 0.0,
         focal_gamma: None,
+        regression: None,
         optimizer: Default::default(),
     };
     let pool = MemoryPool::new(Device::Cpu);

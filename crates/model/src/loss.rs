@@ -7,6 +7,8 @@
 //! safe; a non-finite logit gives a non-finite loss and gradient, which the
 //! loss-scaling check downstream relies on seeing.
 //!
+//! `value_loss`, for regression: MSE or Huber against f32 targets.
+//!
 //! `pixel_mse`, for frame prediction: the mean squared error between
 //! predicted pixels and u8 target pixels read as values in [0, 1]. Chosen
 //! over per-pixel BCE with logits because the copy-last-frame baseline,
@@ -50,6 +52,47 @@ pub fn pixel_mse(predictions: &Tensor, targets: &[u8]) -> Result<LossOutput> {
     Ok(LossOutput {
         loss: (sum / targets.len() as f64) as f32,
         grad,
+        correct: 0,
+    })
+}
+
+/// How a regression's error is scored (`value_loss`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ValueLoss {
+    /// Mean squared error.
+    Mse,
+    /// Huber: squared within `delta` of the target, linear beyond it, so
+    /// that outliers pull less.
+    Huber { delta: f32 },
+}
+
+/// The mean over every predicted value of `kind`'s error against
+/// `targets` (f32, as many as `predictions`: [n, k] for k targets per
+/// sample). `correct` is 0: a regression has nothing to count as correct.
+pub fn value_loss(predictions: &Tensor, targets: &[f32], kind: ValueLoss) -> Result<LossOutput> {
+    if predictions.len() != targets.len() || targets.is_empty() {
+        return Err(ModelError::Shape {
+            op: "value_loss",
+            expected: format!("{} targets", predictions.len()),
+            got: format!("{}", targets.len()),
+        });
+    }
+    let count = targets.len() as f32;
+    let p = predictions.data();
+    let (mut sum, mut grad) = (0.0f64, Vec::with_capacity(p.len()));
+    for (&y, &t) in p.iter().zip(targets) {
+        let e = y - t;
+        let (loss, slope) = match kind {
+            ValueLoss::Mse => (e * e, 2.0 * e),
+            ValueLoss::Huber { delta } if e.abs() <= delta => (0.5 * e * e, e),
+            ValueLoss::Huber { delta } => (delta * (e.abs() - 0.5 * delta), delta * e.signum()),
+        };
+        sum += f64::from(loss);
+        grad.push(slope / count);
+    }
+    Ok(LossOutput {
+        loss: (sum / f64::from(count)) as f32,
+        grad: Tensor::from_vec(predictions.shape(), grad)?,
         correct: 0,
     })
 }

@@ -126,6 +126,27 @@ impl Network {
         Tensor::from_u8_normalized(&shape, pixels, self.spec.mean, self.spec.std)
     }
 
+    /// A batch of f32 features (NHWC, already scaled as the model takes
+    /// them: a table's standardised columns) as the input tensor; the
+    /// model's `mean` and `std`, which normalise u8 pixels, do not apply.
+    pub fn input_from_f32(&self, batch: usize, features: &[f32]) -> Result<Tensor> {
+        if self.spec.tokens.is_some() {
+            return Err(ModelError::State(
+                "this model reads token ids (model.tokens), not features".into(),
+            ));
+        }
+        let shape = [vec![batch], self.input_shape()].concat();
+        let expected: usize = shape.iter().product();
+        if features.len() != expected {
+            return Err(ModelError::Shape {
+                op: "input_from_f32",
+                expected: format!("{expected} features ({shape:?})"),
+                got: format!("{}", features.len()),
+            });
+        }
+        Tensor::from_vec(&shape, features.to_vec())
+    }
+
     /// Converts `batch` sequences of token ids (row-major [batch, length])
     /// into the network's input, [batch, length] ids as f32 (exact: the
     /// vocabulary is below 2^24). Ids outside the vocabulary are an error.

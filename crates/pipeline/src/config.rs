@@ -20,6 +20,7 @@ mod kinds;
 mod load;
 mod overrides;
 pub mod sizes;
+mod table;
 
 pub use kinds::{DataFormat, ImageFit, OomPolicy, Profile};
 pub use load::{is_profile, profile_path, PROFILES_DIR};
@@ -162,6 +163,16 @@ pub struct DataConfig {
     /// "center_crop" (unset: the default) or "resize".
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fit: Option<ImageFit>,
+    /// For "csv": the target column(s) by name. One column of classes
+    /// (names or ids) for a classifier; one or more numeric columns for a
+    /// regression (`train.loss = "mse"` or `"huber"`). Left out of the
+    /// serialised config when unset, as the image keys are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub targets: Option<Vec<String>>,
+    /// For "csv": the feature columns, in the order the model takes them
+    /// (unset: every column that is not a target, in file order).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub features: Option<Vec<String>>,
 }
 
 /// `data.on_device`: true, false or "auto".
@@ -537,6 +548,10 @@ pub struct TrainConfig {
     /// Focal loss's γ: a class's log-probability is weighted by (1 - p)^γ.
     #[serde(default = "default_focal_gamma")]
     pub focal_gamma: f32,
+    /// Huber loss's δ, in standardised target units (unset: 1); left out
+    /// of the serialised config when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub huber_delta: Option<f32>,
     /// Global gradient-norm clip (0 = off).
     #[serde(default)]
     pub clip_norm: f32,
@@ -593,6 +608,18 @@ pub enum LossKind {
     CrossEntropy,
     /// Focal loss (Lin et al. 2017) with `train.focal_gamma`.
     Focal,
+    /// Mean squared error against numeric targets (a regression).
+    Mse,
+    /// Huber loss with `train.huber_delta` against numeric targets.
+    Huber,
+}
+
+impl LossKind {
+    /// Whether the loss scores numeric targets (a regression) rather than
+    /// classes.
+    pub fn is_regression(self) -> bool {
+        matches!(self, LossKind::Mse | LossKind::Huber)
+    }
 }
 
 fn default_focal_gamma() -> f32 {
@@ -847,8 +874,9 @@ impl ExperimentConfig {
             finetune.validate(self)?;
         }
         self.data.check_image_keys(&self.model)?;
+        self.check_table_keys()?;
         match self.data.format {
-            DataFormat::Idx | DataFormat::ImageFolder => {}
+            DataFormat::Idx | DataFormat::ImageFolder | DataFormat::Csv => {}
             DataFormat::Shards => {
                 if self.data.dir.is_none() {
                     return Err(PipelineError::value(

@@ -41,7 +41,13 @@ pub fn open_splits(
         Some(_) => 1,
         None => crate::config::sizes::output_classes(&config.model)?,
     };
+    let mut scale = None;
     let (train, test, class_names) = match config.data.format {
+        DataFormat::Csv => {
+            let tables = crate::tables::open_splits(config, classes)?;
+            scale = Some(tables.scale);
+            (tables.train, tables.test, tables.classes)
+        }
         DataFormat::ImageFolder => {
             let (train, test) = open_image_folders(config, classes)?;
             let names = train.classes().to_vec();
@@ -76,6 +82,7 @@ pub fn open_splits(
         test_digest,
         train_digest: Some(train_digest),
         classes: class_names,
+        scale,
     };
     identity.check_against_run(config)?;
     Ok((train, test))
@@ -90,6 +97,11 @@ fn open_unchecked(
     }
     if config.data.format == DataFormat::MovingFashionMnist {
         return crate::frames::open_splits(config, allow_install);
+    }
+    if config.data.format == DataFormat::Csv {
+        let outputs = crate::config::sizes::output_classes(&config.model)?;
+        let tables = crate::tables::open_splits(config, outputs)?;
+        return Ok((tables.train, tables.test));
     }
     if config.data.format == DataFormat::ImageFolder {
         let (train, test) = open_image_folders(config, usize::MAX)?;
@@ -237,8 +249,11 @@ pub fn recorded_classes(run_dir: &Path) -> Result<Option<Vec<String>>> {
 /// at or above `classes` names the sample. Returns a CRC of the pixels and
 /// labels, the split's fingerprint.
 fn verify_samples(data: &dyn Dataset, classes: usize, place: &str) -> Result<u32> {
-    let [h, w, c] = data.sample_shape();
-    let mut pixels = vec![0u8; h * w * c];
+    let shape = data.sample_shape();
+    let record = data.sample_kind().record_len(shape).ok_or_else(|| {
+        PipelineError::BadData(format!("{place}: samples of shape {shape:?} overflow"))
+    })?;
+    let mut pixels = vec![0u8; record];
     let mut digest = crc32fast::Hasher::new();
     for index in 0..data.len() {
         let label = data.read(index, &mut pixels)?;
@@ -311,6 +326,11 @@ pub struct DatasetIdentity {
     /// out for data without names (earlier records read back unchanged).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub classes: Option<Vec<String>>,
+    /// A table's standardisation (`data.format = "csv"`), from its
+    /// training rows: what a prediction applies to new rows and undoes on
+    /// predicted values. Left out for other data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<headroom_loader::TableScale>,
 }
 
 const IDENTITY_FILE: &str = "dataset.json";

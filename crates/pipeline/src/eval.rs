@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use headroom_loader::{Batch, DataLoader};
+use headroom_loader::{Batch, DataLoader, SampleKind};
 
 use crate::checkpoint::{self, Checkpoint};
 use crate::config::{ExperimentConfig, TestTimeAugmentation};
@@ -27,6 +27,71 @@ pub struct Evaluation {
     pub baseline_loss: Option<f32>,
     /// `confusion[truth][predicted]` counts.
     pub confusion: Vec<Vec<u64>>,
+    /// A regression's errors in the targets' own units; None otherwise.
+    pub regression: Option<RegressionMetrics>,
+}
+
+/// A regression's test figures, in the targets' own units (a table's
+/// standardisation undone), each the mean over the targets when there are
+/// several.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct RegressionMetrics {
+    /// Mean absolute error.
+    pub mae: f32,
+    /// Root mean squared error.
+    pub rmse: f32,
+    /// Coefficient of determination: 1 - SSE / (the targets' own sum of
+    /// squares about their mean); 1 is perfect, 0 is as good as predicting
+    /// the mean, negative is worse.
+    pub r2: f32,
+}
+
+/// Sums over the test set per target, for [`RegressionMetrics`].
+#[derive(Clone, Debug, Default)]
+struct RegressionSums {
+    count: u64,
+    /// Per target: Σ|e|, Σe², Σy, Σy².
+    per_target: Vec<[f64; 4]>,
+}
+
+impl RegressionSums {
+    fn add(&mut self, kind: &SampleKind, predicted: &[f32], truth: &[f32]) {
+        let k = kind.values.max(1);
+        if self.per_target.len() != k {
+            self.per_target = vec![[0.0; 4]; k];
+        }
+        for (p_row, t_row) in predicted.chunks_exact(k).zip(truth.chunks_exact(k)) {
+            for (j, (&p, &t)) in p_row.iter().zip(t_row).enumerate() {
+                let (p, t) = (f64::from(kind.unscale(j, p)), f64::from(kind.unscale(j, t)));
+                let sums = &mut self.per_target[j];
+                sums[0] += (p - t).abs();
+                sums[1] += (p - t) * (p - t);
+                sums[2] += t;
+                sums[3] += t * t;
+            }
+            self.count += 1;
+        }
+    }
+
+    fn metrics(&self) -> Option<RegressionMetrics> {
+        if self.count == 0 || self.per_target.is_empty() {
+            return None;
+        }
+        let n = self.count as f64;
+        let targets = self.per_target.len() as f64;
+        let (mut mae, mut rmse, mut r2) = (0.0, 0.0, 0.0);
+        for &[abs, sq, sum, sum_sq] in &self.per_target {
+            mae += abs / n;
+            rmse += (sq / n).sqrt();
+            let spread = sum_sq - sum * sum / n;
+            r2 += if spread > 0.0 { 1.0 - sq / spread } else { 0.0 };
+        }
+        Some(RegressionMetrics {
+            mae: (mae / targets) as f32,
+            rmse: (rmse / targets) as f32,
+            r2: (r2 / targets) as f32,
+        })
+    }
 }
 
 /// Evaluates `learner` on every batch of `loader` (epoch 0, in order), with
@@ -41,6 +106,8 @@ pub fn evaluate(
     let mut confusion = vec![vec![0u64; classes]; classes];
     let (mut loss_sum, mut seen, mut scored) = (0.0f64, 0usize, 0usize);
     let mut baseline_sum: Option<f64> = None;
+    let kind = loader.dataset().sample_kind();
+    let mut regression: Option<RegressionSums> = None;
     for batch in loader.epoch(0, 0) {
         let batch = batch?;
         let result = match tta {
@@ -48,6 +115,14 @@ pub fn evaluate(
             TestTimeAugmentation::Flip => eval_with_mirror(learner, &batch)?,
         };
         loss_sum += result.loss_sum;
+        if let (Some(predicted), Some(truth)) = (&result.values, &batch.values) {
+            regression
+                .get_or_insert_with(RegressionSums::default)
+                .add(&kind, predicted, truth);
+            seen += batch.len();
+            bar.inc(1);
+            continue;
+        }
         if let Some(sum) = result.baseline_loss_sum {
             *baseline_sum.get_or_insert(0.0) += sum;
             seen += batch.len();
@@ -79,11 +154,11 @@ pub fn evaluate(
     Ok(Evaluation {
         samples: seen,
         loss: mean(loss_sum),
-        accuracy: baseline_sum
-            .is_none()
+        accuracy: (baseline_sum.is_none() && regression.is_none())
             .then(|| correct as f32 / scored.max(1) as f32),
         baseline_loss: baseline_sum.map(mean),
         confusion,
+        regression: regression.as_ref().and_then(RegressionSums::metrics),
     })
 }
 
@@ -110,6 +185,7 @@ fn eval_with_mirror(learner: &mut dyn Learner, batch: &Batch) -> Result<EvalResu
         loss_sum,
         predictions: rows.map(arg_max).collect(),
         baseline_loss_sum: None,
+        values: None,
     })
 }
 

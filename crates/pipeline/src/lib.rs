@@ -53,7 +53,7 @@
 //!     seed: 1,
 //!     build: Default::default(),
 //!     layers: Default::default(),
-//!     step: StepSettings { label_smoothing: 0.0, clip_norm: 0.0, focal_gamma: None, optimizer: Default::default() },
+//!     step: StepSettings { label_smoothing: 0.0, clip_norm: 0.0, focal_gamma: None, regression: None, optimizer: Default::default() },
 //!     batch: 32,
 //!     device: DeviceKind::Cpu,
 //!     cuda: Default::default(),
@@ -97,6 +97,7 @@ mod setting_enum;
 pub mod shell;
 mod sink;
 mod sources;
+pub mod tables;
 pub mod text;
 pub mod train;
 pub mod trainer;

@@ -10,9 +10,10 @@ use headroom_model::memory::MemoryPool;
 use headroom_model::{BuildOptions, Device, LayerRegistry, Network};
 use headroom_optim::{AdamWConfig, LossScalerConfig};
 
-use crate::config::ExperimentConfig;
+use crate::config::{ExperimentConfig, LossKind};
 use crate::learner::{
     open_network, CpuLearner, CudaOptions, Learner, LearnerState, NetworkPlan, StepSettings,
+    ValueLoss,
 };
 use crate::{checkpoint, PipelineError, Result};
 
@@ -21,8 +22,14 @@ impl StepSettings {
         Self {
             label_smoothing: config.train.label_smoothing,
             clip_norm: config.train.clip_norm,
-            focal_gamma: (config.train.loss == crate::config::LossKind::Focal)
-                .then_some(config.train.focal_gamma),
+            focal_gamma: (config.train.loss == LossKind::Focal).then_some(config.train.focal_gamma),
+            regression: match config.train.loss {
+                LossKind::Mse => Some(ValueLoss::Mse),
+                LossKind::Huber => Some(ValueLoss::Huber {
+                    delta: config.train.huber_delta.unwrap_or(1.0),
+                }),
+                LossKind::CrossEntropy | LossKind::Focal => None,
+            },
             optimizer: AdamWConfig {
                 beta1: config.optimizer.beta1,
                 beta2: config.optimizer.beta2,
@@ -58,7 +65,7 @@ pub fn open_with(
         layers: LayerRegistry::default(),
         step: StepSettings::from_config(config),
         batch: config.train.batch_size,
-        device: config.device.kind,
+        device: config.learner_device(),
         cuda,
     };
     open_network(&plan, pool, |network| initialise(config, network).map(drop))

@@ -27,6 +27,8 @@ pub enum Task {
     Frames,
     /// Bytes to next bytes (`model.tokens`): bits per byte.
     Tokens,
+    /// Features to numeric targets (`train.loss = "mse"` or `"huber"`).
+    Regression,
 }
 
 impl Task {
@@ -35,6 +37,8 @@ impl Task {
             Task::Frames
         } else if config.model.tokens.is_some() {
             Task::Tokens
+        } else if config.train.loss.is_regression() {
+            Task::Regression
         } else {
             Task::Classifier
         }
@@ -141,6 +145,7 @@ fn panels(curves: Curves, task: Task) -> Vec<Panel> {
             Task::Classifier => "loss (cross-entropy)",
             Task::Frames => "loss (per-pixel MSE)",
             Task::Tokens => "loss (nats per byte)",
+            Task::Regression => "loss (standardised targets)",
         },
         x_label: "epoch",
         x_in_epochs: true,
@@ -179,6 +184,13 @@ fn panels(curves: Curves, task: Task) -> Vec<Panel> {
             let mut validation = Line::new("validation-bits-per-byte", "validation", "#d94801");
             validation.points = bits(curves.test_loss);
             by_epoch("bits per byte", vec![train, validation])
+        }
+        Task::Regression => {
+            let mut train = Line::new("train-loss-by-epoch", "train", "#6baed6");
+            train.points = curves.train_loss;
+            let mut test = Line::new("test-loss-by-epoch", "test", "#d94801");
+            test.points = curves.test_loss;
+            by_epoch("loss by epoch (standardised targets)", vec![train, test])
         }
     };
     let mut step_speed = Line::new("throughput-steps", "step (average)", "#74c476");

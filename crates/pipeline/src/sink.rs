@@ -55,6 +55,9 @@ pub struct EpochSummary {
     /// A frame model's copy-last-frame baseline on the test frames.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub test_baseline_loss: Option<f32>,
+    /// A regression's test MAE, RMSE and R², in the targets' units.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub test_regression: Option<crate::eval::RegressionMetrics>,
     pub train_seconds: f64,
     pub train_samples_per_sec: f64,
     pub skipped_steps: u64,
@@ -300,9 +303,12 @@ fn receive(
                     ),
                     accuracy_text(summary.train_accuracy),
                     summary.test_loss,
-                    match summary.test_baseline_loss {
-                        Some(baseline) => format!(" (copy-last baseline {baseline:.4})"),
-                        None => accuracy_text(summary.test_accuracy),
+                    match (summary.test_baseline_loss, summary.test_regression) {
+                        (Some(baseline), _) => format!(" (copy-last baseline {baseline:.4})"),
+                        (None, Some(r)) => {
+                            format!(" (MAE {:.4}, RMSE {:.4}, R² {:.4})", r.mae, r.rmse, r.r2)
+                        }
+                        (None, None) => accuracy_text(summary.test_accuracy),
                     },
                     summary.train_seconds,
                     summary.train_samples_per_sec,

@@ -93,6 +93,7 @@ pub fn loop_settings(config: &ExperimentConfig) -> Result<LoopSettings> {
             (None, Some(tokens)) => Task::Tokens {
                 length: tokens.length,
             },
+            (None, None) if config.train.loss.is_regression() => Task::Regression,
             (None, None) => Task::Classifier,
         },
         check_fits: config.finetune.is_some(),

@@ -1117,6 +1117,7 @@ fn focal_loss_trains_as_on_the_cpu() {
     let Some(_gpu) = backend() else { return };
     let focal = StepSettings {
         focal_gamma: Some(2.0),
+        regression: None,
         ..settings()
     };
     let be = CudaBackend::new(0).unwrap();

@@ -130,6 +130,7 @@ fn focal_loss_reaches_the_step_when_configured() {
     let with_gamma = |gamma: Option<f32>| {
         let settings = StepSettings {
             focal_gamma: gamma,
+            regression: None,
             ..settings()
         };
         let mut learner = CpuLearner::new(

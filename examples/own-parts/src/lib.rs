@@ -125,10 +125,10 @@ pub fn example_trainer(
         build: Default::default(),
         layers: LayerRegistry::new().register("gated_residual", gated_residual::factory),
         step: StepSettings {
-            label_smoothing: 0.0,
             clip_norm: 1.0,
-            focal_gamma: None,
-            optimizer: Default::default(),
+            // The rest (cross-entropy, the optimizer's defaults) as the
+            // library gives them.
+            ..StepSettings::default()
         },
         batch: example.batch_size,
         device: example.device,

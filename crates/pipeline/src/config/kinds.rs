@@ -22,6 +22,9 @@ setting_enum! {
         /// A folder of PNG and JPEG photos with train/ and test/ inside,
         /// each holding one subfolder per class, decoded as read.
         ImageFolder = "image_folder",
+        /// `train.csv` and `test.csv` in `data.dir`: numeric feature
+        /// columns and the `data.targets` columns, read whole.
+        Csv = "csv",
     }
 }
 

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use headroom_loader::Batch;
 use headroom_model::loss::{
     focal_loss, pixel_mse, pixel_mse_u8, soft_cross_entropy, soft_focal_loss,
-    softmax_cross_entropy, LossOutput,
+    softmax_cross_entropy, value_loss, LossOutput, ValueLoss,
 };
 use headroom_model::memory::{try_scratch, MemoryPool};
 use headroom_model::profile::ProfileSegment;
@@ -29,7 +29,7 @@ use super::{
     softmax_rows, write_list, EvalResult, Learner, LearnerState, StateWriter, StepLr, StepResult,
     StepSettings,
 };
-use crate::Result;
+use crate::{PipelineError, Result};
 
 /// The f32 CPU learner.
 pub struct CpuLearner {
@@ -129,6 +129,14 @@ impl CpuLearner {
                 frames: Some(FramePair { inputs, targets }),
             });
         }
+        if let Some(features) = &part.features {
+            let input = self.network.input_from_f32(part.len(), features)?;
+            return Ok(Prepared {
+                input,
+                targets: None,
+                frames: None,
+            });
+        }
         if self.tokens.is_none() {
             let input = self.network.input_from_u8(part.len(), &part.pixels)?;
             return Ok(Prepared {
@@ -159,12 +167,14 @@ impl CpuLearner {
             self.network.profile_mark(|| "input: prepared".into());
             let logits = self.network.forward(&prepared.input, Mode::Train)?;
             let smoothing = self.settings.label_smoothing;
-            let mut out = match (&prepared.targets, &prepared.frames) {
-                (_, Some(pair)) => pair.loss(&logits)?,
-                (None, None) => {
+            let regression = regression_targets(self.settings.regression, &part)?;
+            let mut out = match (&prepared.targets, &prepared.frames, regression) {
+                (_, Some(pair), _) => pair.loss(&logits)?,
+                (None, None, Some((kind, values))) => value_loss(&logits, values, kind)?,
+                (None, None, None) => {
                     training_loss(smoothing, self.settings.focal_gamma, &logits, &part)?
                 }
-                (Some(targets), None) => per_token_loss(&logits, targets, smoothing)?,
+                (Some(targets), None, _) => per_token_loss(&logits, targets, smoothing)?,
             };
             drop(logits);
             self.network.profile_mark(|| "loss".into());
@@ -283,12 +293,23 @@ impl CpuLearner {
             loss_sum: 0.0,
             predictions: Vec::with_capacity(batch.len()),
             baseline_loss_sum: self.frames.map(|_| 0.0),
+            values: self.settings.regression.map(|_| Vec::new()),
         };
         for part in batch.micro_batches(self.micro_batch) {
             let prepared = self.prepare(&part)?;
             let logits = self.network.forward(&prepared.input, Mode::Eval)?;
             if let Some(pair) = &prepared.frames {
                 add_frame_losses(&mut result, pair, &logits, part.len())?;
+                continue;
+            }
+            if let Some((kind, targets)) = regression_targets(self.settings.regression, &part)? {
+                // The loss is the mean over every target value; every sample
+                // has as many, so the per-sample sum keeps that mean.
+                let out = value_loss(&logits, targets, kind)?;
+                result.loss_sum += out.loss as f64 * part.len() as f64;
+                if let Some(values) = result.values.as_mut() {
+                    values.extend_from_slice(logits.data());
+                }
                 continue;
             }
             // A token model's loss is the mean over its tokens; every sample
@@ -303,6 +324,29 @@ impl CpuLearner {
                 .extend(logits.data().chunks_exact(classes).map(arg_max));
         }
         Ok(result)
+    }
+}
+
+/// A regression's loss and the batch's numeric targets; None for a
+/// classifier. A batch with targets the settings do not score (or the
+/// reverse) is an error rather than a silent cross-entropy.
+fn regression_targets(
+    regression: Option<ValueLoss>,
+    batch: &Batch,
+) -> Result<Option<(ValueLoss, &[f32])>> {
+    match (regression, batch.values.as_deref()) {
+        (Some(kind), Some(values)) => Ok(Some((kind, values))),
+        (None, None) => Ok(None),
+        (Some(_), None) => Err(PipelineError::value(
+            "train.loss",
+            "scores numeric targets (a regression), and the batches carry classes: use a \
+             table with numeric data.targets, or train.loss = \"cross_entropy\"",
+        )),
+        (None, Some(_)) => Err(PipelineError::value(
+            "train.loss",
+            "scores classes, and the batches carry numeric targets: set train.loss = \"mse\" \
+             or \"huber\"",
+        )),
     }
 }
 

@@ -246,6 +246,13 @@ impl CudaLearner {
     /// Copies a micro-batch to the device and normalises it there; a token
     /// model's ids and per-token targets.
     fn stage(&mut self, part: &Batch) -> Result<StagedBatch> {
+        if part.features.is_some() || part.values.is_some() {
+            return Err(PipelineError::value(
+                "device.kind",
+                "the GPU learner reads u8 images and token ids; this data holds f32 features or \
+                 numeric targets, which train on the CPU for now (device.kind = \"cpu\")",
+            ));
+        }
         if let Some(tokens) = self.network.spec().tokens {
             return self.stage_tokens(part, tokens);
         }
@@ -494,6 +501,7 @@ impl CudaLearner {
             loss_sum: 0.0,
             predictions: Vec::new(),
             baseline_loss_sum: Some(0.0),
+            values: None,
         };
         for part in batch.micro_batches(self.micro_batch) {
             let staged = self.stage_frames(&part, frames)?;
@@ -609,6 +617,7 @@ impl Learner for CudaLearner {
             loss_sum: 0.0,
             predictions: Vec::with_capacity(batch.len()),
             baseline_loss_sum: None,
+            values: None,
         };
         for part in batch.micro_batches(self.micro_batch) {
             let staged = self.stage(&part)?;

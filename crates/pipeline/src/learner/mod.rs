@@ -23,6 +23,7 @@ use std::sync::Arc;
 use headroom_loader::{Batch, Dataset};
 use headroom_model::cuda::ops::TunedConv;
 use headroom_model::cuda::{CudaBackend, ProfileSegment};
+pub use headroom_model::loss::ValueLoss;
 use headroom_model::memory::MemoryPool;
 use headroom_model::{BuildOptions, Device, LayerRegistry, ModelSpec, Network, PoolStats};
 use headroom_optim::{AdamWConfig, AdamWState, LossScalerState};
@@ -30,13 +31,16 @@ use headroom_optim::{AdamWConfig, AdamWState, LossScalerState};
 use crate::{PipelineError, Result};
 
 /// What shapes a training step besides the learning rate.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepSettings {
     pub label_smoothing: f32,
     /// Global gradient-norm clip; 0 turns clipping off.
     pub clip_norm: f32,
     /// Focal loss with this γ (`train.loss = "focal"`); None: cross-entropy.
     pub focal_gamma: Option<f32>,
+    /// A regression's loss against the batch's numeric targets
+    /// (`train.loss = "mse"` or `"huber"`); None: a classifier.
+    pub regression: Option<ValueLoss>,
     pub optimizer: AdamWConfig,
 }
 
@@ -62,6 +66,10 @@ pub struct EvalResult {
     /// A frame model's reference: the same sum for predicting each frame
     /// by the frame before it (copy-last); None for classifiers.
     pub baseline_loss_sum: Option<f64>,
+    /// A regression's predicted values, `n * targets`, in the units the
+    /// dataset stores its targets (standardised for a table); None
+    /// otherwise.
+    pub values: Option<Vec<f32>>,
 }
 
 /// Everything a checkpoint needs to continue training, in host memory.

@@ -242,6 +242,7 @@ fn run_epoch(
         test_loss: test.loss,
         test_accuracy: test.accuracy,
         test_baseline_loss: test.baseline_loss,
+        test_regression: test.regression,
         train_seconds: progress.train_seconds,
         train_samples_per_sec: progress.seen as f64 / progress.train_seconds.max(1e-9),
         skipped_steps: progress.skipped,
@@ -505,7 +506,7 @@ fn predictions_per_sample(task: Task) -> Option<u64> {
     match task {
         Task::Classifier => Some(1),
         Task::Tokens { length } => Some(length as u64),
-        Task::Frames => None,
+        Task::Frames | Task::Regression => None,
     }
 }
 

@@ -113,6 +113,8 @@ pub enum Task {
     Frames,
     /// Bytes to next bytes: `length` predictions per sample.
     Tokens { length: usize },
+    /// Features to numeric targets: MSE or Huber, MAE, RMSE and R².
+    Regression,
 }
 
 impl Task {
@@ -121,6 +123,7 @@ impl Task {
             Task::Classifier => crate::plot::Task::Classifier,
             Task::Frames => crate::plot::Task::Frames,
             Task::Tokens { .. } => crate::plot::Task::Tokens,
+            Task::Regression => crate::plot::Task::Regression,
         }
     }
 }

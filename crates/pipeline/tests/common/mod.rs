@@ -12,6 +12,7 @@ pub fn settings() -> StepSettings {
         label_smoothing: 0.1,
         clip_norm: 1.0,
         focal_gamma: None,
+        regression: None,
         optimizer: AdamWConfig {
             weight_decay: 1e-4,
             ..AdamWConfig::default()

@@ -1,0 +1,154 @@
+//! `data.format = "csv"`: which columns are features and targets
+//! (`data.targets`, `data.features`), what the task is (`train.loss`:
+//! cross-entropy or focal for a class column, MSE or Huber for numeric
+//! columns), and the checks that tie them to the model and the device.
+
+use headroom_loader::{TableConfig, TableTarget};
+
+use super::{DataFormat, ExperimentConfig, LossKind, TestTimeAugmentation};
+use crate::device::DeviceKind;
+use crate::{PipelineError, Result};
+
+impl ExperimentConfig {
+    /// The columns of a CSV experiment; a classifier's classes are found in
+    /// the training table (`classes`: the names it had, for the test table).
+    pub fn table_config(&self, classes: Option<Vec<String>>) -> TableConfig {
+        TableConfig {
+            targets: self.data.targets.clone().unwrap_or_default(),
+            features: self.data.features.clone().unwrap_or_default(),
+            target: if self.train.loss.is_regression() {
+                TableTarget::Values
+            } else {
+                TableTarget::Classes { classes }
+            },
+        }
+    }
+
+    /// The device the learner runs on: `device.kind`, except that "auto"
+    /// is the CPU for a table of f32 features (the GPU learner reads u8
+    /// images and token ids only).
+    pub fn learner_device(&self) -> DeviceKind {
+        match (self.data.format, self.device.kind) {
+            (DataFormat::Csv, DeviceKind::Auto) => DeviceKind::Cpu,
+            (_, kind) => kind,
+        }
+    }
+
+    /// The table keys belong to "csv", a regression loss to numeric
+    /// targets, and a table's model reads features on the CPU.
+    pub(super) fn check_table_keys(&self) -> Result<()> {
+        let loss = self.train.loss;
+        if self.data.format != DataFormat::Csv {
+            let set = [
+                ("data.targets", self.data.targets.is_some()),
+                ("data.features", self.data.features.is_some()),
+            ];
+            if let Some((key, _)) = set.iter().find(|(_, set)| *set) {
+                return Err(PipelineError::value(
+                    key,
+                    format!(
+                        "applies to data.format = \"csv\" only (data.format is \"{}\"): remove it",
+                        self.data.format
+                    ),
+                ));
+            }
+            if loss.is_regression() {
+                return Err(PipelineError::value(
+                    "train.loss",
+                    format!(
+                        "\"{}\" scores numeric targets, and \"{}\" data has classes: use \
+                         data.format = \"csv\" with data.targets naming numeric columns, or \
+                         train.loss = \"cross_entropy\"",
+                        loss_word(loss),
+                        self.data.format
+                    ),
+                ));
+            }
+        }
+        if let Some(delta) = self.train.huber_delta {
+            if loss != LossKind::Huber {
+                return Err(PipelineError::value(
+                    "train.huber_delta",
+                    "applies to train.loss = \"huber\" only: remove it",
+                ));
+            }
+            if !(delta.is_finite() && delta > 0.0) {
+                return Err(PipelineError::value(
+                    "train.huber_delta",
+                    format!("must be a finite number > 0, got {delta}"),
+                ));
+            }
+        }
+        if self.data.format != DataFormat::Csv {
+            return Ok(());
+        }
+        if self.data.dir.is_none() {
+            return Err(PipelineError::value(
+                "data.dir",
+                "data.format = \"csv\" needs data.dir: a folder holding train.csv and test.csv",
+            ));
+        }
+        let targets = self.data.targets.as_deref().unwrap_or_default();
+        if targets.is_empty() {
+            return Err(PipelineError::value(
+                "data.targets",
+                "data.format = \"csv\" needs the target column(s) by name, e.g. \
+                 data.targets = [\"price\"]",
+            ));
+        }
+        if !loss.is_regression() && targets.len() != 1 {
+            return Err(PipelineError::value(
+                "data.targets",
+                format!(
+                    "a classifier (train.loss = \"{}\") reads one class column, {} are named; \
+                     for numeric targets set train.loss = \"mse\" or \"huber\"",
+                    loss_word(loss),
+                    targets.len()
+                ),
+            ));
+        }
+        if self.data.train_samples > 0 || self.data.test_samples > 0 {
+            return Err(PipelineError::value(
+                "data.train_samples",
+                "sample limits apply to \"idx\" data only; use a smaller table instead",
+            ));
+        }
+        if self.model.tokens.is_some() || self.model.frames.is_some() {
+            return Err(PipelineError::value(
+                "data.format",
+                "\"csv\" rows are feature vectors; a token or frame model (model.tokens, \
+                 model.frames) cannot read them",
+            ));
+        }
+        if loss.is_regression() && self.train.label_smoothing > 0.0 {
+            return Err(PipelineError::value(
+                "train.label_smoothing",
+                "applies to classes; a regression (train.loss = \"mse\" or \"huber\") has none: \
+                 remove it",
+            ));
+        }
+        if self.eval.tta != TestTimeAugmentation::None {
+            return Err(PipelineError::value(
+                "eval.tta",
+                "mirrors images; a table's rows have no left and right: remove it",
+            ));
+        }
+        if self.device.kind == DeviceKind::Cuda {
+            return Err(PipelineError::value(
+                "device.kind",
+                "\"cuda\", but a table's f32 features train on the CPU for now (the GPU learner \
+                 reads u8 images and token ids): set device.kind = \"cpu\" or \"auto\"",
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn loss_word(loss: LossKind) -> &'static str {
+    match loss {
+        LossKind::CrossEntropy => "cross_entropy",
+        LossKind::Focal => "focal",
+        LossKind::Mse => "mse",
+        LossKind::Huber => "huber",
+    }
+}

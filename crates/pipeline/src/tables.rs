@@ -1,0 +1,123 @@
+//! `data.format = "csv"`: `data.dir`'s train.csv and test.csv as datasets
+//! of standardised f32 features and a class or numeric targets, checked
+//! against the model before any training.
+//!
+//! The standardisation (each feature's and numeric target's mean and
+//! standard deviation) comes from the training table only and is recorded
+//! with the run in `dataset.json`, beside the class names, so that the
+//! test table, an evaluation and a later prediction use the same numbers.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use headroom_loader::{CsvTable, Dataset, TableScale};
+
+use crate::config::ExperimentConfig;
+use crate::{PipelineError, Result};
+
+/// The two tables of a CSV experiment, what the run records about them,
+/// and the checks that the model reads and predicts what they hold.
+pub struct Tables {
+    pub train: Arc<dyn Dataset>,
+    pub test: Arc<dyn Dataset>,
+    /// A classifier's class names by id; None for a regression.
+    pub classes: Option<Vec<String>>,
+    pub scale: TableScale,
+}
+
+/// Opens `data.dir/train.csv` and `data.dir/test.csv` for `config`, whose
+/// model has `outputs` outputs.
+pub fn open_splits(config: &ExperimentConfig, outputs: usize) -> Result<Tables> {
+    let root = config.data.dir.as_deref().ok_or_else(|| {
+        PipelineError::value(
+            "data.dir",
+            "data.format = \"csv\" needs the folder holding train.csv and test.csv",
+        )
+    })?;
+    let path = |name: &str| {
+        let path = root.join(name);
+        match crate::paths::problem(&path, crate::paths::Want::File) {
+            None => Ok(path),
+            Some(reason) => Err(PipelineError::value(
+                "data.dir",
+                format!(
+                    "{} {reason}: data.format = \"csv\" reads train.csv and test.csv from \
+                     data.dir",
+                    path.display()
+                ),
+            )),
+        }
+    };
+    let (train_path, test_path) = (path("train.csv")?, path("test.csv")?);
+    let mut train = CsvTable::open(&train_path, &config.table_config(None))?;
+    let known = (!train.classes().is_empty()).then(|| train.classes().to_vec());
+    let mut test = CsvTable::open(&test_path, &config.table_config(known.clone()))?;
+    if test.feature_names() != train.feature_names() {
+        return Err(PipelineError::BadData(format!(
+            "{} and {} must hold the same feature columns: train has {:?}, test has {:?}",
+            train_path.display(),
+            test_path.display(),
+            train.feature_names(),
+            test.feature_names()
+        )));
+    }
+    check_model(config, &train, &train_path, outputs)?;
+    let scale = train.scale();
+    train.standardize(&scale)?;
+    test.standardize(&scale)?;
+    tracing::info!(
+        "table from {}: {} training and {} test rows, {} features, {}",
+        root.display(),
+        train.len(),
+        test.len(),
+        train.feature_names().len(),
+        match &known {
+            Some(classes) => format!("{} classes", classes.len()),
+            None => format!("targets {:?}", train.target_names()),
+        }
+    );
+    Ok(Tables {
+        train: Arc::new(train),
+        test: Arc::new(test),
+        classes: known,
+        scale,
+    })
+}
+
+/// The model reads `[1, features, 1]` and has one output per class or per
+/// numeric target.
+fn check_model(
+    config: &ExperimentConfig,
+    train: &CsvTable,
+    path: &Path,
+    outputs: usize,
+) -> Result<()> {
+    let features = train.feature_names().len();
+    if config.model.input != [1, features, 1] {
+        return Err(PipelineError::value(
+            "model.input",
+            format!(
+                "{:?}, but {} has {features} feature columns ({}): set model.input = [1, \
+                 {features}, 1]",
+                config.model.input,
+                path.display(),
+                train.feature_names().join(", ")
+            ),
+        ));
+    }
+    let (wanted, what) = match train.classes() {
+        [] => (train.target_names().len(), "numeric targets"),
+        classes => (classes.len(), "classes"),
+    };
+    if outputs != wanted {
+        return Err(PipelineError::value(
+            "model.layers",
+            format!(
+                "the model has {outputs} outputs, but {} has {wanted} {what}: set the last \
+                 linear layer's out = {wanted}",
+                path.display()
+            ),
+        ));
+    }
+    Ok(())
+}

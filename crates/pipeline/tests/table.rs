@@ -1,0 +1,183 @@
+//! `data.format = "csv"`: experiments/tabular.toml trains on generated
+//! tables on the CPU, a regression to a low error in the targets' units and
+//! a classifier of string classes to a high accuracy; the run records the
+//! standardisation and the class names; a table or model that does not fit
+//! is refused before training, by key.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use headroom_pipeline::{data, train, ExperimentConfig, Overrides, Resume, TrainOptions};
+
+fn tabular() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments/tabular.toml")
+}
+
+fn load(sets: &[String]) -> Result<ExperimentConfig, String> {
+    let overrides = Overrides::parse(sets).map_err(|e| e.to_string())?;
+    ExperimentConfig::load(&tabular(), &overrides).map_err(|e| e.to_string())
+}
+
+/// A deterministic value in [-1, 1) from `i` (no RNG crate needed).
+fn noise(i: usize) -> f64 {
+    let x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 11;
+    (x as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+}
+
+/// `train.csv` and `test.csv` in `dir`: columns a, b, c and y = 40 + 3a -
+/// 2b + 0.5c² (b in the thousands, so standardisation matters), plus the
+/// class column `size` ("small" below 40, else "large"), in the middle.
+fn write_tables(dir: &Path, rows: [usize; 2]) {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut offset = 0;
+    for (name, count) in ["train.csv", "test.csv"].into_iter().zip(rows) {
+        let mut text = String::from("a,b,size,c,y\n");
+        for i in offset..offset + count {
+            let (a, b, c) = (
+                noise(3 * i),
+                1000.0 + 500.0 * noise(3 * i + 1),
+                noise(3 * i + 2),
+            );
+            let y = 40.0 + 3.0 * a - 2.0 * (b - 1000.0) / 500.0 + 0.5 * c * c;
+            let size = if y < 40.0 { "small" } else { "large" };
+            writeln!(text, "{a:.6},{b:.3},{size},{c:.6},{y:.6}").unwrap();
+        }
+        std::fs::write(dir.join(name), text).unwrap();
+        offset += count;
+    }
+}
+
+fn sets(dir: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut sets = vec![
+        format!("data.dir={}", dir.display()),
+        r#"data.features=["a", "b", "c"]"#.to_string(),
+        "model.input=[1, 3, 1]".into(),
+        "train.epochs=12".into(),
+        "train.threads=2".into(),
+        "data.workers=1".into(),
+        format!("run.output_dir={}", out.display()),
+    ];
+    sets.extend(extra.iter().map(|s| s.to_string()));
+    sets
+}
+
+fn options() -> TrainOptions {
+    TrainOptions {
+        resume: Resume::No,
+        allow_install: false,
+        stop: None,
+    }
+}
+
+#[test]
+fn a_regression_learns_the_table_and_reports_its_error_in_the_targets_units() {
+    let dir = tempfile::tempdir().unwrap();
+    let (tables, out) = (dir.path().join("table"), dir.path().join("run"));
+    write_tables(&tables, [1024, 256]);
+    let config = load(&sets(&tables, &out, &[])).unwrap();
+    let summary = train(&config, &options()).unwrap();
+    assert_eq!(summary.test_accuracy, None, "a regression has no accuracy");
+    let last = summary.epochs.last().unwrap();
+    let metrics = last.test_regression.expect("regression metrics");
+    // y spans about 35..45 (std about 2): predicting the mean gives an RMSE
+    // near 2 and R² 0.
+    assert!(metrics.rmse < 0.5, "{metrics:?}");
+    assert!(metrics.mae < metrics.rmse + 1e-6, "{metrics:?}");
+    assert!(metrics.r2 > 0.9, "{metrics:?}");
+    // The loss is on standardised targets: RMSE² ≈ MSE · std².
+    let first = summary.epochs.first().unwrap();
+    assert!(last.test_loss < first.test_loss, "{summary:?}");
+
+    let record = std::fs::read_to_string(out.join("dataset.json")).unwrap();
+    let record: serde_json::Value = serde_json::from_str(&record).unwrap();
+    let scale = &record["scale"];
+    assert_eq!(scale["features"].as_array().unwrap().len(), 3, "{record}");
+    let b_mean = scale["features"][1][0].as_f64().unwrap();
+    assert!((b_mean - 1000.0).abs() < 50.0, "{record}");
+    assert_eq!(record["format"], "csv");
+}
+
+#[test]
+fn a_classifier_reads_a_string_class_column_and_records_the_class_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let (tables, out) = (dir.path().join("table"), dir.path().join("run"));
+    write_tables(&tables, [1024, 256]);
+    let extra = [
+        "train.loss=cross_entropy",
+        r#"data.targets=["size"]"#,
+        r#"data.features=["a", "b", "c", "y"]"#,
+        "model.input=[1, 4, 1]",
+        "train.epochs=6",
+        r#"model.layers=[{type="flatten"}, {type="linear", out=32}, {type="relu"}, {type="linear", out=2}]"#,
+    ];
+    let config = load(&sets(&tables, &out, &extra)).unwrap();
+    let summary = train(&config, &options()).unwrap();
+    let accuracy = summary.test_accuracy.unwrap();
+    assert!(accuracy > 0.9, "{accuracy}");
+    assert_eq!(
+        data::recorded_classes(&out).unwrap(),
+        Some(vec!["large".to_string(), "small".into()])
+    );
+}
+
+#[test]
+fn a_table_or_model_that_does_not_fit_is_refused_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let (tables, out) = (dir.path().join("table"), dir.path().join("run"));
+    write_tables(&tables, [64, 16]);
+    let train_err = |extra: &[&str]| -> String {
+        let config = load(&sets(&tables, &out, extra)).unwrap();
+        train(&config, &options()).unwrap_err().to_string()
+    };
+    let err = train_err(&["model.input=[1, 5, 1]"]);
+    assert!(
+        err.contains("model.input") && err.contains("[1, 3, 1]"),
+        "{err}"
+    );
+    let err = train_err(&[r#"data.targets=["price"]"#]);
+    assert!(
+        err.contains("no column `price`") && err.contains("train.csv"),
+        "{err}"
+    );
+    // Two numeric targets need two outputs.
+    let err = train_err(&[
+        r#"data.targets=["y", "c"]"#,
+        r#"data.features=["a", "b"]"#,
+        "model.input=[1, 2, 1]",
+    ]);
+    assert!(err.contains("out = 2"), "{err}");
+    let err = train_err(&["augment.flip=true"]);
+    assert!(
+        err.contains("augment.flip") && err.contains("f32 features"),
+        "{err}"
+    );
+    // A bad cell stops the run before any training, naming the line.
+    let mut text = std::fs::read_to_string(tables.join("test.csv")).unwrap();
+    text.push_str("0.1,oops,small,0.2,40\n");
+    std::fs::write(tables.join("test.csv"), text).unwrap();
+    let err = train_err(&[]);
+    assert!(
+        err.contains("test.csv") && err.contains("line 18") && err.contains("`b`"),
+        "{err}"
+    );
+    assert!(!out.join("metrics.jsonl").exists(), "nothing trained");
+
+    // Refused while reading the experiment.
+    let err = load(&sets(&tables, &out, &["device.kind=cuda"])).unwrap_err();
+    assert!(err.contains("device.kind") && err.contains("CPU"), "{err}");
+    let err = load(&sets(
+        &tables,
+        &out,
+        &["train.loss=cross_entropy", r#"data.targets=["y", "c"]"#],
+    ))
+    .unwrap_err();
+    assert!(
+        err.contains("data.targets") && err.contains("one class column"),
+        "{err}"
+    );
+    let err = load(&["data.format=idx".into(), "data.dir=/nowhere".into()]).unwrap_err();
+    assert!(
+        err.contains("data.targets") && err.contains("\"csv\" only"),
+        "{err}"
+    );
+}
