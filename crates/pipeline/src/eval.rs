@@ -220,6 +220,8 @@ pub struct EvalReport {
     /// a classifier. A token model's figures are these, not its
     /// vocabulary-sized confusion matrix.
     pub bits_per_byte: Option<f32>,
+    /// A regression's MAE, RMSE and R² in the targets' units.
+    pub regression: Option<RegressionMetrics>,
 }
 
 /// Evaluates `path` (a checkpoint file, or a run directory's newest valid
@@ -265,6 +267,7 @@ pub fn evaluate_checkpoint(
             .model
             .tokens
             .map(|_| evaluation.loss / std::f32::consts::LN_2),
+        regression: evaluation.regression,
     })
 }
 

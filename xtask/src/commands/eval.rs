@@ -43,6 +43,21 @@ fn print_eval(report: &headroom_pipeline::eval::EvalReport) {
         );
         return;
     }
+    if let Some(r) = report.regression {
+        println!(
+            "{} (epoch {}, step {}): test RMSE {:.4}, MAE {:.4}, R² {:.4} (in the targets' units), \
+             loss {:.4} (on standardised targets) on {} samples",
+            report.checkpoint.display(),
+            report.epoch,
+            report.step,
+            r.rmse,
+            r.mae,
+            r.r2,
+            report.loss,
+            report.samples
+        );
+        return;
+    }
     let Some(accuracy) = report.accuracy else {
         // A frame model: a regression, scored against copying the last frame.
         println!(

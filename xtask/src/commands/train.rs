@@ -367,18 +367,25 @@ fn print_summary(experiment: &ExperimentConfig, summary: &headroom_pipeline::Run
         summary.test_accuracy,
         summary.test_loss,
         summary.test_baseline_loss,
+        summary.test_regression,
     ) {
-        (_, Some(loss), Some(baseline)) => {
+        (_, Some(loss), _, Some(r)) => {
+            println!("test RMSE       {:.4} (in the targets' units)", r.rmse);
+            println!("test MAE        {:.4}", r.mae);
+            println!("test R²         {:.4}", r.r2);
+            println!("test loss       {loss:.4} (on standardised targets)");
+        }
+        (_, Some(loss), Some(baseline), None) => {
             println!("test loss       {loss:.5} (per-pixel MSE of the next frame)");
             println!(
                 "copy-last       {baseline:.5} (the same loss, predicting the last frame seen)"
             );
         }
-        (Some(accuracy), Some(loss), None) => {
+        (Some(accuracy), Some(loss), None, None) => {
             println!("test accuracy   {:.2}%", accuracy * 100.0);
             println!("test loss       {loss:.4}");
         }
-        _ => println!("test accuracy   (not evaluated: stopped mid-epoch)"),
+        _ => println!("test figures    (not evaluated: stopped mid-epoch)"),
     }
     println!("epochs run      {}", summary.epochs.len());
     println!("wall time       {:.1} s", summary.wall_seconds);

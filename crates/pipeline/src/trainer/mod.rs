@@ -184,6 +184,8 @@ pub struct RunSummary {
     pub test_loss: Option<f32>,
     /// A frame model's copy-last-frame baseline loss on the test frames.
     pub test_baseline_loss: Option<f32>,
+    /// A regression's test MAE, RMSE and R², in the targets' units.
+    pub test_regression: Option<crate::eval::RegressionMetrics>,
     pub wall_seconds: f64,
     pub train_samples_per_sec: f64,
     pub peak_rss_bytes: Option<u64>,
@@ -358,14 +360,19 @@ impl Trainer {
             Err(e) => tracing::warn!("no plot: {e}"),
         }
         let test = match (&finish, summaries.last()) {
-            (_, Some(last)) => Some((last.test_loss, last.test_accuracy, last.test_baseline_loss)),
+            (_, Some(last)) => Some((
+                last.test_loss,
+                last.test_accuracy,
+                last.test_baseline_loss,
+                last.test_regression,
+            )),
             (epochs::Finish::Stopped, None) => None,
             // A resumed run that had done all its epochs: its checkpoint, scored.
             (epochs::Finish::Completed, None) => {
                 let learner = run.trainee.learner.as_mut();
                 let test =
                     pool.install(|| evaluate(learner, &run.test_loader, self.settings.tta))?;
-                Some((test.loss, test.accuracy, test.baseline_loss))
+                Some((test.loss, test.accuracy, test.baseline_loss, test.regression))
             }
         };
         let train_seconds: f64 = summaries.iter().map(|e| e.train_seconds).sum();
@@ -380,9 +387,10 @@ impl Trainer {
             interrupted: matches!(finish, epochs::Finish::Stopped),
             epoch: run.trainee.position.epoch,
             step: run.trainee.position.step,
-            test_accuracy: test.and_then(|(_, accuracy, _)| accuracy),
-            test_loss: test.map(|(loss, _, _)| loss),
-            test_baseline_loss: test.and_then(|(_, _, baseline)| baseline),
+            test_accuracy: test.and_then(|(_, accuracy, _, _)| accuracy),
+            test_loss: test.map(|(loss, _, _, _)| loss),
+            test_baseline_loss: test.and_then(|(_, _, baseline, _)| baseline),
+            test_regression: test.and_then(|(_, _, _, regression)| regression),
             wall_seconds: started.elapsed().as_secs_f64(),
             train_samples_per_sec: if train_seconds > 0.0 {
                 train_samples / train_seconds
