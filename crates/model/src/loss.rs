@@ -677,4 +677,25 @@ mod tests {
         assert!((pixel_mse_u8(&[0; 4], &targets) - 0.42).abs() < 1e-9);
         assert!(pixel_mse(&zeros, &targets[..3]).is_err());
     }
+
+    #[test]
+    fn value_loss_gradients_match_central_differences_for_mse_and_huber() {
+        let predictions = random(&[6, 2], 21, 2.0);
+        let targets: Vec<f32> = (0..12).map(|i| (i as f32 - 6.0) * 0.4).collect();
+        for kind in [ValueLoss::Mse, ValueLoss::Huber { delta: 0.7 }] {
+            let out = value_loss(&predictions, &targets, kind).unwrap();
+            let numeric = numeric_grad(&predictions, 1e-3, |p| {
+                value_loss(p, &targets, kind).unwrap().loss
+            });
+            assert_close(out.grad.data(), &numeric, 2e-2);
+            assert_eq!(out.correct, 0);
+        }
+        // MSE of a known error; Huber is linear beyond delta.
+        let two = Tensor::from_vec(&[2, 1], vec![3.0, -1.0]).unwrap();
+        let mse = value_loss(&two, &[1.0, -1.0], ValueLoss::Mse).unwrap();
+        assert_eq!(mse.loss, 2.0);
+        let huber = value_loss(&two, &[1.0, -1.0], ValueLoss::Huber { delta: 1.0 }).unwrap();
+        assert_eq!(huber.loss, 0.75, "(1 * (2 - 0.5) + 0) / 2");
+        assert!(value_loss(&two, &[1.0], ValueLoss::Mse).is_err());
+    }
 }
