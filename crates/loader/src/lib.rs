@@ -74,6 +74,7 @@ mod sampler;
 mod sharded;
 mod store;
 mod table;
+mod tensor_files;
 mod text;
 
 pub use augment::{AugmentConfig, RandAugmentConfig, MAX_MAGNITUDE};
@@ -92,4 +93,5 @@ pub use store::{
     SyntheticDataset, INDEX_FILE,
 };
 pub use table::{CsvTable, TableConfig, TableScale, TableTarget};
+pub use tensor_files::{TensorFiles, TensorFilesConfig};
 pub use text::{split_for_validation, window_length, TextWindows, BYTE_VOCAB};
