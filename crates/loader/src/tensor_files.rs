@@ -509,14 +509,16 @@ impl TensorFiles {
             );
             match &first {
                 None => first = Some(this.clone()),
-                Some(f) if *f != this => return Err(format_err(
-                    path,
-                    format!(
+                Some(f) if *f != this => {
+                    return Err(format_err(
+                        path,
+                        format!(
                         "holds {:?} inputs of per-row shape {:?} and {:?} targets ({} per row); \
                              the first file holds {:?} of {:?} and {:?} ({} per row)",
                         this.0, this.1, this.2, this.3, f.0, f.1, f.2, f.3
                     ),
-                )),
+                    ))
+                }
                 Some(_) => {}
             }
             let count = rows * per_row;

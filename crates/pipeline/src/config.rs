@@ -173,6 +173,12 @@ pub struct DataConfig {
     /// (unset: every column that is not a target, in file order).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub features: Option<Vec<String>>,
+    /// For "tensors": the input and target arrays' names in each file
+    /// (unset: "x" and "y").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_array: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_array: Option<String>,
 }
 
 /// `data.on_device`: true, false or "auto".
@@ -876,7 +882,7 @@ impl ExperimentConfig {
         self.data.check_image_keys(&self.model)?;
         self.check_table_keys()?;
         match self.data.format {
-            DataFormat::Idx | DataFormat::ImageFolder | DataFormat::Csv => {}
+            DataFormat::Idx | DataFormat::ImageFolder | DataFormat::Csv | DataFormat::Tensors => {}
             DataFormat::Shards => {
                 if self.data.dir.is_none() {
                     return Err(PipelineError::value(

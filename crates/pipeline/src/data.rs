@@ -48,6 +48,10 @@ pub fn open_splits(
             scale = Some(tables.scale);
             (tables.train, tables.test, tables.classes)
         }
+        DataFormat::Tensors => {
+            let (train, test) = crate::tables::open_tensor_files(config, classes)?;
+            (train, test, None)
+        }
         DataFormat::ImageFolder => {
             let (train, test) = open_image_folders(config, classes)?;
             let names = train.classes().to_vec();
@@ -97,6 +101,10 @@ fn open_unchecked(
     }
     if config.data.format == DataFormat::MovingFashionMnist {
         return crate::frames::open_splits(config, allow_install);
+    }
+    if config.data.format == DataFormat::Tensors {
+        let outputs = crate::config::sizes::output_classes(&config.model)?;
+        return crate::tables::open_tensor_files(config, outputs);
     }
     if config.data.format == DataFormat::Csv {
         let outputs = crate::config::sizes::output_classes(&config.model)?;
@@ -428,7 +436,10 @@ impl DatasetIdentity {
 pub fn loader_config(config: &ExperimentConfig, training: bool) -> Result<LoaderConfig> {
     // Image folders are one file per sample, all equally cheap to reach:
     // shuffled globally like IDX data.
-    let default_mode = if matches!(config.data.format, DataFormat::Shards | DataFormat::Text) {
+    let default_mode = if matches!(
+        config.data.format,
+        DataFormat::Shards | DataFormat::Text | DataFormat::Tensors
+    ) {
         ShuffleMode::ShardBlocks
     } else {
         ShuffleMode::Global
@@ -474,8 +485,10 @@ pub fn hold_on_device(
         .product::<usize>()
         .saturating_mul(train_set.len()) as u64;
     let host_only = config.augment.host_only_key();
+    let typed = train_set.sample_kind() != headroom_loader::SampleKind::default();
     let obstacle = match (learner.resident_capacity(), host_only) {
         (None, _) => Some(format!("{} trains from host memory", learner.device_name())),
+        _ if typed => Some("the samples are f32 features or carry numeric targets".to_string()),
         (_, Some(key)) => Some(format!("{key} is applied on the host")),
         (Some(capacity), None) if bytes > capacity => Some(format!(
             "the training set ({:.1} MiB) is more than a quarter of the device budget ({:.1} MiB)",

@@ -1,6 +1,8 @@
 //! `data.format = "csv"`: `data.dir`'s train.csv and test.csv as datasets
-//! of standardised f32 features and a class or numeric targets, checked
-//! against the model before any training.
+//! of standardised f32 features and a class or numeric targets, and
+//! `data.format = "tensors"`: its train/ and test/ directories of
+//! preprocessed `.npz`, `.safetensors` or `.npy` files, read lazily. Both
+//! are checked against the model and the loss before any training.
 //!
 //! The standardisation (each feature's and numeric target's mean and
 //! standard deviation) comes from the training table only and is recorded
@@ -10,7 +12,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use headroom_loader::{CsvTable, Dataset, TableScale};
+use headroom_loader::{CsvTable, Dataset, TableScale, TensorFiles};
 
 use crate::config::ExperimentConfig;
 use crate::{PipelineError, Result};
@@ -120,4 +122,101 @@ fn check_model(
         ));
     }
     Ok(())
+}
+
+/// Opens `data.dir/train` and `data.dir/test` as tensor files for
+/// `config`, whose model has `outputs` outputs: the samples must be the
+/// model's input, the targets what `train.loss` scores.
+pub fn open_tensor_files(
+    config: &ExperimentConfig,
+    outputs: usize,
+) -> Result<(Arc<dyn Dataset>, Arc<dyn Dataset>)> {
+    let root = config.data.dir.as_deref().ok_or_else(|| {
+        PipelineError::value(
+            "data.dir",
+            "data.format = \"tensors\" needs the folder holding train/ and test/",
+        )
+    })?;
+    let open = |split: &str| -> Result<TensorFiles> {
+        let path = root.join(split);
+        if let Some(reason) = crate::paths::problem(&path, crate::paths::Want::Dir) {
+            return Err(PipelineError::value(
+                "data.dir",
+                format!(
+                    "{} {reason}: data.format = \"tensors\" reads train/ and test/ from data.dir, \
+                     each a directory of .npz, .safetensors or .npy files",
+                    path.display()
+                ),
+            ));
+        }
+        Ok(TensorFiles::open(&path, config.tensor_files_config())?)
+    };
+    let (train, test) = (open("train")?, open("test")?);
+    for (name, split) in [("train", &train), ("test", &test)] {
+        let (kind, shape) = (split.sample_kind(), split.sample_shape());
+        if shape != config.model.input {
+            return Err(PipelineError::value(
+                "model.input",
+                format!(
+                    "{:?}, but the samples in {} are {shape:?} (h, w, c): set model.input = {shape:?}",
+                    config.model.input,
+                    split.root().display()
+                ),
+            ));
+        }
+        let regression = config.train.loss.is_regression();
+        if regression != (kind.values > 0) {
+            let what = if kind.values > 0 {
+                "float (numeric)"
+            } else {
+                "integer (class id)"
+            };
+            return Err(PipelineError::value(
+                "train.loss",
+                format!(
+                    "{} holds {what} targets, which train.loss = \"{}\" does not score: use \
+                     \"mse\" or \"huber\" for float targets, \"cross_entropy\" for class ids",
+                    split.root().display(),
+                    if regression {
+                        "mse/huber"
+                    } else {
+                        "cross_entropy/focal"
+                    }
+                ),
+            ));
+        }
+        let wanted = if regression {
+            kind.values
+        } else {
+            split.num_classes()
+        };
+        if (regression && outputs != wanted) || (!regression && outputs < wanted) {
+            return Err(PipelineError::value(
+                "model.layers",
+                format!(
+                    "the model has {outputs} outputs, but {name} in {} has {wanted} {}: set \
+                     the last linear layer's out = {wanted}",
+                    root.display(),
+                    if regression {
+                        "numeric targets"
+                    } else {
+                        "classes (ids up to the largest)"
+                    }
+                ),
+            ));
+        }
+    }
+    tracing::info!(
+        "tensor files from {}: {} training rows in {} files, {} test rows in {} files, each \
+         {:?} ({:?}), decoded files cached: {}",
+        root.display(),
+        train.len(),
+        train.file_count(),
+        test.len(),
+        test.file_count(),
+        train.sample_shape(),
+        train.sample_kind().element,
+        config.loader.max_cache_shards.max(1)
+    );
+    Ok((Arc::new(train), Arc::new(test)))
 }

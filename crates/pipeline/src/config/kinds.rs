@@ -25,6 +25,10 @@ setting_enum! {
         /// `train.csv` and `test.csv` in `data.dir`: numeric feature
         /// columns and the `data.targets` columns, read whole.
         Csv = "csv",
+        /// `train/` and `test/` in `data.dir`, each a directory of `.npz`,
+        /// `.safetensors` or `.npy`-pair files holding an input array and a
+        /// target array, read lazily through a cache of decoded files.
+        Tensors = "tensors",
     }
 }
 

@@ -1,7 +1,9 @@
-//! `data.format = "csv"`: which columns are features and targets
-//! (`data.targets`, `data.features`), what the task is (`train.loss`:
-//! cross-entropy or focal for a class column, MSE or Huber for numeric
-//! columns), and the checks that tie them to the model and the device.
+//! `data.format = "csv"` and `"tensors"`: which columns are features and
+//! targets (`data.targets`, `data.features`) or which arrays are inputs and
+//! targets (`data.input_array`, `data.target_array`), what the task is
+//! (`train.loss`: cross-entropy or focal for classes, MSE or Huber for
+//! numeric targets), and the checks that tie them to the model and the
+//! device.
 
 use headroom_loader::{TableConfig, TableTarget};
 
@@ -24,13 +26,25 @@ impl ExperimentConfig {
         }
     }
 
+    /// The arrays of a "tensors" experiment and the decoded files held at
+    /// once (`loader.max_cache_shards`).
+    pub fn tensor_files_config(&self) -> headroom_loader::TensorFilesConfig {
+        let defaults = headroom_loader::TensorFilesConfig::default();
+        headroom_loader::TensorFilesConfig {
+            input: self.data.input_array.clone().unwrap_or(defaults.input),
+            target: self.data.target_array.clone().unwrap_or(defaults.target),
+            cache_files: self.loader.max_cache_shards.max(1),
+        }
+    }
+
     /// The device the learner runs on: `device.kind`, except that "auto"
-    /// is the CPU for a table of f32 features (the GPU learner reads u8
-    /// images and token ids only).
+    /// is the CPU for a table of f32 features and for numeric targets (the
+    /// GPU learner reads u8 images with class labels, and token ids).
     pub fn learner_device(&self) -> DeviceKind {
-        match (self.data.format, self.device.kind) {
-            (DataFormat::Csv, DeviceKind::Auto) => DeviceKind::Cpu,
-            (_, kind) => kind,
+        let features_only = self.data.format == DataFormat::Csv || self.train.loss.is_regression();
+        match self.device.kind {
+            DeviceKind::Auto if features_only => DeviceKind::Cpu,
+            kind => kind,
         }
     }
 
@@ -52,18 +66,35 @@ impl ExperimentConfig {
                     ),
                 ));
             }
-            if loss.is_regression() {
+        }
+        if self.data.format != DataFormat::Tensors {
+            let set = [
+                ("data.input_array", self.data.input_array.is_some()),
+                ("data.target_array", self.data.target_array.is_some()),
+            ];
+            if let Some((key, _)) = set.iter().find(|(_, set)| *set) {
                 return Err(PipelineError::value(
-                    "train.loss",
+                    key,
                     format!(
-                        "\"{}\" scores numeric targets, and \"{}\" data has classes: use \
-                         data.format = \"csv\" with data.targets naming numeric columns, or \
-                         train.loss = \"cross_entropy\"",
-                        loss_word(loss),
+                        "applies to data.format = \"tensors\" only (data.format is \"{}\"): \
+                         remove it",
                         self.data.format
                     ),
                 ));
             }
+        }
+        let numeric_data = matches!(self.data.format, DataFormat::Csv | DataFormat::Tensors);
+        if loss.is_regression() && !numeric_data {
+            return Err(PipelineError::value(
+                "train.loss",
+                format!(
+                    "\"{}\" scores numeric targets, and \"{}\" data has classes: use \
+                     data.format = \"csv\" with data.targets naming numeric columns (or \
+                     \"tensors\" with float targets), or train.loss = \"cross_entropy\"",
+                    loss_word(loss),
+                    self.data.format
+                ),
+            ));
         }
         if let Some(delta) = self.train.huber_delta {
             if loss != LossKind::Huber {
@@ -79,9 +110,26 @@ impl ExperimentConfig {
                 ));
             }
         }
-        if self.data.format != DataFormat::Csv {
-            return Ok(());
+        match self.data.format {
+            DataFormat::Csv => self.check_csv_keys(),
+            DataFormat::Tensors => self.check_tensors_keys(),
+            _ => Ok(()),
         }
+    }
+
+    fn check_tensors_keys(&self) -> Result<()> {
+        if self.data.dir.is_none() {
+            return Err(PipelineError::value(
+                "data.dir",
+                "data.format = \"tensors\" needs data.dir: a folder holding train/ and test/, \
+                 each a directory of .npz, .safetensors or .npy files",
+            ));
+        }
+        self.check_features_run("tensors")
+    }
+
+    fn check_csv_keys(&self) -> Result<()> {
+        let loss = self.train.loss;
         if self.data.dir.is_none() {
             return Err(PipelineError::value(
                 "data.dir",
@@ -107,26 +155,7 @@ impl ExperimentConfig {
                 ),
             ));
         }
-        if self.data.train_samples > 0 || self.data.test_samples > 0 {
-            return Err(PipelineError::value(
-                "data.train_samples",
-                "sample limits apply to \"idx\" data only; use a smaller table instead",
-            ));
-        }
-        if self.model.tokens.is_some() || self.model.frames.is_some() {
-            return Err(PipelineError::value(
-                "data.format",
-                "\"csv\" rows are feature vectors; a token or frame model (model.tokens, \
-                 model.frames) cannot read them",
-            ));
-        }
-        if loss.is_regression() && self.train.label_smoothing > 0.0 {
-            return Err(PipelineError::value(
-                "train.label_smoothing",
-                "applies to classes; a regression (train.loss = \"mse\" or \"huber\") has none: \
-                 remove it",
-            ));
-        }
+        self.check_features_run("csv")?;
         if self.eval.tta != TestTimeAugmentation::None {
             return Err(PipelineError::value(
                 "eval.tta",
@@ -138,6 +167,49 @@ impl ExperimentConfig {
                 "device.kind",
                 "\"cuda\", but a table's f32 features train on the CPU for now (the GPU learner \
                  reads u8 images and token ids): set device.kind = \"cpu\" or \"auto\"",
+            ));
+        }
+        Ok(())
+    }
+
+    /// What "csv" and "tensors" data share: no sample limits, no token or
+    /// frame model, and a regression has no label smoothing and runs on
+    /// the CPU.
+    fn check_features_run(&self, format: &str) -> Result<()> {
+        let loss = self.train.loss;
+        if self.data.train_samples > 0 || self.data.test_samples > 0 {
+            return Err(PipelineError::value(
+                "data.train_samples",
+                format!("sample limits apply to \"idx\" data only; use smaller \"{format}\" data instead"),
+            ));
+        }
+        if self.model.tokens.is_some() || self.model.frames.is_some() {
+            return Err(PipelineError::value(
+                "data.format",
+                format!(
+                    "\"{format}\" samples are images or feature vectors; a token or frame model \
+                     (model.tokens, model.frames) cannot read them"
+                ),
+            ));
+        }
+        if loss.is_regression() && self.train.label_smoothing > 0.0 {
+            return Err(PipelineError::value(
+                "train.label_smoothing",
+                "applies to classes; a regression (train.loss = \"mse\" or \"huber\") has none: \
+                 remove it",
+            ));
+        }
+        if loss.is_regression() && self.eval.tta != TestTimeAugmentation::None {
+            return Err(PipelineError::value(
+                "eval.tta",
+                "averages class probabilities over mirror images; a regression has none: remove it",
+            ));
+        }
+        if loss.is_regression() && self.device.kind == DeviceKind::Cuda {
+            return Err(PipelineError::value(
+                "device.kind",
+                "\"cuda\", but numeric targets train on the CPU for now (the GPU learner \
+                 scores classes): set device.kind = \"cpu\" or \"auto\"",
             ));
         }
         Ok(())

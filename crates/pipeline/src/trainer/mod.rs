@@ -372,7 +372,12 @@ impl Trainer {
                 let learner = run.trainee.learner.as_mut();
                 let test =
                     pool.install(|| evaluate(learner, &run.test_loader, self.settings.tta))?;
-                Some((test.loss, test.accuracy, test.baseline_loss, test.regression))
+                Some((
+                    test.loss,
+                    test.accuracy,
+                    test.baseline_loss,
+                    test.regression,
+                ))
             }
         };
         let train_seconds: f64 = summaries.iter().map(|e| e.train_seconds).sum();
