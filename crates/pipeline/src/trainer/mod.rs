@@ -336,8 +336,13 @@ impl Trainer {
                 &mut memory,
             )
         });
+        // The sink moves the run to a new directory when its own is removed
+        // or replaced mid-run: what follows writes and names that one.
+        let current_dir = events.dir();
         drop(events);
-        let (finish, outcome) = match join_sink(sink, result) {
+        let joined = join_sink(sink, result);
+        let dir = current_dir.get();
+        let (finish, outcome) = match joined {
             Err(PipelineError::Diverged {
                 skips, from_step, ..
             }) => {
@@ -799,9 +804,9 @@ fn start_sink(
     user: Vec<Box<dyn Sink>>,
     resumed_at: Option<MetricsPosition>,
 ) -> Result<(SinkLink, thread::JoinHandle<Result<sink::SinkOutcome>>)> {
-    let (events, receiver, checkpoint_written) = SinkLink::new(256);
+    let (events, receiver, checkpoint_written) = SinkLink::new(256, settings.dir.clone());
     let sink_settings = SinkSettings {
-        output_dir: settings.dir.clone(),
+        output_dir: events.dir(),
         epochs: settings.settings.epochs,
         log_every: settings.settings.log_every,
         keep: checkpoint.keep,
