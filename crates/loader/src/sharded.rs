@@ -325,7 +325,7 @@ impl ShardedDataset {
                     std::thread::Builder::new()
                         .name("headroom-read-ahead".into())
                         .spawn(move || read_ahead_main(&inner, &rx))
-                        .map_err(|source| LoaderError::Spawn { worker: 0, source })?,
+                        .map_err(|source| LoaderError::SpawnReadAhead { source })?,
                 )
             }
             None => None,
