@@ -89,7 +89,10 @@ pub fn pack(config: &ExperimentConfig, allow_install: bool) -> Result<PathBuf> {
     // The test split goes last: its index marks a complete store.
     for (split, bytes, limit) in [("train", train, limits.0), ("test", validation, limits.1)] {
         let what = format!("the {split} part of text.corpus");
-        let windows = TextWindows::new(bytes.to_vec(), length, limit, &what)?;
+        let mut copy = Vec::new();
+        reserve(&mut copy, bytes.len() as u64, "text.corpus", &what)?;
+        copy.extend_from_slice(bytes);
+        let windows = TextWindows::new(copy, length, limit, &what)?;
         let summary = preprocess(&windows, &dir.join(split), per_shard, true)?;
         tracing::info!("packed {split}: {summary}");
     }
@@ -163,12 +166,42 @@ pub fn read_corpus(text: &TextConfig, allow_install: bool) -> Result<Vec<u8>> {
     if let Some(first) = absent.first() {
         return Err(missing_corpus(text, first));
     }
-    let mut corpus = Vec::new();
+    // The files' sizes are the user's: the corpus is held once, in memory
+    // asked for up front, and a refusal is an error naming the files.
+    let mut total = 0u64;
     for path in &text.corpus {
-        let bytes = std::fs::read(path).map_err(|e| PipelineError::io(path, e))?;
-        corpus.extend_from_slice(&bytes);
+        let meta = std::fs::metadata(path).map_err(|e| PipelineError::io(path, e))?;
+        total = total.saturating_add(meta.len());
+    }
+    let mut corpus = Vec::new();
+    reserve(&mut corpus, total, "text.corpus", "the corpus files joined")?;
+    for path in &text.corpus {
+        let mut file = std::fs::File::open(path).map_err(|e| PipelineError::io(path, e))?;
+        // Fallible: a file grown since it was measured is read on, and a
+        // refused allocation is an OutOfMemory error, not an abort.
+        std::io::Read::read_to_end(&mut file, &mut corpus)
+            .map_err(|e| PipelineError::io(path, e))?;
     }
     Ok(corpus)
+}
+
+/// Room for `bytes` more in `buffer`, or an error naming `key` and `what`
+/// the buffer is for.
+fn reserve(buffer: &mut Vec<u8>, bytes: u64, key: &str, what: &str) -> Result<()> {
+    let refused = |reason: String| {
+        PipelineError::value(
+            key,
+            format!(
+                "{what} take {}, which this process cannot hold in memory ({reason}); \
+                 use a smaller corpus or raise the memory limit",
+                headroom_model::memory::bytes_text(bytes)
+            ),
+        )
+    };
+    let bytes = usize::try_from(bytes).map_err(|e| refused(e.to_string()))?;
+    buffer
+        .try_reserve_exact(bytes)
+        .map_err(|e| refused(e.to_string()))
 }
 
 fn missing_corpus(text: &TextConfig, file: &Path) -> PipelineError {
@@ -477,6 +510,18 @@ mod tests {
         let stop = AtomicBool::new(true);
         let cut = generate_until(&mut network, b"ab", 16, 0.7, 3, Some(&stop)).unwrap();
         assert!(cut.is_empty(), "{} bytes drawn after the stop", cut.len());
+    }
+
+    #[test]
+    fn a_corpus_too_large_to_hold_is_an_error_naming_it_not_an_abort() {
+        let mut corpus = Vec::new();
+        let err = reserve(&mut corpus, u64::MAX / 2, "text.corpus", "the corpus files joined")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("text.corpus"), "{err}");
+        assert!(err.contains("cannot hold in memory"), "{err}");
+        reserve(&mut corpus, 1024, "text.corpus", "the corpus").unwrap();
+        assert!(corpus.capacity() >= 1024);
     }
 
     #[test]
