@@ -7,6 +7,7 @@
 //! The limits are set with `prlimit` (util-linux); where it is absent the
 //! tests say so and do nothing.
 
+#[allow(dead_code)]
 mod common;
 
 use std::os::unix::process::{CommandExt, ExitStatusExt};

@@ -197,15 +197,7 @@ impl SinkLink {
         // The channel is empty and its receiver alive: this cannot fail.
         let _ = written.send(());
         let dir = CurrentDir::new(dir);
-        (
-            Self {
-                events,
-                token,
-                dir,
-            },
-            receiver,
-            written,
-        )
+        (Self { events, token, dir }, receiver, written)
     }
 
     /// The run directory as the sink keeps it (see `SinkSettings::output_dir`).

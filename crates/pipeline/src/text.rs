@@ -515,9 +515,14 @@ mod tests {
     #[test]
     fn a_corpus_too_large_to_hold_is_an_error_naming_it_not_an_abort() {
         let mut corpus = Vec::new();
-        let err = reserve(&mut corpus, u64::MAX / 2, "text.corpus", "the corpus files joined")
-            .unwrap_err()
-            .to_string();
+        let err = reserve(
+            &mut corpus,
+            u64::MAX / 2,
+            "text.corpus",
+            "the corpus files joined",
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("text.corpus"), "{err}");
         assert!(err.contains("cannot hold in memory"), "{err}");
         reserve(&mut corpus, 1024, "text.corpus", "the corpus").unwrap();

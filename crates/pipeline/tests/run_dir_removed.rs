@@ -124,7 +124,9 @@ fn run_dir_with_record(root: &Path) -> PathBuf {
 
 fn step_lines(dir: &Path) -> usize {
     let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
-    text.lines().filter(|l| l.contains("\"kind\":\"step\"")).count()
+    text.lines()
+        .filter(|l| l.contains("\"kind\":\"step\""))
+        .count()
 }
 
 /// Every step of every epoch is recorded, the record is the run's own, the
@@ -143,7 +145,11 @@ fn assert_whole_run_in(dir: &Path, summary: &RunSummary) {
     let last = newest.last().expect("no checkpoint in the run directory");
     assert_eq!(checkpoint::step_of(last), Some(steps as u64));
     assert_eq!(summary.last_checkpoint.as_deref(), Some(last.as_path()));
-    assert!(!dir.join(".lock").exists(), ".lock left in {}", dir.display());
+    assert!(
+        !dir.join(".lock").exists(),
+        ".lock left in {}",
+        dir.display()
+    );
 }
 
 #[test]

@@ -127,7 +127,10 @@ impl SequenceSize {
             };
         }
         if let Some(frames) = spec.frames {
-            let frame = spec.input.iter().fold(1u64, |a, &d| a.saturating_mul(as_u64(d)));
+            let frame = spec
+                .input
+                .iter()
+                .fold(1u64, |a, &d| a.saturating_mul(as_u64(d)));
             // The loader's bytes of frames + 1 images, the input and the
             // prediction as f32, and each garment's path.
             let steps = as_u64(frames).saturating_add(1);
@@ -362,7 +365,9 @@ mod tests {
         assert!(err.contains("length 1073741824 × vocab 256"), "{err}");
         assert!(err.contains("RLIMIT_AS"), "{err}");
         // The experiment as written: 64 positions of 256 scores.
-        SequenceSize::of(&config).check(1 << 20, "RLIMIT_AS").unwrap();
+        SequenceSize::of(&config)
+            .check(1 << 20, "RLIMIT_AS")
+            .unwrap();
     }
 
     #[test]

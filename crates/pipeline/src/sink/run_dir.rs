@@ -176,9 +176,7 @@ impl Watch {
             names.join(", "),
             crate::shell::quote_path(&target)
         );
-        self.identity = std::fs::metadata(&target)
-            .ok()
-            .map(|m| (m.dev(), m.ino()));
+        self.identity = std::fs::metadata(&target).ok().map(|m| (m.dev(), m.ino()));
         self.lock = Some(lock);
         self.dir.set(target);
         Ok(())
@@ -197,10 +195,8 @@ fn read_records(dir: &Path) -> Vec<(OsString, Vec<u8>)> {
         let name = entry.file_name();
         let text = name.to_string_lossy();
         let own = !text.starts_with('.') || text == crate::rundir::CREATED_FILE;
-        let skipped = text == "metrics.jsonl"
-            || text.ends_with(".tmp")
-            || text.contains(".ckpt")
-            || !own;
+        let skipped =
+            text == "metrics.jsonl" || text.ends_with(".tmp") || text.contains(".ckpt") || !own;
         // Not followed: a link is no record of this run's own.
         let Ok(meta) = entry.metadata() else { continue };
         if skipped || !meta.is_file() || meta.len() > RECORD_LIMIT {
@@ -221,16 +217,14 @@ fn read_records(dir: &Path) -> Vec<(OsString, Vec<u8>)> {
 /// A new directory for the run, locked: `path` itself when nothing is
 /// there (its parents remade if they went too), else `<path>-restored[-N]`.
 fn make_directory(path: &Path, replaced: bool) -> Result<(PathBuf, DirLock)> {
-    let refuse = |e: std::io::Error, at: &Path| {
-        PipelineError::Output {
-            path: path.to_path_buf(),
-            reason: format!(
-                "the run directory was removed or replaced while the run was writing into it, \
+    let refuse = |e: std::io::Error, at: &Path| PipelineError::Output {
+        path: path.to_path_buf(),
+        reason: format!(
+            "the run directory was removed or replaced while the run was writing into it, \
                  and no directory could be made to go on in ({}: {e}); the checkpoints written \
                  since the last one are lost",
-                at.display()
-            ),
-        }
+            at.display()
+        ),
     };
     if !replaced {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
