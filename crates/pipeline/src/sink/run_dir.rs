@@ -221,8 +221,8 @@ fn make_directory(path: &Path, replaced: bool) -> Result<(PathBuf, DirLock)> {
         path: path.to_path_buf(),
         reason: format!(
             "the run directory was removed or replaced while the run was writing into it, \
-                 and no directory could be made to go on in ({}: {e}); the checkpoints written \
-                 since the last one are lost",
+                 and no directory could be made to go on in ({}: {e}); nothing more can be \
+                 recorded or checkpointed, and the run stops",
             at.display()
         ),
     };
