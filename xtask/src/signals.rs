@@ -62,7 +62,11 @@ impl StopOnSignals {
                     }
                 }
             })
-            .context("starting the signal thread")?;
+            .context(
+                "cannot start the thread that watches for SIGINT and SIGTERM: the process may start \
+                 no more threads (a limit on processes and threads, ulimit -u, or on memory, \
+                 ulimit -v or ulimit -d: each thread needs room for its stack)",
+            )?;
         Ok(Self { stop, signal })
     }
 

@@ -152,6 +152,16 @@ pub enum LoaderError {
         start: usize,
         batches: usize,
     },
+
+    /// The shard store's read-ahead thread could not be started.
+    #[error(
+        "cannot start the shard store's read-ahead thread: {source} (a limit on threads or \
+         memory: ulimit -u, ulimit -v, ulimit -d)"
+    )]
+    SpawnReadAhead {
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 fn sample_suffix(index: &Option<usize>) -> String {

@@ -325,7 +325,7 @@ impl ShardedDataset {
                     std::thread::Builder::new()
                         .name("headroom-read-ahead".into())
                         .spawn(move || read_ahead_main(&inner, &rx))
-                        .map_err(|source| LoaderError::Spawn { worker: 0, source })?,
+                        .map_err(|source| LoaderError::SpawnReadAhead { source })?,
                 )
             }
             None => None,
@@ -597,7 +597,19 @@ fn read_shard_file(path: &Path, expected: u64) -> Result<Vec<u8>, ReadFault> {
     if let Some(fault) = size_fault(file.metadata().map(|m| m.len()), expected) {
         return Err(ReadFault::lasting(fault));
     }
-    let mut bytes = vec![0u8; expected as usize];
+    // A shard's size is the store's (data.shard_size when it was made): a
+    // refused allocation is this read's error, not an abort.
+    let mut bytes = Vec::new();
+    usize::try_from(expected)
+        .map_err(|e| e.to_string())
+        .and_then(|len| bytes.try_reserve_exact(len).map_err(|e| e.to_string()))
+        .map_err(|e| {
+            ReadFault::lasting(format!(
+                "its {expected} bytes cannot be held in memory ({e}); make the store again with \
+                 smaller shards or raise the memory limit"
+            ))
+        })?;
+    bytes.resize(expected as usize, 0);
     file.read_exact(&mut bytes).map_err(|e| {
         if e.kind() == io::ErrorKind::UnexpectedEof {
             ReadFault::lasting("truncated while being read")

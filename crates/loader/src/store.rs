@@ -565,6 +565,20 @@ fn exchange(_: &Path, _: &Path) -> io::Result<bool> {
     Ok(false)
 }
 
+/// `len` zero bytes for `what`, or an error: the sizes come from the
+/// data's shape and the shard size, which the user sets, so a refused
+/// allocation is reported rather than aborting.
+fn zeroed(len: usize, what: &str) -> Result<Vec<u8>, LoaderError> {
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(len)
+        .map_err(|e| LoaderError::Config {
+            field: "dataset",
+            message: format!("{what} takes {len} bytes, which cannot be held in memory: {e}"),
+        })?;
+    buf.resize(len, 0);
+    Ok(buf)
+}
+
 /// Packs every sample of `source` into a shard store at `output`.
 ///
 /// Samples keep their ids; shards hold `shard_size` samples (or bytes)
@@ -630,7 +644,7 @@ pub fn preprocess(
     let mut guard = TempDir(Some(tmp.clone()));
 
     let mut shards = Vec::with_capacity(len.div_ceil(per_shard));
-    let mut buf = vec![0u8; sample_len];
+    let mut buf = zeroed(sample_len, "one sample")?;
     let mut first = 0usize;
     while first < len {
         let count = per_shard.min(len - first);
@@ -735,7 +749,8 @@ fn write_shard(
     let file = File::create(path).map_err(io_err(path))?;
     let mut w = BufWriter::with_capacity(1 << 20, file);
     // Header and tables are written last, once the labels are known.
-    w.write_all(&vec![0u8; head_len]).map_err(io_err(path))?;
+    w.write_all(&zeroed(head_len, "a shard's header")?)
+        .map_err(io_err(path))?;
     let mut data_crc = crc32fast::Hasher::new();
     let mut labels = Vec::with_capacity(count);
     for index in first..first + count {
@@ -930,5 +945,15 @@ mod tests {
         let e = ShardSize::Bytes(800).samples_per_shard(784).unwrap_err();
         assert!(e.to_string().contains("shard_size"), "{e}");
         assert!(ShardSize::Samples(0).samples_per_shard(1).is_err());
+    }
+
+    #[test]
+    fn a_sample_too_large_to_hold_is_an_error_not_an_abort() {
+        let err = zeroed(usize::MAX / 2, "one sample")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("one sample"), "{err}");
+        assert!(err.contains("cannot be held in memory"), "{err}");
+        assert_eq!(zeroed(3, "one sample").unwrap(), [0, 0, 0]);
     }
 }

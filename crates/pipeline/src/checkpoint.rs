@@ -789,8 +789,15 @@ pub fn load_named(path: &Path) -> Result<Found> {
         reason,
     };
     if !path.is_dir() {
-        if !path.exists() {
+        // "No such" only for a path that is not there: a symlink loop, a
+        // dangling link, a FIFO or a permission error each say what it is.
+        if crate::paths::is_absent(path) {
             return Err(refuse("no such checkpoint file or run directory".into()));
+        }
+        if let Some(reason) = crate::paths::problem(path, crate::paths::Want::File) {
+            return Err(refuse(format!(
+                "the path {reason}; expected a checkpoint file or a run directory"
+            )));
         }
         return Ok((path.to_path_buf(), load(path)?));
     }
@@ -1138,5 +1145,23 @@ mod tests {
         let (found, skipped) = newest_valid(dir.path()).unwrap();
         assert!(skipped.is_empty());
         assert_eq!(found.unwrap().1, sample(1));
+    }
+
+    #[test]
+    fn a_named_checkpoint_that_is_there_but_unusable_is_not_called_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        let absent = load_named(&dir.path().join("nothing.ckpt"))
+            .unwrap_err()
+            .to_string();
+        assert!(absent.contains("no such checkpoint file"), "{absent}");
+        let looped = dir.path().join("loop.ckpt");
+        std::os::unix::fs::symlink(&looped, &looped).unwrap();
+        let err = load_named(&looped).unwrap_err().to_string();
+        assert!(err.contains("symlink loop"), "{err}");
+        assert!(!err.contains("no such"), "{err}");
+        let dangling = dir.path().join("dangling.ckpt");
+        std::os::unix::fs::symlink(dir.path().join("gone"), &dangling).unwrap();
+        let err = load_named(&dangling).unwrap_err().to_string();
+        assert!(err.contains("dangling symlink"), "{err}");
     }
 }

@@ -77,6 +77,15 @@ pub enum PipelineError {
     NonFinite(String),
     #[error("{stage} stage stopped unexpectedly: {reason}")]
     Stage { stage: &'static str, reason: String },
+    /// A thread the run needs could not be started (a limit on threads or
+    /// memory), named with what it is for.
+    #[error(
+        "cannot start {what}: {reason}. The process may start no more threads: a limit on \
+         processes and threads (ulimit -u), on memory (ulimit -v, ulimit -d: each thread needs \
+         room for its stack) or the system's kernel.threads-max; raise the limit, or use fewer \
+         threads (train.threads, data.workers)"
+    )]
+    Threads { what: String, reason: String },
 }
 
 impl From<headroom_model::cuda::CudaError> for PipelineError {

@@ -13,7 +13,8 @@ use crate::config::{ExperimentConfig, FramesConfig};
 use crate::{PipelineError, Result};
 
 /// Keys of the two splits' sequences, so that they differ for one seed.
-const SPLIT_KEYS: [(Split, u64); 2] = [(Split::Train, 0), (Split::Test, 1)];
+const TRAIN_KEY: u64 = 0;
+const TEST_KEY: u64 = 1;
 
 fn frames_config(config: &ExperimentConfig) -> Result<&FramesConfig> {
     config.frames.as_ref().ok_or_else(|| {
@@ -42,8 +43,9 @@ pub fn open_splits(
     let frames = model_frames(config)? + 1;
     let dir = crate::sources::locate_fashion_mnist(config.data.dir.as_deref(), allow_install)?;
     tracing::info!("Moving-Fashion-MNIST garments from {}", dir.display());
-    let mut splits = Vec::with_capacity(2);
-    for (split, tag) in SPLIT_KEYS {
+    // Each split opened by itself: there is no "splits missing" to report,
+    // only the error of the split that could not be opened.
+    let open = |split: Split, tag: u64| -> Result<Arc<dyn Dataset>> {
         let sequences = match split {
             Split::Train => settings.train_sequences,
             Split::Test => settings.test_sequences,
@@ -64,16 +66,9 @@ pub fn open_splits(
             settings.size,
             settings.garments
         );
-        splits.push(Arc::new(moving) as Arc<dyn Dataset>);
-    }
-    let test = splits.pop();
-    match (splits.pop(), test) {
-        (Some(train), Some(test)) => Ok((train, test)),
-        _ => Err(PipelineError::Stage {
-            stage: "data",
-            reason: "Moving-Fashion-MNIST splits missing".into(),
-        }),
-    }
+        Ok(Arc::new(moving) as Arc<dyn Dataset>)
+    };
+    Ok((open(Split::Train, TRAIN_KEY)?, open(Split::Test, TEST_KEY)?))
 }
 
 /// The data holds sequences of `model.frames + 1` frames of the model's

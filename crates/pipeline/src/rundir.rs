@@ -49,6 +49,10 @@ pub struct RunDir {
     /// The checkpoints there when claimed: a claim whose checkpoints are
     /// the same at its end made no progress under a new record.
     checkpoints_at_claim: Vec<PathBuf>,
+    /// The directory's device and inode when claimed: one removed or
+    /// replaced meanwhile (the run went on elsewhere, see `sink`) is no
+    /// longer this claim's to settle or remove.
+    identity: Option<(u64, u64)>,
 }
 
 /// Where a run's directory is: `output_dir` when set, else a new
@@ -98,6 +102,7 @@ impl RunDir {
                 let _ = std::fs::remove_file(path.join(RECORD_BEFORE));
                 Ok(Self {
                     checkpoints_at_claim: checkpoint::list(&path).unwrap_or_default(),
+                    identity: identity(&path),
                     path,
                     lock: Some(lock),
                     created,
@@ -115,6 +120,16 @@ impl RunDir {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// Whether the path still names the directory this claim locked.
+    fn still_claimed(&self) -> bool {
+        self.identity.is_some() && identity(&self.path) == self.identity
+    }
+}
+
+/// A directory's device and inode, None when it cannot be read.
+fn identity(path: &Path) -> Option<(u64, u64)> {
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
 impl RunDir {
@@ -150,7 +165,13 @@ impl Drop for RunDir {
     fn drop(&mut self) {
         // An empty directory goes while the lock is still held, so no other
         // process can have claimed it; the lock (and its file, if the
-        // directory stays) goes last.
+        // directory stays) goes last. A directory now at the path that is
+        // not the one claimed (the run's own was removed, and another run
+        // may have made this one) is left alone.
+        if !self.still_claimed() {
+            drop(self.lock.take());
+            return;
+        }
         self.settle_record();
         if self.created && holds_no_progress(&self.path) {
             if let Err(e) = std::fs::remove_dir_all(&self.path) {

@@ -7,8 +7,9 @@
 //! the same thread after the built-in ones, in the order given, and see the
 //! same events.
 
-use std::fs::{File, OpenOptions};
-use std::io::{BufWriter, Write};
+mod run_dir;
+
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -17,6 +18,8 @@ use serde::Serialize;
 
 use crate::checkpoint::{self, Checkpoint};
 use crate::{PipelineError, Result};
+pub use run_dir::CurrentDir;
+use run_dir::{Metrics, Watch};
 
 #[derive(Clone, Debug, Serialize)]
 pub struct StepReport {
@@ -161,7 +164,9 @@ pub enum Event {
 }
 
 pub struct SinkSettings {
-    pub output_dir: PathBuf,
+    /// The run directory, shared with the training side: the sink moves the
+    /// run to a new one when it is removed or replaced (`run_dir`).
+    pub output_dir: CurrentDir,
     pub epochs: u64,
     pub log_every: u64,
     pub keep: usize,
@@ -183,17 +188,24 @@ pub struct SinkSettings {
 pub struct SinkLink {
     events: Sender<Event>,
     token: Receiver<()>,
+    dir: CurrentDir,
 }
 
 impl SinkLink {
-    /// The link, and the sender for the sink's settings; the token starts
-    /// on the training side.
-    pub fn new(capacity: usize) -> (Self, Receiver<Event>, Sender<()>) {
+    /// The link for a run writing into `dir`, and the sender for the
+    /// sink's settings; the token starts on the training side.
+    pub fn new(capacity: usize, dir: PathBuf) -> (Self, Receiver<Event>, Sender<()>) {
         let (events, receiver) = bounded(capacity);
         let (written, token) = bounded(1);
         // The channel is empty and its receiver alive: this cannot fail.
         let _ = written.send(());
-        (Self { events, token }, receiver, written)
+        let dir = CurrentDir::new(dir);
+        (Self { events, token, dir }, receiver, written)
+    }
+
+    /// The run directory as the sink keeps it (see `SinkSettings::output_dir`).
+    pub fn dir(&self) -> CurrentDir {
+        self.dir.clone()
     }
 
     pub fn send(&self, event: Event) -> Result<()> {
@@ -210,12 +222,13 @@ impl SinkLink {
     /// tensors, when memory refused a copy of them), in the sink's order:
     /// every step sent before it is on disk first, as with a checkpoint the
     /// sink writes, and the sink takes it as its last and hands the token
-    /// back. The caller holds the token.
-    pub fn write_here(&self, write: impl FnOnce() -> Result<PathBuf>) -> Result<PathBuf> {
+    /// back. The caller holds the token; `write` is given the directory to
+    /// write into (the sink checked it is still the run's before answering).
+    pub fn write_here(&self, write: impl FnOnce(&Path) -> Result<PathBuf>) -> Result<PathBuf> {
         let (synced, wait) = bounded(1);
         self.send(Event::SyncMetrics(synced))?;
         wait.recv().map_err(|_| stopped())?;
-        let path = write()?;
+        let path = write(&self.dir.get())?;
         self.send(Event::CheckpointWritten(path.clone()))?;
         Ok(path)
     }
@@ -229,7 +242,6 @@ fn stopped() -> PipelineError {
 }
 
 /// What the sink leaves behind for the summary.
-#[derive(Default)]
 pub struct SinkOutcome {
     pub last_checkpoint: Option<PathBuf>,
 }
@@ -241,7 +253,7 @@ pub struct SinkOutcome {
 pub fn run(events: Receiver<Event>, mut settings: SinkSettings) -> Result<SinkOutcome> {
     let mut user = UserSinks(std::mem::take(&mut settings.user));
     let start = RunStart {
-        output_dir: settings.output_dir.clone(),
+        output_dir: settings.output_dir.get(),
         epochs: settings.epochs,
         resumed_at: settings.resumed_at,
     };
@@ -263,16 +275,16 @@ fn receive(
     settings: &SinkSettings,
     user: &mut UserSinks,
 ) -> Result<SinkOutcome> {
-    let metrics_path = settings.output_dir.join("metrics.jsonl");
-    let mut metrics = open_metrics(&metrics_path)?;
-    let mut outcome = SinkOutcome::default();
+    let mut watch = Watch::start(settings.output_dir.clone());
+    let mut metrics = Metrics::open(&watch.dir())?;
+    let mut last_checkpoint = None;
     let mut window = Window::new();
     let mut clock = Clock::new();
     let mut bar = Progress::new(settings.epochs);
     for event in events {
         match event {
             Event::Step(report) => {
-                write_json(&mut metrics, &metrics_path, "step", &report)?;
+                write_json(&mut metrics, "step", &report)?;
                 user.each(|sink| sink.step(&report))?;
                 window.add(&report);
                 let times = clock.text(&report, settings.epochs);
@@ -288,11 +300,10 @@ fn receive(
                 if let Some(bar) = &mut bar {
                     bar.finish_epoch();
                 }
-                write_json(&mut metrics, &metrics_path, "epoch", &summary)?;
+                watch.check(&mut metrics)?;
+                write_json(&mut metrics, "epoch", &summary)?;
                 user.each(|sink| sink.epoch(&summary))?;
-                metrics
-                    .flush()
-                    .map_err(|e| PipelineError::io(&metrics_path, e))?;
+                flush(&mut metrics)?;
                 tracing::info!(
                     "epoch {}/{} done: train loss {}{} | test loss {:.4}{} | {:.1}s, {:.0} samples/s{}",
                     summary.epoch + 1,
@@ -325,75 +336,71 @@ fn receive(
                 // resume keeps the records that precede its checkpoint and
                 // never writes them again, so any still buffered at a kill
                 // would be lost for good.
-                sync_metrics(&mut metrics, &metrics_path)?;
+                watch.check(&mut metrics)?;
+                sync_metrics(&mut metrics)?;
                 user.each(|sink| sink.sync())?;
-                let path = checkpoint::write(&settings.output_dir, &snapshot, settings.keep)?;
+                let path = checkpoint::write(&watch.dir(), &snapshot, settings.keep)?;
                 tracing::info!(
                     "checkpoint {} written in {:.0} ms",
                     path.display(),
                     started.elapsed().as_secs_f64() * 1e3
                 );
                 user.each(|sink| sink.checkpoint(&path))?;
-                outcome.last_checkpoint = Some(path);
+                last_checkpoint = Some(path);
                 // The training side holds no token while this one is out,
                 // so the slot is free; if it has gone, nobody waits.
                 let _ = settings.checkpoint_written.try_send(());
             }
             Event::SyncMetrics(synced) => {
-                sync_metrics(&mut metrics, &metrics_path)?;
+                // The training side writes a checkpoint into the directory
+                // once answered.
+                watch.check(&mut metrics)?;
+                sync_metrics(&mut metrics)?;
                 user.each(|sink| sink.sync())?;
                 // The sender waits; if it has gone, nobody does.
                 let _ = synced.send(());
             }
             Event::CheckpointWritten(path) => {
                 user.each(|sink| sink.checkpoint(&path))?;
-                outcome.last_checkpoint = Some(path);
+                last_checkpoint = Some(path);
                 let _ = settings.checkpoint_written.try_send(());
             }
         }
     }
-    metrics
-        .flush()
-        .map_err(|e| PipelineError::io(&metrics_path, e))?;
-    Ok(outcome)
+    // A directory removed after the last checkpoint still gets its records
+    // (and the metrics to the end) back.
+    watch.check(&mut metrics)?;
+    flush(&mut metrics)?;
+    Ok(SinkOutcome { last_checkpoint })
 }
 
-fn sync_metrics(metrics: &mut BufWriter<File>, path: &Path) -> Result<()> {
-    metrics.flush().map_err(|e| PipelineError::io(path, e))?;
+fn flush(metrics: &mut Metrics) -> Result<()> {
     metrics
+        .out
+        .flush()
+        .map_err(|e| PipelineError::io(&metrics.path, e))
+}
+
+fn sync_metrics(metrics: &mut Metrics) -> Result<()> {
+    flush(metrics)?;
+    metrics
+        .out
         .get_ref()
         .sync_data()
-        .map_err(|e| PipelineError::io(path, e))
-}
-
-/// Appends to the run's metrics (resume cut them back to its checkpoint).
-fn open_metrics(path: &Path) -> Result<BufWriter<File>> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| PipelineError::io(dir, e))?;
-    }
-    let file = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .map_err(|e| PipelineError::io(path, e))?;
-    Ok(BufWriter::new(file))
+        .map_err(|e| PipelineError::io(&metrics.path, e))
 }
 
 /// Appends one JSON line with a single `write_all`, so the buffer only
 /// ever reaches the file in whole lines: a kill leaves no torn line.
-fn write_json<T: Serialize>(
-    out: &mut BufWriter<File>,
-    path: &Path,
-    kind: &str,
-    value: &T,
-) -> Result<()> {
+fn write_json<T: Serialize>(out: &mut Metrics, kind: &str, value: &T) -> Result<()> {
     let body = serde_json::to_string(value).map_err(|e| PipelineError::Stage {
         stage: "sink",
         reason: e.to_string(),
     })?;
     let line = format!("{{\"kind\":\"{kind}\",\"data\":{body}}}\n");
-    out.write_all(line.as_bytes())
-        .map_err(|e| PipelineError::io(path, e))
+    out.out
+        .write_all(line.as_bytes())
+        .map_err(|e| PipelineError::io(&out.path, e))
 }
 
 /// Where a resumed run picks up: metrics of this point and later are
@@ -647,9 +654,9 @@ mod tests {
     }
 
     fn start(dir: &Path) -> (SinkLink, std::thread::JoinHandle<Result<SinkOutcome>>) {
-        let (link, events, checkpoint_written) = SinkLink::new(16);
+        let (link, events, checkpoint_written) = SinkLink::new(16, dir.to_path_buf());
         let settings = SinkSettings {
-            output_dir: dir.to_path_buf(),
+            output_dir: link.dir(),
             epochs: 1,
             log_every: 1000,
             keep: 2,
@@ -736,10 +743,10 @@ mod tests {
         let (link, sink) = three_steps_sent(dir.path());
         let metrics = dir.path().join("metrics.jsonl");
         let written = link
-            .write_here(|| {
+            .write_here(|into| {
                 let on_disk = std::fs::read_to_string(&metrics).unwrap();
                 assert_eq!(on_disk.lines().count(), 3, "{on_disk}");
-                checkpoint::write(dir.path(), &snapshot(3), 2)
+                checkpoint::write(into, &snapshot(3), 2)
             })
             .unwrap();
         link.take_checkpoint_token().unwrap();

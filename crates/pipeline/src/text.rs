@@ -6,6 +6,7 @@
 //! samples/s) and a generated sample in the run directory.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use headroom_loader::{
@@ -88,7 +89,10 @@ pub fn pack(config: &ExperimentConfig, allow_install: bool) -> Result<PathBuf> {
     // The test split goes last: its index marks a complete store.
     for (split, bytes, limit) in [("train", train, limits.0), ("test", validation, limits.1)] {
         let what = format!("the {split} part of text.corpus");
-        let windows = TextWindows::new(bytes.to_vec(), length, limit, &what)?;
+        let mut copy = Vec::new();
+        reserve(&mut copy, bytes.len() as u64, "text.corpus", &what)?;
+        copy.extend_from_slice(bytes);
+        let windows = TextWindows::new(copy, length, limit, &what)?;
         let summary = preprocess(&windows, &dir.join(split), per_shard, true)?;
         tracing::info!("packed {split}: {summary}");
     }
@@ -162,12 +166,42 @@ pub fn read_corpus(text: &TextConfig, allow_install: bool) -> Result<Vec<u8>> {
     if let Some(first) = absent.first() {
         return Err(missing_corpus(text, first));
     }
-    let mut corpus = Vec::new();
+    // The files' sizes are the user's: the corpus is held once, in memory
+    // asked for up front, and a refusal is an error naming the files.
+    let mut total = 0u64;
     for path in &text.corpus {
-        let bytes = std::fs::read(path).map_err(|e| PipelineError::io(path, e))?;
-        corpus.extend_from_slice(&bytes);
+        let meta = std::fs::metadata(path).map_err(|e| PipelineError::io(path, e))?;
+        total = total.saturating_add(meta.len());
+    }
+    let mut corpus = Vec::new();
+    reserve(&mut corpus, total, "text.corpus", "the corpus files joined")?;
+    for path in &text.corpus {
+        let mut file = std::fs::File::open(path).map_err(|e| PipelineError::io(path, e))?;
+        // Fallible: a file grown since it was measured is read on, and a
+        // refused allocation is an OutOfMemory error, not an abort.
+        std::io::Read::read_to_end(&mut file, &mut corpus)
+            .map_err(|e| PipelineError::io(path, e))?;
     }
     Ok(corpus)
+}
+
+/// Room for `bytes` more in `buffer`, or an error naming `key` and `what`
+/// the buffer is for.
+fn reserve(buffer: &mut Vec<u8>, bytes: u64, key: &str, what: &str) -> Result<()> {
+    let refused = |reason: String| {
+        PipelineError::value(
+            key,
+            format!(
+                "{what} take {}, which this process cannot hold in memory ({reason}); \
+                 use a smaller corpus or raise the memory limit",
+                headroom_model::memory::bytes_text(bytes)
+            ),
+        )
+    };
+    let bytes = usize::try_from(bytes).map_err(|e| refused(e.to_string()))?;
+    buffer
+        .try_reserve_exact(bytes)
+        .map_err(|e| refused(e.to_string()))
 }
 
 fn missing_corpus(text: &TextConfig, file: &Path) -> PipelineError {
@@ -274,6 +308,17 @@ pub struct TextReport {
 /// After a completed text run: generates `sample.txt` from the last
 /// checkpoint and writes `text_report.json` beside it.
 pub fn write_report(config: &ExperimentConfig, summary: &RunSummary) -> Result<TextReport> {
+    write_report_until(config, summary, None)
+}
+
+/// [`write_report`], with the sample cut short once `stop` is set (the
+/// first SIGINT or SIGTERM): the bytes drawn so far are the sample, and
+/// the log says it was cut.
+pub fn write_report_until(
+    config: &ExperimentConfig,
+    summary: &RunSummary,
+    stop: Option<&AtomicBool>,
+) -> Result<TextReport> {
     let text = text_config(config)?;
     let tokens = token_input(config)?;
     let checkpoint_path = summary.last_checkpoint.as_deref().ok_or_else(|| {
@@ -281,13 +326,21 @@ pub fn write_report(config: &ExperimentConfig, summary: &RunSummary) -> Result<T
     })?;
     let dir = checkpoint_path.parent().unwrap_or(Path::new("."));
     let mut learner = learner_from_checkpoint(config, checkpoint_path)?;
-    let generated = generate(
+    let generated = generate_until(
         learner.network_mut(),
         text.prompt.as_bytes(),
         text.sample_bytes,
         text.temperature,
         config.run.seed,
+        stop,
     )?;
+    if generated.len() < text.sample_bytes {
+        tracing::warn!(
+            "the sample was cut short by the stop request: {} of text.sample_bytes = {} bytes",
+            generated.len(),
+            text.sample_bytes
+        );
+    }
     let sample =
         String::from_utf8_lossy(&[text.prompt.as_bytes(), &generated].concat()).into_owned();
     let sample_file = dir.join(SAMPLE_FILE);
@@ -357,6 +410,20 @@ pub fn generate(
     temperature: f32,
     seed: u64,
 ) -> Result<Vec<u8>> {
+    generate_until(network, prompt, count, temperature, seed, None)
+}
+
+/// [`generate`], ending early (with the bytes drawn so far) once `stop` is
+/// set: each byte is a forward pass, so a long sample must not outlast a
+/// request to stop.
+pub fn generate_until(
+    network: &mut Network,
+    prompt: &[u8],
+    count: usize,
+    temperature: f32,
+    seed: u64,
+    stop: Option<&AtomicBool>,
+) -> Result<Vec<u8>> {
     let length = network.input_shape().first().copied().unwrap_or(1);
     let vocab = network.num_classes();
     let mut rng = InitRng::new(seed);
@@ -367,6 +434,9 @@ pub fn generate(
     };
     let start = text.len();
     for _ in 0..count {
+        if stop.is_some_and(|flag| flag.load(Ordering::SeqCst)) {
+            break;
+        }
         let context = &text[text.len().saturating_sub(length)..];
         let position = context.len() - 1;
         let mut ids: Vec<u32> = context.iter().map(|&b| u32::from(b)).collect();
@@ -419,6 +489,44 @@ mod tests {
         assert!(!safe
             .chars()
             .any(|c| c.is_control() && c != '\n' && c != '\t'));
+    }
+
+    fn tiny_token_network() -> Network {
+        let spec: headroom_model::ModelSpec = toml::from_str(
+            r#"
+            tokens = { length = 8, vocab = 256 }
+            layers = [{ type = "embedding", dim = 4 }, { type = "linear", out = 256 }]
+            "#,
+        )
+        .unwrap();
+        Network::build(&spec, 1).unwrap()
+    }
+
+    #[test]
+    fn sampling_stops_at_a_stop_request_with_what_it_drew() {
+        let mut network = tiny_token_network();
+        let whole = generate(&mut network, b"ab", 16, 0.7, 3).unwrap();
+        assert_eq!(whole.len(), 16);
+        let stop = AtomicBool::new(true);
+        let cut = generate_until(&mut network, b"ab", 16, 0.7, 3, Some(&stop)).unwrap();
+        assert!(cut.is_empty(), "{} bytes drawn after the stop", cut.len());
+    }
+
+    #[test]
+    fn a_corpus_too_large_to_hold_is_an_error_naming_it_not_an_abort() {
+        let mut corpus = Vec::new();
+        let err = reserve(
+            &mut corpus,
+            u64::MAX / 2,
+            "text.corpus",
+            "the corpus files joined",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("text.corpus"), "{err}");
+        assert!(err.contains("cannot hold in memory"), "{err}");
+        reserve(&mut corpus, 1024, "text.corpus", "the corpus").unwrap();
+        assert!(corpus.capacity() >= 1024);
     }
 
     #[test]

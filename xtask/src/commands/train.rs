@@ -219,9 +219,18 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
             .with_context(|| format!("training {} failed", experiment.run.name))?;
         print_summary(experiment, &summary);
         if experiment.data.format == DataFormat::Text && !summary.interrupted {
-            let report = headroom_pipeline::text::write_report(experiment, &summary)
-                .with_context(|| format!("writing the text report of {}", experiment.run.name))?;
+            // The sample is cut short by the first signal, as training is.
+            let flag = stop.flag();
+            let report =
+                headroom_pipeline::text::write_report_until(experiment, &summary, Some(&flag))
+                    .with_context(|| {
+                        format!("writing the text report of {}", experiment.run.name)
+                    })?;
             print_text_report(&report);
+            if flag.load(std::sync::atomic::Ordering::SeqCst) {
+                println!("stopped while sampling; the run itself is complete");
+                return Ok(stop.exit_code());
+            }
         }
         if experiment.finetune.is_some() && !summary.interrupted {
             let report = headroom_pipeline::finetune::write_report(experiment, &summary)

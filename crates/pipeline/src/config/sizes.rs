@@ -12,6 +12,10 @@ use crate::{PipelineError, Result};
 /// Compute threads per core beyond which `train.threads` is a mistake.
 const MAX_THREADS_PER_CORE: usize = 16;
 
+/// The most bytes `text.sample_bytes` may ask for: each is a forward pass
+/// after training, so the work after the run stays bounded.
+pub const MAX_SAMPLE_BYTES: usize = 1 << 20;
+
 /// Refuses sizes no run can survive, naming the key, before anything is
 /// allocated or a thread started: thread counts far beyond the cores, a
 /// padding wider than its kernel, a model whose weights alone would not fit
@@ -32,10 +36,28 @@ pub fn check_sizes(config: &ExperimentConfig) -> Result<()> {
             ));
         }
     }
+    if let Some(text) = &config.text {
+        if text.sample_bytes > MAX_SAMPLE_BYTES {
+            return Err(PipelineError::value(
+                "text.sample_bytes",
+                format!(
+                    "{} bytes to generate after training, one forward pass each; use at most {MAX_SAMPLE_BYTES}",
+                    text.sample_bytes
+                ),
+            ));
+        }
+    }
     let model = ModelSize::of(&config.model)?;
+    let sequence = SequenceSize::of(config);
     // Weights, their gradients and two AdamW moments, then one sample's
     // activations kept for backward: what even a micro-batch of 1 needs.
-    let needed = model.parameters.saturating_mul(16) + model.activation_bytes;
+    // A sequence model's input and scores per sample (the sequence layers
+    // are not walked) count too.
+    let needed = model
+        .parameters
+        .saturating_mul(16)
+        .saturating_add(model.activation_bytes)
+        .saturating_add(sequence.bytes);
     // Against what the process really has, not device.memory_limit: a budget
     // too small for one sample is the OOM policy's case (checkpoint, stop,
     // resume with more), not a mistake in the experiment.
@@ -43,6 +65,7 @@ pub fn check_sizes(config: &ExperimentConfig) -> Result<()> {
         return Ok(());
     };
     let (available, from) = (ceiling.room, ceiling.source);
+    sequence.check(available, &from)?;
     if needed > available {
         return Err(PipelineError::value(
             &model.largest_key,
@@ -57,6 +80,80 @@ pub fn check_sizes(config: &ExperimentConfig) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// What one sample of a token or frame model takes beside the layers'
+/// activations: its input, its per-position scores and their gradient, the
+/// loader's copy of it.
+struct SequenceSize {
+    bytes: u64,
+    key: &'static str,
+    what: String,
+}
+
+impl SequenceSize {
+    /// A sequence model whose one sample alone does not fit: its sizes
+    /// (length, vocabulary, frames) are the mistake, named as such.
+    fn check(&self, available: u64, from: &str) -> Result<()> {
+        if self.bytes <= available {
+            return Ok(());
+        }
+        Err(PipelineError::value(
+            self.key,
+            format!(
+                "one sample needs {} ({}), more than the {} this process may use ({from})",
+                bytes_text(self.bytes),
+                self.what,
+                bytes_text(available)
+            ),
+        ))
+    }
+
+    fn of(config: &ExperimentConfig) -> Self {
+        let spec = &config.model;
+        let as_u64 = |n: usize| n as u64;
+        if let Some(tokens) = spec.tokens {
+            let (length, vocab) = (as_u64(tokens.length), as_u64(tokens.vocab));
+            // Ids as f32, the window's bytes, scores and their gradient.
+            let bytes = length
+                .saturating_mul(5)
+                .saturating_add(length.saturating_mul(vocab).saturating_mul(8));
+            return Self {
+                bytes,
+                key: "model.tokens",
+                what: format!(
+                    "model.tokens.length {length} × vocab {vocab}: the scores of every position and their gradient"
+                ),
+            };
+        }
+        if let Some(frames) = spec.frames {
+            let frame = spec
+                .input
+                .iter()
+                .fold(1u64, |a, &d| a.saturating_mul(as_u64(d)));
+            // The loader's bytes of frames + 1 images, the input and the
+            // prediction as f32, and each garment's path.
+            let steps = as_u64(frames).saturating_add(1);
+            let garments = config.frames.as_ref().map_or(0, |f| as_u64(f.garments));
+            let bytes = steps
+                .saturating_mul(frame)
+                .saturating_mul(9)
+                .saturating_add(garments.saturating_mul(steps).saturating_mul(16));
+            return Self {
+                bytes,
+                key: "model.frames",
+                what: format!(
+                    "model.frames {frames} of {:?} each, input and prediction, and frames.garments {garments}",
+                    spec.input
+                ),
+            };
+        }
+        Self {
+            bytes: 0,
+            key: "model.layers",
+            what: String::new(),
+        }
+    }
 }
 
 /// The number of outputs (classes) of the model a spec describes.
@@ -221,5 +318,68 @@ impl ModelSize {
             // shape through unchanged.
             _ => Ok((0, shape.to_vec())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn experiment(name: &str, sets: &[&str]) -> Result<ExperimentConfig> {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../experiments")
+            .join(name);
+        let sets: Vec<String> = sets.iter().map(|s| (*s).to_string()).collect();
+        let overrides = crate::Overrides::parse(&sets)?;
+        ExperimentConfig::load(&path, &overrides)
+    }
+
+    #[test]
+    fn a_sample_too_long_to_generate_is_refused_naming_the_key() {
+        let err = experiment(
+            "char_lm.toml",
+            &[&format!("text.sample_bytes={}", MAX_SAMPLE_BYTES + 1)],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("text.sample_bytes"), "{err}");
+        assert!(err.contains(&MAX_SAMPLE_BYTES.to_string()), "{err}");
+        experiment(
+            "char_lm.toml",
+            &[&format!("text.sample_bytes={MAX_SAMPLE_BYTES}")],
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn a_token_sample_larger_than_memory_is_refused_naming_its_sizes() {
+        let config = experiment("char_lm.toml", &[]).unwrap();
+        let mut huge = config.clone();
+        if let Some(tokens) = huge.model.tokens.as_mut() {
+            tokens.length = 1 << 30;
+        }
+        let size = SequenceSize::of(&huge);
+        let err = size.check(1 << 34, "RLIMIT_AS").unwrap_err().to_string();
+        assert!(err.contains("model.tokens"), "{err}");
+        assert!(err.contains("length 1073741824 × vocab 256"), "{err}");
+        assert!(err.contains("RLIMIT_AS"), "{err}");
+        // The experiment as written: 64 positions of 256 scores.
+        SequenceSize::of(&config)
+            .check(1 << 20, "RLIMIT_AS")
+            .unwrap();
+    }
+
+    #[test]
+    fn a_frame_sample_counts_every_frame_and_garment() {
+        let mut config = experiment("conv_lstm.toml", &[]).unwrap();
+        let base = SequenceSize::of(&config).bytes;
+        assert!(base > 0);
+        config.model.frames = config.model.frames.map(|f| f * 1000);
+        let err = SequenceSize::of(&config)
+            .check(base * 10, "cgroup v2")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("model.frames"), "{err}");
     }
 }

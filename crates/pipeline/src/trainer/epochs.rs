@@ -120,8 +120,8 @@ fn write_with_no_copy(
     memory: &mut MemoryGuard,
 ) -> Result<()> {
     let started = Instant::now();
-    let path = events.write_here(|| {
-        checkpoint::write_with(&plan.dir, meta, plan.checkpoint.keep, |out| {
+    let path = events.write_here(|dir| {
+        checkpoint::write_with(dir, meta, plan.checkpoint.keep, |out| {
             memory.write_state(learner, meta.step, out)
         })
     })?;
@@ -304,7 +304,9 @@ fn stop_with_checkpoint(
         Ok(()) => PipelineError::StoppedSaved {
             cause: Box::new(cause),
             step: trainee.position.step,
-            dir: steps.plan.dir.clone(),
+            // Where the sink wrote it: the run's directory, or the one it
+            // went on in when that was removed.
+            dir: steps.events.dir().get(),
         },
         Err(e) => {
             tracing::error!("no checkpoint after the error: {e}");

@@ -341,8 +341,13 @@ impl Trainer {
                 &mut memory,
             )
         });
+        // The sink moves the run to a new directory when its own is removed
+        // or replaced mid-run: what follows writes and names that one.
+        let current_dir = events.dir();
         drop(events);
-        let (finish, outcome) = match join_sink(sink, result) {
+        let joined = join_sink(sink, result);
+        let dir = current_dir.get();
+        let (finish, outcome) = match joined {
             Err(PipelineError::Diverged {
                 skips, from_step, ..
             }) => {
@@ -668,8 +673,8 @@ fn prepare(
         test_loader,
     } = made;
     let batch_size = settings.settings.batch_size;
-    let train_loader = DataLoader::new(train, train_loader)?;
-    let test_loader = DataLoader::new(test, test_loader)?;
+    let train_loader = open_loader(train, train_loader, "training")?;
+    let test_loader = open_loader(test, test_loader, "test")?;
     if train_loader.batches_per_epoch() == 0 {
         return Err(PipelineError::value(
             "train.batch_size",
@@ -687,6 +692,18 @@ fn prepare(
         },
         train_loader,
         test_loader,
+    })
+}
+
+/// A loader whose worker threads could not start says which, and why that
+/// may be (a limit on threads or memory).
+fn open_loader(data: Arc<dyn Dataset>, config: LoaderConfig, which: &str) -> Result<DataLoader> {
+    DataLoader::new(data, config).map_err(|e| match e {
+        headroom_loader::LoaderError::Spawn { worker, source } => PipelineError::Threads {
+            what: format!("{which} loader worker thread {worker} (data.workers)"),
+            reason: source.to_string(),
+        },
+        other => other.into(),
     })
 }
 
@@ -734,14 +751,36 @@ fn schedule(settings: &ScheduleSettings, epochs: u64, total_steps: u64) -> Resul
 }
 
 fn compute_pool(threads: usize) -> Result<rayon::ThreadPool> {
+    start_global_pool()?;
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .thread_name(|i| format!("compute-{i}"))
         .build()
-        .map_err(|e| PipelineError::Stage {
-            stage: "train",
-            reason: format!("cannot start {threads} compute threads: {e}"),
+        .map_err(|e| PipelineError::Threads {
+            what: format!("{threads} compute threads (train.threads)"),
+            reason: e.to_string(),
         })
+}
+
+/// Starts rayon's global pool now, so that a refusal is an error: work
+/// that runs outside the run's own pool (building the model, a dry run of
+/// the micro-batch planner, sampling text after training) would otherwise
+/// start it on first use, and rayon panics when it cannot, where a panic
+/// whose backtrace meets a refused allocation deadlocks in std.
+fn start_global_pool() -> Result<()> {
+    match rayon::ThreadPoolBuilder::new()
+        .thread_name(|i| format!("rayon-{i}"))
+        .build_global()
+    {
+        Ok(()) => Ok(()),
+        // Started before (an earlier run of this process): nothing to do.
+        // rayon tells this case only by its message.
+        Err(e) if e.to_string().contains("already been initialized") => Ok(()),
+        Err(e) => Err(PipelineError::Threads {
+            what: "the shared compute threads (rayon's global pool)".into(),
+            reason: e.to_string(),
+        }),
+    }
 }
 
 fn compute_threads(configured: usize) -> usize {
@@ -815,9 +854,9 @@ fn start_sink(
     user: Vec<Box<dyn Sink>>,
     resumed_at: Option<MetricsPosition>,
 ) -> Result<(SinkLink, thread::JoinHandle<Result<sink::SinkOutcome>>)> {
-    let (events, receiver, checkpoint_written) = SinkLink::new(256);
+    let (events, receiver, checkpoint_written) = SinkLink::new(256, settings.dir.clone());
     let sink_settings = SinkSettings {
-        output_dir: settings.dir.clone(),
+        output_dir: events.dir(),
         epochs: settings.settings.epochs,
         log_every: settings.settings.log_every,
         keep: checkpoint.keep,
@@ -828,8 +867,8 @@ fn start_sink(
     let sink = thread::Builder::new()
         .name("sink".into())
         .spawn(move || sink::run(receiver, sink_settings))
-        .map_err(|e| PipelineError::Stage {
-            stage: "sink",
+        .map_err(|e| PipelineError::Threads {
+            what: "the thread that writes metrics and checkpoints".into(),
             reason: e.to_string(),
         })?;
     Ok((events, sink))
