@@ -82,6 +82,7 @@ fn run(dir: &Path, epochs: u64, resume: Resume, mishap: Option<Mishap>) -> RunSu
             label_smoothing: 0.0,
             clip_norm: 0.0,
             focal_gamma: None,
+            regression: None,
             optimizer: Default::default(),
         },
         batch: BATCH,
