@@ -12,7 +12,7 @@ use headroom_pipeline::{ExperimentConfig, Overrides};
 fn keys_in_code() -> BTreeSet<String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     // Keys that cannot all be set in one valid experiment come from several.
-    let experiments: [&[&str]; 3] = [
+    let experiments: [&[&str]; 5] = [
         &[
             "augment.rand_augment.num_ops=2",
             "augment.rand_augment.magnitude=9",
@@ -38,6 +38,26 @@ fn keys_in_code() -> BTreeSet<String> {
             "data.image_size=[28, 28]",
             "data.channels=1",
             "data.fit=center_crop",
+        ],
+        &[
+            "augment.rand_augment.num_ops=2",
+            "augment.rand_augment.magnitude=9",
+            "data.format=csv",
+            "data.dir=table",
+            r#"data.targets=["y"]"#,
+            r#"data.features=["a"]"#,
+            "train.loss=huber",
+            "train.huber_delta=1",
+            "train.label_smoothing=0",
+            "eval.tta=none",
+        ],
+        &[
+            "augment.rand_augment.num_ops=2",
+            "augment.rand_augment.magnitude=9",
+            "data.format=tensors",
+            "data.dir=batches",
+            "data.input_array=x",
+            "data.target_array=y",
         ],
     ];
     let mut keys = BTreeSet::new();
