@@ -162,7 +162,7 @@ fn word_settings_name_the_key_and_every_word_they_take() {
         ),
         (
             "data.format=parquet",
-            "\"idx\", \"shards\", \"text\", \"moving_fashion_mnist\" or \"image_folder\", got \"parquet\"",
+            "\"idx\", \"shards\", \"text\", \"moving_fashion_mnist\", \"image_folder\", \"csv\" or \"tensors\", got \"parquet\"",
         ),
         (
             "memory.oom_policy=retry",
