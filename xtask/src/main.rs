@@ -41,6 +41,10 @@ enum Command {
     /// Test accuracy, loss and confusion matrix of a checkpoint (a token
     /// model: validation loss and bits per byte).
     Eval(EvalArgs),
+    /// Score new inputs with a trained run: images, a CSV or tensor files
+    /// in, each input's class and probabilities (or values) out, as CSV or
+    /// JSON, with the preprocessing the run trained with.
+    Predict(PredictArgs),
     /// Write a checkpoint's weights for other tools (safetensors: names as in
     /// the model spec, layouts in the file's metadata).
     Export(ExportArgs),
@@ -211,6 +215,23 @@ struct EvalArgs {
 }
 
 #[derive(clap::Args)]
+struct PredictArgs {
+    /// A run directory (its newest checkpoint of its own) or a checkpoint.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// An image or a folder of images (image models), a CSV (a table's
+    /// run), or .npz/.safetensors/.npy inputs (a tensor files' run).
+    #[arg(long)]
+    input: PathBuf,
+    /// Where to write: a .json file gets JSON, anything else CSV; unset:
+    /// CSV on standard output.
+    #[arg(long)]
+    output: Option<PathBuf>,
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
+}
+
+#[derive(clap::Args)]
 struct ExportArgs {
     #[arg(long)]
     checkpoint: PathBuf,
@@ -367,6 +388,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Preprocess(args) => done(commands::preprocess::run(args)),
         Command::BenchStep(args) => done(commands::bench::step_command(args)),
         Command::Eval(args) => commands::eval::run(args),
+        Command::Predict(args) => done(commands::predict::run(args)),
         Command::Export(args) => commands::export::run(args),
         Command::LoraMerge(args) => commands::lora_merge::run(args),
         Command::Doctor => done(commands::doctor::run()),

@@ -388,6 +388,77 @@ impl Dataset for ImageFolder {
     }
 }
 
+/// Unlabelled photos to score: one PNG or JPEG file, or every image in a
+/// folder (sorted by name; hidden files and other types skipped, no
+/// subfolders), decoded and fit as an [`ImageFolder`]'s are. Every label is
+/// 0.
+#[derive(Debug)]
+pub struct ImageFiles {
+    files: Vec<PathBuf>,
+    config: ImageFolderConfig,
+}
+
+impl ImageFiles {
+    /// Lists `path`'s images and reads each one's header.
+    pub fn open(path: &Path, config: ImageFolderConfig) -> Result<Self, LoaderError> {
+        check_config(&config)?;
+        let meta = std::fs::metadata(path).map_err(|e| {
+            bad(
+                path,
+                format!("{e}; expected a PNG or JPEG image, or a folder of them"),
+            )
+        })?;
+        let files: Vec<PathBuf> = if meta.is_dir() {
+            sorted_entries(path)?
+                .into_iter()
+                .filter(|(p, is_dir)| !is_dir && is_image_name(p))
+                .map(|(p, _)| p)
+                .collect()
+        } else {
+            vec![path.to_path_buf()]
+        };
+        if files.is_empty() {
+            return Err(bad(
+                path,
+                "holds no .png, .jpg or .jpeg file (subfolders are not searched)",
+            ));
+        }
+        for file in &files {
+            check_header(file)?;
+        }
+        Ok(Self { files, config })
+    }
+
+    /// The image of each sample, in order.
+    pub fn files(&self) -> &[PathBuf] {
+        &self.files
+    }
+}
+
+impl Dataset for ImageFiles {
+    fn len(&self) -> usize {
+        self.files.len()
+    }
+
+    fn sample_shape(&self) -> [usize; 3] {
+        let [h, w] = self.config.size;
+        [h, w, self.config.channels]
+    }
+
+    fn num_classes(&self) -> usize {
+        1
+    }
+
+    fn read(&self, index: usize, out: &mut [u8]) -> Result<u32, LoaderError> {
+        let path = self.files.get(index).ok_or(LoaderError::Index {
+            index,
+            len: self.files.len(),
+        })?;
+        decode(path, &self.config, out)?;
+        Ok(0)
+    }
+}
+
 /// Writes a u8 HWC image (`channels` 1 or 3) as PNG or JPEG (quality 90),
 /// chosen by `path`'s extension: for tests and examples that need an
 /// image folder.

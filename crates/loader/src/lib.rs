@@ -81,7 +81,7 @@ pub use augment::{AugmentConfig, RandAugmentConfig, MAX_MAGNITUDE};
 pub use dataset::{Dataset, Element, MemoryUsage, SampleKind, ShardLayout};
 pub use error::LoaderError;
 pub use idx::{IdxDataset, Split};
-pub use image_folder::{write_image, ImageFit, ImageFolder, ImageFolderConfig, IMAGE_EXTENSIONS};
+pub use image_folder::{ImageFiles, write_image, ImageFit, ImageFolder, ImageFolderConfig, IMAGE_EXTENSIONS};
 pub use loader::{
     Batch, DataLoader, EpochIter, LoaderConfig, LoaderMemory, LoaderState, SampleRecipe,
 };

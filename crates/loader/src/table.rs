@@ -33,6 +33,9 @@ pub enum TableTarget {
     Classes { classes: Option<Vec<String>> },
     /// One or more numeric columns (regression).
     Values,
+    /// None: rows to score. The target columns named are left out of the
+    /// features where the file has them, and need not be there.
+    Absent,
 }
 
 /// Which columns are what.
@@ -66,6 +69,8 @@ pub struct CsvTable {
     values: Vec<f32>,
     /// One per row for classes; empty for values.
     labels: Vec<u32>,
+    /// Each row's line in the file.
+    lines: Vec<u64>,
     classes: Vec<String>,
     scale: Option<TableScale>,
 }
@@ -143,7 +148,8 @@ impl CsvTable {
                 )
             })
         };
-        if config.targets.is_empty() {
+        let absent = config.target == TableTarget::Absent;
+        if config.targets.is_empty() && !absent {
             return Err(format_err(path, "no target column named".into()));
         }
         if matches!(config.target, TableTarget::Classes { .. }) && config.targets.len() != 1 {
@@ -155,11 +161,14 @@ impl CsvTable {
                 ),
             ));
         }
-        let target_columns = config
-            .targets
-            .iter()
-            .map(|t| position(t))
-            .collect::<Result<Vec<_>, _>>()?;
+        let target_columns = match absent {
+            true => Vec::new(),
+            false => config
+                .targets
+                .iter()
+                .map(|t| position(t))
+                .collect::<Result<Vec<_>, _>>()?,
+        };
         let feature_names: Vec<String> = if config.features.is_empty() {
             header
                 .iter()
@@ -188,9 +197,11 @@ impl CsvTable {
         let mut features = Vec::new();
         let mut values = Vec::new();
         let mut class_cells: Vec<(u64, String)> = Vec::new();
+        let mut lines = Vec::new();
         for record in reader.records() {
             let record = record.map_err(csv_err)?;
             let line = record.position().map_or(0, |p| p.line());
+            lines.push(line);
             for (&k, name) in feature_columns.iter().zip(&feature_names) {
                 features.push(number(path, line, name, &record[k])?);
             }
@@ -203,6 +214,7 @@ impl CsvTable {
                 TableTarget::Classes { .. } => {
                     class_cells.push((line, record[target_columns[0]].trim().to_string()))
                 }
+                TableTarget::Absent => {}
             }
         }
         let rows = features.len() / feature_names.len();
@@ -210,7 +222,7 @@ impl CsvTable {
             return Err(format_err(path, "has a header but no rows".into()));
         }
         let (labels, classes) = match &config.target {
-            TableTarget::Values => (Vec::new(), Vec::new()),
+            TableTarget::Values | TableTarget::Absent => (Vec::new(), Vec::new()),
             TableTarget::Classes { classes } => {
                 class_ids(path, &config.targets[0], &class_cells, classes.as_deref())?
             }
@@ -222,6 +234,7 @@ impl CsvTable {
             features,
             values,
             labels,
+            lines,
             classes,
             scale: None,
         })
@@ -233,6 +246,11 @@ impl CsvTable {
 
     pub fn rows(&self) -> usize {
         self.features.len() / self.feature_names.len().max(1)
+    }
+
+    /// The line in the file of each row, in order.
+    pub fn lines(&self) -> &[u64] {
+        &self.lines
     }
 
     pub fn feature_names(&self) -> &[String] {

@@ -413,10 +413,19 @@ impl Source {
 
 /// The files of `root` (a directory, or one `.npz`/`.safetensors` file),
 /// sorted by name.
-fn list_sources(root: &Path, config: &TensorFilesConfig) -> Result<Vec<Source>, LoaderError> {
+fn list_sources(
+    root: &Path,
+    config: &TensorFilesConfig,
+    with_targets: bool,
+) -> Result<Vec<Source>, LoaderError> {
     let of_file = |path: &Path| match path.extension().and_then(|e| e.to_str()) {
         Some("npz") => Some(Source::Npz(path.to_path_buf())),
         Some("safetensors") => Some(Source::Safetensors(path.to_path_buf())),
+        // Inputs alone (to score) may be one .npy array.
+        Some("npy") if !with_targets => Some(Source::NpyPair {
+            input: path.to_path_buf(),
+            target: path.to_path_buf(),
+        }),
         _ => None,
     };
     if root.is_file() {
@@ -443,11 +452,13 @@ fn list_sources(root: &Path, config: &TensorFilesConfig) -> Result<Vec<Source>, 
         if file_name.starts_with('.') {
             continue;
         }
-        if let Some(source) = of_file(path) {
-            sources.push(source);
+        if path.extension().is_some_and(|e| e != "npy") {
+            if let Some(source) = of_file(path) {
+                sources.push(source);
+            }
         } else if let Some(stem) = file_name.strip_suffix(&input_suffix) {
             let target = path.with_file_name(format!("{stem}{target_suffix}"));
-            if !target.is_file() {
+            if with_targets && !target.is_file() {
                 return Err(format_err(
                     path,
                     format!(
@@ -474,7 +485,22 @@ fn list_sources(root: &Path, config: &TensorFilesConfig) -> Result<Vec<Source>, 
 impl TensorFiles {
     /// Opens `root`: every file's headers and targets, no inputs.
     pub fn open(root: &Path, config: TensorFilesConfig) -> Result<Self, LoaderError> {
-        let sources = list_sources(root, &config)?;
+        Self::open_with(root, config, true)
+    }
+
+    /// Opens `root`'s input arrays alone (inputs to score: the target
+    /// arrays may be absent and are not read); every label is 0. `root`
+    /// may also be one `.npy` file.
+    pub fn open_inputs(root: &Path, config: TensorFilesConfig) -> Result<Self, LoaderError> {
+        Self::open_with(root, config, false)
+    }
+
+    fn open_with(
+        root: &Path,
+        config: TensorFilesConfig,
+        with_targets: bool,
+    ) -> Result<Self, LoaderError> {
+        let sources = list_sources(root, &config, with_targets)?;
         let mut starts = vec![0usize];
         let (mut labels, mut values) = (Vec::new(), Vec::new());
         let mut first: Option<(Dtype, Vec<usize>, Dtype, usize)> = None;
@@ -483,13 +509,22 @@ impl TensorFiles {
         for source in &sources {
             let path = source.path();
             let input = source.array(&config.input, &config, true)?;
-            let target = source.array(&config.target, &config, false)?;
             let rows = *input.shape.first().ok_or_else(|| {
                 format_err(
                     path,
                     format!("input `{}` is a scalar; expected [rows, ...]", config.input),
                 )
             })?;
+            let target = if with_targets {
+                source.array(&config.target, &config, false)?
+            } else {
+                // No targets: as if each row had one class id, 0.
+                Array {
+                    dtype: Dtype::U8,
+                    shape: vec![rows],
+                    bytes: vec![0; rows],
+                }
+            };
             if target.shape.first() != Some(&rows) || target.shape.len() > 2 {
                 return Err(format_err(
                     path,
@@ -608,6 +643,18 @@ impl TensorFiles {
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// Each sample as `FILE row N`, in order.
+    pub fn row_names(&self) -> Vec<String> {
+        self.sources
+            .iter()
+            .zip(self.starts.windows(2))
+            .flat_map(|(source, span)| {
+                let name = source.path().display().to_string();
+                (0..span[1] - span[0]).map(move |row| format!("{name} row {row}"))
+            })
+            .collect()
     }
 
     /// Number of files.

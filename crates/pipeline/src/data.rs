@@ -246,11 +246,16 @@ pub fn read_class_names(path: &Path) -> Result<Option<Vec<String>>> {
 /// `dataset.json` when it started: an image folder's class folders, or a
 /// store's `classes.json`. None for data without names (Fashion-MNIST, text).
 pub fn recorded_classes(run_dir: &Path) -> Result<Option<Vec<String>>> {
+    Ok(recorded_identity(run_dir)?.classes)
+}
+
+/// What a run recorded about its data when it started (`dataset.json`):
+/// its shape, class names and a table's standardisation.
+pub fn recorded_identity(run_dir: &Path) -> Result<DatasetIdentity> {
     let path = run_dir.join(IDENTITY_FILE);
     let text = std::fs::read_to_string(&path).map_err(|e| PipelineError::io(&path, e))?;
-    let identity: DatasetIdentity = serde_json::from_str(&text)
-        .map_err(|e| PipelineError::BadData(format!("{}: {e}", path.display())))?;
-    Ok(identity.classes)
+    serde_json::from_str(&text)
+        .map_err(|e| PipelineError::BadData(format!("{}: {e}", path.display())))
 }
 
 /// Reads every sample once: a read error names the shard or file, a label

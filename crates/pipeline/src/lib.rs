@@ -91,6 +91,7 @@ pub mod memory;
 pub mod parts;
 pub mod paths;
 pub mod plot;
+pub mod predict;
 pub mod resume;
 pub mod rundir;
 mod setting_enum;

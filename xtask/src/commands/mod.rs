@@ -9,6 +9,7 @@ pub mod gpu_check;
 pub mod loader_bench;
 pub mod lora_merge;
 pub mod memcheck;
+pub mod predict;
 pub mod preprocess;
 pub mod train;
 

@@ -118,6 +118,23 @@ impl CpuLearner {
         &mut self.network
     }
 
+    /// The network's outputs for `batch` in evaluation mode (a
+    /// classifier's logits, a regression's values as the targets are
+    /// stored), `n * outputs`, a micro-batch at a time: what a prediction
+    /// reads, with no targets needed.
+    pub fn outputs(&mut self, batch: &Batch) -> Result<Vec<f32>> {
+        let pool = Arc::clone(&self.pool);
+        pool.scope(|| {
+            let mut outputs = Vec::new();
+            for part in batch.micro_batches(self.micro_batch) {
+                let prepared = self.prepare(&part)?;
+                let logits = self.network.forward(&prepared.input, Mode::Eval)?;
+                outputs.extend_from_slice(logits.data());
+            }
+            Ok(outputs)
+        })
+    }
+
     /// The input tensor of `part`, with per-token targets for a token model.
     fn prepare(&self, part: &Batch) -> Result<Prepared> {
         if let Some(frames) = self.frames {
