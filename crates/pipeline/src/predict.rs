@@ -111,11 +111,13 @@ pub fn predict(checkpoint: &Path, input: &Path, batch: usize) -> Result<Predicti
         let recorded = data::recorded_identity(&run_dir)
             .ok()
             .and_then(|identity| identity.classes);
+        // The recorded names, then ids for any outputs beyond the classes
+        // (a model may have more outputs than its data has classes).
+        let recorded = recorded.unwrap_or_default();
         PredictedOutputs::Classes {
-            names: match recorded {
-                Some(names) if names.len() == outputs_per_row => names,
-                _ => (0..outputs_per_row).map(|k| k.to_string()).collect(),
-            },
+            names: (0..outputs_per_row)
+                .map(|k| recorded.get(k).cloned().unwrap_or_else(|| k.to_string()))
+                .collect(),
             classes,
             probabilities,
         }

@@ -153,3 +153,182 @@ fn a_csv_classifier_names_its_classes_with_their_probabilities() {
     assert_eq!(json[0]["input"], "line 2");
     assert!(json[0]["probabilities"]["low"].is_number(), "{json}");
 }
+
+/// A `.npy` file's bytes (version 1.0, C order).
+fn npy(descr: &str, shape: &[usize], data: &[u8]) -> Vec<u8> {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let mut header = format!(
+        "{{'descr': '{descr}', 'fortran_order': False, 'shape': ({},), }}",
+        dims.join(", ")
+    );
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(data);
+    out
+}
+
+/// 4×4 images: class 0 lit on the left half, class 1 on the right.
+fn images(ids: std::ops::Range<usize>) -> (Vec<u8>, Vec<u8>) {
+    let (mut pixels, mut labels) = (Vec::new(), Vec::new());
+    for id in ids {
+        let class = id % 2;
+        for p in 0..16 {
+            let lit = ((p % 4) / 2 == class) as usize;
+            pixels.push((lit * 180 + (p * 5 + id * 3) % 50) as u8);
+        }
+        labels.extend_from_slice(&(class as i64).to_le_bytes());
+    }
+    (pixels, labels)
+}
+
+#[test]
+fn a_tensor_files_run_scores_a_npy_of_inputs_and_names_inputs_of_another_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    for (split, ids) in [("train", 0..256), ("test", 1000..1064)] {
+        std::fs::create_dir_all(data.join(split)).unwrap();
+        let rows = ids.len();
+        let (pixels, labels) = images(ids);
+        std::fs::write(
+            data.join(split).join("b_x.npy"),
+            npy("|u1", &[rows, 4, 4, 1], &pixels),
+        )
+        .unwrap();
+        std::fs::write(
+            data.join(split).join("b_y.npy"),
+            npy("<i8", &[rows], &labels),
+        )
+        .unwrap();
+    }
+    let experiment = dir.path().join("e.toml");
+    std::fs::write(
+        &experiment,
+        r#"
+[run]
+name = "npy"
+[data]
+format = "tensors"
+workers = 1
+[model]
+input = [4, 4, 1]
+mean = 0.3
+std = 0.3
+layers = [{ type = "flatten" }, { type = "linear", out = 16 }, { type = "relu" }, { type = "linear", out = 2 }]
+[train]
+epochs = 8
+batch_size = 16
+threads = 2
+[optimizer]
+lr = 1e-2
+[schedule]
+kind = "constant"
+"#,
+    )
+    .unwrap();
+    let run = dir.path().join("run");
+    let sets = [
+        format!("data.dir={}", data.display()),
+        format!("run.output_dir={}", run.display()),
+    ];
+    let config = ExperimentConfig::load(&experiment, &Overrides::parse(&sets).unwrap()).unwrap();
+    train(&config, &options()).unwrap();
+
+    // Inputs alone: one .npy, no targets beside it.
+    let (pixels, _) = images(2000..2010);
+    let input = dir.path().join("new.npy");
+    std::fs::write(&input, npy("|u1", &[10, 4, 4, 1], &pixels)).unwrap();
+    let predictions = predict(&run, &input, 4).unwrap();
+    assert!(
+        predictions.sources[3].ends_with("new.npy row 3"),
+        "{:?}",
+        predictions.sources
+    );
+    let PredictedOutputs::Classes { names, classes, .. } = &predictions.outputs else {
+        panic!("{predictions:?}")
+    };
+    assert_eq!(names, &["0", "1"], "no recorded names: the ids");
+    let expected: Vec<u32> = (2000..2010).map(|id| (id % 2) as u32).collect();
+    assert_eq!(classes, &expected);
+
+    // Inputs of another shape are named with both shapes.
+    let wrong = dir.path().join("wrong.npy");
+    std::fs::write(&wrong, npy("|u1", &[2, 3, 3, 1], &[0; 18])).unwrap();
+    let err = predict(&run, &wrong, 4).unwrap_err().to_string();
+    assert!(
+        err.contains("wrong.npy") && err.contains("[3, 3, 1]") && err.contains("[4, 4, 1]"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_image_folder_run_scores_a_folder_of_photos_by_class_name() {
+    use headroom_loader::write_image;
+    let dir = tempfile::tempdir().unwrap();
+    let photos = dir.path().join("photos");
+    // "dark" and "light" photos of several sizes, PNG and JPEG.
+    let photo = |path: &Path, light: bool, i: usize| {
+        let (h, w) = (10 + i % 3, 12 + i % 4);
+        let base = if light { 200 } else { 40 };
+        let pixels: Vec<u8> = (0..h * w * 3)
+            .map(|p| (base + (p * 7 + i) % 30) as u8)
+            .collect();
+        write_image(path, &pixels, [h, w, 3]).unwrap();
+    };
+    for (split, count) in [("train", 24), ("test", 6)] {
+        for (class, light) in [("dark", false), ("light", true)] {
+            let folder = photos.join(split).join(class);
+            std::fs::create_dir_all(&folder).unwrap();
+            for i in 0..count {
+                photo(&folder.join(format!("{i}.png")), light, i);
+            }
+        }
+    }
+    let new = dir.path().join("new");
+    std::fs::create_dir_all(&new).unwrap();
+    for (i, light) in [false, true, true, false].into_iter().enumerate() {
+        photo(
+            &new.join(format!("{i}.{}", if i % 2 == 0 { "png" } else { "jpg" })),
+            light,
+            50 + i,
+        );
+    }
+    std::fs::write(new.join("notes.txt"), "not an image").unwrap();
+    let smoke = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments/smoke.toml");
+    let run = dir.path().join("run");
+    let sets: Vec<String> = [
+        "data.format=image_folder".to_string(),
+        format!("data.dir={}", photos.display()),
+        "data.image_size=[8, 8]".into(),
+        "data.channels=3".into(),
+        "data.fit=resize".into(),
+        "data.train_samples=0".into(),
+        "data.test_samples=0".into(),
+        "model.input=[8, 8, 3]".into(),
+        "device.kind=cpu".into(),
+        "train.epochs=4".into(),
+        "train.batch_size=8".into(),
+        "train.threads=2".into(),
+        "data.workers=1".into(),
+        format!("run.output_dir={}", run.display()),
+    ]
+    .into();
+    let config = ExperimentConfig::load(&smoke, &Overrides::parse(&sets).unwrap()).unwrap();
+    train(&config, &options()).unwrap();
+    let predictions = predict(&run, &new, 3).unwrap();
+    assert_eq!(predictions.sources.len(), 4, "{:?}", predictions.sources);
+    assert!(predictions.sources[1].ends_with("1.jpg"));
+    let PredictedOutputs::Classes { names, classes, .. } = &predictions.outputs else {
+        panic!("{predictions:?}")
+    };
+    assert_eq!(names[..2], ["dark".to_string(), "light".to_string()]);
+    let predicted: Vec<&str> = classes
+        .iter()
+        .map(|&c| names[c as usize].as_str())
+        .collect();
+    assert_eq!(predicted, ["dark", "light", "light", "dark"]);
+}
