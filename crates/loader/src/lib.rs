@@ -81,7 +81,9 @@ pub use augment::{AugmentConfig, RandAugmentConfig, MAX_MAGNITUDE};
 pub use dataset::{Dataset, Element, MemoryUsage, SampleKind, ShardLayout};
 pub use error::LoaderError;
 pub use idx::{IdxDataset, Split};
-pub use image_folder::{ImageFiles, write_image, ImageFit, ImageFolder, ImageFolderConfig, IMAGE_EXTENSIONS};
+pub use image_folder::{
+    write_image, ImageFiles, ImageFit, ImageFolder, ImageFolderConfig, IMAGE_EXTENSIONS,
+};
 pub use loader::{
     Batch, DataLoader, EpochIter, LoaderConfig, LoaderMemory, LoaderState, SampleRecipe,
 };
@@ -93,5 +95,5 @@ pub use store::{
     SyntheticDataset, INDEX_FILE,
 };
 pub use table::{CsvTable, TableConfig, TableScale, TableTarget};
-pub use tensor_files::{TensorFiles, TensorFilesConfig};
+pub use tensor_files::{npy_bytes, TensorFiles, TensorFilesConfig};
 pub use text::{split_for_validation, window_length, TextWindows, BYTE_VOCAB};

@@ -798,3 +798,27 @@ impl Dataset for TensorFiles {
         }
     }
 }
+
+/// A `.npy` file's bytes (format version 1.0, C order) holding `data`, the
+/// little-endian elements of an array of NumPy type `descr` (`|u1`, `<f4`,
+/// `<i8` …) and `shape`: for tests and examples that need tensor files
+/// without NumPy.
+pub fn npy_bytes(descr: &str, shape: &[usize], data: &[u8]) -> Vec<u8> {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let shape_text = match dims.len() {
+        1 => format!("({},)", dims[0]),
+        _ => format!("({})", dims.join(", ")),
+    };
+    let mut header =
+        format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape_text}, }}");
+    // The header ends in a newline at a multiple of 64 bytes from the start.
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(data);
+    out
+}

@@ -8,28 +8,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use headroom_loader::{
-    DataLoader, Dataset, Element, LoaderConfig, ShuffleMode, TensorFiles, TensorFilesConfig,
+    npy_bytes, DataLoader, Dataset, Element, LoaderConfig, ShuffleMode, TensorFiles,
+    TensorFilesConfig,
 };
-
-/// A `.npy` file's bytes: version 1.0 header, C order.
-fn npy(descr: &str, shape: &[usize], data: &[u8]) -> Vec<u8> {
-    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
-    let shape_text = match dims.len() {
-        1 => format!("({},)", dims[0]),
-        _ => format!("({})", dims.join(", ")),
-    };
-    let mut header =
-        format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape_text}, }}");
-    while (10 + header.len() + 1) % 64 != 0 {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut out = b"\x93NUMPY\x01\x00".to_vec();
-    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
-    out.extend_from_slice(header.as_bytes());
-    out.extend_from_slice(data);
-    out
-}
 
 fn npz(path: &Path, members: &[(&str, Vec<u8>)]) {
     let file = std::fs::File::create(path).unwrap();
@@ -57,8 +38,8 @@ fn write_image_batches(dir: &Path, files: usize, rows: usize) {
         npz(
             &dir.join(format!("part{f:02}.npz")),
             &[
-                ("x", npy("|u1", &[rows, 4, 4], &pixels)),
-                ("y", npy("<i8", &[rows], &labels)),
+                ("x", npy_bytes("|u1", &[rows, 4, 4], &pixels)),
+                ("y", npy_bytes("<i8", &[rows], &labels)),
             ],
         );
     }
@@ -160,10 +141,14 @@ fn safetensors_and_npy_pairs_give_f32_features_and_numeric_targets() {
         .iter()
         .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
         .collect();
-    std::fs::write(pairs.path().join("a_in.npy"), npy("<f2", &[2, 2], &halves)).unwrap();
+    std::fs::write(
+        pairs.path().join("a_in.npy"),
+        npy_bytes("<f2", &[2, 2], &halves),
+    )
+    .unwrap();
     std::fs::write(
         pairs.path().join("a_out.npy"),
-        npy("<i4", &[2], &[1, 0, 0, 0, 0, 0, 0, 0]),
+        npy_bytes("<i4", &[2], &[1, 0, 0, 0, 0, 0, 0, 0]),
     )
     .unwrap();
     let config = TensorFilesConfig {
@@ -191,31 +176,34 @@ fn each_bad_file_is_named_with_what_was_expected() {
         assert!(text.contains("bad.npz"), "{text}");
         text
     };
-    let x = || npy("|u1", &[2, 4], &[0; 8]);
+    let x = || npy_bytes("|u1", &[2, 4], &[0; 8]);
     let text = case(vec![("x", x())]);
     assert!(
         text.contains("no array `y`") && text.contains("x"),
         "{text}"
     );
-    let text = case(vec![("x", x()), ("y", npy("<i8", &[3], &[0; 24]))]);
+    let text = case(vec![("x", x()), ("y", npy_bytes("<i8", &[3], &[0; 24]))]);
     assert!(text.contains("[3]") && text.contains("[2]"), "{text}");
     let text = case(vec![
-        ("x", npy(">f4", &[2, 1], &[0; 8])),
-        ("y", npy("|u1", &[2], &[0; 2])),
+        ("x", npy_bytes(">f4", &[2, 1], &[0; 8])),
+        ("y", npy_bytes("|u1", &[2], &[0; 2])),
     ]);
     assert!(
         text.contains("\">f4\"") && text.contains("little-endian"),
         "{text}"
     );
     let nan = f32_bytes([1.0, f32::NAN]);
-    let text = case(vec![("x", x()), ("y", npy("<f4", &[2], &nan))]);
+    let text = case(vec![("x", x()), ("y", npy_bytes("<f4", &[2], &nan))]);
     assert!(
         text.contains("target row 1") && text.contains("not finite"),
         "{text}"
     );
     let text = case(vec![
         ("x", x()),
-        ("y", npy("<i8", &[2], &(-1i64).to_le_bytes().repeat(2))),
+        (
+            "y",
+            npy_bytes("<i8", &[2], &(-1i64).to_le_bytes().repeat(2)),
+        ),
     ]);
     assert!(text.contains("negative"), "{text}");
 
@@ -223,13 +211,13 @@ fn each_bad_file_is_named_with_what_was_expected() {
     let dir = tempfile::tempdir().unwrap();
     npz(
         &dir.path().join("a.npz"),
-        &[("x", x()), ("y", npy("|u1", &[2], &[0, 1]))],
+        &[("x", x()), ("y", npy_bytes("|u1", &[2], &[0, 1]))],
     );
     npz(
         &dir.path().join("b.npz"),
         &[
-            ("x", npy("|u1", &[2, 5], &[0; 10])),
-            ("y", npy("|u1", &[2], &[0, 1])),
+            ("x", npy_bytes("|u1", &[2, 5], &[0; 10])),
+            ("y", npy_bytes("|u1", &[2], &[0, 1])),
         ],
     );
     let text = message(dir.path());
@@ -252,9 +240,9 @@ fn each_bad_file_is_named_with_what_was_expected() {
 
     // A truncated file: found when its inputs are first read.
     let dir = tempfile::tempdir().unwrap();
-    let whole = npy("<f4", &[2, 3], &f32_bytes([0.0; 6]));
+    let whole = npy_bytes("<f4", &[2, 3], &f32_bytes([0.0; 6]));
     std::fs::write(dir.path().join("t_x.npy"), &whole[..whole.len() - 5]).unwrap();
-    std::fs::write(dir.path().join("t_y.npy"), npy("|u1", &[2], &[0, 1])).unwrap();
+    std::fs::write(dir.path().join("t_y.npy"), npy_bytes("|u1", &[2], &[0, 1])).unwrap();
     let data = TensorFiles::open(dir.path(), TensorFilesConfig::default()).unwrap();
     let text = data.read(0, &mut [0u8; 12]).unwrap_err().to_string();
     assert!(

@@ -3,6 +3,7 @@
 //! file without the target column; a CSV classifier names its classes; a
 //! tensor-files run scores one `.npy` of inputs; bad inputs are named.
 
+use headroom_loader::npy_bytes;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -154,24 +155,6 @@ fn a_csv_classifier_names_its_classes_with_their_probabilities() {
     assert!(json[0]["probabilities"]["low"].is_number(), "{json}");
 }
 
-/// A `.npy` file's bytes (version 1.0, C order).
-fn npy(descr: &str, shape: &[usize], data: &[u8]) -> Vec<u8> {
-    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
-    let mut header = format!(
-        "{{'descr': '{descr}', 'fortran_order': False, 'shape': ({},), }}",
-        dims.join(", ")
-    );
-    while (10 + header.len() + 1) % 64 != 0 {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut out = b"\x93NUMPY\x01\x00".to_vec();
-    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
-    out.extend_from_slice(header.as_bytes());
-    out.extend_from_slice(data);
-    out
-}
-
 /// 4×4 images: class 0 lit on the left half, class 1 on the right.
 fn images(ids: std::ops::Range<usize>) -> (Vec<u8>, Vec<u8>) {
     let (mut pixels, mut labels) = (Vec::new(), Vec::new());
@@ -196,12 +179,12 @@ fn a_tensor_files_run_scores_a_npy_of_inputs_and_names_inputs_of_another_shape()
         let (pixels, labels) = images(ids);
         std::fs::write(
             data.join(split).join("b_x.npy"),
-            npy("|u1", &[rows, 4, 4, 1], &pixels),
+            npy_bytes("|u1", &[rows, 4, 4, 1], &pixels),
         )
         .unwrap();
         std::fs::write(
             data.join(split).join("b_y.npy"),
-            npy("<i8", &[rows], &labels),
+            npy_bytes("<i8", &[rows], &labels),
         )
         .unwrap();
     }
@@ -241,7 +224,7 @@ kind = "constant"
     // Inputs alone: one .npy, no targets beside it.
     let (pixels, _) = images(2000..2010);
     let input = dir.path().join("new.npy");
-    std::fs::write(&input, npy("|u1", &[10, 4, 4, 1], &pixels)).unwrap();
+    std::fs::write(&input, npy_bytes("|u1", &[10, 4, 4, 1], &pixels)).unwrap();
     let predictions = predict(&run, &input, 4).unwrap();
     assert!(
         predictions.sources[3].ends_with("new.npy row 3"),
@@ -257,7 +240,7 @@ kind = "constant"
 
     // Inputs of another shape are named with both shapes.
     let wrong = dir.path().join("wrong.npy");
-    std::fs::write(&wrong, npy("|u1", &[2, 3, 3, 1], &[0; 18])).unwrap();
+    std::fs::write(&wrong, npy_bytes("|u1", &[2, 3, 3, 1], &[0; 18])).unwrap();
     let err = predict(&run, &wrong, 4).unwrap_err().to_string();
     assert!(
         err.contains("wrong.npy") && err.contains("[3, 3, 1]") && err.contains("[4, 4, 1]"),

@@ -3,30 +3,11 @@
 //! `.safetensors` regression trains to a low error; files that do not fit
 //! the model or the loss are refused before training, by key.
 
+use headroom_loader::npy_bytes;
 use std::io::Write as _;
 use std::path::Path;
 
 use headroom_pipeline::{train, ExperimentConfig, Overrides, Resume, TrainOptions};
-
-/// A `.npy` file's bytes (version 1.0, C order).
-fn npy(descr: &str, shape: &[usize], data: &[u8]) -> Vec<u8> {
-    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
-    let shape_text = match dims.len() {
-        1 => format!("({},)", dims[0]),
-        _ => format!("({})", dims.join(", ")),
-    };
-    let mut header =
-        format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape_text}, }}");
-    while (10 + header.len() + 1) % 64 != 0 {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut out = b"\x93NUMPY\x01\x00".to_vec();
-    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
-    out.extend_from_slice(header.as_bytes());
-    out.extend_from_slice(data);
-    out
-}
 
 fn npz(path: &Path, members: &[(&str, Vec<u8>)]) {
     let mut zip = zip::ZipWriter::new(std::fs::File::create(path).unwrap());
@@ -59,8 +40,8 @@ fn write_image_batches(dir: &Path, files: usize, rows: usize, first: usize) {
         npz(
             &dir.join(format!("batch{f:03}.npz")),
             &[
-                ("x", npy("|u1", &[rows, 8, 8, 1], &pixels)),
-                ("y", npy("<i8", &[rows], &labels)),
+                ("x", npy_bytes("|u1", &[rows, 8, 8, 1], &pixels)),
+                ("y", npy_bytes("<i8", &[rows], &labels)),
             ],
         );
     }
