@@ -175,15 +175,24 @@ fn find(
 }
 
 fn refuse_to_overwrite(dir: &Path) -> Result<()> {
-    if checkpoint::list(dir)?.is_empty() {
+    // Checkpoints a diverged run set aside are that run's too: a new run's
+    // record beside them would claim them.
+    let set_aside = match std::fs::read_dir(dir) {
+        Ok(entries) => entries
+            .filter_map(|entry| entry.ok())
+            .any(|entry| entry.file_name().to_string_lossy().ends_with(".ckpt.diverged")),
+        Err(_) => false,
+    };
+    if checkpoint::list(dir)?.is_empty() && !set_aside {
         return Ok(());
     }
     Err(PipelineError::value(
         "run.output_dir",
         format!(
-            "{} already holds checkpoints of an earlier run. Continue it with `cargo xtask train --resume {}`, \
+            "{} already holds checkpoints of an earlier run{}. Continue it with `cargo xtask train --resume {}`, \
              or start afresh in another directory (--set run.output_dir=runs/NEW) or after `rm -r {}`",
             dir.display(),
+            if set_aside { " (set aside when it diverged)" } else { "" },
             crate::shell::quote_path(dir),
             crate::shell::quote_path(dir)
         ),
@@ -304,4 +313,22 @@ fn model_difference(saved: &ModelSpec, current: &ModelSpec) -> Option<String> {
         .enumerate()
         .find(|(_, (a, b))| a != b)?;
     Some(format!("model.layers[{i}] was {was:?}, now {now:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_run_is_refused_beside_checkpoints_a_diverged_run_set_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(refuse_to_overwrite(dir.path()).is_ok(), "an empty directory");
+        std::fs::write(dir.path().join("metrics.jsonl"), "").unwrap();
+        assert!(refuse_to_overwrite(dir.path()).is_ok(), "no checkpoint");
+        let aside = dir.path().join("checkpoint-step0000000100.ckpt.diverged");
+        std::fs::write(&aside, b"state").unwrap();
+        let err = refuse_to_overwrite(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("set aside when it diverged"), "{err}");
+        assert!(err.contains("--resume"), "{err}");
+    }
 }
