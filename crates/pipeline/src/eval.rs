@@ -222,6 +222,31 @@ pub struct EvalReport {
     pub bits_per_byte: Option<f32>,
     /// A regression's MAE, RMSE and R² in the targets' units.
     pub regression: Option<RegressionMetrics>,
+    /// A classifier's macro-averaged F1 ([`macro_f1`]); None for token,
+    /// frame and regression models.
+    pub macro_f1: Option<f32>,
+}
+
+/// The mean over classes of each class's F1 score (2·TP / (2·TP + FP +
+/// FN)) from `confusion[truth][predicted]`, counting the classes that
+/// occur as a truth or a prediction, so that a rare class weighs as much
+/// as a common one. None when nothing was counted.
+pub fn macro_f1(confusion: &[Vec<u64>]) -> Option<f32> {
+    let classes = confusion.len();
+    let mut sum = 0.0f64;
+    let mut counted = 0usize;
+    for k in 0..classes {
+        let tp = confusion[k].get(k).copied().unwrap_or(0);
+        let truth: u64 = confusion[k].iter().sum();
+        let predicted: u64 = confusion.iter().filter_map(|row| row.get(k)).sum();
+        let (fn_, fp) = (truth - tp, predicted - tp);
+        if truth + predicted == 0 {
+            continue;
+        }
+        sum += 2.0 * tp as f64 / (2 * tp + fp + fn_) as f64;
+        counted += 1;
+    }
+    (counted > 0).then(|| (sum / counted as f64) as f32)
 }
 
 /// Evaluates `path` (a checkpoint file, or a run directory's newest valid
@@ -254,6 +279,10 @@ pub fn evaluate_checkpoint(
     let (_, test_set) = data::open_splits(&config, false)?;
     let loader = DataLoader::new(test_set, data::loader_config(&config, false)?)?;
     let evaluation = evaluate(&mut learner, &loader, config.eval.tta)?;
+    let macro_f1 = evaluation
+        .accuracy
+        .filter(|_| config.model.tokens.is_none())
+        .and_then(|_| macro_f1(&evaluation.confusion));
     Ok(EvalReport {
         checkpoint: path.to_path_buf(),
         epoch,
@@ -268,6 +297,7 @@ pub fn evaluate_checkpoint(
             .tokens
             .map(|_| evaluation.loss / std::f32::consts::LN_2),
         regression: evaluation.regression,
+        macro_f1,
     })
 }
 
@@ -358,4 +388,21 @@ fn foreign(record: &ExperimentConfig, saved: &Checkpoint) -> Option<String> {
         let keys: Vec<&str> = changed.iter().map(|k| k.as_str()).collect();
         format!("written with other {}", keys.join(", "))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::macro_f1;
+
+    #[test]
+    fn macro_f1_weighs_each_class_alike() {
+        // Class 0: TP 8, FN 2, FP 1 -> 16/19; class 1: TP 1, FN 1, FP 2
+        // -> 2/5; class 2 never occurs and is not counted.
+        let confusion = vec![vec![8, 2, 0], vec![1, 1, 0], vec![0, 0, 0]];
+        let f1 = macro_f1(&confusion).unwrap();
+        let expected = (16.0 / 19.0 + 2.0 / 5.0) / 2.0;
+        assert!((f64::from(f1) - expected).abs() < 1e-6, "{f1} vs {expected}");
+        assert_eq!(macro_f1(&[vec![0, 0], vec![0, 0]]), None);
+        assert_eq!(macro_f1(&[vec![5, 0], vec![0, 3]]), Some(1.0));
+    }
 }

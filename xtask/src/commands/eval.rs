@@ -80,6 +80,9 @@ fn print_eval(report: &headroom_pipeline::eval::EvalReport) {
         report.loss,
         report.samples
     );
+    if let Some(f1) = report.macro_f1 {
+        println!("macro-F1 {f1:.4} (the mean of each class's F1)");
+    }
     println!("confusion matrix (rows: true class, columns: predicted)");
     let classes = report.confusion.len();
     print!("{:>6}", "");
