@@ -11,6 +11,10 @@
 //! shard-aware shuffle (`ShuffleMode::ShardBlocks`) reads each file once an
 //! epoch with a cache of two.
 //!
+//! Two workers that miss the same file at once both decode it and one copy
+//! is kept: the cache never holds more than `cache_files`, and a decode in
+//! flight is the read it serves.
+//!
 //! Inputs of u8 stay u8 (images, normalised by the model's mean and std);
 //! any other dtype (f16, f32, f64, integers) becomes f32 features. Integer
 //! targets are class ids; float targets are numeric targets (regression),

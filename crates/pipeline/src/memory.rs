@@ -107,7 +107,7 @@ impl MemorySettings {
             empty_cache_after_checkpoint: config.memory.empty_cache_after_checkpoint,
             inject_oom: config.device.inject_oom.clone(),
             trains_on_gpu: config.memory_limit()?.is_none()
-                && crate::device::gpu_memory(config.device.kind).is_some(),
+                && crate::device::gpu_memory(config.learner_device()).is_some(),
         })
     }
 

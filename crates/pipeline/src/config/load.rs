@@ -90,7 +90,9 @@ fn auto_profile(
     config: &ExperimentConfig,
     gpu_memory: impl FnOnce(DeviceKind) -> Option<u64>,
 ) -> Result<Option<String>> {
-    let gpu = match (config.memory_limit()?, config.device.kind) {
+    // The device the learner will use: a table's run is on the CPU even
+    // where "auto" would find a GPU.
+    let gpu = match (config.memory_limit()?, config.learner_device()) {
         (Some(_), _) | (None, DeviceKind::Cpu) => None,
         (None, kind) => gpu_memory(kind),
     };
