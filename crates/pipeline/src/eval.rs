@@ -401,7 +401,10 @@ mod tests {
         let confusion = vec![vec![8, 2, 0], vec![1, 1, 0], vec![0, 0, 0]];
         let f1 = macro_f1(&confusion).unwrap();
         let expected = (16.0 / 19.0 + 2.0 / 5.0) / 2.0;
-        assert!((f64::from(f1) - expected).abs() < 1e-6, "{f1} vs {expected}");
+        assert!(
+            (f64::from(f1) - expected).abs() < 1e-6,
+            "{f1} vs {expected}"
+        );
         assert_eq!(macro_f1(&[vec![0, 0], vec![0, 0]]), None);
         assert_eq!(macro_f1(&[vec![5, 0], vec![0, 3]]), Some(1.0));
     }

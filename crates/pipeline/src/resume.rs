@@ -178,9 +178,12 @@ fn refuse_to_overwrite(dir: &Path) -> Result<()> {
     // Checkpoints a diverged run set aside are that run's too: a new run's
     // record beside them would claim them.
     let set_aside = match std::fs::read_dir(dir) {
-        Ok(entries) => entries
-            .filter_map(|entry| entry.ok())
-            .any(|entry| entry.file_name().to_string_lossy().ends_with(".ckpt.diverged")),
+        Ok(entries) => entries.filter_map(|entry| entry.ok()).any(|entry| {
+            entry
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".ckpt.diverged")
+        }),
         Err(_) => false,
     };
     if checkpoint::list(dir)?.is_empty() && !set_aside {
@@ -322,7 +325,10 @@ mod tests {
     #[test]
     fn a_new_run_is_refused_beside_checkpoints_a_diverged_run_set_aside() {
         let dir = tempfile::tempdir().unwrap();
-        assert!(refuse_to_overwrite(dir.path()).is_ok(), "an empty directory");
+        assert!(
+            refuse_to_overwrite(dir.path()).is_ok(),
+            "an empty directory"
+        );
         std::fs::write(dir.path().join("metrics.jsonl"), "").unwrap();
         assert!(refuse_to_overwrite(dir.path()).is_ok(), "no checkpoint");
         let aside = dir.path().join("checkpoint-step0000000100.ckpt.diverged");

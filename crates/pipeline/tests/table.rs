@@ -181,3 +181,30 @@ fn a_table_or_model_that_does_not_fit_is_refused_before_training() {
         "{err}"
     );
 }
+
+#[test]
+fn a_table_run_is_judged_by_the_host_not_by_a_small_gpu_it_will_not_use() {
+    // On a machine whose GPU has 1 GiB free, "auto" would apply the
+    // low-memory profile (train.micro_batch = "auto") to a GPU run; a table
+    // trains on the CPU, so the GPU is not asked.
+    let dir = tempfile::tempdir().unwrap();
+    let sets = sets(dir.path(), &dir.path().join("run"), &[]);
+    let overrides = Overrides::parse(&sets).unwrap();
+    let asked = std::cell::Cell::new(false);
+    let config = ExperimentConfig::load_for_device(&tabular(), &overrides, |_| {
+        asked.set(true);
+        Some(1 << 30)
+    })
+    .unwrap();
+    assert!(!asked.get(), "the GPU was probed for a CPU run");
+    assert_eq!(config.train.micro_batch, None);
+    assert_eq!(
+        config.learner_device(),
+        headroom_pipeline::device::DeviceKind::Cpu
+    );
+    // The same probe does apply the profile to an image run on "auto".
+    let smoke = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments/smoke.toml");
+    let image = ExperimentConfig::load_for_device(&smoke, &Overrides::default(), |_| Some(1 << 30))
+        .unwrap();
+    assert_eq!(image.train.micro_batch.as_deref(), Some("auto"));
+}
