@@ -101,6 +101,21 @@ pub fn evaluate(
     loader: &DataLoader,
     tta: TestTimeAugmentation,
 ) -> Result<Evaluation> {
+    evaluate_until(learner, loader, tta, None)?.ok_or_else(|| PipelineError::Stage {
+        stage: "evaluation",
+        reason: "stopped without a stop request".into(),
+    })
+}
+
+/// [`evaluate`], given up between two batches once `stop` is set (the
+/// first SIGINT or SIGTERM): None then, never the figures of part of the
+/// set.
+pub fn evaluate_until(
+    learner: &mut dyn Learner,
+    loader: &DataLoader,
+    tta: TestTimeAugmentation,
+    stop: Option<&std::sync::atomic::AtomicBool>,
+) -> Result<Option<Evaluation>> {
     let classes = learner.num_classes();
     let bar = evaluation_bar(loader.batches_per_epoch());
     let mut confusion = vec![vec![0u64; classes]; classes];
@@ -109,6 +124,10 @@ pub fn evaluate(
     let kind = loader.dataset().sample_kind();
     let mut regression: Option<RegressionSums> = None;
     for batch in loader.epoch(0, 0) {
+        if stop.is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst)) {
+            bar.finish_and_clear();
+            return Ok(None);
+        }
         let batch = batch?;
         let result = match tta {
             TestTimeAugmentation::None => learner.eval_batch(&batch)?,
@@ -151,7 +170,7 @@ pub fn evaluate(
     bar.finish_and_clear();
     let correct: u64 = (0..classes).map(|k| confusion[k][k]).sum();
     let mean = |sum: f64| (sum / seen.max(1) as f64) as f32;
-    Ok(Evaluation {
+    Ok(Some(Evaluation {
         samples: seen,
         loss: mean(loss_sum),
         accuracy: (baseline_sum.is_none() && regression.is_none())
@@ -159,7 +178,7 @@ pub fn evaluate(
         baseline_loss: baseline_sum.map(mean),
         confusion,
         regression: regression.as_ref().and_then(RegressionSums::metrics),
-    })
+    }))
 }
 
 /// The batch scored by the mean of the class probabilities of each image

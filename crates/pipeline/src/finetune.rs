@@ -287,19 +287,33 @@ pub struct FinetuneReport {
     pub tensor_peak_in_use_bytes: u64,
     pub tensor_peak_reserved_bytes: u64,
     pub peak_rss_bytes: Option<u64>,
-    /// The base model on the new corpus's validation split.
-    pub validation_loss_before: f32,
-    pub bits_per_byte_before: f32,
+    /// The base model on the new corpus's validation split; None when a
+    /// stop request came before it was measured (left out of the JSON).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub validation_loss_before: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bits_per_byte_before: Option<f32>,
     pub validation_loss_after: f32,
     pub bits_per_byte_after: f32,
     pub adapters_file: Option<PathBuf>,
     pub adapters_file_bytes: Option<u64>,
 }
 
-/// After a completed fine-tuning run: evaluates the base on the validation
-/// split, writes the adapters (LoRA) and `finetune_report.json` beside the
-/// run's last checkpoint.
+/// After a completed fine-tuning run: writes the adapters (LoRA), evaluates
+/// the base on the validation split, and writes `finetune_report.json`
+/// beside the run's last checkpoint.
 pub fn write_report(config: &ExperimentConfig, summary: &RunSummary) -> Result<FinetuneReport> {
+    write_report_until(config, summary, None)
+}
+
+/// [`write_report`], whose evaluation of the base is given up once `stop`
+/// is set (the first SIGINT or SIGTERM): the adapters are written first,
+/// and the report then says the base was not measured.
+pub fn write_report_until(
+    config: &ExperimentConfig,
+    summary: &RunSummary,
+    stop: Option<&std::sync::atomic::AtomicBool>,
+) -> Result<FinetuneReport> {
     let finetune = config.finetune.as_ref().ok_or_else(|| {
         PipelineError::value("finetune", "the run has no [finetune] table to report on")
     })?;
@@ -308,7 +322,6 @@ pub fn write_report(config: &ExperimentConfig, summary: &RunSummary) -> Result<F
     })?;
     let dir = last.parent().unwrap_or(Path::new("."));
     let base_checkpoint = base_checkpoint(finetune)?;
-    let before = evaluate_base(config)?;
     let (adapters_file, adapters_file_bytes) = match finetune.train {
         FinetuneMode::Lora => {
             let file = dir.join(ADAPTERS_FILE);
@@ -318,6 +331,10 @@ pub fn write_report(config: &ExperimentConfig, summary: &RunSummary) -> Result<F
         }
         FinetuneMode::Full => (None, None),
     };
+    let before = evaluate_base_until(config, stop)?;
+    if before.is_none() {
+        tracing::warn!("the base was not evaluated: stopped by request");
+    }
     let after = summary.test_loss.unwrap_or(f32::NAN);
     let report = FinetuneReport {
         train: finetune.train,
@@ -327,7 +344,7 @@ pub fn write_report(config: &ExperimentConfig, summary: &RunSummary) -> Result<F
         tensor_peak_reserved_bytes: summary.memory.peak_reserved_bytes,
         peak_rss_bytes: summary.peak_rss_bytes,
         validation_loss_before: before,
-        bits_per_byte_before: before / std::f32::consts::LN_2,
+        bits_per_byte_before: before.map(|loss| loss / std::f32::consts::LN_2),
         validation_loss_after: after,
         bits_per_byte_after: after / std::f32::consts::LN_2,
         adapters_file,
@@ -345,6 +362,17 @@ pub fn write_report(config: &ExperimentConfig, summary: &RunSummary) -> Result<F
 /// Validation loss (nats per byte) of the base model, as fine-tuning
 /// starts from it, on `config`'s validation split.
 pub fn evaluate_base(config: &ExperimentConfig) -> Result<f32> {
+    evaluate_base_until(config, None)?.ok_or_else(|| PipelineError::Stage {
+        stage: "finetune report",
+        reason: "stopped without a stop request".into(),
+    })
+}
+
+/// [`evaluate_base`], None once `stop` is set.
+fn evaluate_base_until(
+    config: &ExperimentConfig,
+    stop: Option<&std::sync::atomic::AtomicBool>,
+) -> Result<Option<f32>> {
     let spec = effective_model(config);
     let batch = config.train.batch_size;
     let pool = MemoryPool::new(Device::Cpu);
@@ -354,7 +382,8 @@ pub fn evaluate_base(config: &ExperimentConfig) -> Result<f32> {
     initialise(config, learner.network_mut())?;
     let (_, test_set) = data::open_splits(config, false)?;
     let loader = DataLoader::new(test_set, data::loader_config(config, false)?)?;
-    Ok(crate::eval::evaluate(&mut learner, &loader, config.eval.tta)?.loss)
+    let evaluation = crate::eval::evaluate_until(&mut learner, &loader, config.eval.tta, stop)?;
+    Ok(evaluation.map(|e| e.loss))
 }
 
 /// Writes the adapter factors of `checkpoint_path` (a LoRA run) to

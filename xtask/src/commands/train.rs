@@ -233,11 +233,19 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
             }
         }
         if experiment.finetune.is_some() && !summary.interrupted {
-            let report = headroom_pipeline::finetune::write_report(experiment, &summary)
-                .with_context(|| {
-                    format!("writing the fine-tuning report of {}", experiment.run.name)
-                })?;
+            // The base's evaluation is given up at the first signal; the
+            // adapters are written before it.
+            let flag = stop.flag();
+            let report =
+                headroom_pipeline::finetune::write_report_until(experiment, &summary, Some(&flag))
+                    .with_context(|| {
+                        format!("writing the fine-tuning report of {}", experiment.run.name)
+                    })?;
             print_finetune_report(&report);
+            if flag.load(std::sync::atomic::Ordering::SeqCst) {
+                println!("stopped while reporting; the run itself is complete");
+                return Ok(stop.exit_code());
+            }
         }
         if summary.memory_left_after_run != 0 {
             bail!(
@@ -331,10 +339,16 @@ fn print_finetune_report(report: &headroom_pipeline::finetune::FinetuneReport) {
             .peak_rss_bytes
             .map_or("unknown".into(), |b| format!("{:.0} MiB", mib(b)))
     );
-    println!(
-        "bits per byte   {:.3} before (the base), {:.3} after",
-        report.bits_per_byte_before, report.bits_per_byte_after
-    );
+    match report.bits_per_byte_before {
+        Some(before) => println!(
+            "bits per byte   {before:.3} before (the base), {:.3} after",
+            report.bits_per_byte_after
+        ),
+        None => println!(
+            "bits per byte   {:.3} after (the base was not measured: stopped)",
+            report.bits_per_byte_after
+        ),
+    }
     if let (Some(file), Some(bytes)) = (&report.adapters_file, report.adapters_file_bytes) {
         println!(
             "adapters        {} ({:.1} KiB)",
