@@ -44,6 +44,7 @@ fn meta() -> CheckpointMeta {
         consecutive_skips: 0,
         progress: EpochProgress::default(),
         tuned_convs: Vec::new(),
+        monitor: Default::default(),
     }
 }
 

@@ -129,6 +129,7 @@ fn sample_checkpoint() -> Checkpoint {
             consecutive_skips: 0,
             progress: EpochProgress::default(),
             tuned_convs: Vec::new(),
+            monitor: Default::default(),
         },
         params: vec![vec![0.5; 300], vec![-1.0; 17]],
         buffers: vec![vec![1.0; 32]],

@@ -73,6 +73,7 @@ mod rng;
 mod sampler;
 mod sharded;
 mod store;
+mod subset;
 mod table;
 mod tensor_files;
 mod text;
@@ -94,6 +95,7 @@ pub use store::{
     preprocess, write_synthetic_store, ParseShardSizeError, ShardSize, StoreSummary,
     SyntheticDataset, INDEX_FILE,
 };
+pub use subset::{split_off, Subset};
 pub use table::{CsvTable, TableConfig, TableScale, TableTarget};
 pub use tensor_files::{npy_bytes, TensorFiles, TensorFilesConfig};
 pub use text::{split_for_validation, window_length, TextWindows, BYTE_VOCAB};

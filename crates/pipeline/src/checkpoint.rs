@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! "HDRMCKPT" | version u32 | meta length u64 | meta (bincode, ≤ 16 MiB;
-//!     from version 4 it ends with the tuned convolutions)
+//!     from version 4 it ends with the tuned convolutions, in version 5
+//!     followed by the early-stopping watch's state)
 //!   | 4 tensor lists: params, buffers, Adam first and second moments,
 //!     each: count u32, then per tensor: length u64 + f32 LE values
 //!   | AdamW step u64 | loss scale: 0 u8, or 1 u8 + scale f32 + clean steps u32
@@ -34,12 +35,16 @@ use headroom_optim::{AdamWState, LossScalerState};
 use serde::{Deserialize, Serialize};
 
 use crate::learner::{write_list, LearnerState, StateWriter};
+use crate::monitor::MonitorState;
 use crate::{PipelineError, Result};
 
 const MAGIC: &[u8; 8] = b"HDRMCKPT";
 /// 3 adds the loss scaler's state after the optimizer step, 4 the tuned
-/// convolutions to the meta; 2 and 3 are still read.
-const FORMAT_VERSION: u32 = 4;
+/// convolutions to the meta, 5 the early-stopping watch's state; 2 to 4
+/// are still read. A run that watches nothing writes version 4, byte for
+/// byte as before, so its files stay readable by the builds before 5.
+const FORMAT_VERSION: u32 = 5;
+const VERSION_WITHOUT_MONITOR: u32 = 4;
 const OLDEST_READABLE: u32 = 2;
 const MAX_META_BYTES: usize = 16 << 20;
 const PREFIX: &str = "checkpoint-";
@@ -69,6 +74,57 @@ pub struct CheckpointMeta {
     /// The ways `device.conv_algorithm = "tune"` chose for the run's
     /// convolutions, so that a resumed run keeps its kernels (and bits).
     pub tuned_convs: Vec<TunedConv>,
+    /// Where `train.early_stopping`'s watch stands (the default when the
+    /// run watches nothing).
+    pub monitor: MonitorState,
+}
+
+/// The meta of format 4, before the watch's state: read as it is, and
+/// written (borrowed, the same bytes) for a run that watches nothing.
+#[derive(Serialize, Deserialize)]
+struct MetaV4<'a> {
+    config_fingerprint: u32,
+    #[serde(borrow)]
+    config_json: std::borrow::Cow<'a, str>,
+    #[serde(borrow)]
+    model_json: std::borrow::Cow<'a, str>,
+    epoch: u64,
+    batches_done: usize,
+    step: u64,
+    consecutive_skips: u64,
+    progress: EpochProgress,
+    tuned_convs: std::borrow::Cow<'a, [TunedConv]>,
+}
+
+impl<'a> MetaV4<'a> {
+    fn of(meta: &'a CheckpointMeta) -> Self {
+        MetaV4 {
+            config_fingerprint: meta.config_fingerprint,
+            config_json: std::borrow::Cow::Borrowed(&meta.config_json),
+            model_json: std::borrow::Cow::Borrowed(&meta.model_json),
+            epoch: meta.epoch,
+            batches_done: meta.batches_done,
+            step: meta.step,
+            consecutive_skips: meta.consecutive_skips,
+            progress: meta.progress.clone(),
+            tuned_convs: std::borrow::Cow::Borrowed(&meta.tuned_convs),
+        }
+    }
+
+    fn into_meta(self) -> CheckpointMeta {
+        CheckpointMeta {
+            config_fingerprint: self.config_fingerprint,
+            config_json: self.config_json.into_owned(),
+            model_json: self.model_json.into_owned(),
+            epoch: self.epoch,
+            batches_done: self.batches_done,
+            step: self.step,
+            consecutive_skips: self.consecutive_skips,
+            progress: self.progress,
+            tuned_convs: self.tuned_convs.into_owned(),
+            monitor: MonitorState::default(),
+        }
+    }
 }
 
 /// The meta of formats 2 and 3, before the tuned convolutions.
@@ -96,6 +152,7 @@ impl From<MetaBeforeTuning> for CheckpointMeta {
             consecutive_skips: m.consecutive_skips,
             progress: m.progress,
             tuned_convs: Vec::new(),
+            monitor: MonitorState::default(),
         }
     }
 }
@@ -254,8 +311,19 @@ fn encode_with<W: Write>(
     path: &Path,
     state: impl FnOnce(&mut dyn StateWriter) -> Result<()>,
 ) -> Result<W> {
-    let meta =
-        bincode::serde::encode_to_vec(meta, bincode::config::standard()).map_err(cannot_encode)?;
+    let (version, meta) = if meta.monitor == MonitorState::default() {
+        let v4 = MetaV4::of(meta);
+        (
+            VERSION_WITHOUT_MONITOR,
+            bincode::serde::encode_to_vec(&v4, bincode::config::standard()),
+        )
+    } else {
+        (
+            FORMAT_VERSION,
+            bincode::serde::encode_to_vec(meta, bincode::config::standard()),
+        )
+    };
+    let meta = meta.map_err(cannot_encode)?;
     let mut file = StateFile {
         out: Hashed {
             inner: out,
@@ -271,7 +339,7 @@ fn encode_with<W: Write>(
     };
     let header = [
         MAGIC.as_slice(),
-        &FORMAT_VERSION.to_le_bytes(),
+        &version.to_le_bytes(),
         &(meta.len() as u64).to_le_bytes(),
         &meta,
     ];
@@ -529,8 +597,11 @@ impl<R: Read> Source<R> {
         let mut bytes = vec![0; meta_len as usize];
         self.fill(&mut bytes)?;
         let config = bincode::config::standard().with_limit::<MAX_META_BYTES>();
-        let meta = if version >= 4 {
+        let meta = if version >= 5 {
             bincode::serde::decode_from_slice::<CheckpointMeta, _>(&bytes, config).map(|m| m.0)
+        } else if version == 4 {
+            bincode::serde::borrow_decode_from_slice::<MetaV4, _>(&bytes, config)
+                .map(|m| m.0.into_meta())
         } else {
             bincode::serde::decode_from_slice::<MetaBeforeTuning, _>(&bytes, config)
                 .map(|m| m.0.into())
@@ -682,6 +753,35 @@ pub(crate) fn write_atomically(
         .map_err(|e| PipelineError::io(dir, e))
 }
 
+/// The name of the best checkpoint (`train.early_stopping`) in a run
+/// directory: resume never picks it (it is not named by a step), pruning
+/// never removes it.
+pub const BEST_FILE: &str = "best.ckpt";
+
+/// Makes `checkpoint` (a file in `dir`) the run's `best.ckpt`, atomically:
+/// a hard link (no copy, and it outlives the pruning of the original),
+/// or a copy where the file system has no links, renamed into place and
+/// the directory fsynced. A crash leaves the previous best whole.
+pub fn keep_as_best(dir: &Path, checkpoint: &Path) -> Result<PathBuf> {
+    let best = dir.join(BEST_FILE);
+    let tmp = dir.join(temporary_name(BEST_FILE));
+    let _ = fs::remove_file(&tmp);
+    if fs::hard_link(checkpoint, &tmp).is_err() {
+        let copied = fs::copy(checkpoint, &tmp)
+            .and_then(|_| File::open(&tmp))
+            .and_then(|f| f.sync_all());
+        if let Err(e) = copied {
+            let _ = fs::remove_file(&tmp);
+            return Err(PipelineError::io(&tmp, e));
+        }
+    }
+    fs::rename(&tmp, &best).map_err(|e| PipelineError::io(&best, e))?;
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| PipelineError::io(dir, e))?;
+    Ok(best)
+}
+
 /// The temporary a checkpoint is written to before its rename.
 fn temporary_name(name: &str) -> String {
     format!(".{name}.tmp")
@@ -703,7 +803,7 @@ pub fn remove_unfinished(dir: &Path) -> Result<Vec<(PathBuf, u64)>> {
         let unfinished = name.to_str().is_some_and(|n| {
             n.strip_prefix('.')
                 .and_then(|n| n.strip_suffix(".tmp"))
-                .is_some_and(|n| n.starts_with(PREFIX) && n.ends_with(SUFFIX))
+                .is_some_and(|n| (n.starts_with(PREFIX) && n.ends_with(SUFFIX)) || n == BEST_FILE)
         });
         if !unfinished {
             continue;
@@ -858,6 +958,7 @@ mod tests {
                     implicit_ms: 0.125,
                     im2col_ms: 0.25,
                 }],
+                monitor: MonitorState::default(),
             },
             params: vec![vec![1.0, -2.5], vec![3.0]],
             buffers: vec![vec![0.5]],
@@ -887,6 +988,28 @@ mod tests {
         let crc = crc32fast::hash(&bytes);
         bytes.extend_from_slice(&crc.to_le_bytes());
         bytes
+    }
+
+    #[test]
+    fn a_watching_run_writes_format_5_and_any_other_format_4_as_before() {
+        let plain = sample(12);
+        let bytes = plain.encode().unwrap();
+        assert_eq!(bytes[8..12], 4u32.to_le_bytes());
+        assert_eq!(
+            Checkpoint::decode(&bytes, Path::new("v4.ckpt")).unwrap(),
+            plain
+        );
+        let mut watching = sample(12);
+        watching.meta.monitor = MonitorState {
+            best: Some((0.25, 3)),
+            epochs_since_best: 2,
+        };
+        let bytes = watching.encode().unwrap();
+        assert_eq!(bytes[8..12], 5u32.to_le_bytes());
+        assert_eq!(
+            Checkpoint::decode(&bytes, Path::new("v5.ckpt")).unwrap(),
+            watching
+        );
     }
 
     #[test]

@@ -21,6 +21,7 @@ mod load;
 mod overrides;
 pub mod sizes;
 mod table;
+mod validation;
 
 pub use kinds::{DataFormat, ImageFit, OomPolicy, Profile};
 pub use load::{is_profile, profile_path, PROFILES_DIR};
@@ -179,6 +180,12 @@ pub struct DataConfig {
     pub input_array: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_array: Option<String>,
+    /// A validation split carved from the training set, the same samples
+    /// every run: a fraction (0.1) or a count (5000). Each epoch is then
+    /// scored on it, the test set once at the end. Unset: none (epochs are
+    /// scored on the test set); left out of the serialised config.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation: Option<f64>,
 }
 
 /// `data.on_device`: true, false or "auto".
@@ -573,6 +580,12 @@ pub struct TrainConfig {
     /// from after the update before them set aside).
     #[serde(default = "default_max_skips")]
     pub max_consecutive_skips: u64,
+    /// Watch a validation figure: keep the best epoch's checkpoint as
+    /// `best.ckpt` and stop after `patience` epochs without improving it
+    /// (needs `data.validation`). Unset: off; left out of the serialised
+    /// config.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early_stopping: Option<crate::monitor::EarlyStopping>,
 }
 
 fn default_accumulate() -> usize {
@@ -746,7 +759,7 @@ impl Default for CheckpointConfig {
 /// what it computes, and the keys the divergence advice names
 /// (`ADVICE_KEYS`). The model is compared on its own, layer by layer, and
 /// the dataset by its recorded identity (`data::DatasetIdentity`).
-pub const RESUME_SAFE_KEYS: [&str; 18] = [
+pub const RESUME_SAFE_KEYS: [&str; 19] = [
     "run.name",
     "run.runs_dir",
     "run.output_dir",
@@ -762,6 +775,7 @@ pub const RESUME_SAFE_KEYS: [&str; 18] = [
     "data.on_device",
     "train.threads",
     "train.epochs",
+    "train.early_stopping.patience",
     "train.max_consecutive_skips",
     "checkpoint.",
     "model.",
@@ -881,6 +895,7 @@ impl ExperimentConfig {
         }
         self.data.check_image_keys(&self.model)?;
         self.check_table_keys()?;
+        self.check_validation_keys()?;
         match self.data.format {
             DataFormat::Idx | DataFormat::ImageFolder | DataFormat::Csv | DataFormat::Tensors => {}
             DataFormat::Shards => {

@@ -88,6 +88,7 @@ pub mod frames;
 pub mod learner;
 pub mod limits;
 pub mod memory;
+pub mod monitor;
 pub mod parts;
 pub mod paths;
 pub mod plot;

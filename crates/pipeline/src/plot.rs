@@ -82,6 +82,8 @@ struct Curves {
     test_loss: Vec<(f64, f64)>,
     train_accuracy: Vec<(f64, f64)>,
     test_accuracy: Vec<(f64, f64)>,
+    /// The held-out figures are a validation split's, not the test set's.
+    validation: bool,
     baseline: Vec<(f64, f64)>,
     epoch_speed: Vec<(f64, f64)>,
 }
@@ -121,9 +123,13 @@ fn read_curves(text: &str) -> Curves {
                     }
                 };
                 push(&mut c.train_loss, "train_loss", 1.0);
+                // A run with a validation split scores its epochs on it.
                 push(&mut c.test_loss, "test_loss", 1.0);
+                push(&mut c.test_loss, "validation_loss", 1.0);
                 push(&mut c.train_accuracy, "train_accuracy", 100.0);
                 push(&mut c.test_accuracy, "test_accuracy", 100.0);
+                push(&mut c.test_accuracy, "validation_accuracy", 100.0);
+                c.validation |= number("validation_loss").is_some();
                 push(&mut c.baseline, "test_baseline_loss", 1.0);
                 push(&mut c.epoch_speed, "train_samples_per_sec", 1.0);
             }
@@ -134,6 +140,11 @@ fn read_curves(text: &str) -> Curves {
 }
 
 fn panels(curves: Curves, task: Task) -> Vec<Panel> {
+    let held_out = if curves.validation {
+        "validation"
+    } else {
+        "test"
+    };
     let mut step_loss = Line::new("train-loss-steps", "train (step)", "#c6dbef");
     step_loss.points = curves.step_loss;
     let mut smoothed = Line::new("train-loss", "train (average)", "#08519c");
@@ -161,7 +172,7 @@ fn panels(curves: Curves, task: Task) -> Vec<Panel> {
         Task::Classifier => {
             let mut train = Line::new("train-accuracy", "train", "#6baed6");
             train.points = curves.train_accuracy;
-            let mut test = Line::new("test-accuracy", "test", "#d94801");
+            let mut test = Line::new("test-accuracy", held_out, "#d94801");
             test.points = curves.test_accuracy;
             by_epoch("accuracy (%)", vec![train, test])
         }
@@ -188,7 +199,7 @@ fn panels(curves: Curves, task: Task) -> Vec<Panel> {
         Task::Regression => {
             let mut train = Line::new("train-loss-by-epoch", "train", "#6baed6");
             train.points = curves.train_loss;
-            let mut test = Line::new("test-loss-by-epoch", "test", "#d94801");
+            let mut test = Line::new("test-loss-by-epoch", held_out, "#d94801");
             test.points = curves.test_loss;
             by_epoch("loss by epoch (standardised targets)", vec![train, test])
         }

@@ -7,6 +7,7 @@
 //! the same thread after the built-in ones, in the order given, and see the
 //! same events.
 
+mod records;
 mod run_dir;
 
 use std::io::Write;
@@ -18,6 +19,7 @@ use serde::Serialize;
 
 use crate::checkpoint::{self, Checkpoint};
 use crate::{PipelineError, Result};
+pub use records::{BestEpoch, EvaluatedOn, TestSummary};
 pub use run_dir::CurrentDir;
 use run_dir::{Metrics, Watch};
 
@@ -64,6 +66,15 @@ pub struct EpochSummary {
     pub train_seconds: f64,
     pub train_samples_per_sec: f64,
     pub skipped_steps: u64,
+    /// The split the `test_*` figures come from: the test set, or the
+    /// validation split (`data.validation`), when `metrics.jsonl` names
+    /// them `validation_*`.
+    #[serde(skip_serializing_if = "EvaluatedOn::is_test")]
+    pub evaluated_on: EvaluatedOn,
+    /// Whether the watched figure (`train.early_stopping`) is the best so
+    /// far; None when nothing is watched.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub best: Option<bool>,
 }
 
 /// " acc 91.23%", or nothing when there is no accuracy (frame models).
@@ -114,6 +125,13 @@ pub trait Sink: Send {
         Ok(())
     }
 
+    /// The test set's one score at the end of a run with a validation
+    /// split.
+    fn test(&mut self, summary: &TestSummary) -> SinkResult {
+        let _ = summary;
+        Ok(())
+    }
+
     /// The run is over (completed, stopped or failed): the last call.
     fn finish(&mut self) -> SinkResult {
         Ok(())
@@ -161,6 +179,10 @@ pub enum Event {
     SyncMetrics(Sender<()>),
     /// A checkpoint the training side wrote itself (`SinkLink::write_here`).
     CheckpointWritten(PathBuf),
+    /// The last checkpoint written is the best so far: `best.ckpt`.
+    Best(BestEpoch),
+    /// The test set scored once, after the last epoch.
+    Test(TestSummary),
 }
 
 pub struct SinkSettings {
@@ -212,6 +234,14 @@ impl SinkLink {
         self.events.send(event).map_err(|_| stopped())
     }
 
+    /// Waits until the sink has handled every event sent before (the
+    /// best checkpoint is in place, say).
+    pub fn sync(&self) -> Result<()> {
+        let (synced, wait) = bounded(1);
+        self.send(Event::SyncMetrics(synced))?;
+        wait.recv().map_err(|_| stopped())
+    }
+
     /// Waits until the previous checkpoint is on disk; the caller then owns
     /// the token until it sends its own checkpoint.
     pub fn take_checkpoint_token(&self) -> Result<()> {
@@ -244,6 +274,8 @@ fn stopped() -> PipelineError {
 /// What the sink leaves behind for the summary.
 pub struct SinkOutcome {
     pub last_checkpoint: Option<PathBuf>,
+    /// `best.ckpt`, when a figure was watched and one was kept.
+    pub best_checkpoint: Option<PathBuf>,
 }
 
 /// Runs the stage until the channel closes. Its first error ends it and is
@@ -278,6 +310,7 @@ fn receive(
     let mut watch = Watch::start(settings.output_dir.clone());
     let mut metrics = Metrics::open(&watch.dir())?;
     let mut last_checkpoint = None;
+    let mut best_checkpoint = None;
     let mut window = Window::new();
     let mut clock = Clock::new();
     let mut bar = Progress::new(settings.epochs);
@@ -301,11 +334,15 @@ fn receive(
                     bar.finish_epoch();
                 }
                 watch.check(&mut metrics)?;
-                write_json(&mut metrics, "epoch", &summary)?;
+                let record = records::epoch_record(&summary).map_err(|e| PipelineError::Stage {
+                    stage: "sink",
+                    reason: e.to_string(),
+                })?;
+                write_json(&mut metrics, "epoch", &record)?;
                 user.each(|sink| sink.epoch(&summary))?;
                 flush(&mut metrics)?;
                 tracing::info!(
-                    "epoch {}/{} done: train loss {}{} | test loss {:.4}{} | {:.1}s, {:.0} samples/s{}",
+                    "epoch {}/{} done: train loss {}{} | {} loss {:.4}{}{} | {:.1}s, {:.0} samples/s{}",
                     summary.epoch + 1,
                     settings.epochs,
                     summary.train_loss.map_or_else(
@@ -313,13 +350,17 @@ fn receive(
                         |loss| format!("{loss:.4}")
                     ),
                     accuracy_text(summary.train_accuracy),
+                    summary.evaluated_on.name(),
                     summary.test_loss,
-                    match (summary.test_baseline_loss, summary.test_regression) {
-                        (Some(baseline), _) => format!(" (copy-last baseline {baseline:.4})"),
-                        (None, Some(r)) => {
-                            format!(" (MAE {:.4}, RMSE {:.4}, R² {:.4})", r.mae, r.rmse, r.r2)
-                        }
-                        (None, None) => accuracy_text(summary.test_accuracy),
+                    records::held_out_text(
+                        summary.test_accuracy,
+                        summary.test_baseline_loss,
+                        summary.test_regression
+                    ),
+                    if summary.best == Some(true) {
+                        ", best so far"
+                    } else {
+                        ""
                     },
                     summary.train_seconds,
                     summary.train_samples_per_sec,
@@ -365,13 +406,58 @@ fn receive(
                 last_checkpoint = Some(path);
                 let _ = settings.checkpoint_written.try_send(());
             }
+            Event::Best(best) => {
+                let Some(of) = &last_checkpoint else {
+                    return Err(PipelineError::Stage {
+                        stage: "sink",
+                        reason: format!(
+                            "epoch {} is the best so far but no checkpoint was written for it",
+                            best.epoch + 1
+                        ),
+                    });
+                };
+                // The checkpoint may have been written before the
+                // directory moved (`run_dir`): link it where it is now.
+                let dir = watch.dir();
+                let of = dir.join(of.file_name().unwrap_or_default());
+                let path = checkpoint::keep_as_best(&dir, &of)?;
+                tracing::info!(
+                    "best so far: epoch {} ({}): {}",
+                    best.epoch + 1,
+                    best.figure,
+                    path.display()
+                );
+                best_checkpoint = Some(path);
+            }
+            Event::Test(test) => {
+                watch.check(&mut metrics)?;
+                write_json(&mut metrics, "test", &test)?;
+                user.each(|sink| sink.test(&test))?;
+                flush(&mut metrics)?;
+                tracing::info!(
+                    "test set, scored once with the weights of epoch {}{}: loss {:.4}{}{}",
+                    test.weights_of_epoch + 1,
+                    if test.from_best_checkpoint {
+                        " (the best checkpoint)"
+                    } else {
+                        " (the last)"
+                    },
+                    test.loss,
+                    records::held_out_text(test.accuracy, test.baseline_loss, test.regression),
+                    test.macro_f1
+                        .map_or_else(String::new, |f1| format!(", macro-F1 {f1:.4}"))
+                );
+            }
         }
     }
     // A directory removed after the last checkpoint still gets its records
     // (and the metrics to the end) back.
     watch.check(&mut metrics)?;
     flush(&mut metrics)?;
-    Ok(SinkOutcome { last_checkpoint })
+    Ok(SinkOutcome {
+        last_checkpoint,
+        best_checkpoint,
+    })
 }
 
 fn flush(metrics: &mut Metrics) -> Result<()> {
@@ -645,6 +731,7 @@ mod tests {
                 consecutive_skips: 0,
                 progress: Default::default(),
                 tuned_convs: Vec::new(),
+                monitor: Default::default(),
             },
             params: vec![vec![0.5; 4]],
             buffers: Vec::new(),

@@ -97,6 +97,7 @@ pub fn loop_settings(config: &ExperimentConfig) -> Result<LoopSettings> {
             (None, None) => Task::Classifier,
         },
         check_fits: config.finetune.is_some(),
+        early_stopping: config.train.early_stopping.clone(),
     })
 }
 
@@ -107,24 +108,53 @@ fn make_parts(
     pool: Arc<headroom_model::memory::MemoryPool>,
 ) -> Result<Parts> {
     let (train_set, test_set) = data::open_splits(config, allow_install)?;
+    let (train_set, validation) = split_validation(config, train_set)?;
     let mut learner = open(config, pool, parts::cuda_options(config)?)?;
     check_data_fits_model(config, train_set.as_ref(), learner.as_ref())?;
-    tracing::info!(
-        "{} training samples, {} test samples",
-        train_set.len(),
-        test_set.len()
-    );
+    match &validation {
+        Some(validation) => tracing::info!(
+            "{} training samples, {} validation samples (data.validation), {} test samples",
+            train_set.len(),
+            validation.len(),
+            test_set.len()
+        ),
+        None => tracing::info!(
+            "{} training samples, {} test samples",
+            train_set.len(),
+            test_set.len()
+        ),
+    }
     let resident = data::hold_on_device(config, train_set.as_ref(), learner.as_mut())?;
     Ok(Parts {
         learner,
         train: train_set,
         test: test_set,
+        validation,
         train_loader: LoaderConfig {
             resident,
             ..data::loader_config(config, true)?
         },
         test_loader: data::loader_config(config, false)?,
     })
+}
+
+/// The seed of `data.validation`'s draw: fixed, so that every run of an
+/// experiment (whatever its `loader.seed`) holds out the same samples.
+const VALIDATION_SEED: u64 = 0x7661_6c69_6461_7465;
+
+/// A training set, and the validation split held out of it (if any).
+type TrainAndValidation = (Arc<dyn Dataset>, Option<Arc<dyn Dataset>>);
+
+/// The training set less `data.validation`'s samples, and those samples.
+fn split_validation(
+    config: &ExperimentConfig,
+    train: Arc<dyn Dataset>,
+) -> Result<TrainAndValidation> {
+    let Some(count) = config.validation_count(train.len())? else {
+        return Ok((train, None));
+    };
+    let (rest, held_out) = headroom_loader::split_off(train, count, VALIDATION_SEED)?;
+    Ok((Arc::new(rest), Some(Arc::new(held_out))))
 }
 
 fn check_data_fits_model(

@@ -29,6 +29,11 @@ fn keys_in_code() -> BTreeSet<String> {
             "augment.rand_augment.num_ops=2",
             "augment.rand_augment.magnitude=9",
             "eval.tta=flip",
+            "data.validation=0.1",
+            "train.early_stopping.metric=accuracy",
+            "train.early_stopping.mode=max",
+            "train.early_stopping.patience=3",
+            "train.early_stopping.min_delta=0.001",
         ],
         &[
             "augment.rand_augment.num_ops=2",

@@ -410,6 +410,24 @@ fn print_summary(experiment: &ExperimentConfig, summary: &headroom_pipeline::Run
         }
         _ => println!("test figures    (not evaluated: stopped mid-epoch)"),
     }
+    if let Some((path, epoch)) = &summary.best_checkpoint {
+        println!(
+            "best epoch      {} ({}){}",
+            epoch + 1,
+            shell::quote_path(path),
+            if summary.test_from_best {
+                ": the test figures above are its weights'"
+            } else {
+                ""
+            }
+        );
+    }
+    if summary.stopped_early {
+        println!(
+            "stopped early   after epoch {} (train.early_stopping's patience)",
+            summary.epoch
+        );
+    }
     println!("epochs run      {}", summary.epochs.len());
     println!("wall time       {:.1} s", summary.wall_seconds);
     if summary.epochs.is_empty() {

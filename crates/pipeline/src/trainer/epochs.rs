@@ -1,6 +1,9 @@
 //! The loop: take a batch, forward, loss, backward, clip, step, report;
 //! checkpoints at epoch ends, every N steps or minutes, on a stop request
-//! and before an error; an evaluation at each epoch's end.
+//! and before an error; an evaluation at each epoch's end (of the
+//! validation split when there is one, whose watched figure may keep a
+//! best checkpoint and end the run early: `crate::monitor`), and then the
+//! test set's one score.
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -14,10 +17,11 @@ use headroom_optim::Schedule;
 
 use super::{CheckpointSettings, LoopSettings, Run, Task};
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta, EpochProgress};
-use crate::eval::{evaluate, Evaluation};
-use crate::learner::{Learner, StepLr, StepResult};
+use crate::eval::{evaluate, macro_f1, Evaluation};
+use crate::learner::{Learner, LearnerState, StepLr, StepResult};
 use crate::memory::MemoryGuard;
-use crate::sink::{EpochSummary, Event, SinkLink, StepReport};
+use crate::monitor::{MonitorState, Verdict};
+use crate::sink::{BestEpoch, EpochSummary, EvaluatedOn, Event, SinkLink, StepReport, TestSummary};
 use crate::{PipelineError, Result};
 
 /// What the loop needs besides the run: its own settings and the record a
@@ -47,6 +51,8 @@ pub struct Position {
     pub step: u64,
     pub consecutive_skips: u64,
     pub progress: EpochProgress,
+    /// Where `train.early_stopping`'s watch stands.
+    pub monitor: MonitorState,
 }
 
 /// What learns, its schedule, and where it is: what a checkpoint holds.
@@ -74,18 +80,137 @@ pub(crate) fn run_epochs(
     summaries: &mut Vec<EpochSummary>,
     memory: &mut MemoryGuard,
 ) -> Result<Finish> {
-    while run.trainee.position.epoch < plan.settings.epochs {
-        let Some(summary) = run_epoch(plan, run, events, memory)? else {
+    while run.trainee.position.epoch < plan.settings.epochs && !stopped_early(plan, run) {
+        let Some((summary, watched)) = run_epoch(plan, run, events, memory)? else {
             checkpoint_now(plan, &mut run.trainee, events, memory)?;
             return Ok(Finish::Stopped);
         };
         events.send(Event::Epoch(summary.clone()))?;
-        if plan.checkpoint.every_epoch || run.trainee.position.epoch == plan.settings.epochs {
+        let last = run.trainee.position.epoch == plan.settings.epochs;
+        let (improved, stop) = watched
+            .as_ref()
+            .map_or((false, false), |(v, _)| (v.improved, v.stop));
+        // The best epoch's checkpoint is written whatever
+        // `checkpoint.every_epoch` says: it becomes `best.ckpt`.
+        if plan.checkpoint.every_epoch || last || improved || stop {
             checkpoint_now(plan, &mut run.trainee, events, memory)?;
+        }
+        if let (true, Some((_, figure))) = (improved, watched) {
+            events.send(Event::Best(BestEpoch {
+                epoch: summary.epoch,
+                figure,
+            }))?;
         }
         summaries.push(summary);
     }
+    if stopped_early(plan, run) && run.trainee.position.epoch < plan.settings.epochs {
+        if let (Some(watch), Some((best, epoch))) = (
+            &plan.settings.early_stopping,
+            run.trainee.position.monitor.best,
+        ) {
+            tracing::info!(
+                "early stop after epoch {} of {}: {} epochs without a better {} than {best:.4} \
+                 (epoch {})",
+                run.trainee.position.epoch,
+                plan.settings.epochs,
+                run.trainee.position.monitor.epochs_since_best,
+                watch.describe(),
+                epoch + 1
+            );
+        }
+    }
     Ok(Finish::Completed)
+}
+
+/// An epoch's verdict on the watched figure, and the figure as text.
+type Watched = (Verdict, String);
+
+/// Whether `train.early_stopping`'s patience has run out.
+pub(crate) fn stopped_early(plan: &RunSettings, run: &Run) -> bool {
+    plan.settings
+        .early_stopping
+        .as_ref()
+        .is_some_and(|watch| run.trainee.position.monitor.exhausted(watch))
+}
+
+/// The test set scored once after the last epoch of a run with a
+/// validation split, with the best checkpoint's weights when the run kept
+/// one, and sent to the sink. None for a run without a validation split
+/// (its epochs were scored on the test set).
+pub(crate) fn final_test(
+    plan: &RunSettings,
+    run: &mut Run,
+    events: &SinkLink,
+    memory: &mut MemoryGuard,
+) -> Result<Option<TestSummary>> {
+    if run.validation_loader.is_none() {
+        return Ok(None);
+    }
+    let position = run.trainee.position.clone();
+    let best = plan
+        .settings
+        .early_stopping
+        .as_ref()
+        .and(position.monitor.best);
+    let (weights_of_epoch, from_best_checkpoint) = match best {
+        Some((_, epoch)) => {
+            // `best.ckpt` is in place once the sink has handled every
+            // event sent so far.
+            events.sync()?;
+            let path = events.dir().get().join(checkpoint::BEST_FILE);
+            restore_weights(run.trainee.learner.as_mut(), &path, epoch)?;
+            (epoch, true)
+        }
+        None => (position.epoch.saturating_sub(1), false),
+    };
+    let test = evaluate_within_memory(&mut run.trainee, &run.test_loader, plan, memory)?;
+    if !test.loss.is_finite() {
+        return Err(PipelineError::NonFinite(format!(
+            "the test loss of the weights of epoch {} is {}",
+            weights_of_epoch + 1,
+            test.loss
+        )));
+    }
+    let summary = TestSummary {
+        epoch: position.epoch,
+        weights_of_epoch,
+        from_best_checkpoint,
+        loss: test.loss,
+        accuracy: test.accuracy,
+        macro_f1: (plan.settings.task == Task::Classifier)
+            .then(|| macro_f1(&test.confusion))
+            .flatten(),
+        baseline_loss: test.baseline_loss,
+        regression: test.regression,
+    };
+    events.send(Event::Test(summary.clone()))?;
+    Ok(Some(summary))
+}
+
+/// Puts the weights of `path` (the best checkpoint, of `epoch`) into the
+/// learner, for the test pass.
+fn restore_weights(learner: &mut dyn Learner, path: &std::path::Path, epoch: u64) -> Result<()> {
+    let saved = checkpoint::load(path)?;
+    let fail = |reason: String| PipelineError::Checkpoint {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if saved.meta.epoch != epoch + 1 || saved.meta.batches_done != 0 {
+        return Err(fail(format!(
+            "it holds epoch {} (batch {}), and the run's best is the end of epoch {}",
+            saved.meta.epoch,
+            saved.meta.batches_done,
+            epoch + 1
+        )));
+    }
+    learner
+        .restore(LearnerState {
+            params: saved.params,
+            buffers: saved.buffers,
+            optimizer: saved.optimizer,
+            loss_scale: saved.loss_scale,
+        })
+        .map_err(fail)
 }
 
 /// Snapshots to host memory on this thread, once the previous checkpoint is
@@ -140,7 +265,8 @@ fn stop_requested(settings: &RunSettings) -> bool {
         .is_some_and(|flag| flag.load(Ordering::SeqCst))
 }
 
-/// Trains the rest of the current epoch and evaluates. None when a stop was
+/// Trains the rest of the current epoch and evaluates; with a watched
+/// figure, its verdict and the figure's text. None when a stop was
 /// requested first (the caller writes the checkpoint).
 ///
 /// A GPU learner runs a step while the host loads, stages and queues the
@@ -153,12 +279,17 @@ fn run_epoch(
     run: &mut Run,
     events: &SinkLink,
     memory: &mut MemoryGuard,
-) -> Result<Option<EpochSummary>> {
+) -> Result<Option<(EpochSummary, Option<Watched>)>> {
     let Run {
         trainee,
         train_loader,
         test_loader,
+        validation_loader,
     } = run;
+    let (held_out, evaluated_on) = match validation_loader {
+        Some(loader) => (&*loader, EvaluatedOn::Validation),
+        None => (&*test_loader, EvaluatedOn::Test),
+    };
     let epoch = trainee.position.epoch;
     let mut steps = Steps {
         plan,
@@ -206,7 +337,7 @@ fn run_epoch(
     }
     // The epoch's training is not lost when its evaluation fails: the
     // checkpoint's position is the epoch's end, and a resume evaluates.
-    let test = match evaluate_within_memory(trainee, test_loader, plan, memory) {
+    let test = match evaluate_within_memory(trainee, held_out, plan, memory) {
         // Weights that give a non-finite test loss are no result to report
         // and no state to keep: the run stops with the checkpoints before
         // them as they were.
@@ -214,9 +345,10 @@ fn run_epoch(
             return Err(PipelineError::Evaluation {
                 epoch: epoch + 1,
                 cause: Box::new(PipelineError::NonFinite(format!(
-                    "the test loss is {}: the weights no longer give finite outputs. Nothing was \
+                    "the {} loss is {}: the weights no longer give finite outputs. Nothing was \
                      checkpointed after the last one written; lower the learning rate (or set \
                      train.clip_norm) and resume: cargo xtask train --resume {} --set optimizer.lr=<lower>",
+                    evaluated_on.name(),
                     test.loss,
                     crate::shell::quote_path(&plan.dir)
                 ))),
@@ -232,10 +364,23 @@ fn run_epoch(
         }
     };
     let position = &mut trainee.position;
+    let watched = match &plan.settings.early_stopping {
+        Some(watch) => {
+            let value = watch.metric.value(&test).ok_or_else(|| {
+                PipelineError::value(
+                    "train.early_stopping.metric",
+                    format!("the validation pass has no {} for this task", watch.metric),
+                )
+            })?;
+            let verdict = position.monitor.observe(watch, value, epoch);
+            Some((verdict, format!("validation {} {value:.4}", watch.metric)))
+        }
+        None => None,
+    };
     let progress = std::mem::take(&mut position.progress);
     position.epoch += 1;
     position.batches_done = 0;
-    Ok(Some(EpochSummary {
+    let summary = EpochSummary {
         epoch,
         train_loss: train_loss(&progress),
         train_accuracy: train_accuracy(&progress, predictions_per_sample(plan.settings.task)),
@@ -246,7 +391,10 @@ fn run_epoch(
         train_seconds: progress.train_seconds,
         train_samples_per_sec: progress.seen as f64 / progress.train_seconds.max(1e-9),
         skipped_steps: progress.skipped,
-    }))
+        evaluated_on,
+        best: watched.as_ref().map(|(verdict, _)| verdict.improved),
+    };
+    Ok(Some((summary, watched)))
 }
 
 /// The mean loss of the epoch's trained steps: None when every step was
@@ -499,6 +647,7 @@ fn checkpoint_meta(
         consecutive_skips: position.consecutive_skips,
         progress: position.progress,
         tuned_convs,
+        monitor: position.monitor,
     }
 }
 

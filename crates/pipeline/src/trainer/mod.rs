@@ -75,6 +75,11 @@ pub struct LoopSettings {
     /// a step at `MemorySettings::min_micro_batch` fit the memory budget (a
     /// fine-tuning run does), rather than meeting the limit mid-run.
     pub check_fits: bool,
+    /// Watch a figure of the validation split: keep the best epoch's
+    /// checkpoint as `best.ckpt`, stop after `patience` epochs without
+    /// improving it, and score the test set once with the best weights
+    /// (needs validation data: [`TrainerBuilder::validation`]).
+    pub early_stopping: Option<crate::monitor::EarlyStopping>,
 }
 
 impl Default for LoopSettings {
@@ -89,6 +94,7 @@ impl Default for LoopSettings {
             tta: TestTimeAugmentation::None,
             task: Task::Classifier,
             check_fits: false,
+            early_stopping: None,
         }
     }
 }
@@ -150,6 +156,9 @@ pub struct Parts {
     pub learner: Box<dyn Learner>,
     pub train: Arc<dyn Dataset>,
     pub test: Arc<dyn Dataset>,
+    /// Scored at each epoch's end in place of the test set, which is then
+    /// scored once at the end (read with `test_loader`'s settings).
+    pub validation: Option<Arc<dyn Dataset>>,
     pub train_loader: LoaderConfig,
     pub test_loader: LoaderConfig,
 }
@@ -179,7 +188,10 @@ pub struct RunSummary {
     pub interrupted: bool,
     pub epoch: u64,
     pub step: u64,
-    /// From the last evaluation; None when the run stopped before one.
+    /// The test set's figures: from the last epoch's evaluation, or, in a
+    /// run with a validation split, from the one test pass after the last
+    /// epoch (with the best checkpoint's weights when one was kept). None
+    /// when the run stopped before one.
     pub test_accuracy: Option<f32>,
     pub test_loss: Option<f32>,
     /// A frame model's copy-last-frame baseline loss on the test frames.
@@ -210,6 +222,12 @@ pub struct RunSummary {
     pub memory_left_after_run: u64,
     /// The run directory.
     pub output_dir: PathBuf,
+    /// `best.ckpt` and its (0-based) epoch, when a figure was watched.
+    pub best_checkpoint: Option<(PathBuf, u64)>,
+    /// Ended by `train.early_stopping`'s patience before its last epoch.
+    pub stopped_early: bool,
+    /// Whether the `test_*` figures are of the best checkpoint's weights.
+    pub test_from_best: bool,
 }
 
 /// Where the run's directory comes from.
@@ -317,6 +335,9 @@ impl Trainer {
             }
             None => None,
         };
+        if self.settings.early_stopping.is_some() {
+            set_aside_stale_best(&dir, &run.trainee.position)?;
+        }
         set_micro_batch(&self.settings, &self.memory, &mut run.trainee, &mut memory)?;
         let parameters = run.trainee.learner.num_params();
         let macs_per_sample = run.trainee.learner.macs_per_sample()?;
@@ -332,14 +353,19 @@ impl Trainer {
         });
         let (events, sink) = start_sink(&loop_settings, &self.checkpoint, self.sinks, resumed_at)?;
         let mut summaries = Vec::new();
+        let mut final_test = None;
         let result = pool.install(|| {
-            epochs::run_epochs(
+            let finish = epochs::run_epochs(
                 &loop_settings,
                 &mut run,
                 &events,
                 &mut summaries,
                 &mut memory,
-            )
+            )?;
+            if matches!(finish, epochs::Finish::Completed) {
+                final_test = epochs::final_test(&loop_settings, &mut run, &events, &mut memory)?;
+            }
+            Ok(finish)
         });
         // The sink moves the run to a new directory when its own is removed
         // or replaced mid-run: what follows writes and names that one.
@@ -365,6 +391,9 @@ impl Trainer {
             Err(e) => tracing::warn!("no plot: {e}"),
         }
         let test = match (&finish, summaries.last()) {
+            _ if final_test.is_some() => final_test
+                .as_ref()
+                .map(|t| (t.loss, t.accuracy, t.baseline_loss, t.regression)),
             (_, Some(last)) => Some((
                 last.test_loss,
                 last.test_accuracy,
@@ -385,6 +414,16 @@ impl Trainer {
                 ))
             }
         };
+        let stopped_early = epochs::stopped_early(&loop_settings, &run)
+            && run.trainee.position.epoch < self.settings.epochs;
+        let best_checkpoint = outcome.best_checkpoint.clone().or_else(|| {
+            // A resumed run whose best came before its checkpoint.
+            let path = dir.join(checkpoint::BEST_FILE);
+            (self.settings.early_stopping.is_some() && path.is_file()).then_some(path)
+        });
+        let best_checkpoint =
+            best_checkpoint.zip(run.trainee.position.monitor.best.map(|(_, epoch)| epoch));
+        let test_from_best = final_test.as_ref().is_some_and(|t| t.from_best_checkpoint);
         let train_seconds: f64 = summaries.iter().map(|e| e.train_seconds).sum();
         let train_samples: f64 = summaries
             .iter()
@@ -424,6 +463,9 @@ impl Trainer {
                 memory.stats().in_use_bytes
             },
             output_dir: dir,
+            best_checkpoint,
+            stopped_early,
+            test_from_best,
         })
     }
 }
@@ -441,6 +483,7 @@ pub struct TrainerBuilder {
     model: Option<MakeLearner>,
     model_description: Option<String>,
     data: Option<(Arc<dyn Dataset>, Arc<dyn Dataset>)>,
+    validation: Option<Arc<dyn Dataset>>,
     loader: LoaderSettings,
     record: Option<Arc<dyn RunRecord>>,
     settings_keys: std::collections::BTreeMap<String, String>,
@@ -504,6 +547,14 @@ impl TrainerBuilder {
 
     pub fn data(mut self, train: Arc<dyn Dataset>, test: Arc<dyn Dataset>) -> Self {
         self.data = Some((train, test));
+        self
+    }
+
+    /// Data each epoch is scored on in place of the test set (a part of
+    /// the training data held out: `headroom_loader::split_off`); the test
+    /// set is then scored once, after the last epoch.
+    pub fn validation(mut self, validation: Arc<dyn Dataset>) -> Self {
+        self.validation = Some(validation);
         self
     }
 
@@ -579,6 +630,11 @@ impl TrainerBuilder {
         if self.settings.batch_size == 0 || self.settings.epochs == 0 {
             return Err(missing("batch_size and epochs must be at least 1"));
         }
+        if self.settings.early_stopping.is_some() && self.validation.is_none() {
+            return Err(missing(
+                "early stopping watches validation data: give it with validation(data)",
+            ));
+        }
         let record = match self.record {
             Some(record) => record,
             None => Arc::new(SettingsRecord {
@@ -592,6 +648,7 @@ impl TrainerBuilder {
             }),
         };
         let loader = self.loader;
+        let validation = self.validation;
         let batch_size = self.settings.batch_size;
         let parts: MakeParts = Box::new(move |pool| {
             let learner = make_learner(pool)?;
@@ -614,6 +671,7 @@ impl TrainerBuilder {
                 learner,
                 train,
                 test,
+                validation,
                 train_loader: loader_config(true),
                 test_loader: loader_config(false),
             })
@@ -658,6 +716,7 @@ pub(crate) struct Run {
     pub trainee: epochs::Trainee,
     pub train_loader: DataLoader,
     pub test_loader: DataLoader,
+    pub validation_loader: Option<DataLoader>,
 }
 
 fn prepare(
@@ -669,11 +728,20 @@ fn prepare(
         learner,
         train,
         test,
+        validation,
         train_loader,
         test_loader,
     } = made;
     let batch_size = settings.settings.batch_size;
+    if settings.settings.early_stopping.is_some() && validation.is_none() {
+        return Err(PipelineError::Config(
+            "early stopping watches validation data, and the run has none".into(),
+        ));
+    }
     let train_loader = open_loader(train, train_loader, "training")?;
+    let validation_loader = validation
+        .map(|data| open_loader(data, test_loader.clone(), "validation"))
+        .transpose()?;
     let test_loader = open_loader(test, test_loader, "test")?;
     if train_loader.batches_per_epoch() == 0 {
         return Err(PipelineError::value(
@@ -692,6 +760,7 @@ fn prepare(
         },
         train_loader,
         test_loader,
+        validation_loader,
     })
 }
 
@@ -949,6 +1018,33 @@ fn set_aside_after(dir: &Path, from_step: u64) -> Result<String> {
     Ok(note)
 }
 
+/// A `best.ckpt` that is not the best of the checkpoint resumed from (a
+/// resume from an older checkpoint, the newer ones corrupt) is set aside
+/// as `best.ckpt.stale`: the run keeps its best again as it goes.
+fn set_aside_stale_best(dir: &Path, position: &Position) -> Result<()> {
+    let path = dir.join(checkpoint::BEST_FILE);
+    if !path.is_file() {
+        return Ok(());
+    }
+    let holds = checkpoint::load(&path).ok().map(|saved| saved.meta.epoch);
+    let expected = position.monitor.best.map(|(_, epoch)| epoch + 1);
+    if holds.is_some() && holds == expected {
+        return Ok(());
+    }
+    let mut aside = path.clone().into_os_string();
+    aside.push(".stale");
+    std::fs::rename(&path, &aside).map_err(|e| PipelineError::io(&path, e))?;
+    tracing::warn!(
+        "{} is not the best checkpoint of the state resumed from (it holds {}; the best is {}): \
+         set aside as {}",
+        path.display(),
+        holds.map_or_else(|| "no readable checkpoint".into(), |e| format!("epoch {e}")),
+        expected.map_or_else(|| "not yet chosen".into(), |e| format!("epoch {e}")),
+        PathBuf::from(&aside).display()
+    );
+    Ok(())
+}
+
 /// A run stopped for diverging advises a lower learning rate (or a clip)
 /// and a resume: with a setting changed, the steps skipped in a row before
 /// it say nothing of the new setting, so the count starts again. With the
@@ -980,6 +1076,7 @@ fn restore(trainee: &mut epochs::Trainee, saved: Checkpoint) -> std::result::Res
         step: meta.step,
         consecutive_skips: meta.consecutive_skips,
         progress: meta.progress,
+        monitor: meta.monitor,
     };
     Ok(())
 }

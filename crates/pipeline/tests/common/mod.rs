@@ -66,6 +66,7 @@ pub fn assert_writes_its_snapshot(learner: &mut dyn Learner) {
         consecutive_skips: 0,
         progress: Default::default(),
         tuned_convs: Vec::new(),
+        monitor: Default::default(),
     };
     let dir = tempfile::tempdir().unwrap();
     let path =
