@@ -7,7 +7,10 @@
 //! safe; a non-finite logit gives a non-finite loss and gradient, which the
 //! loss-scaling check downstream relies on seeing.
 //!
-//! `value_loss`, for regression: MSE or Huber against f32 targets.
+//! `value_loss`, for regression: MSE or Huber against f32 targets; and
+//! for multi-label classification, binary cross-entropy of each output's
+//! sigmoid against a 0/1 target (computed from the logit, never through a
+//! sigmoid that could round to 0 or 1).
 //!
 //! `pixel_mse`, for frame prediction: the mean squared error between
 //! predicted pixels and u8 target pixels read as values in [0, 1]. Chosen
@@ -64,6 +67,9 @@ pub enum ValueLoss {
     /// Huber: squared within `delta` of the target, linear beyond it, so
     /// that outliers pull less.
     Huber { delta: f32 },
+    /// Binary cross-entropy of `sigmoid(prediction)` against a target in
+    /// [0, 1]: one independent yes/no per output (multi-label).
+    Bce,
 }
 
 /// The mean over every predicted value of `kind`'s error against
@@ -86,6 +92,12 @@ pub fn value_loss(predictions: &Tensor, targets: &[f32], kind: ValueLoss) -> Res
             ValueLoss::Mse => (e * e, 2.0 * e),
             ValueLoss::Huber { delta } if e.abs() <= delta => (0.5 * e * e, e),
             ValueLoss::Huber { delta } => (delta * (e.abs() - 0.5 * delta), delta * e.signum()),
+            // -t·log σ(y) - (1-t)·log(1-σ(y)) = max(y, 0) - y·t + log(1 + e^-|y|);
+            // its slope is σ(y) - t.
+            ValueLoss::Bce => (
+                y.max(0.0) - y * t + (-y.abs()).exp().ln_1p(),
+                sigmoid(y) - t,
+            ),
         };
         sum += f64::from(loss);
         grad.push(slope / count);
@@ -95,6 +107,16 @@ pub fn value_loss(predictions: &Tensor, targets: &[f32], kind: ValueLoss) -> Res
         grad: Tensor::from_vec(predictions.shape(), grad)?,
         correct: 0,
     })
+}
+
+/// The logistic function, without overflow for large |x|.
+pub fn sigmoid(x: f32) -> f32 {
+    if x >= 0.0 {
+        1.0 / (1.0 + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (1.0 + e)
+    }
 }
 
 /// The same error for u8 predictions (a baseline that copies pixels): the
@@ -682,7 +704,11 @@ mod tests {
     fn value_loss_gradients_match_central_differences_for_mse_and_huber() {
         let predictions = random(&[6, 2], 21, 2.0);
         let targets: Vec<f32> = (0..12).map(|i| (i as f32 - 6.0) * 0.4).collect();
-        for kind in [ValueLoss::Mse, ValueLoss::Huber { delta: 0.7 }] {
+        for kind in [
+            ValueLoss::Mse,
+            ValueLoss::Huber { delta: 0.7 },
+            ValueLoss::Bce,
+        ] {
             let out = value_loss(&predictions, &targets, kind).unwrap();
             let numeric = numeric_grad(&predictions, 1e-3, |p| {
                 value_loss(p, &targets, kind).unwrap().loss
@@ -697,5 +723,12 @@ mod tests {
         let huber = value_loss(&two, &[1.0, -1.0], ValueLoss::Huber { delta: 1.0 }).unwrap();
         assert_eq!(huber.loss, 0.75, "(1 * (2 - 0.5) + 0) / 2");
         assert!(value_loss(&two, &[1.0], ValueLoss::Mse).is_err());
+        // BCE: a logit of 0 is p = 0.5, ln 2 either way; a confident wrong
+        // logit costs about the logit itself, and stays finite.
+        let logits = Tensor::from_vec(&[1, 3], vec![0.0, 100.0, -100.0]).unwrap();
+        let bce = value_loss(&logits, &[1.0, 0.0, 0.0], ValueLoss::Bce).unwrap();
+        let expected = (std::f32::consts::LN_2 + 100.0 + 0.0) / 3.0;
+        assert!((bce.loss - expected).abs() < 1e-4, "{}", bce.loss);
+        assert_close(bce.grad.data(), &[-0.5 / 3.0, 1.0 / 3.0, 0.0], 1e-6);
     }
 }

@@ -9,7 +9,7 @@ use headroom_loader::{Batch, DataLoader, SampleKind};
 
 use crate::checkpoint::{self, Checkpoint};
 use crate::config::{ExperimentConfig, TestTimeAugmentation};
-use crate::learner::{arg_max, EvalResult, Learner};
+use crate::learner::{arg_max, top5_hits, EvalResult, Learner};
 use crate::{data, paths, rundir, PipelineError, Result};
 
 pub use crate::parts::restored_cpu_learner;
@@ -29,6 +29,9 @@ pub struct Evaluation {
     pub confusion: Vec<Vec<u64>>,
     /// A regression's errors in the targets' own units; None otherwise.
     pub regression: Option<RegressionMetrics>,
+    /// A classifier of more than 5 classes: the share of samples whose
+    /// class is among its 5 highest scores; None otherwise.
+    pub top5_accuracy: Option<f32>,
 }
 
 /// A regression's test figures, in the targets' own units (a table's
@@ -123,6 +126,7 @@ pub fn evaluate_until(
     let mut baseline_sum: Option<f64> = None;
     let kind = loader.dataset().sample_kind();
     let mut regression: Option<RegressionSums> = None;
+    let mut top5: Option<u64> = None;
     for batch in loader.epoch(0, 0) {
         if stop.is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst)) {
             bar.finish_and_clear();
@@ -134,6 +138,9 @@ pub fn evaluate_until(
             TestTimeAugmentation::Flip => eval_with_mirror(learner, &batch)?,
         };
         loss_sum += result.loss_sum;
+        if let Some(hits) = result.top5_correct {
+            *top5.get_or_insert(0) += hits;
+        }
         if let (Some(predicted), Some(truth)) = (&result.values, &batch.values) {
             regression
                 .get_or_insert_with(RegressionSums::default)
@@ -178,6 +185,7 @@ pub fn evaluate_until(
         baseline_loss: baseline_sum.map(mean),
         confusion,
         regression: regression.as_ref().and_then(RegressionSums::metrics),
+        top5_accuracy: top5.map(|hits| hits as f32 / seen.max(1) as f32),
     }))
 }
 
@@ -202,6 +210,7 @@ fn eval_with_mirror(learner: &mut dyn Learner, batch: &Batch) -> Result<EvalResu
         .sum();
     Ok(EvalResult {
         loss_sum,
+        top5_correct: top5_hits(&probabilities, &batch.labels, classes),
         predictions: rows.map(arg_max).collect(),
         baseline_loss_sum: None,
         values: None,
@@ -244,6 +253,8 @@ pub struct EvalReport {
     /// A classifier's macro-averaged F1 ([`macro_f1`]); None for token,
     /// frame and regression models.
     pub macro_f1: Option<f32>,
+    /// A classifier of more than 5 classes: top-5 accuracy.
+    pub top5_accuracy: Option<f32>,
 }
 
 /// The mean over classes of each class's F1 score (2·TP / (2·TP + FP +
@@ -317,6 +328,7 @@ pub fn evaluate_checkpoint(
             .map(|_| evaluation.loss / std::f32::consts::LN_2),
         regression: evaluation.regression,
         macro_f1,
+        top5_accuracy: evaluation.top5_accuracy,
     })
 }
 

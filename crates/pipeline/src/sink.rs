@@ -63,6 +63,12 @@ pub struct EpochSummary {
     /// A regression's test MAE, RMSE and R², in the targets' units.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub test_regression: Option<crate::eval::RegressionMetrics>,
+    /// A classifier of more than 5 classes: top-5 accuracy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub test_top5_accuracy: Option<f32>,
+    /// A classifier's macro-averaged F1 over the classes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub test_macro_f1: Option<f32>,
     pub train_seconds: f64,
     pub train_samples_per_sec: f64,
     pub skipped_steps: u64,
@@ -435,7 +441,7 @@ fn receive(
                 user.each(|sink| sink.test(&test))?;
                 flush(&mut metrics)?;
                 tracing::info!(
-                    "test set, scored once with the weights of epoch {}{}: loss {:.4}{}{}",
+                    "test set, scored once with the weights of epoch {}{}: loss {:.4}{}{}{}",
                     test.weights_of_epoch + 1,
                     if test.from_best_checkpoint {
                         " (the best checkpoint)"
@@ -445,7 +451,9 @@ fn receive(
                     test.loss,
                     records::held_out_text(test.accuracy, test.baseline_loss, test.regression),
                     test.macro_f1
-                        .map_or_else(String::new, |f1| format!(", macro-F1 {f1:.4}"))
+                        .map_or_else(String::new, |f1| format!(", macro-F1 {f1:.4}")),
+                    test.top5_accuracy
+                        .map_or_else(String::new, |top5| format!(", top-5 {:.2}%", top5 * 100.0))
                 );
             }
         }

@@ -80,6 +80,9 @@ fn print_eval(report: &headroom_pipeline::eval::EvalReport) {
         report.loss,
         report.samples
     );
+    if let Some(top5) = report.top5_accuracy {
+        println!("top-5 accuracy {:.2}%", top5 * 100.0);
+    }
     if let Some(f1) = report.macro_f1 {
         println!("macro-F1 {f1:.4} (the mean of each class's F1)");
     }

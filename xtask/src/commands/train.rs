@@ -406,6 +406,12 @@ fn print_summary(experiment: &ExperimentConfig, summary: &headroom_pipeline::Run
         }
         (Some(accuracy), Some(loss), None, None) => {
             println!("test accuracy   {:.2}%", accuracy * 100.0);
+            if let Some(top5) = summary.test_top5_accuracy {
+                println!("test top-5      {:.2}%", top5 * 100.0);
+            }
+            if let Some(f1) = summary.test_macro_f1 {
+                println!("test macro-F1   {f1:.4}");
+            }
             println!("test loss       {loss:.4}");
         }
         _ => println!("test figures    (not evaluated: stopped mid-epoch)"),

@@ -311,6 +311,7 @@ impl CpuLearner {
             predictions: Vec::with_capacity(batch.len()),
             baseline_loss_sum: self.frames.map(|_| 0.0),
             values: self.settings.regression.map(|_| Vec::new()),
+            top5_correct: None,
         };
         for part in batch.micro_batches(self.micro_batch) {
             let prepared = self.prepare(&part)?;
@@ -332,7 +333,12 @@ impl CpuLearner {
             // A token model's loss is the mean over its tokens; every sample
             // has as many, so the per-sample sum keeps the per-token mean.
             let out = match &prepared.targets {
-                None => softmax_cross_entropy(&logits, &part.labels, 0.0)?,
+                None => {
+                    if let Some(hits) = super::top5_hits(logits.data(), &part.labels, classes) {
+                        *result.top5_correct.get_or_insert(0) += hits;
+                    }
+                    softmax_cross_entropy(&logits, &part.labels, 0.0)?
+                }
                 Some(targets) => per_token_loss(&logits, targets, 0.0)?,
             };
             result.loss_sum += out.loss as f64 * part.len() as f64;

@@ -61,6 +61,7 @@ use headroom_optim::{FusedAdamW, LossScalerConfig, LossScalerState};
 mod graph;
 
 use super::cpu::arg_max;
+use super::top5_hits;
 use super::{
     require_no_steps_in_flight, softmax_rows, EvalResult, HostState, Learner, LearnerState,
     StateWriter, StepLr, StepResult, StepSettings,
@@ -502,6 +503,7 @@ impl CudaLearner {
             predictions: Vec::new(),
             baseline_loss_sum: Some(0.0),
             values: None,
+            top5_correct: None,
         };
         for part in batch.micro_batches(self.micro_batch) {
             let staged = self.stage_frames(&part, frames)?;
@@ -618,6 +620,7 @@ impl Learner for CudaLearner {
             predictions: Vec::with_capacity(batch.len()),
             baseline_loss_sum: None,
             values: None,
+            top5_correct: None,
         };
         for part in batch.micro_batches(self.micro_batch) {
             let staged = self.stage(&part)?;
@@ -637,6 +640,12 @@ impl Learner for CudaLearner {
             let (loss, _) = cuda(xent.read_summary(be))?;
             result.loss_sum += loss as f64 * part.len() as f64;
             let values = cuda(logits.to_host(be))?;
+            // One row per sample (a token model's rows are its tokens').
+            if values.len() == classes * part.len() {
+                if let Some(hits) = top5_hits(&values, &part.labels, classes) {
+                    *result.top5_correct.get_or_insert(0) += hits;
+                }
+            }
             result
                 .predictions
                 .extend(values.chunks_exact(classes).map(arg_max));

@@ -70,6 +70,30 @@ pub struct EvalResult {
     /// dataset stores its targets (standardised for a table); None
     /// otherwise.
     pub values: Option<Vec<f32>>,
+    /// A classifier of more than 5 classes: the samples whose true class
+    /// is among the 5 highest scores ([`top5_hits`]); None otherwise.
+    pub top5_correct: Option<u64>,
+}
+
+/// How many rows of `classes` scores (or probabilities) rank their label
+/// among the 5 highest (ties broken in the label's favour); None for 5
+/// classes or fewer, where every label is in the top 5.
+pub fn top5_hits(scores: &[f32], labels: &[u32], classes: usize) -> Option<u64> {
+    if classes <= 5 {
+        return None;
+    }
+    let hits = scores
+        .chunks_exact(classes)
+        .zip(labels)
+        .filter(|(row, &label)| {
+            let own = row
+                .get(label as usize)
+                .copied()
+                .unwrap_or(f32::NEG_INFINITY);
+            row.iter().filter(|&&s| s > own).count() < 5
+        })
+        .count();
+    Some(hits as u64)
 }
 
 /// Everything a checkpoint needs to continue training, in host memory.
@@ -483,5 +507,24 @@ pub(crate) fn softmax_rows(scores: &mut [f32], classes: usize) {
             sum += *v;
         }
         row.iter_mut().for_each(|v| *v /= sum);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::top5_hits;
+
+    #[test]
+    fn top5_counts_a_label_among_the_five_highest_scores_ties_in_its_favour() {
+        // 7 classes; scores rise with the class id.
+        let row: Vec<f32> = (0..7).map(|k| k as f32).collect();
+        let rows: Vec<f32> = row.iter().chain(&row).chain(&row).copied().collect();
+        // Class 6 is first, 2 is fifth, 1 is sixth.
+        assert_eq!(top5_hits(&rows, &[6, 2, 1], 7), Some(2));
+        // A tie with the fifth counts for the label.
+        let tied = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0];
+        assert_eq!(top5_hits(&tied, &[0], 7), Some(1));
+        // Five classes or fewer: every label is in the top 5.
+        assert_eq!(top5_hits(&[0.0; 5], &[0], 5), None);
     }
 }

@@ -50,6 +50,8 @@ pub struct TestSummary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub macro_f1: Option<f32>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub top5_accuracy: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub baseline_loss: Option<f32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub regression: Option<RegressionMetrics>,

@@ -182,6 +182,7 @@ pub(crate) fn final_test(
             .flatten(),
         baseline_loss: test.baseline_loss,
         regression: test.regression,
+        top5_accuracy: test.top5_accuracy,
     };
     events.send(Event::Test(summary.clone()))?;
     Ok(Some(summary))
@@ -388,6 +389,10 @@ fn run_epoch(
         test_accuracy: test.accuracy,
         test_baseline_loss: test.baseline_loss,
         test_regression: test.regression,
+        test_top5_accuracy: test.top5_accuracy,
+        test_macro_f1: (plan.settings.task == Task::Classifier)
+            .then(|| macro_f1(&test.confusion))
+            .flatten(),
         train_seconds: progress.train_seconds,
         train_samples_per_sec: progress.seen as f64 / progress.train_seconds.max(1e-9),
         skipped_steps: progress.skipped,

@@ -52,7 +52,9 @@ pub use crate::config::{CheckpointConfig as CheckpointSettings, ScheduleConfig a
 pub use crate::memory::{MemorySettings, OomPolicy};
 pub use crate::resume::{Resume, RunRecord, SettingsRecord};
 pub use crate::rundir::RunPlace;
-pub use crate::sink::{EpochSummary, RunStart, Sink, SinkResult, StepReport};
+pub use crate::sink::{
+    EpochSummary, EvaluatedOn, RunStart, Sink, SinkResult, StepReport, TestSummary,
+};
 pub use epochs::Position;
 
 /// How the loop runs, typed, with defaults for a small run.
@@ -198,6 +200,10 @@ pub struct RunSummary {
     pub test_baseline_loss: Option<f32>,
     /// A regression's test MAE, RMSE and R², in the targets' units.
     pub test_regression: Option<crate::eval::RegressionMetrics>,
+    /// A classifier of more than 5 classes: top-5 accuracy.
+    pub test_top5_accuracy: Option<f32>,
+    /// A classifier's macro-averaged F1 over the classes.
+    pub test_macro_f1: Option<f32>,
     pub wall_seconds: f64,
     pub train_samples_per_sec: f64,
     pub peak_rss_bytes: Option<u64>,
@@ -228,6 +234,17 @@ pub struct RunSummary {
     pub stopped_early: bool,
     /// Whether the `test_*` figures are of the best checkpoint's weights.
     pub test_from_best: bool,
+}
+
+/// The test set's figures a summary reports.
+#[derive(Clone, Copy)]
+struct TestFigures {
+    loss: f32,
+    accuracy: Option<f32>,
+    baseline_loss: Option<f32>,
+    regression: Option<crate::eval::RegressionMetrics>,
+    top5_accuracy: Option<f32>,
+    macro_f1: Option<f32>,
 }
 
 /// Where the run's directory comes from.
@@ -391,27 +408,38 @@ impl Trainer {
             Err(e) => tracing::warn!("no plot: {e}"),
         }
         let test = match (&finish, summaries.last()) {
-            _ if final_test.is_some() => final_test
-                .as_ref()
-                .map(|t| (t.loss, t.accuracy, t.baseline_loss, t.regression)),
-            (_, Some(last)) => Some((
-                last.test_loss,
-                last.test_accuracy,
-                last.test_baseline_loss,
-                last.test_regression,
-            )),
+            _ if final_test.is_some() => final_test.as_ref().map(|t| TestFigures {
+                loss: t.loss,
+                accuracy: t.accuracy,
+                baseline_loss: t.baseline_loss,
+                regression: t.regression,
+                top5_accuracy: t.top5_accuracy,
+                macro_f1: t.macro_f1,
+            }),
+            (_, Some(last)) => Some(TestFigures {
+                loss: last.test_loss,
+                accuracy: last.test_accuracy,
+                baseline_loss: last.test_baseline_loss,
+                regression: last.test_regression,
+                top5_accuracy: last.test_top5_accuracy,
+                macro_f1: last.test_macro_f1,
+            }),
             (epochs::Finish::Stopped, None) => None,
             // A resumed run that had done all its epochs: its checkpoint, scored.
             (epochs::Finish::Completed, None) => {
                 let learner = run.trainee.learner.as_mut();
                 let test =
                     pool.install(|| evaluate(learner, &run.test_loader, self.settings.tta))?;
-                Some((
-                    test.loss,
-                    test.accuracy,
-                    test.baseline_loss,
-                    test.regression,
-                ))
+                Some(TestFigures {
+                    loss: test.loss,
+                    accuracy: test.accuracy,
+                    baseline_loss: test.baseline_loss,
+                    regression: test.regression,
+                    top5_accuracy: test.top5_accuracy,
+                    macro_f1: (self.settings.task == Task::Classifier)
+                        .then(|| crate::eval::macro_f1(&test.confusion))
+                        .flatten(),
+                })
             }
         };
         let stopped_early = epochs::stopped_early(&loop_settings, &run)
@@ -436,10 +464,12 @@ impl Trainer {
             interrupted: matches!(finish, epochs::Finish::Stopped),
             epoch: run.trainee.position.epoch,
             step: run.trainee.position.step,
-            test_accuracy: test.and_then(|(_, accuracy, _, _)| accuracy),
-            test_loss: test.map(|(loss, _, _, _)| loss),
-            test_baseline_loss: test.and_then(|(_, _, baseline, _)| baseline),
-            test_regression: test.and_then(|(_, _, _, regression)| regression),
+            test_accuracy: test.and_then(|t| t.accuracy),
+            test_loss: test.map(|t| t.loss),
+            test_baseline_loss: test.and_then(|t| t.baseline_loss),
+            test_regression: test.and_then(|t| t.regression),
+            test_top5_accuracy: test.and_then(|t| t.top5_accuracy),
+            test_macro_f1: test.and_then(|t| t.macro_f1),
             wall_seconds: started.elapsed().as_secs_f64(),
             train_samples_per_sec: if train_seconds > 0.0 {
                 train_samples / train_seconds
