@@ -631,6 +631,9 @@ pub enum LossKind {
     Mse,
     /// Huber loss with `train.huber_delta` against numeric targets.
     Huber,
+    /// Binary cross-entropy of each output's sigmoid against a 0/1 target:
+    /// multi-label classification.
+    Bce,
 }
 
 impl LossKind {
@@ -638,6 +641,17 @@ impl LossKind {
     /// classes.
     pub fn is_regression(self) -> bool {
         matches!(self, LossKind::Mse | LossKind::Huber)
+    }
+
+    /// Whether the loss scores independent 0/1 labels (multi-label).
+    pub fn is_multilabel(self) -> bool {
+        self == LossKind::Bce
+    }
+
+    /// Whether the targets are numbers per sample (a regression's values or
+    /// a multi-label's 0/1s), carried as `Batch::values`, not a class.
+    pub fn scores_values(self) -> bool {
+        self.is_regression() || self.is_multilabel()
     }
 }
 

@@ -9,7 +9,8 @@ use headroom_loader::{Batch, DataLoader, SampleKind};
 
 use crate::checkpoint::{self, Checkpoint};
 use crate::config::{ExperimentConfig, TestTimeAugmentation};
-use crate::learner::{arg_max, top5_hits, EvalResult, Learner};
+use crate::learner::{arg_max, top5_hits, EvalResult, Learner, ValueLoss};
+use crate::multilabel::{MultiLabelMetrics, MultiLabelSums};
 use crate::{data, paths, rundir, PipelineError, Result};
 
 pub use crate::parts::restored_cpu_learner;
@@ -32,6 +33,8 @@ pub struct Evaluation {
     /// A classifier of more than 5 classes: the share of samples whose
     /// class is among its 5 highest scores; None otherwise.
     pub top5_accuracy: Option<f32>,
+    /// A multi-label model's figures (`train.loss = "bce"`); None otherwise.
+    pub multilabel: Option<MultiLabelMetrics>,
 }
 
 /// A regression's test figures, in the targets' own units (a table's
@@ -127,6 +130,8 @@ pub fn evaluate_until(
     let kind = loader.dataset().sample_kind();
     let mut regression: Option<RegressionSums> = None;
     let mut top5: Option<u64> = None;
+    let multilabel = learner.value_loss() == Some(ValueLoss::Bce);
+    let mut labels: Option<MultiLabelSums> = None;
     for batch in loader.epoch(0, 0) {
         if stop.is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst)) {
             bar.finish_and_clear();
@@ -140,6 +145,14 @@ pub fn evaluate_until(
         loss_sum += result.loss_sum;
         if let Some(hits) = result.top5_correct {
             *top5.get_or_insert(0) += hits;
+        }
+        if let (true, Some(predicted), Some(truth)) = (multilabel, &result.values, &batch.values) {
+            labels
+                .get_or_insert_with(MultiLabelSums::default)
+                .add(kind.values, predicted, truth);
+            seen += batch.len();
+            bar.inc(1);
+            continue;
         }
         if let (Some(predicted), Some(truth)) = (&result.values, &batch.values) {
             regression
@@ -180,12 +193,13 @@ pub fn evaluate_until(
     Ok(Some(Evaluation {
         samples: seen,
         loss: mean(loss_sum),
-        accuracy: (baseline_sum.is_none() && regression.is_none())
+        accuracy: (baseline_sum.is_none() && regression.is_none() && labels.is_none())
             .then(|| correct as f32 / scored.max(1) as f32),
         baseline_loss: baseline_sum.map(mean),
         confusion,
         regression: regression.as_ref().and_then(RegressionSums::metrics),
         top5_accuracy: top5.map(|hits| hits as f32 / seen.max(1) as f32),
+        multilabel: labels.as_ref().and_then(MultiLabelSums::metrics),
     }))
 }
 
@@ -255,6 +269,8 @@ pub struct EvalReport {
     pub macro_f1: Option<f32>,
     /// A classifier of more than 5 classes: top-5 accuracy.
     pub top5_accuracy: Option<f32>,
+    /// A multi-label model's figures.
+    pub multilabel: Option<MultiLabelMetrics>,
 }
 
 /// The mean over classes of each class's F1 score (2·TP / (2·TP + FP +
@@ -329,6 +345,7 @@ pub fn evaluate_checkpoint(
         regression: evaluation.regression,
         macro_f1,
         top5_accuracy: evaluation.top5_accuracy,
+        multilabel: evaluation.multilabel,
     })
 }
 

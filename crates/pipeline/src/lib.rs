@@ -89,6 +89,7 @@ pub mod learner;
 pub mod limits;
 pub mod memory;
 pub mod monitor;
+pub mod multilabel;
 pub mod parts;
 pub mod paths;
 pub mod plot;

@@ -56,10 +56,16 @@ impl Monitored {
         let regression = evaluation.regression;
         let value = match self {
             Monitored::Loss => Some(evaluation.loss),
-            Monitored::Accuracy => evaluation.accuracy,
-            Monitored::MacroF1 => evaluation
+            // A multi-label model's accuracy is its exact-match share.
+            Monitored::Accuracy => evaluation
                 .accuracy
-                .and_then(|_| macro_f1(&evaluation.confusion)),
+                .or(evaluation.multilabel.map(|m| m.exact_match)),
+            Monitored::MacroF1 => match evaluation.multilabel {
+                Some(m) => Some(m.macro_f1),
+                None => evaluation
+                    .accuracy
+                    .and_then(|_| macro_f1(&evaluation.confusion)),
+            },
             Monitored::Mae => regression.map(|r| r.mae),
             Monitored::Rmse => regression.map(|r| r.rmse),
             Monitored::R2 => regression.map(|r| r.r2),

@@ -28,6 +28,7 @@ impl StepSettings {
                 LossKind::Huber => Some(ValueLoss::Huber {
                     delta: config.train.huber_delta.unwrap_or(1.0),
                 }),
+                LossKind::Bce => Some(ValueLoss::Bce),
                 LossKind::CrossEntropy | LossKind::Focal => None,
             },
             optimizer: AdamWConfig {

@@ -29,6 +29,8 @@ pub enum Task {
     Tokens,
     /// Features to numeric targets (`train.loss = "mse"` or `"huber"`).
     Regression,
+    /// Features to independent 0/1 labels (`train.loss = "bce"`).
+    MultiLabel,
 }
 
 impl Task {
@@ -39,6 +41,8 @@ impl Task {
             Task::Tokens
         } else if config.train.loss.is_regression() {
             Task::Regression
+        } else if config.train.loss.is_multilabel() {
+            Task::MultiLabel
         } else {
             Task::Classifier
         }
@@ -130,6 +134,12 @@ fn read_curves(text: &str) -> Curves {
                 push(&mut c.test_accuracy, "test_accuracy", 100.0);
                 push(&mut c.test_accuracy, "validation_accuracy", 100.0);
                 c.validation |= number("validation_loss").is_some();
+                // A multi-label model's exact-match share stands for accuracy.
+                for key in ["test_multilabel", "validation_multilabel"] {
+                    if let Some(v) = data[key]["exact_match"].as_f64().filter(|v| v.is_finite()) {
+                        c.test_accuracy.push((x, v * 100.0));
+                    }
+                }
                 push(&mut c.baseline, "test_baseline_loss", 1.0);
                 push(&mut c.epoch_speed, "train_samples_per_sec", 1.0);
             }
@@ -157,6 +167,7 @@ fn panels(curves: Curves, task: Task) -> Vec<Panel> {
             Task::Frames => "loss (per-pixel MSE)",
             Task::Tokens => "loss (nats per byte)",
             Task::Regression => "loss (standardised targets)",
+            Task::MultiLabel => "loss (binary cross-entropy per label)",
         },
         x_label: "epoch",
         x_in_epochs: true,
@@ -169,6 +180,11 @@ fn panels(curves: Curves, task: Task) -> Vec<Panel> {
         lines,
     };
     let task_panel = match task {
+        Task::MultiLabel => {
+            let mut test = Line::new("exact-match", held_out, "#d94801");
+            test.points = curves.test_accuracy;
+            by_epoch("exact-match accuracy (%)", vec![test])
+        }
         Task::Classifier => {
             let mut train = Line::new("train-accuracy", "train", "#6baed6");
             train.points = curves.train_accuracy;

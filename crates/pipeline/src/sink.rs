@@ -69,6 +69,9 @@ pub struct EpochSummary {
     /// A classifier's macro-averaged F1 over the classes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub test_macro_f1: Option<f32>,
+    /// A multi-label model's figures.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub test_multilabel: Option<crate::multilabel::MultiLabelMetrics>,
     pub train_seconds: f64,
     pub train_samples_per_sec: f64,
     pub skipped_steps: u64,
@@ -361,7 +364,8 @@ fn receive(
                     records::held_out_text(
                         summary.test_accuracy,
                         summary.test_baseline_loss,
-                        summary.test_regression
+                        summary.test_regression,
+                        summary.test_multilabel
                     ),
                     if summary.best == Some(true) {
                         ", best so far"
@@ -449,7 +453,12 @@ fn receive(
                         " (the last)"
                     },
                     test.loss,
-                    records::held_out_text(test.accuracy, test.baseline_loss, test.regression),
+                    records::held_out_text(
+                        test.accuracy,
+                        test.baseline_loss,
+                        test.regression,
+                        test.multilabel
+                    ),
                     test.macro_f1
                         .map_or_else(String::new, |f1| format!(", macro-F1 {f1:.4}")),
                     test.top5_accuracy

@@ -94,6 +94,7 @@ pub fn loop_settings(config: &ExperimentConfig) -> Result<LoopSettings> {
                 length: tokens.length,
             },
             (None, None) if config.train.loss.is_regression() => Task::Regression,
+            (None, None) if config.train.loss.is_multilabel() => Task::MultiLabel,
             (None, None) => Task::Classifier,
         },
         check_fits: config.finetune.is_some(),

@@ -86,9 +86,13 @@ fn a_conv_net_trains_an_epoch_on_rgb_photos_and_records_the_classes() {
     );
     assert!(loss.is_finite() && loss > 0.0, "{loss}");
     // Ten outputs: top-5 is reported, and counts at least what top-1 does.
-    let top5 = summary.test_top5_accuracy.expect("top-5 of a 10-output model");
+    let top5 = summary
+        .test_top5_accuracy
+        .expect("top-5 of a 10-output model");
     assert!((accuracy..=1.0).contains(&top5), "{top5} vs {accuracy}");
-    assert!(summary.test_macro_f1.is_some_and(|f1| (0.0..=1.0).contains(&f1)));
+    assert!(summary
+        .test_macro_f1
+        .is_some_and(|f1| (0.0..=1.0).contains(&f1)));
     assert_eq!(summary.epochs.len(), 1);
     assert!(
         !checkpoint::list(&out).unwrap().is_empty(),

@@ -58,6 +58,22 @@ fn print_eval(report: &headroom_pipeline::eval::EvalReport) {
         );
         return;
     }
+    if let Some(m) = report.multilabel {
+        println!(
+            "{} (epoch {}, step {}): test exact match {:.2}%, per label {:.2}%, macro-F1 {:.4}, \
+             micro-F1 {:.4}, loss {:.4} on {} samples",
+            report.checkpoint.display(),
+            report.epoch,
+            report.step,
+            m.exact_match * 100.0,
+            m.label_accuracy * 100.0,
+            m.macro_f1,
+            m.micro_f1,
+            report.loss,
+            report.samples
+        );
+        return;
+    }
     let Some(accuracy) = report.accuracy else {
         // A frame model: a regression, scored against copying the last frame.
         println!(

@@ -392,6 +392,20 @@ fn print_summary(experiment: &ExperimentConfig, summary: &headroom_pipeline::Run
         summary.test_baseline_loss,
         summary.test_regression,
     ) {
+        (_, Some(loss), _, None) if summary.test_multilabel.is_some() => {
+            if let Some(m) = summary.test_multilabel {
+                println!(
+                    "test exact match {:.2}% (every label right)",
+                    m.exact_match * 100.0
+                );
+                println!("test per label  {:.2}%", m.label_accuracy * 100.0);
+                println!(
+                    "test macro-F1   {:.4} (micro-F1 {:.4})",
+                    m.macro_f1, m.micro_f1
+                );
+            }
+            println!("test loss       {loss:.4} (binary cross-entropy per label)");
+        }
         (_, Some(loss), _, Some(r)) => {
             println!("test RMSE       {:.4} (in the targets' units)", r.rmse);
             println!("test MAE        {:.4}", r.mae);

@@ -222,5 +222,6 @@ fn loss_word(loss: LossKind) -> &'static str {
         LossKind::Focal => "focal",
         LossKind::Mse => "mse",
         LossKind::Huber => "huber",
+        LossKind::Bce => "bce",
     }
 }

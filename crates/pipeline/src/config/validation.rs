@@ -80,6 +80,9 @@ impl ExperimentConfig {
         if !fits {
             let task = if regression {
                 "a regression (train.loss = \"mse\" or \"huber\"): loss, mae, rmse or r2"
+            } else if self.train.loss.is_multilabel() {
+                "a multi-label model (train.loss = \"bce\"): loss, accuracy (exact match) or \
+                 macro_f1"
             } else {
                 "a classifier: loss, accuracy or macro_f1"
             };

@@ -489,6 +489,10 @@ impl Learner for CpuLearner {
         self.network.spec().uses_batch_statistics()
     }
 
+    fn value_loss(&self) -> Option<ValueLoss> {
+        self.settings.regression
+    }
+
     fn micro_batch(&self) -> usize {
         self.micro_batch
     }

@@ -291,6 +291,13 @@ pub trait Learner: Send {
         true
     }
 
+    /// The loss that scores the batches' numeric targets (`Batch::values`):
+    /// a regression's or a multi-label model's; None for classes, tokens
+    /// and frames. Default: None.
+    fn value_loss(&self) -> Option<ValueLoss> {
+        None
+    }
+
     fn micro_batch(&self) -> usize;
     fn set_micro_batch(&mut self, size: usize);
 

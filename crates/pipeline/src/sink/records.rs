@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use super::EpochSummary;
 use crate::eval::RegressionMetrics;
+use crate::multilabel::MultiLabelMetrics;
 
 /// The split an epoch's figures come from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -52,6 +53,8 @@ pub struct TestSummary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub top5_accuracy: Option<f32>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub multilabel: Option<MultiLabelMetrics>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub baseline_loss: Option<f32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub regression: Option<RegressionMetrics>,
@@ -91,10 +94,17 @@ pub(super) fn held_out_text(
     accuracy: Option<f32>,
     baseline: Option<f32>,
     regression: Option<RegressionMetrics>,
+    multilabel: Option<MultiLabelMetrics>,
 ) -> String {
-    match (baseline, regression) {
-        (Some(baseline), _) => format!(" (copy-last baseline {baseline:.4})"),
-        (None, Some(r)) => format!(" (MAE {:.4}, RMSE {:.4}, R² {:.4})", r.mae, r.rmse, r.r2),
-        (None, None) => super::accuracy_text(accuracy),
+    match (baseline, regression, multilabel) {
+        (Some(baseline), _, _) => format!(" (copy-last baseline {baseline:.4})"),
+        (None, Some(r), _) => format!(" (MAE {:.4}, RMSE {:.4}, R² {:.4})", r.mae, r.rmse, r.r2),
+        (None, None, Some(m)) => format!(
+            " (exact match {:.2}%, per label {:.2}%, macro-F1 {:.4})",
+            m.exact_match * 100.0,
+            m.label_accuracy * 100.0,
+            m.macro_f1
+        ),
+        (None, None, None) => super::accuracy_text(accuracy),
     }
 }

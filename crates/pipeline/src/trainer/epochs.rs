@@ -183,6 +183,7 @@ pub(crate) fn final_test(
         baseline_loss: test.baseline_loss,
         regression: test.regression,
         top5_accuracy: test.top5_accuracy,
+        multilabel: test.multilabel,
     };
     events.send(Event::Test(summary.clone()))?;
     Ok(Some(summary))
@@ -390,6 +391,7 @@ fn run_epoch(
         test_baseline_loss: test.baseline_loss,
         test_regression: test.regression,
         test_top5_accuracy: test.top5_accuracy,
+        test_multilabel: test.multilabel,
         test_macro_f1: (plan.settings.task == Task::Classifier)
             .then(|| macro_f1(&test.confusion))
             .flatten(),
@@ -662,7 +664,7 @@ fn predictions_per_sample(task: Task) -> Option<u64> {
     match task {
         Task::Classifier => Some(1),
         Task::Tokens { length } => Some(length as u64),
-        Task::Frames | Task::Regression => None,
+        Task::Frames | Task::Regression | Task::MultiLabel => None,
     }
 }
 

@@ -123,6 +123,9 @@ pub enum Task {
     Tokens { length: usize },
     /// Features to numeric targets: MSE or Huber, MAE, RMSE and R².
     Regression,
+    /// Features to independent 0/1 labels: BCE, exact-match and per-label
+    /// accuracy, macro- and micro-F1.
+    MultiLabel,
 }
 
 impl Task {
@@ -132,6 +135,7 @@ impl Task {
             Task::Frames => crate::plot::Task::Frames,
             Task::Tokens { .. } => crate::plot::Task::Tokens,
             Task::Regression => crate::plot::Task::Regression,
+            Task::MultiLabel => crate::plot::Task::MultiLabel,
         }
     }
 }
@@ -204,6 +208,8 @@ pub struct RunSummary {
     pub test_top5_accuracy: Option<f32>,
     /// A classifier's macro-averaged F1 over the classes.
     pub test_macro_f1: Option<f32>,
+    /// A multi-label model's figures.
+    pub test_multilabel: Option<crate::multilabel::MultiLabelMetrics>,
     pub wall_seconds: f64,
     pub train_samples_per_sec: f64,
     pub peak_rss_bytes: Option<u64>,
@@ -245,6 +251,7 @@ struct TestFigures {
     regression: Option<crate::eval::RegressionMetrics>,
     top5_accuracy: Option<f32>,
     macro_f1: Option<f32>,
+    multilabel: Option<crate::multilabel::MultiLabelMetrics>,
 }
 
 /// Where the run's directory comes from.
@@ -415,6 +422,7 @@ impl Trainer {
                 regression: t.regression,
                 top5_accuracy: t.top5_accuracy,
                 macro_f1: t.macro_f1,
+                multilabel: t.multilabel,
             }),
             (_, Some(last)) => Some(TestFigures {
                 loss: last.test_loss,
@@ -423,6 +431,7 @@ impl Trainer {
                 regression: last.test_regression,
                 top5_accuracy: last.test_top5_accuracy,
                 macro_f1: last.test_macro_f1,
+                multilabel: last.test_multilabel,
             }),
             (epochs::Finish::Stopped, None) => None,
             // A resumed run that had done all its epochs: its checkpoint, scored.
@@ -439,6 +448,7 @@ impl Trainer {
                     macro_f1: (self.settings.task == Task::Classifier)
                         .then(|| crate::eval::macro_f1(&test.confusion))
                         .flatten(),
+                    multilabel: test.multilabel,
                 })
             }
         };
@@ -470,6 +480,7 @@ impl Trainer {
             test_regression: test.and_then(|t| t.regression),
             test_top5_accuracy: test.and_then(|t| t.top5_accuracy),
             test_macro_f1: test.and_then(|t| t.macro_f1),
+            test_multilabel: test.and_then(|t| t.multilabel),
             wall_seconds: started.elapsed().as_secs_f64(),
             train_samples_per_sec: if train_seconds > 0.0 {
                 train_samples / train_seconds
