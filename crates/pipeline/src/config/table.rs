@@ -38,14 +38,29 @@ impl ExperimentConfig {
     }
 
     /// The device the learner runs on: `device.kind`, except that "auto"
-    /// is the CPU for a table of f32 features and for numeric targets (the
-    /// GPU learner reads u8 images with class labels, and token ids).
+    /// is the CPU for a table of f32 features, for numeric targets and for
+    /// a store of either (the GPU learner reads u8 images with class
+    /// labels, and token ids).
     pub fn learner_device(&self) -> DeviceKind {
-        let features_only = self.data.format == DataFormat::Csv || self.train.loss.is_regression();
+        let features_only = self.data.format == DataFormat::Csv
+            || self.train.loss.is_regression()
+            || (self.device.kind == DeviceKind::Auto && self.typed_store());
         match self.device.kind {
             DeviceKind::Auto if features_only => DeviceKind::Cpu,
             kind => kind,
         }
+    }
+
+    /// Whether `data.dir` is a shard store of typed samples (f32 features
+    /// or numeric targets), from its training index alone: a few bytes per
+    /// shard. A store that cannot be read is left to the opening of the
+    /// data to report.
+    fn typed_store(&self) -> bool {
+        let (DataFormat::Shards, Some(dir)) = (self.data.format, &self.data.dir) else {
+            return false;
+        };
+        headroom_loader::ShardedDataset::read_kind(&dir.join("train"))
+            .is_ok_and(|(kind, _)| kind != headroom_loader::SampleKind::default())
     }
 
     /// The table keys belong to "csv", a regression loss to numeric
@@ -83,7 +98,12 @@ impl ExperimentConfig {
                 ));
             }
         }
-        let numeric_data = matches!(self.data.format, DataFormat::Csv | DataFormat::Tensors);
+        // A store's targets are checked against the loss when it is opened
+        // (its index says what it holds).
+        let numeric_data = matches!(
+            self.data.format,
+            DataFormat::Csv | DataFormat::Tensors | DataFormat::Shards
+        );
         if loss.is_regression() && !numeric_data {
             return Err(PipelineError::value(
                 "train.loss",
@@ -113,6 +133,7 @@ impl ExperimentConfig {
         match self.data.format {
             DataFormat::Csv => self.check_csv_keys(),
             DataFormat::Tensors => self.check_tensors_keys(),
+            DataFormat::Shards if loss.is_regression() => self.check_features_run("shards"),
             _ => Ok(()),
         }
     }
