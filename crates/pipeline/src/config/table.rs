@@ -245,3 +245,74 @@ fn loss_word(loss: LossKind) -> &'static str {
         LossKind::Huber => "huber",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use headroom_loader::{
+        preprocess, preprocess_from, CsvTable, ShardSize, StoreSource, SyntheticDataset,
+        TableConfig, TableTarget,
+    };
+
+    use crate::config::{ExperimentConfig, Overrides};
+    use crate::device::DeviceKind;
+
+    fn config_on(store: &Path, device: &str) -> ExperimentConfig {
+        let smoke = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments/smoke.toml");
+        let sets: Vec<String> = [
+            "data.format=shards".to_string(),
+            format!("data.dir={}", store.display()),
+            "data.train_samples=0".into(),
+            "data.test_samples=0".into(),
+            format!("device.kind={device}"),
+        ]
+        .into();
+        ExperimentConfig::load(&smoke, &Overrides::parse(&sets).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn auto_trains_a_typed_store_on_the_cpu_and_an_image_store_as_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let csv = dir.path().join("t.csv");
+        std::fs::write(&csv, "a,b,y\n1,2,3\n4,5,6\n7,8,10\n").unwrap();
+        let table = CsvTable::open(
+            &csv,
+            &TableConfig {
+                targets: vec!["y".into()],
+                features: Vec::new(),
+                target: TableTarget::Values,
+            },
+        )
+        .unwrap();
+        let typed = dir.path().join("typed");
+        preprocess_from(
+            &table,
+            &StoreSource::default(),
+            &typed.join("train"),
+            ShardSize::Samples(2),
+            false,
+        )
+        .unwrap();
+        let images = dir.path().join("images");
+        preprocess(
+            &SyntheticDataset::new(3, [28, 28, 1], 10),
+            &images.join("train"),
+            ShardSize::Samples(2),
+            false,
+        )
+        .unwrap();
+        assert_eq!(config_on(&typed, "auto").learner_device(), DeviceKind::Cpu);
+        assert_eq!(
+            config_on(&images, "auto").learner_device(),
+            DeviceKind::Auto
+        );
+        // A store that is not there is left to the opening of the data.
+        let missing = dir.path().join("missing");
+        assert_eq!(
+            config_on(&missing, "auto").learner_device(),
+            DeviceKind::Auto
+        );
+        assert_eq!(config_on(&typed, "cpu").learner_device(), DeviceKind::Cpu);
+    }
+}
