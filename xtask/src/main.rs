@@ -145,12 +145,21 @@ struct BenchCommand {
 
 #[derive(clap::Args)]
 struct BenchLoaderOneCommand {
+    /// The experiment (every mode but csv).
     #[arg(long)]
-    config: PathBuf,
+    config: Option<PathBuf>,
+    /// The shard store; with --mode csv, the CSV file (written first, with
+    /// --rows rows, when it does not exist).
     #[arg(long)]
     store: PathBuf,
+    /// cache1, cache2, full or idx: one loader configuration as a JSON line;
+    /// csv: CSV ingest rows/s of headroom's table reader beside pandas'
+    /// read_csv (bench/pandas_read_csv.py) on the same file.
     #[arg(long)]
     mode: String,
+    /// With --mode csv: rows of the generated CSV (8 features and a target).
+    #[arg(long)]
+    rows: Option<usize>,
 }
 
 #[derive(clap::Args)]
