@@ -145,12 +145,21 @@ struct BenchCommand {
 
 #[derive(clap::Args)]
 struct BenchLoaderOneCommand {
+    /// The experiment (every mode but csv).
     #[arg(long)]
-    config: PathBuf,
+    config: Option<PathBuf>,
+    /// The shard store; with --mode csv, the CSV file (written first, with
+    /// --rows rows, when it does not exist).
     #[arg(long)]
     store: PathBuf,
+    /// cache1, cache2, full or idx: one loader configuration as a JSON line;
+    /// csv: CSV ingest rows/s of headroom's table reader beside pandas'
+    /// read_csv (bench/pandas_read_csv.py) on the same file.
     #[arg(long)]
     mode: String,
+    /// With --mode csv: rows of the generated CSV (8 features and a target).
+    #[arg(long)]
+    rows: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -164,12 +173,37 @@ struct PreprocessArgs {
     output: Option<PathBuf>,
     /// Data of your own to pack, of the --kind given: for image_folder, a
     /// folder holding train/ and test/, each with one subfolder of PNG or
-    /// JPEG images per class.
+    /// JPEG images per class; for csv, a folder holding train.csv and
+    /// test.csv; for npy or safetensors, a folder holding train/ and test/,
+    /// each a directory of .npz, .safetensors or .npy files.
     #[arg(long, requires = "kind", conflicts_with = "input")]
     from: Option<PathBuf>,
-    /// What --from holds: image_folder.
+    /// What --from holds: image_folder, csv, npy or safetensors (npy and
+    /// safetensors read any of .npz, .safetensors and STEM_x.npy +
+    /// STEM_y.npy, as data.format = "tensors" does).
     #[arg(long, requires = "from")]
     kind: Option<String>,
+    /// With --kind csv: the target column(s), comma-separated, as
+    /// data.targets names them.
+    #[arg(long, requires = "from", value_delimiter = ',')]
+    targets: Vec<String>,
+    /// With --kind csv: the feature columns in model order, as
+    /// data.features [default: every column that is not a target].
+    #[arg(long, requires = "from", value_delimiter = ',')]
+    features: Vec<String>,
+    /// With --kind csv: the targets are numbers (a regression, trained
+    /// with train.loss = "mse" or "huber"); without it the one target
+    /// column holds classes.
+    #[arg(long, requires = "from")]
+    regression: bool,
+    /// With --kind npy or safetensors: the input array's name, as
+    /// data.input_array [default: x].
+    #[arg(long, requires = "from")]
+    input_array: Option<String>,
+    /// With --kind npy or safetensors: the target array's name, as
+    /// data.target_array [default: y].
+    #[arg(long, requires = "from")]
+    target_array: Option<String>,
     /// With --kind image_folder: each image's HEIGHTxWIDTH [default: 28x28].
     #[arg(long, requires = "from", value_name = "HxW")]
     image_size: Option<String>,

@@ -73,6 +73,7 @@ mod rng;
 mod sampler;
 mod sharded;
 mod store;
+mod store_index;
 mod subset;
 mod table;
 mod tensor_files;
@@ -92,8 +93,8 @@ pub use moving::{GarmentPath, MovingConfig, MovingFashionMnist};
 pub use sampler::ShuffleMode;
 pub use sharded::{CacheStats, ShardCacheConfig, ShardedDataset, PLAN_WAIT};
 pub use store::{
-    preprocess, write_synthetic_store, ParseShardSizeError, ShardSize, StoreSummary,
-    SyntheticDataset, INDEX_FILE,
+    preprocess, preprocess_from, write_synthetic_store, ParseShardSizeError, ShardSize,
+    StoreSource, StoreSummary, SyntheticDataset, INDEX_FILE,
 };
 pub use subset::{split_off, Subset};
 pub use table::{CsvTable, TableConfig, TableScale, TableTarget};

@@ -36,8 +36,8 @@ use crossbeam_channel::{Receiver, Sender};
 use serde::{Deserialize, Serialize};
 
 use crate::dataset::{MemoryUsage, ShardLayout};
-use crate::store::{self, ShardMeta, StoreIndex};
-use crate::{Dataset, LoaderError};
+use crate::store::{self, ShardMeta, StoreIndex, StoreSource};
+use crate::{Dataset, LoaderError, SampleKind, TableScale};
 
 /// The longest a read waits for other readers to finish with a shard it
 /// would otherwise evict, before it treats the order hint as stale.
@@ -276,7 +276,7 @@ impl ShardedDataset {
             let top: u64 = sizes.iter().take(config.max_cache_shards).sum();
             (capacity, config.cache_bytes.map_or(top, |b| b.min(top)))
         };
-        let sample_len = index.shape.iter().product();
+        let sample_len = index.record_len();
         let read_ahead = config.read_ahead > 0 && !config.full_load && n > 0;
         let (wake, wake_rx) = if read_ahead {
             let (tx, rx) = crossbeam_channel::bounded(1);
@@ -338,6 +338,35 @@ impl ShardedDataset {
             "shard store opened"
         );
         Ok(Self { inner, read_ahead })
+    }
+
+    /// The element type, numeric targets and source that the store at
+    /// `dir` records, reading its index only (a few bytes per shard).
+    pub fn read_kind(dir: &Path) -> Result<(SampleKind, StoreSource), LoaderError> {
+        let index = StoreIndex::read(dir)?;
+        Ok((index.kind, index.source))
+    }
+
+    /// The store's format version: 1 for u8 images with class labels, 2
+    /// for typed samples.
+    pub fn format_version(&self) -> u32 {
+        self.inner.index.version
+    }
+
+    /// What the samples were made from (empty for a version-1 store).
+    pub fn source(&self) -> &StoreSource {
+        &self.inner.index.source
+    }
+
+    /// A store made from a table: the standardisation its features and
+    /// numeric targets were stored with (the training table's), as a
+    /// direct CSV run records it.
+    pub fn table_scale(&self) -> Option<TableScale> {
+        let index = &self.inner.index;
+        (index.source.kind == "csv").then(|| TableScale {
+            features: index.source.feature_scale.clone(),
+            values: index.kind.value_scale.clone(),
+        })
     }
 
     /// The store directory.
@@ -433,6 +462,10 @@ impl Dataset for ShardedDataset {
         self.inner.index.num_classes
     }
 
+    fn sample_kind(&self) -> SampleKind {
+        self.inner.index.kind.clone()
+    }
+
     /// The index's shape, classes and every shard's sample count, size and
     /// checksum: a shard rewritten with other content has another checksum
     /// (checked again as it is read), so no shard need be read here.
@@ -443,6 +476,8 @@ impl Dataset for ShardedDataset {
             digest.update(&(side as u64).to_le_bytes());
         }
         digest.update(&(index.num_classes as u64).to_le_bytes());
+        // Empty for a version-1 store, whose fingerprint stays what it was.
+        digest.update(&index.kind_bytes);
         for shard in &index.shards {
             digest.update(&shard.count.to_le_bytes());
             digest.update(&shard.bytes.to_le_bytes());
@@ -912,10 +947,11 @@ impl Inner {
             return Err("bad magic: not a headroom shard file (corrupt)".into());
         }
         let version = u32_at(8);
-        if version != store::VERSION {
+        if version != self.index.version {
             return Err(format!(
-                "format version {version}; this build reads version {}",
-                store::VERSION
+                "format version {version}, but the index is version {} (the shard does not \
+                 belong to this store; re-run preprocess)",
+                self.index.version
             ));
         }
         let stored = u32_at(12);
@@ -952,6 +988,13 @@ impl Inner {
                 u64_at(24),
                 self.starts[k],
                 self.index.shape
+            ));
+        }
+        if version == store::VERSION_TYPED && u32_at(44) as usize != self.sample_len {
+            return Err(format!(
+                "header says {}-byte records, the index {}-byte ones",
+                u32_at(44),
+                self.sample_len
             ));
         }
         for i in 0..=count {

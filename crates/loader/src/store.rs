@@ -43,6 +43,12 @@
 //! The index maps sample id -> shard through the cumulative counts and
 //! costs 16 bytes per shard: well under a byte per sample.
 //!
+//! That is format version 1, which u8 images with class labels are still
+//! written in. Typed samples (f32 features, numeric targets: a table or
+//! tensor files) are written in format version 2, which adds a kind block
+//! to the index and whole records to the shards; see
+//! [`crate::store_index`].
+//!
 //! [`preprocess`] writes a store atomically: into a temporary sibling
 //! directory, fsynced, then renamed into place (on Linux an existing store
 //! is swapped out with one `renameat2(RENAME_EXCHANGE)`), so the output path
@@ -54,12 +60,11 @@ use std::io::{self, BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-use crate::error::{format_err, io_err};
-use crate::{Dataset, LoaderError};
+use crate::error::io_err;
+use crate::{Dataset, Element, LoaderError, SampleKind};
 
 pub(crate) const SHARD_MAGIC: &[u8; 8] = b"HDRMSHRD";
 pub(crate) const INDEX_MAGIC: &[u8; 8] = b"HDRMINDX";
-pub(crate) const VERSION: u32 = 1;
 pub(crate) const SHARD_HEADER: usize = 48;
 pub(crate) const INDEX_HEADER: usize = 40;
 pub(crate) const INDEX_ENTRY: usize = 16;
@@ -194,7 +199,7 @@ impl FromStr for ShardSize {
 }
 
 /// What [`preprocess`] wrote.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct StoreSummary {
     /// The store directory.
     pub path: PathBuf,
@@ -212,6 +217,10 @@ pub struct StoreSummary {
     pub sample_shape: [usize; 3],
     /// Number of classes.
     pub num_classes: usize,
+    /// The store's format version (1: u8 images, 2: typed samples).
+    pub version: u32,
+    /// The samples' element type and numeric targets.
+    pub kind: SampleKind,
 }
 
 impl StoreSummary {
@@ -227,14 +236,18 @@ impl StoreSummary {
 
 impl fmt::Display for StoreSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = match (self.kind.element, self.kind.values) {
+            (Element::U8, 0) => format!("{} classes", self.num_classes),
+            (element, 0) => format!("{element:?}, {} classes", self.num_classes),
+            (element, values) => format!("{element:?}, {values} numeric targets"),
+        };
         write!(
             f,
-            "{}: {} samples of {:?} ({} classes) in {} shards of up to {} samples; \
+            "{}: {} samples of {:?} ({what}) in {} shards of up to {} samples; \
              {} bytes in all, index {} bytes ({:.3} bytes per sample)",
             self.path.display(),
             self.samples,
             self.sample_shape,
-            self.num_classes,
             self.shards,
             self.samples_per_shard,
             self.total_bytes,
@@ -244,182 +257,11 @@ impl fmt::Display for StoreSummary {
     }
 }
 
-/// One shard as the index describes it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct ShardMeta {
-    pub count: u32,
-    pub bytes: u64,
-    pub crc: u32,
-}
-
-/// The parsed index of a store.
-#[derive(Clone, Debug)]
-pub(crate) struct StoreIndex {
-    pub shape: [usize; 3],
-    pub num_classes: usize,
-    pub total: u64,
-    pub shards: Vec<ShardMeta>,
-    pub file_bytes: u64,
-}
-
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
-}
-
-/// Bytes of a shard's header and tables for `count` samples.
-pub(crate) fn shard_head_len(count: usize) -> usize {
-    SHARD_HEADER + 8 * (count + 1) + 4 * count
-}
-
-/// The CRC-32 of a shard file: every byte but the checksum field.
-pub(crate) fn shard_crc(bytes: &[u8]) -> u32 {
-    let mut h = crc32fast::Hasher::new();
-    h.update(&bytes[..12]);
-    h.update(&bytes[16..]);
-    h.finalize()
-}
-
-impl StoreIndex {
-    /// Reads and checks `dir/index.bin`.
-    pub(crate) fn read(dir: &Path) -> Result<Self, LoaderError> {
-        let path = dir.join(INDEX_FILE);
-        let bytes = match fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(LoaderError::Missing {
-                    what: format!(
-                        "shard store index in {} (create the store with preprocess)",
-                        dir.display()
-                    ),
-                    tried: vec![path],
-                })
-            }
-            Err(e) => return Err(io_err(&path)(e)),
-        };
-        Self::parse(&bytes, &path)
-    }
-
-    fn parse(b: &[u8], path: &Path) -> Result<Self, LoaderError> {
-        if b.len() < INDEX_HEADER + 4 {
-            return Err(format_err(
-                path,
-                format!("{} bytes is shorter than a shard store index", b.len()),
-            ));
-        }
-        if &b[..8] != INDEX_MAGIC {
-            return Err(format_err(
-                path,
-                "bad magic: not a headroom shard store index".into(),
-            ));
-        }
-        let version = u32_at(b, 8);
-        if version != VERSION {
-            return Err(format_err(
-                path,
-                format!("format version {version}; this build reads version {VERSION}"),
-            ));
-        }
-        let n = u32_at(b, 36) as usize;
-        let want = INDEX_HEADER + INDEX_ENTRY * n + 4;
-        if b.len() != want {
-            return Err(format_err(
-                path,
-                format!(
-                    "{} bytes, but an index of {n} shards has {want} ({} file)",
-                    b.len(),
-                    if b.len() < want {
-                        "truncated"
-                    } else {
-                        "overlong"
-                    }
-                ),
-            ));
-        }
-        let stored = u32_at(b, want - 4);
-        let computed = crc32fast::hash(&b[..want - 4]);
-        if stored != computed {
-            return Err(format_err(
-                path,
-                format!(
-                    "checksum mismatch: stored 0x{stored:08x}, contents hash to \
-                     0x{computed:08x} (corrupt index)"
-                ),
-            ));
-        }
-        let shape = [
-            u32_at(b, 12) as usize,
-            u32_at(b, 16) as usize,
-            u32_at(b, 20) as usize,
-        ];
-        let num_classes = u32_at(b, 24) as usize;
-        let total = u64_at(b, 28);
-        let shards: Vec<ShardMeta> = (0..n)
-            .map(|k| {
-                let at = INDEX_HEADER + INDEX_ENTRY * k;
-                ShardMeta {
-                    count: u32_at(b, at),
-                    bytes: u64_at(b, at + 4),
-                    crc: u32_at(b, at + 12),
-                }
-            })
-            .collect();
-        let sum: u64 = shards.iter().map(|s| u64::from(s.count)).sum();
-        if sum != total {
-            return Err(format_err(
-                path,
-                format!("the shards hold {sum} samples but the index says {total}"),
-            ));
-        }
-        let sample_len = shape.iter().product::<usize>();
-        if sample_len == 0 {
-            return Err(format_err(path, format!("sample shape {shape:?} is empty")));
-        }
-        for (k, s) in shards.iter().enumerate() {
-            let want = (shard_head_len(s.count as usize) + s.count as usize * sample_len) as u64;
-            if s.count == 0 || s.bytes != want {
-                return Err(format_err(
-                    path,
-                    format!(
-                        "shard {k}: {} samples in {} bytes is inconsistent (expected {want})",
-                        s.count, s.bytes
-                    ),
-                ));
-            }
-        }
-        Ok(StoreIndex {
-            shape,
-            num_classes,
-            total,
-            shards,
-            file_bytes: b.len() as u64,
-        })
-    }
-
-    fn to_bytes(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(INDEX_HEADER + INDEX_ENTRY * self.shards.len() + 4);
-        b.extend_from_slice(INDEX_MAGIC);
-        b.extend_from_slice(&VERSION.to_le_bytes());
-        for d in self.shape {
-            b.extend_from_slice(&(d as u32).to_le_bytes());
-        }
-        b.extend_from_slice(&(self.num_classes as u32).to_le_bytes());
-        b.extend_from_slice(&self.total.to_le_bytes());
-        b.extend_from_slice(&(self.shards.len() as u32).to_le_bytes());
-        debug_assert_eq!(b.len(), INDEX_HEADER);
-        for s in &self.shards {
-            b.extend_from_slice(&s.count.to_le_bytes());
-            b.extend_from_slice(&s.bytes.to_le_bytes());
-            b.extend_from_slice(&s.crc.to_le_bytes());
-        }
-        let crc = crc32fast::hash(&b);
-        b.extend_from_slice(&crc.to_le_bytes());
-        b
-    }
-}
+pub use crate::store_index::StoreSource;
+pub(crate) use crate::store_index::{
+    encode_kind, shard_crc, shard_head_len, version_for, ShardMeta, StoreIndex, VERSION_IMAGES,
+    VERSION_TYPED,
+};
 
 /// What is at the output path.
 enum Existing {
@@ -594,11 +436,34 @@ pub fn preprocess(
     shard_size: ShardSize,
     overwrite: bool,
 ) -> Result<StoreSummary, LoaderError> {
+    preprocess_from(
+        source,
+        &StoreSource::default(),
+        output,
+        shard_size,
+        overwrite,
+    )
+}
+
+/// [`preprocess`], recording what the samples were made from
+/// (`store_source`: a table's columns and standardisation, a tensor
+/// file's arrays) in the index. Samples of the default kind with nothing
+/// recorded are written in format version 1, byte for byte as before;
+/// anything else in format version 2.
+pub fn preprocess_from(
+    source: &dyn Dataset,
+    store_source: &StoreSource,
+    output: &Path,
+    shard_size: ShardSize,
+    overwrite: bool,
+) -> Result<StoreSummary, LoaderError> {
     let shape = source.sample_shape();
-    let sample_len = shape
-        .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .filter(|&n| n > 0 && shape.iter().all(|&d| u32::try_from(d).is_ok()))
+    let kind = source.sample_kind();
+    let version = version_for(&kind, store_source);
+    let sample_len = kind
+        .record_len(shape)
+        .filter(|&n| n > 0 && shape.iter().all(|&d| d > 0 && u32::try_from(d).is_ok()))
+        .filter(|&n| u32::try_from(n).is_ok() || version == VERSION_IMAGES)
         .ok_or_else(|| LoaderError::Config {
             field: "dataset",
             message: format!("sample shape {shape:?} (h, w, c) must be non-zero and fit in u32"),
@@ -653,22 +518,33 @@ pub fn preprocess(
         shards.push(write_shard(
             source,
             &path,
-            k,
-            first,
-            count,
-            shape,
-            num_classes,
+            ShardPlan {
+                k,
+                first,
+                count,
+                shape,
+                num_classes,
+                version,
+            },
             &mut buf,
         )?);
         tracing::debug!(shard = k, samples = count, "shard written");
         first += count;
     }
+    let kind_bytes = match version {
+        VERSION_TYPED => encode_kind(&kind, store_source),
+        _ => Vec::new(),
+    };
     let index = StoreIndex {
+        version,
         shape,
         num_classes,
         total: len as u64,
         shards,
         file_bytes: 0,
+        kind,
+        source: store_source.clone(),
+        kind_bytes,
     };
     let bytes = index.to_bytes();
     let index_path = tmp.join(INDEX_FILE);
@@ -692,6 +568,8 @@ pub fn preprocess(
         total_bytes: bytes.len() as u64 + index.shards.iter().map(|s| s.bytes).sum::<u64>(),
         sample_shape: shape,
         num_classes,
+        version,
+        kind: index.kind.clone(),
     };
     tracing::info!("{summary}");
     Ok(summary)
@@ -733,17 +611,30 @@ fn install(tmp: &Path, output: &Path, existing: Existing) -> Result<(), LoaderEr
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn write_shard(
-    source: &dyn Dataset,
-    path: &Path,
+/// Which samples one shard holds, and how they are written.
+struct ShardPlan {
     k: usize,
     first: usize,
     count: usize,
     shape: [usize; 3],
     num_classes: usize,
+    version: u32,
+}
+
+fn write_shard(
+    source: &dyn Dataset,
+    path: &Path,
+    plan: ShardPlan,
     buf: &mut [u8],
 ) -> Result<ShardMeta, LoaderError> {
+    let ShardPlan {
+        k,
+        first,
+        count,
+        shape,
+        num_classes,
+        version,
+    } = plan;
     let sample_len = buf.len();
     let head_len = shard_head_len(count);
     let file = File::create(path).map_err(io_err(path))?;
@@ -770,7 +661,7 @@ fn write_shard(
 
     let mut head = Vec::with_capacity(head_len);
     head.extend_from_slice(SHARD_MAGIC);
-    head.extend_from_slice(&VERSION.to_le_bytes());
+    head.extend_from_slice(&version.to_le_bytes());
     head.extend_from_slice(&0u32.to_le_bytes()); // checksum, below
     head.extend_from_slice(&(k as u32).to_le_bytes());
     head.extend_from_slice(&(count as u32).to_le_bytes());
@@ -778,7 +669,13 @@ fn write_shard(
     for d in shape {
         head.extend_from_slice(&(d as u32).to_le_bytes());
     }
-    head.extend_from_slice(&0u32.to_le_bytes());
+    // Version 1 reserves this field (0); version 2 keeps the record length
+    // there, so a shard says how its samples are cut without its index.
+    let reserved = match version {
+        VERSION_TYPED => sample_len as u32,
+        _ => 0,
+    };
+    head.extend_from_slice(&reserved.to_le_bytes());
     debug_assert_eq!(head.len(), SHARD_HEADER);
     for i in 0..=count {
         head.extend_from_slice(&((i * sample_len) as u64).to_le_bytes());

@@ -59,6 +59,15 @@ pub fn open_splits(
                 (Arc::new(train), Arc::new(test));
             (train, test, Some(names))
         }
+        DataFormat::Shards => {
+            let (train, test) = open_stores(config)?;
+            // A store made from a table records its standardisation, as a
+            // CSV run does.
+            scale = crate::tables::check_store(config, classes, &train, &test)?;
+            let (train, test): (Arc<dyn Dataset>, Arc<dyn Dataset>) =
+                (Arc::new(train), Arc::new(test));
+            (train, test, store_classes(config)?)
+        }
         _ => {
             let (train, test) = open_unchecked(config, allow_install)?;
             (train, test, store_classes(config)?)
@@ -116,25 +125,8 @@ fn open_unchecked(
         return Ok((Arc::new(train), Arc::new(test)));
     }
     if config.data.format == DataFormat::Shards {
-        let root = config.data.dir.as_deref().ok_or_else(|| {
-            PipelineError::value(
-                "data.dir",
-                "data.format = \"shards\" needs the store's directory",
-            )
-        })?;
-        let cache = shard_cache(config)?;
-        let open = |split: &str| -> Result<Arc<dyn Dataset>> {
-            let dir = root.join(split);
-            let store = ShardedDataset::open(&dir, cache)?;
-            tracing::info!(
-                "{split} shards from {}: {} shards, index {} bytes read at open",
-                dir.display(),
-                store.shard_count(),
-                store.index_bytes()
-            );
-            Ok(Arc::new(store))
-        };
-        return Ok((open("train")?, open("test")?));
+        let (train, test) = open_stores(config)?;
+        return Ok((Arc::new(train), Arc::new(test)));
     }
     let dir = locate_fashion_mnist(config.data.dir.as_deref(), allow_install)?;
     tracing::info!("Fashion-MNIST from {}", dir.display());
@@ -155,6 +147,29 @@ fn open_unchecked(
             config.data.test_samples,
         ),
     ))
+}
+
+/// `data.dir`'s train/ and test/ shard stores (`data.format = "shards"`).
+fn open_stores(config: &ExperimentConfig) -> Result<(ShardedDataset, ShardedDataset)> {
+    let root = config.data.dir.as_deref().ok_or_else(|| {
+        PipelineError::value(
+            "data.dir",
+            "data.format = \"shards\" needs the store's directory",
+        )
+    })?;
+    let cache = shard_cache(config)?;
+    let open = |split: &str| -> Result<ShardedDataset> {
+        let dir = root.join(split);
+        let store = ShardedDataset::open(&dir, cache)?;
+        tracing::info!(
+            "{split} shards from {}: {} shards, index {} bytes read at open",
+            dir.display(),
+            store.shard_count(),
+            store.index_bytes()
+        );
+        Ok(store)
+    };
+    Ok((open("train")?, open("test")?))
 }
 
 /// `data.dir`'s train/ and test/ image folders, which must hold the same

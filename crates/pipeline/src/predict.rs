@@ -7,7 +7,9 @@
 //! were (`data.image_size`, `data.channels`, `data.fit` for an image folder;
 //! `model.input` otherwise); a CSV for a table, its features standardised
 //! with the statistics the run recorded in `dataset.json`; `.npz`,
-//! `.safetensors` or `.npy` inputs for tensor files. The output is one row
+//! `.safetensors` or `.npy` inputs for tensor files, and for a store what
+//! its source was (its index names a table's columns or a tensor file's
+//! arrays). The output is one row
 //! per input: a classifier's class (named where the run recorded names) and
 //! every class's probability, or a regression's values in the targets' own
 //! units. Runs on the CPU, a batch at a time.
@@ -18,7 +20,8 @@ use std::sync::Arc;
 
 use headroom_loader::{
     CsvTable, DataLoader, Dataset, ImageFiles, ImageFit, ImageFolderConfig, LoaderConfig,
-    TableConfig, TableScale, TableTarget, TensorFiles,
+    ShardedDataset, StoreSource, TableConfig, TableScale, TableTarget, TensorFiles,
+    TensorFilesConfig,
 };
 
 use crate::config::{DataFormat, ExperimentConfig};
@@ -156,47 +159,70 @@ fn open_inputs(config: &ExperimentConfig, run_dir: &Path, input: &Path) -> Resul
             target_names: Vec::new(),
         })
     };
-    match config.data.format {
-        DataFormat::Csv => {
-            let identity = data::recorded_identity(run_dir)?;
-            let scale = identity.scale.ok_or_else(|| {
-                PipelineError::BadData(format!(
-                    "{}: the run recorded no standardisation for its table",
-                    run_dir.join("dataset.json").display()
-                ))
-            })?;
-            let targets = config.data.targets.clone().unwrap_or_default();
-            let mut table = CsvTable::open(
-                input,
-                &TableConfig {
-                    targets: targets.clone(),
-                    features: config.data.features.clone().unwrap_or_default(),
-                    target: TableTarget::Absent,
-                },
-            )?;
-            let expected = scale.features.len();
-            if table.feature_names().len() != expected {
-                return Err(PipelineError::BadData(format!(
-                    "{}: {} feature columns ({}), and the model was trained on {expected}",
-                    input.display(),
-                    table.feature_names().len(),
-                    table.feature_names().join(", ")
-                )));
-            }
-            table.standardize(&TableScale {
-                features: scale.features.clone(),
-                values: Vec::new(),
-            })?;
-            let sources = table.lines().iter().map(|l| format!("line {l}")).collect();
-            let mut inputs = checked(Arc::new(table), sources)?;
-            inputs.value_scale = scale.values;
-            inputs.target_names = targets;
-            Ok(inputs)
+    let table = |targets: Vec<String>, features: Vec<String>| -> Result<Inputs> {
+        let identity = data::recorded_identity(run_dir)?;
+        let scale = identity.scale.ok_or_else(|| {
+            PipelineError::BadData(format!(
+                "{}: the run recorded no standardisation for its table",
+                run_dir.join("dataset.json").display()
+            ))
+        })?;
+        let mut table = CsvTable::open(
+            input,
+            &TableConfig {
+                targets: targets.clone(),
+                features,
+                target: TableTarget::Absent,
+            },
+        )?;
+        let expected = scale.features.len();
+        if table.feature_names().len() != expected {
+            return Err(PipelineError::BadData(format!(
+                "{}: {} feature columns ({}), and the model was trained on {expected}",
+                input.display(),
+                table.feature_names().len(),
+                table.feature_names().join(", ")
+            )));
         }
-        DataFormat::Tensors => {
-            let files = TensorFiles::open_inputs(input, config.tensor_files_config())?;
-            let sources = files.row_names();
-            checked(Arc::new(files), sources)
+        table.standardize(&TableScale {
+            features: scale.features.clone(),
+            values: Vec::new(),
+        })?;
+        let sources = table.lines().iter().map(|l| format!("line {l}")).collect();
+        let mut inputs = checked(Arc::new(table), sources)?;
+        inputs.value_scale = scale.values;
+        inputs.target_names = targets;
+        Ok(inputs)
+    };
+    let tensors = |files: TensorFilesConfig| -> Result<Inputs> {
+        let files = TensorFiles::open_inputs(input, files)?;
+        let sources = files.row_names();
+        checked(Arc::new(files), sources)
+    };
+    let store = match config.data.format {
+        DataFormat::Shards => store_source(config, run_dir)?,
+        _ => StoreSource::default(),
+    };
+    match config.data.format {
+        DataFormat::Csv => table(
+            config.data.targets.clone().unwrap_or_default(),
+            config.data.features.clone().unwrap_or_default(),
+        ),
+        DataFormat::Tensors => tensors(config.tensor_files_config()),
+        // A store made from a table or tensor files scores what its source
+        // held, with the columns or arrays its index names.
+        DataFormat::Shards if store.kind == "csv" => table(store.targets, store.inputs),
+        DataFormat::Shards if store.kind == "tensors" => {
+            let defaults = TensorFilesConfig::default();
+            let name =
+                |names: &[String], default: String| names.first().cloned().unwrap_or(default);
+            let mut inputs = tensors(TensorFilesConfig {
+                input: name(&store.inputs, defaults.input),
+                target: name(&store.targets, defaults.target),
+                ..defaults
+            })?;
+            inputs.value_scale = store_value_scale(config)?;
+            Ok(inputs)
         }
         DataFormat::ImageFolder | DataFormat::Idx | DataFormat::Shards => {
             let images = match config.data.format {
@@ -221,6 +247,36 @@ fn open_inputs(config: &ExperimentConfig, run_dir: &Path, input: &Path) -> Resul
             "data.format",
             format!("predict reads images, a CSV or tensor files; this run's data is \"{other}\""),
         )),
+    }
+}
+
+/// What the run's store (`data.dir/train`) was made from. A store that is
+/// gone is taken for images (a store of images needs nothing from it),
+/// unless the run recorded a table's standardisation: then the store's
+/// column names are needed, and its absence is the error.
+fn store_source(config: &ExperimentConfig, run_dir: &Path) -> Result<StoreSource> {
+    let Some(dir) = config.data.dir.as_deref() else {
+        return Ok(StoreSource::default());
+    };
+    let train = dir.join("train");
+    match ShardedDataset::read_kind(&train) {
+        Ok((_, source)) => Ok(source),
+        Err(e) => match data::recorded_identity(run_dir).map(|i| i.scale.is_some()) {
+            Ok(true) => Err(PipelineError::BadData(format!(
+                "this run trained on a store made from a table, whose index names the \
+                 feature columns to read: {e}"
+            ))),
+            _ => Ok(StoreSource::default()),
+        },
+    }
+}
+
+/// The numeric targets' scale of the run's store (`data.dir/train`), to
+/// undo on predicted values.
+fn store_value_scale(config: &ExperimentConfig) -> Result<Vec<(f32, f32)>> {
+    match config.data.dir.as_deref() {
+        Some(dir) => Ok(ShardedDataset::read_kind(&dir.join("train"))?.0.value_scale),
+        None => Ok(Vec::new()),
     }
 }
 

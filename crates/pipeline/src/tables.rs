@@ -12,7 +12,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use headroom_loader::{CsvTable, Dataset, TableScale, TensorFiles};
+use headroom_loader::{
+    CsvTable, Dataset, Element, SampleKind, ShardedDataset, TableConfig, TableScale, TensorFiles,
+};
 
 use crate::config::ExperimentConfig;
 use crate::{PipelineError, Result};
@@ -27,33 +29,45 @@ pub struct Tables {
     pub scale: TableScale,
 }
 
-/// Opens `data.dir/train.csv` and `data.dir/test.csv` for `config`, whose
-/// model has `outputs` outputs.
-pub fn open_splits(config: &ExperimentConfig, outputs: usize) -> Result<Tables> {
-    let root = config.data.dir.as_deref().ok_or_else(|| {
-        PipelineError::value(
-            "data.dir",
-            "data.format = \"csv\" needs the folder holding train.csv and test.csv",
-        )
-    })?;
+/// A folder's train.csv and test.csv, standardised with the training
+/// table's statistics: what a CSV run trains on and what `cargo xtask
+/// preprocess --kind csv` packs into a store.
+pub struct TablePair {
+    pub train: CsvTable,
+    pub test: CsvTable,
+    pub train_path: std::path::PathBuf,
+    /// A classifier's class names by id; None for a regression.
+    pub classes: Option<Vec<String>>,
+    pub scale: TableScale,
+}
+
+/// Reads `root/train.csv` and `root/test.csv` with the columns `table`
+/// names (`table(None)` for the training table, `table(Some(classes))` for
+/// the test table, which takes the training table's classes) and
+/// standardises both with the training table's statistics. `key` names the
+/// setting that gave `root`, for errors.
+pub fn open_table_pair(
+    root: &Path,
+    key: &str,
+    table: impl Fn(Option<Vec<String>>) -> TableConfig,
+) -> Result<TablePair> {
     let path = |name: &str| {
         let path = root.join(name);
         match crate::paths::problem(&path, crate::paths::Want::File) {
             None => Ok(path),
             Some(reason) => Err(PipelineError::value(
-                "data.dir",
+                key,
                 format!(
-                    "{} {reason}: data.format = \"csv\" reads train.csv and test.csv from \
-                     data.dir",
+                    "{} {reason}: a table is read from train.csv and test.csv in {key}",
                     path.display()
                 ),
             )),
         }
     };
     let (train_path, test_path) = (path("train.csv")?, path("test.csv")?);
-    let mut train = CsvTable::open(&train_path, &config.table_config(None))?;
+    let mut train = CsvTable::open(&train_path, &table(None))?;
     let known = (!train.classes().is_empty()).then(|| train.classes().to_vec());
-    let mut test = CsvTable::open(&test_path, &config.table_config(known.clone()))?;
+    let mut test = CsvTable::open(&test_path, &table(known.clone()))?;
     if test.feature_names() != train.feature_names() {
         return Err(PipelineError::BadData(format!(
             "{} and {} must hold the same feature columns: train has {:?}, test has {:?}",
@@ -63,10 +77,35 @@ pub fn open_splits(config: &ExperimentConfig, outputs: usize) -> Result<Tables> 
             test.feature_names()
         )));
     }
-    check_model(config, &train, &train_path, outputs)?;
     let scale = train.scale();
     train.standardize(&scale)?;
     test.standardize(&scale)?;
+    Ok(TablePair {
+        train,
+        test,
+        train_path,
+        classes: known,
+        scale,
+    })
+}
+
+/// Opens `data.dir/train.csv` and `data.dir/test.csv` for `config`, whose
+/// model has `outputs` outputs.
+pub fn open_splits(config: &ExperimentConfig, outputs: usize) -> Result<Tables> {
+    let root = config.data.dir.as_deref().ok_or_else(|| {
+        PipelineError::value(
+            "data.dir",
+            "data.format = \"csv\" needs the folder holding train.csv and test.csv",
+        )
+    })?;
+    let TablePair {
+        train,
+        test,
+        train_path,
+        classes: known,
+        scale,
+    } = open_table_pair(root, "data.dir", |classes| config.table_config(classes))?;
+    check_model(config, &train, &train_path, outputs)?;
     tracing::info!(
         "table from {}: {} training and {} test rows, {} features, {}",
         root.display(),
@@ -152,59 +191,8 @@ pub fn open_tensor_files(
         Ok(TensorFiles::open(&path, config.tensor_files_config())?)
     };
     let (train, test) = (open("train")?, open("test")?);
-    for (name, split) in [("train", &train), ("test", &test)] {
-        let (kind, shape) = (split.sample_kind(), split.sample_shape());
-        if shape != config.model.input {
-            return Err(PipelineError::value(
-                "model.input",
-                format!(
-                    "{:?}, but the samples in {} are {shape:?} (h, w, c): set model.input = {shape:?}",
-                    config.model.input,
-                    split.root().display()
-                ),
-            ));
-        }
-        let regression = config.train.loss.is_regression();
-        if regression != (kind.values > 0) {
-            let what = if kind.values > 0 {
-                "float (numeric)"
-            } else {
-                "integer (class id)"
-            };
-            return Err(PipelineError::value(
-                "train.loss",
-                format!(
-                    "{} holds {what} targets, which train.loss = \"{}\" does not score: use \
-                     \"mse\" or \"huber\" for float targets, \"cross_entropy\" for class ids",
-                    split.root().display(),
-                    if regression {
-                        "mse/huber"
-                    } else {
-                        "cross_entropy/focal"
-                    }
-                ),
-            ));
-        }
-        let wanted = if regression {
-            kind.values
-        } else {
-            split.num_classes()
-        };
-        if (regression && outputs != wanted) || (!regression && outputs < wanted) {
-            return Err(PipelineError::value(
-                "model.layers",
-                format!(
-                    "the model has {outputs} outputs, but {name} in {} has {wanted} {}: set \
-                     the last linear layer's out = {wanted}",
-                    root.display(),
-                    if regression {
-                        "numeric targets"
-                    } else {
-                        "classes (ids up to the largest)"
-                    }
-                ),
-            ));
-        }
+    for split in [&train, &test] {
+        check_typed(config, split, split.root(), outputs)?;
     }
     tracing::info!(
         "tensor files from {}: {} training rows in {} files, {} test rows in {} files, each \
@@ -219,4 +207,126 @@ pub fn open_tensor_files(
         config.loader.max_cache_shards.max(1)
     );
     Ok((Arc::new(train), Arc::new(test)))
+}
+
+/// A split of typed samples (tensor files, or a store made from a table or
+/// tensor files) that `config`'s model, with `outputs` outputs, reads and
+/// `train.loss` scores: an error naming `place` otherwise.
+fn check_typed(
+    config: &ExperimentConfig,
+    split: &dyn Dataset,
+    place: &Path,
+    outputs: usize,
+) -> Result<()> {
+    let (kind, shape) = (split.sample_kind(), split.sample_shape());
+    if shape != config.model.input {
+        return Err(PipelineError::value(
+            "model.input",
+            format!(
+                "{:?}, but the samples in {} are {shape:?} (h, w, c): set model.input = {shape:?}",
+                config.model.input,
+                place.display()
+            ),
+        ));
+    }
+    let regression = config.train.loss.is_regression();
+    if regression != (kind.values > 0) {
+        let what = if kind.values > 0 {
+            "float (numeric)"
+        } else {
+            "integer (class id)"
+        };
+        return Err(PipelineError::value(
+            "train.loss",
+            format!(
+                "{} holds {what} targets, which train.loss = \"{}\" does not score: use \
+                 \"mse\" or \"huber\" for float targets, \"cross_entropy\" for class ids",
+                place.display(),
+                if regression {
+                    "mse/huber"
+                } else {
+                    "cross_entropy/focal"
+                }
+            ),
+        ));
+    }
+    let wanted = if regression {
+        kind.values
+    } else {
+        split.num_classes()
+    };
+    if (regression && outputs != wanted) || (!regression && outputs < wanted) {
+        return Err(PipelineError::value(
+            "model.layers",
+            format!(
+                "the model has {outputs} outputs, but {} has {wanted} {}: set the last linear \
+                 layer's out = {wanted}",
+                place.display(),
+                if regression {
+                    "numeric targets"
+                } else {
+                    "classes (ids up to the largest)"
+                }
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A shard store's splits, checked as their source's would be where they
+/// hold typed samples (a store made from a table or tensor files); returns
+/// a table's standardisation, which the run records as a CSV run does. A
+/// store of u8 images with class labels is left as it always was.
+pub fn check_store(
+    config: &ExperimentConfig,
+    outputs: usize,
+    train: &ShardedDataset,
+    test: &ShardedDataset,
+) -> Result<Option<TableScale>> {
+    let typed = |s: &ShardedDataset| s.sample_kind() != SampleKind::default();
+    if !typed(train) && !typed(test) {
+        return Ok(None);
+    }
+    if train.sample_kind() != test.sample_kind() || train.source() != test.source() {
+        return Err(PipelineError::BadData(format!(
+            "{} and {} hold different kinds of samples ({:?} from {:?}, {:?} from {:?}): \
+             preprocess both from one source",
+            train.dir().display(),
+            test.dir().display(),
+            train.sample_kind(),
+            train.source().kind,
+            test.sample_kind(),
+            test.source().kind
+        )));
+    }
+    for split in [train, test] {
+        check_typed(config, split, split.dir(), outputs)?;
+    }
+    if train.sample_kind().element == Element::F32
+        && config.device.kind == crate::device::DeviceKind::Cuda
+    {
+        return Err(PipelineError::value(
+            "device.kind",
+            format!(
+                "\"cuda\", but {} holds f32 features, which train on the CPU for now (the GPU \
+                 learner reads u8 images and token ids): set device.kind = \"cpu\" or \"auto\"",
+                train.dir().display()
+            ),
+        ));
+    }
+    tracing::info!(
+        "typed store from {}: {} training and {} test samples of {:?} ({:?}, {} numeric \
+         targets), made from {}",
+        train.dir().display(),
+        train.len(),
+        test.len(),
+        train.sample_shape(),
+        train.sample_kind().element,
+        train.sample_kind().values,
+        match train.source().kind.as_str() {
+            "" => "an unnamed source",
+            kind => kind,
+        }
+    );
+    Ok(train.table_scale())
 }

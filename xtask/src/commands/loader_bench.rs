@@ -1,13 +1,16 @@
 //! `cargo xtask bench --loader`: augmented samples/s from a shard store with
 //! a cache of 1 and 2 shards and fully loaded, and from IDX in memory; each in
 //! its own process for its own peak RSS; with `--compare-torch`, PyTorch's
-//! DataLoader on the same data and augmentations, and the ratio.
+//! DataLoader on the same data and augmentations, and the ratio. The hidden
+//! `bench-loader-one --mode csv` times CSV ingest beside pandas' read_csv.
 
 use std::path::Path;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
-use headroom_loader::{preprocess, IdxDataset, ShardCacheConfig, ShardSize, Split};
+use headroom_loader::{
+    preprocess, CsvTable, IdxDataset, ShardCacheConfig, ShardSize, Split, TableConfig, TableTarget,
+};
 use headroom_pipeline::bench::{self, StoreBench};
 use headroom_pipeline::{data, ExperimentConfig};
 use serde::Deserialize;
@@ -20,9 +23,123 @@ pub fn one_command(args: BenchLoaderOneCommand) -> Result<()> {
         config,
         store,
         mode,
+        rows,
     } = args;
+    if mode == "csv" {
+        return csv_ingest(&store, rows.unwrap_or(CSV_ROWS));
+    }
+    if rows.is_some() {
+        bail!("--rows applies to --mode csv only");
+    }
+    let Some(config) = config else {
+        bail!("--mode {mode} needs --config");
+    };
     let experiment = ExperimentConfig::load(&config, &headroom_pipeline::Overrides::default())?;
     one_here(&experiment, &store, &mode)
+}
+
+/// Rows of the generated CSV unless `--rows` says otherwise.
+const CSV_ROWS: usize = 1_000_000;
+/// Reads of the file per reader; the fastest counts (the first may pay
+/// for the page cache).
+const CSV_REPEAT: usize = 3;
+
+/// `--mode csv`: writes `path` (when missing) with `rows` rows of 8
+/// feature columns and a target, then times [`CsvTable::open`] (parse,
+/// check and hold every cell as f32) and `pandas.read_csv` (float32) on it,
+/// each the fastest of [`CSV_REPEAT`] reads, side by side.
+fn csv_ingest(path: &Path, rows: usize) -> Result<()> {
+    if !path.exists() {
+        write_bench_csv(path, rows)?;
+    }
+    let bytes = std::fs::metadata(path)
+        .with_context(|| format!("reading {}", path.display()))?
+        .len();
+    let config = TableConfig {
+        targets: vec!["y".into()],
+        features: Vec::new(),
+        target: TableTarget::Values,
+    };
+    let mut best = f64::INFINITY;
+    let mut read_rows = 0;
+    for _ in 0..CSV_REPEAT {
+        let start = std::time::Instant::now();
+        let table = CsvTable::open(path, &config)?;
+        best = best.min(start.elapsed().as_secs_f64());
+        read_rows = table.rows();
+    }
+    println!(
+        "CSV ingest: {} ({read_rows} rows, {:.1} MiB), fastest of {CSV_REPEAT} reads, one thread",
+        path.display(),
+        bytes as f64 / (1 << 20) as f64
+    );
+    let ours = read_rows as f64 / best;
+    println!("{:>28} | {:>9} | {:>12}", "reader", "seconds", "rows/s");
+    println!(
+        "{:>28} | {best:>9.3} | {ours:>12.0}",
+        "headroom CsvTable::open"
+    );
+    let script = Path::new("bench/pandas_read_csv.py");
+    let output = Command::new("python3")
+        .arg(script)
+        .arg(path)
+        .args(["--repeat", &CSV_REPEAT.to_string()])
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !output.status.success() {
+        println!(
+            "pandas: {} failed (is pandas installed? `pip install pandas`): {}",
+            script.display(),
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+        return Ok(());
+    }
+    let text = String::from_utf8_lossy(&output.stdout);
+    let pandas: PandasRead = serde_json::from_str(text.trim())
+        .with_context(|| format!("{} printed {text}", script.display()))?;
+    println!(
+        "{:>28} | {:>9.3} | {:>12.0}",
+        pandas.reader, pandas.seconds, pandas.rows_per_s
+    );
+    println!(
+        "headroom / pandas: {:.2}x the rows/s",
+        ours / pandas.rows_per_s
+    );
+    Ok(())
+}
+
+#[derive(Debug, Deserialize)]
+struct PandasRead {
+    reader: String,
+    seconds: f64,
+    rows_per_s: f64,
+}
+
+/// `rows` rows of `f0..f7,y`: deterministic numbers of six decimals, y a
+/// linear function of the features.
+fn write_bench_csv(path: &Path, rows: usize) -> Result<()> {
+    use std::io::Write as _;
+    let file =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let mut out = std::io::BufWriter::new(file);
+    let write_err = |e: std::io::Error| anyhow::anyhow!("writing {}: {e}", path.display());
+    writeln!(out, "f0,f1,f2,f3,f4,f5,f6,f7,y").map_err(write_err)?;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    for _ in 0..rows {
+        let mut y = 0.0;
+        for k in 0..8 {
+            // xorshift: cheap, fixed numbers for every run.
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let v = (state >> 11) as f64 / (1u64 << 53) as f64 * 200.0 - 100.0;
+            y += v * (k as f64 + 1.0);
+            write!(out, "{v:.6},").map_err(write_err)?;
+        }
+        writeln!(out, "{y:.6}").map_err(write_err)?;
+    }
+    out.flush().map_err(write_err)?;
+    Ok(())
 }
 
 const WORKERS: usize = 2;

@@ -1,6 +1,11 @@
-//! `cargo xtask preprocess`: Fashion-MNIST or a folder of photos
-//! (`--from DIR --kind image_folder`) into a shard store, or a text
+//! `cargo xtask preprocess`: Fashion-MNIST, a folder of photos
+//! (`--from DIR --kind image_folder`), a table (`--kind csv`) or tensor
+//! files (`--kind npy|safetensors`) into a shard store, or a text
 //! experiment's corpus into its window store.
+//!
+//! A table's or tensor files' samples keep their kind in the store (format
+//! version 2: f32 features, numeric targets, a table's standardisation and
+//! column names), so training on the store is training on the source.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -8,7 +13,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::{bail, Context, Result};
 use headroom_loader::{
-    Dataset, IdxDataset, ImageFolderConfig, LoaderError, MemoryUsage, ShardLayout, ShardSize, Split,
+    Dataset, IdxDataset, ImageFolderConfig, LoaderError, MemoryUsage, SampleKind, ShardLayout,
+    ShardSize, Split, StoreSource, TableConfig, TableTarget, TensorFiles, TensorFilesConfig,
 };
 use headroom_pipeline::config::ImageFit;
 use headroom_pipeline::data::CLASSES_FILE;
@@ -22,6 +28,11 @@ pub fn run(args: PreprocessArgs) -> Result<()> {
         output,
         from,
         kind,
+        targets,
+        features,
+        regression,
+        input_array,
+        target_array,
         image_size,
         channels,
         fit,
@@ -35,11 +46,49 @@ pub fn run(args: PreprocessArgs) -> Result<()> {
         (Some(config), _, _) => preprocess_text(&config, &overrides, !no_install),
         (None, Some(output), Some(from)) => {
             let kind = kind.unwrap_or_default();
-            if kind != "image_folder" {
-                bail!("--kind {kind:?}: expected image_folder (the kind of data --from holds)");
+            let shard_size: ShardSize = shard_size.parse().context("--shard-size")?;
+            let image_flags = image_size.is_some() || channels.is_some() || fit.is_some();
+            let table_flags = !targets.is_empty() || !features.is_empty() || regression;
+            let array_flags = input_array.is_some() || target_array.is_some();
+            let stray = |flags: bool, what: &str| {
+                if flags {
+                    bail!("{what} apply to another --kind than {kind:?}: remove them");
+                }
+                Ok(())
+            };
+            match kind.as_str() {
+                "image_folder" => {
+                    stray(table_flags, "--targets, --features and --regression")?;
+                    stray(array_flags, "--input-array and --target-array")?;
+                    let images = image_options(image_size.as_deref(), channels, fit.as_deref())?;
+                    preprocess_images(&from, images, &output, shard_size, overwrite)
+                }
+                "csv" => {
+                    stray(image_flags, "--image-size, --channels and --fit")?;
+                    stray(array_flags, "--input-array and --target-array")?;
+                    let table = TableArgs {
+                        targets,
+                        features,
+                        regression,
+                    };
+                    preprocess_table(&from, &table, &output, shard_size, overwrite)
+                }
+                "npy" | "safetensors" => {
+                    stray(image_flags, "--image-size, --channels and --fit")?;
+                    stray(table_flags, "--targets, --features and --regression")?;
+                    let defaults = TensorFilesConfig::default();
+                    let arrays = TensorFilesConfig {
+                        input: input_array.unwrap_or(defaults.input),
+                        target: target_array.unwrap_or(defaults.target),
+                        ..defaults
+                    };
+                    preprocess_tensors(&from, arrays, &output, shard_size, overwrite)
+                }
+                _ => bail!(
+                    "--kind {kind:?}: expected image_folder, csv, npy or safetensors (the kind \
+                     of data --from holds)"
+                ),
             }
-            let images = image_options(image_size.as_deref(), channels, fit.as_deref())?;
-            preprocess_images(&from, images, &output, &shard_size, overwrite)
         }
         (None, Some(output), None) => preprocess(input, &output, &shard_size, overwrite),
         (None, None, _) => bail!(
@@ -85,26 +134,19 @@ fn preprocess_images(
     from: &Path,
     images: ImageFolderConfig,
     output: &Path,
-    shard_size: &str,
+    shard_size: ShardSize,
     overwrite: bool,
 ) -> Result<()> {
-    let shard_size: ShardSize = shard_size.parse().context("--shard-size")?;
     let (train, test) = headroom_pipeline::data::open_image_folder_splits(from, images)?;
     let classes = train.classes().to_vec();
     for (name, source) in [("train", train), ("test", test)] {
-        let counted = Counted::new(&source, name);
+        let counted = Counted::new(&source, name, "images");
         let summary =
             headroom_loader::preprocess(&counted, &output.join(name), shard_size, overwrite);
         counted.finish();
         println!("{name}: {}", summary?);
     }
-    let text = serde_json::to_string_pretty(&classes)?;
-    // Written beside the stores, by rename so no half-written list is read.
-    let path = output.join(CLASSES_FILE);
-    let partial = output.join(format!(".{CLASSES_FILE}.tmp-{}", std::process::id()));
-    std::fs::write(&partial, text).with_context(|| format!("writing {}", partial.display()))?;
-    std::fs::rename(&partial, &path).with_context(|| format!("writing {}", path.display()))?;
-    println!("{} classes: {}", classes.len(), classes.join(", "));
+    write_classes(output, Some(&classes))?;
     let [h, w] = images.size;
     println!(
         "train on it with: cargo xtask train --set data.format=shards --set {} \
@@ -115,19 +157,184 @@ fn preprocess_images(
     Ok(())
 }
 
+/// Writes the class names beside the stores (`classes.json`, which a
+/// shards run records with the run), or removes a list left by an earlier
+/// store there when the new one has no classes.
+fn write_classes(output: &Path, classes: Option<&[String]>) -> Result<()> {
+    let path = output.join(CLASSES_FILE);
+    let Some(classes) = classes else {
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("removing the stale {}", path.display()))
+            }
+            _ => return Ok(()),
+        }
+    };
+    let text = serde_json::to_string_pretty(classes)?;
+    // Written beside the stores, by rename so no half-written list is read.
+    let partial = output.join(format!(".{CLASSES_FILE}.tmp-{}", std::process::id()));
+    std::fs::write(&partial, text).with_context(|| format!("writing {}", partial.display()))?;
+    std::fs::rename(&partial, &path).with_context(|| format!("writing {}", path.display()))?;
+    println!("{} classes: {}", classes.len(), classes.join(", "));
+    Ok(())
+}
+
+/// `--targets`, `--features` and `--regression`: a table's columns, as
+/// data.targets, data.features and a regression loss name them.
+struct TableArgs {
+    targets: Vec<String>,
+    features: Vec<String>,
+    regression: bool,
+}
+
+/// Packs `from`'s train.csv and test.csv into `output`'s stores: each row's
+/// features standardised with the training table's statistics (recorded
+/// in the index, as a CSV run records them), then its class or targets.
+fn preprocess_table(
+    from: &Path,
+    table: &TableArgs,
+    output: &Path,
+    shard_size: ShardSize,
+    overwrite: bool,
+) -> Result<()> {
+    if table.targets.is_empty() {
+        bail!("--kind csv needs --targets naming the target column(s), e.g. --targets price");
+    }
+    if !table.regression && table.targets.len() != 1 {
+        bail!(
+            "--targets names {} columns, and a class target is one column; for numeric targets \
+             add --regression",
+            table.targets.len()
+        );
+    }
+    let config = |classes: Option<Vec<String>>| TableConfig {
+        targets: table.targets.clone(),
+        features: table.features.clone(),
+        target: match table.regression {
+            true => TableTarget::Values,
+            false => TableTarget::Classes { classes },
+        },
+    };
+    let pair = headroom_pipeline::tables::open_table_pair(from, "--from", config)?;
+    let source = StoreSource {
+        kind: "csv".into(),
+        inputs: pair.train.feature_names().to_vec(),
+        targets: pair.train.target_names().to_vec(),
+        feature_scale: pair.scale.features.clone(),
+    };
+    for (name, split) in [("train", &pair.train), ("test", &pair.test)] {
+        let counted = Counted::new(split, name, "rows");
+        let summary = headroom_loader::preprocess_from(
+            &counted,
+            &source,
+            &output.join(name),
+            shard_size,
+            overwrite,
+        );
+        counted.finish();
+        println!("{name}: {}", summary?);
+    }
+    write_classes(output, pair.classes.as_deref())?;
+    let features = pair.train.feature_names().len();
+    let outputs = match &pair.classes {
+        Some(classes) => classes.len(),
+        None => table.targets.len(),
+    };
+    println!(
+        "train on it with: cargo xtask train --set data.format=shards --set {} \
+         --set 'model.input=[1, {features}, 1]'{} (a model whose last layer has {outputs} outputs)",
+        shell::quote(&format!("data.dir={}", output.display())),
+        if table.regression {
+            " --set train.loss=mse"
+        } else {
+            ""
+        }
+    );
+    Ok(())
+}
+
+/// Packs `from`'s train/ and test/ directories of tensor files into
+/// `output`'s stores, each sample's record as the files give it.
+fn preprocess_tensors(
+    from: &Path,
+    arrays: TensorFilesConfig,
+    output: &Path,
+    shard_size: ShardSize,
+    overwrite: bool,
+) -> Result<()> {
+    let open = |split: &str| -> Result<TensorFiles> {
+        let dir = from.join(split);
+        if !dir.is_dir() {
+            bail!(
+                "{} is not a directory: --kind npy/safetensors reads train/ and test/ from \
+                 --from, each a directory of .npz, .safetensors or .npy files",
+                dir.display()
+            );
+        }
+        Ok(TensorFiles::open(&dir, arrays.clone())?)
+    };
+    let (train, test) = (open("train")?, open("test")?);
+    if train.sample_shape() != test.sample_shape() || train.sample_kind() != test.sample_kind() {
+        bail!(
+            "{} holds samples of {:?} ({:?}) and {} of {:?} ({:?}): both splits must hold the \
+             same arrays",
+            train.root().display(),
+            train.sample_shape(),
+            train.sample_kind(),
+            test.root().display(),
+            test.sample_shape(),
+            test.sample_kind()
+        );
+    }
+    let source = StoreSource {
+        kind: "tensors".into(),
+        inputs: vec![arrays.input.clone()],
+        targets: vec![arrays.target.clone()],
+        feature_scale: Vec::new(),
+    };
+    for (name, split) in [("train", &train), ("test", &test)] {
+        let counted = Counted::new(split, name, "samples");
+        let summary = headroom_loader::preprocess_from(
+            &counted,
+            &source,
+            &output.join(name),
+            shard_size,
+            overwrite,
+        );
+        counted.finish();
+        println!("{name}: {}", summary?);
+    }
+    write_classes(output, None)?;
+    let shape = train.sample_shape();
+    let regression = train.sample_kind().values > 0;
+    println!(
+        "train on it with: cargo xtask train --set data.format=shards --set {} \
+         --set 'model.input={shape:?}'{}",
+        shell::quote(&format!("data.dir={}", output.display())),
+        if regression {
+            " --set train.loss=mse"
+        } else {
+            ""
+        }
+    );
+    Ok(())
+}
+
 /// A dataset read through, counting the samples read and printing one
 /// progress line (rewritten in place) as decoding photos takes a while.
 struct Counted<'a> {
     inner: &'a dyn Dataset,
     name: &'a str,
+    unit: &'a str,
     done: AtomicUsize,
 }
 
 impl<'a> Counted<'a> {
-    fn new(inner: &'a dyn Dataset, name: &'a str) -> Self {
+    fn new(inner: &'a dyn Dataset, name: &'a str, unit: &'a str) -> Self {
         Self {
             inner,
             name,
+            unit,
             done: AtomicUsize::new(0),
         }
     }
@@ -135,7 +342,13 @@ impl<'a> Counted<'a> {
     fn show(&self, done: usize) {
         let mut err = std::io::stderr().lock();
         // Progress only: a closed stderr must not stop the packing.
-        let _ = write!(err, "\r{}: {done}/{} images", self.name, self.inner.len());
+        let _ = write!(
+            err,
+            "\r{}: {done}/{} {}",
+            self.name,
+            self.inner.len(),
+            self.unit
+        );
         let _ = err.flush();
     }
 
@@ -156,6 +369,10 @@ impl Dataset for Counted<'_> {
 
     fn num_classes(&self) -> usize {
         self.inner.num_classes()
+    }
+
+    fn sample_kind(&self) -> SampleKind {
+        self.inner.sample_kind()
     }
 
     fn read(&self, index: usize, out: &mut [u8]) -> Result<u32, LoaderError> {

@@ -38,14 +38,29 @@ impl ExperimentConfig {
     }
 
     /// The device the learner runs on: `device.kind`, except that "auto"
-    /// is the CPU for a table of f32 features and for numeric targets (the
-    /// GPU learner reads u8 images with class labels, and token ids).
+    /// is the CPU for a table of f32 features, for numeric targets and for
+    /// a store of either (the GPU learner reads u8 images with class
+    /// labels, and token ids).
     pub fn learner_device(&self) -> DeviceKind {
-        let features_only = self.data.format == DataFormat::Csv || self.train.loss.is_regression();
+        let features_only = self.data.format == DataFormat::Csv
+            || self.train.loss.is_regression()
+            || (self.device.kind == DeviceKind::Auto && self.typed_store());
         match self.device.kind {
             DeviceKind::Auto if features_only => DeviceKind::Cpu,
             kind => kind,
         }
+    }
+
+    /// Whether `data.dir` is a shard store of typed samples (f32 features
+    /// or numeric targets), from its training index alone: a few bytes per
+    /// shard. A store that cannot be read is left to the opening of the
+    /// data to report.
+    fn typed_store(&self) -> bool {
+        let (DataFormat::Shards, Some(dir)) = (self.data.format, &self.data.dir) else {
+            return false;
+        };
+        headroom_loader::ShardedDataset::read_kind(&dir.join("train"))
+            .is_ok_and(|(kind, _)| kind != headroom_loader::SampleKind::default())
     }
 
     /// The table keys belong to "csv", a regression loss to numeric
@@ -83,7 +98,12 @@ impl ExperimentConfig {
                 ));
             }
         }
-        let numeric_data = matches!(self.data.format, DataFormat::Csv | DataFormat::Tensors);
+        // A store's targets are checked against the loss when it is opened
+        // (its index says what it holds).
+        let numeric_data = matches!(
+            self.data.format,
+            DataFormat::Csv | DataFormat::Tensors | DataFormat::Shards
+        );
         if loss.is_regression() && !numeric_data {
             return Err(PipelineError::value(
                 "train.loss",
@@ -113,6 +133,7 @@ impl ExperimentConfig {
         match self.data.format {
             DataFormat::Csv => self.check_csv_keys(),
             DataFormat::Tensors => self.check_tensors_keys(),
+            DataFormat::Shards if loss.is_regression() => self.check_features_run("shards"),
             _ => Ok(()),
         }
     }
@@ -223,5 +244,76 @@ fn loss_word(loss: LossKind) -> &'static str {
         LossKind::Mse => "mse",
         LossKind::Huber => "huber",
         LossKind::Bce => "bce",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use headroom_loader::{
+        preprocess, preprocess_from, CsvTable, ShardSize, StoreSource, SyntheticDataset,
+        TableConfig, TableTarget,
+    };
+
+    use crate::config::{ExperimentConfig, Overrides};
+    use crate::device::DeviceKind;
+
+    fn config_on(store: &Path, device: &str) -> ExperimentConfig {
+        let smoke = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments/smoke.toml");
+        let sets: Vec<String> = [
+            "data.format=shards".to_string(),
+            format!("data.dir={}", store.display()),
+            "data.train_samples=0".into(),
+            "data.test_samples=0".into(),
+            format!("device.kind={device}"),
+        ]
+        .into();
+        ExperimentConfig::load(&smoke, &Overrides::parse(&sets).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn auto_trains_a_typed_store_on_the_cpu_and_an_image_store_as_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let csv = dir.path().join("t.csv");
+        std::fs::write(&csv, "a,b,y\n1,2,3\n4,5,6\n7,8,10\n").unwrap();
+        let table = CsvTable::open(
+            &csv,
+            &TableConfig {
+                targets: vec!["y".into()],
+                features: Vec::new(),
+                target: TableTarget::Values,
+            },
+        )
+        .unwrap();
+        let typed = dir.path().join("typed");
+        preprocess_from(
+            &table,
+            &StoreSource::default(),
+            &typed.join("train"),
+            ShardSize::Samples(2),
+            false,
+        )
+        .unwrap();
+        let images = dir.path().join("images");
+        preprocess(
+            &SyntheticDataset::new(3, [28, 28, 1], 10),
+            &images.join("train"),
+            ShardSize::Samples(2),
+            false,
+        )
+        .unwrap();
+        assert_eq!(config_on(&typed, "auto").learner_device(), DeviceKind::Cpu);
+        assert_eq!(
+            config_on(&images, "auto").learner_device(),
+            DeviceKind::Auto
+        );
+        // A store that is not there is left to the opening of the data.
+        let missing = dir.path().join("missing");
+        assert_eq!(
+            config_on(&missing, "auto").learner_device(),
+            DeviceKind::Auto
+        );
+        assert_eq!(config_on(&typed, "cpu").learner_device(), DeviceKind::Cpu);
     }
 }
