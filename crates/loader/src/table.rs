@@ -33,6 +33,9 @@ pub enum TableTarget {
     Classes { classes: Option<Vec<String>> },
     /// One or more numeric columns (regression).
     Values,
+    /// One or more 0/1 columns, each an independent label (multi-label
+    /// classification): kept as they are, never standardised.
+    Labels,
     /// None: rows to score. The target columns named are left out of the
     /// features where the file has them, and need not be there.
     Absent,
@@ -73,6 +76,8 @@ pub struct CsvTable {
     lines: Vec<u64>,
     classes: Vec<String>,
     scale: Option<TableScale>,
+    /// The targets are 0/1 labels: their scale is the identity.
+    labels_target: bool,
 }
 
 fn format_err(path: &Path, message: String) -> LoaderError {
@@ -101,6 +106,21 @@ fn number(path: &Path, line: u64, column: &str, cell: &str) -> Result<f32, Loade
         ));
     }
     Ok(value)
+}
+
+/// A multi-label target cell: 0 or 1 (also `true`/`false`).
+fn label(path: &Path, line: u64, column: &str, cell: &str) -> Result<f32, LoaderError> {
+    match cell.trim() {
+        "1" | "1.0" | "true" | "True" | "TRUE" => Ok(1.0),
+        "0" | "0.0" | "false" | "False" | "FALSE" => Ok(0.0),
+        other => Err(format_err(
+            path,
+            format!(
+                "line {line}, column `{column}`: {other:?} is not a label (train.loss = \"bce\" \
+                 reads each target column as 0 or 1)"
+            ),
+        )),
+    }
 }
 
 impl CsvTable {
@@ -211,6 +231,11 @@ impl CsvTable {
                         values.push(number(path, line, name, &record[k])?);
                     }
                 }
+                TableTarget::Labels => {
+                    for (&k, name) in target_columns.iter().zip(&config.targets) {
+                        values.push(label(path, line, name, &record[k])?);
+                    }
+                }
                 TableTarget::Classes { .. } => {
                     class_cells.push((line, record[target_columns[0]].trim().to_string()))
                 }
@@ -222,7 +247,9 @@ impl CsvTable {
             return Err(format_err(path, "has a header but no rows".into()));
         }
         let (labels, classes) = match &config.target {
-            TableTarget::Values | TableTarget::Absent => (Vec::new(), Vec::new()),
+            TableTarget::Values | TableTarget::Labels | TableTarget::Absent => {
+                (Vec::new(), Vec::new())
+            }
             TableTarget::Classes { classes } => {
                 class_ids(path, &config.targets[0], &class_cells, classes.as_deref())?
             }
@@ -237,6 +264,7 @@ impl CsvTable {
             lines,
             classes,
             scale: None,
+            labels_target: config.target == TableTarget::Labels,
         })
     }
 
@@ -284,7 +312,11 @@ impl CsvTable {
         };
         TableScale {
             features: stats(&self.features, self.feature_names.len()),
-            values: stats(&self.values, self.values_per_row()),
+            values: if self.labels_target {
+                vec![(0.0, 1.0); self.values_per_row()]
+            } else {
+                stats(&self.values, self.values_per_row())
+            },
         }
     }
 

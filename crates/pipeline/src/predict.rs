@@ -86,7 +86,23 @@ pub fn predict(checkpoint: &Path, input: &Path, batch: usize) -> Result<Predicti
     for part in loader.epoch(0, 0) {
         outputs.extend(learner.outputs(&part?)?);
     }
-    let outputs = if config.train.loss.is_regression() {
+    let outputs = if config.train.loss.is_multilabel() {
+        // Each label's probability: the sigmoid of its output.
+        PredictedOutputs::Values {
+            names: match inputs.target_names {
+                names if names.len() == outputs_per_row => {
+                    names.iter().map(|n| format!("p_{n}")).collect()
+                }
+                _ => (0..outputs_per_row)
+                    .map(|k| format!("p_label{k}"))
+                    .collect(),
+            },
+            values: outputs
+                .iter()
+                .map(|&v| headroom_model::loss::sigmoid(v))
+                .collect(),
+        }
+    } else if config.train.loss.is_regression() {
         let scale = inputs.value_scale;
         let values = outputs
             .chunks_exact(outputs_per_row.max(1))

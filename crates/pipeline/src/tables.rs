@@ -229,7 +229,8 @@ fn check_typed(
             ),
         ));
     }
-    let regression = config.train.loss.is_regression();
+    // A multi-label model scores 0/1 values as a regression scores numbers.
+    let regression = config.train.loss.scores_values();
     if regression != (kind.values > 0) {
         let what = if kind.values > 0 {
             "float (numeric)"
@@ -240,10 +241,11 @@ fn check_typed(
             "train.loss",
             format!(
                 "{} holds {what} targets, which train.loss = \"{}\" does not score: use \
-                 \"mse\" or \"huber\" for float targets, \"cross_entropy\" for class ids",
+                 \"mse\" or \"huber\" for float targets (\"bce\" for 0/1 labels), \
+                 \"cross_entropy\" for class ids",
                 place.display(),
                 if regression {
-                    "mse/huber"
+                    "mse/huber/bce"
                 } else {
                     "cross_entropy/focal"
                 }

@@ -208,3 +208,102 @@ fn a_table_run_is_judged_by_the_host_not_by_a_small_gpu_it_will_not_use() {
         .unwrap();
     assert_eq!(image.train.micro_batch.as_deref(), Some("auto"));
 }
+
+/// `train.csv` and `test.csv` with features a, b, c and two 0/1 label
+/// columns: `pos_a` (a > 0) and `big_b` (b > 0.3), independent of each
+/// other.
+fn write_label_tables(dir: &Path, rows: [usize; 2]) {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut offset = 0;
+    for (name, count) in ["train.csv", "test.csv"].into_iter().zip(rows) {
+        let mut text = String::from("a,pos_a,b,c,big_b\n");
+        for i in offset..offset + count {
+            let (a, b, c) = (noise(3 * i), noise(3 * i + 1), noise(3 * i + 2));
+            let (pos_a, big_b) = (u8::from(a > 0.0), if b > 0.3 { "true" } else { "false" });
+            writeln!(text, "{a:.6},{pos_a},{b:.6},{c:.6},{big_b}").unwrap();
+        }
+        std::fs::write(dir.join(name), text).unwrap();
+        offset += count;
+    }
+}
+
+#[test]
+fn a_multi_label_model_learns_independent_labels_and_predicts_their_probabilities() {
+    let dir = tempfile::tempdir().unwrap();
+    let (tables, out) = (dir.path().join("labels"), dir.path().join("run"));
+    write_label_tables(&tables, [1024, 256]);
+    let extra = [
+        "train.loss=bce",
+        r#"data.targets=["pos_a", "big_b"]"#,
+        "model.input=[1, 3, 1]",
+        "train.epochs=8",
+        "data.validation=0.2",
+        "train.early_stopping.metric=macro_f1",
+        "train.early_stopping.patience=0",
+        r#"model.layers=[{type="flatten"}, {type="linear", out=32}, {type="relu"}, {type="linear", out=2}]"#,
+    ];
+    let config = load(&sets(&tables, &out, &extra)).unwrap();
+    let summary = train(&config, &options()).unwrap();
+    assert_eq!(summary.test_accuracy, None, "no single class to count");
+    let m = summary.test_multilabel.expect("multi-label figures");
+    assert!(m.exact_match > 0.85, "{m:?}");
+    assert!(m.label_accuracy >= m.exact_match, "{m:?}");
+    assert!(m.macro_f1 > 0.85 && m.micro_f1 > 0.85, "{m:?}");
+    // Patience 0: every epoch ran, the best kept and scored.
+    assert_eq!(summary.epochs.len(), 8);
+    assert!(summary.test_from_best && summary.best_checkpoint.is_some());
+    let last = summary.epochs.last().unwrap();
+    assert!(last.test_multilabel.is_some() && last.test_regression.is_none());
+    // The labels are kept as 0/1: their recorded scale is the identity.
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("dataset.json")).unwrap()).unwrap();
+    assert_eq!(
+        record["scale"]["values"],
+        serde_json::json!([[0.0, 1.0], [0.0, 1.0]])
+    );
+
+    // predict: one probability per label, named after it, that agrees
+    // with the labels of the rows it scores (the test table, its label
+    // columns left out as for new rows).
+    let test = tables.join("test.csv");
+    let predicted = headroom_pipeline::predict::predict(&out, &test, 16).unwrap();
+    let headroom_pipeline::predict::PredictedOutputs::Values { names, values } = predicted.outputs
+    else {
+        panic!("{:?}", predicted.outputs);
+    };
+    assert_eq!(names, ["p_pos_a", "p_big_b"]);
+    let text = std::fs::read_to_string(&test).unwrap();
+    let truths: Vec<[bool; 2]> = text
+        .lines()
+        .skip(1)
+        .map(|line| {
+            let cells: Vec<&str> = line.split(',').collect();
+            [cells[1] == "1", cells[4] == "true"]
+        })
+        .collect();
+    assert_eq!(values.len(), 2 * truths.len());
+    assert!(values.iter().all(|p| (0.0..=1.0).contains(p)), "{values:?}");
+    let agree = values
+        .chunks(2)
+        .zip(&truths)
+        .filter(|(p, t)| (p[0] >= 0.5) == t[0] && (p[1] >= 0.5) == t[1])
+        .count() as f32
+        / truths.len() as f32;
+    assert!(
+        (agree - m.exact_match).abs() < 0.15,
+        "{agree} vs {}",
+        m.exact_match
+    );
+
+    // A label cell that is not 0 or 1 is named.
+    let mut text = std::fs::read_to_string(tables.join("train.csv")).unwrap();
+    text.push_str("0.1,2,0.2,0.3,false\n");
+    std::fs::write(tables.join("train.csv"), text).unwrap();
+    let out2 = dir.path().join("run2");
+    let config = load(&sets(&tables, &out2, &extra)).unwrap();
+    let err = train(&config, &options()).unwrap_err().to_string();
+    assert!(
+        err.contains("train.csv") && err.contains("line 1026") && err.contains("`pos_a`"),
+        "{err}"
+    );
+}

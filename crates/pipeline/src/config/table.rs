@@ -20,6 +20,8 @@ impl ExperimentConfig {
             features: self.data.features.clone().unwrap_or_default(),
             target: if self.train.loss.is_regression() {
                 TableTarget::Values
+            } else if self.train.loss.is_multilabel() {
+                TableTarget::Labels
             } else {
                 TableTarget::Classes { classes }
             },
@@ -43,7 +45,7 @@ impl ExperimentConfig {
     /// labels, and token ids).
     pub fn learner_device(&self) -> DeviceKind {
         let features_only = self.data.format == DataFormat::Csv
-            || self.train.loss.is_regression()
+            || self.train.loss.scores_values()
             || (self.device.kind == DeviceKind::Auto && self.typed_store());
         match self.device.kind {
             DeviceKind::Auto if features_only => DeviceKind::Cpu,
@@ -104,11 +106,11 @@ impl ExperimentConfig {
             self.data.format,
             DataFormat::Csv | DataFormat::Tensors | DataFormat::Shards
         );
-        if loss.is_regression() && !numeric_data {
+        if loss.scores_values() && !numeric_data {
             return Err(PipelineError::value(
                 "train.loss",
                 format!(
-                    "\"{}\" scores numeric targets, and \"{}\" data has classes: use \
+                    "\"{}\" scores numeric targets (or 0/1 labels), and \"{}\" data has classes: use \
                      data.format = \"csv\" with data.targets naming numeric columns (or \
                      \"tensors\" with float targets), or train.loss = \"cross_entropy\"",
                     loss_word(loss),
@@ -133,7 +135,7 @@ impl ExperimentConfig {
         match self.data.format {
             DataFormat::Csv => self.check_csv_keys(),
             DataFormat::Tensors => self.check_tensors_keys(),
-            DataFormat::Shards if loss.is_regression() => self.check_features_run("shards"),
+            DataFormat::Shards if loss.scores_values() => self.check_features_run("shards"),
             _ => Ok(()),
         }
     }
@@ -165,12 +167,13 @@ impl ExperimentConfig {
                  data.targets = [\"price\"]",
             ));
         }
-        if !loss.is_regression() && targets.len() != 1 {
+        if !loss.scores_values() && targets.len() != 1 {
             return Err(PipelineError::value(
                 "data.targets",
                 format!(
                     "a classifier (train.loss = \"{}\") reads one class column, {} are named; \
-                     for numeric targets set train.loss = \"mse\" or \"huber\"",
+                     for numeric targets set train.loss = \"mse\" or \"huber\", for 0/1 label \
+                     columns \"bce\"",
                     loss_word(loss),
                     targets.len()
                 ),
@@ -213,20 +216,21 @@ impl ExperimentConfig {
                 ),
             ));
         }
-        if loss.is_regression() && self.train.label_smoothing > 0.0 {
+        if loss.scores_values() && self.train.label_smoothing > 0.0 {
             return Err(PipelineError::value(
                 "train.label_smoothing",
-                "applies to classes; a regression (train.loss = \"mse\" or \"huber\") has none: \
-                 remove it",
+                "applies to classes; a regression (train.loss = \"mse\" or \"huber\") or a \
+                 multi-label model (\"bce\") has none: remove it",
             ));
         }
-        if loss.is_regression() && self.eval.tta != TestTimeAugmentation::None {
+        if loss.scores_values() && self.eval.tta != TestTimeAugmentation::None {
             return Err(PipelineError::value(
                 "eval.tta",
-                "averages class probabilities over mirror images; a regression has none: remove it",
+                "averages class probabilities over mirror images; a regression or a multi-label \
+                 model has none: remove it",
             ));
         }
-        if loss.is_regression() && self.device.kind == DeviceKind::Cuda {
+        if loss.scores_values() && self.device.kind == DeviceKind::Cuda {
             return Err(PipelineError::value(
                 "device.kind",
                 "\"cuda\", but numeric targets train on the CPU for now (the GPU learner \
