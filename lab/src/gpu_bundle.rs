@@ -32,11 +32,12 @@ use flate2::{write::GzEncoder, Compression};
 pub const MAX_BUNDLE_BYTES: u64 = 24 << 20;
 
 /// (package, test target) of every test binary that checks the CUDA path.
-const CUDA_TESTS: [(&str, &str); 6] = [
+const CUDA_TESTS: [(&str, &str); 7] = [
     ("headroom-model", "cuda_ptx"),
     ("headroom-model", "cuda_probe"),
     ("headroom-model", "cuda_parity"),
     ("headroom-pipeline", "cuda_learner"),
+    ("headroom-pipeline", "cuda_rgb"),
     ("headroom-tests", "cuda_training"),
     ("headroom-tests", "memory_release"),
 ];

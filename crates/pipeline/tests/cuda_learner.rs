@@ -12,10 +12,11 @@
 //! past the output capture. HEADROOM_REQUIRE_NVRTC=1 (CI) makes either a
 //! failure.
 
-use std::io::Write as _;
-use std::sync::{Mutex, MutexGuard, Once, OnceLock};
+use std::sync::MutexGuard;
 
 mod common;
+#[path = "gpu_gate/mod.rs"]
+mod gpu_gate;
 #[path = "../../../tests/src/nvrtc_gate.rs"]
 #[macro_use]
 mod nvrtc_gate;
@@ -25,7 +26,7 @@ report_nvrtc_tests!("cuda_learner", include_str!("cuda_learner.rs"));
 use common::{bits, settings};
 use headroom_loader::Batch;
 use headroom_model::cuda::ops::{ConvAlgorithm, ConvPlan};
-use headroom_model::cuda::{CudaBackend, CudaBuildOptions, CudaError, DType, MAX_BLOCK_THREADS};
+use headroom_model::cuda::{CudaBackend, CudaBuildOptions, DType};
 use headroom_model::memory::MemoryPool;
 use headroom_model::{BuildOptions, CheckpointPolicy, Device, LayerSpec, ModelSpec};
 use headroom_optim::LossScalerConfig;
@@ -46,57 +47,9 @@ layers = [
 ]
 "#;
 
-fn env_is_1(name: &str) -> bool {
-    std::env::var(name).as_deref() == Ok("1")
-}
-
-/// A backend on the real GPU when there is one (or one is required), else
-/// on the emulator; None (with one line, once, past the output capture)
-/// only when NVRTC or the emulator is missing and not required. Decided
-/// once per process, before cudarc loads a driver.
+/// The backend gate (see `gpu_gate::backend`), named for this binary.
 fn backend() -> Option<MutexGuard<'static, ()>> {
-    static OPENED: OnceLock<Result<(), String>> = OnceLock::new();
-    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-    static SKIP: Once = Once::new();
-    let opened = OPENED.get_or_init(|| {
-        let require_gpu = env_is_1("HEADROOM_REQUIRE_GPU");
-        if !require_gpu
-            && (env_is_1("HEADROOM_CUDA_EMULATE") || !headroom_cuda_emu::real_gpu_present())
-        {
-            if let Err(e) = headroom_cuda_emu::install_with_widest_block(MAX_BLOCK_THREADS) {
-                assert!(
-                    !env_is_1("HEADROOM_REQUIRE_NVRTC"),
-                    "HEADROOM_REQUIRE_NVRTC=1 but the CUDA emulator is unavailable: {e}"
-                );
-                return Err(format!("the CPU emulator of CUDA is unavailable: {e}"));
-            }
-        }
-        match CudaBackend::new(0) {
-            Ok(be) => {
-                eprintln!("cuda_learner: running on {}", be.info());
-                Ok(())
-            }
-            Err(e @ CudaError::LibraryMissing { .. })
-                if !require_gpu && !env_is_1("HEADROOM_REQUIRE_NVRTC") =>
-            {
-                Err(e.to_string())
-            }
-            Err(e) => panic!("the CUDA backend failed to open: {e}"),
-        }
-    });
-    match opened {
-        Ok(()) => Some(ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())),
-        Err(why) => {
-            SKIP.call_once(|| {
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "cuda_learner: SKIPPED, every test: {why} (HEADROOM_REQUIRE_NVRTC=1 makes \
-                     this a failure)"
-                );
-            });
-            None
-        }
-    }
+    gpu_gate::backend("cuda_learner")
 }
 
 fn spec() -> ModelSpec {

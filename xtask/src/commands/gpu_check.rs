@@ -9,11 +9,12 @@ use crate::GpuCheckArgs;
 /// crates/*/tests and tests/tests (xtask's tests check that this list and
 /// those files agree, so a new one cannot be left out), and
 /// `memory_release`, whose GPU test frees the device between two runs.
-pub const CUDA_TESTS: [(&str, &str); 8] = [
+pub const CUDA_TESTS: [(&str, &str); 9] = [
     ("headroom-model", "cuda_parity"),
     ("headroom-model", "cuda_ptx"),
     ("headroom-model", "cuda_probe"),
     ("headroom-pipeline", "cuda_learner"),
+    ("headroom-pipeline", "cuda_rgb"),
     ("headroom-tests", "cuda_training"),
     ("headroom-tests", "cuda_driver_oom"),
     ("headroom-tests", "cuda_small_gpu"),
