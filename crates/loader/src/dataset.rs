@@ -14,6 +14,34 @@ pub struct ShardLayout {
     pub window: usize,
 }
 
+/// A sample left out as unreadable (`data.bad_samples = "skip"`): which,
+/// and why.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Skipped {
+    /// The file, and for a table the line (`train.csv line 17`).
+    pub sample: String,
+    /// The error reading it would have been.
+    pub reason: String,
+}
+
+impl Skipped {
+    /// A table's row.
+    pub fn row(path: &std::path::Path, line: u64, error: LoaderError) -> Self {
+        Self {
+            sample: format!("{} line {line}", path.display()),
+            reason: error.to_string(),
+        }
+    }
+
+    /// A whole file.
+    pub fn file(path: &std::path::Path, error: LoaderError) -> Self {
+        Self {
+            sample: path.display().to_string(),
+            reason: error.to_string(),
+        }
+    }
+}
+
 /// Bytes a dataset holds in memory (decoded samples, shard cache).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MemoryUsage {

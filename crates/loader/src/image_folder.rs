@@ -21,7 +21,7 @@ use image::imageops::FilterType;
 use image::{DynamicImage, ImageDecoder as _, ImageEncoder as _, ImageFormat, ImageReader};
 
 use crate::error::io_err;
-use crate::{Dataset, LoaderError};
+use crate::{Dataset, LoaderError, Skipped};
 
 /// The file extensions read (compared without regard to case).
 pub const IMAGE_EXTENSIONS: [&str; 3] = ["png", "jpg", "jpeg"];
@@ -114,7 +114,34 @@ impl ImageFolder {
     /// or not a directory, no class folder, a class with no image, a file
     /// whose header is not a PNG or JPEG one.
     pub fn open(root: &Path, config: ImageFolderConfig) -> Result<Self, LoaderError> {
+        Self::list(root, config, None)
+    }
+
+    /// [`ImageFolder::open`], every image decoded once to find those that
+    /// cannot be read (a bad header, a truncated or corrupt body), which
+    /// are left out and returned with the reason (`data.bad_samples =
+    /// "skip"`). A class folder whose every image is unreadable is an
+    /// error: skipping never empties a class.
+    pub fn open_skipping(
+        root: &Path,
+        config: ImageFolderConfig,
+    ) -> Result<(Self, Vec<Skipped>), LoaderError> {
+        let mut skipped = Vec::new();
+        let folder = Self::list(root, config, Some(&mut skipped))?;
+        Ok((folder, skipped))
+    }
+
+    fn list(
+        root: &Path,
+        config: ImageFolderConfig,
+        mut skipped: Option<&mut Vec<Skipped>>,
+    ) -> Result<Self, LoaderError> {
         check_config(&config)?;
+        // Skipping decodes every image once, into this.
+        let mut scratch = match skipped {
+            Some(_) => vec![0u8; config.size[0] * config.size[1] * config.channels],
+            None => Vec::new(),
+        };
         let meta = std::fs::metadata(root).map_err(|e| {
             bad(
                 root,
@@ -141,11 +168,33 @@ impl ImageFolder {
             let label = u32::try_from(classes.len())
                 .map_err(|_| bad(root, "more than 2^32 class folders"))?;
             let before = files.len();
+            let mut left_out = 0usize;
             for (file, is_dir) in sorted_entries(&class_dir)? {
                 if !is_dir && is_image_name(&file) {
-                    check_header(&file)?;
-                    files.push((file, label));
+                    let readable = match skipped {
+                        None => check_header(&file),
+                        Some(_) => {
+                            check_header(&file).and_then(|()| decode(&file, &config, &mut scratch))
+                        }
+                    };
+                    match (readable, skipped.as_deref_mut()) {
+                        (Ok(()), _) => files.push((file, label)),
+                        (Err(e), Some(skipped)) => {
+                            skipped.push(Skipped::file(&file, e));
+                            left_out += 1;
+                        }
+                        (Err(e), None) => return Err(e),
+                    }
                 }
+            }
+            if files.len() == before && left_out > 0 {
+                return Err(bad(
+                    &class_dir,
+                    format!(
+                        "every image of the class ({left_out}) is unreadable: skipping would \
+                         empty the class; fix or remove the files, or the folder"
+                    ),
+                ));
             }
             if files.len() == before {
                 return Err(bad(

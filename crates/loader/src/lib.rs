@@ -80,7 +80,7 @@ mod tensor_files;
 mod text;
 
 pub use augment::{AugmentConfig, RandAugmentConfig, MAX_MAGNITUDE};
-pub use dataset::{Dataset, Element, MemoryUsage, SampleKind, ShardLayout};
+pub use dataset::{Dataset, Element, MemoryUsage, SampleKind, ShardLayout, Skipped};
 pub use error::LoaderError;
 pub use idx::{IdxDataset, Split};
 pub use image_folder::{

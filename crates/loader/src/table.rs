@@ -21,7 +21,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use crate::{Dataset, Element, LoaderError, SampleKind};
+use crate::{Dataset, Element, LoaderError, SampleKind, Skipped};
 
 /// What the target columns hold.
 #[derive(Clone, Debug, PartialEq)]
@@ -127,6 +127,29 @@ impl CsvTable {
     /// Reads `path` (a header row naming the columns, then one row per
     /// sample) as `config` says.
     pub fn open(path: &Path, config: &TableConfig) -> Result<Self, LoaderError> {
+        Self::read(path, config, None)
+    }
+
+    /// [`CsvTable::open`], leaving out each row that cannot be read (a
+    /// ragged row, a cell that is not a number, NaN or infinity, a label
+    /// that is not 0 or 1) and saying which and why (`data.bad_samples =
+    /// "skip"`). A class whose every row was left out is an error: skipping
+    /// never empties a class. Everything else (a missing column, no rows)
+    /// is the same error as `open`'s.
+    pub fn open_skipping(
+        path: &Path,
+        config: &TableConfig,
+    ) -> Result<(Self, Vec<Skipped>), LoaderError> {
+        let mut skipped = Vec::new();
+        let table = Self::read(path, config, Some(&mut skipped))?;
+        Ok((table, skipped))
+    }
+
+    fn read(
+        path: &Path,
+        config: &TableConfig,
+        mut skipped: Option<&mut Vec<Skipped>>,
+    ) -> Result<Self, LoaderError> {
         let io = |reason: std::io::Error| LoaderError::Io {
             path: path.to_path_buf(),
             reason,
@@ -218,29 +241,75 @@ impl CsvTable {
         let mut values = Vec::new();
         let mut class_cells: Vec<(u64, String)> = Vec::new();
         let mut lines = Vec::new();
+        // The classes of the rows left out, to check none is emptied.
+        let mut skipped_classes: Vec<(u64, String)> = Vec::new();
         for record in reader.records() {
-            let record = record.map_err(csv_err)?;
+            let record = match record {
+                Ok(record) => record,
+                Err(e) => {
+                    let line = e.position().map_or(0, |p| p.line());
+                    match skipped.as_deref_mut() {
+                        Some(skipped) => {
+                            skipped.push(Skipped::row(path, line, csv_err(e)));
+                            continue;
+                        }
+                        None => return Err(csv_err(e)),
+                    }
+                }
+            };
             let line = record.position().map_or(0, |p| p.line());
-            lines.push(line);
-            for (&k, name) in feature_columns.iter().zip(&feature_names) {
-                features.push(number(path, line, name, &record[k])?);
-            }
-            match config.target {
-                TableTarget::Values => {
-                    for (&k, name) in target_columns.iter().zip(&config.targets) {
-                        values.push(number(path, line, name, &record[k])?);
+            let class = match config.target {
+                TableTarget::Classes { .. } => Some(record[target_columns[0]].trim().to_string()),
+                _ => None,
+            };
+            let row = (|| {
+                let mut row_features = Vec::with_capacity(feature_columns.len());
+                for (&k, name) in feature_columns.iter().zip(&feature_names) {
+                    row_features.push(number(path, line, name, &record[k])?);
+                }
+                let mut row_values = Vec::new();
+                for (&k, name) in target_columns.iter().zip(&config.targets) {
+                    match config.target {
+                        TableTarget::Values => {
+                            row_values.push(number(path, line, name, &record[k])?)
+                        }
+                        TableTarget::Labels => {
+                            row_values.push(label(path, line, name, &record[k])?)
+                        }
+                        TableTarget::Classes { .. } | TableTarget::Absent => {}
                     }
                 }
-                TableTarget::Labels => {
-                    for (&k, name) in target_columns.iter().zip(&config.targets) {
-                        values.push(label(path, line, name, &record[k])?);
+                Ok::<_, LoaderError>((row_features, row_values))
+            })();
+            match (row, skipped.as_deref_mut()) {
+                (Ok((row_features, row_values)), _) => {
+                    lines.push(line);
+                    features.extend(row_features);
+                    values.extend(row_values);
+                    if let Some(class) = class {
+                        class_cells.push((line, class));
                     }
                 }
-                TableTarget::Classes { .. } => {
-                    class_cells.push((line, record[target_columns[0]].trim().to_string()))
+                (Err(e), Some(skipped)) => {
+                    skipped.push(Skipped::row(path, line, e));
+                    if let Some(class) = class {
+                        skipped_classes.push((line, class));
+                    }
                 }
-                TableTarget::Absent => {}
+                (Err(e), None) => return Err(e),
             }
+        }
+        if let Some((line, class)) = skipped_classes
+            .iter()
+            .find(|(_, class)| !class_cells.iter().any(|(_, kept)| kept == class))
+        {
+            return Err(format_err(
+                path,
+                format!(
+                    "every row of class `{class}` was left out as unreadable (the first at line \
+                     {line}): skipping would empty the class; fix the rows or remove the class"
+                ),
+            ));
         }
         let rows = features.len() / feature_names.len();
         if rows == 0 {

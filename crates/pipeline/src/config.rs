@@ -23,7 +23,7 @@ pub mod sizes;
 mod table;
 mod validation;
 
-pub use kinds::{DataFormat, ImageFit, OomPolicy, Profile};
+pub use kinds::{BadSamples, DataFormat, ImageFit, OomPolicy, Profile};
 pub use load::{is_profile, profile_path, PROFILES_DIR};
 pub use overrides::Overrides;
 
@@ -186,6 +186,11 @@ pub struct DataConfig {
     /// scored on the test set); left out of the serialised config.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub validation: Option<f64>,
+    /// For "image_folder" and "csv": "fail" (unset: an unreadable image or
+    /// row is an error before training) or "skip" (left out, counted and
+    /// named). Left out of the serialised config when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bad_samples: Option<BadSamples>,
 }
 
 /// `data.on_device`: true, false or "auto".

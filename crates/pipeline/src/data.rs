@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use headroom_loader::{
     AugmentConfig, Dataset, IdxDataset, ImageFolder, ImageFolderConfig, LoaderConfig,
-    ShardedDataset, ShuffleMode, Split,
+    ShardedDataset, ShuffleMode, Skipped, Split,
 };
 
 use crate::config::{parse_bytes, DataFormat, ExperimentConfig, OnDevice};
@@ -42,10 +42,12 @@ pub fn open_splits(
         None => crate::config::sizes::output_classes(&config.model)?,
     };
     let mut scale = None;
+    let mut skipped = Vec::new();
     let (train, test, class_names) = match config.data.format {
         DataFormat::Csv => {
             let tables = crate::tables::open_splits(config, classes)?;
             scale = Some(tables.scale);
+            skipped = tables.skipped;
             (tables.train, tables.test, tables.classes)
         }
         DataFormat::Tensors => {
@@ -53,7 +55,8 @@ pub fn open_splits(
             (train, test, None)
         }
         DataFormat::ImageFolder => {
-            let (train, test) = open_image_folders(config, classes)?;
+            let (train, test, left_out) = open_image_folders(config, classes)?;
+            skipped = left_out;
             let names = train.classes().to_vec();
             let (train, test): (Arc<dyn Dataset>, Arc<dyn Dataset>) =
                 (Arc::new(train), Arc::new(test));
@@ -96,7 +99,16 @@ pub fn open_splits(
         train_digest: Some(train_digest),
         classes: class_names,
         scale,
+        skipped: skipped
+            .into_iter()
+            .map(|(split, s)| SkippedSample {
+                split: split.to_string(),
+                sample: s.sample,
+                reason: s.reason,
+            })
+            .collect(),
     };
+    report_skipped(&identity.skipped);
     identity.check_against_run(config)?;
     Ok((train, test))
 }
@@ -121,7 +133,7 @@ fn open_unchecked(
         return Ok((tables.train, tables.test));
     }
     if config.data.format == DataFormat::ImageFolder {
-        let (train, test) = open_image_folders(config, usize::MAX)?;
+        let (train, test, _) = open_image_folders(config, usize::MAX)?;
         return Ok((Arc::new(train), Arc::new(test)));
     }
     if config.data.format == DataFormat::Shards {
@@ -174,17 +186,20 @@ fn open_stores(config: &ExperimentConfig) -> Result<(ShardedDataset, ShardedData
 
 /// `data.dir`'s train/ and test/ image folders, which must hold the same
 /// classes, no more than the model's `outputs`.
-fn open_image_folders(
-    config: &ExperimentConfig,
-    outputs: usize,
-) -> Result<(ImageFolder, ImageFolder)> {
+/// An image folder's splits and the images left out as unreadable
+/// (`data.bad_samples = "skip"`), each with its split.
+type ImageSplits = (ImageFolder, ImageFolder, Vec<(&'static str, Skipped)>);
+
+fn open_image_folders(config: &ExperimentConfig, outputs: usize) -> Result<ImageSplits> {
     let root = config.data.dir.as_deref().ok_or_else(|| {
         PipelineError::value(
             "data.dir",
             "data.format = \"image_folder\" needs the folder holding train/ and test/",
         )
     })?;
-    let (train, test) = open_image_folder_splits(root, config.data.image_folder())?;
+    let skip = config.data.bad_samples == Some(crate::config::BadSamples::Skip);
+    let (train, test, skipped) =
+        open_image_folder_splits_with(root, config.data.image_folder(), skip)?;
     if train.classes().len() > outputs {
         return Err(PipelineError::value(
             "model.layers",
@@ -198,7 +213,7 @@ fn open_image_folders(
             ),
         ));
     }
-    Ok((train, test))
+    Ok((train, test, skipped))
 }
 
 /// `root/train` and `root/test` as image folders, which must hold the same
@@ -207,8 +222,29 @@ pub fn open_image_folder_splits(
     root: &Path,
     images: ImageFolderConfig,
 ) -> Result<(ImageFolder, ImageFolder)> {
-    let train = ImageFolder::open(&root.join("train"), images)?;
-    let test = ImageFolder::open(&root.join("test"), images)?;
+    let (train, test, _) = open_image_folder_splits_with(root, images, false)?;
+    Ok((train, test))
+}
+
+/// [`open_image_folder_splits`]; with `skip`, every image is decoded once
+/// and the unreadable ones are left out and listed.
+pub fn open_image_folder_splits_with(
+    root: &Path,
+    images: ImageFolderConfig,
+    skip: bool,
+) -> Result<ImageSplits> {
+    let mut skipped = Vec::new();
+    let mut open = |split: &'static str| -> Result<ImageFolder> {
+        let dir = root.join(split);
+        if !skip {
+            return Ok(ImageFolder::open(&dir, images)?);
+        }
+        let (folder, left_out) = ImageFolder::open_skipping(&dir, images)?;
+        skipped.extend(left_out.into_iter().map(|s| (split, s)));
+        Ok(folder)
+    };
+    let train = open("train")?;
+    let test = open("test")?;
     if train.classes() != test.classes() {
         return Err(PipelineError::BadData(format!(
             "{} and {} must hold the same class folders: train has {:?}, test has {:?}",
@@ -226,7 +262,37 @@ pub fn open_image_folder_splits(
         train.classes().len(),
         train.sample_shape()
     );
-    Ok((train, test))
+    Ok((train, test, skipped))
+}
+
+/// A sample left out as unreadable, as `dataset.json` records it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SkippedSample {
+    /// "train" or "test".
+    pub split: String,
+    pub sample: String,
+    pub reason: String,
+}
+
+/// Logs how many samples were left out, and the first few.
+fn report_skipped(skipped: &[SkippedSample]) {
+    if skipped.is_empty() {
+        return;
+    }
+    let count = |split: &str| skipped.iter().filter(|s| s.split == split).count();
+    tracing::warn!(
+        "data.bad_samples = \"skip\": {} unreadable samples left out ({} training, {} test), \
+         each named in the run's dataset.json; the first: {}",
+        skipped.len(),
+        count("train"),
+        count("test"),
+        skipped
+            .iter()
+            .take(3)
+            .map(|s| format!("{} ({})", s.sample, s.reason))
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
 }
 
 /// The file beside a shard store's train/ and test/ that names its
@@ -359,6 +425,10 @@ pub struct DatasetIdentity {
     /// predicted values. Left out for other data.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scale: Option<headroom_loader::TableScale>,
+    /// Samples left out as unreadable (`data.bad_samples = "skip"`); left
+    /// out when none were.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<SkippedSample>,
 }
 
 const IDENTITY_FILE: &str = "dataset.json";

@@ -13,7 +13,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use headroom_loader::{
-    CsvTable, Dataset, Element, SampleKind, ShardedDataset, TableConfig, TableScale, TensorFiles,
+    CsvTable, Dataset, Element, SampleKind, ShardedDataset, Skipped, TableConfig, TableScale,
+    TensorFiles,
 };
 
 use crate::config::ExperimentConfig;
@@ -27,6 +28,8 @@ pub struct Tables {
     /// A classifier's class names by id; None for a regression.
     pub classes: Option<Vec<String>>,
     pub scale: TableScale,
+    /// Rows left out as unreadable, each with its split.
+    pub skipped: Vec<(&'static str, Skipped)>,
 }
 
 /// A folder's train.csv and test.csv, standardised with the training
@@ -39,6 +42,9 @@ pub struct TablePair {
     /// A classifier's class names by id; None for a regression.
     pub classes: Option<Vec<String>>,
     pub scale: TableScale,
+    /// Rows left out as unreadable (`data.bad_samples = "skip"`), each
+    /// with its split.
+    pub skipped: Vec<(&'static str, Skipped)>,
 }
 
 /// Reads `root/train.csv` and `root/test.csv` with the columns `table`
@@ -50,6 +56,17 @@ pub fn open_table_pair(
     root: &Path,
     key: &str,
     table: impl Fn(Option<Vec<String>>) -> TableConfig,
+) -> Result<TablePair> {
+    open_table_pair_with(root, key, table, false)
+}
+
+/// [`open_table_pair`]; with `skip`, unreadable rows are left out and
+/// listed (`data.bad_samples = "skip"`) instead of stopping at the first.
+pub fn open_table_pair_with(
+    root: &Path,
+    key: &str,
+    table: impl Fn(Option<Vec<String>>) -> TableConfig,
+    skip: bool,
 ) -> Result<TablePair> {
     let path = |name: &str| {
         let path = root.join(name);
@@ -65,9 +82,18 @@ pub fn open_table_pair(
         }
     };
     let (train_path, test_path) = (path("train.csv")?, path("test.csv")?);
-    let mut train = CsvTable::open(&train_path, &table(None))?;
+    let mut skipped = Vec::new();
+    let mut open = |path: &Path, config: &TableConfig, split: &'static str| {
+        if !skip {
+            return CsvTable::open(path, config);
+        }
+        let (table, left_out) = CsvTable::open_skipping(path, config)?;
+        skipped.extend(left_out.into_iter().map(|s| (split, s)));
+        Ok(table)
+    };
+    let mut train = open(&train_path, &table(None), "train")?;
     let known = (!train.classes().is_empty()).then(|| train.classes().to_vec());
-    let mut test = CsvTable::open(&test_path, &table(known.clone()))?;
+    let mut test = open(&test_path, &table(known.clone()), "test")?;
     if test.feature_names() != train.feature_names() {
         return Err(PipelineError::BadData(format!(
             "{} and {} must hold the same feature columns: train has {:?}, test has {:?}",
@@ -86,6 +112,7 @@ pub fn open_table_pair(
         train_path,
         classes: known,
         scale,
+        skipped,
     })
 }
 
@@ -98,13 +125,20 @@ pub fn open_splits(config: &ExperimentConfig, outputs: usize) -> Result<Tables> 
             "data.format = \"csv\" needs the folder holding train.csv and test.csv",
         )
     })?;
+    let skip = config.data.bad_samples == Some(crate::config::BadSamples::Skip);
     let TablePair {
         train,
         test,
         train_path,
         classes: known,
         scale,
-    } = open_table_pair(root, "data.dir", |classes| config.table_config(classes))?;
+        skipped,
+    } = open_table_pair_with(
+        root,
+        "data.dir",
+        |classes| config.table_config(classes),
+        skip,
+    )?;
     check_model(config, &train, &train_path, outputs)?;
     tracing::info!(
         "table from {}: {} training and {} test rows, {} features, {}",
@@ -122,6 +156,7 @@ pub fn open_splits(config: &ExperimentConfig, outputs: usize) -> Result<Tables> 
         test: Arc::new(test),
         classes: known,
         scale,
+        skipped,
     })
 }
 

@@ -43,6 +43,7 @@ fn keys_in_code() -> BTreeSet<String> {
             "data.image_size=[28, 28]",
             "data.channels=1",
             "data.fit=center_crop",
+            "data.bad_samples=skip",
         ],
         &[
             "augment.rand_augment.num_ops=2",

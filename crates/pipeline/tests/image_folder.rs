@@ -204,3 +204,60 @@ fn a_corrupt_test_image_is_named_before_training() {
     let err = train(&config, &options()).unwrap_err().to_string();
     assert!(err.contains(&victim.display().to_string()), "{err}");
 }
+
+#[test]
+fn bad_samples_skip_leaves_out_unreadable_images_and_names_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let (images, out) = (dir.path().join("photos"), dir.path().join("run"));
+    write_folder(&images, &["red", "green", "blue"], [8, 4]);
+    // A truncated JPEG (its header reads, its body does not end), a file
+    // that is no image at all, both in the training split.
+    let jpeg = images.join("train/red/01.jpg");
+    let bytes = std::fs::read(&jpeg).unwrap();
+    std::fs::write(&jpeg, &bytes[..bytes.len() - 8]).unwrap();
+    std::fs::write(images.join("train/green/zz.png"), b"not a png").unwrap();
+
+    // By default the first is an error naming the file, before training.
+    let config = load(&sets(&images, &out, &[])).unwrap();
+    let err = train(&config, &options()).unwrap_err().to_string();
+    assert!(err.contains("zz.png") || err.contains("01.jpg"), "{err}");
+
+    let config = load(&sets(&images, &out, &["data.bad_samples=skip"])).unwrap();
+    let summary = train(&config, &options()).unwrap();
+    assert_eq!(summary.epochs.len(), 1);
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("dataset.json")).unwrap()).unwrap();
+    let skipped = record["skipped"].as_array().unwrap();
+    let names: Vec<&str> = skipped
+        .iter()
+        .map(|s| s["sample"].as_str().unwrap())
+        .collect();
+    assert_eq!(skipped.len(), 2, "{record}");
+    assert!(names.iter().any(|n| n.ends_with("red/01.jpg")), "{names:?}");
+    assert!(
+        names.iter().any(|n| n.ends_with("green/zz.png")),
+        "{names:?}"
+    );
+    assert!(skipped.iter().all(|s| s["split"] == "train"), "{record}");
+    assert_eq!(record["train_samples"], 3 * 8 - 1, "{record}");
+    assert!(
+        skipped[0]["reason"].as_str().unwrap().contains("truncated")
+            || skipped[1]["reason"].as_str().unwrap().contains("truncated"),
+        "{record}"
+    );
+
+    // A class whose every image is unreadable is never emptied silently.
+    for entry in std::fs::read_dir(images.join("test/blue")).unwrap() {
+        std::fs::write(entry.unwrap().path(), b"broken").unwrap();
+    }
+    let out2 = dir.path().join("run2");
+    let config = load(&sets(&images, &out2, &["data.bad_samples=skip"])).unwrap();
+    let err = train(&config, &options()).unwrap_err().to_string();
+    assert!(
+        err.contains("test/blue") && err.contains("empty the class"),
+        "{err}"
+    );
+    // Not for data that is checked whole.
+    let err = load(&["data.bad_samples=skip".to_string()]).unwrap_err();
+    assert!(err.contains("data.bad_samples"), "{err}");
+}

@@ -307,3 +307,55 @@ fn a_multi_label_model_learns_independent_labels_and_predicts_their_probabilitie
         "{err}"
     );
 }
+
+#[test]
+fn bad_samples_skip_leaves_out_unreadable_rows_and_names_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let (tables, out) = (dir.path().join("table"), dir.path().join("run"));
+    write_tables(&tables, [256, 64]);
+    let mut text = std::fs::read_to_string(tables.join("train.csv")).unwrap();
+    text.push_str("0.1,oops,small,0.2,40\n"); // line 258: not a number
+    text.push_str("0.1,1000,small\n"); // line 259: ragged
+    text.push_str("0.1,NaN,large,0.2,41\n"); // line 260: NaN
+    std::fs::write(tables.join("train.csv"), text).unwrap();
+    let extra = [
+        "train.loss=cross_entropy",
+        r#"data.targets=["size"]"#,
+        "train.epochs=1",
+        "schedule.kind=constant",
+        "data.bad_samples=skip",
+        r#"model.layers=[{type="flatten"}, {type="linear", out=8}, {type="relu"}, {type="linear", out=2}]"#,
+    ];
+    let config = load(&sets(&tables, &out, &extra)).unwrap();
+    let summary = train(&config, &options()).unwrap();
+    assert_eq!(summary.epochs.len(), 1);
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("dataset.json")).unwrap()).unwrap();
+    assert_eq!(record["train_samples"], 256, "{record}");
+    let lines: Vec<&str> = record["skipped"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["sample"].as_str().unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3, "{record}");
+    for (line, expected) in lines.iter().zip(["line 258", "line 259", "line 260"]) {
+        assert!(
+            line.ends_with(expected) && line.contains("train.csv"),
+            "{lines:?}"
+        );
+    }
+
+    // Rows of a class that only bad rows hold: the class would be emptied.
+    let mut text = std::fs::read_to_string(tables.join("train.csv")).unwrap();
+    text.push_str("0.1,oops,medium,0.2,40\n");
+    std::fs::write(tables.join("train.csv"), text).unwrap();
+    let out2 = dir.path().join("run2");
+    let err = train(&load(&sets(&tables, &out2, &extra)).unwrap(), &options())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`medium`") && err.contains("empty the class"),
+        "{err}"
+    );
+}

@@ -56,6 +56,19 @@ impl From<ImageFit> for headroom_loader::ImageFit {
 }
 
 setting_enum! {
+    /// What an unreadable sample leads to (`data.bad_samples`).
+    #[derive(Default)]
+    pub enum BadSamples {
+        /// An error naming the file (and row) before training.
+        #[default]
+        Fail = "fail",
+        /// Left out, each named in the log and the run's `dataset.json`;
+        /// a class left with no sample is still an error.
+        Skip = "skip",
+    }
+}
+
+setting_enum! {
     /// What an out-of-memory error leads to (`memory.oom_policy`).
     #[derive(Default)]
     pub enum OomPolicy {

@@ -59,6 +59,18 @@ impl ExperimentConfig {
                 ));
             }
         }
+        if self.data.bad_samples == Some(super::BadSamples::Skip)
+            && !matches!(self.data.format, DataFormat::ImageFolder | DataFormat::Csv)
+        {
+            return Err(PipelineError::value(
+                "data.bad_samples",
+                format!(
+                    "\"skip\" applies to \"image_folder\" and \"csv\" data, whose images and rows \
+                     are read one by one; \"{}\" data is checked whole: remove it",
+                    self.data.format
+                ),
+            ));
+        }
         let Some(stopping) = &self.train.early_stopping else {
             return Ok(());
         };
