@@ -198,21 +198,40 @@ impl CsvTable {
         let mut values = Vec::new();
         let mut class_cells: Vec<(u64, String)> = Vec::new();
         let mut lines = Vec::new();
-        for record in reader.records() {
-            let record = record.map_err(csv_err)?;
+        // One record reused for every row, checked as UTF-8 once a row
+        // (a cell at a time only to name a bad one): no allocation per row.
+        let mut record = csv::ByteRecord::new();
+        while reader.read_byte_record(&mut record).map_err(csv_err)? {
             let line = record.position().map_or(0, |p| p.line());
             lines.push(line);
+            let row = std::str::from_utf8(record.as_slice()).ok();
+            let cell = |k: usize, name: &str| {
+                // The row is the cells' bytes end to end: a cell whose
+                // bounds are char boundaries of a valid row is valid text;
+                // any other is checked alone, to name it if it is not.
+                let valid = row.zip(record.range(k)).and_then(|(row, at)| row.get(at));
+                match valid {
+                    Some(text) => Ok(text),
+                    None => std::str::from_utf8(&record[k]).map_err(|_| {
+                        format_err(
+                            path,
+                            format!("line {line}, column `{name}`: the cell is not UTF-8 text"),
+                        )
+                    }),
+                }
+            };
             for (&k, name) in feature_columns.iter().zip(&feature_names) {
-                features.push(number(path, line, name, &record[k])?);
+                features.push(number(path, line, name, cell(k, name)?)?);
             }
             match config.target {
                 TableTarget::Values => {
                     for (&k, name) in target_columns.iter().zip(&config.targets) {
-                        values.push(number(path, line, name, &record[k])?);
+                        values.push(number(path, line, name, cell(k, name)?)?);
                     }
                 }
                 TableTarget::Classes { .. } => {
-                    class_cells.push((line, record[target_columns[0]].trim().to_string()))
+                    let (k, name) = (target_columns[0], &config.targets[0]);
+                    class_cells.push((line, cell(k, name)?.trim().to_string()))
                 }
                 TableTarget::Absent => {}
             }
@@ -486,5 +505,39 @@ impl Dataset for CsvTable {
 
     fn memory_limit(&self) -> u64 {
         4 * (self.features.len() + self.values.len() + self.labels.len()) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cell_that_is_not_utf8_is_named_and_text_around_it_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.csv");
+        let config = TableConfig {
+            targets: vec!["y".into()],
+            features: Vec::new(),
+            target: TableTarget::Values,
+        };
+        // Multi-byte text in a column that is not read leaves the numbers
+        // as they are.
+        std::fs::write(&path, "a,note,b,y\n1,é,2,3\n4,ü€,5.5,6\n").unwrap();
+        let features = TableConfig {
+            features: vec!["a".into(), "b".into()],
+            ..config.clone()
+        };
+        let table = CsvTable::open(&path, &features).unwrap();
+        assert_eq!(table.features, [1.0, 2.0, 4.0, 5.5]);
+        assert_eq!(table.values, [3.0, 6.0]);
+        let mut bytes = b"a,b,y\n1,2,3\n4,".to_vec();
+        bytes.extend_from_slice(b"\xff5,6\n");
+        std::fs::write(&path, bytes).unwrap();
+        let err = CsvTable::open(&path, &config).unwrap_err().to_string();
+        assert!(
+            err.contains("line 3, column `b`: the cell is not UTF-8 text"),
+            "{err}"
+        );
     }
 }
