@@ -35,8 +35,10 @@ enum Command {
     /// One loader configuration as a JSON line (used by `bench --loader`).
     #[command(hide = true)]
     BenchLoaderOne(BenchLoaderOneCommand),
-    /// Pack a Fashion-MNIST directory into a shard store (train/ and test/),
-    /// or, with --config, a text experiment's corpus into its window store.
+    /// Pack a Fashion-MNIST directory, or your images, table or tensor files
+    /// (--from DIR --kind image_folder|csv|npy|safetensors), into a shard
+    /// store (train/ and test/), or, with --config, a text experiment's
+    /// corpus into its window store.
     Preprocess(PreprocessArgs),
     /// Test accuracy, loss and confusion matrix of a checkpoint (a token
     /// model: validation loss and bits per byte).

@@ -134,7 +134,7 @@ fn bad_options_are_named() {
         store.to_str().unwrap(),
     ];
     for (extra, expected) in [
-        (&["--kind", "csv"][..], "expected image_folder"),
+        (&["--kind", "parquet"][..], "expected image_folder"),
         (
             &["--kind", "image_folder", "--image-size", "12"],
             "expected HEIGHTxWIDTH",

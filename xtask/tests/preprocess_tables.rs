@@ -411,3 +411,82 @@ fn bad_table_options_and_cells_are_named_and_leave_no_store() {
         store.display()
     );
 }
+
+/// A safetensors file of `feats` (f32 `[rows, 3]`) and `out` (f32 `[rows]`,
+/// 2a - b + c).
+fn write_safetensors(path: &Path, rows: usize, from: usize) {
+    let mut x = Vec::new();
+    let mut y = Vec::new();
+    for r in from..from + rows {
+        let v: Vec<f32> = (0..3).map(|k| noise(3 * r + k) as f32).collect();
+        x.extend(v.iter().flat_map(|v| v.to_le_bytes()));
+        y.extend((2.0 * v[0] - v[1] + v[2]).to_le_bytes());
+    }
+    let tensors = [
+        (
+            "feats",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![rows, 3], &x)
+                .unwrap(),
+        ),
+        (
+            "out",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![rows], &y).unwrap(),
+        ),
+    ];
+    safetensors::serialize_to_file(tensors, None, path).unwrap();
+}
+
+#[test]
+fn a_safetensors_store_with_named_arrays_regresses_and_predicts_by_those_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let (files, store) = (dir.path().join("files"), dir.path().join("store"));
+    for (split, parts) in [("train", 2), ("test", 1)] {
+        std::fs::create_dir_all(files.join(split)).unwrap();
+        for p in 0..parts {
+            let from = p * 64 + if split == "test" { 7000 } else { 0 };
+            write_safetensors(
+                &files.join(split).join(format!("p{p}.safetensors")),
+                64,
+                from,
+            );
+        }
+    }
+    let out = preprocess(&[
+        "--from",
+        files.to_str().unwrap(),
+        "--kind",
+        "safetensors",
+        "--input-array",
+        "feats",
+        "--target-array",
+        "out",
+        "--output",
+        store.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("train.loss=mse"), "{}", stdout(&out));
+    let packed = experiment(
+        dir.path(),
+        "store",
+        &format!("format = \"shards\"\ndir = \"{}\"", store.display()),
+        "[1, 3, 1]",
+        r#"{ type = "linear", out = 1 },"#,
+    );
+    let text = train(&packed, &["train.loss=mse"]);
+    assert!(text.contains("test RMSE"), "{text}");
+
+    // New rows in a file whose input array is `feats`, as the store's.
+    let input = dir.path().join("new.safetensors");
+    write_safetensors(&input, 3, 9000);
+    let out = run(&[
+        "predict",
+        "--checkpoint",
+        dir.path().join("run-store").to_str().unwrap(),
+        "--input",
+        input.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert_eq!(text.lines().count(), 4, "{text}");
+    assert!(text.starts_with("input,"), "{text}");
+}

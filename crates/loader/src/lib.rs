@@ -74,6 +74,7 @@ mod sampler;
 mod sharded;
 mod store;
 mod store_index;
+mod store_read;
 mod subset;
 mod table;
 mod tensor_files;

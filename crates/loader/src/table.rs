@@ -243,9 +243,13 @@ impl CsvTable {
         let mut lines = Vec::new();
         // The classes of the rows left out, to check none is emptied.
         let mut skipped_classes: Vec<(u64, String)> = Vec::new();
-        for record in reader.records() {
-            let record = match record {
-                Ok(record) => record,
+        // One record reused for every row, checked as UTF-8 once a row
+        // (a cell at a time only to name a bad one): no allocation per row.
+        let mut record = csv::ByteRecord::new();
+        loop {
+            match reader.read_byte_record(&mut record) {
+                Ok(true) => {}
+                Ok(false) => break,
                 Err(e) => {
                     let line = e.position().map_or(0, |p| p.line());
                     match skipped.as_deref_mut() {
@@ -256,41 +260,63 @@ impl CsvTable {
                         None => return Err(csv_err(e)),
                     }
                 }
-            };
+            }
             let line = record.position().map_or(0, |p| p.line());
+            let row = std::str::from_utf8(record.as_slice()).ok();
+            let cell = |k: usize, name: &str| {
+                // The row is the cells' bytes end to end: a cell whose
+                // bounds are char boundaries of a valid row is valid text;
+                // any other is checked alone, to name it if it is not.
+                let valid = row.zip(record.range(k)).and_then(|(row, at)| row.get(at));
+                match valid {
+                    Some(text) => Ok(text),
+                    None => std::str::from_utf8(&record[k]).map_err(|_| {
+                        format_err(
+                            path,
+                            format!("line {line}, column `{name}`: the cell is not UTF-8 text"),
+                        )
+                    }),
+                }
+            };
+            let class_cell = || cell(target_columns[0], &config.targets[0]);
             let class = match config.target {
-                TableTarget::Classes { .. } => Some(record[target_columns[0]].trim().to_string()),
+                TableTarget::Classes { .. } => class_cell().ok().map(|c| c.trim().to_string()),
                 _ => None,
             };
-            let row = (|| {
-                let mut row_features = Vec::with_capacity(feature_columns.len());
+            let (features_before, values_before) = (features.len(), values.len());
+            let parsed = (|| -> Result<(), LoaderError> {
                 for (&k, name) in feature_columns.iter().zip(&feature_names) {
-                    row_features.push(number(path, line, name, &record[k])?);
+                    features.push(number(path, line, name, cell(k, name)?)?);
                 }
-                let mut row_values = Vec::new();
-                for (&k, name) in target_columns.iter().zip(&config.targets) {
-                    match config.target {
-                        TableTarget::Values => {
-                            row_values.push(number(path, line, name, &record[k])?)
+                match config.target {
+                    TableTarget::Values => {
+                        for (&k, name) in target_columns.iter().zip(&config.targets) {
+                            values.push(number(path, line, name, cell(k, name)?)?);
                         }
-                        TableTarget::Labels => {
-                            row_values.push(label(path, line, name, &record[k])?)
-                        }
-                        TableTarget::Classes { .. } | TableTarget::Absent => {}
                     }
+                    TableTarget::Labels => {
+                        for (&k, name) in target_columns.iter().zip(&config.targets) {
+                            values.push(label(path, line, name, cell(k, name)?)?);
+                        }
+                    }
+                    // A class cell that is not text is named.
+                    TableTarget::Classes { .. } if class.is_none() => {
+                        class_cell()?;
+                    }
+                    TableTarget::Classes { .. } | TableTarget::Absent => {}
                 }
-                Ok::<_, LoaderError>((row_features, row_values))
+                Ok(())
             })();
-            match (row, skipped.as_deref_mut()) {
-                (Ok((row_features, row_values)), _) => {
+            match (parsed, skipped.as_deref_mut()) {
+                (Ok(()), _) => {
                     lines.push(line);
-                    features.extend(row_features);
-                    values.extend(row_values);
                     if let Some(class) = class {
                         class_cells.push((line, class));
                     }
                 }
                 (Err(e), Some(skipped)) => {
+                    features.truncate(features_before);
+                    values.truncate(values_before);
                     skipped.push(Skipped::row(path, line, e));
                     if let Some(class) = class {
                         skipped_classes.push((line, class));
@@ -587,5 +613,39 @@ impl Dataset for CsvTable {
 
     fn memory_limit(&self) -> u64 {
         4 * (self.features.len() + self.values.len() + self.labels.len()) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cell_that_is_not_utf8_is_named_and_text_around_it_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.csv");
+        let config = TableConfig {
+            targets: vec!["y".into()],
+            features: Vec::new(),
+            target: TableTarget::Values,
+        };
+        // Multi-byte text in a column that is not read leaves the numbers
+        // as they are.
+        std::fs::write(&path, "a,note,b,y\n1,é,2,3\n4,ü€,5.5,6\n").unwrap();
+        let features = TableConfig {
+            features: vec!["a".into(), "b".into()],
+            ..config.clone()
+        };
+        let table = CsvTable::open(&path, &features).unwrap();
+        assert_eq!(table.features, [1.0, 2.0, 4.0, 5.5]);
+        assert_eq!(table.values, [3.0, 6.0]);
+        let mut bytes = b"a,b,y\n1,2,3\n4,".to_vec();
+        bytes.extend_from_slice(b"\xff5,6\n");
+        std::fs::write(&path, bytes).unwrap();
+        let err = CsvTable::open(&path, &config).unwrap_err().to_string();
+        assert!(
+            err.contains("line 3, column `b`: the cell is not UTF-8 text"),
+            "{err}"
+        );
     }
 }

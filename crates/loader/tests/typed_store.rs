@@ -361,3 +361,51 @@ fn a_preprocess_that_fails_midway_leaves_no_store() {
         .collect();
     assert_eq!(left, ["t.csv"], "temporary directories left behind");
 }
+
+#[test]
+fn safetensors_with_named_arrays_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = dir.path().join("st");
+    std::fs::create_dir_all(&files).unwrap();
+    for f in 0..2u8 {
+        let x: Vec<u8> = (0..5 * 4)
+            .flat_map(|i| (f32::from(f) * 10.0 + i as f32 * 0.5).to_le_bytes())
+            .collect();
+        let y: Vec<u8> = (0..5 * 2)
+            .flat_map(|i| (i as f32 - f32::from(f)).to_le_bytes())
+            .collect();
+        let tensors = [
+            (
+                "feats",
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![5, 4], &x)
+                    .unwrap(),
+            ),
+            (
+                "out",
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![5, 2], &y)
+                    .unwrap(),
+            ),
+        ];
+        safetensors::serialize_to_file(tensors, None, &files.join(format!("p{f}.safetensors")))
+            .unwrap();
+    }
+    let arrays = TensorFilesConfig {
+        input: "feats".into(),
+        target: "out".into(),
+        ..TensorFilesConfig::default()
+    };
+    let source = TensorFiles::open(&files, arrays).unwrap();
+    let recorded = StoreSource {
+        kind: "tensors".into(),
+        inputs: vec!["feats".into()],
+        targets: vec!["out".into()],
+        feature_scale: Vec::new(),
+    };
+    let out = dir.path().join("store");
+    preprocess_from(&source, &recorded, &out, ShardSize::Bytes(400), false).unwrap();
+    let store = open_store(&out);
+    assert_eq!(store.sample_kind().values, 2);
+    assert!(store.shard_count() > 1, "{} shards", store.shard_count());
+    assert_same_records(&source, &store);
+    assert_eq!(ShardedDataset::read_kind(&out).unwrap().1, recorded);
+}
