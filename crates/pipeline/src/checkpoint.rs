@@ -210,6 +210,18 @@ impl Checkpoint {
         }
     }
 
+    /// The meta and the learner's state, taken apart (what
+    /// `Learner::restore` takes).
+    pub fn into_parts(self) -> (CheckpointMeta, LearnerState) {
+        let state = LearnerState {
+            params: self.params,
+            buffers: self.buffers,
+            optimizer: self.optimizer,
+            loss_scale: self.loss_scale,
+        };
+        (self.meta, state)
+    }
+
     pub fn model_json(spec: &ModelSpec) -> String {
         serde_json::to_string(spec).unwrap_or_default()
     }

@@ -12,8 +12,7 @@ use headroom_optim::{AdamWConfig, LossScalerConfig};
 
 use crate::config::{ExperimentConfig, LossKind};
 use crate::learner::{
-    open_network, CpuLearner, CudaOptions, Learner, LearnerState, NetworkPlan, StepSettings,
-    ValueLoss,
+    open_network, CpuLearner, CudaOptions, Learner, NetworkPlan, StepSettings, ValueLoss,
 };
 use crate::{checkpoint, PipelineError, Result};
 
@@ -113,12 +112,7 @@ pub fn restored_cpu_learner(
         MemoryPool::new(Device::Cpu),
     )?;
     learner
-        .restore(LearnerState {
-            params: saved.params,
-            buffers: saved.buffers,
-            optimizer: saved.optimizer,
-            loss_scale: saved.loss_scale,
-        })
+        .restore(saved.into_parts().1)
         .map_err(|reason| PipelineError::Checkpoint {
             path: path.to_path_buf(),
             reason,

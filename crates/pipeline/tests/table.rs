@@ -5,24 +5,13 @@
 //! is refused before training, by key.
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use headroom_pipeline::{data, train, ExperimentConfig, Overrides, Resume, TrainOptions};
 
-fn tabular() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments/tabular.toml")
-}
-
-fn load(sets: &[String]) -> Result<ExperimentConfig, String> {
-    let overrides = Overrides::parse(sets).map_err(|e| e.to_string())?;
-    ExperimentConfig::load(&tabular(), &overrides).map_err(|e| e.to_string())
-}
-
-/// A deterministic value in [-1, 1) from `i` (no RNG crate needed).
-fn noise(i: usize) -> f64 {
-    let x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 11;
-    (x as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-}
+#[path = "tabular_fixtures/mod.rs"]
+mod tabular_fixtures;
+use tabular_fixtures::{load, noise, tabular};
 
 /// `train.csv` and `test.csv` in `dir`: columns a, b, c and y = 40 + 3a -
 /// 2b + 0.5c² (b in the thousands, so standardisation matters), plus the

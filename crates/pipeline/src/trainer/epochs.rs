@@ -18,7 +18,7 @@ use headroom_optim::Schedule;
 use super::{CheckpointSettings, LoopSettings, Run, Task};
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta, EpochProgress};
 use crate::eval::{evaluate, macro_f1, Evaluation};
-use crate::learner::{Learner, LearnerState, StepLr, StepResult};
+use crate::learner::{Learner, StepLr, StepResult};
 use crate::memory::MemoryGuard;
 use crate::monitor::{MonitorState, Verdict};
 use crate::sink::{BestEpoch, EpochSummary, EvaluatedOn, Event, SinkLink, StepReport, TestSummary};
@@ -205,14 +205,7 @@ fn restore_weights(learner: &mut dyn Learner, path: &std::path::Path, epoch: u64
             epoch + 1
         )));
     }
-    learner
-        .restore(LearnerState {
-            params: saved.params,
-            buffers: saved.buffers,
-            optimizer: saved.optimizer,
-            loss_scale: saved.loss_scale,
-        })
-        .map_err(fail)
+    learner.restore(saved.into_parts().1).map_err(fail)
 }
 
 /// Snapshots to host memory on this thread, once the previous checkpoint is

@@ -40,7 +40,7 @@ use headroom_optim::{OneCycle, Schedule};
 
 use crate::checkpoint::{self, Checkpoint};
 use crate::eval::evaluate;
-use crate::learner::{open_network, Learner, LearnerState};
+use crate::learner::{open_network, Learner};
 pub use crate::learner::{DeviceKind, NetworkPlan, StepSettings};
 use crate::memory::MemoryGuard;
 use crate::rundir::RunDir;
@@ -1101,13 +1101,8 @@ fn restart_skip_count(position: &mut Position, settings_changed: bool) {
 }
 
 fn restore(trainee: &mut epochs::Trainee, saved: Checkpoint) -> std::result::Result<(), String> {
-    let meta = saved.meta;
-    trainee.learner.restore(LearnerState {
-        params: saved.params,
-        buffers: saved.buffers,
-        optimizer: saved.optimizer,
-        loss_scale: saved.loss_scale,
-    })?;
+    let (meta, state) = saved.into_parts();
+    trainee.learner.restore(state)?;
     trainee
         .learner
         .restore_tuned_convolutions(&meta.tuned_convs);
