@@ -104,6 +104,8 @@ pub(crate) fn run_epochs(
         summaries.push(summary);
     }
     if stopped_early(plan, run) && run.trainee.position.epoch < plan.settings.epochs {
+        // After the sink's line for the last epoch, not before it.
+        events.sync()?;
         if let (Some(watch), Some((best, epoch))) = (
             &plan.settings.early_stopping,
             run.trainee.position.monitor.best,
