@@ -73,6 +73,7 @@ mod rng;
 mod sampler;
 mod sharded;
 mod store;
+mod store_fill;
 mod store_index;
 mod store_read;
 mod subset;

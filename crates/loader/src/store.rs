@@ -509,7 +509,7 @@ pub fn preprocess_from(
     let mut guard = TempDir(Some(tmp.clone()));
 
     let mut shards = Vec::with_capacity(len.div_ceil(per_shard));
-    let mut buf = zeroed(sample_len, "one sample")?;
+    let mut reader = crate::store_fill::BlockReader::new(sample_len)?;
     let mut first = 0usize;
     while first < len {
         let count = per_shard.min(len - first);
@@ -526,7 +526,7 @@ pub fn preprocess_from(
                 num_classes,
                 version,
             },
-            &mut buf,
+            &mut reader,
         )?);
         tracing::debug!(shard = k, samples = count, "shard written");
         first += count;
@@ -625,7 +625,7 @@ fn write_shard(
     source: &dyn Dataset,
     path: &Path,
     plan: ShardPlan,
-    buf: &mut [u8],
+    reader: &mut crate::store_fill::BlockReader,
 ) -> Result<ShardMeta, LoaderError> {
     let ShardPlan {
         k,
@@ -635,7 +635,7 @@ fn write_shard(
         num_classes,
         version,
     } = plan;
-    let sample_len = buf.len();
+    let sample_len = reader.sample_len();
     let head_len = shard_head_len(count);
     let file = File::create(path).map_err(io_err(path))?;
     let mut w = BufWriter::with_capacity(1 << 20, file);
@@ -644,18 +644,15 @@ fn write_shard(
         .map_err(io_err(path))?;
     let mut data_crc = crc32fast::Hasher::new();
     let mut labels = Vec::with_capacity(count);
-    for index in first..first + count {
-        let label = source.read(index, buf)?;
-        if label as usize >= num_classes {
-            return Err(LoaderError::Label {
-                index,
-                label,
-                num_classes,
-            });
-        }
-        labels.push(label);
-        data_crc.update(buf);
-        w.write_all(buf).map_err(io_err(path))?;
+    // Read on every core a block at a time, written in sample order.
+    let mut index = first;
+    while index < first + count {
+        let n = reader.block().min(first + count - index);
+        let (records, block_labels) = reader.read(source, index, n, num_classes)?;
+        labels.extend_from_slice(block_labels);
+        data_crc.update(records);
+        w.write_all(records).map_err(io_err(path))?;
+        index += n;
     }
     let mut file = w.into_inner().map_err(|e| io_err(path)(e.into_error()))?;
 
