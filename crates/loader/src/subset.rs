@@ -238,6 +238,51 @@ mod tests {
         }
     }
 
+    /// A source whose samples sit in shards of 10, 20 and 5.
+    struct Sharded(SyntheticDataset);
+
+    impl Dataset for Sharded {
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+        fn sample_shape(&self) -> [usize; 3] {
+            self.0.sample_shape()
+        }
+        fn num_classes(&self) -> usize {
+            self.0.num_classes()
+        }
+        fn read(&self, index: usize, out: &mut [u8]) -> Result<u32, LoaderError> {
+            self.0.read(index, out)
+        }
+        fn shard_layout(&self) -> Option<ShardLayout> {
+            Some(ShardLayout {
+                shard_lens: vec![10, 20, 5],
+                window: 2,
+            })
+        }
+    }
+
+    #[test]
+    fn each_part_keeps_the_shards_with_its_own_counts() {
+        let data: Arc<dyn Dataset> = Arc::new(Sharded(SyntheticDataset::new(35, [1, 1, 1], 2)));
+        let (rest, drawn) = split_off(data, 12, 5).unwrap();
+        let count_in = |ids: &[usize], range: std::ops::Range<usize>| {
+            ids.iter().filter(|&&id| range.contains(&id)).count()
+        };
+        for part in [&rest, &drawn] {
+            let ids = ids(part);
+            let expected: Vec<usize> = [0..10, 10..30, 30..35]
+                .into_iter()
+                .map(|r| count_in(&ids, r))
+                .filter(|&n| n > 0)
+                .collect();
+            let layout = part.shard_layout().unwrap();
+            assert_eq!(layout.shard_lens, expected);
+            assert_eq!(layout.shard_lens.iter().sum::<usize>(), part.len());
+            assert_eq!(layout.window, 2);
+        }
+    }
+
     #[test]
     fn a_split_that_leaves_a_side_empty_is_refused() {
         let data: Arc<dyn Dataset> = Arc::new(SyntheticDataset::new(10, [1, 1, 1], 2));
