@@ -876,6 +876,39 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
     Checkpoint::read_from(BufReader::with_capacity(IO_BUFFER, file), len, path)
 }
 
+/// The meta of the checkpoint at `path` alone (where it stands: epoch,
+/// batch, step), read without its tensors and without checking its
+/// checksum: for a choice among files, never for a state to train on
+/// (`load` checks that).
+pub fn read_meta(path: &Path) -> Result<CheckpointMeta> {
+    let file = File::open(path).map_err(|e| PipelineError::io(path, e))?;
+    let len = file
+        .metadata()
+        .map_err(|e| PipelineError::io(path, e))?
+        .len();
+    let mut source = Source {
+        inner: BufReader::with_capacity(64 << 10, file),
+        hasher: crc32fast::Hasher::new(),
+        remaining: len.saturating_sub(4),
+    };
+    let read = |source: &mut Source<_>| -> std::result::Result<CheckpointMeta, Fault> {
+        let magic: [u8; 8] = source.array()?;
+        if &magic != MAGIC {
+            return Err(Fault::Format(
+                "not a headroom checkpoint (bad magic)".into(),
+            ));
+        }
+        let version = u32::from_le_bytes(source.array()?);
+        if !(OLDEST_READABLE..=FORMAT_VERSION).contains(&version) {
+            return Err(Fault::Format(format!(
+                "format version {version}, this build reads {OLDEST_READABLE} to {FORMAT_VERSION}"
+            )));
+        }
+        source.meta(version)
+    };
+    read(&mut source).map_err(|e| e.into_error(path))
+}
+
 /// A checkpoint file and what it holds.
 pub type Found = (PathBuf, Checkpoint);
 

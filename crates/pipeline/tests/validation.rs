@@ -250,3 +250,46 @@ fn settings_that_cannot_work_are_refused_by_key() {
         "{message}"
     );
 }
+
+#[test]
+fn a_best_checkpoint_that_is_not_the_resumed_states_best_is_set_aside_and_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let tables = dir.path().join("table");
+    write_tables(&tables, [1000, 200]);
+    let whole = dir.path().join("whole");
+    let mut extra = vec!["train.epochs=10"];
+    extra.extend(NEVER_BETTER);
+    let straight = train(
+        &load(&sets(&tables, &whole, &extra)).unwrap(),
+        &options(Resume::No),
+    )
+    .unwrap();
+
+    // Two epochs (best: the first), then best.ckpt overwritten with the
+    // second epoch's checkpoint, as a resume from an older state than the
+    // best's file would find it.
+    let run = dir.path().join("run");
+    let mut first = vec!["train.epochs=2"];
+    first.extend(NEVER_BETTER);
+    let head = train(
+        &load(&sets(&tables, &run, &first)).unwrap(),
+        &options(Resume::No),
+    )
+    .unwrap();
+    let last = head.last_checkpoint.unwrap();
+    std::fs::remove_file(run.join("best.ckpt")).unwrap();
+    std::fs::copy(&last, run.join("best.ckpt")).unwrap();
+    let tail = train(
+        &load(&sets(&tables, &run, &extra)).unwrap(),
+        &options(Resume::Latest),
+    )
+    .unwrap();
+    assert!(run.join("best.ckpt.stale").is_file());
+    let best = evaluate_checkpoint(&run.join("best.ckpt"), None, 64, None).unwrap();
+    assert_eq!(
+        best.epoch, 1,
+        "the first epoch's checkpoint is best.ckpt again"
+    );
+    assert!(tail.stopped_early && tail.test_from_best);
+    assert_eq!(tail.test_loss, straight.test_loss);
+}

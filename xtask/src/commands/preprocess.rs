@@ -222,18 +222,8 @@ fn preprocess_table(
         targets: pair.train.target_names().to_vec(),
         feature_scale: pair.scale.features.clone(),
     };
-    for (name, split) in [("train", &pair.train), ("test", &pair.test)] {
-        let counted = Counted::new(split, name, "rows");
-        let summary = headroom_loader::preprocess_from(
-            &counted,
-            &source,
-            &output.join(name),
-            shard_size,
-            overwrite,
-        );
-        counted.finish();
-        println!("{name}: {}", summary?);
-    }
+    let splits: [&dyn Dataset; 2] = [&pair.train, &pair.test];
+    pack_typed_splits(splits, &source, "rows", output, shard_size, overwrite)?;
     write_classes(output, pair.classes.as_deref())?;
     let features = pair.train.feature_names().len();
     let outputs = match &pair.classes {
@@ -292,18 +282,8 @@ fn preprocess_tensors(
         targets: vec![arrays.target.clone()],
         feature_scale: Vec::new(),
     };
-    for (name, split) in [("train", &train), ("test", &test)] {
-        let counted = Counted::new(split, name, "samples");
-        let summary = headroom_loader::preprocess_from(
-            &counted,
-            &source,
-            &output.join(name),
-            shard_size,
-            overwrite,
-        );
-        counted.finish();
-        println!("{name}: {}", summary?);
-    }
+    let splits: [&dyn Dataset; 2] = [&train, &test];
+    pack_typed_splits(splits, &source, "samples", output, shard_size, overwrite)?;
     write_classes(output, None)?;
     let shape = train.sample_shape();
     let regression = train.sample_kind().values > 0;
@@ -437,5 +417,30 @@ fn preprocess_text(config: &Path, overrides: &[String], allow_install: bool) -> 
         "train on it with: cargo xtask train --config {}",
         shell::quote_path(config)
     );
+    Ok(())
+}
+
+/// Packs a typed source's train and test splits into `output/train` and
+/// `output/test`, with the progress line (`unit`: "rows", "samples").
+fn pack_typed_splits(
+    splits: [&dyn Dataset; 2],
+    source: &headroom_loader::StoreSource,
+    unit: &str,
+    output: &Path,
+    shard_size: ShardSize,
+    overwrite: bool,
+) -> Result<()> {
+    for (name, split) in ["train", "test"].into_iter().zip(splits) {
+        let counted = Counted::new(split, name, unit);
+        let summary = headroom_loader::preprocess_from(
+            &counted,
+            source,
+            &output.join(name),
+            shard_size,
+            overwrite,
+        );
+        counted.finish();
+        println!("{name}: {}", summary?);
+    }
     Ok(())
 }

@@ -154,16 +154,29 @@ pub(crate) fn final_test(
         .early_stopping
         .as_ref()
         .and(position.monitor.best);
+    let last = (position.epoch.saturating_sub(1), false);
     let (weights_of_epoch, from_best_checkpoint) = match best {
         Some((_, epoch)) => {
             // `best.ckpt` is in place once the sink has handled every
             // event sent so far.
             events.sync()?;
             let path = events.dir().get().join(checkpoint::BEST_FILE);
-            restore_weights(run.trainee.learner.as_mut(), &path, epoch)?;
-            (epoch, true)
+            if path.is_file() {
+                restore_weights(run.trainee.learner.as_mut(), &path, epoch)?;
+                (epoch, true)
+            } else {
+                // Set aside on resume as stale, its epoch's checkpoint
+                // since pruned: the last weights are scored, and said to be.
+                tracing::warn!(
+                    "no best checkpoint of epoch {} in {}: the test set is scored with the last \
+                     weights",
+                    epoch + 1,
+                    path.display()
+                );
+                last
+            }
         }
-        None => (position.epoch.saturating_sub(1), false),
+        None => last,
     };
     let test = evaluate_within_memory(&mut run.trainee, &run.test_loader, plan, memory)?;
     if !test.loss.is_finite() {

@@ -1061,28 +1061,46 @@ fn set_aside_after(dir: &Path, from_step: u64) -> Result<String> {
 
 /// A `best.ckpt` that is not the best of the checkpoint resumed from (a
 /// resume from an older checkpoint, the newer ones corrupt) is set aside
-/// as `best.ckpt.stale`: the run keeps its best again as it goes.
+/// as `best.ckpt.stale`, and the best epoch's own checkpoint, if the run
+/// still keeps it, becomes `best.ckpt` again. Only the files' metas are
+/// read.
 fn set_aside_stale_best(dir: &Path, position: &Position) -> Result<()> {
     let path = dir.join(checkpoint::BEST_FILE);
-    if !path.is_file() {
-        return Ok(());
-    }
-    let holds = checkpoint::load(&path).ok().map(|saved| saved.meta.epoch);
+    // The end of the best epoch, where its checkpoint stands.
     let expected = position.monitor.best.map(|(_, epoch)| epoch + 1);
-    if holds.is_some() && holds == expected {
+    let at_best =
+        |meta: &checkpoint::CheckpointMeta| Some(meta.epoch) == expected && meta.batches_done == 0;
+    let holds = checkpoint::read_meta(&path).ok();
+    if holds.as_ref().is_some_and(at_best) || (!path.exists() && expected.is_none()) {
         return Ok(());
     }
-    let mut aside = path.clone().into_os_string();
-    aside.push(".stale");
-    std::fs::rename(&path, &aside).map_err(|e| PipelineError::io(&path, e))?;
-    tracing::warn!(
-        "{} is not the best checkpoint of the state resumed from (it holds {}; the best is {}): \
-         set aside as {}",
-        path.display(),
-        holds.map_or_else(|| "no readable checkpoint".into(), |e| format!("epoch {e}")),
-        expected.map_or_else(|| "not yet chosen".into(), |e| format!("epoch {e}")),
-        PathBuf::from(&aside).display()
-    );
+    if path.exists() {
+        let mut aside = path.clone().into_os_string();
+        aside.push(".stale");
+        std::fs::rename(&path, &aside).map_err(|e| PipelineError::io(&path, e))?;
+        tracing::warn!(
+            "{} is not the best checkpoint of the state resumed from (it holds {}; the best is \
+             {}): set aside as {}",
+            path.display(),
+            holds.map_or_else(
+                || "no readable checkpoint".into(),
+                |m| format!("epoch {}", m.epoch)
+            ),
+            expected.map_or_else(|| "not yet chosen".into(), |e| format!("epoch {e}")),
+            PathBuf::from(&aside).display()
+        );
+    }
+    let kept = checkpoint::list(dir)?
+        .into_iter()
+        .find(|file| checkpoint::read_meta(file).is_ok_and(|meta| at_best(&meta)));
+    if let Some(file) = kept {
+        let best = checkpoint::keep_as_best(dir, &file)?;
+        tracing::info!(
+            "{} is the best epoch's checkpoint again: {}",
+            file.display(),
+            best.display()
+        );
+    }
     Ok(())
 }
 
