@@ -343,11 +343,20 @@ fn receive(
                     bar.finish_epoch();
                 }
                 watch.check(&mut metrics)?;
-                let record = records::epoch_record(&summary).map_err(|e| PipelineError::Stage {
-                    stage: "sink",
-                    reason: e.to_string(),
-                })?;
-                write_json(&mut metrics, "epoch", &record)?;
+                // A test-set epoch is written as it always was (its keys in
+                // the struct's order); a validation epoch's keys renamed.
+                match summary.evaluated_on {
+                    EvaluatedOn::Test => write_json(&mut metrics, "epoch", &summary)?,
+                    EvaluatedOn::Validation => {
+                        let record = records::validation_epoch_record(&summary).map_err(|e| {
+                            PipelineError::Stage {
+                                stage: "sink",
+                                reason: e.to_string(),
+                            }
+                        })?;
+                        write_json(&mut metrics, "epoch", &record)?
+                    }
+                }
                 user.each(|sink| sink.epoch(&summary))?;
                 flush(&mut metrics)?;
                 tracing::info!(

@@ -77,6 +77,16 @@ fn a_regression_learns_the_table_and_reports_its_error_in_the_targets_units() {
     let first = summary.epochs.first().unwrap();
     assert!(last.test_loss < first.test_loss, "{summary:?}");
 
+    // A test-set epoch's line keeps the summary's field order.
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let epoch = metrics
+        .lines()
+        .find(|l| l.contains(r#""kind":"epoch""#))
+        .unwrap();
+    assert!(
+        epoch.starts_with(r#"{"kind":"epoch","data":{"epoch":0,"train_loss":"#),
+        "{epoch}"
+    );
     let record = std::fs::read_to_string(out.join("dataset.json")).unwrap();
     let record: serde_json::Value = serde_json::from_str(&record).unwrap();
     let scale = &record["scale"];

@@ -87,6 +87,16 @@ fn epochs_are_scored_on_the_validation_split_and_the_test_set_once_at_the_end() 
 
     let epochs = records(&out, "epoch");
     assert_eq!(epochs.len(), 3);
+    let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let first = lines
+        .lines()
+        .find(|l| l.contains(r#""kind":"epoch""#))
+        .unwrap();
+    let loss = epochs[0]["validation_loss"].as_f64().unwrap() as f32;
+    assert!(
+        first.contains(&format!(r#""validation_loss":{loss}"#)),
+        "an f32 is written in its shortest form: {first}"
+    );
     for epoch in &epochs {
         assert!(epoch["validation_loss"].is_f64(), "{epoch}");
         assert!(epoch["validation_accuracy"].is_f64(), "{epoch}");

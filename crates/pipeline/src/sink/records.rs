@@ -69,22 +69,24 @@ pub struct BestEpoch {
     pub figure: String,
 }
 
-/// The JSON of an epoch's line in `metrics.jsonl`: its held-out figures
-/// named after the split they come from.
-pub(super) fn epoch_record(summary: &EpochSummary) -> serde_json::Result<serde_json::Value> {
-    let mut value = serde_json::to_value(summary)?;
-    if summary.evaluated_on == EvaluatedOn::Validation {
-        if let Some(map) = value.as_object_mut() {
-            let renamed: Vec<(String, serde_json::Value)> = map
-                .iter()
-                .filter_map(|(k, v)| {
-                    k.strip_prefix("test_")
-                        .map(|rest| (format!("validation_{rest}"), v.clone()))
-                })
-                .collect();
-            map.retain(|k, _| !k.starts_with("test_") && k != "evaluated_on");
-            map.extend(renamed);
-        }
+/// The JSON of a validation epoch's line in `metrics.jsonl`: its held-out
+/// figures named `validation_*`, after the split they come from.
+pub(super) fn validation_epoch_record(
+    summary: &EpochSummary,
+) -> serde_json::Result<serde_json::Value> {
+    // Through the text, not `to_value`: an f32 is written as its shortest
+    // form (0.8397), which `to_value` would widen to f64 (0.83969998...).
+    let mut value: serde_json::Value = serde_json::from_str(&serde_json::to_string(summary)?)?;
+    if let Some(map) = value.as_object_mut() {
+        let renamed: Vec<(String, serde_json::Value)> = map
+            .iter()
+            .filter_map(|(k, v)| {
+                k.strip_prefix("test_")
+                    .map(|rest| (format!("validation_{rest}"), v.clone()))
+            })
+            .collect();
+        map.retain(|k, _| !k.starts_with("test_") && k != "evaluated_on");
+        map.extend(renamed);
     }
     Ok(value)
 }
