@@ -433,6 +433,7 @@ fn text_run(dir: &std::path::Path, name: &str, text: &str) -> headroom_pipeline:
         resume: Resume::No,
         allow_install: false,
         stop: None,
+        ..Default::default()
     };
     train(&config, &options).unwrap()
 }

@@ -101,7 +101,8 @@ pub fn training_step(
         let options = crate::parts::cuda_options(&config)?;
         let pool = MemoryPool::new(Device::Cpu);
         let initialise = crate::finetune::initialise_for_timing;
-        let mut learner = crate::parts::open_with(&config, pool, options, initialise)?;
+        let layers = headroom_model::LayerRegistry::default();
+        let mut learner = crate::parts::open_with(&config, pool, options, initialise, &layers)?;
         let batch = synthetic_batch(&config, batch, learner.num_classes());
         let lr = config.optimizer.lr;
         run_steps(learner.as_mut(), &batch, lr, warmup)?;

@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use headroom_loader::{Batch, DataLoader, SampleKind};
+use headroom_model::LayerRegistry;
 
 use crate::checkpoint::{self, Checkpoint};
 use crate::config::{ExperimentConfig, TestTimeAugmentation};
@@ -305,6 +306,18 @@ pub fn evaluate_checkpoint(
     batch: usize,
     tta: Option<TestTimeAugmentation>,
 ) -> Result<EvalReport> {
+    evaluate_checkpoint_with(path, data_dir, batch, tta, &LayerRegistry::default())
+}
+
+/// `evaluate_checkpoint` of a model whose `custom` entries `layers` makes
+/// (the registry its run was trained with).
+pub fn evaluate_checkpoint_with(
+    path: &Path,
+    data_dir: Option<PathBuf>,
+    batch: usize,
+    tta: Option<TestTimeAugmentation>,
+    layers: &LayerRegistry,
+) -> Result<EvalReport> {
     let (path, saved) = run_checkpoint(path)?;
     let path = path.as_path();
     let mut config: ExperimentConfig =
@@ -321,7 +334,7 @@ pub fn evaluate_checkpoint(
         config.validate()?;
     }
     let (epoch, step) = (saved.meta.epoch, saved.meta.step);
-    let mut learner = restored_cpu_learner(&config, saved, path, batch)?;
+    let mut learner = restored_cpu_learner(&config, saved, path, batch, layers)?;
     let (_, test_set) = data::open_splits(&config, false)?;
     let loader = DataLoader::new(test_set, data::loader_config(&config, false)?)?;
     let evaluation = evaluate(&mut learner, &loader, config.eval.tta)?;

@@ -57,12 +57,13 @@ pub fn open_with(
     pool: Arc<MemoryPool>,
     cuda: CudaOptions,
     initialise: Initialise,
+    layers: &LayerRegistry,
 ) -> Result<Box<dyn Learner>> {
     let plan = NetworkPlan {
         spec: config.model.clone(),
         seed: config.run.seed,
         build: cpu_build_options(config),
-        layers: LayerRegistry::default(),
+        layers: layers.clone(),
         step: StepSettings::from_config(config),
         batch: config.train.batch_size,
         device: config.learner_device(),
@@ -95,21 +96,26 @@ pub fn cuda_options(config: &ExperimentConfig) -> Result<CudaOptions> {
 }
 
 /// A CPU learner for `config`'s model holding the state `saved` (read from
-/// `path`, named in errors), evaluating `micro_batch` samples at a time.
+/// `path`, named in errors), evaluating `micro_batch` samples at a time;
+/// the model's `custom` entries are made by `layers`.
 pub fn restored_cpu_learner(
     config: &ExperimentConfig,
     saved: checkpoint::Checkpoint,
     path: &Path,
     micro_batch: usize,
+    layers: &LayerRegistry,
 ) -> Result<CpuLearner> {
     // A full fine-tune's checkpoints hold the model without its adapters.
-    let mut learner = CpuLearner::new(
-        &crate::config::finetune::effective_model(config),
-        config.run.seed,
-        crate::parts::cpu_build_options(config),
+    let spec = crate::config::finetune::effective_model(config);
+    let pool = MemoryPool::new(Device::Cpu);
+    let network = pool.scope(|| {
+        Network::build_with_layers(&spec, config.run.seed, cpu_build_options(config), layers)
+    })?;
+    let mut learner = CpuLearner::from_network(
+        network,
         StepSettings::from_config(config),
         micro_batch,
-        MemoryPool::new(Device::Cpu),
+        pool,
     )?;
     learner
         .restore(saved.into_parts().1)

@@ -28,6 +28,7 @@ use crate::config::{DataFormat, ExperimentConfig};
 use crate::eval::{restored_cpu_learner, run_checkpoint};
 use crate::learner::softmax_rows;
 use crate::{data, PipelineError, Result};
+use headroom_model::LayerRegistry;
 
 /// What a run predicted for each input.
 #[derive(Clone, Debug, PartialEq)]
@@ -57,6 +58,17 @@ pub enum PredictedOutputs {
 /// Scores `input` with the model of `checkpoint` (a checkpoint file or a
 /// run directory, as `eval` takes it), `batch` samples at a time.
 pub fn predict(checkpoint: &Path, input: &Path, batch: usize) -> Result<Predictions> {
+    predict_with(checkpoint, input, batch, &LayerRegistry::default())
+}
+
+/// `predict` with a model whose `custom` entries `layers` makes (the
+/// registry its run was trained with).
+pub fn predict_with(
+    checkpoint: &Path,
+    input: &Path,
+    batch: usize,
+    layers: &LayerRegistry,
+) -> Result<Predictions> {
     let (path, saved) = run_checkpoint(checkpoint)?;
     let config: ExperimentConfig =
         serde_json::from_str(&saved.meta.config_json).map_err(|e| PipelineError::Checkpoint {
@@ -73,7 +85,7 @@ pub fn predict(checkpoint: &Path, input: &Path, batch: usize) -> Result<Predicti
     let run_dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
     let batch = batch.max(1);
     let inputs = open_inputs(&config, &run_dir, input)?;
-    let mut learner = restored_cpu_learner(&config, saved, &path, batch)?;
+    let mut learner = restored_cpu_learner(&config, saved, &path, batch, layers)?;
     let outputs_per_row = learner.network().num_classes();
     let loader = DataLoader::new(
         Arc::clone(&inputs.dataset),

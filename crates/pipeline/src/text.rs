@@ -395,7 +395,13 @@ fn is_bidi_control(c: char) -> bool {
 }
 
 fn learner_from_checkpoint(config: &ExperimentConfig, path: &Path) -> Result<CpuLearner> {
-    crate::parts::restored_cpu_learner(config, checkpoint::load(path)?, path, 1)
+    crate::parts::restored_cpu_learner(
+        config,
+        checkpoint::load(path)?,
+        path,
+        1,
+        &headroom_model::LayerRegistry::default(),
+    )
 }
 
 /// `count` bytes continuing `prompt`, each drawn from the model's

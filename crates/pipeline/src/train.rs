@@ -8,6 +8,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use headroom_loader::{Dataset, LoaderConfig};
+use headroom_model::LayerRegistry;
 
 use crate::config::ExperimentConfig;
 use crate::learner::{CudaOptions, Learner};
@@ -29,6 +30,11 @@ pub struct TrainOptions {
     /// Set (by a signal handler, say) to stop after the current step with a
     /// checkpoint.
     pub stop: Option<Arc<AtomicBool>>,
+    /// Makes the experiment's `{ type = "custom", name = ... }` layers: a
+    /// program of your own trains a TOML experiment naming its layers by
+    /// registering them here (and passes the same registry to `eval` and
+    /// `predict`).
+    pub layers: LayerRegistry,
 }
 
 /// The learner `device.kind` asks for, with micro-batches of
@@ -39,7 +45,17 @@ pub fn open(
     pool: Arc<headroom_model::memory::MemoryPool>,
     cuda: CudaOptions,
 ) -> Result<Box<dyn Learner>> {
-    parts::open_with(config, pool, cuda, crate::finetune::initialise)
+    open_with_layers(config, pool, cuda, &LayerRegistry::default())
+}
+
+/// `open`, the model's `custom` entries made by `layers`.
+pub fn open_with_layers(
+    config: &ExperimentConfig,
+    pool: Arc<headroom_model::memory::MemoryPool>,
+    cuda: CudaOptions,
+    layers: &LayerRegistry,
+) -> Result<Box<dyn Learner>> {
+    parts::open_with(config, pool, cuda, crate::finetune::initialise, layers)
 }
 
 pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSummary> {
@@ -53,6 +69,7 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
     let recorded = Arc::clone(&config);
     let for_parts = Arc::clone(&config);
     let allow_install = options.allow_install;
+    let layers = options.layers.clone();
     Trainer::from_parts(TrainerParts {
         run_dir,
         resume: options.resume.clone(),
@@ -65,7 +82,7 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
             kind: config.schedule.clone(),
         },
         record: config.clone(),
-        parts: Box::new(move |pool| make_parts(&for_parts, allow_install, pool)),
+        parts: Box::new(move |pool| make_parts(&for_parts, allow_install, &layers, pool)),
         sinks: Vec::new(),
         // The resolved config, written once: a resumed run keeps its own.
         on_open: Some(Box::new(move |dir| {
@@ -106,11 +123,12 @@ pub fn loop_settings(config: &ExperimentConfig) -> Result<LoopSettings> {
 fn make_parts(
     config: &ExperimentConfig,
     allow_install: bool,
+    layers: &LayerRegistry,
     pool: Arc<headroom_model::memory::MemoryPool>,
 ) -> Result<Parts> {
     let (train_set, test_set) = data::open_splits(config, allow_install)?;
     let (train_set, validation) = split_validation(config, train_set)?;
-    let mut learner = open(config, pool, parts::cuda_options(config)?)?;
+    let mut learner = open_with_layers(config, pool, parts::cuda_options(config)?, layers)?;
     check_data_fits_model(config, train_set.as_ref(), learner.as_ref())?;
     match &validation {
         Some(validation) => tracing::info!(

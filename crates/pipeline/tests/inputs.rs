@@ -73,6 +73,7 @@ fn trained(dir: &Path, name: &str, dim: usize) -> PathBuf {
         resume: Resume::No,
         allow_install: false,
         stop: None,
+        ..Default::default()
     };
     train(&config, &options).unwrap();
     dir.join(name)

@@ -91,6 +91,7 @@ fn options() -> TrainOptions {
         resume: Resume::No,
         allow_install: false,
         stop: None,
+        ..Default::default()
     }
 }
 

@@ -19,6 +19,7 @@ fn options() -> TrainOptions {
         resume: Resume::No,
         allow_install: false,
         stop: None,
+        ..Default::default()
     }
 }
 

@@ -55,6 +55,7 @@ fn options() -> TrainOptions {
         resume: Resume::No,
         allow_install: false,
         stop: None,
+        ..Default::default()
     }
 }
 

@@ -63,6 +63,7 @@ fn options() -> TrainOptions {
         resume: Resume::No,
         allow_install: false,
         stop: None,
+        ..Default::default()
     }
 }
 

@@ -81,6 +81,7 @@ fn options() -> TrainOptions {
         resume: Resume::No,
         allow_install: false,
         stop: None,
+        ..Default::default()
     }
 }
 

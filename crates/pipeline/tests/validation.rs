@@ -59,6 +59,7 @@ fn options(resume: Resume) -> TrainOptions {
         resume,
         allow_install: false,
         stop: None,
+        ..Default::default()
     }
 }
 

@@ -9,13 +9,16 @@
 //! - [`csv_sink`]: a sink that writes `steps.csv` and `epochs.csv` and
 //!   keeps them exact across a kill and a resume.
 //!
-//! The three programs in `src/bin` train with them:
+//! The programs in `src/bin` train with them:
 //!
 //! ```sh
 //! cargo run --release -p headroom-examples --bin custom_dataset -- --out runs/spirals
 //! cargo run --release -p headroom-examples --bin custom_layer -- --out runs/gated
 //! cargo run --release -p headroom-examples --bin custom_sink -- --out runs/csv
 //! # killed? the same command with --resume goes on from the last checkpoint
+//! # a TOML experiment naming the custom layer, trained as `cargo xtask
+//! # train` trains one, then scored by eval and predict:
+//! cargo run --release -p headroom-examples --bin toml_layer -- --out runs/toml
 //! ```
 //!
 //! [`Trainer`]: headroom_pipeline::Trainer
@@ -80,6 +83,14 @@ impl Default for Example {
     }
 }
 
+/// The examples' custom layers by name: what a model spec's `{ type =
+/// "custom", name = "gated_residual" }` entry is made by, for a `Trainer`
+/// (`NetworkPlan::layers`) and for a TOML experiment (`TrainOptions::layers`,
+/// `eval::evaluate_checkpoint_with`, `predict::predict_with`) alike.
+pub fn registry() -> LayerRegistry {
+    LayerRegistry::new().register("gated_residual", gated_residual::factory)
+}
+
 /// The model of the examples: three hidden layers on the spirals' two
 /// coordinates; `gated` makes the second a gated residual layer.
 pub fn model_spec(width: usize, gated: bool) -> std::result::Result<ModelSpec, toml::de::Error> {
@@ -123,7 +134,7 @@ pub fn example_trainer(
         spec,
         seed: example.seed,
         build: Default::default(),
-        layers: LayerRegistry::new().register("gated_residual", gated_residual::factory),
+        layers: registry(),
         step: StepSettings {
             clip_norm: 1.0,
             // The rest (cross-entropy, the optimizer's defaults) as the

@@ -210,6 +210,7 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
             resume: plan.resume.clone(),
             allow_install,
             stop: Some(stop.flag()),
+            ..Default::default()
         };
         if !train_missing_base(experiment, &options)? {
             println!("stopped while training the base; run the same command again to continue");
