@@ -215,6 +215,45 @@ fn a_diverging_run_keeps_no_state_from_after_its_bad_update_and_the_advice_works
 }
 
 #[test]
+fn a_run_whose_updates_would_overflow_skips_them_and_keeps_only_finite_state() {
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 256, 64);
+    let out = tempfile::tempdir().unwrap();
+    // A constant learning rate of 1e38: every gradient is finite, but AdamW's step
+    // size lr / (1 - β1) is beyond f32, so each update would write
+    // infinities. Each is skipped instead, and the run stops as diverging
+    // with nothing non-finite ever applied or checkpointed.
+    let config = smoke_config(
+        data.path(),
+        out.path(),
+        &[
+            "train.epochs=1",
+            "optimizer.lr=1e38",
+            "schedule.kind=constant",
+            "train.clip_norm=0",
+            "train.max_consecutive_skips=3",
+            "checkpoint.every_steps=1",
+        ],
+    );
+    let err = train(&config, &TrainOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("non-finite") && err.contains("3 steps"),
+        "{err}"
+    );
+    // No update was applied, so nothing is set aside as diverged.
+    let names: Vec<_> = std::fs::read_dir(out.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        !names.iter().any(|name| name.ends_with(".diverged")),
+        "{names:?}"
+    );
+}
+
+#[test]
 fn an_evaluation_whose_loss_is_not_finite_is_an_error_not_a_result() {
     let data = tempfile::tempdir().unwrap();
     write_synthetic_fashion_mnist(data.path(), 64, 32);

@@ -21,6 +21,62 @@ use crate::{check, OptimError};
 /// Elements per parallel task of the update.
 const CHUNK: usize = 1 << 14;
 
+/// What [`AdamW::step_if_finite`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UpdateOutcome {
+    Applied,
+    /// Nothing changed: the update would have left a value that is not
+    /// finite in parameter `index` (`name`) or in its moments.
+    NonFinite { index: usize, name: String },
+}
+
+/// The scalars of one update, element by element (see the module's
+/// formulas).
+#[derive(Clone, Copy)]
+struct ElementFactors {
+    decay_factor: f32,
+    neg_step_size: f32,
+    bias_correction2_sqrt: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    eps: f32,
+}
+
+impl ElementFactors {
+    /// Whether the update of `param` (moments `m`, `v`) leaves every value
+    /// finite: the same operations as the update, nothing written.
+    fn stays_finite(&self, param: &Param, m: &[f32], v: &[f32]) -> bool {
+        let decay = if param.decay { self.decay_factor } else { 1.0 };
+        let f = *self;
+        param
+            .value
+            .data()
+            .par_chunks(CHUNK)
+            .zip(param.grad.data().par_chunks(CHUNK))
+            .zip(m.par_chunks(CHUNK))
+            .zip(v.par_chunks(CHUNK))
+            .all(|(((p, g), m), v)| {
+                let mut finite = true;
+                wide(
+                    #[inline(always)]
+                    || {
+                        let moments = m.iter().zip(v);
+                        for ((&p, &g), (&m, &v)) in p.iter().zip(g).zip(moments) {
+                            let m = m + f.one_minus_beta1 * (g - m);
+                            let v = f.beta2 * v + f.one_minus_beta2 * g * g;
+                            let denom = v.sqrt() / f.bias_correction2_sqrt + f.eps;
+                            let p = p * decay + f.neg_step_size * (m / denom);
+                            // Branch-free, so the loop stays vectorised.
+                            finite &= m.is_finite() & v.is_finite() & p.is_finite();
+                        }
+                    },
+                );
+                finite
+            })
+    }
+}
+
 /// Hyper-parameters of AdamW. The learning rate is not one of them: it is
 /// passed to every [`AdamW::step`], since it comes from a schedule.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -137,6 +193,31 @@ impl AdamW {
     /// not its value's or a negative or non-finite `lr`. A failed step changes
     /// nothing: neither the parameters nor the optimizer's state.
     pub fn step(&mut self, params: &mut [&mut Param], lr: f32) -> Result<(), OptimError> {
+        self.update(params, lr, false).map(drop)
+    }
+
+    /// [`Self::step`], unless the update would leave a value that is not
+    /// finite in a parameter or in a moment (finite gradients and a finite
+    /// learning rate can still overflow: a learning rate of 1e35, a
+    /// gradient whose square is beyond f32). Then nothing changes, neither
+    /// the parameters nor the optimizer's state (its step count included),
+    /// and the first such parameter is named. The check is a read-only pass
+    /// computing the same values the update writes, so an applied step is
+    /// bit for bit the one `step` makes, and it costs no memory.
+    pub fn step_if_finite(
+        &mut self,
+        params: &mut [&mut Param],
+        lr: f32,
+    ) -> Result<UpdateOutcome, OptimError> {
+        self.update(params, lr, true)
+    }
+
+    fn update(
+        &mut self,
+        params: &mut [&mut Param],
+        lr: f32,
+        check_finite: bool,
+    ) -> Result<UpdateOutcome, OptimError> {
         check("lr", lr, lr >= 0.0, "finite and >= 0")?;
         for (index, p) in params.iter().enumerate() {
             if !p.grad_fits() {
@@ -148,6 +229,7 @@ impl AdamW {
                 });
             }
         }
+        let created = self.moments.is_none();
         match &mut self.moments {
             None => {
                 self.moments = Some(Moments {
@@ -162,15 +244,42 @@ impl AdamW {
             unreachable!("moments were created above")
         };
 
-        self.step += 1;
         let c = &self.config;
         let StepFactors {
             decay_factor,
             neg_step_size,
             bias_correction2_sqrt,
-        } = c.step_factors(lr, self.step);
+        } = c.step_factors(lr, self.step + 1);
         let one_minus_beta1 = 1.0 - c.beta1;
         let (beta2, one_minus_beta2, eps) = (c.beta2, 1.0 - c.beta2, c.eps);
+        let factors = ElementFactors {
+            decay_factor,
+            neg_step_size,
+            bias_correction2_sqrt,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            eps,
+        };
+        if check_finite {
+            let found = params
+                .iter()
+                .zip(&moments.first)
+                .zip(&moments.second)
+                .position(|((param, m), v)| {
+                    !param.frozen && !factors.stays_finite(param, m, v)
+                });
+            if let Some(index) = found {
+                if created {
+                    self.moments = None;
+                }
+                return Ok(UpdateOutcome::NonFinite {
+                    index,
+                    name: params[index].name.clone(),
+                });
+            }
+        }
+        self.step += 1;
 
         for ((param, m), v) in params
             .iter_mut()
@@ -210,7 +319,7 @@ impl AdamW {
                     )
                 });
         }
-        Ok(())
+        Ok(UpdateOutcome::Applied)
     }
 
     /// Number of applied steps (also the `t` of the bias correction).

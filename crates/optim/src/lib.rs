@@ -35,7 +35,7 @@ mod fused;
 mod loss_scale;
 mod schedule;
 
-pub use adamw::{state_bytes as adamw_state_bytes, AdamW, AdamWConfig, AdamWState};
+pub use adamw::{state_bytes as adamw_state_bytes, AdamW, AdamWConfig, AdamWState, UpdateOutcome};
 pub use clip::{clip_grad_norm, grad_norm};
 pub use error::OptimError;
 pub use fused::FusedAdamW;

@@ -3,7 +3,7 @@
 //! error contracts.
 
 use headroom_model::{Param, Tensor};
-use headroom_optim::{AdamW, AdamWConfig, AdamWState, OptimError};
+use headroom_optim::{AdamW, AdamWConfig, AdamWState, OptimError, UpdateOutcome};
 
 fn param(name: &str, shape: &[usize], values: &[f32], decay: bool) -> Param {
     Param::new(
@@ -585,4 +585,98 @@ fn config_deserialises_with_defaults_and_rejects_unknown_keys() {
     );
     let err = toml::from_str::<AdamWConfig>("beta3 = 0.5").unwrap_err();
     assert!(err.to_string().contains("beta3"), "{err}");
+}
+
+#[test]
+fn a_checked_step_that_applies_is_the_plain_step_bit_for_bit() {
+    let config = AdamWConfig {
+        weight_decay: 0.01,
+        ..AdamWConfig::default()
+    };
+    let mut init = Lcg(3);
+    let mut plain_net = toy_net(&mut init);
+    let mut checked_net = plain_net.clone();
+    let (mut plain, mut checked) = (
+        AdamW::new(config.clone()).unwrap(),
+        AdamW::new(config).unwrap(),
+    );
+    let (mut a, mut b) = (Lcg(4), Lcg(4));
+    for _ in 0..6 {
+        apply_grads(&mut plain_net, &mut a);
+        apply_grads(&mut checked_net, &mut b);
+        plain
+            .step(&mut plain_net.iter_mut().collect::<Vec<_>>(), 3e-2)
+            .unwrap();
+        let outcome = checked
+            .step_if_finite(&mut checked_net.iter_mut().collect::<Vec<_>>(), 3e-2)
+            .unwrap();
+        assert_eq!(outcome, UpdateOutcome::Applied);
+    }
+    for (x, y) in plain_net.iter().zip(&checked_net) {
+        assert_eq!(x.value.data(), y.value.data(), "{}", x.name);
+    }
+    assert_eq!(plain.state().unwrap(), checked.state().unwrap());
+}
+
+#[test]
+fn a_step_that_would_overflow_changes_nothing_and_names_the_parameter() {
+    let mut init = Lcg(5);
+    let mut net = toy_net(&mut init);
+    let mut grads = Lcg(6);
+    let mut opt = AdamW::new(AdamWConfig::default()).unwrap();
+    // Refused on the very first step: no moments are kept from it.
+    apply_grads(&mut net, &mut grads);
+    let before: Vec<Vec<f32>> = net.iter().map(|p| p.value.data().to_vec()).collect();
+    let outcome = opt
+        .step_if_finite(&mut net.iter_mut().collect::<Vec<_>>(), 1e38)
+        .unwrap();
+    assert_eq!(
+        outcome,
+        UpdateOutcome::NonFinite {
+            index: 0,
+            name: "conv.weight".into()
+        }
+    );
+    assert_eq!(opt.state().unwrap(), AdamWState::default());
+    assert_eq!(opt.steps_taken(), 0);
+    for (p, was) in net.iter().zip(&before) {
+        assert_eq!(p.value.data(), was.as_slice(), "{}", p.name);
+    }
+    // The plain step at that rate would have written infinities.
+    let mut plain = AdamW::new(AdamWConfig::default()).unwrap();
+    let mut unchecked = net.clone();
+    plain
+        .step(&mut unchecked.iter_mut().collect::<Vec<_>>(), 1e38)
+        .unwrap();
+    assert!(unchecked[0].value.data().iter().any(|v| !v.is_finite()));
+
+    // After good steps: a gradient whose square overflows (the second
+    // moment would be infinite, the weight finite) is refused too, naming
+    // the bias, and the state is the good steps' state.
+    for _ in 0..3 {
+        apply_grads(&mut net, &mut grads);
+        let applied = opt
+            .step_if_finite(&mut net.iter_mut().collect::<Vec<_>>(), 1e-2)
+            .unwrap();
+        assert_eq!(applied, UpdateOutcome::Applied);
+    }
+    let state = opt.state().unwrap();
+    let values: Vec<Vec<f32>> = net.iter().map(|p| p.value.data().to_vec()).collect();
+    apply_grads(&mut net, &mut grads);
+    net[1].grad.data_mut()[2] = 3e22;
+    let outcome = opt
+        .step_if_finite(&mut net.iter_mut().collect::<Vec<_>>(), 1e-2)
+        .unwrap();
+    assert_eq!(
+        outcome,
+        UpdateOutcome::NonFinite {
+            index: 1,
+            name: "conv.bias".into()
+        }
+    );
+    assert_eq!(opt.state().unwrap(), state);
+    assert_eq!(opt.steps_taken(), 3);
+    for (p, was) in net.iter().zip(&values) {
+        assert_eq!(p.value.data(), was.as_slice(), "{}", p.name);
+    }
 }

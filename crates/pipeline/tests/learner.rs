@@ -1,5 +1,6 @@
 //! The CPU learner behind the training loop's seam: a skipped step leaves
-//! everything as it was (batch-norm statistics included), a refused restore
+//! everything as it was (batch-norm statistics included), a step whose
+//! update would overflow a weight is skipped, a refused restore
 //! changes nothing, snapshot + restore continue bit for bit, a state
 //! written with no copy is the snapshot's file, and flip
 //! test-time augmentation scores an image and its mirror image alike.
@@ -64,6 +65,29 @@ fn skipped_step_leaves_weights_and_batch_norm_statistics_as_they_were() {
     );
     assert_eq!(bits(&before), bits(&after));
     assert_eq!(before.optimizer.step, after.optimizer.step);
+}
+
+#[test]
+fn a_step_whose_update_would_overflow_a_weight_is_skipped_and_changes_nothing() {
+    let mut learner = learner(3);
+    learner.train_batch(&batch(0), 1e-2).unwrap();
+    let before = learner.snapshot().unwrap();
+    // A finite gradient and a finite learning rate whose step size
+    // (lr / (1 - β1)) is beyond f32: applied, the update would write
+    // infinities into every weight it moves.
+    let result = learner.train_batch(&batch(1), 1e38).unwrap();
+    assert_eq!(result.grad_norm, None, "the step is skipped");
+    assert!(result.loss.is_finite(), "the loss itself was fine");
+    let after = learner.snapshot().unwrap();
+    assert_eq!(bits(&before), bits(&after));
+    assert_eq!(before.optimizer.step, after.optimizer.step);
+    // And the next ordinary step applies.
+    let result = learner.train_batch(&batch(2), 1e-2).unwrap();
+    assert!(result.grad_norm.is_some());
+    assert_eq!(
+        learner.snapshot().unwrap().optimizer.step,
+        before.optimizer.step + 1
+    );
 }
 
 #[test]

@@ -23,7 +23,7 @@ use headroom_model::loss::{
 use headroom_model::memory::{try_scratch, MemoryPool};
 use headroom_model::profile::ProfileSegment;
 use headroom_model::{BuildOptions, Mode, ModelSpec, Network, PoolStats, Tensor, TokenInput};
-use headroom_optim::{clip_grad_norm, grad_norm, AdamW};
+use headroom_optim::{clip_grad_norm, grad_norm, AdamW, UpdateOutcome};
 
 use super::{
     softmax_rows, write_list, EvalResult, Learner, LearnerState, StateWriter, StepLr, StepResult,
@@ -213,8 +213,20 @@ impl CpuLearner {
     }
 
     /// Clip and AdamW step on the accumulated gradients: the gradient norm,
-    /// or None (nothing applied) when it is not finite.
+    /// or None (nothing applied) when it is not finite, when a running
+    /// statistic the forward updated is not, or when the update would leave
+    /// a weight or a moment that is not (a finite gradient can still
+    /// overflow one: a learning rate far too high).
     fn apply_gradients(&mut self, lr: f32) -> Result<Option<f32>> {
+        if let Some(index) = self
+            .network
+            .buffers_mut()
+            .iter()
+            .position(|buffer| buffer.data().iter().any(|v| !v.is_finite()))
+        {
+            tracing::warn!("step skipped: buffer {index} (running statistics) is not finite");
+            return Ok(None);
+        }
         let mut params = self.network.params_mut();
         let norm = if self.settings.clip_norm > 0.0 {
             clip_grad_norm(&mut params, self.settings.clip_norm)
@@ -224,8 +236,16 @@ impl CpuLearner {
         if !norm.is_finite() {
             return Ok(None);
         }
-        self.optimizer.step(&mut params, lr)?;
-        Ok(Some(norm))
+        match self.optimizer.step_if_finite(&mut params, lr)? {
+            UpdateOutcome::Applied => Ok(Some(norm)),
+            UpdateOutcome::NonFinite { name, .. } => {
+                tracing::warn!(
+                    "step skipped: its update (learning rate {lr:e}) would make {name} or its \
+                     AdamW moments not finite"
+                );
+                Ok(None)
+            }
+        }
     }
 
     /// Back to the state before a step that did not apply.
