@@ -151,15 +151,21 @@ struct BenchLoaderOneCommand {
     #[arg(long)]
     config: Option<PathBuf>,
     /// The shard store; with --mode csv, the CSV file (written first, with
-    /// --rows rows, when it does not exist).
+    /// --rows rows, when it does not exist); with --mode image_folder, the
+    /// PNG folder (written first from Fashion-MNIST, --rows training
+    /// images, when it does not exist).
     #[arg(long)]
     store: PathBuf,
     /// cache1, cache2, full or idx: one loader configuration as a JSON line;
     /// csv: CSV ingest rows/s of headroom's table reader beside pandas'
-    /// read_csv (bench/pandas_read_csv.py) on the same file.
+    /// read_csv (bench/pandas_read_csv.py) on the same file; image_folder:
+    /// `preprocess --kind image_folder` images/s beside torchvision's
+    /// ImageFolder + PIL (bench/torch/torchvision_imagefolder.py), pinned
+    /// to the same cores.
     #[arg(long)]
     mode: String,
-    /// With --mode csv: rows of the generated CSV (8 features and a target).
+    /// With --mode csv: rows of the generated CSV (8 features and a target);
+    /// with --mode image_folder: training images of the generated folder.
     #[arg(long)]
     rows: Option<usize>,
 }

@@ -2,7 +2,8 @@
 //! a cache of 1 and 2 shards and fully loaded, and from IDX in memory; each in
 //! its own process for its own peak RSS; with `--compare-torch`, PyTorch's
 //! DataLoader on the same data and augmentations, and the ratio. The hidden
-//! `bench-loader-one --mode csv` times CSV ingest beside pandas' read_csv.
+//! `bench-loader-one --mode csv` times CSV ingest beside pandas' read_csv,
+//! `--mode image_folder` preprocessing beside torchvision (`preprocess_bench`).
 
 use std::path::Path;
 use std::process::Command;
@@ -28,8 +29,14 @@ pub fn one_command(args: BenchLoaderOneCommand) -> Result<()> {
     if mode == "csv" {
         return csv_ingest(&store, rows.unwrap_or(CSV_ROWS));
     }
+    if mode == "image_folder" {
+        return super::preprocess_bench::image_folder(
+            &store,
+            rows.unwrap_or(super::preprocess_bench::IMAGES),
+        );
+    }
     if rows.is_some() {
-        bail!("--rows applies to --mode csv only");
+        bail!("--rows applies to --mode csv and image_folder only");
     }
     let Some(config) = config else {
         bail!("--mode {mode} needs --config");

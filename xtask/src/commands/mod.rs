@@ -11,6 +11,7 @@ pub mod lora_merge;
 pub mod memcheck;
 pub mod predict;
 pub mod preprocess;
+pub mod preprocess_bench;
 pub mod train;
 
 /// An experiment for a command that trains or times it: `run.profile =
