@@ -271,6 +271,10 @@ struct PredictArgs {
     output: Option<PathBuf>,
     #[arg(long, default_value_t = 256)]
     batch: usize,
+    /// cpu, cuda (an image classifier on the GPU) or auto (the GPU when
+    /// there is one and the run is an image classifier).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 #[derive(clap::Args)]

@@ -26,9 +26,11 @@ use headroom_loader::{
 
 use crate::config::{DataFormat, ExperimentConfig};
 use crate::eval::{restored_cpu_learner, run_checkpoint};
-use crate::learner::softmax_rows;
+use crate::learner::{open_network, softmax_rows, DeviceKind, Learner, NetworkPlan, StepSettings};
 use crate::{data, PipelineError, Result};
-use headroom_model::LayerRegistry;
+use headroom_loader::Element;
+use headroom_model::memory::MemoryPool;
+use headroom_model::{Device, LayerRegistry};
 
 /// What a run predicted for each input.
 #[derive(Clone, Debug, PartialEq)]
@@ -55,19 +57,47 @@ pub enum PredictedOutputs {
     },
 }
 
-/// Scores `input` with the model of `checkpoint` (a checkpoint file or a
-/// run directory, as `eval` takes it), `batch` samples at a time.
-pub fn predict(checkpoint: &Path, input: &Path, batch: usize) -> Result<Predictions> {
-    predict_with(checkpoint, input, batch, &LayerRegistry::default())
+/// How [`predict_with`] scores.
+#[derive(Clone, Debug)]
+pub struct PredictOptions {
+    /// Samples at a time.
+    pub batch: usize,
+    /// `Cpu` (the default); `Cuda` for an image classifier (a table's
+    /// features and a regression's or multi-label model's values are
+    /// scored on the CPU, as they train); `Auto`: the GPU when there is one
+    /// and the run is an image classifier, else the CPU.
+    pub device: DeviceKind,
+    /// Makes the model's `custom` entries (the registry its run was
+    /// trained with).
+    pub layers: LayerRegistry,
 }
 
-/// `predict` with a model whose `custom` entries `layers` makes (the
-/// registry its run was trained with).
+impl Default for PredictOptions {
+    fn default() -> Self {
+        Self {
+            batch: 256,
+            device: DeviceKind::Cpu,
+            layers: LayerRegistry::default(),
+        }
+    }
+}
+
+/// Scores `input` with the model of `checkpoint` (a checkpoint file or a
+/// run directory, as `eval` takes it), `batch` samples at a time, on the
+/// CPU.
+pub fn predict(checkpoint: &Path, input: &Path, batch: usize) -> Result<Predictions> {
+    let options = PredictOptions {
+        batch,
+        ..PredictOptions::default()
+    };
+    predict_with(checkpoint, input, &options)
+}
+
+/// `predict` as `options` say: on the GPU, or with custom layers.
 pub fn predict_with(
     checkpoint: &Path,
     input: &Path,
-    batch: usize,
-    layers: &LayerRegistry,
+    options: &PredictOptions,
 ) -> Result<Predictions> {
     let (path, saved) = run_checkpoint(checkpoint)?;
     let config: ExperimentConfig =
@@ -83,10 +113,8 @@ pub fn predict_with(
         ));
     }
     let run_dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
-    let batch = batch.max(1);
+    let batch = options.batch.max(1);
     let inputs = open_inputs(&config, &run_dir, input)?;
-    let mut learner = restored_cpu_learner(&config, saved, &path, batch, layers)?;
-    let outputs_per_row = learner.network().num_classes();
     let loader = DataLoader::new(
         Arc::clone(&inputs.dataset),
         LoaderConfig {
@@ -94,10 +122,48 @@ pub fn predict_with(
             ..LoaderConfig::default()
         },
     )?;
-    let mut outputs = Vec::with_capacity(inputs.dataset.len() * outputs_per_row);
-    for part in loader.epoch(0, 0) {
-        outputs.extend(learner.outputs(&part?)?);
-    }
+    let scores_values = config.train.loss.is_multilabel() || config.train.loss.is_regression();
+    let image_classifier = !scores_values && inputs.dataset.sample_kind().element == Element::U8;
+    let device =
+        match options.device {
+            DeviceKind::Cuda if !image_classifier => return Err(PipelineError::value(
+                "--device",
+                "\"cuda\" scores image classifiers; this run's inputs or outputs (f32 features, \
+                 values or labels) are scored on the CPU, where they trained: leave out --device",
+            )),
+            DeviceKind::Auto if !image_classifier => DeviceKind::Cpu,
+            device => device,
+        };
+    let (outputs, outputs_per_row) = match device {
+        DeviceKind::Cpu => {
+            let mut learner = restored_cpu_learner(&config, saved, &path, batch, &options.layers)?;
+            let outputs_per_row = learner.network().num_classes();
+            let mut outputs = Vec::with_capacity(inputs.dataset.len() * outputs_per_row);
+            for part in loader.epoch(0, 0) {
+                outputs.extend(learner.outputs(&part?)?);
+            }
+            (Scores::Outputs(outputs), outputs_per_row)
+        }
+        device => {
+            let mut learner = restored_learner(&config, saved, &path, batch, device, options)?;
+            let outputs_per_row = learner.num_classes();
+            let mut probabilities = Vec::with_capacity(inputs.dataset.len() * outputs_per_row);
+            for part in loader.epoch(0, 0) {
+                probabilities.extend(learner.eval_probabilities(&part?)?);
+            }
+            (Scores::Probabilities(probabilities), outputs_per_row)
+        }
+    };
+    let outputs = match outputs {
+        Scores::Outputs(outputs) => outputs,
+        Scores::Probabilities(probabilities) => {
+            return Ok(Predictions {
+                checkpoint: path,
+                sources: inputs.sources,
+                outputs: classes_of(&run_dir, probabilities, outputs_per_row),
+            })
+        }
+    };
     let outputs = if config.train.loss.is_multilabel() {
         // Each label's probability: the sigmoid of its output.
         PredictedOutputs::Values {
@@ -135,29 +201,71 @@ pub fn predict_with(
     } else {
         let mut probabilities = outputs;
         softmax_rows(&mut probabilities, outputs_per_row);
-        let classes = probabilities
-            .chunks_exact(outputs_per_row.max(1))
-            .map(crate::learner::arg_max)
-            .collect();
-        let recorded = data::recorded_identity(&run_dir)
-            .ok()
-            .and_then(|identity| identity.classes);
-        // The recorded names, then ids for any outputs beyond the classes
-        // (a model may have more outputs than its data has classes).
-        let recorded = recorded.unwrap_or_default();
-        PredictedOutputs::Classes {
-            names: (0..outputs_per_row)
-                .map(|k| recorded.get(k).cloned().unwrap_or_else(|| k.to_string()))
-                .collect(),
-            classes,
-            probabilities,
-        }
+        classes_of(&run_dir, probabilities, outputs_per_row)
     };
     Ok(Predictions {
         checkpoint: path,
         sources: inputs.sources,
         outputs,
     })
+}
+
+/// What a learner gave: its raw outputs (the CPU's), or a classifier's
+/// probabilities (the GPU learner's).
+enum Scores {
+    Outputs(Vec<f32>),
+    Probabilities(Vec<f32>),
+}
+
+/// Each row's class (the most probable) with the run's class names.
+fn classes_of(run_dir: &Path, probabilities: Vec<f32>, outputs_per_row: usize) -> PredictedOutputs {
+    let classes = probabilities
+        .chunks_exact(outputs_per_row.max(1))
+        .map(crate::learner::arg_max)
+        .collect();
+    let recorded = data::recorded_identity(run_dir)
+        .ok()
+        .and_then(|identity| identity.classes);
+    // The recorded names, then ids for any outputs beyond the classes
+    // (a model may have more outputs than its data has classes).
+    let recorded = recorded.unwrap_or_default();
+    PredictedOutputs::Classes {
+        names: (0..outputs_per_row)
+            .map(|k| recorded.get(k).cloned().unwrap_or_else(|| k.to_string()))
+            .collect(),
+        classes,
+        probabilities,
+    }
+}
+
+/// The learner `device` gives (`open_network` decides `Auto`) for the
+/// run's model, holding the state `saved` (read from `path`).
+fn restored_learner(
+    config: &ExperimentConfig,
+    saved: crate::checkpoint::Checkpoint,
+    path: &Path,
+    batch: usize,
+    device: DeviceKind,
+    options: &PredictOptions,
+) -> Result<Box<dyn Learner>> {
+    let plan = NetworkPlan {
+        spec: crate::config::finetune::effective_model(config),
+        seed: config.run.seed,
+        build: crate::parts::cpu_build_options(config),
+        layers: options.layers.clone(),
+        step: StepSettings::from_config(config),
+        batch,
+        device,
+        cuda: crate::parts::cuda_options(config)?,
+    };
+    let mut learner = open_network(&plan, MemoryPool::new(Device::Cpu), |_| Ok(()))?;
+    learner
+        .restore(saved.into_parts().1)
+        .map_err(|reason| PipelineError::Checkpoint {
+            path: path.to_path_buf(),
+            reason,
+        })?;
+    Ok(learner)
 }
 
 /// The inputs as a dataset, what each row is, and how the run scaled its

@@ -190,3 +190,112 @@ fn the_gpu_learner_refuses_f32_features_with_the_reason() {
         "a refused batch changes nothing"
     );
 }
+
+/// A folder of "dark" and "light" RGB photos in `root/{train,test}/CLASS`,
+/// and a folder `root/new` of photos to score.
+fn write_photos(root: &std::path::Path) {
+    let photo = |path: &std::path::Path, light: bool, i: usize| {
+        let (h, w) = (10 + i % 3, 12 + i % 4);
+        let base = if light { 170 } else { 60 };
+        let pixels: Vec<u8> = (0..h * w * 3)
+            .map(|p| (base + (p * 7 + i * 13) % 40) as u8)
+            .collect();
+        headroom_loader::write_image(path, &pixels, [h, w, 3]).unwrap();
+    };
+    for (split, count) in [("train", 24), ("test", 6)] {
+        for (class, light) in [("dark", false), ("light", true)] {
+            let folder = root.join(split).join(class);
+            std::fs::create_dir_all(&folder).unwrap();
+            for i in 0..count {
+                photo(&folder.join(format!("{i}.png")), light, i);
+            }
+        }
+    }
+    let new = root.join("new");
+    std::fs::create_dir_all(&new).unwrap();
+    for i in 0..12 {
+        photo(&new.join(format!("{i:02}.png")), i % 3 == 0, 40 + i);
+    }
+}
+
+#[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
+fn predict_on_the_gpu_gives_the_cpu_s_classes() {
+    use headroom_pipeline::learner::DeviceKind;
+    use headroom_pipeline::predict::{predict_with, PredictOptions, PredictedOutputs};
+    use headroom_pipeline::{train, ExperimentConfig, Overrides, TrainOptions};
+
+    let Some(_gpu) = backend() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let photos = dir.path().join("photos");
+    write_photos(&photos);
+    let smoke =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments/smoke.toml");
+    let run = dir.path().join("run");
+    let sets: Vec<String> = [
+        "data.format=image_folder".to_string(),
+        format!("data.dir={}", photos.display()),
+        "data.image_size=[8, 8]".into(),
+        "data.channels=3".into(),
+        "data.fit=resize".into(),
+        "data.train_samples=0".into(),
+        "data.test_samples=0".into(),
+        "model.input=[8, 8, 3]".into(),
+        "device.kind=cpu".into(),
+        "train.epochs=3".into(),
+        "train.batch_size=8".into(),
+        "train.threads=2".into(),
+        format!("run.output_dir={}", run.display()),
+    ]
+    .into();
+    let config = ExperimentConfig::load(&smoke, &Overrides::parse(&sets).unwrap()).unwrap();
+    train(&config, &TrainOptions::default()).unwrap();
+    let score = |device| {
+        let options = PredictOptions {
+            batch: 5,
+            device,
+            ..PredictOptions::default()
+        };
+        match predict_with(&run, &photos.join("new"), &options)
+            .unwrap()
+            .outputs
+        {
+            PredictedOutputs::Classes {
+                names,
+                classes,
+                probabilities,
+            } => (names, classes, probabilities),
+            other => panic!("{other:?}"),
+        }
+    };
+    let (cpu_names, cpu_classes, cpu_p) = score(DeviceKind::Cpu);
+    let (gpu_names, gpu_classes, gpu_p) = score(DeviceKind::Cuda);
+    assert_eq!(gpu_names, cpu_names);
+    assert_eq!(cpu_p.len(), 12 * cpu_names.len());
+    assert_eq!(gpu_p.len(), cpu_p.len());
+    // The GPU learner scored them: its f16 activations do not give the
+    // CPU's f32 bits.
+    assert_ne!(gpu_p, cpu_p, "--device cuda scored on the CPU");
+    // f16 activations on the GPU: the probabilities agree to about 1e-2,
+    // and a class is the same wherever the CPU's margin is clear.
+    for (row, (c, g)) in cpu_p
+        .chunks_exact(cpu_names.len())
+        .zip(gpu_p.chunks_exact(cpu_names.len()))
+        .enumerate()
+    {
+        for (a, b) in c.iter().zip(g) {
+            assert!((a - b).abs() < 2e-2, "row {row}: CPU {c:?}, GPU {g:?}");
+        }
+        let mut sorted = c.to_vec();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        if sorted[0] - sorted[1] > 5e-2 {
+            assert_eq!(
+                gpu_classes[row], cpu_classes[row],
+                "row {row}: {c:?} vs {g:?}"
+            );
+        }
+    }
+}

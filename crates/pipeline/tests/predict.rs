@@ -7,7 +7,10 @@ use headroom_loader::npy_bytes;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use headroom_pipeline::predict::{predict, write_csv, write_json, PredictedOutputs};
+use headroom_pipeline::learner::DeviceKind;
+use headroom_pipeline::predict::{
+    predict, predict_with, write_csv, write_json, PredictOptions, PredictedOutputs,
+};
 use headroom_pipeline::{train, ExperimentConfig, Overrides, Resume, TrainOptions};
 
 fn tabular() -> PathBuf {
@@ -126,7 +129,27 @@ fn a_csv_classifier_names_its_classes_with_their_probabilities() {
         ],
     );
     let input = dir.path().join("table/test.csv");
+    // A table's f32 features are scored where they trained: on the CPU.
+    let on_gpu = PredictOptions {
+        device: DeviceKind::Cuda,
+        ..PredictOptions::default()
+    };
+    let refused = predict_with(&run, &input, &on_gpu).unwrap_err().to_string();
+    assert!(
+        refused.contains("--device") && refused.contains("on the CPU"),
+        "{refused}"
+    );
+    let auto = PredictOptions {
+        device: DeviceKind::Auto,
+        batch: 64,
+        ..PredictOptions::default()
+    };
+    let on_auto = predict_with(&run, &input, &auto).unwrap();
     let predictions = predict(&run, &input, 64).unwrap();
+    assert_eq!(
+        on_auto.outputs, predictions.outputs,
+        "auto scores a table on the CPU"
+    );
     let PredictedOutputs::Classes {
         names,
         classes,

@@ -4,7 +4,8 @@
 use std::io::Write;
 
 use anyhow::{Context, Result};
-use headroom_pipeline::predict::{predict, write_csv, write_json};
+use headroom_pipeline::learner::DeviceKind;
+use headroom_pipeline::predict::{predict_with, write_csv, write_json, PredictOptions};
 
 use crate::PredictArgs;
 
@@ -13,7 +14,12 @@ pub fn run(args: PredictArgs) -> Result<()> {
         // The input, a checkpoint and a directory are never written over.
         headroom_pipeline::export::check_output(output, &[&args.input, &args.checkpoint])?;
     }
-    let predictions = predict(&args.checkpoint, &args.input, args.batch)?;
+    let options = PredictOptions {
+        batch: args.batch,
+        device: DeviceKind::parse("--device", &args.device)?,
+        ..PredictOptions::default()
+    };
+    let predictions = predict_with(&args.checkpoint, &args.input, &options)?;
     let json = args
         .output
         .as_ref()

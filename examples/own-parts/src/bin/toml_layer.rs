@@ -83,7 +83,11 @@ fn run(example: &Example, out: &Path) -> Result<(), Box<dyn std::error::Error>> 
             .map_or("-".into(), |a| format!("{:.2}%", a * 100.0)),
         report.loss
     );
-    let predictions = predict::predict_with(&run_dir, &data.join("test.csv"), 256, &layers)?;
+    let options = predict::PredictOptions {
+        layers,
+        ..predict::PredictOptions::default()
+    };
+    let predictions = predict::predict_with(&run_dir, &data.join("test.csv"), &options)?;
     let mut file = fs::File::create(out.join("predictions.csv"))?;
     predict::write_csv(&predictions, &mut file)?;
     println!(
