@@ -141,10 +141,35 @@ pub trait Sink: Send {
         Ok(())
     }
 
+    /// The run directory was removed, renamed or replaced while the run
+    /// wrote into it: the run goes on in `moved.to` (the same path made
+    /// again, or `<dir>-restored` beside another directory now at the
+    /// path), where its own records and `metrics.jsonl` are restored. A
+    /// sink that writes files in the run directory writes them there from
+    /// now on, and can restore what it wrote: a file it still holds open
+    /// keeps its contents when the directory is gone (the example
+    /// `CsvSink` copies its files over from their open handles).
+    fn moved(&mut self, moved: &RunDirMoved) -> SinkResult {
+        let _ = moved;
+        Ok(())
+    }
+
     /// The run is over (completed, stopped or failed): the last call.
     fn finish(&mut self) -> SinkResult {
         Ok(())
     }
+}
+
+/// Where the run went on when its directory was removed, renamed or
+/// replaced ([`Sink::moved`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunDirMoved {
+    /// The directory the run was writing into.
+    pub from: PathBuf,
+    /// Where it writes from now on.
+    pub to: PathBuf,
+    /// Another directory is now at `from` (left alone; `to` is beside it).
+    pub replaced: bool,
 }
 
 /// What a [`Sink`] returns: any error, reported with the sink's name.
@@ -311,6 +336,14 @@ pub fn run(events: Receiver<Event>, mut settings: SinkSettings) -> Result<SinkOu
     outcome
 }
 
+/// [`Watch::check`], the user's sinks told where the run went on.
+fn check_dir(watch: &mut Watch, metrics: &mut Metrics, user: &mut UserSinks) -> Result<()> {
+    match watch.check(metrics)? {
+        Some(moved) => user.each(|sink| sink.moved(&moved)),
+        None => Ok(()),
+    }
+}
+
 fn receive(
     events: Receiver<Event>,
     settings: &SinkSettings,
@@ -342,7 +375,7 @@ fn receive(
                 if let Some(bar) = &mut bar {
                     bar.finish_epoch();
                 }
-                watch.check(&mut metrics)?;
+                check_dir(&mut watch, &mut metrics, user)?;
                 // A test-set epoch is written as it always was (its keys in
                 // the struct's order); a validation epoch's keys renamed.
                 match summary.evaluated_on {
@@ -396,7 +429,7 @@ fn receive(
                 // resume keeps the records that precede its checkpoint and
                 // never writes them again, so any still buffered at a kill
                 // would be lost for good.
-                watch.check(&mut metrics)?;
+                check_dir(&mut watch, &mut metrics, user)?;
                 sync_metrics(&mut metrics)?;
                 user.each(|sink| sink.sync())?;
                 let path = checkpoint::write(&watch.dir(), &snapshot, settings.keep)?;
@@ -414,7 +447,7 @@ fn receive(
             Event::SyncMetrics(synced) => {
                 // The training side writes a checkpoint into the directory
                 // once answered.
-                watch.check(&mut metrics)?;
+                check_dir(&mut watch, &mut metrics, user)?;
                 sync_metrics(&mut metrics)?;
                 user.each(|sink| sink.sync())?;
                 // The sender waits; if it has gone, nobody does.
@@ -449,7 +482,7 @@ fn receive(
                 best_checkpoint = Some(path);
             }
             Event::Test(test) => {
-                watch.check(&mut metrics)?;
+                check_dir(&mut watch, &mut metrics, user)?;
                 write_json(&mut metrics, "test", &test)?;
                 user.each(|sink| sink.test(&test))?;
                 flush(&mut metrics)?;
@@ -478,7 +511,7 @@ fn receive(
     }
     // A directory removed after the last checkpoint still gets its records
     // (and the metrics to the end) back.
-    watch.check(&mut metrics)?;
+    check_dir(&mut watch, &mut metrics, user)?;
     flush(&mut metrics)?;
     Ok(SinkOutcome {
         last_checkpoint,

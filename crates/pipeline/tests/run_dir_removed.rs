@@ -1,16 +1,17 @@
 //! A run directory removed, renamed or replaced while a run writes into it
 //! (issue #55, class 6): the run goes on in a directory it makes, with its
 //! records and metrics restored and its checkpoints there, and a directory
-//! someone else put at the path is left alone.
+//! someone else put at the path is left alone. The user's sinks are told
+//! where the run went on (`Sink::moved`).
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use headroom_loader::SyntheticDataset;
 use headroom_pipeline::checkpoint;
 use headroom_pipeline::trainer::{
-    network, DeviceKind, EpochSummary, LoopSettings, NetworkPlan, RunSummary, ScheduleKind,
-    ScheduleSettings, Sink, SinkResult, StepSettings,
+    network, DeviceKind, EpochSummary, LoopSettings, NetworkPlan, RunDirMoved, RunSummary,
+    ScheduleKind, ScheduleSettings, Sink, SinkResult, StepSettings,
 };
 use headroom_pipeline::{Resume, Trainer};
 
@@ -34,6 +35,8 @@ enum Mishap {
 struct Vandal {
     dir: PathBuf,
     mishap: Mishap,
+    /// What `moved` was told.
+    told: Arc<Mutex<Vec<RunDirMoved>>>,
 }
 
 impl Sink for Vandal {
@@ -56,13 +59,24 @@ impl Sink for Vandal {
         }
         Ok(())
     }
+
+    fn moved(&mut self, moved: &RunDirMoved) -> SinkResult {
+        self.told.lock().unwrap().push(moved.clone());
+        Ok(())
+    }
 }
 
 fn moved(dir: &Path) -> PathBuf {
     dir.with_file_name("moved")
 }
 
-fn run(dir: &Path, epochs: u64, resume: Resume, mishap: Option<Mishap>) -> RunSummary {
+/// The run's summary, and what its sink was told of moves.
+fn run(
+    dir: &Path,
+    epochs: u64,
+    resume: Resume,
+    mishap: Option<Mishap>,
+) -> (RunSummary, Vec<RunDirMoved>) {
     let spec = toml::from_str(
         r#"
         input = [4, 4, 1]
@@ -105,13 +119,27 @@ fn run(dir: &Path, epochs: u64, resume: Resume, mishap: Option<Mishap>) -> RunSu
             kind: ScheduleKind::Constant,
         })
         .resume(resume);
+    let told = Arc::new(Mutex::new(Vec::new()));
     if let Some(mishap) = mishap {
         builder = builder.sink(Box::new(Vandal {
             dir: dir.to_path_buf(),
             mishap,
+            told: Arc::clone(&told),
         }));
     }
-    builder.build().unwrap().run().unwrap()
+    let summary = builder.build().unwrap().run().unwrap();
+    let told = told.lock().unwrap().clone();
+    (summary, told)
+}
+
+/// The one move a sink should have been told of.
+fn told_once(told: &[RunDirMoved], from: &Path, to: &Path, replaced: bool) {
+    let expected = RunDirMoved {
+        from: from.to_path_buf(),
+        to: to.to_path_buf(),
+        replaced,
+    };
+    assert_eq!(told, [expected]);
 }
 
 /// A run directory holding a record of the run's own, as `train()` leaves
@@ -157,11 +185,12 @@ fn assert_whole_run_in(dir: &Path, summary: &RunSummary) {
 fn a_removed_run_directory_is_made_again_with_its_records_and_the_run_goes_on() {
     let root = tempfile::tempdir().unwrap();
     let dir = run_dir_with_record(root.path());
-    let summary = run(&dir, EPOCHS, Resume::No, Some(Mishap::Remove));
+    let (summary, told) = run(&dir, EPOCHS, Resume::No, Some(Mishap::Remove));
     assert_eq!(summary.epochs.len(), EPOCHS as usize);
     assert_whole_run_in(&dir, &summary);
+    told_once(&told, &dir, &dir, false);
     // And it is a run directory a resume goes on from.
-    let resumed = run(&dir, EPOCHS + 1, Resume::Latest, None);
+    let (resumed, _) = run(&dir, EPOCHS + 1, Resume::Latest, None);
     assert_eq!(resumed.epochs.len(), 1);
     assert!(resumed.resumed_from.is_some());
 }
@@ -170,8 +199,9 @@ fn a_removed_run_directory_is_made_again_with_its_records_and_the_run_goes_on() 
 fn a_renamed_run_directory_keeps_what_it_had_and_the_run_goes_on_at_its_path() {
     let root = tempfile::tempdir().unwrap();
     let dir = run_dir_with_record(root.path());
-    let summary = run(&dir, EPOCHS, Resume::No, Some(Mishap::Rename));
+    let (summary, told) = run(&dir, EPOCHS, Resume::No, Some(Mishap::Rename));
     assert_whole_run_in(&dir, &summary);
+    told_once(&told, &dir, &dir, false);
     // The renamed directory keeps what was written into it before.
     let moved = moved(&dir);
     assert_eq!(
@@ -186,7 +216,7 @@ fn a_renamed_run_directory_keeps_what_it_had_and_the_run_goes_on_at_its_path() {
 fn a_directory_put_in_place_of_the_run_s_is_left_alone() {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("run");
-    let summary = run(&dir, EPOCHS, Resume::No, Some(Mishap::Replace));
+    let (summary, told) = run(&dir, EPOCHS, Resume::No, Some(Mishap::Replace));
     // The other run's directory: its record, nothing of this run's, and
     // not removed as an empty directory of this run's.
     assert_eq!(
@@ -201,6 +231,7 @@ fn a_directory_put_in_place_of_the_run_s_is_left_alone() {
     // This run went on beside it.
     let restored = root.path().join("run-restored");
     assert_eq!(summary.output_dir, restored);
+    told_once(&told, &dir, &restored, true);
     let steps = EPOCHS as usize * (SAMPLES / BATCH);
     assert_eq!(step_lines(&restored), steps);
     let last = checkpoint::list(&restored).unwrap();

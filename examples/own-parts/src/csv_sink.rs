@@ -7,12 +7,19 @@
 //! [`Sink::start`] says where the run goes on from, so the rows from there
 //! on, which the resumed run reports again, are cut first. A run killed and
 //! resumed leaves the same files as one never stopped.
+//!
+//! A run directory removed, renamed or replaced mid-run: the trainer goes
+//! on in a directory it makes and says so ([`Sink::moved`]); the sink
+//! copies each file there from its open handle (an open file keeps its
+//! contents when its directory is gone) and appends there from then on.
 
 use std::fs::{File, OpenOptions};
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use headroom_pipeline::trainer::{EpochSummary, RunStart, Sink, SinkResult, StepReport};
+use headroom_pipeline::trainer::{
+    EpochSummary, RunDirMoved, RunStart, Sink, SinkResult, StepReport,
+};
 
 const STEP_HEADER: &str = "epoch,step,batch,loss,lr,grad_norm,skipped";
 const EPOCH_HEADER: &str = "epoch,train_loss,train_accuracy,test_loss,test_accuracy,skipped_steps";
@@ -51,11 +58,34 @@ impl Table {
             std::fs::write(&temporary, &kept)?;
             std::fs::rename(&temporary, &path)?;
         }
-        let file = OpenOptions::new().append(true).open(&path)?;
+        let file = OpenOptions::new().read(true).append(true).open(&path)?;
         Ok(Self {
             path,
             out: BufWriter::new(file),
         })
+    }
+
+    /// Writes everything so far into `dir` (read back through the open
+    /// handle, which outlives a removed directory) and appends there.
+    fn move_to(&mut self, dir: &Path) -> std::io::Result<()> {
+        self.out.flush()?;
+        let file = self.out.get_mut();
+        let mut text = Vec::new();
+        file.seek(SeekFrom::Start(0))?;
+        file.read_to_end(&mut text)?;
+        let Some(name) = self.path.file_name() else {
+            return Err(std::io::Error::other("a table without a file name"));
+        };
+        let path = dir.join(name);
+        let temporary = path.with_extension("csv.tmp");
+        std::fs::write(&temporary, &text)?;
+        std::fs::rename(&temporary, &path)?;
+        let file = OpenOptions::new().read(true).append(true).open(&path)?;
+        *self = Self {
+            path,
+            out: BufWriter::new(file),
+        };
+        Ok(())
     }
 
     fn row(&mut self, line: String) -> SinkResult {
@@ -157,6 +187,16 @@ impl Sink for CsvSink {
         let (steps, epochs) = self.tables()?;
         steps.sync()?;
         epochs.sync()
+    }
+
+    fn moved(&mut self, moved: &RunDirMoved) -> SinkResult {
+        let (steps, epochs) = self.tables()?;
+        for table in [steps, epochs] {
+            table
+                .move_to(&moved.to)
+                .map_err(|e| format!("{} to {}: {e}", table.path.display(), moved.to.display()))?;
+        }
+        Ok(())
     }
 
     fn finish(&mut self) -> SinkResult {

@@ -27,6 +27,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use super::RunDirMoved;
 use crate::rundir::DirLock;
 use crate::{checkpoint, PipelineError, Result};
 
@@ -136,11 +137,11 @@ impl Watch {
     /// Makes sure the directory the run started in is still where it
     /// writes; when it was removed or replaced, the run goes on in a new one
     /// with its records and metrics restored (see the module's note).
-    pub fn check(&mut self, metrics: &mut Metrics) -> Result<()> {
+    pub fn check(&mut self, metrics: &mut Metrics) -> Result<Option<RunDirMoved>> {
         let path = self.dir.get();
         let now = std::fs::metadata(&path).ok().map(|m| (m.dev(), m.ino()));
         if self.identity.is_none() || now == self.identity {
-            return Ok(());
+            return Ok(None);
         }
         let replaced = now.is_some();
         let kept = metrics.contents()?;
@@ -178,8 +179,12 @@ impl Watch {
         );
         self.identity = std::fs::metadata(&target).ok().map(|m| (m.dev(), m.ino()));
         self.lock = Some(lock);
-        self.dir.set(target);
-        Ok(())
+        self.dir.set(target.clone());
+        Ok(Some(RunDirMoved {
+            from: path,
+            to: target,
+            replaced,
+        }))
     }
 }
 

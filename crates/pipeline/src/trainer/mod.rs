@@ -53,7 +53,7 @@ pub use crate::memory::{MemorySettings, OomPolicy};
 pub use crate::resume::{Resume, RunRecord, SettingsRecord};
 pub use crate::rundir::RunPlace;
 pub use crate::sink::{
-    EpochSummary, EvaluatedOn, RunStart, Sink, SinkResult, StepReport, TestSummary,
+    EpochSummary, EvaluatedOn, RunDirMoved, RunStart, Sink, SinkResult, StepReport, TestSummary,
 };
 pub use epochs::Position;
 
