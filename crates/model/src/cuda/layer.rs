@@ -151,7 +151,7 @@ pub enum Absorbed {
 /// three), inside residual bodies and checkpointed segments too. A
 /// checkpointed segment is fused within, so a ReLU outside a block's
 /// segment stays a layer of its own.
-pub fn fuse(layers: Vec<Box<dyn CudaLayer>>) -> Vec<Box<dyn CudaLayer>> {
+pub(crate) fn fuse(layers: Vec<Box<dyn CudaLayer>>) -> Vec<Box<dyn CudaLayer>> {
     let mut out: Vec<Box<dyn CudaLayer>> = Vec::with_capacity(layers.len());
     for mut layer in layers {
         layer.fuse_within();
@@ -630,4 +630,4 @@ pub fn with_grads<R>(
     }
 }
 
-pub use super::network::{backward_list, backward_network, forward_list};
+pub use super::network::{backward_list, backward_network, forward_list, CudaBuildContext};

@@ -66,13 +66,30 @@ pub(super) fn build_one(
 ) -> CudaResult<Vec<Box<dyn CudaLayer>>> {
     Ok(match spec {
         LayerSpec::Custom { name, .. } => {
-            return Err(CudaError::Unsupported {
+            let refuse = || CudaError::Unsupported {
                 op: "CudaNetwork::build",
                 reason: format!(
                     "{path}: the custom layer \"{name}\" has no CUDA implementation; \
                      train it with device.kind = \"cpu\""
                 ),
-            })
+            };
+            let Some(layer) = cursor.network.custom_layer(path) else {
+                return Err(refuse());
+            };
+            let mut ctx = CudaBuildContext {
+                be,
+                cursor,
+                path,
+                shape,
+            };
+            let Some(built) = layer.to_cuda(&mut ctx) else {
+                return Err(refuse());
+            };
+            let built = built?;
+            *shape = layer
+                .output_shape(shape)
+                .map_err(|e| build_error(format!("{path}: its output shape"), e.to_string()))?;
+            vec![built]
         }
         LayerSpec::Conv {
             out,

@@ -179,6 +179,8 @@ impl std::fmt::Debug for CudaNetwork {
 /// Hands out parameter ranges in the CPU network's parameter order.
 struct ParamCursor<'a> {
     cpu: &'a [CpuParam],
+    /// The CPU network, whose `custom` layers are asked for their CUDA form.
+    network: &'a Network,
     /// The CPU network's dropout seeds, taken in order as the parameters.
     dropout_seeds: std::vec::IntoIter<u64>,
     /// `model.tokens.vocab`, for embeddings.
@@ -265,6 +267,40 @@ impl ParamCursor<'_> {
     }
 }
 
+/// What a layer's `Layer::to_cuda` gets: the backend (to allocate its own
+/// device buffers), its path, its input shape (per sample, as the GPU
+/// network sees it: a sequence [t, c] is rows), and the places of its
+/// parameters, handed out in the CPU network's order.
+pub struct CudaBuildContext<'a, 'c> {
+    be: &'a CudaBackend,
+    cursor: &'a mut ParamCursor<'c>,
+    path: &'a str,
+    shape: &'a [usize],
+}
+
+impl CudaBuildContext<'_, '_> {
+    pub fn backend(&self) -> &CudaBackend {
+        self.be
+    }
+
+    /// Where the layer is in the spec (`model.layers[3]`), for errors.
+    pub fn path(&self) -> &str {
+        self.path
+    }
+
+    pub fn input_shape(&self) -> &[usize] {
+        self.shape
+    }
+
+    /// The place of the layer's next parameter, of `len` values: call it
+    /// once per parameter, in the order of the CPU layer's `params_mut`.
+    /// Its values are the CPU layer's; a frozen one (fine-tuning) is in
+    /// the frozen group (`ParamRef::trainable`).
+    pub fn param(&mut self, len: usize) -> CudaResult<ParamRef> {
+        self.cursor.take(self.path, len)
+    }
+}
+
 impl CudaNetwork {
     /// Builds the network of `spec` on the GPU with the weights the CPU's
     /// `Network::build(spec, seed)` starts from.
@@ -302,6 +338,7 @@ impl CudaNetwork {
             .collect();
         let mut cursor = ParamCursor {
             cpu: &cpu_params,
+            network: cpu,
             dropout_seeds: cpu.dropout_seeds().into_iter(),
             vocab: spec.tokens.map(|t| t.vocab),
             frames: spec.frames,
