@@ -84,12 +84,12 @@ impl Layer for Mix {
             }
         }
         let w = self.weight.value.data();
-        Ok(Tensor::try_from_fn(&[n, inf], |i| {
+        Tensor::try_from_fn(&[n, inf], |i| {
             let (row, k) = (i / inf, i % inf);
             (0..out)
                 .map(|o| g.data()[row * out + o] * w[k * out + o])
                 .sum()
-        })?)
+        })
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
