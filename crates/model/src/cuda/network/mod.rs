@@ -11,6 +11,13 @@
 //! training they read the masters); batch norm reads its f32 gamma and beta
 //! from the masters. A layer's parameter is a range of a group.
 //!
+//! Each layer is a `CudaLayer` (`cuda::layer`), a struct in its op
+//! family's folder (`ops/<family>/layer.rs`) or a generic container
+//! (`cuda::containers`); this module holds only what is network-wide: the
+//! build from the spec (`build.rs`: parameter order, groups, the fusion
+//! pass), the forward and backward walks (`forward.rs`, `backward.rs`) and
+//! the state (`state.rs`), asking each layer through the trait.
+//!
 //! What a training forward saves for backward (a stack, popped in reverse):
 //! a convolution (depthwise too) or linear layer its input; batch norm its input and its
 //! batch statistics (fused with the ReLU after it, the ReLU's mask comes
