@@ -5,15 +5,25 @@
 //!
 //! A custom layer implements [`Layer`] (forward, backward, its parameters
 //! and buffers): that is its CPU implementation, and it is checkpointed,
-//! resumed and OOM-managed like a built-in one. It has no CUDA
-//! implementation: a GPU network refuses it, naming it (and `device.kind =
-//! "auto"` trains on the CPU, saying why).
+//! resumed and OOM-managed like a built-in one. Its CUDA implementation is
+//! optional: `Layer::to_cuda` returns its GPU form, a
+//! [`CudaLayer`](crate::cuda::layer::CudaLayer) (forward, backward, and its
+//! parameters' places taken from the `CudaBuildContext` in the order of its
+//! `params_mut`; it launches `crate::cuda::ops` or cuBLAS on the network's
+//! tensors), and `CudaNetwork::from_cpu` builds it in at its place. A layer
+//! that returns none (the default) is refused by a GPU network, naming it
+//! (and the pipeline's `device.kind = "auto"` trains on the CPU, saying
+//! why). The network wraps the factory's layer in a `CustomEntry`, which
+//! adds only its spec path (how the GPU builder finds it) and passes every
+//! call on: no copy, no other state.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use crate::cuda::layer::{CudaBuildContext, CudaLayer};
+use crate::cuda::CudaResult;
 use crate::init::InitRng;
-use crate::{Layer, Result};
+use crate::{Layer, Mode, Param, Result, Tensor};
 
 /// What a factory gets to make its layer.
 pub struct CustomLayerArgs<'a> {
@@ -75,5 +85,95 @@ impl std::fmt::Debug for LayerRegistry {
         f.debug_struct("LayerRegistry")
             .field("names", &self.names())
             .finish()
+    }
+}
+
+/// A `custom` entry's layer in a network: the factory's layer, and the
+/// entry's path, by which the GPU builder finds it (`Network::custom_layer`)
+/// to ask for its CUDA form. Everything else is the layer's own.
+pub(crate) struct CustomEntry {
+    path: String,
+    inner: Box<dyn Layer>,
+}
+
+impl CustomEntry {
+    pub(crate) fn new(path: &str, inner: Box<dyn Layer>) -> Self {
+        Self {
+            path: path.to_string(),
+            inner,
+        }
+    }
+}
+
+impl Layer for CustomEntry {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
+        self.inner.output_shape(input)
+    }
+
+    fn macs(&self, input: &[usize]) -> Result<u64> {
+        self.inner.macs(input)
+    }
+
+    fn forward(&mut self, input: &Tensor, mode: Mode) -> Result<Tensor> {
+        self.inner.forward(input, mode)
+    }
+
+    fn backward(&mut self, grad_output: &Tensor) -> Result<Tensor> {
+        self.inner.backward(grad_output)
+    }
+
+    fn backward_params_only(&mut self, grad_output: &Tensor) -> Result<()> {
+        self.inner.backward_params_only(grad_output)
+    }
+
+    fn has_trainable_params(&mut self) -> bool {
+        self.inner.has_trainable_params()
+    }
+
+    fn marks_its_parts(&self) -> bool {
+        self.inner.marks_its_parts()
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        self.inner.params_mut()
+    }
+
+    fn buffers_mut(&mut self) -> Vec<&mut Tensor> {
+        self.inner.buffers_mut()
+    }
+
+    fn dropout_seeds(&self) -> Vec<u64> {
+        self.inner.dropout_seeds()
+    }
+
+    fn clear_saved(&mut self) {
+        self.inner.clear_saved()
+    }
+
+    fn is_upsample2x(&self) -> bool {
+        self.inner.is_upsample2x()
+    }
+
+    fn set_recompute(&mut self, on: bool) {
+        self.inner.set_recompute(on)
+    }
+
+    fn to_cuda(
+        &self,
+        ctx: &mut CudaBuildContext<'_, '_>,
+    ) -> Option<CudaResult<Box<dyn CudaLayer>>> {
+        self.inner.to_cuda(ctx)
+    }
+
+    fn sublayers(&self) -> Vec<&dyn Layer> {
+        self.inner.sublayers()
+    }
+
+    fn custom_path(&self) -> Option<&str> {
+        Some(&self.path)
     }
 }

@@ -9,7 +9,7 @@
 //! (`BuildOptions::fuse`): a batch norm followed by a ReLU becomes one layer,
 //! and a `basic_block` a `FusedResidual`, on images (not frame sequences).
 
-use crate::custom::{CustomLayerArgs, LayerRegistry};
+use crate::custom::{CustomEntry, CustomLayerArgs, LayerRegistry};
 use crate::init::InitRng;
 use crate::layers::{
     backward_params_only_through, BatchNorm2d, CausalSelfAttention, Checkpointed, Conv2d, ConvLstm,
@@ -96,6 +96,20 @@ impl Network {
 
     pub fn spec(&self) -> &ModelSpec {
         &self.spec
+    }
+
+    /// The layer a `custom` entry at `path` (`model.layers[3]`) made, for
+    /// the GPU builder to ask for its CUDA form.
+    pub(crate) fn custom_layer(&self, path: &str) -> Option<&dyn Layer> {
+        fn find<'a>(layers: Vec<&'a dyn Layer>, path: &str) -> Option<&'a dyn Layer> {
+            layers
+                .into_iter()
+                .find_map(|layer| match layer.custom_path() {
+                    Some(p) if p == path => Some(layer),
+                    _ => find(layer.sublayers(), path),
+                })
+        }
+        find(self.layers.iter().map(|l| l.as_ref()).collect(), path)
     }
 
     /// Classes scored: the last dimension of the output (`[classes]`, or
@@ -843,7 +857,7 @@ fn build_one(
                 options,
                 rng: &mut ctx.rng,
             };
-            vec![factory(&mut args)?]
+            vec![Box::new(CustomEntry::new(path, factory(&mut args)?))]
         }
         LayerSpec::GlobalAvgPool => {
             image_channels(path, shape)?;

@@ -254,7 +254,8 @@ pub enum LayerSpec {
         kernel: usize,
     },
     /// A layer of your own, made by the factory registered as `name` (see
-    /// `custom::LayerRegistry`); CPU only.
+    /// `custom::LayerRegistry`); on the GPU only if its layer brings a
+    /// CUDA form (`Layer::to_cuda`).
     Custom {
         name: String,
         #[serde(default)]
@@ -284,8 +285,9 @@ impl ModelSpec {
         walk(&self.layers)
     }
 
-    /// The first layer with no CUDA implementation (a `custom` one), by
-    /// path and name: such a model trains on the CPU only.
+    /// The first `custom` layer, by path and name: the pipeline trains such
+    /// a model on the CPU only (from the spec alone it cannot tell whether
+    /// the layer brings a CUDA form; `CudaNetwork::from_cpu` can).
     pub fn first_cpu_only_layer(&self) -> Option<(String, String)> {
         fn walk(layers: &[LayerSpec], path: &str) -> Option<(String, String)> {
             layers.iter().enumerate().find_map(|(i, layer)| {

@@ -36,12 +36,14 @@
 //! - `libs`: locating NVRTC/cuBLAS (pip wheels included) without panicking.
 
 pub(crate) mod backend;
+mod containers;
 mod dtype;
 pub(crate) mod error;
 pub mod gemm;
 mod graph;
 pub mod kernels;
 pub(crate) mod launch;
+pub mod layer;
 pub mod libs;
 mod network;
 pub mod ops;

@@ -130,6 +130,10 @@ impl Checkpointed {
 }
 
 impl Layer for Checkpointed {
+    fn sublayers(&self) -> Vec<&dyn Layer> {
+        self.layers.iter().map(|l| l.as_ref()).collect()
+    }
+
     fn describe(&self) -> String {
         let names: Vec<String> = self.layers.iter().map(|l| l.describe()).collect();
         format!("checkpoint[{}]", names.join(", "))

@@ -54,6 +54,8 @@ pub use residual::{FusedResidual, Residual};
 pub use smooth_activation::{Gelu, Silu};
 pub use unet::{UnetSkip, Upsample2x};
 
+use crate::cuda::layer::{CudaBuildContext, CudaLayer};
+use crate::cuda::CudaResult;
 use crate::profile;
 use crate::{Result, Tensor};
 
@@ -182,6 +184,31 @@ pub trait Layer: Send {
     /// normalises with the batch statistics and leaves its running
     /// statistics alone. Containers pass it on to their layers.
     fn set_recompute(&mut self, _on: bool) {}
+
+    /// This layer's GPU form, for `CudaNetwork::from_cpu`: None when it
+    /// has no CUDA implementation (the default; a GPU network then refuses
+    /// it, naming it). A layer of your own brings one by implementing
+    /// `CudaLayer` and returning it here; `ctx` hands out its parameters'
+    /// places, in the order of `params_mut`, and says its input shape.
+    fn to_cuda(
+        &self,
+        _ctx: &mut CudaBuildContext<'_, '_>,
+    ) -> Option<CudaResult<Box<dyn CudaLayer>>> {
+        None
+    }
+
+    /// The layers this one holds, in order (a container's), for walks
+    /// over a network.
+    fn sublayers(&self) -> Vec<&dyn Layer> {
+        Vec::new()
+    }
+
+    /// The spec path of a `custom` entry (the network's wrapper around the
+    /// layer a factory made); None for every other layer.
+    #[doc(hidden)]
+    fn custom_path(&self) -> Option<&str> {
+        None
+    }
 }
 
 /// The backward of a sequence of layers whose input no gradient is wanted

@@ -67,6 +67,10 @@ fn body_macs(body: &[Box<dyn Layer>], input: &[usize]) -> Result<u64> {
 }
 
 impl Layer for Residual {
+    fn sublayers(&self) -> Vec<&dyn Layer> {
+        self.body.iter().map(|l| l.as_ref()).collect()
+    }
+
     fn describe(&self) -> String {
         let names: Vec<String> = self
             .body
@@ -187,6 +191,10 @@ impl FusedResidual {
 }
 
 impl Layer for FusedResidual {
+    fn sublayers(&self) -> Vec<&dyn Layer> {
+        self.body.iter().map(|l| l.as_ref()).collect()
+    }
+
     fn describe(&self) -> String {
         let names: Vec<String> = self
             .body

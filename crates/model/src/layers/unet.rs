@@ -283,6 +283,10 @@ fn channel_slice(
 }
 
 impl Layer for UnetSkip {
+    fn sublayers(&self) -> Vec<&dyn Layer> {
+        self.body.iter().map(|l| l.as_ref()).collect()
+    }
+
     fn describe(&self) -> String {
         let names: Vec<String> = self.body.iter().map(|l| l.describe()).collect();
         format!("unet_skip[{}]", names.join(", "))

@@ -1,14 +1,23 @@
 //! Building the GPU layers from a `ModelSpec`: the parameter cursor's
 //! order, the groups, fusing, and each layer spec's GPU layers.
 
-use cudarc::driver::CudaView;
-
 use crate::cuda::backend::CudaBackend;
+use crate::cuda::containers::{CheckpointedLayer, ResidualLayer};
+use crate::cuda::layer::{BatchNormLayer, DropoutLayer, RunningStats};
 use crate::cuda::ops::{self, ConvPlan, ConvShape};
-use crate::cuda::tensor::{AnyView, CudaTensor, DType};
 use crate::cuda::{CudaError, CudaResult};
 use crate::layers::LoraConfig;
 use crate::network::{is_block, Group};
+use crate::ops::activation::layer::{DropoutGpu, ReluLayer, SmoothLayer};
+use crate::ops::batch_norm::layer::BatchNormGpu;
+use crate::ops::conv::layer::{ConvLayer, DepthwiseConvLayer};
+use crate::ops::frames::layer::ConvLstmLayer;
+use crate::ops::layer_norm::layer::LayerNormLayer;
+use crate::ops::linear::layer::LinearLayer;
+use crate::ops::pool::layer::{
+    FlattenLayer, GlobalAvgPoolLayer, MaxPoolLayer, UnetSkipLayer, Upsample2xLayer,
+};
+use crate::ops::sequence::layer::{AttentionLayer, EmbeddingLayer, LoraLayer, LstmLayer};
 use crate::LayerSpec;
 
 use super::*;
@@ -31,7 +40,7 @@ pub(super) fn build_groups(
     path: &str,
     shape: &mut Vec<usize>,
     cursor: &mut ParamCursor<'_>,
-) -> CudaResult<Vec<Group<GpuLayer>>> {
+) -> CudaResult<Vec<Group<Box<dyn CudaLayer>>>> {
     let mut groups = Vec::new();
     for (i, spec) in specs.iter().enumerate() {
         let layers = build_one(be, spec, &format!("{path}[{i}]"), shape, cursor)?;
@@ -43,60 +52,9 @@ pub(super) fn build_groups(
     Ok(groups)
 }
 
-/// Folds each ReLU that directly follows a batch norm into it (one fused
-/// kernel instead of two passes over the activations), and each ReLU that
-/// follows a residual whose body ends in a batch norm into that batch norm,
-/// with the residual's sum (a `basic_block`'s end: one kernel instead of
-/// three), inside residual bodies and checkpointed segments too. A
-/// checkpointed segment is fused within, so a ReLU outside a block's
-/// segment stays a layer of its own.
-pub(super) fn fuse(layers: Vec<GpuLayer>) -> Vec<GpuLayer> {
-    let mut out: Vec<GpuLayer> = Vec::with_capacity(layers.len());
-    for layer in layers {
-        let layer = match layer {
-            GpuLayer::Residual(body) => GpuLayer::Residual(fuse(body)),
-            GpuLayer::UnetSkip { body, channels } => GpuLayer::UnetSkip {
-                body: fuse(body),
-                channels,
-            },
-            GpuLayer::Checkpointed(body) => GpuLayer::Checkpointed(fuse(body)),
-            GpuLayer::Relu => match out.pop() {
-                Some(GpuLayer::BatchNorm { bn, relu: false }) => {
-                    GpuLayer::BatchNorm { bn, relu: true }
-                }
-                Some(GpuLayer::Residual(mut body)) => match body.pop() {
-                    Some(GpuLayer::BatchNorm { bn, relu: false }) => {
-                        GpuLayer::FusedResidual { body, tail: bn }
-                    }
-                    last => {
-                        body.extend(last);
-                        out.push(GpuLayer::Residual(body));
-                        GpuLayer::Relu
-                    }
-                },
-                last => {
-                    out.extend(last);
-                    GpuLayer::Relu
-                }
-            },
-            other => other,
-        };
-        out.push(layer);
-    }
-    out
-}
-
-pub(super) fn set_conv_plan(layers: &mut [GpuLayer], conv: ConvPlan) {
-    for layer in layers {
-        match layer {
-            GpuLayer::Conv { plan, .. } | GpuLayer::ConvLstm { plan, .. } => *plan = conv,
-            GpuLayer::Residual(body)
-            | GpuLayer::Checkpointed(body)
-            | GpuLayer::UnetSkip { body, .. }
-            | GpuLayer::FusedResidual { body, .. } => set_conv_plan(body, conv),
-            _ => {}
-        }
-    }
+/// A checkpointed segment of the GPU network (`arrange`'s wrapper).
+pub(super) fn checkpointed(layers: Vec<Box<dyn CudaLayer>>) -> Box<dyn CudaLayer> {
+    Box::new(CheckpointedLayer(layers))
 }
 
 pub(super) fn build_one(
@@ -105,16 +63,33 @@ pub(super) fn build_one(
     path: &str,
     shape: &mut Vec<usize>,
     cursor: &mut ParamCursor<'_>,
-) -> CudaResult<Vec<GpuLayer>> {
+) -> CudaResult<Vec<Box<dyn CudaLayer>>> {
     Ok(match spec {
         LayerSpec::Custom { name, .. } => {
-            return Err(CudaError::Unsupported {
+            let refuse = || CudaError::Unsupported {
                 op: "CudaNetwork::build",
                 reason: format!(
                     "{path}: the custom layer \"{name}\" has no CUDA implementation; \
                      train it with device.kind = \"cpu\""
                 ),
-            })
+            };
+            let Some(layer) = cursor.network.custom_layer(path) else {
+                return Err(refuse());
+            };
+            let mut ctx = CudaBuildContext {
+                be,
+                cursor,
+                path,
+                shape,
+            };
+            let Some(built) = layer.to_cuda(&mut ctx) else {
+                return Err(refuse());
+            };
+            let built = built?;
+            *shape = layer
+                .output_shape(shape)
+                .map_err(|e| build_error(format!("{path}: its output shape"), e.to_string()))?;
+            vec![built]
         }
         LayerSpec::Conv {
             out,
@@ -141,7 +116,7 @@ pub(super) fn build_one(
             };
             let (oh, ow) = probe.out_hw()?;
             *shape = vec![oh, ow, *out];
-            vec![GpuLayer::Conv {
+            vec![Box::new(ConvLayer {
                 weight,
                 bias,
                 kernel: *kernel,
@@ -149,7 +124,7 @@ pub(super) fn build_one(
                 pad,
                 cout: *out,
                 plan: ConvPlan::default(),
-            }]
+            })]
         }
         LayerSpec::DepthwiseConv {
             kernel,
@@ -182,17 +157,17 @@ pub(super) fn build_one(
                 ));
             };
             *shape = vec![oh, ow, cout];
-            vec![GpuLayer::DepthwiseConv {
+            vec![Box::new(DepthwiseConvLayer {
                 weight,
                 bias,
                 shape: dw,
-            }]
+            })]
         }
         LayerSpec::BatchNorm { momentum, eps } => {
             let c = channels(path, shape)?;
             let gamma = cursor.take_trainable(path, c)?;
             let beta = cursor.take_trainable(path, c)?;
-            vec![GpuLayer::BatchNorm {
+            vec![Box::new(BatchNormGpu {
                 bn: BatchNormLayer {
                     gamma,
                     beta,
@@ -206,13 +181,13 @@ pub(super) fn build_one(
                     eps: *eps,
                 },
                 relu: false,
-            }]
+            })]
         }
-        LayerSpec::Relu => vec![GpuLayer::Relu],
+        LayerSpec::Relu => vec![Box::new(ReluLayer)],
         LayerSpec::GlobalAvgPool => {
             let c = channels(path, shape)?;
             *shape = vec![c];
-            vec![GpuLayer::GlobalAvgPool]
+            vec![Box::new(GlobalAvgPoolLayer)]
         }
         LayerSpec::MaxPool { kernel, stride } => {
             let c = channels(path, shape)?;
@@ -230,10 +205,10 @@ pub(super) fn build_one(
                 ));
             };
             *shape = vec![oh, ow, c];
-            vec![GpuLayer::MaxPool {
+            vec![Box::new(MaxPoolLayer {
                 kernel: *kernel,
                 stride,
-            }]
+            })]
         }
         LayerSpec::Linear { out, bias } => {
             let features = features(path, shape)?;
@@ -264,7 +239,7 @@ pub(super) fn build_one(
                 cursor.take_trainable(path, kernel * kernel * (channels + hidden) * 4 * hidden)?;
             let bias = cursor.take_trainable(path, 4 * hidden)?;
             *shape = vec![h, w, *hidden];
-            vec![GpuLayer::ConvLstm {
+            vec![Box::new(ConvLstmLayer {
                 weight,
                 bias,
                 shape: ops::ConvLstmShape {
@@ -277,7 +252,7 @@ pub(super) fn build_one(
                 },
                 plan: ConvPlan::default(),
                 step_recompute: cursor.step_recompute,
-            }]
+            })]
         }
         LayerSpec::Lstm { hidden } => {
             let [length, features] = shape[..] else {
@@ -290,12 +265,12 @@ pub(super) fn build_one(
             let wh = cursor.take_trainable(path, hidden * 4 * hidden)?;
             let bias = cursor.take_trainable(path, 4 * hidden)?;
             *shape = vec![length, *hidden];
-            vec![GpuLayer::Lstm {
+            vec![Box::new(LstmLayer {
                 wx,
                 wh,
                 bias,
                 length,
-            }]
+            })]
         }
         LayerSpec::TransformerBlock {
             heads,
@@ -315,7 +290,7 @@ pub(super) fn build_one(
         )?,
         LayerSpec::Flatten => {
             *shape = vec![shape.iter().product()];
-            vec![GpuLayer::Flatten]
+            vec![Box::new(FlattenLayer)]
         }
         LayerSpec::LayerNorm { eps } => {
             let Some(&features) = shape.last() else {
@@ -331,7 +306,7 @@ pub(super) fn build_one(
         LayerSpec::Upsample2x => {
             let c = channels(path, shape)?;
             *shape = vec![2 * shape[0], 2 * shape[1], c];
-            vec![GpuLayer::Upsample2x]
+            vec![Box::new(Upsample2xLayer)]
         }
         LayerSpec::UnetSkip { layers } => {
             let c = channels(path, shape)?;
@@ -350,15 +325,15 @@ pub(super) fn build_one(
                 ));
             }
             *shape = vec![shape[0], shape[1], c + body_c];
-            vec![GpuLayer::UnetSkip { body, channels: c }]
+            vec![Box::new(UnetSkipLayer { body, channels: c })]
         }
-        LayerSpec::Silu => vec![GpuLayer::Smooth(ops::Smooth::Silu)],
-        LayerSpec::Gelu => vec![GpuLayer::Smooth(ops::Smooth::Gelu)],
+        LayerSpec::Silu => vec![Box::new(SmoothLayer(ops::Smooth::Silu))],
+        LayerSpec::Gelu => vec![Box::new(SmoothLayer(ops::Smooth::Gelu))],
         LayerSpec::Residual { layers } => {
             let mut inner = shape.clone();
             let groups = build_groups(be, layers, &format!("{path}.layers"), &mut inner, cursor)?;
             let body = groups.into_iter().flat_map(|g| g.layers).collect();
-            vec![GpuLayer::Residual(body)]
+            vec![Box::new(ResidualLayer(body))]
         }
         LayerSpec::BasicBlock => {
             let body = crate::network::basic_block_body(channels(path, shape)?);
@@ -369,7 +344,7 @@ pub(super) fn build_one(
                 shape,
                 cursor,
             )?;
-            built.push(GpuLayer::Relu);
+            built.push(Box::new(ReluLayer));
             built
         }
     })
@@ -414,11 +389,11 @@ pub(super) fn linear_layer(
     out: usize,
     bias: bool,
     cursor: &mut ParamCursor<'_>,
-) -> CudaResult<GpuLayer> {
+) -> CudaResult<Box<dyn CudaLayer>> {
     let weight = cursor.take(path, features * out)?;
     let bias = bias.then(|| cursor.take(path, out)).transpose()?;
     same_freezing(path, &weight, bias.as_ref())?;
-    Ok(GpuLayer::Linear { weight, bias, out })
+    Ok(Box::new(LinearLayer { weight, bias, out }))
 }
 
 pub(super) fn lora_layer(
@@ -428,7 +403,7 @@ pub(super) fn lora_layer(
     bias: bool,
     lora: &LoraConfig,
     cursor: &mut ParamCursor<'_>,
-) -> CudaResult<GpuLayer> {
+) -> CudaResult<Box<dyn CudaLayer>> {
     let scale = lora
         .validate(&format!("{path}.lora"), features, out)
         .map_err(|e| CudaError::Unsupported {
@@ -439,7 +414,7 @@ pub(super) fn lora_layer(
     let bias = bias.then(|| cursor.take(path, out)).transpose()?;
     let a = cursor.take_trainable(path, lora.r * features)?;
     let b = cursor.take_trainable(path, out * lora.r)?;
-    Ok(GpuLayer::Lora(Box::new(LoraLayer {
+    Ok(Box::new(LoraLayer {
         weight,
         bias,
         a,
@@ -447,7 +422,7 @@ pub(super) fn lora_layer(
         rank: lora.r,
         scale,
         out,
-    })))
+    }))
 }
 
 pub(super) fn layer_norm_layer(
@@ -455,11 +430,11 @@ pub(super) fn layer_norm_layer(
     features: usize,
     eps: f32,
     cursor: &mut ParamCursor<'_>,
-) -> CudaResult<GpuLayer> {
+) -> CudaResult<Box<dyn CudaLayer>> {
     let gamma = cursor.take(path, features)?;
     let beta = cursor.take(path, features)?;
     same_freezing(path, &gamma, Some(&beta))?;
-    Ok(GpuLayer::LayerNorm { gamma, beta, eps })
+    Ok(Box::new(LayerNormLayer { gamma, beta, eps }))
 }
 
 pub(super) fn dropout_layer(
@@ -467,18 +442,18 @@ pub(super) fn dropout_layer(
     path: &str,
     p: f32,
     cursor: &mut ParamCursor<'_>,
-) -> CudaResult<GpuLayer> {
+) -> CudaResult<Box<dyn CudaLayer>> {
     let Some(seed) = cursor.dropout_seeds.next() else {
         return Err(build_error(
             format!("a dropout seed for {path}"),
             "none left in the CPU network".to_string(),
         ));
     };
-    Ok(GpuLayer::Dropout(Box::new(DropoutLayer {
+    Ok(Box::new(DropoutGpu(Box::new(DropoutLayer {
         mask: ops::DropoutMask { p, seed },
         counter: be.alloc_zeros(4)?,
         saved: be.alloc_zeros(4)?,
-    })))
+    }))))
 }
 
 pub(super) fn embedding_layer(
@@ -487,7 +462,7 @@ pub(super) fn embedding_layer(
     dim: usize,
     positions: bool,
     cursor: &mut ParamCursor<'_>,
-) -> CudaResult<GpuLayer> {
+) -> CudaResult<Box<dyn CudaLayer>> {
     let (Some(vocab), &[length]) = (cursor.vocab, shape.as_slice()) else {
         return Err(build_error(
             format!("{path}: token ids [t] (model.tokens)"),
@@ -499,7 +474,7 @@ pub(super) fn embedding_layer(
         .then(|| cursor.take(path, length * dim))
         .transpose()?;
     *shape = vec![length, dim];
-    Ok(GpuLayer::Embedding {
+    Ok(Box::new(EmbeddingLayer {
         table,
         positions: positions_at,
         shape: ops::EmbeddingShape {
@@ -508,7 +483,7 @@ pub(super) fn embedding_layer(
             length,
             positions,
         },
-    })
+    }))
 }
 
 /// A projection of attention: linear, or LoRA when the spec adapts it.
@@ -518,7 +493,7 @@ pub(super) fn projection(
     out: usize,
     lora: Option<&LoraConfig>,
     cursor: &mut ParamCursor<'_>,
-) -> CudaResult<GpuLayer> {
+) -> CudaResult<Box<dyn CudaLayer>> {
     match lora {
         Some(lora) => lora_layer(path, features, out, true, lora, cursor),
         None => linear_layer(path, features, out, true, cursor),
@@ -531,7 +506,7 @@ pub(super) fn attention_layer(
     heads: usize,
     lora: Option<&LoraConfig>,
     cursor: &mut ParamCursor<'_>,
-) -> CudaResult<GpuLayer> {
+) -> CudaResult<Box<dyn CudaLayer>> {
     let [length, width] = *shape else {
         return Err(build_error(
             format!("{path}: a sequence [t, c]"),
@@ -558,12 +533,12 @@ pub(super) fn attention_layer(
     }
     let qkv = projection(&format!("{path}.qkv"), width, 3 * width, lora, cursor)?;
     let proj = projection(&format!("{path}.proj"), width, width, lora, cursor)?;
-    Ok(GpuLayer::Attention {
+    Ok(Box::new(AttentionLayer {
         qkv: vec![qkv],
         proj: vec![proj],
         length,
         heads,
-    })
+    }))
 }
 
 /// The CPU's pre-norm GPT block (`network::build_transformer_block`):
@@ -578,7 +553,7 @@ pub(super) fn transformer_block(
     dropout: f32,
     lora: Option<&LoraConfig>,
     cursor: &mut ParamCursor<'_>,
-) -> CudaResult<Vec<GpuLayer>> {
+) -> CudaResult<Vec<Box<dyn CudaLayer>>> {
     let width = match *shape {
         [_, width] => width,
         _ => {
@@ -600,55 +575,14 @@ pub(super) fn transformer_block(
     let mut mlp = vec![
         layer_norm_layer(&format!("{path}.ln2"), width, eps, cursor)?,
         linear_layer(&format!("{path}.fc"), width, hidden, true, cursor)?,
-        GpuLayer::Smooth(ops::Smooth::Gelu),
+        Box::new(SmoothLayer(ops::Smooth::Gelu)),
         linear_layer(&format!("{path}.fc_out"), hidden, width, true, cursor)?,
     ];
     if dropout > 0.0 {
         mlp.push(dropout_layer(be, path, dropout, cursor)?);
     }
-    Ok(vec![GpuLayer::Residual(attention), GpuLayer::Residual(mlp)])
-}
-
-/// The storage of activations, as the groups' compute copies say.
-pub(super) fn activations_of(groups: &Groups) -> DType {
-    match groups[DECAY].compute {
-        Some(_) => DType::F16,
-        None => DType::F32,
-    }
-}
-
-/// The weights a layer computes with (the f16 copy, or the f32 masters).
-pub(super) fn compute<'a>(groups: &'a Groups, p: &ParamRef) -> AnyView<'a> {
-    groups[p.group].weights(p.range())
-}
-
-/// The f32 master of a parameter (batch norm reads gamma and beta in f32).
-pub(super) fn master<'a>(groups: &'a Groups, p: &ParamRef) -> CudaView<'a, f32> {
-    groups[p.group].master.slice.slice(p.range())
-}
-
-pub(super) fn conv_shape(
-    x: &CudaTensor,
-    kernel: usize,
-    stride: usize,
-    pad: usize,
-    cout: usize,
-) -> CudaResult<ConvShape> {
-    match *x.shape() {
-        [n, h, w, cin] => Ok(ConvShape {
-            n,
-            h,
-            w,
-            cin,
-            cout,
-            k: kernel,
-            stride,
-            pad,
-        }),
-        _ => Err(CudaError::shape(
-            "conv2d",
-            "[n, h, w, c]",
-            format!("{:?}", x.shape()),
-        )),
-    }
+    Ok(vec![
+        Box::new(ResidualLayer(attention)),
+        Box::new(ResidualLayer(mlp)),
+    ])
 }

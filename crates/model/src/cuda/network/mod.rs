@@ -11,6 +11,13 @@
 //! training they read the masters); batch norm reads its f32 gamma and beta
 //! from the masters. A layer's parameter is a range of a group.
 //!
+//! Each layer is a `CudaLayer` (`cuda::layer`), a struct in its op
+//! family's folder (`ops/<family>/layer.rs`) or a generic container
+//! (`cuda::containers`); this module holds only what is network-wide: the
+//! build from the spec (`build.rs`: parameter order, groups, the fusion
+//! pass), the forward and backward walks (`forward.rs`, `backward.rs`) and
+//! the state (`state.rs`), asking each layer through the trait.
+//!
 //! What a training forward saves for backward (a stack, popped in reverse):
 //! a convolution (depthwise too) or linear layer its input; batch norm its input and its
 //! batch statistics (fused with the ReLU after it, the ReLU's mask comes
@@ -70,12 +77,14 @@
 //! CPU builder already refuses a frame model whose layers would mix a
 //! sample's frames: it must end in per-frame predictions.)
 
-use std::sync::{Arc, Mutex};
-
 use cudarc::driver::CudaSlice;
 
-use super::backend::{CudaBackend, DeviceBuffer};
-use super::ops::{self, BatchNormSaved, ConvPlan};
+use super::backend::CudaBackend;
+use super::layer::{
+    fuse, Activation, CudaLayer, Groups, Input, ParamRef, Pass, Saved, StepBuffers, DECAY, FROZEN,
+    NO_DECAY,
+};
+use super::ops::{self, ConvPlan};
 use super::param_group::ParamGroup;
 use super::params::StepState;
 use super::tensor::{CudaTensor, DType};
@@ -88,367 +97,10 @@ mod backward;
 mod build;
 mod forward;
 mod state;
-use backward::*;
+pub use backward::{backward_list, backward_network};
 use build::*;
-use forward::*;
+pub use forward::forward_list;
 use state::*;
-
-/// Where one parameter lives: a range of the decay or the no-decay group.
-#[derive(Clone, Copy, Debug)]
-struct ParamRef {
-    group: usize,
-    offset: usize,
-    len: usize,
-}
-
-impl ParamRef {
-    fn range(&self) -> std::ops::Range<usize> {
-        self.offset..self.offset + self.len
-    }
-}
-
-const DECAY: usize = 0;
-const NO_DECAY: usize = 1;
-/// Frozen parameters: masters and compute copies only, never stepped.
-const FROZEN: usize = 2;
-
-/// The three groups: decay, no decay, frozen.
-type Groups = [ParamGroup; 3];
-
-impl ParamRef {
-    fn trainable(&self) -> bool {
-        self.group != FROZEN
-    }
-}
-
-#[derive(Debug)]
-struct RunningStats {
-    mean: DeviceBuffer<f32>,
-    var: DeviceBuffer<f32>,
-    /// Copies taken before a step, put back if the step is not applied.
-    saved_mean: DeviceBuffer<f32>,
-    saved_var: DeviceBuffer<f32>,
-}
-
-/// A dropout layer's mask and its counter of training forwards (the CPU's
-/// buffer: four 16-bit limbs in f32), with the copy taken before a step.
-#[derive(Debug)]
-struct DropoutLayer {
-    mask: ops::DropoutMask,
-    counter: DeviceBuffer<f32>,
-    saved: DeviceBuffer<f32>,
-}
-
-/// What a step changes besides the parameters, put back if the step is
-/// not applied and kept in checkpoints, in the CPU's order of buffers.
-enum StepBuffers<'a> {
-    Running(&'a mut RunningStats),
-    Dropout(&'a mut DropoutLayer),
-}
-
-/// A batch norm's parameters, running statistics and settings.
-#[derive(Debug)]
-struct BatchNormLayer {
-    gamma: ParamRef,
-    beta: ParamRef,
-    running: Box<RunningStats>,
-    momentum: f32,
-    eps: f32,
-}
-
-#[derive(Debug)]
-enum GpuLayer {
-    Conv {
-        weight: ParamRef,
-        bias: Option<ParamRef>,
-        kernel: usize,
-        stride: usize,
-        pad: usize,
-        cout: usize,
-        /// Its algorithm and im2col workspace (`CudaBuildOptions`).
-        plan: ConvPlan,
-    },
-    /// Depthwise convolution (direct kernels); keeps its input.
-    DepthwiseConv {
-        weight: ParamRef,
-        bias: Option<ParamRef>,
-        shape: ops::DepthwiseShape,
-    },
-    BatchNorm {
-        bn: BatchNormLayer,
-        /// Fused with the ReLU that followed it in the spec.
-        relu: bool,
-    },
-    Relu,
-    Residual(Vec<GpuLayer>),
-    /// A `Residual` whose body ended in a plain batch norm, and the ReLU
-    /// after it: y = relu(tail(body(x)) + x), the tail's normalisation, the
-    /// sum and the ReLU in one kernel (`bn_apply_add`).
-    FusedResidual {
-        body: Vec<GpuLayer>,
-        tail: BatchNormLayer,
-    },
-    /// A segment whose activations are dropped after forward and
-    /// recomputed in backward (`model.checkpoint`): it keeps only its input.
-    Checkpointed(Vec<GpuLayer>),
-    GlobalAvgPool,
-    /// Max pooling, no padding; a training forward keeps each output's
-    /// argmax (u32) and the input's shape, not the input.
-    MaxPool {
-        kernel: usize,
-        stride: usize,
-    },
-    Linear {
-        weight: ParamRef,
-        bias: Option<ParamRef>,
-        out: usize,
-    },
-    /// [n, h, w, c] -> [n, h·w·c]: the same bytes (NHWC is the CPU's
-    /// order), so no kernel; a copy only where its input is still held.
-    Flatten,
-    /// SiLU or GELU; keeps its input for backward.
-    Smooth(ops::Smooth),
-    /// Keeps nothing: backward draws the mask again.
-    Dropout(Box<DropoutLayer>),
-    /// Nearest-neighbour ×2; keeps the input's shape.
-    Upsample2x,
-    /// concat_c(x, body(x)); `channels` is x's. Keeps nothing of its own.
-    UnetSkip {
-        body: Vec<GpuLayer>,
-        channels: usize,
-    },
-    /// Keeps its input, and each row's mean and rstd, for backward.
-    LayerNorm {
-        gamma: ParamRef,
-        beta: ParamRef,
-        eps: f32,
-    },
-    /// Token ids [n, t] (f32) -> rows [n·t, dim]; keeps the ids.
-    Embedding {
-        table: ParamRef,
-        positions: Option<ParamRef>,
-        shape: ops::EmbeddingShape,
-    },
-    /// Causal self-attention between its projections (each one `Linear` or
-    /// `Lora` layer) over sequences of `length` tokens.
-    Attention {
-        qkv: Vec<GpuLayer>,
-        proj: Vec<GpuLayer>,
-        length: usize,
-        heads: usize,
-    },
-    /// A linear layer with a frozen base and a trainable LoRA adapter.
-    Lora(Box<LoraLayer>),
-    /// A ConvLSTM over each sample's frames (images s·F .. s·F + F − 1 of
-    /// the batch); keeps its input, its output, every step's cell state
-    /// and, without `step_recompute` (on under `model.checkpoint`, as on
-    /// the CPU), every step's activated gates.
-    ConvLstm {
-        weight: ParamRef,
-        bias: ParamRef,
-        shape: ops::ConvLstmShape,
-        plan: ConvPlan,
-        step_recompute: bool,
-    },
-    /// An LSTM over sequences of `length` tokens; keeps its input, its
-    /// output, the activated gates and the cell states.
-    Lstm {
-        wx: ParamRef,
-        wh: ParamRef,
-        bias: ParamRef,
-        length: usize,
-    },
-}
-
-/// y = x·W + b + s·(x·Aᵀ)·Bᵀ with W and b frozen.
-#[derive(Debug)]
-struct LoraLayer {
-    weight: ParamRef,
-    bias: Option<ParamRef>,
-    a: ParamRef,
-    b: ParamRef,
-    rank: usize,
-    scale: f32,
-    out: usize,
-}
-
-impl LoraLayer {
-    fn weights<'a>(&self, groups: &'a Groups) -> ops::LoraWeights<'a> {
-        ops::LoraWeights {
-            weight: compute(groups, &self.weight),
-            bias: self.bias.as_ref().map(|b| compute(groups, b)),
-            a: compute(groups, &self.a),
-            b: compute(groups, &self.b),
-            rank: self.rank,
-            scale: self.scale,
-        }
-    }
-}
-
-/// What attention keeps besides its projections' own entries.
-#[derive(Debug)]
-struct SavedAttention {
-    qkv: Shared,
-    heads_out: Shared,
-    stats: ops::AttentionSaved,
-}
-
-/// A batch norm's input and statistics: all its backward reads (the fused
-/// ReLU's mask too, from the input).
-#[derive(Debug)]
-struct SavedBatchNorm {
-    input: Shared,
-    stats: Arc<BatchNormSaved>,
-}
-
-/// An activation kept for backward by every layer that needs it: a batch
-/// norm's output and the next convolution's input are one buffer, not two.
-type Shared = Arc<CudaTensor>;
-
-/// An activation backward needs: kept since the forward, or computed again.
-#[derive(Debug)]
-enum Activation {
-    Kept(Shared),
-    Recomputed(Arc<Recomputable>),
-}
-
-/// How deep a chain of recomputations may go: a block's output is computed
-/// again only from a block input that is kept or itself a batch norm +
-/// ReLU's output computed again from what is kept. In a stack of blocks
-/// every third block's output is kept, so recomputing one never
-/// recomputes (and holds) the whole stack's.
-const MAX_RECOMPUTE_DEPTH: u8 = 2;
-
-impl Activation {
-    /// How many recomputations deep this is: 0 for a kept tensor.
-    fn depth(&self) -> u8 {
-        match self {
-            Activation::Kept(_) => 0,
-            Activation::Recomputed(r) => r.depth,
-        }
-    }
-
-    /// The tensor, letting go of this hold on it (so that dropping the
-    /// result frees it if nothing else holds it).
-    fn take(self, be: &CudaBackend) -> CudaResult<Shared> {
-        match self {
-            Activation::Kept(t) => Ok(t),
-            Activation::Recomputed(r) => r.get(be),
-        }
-    }
-}
-
-/// The output of a training batch norm + ReLU, or of a fused residual
-/// block (batch norm, the skip input added, ReLU), not kept after the
-/// forward (`CudaBuildOptions::recompute`) but computed again in backward
-/// from the batch norm's input and statistics, which backward keeps anyway
-/// (and the skip input, itself perhaps computed again). The layer that asks
-/// (the next convolution's weight gradient) computes it, and it is freed
-/// with that layer's backward: the batch norm's own backward takes the
-/// ReLU's mask from its input. A fused block's output is asked for twice
-/// (the next convolution, then the block's ReLU mask), and held between.
-#[derive(Debug)]
-struct Recomputable {
-    input: Shared,
-    stats: Arc<BatchNormSaved>,
-    skip: Option<Activation>,
-    /// 1 + the skip input's depth.
-    depth: u8,
-    value: Mutex<Option<Shared>>,
-}
-
-impl Recomputable {
-    fn new(input: Shared, stats: Arc<BatchNormSaved>, skip: Option<Activation>) -> Arc<Self> {
-        let depth = 1 + skip.as_ref().map_or(0, Activation::depth);
-        Arc::new(Self {
-            input,
-            stats,
-            skip,
-            depth,
-            value: Mutex::new(None),
-        })
-    }
-
-    /// The output, computed on first use and held while this is.
-    fn get(&self, be: &CudaBackend) -> CudaResult<Shared> {
-        let mut value = self.lock();
-        if let Some(y) = value.as_ref() {
-            return Ok(Arc::clone(y));
-        }
-        let y = Arc::new(self.compute(be)?);
-        *value = Some(Arc::clone(&y));
-        Ok(y)
-    }
-
-    /// The output, computed for the caller alone unless already held.
-    fn get_once(&self, be: &CudaBackend) -> CudaResult<Shared> {
-        if let Some(y) = self.lock().as_ref() {
-            return Ok(Arc::clone(y));
-        }
-        self.compute(be).map(Arc::new)
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Shared>> {
-        // A poisoned lock only means another thread panicked while holding
-        // it; the cached value is still either absent or whole.
-        self.value.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Computes the output; under `--profile` its time is a segment of its
-    /// own (a layer's backward asks before it launches anything, so the
-    /// segment holds the recomputation alone).
-    fn compute(&self, be: &CudaBackend) -> CudaResult<CudaTensor> {
-        let y = self.compute_unmarked(be)?;
-        be.profile_mark(|| {
-            let what = match self.skip {
-                None => "batch_norm+relu",
-                Some(_) => "residual batch_norm+add+relu",
-            };
-            format!("recompute {what} out {}", dims(&y))
-        })?;
-        Ok(y)
-    }
-
-    fn compute_unmarked(&self, be: &CudaBackend) -> CudaResult<CudaTensor> {
-        match &self.skip {
-            None => ops::batch_norm_relu_recompute(be, &self.input, None, &self.stats),
-            Some(skip) => {
-                // The block's input only for this sum: not held beside the
-                // output (the block's first convolution computes it again),
-                // so that a block's backward starts with one more activation
-                // alive, not two.
-                let skip = match skip {
-                    Activation::Kept(t) => Arc::clone(t),
-                    Activation::Recomputed(r) => r.get_once(be)?,
-                };
-                ops::batch_norm_relu_recompute(be, &self.input, Some(&skip), &self.stats)
-            }
-        }
-    }
-}
-
-/// What a training forward left for backward, one entry per layer run.
-#[derive(Debug)]
-enum Saved {
-    Input(Activation),
-    /// A layer norm's input and row statistics.
-    LayerNorm(Activation, ops::LayerNormSaved),
-    /// A LoRA layer's input and u = s·x·Aᵀ.
-    Lora(Activation, Shared),
-    Attention(Box<SavedAttention>),
-    /// An LSTM's input, output, gates and cells.
-    Lstm(Activation, Shared, Box<ops::LstmSaved>),
-    /// A ConvLSTM's input, output, gates and cells.
-    ConvLstm(Activation, Shared, Box<ops::ConvLstmSaved>),
-    /// A checkpointed segment's input, and how its forward ran.
-    Segment(Activation, Pass),
-    BatchNorm(Box<SavedBatchNorm>),
-    Output(Activation),
-    Shape(Vec<usize>),
-    /// Max pooling's argmax per output and its input's shape.
-    MaxPool(Box<ops::MaxPoolSaved>),
-    Nothing,
-}
 
 /// How the network computes.
 #[derive(Clone, Copy, Debug)]
@@ -512,7 +164,7 @@ pub enum StatePiece<'a> {
 
 pub struct CudaNetwork {
     spec: ModelSpec,
-    layers: Vec<GpuLayer>,
+    layers: Vec<Box<dyn CudaLayer>>,
     groups: Groups,
     params: Vec<ParamSlot>,
     classes: usize,
@@ -534,6 +186,8 @@ impl std::fmt::Debug for CudaNetwork {
 /// Hands out parameter ranges in the CPU network's parameter order.
 struct ParamCursor<'a> {
     cpu: &'a [CpuParam],
+    /// The CPU network, whose `custom` layers are asked for their CUDA form.
+    network: &'a Network,
     /// The CPU network's dropout seeds, taken in order as the parameters.
     dropout_seeds: std::vec::IntoIter<u64>,
     /// `model.tokens.vocab`, for embeddings.
@@ -620,6 +274,40 @@ impl ParamCursor<'_> {
     }
 }
 
+/// What a layer's `Layer::to_cuda` gets: the backend (to allocate its own
+/// device buffers), its path, its input shape (per sample, as the GPU
+/// network sees it: a sequence [t, c] is rows), and the places of its
+/// parameters, handed out in the CPU network's order.
+pub struct CudaBuildContext<'a, 'c> {
+    be: &'a CudaBackend,
+    cursor: &'a mut ParamCursor<'c>,
+    path: &'a str,
+    shape: &'a [usize],
+}
+
+impl CudaBuildContext<'_, '_> {
+    pub fn backend(&self) -> &CudaBackend {
+        self.be
+    }
+
+    /// Where the layer is in the spec (`model.layers[3]`), for errors.
+    pub fn path(&self) -> &str {
+        self.path
+    }
+
+    pub fn input_shape(&self) -> &[usize] {
+        self.shape
+    }
+
+    /// The place of the layer's next parameter, of `len` values: call it
+    /// once per parameter, in the order of the CPU layer's `params_mut`.
+    /// Its values are the CPU layer's; a frozen one (fine-tuning) is in
+    /// the frozen group (`ParamRef::trainable`).
+    pub fn param(&mut self, len: usize) -> CudaResult<ParamRef> {
+        self.cursor.take(self.path, len)
+    }
+}
+
 impl CudaNetwork {
     /// Builds the network of `spec` on the GPU with the weights the CPU's
     /// `Network::build(spec, seed)` starts from.
@@ -657,6 +345,7 @@ impl CudaNetwork {
             .collect();
         let mut cursor = ParamCursor {
             cpu: &cpu_params,
+            network: cpu,
             dropout_seeds: cpu.dropout_seeds().into_iter(),
             vocab: spec.tokens.map(|t| t.vocab),
             frames: spec.frames,
@@ -670,9 +359,11 @@ impl CudaNetwork {
             None => spec.input.to_vec(),
         };
         let groups = build_groups(be, &spec.layers, "model.layers", &mut shape, &mut cursor)?;
-        let layers = arrange(groups, spec.checkpoint, GpuLayer::Checkpointed);
+        let layers = arrange(groups, spec.checkpoint, checkpointed);
         let mut layers = if options.fuse { fuse(layers) } else { layers };
-        set_conv_plan(&mut layers, options.conv);
+        layers
+            .iter_mut()
+            .for_each(|l| l.set_conv_plan(options.conv));
         if cursor.next != cpu_params.len() {
             return Err(CudaError::shape(
                 "CudaNetwork::build",

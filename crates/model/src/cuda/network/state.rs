@@ -246,45 +246,17 @@ pub(super) fn copy_host(
 }
 
 pub(super) fn for_each_step_buffers(
-    layers: &mut [GpuLayer],
+    layers: &mut [Box<dyn CudaLayer>],
     f: &mut dyn FnMut(StepBuffers<'_>) -> CudaResult<()>,
 ) -> CudaResult<()> {
-    for layer in layers {
-        match layer {
-            GpuLayer::BatchNorm { bn, .. } => f(StepBuffers::Running(&mut bn.running))?,
-            GpuLayer::Dropout(d) => f(StepBuffers::Dropout(d))?,
-            GpuLayer::Residual(body)
-            | GpuLayer::Checkpointed(body)
-            | GpuLayer::UnetSkip { body, .. } => for_each_step_buffers(body, f)?,
-            // The body's statistics come first, as in the CPU's order.
-            GpuLayer::FusedResidual { body, tail } => {
-                for_each_step_buffers(body, f)?;
-                f(StepBuffers::Running(&mut tail.running))?
-            }
-            _ => {}
-        }
-    }
-    Ok(())
+    layers.iter_mut().try_for_each(|l| l.step_buffers(f))
 }
 
 /// The buffers a checkpoint keeps, in the CPU's order: each batch norm's
 /// running mean and variance, each dropout's counter.
 pub(super) fn checkpointed_buffers<'a>(
-    layers: &'a [GpuLayer],
+    layers: &'a [Box<dyn CudaLayer>],
     out: &mut Vec<&'a DeviceBuffer<f32>>,
 ) {
-    for layer in layers {
-        match layer {
-            GpuLayer::BatchNorm { bn, .. } => out.extend([&bn.running.mean, &bn.running.var]),
-            GpuLayer::Dropout(d) => out.push(&d.counter),
-            GpuLayer::Residual(body)
-            | GpuLayer::Checkpointed(body)
-            | GpuLayer::UnetSkip { body, .. } => checkpointed_buffers(body, out),
-            GpuLayer::FusedResidual { body, tail } => {
-                checkpointed_buffers(body, out);
-                out.extend([&tail.running.mean, &tail.running.var]);
-            }
-            _ => {}
-        }
-    }
+    layers.iter().for_each(|l| l.checkpointed_buffers(out));
 }

@@ -14,3 +14,4 @@
 //! Parity tests: `tests/cuda_parity/activation.rs`.
 
 pub(crate) mod cuda;
+pub(crate) mod layer;

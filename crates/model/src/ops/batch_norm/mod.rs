@@ -14,3 +14,4 @@
 //! Parity tests: `tests/cuda_parity/batch_norm.rs`.
 
 pub(crate) mod cuda;
+pub(crate) mod layer;

@@ -14,6 +14,7 @@
 
 pub(crate) mod cuda;
 pub(crate) mod depthwise;
+pub(crate) mod layer;
 pub(crate) mod narrow;
 mod partials;
 pub(crate) mod plan;

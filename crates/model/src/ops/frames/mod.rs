@@ -12,3 +12,4 @@
 //! Parity tests: `tests/cuda_parity/frames.rs`.
 
 pub(crate) mod cuda;
+pub(crate) mod layer;

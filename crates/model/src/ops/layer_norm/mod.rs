@@ -10,3 +10,4 @@
 //! Parity tests: `tests/cuda_parity/layer_norm.rs`.
 
 pub(crate) mod cuda;
+pub(crate) mod layer;

@@ -13,3 +13,4 @@
 //! Parity tests: `tests/cuda_parity/sequence.rs`.
 
 pub(crate) mod cuda;
+pub(crate) mod layer;
