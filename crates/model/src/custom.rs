@@ -53,6 +53,8 @@ pub type LayerFactory =
 #[derive(Clone, Default)]
 pub struct LayerRegistry {
     factories: BTreeMap<String, LayerFactory>,
+    /// The names whose layers bring a CUDA form (`register_with_cuda`).
+    with_cuda: std::collections::BTreeSet<String>,
 }
 
 impl LayerRegistry {
@@ -66,8 +68,31 @@ impl LayerRegistry {
         name: impl Into<String>,
         factory: impl Fn(&mut CustomLayerArgs<'_>) -> Result<Box<dyn Layer>> + Send + Sync + 'static,
     ) -> Self {
-        self.factories.insert(name.into(), Arc::new(factory));
+        let name = name.into();
+        self.with_cuda.remove(&name);
+        self.factories.insert(name, Arc::new(factory));
         self
+    }
+
+    /// Registers `factory` as `name`, whose layers bring a CUDA form
+    /// (`Layer::to_cuda`): a run on `device.kind = "cuda"` builds them
+    /// into the GPU network instead of refusing them before the GPU is
+    /// touched (a layer that then returns no CUDA form is still refused,
+    /// naming it, when the GPU network is built).
+    pub fn register_with_cuda(
+        self,
+        name: impl Into<String>,
+        factory: impl Fn(&mut CustomLayerArgs<'_>) -> Result<Box<dyn Layer>> + Send + Sync + 'static,
+    ) -> Self {
+        let name = name.into();
+        let mut registry = self.register(name.clone(), factory);
+        registry.with_cuda.insert(name);
+        registry
+    }
+
+    /// Whether `name` was registered with a CUDA form.
+    pub fn brings_cuda(&self, name: &str) -> bool {
+        self.with_cuda.contains(name)
     }
 
     pub fn get(&self, name: &str) -> Option<&LayerFactory> {

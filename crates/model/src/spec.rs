@@ -5,6 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::custom::LayerRegistry;
 use crate::layers::LoraConfig;
 use crate::{ModelError, Result};
 
@@ -289,19 +290,31 @@ impl ModelSpec {
     /// a model on the CPU only (from the spec alone it cannot tell whether
     /// the layer brings a CUDA form; `CudaNetwork::from_cpu` can).
     pub fn first_cpu_only_layer(&self) -> Option<(String, String)> {
-        fn walk(layers: &[LayerSpec], path: &str) -> Option<(String, String)> {
+        self.first_cpu_only_layer_given(&LayerRegistry::default())
+    }
+
+    /// `first_cpu_only_layer`, a custom layer that `layers` says brings a
+    /// CUDA form (`LayerRegistry::register_with_cuda`) not counted.
+    pub fn first_cpu_only_layer_given(&self, layers: &LayerRegistry) -> Option<(String, String)> {
+        fn walk(
+            layers: &[LayerSpec],
+            path: &str,
+            registry: &LayerRegistry,
+        ) -> Option<(String, String)> {
             layers.iter().enumerate().find_map(|(i, layer)| {
                 let here = format!("{path}[{i}]");
                 match layer {
-                    LayerSpec::Custom { name, .. } => Some((here, name.clone())),
+                    LayerSpec::Custom { name, .. } if !registry.brings_cuda(name) => {
+                        Some((here, name.clone()))
+                    }
                     LayerSpec::Residual { layers } | LayerSpec::UnetSkip { layers } => {
-                        walk(layers, &format!("{here}.layers"))
+                        walk(layers, &format!("{here}.layers"), registry)
                     }
                     _ => None,
                 }
             })
         }
-        walk(&self.layers, "model.layers")
+        walk(&self.layers, "model.layers", layers)
     }
 }
 
@@ -333,5 +346,39 @@ mod tests {
             }],
         };
         assert!(spec(vec![nested, linear]).uses_batch_statistics());
+    }
+
+    #[test]
+    fn a_custom_layer_registered_with_cuda_is_not_cpu_only() {
+        let custom = |name: &str| LayerSpec::Custom {
+            name: name.into(),
+            options: Default::default(),
+        };
+        let nested = LayerSpec::Residual {
+            layers: vec![custom("gpu_too"), custom("cpu_only")],
+        };
+        let model = spec(vec![LayerSpec::Flatten, nested]);
+        let none = LayerRegistry::new();
+        assert_eq!(
+            model.first_cpu_only_layer_given(&none),
+            Some(("model.layers[1].layers[0]".into(), "gpu_too".into()))
+        );
+        let factory = |_: &mut crate::CustomLayerArgs<'_>| -> Result<Box<dyn crate::Layer>> {
+            Err(ModelError::Spec {
+                path: String::new(),
+                reason: "not built here".into(),
+            })
+        };
+        let registry = LayerRegistry::new()
+            .register_with_cuda("gpu_too", factory)
+            .register("cpu_only", factory);
+        assert!(registry.brings_cuda("gpu_too") && !registry.brings_cuda("cpu_only"));
+        assert_eq!(
+            model.first_cpu_only_layer_given(&registry),
+            Some(("model.layers[1].layers[1]".into(), "cpu_only".into()))
+        );
+        // Registered again without CUDA: CPU-only again.
+        let registry = registry.register("gpu_too", factory);
+        assert!(!registry.brings_cuda("gpu_too"));
     }
 }

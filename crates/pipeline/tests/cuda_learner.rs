@@ -1104,3 +1104,100 @@ fn focal_loss_trains_as_on_the_cpu() {
         "GPU and CPU focal-loss weights differ by {apart}, training moved them {moved}"
     );
 }
+
+#[path = "../../model/tests/common/mix_layer.rs"]
+mod mix_layer;
+
+/// conv, relu, flatten, then the custom layer `custom` (6·6·3 → 4 scores).
+fn custom_spec(custom: &str) -> ModelSpec {
+    ModelSpec {
+        input: [6, 6, 2],
+        mean: 0.5,
+        std: 0.25,
+        layers: vec![
+            LayerSpec::Conv {
+                out: 3,
+                kernel: 3,
+                stride: 1,
+                padding: None,
+                bias: true,
+            },
+            LayerSpec::Relu,
+            LayerSpec::Flatten,
+            LayerSpec::Custom {
+                name: custom.into(),
+                options: std::collections::BTreeMap::from([("out".to_string(), 4.0)]),
+            },
+        ],
+        checkpoint: CheckpointPolicy::default(),
+        tokens: None,
+        frames: None,
+    }
+}
+
+/// One epoch through the `Trainer` with `custom`'s layer registered, on
+/// `device`.
+fn train_custom(
+    dir: &std::path::Path,
+    custom: &str,
+    device: headroom_pipeline::trainer::DeviceKind,
+) -> headroom_pipeline::Result<headroom_pipeline::RunSummary> {
+    use headroom_pipeline::trainer::{network, LoopSettings, NetworkPlan};
+    let plan = NetworkPlan {
+        spec: custom_spec(custom),
+        seed: 3,
+        build: Default::default(),
+        layers: mix_layer::registry(),
+        step: settings(),
+        batch: 16,
+        device,
+        cuda: Default::default(),
+    };
+    let data = || std::sync::Arc::new(headroom_loader::SyntheticDataset::new(64, [6, 6, 2], 4));
+    headroom_pipeline::Trainer::builder()
+        .output_dir(dir)
+        .model("custom", network(plan))
+        .data(data(), data())
+        .loop_settings(LoopSettings {
+            epochs: 1,
+            batch_size: 16,
+            threads: 1,
+            ..Default::default()
+        })
+        .build()?
+        .run()
+}
+
+#[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
+fn a_custom_layer_registered_with_cuda_trains_on_the_gpu_through_the_trainer() {
+    use headroom_pipeline::trainer::DeviceKind;
+    let Some(_gpu) = backend() else { return };
+    let root = tempfile::tempdir().unwrap();
+    let on_gpu = train_custom(&root.path().join("gpu"), "mix", DeviceKind::Cuda).unwrap();
+    let on_cpu = train_custom(&root.path().join("cpu"), "mix", DeviceKind::Cpu).unwrap();
+    assert_eq!(on_gpu.step, 4);
+    let (g, c) = (
+        on_gpu.epochs[0].train_loss.unwrap(),
+        on_cpu.epochs[0].train_loss.unwrap(),
+    );
+    assert!(
+        (g - c).abs() <= 2e-2 * c.abs(),
+        "train loss {g} (GPU) vs {c} (CPU)"
+    );
+    // The layer registered without its CUDA form is refused by name.
+    let err = train_custom(
+        &root.path().join("refused"),
+        "mix_cpu_only",
+        DeviceKind::Cuda,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("mix_cpu_only") && err.contains("no CUDA implementation"),
+        "{err}"
+    );
+}

@@ -453,7 +453,7 @@ pub fn open_network(
             plan.cuda.clone(),
         )
     };
-    let cpu_only = plan.spec.first_cpu_only_layer();
+    let cpu_only = plan.spec.first_cpu_only_layer_given(&plan.layers);
     match plan.device {
         DeviceKind::Cpu => on_cpu(),
         DeviceKind::Cuda if cpu_only.is_some() => {
