@@ -179,11 +179,15 @@ impl ModelConfig {
                 .iter()
                 .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
                 .collect::<Option<Vec<u32>>>()
-                .ok_or_else(|| keys.err("eos_token_id", "wrong type", "a token id or a list of them"))?,
+                .ok_or_else(|| {
+                    keys.err("eos_token_id", "wrong type", "a token id or a list of them")
+                })?,
             Some(v) => vec![v
                 .as_u64()
                 .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| keys.err("eos_token_id", "wrong type", "a token id or a list of them"))?],
+                .ok_or_else(|| {
+                    keys.err("eos_token_id", "wrong type", "a token id or a list of them")
+                })?],
         };
         if architecture == "GPT2LMHeadModel" {
             Self::gpt2(&keys, architecture, eos_token_ids)
@@ -343,12 +347,15 @@ fn rope(keys: &Keys) -> Result<(f64, RopeScaling)> {
         "default" => RopeScaling::None,
         "llama3" => {
             let need = |name: &'static str| -> Result<f64> {
-                params.get(name).and_then(Value::as_f64).ok_or_else(|| LlmError::ConfigKey {
-                    path: keys.path.to_path_buf(),
-                    key: format!("{key}.{name}"),
-                    problem: "missing or not a number",
-                    expected: "a number (llama3 RoPE scaling)",
-                })
+                params
+                    .get(name)
+                    .and_then(Value::as_f64)
+                    .ok_or_else(|| LlmError::ConfigKey {
+                        path: keys.path.to_path_buf(),
+                        key: format!("{key}.{name}"),
+                        problem: "missing or not a number",
+                        expected: "a number (llama3 RoPE scaling)",
+                    })
             };
             RopeScaling::Llama3 {
                 factor: need("factor")?,

@@ -162,7 +162,15 @@ impl Model {
         let normed = self.final_norm.forward(&rows);
         Ok(match &self.lm_head {
             Some(head) => head.forward(&normed, m),
-            None => project(&normed, m, &self.embed, h, c.vocab_size, Layout::OutIn, None),
+            None => project(
+                &normed,
+                m,
+                &self.embed,
+                h,
+                c.vocab_size,
+                Layout::OutIn,
+                None,
+            ),
         })
     }
 
@@ -262,7 +270,9 @@ pub fn causal_lm_loss(logits: &[f32], labels: &[Vec<i64>], vocab: usize) -> Resu
                 .ok()
                 .filter(|&l| l < vocab)
                 .ok_or_else(|| {
-                    LlmError::Input(format!("label {label} is outside the vocabulary ({vocab} ids)"))
+                    LlmError::Input(format!(
+                        "label {label} is outside the vocabulary ({vocab} ids)"
+                    ))
                 })?;
             let z = &logits[(r * t + i) * vocab..(r * t + i + 1) * vocab];
             let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;

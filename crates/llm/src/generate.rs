@@ -82,7 +82,12 @@ fn top_p(logits: &[f32], temperature: f32, p: f32, rng: &mut Rng) -> usize {
 impl Model {
     /// Up to `max_new_tokens` tokens after `prompt`, stopping after an
     /// end-of-sequence token of the config (which is returned).
-    pub fn generate(&self, prompt: &[u32], max_new_tokens: usize, sampling: Sampling) -> Result<Vec<u32>> {
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        sampling: Sampling,
+    ) -> Result<Vec<u32>> {
         if prompt.is_empty() {
             return Err(LlmError::Input("the prompt encodes to no tokens".into()));
         }
@@ -96,7 +101,9 @@ impl Model {
                 )));
             }
             if !(top_p > 0.0 && top_p <= 1.0) {
-                return Err(LlmError::Input(format!("top-p {top_p}: expected 0 < p <= 1")));
+                return Err(LlmError::Input(format!(
+                    "top-p {top_p}: expected 0 < p <= 1"
+                )));
             }
         }
         let mut rng = Rng(match sampling {
@@ -116,7 +123,9 @@ impl Model {
             let token = match sampling {
                 Sampling::Greedy => argmax(&logits),
                 Sampling::TopP {
-                    temperature, top_p: p, ..
+                    temperature,
+                    top_p: p,
+                    ..
                 } => top_p(&logits, temperature, p, &mut rng),
             } as u32;
             out.push(token);

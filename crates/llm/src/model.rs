@@ -35,8 +35,15 @@ impl Linear {
 }
 
 pub enum Norm {
-    Rms { weight: Vec<f32>, eps: f32 },
-    Layer { weight: Vec<f32>, bias: Vec<f32>, eps: f32 },
+    Rms {
+        weight: Vec<f32>,
+        eps: f32,
+    },
+    Layer {
+        weight: Vec<f32>,
+        bias: Vec<f32>,
+        eps: f32,
+    },
 }
 
 impl Norm {
@@ -50,7 +57,11 @@ impl Norm {
 
 pub enum Mlp {
     /// down(silu(gate(x)) · up(x)).
-    SwiGlu { gate: Linear, up: Linear, down: Linear },
+    SwiGlu {
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+    },
     /// proj(gelu_new(fc(x))).
     Gelu { fc: Linear, proj: Linear },
 }
@@ -144,8 +155,8 @@ pub fn inv_freq(config: &ModelConfig) -> Vec<f32> {
                     } else if wavelen > low_wavelen {
                         f / factor
                     } else {
-                        let smooth =
-                            (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
                         (1.0 - smooth) * f / factor + smooth * f
                     }
                 })
@@ -192,9 +203,19 @@ impl Model {
                         o: r.linear(&format!("{p}.self_attn.o_proj"), qd, h, config.o_bias)?,
                         norm2: rms("post_attention_layernorm")?,
                         mlp: Mlp::SwiGlu {
-                            gate: r.linear(&format!("{p}.mlp.gate_proj"), h, inter, config.mlp_bias)?,
+                            gate: r.linear(
+                                &format!("{p}.mlp.gate_proj"),
+                                h,
+                                inter,
+                                config.mlp_bias,
+                            )?,
                             up: r.linear(&format!("{p}.mlp.up_proj"), h, inter, config.mlp_bias)?,
-                            down: r.linear(&format!("{p}.mlp.down_proj"), inter, h, config.mlp_bias)?,
+                            down: r.linear(
+                                &format!("{p}.mlp.down_proj"),
+                                inter,
+                                h,
+                                config.mlp_bias,
+                            )?,
                         },
                     });
                 }

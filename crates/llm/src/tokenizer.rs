@@ -39,9 +39,11 @@ impl Tokenizer {
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, true).map_err(|e| LlmError::Tokenizer {
-            path: self.path.clone(),
-            message: format!("decoding failed: {e}"),
-        })
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| LlmError::Tokenizer {
+                path: self.path.clone(),
+                message: format!("decoding failed: {e}"),
+            })
     }
 }

@@ -156,10 +156,13 @@ impl WeightStore {
 
     /// The tensor `name` as f32, which must have shape `expected`.
     pub fn take(&self, name: &str, expected: &[usize]) -> Result<Loaded> {
-        let &slot = self.index.get(name).ok_or_else(|| LlmError::MissingTensor {
-            path: self.source.clone(),
-            name: name.to_string(),
-        })?;
+        let &slot = self
+            .index
+            .get(name)
+            .ok_or_else(|| LlmError::MissingTensor {
+                path: self.source.clone(),
+                name: name.to_string(),
+            })?;
         let shard = &self.shards[slot];
         let info = shard
             .metadata

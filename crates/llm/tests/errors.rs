@@ -53,12 +53,21 @@ fn edit_config(dir: &Path, edit: impl Fn(&mut serde_json::Map<String, serde_json
 fn unknown_architecture_lists_the_supported_ones() {
     let dir = copy_fixture("llama");
     edit_config(dir.path(), |c| {
-        c.insert("architectures".into(), serde_json::json!(["BertForMaskedLM"]));
+        c.insert(
+            "architectures".into(),
+            serde_json::json!(["BertForMaskedLM"]),
+        );
     });
     let message = load_error(dir.path());
     assert_names(
         &message,
-        &["config.json", "BertForMaskedLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"],
+        &[
+            "config.json",
+            "BertForMaskedLM",
+            "LlamaForCausalLM",
+            "Qwen2ForCausalLM",
+            "GPT2LMHeadModel",
+        ],
     );
 }
 
@@ -68,17 +77,26 @@ fn config_key_missing_or_of_the_wrong_type_is_named() {
     edit_config(dir.path(), |c| {
         c.remove("hidden_size");
     });
-    assert_names(&load_error(dir.path()), &["config.json", "hidden_size", "missing"]);
+    assert_names(
+        &load_error(dir.path()),
+        &["config.json", "hidden_size", "missing"],
+    );
 
     let dir = copy_fixture("gpt2");
     edit_config(dir.path(), |c| {
         c.insert("n_head".into(), serde_json::json!("four"));
     });
-    assert_names(&load_error(dir.path()), &["config.json", "n_head", "wrong type"]);
+    assert_names(
+        &load_error(dir.path()),
+        &["config.json", "n_head", "wrong type"],
+    );
 
     let dir = copy_fixture("llama");
     edit_config(dir.path(), |c| {
-        c.insert("rope_parameters".into(), serde_json::json!({"rope_type": "yarn", "factor": 4.0}));
+        c.insert(
+            "rope_parameters".into(),
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0}),
+        );
     });
     assert_names(&load_error(dir.path()), &["config.json", "yarn"]);
 }
@@ -90,7 +108,10 @@ fn missing_tensor_is_named() {
     rewrite(dir.path(), "model.safetensors", |name, shape| {
         (name != gone).then(|| shape.to_vec())
     });
-    assert_names(&load_error(dir.path()), &["model.safetensors", gone, "missing"]);
+    assert_names(
+        &load_error(dir.path()),
+        &["model.safetensors", gone, "missing"],
+    );
 }
 
 #[test]
@@ -106,7 +127,12 @@ fn wrong_shape_says_expected_and_found() {
     });
     assert_names(
         &load_error(dir.path()),
-        &["model.safetensors", bent, "expected [16, 32]", "shape [32, 16]"],
+        &[
+            "model.safetensors",
+            bent,
+            "expected [16, 32]",
+            "shape [32, 16]",
+        ],
     );
 }
 
@@ -137,7 +163,10 @@ fn index_naming_a_missing_shard_is_named() {
 fn a_directory_without_weights_is_named() {
     let dir = copy_fixture("gpt2");
     std::fs::remove_file(dir.path().join("model.safetensors.index.json")).expect("remove");
-    assert_names(&load_error(dir.path()), &["model.safetensors", "index.json"]);
+    assert_names(
+        &load_error(dir.path()),
+        &["model.safetensors", "index.json"],
+    );
 }
 
 #[test]
@@ -158,7 +187,9 @@ fn a_tokenizer_that_does_not_load_is_named() {
 #[test]
 fn bad_token_ids_and_ragged_batches_are_refused() {
     let model = Model::load(&fixture("gpt2")).expect("loads");
-    let err = model.logits(&[vec![1, 2, 100_000]]).expect_err("out of vocabulary");
+    let err = model
+        .logits(&[vec![1, 2, 100_000]])
+        .expect_err("out of vocabulary");
     assert!(err.to_string().contains("100000"), "{err}");
     let err = model.logits(&[vec![1, 2], vec![3]]).expect_err("ragged");
     assert!(err.to_string().contains("same length"), "{err}");

@@ -19,7 +19,10 @@ const LOSS_TOL: f32 = 1e-5;
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 #[test]
@@ -34,8 +37,16 @@ fn tokenizer_ids_match_transformers() {
         assert_eq!(&ids[..2 * t], &recorded[..], "{name}: ids of the text");
         let (_, prompt) = reference.i64s("prompt_ids");
         let prompt: Vec<u32> = prompt.iter().map(|&v| v as u32).collect();
-        assert_eq!(tokenizer.encode(PROMPT).expect("encode"), prompt, "{name}: prompt ids");
-        assert_eq!(tokenizer.decode(&prompt).expect("decode"), PROMPT, "{name}: round trip");
+        assert_eq!(
+            tokenizer.encode(PROMPT).expect("encode"),
+            prompt,
+            "{name}: prompt ids"
+        );
+        assert_eq!(
+            tokenizer.decode(&prompt).expect("decode"),
+            PROMPT,
+            "{name}: round trip"
+        );
     }
 }
 
@@ -46,7 +57,10 @@ fn logits_and_loss_match_transformers() {
         let model = Model::load(&fixture(name)).expect("model loads");
         let batch = as_ids(&reference.rows("input_ids"));
         let (shape, expected) = reference.f32s("logits");
-        assert_eq!(shape, [batch.len(), batch[0].len(), model.config.vocab_size]);
+        assert_eq!(
+            shape,
+            [batch.len(), batch[0].len(), model.config.vocab_size]
+        );
         let logits = model.logits(&batch).expect("forward");
         let diff = max_abs_diff(&logits, &expected);
         println!("{name}: max |logit diff| = {diff:e}");
@@ -56,16 +70,26 @@ fn logits_and_loss_match_transformers() {
         let (_, loss) = reference.f32s("loss");
         let ours = model.loss(&batch, &labels).expect("loss");
         println!("{name}: loss {ours} vs transformers {}", loss[0]);
-        assert!((ours - loss[0]).abs() < LOSS_TOL, "{name}: loss {ours} vs {}", loss[0]);
+        assert!(
+            (ours - loss[0]).abs() < LOSS_TOL,
+            "{name}: loss {ours} vs {}",
+            loss[0]
+        );
         // The -100 labels matter: counting them would change the loss.
-        let unmasked = causal_lm_loss(&logits, &as_i64(&batch), model.config.vocab_size)
-            .expect("loss");
-        assert!((unmasked - loss[0]).abs() > 1e-4, "{name}: -100 labels had no effect");
+        let unmasked =
+            causal_lm_loss(&logits, &as_i64(&batch), model.config.vocab_size).expect("loss");
+        assert!(
+            (unmasked - loss[0]).abs() > 1e-4,
+            "{name}: -100 labels had no effect"
+        );
     }
 }
 
 fn as_i64(batch: &[Vec<u32>]) -> Vec<Vec<i64>> {
-    batch.iter().map(|r| r.iter().map(|&v| v as i64).collect()).collect()
+    batch
+        .iter()
+        .map(|r| r.iter().map(|&v| v as i64).collect())
+        .collect()
 }
 
 #[test]
@@ -96,7 +120,9 @@ fn kv_cache_steps_equal_the_full_pass() {
         // A prefix of 5 at once, then one token at a time.
         let prefix: Vec<Vec<u32>> = batch.iter().map(|r| r[..5].to_vec()).collect();
         let mut stepped = vec![Vec::new(); b];
-        let first = model.forward(&prefix, &mut cache, Want::All).expect("prefix");
+        let first = model
+            .forward(&prefix, &mut cache, Want::All)
+            .expect("prefix");
         for r in 0..b {
             stepped[r].extend_from_slice(&first[r * 5 * v..(r + 1) * 5 * v]);
         }
@@ -132,9 +158,14 @@ fn top_p_sampling_is_seeded_and_stays_in_the_nucleus() {
     };
     assert_eq!(sample(1, 0.9), sample(1, 0.9), "same seed, same tokens");
     let draws: Vec<_> = (0..8).map(|s| sample(s, 0.9)).collect();
-    assert!(draws.iter().any(|d| d != &draws[0]), "seeds change the draw");
+    assert!(
+        draws.iter().any(|d| d != &draws[0]),
+        "seeds change the draw"
+    );
     // A nucleus this small holds only the most likely token: greedy.
-    let greedy = model.generate(&prompt, 6, Sampling::Greedy).expect("greedy");
+    let greedy = model
+        .generate(&prompt, 6, Sampling::Greedy)
+        .expect("greedy");
     assert_eq!(sample(3, 1e-6), greedy);
     let bad = model.generate(
         &prompt,

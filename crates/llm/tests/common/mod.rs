@@ -15,7 +15,9 @@ pub const PROMPT: &str = "The quick brown";
 pub const MODELS: [&str; 3] = ["llama", "qwen2", "gpt2"];
 
 pub fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name)
 }
 
 /// One tensor of a fixture's reference.safetensors: shape and values (i64
