@@ -2,6 +2,8 @@
 //! output is transformers' recorded continuation, sampling is seeded, and a
 //! bad model directory's error names the file.
 
+// Not every helper is used here.
+#[allow(dead_code, unused_imports)]
 mod common;
 
 use common::*;

@@ -178,3 +178,38 @@ fn top_p_sampling_is_seeded_and_stays_in_the_nucleus() {
     );
     assert!(bad.is_err_and(|e| e.to_string().contains("temperature")));
 }
+
+/// Hub checkpoints written by transformers 4 spell RoPE as top-level
+/// `rope_theta` + `rope_scaling` (older ones with `type`); the fixtures
+/// were written by transformers 5 (`rope_parameters`). Both must give the
+/// recorded logits.
+#[test]
+fn transformers_4_rope_keys_give_the_same_logits() {
+    for (name, scaling) in [
+        (
+            "llama",
+            serde_json::json!({"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        ),
+        ("qwen2", serde_json::Value::Null),
+    ] {
+        let dir = copy_fixture(name);
+        let path = dir.path().join("config.json");
+        let text = std::fs::read_to_string(&path).expect("read");
+        let mut config: serde_json::Value = serde_json::from_str(&text).expect("json");
+        let map = config.as_object_mut().expect("object");
+        let params = map
+            .remove("rope_parameters")
+            .expect("a transformers 5 config");
+        map.insert("rope_theta".into(), params["rope_theta"].clone());
+        map.insert("rope_scaling".into(), scaling);
+        std::fs::write(&path, config.to_string()).expect("write");
+
+        let reference = Reference::load(name);
+        let model = Model::load(dir.path()).expect("model loads");
+        let batch = as_ids(&reference.rows("input_ids"));
+        let (_, expected) = reference.f32s("logits");
+        let diff = max_abs_diff(&model.logits(&batch).expect("forward"), &expected);
+        assert!(diff < LOGITS_TOL, "{name}: logits differ by {diff}");
+    }
+}
