@@ -176,7 +176,7 @@ impl Model {
 
     /// Rotates each head of `x` ([b·t, heads·head_dim]) by its position
     /// (rotate-half convention, as transformers' Llama).
-    fn rope(&self, x: &mut [f32], heads: usize, t: usize, past: usize) {
+    pub(crate) fn rope(&self, x: &mut [f32], heads: usize, t: usize, past: usize) {
         let hd = self.config.head_dim;
         let half = hd / 2;
         for (row_index, row) in x.chunks_exact_mut(heads * hd).enumerate() {

@@ -6,13 +6,16 @@
 //! runs it ([`Model::logits`], [`Model::loss`]) and sampled with a KV cache
 //! ([`Model::generate`]). Files: `config` (config.json), `weights`
 //! (memory-mapped safetensors), `model` (the loaded blocks), `forward` (the
-//! pass, the loss, the cache), `generate`, `tokenizer`, `math`.
-//! Nothing here trains yet: LoRA on these models is the next slice.
+//! pass, the loss, the cache), `generate`, `tokenizer`, `math`, `lora`
+//! (adapters by Hugging Face module names on the Llama family, and the
+//! loss's gradients with respect to them alone, checked against peft).
+//! No training loop or optimizer yet.
 
 pub mod config;
 pub mod error;
 pub mod forward;
 pub mod generate;
+pub mod lora;
 pub mod math;
 pub mod model;
 pub mod tokenizer;

@@ -28,9 +28,18 @@ pub struct Reference {
 
 impl Reference {
     pub fn load(model: &str) -> Self {
-        let path = fixture(model).join("reference.safetensors");
+        Self::from_file(model, "reference.safetensors")
+    }
+
+    pub fn from_file(model: &str, file: &str) -> Self {
+        let path = fixture(model).join(file);
         let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         Self { bytes }
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        let st = SafeTensors::deserialize(&self.bytes).expect("reference parses");
+        st.names().into_iter().map(String::from).collect()
     }
 
     fn view(&self, name: &str) -> (Dtype, Vec<usize>, Vec<u8>) {
