@@ -54,6 +54,10 @@ enum Command {
     /// weights: the base architecture's tensors as safetensors, named as
     /// `export` names them.
     LoraMerge(LoraMergeArgs),
+    /// Continue a prompt with a Hugging Face model directory (Llama, Qwen2,
+    /// Mistral or GPT-2: config.json, safetensors, tokenizer.json) on the
+    /// CPU: greedy, or top-p with --temperature/--top-p/--seed.
+    Generate(GenerateArgs),
     /// What this machine has and what headroom will do on it.
     Doctor,
     /// Every GPU check: driver, GPU, NVRTC and cuBLAS report, kernels compiled for
@@ -303,6 +307,28 @@ struct LoraMergeArgs {
 }
 
 #[derive(clap::Args)]
+struct GenerateArgs {
+    /// The model directory.
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long)]
+    prompt: String,
+    #[arg(long, default_value_t = 32)]
+    max_new_tokens: usize,
+    /// Sample instead of greedy: logits divided by this [default with
+    /// --top-p: 1].
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Sample from the smallest set of likeliest tokens holding this much
+    /// probability [default with --temperature: 1].
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// The sampling seed (same seed and prompt, same text).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(clap::Args)]
 struct MemcheckArgs {
     /// Only the tests whose name contains this.
     filter: Option<String>,
@@ -437,6 +463,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Predict(args) => done(commands::predict::run(args)),
         Command::Export(args) => commands::export::run(args),
         Command::LoraMerge(args) => commands::lora_merge::run(args),
+        Command::Generate(args) => done(commands::generate::run(args)),
         Command::Doctor => done(commands::doctor::run()),
         Command::GpuCheck(args) => done(commands::gpu_check::run(&args)),
         Command::Memcheck(args) => done(commands::memcheck::run(args.filter.as_deref(), args.all)),

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod doctor;
 pub mod eval;
 pub mod export;
+pub mod generate;
 pub mod gpu_check;
 pub mod loader_bench;
 pub mod lora_merge;

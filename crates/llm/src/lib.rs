@@ -1,0 +1,29 @@
+//! headroom-llm: Hugging Face causal language models on the CPU.
+//!
+//! A model directory (`config.json`, `model.safetensors` or its shards,
+//! `tokenizer.json`) of the Llama family (Llama, Mistral, Qwen2) or GPT-2 is
+//! loaded to f32 ([`Model::load`], [`Tokenizer::load`]), run as transformers
+//! runs it ([`Model::logits`], [`Model::loss`]) and sampled with a KV cache
+//! ([`Model::generate`]). Files: `config` (config.json), `weights`
+//! (memory-mapped safetensors), `model` (the loaded blocks), `forward` (the
+//! pass, the loss, the cache), `generate`, `tokenizer`, `math`, `lora`
+//! (adapters by Hugging Face module names on the Llama family, and the
+//! loss's gradients with respect to them alone, checked against peft).
+//! No training loop or optimizer yet.
+
+pub mod config;
+pub mod error;
+pub mod forward;
+pub mod generate;
+pub mod lora;
+pub mod math;
+pub mod model;
+pub mod tokenizer;
+pub mod weights;
+
+pub use config::{Family, ModelConfig, RopeScaling, SUPPORTED};
+pub use error::{LlmError, Result};
+pub use forward::{causal_lm_loss, KvCache, Want};
+pub use generate::Sampling;
+pub use model::Model;
+pub use tokenizer::Tokenizer;
