@@ -32,8 +32,9 @@ use flate2::{write::GzEncoder, Compression};
 pub const MAX_BUNDLE_BYTES: u64 = 24 << 20;
 
 /// (package, test target) of every test binary that checks the CUDA path.
-const CUDA_TESTS: [(&str, &str); 7] = [
+const CUDA_TESTS: [(&str, &str); 8] = [
     ("headroom-model", "cuda_ptx"),
+    ("headroom-model", "cuda_custom_layer"),
     ("headroom-model", "cuda_probe"),
     ("headroom-model", "cuda_parity"),
     ("headroom-pipeline", "cuda_learner"),

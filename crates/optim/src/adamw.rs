@@ -27,7 +27,10 @@ pub enum UpdateOutcome {
     Applied,
     /// Nothing changed: the update would have left a value that is not
     /// finite in parameter `index` (`name`) or in its moments.
-    NonFinite { index: usize, name: String },
+    NonFinite {
+        index: usize,
+        name: String,
+    },
 }
 
 /// The scalars of one update, element by element (see the module's
@@ -266,9 +269,7 @@ impl AdamW {
                 .iter()
                 .zip(&moments.first)
                 .zip(&moments.second)
-                .position(|((param, m), v)| {
-                    !param.frozen && !factors.stays_finite(param, m, v)
-                });
+                .position(|((param, m), v)| !param.frozen && !factors.stays_finite(param, m, v));
             if let Some(index) = found {
                 if created {
                     self.moments = None;

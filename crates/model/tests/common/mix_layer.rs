@@ -2,7 +2,7 @@
 //! GPU: `Mix` (y = x·W, no bias) and its GPU form `MixGpu` (the linear
 //! layer's cuBLAS launches), registered as "mix" (with its CUDA form,
 //! `register_with_cuda`) and "mix_cpu_only" (the same layer, none).
-//! Included by `crates/model/tests/custom_cuda.rs` and
+//! Included by `crates/model/tests/cuda_custom_layer.rs` and
 //! `crates/pipeline/tests/cuda_learner.rs`.
 
 #![allow(dead_code)]

@@ -18,7 +18,7 @@ use headroom_model::{BuildOptions, CheckpointPolicy, LayerSpec, Mode, ModelSpec,
 #[macro_use]
 mod nvrtc_gate;
 
-report_nvrtc_tests!("custom_cuda", include_str!("custom_cuda.rs"));
+report_nvrtc_tests!("cuda_custom_layer", include_str!("cuda_custom_layer.rs"));
 
 #[path = "common/mix_layer.rs"]
 mod mix_layer;
