@@ -6,13 +6,11 @@
 //! naming it. On a machine without a GPU this runs on the CPU emulator of
 //! CUDA (`headroom-cuda-emu`), as the parity tests do.
 
-use std::collections::BTreeMap;
-
 use headroom_model::cuda::{
     CudaBackend, CudaBuildOptions, CudaNetwork, CudaTensor, DType, MAX_BLOCK_THREADS,
 };
 use headroom_model::init::InitRng;
-use headroom_model::{BuildOptions, CheckpointPolicy, LayerSpec, Mode, ModelSpec, Network, Tensor};
+use headroom_model::{BuildOptions, CheckpointPolicy, Mode, Network, Tensor};
 
 #[path = "../../../tests/src/nvrtc_gate.rs"]
 #[macro_use]
@@ -22,34 +20,7 @@ report_nvrtc_tests!("cuda_custom_layer", include_str!("cuda_custom_layer.rs"));
 
 #[path = "common/mix_layer.rs"]
 mod mix_layer;
-use mix_layer::registry;
-
-/// conv, relu, flatten, then the custom layer (6·6·3 → 4 scores).
-fn spec(custom: &str, checkpoint: CheckpointPolicy) -> ModelSpec {
-    ModelSpec {
-        input: [6, 6, 2],
-        mean: 0.0,
-        std: 1.0,
-        layers: vec![
-            LayerSpec::Conv {
-                out: 3,
-                kernel: 3,
-                stride: 1,
-                padding: None,
-                bias: true,
-            },
-            LayerSpec::Relu,
-            LayerSpec::Flatten,
-            LayerSpec::Custom {
-                name: custom.into(),
-                options: BTreeMap::from([("out".to_string(), 4.0)]),
-            },
-        ],
-        checkpoint,
-        tokens: None,
-        frames: None,
-    }
-}
+use mix_layer::{registry, spec};
 
 fn cpu_network(custom: &str, checkpoint: CheckpointPolicy) -> Network {
     let spec = spec(custom, checkpoint);

@@ -12,7 +12,8 @@ use headroom_optim::{AdamWConfig, LossScalerConfig};
 
 use crate::config::{ExperimentConfig, LossKind};
 use crate::learner::{
-    open_network, CpuLearner, CudaOptions, Learner, NetworkPlan, StepSettings, ValueLoss,
+    open_network, CpuLearner, CudaOptions, DeviceKind, Learner, NetworkPlan, StepSettings,
+    ValueLoss,
 };
 use crate::{checkpoint, PipelineError, Result};
 
@@ -117,11 +118,47 @@ pub fn restored_cpu_learner(
         micro_batch,
         pool,
     )?;
+    restore_state(&mut learner, saved, path)?;
+    Ok(learner)
+}
+
+/// The learner `device` gives (`open_network` decides `Auto`) for
+/// `config`'s model, holding the state `saved` (read from `path`, named in
+/// errors), `micro_batch` samples at a time.
+pub fn restored_learner(
+    config: &ExperimentConfig,
+    saved: checkpoint::Checkpoint,
+    path: &Path,
+    micro_batch: usize,
+    device: DeviceKind,
+    layers: &LayerRegistry,
+) -> Result<Box<dyn Learner>> {
+    let plan = NetworkPlan {
+        spec: crate::config::finetune::effective_model(config),
+        seed: config.run.seed,
+        build: cpu_build_options(config),
+        layers: layers.clone(),
+        step: StepSettings::from_config(config),
+        batch: micro_batch,
+        device,
+        cuda: cuda_options(config)?,
+    };
+    let mut learner = open_network(&plan, MemoryPool::new(Device::Cpu), |_| Ok(()))?;
+    restore_state(learner.as_mut(), saved, path)?;
+    Ok(learner)
+}
+
+/// Puts `saved`'s weights, buffers and optimizer state into `learner`; a
+/// state that does not fit is an error naming `path`.
+fn restore_state(
+    learner: &mut dyn Learner,
+    saved: checkpoint::Checkpoint,
+    path: &Path,
+) -> Result<()> {
     learner
         .restore(saved.into_parts().1)
         .map_err(|reason| PipelineError::Checkpoint {
             path: path.to_path_buf(),
             reason,
-        })?;
-    Ok(learner)
+        })
 }

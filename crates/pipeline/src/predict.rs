@@ -26,11 +26,10 @@ use headroom_loader::{
 
 use crate::config::{DataFormat, ExperimentConfig};
 use crate::eval::{restored_cpu_learner, run_checkpoint};
-use crate::learner::{open_network, softmax_rows, DeviceKind, Learner, NetworkPlan, StepSettings};
+use crate::learner::{softmax_rows, DeviceKind};
 use crate::{data, PipelineError, Result};
 use headroom_loader::Element;
-use headroom_model::memory::MemoryPool;
-use headroom_model::{Device, LayerRegistry};
+use headroom_model::LayerRegistry;
 
 /// What a run predicted for each input.
 #[derive(Clone, Debug, PartialEq)]
@@ -145,7 +144,14 @@ pub fn predict_with(
             (Scores::Outputs(outputs), outputs_per_row)
         }
         device => {
-            let mut learner = restored_learner(&config, saved, &path, batch, device, options)?;
+            let mut learner = crate::parts::restored_learner(
+                &config,
+                saved,
+                &path,
+                batch,
+                device,
+                &options.layers,
+            )?;
             let outputs_per_row = learner.num_classes();
             let mut probabilities = Vec::with_capacity(inputs.dataset.len() * outputs_per_row);
             for part in loader.epoch(0, 0) {
@@ -236,36 +242,6 @@ fn classes_of(run_dir: &Path, probabilities: Vec<f32>, outputs_per_row: usize) -
         classes,
         probabilities,
     }
-}
-
-/// The learner `device` gives (`open_network` decides `Auto`) for the
-/// run's model, holding the state `saved` (read from `path`).
-fn restored_learner(
-    config: &ExperimentConfig,
-    saved: crate::checkpoint::Checkpoint,
-    path: &Path,
-    batch: usize,
-    device: DeviceKind,
-    options: &PredictOptions,
-) -> Result<Box<dyn Learner>> {
-    let plan = NetworkPlan {
-        spec: crate::config::finetune::effective_model(config),
-        seed: config.run.seed,
-        build: crate::parts::cpu_build_options(config),
-        layers: options.layers.clone(),
-        step: StepSettings::from_config(config),
-        batch,
-        device,
-        cuda: crate::parts::cuda_options(config)?,
-    };
-    let mut learner = open_network(&plan, MemoryPool::new(Device::Cpu), |_| Ok(()))?;
-    learner
-        .restore(saved.into_parts().1)
-        .map_err(|reason| PipelineError::Checkpoint {
-            path: path.to_path_buf(),
-            reason,
-        })?;
-    Ok(learner)
 }
 
 /// The inputs as a dataset, what each row is, and how the run scaled its

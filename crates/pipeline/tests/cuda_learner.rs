@@ -1108,33 +1108,6 @@ fn focal_loss_trains_as_on_the_cpu() {
 #[path = "../../model/tests/common/mix_layer.rs"]
 mod mix_layer;
 
-/// conv, relu, flatten, then the custom layer `custom` (6·6·3 → 4 scores).
-fn custom_spec(custom: &str) -> ModelSpec {
-    ModelSpec {
-        input: [6, 6, 2],
-        mean: 0.5,
-        std: 0.25,
-        layers: vec![
-            LayerSpec::Conv {
-                out: 3,
-                kernel: 3,
-                stride: 1,
-                padding: None,
-                bias: true,
-            },
-            LayerSpec::Relu,
-            LayerSpec::Flatten,
-            LayerSpec::Custom {
-                name: custom.into(),
-                options: std::collections::BTreeMap::from([("out".to_string(), 4.0)]),
-            },
-        ],
-        checkpoint: CheckpointPolicy::default(),
-        tokens: None,
-        frames: None,
-    }
-}
-
 /// One epoch through the `Trainer` with `custom`'s layer registered, on
 /// `device`.
 fn train_custom(
@@ -1144,7 +1117,11 @@ fn train_custom(
 ) -> headroom_pipeline::Result<headroom_pipeline::RunSummary> {
     use headroom_pipeline::trainer::{network, LoopSettings, NetworkPlan};
     let plan = NetworkPlan {
-        spec: custom_spec(custom),
+        spec: ModelSpec {
+            mean: 0.5,
+            std: 0.25,
+            ..mix_layer::spec(custom, CheckpointPolicy::default())
+        },
         seed: 3,
         build: Default::default(),
         layers: mix_layer::registry(),

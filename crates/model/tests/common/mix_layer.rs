@@ -12,7 +12,12 @@ use headroom_model::cuda::layer::{
     Saved,
 };
 use headroom_model::cuda::{ops, CudaBackend, CudaResult, CudaTensor};
-use headroom_model::{CustomLayerArgs, Layer, LayerRegistry, Mode, Param, Tensor};
+use std::collections::BTreeMap;
+
+use headroom_model::{
+    CheckpointPolicy, CustomLayerArgs, Layer, LayerRegistry, LayerSpec, Mode, ModelSpec, Param,
+    Tensor,
+};
 
 /// y[n, out] = x[n, in] · W[in, out], no bias: the custom layer's CPU form.
 pub struct Mix {
@@ -162,4 +167,31 @@ pub fn registry() -> LayerRegistry {
     LayerRegistry::new()
         .register_with_cuda("mix", make(true))
         .register("mix_cpu_only", make(false))
+}
+
+/// conv, relu, flatten, then the custom layer (6·6·3 → 4 scores).
+pub fn spec(custom: &str, checkpoint: CheckpointPolicy) -> ModelSpec {
+    ModelSpec {
+        input: [6, 6, 2],
+        mean: 0.0,
+        std: 1.0,
+        layers: vec![
+            LayerSpec::Conv {
+                out: 3,
+                kernel: 3,
+                stride: 1,
+                padding: None,
+                bias: true,
+            },
+            LayerSpec::Relu,
+            LayerSpec::Flatten,
+            LayerSpec::Custom {
+                name: custom.into(),
+                options: BTreeMap::from([("out".to_string(), 4.0)]),
+            },
+        ],
+        checkpoint,
+        tokens: None,
+        frames: None,
+    }
 }
