@@ -62,6 +62,8 @@ pub enum LlmError {
     },
     #[error("{}: the tokenizer does not load: {message}", path.display())]
     Tokenizer { path: PathBuf, message: String },
+    #[error("{}: {what}", path.display())]
+    Adapter { path: PathBuf, what: String },
     #[error("{0}")]
     Input(String),
 }

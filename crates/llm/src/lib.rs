@@ -8,7 +8,9 @@
 //! (memory-mapped safetensors), `model` (the loaded blocks), `forward` (the
 //! pass, the loss, the cache), `generate`, `tokenizer`, `math`, `lora`
 //! (adapters by Hugging Face module names on the Llama family, and the
-//! loss's gradients with respect to them alone, checked against peft).
+//! loss's gradients with respect to them alone, checked against peft),
+//! `peft` (adapters in and out of peft's `adapter_model.safetensors` +
+//! `adapter_config.json`, and merged into the base).
 //! No training loop or optimizer yet.
 
 pub mod config;
@@ -18,6 +20,7 @@ pub mod generate;
 pub mod lora;
 pub mod math;
 pub mod model;
+pub mod peft;
 pub mod tokenizer;
 pub mod weights;
 
