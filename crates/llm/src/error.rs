@@ -64,6 +64,12 @@ pub enum LlmError {
     Tokenizer { path: PathBuf, message: String },
     #[error("{}: {what}", path.display())]
     Adapter { path: PathBuf, what: String },
+    #[error("{}, line {line}: {what}", path.display())]
+    Data {
+        path: PathBuf,
+        line: usize,
+        what: String,
+    },
     #[error("{0}")]
     Input(String),
 }

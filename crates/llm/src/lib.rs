@@ -10,10 +10,12 @@
 //! (adapters by Hugging Face module names on the Llama family, and the
 //! loss's gradients with respect to them alone, checked against peft),
 //! `peft` (adapters in and out of peft's `adapter_model.safetensors` +
-//! `adapter_config.json`, and merged into the base).
+//! `adapter_config.json`, and merged into the base), `data` (JSONL
+//! fine-tuning examples, tokenised, labels -100 off the completion).
 //! No training loop or optimizer yet.
 
 pub mod config;
+pub mod data;
 pub mod error;
 pub mod forward;
 pub mod generate;
