@@ -11,12 +11,13 @@
 //! loss's gradients with respect to them alone, checked against peft),
 //! `peft` (adapters in and out of peft's `adapter_model.safetensors` +
 //! `adapter_config.json`, and merged into the base), `data` (JSONL
-//! fine-tuning examples, tokenised, labels -100 off the completion).
-//! No training loop or optimizer yet.
+//! fine-tuning examples, tokenised, labels -100 off the completion),
+//! `finetune` (LoRA training: AdamW on the adapters, the base frozen).
 
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod finetune;
 pub mod forward;
 pub mod generate;
 pub mod lora;
