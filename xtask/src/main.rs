@@ -351,7 +351,7 @@ struct LoraLlmArgs {
     r: usize,
     #[arg(long, default_value_t = 16.0)]
     alpha: f32,
-    /// Only 0 for now.
+    /// Dropout on the adapters' input (peft's lora_dropout), in [0, 1).
     #[arg(long, default_value_t = 0.0)]
     dropout: f32,
     /// Comma-separated module names (q_proj, k_proj, v_proj, o_proj,

@@ -6,12 +6,12 @@
 //! tensors, and this crate stays a leaf (docs/architecture.md). Memory: the
 //! model, the adapters with their gradient sums and two moments (4× the
 //! adapters), and one example's activations (`Model::lora_gradients`).
-//! Not here: dropout on the adapters' input (refused when not 0),
-//! checkpoints and resume.
+//! Dropout masks come from (seed, step, example), so a rerun is the same
+//! run. Not here: checkpoints and resume.
 
 use crate::data::Dataset;
 use crate::error::{LlmError, Result};
-use crate::lora::{new_adapters, Adapters};
+use crate::lora::{new_adapters, Adapters, Dropout};
 use crate::model::Model;
 use crate::peft::LoraConfig;
 
@@ -130,9 +130,9 @@ pub fn finetune(
     options: &FinetuneOptions,
     mut on_step: impl FnMut(&StepLog),
 ) -> Result<(Adapters, LoraConfig)> {
-    if options.dropout != 0.0 {
+    if !(0.0..1.0).contains(&options.dropout) {
         return Err(LlmError::Input(format!(
-            "LoRA dropout {} is not supported yet (only 0)",
+            "LoRA dropout {} must be in [0, 1)",
             options.dropout
         )));
     }
@@ -177,10 +177,19 @@ pub fn finetune(
             let mut loss = 0.0f64;
             for &i in group {
                 let e = &data.examples[i];
-                let (l, grads) = model.lora_gradients(
+                // Masks from (seed, step, example): a rerun draws the same.
+                let mut state = options.seed ^ 0x5EED_D50F_0000_0000;
+                state = next(&mut state) ^ step as u64;
+                state = next(&mut state) ^ i as u64;
+                let mut dropout = Dropout {
+                    p: options.dropout,
+                    state,
+                };
+                let (l, grads) = model.lora_gradients_with(
                     &adapters,
                     std::slice::from_ref(&e.ids),
                     std::slice::from_ref(&e.labels),
+                    (options.dropout > 0.0).then_some(&mut dropout),
                 )?;
                 loss += l as f64;
                 for (key, (sa, sb)) in keys.iter().zip(sums.iter_mut()) {

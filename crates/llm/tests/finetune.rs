@@ -114,10 +114,10 @@ fn schedule_and_refusals() {
             .to_string()
     };
     let e = run(FinetuneOptions {
-        dropout: 0.1,
+        dropout: 1.0,
         ..FinetuneOptions::default()
     });
-    assert!(e.contains("dropout"), "{e}");
+    assert!(e.contains("dropout 1"), "{e}");
     let e = run(FinetuneOptions {
         target_modules: vec!["c_attn".into()],
         ..FinetuneOptions::default()
@@ -136,4 +136,22 @@ fn schedule_and_refusals() {
     )
     .expect("trains");
     assert_eq!(steps, 1, "max_steps stops the loop");
+
+    // Dropout: seeded (a rerun is the same run), and it changes the run.
+    let with = |dropout: f32| {
+        let options = FinetuneOptions {
+            dropout,
+            accumulate: 1,
+            lr: 1e-2,
+            max_steps: Some(3),
+            r: 4,
+            ..FinetuneOptions::default()
+        };
+        let mut log = Vec::new();
+        finetune(&model, &data, &options, |s| log.push(s.loss)).expect("trains");
+        log
+    };
+    let (a, b, none) = (with(0.3), with(0.3), with(0.0));
+    assert_eq!(a, b);
+    assert_ne!(a, none);
 }
