@@ -201,8 +201,8 @@ pub fn save_adapters(
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": model.dir.display().to_string(),
         "r": config.r,
-        "lora_alpha": config.alpha,
-        "lora_dropout": config.dropout,
+        "lora_alpha": shortest(config.alpha),
+        "lora_dropout": shortest(config.dropout),
         "target_modules": config.target_modules,
         "bias": "none",
         "fan_in_fan_out": false,
@@ -225,6 +225,12 @@ pub fn save_adapters(
     // Weights first: a directory whose config exists has its weights.
     write_atomic(&weights_path, &bytes)?;
     write_atomic(&config_path, text.as_bytes())
+}
+
+/// An f32 as the f64 of its shortest decimal form, so 0.1 is written 0.1
+/// and not 0.10000000149011612.
+fn shortest(v: f32) -> f64 {
+    v.to_string().parse().unwrap_or(f64::from(v))
 }
 
 fn key_error(path: &Path, key: &str, problem: &'static str, expected: &'static str) -> LlmError {
