@@ -58,6 +58,10 @@ enum Command {
     /// Mistral or GPT-2: config.json, safetensors, tokenizer.json) on the
     /// CPU: greedy, or top-p with --temperature/--top-p/--seed.
     Generate(GenerateArgs),
+    /// LoRA fine-tuning of a Hugging Face model directory (the Llama family)
+    /// on a JSONL file (`text`, or `prompt` + `completion`) on the CPU,
+    /// writing peft's adapter_model.safetensors and adapter_config.json.
+    LoraLlm(LoraLlmArgs),
     /// What this machine has and what headroom will do on it.
     Doctor,
     /// Every GPU check: driver, GPU, NVRTC and cuBLAS report, kernels compiled for
@@ -326,6 +330,56 @@ struct GenerateArgs {
     /// The sampling seed (same seed and prompt, same text).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// A LoRA adapter directory (peft's adapter_model.safetensors and
+    /// adapter_config.json, e.g. from lora-llm), merged into the model.
+    #[arg(long)]
+    adapters: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct LoraLlmArgs {
+    /// The model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// JSONL, one example a line: {"text": …} or {"prompt": …, "completion": …}.
+    #[arg(long)]
+    data: PathBuf,
+    /// The adapter directory to write (made if missing).
+    #[arg(long)]
+    output: PathBuf,
+    #[arg(long, default_value_t = 8)]
+    r: usize,
+    #[arg(long, default_value_t = 16.0)]
+    alpha: f32,
+    /// Dropout on the adapters' input (peft's lora_dropout), in [0, 1).
+    #[arg(long, default_value_t = 0.0)]
+    dropout: f32,
+    /// Comma-separated module names (q_proj, k_proj, v_proj, o_proj,
+    /// gate_proj, up_proj, down_proj).
+    #[arg(long, default_value = "q_proj,v_proj")]
+    target: String,
+    #[arg(long, default_value_t = 1)]
+    epochs: usize,
+    #[arg(long, default_value_t = 2e-4)]
+    lr: f32,
+    /// Examples (batch 1) per optimizer step.
+    #[arg(long, default_value_t = 8)]
+    accumulate: usize,
+    /// Warm up over this many steps, then a cosine to 0 [default: constant lr].
+    #[arg(long)]
+    warmup_steps: Option<usize>,
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f32,
+    /// Stop after this many optimizer steps.
+    #[arg(long)]
+    max_steps: Option<usize>,
+    #[arg(long, default_value_t = 1024)]
+    max_seq_length: usize,
+    /// Lay the examples end to end in rows of --max-seq-length.
+    #[arg(long)]
+    packing: bool,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 #[derive(clap::Args)]
@@ -464,6 +518,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Export(args) => commands::export::run(args),
         Command::LoraMerge(args) => commands::lora_merge::run(args),
         Command::Generate(args) => done(commands::generate::run(args)),
+        Command::LoraLlm(args) => done(commands::lora_llm::run(args)),
         Command::Doctor => done(commands::doctor::run()),
         Command::GpuCheck(args) => done(commands::gpu_check::run(&args)),
         Command::Memcheck(args) => done(commands::memcheck::run(args.filter.as_deref(), args.all)),

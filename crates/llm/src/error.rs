@@ -62,6 +62,14 @@ pub enum LlmError {
     },
     #[error("{}: the tokenizer does not load: {message}", path.display())]
     Tokenizer { path: PathBuf, message: String },
+    #[error("{}: {what}", path.display())]
+    Adapter { path: PathBuf, what: String },
+    #[error("{}, line {line}: {what}", path.display())]
+    Data {
+        path: PathBuf,
+        line: usize,
+        what: String,
+    },
     #[error("{0}")]
     Input(String),
 }

@@ -8,16 +8,22 @@
 //! (memory-mapped safetensors), `model` (the loaded blocks), `forward` (the
 //! pass, the loss, the cache), `generate`, `tokenizer`, `math`, `lora`
 //! (adapters by Hugging Face module names on the Llama family, and the
-//! loss's gradients with respect to them alone, checked against peft).
-//! No training loop or optimizer yet.
+//! loss's gradients with respect to them alone, checked against peft),
+//! `peft` (adapters in and out of peft's `adapter_model.safetensors` +
+//! `adapter_config.json`, and merged into the base), `data` (JSONL
+//! fine-tuning examples, tokenised, labels -100 off the completion),
+//! `finetune` (LoRA training: AdamW on the adapters, the base frozen).
 
 pub mod config;
+pub mod data;
 pub mod error;
+pub mod finetune;
 pub mod forward;
 pub mod generate;
 pub mod lora;
 pub mod math;
 pub mod model;
+pub mod peft;
 pub mod tokenizer;
 pub mod weights;
 

@@ -3,7 +3,8 @@
 //! weight gradient is formed). The forward here is the full sequence, no
 //! cache, keeping what the backward reads (per layer: the block's input,
 //! normed inputs, q/k/v after RoPE, the attention probabilities, the MLP's
-//! pre-activations, each adapter's x·Aᵀ); memory grows with layers ·
+//! pre-activations, each adapter's x·Aᵀ, and with dropout its mask and
+//! dropped input); memory grows with layers ·
 //! heads · T² for the probabilities. The products are plain loops:
 //! correctness first, checked against peft (tests/lora.rs).
 
@@ -137,18 +138,72 @@ fn add(into: &mut [f32], from: &[f32]) {
     }
 }
 
-/// A projection with its adapter, if any: y and the x·Aᵀ the backward needs.
-fn project(lin: &Linear, x: &[f32], n: usize, adapter: Option<&Adapter>) -> (Vec<f32>, Vec<f32>) {
+/// Dropout on the adapters' input (peft's `lora_dropout`): each element
+/// kept with probability 1 − p and scaled by 1 / (1 − p), drawn from a
+/// splitmix64 stream, so a seed fixes every mask of a pass.
+pub struct Dropout {
+    pub p: f32,
+    pub state: u64,
+}
+
+impl Dropout {
+    /// The kept elements' factor (0 or 1 / (1 − p)) for `n` inputs.
+    fn mask(&mut self, n: usize) -> Vec<f32> {
+        let keep = 1.0 / (1.0 - self.p);
+        (0..n)
+            .map(|_| {
+                self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = self.state;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                z ^= z >> 31;
+                let u = (z >> 40) as f32 / (1u64 << 24) as f32;
+                if u < self.p {
+                    0.0
+                } else {
+                    keep
+                }
+            })
+            .collect()
+    }
+}
+
+/// What an adapter's backward reads: x·Aᵀ, and with dropout the mask and
+/// the dropped input (the adapter saw x · mask, not x).
+#[derive(Default)]
+struct AdapterSaved {
+    xa: Vec<f32>,
+    mask: Option<Vec<f32>>,
+    dropped: Vec<f32>,
+}
+
+/// A projection with its adapter, if any: y and what the backward needs.
+fn project(
+    lin: &Linear,
+    x: &[f32],
+    n: usize,
+    adapter: Option<&Adapter>,
+    dropout: Option<&mut Dropout>,
+) -> (Vec<f32>, AdapterSaved) {
     let mut y = lin.forward(x, n);
     let Some(ad) = adapter else {
-        return (y, Vec::new());
+        return (y, AdapterSaved::default());
     };
-    let xa = mm(x, &ad.a, n, lin.inp, ad.r, false, true);
+    let (mask, dropped) = match dropout {
+        Some(d) if d.p > 0.0 => {
+            let mask = d.mask(x.len());
+            let dropped = x.iter().zip(&mask).map(|(x, m)| x * m).collect();
+            (Some(mask), dropped)
+        }
+        _ => (None, Vec::new()),
+    };
+    let input = if mask.is_some() { &dropped[..] } else { x };
+    let xa = mm(input, &ad.a, n, lin.inp, ad.r, false, true);
     let extra = mm(&xa, &ad.b, n, ad.r, lin.out, false, true);
     for (v, e) in y.iter_mut().zip(&extra) {
         *v += ad.scale * e;
     }
-    (y, xa)
+    (y, AdapterSaved { xa, mask, dropped })
 }
 
 /// dx of a projection (and its adapter's gradients into `grads`).
@@ -158,7 +213,7 @@ fn project_back(
     key: &str,
     dy: &[f32],
     x: &[f32],
-    xa: &[f32],
+    saved: &AdapterSaved,
     n: usize,
     adapters: &Adapters,
     grads: &mut AdapterGrads,
@@ -166,13 +221,22 @@ fn project_back(
     // Llama-family weights are [out, in]: dx = dy · W.
     let mut dx = mm(dy, &lin.weight, n, lin.out, lin.inp, false, false);
     if let Some(ad) = adapters.get(key) {
+        let xa = &saved.xa;
+        let x = if saved.mask.is_some() {
+            &saved.dropped[..]
+        } else {
+            x
+        };
         let dyb = mm(dy, &ad.b, n, lin.out, ad.r, false, false);
         let mut db = mm(dy, xa, lin.out, n, ad.r, true, false);
         let mut da = mm(&dyb, x, ad.r, n, lin.inp, true, false);
         db.iter_mut()
             .chain(da.iter_mut())
             .for_each(|v| *v *= ad.scale);
-        let back = mm(&dyb, &ad.a, n, ad.r, lin.inp, false, false);
+        let mut back = mm(&dyb, &ad.a, n, ad.r, lin.inp, false, false);
+        if let Some(mask) = &saved.mask {
+            back.iter_mut().zip(mask).for_each(|(b, m)| *b *= m);
+        }
         for (d, b) in dx.iter_mut().zip(&back) {
             *d += ad.scale * b;
         }
@@ -221,7 +285,7 @@ struct Saved {
     g: Vec<f32>,
     u: Vec<f32>,
     h: Vec<f32>,
-    xa: HashMap<&'static str, Vec<f32>>,
+    xa: HashMap<&'static str, AdapterSaved>,
 }
 
 impl Model {
@@ -233,6 +297,26 @@ impl Model {
         batch: &[Vec<u32>],
         labels: &[Vec<i64>],
     ) -> Result<(f32, AdapterGrads)> {
+        self.lora_gradients_with(adapters, batch, labels, None)
+    }
+
+    /// [`Model::lora_gradients`] with dropout on every adapter's input
+    /// (a fresh mask per module and pass, drawn from `dropout`'s stream).
+    pub fn lora_gradients_with(
+        &self,
+        adapters: &Adapters,
+        batch: &[Vec<u32>],
+        labels: &[Vec<i64>],
+        mut dropout: Option<&mut Dropout>,
+    ) -> Result<(f32, AdapterGrads)> {
+        if let Some(d) = &dropout {
+            if !(0.0..1.0).contains(&d.p) {
+                return Err(LlmError::Input(format!(
+                    "LoRA dropout {} must be in [0, 1)",
+                    d.p
+                )));
+            }
+        }
         let c = &self.config;
         if c.family != Family::Llama {
             return Err(LlmError::Unsupported {
@@ -268,7 +352,7 @@ impl Model {
             let mut xa = HashMap::new();
             let n1 = block.norm1.forward(&x);
             let mut run = |lin: &Linear, m: &'static str, input: &[f32]| {
-                let (y, a) = project(lin, input, n, adapters.get(&key(m)));
+                let (y, a) = project(lin, input, n, adapters.get(&key(m)), dropout.as_deref_mut());
                 xa.insert(m, a);
                 y
             };

@@ -29,8 +29,14 @@ impl Tokenizer {
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, true)
+    }
+
+    /// `text` with the post-processor's special tokens or without them (a
+    /// completion continues its prompt, so it gets no BOS).
+    pub fn encode_with(&self, text: &str, special: bool) -> Result<Vec<u32>> {
         self.inner
-            .encode(text, true)
+            .encode(text, special)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| LlmError::Tokenizer {
                 path: self.path.clone(),

@@ -144,6 +144,36 @@ impl WeightStore {
         })
     }
 
+    /// One safetensors file on its own (a LoRA adapter's
+    /// `adapter_model.safetensors`); messages name the file.
+    pub fn open_file(path: &Path) -> Result<Self> {
+        let shard = open_shard(path)?;
+        let index = shard
+            .metadata
+            .tensors()
+            .into_keys()
+            .map(|name| (name, 0))
+            .collect();
+        Ok(Self {
+            shards: vec![shard],
+            index,
+            source: path.to_path_buf(),
+        })
+    }
+
+    /// Every tensor's name, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.index.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// A tensor's shape, if it exists.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        let &slot = self.index.get(name)?;
+        Some(self.shards[slot].metadata.info(name)?.shape.clone())
+    }
+
     /// Whether a tensor of this name exists.
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)

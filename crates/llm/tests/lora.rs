@@ -111,3 +111,63 @@ fn zero_b_adapters_leave_the_base_loss() {
         .expect_err("GPT-2 has no LoRA yet");
     assert!(err.to_string().contains("GPT2LMHeadModel"), "{err}");
 }
+
+/// Dropout's gradients against central differences of the same masked loss
+/// (the mask is fixed by the seed, so the loss is a smooth function of B):
+/// f32 differences with step 1e-2 agree to about 1e-5 here (tolerance 1e-4
+/// + 1%); a mask forgotten in the backward is off by far more.
+#[test]
+fn dropout_gradients_match_finite_differences() {
+    use headroom_llm::lora::Dropout;
+    let model = Model::load(&fixture("llama")).expect("loads");
+    let reference = Reference::load("llama");
+    let batch = as_ids(&reference.rows("input_ids"));
+    let labels = reference.rows("labels");
+    let mut adapters =
+        headroom_llm::lora::new_adapters(&model, 4, 8.0, &["q_proj", "down_proj"], 2).expect("a");
+    for (i, ad) in adapters.values_mut().enumerate() {
+        for (j, b) in ad.b.iter_mut().enumerate() {
+            *b = (((i * 31 + j * 7) % 13) as f32 - 6.0) * 0.03;
+        }
+    }
+    let loss = |adapters: &headroom_llm::lora::Adapters| {
+        let mut d = Dropout { p: 0.4, state: 11 };
+        model
+            .lora_gradients_with(adapters, &batch, &labels, Some(&mut d))
+            .expect("loss")
+    };
+    let (base_loss, grads) = loss(&adapters);
+    let (plain, _) = model
+        .lora_gradients(&adapters, &batch, &labels)
+        .expect("loss");
+    assert_ne!(base_loss, plain, "dropout changes the loss");
+    // layers.0 q_proj sits below every other adapter: its gradient passes
+    // back through their masks.
+    for key in ["layers.0.mlp.down_proj", "layers.0.self_attn.q_proj"] {
+        let (da, db) = &grads[key];
+        for (which, index) in [(0usize, 5usize), (1, 3), (1, 17)] {
+            let h = 1e-2f32;
+            let mut plus = adapters.clone();
+            let mut minus = adapters.clone();
+            let (p, m) = match which {
+                0 => (
+                    &mut plus.get_mut(key).expect("k").a,
+                    &mut minus.get_mut(key).expect("k").a,
+                ),
+                _ => (
+                    &mut plus.get_mut(key).expect("k").b,
+                    &mut minus.get_mut(key).expect("k").b,
+                ),
+            };
+            p[index] += h;
+            m[index] -= h;
+            let numeric = (loss(&plus).0 - loss(&minus).0) / (2.0 * h);
+            let analytic = if which == 0 { da[index] } else { db[index] };
+            println!("{key} {which} {index}: {analytic} vs {numeric}");
+            assert!(
+                (analytic - numeric).abs() < 1e-4 + 0.01 * analytic.abs(),
+                "{key}[{which}][{index}]: {analytic} vs {numeric}"
+            );
+        }
+    }
+}

@@ -1,6 +1,7 @@
 //! `cargo xtask generate`: a Hugging Face model directory's continuation of
 //! a prompt, on the CPU (headroom-llm), greedy or top-p with a seed. The
 //! continuation alone goes to stdout; what was loaded goes to the log.
+//! `--adapters DIR` merges peft-format LoRA adapters into the model first.
 
 use anyhow::{Context, Result};
 use headroom_llm::{Model, Sampling, Tokenizer};
@@ -17,7 +18,17 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         },
     };
     let context = || format!("generating with {}", args.model.display());
-    let model = Model::load(&args.model).with_context(context)?;
+    let mut model = Model::load(&args.model).with_context(context)?;
+    if let Some(dir) = &args.adapters {
+        let (adapters, config) = headroom_llm::peft::load_adapters(dir, &model)?;
+        model.merge_adapters(&adapters)?;
+        tracing::info!(
+            "LoRA adapters from {} ({} modules, r {}) merged",
+            dir.display(),
+            adapters.len(),
+            config.r
+        );
+    }
     let tokenizer = Tokenizer::load(&args.model).with_context(context)?;
     tracing::info!(
         "{} ({} layers, hidden {}, vocabulary {}) from {}",

@@ -8,6 +8,7 @@ pub mod export;
 pub mod generate;
 pub mod gpu_check;
 pub mod loader_bench;
+pub mod lora_llm;
 pub mod lora_merge;
 pub mod memcheck;
 pub mod predict;

@@ -86,6 +86,10 @@ pub fn copy_fixture(name: &str) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().expect("tempdir");
     for entry in std::fs::read_dir(fixture(name)).expect("fixture dir") {
         let entry = entry.expect("entry");
+        // The model's files only (llama/peft_adapter/ is a directory).
+        if entry.path().is_dir() {
+            continue;
+        }
         std::fs::copy(entry.path(), tmp.path().join(entry.file_name())).expect("copy");
     }
     tmp
