@@ -242,7 +242,7 @@ impl Model {
 
     /// transformers' causal-LM loss: logits at position i predict label
     /// i + 1; labels of -100 are not counted; the mean over counted tokens
-    /// (summed in f64). `labels` is [batch][T] like the batch.
+    /// (summed in f64). `labels` is `[batch][T]` like the batch.
     pub fn loss(&self, batch: &[Vec<u32>], labels: &[Vec<i64>]) -> Result<f32> {
         let logits = self.logits(batch)?;
         causal_lm_loss(&logits, labels, self.config.vocab_size)

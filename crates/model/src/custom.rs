@@ -7,7 +7,7 @@
 //! and buffers): that is its CPU implementation, and it is checkpointed,
 //! resumed and OOM-managed like a built-in one. Its CUDA implementation is
 //! optional: `Layer::to_cuda` returns its GPU form, a
-//! [`CudaLayer`](crate::cuda::layer::CudaLayer) (forward, backward, and its
+//! [`CudaLayer`] (forward, backward, and its
 //! parameters' places taken from the `CudaBuildContext` in the order of its
 //! `params_mut`; it launches `crate::cuda::ops` or cuBLAS on the network's
 //! tensors), and `CudaNetwork::from_cpu` builds it in at its place. A layer
