@@ -731,6 +731,28 @@ pub fn write_with(
     Ok(path)
 }
 
+/// `file` behind a buffer of [`IO_BUFFER`] bytes when memory allows, else
+/// of the standard 8 KiB: a write buffer is asked for, never assumed, so a
+/// process under an address-space limit gets an error naming it rather
+/// than an abort.
+fn buffered(file: File, path: &Path) -> Result<BufWriter<File>> {
+    for capacity in [IO_BUFFER, 8 << 10] {
+        let mut probe: Vec<u8> = Vec::new();
+        if probe.try_reserve_exact(capacity).is_ok() {
+            drop(probe);
+            return Ok(BufWriter::with_capacity(capacity, file));
+        }
+    }
+    Err(PipelineError::io(
+        path,
+        std::io::Error::new(
+            std::io::ErrorKind::OutOfMemory,
+            "no memory for an 8 KiB write buffer (is the address space limited: ulimit -v, \
+             RLIMIT_AS?)",
+        ),
+    ))
+}
+
 /// Makes `path` whole or not at all: `fill` writes a temporary beside it
 /// (named for the error messages it makes), which is fsynced and renamed
 /// over `path`, then the directory is fsynced. A crash or a full disk
@@ -749,7 +771,7 @@ pub(crate) fn write_atomically(
     let tmp = dir.join(temporary_name(&name));
     let write_tmp = || -> Result<()> {
         let file = File::create(&tmp).map_err(|e| PipelineError::io(&tmp, e))?;
-        let file = fill(BufWriter::with_capacity(IO_BUFFER, file), &tmp)?;
+        let file = fill(buffered(file, &tmp)?, &tmp)?;
         file.into_inner()
             .map_err(|e| e.into_error())
             .and_then(|f| f.sync_all())

@@ -51,6 +51,30 @@ pub fn tightest() -> Option<MemoryCeiling> {
     ceilings().into_iter().next()
 }
 
+/// Room under the tightest ceiling below which a run does not start: its
+/// threads' stacks, write buffers and the data's first read need about
+/// this much outside the tensor pool, and some of those allocations
+/// cannot be made fallible (a failed one aborts the process).
+pub const MIN_START_ROOM: u64 = 4 << 20;
+
+/// An error naming the tightest ceiling when it leaves less than
+/// [`MIN_START_ROOM`]: said before anything is written, rather than an
+/// abort partway through the start.
+pub fn check_room_to_start() -> crate::Result<()> {
+    match tightest() {
+        Some(ceiling) if ceiling.room < MIN_START_ROOM => {
+            Err(crate::PipelineError::OutOfMemory(format!(
+                "{} leaves this process {} KiB, and a run needs at least {} MiB of memory to \
+                 start: raise the limit",
+                ceiling.source,
+                ceiling.room >> 10,
+                MIN_START_ROOM >> 20
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// The tensor budget when `device.memory_limit` is unset: a share of the
 /// tightest ceiling's room.
 pub fn default_budget() -> Option<(u64, MemoryCeiling)> {

@@ -329,6 +329,9 @@ impl Trainer {
         let dir = run_dir.path().to_path_buf();
         let threads = compute_threads(self.settings.threads);
         let pool = compute_pool(threads)?;
+        // After the threads (whose stacks take their share), before
+        // anything is written.
+        crate::limits::check_room_to_start()?;
         open_run_dir(&dir)?;
         if let Some(on_open) = self.on_open {
             on_open(&dir)?;
