@@ -27,9 +27,12 @@ use crate::cargo::cargo_messages;
 use flate2::{write::GzEncoder, Compression};
 
 /// The bundle without the dataset must stay under this: the device tool
-/// carries 64 MiB in all, the repository's files included (about 4 MiB),
-/// and Fashion-MNIST's four files are about 30 MB.
-pub const MAX_BUNDLE_BYTES: u64 = 24 << 20;
+/// carries 64 MiB in all, the repository's files included (about 8 MiB
+/// with the language-model fixtures and the measurement records), and
+/// Fashion-MNIST's four files are about 30 MB (28.6 MiB): 26 MiB leaves
+/// about 1 MiB to spare, so a bundle that grows past it needs slimming
+/// (its largest parts are the stripped, gzipped test binaries).
+pub const MAX_BUNDLE_BYTES: u64 = 26 << 20;
 
 /// (package, test target) of every test binary that checks the CUDA path.
 const CUDA_TESTS: [(&str, &str); 8] = [
