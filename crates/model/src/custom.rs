@@ -114,17 +114,17 @@ impl std::fmt::Debug for LayerRegistry {
 }
 
 /// A `custom` entry's layer in a network: the factory's layer, and the
-/// entry's path, by which the GPU builder finds it (`Network::custom_layer`)
-/// to ask for its CUDA form. Everything else is the layer's own.
+/// name it was registered under, by which a GPU network refuses it when it
+/// brings no CUDA form. Everything else is the layer's own.
 pub(crate) struct CustomEntry {
-    path: String,
+    name: String,
     inner: Box<dyn Layer>,
 }
 
 impl CustomEntry {
-    pub(crate) fn new(path: &str, inner: Box<dyn Layer>) -> Self {
+    pub(crate) fn new(name: &str, inner: Box<dyn Layer>) -> Self {
         Self {
-            path: path.to_string(),
+            name: name.to_string(),
             inner,
         }
     }
@@ -191,14 +191,16 @@ impl Layer for CustomEntry {
         &self,
         ctx: &mut CudaBuildContext<'_, '_>,
     ) -> Option<CudaResult<Box<dyn CudaLayer>>> {
-        self.inner.to_cuda(ctx)
+        Some(self.inner.to_cuda(ctx).unwrap_or_else(|| {
+            Err(ctx.unsupported(format!(
+                "the custom layer \"{}\" has no CUDA implementation; \
+                 train it with device.kind = \"cpu\"",
+                self.name
+            )))
+        }))
     }
 
     fn sublayers(&self) -> Vec<&dyn Layer> {
         self.inner.sublayers()
-    }
-
-    fn custom_path(&self) -> Option<&str> {
-        Some(&self.path)
     }
 }

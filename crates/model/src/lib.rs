@@ -29,6 +29,20 @@
 //! # Ok::<(), headroom_model::ModelError>(())
 //! ```
 
+/// A built-in layer's `Layer::to_cuda`: its GPU form is made by `$make`
+/// (`fn(&Self, &mut CudaBuildContext) -> CudaResult<Box<dyn CudaLayer>>`),
+/// which lives beside the GPU struct in the layer's op family folder.
+macro_rules! cuda_form {
+    ($make:path) => {
+        fn to_cuda(
+            &self,
+            ctx: &mut $crate::cuda::layer::CudaBuildContext<'_, '_>,
+        ) -> Option<$crate::cuda::CudaResult<Box<dyn $crate::cuda::layer::CudaLayer>>> {
+            Some($make(self, ctx))
+        }
+    };
+}
+
 pub mod cuda;
 pub mod custom;
 mod device;

@@ -27,6 +27,9 @@ pub struct Network {
     spec: ModelSpec,
     layers: Vec<Box<dyn Layer>>,
     output_shape: Vec<usize>,
+    /// The factories of its `custom` entries, for the GPU builder, which
+    /// declares the layers again (`for_each_declared_entry`).
+    registry: LayerRegistry,
 }
 
 impl Network {
@@ -46,7 +49,7 @@ impl Network {
         spec: &ModelSpec,
         seed: u64,
         options: BuildOptions,
-        layers: &LayerRegistry,
+        layers_registry: &LayerRegistry,
     ) -> Result<Self> {
         match &spec.tokens {
             None => check_pixel_input(spec)?,
@@ -58,7 +61,7 @@ impl Network {
             vocab: spec.tokens.map(|t| t.vocab),
             checkpoint: spec.checkpoint,
             fuse: options.fuse,
-            custom: layers,
+            custom: layers_registry,
         };
         let mut shape = input_shape(spec);
         let groups = build_groups(&spec.layers, "model.layers", &mut shape, &mut ctx)?;
@@ -69,6 +72,7 @@ impl Network {
                 spec: spec.clone(),
                 layers,
                 output_shape: shape,
+                registry: layers_registry.clone(),
             });
         }
         let per_token_scores = spec
@@ -91,6 +95,7 @@ impl Network {
             spec: spec.clone(),
             layers,
             output_shape: shape,
+            registry: layers_registry.clone(),
         })
     }
 
@@ -98,18 +103,9 @@ impl Network {
         &self.spec
     }
 
-    /// The layer a `custom` entry at `path` (`model.layers[3]`) made, for
-    /// the GPU builder to ask for its CUDA form.
-    pub(crate) fn custom_layer(&self, path: &str) -> Option<&dyn Layer> {
-        fn find<'a>(layers: Vec<&'a dyn Layer>, path: &str) -> Option<&'a dyn Layer> {
-            layers
-                .into_iter()
-                .find_map(|layer| match layer.custom_path() {
-                    Some(p) if p == path => Some(layer),
-                    _ => find(layer.sublayers(), path),
-                })
-        }
-        find(self.layers.iter().map(|l| l.as_ref()).collect(), path)
+    /// The custom layers its spec may name.
+    pub(crate) fn registry(&self) -> &LayerRegistry {
+        &self.registry
     }
 
     /// Classes scored: the last dimension of the output (`[classes]`, or
@@ -558,6 +554,40 @@ fn build_layers(
     Ok(arrange(groups, CheckpointPolicy::None, checkpointed))
 }
 
+/// Each top-level entry of `spec` declared as the CPU layers it builds,
+/// unfused, with the per-sample input shape it takes: `visit` gets the
+/// entry, its path, that shape and the layers, in order (the GPU builder
+/// converts them, `Layer::to_cuda`). The initialisation is a throwaway
+/// one (the values are not the network's; dropout seeds are not its own
+/// either); `layers` makes the `custom` entries.
+pub(crate) fn for_each_declared_entry(
+    spec: &ModelSpec,
+    layers: &LayerRegistry,
+    mut visit: impl FnMut(&LayerSpec, &str, &[usize], Vec<Box<dyn Layer>>) -> Result<()>,
+) -> Result<()> {
+    let mut ctx = BuildContext {
+        rng: InitRng::new(0),
+        vocab: spec.tokens.map(|t| t.vocab),
+        checkpoint: spec.checkpoint,
+        fuse: false,
+        custom: layers,
+    };
+    let mut shape = input_shape(spec);
+    for (i, entry) in spec.layers.iter().enumerate() {
+        let path = format!("model.layers[{i}]");
+        let input = shape.clone();
+        let built = build_one(entry, &path, &shape, &mut ctx)?;
+        for layer in &built {
+            shape = layer.output_shape(&shape).map_err(|e| ModelError::Spec {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+        }
+        visit(entry, &path, &input, built)?;
+    }
+    Ok(())
+}
+
 fn checkpointed(layers: Vec<Box<dyn Layer>>) -> Box<dyn Layer> {
     Box::new(Checkpointed::new(layers))
 }
@@ -857,7 +887,7 @@ fn build_one(
                 options,
                 rng: &mut ctx.rng,
             };
-            vec![Box::new(CustomEntry::new(path, factory(&mut args)?))]
+            vec![Box::new(CustomEntry::new(name, factory(&mut args)?))]
         }
         LayerSpec::GlobalAvgPool => {
             image_channels(path, shape)?;

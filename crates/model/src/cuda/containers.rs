@@ -155,3 +155,15 @@ impl CudaLayer for CheckpointedLayer {
         self.0.iter().for_each(|l| l.checkpointed_buffers(out));
     }
 }
+
+// The GPU forms of this family's CPU layers (`Layer::to_cuda`): each takes
+// its parameters' places in the order of the CPU layer's `params_mut`.
+
+impl ResidualLayer {
+    pub(crate) fn from_cpu(
+        cpu: &crate::layers::Residual,
+        ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        Ok(Box::new(ResidualLayer(ctx.convert_all(&cpu.body)?)))
+    }
+}

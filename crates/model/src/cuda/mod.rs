@@ -36,7 +36,7 @@
 //! - `libs`: locating NVRTC/cuBLAS (pip wheels included) without panicking.
 
 pub(crate) mod backend;
-mod containers;
+pub(crate) mod containers;
 mod dtype;
 pub(crate) mod error;
 pub mod gemm;

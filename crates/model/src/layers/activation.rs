@@ -206,6 +206,8 @@ impl Relu {
 }
 
 impl Layer for Relu {
+    cuda_form!(crate::ops::activation::layer::ReluLayer::from_cpu);
+
     fn describe(&self) -> String {
         "relu".into()
     }

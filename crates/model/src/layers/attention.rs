@@ -32,9 +32,9 @@ use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 pub struct CausalSelfAttention {
     width: usize,
-    heads: usize,
-    qkv: Box<dyn Layer>,
-    proj: Box<dyn Layer>,
+    pub(crate) heads: usize,
+    pub(crate) qkv: Box<dyn Layer>,
+    pub(crate) proj: Box<dyn Layer>,
     lean: bool,
     saved: Option<Saved>,
 }
@@ -344,6 +344,8 @@ impl CausalSelfAttention {
 }
 
 impl Layer for CausalSelfAttention {
+    cuda_form!(crate::ops::sequence::layer::AttentionLayer::from_cpu);
+
     fn describe(&self) -> String {
         let lean = if self.lean { ", lean" } else { "" };
         format!(

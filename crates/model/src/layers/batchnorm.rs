@@ -417,9 +417,9 @@ struct Saved {
 }
 
 pub struct BatchNorm2d {
-    channels: usize,
-    momentum: f32,
-    eps: f32,
+    pub(crate) channels: usize,
+    pub(crate) momentum: f32,
+    pub(crate) eps: f32,
     gamma: Param,
     beta: Param,
     running_mean: Tensor,
@@ -428,7 +428,7 @@ pub struct BatchNorm2d {
     /// Recompute mode: training forwards leave the running statistics alone.
     recompute: bool,
     /// A ReLU fused into this layer (`with_relu`).
-    relu: bool,
+    pub(crate) relu: bool,
 }
 
 impl BatchNorm2d {
@@ -590,6 +590,8 @@ impl BatchNorm2d {
 }
 
 impl Layer for BatchNorm2d {
+    cuda_form!(crate::ops::batch_norm::layer::BatchNormGpu::from_cpu);
+
     fn describe(&self) -> String {
         let relu = if self.relu { "+relu" } else { "" };
         format!("bn{relu} {}", self.channels)

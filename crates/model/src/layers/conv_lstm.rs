@@ -34,10 +34,10 @@ use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 pub struct ConvLstm {
     channels: usize,
-    hidden: usize,
-    conv: Conv2d,
+    pub(crate) hidden: usize,
+    pub(crate) conv: Conv2d,
     /// Keep only c_t per step and rerun the gates in backward.
-    step_recompute: bool,
+    pub(crate) step_recompute: bool,
     saved: Option<Saved>,
 }
 
@@ -228,6 +228,8 @@ impl ConvLstm {
 }
 
 impl Layer for ConvLstm {
+    cuda_form!(crate::ops::frames::layer::ConvLstmLayer::from_cpu);
+
     fn describe(&self) -> String {
         format!("conv_lstm {}->{}", self.channels, self.hidden)
     }

@@ -73,13 +73,13 @@ pub fn depthwise_out_side(side: usize, kernel: usize, stride: usize, pad: usize)
 
 pub struct DepthwiseConv2d {
     name: String,
-    c: usize,
-    m: usize,
-    k: usize,
-    stride: usize,
-    pad: usize,
+    pub(crate) c: usize,
+    pub(crate) m: usize,
+    pub(crate) k: usize,
+    pub(crate) stride: usize,
+    pub(crate) pad: usize,
     weight: Param,
-    bias: Option<Param>,
+    pub(crate) bias: Option<Param>,
     saved_input: Option<Tensor>,
 }
 
@@ -301,6 +301,8 @@ impl DepthwiseConv2d {
 }
 
 impl Layer for DepthwiseConv2d {
+    cuda_form!(crate::ops::conv::layer::DepthwiseConvLayer::from_cpu);
+
     fn describe(&self) -> String {
         let channels = format!("{}x{}", self.c, self.m);
         super::conv::describe_window("depthwise_conv", self.k, self.stride, self.pad, &channels)

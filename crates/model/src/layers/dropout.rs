@@ -21,7 +21,7 @@ const LIMBS: usize = 4;
 const LIMB: u64 = 1 << 16;
 
 pub struct Dropout {
-    p: f32,
+    pub(crate) p: f32,
     seed: u64,
     counter: Tensor,
     recompute: bool,
@@ -98,6 +98,8 @@ impl Dropout {
 }
 
 impl Layer for Dropout {
+    cuda_form!(crate::ops::activation::layer::DropoutGpu::from_cpu);
+
     fn describe(&self) -> String {
         format!("dropout {}", self.p)
     }

@@ -18,10 +18,10 @@ use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 const INIT_STD: f64 = 0.02;
 
 pub struct Embedding {
-    vocab: usize,
-    dim: usize,
+    pub(crate) vocab: usize,
+    pub(crate) dim: usize,
     table: Param,
-    positions: Option<Param>,
+    pub(crate) positions: Option<Param>,
     saved_ids: Option<Tensor>,
 }
 
@@ -97,6 +97,8 @@ impl Embedding {
 }
 
 impl Layer for Embedding {
+    cuda_form!(crate::ops::sequence::layer::EmbeddingLayer::from_cpu);
+
     fn describe(&self) -> String {
         let pos = if self.positions.is_some() {
             " + positions"

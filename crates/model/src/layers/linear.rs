@@ -33,10 +33,10 @@ fn matmul(dst: &mut [f32], m: usize, n: usize, k: usize, lhs: View, rhs: View, a
 }
 
 pub struct Linear {
-    in_features: usize,
-    out_features: usize,
+    pub(crate) in_features: usize,
+    pub(crate) out_features: usize,
     weight: Param,
-    bias: Option<Param>,
+    pub(crate) bias: Option<Param>,
     saved_input: Option<Tensor>,
 }
 
@@ -145,6 +145,8 @@ impl Linear {
 }
 
 impl Layer for Linear {
+    cuda_form!(crate::ops::linear::layer::LinearLayer::from_cpu);
+
     fn describe(&self) -> String {
         let bias = if self.bias.is_some() {
             ""

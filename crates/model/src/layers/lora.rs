@@ -75,12 +75,12 @@ pub(super) fn product(
 }
 
 pub struct LoraLinear {
-    in_features: usize,
-    out_features: usize,
-    rank: usize,
-    scale: f32,
+    pub(crate) in_features: usize,
+    pub(crate) out_features: usize,
+    pub(crate) rank: usize,
+    pub(crate) scale: f32,
     weight: Param,
-    bias: Option<Param>,
+    pub(crate) bias: Option<Param>,
     a: Param,
     b: Param,
     /// x and u = s·x·Aᵀ of the last training forward.
@@ -198,6 +198,8 @@ impl LoraLinear {
 }
 
 impl Layer for LoraLinear {
+    cuda_form!(crate::ops::sequence::layer::LoraLayer::from_cpu);
+
     fn describe(&self) -> String {
         format!(
             "lora_linear {}->{} r {}",

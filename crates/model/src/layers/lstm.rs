@@ -33,7 +33,7 @@ use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 pub struct Lstm {
     input: usize,
-    hidden: usize,
+    pub(crate) hidden: usize,
     wx: Param,
     wh: Param,
     bias: Param,
@@ -385,6 +385,8 @@ impl Lstm {
 }
 
 impl Layer for Lstm {
+    cuda_form!(crate::ops::sequence::layer::LstmLayer::from_cpu);
+
     fn describe(&self) -> String {
         format!("lstm {}->{}", self.input, self.hidden)
     }

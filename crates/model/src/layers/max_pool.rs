@@ -39,8 +39,8 @@ struct Saved {
 }
 
 pub struct MaxPool2d {
-    kernel: usize,
-    stride: usize,
+    pub(crate) kernel: usize,
+    pub(crate) stride: usize,
     saved: Option<Saved>,
 }
 
@@ -71,6 +71,8 @@ impl MaxPool2d {
 }
 
 impl Layer for MaxPool2d {
+    cuda_form!(crate::ops::pool::layer::MaxPoolLayer::from_cpu);
+
     fn describe(&self) -> String {
         format!("max_pool{}x{}/{}", self.kernel, self.kernel, self.stride)
     }

@@ -202,13 +202,6 @@ pub trait Layer: Send {
     fn sublayers(&self) -> Vec<&dyn Layer> {
         Vec::new()
     }
-
-    /// The spec path of a `custom` entry (the network's wrapper around the
-    /// layer a factory made); None for every other layer.
-    #[doc(hidden)]
-    fn custom_path(&self) -> Option<&str> {
-        None
-    }
 }
 
 /// The backward of a sequence of layers whose input no gradient is wanted

@@ -29,8 +29,8 @@ use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 const ROWS_PER_TASK: usize = 64;
 
 pub struct LayerNorm {
-    features: usize,
-    eps: f32,
+    pub(crate) features: usize,
+    pub(crate) eps: f32,
     gamma: Param,
     beta: Param,
     /// Input, and [mean, rstd] per row, of the last training forward.
@@ -142,6 +142,8 @@ fn backward_rows(
 }
 
 impl Layer for LayerNorm {
+    cuda_form!(crate::ops::layer_norm::layer::LayerNormLayer::from_cpu);
+
     fn describe(&self) -> String {
         format!("layer_norm {}", self.features)
     }

@@ -30,6 +30,8 @@ impl Flatten {
 }
 
 impl Layer for Flatten {
+    cuda_form!(crate::ops::pool::layer::FlattenLayer::from_cpu);
+
     fn describe(&self) -> String {
         "flatten".into()
     }
@@ -97,6 +99,13 @@ fn sequence_dims(op: &'static str, shape: &[usize]) -> Result<(usize, usize, usi
 }
 
 impl Layer for PerPosition {
+    fn to_cuda(
+        &self,
+        ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> Option<crate::cuda::CudaResult<Box<dyn crate::cuda::layer::CudaLayer>>> {
+        self.inner.to_cuda(ctx)
+    }
+
     fn describe(&self) -> String {
         format!("{} (per position)", self.inner.describe())
     }
@@ -224,6 +233,13 @@ fn unfold_frames(x: Tensor, n: usize, t: usize) -> Result<Tensor> {
 }
 
 impl Layer for PerFrame {
+    fn to_cuda(
+        &self,
+        ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> Option<crate::cuda::CudaResult<Box<dyn crate::cuda::layer::CudaLayer>>> {
+        self.inner.to_cuda(ctx)
+    }
+
     fn describe(&self) -> String {
         format!("{} (per frame)", self.inner.describe())
     }

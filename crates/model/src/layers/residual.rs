@@ -10,7 +10,7 @@ use crate::profile;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 pub struct Residual {
-    body: Vec<Box<dyn Layer>>,
+    pub(crate) body: Vec<Box<dyn Layer>>,
     saved_shape: Option<Vec<usize>>,
 }
 
@@ -67,6 +67,8 @@ fn body_macs(body: &[Box<dyn Layer>], input: &[usize]) -> Result<u64> {
 }
 
 impl Layer for Residual {
+    cuda_form!(crate::cuda::containers::ResidualLayer::from_cpu);
+
     fn sublayers(&self) -> Vec<&dyn Layer> {
         self.body.iter().map(|l| l.as_ref()).collect()
     }

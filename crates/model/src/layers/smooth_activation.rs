@@ -109,7 +109,7 @@ impl Elementwise {
 }
 
 macro_rules! elementwise_layer {
-    ($ty:ident, $name:literal, $f:expr, $d:expr) => {
+    ($ty:ident, $name:literal, $f:expr, $d:expr, $cuda:path) => {
         pub struct $ty(Elementwise);
 
         impl $ty {
@@ -128,6 +128,8 @@ macro_rules! elementwise_layer {
         }
 
         impl Layer for $ty {
+            cuda_form!($cuda);
+
             fn describe(&self) -> String {
                 $name.into()
             }
@@ -155,8 +157,20 @@ macro_rules! elementwise_layer {
     };
 }
 
-elementwise_layer!(Silu, "silu", silu, silu_derivative);
-elementwise_layer!(Gelu, "gelu", gelu, gelu_derivative);
+elementwise_layer!(
+    Silu,
+    "silu",
+    silu,
+    silu_derivative,
+    crate::ops::activation::layer::SmoothLayer::from_silu
+);
+elementwise_layer!(
+    Gelu,
+    "gelu",
+    gelu,
+    gelu_derivative,
+    crate::ops::activation::layer::SmoothLayer::from_gelu
+);
 
 #[cfg(test)]
 mod tests {

@@ -44,6 +44,8 @@ impl Upsample2x {
 }
 
 impl Layer for Upsample2x {
+    cuda_form!(crate::ops::pool::layer::Upsample2xLayer::from_cpu);
+
     fn describe(&self) -> String {
         "upsample2x".into()
     }
@@ -111,7 +113,7 @@ fn with_channels(lead: &[usize], c: usize) -> Vec<usize> {
 }
 
 pub struct UnetSkip {
-    body: Vec<Box<dyn Layer>>,
+    pub(crate) body: Vec<Box<dyn Layer>>,
     /// Input channels and body output channels of the last training forward.
     saved_channels: Option<(usize, usize)>,
 }
@@ -283,6 +285,8 @@ fn channel_slice(
 }
 
 impl Layer for UnetSkip {
+    cuda_form!(crate::ops::pool::layer::UnetSkipLayer::from_cpu);
+
     fn sublayers(&self) -> Vec<&dyn Layer> {
         self.body.iter().map(|l| l.as_ref()).collect()
     }

@@ -186,16 +186,10 @@ impl std::fmt::Debug for CudaNetwork {
 /// Hands out parameter ranges in the CPU network's parameter order.
 struct ParamCursor<'a> {
     cpu: &'a [CpuParam],
-    /// The CPU network, whose `custom` layers are asked for their CUDA form.
-    network: &'a Network,
     /// The CPU network's dropout seeds, taken in order as the parameters.
     dropout_seeds: std::vec::IntoIter<u64>,
-    /// `model.tokens.vocab`, for embeddings.
-    vocab: Option<usize>,
     /// `model.frames`: the batch is images, F a sample.
     frames: Option<usize>,
-    /// `model.checkpoint` is on: a ConvLSTM keeps its cells only.
-    step_recompute: bool,
     next: usize,
     offsets: [usize; 3],
     slots: Vec<ParamSlot>,
@@ -275,14 +269,17 @@ impl ParamCursor<'_> {
 }
 
 /// What a layer's `Layer::to_cuda` gets: the backend (to allocate its own
-/// device buffers), its path, its input shape (per sample, as the GPU
-/// network sees it: a sequence [t, c] is rows), and the places of its
-/// parameters, handed out in the CPU network's order.
+/// device buffers), its path/// What a layer's `Layer::to_cuda` gets: the backend (to allocate its own
+/// device buffers), its path, its input shape, and the places of its
+/// parameters, handed out in the CPU network's order. A container converts
+/// its layers through it (`convert_all`), so they take their places in
+/// order.
 pub struct CudaBuildContext<'a, 'c> {
     be: &'a CudaBackend,
     cursor: &'a mut ParamCursor<'c>,
     path: &'a str,
-    shape: &'a [usize],
+    /// The layer's per-sample input shape as the CPU network sees it.
+    shape: Vec<usize>,
 }
 
 impl CudaBuildContext<'_, '_> {
@@ -295,8 +292,14 @@ impl CudaBuildContext<'_, '_> {
         self.path
     }
 
+    /// The per-sample input shape as the GPU network sees it: the CPU
+    /// network's, except that in a frame model (`model.frames`) a sample's
+    /// frames are images of the batch, so [t, h, w, c] is [h, w, c].
     pub fn input_shape(&self) -> &[usize] {
-        self.shape
+        match (self.cursor.frames, self.shape.as_slice()) {
+            (Some(_), [_, frame @ ..]) if frame.len() == 3 => frame,
+            (_, shape) => shape,
+        }
     }
 
     /// The place of the layer's next parameter, of `len` values: call it
@@ -305,6 +308,88 @@ impl CudaBuildContext<'_, '_> {
     /// the frozen group (`ParamRef::trainable`).
     pub fn param(&mut self, len: usize) -> CudaResult<ParamRef> {
         self.cursor.take(self.path, len)
+    }
+
+    /// `param` for a layer that always computes its parameters' gradients
+    /// (the image layers: fine-tuning freezes token models only): a frozen
+    /// one is an error naming the layer.
+    pub fn trainable_param(&mut self, len: usize) -> CudaResult<ParamRef> {
+        self.cursor.take_trainable(self.path, len)
+    }
+
+    /// A parameter pair a layer trains together or not at all (a weight
+    /// and its bias, γ and β): fine-tuning freezes both or neither.
+    pub(crate) fn same_freezing(&self, a: &ParamRef, b: Option<&ParamRef>) -> CudaResult<()> {
+        match b {
+            Some(b) if b.trainable() != a.trainable() => {
+                Err(self.unsupported("one of its parameters frozen and the other not"))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The CPU network's per-sample input shape of the layer (frames kept).
+    pub(crate) fn cpu_shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// `model.frames`: the frames of a sample, which the GPU batches as
+    /// images.
+    pub(crate) fn frames(&self) -> Option<usize> {
+        self.cursor.frames
+    }
+
+    /// The next dropout layer's seed: the CPU network's, in its order, so
+    /// both devices draw the same masks.
+    pub(crate) fn dropout_seed(&mut self) -> CudaResult<u64> {
+        self.cursor.dropout_seeds.next().ok_or_else(|| {
+            build_error(
+                format!("a dropout seed for {}", self.path),
+                "none left in the CPU network".to_string(),
+            )
+        })
+    }
+
+    /// A shape error naming the layer: it needs `what`, it got `got`.
+    pub(crate) fn shape_error(&self, what: &str, got: impl std::fmt::Debug) -> CudaError {
+        build_error(format!("{}: {what}", self.path), format!("{got:?}"))
+    }
+
+    /// A refusal naming the layer: the GPU cannot run it, because `reason`.
+    pub(crate) fn unsupported(&self, reason: impl std::fmt::Display) -> CudaError {
+        CudaError::Unsupported {
+            op: "CudaNetwork::build",
+            reason: format!("{}: {reason}", self.path),
+        }
+    }
+
+    /// The GPU forms of `layers`, a container's body, in order, from this
+    /// layer's input shape; each takes its parameters' places in turn.
+    pub fn convert_all(
+        &mut self,
+        layers: &[Box<dyn crate::Layer>],
+    ) -> CudaResult<Vec<Box<dyn CudaLayer>>> {
+        let mut shape = self.shape.clone();
+        let mut out = Vec::with_capacity(layers.len());
+        for layer in layers {
+            out.push(convert(
+                self.be,
+                self.cursor,
+                self.path,
+                &shape,
+                layer.as_ref(),
+            )?);
+            shape = layer
+                .output_shape(&shape)
+                .map_err(|e| self.shape_error("its output shape", e.to_string()))?;
+        }
+        Ok(out)
+    }
+
+    /// The GPU form of `layer`, which sees this layer's input shape (an
+    /// attention's projection).
+    pub fn convert(&mut self, layer: &dyn crate::Layer) -> CudaResult<Box<dyn CudaLayer>> {
+        convert(self.be, self.cursor, self.path, &self.shape.clone(), layer)
     }
 }
 
@@ -345,20 +430,13 @@ impl CudaNetwork {
             .collect();
         let mut cursor = ParamCursor {
             cpu: &cpu_params,
-            network: cpu,
             dropout_seeds: cpu.dropout_seeds().into_iter(),
-            vocab: spec.tokens.map(|t| t.vocab),
             frames: spec.frames,
-            step_recompute: !spec.checkpoint.is_none(),
             next: 0,
             offsets: [0; 3],
             slots: Vec::new(),
         };
-        let mut shape = match spec.tokens {
-            Some(tokens) => vec![tokens.length],
-            None => spec.input.to_vec(),
-        };
-        let groups = build_groups(be, &spec.layers, "model.layers", &mut shape, &mut cursor)?;
+        let groups = build_groups(be, cpu, &mut cursor)?;
         let layers = arrange(groups, spec.checkpoint, checkpointed);
         let mut layers = if options.fuse { fuse(layers) } else { layers };
         layers

@@ -186,13 +186,13 @@ thread_local! {
 
 pub struct Conv2d {
     name: String,
-    cin: usize,
-    cout: usize,
-    k: usize,
-    stride: usize,
-    pad: usize,
+    pub(crate) cin: usize,
+    pub(crate) cout: usize,
+    pub(crate) k: usize,
+    pub(crate) stride: usize,
+    pub(crate) pad: usize,
     weight: Param,
-    bias: Option<Param>,
+    pub(crate) bias: Option<Param>,
     saved_input: Option<Tensor>,
     /// Per-group partial gradients for backward, reused across steps.
     partials: Vec<f32>,
@@ -397,6 +397,8 @@ pub(crate) fn describe_window(
 }
 
 impl Layer for Conv2d {
+    cuda_form!(crate::ops::conv::layer::ConvLayer::from_cpu);
+
     fn describe(&self) -> String {
         let channels = format!("{}->{}", self.cin, self.cout);
         describe_window("conv", self.k, self.stride, self.pad, &channels)

@@ -167,3 +167,47 @@ impl CudaLayer for DropoutGpu {
         out.push(&self.0.counter);
     }
 }
+
+// The GPU forms of this family's CPU layers (`Layer::to_cuda`): each takes
+// its parameters' places in the order of the CPU layer's `params_mut`.
+
+impl ReluLayer {
+    pub(crate) fn from_cpu(
+        _cpu: &crate::layers::Relu,
+        _ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        Ok(Box::new(ReluLayer))
+    }
+}
+
+impl SmoothLayer {
+    pub(crate) fn from_silu(
+        _cpu: &crate::layers::Silu,
+        _ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        Ok(Box::new(SmoothLayer(ops::Smooth::Silu)))
+    }
+
+    pub(crate) fn from_gelu(
+        _cpu: &crate::layers::Gelu,
+        _ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        Ok(Box::new(SmoothLayer(ops::Smooth::Gelu)))
+    }
+}
+
+impl DropoutGpu {
+    /// Its mask is drawn with the CPU network's seed for this layer.
+    pub(crate) fn from_cpu(
+        cpu: &crate::layers::Dropout,
+        ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        let seed = ctx.dropout_seed()?;
+        let be = ctx.backend();
+        Ok(Box::new(DropoutGpu(Box::new(DropoutLayer {
+            mask: ops::DropoutMask { p: cpu.p, seed },
+            counter: be.alloc_zeros(4)?,
+            saved: be.alloc_zeros(4)?,
+        }))))
+    }
+}

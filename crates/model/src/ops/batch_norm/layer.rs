@@ -298,3 +298,35 @@ fn with_bn_grads<R>(
         f(&v.master, &mut v.grad, beta_grad)
     })
 }
+
+// The GPU forms of this family's CPU layers (`Layer::to_cuda`): each takes
+// its parameters' places in the order of the CPU layer's `params_mut`.
+
+impl BatchNormGpu {
+    /// Its running statistics start at zero here; the network then copies
+    /// the CPU layer's in with every other buffer (`set_buffers`).
+    pub(crate) fn from_cpu(
+        cpu: &crate::layers::BatchNorm2d,
+        ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        let c = cpu.channels;
+        let gamma = ctx.trainable_param(c)?;
+        let beta = ctx.trainable_param(c)?;
+        let be = ctx.backend();
+        Ok(Box::new(BatchNormGpu {
+            bn: BatchNormLayer {
+                gamma,
+                beta,
+                running: Box::new(RunningStats {
+                    mean: be.alloc_zeros(c)?,
+                    var: be.alloc_zeros(c)?,
+                    saved_mean: be.alloc_zeros(c)?,
+                    saved_var: be.alloc_zeros(c)?,
+                }),
+                momentum: cpu.momentum,
+                eps: cpu.eps,
+            },
+            relu: cpu.relu,
+        }))
+    }
+}

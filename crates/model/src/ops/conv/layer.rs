@@ -163,3 +163,55 @@ impl CudaLayer for DepthwiseConvLayer {
         })
     }
 }
+
+// The GPU forms of this family's CPU layers (`Layer::to_cuda`): each takes
+// its parameters' places in the order of the CPU layer's `params_mut`.
+
+impl ConvLayer {
+    pub(crate) fn from_cpu(
+        cpu: &crate::layers::Conv2d,
+        ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        let (k, cout) = (cpu.k, cpu.cout);
+        let weight = ctx.trainable_param(k * k * cpu.cin * cout)?;
+        let bias = cpu
+            .bias
+            .is_some()
+            .then(|| ctx.trainable_param(cout))
+            .transpose()?;
+        Ok(Box::new(ConvLayer {
+            weight,
+            bias,
+            kernel: k,
+            stride: cpu.stride,
+            pad: cpu.pad,
+            cout,
+            plan: ConvPlan::default(),
+        }))
+    }
+}
+
+impl DepthwiseConvLayer {
+    pub(crate) fn from_cpu(
+        cpu: &crate::layers::DepthwiseConv2d,
+        ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        let cout = cpu.c * cpu.m;
+        let weight = ctx.trainable_param(cpu.k * cpu.k * cout)?;
+        let bias = cpu
+            .bias
+            .is_some()
+            .then(|| ctx.trainable_param(cout))
+            .transpose()?;
+        Ok(Box::new(DepthwiseConvLayer {
+            weight,
+            bias,
+            shape: ops::DepthwiseShape {
+                kernel: cpu.k,
+                stride: cpu.stride,
+                pad: cpu.pad,
+                multiplier: cpu.m,
+            },
+        }))
+    }
+}

@@ -86,3 +86,38 @@ impl CudaLayer for ConvLstmLayer {
         self.plan = plan;
     }
 }
+
+// The GPU forms of this family's CPU layers (`Layer::to_cuda`): each takes
+// its parameters' places in the order of the CPU layer's `params_mut`.
+
+impl ConvLstmLayer {
+    /// A ConvLSTM reads a sample's frames [t, h, w, c] (`model.frames`),
+    /// which the GPU batches as images.
+    pub(crate) fn from_cpu(
+        cpu: &crate::layers::ConvLstm,
+        ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        let (Some(frames), &[_, h, w, channels]) = (ctx.frames(), ctx.cpu_shape()) else {
+            return Err(
+                ctx.shape_error("frames of [h, w, c] images (model.frames)", ctx.cpu_shape())
+            );
+        };
+        let (hidden, kernel) = (cpu.hidden, cpu.conv.k);
+        let weight = ctx.trainable_param(kernel * kernel * (channels + hidden) * 4 * hidden)?;
+        let bias = ctx.trainable_param(4 * hidden)?;
+        Ok(Box::new(ConvLstmLayer {
+            weight,
+            bias,
+            shape: ops::ConvLstmShape {
+                frames,
+                h,
+                w,
+                channels,
+                hidden,
+                kernel,
+            },
+            plan: ConvPlan::default(),
+            step_recompute: cpu.step_recompute,
+        }))
+    }
+}

@@ -58,3 +58,22 @@ impl CudaLayer for LayerNormLayer {
         })
     }
 }
+
+// The GPU forms of this family's CPU layers (`Layer::to_cuda`): each takes
+// its parameters' places in the order of the CPU layer's `params_mut`.
+
+impl LayerNormLayer {
+    pub(crate) fn from_cpu(
+        cpu: &crate::layers::LayerNorm,
+        ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        let gamma = ctx.param(cpu.features)?;
+        let beta = ctx.param(cpu.features)?;
+        ctx.same_freezing(&gamma, Some(&beta))?;
+        Ok(Box::new(LayerNormLayer {
+            gamma,
+            beta,
+            eps: cpu.eps,
+        }))
+    }
+}

@@ -79,3 +79,19 @@ impl CudaLayer for LinearLayer {
         })
     }
 }
+
+// The GPU forms of this family's CPU layers (`Layer::to_cuda`): each takes
+// its parameters' places in the order of the CPU layer's `params_mut`.
+
+impl LinearLayer {
+    pub(crate) fn from_cpu(
+        cpu: &crate::layers::Linear,
+        ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        let out = cpu.out_features;
+        let weight = ctx.param(cpu.in_features * out)?;
+        let bias = cpu.bias.is_some().then(|| ctx.param(out)).transpose()?;
+        ctx.same_freezing(&weight, bias.as_ref())?;
+        Ok(Box::new(LinearLayer { weight, bias, out }))
+    }
+}

@@ -266,3 +266,58 @@ impl CudaLayer for UnetSkipLayer {
 }
 
 use crate::cuda::layer::forward_list;
+
+// The GPU forms of this family's CPU layers (`Layer::to_cuda`): each takes
+// its parameters' places in the order of the CPU layer's `params_mut`.
+
+impl MaxPoolLayer {
+    pub(crate) fn from_cpu(
+        cpu: &crate::layers::MaxPool2d,
+        _ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        Ok(Box::new(MaxPoolLayer {
+            kernel: cpu.kernel,
+            stride: cpu.stride,
+        }))
+    }
+}
+
+impl GlobalAvgPoolLayer {
+    pub(crate) fn from_cpu(
+        _cpu: &crate::layers::GlobalAvgPool,
+        _ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        Ok(Box::new(GlobalAvgPoolLayer))
+    }
+}
+
+impl Upsample2xLayer {
+    pub(crate) fn from_cpu(
+        _cpu: &crate::layers::Upsample2x,
+        _ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        Ok(Box::new(Upsample2xLayer))
+    }
+}
+
+impl FlattenLayer {
+    pub(crate) fn from_cpu(
+        _cpu: &crate::layers::Flatten,
+        _ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        Ok(Box::new(FlattenLayer))
+    }
+}
+
+impl UnetSkipLayer {
+    pub(crate) fn from_cpu(
+        cpu: &crate::layers::UnetSkip,
+        ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        let Some(&channels) = ctx.input_shape().last() else {
+            return Err(ctx.shape_error("an image input [h, w, c]", ctx.input_shape()));
+        };
+        let body = ctx.convert_all(&cpu.body)?;
+        Ok(Box::new(UnetSkipLayer { body, channels }))
+    }
+}

@@ -299,3 +299,108 @@ impl CudaLayer for LstmLayer {
         })
     }
 }
+
+// The GPU forms of this family's CPU layers (`Layer::to_cuda`): each takes
+// its parameters' places in the order of the CPU layer's `params_mut`.
+
+impl EmbeddingLayer {
+    pub(crate) fn from_cpu(
+        cpu: &crate::layers::Embedding,
+        ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        let &[length] = ctx.cpu_shape() else {
+            return Err(ctx.shape_error("token ids [t] (model.tokens)", ctx.cpu_shape()));
+        };
+        let (vocab, dim) = (cpu.vocab, cpu.dim);
+        let table = ctx.param(vocab * dim)?;
+        let positions = cpu
+            .positions
+            .is_some()
+            .then(|| ctx.param(length * dim))
+            .transpose()?;
+        Ok(Box::new(EmbeddingLayer {
+            table,
+            shape: ops::EmbeddingShape {
+                vocab,
+                dim,
+                length,
+                positions: positions.is_some(),
+            },
+            positions,
+        }))
+    }
+}
+
+impl AttentionLayer {
+    pub(crate) fn from_cpu(
+        cpu: &crate::layers::CausalSelfAttention,
+        ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        let &[length, width] = ctx.cpu_shape() else {
+            return Err(ctx.shape_error("a sequence [t, c]", ctx.cpu_shape()));
+        };
+        let heads = cpu.heads;
+        if width / heads > ops::ATTENTION_MAX_HEAD {
+            return Err(ctx.unsupported(format!(
+                "heads of {} values; the GPU's attention kernels take at most {} \
+                 (use at least {} heads in its .heads, or device.kind = \"cpu\")",
+                width / heads,
+                ops::ATTENTION_MAX_HEAD,
+                width.div_ceil(ops::ATTENTION_MAX_HEAD)
+            )));
+        }
+        let qkv = ctx.convert(cpu.qkv.as_ref())?;
+        let proj = ctx.convert(cpu.proj.as_ref())?;
+        Ok(Box::new(AttentionLayer {
+            qkv: vec![qkv],
+            proj: vec![proj],
+            length,
+            heads,
+        }))
+    }
+}
+
+impl LoraLayer {
+    /// The base weight and bias may be frozen (a fine-tuning base); the
+    /// adapters always train.
+    pub(crate) fn from_cpu(
+        cpu: &crate::layers::LoraLinear,
+        ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        let (features, out, rank) = (cpu.in_features, cpu.out_features, cpu.rank);
+        let weight = ctx.param(features * out)?;
+        let bias = cpu.bias.is_some().then(|| ctx.param(out)).transpose()?;
+        let a = ctx.trainable_param(rank * features)?;
+        let b = ctx.trainable_param(out * rank)?;
+        Ok(Box::new(LoraLayer {
+            weight,
+            bias,
+            a,
+            b,
+            rank,
+            scale: cpu.scale,
+            out,
+        }))
+    }
+}
+
+impl LstmLayer {
+    pub(crate) fn from_cpu(
+        cpu: &crate::layers::Lstm,
+        ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
+    ) -> CudaResult<Box<dyn CudaLayer>> {
+        let &[length, features] = ctx.cpu_shape() else {
+            return Err(ctx.shape_error("a sequence [t, c]", ctx.cpu_shape()));
+        };
+        let hidden = cpu.hidden;
+        let wx = ctx.trainable_param(features * 4 * hidden)?;
+        let wh = ctx.trainable_param(hidden * 4 * hidden)?;
+        let bias = ctx.trainable_param(4 * hidden)?;
+        Ok(Box::new(LstmLayer {
+            wx,
+            wh,
+            bias,
+            length,
+        }))
+    }
+}
