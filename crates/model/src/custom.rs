@@ -10,12 +10,15 @@
 //! [`CudaLayer`] (forward, backward, and its
 //! parameters' places taken from the `CudaBuildContext` in the order of its
 //! `params_mut`; it launches `crate::cuda::ops` or cuBLAS on the network's
-//! tensors), and `CudaNetwork::from_cpu` builds it in at its place. A layer
+//! tensors), exactly as every built-in layer does: `CudaNetwork::from_cpu`
+//! declares each spec entry's layers again through the one builder (your
+//! factory is called again there, with a throwaway initialisation: the
+//! weights are the CPU network's) and asks each for its GPU form. A layer
 //! that returns none (the default) is refused by a GPU network, naming it
 //! (and the pipeline's `device.kind = "auto"` trains on the CPU, saying
 //! why). The network wraps the factory's layer in a `CustomEntry`, which
-//! adds only its spec path (how the GPU builder finds it) and passes every
-//! call on: no copy, no other state.
+//! adds only the name it was registered under (for that refusal) and
+//! passes every call on: no copy, no other state.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

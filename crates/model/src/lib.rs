@@ -31,8 +31,17 @@
 
 /// A built-in layer's `Layer::to_cuda`: its GPU form is made by `$make`
 /// (`fn(&Self, &mut CudaBuildContext) -> CudaResult<Box<dyn CudaLayer>>`),
-/// which lives beside the GPU struct in the layer's op family folder.
+/// which lives beside the GPU struct in the layer's op family folder; a
+/// layer with no parameters or settings names its GPU value (`value X`).
 macro_rules! cuda_form {
+    (value $gpu:expr) => {
+        fn to_cuda(
+            &self,
+            _ctx: &mut $crate::cuda::layer::CudaBuildContext<'_, '_>,
+        ) -> Option<$crate::cuda::CudaResult<Box<dyn $crate::cuda::layer::CudaLayer>>> {
+            Some(Ok(Box::new($gpu)))
+        }
+    };
     ($make:path) => {
         fn to_cuda(
             &self,

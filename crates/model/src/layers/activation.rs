@@ -206,7 +206,7 @@ impl Relu {
 }
 
 impl Layer for Relu {
-    cuda_form!(crate::ops::activation::layer::ReluLayer::from_cpu);
+    cuda_form!(value crate::ops::activation::layer::ReluLayer);
 
     fn describe(&self) -> String {
         "relu".into()

@@ -31,7 +31,7 @@ fn image_shape(op: &'static str, shape: &[usize]) -> Result<[usize; 4]> {
 }
 
 impl Layer for GlobalAvgPool {
-    cuda_form!(crate::ops::pool::layer::GlobalAvgPoolLayer::from_cpu);
+    cuda_form!(value crate::ops::pool::layer::GlobalAvgPoolLayer);
 
     fn describe(&self) -> String {
         "global_avg_pool".into()

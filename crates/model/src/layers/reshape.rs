@@ -30,7 +30,7 @@ impl Flatten {
 }
 
 impl Layer for Flatten {
-    cuda_form!(crate::ops::pool::layer::FlattenLayer::from_cpu);
+    cuda_form!(value crate::ops::pool::layer::FlattenLayer);
 
     fn describe(&self) -> String {
         "flatten".into()

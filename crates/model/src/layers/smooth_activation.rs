@@ -109,7 +109,7 @@ impl Elementwise {
 }
 
 macro_rules! elementwise_layer {
-    ($ty:ident, $name:literal, $f:expr, $d:expr, $cuda:path) => {
+    ($ty:ident, $name:literal, $f:expr, $d:expr, $cuda:expr) => {
         pub struct $ty(Elementwise);
 
         impl $ty {
@@ -128,7 +128,7 @@ macro_rules! elementwise_layer {
         }
 
         impl Layer for $ty {
-            cuda_form!($cuda);
+            cuda_form!(value $cuda);
 
             fn describe(&self) -> String {
                 $name.into()
@@ -162,14 +162,14 @@ elementwise_layer!(
     "silu",
     silu,
     silu_derivative,
-    crate::ops::activation::layer::SmoothLayer::from_silu
+    crate::ops::activation::layer::SmoothLayer(crate::cuda::ops::Smooth::Silu)
 );
 elementwise_layer!(
     Gelu,
     "gelu",
     gelu,
     gelu_derivative,
-    crate::ops::activation::layer::SmoothLayer::from_gelu
+    crate::ops::activation::layer::SmoothLayer(crate::cuda::ops::Smooth::Gelu)
 );
 
 #[cfg(test)]

@@ -44,7 +44,7 @@ impl Upsample2x {
 }
 
 impl Layer for Upsample2x {
-    cuda_form!(crate::ops::pool::layer::Upsample2xLayer::from_cpu);
+    cuda_form!(value crate::ops::pool::layer::Upsample2xLayer);
 
     fn describe(&self) -> String {
         "upsample2x".into()

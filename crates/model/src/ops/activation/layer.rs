@@ -171,31 +171,6 @@ impl CudaLayer for DropoutGpu {
 // The GPU forms of this family's CPU layers (`Layer::to_cuda`): each takes
 // its parameters' places in the order of the CPU layer's `params_mut`.
 
-impl ReluLayer {
-    pub(crate) fn from_cpu(
-        _cpu: &crate::layers::Relu,
-        _ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
-    ) -> CudaResult<Box<dyn CudaLayer>> {
-        Ok(Box::new(ReluLayer))
-    }
-}
-
-impl SmoothLayer {
-    pub(crate) fn from_silu(
-        _cpu: &crate::layers::Silu,
-        _ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
-    ) -> CudaResult<Box<dyn CudaLayer>> {
-        Ok(Box::new(SmoothLayer(ops::Smooth::Silu)))
-    }
-
-    pub(crate) fn from_gelu(
-        _cpu: &crate::layers::Gelu,
-        _ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
-    ) -> CudaResult<Box<dyn CudaLayer>> {
-        Ok(Box::new(SmoothLayer(ops::Smooth::Gelu)))
-    }
-}
-
 impl DropoutGpu {
     /// Its mask is drawn with the CPU network's seed for this layer.
     pub(crate) fn from_cpu(

@@ -282,33 +282,6 @@ impl MaxPoolLayer {
     }
 }
 
-impl GlobalAvgPoolLayer {
-    pub(crate) fn from_cpu(
-        _cpu: &crate::layers::GlobalAvgPool,
-        _ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
-    ) -> CudaResult<Box<dyn CudaLayer>> {
-        Ok(Box::new(GlobalAvgPoolLayer))
-    }
-}
-
-impl Upsample2xLayer {
-    pub(crate) fn from_cpu(
-        _cpu: &crate::layers::Upsample2x,
-        _ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
-    ) -> CudaResult<Box<dyn CudaLayer>> {
-        Ok(Box::new(Upsample2xLayer))
-    }
-}
-
-impl FlattenLayer {
-    pub(crate) fn from_cpu(
-        _cpu: &crate::layers::Flatten,
-        _ctx: &mut crate::cuda::layer::CudaBuildContext<'_, '_>,
-    ) -> CudaResult<Box<dyn CudaLayer>> {
-        Ok(Box::new(FlattenLayer))
-    }
-}
-
 impl UnetSkipLayer {
     pub(crate) fn from_cpu(
         cpu: &crate::layers::UnetSkip,
