@@ -248,21 +248,7 @@ fn a_run_under_an_address_space_limit_adapts_and_never_aborts() {
         ],
         &["train.epochs=1", "run.profile=none", "data.test_samples=64"],
     );
-    let mut command = xtask(&args(&list));
-    // SAFETY: setrlimit is async-signal-safe and touches only this child.
-    unsafe {
-        command.pre_exec(|| {
-            let limit = libc::rlimit {
-                rlim_cur: 200_000_000,
-                rlim_max: 200_000_000,
-            };
-            if libc::setrlimit(libc::RLIMIT_AS, &limit) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let output = command.output().unwrap();
+    let output = under_address_space_limit(&list, 200_000_000);
     let (stdout, err) = text(&output);
     assert_eq!(
         output.status.signal(),
@@ -286,6 +272,93 @@ fn a_run_under_an_address_space_limit_adapts_and_never_aborts() {
     assert_eq!(
         last.meta.step, 4,
         "the one epoch trained to its end: 256 samples in batches of 64"
+    );
+}
+
+/// The output of xtask run with `list` under `RLIMIT_AS` = `bytes`.
+fn under_address_space_limit(list: &[String], bytes: u64) -> Output {
+    let mut command = xtask(&args(list));
+    // SAFETY: setrlimit is async-signal-safe and touches only this child.
+    unsafe {
+        command.pre_exec(move || {
+            let limit = libc::rlimit {
+                rlim_cur: bytes,
+                rlim_max: bytes,
+            };
+            if libc::setrlimit(libc::RLIMIT_AS, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    command.output().unwrap()
+}
+
+/// trust-3 class 4: a block the operating system refuses under a budget
+/// far above the process's real limit is reported as the system's refusal,
+/// never as over the budget, and the stop's advice is not to raise the
+/// budget. The smoke model at a batch of 4096 asks for more than 400 MB of
+/// address space holds, while `device.memory_limit` says 20 GiB.
+#[test]
+fn a_block_the_system_refuses_is_reported_and_advised_as_the_systems() {
+    let data = synthetic_data(8192, 256);
+    let out = tempfile::tempdir().unwrap();
+    let run = |policy: &str, name: &str| {
+        let list = with_sets(
+            vec![
+                "train".into(),
+                "--no-install".into(),
+                "--config".into(),
+                repo_root()
+                    .join("experiments/smoke.toml")
+                    .display()
+                    .to_string(),
+                "--set".into(),
+                format!("data.dir={}", data.path().display()),
+                "--set".into(),
+                format!("run.output_dir={}", out.path().join(name).display()),
+            ],
+            &[
+                "train.epochs=1",
+                "run.profile=none",
+                "train.batch_size=4096",
+                "data.train_samples=8192",
+                "data.test_samples=256",
+                "device.memory_limit=20GiB",
+                &format!("memory.oom_policy={policy}"),
+            ],
+        );
+        let output = under_address_space_limit(&list, 400_000_000);
+        let (_, err) = text(&output);
+        assert_eq!(output.status.signal(), None, "killed by a signal: {err}");
+        assert!(
+            err.contains("refused by the system, not by the budget"),
+            "the refusal is the system's: {err}"
+        );
+        assert!(
+            !err.contains("over the 20.00 GiB budget"),
+            "called the budget's: {err}"
+        );
+        (output, err)
+    };
+    // Adapting: the cache released, then the batch split until it fits.
+    let (adapted, err) = run("adapt", "adapt");
+    assert!(adapted.status.success(), "{err}");
+    assert!(err.contains("splitting the batch of 4096"), "{err}");
+    // Stopping: a checkpoint, and advice that does not send the user to a
+    // budget that was never the limit.
+    let (stopped, err) = run("stop", "stop");
+    assert!(!stopped.status.success(), "{err}");
+    assert!(
+        err.contains("raising device.memory_limit would not help"),
+        "{err}"
+    );
+    assert!(!err.contains("; raise device.memory_limit"), "{err}");
+    assert!(
+        !checkpoint::list(&out.path().join("stop"))
+            .unwrap()
+            .is_empty(),
+        "the stop wrote no checkpoint: {err}"
     );
 }
 

@@ -197,6 +197,10 @@ impl MemoryGuard {
             self.describe(error, learner)
         );
         let requested = refused_bytes(error);
+        let by_system = matches!(
+            error,
+            PipelineError::Model(ModelError::OutOfMemory { limit: None, .. })
+        );
         // A block that did not shrink when the micro-batch was halved does
         // not grow with the batch (weights, optimizer state, a fixed
         // workspace): halving again would only slow the run down to
@@ -213,6 +217,7 @@ impl MemoryGuard {
                         bytes_text(now)
                     ),
                     None,
+                    by_system,
                 ));
         }
         let from = learner.micro_batch();
@@ -238,7 +243,7 @@ impl MemoryGuard {
                 )
             }
             None => {
-                return Err(self.stop_message(&here, Some(learner.micro_batch())));
+                return Err(self.stop_message(&here, Some(learner.micro_batch()), by_system));
             }
         }
         Ok(())
@@ -284,7 +289,10 @@ impl MemoryGuard {
             }) => {
                 let why = match limit {
                     Some(limit) => format!("over the {} budget", bytes_text(*limit)),
-                    None => "the device itself had no room".into(),
+                    None => {
+                        "refused by the system, not by the budget: the device itself had no room"
+                            .into()
+                    }
                 };
                 format!("a {} block ({why})", bytes_text(*requested))
             }
@@ -317,14 +325,28 @@ impl MemoryGuard {
 
     /// The error that stops the run: `micro_batch` is the smallest tried,
     /// where the reason is that even it did not fit.
-    fn stop_message(&self, here: &str, micro_batch: Option<usize>) -> PipelineError {
+    /// `by_system`: the operating system or the driver refused the block,
+    /// not the budget, so a larger budget would not help.
+    fn stop_message(
+        &self,
+        here: &str,
+        micro_batch: Option<usize>,
+        by_system: bool,
+    ) -> PipelineError {
         let even = match micro_batch {
             Some(size) => format!("; even a micro-batch of {size} does not fit"),
             None => String::new(),
         };
+        let room = if by_system {
+            "the system refused the block, so raising device.memory_limit would not help: free \
+             memory on the device (or raise the process's own limit: ulimit -v, the cgroup's \
+             memory.max), set"
+        } else {
+            "raise device.memory_limit, set"
+        };
         PipelineError::OutOfMemory(format!(
             "{here}{even}. A checkpoint of the last completed step was \
-             written to {}; raise device.memory_limit, set model.checkpoint = \"blocks\", lower train.batch_size, or set \
+             written to {}; {room} model.checkpoint = \"blocks\", lower train.batch_size, or set \
              memory.oom_policy = \"adapt\" with a lower memory.min_micro_batch, then continue with --resume",
             self.dir.display()
         ))
