@@ -182,12 +182,12 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // The optimizer's verdict on a step, in device memory: written by
-// step_finalize (optim.cu), read by adamw_fused, by bn_running_restore
-// (batchnorm.cu, which undoes a skipped step's running statistics) and,
-// whenever it likes, by the host. It also carries the dynamic loss scaler's
+// step_finalize, adamw_check and step_commit (optim.cu), read by
+// adamw_fused, by bn_running_restore (batchnorm.cu, which undoes a skipped
+// step's running statistics) and, whenever it likes, by the host. It also carries the dynamic loss scaler's
 // state from step to step, so that no step waits for the host.
 struct StepState {
-    u32 skipped;           // found_inf or schedule_missed: nothing was applied
+    u32 skipped;           // found_inf, schedule_missed or update_overflow: nothing was applied
     u32 found_inf;         // a gradient was inf or NaN
     u32 schedule_missed;   // the host gave no learning rate for this t
     float grad_norm;       // global L2 norm of the unscaled gradients
@@ -198,7 +198,7 @@ struct StepState {
     float bias_correction2_sqrt;
     float next_scale;      // the loss scale of the next step
     u32 clean_steps;       // clean steps since the scale last changed
-    u32 unused;
+    u32 update_overflow;   // the update would leave a weight or moment not finite
     u64 applied;           // steps applied so far (AdamW's t of the last)
 };
 HR_CHECK_SIZE(StepState, 56);

@@ -457,3 +457,48 @@ fn twin_batch_norm_kernels_multiply_alike() {
         );
     }
 }
+
+/// adamw_check judges the values adamw_fused writes only if both compute
+/// them with the same operations: one inline function (adamw_element)
+/// gives both the same source, but the compiler contracts and schedules
+/// each kernel on its own (see above), so their PTX must hold the same f32
+/// multiplies, adds, fused multiply-adds, divisions and square roots.
+#[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
+fn the_overflow_check_computes_the_update_as_adamw_fused_does() {
+    if nvrtc().is_none() {
+        return;
+    }
+    let file = kernels::FILES
+        .iter()
+        .find(|f| f.name == "optim")
+        .expect("optim.cu is listed");
+    for arch in ARCHS {
+        let ptx = kernels::compile(file, Target::Ptx(arch)).unwrap_or_else(|e| panic!("{e}"));
+        let ptx = String::from_utf8(ptx).expect("PTX is text");
+        let ops = |name: &str| {
+            let body = entry_body(&ptx, name);
+            let count = |prefix: &str| {
+                body.lines()
+                    .filter(|l| l.split_whitespace().any(|w| w.starts_with(prefix)))
+                    .count()
+            };
+            let [mul, add, fma] = f32_arithmetic(body);
+            [mul, add, fma, count("div.rn.f32"), count("sqrt.rn.f32")]
+        };
+        for (check, fused) in [
+            ("adamw_check", "adamw_fused"),
+            ("adamw_check_f32", "adamw_fused_f32"),
+        ] {
+            let (c, f) = (ops(check), ops(fused));
+            assert_eq!(
+                c, f,
+                "sm_{arch}: {check} vs {fused} [mul, add, fma, div, sqrt]"
+            );
+            assert!(c[3] > 0 && c[4] > 0, "sm_{arch}: {check} computes {c:?}");
+        }
+    }
+}

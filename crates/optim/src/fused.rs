@@ -12,20 +12,27 @@
 //!
 //! `FusedAdamW::enqueue` queues, with no host synchronisation:
 //! `grad_sumsq` per group (partial sums of squares) → `step_finalize` (the
-//! verdict: inf/NaN flag, global norm of the unscaled gradients, clip
-//! factor; the step's AdamW factors; the dynamic loss scale's update; all in
-//! a device `StepState`) → `adamw_fused` per group (skips everything on a
-//! skipped step; else unscale + clip, moments, master update, f16
-//! write-back when the group has a copy (`adamw_fused_f32` when it has
-//! none); optionally zeroes the gradients). The arithmetic is
-//! headroom-optim's `AdamW::step`, `clip_grad_norm` and `LossScaler::update`
-//! (PyTorch semantics); the AdamW factors are computed on the host in f64 by
-//! the same code (`AdamWConfig::step_factors`).
+//! verdict on the gradients: inf/NaN flag, global norm of the unscaled
+//! gradients, clip factor; the step's AdamW factors; in a device
+//! `StepState`) → `adamw_check` per group (read-only: would the update
+//! leave a master weight, a moment or, in mixed precision, an f16 compute
+//! copy that is not finite? then `update_overflow`; `adamw_check_f32`
+//! without a copy) → `step_commit` (one thread: the step is skipped on
+//! found_inf, schedule_missed or update_overflow; the dynamic loss scale's
+//! update, halved only on found_inf; t advances on an applied step) →
+//! `adamw_fused` per group (skips everything on a skipped step; else
+//! unscale + clip, moments, master update, f16 write-back when the group
+//! has a copy (`adamw_fused_f32` when it has none); optionally zeroes the
+//! gradients). The arithmetic is headroom-optim's `AdamW::step_if_finite`,
+//! `clip_grad_norm` and `LossScaler::update` (PyTorch semantics); the AdamW
+//! factors are computed on the host in f64 by the same code
+//! (`AdamWConfig::step_factors`). The check costs one more read-only pass
+//! over masters, gradients and moments per step (optim.cu's header).
 //!
 //! Nothing a step needs comes from the host after it is queued, so the host
 //! can queue step s+1 before it has read step s's verdict:
 //! - The loss scale lives in device memory (`loss_scale`): the loss kernels
-//!   read it, `step_finalize` updates it.
+//!   read it, `step_commit` updates it.
 //! - AdamW's t is the count of applied steps, kept in the `StepState`. The
 //!   host gives, through `set_schedule` (a pinned copy on the compute
 //!   stream), the learning-rate factors for every count the step may find
@@ -246,8 +253,8 @@ impl FusedAdamW {
             .map_err(driver("cuEventRecord"))
     }
 
-    /// Enqueues the kernels of one step (norm, verdict and loss scale,
-    /// AdamW per group) on the compute stream, with the candidates last
+    /// Enqueues the kernels of one step (norm and verdict, the overflow
+    /// check per group, loss scale and t, AdamW per group) on the compute stream, with the candidates last
     /// given to `set_schedule`. Only launches with arguments fixed for a
     /// run, and no host synchronisation: capturable.
     pub fn enqueue(
@@ -296,19 +303,20 @@ impl FusedAdamW {
             offset += blocks;
         }
 
-        // 2. The verdict (inf/NaN, norm, clip factor), the step's factors and
-        // the loss scaler.
+        // 2. The verdict on the gradients (inf/NaN, norm, clip factor) and
+        // the step's factors.
+        let c = &self.scaler;
+        let finalize = FinalizeParams {
+            partials: offset as u32,
+            max_norm: max_norm.max(0.0),
+            growth_factor: c.growth_factor,
+            backoff_factor: c.backoff_factor,
+            growth_interval: c.growth_interval,
+            min_scale: c.min_scale,
+            max_scale: c.max_scale,
+        };
         {
-            let c = &self.scaler;
-            let p = FinalizeParams {
-                partials: offset as u32,
-                max_norm: max_norm.max(0.0),
-                growth_factor: c.growth_factor,
-                backoff_factor: c.backoff_factor,
-                growth_interval: c.growth_interval,
-                min_scale: c.min_scale,
-                max_scale: c.max_scale,
-            };
+            let p = finalize;
             let f = be.function(&k::STEP_FINALIZE)?;
             let cfg = LaunchConfig {
                 grid_dim: (1, 1, 1),
@@ -319,16 +327,15 @@ impl FusedAdamW {
             b.arg(&p)
                 .arg(&self.partials.slice)
                 .arg(&self.schedule.slice)
-                .arg(&mut self.loss_scale.slice)
+                .arg(&self.loss_scale.slice)
                 .arg(&mut self.state.slice);
             // SAFETY: step_finalize(FinalizeParams, const double* partials
-            // [offset], const StepSchedule* [1], float* loss_scale [1],
+            // [offset], const StepSchedule* [1], const float* loss_scale [1],
             // StepState* state [1]) with one block of 256 threads (its shared
             // array's size).
             unsafe { b.launch(cfg) }.map_err(driver("step_finalize"))?;
         }
 
-        // 3. AdamW per group, with the factors step_finalize picked.
         let h = &self.config;
         let base = AdamWParams {
             n: 0,
@@ -339,11 +346,8 @@ impl FusedAdamW {
             beta2_complement: 1.0 - h.beta2,
             eps: h.eps,
         };
-        for group in groups.iter_mut() {
+        let group_launch = |group: &ParamGroup| {
             let n = group.len();
-            if n == 0 {
-                continue;
-            }
             let p = AdamWParams {
                 n: n as u32,
                 decay: group.decay as u32,
@@ -355,6 +359,56 @@ impl FusedAdamW {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
+            (p, cfg)
+        };
+
+        // 3. Would the update overflow? Every group is checked before any is
+        // updated (a step is applied or refused whole).
+        for group in groups.iter().filter(|g| !g.is_empty()) {
+            let (p, cfg) = group_launch(group);
+            let sig = match group.compute {
+                Some(_) => &k::ADAMW_CHECK,
+                None => &k::ADAMW_CHECK_F32,
+            };
+            let check = be.function(sig)?;
+            let mut b = stream.launch_builder(&check);
+            b.arg(&p)
+                .arg(&mut self.state.slice)
+                .arg(&group.master.slice)
+                .arg(&group.grad.slice)
+                .arg(&group.first_moment.slice)
+                .arg(&group.second_moment.slice);
+            // SAFETY: adamw_check(AdamWParams, StepState* [1], const float*
+            // master, const float* grad, const float* m, const float* v), or
+            // adamw_check_f32 alike: reads the group's n elements
+            // (ParamGroup allocates them together), writes only the state.
+            unsafe { b.launch(cfg) }.map_err(driver(sig.name))?;
+        }
+
+        // 4. The verdict with the check folded in, the loss scaler and t.
+        {
+            let f = be.function(&k::STEP_COMMIT)?;
+            let cfg = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (1, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = stream.launch_builder(&f);
+            b.arg(&finalize)
+                .arg(&mut self.loss_scale.slice)
+                .arg(&mut self.state.slice);
+            // SAFETY: step_commit(FinalizeParams, float* loss_scale [1],
+            // StepState* state [1]) with one thread.
+            unsafe { b.launch(cfg) }.map_err(driver("step_commit"))?;
+        }
+
+        // 5. AdamW per group, with the factors step_finalize picked, unless
+        // the step is skipped.
+        for group in groups.iter_mut() {
+            if group.is_empty() {
+                continue;
+            }
+            let (p, cfg) = group_launch(group);
             let ParamGroup {
                 master,
                 grad,

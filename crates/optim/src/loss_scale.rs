@@ -10,8 +10,9 @@
 //! schedule: `update` says which happened.
 //!
 //! On the GPU the scaler runs on the device, in the optimizer's
-//! `step_finalize` kernel, so that no step waits for the host to learn the
-//! verdict; its state reaches the host with each step's record. `LossScaler`
+//! `step_commit` kernel, so that no step waits for the host to learn the
+//! verdict (a step whose update would overflow with finite gradients is
+//! skipped there with the scale kept, as `schedule_missed` is); its state reaches the host with each step's record. `LossScaler`
 //! here is the reference that kernel is checked against, and
 //! `LossScalerConfig`/`LossScalerState` are its settings and its
 //! checkpointed state.

@@ -1,7 +1,8 @@
 //! The GPU learner against the CPU learner: the same model, seed and
 //! batches give the same training within f16 rounding; a checkpoint moves
 //! between them, and is written with no copy as a snapshot would be; an
-//! overflowing step is skipped with the model left as it was; and a
+//! overflowing step (its gradients, or its update with finite gradients)
+//! is skipped with the model left as it was; and a
 //! restored learner continues bit for bit.
 //!
 //! Without a GPU these run on the CPU emulator of CUDA (headroom-cuda-emu);
@@ -298,6 +299,71 @@ fn an_overflowing_step_is_skipped_and_leaves_everything_as_it_was() {
         scale / 2.0,
         "the scale is checkpointed"
     );
+}
+
+/// The GPU side of `learner.rs`'s
+/// `a_step_whose_update_would_overflow_a_weight_is_skipped_and_changes_nothing`:
+/// finite gradients and a finite learning rate whose update would write
+/// infinities. The fused optimizer's check refuses it: nothing changes
+/// (weights, running statistics, moments, t), the loss scale is not backed
+/// off, and the next ordinary step applies. In mixed precision and in f32,
+/// launched and replayed from a captured graph.
+#[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
+fn a_step_whose_update_would_overflow_a_weight_is_skipped_and_changes_nothing() {
+    let Some(_gpu) = backend() else { return };
+    for (what, options) in [("f16", CudaOptions::default()), ("f32", f32_options())] {
+        let be = CudaBackend::new(0).unwrap();
+        let mut gpu = CudaLearner::new(be, &spec(), 3, settings(), 8, options).unwrap();
+        gpu.train_batch(&batch(0), 5e-3).unwrap();
+        // The step size lr / (1 - β1^t) is beyond f32 for 1e38 at t = 2 (as
+        // in the CPU test) and, replayed from a graph after two more steps,
+        // for 3e38 at t = 4 (1e38 / (1 - 0.9^4) would be finite there).
+        for (lr, ordinary) in [(1e38f32, 0), (3e38, 2)] {
+            for i in 0..ordinary {
+                gpu.train_batch(&batch(1 + i), 5e-3).unwrap();
+            }
+            let what = format!("{what}, lr {lr:e}");
+            let (before, scale, replays) = (
+                gpu.snapshot().unwrap(),
+                gpu.loss_scale(),
+                gpu.graph_replays(),
+            );
+            let result = gpu.train_batch(&batch(5), lr).unwrap();
+            assert_eq!(result.grad_norm, None, "{what}: the step is skipped");
+            assert!(result.loss.is_finite(), "{what}: the loss itself was fine");
+            if ordinary > 0 {
+                assert!(gpu.graph_replays() > replays, "{what}: a replayed step");
+            }
+            let after = gpu.snapshot().unwrap();
+            assert!(
+                bits(&before) == bits(&after),
+                "{what}: weights, running statistics and moments unchanged"
+            );
+            assert_eq!(before.optimizer.step, after.optimizer.step, "{what}: t");
+            assert_eq!(
+                gpu.loss_scale(),
+                scale,
+                "{what}: the scale is not backed off"
+            );
+            assert_eq!(
+                after.loss_scale, before.loss_scale,
+                "{what}: the checkpointed scale and clean-step count neither"
+            );
+            // And the next ordinary step applies, to finite weights.
+            let result = gpu.train_batch(&batch(6), 5e-3).unwrap();
+            assert!(result.grad_norm.is_some(), "{what}: applied");
+            let state = gpu.snapshot().unwrap();
+            assert_eq!(state.optimizer.step, before.optimizer.step + 1, "{what}");
+            assert!(
+                state.params.iter().flatten().all(|w| w.is_finite()),
+                "{what}: every weight finite"
+            );
+        }
+    }
 }
 
 #[test]

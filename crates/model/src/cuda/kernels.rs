@@ -242,6 +242,13 @@ pub const THIN_WGRAD: KernelSig = sig!("conv_narrow", "thin_wgrad_f16", NarrowPa
 
 pub const GRAD_SUMSQ: KernelSig = sig!("optim", "grad_sumsq", SumSqParams, 2);
 pub const STEP_FINALIZE: KernelSig = sig!("optim", "step_finalize", FinalizeParams, 4);
+/// The read-only check that the update leaves every master weight, moment
+/// (and f16 compute copy) finite: sets the StepState's update_overflow.
+pub const ADAMW_CHECK: KernelSig = sig!("optim", "adamw_check", AdamWParams, 5);
+/// The same for a group without a compute copy (f32 training).
+pub const ADAMW_CHECK_F32: KernelSig = sig!("optim", "adamw_check_f32", AdamWParams, 5);
+/// The verdict with the check folded in, the loss scaler and t.
+pub const STEP_COMMIT: KernelSig = sig!("optim", "step_commit", FinalizeParams, 2);
 /// The fused AdamW step with the f16 compute copy written (mixed precision).
 pub const ADAMW_FUSED: KernelSig = sig!("optim", "adamw_fused", AdamWParams, 6);
 /// The same without a compute copy (f32 training: layers read the masters).
@@ -475,7 +482,15 @@ pub static FILES: &[KernelFile] = &[
     KernelFile {
         name: "optim",
         source: include_str!("../../kernels/optim.cu"),
-        kernels: &[GRAD_SUMSQ, STEP_FINALIZE, ADAMW_FUSED, ADAMW_FUSED_F32],
+        kernels: &[
+            GRAD_SUMSQ,
+            STEP_FINALIZE,
+            ADAMW_CHECK,
+            ADAMW_CHECK_F32,
+            STEP_COMMIT,
+            ADAMW_FUSED,
+            ADAMW_FUSED_F32,
+        ],
     },
 ];
 

@@ -143,14 +143,14 @@ kernel_params! {
     SumSqParams(8) { n: u32, offset: u32 }
     /// batchnorm.cu: bn_running_restore.
     BnRestoreParams(4) { channels: u32 }
-    /// optim.cu: step_finalize: the clip norm and the loss scaler's
+    /// optim.cu: step_finalize and step_commit: the clip norm and the loss scaler's
     /// settings, fixed for a run.
     FinalizeParams(28) {
         partials: u32, max_norm: f32,
         growth_factor: f32, backoff_factor: f32, growth_interval: u32,
         min_scale: f32, max_scale: f32,
     }
-    /// optim.cu: adamw_fused.
+    /// optim.cu: adamw_check, adamw_fused.
     AdamWParams(28) {
         n: u32, zero_grad: u32,
         /// 1: apply the weight decay (a decay group).
@@ -170,9 +170,11 @@ kernel_params! {
     }
     /// common.cuh: the optimizer's verdict on the last step and the dynamic
     /// loss scaler's state, in device memory: written by step_finalize,
-    /// read by adamw_fused, bn_running_restore and (when it likes) the host.
+    /// adamw_check and step_commit, read by adamw_fused, bn_running_restore
+    /// and (when it likes) the host.
     StepState(56) {
-        /// found_inf or schedule_missed: the step changed nothing.
+        /// found_inf, schedule_missed or update_overflow: the step changed
+        /// nothing.
         skipped: u32,
         /// A gradient was inf or NaN.
         found_inf: u32,
@@ -192,7 +194,12 @@ kernel_params! {
         next_scale: f32,
         /// Clean steps since the scale last changed.
         clean_steps: u32,
-        unused: u32,
+        /// The gradients were finite but the update would have left a
+        /// master weight or an AdamW moment (or, in mixed precision, the
+        /// f16 compute copy of a finite master) not finite: the step was
+        /// refused, as the CPU's `AdamW::step_if_finite` refuses it, and the
+        /// loss scale left as it was.
+        update_overflow: u32,
         /// Steps applied so far: AdamW's t of the last applied one.
         applied: u64,
     }

@@ -794,6 +794,22 @@ const COVERAGE: &[(&str, &str)] = &[
         "the_device_picks_the_learning_rate_of_the_t_it_finds",
     ),
     (
+        "adamw_check",
+        "an_update_that_would_overflow_is_refused_and_the_scale_kept",
+    ),
+    (
+        "adamw_check_f32",
+        "an_update_that_would_overflow_is_refused_and_the_scale_kept",
+    ),
+    (
+        "step_commit",
+        "an_update_that_would_overflow_is_refused_and_the_scale_kept",
+    ),
+    (
+        "step_commit",
+        "the_device_loss_scaler_follows_the_reference_rule",
+    ),
+    (
         "bn_running_restore",
         "running_statistics_are_put_back_only_after_a_skipped_step",
     ),

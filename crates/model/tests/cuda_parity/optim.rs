@@ -356,6 +356,184 @@ fn the_device_picks_the_learning_rate_of_the_t_it_finds() {
     );
 }
 
+/// Everything a step may change in the groups, as bits: each group's
+/// masters, moments and compute copy (f16 values widened exactly).
+fn group_bits(be: &CudaBackend, groups: &[ParamGroup]) -> Vec<Vec<u32>> {
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<u32>>();
+    groups
+        .iter()
+        .flat_map(|g| {
+            let (m, v) = g.read_moments(be).unwrap();
+            [
+                bits(g.read_master(be).unwrap()),
+                bits(m),
+                bits(v),
+                bits(g.read_compute(be).unwrap()),
+            ]
+        })
+        .collect()
+}
+
+/// Finite gradients and a finite learning rate whose update would still
+/// overflow (the CPU's `AdamW::step_if_finite` refuses it): `adamw_check`
+/// finds it, `step_commit` skips the step without backing off the scale,
+/// and `adamw_fused` changes nothing. A second optimizer that never saw the
+/// refused steps then takes the same ordinary step to the same bits: t, the
+/// scaler and every weight are as if the refused steps had not been made.
+/// In mixed precision an update to a finite master that rounds to an
+/// infinite f16 compute copy is refused too; in f32 training it applies.
+#[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
+fn an_update_that_would_overflow_is_refused_and_the_scale_kept() {
+    let be = gpu_or_skip!();
+    for dtype in [DType::F16, DType::F32] {
+        overflowing_update_case(&be, dtype);
+    }
+}
+
+fn overflowing_update_case(be: &CudaBackend, dtype: DType) {
+    let hyper = AdamWConfig {
+        weight_decay: 0.05,
+        ..AdamWConfig::default()
+    };
+    // Growth after 2 clean steps: after one clean step, an applied step
+    // would double the scale and an overflowing gradient would halve it.
+    let scaler = LossScalerConfig {
+        init_scale: 1024.0,
+        growth_interval: 2,
+        ..LossScalerConfig::default()
+    };
+    let lens = [(300usize, true), (37, false)];
+    let make = || {
+        let groups: Vec<ParamGroup> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &(n, decay))| {
+                let values = random_vec(n, 700 + i as u64, 0.5);
+                ParamGroup::from_host(be, decay, &values, dtype).unwrap()
+            })
+            .collect();
+        let opt = FusedAdamW::new(be, hyper.clone(), scaler, &groups).unwrap();
+        (groups, opt)
+    };
+    let grads = |seed: u64| -> Vec<Vec<f32>> {
+        lens.iter()
+            .enumerate()
+            .map(|(i, &(n, _))| random_vec(n, seed + i as u64, 0.2))
+            .collect()
+    };
+    let put = |groups: &mut [ParamGroup], grads: &[Vec<f32>], scale: f32| {
+        for (group, g) in groups.iter_mut().zip(grads) {
+            let scaled: Vec<f32> = g.iter().map(|v| v * scale).collect();
+            be.compute_stream()
+                .memcpy_htod(&scaled, &mut group.grad.slice)
+                .unwrap();
+        }
+    };
+    let (mut a_groups, mut a) = make();
+    let (mut b_groups, mut b) = make();
+    let first = grads(710);
+    for (groups, opt) in [(&mut a_groups, &mut a), (&mut b_groups, &mut b)] {
+        put(groups, &first, 1024.0);
+        opt.step(be, groups, 0, 1e-2, 0.0, true).unwrap();
+        let state = opt.read_state(be).unwrap();
+        assert_eq!(
+            (state.skipped, state.applied, state.clean_steps),
+            (0, 1, 1),
+            "{dtype:?}: the first step applies"
+        );
+    }
+
+    // The step size lr / (1 - β1) of a learning rate of 1e38 is beyond
+    // f32; a gradient of 1e21 (finite, and so is the norm) has a square
+    // beyond it.
+    let mut huge = grads(720);
+    huge[1][5] = 1e21;
+    let refused = [
+        ("a learning rate of 1e38", 1e38f32, grads(720)),
+        ("a gradient whose square overflows", 1e-2, huge),
+    ];
+    for (what, lr, g) in refused {
+        let what = format!("{dtype:?}, {what}");
+        let before = group_bits(be, &a_groups);
+        put(&mut a_groups, &g, 1024.0);
+        a.step(be, &mut a_groups, 1, lr, 0.0, true).unwrap();
+        let state = a.read_state(be).unwrap();
+        assert_eq!(
+            (state.update_overflow, state.skipped, state.found_inf),
+            (1, 1, 0),
+            "{what}: refused, and not for an overflowing gradient"
+        );
+        assert_eq!(state.applied, 1, "{what}: t does not advance");
+        assert_eq!(
+            (state.next_scale, state.clean_steps),
+            (1024.0, 1),
+            "{what}: the scaler is as before the step"
+        );
+        assert_eq!(download(be, a.loss_scale()), [1024.0], "{what}");
+        assert!(
+            group_bits(be, &a_groups) == before,
+            "{what}: masters, moments and compute copies unchanged, bit for bit"
+        );
+        for group in &a_groups {
+            assert!(
+                download(be, &group.grad.slice).iter().all(|&g| g == 0.0),
+                "{what}: gradients cleared"
+            );
+        }
+    }
+
+    // The same ordinary step on both: the same bits, the same verdict.
+    let next = grads(730);
+    for (groups, opt) in [(&mut a_groups, &mut a), (&mut b_groups, &mut b)] {
+        put(groups, &next, 1024.0);
+        opt.step(be, groups, 1, 5e-3, 0.0, true).unwrap();
+    }
+    let (sa, sb) = (a.read_state(be).unwrap(), b.read_state(be).unwrap());
+    assert_eq!(sa, sb, "{dtype:?}: the same verdict and scaler");
+    assert_eq!(
+        (sa.skipped, sa.update_overflow, sa.applied, sa.next_scale),
+        (0, 0, 2, 2048.0),
+        "{dtype:?}: applied, t = 2, the scale grows"
+    );
+    assert!(
+        group_bits(be, &a_groups) == group_bits(be, &b_groups),
+        "{dtype:?}: the refused steps left no trace"
+    );
+
+    // A learning rate of 1e5 takes weights past 65504 (the largest f16):
+    // finite in f32, infinite in an f16 compute copy.
+    let before = group_bits(be, &a_groups);
+    put(&mut a_groups, &grads(740), 2048.0);
+    a.step(be, &mut a_groups, 2, 1e5, 0.0, true).unwrap();
+    let state = a.read_state(be).unwrap();
+    let masters: Vec<f32> = a_groups
+        .iter()
+        .flat_map(|g| g.read_master(be).unwrap())
+        .collect();
+    if dtype == DType::F16 {
+        assert_eq!(
+            (state.update_overflow, state.skipped, state.applied),
+            (1, 1, 2),
+            "F16: an f16 copy that would be inf refuses the step"
+        );
+        assert!(group_bits(be, &a_groups) == before, "F16: unchanged");
+    } else {
+        assert_eq!(
+            (state.update_overflow, state.skipped, state.applied),
+            (0, 0, 3),
+            "F32: applied"
+        );
+        assert!(
+            masters.iter().all(|w| w.is_finite()) && masters.iter().any(|w| w.abs() > 65_504.0),
+            "F32: finite weights beyond the f16 range"
+        );
+    }
+}
+
 #[test]
 #[cfg_attr(
     not(headroom_nvrtc),

@@ -12,7 +12,12 @@
 //! gradients overflow is skipped by the optimizer kernel, kernels put back
 //! the batch-norm running statistics and dropout counters it changed (as
 //! the CPU learner puts back every buffer), the scale halves and t
-//! does not advance. `submit_batch` queues a step and returns; its loss,
+//! does not advance. A step whose finite gradients would still make an
+//! update that is not finite (a learning rate far too high: the CPU's
+//! `AdamW::step_if_finite`) is skipped the same way, found by a read-only
+//! check kernel before any weight is written, but the scale is kept (the
+//! overflow is not the scale's fault); `collect_step` logs it as the CPU
+//! learner does. `submit_batch` queues a step and returns; its loss,
 //! correct count, norm and verdict are copied into pinned memory
 //! (`StepRecords`) and read by `collect_step`, which the training loop calls
 //! one step later, while the GPU runs the next.
@@ -106,6 +111,10 @@ struct InFlight {
     slot: usize,
     /// Each micro-batch's share of the batch (its loss's weight).
     shares: Vec<f32>,
+    /// Its learning-rate candidates: `lrs[j]` if the device found
+    /// `first_applied + j` steps applied (for the log of a refused update).
+    first_applied: u64,
+    lrs: Vec<f32>,
 }
 
 pub struct CudaLearner {
@@ -360,8 +369,8 @@ impl CudaLearner {
         let lrs: Vec<f32> = (0..=self.in_flight.len() as u64)
             .map(|j| (lr.at)(lr.applied + j))
             .collect();
-        self.optimizer
-            .set_schedule(&self.be, self.collected_applied, &lrs)?;
+        let first_applied = self.collected_applied;
+        self.optimizer.set_schedule(&self.be, first_applied, &lrs)?;
         let shares = match self.graph_step(batch)? {
             Some(shares) => shares,
             None => self.eager_step(batch)?,
@@ -370,7 +379,12 @@ impl CudaLearner {
             self.records
                 .copy_out(&self.be, self.optimizer.state(), shares.len()),
         )?;
-        self.in_flight.push_back(InFlight { slot, shares });
+        self.in_flight.push_back(InFlight {
+            slot,
+            shares,
+            first_applied,
+            lrs,
+        });
         Ok(())
     }
 
@@ -462,6 +476,21 @@ impl CudaLearner {
                     state.applied
                 ),
             });
+        }
+        if state.update_overflow != 0 {
+            // The CPU learner's warning (`AdamW::step_if_finite`); the device
+            // does not say which weight. The trainer counts the skip like
+            // any other (`train.max_consecutive_skips`).
+            let lr = state
+                .applied
+                .checked_sub(step.first_applied)
+                .and_then(|j| step.lrs.get(j as usize))
+                .map_or_else(|| "?".to_string(), |lr| format!("{lr:e}"));
+            tracing::warn!(
+                "step skipped: its update (learning rate {lr}) would make a weight or its AdamW \
+                 moments not finite (or, in mixed precision, a weight's f16 copy); nothing \
+                 changed and the loss scale is kept"
+            );
         }
         self.collected_applied = state.applied;
         self.collected_scale = state.next_scale;
