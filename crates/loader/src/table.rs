@@ -166,16 +166,24 @@ fn number(path: &Path, line: u64, column: &str, cell: &str) -> Result<f32, Loade
 
 /// A multi-label target cell: 0 or 1 (also `true`/`false`).
 fn label(path: &Path, line: u64, column: &str, cell: &str) -> Result<f32, LoaderError> {
-    match cell.trim() {
-        "1" | "1.0" | "true" | "True" | "TRUE" => Ok(1.0),
-        "0" | "0.0" | "false" | "False" | "FALSE" => Ok(0.0),
-        other => Err(format_err(
+    label_value(cell).ok_or_else(|| {
+        format_err(
             path,
             format!(
-                "line {line}, column `{column}`: {other:?} is not a label (train.loss = \"bce\" \
-                 reads each target column as 0 or 1)"
+                "line {line}, column `{column}`: {:?} is not a label (train.loss = \"bce\" \
+                 reads each target column as 0 or 1)",
+                cell.trim()
             ),
-        )),
+        )
+    })
+}
+
+/// [`label`]'s value, `None` where it is an error.
+fn label_value(cell: &str) -> Option<f32> {
+    match cell.trim() {
+        "1" | "1.0" | "true" | "True" | "TRUE" => Some(1.0),
+        "0" | "0.0" | "false" | "False" | "FALSE" => Some(0.0),
+        _ => None,
     }
 }
 

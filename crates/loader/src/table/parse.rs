@@ -23,7 +23,7 @@
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
-use super::{format_err, label, number, TableTarget};
+use super::{format_err, label, label_value, number, TableTarget};
 use crate::{LoaderError, Skipped};
 
 /// How the rows are read: [`Tuning::of_machine`], or small blocks in the
@@ -255,10 +255,75 @@ fn rows(
         line,
     };
     let mut row = Row::default();
-    while let Some(line) = tokens.next_row(&mut row) {
-        columns.take(data, &row, line, skip, body)?;
+    let mut fused = OnePass::new(columns);
+    loop {
+        if let Some(fused) = fused.as_mut() {
+            if tokens.one_pass_row(fused, body) {
+                continue;
+            }
+        }
+        match tokens.next_row(&mut row) {
+            Some(line) => columns.take(data, &row, line, skip, body)?,
+            None => return Ok((tokens.pos, tokens.line)),
+        }
     }
-    Ok((tokens.pos, tokens.line))
+}
+
+/// What a column is, for [`Tokenizer::one_pass_row`].
+#[derive(Clone, Copy)]
+enum Role {
+    /// A number, into `slots[k]`.
+    Number(usize),
+    /// A 0/1 label, into `slots[k]`.
+    Label(usize),
+    Class,
+    Unread,
+}
+
+/// The rows read in one pass: each number parsed where it stands, its end
+/// found by the parse.
+struct OnePass {
+    roles: Vec<Role>,
+    /// A row's features, then its numeric targets.
+    slots: Vec<f32>,
+    features: usize,
+}
+
+impl OnePass {
+    /// `None` where a column is read twice (the general path reads it).
+    fn new(columns: &Columns) -> Option<Self> {
+        let mut roles = vec![Role::Unread; columns.width];
+        let features = columns.feature_columns.len();
+        let mut set = |k: usize, role: Role| match roles.get(k) {
+            Some(Role::Unread) => {
+                roles[k] = role;
+                Some(())
+            }
+            _ => None,
+        };
+        for (slot, &k) in columns.feature_columns.iter().enumerate() {
+            set(k, Role::Number(slot))?;
+        }
+        let mut values = 0;
+        for &k in columns.target_columns {
+            let slot = features + values;
+            match columns.target {
+                TableTarget::Values => set(k, Role::Number(slot))?,
+                TableTarget::Labels => set(k, Role::Label(slot))?,
+                TableTarget::Classes { .. } => set(k, Role::Class)?,
+                TableTarget::Absent => {}
+            }
+            values += usize::from(matches!(
+                columns.target,
+                TableTarget::Values | TableTarget::Labels
+            ));
+        }
+        Some(Self {
+            roles,
+            slots: vec![0.0; features + values],
+            features,
+        })
+    }
 }
 
 /// One record's cells: ranges into the block or, for a record with a
@@ -330,6 +395,76 @@ impl Tokenizer<'_> {
                 _ => return self.end_record(p, line),
             }
         }
+    }
+
+    /// The next record into `body` in one pass, where it is plain: no
+    /// quote, every number cell a finite number with nothing around it,
+    /// every label 0 or 1, the class text, one cell per column, whole in
+    /// the block. `false` (nothing read) for any other record, which
+    /// [`Tokenizer::next_row`] and [`Columns::take`] read or name.
+    #[inline]
+    fn one_pass_row(&mut self, fused: &mut OnePass, body: &mut Body) -> bool {
+        let data = self.data;
+        let (mut p, mut line) = (self.pos, self.line);
+        while p < data.len() && matches!(data[p], b'\n' | b'\r') {
+            line += u64::from(data[p] == b'\n');
+            p += 1;
+        }
+        let mut class = None;
+        let last = fused.roles.len() - 1;
+        for (k, &role) in fused.roles.iter().enumerate() {
+            if let Role::Number(slot) = role {
+                // The parse stops at the cell's end: a `,` or a line end
+                // must follow (checked below), so the cell is the number.
+                match fast_float2::parse_partial::<f32, _>(&data[p..]) {
+                    Ok((value, used)) if value.is_finite() => {
+                        fused.slots[slot] = value;
+                        p += used;
+                    }
+                    _ => return false,
+                }
+            } else {
+                if data.get(p) == Some(&b'"') {
+                    return false;
+                }
+                let start = p;
+                while p < data.len() && !ends_field(data[p]) {
+                    p += 1;
+                }
+                let cell = &data[start..p];
+                match role {
+                    Role::Label(slot) => match std::str::from_utf8(cell).ok().and_then(label_value)
+                    {
+                        Some(value) => fused.slots[slot] = value,
+                        None => return false,
+                    },
+                    Role::Class => match std::str::from_utf8(cell) {
+                        Ok(text) => class = Some(text),
+                        Err(_) => return false,
+                    },
+                    _ => {}
+                }
+            }
+            match data.get(p) {
+                Some(b',') if k < last => p += 1,
+                Some(b'\n' | b'\r') if k == last => {}
+                None if k == last && self.eof => {}
+                _ => return false,
+            }
+        }
+        let record_line = self.line;
+        self.pos = (p + 1).min(data.len());
+        self.line = line + u64::from(data.get(p) == Some(&b'\n'));
+        body.features
+            .extend_from_slice(&fused.slots[..fused.features]);
+        body.values
+            .extend_from_slice(&fused.slots[fused.features..]);
+        body.lines.push(record_line);
+        if let Some(class) = class {
+            body.class_cells
+                .push((record_line, class.trim().to_string()));
+        }
+        true
     }
 
     /// The record from `first` on, which has a quoted field, cells

@@ -460,7 +460,9 @@ fn the_reader_matches_the_reference_on_fixed_files() {
         features: Vec::new(),
         target: TableTarget::Labels,
     };
-    let files: [&[u8]; 16] = [
+    let files: [&[u8]; 18] = [
+        b"a,y\n1, 1\n2,False\n3,\"0\"\n4,1.0\r\n5,TRUE\n6,0.0",
+        b"a,y\n1,1\n2,yes\n3,\xff\n4,0\n",
         b"a,y\n1,2\n3,4\n",
         b"a,y\r\n1,2\r\n3,4\r\n\r\n",
         b"a,y\r1,2\r3,4",
