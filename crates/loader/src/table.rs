@@ -23,6 +23,17 @@ use std::path::{Path, PathBuf};
 
 use crate::{Dataset, Element, LoaderError, SampleKind, Skipped};
 
+mod parse;
+#[cfg(test)]
+mod reference;
+#[cfg(test)]
+mod tests;
+
+/// Reads a table's rows after its header (the reader stands just after
+/// it): [`parse::body`], or in the tests the reader it replaced.
+type BodyReader =
+    fn(csv::Reader<std::fs::File>, &parse::Columns, bool) -> Result<parse::Body, LoaderError>;
+
 /// What the target columns hold.
 #[derive(Clone, Debug, PartialEq)]
 pub enum TableTarget {
@@ -87,6 +98,51 @@ fn format_err(path: &Path, message: String) -> LoaderError {
     }
 }
 
+/// [`parse::body`] from where the `csv` reader stands after the header.
+fn fast_body(
+    reader: csv::Reader<std::fs::File>,
+    columns: &parse::Columns,
+    skip: bool,
+) -> Result<parse::Body, LoaderError> {
+    tuned_body(reader, columns, skip, parse::Tuning::of_machine())
+}
+
+fn tuned_body(
+    reader: csv::Reader<std::fs::File>,
+    columns: &parse::Columns,
+    skip: bool,
+    tuning: parse::Tuning,
+) -> Result<parse::Body, LoaderError> {
+    let position = reader.position().clone();
+    parse::body(
+        reader.into_inner(),
+        position.byte(),
+        position.line(),
+        columns,
+        skip,
+        tuning,
+    )
+}
+
+/// A `csv` reader's error: a ragged row's names its line.
+fn csv_error(path: &Path, e: csv::Error) -> LoaderError {
+    match e.kind() {
+        csv::ErrorKind::UnequalLengths {
+            pos,
+            expected_len,
+            len,
+        } => format_err(
+            path,
+            format!(
+                "line {}: {len} cells, the header has {expected_len} (every row needs one \
+                 cell per column)",
+                pos.as_ref().map_or(0, |p| p.line())
+            ),
+        ),
+        _ => format_err(path, e.to_string()),
+    }
+}
+
 /// A cell as a finite f32, or an error naming where it is.
 fn number(path: &Path, line: u64, column: &str, cell: &str) -> Result<f32, LoaderError> {
     let trimmed = cell.trim();
@@ -110,16 +166,24 @@ fn number(path: &Path, line: u64, column: &str, cell: &str) -> Result<f32, Loade
 
 /// A multi-label target cell: 0 or 1 (also `true`/`false`).
 fn label(path: &Path, line: u64, column: &str, cell: &str) -> Result<f32, LoaderError> {
-    match cell.trim() {
-        "1" | "1.0" | "true" | "True" | "TRUE" => Ok(1.0),
-        "0" | "0.0" | "false" | "False" | "FALSE" => Ok(0.0),
-        other => Err(format_err(
+    label_value(cell).ok_or_else(|| {
+        format_err(
             path,
             format!(
-                "line {line}, column `{column}`: {other:?} is not a label (train.loss = \"bce\" \
-                 reads each target column as 0 or 1)"
+                "line {line}, column `{column}`: {:?} is not a label (train.loss = \"bce\" \
+                 reads each target column as 0 or 1)",
+                cell.trim()
             ),
-        )),
+        )
+    })
+}
+
+/// [`label`]'s value, `None` where it is an error.
+fn label_value(cell: &str) -> Option<f32> {
+    match cell.trim() {
+        "1" | "1.0" | "true" | "True" | "TRUE" => Some(1.0),
+        "0" | "0.0" | "false" | "False" | "FALSE" => Some(0.0),
+        _ => None,
     }
 }
 
@@ -148,7 +212,16 @@ impl CsvTable {
     fn read(
         path: &Path,
         config: &TableConfig,
-        mut skipped: Option<&mut Vec<Skipped>>,
+        skipped: Option<&mut Vec<Skipped>>,
+    ) -> Result<Self, LoaderError> {
+        Self::read_with(path, config, skipped, fast_body)
+    }
+
+    fn read_with(
+        path: &Path,
+        config: &TableConfig,
+        skipped: Option<&mut Vec<Skipped>>,
+        read_body: BodyReader,
     ) -> Result<Self, LoaderError> {
         let io = |reason: std::io::Error| LoaderError::Io {
             path: path.to_path_buf(),
@@ -157,22 +230,8 @@ impl CsvTable {
         let file = std::fs::File::open(path).map_err(io)?;
         let mut reader = csv::ReaderBuilder::new()
             .has_headers(true)
-            .from_reader(std::io::BufReader::new(file));
-        let csv_err = |e: csv::Error| match e.kind() {
-            csv::ErrorKind::UnequalLengths {
-                pos,
-                expected_len,
-                len,
-            } => format_err(
-                path,
-                format!(
-                    "line {}: {len} cells, the header has {expected_len} (every row needs one \
-                     cell per column)",
-                    pos.as_ref().map_or(0, |p| p.line())
-                ),
-            ),
-            _ => format_err(path, e.to_string()),
-        };
+            .from_reader(file);
+        let csv_err = |e: csv::Error| csv_error(path, e);
         let header: Vec<String> = reader
             .headers()
             .map_err(csv_err)?
@@ -237,93 +296,25 @@ impl CsvTable {
             .iter()
             .map(|f| position(f))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut features = Vec::new();
-        let mut values = Vec::new();
-        let mut class_cells: Vec<(u64, String)> = Vec::new();
-        let mut lines = Vec::new();
-        // The classes of the rows left out, to check none is emptied.
-        let mut skipped_classes: Vec<(u64, String)> = Vec::new();
-        // One record reused for every row, checked as UTF-8 once a row
-        // (a cell at a time only to name a bad one): no allocation per row.
-        let mut record = csv::ByteRecord::new();
-        loop {
-            match reader.read_byte_record(&mut record) {
-                Ok(true) => {}
-                Ok(false) => break,
-                Err(e) => {
-                    let line = e.position().map_or(0, |p| p.line());
-                    match skipped.as_deref_mut() {
-                        Some(skipped) => {
-                            skipped.push(Skipped::row(path, line, csv_err(e)));
-                            continue;
-                        }
-                        None => return Err(csv_err(e)),
-                    }
-                }
-            }
-            let line = record.position().map_or(0, |p| p.line());
-            let row = std::str::from_utf8(record.as_slice()).ok();
-            let cell = |k: usize, name: &str| {
-                // The row is the cells' bytes end to end: a cell whose
-                // bounds are char boundaries of a valid row is valid text;
-                // any other is checked alone, to name it if it is not.
-                let valid = row.zip(record.range(k)).and_then(|(row, at)| row.get(at));
-                match valid {
-                    Some(text) => Ok(text),
-                    None => std::str::from_utf8(&record[k]).map_err(|_| {
-                        format_err(
-                            path,
-                            format!("line {line}, column `{name}`: the cell is not UTF-8 text"),
-                        )
-                    }),
-                }
-            };
-            let class_cell = || cell(target_columns[0], &config.targets[0]);
-            let class = match config.target {
-                TableTarget::Classes { .. } => class_cell().ok().map(|c| c.trim().to_string()),
-                _ => None,
-            };
-            let (features_before, values_before) = (features.len(), values.len());
-            let parsed = (|| -> Result<(), LoaderError> {
-                for (&k, name) in feature_columns.iter().zip(&feature_names) {
-                    features.push(number(path, line, name, cell(k, name)?)?);
-                }
-                match config.target {
-                    TableTarget::Values => {
-                        for (&k, name) in target_columns.iter().zip(&config.targets) {
-                            values.push(number(path, line, name, cell(k, name)?)?);
-                        }
-                    }
-                    TableTarget::Labels => {
-                        for (&k, name) in target_columns.iter().zip(&config.targets) {
-                            values.push(label(path, line, name, cell(k, name)?)?);
-                        }
-                    }
-                    // A class cell that is not text is named.
-                    TableTarget::Classes { .. } if class.is_none() => {
-                        class_cell()?;
-                    }
-                    TableTarget::Classes { .. } | TableTarget::Absent => {}
-                }
-                Ok(())
-            })();
-            match (parsed, skipped.as_deref_mut()) {
-                (Ok(()), _) => {
-                    lines.push(line);
-                    if let Some(class) = class {
-                        class_cells.push((line, class));
-                    }
-                }
-                (Err(e), Some(skipped)) => {
-                    features.truncate(features_before);
-                    values.truncate(values_before);
-                    skipped.push(Skipped::row(path, line, e));
-                    if let Some(class) = class {
-                        skipped_classes.push((line, class));
-                    }
-                }
-                (Err(e), None) => return Err(e),
-            }
+        let columns = parse::Columns {
+            path,
+            width: header.len(),
+            feature_columns: &feature_columns,
+            feature_names: &feature_names,
+            target_columns: &target_columns,
+            target_names: &config.targets,
+            target: &config.target,
+        };
+        let parse::Body {
+            features,
+            values,
+            class_cells,
+            lines,
+            skipped_classes,
+            skipped: skipped_rows,
+        } = read_body(reader, &columns, skipped.is_some())?;
+        if let Some(skipped) = skipped {
+            skipped.extend(skipped_rows);
         }
         if let Some((line, class)) = skipped_classes
             .iter()
@@ -613,39 +604,5 @@ impl Dataset for CsvTable {
 
     fn memory_limit(&self) -> u64 {
         4 * (self.features.len() + self.values.len() + self.labels.len()) as u64
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_cell_that_is_not_utf8_is_named_and_text_around_it_reads() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.csv");
-        let config = TableConfig {
-            targets: vec!["y".into()],
-            features: Vec::new(),
-            target: TableTarget::Values,
-        };
-        // Multi-byte text in a column that is not read leaves the numbers
-        // as they are.
-        std::fs::write(&path, "a,note,b,y\n1,é,2,3\n4,ü€,5.5,6\n").unwrap();
-        let features = TableConfig {
-            features: vec!["a".into(), "b".into()],
-            ..config.clone()
-        };
-        let table = CsvTable::open(&path, &features).unwrap();
-        assert_eq!(table.features, [1.0, 2.0, 4.0, 5.5]);
-        assert_eq!(table.values, [3.0, 6.0]);
-        let mut bytes = b"a,b,y\n1,2,3\n4,".to_vec();
-        bytes.extend_from_slice(b"\xff5,6\n");
-        std::fs::write(&path, bytes).unwrap();
-        let err = CsvTable::open(&path, &config).unwrap_err().to_string();
-        assert!(
-            err.contains("line 3, column `b`: the cell is not UTF-8 text"),
-            "{err}"
-        );
     }
 }

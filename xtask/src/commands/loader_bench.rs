@@ -53,8 +53,9 @@ const CSV_REPEAT: usize = 3;
 
 /// `--mode csv`: writes `path` (when missing) with `rows` rows of 8
 /// feature columns and a target, then times [`CsvTable::open`] (parse,
-/// check and hold every cell as f32) and `pandas.read_csv` (float32) on it,
-/// each the fastest of [`CSV_REPEAT`] reads, side by side.
+/// check and hold every cell as f32, on the cores this process may use:
+/// `taskset -c 0` for one) and `pandas.read_csv` (float32, one thread) on
+/// it, each the fastest of [`CSV_REPEAT`] reads, side by side.
 fn csv_ingest(path: &Path, rows: usize) -> Result<()> {
     if !path.exists() {
         write_bench_csv(path, rows)?;
@@ -75,8 +76,10 @@ fn csv_ingest(path: &Path, rows: usize) -> Result<()> {
         best = best.min(start.elapsed().as_secs_f64());
         read_rows = table.rows();
     }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "CSV ingest: {} ({read_rows} rows, {:.1} MiB), fastest of {CSV_REPEAT} reads, one thread",
+        "CSV ingest: {} ({read_rows} rows, {:.1} MiB), fastest of {CSV_REPEAT} reads; headroom \
+         on the {cores} core(s) this process may use, pandas on one thread",
         path.display(),
         bytes as f64 / (1 << 20) as f64
     );
