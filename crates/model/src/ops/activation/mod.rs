@@ -3,9 +3,10 @@
 //! layers are `relu.rs` (with the parallel loops every family's CPU
 //! layers share: `par_build`, `par_rows`, `gather_rows`), `smooth.rs` and
 //! `dropout.rs`; the kernels are `elementwise.cu`, launched from `cuda.rs`
-//! for the GPU layers of `layer.rs`. Forward writes a new tensor; backward reads
-//! the saved output (ReLU), the saved input (SiLU, GELU) or the counter
-//! the forward drew its mask from (dropout), so nothing else is kept.
+//! for the GPU layers of `layer.rs`. Forward writes a new tensor; backward
+//! reads the saved output (ReLU), the saved input (SiLU, GELU) or the
+//! counter the forward drew its mask from (dropout), so nothing else is
+//! kept.
 //!
 //! | launch (`cuda.rs`) | CPU reference |
 //! |---|---|

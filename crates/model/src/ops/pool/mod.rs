@@ -2,8 +2,9 @@
 //! 2× upsampling and its channel concatenation / split, and the reshapes
 //! (`Flatten`, `PerFrame`, `PerPosition`). CPU layers
 //! `global_avg_pool.rs`, `max_pool.rs`, `unet.rs`, `reshape.rs`; kernels
-//! `pool.cu`, `unet.cu`; launches `cuda.rs`; GPU layers `layer.rs`. These keep nothing for backward but shapes, except
-//! max pooling: one u32 argmax per output (`MaxPoolSaved`), not its input.
+//! `pool.cu`, `unet.cu`; launches `cuda.rs`; GPU layers `layer.rs`. These
+//! keep nothing for backward but shapes, except max pooling: one u32
+//! argmax per output (`MaxPoolSaved`), not its input.
 //!
 //! | launch (`cuda.rs`) | CPU reference |
 //! |---|---|

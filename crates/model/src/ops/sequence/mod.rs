@@ -1,8 +1,8 @@
 //! The token models' ops (CPU layers `attention.rs` with its per-head
 //! products `head_products.rs`, `embedding.rs`, `lstm.rs`; kernels
 //! `sequence.cu`, launched from `cuda.rs` for the GPU layers of
-//! `layer.rs`, and cuBLAS through the
-//! `linear` family for the projections and LoRA's low-rank products):
+//! `layer.rs`, and cuBLAS through the `linear` family for the projections
+//! and LoRA's low-rank products):
 //! embeddings, causal self-attention, the LSTM's recurrence, LoRA. A
 //! sequence batch [N, T, C] is an [N·T, C] tensor, a token per row.
 //!
