@@ -2,7 +2,9 @@
 //! C++ compiler (`$CXX`, else `c++`):
 //!
 //! - `libcuda.so` (SONAME `libcuda.so`): the fake driver (shim/driver.cpp)
-//!   and every kernel of `crates/model/kernels/*.cu` compiled as host C++
+//!   and every kernel of headroom-model's `.cu` files (each beside its
+//!   launches: `crates/model/src/ops/<family>/*.cu`, `src/cuda/optim.cu`,
+//!   found by walking `crates/model/src`) compiled as host C++
 //!   with shim/cuda_shim.h force-included and `HR_EMULATE` defined. Each
 //!   `.cu` file gets a generated unit that holds a copy of it inside a
 //!   namespace of its own and registers every `extern "C" __global__ void
@@ -32,9 +34,27 @@ fn main() {
     );
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     let shim = manifest.join("shim");
-    let kernels = manifest.join("../model/kernels");
+    let model_src = manifest.join("../model/src");
+    // common.cuh, which every kernel file includes.
+    let include_dir = model_src.join("ops");
     println!("cargo:rerun-if-changed={}", shim.display());
-    println!("cargo:rerun-if-changed={}", kernels.display());
+    // The kernel files, each beside its launches. Not the whole source
+    // directory, whose every Rust edit would rebuild the emulator: each
+    // `.cu` file, common.cuh, and kernels.rs, which a new kernel file is
+    // listed in (its `include_str!`), so that adding one reruns this script.
+    let mut files = Vec::new();
+    cu_files(&model_src, &mut files);
+    for file in &files {
+        println!("cargo:rerun-if-changed={}", file.display());
+    }
+    println!(
+        "cargo:rerun-if-changed={}",
+        include_dir.join("common.cuh").display()
+    );
+    println!(
+        "cargo:rerun-if-changed={}",
+        model_src.join("cuda/kernels.rs").display()
+    );
     println!("cargo:rerun-if-env-changed=CXX");
     println!(
         "cargo:rustc-env=HEADROOM_CUDA_EMU_LIB_DIR={}",
@@ -53,14 +73,15 @@ fn main() {
     let gen = out.join("gen");
     std::fs::create_dir_all(&gen).expect("create OUT_DIR/gen");
     let mut units = vec![shim.join("driver.cpp")];
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&kernels)
-        .expect("read crates/model/kernels")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
-        .collect();
     // The emulator's own test kernels, built the same way.
     files.push(shim.join("selftest.cu"));
     files.sort();
+    // A unit is named after its file's stem.
+    let mut stems: Vec<_> = files.iter().filter_map(|f| f.file_stem()).collect();
+    stems.sort();
+    if let Some(w) = stems.windows(2).find(|w| w[0] == w[1]) {
+        panic!("headroom-cuda-emu: two kernel files are named {:?}", w[0]);
+    }
     for file in &files {
         units.push(generate_unit(file, &gen));
     }
@@ -87,7 +108,7 @@ fn main() {
         .arg("-I")
         .arg(&shim)
         .arg("-I")
-        .arg(&kernels);
+        .arg(&include_dir);
     };
 
     // Compile the units in parallel, then link.
@@ -126,6 +147,21 @@ fn main() {
         "cublas.cpp",
     );
     link(&cxx, &out.join("libcublas.so"), "libcublas.so", &[blas_obj]);
+}
+
+/// Every `.cu` file under `dir`, recursively.
+fn cu_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let entries = std::fs::read_dir(dir).unwrap_or_else(|e| panic!("read {}: {e}", dir.display()));
+    for entry in entries {
+        let path = entry
+            .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
+            .path();
+        if path.is_dir() {
+            cu_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "cu") {
+            out.push(path);
+        }
+    }
 }
 
 fn run(cmd: &mut Command, what: &str) {

@@ -1,4 +1,4 @@
-// Host C++ stand-ins for the CUDA C++ that crates/model/kernels/*.cu use, so
+// Host C++ stand-ins for the CUDA C++ that crates/model/src/**/*.cu use, so
 // that build.rs can compile every kernel with the system C++ compiler into
 // the fake driver library (driver.cpp) and run it on the CPU.
 //

@@ -1,6 +1,6 @@
 // What driver.cpp and the generated kernel translation units share: the
 // registry of host-compiled kernels. Each generated unit (build.rs writes one
-// per crates/model/kernels/*.cu file) registers its `extern "C" __global__`
+// per .cu file of crates/model/src) registers its `extern "C" __global__`
 // entry points by name at load time; cuModuleGetFunction looks them up there,
 // so a kernel added to a .cu file is emulated without any list to update.
 #pragma once

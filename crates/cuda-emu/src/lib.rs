@@ -1,7 +1,9 @@
 //! A CPU emulator of the CUDA driver and cuBLAS, for tests only: it lets the
 //! real CUDA path of `headroom-model` (`CudaBackend`, its ops, GEMMs, the
 //! fused optimizer, the staging ring) run unchanged on a machine without a
-//! GPU, with every kernel of `crates/model/kernels` compiled as host C++.
+//! GPU, with every kernel of headroom-model's `.cu` files
+//! (`crates/model/src/ops/<family>/*.cu`, `src/cuda/optim.cu`) compiled as
+//! host C++.
 //!
 //! build.rs compiles a fake `libcuda.so` (driver entry points plus the
 //! kernels) and a fake `libcublas.so` into OUT_DIR. [`install`] loads both by
@@ -27,7 +29,7 @@
 //! let half = headroom_cuda_emu::f32_to_f16_bits(1.5).unwrap();
 //! assert_eq!(half, 0x3e00);
 //! assert_eq!(headroom_cuda_emu::f16_bits_to_f32(half).unwrap(), 1.5);
-//! // Every kernel of crates/model/kernels is compiled in, by name.
+//! // Every kernel of crates/model's .cu files is compiled in, by name.
 //! let kernels = headroom_cuda_emu::kernel_names().unwrap();
 //! assert!(kernels.iter().any(|name| name.starts_with("adamw")), "{kernels:?}");
 //! ```
@@ -178,7 +180,7 @@ pub fn f16_bits_to_f32(h: u16) -> Result<f32, String> {
 /// Prefix of the emulator's own test kernels (shim/selftest.cu).
 pub const SELFTEST_PREFIX: &str = "hr_emu_selftest_";
 
-/// The names of every kernel of `crates/model/kernels` compiled into the
+/// The names of every kernel of headroom-model's `.cu` files compiled into the
 /// emulator, sorted (the self-test kernels left out).
 pub fn kernel_names() -> Result<Vec<String>, String> {
     type F = unsafe extern "C" fn() -> *const c_char;

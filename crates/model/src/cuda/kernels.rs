@@ -20,7 +20,7 @@ use super::params::*;
 use super::{libs, CudaError, CudaResult};
 
 /// Text spliced into every kernel file in place of `#include "common.cuh"`.
-pub const COMMON: &str = include_str!("../../kernels/common.cuh");
+pub const COMMON: &str = include_str!("../ops/common.cuh");
 const INCLUDE_COMMON: &str = "#include \"common.cuh\"";
 
 /// One `extern "C" __global__` entry point.
@@ -258,7 +258,7 @@ pub const ADAMW_FUSED_F32: KernelSig = sig!("optim", "adamw_fused_f32", AdamWPar
 pub static FILES: &[KernelFile] = &[
     KernelFile {
         name: "cast",
-        source: include_str!("../../kernels/cast.cu"),
+        source: include_str!("../ops/cast/cast.cu"),
         kernels: &[
             CAST_F32_TO_F16,
             CAST_F16_TO_F32,
@@ -270,7 +270,7 @@ pub static FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "elementwise",
-        source: include_str!("../../kernels/elementwise.cu"),
+        source: include_str!("../ops/activation/elementwise.cu"),
         kernels: &[
             RELU_FORWARD.f16,
             RELU_FORWARD.f32,
@@ -300,7 +300,7 @@ pub static FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "batchnorm",
-        source: include_str!("../../kernels/batchnorm.cu"),
+        source: include_str!("../ops/batch_norm/batchnorm.cu"),
         kernels: &[
             BN_STATS_PARTIAL.f16,
             BN_STATS_PARTIAL.f32,
@@ -328,7 +328,7 @@ pub static FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "sequence",
-        source: include_str!("../../kernels/sequence.cu"),
+        source: include_str!("../ops/sequence/sequence.cu"),
         kernels: &[
             EMBEDDING_FORWARD.f16,
             EMBEDDING_FORWARD.f32,
@@ -350,7 +350,7 @@ pub static FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "frames",
-        source: include_str!("../../kernels/frames.cu"),
+        source: include_str!("../ops/frames/frames.cu"),
         kernels: &[
             FRAMES_STEP_CONCAT.f16,
             FRAMES_STEP_CONCAT.f32,
@@ -370,7 +370,7 @@ pub static FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "layernorm",
-        source: include_str!("../../kernels/layernorm.cu"),
+        source: include_str!("../ops/layer_norm/layernorm.cu"),
         kernels: &[
             LAYER_NORM_FORWARD.f16,
             LAYER_NORM_FORWARD.f32,
@@ -383,7 +383,7 @@ pub static FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "unet",
-        source: include_str!("../../kernels/unet.cu"),
+        source: include_str!("../ops/pool/unet.cu"),
         kernels: &[
             UPSAMPLE2X_FORWARD.f16,
             UPSAMPLE2X_FORWARD.f32,
@@ -397,7 +397,7 @@ pub static FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "pool",
-        source: include_str!("../../kernels/pool.cu"),
+        source: include_str!("../ops/pool/pool.cu"),
         kernels: &[
             POOL_FORWARD.f16,
             POOL_FORWARD.f32,
@@ -413,7 +413,7 @@ pub static FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "loss",
-        source: include_str!("../../kernels/loss.cu"),
+        source: include_str!("../ops/loss/loss.cu"),
         kernels: &[
             SOFTMAX_XENT.f16,
             SOFTMAX_XENT.f32,
@@ -428,7 +428,7 @@ pub static FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "conv",
-        source: include_str!("../../kernels/conv.cu"),
+        source: include_str!("../ops/conv/conv.cu"),
         kernels: &[
             IM2COL.f16,
             IM2COL.f32,
@@ -441,7 +441,7 @@ pub static FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "conv_mma",
-        source: include_str!("../../kernels/conv_mma.cu"),
+        source: include_str!("../ops/conv/conv_mma.cu"),
         kernels: &[
             IMPLICIT_CONV_N32,
             IMPLICIT_CONV_N64,
@@ -454,7 +454,7 @@ pub static FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "conv_narrow",
-        source: include_str!("../../kernels/conv_narrow.cu"),
+        source: include_str!("../ops/conv/conv_narrow.cu"),
         kernels: &[
             NARROW_FORWARD.f16,
             NARROW_FORWARD.f32,
@@ -468,7 +468,7 @@ pub static FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "depthwise",
-        source: include_str!("../../kernels/depthwise.cu"),
+        source: include_str!("../ops/conv/depthwise.cu"),
         kernels: &[
             DEPTHWISE_FORWARD.f16,
             DEPTHWISE_FORWARD.f32,
@@ -481,7 +481,7 @@ pub static FILES: &[KernelFile] = &[
     },
     KernelFile {
         name: "optim",
-        source: include_str!("../../kernels/optim.cu"),
+        source: include_str!("optim.cu"),
         kernels: &[
             GRAD_SUMSQ,
             STEP_FINALIZE,

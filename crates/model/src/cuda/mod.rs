@@ -1,4 +1,5 @@
-//! The CUDA backend: f16 / f32 kernels of our own (`crates/model/kernels/*.cu`,
+//! The CUDA backend: f16 / f32 kernels of our own (`.cu` files beside their
+//! launches: `src/ops/<family>/*.cu`, and the optimizer's `optim.cu` here;
 //! compiled with NVRTC on first use and cached on disk), cuBLAS for the
 //! matrix products, through `cudarc` with run-time loading of the driver and
 //! libraries, so the crate builds and its CPU path runs on machines without
@@ -34,6 +35,10 @@
 //!   loss scaler live in headroom-optim.
 //! - `staging`: pinned input staging ring, copy stream, events.
 //! - `libs`: locating NVRTC/cuBLAS (pip wheels included) without panicking.
+//! - `optim.cu`: the optimizer's kernels (`grad_sumsq`, `step_finalize`,
+//!   `adamw_fused`), here beside `param_group` and the structs they share
+//!   with it (`params`); their launches are headroom-optim's (`FusedAdamW`),
+//!   and the layers' kernels are their op families' (`crate::ops`).
 
 pub(crate) mod backend;
 pub(crate) mod containers;

@@ -2,8 +2,8 @@
 //! (`crate::ops::<family>`, its folder under `src/ops/`) holds its
 //! wrappers in its `cuda.rs`, and its `mod.rs` says which CPU reference
 //! each mirrors and where its parity tests are. Every wrapper checks
-//! shapes, allocates outputs and launches the kernels of
-//! `crates/model/kernels/*.cu` (or cuBLAS) on the compute stream through
+//! shapes, allocates outputs and launches the kernels of the family's
+//! `.cu` files, beside it (or cuBLAS) on the compute stream through
 //! `cuda::launch::launch`. Activations are `CudaTensor`s (NHWC) stored as
 //! f16 (mixed precision) or f32 (f32 training); each op takes the storage
 //! type T of its inputs and launches that instantiation of its kernel

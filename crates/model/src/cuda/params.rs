@@ -1,5 +1,6 @@
 //! Kernel parameters, passed by value: each struct mirrors the struct of the
-//! same name in `crates/model/kernels/*.cu` field for field (u32 ↔ `u32`,
+//! same name in the `.cu` files (`src/ops/<family>/*.cu`,
+//! `src/cuda/optim.cu`, `src/ops/common.cuh`) field for field (u32 ↔ `u32`,
 //! f32 ↔ `float`, u64 ↔ `u64`). Both sides assert the size; `tests/cuda_ptx.rs` checks
 //! every kernel's first PTX parameter against `size_of` of its struct here.
 //! Buffers are passed as separate pointer arguments after the struct.

@@ -6,7 +6,7 @@ use gemm::{gemm, Parallelism};
 
 /// A strided matrix view: element (i, j) is data[i·row_stride + j·col_stride].
 #[derive(Clone, Copy)]
-pub(super) struct View<'a> {
+pub(crate) struct View<'a> {
     pub data: &'a [f32],
     pub row_stride: usize,
     pub col_stride: usize,
@@ -34,7 +34,7 @@ impl<'a> View<'a> {
 
 /// dst[m×n] (row-major, contiguous) = (accumulate ? dst : 0) + lhs[m×k]·rhs[k×n],
 /// single-threaded (callers parallelise over blocks).
-pub(super) fn matmul(
+pub(crate) fn matmul(
     dst: &mut [f32],
     m: usize,
     n: usize,
@@ -48,7 +48,7 @@ pub(super) fn matmul(
 
 /// `matmul` with the `gemm` crate's own threads.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn matmul_with(
+pub(crate) fn matmul_with(
     dst: &mut [f32],
     m: usize,
     n: usize,

@@ -6,53 +6,40 @@
 //! Every tensor a forward or backward makes comes from the memory pool
 //! through the fallible constructors, so running out of memory inside a layer
 //! is `Err(ModelError::OutOfMemory)` from `forward`/`backward`, never a panic.
+//!
+//! The layers themselves live with their op family (`crate::ops::<family>`:
+//! CPU layer, CUDA launches, `.cu` kernels and GPU layer in one folder) and
+//! are re-exported here; this module keeps the contract, the containers
+//! (`Residual`, `Checkpointed`) and the helpers several families share
+//! (`vector_math`, `matmul`, `panel_product`).
 
-mod activation;
-mod attention;
-mod batchnorm;
 mod checkpointed;
-mod conv;
-mod conv_lstm;
-mod depthwise_conv;
-mod dropout;
-mod embedding;
-mod head_products;
-mod linear;
-mod lora;
-mod lstm;
-mod matmul;
-mod max_pool;
-mod norm;
-mod panel_product;
-mod pool;
-mod reshape;
+pub(crate) mod matmul;
+pub(crate) mod panel_product;
 mod residual;
-mod smooth_activation;
-mod unet;
 pub(crate) mod vector_math;
 
-pub use activation::Relu;
-pub use attention::CausalSelfAttention;
-pub use batchnorm::BatchNorm2d;
 pub use checkpointed::Checkpointed;
-pub use conv::{
-    conv_algorithm, cpu_kernels, set_conv_algorithm, set_cpu_kernels, Conv2d, ConvAlgorithm,
-    CpuKernels,
-};
-pub use conv_lstm::ConvLstm;
-pub use depthwise_conv::{depthwise_out_side, DepthwiseConv2d};
-pub use dropout::Dropout;
-pub use embedding::Embedding;
-pub use linear::Linear;
-pub use lora::{LoraConfig, LoraLinear};
-pub use lstm::Lstm;
-pub use max_pool::{max_pool_out_side, MaxPool2d};
-pub use norm::LayerNorm;
-pub use pool::GlobalAvgPool;
-pub use reshape::{Flatten, PerFrame, PerPosition};
 pub use residual::{FusedResidual, Residual};
-pub use smooth_activation::{Gelu, Silu};
-pub use unet::{UnetSkip, Upsample2x};
+pub use vector_math::{cpu_kernels, set_cpu_kernels, CpuKernels};
+
+pub use crate::ops::activation::dropout::Dropout;
+pub use crate::ops::activation::relu::Relu;
+pub use crate::ops::activation::smooth::{Gelu, Silu};
+pub use crate::ops::batch_norm::cpu::BatchNorm2d;
+pub use crate::ops::conv::cpu::{conv_algorithm, set_conv_algorithm, Conv2d, ConvAlgorithm};
+pub use crate::ops::conv::depthwise_conv::{depthwise_out_side, DepthwiseConv2d};
+pub use crate::ops::frames::conv_lstm::ConvLstm;
+pub use crate::ops::layer_norm::cpu::LayerNorm;
+pub use crate::ops::linear::cpu::Linear;
+pub use crate::ops::linear::lora::{LoraConfig, LoraLinear};
+pub use crate::ops::pool::global_avg_pool::GlobalAvgPool;
+pub use crate::ops::pool::max_pool::{max_pool_out_side, MaxPool2d};
+pub use crate::ops::pool::reshape::{Flatten, PerFrame, PerPosition};
+pub use crate::ops::pool::unet::{UnetSkip, Upsample2x};
+pub use crate::ops::sequence::attention::CausalSelfAttention;
+pub use crate::ops::sequence::embedding::Embedding;
+pub use crate::ops::sequence::lstm::Lstm;
 
 use crate::cuda::layer::{CudaBuildContext, CudaLayer};
 use crate::cuda::CudaResult;

@@ -16,16 +16,16 @@
 //!
 //! Memory: the packed copy, K·N rounded up to 32 columns, from the pool.
 
-use super::activation::par_rows;
-use super::conv::direct_tiles::{self as direct, Init, Steps};
 use super::matmul::{matmul, View};
+use crate::ops::activation::relu::par_rows;
+use crate::ops::conv::cpu::direct_tiles::{self as direct, Init, Steps};
 use crate::{Result, Tensor};
 
 /// Columns of a panel: the widest tile's.
 const PANEL: usize = direct::WIDE;
 
 /// W [K × N] in the form its products read fastest on this CPU.
-pub(super) enum RecurrentWeights<'a> {
+pub(crate) enum RecurrentWeights<'a> {
     /// Packed 32-column panels for the direct tiles (AVX2+FMA).
     Panels { packed: Tensor, k: usize, n: usize },
     /// Row-major as given, for the `gemm` crate (a CPU without AVX2+FMA).

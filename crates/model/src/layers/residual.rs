@@ -4,8 +4,8 @@
 //! to know a training forward happened); the body's layers save what they
 //! need. Backward: g_in = body.backward(g) + g.
 
-use super::activation::{par_add_assign, relu_backward};
 use super::BatchNorm2d;
+use crate::ops::activation::relu::{par_add_assign, relu_backward};
 use crate::profile;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 

@@ -4,9 +4,9 @@
 //!
 //! One file, two devices. On a machine with a GPU the tests run on it; on
 //! one without, they run on the CPU emulator (`headroom-cuda-emu`: a fake
-//! CUDA driver and cuBLAS into which every kernel of `crates/model/kernels`
-//! is compiled as host C++), through the same `CudaBackend`, op wrappers,
-//! launch configurations, im2col + GEMM compositions, fused optimizer and
+//! CUDA driver and cuBLAS into which every kernel of the crate's `.cu` files
+//! (`src/ops/<family>/*.cu`, `src/cuda/optim.cu`) is compiled as host
+//! C++), through the same `CudaBackend`, op wrappers, launch configurations, im2col + GEMM compositions, fused optimizer and
 //! staging ring. `HEADROOM_REQUIRE_GPU=1` (`cargo xtask gpu-check`) demands
 //! a real GPU; `HEADROOM_CUDA_EMULATE=1` picks the emulator even where a
 //! GPU is present. The backend validates each kernel file with NVRTC before

@@ -1,4 +1,4 @@
-//! Parity tests of the optimizer step (`src/cuda/param_group.rs`, `kernels/optim.cu`).
+//! Parity tests of the optimizer step (`src/cuda/param_group.rs`, `src/cuda/optim.cu`).
 
 use super::*;
 

@@ -1,8 +1,12 @@
 //! Elementwise layers: ReLU, the smooth activations (SiLU, GELU), dropout
-//! (its device-side counter and mask) and the residual sums, from
-//! `kernels/elementwise.cu`. Forward writes a new tensor; backward reads
-//! the saved output (ReLU), the saved input (SiLU, GELU) or the counter
-//! the forward drew its mask from (dropout), so nothing else is kept.
+//! (its device-side counter and mask) and the residual sums. The CPU
+//! layers are `relu.rs` (with the parallel loops every family's CPU
+//! layers share: `par_build`, `par_rows`, `gather_rows`), `smooth.rs` and
+//! `dropout.rs`; the kernels are `elementwise.cu`, launched from `cuda.rs`
+//! for the GPU layers of `layer.rs`. Forward writes a new tensor; backward
+//! reads the saved output (ReLU), the saved input (SiLU, GELU) or the
+//! counter the forward drew its mask from (dropout), so nothing else is
+//! kept.
 //!
 //! | launch (`cuda.rs`) | CPU reference |
 //! |---|---|
@@ -14,4 +18,7 @@
 //! Parity tests: `tests/cuda_parity/activation.rs`.
 
 pub(crate) mod cuda;
+pub(crate) mod dropout;
 pub(crate) mod layer;
+pub(crate) mod relu;
+pub(crate) mod smooth;

@@ -1,4 +1,5 @@
-//! Batch normalisation (`kernels/batchnorm.cu`), optionally fused with the
+//! Batch normalisation (CPU layer `cpu.rs`, kernels `batchnorm.cu`,
+//! launches `cuda.rs`, GPU layer `layer.rs`), optionally fused with the
 //! ReLU after it or with a residual block's sum and the ReLU after the
 //! block. A training forward saves four f32 per channel
 //! (`BatchNormSaved`: mean, inverse deviation and the affine map it
@@ -13,5 +14,6 @@
 //!
 //! Parity tests: `tests/cuda_parity/batch_norm.rs`.
 
+pub(crate) mod cpu;
 pub(crate) mod cuda;
 pub(crate) mod layer;

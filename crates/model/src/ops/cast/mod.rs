@@ -1,8 +1,9 @@
 //! Casts and input normalisation: f32 ↔ f16 between views, and the u8
 //! pixel batches' normalisation (`normalize_u8`, and `gather_crop_flip`
 //! that crops, flips and normalises resident images in one pass), from
-//! `kernels/cast.cu`. Each launch writes a new tensor (or the caller's
-//! view); nothing is kept between calls.
+//! `cast.cu` (launches `cuda.rs`; the CPU side is `Tensor`'s). Each launch
+//! writes a new tensor (or the caller's view); nothing is kept between
+//! calls.
 //!
 //! | launch (`cuda.rs`) | CPU reference |
 //! |---|---|

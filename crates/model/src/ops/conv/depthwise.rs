@@ -1,4 +1,4 @@
-//! Depthwise convolution's launches (`kernels/depthwise.cu`): direct
+//! Depthwise convolution's launches (`depthwise.cu`): direct
 //! kernels, no im2col and no cuBLAS; the weight gradient by per-image
 //! partials summed in image order, so f32 gives the CPU's bits
 //! (`layers::DepthwiseConv2d`, whose header states the order of every sum).

@@ -1,4 +1,4 @@
-//! Convolutions to fewer than 8 output channels (`kernels/conv_narrow.cu`),
+//! Convolutions to fewer than 8 output channels (`conv_narrow.cu`),
 //! which `ConvAlgorithm::Auto` runs directly instead of through im2col and
 //! a matrix product one to seven columns wide (see the `.cu` file for why).
 //! Forward, input gradient and weight gradient, each against the CPU layer

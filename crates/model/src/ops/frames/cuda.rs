@@ -1,4 +1,4 @@
-//! The frame models' operations on the GPU (`kernels/frames.cu`, and the
+//! The frame models' operations on the GPU (`frames.cu`, and the
 //! image path's convolution for the ConvLSTM's gates). A batch of frame
 //! sequences [n, f, h, w, c] is stored as images [n·f, h, w, c].
 //!

@@ -1,4 +1,5 @@
-//! The frame models' ops (`kernels/frames.cu`): the ConvLSTM cell (its
+//! The frame models' ops (CPU layer `conv_lstm.rs`, kernels `frames.cu`,
+//! launches `cuda.rs`, GPU layer `layer.rs`): the ConvLSTM cell (its
 //! gates' convolution goes through the `conv` family) and the pixel MSE
 //! loss. A batch of frame sequences [n, f, h, w, c] is stored as images
 //! [n·f, h, w, c]; the forward keeps each step's gates and cells (f32)
@@ -11,5 +12,6 @@
 //!
 //! Parity tests: `tests/cuda_parity/frames.rs`.
 
+pub(crate) mod conv_lstm;
 pub(crate) mod cuda;
 pub(crate) mod layer;

@@ -1,4 +1,5 @@
-//! Layer normalisation over the last axis (`kernels/layernorm.cu`): a
+//! Layer normalisation over the last axis (CPU layer `cpu.rs`, kernels
+//! `layernorm.cu`, launches `cuda.rs`, GPU layer `layer.rs`): a
 //! forward that saves each row's mean and inverse deviation
 //! (`LayerNormSaved`, two f32 per row), and a backward that accumulates
 //! the scale and shift gradients by chunks of rows.
@@ -9,5 +10,6 @@
 //!
 //! Parity tests: `tests/cuda_parity/layer_norm.rs`.
 
+pub(crate) mod cpu;
 pub(crate) mod cuda;
 pub(crate) mod layer;

@@ -1,7 +1,9 @@
-//! The fully connected layer and its bias: `linear_forward` /
-//! `linear_backward` (cuBLAS products through `cuda::gemm`), `bias_add`
-//! and `bias_grad` (`kernels/elementwise.cu`'s column sums, which the
-//! convolutions share). The weight gradient and the bias gradient are
+//! The fully connected layer and its bias (CPU layer `cpu.rs`, and LoRA's
+//! adapter `lora.rs`, whose GPU side is the `sequence` family's; the GPU
+//! layer is `layer.rs`): `linear_forward` / `linear_backward` (cuBLAS
+//! products through `cuda::gemm`), `bias_add` and `bias_grad` (column sums
+//! in the `activation` family's `elementwise.cu`, which the convolutions
+//! share). The weight gradient and the bias gradient are
 //! accumulated (`+=`) into the caller's f32 views; the input is the only
 //! activation backward needs.
 //!
@@ -11,5 +13,7 @@
 //!
 //! Parity tests: `tests/cuda_parity/linear.rs`.
 
+pub(crate) mod cpu;
 pub(crate) mod cuda;
 pub(crate) mod layer;
+pub(crate) mod lora;

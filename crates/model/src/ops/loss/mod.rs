@@ -1,4 +1,5 @@
-//! Losses on the GPU (`kernels/loss.cu`): softmax cross-entropy against
+//! Losses on the GPU (kernels `loss.cu`, launches `cuda.rs`; the CPU
+//! losses are `crate::loss`): softmax cross-entropy against
 //! labels or soft targets, and their focal forms. One launch writes the
 //! logits' gradient (already scaled by the loss scale, `GradScale`) and
 //! each row's loss and correctness (`XentOutput`), summed on the host.

@@ -1,7 +1,10 @@
 //! Pooling and reshaping: global average pooling, max pooling, the UNet's
-//! 2× upsampling and its channel concatenation / split (`kernels/pool.cu`,
-//! `kernels/unet.cu`). These keep nothing for backward but shapes, except
-//! max pooling: one u32 argmax per output (`MaxPoolSaved`), not its input.
+//! 2× upsampling and its channel concatenation / split, and the reshapes
+//! (`Flatten`, `PerFrame`, `PerPosition`). CPU layers
+//! `global_avg_pool.rs`, `max_pool.rs`, `unet.rs`, `reshape.rs`; kernels
+//! `pool.cu`, `unet.cu`; launches `cuda.rs`; GPU layers `layer.rs`. These
+//! keep nothing for backward but shapes, except max pooling: one u32
+//! argmax per output (`MaxPoolSaved`), not its input.
 //!
 //! | launch (`cuda.rs`) | CPU reference |
 //! |---|---|
@@ -12,4 +15,8 @@
 //! Parity tests: `tests/cuda_parity/pool.rs`.
 
 pub(crate) mod cuda;
+pub(crate) mod global_avg_pool;
 pub(crate) mod layer;
+pub(crate) mod max_pool;
+pub(crate) mod reshape;
+pub(crate) mod unet;

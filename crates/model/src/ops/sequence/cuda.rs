@@ -1,4 +1,4 @@
-//! The token models' operations on the GPU (`kernels/sequence.cu`, and
+//! The token models' operations on the GPU (`sequence.cu`, and
 //! cuBLAS for LoRA's low-rank products). A sequence batch [N, T, C] is an
 //! [N·T, C] tensor here: a token per row.
 //!

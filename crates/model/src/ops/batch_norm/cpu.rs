@@ -32,7 +32,7 @@ use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
-use super::activation::{par_build, relu};
+use crate::ops::activation::relu::{par_build, relu};
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 /// Target elements per reduction block (16 KiB of f32: stays in L1 for the
@@ -1049,7 +1049,7 @@ mod tests {
         for mode in [Mode::Train, Mode::Eval] {
             let mut want = plain.forward(&x, mode).unwrap();
             for (w, &s) in want.data_mut().iter_mut().zip(skip.data()) {
-                *w = crate::layers::activation::relu(*w + s);
+                *w = crate::ops::activation::relu::relu(*w + s);
             }
             let got = fused.forward_add_relu(&x, &skip, mode).unwrap();
             assert_eq!(bits(&want), bits(&got), "{mode:?}");

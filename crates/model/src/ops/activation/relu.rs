@@ -16,7 +16,7 @@ use crate::{Layer, Mode, ModelError, Result, Tensor};
 
 /// Elements per parallel task of an elementwise pass: large enough to amortise
 /// scheduling, small enough to spread a 3M-element activation over many cores.
-pub(super) const PAR_CHUNK: usize = 1 << 14;
+pub(crate) const PAR_CHUNK: usize = 1 << 14;
 
 /// Builds a tensor of `shape` in a pool block without zeroing it first
 /// (zeroing a reused block is a whole extra pass over memory, ~30% of an
@@ -27,7 +27,7 @@ pub(super) const PAR_CHUNK: usize = 1 << 14;
 ///
 /// # Safety
 /// `fill` must initialise every element of every slice it is given.
-pub(super) unsafe fn par_build(
+pub(crate) unsafe fn par_build(
     shape: &[usize],
     chunk: usize,
     fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
@@ -56,7 +56,7 @@ pub(super) unsafe fn par_build(
 ///
 /// # Panics
 /// If `row` does not divide the shape's length.
-pub(super) unsafe fn par_rows(
+pub(crate) unsafe fn par_rows(
     shape: &[usize],
     row: usize,
     fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
@@ -82,7 +82,7 @@ pub(super) unsafe fn par_rows(
 /// # Panics
 /// If `row` does not divide the shape's length, or `from` returns a slice
 /// of another length.
-pub(super) fn gather_rows<'a>(
+pub(crate) fn gather_rows<'a>(
     shape: &[usize],
     row: usize,
     from: impl Fn(usize) -> &'a [f32] + Sync,
@@ -105,7 +105,7 @@ pub(super) fn gather_rows<'a>(
 ///
 /// # Panics
 /// If `shape` does not hold `a.len()` elements (callers pass `a`'s shape).
-pub(super) fn par_map(shape: &[usize], a: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Result<Tensor> {
+pub(crate) fn par_map(shape: &[usize], a: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Result<Tensor> {
     assert_eq!(shape.iter().product::<usize>(), a.len(), "par_map: shape");
     // SAFETY: each chunk `out` is zipped with the equally long `a[offset..]`
     // slice, so every element is written.
@@ -124,7 +124,7 @@ pub(super) fn par_map(shape: &[usize], a: &[f32], f: impl Fn(f32) -> f32 + Sync)
 ///
 /// # Panics
 /// If `a`, `b` and `shape` differ in length (callers check shapes first).
-pub(super) fn par_zip_map(
+pub(crate) fn par_zip_map(
     shape: &[usize],
     a: &[f32],
     b: &[f32],
@@ -150,7 +150,7 @@ pub(super) fn par_zip_map(
 }
 
 /// `acc[i] += b[i]`, in parallel for large inputs.
-pub(super) fn par_add_assign(acc: &mut [f32], b: &[f32]) {
+pub(crate) fn par_add_assign(acc: &mut [f32], b: &[f32]) {
     debug_assert_eq!(acc.len(), b.len());
     if acc.len() < 2 * PAR_CHUNK {
         for (a, &y) in acc.iter_mut().zip(b) {
@@ -171,7 +171,7 @@ pub(super) fn par_add_assign(acc: &mut [f32], b: &[f32]) {
 /// compare + blend). The fused batch norm uses it too, so fused and unfused
 /// networks agree bit for bit.
 #[inline(always)]
-pub(super) fn relu(x: f32) -> f32 {
+pub(crate) fn relu(x: f32) -> f32 {
     if x < 0.0 {
         0.0
     } else {
@@ -181,7 +181,7 @@ pub(super) fn relu(x: f32) -> f32 {
 
 /// The gradient through a ReLU whose training forward returned `out`: g
 /// where out > 0, else 0.
-pub(super) fn relu_backward(grad_output: &Tensor, out: &Tensor) -> Result<Tensor> {
+pub(crate) fn relu_backward(grad_output: &Tensor, out: &Tensor) -> Result<Tensor> {
     grad_output.expect_shape("relu backward", out.shape())?;
     par_zip_map(out.shape(), grad_output.data(), out.data(), |g, y| {
         if y > 0.0 {

@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use super::activation::{par_build, PAR_CHUNK};
+use crate::ops::activation::relu::{par_build, PAR_CHUNK};
 use crate::{Layer, Mode, ModelError, Result, Tensor};
 
 #[derive(Default)]

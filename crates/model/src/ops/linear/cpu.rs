@@ -6,7 +6,7 @@
 
 use gemm::Parallelism;
 
-use super::matmul::{matmul_with, View};
+use crate::layers::matmul::{matmul_with, View};
 
 use crate::init::InitRng;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};

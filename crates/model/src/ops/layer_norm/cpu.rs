@@ -20,8 +20,8 @@ use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
-use super::activation::par_build;
-use super::vector_math::{lane_sum, wide};
+use crate::layers::vector_math::{lane_sum, wide};
+use crate::ops::activation::relu::par_build;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 /// Rows per parallel task: enough work to amortise scheduling. Fixed (not

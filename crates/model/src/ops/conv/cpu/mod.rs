@@ -58,8 +58,8 @@ use std::cell::RefCell;
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use super::matmul::{matmul, View};
-pub use super::vector_math::{cpu_kernels, set_cpu_kernels, CpuKernels};
+use crate::layers::matmul::{matmul, View};
+use crate::layers::vector_math::{cpu_kernels, CpuKernels};
 use rayon::prelude::*;
 
 use crate::init::InitRng;
@@ -708,10 +708,8 @@ fn pad_into(src: &[f32], h: usize, w: usize, c: usize, p: usize, dst: &mut [f32]
 /// The direct kernels' tile engine, for the other layers' small products
 /// against a packed weight (`panel_product`): the same tiles, the same
 /// bits at either vector width.
-pub(super) mod direct_tiles {
-    pub(in crate::layers) use super::direct::{
-        supports, tile_rows, tile_width, tiles, Init, Steps, WIDE,
-    };
+pub(crate) mod direct_tiles {
+    pub(crate) use super::direct::{supports, tile_rows, tile_width, tiles, Init, Steps, WIDE};
 }
 
 /// Direct convolution kernels: no im2col matrix, no packing.

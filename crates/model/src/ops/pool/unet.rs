@@ -16,8 +16,8 @@
 //! upsample's backward (2×2 sums) in its split, the same copies and sums:
 //! the full-size body output and its gradient are never made.
 
-use super::activation::{gather_rows, par_rows};
-use super::backward_params_only_through;
+use crate::layers::backward_params_only_through;
+use crate::ops::activation::relu::{gather_rows, par_rows};
 use crate::profile;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 

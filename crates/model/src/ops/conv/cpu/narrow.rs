@@ -35,8 +35,8 @@
 
 use std::mem::MaybeUninit;
 
-use super::super::vector_math::wide;
 use super::{with_scratch, Geom};
+use crate::layers::vector_math::wide;
 use crate::memory::try_zeroed;
 use crate::Result;
 

@@ -81,7 +81,7 @@ pub fn tile_rows(width: usize) -> usize {
 /// dst + rows[r].1 are inside dst_len, writable, distinct between rows,
 /// and overlap nothing that is read.
 #[allow(clippy::too_many_arguments)]
-pub(in crate::layers) unsafe fn tiles(
+pub(crate) unsafe fn tiles(
     rows: &[(usize, usize)],
     a: &[f32],
     b: &[f32],

@@ -17,7 +17,7 @@
 
 use std::ops::Range;
 
-use super::conv::direct_tiles::{self as direct, Init, Steps};
+use crate::ops::conv::cpu::direct_tiles::{self as direct, Init, Steps};
 
 /// More than the rows of any tile (12 with AVX-512, 6 with AVX2).
 const MAX_TILE_ROWS: usize = 16;

@@ -25,11 +25,11 @@
 
 use rayon::prelude::*;
 
-use super::activation::{gather_rows, par_rows};
-use super::conv::Conv2d;
-use super::lstm::{activate_gates, cell_backward, cell_forward, CellSaved};
-use super::vector_math;
 use crate::init::InitRng;
+use crate::layers::vector_math;
+use crate::ops::activation::relu::{gather_rows, par_rows};
+use crate::ops::conv::cpu::Conv2d;
+use crate::ops::sequence::lstm::{activate_gates, cell_backward, cell_forward, CellSaved};
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 pub struct ConvLstm {

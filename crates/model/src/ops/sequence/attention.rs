@@ -25,8 +25,8 @@ use std::mem::MaybeUninit;
 use rayon::prelude::*;
 
 use super::head_products::{self, TiledHead};
-use super::matmul::{matmul, View};
-use super::vector_math::{self, lane_max, lane_sum, wide};
+use crate::layers::matmul::{matmul, View};
+use crate::layers::vector_math::{self, lane_max, lane_sum, wide};
 use crate::profile;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 

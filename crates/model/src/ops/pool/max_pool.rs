@@ -6,7 +6,7 @@
 //! (ky, then kx) wins: a later value replaces the running maximum only when
 //! strictly greater. A NaN therefore wins only where it is first in its
 //! window (no comparison with it is true). The CUDA kernels
-//! (`kernels/pool.cu`) use the same order and comparison, so the argmax and
+//! (`pool.cu`) use the same order and comparison, so the argmax and
 //! the forward agree bit for bit.
 //!
 //! Backward routes each output gradient to its argmax input; where windows

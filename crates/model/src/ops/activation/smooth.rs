@@ -9,8 +9,8 @@
 //! previous layer's output, no copy); backward recomputes the derivative
 //! from it elementwise.
 
-use super::activation::{par_build, PAR_CHUNK};
-use super::vector_math::{self, map_into, zip_into};
+use super::relu::{par_build, PAR_CHUNK};
+use crate::layers::vector_math::{self, map_into, zip_into};
 use crate::{Layer, Mode, ModelError, Result, Tensor};
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;

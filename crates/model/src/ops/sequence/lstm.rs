@@ -23,12 +23,12 @@
 
 use rayon::prelude::*;
 
-use super::activation::gather_rows;
-use super::lora::product;
-use super::matmul::View;
-use super::panel_product::RecurrentWeights;
-use super::vector_math;
 use crate::init::InitRng;
+use crate::layers::matmul::View;
+use crate::layers::panel_product::RecurrentWeights;
+use crate::layers::vector_math;
+use crate::ops::activation::relu::gather_rows;
+use crate::ops::linear::lora::product;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 pub struct Lstm {
@@ -54,7 +54,7 @@ struct Saved {
 /// Activates one unit row's pre-activations [4H] in place: σ for i, f, o
 /// and tanh for g.
 #[inline(always)]
-pub(super) fn activate_gates(pre: &mut [f32]) {
+pub(crate) fn activate_gates(pre: &mut [f32]) {
     let h = pre.len() / 4;
     let (i_f, g_o) = pre.split_at_mut(2 * h);
     let (g, o) = g_o.split_at_mut(h);
@@ -66,7 +66,7 @@ pub(super) fn activate_gates(pre: &mut [f32]) {
 /// One step: adds the recurrent product (if any) to the pre-activations
 /// `pre` [4H], activates them in place and writes c_t and h_t.
 #[inline(always)]
-pub(super) fn cell_forward(
+pub(crate) fn cell_forward(
     pre: &mut [f32],
     recurrent: Option<&[f32]>,
     c_prev: &[f32],
@@ -92,7 +92,7 @@ pub(super) fn cell_forward(
 }
 
 /// What one step kept: its activated gates [4H], c_t and c_{t−1}.
-pub(super) struct CellSaved<'a> {
+pub(crate) struct CellSaved<'a> {
     pub gates: &'a [f32],
     pub cell: &'a [f32],
     pub c_prev: &'a [f32],
@@ -112,7 +112,7 @@ const CELL_LANES: usize = 16;
 /// `conv_lstm` step. Each unit computes the same expressions either way,
 /// so the bits do not change (`cell_backward_matches_the_unit_formula`).
 #[inline(always)]
-pub(super) fn cell_backward(
+pub(crate) fn cell_backward(
     saved: CellSaved<'_>,
     g: &[f32],
     dh_carry: &[f32],

@@ -13,7 +13,7 @@
 //!
 //! Saves for backward: the shape and the counter it used (no tensor).
 
-use super::activation::{par_build, PAR_CHUNK};
+use super::relu::{par_build, PAR_CHUNK};
 use crate::{Layer, Mode, ModelError, Result, Tensor};
 
 /// The counter is kept as four exact 16-bit limbs in an f32 buffer.

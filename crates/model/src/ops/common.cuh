@@ -1,7 +1,7 @@
 // Shared by every kernel file. NVRTC is given no include path: the Rust
 // loader (crates/model/src/cuda/kernels.rs) splices this file in where a .cu
 // file says `#include "common.cuh"`, so the kernels need no CUDA toolkit
-// header, only libnvrtc. (nvcc, given -I kernels/, reads the same text.)
+// header, only libnvrtc. (nvcc, given -I src/ops/, reads the same text.)
 //
 // Storage type: `hr_half` is the raw IEEE binary16 bit pattern, exactly the
 // storage of `__half`; conversions are the PTX `cvt` instructions that

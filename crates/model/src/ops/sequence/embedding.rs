@@ -10,8 +10,8 @@
 //! sums it over the batch into the positions); ids have no gradient, so the
 //! returned input gradient is zeros.
 
-use super::activation::par_rows;
 use crate::init::InitRng;
+use crate::ops::activation::relu::par_rows;
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 /// GPT-2's initialisation of both tables.

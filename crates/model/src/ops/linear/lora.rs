@@ -14,9 +14,9 @@
 use gemm::Parallelism;
 use serde::{Deserialize, Serialize};
 
-use super::matmul::{matmul_with, View};
-use super::Linear;
+use super::cpu::Linear;
 use crate::init::InitRng;
+use crate::layers::matmul::{matmul_with, View};
 use crate::{Layer, Mode, ModelError, Param, Result, Tensor};
 
 /// `lora = { r, alpha }` in a layer spec.
@@ -57,7 +57,7 @@ impl LoraConfig {
 
 /// Products of small layers are faster on one thread (as in `linear`).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn product(
+pub(crate) fn product(
     dst: &mut [f32],
     m: usize,
     n: usize,

@@ -8,7 +8,7 @@
 //! Initialisation: He (truncated normal, fan-in K·K: one input channel per
 //! output) from the network's `InitRng` stream, bias zero.
 //!
-//! Arithmetic (the CUDA kernels, `kernels/depthwise.cu`, do exactly the
+//! Arithmetic (the CUDA kernels, `depthwise.cu`, do exactly the
 //! same, so f32 results are bit-identical): every sum starts at 0 and
 //! accumulates with fused multiply-adds (`f32::mul_add`, CUDA's `fmaf`) in a
 //! fixed order set by the shape, never by the threads:
@@ -305,7 +305,7 @@ impl Layer for DepthwiseConv2d {
 
     fn describe(&self) -> String {
         let channels = format!("{}x{}", self.c, self.m);
-        super::conv::describe_window("depthwise_conv", self.k, self.stride, self.pad, &channels)
+        super::cpu::describe_window("depthwise_conv", self.k, self.stride, self.pad, &channels)
     }
 
     fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
