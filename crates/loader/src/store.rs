@@ -64,14 +64,13 @@ use crate::error::io_err;
 use crate::{Dataset, Element, LoaderError, SampleKind};
 
 pub(crate) const SHARD_MAGIC: &[u8; 8] = b"HDRMSHRD";
-pub(crate) const INDEX_MAGIC: &[u8; 8] = b"HDRMINDX";
-pub(crate) const SHARD_HEADER: usize = 48;
-pub(crate) const INDEX_HEADER: usize = 40;
-pub(crate) const INDEX_ENTRY: usize = 16;
 /// Shard bytes per sample besides its pixels: an offset and a label.
 pub(crate) const SHARD_PER_SAMPLE: usize = 12;
-/// The index file's name inside a store.
-pub const INDEX_FILE: &str = "index.bin";
+// The index's and the shard header's sizes belong to the index format
+// (`store_index`), which this module writes: the constants live there, so
+// the two modules import one way.
+pub use crate::store_index::INDEX_FILE;
+pub(crate) use crate::store_index::SHARD_HEADER;
 
 /// The file name of shard `k`.
 pub(crate) fn shard_file_name(k: usize) -> String {

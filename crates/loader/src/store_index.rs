@@ -35,8 +35,14 @@ use std::io;
 use std::path::Path;
 
 use crate::error::{format_err, io_err};
-use crate::store::{INDEX_ENTRY, INDEX_FILE, INDEX_HEADER, INDEX_MAGIC, SHARD_HEADER};
 use crate::{Element, LoaderError, SampleKind};
+
+pub(crate) const INDEX_MAGIC: &[u8; 8] = b"HDRMINDX";
+pub(crate) const SHARD_HEADER: usize = 48;
+pub(crate) const INDEX_HEADER: usize = 40;
+pub(crate) const INDEX_ENTRY: usize = 16;
+/// The index file's name inside a store.
+pub const INDEX_FILE: &str = "index.bin";
 
 /// The format version of a store of u8 images with class labels.
 pub(crate) const VERSION_IMAGES: u32 = 1;

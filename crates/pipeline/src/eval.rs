@@ -11,6 +11,7 @@ use headroom_model::LayerRegistry;
 use crate::checkpoint::{self, Checkpoint};
 use crate::config::{ExperimentConfig, TestTimeAugmentation};
 use crate::learner::{arg_max, top5_hits, EvalResult, Learner, ValueLoss};
+use crate::monitor::Monitored;
 use crate::multilabel::{MultiLabelMetrics, MultiLabelSums};
 use crate::{data, paths, rundir, PipelineError, Result};
 
@@ -36,6 +37,33 @@ pub struct Evaluation {
     pub top5_accuracy: Option<f32>,
     /// A multi-label model's figures (`train.loss = "bce"`); None otherwise.
     pub multilabel: Option<MultiLabelMetrics>,
+}
+
+impl Evaluation {
+    /// The watched figure `metric` of this evaluation, or None when its
+    /// task has none (here, not in `monitor`, so that the watch names no
+    /// evaluation code).
+    pub fn figure(&self, metric: Monitored) -> Option<f64> {
+        let evaluation = self;
+        let regression = evaluation.regression;
+        let value = match metric {
+            Monitored::Loss => Some(evaluation.loss),
+            // A multi-label model's accuracy is its exact-match share.
+            Monitored::Accuracy => evaluation
+                .accuracy
+                .or(evaluation.multilabel.map(|m| m.exact_match)),
+            Monitored::MacroF1 => match evaluation.multilabel {
+                Some(m) => Some(m.macro_f1),
+                None => evaluation
+                    .accuracy
+                    .and_then(|_| macro_f1(&evaluation.confusion)),
+            },
+            Monitored::Mae => regression.map(|r| r.mae),
+            Monitored::Rmse => regression.map(|r| r.rmse),
+            Monitored::R2 => regression.map(|r| r.r2),
+        };
+        value.map(f64::from)
+    }
 }
 
 /// A regression's test figures, in the targets' own units (a table's

@@ -10,7 +10,6 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::eval::{macro_f1, Evaluation};
 use crate::setting_enum::setting_enum;
 use crate::{PipelineError, Result};
 
@@ -49,28 +48,6 @@ impl Monitored {
             Monitored::Loss | Monitored::Mae | Monitored::Rmse => MonitorMode::Min,
             Monitored::Accuracy | Monitored::MacroF1 | Monitored::R2 => MonitorMode::Max,
         }
-    }
-
-    /// The figure in `evaluation`, or None when its task has none.
-    pub fn value(self, evaluation: &Evaluation) -> Option<f64> {
-        let regression = evaluation.regression;
-        let value = match self {
-            Monitored::Loss => Some(evaluation.loss),
-            // A multi-label model's accuracy is its exact-match share.
-            Monitored::Accuracy => evaluation
-                .accuracy
-                .or(evaluation.multilabel.map(|m| m.exact_match)),
-            Monitored::MacroF1 => match evaluation.multilabel {
-                Some(m) => Some(m.macro_f1),
-                None => evaluation
-                    .accuracy
-                    .and_then(|_| macro_f1(&evaluation.confusion)),
-            },
-            Monitored::Mae => regression.map(|r| r.mae),
-            Monitored::Rmse => regression.map(|r| r.rmse),
-            Monitored::R2 => regression.map(|r| r.r2),
-        };
-        value.map(f64::from)
     }
 }
 

@@ -376,7 +376,7 @@ fn run_epoch(
     let position = &mut trainee.position;
     let watched = match &plan.settings.early_stopping {
         Some(watch) => {
-            let value = watch.metric.value(&test).ok_or_else(|| {
+            let value = test.figure(watch.metric).ok_or_else(|| {
                 PipelineError::value(
                     "train.early_stopping.metric",
                     format!("the validation pass has no {} for this task", watch.metric),
