@@ -31,12 +31,7 @@ pub(super) fn build_groups(
             cpu.spec(),
             cpu.registry(),
             |spec: &LayerSpec, path: &str, input: &[usize], layers: Vec<Box<dyn Layer>>| {
-                let mut shape = input.to_vec();
-                let mut built = Vec::with_capacity(layers.len());
-                for layer in &layers {
-                    built.push(convert(be, cursor, path, &shape, layer.as_ref())?);
-                    shape = layer.output_shape(&shape)?;
-                }
+                let built = convert_all(be, cursor, path, input, &layers)?;
                 groups.push(Group {
                     block: is_block(spec),
                     layers: built,
@@ -53,6 +48,26 @@ pub(super) fn checkpointed(layers: Vec<Box<dyn CudaLayer>>) -> Box<dyn CudaLayer
     Box::new(CheckpointedLayer(layers))
 }
 
+/// The GPU forms of `layers`, in order, the first taking `input` (as the
+/// CPU sees it), each taking its parameters' places in turn.
+pub(super) fn convert_all(
+    be: &CudaBackend,
+    cursor: &mut ParamCursor<'_>,
+    path: &str,
+    input: &[usize],
+    layers: &[Box<dyn Layer>],
+) -> CudaResult<Vec<Box<dyn CudaLayer>>> {
+    let mut shape = input.to_vec();
+    let mut out = Vec::with_capacity(layers.len());
+    for layer in layers {
+        out.push(convert(be, cursor, path, &shape, layer.as_ref())?);
+        shape = layer
+            .output_shape(&shape)
+            .map_err(|e| build_error(format!("{path}: its output shape"), e.to_string()))?;
+    }
+    Ok(out)
+}
+
 /// The GPU form of `layer` (at `path`, per-sample input `shape` as the CPU
 /// sees it), or an error naming it when it has none.
 pub(super) fn convert(
@@ -66,7 +81,7 @@ pub(super) fn convert(
         be,
         cursor,
         path,
-        shape: shape.to_vec(),
+        shape,
     };
     layer.to_cuda(&mut ctx).unwrap_or_else(|| {
         Err(CudaError::Unsupported {

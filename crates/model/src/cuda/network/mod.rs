@@ -269,7 +269,6 @@ impl ParamCursor<'_> {
 }
 
 /// What a layer's `Layer::to_cuda` gets: the backend (to allocate its own
-/// device buffers), its path/// What a layer's `Layer::to_cuda` gets: the backend (to allocate its own
 /// device buffers), its path, its input shape, and the places of its
 /// parameters, handed out in the CPU network's order. A container converts
 /// its layers through it (`convert_all`), so they take their places in
@@ -279,7 +278,7 @@ pub struct CudaBuildContext<'a, 'c> {
     cursor: &'a mut ParamCursor<'c>,
     path: &'a str,
     /// The layer's per-sample input shape as the CPU network sees it.
-    shape: Vec<usize>,
+    shape: &'a [usize],
 }
 
 impl CudaBuildContext<'_, '_> {
@@ -296,7 +295,7 @@ impl CudaBuildContext<'_, '_> {
     /// network's, except that in a frame model (`model.frames`) a sample's
     /// frames are images of the batch, so [t, h, w, c] is [h, w, c].
     pub fn input_shape(&self) -> &[usize] {
-        match (self.cursor.frames, self.shape.as_slice()) {
+        match (self.cursor.frames, self.shape) {
             (Some(_), [_, frame @ ..]) if frame.len() == 3 => frame,
             (_, shape) => shape,
         }
@@ -330,7 +329,7 @@ impl CudaBuildContext<'_, '_> {
 
     /// The CPU network's per-sample input shape of the layer (frames kept).
     pub(crate) fn cpu_shape(&self) -> &[usize] {
-        &self.shape
+        self.shape
     }
 
     /// `model.frames`: the frames of a sample, which the GPU batches as
@@ -369,27 +368,13 @@ impl CudaBuildContext<'_, '_> {
         &mut self,
         layers: &[Box<dyn crate::Layer>],
     ) -> CudaResult<Vec<Box<dyn CudaLayer>>> {
-        let mut shape = self.shape.clone();
-        let mut out = Vec::with_capacity(layers.len());
-        for layer in layers {
-            out.push(convert(
-                self.be,
-                self.cursor,
-                self.path,
-                &shape,
-                layer.as_ref(),
-            )?);
-            shape = layer
-                .output_shape(&shape)
-                .map_err(|e| self.shape_error("its output shape", e.to_string()))?;
-        }
-        Ok(out)
+        convert_all(self.be, self.cursor, self.path, self.shape, layers)
     }
 
     /// The GPU form of `layer`, which sees this layer's input shape (an
     /// attention's projection).
     pub fn convert(&mut self, layer: &dyn crate::Layer) -> CudaResult<Box<dyn CudaLayer>> {
-        convert(self.be, self.cursor, self.path, &self.shape.clone(), layer)
+        convert(self.be, self.cursor, self.path, self.shape, layer)
     }
 }
 
