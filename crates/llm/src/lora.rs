@@ -30,7 +30,8 @@ pub type Adapters = HashMap<String, Adapter>;
 /// Gradients (dA, dB) by module key.
 pub type AdapterGrads = HashMap<String, (Vec<f32>, Vec<f32>)>;
 
-/// The module names (Hugging Face's) an adapter can target.
+/// The module names (Hugging Face's) an adapter can target on the Llama
+/// family.
 pub const TARGETS: &[&str] = &[
     "q_proj",
     "k_proj",
@@ -40,6 +41,42 @@ pub const TARGETS: &[&str] = &[
     "up_proj",
     "down_proj",
 ];
+
+/// GPT-2's: the fused q/k/v `c_attn`, `c_proj` (both the attention's and
+/// the MLP's, as peft matches the name) and `c_fc`.
+pub const GPT2_TARGETS: &[&str] = &["c_attn", "c_proj", "c_fc"];
+
+/// The target module names of `family`.
+pub fn targets(family: Family) -> &'static [&'static str] {
+    match family {
+        Family::Llama => TARGETS,
+        Family::Gpt2 => GPT2_TARGETS,
+    }
+}
+
+/// The adapter keys of layer `layer`'s modules called `target` on
+/// `family` (module paths under the model, without peft's prefix):
+/// `layers.N.self_attn.q_proj` … `layers.N.mlp.down_proj` on the Llama
+/// family; `h.N.attn.c_attn`, `h.N.attn.c_proj`, `h.N.mlp.c_fc` and
+/// `h.N.mlp.c_proj` on GPT-2 (`c_proj` names two modules). Empty for a name
+/// that is not a target.
+pub fn module_keys(family: Family, layer: usize, target: &str) -> Vec<String> {
+    match (family, target) {
+        (Family::Llama, "q_proj" | "k_proj" | "v_proj" | "o_proj") => {
+            vec![format!("layers.{layer}.self_attn.{target}")]
+        }
+        (Family::Llama, "gate_proj" | "up_proj" | "down_proj") => {
+            vec![format!("layers.{layer}.mlp.{target}")]
+        }
+        (Family::Gpt2, "c_attn") => vec![format!("h.{layer}.attn.c_attn")],
+        (Family::Gpt2, "c_proj") => vec![
+            format!("h.{layer}.attn.c_proj"),
+            format!("h.{layer}.mlp.c_proj"),
+        ],
+        (Family::Gpt2, "c_fc") => vec![format!("h.{layer}.mlp.c_fc")],
+        _ => Vec::new(),
+    }
+}
 
 /// Adapters on every layer's `target_modules` (Hugging Face names, see
 /// [`TARGETS`]): A drawn uniformly in ±1/√in (peft's Kaiming-uniform bound
