@@ -134,3 +134,199 @@ pub fn softmax(x: &mut [f32]) {
         *v /= sum;
     }
 }
+
+/// A matrix read in place: element (i, j) is `data[offset + i·rs + j·cs]`,
+/// so a transpose or one head's columns of a wider row is a view, never a
+/// copy.
+#[derive(Clone, Copy)]
+pub struct View<'a> {
+    pub data: &'a [f32],
+    pub offset: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a> View<'a> {
+    /// A row-major [rows, cols] matrix.
+    pub fn new(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self {
+            data,
+            offset: 0,
+            rows,
+            cols,
+            rs: cols,
+            cs: 1,
+        }
+    }
+
+    /// `cols` columns from `first` of every row of a matrix whose rows are
+    /// `stride` apart, rows `rows` from row `row`.
+    pub fn columns(
+        data: &'a [f32],
+        row: usize,
+        rows: usize,
+        first: usize,
+        cols: usize,
+        stride: usize,
+    ) -> Self {
+        Self {
+            data,
+            offset: row * stride + first,
+            rows,
+            cols,
+            rs: stride,
+            cs: 1,
+        }
+    }
+
+    pub fn t(self) -> Self {
+        Self {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    /// Whether every element lies inside `data`.
+    fn in_bounds(&self) -> bool {
+        if self.rows == 0 || self.cols == 0 {
+            return true;
+        }
+        let last = self.offset + (self.rows - 1) * self.rs + (self.cols - 1) * self.cs;
+        last < self.data.len()
+    }
+}
+
+/// dst[m, n] (row-major, contiguous) = a · b, or += a · b with `accumulate`.
+/// `parallel` lets the product use rayon's threads when it is large enough;
+/// the gemm crate splits rows and columns, never the sum, so the result
+/// does not depend on the thread count.
+pub fn gemm_into(dst: &mut [f32], a: View, b: View, accumulate: bool, parallel: bool) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(b.rows, k, "gemm_into: inner dimensions differ");
+    assert_eq!(dst.len(), m * n, "gemm_into: destination is not m × n");
+    assert!(a.in_bounds() && b.in_bounds(), "gemm_into: a view overruns");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst.fill(0.0);
+        }
+        return;
+    }
+    let parallelism = if parallel && m * n * k >= PARALLEL_WORK {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
+    };
+    // SAFETY: the asserts above keep every element of both views (offset +
+    // (rows − 1)·rs + (cols − 1)·cs) inside their slices and dst at m·n
+    // contiguous elements; dst is borrowed mutably, so it aliases neither.
+    unsafe {
+        gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.data.as_ptr().add(a.offset),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr().add(b.offset),
+            b.cs as isize,
+            b.rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+/// op(a) · op(b) as a fresh [m, n]: op(a) [m, k] (a stored [k, m] when
+/// `ta`), op(b) [k, n] (b stored [n, k] when `tb`).
+pub fn matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, ta: bool, tb: bool) -> Vec<f32> {
+    let mut c = vec![0.0f32; m * n];
+    let a = if ta {
+        View::new(a, k, m).t()
+    } else {
+        View::new(a, m, k)
+    };
+    let b = if tb {
+        View::new(b, n, k).t()
+    } else {
+        View::new(b, k, n)
+    };
+    gemm_into(&mut c, a, b, false, true);
+    c
+}
+
+/// The derivative of [`gelu_new`].
+pub fn gelu_new_grad(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6;
+    let u = C * (x + 0.044715 * x * x * x);
+    let th = u.tanh();
+    0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * C * (1.0 + 3.0 * 0.044715 * x * x)
+}
+
+/// RMSNorm's dx from dy, its input x, weight and eps.
+pub fn rms_norm_backward(x: &[f32], weight: &[f32], eps: f32, dy: &[f32]) -> Vec<f32> {
+    let d = weight.len();
+    let mut dx = vec![0.0f32; x.len()];
+    for ((xr, dyr), dxr) in x
+        .chunks_exact(d)
+        .zip(dy.chunks_exact(d))
+        .zip(dx.chunks_exact_mut(d))
+    {
+        let mean = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let r = 1.0 / (mean + eps).sqrt();
+        let gx: f32 = xr
+            .iter()
+            .zip(dyr)
+            .zip(weight)
+            .map(|((x, dy), w)| w * dy * x)
+            .sum();
+        for (((o, x), dy), w) in dxr.iter_mut().zip(xr).zip(dyr).zip(weight) {
+            *o = r * w * dy - x * r * r * r * gx / d as f32;
+        }
+    }
+    dx
+}
+
+/// LayerNorm's dx from dy, its input x, weight and eps:
+/// (g − mean(g) − x̂ · mean(g · x̂)) / σ with g = dy · w.
+pub fn layer_norm_backward(x: &[f32], weight: &[f32], eps: f32, dy: &[f32]) -> Vec<f32> {
+    let d = weight.len();
+    let mut dx = vec![0.0f32; x.len()];
+    for ((xr, dyr), dxr) in x
+        .chunks_exact(d)
+        .zip(dy.chunks_exact(d))
+        .zip(dx.chunks_exact_mut(d))
+    {
+        let mean = xr.iter().sum::<f32>() / d as f32;
+        let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
+        let inv = 1.0 / (var + eps).sqrt();
+        let (mut g_mean, mut gx_mean) = (0.0f32, 0.0f32);
+        for ((x, dy), w) in xr.iter().zip(dyr).zip(weight) {
+            let g = dy * w;
+            g_mean += g;
+            gx_mean += g * (x - mean) * inv;
+        }
+        g_mean /= d as f32;
+        gx_mean /= d as f32;
+        for (((o, x), dy), w) in dxr.iter_mut().zip(xr).zip(dyr).zip(weight) {
+            let xhat = (x - mean) * inv;
+            *o = (dy * w - g_mean - xhat * gx_mean) * inv;
+        }
+    }
+    dx
+}

@@ -1,6 +1,7 @@
-//! LoRA adapters' gradients on the llama fixture against peft's
+//! LoRA adapters' gradients against peft's on the llama fixture
 //! (fixtures/llama/lora_reference.safetensors: r 4, alpha 8 on q/v/o/down,
-//! random B). Tolerance: 5e-6 absolute on gradients up to about 0.4 (the
+//! random B) and the gpt2 fixture (fixtures/gpt2/lora_reference.safetensors:
+//! r 4, alpha 8 on c_attn, c_proj and c_fc, random B). Tolerance: 5e-6 absolute on gradients up to about 0.4 (the
 //! largest difference seen was 4e-7): f32 on both sides with sums in other
 //! orders; a wrong term in the backward (a missed residual, RoPE's
 //! transpose, the norm's second term) moves them by 1e-3 or more.
@@ -13,13 +14,10 @@ use headroom_llm::Model;
 
 const GRAD_TOL: f32 = 5e-6;
 
-#[test]
-fn adapter_gradients_match_peft() {
-    let model = Model::load(&fixture("llama")).expect("loads");
-    let lora = Reference::from_file("llama", "lora_reference.safetensors");
-    let reference = Reference::load("llama");
-    let batch = as_ids(&reference.rows("input_ids"));
-    let labels = reference.rows("labels");
+/// The adapters (and peft's gradients) recorded in `model`'s
+/// lora_reference.safetensors, scale alpha 8 / r 4.
+fn peft_adapters(model: &str) -> (Adapters, Reference) {
+    let lora = Reference::from_file(model, "lora_reference.safetensors");
     let mut adapters = Adapters::new();
     for name in lora.names() {
         if let Some(key) = name.strip_suffix(".lora_A") {
@@ -36,7 +34,17 @@ fn adapter_gradients_match_peft() {
             );
         }
     }
-    assert_eq!(adapters.len(), 2 * 4, "q, v, o, down in each of 2 layers");
+    (adapters, lora)
+}
+
+/// Our loss and adapter gradients against peft's on `model`'s fixture.
+fn check_against_peft(model_name: &str, adapters_expected: usize) {
+    let model = Model::load(&fixture(model_name)).expect("loads");
+    let (adapters, lora) = peft_adapters(model_name);
+    let reference = Reference::load(model_name);
+    let batch = as_ids(&reference.rows("input_ids"));
+    let labels = reference.rows("labels");
+    assert_eq!(adapters.len(), adapters_expected);
     let (loss, grads) = model
         .lora_gradients(&adapters, &batch, &labels)
         .expect("gradients");
@@ -58,6 +66,61 @@ fn adapter_gradients_match_peft() {
                 .fold(0.0, f32::max);
             println!("{key}.{name}: max |diff| {diff:e}");
             assert!(diff < GRAD_TOL, "{key}.{name} differs by {diff}");
+        }
+    }
+}
+
+#[test]
+fn adapter_gradients_match_peft() {
+    // q, v, o, down in each of 2 layers.
+    check_against_peft("llama", 2 * 4);
+}
+
+/// GPT-2: c_attn (the fused q|k|v, one adapter with B [3·hidden, r]), the
+/// attention's and the MLP's c_proj, and c_fc, in each of 2 layers
+/// (fixtures/gpt2/lora_reference.safetensors, peft with fan_in_fan_out).
+#[test]
+fn gpt2_adapter_gradients_match_peft() {
+    check_against_peft("gpt2", 2 * 4);
+}
+
+/// A batch of rows padded on the right (labels -100 on the padding) gives
+/// each row's loss and gradients as if it ran alone: causal attention never
+/// lets a real position see the padding that follows it.
+#[test]
+fn right_padding_changes_nothing_for_the_real_tokens() {
+    for name in ["llama", "gpt2"] {
+        let model = Model::load(&fixture(name)).expect("loads");
+        let (adapters, _) = peft_adapters(name);
+        let reference = Reference::load(name);
+        let ids = as_ids(&reference.rows("input_ids"));
+        let labels = reference.rows("labels");
+        let short = 9;
+        let alone_ids = vec![ids[0][..short].to_vec()];
+        let alone_labels = vec![labels[0][..short].to_vec()];
+        let (alone, alone_grads) = model
+            .lora_gradients(&adapters, &alone_ids, &alone_labels)
+            .expect("alone");
+        let mut padded_ids = alone_ids[0].clone();
+        padded_ids.resize(ids[0].len(), 0);
+        let mut padded_labels = alone_labels[0].clone();
+        padded_labels.resize(ids[0].len(), -100);
+        let (padded, padded_grads) = model
+            .lora_gradients(&adapters, &[padded_ids], &[padded_labels])
+            .expect("padded");
+        assert!((alone - padded).abs() < 1e-6, "{name}: {alone} vs {padded}");
+        for (key, (da, db)) in &alone_grads {
+            let (pa, pb) = &padded_grads[key];
+            let diff = da
+                .iter()
+                .zip(pa)
+                .chain(db.iter().zip(pb))
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(
+                diff < 1e-6,
+                "{name} {key}: padding moved a gradient by {diff}"
+            );
         }
     }
 }
@@ -105,11 +168,33 @@ fn zero_b_adapters_leave_the_base_loss() {
         "{err}"
     );
 
+    // GPT-2's names: c_proj is two modules (the attention's and the MLP's).
     let gpt2 = Model::load(&fixture("gpt2")).expect("loads");
+    let made = headroom_llm::lora::new_adapters(&gpt2, 4, 8.0, &["c_attn", "c_proj"], 1)
+        .expect("gpt2 adapters");
+    assert_eq!(made.len(), 2 * 3);
+    assert_eq!(made["h.0.attn.c_attn"].b.len(), 96 * 4);
+    assert_eq!(made["h.1.mlp.c_proj"].a.len(), 4 * 128);
+    let err = headroom_llm::lora::new_adapters(&gpt2, 4, 8.0, &["q_proj"], 1)
+        .expect_err("not a GPT-2 module");
+    assert!(err.to_string().contains("c_attn"), "{err}");
+
+    // An adapter that does not fit its module is refused by its key.
+    let mut bad = made.clone();
+    bad.get_mut("h.0.attn.c_attn").expect("c_attn").b.pop();
     let err = gpt2
-        .lora_gradients(&Adapters::new(), &batch, &labels)
-        .expect_err("GPT-2 has no LoRA yet");
-    assert!(err.to_string().contains("GPT2LMHeadModel"), "{err}");
+        .lora_gradients(&bad, &batch, &labels)
+        .expect_err("a short B");
+    assert!(err.to_string().contains("h.0.attn.c_attn"), "{err}");
+    let mut stray = Adapters::new();
+    stray.insert(
+        "layers.0.self_attn.q_proj".into(),
+        made["h.0.attn.c_proj"].clone(),
+    );
+    let err = gpt2
+        .lora_gradients(&stray, &batch, &labels)
+        .expect_err("a Llama key on GPT-2");
+    assert!(err.to_string().contains("names no module"), "{err}");
 }
 
 /// Dropout's gradients against central differences of the same masked loss

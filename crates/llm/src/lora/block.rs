@@ -1,0 +1,430 @@
+//! One decoder block with its adapters, forward and back, for the gradient
+//! pass. The forward keeps a tape of what its backward reads; the gradient
+//! pass runs it twice per block (once to carry the residual stream on,
+//! dropping the tape, once again just before that block's backward), so
+//! only one block's tape is alive at a time. Dropout masks are drawn from
+//! a stream whose state is saved at each block's start, so the second run
+//! draws the same masks. Memory of a tape over n tokens: the normed inputs
+//! and the residual midpoint (3 · n · hidden), q, k, v, the attention's
+//! output and probabilities (batch · heads · T²), the MLP's
+//! pre-activations and hidden (3 · n · intermediate on the Llama family,
+//! 2 on GPT-2), and each adapter's x·Aᵀ (n · r) and dropout mask.
+
+use std::collections::HashMap;
+
+use crate::config::Family;
+use crate::lora::attention::{self, Shape};
+use crate::lora::{Adapter, AdapterGrads, Adapters, Dropout};
+use crate::math::{
+    gelu_new, gelu_new_grad, layer_norm_backward, matmul, rms_norm_backward, silu, Layout,
+};
+use crate::model::{Block, Linear, Mlp, Model, Norm};
+
+/// What one adapter's backward reads.
+struct AdapterTape {
+    xa: Vec<f32>,
+    mask: Option<Vec<f32>>,
+}
+
+/// What a block's backward reads (its input is the pass's checkpoint).
+pub(super) struct Tape {
+    n1: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    probs: Vec<f32>,
+    attn: Vec<f32>,
+    x_mid: Vec<f32>,
+    n2: Vec<f32>,
+    /// The gate's (Llama) or c_fc's (GPT-2) output.
+    pre: Vec<f32>,
+    /// The up projection's output (Llama only).
+    up: Vec<f32>,
+    hidden: Vec<f32>,
+    adapters: HashMap<&'static str, AdapterTape>,
+}
+
+/// A block's context: the model, the adapters, the attention's shape and
+/// n = batch · T rows.
+pub(super) struct Ctx<'a> {
+    pub model: &'a Model,
+    pub adapters: &'a Adapters,
+    pub shape: Shape,
+    pub n: usize,
+}
+
+/// The module suffixes of a block, by role, for each family.
+struct Names {
+    q: &'static str,
+    k: &'static str,
+    v: &'static str,
+    o: &'static str,
+    gate: &'static str,
+    up: &'static str,
+    down: &'static str,
+}
+
+const LLAMA: Names = Names {
+    q: "self_attn.q_proj",
+    k: "self_attn.k_proj",
+    v: "self_attn.v_proj",
+    o: "self_attn.o_proj",
+    gate: "mlp.gate_proj",
+    up: "mlp.up_proj",
+    down: "mlp.down_proj",
+};
+
+/// GPT-2: q, k and v share the fused `c_attn`; `gate` is c_fc, `down` the
+/// MLP's c_proj (no up).
+const GPT2: Names = Names {
+    q: "attn.c_attn",
+    k: "attn.c_attn",
+    v: "attn.c_attn",
+    o: "attn.c_proj",
+    gate: "mlp.c_fc",
+    up: "",
+    down: "mlp.c_proj",
+};
+
+fn mul(x: &[f32], mask: &[f32]) -> Vec<f32> {
+    x.iter().zip(mask).map(|(a, b)| a * b).collect()
+}
+
+fn add(into: &mut [f32], from: &[f32]) {
+    into.iter_mut().zip(from).for_each(|(a, b)| *a += b);
+}
+
+/// extra = scale · (drop(x)·Aᵀ)·Bᵀ, [n, out].
+fn adapter_forward(
+    ad: &Adapter,
+    x: &[f32],
+    n: usize,
+    inp: usize,
+    out: usize,
+    dropout: Option<&mut Dropout>,
+) -> (Vec<f32>, AdapterTape) {
+    let mask = match dropout {
+        Some(d) if d.p > 0.0 => Some(d.mask(x.len())),
+        _ => None,
+    };
+    let xa = match &mask {
+        Some(m) => matmul(&mul(x, m), &ad.a, n, inp, ad.r, false, true),
+        None => matmul(x, &ad.a, n, inp, ad.r, false, true),
+    };
+    let mut extra = matmul(&xa, &ad.b, n, ad.r, out, false, true);
+    extra.iter_mut().for_each(|e| *e *= ad.scale);
+    (extra, AdapterTape { xa, mask })
+}
+
+/// (dA, dB) and the adapter's share of dx, from dy = d(extra).
+fn adapter_backward(
+    ad: &Adapter,
+    tape: &AdapterTape,
+    x: &[f32],
+    dy: &[f32],
+    n: usize,
+    inp: usize,
+    out: usize,
+) -> ((Vec<f32>, Vec<f32>), Vec<f32>) {
+    let mut db = matmul(dy, &tape.xa, out, n, ad.r, true, false);
+    db.iter_mut().for_each(|v| *v *= ad.scale);
+    let mut dxa = matmul(dy, &ad.b, n, out, ad.r, false, false);
+    dxa.iter_mut().for_each(|v| *v *= ad.scale);
+    let da = match &tape.mask {
+        Some(m) => matmul(&dxa, &mul(x, m), ad.r, n, inp, true, false),
+        None => matmul(&dxa, x, ad.r, n, inp, true, false),
+    };
+    let mut dx = matmul(&dxa, &ad.a, n, ad.r, inp, false, false);
+    if let Some(m) = &tape.mask {
+        dx.iter_mut().zip(m).for_each(|(d, m)| *d *= m);
+    }
+    ((da, db), dx)
+}
+
+/// dx of a frozen projection: dy · W (W stored [out, in]) or dy · Wᵀ
+/// (stored [in, out]).
+fn linear_backward(lin: &Linear, dy: &[f32], n: usize) -> Vec<f32> {
+    let transposed = lin.layout == Layout::InOut;
+    matmul(dy, &lin.weight, n, lin.out, lin.inp, false, transposed)
+}
+
+fn norm_forward(norm: &Norm, x: &[f32]) -> Vec<f32> {
+    norm.forward(x)
+}
+
+pub(super) fn norm_backward(norm: &Norm, x: &[f32], dy: &[f32]) -> Vec<f32> {
+    match norm {
+        Norm::Rms { weight, eps } => rms_norm_backward(x, weight, *eps, dy),
+        Norm::Layer { weight, eps, .. } => layer_norm_backward(x, weight, *eps, dy),
+    }
+}
+
+/// Column block `[from, from + width)` of each row of a [n, total] matrix.
+fn columns(x: &[f32], total: usize, from: usize, width: usize) -> Vec<f32> {
+    x.chunks_exact(total)
+        .flat_map(|row| row[from..from + width].iter().copied())
+        .collect()
+}
+
+impl Ctx<'_> {
+    fn names(&self) -> &'static Names {
+        match self.model.config.family {
+            Family::Llama => &LLAMA,
+            Family::Gpt2 => &GPT2,
+        }
+    }
+
+    fn key(&self, layer: usize, suffix: &str) -> String {
+        match self.model.config.family {
+            Family::Llama => format!("layers.{layer}.{suffix}"),
+            Family::Gpt2 => format!("h.{layer}.{suffix}"),
+        }
+    }
+
+    /// y = lin(x) with the adapter of `suffix`, if any, added.
+    fn project(
+        &self,
+        layer: usize,
+        lin: &Linear,
+        suffix: &'static str,
+        x: &[f32],
+        tapes: &mut HashMap<&'static str, AdapterTape>,
+        dropout: &mut Option<Dropout>,
+    ) -> Vec<f32> {
+        let mut y = lin.forward(x, self.n);
+        if let Some(ad) = self.adapters.get(&self.key(layer, suffix)) {
+            let (extra, tape) = adapter_forward(ad, x, self.n, lin.inp, lin.out, dropout.as_mut());
+            add(&mut y, &extra);
+            tapes.insert(suffix, tape);
+        }
+        y
+    }
+
+    /// dx of `lin` with its adapter, the adapter's gradients into `grads`.
+    #[allow(clippy::too_many_arguments)]
+    fn project_back(
+        &self,
+        layer: usize,
+        lin: &Linear,
+        suffix: &'static str,
+        dy: &[f32],
+        x: &[f32],
+        tape: &Tape,
+        grads: &mut AdapterGrads,
+    ) -> Vec<f32> {
+        let mut dx = linear_backward(lin, dy, self.n);
+        let key = self.key(layer, suffix);
+        if let (Some(ad), Some(t)) = (self.adapters.get(&key), tape.adapters.get(suffix)) {
+            let (g, extra) = adapter_backward(ad, t, x, dy, self.n, lin.inp, lin.out);
+            add(&mut dx, &extra);
+            grads.insert(key, g);
+        }
+        dx
+    }
+
+    /// q, k and v of block `layer` from its normed input (before RoPE).
+    fn qkv(
+        &self,
+        layer: usize,
+        block: &Block,
+        n1: &[f32],
+        tapes: &mut HashMap<&'static str, AdapterTape>,
+        dropout: &mut Option<Dropout>,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let names = self.names();
+        match self.model.config.family {
+            Family::Llama => {
+                let q = self.project(layer, &block.q, names.q, n1, tapes, dropout);
+                let k = self.project(layer, &block.k, names.k, n1, tapes, dropout);
+                let v = self.project(layer, &block.v, names.v, n1, tapes, dropout);
+                (q, k, v)
+            }
+            Family::Gpt2 => {
+                let mut q = block.q.forward(n1, self.n);
+                let mut k = block.k.forward(n1, self.n);
+                let mut v = block.v.forward(n1, self.n);
+                if let Some(ad) = self.adapters.get(&self.key(layer, names.q)) {
+                    let (qo, ko, vo) = (block.q.out, block.k.out, block.v.out);
+                    let total = qo + ko + vo;
+                    let (extra, tape) =
+                        adapter_forward(ad, n1, self.n, block.q.inp, total, dropout.as_mut());
+                    add(&mut q, &columns(&extra, total, 0, qo));
+                    add(&mut k, &columns(&extra, total, qo, ko));
+                    add(&mut v, &columns(&extra, total, qo + ko, vo));
+                    tapes.insert(names.q, tape);
+                }
+                (q, k, v)
+            }
+        }
+    }
+
+    /// Block `layer` on its input x: its output and its tape.
+    pub(super) fn forward(
+        &self,
+        layer: usize,
+        x: &[f32],
+        dropout: &mut Option<Dropout>,
+    ) -> (Vec<f32>, Tape) {
+        let block = &self.model.blocks[layer];
+        let names = self.names();
+        let s = self.shape;
+        let mut tapes = HashMap::new();
+        let n1 = norm_forward(&block.norm1, x);
+        let (mut q, mut k, v) = self.qkv(layer, block, &n1, &mut tapes, dropout);
+        if !self.model.inv_freq.is_empty() {
+            self.model.rope(&mut q, s.heads, s.t, 0);
+            self.model.rope(&mut k, s.kv_heads, s.t, 0);
+        }
+        let (attn, probs) = attention::forward(s, &q, &k, &v);
+        let out = self.project(layer, &block.o, names.o, &attn, &mut tapes, dropout);
+        let mut x_mid = x.to_vec();
+        add(&mut x_mid, &out);
+        let n2 = norm_forward(&block.norm2, &x_mid);
+        let (pre, up, hidden, out) = match &block.mlp {
+            Mlp::SwiGlu { gate, up, down } => {
+                let g = self.project(layer, gate, names.gate, &n2, &mut tapes, dropout);
+                let u = self.project(layer, up, names.up, &n2, &mut tapes, dropout);
+                let hidden: Vec<f32> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
+                let out = self.project(layer, down, names.down, &hidden, &mut tapes, dropout);
+                (g, u, hidden, out)
+            }
+            Mlp::Gelu { fc, proj } => {
+                let a = self.project(layer, fc, names.gate, &n2, &mut tapes, dropout);
+                let hidden: Vec<f32> = a.iter().map(|&a| gelu_new(a)).collect();
+                let out = self.project(layer, proj, names.down, &hidden, &mut tapes, dropout);
+                (a, Vec::new(), hidden, out)
+            }
+        };
+        let mut x_out = x_mid.clone();
+        add(&mut x_out, &out);
+        let tape = Tape {
+            n1,
+            q,
+            k,
+            v,
+            probs,
+            attn,
+            x_mid,
+            n2,
+            pre,
+            up,
+            hidden,
+            adapters: tapes,
+        };
+        (x_out, tape)
+    }
+
+    /// d(input) of block `layer` from d(output), its input and tape; the
+    /// adapters' gradients into `grads`.
+    pub(super) fn backward(
+        &self,
+        layer: usize,
+        x_in: &[f32],
+        tape: &Tape,
+        dx_out: &[f32],
+        grads: &mut AdapterGrads,
+    ) -> Vec<f32> {
+        let block = &self.model.blocks[layer];
+        let names = self.names();
+        let s = self.shape;
+        let n = self.n;
+        let dn2 = match &block.mlp {
+            Mlp::SwiGlu { gate, up, down } => {
+                let dh =
+                    self.project_back(layer, down, names.down, dx_out, &tape.hidden, tape, grads);
+                let mut dg = vec![0.0f32; dh.len()];
+                let mut du = vec![0.0f32; dh.len()];
+                for (((dg, du), &dh), (&g, &u)) in dg
+                    .iter_mut()
+                    .zip(du.iter_mut())
+                    .zip(&dh)
+                    .zip(tape.pre.iter().zip(&tape.up))
+                {
+                    let sig = 1.0 / (1.0 + (-g).exp());
+                    *du = dh * silu(g);
+                    *dg = dh * u * sig * (1.0 + g * (1.0 - sig));
+                }
+                let mut dn2 =
+                    self.project_back(layer, gate, names.gate, &dg, &tape.n2, tape, grads);
+                add(
+                    &mut dn2,
+                    &self.project_back(layer, up, names.up, &du, &tape.n2, tape, grads),
+                );
+                dn2
+            }
+            Mlp::Gelu { fc, proj } => {
+                let mut da =
+                    self.project_back(layer, proj, names.down, dx_out, &tape.hidden, tape, grads);
+                da.iter_mut()
+                    .zip(&tape.pre)
+                    .for_each(|(d, &a)| *d *= gelu_new_grad(a));
+                self.project_back(layer, fc, names.gate, &da, &tape.n2, tape, grads)
+            }
+        };
+        let mut dmid = dx_out.to_vec();
+        add(&mut dmid, &norm_backward(&block.norm2, &tape.x_mid, &dn2));
+        let dattn = self.project_back(layer, &block.o, names.o, &dmid, &tape.attn, tape, grads);
+        let (mut dq, mut dk, dv) =
+            attention::backward(s, &dattn, &tape.q, &tape.k, &tape.v, &tape.probs);
+        let dn1 = match self.model.config.family {
+            Family::Llama => {
+                rope_backward(self.model, &mut dq, s.heads, s.t);
+                rope_backward(self.model, &mut dk, s.kv_heads, s.t);
+                let mut dn1 =
+                    self.project_back(layer, &block.q, names.q, &dq, &tape.n1, tape, grads);
+                add(
+                    &mut dn1,
+                    &self.project_back(layer, &block.k, names.k, &dk, &tape.n1, tape, grads),
+                );
+                add(
+                    &mut dn1,
+                    &self.project_back(layer, &block.v, names.v, &dv, &tape.n1, tape, grads),
+                );
+                dn1
+            }
+            Family::Gpt2 => {
+                let mut dn1 = linear_backward(&block.q, &dq, n);
+                add(&mut dn1, &linear_backward(&block.k, &dk, n));
+                add(&mut dn1, &linear_backward(&block.v, &dv, n));
+                let key = self.key(layer, names.q);
+                if let (Some(ad), Some(t)) = (self.adapters.get(&key), tape.adapters.get(names.q)) {
+                    let total = block.q.out + block.k.out + block.v.out;
+                    let mut dy = Vec::with_capacity(n * total);
+                    for ((q, k), v) in dq
+                        .chunks_exact(block.q.out)
+                        .zip(dk.chunks_exact(block.k.out))
+                        .zip(dv.chunks_exact(block.v.out))
+                    {
+                        dy.extend_from_slice(q);
+                        dy.extend_from_slice(k);
+                        dy.extend_from_slice(v);
+                    }
+                    let (g, extra) = adapter_backward(ad, t, &tape.n1, &dy, n, block.q.inp, total);
+                    add(&mut dn1, &extra);
+                    grads.insert(key, g);
+                }
+                dn1
+            }
+        };
+        let mut dx = dmid;
+        add(&mut dx, &norm_backward(&block.norm1, x_in, &dn1));
+        dx
+    }
+}
+
+/// The transpose of RoPE (rotation by the negative angle), positions from 0.
+fn rope_backward(model: &Model, x: &mut [f32], heads: usize, t: usize) {
+    let hd = model.config.head_dim;
+    let half = hd / 2;
+    for (row_index, row) in x.chunks_exact_mut(heads * hd).enumerate() {
+        let pos = (row_index % t) as f32;
+        for head in row.chunks_exact_mut(hd) {
+            for (i, &f) in model.inv_freq.iter().enumerate() {
+                let (sin, cos) = (pos * f).sin_cos();
+                let (a, b) = (head[i], head[i + half]);
+                head[i] = a * cos + b * sin;
+                head[i + half] = b * cos - a * sin;
+            }
+        }
+    }
+}

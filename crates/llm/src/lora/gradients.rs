@@ -1,0 +1,246 @@
+//! The causal-LM loss with adapters applied and its gradients with respect
+//! to the adapters alone. The forward runs block by block keeping only each
+//! block's input (the per-block checkpoint); the loss is taken over the
+//! counted positions a chunk at a time, so no more than `HEAD_CHUNK_VALUES`
+//! logits exist at once, however long the sequence or wide the vocabulary;
+//! the backward recomputes each block from its checkpoint, with the same
+//! dropout masks, just before running back through it.
+
+use rayon::prelude::*;
+
+use crate::error::{LlmError, Result};
+use crate::lora::attention::Shape;
+use crate::lora::block::{norm_backward, Ctx};
+use crate::lora::{module_shape, AdapterGrads, Adapters, Dropout};
+use crate::math::matmul;
+use crate::model::Model;
+
+/// The most logits held at once by the loss (16 MiB of f32).
+const HEAD_CHUNK_VALUES: usize = 1 << 22;
+
+impl Model {
+    /// The causal-LM loss of `batch` against `labels` (as [`Model::loss`])
+    /// with `adapters` applied, and each adapter's (dA, dB).
+    pub fn lora_gradients(
+        &self,
+        adapters: &Adapters,
+        batch: &[Vec<u32>],
+        labels: &[Vec<i64>],
+    ) -> Result<(f32, AdapterGrads)> {
+        self.lora_gradients_with(adapters, batch, labels, None)
+    }
+
+    /// [`Model::lora_gradients`] with dropout on every adapter's input
+    /// (a fresh mask per module and pass, drawn from `dropout`'s stream,
+    /// which is left where the pass's last mask left it).
+    pub fn lora_gradients_with(
+        &self,
+        adapters: &Adapters,
+        batch: &[Vec<u32>],
+        labels: &[Vec<i64>],
+        dropout: Option<&mut Dropout>,
+    ) -> Result<(f32, AdapterGrads)> {
+        if let Some(d) = &dropout {
+            if !(0.0..1.0).contains(&d.p) {
+                return Err(LlmError::Input(format!(
+                    "LoRA dropout {} must be in [0, 1)",
+                    d.p
+                )));
+            }
+        }
+        self.check_adapters(adapters)?;
+        let c = &self.config;
+        let b = batch.len();
+        let t = batch.first().map_or(0, Vec::len);
+        if b == 0 || t == 0 || batch.iter().any(|r| r.len() != t) || labels.len() != b {
+            return Err(LlmError::Input(
+                "batch and labels must be non-empty rows of one length".into(),
+            ));
+        }
+        let counted = counted_positions(labels, t, c.vocab_size)?;
+        let h = c.hidden_size;
+        let n = b * t;
+        let mut x = self.embed_rows(batch, t)?;
+        let ctx = Ctx {
+            model: self,
+            adapters,
+            shape: Shape {
+                batch: b,
+                t,
+                heads: c.num_heads,
+                kv_heads: c.num_kv_heads,
+                head_dim: c.head_dim,
+                window: c.sliding_window,
+            },
+            n,
+        };
+        let mut stream = dropout.as_deref().cloned();
+        let layers = self.blocks.len();
+        let mut inputs = Vec::with_capacity(layers);
+        let mut streams = Vec::with_capacity(layers);
+        for layer in 0..layers {
+            streams.push(stream.clone());
+            let (next, _tape) = ctx.forward(layer, &x, &mut stream);
+            inputs.push(std::mem::replace(&mut x, next));
+        }
+        if let (Some(d), Some(s)) = (dropout, stream) {
+            *d = s;
+        }
+        let nf = self.final_norm.forward(&x);
+        let (loss, dnf) = self.head_loss(&nf, &counted, n, h);
+        let mut dx = norm_backward(&self.final_norm, &x, &dnf);
+        drop((nf, dnf, x));
+        let mut grads = AdapterGrads::new();
+        for layer in (0..layers).rev() {
+            let x_in = inputs.pop().ok_or_else(|| {
+                LlmError::Input("internal: a block's checkpoint is missing".into())
+            })?;
+            let mut replay = streams[layer].clone();
+            let (_, tape) = ctx.forward(layer, &x_in, &mut replay);
+            dx = ctx.backward(layer, &x_in, &tape, &dx, &mut grads);
+        }
+        Ok((loss, grads))
+    }
+
+    /// Every adapter names one of this model's modules and fits it.
+    fn check_adapters(&self, adapters: &Adapters) -> Result<()> {
+        for (key, ad) in adapters {
+            let (inp, out) = module_shape(self, key).ok_or_else(|| {
+                LlmError::Input(format!(
+                    "adapter `{key}` names no module of {}",
+                    self.config.architecture
+                ))
+            })?;
+            if ad.r == 0 || ad.a.len() != ad.r * inp || ad.b.len() != out * ad.r {
+                return Err(LlmError::Input(format!(
+                    "adapter `{key}`: A has {} values and B {}, but r {} on a {inp} → {out} \
+                     module needs A [{}, {inp}] and B [{out}, {}]",
+                    ad.a.len(),
+                    ad.b.len(),
+                    ad.r,
+                    ad.r,
+                    ad.r
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The rows' embeddings (and GPT-2's positions), [b·t, hidden].
+    fn embed_rows(&self, batch: &[Vec<u32>], t: usize) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        if let Some(max) = c.max_positions {
+            if t > max {
+                return Err(LlmError::Input(format!(
+                    "{t} positions, but {} has {max} (n_positions)",
+                    self.dir.join("config.json").display()
+                )));
+            }
+        }
+        let mut x = vec![0.0f32; batch.len() * t * h];
+        for (i, (&id, dst)) in batch
+            .iter()
+            .flatten()
+            .zip(x.chunks_exact_mut(h))
+            .enumerate()
+        {
+            let id = id as usize;
+            if id >= c.vocab_size {
+                return Err(LlmError::Input(format!(
+                    "token id {id} is outside the vocabulary ({} ids)",
+                    c.vocab_size
+                )));
+            }
+            dst.copy_from_slice(&self.embed[id * h..(id + 1) * h]);
+            if let Some(pos) = &self.positions {
+                let p = i % t;
+                add(dst, &pos[p * h..(p + 1) * h]);
+            }
+        }
+        Ok(x)
+    }
+
+    /// The mean cross-entropy over `counted` (position, label) pairs of the
+    /// final normed rows `nf` [n, h], and d(loss)/d(nf).
+    fn head_loss(
+        &self,
+        nf: &[f32],
+        counted: &[(usize, usize)],
+        n: usize,
+        h: usize,
+    ) -> (f32, Vec<f32>) {
+        let v = self.config.vocab_size;
+        let weight: &[f32] = match &self.lm_head {
+            Some(head) => &head.weight,
+            None => &self.embed,
+        };
+        let count = counted.len() as f32;
+        let chunk = (HEAD_CHUNK_VALUES / v).max(1);
+        let mut dnf = vec![0.0f32; n * h];
+        let mut total = 0.0f64;
+        for part in counted.chunks(chunk) {
+            let rows = part.len();
+            let mut xs = Vec::with_capacity(rows * h);
+            for &(pos, _) in part {
+                xs.extend_from_slice(&nf[pos * h..(pos + 1) * h]);
+            }
+            // [rows, V], then turned into d(loss)/d(logits) in place.
+            let mut logits = matmul(&xs, weight, rows, h, v, false, true);
+            let losses: Vec<f64> = logits
+                .par_chunks_mut(v)
+                .zip(part.par_iter())
+                .map(|(z, &(_, label))| {
+                    let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let sum: f64 = z.iter().map(|&x| ((x - max) as f64).exp()).sum();
+                    let lse = max as f64 + sum.ln();
+                    let loss = lse - z[label] as f64;
+                    for x in z.iter_mut() {
+                        *x = ((*x as f64 - lse).exp() as f32) / count;
+                    }
+                    z[label] -= 1.0 / count;
+                    loss
+                })
+                .collect();
+            total += losses.iter().sum::<f64>();
+            let dxs = matmul(&logits, weight, rows, v, h, false, false);
+            for (&(pos, _), src) in part.iter().zip(dxs.chunks_exact(h)) {
+                dnf[pos * h..(pos + 1) * h].copy_from_slice(src);
+            }
+        }
+        ((total / counted.len() as f64) as f32, dnf)
+    }
+}
+
+fn add(into: &mut [f32], from: &[f32]) {
+    into.iter_mut().zip(from).for_each(|(a, b)| *a += b);
+}
+
+/// The (position, label) pairs the loss counts: logits at position i
+/// predict label i + 1 of the row; -100 is not counted.
+fn counted_positions(labels: &[Vec<i64>], t: usize, vocab: usize) -> Result<Vec<(usize, usize)>> {
+    let mut counted = Vec::new();
+    for (r, row) in labels.iter().enumerate() {
+        if row.len() != t {
+            return Err(LlmError::Input("labels are not [batch, T]".into()));
+        }
+        for (i, &label) in row.iter().enumerate().skip(1) {
+            if label == -100 {
+                continue;
+            }
+            let label = usize::try_from(label)
+                .ok()
+                .filter(|&l| l < vocab)
+                .ok_or_else(|| {
+                    LlmError::Input(format!(
+                        "label {label} is outside the vocabulary ({vocab} ids)"
+                    ))
+                })?;
+            counted.push((r * t + i - 1, label));
+        }
+    }
+    if counted.is_empty() {
+        return Err(LlmError::Input("no label is counted (all -100)".into()));
+    }
+    Ok(counted)
+}

@@ -1,0 +1,213 @@
+//! LoRA adapters on a loaded model (Llama family and GPT-2, by Hugging
+//! Face module names) and the gradients of the causal-LM loss with respect
+//! to the adapters alone: the base is frozen, so no weight gradient is ever
+//! formed. Files: this one (the adapters, their targets and keys, their
+//! initialisation, dropout), `gradients` (the loss and its backward with
+//! per-block recompute and a chunked loss over the vocabulary), `block`
+//! (one decoder block forward with its tape, and back), `attention`
+//! (causal attention on whole heads through the matrix product, and back).
+//!
+//! Memory of a gradient pass over n = batch · T tokens: each block's input
+//! (layers · n · hidden f32s, the only activations kept across blocks), one
+//! block's tape at a time while it is recomputed and run back (its
+//! projections, n · intermediate for the MLP, batch · heads · T² attention
+//! probabilities), and logits for at most a chunk of counted positions at a
+//! time (never n · vocab). Checked against peft on both families
+//! (tests/lora.rs).
+
+use std::collections::HashMap;
+
+use crate::config::Family;
+use crate::error::{LlmError, Result};
+use crate::model::{Linear, Mlp, Model};
+
+mod attention;
+mod block;
+mod gradients;
+
+/// One adapter: y += scale · (x·Aᵀ)·Bᵀ, A [r, in], B [out, r].
+#[derive(Clone, Debug)]
+pub struct Adapter {
+    pub a: Vec<f32>,
+    pub b: Vec<f32>,
+    pub r: usize,
+    pub scale: f32,
+}
+
+/// Adapters by module key ([`module_keys`]): `layers.N.self_attn.q_proj`
+/// … on the Llama family, `h.N.attn.c_attn` … on GPT-2.
+pub type Adapters = HashMap<String, Adapter>;
+
+/// Gradients (dA, dB) by module key.
+pub type AdapterGrads = HashMap<String, (Vec<f32>, Vec<f32>)>;
+
+/// The module names (Hugging Face's) an adapter can target on the Llama
+/// family.
+pub const TARGETS: &[&str] = &[
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+
+/// GPT-2's: the fused q/k/v `c_attn`, `c_proj` (both the attention's and
+/// the MLP's, as peft matches the name) and `c_fc`.
+pub const GPT2_TARGETS: &[&str] = &["c_attn", "c_proj", "c_fc"];
+
+/// The target module names of `family`.
+pub fn targets(family: Family) -> &'static [&'static str] {
+    match family {
+        Family::Llama => TARGETS,
+        Family::Gpt2 => GPT2_TARGETS,
+    }
+}
+
+/// The adapter keys of layer `layer`'s modules called `target` on
+/// `family` (module paths under the model, without peft's prefix):
+/// `layers.N.self_attn.q_proj` … `layers.N.mlp.down_proj` on the Llama
+/// family; `h.N.attn.c_attn`, `h.N.attn.c_proj`, `h.N.mlp.c_fc` and
+/// `h.N.mlp.c_proj` on GPT-2 (`c_proj` names two modules). Empty for a name
+/// that is not a target.
+pub fn module_keys(family: Family, layer: usize, target: &str) -> Vec<String> {
+    match (family, target) {
+        (Family::Llama, "q_proj" | "k_proj" | "v_proj" | "o_proj") => {
+            vec![format!("layers.{layer}.self_attn.{target}")]
+        }
+        (Family::Llama, "gate_proj" | "up_proj" | "down_proj") => {
+            vec![format!("layers.{layer}.mlp.{target}")]
+        }
+        (Family::Gpt2, "c_attn") => vec![format!("h.{layer}.attn.c_attn")],
+        (Family::Gpt2, "c_proj") => vec![
+            format!("h.{layer}.attn.c_proj"),
+            format!("h.{layer}.mlp.c_proj"),
+        ],
+        (Family::Gpt2, "c_fc") => vec![format!("h.{layer}.mlp.c_fc")],
+        _ => Vec::new(),
+    }
+}
+
+/// The (in, out) of the module an adapter key names, if it names one of
+/// `model`'s: GPT-2's `c_attn` is the fused q|k|v, out = 3 · hidden.
+pub fn module_shape(model: &Model, key: &str) -> Option<(usize, usize)> {
+    let lin = |l: &Linear| Some((l.inp, l.out));
+    match model.config.family {
+        Family::Llama => {
+            let (layer, module) = key.strip_prefix("layers.")?.split_once('.')?;
+            let block = model.blocks.get(layer.parse::<usize>().ok()?)?;
+            match (module, &block.mlp) {
+                ("self_attn.q_proj", _) => lin(&block.q),
+                ("self_attn.k_proj", _) => lin(&block.k),
+                ("self_attn.v_proj", _) => lin(&block.v),
+                ("self_attn.o_proj", _) => lin(&block.o),
+                ("mlp.gate_proj", Mlp::SwiGlu { gate, .. }) => lin(gate),
+                ("mlp.up_proj", Mlp::SwiGlu { up, .. }) => lin(up),
+                ("mlp.down_proj", Mlp::SwiGlu { down, .. }) => lin(down),
+                _ => None,
+            }
+        }
+        Family::Gpt2 => {
+            let (layer, module) = key.strip_prefix("h.")?.split_once('.')?;
+            let block = model.blocks.get(layer.parse::<usize>().ok()?)?;
+            match (module, &block.mlp) {
+                ("attn.c_attn", _) => Some((block.q.inp, block.q.out + block.k.out + block.v.out)),
+                ("attn.c_proj", _) => lin(&block.o),
+                ("mlp.c_fc", Mlp::Gelu { fc, .. }) => lin(fc),
+                ("mlp.c_proj", Mlp::Gelu { proj, .. }) => lin(proj),
+                _ => None,
+            }
+        }
+    }
+}
+
+/// Adapters on every layer's `target_modules` (Hugging Face names, see
+/// [`targets`]): A drawn uniformly in ±1/√in (peft's Kaiming-uniform bound
+/// with a = √5) from `seed`, B zero (so the model starts unchanged), scale
+/// alpha / r.
+pub fn new_adapters(
+    model: &Model,
+    r: usize,
+    alpha: f32,
+    target_modules: &[&str],
+    seed: u64,
+) -> Result<Adapters> {
+    let c = &model.config;
+    if r == 0 {
+        return Err(LlmError::Input("LoRA rank r must be at least 1".into()));
+    }
+    let names = targets(c.family);
+    let mut state = seed;
+    let mut uniform = || {
+        // splitmix64, as generate.rs draws.
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut adapters = Adapters::new();
+    for target in target_modules {
+        if !names.contains(target) {
+            return Err(LlmError::Input(format!(
+                "LoRA target_modules: `{target}` is not a module of {}; the modules are {}",
+                c.architecture,
+                names.join(", ")
+            )));
+        }
+        for layer in 0..model.blocks.len() {
+            for key in module_keys(c.family, layer, target) {
+                let Some((inp, out)) = module_shape(model, &key) else {
+                    continue;
+                };
+                let bound = 1.0 / (inp as f64).sqrt();
+                let a = (0..r * inp)
+                    .map(|_| ((uniform() * 2.0 - 1.0) * bound) as f32)
+                    .collect();
+                adapters.insert(
+                    key,
+                    Adapter {
+                        a,
+                        b: vec![0.0; out * r],
+                        r,
+                        scale: alpha / r as f32,
+                    },
+                );
+            }
+        }
+    }
+    Ok(adapters)
+}
+
+/// Dropout on the adapters' input (peft's `lora_dropout`): each element
+/// kept with probability 1 − p and scaled by 1 / (1 − p), drawn from a
+/// splitmix64 stream, so a seed fixes every mask of a pass.
+#[derive(Clone, Debug)]
+pub struct Dropout {
+    pub p: f32,
+    pub state: u64,
+}
+
+impl Dropout {
+    /// The kept elements' factor (0 or 1 / (1 − p)) for `n` inputs.
+    pub(crate) fn mask(&mut self, n: usize) -> Vec<f32> {
+        let keep = 1.0 / (1.0 - self.p);
+        (0..n)
+            .map(|_| {
+                self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = self.state;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                z ^= z >> 31;
+                let u = (z >> 40) as f32 / (1u64 << 24) as f32;
+                if u < self.p {
+                    0.0
+                } else {
+                    keep
+                }
+            })
+            .collect()
+    }
+}
