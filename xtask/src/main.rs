@@ -74,6 +74,10 @@ enum Command {
     /// One timed configuration as a JSON line (used by `bench`).
     #[command(hide = true)]
     BenchStep(BenchStepCommand),
+    /// A LoRA fine-tuning step on a Hugging Face model of published shapes
+    /// (random weights): tokens/s and peak memory, beside transformers +
+    /// peft with --compare-peft.
+    BenchLlm(commands::llm_bench::BenchLlmArgs),
 }
 
 #[derive(clap::Args)]
@@ -519,6 +523,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::LoraMerge(args) => commands::lora_merge::run(args),
         Command::Generate(args) => done(commands::generate::run(args)),
         Command::LoraLlm(args) => done(commands::lora_llm::run(args)),
+        Command::BenchLlm(args) => done(commands::llm_bench::run(args)),
         Command::Doctor => done(commands::doctor::run()),
         Command::GpuCheck(args) => done(commands::gpu_check::run(&args)),
         Command::Memcheck(args) => done(commands::memcheck::run(args.filter.as_deref(), args.all)),

@@ -24,6 +24,7 @@ pub mod lora;
 pub mod math;
 pub mod model;
 pub mod peft;
+pub mod shapes;
 pub mod tokenizer;
 pub mod weights;
 

@@ -7,6 +7,7 @@ pub mod eval;
 pub mod export;
 pub mod generate;
 pub mod gpu_check;
+pub mod llm_bench;
 pub mod loader_bench;
 pub mod lora_llm;
 pub mod lora_merge;
