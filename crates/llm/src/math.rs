@@ -202,13 +202,31 @@ impl<'a> View<'a> {
 }
 
 /// dst[m, n] (row-major, contiguous) = a · b, or += a · b with `accumulate`.
+pub fn gemm_into(dst: &mut [f32], a: View, b: View, accumulate: bool, parallel: bool) {
+    let n = b.cols;
+    gemm_strided(dst, n, 1, a, b, accumulate, parallel);
+}
+
+/// dst = a · b (or += with `accumulate`), element (i, j) of dst at
+/// i · `dst_rs` + j · `dst_cs`.
 /// `parallel` lets the product use rayon's threads when it is large enough;
 /// the gemm crate splits rows and columns, never the sum, so the result
 /// does not depend on the thread count.
-pub fn gemm_into(dst: &mut [f32], a: View, b: View, accumulate: bool, parallel: bool) {
+pub fn gemm_strided(
+    dst: &mut [f32],
+    dst_rs: usize,
+    dst_cs: usize,
+    a: View,
+    b: View,
+    accumulate: bool,
+    parallel: bool,
+) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert_eq!(b.rows, k, "gemm_into: inner dimensions differ");
-    assert_eq!(dst.len(), m * n, "gemm_into: destination is not m × n");
+    assert!(
+        m == 0 || n == 0 || (m - 1) * dst_rs + (n - 1) * dst_cs < dst.len(),
+        "gemm_into: destination overruns"
+    );
     assert!(a.in_bounds() && b.in_bounds(), "gemm_into: a view overruns");
     if m == 0 || n == 0 {
         return;
@@ -233,8 +251,8 @@ pub fn gemm_into(dst: &mut [f32], a: View, b: View, accumulate: bool, parallel: 
             n,
             k,
             dst.as_mut_ptr(),
-            1,
-            n as isize,
+            dst_cs as isize,
+            dst_rs as isize,
             accumulate,
             a.data.as_ptr().add(a.offset),
             a.cs as isize,

@@ -32,7 +32,8 @@ pub(super) struct Tape {
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
-    probs: Vec<f32>,
+    /// Each attention row's log-sum-exp.
+    lse: Vec<f32>,
     attn: Vec<f32>,
     x_mid: Vec<f32>,
     n2: Vec<f32>,
@@ -275,7 +276,7 @@ impl Ctx<'_> {
             self.model.rope(&mut q, s.heads, s.t, 0);
             self.model.rope(&mut k, s.kv_heads, s.t, 0);
         }
-        let (attn, probs) = attention::forward(s, &q, &k, &v);
+        let (attn, lse) = attention::forward(s, &q, &k, &v);
         let out = self.project(layer, &block.o, names.o, &attn, &mut tapes, dropout);
         let mut x_mid = x.to_vec();
         add(&mut x_mid, &out);
@@ -302,7 +303,7 @@ impl Ctx<'_> {
             q,
             k,
             v,
-            probs,
+            lse,
             attn,
             x_mid,
             n2,
@@ -365,7 +366,7 @@ impl Ctx<'_> {
         add(&mut dmid, &norm_backward(&block.norm2, &tape.x_mid, &dn2));
         let dattn = self.project_back(layer, &block.o, names.o, &dmid, &tape.attn, tape, grads);
         let (mut dq, mut dk, dv) =
-            attention::backward(s, &dattn, &tape.q, &tape.k, &tape.v, &tape.probs);
+            attention::backward(s, &dattn, &tape.q, &tape.k, &tape.v, &tape.attn, &tape.lse);
         let dn1 = match self.model.config.family {
             Family::Llama => {
                 rope_backward(self.model, &mut dq, s.heads, s.t);

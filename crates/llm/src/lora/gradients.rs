@@ -12,11 +12,13 @@ use crate::error::{LlmError, Result};
 use crate::lora::attention::Shape;
 use crate::lora::block::{norm_backward, Ctx};
 use crate::lora::{module_shape, AdapterGrads, Adapters, Dropout};
-use crate::math::matmul;
+use crate::math::{gemm_strided, matmul, View};
 use crate::model::Model;
 
-/// The most logits held at once by the loss (16 MiB of f32).
-const HEAD_CHUNK_VALUES: usize = 1 << 22;
+/// The most logits held at once by the loss (64 MiB of f32): a few hundred
+/// positions of a large vocabulary, enough rows that each pass over the
+/// head's weights does a worthwhile amount of work.
+const HEAD_CHUNK_VALUES: usize = 1 << 24;
 
 impl Model {
     /// The causal-LM loss of `batch` against `labels` (as [`Model::loss`])
@@ -185,21 +187,34 @@ impl Model {
             for &(pos, _) in part {
                 xs.extend_from_slice(&nf[pos * h..(pos + 1) * h]);
             }
-            // [rows, V], then turned into d(loss)/d(logits) in place.
-            let mut logits = matmul(&xs, weight, rows, h, v, false, true);
+            // [rows, V] row-major, computed as (W · xsᵀ)ᵀ: the vocabulary
+            // runs down the product's long side, which packs better.
+            let mut logits = vec![0.0f32; rows * v];
+            gemm_strided(
+                &mut logits,
+                1,
+                v,
+                View::new(weight, v, h),
+                View::new(&xs, rows, h).t(),
+                false,
+                true,
+            );
             let losses: Vec<f64> = logits
                 .par_chunks_mut(v)
                 .zip(part.par_iter())
                 .map(|(z, &(_, label))| {
                     let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let sum: f64 = z.iter().map(|&x| ((x - max) as f64).exp()).sum();
-                    let lse = max as f64 + sum.ln();
-                    let loss = lse - z[label] as f64;
+                    let picked = z[label];
+                    let mut sum = 0.0f64;
                     for x in z.iter_mut() {
-                        *x = ((*x as f64 - lse).exp() as f32) / count;
+                        *x = (*x - max).exp();
+                        sum += *x as f64;
                     }
+                    // d(loss)/d(logit) = (softmax − one-hot) / count.
+                    let factor = (1.0 / (sum * count as f64)) as f32;
+                    z.iter_mut().for_each(|x| *x *= factor);
                     z[label] -= 1.0 / count;
-                    loss
+                    max as f64 + sum.ln() - picked as f64
                 })
                 .collect();
             total += losses.iter().sum::<f64>();
