@@ -233,7 +233,11 @@ pub fn gemm_strided(
     }
     if k == 0 {
         if !accumulate {
-            dst.fill(0.0);
+            for i in 0..m {
+                for j in 0..n {
+                    dst[i * dst_rs + j * dst_cs] = 0.0;
+                }
+            }
         }
         return;
     }
