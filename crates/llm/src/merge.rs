@@ -167,16 +167,24 @@ fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
 }
 
-/// Weights in a format the merge does not rewrite: carried over they would
-/// hold the unmerged model beside the merged one.
-fn other_weights(name: &str) -> bool {
-    [
+/// Why a file of the base is not carried over, if it is not: weights in a
+/// format the merge does not rewrite (carried over they would hold the
+/// unmerged model beside the merged one), and safetensors files that are
+/// not the model's weights (an original checkpoint, reference tensors).
+fn left_out(name: &str) -> Option<&'static str> {
+    if name.ends_with(".safetensors") {
+        Some("safetensors, not among the model's weights")
+    } else if [
         ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx",
     ]
     .iter()
     .any(|ext| name.ends_with(ext))
         || name.ends_with(".bin.index.json")
-        || name.ends_with(".safetensors")
+    {
+        Some("weights in another format, not merged")
+    } else {
+        None
+    }
 }
 
 /// A merge target: the adapter and the tensor's (in, out).
@@ -279,8 +287,8 @@ pub fn merge_to_dir(
         }
         if path.is_dir() {
             skipped.push(format!("{shown}/ (a directory)"));
-        } else if other_weights(&shown) {
-            skipped.push(format!("{shown} (weights not merged)"));
+        } else if let Some(why) = left_out(&shown) {
+            skipped.push(format!("{shown} ({why})"));
         } else {
             let dest = tmp.join(&name);
             copied_bytes += std::fs::copy(&path, &dest).map_err(io(&path))?;

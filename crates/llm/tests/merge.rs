@@ -168,7 +168,7 @@ fn llama_with_peft_adapters_merges_to_peft_logits() {
             && report
                 .skipped
                 .iter()
-                .any(|s| s.starts_with("reference.safetensors")),
+                .any(|s| s.starts_with("reference.safetensors (safetensors, not among")),
         "{:?}",
         report.skipped
     );
@@ -708,4 +708,32 @@ fn a_merge_that_fails_midway_leaves_nothing() {
     );
     assert!(!out.exists(), "no output under its name");
     no_partial_left(tmp.path());
+}
+
+/// With HEADROOM_MERGE_OUT set, writes merged directories there for the
+/// by-hand check that transformers loads them as peft's adapted models
+/// (fixtures/check_merged_loads.py, docs/llm.md): llama with peft's
+/// adapters; gpt2 and qwen2 with seeded adapters saved by save_adapters.
+#[test]
+fn write_merged_for_transformers_when_asked() {
+    let Some(out) = std::env::var_os("HEADROOM_MERGE_OUT") else {
+        return;
+    };
+    let out = std::path::PathBuf::from(out);
+    merge_to_dir(
+        &fixture("llama"),
+        &fixture("llama").join("peft_adapter"),
+        &out.join("llama_merged"),
+    )
+    .expect("llama merges");
+    for (name, target_modules, r, amp) in [
+        ("gpt2", &["c_attn", "c_proj", "c_fc"][..], 2, 0.3),
+        ("qwen2", targets(Family::Llama), 4, 0.1),
+    ] {
+        let model = Model::load(&fixture(name)).expect("loads");
+        let adapters = random_adapters(&model.config, target_modules, r, 5, amp);
+        let dir = out.join(format!("{name}_adapters"));
+        save_adapters(&dir, &model, &adapters, &lora_config(target_modules, r)).expect("writes");
+        merge_to_dir(&fixture(name), &dir, &out.join(format!("{name}_merged"))).expect("merges");
+    }
 }
