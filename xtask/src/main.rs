@@ -52,7 +52,8 @@ enum Command {
     Export(ExportArgs),
     /// Fold LoRA adapters (a run's adapters.safetensors) into their base
     /// weights: the base architecture's tensors as safetensors, named as
-    /// `export` names them.
+    /// `export` names them. With --model: peft adapters (a directory) into
+    /// a Hugging Face model, written as a new model directory.
     LoraMerge(LoraMergeArgs),
     /// Continue a prompt with a Hugging Face model directory (Llama, Qwen2,
     /// Mistral or GPT-2: config.json, safetensors, tokenizer.json) on the
@@ -303,13 +304,20 @@ struct ExportArgs {
 
 #[derive(clap::Args)]
 struct LoraMergeArgs {
+    /// A run's adapters.safetensors; with --model, a peft adapter directory
+    /// (adapter_model.safetensors + adapter_config.json).
     #[arg(long)]
     adapters: PathBuf,
     /// Base checkpoint or run directory [default: the one the adapters
     /// file records].
-    #[arg(long)]
+    #[arg(long, conflicts_with = "model")]
     base: Option<PathBuf>,
-    /// Default: merged.safetensors beside the adapters.
+    /// A Hugging Face model directory (Llama family or GPT-2) to merge peft
+    /// adapters into; --output is then the new model directory.
+    #[arg(long, requires = "output")]
+    model: Option<PathBuf>,
+    /// Default: merged.safetensors beside the adapters. With --model: a
+    /// directory that does not exist yet (or is empty).
     #[arg(long)]
     output: Option<PathBuf>,
 }

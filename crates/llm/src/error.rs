@@ -64,6 +64,21 @@ pub enum LlmError {
     Tokenizer { path: PathBuf, message: String },
     #[error("{}: {what}", path.display())]
     Adapter { path: PathBuf, what: String },
+    #[error("{}: checksum mismatch: the file records {recorded}, its tensors with adapter_config.json's r/lora_alpha/use_rslora give {computed} (changed since save_adapters wrote it)", path.display())]
+    Checksum {
+        path: PathBuf,
+        recorded: String,
+        computed: String,
+    },
+    #[error("{}: tensor `{name}` holds {value} at element {index}: not finite, nothing merged", path.display())]
+    NonFinite {
+        path: PathBuf,
+        name: String,
+        index: usize,
+        value: f32,
+    },
+    #[error("{}: {what}", path.display())]
+    Merge { path: PathBuf, what: String },
     #[error("{}, line {line}: {what}", path.display())]
     Data {
         path: PathBuf,

@@ -10,7 +10,8 @@
 //! (adapters by Hugging Face module names on the Llama family, and the
 //! loss's gradients with respect to them alone, checked against peft),
 //! `peft` (adapters in and out of peft's `adapter_model.safetensors` +
-//! `adapter_config.json`, and merged into the base), `data` (JSONL
+//! `adapter_config.json`, for both families, and merged into the base),
+//! `merge` (the merged model written as a Hugging Face directory), `data` (JSONL
 //! fine-tuning examples, tokenised, labels -100 off the completion),
 //! `finetune` (LoRA training: AdamW on the adapters, the base frozen).
 
@@ -22,6 +23,7 @@ pub mod forward;
 pub mod generate;
 pub mod lora;
 pub mod math;
+pub mod merge;
 pub mod model;
 pub mod peft;
 pub mod shapes;

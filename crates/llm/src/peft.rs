@@ -1,15 +1,22 @@
 //! LoRA adapters in peft's files, both ways: `adapter_model.safetensors`
-//! (`base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight` [r, in],
-//! `….lora_B.weight` [out, r], f32) and `adapter_config.json` (the keys
-//! `PeftModel.from_pretrained` reads), so adapters trained here load in peft
-//! and peft's load here. Both files are written to a temporary name, synced
-//! and renamed, so a reader never sees half a file. Reading checks every
-//! tensor against the base model and the config and names the file and
-//! tensor when one does not fit; a tensor no target explains is an error,
-//! not skipped. Memory: the adapters' f32 values, once.
+//! (f32 `lora_A.weight` [r, in] and `lora_B.weight` [out, r] under peft's
+//! module names: `base_model.model.model.layers.N.self_attn.q_proj.…` on the
+//! Llama family, `base_model.model.transformer.h.N.attn.c_attn.…` on GPT-2)
+//! and `adapter_config.json` (the keys `PeftModel.from_pretrained` reads;
+//! `fan_in_fan_out` true for GPT-2's Conv1D, false for Linear), so adapters
+//! trained here load in peft and peft's load here. Both files are written to
+//! a temporary name, synced and renamed, so a reader never sees half a file.
+//! The weights file's metadata records `headroom_checksum` (CRC-32 over every
+//! tensor's name, dtype, shape and bytes, and r, lora_alpha, use_rslora),
+//! verified on reading when present (peft's own files have none). Reading
+//! checks every tensor against the base model and the config and names the
+//! file and tensor when one does not fit; a tensor no target explains is an
+//! error, not skipped. Memory: the adapters' f32 values, once.
 //!
-//! Merging (`Model::merge_adapters`) adds scale · B·A into the base weights,
-//! so the cached forward and `generate` run adapted models unchanged.
+//! Merging (`Model::merge_adapters`) checks every adapter (shape, finite
+//! values) before it changes anything, then adds scale · B·A into the base
+//! weights, so the cached forward and `generate` run adapted models
+//! unchanged. `crate::merge` writes the merged model as a directory.
 
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -17,17 +24,17 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, TensorView};
 
-use crate::config::Family;
+use crate::config::{Family, ModelConfig};
 use crate::error::{LlmError, Result};
-use crate::lora::{Adapter, Adapters, TARGETS};
+use crate::lora::{module_keys, targets, Adapter, Adapters, GPT2_TARGETS, TARGETS};
+use crate::math::Layout;
 use crate::model::{Linear, Mlp, Model};
 use crate::weights::WeightStore;
 
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
-
-/// peft's prefix before a Llama-family module key (`layers.N.…`).
-const PREFIX: &str = "base_model.model.model.";
+/// The metadata key of the adapter file's checksum (`crc32:xxxxxxxx`).
+pub const CHECKSUM_KEY: &str = "headroom_checksum";
 
 /// The LoRA settings an adapter directory records.
 #[derive(Clone, Debug, PartialEq)]
@@ -52,60 +59,189 @@ impl LoraConfig {
     }
 }
 
-/// The projection a module key (`layers.N.self_attn.q_proj`) names.
-fn module_mut<'a>(model: &'a mut Model, key: &str) -> Option<&'a mut Linear> {
-    let rest = key.strip_prefix("layers.")?;
-    let (layer, module) = rest.split_once('.')?;
-    let block = model.blocks.get_mut(layer.parse::<usize>().ok()?)?;
-    match module {
-        "self_attn.q_proj" => Some(&mut block.q),
-        "self_attn.k_proj" => Some(&mut block.k),
-        "self_attn.v_proj" => Some(&mut block.v),
-        "self_attn.o_proj" => Some(&mut block.o),
-        _ => match (&mut block.mlp, module) {
-            (Mlp::SwiGlu { gate, .. }, "mlp.gate_proj") => Some(gate),
-            (Mlp::SwiGlu { up, .. }, "mlp.up_proj") => Some(up),
-            (Mlp::SwiGlu { down, .. }, "mlp.down_proj") => Some(down),
-            _ => None,
-        },
+/// peft's prefix before a module key: peft names the modules of the
+/// `…ForCausalLM` / `GPT2LMHeadModel` it wraps.
+fn prefix(family: Family) -> &'static str {
+    match family {
+        Family::Llama => "base_model.model.model.",
+        Family::Gpt2 => "base_model.model.transformer.",
     }
 }
 
-/// (in, out) of the projection a key names.
-fn module_dims(model: &Model, key: &str) -> Option<(usize, usize)> {
-    let rest = key.strip_prefix("layers.")?;
-    let (layer, module) = rest.split_once('.')?;
-    let block = model.blocks.get(layer.parse::<usize>().ok()?)?;
-    let lin = match module {
-        "self_attn.q_proj" => &block.q,
-        "self_attn.k_proj" => &block.k,
-        "self_attn.v_proj" => &block.v,
-        "self_attn.o_proj" => &block.o,
-        _ => match (&block.mlp, module) {
-            (Mlp::SwiGlu { gate, .. }, "mlp.gate_proj") => gate,
-            (Mlp::SwiGlu { up, .. }, "mlp.up_proj") => up,
-            (Mlp::SwiGlu { down, .. }, "mlp.down_proj") => down,
+/// peft's name of an adapter tensor: `part` is `lora_A` or `lora_B`.
+pub fn peft_name(family: Family, key: &str, part: &str) -> String {
+    format!("{}{key}.{part}.weight", prefix(family))
+}
+
+/// The layer a module key names and whether the key is one of `family`'s.
+fn key_layer(family: Family, key: &str) -> Option<usize> {
+    let rest = match family {
+        Family::Llama => key.strip_prefix("layers.")?,
+        Family::Gpt2 => key.strip_prefix("h.")?,
+    };
+    let layer: usize = rest.split_once('.')?.0.parse().ok()?;
+    targets(family)
+        .iter()
+        .any(|t| module_keys(family, layer, t).iter().any(|k| k == key))
+        .then_some(layer)
+}
+
+/// (in, out) of the module a key names, from the config (the shapes
+/// `Model::load` checks the weights against). GPT-2's `c_attn` is the fused
+/// q|k|v: out = 3 · hidden.
+pub fn module_dims(config: &ModelConfig, key: &str) -> Option<(usize, usize)> {
+    let layer = key_layer(config.family, key)?;
+    if layer >= config.num_layers {
+        return None;
+    }
+    let h = config.hidden_size;
+    let inter = config.intermediate_size;
+    let module = key.rsplit('.').next()?;
+    Some(match (config.family, module) {
+        (Family::Llama, "q_proj") => (h, config.num_heads * config.head_dim),
+        (Family::Llama, "k_proj" | "v_proj") => (h, config.num_kv_heads * config.head_dim),
+        (Family::Llama, "o_proj") => (config.num_heads * config.head_dim, h),
+        (Family::Llama, "gate_proj" | "up_proj") => (h, inter),
+        (Family::Llama, "down_proj") => (inter, h),
+        (Family::Gpt2, "c_attn") => (h, 3 * h),
+        (Family::Gpt2, "c_fc") => (h, inter),
+        (Family::Gpt2, "c_proj") if key.contains(".attn.") => (h, h),
+        (Family::Gpt2, "c_proj") => (inter, h),
+        _ => return None,
+    })
+}
+
+/// How the base checkpoint stores the module's weight: [out, in] (Linear)
+/// or [in, out] (GPT-2's Conv1D).
+pub fn layout(family: Family) -> Layout {
+    match family {
+        Family::Llama => Layout::OutIn,
+        Family::Gpt2 => Layout::InOut,
+    }
+}
+
+/// The loaded projections a module key merges into, each with the first
+/// row of B it takes (GPT-2's `c_attn` is split into q, k and v at load).
+fn modules_mut<'a>(model: &'a mut Model, key: &str) -> Option<Vec<(&'a mut Linear, usize)>> {
+    let family = model.config.family;
+    let h = model.config.hidden_size;
+    let layer = key_layer(family, key)?;
+    let block = model.blocks.get_mut(layer)?;
+    let module = key.split_once('.')?.1.split_once('.')?.1;
+    Some(match (family, module) {
+        (Family::Llama, "self_attn.q_proj") => vec![(&mut block.q, 0)],
+        (Family::Llama, "self_attn.k_proj") => vec![(&mut block.k, 0)],
+        (Family::Llama, "self_attn.v_proj") => vec![(&mut block.v, 0)],
+        (Family::Llama, "self_attn.o_proj") => vec![(&mut block.o, 0)],
+        (Family::Gpt2, "attn.c_attn") => {
+            vec![(&mut block.q, 0), (&mut block.k, h), (&mut block.v, 2 * h)]
+        }
+        (Family::Gpt2, "attn.c_proj") => vec![(&mut block.o, 0)],
+        _ => match (&mut block.mlp, module) {
+            (Mlp::SwiGlu { gate, .. }, "mlp.gate_proj") => vec![(gate, 0)],
+            (Mlp::SwiGlu { up, .. }, "mlp.up_proj") => vec![(up, 0)],
+            (Mlp::SwiGlu { down, .. }, "mlp.down_proj") => vec![(down, 0)],
+            (Mlp::Gelu { fc, .. }, "mlp.c_fc") => vec![(fc, 0)],
+            (Mlp::Gelu { proj, .. }, "mlp.c_proj") => vec![(proj, 0)],
             _ => return None,
         },
-    };
-    Some((lin.inp, lin.out))
+    })
 }
 
-/// The module key of `target` in `layer`.
-fn key_of(layer: usize, target: &str) -> String {
-    let part = match target {
-        "q_proj" | "k_proj" | "v_proj" | "o_proj" => "self_attn",
-        _ => "mlp",
-    };
-    format!("layers.{layer}.{part}.{target}")
+/// Adds scale · (B·A) into `w`, a weight of `inp` inputs and `out` outputs
+/// laid out as `layout`, taking B's rows `row0..row0 + out`. Each element is
+/// W + scale · Σ_k B[o][k]·A[k][i] summed in k order whatever the layout, so
+/// the in-memory merge and `crate::merge` give the same f32 bits.
+pub(crate) fn add_delta(
+    w: &mut [f32],
+    layout: Layout,
+    inp: usize,
+    out: usize,
+    row0: usize,
+    ad: &Adapter,
+) {
+    let r = ad.r;
+    match layout {
+        Layout::OutIn => {
+            let mut d = vec![0.0f32; inp];
+            for o in 0..out {
+                d.fill(0.0);
+                let brow = &ad.b[(row0 + o) * r..(row0 + o + 1) * r];
+                for (k, &bv) in brow.iter().enumerate() {
+                    for (dv, &av) in d.iter_mut().zip(&ad.a[k * inp..(k + 1) * inp]) {
+                        *dv += bv * av;
+                    }
+                }
+                for (wv, dv) in w[o * inp..(o + 1) * inp].iter_mut().zip(&d) {
+                    *wv += ad.scale * dv;
+                }
+            }
+        }
+        Layout::InOut => {
+            let mut d = vec![0.0f32; out];
+            for i in 0..inp {
+                d.fill(0.0);
+                for k in 0..r {
+                    let av = ad.a[k * inp + i];
+                    for (o, dv) in d.iter_mut().enumerate() {
+                        *dv += ad.b[(row0 + o) * r + k] * av;
+                    }
+                }
+                for (wv, dv) in w[i * out..(i + 1) * out].iter_mut().zip(&d) {
+                    *wv += ad.scale * dv;
+                }
+            }
+        }
+    }
 }
 
-fn llama_only(model: &Model, what: &str) -> Result<()> {
-    if model.config.family != Family::Llama {
-        return Err(LlmError::Unsupported {
-            path: model.dir.join("config.json"),
-            what: format!("{what} on {}", model.config.architecture),
-        });
+/// Checks every adapter before anything is merged: its key names a module
+/// of the model, A is [r, in] and B [out, r] for that module, and every
+/// value (and the scale) is finite. Errors name the tensor by peft's name
+/// and `source` (the adapter file, or what holds the adapters).
+pub fn check_adapters(config: &ModelConfig, adapters: &Adapters, source: &Path) -> Result<()> {
+    let mut keys: Vec<&String> = adapters.keys().collect();
+    keys.sort();
+    let family = config.family;
+    for key in keys {
+        let ad = &adapters[key];
+        let (inp, out) = module_dims(config, key).ok_or_else(|| LlmError::Adapter {
+            path: source.to_path_buf(),
+            what: format!(
+                "adapter `{key}` names no module of {} ({} layers)",
+                config.architecture, config.num_layers
+            ),
+        })?;
+        for (part, values, shape) in [
+            ("lora_A", &ad.a, [ad.r, inp]),
+            ("lora_B", &ad.b, [out, ad.r]),
+        ] {
+            let name = peft_name(family, key, part);
+            if ad.r == 0 || values.len() != shape[0] * shape[1] {
+                return Err(LlmError::Adapter {
+                    path: source.to_path_buf(),
+                    what: format!(
+                        "tensor `{name}` has {} values, but r {} on the module's [in {inp}, out {out}] needs shape {shape:?}",
+                        values.len(),
+                        ad.r
+                    ),
+                });
+            }
+            if let Some((index, &value)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                return Err(LlmError::NonFinite {
+                    path: source.to_path_buf(),
+                    name,
+                    index,
+                    value,
+                });
+            }
+        }
+        if !ad.scale.is_finite() {
+            return Err(LlmError::Adapter {
+                path: source.to_path_buf(),
+                what: format!("adapter `{key}` has scale {}: not finite", ad.scale),
+            });
+        }
     }
     Ok(())
 }
@@ -131,25 +267,75 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     std::fs::rename(&tmp, path).map_err(io(path))
 }
 
+/// The checksum of an adapter file: CRC-32 over each tensor (sorted by
+/// name: its name, dtype, rank, dims, byte count and bytes) and then r,
+/// lora_alpha's f32 bits and use_rslora, written `crc32:xxxxxxxx`.
+pub fn checksum<'a>(
+    tensors: impl IntoIterator<Item = (&'a str, Dtype, &'a [usize], &'a [u8])>,
+    config: &LoraConfig,
+) -> String {
+    let mut sorted: Vec<_> = tensors.into_iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(b.0));
+    let mut h = crc32fast::Hasher::new();
+    for (name, dtype, shape, bytes) in sorted {
+        h.update(name.as_bytes());
+        h.update(&[0]);
+        h.update(format!("{dtype:?}").as_bytes());
+        h.update(&[0]);
+        h.update(&(shape.len() as u64).to_le_bytes());
+        for &d in shape {
+            h.update(&(d as u64).to_le_bytes());
+        }
+        h.update(&(bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    }
+    h.update(&(config.r as u64).to_le_bytes());
+    h.update(&config.alpha.to_bits().to_le_bytes());
+    h.update(&[u8::from(config.use_rslora)]);
+    format!("crc32:{:08x}", h.finalize())
+}
+
 /// Writes `adapters` into `dir` (made if missing) as peft writes them.
+/// Every adapter key must be a module of a `config.target_modules` entry,
+/// so the files read back.
 pub fn save_adapters(
     dir: &Path,
     model: &Model,
     adapters: &Adapters,
     config: &LoraConfig,
 ) -> Result<()> {
-    llama_only(model, "LoRA adapter files")?;
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let mc = &model.config;
+    let family = mc.family;
     let weights_path = dir.join(ADAPTER_WEIGHTS);
+    check_targets(
+        &weights_path,
+        family,
+        &mc.architecture,
+        &config.target_modules,
+    )?;
     let mut keys: Vec<&String> = adapters.keys().collect();
     keys.sort();
     let mut blobs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for key in keys {
         let ad = &adapters[key];
-        let (inp, out) = module_dims(model, key).ok_or_else(|| LlmError::Adapter {
+        let (inp, out) = module_dims(mc, key).ok_or_else(|| LlmError::Adapter {
             path: weights_path.clone(),
             what: format!("adapter `{key}` names no module of the model"),
         })?;
+        let layer = key_layer(family, key).unwrap_or(0);
+        if !config
+            .target_modules
+            .iter()
+            .any(|t| module_keys(family, layer, t).iter().any(|k| k == key))
+        {
+            return Err(LlmError::Adapter {
+                path: weights_path.clone(),
+                what: format!(
+                    "adapter `{key}` is of no target_modules entry {:?}",
+                    config.target_modules
+                ),
+            });
+        }
         if ad.r != config.r || ad.a.len() != ad.r * inp || ad.b.len() != out * ad.r {
             return Err(LlmError::Adapter {
                 path: weights_path.clone(),
@@ -166,16 +352,22 @@ pub fn save_adapters(
         }
         let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         blobs.push((
-            format!("{PREFIX}{key}.lora_A.weight"),
+            peft_name(family, key, "lora_A"),
             vec![ad.r, inp],
             bytes(&ad.a),
         ));
         blobs.push((
-            format!("{PREFIX}{key}.lora_B.weight"),
+            peft_name(family, key, "lora_B"),
             vec![out, ad.r],
             bytes(&ad.b),
         ));
     }
+    let sum = checksum(
+        blobs
+            .iter()
+            .map(|(n, shape, data)| (n.as_str(), Dtype::F32, shape.as_slice(), data.as_slice())),
+        config,
+    );
     let mut views = Vec::with_capacity(blobs.len());
     for (name, shape, data) in &blobs {
         let view = TensorView::new(Dtype::F32, shape.clone(), data).map_err(|source| {
@@ -186,10 +378,14 @@ pub fn save_adapters(
         })?;
         views.push((name.clone(), view));
     }
+    // peft reads `format` and ignores other keys.
     let metadata = Some(
-        [("format".to_string(), "pt".to_string())]
-            .into_iter()
-            .collect(),
+        [
+            ("format".to_string(), "pt".to_string()),
+            (CHECKSUM_KEY.to_string(), sum),
+        ]
+        .into_iter()
+        .collect(),
     );
     let bytes =
         safetensors::serialize(views, metadata).map_err(|source| LlmError::Safetensors {
@@ -205,7 +401,8 @@ pub fn save_adapters(
         "lora_dropout": shortest(config.dropout),
         "target_modules": config.target_modules,
         "bias": "none",
-        "fan_in_fan_out": false,
+        // peft sets it for Conv1D (GPT-2), whose weight is [in, out].
+        "fan_in_fan_out": family == Family::Gpt2,
         "use_rslora": config.use_rslora,
         "use_dora": false,
         "init_lora_weights": true,
@@ -222,9 +419,25 @@ pub fn save_adapters(
         path: config_path.clone(),
         source,
     })?;
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
     // Weights first: a directory whose config exists has its weights.
     write_atomic(&weights_path, &bytes)?;
     write_atomic(&config_path, text.as_bytes())
+}
+
+/// Every target must be one of `family`'s module names.
+fn check_targets(path: &Path, family: Family, arch: &str, target_modules: &[String]) -> Result<()> {
+    let names = targets(family);
+    if let Some(bad) = target_modules.iter().find(|t| !names.contains(&t.as_str())) {
+        return Err(LlmError::Adapter {
+            path: path.to_path_buf(),
+            what: format!(
+                "target_modules names `{bad}`, not a LoRA target of {arch}; its targets are {}",
+                names.join(", ")
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// An f32 as the f64 of its shortest decimal form, so 0.1 is written 0.1
@@ -242,8 +455,41 @@ fn key_error(path: &Path, key: &str, problem: &'static str, expected: &'static s
     }
 }
 
-/// Reads `dir/adapter_config.json`.
+/// Reads `dir/adapter_config.json` on its own: targets of either family
+/// (Llama's or GPT-2's names) and either `fan_in_fan_out`;
+/// [`read_config_for`] checks them against a family.
 pub fn read_config(dir: &Path) -> Result<LoraConfig> {
+    read_config_raw(dir).map(|(config, _)| config)
+}
+
+/// Reads `dir/adapter_config.json` for a model of `family`: every target
+/// one of the family's (`lora::targets`), and `fan_in_fan_out` true for
+/// GPT-2 (its Conv1D weights are [in, out]; peft sets it) and false for the
+/// Llama family (a missing key is peft's default, false, and accepted for
+/// GPT-2 too: peft itself turns it on for Conv1D).
+pub fn read_config_for(dir: &Path, family: Family, arch: &str) -> Result<LoraConfig> {
+    let path = dir.join(ADAPTER_CONFIG);
+    let (config, fan_in_fan_out) = read_config_raw(dir)?;
+    check_targets(&path, family, arch, &config.target_modules)?;
+    match (family, fan_in_fan_out) {
+        (Family::Llama, Some(true)) => Err(LlmError::Adapter {
+            path,
+            what: format!(
+                "`fan_in_fan_out` is true, which describes [in, out] (Conv1D) weights; {arch} stores its Linear weights [out, in] (fan_in_fan_out false)"
+            ),
+        }),
+        (Family::Gpt2, Some(false)) => Err(LlmError::Adapter {
+            path,
+            what: format!(
+                "`fan_in_fan_out` is false, but {arch}'s Conv1D weights are [in, out] (peft writes fan_in_fan_out true for them)"
+            ),
+        }),
+        _ => Ok(config),
+    }
+}
+
+/// The config and `fan_in_fan_out` as written (None when absent).
+fn read_config_raw(dir: &Path) -> Result<(LoraConfig, Option<bool>)> {
     let path = dir.join(ADAPTER_CONFIG);
     let text = std::fs::read_to_string(&path).map_err(io(&path))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|source| LlmError::Json {
@@ -290,25 +536,25 @@ pub fn read_config(dir: &Path) -> Result<LoraConfig> {
         })?;
     let mut target_modules = BTreeSet::new();
     for t in targets {
-        let t = t.as_str().filter(|t| TARGETS.contains(t)).ok_or_else(|| {
-            key_error(
-                &path,
-                "target_modules",
-                "names a module LoRA here does not cover",
-                "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj",
-            )
-        })?;
+        let t = t
+            .as_str()
+            .filter(|t| TARGETS.contains(t) || GPT2_TARGETS.contains(t))
+            .ok_or_else(|| {
+                key_error(
+                    &path,
+                    "target_modules",
+                    "names a module LoRA here does not cover",
+                    "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (Llama family) or c_attn, c_proj, c_fc (GPT-2)",
+                )
+            })?;
         target_modules.insert(t.to_string());
     }
+    let fan_in_fan_out = v.get("fan_in_fan_out").and_then(|x| x.as_bool());
     // Settings that change what the files mean and that this reader does not apply.
     let unsupported = [
         (
             "use_dora",
             v.get("use_dora").and_then(|x| x.as_bool()) == Some(true),
-        ),
-        (
-            "fan_in_fan_out",
-            v.get("fan_in_fan_out").and_then(|x| x.as_bool()) == Some(true),
         ),
         (
             "bias",
@@ -343,111 +589,130 @@ pub fn read_config(dir: &Path) -> Result<LoraConfig> {
             what: format!("`{key}` as set here"),
         });
     }
-    Ok(LoraConfig {
-        r,
-        alpha,
-        dropout,
-        target_modules: target_modules.into_iter().collect(),
-        use_rslora,
-    })
+    Ok((
+        LoraConfig {
+            r,
+            alpha,
+            dropout,
+            target_modules: target_modules.into_iter().collect(),
+            use_rslora,
+        },
+        fan_in_fan_out,
+    ))
 }
 
 /// Reads the adapters of `dir` (peft's files) for `model`: every layer's
-/// `target_modules`, checked against the base's shapes and the config's r.
+/// `target_modules`, checked against the base's shapes and the config's r,
+/// and the checksum when the file records one.
 pub fn load_adapters(dir: &Path, model: &Model) -> Result<(Adapters, LoraConfig)> {
-    llama_only(model, "LoRA adapter files")?;
-    let config = read_config(dir)?;
+    load_for(dir, &model.config)
+}
+
+/// [`load_adapters`] against a model's config alone (no weights loaded).
+pub fn load_for(dir: &Path, mc: &ModelConfig) -> Result<(Adapters, LoraConfig)> {
+    let family = mc.family;
+    let config = read_config_for(dir, family, &mc.architecture)?;
     let path: PathBuf = dir.join(ADAPTER_WEIGHTS);
     let store = WeightStore::open_file(&path)?;
     let mut adapters = Adapters::new();
     let mut used = BTreeSet::new();
-    for layer in 0..model.blocks.len() {
+    for layer in 0..mc.num_layers {
         for target in &config.target_modules {
-            let key = key_of(layer, target);
-            let (inp, out) = module_dims(model, &key).ok_or_else(|| LlmError::Adapter {
-                path: path.clone(),
-                what: format!("`{key}` is not a module of the base model"),
-            })?;
-            let a_name = format!("{PREFIX}{key}.lora_A.weight");
-            let b_name = format!("{PREFIX}{key}.lora_B.weight");
-            for name in [&a_name, &b_name] {
-                let Some(shape) = store.shape(name) else {
-                    return Err(LlmError::MissingTensor {
-                        path: path.clone(),
-                        name: name.clone(),
-                    });
-                };
-                let rank = if name == &a_name {
-                    shape.first()
-                } else {
-                    shape.get(1)
-                };
-                if shape.len() == 2 && rank != Some(&config.r) {
-                    return Err(LlmError::Adapter {
-                        path: path.clone(),
-                        what: format!(
-                            "tensor `{name}` has shape {shape:?}: rank {} disagrees with r = {} in {ADAPTER_CONFIG}",
-                            rank.copied().unwrap_or(0),
-                            config.r
-                        ),
-                    });
+            for key in module_keys(family, layer, target) {
+                let (inp, out) = module_dims(mc, &key).ok_or_else(|| LlmError::Adapter {
+                    path: path.clone(),
+                    what: format!("`{key}` is not a module of the base model"),
+                })?;
+                let a_name = peft_name(family, &key, "lora_A");
+                let b_name = peft_name(family, &key, "lora_B");
+                for name in [&a_name, &b_name] {
+                    let Some(shape) = store.shape(name) else {
+                        return Err(LlmError::MissingTensor {
+                            path: path.clone(),
+                            name: name.clone(),
+                        });
+                    };
+                    let rank = if name == &a_name {
+                        shape.first()
+                    } else {
+                        shape.get(1)
+                    };
+                    if shape.len() == 2 && rank != Some(&config.r) {
+                        return Err(LlmError::Adapter {
+                            path: path.clone(),
+                            what: format!(
+                                "tensor `{name}` has shape {shape:?}: rank {} disagrees with r = {} in {ADAPTER_CONFIG}",
+                                rank.copied().unwrap_or(0),
+                                config.r
+                            ),
+                        });
+                    }
                 }
+                let a = store.take(&a_name, &[config.r, inp])?.data;
+                let b = store.take(&b_name, &[out, config.r])?.data;
+                used.insert(a_name);
+                used.insert(b_name);
+                adapters.insert(
+                    key,
+                    Adapter {
+                        a,
+                        b,
+                        r: config.r,
+                        scale: config.scale(),
+                    },
+                );
             }
-            let a = store.take(&a_name, &[config.r, inp])?.data;
-            let b = store.take(&b_name, &[out, config.r])?.data;
-            used.insert(a_name);
-            used.insert(b_name);
-            adapters.insert(
-                key,
-                Adapter {
-                    a,
-                    b,
-                    r: config.r,
-                    scale: config.scale(),
-                },
-            );
         }
     }
-    if let Some(extra) = store.names().into_iter().find(|n| !used.contains(n)) {
+    let names = store.names();
+    if let Some(extra) = names.iter().find(|n| !used.contains(*n)) {
         return Err(LlmError::Adapter {
             path,
             what: format!(
                 "tensor `{extra}` is not a lora_A/lora_B of the target_modules {:?} on {} layers",
-                config.target_modules,
-                model.blocks.len()
+                config.target_modules, mc.num_layers
             ),
         });
+    }
+    if let Some(recorded) = store.file_metadata().and_then(|m| m.get(CHECKSUM_KEY)) {
+        let mut tensors = Vec::with_capacity(names.len());
+        for name in &names {
+            if let Some((info, bytes, _)) = store.raw(name) {
+                tensors.push((name.as_str(), info.dtype, info.shape.as_slice(), bytes));
+            }
+        }
+        let computed = checksum(tensors, &config);
+        if &computed != recorded {
+            return Err(LlmError::Checksum {
+                path,
+                recorded: recorded.clone(),
+                computed,
+            });
+        }
     }
     Ok((adapters, config))
 }
 
 impl Model {
-    /// Adds each adapter's scale · B·A into its base weight ([out, in]), so
-    /// every forward (the cache, `generate`) runs the adapted model.
+    /// Adds each adapter's scale · B·A into its base weight (as the
+    /// checkpoint lays it out: [out, in], or GPT-2's [in, out] with
+    /// `c_attn`'s B rows split over q, k and v), so every forward (the
+    /// cache, `generate`) runs the adapted model. Every adapter is checked
+    /// first ([`check_adapters`]): on an error nothing is merged.
     pub fn merge_adapters(&mut self, adapters: &Adapters) -> Result<()> {
-        llama_only(self, "merging LoRA adapters")?;
+        check_adapters(
+            &self.config,
+            adapters,
+            Path::new("adapters being merged in memory"),
+        )?;
         for (key, ad) in adapters {
-            let lin = module_mut(self, key).ok_or_else(|| {
-                LlmError::Input(format!("adapter `{key}` names no module of the model"))
-            })?;
-            let (inp, out) = (lin.inp, lin.out);
-            if ad.a.len() != ad.r * inp || ad.b.len() != out * ad.r {
+            let Some(parts) = modules_mut(self, key) else {
                 return Err(LlmError::Input(format!(
-                    "adapter `{key}`: A {} and B {} values do not fit [{out}, {inp}] at r {}",
-                    ad.a.len(),
-                    ad.b.len(),
-                    ad.r
+                    "adapter `{key}` names no module of the model"
                 )));
-            }
-            for o in 0..out {
-                let brow = &ad.b[o * ad.r..(o + 1) * ad.r];
-                let wrow = &mut lin.weight[o * inp..(o + 1) * inp];
-                for (k, &bv) in brow.iter().enumerate() {
-                    let arow = &ad.a[k * inp..(k + 1) * inp];
-                    for (w, &av) in wrow.iter_mut().zip(arow) {
-                        *w += ad.scale * bv * av;
-                    }
-                }
+            };
+            for (lin, row0) in parts {
+                add_delta(&mut lin.weight, lin.layout, lin.inp, lin.out, row0, ad);
             }
         }
         Ok(())

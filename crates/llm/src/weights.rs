@@ -10,7 +10,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
-use safetensors::tensor::{Dtype, Metadata};
+use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 use safetensors::SafeTensors;
 
 use crate::error::{LlmError, Result};
@@ -21,6 +21,15 @@ struct Shard {
     /// Where the data starts (after the 8-byte length and the header).
     data_start: usize,
     metadata: Metadata,
+}
+
+/// One file of the store as its bytes: the header (length prefix, JSON and
+/// padding) as written, and the data its tensors' offsets index.
+pub(crate) struct RawShard<'a> {
+    pub path: &'a Path,
+    pub header: &'a [u8],
+    pub data: &'a [u8],
+    pub metadata: &'a Metadata,
 }
 
 /// A tensor converted to f32, with its shape.
@@ -182,6 +191,31 @@ impl WeightStore {
     /// The file (or index) a message about the weights names.
     pub fn source(&self) -> &Path {
         &self.source
+    }
+
+    /// Every file, in the order opened, as its mapped bytes (merging copies
+    /// them through, `crate::merge`).
+    pub(crate) fn raw_shards(&self) -> impl Iterator<Item = RawShard<'_>> {
+        self.shards.iter().map(|s| RawShard {
+            path: &s.path,
+            header: &s.map[..s.data_start],
+            data: &s.map[s.data_start..],
+            metadata: &s.metadata,
+        })
+    }
+
+    /// A tensor's header entry, its bytes as stored and its file.
+    pub(crate) fn raw(&self, name: &str) -> Option<(&TensorInfo, &[u8], &Path)> {
+        let shard = &self.shards[*self.index.get(name)?];
+        let info = shard.metadata.info(name)?;
+        let (start, end) = info.data_offsets;
+        let bytes = &shard.map[shard.data_start + start..shard.data_start + end];
+        Some((info, bytes, &shard.path))
+    }
+
+    /// The `__metadata__` of the first file (an adapter file's only one).
+    pub(crate) fn file_metadata(&self) -> Option<&std::collections::HashMap<String, String>> {
+        self.shards.first()?.metadata.metadata().as_ref()
     }
 
     /// The tensor `name` as f32, which must have shape `expected`.
