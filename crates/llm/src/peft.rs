@@ -26,7 +26,8 @@ use safetensors::tensor::{Dtype, TensorView};
 
 use crate::config::{Family, ModelConfig};
 use crate::error::{LlmError, Result};
-use crate::lora::{module_keys, targets, Adapter, Adapters, GPT2_TARGETS, TARGETS};
+pub use crate::lora::module_dims;
+use crate::lora::{key_layer, module_keys, targets, Adapter, Adapters, GPT2_TARGETS, TARGETS};
 use crate::math::Layout;
 use crate::model::{Linear, Mlp, Model};
 use crate::weights::WeightStore;
@@ -71,44 +72,6 @@ fn prefix(family: Family) -> &'static str {
 /// peft's name of an adapter tensor: `part` is `lora_A` or `lora_B`.
 pub fn peft_name(family: Family, key: &str, part: &str) -> String {
     format!("{}{key}.{part}.weight", prefix(family))
-}
-
-/// The layer a module key names and whether the key is one of `family`'s.
-fn key_layer(family: Family, key: &str) -> Option<usize> {
-    let rest = match family {
-        Family::Llama => key.strip_prefix("layers.")?,
-        Family::Gpt2 => key.strip_prefix("h.")?,
-    };
-    let layer: usize = rest.split_once('.')?.0.parse().ok()?;
-    targets(family)
-        .iter()
-        .any(|t| module_keys(family, layer, t).iter().any(|k| k == key))
-        .then_some(layer)
-}
-
-/// (in, out) of the module a key names, from the config (the shapes
-/// `Model::load` checks the weights against). GPT-2's `c_attn` is the fused
-/// q|k|v: out = 3 · hidden.
-pub fn module_dims(config: &ModelConfig, key: &str) -> Option<(usize, usize)> {
-    let layer = key_layer(config.family, key)?;
-    if layer >= config.num_layers {
-        return None;
-    }
-    let h = config.hidden_size;
-    let inter = config.intermediate_size;
-    let module = key.rsplit('.').next()?;
-    Some(match (config.family, module) {
-        (Family::Llama, "q_proj") => (h, config.num_heads * config.head_dim),
-        (Family::Llama, "k_proj" | "v_proj") => (h, config.num_kv_heads * config.head_dim),
-        (Family::Llama, "o_proj") => (config.num_heads * config.head_dim, h),
-        (Family::Llama, "gate_proj" | "up_proj") => (h, inter),
-        (Family::Llama, "down_proj") => (inter, h),
-        (Family::Gpt2, "c_attn") => (h, 3 * h),
-        (Family::Gpt2, "c_fc") => (h, inter),
-        (Family::Gpt2, "c_proj") if key.contains(".attn.") => (h, h),
-        (Family::Gpt2, "c_proj") => (inter, h),
-        _ => return None,
-    })
 }
 
 /// How the base checkpoint stores the module's weight: [out, in] (Linear)

@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use crate::error::{LlmError, Result};
 use crate::lora::attention::Shape;
 use crate::lora::block::{norm_backward, Ctx};
-use crate::lora::{module_shape, AdapterGrads, Adapters, Dropout};
+use crate::lora::{module_dims, AdapterGrads, Adapters, Dropout};
 use crate::math::{gemm_strided, matmul, View};
 use crate::model::Model;
 
@@ -107,7 +107,7 @@ impl Model {
     /// Every adapter names one of this model's modules and fits it.
     fn check_adapters(&self, adapters: &Adapters) -> Result<()> {
         for (key, ad) in adapters {
-            let (inp, out) = module_shape(self, key).ok_or_else(|| {
+            let (inp, out) = module_dims(&self.config, key).ok_or_else(|| {
                 LlmError::Input(format!(
                     "adapter `{key}` names no module of {}",
                     self.config.architecture

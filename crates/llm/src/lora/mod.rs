@@ -17,9 +17,9 @@
 
 use std::collections::HashMap;
 
-use crate::config::Family;
+use crate::config::{Family, ModelConfig};
 use crate::error::{LlmError, Result};
-use crate::model::{Linear, Mlp, Model};
+use crate::model::Model;
 
 mod attention;
 mod block;
@@ -89,37 +89,42 @@ pub fn module_keys(family: Family, layer: usize, target: &str) -> Vec<String> {
     }
 }
 
-/// The (in, out) of the module an adapter key names, if it names one of
-/// `model`'s: GPT-2's `c_attn` is the fused q|k|v, out = 3 · hidden.
-pub fn module_shape(model: &Model, key: &str) -> Option<(usize, usize)> {
-    let lin = |l: &Linear| Some((l.inp, l.out));
-    match model.config.family {
-        Family::Llama => {
-            let (layer, module) = key.strip_prefix("layers.")?.split_once('.')?;
-            let block = model.blocks.get(layer.parse::<usize>().ok()?)?;
-            match (module, &block.mlp) {
-                ("self_attn.q_proj", _) => lin(&block.q),
-                ("self_attn.k_proj", _) => lin(&block.k),
-                ("self_attn.v_proj", _) => lin(&block.v),
-                ("self_attn.o_proj", _) => lin(&block.o),
-                ("mlp.gate_proj", Mlp::SwiGlu { gate, .. }) => lin(gate),
-                ("mlp.up_proj", Mlp::SwiGlu { up, .. }) => lin(up),
-                ("mlp.down_proj", Mlp::SwiGlu { down, .. }) => lin(down),
-                _ => None,
-            }
-        }
-        Family::Gpt2 => {
-            let (layer, module) = key.strip_prefix("h.")?.split_once('.')?;
-            let block = model.blocks.get(layer.parse::<usize>().ok()?)?;
-            match (module, &block.mlp) {
-                ("attn.c_attn", _) => Some((block.q.inp, block.q.out + block.k.out + block.v.out)),
-                ("attn.c_proj", _) => lin(&block.o),
-                ("mlp.c_fc", Mlp::Gelu { fc, .. }) => lin(fc),
-                ("mlp.c_proj", Mlp::Gelu { proj, .. }) => lin(proj),
-                _ => None,
-            }
-        }
+/// The layer a module key names and whether the key is one of `family`'s.
+pub(crate) fn key_layer(family: Family, key: &str) -> Option<usize> {
+    let rest = match family {
+        Family::Llama => key.strip_prefix("layers.")?,
+        Family::Gpt2 => key.strip_prefix("h.")?,
+    };
+    let layer: usize = rest.split_once('.')?.0.parse().ok()?;
+    targets(family)
+        .iter()
+        .any(|t| module_keys(family, layer, t).iter().any(|k| k == key))
+        .then_some(layer)
+}
+
+/// (in, out) of the module a key names, from the config (the shapes
+/// `Model::load` checks the weights against). GPT-2's `c_attn` is the fused
+/// q|k|v: out = 3 · hidden.
+pub fn module_dims(config: &ModelConfig, key: &str) -> Option<(usize, usize)> {
+    let layer = key_layer(config.family, key)?;
+    if layer >= config.num_layers {
+        return None;
     }
+    let h = config.hidden_size;
+    let inter = config.intermediate_size;
+    let module = key.rsplit('.').next()?;
+    Some(match (config.family, module) {
+        (Family::Llama, "q_proj") => (h, config.num_heads * config.head_dim),
+        (Family::Llama, "k_proj" | "v_proj") => (h, config.num_kv_heads * config.head_dim),
+        (Family::Llama, "o_proj") => (config.num_heads * config.head_dim, h),
+        (Family::Llama, "gate_proj" | "up_proj") => (h, inter),
+        (Family::Llama, "down_proj") => (inter, h),
+        (Family::Gpt2, "c_attn") => (h, 3 * h),
+        (Family::Gpt2, "c_fc") => (h, inter),
+        (Family::Gpt2, "c_proj") if key.contains(".attn.") => (h, h),
+        (Family::Gpt2, "c_proj") => (inter, h),
+        _ => return None,
+    })
 }
 
 /// Adapters on every layer's `target_modules` (Hugging Face names, see
@@ -159,7 +164,7 @@ pub fn new_adapters(
         }
         for layer in 0..model.blocks.len() {
             for key in module_keys(c.family, layer, target) {
-                let Some((inp, out)) = module_shape(model, &key) else {
+                let Some((inp, out)) = module_dims(&model.config, &key) else {
                     continue;
                 };
                 let bound = 1.0 / (inp as f64).sqrt();
