@@ -45,6 +45,31 @@ pub(super) struct Tape {
     adapters: HashMap<&'static str, AdapterTape>,
 }
 
+impl Tape {
+    /// The bytes the tape holds.
+    pub(super) fn bytes(&self) -> usize {
+        let vectors = [
+            &self.n1,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.lse,
+            &self.attn,
+            &self.x_mid,
+            &self.n2,
+            &self.pre,
+            &self.up,
+            &self.hidden,
+        ];
+        let adapters: usize = self
+            .adapters
+            .values()
+            .map(|a| a.xa.len() + a.mask.as_ref().map_or(0, Vec::len))
+            .sum();
+        (vectors.iter().map(|v| v.len()).sum::<usize>() + adapters) * std::mem::size_of::<f32>()
+    }
+}
+
 /// A block's context: the model, the adapters, the attention's shape and
 /// n = batch · T rows.
 pub(super) struct Ctx<'a> {

@@ -4,7 +4,8 @@
 //! counted positions a chunk at a time, so no more than `HEAD_CHUNK_VALUES`
 //! logits exist at once, however long the sequence or wide the vocabulary;
 //! the backward recomputes each block from its checkpoint, with the same
-//! dropout masks, just before running back through it.
+//! dropout masks, just before running back through it, unless the caller
+//! gave room to keep that block's activations from the forward.
 
 use rayon::prelude::*;
 
@@ -41,6 +42,22 @@ impl Model {
         batch: &[Vec<u32>],
         labels: &[Vec<i64>],
         dropout: Option<&mut Dropout>,
+    ) -> Result<(f32, AdapterGrads)> {
+        self.lora_gradients_kept(adapters, batch, labels, dropout, 0)
+    }
+
+    /// [`Model::lora_gradients_with`] keeping blocks' activations from the
+    /// forward for the backward while they fit in `keep_bytes` (from the
+    /// first block on), recomputing only the others: each block kept saves
+    /// one block's forward. 0 recomputes every block (the leanest pass);
+    /// the result is the same bits either way.
+    pub fn lora_gradients_kept(
+        &self,
+        adapters: &Adapters,
+        batch: &[Vec<u32>],
+        labels: &[Vec<i64>],
+        dropout: Option<&mut Dropout>,
+        keep_bytes: usize,
     ) -> Result<(f32, AdapterGrads)> {
         if let Some(d) = &dropout {
             if !(0.0..1.0).contains(&d.p) {
@@ -80,9 +97,14 @@ impl Model {
         let layers = self.blocks.len();
         let mut inputs = Vec::with_capacity(layers);
         let mut streams = Vec::with_capacity(layers);
+        let mut kept = Vec::with_capacity(layers);
+        let mut kept_bytes = 0usize;
         for layer in 0..layers {
             streams.push(stream.clone());
-            let (next, _tape) = ctx.forward(layer, &x, &mut stream);
+            let (next, tape) = ctx.forward(layer, &x, &mut stream);
+            let fits = kept_bytes + tape.bytes() <= keep_bytes;
+            kept_bytes += if fits { tape.bytes() } else { 0 };
+            kept.push(fits.then_some(tape));
             inputs.push(std::mem::replace(&mut x, next));
         }
         if let (Some(d), Some(s)) = (dropout, stream) {
@@ -97,8 +119,13 @@ impl Model {
             let x_in = inputs.pop().ok_or_else(|| {
                 LlmError::Input("internal: a block's checkpoint is missing".into())
             })?;
-            let mut replay = streams[layer].clone();
-            let (_, tape) = ctx.forward(layer, &x_in, &mut replay);
+            let tape = match kept.pop().flatten() {
+                Some(tape) => tape,
+                None => {
+                    let mut replay = streams[layer].clone();
+                    ctx.forward(layer, &x_in, &mut replay).1
+                }
+            };
             dx = ctx.backward(layer, &x_in, &tape, &dx, &mut grads);
         }
         Ok((loss, grads))
