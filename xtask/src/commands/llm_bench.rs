@@ -44,6 +44,11 @@ pub struct BenchLlmArgs {
     /// Compute threads for both sides (default: every core).
     #[arg(long, value_parser = crate::at_least_one())]
     threads: Option<usize>,
+    /// Keep blocks' activations for the backward within this many bytes
+    /// (e.g. 2GiB) instead of recomputing them (headroom's side only; the
+    /// default recomputes every block, as gradient checkpointing does).
+    #[arg(long, value_name = "BYTES")]
+    keep_activations: Option<String>,
     /// Also time transformers + peft (f32 on the CPU) on the same model.
     #[arg(long)]
     compare_peft: bool,
@@ -85,7 +90,8 @@ pub fn run(args: BenchLlmArgs) -> Result<()> {
         None
     };
     println!(
-        "LoRA r {} alpha {} on {}, sequence {}, {} timed sequence(s) after {} warm-up, {} thread(s): {}",
+        "LoRA r {} alpha {} on {}, sequence {}, {} timed sequence(s) after {} warm-up, {} thread(s), \
+         headroom {}: {}",
         args.r,
         args.alpha,
         args.target.join(","),
@@ -93,6 +99,10 @@ pub fn run(args: BenchLlmArgs) -> Result<()> {
         args.steps,
         args.warmup,
         ours.threads,
+        match &args.keep_activations {
+            Some(k) => format!("keeping activations within {k}"),
+            None => "recomputing every block".into(),
+        },
         dir.display()
     );
     println!("| side | tokens/s | s/sequence | peak RSS MiB | load s | loss |");
@@ -170,6 +180,9 @@ fn child(dir: &Path, args: &BenchLlmArgs) -> Result<Side> {
     if let Some(t) = args.threads {
         cmd.args(["--threads", &t.to_string()]);
     }
+    if let Some(k) = &args.keep_activations {
+        cmd.args(["--keep-activations", k]);
+    }
     let output = cmd.output().context("running bench-llm --one")?;
     if !output.status.success() {
         bail!(
@@ -201,6 +214,10 @@ fn time_ours(dir: &Path, args: &BenchLlmArgs) -> Result<Side> {
             .build_global()
             .context("starting the compute threads")?;
     }
+    let keep = match &args.keep_activations {
+        Some(text) => headroom_pipeline::config::parse_bytes("--keep-activations", text)? as usize,
+        None => 0,
+    };
     let start = Instant::now();
     let model = Model::load(dir)?;
     let targets: Vec<&str> = args.target.iter().map(String::as_str).collect();
@@ -234,7 +251,7 @@ fn time_ours(dir: &Path, args: &BenchLlmArgs) -> Result<Side> {
             .collect();
         let labels: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
         let t0 = Instant::now();
-        let (l, grads) = model.lora_gradients(&adapters, &[ids], &[labels])?;
+        let (l, grads) = model.lora_gradients_kept(&adapters, &[ids], &[labels], None, keep)?;
         for (key, (da, db)) in &grads {
             let (Some(ad), Some((m, v))) = (adapters.get_mut(key), moments.get_mut(key)) else {
                 continue;
