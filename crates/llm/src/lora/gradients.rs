@@ -21,7 +21,77 @@ use crate::model::Model;
 /// head's weights does a worthwhile amount of work.
 const HEAD_CHUNK_VALUES: usize = 1 << 24;
 
+/// What a LoRA gradient pass holds beyond the model and the adapters, in
+/// bytes, by part: sized from the shapes before anything is allocated, so
+/// a run that cannot fit is refused before its first step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PassMemory {
+    /// Each block's input, kept across the forward (layers · n · hidden).
+    pub checkpoints: usize,
+    /// One block's activations while it is run back (or every kept one).
+    pub block: usize,
+    /// The loss's chunk of logits and the gradient of the normed rows.
+    pub head: usize,
+    /// The adapters' gradients.
+    pub gradients: usize,
+    /// The matrix product's packing buffers, bounded by the caches
+    /// (`PRODUCT_WORKSPACE` per compute thread), kept by each thread after
+    /// its first product.
+    pub workspace: usize,
+}
+
+/// The most a compute thread's matrix products hold for packing (the gemm
+/// crate sizes its buffers by the L2 and L3 caches).
+const PRODUCT_WORKSPACE: usize = 4 << 20;
+
+impl PassMemory {
+    /// Everything but the product workspace: what a pass allocates anew
+    /// each time.
+    pub fn per_pass(&self) -> usize {
+        self.checkpoints + self.block + self.head + self.gradients
+    }
+
+    pub fn total(&self) -> usize {
+        self.per_pass() + self.workspace
+    }
+}
+
 impl Model {
+    /// The memory of [`Model::lora_gradients`] on `rows` rows of `t`
+    /// tokens with adapters of `adapter_values` values in all, `rank` r
+    /// on `adapted` modules per block (an upper bound: every tape vector at
+    /// its largest, both temporaries of a product).
+    pub fn lora_pass_memory(
+        &self,
+        rows: usize,
+        t: usize,
+        adapter_values: usize,
+        rank: usize,
+        adapted: usize,
+    ) -> PassMemory {
+        let c = &self.config;
+        let f = std::mem::size_of::<f32>();
+        let n = rows * t;
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        // n1, x_mid, n2, q, k, v, attn; gate, up, hidden; lse; each
+        // adapter's x·Aᵀ and dropout mask (at most the widest input).
+        let tape = n * (3 * h + 2 * qd + 2 * kvd + 3 * inter)
+            + rows * c.num_heads * t
+            + adapted * n * (rank + h.max(inter));
+        // The backward's transient products: a block's output gradient,
+        // the MLP's three input gradients, attention's per-head parts.
+        let transient = n * (2 * h + 3 * inter) + 2 * n * c.num_heads * c.head_dim;
+        let chunk = (HEAD_CHUNK_VALUES / c.vocab_size).max(1).min(n);
+        PassMemory {
+            checkpoints: (c.num_layers + 1) * n * h * f,
+            block: (tape + transient) * f,
+            head: (chunk * c.vocab_size + 2 * n * h) * f,
+            gradients: adapter_values * f,
+            workspace: rayon::current_num_threads() * PRODUCT_WORKSPACE,
+        }
+    }
+
     /// The causal-LM loss of `batch` against `labels` (as [`Model::loss`])
     /// with `adapters` applied, and each adapter's (dA, dB).
     pub fn lora_gradients(

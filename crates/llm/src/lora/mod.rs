@@ -25,6 +25,8 @@ mod attention;
 mod block;
 mod gradients;
 
+pub use gradients::PassMemory;
+
 /// One adapter: y += scale · (x·Aᵀ)·Bᵀ, A [r, in], B [out, r].
 #[derive(Clone, Debug)]
 pub struct Adapter {
