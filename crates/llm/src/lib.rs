@@ -34,5 +34,6 @@ pub use config::{Family, ModelConfig, RopeScaling, SUPPORTED};
 pub use error::{LlmError, Result};
 pub use forward::{causal_lm_loss, KvCache, Want};
 pub use generate::Sampling;
+pub use lora::{Grad, WeightGrads};
 pub use model::Model;
 pub use tokenizer::Tokenizer;

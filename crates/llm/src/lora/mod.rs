@@ -23,7 +23,10 @@ use crate::model::Model;
 
 mod attention;
 mod block;
+mod full;
 mod gradients;
+
+pub use full::{Grad, WeightGrads};
 
 /// One adapter: y += scale · (x·Aᵀ)·Bᵀ, A [r, in], B [out, r].
 #[derive(Clone, Debug)]
