@@ -8,7 +8,9 @@
 //! (memory-mapped safetensors), `model` (the loaded blocks), `forward` (the
 //! pass, the loss, the cache), `generate`, `tokenizer`, `math`, `lora`
 //! (adapters by Hugging Face module names on the Llama family, and the
-//! loss's gradients with respect to them alone, checked against peft),
+//! loss's gradients with respect to them alone, checked against peft;
+//! and [`Model::full_gradients`], every base weight's gradient by
+//! checkpoint name, checked against transformers),
 //! `peft` (adapters in and out of peft's `adapter_model.safetensors` +
 //! `adapter_config.json`, for both families, and merged into the base),
 //! `merge` (the merged model written as a Hugging Face directory), `data` (JSONL
@@ -34,5 +36,6 @@ pub use config::{Family, ModelConfig, RopeScaling, SUPPORTED};
 pub use error::{LlmError, Result};
 pub use forward::{causal_lm_loss, KvCache, Want};
 pub use generate::Sampling;
+pub use lora::{Grad, WeightGrads};
 pub use model::Model;
 pub use tokenizer::Tokenizer;

@@ -89,6 +89,11 @@ pub struct Model {
     pub lm_head: Option<Linear>,
     /// RoPE's inverse frequencies (head_dim / 2), for the Llama family.
     pub inv_freq: Vec<f32>,
+    /// The prefix of the checkpoint's tensor names before the blocks, the
+    /// embeddings and the final norm: `model.` (Llama family),
+    /// `transformer.` or nothing (GPT-2, as the checkpoint has it).
+    /// `lm_head.weight` never has one.
+    pub prefix: &'static str,
 }
 
 /// Names and shapes read through one store, with the family's prefix.
@@ -240,6 +245,7 @@ impl Model {
                     },
                     lm_head,
                     inv_freq: inv_freq(&config),
+                    prefix: "model.",
                     dir: dir.to_path_buf(),
                     config,
                 }
@@ -301,6 +307,7 @@ impl Model {
                     final_norm: ln("ln_f")?,
                     lm_head,
                     inv_freq: Vec::new(),
+                    prefix,
                     dir: dir.to_path_buf(),
                     config,
                 }

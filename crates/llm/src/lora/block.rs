@@ -9,16 +9,56 @@
 //! output and probabilities (batch · heads · T²), the MLP's
 //! pre-activations and hidden (3 · n · intermediate on the Llama family,
 //! 2 on GPT-2), and each adapter's x·Aᵀ (n · r) and dropout mask.
+//!
+//! The backward can also form the block's own weight gradients (a full
+//! fine-tune, `full.rs`): given a [`BlockGrads`] sink it adds each
+//! projection's dW (in the weight's layout) and db and each norm's weight
+//! (and bias) gradient, one more [in, out] product per projection; without
+//! one (LoRA) no weight gradient is formed.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::config::Family;
 use crate::lora::attention::{self, Shape};
 use crate::lora::{Adapter, AdapterGrads, Adapters, Dropout};
 use crate::math::{
-    gelu_new, gelu_new_grad, layer_norm_backward, matmul, rms_norm_backward, silu, Layout,
+    gelu_new, gelu_new_grad, gemm_into, layer_norm_backward, matmul, rms_norm_backward, silu,
+    Layout, View,
 };
 use crate::model::{Block, Linear, Mlp, Model, Norm};
+
+/// A block's weights by role. GPT-2: q, k and v are the thirds of the fused
+/// `c_attn`, `O` its `attn.c_proj`, `Gate` `mlp.c_fc`, `Down` `mlp.c_proj`
+/// (no `Up`); `Norm1`/`Norm2` are `ln_1`/`ln_2` there, the input and
+/// post-attention RMSNorms on the Llama family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) enum Part {
+    Norm1,
+    Q,
+    K,
+    V,
+    O,
+    Norm2,
+    Gate,
+    Up,
+    Down,
+}
+
+/// One weight's gradient, in the weight's shape and layout, and its bias's.
+pub(crate) struct PartGrad {
+    pub weight: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
+}
+
+/// A block's weight gradients by role.
+pub(crate) type BlockGrads = BTreeMap<Part, PartGrad>;
+
+/// Where a backward puts its gradients: the adapters', and the block's
+/// weights' when `weights` is given.
+pub(super) struct Sink<'s> {
+    pub adapters: &'s mut AdapterGrads,
+    pub weights: Option<&'s mut BlockGrads>,
+}
 
 /// What one adapter's backward reads.
 struct AdapterTape {
@@ -174,6 +214,59 @@ fn linear_backward(lin: &Linear, dy: &[f32], n: usize) -> Vec<f32> {
     matmul(dy, &lin.weight, n, lin.out, lin.inp, false, transposed)
 }
 
+/// dW (as `lin` lays W out: dyᵀ·x for [out, in], xᵀ·dy for [in, out]) and
+/// db (dy's column sums) of a projection from its input x and d(output).
+fn linear_weight_grad(lin: &Linear, x: &[f32], dy: &[f32], n: usize) -> PartGrad {
+    let mut weight = vec![0.0f32; lin.inp * lin.out];
+    let xv = View::new(x, n, lin.inp);
+    let dyv = View::new(dy, n, lin.out);
+    match lin.layout {
+        Layout::OutIn => gemm_into(&mut weight, dyv.t(), xv, false, true),
+        Layout::InOut => gemm_into(&mut weight, xv.t(), dyv, false, true),
+    }
+    PartGrad {
+        weight,
+        bias: lin.bias.as_ref().map(|_| column_sums(dy, lin.out)),
+    }
+}
+
+/// Σ over rows of a [rows, width] matrix.
+fn column_sums(x: &[f32], width: usize) -> Vec<f32> {
+    let mut sums = vec![0.0f32; width];
+    for row in x.chunks_exact(width) {
+        add(&mut sums, row);
+    }
+    sums
+}
+
+/// A norm's weight gradient (and LayerNorm's bias's) from its input x and
+/// d(output): Σ_rows dy · x̂, x̂ = x / rms(x) (RMSNorm) or (x − mean) / σ
+/// (LayerNorm, whose db is Σ_rows dy).
+pub(super) fn norm_weight_grad(norm: &Norm, x: &[f32], dy: &[f32]) -> PartGrad {
+    let (d, eps, layer) = match norm {
+        Norm::Rms { weight, eps } => (weight.len(), *eps, false),
+        Norm::Layer { weight, eps, .. } => (weight.len(), *eps, true),
+    };
+    let mut dw = vec![0.0f32; d];
+    for (xr, dyr) in x.chunks_exact(d).zip(dy.chunks_exact(d)) {
+        let (mean, inv) = if layer {
+            let mean = xr.iter().sum::<f32>() / d as f32;
+            let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
+            (mean, 1.0 / (var + eps).sqrt())
+        } else {
+            let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+            (0.0, 1.0 / (ms + eps).sqrt())
+        };
+        for ((g, &x), &dy) in dw.iter_mut().zip(xr).zip(dyr) {
+            *g += dy * ((x - mean) * inv);
+        }
+    }
+    PartGrad {
+        weight: dw,
+        bias: layer.then(|| column_sums(dy, d)),
+    }
+}
+
 fn norm_forward(norm: &Norm, x: &[f32]) -> Vec<f32> {
     norm.forward(x)
 }
@@ -226,24 +319,29 @@ impl Ctx<'_> {
         y
     }
 
-    /// dx of `lin` with its adapter, the adapter's gradients into `grads`.
+    /// dx of `lin` (the block's `part`) with its adapter, the adapter's
+    /// gradients and the weight's into `sink`.
     #[allow(clippy::too_many_arguments)]
     fn project_back(
         &self,
         layer: usize,
         lin: &Linear,
+        part: Part,
         suffix: &'static str,
         dy: &[f32],
         x: &[f32],
         tape: &Tape,
-        grads: &mut AdapterGrads,
+        sink: &mut Sink,
     ) -> Vec<f32> {
         let mut dx = linear_backward(lin, dy, self.n);
+        if let Some(weights) = sink.weights.as_deref_mut() {
+            weights.insert(part, linear_weight_grad(lin, x, dy, self.n));
+        }
         let key = self.key(layer, suffix);
         if let (Some(ad), Some(t)) = (self.adapters.get(&key), tape.adapters.get(suffix)) {
             let (g, extra) = adapter_backward(ad, t, x, dy, self.n, lin.inp, lin.out);
             add(&mut dx, &extra);
-            grads.insert(key, g);
+            sink.adapters.insert(key, g);
         }
         dx
     }
@@ -350,14 +448,39 @@ impl Ctx<'_> {
         dx_out: &[f32],
         grads: &mut AdapterGrads,
     ) -> Vec<f32> {
+        let mut sink = Sink {
+            adapters: grads,
+            weights: None,
+        };
+        self.backward_into(layer, x_in, tape, dx_out, &mut sink)
+    }
+
+    /// [`Ctx::backward`] with the gradients into `sink`: the adapters', and
+    /// every weight's of the block when `sink.weights` is given.
+    pub(super) fn backward_into(
+        &self,
+        layer: usize,
+        x_in: &[f32],
+        tape: &Tape,
+        dx_out: &[f32],
+        sink: &mut Sink,
+    ) -> Vec<f32> {
         let block = &self.model.blocks[layer];
         let names = self.names();
         let s = self.shape;
         let n = self.n;
         let dn2 = match &block.mlp {
             Mlp::SwiGlu { gate, up, down } => {
-                let dh =
-                    self.project_back(layer, down, names.down, dx_out, &tape.hidden, tape, grads);
+                let dh = self.project_back(
+                    layer,
+                    down,
+                    Part::Down,
+                    names.down,
+                    dx_out,
+                    &tape.hidden,
+                    tape,
+                    sink,
+                );
                 let mut dg = vec![0.0f32; dh.len()];
                 let mut du = vec![0.0f32; dh.len()];
                 for (((dg, du), &dh), (&g, &u)) in dg
@@ -370,26 +493,57 @@ impl Ctx<'_> {
                     *du = dh * silu(g);
                     *dg = dh * u * sig * (1.0 + g * (1.0 - sig));
                 }
-                let mut dn2 =
-                    self.project_back(layer, gate, names.gate, &dg, &tape.n2, tape, grads);
+                let mut dn2 = self.project_back(
+                    layer,
+                    gate,
+                    Part::Gate,
+                    names.gate,
+                    &dg,
+                    &tape.n2,
+                    tape,
+                    sink,
+                );
                 add(
                     &mut dn2,
-                    &self.project_back(layer, up, names.up, &du, &tape.n2, tape, grads),
+                    &self.project_back(layer, up, Part::Up, names.up, &du, &tape.n2, tape, sink),
                 );
                 dn2
             }
             Mlp::Gelu { fc, proj } => {
-                let mut da =
-                    self.project_back(layer, proj, names.down, dx_out, &tape.hidden, tape, grads);
+                let mut da = self.project_back(
+                    layer,
+                    proj,
+                    Part::Down,
+                    names.down,
+                    dx_out,
+                    &tape.hidden,
+                    tape,
+                    sink,
+                );
                 da.iter_mut()
                     .zip(&tape.pre)
                     .for_each(|(d, &a)| *d *= gelu_new_grad(a));
-                self.project_back(layer, fc, names.gate, &da, &tape.n2, tape, grads)
+                self.project_back(layer, fc, Part::Gate, names.gate, &da, &tape.n2, tape, sink)
             }
         };
+        if let Some(weights) = sink.weights.as_deref_mut() {
+            weights.insert(
+                Part::Norm2,
+                norm_weight_grad(&block.norm2, &tape.x_mid, &dn2),
+            );
+        }
         let mut dmid = dx_out.to_vec();
         add(&mut dmid, &norm_backward(&block.norm2, &tape.x_mid, &dn2));
-        let dattn = self.project_back(layer, &block.o, names.o, &dmid, &tape.attn, tape, grads);
+        let dattn = self.project_back(
+            layer,
+            &block.o,
+            Part::O,
+            names.o,
+            &dmid,
+            &tape.attn,
+            tape,
+            sink,
+        );
         let (mut dq, mut dk, dv) =
             attention::backward(s, &dattn, &tape.q, &tape.k, &tape.v, &tape.attn, &tape.lse);
         let dn1 = match self.model.config.family {
@@ -397,14 +551,32 @@ impl Ctx<'_> {
                 rope_backward(self.model, &mut dq, s.heads, s.t);
                 rope_backward(self.model, &mut dk, s.kv_heads, s.t);
                 let mut dn1 =
-                    self.project_back(layer, &block.q, names.q, &dq, &tape.n1, tape, grads);
+                    self.project_back(layer, &block.q, Part::Q, names.q, &dq, &tape.n1, tape, sink);
                 add(
                     &mut dn1,
-                    &self.project_back(layer, &block.k, names.k, &dk, &tape.n1, tape, grads),
+                    &self.project_back(
+                        layer,
+                        &block.k,
+                        Part::K,
+                        names.k,
+                        &dk,
+                        &tape.n1,
+                        tape,
+                        sink,
+                    ),
                 );
                 add(
                     &mut dn1,
-                    &self.project_back(layer, &block.v, names.v, &dv, &tape.n1, tape, grads),
+                    &self.project_back(
+                        layer,
+                        &block.v,
+                        Part::V,
+                        names.v,
+                        &dv,
+                        &tape.n1,
+                        tape,
+                        sink,
+                    ),
                 );
                 dn1
             }
@@ -412,6 +584,11 @@ impl Ctx<'_> {
                 let mut dn1 = linear_backward(&block.q, &dq, n);
                 add(&mut dn1, &linear_backward(&block.k, &dk, n));
                 add(&mut dn1, &linear_backward(&block.v, &dv, n));
+                if let Some(weights) = sink.weights.as_deref_mut() {
+                    weights.insert(Part::Q, linear_weight_grad(&block.q, &tape.n1, &dq, n));
+                    weights.insert(Part::K, linear_weight_grad(&block.k, &tape.n1, &dk, n));
+                    weights.insert(Part::V, linear_weight_grad(&block.v, &tape.n1, &dv, n));
+                }
                 let key = self.key(layer, names.q);
                 if let (Some(ad), Some(t)) = (self.adapters.get(&key), tape.adapters.get(names.q)) {
                     let total = block.q.out + block.k.out + block.v.out;
@@ -427,11 +604,14 @@ impl Ctx<'_> {
                     }
                     let (g, extra) = adapter_backward(ad, t, &tape.n1, &dy, n, block.q.inp, total);
                     add(&mut dn1, &extra);
-                    grads.insert(key, g);
+                    sink.adapters.insert(key, g);
                 }
                 dn1
             }
         };
+        if let Some(weights) = sink.weights.as_deref_mut() {
+            weights.insert(Part::Norm1, norm_weight_grad(&block.norm1, x_in, &dn1));
+        }
         let mut dx = dmid;
         add(&mut dx, &norm_backward(&block.norm1, x_in, &dn1));
         dx

@@ -19,7 +19,7 @@ use crate::model::Model;
 /// The most logits held at once by the loss (64 MiB of f32): a few hundred
 /// positions of a large vocabulary, enough rows that each pass over the
 /// head's weights does a worthwhile amount of work.
-const HEAD_CHUNK_VALUES: usize = 1 << 24;
+pub(super) const HEAD_CHUNK_VALUES: usize = 1 << 24;
 
 /// What a LoRA gradient pass holds beyond the model and the adapters, in
 /// bytes, by part: sized from the shapes before anything is allocated, so
@@ -226,7 +226,7 @@ impl Model {
     }
 
     /// The rows' embeddings (and GPT-2's positions), [b·t, hidden].
-    fn embed_rows(&self, batch: &[Vec<u32>], t: usize) -> Result<Vec<f32>> {
+    pub(super) fn embed_rows(&self, batch: &[Vec<u32>], t: usize) -> Result<Vec<f32>> {
         let c = &self.config;
         let h = c.hidden_size;
         if let Some(max) = c.max_positions {
@@ -330,7 +330,11 @@ fn add(into: &mut [f32], from: &[f32]) {
 
 /// The (position, label) pairs the loss counts: logits at position i
 /// predict label i + 1 of the row; -100 is not counted.
-fn counted_positions(labels: &[Vec<i64>], t: usize, vocab: usize) -> Result<Vec<(usize, usize)>> {
+pub(super) fn counted_positions(
+    labels: &[Vec<i64>],
+    t: usize,
+    vocab: usize,
+) -> Result<Vec<(usize, usize)>> {
     let mut counted = Vec::new();
     for (r, row) in labels.iter().enumerate() {
         if row.len() != t {

@@ -1,11 +1,15 @@
 //! LoRA adapters on a loaded model (Llama family and GPT-2, by Hugging
 //! Face module names) and the gradients of the causal-LM loss with respect
-//! to the adapters alone: the base is frozen, so no weight gradient is ever
-//! formed. Files: this one (the adapters, their targets and keys, their
-//! initialisation, dropout), `gradients` (the loss and its backward with
-//! per-block recompute and a chunked loss over the vocabulary), `block`
-//! (one decoder block forward with its tape, and back), `attention`
-//! (causal attention on whole heads through the matrix product, and back).
+//! to the adapters alone: the base is frozen, so no weight gradient is
+//! formed there. `full` runs the same pass with the weights' gradients
+//! switched on instead (a full fine-tune: [`WeightGrads`] by checkpoint
+//! name, one f32 copy of the weights more). Files: this one (the adapters,
+//! their targets and keys, their initialisation, dropout), `gradients` (the
+//! loss and its backward with per-block recompute and a chunked loss over
+//! the vocabulary), `block` (one decoder block forward with its tape, and
+//! back, with an optional weight-gradient sink), `full`
+//! (`Model::full_gradients` and the weights by name), `attention` (causal
+//! attention on whole heads through the matrix product, and back).
 //!
 //! Memory of a gradient pass over n = batch · T tokens: each block's input
 //! (layers · n · hidden f32s, the only activations kept across blocks), one
@@ -23,8 +27,10 @@ use crate::model::Model;
 
 mod attention;
 mod block;
+mod full;
 mod gradients;
 
+pub use full::{Grad, WeightGrads};
 pub use gradients::PassMemory;
 
 /// One adapter: y += scale · (x·Aᵀ)·Bᵀ, A [r, in], B [out, r].
