@@ -458,8 +458,13 @@ pub struct MemoryConfig {
     pub empty_cache_after_checkpoint: bool,
 }
 
+/// The smallest micro-batch `adapt` splits to unless `memory.min_micro_batch`
+/// says otherwise: 2, so a run is stopped with advice rather than left to
+/// crawl at one sample a micro-batch.
+pub const DEFAULT_MIN_MICRO_BATCH: usize = 2;
+
 fn default_min_micro() -> usize {
-    1
+    DEFAULT_MIN_MICRO_BATCH
 }
 
 impl Default for MemoryConfig {

@@ -3,8 +3,10 @@
 //! ends). When an allocation fails: free the pool's cache and retry the step
 //! (or the epoch's evaluation); then halve the micro-batch (accumulating
 //! gradients over twice as many micro-batches, so the update, the loss and
-//! the schedule do not change), down to `memory.min_micro_batch`; only then
-//! checkpoint and stop with the figures and what to change. Every event is
+//! the schedule do not change), down to `memory.min_micro_batch` (2 unless
+//! set: a run is stopped with advice rather than left to crawl at one
+//! sample a micro-batch); only then checkpoint and stop with the figures
+//! and what to change. Every event is
 //! logged with the pool's figures.
 
 use std::sync::Arc;
@@ -87,7 +89,7 @@ impl Default for MemorySettings {
         Self {
             limit: None,
             oom_policy: OomPolicy::Adapt,
-            min_micro_batch: 1,
+            min_micro_batch: crate::config::DEFAULT_MIN_MICRO_BATCH,
             empty_cache_every: 0,
             empty_cache_after_checkpoint: false,
             inject_oom: InjectOom::default(),
@@ -243,7 +245,20 @@ impl MemoryGuard {
                 )
             }
             None => {
-                return Err(self.stop_message(&here, Some(learner.micro_batch()), by_system));
+                let micro = learner.micro_batch();
+                let floor = self.min_micro_batch.max(1);
+                let here = if self.adapt && micro > 1 && micro / 2 < floor {
+                    format!(
+                        "{here}; a micro-batch of {} is below memory.min_micro_batch = {floor}, so \
+                         the run stops here rather than train that slowly (set memory.min_micro_batch \
+                         = {} to allow it)",
+                        micro / 2,
+                        micro / 2
+                    )
+                } else {
+                    here
+                };
+                return Err(self.stop_message(&here, Some(micro), by_system));
             }
         }
         Ok(())
@@ -597,6 +612,141 @@ fn refused_bytes(error: &PipelineError) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::learner::{EvalResult, LearnerState, StepLr, StepResult};
+    use headroom_loader::Batch;
+
+    /// A learner that holds only a micro-batch: what the policy reads and
+    /// sets on an out-of-memory error. Nothing else is called.
+    struct MicroOnly(usize);
+
+    impl Learner for MicroOnly {
+        fn submit_batch(&mut self, _: &Batch, _: StepLr<'_>) -> Result<()> {
+            unreachable!("the policy never trains")
+        }
+        fn collect_step(&mut self) -> Result<Option<StepResult>> {
+            unreachable!("the policy never trains")
+        }
+        fn steps_in_flight(&self) -> usize {
+            0
+        }
+        fn eval_batch(&mut self, _: &Batch) -> Result<EvalResult> {
+            unreachable!("the policy never evaluates")
+        }
+        fn eval_probabilities(&mut self, _: &Batch) -> Result<Vec<f32>> {
+            unreachable!("the policy never evaluates")
+        }
+        fn uses_batch_statistics(&self) -> bool {
+            false
+        }
+        fn micro_batch(&self) -> usize {
+            self.0
+        }
+        fn set_micro_batch(&mut self, size: usize) {
+            self.0 = size;
+        }
+        fn snapshot(&mut self) -> Result<LearnerState> {
+            unreachable!("the policy takes no snapshot")
+        }
+        fn write_state(&mut self, _: &mut dyn StateWriter) -> Result<()> {
+            unreachable!("the policy writes no state")
+        }
+        fn restore(&mut self, _: LearnerState) -> std::result::Result<(), String> {
+            unreachable!("the policy restores nothing")
+        }
+        fn measure_step_peak(&mut self, _: usize) -> Result<u64> {
+            unreachable!("the policy measures nothing")
+        }
+        fn memory_stats(&self) -> PoolStats {
+            PoolStats::default()
+        }
+        fn memory_limit(&self) -> Option<u64> {
+            Some(1 << 20)
+        }
+        fn release_cache(&mut self) -> u64 {
+            0
+        }
+        fn num_params(&mut self) -> usize {
+            0
+        }
+        fn num_trainable_params(&mut self) -> usize {
+            0
+        }
+        fn macs_per_sample(&self) -> Result<u64> {
+            Ok(0)
+        }
+        fn num_classes(&self) -> usize {
+            10
+        }
+        fn device_name(&self) -> String {
+            "test".into()
+        }
+    }
+
+    /// Out-of-memory errors, one after another, until the policy stops the
+    /// run: the micro-batches it trained at, and its message.
+    fn adapt_until_stopped(settings: &MemorySettings, batch: usize) -> (Vec<usize>, String) {
+        let dir = tempfile::tempdir().expect("dir");
+        let mut guard = MemoryGuard::new(settings, dir.path());
+        let mut learner = MicroOnly(batch);
+        let mut freed = false;
+        let mut seen = vec![batch];
+        // Each block asked for is half the last: splitting always helps.
+        let mut requested = 64u64 << 20;
+        for _ in 0..64 {
+            let error = PipelineError::Model(ModelError::OutOfMemory {
+                requested,
+                in_use: 0,
+                reserved: 0,
+                limit: Some(1 << 20),
+            });
+            match guard.on_oom(&error, 0, &mut learner, &mut freed, batch) {
+                Ok(()) => {
+                    if seen.last() != Some(&learner.micro_batch()) {
+                        seen.push(learner.micro_batch());
+                        requested /= 2;
+                    }
+                }
+                Err(e) => return (seen, e.to_string()),
+            }
+        }
+        panic!("the policy never stopped: {seen:?}");
+    }
+
+    #[test]
+    fn adapting_stops_with_advice_instead_of_training_at_micro_batch_one() {
+        let settings = MemorySettings {
+            limit: Some(1 << 20),
+            ..MemorySettings::default()
+        };
+        assert_eq!(settings.min_micro_batch, 2, "the default floor");
+        let (seen, message) = adapt_until_stopped(&settings, 8);
+        assert_eq!(seen, [8, 4, 2], "halved down to the floor, never to 1");
+        assert!(
+            message.contains("a micro-batch of 1 is below memory.min_micro_batch = 2")
+                && message.contains("set memory.min_micro_batch = 1 to allow it"),
+            "{message}"
+        );
+        assert!(
+            message.contains("A checkpoint of the last completed step"),
+            "{message}"
+        );
+        // Asked for, it goes to 1, and only then stops (without the floor's
+        // wording: there is nothing smaller to allow).
+        let settings = MemorySettings {
+            min_micro_batch: 1,
+            ..settings
+        };
+        let (seen, message) = adapt_until_stopped(&settings, 8);
+        assert_eq!(seen, [8, 4, 2, 1]);
+        assert!(
+            message.contains("even a micro-batch of 1 does not fit"),
+            "{message}"
+        );
+        assert!(
+            !message.contains("below memory.min_micro_batch"),
+            "{message}"
+        );
+    }
 
     #[test]
     fn splitting_stops_when_the_refused_block_does_not_shrink() {
