@@ -60,7 +60,7 @@ pub struct RunSettings {
 
 /// An f32 as the f64 of its shortest decimal form (0.01, not
 /// 0.009999999776482582) when that reads back as the same f32, else exactly.
-fn exact(v: f32) -> f64 {
+pub(crate) fn exact(v: f32) -> f64 {
     match v.to_string().parse::<f64>() {
         Ok(s) if s as f32 == v => s,
         _ => f64::from(v),
@@ -590,8 +590,8 @@ fn drive(
         metrics.append(&json!({
             "step": log.step,
             "epoch": log.epoch + 1,
-            "loss": log.loss,
-            "lr": log.lr,
+            "loss": exact(log.loss),
+            "lr": exact(log.lr),
             "tokens": log.tokens,
             "examples": log.examples,
             "tokens_per_s": tokens_per_s,
