@@ -60,7 +60,10 @@ fn a_padded_batch_gives_each_examples_own_loss_and_gradients() {
         }
     }
     let (short, long) = (&data.examples[3], &data.examples[4]);
-    assert!(short.ids.len() + 5 < long.ids.len(), "rows of unequal length");
+    assert!(
+        short.ids.len() + 5 < long.ids.len(),
+        "rows of unequal length"
+    );
     let alone = |e: &Example| {
         model
             .lora_gradients(
@@ -75,7 +78,9 @@ fn a_padded_batch_gives_each_examples_own_loss_and_gradients() {
 
     // One example padded far past its end: its own loss and gradients.
     let mut padded = short.clone();
-    padded.ids.resize(short.ids.len() + 6, pad_id(&model.config));
+    padded
+        .ids
+        .resize(short.ids.len() + 6, pad_id(&model.config));
     padded.labels.resize(short.ids.len() + 6, -100);
     let (lp, gp) = alone(&padded);
     assert!((lp - l1).abs() <= 1e-6, "{lp} vs {l1}");
@@ -179,8 +184,15 @@ fn batch_4_by_accumulate_1_is_batch_1_by_accumulate_4() {
     }
     assert_eq!(first.tokens, tokens);
     let weighted = (sum / tokens as f64) as f32;
-    assert!((first.loss - weighted).abs() < 1e-5, "{} vs {weighted}", first.loss);
-    assert!((weighted - per_example as f32).abs() > 1e-3, "the test tells them apart");
+    assert!(
+        (first.loss - weighted).abs() < 1e-5,
+        "{} vs {weighted}",
+        first.loss
+    );
+    assert!(
+        (weighted - per_example as f32).abs() > 1e-3,
+        "the test tells them apart"
+    );
 }
 
 #[test]
@@ -200,5 +212,8 @@ fn the_pad_id_is_the_configs_pad_then_eos_then_0() {
     let e = ModelConfig::parse(&bad, &dir.join("config.json"))
         .expect_err("refused")
         .to_string();
-    assert!(e.contains("config.json") && e.contains("pad_token_id"), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains("pad_token_id"),
+        "{e}"
+    );
 }
