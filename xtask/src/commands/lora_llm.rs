@@ -155,10 +155,9 @@ pub fn run(args: LoraLlmArgs) -> Result<ExitCode> {
             "removed {}, left by a checkpoint write that did not finish",
             path.display()
         ),
-        Event::Skipped { error, set_aside } => tracing::warn!(
-            "skipped {error}; set aside as {}",
-            set_aside.display()
-        ),
+        Event::Skipped { error, set_aside } => {
+            tracing::warn!("skipped {error}; set aside as {}", set_aside.display())
+        }
         Event::Resumed {
             from,
             step,
