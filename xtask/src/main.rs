@@ -59,8 +59,10 @@ enum Command {
     /// CPU: greedy, or top-p with --temperature/--top-p/--seed.
     Generate(GenerateArgs),
     /// LoRA fine-tuning of a Hugging Face model directory (the Llama family)
-    /// on a JSONL file (`text`, or `prompt` + `completion`) on the CPU,
-    /// writing peft's adapter_model.safetensors and adapter_config.json.
+    /// on a JSONL file (`text`, or `prompt` + `completion`) on the CPU, in
+    /// a run directory (checkpoints, run.json, metrics.jsonl; `--resume
+    /// OUT` continues one), ending with peft's adapter_model.safetensors and
+    /// adapter_config.json at its top level.
     LoraLlm(LoraLlmArgs),
     /// What this machine has and what headroom will do on it.
     Doctor,

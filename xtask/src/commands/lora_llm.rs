@@ -99,7 +99,7 @@ fn apply(args: &LoraLlmArgs, s: &mut RunSettings) {
 }
 
 pub fn run(args: LoraLlmArgs) -> Result<ExitCode> {
-    let (settings, out, resuming) = match &args.resume {
+    let (mut settings, out, resuming) = match &args.resume {
         Some(out) => {
             let record = RunRecord::read(out)?;
             let mut settings = record.settings;
@@ -107,15 +107,28 @@ pub fn run(args: LoraLlmArgs) -> Result<ExitCode> {
             (settings, out.clone(), true)
         }
         None => {
-            let (mut settings, out) = new_settings(&args)?;
-            // Absolute, so `--resume OUT` works from any directory.
-            for path in [&mut settings.model, &mut settings.data] {
-                *path = std::fs::canonicalize(&*path)
-                    .with_context(|| format!("{}: cannot be opened", path.display()))?;
-            }
+            let (settings, out) = new_settings(&args)?;
             (settings, out, false)
         }
     };
+    // Absolute, so `--resume OUT` works from any directory and a path
+    // given again in another spelling is no change.
+    for (path, flag) in [
+        (&mut settings.model, "--model"),
+        (&mut settings.data, "--data"),
+    ] {
+        *path = std::fs::canonicalize(&*path).with_context(|| {
+            format!(
+                "{}: cannot be opened{}",
+                path.display(),
+                if resuming {
+                    format!(" (the run's {flag}; give {flag} where it is now)")
+                } else {
+                    String::new()
+                }
+            )
+        })?;
+    }
     let context = || format!("fine-tuning {}", settings.model.display());
     let model = Model::load(&settings.model).with_context(context)?;
     let tokenizer = Tokenizer::load(&settings.model).with_context(context)?;
