@@ -12,9 +12,7 @@
 //! `peft` (adapters in and out of peft's `adapter_model.safetensors` +
 //! `adapter_config.json`, and merged into the base), `data` (JSONL
 //! fine-tuning examples, tokenised, labels -100 off the completion),
-//! `finetune` (LoRA training: padded micro-batches, AdamW on the adapters,
-//! the base frozen; `finetune::checkpoint` and `finetune::run` for the run
-//! directory, its checkpoints, resume and metrics.jsonl).
+//! `finetune` (LoRA training: AdamW on the adapters, the base frozen).
 
 pub mod config;
 pub mod data;
