@@ -493,7 +493,15 @@ pub fn resume(
     for error in &skipped {
         if let LlmError::Checkpoint { path, .. } = error {
             let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
-            let aside = out.join(format!("{}.corrupt", name.unwrap_or_default()));
+            let name = name.unwrap_or_default();
+            // A name not taken (an earlier fallback may have used one).
+            let aside = (1..)
+                .map(|n| match n {
+                    1 => out.join(format!("{name}.corrupt")),
+                    n => out.join(format!("{name}.corrupt-{n}")),
+                })
+                .find(|p| !p.exists())
+                .unwrap_or_else(|| out.join(format!("{name}.corrupt")));
             std::fs::rename(path, &aside).map_err(io(path))?;
             on_event(Event::Skipped {
                 error,
