@@ -60,8 +60,10 @@ enum Command {
     /// CPU: greedy, or top-p with --temperature/--top-p/--seed.
     Generate(GenerateArgs),
     /// LoRA fine-tuning of a Hugging Face model directory (the Llama family)
-    /// on a JSONL file (`text`, or `prompt` + `completion`) on the CPU,
-    /// writing peft's adapter_model.safetensors and adapter_config.json.
+    /// on a JSONL file (`text`, or `prompt` + `completion`) on the CPU, in
+    /// a run directory (checkpoints, run.json, metrics.jsonl; `--resume
+    /// OUT` continues one), ending with peft's adapter_model.safetensors and
+    /// adapter_config.json at its top level.
     LoraLlm(LoraLlmArgs),
     /// What this machine has and what headroom will do on it.
     Doctor,
@@ -348,50 +350,78 @@ struct GenerateArgs {
     adapters: Option<PathBuf>,
 }
 
+/// `lora-llm`: a new run (--model, --data, --output) or `--resume OUT`,
+/// which takes the run's recorded settings; a setting given with
+/// `--resume` must be one that may change (--epochs, --lr, --max-steps,
+/// --save-steps, --keep-checkpoints, or --model/--data pointing at the same
+/// files moved) or equal the recorded one.
 #[derive(clap::Args)]
 struct LoraLlmArgs {
-    /// The model directory.
+    /// The model directory [resume: the run's].
     #[arg(long)]
-    model: PathBuf,
-    /// JSONL, one example a line: {"text": …} or {"prompt": …, "completion": …}.
+    model: Option<PathBuf>,
+    /// JSONL, one example a line: {"text": …} or {"prompt": …, "completion": …}
+    /// [resume: the run's].
     #[arg(long)]
-    data: PathBuf,
-    /// The adapter directory to write (made if missing).
+    data: Option<PathBuf>,
+    /// The run directory (made if missing): checkpoints, run.json,
+    /// metrics.jsonl, and the final adapters at its top level.
+    #[arg(long, conflicts_with = "resume")]
+    output: Option<PathBuf>,
+    /// Continue the run in this directory from its newest checkpoint.
+    #[arg(long, value_name = "OUT")]
+    resume: Option<PathBuf>,
+    /// [default: 8]
     #[arg(long)]
-    output: PathBuf,
-    #[arg(long, default_value_t = 8)]
-    r: usize,
-    #[arg(long, default_value_t = 16.0)]
-    alpha: f32,
-    /// Dropout on the adapters' input (peft's lora_dropout), in [0, 1).
-    #[arg(long, default_value_t = 0.0)]
-    dropout: f32,
+    r: Option<usize>,
+    /// [default: 16]
+    #[arg(long)]
+    alpha: Option<f32>,
+    /// Dropout on the adapters' input (peft's lora_dropout), in [0, 1)
+    /// [default: 0].
+    #[arg(long)]
+    dropout: Option<f32>,
     /// Comma-separated module names (q_proj, k_proj, v_proj, o_proj,
-    /// gate_proj, up_proj, down_proj).
-    #[arg(long, default_value = "q_proj,v_proj")]
-    target: String,
-    #[arg(long, default_value_t = 1)]
-    epochs: usize,
-    #[arg(long, default_value_t = 2e-4)]
-    lr: f32,
-    /// Examples (batch 1) per optimizer step.
-    #[arg(long, default_value_t = 8)]
-    accumulate: usize,
+    /// gate_proj, up_proj, down_proj) [default: q_proj,v_proj].
+    #[arg(long)]
+    target: Option<String>,
+    /// [default: 1]
+    #[arg(long, value_parser = at_least_one())]
+    epochs: Option<usize>,
+    /// [default: 2e-4]
+    #[arg(long)]
+    lr: Option<f32>,
+    /// Examples per micro-batch, right-padded to the longest [default: 1].
+    #[arg(long, value_parser = at_least_one())]
+    batch_size: Option<usize>,
+    /// Micro-batches per optimizer step [default: 8].
+    #[arg(long, value_parser = at_least_one())]
+    accumulate: Option<usize>,
     /// Warm up over this many steps, then a cosine to 0 [default: constant lr].
     #[arg(long)]
     warmup_steps: Option<usize>,
-    #[arg(long, default_value_t = 0.0)]
-    weight_decay: f32,
+    /// [default: 0]
+    #[arg(long)]
+    weight_decay: Option<f32>,
     /// Stop after this many optimizer steps.
     #[arg(long)]
     max_steps: Option<usize>,
-    #[arg(long, default_value_t = 1024)]
-    max_seq_length: usize,
+    /// [default: 1024]
+    #[arg(long)]
+    max_seq_length: Option<usize>,
     /// Lay the examples end to end in rows of --max-seq-length.
     #[arg(long)]
     packing: bool,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// [default: 0]
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Checkpoint every N optimizer steps [default: at each epoch's end];
+    /// also at the end and on SIGINT/SIGTERM.
+    #[arg(long, value_parser = at_least_one())]
+    save_steps: Option<usize>,
+    /// Checkpoints kept, the newest [default: 2].
+    #[arg(long, value_parser = at_least_one())]
+    keep_checkpoints: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -530,7 +560,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Export(args) => commands::export::run(args),
         Command::LoraMerge(args) => commands::lora_merge::run(args),
         Command::Generate(args) => done(commands::generate::run(args)),
-        Command::LoraLlm(args) => done(commands::lora_llm::run(args)),
+        Command::LoraLlm(args) => commands::lora_llm::run(args),
         Command::BenchLlm(args) => done(commands::llm_bench::run(args)),
         Command::Doctor => done(commands::doctor::run()),
         Command::GpuCheck(args) => done(commands::gpu_check::run(&args)),

@@ -68,6 +68,9 @@ pub struct ModelConfig {
     /// positions before it.
     pub sliding_window: Option<usize>,
     pub eos_token_ids: Vec<u32>,
+    /// `pad_token_id` (None when absent or null): what a fine-tuning batch
+    /// pads its shorter rows with.
+    pub pad_token_id: Option<u32>,
 }
 
 struct Keys<'a> {
@@ -189,11 +192,21 @@ impl ModelConfig {
                     keys.err("eos_token_id", "wrong type", "a token id or a list of them")
                 })?],
         };
-        if architecture == "GPT2LMHeadModel" {
+        let pad_token_id = match map.get("pad_token_id") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(
+                v.as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| keys.err("pad_token_id", "wrong type", "a token id or null"))?,
+            ),
+        };
+        let mut config = if architecture == "GPT2LMHeadModel" {
             Self::gpt2(&keys, architecture, eos_token_ids)
         } else {
             Self::llama(&keys, architecture, eos_token_ids)
-        }
+        }?;
+        config.pad_token_id = pad_token_id;
+        Ok(config)
     }
 
     fn gpt2(keys: &Keys, architecture: String, eos_token_ids: Vec<u32>) -> Result<Self> {
@@ -241,6 +254,7 @@ impl ModelConfig {
             max_positions: Some(keys.usize("n_positions")?),
             sliding_window: None,
             eos_token_ids,
+            pad_token_id: None,
         })
     }
 
@@ -308,6 +322,7 @@ impl ModelConfig {
                 None
             },
             eos_token_ids,
+            pad_token_id: None,
             architecture,
         })
     }

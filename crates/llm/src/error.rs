@@ -85,6 +85,15 @@ pub enum LlmError {
         line: usize,
         what: String,
     },
+    /// A checkpoint that cannot be used (truncated, corrupt, of another
+    /// run's shape): resume skips it for the one before.
+    #[error("{}: not a usable checkpoint: {what}", path.display())]
+    Checkpoint { path: PathBuf, what: String },
+    /// A fine-tuning run directory that cannot be started or resumed as
+    /// asked (a run already there, a changed model or data file, a setting
+    /// that may not change on resume).
+    #[error("{}: {what}", dir.display())]
+    Run { dir: PathBuf, what: String },
     #[error("{0}")]
     Input(String),
 }

@@ -355,6 +355,7 @@ pub fn save_adapters(
             path: weights_path.clone(),
             source,
         })?;
+    let bytes = sorted_header(bytes, &weights_path)?;
     let json = serde_json::json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -401,6 +402,46 @@ fn check_targets(path: &Path, family: Family, arch: &str, target_modules: &[Stri
         });
     }
     Ok(())
+}
+
+/// A safetensors file's bytes with its header's keys in sorted order: the
+/// crate writes the metadata map in a hash map's order, which differs from
+/// one process to the next, and the same adapters must be the same bytes.
+/// The tensors' offsets count from the data's start, so a header of
+/// another length (padded with spaces to 8 bytes, as the format has it)
+/// keeps them.
+fn sorted_header(bytes: Vec<u8>, path: &Path) -> Result<Vec<u8>> {
+    let broken = |what: &str| LlmError::Adapter {
+        path: path.to_path_buf(),
+        what: format!("internal: the serialised file {what}"),
+    };
+    let len_bytes: [u8; 8] = bytes
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .ok_or_else(|| broken("has no header length"))?;
+    let len =
+        usize::try_from(u64::from_le_bytes(len_bytes)).map_err(|_| broken("header is too long"))?;
+    let header = bytes
+        .get(8..8 + len)
+        .ok_or_else(|| broken("is shorter than its header"))?;
+    // serde_json's map is ordered by key, so this writes every level sorted.
+    let value: serde_json::Value =
+        serde_json::from_slice(header).map_err(|source| LlmError::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    let mut text = serde_json::to_vec(&value).map_err(|source| LlmError::Json {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    while (8 + text.len()) % 8 != 0 {
+        text.push(b' ');
+    }
+    let mut out = Vec::with_capacity(8 + text.len() + bytes.len() - 8 - len);
+    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&bytes[8 + len..]);
+    Ok(out)
 }
 
 /// An f32 as the f64 of its shortest decimal form, so 0.1 is written 0.1

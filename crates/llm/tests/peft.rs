@@ -214,3 +214,48 @@ fn write_ours_for_peft_when_asked() {
     let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
     std::fs::write(out.join("our_logits.f32"), bytes).expect("write");
 }
+
+/// The same adapters are the same bytes, whatever order the process's hash
+/// maps iterate in: each save here runs in its own process (the test binary
+/// run again with HEADROOM_PEFT_SAVE_TO), whose hash seeds differ.
+#[test]
+fn the_same_adapters_save_to_the_same_bytes_in_every_process() {
+    if let Ok(dir) = std::env::var("HEADROOM_PEFT_SAVE_TO") {
+        let model = headroom_llm::Model::load(&common::fixture("llama")).expect("loads");
+        let adapters = headroom_llm::lora::new_adapters(&model, 4, 8.0, &["q_proj", "v_proj"], 9)
+            .expect("adapters");
+        let config = headroom_llm::peft::LoraConfig {
+            r: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            target_modules: vec!["q_proj".into(), "v_proj".into()],
+            use_rslora: false,
+        };
+        headroom_llm::peft::save_adapters(std::path::Path::new(&dir), &model, &adapters, &config)
+            .expect("saves");
+        return;
+    }
+    let root = tempfile::tempdir().expect("tempdir");
+    let exe = std::env::current_exe().expect("test binary");
+    let mut files = Vec::new();
+    for i in 0..6 {
+        let dir = root.path().join(format!("run{i}"));
+        let status = std::process::Command::new(&exe)
+            .args([
+                "--exact",
+                "the_same_adapters_save_to_the_same_bytes_in_every_process",
+            ])
+            .env("HEADROOM_PEFT_SAVE_TO", &dir)
+            .status()
+            .expect("runs");
+        assert!(status.success());
+        files.push(std::fs::read(dir.join("adapter_model.safetensors")).expect("written"));
+    }
+    assert!(
+        files.iter().all(|f| f == &files[0]),
+        "the bytes differ between processes"
+    );
+    // And they still load, checksum and all.
+    let model = headroom_llm::Model::load(&common::fixture("llama")).expect("loads");
+    headroom_llm::peft::load_adapters(&root.path().join("run0"), &model).expect("loads back");
+}

@@ -1,75 +1,218 @@
 //! `cargo xtask lora-llm`: LoRA fine-tuning of a Hugging Face model
-//! directory on a JSONL file, on the CPU (headroom-llm), writing peft's
-//! adapter files (OUT/adapter_model.safetensors, OUT/adapter_config.json,
-//! each written to a temporary name and renamed). The loss of every
-//! optimizer step goes to the log.
+//! directory on a JSONL file, on the CPU (headroom-llm), in a run directory
+//! OUT (`headroom_llm::finetune::run`: run.json, metrics.jsonl, the last
+//! checkpoints, and the final adapters in peft's files at OUT's top level).
+//! `--resume OUT` continues a run from its newest checkpoint with its
+//! recorded settings. The first SIGINT or SIGTERM (xtask's `signals`)
+//! finishes the step under way, checkpoints and exits 128 + the signal,
+//! printing the command that continues the run, quoted for a POSIX shell,
+//! as `cargo xtask train` does. Each optimizer step's loss goes to the log.
 
-use anyhow::{Context, Result};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
 use headroom_llm::data::{load_jsonl, DataOptions};
-use headroom_llm::finetune::{finetune, FinetuneOptions, LrSchedule};
-use headroom_llm::peft::save_adapters;
+use headroom_llm::finetune::run::{self, Event, Outcome, RunRecord, RunSettings};
+use headroom_llm::finetune::{FinetuneOptions, LrSchedule};
 use headroom_llm::{Model, Tokenizer};
+use headroom_pipeline::shell;
 
+use crate::signals::StopOnSignals;
 use crate::LoraLlmArgs;
 
-pub fn run(args: LoraLlmArgs) -> Result<()> {
-    let context = || format!("fine-tuning {}", args.model.display());
-    let model = Model::load(&args.model).with_context(context)?;
-    let tokenizer = Tokenizer::load(&args.model).with_context(context)?;
+/// The settings of a new run: the flags given, the defaults for the rest.
+fn new_settings(args: &LoraLlmArgs) -> Result<(RunSettings, std::path::PathBuf)> {
+    let (Some(model), Some(data), Some(output)) = (&args.model, &args.data, &args.output) else {
+        bail!("lora-llm needs --model, --data and --output (or --resume OUT to continue a run)");
+    };
+    let defaults = FinetuneOptions::default();
+    let mut settings = RunSettings {
+        model: model.clone(),
+        data: data.clone(),
+        data_options: DataOptions::default(),
+        options: defaults,
+        save_steps: None,
+        keep_checkpoints: 2,
+    };
+    apply(args, &mut settings);
+    Ok((settings, output.clone()))
+}
+
+/// The flags given, over `settings` (a new run's defaults, or the run's
+/// recorded settings on resume).
+fn apply(args: &LoraLlmArgs, s: &mut RunSettings) {
+    let o = &mut s.options;
+    if let Some(v) = &args.model {
+        s.model = v.clone();
+    }
+    if let Some(v) = &args.data {
+        s.data = v.clone();
+    }
+    if let Some(v) = args.max_seq_length {
+        s.data_options.max_seq_length = v;
+    }
+    if args.packing {
+        s.data_options.packing = true;
+    }
+    if let Some(v) = args.r {
+        o.r = v;
+    }
+    if let Some(v) = args.alpha {
+        o.alpha = v;
+    }
+    if let Some(v) = args.dropout {
+        o.dropout = v;
+    }
+    if let Some(v) = &args.target {
+        o.target_modules = v.split(',').map(|t| t.trim().to_string()).collect();
+    }
+    if let Some(v) = args.epochs {
+        o.epochs = v;
+    }
+    if let Some(v) = args.lr {
+        o.lr = v;
+    }
+    if let Some(v) = args.batch_size {
+        o.batch_size = v;
+    }
+    if let Some(v) = args.accumulate {
+        o.accumulate = v;
+    }
+    if let Some(warmup_steps) = args.warmup_steps {
+        o.schedule = LrSchedule::WarmupCosine { warmup_steps };
+    }
+    if let Some(v) = args.weight_decay {
+        o.weight_decay = v;
+    }
+    if let Some(v) = args.max_steps {
+        o.max_steps = Some(v);
+    }
+    if let Some(v) = args.seed {
+        o.seed = v;
+    }
+    if let Some(v) = args.save_steps {
+        s.save_steps = Some(v);
+    }
+    if let Some(v) = args.keep_checkpoints {
+        s.keep_checkpoints = v;
+    }
+}
+
+pub fn run(args: LoraLlmArgs) -> Result<ExitCode> {
+    let (mut settings, out, resuming) = match &args.resume {
+        Some(out) => {
+            let record = RunRecord::read(out)?;
+            let mut settings = record.settings;
+            apply(&args, &mut settings);
+            (settings, out.clone(), true)
+        }
+        None => {
+            let (settings, out) = new_settings(&args)?;
+            (settings, out, false)
+        }
+    };
+    // Absolute, so `--resume OUT` works from any directory and a path
+    // given again in another spelling is no change.
+    for (path, flag) in [
+        (&mut settings.model, "--model"),
+        (&mut settings.data, "--data"),
+    ] {
+        *path = std::fs::canonicalize(&*path).with_context(|| {
+            format!(
+                "{}: cannot be opened{}",
+                path.display(),
+                if resuming {
+                    format!(" (the run's {flag}; give {flag} where it is now)")
+                } else {
+                    String::new()
+                }
+            )
+        })?;
+    }
+    let context = || format!("fine-tuning {}", settings.model.display());
+    let model = Model::load(&settings.model).with_context(context)?;
+    let tokenizer = Tokenizer::load(&settings.model).with_context(context)?;
     let data = load_jsonl(
-        &args.data,
+        &settings.data,
         &tokenizer,
         model.config.eos_token_ids.first().copied(),
-        DataOptions {
-            max_seq_length: args.max_seq_length,
-            packing: args.packing,
-        },
+        settings.data_options,
     )?;
     tracing::info!(
         "{}: {} rows from {} ({} truncated to {} tokens, {} without a counted label dropped)",
         model.config.architecture,
         data.examples.len(),
-        args.data.display(),
+        settings.data.display(),
         data.truncated,
-        args.max_seq_length,
+        settings.data_options.max_seq_length,
         data.dropped
     );
-    let options = FinetuneOptions {
-        r: args.r,
-        alpha: args.alpha,
-        dropout: args.dropout,
-        target_modules: args
-            .target
-            .split(',')
-            .map(|t| t.trim().to_string())
-            .collect(),
-        epochs: args.epochs,
-        lr: args.lr,
-        accumulate: args.accumulate,
-        schedule: match args.warmup_steps {
-            None => LrSchedule::Constant,
-            Some(warmup_steps) => LrSchedule::WarmupCosine { warmup_steps },
-        },
-        weight_decay: args.weight_decay,
-        max_steps: args.max_steps,
-        seed: args.seed,
+    let stop = StopOnSignals::install()?;
+    let flag = stop.flag();
+    let on_event = |event: Event| match event {
+        Event::Step {
+            log, tokens_per_s, ..
+        } => tracing::info!(
+            "step {}/{} (epoch {}): loss {:.4}, lr {:.3e}, {} tokens, {:.0} tokens/s",
+            log.step,
+            log.total_steps,
+            log.epoch + 1,
+            log.loss,
+            log.lr,
+            log.tokens,
+            tokens_per_s
+        ),
+        Event::Checkpoint(path) => tracing::info!("checkpoint {}", path.display()),
+        Event::Pruned(path) => tracing::info!("removed the older checkpoint {}", path.display()),
+        Event::RemovedTemporary(path) => tracing::info!(
+            "removed {}, left by a checkpoint write that did not finish",
+            path.display()
+        ),
+        Event::Skipped { error, set_aside } => {
+            tracing::warn!("skipped {error}; set aside as {}", set_aside.display())
+        }
+        Event::Resumed {
+            from,
+            step,
+            epoch,
+            position,
+        } => tracing::info!(
+            "resuming from {} (epoch {}, example {} of its order, step {step})",
+            from.display(),
+            epoch + 1,
+            position
+        ),
+        Event::Changed { key, was, now } => {
+            tracing::info!("{key} changed on resume: {was} -> {now}")
+        }
     };
-    let (adapters, config) = finetune(&model, &data, &options, |s| {
-        tracing::info!(
-            "step {}/{} (epoch {}): loss {:.4}, lr {:.3e}",
-            s.step,
-            s.total_steps,
-            s.epoch + 1,
-            s.loss,
-            s.lr
-        );
-    })?;
-    save_adapters(&args.output, &model, &adapters, &config)?;
-    tracing::info!(
-        "adapters ({} modules, r {}) written to {}",
-        adapters.len(),
-        config.r,
-        args.output.display()
-    );
-    Ok(())
+    let outcome = if resuming {
+        run::resume(&out, &settings, &model, &data, Some(&flag), on_event)
+    } else {
+        run::start(&out, &settings, &model, &data, Some(&flag), on_event)
+    }?;
+    match outcome {
+        Outcome::Finished { step, checkpoint } => {
+            tracing::info!(
+                "adapters (step {step}) written to {} (and {})",
+                out.display(),
+                checkpoint.display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Outcome::Stopped {
+            step,
+            epoch,
+            checkpoint,
+        } => {
+            tracing::info!("checkpoint {} written", checkpoint.display());
+            // Quoted: the line is meant to be pasted into a shell.
+            println!(
+                "stopped at epoch {} step {step}; continue with: cargo xtask lora-llm --resume {}",
+                epoch + 1,
+                shell::quote_path(&out)
+            );
+            Ok(stop.exit_code())
+        }
+    }
 }
