@@ -357,6 +357,13 @@ struct GenerateArgs {
 /// files moved) or equal the recorded one.
 #[derive(clap::Args)]
 struct LoraLlmArgs {
+    /// Refuse, before the first step, a fine-tune that would need more
+    /// memory than this (e.g. 4GiB): weights, adapters with their gradients
+    /// and moments, and one pass at the largest micro-batch the data holds
+    /// [default: the room the system leaves: cgroup, rlimits, available
+    /// memory].
+    #[arg(long, value_name = "BYTES")]
+    memory_limit: Option<String>,
     /// The model directory [resume: the run's].
     #[arg(long)]
     model: Option<PathBuf>,

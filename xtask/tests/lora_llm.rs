@@ -358,3 +358,64 @@ fn sigterm_checkpoints_and_the_printed_command_resumes_to_the_same_adapters() {
     };
     assert_eq!(losses(&straight), losses(&stopped));
 }
+
+/// Before the first step: a fine-tune that cannot fit `--memory-limit` is
+/// refused with each part of its memory named, and nothing is written; one
+/// that fits logs the same parts and trains.
+#[test]
+fn a_fine_tune_that_cannot_fit_is_refused_before_its_first_step() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let data = tmp.path().join("train.jsonl");
+    std::fs::write(
+        &data,
+        "{\"text\": \"The lazy fox trains a frozen model.\"}\n",
+    )
+    .expect("write");
+    let out = tmp.path().join("run");
+    let (data_s, out_s, model) = (
+        data.display().to_string(),
+        out.display().to_string(),
+        llama(),
+    );
+    let args = |limit: &'static str| {
+        vec![
+            "lora-llm".to_string(),
+            "--model".into(),
+            model.clone(),
+            "--data".into(),
+            data_s.clone(),
+            "--output".into(),
+            out_s.clone(),
+            "--r".into(),
+            "4".into(),
+            "--max-steps".into(),
+            "1".into(),
+            "--accumulate".into(),
+            "1".into(),
+            "--memory-limit".into(),
+            limit.into(),
+        ]
+    };
+    let refused = xtask(&args("1MiB").iter().map(String::as_str).collect::<Vec<_>>())
+        .output()
+        .expect("run");
+    let err = stderr(&refused);
+    assert!(!refused.status.success(), "{err}");
+    for part in [
+        "does not fit in 1.0 MiB (--memory-limit)",
+        "weights",
+        "adapters with their gradients and AdamW moments",
+        "one pass of 1 ×",
+        "lower --max-seq-length",
+    ] {
+        assert!(err.contains(part), "missing {part:?}: {err}");
+    }
+    assert!(!out.exists(), "a refused run wrote {}", out.display());
+    let fits = xtask(&args("1GiB").iter().map(String::as_str).collect::<Vec<_>>())
+        .output()
+        .expect("run");
+    let err = stderr(&fits);
+    assert!(fits.status.success(), "{err}");
+    assert!(err.contains("memory: weights"), "{err}");
+    assert!(out.join("adapter_model.safetensors").is_file());
+}

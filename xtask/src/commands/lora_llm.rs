@@ -7,6 +7,11 @@
 //! finishes the step under way, checkpoints and exits 128 + the signal,
 //! printing the command that continues the run, quoted for a POSIX shell,
 //! as `cargo xtask train` does. Each optimizer step's loss goes to the log.
+//! Before the first step the run's memory (weights, adapters with their
+//! gradients and moments, one pass at the largest micro-batch the data
+//! holds, sized from the shapes) is checked against `--memory-limit` or the
+//! room the system leaves, and a run that cannot fit stops there, each part
+//! named.
 
 use std::process::ExitCode;
 
@@ -147,6 +152,12 @@ pub fn run(args: LoraLlmArgs) -> Result<ExitCode> {
         settings.data_options.max_seq_length,
         data.dropped
     );
+    check_fits(
+        &model,
+        &data,
+        &settings.options,
+        args.memory_limit.as_deref(),
+    )?;
     let stop = StopOnSignals::install()?;
     let flag = stop.flag();
     let on_event = |event: Event| match event {
@@ -215,4 +226,76 @@ pub fn run(args: LoraLlmArgs) -> Result<ExitCode> {
             Ok(stop.exit_code())
         }
     }
+}
+
+/// Refuses, before anything trains, a fine-tune whose memory exceeds the
+/// limit: the model's f32 weights, the adapters (values, gradient sums, two
+/// AdamW moments: 4 f32s each) and one gradient pass at the largest
+/// micro-batch (`batch_size` rows of the longest example), as
+/// `Model::lora_pass_memory` sizes it (an upper bound of what a pass
+/// allocates, tests/pass_memory.rs).
+fn check_fits(
+    model: &Model,
+    data: &headroom_llm::data::Dataset,
+    options: &FinetuneOptions,
+    limit: Option<&str>,
+) -> Result<()> {
+    use headroom_model::memory::bytes_text;
+    let (limit, source) = match limit {
+        Some(text) => (
+            headroom_pipeline::config::parse_bytes("--memory-limit", text)?,
+            "--memory-limit".to_string(),
+        ),
+        None => match headroom_pipeline::limits::tightest() {
+            Some(ceiling) => (ceiling.room, ceiling.source),
+            None => {
+                tracing::warn!("no memory ceiling found: the fine-tune's memory is not checked");
+                return Ok(());
+            }
+        },
+    };
+    let c = &model.config;
+    let f = std::mem::size_of::<f32>() as u64;
+    let weights: u64 = model
+        .weight_names()
+        .iter()
+        .map(|(_, shape)| shape.iter().product::<usize>() as u64 * f)
+        .sum();
+    let mut adapter_values = 0usize;
+    let mut adapted = 0usize;
+    for target in &options.target_modules {
+        for key in headroom_llm::lora::module_keys(c.family, 0, target) {
+            if let Some((inp, out)) = headroom_llm::lora::module_dims(c, &key) {
+                adapter_values += options.r * (inp + out) * c.num_layers;
+                adapted += 1;
+            }
+        }
+    }
+    let longest = data.examples.iter().map(|e| e.ids.len()).max().unwrap_or(0);
+    let rows = options.batch_size.min(data.examples.len()).max(1);
+    let pass = model.lora_pass_memory(rows, longest, adapter_values, options.r, adapted);
+    let adapters = 4 * adapter_values as u64 * f;
+    let need = weights + adapters + pass.total() as u64;
+    let parts = format!(
+        "weights {} + adapters with their gradients and AdamW moments {} + one pass of {rows} × \
+         {longest} tokens {} (block inputs {}, one block's activations {}, loss chunk {}, \
+         product workspace {}) = {}",
+        bytes_text(weights),
+        bytes_text(adapters),
+        bytes_text(pass.total() as u64),
+        bytes_text(pass.checkpoints as u64),
+        bytes_text(pass.block as u64),
+        bytes_text(pass.head as u64),
+        bytes_text(pass.workspace as u64),
+        bytes_text(need)
+    );
+    if need > limit {
+        bail!(
+            "the fine-tune does not fit in {} ({source}): {parts}; lower --max-seq-length or \
+             --batch-size, target fewer modules, or raise --memory-limit",
+            bytes_text(limit)
+        );
+    }
+    tracing::info!("memory: {parts}, of {} ({source})", bytes_text(limit));
+    Ok(())
 }
