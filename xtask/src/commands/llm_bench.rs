@@ -223,7 +223,13 @@ fn time_ours(dir: &Path, args: &BenchLlmArgs) -> Result<Side> {
     let targets: Vec<&str> = args.target.iter().map(String::as_str).collect();
     let mut adapters = new_adapters(&model, args.r, args.alpha, &targets, 1)?;
     let mut state = 7u64;
-    for ad in adapters.values_mut() {
+    // In key order: a hash map's order differs from run to run.
+    let mut keys: Vec<String> = adapters.keys().cloned().collect();
+    keys.sort();
+    for key in &keys {
+        let Some(ad) = adapters.get_mut(key) else {
+            continue;
+        };
         for b in ad.b.iter_mut() {
             *b = ((next(&mut state) >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.02;
         }
