@@ -258,11 +258,30 @@ pub fn causal_lm_loss(logits: &[f32], labels: &[Vec<i64>], vocab: usize) -> Resu
             logits.len()
         )));
     }
+    let counted = counted_positions(labels, t, vocab)?;
     let mut total = 0.0f64;
-    let mut count = 0usize;
+    for &(pos, label) in &counted {
+        let z = &logits[pos * vocab..(pos + 1) * vocab];
+        let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let sum: f64 = z.iter().map(|&v| (v as f64 - max).exp()).sum();
+        total += max + sum.ln() - z[label] as f64;
+    }
+    Ok((total / counted.len() as f64) as f32)
+}
+
+/// The (position, label) pairs the loss counts: logits at position i
+/// predict label i + 1 of the row; -100 is not counted.
+pub(crate) fn counted_positions(
+    labels: &[Vec<i64>],
+    t: usize,
+    vocab: usize,
+) -> Result<Vec<(usize, usize)>> {
+    let mut counted = Vec::new();
     for (r, row) in labels.iter().enumerate() {
-        for i in 0..t.saturating_sub(1) {
-            let label = row[i + 1];
+        if row.len() != t {
+            return Err(LlmError::Input("labels are not [batch, T]".into()));
+        }
+        for (i, &label) in row.iter().enumerate().skip(1) {
             if label == -100 {
                 continue;
             }
@@ -274,15 +293,11 @@ pub fn causal_lm_loss(logits: &[f32], labels: &[Vec<i64>], vocab: usize) -> Resu
                         "label {label} is outside the vocabulary ({vocab} ids)"
                     ))
                 })?;
-            let z = &logits[(r * t + i) * vocab..(r * t + i + 1) * vocab];
-            let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let sum: f64 = z.iter().map(|&v| (v as f64 - max).exp()).sum();
-            total += max + sum.ln() - z[label] as f64;
-            count += 1;
+            counted.push((r * t + i - 1, label));
         }
     }
-    if count == 0 {
+    if counted.is_empty() {
         return Err(LlmError::Input("no label is counted (all -100)".into()));
     }
-    Ok((total / count as f64) as f32)
+    Ok(counted)
 }

@@ -20,15 +20,14 @@
 
 use std::collections::BTreeMap;
 
-use rayon::prelude::*;
-
 use crate::config::Family;
 use crate::error::{LlmError, Result};
+use crate::forward::counted_positions;
 use crate::lora::attention::Shape;
 use crate::lora::block::{norm_backward, norm_weight_grad, BlockGrads, Ctx, Part, PartGrad, Sink};
-use crate::lora::gradients::{counted_positions, HEAD_CHUNK_VALUES};
+use crate::lora::gradients::HEAD_CHUNK_VALUES;
 use crate::lora::{AdapterGrads, Adapters};
-use crate::math::{gemm_into, gemm_strided, matmul, Layout, View};
+use crate::math::Layout;
 use crate::model::{Linear, Mlp, Model, Norm};
 
 /// One tensor's gradient: its checkpoint shape and values in its layout
@@ -122,7 +121,7 @@ impl Model {
         let nf = self.final_norm.forward(&x);
         let head = self.head_weight()?;
         let mut head_grad = vec![0.0f32; head.len()];
-        let (loss, dnf) = self.head_loss_and_grad(head, &nf, &counted, chunk, h, &mut head_grad);
+        let (loss, dnf) = self.head_loss(head, &nf, &counted, chunk, h, Some(&mut head_grad));
         drop(nf);
         let mut grads = WeightGrads::new();
         let final_grad = norm_weight_grad(&self.final_norm, &x, &dnf);
@@ -542,73 +541,6 @@ impl Model {
                 "lm_head stored [in, out]: not supported by full_gradients".into(),
             )),
         }
-    }
-
-    /// The mean cross-entropy over `counted` (position, label) pairs of the
-    /// final normed rows `nf` [n, h] against the head `weight` [V, h], and
-    /// d(loss)/d(nf); d(loss)/d(weight) is added into `weight_grad`
-    /// `chunk` positions at a time.
-    fn head_loss_and_grad(
-        &self,
-        weight: &[f32],
-        nf: &[f32],
-        counted: &[(usize, usize)],
-        chunk: usize,
-        h: usize,
-        weight_grad: &mut [f32],
-    ) -> (f32, Vec<f32>) {
-        let v = self.config.vocab_size;
-        let count = counted.len() as f32;
-        let mut dnf = vec![0.0f32; nf.len()];
-        let mut total = 0.0f64;
-        for part in counted.chunks(chunk) {
-            let rows = part.len();
-            let mut xs = Vec::with_capacity(rows * h);
-            for &(pos, _) in part {
-                xs.extend_from_slice(&nf[pos * h..(pos + 1) * h]);
-            }
-            let mut logits = vec![0.0f32; rows * v];
-            gemm_strided(
-                &mut logits,
-                1,
-                v,
-                View::new(weight, v, h),
-                View::new(&xs, rows, h).t(),
-                false,
-                true,
-            );
-            let losses: Vec<f64> = logits
-                .par_chunks_mut(v)
-                .zip(part.par_iter())
-                .map(|(z, &(_, label))| {
-                    let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let picked = z[label];
-                    let mut sum = 0.0f64;
-                    for x in z.iter_mut() {
-                        *x = (*x - max).exp();
-                        sum += *x as f64;
-                    }
-                    let factor = (1.0 / (sum * count as f64)) as f32;
-                    z.iter_mut().for_each(|x| *x *= factor);
-                    z[label] -= 1.0 / count;
-                    max as f64 + sum.ln() - picked as f64
-                })
-                .collect();
-            total += losses.iter().sum::<f64>();
-            // dW [V, h] += dlogitsᵀ · xs.
-            gemm_into(
-                weight_grad,
-                View::new(&logits, rows, v).t(),
-                View::new(&xs, rows, h),
-                true,
-                true,
-            );
-            let dxs = matmul(&logits, weight, rows, v, h, false, false);
-            for (&(pos, _), src) in part.iter().zip(dxs.chunks_exact(h)) {
-                dnf[pos * h..(pos + 1) * h].copy_from_slice(src);
-            }
-        }
-        ((total / counted.len() as f64) as f32, dnf)
     }
 
     /// A norm's gradients under `{module}.weight` (and `.bias`).

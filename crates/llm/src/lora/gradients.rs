@@ -10,10 +10,11 @@
 use rayon::prelude::*;
 
 use crate::error::{LlmError, Result};
+use crate::forward::counted_positions;
 use crate::lora::attention::Shape;
 use crate::lora::block::{norm_backward, Ctx};
 use crate::lora::{module_dims, AdapterGrads, Adapters, Dropout};
-use crate::math::{gemm_strided, matmul, View};
+use crate::math::{gemm_into, gemm_strided, matmul, View};
 use crate::model::Model;
 
 /// The most logits held at once by the loss (64 MiB of f32): a few hundred
@@ -181,7 +182,12 @@ impl Model {
             *d = s;
         }
         let nf = self.final_norm.forward(&x);
-        let (loss, dnf) = self.head_loss(&nf, &counted, n, h);
+        let head: &[f32] = match &self.lm_head {
+            Some(head) => &head.weight,
+            None => &self.embed,
+        };
+        let chunk = HEAD_CHUNK_VALUES / c.vocab_size;
+        let (loss, dnf) = self.head_loss(head, &nf, &counted, chunk, h, None);
         let mut dx = norm_backward(&self.final_norm, &x, &dnf);
         drop((nf, dnf, x));
         let mut grads = AdapterGrads::new();
@@ -261,24 +267,23 @@ impl Model {
     }
 
     /// The mean cross-entropy over `counted` (position, label) pairs of the
-    /// final normed rows `nf` [n, h], and d(loss)/d(nf).
-    fn head_loss(
+    /// final normed rows `nf` [n, h] against the head `weight` [V, h], and
+    /// d(loss)/d(nf), `chunk` positions at a time; with `weight_grad`,
+    /// d(loss)/d(weight) is added into it chunk by chunk too.
+    pub(super) fn head_loss(
         &self,
+        weight: &[f32],
         nf: &[f32],
         counted: &[(usize, usize)],
-        n: usize,
+        chunk: usize,
         h: usize,
+        mut weight_grad: Option<&mut [f32]>,
     ) -> (f32, Vec<f32>) {
         let v = self.config.vocab_size;
-        let weight: &[f32] = match &self.lm_head {
-            Some(head) => &head.weight,
-            None => &self.embed,
-        };
         let count = counted.len() as f32;
-        let chunk = (HEAD_CHUNK_VALUES / v).max(1);
-        let mut dnf = vec![0.0f32; n * h];
+        let mut dnf = vec![0.0f32; nf.len()];
         let mut total = 0.0f64;
-        for part in counted.chunks(chunk) {
+        for part in counted.chunks(chunk.max(1)) {
             let rows = part.len();
             let mut xs = Vec::with_capacity(rows * h);
             for &(pos, _) in part {
@@ -315,6 +320,16 @@ impl Model {
                 })
                 .collect();
             total += losses.iter().sum::<f64>();
+            if let Some(grad) = weight_grad.as_deref_mut() {
+                // dW [V, h] += dlogitsᵀ · xs.
+                gemm_into(
+                    grad,
+                    View::new(&logits, rows, v).t(),
+                    View::new(&xs, rows, h),
+                    true,
+                    true,
+                );
+            }
             let dxs = matmul(&logits, weight, rows, v, h, false, false);
             for (&(pos, _), src) in part.iter().zip(dxs.chunks_exact(h)) {
                 dnf[pos * h..(pos + 1) * h].copy_from_slice(src);
@@ -326,37 +341,4 @@ impl Model {
 
 fn add(into: &mut [f32], from: &[f32]) {
     into.iter_mut().zip(from).for_each(|(a, b)| *a += b);
-}
-
-/// The (position, label) pairs the loss counts: logits at position i
-/// predict label i + 1 of the row; -100 is not counted.
-pub(super) fn counted_positions(
-    labels: &[Vec<i64>],
-    t: usize,
-    vocab: usize,
-) -> Result<Vec<(usize, usize)>> {
-    let mut counted = Vec::new();
-    for (r, row) in labels.iter().enumerate() {
-        if row.len() != t {
-            return Err(LlmError::Input("labels are not [batch, T]".into()));
-        }
-        for (i, &label) in row.iter().enumerate().skip(1) {
-            if label == -100 {
-                continue;
-            }
-            let label = usize::try_from(label)
-                .ok()
-                .filter(|&l| l < vocab)
-                .ok_or_else(|| {
-                    LlmError::Input(format!(
-                        "label {label} is outside the vocabulary ({vocab} ids)"
-                    ))
-                })?;
-            counted.push((r * t + i - 1, label));
-        }
-    }
-    if counted.is_empty() {
-        return Err(LlmError::Input("no label is counted (all -100)".into()));
-    }
-    Ok(counted)
 }
