@@ -521,17 +521,19 @@ fn error_chain(error: &anyhow::Error) -> String {
 /// Keeps freed memory in the process (glibc would hand every freed
 /// activation, up to 13 MB each, back to the OS and fault it in again on
 /// the next step: measured at 9x the cost of a ReLU forward+backward).
-/// Under an address-space limit (RLIMIT_AS), also keeps glibc to one malloc
-/// arena: each extra arena reserves 64 MiB of address space per thread that
+/// Under an address-space limit (RLIMIT_AS), instead: one malloc arena
+/// (each extra one reserves 64 MiB of address space per thread that
 /// allocates, which alone would exhaust a few hundred MiB of limit and make
-/// thread creation fail.
+/// thread creation fail), and every block of 256 KiB or more its own
+/// mapping, so that what the tensor pool releases after an out-of-memory
+/// error goes back to the OS as address space. Kept in the heap, it stayed
+/// counted against the limit, and the retry's next allocation outside the
+/// pool, which no policy sees, could be refused and abort the process.
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes allocator tunables and getrlimit only
     // writes the struct we pass; both run before any other thread exists.
     unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
         let mut limit = libc::rlimit {
             rlim_cur: 0,
             rlim_max: 0,
@@ -540,6 +542,11 @@ fn keep_freed_memory() {
             && limit.rlim_cur != libc::RLIM_INFINITY
         {
             libc::mallopt(libc::M_ARENA_MAX, 1);
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 10);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 20);
+        } else {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
         }
     }
 }
