@@ -371,3 +371,25 @@ fn the_trainer_reports_each_step_and_stops_at_max_steps() {
     };
     assert!(FullTrainer::new(&mut model, &data, &bad).is_err());
 }
+
+/// By hand (check_finetuned_loads.py): with `HEADROOM_FULLFT_OUT` set, each
+/// fixture trained as above is written to `OUT/NAME_trained`, with the
+/// logits our loader computes from that directory on the fixture's
+/// `input_ids` in `OUT/NAME_ours.f32` (little-endian f32, row-major).
+#[test]
+fn write_trained_for_transformers_when_asked() {
+    let Some(out) = std::env::var_os("HEADROOM_FULLFT_OUT") else {
+        return;
+    };
+    let out = std::path::PathBuf::from(out);
+    std::fs::create_dir_all(&out).expect("mkdir");
+    for name in MODELS {
+        let (model, _, _) = trained(name, 1, 1e-2);
+        let dir = out.join(format!("{name}_trained"));
+        write_model_dir(&model, &fixture(name), &dir).expect("writes");
+        let ids = as_ids(&Reference::load(name).rows("input_ids"));
+        let ours = Model::load(&dir).expect("reloads").logits(&ids).expect("logits");
+        let bytes: Vec<u8> = ours.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(out.join(format!("{name}_ours.f32")), bytes).expect("write");
+    }
+}
