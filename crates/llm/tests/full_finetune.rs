@@ -388,7 +388,10 @@ fn write_trained_for_transformers_when_asked() {
         let dir = out.join(format!("{name}_trained"));
         write_model_dir(&model, &fixture(name), &dir).expect("writes");
         let ids = as_ids(&Reference::load(name).rows("input_ids"));
-        let ours = Model::load(&dir).expect("reloads").logits(&ids).expect("logits");
+        let ours = Model::load(&dir)
+            .expect("reloads")
+            .logits(&ids)
+            .expect("logits");
         let bytes: Vec<u8> = ours.iter().flat_map(|v| v.to_le_bytes()).collect();
         std::fs::write(out.join(format!("{name}_ours.f32")), bytes).expect("write");
     }

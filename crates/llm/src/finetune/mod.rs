@@ -15,7 +15,8 @@
 //! moments, step, epoch and position in the epoch's order); the order comes
 //! from (seed, epoch) and the dropout masks from (seed, step, micro-batch),
 //! so a state saved and restored (`checkpoint`) continues bit for bit. The
-//! run directory (checkpoints, resume, `metrics.jsonl`) is `run`. Memory:
+//! run directory (checkpoints, resume, `metrics.jsonl`) is `run`; `full`
+//! is a full fine-tune (every weight) built from the same pieces. Memory:
 //! the model, the adapters with their gradient sums and two moments (4×
 //! the adapters), and one micro-batch's activations
 //! (`Model::lora_gradients`: batch · layers · heads · T² for attention).
