@@ -318,7 +318,8 @@ pub fn write_model_dir(
         .map(|(n, _)| n.as_str())
         .find(|n| n.ends_with("embed_tokens.weight") || n.ends_with("wte.weight"))
         .map(str::to_string);
-    let tied_head = model.config.tie_word_embeddings && !known.contains("lm_head.weight");
+    // A model with no head of its own runs its embedding as the head.
+    let tied_head = !known.contains("lm_head.weight");
     let kept = std::cell::RefCell::new(Vec::new());
     let source = |name: &str, dtype: Dtype, bytes: &[u8]| -> Result<Option<Vec<f32>>> {
         let from = if known.contains(name) {
