@@ -65,6 +65,10 @@ enum Command {
     /// OUT` continues one), ending with peft's adapter_model.safetensors and
     /// adapter_config.json at its top level.
     LoraLlm(LoraLlmArgs),
+    /// Full fine-tuning of a small Hugging Face model directory (every
+    /// weight, AdamW) on a JSONL file on the CPU, written at the end as a
+    /// new Hugging Face model directory in the base's layout and dtypes.
+    FinetuneLlm(FinetuneLlmArgs),
     /// What this machine has and what headroom will do on it.
     Doctor,
     /// Every GPU check: driver, GPU, NVRTC and cuBLAS report, kernels compiled for
@@ -431,6 +435,53 @@ struct LoraLlmArgs {
     keep_checkpoints: Option<usize>,
 }
 
+/// `finetune-llm`: a full fine-tune (every weight) written as a new model
+/// directory OUT at the end; nothing is written on a stop.
+#[derive(clap::Args)]
+struct FinetuneLlmArgs {
+    /// Refuse, before the first step, a fine-tune that would need more
+    /// memory than this (e.g. 4GiB): the weights, their gradients (the
+    /// step's sum and a pass's), AdamW's two moments, and one pass at the
+    /// largest micro-batch [default: the room the system leaves: cgroup,
+    /// rlimits, available memory].
+    #[arg(long, value_name = "BYTES")]
+    memory_limit: Option<String>,
+    /// The model directory (config.json, safetensors, tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// JSONL, one example a line: {"text": …} or {"prompt": …, "completion": …}.
+    #[arg(long)]
+    data: PathBuf,
+    /// The new model directory to write (must not exist, or be empty).
+    #[arg(long)]
+    output: PathBuf,
+    #[arg(long, default_value_t = 1, value_parser = at_least_one())]
+    epochs: usize,
+    #[arg(long, default_value_t = 2e-5)]
+    lr: f32,
+    /// Examples per micro-batch, right-padded to the longest.
+    #[arg(long, default_value_t = 1, value_parser = at_least_one())]
+    batch_size: usize,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 8, value_parser = at_least_one())]
+    accumulate: usize,
+    /// Warm up over this many steps, then a cosine to 0 [default: constant lr].
+    #[arg(long)]
+    warmup_steps: Option<usize>,
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f32,
+    /// Stop after this many optimizer steps.
+    #[arg(long)]
+    max_steps: Option<usize>,
+    #[arg(long, default_value_t = 1024)]
+    max_seq_length: usize,
+    /// Lay the examples end to end in rows of --max-seq-length.
+    #[arg(long)]
+    packing: bool,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
 #[derive(clap::Args)]
 struct MemcheckArgs {
     /// Only the tests whose name contains this.
@@ -575,6 +626,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::LoraMerge(args) => commands::lora_merge::run(args),
         Command::Generate(args) => done(commands::generate::run(args)),
         Command::LoraLlm(args) => commands::lora_llm::run(args),
+        Command::FinetuneLlm(args) => commands::finetune_llm::run(args),
         Command::BenchLlm(args) => done(commands::llm_bench::run(args)),
         Command::Doctor => done(commands::doctor::run()),
         Command::GpuCheck(args) => done(commands::gpu_check::run(&args)),

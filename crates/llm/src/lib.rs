@@ -15,7 +15,9 @@
 //! `adapter_config.json`, for both families, and merged into the base),
 //! `merge` (the merged model written as a Hugging Face directory), `data` (JSONL
 //! fine-tuning examples, tokenised, labels -100 off the completion),
-//! `finetune` (LoRA training: AdamW on the adapters, the base frozen).
+//! `finetune` (LoRA training: AdamW on the adapters, the base frozen;
+//! `finetune::full`, AdamW over every weight, written back as a model
+//! directory by `merge::write_model_dir`).
 
 pub mod config;
 pub mod data;

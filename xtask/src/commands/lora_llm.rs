@@ -228,6 +228,25 @@ pub fn run(args: LoraLlmArgs) -> Result<ExitCode> {
     }
 }
 
+/// The limit a fine-tune's memory is checked against, with where it comes
+/// from: `--memory-limit`, else the room the system leaves (None, with a
+/// warning, when no ceiling is found).
+pub(crate) fn memory_limit(limit: Option<&str>) -> Result<Option<(u64, String)>> {
+    Ok(Some(match limit {
+        Some(text) => (
+            headroom_pipeline::config::parse_bytes("--memory-limit", text)?,
+            "--memory-limit".to_string(),
+        ),
+        None => match headroom_pipeline::limits::tightest() {
+            Some(ceiling) => (ceiling.room, ceiling.source),
+            None => {
+                tracing::warn!("no memory ceiling found: the fine-tune's memory is not checked");
+                return Ok(None);
+            }
+        },
+    }))
+}
+
 /// Refuses, before anything trains, a fine-tune whose memory exceeds the
 /// limit: the model's f32 weights, the adapters (values, gradient sums, two
 /// AdamW moments: 4 f32s each) and one gradient pass at the largest
@@ -241,18 +260,8 @@ fn check_fits(
     limit: Option<&str>,
 ) -> Result<()> {
     use headroom_model::memory::bytes_text;
-    let (limit, source) = match limit {
-        Some(text) => (
-            headroom_pipeline::config::parse_bytes("--memory-limit", text)?,
-            "--memory-limit".to_string(),
-        ),
-        None => match headroom_pipeline::limits::tightest() {
-            Some(ceiling) => (ceiling.room, ceiling.source),
-            None => {
-                tracing::warn!("no memory ceiling found: the fine-tune's memory is not checked");
-                return Ok(());
-            }
-        },
+    let Some((limit, source)) = memory_limit(limit)? else {
+        return Ok(());
     };
     let c = &model.config;
     let f = std::mem::size_of::<f32>() as u64;

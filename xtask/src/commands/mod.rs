@@ -5,6 +5,7 @@ pub mod bench;
 pub mod doctor;
 pub mod eval;
 pub mod export;
+pub mod finetune_llm;
 pub mod generate;
 pub mod gpu_check;
 pub mod llm_bench;

@@ -15,13 +15,15 @@
 //! moments, step, epoch and position in the epoch's order); the order comes
 //! from (seed, epoch) and the dropout masks from (seed, step, micro-batch),
 //! so a state saved and restored (`checkpoint`) continues bit for bit. The
-//! run directory (checkpoints, resume, `metrics.jsonl`) is `run`. Memory:
+//! run directory (checkpoints, resume, `metrics.jsonl`) is `run`; `full`
+//! is a full fine-tune (every weight) built from the same pieces. Memory:
 //! the model, the adapters with their gradient sums and two moments (4×
 //! the adapters), and one micro-batch's activations
 //! (`Model::lora_gradients`: batch · layers · heads · T² for attention).
 
 pub mod batch;
 pub mod checkpoint;
+pub mod full;
 pub mod run;
 
 use crate::data::Dataset;
@@ -114,7 +116,15 @@ pub struct StepLog {
 }
 
 /// PyTorch's AdamW (β 0.9, 0.999, ε 1e-8) on one vector.
-fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], lr: f32, wd: f32, t: u64) {
+pub(crate) fn adamw(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    lr: f32,
+    wd: f32,
+    t: u64,
+) {
     let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8f32);
     let bc1 = 1.0 - b1.powf(t as f64);
     let bc2_sqrt = (1.0 - b2.powf(t as f64)).sqrt() as f32;
@@ -203,6 +213,25 @@ pub fn total_steps(options: &FinetuneOptions, n: usize) -> usize {
     let per_step = options.batch_size.max(1) * options.accumulate.max(1);
     let all = n.div_ceil(per_step) * options.epochs;
     options.max_steps.map_or(all, |max| all.min(max))
+}
+
+/// The micro-batches of examples `order[start..end]`, `batch_size` a
+/// micro-batch, each right-padded with `pad` (`batch::pad`).
+pub(crate) fn micro_batches(
+    data: &Dataset,
+    order: &[usize],
+    start: usize,
+    end: usize,
+    batch_size: usize,
+    pad: u32,
+) -> Vec<batch::MicroBatch> {
+    order[start..end]
+        .chunks(batch_size.max(1))
+        .map(|ids| {
+            let rows: Vec<_> = ids.iter().map(|&i| &data.examples[i]).collect();
+            batch::pad(&rows, pad)
+        })
+        .collect()
 }
 
 /// The training loop one step at a time, so a caller can checkpoint and
@@ -314,13 +343,7 @@ impl<'a> Trainer<'a> {
         };
         let start = self.state.position;
         let end = (start + o.batch_size * o.accumulate).min(n);
-        let micro: Vec<batch::MicroBatch> = order[start..end]
-            .chunks(o.batch_size)
-            .map(|ids| {
-                let rows: Vec<_> = ids.iter().map(|&i| &self.data.examples[i]).collect();
-                batch::pad(&rows, self.pad)
-            })
-            .collect();
+        let micro = micro_batches(self.data, order, start, end, o.batch_size, self.pad);
         let tokens: usize = micro.iter().map(|b| b.counted).sum();
         if tokens == 0 {
             return Err(LlmError::Input(format!(

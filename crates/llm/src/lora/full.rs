@@ -230,11 +230,28 @@ impl Model {
     /// weight tensor `name`; the cached forward and `generate` then run the
     /// changed model.
     pub fn add_to_weight(&mut self, name: &str, delta: &[f32]) -> Result<()> {
+        self.apply_to_weight(name, delta, add)
+    }
+
+    /// Sets weight tensor `name` to `values` (in its checkpoint shape and
+    /// layout, as [`Model::weight`] reads it): an optimizer's new weights.
+    pub fn set_weight(&mut self, name: &str, values: &[f32]) -> Result<()> {
+        self.apply_to_weight(name, values, |dst, src| dst.copy_from_slice(src))
+    }
+
+    /// `op(stored, given)` over tensor `name`, GPT-2's fused `c_attn` split
+    /// back into its q, k and v thirds.
+    fn apply_to_weight(
+        &mut self,
+        name: &str,
+        delta: &[f32],
+        op: impl Fn(&mut [f32], &[f32]),
+    ) -> Result<()> {
         let slot = self.slot(name)?;
         let expected: usize = self.slot_shape(slot).iter().product();
         if delta.len() != expected {
             return Err(LlmError::Input(format!(
-                "weight `{name}`: an update of {} values, the tensor has {expected} ({:?})",
+                "weight `{name}`: {} values given, the tensor has {expected} ({:?})",
                 delta.len(),
                 self.slot_shape(slot)
             )));
@@ -251,11 +268,11 @@ impl Model {
                 };
                 for r in 0..rows {
                     let src = &delta[r * 3 * width + p * width..][..width];
-                    add(&mut dst[r * width..(r + 1) * width], src);
+                    op(&mut dst[r * width..(r + 1) * width], src);
                 }
             }
         } else {
-            add(self.slot_values_mut(slot), delta);
+            op(self.slot_values_mut(slot), delta);
         }
         Ok(())
     }

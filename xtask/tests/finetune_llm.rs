@@ -1,0 +1,216 @@
+//! `cargo xtask finetune-llm` end to end on the llama fixture: a full
+//! fine-tune whose logged loss falls writes a model directory that loads
+//! and that `generate --model OUT` runs; a run that cannot fit
+//! `--memory-limit` is refused naming each part, and an output inside the
+//! model directory is refused, both before any step and writing nothing;
+//! SIGTERM stops after the step under way and writes nothing, saying so.
+
+// Not every helper is used here.
+#[allow(dead_code, unused_imports)]
+mod common;
+
+use common::*;
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+
+fn llama() -> String {
+    repo_root()
+        .join("crates/llm/fixtures/llama")
+        .display()
+        .to_string()
+}
+
+const TWO: &str = "{\"text\": \"The lazy fox trains a frozen model.\"}\n\
+     {\"prompt\": \"The quick brown\", \"completion\": \" fox within the memory it has\"}\n";
+
+/// The losses the log reports, in order.
+fn losses(log: &str) -> Vec<f32> {
+    log.lines()
+        .filter_map(|l| l.split("loss ").nth(1))
+        .filter_map(|rest| rest.split(',').next()?.trim().parse().ok())
+        .collect()
+}
+
+fn args(model: &str, data: &str, out: &str, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "finetune-llm",
+        "--model",
+        model,
+        "--data",
+        data,
+        "--output",
+        out,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn trains_every_weight_and_writes_a_directory_generate_runs() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let data = tmp.path().join("train.jsonl");
+    std::fs::write(&data, TWO).expect("write");
+    let out = tmp.path().join("trained");
+    let (data_s, out_s, model) = (
+        data.display().to_string(),
+        out.display().to_string(),
+        llama(),
+    );
+    let a = args(
+        &model,
+        &data_s,
+        &out_s,
+        &[
+            "--epochs",
+            "6",
+            "--lr",
+            "3e-3",
+            "--accumulate",
+            "2",
+            "--warmup-steps",
+            "1",
+            "--memory-limit",
+            "1GiB",
+        ],
+    );
+    let result = run(&strs(&a));
+    let log = stderr(&result);
+    assert!(result.status.success(), "{log}");
+    assert!(log.contains("memory: weights"), "{log}");
+    let logged = losses(&log);
+    assert_eq!(logged.len(), 6, "one step an epoch: {log}");
+    assert!(logged[5] < 0.8 * logged[1], "{logged:?}");
+    assert!(log.contains("wrote "), "{log}");
+
+    let trained = headroom_llm::Model::load(&out).expect("the output loads");
+    let base = headroom_llm::Model::load(std::path::Path::new(&model)).expect("loads");
+    let ids = vec![vec![1u32, 40, 41, 42]];
+    assert_ne!(
+        trained.logits(&ids).expect("logits"),
+        base.logits(&ids).expect("logits")
+    );
+    for file in ["config.json", "tokenizer.json", "model.safetensors"] {
+        assert!(out.join(file).is_file(), "{file}");
+    }
+
+    let generated = run(&[
+        "generate",
+        "--model",
+        &out_s,
+        "--prompt",
+        "The quick brown",
+        "--max-new-tokens",
+        "6",
+    ]);
+    assert!(generated.status.success(), "{}", stderr(&generated));
+    assert!(!generated.stdout.is_empty());
+
+    // A second run to the same output is refused before training.
+    let again = run(&strs(&a));
+    let err = stderr(&again);
+    assert!(!again.status.success());
+    assert!(err.contains("not empty"), "{err}");
+    assert!(losses(&err).is_empty(), "trained before refusing: {err}");
+}
+
+#[test]
+fn a_fine_tune_that_cannot_fit_or_would_write_into_the_model_is_refused() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let data = tmp.path().join("train.jsonl");
+    std::fs::write(&data, TWO).expect("write");
+    let out = tmp.path().join("trained");
+    let (data_s, out_s, model) = (
+        data.display().to_string(),
+        out.display().to_string(),
+        llama(),
+    );
+    let refused = run(&strs(&args(
+        &model,
+        &data_s,
+        &out_s,
+        &["--memory-limit", "1MiB"],
+    )));
+    let err = stderr(&refused);
+    assert!(!refused.status.success(), "{err}");
+    for part in [
+        "does not fit in 1.0 MiB (--memory-limit)",
+        "weights",
+        "gradient sum",
+        "AdamW moments",
+        "one pass of 1 ×",
+        "its gradients",
+        "block inputs",
+        "lower --max-seq-length",
+    ] {
+        assert!(err.contains(part), "missing {part:?}: {err}");
+    }
+    assert!(!out.exists(), "a refused run wrote {}", out.display());
+
+    let inside = std::path::Path::new(&model).join("trained");
+    let refused = run(&strs(&args(
+        &model,
+        &data_s,
+        &inside.display().to_string(),
+        &[],
+    )));
+    let err = stderr(&refused);
+    assert!(!refused.status.success());
+    assert!(err.contains("is inside the model directory"), "{err}");
+    assert!(!inside.exists());
+}
+
+#[test]
+fn sigterm_stops_after_the_step_and_writes_nothing() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let data = tmp.path().join("train.jsonl");
+    std::fs::write(&data, TWO).expect("write");
+    let out = tmp.path().join("trained");
+    let a = args(
+        &llama(),
+        &data.display().to_string(),
+        &out.display().to_string(),
+        &["--epochs", "100000", "--lr", "1e-4", "--accumulate", "1"],
+    );
+    let mut child = xtask(&strs(&a))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut err = BufReader::new(child.stderr.take().expect("stderr"));
+    let mut log = String::new();
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let read = err.read_line(&mut line).expect("read");
+        assert!(read > 0, "the run ended before step 3: {log}");
+        log.push_str(&line);
+        if line.contains("step 3/") {
+            break;
+        }
+    }
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).expect("read");
+    log.push_str(&rest);
+    let output = child.wait_with_output().expect("wait");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert_eq!(output.status.code(), Some(143), "SIGTERM exits 143: {log}");
+    assert!(stdout.contains("stopped at epoch"), "{stdout}");
+    assert!(stdout.contains("nothing written"), "{stdout}");
+    assert!(!out.exists(), "a stopped run wrote {}", out.display());
+    for entry in std::fs::read_dir(tmp.path()).expect("read") {
+        let name = entry.expect("entry").file_name();
+        assert!(!name.to_string_lossy().contains(".partial-"), "{name:?}");
+    }
+}
