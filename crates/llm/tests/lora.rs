@@ -295,3 +295,39 @@ fn kept_activations_give_the_recomputed_gradients_bit_for_bit() {
         }
     }
 }
+
+/// The gradients are the same bits on 1 thread and on 3: attention's tasks
+/// and the loss's rows run on the threads and are added in a fixed order.
+/// (The fixtures' products are below the size at which the gemm crate uses
+/// threads itself; it splits rows and columns, never a sum.)
+#[test]
+fn gradients_do_not_depend_on_the_thread_count() {
+    for name in ["llama", "gpt2"] {
+        let model = Model::load(&fixture(name)).expect("loads");
+        let (adapters, _) = peft_adapters(name);
+        let reference = Reference::load(name);
+        let batch = as_ids(&reference.rows("input_ids"));
+        let labels = reference.rows("labels");
+        let on = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("pool")
+                .install(|| model.lora_gradients(&adapters, &batch, &labels))
+                .expect("gradients")
+        };
+        let (loss1, grads1) = on(1);
+        let (loss3, grads3) = on(3);
+        assert_eq!(loss1.to_bits(), loss3.to_bits(), "{name}");
+        for (key, (da, db)) in &grads1 {
+            let (ea, eb) = &grads3[key];
+            assert!(
+                da.iter()
+                    .zip(ea)
+                    .chain(db.iter().zip(eb))
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name} {key}"
+            );
+        }
+    }
+}
