@@ -301,3 +301,23 @@ pub(crate) fn counted_positions(
     }
     Ok(counted)
 }
+
+/// The (position, label) pairs a loss counts.
+pub(crate) type Counted = Vec<(usize, usize)>;
+
+/// A gradient pass's (rows, T, counted positions): the batch and labels
+/// must be non-empty rows of one length, one label row per batch row.
+pub(crate) fn batch_shape(
+    batch: &[Vec<u32>],
+    labels: &[Vec<i64>],
+    vocab: usize,
+) -> Result<(usize, usize, Counted)> {
+    let b = batch.len();
+    let t = batch.first().map_or(0, Vec::len);
+    if b == 0 || t == 0 || batch.iter().any(|r| r.len() != t) || labels.len() != b {
+        return Err(LlmError::Input(
+            "batch and labels must be non-empty rows of one length".into(),
+        ));
+    }
+    Ok((b, t, counted_positions(labels, t, vocab)?))
+}

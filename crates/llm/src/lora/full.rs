@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 
 use crate::config::Family;
 use crate::error::{LlmError, Result};
-use crate::forward::counted_positions;
+use crate::forward::batch_shape;
 use crate::lora::attention::Shape;
 use crate::lora::block::{norm_backward, norm_weight_grad, BlockGrads, Ctx, Part, PartGrad, Sink};
 use crate::lora::gradients::HEAD_CHUNK_VALUES;
@@ -88,14 +88,7 @@ impl Model {
         chunk: usize,
     ) -> Result<(f32, WeightGrads)> {
         let c = &self.config;
-        let b = batch.len();
-        let t = batch.first().map_or(0, Vec::len);
-        if b == 0 || t == 0 || batch.iter().any(|r| r.len() != t) || labels.len() != b {
-            return Err(LlmError::Input(
-                "batch and labels must be non-empty rows of one length".into(),
-            ));
-        }
-        let counted = counted_positions(labels, t, c.vocab_size)?;
+        let (b, t, counted) = batch_shape(batch, labels, c.vocab_size)?;
         let (h, n) = (c.hidden_size, b * t);
         let mut x = self.embed_rows(batch, t)?;
         let no_adapters = Adapters::new();

@@ -10,7 +10,7 @@
 use rayon::prelude::*;
 
 use crate::error::{LlmError, Result};
-use crate::forward::counted_positions;
+use crate::forward::batch_shape;
 use crate::lora::attention::Shape;
 use crate::lora::block::{norm_backward, Ctx};
 use crate::lora::{module_dims, AdapterGrads, Adapters, Dropout};
@@ -140,14 +140,7 @@ impl Model {
         }
         self.check_adapters(adapters)?;
         let c = &self.config;
-        let b = batch.len();
-        let t = batch.first().map_or(0, Vec::len);
-        if b == 0 || t == 0 || batch.iter().any(|r| r.len() != t) || labels.len() != b {
-            return Err(LlmError::Input(
-                "batch and labels must be non-empty rows of one length".into(),
-            ));
-        }
-        let counted = counted_positions(labels, t, c.vocab_size)?;
+        let (b, t, counted) = batch_shape(batch, labels, c.vocab_size)?;
         let h = c.hidden_size;
         let n = b * t;
         let mut x = self.embed_rows(batch, t)?;
