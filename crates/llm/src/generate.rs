@@ -28,11 +28,7 @@ struct Rng(u64);
 
 impl Rng {
     fn next_f64(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
+        let z = crate::math::splitmix64(&mut self.0);
         (z >> 11) as f64 / (1u64 << 53) as f64
     }
 }

@@ -82,6 +82,17 @@ pub fn project(
     y
 }
 
+/// splitmix64: the next value of a seeded stream (every draw of this crate:
+/// adapters' initialisation, dropout masks, orders, sampling, random
+/// weights), small and good enough for all of them.
+pub fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 /// Llama's RMSNorm over rows of `weight.len()`: x / sqrt(mean(x²) + eps) · w.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     let d = weight.len();

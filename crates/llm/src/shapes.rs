@@ -196,11 +196,7 @@ pub fn write_random(dir: &Path, preset: Preset, layers: Option<usize>, seed: u64
             let value = if norm {
                 1.0
             } else {
-                state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let mut z = state;
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                z ^= z >> 31;
+                let z = crate::math::splitmix64(&mut state);
                 let u = (z >> 11) as f64 / (1u64 << 53) as f64;
                 (u * 2.0 - 1.0) * bound
             };

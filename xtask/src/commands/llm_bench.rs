@@ -10,6 +10,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use headroom_llm::finetune::adamw;
 use headroom_llm::lora::new_adapters;
 use headroom_llm::shapes::{write_random, Preset};
 use headroom_llm::Model;
@@ -195,14 +196,7 @@ fn child(dir: &Path, args: &BenchLlmArgs) -> Result<Side> {
     serde_json::from_str(text.trim()).with_context(|| format!("bench-llm --one printed {text}"))
 }
 
-/// splitmix64.
-fn next(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+use headroom_llm::math::splitmix64 as next;
 
 /// headroom's side: load, adapters (B drawn small so every product is
 /// real), then `warmup + steps` micro-steps of one random sequence each:
@@ -237,15 +231,15 @@ fn time_ours(dir: &Path, args: &BenchLlmArgs) -> Result<Side> {
     let load_s = start.elapsed().as_secs_f64();
     let vocab = model.config.vocab_size as u64;
     let adapter_params = adapters.values().map(|a| a.a.len() + a.b.len()).sum();
-    let mut moments: std::collections::HashMap<String, (Vec<f32>, Vec<f32>)> = adapters
+    // (m, v) of A and of B, by key.
+    type Moments = [Vec<f32>; 4];
+    let mut moments: std::collections::HashMap<String, Moments> = adapters
         .iter()
         .map(|(k, a)| {
+            let (na, nb) = (a.a.len(), a.b.len());
             (
                 k.clone(),
-                (
-                    vec![0.0; a.a.len() + a.b.len()],
-                    vec![0.0; a.a.len() + a.b.len()],
-                ),
+                [vec![0.0; na], vec![0.0; na], vec![0.0; nb], vec![0.0; nb]],
             )
         })
         .collect();
@@ -259,18 +253,13 @@ fn time_ours(dir: &Path, args: &BenchLlmArgs) -> Result<Side> {
         let t0 = Instant::now();
         let (l, grads) = model.lora_gradients_kept(&adapters, &[ids], &[labels], None, keep)?;
         for (key, (da, db)) in &grads {
-            let (Some(ad), Some((m, v))) = (adapters.get_mut(key), moments.get_mut(key)) else {
+            let (Some(ad), Some([ma, va, mb, vb])) = (adapters.get_mut(key), moments.get_mut(key))
+            else {
                 continue;
             };
-            let t = step as i32 + 1;
-            let (bc1, bc2) = (1.0 - 0.9f32.powi(t), (1.0 - 0.999f32.powi(t)).sqrt());
-            let params = ad.a.iter_mut().chain(ad.b.iter_mut());
-            let grads = da.iter().chain(db.iter());
-            for (((p, g), m), v) in params.zip(grads).zip(m.iter_mut()).zip(v.iter_mut()) {
-                *m = 0.9 * *m + 0.1 * g;
-                *v = 0.999 * *v + 0.001 * g * g;
-                *p -= 2e-4 / bc1 * *m / (v.sqrt() / bc2 + 1e-8);
-            }
+            let t = step as u64 + 1;
+            adamw(&mut ad.a, da, ma, va, 2e-4, 0.0, t);
+            adamw(&mut ad.b, db, mb, vb, 2e-4, 0.0, t);
         }
         if step >= args.warmup {
             timed += t0.elapsed().as_secs_f64();

@@ -61,14 +61,7 @@ pub fn pad(examples: &[&Example], pad: u32) -> MicroBatch {
     batch
 }
 
-/// splitmix64, as the adapters' initialisation draws.
-pub(crate) fn next(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+use crate::math::splitmix64 as next;
 
 /// Epoch `epoch`'s order of `n` examples: a function of (seed, epoch), so
 /// a resumed run finds the order it stopped in.

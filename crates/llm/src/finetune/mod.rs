@@ -115,16 +115,9 @@ pub struct StepLog {
     pub epoch_end: bool,
 }
 
-/// PyTorch's AdamW (β 0.9, 0.999, ε 1e-8) on one vector.
-pub(crate) fn adamw(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    lr: f32,
-    wd: f32,
-    t: u64,
-) {
+/// PyTorch's AdamW (β 0.9, 0.999, ε 1e-8, decoupled weight decay `wd`) on
+/// one vector at step `t` (from 1).
+pub fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], lr: f32, wd: f32, t: u64) {
     let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8f32);
     let bc1 = 1.0 - b1.powf(t as f64);
     let bc2_sqrt = (1.0 - b2.powf(t as f64)).sqrt() as f32;

@@ -153,12 +153,7 @@ pub fn new_adapters(
     let names = targets(c.family);
     let mut state = seed;
     let mut uniform = || {
-        // splitmix64, as generate.rs draws.
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
+        let z = crate::math::splitmix64(&mut state);
         (z >> 11) as f64 / (1u64 << 53) as f64
     };
     let mut adapters = Adapters::new();
@@ -209,11 +204,7 @@ impl Dropout {
         let keep = 1.0 / (1.0 - self.p);
         (0..n)
             .map(|_| {
-                self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let mut z = self.state;
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                z ^= z >> 31;
+                let z = crate::math::splitmix64(&mut self.state);
                 let u = (z >> 40) as f32 / (1u64 << 24) as f32;
                 if u < self.p {
                     0.0
