@@ -10,8 +10,6 @@
 mod common;
 
 use common::*;
-use std::io::{BufRead, BufReader};
-use std::process::Stdio;
 
 fn llama() -> String {
     repo_root()
@@ -178,32 +176,7 @@ fn sigterm_stops_after_the_step_and_writes_nothing() {
         &out.display().to_string(),
         &["--epochs", "100000", "--lr", "1e-4", "--accumulate", "1"],
     );
-    let mut child = xtask(&strs(&a))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let mut err = BufReader::new(child.stderr.take().expect("stderr"));
-    let mut log = String::new();
-    let mut line = String::new();
-    loop {
-        line.clear();
-        let read = err.read_line(&mut line).expect("read");
-        assert!(read > 0, "the run ended before step 3: {log}");
-        log.push_str(&line);
-        if line.contains("step 3/") {
-            break;
-        }
-    }
-    let status = std::process::Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success());
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut err, &mut rest).expect("read");
-    log.push_str(&rest);
-    let output = child.wait_with_output().expect("wait");
+    let (output, log) = sigterm_after(&strs(&a), "step 3/");
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert_eq!(output.status.code(), Some(143), "SIGTERM exits 143: {log}");
     assert!(stdout.contains("stopped at epoch"), "{stdout}");

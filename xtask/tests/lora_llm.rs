@@ -10,9 +10,8 @@
 mod common;
 
 use common::*;
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Output, Stdio};
+use std::process::Output;
 
 fn llama() -> String {
     repo_root()
@@ -299,32 +298,10 @@ fn sigterm_checkpoints_and_the_printed_command_resumes_to_the_same_adapters() {
     // Everything a shell would otherwise take apart or expand.
     let stopped = tmp.path().join("it's a $HOME run");
     let list = args(&stopped);
-    let mut child = xtask(&list.iter().map(String::as_str).collect::<Vec<_>>())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let mut err = BufReader::new(child.stderr.take().expect("stderr"));
-    let mut log = String::new();
-    let mut line = String::new();
-    loop {
-        line.clear();
-        let read = err.read_line(&mut line).expect("read");
-        assert!(read > 0, "the run ended before step 3: {log}");
-        log.push_str(&line);
-        if line.contains("step 3/") {
-            break;
-        }
-    }
-    let status = std::process::Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success());
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut err, &mut rest).expect("read");
-    log.push_str(&rest);
-    let output = child.wait_with_output().expect("wait");
+    let (output, log) = sigterm_after(
+        &list.iter().map(String::as_str).collect::<Vec<_>>(),
+        "step 3/",
+    );
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert_eq!(output.status.code(), Some(143), "SIGTERM exits 143: {log}");
     assert!(log.contains("SIGTERM: stopping after this step"), "{log}");

@@ -39,3 +39,38 @@ pub fn smoke_args(data: &Path, out: &Path) -> Vec<String> {
         format!("run.output_dir={}", out.display()),
     ]
 }
+
+/// Runs xtask with `args` until its log shows `marker`, sends it SIGTERM,
+/// and returns its output with the whole log (standard error). Only the
+/// fine-tuning commands' tests use it.
+#[allow(dead_code)]
+pub fn sigterm_after(args: &[&str], marker: &str) -> (Output, String) {
+    use std::io::{BufRead, BufReader, Read};
+    use std::process::Stdio;
+    let mut child = xtask(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut err = BufReader::new(child.stderr.take().expect("stderr"));
+    let mut log = String::new();
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let read = err.read_line(&mut line).expect("read");
+        assert!(read > 0, "the run ended before {marker:?}: {log}");
+        log.push_str(&line);
+        if line.contains(marker) {
+            break;
+        }
+    }
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let mut rest = String::new();
+    err.read_to_string(&mut rest).expect("read");
+    log.push_str(&rest);
+    (child.wait_with_output().expect("wait"), log)
+}
