@@ -89,7 +89,7 @@ pub use image_folder::{
     write_image, ImageFiles, ImageFit, ImageFolder, ImageFolderConfig, IMAGE_EXTENSIONS,
 };
 pub use loader::{
-    Batch, DataLoader, EpochIter, LoaderConfig, LoaderMemory, LoaderState, SampleRecipe,
+    Batch, DataLoader, EpochIter, LoaderConfig, LoaderMemory, LoaderState, SampleRecipe, Shard,
 };
 pub use moving::{GarmentPath, MovingConfig, MovingFashionMnist};
 pub use sampler::ShuffleMode;

@@ -72,6 +72,24 @@ pub struct LoaderConfig {
     /// Only crop and flip can be applied this way: RandAugment, Mixup and
     /// CutMix are refused.
     pub resident: bool,
+    /// One rank's share of a data-parallel run: of each global batch of
+    /// `batch_size × world` samples (the epoch's order cut as one process
+    /// would cut it), this loader makes slice `rank`. Needs `drop_last`, so
+    /// every rank has the same batches. Default: the whole (rank 0 of 1).
+    pub shard: Shard,
+}
+
+/// Which slice of each global batch a loader makes ([`LoaderConfig::shard`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Default for Shard {
+    fn default() -> Self {
+        Self { rank: 0, world: 1 }
+    }
 }
 
 impl Default for LoaderConfig {
@@ -90,6 +108,7 @@ impl Default for LoaderConfig {
             shuffle_mode: ShuffleMode::Global,
             memory_budget: None,
             resident: false,
+            shard: Shard::default(),
         }
     }
 }
@@ -337,6 +356,15 @@ struct Shared {
     inflight: Arc<Inflight>,
 }
 
+impl Shared {
+    /// The epoch-order position of batch `batch`'s first sample: this
+    /// rank's slice of global batch `batch`.
+    fn first_position(&self, batch: usize) -> usize {
+        let shard = self.config.shard;
+        (batch * shard.world + shard.rank) * self.config.batch_size
+    }
+}
+
 /// Bytes of batches made and not yet delivered.
 #[derive(Default)]
 struct Inflight {
@@ -535,9 +563,15 @@ impl DataLoader {
             epoch,
         );
         // Tell the dataset what it will be asked for (read-ahead, eviction).
-        let end = (s.batches * s.config.batch_size).min(s.len);
-        s.dataset
-            .prefetch_order(&mut (start * s.config.batch_size..end).map(|p| order.index(p)));
+        let bs = s.config.batch_size;
+        s.dataset.prefetch_order(
+            &mut (start..s.batches)
+                .flat_map(|b| {
+                    let first = s.first_position(b);
+                    first..(first + bs).min(s.len)
+                })
+                .map(|p| order.index(p)),
+        );
         it.mode = match &self.tasks {
             None => Mode::Inline {
                 order,
@@ -608,7 +642,7 @@ fn produce(
     cancelled: &AtomicBool,
 ) -> Result<Option<(Batch, InflightGuard)>, LoaderError> {
     let bs = s.config.batch_size;
-    let first = batch * bs;
+    let first = s.first_position(batch);
     let n = bs.min(s.len - first);
     let len = s.sample_len;
     let augment = &s.config.augment;
@@ -663,7 +697,7 @@ fn produce(
         })?;
         labels.push(label);
     }
-    let soft_targets = mix::draw(augment, seed, epoch, batch, h, w)
+    let soft_targets = mix::draw(augment, seed, epoch, batch * s.config.shard.world + s.config.shard.rank, h, w)
         .map(|m| mix::apply(m, &mut pixels, &labels, [n, h, w, c], s.num_classes));
     Ok(Some((
         Batch {
@@ -693,7 +727,7 @@ fn typed_batch(
     scratch: &mut Scratch,
     cancelled: &AtomicBool,
 ) -> Result<Option<Batch>, LoaderError> {
-    let first = batch * s.config.batch_size;
+    let first = s.first_position(batch);
     let [h, w, c] = s.shape;
     let elements = h * w * c;
     let element_bytes = elements * s.kind.element.size();
@@ -799,7 +833,7 @@ fn recipes(
     cancelled: &AtomicBool,
 ) -> Result<Option<LabelsAndRecipes>, LoaderError> {
     let bs = s.config.batch_size;
-    let first = batch * bs;
+    let first = s.first_position(batch);
     let n = bs.min(s.len - first);
     let augment = &s.config.augment;
     let mut labels = Vec::with_capacity(n);

@@ -805,3 +805,46 @@ fn resident_batches_refuse_host_only_augmentations() {
         assert!(e.to_string().contains("data.on_device = false"), "{e}");
     }
 }
+
+#[test]
+fn ranks_make_the_slices_of_one_process_s_global_batches() {
+    use headroom_loader::Shard;
+    let world = 3;
+    let single = LoaderConfig {
+        batch_size: 4 * world,
+        drop_last: true,
+        ..augmented(2, 2)
+    };
+    let whole = collect(loader(Synth::new(50, [6, 6, 1], 5), single.clone()).epoch(1, 0));
+    let ranks: Vec<Vec<Batch>> = (0..world)
+        .map(|rank| {
+            let config = LoaderConfig {
+                batch_size: 4,
+                shard: Shard { rank, world },
+                ..single.clone()
+            };
+            let l = loader(Synth::new(50, [6, 6, 1], 5), config);
+            assert_eq!(l.batches_per_epoch(), 50 / 12);
+            collect(l.epoch(1, 0))
+        })
+        .collect();
+    assert_eq!(whole.len(), 4);
+    for (b, global) in whole.iter().enumerate() {
+        for (rank, batches) in ranks.iter().enumerate() {
+            let part = global.slice(rank * 4..(rank + 1) * 4);
+            assert_eq!(batches[b].pixels, part.pixels, "batch {b}, rank {rank}");
+            assert_eq!(batches[b].labels, part.labels, "batch {b}, rank {rank}");
+        }
+    }
+    // A shard that keeps an incomplete last batch is refused.
+    let keep_last = LoaderConfig {
+        batch_size: 4,
+        drop_last: false,
+        shard: Shard { rank: 0, world },
+        ..single
+    };
+    let err = DataLoader::new(Arc::new(Synth::new(50, [6, 6, 1], 5)), keep_last)
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("drop_last"), "{err}");
+}

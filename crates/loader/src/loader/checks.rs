@@ -114,8 +114,34 @@ pub(super) fn validate(
             ),
         ));
     }
+    let shard = config.shard;
+    if shard.world == 0 || shard.rank >= shard.world {
+        return Err(config_err(
+            "shard",
+            format!("rank {} of a world of {}", shard.rank, shard.world),
+        ));
+    }
+    if shard.world > 1 && !config.drop_last {
+        return Err(config_err(
+            "shard",
+            "a loader shared by ranks must drop the last incomplete batch (drop_last), so that \
+             every rank has the same batches"
+                .into(),
+        ));
+    }
+    let global_batch = config.batch_size.saturating_mul(shard.world);
+    if shard.world > 1 && len > 0 && global_batch > len {
+        return Err(config_err(
+            "batch_size",
+            format!(
+                "{} per rank × {} ranks is larger than the dataset ({len} samples): an epoch \
+                 would have no batch",
+                config.batch_size, shard.world
+            ),
+        ));
+    }
     let batches = if config.drop_last {
-        len / config.batch_size
+        len / global_batch
     } else {
         len.div_ceil(config.batch_size)
     };
