@@ -433,6 +433,11 @@ struct LoraLlmArgs {
     /// Checkpoints kept, the newest [default: 2].
     #[arg(long, value_parser = at_least_one())]
     keep_checkpoints: Option<usize>,
+    /// Where the JSONL's token stores are kept, one per data file,
+    /// tokenizer and data options [default: $XDG_CACHE_HOME/headroom/llm-tokens,
+    /// else ~/.cache/headroom/llm-tokens].
+    #[arg(long, value_name = "DIR")]
+    token_cache: Option<PathBuf>,
 }
 
 /// `finetune-llm`: a full fine-tune (every weight) written as a new model
@@ -480,6 +485,10 @@ struct FinetuneLlmArgs {
     packing: bool,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Where the JSONL's token stores are kept [default:
+    /// $XDG_CACHE_HOME/headroom/llm-tokens, else ~/.cache/headroom/llm-tokens].
+    #[arg(long, value_name = "DIR")]
+    token_cache: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]

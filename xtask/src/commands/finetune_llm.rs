@@ -20,13 +20,15 @@ use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 
 use anyhow::{bail, Context, Result};
-use headroom_llm::data::{load_jsonl, DataOptions, Dataset};
+use headroom_llm::data::{DataOptions, Rows};
 use headroom_llm::finetune::full::{FullOptions, FullTrainer};
 use headroom_llm::finetune::LrSchedule;
 use headroom_llm::merge::{check_output, write_model_dir};
+use headroom_llm::token_store::TokenStore;
 use headroom_llm::{Model, Tokenizer};
 use headroom_model::memory::bytes_text;
 
+use crate::commands::llm_data::open_rows;
 use crate::commands::lora_llm::memory_limit;
 use crate::signals::StopOnSignals;
 use crate::FinetuneLlmArgs;
@@ -46,21 +48,13 @@ pub fn run(args: FinetuneLlmArgs) -> Result<ExitCode> {
         max_seq_length: args.max_seq_length,
         packing: args.packing,
     };
-    let data = load_jsonl(
-        &data_path,
+    let data = open_rows(
+        &model,
         &tokenizer,
-        model.config.eos_token_ids.first().copied(),
+        &data_path,
         data_options,
+        args.token_cache.as_deref(),
     )?;
-    tracing::info!(
-        "{}: {} rows from {} ({} truncated to {} tokens, {} without a counted label dropped)",
-        model.config.architecture,
-        data.examples.len(),
-        data_path.display(),
-        data.truncated,
-        args.max_seq_length,
-        data.dropped
-    );
     let options = FullOptions {
         epochs: args.epochs,
         lr: args.lr,
@@ -146,7 +140,7 @@ pub fn run(args: FinetuneLlmArgs) -> Result<ExitCode> {
 /// gradients (one more f32 copy of the weights).
 fn check_fits(
     model: &Model,
-    data: &Dataset,
+    data: &TokenStore,
     options: &FullOptions,
     limit: Option<&str>,
 ) -> Result<()> {
@@ -159,8 +153,8 @@ fn check_fits(
         .iter()
         .map(|(_, shape)| shape.iter().product::<usize>() as u64 * f)
         .sum();
-    let longest = data.examples.iter().map(|e| e.ids.len()).max().unwrap_or(0);
-    let rows = options.batch_size.min(data.examples.len()).max(1);
+    let longest = data.longest();
+    let rows = options.batch_size.min(data.len()).max(1);
     let pass = model.lora_pass_memory(rows, longest, 0, 0, 0);
     let pass_total = pass.total() as u64 + weights;
     let need = weights + weights + 2 * weights + pass_total;

@@ -9,6 +9,7 @@ pub mod finetune_llm;
 pub mod generate;
 pub mod gpu_check;
 pub mod llm_bench;
+pub mod llm_data;
 pub mod loader_bench;
 pub mod lora_llm;
 pub mod lora_merge;

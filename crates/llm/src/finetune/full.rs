@@ -22,7 +22,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::data::Dataset;
+use crate::data::Rows;
 use crate::error::{LlmError, Result};
 use crate::finetune::{
     adamw, batch, micro_batches, total_steps, validate, FinetuneOptions, LrSchedule, StepLog,
@@ -91,7 +91,7 @@ struct Moments {
 /// steps); it trains `model` in place.
 pub struct FullTrainer<'a> {
     model: &'a mut Model,
-    data: &'a Dataset,
+    data: &'a dyn Rows,
     options: FullOptions,
     pad: u32,
     total: usize,
@@ -104,7 +104,7 @@ pub struct FullTrainer<'a> {
 
 impl<'a> FullTrainer<'a> {
     /// Zero moments for every weight of `model`, at step 0.
-    pub fn new(model: &'a mut Model, data: &'a Dataset, options: &FullOptions) -> Result<Self> {
+    pub fn new(model: &'a mut Model, data: &'a dyn Rows, options: &FullOptions) -> Result<Self> {
         let lo = options.as_loop();
         validate(&lo, data)?;
         let moments = model
@@ -121,7 +121,7 @@ impl<'a> FullTrainer<'a> {
             .collect();
         Ok(Self {
             pad: batch::pad_id(&model.config),
-            total: total_steps(&lo, data.examples.len()),
+            total: total_steps(&lo, data.len()),
             model,
             data,
             options: options.clone(),
@@ -165,7 +165,7 @@ impl<'a> FullTrainer<'a> {
             return Err(LlmError::Input("the run has no step left".into()));
         }
         let o = &self.options;
-        let n = self.data.examples.len();
+        let n = self.data.len();
         let epoch = self.epoch;
         if self.order.as_ref().map(|(e, _)| *e) != Some(epoch) {
             self.order = Some((epoch, batch::order(n, o.seed, epoch)));
@@ -175,7 +175,7 @@ impl<'a> FullTrainer<'a> {
         };
         let start = self.position;
         let end = (start + o.batch_size * o.accumulate).min(n);
-        let micro = micro_batches(self.data, order, start, end, o.batch_size, self.pad);
+        let micro = micro_batches(self.data, order, start, end, o.batch_size, self.pad)?;
         let tokens: usize = micro.iter().map(|b| b.counted).sum();
         if tokens == 0 {
             return Err(LlmError::Input(format!(
@@ -268,7 +268,7 @@ impl<'a> FullTrainer<'a> {
 /// writes the result).
 pub fn finetune_full(
     model: &mut Model,
-    data: &Dataset,
+    data: &dyn Rows,
     options: &FullOptions,
     mut on_step: impl FnMut(&StepLog),
 ) -> Result<()> {

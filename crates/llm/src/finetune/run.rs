@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 
 use super::checkpoint::{self, Meta};
 use super::{FinetuneOptions, LrSchedule, StepLog, Trainer};
-use crate::data::{DataOptions, Dataset};
+use crate::data::{DataOptions, Rows};
 use crate::error::{LlmError, Result};
 use crate::model::Model;
 use crate::peft;
@@ -373,7 +373,7 @@ pub fn start(
     out: &Path,
     settings: &RunSettings,
     model: &Model,
-    data: &Dataset,
+    data: &dyn Rows,
     stop: Option<&AtomicBool>,
     mut on_event: impl FnMut(Event),
 ) -> Result<Outcome> {
@@ -413,7 +413,7 @@ pub fn resume(
     out: &Path,
     settings: &RunSettings,
     model: &Model,
-    data: &Dataset,
+    data: &dyn Rows,
     stop: Option<&AtomicBool>,
     mut on_event: impl FnMut(Event),
 ) -> Result<Outcome> {
