@@ -361,6 +361,15 @@ struct GenerateArgs {
 /// files moved) or equal the recorded one.
 #[derive(clap::Args)]
 struct LoraLlmArgs {
+    /// A fine-tuning recipe (TOML: experiments/lora_llm.toml is the seed
+    /// recipe); the flags given go on top of it. Relative paths in it are
+    /// from its directory.
+    #[arg(long, value_name = "FILE", conflicts_with = "resume")]
+    config: Option<PathBuf>,
+    /// Override a recipe key, e.g. --set lora.r=4 --set train.lr=1e-3
+    /// (repeatable; over --config, under the flags).
+    #[arg(long = "set", value_name = "KEY=VALUE", conflicts_with = "resume")]
+    overrides: Vec<String>,
     /// Refuse, before the first step, a fine-tune that would need more
     /// memory than this (e.g. 4GiB): weights, adapters with their gradients
     /// and moments, and one pass at the largest micro-batch the data holds

@@ -2,6 +2,8 @@
 //! directory on a JSONL file, on the CPU (headroom-llm), in a run directory
 //! OUT (`headroom_llm::finetune::run`: run.json, metrics.jsonl, the last
 //! checkpoints, and the final adapters in peft's files at OUT's top level).
+//! `--config FILE` (and `--set KEY=VALUE`) take the settings from a recipe
+//! file, the flags over it (`lora_llm_config`).
 //! `--resume OUT` continues a run from its newest checkpoint with its
 //! recorded settings. The first SIGINT or SIGTERM (xtask's `signals`)
 //! finishes the step under way, checkpoints and exits 128 + the signal,
@@ -25,13 +27,17 @@ use headroom_llm::{Model, Tokenizer};
 use headroom_pipeline::shell;
 
 use crate::commands::llm_data::open_rows;
+use crate::commands::lora_llm_config::apply_config;
 use crate::signals::StopOnSignals;
 use crate::LoraLlmArgs;
 
 /// The settings of a new run: the flags given, the defaults for the rest.
 fn new_settings(args: &LoraLlmArgs) -> Result<(RunSettings, std::path::PathBuf)> {
     let (Some(model), Some(data), Some(output)) = (&args.model, &args.data, &args.output) else {
-        bail!("lora-llm needs --model, --data and --output (or --resume OUT to continue a run)");
+        bail!(
+            "lora-llm needs --model, --data and --output, from the flags or --config (or \
+             --resume OUT to continue a run)"
+        );
     };
     let defaults = FinetuneOptions::default();
     let mut settings = RunSettings {
@@ -106,7 +112,10 @@ fn apply(args: &LoraLlmArgs, s: &mut RunSettings) {
     }
 }
 
-pub fn run(args: LoraLlmArgs) -> Result<ExitCode> {
+pub fn run(mut args: LoraLlmArgs) -> Result<ExitCode> {
+    if args.resume.is_none() {
+        apply_config(&mut args)?;
+    }
     let (mut settings, out, resuming) = match &args.resume {
         Some(out) => {
             let record = RunRecord::read(out)?;

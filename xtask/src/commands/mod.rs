@@ -12,6 +12,7 @@ pub mod llm_bench;
 pub mod llm_data;
 pub mod loader_bench;
 pub mod lora_llm;
+pub mod lora_llm_config;
 pub mod lora_merge;
 pub mod memcheck;
 pub mod predict;
