@@ -24,6 +24,7 @@
 pub mod batch;
 pub mod checkpoint;
 pub mod full;
+pub mod full_run;
 pub mod run;
 
 use crate::data::Rows;
