@@ -18,7 +18,8 @@
 //! `token_store` (those rows tokenised once into headroom-loader's shard
 //! store and read lazily through its cache),
 //! `finetune` (LoRA training: AdamW on the adapters, the base frozen;
-//! `finetune::full`, AdamW over every weight, written back as a model
+//! `finetune::full`, AdamW over every weight, in a run directory with
+//! checkpoints by `finetune::full_run`, written back as a model
 //! directory by `merge::write_model_dir`).
 
 pub mod config;

@@ -130,7 +130,7 @@ fn encode_record(row: &Example, out: &mut Vec<u8>) -> Result<()> {
 }
 
 fn decode_record(bytes: &[u8], dir: &Path, index: usize) -> Result<Example> {
-    if bytes.len() % 8 != 0 {
+    if !bytes.len().is_multiple_of(8) {
         return Err(LlmError::Input(format!(
             "token store {}: row {index} is {} bytes, not ids and labels of 4 bytes each",
             dir.display(),

@@ -291,7 +291,7 @@ fn write_f32_tensors(
         offset += bytes;
     }
     let mut head = Value::Object(header).to_string().into_bytes();
-    while head.len() % 8 != 0 {
+    while !head.len().is_multiple_of(8) {
         head.push(b' ');
     }
     let file = std::fs::File::create(path).map_err(io(path))?;

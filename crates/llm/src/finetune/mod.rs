@@ -16,7 +16,8 @@
 //! from (seed, epoch) and the dropout masks from (seed, step, micro-batch),
 //! so a state saved and restored (`checkpoint`) continues bit for bit. The
 //! run directory (checkpoints, resume, `metrics.jsonl`) is `run`; `full`
-//! is a full fine-tune (every weight) built from the same pieces. Memory:
+//! is a full fine-tune (every weight) built from the same pieces, and
+//! `full_run` its run directory, from `run`'s and `checkpoint`'s. Memory:
 //! the model, the adapters with their gradient sums and two moments (4×
 //! the adapters), and one micro-batch's activations
 //! (`Model::lora_gradients`: batch · layers · heads · T² for attention).
