@@ -361,6 +361,15 @@ struct GenerateArgs {
 /// files moved) or equal the recorded one.
 #[derive(clap::Args)]
 struct LoraLlmArgs {
+    /// A fine-tuning recipe (TOML: experiments/lora_llm.toml is the seed
+    /// recipe); the flags given go on top of it. Relative paths in it are
+    /// from its directory.
+    #[arg(long, value_name = "FILE", conflicts_with = "resume")]
+    config: Option<PathBuf>,
+    /// Override a recipe key, e.g. --set lora.r=4 --set train.lr=1e-3
+    /// (repeatable; over --config, under the flags).
+    #[arg(long = "set", value_name = "KEY=VALUE", conflicts_with = "resume")]
+    overrides: Vec<String>,
     /// Refuse, before the first step, a fine-tune that would need more
     /// memory than this (e.g. 4GiB): weights, adapters with their gradients
     /// and moments, and one pass at the largest micro-batch the data holds
@@ -433,10 +442,17 @@ struct LoraLlmArgs {
     /// Checkpoints kept, the newest [default: 2].
     #[arg(long, value_parser = at_least_one())]
     keep_checkpoints: Option<usize>,
+    /// Where the JSONL's token stores are kept, one per data file,
+    /// tokenizer and data options [default: $XDG_CACHE_HOME/headroom/llm-tokens,
+    /// else ~/.cache/headroom/llm-tokens].
+    #[arg(long, value_name = "DIR")]
+    token_cache: Option<PathBuf>,
 }
 
-/// `finetune-llm`: a full fine-tune (every weight) written as a new model
-/// directory OUT at the end; nothing is written on a stop.
+/// `finetune-llm`: a full fine-tune (every weight) in a run directory OUT
+/// (run.json, metrics.jsonl, checkpoints), the trained model written at the
+/// end as OUT/model, a Hugging Face model directory; `--resume OUT`
+/// continues one from its newest checkpoint with its recorded settings.
 #[derive(clap::Args)]
 struct FinetuneLlmArgs {
     /// Refuse, before the first step, a fine-tune that would need more
@@ -446,40 +462,67 @@ struct FinetuneLlmArgs {
     /// rlimits, available memory].
     #[arg(long, value_name = "BYTES")]
     memory_limit: Option<String>,
-    /// The model directory (config.json, safetensors, tokenizer.json).
+    /// The model directory (config.json, safetensors, tokenizer.json)
+    /// [resume: the run's].
     #[arg(long)]
-    model: PathBuf,
-    /// JSONL, one example a line: {"text": …} or {"prompt": …, "completion": …}.
+    model: Option<PathBuf>,
+    /// JSONL, one example a line: {"text": …} or {"prompt": …, "completion": …}
+    /// [resume: the run's].
     #[arg(long)]
-    data: PathBuf,
-    /// The new model directory to write (must not exist, or be empty).
+    data: Option<PathBuf>,
+    /// The run directory (made if missing; one holding a run is refused):
+    /// run.json, metrics.jsonl, checkpoints, and the trained model in
+    /// OUT/model at the end.
+    #[arg(long, conflicts_with = "resume")]
+    output: Option<PathBuf>,
+    /// Continue the run in this directory from its newest checkpoint.
+    #[arg(long, value_name = "OUT")]
+    resume: Option<PathBuf>,
+    /// [default: 1]
+    #[arg(long, value_parser = at_least_one())]
+    epochs: Option<usize>,
+    /// [default: 2e-5]
     #[arg(long)]
-    output: PathBuf,
-    #[arg(long, default_value_t = 1, value_parser = at_least_one())]
-    epochs: usize,
-    #[arg(long, default_value_t = 2e-5)]
-    lr: f32,
-    /// Examples per micro-batch, right-padded to the longest.
-    #[arg(long, default_value_t = 1, value_parser = at_least_one())]
-    batch_size: usize,
-    /// Micro-batches per optimizer step.
-    #[arg(long, default_value_t = 8, value_parser = at_least_one())]
-    accumulate: usize,
+    lr: Option<f32>,
+    /// Examples per micro-batch, right-padded to the longest [default: 1].
+    #[arg(long, value_parser = at_least_one())]
+    batch_size: Option<usize>,
+    /// Micro-batches per optimizer step [default: 8].
+    #[arg(long, value_parser = at_least_one())]
+    accumulate: Option<usize>,
     /// Warm up over this many steps, then a cosine to 0 [default: constant lr].
     #[arg(long)]
     warmup_steps: Option<usize>,
-    #[arg(long, default_value_t = 0.0)]
-    weight_decay: f32,
+    /// [default: 0]
+    #[arg(long)]
+    weight_decay: Option<f32>,
     /// Stop after this many optimizer steps.
     #[arg(long)]
     max_steps: Option<usize>,
-    #[arg(long, default_value_t = 1024)]
-    max_seq_length: usize,
+    /// [default: 1024]
+    #[arg(long)]
+    max_seq_length: Option<usize>,
     /// Lay the examples end to end in rows of --max-seq-length.
     #[arg(long)]
     packing: bool,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// [default: 0]
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Clip each step's gradient to this global L2 norm, as torch's
+    /// clip_grad_norm_ [default: no clipping].
+    #[arg(long)]
+    max_grad_norm: Option<f32>,
+    /// Checkpoint every N optimizer steps [default: at each epoch's end];
+    /// also at the end and on SIGINT/SIGTERM.
+    #[arg(long, value_parser = at_least_one())]
+    save_steps: Option<usize>,
+    /// Checkpoints kept, the newest [default: 2].
+    #[arg(long, value_parser = at_least_one())]
+    keep_checkpoints: Option<usize>,
+    /// Where the JSONL's token stores are kept [default:
+    /// $XDG_CACHE_HOME/headroom/llm-tokens, else ~/.cache/headroom/llm-tokens].
+    #[arg(long, value_name = "DIR")]
+    token_cache: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]

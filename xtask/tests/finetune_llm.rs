@@ -1,9 +1,12 @@
 //! `cargo xtask finetune-llm` end to end on the llama fixture: a full
-//! fine-tune whose logged loss falls writes a model directory that loads
-//! and that `generate --model OUT` runs; a run that cannot fit
+//! fine-tune whose logged loss falls writes its run directory (run.json,
+//! metrics.jsonl, checkpoints) and OUT/model, a model directory that loads
+//! and that `generate --model OUT/model` runs; a run that cannot fit
 //! `--memory-limit` is refused naming each part, and an output inside the
 //! model directory is refused, both before any step and writing nothing;
-//! SIGTERM stops after the step under way and writes nothing, saying so.
+//! SIGTERM checkpoints after the step under way and prints a quoted
+//! `--resume` command that, pasted into `sh`, ends with the model and the
+//! losses of a run never stopped.
 
 // Not every helper is used here.
 #[allow(dead_code, unused_imports)]
@@ -87,6 +90,15 @@ fn trains_every_weight_and_writes_a_directory_generate_runs() {
     assert!(logged[5] < 0.8 * logged[1], "{logged:?}");
     assert!(log.contains("wrote "), "{log}");
 
+    for file in [
+        "run.json",
+        "metrics.jsonl",
+        "checkpoint-step0000000006/model.safetensors",
+    ] {
+        assert!(out.join(file).is_file(), "{file}");
+    }
+    let out = out.join("model");
+    let out_s = out.display().to_string();
     let trained = headroom_llm::Model::load(&out).expect("the output loads");
     let base = headroom_llm::Model::load(std::path::Path::new(&model)).expect("loads");
     let ids = vec![vec![1u32, 40, 41, 42]];
@@ -114,7 +126,7 @@ fn trains_every_weight_and_writes_a_directory_generate_runs() {
     let again = run(&strs(&a));
     let err = stderr(&again);
     assert!(!again.status.success());
-    assert!(err.contains("not empty"), "{err}");
+    assert!(err.contains("holds a fine-tuning run already"), "{err}");
     assert!(losses(&err).is_empty(), "trained before refusing: {err}");
 }
 
@@ -164,26 +176,81 @@ fn a_fine_tune_that_cannot_fit_or_would_write_into_the_model_is_refused() {
     assert!(!inside.exists());
 }
 
+fn run_in_shell(line: &str) -> std::process::Output {
+    std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("exec \"$0\" {line}"))
+        .arg(env!("CARGO_BIN_EXE_xtask"))
+        .current_dir(repo_root())
+        .output()
+        .expect("sh")
+}
+
 #[test]
-fn sigterm_stops_after_the_step_and_writes_nothing() {
+fn sigterm_checkpoints_and_the_printed_command_resumes_to_the_same_model() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let data = tmp.path().join("train.jsonl");
     std::fs::write(&data, TWO).expect("write");
-    let out = tmp.path().join("trained");
+    let extra = [
+        "--epochs",
+        "300",
+        "--lr",
+        "1e-4",
+        "--accumulate",
+        "1",
+        "--max-grad-norm",
+        "0.5",
+        "--save-steps",
+        "100000",
+    ];
+    let straight = tmp.path().join("straight");
+    let a = args(
+        &llama(),
+        &data.display().to_string(),
+        &straight.display().to_string(),
+        &extra,
+    );
+    let done = run(&strs(&a));
+    assert!(done.status.success(), "{}", stderr(&done));
+
+    let out = tmp.path().join("it's a $HOME run");
     let a = args(
         &llama(),
         &data.display().to_string(),
         &out.display().to_string(),
-        &["--epochs", "100000", "--lr", "1e-4", "--accumulate", "1"],
+        &extra,
     );
     let (output, log) = sigterm_after(&strs(&a), "step 3/");
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert_eq!(output.status.code(), Some(143), "SIGTERM exits 143: {log}");
-    assert!(stdout.contains("stopped at epoch"), "{stdout}");
-    assert!(stdout.contains("nothing written"), "{stdout}");
-    assert!(!out.exists(), "a stopped run wrote {}", out.display());
-    for entry in std::fs::read_dir(tmp.path()).expect("read") {
-        let name = entry.expect("entry").file_name();
-        assert!(!name.to_string_lossy().contains(".partial-"), "{name:?}");
-    }
+    let command = stdout
+        .lines()
+        .find_map(|l| l.split_once("continue with: cargo xtask ").map(|(_, c)| c))
+        .unwrap_or_else(|| panic!("no continue command in {stdout}"));
+    assert!(
+        command.starts_with("finetune-llm --resume '"),
+        "quoted: {command}"
+    );
+    assert!(!out.join("model").exists(), "a stopped run wrote its model");
+    let resumed = run_in_shell(command);
+    let log = stderr(&resumed);
+    assert!(resumed.status.success(), "{log}");
+    assert!(log.contains("resuming from"), "{log}");
+    let file = "model/model.safetensors";
+    let (a, b) = (
+        std::fs::read(straight.join(file)).expect("straight"),
+        std::fs::read(out.join(file)).expect("resumed"),
+    );
+    assert!(a == b, "{file} differs from the uninterrupted run's");
+    let losses = |dir: &std::path::Path| -> Vec<String> {
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .expect("metrics")
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).expect("json");
+                format!("{} {} {}", v["step"], v["loss"], v["grad_norm"])
+            })
+            .collect()
+    };
+    assert_eq!(losses(&straight), losses(&out));
 }

@@ -94,6 +94,12 @@ pub enum LlmError {
     /// that may not change on resume).
     #[error("{}: {what}", dir.display())]
     Run { dir: PathBuf, what: String },
+    /// The token store (tokenised JSONL) cannot be written or read.
+    #[error("token store {}: {source}", dir.display())]
+    TokenStore {
+        dir: PathBuf,
+        source: headroom_loader::LoaderError,
+    },
     #[error("{0}")]
     Input(String),
 }

@@ -15,8 +15,11 @@
 //! `adapter_config.json`, for both families, and merged into the base),
 //! `merge` (the merged model written as a Hugging Face directory), `data` (JSONL
 //! fine-tuning examples, tokenised, labels -100 off the completion),
+//! `token_store` (those rows tokenised once into headroom-loader's shard
+//! store and read lazily through its cache),
 //! `finetune` (LoRA training: AdamW on the adapters, the base frozen;
-//! `finetune::full`, AdamW over every weight, written back as a model
+//! `finetune::full`, AdamW over every weight, in a run directory with
+//! checkpoints by `finetune::full_run`, written back as a model
 //! directory by `merge::write_model_dir`).
 
 pub mod config;
@@ -31,6 +34,7 @@ pub mod merge;
 pub mod model;
 pub mod peft;
 pub mod shapes;
+pub mod token_store;
 pub mod tokenizer;
 pub mod weights;
 

@@ -28,6 +28,11 @@ impl Tokenizer {
         Ok(Self { inner, path })
     }
 
+    /// The `tokenizer.json` it was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         self.encode_with(text, true)
     }

@@ -8,6 +8,9 @@
 //! - [`preprocess`] packs any dataset into a shard store (shard files with
 //!   checksums and a small index); [`ShardedDataset`] reads it through a
 //!   bounded LRU shard cache with read-ahead, or all at once (`full_load`).
+//!   [`RecordStoreWriter`] writes a store of variable-length records
+//!   (format version 3: a language model's token rows), which
+//!   [`ShardedDataset::read_record`] reads through the same cache.
 //! - [`DataLoader`]: persistent worker threads turn an epoch's sample order
 //!   into [`Batch`]es, delivered in order, at most `prefetch` ahead, within
 //!   an optional memory budget; [`ShuffleMode::ShardBlocks`] orders epochs
@@ -76,6 +79,7 @@ mod store;
 mod store_fill;
 mod store_index;
 mod store_read;
+mod store_records;
 mod subset;
 mod table;
 mod tensor_files;
@@ -98,6 +102,7 @@ pub use store::{
     preprocess, preprocess_from, write_synthetic_store, ParseShardSizeError, ShardSize,
     StoreSource, StoreSummary, SyntheticDataset, INDEX_FILE,
 };
+pub use store_records::RecordStoreWriter;
 pub use subset::{split_off, Subset};
 pub use table::{CsvTable, TableConfig, TableScale, TableTarget};
 pub use tensor_files::{npy_bytes, TensorFiles, TensorFilesConfig};

@@ -112,15 +112,27 @@ struct ShardData {
     labels_at: usize,
     data_at: usize,
     sample_len: usize,
+    /// Version 3: records cut at the offsets table, not every `sample_len`.
+    variable: bool,
 }
 
 impl ShardData {
     #[inline]
     fn sample(&self, local: usize) -> (&[u8], u32) {
-        let at = self.data_at + local * self.sample_len;
+        let (from, to) = if self.variable {
+            // Checked by `verify`: increasing, within the data.
+            let off = |i: usize| {
+                let at = store::SHARD_HEADER + 8 * i;
+                u64::from_le_bytes(self.bytes[at..at + 8].try_into().expect("8 bytes")) as usize
+            };
+            (self.data_at + off(local), self.data_at + off(local + 1))
+        } else {
+            let at = self.data_at + local * self.sample_len;
+            (at, at + self.sample_len)
+        };
         let l = self.labels_at + 4 * local;
         let label = u32::from_le_bytes(self.bytes[l..l + 4].try_into().expect("4 bytes"));
-        (&self.bytes[at..at + self.sample_len], label)
+        (&self.bytes[from..to], label)
     }
 }
 
@@ -357,6 +369,38 @@ impl ShardedDataset {
         &self.inner.index.source
     }
 
+    /// The metadata a store of variable-length records was written with
+    /// ([`crate::RecordStoreWriter::finish`]); empty for other stores.
+    pub fn metadata(&self) -> &str {
+        &self.inner.index.metadata
+    }
+
+    /// Whether the samples are variable-length records (format version 3),
+    /// read with [`ShardedDataset::read_record`] only.
+    pub fn variable_records(&self) -> bool {
+        self.inner.index.version == store::VERSION_RECORDS
+    }
+
+    /// Replaces `out` with sample `index`'s record, through the shard
+    /// cache as [`Dataset::read`] reads: for a store of variable-length
+    /// records its own bytes, for any other store its fixed-length record.
+    pub fn read_record(&self, index: usize, out: &mut Vec<u8>) -> Result<(), LoaderError> {
+        let inner = &self.inner;
+        if index as u64 >= inner.index.total {
+            return Err(LoaderError::Index {
+                index,
+                len: self.len(),
+            });
+        }
+        let k = inner.shard_of(index as u64);
+        let local = (index as u64 - inner.starts[k]) as usize;
+        inner.with_shard(k, index, |data| {
+            let (record, _) = data.sample(local);
+            out.clear();
+            out.extend_from_slice(record);
+        })
+    }
+
     /// A store made from a table: the standardisation its features and
     /// numeric targets were stored with (the training table's), as a
     /// direct CSV run records it.
@@ -491,6 +535,15 @@ impl Dataset for ShardedDataset {
             return Err(LoaderError::Index {
                 index,
                 len: self.len(),
+            });
+        }
+        if self.variable_records() {
+            return Err(LoaderError::Shard {
+                path: inner.dir.clone(),
+                index: Some(index),
+                message: "the store holds variable-length records (format version 3), which \
+                          only read_record reads; it is no store of images or typed samples"
+                    .into(),
             });
         }
         if out.len() != inner.sample_len {
@@ -792,6 +845,7 @@ impl Inner {
             labels_at: store::SHARD_HEADER + 8 * (count + 1),
             data_at: store::shard_head_len(count),
             sample_len: self.sample_len,
+            variable: self.index.version == store::VERSION_RECORDS,
             bytes,
         })
     }
@@ -854,7 +908,30 @@ impl Inner {
                 self.sample_len
             ));
         }
-        for i in 0..=count {
+        if version == store::VERSION_RECORDS {
+            if u32_at(44) != 0 {
+                return Err(format!("reserved field is {}, expected 0", u32_at(44)));
+            }
+            let data_len = (b.len() - store::shard_head_len(count)) as u64;
+            let mut previous = 0u64;
+            for i in 0..=count {
+                let off = u64_at(store::SHARD_HEADER + 8 * i);
+                let end = if i == count { data_len } else { off };
+                let wrong = (i == 0 && off != 0)
+                    || off < previous
+                    || off - previous > self.sample_len as u64
+                    || off != end;
+                if wrong {
+                    return Err(format!(
+                        "offset of record {i} is {off}: the offsets must start at 0, increase \
+                         by at most {} bytes and end at the data's {data_len} bytes",
+                        self.sample_len
+                    ));
+                }
+                previous = off;
+            }
+        }
+        for i in (0..=count).filter(|_| version != store::VERSION_RECORDS) {
             let off = u64_at(store::SHARD_HEADER + 8 * i);
             if off != (i * self.sample_len) as u64 {
                 return Err(format!(

@@ -47,7 +47,8 @@
 //! written in. Typed samples (f32 features, numeric targets: a table or
 //! tensor files) are written in format version 2, which adds a kind block
 //! to the index and whole records to the shards; see
-//! [`crate::store_index`].
+//! [`crate::store_index`]. Variable-length records (token rows) are
+//! format version 3, written by [`crate::RecordStoreWriter`].
 //!
 //! [`preprocess`] writes a store atomically: into a temporary sibling
 //! directory, fsynced, then renamed into place (on Linux an existing store
@@ -258,18 +259,18 @@ impl fmt::Display for StoreSummary {
 
 pub use crate::store_index::StoreSource;
 pub(crate) use crate::store_index::{
-    encode_kind, shard_crc, shard_head_len, version_for, ShardMeta, StoreIndex, VERSION_IMAGES,
-    VERSION_TYPED,
+    encode_kind, encode_record_kind, shard_crc, shard_head_len, version_for, ShardMeta, StoreIndex,
+    VERSION_IMAGES, VERSION_RECORDS, VERSION_TYPED,
 };
 
 /// What is at the output path.
-enum Existing {
+pub(crate) enum Existing {
     Nothing,
     EmptyDir,
     Store,
 }
 
-fn inspect_output(output: &Path, overwrite: bool) -> Result<Existing, LoaderError> {
+pub(crate) fn inspect_output(output: &Path, overwrite: bool) -> Result<Existing, LoaderError> {
     let meta = match fs::symlink_metadata(output) {
         Ok(m) => m,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Existing::Nothing),
@@ -307,14 +308,14 @@ fn inspect_output(output: &Path, overwrite: bool) -> Result<Existing, LoaderErro
 }
 
 /// The prefix of temporary siblings of `output`: `.NAME.tmp-`.
-fn temp_prefix(name: &str) -> String {
+pub(crate) fn temp_prefix(name: &str) -> String {
     format!(".{name}.tmp-")
 }
 
 /// Removes temporary siblings left by a crashed `preprocess` of the same
 /// output (`.NAME.tmp-PID-...` whose process is gone). Leftovers whose
 /// process may still run are left alone (and ignored).
-fn clean_leftovers(parent: &Path, name: &str) {
+pub(crate) fn clean_leftovers(parent: &Path, name: &str) {
     let prefix = temp_prefix(name);
     let Ok(entries) = fs::read_dir(parent) else {
         return;
@@ -347,7 +348,7 @@ fn process_is_gone(pid: u32) -> bool {
 }
 
 /// Removes the directory on drop unless disarmed.
-struct TempDir(Option<PathBuf>);
+pub(crate) struct TempDir(pub(crate) Option<PathBuf>);
 
 impl Drop for TempDir {
     fn drop(&mut self) {
@@ -357,7 +358,7 @@ impl Drop for TempDir {
     }
 }
 
-fn sync_dir(path: &Path) -> Result<(), LoaderError> {
+pub(crate) fn sync_dir(path: &Path) -> Result<(), LoaderError> {
     // Directories can be opened read-only and fsynced on Unix; elsewhere
     // this is best effort.
     match File::open(path) {
@@ -544,6 +545,7 @@ pub fn preprocess_from(
         kind,
         source: store_source.clone(),
         kind_bytes,
+        metadata: String::new(),
     };
     let bytes = index.to_bytes();
     let index_path = tmp.join(INDEX_FILE);
@@ -575,7 +577,7 @@ pub fn preprocess_from(
 }
 
 /// Moves the finished store `tmp` to `output`.
-fn install(tmp: &Path, output: &Path, existing: Existing) -> Result<(), LoaderError> {
+pub(crate) fn install(tmp: &Path, output: &Path, existing: Existing) -> Result<(), LoaderError> {
     let exists_err = |e: io::Error| LoaderError::Exists {
         path: output.to_path_buf(),
         message: format!(

@@ -29,6 +29,18 @@
 //! A version-2 shard file has version 2 in its header and its record
 //! length (features and targets, in bytes) in the header's reserved field;
 //! its samples are whole records ([`crate::Dataset::read`]).
+//!
+//! Format version 3 holds *variable-length records* (a language model's
+//! token rows): the index is laid out as version 2's, its kind block
+//! followed by one more string, the writer's metadata (free text the
+//! reader checks, e.g. what the records were made from), and its shape
+//! `[1, 1, L]` with `L` the longest record's bytes. Its shard files use the
+//! per-sample offsets that versions 1 and 2 fill with multiples of the
+//! record length: record `i` is data bytes `offset[i]..offset[i + 1]`
+//! (the reserved field is 0, labels 0). Only
+//! [`crate::ShardedDataset::read_record`] reads them; `Dataset::read`,
+//! whose buffer is one fixed size, refuses. Written by
+//! [`crate::RecordStoreWriter`].
 
 use std::fs;
 use std::io;
@@ -48,6 +60,8 @@ pub const INDEX_FILE: &str = "index.bin";
 pub(crate) const VERSION_IMAGES: u32 = 1;
 /// The format version of a store of typed samples.
 pub(crate) const VERSION_TYPED: u32 = 2;
+/// The format version of a store of variable-length records.
+pub(crate) const VERSION_RECORDS: u32 = 3;
 
 /// What a store of typed samples was made from, kept in its index so
 /// that training and `predict` treat its samples as the source's.
@@ -93,6 +107,8 @@ pub(crate) struct StoreIndex {
     pub source: StoreSource,
     /// The kind block as stored (empty for version 1), for fingerprints.
     pub kind_bytes: Vec<u8>,
+    /// Version 3's metadata string (empty otherwise).
+    pub metadata: String,
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
@@ -160,9 +176,20 @@ pub(crate) fn encode_kind(kind: &SampleKind, source: &StoreSource) -> Vec<u8> {
     b
 }
 
-/// Reads a kind block; every overrun or bad value is a message for the
-/// index's error.
-fn decode_kind(b: &[u8]) -> Result<(SampleKind, StoreSource), String> {
+/// Version 3's kind block: version 2's, then the metadata string.
+pub(crate) fn encode_record_kind(source: &StoreSource, metadata: &str) -> Vec<u8> {
+    let mut b = encode_kind(&SampleKind::default(), source);
+    b.extend_from_slice(&(metadata.len() as u32).to_le_bytes());
+    b.extend_from_slice(metadata.as_bytes());
+    b
+}
+
+type DecodedKind = (SampleKind, StoreSource, String);
+
+/// Reads a kind block (with version 3's trailing metadata string when
+/// `metadata`); every overrun or bad value is a message for the index's
+/// error.
+fn decode_kind(b: &[u8], metadata: bool) -> Result<DecodedKind, String> {
     struct Cursor<'a> {
         b: &'a [u8],
         at: usize,
@@ -238,6 +265,11 @@ fn decode_kind(b: &[u8]) -> Result<(SampleKind, StoreSource), String> {
     let kind = c.string("the source kind")?;
     let inputs = c.strings("input names")?;
     let targets = c.strings("target names")?;
+    let metadata = if metadata {
+        c.string("the metadata")?
+    } else {
+        String::new()
+    };
     if c.at != b.len() {
         return Err(format!(
             "{} bytes follow the kind block's last field",
@@ -256,6 +288,7 @@ fn decode_kind(b: &[u8]) -> Result<(SampleKind, StoreSource), String> {
             targets,
             feature_scale,
         },
+        metadata,
     ))
 }
 
@@ -293,26 +326,30 @@ impl StoreIndex {
             ));
         }
         let version = u32_at(b, 8);
-        if version != VERSION_IMAGES && version != VERSION_TYPED {
+        if ![VERSION_IMAGES, VERSION_TYPED, VERSION_RECORDS].contains(&version) {
             return Err(format_err(
                 path,
                 format!(
                     "format version {version}; this build reads versions {VERSION_IMAGES} \
-                     (images) and {VERSION_TYPED} (typed samples): a newer headroom wrote it, \
-                     so update headroom or re-run preprocess with this one"
+                     (images), {VERSION_TYPED} (typed samples) and {VERSION_RECORDS} \
+                     (variable-length records): a newer headroom wrote it, so update headroom \
+                     or re-run preprocess with this one"
                 ),
             ));
         }
         let n = u32_at(b, 36) as usize;
-        // Version 2's kind block sits between the header and the shards.
-        let kind_len = if version == VERSION_TYPED {
+        // Versions 2 and 3 keep a kind block between the header and the
+        // shards.
+        let has_kind = version != VERSION_IMAGES;
+        let kind_len = if has_kind {
             u32_at(b, INDEX_HEADER) as usize
         } else {
             0
         };
-        let entries_at = match version {
-            VERSION_TYPED => INDEX_HEADER + 4 + kind_len,
-            _ => INDEX_HEADER,
+        let entries_at = if has_kind {
+            INDEX_HEADER.saturating_add(4).saturating_add(kind_len)
+        } else {
+            INDEX_HEADER
         };
         let want = entries_at
             .checked_add(n.saturating_mul(INDEX_ENTRY))
@@ -324,9 +361,10 @@ impl StoreIndex {
                 format!(
                     "{} bytes, but an index of {n} shards{} has {want} ({} file)",
                     b.len(),
-                    match version {
-                        VERSION_TYPED => format!(" and a {kind_len}-byte kind block"),
-                        _ => String::new(),
+                    if has_kind {
+                        format!(" and a {kind_len}-byte kind block")
+                    } else {
+                        String::new()
                     },
                     if b.len() < want {
                         "truncated"
@@ -347,15 +385,23 @@ impl StoreIndex {
                 ),
             ));
         }
-        let kind_bytes = match version {
-            VERSION_TYPED => b[INDEX_HEADER + 4..entries_at].to_vec(),
-            _ => Vec::new(),
-        };
-        let (kind, source) = if version == VERSION_TYPED {
-            decode_kind(&kind_bytes).map_err(|m| format_err(path, format!("kind block: {m}")))?
+        let kind_bytes = if has_kind {
+            b[INDEX_HEADER + 4..entries_at].to_vec()
         } else {
-            (SampleKind::default(), StoreSource::default())
+            Vec::new()
         };
+        let (kind, source, metadata) = if has_kind {
+            decode_kind(&kind_bytes, version == VERSION_RECORDS)
+                .map_err(|m| format_err(path, format!("kind block: {m}")))?
+        } else {
+            (SampleKind::default(), StoreSource::default(), String::new())
+        };
+        if version == VERSION_RECORDS && kind != SampleKind::default() {
+            return Err(format_err(
+                path,
+                "a store of variable-length records must have u8 elements and no targets".into(),
+            ));
+        }
         let shape = [
             u32_at(b, 12) as usize,
             u32_at(b, 16) as usize,
@@ -388,14 +434,26 @@ impl StoreIndex {
             ));
         };
         for (k, s) in shards.iter().enumerate() {
-            let want = (shard_head_len(s.count as usize) as u64)
-                .saturating_add(u64::from(s.count).saturating_mul(sample_len as u64));
-            if s.count == 0 || s.bytes != want {
+            let head = shard_head_len(s.count as usize) as u64;
+            let full = head.saturating_add(u64::from(s.count).saturating_mul(sample_len as u64));
+            // Version 3's records are at most `sample_len` bytes each.
+            let fits = match version {
+                VERSION_RECORDS => (head..=full).contains(&s.bytes),
+                _ => s.bytes == full,
+            };
+            let want = full;
+            if s.count == 0 || !fits {
                 return Err(format_err(
                     path,
                     format!(
-                        "shard {k}: {} samples in {} bytes is inconsistent (expected {want})",
-                        s.count, s.bytes
+                        "shard {k}: {} samples in {} bytes is inconsistent (expected {}{want})",
+                        s.count,
+                        s.bytes,
+                        if version == VERSION_RECORDS {
+                            "at most "
+                        } else {
+                            ""
+                        }
                     ),
                 ));
             }
@@ -410,6 +468,7 @@ impl StoreIndex {
             kind,
             source,
             kind_bytes,
+            metadata,
         })
     }
 
@@ -432,7 +491,7 @@ impl StoreIndex {
         b.extend_from_slice(&self.total.to_le_bytes());
         b.extend_from_slice(&(self.shards.len() as u32).to_le_bytes());
         debug_assert_eq!(b.len(), INDEX_HEADER);
-        if self.version == VERSION_TYPED {
+        if self.version != VERSION_IMAGES {
             b.extend_from_slice(&(self.kind_bytes.len() as u32).to_le_bytes());
             b.extend_from_slice(&self.kind_bytes);
         }
@@ -478,6 +537,7 @@ mod tests {
             kind_bytes: encode_kind(&kind, &source),
             kind,
             source,
+            metadata: String::new(),
         }
     }
 
@@ -508,11 +568,11 @@ mod tests {
     #[test]
     fn a_newer_version_is_a_clear_error() {
         let mut bytes = typed_index().to_bytes();
-        bytes[8..12].copy_from_slice(&3u32.to_le_bytes());
+        bytes[8..12].copy_from_slice(&4u32.to_le_bytes());
         let err = StoreIndex::parse(&bytes, Path::new("index.bin"))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("format version 3"), "{err}");
+        assert!(err.contains("format version 4"), "{err}");
         assert!(err.contains("newer headroom"), "{err}");
     }
 

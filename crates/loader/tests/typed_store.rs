@@ -280,12 +280,12 @@ fn a_corrupt_typed_index_or_shard_is_refused() {
     }
     // A newer format version.
     let mut newer = good.clone();
-    newer[8..12].copy_from_slice(&3u32.to_le_bytes());
+    newer[8..12].copy_from_slice(&4u32.to_le_bytes());
     std::fs::write(&path, &newer).unwrap();
     let err = ShardedDataset::open(&out, ShardCacheConfig::default())
         .unwrap_err()
         .to_string();
-    assert!(err.contains("format version 3"), "{err}");
+    assert!(err.contains("format version 4"), "{err}");
     std::fs::write(&path, &good).unwrap();
     // A flipped byte of a record: found when its shard is read.
     let shard = out.join("shard-000001.bin");

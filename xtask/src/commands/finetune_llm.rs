@@ -1,9 +1,17 @@
 //! `cargo xtask finetune-llm`: a full fine-tune (every weight, AdamW) of a
-//! small Hugging Face model directory on a JSONL file, on the CPU
-//! (`headroom_llm::finetune::full`), written at the end as a new model
-//! directory OUT in the base's files, shard layout, header and dtypes
-//! (`headroom_llm::merge::write_model_dir`), which `Model::load`,
-//! `generate --model OUT` and transformers load.
+//! small Hugging Face model directory on a JSONL file, on the CPU, in a run
+//! directory OUT (`headroom_llm::finetune::full_run`: run.json,
+//! metrics.jsonl, the newest checkpoints of every weight and both AdamW
+//! moments), ending with the trained model as OUT/model, a Hugging Face
+//! directory in the base's files, shard layout, header and dtypes
+//! (`merge::write_model_dir`), which `Model::load`, `generate --model
+//! OUT/model` and transformers load. `--resume OUT` continues a run from its
+//! newest checkpoint that loads, with its recorded settings (the flags that
+//! may change: --epochs, --lr, --max-steps, --save-steps,
+//! --keep-checkpoints, --max-grad-norm), bit for bit as a run never
+//! stopped. The first SIGINT or SIGTERM finishes the step under way,
+//! checkpoints and exits 128 + the signal, printing the command that
+//! continues, quoted for a POSIX shell.
 //!
 //! Before the first step the run's memory is sized from the shapes and
 //! checked against `--memory-limit` or the room the system leaves: the
@@ -11,87 +19,158 @@
 //! (four f32 copies of the weights in all), and one gradient pass at the
 //! largest micro-batch (`Model::lora_pass_memory` with no adapters, plus
 //! the pass's own gradients, one more f32 copy); a run that cannot fit stops
-//! there with each part named, and so does an output that would be refused
-//! (inside the model directory, or existing and not empty). There are no
-//! checkpoints in this round: the first SIGINT or SIGTERM finishes the step
-//! under way and exits 128 + the signal writing nothing, saying so.
+//! there with each part named, and so does an output inside the model
+//! directory.
 
 use std::process::ExitCode;
-use std::sync::atomic::Ordering;
 
 use anyhow::{bail, Context, Result};
-use headroom_llm::data::{load_jsonl, DataOptions, Dataset};
-use headroom_llm::finetune::full::{FullOptions, FullTrainer};
+use headroom_llm::data::{DataOptions, Rows};
+use headroom_llm::finetune::full::FullOptions;
+use headroom_llm::finetune::full_run::{self, FullOutcome, FullRunRecord, FullRunSettings};
+use headroom_llm::finetune::run::Event;
 use headroom_llm::finetune::LrSchedule;
-use headroom_llm::merge::{check_output, write_model_dir};
+use headroom_llm::merge::check_output;
+use headroom_llm::token_store::TokenStore;
 use headroom_llm::{Model, Tokenizer};
 use headroom_model::memory::bytes_text;
+use headroom_pipeline::shell;
 
+use crate::commands::llm_data::open_rows;
 use crate::commands::lora_llm::memory_limit;
 use crate::signals::StopOnSignals;
 use crate::FinetuneLlmArgs;
 
-pub fn run(args: FinetuneLlmArgs) -> Result<ExitCode> {
-    let model_dir = std::fs::canonicalize(&args.model)
-        .with_context(|| format!("{}: cannot be opened (--model)", args.model.display()))?;
-    let data_path = std::fs::canonicalize(&args.data)
-        .with_context(|| format!("{}: cannot be opened (--data)", args.data.display()))?;
-    // The output's refusals now, not after the training.
-    check_output(&args.output, &[(&model_dir, "the model directory")])?;
+/// The flags given, over `s` (a new run's defaults or the recorded ones).
+fn apply(args: &FinetuneLlmArgs, s: &mut FullRunSettings) {
+    let o = &mut s.options;
+    if let Some(v) = &args.model {
+        s.model = v.clone();
+    }
+    if let Some(v) = &args.data {
+        s.data = v.clone();
+    }
+    if let Some(v) = args.max_seq_length {
+        s.data_options.max_seq_length = v;
+    }
+    if args.packing {
+        s.data_options.packing = true;
+    }
+    if let Some(v) = args.epochs {
+        o.epochs = v;
+    }
+    if let Some(v) = args.lr {
+        o.lr = v;
+    }
+    if let Some(v) = args.batch_size {
+        o.batch_size = v;
+    }
+    if let Some(v) = args.accumulate {
+        o.accumulate = v;
+    }
+    if let Some(warmup_steps) = args.warmup_steps {
+        o.schedule = LrSchedule::WarmupCosine { warmup_steps };
+    }
+    if let Some(v) = args.weight_decay {
+        o.weight_decay = v;
+    }
+    if let Some(v) = args.max_steps {
+        o.max_steps = Some(v);
+    }
+    if let Some(v) = args.seed {
+        o.seed = v;
+    }
+    if let Some(v) = args.max_grad_norm {
+        s.max_grad_norm = Some(v);
+    }
+    if let Some(v) = args.save_steps {
+        s.save_steps = Some(v);
+    }
+    if let Some(v) = args.keep_checkpoints {
+        s.keep_checkpoints = v;
+    }
+}
 
-    let context = || format!("fine-tuning {}", model_dir.display());
-    let mut model = Model::load(&model_dir).with_context(context)?;
-    let tokenizer = Tokenizer::load(&model_dir).with_context(context)?;
-    let data_options = DataOptions {
-        max_seq_length: args.max_seq_length,
-        packing: args.packing,
+pub fn run(args: FinetuneLlmArgs) -> Result<ExitCode> {
+    let (mut settings, out, resuming) = match &args.resume {
+        Some(out) => {
+            let mut settings = FullRunRecord::read(out)?.settings;
+            apply(&args, &mut settings);
+            (settings, out.clone(), true)
+        }
+        None => {
+            let (Some(model), Some(data), Some(output)) = (&args.model, &args.data, &args.output)
+            else {
+                bail!(
+                    "finetune-llm needs --model, --data and --output (or --resume OUT to \
+                     continue a run)"
+                );
+            };
+            let mut settings = FullRunSettings {
+                model: model.clone(),
+                data: data.clone(),
+                data_options: DataOptions::default(),
+                options: FullOptions::default(),
+                max_grad_norm: None,
+                save_steps: None,
+                keep_checkpoints: 2,
+            };
+            apply(&args, &mut settings);
+            (settings, output.clone(), false)
+        }
     };
-    let data = load_jsonl(
-        &data_path,
-        &tokenizer,
-        model.config.eos_token_ids.first().copied(),
-        data_options,
+    for (path, flag) in [
+        (&mut settings.model, "--model"),
+        (&mut settings.data, "--data"),
+    ] {
+        *path = std::fs::canonicalize(&*path).with_context(|| {
+            format!(
+                "{}: cannot be opened ({flag}{})",
+                path.display(),
+                if resuming {
+                    format!(": the run's; give {flag} where it is now")
+                } else {
+                    String::new()
+                }
+            )
+        })?;
+    }
+    if !resuming && out.join(headroom_llm::finetune::run::RUN_RECORD).exists() {
+        bail!(
+            "{}: holds a fine-tuning run already: continue it with --resume, or give another \
+             --output",
+            out.display()
+        );
+    }
+    // The output's refusals now, not after the training: OUT/model is
+    // written at the end.
+    check_output(
+        &out.join(full_run::MODEL_DIR),
+        &[(&settings.model, "the model directory")],
     )?;
-    tracing::info!(
-        "{}: {} rows from {} ({} truncated to {} tokens, {} without a counted label dropped)",
-        model.config.architecture,
-        data.examples.len(),
-        data_path.display(),
-        data.truncated,
-        args.max_seq_length,
-        data.dropped
-    );
-    let options = FullOptions {
-        epochs: args.epochs,
-        lr: args.lr,
-        batch_size: args.batch_size,
-        accumulate: args.accumulate,
-        schedule: match args.warmup_steps {
-            Some(warmup_steps) => LrSchedule::WarmupCosine { warmup_steps },
-            None => LrSchedule::Constant,
-        },
-        weight_decay: args.weight_decay,
-        max_steps: args.max_steps,
-        seed: args.seed,
-    };
-    check_fits(&model, &data, &options, args.memory_limit.as_deref())?;
+    let context = || format!("fine-tuning {}", settings.model.display());
+    let mut model = Model::load(&settings.model).with_context(context)?;
+    let tokenizer = Tokenizer::load(&settings.model).with_context(context)?;
+    let data = open_rows(
+        &model,
+        &tokenizer,
+        &settings.data,
+        settings.data_options,
+        args.token_cache.as_deref(),
+    )?;
+    check_fits(
+        &model,
+        &data,
+        &settings.options,
+        args.memory_limit.as_deref(),
+    )?;
 
     let stop = StopOnSignals::install()?;
     let flag = stop.flag();
-    let started = std::time::Instant::now();
-    let mut trainer = FullTrainer::new(&mut model, &data, &options).with_context(context)?;
-    let mut seen_tokens = 0usize;
-    while !trainer.done() {
-        let log = trainer.step().with_context(context)?;
-        seen_tokens += log.tokens;
-        if !log.loss.is_finite() {
-            bail!(
-                "step {}: the loss is {}; nothing written (lower --lr)",
-                log.step,
-                log.loss
-            );
-        }
-        tracing::info!(
+    let on_event = |event: Event| match event {
+        Event::Step {
+            log, tokens_per_s, ..
+        } => tracing::info!(
             "step {}/{} (epoch {}): loss {:.4}, lr {:.3e}, {} tokens, {:.0} tokens/s",
             log.step,
             log.total_steps,
@@ -99,43 +178,82 @@ pub fn run(args: FinetuneLlmArgs) -> Result<ExitCode> {
             log.loss,
             log.lr,
             log.tokens,
-            seen_tokens as f64 / started.elapsed().as_secs_f64().max(1e-9)
-        );
-        if flag.load(Ordering::SeqCst) && !trainer.done() {
-            println!(
-                "stopped at epoch {} step {} of {}; nothing written to {} (finetune-llm keeps no \
-                 checkpoints yet: run it again to train)",
-                trainer.epoch() + 1,
-                trainer.steps_done(),
-                trainer.total_steps(),
-                args.output.display()
+            tokens_per_s
+        ),
+        Event::Checkpoint(path) => tracing::info!("checkpoint {}", path.display()),
+        Event::Pruned(path) => tracing::info!("removed the older checkpoint {}", path.display()),
+        Event::RemovedTemporary(path) => tracing::info!(
+            "removed {}, left by a checkpoint write that did not finish",
+            path.display()
+        ),
+        Event::Skipped { error, set_aside } => {
+            tracing::warn!("skipped {error}; set aside as {}", set_aside.display())
+        }
+        Event::Resumed {
+            from,
+            step,
+            epoch,
+            position,
+        } => tracing::info!(
+            "resuming from {} (epoch {}, example {} of its order, step {step})",
+            from.display(),
+            epoch + 1,
+            position
+        ),
+        Event::Changed { key, was, now } => {
+            tracing::info!("{key} changed on resume: {was} -> {now}")
+        }
+    };
+    let outcome = if resuming {
+        full_run::resume(&out, &settings, &mut model, &data, Some(&flag), on_event)
+    } else {
+        full_run::start(&out, &settings, &mut model, &data, Some(&flag), on_event)
+    }
+    .with_context(context)?;
+    match outcome {
+        FullOutcome::Finished {
+            step,
+            checkpoint,
+            report,
+            ..
+        } => {
+            tracing::info!(
+                "wrote {} (step {step}; checkpoint {}): {} tensors in {} weight file(s) ({}), \
+                 copied {} ({})",
+                report.output.display(),
+                checkpoint.display(),
+                report.tensors.len(),
+                report.weight_files.len(),
+                bytes_text(report.weight_bytes),
+                report.copied.join(", "),
+                bytes_text(report.copied_bytes)
             );
-            return Ok(stop.exit_code());
+            if !report.kept.is_empty() {
+                tracing::info!(
+                    "kept as the base has them (no weights of the model): {}",
+                    report.kept.join(", ")
+                );
+            }
+            if !report.skipped.is_empty() {
+                tracing::info!("not carried over: {}", report.skipped.join(", "));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        FullOutcome::Stopped {
+            step,
+            epoch,
+            checkpoint,
+        } => {
+            tracing::info!("checkpoint {} written", checkpoint.display());
+            println!(
+                "stopped at epoch {} step {step}; continue with: cargo xtask finetune-llm \
+                 --resume {}",
+                epoch + 1,
+                shell::quote_path(&out)
+            );
+            Ok(stop.exit_code())
         }
     }
-    drop(trainer);
-
-    let report = write_model_dir(&model, &model_dir, &args.output)
-        .with_context(|| format!("writing the fine-tuned model to {}", args.output.display()))?;
-    tracing::info!(
-        "wrote {}: {} tensors in {} weight file(s) ({}), copied {} ({})",
-        report.output.display(),
-        report.tensors.len(),
-        report.weight_files.len(),
-        bytes_text(report.weight_bytes),
-        report.copied.join(", "),
-        bytes_text(report.copied_bytes)
-    );
-    if !report.kept.is_empty() {
-        tracing::info!(
-            "kept as the base has them (no weights of the model): {}",
-            report.kept.join(", ")
-        );
-    }
-    if !report.skipped.is_empty() {
-        tracing::info!("not carried over: {}", report.skipped.join(", "));
-    }
-    Ok(ExitCode::SUCCESS)
 }
 
 /// Refuses, before anything trains, a full fine-tune whose memory exceeds
@@ -146,7 +264,7 @@ pub fn run(args: FinetuneLlmArgs) -> Result<ExitCode> {
 /// gradients (one more f32 copy of the weights).
 fn check_fits(
     model: &Model,
-    data: &Dataset,
+    data: &TokenStore,
     options: &FullOptions,
     limit: Option<&str>,
 ) -> Result<()> {
@@ -159,8 +277,8 @@ fn check_fits(
         .iter()
         .map(|(_, shape)| shape.iter().product::<usize>() as u64 * f)
         .sum();
-    let longest = data.examples.iter().map(|e| e.ids.len()).max().unwrap_or(0);
-    let rows = options.batch_size.min(data.examples.len()).max(1);
+    let longest = data.longest();
+    let rows = options.batch_size.min(data.len()).max(1);
     let pass = model.lora_pass_memory(rows, longest, 0, 0, 0);
     let pass_total = pass.total() as u64 + weights;
     let need = weights + weights + 2 * weights + pass_total;

@@ -2,33 +2,42 @@
 //! directory on a JSONL file, on the CPU (headroom-llm), in a run directory
 //! OUT (`headroom_llm::finetune::run`: run.json, metrics.jsonl, the last
 //! checkpoints, and the final adapters in peft's files at OUT's top level).
+//! `--config FILE` (and `--set KEY=VALUE`) take the settings from a recipe
+//! file, the flags over it (`lora_llm_config`).
 //! `--resume OUT` continues a run from its newest checkpoint with its
 //! recorded settings. The first SIGINT or SIGTERM (xtask's `signals`)
 //! finishes the step under way, checkpoints and exits 128 + the signal,
 //! printing the command that continues the run, quoted for a POSIX shell,
 //! as `cargo xtask train` does. Each optimizer step's loss goes to the log.
+//! The JSONL is read through the token store (`llm_data`): tokenised once,
+//! then read lazily.
 //! Before the first step the run's memory (weights, adapters with their
 //! gradients and moments, one pass at the largest micro-batch the data
-//! holds, sized from the shapes) is checked against `--memory-limit` or the
+//! holds, sized from the shapes; the token store's cache) is checked against `--memory-limit` or the
 //! room the system leaves, and a run that cannot fit stops there, each part
 //! named.
 
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
-use headroom_llm::data::{load_jsonl, DataOptions};
+use headroom_llm::data::{DataOptions, Rows};
 use headroom_llm::finetune::run::{self, Event, Outcome, RunRecord, RunSettings};
 use headroom_llm::finetune::{FinetuneOptions, LrSchedule};
 use headroom_llm::{Model, Tokenizer};
 use headroom_pipeline::shell;
 
+use crate::commands::llm_data::open_rows;
+use crate::commands::lora_llm_config::apply_config;
 use crate::signals::StopOnSignals;
 use crate::LoraLlmArgs;
 
 /// The settings of a new run: the flags given, the defaults for the rest.
 fn new_settings(args: &LoraLlmArgs) -> Result<(RunSettings, std::path::PathBuf)> {
     let (Some(model), Some(data), Some(output)) = (&args.model, &args.data, &args.output) else {
-        bail!("lora-llm needs --model, --data and --output (or --resume OUT to continue a run)");
+        bail!(
+            "lora-llm needs --model, --data and --output, from the flags or --config (or \
+             --resume OUT to continue a run)"
+        );
     };
     let defaults = FinetuneOptions::default();
     let mut settings = RunSettings {
@@ -103,7 +112,10 @@ fn apply(args: &LoraLlmArgs, s: &mut RunSettings) {
     }
 }
 
-pub fn run(args: LoraLlmArgs) -> Result<ExitCode> {
+pub fn run(mut args: LoraLlmArgs) -> Result<ExitCode> {
+    if args.resume.is_none() {
+        apply_config(&mut args)?;
+    }
     let (mut settings, out, resuming) = match &args.resume {
         Some(out) => {
             let record = RunRecord::read(out)?;
@@ -137,21 +149,13 @@ pub fn run(args: LoraLlmArgs) -> Result<ExitCode> {
     let context = || format!("fine-tuning {}", settings.model.display());
     let model = Model::load(&settings.model).with_context(context)?;
     let tokenizer = Tokenizer::load(&settings.model).with_context(context)?;
-    let data = load_jsonl(
-        &settings.data,
+    let data = open_rows(
+        &model,
         &tokenizer,
-        model.config.eos_token_ids.first().copied(),
+        &settings.data,
         settings.data_options,
+        args.token_cache.as_deref(),
     )?;
-    tracing::info!(
-        "{}: {} rows from {} ({} truncated to {} tokens, {} without a counted label dropped)",
-        model.config.architecture,
-        data.examples.len(),
-        settings.data.display(),
-        data.truncated,
-        settings.data_options.max_seq_length,
-        data.dropped
-    );
     check_fits(
         &model,
         &data,
@@ -255,7 +259,7 @@ pub(crate) fn memory_limit(limit: Option<&str>) -> Result<Option<(u64, String)>>
 /// allocates, tests/pass_memory.rs).
 fn check_fits(
     model: &Model,
-    data: &headroom_llm::data::Dataset,
+    data: &headroom_llm::token_store::TokenStore,
     options: &FinetuneOptions,
     limit: Option<&str>,
 ) -> Result<()> {
@@ -280,17 +284,19 @@ fn check_fits(
             }
         }
     }
-    let longest = data.examples.iter().map(|e| e.ids.len()).max().unwrap_or(0);
-    let rows = options.batch_size.min(data.examples.len()).max(1);
+    let longest = data.longest();
+    let rows = options.batch_size.min(data.len()).max(1);
     let pass = model.lora_pass_memory(rows, longest, adapter_values, options.r, adapted);
     let adapters = 4 * adapter_values as u64 * f;
-    let need = weights + adapters + pass.total() as u64;
+    let tokens = data.cache_limit_bytes();
+    let need = weights + adapters + tokens + pass.total() as u64;
     let parts = format!(
-        "weights {} + adapters with their gradients and AdamW moments {} + one pass of {rows} × \
-         {longest} tokens {} (block inputs {}, one block's activations {}, loss chunk {}, \
-         product workspace {}) = {}",
+        "weights {} + adapters with their gradients and AdamW moments {} + token store cache {} \
+         + one pass of {rows} × {longest} tokens {} (block inputs {}, one block's activations \
+         {}, loss chunk {}, product workspace {}) = {}",
         bytes_text(weights),
         bytes_text(adapters),
+        bytes_text(tokens),
         bytes_text(pass.total() as u64),
         bytes_text(pass.checkpoints as u64),
         bytes_text(pass.block as u64),

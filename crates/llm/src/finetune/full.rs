@@ -9,8 +9,14 @@
 //! (PyTorch's, decoupled weight decay, `finetune::adamw`) applied tensor by
 //! tensor with f32 moments per tensor name. The trained weights are the
 //! model's own (`Model::set_weight`); `merge::write_model_dir` writes them
-//! as a Hugging Face directory in the base's dtypes. No checkpoints or
-//! resume here yet.
+//! as a Hugging Face directory in the base's dtypes. With a maximum
+//! gradient norm ([`FullTrainer::set_max_grad_norm`]) the step's summed
+//! gradient is scaled, as torch's `clip_grad_norm_` does, when its global
+//! L2 norm (summed in f64 in tensor-name order) is over it. The state a
+//! checkpoint needs ([`FullState`]: every weight, both moments, step, epoch
+//! and position) is read out and put back whole (`full_run`: the run
+//! directory, checkpoints and resume); no randomness is kept besides the
+//! order, a function of (seed, epoch).
 //!
 //! Memory: four f32 copies of the weights, the model, the step's gradient
 //! sum and AdamW's two moments, plus, while a micro-batch runs, its own
@@ -22,7 +28,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::data::Dataset;
+use crate::data::Rows;
 use crate::error::{LlmError, Result};
 use crate::finetune::{
     adamw, batch, micro_batches, total_steps, validate, FinetuneOptions, LrSchedule, StepLog,
@@ -82,16 +88,30 @@ impl FullOptions {
 }
 
 /// AdamW's moments of one tensor.
-struct Moments {
-    m: Vec<f32>,
-    v: Vec<f32>,
+#[derive(Clone, Debug, PartialEq)]
+pub struct Moments {
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// Where a full fine-tune is, besides the model's weights: what a
+/// checkpoint saves with them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FullState {
+    /// AdamW's moments by weight name.
+    pub moments: BTreeMap<String, Moments>,
+    /// Optimizer steps done.
+    pub step: usize,
+    /// The epoch under way (from 0) and the examples of its order used.
+    pub epoch: usize,
+    pub position: usize,
 }
 
 /// The full fine-tune one step at a time (a caller can stop between
 /// steps); it trains `model` in place.
 pub struct FullTrainer<'a> {
     model: &'a mut Model,
-    data: &'a Dataset,
+    data: &'a dyn Rows,
     options: FullOptions,
     pad: u32,
     total: usize,
@@ -100,11 +120,13 @@ pub struct FullTrainer<'a> {
     epoch: usize,
     position: usize,
     order: Option<(usize, Vec<usize>)>,
+    max_grad_norm: Option<f32>,
+    last_grad_norm: Option<f32>,
 }
 
 impl<'a> FullTrainer<'a> {
     /// Zero moments for every weight of `model`, at step 0.
-    pub fn new(model: &'a mut Model, data: &'a Dataset, options: &FullOptions) -> Result<Self> {
+    pub fn new(model: &'a mut Model, data: &'a dyn Rows, options: &FullOptions) -> Result<Self> {
         let lo = options.as_loop();
         validate(&lo, data)?;
         let moments = model
@@ -121,7 +143,7 @@ impl<'a> FullTrainer<'a> {
             .collect();
         Ok(Self {
             pad: batch::pad_id(&model.config),
-            total: total_steps(&lo, data.examples.len()),
+            total: total_steps(&lo, data.len()),
             model,
             data,
             options: options.clone(),
@@ -130,7 +152,82 @@ impl<'a> FullTrainer<'a> {
             epoch: 0,
             position: 0,
             order: None,
+            max_grad_norm: None,
+            last_grad_norm: None,
         })
+    }
+
+    /// Continues from `state` (a checkpoint's; the model holds the
+    /// checkpoint's weights), which must name every weight of the model
+    /// with its size.
+    pub fn with_state(
+        model: &'a mut Model,
+        data: &'a dyn Rows,
+        options: &FullOptions,
+        state: FullState,
+    ) -> Result<Self> {
+        let mut trainer = Self::new(model, data, options)?;
+        let fits = state.moments.len() == trainer.moments.len()
+            && trainer.moments.iter().all(|(name, m)| {
+                state
+                    .moments
+                    .get(name)
+                    .is_some_and(|s| s.m.len() == m.m.len() && s.v.len() == m.v.len())
+            });
+        if !fits {
+            return Err(LlmError::Input(
+                "the saved moments do not name the model's weights with their sizes".into(),
+            ));
+        }
+        if state.position > data.len() {
+            return Err(LlmError::Input(format!(
+                "the saved position {} is past the {} examples of the data",
+                state.position,
+                data.len()
+            )));
+        }
+        trainer.moments = state.moments;
+        trainer.step = state.step;
+        trainer.epoch = state.epoch;
+        trainer.position = state.position;
+        Ok(trainer)
+    }
+
+    /// Clip each step's summed gradient to this global L2 norm (None: no
+    /// clipping); refused unless positive and finite.
+    pub fn set_max_grad_norm(&mut self, max: Option<f32>) -> Result<()> {
+        if let Some(m) = max.filter(|m| !(m.is_finite() && *m > 0.0)) {
+            return Err(LlmError::Input(format!(
+                "max_grad_norm {m} must be a positive number"
+            )));
+        }
+        self.max_grad_norm = max;
+        Ok(())
+    }
+
+    /// The last step's gradient norm before clipping (None before a step).
+    pub fn last_grad_norm(&self) -> Option<f32> {
+        self.last_grad_norm
+    }
+
+    /// The state a checkpoint saves (the weights are the model's).
+    pub fn state(&self) -> FullState {
+        FullState {
+            moments: self.moments.clone(),
+            step: self.step,
+            epoch: self.epoch,
+            position: self.position,
+        }
+    }
+
+    /// AdamW's moments by weight name, without a copy.
+    pub fn moments(&self) -> &BTreeMap<String, Moments> {
+        &self.moments
+    }
+
+    /// The examples of the epoch's order used.
+    pub fn position(&self) -> usize {
+        self.position
     }
 
     pub fn total_steps(&self) -> usize {
@@ -165,7 +262,7 @@ impl<'a> FullTrainer<'a> {
             return Err(LlmError::Input("the run has no step left".into()));
         }
         let o = &self.options;
-        let n = self.data.examples.len();
+        let n = self.data.len();
         let epoch = self.epoch;
         if self.order.as_ref().map(|(e, _)| *e) != Some(epoch) {
             self.order = Some((epoch, batch::order(n, o.seed, epoch)));
@@ -175,7 +272,7 @@ impl<'a> FullTrainer<'a> {
         };
         let start = self.position;
         let end = (start + o.batch_size * o.accumulate).min(n);
-        let micro = micro_batches(self.data, order, start, end, o.batch_size, self.pad);
+        let micro = micro_batches(self.data, order, start, end, o.batch_size, self.pad)?;
         let tokens: usize = micro.iter().map(|b| b.counted).sum();
         if tokens == 0 {
             return Err(LlmError::Input(format!(
@@ -212,9 +309,32 @@ impl<'a> FullTrainer<'a> {
                 }
             }
         }
-        let Some(sum) = sum else {
+        let Some(mut sum) = sum else {
             unreachable!("a step with counted tokens ran a micro-batch")
         };
+        // The global norm, summed in f64 over the tensors in name order
+        // (a BTreeMap's), so it is the same whatever the threads did.
+        let squares: f64 = sum
+            .values()
+            .map(|g| {
+                g.data
+                    .iter()
+                    .map(|&d| f64::from(d) * f64::from(d))
+                    .sum::<f64>()
+            })
+            .sum();
+        let norm = squares.sqrt() as f32;
+        self.last_grad_norm = Some(norm);
+        if let Some(max) = self.max_grad_norm {
+            // torch.nn.utils.clip_grad_norm_: scale by max / (norm + 1e-6)
+            // when that is below 1.
+            let scale = max / (norm + 1e-6);
+            if scale < 1.0 {
+                for g in sum.values_mut() {
+                    g.data.iter_mut().for_each(|d| *d *= scale);
+                }
+            }
+        }
         let lr = o.schedule.lr_at(o.lr, self.step, self.total);
         let t = self.step as u64 + 1;
         for (name, g) in &sum {
@@ -268,7 +388,7 @@ impl<'a> FullTrainer<'a> {
 /// writes the result).
 pub fn finetune_full(
     model: &mut Model,
-    data: &Dataset,
+    data: &dyn Rows,
     options: &FullOptions,
     mut on_step: impl FnMut(&StepLog),
 ) -> Result<()> {

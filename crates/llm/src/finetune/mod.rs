@@ -16,7 +16,8 @@
 //! from (seed, epoch) and the dropout masks from (seed, step, micro-batch),
 //! so a state saved and restored (`checkpoint`) continues bit for bit. The
 //! run directory (checkpoints, resume, `metrics.jsonl`) is `run`; `full`
-//! is a full fine-tune (every weight) built from the same pieces. Memory:
+//! is a full fine-tune (every weight) built from the same pieces, and
+//! `full_run` its run directory, from `run`'s and `checkpoint`'s. Memory:
 //! the model, the adapters with their gradient sums and two moments (4×
 //! the adapters), and one micro-batch's activations
 //! (`Model::lora_gradients`: batch · layers · heads · T² for attention).
@@ -24,9 +25,10 @@
 pub mod batch;
 pub mod checkpoint;
 pub mod full;
+pub mod full_run;
 pub mod run;
 
-use crate::data::Dataset;
+use crate::data::Rows;
 use crate::error::{LlmError, Result};
 use crate::lora::{new_adapters, Adapters, Dropout};
 use crate::model::Model;
@@ -171,7 +173,7 @@ impl TrainState {
 }
 
 /// Checks `options` against `data` before any work.
-pub fn validate(options: &FinetuneOptions, data: &Dataset) -> Result<()> {
+pub fn validate(options: &FinetuneOptions, data: &dyn Rows) -> Result<()> {
     if !(0.0..1.0).contains(&options.dropout) {
         return Err(LlmError::Input(format!(
             "LoRA dropout {} must be in [0, 1)",
@@ -195,7 +197,7 @@ pub fn validate(options: &FinetuneOptions, data: &Dataset) -> Result<()> {
             options.weight_decay
         )));
     }
-    if data.examples.is_empty() {
+    if data.is_empty() {
         return Err(LlmError::Input("no training examples".into()));
     }
     Ok(())
@@ -211,18 +213,22 @@ pub fn total_steps(options: &FinetuneOptions, n: usize) -> usize {
 /// The micro-batches of examples `order[start..end]`, `batch_size` a
 /// micro-batch, each right-padded with `pad` (`batch::pad`).
 pub(crate) fn micro_batches(
-    data: &Dataset,
+    data: &dyn Rows,
     order: &[usize],
     start: usize,
     end: usize,
     batch_size: usize,
     pad: u32,
-) -> Vec<batch::MicroBatch> {
+) -> Result<Vec<batch::MicroBatch>> {
     order[start..end]
         .chunks(batch_size.max(1))
         .map(|ids| {
-            let rows: Vec<_> = ids.iter().map(|&i| &data.examples[i]).collect();
-            batch::pad(&rows, pad)
+            let rows = ids
+                .iter()
+                .map(|&i| data.row(i))
+                .collect::<Result<Vec<_>>>()?;
+            let rows: Vec<_> = rows.iter().collect();
+            Ok(batch::pad(&rows, pad))
         })
         .collect()
 }
@@ -231,7 +237,7 @@ pub(crate) fn micro_batches(
 /// stop between steps.
 pub struct Trainer<'a> {
     model: &'a Model,
-    data: &'a Dataset,
+    data: &'a dyn Rows,
     options: FinetuneOptions,
     pad: u32,
     total: usize,
@@ -242,7 +248,7 @@ pub struct Trainer<'a> {
 
 impl<'a> Trainer<'a> {
     /// Fresh adapters (A drawn from `seed`, B zero) at step 0.
-    pub fn new(model: &'a Model, data: &'a Dataset, options: &FinetuneOptions) -> Result<Self> {
+    pub fn new(model: &'a Model, data: &'a dyn Rows, options: &FinetuneOptions) -> Result<Self> {
         validate(options, data)?;
         let targets: Vec<&str> = options.target_modules.iter().map(String::as_str).collect();
         let adapters = new_adapters(model, options.r, options.alpha, &targets, options.seed)?;
@@ -252,7 +258,7 @@ impl<'a> Trainer<'a> {
     /// Continues from `state` (a checkpoint's), which must fit `options`.
     pub fn with_state(
         model: &'a Model,
-        data: &'a Dataset,
+        data: &'a dyn Rows,
         options: &FinetuneOptions,
         state: TrainState,
     ) -> Result<Self> {
@@ -279,11 +285,11 @@ impl<'a> Trainer<'a> {
                 "the saved training state does not fit the adapters' settings".into(),
             ));
         }
-        if state.position > data.examples.len() {
+        if state.position > data.len() {
             return Err(LlmError::Input(format!(
                 "the saved position {} is past the {} examples of the data",
                 state.position,
-                data.examples.len()
+                data.len()
             )));
         }
         Ok(Self {
@@ -291,7 +297,7 @@ impl<'a> Trainer<'a> {
             data,
             options: options.clone(),
             pad: batch::pad_id(&model.config),
-            total: total_steps(options, data.examples.len()),
+            total: total_steps(options, data.len()),
             state,
             order: None,
         })
@@ -326,7 +332,7 @@ impl<'a> Trainer<'a> {
             return Err(LlmError::Input("the run has no step left".into()));
         }
         let o = &self.options;
-        let n = self.data.examples.len();
+        let n = self.data.len();
         let epoch = self.state.epoch;
         if self.order.as_ref().map(|(e, _)| *e) != Some(epoch) {
             self.order = Some((epoch, batch::order(n, o.seed, epoch)));
@@ -336,7 +342,7 @@ impl<'a> Trainer<'a> {
         };
         let start = self.state.position;
         let end = (start + o.batch_size * o.accumulate).min(n);
-        let micro = micro_batches(self.data, order, start, end, o.batch_size, self.pad);
+        let micro = micro_batches(self.data, order, start, end, o.batch_size, self.pad)?;
         let tokens: usize = micro.iter().map(|b| b.counted).sum();
         if tokens == 0 {
             return Err(LlmError::Input(format!(
@@ -425,7 +431,7 @@ pub fn lora_config(options: &FinetuneOptions) -> LoraConfig {
 /// written: `run` is the loop with a run directory.
 pub fn finetune(
     model: &Model,
-    data: &Dataset,
+    data: &dyn Rows,
     options: &FinetuneOptions,
     mut on_step: impl FnMut(&StepLog),
 ) -> Result<(Adapters, LoraConfig)> {

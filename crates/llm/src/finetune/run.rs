@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 
 use super::checkpoint::{self, Meta};
 use super::{FinetuneOptions, LrSchedule, StepLog, Trainer};
-use crate::data::{DataOptions, Dataset};
+use crate::data::{DataOptions, Rows};
 use crate::error::{LlmError, Result};
 use crate::model::Model;
 use crate::peft;
@@ -67,7 +67,7 @@ pub(crate) fn exact(v: f32) -> f64 {
     }
 }
 
-fn path_text(path: &Path) -> Result<String> {
+pub(crate) fn path_text(path: &Path) -> Result<String> {
     path.to_str().map(String::from).ok_or_else(|| {
         LlmError::Input(format!(
             "{}: run.json records paths as UTF-8, and this one is not",
@@ -308,13 +308,13 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> LlmError + '_ {
 }
 
 /// metrics.jsonl, appended a whole line at a time.
-struct Metrics {
+pub(crate) struct Metrics {
     path: PathBuf,
     file: std::fs::File,
 }
 
 impl Metrics {
-    fn open(out: &Path) -> Result<Self> {
+    pub(crate) fn open(out: &Path) -> Result<Self> {
         let path = out.join(METRICS);
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -324,7 +324,7 @@ impl Metrics {
         Ok(Self { path, file })
     }
 
-    fn append(&mut self, line: &Value) -> Result<()> {
+    pub(crate) fn append(&mut self, line: &Value) -> Result<()> {
         let text = format!("{line}\n");
         self.file
             .write_all(text.as_bytes())
@@ -332,14 +332,14 @@ impl Metrics {
             .map_err(io(&self.path))
     }
 
-    fn sync(&self) -> Result<()> {
+    pub(crate) fn sync(&self) -> Result<()> {
         self.file.sync_data().map_err(io(&self.path))
     }
 }
 
 /// Cuts metrics.jsonl back to the lines of steps up to `step` (a torn last
 /// line and the steps logged after the checkpoint go), atomically.
-fn cut_metrics(out: &Path, step: usize) -> Result<()> {
+pub(crate) fn cut_metrics(out: &Path, step: usize) -> Result<()> {
     let path = out.join(METRICS);
     let text = match std::fs::read(&path) {
         Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
@@ -373,7 +373,7 @@ pub fn start(
     out: &Path,
     settings: &RunSettings,
     model: &Model,
-    data: &Dataset,
+    data: &dyn Rows,
     stop: Option<&AtomicBool>,
     mut on_event: impl FnMut(Event),
 ) -> Result<Outcome> {
@@ -413,7 +413,7 @@ pub fn resume(
     out: &Path,
     settings: &RunSettings,
     model: &Model,
-    data: &Dataset,
+    data: &dyn Rows,
     stop: Option<&AtomicBool>,
     mut on_event: impl FnMut(Event),
 ) -> Result<Outcome> {
