@@ -261,6 +261,35 @@ impl Network {
         Ok(())
     }
 
+    /// `backward`, calling `done(index)` after each top-level layer's
+    /// backward (then its parameters' gradients are complete for this
+    /// micro-batch), in backward's order, the last layer first; the layers
+    /// before the first trainable one, which backward does not run, after
+    /// it, in the same order. `index` is the layer's place in
+    /// [`Network::layer_params_mut`]. What a data-parallel learner hands
+    /// to its all-reduce as backward goes.
+    pub fn backward_with(
+        &mut self,
+        grad_logits: &Tensor,
+        done: &mut dyn FnMut(usize, &mut [&mut Param]) -> Result<()>,
+    ) -> Result<()> {
+        let result = crate::layers::backward_params_only_each(
+            &mut self.layers,
+            grad_logits.clone(),
+            &mut |index, layer| done(index, &mut layer.params_mut()),
+        );
+        if result.is_err() {
+            self.clear_saved();
+        }
+        result
+    }
+
+    /// Each top-level layer's parameters (its nested layers' included),
+    /// in order: `params_mut` grouped by layer.
+    pub fn layer_params_mut(&mut self) -> Vec<Vec<&mut Param>> {
+        self.layers.iter_mut().map(|l| l.params_mut()).collect()
+    }
+
     pub fn params_mut(&mut self) -> Vec<&mut Param> {
         self.layers
             .iter_mut()

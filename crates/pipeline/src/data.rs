@@ -555,6 +555,7 @@ pub fn loader_config(config: &ExperimentConfig, training: bool) -> Result<Loader
             .map(|text| parse_bytes("loader.memory_budget", text))
             .transpose()?,
         resident: false,
+        shard: headroom_loader::Shard::default(),
     })
 }
 

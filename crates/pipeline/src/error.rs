@@ -33,6 +33,8 @@ pub enum PipelineError {
     Model(#[from] headroom_model::ModelError),
     #[error(transparent)]
     Optim(#[from] headroom_optim::OptimError),
+    #[error("ranks: {0}")]
+    Ranks(#[from] headroom_dist::DistError),
     #[error(
         "{skips} steps in a row had a non-finite loss or gradient, after the update that made step \
          {from_step}: stopped in {}. {resume_from} Lower the learning rate (or set a gradient clip) and \

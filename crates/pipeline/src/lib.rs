@@ -94,6 +94,7 @@ pub mod parts;
 pub mod paths;
 pub mod plot;
 pub mod predict;
+pub mod ranks;
 pub mod resume;
 pub mod rundir;
 mod setting_enum;

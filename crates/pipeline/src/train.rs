@@ -35,6 +35,10 @@ pub struct TrainOptions {
     /// registering them here (and passes the same registry to `eval` and
     /// `predict`).
     pub layers: LayerRegistry,
+    /// The ranks of a data-parallel run (`crate::ranks`): each trains its
+    /// shard of every global batch of `train.batch_size × world` samples;
+    /// rank 0 owns the run directory. None (or a world of one): alone.
+    pub ranks: Option<crate::ranks::Ranks>,
 }
 
 /// The learner `device.kind` asks for, with micro-batches of
@@ -59,9 +63,26 @@ pub fn open_with_layers(
 }
 
 pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSummary> {
+    let ranks = options.ranks.clone().filter(|r| r.world > 1);
+    if let Some(ranks) = &ranks {
+        let settings = crate::resume::RunRecord::to_json(config);
+        ranks.require_same("experiment (its resolved settings)", settings.as_bytes())?;
+    }
     // Held (locked) for the whole run; removed on drop if this start made it
-    // and it holds no progress.
-    let run_dir = rundir::RunDir::claim(config, &options.resume)?;
+    // and it holds no progress. A follower's is its own scratch directory:
+    // the leader's holds the run.
+    let (run_dir, resume, scratch) = match ranks.as_ref().filter(|r| !r.is_leader()) {
+        None => {
+            let claimed = rundir::RunDir::claim(config, &options.resume);
+            if let Some(ranks) = &ranks {
+                // An empty path tells the followers that the leader failed.
+                let path = claimed.as_ref().map(|d| d.path().display().to_string());
+                ranks.leader_text(path.as_deref().unwrap_or(""))?;
+            }
+            (claimed?, options.resume.clone(), None)
+        }
+        Some(ranks) => follower_place(config, ranks, &options.resume)?,
+    };
     // A full fine-tune trains the base architecture (no adapters).
     let mut resolved = crate::finetune::as_trained(config);
     resolved.run.output_dir = Some(run_dir.path().to_path_buf());
@@ -70,10 +91,15 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
     let for_parts = Arc::clone(&config);
     let allow_install = options.allow_install;
     let layers = options.layers.clone();
-    Trainer::from_parts(TrainerParts {
+    let ranks_for_parts = ranks.clone();
+    let stop = match &ranks {
+        Some(ranks) => Some(Arc::clone(&ranks.agreed)),
+        None => options.stop.clone(),
+    };
+    let summary = Trainer::from_parts(TrainerParts {
         run_dir,
-        resume: options.resume.clone(),
-        stop: options.stop.clone(),
+        resume,
+        stop,
         settings: loop_settings(&config)?,
         checkpoint: config.checkpoint.clone(),
         memory: MemorySettings::from_config(&config)?,
@@ -82,14 +108,63 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
             kind: config.schedule.clone(),
         },
         record: config.clone(),
-        parts: Box::new(move |pool| make_parts(&for_parts, allow_install, &layers, pool)),
+        parts: Box::new(move |pool| {
+            make_parts(&for_parts, allow_install, &layers, ranks_for_parts.as_ref(), pool)
+        }),
         sinks: Vec::new(),
         // The resolved config, written once: a resumed run keeps its own.
         on_open: Some(Box::new(move |dir| {
             rundir::write_resolved_config(dir, &recorded)
         })),
+        ranks,
     })
-    .run()
+    .run();
+    if let Some(scratch) = scratch {
+        let _ = std::fs::remove_dir_all(scratch);
+    }
+    summary
+}
+
+/// A follower's run directory (a scratch one of its own: it writes no
+/// checkpoint, and its metrics repeat the leader's), the checkpoint it
+/// starts from (the one the leader resumes: the newest valid one of the
+/// leader's directory, read, never changed), and the scratch path to
+/// remove at the end.
+fn follower_place(
+    config: &ExperimentConfig,
+    ranks: &crate::ranks::Ranks,
+    resume: &Resume,
+) -> Result<(rundir::RunDir, Resume, Option<std::path::PathBuf>)> {
+    let leader_dir = ranks.leader_text("")?;
+    if leader_dir.is_empty() {
+        return Err(PipelineError::Stage {
+            stage: "ranks",
+            reason: "rank 0 could not claim the run directory (its own output says why)".into(),
+        });
+    }
+    let leader_dir = std::path::PathBuf::from(leader_dir);
+    let from = match resume {
+        Resume::No => Resume::No,
+        Resume::From(path) => Resume::From(path.clone()),
+        Resume::Latest => match crate::checkpoint::newest_valid(&leader_dir)?.0 {
+            Some((path, _)) => Resume::From(path),
+            None => Resume::No,
+        },
+    };
+    // Unique in this process too: ranks as threads share its id.
+    static FOLLOWERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let scratch = std::env::temp_dir().join(format!(
+        "headroom-rank-{}-of-{}-{}-{}",
+        ranks.rank,
+        ranks.world,
+        std::process::id(),
+        FOLLOWERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let mut own = config.clone();
+    own.run.output_dir = Some(scratch.clone());
+    let run_dir = rundir::RunDir::claim(&own, &Resume::No)?;
+    Ok((run_dir, from, Some(scratch)))
 }
 
 /// The loop's settings of `config`.
@@ -124,12 +199,31 @@ fn make_parts(
     config: &ExperimentConfig,
     allow_install: bool,
     layers: &LayerRegistry,
+    ranks: Option<&crate::ranks::Ranks>,
     pool: Arc<headroom_model::memory::MemoryPool>,
 ) -> Result<Parts> {
     let (train_set, test_set) = data::open_splits(config, allow_install)?;
     let (train_set, validation) = split_validation(config, train_set)?;
     let mut learner = open_with_layers(config, pool, parts::cuda_options(config)?, layers)?;
     check_data_fits_model(config, train_set.as_ref(), learner.as_ref())?;
+    let mut shard = headroom_loader::Shard::default();
+    if let Some(ranks) = ranks {
+        let data = format!(
+            "{} training samples of {:?}, {} classes; {} test samples",
+            train_set.len(),
+            train_set.sample_shape(),
+            train_set.num_classes(),
+            test_set.len()
+        );
+        ranks.require_same("training data", data.as_bytes())?;
+        let model = format!("{} parameters", learner.num_params());
+        ranks.require_same("model", model.as_bytes())?;
+        learner.join_ranks(ranks.clone())?;
+        shard = headroom_loader::Shard {
+            rank: ranks.rank,
+            world: ranks.world,
+        };
+    }
     match &validation {
         Some(validation) => tracing::info!(
             "{} training samples, {} validation samples (data.validation), {} test samples",
@@ -151,6 +245,7 @@ fn make_parts(
         validation,
         train_loader: LoaderConfig {
             resident,
+            shard,
             ..data::loader_config(config, true)?
         },
         test_loader: data::loader_config(config, false)?,

@@ -200,22 +200,39 @@ pub(crate) fn backward_params_only_through(
     layers: &mut [Box<dyn Layer>],
     grad_output: Tensor,
 ) -> Result<()> {
+    backward_params_only_each(layers, grad_output, &mut |_, _| Ok(()))
+}
+
+/// `backward_params_only_through`, calling `done(index, layer)` after each
+/// layer's backward, the last first, then for the layers before the first
+/// trainable one (not run backward), in the same order.
+pub(crate) fn backward_params_only_each(
+    layers: &mut [Box<dyn Layer>],
+    grad_output: Tensor,
+    done: &mut dyn FnMut(usize, &mut dyn Layer) -> Result<()>,
+) -> Result<()> {
     let first = layers.iter_mut().position(|l| l.has_trainable_params());
     let Some(first) = first else {
         layers.iter_mut().for_each(|l| l.clear_saved());
+        for (index, layer) in layers.iter_mut().enumerate().rev() {
+            done(index, layer.as_mut())?;
+        }
         return Ok(());
     };
     let mut g = grad_output;
-    for layer in layers[first + 1..].iter_mut().rev() {
+    for (index, layer) in layers.iter_mut().enumerate().skip(first + 1).rev() {
         let next = layer.backward(&g)?;
         profile::mark_layer("bwd", layer.as_ref(), "out", g.shape());
         g = next;
+        done(index, layer.as_mut())?;
     }
     let layer = &mut layers[first];
     layer.backward_params_only(&g)?;
     profile::mark_layer("bwd", layer.as_ref(), "out", g.shape());
-    for layer in &mut layers[..first] {
+    done(first, layer.as_mut())?;
+    for (index, layer) in layers[..first].iter_mut().enumerate().rev() {
         layer.clear_saved();
+        done(index, layer.as_mut())?;
     }
     Ok(())
 }

@@ -25,10 +25,12 @@ use headroom_model::profile::ProfileSegment;
 use headroom_model::{BuildOptions, Mode, ModelSpec, Network, PoolStats, Tensor, TokenInput};
 use headroom_optim::{clip_grad_norm, grad_norm, AdamW, UpdateOutcome};
 
+use super::cpu_ranks::{add_earlier, CpuRanks};
 use super::{
     softmax_rows, write_list, EvalResult, Learner, LearnerState, StateWriter, StepLr, StepResult,
     StepSettings,
 };
+use crate::ranks::{agree_on_step, Ranks, StepRecord};
 use crate::{PipelineError, Result};
 
 /// The f32 CPU learner.
@@ -44,6 +46,8 @@ pub struct CpuLearner {
     frames: Option<usize>,
     /// Results of steps submitted and not yet collected.
     ready: VecDeque<StepResult>,
+    /// Set in a data-parallel run: the other ranks and the all-reduce.
+    ranks: Option<CpuRanks>,
 }
 
 /// A micro-batch as the network takes it, and what its scores are compared
@@ -107,6 +111,7 @@ impl CpuLearner {
             tokens,
             frames,
             ready: VecDeque::new(),
+            ranks: None,
         })
     }
 
@@ -173,30 +178,43 @@ impl CpuLearner {
 
     /// Forward and backward over the micro-batches, adding up gradients.
     /// Each micro-batch's loss gradient is weighted by its share of the
-    /// batch, so the sum is the whole batch's mean-loss gradient. Returns the
-    /// mean loss (NaN at the first non-finite micro-batch) and the number
-    /// of correct predictions.
-    fn accumulate_gradients(&mut self, batch: &Batch) -> Result<(f32, usize)> {
-        let n = batch.len();
+    /// (global) batch, so the sum is the whole batch's mean-loss gradient.
+    /// Each micro-batch's gradients are computed from zero and added to the
+    /// earlier ones' sum, ((g0 + g1) + g2) …, the order in which the ranks'
+    /// sums are added, so N ranks of one micro-batch give the bits of one
+    /// process of N. In a data-parallel run the last micro-batch hands each
+    /// layer's gradients to the all-reduce as backward finishes it.
+    /// Returns the batch's share of the mean loss (NaN at the first
+    /// non-finite micro-batch) and the number of correct predictions.
+    fn accumulate_gradients(&mut self, batch: &Batch) -> Result<(f64, usize)> {
+        let world = self.ranks.as_ref().map_or(1, |r| r.ranks.world);
+        let n = batch.len() * world;
+        let parts: Vec<_> = batch.micro_batches(self.micro_batch).collect();
+        let count = parts.len();
         let (mut loss, mut correct) = (0.0f64, 0usize);
-        for part in batch.micro_batches(self.micro_batch) {
-            let prepared = self.prepare(&part)?;
+        // The earlier micro-batches' gradient sum, by parameter.
+        let mut stash: Vec<Vec<f32>> = Vec::new();
+        for (i, part) in parts.iter().enumerate() {
+            if i > 0 {
+                stash_gradients(&mut self.network, &mut stash)?;
+            }
+            let prepared = self.prepare(part)?;
             self.network.profile_mark(|| "input: prepared".into());
             let logits = self.network.forward(&prepared.input, Mode::Train)?;
             let smoothing = self.settings.label_smoothing;
-            let regression = regression_targets(self.settings.regression, &part)?;
+            let regression = regression_targets(self.settings.regression, part)?;
             let mut out = match (&prepared.targets, &prepared.frames, regression) {
                 (_, Some(pair), _) => pair.loss(&logits)?,
                 (None, None, Some((kind, values))) => value_loss(&logits, values, kind)?,
                 (None, None, None) => {
-                    training_loss(smoothing, self.settings.focal_gamma, &logits, &part)?
+                    training_loss(smoothing, self.settings.focal_gamma, &logits, part)?
                 }
                 (Some(targets), None, _) => per_token_loss(&logits, targets, smoothing)?,
             };
             drop(logits);
             self.network.profile_mark(|| "loss".into());
             if !out.loss.is_finite() {
-                return Ok((f32::NAN, 0));
+                return Ok((f64::NAN, 0));
             }
             let share = part.len() as f32 / n as f32;
             if share != 1.0 {
@@ -205,11 +223,37 @@ impl CpuLearner {
                     .iter_mut()
                     .for_each(|g| *g *= share);
             }
-            self.network.backward(&out.grad)?;
+            let Self { network, ranks, .. } = self;
+            match ranks.as_mut().filter(|_| i + 1 == count) {
+                Some(ranks) => {
+                    // The all-reduce's own error, not the model's wrapper.
+                    let mut refused = None;
+                    let done = network.backward_with(&out.grad, &mut |layer, params| {
+                        ranks.hand_over(layer, params, &stash).map_err(|e| {
+                            refused = Some(e);
+                            headroom_model::ModelError::State("the all-reduce refused it".into())
+                        })
+                    });
+                    if let Some(e) = refused {
+                        return Err(e);
+                    }
+                    done?;
+                }
+                None => {
+                    network.backward(&out.grad)?;
+                    if i > 0 {
+                        for (p, earlier) in network.params_mut().into_iter().zip(&stash) {
+                            if !p.frozen {
+                                add_earlier(earlier, p.grad.data_mut());
+                            }
+                        }
+                    }
+                }
+            }
             loss += out.loss as f64 * share as f64;
             correct += out.correct;
         }
-        Ok((loss as f32, correct))
+        Ok((loss, correct))
     }
 
     /// Clip and AdamW step on the accumulated gradients: the gradient norm,
@@ -260,7 +304,8 @@ impl CpuLearner {
         // Batch norm updates its running statistics during the forward; a
         // step that is not applied must not keep them.
         let statistics = self.network.buffer_values();
-        let (loss, correct) = match self.accumulate_gradients(batch) {
+        let accumulated = self.accumulate_gradients(batch);
+        let (loss, correct) = match self.agree_with_ranks(accumulated) {
             Ok(done) => done,
             Err(e) => {
                 self.undo_step(&statistics)?;
@@ -283,6 +328,50 @@ impl CpuLearner {
             correct,
             grad_norm,
         })
+    }
+
+    /// The step's outcome as every rank agrees on it: the gradients summed
+    /// over the ranks, the loss and correct count of the global batch, a
+    /// skip if any rank's loss was not finite, an error on every rank if
+    /// one failed, and the buffers' mean. Alone, this rank's own outcome.
+    fn agree_with_ranks(&mut self, local: Result<(f64, usize)>) -> Result<(f32, usize)> {
+        let Some(ranks) = self.ranks.as_mut() else {
+            return local.map(|(loss, correct)| (loss as f32, correct));
+        };
+        let status = match &local {
+            Ok((loss, _)) if loss.is_finite() => StepRecord::OK,
+            Ok(_) => StepRecord::NON_FINITE,
+            Err(_) => StepRecord::FAILED,
+        };
+        ranks.finish(&mut self.network, status != StepRecord::OK)?;
+        let (loss, correct) = local.as_ref().map_or((0.0, 0), |&(l, c)| (l, c));
+        let agreed = agree_on_step(
+            &ranks.ranks,
+            StepRecord {
+                status,
+                stop: ranks.ranks.stop_requested(),
+                loss: if loss.is_finite() { loss } else { 0.0 },
+                correct: correct as u64,
+            },
+        )?;
+        if let Some(k) = agreed.failed {
+            let own = ranks.ranks.rank;
+            return match local {
+                Err(e) => Err(e),
+                Ok(_) => Err(PipelineError::Stage {
+                    stage: "ranks",
+                    reason: format!(
+                        "rank {k} failed this step (its own output says why); rank {own} \
+                         undid it too"
+                    ),
+                }),
+            };
+        }
+        if agreed.non_finite {
+            return Ok((f32::NAN, 0));
+        }
+        ranks.average_buffers(&mut self.network)?;
+        Ok((agreed.loss as f32, agreed.correct as usize))
     }
 
     /// Refuses a state whose tensors do not match the model's, naming the
@@ -368,6 +457,26 @@ impl CpuLearner {
         }
         Ok(result)
     }
+}
+
+/// Moves the gradients so far into `stash` (by parameter; frozen ones
+/// empty) and zeroes them, for the next micro-batch to start from zero.
+fn stash_gradients(network: &mut Network, stash: &mut Vec<Vec<f32>>) -> Result<()> {
+    let params = network.params_mut();
+    if stash.is_empty() {
+        for p in &params {
+            let len = if p.frozen { 0 } else { p.grad.len() };
+            stash.push(try_scratch(len)?);
+        }
+    }
+    for (p, kept) in params.into_iter().zip(stash.iter_mut()) {
+        if !p.frozen {
+            kept.clear();
+            kept.extend_from_slice(p.grad.data());
+            p.zero_grad();
+        }
+    }
+    Ok(())
 }
 
 /// A regression's loss and the batch's numeric targets; None for a
@@ -468,6 +577,13 @@ impl Learner for CpuLearner {
 
     fn collect_step(&mut self) -> Result<Option<StepResult>> {
         Ok(self.ready.pop_front())
+    }
+
+    /// From the next step on, each step's gradients are the sum over the
+    /// ranks' shards of the global batch (`batch_size × world`).
+    fn join_ranks(&mut self, ranks: Ranks) -> Result<()> {
+        self.ranks = Some(CpuRanks::new(&mut self.network, ranks)?);
+        Ok(())
     }
 
     /// Wall time after each layer's forward and backward, the loss and the

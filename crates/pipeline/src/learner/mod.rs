@@ -13,6 +13,7 @@
 //! from `device.kind`.
 
 mod cpu;
+mod cpu_ranks;
 mod cuda;
 
 pub use cpu::{arg_max, per_token_loss, CpuLearner};
@@ -378,6 +379,20 @@ pub trait Learner: Send {
 
     /// Copies every sample of `dataset` to the device: batches that carry
     /// recipes (`LoaderConfig::resident`) are then made there.
+    /// Joins the ranks of a data-parallel run (`crate::ranks`): each step's
+    /// gradients are then summed over the ranks. Default: refused, naming
+    /// the device (data parallelism is built for the CPU learner).
+    fn join_ranks(&mut self, ranks: crate::ranks::Ranks) -> Result<()> {
+        Err(PipelineError::Stage {
+            stage: "ranks",
+            reason: format!(
+                "{} cannot train data-parallel yet ({} ranks asked for): only the CPU learner can",
+                self.device_name(),
+                ranks.world
+            ),
+        })
+    }
+
     fn hold_resident(&mut self, dataset: &dyn Dataset) -> Result<()> {
         let _ = dataset;
         Err(PipelineError::value(

@@ -36,6 +36,9 @@ pub(crate) struct RunSettings {
     /// Set (by a signal handler, say) to stop after the current step with a
     /// checkpoint.
     pub stop: Option<Arc<AtomicBool>>,
+    /// False on a data-parallel run's followers: the leader writes the
+    /// checkpoints (the ranks' states are the same bits).
+    pub writes_checkpoints: bool,
 }
 
 pub(crate) enum Finish {
@@ -233,6 +236,10 @@ fn checkpoint_now(
     events: &SinkLink,
     memory: &mut MemoryGuard,
 ) -> Result<()> {
+    if !plan.writes_checkpoints {
+        trainee.checkpointed_at = Instant::now();
+        return Ok(());
+    }
     events.take_checkpoint_token()?;
     let tuned_convs = trainee.learner.tuned_convolutions();
     let meta = checkpoint_meta(plan, &trainee.position, tuned_convs);

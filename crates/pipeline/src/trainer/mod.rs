@@ -274,6 +274,7 @@ pub struct Trainer {
     parts: MakeParts,
     sinks: Vec<Box<dyn Sink>>,
     on_open: Option<OnOpen>,
+    ranks: Option<crate::ranks::Ranks>,
 }
 
 /// Everything a [`Trainer`] needs, typed: what `train()` makes from an
@@ -292,6 +293,10 @@ pub struct TrainerParts {
     /// Runs once the directory is ready, before a checkpoint is looked for
     /// (`train()` records its resolved config there).
     pub on_open: Option<OnOpen>,
+    /// The ranks of a data-parallel run (the learner has joined them and
+    /// the training loader makes this rank's shard): every rank must start
+    /// from the same point, and only the leader writes checkpoints.
+    pub ranks: Option<crate::ranks::Ranks>,
 }
 
 impl Trainer {
@@ -313,6 +318,7 @@ impl Trainer {
             parts: parts.parts,
             sinks: parts.sinks,
             on_open: parts.on_open,
+            ranks: parts.ranks,
         }
     }
 
@@ -347,6 +353,7 @@ impl Trainer {
             record_json: self.record.to_json(),
             model_json: self.record.model_json(),
             stop: self.stop.clone(),
+            writes_checkpoints: self.ranks.as_ref().is_none_or(|r| r.is_leader()),
         };
         let mut run = prepare(&loop_settings, &self.schedule, made)?;
         let resumed_from = match resume_point {
@@ -362,6 +369,11 @@ impl Trainer {
             }
             None => None,
         };
+        if let Some(ranks) = &self.ranks {
+            let at = &run.trainee.position;
+            let point = format!("epoch {} batch {} step {}", at.epoch, at.batches_done, at.step);
+            ranks.require_same("starting point (the checkpoint resumed from)", point.as_bytes())?;
+        }
         if self.settings.early_stopping.is_some() {
             set_aside_stale_best(&dir, &run.trainee.position)?;
         }
@@ -732,6 +744,7 @@ impl TrainerBuilder {
             parts,
             sinks: self.sinks,
             on_open: None,
+            ranks: None,
         })
     }
 }

@@ -1,0 +1,167 @@
+//! Data-parallel training on ranks as threads of this process (the same
+//! collectives and protocol as over MPI): N ranks of one micro-batch end
+//! in the weights of one process accumulating N micro-batches, bit for
+//! bit; a stop asked by one rank stops every rank after the same step,
+//! and the leader's checkpoint resumes to the uninterrupted weights.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use headroom_dist::threads::group;
+use headroom_pipeline::checkpoint;
+use headroom_pipeline::ranks::Ranks;
+use headroom_pipeline::{train, ExperimentConfig, Overrides, Resume, TrainOptions};
+
+fn smoke(dir: &Path, sets: &[(&str, String)]) -> ExperimentConfig {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../experiments/smoke.toml");
+    let mut all = vec![
+        ("run.output_dir", dir.display().to_string()),
+        ("data.train_samples", "512".into()),
+        ("data.test_samples", "128".into()),
+        ("train.epochs", "2".into()),
+        ("train.threads", "1".into()),
+        ("run.log_every", "1000".into()),
+    ];
+    all.extend(sets.iter().cloned());
+    let overrides = Overrides(all.into_iter().map(|(k, v)| (k.to_string(), v)).collect());
+    ExperimentConfig::load(&path, &overrides).expect("smoke experiment")
+}
+
+fn options(resume: Resume) -> TrainOptions {
+    TrainOptions {
+        resume,
+        allow_install: true,
+        ..TrainOptions::default()
+    }
+}
+
+/// The weights of the newest checkpoint in `dir`.
+fn weights(dir: &Path) -> Vec<Vec<f32>> {
+    let (found, _) = checkpoint::newest_valid(dir).expect("listing");
+    let (path, _) = found.expect("a checkpoint");
+    checkpoint::load(&path).expect("loads").params
+}
+
+fn same_bits(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+        })
+}
+
+/// Trains `config` on `world` thread ranks; `stop_rank_after` asks rank k
+/// to stop once it sees its stop flag (set from another thread at once).
+fn on_ranks(
+    world: usize,
+    config: ExperimentConfig,
+    resume: Resume,
+    stop_rank: Option<usize>,
+) -> Vec<Result<headroom_pipeline::RunSummary, String>> {
+    let handles: Vec<_> = group(world)
+        .into_iter()
+        .map(|t| {
+            let config = config.clone();
+            let resume = resume.clone();
+            std::thread::spawn(move || {
+                let ranks = Ranks::new(Box::new(t), 1 << 12, Duration::from_secs(60));
+                if stop_rank == Some(ranks.rank) {
+                    ranks.requested.store(true, Ordering::SeqCst);
+                }
+                let options = TrainOptions {
+                    ranks: Some(ranks),
+                    ..options(resume)
+                };
+                train(&config, &options).map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("headroom-dp-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[test]
+fn two_ranks_train_the_weights_of_one_process_accumulating_two_bit_for_bit() {
+    let (one, two) = (scratch("one"), scratch("two"));
+    let single = smoke(
+        &one,
+        &[("train.batch_size", "64".into()), ("train.accumulate", "2".into())],
+    );
+    let alone = train(&single, &options(Resume::No)).expect("one process");
+    let ranked = smoke(&two, &[("train.batch_size", "32".into())]);
+    let results = on_ranks(2, ranked, Resume::No, None);
+    for (rank, r) in results.iter().enumerate() {
+        let summary = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(summary.step, alone.step, "rank {rank} took another number of steps");
+        // Every rank scores the same weights and buffers on the same test set.
+        assert_eq!(summary.test_loss, results[0].as_ref().expect("rank 0").test_loss);
+    }
+    assert!(alone.step > 0);
+    assert!(
+        same_bits(&weights(&one), &weights(&two)),
+        "2 ranks × 32 ended in other weights than 1 process × 64 in 2 micro-batches"
+    );
+    // The follower trained in a scratch directory of its own, removed at
+    // the end; the leader in the run's.
+    let leader = results[0].as_ref().expect("rank 0");
+    let follower = results[1].as_ref().expect("rank 1");
+    assert_eq!(leader.output_dir, two);
+    assert_ne!(follower.output_dir, two);
+    assert!(!follower.output_dir.exists(), "{}", follower.output_dir.display());
+    let _ = (std::fs::remove_dir_all(&one), std::fs::remove_dir_all(&two));
+}
+
+#[test]
+fn a_stop_asked_by_one_rank_stops_all_and_the_leader_s_checkpoint_resumes_exactly() {
+    let (whole, parts) = (scratch("whole"), scratch("parts"));
+    let uninterrupted = on_ranks(2, smoke(&whole, &[]), Resume::No, None);
+    let steps = uninterrupted[0].as_ref().expect("rank 0").step;
+    // Rank 1 asks to stop at once: both stop after the first step.
+    let stopped = on_ranks(2, smoke(&parts, &[]), Resume::No, Some(1));
+    for (rank, r) in stopped.iter().enumerate() {
+        let summary = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(summary.interrupted, "rank {rank} was not stopped");
+        assert_eq!(summary.step, 1, "rank {rank} stopped after step {}", summary.step);
+    }
+    let resumed = on_ranks(2, smoke(&parts, &[]), Resume::Latest, None);
+    let errors: Vec<_> = resumed.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(errors.is_empty(), "{errors:?}");
+    for (rank, r) in resumed.iter().enumerate() {
+        let summary = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(summary.step, steps, "rank {rank}");
+        assert!(summary.resumed_from.is_some(), "rank {rank} did not resume");
+    }
+    assert!(same_bits(&weights(&whole), &weights(&parts)));
+    let _ = (std::fs::remove_dir_all(&whole), std::fs::remove_dir_all(&parts));
+}
+
+#[test]
+fn ranks_with_different_settings_are_refused_at_start_naming_the_rank() {
+    let dir = scratch("differ");
+    let handles: Vec<_> = group(2)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, t)| {
+            let lr = if rank == 0 { "0.005" } else { "0.01" };
+            let config = smoke(&dir, &[("optimizer.lr", lr.into())]);
+            std::thread::spawn(move || {
+                let ranks = Ranks::new(Box::new(t), 1 << 12, Duration::from_secs(60));
+                let options = TrainOptions {
+                    ranks: Some(ranks),
+                    ..options(Resume::No)
+                };
+                train(&config, &options).map(|_| ()).map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    for h in handles {
+        let err = h.join().expect("rank thread").expect_err("refused");
+        assert!(err.contains("experiment") && err.contains("rank 1"), "{err}");
+    }
+    assert!(!dir.exists(), "a refused start made the run directory");
+}
