@@ -12,6 +12,7 @@ use tracing_subscriber::EnvFilter;
 
 mod cargo;
 mod commands;
+mod ranks;
 mod signals;
 
 const DEFAULT_EXPERIMENT: &str = "experiments/fashion_mnist.toml";
@@ -588,8 +589,14 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(code) => code,
         Err(error) => {
-            // One clear message, with its causes, and a failing exit status.
-            eprintln!("error: {}", error_chain(&error));
+            // One clear message, with its causes, and a failing exit status;
+            // every rank's, named.
+            match ranks::launcher_rank_world() {
+                Some((rank, world)) if world > 1 => {
+                    eprintln!("error (rank {rank} of {world}): {}", error_chain(&error))
+                }
+                _ => eprintln!("error: {}", error_chain(&error)),
+            }
             ExitCode::FAILURE
         }
     }
@@ -646,7 +653,15 @@ fn keep_freed_memory() {
 }
 
 fn init_logging() {
-    let filter = EnvFilter::try_from_env("HEADROOM_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    // A data-parallel run's followers: warnings and errors only (the
+    // leader logs the run).
+    let default = if ranks::launcher_rank() > 0 {
+        "warn"
+    } else {
+        "info"
+    };
+    let filter =
+        EnvFilter::try_from_env("HEADROOM_LOG").unwrap_or_else(|_| EnvFilter::new(default));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

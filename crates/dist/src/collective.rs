@@ -98,7 +98,10 @@ pub fn all_gather(
     let (rank, world) = (transport.rank(), transport.world());
     let mut records: Vec<Vec<u8>> = (0..world).map(|_| vec![0u8; mine.len()]).collect();
     records[rank].copy_from_slice(mine);
-    let sends: Vec<(usize, &[u8])> = (0..world).filter(|&j| j != rank).map(|j| (j, mine)).collect();
+    let sends: Vec<(usize, &[u8])> = (0..world)
+        .filter(|&j| j != rank)
+        .map(|j| (j, mine))
+        .collect();
     let mut recvs: Vec<(usize, &mut [u8])> = records
         .iter_mut()
         .enumerate()

@@ -18,7 +18,9 @@ pub enum DistError {
     },
     /// A message of another length or tag than the protocol expects: the
     /// ranks run different programs or settings.
-    #[error("rank {rank} received from rank {from} {what}; the ranks disagree (config, model or code)")]
+    #[error(
+        "rank {rank} received from rank {from} {what}; the ranks disagree (config, model or code)"
+    )]
     Protocol {
         rank: usize,
         from: usize,

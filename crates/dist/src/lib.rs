@@ -33,6 +33,7 @@
 
 pub mod collective;
 mod error;
+pub mod launcher;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod reducer;
@@ -41,4 +42,4 @@ mod transport;
 
 pub use error::{DistError, Result};
 pub use reducer::{BucketPlan, GradientReducer, FIRST_CONTROL_TAG};
-pub use transport::{Solo, SharedTransport, Transport};
+pub use transport::{SharedTransport, Solo, Transport};

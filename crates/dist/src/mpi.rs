@@ -14,10 +14,10 @@
 
 use std::time::Instant;
 
+use mpi::datatype::Equivalence;
 use mpi::environment::Universe;
 use mpi::point_to_point::{Destination, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
-use mpi::datatype::Equivalence;
 use mpi::Threading;
 
 use crate::{DistError, Result, Transport};
@@ -39,14 +39,6 @@ pub struct MpiTransport {
 // as no two do at once, which the `SharedTransport` mutex guarantees for
 // every call made through this transport.
 unsafe impl Send for MpiTransport {}
-
-/// Whether this process was started by an MPI launcher (Open MPI, MPICH,
-/// Slurm's PMI): then `MpiTransport::init` finds its rank.
-pub fn launched_by_mpi() -> bool {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"]
-        .iter()
-        .any(|k| std::env::var_os(k).is_some())
-}
 
 impl MpiTransport {
     /// Initialises MPI (once per process) and joins its world.

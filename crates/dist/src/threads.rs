@@ -25,8 +25,9 @@ pub struct ThreadTransport {
 /// its own thread.
 pub fn group(world: usize) -> Vec<ThreadTransport> {
     let mut to: Vec<Vec<Option<Sender<Message>>>> = (0..world).map(|_| vec![None; world]).collect();
-    let mut from: Vec<Vec<Option<Receiver<Message>>>> =
-        (0..world).map(|_| (0..world).map(|_| None).collect()).collect();
+    let mut from: Vec<Vec<Option<Receiver<Message>>>> = (0..world)
+        .map(|_| (0..world).map(|_| None).collect())
+        .collect();
     for a in 0..world {
         for b in 0..world {
             if a != b {

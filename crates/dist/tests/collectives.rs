@@ -26,7 +26,10 @@ fn on_ranks<T: Send + 'static>(
             std::thread::spawn(move || f(rank, t))
         })
         .collect();
-    handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread"))
+        .collect()
 }
 
 /// Values whose sum depends on the order they are added in.
@@ -60,8 +63,14 @@ fn the_all_reduce_is_the_rank_ordered_sum_with_the_same_bits_on_every_rank() {
                 data
             });
             for (rank, data) in got.iter().enumerate() {
-                let same = data.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same && data.len() == len, "world {world}, len {len}, rank {rank}");
+                let same = data
+                    .iter()
+                    .zip(&expected)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same && data.len() == len,
+                    "world {world}, len {len}, rank {rank}"
+                );
             }
         }
     }
@@ -81,7 +90,10 @@ fn the_order_of_the_sum_is_not_the_order_messages_arrive_in() {
         })
     };
     let (a, b) = (run(false), run(true));
-    assert!(a[0].iter().zip(&b[0]).all(|(x, y)| x.to_bits() == y.to_bits()));
+    assert!(a[0]
+        .iter()
+        .zip(&b[0])
+        .all(|(x, y)| x.to_bits() == y.to_bits()));
 }
 
 #[test]
@@ -103,7 +115,10 @@ fn all_gather_returns_every_rank_s_record_in_rank_order() {
         all_gather(&mut t, 3, &[rank as u8, 9], soon(), "test").expect("gather")
     });
     for records in got {
-        assert_eq!(records, vec![vec![0, 9], vec![1, 9], vec![2, 9], vec![3, 9]]);
+        assert_eq!(
+            records,
+            vec![vec![0, 9], vec![1, 9], vec![2, 9], vec![3, 9]]
+        );
     }
 }
 
@@ -115,7 +130,10 @@ fn a_rank_with_other_settings_is_named_at_start() {
     });
     for result in got {
         let message = result.expect_err("ranks disagree");
-        assert!(message.contains("rank 1") && message.contains("config"), "{message}");
+        assert!(
+            message.contains("rank 1") && message.contains("config"),
+            "{message}"
+        );
     }
 }
 
@@ -128,11 +146,23 @@ fn a_rank_that_never_answers_is_named_at_the_deadline() {
     // Rank 1 answers; rank 2 exists but never calls.
     let helper = std::thread::spawn(move || {
         let mut one = one;
-        let _ = all_gather(&mut one, 3, &[1], Instant::now() + Duration::from_millis(300), "test");
+        let _ = all_gather(
+            &mut one,
+            3,
+            &[1],
+            Instant::now() + Duration::from_millis(300),
+            "test",
+        );
     });
     let started = Instant::now();
-    let err = all_gather(&mut zero, 3, &[0], Instant::now() + Duration::from_millis(300), "a step")
-        .expect_err("rank 2 is silent");
+    let err = all_gather(
+        &mut zero,
+        3,
+        &[0],
+        Instant::now() + Duration::from_millis(300),
+        "a step",
+    )
+    .expect_err("rank 2 is silent");
     helper.join().expect("helper");
     assert!(started.elapsed() < Duration::from_secs(5));
     match err {
@@ -181,7 +211,9 @@ fn the_reducer_gives_the_all_reduce_of_every_tensor_whatever_the_bucket_size() {
                     let grad = awkward(t + 10 * rank, lens[t]);
                     reducer.ready(t, &grad).expect("ready");
                 }
-                reducer.finish(|t, sum| out[t].copy_from_slice(sum)).expect("finish");
+                reducer
+                    .finish(|t, sum| out[t].copy_from_slice(sum))
+                    .expect("finish");
             }
             out
         });

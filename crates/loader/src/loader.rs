@@ -697,8 +697,15 @@ fn produce(
         })?;
         labels.push(label);
     }
-    let soft_targets = mix::draw(augment, seed, epoch, batch * s.config.shard.world + s.config.shard.rank, h, w)
-        .map(|m| mix::apply(m, &mut pixels, &labels, [n, h, w, c], s.num_classes));
+    let soft_targets = mix::draw(
+        augment,
+        seed,
+        epoch,
+        batch * s.config.shard.world + s.config.shard.rank,
+        h,
+        w,
+    )
+    .map(|m| mix::apply(m, &mut pixels, &labels, [n, h, w, c], s.num_classes));
     Ok(Some((
         Batch {
             epoch,

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::device::DeviceKind;
 use crate::{PipelineError, Result};
 
+pub mod distributed;
 pub mod finetune;
 mod images;
 mod kinds;
@@ -60,6 +61,13 @@ pub struct ExperimentConfig {
     pub schedule: ScheduleConfig,
     #[serde(default)]
     pub checkpoint: CheckpointConfig,
+    /// How the ranks of a data-parallel run talk; left out of the
+    /// serialised config when default.
+    #[serde(
+        default,
+        skip_serializing_if = "distributed::DistributedConfig::is_default"
+    )]
+    pub distributed: distributed::DistributedConfig,
     /// Start from a trained checkpoint (LoRA or full fine-tuning); absent
     /// otherwise, and then left out of the serialised config.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -783,8 +791,9 @@ impl Default for CheckpointConfig {
 /// what it computes, and the keys the divergence advice names
 /// (`ADVICE_KEYS`). The model is compared on its own, layer by layer, and
 /// the dataset by its recorded identity (`data::DatasetIdentity`).
-pub const RESUME_SAFE_KEYS: [&str; 19] = [
+pub const RESUME_SAFE_KEYS: [&str; 20] = [
     "run.name",
+    "distributed.",
     "run.runs_dir",
     "run.output_dir",
     "run.profile",
@@ -903,6 +912,8 @@ impl ExperimentConfig {
                 ))
             }
         };
+        positive("distributed.bucket_mb", self.distributed.bucket_mb)?;
+        positive("distributed.timeout_s", self.distributed.timeout_s)?;
         let non_negative = |key: &str, v: f64| {
             if v.is_finite() && v >= 0.0 {
                 Ok(())

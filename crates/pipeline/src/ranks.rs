@@ -94,7 +94,13 @@ impl Ranks {
     /// experiment as resolved, the model, the data): the check at start.
     pub fn require_same(&self, what: &str, record: &[u8]) -> Result<()> {
         let mut t = self.lock()?;
-        Ok(require_equal(t.as_mut(), START_TAG, what, record, self.deadline())?)
+        Ok(require_equal(
+            t.as_mut(),
+            START_TAG,
+            what,
+            record,
+            self.deadline(),
+        )?)
     }
 
     /// Rank 0's `text` on every rank (a run directory's path, say).

@@ -109,7 +109,13 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         },
         record: config.clone(),
         parts: Box::new(move |pool| {
-            make_parts(&for_parts, allow_install, &layers, ranks_for_parts.as_ref(), pool)
+            make_parts(
+                &for_parts,
+                allow_install,
+                &layers,
+                ranks_for_parts.as_ref(),
+                pool,
+            )
         }),
         sinks: Vec::new(),
         // The resolved config, written once: a resumed run keeps its own.

@@ -76,7 +76,10 @@ fn on_ranks(
             })
         })
         .collect();
-    handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread"))
+        .collect()
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -90,16 +93,25 @@ fn two_ranks_train_the_weights_of_one_process_accumulating_two_bit_for_bit() {
     let (one, two) = (scratch("one"), scratch("two"));
     let single = smoke(
         &one,
-        &[("train.batch_size", "64".into()), ("train.accumulate", "2".into())],
+        &[
+            ("train.batch_size", "64".into()),
+            ("train.accumulate", "2".into()),
+        ],
     );
     let alone = train(&single, &options(Resume::No)).expect("one process");
     let ranked = smoke(&two, &[("train.batch_size", "32".into())]);
     let results = on_ranks(2, ranked, Resume::No, None);
     for (rank, r) in results.iter().enumerate() {
         let summary = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-        assert_eq!(summary.step, alone.step, "rank {rank} took another number of steps");
+        assert_eq!(
+            summary.step, alone.step,
+            "rank {rank} took another number of steps"
+        );
         // Every rank scores the same weights and buffers on the same test set.
-        assert_eq!(summary.test_loss, results[0].as_ref().expect("rank 0").test_loss);
+        assert_eq!(
+            summary.test_loss,
+            results[0].as_ref().expect("rank 0").test_loss
+        );
     }
     assert!(alone.step > 0);
     assert!(
@@ -112,7 +124,11 @@ fn two_ranks_train_the_weights_of_one_process_accumulating_two_bit_for_bit() {
     let follower = results[1].as_ref().expect("rank 1");
     assert_eq!(leader.output_dir, two);
     assert_ne!(follower.output_dir, two);
-    assert!(!follower.output_dir.exists(), "{}", follower.output_dir.display());
+    assert!(
+        !follower.output_dir.exists(),
+        "{}",
+        follower.output_dir.display()
+    );
     let _ = (std::fs::remove_dir_all(&one), std::fs::remove_dir_all(&two));
 }
 
@@ -126,7 +142,11 @@ fn a_stop_asked_by_one_rank_stops_all_and_the_leader_s_checkpoint_resumes_exactl
     for (rank, r) in stopped.iter().enumerate() {
         let summary = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         assert!(summary.interrupted, "rank {rank} was not stopped");
-        assert_eq!(summary.step, 1, "rank {rank} stopped after step {}", summary.step);
+        assert_eq!(
+            summary.step, 1,
+            "rank {rank} stopped after step {}",
+            summary.step
+        );
     }
     let resumed = on_ranks(2, smoke(&parts, &[]), Resume::Latest, None);
     let errors: Vec<_> = resumed.iter().filter_map(|r| r.as_ref().err()).collect();
@@ -137,7 +157,10 @@ fn a_stop_asked_by_one_rank_stops_all_and_the_leader_s_checkpoint_resumes_exactl
         assert!(summary.resumed_from.is_some(), "rank {rank} did not resume");
     }
     assert!(same_bits(&weights(&whole), &weights(&parts)));
-    let _ = (std::fs::remove_dir_all(&whole), std::fs::remove_dir_all(&parts));
+    let _ = (
+        std::fs::remove_dir_all(&whole),
+        std::fs::remove_dir_all(&parts),
+    );
 }
 
 #[test]
@@ -155,13 +178,18 @@ fn ranks_with_different_settings_are_refused_at_start_naming_the_rank() {
                     ranks: Some(ranks),
                     ..options(Resume::No)
                 };
-                train(&config, &options).map(|_| ()).map_err(|e| e.to_string())
+                train(&config, &options)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
             })
         })
         .collect();
     for h in handles {
         let err = h.join().expect("rank thread").expect_err("refused");
-        assert!(err.contains("experiment") && err.contains("rank 1"), "{err}");
+        assert!(
+            err.contains("experiment") && err.contains("rank 1"),
+            "{err}"
+        );
     }
     assert!(!dir.exists(), "a refused start made the run directory");
 }

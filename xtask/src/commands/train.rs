@@ -198,6 +198,15 @@ fn apply_switches(switches: &Switches, overrides: &mut Vec<String>) {
 fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitCode> {
     let stop = signals::StopOnSignals::install()?;
     let count = planned.len();
+    let ranks = match planned.first() {
+        Some(first) => crate::ranks::from_launcher(&first.experiment, stop.flag())?,
+        None => None,
+    };
+    if ranks.is_some() && count > 1 {
+        bail!("a data-parallel run trains one experiment: give one --config (got {count})");
+    }
+    let world = ranks.as_ref().map_or(1, |r| r.world);
+    let leader = ranks.as_ref().is_none_or(|r| r.is_leader());
     for (i, plan) in planned.into_iter().enumerate() {
         let experiment = &plan.experiment;
         tracing::info!(
@@ -210,6 +219,7 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
             resume: plan.resume.clone(),
             allow_install,
             stop: Some(stop.flag()),
+            ranks: ranks.clone(),
             ..Default::default()
         };
         if !train_missing_base(experiment, &options)? {
@@ -218,6 +228,15 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
         }
         let summary = train(experiment, &options)
             .with_context(|| format!("training {} failed", experiment.run.name))?;
+        if !leader {
+            // The leader reports the run, writes its reports and says how
+            // to continue it.
+            return Ok(if summary.interrupted {
+                stop.exit_code()
+            } else {
+                ExitCode::SUCCESS
+            });
+        }
         print_summary(experiment, &summary);
         if experiment.data.format == DataFormat::Text && !summary.interrupted {
             // The sample is cut short by the first signal, as training is.
@@ -263,8 +282,13 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
                 .map_or_else(|| experiment.output_dir().to_path_buf(), Path::to_path_buf);
             // Quoted: the line is meant to be pasted into a shell.
             let dir = shell::quote_path(&dir);
+            let command = if world > 1 {
+                format!("mpirun -np {world} target/release/xtask train")
+            } else {
+                "cargo xtask train".to_string()
+            };
             println!(
-                "stopped at epoch {} step {}; continue with: cargo xtask train --resume {dir}",
+                "stopped at epoch {} step {}; continue with: {command} --resume {dir}",
                 summary.epoch + 1,
                 summary.step,
             );

@@ -86,7 +86,12 @@ impl CpuRanks {
     ) -> Result<()> {
         let first = self.first_param.get(layer).copied().unwrap_or(0);
         for (k, p) in params.iter_mut().enumerate() {
-            let Some(tensor) = self.tensor_of.get(layer).and_then(|t| t.get(k)).copied().flatten()
+            let Some(tensor) = self
+                .tensor_of
+                .get(layer)
+                .and_then(|t| t.get(k))
+                .copied()
+                .flatten()
             else {
                 continue;
             };
@@ -128,10 +133,14 @@ impl CpuRanks {
         for b in &buffers {
             flat.extend_from_slice(b.data());
         }
-        let mut t = self.ranks.transport.lock().map_err(|_| PipelineError::Stage {
-            stage: "ranks",
-            reason: "a thread panicked while it used the transport".into(),
-        })?;
+        let mut t = self
+            .ranks
+            .transport
+            .lock()
+            .map_err(|_| PipelineError::Stage {
+                stage: "ranks",
+                reason: "a thread panicked while it used the transport".into(),
+            })?;
         all_reduce_ordered(
             t.as_mut(),
             BUFFERS_TAG,

@@ -371,8 +371,14 @@ impl Trainer {
         };
         if let Some(ranks) = &self.ranks {
             let at = &run.trainee.position;
-            let point = format!("epoch {} batch {} step {}", at.epoch, at.batches_done, at.step);
-            ranks.require_same("starting point (the checkpoint resumed from)", point.as_bytes())?;
+            let point = format!(
+                "epoch {} batch {} step {}",
+                at.epoch, at.batches_done, at.step
+            );
+            ranks.require_same(
+                "starting point (the checkpoint resumed from)",
+                point.as_bytes(),
+            )?;
         }
         if self.settings.early_stopping.is_some() {
             set_aside_stale_best(&dir, &run.trainee.position)?;
