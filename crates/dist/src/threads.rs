@@ -81,7 +81,7 @@ impl Transport for ThreadTransport {
                 .map_err(|_| self.gone(peer, during))?;
         }
         let start = Instant::now();
-        for (k, (peer, buf)) in recvs.iter_mut().enumerate() {
+        for (peer, buf) in recvs.iter_mut() {
             let peer = *peer;
             let rx = self
                 .from
@@ -93,10 +93,12 @@ impl Transport for ThreadTransport {
                 Err(RecvTimeoutError::Timeout) => {
                     return Err(DistError::Timeout {
                         rank: self.rank,
-                        missing: recvs_left(k, peer),
+                        // Receives are taken in order: the later ones
+                        // were not reached, so only this peer is known late.
+                        missing: vec![peer],
                         during: during.to_string(),
                         waited_s: start.elapsed().as_secs_f64(),
-                    })
+                    });
                 }
                 Err(RecvTimeoutError::Disconnected) => return Err(self.gone(peer, during)),
             };
@@ -115,10 +117,4 @@ impl Transport for ThreadTransport {
         }
         Ok(())
     }
-}
-
-/// The peer waited on when the deadline passed (receives are taken in
-/// order, so the later ones were not reached).
-fn recvs_left(_index: usize, peer: usize) -> Vec<usize> {
-    vec![peer]
 }

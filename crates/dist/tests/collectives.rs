@@ -207,8 +207,8 @@ fn the_reducer_gives_the_all_reduce_of_every_tensor_whatever_the_bucket_size() {
             // Two steps: the reducer is reusable.
             for _ in 0..2 {
                 // In production order, as backward hands them over.
-                for t in 0..lens.len() {
-                    let grad = awkward(t + 10 * rank, lens[t]);
+                for (t, &len) in lens.iter().enumerate() {
+                    let grad = awkward(t + 10 * rank, len);
                     reducer.ready(t, &grad).expect("ready");
                 }
                 reducer

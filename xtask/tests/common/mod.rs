@@ -18,6 +18,7 @@ pub fn xtask(args: &[&str]) -> Command {
     command
 }
 
+#[allow(dead_code)]
 pub fn run(args: &[&str]) -> Output {
     xtask(args).output().expect("run xtask")
 }

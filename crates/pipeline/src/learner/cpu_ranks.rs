@@ -167,6 +167,6 @@ impl CpuRanks {
 /// gradients are summed.
 pub(crate) fn add_earlier(earlier: &[f32], grad: &mut [f32]) {
     for (g, &e) in grad.iter_mut().zip(earlier) {
-        *g = e + *g;
+        *g += e;
     }
 }
