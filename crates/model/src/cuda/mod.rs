@@ -20,6 +20,8 @@
 //! those tests are built as ignored (`build.rs`), and `cargo test` says so.
 //!
 //! Layout:
+//! - `arch`: what each GPU architecture offers the kernels, which path each
+//!   op family takes on it, and which drivers and NVRTCs serve.
 //! - `backend`: `CudaBackend` (context, compute and copy streams, cuBLAS,
 //!   module cache, memory accounting), `probe`, `DeviceInfo`,
 //!   `auto_device_kind`.
@@ -40,6 +42,7 @@
 //!   with it (`params`); their launches are headroom-optim's (`FusedAdamW`),
 //!   and the layers' kernels are their op families' (`crate::ops`).
 
+pub mod arch;
 pub(crate) mod backend;
 pub(crate) mod containers;
 mod dtype;
