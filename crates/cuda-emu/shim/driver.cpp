@@ -1207,8 +1207,16 @@ EXPORT CUresult cuEventElapsedTime(float* ms, Event* start, Event* end) {
     return CUDA_SUCCESS;
 }
 
+// New in CUDA 12.8: a driver answering as an older CUDA has no such entry
+// point (a real one lacks the symbol; here the call is refused).
 EXPORT CUresult cuEventElapsedTime_v2(float* ms, Event* start, Event* end) {
     HR_NEED_CONTEXT("cuEventElapsedTime_v2");
+    if (hr_emu::driver_version() < 12080) {
+        std::fprintf(stderr, "headroom CUDA emulator: cuEventElapsedTime_v2 called on a driver for CUDA %d.%d, "
+                             "which has none (CUDA 12.8 added it)\n",
+                     hr_emu::driver_version() / 1000, hr_emu::driver_version() % 1000 / 10);
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
     return cuEventElapsedTime(ms, start, end);
 }
 

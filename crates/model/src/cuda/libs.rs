@@ -138,21 +138,34 @@ fn locate(present: impl Fn() -> bool, names: &[&str], deps: &[&str]) -> Option<O
     if present() {
         return Some(None);
     }
-    for dir in search_dirs() {
+    // For a CUDA 12 driver the version matters more than the directory
+    // (the pip packages of CUDA 13 and 12 have directories of their own):
+    // every directory is searched for the first name before the next.
+    let dirs = search_dirs();
+    let by_name = driver_major() == Some(12);
+    let mut candidates = Vec::new();
+    if by_name {
         for name in names {
-            let path = dir.join(name);
-            if !path.is_file() {
-                continue;
+            candidates.extend(dirs.iter().map(|dir| (dir, *name)));
+        }
+    } else {
+        for dir in &dirs {
+            candidates.extend(names.iter().map(|name| (dir, *name)));
+        }
+    }
+    for (dir, name) in candidates {
+        let path = dir.join(name);
+        if !path.is_file() {
+            continue;
+        }
+        for dep in deps {
+            let dep = dir.join(dep);
+            if dep.is_file() {
+                preload(&dep);
             }
-            for dep in deps {
-                let dep = dir.join(dep);
-                if dep.is_file() {
-                    preload(&dep);
-                }
-            }
-            if preload(&path) && present() {
-                return Some(Some(path));
-            }
+        }
+        if preload(&path) && present() {
+            return Some(Some(path));
         }
     }
     None
