@@ -152,7 +152,9 @@ fn auto_pick() -> String {
         ),
         Err(e) => match headroom_model::cuda::CudaBackend::probe() {
             Ok(Some(_)) => format!("the CPU, f32: the GPU cannot be opened ({e})"),
-            _ => "the CPU, f32 (no CUDA driver or GPU found)".into(),
+            // A driver that is there but refused (too old): its reason.
+            Err(refused) => format!("the CPU, f32: {refused}"),
+            Ok(None) => "the CPU, f32 (no CUDA driver or GPU found)".into(),
         },
     }
 }
