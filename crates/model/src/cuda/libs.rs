@@ -120,9 +120,13 @@ pub fn ensure_cublas() -> CudaResult<Option<PathBuf>> {
 pub const NVRTC_ENV: &str = "HEADROOM_NVRTC";
 
 /// The CUDA major version of the driver, if a driver library loads (no
-/// GPU needed: `cuDriverGetVersion` works before `cuInit`).
+/// GPU needed: `cuDriverGetVersion` works before `cuInit`). Asked afresh,
+/// not through `driver_present`'s cached answer: a test process may look
+/// for NVRTC before it loads the emulated driver, and must not leave "no
+/// driver" cached for the probe that follows.
 pub fn driver_major() -> Option<i32> {
-    if !driver_present() {
+    // SAFETY: as in driver_present.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return None;
     }
     std::panic::catch_unwind(super::backend::driver_version)
