@@ -12,7 +12,7 @@
 //!   dynamic loading, so an entry point is looked up by name on first use.
 //!   Every one headroom calls exists in a 12.4 driver under the name those
 //!   bindings use except `cuEventElapsedTime_v2` (CUDA 12.8), which
-//!   `CudaBackend::elapsed_ms` replaces with `cuEventElapsedTime` below
+//!   `backend::event_elapsed_ms` replaces with `cuEventElapsedTime` below
 //!   12.8;
 //! - the kernels are compiled by an NVRTC no newer in its major version
 //!   than the driver: NVRTC 13 writes PTX ISA 9.x and CUBINs in the CUDA 13
@@ -176,9 +176,8 @@ pub fn check_nvrtc_for_driver(nvrtc: (i32, i32), driver: i32, target: Target) ->
     let driver_major = driver / 1000;
     let reason = if major > driver_major {
         format!(
-            "its PTX (ISA {}.x) and CUBINs are CUDA {major}'s, which a driver for CUDA {} cannot \
-             load",
-            major - 4,
+            "its PTX and CUBINs are made for drivers of CUDA {major} (NVRTC 13: PTX ISA 9.x, \
+             CUBINs of ELF ABI version 8), which a driver for CUDA {} cannot load",
             version_text(driver)
         )
     } else if matches!(target, Target::Ptx(_)) && nvrtc_version > driver {
