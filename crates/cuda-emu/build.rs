@@ -1,7 +1,8 @@
 //! Builds the emulator's two shared libraries into OUT_DIR with the system
 //! C++ compiler (`$CXX`, else `c++`):
 //!
-//! - `libcuda.so` (SONAME `libcuda.so`): the fake driver (shim/driver.cpp)
+//! - `libcuda.so` (SONAME `libcuda.so`): the fake driver (shim/driver.cpp;
+//!   shim/device.cpp: the architecture and driver version it answers as)
 //!   and every kernel of headroom-model's `.cu` files (each beside its
 //!   launches: `crates/model/src/ops/<family>/*.cu`, `src/cuda/optim.cu`,
 //!   found by walking `crates/model/src`) compiled as host C++
@@ -72,7 +73,7 @@ fn main() {
 
     let gen = out.join("gen");
     std::fs::create_dir_all(&gen).expect("create OUT_DIR/gen");
-    let mut units = vec![shim.join("driver.cpp")];
+    let mut units = vec![shim.join("driver.cpp"), shim.join("device.cpp")];
     // The emulator's own test kernels, built the same way.
     files.push(shim.join("selftest.cu"));
     files.sort();

@@ -27,6 +27,7 @@
 
 fn main() {
     nvrtc_tests::configure();
+    nvrtc_tests::configure_nvrtc12();
 }
 
 pub mod nvrtc_tests {
@@ -79,6 +80,28 @@ pub mod nvrtc_tests {
             }
         }
         None
+    }
+
+    /// Set when NVRTC 12 (`libnvrtc.so.12`, e.g. the pip package
+    /// `nvidia-cuda-nvrtc-cu12`) is found beside NVRTC 13: `cuda_ptx`'s
+    /// test that compiles every kernel with it for the drivers of CUDA 12
+    /// is built to run, and otherwise as ignored with the install command
+    /// (headroom-model's own script only; the NVRTC gate does not count it).
+    pub const CFG_NVRTC12: &str = "headroom_nvrtc12";
+
+    pub fn configure_nvrtc12() {
+        println!("cargo::rustc-check-cfg=cfg({CFG_NVRTC12})");
+        if find_nvrtc12().is_some() {
+            println!("cargo::rustc-cfg={CFG_NVRTC12}");
+        }
+    }
+
+    /// The first `libnvrtc.so.12` of the search directories that loads.
+    pub fn find_nvrtc12() -> Option<std::path::PathBuf> {
+        search_dirs_with(&query_python_nvidia_dirs())
+            .into_iter()
+            .map(|dir| dir.join("libnvrtc.so.12"))
+            .find(|path| path.is_file() && loads(path.as_os_str()))
     }
 
     /// Whether `dlopen` loads `name` (then closed again).

@@ -73,6 +73,10 @@ unsigned int warp_exchange(unsigned long long mine, unsigned long long* all, uns
 // before waiting for the copy into it reads what was there before (0xff
 // bytes at a block's start), and a block that ends with copies never
 // waited for fails its launch.
+// An instruction that needs compute capability `needed` (x10 + minor): on
+// an emulated device below it (device.cpp) the launch fails, as the `trap`
+// compiled in the instruction's place does on such a GPU.
+void require_arch(unsigned int needed, const char* instruction);
 void cp_async16(void* dst, const void* src);
 void cp_async_commit();
 void cp_async_wait(unsigned int newest_pending);

@@ -75,6 +75,7 @@
 #include <vector>
 
 #include "cuda_shim.h"
+#include "device.h"
 #include "emu.h"
 #include "fiber.h"
 
@@ -123,11 +124,15 @@ enum : int {
     CUDA_ERROR_OUT_OF_MEMORY = 2,
     CUDA_ERROR_NOT_INITIALIZED = 3,
     CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_IMAGE = 200,
     CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_NO_BINARY_FOR_GPU = 209,
+    CUDA_ERROR_UNSUPPORTED_PTX_VERSION = 222,
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_ILLEGAL_ADDRESS = 700,
     CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701,
+    CUDA_ERROR_ILLEGAL_INSTRUCTION = 715,
     CUDA_ERROR_MISALIGNED_ADDRESS = 716,
     CUDA_ERROR_LAUNCH_FAILED = 719,
     CUDA_ERROR_NOT_SUPPORTED = 801,
@@ -437,6 +442,7 @@ void check_aligned(const void* p, unsigned int bytes) {
 }
 
 void cp_async16(void* dst, const void* src) {
+    require_arch(80, "cp.async");
     check_aligned(dst, 16);
     if (src != nullptr) {
         check_aligned(src, 16);
@@ -445,9 +451,13 @@ void cp_async16(void* dst, const void* src) {
     f->copies.push_back(Fiber::AsyncCopy{dst, src, f->groups_closed});
 }
 
-void cp_async_commit() { ++t_sched.cur->groups_closed; }
+void cp_async_commit() {
+    require_arch(80, "cp.async.commit_group");
+    ++t_sched.cur->groups_closed;
+}
 
 void cp_async_wait(unsigned int newest_pending) {
+    require_arch(80, "cp.async.wait_group");
     Fiber* f = t_sched.cur;
     const unsigned long long done_below =
         f->groups_closed > newest_pending ? f->groups_closed - newest_pending : 0;
@@ -829,7 +839,7 @@ EXPORT CUresult cuInit(unsigned int) { return CUDA_SUCCESS; }
 
 EXPORT CUresult cuDriverGetVersion(int* v) {
     if (v == nullptr) return CUDA_ERROR_INVALID_VALUE;
-    *v = 13000;
+    *v = hr_emu::driver_version();
     return CUDA_SUCCESS;
 }
 
@@ -877,10 +887,11 @@ EXPORT CUresult cuDeviceGetAttribute(int* v, int attrib, CUdevice d) {
         case 8: *v = 48 * 1024; break;           // MAX_SHARED_MEMORY_PER_BLOCK
         case 10: *v = 32; break;                 // WARP_SIZE
         case 16: *v = 1; break;                  // MULTIPROCESSOR_COUNT
-        // Compute capability 8.0: the oldest architecture the kernels are
-        // compiled for, so the backend's NVRTC step validates them for it.
-        case 75: *v = 8; break;
-        case 76: *v = 0; break;
+        // Compute capability: 8.0 unless HEADROOM_CUDA_EMU_ARCH or
+        // hr_emu_answer_as says otherwise (device.cpp); the backend
+        // compiles every kernel with NVRTC for it and picks its paths by it.
+        case 75: *v = (int)(hr_emu::device_arch() / 10); break;
+        case 76: *v = (int)(hr_emu::device_arch() % 10); break;
         case 115: *v = 1; break;                 // MEMORY_POOLS_SUPPORTED
         default: *v = 0; break;
     }
@@ -906,6 +917,10 @@ EXPORT CUresult cuGetErrorString(CUresult e, const char** s) {
         case CUDA_ERROR_NOT_FOUND: *s = "named symbol not found (no such kernel in the emulator)"; break;
         case CUDA_ERROR_ILLEGAL_ADDRESS: *s = "an illegal memory access was encountered (emulator guard bytes)"; break;
         case CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: *s = "too many resources requested for launch"; break;
+        case CUDA_ERROR_INVALID_IMAGE: *s = "device kernel image is invalid (see the emulator's message on stderr)"; break;
+        case CUDA_ERROR_NO_BINARY_FOR_GPU: *s = "no kernel image is available for execution on the device"; break;
+        case CUDA_ERROR_UNSUPPORTED_PTX_VERSION: *s = "the provided PTX was compiled with an unsupported toolchain"; break;
+        case CUDA_ERROR_ILLEGAL_INSTRUCTION: *s = "an illegal instruction was encountered"; break;
         case CUDA_ERROR_LAUNCH_FAILED: *s = "unspecified launch failure (see the emulator's message on stderr)"; break;
         case CUDA_ERROR_NOT_SUPPORTED: *s = "operation not supported by the headroom CPU emulator"; break;
         default: *s = "unknown error (headroom CPU emulator)"; break;
@@ -926,6 +941,10 @@ EXPORT CUresult cuGetErrorName(CUresult e, const char** s) {
         case CUDA_ERROR_ILLEGAL_ADDRESS: *s = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
         case CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: *s = "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"; break;
         case CUDA_ERROR_LAUNCH_FAILED: *s = "CUDA_ERROR_LAUNCH_FAILED"; break;
+        case CUDA_ERROR_INVALID_IMAGE: *s = "CUDA_ERROR_INVALID_IMAGE"; break;
+        case CUDA_ERROR_NO_BINARY_FOR_GPU: *s = "CUDA_ERROR_NO_BINARY_FOR_GPU"; break;
+        case CUDA_ERROR_UNSUPPORTED_PTX_VERSION: *s = "CUDA_ERROR_UNSUPPORTED_PTX_VERSION"; break;
+        case CUDA_ERROR_ILLEGAL_INSTRUCTION: *s = "CUDA_ERROR_ILLEGAL_INSTRUCTION"; break;
         case CUDA_ERROR_NOT_SUPPORTED: *s = "CUDA_ERROR_NOT_SUPPORTED"; break;
         default: *s = "CUDA_ERROR_UNKNOWN"; break;
     }
@@ -1188,8 +1207,16 @@ EXPORT CUresult cuEventElapsedTime(float* ms, Event* start, Event* end) {
     return CUDA_SUCCESS;
 }
 
+// New in CUDA 12.8: a driver answering as an older CUDA has no such entry
+// point (a real one lacks the symbol; here the call is refused).
 EXPORT CUresult cuEventElapsedTime_v2(float* ms, Event* start, Event* end) {
     HR_NEED_CONTEXT("cuEventElapsedTime_v2");
+    if (hr_emu::driver_version() < 12080) {
+        std::fprintf(stderr, "headroom CUDA emulator: cuEventElapsedTime_v2 called on a driver for CUDA %d.%d, "
+                             "which has none (CUDA 12.8 added it)\n",
+                     hr_emu::driver_version() / 1000, hr_emu::driver_version() % 1000 / 10);
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
     return cuEventElapsedTime(ms, start, end);
 }
 
@@ -1461,6 +1488,13 @@ EXPORT CUresult cuModuleLoadData(Module** m, const void* image) {
     if (rc != CUDA_SUCCESS) return rc;
     // The image (PTX or CUBIN from NVRTC) only proves the source compiles
     // for the GPU; the host-compiled kernels of the same source run instead.
+    // It must still be one this device and driver would load (device.cpp).
+    std::string why;
+    const CUresult loads = hr_emu::check_module_image(image, &why);
+    if (loads != CUDA_SUCCESS) {
+        std::fprintf(stderr, "headroom CUDA emulator: cuModuleLoadData refused %s\n", why.c_str());
+        return loads;
+    }
     *m = new (std::nothrow) Module{0};
     return *m != nullptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
@@ -1558,6 +1592,13 @@ CUresult launch_now(const hr_emu::KernelEntry* f, unsigned int gx, unsigned int 
     s.cur = nullptr;
     const std::string misaligned = std::move(hr_emu::t_misaligned);
     hr_emu::t_misaligned.clear();
+    const std::string missing = hr_emu::take_missing_instruction();
+    if (failure.empty() && !missing.empty()) {
+        std::fprintf(stderr, "headroom CUDA emulator: kernel %s grid %s block %s: illegal instruction: %s\n",
+                     f->name, dim_str(hr_uint3{gx, gy, gz}).c_str(),
+                     dim_str(hr_uint3{bx, by, bz}).c_str(), missing.c_str());
+        return CUDA_ERROR_ILLEGAL_INSTRUCTION;
+    }
     if (failure.empty() && !misaligned.empty()) {
         std::fprintf(stderr, "headroom CUDA emulator: kernel %s grid %s block %s: misaligned: %s\n",
                      f->name, dim_str(hr_uint3{gx, gy, gz}).c_str(),

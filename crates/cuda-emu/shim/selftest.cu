@@ -130,3 +130,20 @@ extern "C" __global__ void hr_emu_selftest_uninitialised_local(u32 written, u32*
         out[threadIdx.x * 4u + i] = v[i];
     }
 }
+
+// 16 bytes a thread from global to shared memory by cp.async, then out:
+// runs on an emulated sm_80 or newer, and fails its launch below sm_80,
+// where the GPU has no cp.async (tests/device_model.rs).
+struct alignas(16) HrSelftestQuad {
+    u32 v[4];
+};
+extern "C" __global__ void hr_emu_selftest_cp_async(const u32* in, u32* out) {
+    __shared__ HrSelftestQuad tile[32];
+    const u32 t = threadIdx.x;
+    ::hr_emu::cp_async16(&tile[t], in + 4u * t);
+    ::hr_emu::cp_async_commit();
+    ::hr_emu::cp_async_wait(0);
+    for (u32 i = 0; i < 4u; ++i) {
+        out[4u * t + i] = tile[t].v[i];
+    }
+}

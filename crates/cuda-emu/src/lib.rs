@@ -221,6 +221,47 @@ pub fn install_with_widest_block(threads: u32) -> Result<(), String> {
     Ok(())
 }
 
+/// What the emulated device answers as: its compute capability (×10 +
+/// minor, 80 for 8.0) and its driver's CUDA version in
+/// `cuDriverGetVersion`'s form (13000 for 13.0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceModel {
+    pub arch: u32,
+    pub driver: i32,
+}
+
+/// [`install`], and from then on answer as `model`: the compute capability
+/// the backend picks kernels and NVRTC targets by, the driver version it
+/// checks, and what follows (an instruction the architecture lacks fails
+/// its launch; an image it or the driver could not load is refused, as
+/// shim/device.cpp describes). The whole process's; without a call, the
+/// environment's `HEADROOM_CUDA_EMU_ARCH` (e.g. `75`, `7.5`, `sm_75`) and
+/// `HEADROOM_CUDA_EMU_DRIVER` (e.g. `12.4`, `12040`), else sm_80 and 13.0.
+pub fn answer_as(model: DeviceModel) -> Result<(), String> {
+    install()?;
+    type F = unsafe extern "C" fn(u32, i32);
+    let f = symbol(c"hr_emu_answer_as")?;
+    // SAFETY: the symbol is `void hr_emu_answer_as(unsigned int, int)`.
+    unsafe { std::mem::transmute::<*mut c_void, F>(f)(model.arch, model.driver) };
+    Ok(())
+}
+
+/// What the emulated device answers as now.
+pub fn device_model() -> Result<DeviceModel, String> {
+    type Arch = unsafe extern "C" fn() -> u32;
+    type Driver = unsafe extern "C" fn() -> i32;
+    let arch = symbol(c"hr_emu_device_arch")?;
+    let driver = symbol(c"hr_emu_driver_version")?;
+    // SAFETY: the symbols are `unsigned int hr_emu_device_arch()` and
+    // `int hr_emu_driver_version()`.
+    unsafe {
+        Ok(DeviceModel {
+            arch: std::mem::transmute::<*mut c_void, Arch>(arch)(),
+            driver: std::mem::transmute::<*mut c_void, Driver>(driver)(),
+        })
+    }
+}
+
 /// The fake libraries' paths (for messages).
 pub fn libraries() -> [PathBuf; 2] {
     [lib_dir().join("libcuda.so"), lib_dir().join("libcublas.so")]

@@ -1,5 +1,6 @@
-//! Every CUDA kernel compiles with NVRTC, for sm_80 and sm_90, to PTX and to
-//! CUBIN, and every entry point takes exactly the parameters its Rust
+//! Every CUDA kernel compiles with NVRTC, for every architecture headroom
+//! serves (`arch::TESTED_ARCHS`: sm_75, sm_80, sm_86, sm_89, sm_90), to
+//! PTX and to CUBIN, and every entry point takes exactly the parameters its Rust
 //! wrapper passes (a struct of `size_of` the Rust mirror, then N pointers),
 //! without spilling registers and within the resources of the widest block
 //! the backend launches (`MAX_BLOCK_THREADS`, 256 threads).
@@ -12,12 +13,19 @@
 //! finds no NVRTC at run time skips, with one line past the output capture.
 //! `HEADROOM_REQUIRE_NVRTC=1` (set by `.ci/run`) makes either a failure, so
 //! CI always compiles every kernel.
+//!
+//! The NVRTC found first is the CUDA 13 one where both are installed (no
+//! driver here asks for 12). Where NVRTC 12 is installed too
+//! (`python3 -m pip install nvidia-cuda-nvrtc-cu12`, found when the crate
+//! was built), the compile tests run again in a child process with
+//! `HEADROOM_NVRTC` naming it, for CUDA 12 drivers; without it that test
+//! is built as ignored, with the install command as its reason.
 
 use std::io::Write as _;
 use std::sync::Once;
 
 use headroom_model::cuda::kernels::{self, KernelFile, KernelSig, Target};
-use headroom_model::cuda::{libs, MAX_BLOCK_THREADS};
+use headroom_model::cuda::{arch, libs, MAX_BLOCK_THREADS};
 
 #[path = "../../../tests/src/nvrtc_gate.rs"]
 #[macro_use]
@@ -25,13 +33,30 @@ mod nvrtc_gate;
 
 report_nvrtc_tests!("cuda_ptx", include_str!("cuda_ptx.rs"));
 
-const ARCHS: [u32; 2] = [80, 90];
+const ARCHS: [u32; 5] = arch::TESTED_ARCHS;
+
+/// Set by the NVRTC 12 test for its child process: the NVRTC major
+/// version the child must have loaded (it names the library in
+/// HEADROOM_NVRTC).
+const EXPECT_NVRTC_MAJOR: &str = "HEADROOM_TEST_EXPECT_NVRTC_MAJOR";
 
 /// NVRTC's version, or None (skip) when NVRTC is missing and
 /// HEADROOM_REQUIRE_NVRTC is not 1.
 fn nvrtc() -> Option<(i32, i32)> {
     match kernels::nvrtc_version() {
-        Ok(v) => Some(v),
+        Ok(v) => {
+            if let Ok(major) = std::env::var(EXPECT_NVRTC_MAJOR) {
+                assert_eq!(
+                    v.0.to_string(),
+                    major,
+                    "{} should have loaded NVRTC {major}, not {}.{}",
+                    libs::NVRTC_ENV,
+                    v.0,
+                    v.1
+                );
+            }
+            Some(v)
+        }
         Err(e) => {
             assert!(
                 std::env::var("HEADROOM_REQUIRE_NVRTC").as_deref() != Ok("1"),
@@ -146,7 +171,7 @@ fn check_signatures(file: &KernelFile, ptx: &str, arch: u32) {
     not(headroom_nvrtc),
     ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
 )]
-fn every_kernel_compiles_to_ptx_for_sm80_and_sm90_with_matching_signatures() {
+fn every_kernel_compiles_to_ptx_for_each_architecture_with_matching_signatures() {
     let Some((major, minor)) = nvrtc() else {
         return;
     };
@@ -170,7 +195,7 @@ fn every_kernel_compiles_to_ptx_for_sm80_and_sm90_with_matching_signatures() {
         kernels::FILES.len()
     );
     assert!(
-        count >= 2 * 25,
+        count >= ARCHS.len() * 25,
         "every kernel of the reference ResNet is listed"
     );
 }
@@ -180,7 +205,7 @@ fn every_kernel_compiles_to_ptx_for_sm80_and_sm90_with_matching_signatures() {
     not(headroom_nvrtc),
     ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
 )]
-fn every_kernel_compiles_to_cubin_for_sm80_and_sm90() {
+fn every_kernel_compiles_to_cubin_for_each_architecture() {
     if nvrtc().is_none() {
         return;
     }
@@ -193,8 +218,70 @@ fn every_kernel_compiles_to_cubin_for_sm80_and_sm90() {
                 "{}.cu: the CUBIN for sm_{arch} is not an ELF image",
                 file.name
             );
+            assert_eq!(
+                cubin_sm(&cubin),
+                Some(arch),
+                "{}.cu: the CUBIN's ELF header names another architecture",
+                file.name
+            );
         }
     }
+}
+
+/// The SM a CUBIN is for, from its ELF header: e_flags' low byte in the
+/// format of CUDA 12 and older (ELF ABI version 7), bits 8..15 in CUDA 13's
+/// (ABI version 8), as NVRTC 12.9 and 13.5 write them.
+fn cubin_sm(cubin: &[u8]) -> Option<u32> {
+    let flags = u32::from_le_bytes(cubin.get(48..52)?.try_into().ok()?);
+    match cubin.get(8)? {
+        7 => Some(flags & 0xff),
+        8.. => Some(flags >> 8 & 0xff),
+        _ => None,
+    }
+}
+
+/// The compile tests again, in a child process of this binary with NVRTC
+/// 12 loaded (`HEADROOM_NVRTC`): what the drivers of CUDA 12 need, since
+/// NVRTC 13's PTX and CUBINs are CUDA 13's. Built as ignored where the
+/// crate's build found no `libnvrtc.so.12`.
+#[test]
+#[cfg_attr(
+    not(headroom_nvrtc12),
+    ignore = "NVRTC 12 not found: python3 -m pip install nvidia-cuda-nvrtc-cu12"
+)]
+fn every_kernel_compiles_with_nvrtc_12_for_each_architecture() {
+    let found = libs::search_dirs()
+        .into_iter()
+        .map(|dir| dir.join("libnvrtc.so.12"))
+        .find(|path| path.is_file());
+    let Some(nvrtc12) = found else {
+        panic!(
+            "this binary was built with NVRTC 12 found, but no libnvrtc.so.12 is in {:?} now",
+            libs::search_dirs()
+        );
+    };
+    let tests = [
+        "every_kernel_compiles_to_ptx_for_each_architecture_with_matching_signatures",
+        "every_kernel_compiles_to_cubin_for_each_architecture",
+        "nvrtc_targets_the_reference_gpus",
+    ];
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = std::process::Command::new(exe)
+        .args(tests)
+        .args(["--exact", "--nocapture", "--test-threads", "1"])
+        .env(libs::NVRTC_ENV, &nvrtc12)
+        .env(EXPECT_NVRTC_MAJOR, "12")
+        .env("HEADROOM_REQUIRE_NVRTC", "1")
+        .output()
+        .expect("the test binary runs again");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "with {}:\n{text}", nvrtc12.display());
+    assert!(
+        text.contains(&format!("{} passed", tests.len())) && text.contains("NVRTC 12."),
+        "with {}, not every test ran:\n{text}",
+        nvrtc12.display()
+    );
 }
 
 /// Per entry point in a ptxas `-v` log: (name, registers, spill bytes

@@ -152,7 +152,9 @@ fn auto_pick() -> String {
         ),
         Err(e) => match headroom_model::cuda::CudaBackend::probe() {
             Ok(Some(_)) => format!("the CPU, f32: the GPU cannot be opened ({e})"),
-            _ => "the CPU, f32 (no CUDA driver or GPU found)".into(),
+            // A driver that is there but refused (too old): its reason.
+            Err(refused) => format!("the CPU, f32: {refused}"),
+            Ok(None) => "the CPU, f32 (no CUDA driver or GPU found)".into(),
         },
     }
 }
@@ -209,31 +211,14 @@ fn dataset_line() -> String {
 
 /// Which path each op family takes on this machine's GPU under the
 /// defaults (`device.conv_algorithm = "auto"`, fusion and graphs on, mixed
-/// precision), from the rules in crates/model/src/cuda/ops.rs.
+/// precision): `headroom_model::cuda::arch::op_paths`, the one place that
+/// says so (a CUDA run logs the same lines at its start).
 fn op_paths() -> Vec<String> {
     let Ok(Some(gpu)) = headroom_model::cuda::CudaBackend::probe() else {
         return vec!["no GPU: every op runs on the CPU".into()];
     };
-    let convolutions = if gpu.arch() >= 80 {
-        "convolutions: 1x1 (stride 1, no padding) a cuBLAS product; implicit GEMM on the \
-         tensor cores (stride 1, channels in and out multiples of 8 and at most 64), direct kernels (fewer than 8 output channels, or a \
-         first layer's input channels not a multiple of 8), im2col + cuBLAS elsewhere \
-         (device.conv_algorithm = auto)"
-            .to_string()
-    } else {
-        format!(
-            "convolutions: 1x1 (stride 1, no padding) a cuBLAS product; direct kernels (fewer \
-             than 8 output channels, or a first layer's input channels not a multiple of 8), im2col + cuBLAS elsewhere: implicit GEMM \
-             needs sm_80, this GPU is sm_{} (device.conv_algorithm = auto)",
-            gpu.arch()
-        )
-    };
-    vec![
-        convolutions,
-        "linear layers: cuBLAS GEMM (f16 operands, f32 accumulation; f32 with --no-amp)".into(),
-        "attention: headroom's kernel, a warp per row (not cuBLAS)".into(),
-        "batch norm, ReLU, residual add: fused kernels (device.fusion; separate with --no-fusion)"
-            .into(),
-        "the training step: one captured CUDA graph, replayed (device.graphs; --no-graphs)".into(),
-    ]
+    headroom_model::cuda::arch::op_paths(gpu.arch())
+        .into_iter()
+        .map(|p| format!("{}: {}", p.family, p.path))
+        .collect()
 }

@@ -9,8 +9,11 @@ use crate::GpuCheckArgs;
 /// crates/*/tests and tests/tests (xtask's tests check that this list and
 /// those files agree, so a new one cannot be left out), and
 /// `memory_release`, whose GPU test frees the device between two runs.
-pub const CUDA_TESTS: [(&str, &str); 10] = [
+/// (`cuda_driver` runs on the emulator even on a GPU machine: it answers
+/// as old drivers, which a real GPU cannot.)
+pub const CUDA_TESTS: [(&str, &str); 11] = [
     ("headroom-model", "cuda_parity"),
+    ("headroom-model", "cuda_driver"),
     ("headroom-model", "cuda_custom_layer"),
     ("headroom-model", "cuda_ptx"),
     ("headroom-model", "cuda_probe"),

@@ -21,10 +21,11 @@ pub fn stream() -> Arc<CudaStream> {
 /// A kernel of shim/selftest.cu, e.g. hr_emu_selftest_reverse(n, const u32*
 /// in, u32* out): each block reverses n elements through shared memory.
 pub fn selftest(s: &Arc<CudaStream>, name: &str) -> CudaFunction {
-    // The image is ignored: kernels are found by name.
+    // Kernels are found by name; the image only has to be one the device
+    // and driver would load (the oldest PTX header of any: ISA 7.0, sm_50).
     let module = s
         .context()
-        .load_module(Ptx::from_src("// emulated"))
+        .load_module(Ptx::from_src(".version 7.0\n.target sm_50\n// emulated"))
         .unwrap();
     module.load_function(name).unwrap()
 }

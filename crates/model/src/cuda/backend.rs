@@ -16,7 +16,7 @@ use cudarc::nvrtc::Ptx;
 use super::error::{alloc_error, Context};
 use super::kernels::{self, KernelSig, Target};
 use super::profile::Profiler;
-use super::{libs, CudaError, CudaResult};
+use super::{arch, libs, CudaError, CudaResult};
 use crate::profile::ProfileSegment;
 
 /// What `CudaBackend::probe` reports about a GPU.
@@ -39,6 +39,11 @@ impl DeviceInfo {
     /// Compute capability as major×10 + minor (90 for 9.0).
     pub fn arch(&self) -> u32 {
         self.compute_capability.0 * 10 + self.compute_capability.1
+    }
+
+    /// The driver's CUDA version in `cuDriverGetVersion`'s form (12040).
+    pub fn driver_code(&self) -> i32 {
+        (self.driver_version.0 * 1000 + self.driver_version.1 * 10) as i32
     }
 }
 
@@ -296,6 +301,7 @@ impl CudaBackend {
         libs::ensure_nvrtc()?;
         libs::ensure_cublas()?;
         let target = kernels::target_for(info.arch())?;
+        arch::check_nvrtc_for_driver(kernels::nvrtc_version()?, info.driver_code(), target)?;
         std::panic::catch_unwind(move || Self::open(info, target)).unwrap_or_else(|p| {
             Err(CudaError::Unavailable(format!(
                 "a CUDA library panicked while opening the device: {}",
@@ -695,13 +701,61 @@ impl CudaBackend {
     }
 }
 
+/// The CUDA version the driver supports, in `cuDriverGetVersion`'s form
+/// (12040 for 12.4); callable before `cuInit`.
+pub(crate) fn driver_version() -> CudaResult<i32> {
+    let mut version = 0i32;
+    // SAFETY: the driver library is loaded (callers checked
+    // `libs::driver_present`); the call writes one int.
+    unsafe { sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .during("cuDriverGetVersion")?;
+    Ok(version)
+}
+
+/// The time between two recorded events, in milliseconds, after waiting
+/// for both. cudarc's `cuda-13000` bindings call `cuEventElapsedTime_v2`,
+/// which drivers before CUDA 12.8 lack (cudarc would panic on the missing
+/// symbol); there the original entry point, same arguments, is called.
+pub(crate) fn event_elapsed_ms(
+    from: &cudarc::driver::CudaEvent,
+    to: &cudarc::driver::CudaEvent,
+) -> CudaResult<f32> {
+    if driver_version()? >= arch::EVENT_ELAPSED_V2_DRIVER {
+        return from.elapsed_ms(to).during("cuEventElapsedTime_v2");
+    }
+    from.synchronize().during("cuEventSynchronize")?;
+    to.synchronize().during("cuEventSynchronize")?;
+    type ElapsedFn = unsafe extern "C" fn(*mut f32, sys::CUevent, sys::CUevent) -> sys::CUresult;
+    // SAFETY: the driver library is loaded (an event exists); the symbol
+    // is the driver API's cuEventElapsedTime, whose C signature is
+    // `CUresult (float*, CUevent, CUevent)`.
+    let elapsed =
+        unsafe { sys::culib().get::<ElapsedFn>(b"cuEventElapsedTime\0") }.map_err(|e| {
+            CudaError::Unavailable(format!("the driver has no cuEventElapsedTime: {e}"))
+        })?;
+    let mut ms = 0f32;
+    // SAFETY: both events are live, recorded and complete (waited for
+    // above); the call writes one float. cudarc binds a context to the
+    // thread before each of its calls, and the events' own synchronize did.
+    unsafe { elapsed(&mut ms, from.cu_event(), to.cu_event()) }
+        .result()
+        .during("cuEventElapsedTime")?;
+    Ok(ms)
+}
+
 fn probe_inner(ordinal: usize) -> CudaResult<Option<DeviceInfo>> {
+    // Before cuInit: a driver too old for this build is refused by name
+    // even where cuInit itself would fail.
+    let version = driver_version()?;
+    arch::check_driver(version)?;
     match driver::init() {
         Ok(()) => {}
         Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE => return Ok(None),
         Err(e) => {
             return Err(CudaError::Unavailable(format!(
-                "cuInit failed: {e} (is the NVIDIA driver recent enough for CUDA 13?)"
+                "cuInit failed: {e} (driver for CUDA {})",
+                arch::version_text(version)
             )))
         }
     }
@@ -719,11 +773,6 @@ fn probe_inner(ordinal: usize) -> CudaResult<Option<DeviceInfo>> {
     let major = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
     let minor = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
     let sms = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-    let mut version = 0i32;
-    // SAFETY: the driver is initialised; the call writes one int.
-    unsafe { sys::cuDriverGetVersion(&mut version) }
-        .result()
-        .during("cuDriverGetVersion")?;
     // Free memory needs a context: retain the primary one briefly.
     let ctx = CudaContext::new(ordinal).during("cuDevicePrimaryCtxRetain")?;
     let (free, total) = ctx.mem_get_info().during("cuMemGetInfo")?;

@@ -15,6 +15,20 @@ pub enum CudaError {
     /// No CUDA driver library, no GPU, or a driver that cannot be used.
     #[error("CUDA is not available: {0}")]
     Unavailable(String),
+    /// A driver older than the build needs (`arch::MIN_DRIVER_VERSION`).
+    #[error(
+        "the NVIDIA driver supports CUDA {found}; headroom needs a driver for CUDA {needed} or \
+         newer (R550 or newer): update the driver"
+    )]
+    DriverTooOld { found: String, needed: String },
+    /// An NVRTC whose kernels this driver cannot load (`arch::check_nvrtc_for_driver`).
+    #[error("NVRTC {nvrtc} cannot make kernels for this driver (CUDA {driver}): {reason}; {hint}")]
+    NvrtcTooNew {
+        nvrtc: String,
+        driver: String,
+        reason: String,
+        hint: String,
+    },
     /// A run-time library (NVRTC, cuBLAS) could not be found or loaded.
     #[error("{library} not found: {hint}")]
     LibraryMissing { library: &'static str, hint: String },

@@ -17,6 +17,16 @@
 //!   matches cudarc's later bare-name `dlopen("libnvrtc.so.13")` against the
 //!   SONAME of the library already loaded, so cudarc uses it.
 //!
+//! - Which major version is looked for first follows the driver
+//!   (`driver_major`): a driver for CUDA 12 gets `libnvrtc.so.12` and
+//!   `libcublas.so.12` first, since NVRTC 13's kernels and cuBLAS 13 need a
+//!   CUDA 13 driver (`arch.rs`); any other driver, or none, gets the 13s
+//!   first. `$HEADROOM_NVRTC` names the NVRTC library file to use, before
+//!   any search. cudarc tries its bare names in its own order (`.so.13`
+//!   before `.so.12`), so a library of the other major version on the
+//!   loader's default path still wins; `CudaBackend::new` then refuses an
+//!   NVRTC the driver cannot serve, naming both versions.
+//!
 //! The result is computed once per process.
 
 use std::path::{Path, PathBuf};
@@ -50,7 +60,24 @@ pub fn ensure_nvrtc() -> CudaResult<Option<PathBuf>> {
         .get_or_init(|| {
             // SAFETY: as in driver_present.
             let present = || unsafe { cudarc::nvrtc::sys::is_culib_present() };
-            locate(present, NVRTC_FILE_NAMES, &[]).ok_or_else(|| NVRTC_INSTALL_HINT.to_string())
+            if let Some(path) = std::env::var_os(NVRTC_ENV) {
+                let path = PathBuf::from(path);
+                return if preload(&path) && present() {
+                    Ok(Some(path))
+                } else {
+                    Err(format!(
+                        "{NVRTC_ENV}={} does not load as NVRTC (expected the path of a \
+                         libnvrtc.so.12 or libnvrtc.so.13)",
+                        path.display()
+                    ))
+                };
+            }
+            let names: &[&str] = if driver_major() == Some(12) {
+                &["libnvrtc.so.12", "libnvrtc.so", "libnvrtc.so.13"]
+            } else {
+                NVRTC_FILE_NAMES
+            };
+            locate(present, names, &[]).ok_or_else(|| NVRTC_INSTALL_HINT.to_string())
         })
         .clone()
         .map_err(|hint| CudaError::LibraryMissing {
@@ -66,21 +93,46 @@ pub fn ensure_cublas() -> CudaResult<Option<PathBuf>> {
         .get_or_init(|| {
             // SAFETY: as in driver_present.
             let present = || unsafe { cudarc::cublas::sys::is_culib_present() };
-            locate(
-                present,
-                &["libcublas.so.13", "libcublas.so.12", "libcublas.so"],
-                // libcublas needs libcublasLt from the same release; loading
-                // it first from the same directory satisfies that dependency
-                // even without an RPATH.
-                &["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"],
-            )
-            .ok_or_else(|| CUBLAS_INSTALL_HINT.to_string())
+            // libcublas needs libcublasLt from the same release; loading it
+            // first from the same directory satisfies that dependency even
+            // without an RPATH.
+            let (names, deps): (&[&str], &[&str]) = if driver_major() == Some(12) {
+                (
+                    &["libcublas.so.12", "libcublas.so", "libcublas.so.13"],
+                    &["libcublasLt.so.12", "libcublasLt.so", "libcublasLt.so.13"],
+                )
+            } else {
+                (
+                    &["libcublas.so.13", "libcublas.so.12", "libcublas.so"],
+                    &["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"],
+                )
+            };
+            locate(present, names, deps).ok_or_else(|| CUBLAS_INSTALL_HINT.to_string())
         })
         .clone()
         .map_err(|hint| CudaError::LibraryMissing {
             library: "cuBLAS (libcublas)",
             hint,
         })
+}
+
+/// The environment variable naming the NVRTC library file to load.
+pub const NVRTC_ENV: &str = "HEADROOM_NVRTC";
+
+/// The CUDA major version of the driver, if a driver library loads (no
+/// GPU needed: `cuDriverGetVersion` works before `cuInit`). Asked afresh,
+/// not through `driver_present`'s cached answer: a test process may look
+/// for NVRTC before it loads the emulated driver, and must not leave "no
+/// driver" cached for the probe that follows.
+pub fn driver_major() -> Option<i32> {
+    // SAFETY: as in driver_present.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return None;
+    }
+    std::panic::catch_unwind(super::backend::driver_version)
+        .ok()?
+        .ok()
+        .map(|v| v / 1000)
 }
 
 /// Some(None) if `present()` already; Some(path) after preloading one of
@@ -90,21 +142,34 @@ fn locate(present: impl Fn() -> bool, names: &[&str], deps: &[&str]) -> Option<O
     if present() {
         return Some(None);
     }
-    for dir in search_dirs() {
+    // For a CUDA 12 driver the version matters more than the directory
+    // (the pip packages of CUDA 13 and 12 have directories of their own):
+    // every directory is searched for the first name before the next.
+    let dirs = search_dirs();
+    let by_name = driver_major() == Some(12);
+    let mut candidates = Vec::new();
+    if by_name {
         for name in names {
-            let path = dir.join(name);
-            if !path.is_file() {
-                continue;
+            candidates.extend(dirs.iter().map(|dir| (dir, *name)));
+        }
+    } else {
+        for dir in &dirs {
+            candidates.extend(names.iter().map(|name| (dir, *name)));
+        }
+    }
+    for (dir, name) in candidates {
+        let path = dir.join(name);
+        if !path.is_file() {
+            continue;
+        }
+        for dep in deps {
+            let dep = dir.join(dep);
+            if dep.is_file() {
+                preload(&dep);
             }
-            for dep in deps {
-                let dep = dir.join(dep);
-                if dep.is_file() {
-                    preload(&dep);
-                }
-            }
-            if preload(&path) && present() {
-                return Some(Some(path));
-            }
+        }
+        if preload(&path) && present() {
+            return Some(Some(path));
         }
     }
     None

@@ -9,17 +9,22 @@
 //! H200 every CUDA test passed with `HEADROOM_REQUIRE_GPU=1` (the GPU
 //! bundles of a350b0d and of 1597ca2, the latter holding today's kernels;
 //! README, "Measured on an NVIDIA H200"). What is verified on every machine
-//! with NVRTC, GPU or not: every kernel compiles to PTX and CUBIN for sm_80
-//! and sm_90, with each entry point's parameters checked against the Rust
-//! structs (`tests/cuda_ptx.rs`); every kernel, and the whole path through
+//! with NVRTC, GPU or not: every kernel compiles to PTX and CUBIN for
+//! sm_75, sm_80, sm_86, sm_89 and sm_90 (`arch::TESTED_ARCHS`), with NVRTC
+//! 13 and NVRTC 12, with each entry point's parameters checked against the
+//! Rust structs (`tests/cuda_ptx.rs`); every kernel, and the whole path through
 //! the driver and cuBLAS (op wrappers, `CudaNetwork`, the fused AdamW, the
 //! staging ring), runs on the CPU emulator of CUDA (`crates/cuda-emu`)
-//! against the CPU layers (`tests/cuda_parity/`, a file per op family, and the pipeline's
+//! against the CPU layers, the emulator answering as any of those
+//! architectures and as a CUDA 12.x or 13.x driver (`arch.rs`;
+//! `tests/cuda_parity/`, a file per op family, `tests/cuda_driver.rs`, and the pipeline's
 //! `cuda_learner` and the tests crate's `cuda_training`); probing a machine
 //! without a driver returns `Ok(None)` without panicking. Without NVRTC
 //! those tests are built as ignored (`build.rs`), and `cargo test` says so.
 //!
 //! Layout:
+//! - `arch`: what each GPU architecture offers the kernels, which path each
+//!   op family takes on it, and which drivers and NVRTCs serve.
 //! - `backend`: `CudaBackend` (context, compute and copy streams, cuBLAS,
 //!   module cache, memory accounting), `probe`, `DeviceInfo`,
 //!   `auto_device_kind`.
@@ -40,6 +45,7 @@
 //!   with it (`params`); their launches are headroom-optim's (`FusedAdamW`),
 //!   and the layers' kernels are their op families' (`crate::ops`).
 
+pub mod arch;
 pub(crate) mod backend;
 pub(crate) mod containers;
 mod dtype;

@@ -52,7 +52,7 @@ impl Profiler {
             let [(_, from), (label, to)] = pair else {
                 continue;
             };
-            let ms = f64::from(from.elapsed_ms(to).during("cuEventElapsedTime")?);
+            let ms = f64::from(super::backend::event_elapsed_ms(from, to)?);
             add_segment(&mut segments, label.clone(), ms);
         }
         Ok(segments)

@@ -17,6 +17,12 @@
 //! past the output capture. `HEADROOM_REQUIRE_NVRTC=1` (set by `.ci/run`)
 //! makes either a failure.
 //!
+//! On the emulator the device is sm_80 with a CUDA 13.0 driver unless
+//! HEADROOM_CUDA_EMU_ARCH (and _DRIVER) say otherwise; CI runs the binary
+//! again as sm_75 and sm_90. A test whose path depends on the architecture
+//! (the implicit-GEMM convolutions: sm_80 and newer) expects the path that
+//! GPU takes, and counts on the emulator that it ran.
+//!
 //! Inputs and weights are rounded to f16 before the CPU sees them, so both
 //! sides start from the same values and the tolerances measure the device's
 //! f16 storage of results and intermediates (and its summation order), not

@@ -492,6 +492,7 @@ pub fn open_network(
         DeviceKind::Cuda => {
             let learner = on_gpu()?;
             tracing::info!("device: {}", learner.device());
+            log_op_paths(learner.device().arch());
             Ok(Box::new(learner))
         }
         DeviceKind::Auto => match CudaBackend::probe() {
@@ -499,6 +500,7 @@ pub fn open_network(
                 match on_gpu() {
                     Ok(learner) => {
                         tracing::info!("device: {} (device.kind = \"auto\")", learner.device());
+                        log_op_paths(learner.device().arch());
                         Ok(Box::new(learner))
                     }
                     Err(e) => {
@@ -516,6 +518,14 @@ pub fn open_network(
                 on_cpu()
             }
         },
+    }
+}
+
+/// Which path each op family takes on this GPU, one line each
+/// (`headroom_model::cuda::arch::op_paths`, as `cargo xtask doctor` prints).
+fn log_op_paths(arch: u32) {
+    for p in headroom_model::cuda::arch::op_paths(arch) {
+        tracing::info!("cuda path: {}: {}", p.family, p.path);
     }
 }
 

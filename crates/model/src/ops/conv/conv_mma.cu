@@ -47,7 +47,10 @@
 // tensors is the weight gradient's f32 partials.
 // Emulated on the CPU: the mma and ldmatrix through a warp exchange with
 // the fragment layouts of the PTX ISA, cp.async as copies queued until the
-// thread waits for their group (cuda-emu's cuda_shim.h).
+// thread waits for their group (cuda-emu's cuda_shim.h); each fails the
+// launch on an emulated device below sm_80, as the `trap` compiled in its
+// place there does on a GPU. Which GPUs take these kernels:
+// crates/model/src/cuda/arch.rs.
 #include "common.cuh"
 
 struct ImplicitConvParams {
@@ -133,6 +136,7 @@ __device__ __forceinline__ float hr_fragment_half(const u64* regs, u32 lane, u32
 }
 
 __device__ __forceinline__ void hr_mma_16816(float d[4], const u32 a[4], const u32 b[2]) {
+    ::hr_emu::require_arch(80, "mma.sync.m16n8k16 with f16 operands");
     u64 a01[32], a23[32], bb[32];
     unsigned int lane = 0;
     ::hr_emu::warp_exchange((u64)a[0] | (u64)a[1] << 32, a01, &lane);
@@ -226,6 +230,9 @@ __device__ __forceinline__ void hr_cp_async_wait() {
 
 template <bool TRANS>
 __device__ __forceinline__ void hr_ldmatrix_x4(u32 r[4], const hr_half* row) {
+    // The PTX ISA has ldmatrix from sm_75, but this file compiles it for
+    // sm_80 and newer only (a trap below, as for mma and cp.async).
+    ::hr_emu::require_arch(80, "ldmatrix (compiled for sm_80 and newer in conv_mma.cu)");
     ::hr_emu::check_aligned(row, 16);
     u64 rows[32];
     unsigned int lane = 0;

@@ -74,13 +74,13 @@ const IMPLICIT_ROWS: usize = 128;
 /// gradients): 8-channel vectors of its input, of its output gradient and
 /// of its weight must each lie in one tap and be 16-byte aligned (a
 /// network's parameters start at multiples of 8 elements of their group,
-/// `network.rs::PARAM_ALIGN`), and `mma.m16n8k16` and `cp.async` need
-/// sm_80.
+/// `network.rs::PARAM_ALIGN`), and the GPU must have `mma.m16n8k16` and
+/// `cp.async` (`ArchFeatures::implicit_gemm`: sm_80; below, im2col).
 fn implicit_takes(be: &CudaBackend, dtype: DType, s: &ConvShape, weight: &AnyView<'_>) -> bool {
     dtype == DType::F16
         && s.cin.is_multiple_of(8)
         && s.cout.is_multiple_of(8)
-        && be.info().arch() >= 80
+        && crate::cuda::arch::ArchFeatures::of(be.info().arch()).implicit_gemm()
         && weight.is_aligned_to(be.compute_stream(), 16)
 }
 

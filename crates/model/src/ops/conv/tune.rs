@@ -181,7 +181,7 @@ fn fastest_ms(be: &CudaBackend, mut run: impl FnMut() -> CudaResult<()>) -> Cuda
         run()?;
         let end = timing_event(be)?;
         end.synchronize().during("cuEventSynchronize (tune)")?;
-        best = best.min(start.elapsed_ms(&end).during("cuEventElapsedTime (tune)")?);
+        best = best.min(crate::cuda::backend::event_elapsed_ms(&start, &end)?);
     }
     Ok(best)
 }
