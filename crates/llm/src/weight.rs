@@ -19,11 +19,13 @@
 //! f32 exactly, so the result is the same bits as converting the whole
 //! weight at load (the tests below check it across panel splits).
 //!
-//! Memory: the weight at its stored size; per computing thread one scratch
+//! Memory: the weight at its stored size; one scratch per thread that
+//! starts products (a pass: its own thread; rayon's threads only fill it)
 //! of at most [`PANEL_VALUES`] f32s (16 MiB), or of a minimum panel's width
-//! times the sum's length when that is more (the head's gradient on a large
-//! vocabulary: 65 columns × 128k rows, 33 MiB), kept after first use, sized
-//! by [`scratch_values`]. An f32 weight needs no scratch.
+//! times the sum's length when that is more (the head's input gradient on
+//! Llama-3.2-1B's 128,256-row vocabulary: panels of 128 of its 2,048
+//! columns, 63 MiB), kept after first use, sized by [`scratch_values`]. An
+//! f32 weight needs no scratch.
 
 use std::cell::RefCell;
 use std::sync::Arc;

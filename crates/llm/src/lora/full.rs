@@ -12,7 +12,7 @@
 //! GPT-2's positions get the same rows added by position.
 //!
 //! Memory: the gradients are one f32 copy of the weights (the model's own
-//! size again: GPT-2's `c_attn` is fused from its q, k and v thirds as each
+//! size again in f32, twice a bf16 base's as held: GPT-2's `c_attn` is fused from its q, k and v thirds as each
 //! block finishes, a block's worth of transient copies); on top, the LoRA
 //! pass's activations: every block's input (layers · n · hidden f32s, n =
 //! batch · T), one block's tape at a time, and at most `HEAD_CHUNK_VALUES`
