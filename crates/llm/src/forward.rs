@@ -8,8 +8,9 @@
 use rayon::prelude::*;
 
 use crate::error::{LlmError, Result};
-use crate::math::{gelu_new, project, silu, softmax, Layout};
+use crate::math::{gelu_new, silu, softmax, Layout};
 use crate::model::{Mlp, Model};
+use crate::weight::project;
 
 /// Keys and values of the positions already run, per layer and row.
 pub struct KvCache {
@@ -101,7 +102,7 @@ impl Model {
                     )));
                 }
                 let dst = &mut x[(r * t + i) * h..(r * t + i + 1) * h];
-                dst.copy_from_slice(&self.embed[id * h..(id + 1) * h]);
+                self.embed.copy_row(id, dst);
                 if let Some(pos) = &self.positions {
                     let p = past + i;
                     for (d, e) in dst.iter_mut().zip(&pos[p * h..(p + 1) * h]) {
@@ -162,15 +163,7 @@ impl Model {
         let normed = self.final_norm.forward(&rows);
         Ok(match &self.lm_head {
             Some(head) => head.forward(&normed, m),
-            None => project(
-                &normed,
-                m,
-                &self.embed,
-                h,
-                c.vocab_size,
-                Layout::OutIn,
-                None,
-            ),
+            None => project(&normed, m, &self.embed, Layout::OutIn, None),
         })
     }
 

@@ -2,11 +2,14 @@
 //!
 //! A model directory (`config.json`, `model.safetensors` or its shards,
 //! `tokenizer.json`) of the Llama family (Llama, Mistral, Qwen2) or GPT-2 is
-//! loaded to f32 ([`Model::load`], [`Tokenizer::load`]), run as transformers
-//! runs it ([`Model::logits`], [`Model::loss`]) and sampled with a KV cache
+//! loaded ([`Model::load`], [`Tokenizer::load`]; the matrices kept in the
+//! checkpoint's dtype, computed in f32), run as transformers runs it
+//! ([`Model::logits`], [`Model::loss`]) and sampled with a KV cache
 //! ([`Model::generate`]). Files: `config` (config.json), `weights`
-//! (memory-mapped safetensors), `model` (the loaded blocks), `forward` (the
-//! pass, the loss, the cache), `generate`, `tokenizer`, `math`, `lora`
+//! (memory-mapped safetensors), `weight` (one matrix in f32, bf16 or f16,
+//! and the products that convert it panel by panel), `model` (the loaded
+//! blocks), `forward` (the pass, the loss, the cache), `generate`,
+//! `tokenizer`, `math`, `lora`
 //! (adapters by Hugging Face module names on the Llama family, and the
 //! loss's gradients with respect to them alone, checked against peft;
 //! and [`Model::full_gradients`], every base weight's gradient by
@@ -36,6 +39,7 @@ pub mod peft;
 pub mod shapes;
 pub mod token_store;
 pub mod tokenizer;
+pub mod weight;
 pub mod weights;
 
 pub use config::{Family, ModelConfig, RopeScaling, SUPPORTED};
@@ -45,3 +49,4 @@ pub use generate::Sampling;
 pub use lora::{Grad, WeightGrads};
 pub use model::Model;
 pub use tokenizer::Tokenizer;
+pub use weight::{Weight, WeightDtype};

@@ -2,7 +2,8 @@
 //! crate, a transpose being a change of strides, never a copy), the norms
 //! and the activations, all in f32 as transformers computes them on the CPU.
 
-use gemm::{gemm, Parallelism};
+use gemm::gemm;
+pub(crate) use gemm::Parallelism;
 
 /// Below this many multiply-adds a product runs on the calling thread: the
 /// tiny fixture models would spend longer handing work to threads.
@@ -232,6 +233,31 @@ pub fn gemm_strided(
     accumulate: bool,
     parallel: bool,
 ) {
+    let threads = parallelism(parallel, a.rows, b.cols, a.cols);
+    gemm_views(dst, dst_rs, dst_cs, a, b, accumulate, threads);
+}
+
+/// Whether an [m, k] · [k, n] product may use rayon's threads: when asked
+/// and large enough.
+pub(crate) fn parallelism(parallel: bool, m: usize, n: usize, k: usize) -> Parallelism {
+    if parallel && m * n * k >= PARALLEL_WORK {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
+    }
+}
+
+/// [`gemm_strided`] with the threads decided by the caller (a product run
+/// in panels decides once, for the whole).
+pub(crate) fn gemm_views(
+    dst: &mut [f32],
+    dst_rs: usize,
+    dst_cs: usize,
+    a: View,
+    b: View,
+    accumulate: bool,
+    parallelism: Parallelism,
+) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert_eq!(b.rows, k, "gemm_into: inner dimensions differ");
     assert!(
@@ -252,14 +278,9 @@ pub fn gemm_strided(
         }
         return;
     }
-    let parallelism = if parallel && m * n * k >= PARALLEL_WORK {
-        Parallelism::Rayon(0)
-    } else {
-        Parallelism::None
-    };
     // SAFETY: the asserts above keep every element of both views (offset +
-    // (rows − 1)·rs + (cols − 1)·cs) inside their slices and dst at m·n
-    // contiguous elements; dst is borrowed mutably, so it aliases neither.
+    // (rows − 1)·rs + (cols − 1)·cs) inside their slices and dst's last
+    // element inside dst; dst is borrowed mutably, so it aliases neither.
     unsafe {
         gemm(
             m,

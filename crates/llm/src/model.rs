@@ -1,19 +1,24 @@
-//! A loaded model: the f32 weights of every block, laid out as the
-//! checkpoint stores them (a Linear's [out, in], a Conv1D's [in, out]; the
-//! product reads either through strides). GPT-2's fused `c_attn` is split
-//! into q, k and v once, here, so both families share one attention. Memory:
-//! one f32 copy of the weights; a tied head reads the embedding.
+//! A loaded model: the weights of every block, laid out as the checkpoint
+//! stores them (a Linear's [out, in], a Conv1D's [in, out]; the product
+//! reads either through strides). GPT-2's fused `c_attn` is split into q, k
+//! and v once, here, so both families share one attention. Memory: the
+//! matrices (projections, embedding, head) in the checkpoint's dtype
+//! ([`Weight`]: bf16 and f16 read from the file's mapping, no copy; f32 one
+//! copy), the norms, biases and GPT-2's positions in f32 (converted at
+//! load: a few vectors per block); a tied head reads the embedding.
 
 use std::path::{Path, PathBuf};
 
 use crate::config::{Family, ModelConfig, RopeScaling};
 use crate::error::Result;
-use crate::math::{project, Layout};
+use crate::math::Layout;
+use crate::weight::{project, Weight};
 use crate::weights::WeightStore;
 
 /// A projection: weight, its layout, optional bias.
 pub struct Linear {
-    pub weight: Vec<f32>,
+    /// [out, in] (`Layout::OutIn`) or [in, out] (`Layout::InOut`).
+    pub weight: Weight,
     pub inp: usize,
     pub out: usize,
     pub layout: Layout,
@@ -22,15 +27,7 @@ pub struct Linear {
 
 impl Linear {
     pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
-        project(
-            x,
-            n,
-            &self.weight,
-            self.inp,
-            self.out,
-            self.layout,
-            self.bias.as_deref(),
-        )
+        project(x, n, &self.weight, self.layout, self.bias.as_deref())
     }
 }
 
@@ -80,7 +77,7 @@ pub struct Model {
     pub config: ModelConfig,
     pub dir: PathBuf,
     /// [vocab, hidden].
-    pub embed: Vec<f32>,
+    pub embed: Weight,
     /// GPT-2's learned positions, [n_positions, hidden].
     pub positions: Option<Vec<f32>>,
     pub blocks: Vec<Block>,
@@ -110,9 +107,14 @@ impl Reader<'_> {
             .data)
     }
 
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+        self.store
+            .take_weight(&format!("{}{name}", self.prefix), rows, cols)
+    }
+
     fn linear(&self, name: &str, inp: usize, out: usize, bias: bool) -> Result<Linear> {
         Ok(Linear {
-            weight: self.tensor(&format!("{name}.weight"), &[out, inp])?,
+            weight: self.matrix(&format!("{name}.weight"), out, inp)?,
             inp,
             out,
             layout: Layout::OutIn,
@@ -126,7 +128,7 @@ impl Reader<'_> {
 
     fn conv1d(&self, name: &str, inp: usize, out: usize) -> Result<Linear> {
         Ok(Linear {
-            weight: self.tensor(&format!("{name}.weight"), &[inp, out])?,
+            weight: self.matrix(&format!("{name}.weight"), inp, out)?,
             inp,
             out,
             layout: Layout::InOut,
@@ -236,7 +238,7 @@ impl Model {
                     )
                 };
                 Self {
-                    embed: r.tensor("embed_tokens.weight", &[v, h])?,
+                    embed: r.matrix("embed_tokens.weight", v, h)?,
                     positions: None,
                     blocks,
                     final_norm: Norm::Rms {
@@ -301,7 +303,7 @@ impl Model {
                     )
                 };
                 Self {
-                    embed: r.tensor("wte.weight", &[v, h])?,
+                    embed: r.matrix("wte.weight", v, h)?,
                     positions: Some(r.tensor("wpe.weight", &[max_positions, h])?),
                     blocks,
                     final_norm: ln("ln_f")?,
@@ -317,21 +319,101 @@ impl Model {
     }
 }
 
-/// GPT-2's fused [in, 3·h] `c_attn` as three [in, h] projections.
+/// GPT-2's fused [in, 3·h] `c_attn` as three [in, h] projections (in the
+/// fused weight's dtype).
 fn split_columns(fused: &Linear, h: usize) -> [Linear; 3] {
-    let inp = fused.inp;
-    let part = |p: usize| {
-        let mut weight = Vec::with_capacity(inp * h);
-        for row in fused.weight.chunks_exact(3 * h) {
-            weight.extend_from_slice(&row[p * h..(p + 1) * h]);
-        }
-        Linear {
-            weight,
-            inp,
-            out: h,
-            layout: Layout::InOut,
-            bias: fused.bias.as_ref().map(|b| b[p * h..(p + 1) * h].to_vec()),
-        }
+    let part = |p: usize| Linear {
+        weight: fused.weight.columns(p * h, h),
+        inp: fused.inp,
+        out: h,
+        layout: Layout::InOut,
+        bias: fused.bias.as_ref().map(|b| b[p * h..(p + 1) * h].to_vec()),
     };
     [part(0), part(1), part(2)]
+}
+
+impl Model {
+    /// Every matrix the model holds: each block's projections, the
+    /// embedding and an untied head.
+    pub fn matrices(&self) -> Vec<&Weight> {
+        let mut all = vec![&self.embed];
+        for b in &self.blocks {
+            all.extend([&b.q.weight, &b.k.weight, &b.v.weight, &b.o.weight]);
+            match &b.mlp {
+                Mlp::SwiGlu { gate, up, down } => {
+                    all.extend([&gate.weight, &up.weight, &down.weight])
+                }
+                Mlp::Gelu { fc, proj } => all.extend([&fc.weight, &proj.weight]),
+            }
+        }
+        all.extend(self.lm_head.as_ref().map(|l| &l.weight));
+        all
+    }
+
+    /// Holds every matrix in f32 from now on: what loading did before the
+    /// base was kept in its dtype (one f32 copy of the model; the results
+    /// are the same bits either way, since bf16 and f16 convert to f32
+    /// exactly). A full fine-tune's updates convert the tensors they change
+    /// one by one without it.
+    pub fn convert_to_f32(&mut self) {
+        for b in &mut self.blocks {
+            let mut linears = vec![&mut b.q, &mut b.k, &mut b.v, &mut b.o];
+            match &mut b.mlp {
+                Mlp::SwiGlu { gate, up, down } => linears.extend([gate, up, down]),
+                Mlp::Gelu { fc, proj } => linears.extend([fc, proj]),
+            }
+            for l in linears {
+                l.weight.f32_mut();
+            }
+        }
+        self.embed.f32_mut();
+        if let Some(head) = &mut self.lm_head {
+            head.weight.f32_mut();
+        }
+    }
+
+    /// The bytes the weights take as held: the matrices at their dtype's
+    /// size (bf16 and f16 at 2 bytes, read from the file's pages), the
+    /// norms, biases and positions at 4. What `lora-llm` counts the frozen
+    /// base at.
+    pub fn weight_bytes(&self) -> u64 {
+        let f = std::mem::size_of::<f32>();
+        let norm = |n: &Norm| match n {
+            Norm::Rms { weight, .. } => weight.len(),
+            Norm::Layer { weight, bias, .. } => weight.len() + bias.len(),
+        };
+        let linears = self.blocks.iter().flat_map(|b| {
+            let mut l = vec![&b.q, &b.k, &b.v, &b.o];
+            match &b.mlp {
+                Mlp::SwiGlu { gate, up, down } => l.extend([gate, up, down]),
+                Mlp::Gelu { fc, proj } => l.extend([fc, proj]),
+            }
+            l
+        });
+        let biases: usize = linears
+            .chain(self.lm_head.as_ref())
+            .map(|l| l.bias.as_ref().map_or(0, Vec::len))
+            .sum();
+        let vectors = biases
+            + self
+                .blocks
+                .iter()
+                .map(|b| norm(&b.norm1) + norm(&b.norm2))
+                .sum::<usize>()
+            + norm(&self.final_norm)
+            + self.positions.as_ref().map_or(0, Vec::len);
+        let matrices: usize = self.matrices().iter().map(|w| w.stored_bytes()).sum();
+        (matrices + vectors * f) as u64
+    }
+
+    /// The most f32s one product converts at once from a half-precision
+    /// weight of this model (its thread's scratch; 0 when every matrix is
+    /// f32).
+    pub fn scratch_values(&self) -> usize {
+        self.matrices()
+            .into_iter()
+            .map(crate::weight::scratch_values)
+            .max()
+            .unwrap_or(0)
+    }
 }

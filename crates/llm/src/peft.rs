@@ -716,7 +716,7 @@ impl Model {
                 )));
             };
             for (lin, row0) in parts {
-                add_delta(&mut lin.weight, lin.layout, lin.inp, lin.out, row0, ad);
+                add_delta(lin.weight.f32_mut(), lin.layout, lin.inp, lin.out, row0, ad);
             }
         }
         Ok(())

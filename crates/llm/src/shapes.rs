@@ -176,13 +176,20 @@ fn llama_tensors(config: &Value) -> Result<Vec<(String, Vec<usize>, bool)>> {
 /// Writes `dir/config.json` and `dir/model.safetensors` for `preset`
 /// (random weights from `seed`); returns the parameter count.
 pub fn write_random(dir: &Path, preset: Preset, layers: Option<usize>, seed: u64) -> Result<usize> {
+    write_random_config(dir, &preset.config(layers), seed)
+}
+
+/// [`write_random`] for any Llama-family `config` (the keys a preset's
+/// has: `hidden_size`, `intermediate_size`, the heads, the layers,
+/// `vocab_size`, `tie_word_embeddings`, `initializer_range`, optionally
+/// `head_dim`).
+pub fn write_random_config(dir: &Path, config: &Value, seed: u64) -> Result<usize> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |source| LlmError::Io { path, source }
     };
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let config = preset.config(layers);
-    let tensors = llama_tensors(&config)?;
+    let tensors = llama_tensors(config)?;
     let std = config["initializer_range"].as_f64().unwrap_or(0.02);
     let bound = std * 3f64.sqrt();
     let mut state = seed;
@@ -228,7 +235,7 @@ pub fn write_random(dir: &Path, preset: Preset, layers: Option<usize>, seed: u64
         }
     })?;
     std::fs::rename(&partial, &weights).map_err(io(&weights))?;
-    let text = serde_json::to_string_pretty(&config).map_err(|source| LlmError::Json {
+    let text = serde_json::to_string_pretty(config).map_err(|source| LlmError::Json {
         path: dir.join("config.json"),
         source,
     })?;

@@ -1,22 +1,29 @@
 //! The weights of a model directory: `model.safetensors`, or the shards a
 //! `model.safetensors.index.json` names. Each file is memory-mapped and its
 //! header checked once (a truncated or corrupt file fails here, naming it);
-//! a tensor is converted to f32 (from bf16, f16 or f32) when it is taken, so
-//! the mapping costs address space, not memory, and only the f32 copies the
-//! model keeps are resident.
+//! a tensor is converted to f32 (from bf16, f16 or f32) when it is taken
+//! ([`WeightStore::take`]: norms, biases, positions, adapters), or taken as
+//! a [`Weight`] ([`WeightStore::take_weight`]: the model's matrices), which
+//! keeps a bf16 or f16 tensor in its dtype, read through a mapping of its
+//! own bytes. The whole-file mapping costs address space, not memory: only
+//! the pages read are resident, and they go when the store does; a
+//! weight's own mapping lives as long as the weight.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
+use memmap2::{Mmap, MmapOptions};
 use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 use safetensors::SafeTensors;
 
 use crate::error::{LlmError, Result};
+use crate::weight::{Weight, WeightDtype};
 
 struct Shard {
     path: PathBuf,
+    /// Kept open to map single tensors' bytes ([`WeightStore::take_weight`]).
+    file: File,
     map: Mmap,
     /// Where the data starts (after the 8-byte length and the header).
     data_start: usize,
@@ -66,6 +73,7 @@ fn open_shard(path: &Path) -> Result<Shard> {
         })?;
     Ok(Shard {
         path: path.to_path_buf(),
+        file,
         map,
         data_start: 8 + header,
         metadata,
@@ -218,8 +226,9 @@ impl WeightStore {
         self.shards.first()?.metadata.metadata().as_ref()
     }
 
-    /// The tensor `name` as f32, which must have shape `expected`.
-    pub fn take(&self, name: &str, expected: &[usize]) -> Result<Loaded> {
+    /// The header entry of tensor `name` and its shard, which must have
+    /// shape `expected`.
+    fn checked(&self, name: &str, expected: &[usize]) -> Result<(&Shard, &TensorInfo)> {
         let &slot = self
             .index
             .get(name)
@@ -243,15 +252,24 @@ impl WeightStore {
                 found: info.shape.clone(),
             });
         }
+        match info.dtype {
+            Dtype::F32 | Dtype::BF16 | Dtype::F16 => Ok((shard, info)),
+            other => Err(LlmError::TensorDtype {
+                path: shard.path.clone(),
+                name: name.to_string(),
+                dtype: format!("{other:?}"),
+            }),
+        }
+    }
+
+    /// The tensor `name` as f32, which must have shape `expected`.
+    pub fn take(&self, name: &str, expected: &[usize]) -> Result<Loaded> {
+        let (shard, info) = self.checked(name, expected)?;
         let (start, end) = info.data_offsets;
         // read_metadata checked that the offsets tile the data exactly to
         // the end of the file.
         let bytes = &shard.map[shard.data_start + start..shard.data_start + end];
         let data = match info.dtype {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
             Dtype::BF16 => bytes
                 .chunks_exact(2)
                 .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
@@ -260,17 +278,50 @@ impl WeightStore {
                 .chunks_exact(2)
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect(),
-            other => {
-                return Err(LlmError::TensorDtype {
-                    path: shard.path.clone(),
-                    name: name.to_string(),
-                    dtype: format!("{other:?}"),
-                })
-            }
+            // F32, the one other dtype `checked` lets through.
+            _ => bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
         };
         Ok(Loaded {
             shape: info.shape.clone(),
             data,
         })
+    }
+
+    /// The matrix `name` of shape [rows, cols] as a [`Weight`]: f32 as an
+    /// f32 copy, bf16 and f16 in their dtype, read through a read-only
+    /// mapping of the tensor's own bytes (no copy; the pages are read as
+    /// the products need them).
+    pub fn take_weight(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+        let (shard, info) = self.checked(name, &[rows, cols])?;
+        let dtype = match info.dtype {
+            Dtype::BF16 => WeightDtype::Bf16,
+            Dtype::F16 => WeightDtype::F16,
+            _ => {
+                let data = self.take(name, &[rows, cols])?.data;
+                return Ok(Weight::from_f32(rows, cols, data));
+            }
+        };
+        let (start, end) = info.data_offsets;
+        if start == end {
+            return Ok(Weight::from_half_bytes(rows, cols, dtype, Vec::new()));
+        }
+        // SAFETY: as the whole file's mapping (`open_shard`): read-only,
+        // only read through the weight, the file's contents assumed fixed
+        // while the model is loaded. memmap2 aligns the offset to a page
+        // and the returned slice starts at the byte asked for.
+        let map = unsafe {
+            MmapOptions::new()
+                .offset((shard.data_start + start) as u64)
+                .len(end - start)
+                .map(&shard.file)
+        }
+        .map_err(|source| LlmError::Io {
+            path: shard.path.clone(),
+            source,
+        })?;
+        Ok(Weight::from_mapped(rows, cols, dtype, map, 0))
     }
 }

@@ -273,10 +273,11 @@ fn qwen2_bf16_stays_bf16_and_matches_the_in_memory_merge() {
         ] {
             let rounded: Vec<f32> = x
                 .weight
+                .to_f32()
                 .iter()
                 .map(|&v| half::bf16::from_f32(v).to_f32())
                 .collect();
-            assert_eq!(rounded, y.weight);
+            assert_eq!(rounded, y.weight.to_f32());
         }
     }
     // Tolerance: the reloaded weights are the in-memory merge rounded to

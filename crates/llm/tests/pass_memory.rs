@@ -49,6 +49,8 @@ fn the_estimate_bounds_what_a_pass_allocates() {
     for (name, targets) in [
         ("llama", vec!["q_proj", "v_proj", "down_proj"]),
         ("gpt2", vec!["c_attn", "c_fc"]),
+        // bf16: the products convert its weights into the thread's scratch.
+        ("qwen2", vec!["q_proj", "v_proj", "down_proj"]),
     ] {
         let model = Model::load(&fixture(name)).expect("loads");
         let adapters = new_adapters(&model, 4, 8.0, &targets, 3).expect("adapters");

@@ -252,7 +252,8 @@ pub(crate) fn memory_limit(limit: Option<&str>) -> Result<Option<(u64, String)>>
 }
 
 /// Refuses, before anything trains, a fine-tune whose memory exceeds the
-/// limit: the model's f32 weights, the adapters (values, gradient sums, two
+/// limit: the model's weights as held (`Model::weight_bytes`: the
+/// checkpoint's dtype), the adapters (values, gradient sums, two
 /// AdamW moments: 4 f32s each) and one gradient pass at the largest
 /// micro-batch (`batch_size` rows of the longest example), as
 /// `Model::lora_pass_memory` sizes it (an upper bound of what a pass
@@ -269,11 +270,9 @@ fn check_fits(
     };
     let c = &model.config;
     let f = std::mem::size_of::<f32>() as u64;
-    let weights: u64 = model
-        .weight_names()
-        .iter()
-        .map(|(_, shape)| shape.iter().product::<usize>() as u64 * f)
-        .sum();
+    // The frozen base as held: bf16/f16 matrices at 2 bytes (read from the
+    // file's pages), f32 at 4.
+    let weights = model.weight_bytes();
     let mut adapter_values = 0usize;
     let mut adapted = 0usize;
     for target in &options.target_modules {

@@ -26,6 +26,7 @@ use crate::math::{
     Layout, View,
 };
 use crate::model::{Block, Linear, Mlp, Model, Norm};
+use crate::weight::matmul_weight;
 
 /// A block's weights by role. GPT-2: q, k and v are the thirds of the fused
 /// `c_attn`, `O` its `attn.c_proj`, `Gate` `mlp.c_fc`, `Down` `mlp.c_proj`
@@ -210,8 +211,11 @@ fn adapter_backward(
 /// dx of a frozen projection: dy · W (W stored [out, in]) or dy · Wᵀ
 /// (stored [in, out]).
 fn linear_backward(lin: &Linear, dy: &[f32], n: usize) -> Vec<f32> {
-    let transposed = lin.layout == Layout::InOut;
-    matmul(dy, &lin.weight, n, lin.out, lin.inp, false, transposed)
+    let w = match lin.layout {
+        Layout::OutIn => lin.weight.operand(),
+        Layout::InOut => lin.weight.operand().t(),
+    };
+    matmul_weight(dy, n, lin.out, false, w)
 }
 
 /// dW (as `lin` lays W out: dyᵀ·x for [out, in], xᵀ·dy for [in, out]) and

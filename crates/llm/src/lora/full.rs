@@ -12,7 +12,7 @@
 //! GPT-2's positions get the same rows added by position.
 //!
 //! Memory: the gradients are one f32 copy of the weights (the model's own
-//! size again: GPT-2's `c_attn` is fused from its q, k and v thirds as each
+//! size again in f32, twice a bf16 base's as held: GPT-2's `c_attn` is fused from its q, k and v thirds as each
 //! block finishes, a block's worth of transient copies); on top, the LoRA
 //! pass's activations: every block's input (layers · n · hidden f32s, n =
 //! batch · T), one block's tape at a time, and at most `HEAD_CHUNK_VALUES`
@@ -29,6 +29,7 @@ use crate::lora::gradients::HEAD_CHUNK_VALUES;
 use crate::lora::{AdapterGrads, Adapters};
 use crate::math::Layout;
 use crate::model::{Linear, Mlp, Model, Norm};
+use crate::weight::Weight;
 
 /// One tensor's gradient: its checkpoint shape and values in its layout
 /// (row-major over `shape`).
@@ -200,18 +201,22 @@ impl Model {
         let data = match slot {
             Slot::CAttn { layer, bias } => {
                 let bl = &self.blocks[layer];
+                let thirds = [&bl.q, &bl.k, &bl.v].map(|l| {
+                    if bias {
+                        l.bias.clone().unwrap_or_default()
+                    } else {
+                        l.weight.to_f32()
+                    }
+                });
                 fuse_qkv(
-                    [&bl.q, &bl.k, &bl.v].map(|l| {
-                        if bias {
-                            l.bias.as_deref().unwrap_or(&[])
-                        } else {
-                            &l.weight[..]
-                        }
-                    }),
+                    [0, 1, 2].map(|i| &thirds[i][..]),
                     if bias { 1 } else { bl.q.inp },
                 )
             }
-            _ => self.slot_values(slot).to_vec(),
+            _ => match self.slot_weight(slot) {
+                Some(w) => w.to_f32(),
+                None => self.slot_values(slot).to_vec(),
+            },
         };
         Ok(Grad {
             shape: self.slot_shape(slot),
@@ -257,7 +262,7 @@ impl Model {
                 let dst: &mut [f32] = if bias {
                     lin.bias.as_deref_mut().unwrap_or(&mut [])
                 } else {
-                    &mut lin.weight
+                    lin.weight.f32_mut()
                 };
                 for r in 0..rows {
                     let src = &delta[r * 3 * width + p * width..][..width];
@@ -439,16 +444,13 @@ impl Model {
             Slot::Positions => vec![self.positions.as_ref().map_or(0, |p| p.len() / h), h],
             Slot::CAttn { bias: false, .. } => vec![h, 3 * h],
             Slot::CAttn { bias: true, .. } => vec![3 * h],
-            _ => {
-                let values = self.slot_values(slot);
-                match self.slot_linear(slot) {
-                    Some(lin) if values.len() == lin.weight.len() => match lin.layout {
-                        Layout::OutIn => vec![lin.out, lin.inp],
-                        Layout::InOut => vec![lin.inp, lin.out],
-                    },
-                    _ => vec![values.len()],
-                }
-            }
+            _ => match (self.slot_linear(slot), slot) {
+                (Some(lin), Slot::Block { bias: false, .. }) => match lin.layout {
+                    Layout::OutIn => vec![lin.out, lin.inp],
+                    Layout::InOut => vec![lin.inp, lin.out],
+                },
+                _ => vec![self.slot_values(slot).len()],
+            },
         }
     }
 
@@ -472,6 +474,19 @@ impl Model {
         })
     }
 
+    /// The matrix a slot names (the embedding, the head, a projection's
+    /// weight), none for the vectors.
+    fn slot_weight(&self, slot: Slot) -> Option<&Weight> {
+        match slot {
+            Slot::Embed => Some(&self.embed),
+            Slot::LmHead => self.lm_head.as_ref().map(|l| &l.weight),
+            Slot::Block { bias: false, .. } => self.slot_linear(slot).map(|l| &l.weight),
+            _ => None,
+        }
+    }
+
+    /// A vector slot's values (a norm's, a bias, the positions); empty for
+    /// a matrix ([`Model::slot_weight`]).
     fn slot_values(&self, slot: Slot) -> &[f32] {
         fn norm_part(norm: &Norm, bias: bool) -> &[f32] {
             match (norm, bias) {
@@ -481,18 +496,15 @@ impl Model {
             }
         }
         match slot {
-            Slot::Embed => &self.embed,
             Slot::Positions => self.positions.as_deref().unwrap_or(&[]),
-            Slot::LmHead => self.lm_head.as_ref().map_or(&[][..], |l| &l.weight[..]),
+            Slot::Embed | Slot::LmHead | Slot::CAttn { .. } => &[],
             Slot::FinalNorm { bias } => norm_part(&self.final_norm, bias),
-            Slot::CAttn { .. } => &[],
             Slot::Block { layer, part, bias } => match part {
                 Part::Norm1 => norm_part(&self.blocks[layer].norm1, bias),
                 Part::Norm2 => norm_part(&self.blocks[layer].norm2, bias),
                 _ => match self.slot_linear(slot) {
                     Some(lin) if bias => lin.bias.as_deref().unwrap_or(&[]),
-                    Some(lin) => &lin.weight,
-                    None => &[],
+                    _ => &[],
                 },
             },
         }
@@ -510,16 +522,18 @@ impl Model {
             if bias {
                 lin.bias.as_deref_mut().unwrap_or(&mut [])
             } else {
-                &mut lin.weight
+                lin.weight.f32_mut()
             }
         }
+        // A half-precision matrix changed here is held in f32 from then on
+        // (`Weight::f32_mut`).
         match slot {
-            Slot::Embed => &mut self.embed,
+            Slot::Embed => self.embed.f32_mut(),
             Slot::Positions => self.positions.as_deref_mut().unwrap_or(&mut []),
             Slot::LmHead => self
                 .lm_head
                 .as_mut()
-                .map_or(&mut [][..], |l| &mut l.weight[..]),
+                .map_or(&mut [][..], |l| l.weight.f32_mut()),
             Slot::FinalNorm { bias } => norm_part(&mut self.final_norm, bias),
             Slot::CAttn { .. } => &mut [],
             Slot::Block { layer, part, bias } => {
@@ -543,7 +557,7 @@ impl Model {
     }
 
     /// The head's weight, [vocab, hidden] (the embedding when tied).
-    fn head_weight(&self) -> Result<&[f32]> {
+    fn head_weight(&self) -> Result<&Weight> {
         match &self.lm_head {
             None => Ok(&self.embed),
             Some(head) if head.layout == Layout::OutIn => Ok(&head.weight),

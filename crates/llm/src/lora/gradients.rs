@@ -14,8 +14,9 @@ use crate::forward::batch_shape;
 use crate::lora::attention::Shape;
 use crate::lora::block::{norm_backward, Ctx};
 use crate::lora::{module_dims, AdapterGrads, Adapters, Dropout};
-use crate::math::{gemm_into, gemm_strided, matmul, View};
+use crate::math::{gemm_into, View};
 use crate::model::Model;
+use crate::weight::{gemm_weight_lhs, matmul_weight, Weight};
 
 /// The most logits held at once by the loss (64 MiB of f32): a few hundred
 /// positions of a large vocabulary, enough rows that each pass over the
@@ -36,8 +37,10 @@ pub struct PassMemory {
     /// The adapters' gradients.
     pub gradients: usize,
     /// The matrix product's packing buffers, bounded by the caches
-    /// (`PRODUCT_WORKSPACE` per compute thread), kept by each thread after
-    /// its first product.
+    /// (`PRODUCT_WORKSPACE` per compute thread), and the calling thread's
+    /// scratch that a bf16/f16 weight is converted to f32 in, panel by
+    /// panel (`Model::scratch_values`; none for an f32 model), each kept by
+    /// its thread after its first product.
     pub workspace: usize,
 }
 
@@ -89,7 +92,7 @@ impl Model {
             block: (tape + transient) * f,
             head: (chunk * c.vocab_size + 2 * n * h) * f,
             gradients: adapter_values * f,
-            workspace: rayon::current_num_threads() * PRODUCT_WORKSPACE,
+            workspace: rayon::current_num_threads() * PRODUCT_WORKSPACE + self.scratch_values() * f,
         }
     }
 
@@ -175,7 +178,7 @@ impl Model {
             *d = s;
         }
         let nf = self.final_norm.forward(&x);
-        let head: &[f32] = match &self.lm_head {
+        let head = match &self.lm_head {
             Some(head) => &head.weight,
             None => &self.embed,
         };
@@ -250,7 +253,7 @@ impl Model {
                     c.vocab_size
                 )));
             }
-            dst.copy_from_slice(&self.embed[id * h..(id + 1) * h]);
+            self.embed.copy_row(id, dst);
             if let Some(pos) = &self.positions {
                 let p = i % t;
                 add(dst, &pos[p * h..(p + 1) * h]);
@@ -265,7 +268,7 @@ impl Model {
     /// d(loss)/d(weight) is added into it chunk by chunk too.
     pub(super) fn head_loss(
         &self,
-        weight: &[f32],
+        weight: &Weight,
         nf: &[f32],
         counted: &[(usize, usize)],
         chunk: usize,
@@ -285,11 +288,11 @@ impl Model {
             // [rows, V] row-major, computed as (W · xsᵀ)ᵀ: the vocabulary
             // runs down the product's long side, which packs better.
             let mut logits = vec![0.0f32; rows * v];
-            gemm_strided(
+            gemm_weight_lhs(
                 &mut logits,
                 1,
                 v,
-                View::new(weight, v, h),
+                weight.operand(),
                 View::new(&xs, rows, h).t(),
                 false,
                 true,
@@ -323,7 +326,7 @@ impl Model {
                     true,
                 );
             }
-            let dxs = matmul(&logits, weight, rows, v, h, false, false);
+            let dxs = matmul_weight(&logits, rows, v, false, weight.operand());
             for (&(pos, _), src) in part.iter().zip(dxs.chunks_exact(h)) {
                 dnf[pos * h..(pos + 1) * h].copy_from_slice(src);
             }
