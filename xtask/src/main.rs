@@ -630,6 +630,8 @@ fn error_chain(error: &anyhow::Error) -> String {
 /// error goes back to the OS as address space. Kept in the heap, it stayed
 /// counted against the limit, and the retry's next allocation outside the
 /// pool, which no policy sees, could be refused and abort the process.
+/// What keeps the pool itself from taking the last of the limit is the
+/// headroom of `headroom_model::address_space` (docs/memory.md).
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes allocator tunables and getrlimit only

@@ -52,6 +52,7 @@ macro_rules! cuda_form {
     };
 }
 
+pub mod address_space;
 pub mod cuda;
 pub mod custom;
 mod device;

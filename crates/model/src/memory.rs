@@ -42,6 +42,11 @@
 //!   refused by the budget (and so can show `reserved > limit` in the
 //!   statistics). Everything a forward, backward or loss allocates goes
 //!   through the fallible path.
+//! - Headroom: under `RLIMIT_AS` / `RLIMIT_DATA` a fallible block (and
+//!   `try_scratch`) that would leave less than `address_space::headroom()`
+//!   under the limit is refused as the system's refusal, before the OS is
+//!   asked: the pool taking address space up to the limit would leave the
+//!   next ordinary allocation of any thread to abort the process.
 //!
 //! `MemoryPool::new` makes a private pool and `MemoryPool::scope` routes this
 //! thread's CPU tensor allocations to it for the duration of a closure: tests
@@ -52,7 +57,7 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use crate::{Device, ModelError, Result};
+use crate::{address_space, Device, ModelError, Result};
 
 /// Smallest block, in bytes.
 const MIN_BLOCK: u64 = 256;
@@ -434,9 +439,18 @@ impl MemoryPool {
             g.note_peaks();
         }
         drop(freed);
-        // The OS allocation happens outside the lock.
+        // The OS allocation happens outside the lock, and only when it
+        // leaves the headroom under the process's own limits for what
+        // cannot fail softly (`address_space`); refused there, it is the
+        // system's refusal, as the OS's own would be.
         let mut block: Vec<f32> = Vec::new();
-        let got = block.try_reserve_exact((class / F32_BYTES) as usize);
+        let got = if !checked || address_space::admits(class) {
+            block
+                .try_reserve_exact((class / F32_BYTES) as usize)
+                .map_err(|_| ())
+        } else {
+            Err(())
+        };
         let mut g = self.lock();
         match got {
             Ok(()) => {
@@ -537,12 +551,19 @@ impl MemoryPool {
 /// (a kernel's output before a tensor adopts it, transposed weights,
 /// per-thread partials): `ModelError::OutOfMemory` when the OS refuses,
 /// which the out-of-memory policy handles, instead of the abort an
-/// infallible `Vec` allocation would be.
+/// infallible `Vec` allocation would be. Like a pool block, it is refused when it would leave less than the
+/// headroom under the process's limits (`address_space`).
 pub fn try_scratch<T>(len: usize) -> Result<Vec<T>> {
     let mut buffer = Vec::new();
-    match buffer.try_reserve_exact(len) {
+    let bytes = (len as u64).saturating_mul(std::mem::size_of::<T>() as u64);
+    let got = if address_space::admits(bytes) {
+        buffer.try_reserve_exact(len).map_err(|_| ())
+    } else {
+        Err(())
+    };
+    match got {
         Ok(()) => Ok(buffer),
-        Err(_) => {
+        Err(()) => {
             let pool = current(Device::Cpu);
             let mut g = pool.lock();
             Err(g.refused_by_system((len * std::mem::size_of::<T>()) as u64))

@@ -75,6 +75,27 @@ pub fn check_room_to_start() -> crate::Result<()> {
     }
 }
 
+/// Address space each compute thread may take outside the pool during a
+/// step, allowed for in the headroom: the direct convolution's index lists
+/// (up to 512 KiB at its 256 KiB image chunks), rayon's job structures,
+/// an im2col or gemm buffer growing once.
+const THREAD_HEADROOM: u64 = 2 << 20;
+
+/// The address space every fallible allocation of a run leaves free under
+/// `RLIMIT_AS` / `RLIMIT_DATA` (`headroom_model::address_space`): what the
+/// rest of the process may take beside the tensors at any moment of a
+/// step, and that cannot fail softly. The base (a spawned thread's 8 MiB
+/// stack, glibc's heap growth, the OOM policy's messages, the checkpoint
+/// writer's buffers), [`THREAD_HEADROOM`] per compute thread, and the
+/// loaders' batches that may be made while a step runs
+/// (`batch_bytes_in_flight`). The room measured at each allocation already
+/// counts what is alive; this is for what may appear before the next.
+pub fn address_space_headroom(threads: usize, batch_bytes_in_flight: u64) -> u64 {
+    headroom_model::address_space::DEFAULT_HEADROOM
+        + threads as u64 * THREAD_HEADROOM
+        + batch_bytes_in_flight
+}
+
 /// The tensor budget when `device.memory_limit` is unset: a share of the
 /// tightest ceiling's room.
 pub fn default_budget() -> Option<(u64, MemoryCeiling)> {
@@ -233,6 +254,18 @@ mod tests {
             .starts_with("cgroup v1 memory.limit_in_bytes"));
         write("memory.limit_in_bytes", "9223372036854771712\n");
         assert!(cgroup_limit(dir.path(), &files).is_none(), "no limit");
+    }
+
+    /// Two compute threads and batches of 4096 Fashion-MNIST images, one
+    /// worker and one prefetched (three in flight): 16 + 4 + 9.2 MiB.
+    #[test]
+    fn the_headroom_covers_threads_and_batches_in_flight() {
+        let batches = 3 * 4096 * 784;
+        assert_eq!(
+            address_space_headroom(2, batches),
+            (16 << 20) + (4 << 20) + 9_633_792
+        );
+        assert!(address_space_headroom(0, 0) >= headroom_model::address_space::DEFAULT_HEADROOM);
     }
 
     #[test]

@@ -356,6 +356,7 @@ impl Trainer {
             writes_checkpoints: self.ranks.as_ref().is_none_or(|r| r.is_leader()),
         };
         let mut run = prepare(&loop_settings, &self.schedule, made)?;
+        keep_address_space_headroom(threads, &run);
         let resumed_from = match resume_point {
             Some((path, saved)) => {
                 let settings_changed = saved.meta.config_json != loop_settings.record_json;
@@ -912,6 +913,39 @@ fn start_global_pool() -> Result<()> {
             what: "the shared compute threads (rayon's global pool)".into(),
             reason: e.to_string(),
         }),
+    }
+}
+
+/// Sizes the address space the run's fallible allocations leave free under
+/// `RLIMIT_AS` / `RLIMIT_DATA` for what cannot fail softly: its compute
+/// threads and the batches its loaders may make while a step runs (each
+/// worker's, the prefetch queue's, and the step's own micro-batch copy).
+fn keep_address_space_headroom(threads: usize, run: &Run) {
+    let loaders = [
+        Some(&run.train_loader),
+        Some(&run.test_loader),
+        run.validation_loader.as_ref(),
+    ];
+    let batch_bytes_in_flight = loaders
+        .into_iter()
+        .flatten()
+        .map(|loader| {
+            let config = loader.config();
+            let dataset = loader.dataset();
+            let sample: usize = dataset.sample_shape().iter().product();
+            let batch = config.batch_size.min(dataset.len());
+            ((config.workers + config.prefetch + 1) * batch * sample) as u64
+        })
+        .sum();
+    let headroom = crate::limits::address_space_headroom(threads, batch_bytes_in_flight);
+    headroom_model::address_space::set_headroom(headroom);
+    if let Some(room) = headroom_model::address_space::room() {
+        tracing::info!(
+            "address-space limit: tensors and scratch leave {} of the {} left free for what cannot fail \
+             softly ({threads} compute threads, loader batches in flight)",
+            headroom_model::memory::bytes_text(headroom),
+            headroom_model::memory::bytes_text(room)
+        );
     }
 }
 
