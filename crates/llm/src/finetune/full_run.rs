@@ -34,7 +34,10 @@ use serde_json::{json, Value};
 
 use super::checkpoint::{self, hash_file, sync_dir, Fnv};
 use super::full::{FullOptions, FullState, FullTrainer, Moments};
-use super::run::{cut_metrics, exact, path_text, Event, Metrics, METRICS, RUN_RECORD};
+use super::run::{
+    cut_metrics, exact, path_text, report_changes, set_aside_skipped, Event, Metrics, METRICS,
+    RUN_RECORD,
+};
 use super::LrSchedule;
 use crate::data::{DataOptions, Rows};
 use crate::error::{LlmError, Result};
@@ -667,26 +670,7 @@ pub fn resume(
             ),
         ));
     }
-    for error in &skipped {
-        if let LlmError::Checkpoint { path, .. } = error {
-            let name = path
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            let aside = (1..)
-                .map(|n| match n {
-                    1 => out.join(format!("{name}.corrupt")),
-                    n => out.join(format!("{name}.corrupt-{n}")),
-                })
-                .find(|p| !p.exists())
-                .unwrap_or_else(|| out.join(format!("{name}.corrupt")));
-            std::fs::rename(path, &aside).map_err(io(path))?;
-            on_event(Event::Skipped {
-                error,
-                set_aside: &aside,
-            });
-        }
-    }
+    set_aside_skipped(out, &skipped, &mut on_event)?;
     for (name, values) in &saved.weights {
         model.set_weight(name, values)?;
     }
@@ -697,18 +681,7 @@ pub fn resume(
         epoch: state.epoch,
         position: state.position,
     });
-    let mut changed = serde_json::Map::new();
-    for (key, value) in now.as_object().into_iter().flatten() {
-        let before = was.get(key).unwrap_or(&Value::Null);
-        if before != value {
-            on_event(Event::Changed {
-                key,
-                was: before,
-                now: value,
-            });
-            changed.insert(key.clone(), json!({"was": before, "now": value}));
-        }
-    }
+    let changed = report_changes(&was, &now, &mut on_event);
     let step = state.step;
     let elapsed = saved.record["elapsed_s"].as_f64().unwrap_or(0.0);
     let base_dir = model.dir.clone();

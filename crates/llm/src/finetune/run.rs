@@ -299,6 +299,58 @@ pub enum Outcome {
         checkpoint: PathBuf,
     },
 }
+/// Sets aside each checkpoint `skipped` names as `NAME.corrupt` (or
+/// `.corrupt-N`, a name not taken: an earlier fallback may have used one),
+/// reporting each: what a resume does with those that do not load.
+pub(crate) fn set_aside_skipped(
+    out: &Path,
+    skipped: &[LlmError],
+    on_event: &mut impl FnMut(Event),
+) -> Result<()> {
+    for error in skipped {
+        if let LlmError::Checkpoint { path, .. } = error {
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let aside = (1..)
+                .map(|n| match n {
+                    1 => out.join(format!("{name}.corrupt")),
+                    n => out.join(format!("{name}.corrupt-{n}")),
+                })
+                .find(|p| !p.exists())
+                .unwrap_or_else(|| out.join(format!("{name}.corrupt")));
+            std::fs::rename(path, &aside).map_err(io(path))?;
+            on_event(Event::Skipped {
+                error,
+                set_aside: &aside,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The settings a resume changes (`now` against `was`), each reported:
+/// `{key: {was, now}}` for the run record.
+pub(crate) fn report_changes(
+    was: &Value,
+    now: &Value,
+    on_event: &mut impl FnMut(Event),
+) -> serde_json::Map<String, Value> {
+    let mut changed = serde_json::Map::new();
+    for (key, value) in now.as_object().into_iter().flatten() {
+        let before = was.get(key).unwrap_or(&Value::Null);
+        if before != value {
+            on_event(Event::Changed {
+                key,
+                was: before,
+                now: value,
+            });
+            changed.insert(key.clone(), json!({"was": before, "now": value}));
+        }
+    }
+    changed
+}
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> LlmError + '_ {
     move |source| LlmError::Io {
@@ -490,25 +542,7 @@ pub fn resume(
             saved.path.display()
         )));
     }
-    for error in &skipped {
-        if let LlmError::Checkpoint { path, .. } = error {
-            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
-            let name = name.unwrap_or_default();
-            // A name not taken (an earlier fallback may have used one).
-            let aside = (1..)
-                .map(|n| match n {
-                    1 => out.join(format!("{name}.corrupt")),
-                    n => out.join(format!("{name}.corrupt-{n}")),
-                })
-                .find(|p| !p.exists())
-                .unwrap_or_else(|| out.join(format!("{name}.corrupt")));
-            std::fs::rename(path, &aside).map_err(io(path))?;
-            on_event(Event::Skipped {
-                error,
-                set_aside: &aside,
-            });
-        }
-    }
+    set_aside_skipped(out, &skipped, &mut on_event)?;
     let state = saved.state;
     on_event(Event::Resumed {
         from: &saved.path,
@@ -516,18 +550,7 @@ pub fn resume(
         epoch: state.epoch,
         position: state.position,
     });
-    let mut changed = serde_json::Map::new();
-    for (key, value) in now.as_object().into_iter().flatten() {
-        let before = was.get(key).unwrap_or(&Value::Null);
-        if before != value {
-            on_event(Event::Changed {
-                key,
-                was: before,
-                now: value,
-            });
-            changed.insert(key.clone(), json!({"was": before, "now": value}));
-        }
-    }
+    let changed = report_changes(&was, &now, &mut on_event);
     let mut trainer = Trainer::with_state(model, data, &settings.options, state)?;
     cut_metrics(out, trainer.state().step)?;
     record.settings = settings.clone();
