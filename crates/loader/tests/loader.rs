@@ -844,7 +844,6 @@ fn ranks_make_the_slices_of_one_process_s_global_batches() {
         ..single
     };
     let err = DataLoader::new(Arc::new(Synth::new(50, [6, 6, 1], 5)), keep_last)
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert!(err.to_string().contains("drop_last"), "{err}");
 }
