@@ -843,7 +843,7 @@ fn ranks_make_the_slices_of_one_process_s_global_batches() {
         shard: Shard { rank: 0, world },
         ..single
     };
-    let err = DataLoader::new(Arc::new(Synth::new(50, [6, 6, 1], 5)), keep_last)
-        .expect_err("refused");
+    let err =
+        DataLoader::new(Arc::new(Synth::new(50, [6, 6, 1], 5)), keep_last).expect_err("refused");
     assert!(err.to_string().contains("drop_last"), "{err}");
 }
