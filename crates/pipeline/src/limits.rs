@@ -86,7 +86,7 @@ const THREAD_HEADROOM: u64 = 2 << 20;
 /// rest of the process may take beside the tensors at any moment of a
 /// step, and that cannot fail softly. The base (a spawned thread's 8 MiB
 /// stack, glibc's heap growth, the OOM policy's messages, the checkpoint
-/// writer's buffers), [`THREAD_HEADROOM`] per compute thread, and the
+/// writer's buffers), 2 MiB per compute thread (`THREAD_HEADROOM`), and the
 /// loaders' batches that may be made while a step runs
 /// (`batch_bytes_in_flight`). The room measured at each allocation already
 /// counts what is alive; this is for what may appear before the next.
