@@ -114,6 +114,20 @@ fn two_ranks_train_the_weights_of_one_process_accumulating_two_bit_for_bit() {
         );
     }
     assert!(alone.step > 0);
+    // The epochs' training figures are the global batch's, as one
+    // process's: the same loss and accuracy, to the bit.
+    let leader = results[0].as_ref().expect("rank 0");
+    for (a, b) in alone.epochs.iter().zip(&leader.epochs) {
+        assert_eq!(
+            a.train_loss.map(f32::to_bits),
+            b.train_loss.map(f32::to_bits)
+        );
+        assert_eq!(
+            a.train_accuracy.map(f32::to_bits),
+            b.train_accuracy.map(f32::to_bits)
+        );
+    }
+    assert_eq!(alone.epochs.len(), leader.epochs.len());
     assert!(
         same_bits(&weights(&one), &weights(&two)),
         "2 ranks × 32 ended in other weights than 1 process × 64 in 2 micro-batches"

@@ -39,6 +39,10 @@ pub(crate) struct RunSettings {
     /// False on a data-parallel run's followers: the leader writes the
     /// checkpoints (the ranks' states are the same bits).
     pub writes_checkpoints: bool,
+    /// Ranks of a data-parallel run (1 alone): a step's loss and correct
+    /// count are the global batch's, so its samples count N times a
+    /// rank's batch.
+    pub world: usize,
 }
 
 pub(crate) enum Finish {
@@ -341,7 +345,7 @@ fn run_epoch(
         }
         steps.in_flight.push_back(Submitted {
             index: batch.index,
-            samples: batch.len(),
+            samples: batch.len() * plan.world,
         });
         while trainee.learner.steps_in_flight() > trainee.learner.pipeline_depth() {
             if steps.collect(trainee, memory)? {

@@ -354,6 +354,7 @@ impl Trainer {
             model_json: self.record.model_json(),
             stop: self.stop.clone(),
             writes_checkpoints: self.ranks.as_ref().is_none_or(|r| r.is_leader()),
+            world: self.ranks.as_ref().map_or(1, |r| r.world),
         };
         let mut run = prepare(&loop_settings, &self.schedule, made)?;
         keep_address_space_headroom(threads, &run);
