@@ -24,6 +24,9 @@ fn keys_in_code() -> BTreeSet<String> {
             // The default experiment scores with flip TTA, which a frame
             // model cannot use.
             "eval.tta=none",
+            // [distributed] is left out of the serialised config when default.
+            "distributed.bucket_mb=10",
+            "distributed.timeout_s=60",
         ],
         &[
             "augment.rand_augment.num_ops=2",
