@@ -362,7 +362,7 @@ struct GenerateArgs {
 /// files moved) or equal the recorded one.
 #[derive(clap::Args)]
 struct LoraLlmArgs {
-    /// A fine-tuning recipe (TOML: experiments/lora_llm.toml is the seed
+    /// A fine-tuning recipe (TOML: experiments/llm/lora_llm.toml is the seed
     /// recipe); the flags given go on top of it. Relative paths in it are
     /// from its directory.
     #[arg(long, value_name = "FILE", conflicts_with = "resume")]

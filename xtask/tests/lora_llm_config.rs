@@ -1,7 +1,7 @@
 //! `lora-llm --config FILE --set KEY=VALUE`: a run from a recipe file is
 //! the run from the same flags bit for bit (adapters, checkpoints' files,
 //! every step's loss, run.json's settings), `--set` goes over the file and
-//! the flags over both, the seed recipe (experiments/lora_llm.toml) holds
+//! the flags over both, the seed recipe (experiments/llm/lora_llm.toml) holds
 //! issue #57's settings, and an unknown key or a value of the wrong type is
 //! refused naming the file or `--set` and the key.
 
@@ -145,7 +145,7 @@ fn a_run_from_the_file_is_the_run_from_the_flags() {
 fn the_seed_recipe_holds_the_issues_settings() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let out = tmp.path().join("seed");
-    let recipe = repo_root().join("experiments/lora_llm.toml");
+    let recipe = repo_root().join("experiments/llm/lora_llm.toml");
     let result = run(&[
         "lora-llm",
         "--config",

@@ -1,5 +1,5 @@
 //! `lora-llm --config FILE [--set KEY=VALUE]…`: a fine-tuning recipe as an
-//! experiment file (the seed recipe is `experiments/lora_llm.toml`). Every
+//! experiment file (the seed recipe is `experiments/llm/lora_llm.toml`). Every
 //! setting the command takes as a flag has a key; the file is read first,
 //! `--set` goes on top of it (as `cargo xtask train --set` does), and the
 //! flags given on the command line go on top of both. The result fills the
