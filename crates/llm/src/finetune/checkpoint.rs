@@ -86,6 +86,16 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
 
 /// Writes `bytes` to `path` through `.NAME.tmp` beside it: written, synced,
 /// renamed, the directory synced.
+/// `value` as pretty JSON (a line end after it), written atomically: the
+/// run records of the LoRA and the full run.
+pub fn write_json_atomic(path: &Path, value: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).map_err(|source| LlmError::Json {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    write_atomic(path, format!("{text}\n").as_bytes())
+}
+
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path

@@ -246,11 +246,7 @@ impl RunRecord {
             "data": self.data,
             "resumes": self.resumes,
         });
-        let text = serde_json::to_string_pretty(&value).map_err(|source| LlmError::Json {
-            path: path.clone(),
-            source,
-        })?;
-        checkpoint::write_atomic(&path, format!("{text}\n").as_bytes())
+        checkpoint::write_json_atomic(&path, &value)
     }
 }
 
