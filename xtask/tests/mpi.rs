@@ -1,9 +1,9 @@
 //! Data-parallel training over MPI: `mpirun -np 2` of the xtask binary
 //! (built with the `mpi` feature; CI installs Open MPI and runs these).
 //! Two ranks of 32 samples end in the weights of one process of 64 in
-//! two micro-batches, bit for bit; a rank killed mid-run stops the other
-//! within a bound, and the leader's checkpoint resumes to the weights of
-//! a run never stopped.
+//! two micro-batches, bit for bit (and so do two ranks with ZeRO-1); a
+//! rank killed mid-run stops the other within a bound, and the leader's
+//! checkpoint resumes to the weights of a run never stopped.
 #![cfg(feature = "mpi")]
 
 mod common;
@@ -97,7 +97,21 @@ fn two_mpi_ranks_train_the_weights_of_one_process_accumulating_two() {
     let out = String::from_utf8_lossy(&ranked.stdout);
     assert_eq!(out.matches("== smoke ==").count(), 1, "{out}");
     assert!(same_bits(&weights(&one), &weights(&two)));
-    for dir in [data, one, two] {
+    // ZeRO-1 over MPI: the same weights again.
+    let zero = temp("zero");
+    let sharded = mpirun(
+        2,
+        &args(
+            &data,
+            &zero,
+            &["train.batch_size=32", "train.shard_optimizer=true"],
+        ),
+    )
+    .output()
+    .expect("mpirun");
+    assert!(sharded.status.success(), "{}", stderr(&sharded));
+    assert!(same_bits(&weights(&one), &weights(&zero)));
+    for dir in [data, one, two, zero] {
         let _ = std::fs::remove_dir_all(dir);
     }
 }

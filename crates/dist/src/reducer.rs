@@ -17,6 +17,14 @@
 //! zeros), so its peers are never left waiting; the step's status,
 //! exchanged after, makes every rank undo it.
 //!
+//! Sharded (ZeRO-1, [`GradientReducer::sharded`]): every tensor has an
+//! owner rank ([`BucketPlan::owners`]: consecutive tensors, about 1/N of
+//! the values each), each bucket is only reduce-scattered (each rank gets
+//! the sums of its own tensors, added in the same rank order, so the same
+//! bits as the all-reduce's), and after the owners' updates
+//! [`GradientReducer::gather_owned`] brings every rank every tensor's new
+//! values. The same bytes on the wire as the all-reduce.
+//!
 //! Memory: one copy of every gradient (the buckets, allocated once) and
 //! the all-reduce's receive space, one bucket's worth.
 
@@ -25,7 +33,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use crate::collective::all_reduce_ordered;
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::collective::{all_gather_slices, all_reduce_ordered, reduce_scatter_ordered};
 use crate::transport::lock;
 use crate::{DistError, Result, SharedTransport};
 
@@ -80,6 +91,56 @@ impl BucketPlan {
     pub fn tensors(&self) -> usize {
         self.place.len()
     }
+
+    /// Each tensor's owner in a world of `world` under a sharded
+    /// optimizer: consecutive tensors (in the plan's order), a tensor to
+    /// the rank whose share of the values holds its middle, so each rank
+    /// owns about 1/N of them and every rank's tensors are consecutive.
+    pub fn owners(&self, lens: &[usize], world: usize) -> Vec<usize> {
+        let total: u128 = lens.iter().map(|&l| l as u128).sum();
+        let world = world.max(1);
+        let mut start = 0u128;
+        lens.iter()
+            .map(|&len| {
+                let middle = 2 * start + len as u128;
+                start += len as u128;
+                if total == 0 {
+                    return 0;
+                }
+                ((middle * world as u128) / (2 * total)).min(world as u128 - 1) as usize
+            })
+            .collect()
+    }
+
+    /// Per bucket, per rank: the values of the bucket its tensors take
+    /// (`owners` from [`Self::owners`]; empty where it owns none there).
+    pub fn owner_slices(&self, owners: &[usize], world: usize) -> Vec<Vec<Range<usize>>> {
+        let world = world.max(1);
+        // Per bucket, per rank j: where the first tensor owned by rank j or
+        // a later one starts (the bucket's end if none). The owners never
+        // decrease along the plan, so rank j's slice runs to rank j+1's start.
+        let mut starts: Vec<Vec<usize>> = self
+            .buckets
+            .iter()
+            .map(|&(len, _)| vec![len; world + 1])
+            .collect();
+        for (tensor, &(bucket, offset)) in self.place.iter().enumerate().rev() {
+            let owner = owners.get(tensor).copied().unwrap_or(0).min(world - 1);
+            for start in &mut starts[bucket][..=owner] {
+                *start = offset;
+            }
+        }
+        starts
+            .iter()
+            .map(|s| (0..world).map(|j| s[j]..s[j + 1]).collect())
+            .collect()
+    }
+}
+
+struct Shards {
+    rank: usize,
+    owners: Vec<usize>,
+    slices: Arc<Vec<Vec<Range<usize>>>>,
 }
 
 struct Job {
@@ -105,6 +166,10 @@ pub struct GradientReducer {
     /// Tensors handed over this step.
     given: Vec<bool>,
     launched: usize,
+    /// Sharded: each tensor's owner and, per bucket, each rank's slice.
+    shards: Option<Shards>,
+    transport: SharedTransport,
+    timeout: Duration,
     jobs: Option<Sender<Job>>,
     done: Receiver<Done>,
     thread: Option<JoinHandle<()>>,
@@ -121,7 +186,45 @@ impl GradientReducer {
         bucket_values: usize,
         timeout: Duration,
     ) -> Result<Self> {
+        Self::build(transport, lens, bucket_values, timeout, false)
+    }
+
+    /// A reducer for a sharded optimizer (ZeRO-1): each bucket is only
+    /// reduce-scattered, so that after [`Self::finish`] a rank holds the
+    /// sums of the tensors it owns ([`Self::owner`]); its peers' new
+    /// values come with [`Self::gather_owned`] after the update.
+    pub fn sharded(
+        transport: SharedTransport,
+        lens: &[usize],
+        bucket_values: usize,
+        timeout: Duration,
+    ) -> Result<Self> {
+        Self::build(transport, lens, bucket_values, timeout, true)
+    }
+
+    fn build(
+        transport: SharedTransport,
+        lens: &[usize],
+        bucket_values: usize,
+        timeout: Duration,
+        sharded: bool,
+    ) -> Result<Self> {
         let plan = BucketPlan::new(lens, bucket_values);
+        let shards = if sharded {
+            let (rank, world) = {
+                let t = lock(&transport)?;
+                (t.rank(), t.world())
+            };
+            let owners = plan.owners(lens, world);
+            let slices = Arc::new(plan.owner_slices(&owners, world));
+            Some(Shards {
+                rank,
+                owners,
+                slices,
+            })
+        } else {
+            None
+        };
         let mut home = Vec::with_capacity(plan.buckets());
         for len in plan.bucket_lens() {
             let mut bucket = Vec::new();
@@ -134,9 +237,11 @@ impl GradientReducer {
         let (jobs, job_rx) = crossbeam_channel::unbounded::<Job>();
         let (done_tx, done) = crossbeam_channel::unbounded::<Done>();
         let buckets = plan.buckets();
+        let slices = shards.as_ref().map(|s| Arc::clone(&s.slices));
+        let shared = transport.clone();
         let thread = std::thread::Builder::new()
             .name("headroom-allreduce".into())
-            .spawn(move || communicate(&transport, &job_rx, &done_tx, timeout, buckets))
+            .spawn(move || communicate(&shared, &job_rx, &done_tx, timeout, buckets, slices))
             .map_err(|e| DistError::Thread(format!("cannot start the all-reduce thread: {e}")))?;
         Ok(Self {
             arrived: vec![0; plan.buckets()],
@@ -145,6 +250,9 @@ impl GradientReducer {
             lens: lens.to_vec(),
             home,
             launched: 0,
+            shards,
+            transport,
+            timeout,
             jobs: Some(jobs),
             done,
             thread: Some(thread),
@@ -153,6 +261,73 @@ impl GradientReducer {
 
     pub fn plan(&self) -> &BucketPlan {
         &self.plan
+    }
+
+    /// The rank that owns (updates) tensor `tensor` under a sharded
+    /// optimizer; None when the reducer is not sharded (every rank
+    /// updates every tensor).
+    pub fn owner(&self, tensor: usize) -> Option<usize> {
+        let shards = self.shards.as_ref()?;
+        shards.owners.get(tensor).copied()
+    }
+
+    /// Whether this rank owns `tensor` (always, unsharded).
+    pub fn owns(&self, tensor: usize) -> bool {
+        match &self.shards {
+            None => true,
+            Some(s) => s.owners.get(tensor) == Some(&s.rank),
+        }
+    }
+
+    /// Sharded: every rank's new values of the tensors it owns, to every
+    /// rank. `tensors` (by plan index) holds this rank's tensors' new
+    /// values, which are sent; the others' are overwritten with their
+    /// owners'. Bucket by bucket, as the gradients went. Unsharded it does
+    /// nothing (every rank made every update).
+    pub fn gather_owned(&mut self, tensors: &mut [&mut [f32]]) -> Result<()> {
+        let Some(shards) = &self.shards else {
+            return Ok(());
+        };
+        if tensors.len() != self.lens.len()
+            || tensors.iter().zip(&self.lens).any(|(t, &l)| t.len() != l)
+        {
+            return Err(DistError::Thread(format!(
+                "{} tensors handed to the gather, the plan has {}",
+                tensors.len(),
+                self.lens.len()
+            )));
+        }
+        let mut transport = lock(&self.transport)?;
+        let mut first = 0;
+        for bucket in 0..self.plan.buckets() {
+            let count = self.plan.buckets[bucket].1;
+            let values = self.home[bucket]
+                .as_mut()
+                .ok_or_else(|| DistError::Thread(format!("bucket {bucket} is away")))?;
+            let members = first..first + count;
+            for tensor in members.clone() {
+                if shards.owners[tensor] == shards.rank {
+                    let offset = self.plan.place[tensor].1;
+                    values[offset..offset + self.lens[tensor]].copy_from_slice(tensors[tensor]);
+                }
+            }
+            all_gather_slices(
+                transport.as_mut(),
+                bucket as u16,
+                values,
+                &shards.slices[bucket],
+                Instant::now() + self.timeout,
+                &format!("gathering the updated weights of bucket {bucket}"),
+            )?;
+            for tensor in members {
+                if shards.owners[tensor] != shards.rank {
+                    let offset = self.plan.place[tensor].1;
+                    tensors[tensor].copy_from_slice(&values[offset..offset + self.lens[tensor]]);
+                }
+            }
+            first += count;
+        }
+        Ok(())
     }
 
     /// Tensor `tensor` (production order) has its final gradient for this
@@ -214,7 +389,8 @@ impl GradientReducer {
     }
 
     /// Waits for every bucket of the step and hands each tensor's sum to
-    /// `write(tensor, sum)`; the reducer is then ready for the next step.
+    /// `write(tensor, sum)` (sharded: each tensor this rank owns); the
+    /// reducer is then ready for the next step.
     /// Every tensor must have been handed over (or `abort_step` called).
     pub fn finish(&mut self, mut write: impl FnMut(usize, &[f32])) -> Result<()> {
         if let Some(tensor) = self.given.iter().position(|g| !g) {
@@ -230,6 +406,13 @@ impl GradientReducer {
         }
         self.collect()?;
         for (tensor, &(bucket, offset)) in self.plan.place.iter().enumerate() {
+            let owned = match &self.shards {
+                None => true,
+                Some(s) => s.owners[tensor] == s.rank,
+            };
+            if !owned {
+                continue;
+            }
             if let Some(values) = self.home[bucket].as_ref() {
                 write(tensor, &values[offset..offset + self.lens[tensor]]);
             }
@@ -277,6 +460,7 @@ fn communicate(
     done: &Sender<Done>,
     timeout: Duration,
     buckets: usize,
+    slices: Option<Arc<Vec<Vec<Range<usize>>>>>,
 ) {
     let mut scratch = Vec::new();
     let mut waiting: Vec<Option<Vec<f32>>> = (0..buckets).map(|_| None).collect();
@@ -286,15 +470,25 @@ fn communicate(
             *slot = Some(values);
         }
         while let Some(mut values) = waiting.get_mut(next).and_then(Option::take) {
-            let result = lock(transport).and_then(|mut t| {
-                all_reduce_ordered(
+            let deadline = Instant::now() + timeout;
+            let result = lock(transport).and_then(|mut t| match &slices {
+                None => all_reduce_ordered(
                     t.as_mut(),
                     next as u16,
                     &mut values,
                     &mut scratch,
-                    Instant::now() + timeout,
+                    deadline,
                     &format!("the all-reduce of gradient bucket {next}"),
-                )
+                ),
+                Some(slices) => reduce_scatter_ordered(
+                    t.as_mut(),
+                    next as u16,
+                    &mut values,
+                    &slices[next],
+                    &mut scratch,
+                    deadline,
+                    &format!("the reduce-scatter of gradient bucket {next}"),
+                ),
             });
             if done
                 .send(Done {

@@ -261,3 +261,111 @@ fn a_tensor_never_handed_over_is_an_error_not_a_hang() {
     let err = reducer.finish(|_, _| {}).expect_err("tensor 0 missing");
     assert!(err.to_string().contains("tensor 0"), "{err}");
 }
+
+#[test]
+fn owners_are_consecutive_and_the_slices_cover_every_bucket() {
+    for world in [1usize, 2, 3, 5] {
+        for (lens, bucket) in [
+            (vec![3usize, 100, 7, 0, 64, 1, 1, 30], 50usize),
+            (vec![1000, 1, 1], 1),
+            (vec![5; 40], 12),
+            (vec![0, 0], 4),
+        ] {
+            let plan = BucketPlan::new(&lens, bucket);
+            let owners = plan.owners(&lens, world);
+            assert!(owners.windows(2).all(|w| w[0] <= w[1]), "{owners:?}");
+            assert!(owners.iter().all(|&o| o < world));
+            let slices = plan.owner_slices(&owners, world);
+            for (b, (bucket, len)) in slices.iter().zip(plan.bucket_lens()).enumerate() {
+                assert_eq!(bucket.len(), world);
+                assert_eq!(bucket[0].start, 0, "bucket {b}");
+                assert_eq!(bucket[world - 1].end, len, "bucket {b}");
+                assert!(bucket.windows(2).all(|w| w[0].end == w[1].start));
+            }
+        }
+    }
+    // Many equal tensors are spread over every rank, about equally.
+    let lens = vec![10usize; 30];
+    let owners = BucketPlan::new(&lens, 25).owners(&lens, 3);
+    for r in 0..3 {
+        assert_eq!(owners.iter().filter(|&&o| o == r).count(), 10, "{owners:?}");
+    }
+}
+
+#[test]
+fn sharded_each_rank_gets_its_tensors_sums_and_every_rank_the_gathered_updates() {
+    let lens = [3usize, 100, 7, 0, 64, 20, 20];
+    let world = 3;
+    let expected: Vec<Vec<f32>> = lens
+        .iter()
+        .enumerate()
+        .map(|(t, &len)| {
+            let mut s = awkward(t, len);
+            for r in 1..world {
+                let v = awkward(t + 10 * r, len);
+                s.iter_mut().zip(&v).for_each(|(a, b)| *a += b);
+            }
+            s
+        })
+        .collect();
+    for bucket in [1, 50, 10_000] {
+        let got = on_ranks(world, move |rank, t| {
+            let mut reducer =
+                GradientReducer::sharded(shared(t), &lens, bucket, Duration::from_secs(20))
+                    .expect("reducer");
+            let mut sums: Vec<Option<Vec<f32>>> = vec![None; lens.len()];
+            for (t, &len) in lens.iter().enumerate() {
+                reducer
+                    .ready(t, &awkward(t + 10 * rank, len))
+                    .expect("ready");
+            }
+            reducer
+                .finish(|t, sum| sums[t] = Some(sum.to_vec()))
+                .expect("finish");
+            let owners: Vec<usize> = (0..lens.len())
+                .map(|t| reducer.owner(t).expect("sharded"))
+                .collect();
+            // The "update": the owner's sum plus its rank; the others'
+            // tensors start as garbage and must come back as the owner's.
+            let mut updated: Vec<Vec<f32>> = (0..lens.len())
+                .map(|t| match &sums[t] {
+                    Some(s) => s.iter().map(|v| v + owners[t] as f32).collect(),
+                    None => vec![f32::NAN; lens[t]],
+                })
+                .collect();
+            let mut views: Vec<&mut [f32]> = updated.iter_mut().map(Vec::as_mut_slice).collect();
+            reducer.gather_owned(&mut views).expect("gather");
+            (sums, owners, updated)
+        });
+        for (rank, (sums, owners, updated)) in got.iter().enumerate() {
+            assert_eq!(owners, &got[0].1, "the ranks agree on the owners");
+            for t in 0..lens.len() {
+                assert_eq!(
+                    sums[t].is_some(),
+                    owners[t] == rank,
+                    "rank {rank} tensor {t}"
+                );
+                if let Some(s) = &sums[t] {
+                    let same = s
+                        .iter()
+                        .zip(&expected[t])
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(
+                        same,
+                        "bucket {bucket}, rank {rank}, tensor {t}: not the ordered sum"
+                    );
+                }
+                let want: Vec<u32> = expected[t]
+                    .iter()
+                    .map(|v| (v + owners[t] as f32).to_bits())
+                    .collect();
+                let have: Vec<u32> = updated[t].iter().map(|v| v.to_bits()).collect();
+                assert_eq!(have, want, "bucket {bucket}, rank {rank}, tensor {t}");
+            }
+        }
+        // Every rank owns something here.
+        for r in 0..world {
+            assert!(got[0].1.contains(&r), "{:?}", got[0].1);
+        }
+    }
+}

@@ -162,6 +162,18 @@ pub struct AdamW {
     step: u64,
     /// `None` until the first step (or a `load_state` with moments).
     moments: Option<Moments>,
+    /// Sharded (ZeRO-1): the parameters this optimizer updates and keeps
+    /// moments for, by index; the others' moments are empty and their
+    /// updates are another rank's. None: every parameter.
+    owned: Option<Vec<bool>>,
+}
+
+/// How `update` goes about the finiteness check.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Apply,
+    CheckThenApply,
+    CheckOnly,
 }
 
 #[derive(Clone, Debug)]
@@ -180,7 +192,70 @@ impl AdamW {
             config,
             step: 0,
             moments: None,
+            owned: None,
         })
+    }
+
+    /// From now on only the parameters marked in `owned` (by index) are
+    /// updated and keep moments; the others' moments are dropped (a
+    /// sharded optimizer, ZeRO-1: another rank owns them). None: all
+    /// again (their dropped moments are not brought back; see
+    /// [`Self::fill_moments`]).
+    pub fn shard(&mut self, owned: Option<Vec<bool>>) {
+        self.owned = owned;
+        self.drop_unowned();
+    }
+
+    /// Releases the moments of the parameters this optimizer does not own
+    /// (after [`Self::fill_moments`] completed them for a checkpoint).
+    pub fn drop_unowned(&mut self) {
+        let (Some(owned), Some(moments)) = (&self.owned, self.moments.as_mut()) else {
+            return;
+        };
+        for (index, own) in owned.iter().enumerate() {
+            if !own {
+                for moment in [&mut moments.first, &mut moments.second] {
+                    if let Some(m) = moment.get_mut(index) {
+                        *m = Vec::new();
+                    }
+                }
+            }
+        }
+        moments.shapes = None;
+    }
+
+    /// Sets parameter `index`'s moments (another rank's, gathered so that
+    /// the state is whole for a checkpoint). Fails before the first step,
+    /// or when the index or the lengths do not fit.
+    pub fn fill_moments(
+        &mut self,
+        index: usize,
+        first: Vec<f32>,
+        second: Vec<f32>,
+    ) -> Result<(), OptimError> {
+        let moments = self
+            .moments
+            .as_mut()
+            .ok_or_else(|| OptimError::InvalidState("no moments before the first step".into()))?;
+        if index >= moments.first.len() || first.len() != second.len() {
+            return Err(OptimError::InvalidState(format!(
+                "moments of parameter {index}: {} and {} values for {} parameters",
+                first.len(),
+                second.len(),
+                moments.first.len()
+            )));
+        }
+        moments.first[index] = first;
+        moments.second[index] = second;
+        moments.shapes = None;
+        Ok(())
+    }
+
+    /// Whether this optimizer updates parameter `index`.
+    pub fn owns(&self, index: usize) -> bool {
+        self.owned
+            .as_ref()
+            .is_none_or(|o| o.get(index).copied().unwrap_or(false))
     }
 
     pub fn config(&self) -> &AdamWConfig {
@@ -196,7 +271,18 @@ impl AdamW {
     /// not its value's or a negative or non-finite `lr`. A failed step changes
     /// nothing: neither the parameters nor the optimizer's state.
     pub fn step(&mut self, params: &mut [&mut Param], lr: f32) -> Result<(), OptimError> {
-        self.update(params, lr, false).map(drop)
+        self.update(params, lr, Mode::Apply).map(drop)
+    }
+
+    /// What [`Self::step_if_finite`] would do, with nothing changed: a
+    /// sharded optimizer's ranks each check their own parameters, agree,
+    /// and then all [`Self::step`] or none.
+    pub fn check_step(
+        &mut self,
+        params: &mut [&mut Param],
+        lr: f32,
+    ) -> Result<UpdateOutcome, OptimError> {
+        self.update(params, lr, Mode::CheckOnly)
     }
 
     /// [`Self::step`], unless the update would leave a value that is not
@@ -212,15 +298,23 @@ impl AdamW {
         params: &mut [&mut Param],
         lr: f32,
     ) -> Result<UpdateOutcome, OptimError> {
-        self.update(params, lr, true)
+        self.update(params, lr, Mode::CheckThenApply)
     }
 
     fn update(
         &mut self,
         params: &mut [&mut Param],
         lr: f32,
-        check_finite: bool,
+        mode: Mode,
     ) -> Result<UpdateOutcome, OptimError> {
+        if let Some(owned) = &self.owned {
+            if owned.len() != params.len() {
+                return Err(OptimError::ParamCount {
+                    expected: owned.len(),
+                    got: params.len(),
+                });
+            }
+        }
         check("lr", lr, lr >= 0.0, "finite and >= 0")?;
         for (index, p) in params.iter().enumerate() {
             if !p.grad_fits() {
@@ -235,14 +329,19 @@ impl AdamW {
         let created = self.moments.is_none();
         match &mut self.moments {
             None => {
+                let owned = self.owned.as_deref();
                 self.moments = Some(Moments {
-                    first: zeroed_like(params)?,
-                    second: zeroed_like(params)?,
+                    first: zeroed_like(params, owned)?,
+                    second: zeroed_like(params, owned)?,
                     shapes: Some(params.iter().map(|p| p.value.shape().to_vec()).collect()),
                 });
             }
-            Some(moments) => moments.check(params)?,
+            Some(moments) => moments.check(params, self.owned.as_deref())?,
         }
+        let owned = self.owned.as_deref();
+        let updated = |index: usize, param: &Param| {
+            !param.frozen && owned.is_none_or(|o| o.get(index).copied().unwrap_or(false))
+        };
         let Some(moments) = self.moments.as_mut() else {
             unreachable!("moments were created above")
         };
@@ -264,12 +363,15 @@ impl AdamW {
             one_minus_beta2,
             eps,
         };
-        if check_finite {
+        if mode != Mode::Apply {
             let found = params
                 .iter()
                 .zip(&moments.first)
                 .zip(&moments.second)
-                .position(|((param, m), v)| !param.frozen && !factors.stays_finite(param, m, v));
+                .enumerate()
+                .position(|(index, ((param, m), v))| {
+                    updated(index, param) && !factors.stays_finite(param, m, v)
+                });
             if let Some(index) = found {
                 if created {
                     self.moments = None;
@@ -279,17 +381,24 @@ impl AdamW {
                     name: params[index].name.clone(),
                 });
             }
+            if mode == Mode::CheckOnly {
+                if created {
+                    self.moments = None;
+                }
+                return Ok(UpdateOutcome::Applied);
+            }
         }
         self.step += 1;
 
-        for ((param, m), v) in params
+        for (index, ((param, m), v)) in params
             .iter_mut()
             .zip(&mut moments.first)
             .zip(&mut moments.second)
+            .enumerate()
         {
             // A frozen parameter (a LoRA base weight) is not trained, not
-            // even decayed.
-            if param.frozen {
+            // even decayed; another rank's (sharded) is that rank's work.
+            if !updated(index, param) {
                 continue;
             }
             let decay = if param.decay { decay_factor } else { 1.0 };
@@ -408,6 +517,9 @@ impl AdamW {
             second: second_moment,
             shapes: None,
         });
+        // A whole state (a checkpoint's) into a sharded optimizer: it keeps
+        // its own parameters' moments.
+        self.drop_unowned();
         Ok(())
     }
 }
@@ -430,11 +542,23 @@ fn copy_fallibly(vectors: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, OptimError> {
 /// out-of-memory value, not abort the process. A frozen parameter is never
 /// updated, so its moments are empty: a LoRA run keeps state for its
 /// adapters only.
-fn zeroed_like(params: &[&mut Param]) -> Result<Vec<Vec<f32>>, OptimError> {
+fn zeroed_like(params: &[&mut Param], owned: Option<&[bool]>) -> Result<Vec<Vec<f32>>, OptimError> {
     params
         .iter()
-        .map(|p| headroom_model::memory::try_zeroed(moment_len(p)).map_err(OptimError::from))
+        .enumerate()
+        .map(|(index, p)| {
+            let len = if is_owned(owned, index) {
+                moment_len(p)
+            } else {
+                0
+            };
+            headroom_model::memory::try_zeroed(len).map_err(OptimError::from)
+        })
         .collect()
+}
+
+fn is_owned(owned: Option<&[bool]>, index: usize) -> bool {
+    owned.is_none_or(|o| o.get(index).copied().unwrap_or(false))
 }
 
 /// Elements of each moment of `param`: none when it is frozen.
@@ -455,7 +579,7 @@ pub fn state_bytes(params: &[&mut Param]) -> u64 {
 impl Moments {
     /// Checks `params` against the parameters the moments were made for and,
     /// after a `load_state`, records their shapes.
-    fn check(&mut self, params: &[&mut Param]) -> Result<(), OptimError> {
+    fn check(&mut self, params: &[&mut Param], owned: Option<&[bool]>) -> Result<(), OptimError> {
         if params.len() != self.first.len() {
             return Err(OptimError::ParamCount {
                 expected: self.first.len(),
@@ -477,7 +601,12 @@ impl Moments {
             }
             None => {
                 for (index, (p, m)) in params.iter().zip(&self.first).enumerate() {
-                    if moment_len(p) != m.len() {
+                    let len = if is_owned(owned, index) {
+                        moment_len(p)
+                    } else {
+                        0
+                    };
+                    if len != m.len() {
                         return Err(OptimError::ParamShape {
                             index,
                             name: p.name.clone(),

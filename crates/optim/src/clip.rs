@@ -32,6 +32,14 @@ pub fn grad_norm<P: Borrow<Param> + Sync>(params: &[P]) -> f32 {
 /// positive (the caller validates its config).
 pub fn clip_grad_norm(params: &mut [&mut Param], max_norm: f32) -> f32 {
     let norm = global_norm(params);
+    clip_to_norm(params, norm, max_norm)
+}
+
+/// [`clip_grad_norm`] with the norm already known (a sharded optimizer's
+/// ranks each hold some gradients: the norm is made from every rank's
+/// [`gradient_sums_of_squares`] by [`norm_of_sums`]); only `params` are
+/// scaled. Returns the norm as f32.
+pub fn clip_to_norm(params: &mut [&mut Param], norm: f64, max_norm: f32) -> f32 {
     let norm32 = norm as f32;
     if !norm32.is_finite() {
         return norm32;
@@ -52,10 +60,21 @@ pub fn clip_grad_norm(params: &mut [&mut Param], max_norm: f32) -> f32 {
 /// One sum per parameter, in parallel, added in parameter order: the same
 /// bits on any number of threads.
 fn global_norm<P: Borrow<Param> + Sync>(params: &[P]) -> f64 {
-    let sums: Vec<f64> = params
+    norm_of_sums(&gradient_sums_of_squares(params))
+}
+
+/// Σg² of each parameter's gradient, in f64, in parameter order: the
+/// terms of the global norm.
+pub fn gradient_sums_of_squares<P: Borrow<Param> + Sync>(params: &[P]) -> Vec<f64> {
+    params
         .par_iter()
         .map(|p| sum_of_squares(p.borrow().grad.data()))
-        .collect();
+        .collect()
+}
+
+/// The global norm from the per-parameter sums, added in parameter order:
+/// the same bits whichever rank or thread computed each sum.
+pub fn norm_of_sums(sums: &[f64]) -> f64 {
     sums.iter().sum::<f64>().sqrt()
 }
 

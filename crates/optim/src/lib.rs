@@ -36,7 +36,7 @@ mod loss_scale;
 mod schedule;
 
 pub use adamw::{state_bytes as adamw_state_bytes, AdamW, AdamWConfig, AdamWState, UpdateOutcome};
-pub use clip::{clip_grad_norm, grad_norm};
+pub use clip::{clip_grad_norm, clip_to_norm, grad_norm, gradient_sums_of_squares, norm_of_sums};
 pub use error::OptimError;
 pub use fused::FusedAdamW;
 pub use loss_scale::{LossScaler, LossScalerConfig, LossScalerState, StepOutcome};

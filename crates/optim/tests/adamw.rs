@@ -680,3 +680,72 @@ fn a_step_that_would_overflow_changes_nothing_and_names_the_parameter() {
         assert_eq!(p.value.data(), was.as_slice(), "{}", p.name);
     }
 }
+
+/// Two shards (ZeRO-1's two ranks) over the same parameters, each owning
+/// one: together they make the unsharded update's bits, keep only their
+/// own moments, and a whole state loaded into a shard keeps its part.
+#[test]
+fn sharded_optimizers_update_their_own_parameters_as_one_optimizer_does() {
+    let config = AdamWConfig {
+        weight_decay: 0.01,
+        ..AdamWConfig::default()
+    };
+    let mut init = Lcg(7);
+    let mut whole_net = toy_net(&mut init);
+    let (mut net0, mut net1) = (whole_net.clone(), whole_net.clone());
+    let mut whole = AdamW::new(config.clone()).unwrap();
+    let mut shard0 = AdamW::new(config.clone()).unwrap();
+    let mut shard1 = AdamW::new(config.clone()).unwrap();
+    shard0.shard(Some(vec![true, false]));
+    shard1.shard(Some(vec![false, true]));
+    let mut grads = Lcg(8);
+    for _ in 0..4 {
+        apply_grads(&mut whole_net, &mut grads);
+        for (a, b) in net0.iter_mut().zip(&whole_net) {
+            a.grad = b.grad.clone();
+        }
+        for (a, b) in net1.iter_mut().zip(&whole_net) {
+            a.grad = b.grad.clone();
+        }
+        whole
+            .step(&mut whole_net.iter_mut().collect::<Vec<_>>(), 1e-2)
+            .unwrap();
+        for (opt, net) in [(&mut shard0, &mut net0), (&mut shard1, &mut net1)] {
+            let mut params: Vec<_> = net.iter_mut().collect();
+            // Nothing changes in the check, however often it runs.
+            let before: Vec<Vec<f32>> = params.iter().map(|p| p.value.data().to_vec()).collect();
+            assert_eq!(
+                opt.check_step(&mut params, 1e-2).unwrap(),
+                UpdateOutcome::Applied
+            );
+            let after: Vec<Vec<f32>> = params.iter().map(|p| p.value.data().to_vec()).collect();
+            assert_eq!(before, after);
+            opt.step(&mut params, 1e-2).unwrap();
+        }
+    }
+    let bits = |p: &Param| {
+        p.value
+            .data()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(bits(&net0[0]), bits(&whole_net[0]));
+    assert_eq!(bits(&net1[1]), bits(&whole_net[1]));
+    // Shard 0 never touched parameter 1, nor kept its moments.
+    assert_ne!(bits(&net0[1]), bits(&whole_net[1]));
+    let [first, second] = shard0.moments();
+    assert!(first[1].is_empty() && second[1].is_empty());
+    assert_eq!(first[0], whole.moments()[0][0]);
+    // Filled from the other shard, the state is the whole optimizer's.
+    let [m1, v1] = shard1.moments();
+    let (m1, v1) = (m1[1].clone(), v1[1].clone());
+    shard0.fill_moments(1, m1, v1).unwrap();
+    assert_eq!(shard0.state().unwrap(), whole.state().unwrap());
+    shard0.drop_unowned();
+    assert!(shard0.moments()[0][1].is_empty());
+    // A whole state loaded into a shard keeps its own part only.
+    shard1.load_state(whole.state().unwrap()).unwrap();
+    assert!(shard1.moments()[0][0].is_empty());
+    assert_eq!(shard1.moments()[1][1], whole.moments()[1][1]);
+}

@@ -604,6 +604,16 @@ pub struct TrainConfig {
     /// config.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub early_stopping: Option<crate::monitor::EarlyStopping>,
+    /// Data parallel: shard AdamW's moments over the ranks (ZeRO-1), each
+    /// rank updating its share of the weights; the same weights as
+    /// unsharded. Alone it changes nothing. Left out of the serialised
+    /// config when off.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub shard_optimizer: bool,
+}
+
+fn is_false(value: &bool) -> bool {
+    !*value
 }
 
 fn default_accumulate() -> usize {
@@ -791,7 +801,7 @@ impl Default for CheckpointConfig {
 /// what it computes, and the keys the divergence advice names
 /// (`ADVICE_KEYS`). The model is compared on its own, layer by layer, and
 /// the dataset by its recorded identity (`data::DatasetIdentity`).
-pub const RESUME_SAFE_KEYS: [&str; 20] = [
+pub const RESUME_SAFE_KEYS: [&str; 21] = [
     "run.name",
     "distributed.",
     "run.runs_dir",
@@ -810,6 +820,7 @@ pub const RESUME_SAFE_KEYS: [&str; 20] = [
     "train.epochs",
     "train.early_stopping.patience",
     "train.max_consecutive_skips",
+    "train.shard_optimizer",
     "checkpoint.",
     "model.",
 ];

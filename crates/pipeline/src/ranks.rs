@@ -28,6 +28,11 @@ pub(crate) const STEP_TAG: u16 = FIRST_CONTROL_TAG;
 pub(crate) const BUFFERS_TAG: u16 = FIRST_CONTROL_TAG + 1;
 const START_TAG: u16 = FIRST_CONTROL_TAG + 2;
 const TEXT_TAG: u16 = FIRST_CONTROL_TAG + 3;
+/// A sharded optimizer's messages: the norm's terms, the verdict on the
+/// update, the moments gathered for a checkpoint.
+pub(crate) const NORM_TAG: u16 = FIRST_CONTROL_TAG + 4;
+pub(crate) const VERDICT_TAG: u16 = FIRST_CONTROL_TAG + 5;
+pub(crate) const MOMENTS_TAG: u16 = FIRST_CONTROL_TAG + 6;
 
 /// One process's place among the ranks of a data-parallel run.
 #[derive(Clone)]
@@ -45,6 +50,9 @@ pub struct Ranks {
     /// Set when the ranks have agreed to stop (any one asked): the flag
     /// the training loop reads, so every rank stops after the same step.
     pub agreed: Arc<AtomicBool>,
+    /// AdamW's moments sharded over the ranks (`train.shard_optimizer`,
+    /// ZeRO-1): set from the experiment when the learner joins.
+    pub shard_optimizer: bool,
 }
 
 impl std::fmt::Debug for Ranks {
@@ -66,6 +74,7 @@ impl Ranks {
             timeout,
             requested: Arc::new(AtomicBool::new(false)),
             agreed: Arc::new(AtomicBool::new(false)),
+            shard_optimizer: false,
         }
     }
 
@@ -73,11 +82,11 @@ impl Ranks {
         self.rank == 0
     }
 
-    fn deadline(&self) -> Instant {
+    pub(crate) fn deadline(&self) -> Instant {
         Instant::now() + self.timeout
     }
 
-    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Box<dyn Transport>>> {
+    pub(crate) fn lock(&self) -> Result<std::sync::MutexGuard<'_, Box<dyn Transport>>> {
         self.transport.lock().map_err(|_| PipelineError::Stage {
             stage: "ranks",
             reason: "a thread panicked while it used the transport".into(),

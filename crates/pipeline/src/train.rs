@@ -224,7 +224,9 @@ fn make_parts(
         ranks.require_same("training data", data.as_bytes())?;
         let model = format!("{} parameters", learner.num_params());
         ranks.require_same("model", model.as_bytes())?;
-        learner.join_ranks(ranks.clone())?;
+        let mut joined = ranks.clone();
+        joined.shard_optimizer = config.train.shard_optimizer;
+        learner.join_ranks(joined)?;
         shard = headroom_loader::Shard {
             rank: ranks.rank,
             world: ranks.world,

@@ -207,3 +207,95 @@ fn ranks_with_different_settings_are_refused_at_start_naming_the_rank() {
     }
     assert!(!dir.exists(), "a refused start made the run directory");
 }
+
+/// The newest checkpoint's whole learner state in `dir`.
+fn state(dir: &Path) -> checkpoint::Checkpoint {
+    let (found, _) = checkpoint::newest_valid(dir).expect("listing");
+    let (path, _) = found.expect("a checkpoint");
+    checkpoint::load(&path).expect("loads")
+}
+
+#[test]
+fn zero_1_trains_the_weights_and_moments_of_plain_data_parallel_bit_for_bit() {
+    for world in [2usize, 3] {
+        let (plain, sharded) = (
+            scratch(&format!("plain{world}")),
+            scratch(&format!("zero{world}")),
+        );
+        let unsharded = on_ranks(world, smoke(&plain, &[]), Resume::No, None);
+        let zero = on_ranks(
+            world,
+            smoke(&sharded, &[("train.shard_optimizer", "true".into())]),
+            Resume::No,
+            None,
+        );
+        for (rank, (a, b)) in unsharded.iter().zip(&zero).enumerate() {
+            let a = a
+                .as_ref()
+                .unwrap_or_else(|e| panic!("plain rank {rank}: {e}"));
+            let b = b
+                .as_ref()
+                .unwrap_or_else(|e| panic!("sharded rank {rank}: {e}"));
+            assert_eq!(a.step, b.step);
+            assert!(b.step > 0);
+            assert_eq!(
+                a.test_loss.map(f32::to_bits),
+                b.test_loss.map(f32::to_bits),
+                "rank {rank}"
+            );
+        }
+        let (a, b) = (state(&plain), state(&sharded));
+        assert!(
+            same_bits(&a.params, &b.params),
+            "world {world}: ZeRO-1 ended in other weights than plain data parallel"
+        );
+        // The leader's checkpoint holds every rank's moments, gathered.
+        assert_eq!(a.optimizer.step, b.optimizer.step);
+        assert!(same_bits(
+            &a.optimizer.first_moment,
+            &b.optimizer.first_moment
+        ));
+        assert!(same_bits(
+            &a.optimizer.second_moment,
+            &b.optimizer.second_moment
+        ));
+        assert!(same_bits(&a.buffers, &b.buffers));
+        let _ = (
+            std::fs::remove_dir_all(&plain),
+            std::fs::remove_dir_all(&sharded),
+        );
+    }
+}
+
+#[test]
+fn a_stopped_zero_1_run_resumes_sharded_or_not_to_the_uninterrupted_weights() {
+    let zero = || vec![("train.shard_optimizer", "true".to_string())];
+    let (whole, parts, mixed) = (scratch("zwhole"), scratch("zparts"), scratch("zmixed"));
+    let uninterrupted = on_ranks(2, smoke(&whole, &[]), Resume::No, None);
+    let steps = uninterrupted[0].as_ref().expect("rank 0").step;
+    for dir in [&parts, &mixed] {
+        let stopped = on_ranks(2, smoke(dir, &zero()), Resume::No, Some(0));
+        for (rank, r) in stopped.iter().enumerate() {
+            let summary = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            assert!(summary.interrupted && summary.step == 1, "rank {rank}");
+        }
+    }
+    // Resumed sharded, and resumed unsharded from the sharded checkpoint
+    // (the checkpoint is whole: the same format either way).
+    for (dir, sets) in [(&parts, zero()), (&mixed, Vec::new())] {
+        let resumed = on_ranks(2, smoke(dir, &sets), Resume::Latest, None);
+        for (rank, r) in resumed.iter().enumerate() {
+            let summary = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            assert_eq!(summary.step, steps, "rank {rank}");
+            assert!(summary.resumed_from.is_some());
+        }
+        assert!(
+            same_bits(&weights(&whole), &weights(dir)),
+            "{} resumed to other weights",
+            dir.display()
+        );
+    }
+    for dir in [&whole, &parts, &mixed] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

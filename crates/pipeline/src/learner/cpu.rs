@@ -23,7 +23,7 @@ use headroom_model::loss::{
 use headroom_model::memory::{try_scratch, MemoryPool};
 use headroom_model::profile::ProfileSegment;
 use headroom_model::{BuildOptions, Mode, ModelSpec, Network, PoolStats, Tensor, TokenInput};
-use headroom_optim::{clip_grad_norm, grad_norm, AdamW, UpdateOutcome};
+use headroom_optim::{clip_grad_norm, clip_to_norm, grad_norm, AdamW, UpdateOutcome};
 
 use super::cpu_ranks::{add_earlier, CpuRanks};
 use super::{
@@ -271,6 +271,9 @@ impl CpuLearner {
             tracing::warn!("step skipped: buffer {index} (running statistics) is not finite");
             return Ok(None);
         }
+        if self.ranks.as_ref().is_some_and(CpuRanks::sharded) {
+            return self.apply_sharded(lr);
+        }
         let mut params = self.network.params_mut();
         let norm = if self.settings.clip_norm > 0.0 {
             clip_grad_norm(&mut params, self.settings.clip_norm)
@@ -290,6 +293,54 @@ impl CpuLearner {
                 Ok(None)
             }
         }
+    }
+
+    /// [`Self::apply_gradients`] with AdamW sharded over the ranks
+    /// (ZeRO-1): this rank holds the reduced gradients of its own tensors
+    /// only. The global norm is made of every rank's terms, each rank
+    /// clips and checks its own, all agree, then each updates its own and
+    /// the new weights are gathered: the same bits as unsharded.
+    fn apply_sharded(&mut self, lr: f32) -> Result<Option<f32>> {
+        let Some(ranks) = self.ranks.as_mut() else {
+            return Ok(None);
+        };
+        let norm = ranks.global_norm(&mut self.network)?;
+        let owned = ranks.owned_params().unwrap_or_default();
+        let norm32 = if self.settings.clip_norm > 0.0 {
+            let mut own: Vec<&mut headroom_model::Param> = self
+                .network
+                .params_mut()
+                .into_iter()
+                .enumerate()
+                .filter(|(i, _)| owned.get(*i).copied().unwrap_or(false))
+                .map(|(_, p)| p)
+                .collect();
+            clip_to_norm(&mut own, norm, self.settings.clip_norm)
+        } else {
+            norm as f32
+        };
+        if !norm32.is_finite() {
+            return Ok(None);
+        }
+        let mut params = self.network.params_mut();
+        let verdict = self.optimizer.check_step(&mut params, lr)?;
+        if let Some(k) = ranks.agree_on_update(&verdict)? {
+            match verdict {
+                UpdateOutcome::NonFinite { name, .. } => tracing::warn!(
+                    "step skipped: its update (learning rate {lr:e}) would make {name} or its \
+                     AdamW moments not finite"
+                ),
+                UpdateOutcome::Applied => tracing::warn!(
+                    "step skipped: its update (learning rate {lr:e}) would make a weight of \
+                     rank {k}'s share or its AdamW moments not finite"
+                ),
+            }
+            return Ok(None);
+        }
+        self.optimizer.step(&mut params, lr)?;
+        drop(params);
+        ranks.gather_weights(&mut self.network)?;
+        Ok(Some(norm32))
     }
 
     /// Back to the state before a step that did not apply.
@@ -582,8 +633,23 @@ impl Learner for CpuLearner {
     /// From the next step on, each step's gradients are the sum over the
     /// ranks' shards of the global batch (`batch_size × world`).
     fn join_ranks(&mut self, ranks: Ranks) -> Result<()> {
-        self.ranks = Some(CpuRanks::new(&mut self.network, ranks)?);
+        let ranks = CpuRanks::new(&mut self.network, ranks)?;
+        self.optimizer.shard(ranks.owned_params());
+        self.ranks = Some(ranks);
         Ok(())
+    }
+
+    /// Sharded: the leader gathers the other ranks' moments (every rank
+    /// calls this at the same step).
+    fn gather_state(&mut self) -> Result<()> {
+        match &self.ranks {
+            Some(ranks) => ranks.gather_moments(&mut self.optimizer, &mut self.network),
+            None => Ok(()),
+        }
+    }
+
+    fn release_gathered_state(&mut self) {
+        self.optimizer.drop_unowned();
     }
 
     /// Wall time after each layer's forward and backward, the loss and the
@@ -727,9 +793,17 @@ impl Learner for CpuLearner {
         "cpu".into()
     }
 
+    /// Sharded, this rank's share.
     fn optimizer_state_bytes(&mut self) -> Option<u64> {
-        Some(headroom_optim::adamw_state_bytes(
-            &self.network.params_mut(),
-        ))
+        let owned = self.ranks.as_ref().and_then(CpuRanks::owned_params);
+        let params: Vec<_> = self
+            .network
+            .params_mut()
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| owned.as_ref().is_none_or(|o| o[*i]))
+            .map(|(_, p)| p)
+            .collect();
+        Some(headroom_optim::adamw_state_bytes(&params))
     }
 }

@@ -382,6 +382,17 @@ pub trait Learner: Send {
     /// Joins the ranks of a data-parallel run (`crate::ranks`): each step's
     /// gradients are then summed over the ranks. Default: refused, naming
     /// the device (data parallelism is built for the CPU learner).
+    /// Makes the state whole on the rank that writes checkpoints (a
+    /// sharded optimizer's moments gathered to rank 0). Every rank calls
+    /// it before each checkpoint, at the same step.
+    fn gather_state(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Releases what `gather_state` brought in, once the checkpoint is
+    /// written.
+    fn release_gathered_state(&mut self) {}
+
     fn join_ranks(&mut self, ranks: crate::ranks::Ranks) -> Result<()> {
         Err(PipelineError::Stage {
             stage: "ranks",

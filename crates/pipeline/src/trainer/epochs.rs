@@ -240,6 +240,19 @@ fn checkpoint_now(
     events: &SinkLink,
     memory: &mut MemoryGuard,
 ) -> Result<()> {
+    trainee.learner.gather_state()?;
+    let written = write_checkpoint(plan, trainee, events, memory);
+    trainee.learner.release_gathered_state();
+    written
+}
+
+/// [`checkpoint_now`]'s writing, once the state is whole on this rank.
+fn write_checkpoint(
+    plan: &RunSettings,
+    trainee: &mut Trainee,
+    events: &SinkLink,
+    memory: &mut MemoryGuard,
+) -> Result<()> {
     if !plan.writes_checkpoints {
         trainee.checkpointed_at = Instant::now();
         return Ok(());
