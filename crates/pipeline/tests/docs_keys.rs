@@ -27,6 +27,8 @@ fn keys_in_code() -> BTreeSet<String> {
             // [distributed] is left out of the serialised config when default.
             "distributed.bucket_mb=10",
             "distributed.timeout_s=60",
+            // Left out when off.
+            "train.shard_optimizer=true",
         ],
         &[
             "augment.rand_augment.num_ops=2",
