@@ -251,6 +251,14 @@ impl AdamW {
         Ok(())
     }
 
+    /// After a [`Self::check_step`] whose update was not applied: before
+    /// the first step there are no moments (a state at step 0 has none).
+    pub fn forget_unapplied(&mut self) {
+        if self.step == 0 {
+            self.moments = None;
+        }
+    }
+
     /// Whether this optimizer updates parameter `index`.
     pub fn owns(&self, index: usize) -> bool {
         self.owned
@@ -274,9 +282,11 @@ impl AdamW {
         self.update(params, lr, Mode::Apply).map(drop)
     }
 
-    /// What [`Self::step_if_finite`] would do, with nothing changed: a
-    /// sharded optimizer's ranks each check their own parameters, agree,
-    /// and then all [`Self::step`] or none.
+    /// What [`Self::step_if_finite`] would do, with nothing changed but
+    /// the first step's moments, made here (so that a refusal of their
+    /// memory comes before anything is applied): the ranks of a
+    /// data-parallel run each check their part, agree, and then all
+    /// [`Self::step`] or none (a skip calls [`Self::forget_unapplied`]).
     pub fn check_step(
         &mut self,
         params: &mut [&mut Param],
@@ -382,9 +392,9 @@ impl AdamW {
                 });
             }
             if mode == Mode::CheckOnly {
-                if created {
-                    self.moments = None;
-                }
+                // The moments made here are the ones the step will use
+                // (the refusal of their memory came now, before any rank
+                // applied); a skip drops them (`forget_unapplied`).
                 return Ok(UpdateOutcome::Applied);
             }
         }

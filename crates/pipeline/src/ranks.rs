@@ -28,6 +28,7 @@ pub(crate) const STEP_TAG: u16 = FIRST_CONTROL_TAG;
 pub(crate) const BUFFERS_TAG: u16 = FIRST_CONTROL_TAG + 1;
 const START_TAG: u16 = FIRST_CONTROL_TAG + 2;
 const TEXT_TAG: u16 = FIRST_CONTROL_TAG + 3;
+const SMALLEST_TAG: u16 = FIRST_CONTROL_TAG + 7;
 /// A sharded optimizer's messages: the norm's terms, the verdict on the
 /// update, the moments gathered for a checkpoint.
 pub(crate) const NORM_TAG: u16 = FIRST_CONTROL_TAG + 4;
@@ -132,6 +133,17 @@ impl Ranks {
         })
     }
 
+    /// The smallest of every rank's `mine`, on every rank.
+    pub fn smallest(&self, mine: u64, during: &str) -> Result<u64> {
+        let all = self.gather(SMALLEST_TAG, &mine.to_le_bytes(), during)?;
+        Ok(all
+            .iter()
+            .filter_map(|b| <[u8; 8]>::try_from(b.as_slice()).ok())
+            .map(u64::from_le_bytes)
+            .min()
+            .unwrap_or(mine))
+    }
+
     /// The stop this rank asks for (its signal handler's flag).
     pub(crate) fn stop_requested(&self) -> bool {
         self.requested.load(Ordering::SeqCst)
@@ -142,39 +154,118 @@ impl Ranks {
     }
 }
 
+/// A block an allocator refused: its size, and the budget it was over
+/// (None: the system refused it). What the memory policy decides from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Refusal {
+    pub requested: u64,
+    pub limit: Option<u64>,
+}
+
+impl Refusal {
+    /// The refusal an out-of-memory error names; None for other errors.
+    pub fn of(error: &PipelineError) -> Option<Self> {
+        match error {
+            PipelineError::Model(headroom_model::ModelError::OutOfMemory {
+                requested,
+                limit,
+                ..
+            })
+            | PipelineError::Optim(headroom_optim::OptimError::OutOfMemory {
+                requested,
+                limit,
+                ..
+            }) => Some(Self {
+                requested: *requested,
+                limit: *limit,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The same out-of-memory error on every rank (`stats`: this rank's
+    /// pool), so that every rank's memory policy makes the same move.
+    pub fn error(self, stats: &headroom_model::PoolStats) -> PipelineError {
+        PipelineError::Model(headroom_model::ModelError::OutOfMemory {
+            requested: self.requested,
+            in_use: stats.in_use_bytes,
+            reserved: stats.reserved_bytes,
+            limit: self.limit,
+        })
+    }
+
+    fn write(self, out: &mut [u8]) {
+        out[..8].copy_from_slice(&self.requested.to_le_bytes());
+        out[8] = u8::from(self.limit.is_some());
+        out[9..17].copy_from_slice(&self.limit.unwrap_or(0).to_le_bytes());
+    }
+
+    fn read(bytes: &[u8]) -> Option<Self> {
+        let word = |r: std::ops::Range<usize>| -> Option<[u8; 8]> { bytes.get(r)?.try_into().ok() };
+        let limit = u64::from_le_bytes(word(9..17)?);
+        Some(Self {
+            requested: u64::from_le_bytes(word(0..8)?),
+            limit: (*bytes.get(8)? != 0).then_some(limit),
+        })
+    }
+}
+
 /// What a rank says after a step's gradients are reduced.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct StepRecord {
     /// 0: its forward and backward succeeded; 1: its loss was not finite;
-    /// 2: it failed (out of memory, say).
+    /// 2: it failed; 3: it ran out of memory (`refusal`).
     pub status: u8,
     pub stop: bool,
     /// Its share of the batch's mean loss.
     pub loss: f64,
     pub correct: u64,
+    pub refusal: Option<Refusal>,
 }
 
 impl StepRecord {
     pub const OK: u8 = 0;
     pub const NON_FINITE: u8 = 1;
     pub const FAILED: u8 = 2;
+    pub const OUT_OF_MEMORY: u8 = 3;
 
-    fn to_bytes(self) -> [u8; 18] {
-        let mut out = [0u8; 18];
+    /// The status of a rank's outcome, and the refusal of an
+    /// out-of-memory error.
+    pub fn status_of<T>(local: &Result<T>, finite: impl Fn(&T) -> bool) -> (u8, Option<Refusal>) {
+        match local {
+            Ok(v) if finite(v) => (Self::OK, None),
+            Ok(_) => (Self::NON_FINITE, None),
+            Err(e) => match Refusal::of(e) {
+                Some(r) => (Self::OUT_OF_MEMORY, Some(r)),
+                None => (Self::FAILED, None),
+            },
+        }
+    }
+
+    fn to_bytes(self) -> [u8; 35] {
+        let mut out = [0u8; 35];
         out[0] = self.status;
         out[1] = u8::from(self.stop);
         out[2..10].copy_from_slice(&self.loss.to_le_bytes());
         out[10..18].copy_from_slice(&self.correct.to_le_bytes());
+        if let Some(r) = self.refusal {
+            r.write(&mut out[18..35]);
+        }
         out
     }
 
     fn from_bytes(bytes: &[u8]) -> Option<Self> {
         let word = |r: std::ops::Range<usize>| -> Option<[u8; 8]> { bytes.get(r)?.try_into().ok() };
+        let status = *bytes.first()?;
         Some(Self {
-            status: *bytes.first()?,
+            status,
             stop: *bytes.get(1)? != 0,
             loss: f64::from_le_bytes(word(2..10)?),
             correct: u64::from_le_bytes(word(10..18)?),
+            refusal: match status {
+                Self::OUT_OF_MEMORY => Some(Refusal::read(bytes.get(18..35)?)?),
+                _ => None,
+            },
         })
     }
 }
@@ -185,10 +276,70 @@ impl StepRecord {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct AgreedStep {
     pub failed: Option<usize>,
+    /// The first rank that ran out of memory, and its refusal: every rank
+    /// then undoes the step and follows the memory policy on it.
+    pub out_of_memory: Option<(usize, Refusal)>,
     pub non_finite: bool,
     pub loss: f64,
     pub correct: u64,
     pub stop: bool,
+}
+
+/// The ranks' verdict on an update, each rank having checked its part
+/// (`AdamW::check_step`) before anyone applies it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum UpdateVerdict {
+    Apply,
+    /// A rank's update would leave a value that is not finite: all skip.
+    Skip {
+        rank: usize,
+    },
+    /// A rank ran out of memory preparing it (the first step's moments).
+    OutOfMemory {
+        rank: usize,
+        refusal: Refusal,
+    },
+    /// A rank failed otherwise.
+    Failed {
+        rank: usize,
+    },
+}
+
+/// Every rank's check of its part of the update (`Ok(true)`: it stays
+/// finite), exchanged: the first failure wins, then the first refusal,
+/// then the first non-finite part.
+pub(crate) fn agree_on_update(ranks: &Ranks, mine: &Result<bool>) -> Result<UpdateVerdict> {
+    let mut record = [0u8; 18];
+    match mine {
+        Ok(true) => {}
+        Ok(false) => record[0] = 1,
+        Err(e) => match Refusal::of(e) {
+            Some(r) => {
+                record[0] = 2;
+                r.write(&mut record[1..18]);
+            }
+            None => record[0] = 3,
+        },
+    }
+    let all = ranks.gather(VERDICT_TAG, &record, "agreeing on the update")?;
+    let first = |code: u8| all.iter().position(|r| r.first() == Some(&code));
+    if let Some(rank) = first(3) {
+        return Ok(UpdateVerdict::Failed { rank });
+    }
+    if let Some(rank) = first(2) {
+        let refusal = all[rank]
+            .get(1..18)
+            .and_then(Refusal::read)
+            .ok_or_else(|| PipelineError::Stage {
+                stage: "ranks",
+                reason: format!("rank {rank} sent a malformed verdict"),
+            })?;
+        return Ok(UpdateVerdict::OutOfMemory { rank, refusal });
+    }
+    Ok(match first(1) {
+        Some(rank) => UpdateVerdict::Skip { rank },
+        None => UpdateVerdict::Apply,
+    })
 }
 
 /// Exchanges `mine` with every rank; the outcome is the same on all.
@@ -206,6 +357,10 @@ pub(crate) fn agree_on_step(ranks: &Ranks, mine: StepRecord) -> Result<AgreedSte
         .collect::<Result<_>>()?;
     let mut agreed = AgreedStep {
         failed: records.iter().position(|r| r.status == StepRecord::FAILED),
+        out_of_memory: records
+            .iter()
+            .enumerate()
+            .find_map(|(k, r)| Some((k, r.refusal?))),
         non_finite: records.iter().any(|r| r.status == StepRecord::NON_FINITE),
         loss: 0.0,
         correct: 0,

@@ -65,7 +65,11 @@ pub fn open_with_layers(
 pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSummary> {
     let ranks = options.ranks.clone().filter(|r| r.world > 1);
     if let Some(ranks) = &ranks {
-        let settings = crate::resume::RunRecord::to_json(config);
+        // Fault injection (`device.inject_oom`) is a test's, per rank: the
+        // one setting that may differ, so that a test can fail one rank.
+        let mut compared = config.clone();
+        compared.device.inject_oom = Default::default();
+        let settings = crate::resume::RunRecord::to_json(&compared);
         ranks.require_same("experiment (its resolved settings)", settings.as_bytes())?;
     }
     // Held (locked) for the whole run; removed on drop if this start made it

@@ -299,3 +299,69 @@ fn a_stopped_zero_1_run_resumes_sharded_or_not_to_the_uninterrupted_weights() {
         let _ = std::fs::remove_dir_all(dir);
     }
 }
+
+/// Trains on `world` thread ranks, rank k with `configs(k)`.
+fn on_ranks_each(
+    world: usize,
+    configs: impl Fn(usize) -> ExperimentConfig,
+) -> Vec<Result<headroom_pipeline::RunSummary, String>> {
+    let handles: Vec<_> = group(world)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, t)| {
+            let config = configs(rank);
+            std::thread::spawn(move || {
+                let ranks = Ranks::new(Box::new(t), 1 << 12, Duration::from_secs(60));
+                let options = TrainOptions {
+                    ranks: Some(ranks),
+                    ..options(Resume::No)
+                };
+                train(&config, &options).map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread"))
+        .collect()
+}
+
+#[test]
+fn when_one_rank_runs_out_of_memory_every_rank_follows_the_policy_and_the_weights_stay_one_run_s() {
+    for shard in ["false", "true"] {
+        let (plain, oom) = (
+            scratch(&format!("nooom{shard}")),
+            scratch(&format!("oom{shard}")),
+        );
+        let sets = |dir: &Path, steps: &str| {
+            let mut sets = vec![("train.shard_optimizer", shard.to_string())];
+            if !steps.is_empty() {
+                sets.push(("device.inject_oom.steps", steps.to_string()));
+            }
+            smoke(dir, &sets)
+        };
+        let clean = on_ranks_each(2, |_| sets(&plain, ""));
+        // Rank 1 alone is refused a block in steps 0, 3 and 12: the ranks
+        // undo the step, release their caches and retry it together.
+        let faulty = on_ranks_each(2, |rank| {
+            sets(&oom, if rank == 1 { "[0, 3, 12]" } else { "" })
+        });
+        for (rank, (a, b)) in clean.iter().zip(&faulty).enumerate() {
+            let a = a.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            let b = b
+                .as_ref()
+                .unwrap_or_else(|e| panic!("rank {rank} with the fault: {e}"));
+            assert_eq!(a.step, b.step, "rank {rank}");
+            // Every rank of the faulty run counts rank 1's three refusals.
+            assert_eq!((a.oom_events, b.oom_events), (0, 3), "rank {rank}");
+        }
+        assert!(
+            same_bits(&weights(&plain), &weights(&oom)),
+            "shard_optimizer = {shard}: the retried steps changed the weights"
+        );
+        let _ = (
+            std::fs::remove_dir_all(&plain),
+            std::fs::remove_dir_all(&oom),
+        );
+    }
+}

@@ -30,7 +30,7 @@ use super::{
     softmax_rows, write_list, EvalResult, Learner, LearnerState, StateWriter, StepLr, StepResult,
     StepSettings,
 };
-use crate::ranks::{agree_on_step, Ranks, StepRecord};
+use crate::ranks::{agree_on_step, agree_on_update, Ranks, StepRecord, UpdateVerdict};
 use crate::{PipelineError, Result};
 
 /// The f32 CPU learner.
@@ -271,8 +271,8 @@ impl CpuLearner {
             tracing::warn!("step skipped: buffer {index} (running statistics) is not finite");
             return Ok(None);
         }
-        if self.ranks.as_ref().is_some_and(CpuRanks::sharded) {
-            return self.apply_sharded(lr);
+        if self.ranks.is_some() {
+            return self.apply_with_ranks(lr);
         }
         let mut params = self.network.params_mut();
         let norm = if self.settings.clip_norm > 0.0 {
@@ -295,18 +295,21 @@ impl CpuLearner {
         }
     }
 
-    /// [`Self::apply_gradients`] with AdamW sharded over the ranks
-    /// (ZeRO-1): this rank holds the reduced gradients of its own tensors
-    /// only. The global norm is made of every rank's terms, each rank
-    /// clips and checks its own, all agree, then each updates its own and
-    /// the new weights are gathered: the same bits as unsharded.
-    fn apply_sharded(&mut self, lr: f32) -> Result<Option<f32>> {
+    /// [`Self::apply_gradients`] in a data-parallel run: every rank holds
+    /// the reduced gradients (sharded, ZeRO-1: of its own tensors only).
+    /// Each rank checks its part of the update before anyone applies it,
+    /// and all apply it, skip it or stop together; sharded, the global
+    /// norm is made of every rank's terms, each rank clips and updates its
+    /// own tensors and the new weights are gathered: the same bits as
+    /// unsharded.
+    fn apply_with_ranks(&mut self, lr: f32) -> Result<Option<f32>> {
         let Some(ranks) = self.ranks.as_mut() else {
             return Ok(None);
         };
-        let norm = ranks.global_norm(&mut self.network)?;
-        let owned = ranks.owned_params().unwrap_or_default();
-        let norm32 = if self.settings.clip_norm > 0.0 {
+        let sharded = ranks.sharded();
+        let norm32 = if sharded {
+            let norm = ranks.global_norm(&mut self.network)?;
+            let owned = ranks.owned_params().unwrap_or_default();
             let mut own: Vec<&mut headroom_model::Param> = self
                 .network
                 .params_mut()
@@ -315,31 +318,71 @@ impl CpuLearner {
                 .filter(|(i, _)| owned.get(*i).copied().unwrap_or(false))
                 .map(|(_, p)| p)
                 .collect();
-            clip_to_norm(&mut own, norm, self.settings.clip_norm)
+            if self.settings.clip_norm > 0.0 {
+                clip_to_norm(&mut own, norm, self.settings.clip_norm)
+            } else {
+                norm as f32
+            }
         } else {
-            norm as f32
+            let mut params = self.network.params_mut();
+            if self.settings.clip_norm > 0.0 {
+                clip_grad_norm(&mut params, self.settings.clip_norm)
+            } else {
+                grad_norm(&params)
+            }
         };
+        // The same norm on every rank: all skip here together.
         if !norm32.is_finite() {
             return Ok(None);
         }
         let mut params = self.network.params_mut();
-        let verdict = self.optimizer.check_step(&mut params, lr)?;
-        if let Some(k) = ranks.agree_on_update(&verdict)? {
-            match verdict {
-                UpdateOutcome::NonFinite { name, .. } => tracing::warn!(
-                    "step skipped: its update (learning rate {lr:e}) would make {name} or its \
-                     AdamW moments not finite"
-                ),
-                UpdateOutcome::Applied => tracing::warn!(
-                    "step skipped: its update (learning rate {lr:e}) would make a weight of \
-                     rank {k}'s share or its AdamW moments not finite"
-                ),
+        let checked = self.optimizer.check_step(&mut params, lr);
+        let mine = checked
+            .as_ref()
+            .map(|v| *v == UpdateOutcome::Applied)
+            .map_err(|e| PipelineError::Optim(e.clone()));
+        match agree_on_update(&ranks.ranks, &mine)? {
+            UpdateVerdict::Apply => {}
+            UpdateVerdict::Skip { rank } => {
+                self.optimizer.forget_unapplied();
+                match checked {
+                    Ok(UpdateOutcome::NonFinite { name, .. }) => tracing::warn!(
+                        "step skipped: its update (learning rate {lr:e}) would make {name} or \
+                         its AdamW moments not finite"
+                    ),
+                    _ => tracing::warn!(
+                        "step skipped: its update (learning rate {lr:e}) would make a weight \
+                         of rank {rank}'s or its AdamW moments not finite"
+                    ),
+                }
+                return Ok(None);
             }
-            return Ok(None);
+            UpdateVerdict::OutOfMemory { rank, refusal } => {
+                self.optimizer.forget_unapplied();
+                if rank != ranks.ranks.rank {
+                    tracing::warn!("rank {rank} ran out of memory preparing the update");
+                }
+                return Err(refusal.error(&self.pool.stats()));
+            }
+            UpdateVerdict::Failed { rank } => {
+                self.optimizer.forget_unapplied();
+                return Err(match checked {
+                    Err(e) => e.into(),
+                    Ok(_) => PipelineError::Stage {
+                        stage: "ranks",
+                        reason: format!(
+                            "rank {rank} failed preparing the update (its own output says \
+                             why); every rank undid the step"
+                        ),
+                    },
+                });
+            }
         }
         self.optimizer.step(&mut params, lr)?;
         drop(params);
-        ranks.gather_weights(&mut self.network)?;
+        if sharded {
+            ranks.gather_weights(&mut self.network)?;
+        }
         Ok(Some(norm32))
     }
 
@@ -364,7 +407,15 @@ impl CpuLearner {
             }
         };
         let grad_norm = if loss.is_finite() {
-            self.apply_gradients(lr)?
+            match self.apply_gradients(lr) {
+                Ok(norm) => norm,
+                Err(e) => {
+                    // Nothing was applied: the gradients must not be carried
+                    // into the retry the memory policy may make.
+                    self.undo_step(&statistics)?;
+                    return Err(e);
+                }
+            }
         } else {
             None
         };
@@ -389,11 +440,7 @@ impl CpuLearner {
         let Some(ranks) = self.ranks.as_mut() else {
             return local.map(|(loss, correct)| (loss as f32, correct));
         };
-        let status = match &local {
-            Ok((loss, _)) if loss.is_finite() => StepRecord::OK,
-            Ok(_) => StepRecord::NON_FINITE,
-            Err(_) => StepRecord::FAILED,
-        };
+        let (status, refusal) = StepRecord::status_of(&local, |(loss, _)| loss.is_finite());
         ranks.finish(&mut self.network, status != StepRecord::OK)?;
         let (loss, correct) = local.as_ref().map_or((0.0, 0), |&(l, c)| (l, c));
         let agreed = agree_on_step(
@@ -403,6 +450,7 @@ impl CpuLearner {
                 stop: ranks.ranks.stop_requested(),
                 loss: if loss.is_finite() { loss } else { 0.0 },
                 correct: correct as u64,
+                refusal,
             },
         )?;
         if let Some(k) = agreed.failed {
@@ -417,6 +465,15 @@ impl CpuLearner {
                     ),
                 }),
             };
+        }
+        // Every rank undoes the step and follows the memory policy on the
+        // first refusal, so all halve the micro-batch (or stop) together
+        // and the step's arithmetic stays the same on every rank.
+        if let Some((k, refusal)) = agreed.out_of_memory {
+            if k != ranks.ranks.rank {
+                tracing::warn!("rank {k} ran out of memory in this step; every rank follows it");
+            }
+            return Err(refusal.error(&self.pool.stats()));
         }
         if agreed.non_finite {
             return Ok((f32::NAN, 0));

@@ -29,9 +29,9 @@ use std::time::Instant;
 use headroom_dist::collective::{all_reduce_ordered, gather_to_root};
 use headroom_dist::GradientReducer;
 use headroom_model::{Network, Param};
-use headroom_optim::{gradient_sums_of_squares, norm_of_sums, AdamW, UpdateOutcome};
+use headroom_optim::{gradient_sums_of_squares, norm_of_sums, AdamW};
 
-use crate::ranks::{Ranks, BUFFERS_TAG, MOMENTS_TAG, NORM_TAG, VERDICT_TAG};
+use crate::ranks::{Ranks, BUFFERS_TAG, MOMENTS_TAG, NORM_TAG};
 use crate::{PipelineError, Result};
 
 pub(crate) struct CpuRanks {
@@ -164,17 +164,6 @@ impl CpuRanks {
             *sum = f64::from_le_bytes(word);
         }
         Ok(norm_of_sums(&sums))
-    }
-
-    /// Sharded: every rank's verdict on its own parameters' update; the
-    /// first rank whose update would not be finite, if any (every rank
-    /// then skips the step; none has applied it).
-    pub fn agree_on_update(&self, own: &UpdateOutcome) -> Result<Option<usize>> {
-        let mine = [u8::from(*own != UpdateOutcome::Applied)];
-        let all = self
-            .ranks
-            .gather(VERDICT_TAG, &mine, "agreeing on the update")?;
-        Ok(all.iter().position(|v| v.first() != Some(&0)))
     }
 
     /// Sharded: every rank's updated tensors to every rank.

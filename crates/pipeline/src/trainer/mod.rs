@@ -386,6 +386,18 @@ impl Trainer {
             set_aside_stale_best(&dir, &run.trainee.position)?;
         }
         set_micro_batch(&self.settings, &self.memory, &mut run.trainee, &mut memory)?;
+        if let Some(ranks) = &self.ranks {
+            // Each rank planned within its own memory: all take the
+            // smallest, so the memory policy's moves stay the same on all.
+            let micro = run.trainee.learner.micro_batch();
+            let agreed = ranks.smallest(micro as u64, "agreeing on the micro-batch")?;
+            if agreed as usize != micro {
+                tracing::info!(
+                    "micro-batch {agreed}, the smallest any rank planned (ours {micro})"
+                );
+            }
+            run.trainee.learner.set_micro_batch(agreed as usize);
+        }
         let parameters = run.trainee.learner.num_params();
         let macs_per_sample = run.trainee.learner.macs_per_sample()?;
         tracing::info!(
