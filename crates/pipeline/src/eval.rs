@@ -152,6 +152,8 @@ pub fn evaluate_until(
     stop: Option<&std::sync::atomic::AtomicBool>,
 ) -> Result<Option<Evaluation>> {
     let classes = learner.num_classes();
+    // A data-parallel run shards each batch over its ranks.
+    let ranks = learner.ranks().filter(|r| r.world > 1);
     let bar = evaluation_bar(loader.batches_per_epoch());
     let mut confusion = vec![vec![0u64; classes]; classes];
     let (mut loss_sum, mut seen, mut scored) = (0.0f64, 0usize, 0usize);
@@ -167,9 +169,17 @@ pub fn evaluate_until(
             return Ok(None);
         }
         let batch = batch?;
-        let result = match tta {
-            TestTimeAugmentation::None => learner.eval_batch(&batch)?,
-            TestTimeAugmentation::Flip => eval_with_mirror(learner, &batch)?,
+        let result = match &ranks {
+            None => score(learner, &batch, tta)?,
+            Some(ranks) => {
+                let pool = learner.memory_stats();
+                crate::eval_shard::score_sharded(
+                    ranks,
+                    &batch,
+                    || pool,
+                    |part| score(learner, part, tta),
+                )?
+            }
         };
         loss_sum += result.loss_sum;
         if let Some(hits) = result.top5_correct {
@@ -230,6 +240,18 @@ pub fn evaluate_until(
         top5_accuracy: top5.map(|hits| hits as f32 / seen.max(1) as f32),
         multilabel: labels.as_ref().and_then(MultiLabelSums::metrics),
     }))
+}
+
+/// One batch's result, with test-time augmentation `tta`.
+fn score(
+    learner: &mut dyn Learner,
+    batch: &Batch,
+    tta: TestTimeAugmentation,
+) -> Result<EvalResult> {
+    match tta {
+        TestTimeAugmentation::None => learner.eval_batch(batch),
+        TestTimeAugmentation::Flip => eval_with_mirror(learner, batch),
+    }
 }
 
 /// The batch scored by the mean of the class probabilities of each image

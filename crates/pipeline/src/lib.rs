@@ -82,6 +82,7 @@ pub mod data;
 pub mod device;
 mod error;
 pub mod eval;
+mod eval_shard;
 pub mod export;
 pub mod finetune;
 pub mod frames;

@@ -29,6 +29,7 @@ pub(crate) const BUFFERS_TAG: u16 = FIRST_CONTROL_TAG + 1;
 const START_TAG: u16 = FIRST_CONTROL_TAG + 2;
 const TEXT_TAG: u16 = FIRST_CONTROL_TAG + 3;
 const SMALLEST_TAG: u16 = FIRST_CONTROL_TAG + 7;
+const VARYING_TAG: u16 = FIRST_CONTROL_TAG + 8;
 /// A sharded optimizer's messages: the norm's terms, the verdict on the
 /// update, the moments gathered for a checkpoint.
 pub(crate) const NORM_TAG: u16 = FIRST_CONTROL_TAG + 4;
@@ -98,6 +99,24 @@ impl Ranks {
     pub(crate) fn gather(&self, tag: u16, mine: &[u8], during: &str) -> Result<Vec<Vec<u8>>> {
         let mut t = self.lock()?;
         Ok(all_gather(t.as_mut(), tag, mine, self.deadline(), during)?)
+    }
+
+    /// Every rank's `mine`, of any length, in rank order: the lengths
+    /// first, then the records padded to the longest.
+    pub(crate) fn gather_varying(&self, mine: &[u8], during: &str) -> Result<Vec<Vec<u8>>> {
+        let lens = self.gather(VARYING_TAG, &(mine.len() as u64).to_le_bytes(), during)?;
+        let lens: Vec<usize> = lens
+            .iter()
+            .map(|l| <[u8; 8]>::try_from(l.as_slice()).map_or(0, u64::from_le_bytes) as usize)
+            .collect();
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        let mut padded = mine.to_vec();
+        padded.resize(longest, 0);
+        let mut all = self.gather(VARYING_TAG, &padded, during)?;
+        for (record, &len) in all.iter_mut().zip(&lens) {
+            record.truncate(len);
+        }
+        Ok(all)
     }
 
     /// Fails on every rank unless every rank gives the same `record` (the
@@ -194,13 +213,13 @@ impl Refusal {
         })
     }
 
-    fn write(self, out: &mut [u8]) {
+    pub fn write(self, out: &mut [u8]) {
         out[..8].copy_from_slice(&self.requested.to_le_bytes());
         out[8] = u8::from(self.limit.is_some());
         out[9..17].copy_from_slice(&self.limit.unwrap_or(0).to_le_bytes());
     }
 
-    fn read(bytes: &[u8]) -> Option<Self> {
+    pub fn read(bytes: &[u8]) -> Option<Self> {
         let word = |r: std::ops::Range<usize>| -> Option<[u8; 8]> { bytes.get(r)?.try_into().ok() };
         let limit = u64::from_le_bytes(word(9..17)?);
         Some(Self {

@@ -132,6 +132,20 @@ fn two_ranks_train_the_weights_of_one_process_accumulating_two_bit_for_bit() {
         same_bits(&weights(&one), &weights(&two)),
         "2 ranks × 32 ended in other weights than 1 process × 64 in 2 micro-batches"
     );
+    // The test set was scored sharded (each rank half of each batch,
+    // joined): the figures of one process scoring the same checkpoint.
+    let (found, _) = checkpoint::newest_valid(&two).expect("listing");
+    let (newest, _) = found.expect("a checkpoint");
+    let alone_eval = headroom_pipeline::eval::evaluate_checkpoint(&newest, None, 64, None)
+        .expect("one process scores the checkpoint");
+    assert_eq!(alone_eval.samples, 128);
+    assert_eq!(alone_eval.accuracy, leader.test_accuracy);
+    let loss = leader.test_loss.expect("a test loss");
+    assert!(
+        (alone_eval.loss - loss).abs() <= 1e-5 * loss.abs(),
+        "{} against {loss}",
+        alone_eval.loss
+    );
     // The follower trained in a scratch directory of its own, removed at
     // the end; the leader in the run's.
     let leader = results[0].as_ref().expect("rank 0");

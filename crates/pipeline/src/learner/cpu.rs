@@ -696,6 +696,10 @@ impl Learner for CpuLearner {
         Ok(())
     }
 
+    fn ranks(&self) -> Option<Ranks> {
+        self.ranks.as_ref().map(|r| r.ranks.clone())
+    }
+
     /// Sharded: the leader gathers the other ranks' moments (every rank
     /// calls this at the same step).
     fn gather_state(&mut self) -> Result<()> {

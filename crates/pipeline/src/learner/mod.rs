@@ -382,6 +382,12 @@ pub trait Learner: Send {
     /// Joins the ranks of a data-parallel run (`crate::ranks`): each step's
     /// gradients are then summed over the ranks. Default: refused, naming
     /// the device (data parallelism is built for the CPU learner).
+    /// The ranks this learner trains with (a data-parallel run), so that
+    /// evaluation can be sharded over them; None alone.
+    fn ranks(&self) -> Option<crate::ranks::Ranks> {
+        None
+    }
+
     /// Makes the state whole on the rank that writes checkpoints (a
     /// sharded optimizer's moments gathered to rank 0). Every rank calls
     /// it before each checkpoint, at the same step.
