@@ -173,6 +173,63 @@ impl Ranks {
     }
 }
 
+/// The run directory of this rank: the leader claims `place` and tells
+/// the followers its path (an empty one if it failed); a follower claims
+/// a scratch directory of its own (it writes no checkpoint, and its
+/// metrics repeat the leader's) and resumes from the checkpoint the
+/// leader resumes (the newest valid one of the leader's directory, read,
+/// never changed). Returns the directory, the resume and the scratch path
+/// to remove at the end. Alone: `place` as always.
+pub(crate) fn claim_run_dir(
+    ranks: Option<&Ranks>,
+    place: &crate::rundir::RunPlace,
+    resume: &crate::Resume,
+) -> Result<(
+    crate::rundir::RunDir,
+    crate::Resume,
+    Option<std::path::PathBuf>,
+)> {
+    use crate::rundir::{RunDir, RunPlace};
+    use crate::Resume;
+    let Some(ranks) = ranks.filter(|r| r.world > 1) else {
+        return Ok((RunDir::claim_at(place, resume)?, resume.clone(), None));
+    };
+    if ranks.is_leader() {
+        let claimed = RunDir::claim_at(place, resume);
+        let path = claimed.as_ref().map(|d| d.path().display().to_string());
+        ranks.leader_text(path.as_deref().unwrap_or(""))?;
+        return Ok((claimed?, resume.clone(), None));
+    }
+    let leader_dir = ranks.leader_text("")?;
+    if leader_dir.is_empty() {
+        return Err(PipelineError::Stage {
+            stage: "ranks",
+            reason: "rank 0 could not claim the run directory (its own output says why)".into(),
+        });
+    }
+    let leader_dir = std::path::PathBuf::from(leader_dir);
+    let from = match resume {
+        Resume::No => Resume::No,
+        Resume::From(path) => Resume::From(path.clone()),
+        Resume::Latest => match crate::checkpoint::newest_valid(&leader_dir)?.0 {
+            Some((path, _)) => Resume::From(path),
+            None => Resume::No,
+        },
+    };
+    // Unique in this process too: ranks as threads share its id.
+    static FOLLOWERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let scratch = std::env::temp_dir().join(format!(
+        "headroom-rank-{}-of-{}-{}-{}",
+        ranks.rank,
+        ranks.world,
+        std::process::id(),
+        FOLLOWERS.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let run_dir = RunDir::claim_at(&RunPlace::dir(&scratch), &Resume::No)?;
+    Ok((run_dir, from, Some(scratch)))
+}
+
 /// A block an allocator refused: its size, and the budget it was over
 /// (None: the system refused it). What the memory policy decides from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -75,18 +75,11 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
     // Held (locked) for the whole run; removed on drop if this start made it
     // and it holds no progress. A follower's is its own scratch directory:
     // the leader's holds the run.
-    let (run_dir, resume, scratch) = match ranks.as_ref().filter(|r| !r.is_leader()) {
-        None => {
-            let claimed = rundir::RunDir::claim(config, &options.resume);
-            if let Some(ranks) = &ranks {
-                // An empty path tells the followers that the leader failed.
-                let path = claimed.as_ref().map(|d| d.path().display().to_string());
-                ranks.leader_text(path.as_deref().unwrap_or(""))?;
-            }
-            (claimed?, options.resume.clone(), None)
-        }
-        Some(ranks) => follower_place(config, ranks, &options.resume)?,
-    };
+    let (run_dir, resume, scratch) = crate::ranks::claim_run_dir(
+        ranks.as_ref(),
+        &rundir::RunPlace::of(config),
+        &options.resume,
+    )?;
     // A full fine-tune trains the base architecture (no adapters).
     let mut resolved = crate::finetune::as_trained(config);
     resolved.run.output_dir = Some(run_dir.path().to_path_buf());
@@ -133,48 +126,6 @@ pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSum
         let _ = std::fs::remove_dir_all(scratch);
     }
     summary
-}
-
-/// A follower's run directory (a scratch one of its own: it writes no
-/// checkpoint, and its metrics repeat the leader's), the checkpoint it
-/// starts from (the one the leader resumes: the newest valid one of the
-/// leader's directory, read, never changed), and the scratch path to
-/// remove at the end.
-fn follower_place(
-    config: &ExperimentConfig,
-    ranks: &crate::ranks::Ranks,
-    resume: &Resume,
-) -> Result<(rundir::RunDir, Resume, Option<std::path::PathBuf>)> {
-    let leader_dir = ranks.leader_text("")?;
-    if leader_dir.is_empty() {
-        return Err(PipelineError::Stage {
-            stage: "ranks",
-            reason: "rank 0 could not claim the run directory (its own output says why)".into(),
-        });
-    }
-    let leader_dir = std::path::PathBuf::from(leader_dir);
-    let from = match resume {
-        Resume::No => Resume::No,
-        Resume::From(path) => Resume::From(path.clone()),
-        Resume::Latest => match crate::checkpoint::newest_valid(&leader_dir)?.0 {
-            Some((path, _)) => Resume::From(path),
-            None => Resume::No,
-        },
-    };
-    // Unique in this process too: ranks as threads share its id.
-    static FOLLOWERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let scratch = std::env::temp_dir().join(format!(
-        "headroom-rank-{}-of-{}-{}-{}",
-        ranks.rank,
-        ranks.world,
-        std::process::id(),
-        FOLLOWERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&scratch);
-    let mut own = config.clone();
-    own.run.output_dir = Some(scratch.clone());
-    let run_dir = rundir::RunDir::claim(&own, &Resume::No)?;
-    Ok((run_dir, from, Some(scratch)))
 }
 
 /// The loop's settings of `config`.

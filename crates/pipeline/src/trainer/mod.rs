@@ -261,6 +261,17 @@ enum Place {
     At(RunPlace),
 }
 
+/// A follower's scratch directory, removed when the run ends.
+struct Scratch(Option<PathBuf>);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.take() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
 /// A run ready to start: [`Trainer::run`].
 pub struct Trainer {
     place: Place,
@@ -328,9 +339,23 @@ impl Trainer {
         let started = Instant::now();
         // Held (locked) for the whole run; removed on drop if this start
         // made it and it holds no progress.
-        let run_dir = match self.place {
-            Place::Claimed(run_dir) => run_dir,
-            Place::At(place) => RunDir::claim_at(&place, &self.resume)?,
+        let ranks = self.ranks.as_ref().filter(|r| r.world > 1);
+        let (_scratch, run_dir, resume) = match self.place {
+            Place::Claimed(run_dir) => (Scratch(None), run_dir, self.resume.clone()),
+            Place::At(place) => {
+                // A run built in code over ranks: the ranks compare what
+                // they train, then the leader claims the place and the
+                // followers scratch directories of their own.
+                if let Some(ranks) = ranks {
+                    ranks.require_same(
+                        "run record (the builder's settings)",
+                        self.record.to_json().as_bytes(),
+                    )?;
+                }
+                let (run_dir, resume, scratch) =
+                    crate::ranks::claim_run_dir(ranks, &place, &self.resume)?;
+                (Scratch(scratch), run_dir, resume)
+            }
         };
         let dir = run_dir.path().to_path_buf();
         let threads = compute_threads(self.settings.threads);
@@ -342,7 +367,7 @@ impl Trainer {
         if let Some(on_open) = self.on_open {
             on_open(&dir)?;
         }
-        let resume_point = crate::resume::choose(&dir, self.record.as_ref(), &self.resume)?;
+        let resume_point = crate::resume::choose(&dir, self.record.as_ref(), &resume)?;
         let mut memory = MemoryGuard::new(&self.memory, &dir);
         let made = (self.parts)(memory.pool())?;
         let loop_settings = epochs::RunSettings {
@@ -564,6 +589,7 @@ pub struct TrainerBuilder {
     record: Option<Arc<dyn RunRecord>>,
     settings_keys: std::collections::BTreeMap<String, String>,
     sinks: Vec<Box<dyn Sink>>,
+    ranks: Option<crate::ranks::Ranks>,
 }
 
 /// How the data is read: the loader's settings a run built in code may set
@@ -685,6 +711,19 @@ impl TrainerBuilder {
         self
     }
 
+    /// Data parallel: this process is one of `ranks` (over MPI, or threads
+    /// in tests). The learner joins them (it must support ranks: the CPU
+    /// learner does), the training loader makes this rank's shard of
+    /// every global batch of `batch_size × world`, rank 0 writes the
+    /// checkpoints in the run directory and the others train in scratch
+    /// directories of their own; the ranks' records, data and models are
+    /// compared at start. A `stop_flag` becomes this rank's stop request,
+    /// which stops every rank after the same step.
+    pub fn ranks(mut self, ranks: crate::ranks::Ranks) -> Self {
+        self.ranks = Some(ranks);
+        self
+    }
+
     /// A record of your own in place of the settings the builder records.
     pub fn record(mut self, record: Arc<dyn RunRecord>) -> Self {
         self.record = Some(record);
@@ -726,8 +765,33 @@ impl TrainerBuilder {
         let loader = self.loader;
         let validation = self.validation;
         let batch_size = self.settings.batch_size;
+        let mut ranks = self.ranks.filter(|r| r.world > 1);
+        let mut stop = self.stop;
+        if let Some(ranks) = ranks.as_mut() {
+            if let Some(flag) = stop.take() {
+                ranks.requested = flag;
+            }
+            stop = Some(Arc::clone(&ranks.agreed));
+        }
+        let ranks_for_parts = ranks.clone();
         let parts: MakeParts = Box::new(move |pool| {
-            let learner = make_learner(pool)?;
+            let mut learner = make_learner(pool)?;
+            let mut shard = headroom_loader::Shard::default();
+            if let Some(ranks) = ranks_for_parts {
+                let data = format!(
+                    "{} training samples, {} test samples",
+                    train.len(),
+                    test.len()
+                );
+                ranks.require_same("training data", data.as_bytes())?;
+                let model = format!("{} parameters", learner.num_params());
+                ranks.require_same("model", model.as_bytes())?;
+                shard = headroom_loader::Shard {
+                    rank: ranks.rank,
+                    world: ranks.world,
+                };
+                learner.join_ranks(ranks)?;
+            }
             let loader_config = |training: bool| LoaderConfig {
                 batch_size,
                 shuffle: training,
@@ -741,6 +805,11 @@ impl TrainerBuilder {
                     headroom_loader::AugmentConfig::default()
                 },
                 shuffle_mode: loader.shuffle_mode,
+                shard: if training {
+                    shard
+                } else {
+                    headroom_loader::Shard::default()
+                },
                 ..LoaderConfig::default()
             };
             Ok(Parts {
@@ -755,7 +824,7 @@ impl TrainerBuilder {
         Ok(Trainer {
             place: Place::At(place),
             resume: self.resume,
-            stop: self.stop,
+            stop,
             settings: self.settings,
             checkpoint: self.checkpoint,
             memory: self.memory,
@@ -764,7 +833,7 @@ impl TrainerBuilder {
             parts,
             sinks: self.sinks,
             on_open: None,
-            ranks: None,
+            ranks,
         })
     }
 }
