@@ -178,6 +178,10 @@ impl Layer for CustomEntry {
         self.inner.dropout_seeds()
     }
 
+    fn shift_dropout(&mut self, offset: u64, advance: u64) {
+        self.inner.shift_dropout(offset, advance);
+    }
+
     fn clear_saved(&mut self) {
         self.inner.clear_saved()
     }

@@ -310,6 +310,18 @@ impl Network {
         self.layers.iter().flat_map(|l| l.dropout_seeds()).collect()
     }
 
+    /// Data parallel: every dropout layer draws its masks `offset`
+    /// forwards ahead of its counter, and its counter moves on by
+    /// `advance`. Rank r of N, taking M micro-batches a step, draws at
+    /// offset r·M and moves on by (N−1)·M after its M forwards, so that
+    /// its micro-batches draw the masks one process accumulating N·M
+    /// draws for the same samples, and every rank's counter stays the same.
+    pub fn shift_dropout(&mut self, offset: u64, advance: u64) {
+        self.layers
+            .iter_mut()
+            .for_each(|l| l.shift_dropout(offset, advance));
+    }
+
     pub fn zero_grad(&mut self) {
         for p in self.params_mut() {
             p.zero_grad();

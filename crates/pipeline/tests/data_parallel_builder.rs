@@ -1,6 +1,6 @@
 //! Data parallel for a run built in code (`Trainer::builder().ranks(…)`):
 //! 2 ranks × 16 end in the weights of 1 process × 32 in 2 micro-batches,
-//! bit for bit, rank 0 writes the checkpoints, the follower's scratch
+//! bit for bit, dropout's masks included, rank 0 writes the checkpoints, the follower's scratch
 //! directory is gone at the end.
 
 use std::path::{Path, PathBuf};
@@ -20,13 +20,14 @@ use headroom_pipeline::{Resume, Trainer};
 const SAMPLES: usize = 256;
 
 fn run(dir: &Path, batch: usize, micro: usize, ranks: Option<Ranks>) -> RunSummary {
+    // Dropout: rank r's samples get the masks one process draws for them.
     let spec = toml::from_str(
         r#"
         input = [4, 4, 1]
         mean = 0.5
         std = 0.25
         layers = [{ type = "flatten" }, { type = "linear", out = 8 }, { type = "relu" },
-                  { type = "linear", out = 2 }]
+                  { type = "dropout", p = 0.3 }, { type = "linear", out = 2 }]
         "#,
     )
     .expect("spec");

@@ -184,6 +184,12 @@ impl Layer for Checkpointed {
         self.layers.iter().flat_map(|l| l.dropout_seeds()).collect()
     }
 
+    fn shift_dropout(&mut self, offset: u64, advance: u64) {
+        self.layers
+            .iter_mut()
+            .for_each(|l| l.shift_dropout(offset, advance));
+    }
+
     fn clear_saved(&mut self) {
         self.saved_input = None;
         self.clear_inner();

@@ -155,6 +155,12 @@ pub trait Layer: Send {
         Vec::new()
     }
 
+    /// Data parallel: every dropout layer within draws its masks `offset`
+    /// forwards ahead of its counter, and its counter moves on by
+    /// `advance`, so that rank r's micro-batches draw the masks one
+    /// process would for the same samples (see `Network::shift_dropout`).
+    fn shift_dropout(&mut self, _offset: u64, _advance: u64) {}
+
     /// Drops saved activations (after an aborted step, or before evaluation).
     fn clear_saved(&mut self) {}
 

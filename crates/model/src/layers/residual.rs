@@ -153,6 +153,12 @@ impl Layer for Residual {
         self.body.iter().flat_map(|l| l.dropout_seeds()).collect()
     }
 
+    fn shift_dropout(&mut self, offset: u64, advance: u64) {
+        self.body
+            .iter_mut()
+            .for_each(|l| l.shift_dropout(offset, advance));
+    }
+
     fn clear_saved(&mut self) {
         self.saved_shape = None;
         for layer in &mut self.body {
@@ -288,6 +294,13 @@ impl Layer for FusedResidual {
         let mut seeds: Vec<u64> = self.body.iter().flat_map(|l| l.dropout_seeds()).collect();
         seeds.extend(self.tail.dropout_seeds());
         seeds
+    }
+
+    fn shift_dropout(&mut self, offset: u64, advance: u64) {
+        self.body
+            .iter_mut()
+            .for_each(|l| l.shift_dropout(offset, advance));
+        self.tail.shift_dropout(offset, advance);
     }
 
     fn clear_saved(&mut self) {

@@ -191,6 +191,12 @@ impl CpuLearner {
         let n = batch.len() * world;
         let parts: Vec<_> = batch.micro_batches(self.micro_batch).collect();
         let count = parts.len();
+        // Rank r's micro-batches are one process's r·M … r·M + M − 1 of
+        // the global batch: their dropout masks too.
+        let rank = self.ranks.as_ref().map_or(0, |r| r.ranks.rank);
+        if world > 1 {
+            self.network.shift_dropout((rank * count) as u64, 0);
+        }
         let (mut loss, mut correct) = (0.0f64, 0usize);
         // The earlier micro-batches' gradient sum, by parameter.
         let mut stash: Vec<Vec<f32>> = Vec::new();
@@ -252,6 +258,11 @@ impl CpuLearner {
             }
             loss += out.loss as f64 * share as f64;
             correct += out.correct;
+        }
+        if world > 1 {
+            // The other ranks' forwards: every rank's counter moves on alike.
+            self.network
+                .shift_dropout((rank * count) as u64, ((world - 1) * count) as u64);
         }
         Ok((loss, correct))
     }

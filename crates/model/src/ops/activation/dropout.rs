@@ -24,6 +24,9 @@ pub struct Dropout {
     pub(crate) p: f32,
     seed: u64,
     counter: Tensor,
+    /// Data parallel: masks are drawn this many forwards ahead of the
+    /// counter (`Layer::shift_dropout`); 0 alone.
+    offset: u64,
     recompute: bool,
     saved: Option<(Vec<usize>, u64)>,
 }
@@ -54,6 +57,7 @@ impl Dropout {
             p,
             seed,
             counter: Tensor::zeros(&[LIMBS]),
+            offset: 0,
             recompute: false,
             saved: None,
         })
@@ -122,11 +126,12 @@ impl Layer for Dropout {
         } else {
             self.counter()
         };
-        let out = self.apply(counter, input)?;
+        let drawn = counter.wrapping_add(self.offset);
+        let out = self.apply(drawn, input)?;
         if !self.recompute {
             self.set_counter(counter + 1);
         }
-        self.saved = Some((input.shape().to_vec(), counter));
+        self.saved = Some((input.shape().to_vec(), drawn));
         Ok(out)
     }
 
@@ -153,6 +158,13 @@ impl Layer for Dropout {
 
     fn set_recompute(&mut self, on: bool) {
         self.recompute = on;
+    }
+
+    fn shift_dropout(&mut self, offset: u64, advance: u64) {
+        self.offset = offset;
+        if advance > 0 {
+            self.set_counter(self.counter().wrapping_add(advance));
+        }
     }
 }
 

@@ -170,6 +170,10 @@ impl Layer for PerPosition {
         self.inner.dropout_seeds()
     }
 
+    fn shift_dropout(&mut self, offset: u64, advance: u64) {
+        self.inner.shift_dropout(offset, advance);
+    }
+
     fn clear_saved(&mut self) {
         self.saved_positions = None;
         self.inner.clear_saved();
@@ -290,6 +294,10 @@ impl Layer for PerFrame {
 
     fn dropout_seeds(&self) -> Vec<u64> {
         self.inner.dropout_seeds()
+    }
+
+    fn shift_dropout(&mut self, offset: u64, advance: u64) {
+        self.inner.shift_dropout(offset, advance);
     }
 
     fn clear_saved(&mut self) {

@@ -412,6 +412,12 @@ impl Layer for UnetSkip {
         self.body.iter().flat_map(|l| l.dropout_seeds()).collect()
     }
 
+    fn shift_dropout(&mut self, offset: u64, advance: u64) {
+        self.body
+            .iter_mut()
+            .for_each(|l| l.shift_dropout(offset, advance));
+    }
+
     fn clear_saved(&mut self) {
         self.saved_channels = None;
         for layer in &mut self.body {
