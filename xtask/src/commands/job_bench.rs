@@ -116,8 +116,11 @@ pub fn run(args: BenchJobCommand) -> Result<()> {
         runs,
     };
     if let Some(path) = &json_out {
-        std::fs::write(path, format!("{}\n", serde_json::to_string_pretty(&report)?))
-            .with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(
+            path,
+            format!("{}\n", serde_json::to_string_pretty(&report)?),
+        )
+        .with_context(|| format!("writing {}", path.display()))?;
     }
     print_report(&report);
     Ok(())
@@ -190,7 +193,9 @@ impl Job<'_> {
         }
         command.arg("--set").arg(format!(
             "run.output_dir={}",
-            run_dir.to_str().context("the run directory's path is not UTF-8")?
+            run_dir
+                .to_str()
+                .context("the run directory's path is not UTF-8")?
         ));
         if self.avx2_only {
             command.env("HEADROOM_CPU_KERNELS", "avx2");
@@ -238,8 +243,8 @@ impl Job<'_> {
         }
         let (stdout, timed) = timed_run(command, &log)?;
         let last = stdout.lines().last().unwrap_or_default();
-        let report: TorchJob = serde_json::from_str(last)
-            .with_context(|| format!("{TORCH_JOB} printed {stdout}"))?;
+        let report: TorchJob =
+            serde_json::from_str(last).with_context(|| format!("{TORCH_JOB} printed {stdout}"))?;
         Ok(JobRun {
             side: Side::Torch,
             round,
@@ -430,7 +435,10 @@ fn print_report(report: &Report) {
         );
     }
     if let Some(dir) = report.runs.iter().find_map(|r| r.run_dir.as_ref()) {
-        println!("headroom's run directories and both sides' logs beside {}", dir.display());
+        println!(
+            "headroom's run directories and both sides' logs beside {}",
+            dir.display()
+        );
     }
 }
 
@@ -444,7 +452,10 @@ mod tests {
                       wall time       362.0 s\ntrain speed     915 samples/s (2 threads)\n";
         assert_eq!(summary_figure(stdout, "test accuracy", "%"), Some(92.98));
         assert_eq!(summary_figure(stdout, "wall time", " s"), Some(362.0));
-        assert_eq!(summary_figure(stdout, "train speed", " samples/s"), Some(915.0));
+        assert_eq!(
+            summary_figure(stdout, "train speed", " samples/s"),
+            Some(915.0)
+        );
         assert_eq!(summary_figure(stdout, "peak RSS", " MiB"), None);
     }
 
