@@ -54,15 +54,15 @@ pub fn run(args: BenchJobCommand) -> Result<()> {
             "--compare-torch: {TORCH_JOB} reads Fashion-MNIST's IDX files only; this experiment has data.format = {other:?}"
         ),
     };
-    let torch_config = match compare_torch {
-        true => Some(write_torch_config(&experiment, &output_dir)?),
-        false => None,
-    };
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     let base = output_dir.join(format!("{stamp}-{}", std::process::id()));
     std::fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
+    let torch_config = match compare_torch {
+        true => Some(write_torch_config(&experiment, &base)?),
+        false => None,
+    };
     let job = Job {
         config: &config,
         overrides: &overrides,
@@ -327,8 +327,7 @@ fn summary_figure(stdout: &str, label: &str, unit: &str) -> Option<f64> {
 
 /// The resolved experiment for the PyTorch job (model and recipe).
 fn write_torch_config(experiment: &ExperimentConfig, dir: &Path) -> Result<PathBuf> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let path = dir.join(format!("torch-job-{}.json", std::process::id()));
+    let path = dir.join("torch-job.json");
     let json = serde_json::to_string(&headroom_pipeline::finetune::as_trained(experiment))?;
     std::fs::write(&path, json).with_context(|| format!("writing {}", path.display()))?;
     Ok(path)
