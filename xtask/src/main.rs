@@ -33,6 +33,10 @@ enum Command {
     Train(TrainArgs),
     /// Time the training step (and the loader); optionally beside PyTorch.
     Bench(BenchCommand),
+    /// The whole job (`train`'s, from the process's start to its summary),
+    /// alternated with PyTorch's same job with --compare-torch: both walls,
+    /// both accuracies, the ratio, the load average beside each run.
+    BenchJob(BenchJobCommand),
     /// One loader configuration as a JSON line (used by `bench --loader`).
     #[command(hide = true)]
     BenchLoaderOne(BenchLoaderOneCommand),
@@ -163,6 +167,37 @@ struct BenchCommand {
     /// FMA loop): an AVX2-only machine's comparison on an AVX-512 one.
     #[arg(long)]
     avx2_only: bool,
+}
+
+#[derive(clap::Args)]
+struct BenchJobCommand {
+    #[arg(long, default_value = DEFAULT_EXPERIMENT)]
+    config: PathBuf,
+    /// Override a config key on both sides, e.g. --set train.epochs=1.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    overrides: Vec<String>,
+    /// Compute threads on both sides (default: every core).
+    #[arg(long, value_parser = at_least_one())]
+    threads: Option<usize>,
+    /// Loader workers on both sides (default: the experiment's data.workers,
+    /// or what headroom picks for this machine).
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Rounds of the job (each side once a round, the order alternating).
+    #[arg(long, default_value_t = 1, value_parser = at_least_one())]
+    rounds: usize,
+    /// Also run PyTorch's same job (bench/torch/torch_fashion_mnist.py).
+    #[arg(long)]
+    compare_torch: bool,
+    /// Hold both sides to AVX2+FMA on an AVX-512 CPU (as `bench --avx2-only`).
+    #[arg(long)]
+    avx2_only: bool,
+    /// Where the runs and their logs go (a new folder each time).
+    #[arg(long, default_value = "target/bench-job")]
+    output_dir: PathBuf,
+    /// Also write the report as JSON to this file.
+    #[arg(long, value_name = "PATH")]
+    json_out: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -677,6 +712,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         Command::Train(args) => commands::train::run(args),
         Command::Bench(args) => done(commands::bench::command(args)),
+        Command::BenchJob(args) => done(commands::job_bench::run(args)),
         Command::BenchLoaderOne(args) => done(commands::loader_bench::one_command(args)),
         Command::Preprocess(args) => done(commands::preprocess::run(args)),
         Command::BenchStep(args) => done(commands::bench::step_command(args)),

@@ -215,7 +215,7 @@ pub fn run(args: &BenchArgs, experiment: &ExperimentConfig) -> Result<()> {
 /// directory: the gemm crate picks AVX-512 whenever the CPU has it, so
 /// `HEADROOM_CPU_KERNELS=avx2` alone would hold only our own kernels to
 /// AVX2. Built once (a few minutes), then up to date in seconds.
-fn avx2_gemm_binary() -> Result<PathBuf> {
+pub fn avx2_gemm_binary() -> Result<PathBuf> {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     if let Some(path) = BUILT.get() {
         return Ok(path.clone());
@@ -360,11 +360,7 @@ fn torch_step(args: &BenchArgs, config: &TorchConfig, batch: usize) -> Result<Op
     let mut command = Command::new("python3");
     command.arg(script).arg("--config-json").arg(&config.path);
     if args.avx2_only {
-        // ATen's vectorised kernels, oneDNN's convolutions and MKL's
-        // matrix products, all held to AVX2.
-        command.env("ATEN_CPU_CAPABILITY", "avx2");
-        command.env("ONEDNN_MAX_CPU_ISA", "AVX2");
-        command.env("MKL_ENABLE_INSTRUCTIONS", "AVX2");
+        hold_torch_to_avx2(&mut command);
     }
     if args.gpu {
         command.args([
@@ -394,6 +390,14 @@ fn torch_step(args: &BenchArgs, config: &TorchConfig, batch: usize) -> Result<Op
     Ok(Some(serde_json::from_str(last).with_context(|| {
         format!("{} printed {line}", script.display())
     })?))
+}
+
+/// ATen's vectorised kernels, oneDNN's convolutions and MKL's matrix
+/// products, all held to AVX2 (`--avx2-only`).
+pub fn hold_torch_to_avx2(command: &mut Command) {
+    command.env("ATEN_CPU_CAPABILITY", "avx2");
+    command.env("ONEDNN_MAX_CPU_ISA", "AVX2");
+    command.env("MKL_ENABLE_INSTRUCTIONS", "AVX2");
 }
 
 fn mib(bytes: Option<u64>) -> String {

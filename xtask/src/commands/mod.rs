@@ -8,6 +8,7 @@ pub mod export;
 pub mod finetune_llm;
 pub mod generate;
 pub mod gpu_check;
+pub mod job_bench;
 pub mod llm_bench;
 pub mod llm_data;
 pub mod loader_bench;
