@@ -31,7 +31,9 @@ use flate2::{write::GzEncoder, Compression};
 /// with the language-model fixtures and the measurement records), and
 /// Fashion-MNIST's four files are about 30 MB (28.6 MiB): 26 MiB leaves
 /// about 1 MiB to spare, so a bundle that grows past it needs slimming
-/// (its largest parts are the stripped, gzipped test binaries).
+/// (its largest parts are the gzipped test binaries, stripped of their
+/// symbols too: a failing test's message and panic location need none;
+/// xtask keeps its symbols, for readable backtraces of a run).
 pub const MAX_BUNDLE_BYTES: u64 = 26 << 20;
 
 /// (package, test target) of every test binary that checks the CUDA path.
@@ -77,14 +79,14 @@ pub fn build(args: &BundleArgs) -> Result<()> {
     }
     fs::create_dir_all(out.join("bin/tests"))
         .with_context(|| format!("creating {}", out.display()))?;
-    pack_program(&xtask_binary()?, &out.join("bin/xtask"))?;
+    pack_program(&xtask_binary()?, &out.join("bin/xtask"), Strip::Debug)?;
     for test in test_binaries()? {
         let name = test
             .file_name()
             .and_then(|n| n.to_str())
             .and_then(|n| n.rsplit_once('-').map(|(stem, _)| stem.to_string()))
             .with_context(|| format!("an unexpected test binary name {}", test.display()))?;
-        pack_program(&test, &out.join("bin/tests").join(name))?;
+        pack_program(&test, &out.join("bin/tests").join(name), Strip::All)?;
     }
     copy_dir(Path::new("experiments"), &out.join("experiments"))?;
     // Where the repository has them: `xtask bench --compare-torch` runs
@@ -166,7 +168,7 @@ fn build_baseline(rev: &str, to: &Path) -> Result<()> {
         bail!("building the baseline revision {rev} failed");
     }
     removed?;
-    pack_program(&target.join("release/xtask"), to)
+    pack_program(&target.join("release/xtask"), to, Strip::Debug)
 }
 
 fn git(args: &[&str]) -> Result<()> {
@@ -243,9 +245,21 @@ fn test_binaries() -> Result<Vec<PathBuf>> {
 /// --strip-debug`; with it, and a warning, where `strip` is missing) and
 /// gzipped: the programs travel at a third of their size, and run.sh
 /// unpacks them.
-fn pack_program(from: &Path, to: &Path) -> Result<()> {
+/// What `strip` takes out of a packed program.
+#[derive(Clone, Copy)]
+enum Strip {
+    /// The debug information only (symbols stay, for backtraces).
+    Debug,
+    /// The symbols too.
+    All,
+}
+
+fn pack_program(from: &Path, to: &Path, strip: Strip) -> Result<()> {
     let stripped = Command::new("strip")
-        .arg("--strip-debug")
+        .arg(match strip {
+            Strip::Debug => "--strip-debug",
+            Strip::All => "--strip-all",
+        })
         .arg("-o")
         .arg(to)
         .arg(from)
@@ -261,7 +275,7 @@ fn pack_program(from: &Path, to: &Path) -> Result<()> {
     let packed = with_suffix(to, ".gz");
     let file =
         fs::File::create(&packed).with_context(|| format!("creating {}", packed.display()))?;
-    let mut encoder = GzEncoder::new(file, Compression::default());
+    let mut encoder = GzEncoder::new(file, Compression::best());
     encoder
         .write_all(&program)
         .and_then(|()| encoder.finish().map(drop))

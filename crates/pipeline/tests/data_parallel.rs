@@ -50,18 +50,36 @@ fn same_bits(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
         })
 }
 
-/// Trains `config` on `world` thread ranks; `stop_rank_after` asks rank k
-/// to stop once it sees its stop flag (set from another thread at once).
+/// Trains `config` on `world` thread ranks; `stop_rank` asks rank k to
+/// stop at once (its stop flag set before it starts).
 fn on_ranks(
     world: usize,
     config: ExperimentConfig,
     resume: Resume,
     stop_rank: Option<usize>,
 ) -> Vec<Result<headroom_pipeline::RunSummary, String>> {
+    on_ranks_with(world, |_| config.clone(), resume, stop_rank)
+}
+
+/// Trains on `world` thread ranks, rank k with `configs(k)`.
+fn on_ranks_each(
+    world: usize,
+    configs: impl Fn(usize) -> ExperimentConfig,
+) -> Vec<Result<headroom_pipeline::RunSummary, String>> {
+    on_ranks_with(world, configs, Resume::No, None)
+}
+
+fn on_ranks_with(
+    world: usize,
+    configs: impl Fn(usize) -> ExperimentConfig,
+    resume: Resume,
+    stop_rank: Option<usize>,
+) -> Vec<Result<headroom_pipeline::RunSummary, String>> {
     let handles: Vec<_> = group(world)
         .into_iter()
-        .map(|t| {
-            let config = config.clone();
+        .enumerate()
+        .map(|(rank, t)| {
+            let config = configs(rank);
             let resume = resume.clone();
             std::thread::spawn(move || {
                 let ranks = Ranks::new(Box::new(t), 1 << 12, Duration::from_secs(60));
@@ -312,32 +330,6 @@ fn a_stopped_zero_1_run_resumes_sharded_or_not_to_the_uninterrupted_weights() {
     for dir in [&whole, &parts, &mixed] {
         let _ = std::fs::remove_dir_all(dir);
     }
-}
-
-/// Trains on `world` thread ranks, rank k with `configs(k)`.
-fn on_ranks_each(
-    world: usize,
-    configs: impl Fn(usize) -> ExperimentConfig,
-) -> Vec<Result<headroom_pipeline::RunSummary, String>> {
-    let handles: Vec<_> = group(world)
-        .into_iter()
-        .enumerate()
-        .map(|(rank, t)| {
-            let config = configs(rank);
-            std::thread::spawn(move || {
-                let ranks = Ranks::new(Box::new(t), 1 << 12, Duration::from_secs(60));
-                let options = TrainOptions {
-                    ranks: Some(ranks),
-                    ..options(Resume::No)
-                };
-                train(&config, &options).map_err(|e| e.to_string())
-            })
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank thread"))
-        .collect()
 }
 
 #[test]
