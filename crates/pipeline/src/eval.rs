@@ -172,13 +172,10 @@ pub fn evaluate_until(
         let result = match &ranks {
             None => score(learner, &batch, tta)?,
             Some(ranks) => {
-                let pool = learner.memory_stats();
-                crate::eval_shard::score_sharded(
-                    ranks,
-                    &batch,
-                    || pool,
-                    |part| score(learner, part, tta),
-                )?
+                let stats = learner.memory_stats();
+                crate::eval_shard::score_sharded(ranks, &batch, stats, |part| {
+                    score(learner, part, tta)
+                })?
             }
         };
         loss_sum += result.loss_sum;

@@ -20,11 +20,12 @@ use crate::learner::EvalResult;
 use crate::ranks::{Ranks, Refusal};
 use crate::{PipelineError, Result};
 
-/// `score` on this rank's slice of `batch`, joined with the other ranks'.
+/// `score` on this rank's slice of `batch`, joined with the other ranks'
+/// (`stats`: this rank's pool, for the error of a refusal).
 pub(crate) fn score_sharded(
     ranks: &Ranks,
     batch: &Batch,
-    stats: impl Fn() -> headroom_model::PoolStats,
+    stats: headroom_model::PoolStats,
     score: impl FnOnce(&Batch) -> Result<EvalResult>,
 ) -> Result<EvalResult> {
     let own = slice_of(batch.len(), ranks.world, ranks.rank);
@@ -52,9 +53,10 @@ pub(crate) fn score_sharded(
     let all = ranks.gather_varying(&record, "gathering an evaluation batch's results")?;
     let status = |code: u8| all.iter().position(|r| r.first() == Some(&code));
     if let Some(k) = status(2) {
+        // Not our own refusal: the memory policy would re-run it alone.
         return Err(match local {
-            Err(e) => e,
-            Ok(_) => PipelineError::Stage {
+            Err(e) if !e.is_out_of_memory() => e,
+            _ => PipelineError::Stage {
                 stage: "evaluation",
                 reason: format!("rank {k} failed evaluating (its own output says why)"),
             },
@@ -68,7 +70,7 @@ pub(crate) fn score_sharded(
         if k != ranks.rank {
             tracing::warn!("rank {k} ran out of memory evaluating; every rank follows it");
         }
-        return Err(refusal.error(&stats()));
+        return Err(refusal.error(&stats));
     }
     let mut joined = empty();
     for (k, record) in all.iter().enumerate() {

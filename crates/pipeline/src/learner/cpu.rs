@@ -285,12 +285,8 @@ impl CpuLearner {
         if self.ranks.is_some() {
             return self.apply_with_ranks(lr);
         }
+        let norm = clip_gradients(&mut self.network, self.settings.clip_norm);
         let mut params = self.network.params_mut();
-        let norm = if self.settings.clip_norm > 0.0 {
-            clip_grad_norm(&mut params, self.settings.clip_norm)
-        } else {
-            grad_norm(&params)
-        };
         if !norm.is_finite() {
             return Ok(None);
         }
@@ -335,12 +331,7 @@ impl CpuLearner {
                 norm as f32
             }
         } else {
-            let mut params = self.network.params_mut();
-            if self.settings.clip_norm > 0.0 {
-                clip_grad_norm(&mut params, self.settings.clip_norm)
-            } else {
-                grad_norm(&params)
-            }
+            clip_gradients(&mut self.network, self.settings.clip_norm)
         };
         // The same norm on every rank: all skip here together.
         if !norm32.is_finite() {
@@ -377,16 +368,11 @@ impl CpuLearner {
             }
             UpdateVerdict::Failed { rank } => {
                 self.optimizer.forget_unapplied();
-                return Err(match checked {
-                    Err(e) => e.into(),
-                    Ok(_) => PipelineError::Stage {
-                        stage: "ranks",
-                        reason: format!(
-                            "rank {rank} failed preparing the update (its own output says \
-                             why); every rank undid the step"
-                        ),
-                    },
-                });
+                return Err(failure_of_a_rank(
+                    rank,
+                    checked.err().map(PipelineError::from),
+                    "preparing the update",
+                ));
             }
         }
         self.optimizer.step(&mut params, lr)?;
@@ -465,17 +451,7 @@ impl CpuLearner {
             },
         )?;
         if let Some(k) = agreed.failed {
-            let own = ranks.ranks.rank;
-            return match local {
-                Err(e) => Err(e),
-                Ok(_) => Err(PipelineError::Stage {
-                    stage: "ranks",
-                    reason: format!(
-                        "rank {k} failed this step (its own output says why); rank {own} \
-                         undid it too"
-                    ),
-                }),
-            };
+            return Err(failure_of_a_rank(k, local.err(), "this step"));
         }
         // Every rank undoes the step and follows the memory policy on the
         // first refusal, so all halve the micro-batch (or stop) together
@@ -575,6 +551,32 @@ impl CpuLearner {
                 .extend(logits.data().chunks_exact(classes).map(arg_max));
         }
         Ok(result)
+    }
+}
+
+/// The global gradient norm, the gradients clipped to `clip_norm` when
+/// it is set (> 0).
+fn clip_gradients(network: &mut Network, clip_norm: f32) -> f32 {
+    let mut params = network.params_mut();
+    if clip_norm > 0.0 {
+        clip_grad_norm(&mut params, clip_norm)
+    } else {
+        grad_norm(&params)
+    }
+}
+
+/// The error every rank stops with when rank `rank` failed `during`: this
+/// rank's own error, unless it is out of memory (which the memory policy
+/// would retry alone, while the others stop), else one naming the rank.
+fn failure_of_a_rank(rank: usize, own: Option<PipelineError>, during: &str) -> PipelineError {
+    match own {
+        Some(e) if !e.is_out_of_memory() => e,
+        _ => PipelineError::Stage {
+            stage: "ranks",
+            reason: format!(
+                "rank {rank} failed {during} (its own output says why); every rank undid the step"
+            ),
+        },
     }
 }
 
@@ -702,7 +704,8 @@ impl Learner for CpuLearner {
     /// ranks' shards of the global batch (`batch_size × world`).
     fn join_ranks(&mut self, ranks: Ranks) -> Result<()> {
         let ranks = CpuRanks::new(&mut self.network, ranks)?;
-        self.optimizer.shard(ranks.owned_params());
+        self.optimizer
+            .shard(ranks.owned_params().map(<[bool]>::to_vec));
         self.ranks = Some(ranks);
         Ok(())
     }

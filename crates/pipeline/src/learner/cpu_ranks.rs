@@ -11,11 +11,11 @@
 //! so each rank gets only its own tensors' sums, each rank's AdamW keeps
 //! moments for and updates only its own, and the new weights are then
 //! gathered (`GradientReducer::gather_owned`). The clip needs the global
-//! norm: each rank sums the squares of its own tensors (`norm_terms`),
+//! norm: each rank sums the squares of its own tensors (`global_norm`),
 //! the per-parameter sums are gathered and added in parameter order, as
 //! one process adds them, so the norm, the clip and every update are the
 //! bits of the unsharded run. The update's finiteness check is agreed
-//! before anyone applies (`agree_on_update`). For a checkpoint the leader
+//! before anyone applies (`ranks::agree_on_update`). For a checkpoint the leader
 //! gathers the others' moments (`gather_moments`) and releases them after.
 //!
 //! Memory: the reducer's copy of every gradient (its buckets); the
@@ -48,6 +48,8 @@ pub(crate) struct CpuRanks {
     /// Per parameter (by `Network::params_mut` index): its tensor in the
     /// plan (None: frozen).
     tensor_by_param: Vec<Option<usize>>,
+    /// Sharded: per parameter, whether this rank updates it.
+    owned: Option<Vec<bool>>,
 }
 
 impl CpuRanks {
@@ -86,6 +88,12 @@ impl CpuRanks {
         for (tensor, &param) in param_of.iter().enumerate() {
             tensor_by_param[param] = Some(tensor);
         }
+        let owned = ranks.shard_optimizer.then(|| {
+            tensor_by_param
+                .iter()
+                .map(|t| t.is_some_and(|t| reducer.owns(t)))
+                .collect()
+        });
         tracing::debug!(
             "rank {} of {}: {} gradient tensors in {} buckets",
             ranks.rank,
@@ -100,6 +108,7 @@ impl CpuRanks {
             param_of,
             first_param,
             tensor_by_param,
+            owned,
         })
     }
 
@@ -110,16 +119,8 @@ impl CpuRanks {
 
     /// The parameters this rank's AdamW updates (by parameter index):
     /// None unsharded (all of them).
-    pub fn owned_params(&self) -> Option<Vec<bool>> {
-        if !self.sharded() {
-            return None;
-        }
-        Some(
-            self.tensor_by_param
-                .iter()
-                .map(|t| t.is_some_and(|t| self.reducer.owns(t)))
-                .collect(),
-        )
+    pub fn owned_params(&self) -> Option<&[bool]> {
+        self.owned.as_deref()
     }
 
     /// Sharded: the global gradient norm, the bits one process computes.
