@@ -259,13 +259,6 @@ impl AdamW {
         }
     }
 
-    /// Whether this optimizer updates parameter `index`.
-    pub fn owns(&self, index: usize) -> bool {
-        self.owned
-            .as_ref()
-            .is_none_or(|o| o.get(index).copied().unwrap_or(false))
-    }
-
     pub fn config(&self) -> &AdamWConfig {
         &self.config
     }
