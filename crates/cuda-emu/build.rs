@@ -17,6 +17,7 @@
 //!   start.
 //!   shim/selftest.cu (the emulator's own test kernels) is built likewise.
 //! - `libcublas.so` (SONAME `libcublas.so`): the fake cuBLAS (shim/cublas.cpp).
+//! - `libnccl.so` (SONAME `libnccl.so`): the fake NCCL (shim/nccl.cpp).
 //!
 //! The SONAMEs are cudarc's first bare-name candidates, so once
 //! `headroom_cuda_emu::install` has loaded these files, cudarc binds to them
@@ -148,6 +149,18 @@ fn main() {
         "cublas.cpp",
     );
     link(&cxx, &out.join("libcublas.so"), "libcublas.so", &[blas_obj]);
+
+    let nccl_obj = gen.join("nccl.o");
+    let mut cmd = Command::new(&cxx);
+    common(&mut cmd);
+    run(
+        cmd.arg("-c")
+            .arg(shim.join("nccl.cpp"))
+            .arg("-o")
+            .arg(&nccl_obj),
+        "nccl.cpp",
+    );
+    link(&cxx, &out.join("libnccl.so"), "libnccl.so", &[nccl_obj]);
 }
 
 /// Every `.cu` file under `dir`, recursively.

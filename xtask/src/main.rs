@@ -12,6 +12,7 @@ use tracing_subscriber::EnvFilter;
 
 mod cargo;
 mod commands;
+mod devices;
 mod ranks;
 mod signals;
 
@@ -119,6 +120,11 @@ struct TrainArgs {
     /// Never install the dataset package, even as root.
     #[arg(long)]
     no_install: bool,
+    /// Train data parallel on N GPUs of this machine, one process per GPU,
+    /// over NCCL (train.batch_size per GPU). --devices 1 trains on one GPU
+    /// through the same path, to measure what the path costs.
+    #[arg(long, value_parser = at_least_one())]
+    devices: Option<usize>,
 }
 
 #[derive(clap::Args)]

@@ -1,7 +1,8 @@
-//! The ranks of a data-parallel `cargo xtask train`, from the MPI
-//! launcher: `mpirun -np N target/release/xtask train …` with a build
-//! that has the `mpi` feature. Outside a launcher (or with a world of
-//! one) a run is alone, as always.
+//! The ranks of a data-parallel `cargo xtask train`: GPU ranks started by
+//! `train --devices N` (`crate::devices`, over NCCL), or the MPI
+//! launcher's: `mpirun -np N target/release/xtask train …` with a build
+//! that has the `mpi` feature. Outside a launcher (or with a world of one
+//! under mpirun) a run is alone, as always.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -12,8 +13,15 @@ use headroom_pipeline::ExperimentConfig;
 
 /// This process's ranks, when a launcher started N > 1 of them; `stop` is
 /// the signal handler's flag, which becomes this rank's stop request.
-#[cfg(feature = "mpi")]
 pub fn from_launcher(config: &ExperimentConfig, stop: Arc<AtomicBool>) -> Result<Option<Ranks>> {
+    if crate::devices::is_rank() {
+        return crate::devices::rank_from_env(config, stop);
+    }
+    from_mpi(config, stop)
+}
+
+#[cfg(feature = "mpi")]
+fn from_mpi(config: &ExperimentConfig, stop: Arc<AtomicBool>) -> Result<Option<Ranks>> {
     use headroom_dist::mpi::MpiTransport;
     use headroom_dist::Transport;
     if headroom_dist::launcher::launcher_rank_world().is_none() {
@@ -41,7 +49,7 @@ pub fn from_launcher(config: &ExperimentConfig, stop: Arc<AtomicBool>) -> Result
 /// Without MPI in the build, N processes started by a launcher would be
 /// N separate runs fighting over one directory: refused.
 #[cfg(not(feature = "mpi"))]
-pub fn from_launcher(_config: &ExperimentConfig, _stop: Arc<AtomicBool>) -> Result<Option<Ranks>> {
+fn from_mpi(_config: &ExperimentConfig, _stop: Arc<AtomicBool>) -> Result<Option<Ranks>> {
     match headroom_dist::launcher::launcher_rank_world() {
         Some((_, world)) if world > 1 => anyhow::bail!(
             "started as one of {world} MPI ranks, but this xtask was built without MPI: build it \

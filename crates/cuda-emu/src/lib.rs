@@ -1,4 +1,4 @@
-//! A CPU emulator of the CUDA driver and cuBLAS, for tests only: it lets the
+//! A CPU emulator of the CUDA driver, cuBLAS and NCCL, for tests only: it lets the
 //! real CUDA path of `headroom-model` (`CudaBackend`, its ops, GEMMs, the
 //! fused optimizer, the staging ring) run unchanged on a machine without a
 //! GPU, with every kernel of headroom-model's `.cu` files
@@ -6,9 +6,11 @@
 //! host C++.
 //!
 //! build.rs compiles a fake `libcuda.so` (driver entry points plus the
-//! kernels) and a fake `libcublas.so` into OUT_DIR. [`install`] loads both by
-//! full path with `RTLD_GLOBAL`; cudarc, which dlopens `libcuda.so` and
-//! `libcublas.so` by bare name on first use, then gets these (the dynamic
+//! kernels), a fake `libcublas.so` and a fake `libnccl.so` (the ranks of a
+//! data-parallel run as processes, messages through files: shim/nccl.cpp)
+//! into OUT_DIR. [`install`] loads them by full path with `RTLD_GLOBAL`;
+//! cudarc, which dlopens `libcuda.so`, `libcublas.so` and `libnccl.so` by
+//! bare name on first use, then gets these (the dynamic
 //! loader matches a bare name against the SONAME of an already loaded
 //! library). So `install` must run before anything in the process touches
 //! the CUDA driver, and the choice between a real GPU and the emulator is
@@ -60,7 +62,7 @@ pub fn lib_dir() -> &'static Path {
     Path::new(LIB_DIR)
 }
 
-/// Loads the fake driver and cuBLAS so that cudarc uses them. Idempotent.
+/// Loads the fake driver, cuBLAS and NCCL so that cudarc uses them. Idempotent.
 /// Err when the libraries were not built (no C++ compiler) or do not load.
 pub fn install() -> Result<(), String> {
     loaded().map(|_| ())
@@ -77,6 +79,7 @@ fn loaded() -> Result<&'static Loaded, String> {
             }
             let driver = dlopen_global(&lib_dir().join("libcuda.so"))?;
             dlopen_global(&lib_dir().join("libcublas.so"))?;
+            dlopen_global(&lib_dir().join("libnccl.so"))?;
             Ok(Loaded { driver })
         })
         .as_ref()

@@ -37,6 +37,9 @@ pub enum DistError {
     Thread(String),
     #[error("MPI: {0}")]
     Mpi(String),
+    /// The device transport (NCCL) failed.
+    #[error("{0}")]
+    Device(String),
 }
 
 pub type Result<T> = std::result::Result<T, DistError>;

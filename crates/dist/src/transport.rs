@@ -26,6 +26,14 @@ pub trait Transport: Send {
         deadline: Instant,
         during: &str,
     ) -> Result<()>;
+
+    /// The transport itself, for a learner that works through its device
+    /// side (the GPU ranks' NCCL communicator moves gradients between
+    /// device buffers, beside the host records of `exchange`). None: a
+    /// host-only transport.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
 }
 
 /// A transport shared by the trainer's thread and the reducer's

@@ -153,7 +153,7 @@ pub fn evaluate_until(
 ) -> Result<Option<Evaluation>> {
     let classes = learner.num_classes();
     // A data-parallel run shards each batch over its ranks.
-    let ranks = learner.ranks().filter(|r| r.world > 1);
+    let ranks = learner.ranks().filter(|r| r.active());
     let bar = evaluation_bar(loader.batches_per_epoch());
     let mut confusion = vec![vec![0u64; classes]; classes];
     let (mut loss_sum, mut seen, mut scored) = (0.0f64, 0usize, 0usize);

@@ -55,6 +55,10 @@ pub struct Ranks {
     /// AdamW's moments sharded over the ranks (`train.shard_optimizer`,
     /// ZeRO-1): set from the experiment when the learner joins.
     pub shard_optimizer: bool,
+    /// Train through the ranks' path even in a world of one (`train
+    /// --devices 1`: the path's own cost, measured against one device);
+    /// otherwise a world of one trains alone.
+    pub at_world_one: bool,
 }
 
 impl std::fmt::Debug for Ranks {
@@ -77,7 +81,14 @@ impl Ranks {
             requested: Arc::new(AtomicBool::new(false)),
             agreed: Arc::new(AtomicBool::new(false)),
             shard_optimizer: false,
+            at_world_one: false,
         }
+    }
+
+    /// Whether the run trains through these ranks (more than one, or one
+    /// by request: `at_world_one`).
+    pub fn active(&self) -> bool {
+        self.world > 1 || self.at_world_one
     }
 
     pub fn is_leader(&self) -> bool {
@@ -191,7 +202,7 @@ pub(crate) fn claim_run_dir(
 )> {
     use crate::rundir::{RunDir, RunPlace};
     use crate::Resume;
-    let Some(ranks) = ranks.filter(|r| r.world > 1) else {
+    let Some(ranks) = ranks.filter(|r| r.active()) else {
         return Ok((RunDir::claim_at(place, resume)?, resume.clone(), None));
     };
     if ranks.is_leader() {

@@ -63,7 +63,7 @@ pub fn open_with_layers(
 }
 
 pub fn train(config: &ExperimentConfig, options: &TrainOptions) -> Result<RunSummary> {
-    let ranks = options.ranks.clone().filter(|r| r.world > 1);
+    let ranks = options.ranks.clone().filter(|r| r.active());
     if let Some(ranks) = &ranks {
         // Fault injection (`device.inject_oom`) is a test's, per rank: the
         // one setting that may differ, so that a test can fail one rank.

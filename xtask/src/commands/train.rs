@@ -20,7 +20,22 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         resume,
         mut overrides,
         no_install,
+        devices,
     } = args;
+    if let Some(n) = devices.filter(|_| !crate::devices::is_rank()) {
+        // The ranks read the experiment themselves; the launcher only needs
+        // how long a failed rank's peers may take to stop.
+        let parsed = Overrides::parse(&overrides)?;
+        let timeout = match resume.as_deref() {
+            Some(path) if !path.is_empty() => {
+                resumed_experiment(Path::new(path), &config, &parsed)?.experiment
+            }
+            _ => super::load_experiment(&or_default(config.clone()).remove(0), &parsed)?,
+        }
+        .distributed
+        .timeout();
+        return crate::devices::launch(n, timeout);
+    }
     apply_switches(&switches, &mut overrides);
     if let Some(name) = profile {
         overrides.push(format!("run.profile={name}"));
@@ -282,7 +297,9 @@ fn train_in_sequence(planned: Vec<Planned>, allow_install: bool) -> Result<ExitC
                 .map_or_else(|| experiment.output_dir().to_path_buf(), Path::to_path_buf);
             // Quoted: the line is meant to be pasted into a shell.
             let dir = shell::quote_path(&dir);
-            let command = if world > 1 {
+            let command = if crate::devices::is_rank() {
+                crate::devices::resume_command(world)
+            } else if world > 1 {
                 format!("mpirun -np {world} target/release/xtask train")
             } else {
                 "cargo xtask train".to_string()

@@ -50,6 +50,10 @@ pub enum CudaError {
         target: String,
         log: String,
     },
+    /// An NCCL call failed, a peer did not answer before the deadline, or
+    /// the communicator reported an asynchronous error.
+    #[error("NCCL: {op}: {detail}")]
+    Nccl { op: &'static str, detail: String },
     #[error("NVRTC call failed in {op}: {detail}")]
     Nvrtc { op: &'static str, detail: String },
     /// A device allocation that the budget or the driver refused. `requested`

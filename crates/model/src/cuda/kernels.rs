@@ -82,6 +82,8 @@ macro_rules! pair {
     };
 }
 
+/// The ranks' copies of a slice summed in rank order (data parallel).
+pub const RANK_SUM: KernelSig = sig!("collective", "rank_sum_f32", RankSumParams, 2);
 pub const CAST_F32_TO_F16: KernelSig = sig!("cast", "cast_f32_to_f16", CastParams, 2);
 pub const CAST_F16_TO_F32: KernelSig = sig!("cast", "cast_f16_to_f32", CastParams, 2);
 pub const NORMALIZE_U8: KernelPair = pair!("cast", "normalize_u8", NormalizeParams, 2);
@@ -256,6 +258,11 @@ pub const ADAMW_FUSED_F32: KernelSig = sig!("optim", "adamw_fused_f32", AdamWPar
 
 /// Every kernel file and its entry points.
 pub static FILES: &[KernelFile] = &[
+    KernelFile {
+        name: "collective",
+        source: include_str!("../ops/collective/collective.cu"),
+        kernels: &[RANK_SUM],
+    },
     KernelFile {
         name: "cast",
         source: include_str!("../ops/cast/cast.cu"),

@@ -116,6 +116,66 @@ pub fn ensure_cublas() -> CudaResult<Option<PathBuf>> {
         })
 }
 
+/// Install command printed when NCCL is missing.
+pub const NCCL_INSTALL_HINT: &str =
+    "install it with `pip install nvidia-nccl-cu13` (or nvidia-nccl-cu12 for a CUDA 12 driver, \
+     or the libnccl2 package), and start the ranks with `cargo xtask train --devices N`, which \
+     puts it on their library path";
+
+/// Whether cudarc can load NCCL (`libnccl.so` and its other bare names on
+/// the loader's path): true in a rank that `train --devices N` started,
+/// or with the emulator's NCCL loaded. Asked afresh each time (cheap: a
+/// dlopen of a library already loaded).
+pub fn nccl_present() -> bool {
+    // SAFETY: as in driver_present.
+    unsafe { cudarc::nccl::sys::is_culib_present() }
+}
+
+/// NCCL for cudarc, or an error saying how to get it. NCCL cannot be
+/// preloaded as NVRTC and cuBLAS are: its files are named `libnccl.so.2`,
+/// a name cudarc never asks for, so it must be on the loader's path as
+/// `libnccl.so` before the process starts (`nccl_library` finds one for
+/// a launcher).
+pub fn ensure_nccl() -> CudaResult<()> {
+    if nccl_present() {
+        return Ok(());
+    }
+    let hint = match nccl_library() {
+        Some(found) => format!(
+            "{} is there but not on this process's library path as libnccl.so; start the ranks \
+             with `cargo xtask train --devices N`, which arranges that",
+            found.display()
+        ),
+        None => NCCL_INSTALL_HINT.to_string(),
+    };
+    Err(CudaError::LibraryMissing {
+        library: "NCCL (libnccl)",
+        hint,
+    })
+}
+
+/// An NCCL library file on this machine: the search directories of NVRTC
+/// and cuBLAS, NCCL's own pip wheel (`nvidia/nccl/lib`) and the system
+/// library directories, `libnccl.so.2` or `libnccl.so`. None when there is
+/// none.
+pub fn nccl_library() -> Option<PathBuf> {
+    let mut dirs = search_dirs();
+    for base in python_nvidia_dirs() {
+        dirs.push(base.join("nccl/lib"));
+    }
+    for system in [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+        "/usr/local/lib",
+    ] {
+        dirs.push(PathBuf::from(system));
+    }
+    dirs.iter()
+        .flat_map(|dir| ["libnccl.so.2", "libnccl.so"].map(|name| dir.join(name)))
+        .find(|path| path.is_file())
+}
+
 /// The environment variable naming the NVRTC library file to load.
 pub const NVRTC_ENV: &str = "HEADROOM_NVRTC";
 

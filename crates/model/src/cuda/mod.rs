@@ -39,7 +39,9 @@
 //!   moments, f16 compute copies in mixed precision); the fused AdamW step over them and the
 //!   loss scaler live in headroom-optim.
 //! - `staging`: pinned input staging ring, copy stream, events.
-//! - `libs`: locating NVRTC/cuBLAS (pip wheels included) without panicking.
+//! - `libs`: locating NVRTC/cuBLAS/NCCL (pip wheels included) without panicking.
+//! - `nccl`: one rank's NCCL communicator on its communication stream (the
+//!   GPU ranks of a data-parallel run).
 //! - `optim.cu`: the optimizer's kernels (`grad_sumsq`, `step_finalize`,
 //!   `adamw_fused`), here beside `param_group` and the structs they share
 //!   with it (`params`); their launches are headroom-optim's (`FusedAdamW`),
@@ -56,6 +58,7 @@ pub mod kernels;
 pub(crate) mod launch;
 pub mod layer;
 pub mod libs;
+pub mod nccl;
 mod network;
 pub mod ops;
 mod param_group;

@@ -20,6 +20,7 @@ pub use super::launch::MAX_BLOCK_THREADS;
 pub use crate::ops::activation::cuda::*;
 pub use crate::ops::batch_norm::cuda::*;
 pub use crate::ops::cast::cuda::*;
+pub use crate::ops::collective::cuda::*;
 pub use crate::ops::conv::cuda::*;
 pub use crate::ops::conv::depthwise::*;
 pub use crate::ops::conv::tune::{ConvPath, ConvProduct, TunedConv};

@@ -36,6 +36,8 @@ kernel_params! {
     GatherParams(24) { n: u32, h: u32, w: u32, c: u32, scale: f32, shift: f32 }
     /// elementwise.cu: relu_forward, relu_backward, add_inplace, add.
     EwParams(4) { n: u32 }
+    /// collective.cu: rank_sum_f32 (the ranks' copies of a slice, in rank order).
+    RankSumParams(12) { n: u32, world: u32, stride: u32 }
     /// elementwise.cu: dropout_apply, dropout_count, dropout_counter_restore.
     DropoutParams(24) { n: u32, p: f32, scale: f32, seed_lo: u32, seed_hi: u32, previous: u32 }
     /// elementwise.cu: bias_add.

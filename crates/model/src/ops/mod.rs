@@ -22,6 +22,7 @@
 pub(crate) mod activation;
 pub(crate) mod batch_norm;
 pub(crate) mod cast;
+pub(crate) mod collective;
 pub(crate) mod conv;
 pub(crate) mod frames;
 pub(crate) mod layer_norm;

@@ -337,6 +337,7 @@ fn assert_close_l2(what: &str, gpu: &[f32], cpu: &[f32], tol: f64) {
 mod activation;
 mod batch_norm;
 mod cast;
+mod collective;
 mod conv;
 mod frames;
 mod layer_norm;
@@ -681,6 +682,10 @@ const COVERAGE: &[(&str, &str)] = &[
     (
         "wgrad_reduce",
         "implicit_gemm_convolution_matches_the_cpu_layer",
+    ),
+    (
+        "rank_sum_f32",
+        "the_ranks_sum_adds_in_rank_order_to_the_bits_of_the_cpu",
     ),
     ("cast_f32_to_f16", "casts_round_like_half_and_widen_exactly"),
     ("cast_f16_to_f32", "casts_round_like_half_and_widen_exactly"),

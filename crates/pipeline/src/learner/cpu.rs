@@ -568,7 +568,11 @@ fn clip_gradients(network: &mut Network, clip_norm: f32) -> f32 {
 /// The error every rank stops with when rank `rank` failed `during`: this
 /// rank's own error, unless it is out of memory (which the memory policy
 /// would retry alone, while the others stop), else one naming the rank.
-fn failure_of_a_rank(rank: usize, own: Option<PipelineError>, during: &str) -> PipelineError {
+pub(crate) fn failure_of_a_rank(
+    rank: usize,
+    own: Option<PipelineError>,
+    during: &str,
+) -> PipelineError {
     match own {
         Some(e) if !e.is_out_of_memory() => e,
         _ => PipelineError::Stage {

@@ -64,6 +64,9 @@ use headroom_model::{Device, ModelError, ModelSpec, Network, PoolStats, TokenInp
 use headroom_optim::{FusedAdamW, LossScalerConfig, LossScalerState};
 
 mod graph;
+mod ranks;
+
+pub use ranks::NcclTransport;
 
 use super::cpu::arg_max;
 use super::top5_hits;
@@ -115,6 +118,9 @@ struct InFlight {
     /// `first_applied + j` steps applied (for the log of a refused update).
     first_applied: u64,
     lrs: Vec<f32>,
+    /// In a data-parallel run: the global batch's loss and correct count,
+    /// as the ranks agreed on them.
+    agreed: Option<(f64, u64)>,
 }
 
 pub struct CudaLearner {
@@ -138,6 +144,8 @@ pub struct CudaLearner {
     macs_per_sample: u64,
     graphs: graph::Graphs,
     state_staging_values: usize,
+    /// Set in a data-parallel run: the other ranks, over NCCL.
+    ranks: Option<ranks::CudaRanks>,
 }
 
 impl CudaLearner {
@@ -210,6 +218,7 @@ impl CudaLearner {
             collected_scale: options.loss_scaler.init_scale,
             graphs: graph::Graphs::new(options.graphs),
             state_staging_values: options.state_staging_values.max(1),
+            ranks: None,
         })
     }
 
@@ -371,8 +380,8 @@ impl CudaLearner {
             .collect();
         let first_applied = self.collected_applied;
         self.optimizer.set_schedule(&self.be, first_applied, &lrs)?;
-        let shares = match self.graph_step(batch)? {
-            Some(shares) => shares,
+        let (shares, agreed) = match self.graph_step(batch)? {
+            Some(shares) => (shares, None),
             None => self.eager_step(batch)?,
         };
         let slot = cuda(
@@ -384,14 +393,16 @@ impl CudaLearner {
             shares,
             first_applied,
             lrs,
+            agreed,
         });
         Ok(())
     }
 
     /// The step one launch at a time, in micro-batches: each micro-batch's
-    /// share of the batch. A failure part-way puts the running statistics
-    /// and dropout counters back.
-    fn eager_step(&mut self, batch: &Batch) -> Result<Vec<f32>> {
+    /// share of the batch (and, with ranks, the global batch's loss and
+    /// correct count). A failure part-way puts the running statistics and
+    /// dropout counters back.
+    fn eager_step(&mut self, batch: &Batch) -> Result<(Vec<f32>, Option<(f64, u64)>)> {
         cuda(self.network.save_step_buffers(&self.be))?;
         let result = self.eager_parts(batch);
         if result.is_err() {
@@ -400,8 +411,28 @@ impl CudaLearner {
         result
     }
 
-    fn eager_parts(&mut self, batch: &Batch) -> Result<Vec<f32>> {
-        let n = batch.len();
+    fn eager_parts(&mut self, batch: &Batch) -> Result<(Vec<f32>, Option<(f64, u64)>)> {
+        let local = self.forward_backward(batch);
+        let (shares, agreed) = match self.ranks.is_some() {
+            true => {
+                let (shares, agreed) = self.agree_with_ranks(local)?;
+                (shares, Some(agreed))
+            }
+            false => (local?, None),
+        };
+        self.finish_on_device()?;
+        cuda(
+            self.be
+                .profile_mark(|| "optimizer: unscale, clip, AdamW".into()),
+        )?;
+        Ok((shares, agreed))
+    }
+
+    /// Forward and backward over the micro-batches, each loss weighted by
+    /// its share of the (global) batch: the shares.
+    fn forward_backward(&mut self, batch: &Batch) -> Result<Vec<f32>> {
+        let world = self.ranks.as_ref().map_or(1, |r| r.ranks.world);
+        let n = batch.len() * world;
         let mut shares = Vec::new();
         for part in batch.micro_batches(self.micro_batch) {
             let share = part.len() as f32 / n as f32;
@@ -440,11 +471,6 @@ impl CudaLearner {
             cuda(be.profile_mark(|| "loss: softmax cross-entropy".into()))?;
             cuda(self.network.backward(be, &xent.grad))?;
         }
-        self.finish_on_device()?;
-        cuda(
-            self.be
-                .profile_mark(|| "optimizer: unscale, clip, AdamW".into()),
-        )?;
         Ok(shares)
     }
 
@@ -494,15 +520,28 @@ impl CudaLearner {
         }
         self.collected_applied = state.applied;
         self.collected_scale = state.next_scale;
-        let loss: f64 = record
-            .losses
-            .iter()
-            .zip(&step.shares)
-            .map(|(&loss, &share)| loss as f64 * share as f64)
-            .sum();
+        let (loss, correct) = match step.agreed {
+            Some((loss, correct)) => (loss, correct as usize),
+            None => (
+                record
+                    .losses
+                    .iter()
+                    .zip(&step.shares)
+                    .map(|(&loss, &share)| loss as f64 * share as f64)
+                    .sum(),
+                record.corrects.iter().map(|&c| c as usize).sum(),
+            ),
+        };
+        if let Some(ranks) = &self.ranks {
+            // An applied step's running statistics become the ranks' mean (a
+            // skipped step's were put back, equal on every rank already).
+            if state.skipped == 0 {
+                ranks.average_buffers(&self.be, &mut self.network)?;
+            }
+        }
         Ok(Some(StepResult {
             loss: loss as f32,
-            correct: record.corrects.iter().map(|&c| c as usize).sum(),
+            correct,
             grad_norm: (state.skipped == 0).then_some(state.grad_norm),
         }))
     }
@@ -633,9 +672,14 @@ impl Learner for CudaLearner {
     }
 
     /// One step queued behind the one running: the host stages and queues
-    /// step s+1 while the GPU runs step s.
+    /// step s+1 while the GPU runs step s. None with ranks: a ranked step
+    /// waits for its reduction and its record exchange, and the buffers'
+    /// mean follows it.
     fn pipeline_depth(&self) -> usize {
-        1
+        match self.ranks {
+            Some(_) => 0,
+            None => 1,
+        }
     }
 
     fn eval_batch(&mut self, batch: &Batch) -> Result<EvalResult> {
@@ -886,6 +930,21 @@ impl Learner for CudaLearner {
         let m = self.be.memory_stats();
         let budget = m.limit.unwrap_or(self.be.info().total_memory);
         Some(budget / 4)
+    }
+
+    /// Joins GPU ranks over NCCL (`NcclTransport`): each step's gradients
+    /// are then summed over the ranks on the device, in rank order.
+    fn join_ranks(&mut self, ranks: crate::ranks::Ranks) -> Result<()> {
+        require_no_steps_in_flight(self.in_flight.len(), "joining ranks")?;
+        let joined = ranks::CudaRanks::new(&self.be, &mut self.network, ranks)?;
+        self.graphs.forget();
+        self.graphs.enabled = false;
+        self.ranks = Some(joined);
+        Ok(())
+    }
+
+    fn ranks(&self) -> Option<crate::ranks::Ranks> {
+        self.ranks.as_ref().map(|r| r.ranks.clone())
     }
 
     fn hold_resident(&mut self, dataset: &dyn Dataset) -> Result<()> {

@@ -17,7 +17,7 @@ mod cpu_ranks;
 mod cuda;
 
 pub use cpu::{arg_max, per_token_loss, CpuLearner};
-pub use cuda::{CudaLearner, CudaOptions};
+pub use cuda::{CudaLearner, CudaOptions, NcclTransport};
 
 use std::sync::Arc;
 
@@ -377,11 +377,6 @@ pub trait Learner: Send {
         None
     }
 
-    /// Copies every sample of `dataset` to the device: batches that carry
-    /// recipes (`LoaderConfig::resident`) are then made there.
-    /// Joins the ranks of a data-parallel run (`crate::ranks`): each step's
-    /// gradients are then summed over the ranks. Default: refused, naming
-    /// the device (data parallelism is built for the CPU learner).
     /// The ranks this learner trains with (a data-parallel run), so that
     /// evaluation can be sharded over them; None alone.
     fn ranks(&self) -> Option<crate::ranks::Ranks> {
@@ -399,17 +394,23 @@ pub trait Learner: Send {
     /// written.
     fn release_gathered_state(&mut self) {}
 
+    /// Joins the ranks of a data-parallel run (`crate::ranks`): each step's
+    /// gradients are then summed over the ranks. Default: refused, naming
+    /// the device (the CPU learner over any transport and the GPU learner
+    /// over NCCL can).
     fn join_ranks(&mut self, ranks: crate::ranks::Ranks) -> Result<()> {
         Err(PipelineError::Stage {
             stage: "ranks",
             reason: format!(
-                "{} cannot train data-parallel yet ({} ranks asked for): only the CPU learner can",
+                "{} cannot train data-parallel ({} ranks asked for): only the CPU and GPU learners can",
                 self.device_name(),
                 ranks.world
             ),
         })
     }
 
+    /// Copies every sample of `dataset` to the device: batches that carry
+    /// recipes (`LoaderConfig::resident`) are then made there.
     fn hold_resident(&mut self, dataset: &dyn Dataset) -> Result<()> {
         let _ = dataset;
         Err(PipelineError::value(

@@ -339,7 +339,7 @@ impl Trainer {
         let started = Instant::now();
         // Held (locked) for the whole run; removed on drop if this start
         // made it and it holds no progress.
-        let ranks = self.ranks.as_ref().filter(|r| r.world > 1);
+        let ranks = self.ranks.as_ref().filter(|r| r.active());
         let (_scratch, run_dir, resume) = match self.place {
             Place::Claimed(run_dir) => (Scratch(None), run_dir, self.resume.clone()),
             Place::At(place) => {
@@ -765,7 +765,7 @@ impl TrainerBuilder {
         let loader = self.loader;
         let validation = self.validation;
         let batch_size = self.settings.batch_size;
-        let mut ranks = self.ranks.filter(|r| r.world > 1);
+        let mut ranks = self.ranks.filter(|r| r.active());
         let mut stop = self.stop;
         if let Some(ranks) = ranks.as_mut() {
             if let Some(flag) = stop.take() {

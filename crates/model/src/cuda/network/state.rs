@@ -138,6 +138,22 @@ impl CudaNetwork {
         buffers.into_iter().map(|b| be.download(&b.slice)).collect()
     }
 
+    /// Whether a layer draws dropout masks (its counters are buffers).
+    pub fn has_dropout(&mut self) -> bool {
+        let mut found = false;
+        let _ = for_each_step_buffers(&mut self.layers, &mut |buffers| {
+            found |= matches!(buffers, StepBuffers::Dropout(_));
+            Ok(())
+        });
+        found
+    }
+
+    /// Writes the buffers `read_buffers` gives, in its order (the ranks'
+    /// mean of them, in a data-parallel run).
+    pub fn write_buffers(&mut self, be: &CudaBackend, values: &[Vec<f32>]) -> CudaResult<()> {
+        self.set_buffers(be, values)
+    }
+
     pub(super) fn set_buffers(&mut self, be: &CudaBackend, values: &[Vec<f32>]) -> CudaResult<()> {
         let mut it = values.iter();
         let mut next = || {
