@@ -838,6 +838,15 @@ if [ -f "$BUNDLE/bin/baseline-xtask.gz" ]; then
     step bench bench-baseline bench_baseline "${BENCH_ARGS[@]}"
 fi
 
+# 8b. Data parallel over NCCL (train --devices N, one process per GPU)
+# with one rank: what the ranked step (launched, not captured; gradients
+# summed through NCCL in rank order; the ranks' agreement before the
+# optimizer) costs beside the default job of step 2, and its weights,
+# which must be that job's bits. NCCL is PyTorch's pip wheel here.
+step train train-devices-1 hr train --no-install --devices 1 --set device.kind=cuda \
+    --set "run.output_dir=$WORK/devices-1"
+step train devices-1-weights weights_equal "$WORK/default" "$WORK/devices-1"
+
 # 9. The other trainers on the GPU, then their steps beside PyTorch's.
 step train train-mlp train_mlp
 step train train-gpt train_gpt

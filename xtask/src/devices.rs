@@ -34,6 +34,27 @@ const RANK_ENV: &str = "HEADROOM_RANK";
 const WORLD_ENV: &str = "HEADROOM_WORLD";
 const ID_FILE_ENV: &str = "HEADROOM_NCCL_ID_FILE";
 
+/// Refuses `--devices N` where it cannot train: N = 0, or an experiment
+/// that trains on the CPU here (device.kind = cpu, or no usable GPU).
+pub fn check_device(config: &ExperimentConfig, devices: usize) -> Result<()> {
+    if devices == 0 {
+        bail!("--devices 0: give the number of GPUs to train on (1 or more)");
+    }
+    let kind = config.learner_device();
+    if kind == DeviceKind::Cpu || gpu_memory(kind).is_none() {
+        bail!(
+            "--devices trains on GPUs, but this experiment trains on the CPU here (device.kind \
+             = {}{}); CPU ranks start with `mpirun -np N cargo xtask train` (docs/data-parallel.md)",
+            kind.as_str(),
+            match std::env::var("CUDA_VISIBLE_DEVICES") {
+                Ok(list) => format!(", CUDA_VISIBLE_DEVICES={list}"),
+                Err(_) => String::new(),
+            }
+        );
+    }
+    Ok(())
+}
+
 /// Whether this process is a rank that `--devices` started.
 pub fn is_rank() -> bool {
     std::env::var_os(ID_FILE_ENV).is_some()
@@ -241,15 +262,7 @@ pub fn rank_from_env(
             .with_context(|| format!("{key} is not set to a number (set by train --devices)"))
     };
     let (rank, world) = (read(RANK_ENV)?, read(WORLD_ENV)?);
-    let kind = config.learner_device();
-    if kind == DeviceKind::Cpu || gpu_memory(kind).is_none() {
-        bail!(
-            "--devices trains on GPUs, but this experiment trains on the CPU here (device.kind \
-             = {}, or no usable GPU {}); use mpirun for CPU ranks",
-            kind.as_str(),
-            std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default()
-        );
-    }
+    check_device(config, world)?;
     let timeout = config.distributed.timeout();
     let id = if rank == 0 {
         let id = NcclId::new()?;

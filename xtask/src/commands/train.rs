@@ -22,26 +22,25 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         no_install,
         devices,
     } = args;
-    if let Some(n) = devices.filter(|_| !crate::devices::is_rank()) {
-        // The ranks read the experiment themselves; the launcher only needs
-        // how long a failed rank's peers may take to stop.
-        let parsed = Overrides::parse(&overrides)?;
-        let timeout = match resume.as_deref() {
-            Some(path) if !path.is_empty() => {
-                resumed_experiment(Path::new(path), &config, &parsed)?.experiment
-            }
-            _ => super::load_experiment(&or_default(config.clone()).remove(0), &parsed)?,
-        }
-        .distributed
-        .timeout();
-        return crate::devices::launch(n, timeout);
-    }
     apply_switches(&switches, &mut overrides);
     if let Some(name) = profile {
         overrides.push(format!("run.profile={name}"));
     }
     if let Some(n) = workers {
         overrides.push(format!("data.workers={n}"));
+    }
+    if let Some(n) = devices.filter(|_| !crate::devices::is_rank()) {
+        // The ranks read the experiment themselves; the launcher only needs
+        // its device and how long a failed rank's peers may take to stop.
+        let parsed = Overrides::parse(&overrides)?;
+        let experiment = match resume.as_deref() {
+            Some(path) if !path.is_empty() => {
+                resumed_experiment(Path::new(path), &config, &parsed)?.experiment
+            }
+            _ => super::load_experiment(&or_default(config.clone()).remove(0), &parsed)?,
+        };
+        crate::devices::check_device(&experiment, n)?;
+        return crate::devices::launch(n, experiment.distributed.timeout());
     }
     let overrides = Overrides::parse(&overrides)?;
     let experiments = match resume.as_deref() {

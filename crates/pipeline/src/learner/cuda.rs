@@ -123,6 +123,10 @@ struct InFlight {
     agreed: Option<(f64, u64)>,
 }
 
+/// An eager step's micro-batch shares and, with ranks, the global batch's
+/// loss and correct count as the ranks agreed on them.
+type EagerStep = (Vec<f32>, Option<(f64, u64)>);
+
 pub struct CudaLearner {
     be: CudaBackend,
     network: CudaNetwork,
@@ -402,7 +406,7 @@ impl CudaLearner {
     /// share of the batch (and, with ranks, the global batch's loss and
     /// correct count). A failure part-way puts the running statistics and
     /// dropout counters back.
-    fn eager_step(&mut self, batch: &Batch) -> Result<(Vec<f32>, Option<(f64, u64)>)> {
+    fn eager_step(&mut self, batch: &Batch) -> Result<EagerStep> {
         cuda(self.network.save_step_buffers(&self.be))?;
         let result = self.eager_parts(batch);
         if result.is_err() {
@@ -411,7 +415,7 @@ impl CudaLearner {
         result
     }
 
-    fn eager_parts(&mut self, batch: &Batch) -> Result<(Vec<f32>, Option<(f64, u64)>)> {
+    fn eager_parts(&mut self, batch: &Batch) -> Result<EagerStep> {
         let local = self.forward_backward(batch);
         let (shares, agreed) = match self.ranks.is_some() {
             true => {
@@ -939,6 +943,12 @@ impl Learner for CudaLearner {
         let joined = ranks::CudaRanks::new(&self.be, &mut self.network, ranks)?;
         self.graphs.forget();
         self.graphs.enabled = false;
+        tracing::info!(
+            "cuda path: step: launched, not captured (GPU ranks): after backward the gradients \
+             are summed over the {} rank(s) through NCCL in rank order, and the ranks agree on \
+             the step before the optimizer runs",
+            joined.ranks.world
+        );
         self.ranks = Some(joined);
         Ok(())
     }
