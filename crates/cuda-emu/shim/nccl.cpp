@@ -22,6 +22,7 @@
 //   (ncclCommGetAsyncError), as a real NCCL's watchdog would report a dead
 //   peer; so does a message of the wrong length. An aborted communicator's
 //   queued work does nothing.
+// - The last rank to leave (ncclCommAbort/Destroy) removes the mailbox.
 // - Ranks must be processes: the fake driver's context synchronisation
 //   runs every stream of the process, so one thread could end up running
 //   another rank's receive before its own send.
@@ -29,6 +30,7 @@
 //   capturing a graph, are refused (ncclInvalidUsage): headroom never
 //   makes them.
 
+#include <dirent.h>
 #include <dlfcn.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -351,9 +353,29 @@ EXPORT ncclResult_t ncclCommInitRank(Comm** comm, int world, UniqueId id, int ra
     return ncclSuccess;
 }
 
+// The last rank to leave removes the mailbox (a rank that was killed never
+// leaves, and its world's mailbox stays behind in $TMPDIR).
+static void leave(const State& s) {
+    write_whole(s.dir + "/left-" + std::to_string(s.rank), "", 0);
+    for (int r = 0; r < s.world; ++r) {
+        if (!exists(s.dir + "/left-" + std::to_string(r))) return;
+    }
+    if (DIR* d = ::opendir(s.dir.c_str())) {
+        std::vector<std::string> names;
+        while (const dirent* e = ::readdir(d)) {
+            const std::string name = e->d_name;
+            if (name != "." && name != "..") names.push_back(name);
+        }
+        ::closedir(d);
+        for (const std::string& name : names) ::unlink((s.dir + "/" + name).c_str());
+    }
+    ::rmdir(s.dir.c_str());
+}
+
 EXPORT ncclResult_t ncclCommAbort(Comm* comm) {
     if (comm == nullptr) return ncclInvalidArgument;
     comm->state->aborted.store(true);
+    leave(*comm->state);
     delete comm;
     return ncclSuccess;
 }

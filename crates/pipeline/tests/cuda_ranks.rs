@@ -152,7 +152,9 @@ fn rank_process() {
         );
         let id = world_id(rank, Path::new(&var("HEADROOM_RANKS_ID")));
         let transport = NcclTransport::join(0, rank, world, &id).expect("joins the world");
-        let mut ranks = Ranks::new(Box::new(transport), 1 << 12, Duration::from_secs(20));
+        // Buckets of 64 values: the model's gradients go in 21, most of
+        // them queued while backward runs.
+        let mut ranks = Ranks::new(Box::new(transport), 256, Duration::from_secs(20));
         ranks.at_world_one = true;
         learner
             .join_ranks(ranks)
@@ -174,8 +176,25 @@ fn rank_process() {
             }
         }
     }
+    if let Some((early, all)) = learner.ranked_buckets() {
+        std::fs::write(
+            format!("{}.buckets", var("HEADROOM_RANKS_OUT")),
+            format!("{early} {all}"),
+        )
+        .expect("write the buckets' count");
+    }
     std::fs::write(var("HEADROOM_RANKS_OUT"), outcome(&mut learner, &losses))
         .expect("write the outcome");
+}
+
+/// (buckets queued while backward ran, buckets) of a rank's last step.
+fn buckets(out: &Path) -> (usize, usize) {
+    let path = format!("{}.buckets", out.display());
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let mut numbers = text
+        .split(' ')
+        .map(|n| n.parse::<usize>().expect("a count"));
+    (numbers.next().expect("early"), numbers.next().expect("all"))
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -311,6 +330,14 @@ fn two_ranks_of_half_a_batch_train_the_bits_of_one_learner_accumulating_both_hal
         );
     }
     assert!(ranked[0] == ranked[1], "the two ranks ended in other bits");
+    // Most buckets were reduced while backward went on, not after it.
+    for rank in 0..2 {
+        let (early, all) = buckets(&dir.join(format!("rank-{rank}")));
+        assert!(
+            all >= 20 && early * 2 > all,
+            "rank {rank}: {early} of {all} buckets early"
+        );
+    }
     assert_eq!(ranked[0].len(), reference.len());
     // The losses come first: the global batch's, as the learner alone saw it.
     let first = |b: &[u8]| f32::from_bits(u32::from_le_bytes([b[0], b[1], b[2], b[3]]));

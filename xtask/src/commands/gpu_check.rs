@@ -10,8 +10,9 @@ use crate::GpuCheckArgs;
 /// those files agree, so a new one cannot be left out), and
 /// `memory_release`, whose GPU test frees the device between two runs.
 /// (`cuda_driver` runs on the emulator even on a GPU machine: it answers
-/// as old drivers, which a real GPU cannot.)
-pub const CUDA_TESTS: [(&str, &str); 11] = [
+/// as old drivers, which a real GPU cannot; `cuda_ranks` too: its rank
+/// processes share one device, which real NCCL refuses.)
+pub const CUDA_TESTS: [(&str, &str); 12] = [
     ("headroom-model", "cuda_parity"),
     ("headroom-model", "cuda_driver"),
     ("headroom-model", "cuda_custom_layer"),
@@ -19,6 +20,7 @@ pub const CUDA_TESTS: [(&str, &str); 11] = [
     ("headroom-model", "cuda_probe"),
     ("headroom-pipeline", "cuda_learner"),
     ("headroom-pipeline", "cuda_rgb"),
+    ("headroom-pipeline", "cuda_ranks"),
     ("headroom-tests", "cuda_training"),
     ("headroom-tests", "cuda_driver_oom"),
     ("headroom-tests", "cuda_small_gpu"),

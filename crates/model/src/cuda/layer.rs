@@ -152,11 +152,21 @@ pub enum Absorbed {
 /// checkpointed segment is fused within, so a ReLU outside a block's
 /// segment stays a layer of its own.
 pub(crate) fn fuse(layers: Vec<Box<dyn CudaLayer>>) -> Vec<Box<dyn CudaLayer>> {
-    let mut out: Vec<Box<dyn CudaLayer>> = Vec::with_capacity(layers.len());
-    for mut layer in layers {
+    let tagged = layers.into_iter().map(|layer| ((), layer)).collect();
+    fuse_tagged(tagged)
+        .into_iter()
+        .map(|(_, layer)| layer)
+        .collect()
+}
+
+/// `fuse` over layers that carry a tag each: a ReLU folded into the layer
+/// before it leaves that layer's tag (a ReLU has no parameters).
+pub(crate) fn fuse_tagged<T>(layers: Vec<(T, Box<dyn CudaLayer>)>) -> Vec<(T, Box<dyn CudaLayer>)> {
+    let mut out: Vec<(T, Box<dyn CudaLayer>)> = Vec::with_capacity(layers.len());
+    for (tag, mut layer) in layers {
         layer.fuse_within();
         if layer.is_relu() {
-            if let Some(last) = out.last_mut() {
+            if let Some((_, last)) = out.last_mut() {
                 match last.absorb_relu() {
                     Absorbed::InPlace => continue,
                     Absorbed::Replace(fused) => {
@@ -167,7 +177,7 @@ pub(crate) fn fuse(layers: Vec<Box<dyn CudaLayer>>) -> Vec<Box<dyn CudaLayer>> {
                 }
             }
         }
-        out.push(layer);
+        out.push((tag, layer));
     }
     out
 }

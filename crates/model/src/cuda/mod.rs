@@ -75,7 +75,7 @@ pub use backend::{
 };
 pub use error::{CudaError, CudaResult};
 pub use graph::CapturedGraph;
-pub use network::{CudaBuildOptions, CudaNetwork, StateList, StatePiece};
+pub use network::{CudaBuildOptions, CudaNetwork, Floor, StateList, StatePiece};
 pub use ops::{Normalization, MAX_BLOCK_THREADS};
 pub use param_group::ParamGroup;
 pub use records::{Record, StepRecords, MAX_IN_FLIGHT};

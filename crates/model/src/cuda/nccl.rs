@@ -23,9 +23,14 @@
 //! `train --devices N` can put a `libnccl.so` beside it on its ranks'
 //! library path.
 //!
+//! The gradients go bucket by bucket (`reduce_bucket`), each on the
+//! communication stream after an event of the compute stream, so that a
+//! bucket that backward has finished is reduced while backward goes on.
+//!
 //! Memory: the host exchange (small records) stages its messages through
 //! device buffers allocated per exchange; the gradient path needs two
-//! copies of what it reduces (`RankScratch`), made once by the caller.
+//! copies of what it reduces (`RankScratch`, padded to N slices per
+//! bucket), made once by the caller.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -135,6 +140,11 @@ impl NcclComm {
         }
         libs::ensure_nccl()?;
         let ctx = CudaContext::new(ordinal).during("cuDevicePrimaryCtxRetain (NCCL)")?;
+        // SAFETY: set before any buffer of this context exists. The
+        // backend orders its streams itself, with events where needed (as
+        // `stream_waits` does here); cudarc's per-buffer events would also
+        // make the compute stream wait on a reduction it need not.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().during("cuStreamCreate (communication)")?;
         let mut internal = [0 as std::ffi::c_char; 128];
         for (c, b) in internal.iter_mut().zip(id.0.iter()) {
@@ -262,10 +272,22 @@ impl NcclComm {
         }
         let stream = self.stream.clone();
         let (base, _sync) = buffer.device_ptr_mut(&stream);
+        // SAFETY: the buffer holds world · count values (checked above) and
+        // lives until the caller has waited for the stream.
+        unsafe { self.all_gather_at(base, count) }
+    }
+
+    /// In place at `base`: rank r's `count` f32 values at `base + r·count`
+    /// go to every rank, on the communication stream.
+    ///
+    /// # Safety
+    /// `base` must hold `world · count` f32 values on this rank's device,
+    /// valid until the communication stream has passed the gather.
+    unsafe fn all_gather_at(&mut self, base: u64, count: usize) -> CudaResult<()> {
+        self.live("ncclAllGather")?;
         let own = base + (self.rank * count * 4) as u64;
         // SAFETY: in place as NCCL defines it (sendbuff = recvbuff + rank ·
-        // count); the buffer holds world · count values (checked above) and
-        // lives until the caller has waited for the stream.
+        // count), within the caller's buffer.
         unsafe {
             result::all_gather(
                 own as *const std::ffi::c_void,
@@ -273,7 +295,7 @@ impl NcclComm {
                 count,
                 sys::ncclDataType_t::ncclFloat32,
                 self.comm,
-                stream.cu_stream() as sys::cudaStream_t,
+                self.stream.cu_stream() as sys::cudaStream_t,
             )
         }
         .map_err(|e| nccl_error("ncclAllGather", e))?;
@@ -435,24 +457,57 @@ impl NcclComm {
     }
 }
 
-/// What reducing one buffer of `len` values over the ranks needs: the
-/// values padded to N equal slices (the padding stays zero) and every
-/// rank's copy of this rank's slice, in rank order.
+/// One bucket of a buffer reduced over the ranks: values `start ..
+/// start + len`, cut into one slice of `slice` values per rank (the last
+/// padded with zeros), at `at` in the scratch buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bucket {
+    pub start: usize,
+    pub len: usize,
+    slice: usize,
+    at: usize,
+}
+
+/// What reducing one buffer of `len` values over the ranks needs, bucket
+/// by bucket: each bucket's values padded to N equal slices (the padding
+/// stays zero) and every rank's copy of this rank's slice, in rank order.
 pub struct RankScratch {
     len: usize,
-    slice: usize,
+    buckets: Vec<Bucket>,
     padded: DeviceBuffer<f32>,
     copies: DeviceBuffer<f32>,
 }
 
 impl RankScratch {
-    pub fn new(be: &CudaBackend, len: usize, world: usize) -> CudaResult<Self> {
-        let slice = len.div_ceil(world.max(1));
+    /// Buckets of `bucket_values` values (the last shorter) over `world`
+    /// ranks.
+    pub fn new(
+        be: &CudaBackend,
+        len: usize,
+        world: usize,
+        bucket_values: usize,
+    ) -> CudaResult<Self> {
+        let (world, size) = (world.max(1), bucket_values.max(1));
+        let mut buckets = Vec::new();
+        let mut at = 0;
+        let mut start = 0;
+        while start < len {
+            let n = size.min(len - start);
+            let slice = n.div_ceil(world);
+            buckets.push(Bucket {
+                start,
+                len: n,
+                slice,
+                at,
+            });
+            at += slice * world;
+            start += n;
+        }
         Ok(Self {
             len,
-            slice,
-            padded: be.alloc_zeros::<f32>(slice * world)?,
-            copies: be.alloc_zeros::<f32>(slice * world)?,
+            buckets,
+            padded: be.alloc_zeros::<f32>(at.max(1))?,
+            copies: be.alloc_zeros::<f32>(at.max(1))?,
         })
     }
 
@@ -463,6 +518,10 @@ impl RankScratch {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    pub fn buckets(&self) -> &[Bucket] {
+        &self.buckets
+    }
 }
 
 /// `later` waits for what `earlier` has queued so far.
@@ -472,83 +531,116 @@ pub fn stream_waits(earlier: &CudaStream, later: &CudaStream) -> CudaResult<()> 
 }
 
 impl NcclComm {
-    /// Queues the sum of `values` over the ranks, in rank order, written
-    /// back into `values` (the compute stream's work, ordered with the
-    /// communication stream by events): the values are copied into the
-    /// padded slices; a grouped exchange sends slice p to rank p and
-    /// receives every peer's copy of this rank's slice; `ops::rank_sum`
-    /// adds the copies in rank order ((r0 + r1) + r2) …; `ncclAllGather`
-    /// gives every rank every sum; the sums are copied back. The same bits
-    /// on every rank and in every run. `wait` (or a later wait on the
-    /// communication stream) bounds it.
-    pub fn reduce_in_rank_order(
+    /// Queues, on the communication stream after what the compute stream
+    /// has queued so far, the sum over the ranks of bucket `k` of
+    /// `values`, in rank order, written back into `values`: the bucket is
+    /// copied into its padded slices; a grouped exchange sends slice p to
+    /// rank p and receives every peer's copy of this rank's slice;
+    /// `ops::rank_sum_on` adds the copies in rank order ((r0 + r1) + r2) …;
+    /// `ncclAllGather` gives every rank every sum; the sums are copied
+    /// back. The same bits on every rank and in every run, whatever the
+    /// buckets. Nothing on the compute stream waits for it until
+    /// `join_compute`; what backward still writes must lie outside the
+    /// bucket.
+    pub fn reduce_bucket(
         &mut self,
         be: &CudaBackend,
         values: &mut CudaSlice<f32>,
         scratch: &mut RankScratch,
+        k: usize,
     ) -> CudaResult<()> {
         let (rank, world) = (self.rank, self.world);
-        let (len, slice) = (scratch.len, scratch.slice);
-        if values.len() != len || scratch.padded.len() != slice * world {
+        let Some(&Bucket {
+            start,
+            len,
+            slice,
+            at,
+        }) = scratch.buckets.get(k)
+        else {
             return Err(CudaError::shape(
-                "reduce_in_rank_order",
-                format!("{len} values over {world} ranks"),
-                format!("{} values", values.len()),
+                "reduce_bucket",
+                format!("a bucket below {}", scratch.buckets.len()),
+                k.to_string(),
+            ));
+        };
+        if values.len() != scratch.len {
+            return Err(CudaError::shape(
+                "reduce_bucket",
+                format!("{} values", scratch.len),
+                values.len().to_string(),
             ));
         }
-        if len == 0 {
-            return Ok(());
-        }
-        self.live("reduce_in_rank_order")?;
-        let compute = Arc::clone(be.compute_stream());
+        self.live("reduce_bucket")?;
         let comm = Arc::clone(&self.stream);
-        let own = rank * slice..(rank + 1) * slice;
-        compute
-            .memcpy_dtod(values, &mut scratch.padded.slice.slice_mut(0..len))
-            .during("cuMemcpyDtoDAsync (gradients)")?;
-        compute
-            .memcpy_dtod(
-                &scratch.padded.slice.slice(own.clone()),
-                &mut scratch.copies.slice.slice_mut(own.clone()),
-            )
-            .during("cuMemcpyDtoDAsync (own slice)")?;
-        stream_waits(&compute, &comm)?;
+        stream_waits(be.compute_stream(), &comm)?;
+        let own = at + rank * slice..at + (rank + 1) * slice;
+        comm.memcpy_dtod(
+            &values.slice(start..start + len),
+            &mut scratch.padded.slice.slice_mut(at..at + len),
+        )
+        .during("cuMemcpyDtoDAsync (gradients)")?;
+        comm.memcpy_dtod(
+            &scratch.padded.slice.slice(own.clone()),
+            &mut scratch.copies.slice.slice_mut(own.clone()),
+        )
+        .during("cuMemcpyDtoDAsync (own slice)")?;
         let padded_at = scratch.padded.slice.device_ptr(&comm).0;
         let copies_at = scratch.copies.slice.device_ptr_mut(&comm).0;
+        let row = |base: u64, p: usize| base + ((at + p * slice) * 4) as u64;
         let peers: Vec<usize> = (0..world).filter(|&p| p != rank).collect();
-        let at = |base: u64, row: usize| base + (row * slice * 4) as u64;
         let sends: Vec<(usize, u64, usize)> = peers
             .iter()
-            .map(|&p| (p, at(padded_at, p), slice))
+            .map(|&p| (p, row(padded_at, p), slice))
             .collect();
         let recvs: Vec<(usize, u64, usize)> = peers
             .iter()
-            .map(|&p| (p, at(copies_at, p), slice))
+            .map(|&p| (p, row(copies_at, p), slice))
             .collect();
-        // SAFETY: every address is a slice of `slice` values inside
-        // `padded` or `copies` (world · slice values each, checked above),
-        // which the caller keeps; the compute stream waits for the
-        // communication stream (below) before it touches them again.
+        // SAFETY: every address is a slice of `slice` values inside the
+        // bucket's `slice · world` values of `padded` or `copies`, which the
+        // caller keeps; everything that touches them is on this stream, in
+        // order.
         unsafe {
             self.exchange_device(DeviceMessages {
                 sends: &sends,
                 recvs: &recvs,
             })
         }?;
-        stream_waits(&comm, &compute)?;
-        ops::rank_sum(
+        ops::rank_sum_on(
             be,
-            &scratch.copies.slice.as_view(),
+            &comm,
+            &scratch.copies.slice.slice(at..at + slice * world),
             world,
             slice,
             &mut scratch.padded.slice.slice_mut(own),
         )?;
-        stream_waits(&compute, &comm)?;
-        self.all_gather_in_place(&mut scratch.padded.slice, slice)?;
-        stream_waits(&comm, &compute)?;
-        compute
-            .memcpy_dtod(&scratch.padded.slice.slice(0..len), values)
-            .during("cuMemcpyDtoDAsync (sums)")
+        // SAFETY: the bucket's padded values, `slice · world` of them from
+        // `row(padded_at, 0)`, live in `scratch` as above.
+        unsafe { self.all_gather_at(row(padded_at, 0), slice) }?;
+        comm.memcpy_dtod(
+            &scratch.padded.slice.slice(at..at + len),
+            &mut values.slice_mut(start..start + len),
+        )
+        .during("cuMemcpyDtoDAsync (sums)")
+    }
+
+    /// The compute stream waits for every reduction queued so far.
+    pub fn join_compute(&self, be: &CudaBackend) -> CudaResult<()> {
+        stream_waits(&self.stream, be.compute_stream())
+    }
+
+    /// Every bucket of `values` reduced (`reduce_bucket`), and the compute
+    /// stream made to wait for them.
+    pub fn reduce_in_rank_order(
+        &mut self,
+        be: &CudaBackend,
+        values: &mut CudaSlice<f32>,
+        scratch: &mut RankScratch,
+    ) -> CudaResult<()> {
+        for k in 0..scratch.buckets.len() {
+            self.reduce_bucket(be, values, scratch, k)?;
+        }
+        self.join_compute(be)
     }
 }
 

@@ -765,3 +765,87 @@ fn fused_residual_networks_compute_the_bits_of_unfused_ones() {
         "recomputing peaked at {recomputed} bytes, keeping at {kept}"
     );
 }
+
+/// Each top-level layer's floor (`CudaNetwork::backward_with`) marks
+/// gradients backward has finished: at every call, the gradients at and
+/// above the floor are already their final values (what a data-parallel
+/// rank may then reduce while backward goes on), and before the last call
+/// some of them, never all, are final. Over every checkpoint policy, fused
+/// and not, and the MLP, flattening and UNet networks.
+#[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
+fn each_layer_s_floor_marks_gradients_backward_has_finished() {
+    let be = gpu_or_skip!();
+    let policies = [
+        CheckpointPolicy::None,
+        CheckpointPolicy::Blocks,
+        CheckpointPolicy::All,
+    ];
+    let mut specs: Vec<(String, ModelSpec, [usize; 3])> = Vec::new();
+    for checkpoint in policies {
+        specs.push((
+            format!("two blocks, {checkpoint:?}"),
+            two_block_spec(checkpoint),
+            [9, 9, 2],
+        ));
+        for (i, spec) in flattening_specs(checkpoint).into_iter().enumerate() {
+            specs.push((format!("flattening {i}, {checkpoint:?}"), spec, [6, 6, 2]));
+        }
+    }
+    for (name, spec, input) in specs {
+        for fuse in [true, false] {
+            let what = format!("{name}, fuse {fuse}");
+            let options = CudaBuildOptions {
+                fuse,
+                ..CudaBuildOptions::default()
+            };
+            let mut network = CudaNetwork::build(&be, &spec, 7, options).unwrap();
+            let n = 3;
+            let x = upload(
+                &be,
+                &random(&[n, input[0], input[1], input[2]], 870, 1.0, 0.0),
+            );
+            let classes = network.num_classes();
+            let g = upload(&be, &random(&[n, classes], 871, 0.5, 0.0));
+            network.forward_train(&be, &x).unwrap();
+            let mut seen: Vec<([usize; 3], Vec<Vec<f32>>)> = Vec::new();
+            network
+                .backward_with(&be, &g, &mut |groups, floor| {
+                    let grads = groups[..2]
+                        .iter()
+                        .map(|group| download(&be, &group.grad.slice))
+                        .collect();
+                    seen.push((*floor, grads));
+                    Ok(())
+                })
+                .unwrap();
+            let last: Vec<Vec<f32>> = network.groups()[..2]
+                .iter()
+                .map(|group| download(&be, &group.grad.slice))
+                .collect();
+            assert!(!seen.is_empty(), "{what}: no call");
+            assert_eq!(seen.last().map(|s| s.0), Some([0; 3]), "{what}");
+            let mut final_early = false;
+            for (call, (floor, grads)) in seen.iter().enumerate() {
+                for g in 0..2 {
+                    let from = floor[g].min(last[g].len());
+                    let same = grads[g][from..]
+                        .iter()
+                        .zip(&last[g][from..])
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{what}: call {call}: group {g} above {from} not final"
+                    );
+                    if call + 1 < seen.len() && from < last[g].len() && from > 0 {
+                        final_early = true;
+                    }
+                }
+            }
+            assert!(final_early, "{what}: no gradient was final before the end");
+        }
+    }
+}

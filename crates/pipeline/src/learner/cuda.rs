@@ -240,6 +240,13 @@ impl CudaLearner {
         self.graphs.replays
     }
 
+    /// With GPU ranks, the last step's (gradient buckets queued for the
+    /// ranks' reduction while backward still had layers to run, buckets
+    /// in all); None without ranks.
+    pub fn ranked_buckets(&self) -> Option<(usize, usize)> {
+        self.ranks.as_ref().map(|r| r.last_step)
+    }
+
     /// A staging ring for batches of `samples` samples, if the one there
     /// is smaller.
     fn ensure_staging(&mut self, samples: usize) -> Result<()> {
@@ -438,7 +445,8 @@ impl CudaLearner {
         let world = self.ranks.as_ref().map_or(1, |r| r.ranks.world);
         let n = batch.len() * world;
         let mut shares = Vec::new();
-        for part in batch.micro_batches(self.micro_batch) {
+        let parts = batch.micro_batches(self.micro_batch).count();
+        for (index, part) in batch.micro_batches(self.micro_batch).enumerate() {
             let share = part.len() as f32 / n as f32;
             let (staged, frames) = self.stage_part(&part)?;
             let be = &self.be;
@@ -473,7 +481,16 @@ impl CudaLearner {
             ))?;
             shares.push(share);
             cuda(be.profile_mark(|| "loss: softmax cross-entropy".into()))?;
-            cuda(self.network.backward(be, &xent.grad))?;
+            match self.ranks.as_mut() {
+                // The last micro-batch's backward hands each bucket of
+                // finished gradients to the ranks' reduction as it goes.
+                Some(ranks) if index + 1 == parts => cuda(self.network.backward_with(
+                    be,
+                    &xent.grad,
+                    &mut |groups, floor| ranks.queue_final(be, groups, floor),
+                ))?,
+                _ => cuda(self.network.backward(be, &xent.grad))?,
+            }
         }
         Ok(shares)
     }
@@ -944,10 +961,12 @@ impl Learner for CudaLearner {
         self.graphs.forget();
         self.graphs.enabled = false;
         tracing::info!(
-            "cuda path: step: launched, not captured (GPU ranks): after backward the gradients \
-             are summed over the {} rank(s) through NCCL in rank order, and the ranks agree on \
-             the step before the optimizer runs",
-            joined.ranks.world
+            "cuda path: step: launched, not captured (GPU ranks): the gradients are summed over \
+             the {} rank(s) through NCCL in rank order, {} bucket(s) queued on the communication \
+             stream as backward finishes them; the ranks agree on the step before the optimizer \
+             runs",
+            joined.ranks.world,
+            joined.last_step.1.max(joined.bucket_count())
         );
         self.ranks = Some(joined);
         Ok(())

@@ -18,12 +18,18 @@ use crate::{Layer, LayerSpec};
 
 use super::*;
 
-/// One group per spec entry, in order (unfused).
+/// A built layer and its floor.
+pub(super) type Floored = (Floor, Box<dyn CudaLayer>);
+
+/// One group per spec entry, in order (unfused), each layer with its
+/// floor: where the parameter cursor stood in each group when the layer
+/// took its first parameter (every parameter of it and of the layers after
+/// it lies at or above).
 pub(super) fn build_groups(
     be: &CudaBackend,
     cpu: &Network,
     cursor: &mut ParamCursor<'_>,
-) -> crate::Result<Vec<Group<Box<dyn CudaLayer>>>> {
+) -> crate::Result<Vec<Group<Floored>>> {
     let mut groups = Vec::new();
     let declarations = MemoryPool::new(Device::Cpu);
     declarations.scope(|| {
@@ -31,7 +37,7 @@ pub(super) fn build_groups(
             cpu.spec(),
             cpu.registry(),
             |spec: &LayerSpec, path: &str, input: &[usize], layers: Vec<Box<dyn Layer>>| {
-                let built = convert_all(be, cursor, path, input, &layers)?;
+                let built = convert_all_floored(be, cursor, path, input, &layers)?;
                 groups.push(Group {
                     block: is_block(spec),
                     layers: built,
@@ -57,10 +63,23 @@ pub(super) fn convert_all(
     input: &[usize],
     layers: &[Box<dyn Layer>],
 ) -> CudaResult<Vec<Box<dyn CudaLayer>>> {
+    let floored = convert_all_floored(be, cursor, path, input, layers)?;
+    Ok(floored.into_iter().map(|(_, layer)| layer).collect())
+}
+
+/// `convert_all`, each layer with its floor (`build_groups`).
+fn convert_all_floored(
+    be: &CudaBackend,
+    cursor: &mut ParamCursor<'_>,
+    path: &str,
+    input: &[usize],
+    layers: &[Box<dyn Layer>],
+) -> CudaResult<Vec<Floored>> {
     let mut shape = input.to_vec();
     let mut out = Vec::with_capacity(layers.len());
     for layer in layers {
-        out.push(convert(be, cursor, path, &shape, layer.as_ref())?);
+        let floor = cursor.offsets;
+        out.push((floor, convert(be, cursor, path, &shape, layer.as_ref())?));
         shape = layer
             .output_shape(&shape)
             .map_err(|e| build_error(format!("{path}: its output shape"), e.to_string()))?;

@@ -81,8 +81,8 @@ use cudarc::driver::CudaSlice;
 
 use super::backend::CudaBackend;
 use super::layer::{
-    fuse, Activation, CudaLayer, Groups, Input, ParamRef, Pass, Saved, StepBuffers, DECAY, FROZEN,
-    NO_DECAY,
+    fuse_tagged, Activation, CudaLayer, Groups, Input, ParamRef, Pass, Saved, StepBuffers, DECAY,
+    FROZEN, NO_DECAY,
 };
 use super::ops::{self, ConvPlan};
 use super::param_group::ParamGroup;
@@ -97,7 +97,7 @@ mod backward;
 mod build;
 mod forward;
 mod state;
-pub use backward::{backward_list, backward_network};
+pub use backward::{backward_list, backward_network, backward_network_with};
 use build::*;
 pub use forward::forward_list;
 use state::*;
@@ -162,9 +162,16 @@ pub enum StatePiece<'a> {
     Values(&'a [f32]),
 }
 
+/// Where each group's parameters of a top-level layer and of every layer
+/// after it begin (decay, no decay, frozen): once backward has passed a
+/// layer, the gradients at and above its floor are final.
+pub type Floor = [usize; 3];
+
 pub struct CudaNetwork {
     spec: ModelSpec,
     layers: Vec<Box<dyn CudaLayer>>,
+    /// One per top-level layer (`Floor`).
+    floors: Vec<Floor>,
     groups: Groups,
     params: Vec<ParamSlot>,
     classes: usize,
@@ -422,8 +429,22 @@ impl CudaNetwork {
             slots: Vec::new(),
         };
         let groups = build_groups(be, cpu, &mut cursor)?;
-        let layers = arrange(groups, spec.checkpoint, checkpointed);
-        let mut layers = if options.fuse { fuse(layers) } else { layers };
+        // A checkpointed segment's floor is its first layer's; an empty one
+        // (no layers) finalises nothing.
+        let layers = arrange(groups, spec.checkpoint, |members| {
+            let floor = members.first().map_or([usize::MAX; 3], |m| m.0);
+            (
+                floor,
+                checkpointed(members.into_iter().map(|m| m.1).collect()),
+            )
+        });
+        let layers = if options.fuse {
+            fuse_tagged(layers)
+        } else {
+            layers
+        };
+        let (floors, mut layers): (Vec<Floor>, Vec<Box<dyn CudaLayer>>) =
+            layers.into_iter().unzip();
         layers
             .iter_mut()
             .for_each(|l| l.set_conv_plan(options.conv));
@@ -449,6 +470,7 @@ impl CudaNetwork {
         let mut network = Self {
             spec,
             layers,
+            floors,
             groups,
             params: slots,
             classes,
@@ -586,6 +608,36 @@ impl CudaNetwork {
         let result = backward_network(be, &mut self.layers, &mut self.groups, &mut saved, g);
         self.saved.clear();
         result
+    }
+
+    /// `backward`, calling `after_layer` once each top-level layer's
+    /// backward is queued, with the lowest floor passed so far: every
+    /// gradient at or above it (per group) is final, so a data-parallel
+    /// rank can start reducing it while backward goes on.
+    pub fn backward_with(
+        &mut self,
+        be: &CudaBackend,
+        grad_logits: &CudaTensor,
+        after_layer: &mut dyn FnMut(&mut Groups, &Floor) -> CudaResult<()>,
+    ) -> CudaResult<()> {
+        let mut saved = std::mem::take(&mut self.saved);
+        let g = grad_logits.try_clone(be)?;
+        let result = backward_network_with(
+            be,
+            &mut self.layers,
+            &self.floors,
+            &mut self.groups,
+            &mut saved,
+            g,
+            after_layer,
+        );
+        self.saved.clear();
+        result
+    }
+
+    /// Each top-level layer's floor, in order (`Floor`).
+    pub fn floors(&self) -> &[Floor] {
+        &self.floors
     }
 
     /// Drops whatever a failed step left saved.

@@ -16,6 +16,20 @@ pub fn rank_sum(
     stride: usize,
     out: &mut CudaViewMut<'_, f32>,
 ) -> CudaResult<()> {
+    rank_sum_on(be, be.compute_stream(), parts, world, stride, out)
+}
+
+/// `rank_sum` on `stream` (a data-parallel rank's communication stream,
+/// so that the sum of a bucket does not hold up the backward queued on the
+/// compute stream).
+pub fn rank_sum_on(
+    be: &CudaBackend,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    parts: &CudaView<'_, f32>,
+    world: usize,
+    stride: usize,
+    out: &mut CudaViewMut<'_, f32>,
+) -> CudaResult<()> {
     let n = out.len();
     if world == 0 || n > stride {
         return Err(CudaError::shape(
@@ -45,7 +59,7 @@ pub fn rank_sum(
     // holds (world − 1)·stride + n values and `out` n (checked above), and
     // they are distinct buffers (a view and a mutable view).
     unsafe {
-        launch(be.compute_stream(), &f, elementwise(n), "rank_sum", |b| {
+        launch(stream, &f, elementwise(n), "rank_sum", |b| {
             b.arg(&p).arg(parts).arg(out);
         })
     }?;

@@ -5,31 +5,38 @@
 //! mean) travel through small device buffers, and whose communicator the
 //! learner also uses for the gradients, device to device.
 //!
-//! Per step (`CudaRanks::reduce`), each trainable group's f32 gradients
-//! (kept multiplied by the loss scale, which is the same on every rank)
-//! are summed over the ranks on the device, in rank order, as the CPU's
-//! all-reduce sums them (`NcclComm::reduce_in_rank_order`: a grouped NCCL
-//! exchange of slices on the communication stream, our rank-ordered sum
-//! kernel on the compute stream, `ncclAllGather`, events between the two
-//! streams). So the reduced gradients are the same bits on every rank and
-//! in every run;
-//! the fused AdamW then checks for overflow and clips on the same values
+//! Per step, each trainable group's f32 gradients (kept multiplied by the
+//! loss scale, which is the same on every rank) are summed over the ranks
+//! on the device, in rank order, as the CPU's all-reduce sums them, in
+//! buckets of `distributed.bucket_mb`: during the last micro-batch's
+//! backward, each top-level layer that backward passes finalises the
+//! gradients above its floor (`CudaNetwork::backward_with`), and every
+//! bucket so finished is queued on the communication stream
+//! (`NcclComm::reduce_bucket`: an event of the compute stream, a grouped
+//! NCCL exchange of slices, our rank-ordered sum kernel, `ncclAllGather`)
+//! while the compute stream goes on with backward. Every rank queues the
+//! buckets in one order, the order in which a whole backward finishes
+//! them (`schedule`), never the order of their timing, and a rank that
+//! failed part-way queues the rest (zeros): NCCL pairs each rank's calls
+//! in the order they were made. So the reduced gradients are the same bits
+//! on every rank and in every run, whatever the bucket size; the fused
+//! AdamW then checks for overflow and clips on the same values
 //! everywhere, and every rank applies or skips the step alike.
 //!
 //! The step then waits for the reduction and the ranks exchange one
 //! record each (`ranks::agree_on_step`: failure, out of memory, the loss
 //! and correct count, a stop request) before the optimizer is queued, so
-//! that a rank that failed part-way (it sends zeros, never leaving a peer
-//! waiting) makes every rank undo the step, as on the CPU. That wait, and
-//! the buffers' mean after each applied step, make a ranked step
-//! synchronous: no CUDA graph, no step queued behind another.
+//! that a rank that failed part-way makes every rank undo the step, as on
+//! the CPU. That wait, and the buffers' mean after each applied step, make
+//! a ranked step synchronous: no CUDA graph, no step queued behind
+//! another.
 //!
-//! Not yet: the buckets overlapped with backward (the whole reduction
-//! follows backward), ZeRO-1, dropout (each rank would draw the same
-//! masks; refused at start for N > 1).
+//! Not yet: ZeRO-1, dropout (each rank would draw the same masks; refused
+//! at start for N > 1).
 //!
 //! Memory: two device copies of the trainable gradients (the padded
-//! slices and the received copies of this rank's slice), made once.
+//! slices and the received copies of this rank's slice, per bucket), made
+//! once.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -37,7 +44,8 @@ use std::time::Instant;
 use headroom_dist::collective::all_reduce_ordered;
 use headroom_dist::{DistError, Transport};
 use headroom_model::cuda::nccl::{NcclComm, NcclId, RankScratch};
-use headroom_model::cuda::{CudaBackend, CudaNetwork, ParamGroup};
+
+use headroom_model::cuda::{CudaBackend, CudaError, CudaNetwork, Floor, ParamGroup};
 
 use super::cuda;
 use crate::ranks::{Ranks, BUFFERS_TAG};
@@ -117,8 +125,20 @@ impl Transport for NcclTransport {
 pub(crate) struct CudaRanks {
     pub ranks: Ranks,
     comm: Arc<Mutex<NcclComm>>,
-    /// One per trainable group with values (decay, no decay).
-    scratch: Vec<RankScratch>,
+    /// One per trainable group with values: (its index among the
+    /// network's groups, its buckets' scratch).
+    scratch: Vec<(usize, RankScratch)>,
+    /// Every bucket, as (place in `scratch`, bucket), in the order all
+    /// ranks reduce them: the order in which a whole backward finishes
+    /// them (`schedule`), the same on every rank whatever the timing.
+    order: Vec<(usize, usize)>,
+    /// How many of `order` this step has queued.
+    queued: usize,
+    /// How many were queued before the latest `queue_final` call.
+    before_latest: usize,
+    /// The last step's (buckets queued while backward still had layers
+    /// to run, buckets in all).
+    pub last_step: (usize, usize),
 }
 
 impl CudaRanks {
@@ -158,35 +178,81 @@ impl CudaRanks {
                 }
             };
         let mut scratch = Vec::new();
-        for group in network.groups().iter().filter(|g| !g.grad.is_empty()) {
-            scratch.push(cuda(RankScratch::new(be, group.grad.len(), ranks.world))?);
+        for (index, group) in network.groups().iter().enumerate() {
+            if !group.grad.is_empty() {
+                let buffers =
+                    RankScratch::new(be, group.grad.len(), ranks.world, ranks.bucket_values);
+                scratch.push((index, cuda(buffers)?));
+            }
         }
+        let starts: Vec<(usize, Vec<usize>)> = scratch
+            .iter()
+            .map(|(index, s)| (*index, s.buckets().iter().map(|b| b.start).collect()))
+            .collect();
+        let order = schedule(network.floors(), &starts);
         Ok(Self {
             ranks,
             comm,
             scratch,
+            order,
+            queued: 0,
+            before_latest: 0,
+            last_step: (0, 0),
         })
+    }
+
+    /// How many buckets each step reduces.
+    pub fn bucket_count(&self) -> usize {
+        self.order.len()
     }
 
     fn comm(&self) -> Result<MutexGuard<'_, NcclComm>> {
         Ok(lock(&self.comm)?)
     }
 
-    /// Queues the rank-ordered sum of every group's gradients over the
-    /// ranks, written back into the gradients; `wait` for it.
-    pub fn reduce(&mut self, be: &CudaBackend, groups: &mut [ParamGroup]) -> Result<()> {
-        let mut comm = lock(&self.comm)?;
-        let mut scratch = self.scratch.iter_mut();
-        for group in groups.iter_mut().filter(|g| !g.grad.is_empty()) {
-            let Some(scratch) = scratch.next() else {
-                return Err(PipelineError::Stage {
-                    stage: "ranks",
-                    reason: "the model has more trainable groups than when the ranks joined".into(),
-                });
-            };
-            cuda(comm.reduce_in_rank_order(be, &mut group.grad.slice, scratch))?;
+    /// Queues, in `order`, every bucket not yet queued this step that is
+    /// final under `floor` (`CudaNetwork::backward_with`): reduced on the
+    /// communication stream while backward goes on.
+    pub fn queue_final(
+        &mut self,
+        be: &CudaBackend,
+        groups: &mut [ParamGroup],
+        floor: &Floor,
+    ) -> headroom_model::cuda::CudaResult<()> {
+        let mut comm = self.comm.lock().map_err(|_| CudaError::Nccl {
+            op: "reduce_bucket",
+            detail: "a thread panicked while it used NCCL".into(),
+        })?;
+        self.before_latest = self.queued;
+        while let Some(&(place, k)) = self.order.get(self.queued) {
+            let (index, scratch) = &mut self.scratch[place];
+            if scratch.buckets()[k].start < floor[*index] {
+                break;
+            }
+            comm.reduce_bucket(be, &mut groups[*index].grad.slice, scratch, k)?;
+            self.queued += 1;
         }
         Ok(())
+    }
+
+    /// Queues every bucket this step has not (all of them, after a failed
+    /// forward or backward: a peer waits for each), makes the compute
+    /// stream wait for them, and starts the next step's count.
+    pub fn queue_rest(&mut self, be: &CudaBackend, groups: &mut [ParamGroup]) -> Result<()> {
+        // The backward's last call (its first layer's) finishes everything:
+        // what was queued before it overlapped with backward.
+        let early = self.before_latest.min(self.queued);
+        cuda(self.queue_final(be, groups, &[0; 3]))?;
+        self.last_step = (early, self.order.len());
+        self.queued = 0;
+        self.before_latest = 0;
+        cuda(self.comm()?.join_compute(be))
+    }
+
+    /// The compute stream waits for the reductions queued so far (before
+    /// it touches the gradients they read or write).
+    pub fn join_compute(&self, be: &CudaBackend) -> Result<()> {
+        cuda(self.comm()?.join_compute(be))
     }
 
     /// Waits for the communication queued so far (bounded by the ranks'
@@ -244,17 +310,21 @@ impl super::CudaLearner {
         local: Result<Vec<f32>>,
     ) -> Result<(Vec<f32>, (f64, u64))> {
         use crate::ranks::{agree_on_step, Refusal, StepRecord};
-        if local.is_err() {
-            self.network.clear_saved();
-            cuda(self.network.zero_grad(&self.be))?;
-        }
         let Some(ranks) = self.ranks.as_mut() else {
             return Err(PipelineError::Stage {
                 stage: "ranks",
                 reason: "a ranked step without ranks".into(),
             });
         };
-        ranks.reduce(&self.be, self.network.groups_mut())?;
+        if local.is_err() {
+            // The buckets queued before the failure still read and write
+            // the gradients on the communication stream: they land first,
+            // then the zeros, which the rest of the buckets send.
+            self.network.clear_saved();
+            ranks.join_compute(&self.be)?;
+            cuda(self.network.zero_grad(&self.be))?;
+        }
+        ranks.queue_rest(&self.be, self.network.groups_mut())?;
         ranks.wait()?;
         cuda(self.be.synchronize())?;
         let (loss, correct) = match &local {
@@ -307,5 +377,77 @@ impl super::CudaLearner {
         // either, in the sum every rank holds: the fused AdamW skips the step
         // on every rank alike.
         Ok((local?, (agreed.loss, agreed.correct)))
+    }
+}
+
+/// The order in which a whole backward finishes the buckets: after each
+/// top-level layer, from the last, every bucket at or above the lowest
+/// floor passed (`Floor`), group by group, each group's from its end;
+/// then whatever is left. `groups`: (the group's index among the
+/// network's, where each of its buckets starts); the result: (place in
+/// `groups`, bucket).
+fn schedule(floors: &[Floor], groups: &[(usize, Vec<usize>)]) -> Vec<(usize, usize)> {
+    let mut next: Vec<Option<usize>> = groups
+        .iter()
+        .map(|(_, starts)| starts.len().checked_sub(1))
+        .collect();
+    let mut order = Vec::new();
+    let mut take = |lowest: &Floor, order: &mut Vec<(usize, usize)>| {
+        for (place, (index, starts)) in groups.iter().enumerate() {
+            while let Some(k) = next[place] {
+                if starts[k] < lowest[*index] {
+                    break;
+                }
+                order.push((place, k));
+                next[place] = k.checked_sub(1);
+            }
+        }
+    };
+    let mut lowest = [usize::MAX; 3];
+    for floor in floors.iter().rev() {
+        for (low, f) in lowest.iter_mut().zip(floor) {
+            *low = (*low).min(*f);
+        }
+        take(&lowest, &mut order);
+    }
+    take(&[0; 3], &mut order);
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::schedule;
+
+    #[test]
+    fn buckets_go_in_the_order_backward_finishes_them_each_once() {
+        // Three layers: floors rise through both groups (decay 0, no decay 1).
+        let floors = [[0, 0, 0], [100, 10, 0], [250, 30, 0]];
+        let groups = vec![(0, vec![0, 64, 128, 192, 256]), (1, vec![0, 16, 32])];
+        let order = schedule(&floors, &groups);
+        // After the last layer: decay's 256, no decay's 32; after the
+        // middle one: decay 192, 128 (at or above 100), no decay 16; after
+        // the first: the rest.
+        assert_eq!(
+            order,
+            vec![
+                (0, 4),
+                (1, 2),
+                (0, 3),
+                (0, 2),
+                (1, 1),
+                (0, 1),
+                (0, 0),
+                (1, 0)
+            ]
+        );
+        // A network whose floors are all zero (one layer) still gets every
+        // bucket, each once.
+        let all = schedule(&[[0; 3]], &groups);
+        assert_eq!(all.len(), 8);
+        let mut sorted = all.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 8);
+        assert!(schedule(&[], &groups).len() == 8);
     }
 }
