@@ -3,10 +3,11 @@
 //! binary run again with `--ignored --exact rank_process`): one rank over
 //! NCCL trains the bits of a learner alone; two ranks of half a batch each
 //! end in the same bits as each other, and in the bits of one learner
-//! accumulating the two halves as micro-batches; a rank that dies makes
+//! accumulating the two halves as micro-batches, with dropout too (each
+//! rank draws that learner's masks of its half); a rank that dies makes
 //! its peer fail with an error naming the wait, never hang. In this
-//! process: what GPU ranks refuse at start (ZeRO-1, dropout at N > 1, a
-//! transport that is not NCCL).
+//! process: what GPU ranks refuse at start (ZeRO-1 at N > 1, a transport
+//! that is not NCCL).
 //!
 //! The rank processes always run on the emulator (HEADROOM_CUDA_EMULATE=1),
 //! also on a machine with a GPU, so that the reference and the ranks run
@@ -121,7 +122,8 @@ fn world_id(rank: usize, path: &Path) -> NcclId {
 }
 
 /// One process of a test below, by HEADROOM_RANKS_TEST (`alone` or
-/// `rank`), HEADROOM_RANKS_RANK/WORLD, HEADROOM_RANKS_ID (the id's file),
+/// `rank`), HEADROOM_RANKS_MODEL (`plain` or `dropout`),
+/// HEADROOM_RANKS_RANK/WORLD, HEADROOM_RANKS_ID (the id's file),
 /// HEADROOM_RANKS_OUT (the outcome's file) and HEADROOM_RANKS_DIE_AFTER (a
 /// rank that exits without a word after that many steps).
 #[test]
@@ -133,7 +135,11 @@ fn rank_process() {
     let Some(_gpu) = backend() else {
         panic!("the emulator is unavailable in a rank process")
     };
-    let mut learner = learner(MODEL, 21);
+    let model = match var("HEADROOM_RANKS_MODEL").as_str() {
+        "dropout" => WITH_DROPOUT,
+        _ => MODEL,
+    };
+    let mut learner = learner(model, 21);
     let mut losses = Vec::new();
     if role == "alone" {
         learner.set_micro_batch(number("HEADROOM_RANKS_MICRO"));
@@ -248,11 +254,12 @@ fn finish(children: Vec<std::process::Child>, outs: &[PathBuf]) -> Vec<Vec<u8>> 
         .collect()
 }
 
-fn alone(dir: &Path, micro: usize) -> Vec<u8> {
+fn alone(dir: &Path, model: &str, micro: usize) -> Vec<u8> {
     let out = dir.join(format!("alone-{micro}"));
     let child = start(
         &[
             ("HEADROOM_RANKS_TEST", "alone".into()),
+            ("HEADROOM_RANKS_MODEL", model.into()),
             ("HEADROOM_RANKS_MICRO", micro.to_string()),
         ],
         &out,
@@ -260,13 +267,19 @@ fn alone(dir: &Path, micro: usize) -> Vec<u8> {
     finish(vec![child], &[out]).remove(0)
 }
 
-fn on_ranks(dir: &Path, world: usize, die_after: Option<(usize, usize)>) -> Vec<Vec<u8>> {
+fn on_ranks(
+    dir: &Path,
+    model: &str,
+    world: usize,
+    die_after: Option<(usize, usize)>,
+) -> Vec<Vec<u8>> {
     let id = dir.join("nccl-id");
     let outs: Vec<PathBuf> = (0..world).map(|r| dir.join(format!("rank-{r}"))).collect();
     let children = (0..world)
         .map(|rank| {
             let mut env = vec![
                 ("HEADROOM_RANKS_TEST", "rank".to_string()),
+                ("HEADROOM_RANKS_MODEL", model.to_string()),
                 ("HEADROOM_RANKS_RANK", rank.to_string()),
                 ("HEADROOM_RANKS_WORLD", world.to_string()),
                 ("HEADROOM_RANKS_ID", id.display().to_string()),
@@ -297,8 +310,8 @@ fn on_ranks(dir: &Path, world: usize, die_after: Option<(usize, usize)>) -> Vec<
 fn one_rank_over_nccl_trains_the_bits_of_a_learner_alone() {
     let Some(_gpu) = backend() else { return };
     let dir = scratch("one");
-    let reference = alone(&dir, BATCH);
-    let ranked = on_ranks(&dir, 1, None);
+    let reference = alone(&dir, "plain", BATCH);
+    let ranked = on_ranks(&dir, "plain", 1, None);
     assert!(
         !String::from_utf8_lossy(&ranked[0]).starts_with("error:"),
         "{}",
@@ -320,8 +333,8 @@ fn one_rank_over_nccl_trains_the_bits_of_a_learner_alone() {
 fn two_ranks_of_half_a_batch_train_the_bits_of_one_learner_accumulating_both_halves() {
     let Some(_gpu) = backend() else { return };
     let dir = scratch("two");
-    let reference = alone(&dir, BATCH / 2);
-    let ranked = on_ranks(&dir, 2, None);
+    let reference = alone(&dir, "plain", BATCH / 2);
+    let ranked = on_ranks(&dir, "plain", 2, None);
     for (rank, r) in ranked.iter().enumerate() {
         assert!(
             !String::from_utf8_lossy(r).starts_with("error:"),
@@ -351,6 +364,34 @@ fn two_ranks_of_half_a_batch_train_the_bits_of_one_learner_accumulating_both_hal
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Rank r draws the masks one learner draws for its micro-batch r: were
+/// both ranks to draw at the same counter, the halves' masks would be
+/// equal and the bits would differ from the learner's, which draws two.
+#[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
+fn two_ranks_with_dropout_draw_the_masks_of_one_learner_accumulating_both_halves() {
+    let Some(_gpu) = backend() else { return };
+    let dir = scratch("dropout");
+    let reference = alone(&dir, "dropout", BATCH / 2);
+    let ranked = on_ranks(&dir, "dropout", 2, None);
+    for (rank, r) in ranked.iter().enumerate() {
+        assert!(
+            !String::from_utf8_lossy(r).starts_with("error:"),
+            "rank {rank}: {}",
+            String::from_utf8_lossy(r)
+        );
+        assert_eq!(r.len(), reference.len(), "rank {rank}");
+        assert!(
+            *r == reference,
+            "rank {rank} with dropout trained other bits than one learner with micro-batches of 4"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 #[cfg_attr(
     not(headroom_nvrtc),
@@ -360,7 +401,7 @@ fn a_rank_that_dies_makes_its_peer_fail_with_an_error_not_hang() {
     let Some(_gpu) = backend() else { return };
     let dir = scratch("dies");
     let started = Instant::now();
-    let ranked = on_ranks(&dir, 2, Some((1, 1)));
+    let ranked = on_ranks(&dir, "plain", 2, Some((1, 1)));
     let text = String::from_utf8_lossy(&ranked[0]).into_owned();
     assert!(
         text.starts_with("error:"),
@@ -393,7 +434,7 @@ fn thread_ranks(shard: bool) -> Ranks {
     not(headroom_nvrtc),
     ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
 )]
-fn gpu_ranks_refuse_zero_1_dropout_and_a_transport_that_is_not_nccl_at_start() {
+fn gpu_ranks_refuse_zero_1_and_a_transport_that_is_not_nccl_at_start() {
     let Some(_gpu) = backend() else { return };
     let refusal = |model: &str, shard: bool| {
         let mut l = learner(model, 3);
@@ -404,8 +445,6 @@ fn gpu_ranks_refuse_zero_1_dropout_and_a_transport_that_is_not_nccl_at_start() {
     };
     let zero = refusal(MODEL, true);
     assert!(zero.contains("train.shard_optimizer"), "{zero}");
-    let dropout = refusal(WITH_DROPOUT, false);
-    assert!(dropout.contains("dropout"), "{dropout}");
     let threads = refusal(MODEL, false);
     assert!(
         threads.contains("NCCL") && threads.contains("--devices"),

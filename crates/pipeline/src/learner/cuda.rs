@@ -442,10 +442,20 @@ impl CudaLearner {
     /// Forward and backward over the micro-batches, each loss weighted by
     /// its share of the (global) batch: the shares.
     fn forward_backward(&mut self, batch: &Batch) -> Result<Vec<f32>> {
-        let world = self.ranks.as_ref().map_or(1, |r| r.ranks.world);
+        let (rank, world) = self
+            .ranks
+            .as_ref()
+            .map_or((0, 1), |r| (r.ranks.rank, r.ranks.world));
         let n = batch.len() * world;
         let mut shares = Vec::new();
         let parts = batch.micro_batches(self.micro_batch).count();
+        // Rank r's micro-batches are one process's r·M … r·M + M − 1 of
+        // the global batch: their dropout masks too (the counters were
+        // saved before, so a failed or skipped step puts them back).
+        cuda(
+            self.network
+                .advance_dropout(&self.be, (rank * parts) as u64),
+        )?;
         for (index, part) in batch.micro_batches(self.micro_batch).enumerate() {
             let share = part.len() as f32 / n as f32;
             let (staged, frames) = self.stage_part(&part)?;
@@ -492,6 +502,10 @@ impl CudaLearner {
                 _ => cuda(self.network.backward(be, &xent.grad))?,
             }
         }
+        // The later ranks' forwards: every rank's counters end the step
+        // world·M on.
+        let later = (world - 1 - rank) * parts;
+        cuda(self.network.advance_dropout(&self.be, later as u64))?;
         Ok(shares)
     }
 

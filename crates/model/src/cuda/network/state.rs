@@ -148,6 +148,29 @@ impl CudaNetwork {
         found
     }
 
+    /// Moves every dropout layer's counter `by` training forwards on (data
+    /// parallel: rank r draws its masks r·M forwards ahead of one process's
+    /// counter, and every rank's counter ends a step world·M on, as that
+    /// process's does). Waits for the device.
+    pub fn advance_dropout(&mut self, be: &CudaBackend, by: u64) -> CudaResult<()> {
+        if by == 0 {
+            return Ok(());
+        }
+        for_each_step_buffers(&mut self.layers, &mut |buffers| match buffers {
+            StepBuffers::Running(_) => Ok(()),
+            StepBuffers::Dropout(d) => {
+                let mut limbs = be.download(&d.counter.slice)?;
+                let counter = crate::ops::activation::dropout::counter_of_limbs(&limbs);
+                crate::ops::activation::dropout::limbs_of_counter(
+                    counter.wrapping_add(by),
+                    &mut limbs,
+                );
+                copy_host(be, &limbs, &mut d.counter)?;
+                be.synchronize()
+            }
+        })
+    }
+
     /// Writes the buffers `read_buffers` gives, in its order (the ranks'
     /// mean of them, in a data-parallel run).
     pub fn write_buffers(&mut self, be: &CudaBackend, values: &[Vec<f32>]) -> CudaResult<()> {

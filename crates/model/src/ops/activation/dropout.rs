@@ -44,6 +44,23 @@ fn uniform(seed: u64, counter: u64, index: usize) -> f32 {
     (bits >> 40) as f32 / (1u64 << 24) as f32
 }
 
+/// A counter from its limbs (16 bits each in an f32, lowest first: exact
+/// in f32, so that the buffer survives checkpoints and the ranks' mean).
+pub(crate) fn counter_of_limbs(limbs: &[f32]) -> u64 {
+    limbs
+        .iter()
+        .rev()
+        .fold(0u64, |acc, &limb| acc * LIMB + limb as u64)
+}
+
+/// `value` written into `limbs` as `counter_of_limbs` reads it.
+pub(crate) fn limbs_of_counter(mut value: u64, limbs: &mut [f32]) {
+    for limb in limbs {
+        *limb = (value % LIMB) as f32;
+        value /= LIMB;
+    }
+}
+
 impl Dropout {
     /// `p` in [0, 1); the builder checks it and names the key.
     pub fn new(p: f32, seed: u64) -> Result<Self> {
@@ -65,18 +82,11 @@ impl Dropout {
 
     /// Training forwards so far (not counting recomputations).
     pub fn counter(&self) -> u64 {
-        self.counter
-            .data()
-            .iter()
-            .rev()
-            .fold(0u64, |acc, &limb| acc * LIMB + limb as u64)
+        counter_of_limbs(self.counter.data())
     }
 
-    fn set_counter(&mut self, mut value: u64) {
-        for limb in self.counter.data_mut() {
-            *limb = (value % LIMB) as f32;
-            value /= LIMB;
-        }
+    fn set_counter(&mut self, value: u64) {
+        limbs_of_counter(value, self.counter.data_mut());
     }
 
     /// The factor element i is multiplied by at `counter`: 0 or 1/(1 − p).

@@ -31,8 +31,12 @@
 //! a ranked step synchronous: no CUDA graph, no step queued behind
 //! another.
 //!
-//! Not yet: ZeRO-1, dropout (each rank would draw the same masks; refused
-//! at start for N > 1).
+//! Dropout: rank r draws its masks r·M forwards ahead of the counters
+//! (M micro-batches a rank), and every rank's counters end the step
+//! world·M on (`CudaNetwork::advance_dropout`), so N ranks draw one
+//! process's masks, as on the CPU.
+//!
+//! Not yet: ZeRO-1 (refused at start for N > 1).
 //!
 //! Memory: two device copies of the trainable gradients (the padded
 //! slices and the received copies of this rank's slice, per bucket), made
@@ -152,13 +156,6 @@ impl CudaRanks {
         if ranks.shard_optimizer && ranks.world > 1 {
             return Err(refuse(
                 "train.shard_optimizer (ZeRO-1) is not built for GPU ranks yet; leave it off"
-                    .into(),
-            ));
-        }
-        if ranks.world > 1 && network.has_dropout() {
-            return Err(refuse(
-                "a model with dropout cannot train on several GPU ranks yet (each rank would \
-                 draw the same masks); remove the dropout layers or train on one GPU"
                     .into(),
             ));
         }
