@@ -306,7 +306,7 @@ impl super::CudaLearner {
         &mut self,
         local: Result<Vec<f32>>,
     ) -> Result<(Vec<f32>, (f64, u64))> {
-        use crate::ranks::{agree_on_step, Refusal, StepRecord};
+        use crate::ranks::{agree_on_step, StepRecord};
         let Some(ranks) = self.ranks.as_mut() else {
             return Err(PipelineError::Stage {
                 stage: "ranks",
@@ -338,14 +338,7 @@ impl super::CudaLearner {
             }
             Err(_) => (0.0, 0),
         };
-        let (status, refusal) = match &local {
-            Ok(_) if loss.is_finite() => (StepRecord::OK, None),
-            Ok(_) => (StepRecord::NON_FINITE, None),
-            Err(e) => match Refusal::of(e) {
-                Some(r) => (StepRecord::OUT_OF_MEMORY, Some(r)),
-                None => (StepRecord::FAILED, None),
-            },
-        };
+        let (status, refusal) = StepRecord::status_of(&local, |_| loss.is_finite());
         let agreed = agree_on_step(
             &ranks.ranks,
             StepRecord {
