@@ -6,9 +6,9 @@
 //
 // Semantics follow cuBLAS: column-major operands, op(A) is m×k and op(B) is
 // k×n with the given leading dimensions, C = alpha·op(A)·op(B) + beta·C, and
-// C is not read when beta is 0 (it may hold garbage, even NaN). f16 operands
-// are widened exactly, products are accumulated in f32 in order of k, and
-// an f16 result is rounded to nearest even once at the end, like
+// C is not read when beta is 0 (it may hold garbage, even NaN). f16 and bf16
+// operands are widened exactly, products are accumulated in f32 in order of
+// k, and a 2-byte result is rounded to nearest even once at the end, like
 // CUBLAS_COMPUTE_32F (whose tensor-core summation order differs from this
 // one only within f32 rounding).
 
@@ -38,7 +38,7 @@ enum : int {
     CUBLAS_STATUS_NOT_SUPPORTED = 15,
 };
 
-enum : int { CUDA_R_32F = 0, CUDA_R_16F = 2 };
+enum : int { CUDA_R_32F = 0, CUDA_R_16F = 2, CUDA_R_16BF = 14 };
 enum : int { CUBLAS_OP_N = 0, CUBLAS_OP_T = 1, CUBLAS_OP_C = 2 };
 enum : int { CUBLAS_COMPUTE_32F = 68, CUBLAS_COMPUTE_32F_FAST_16F = 74 };
 
@@ -51,10 +51,15 @@ struct Handle {
 
 float load(const void* p, int type, std::size_t i) {
     if (type == CUDA_R_16F) {
-        return hr_conv::h2f(static_cast<const unsigned short*>(p)[i]);
+        return hr_conv::hr_f16_to_f32(static_cast<const unsigned short*>(p)[i]);
+    }
+    if (type == CUDA_R_16BF) {
+        return hr_conv::hr_bf16_to_f32(static_cast<const unsigned short*>(p)[i]);
     }
     return static_cast<const float*>(p)[i];
 }
+
+bool is_type(int type) { return type == CUDA_R_16F || type == CUDA_R_16BF || type == CUDA_R_32F; }
 }  // namespace
 
 EXPORT cublasStatus_t cublasCreate_v2(Handle** h) {
@@ -154,7 +159,9 @@ void run_gemm(const Gemm& g) {
                 v += g.beta * load(g.c, g.ctype, ci);
             }
             if (g.ctype == CUDA_R_16F) {
-                static_cast<unsigned short*>(g.c)[ci] = hr_conv::f2h(v);
+                static_cast<unsigned short*>(g.c)[ci] = hr_conv::hr_f32_to_f16(v);
+            } else if (g.ctype == CUDA_R_16BF) {
+                static_cast<unsigned short*>(g.c)[ci] = hr_conv::hr_f32_to_bf16(v);
             } else {
                 static_cast<float*>(g.c)[ci] = v;
             }
@@ -211,8 +218,8 @@ EXPORT cublasStatus_t cublasGemmEx(Handle* h, int transa, int transb, int m, int
         ldb < (transb == CUBLAS_OP_N ? (k > 1 ? k : 1) : (n > 1 ? n : 1)) || ldc < (m > 1 ? m : 1)) {
         return CUBLAS_STATUS_INVALID_VALUE;
     }
-    if ((atype != CUDA_R_16F && atype != CUDA_R_32F) || (btype != CUDA_R_16F && btype != CUDA_R_32F) ||
-        (ctype != CUDA_R_16F && ctype != CUDA_R_32F) ||
+    // A and B of one type, as cuBLAS's CUBLAS_COMPUTE_32F table has them.
+    if (!is_type(atype) || btype != atype || !is_type(ctype) ||
         (compute != CUBLAS_COMPUTE_32F && compute != CUBLAS_COMPUTE_32F_FAST_16F)) {
         std::fprintf(stderr,
                      "headroom cuBLAS emulator: cublasGemmEx with types A %d B %d C %d compute %d "

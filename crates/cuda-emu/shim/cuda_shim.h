@@ -46,6 +46,12 @@ struct hr_uint3 {
 typedef hr_uint3 uint3;
 
 namespace hr_emu {
+// The 2-byte format of the running launch (common.cuh's h2f and f2h): bf16
+// for a kernel of a module whose image carries headroom_half_format_bf16
+// (its file compiled with HR_BF16), else f16. Set by the launch.
+extern thread_local bool t_half_bf16;
+inline bool half_is_bf16() { return t_half_bf16; }
+
 // Set by the scheduler for the fiber it is about to run.
 extern thread_local hr_uint3 t_thread_idx;
 extern thread_local hr_uint3 t_block_idx;

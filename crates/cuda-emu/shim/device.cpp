@@ -128,6 +128,36 @@ int max_ptx_isa(int driver) {
     return 78;  // 11.8 and older: at most ISA 7.8
 }
 
+bool image_has_symbol(const void* image, const char* name) {
+    const unsigned char* bytes = static_cast<const unsigned char*>(image);
+    const std::size_t name_len = std::strlen(name);
+    if (std::memcmp(bytes, "\x7f" "ELF", 4) == 0) {
+        // A 64-bit ELF ends with its section headers: e_shoff, then
+        // e_shnum entries of e_shentsize bytes. The name is in .strtab.
+        std::uint64_t shoff = 0;
+        std::uint16_t shentsize = 0, shnum = 0;
+        std::memcpy(&shoff, bytes + 40, 8);
+        std::memcpy(&shentsize, bytes + 58, 2);
+        std::memcpy(&shnum, bytes + 60, 2);
+        const std::size_t size = (std::size_t)shoff + (std::size_t)shentsize * shnum;
+        for (std::size_t i = 0; i + name_len < size; ++i) {
+            if (std::memcmp(bytes + i, name, name_len) == 0 && bytes[i + name_len] == 0) {
+                return true;
+            }
+        }
+        return false;
+    }
+    // PTX: the declaration `.global .align 4 .b32 NAME;`.
+    const char* ptx = static_cast<const char*>(image);
+    for (const char* at = std::strstr(ptx, name); at != nullptr; at = std::strstr(at + 1, name)) {
+        const char after = at[name_len];
+        if (at > ptx && at[-1] == ' ' && (after == ';' || after == '[' || after == ' ')) {
+            return true;
+        }
+    }
+    return false;
+}
+
 int check_module_image(const void* image, std::string* why) {
     const unsigned char* bytes = static_cast<const unsigned char*>(image);
     const unsigned int arch = device_arch();

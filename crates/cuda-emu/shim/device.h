@@ -19,6 +19,9 @@ int max_ptx_isa(int driver);
 // Whether a module image (PTX text or a CUBIN) loads on this device and
 // driver: CUDA_SUCCESS (0), or the driver's error with the reason in `why`.
 int check_module_image(const void* image, std::string* why);
+// Whether a module image (a CUBIN, or PTX text) defines the symbol `name`:
+// how a module's 2-byte format is known (common.cuh's marker).
+bool image_has_symbol(const void* image, const char* name);
 // The first instruction of the launch running on this OS thread that the
 // device lacks, taken (and cleared) by the launch; empty if none.
 std::string take_missing_instruction();

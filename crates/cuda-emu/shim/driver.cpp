@@ -162,6 +162,7 @@ void register_kernel(const KernelEntry& entry) { registry()[entry.name] = entry;
 
 namespace hr_emu {
 thread_local hr_uint3 t_thread_idx;
+thread_local bool t_half_bf16 = false;
 thread_local hr_uint3 t_block_idx;
 thread_local hr_uint3 t_block_dim;
 thread_local hr_uint3 t_grid_dim;
@@ -807,7 +808,8 @@ CUresult enqueue(Stream* s, std::function<CUresult()> node) {
     return CUDA_SUCCESS;
 }
 struct Module {
-    int unused;
+    // Its image was compiled for bf16 (it carries headroom_half_format_bf16).
+    bool half_bf16;
 };
 struct MemPool {
     unsigned long long release_threshold;
@@ -1495,7 +1497,7 @@ EXPORT CUresult cuModuleLoadData(Module** m, const void* image) {
         std::fprintf(stderr, "headroom CUDA emulator: cuModuleLoadData refused %s\n", why.c_str());
         return loads;
     }
-    *m = new (std::nothrow) Module{0};
+    *m = new (std::nothrow) Module{hr_emu::image_has_symbol(image, "headroom_half_format_bf16")};
     return *m != nullptr ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 
@@ -1514,7 +1516,19 @@ EXPORT CUresult cuModuleGetFunction(const hr_emu::KernelEntry** f, Module* m, co
         std::fprintf(stderr, "headroom CUDA emulator: no kernel named %s was compiled in\n", name);
         return CUDA_ERROR_NOT_FOUND;
     }
-    *f = &it->second;
+    if (!m->half_bf16) {
+        *f = &it->second;
+        return CUDA_SUCCESS;
+    }
+    // The bf16 module's kernel: the same host code, run with bf16's
+    // conversions. One copy per name, kept for the process (entries are
+    // never freed, like the registry's).
+    static std::mutex bf16_mutex;
+    static std::map<std::string, hr_emu::KernelEntry> bf16_entries;
+    std::lock_guard<std::mutex> lock(bf16_mutex);
+    auto [copy, fresh] = bf16_entries.try_emplace(name, it->second);
+    if (fresh) copy->second.half_bf16 = 1u;
+    *f = &copy->second;
     return CUDA_SUCCESS;
 }
 
@@ -1576,6 +1590,7 @@ CUresult launch_now(const hr_emu::KernelEntry* f, unsigned int gx, unsigned int 
     if (!s.ensure((unsigned int)threads)) return CUDA_ERROR_OUT_OF_MEMORY;
     s.entry = f;
     s.params = params;
+    hr_emu::t_half_bf16 = f->half_bf16 != 0u;
     hr_emu::t_grid_dim = hr_uint3{gx, gy, gz};
     hr_emu::t_block_dim = hr_uint3{bx, by, bz};
     std::string failure;
@@ -1590,6 +1605,7 @@ CUresult launch_now(const hr_emu::KernelEntry* f, unsigned int gx, unsigned int 
     s.entry = nullptr;
     s.params = nullptr;
     s.cur = nullptr;
+    hr_emu::t_half_bf16 = false;
     const std::string misaligned = std::move(hr_emu::t_misaligned);
     hr_emu::t_misaligned.clear();
     const std::string missing = hr_emu::take_missing_instruction();
@@ -1700,8 +1716,10 @@ namespace hr_conv {
 #include "common.cuh"
 }
 
-EXPORT unsigned short hr_emu_f32_to_f16(float f) { return hr_conv::f2h(f); }
-EXPORT float hr_emu_f16_to_f32(unsigned short h) { return hr_conv::h2f(h); }
+EXPORT unsigned short hr_emu_f32_to_f16(float f) { return hr_conv::hr_f32_to_f16(f); }
+EXPORT float hr_emu_f16_to_f32(unsigned short h) { return hr_conv::hr_f16_to_f32(h); }
+EXPORT unsigned short hr_emu_f32_to_bf16(float f) { return hr_conv::hr_f32_to_bf16(f); }
+EXPORT float hr_emu_bf16_to_f32(unsigned short h) { return hr_conv::hr_bf16_to_f32(h); }
 
 // Launches with more than `threads` threads in a block (1 to 1024) fail from
 // now on, as CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES.

@@ -30,6 +30,9 @@ struct KernelEntry {
     // may write through (not const). build.rs reads them from the source.
     unsigned int restrict_mask;
     unsigned int written_mask;
+    // 1: the kernel as a module compiled for bf16 has it (cuModuleGetFunction
+    // hands out a copy of the registered entry with this set).
+    unsigned int half_bf16;
 };
 
 void register_kernel(const KernelEntry& entry);
@@ -67,7 +70,8 @@ hr_emu::KernelEntry hr_entry(const char* name, void (*fn)(A...), unsigned int re
                                (unsigned int)sizeof...(A),
                                {sizeof(typename hr_arg<A>::type)...},
                                restrict_mask,
-                               written_mask};
+                               written_mask,
+                               0u};
 }
 
 struct hr_registrar {

@@ -25,7 +25,7 @@ use std::io::Write as _;
 use std::sync::Once;
 
 use headroom_model::cuda::kernels::{self, KernelFile, KernelSig, Target};
-use headroom_model::cuda::{arch, libs, MAX_BLOCK_THREADS};
+use headroom_model::cuda::{arch, libs, HalfFormat, MAX_BLOCK_THREADS};
 
 #[path = "../../../tests/src/nvrtc_gate.rs"]
 #[macro_use]
@@ -200,6 +200,51 @@ fn every_kernel_compiles_to_ptx_for_each_architecture_with_matching_signatures()
     );
 }
 
+/// bf16 (`HalfFormat::Bf16`, every file compiled with `HR_BF16`): every
+/// kernel file compiles to a CUBIN for sm_80, the oldest GPU with bf16
+/// (sm_86, 89 and 90 have its instructions; the parity binary's bf16 tests
+/// compile the files they use for sm_90 when CI runs it as sm_90), that
+/// carries the format's marker symbol,
+/// which the f16 build lacks; the convolutions' tensor-core product is the
+/// bf16 `mma` and the conversions are bf16's `cvt`, f16's in the f16 build.
+#[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
+fn every_kernel_compiles_for_bf16_on_sm_80_and_newer_with_bf16_instructions() {
+    if nvrtc().is_none() {
+        return;
+    }
+    let marker: &[u8] = b"headroom_half_format_bf16";
+    let has = |image: &[u8]| image.windows(marker.len()).any(|w| w == marker);
+    for file in kernels::FILES {
+        for arch in [80, 90] {
+            let cubin = kernels::compile_half(file, Target::Cubin(arch), HalfFormat::Bf16)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(cubin_sm(&cubin), Some(arch), "{}.cu bf16", file.name);
+            assert!(
+                has(&cubin),
+                "{}.cu: the bf16 CUBIN lacks its marker",
+                file.name
+            );
+        }
+    }
+    let f16 = kernels::compile(file_named("cast"), Target::Cubin(80)).unwrap();
+    assert!(!has(&f16), "the f16 CUBIN carries bf16's marker");
+    let ptx = |name: &str, half: HalfFormat| {
+        let ptx = kernels::compile_half(file_named(name), Target::Ptx(80), half).unwrap();
+        String::from_utf8(ptx).expect("PTX is text")
+    };
+    let mma = "mma.sync.aligned.m16n8k16.row.col.f32";
+    assert!(ptx("conv_mma", HalfFormat::Bf16).contains(&format!("{mma}.bf16.bf16.f32")));
+    assert!(ptx("conv_mma", HalfFormat::F16).contains(&format!("{mma}.f16.f16.f32")));
+    assert!(!ptx("conv_mma", HalfFormat::Bf16).contains(&format!("{mma}.f16.f16.f32")));
+    assert!(ptx("cast", HalfFormat::Bf16).contains("cvt.rn.bf16.f32"));
+    assert!(!ptx("cast", HalfFormat::Bf16).contains("cvt.rn.f16.f32"));
+    assert!(ptx("cast", HalfFormat::F16).contains("cvt.rn.f16.f32"));
+}
+
 #[test]
 #[cfg_attr(
     not(headroom_nvrtc),
@@ -231,6 +276,14 @@ fn every_kernel_compiles_to_cubin_for_each_architecture() {
 /// The SM a CUBIN is for, from its ELF header: e_flags' low byte in the
 /// format of CUDA 12 and older (ELF ABI version 7), bits 8..15 in CUDA 13's
 /// (ABI version 8), as NVRTC 12.9 and 13.5 write them.
+/// The kernel file `name`.cu.
+fn file_named(name: &str) -> &'static KernelFile {
+    kernels::FILES
+        .iter()
+        .find(|f| f.name == name)
+        .unwrap_or_else(|| panic!("no kernel file {name}.cu"))
+}
+
 fn cubin_sm(cubin: &[u8]) -> Option<u32> {
     let flags = u32::from_le_bytes(cubin.get(48..52)?.try_into().ok()?);
     match cubin.get(8)? {
@@ -467,18 +520,26 @@ fn compiled_kernels_are_cached_on_disk() {
     // Only this test reads the variable (the others call `compile`).
     std::env::set_var("HEADROOM_KERNEL_CACHE", &dir);
     let file = &kernels::FILES[0];
-    let first = kernels::load_or_compile(file, Target::Ptx(80)).unwrap();
-    let key = kernels::cache_key(file, Target::Ptx(80)).unwrap();
+    let first = kernels::load_or_compile(file, Target::Ptx(80), HalfFormat::F16).unwrap();
+    let key = kernels::cache_key(file, Target::Ptx(80), HalfFormat::F16).unwrap();
     let cached = dir.join(&key);
     assert_eq!(std::fs::read(&cached).unwrap(), first, "{key} written");
     // A second call reads the file: prove it by planting a marker.
     std::fs::write(&cached, b"marker").unwrap();
     assert_eq!(
-        kernels::load_or_compile(file, Target::Ptx(80)).unwrap(),
+        kernels::load_or_compile(file, Target::Ptx(80), HalfFormat::F16).unwrap(),
         b"marker"
     );
     // Another target is another entry.
-    assert_ne!(key, kernels::cache_key(file, Target::Cubin(80)).unwrap());
+    assert_ne!(
+        key,
+        kernels::cache_key(file, Target::Cubin(80), HalfFormat::F16).unwrap()
+    );
+    // The bf16 build of the same file is another cache entry.
+    assert_ne!(
+        key,
+        kernels::cache_key(file, Target::Ptx(80), HalfFormat::Bf16).unwrap()
+    );
     std::env::remove_var("HEADROOM_KERNEL_CACHE");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -11,7 +11,7 @@ use headroom_model::cuda::ops::{ConvAlgorithm, ConvPlan};
 use headroom_model::ModelSpec;
 use serde::{Deserialize, Serialize};
 
-use crate::device::DeviceKind;
+use crate::device::{DeviceKind, Precision};
 use crate::{PipelineError, Result};
 
 pub mod distributed;
@@ -331,6 +331,13 @@ pub struct DeviceConfig {
     /// the CPU trains in f32 either way.
     #[serde(default = "default_true")]
     pub amp: bool,
+    /// On the GPU, "f16" (mixed precision, as `amp = true`), "bf16" (bf16
+    /// activations and compute weights, f32 masters, no loss scaling;
+    /// sm_80 or newer) or "f32" (as `amp = false`). Unset, `amp` decides;
+    /// set, it must agree with `amp = false` (which only "f32" does). No
+    /// effect on the CPU. Left out of the recorded config when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<Precision>,
     /// Batch norm + ReLU, and a basic block's batch norm + add + ReLU, in
     /// one pass; false runs them apart. Same bits either way, on the CPU
     /// and on the GPU.
@@ -373,6 +380,25 @@ pub struct DeviceConfig {
     pub inject_oom: InjectOom,
 }
 
+impl DeviceConfig {
+    /// The GPU's storage: `precision`, else `amp`'s choice; a `precision`
+    /// other than "f32" beside `amp = false` is refused, naming both keys.
+    pub fn precision(&self) -> Result<Precision> {
+        match (self.precision, self.amp) {
+            (None, true) => Ok(Precision::F16),
+            (None, false) | (Some(Precision::F32), _) => Ok(Precision::F32),
+            (Some(p), true) => Ok(p),
+            (Some(p), false) => Err(PipelineError::value(
+                "device.precision",
+                format!(
+                    "\"{p}\" disagrees with device.amp = false (--no-amp), which trains in \
+                     f32: set one of the two"
+                ),
+            )),
+        }
+    }
+}
+
 fn default_conv_algorithm() -> ConvAlgorithm {
     ConvAlgorithm::Auto
 }
@@ -383,6 +409,7 @@ impl Default for DeviceConfig {
             kind: DeviceKind::default(),
             memory_limit: None,
             amp: true,
+            precision: None,
             fusion: true,
             graphs: true,
             recompute: true,

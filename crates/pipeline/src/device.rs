@@ -8,7 +8,7 @@
 //! `learner::open_network`, which is where "auto" finally becomes the GPU or
 //! the CPU (a model with a CPU-only layer stays on the CPU).
 
-use headroom_model::cuda::CudaBackend;
+use headroom_model::cuda::{CudaBackend, HalfFormat};
 
 use crate::setting_enum::setting_enum;
 
@@ -23,6 +23,32 @@ setting_enum! {
         Cpu = "cpu",
         /// GPU 0, or an error naming what is missing.
         Cuda = "cuda",
+    }
+}
+
+setting_enum! {
+    /// How the GPU stores activations and compute weights
+    /// (`device.precision`); the masters, gradients and moments are f32
+    /// in every case, and the CPU trains in f32 whatever this says.
+    pub enum Precision {
+        /// IEEE half, with dynamic loss scaling (f16's range is ±65504).
+        F16 = "f16",
+        /// bfloat16: f32's range, so no loss scaling, with 8 significand
+        /// bits against f16's 11. sm_80 (Ampere) or newer.
+        Bf16 = "bf16",
+        /// f32 throughout: the masters are the compute weights, no loss
+        /// scaling (`device.amp = false`).
+        F32 = "f32",
+    }
+}
+
+impl Precision {
+    /// The 2-byte format of the GPU backend (f32 training uses none).
+    pub fn half_format(self) -> HalfFormat {
+        match self {
+            Precision::Bf16 => HalfFormat::Bf16,
+            Precision::F16 | Precision::F32 => HalfFormat::F16,
+        }
     }
 }
 

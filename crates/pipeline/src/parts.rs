@@ -11,6 +11,7 @@ use headroom_model::{BuildOptions, Device, LayerRegistry, Network};
 use headroom_optim::{AdamWConfig, LossScalerConfig};
 
 use crate::config::{ExperimentConfig, LossKind};
+use crate::device::Precision;
 use crate::learner::{
     open_network, CpuLearner, CudaOptions, DeviceKind, Learner, NetworkPlan, StepSettings,
     ValueLoss,
@@ -73,14 +74,16 @@ pub fn open_with(
     open_network(&plan, pool, |network| initialise(config, network).map(drop))
 }
 
-/// The GPU settings of an experiment: mixed precision with dynamic loss
-/// scaling, or (`device.amp = false`) f32 activations and weights with the
-/// loss scale held at 1.
+/// The GPU settings of an experiment: f16 mixed precision with dynamic loss
+/// scaling, bf16 with the loss scale held at 1 (its range is f32's), or
+/// f32 activations and weights with the loss scale held at 1
+/// (`device.precision`, or `device.amp = false`).
 pub fn cuda_options(config: &ExperimentConfig) -> Result<CudaOptions> {
-    let (activations, loss_scaler) = if config.device.amp {
-        (DType::F16, LossScalerConfig::default())
-    } else {
-        (DType::F32, LossScalerConfig::unit())
+    let precision = config.device.precision()?;
+    let (activations, loss_scaler) = match precision {
+        Precision::F16 => (DType::F16, LossScalerConfig::default()),
+        Precision::Bf16 => (DType::F16, LossScalerConfig::unit()),
+        Precision::F32 => (DType::F32, LossScalerConfig::unit()),
     };
     Ok(CudaOptions {
         memory_limit: config.memory_limit()?,
@@ -91,6 +94,7 @@ pub fn cuda_options(config: &ExperimentConfig) -> Result<CudaOptions> {
             conv: config.conv_plan()?,
         },
         loss_scaler,
+        half: precision.half_format(),
         graphs: config.device.graphs,
         ..CudaOptions::default()
     })

@@ -61,8 +61,8 @@ pub struct ArchFeatures {
     /// `ldmatrix` (sm_75 in the PTX ISA; conv_mma.cu compiles it for sm_80
     /// and newer only, beside the other two).
     pub ldmatrix: bool,
-    /// bf16 tensor-core products (sm_80). No kernel of headroom uses bf16
-    /// yet; listed so that one that does names it here.
+    /// bf16 conversions and tensor-core products (sm_80): what
+    /// `HalfFormat::Bf16` needs (`CudaBackend::with_half` refuses it below).
     pub mma_bf16: bool,
 }
 

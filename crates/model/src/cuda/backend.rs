@@ -13,6 +13,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+use super::dtype::HalfFormat;
 use super::error::{alloc_error, Context};
 use super::kernels::{self, KernelSig, Target};
 use super::profile::Profiler;
@@ -216,6 +217,9 @@ unsafe impl Sync for MemPool {}
 pub struct CudaBackend {
     info: DeviceInfo,
     target: Target,
+    /// The encoding of every `DType::F16` buffer and of the kernels'
+    /// 2-byte storage, fixed for the backend's life.
+    half: HalfFormat,
     ctx: Arc<CudaContext>,
     compute: Arc<CudaStream>,
     copy: Arc<CudaStream>,
@@ -239,6 +243,7 @@ impl std::fmt::Debug for CudaBackend {
         f.debug_struct("CudaBackend")
             .field("info", &self.info)
             .field("target", &self.target)
+            .field("half", &self.half)
             .finish_non_exhaustive()
     }
 }
@@ -293,16 +298,37 @@ impl CudaBackend {
     /// Opens GPU `ordinal`: context, streams, cuBLAS, and the kernel target
     /// (NVRTC must be loadable; kernels themselves compile on first use).
     pub fn new(ordinal: usize) -> CudaResult<Self> {
+        Self::with_half(ordinal, HalfFormat::F16)
+    }
+
+    /// As `new`, with the 2-byte activations and compute weights stored in
+    /// `half`'s format (every kernel file compiled for it). bf16 on a GPU
+    /// older than sm_80 is refused, naming the GPU.
+    pub fn with_half(ordinal: usize, half: HalfFormat) -> CudaResult<Self> {
         let Some(info) = Self::probe_device(ordinal)? else {
             return Err(CudaError::Unavailable(format!(
                 "no CUDA driver or no GPU {ordinal}"
             )));
         };
+        if half == HalfFormat::Bf16 && !arch::ArchFeatures::of(info.arch()).mma_bf16 {
+            return Err(CudaError::Unsupported {
+                op: "device.precision",
+                reason: format!(
+                    "{half} needs a GPU of compute capability {}.{} or newer (its conversions \
+                     and tensor-core products); GPU {ordinal}, {}, is sm_{}: use \
+                     device.precision = \"f16\" or \"f32\"",
+                    half.min_arch() / 10,
+                    half.min_arch() % 10,
+                    info.name,
+                    info.arch()
+                ),
+            });
+        }
         libs::ensure_nvrtc()?;
         libs::ensure_cublas()?;
         let target = kernels::target_for(info.arch())?;
         arch::check_nvrtc_for_driver(kernels::nvrtc_version()?, info.driver_code(), target)?;
-        std::panic::catch_unwind(move || Self::open(info, target)).unwrap_or_else(|p| {
+        std::panic::catch_unwind(move || Self::open(info, target, half)).unwrap_or_else(|p| {
             Err(CudaError::Unavailable(format!(
                 "a CUDA library panicked while opening the device: {}",
                 panic_message(p.as_ref())
@@ -310,7 +336,7 @@ impl CudaBackend {
         })
     }
 
-    fn open(info: DeviceInfo, target: Target) -> CudaResult<Self> {
+    fn open(info: DeviceInfo, target: Target, half: HalfFormat) -> CudaResult<Self> {
         let ctx = CudaContext::new(info.ordinal).during("cuDevicePrimaryCtxRetain")?;
         // cudarc's event tracking is off: it would record an event after, and
         // wait on one before, every use of every buffer (host work on each
@@ -348,6 +374,7 @@ impl CudaBackend {
         let backend = Self {
             info,
             target,
+            half,
             ctx,
             compute,
             copy,
@@ -403,6 +430,11 @@ impl CudaBackend {
         self.target
     }
 
+    /// The encoding of this backend's 2-byte storage (`DType::F16`).
+    pub fn half(&self) -> HalfFormat {
+        self.half
+    }
+
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
@@ -452,11 +484,11 @@ impl CudaBackend {
                 op: "kernel lookup",
                 reason: format!("no kernel file {file}.cu"),
             })?;
-        let image = kernels::load_or_compile(kf, self.target)?;
+        let image = kernels::load_or_compile(kf, self.target, self.half)?;
         let module = match self.load_image(image) {
             Ok(m) => m,
             // A stale or damaged cache entry: compile afresh once.
-            Err(_) => self.load_image(kernels::compile(kf, self.target)?)?,
+            Err(_) => self.load_image(kernels::compile_half(kf, self.target, self.half)?)?,
         };
         modules.insert(file, Arc::clone(&module));
         Ok(module)

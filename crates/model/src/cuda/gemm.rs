@@ -1,5 +1,6 @@
-//! Row-major matrix products through cuBLAS `cublasGemmEx`: f16 operands
-//! (mixed precision) or f32 operands (f32 training), f32 accumulation
+//! Row-major matrix products through cuBLAS `cublasGemmEx`: half operands
+//! (f16 or bf16, the backend's `HalfFormat`)
+//! or f32 operands (f32 training), f32 accumulation
 //! (`CUBLAS_COMPUTE_32F`: tensor cores for f16 operands; plain f32, not
 //! TF32, for f32 operands, since the default math mode is kept), and an f16
 //! or f32 result. cuBLAS is column-major; a row-major C = op(A)·op(B) is
@@ -10,6 +11,7 @@ use cudarc::cublas::{result as cublas, sys as cublas_sys};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 
 use super::backend::CudaBackend;
+use super::dtype::HalfFormat;
 use super::error::Context;
 use super::tensor::{AnyView, AnyViewMut, DType};
 use super::{CudaError, CudaResult};
@@ -22,10 +24,11 @@ pub struct Operand {
     pub ld: usize,
 }
 
-fn data_type(dtype: DType) -> cublas_sys::cudaDataType {
-    match dtype {
-        DType::F16 => cublas_sys::cudaDataType::CUDA_R_16F,
-        DType::F32 => cublas_sys::cudaDataType::CUDA_R_32F,
+fn data_type(dtype: DType, half: HalfFormat) -> cublas_sys::cudaDataType {
+    match (dtype, half) {
+        (DType::F16, HalfFormat::F16) => cublas_sys::cudaDataType::CUDA_R_16F,
+        (DType::F16, HalfFormat::Bf16) => cublas_sys::cudaDataType::CUDA_R_16BF,
+        (DType::F32, _) => cublas_sys::cudaDataType::CUDA_R_32F,
     }
 }
 
@@ -125,13 +128,13 @@ pub fn gemm(
         }
     };
     let stream = be.compute_stream();
-    let ab_type = data_type(a.dtype());
+    let ab_type = data_type(a.dtype(), be.half());
     let (a_ptr, _ra) = operand_ptr(stream, a);
     let (b_ptr, _rb) = operand_ptr(stream, b);
     let handle = *be.blas().handle();
     let alpha_ptr = &alpha as *const f32 as *const std::ffi::c_void;
     let beta_ptr = &beta as *const f32 as *const std::ffi::c_void;
-    let c_type = data_type(c.dtype());
+    let c_type = data_type(c.dtype(), be.half());
     let (c_ptr, _rc) = match c {
         AnyViewMut::F16(v) => v.device_ptr_mut(stream),
         AnyViewMut::F32(v) => v.device_ptr_mut(stream),

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
-use super::dtype::DType;
+use super::dtype::{DType, HalfFormat};
 use super::params::*;
 use super::{libs, CudaError, CudaResult};
 
@@ -697,7 +697,12 @@ pub fn ptxas_report(file: &KernelFile, arch: u32) -> CudaResult<String> {
 /// Compiles `file` for `target` with NVRTC, without the disk cache. Returns
 /// the PTX text (without its trailing NUL) or the CUBIN bytes.
 pub fn compile(file: &KernelFile, target: Target) -> CudaResult<Vec<u8>> {
-    let program = compiled(file, target, &[])?;
+    compile_half(file, target, HalfFormat::F16)
+}
+
+/// As `compile`, with the 2-byte storage in `half`'s format.
+pub fn compile_half(file: &KernelFile, target: Target, half: HalfFormat) -> CudaResult<Vec<u8>> {
+    let program = compiled(file, target, half.nvrtc_defines())?;
     match target {
         Target::Ptx(_) => {
             // SAFETY: as above; compiled successfully.
@@ -757,10 +762,14 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
 }
 
 /// The cache file name of `file` compiled for `target`.
-pub fn cache_key(file: &KernelFile, target: Target) -> CudaResult<String> {
+pub fn cache_key(file: &KernelFile, target: Target, half: HalfFormat) -> CudaResult<String> {
     let (major, minor) = nvrtc_version()?;
     let source = file.full_source();
-    let options = OPTIONS.join(" ");
+    let mut options = OPTIONS.join(" ");
+    for define in half.nvrtc_defines() {
+        options.push(' ');
+        options.push_str(define);
+    }
     let hash = fnv1a(&[
         source.as_bytes(),
         options.as_bytes(),
@@ -781,9 +790,9 @@ pub fn cache_key(file: &KernelFile, target: Target) -> CudaResult<String> {
 /// `compile`, through the disk cache: a cached image is read back; a fresh
 /// one is written to a temporary name and renamed into place (a failure to
 /// write the cache is not an error).
-pub fn load_or_compile(file: &KernelFile, target: Target) -> CudaResult<Vec<u8>> {
+pub fn load_or_compile(file: &KernelFile, target: Target, half: HalfFormat) -> CudaResult<Vec<u8>> {
     let path = match kernel_cache_dir() {
-        Some(dir) => Some(dir.join(cache_key(file, target)?)),
+        Some(dir) => Some(dir.join(cache_key(file, target, half)?)),
         None => None,
     };
     if let Some(path) = &path {
@@ -793,7 +802,7 @@ pub fn load_or_compile(file: &KernelFile, target: Target) -> CudaResult<Vec<u8>>
             }
         }
     }
-    let image = compile(file, target)?;
+    let image = compile_half(file, target, half)?;
     if let Some(path) = &path {
         let _ = write_atomically(path, &image);
     }

@@ -73,6 +73,7 @@ pub use backend::{
     auto_device_kind, blas_workspace_bytes, CudaBackend, DeviceBuffer, DeviceInfo,
     DeviceMemoryStats, Lease,
 };
+pub use dtype::HalfFormat;
 pub use error::{CudaError, CudaResult};
 pub use graph::CapturedGraph;
 pub use network::{CudaBuildOptions, CudaNetwork, Floor, StateList, StatePiece};
@@ -192,7 +193,7 @@ pub fn gpu_check_report() -> GpuCheckReport {
             Ok(t) => {
                 for file in kernels::FILES {
                     let r = if use_cache {
-                        kernels::load_or_compile(file, t)
+                        kernels::load_or_compile(file, t, HalfFormat::F16)
                     } else {
                         kernels::compile(file, t)
                     };

@@ -285,7 +285,7 @@ __device__ void adamw_check_k(AdamWParams p, StepState* state, const float* __re
         // Branch-free, as on the CPU.
         finite &= hr_isfinite(e.m) & hr_isfinite(e.v) & hr_isfinite(e.w);
         if (kCopy) {
-            finite &= (f2h(e.w) & 0x7c00u) != 0x7c00u;
+            finite &= (f2h(e.w) & HR_HALF_EXPONENT) != HR_HALF_EXPONENT;
         }
     }
     if (!finite) {

@@ -150,11 +150,14 @@ impl ParamGroup {
     /// The weights the layers compute with, downloaded as f32.
     pub fn read_compute(&self, be: &CudaBackend) -> CudaResult<Vec<f32>> {
         match &self.compute {
-            Some(copy) => Ok(be
-                .download(&copy.slice)?
-                .into_iter()
-                .map(f16::to_f32)
-                .collect()),
+            Some(copy) => {
+                let half = be.half();
+                Ok(be
+                    .download(&copy.slice)?
+                    .into_iter()
+                    .map(|h| half.decode(h))
+                    .collect())
+            }
             None => self.read_master(be),
         }
     }

@@ -75,8 +75,9 @@ impl CudaTensor {
         })
     }
 
-    /// Uploads f32 host data, converting to f16 on the host (round to
-    /// nearest even, as the kernels' conversions) when `dtype` is F16.
+    /// Uploads f32 host data, converting to the backend's half format on the
+    /// host (round to nearest even, as the kernels' conversions) when
+    /// `dtype` is F16.
     pub fn from_host(
         be: &CudaBackend,
         shape: &[usize],
@@ -93,7 +94,8 @@ impl CudaTensor {
         }
         let buffer = match dtype {
             DType::F16 => {
-                let h: Vec<f16> = data.iter().map(|&v| f16::from_f32(v)).collect();
+                let half = be.half();
+                let h: Vec<f16> = data.iter().map(|&v| half.encode(v)).collect();
                 CudaBuffer::F16(be.upload(&h)?)
             }
             DType::F32 => CudaBuffer::F32(be.upload(data)?),
@@ -142,11 +144,14 @@ impl CudaTensor {
     /// Downloads as f32 (waits for the compute stream).
     pub fn to_host(&self, be: &CudaBackend) -> CudaResult<Vec<f32>> {
         match &self.buffer {
-            CudaBuffer::F16(b) => Ok(be
-                .download(&b.slice)?
-                .into_iter()
-                .map(f16::to_f32)
-                .collect()),
+            CudaBuffer::F16(b) => {
+                let half = be.half();
+                Ok(be
+                    .download(&b.slice)?
+                    .into_iter()
+                    .map(|h| half.decode(h))
+                    .collect())
+            }
             CudaBuffer::F32(b) => be.download(&b.slice),
         }
     }

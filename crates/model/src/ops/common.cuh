@@ -22,7 +22,31 @@ typedef unsigned short hr_half;
 
 #define HR_CHECK_SIZE(T, BYTES) static_assert(sizeof(T) == (BYTES), #T " must match its Rust mirror")
 
+// The 2-byte format: IEEE binary16, or bfloat16 where the host compiles the
+// file with HR_BF16 defined (crates/model/src/cuda/dtype.rs, HalfFormat:
+// the same source, one module per format). hr_half names the storage
+// either way. HR_HALF_EXPONENT masks the exponent bits of hr_half (all ones:
+// inf or NaN).
 #ifndef HR_EMULATE
+#ifdef HR_BF16
+#define HR_HALF_EXPONENT 0x7f80u
+// A module compiled for bf16 carries this symbol: the emulator reads the
+// format of a module from its image (crates/cuda-emu/shim/driver.cpp).
+__device__ int headroom_half_format_bf16;
+
+// bf16 is f32's top half: widening is exact.
+__device__ __forceinline__ float h2f(hr_half h) {
+    return __uint_as_float((u32)h << 16);
+}
+
+// sm_80 and newer (the host refuses bf16 below).
+__device__ __forceinline__ hr_half f2h(float f) {
+    hr_half h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+#else
+#define HR_HALF_EXPONENT 0x7c00u
 __device__ __forceinline__ float h2f(hr_half h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -34,12 +58,31 @@ __device__ __forceinline__ hr_half f2h(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+#endif
 #else
+// The emulator compiles each file once and learns the format of a launch
+// from its module: ::hr_emu::half_is_bf16() (cuda_shim.h).
+#define HR_HALF_EXPONENT (::hr_emu::half_is_bf16() ? 0x7f80u : 0x7c00u)
+
+// bf16 as cvt.rn.bf16.f32: round to nearest even; a NaN stays a quiet NaN
+// with the sign and top payload bits kept.
+__device__ __forceinline__ float hr_bf16_to_f32(hr_half h) {
+    return __uint_as_float((u32)h << 16);
+}
+
+__device__ __forceinline__ hr_half hr_f32_to_bf16(float f) {
+    const u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) {
+        return (hr_half)((x >> 16) | 0x40u);
+    }
+    return (hr_half)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
 // The CPU emulator (crates/cuda-emu) compiles these files as host C++: the
 // same conversions in integer arithmetic, IEEE round-to-nearest-even like
 // cvt.rn. NaNs stay NaN (quiet, sign and top payload bits kept); their exact
 // payload is the one thing not claimed to match the GPU.
-__device__ __forceinline__ float h2f(hr_half h) {
+__device__ __forceinline__ float hr_f16_to_f32(hr_half h) {
     const u32 sign = (u32)(h & 0x8000u) << 16;
     const u32 exp = (h >> 10) & 0x1fu;
     const u32 man = h & 0x3ffu;
@@ -53,7 +96,7 @@ __device__ __forceinline__ float h2f(hr_half h) {
     return __uint_as_float(sign | __float_as_uint((float)man * 5.9604644775390625e-8f));
 }
 
-__device__ __forceinline__ hr_half f2h(float f) {
+__device__ __forceinline__ hr_half hr_f32_to_f16(float f) {
     const u32 x = __float_as_uint(f);
     const u32 sign = (x >> 16) & 0x8000u;
     const u32 ax = x & 0x7fffffffu;
@@ -82,6 +125,14 @@ __device__ __forceinline__ hr_half f2h(float f) {
         r += 1u;
     }
     return (hr_half)(sign | r);
+}
+
+__device__ __forceinline__ float h2f(hr_half h) {
+    return ::hr_emu::half_is_bf16() ? hr_bf16_to_f32(h) : hr_f16_to_f32(h);
+}
+
+__device__ __forceinline__ hr_half f2h(float f) {
+    return ::hr_emu::half_is_bf16() ? hr_f32_to_bf16(f) : hr_f32_to_f16(f);
 }
 #endif
 

@@ -82,6 +82,7 @@ report_nvrtc_tests!(
         include_str!("activation.rs"),
         include_str!("pool.rs"),
         include_str!("batch_norm.rs"),
+        include_str!("bf16.rs"),
         include_str!("conv.rs"),
         include_str!("linear.rs"),
         include_str!("layer_norm.rs"),
@@ -336,6 +337,7 @@ fn assert_close_l2(what: &str, gpu: &[f32], cpu: &[f32], tol: f64) {
 
 mod activation;
 mod batch_norm;
+mod bf16;
 mod cast;
 mod collective;
 mod conv;

@@ -250,7 +250,7 @@ pub(crate) struct SpecFile {
 /// Two basic blocks and a bare residual whose body ends in a batch norm,
 /// followed by a ReLU (fused too, unless a checkpointed segment separates
 /// the two). 20 channels: a partial 32-channel tile; 6·9·9 rows: 2 chunks.
-fn two_block_spec(checkpoint: CheckpointPolicy) -> ModelSpec {
+pub(crate) fn two_block_spec(checkpoint: CheckpointPolicy) -> ModelSpec {
     let text = r#"
 [model]
 input = [9, 9, 2]
@@ -278,7 +278,7 @@ layers = [
 /// (a layer norm over each pixel's channels before it), and a UNet block: a
 /// down-sampling body brought back up by `upsample2x`, beside its input
 /// (`unet_skip`).
-fn flattening_specs(checkpoint: CheckpointPolicy) -> Vec<ModelSpec> {
+pub(crate) fn flattening_specs(checkpoint: CheckpointPolicy) -> Vec<ModelSpec> {
     let layers = [
         r#"{ type = "flatten" }, { type = "linear", out = 16 }, { type = "layer_norm" },
            { type = "silu" }, { type = "dropout", p = 0.25 }, { type = "linear", out = 12 },

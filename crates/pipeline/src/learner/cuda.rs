@@ -1,6 +1,7 @@
 //! The GPU learner: `CudaNetwork` (mixed precision by default: f16
-//! activations and compute weights, f32 masters; or f32 activations reading
-//! the masters, `device.amp = false`), the fused AdamW (unscale, inf check, clip,
+//! activations and compute weights, f32 masters; bf16 ones with
+//! `device.precision = "bf16"`; or f32 activations reading the masters,
+//! `device.amp = false`), the fused AdamW (unscale, inf check, clip,
 //! moments, master update and f16 write-back in one pass per group) and
 //! dynamic loss scaling. Batches cross the bus as u8 through the pinned
 //! staging ring on the copy stream and are normalised on the device to the
@@ -54,7 +55,7 @@ use std::collections::VecDeque;
 use headroom_loader::{Batch, Dataset, SampleRecipe};
 use headroom_model::cuda::ops::TunedConv;
 use headroom_model::cuda::{
-    ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, CudaTensor, DType, DeviceBuffer,
+    ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, CudaTensor, DType, DeviceBuffer, HalfFormat,
     DeviceInfo, InputStaging, Normalization, ProfileSegment, ResidentImages, StagedBatch,
     StateList, StatePiece, StepRecords, MAX_IN_FLIGHT,
 };
@@ -82,6 +83,9 @@ use headroom_model::memory::bytes_text;
 pub struct CudaOptions {
     pub build: CudaBuildOptions,
     pub loss_scaler: LossScalerConfig,
+    /// The format of the 2-byte activations and compute weights (the
+    /// backend must be opened with it: `CudaBackend::with_half`).
+    pub half: HalfFormat,
     /// Hard budget on device memory (bytes).
     pub memory_limit: Option<u64>,
     /// Capture the steady-state step in a CUDA graph (`device.graphs`).
@@ -97,6 +101,7 @@ impl Default for CudaOptions {
         Self {
             build: CudaBuildOptions::default(),
             loss_scaler: LossScalerConfig::default(),
+            half: HalfFormat::F16,
             memory_limit: None,
             graphs: true,
             state_staging_values: 1 << 18,
@@ -175,6 +180,22 @@ impl CudaLearner {
         batch_size: usize,
         options: CudaOptions,
     ) -> Result<Self> {
+        if options.half != be.half() {
+            return Err(PipelineError::value(
+                "device.precision",
+                format!(
+                    "the learner stores {} but its backend was opened for {} \
+                     (CudaBackend::with_half)",
+                    options.half,
+                    be.half()
+                ),
+            ));
+        }
+        let storage = match options.build.activations {
+            DType::F16 => be.half().name(),
+            DType::F32 => "f32",
+        };
+        tracing::info!("GPU storage: {storage} activations and compute weights, f32 masters");
         // Without a budget, 90% of what was free at start: the policy then
         // adapts before the driver refuses (which is handled too).
         let limit = options
@@ -267,10 +288,11 @@ impl CudaLearner {
         }
     }
 
-    /// Mixed precision (f16 activations, dynamic loss scaling), or f32
-    /// training (loss scale fixed at 1).
-    fn mixed_precision(&self) -> bool {
-        self.network.activations() == DType::F16
+    /// Dynamic loss scaling (f16 mixed precision), or a loss scale fixed
+    /// at 1 (bf16 and f32 training), whose checkpoints record no scale.
+    fn scales_loss(&self) -> bool {
+        let scaler = self.optimizer.scaler_config();
+        scaler.max_scale > scaler.min_scale
     }
 
     /// Copies a micro-batch to the device and normalises it there; a token
@@ -820,7 +842,7 @@ impl Learner for CudaLearner {
             out.list(0)?;
             out.list(0)?;
         }
-        let loss_scale = self.mixed_precision().then_some(LossScalerState {
+        let loss_scale = self.scales_loss().then_some(LossScalerState {
             scale: state.next_scale,
             clean_steps: state.clean_steps,
         });

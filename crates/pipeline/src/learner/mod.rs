@@ -469,7 +469,7 @@ pub fn open_network(
         Ok(Box::new(learner))
     };
     let on_gpu = || -> Result<CudaLearner> {
-        let be = CudaBackend::new(0).map_err(|e| {
+        let be = CudaBackend::with_half(0, plan.cuda.half).map_err(|e| {
             PipelineError::value("device.kind", format!("\"cuda\" cannot be used: {e}"))
         })?;
         // Built on the CPU first, where a fine-tuning base is loaded and

@@ -27,8 +27,8 @@
 //
 // Tiles: a block of 128 threads (4 warps) computes 128 rows x BN columns
 // (BN = 32 or 64) in steps of 32 along K, warp w owning rows 32w..32w+31
-// (mma.sync m16n8k16, f16 operands, f32 accumulators). The tiles of a step
-// go from global to shared memory by cp.async (16 bytes a copy, zeros for
+// (mma.sync m16n8k16, f16 or bf16 operands by the module's format, f32
+// accumulators). The tiles of a step go from global to shared memory by cp.async (16 bytes a copy, zeros for
 // padding and edges, no registers on the way) into one of three stages, so
 // two steps' loads are in flight while the warps multiply a third; one
 // barrier a step. The warps read their fragments with ldmatrix (one
@@ -39,8 +39,8 @@
 // different 16-byte bank groups. The output tile goes out through the
 // stages' shared memory, a row at a time in 16-byte stores.
 //
-// Needs: f16, channels of the gathered tensor % 8 == 0 (a vector stays in
-// one tap), output columns % 8 == 0, whole tensors (256-byte aligned), and
+// Needs: 2-byte storage (f16 or bf16), channels of the gathered tensor
+// % 8 == 0 (a vector stays in one tap), output columns % 8 == 0, whole tensors (256-byte aligned), and
 // sm_80 or newer for mma.m16n8k16 and cp.async (the host checks all of
 // these and uses im2col otherwise). Memory: at most 45 KiB of static shared
 // memory per block (three stages); the only device memory besides the
@@ -117,7 +117,11 @@ struct alignas(16) ImplicitStage {
 __device__ __forceinline__ void hr_mma_16816(float d[4], const u32 a[4], const u32 b[2]) {
 #if __CUDA_ARCH__ >= 800
     asm volatile(
+#ifdef HR_BF16
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+#else
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+#endif
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
@@ -136,7 +140,7 @@ __device__ __forceinline__ float hr_fragment_half(const u64* regs, u32 lane, u32
 }
 
 __device__ __forceinline__ void hr_mma_16816(float d[4], const u32 a[4], const u32 b[2]) {
-    ::hr_emu::require_arch(80, "mma.sync.m16n8k16 with f16 operands");
+    ::hr_emu::require_arch(80, "mma.sync.m16n8k16 with f16 or bf16 operands");
     u64 a01[32], a23[32], bb[32];
     unsigned int lane = 0;
     ::hr_emu::warp_exchange((u64)a[0] | (u64)a[1] << 32, a01, &lane);
