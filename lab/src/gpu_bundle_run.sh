@@ -623,7 +623,7 @@ report["whole_job_seconds"] = {
     "headroom_implicit_gemm": wall(read("train-implicit-gemm.log")),
     "headroom_im2col": wall(read("train-im2col.log")),
 }
-for name in ("train-no-amp", "train-auto", "train-implicit-gemm", "train-im2col"):
+for name in ("train-no-amp", "train-bf16", "train-auto", "train-implicit-gemm", "train-im2col"):
     found = re.findall(r"test accuracy\s+([0-9.]+)%", read(name + ".log"))
     if found:
         report[name + "_test_accuracy_percent"] = float(found[-1])
@@ -689,7 +689,7 @@ jobs = report["whole_job_seconds"]
 lines += ["", "whole default job, wall seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in jobs.items() if v is not None)]
 if isinstance(report.get("torch_job"), dict):
     lines += [f'pytorch test accuracy {100 * report["torch_job"]["test_accuracy"]:.2f}%']
-for name in ("train-no-amp", "train-auto", "train-implicit-gemm", "train-im2col"):
+for name in ("train-no-amp", "train-bf16", "train-auto", "train-implicit-gemm", "train-im2col"):
     if name + "_test_accuracy_percent" in report:
         lines += [f"{name} test accuracy {report[name + '_test_accuracy_percent']:.2f}%"]
 if "mlp_silu_one_epoch" in report:
@@ -715,6 +715,7 @@ if "ncu kernels:" in ncu:
     lines += ["", ncu[ncu.index("ncu kernels:"):].strip()]
 for name, what in (("bench-no-graphs", "without CUDA graphs (device.graphs=false)"),
                    ("bench-keep-outputs", "keeping batch norm + ReLU and block outputs (device.recompute=false)"),
+                   ("bench-bf16", "bf16 activations and compute weights (device.precision=bf16) against the bench step's f16"),
                    ("bench-workspace-64", "with a 64 MiB im2col workspace (device.conv_workspace=64MiB)"),
                    ("bench-workspace-4", "with a 4 MiB im2col workspace (device.conv_workspace=4MiB)"),
                    ("bench-torch-graphs", "beside PyTorch with CUDA graphs (torch.compile mode=\"reduce-overhead\")"),
@@ -810,6 +811,10 @@ torch_step bench bench-torch-graphs hr bench --device cuda --compare-torch \
 step train train-auto train_on_auto
 step train train-no-amp hr train --no-install --set device.kind=cuda --no-amp \
     --set train.epochs=1 --set "run.output_dir=$WORK/default-no-amp"
+# bf16 (device.precision = "bf16": bf16 activations, f32 masters, no loss
+# scaling) must learn as f16 does; bench-bf16 (below) times its step.
+step train train-bf16 hr train --no-install --set device.kind=cuda --set device.precision=bf16 \
+    --set train.epochs=1 --set "run.output_dir=$WORK/default-bf16"
 step train train-host-data hr train --no-install --set device.kind=cuda \
     --set data.on_device=false --set "run.output_dir=$WORK/default-host-data"
 step oom oom-budget-reactive hr train --no-install --set device.kind=cuda --set run.profile=none \
@@ -817,7 +822,7 @@ step oom oom-budget-reactive hr train --no-install --set device.kind=cuda --set 
     --set data.train_samples=8192 --set "run.output_dir=$WORK/oom-budget-reactive"
 
 # 8. What the step's choices cost or give: CUDA graphs off, outputs kept
-# instead of recomputed, and our tensor-core convolution (conv_mma.cu)
+# instead of recomputed, bf16 storage, and our tensor-core convolution (conv_mma.cu)
 # against im2col + cuBLAS, layer by layer (bench-profile: the default's
 # layers, a few seconds where the bench step with PyTorch takes minutes);
 # bench-tune times each convolution's products both ways on this GPU and
@@ -825,6 +830,9 @@ step oom oom-budget-reactive hr train --no-install --set device.kind=cuda --set 
 # the figures to set auto's rule by.
 step bench bench-no-graphs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.graphs=false
 step bench bench-keep-outputs hr bench --device cuda "${BENCH_ARGS[@]}" --set device.recompute=false
+# bf16 against the bench step's f16: which is the faster on this GPU (the
+# default is to be the faster of the two, measured).
+step bench bench-bf16 hr bench --device cuda "${BENCH_ARGS[@]}" --set device.precision=bf16
 step bench bench-profile hr bench --device cuda --profile "${BENCH_ARGS[@]}"
 step bench bench-implicit-gemm hr bench --device cuda --profile "${BENCH_ARGS[@]}" \
     --set device.conv_algorithm=implicit_gemm

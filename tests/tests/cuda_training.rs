@@ -290,6 +290,73 @@ fn an_f32_run_on_the_gpu_path_trains_as_the_cpu_run_does() {
     assert!((ga - ca).abs() <= 2.0 / 64.0, "accuracy {ga} vs {ca}");
 }
 
+/// One epoch of the smoke experiment on the GPU path with `precision`
+/// (`device.precision`), no crop padding: its summary and run directory.
+fn precision_smoke_run(
+    data: &std::path::Path,
+    kind: &str,
+    precision: &str,
+) -> (headroom_pipeline::RunSummary, tempfile::TempDir) {
+    let out = tempfile::tempdir().unwrap();
+    let device = format!("device.kind={kind}");
+    let precision = format!("device.precision={precision}");
+    let sets = [
+        device.as_str(),
+        precision.as_str(),
+        "train.epochs=1",
+        "augment.crop_padding=0",
+    ];
+    let config = smoke_config(data, out.path(), &sets);
+    let summary = train(&config, &TrainOptions::default()).unwrap();
+    (summary, out)
+}
+
+/// `device.precision = "bf16"` on the GPU path: bf16 activations and
+/// compute weights over f32 masters, no loss scale (none in the
+/// checkpoint, where f16's runs keep one), and training near the CPU's f32
+/// run of the same experiment (the bf16 storage itself is checked against
+/// the CPU in cuda_parity's bf16 tests); beside `device.amp = false` it is
+/// refused, naming both keys.
+#[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
+fn a_bf16_run_on_the_gpu_path_trains_near_the_cpu_run_without_loss_scaling() {
+    if !cuda_path_available("cuda_training") {
+        return;
+    }
+    let data = tempfile::tempdir().unwrap();
+    write_synthetic_fashion_mnist(data.path(), 256, 64);
+    let (bf16, bf16_dir) = precision_smoke_run(data.path(), "cuda", "bf16");
+    let (cpu, cpu_dir) = precision_smoke_run(data.path(), "cpu", "f32");
+    assert_eq!((bf16.step, cpu.step), (8, 8));
+    let files = checkpoint::list(bf16_dir.path()).unwrap();
+    let saved = checkpoint::load(files.last().unwrap()).unwrap();
+    // f16's runs keep one (a_run_on_the_gpu_path_trains_checkpoints_...).
+    assert!(saved.loss_scale.is_none(), "bf16 has no loss scale");
+    // 2.3e-3 on the emulator (f16's run: 1.0e-3).
+    let apart = weights_apart(bf16_dir.path(), cpu_dir.path());
+    assert!(apart < 2e-2, "bf16 and CPU weights differ by {apart}");
+    let (ba, ca) = (bf16.test_accuracy.unwrap(), cpu.test_accuracy.unwrap());
+    assert!((ba - ca).abs() <= 4.0 / 64.0, "accuracy {ba} vs {ca}");
+
+    let out = tempfile::tempdir().unwrap();
+    let sets = [
+        "device.kind=cuda",
+        "device.amp=false",
+        "device.precision=bf16",
+    ];
+    let config = smoke_config(data.path(), out.path(), &sets);
+    let err = train(&config, &TrainOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("device.precision") && err.contains("device.amp"),
+        "{err}"
+    );
+}
+
 /// The SiLU MLP experiment (`experiments/mlp_silu.toml`, its low-memory
 /// profile included) on the GPU path: flatten, linear and SiLU layers on
 /// the device, in f32 ending within 1e-3 (relative L2) of the CPU run's

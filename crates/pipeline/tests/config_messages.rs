@@ -192,3 +192,39 @@ fn word_settings_name_the_key_and_every_word_they_take() {
     assert_eq!(flat["data.format"], "\"idx\"");
     assert_eq!(flat["run.profile"], "\"auto\"");
 }
+
+/// `device.precision` and `device.amp`: unset, `amp` decides (f16 or
+/// f32); set, it wins, except that `amp = false` (`--no-amp`) accepts only
+/// "f32"; an unknown word names the three; unset, it is not recorded.
+#[test]
+fn the_gpu_precision_follows_device_precision_then_amp() {
+    use headroom_pipeline::device::Precision;
+    let precision = |sets: &[&str]| load(sets).unwrap().device.precision();
+    assert_eq!(precision(&[]).unwrap(), Precision::F16);
+    assert_eq!(precision(&["device.amp=false"]).unwrap(), Precision::F32);
+    assert_eq!(
+        precision(&["device.precision=bf16"]).unwrap(),
+        Precision::Bf16
+    );
+    assert_eq!(
+        precision(&["device.precision=f32"]).unwrap(),
+        Precision::F32
+    );
+    assert_eq!(
+        precision(&["device.amp=false", "device.precision=f32"]).unwrap(),
+        Precision::F32
+    );
+    let err = precision(&["device.amp=false", "device.precision=bf16"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("device.precision") && err.contains("device.amp = false"),
+        "{err}"
+    );
+    let err = load(&["device.precision=f8"]).unwrap_err();
+    assert!(err.contains("\"f16\", \"bf16\" or \"f32\""), "{err}");
+    let recorded = toml::to_string(&load(&[]).unwrap()).unwrap();
+    assert!(!recorded.contains("precision"), "{recorded}");
+    let recorded = toml::to_string(&load(&["device.precision=bf16"]).unwrap()).unwrap();
+    assert!(recorded.contains("precision = \"bf16\""), "{recorded}");
+}

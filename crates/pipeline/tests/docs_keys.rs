@@ -29,6 +29,8 @@ fn keys_in_code() -> BTreeSet<String> {
             "distributed.timeout_s=60",
             // Left out when off.
             "train.shard_optimizer=true",
+            // Left out when unset.
+            "device.precision=bf16",
         ],
         &[
             "augment.rand_augment.num_ops=2",

@@ -250,7 +250,7 @@ fn bf16_networks_match_the_cpu_network_within_bf16_rounding() {
                 _ => assert_eq!(ran, 0, "{what}: implicit GEMM under im2col"),
             }
         }
-        let (f16_outputs, f16_grads) = run_on(&be, spec, *algorithm, &batches, &grad_logits);
+        let (f16_outputs, _) = run_on(&be, spec, *algorithm, &batches, &grad_logits);
         // The UNet's batch norm backward magnifies rounding (as in f16's
         // test of these networks).
         let grad_tolerance = if what.ends_with('3') { 0.8 } else { 0.25 };
@@ -275,5 +275,68 @@ fn bf16_networks_match_the_cpu_network_within_bf16_rounding() {
             bf16_error > 2.0 * f16_error,
             "{what}: bf16's output error {bf16_error:e} is not above twice f16's {f16_error:e}"
         );
+    }
+}
+
+/// The fused AdamW on a bf16 backend: the masters stay f32 (the
+/// reference's to f32 rounding), every compute copy is its master rounded
+/// to bf16 after each step, the loss scale stays 1 (`LossScalerConfig::unit`,
+/// the bf16 recipe's), and an update that takes weights past f16's range
+/// (65504) is applied, where an f16 copy would refuse it.
+#[test]
+#[cfg_attr(
+    not(headroom_nvrtc),
+    ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
+)]
+fn bf16_adamw_writes_bf16_copies_and_applies_updates_past_f16_s_range() {
+    let be = gpu_or_skip!();
+    let Some(bf16) = bf16_backend(&be) else {
+        return;
+    };
+    let values = random_vec(1000, 1630, 0.5);
+    let mut groups = vec![ParamGroup::from_host(&bf16, true, &values, DType::F16).unwrap()];
+    let unit = LossScalerConfig::unit();
+    let mut opt = FusedAdamW::new(&bf16, AdamWConfig::default(), unit, &groups).unwrap();
+    let copies_are_bf16 = |groups: &[ParamGroup], what: &str| {
+        let master = groups[0].read_master(&bf16).unwrap();
+        let compute = groups[0].read_compute(&bf16).unwrap();
+        let rounded = |w: f32| HalfFormat::Bf16.round(w);
+        assert!(
+            compute
+                .iter()
+                .zip(&master)
+                .all(|(&c, &w)| c.to_bits() == rounded(w).to_bits()),
+            "{what}: a compute copy is not its master in bf16"
+        );
+        assert!(
+            master
+                .iter()
+                .any(|&w| HalfFormat::F16.round(w) != rounded(w)),
+            "{what}: f16 and bf16 copies would agree everywhere (nothing tested)"
+        );
+        master
+    };
+    copies_are_bf16(&groups, "at start");
+    for (t, lr) in [(0u64, 1e-2f32), (1, 1e5)] {
+        let grads = random_vec(1000, 1640 + t, 0.2);
+        bf16.compute_stream()
+            .memcpy_htod(&grads, &mut groups[0].grad.slice)
+            .unwrap();
+        opt.step(&bf16, &mut groups, t, lr, 0.0, true).unwrap();
+        let state = opt.read_state(&bf16).unwrap();
+        let what = format!("step {t} at lr {lr}");
+        assert_eq!(
+            (state.update_overflow, state.skipped, state.applied),
+            (0, 0, t + 1),
+            "{what}: applied"
+        );
+        assert_eq!(state.next_scale, 1.0, "{what}: no loss scaling");
+        let master = copies_are_bf16(&groups, &what);
+        if lr > 1.0 {
+            assert!(
+                master.iter().all(|w| w.is_finite()) && master.iter().any(|w| w.abs() > 65_504.0),
+                "{what}: finite weights beyond f16's range"
+            );
+        }
     }
 }

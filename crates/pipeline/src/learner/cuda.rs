@@ -55,9 +55,9 @@ use std::collections::VecDeque;
 use headroom_loader::{Batch, Dataset, SampleRecipe};
 use headroom_model::cuda::ops::TunedConv;
 use headroom_model::cuda::{
-    ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, CudaTensor, DType, DeviceBuffer, HalfFormat,
-    DeviceInfo, InputStaging, Normalization, ProfileSegment, ResidentImages, StagedBatch,
-    StateList, StatePiece, StepRecords, MAX_IN_FLIGHT,
+    ops, CudaBackend, CudaBuildOptions, CudaError, CudaNetwork, CudaTensor, DType, DeviceBuffer,
+    DeviceInfo, HalfFormat, InputStaging, Normalization, ProfileSegment, ResidentImages,
+    StagedBatch, StateList, StatePiece, StepRecords, MAX_IN_FLIGHT,
 };
 use headroom_model::loss::pixel_mse_u8;
 use headroom_model::memory::{try_zeroed, MemoryPool};
