@@ -66,6 +66,7 @@ use headroom_optim::{FusedAdamW, LossScalerConfig, LossScalerState};
 
 mod graph;
 mod ranks;
+mod setup;
 
 pub use ranks::NcclTransport;
 
@@ -76,7 +77,6 @@ use super::{
     StateWriter, StepLr, StepResult, StepSettings,
 };
 use crate::{PipelineError, Result};
-use headroom_model::memory::bytes_text;
 
 /// GPU-specific settings.
 #[derive(Clone, Debug)]
@@ -180,43 +180,8 @@ impl CudaLearner {
         batch_size: usize,
         options: CudaOptions,
     ) -> Result<Self> {
-        if options.half != be.half() {
-            return Err(PipelineError::value(
-                "device.precision",
-                format!(
-                    "the learner stores {} but its backend was opened for {} \
-                     (CudaBackend::with_half)",
-                    options.half,
-                    be.half()
-                ),
-            ));
-        }
-        let storage = match options.build.activations {
-            DType::F16 => be.half().name(),
-            DType::F32 => "f32",
-        };
-        tracing::info!("GPU storage: {storage} activations and compute weights, f32 masters");
-        // Without a budget, 90% of what was free at start: the policy then
-        // adapts before the driver refuses (which is handled too).
-        let limit = options
-            .memory_limit
-            .or_else(|| Some(be.info().free_memory / 10 * 9).filter(|&b| b > 0));
-        match (options.memory_limit, limit) {
-            (Some(set), _) => {
-                tracing::info!(
-                    "GPU tensor budget {} (device.memory_limit)",
-                    bytes_text(set)
-                )
-            }
-            (None, Some(budget)) => tracing::info!(
-                "GPU tensor budget {}: 90% of the {} free at start",
-                bytes_text(budget),
-                bytes_text(be.info().free_memory)
-            ),
-            (None, None) => {
-                tracing::warn!("the GPU reports no free memory: tensor memory is unbounded")
-            }
-        }
+        setup::check_storage(&be, &options)?;
+        let limit = setup::tensor_budget(&be, options.memory_limit);
         cuda(be.set_memory_limit(limit))?;
         let mut network = CudaNetwork::from_cpu(&be, cpu, options.build)?;
         let staging = staging_for(&be, network.spec(), batch_size)?;
