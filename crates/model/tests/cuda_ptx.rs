@@ -22,7 +22,7 @@
 //! is built as ignored, with the install command as its reason.
 
 use std::io::Write as _;
-use std::sync::Once;
+use std::sync::{Once, OnceLock};
 
 use headroom_model::cuda::kernels::{self, KernelFile, KernelSig, Target};
 use headroom_model::cuda::{arch, libs, HalfFormat, MAX_BLOCK_THREADS};
@@ -204,8 +204,7 @@ fn every_kernel_compiles_to_ptx_for_each_architecture_with_matching_signatures()
 /// kernel file compiles to a CUBIN for sm_80, the oldest GPU with bf16
 /// (sm_86, 89 and 90 have its instructions; the parity binary's bf16 tests
 /// compile the files they use for sm_90 when CI runs it as sm_90), that
-/// carries the format's marker symbol,
-/// which the f16 build lacks; the convolutions' tensor-core product is the
+/// carries the format's marker symbol, which the f16 build lacks; the convolutions' tensor-core product is the
 /// bf16 `mma` and the conversions are bf16's `cvt`, f16's in the f16 build.
 #[test]
 #[cfg_attr(
@@ -219,16 +218,14 @@ fn every_kernel_compiles_for_bf16_on_sm_80_and_newer_with_bf16_instructions() {
     let marker: &[u8] = b"headroom_half_format_bf16";
     let has = |image: &[u8]| image.windows(marker.len()).any(|w| w == marker);
     for file in kernels::FILES {
-        for arch in [80, 90] {
-            let cubin = kernels::compile_half(file, Target::Cubin(arch), HalfFormat::Bf16)
-                .unwrap_or_else(|e| panic!("{e}"));
-            assert_eq!(cubin_sm(&cubin), Some(arch), "{}.cu bf16", file.name);
-            assert!(
-                has(&cubin),
-                "{}.cu: the bf16 CUBIN lacks its marker",
-                file.name
-            );
-        }
+        let cubin = kernels::compile_half(file, Target::Cubin(80), HalfFormat::Bf16)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(cubin_sm(&cubin), Some(80), "{}.cu bf16", file.name);
+        assert!(
+            has(&cubin),
+            "{}.cu: the bf16 CUBIN lacks its marker",
+            file.name
+        );
     }
     let f16 = kernels::compile(file_named("cast"), Target::Cubin(80)).unwrap();
     assert!(!has(&f16), "the f16 CUBIN carries bf16's marker");
@@ -254,28 +251,43 @@ fn every_kernel_compiles_to_cubin_for_each_architecture() {
     if nvrtc().is_none() {
         return;
     }
-    for file in kernels::FILES {
-        for arch in ARCHS {
-            let cubin =
-                kernels::compile(file, Target::Cubin(arch)).unwrap_or_else(|e| panic!("{e}"));
-            assert!(
-                cubin.starts_with(b"\x7fELF"),
-                "{}.cu: the CUBIN for sm_{arch} is not an ELF image",
-                file.name
-            );
-            assert_eq!(
-                cubin_sm(&cubin),
-                Some(arch),
-                "{}.cu: the CUBIN's ELF header names another architecture",
-                file.name
-            );
-        }
+    for (file, arch, (cubin, _)) in cubin_reports() {
+        assert!(
+            cubin.starts_with(b"\x7fELF"),
+            "{}.cu: the CUBIN for sm_{arch} is not an ELF image",
+            file.name
+        );
+        assert_eq!(
+            cubin_sm(cubin),
+            Some(*arch),
+            "{}.cu: the CUBIN's ELF header names another architecture",
+            file.name
+        );
     }
 }
 
-/// The SM a CUBIN is for, from its ELF header: e_flags' low byte in the
-/// format of CUDA 12 and older (ELF ABI version 7), bits 8..15 in CUDA 13's
-/// (ABI version 8), as NVRTC 12.9 and 13.5 write them.
+/// A kernel file, an architecture, and its CUBIN with ptxas's log.
+type CubinReport = (&'static KernelFile, u32, (Vec<u8>, String));
+
+/// Every kernel file compiled to a CUBIN for each architecture, with
+/// ptxas's report (`kernels::cubin_with_report`, a fresh compile each), once
+/// per process: the CUBIN test and the spill test read the same compiles
+/// (each sweep is about a minute on two cores).
+fn cubin_reports() -> &'static [CubinReport] {
+    static REPORTS: OnceLock<Vec<CubinReport>> = OnceLock::new();
+    REPORTS.get_or_init(|| {
+        let mut reports = Vec::new();
+        for file in kernels::FILES {
+            for arch in ARCHS {
+                let report =
+                    kernels::cubin_with_report(file, arch).unwrap_or_else(|e| panic!("{e}"));
+                reports.push((file, arch, report));
+            }
+        }
+        reports
+    })
+}
+
 /// The kernel file `name`.cu.
 fn file_named(name: &str) -> &'static KernelFile {
     kernels::FILES
@@ -384,27 +396,24 @@ fn no_kernel_spills_registers_and_each_fits_the_widest_block() {
     if nvrtc().is_none() {
         return;
     }
-    for file in kernels::FILES {
-        for arch in ARCHS {
-            let log = kernels::ptxas_report(file, arch).unwrap_or_else(|e| panic!("{e}"));
-            let usage = ptxas_usage(&log);
-            assert_eq!(
-                usage.len(),
-                file.kernels.len(),
-                "{}.cu sm_{arch}: ptxas reported {} entry points, kernels.rs lists {}:\n{log}",
-                file.name,
-                usage.len(),
-                file.kernels.len()
+    for (file, arch, (_, log)) in cubin_reports() {
+        let usage = ptxas_usage(log);
+        assert_eq!(
+            usage.len(),
+            file.kernels.len(),
+            "{}.cu sm_{arch}: ptxas reported {} entry points, kernels.rs lists {}:\n{log}",
+            file.name,
+            usage.len(),
+            file.kernels.len()
+        );
+        for (name, registers, spilled, shared) in usage {
+            eprintln!("sm_{arch} {name}: {registers} registers, {shared} B shared");
+            assert!(registers > 0, "{name}: no register count in\n{log}");
+            assert_eq!(spilled, 0, "{name} (sm_{arch}) spills registers:\n{log}");
+            assert!(
+                registers * MAX_BLOCK_THREADS <= 65_536 && shared <= 48 * 1024,
+                "{name} (sm_{arch}): {registers} registers, {shared} B shared"
             );
-            for (name, registers, spilled, shared) in usage {
-                eprintln!("sm_{arch} {name}: {registers} registers, {shared} B shared");
-                assert!(registers > 0, "{name}: no register count in\n{log}");
-                assert_eq!(spilled, 0, "{name} (sm_{arch}) spills registers:\n{log}");
-                assert!(
-                    registers * MAX_BLOCK_THREADS <= 65_536 && shared <= 48 * 1024,
-                    "{name} (sm_{arch}): {registers} registers, {shared} B shared"
-                );
-            }
         }
     }
 }

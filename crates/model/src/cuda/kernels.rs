@@ -675,12 +675,17 @@ fn program_log(program: &Program) -> String {
 /// (`--ptxas-options=-v`: registers, shared memory, spill bytes), as its
 /// log text.
 ///
-///
 /// NVRTC 12.9 and newer keep a cache of their own, which a macro on the
 /// command line does not miss: a second run found every program there and
 /// ptxas, never run, wrote no report. So each report compiles a source
 /// that differs from every other, by one global variable no kernel reads.
 pub fn ptxas_report(file: &KernelFile, arch: u32) -> CudaResult<String> {
+    cubin_with_report(file, arch).map(|(_, log)| log)
+}
+
+/// `file` compiled to a CUBIN for `sm_{arch}` with ptxas's report (as
+/// `ptxas_report`): the image and the log of one compile.
+pub fn cubin_with_report(file: &KernelFile, arch: u32) -> CudaResult<(Vec<u8>, String)> {
     static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -690,8 +695,10 @@ pub fn ptxas_report(file: &KernelFile, arch: u32) -> CudaResult<String> {
         "\n__device__ int headroom_ptxas_report_{}_{nanos}_{call};\n",
         std::process::id()
     );
-    let program = compiled_with(file, &fresh, Target::Cubin(arch), &["--ptxas-options=-v"])?;
-    Ok(program_log(&program))
+    let target = Target::Cubin(arch);
+    let program = compiled_with(file, &fresh, target, &["--ptxas-options=-v"])?;
+    let log = program_log(&program);
+    Ok((image_of(&program, target)?, log))
 }
 
 /// Compiles `file` for `target` with NVRTC, without the disk cache. Returns
@@ -703,16 +710,23 @@ pub fn compile(file: &KernelFile, target: Target) -> CudaResult<Vec<u8>> {
 /// As `compile`, with the 2-byte storage in `half`'s format.
 pub fn compile_half(file: &KernelFile, target: Target, half: HalfFormat) -> CudaResult<Vec<u8>> {
     let program = compiled(file, target, half.nvrtc_defines())?;
+    image_of(&program, target)
+}
+
+/// The PTX text (without its trailing NUL) or the CUBIN bytes of a
+/// compiled program.
+fn image_of(program: &Program, target: Target) -> CudaResult<Vec<u8>> {
     match target {
         Target::Ptx(_) => {
-            // SAFETY: as above; compiled successfully.
+            // SAFETY: `program` is live (destroyed only by its Drop) and
+            // compiled successfully; the call copies its PTX out.
             let raw =
                 unsafe { nvrtc::get_ptx(program.0) }.map_err(|e| nvrtc_err("nvrtcGetPTX", e))?;
             Ok(c_chars_to_string(&raw).into_bytes())
         }
         Target::Cubin(_) => {
             let mut size = 0usize;
-            // SAFETY: as above; the call writes one usize.
+            // SAFETY: `program` is live and compiled; the call writes one usize.
             unsafe { nvrtc_sys::nvrtcGetCUBINSize(program.0, &mut size) }
                 .result()
                 .map_err(|e| nvrtc_err("nvrtcGetCUBINSize", e))?;
