@@ -122,7 +122,7 @@ pub fn op_paths(arch: u32) -> Vec<OpPath> {
         },
         path(
             "linear",
-            "cuBLAS GEMM (f16 operands, f32 accumulation; f32 with --no-amp)",
+            "cuBLAS GEMM (f16 or bf16 operands, f32 accumulation; f32 with --no-amp)",
         ),
         path(
             "batch_norm",
@@ -152,6 +152,19 @@ pub fn op_paths(arch: u32) -> Vec<OpPath> {
             "step",
             "captured into a CUDA graph and replayed (device.graphs; --no-graphs)",
         ),
+        OpPath {
+            family: "precision",
+            path: if features.mma_bf16 {
+                "f16 with dynamic loss scaling (the default), bf16 (device.precision = \"bf16\": \
+                 bf16 conversions and tensor-core products, no loss scaling) or f32"
+                    .to_string()
+            } else {
+                format!(
+                    "f16 with dynamic loss scaling (the default) or f32; no bf16 (it needs sm_80, \
+                     and this GPU is sm_{arch})"
+                )
+            },
+        },
     ]
 }
 
@@ -229,6 +242,12 @@ mod tests {
             .path
             .starts_with("im2col + cuBLAS (the fallback"));
         assert!(conv(86).unwrap().path.starts_with("implicit GEMM"));
+        let precision = |arch| op_paths(arch).into_iter().find(|p| p.family == "precision");
+        assert!(precision(75).unwrap().path.contains("no bf16"));
+        assert!(precision(80)
+            .unwrap()
+            .path
+            .contains("bf16 (device.precision"));
     }
 
     #[test]
