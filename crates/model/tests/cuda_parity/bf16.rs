@@ -142,8 +142,8 @@ fn l2_error(gpu: &[f32], cpu: &[f32]) -> f64 {
     (num / den.max(f64::MIN_POSITIVE)).sqrt()
 }
 
-/// One network on one backend: two training passes and an eval forward
-/// (`flattening_network_run`), with `algorithm` for its convolutions.
+/// One network on one backend (`network_run_with`): two training passes
+/// and an eval forward, with `algorithm` for its convolutions.
 fn run_on(
     be: &CudaBackend,
     spec: &ModelSpec,
@@ -158,17 +158,9 @@ fn run_on(
         },
         ..CudaBuildOptions::default()
     };
-    let mut net = CudaNetwork::build(be, spec, 9, options).unwrap();
-    let g = CudaTensor::from_tensor(be, grad_logits, DType::F16).unwrap();
-    let mut outputs = Vec::new();
-    for x in batches {
-        let x = CudaTensor::from_tensor(be, x, DType::F16).unwrap();
-        outputs.extend(net.forward_train(be, &x).unwrap().to_host(be).unwrap());
-        net.backward(be, &g).unwrap();
-    }
-    let x = CudaTensor::from_tensor(be, &batches[0], DType::F16).unwrap();
-    outputs.extend(net.forward_eval(be, &x).unwrap().to_host(be).unwrap());
-    (outputs, net.read_grads(be).unwrap())
+    let (outputs, grads, _) =
+        super::network::network_run_with(be, spec, options, batches, grad_logits);
+    (outputs, grads)
 }
 
 /// bf16 networks against the CPU network: outputs within 3.2e-2 (8× f16's

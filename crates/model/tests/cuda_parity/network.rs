@@ -361,6 +361,18 @@ pub(crate) fn flattening_network_run(
         activations: dtype,
         ..CudaBuildOptions::default()
     };
+    network_run_with(be, spec, options, batches, grad_logits)
+}
+
+/// As `flattening_network_run`, built with `options`.
+pub(crate) fn network_run_with(
+    be: &CudaBackend,
+    spec: &ModelSpec,
+    options: CudaBuildOptions,
+    batches: &[Tensor],
+    grad_logits: &Tensor,
+) -> (Vec<f32>, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let dtype = options.activations;
     let mut net = CudaNetwork::build(be, spec, 9, options).unwrap();
     let g = CudaTensor::from_tensor(be, grad_logits, dtype).unwrap();
     let mut logits = Vec::new();
