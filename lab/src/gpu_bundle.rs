@@ -438,13 +438,17 @@ fn emulated_run(
             "HEADROOM_SETS",
             "--set data.train_samples=128 --set data.test_samples=32 --set checkpoint.every_steps=2",
         )
+        // The emulator runs the transformer and the UNet-ConvLSTM at a
+        // sample or a few a second at their experiments' sizes: 16-token
+        // windows and 32-pixel frames keep each of those jobs to seconds
+        // (the same layers and kernels, fewer positions).
         .env(
             "GPT_SETS",
-            "--set data.train_samples=32 --set data.test_samples=8 --set text.sample_bytes=16",
+            "--set data.train_samples=32 --set data.test_samples=8 --set text.sample_bytes=16 --set model.tokens.length=16",
         )
         .env(
             "FRAMES_SETS",
-            "--set model.frames=4 --set frames.train_sequences=16 --set frames.test_sequences=8",
+            "--set model.frames=4 --set frames.train_sequences=16 --set frames.test_sequences=8 --set frames.size=32 --set model.input=[32,32,1]",
         )
         .env("OOM_BUDGET", "6MiB")
         .env("BENCH_ARGS", "--batch 8,16 --warmup 1 --steps 1")

@@ -38,8 +38,9 @@
 # overrides added last to every new job), OOM_BUDGET (the oom-budget step's
 # device.memory_limit; 40MiB), BENCH_ARGS (`--steps 50`), MODEL_BENCH_ARGS
 # (the other trainers' bench steps; `--batch 32 --steps 50`), and GPT_SETS
-# and FRAMES_SETS (overrides after HEADROOM_SETS for the train-gpt and
-# train-frames steps' jobs; FRAMES_SETS also for the conv_lstm benches).
+# and FRAMES_SETS (overrides after HEADROOM_SETS for the text and frame
+# models' jobs: the train-gpt, train-frames and small-gpu steps' and their
+# bench steps').
 set -u
 cd "$(dirname "$0")"
 BUNDLE=$PWD
@@ -106,8 +107,16 @@ step() {
     [ "$limit" -le "$((left - 10))" ] || limit=$((left - 10))
     local started=$SECONDS
     echo "== $name (at most $limit s): $*"
-    timeout -k 10 "$limit" bash -c '"$@"' "$name" "$@" > "$WORK/$name.log" 2>&1
+    # timeout runs the step in a process group of its own (its pid). Its
+    # TERM at the limit stops the step's shell, and timeout then exits
+    # without the KILL, while a job the shell started may still be
+    # stopping or hung, holding the GPU through the next steps: whatever
+    # of the group outlives the step is killed.
+    timeout -k 10 "$limit" bash -c '"$@"' "$name" "$@" > "$WORK/$name.log" 2>&1 &
+    local pgid=$!
+    wait "$pgid"
     local rc=$?
+    kill -KILL -- "-$pgid" 2>/dev/null
     record "$name" "$rc" "$((SECONDS - started))"
     echo "   exit $rc after $((SECONDS - started)) s"
 }
@@ -208,10 +217,12 @@ train_frames() {
 bench_model() {
     local args frames
     read -r -a args <<< "$MODEL_BENCH_ARGS"
-    if [ "$1" = conv_lstm ] && [ -n "${FRAMES_SETS:-}" ]; then
-        read -r -a frames <<< "$FRAMES_SETS"
-        args+=("${frames[@]}")
-    fi
+    case $1 in
+        conv_lstm) read -r -a frames <<< "${FRAMES_SETS:-}" ;;
+        char_lm | tiny_gpt | lora*) read -r -a frames <<< "${GPT_SETS:-}" ;;
+        *) frames=() ;;
+    esac
+    args+=("${frames[@]}")
     if torch_cuda; then args+=(--compare-torch); fi
     EXPERIMENT=experiments/$1.toml hr bench --device cuda --profile "${args[@]}" "${@:2}" \
         --json-out "$WORK/bench-$1${2:+-variant}.json"
