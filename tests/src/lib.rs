@@ -147,9 +147,7 @@ fn env_is_1(name: &str) -> bool {
 /// run at all: this skip is for a binary built expecting NVRTC.
 pub fn cuda_path_available(test: &str) -> bool {
     static SKIP: Once = Once::new();
-    if !env_is_1("HEADROOM_REQUIRE_GPU")
-        && (env_is_1("HEADROOM_CUDA_EMULATE") || !headroom_cuda_emu::real_gpu_present())
-    {
+    if cuda_path_is_emulated() {
         if let Err(e) = headroom_cuda_emu::install_with_widest_block(MAX_BLOCK_THREADS) {
             panic!("the CUDA emulator is unavailable: {e}");
         }
@@ -166,6 +164,27 @@ pub fn cuda_path_available(test: &str) -> bool {
             false
         }
         Err(e) => panic!("HEADROOM_REQUIRE_NVRTC=1 but {e}"),
+    }
+}
+
+/// Whether [`cuda_path_available`] gives the CPU emulator of CUDA, not a GPU.
+pub fn cuda_path_is_emulated() -> bool {
+    !env_is_1("HEADROOM_REQUIRE_GPU")
+        && (env_is_1("HEADROOM_CUDA_EMULATE") || !headroom_cuda_emu::real_gpu_present())
+}
+
+/// The `device.conv_algorithm` override of a CUDA training test whose claim
+/// is not about the convolutions (where the data lives, a budget's split):
+/// `im2col` on the emulator, which runs the tensor cores' implicit GEMM
+/// (every lane's fragments exchanged across its warp) about ten times
+/// slower than im2col + cuBLAS, and the default on a GPU, so that there
+/// the test takes the path users get. cuda_parity proves the implicit
+/// GEMM kernels on the emulator, and the tests of the default path and of
+/// `tune` train through them.
+pub fn conv_setting_unless_emulated() -> &'static str {
+    match cuda_path_is_emulated() {
+        true => "device.conv_algorithm=im2col",
+        false => "device.conv_algorithm=auto",
     }
 }
 

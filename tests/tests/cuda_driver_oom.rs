@@ -1,5 +1,5 @@
 //! The driver itself out of memory (another process holding the GPU, say):
-//! the emulated device is given 12 MiB (HEADROOM_CUDA_EMU_MEMORY, read once
+//! the emulated device is given 10 MiB (HEADROOM_CUDA_EMU_MEMORY, read once
 //! per process: hence a test binary of its own) and the budget is set far
 //! above that, so every refusal comes from the driver. The run must handle
 //! it as it handles the budget's (release the cache, split the batch) and
@@ -27,13 +27,13 @@ headroom_tests::report_nvrtc_tests!("cuda_driver_oom", include_str!("cuda_driver
     ignore = "NVRTC not found: python3 -m pip install nvidia-cuda-nvrtc"
 )]
 fn a_driver_out_of_memory_splits_the_batch_and_the_run_finishes() {
-    std::env::set_var("HEADROOM_CUDA_EMU_MEMORY", (12u64 << 20).to_string());
+    std::env::set_var("HEADROOM_CUDA_EMU_MEMORY", (10u64 << 20).to_string());
     if !emulator_forced("cuda_driver_oom") {
         return;
     }
     let data = tempfile::tempdir().unwrap();
     // One batch: its split under the driver's refusals is the claim.
-    write_synthetic_fashion_mnist(data.path(), 256, 64);
+    write_synthetic_fashion_mnist(data.path(), 128, 64);
     // "tune" times its products both ways on the first step of each shape,
     // the refusals among them: the run must still split and finish.
     for algorithm in ["auto", "tune"] {
@@ -47,22 +47,22 @@ fn a_driver_out_of_memory_splits_the_batch_and_the_run_finishes() {
                 "device.memory_limit=1GiB",
                 "run.profile=none",
                 "train.epochs=1",
-                "train.batch_size=256",
+                "train.batch_size=128",
                 &setting,
             ],
         );
         let summary = train(&config, &TrainOptions::default()).unwrap();
-        assert_eq!(summary.step, 1, "256 samples in a batch of 256");
+        assert_eq!(summary.step, 1, "128 samples in a batch of 128");
         assert!(
             summary.oom_events > 0,
-            "{algorithm}: the 12 MiB device never refused"
+            "{algorithm}: the 10 MiB device never refused"
         );
         assert!(
-            summary.micro_batch < 256,
+            summary.micro_batch < 128,
             "{algorithm}: the batch was not split: micro-batch {}",
             summary.micro_batch
         );
         assert!(summary.test_accuracy.is_some());
-        assert!(summary.memory.peak_in_use_bytes < 12 << 20);
+        assert!(summary.memory.peak_in_use_bytes < 10 << 20);
     }
 }

@@ -8,7 +8,9 @@
 
 use headroom_model::cuda::{blas_workspace_bytes, CudaBackend};
 use headroom_pipeline::{checkpoint, train, ExperimentConfig, Overrides, Resume, TrainOptions};
-use headroom_tests::{cuda_path_available, smoke_config, write_synthetic_fashion_mnist};
+use headroom_tests::{
+    conv_setting_unless_emulated, cuda_path_available, smoke_config, write_synthetic_fashion_mnist,
+};
 
 headroom_tests::report_nvrtc_tests!("cuda_training", include_str!("cuda_training.rs"));
 
@@ -110,6 +112,7 @@ fn data_held_on_the_device_trains_to_the_bits_of_data_staged_from_the_host() {
                 "train.epochs=1",
                 "augment.crop_padding=2",
                 "augment.flip=true",
+                conv_setting_unless_emulated(),
                 &format!("data.on_device={on_device}"),
                 &format!("device.graphs={graphs}"),
             ],
@@ -200,7 +203,12 @@ fn a_gpu_budget_below_one_step_splits_the_batch_with_the_data_on_the_device() {
     write_synthetic_fashion_mnist(data.path(), 128, 32);
     let run = |extra: &[&str]| {
         let out = tempfile::tempdir().unwrap();
-        let mut sets = vec!["device.kind=cuda", "train.epochs=1", "data.on_device=true"];
+        let mut sets = vec![
+            "device.kind=cuda",
+            "train.epochs=1",
+            "data.on_device=true",
+            conv_setting_unless_emulated(),
+        ];
         sets.extend_from_slice(extra);
         train(
             &smoke_config(data.path(), out.path(), &sets),

@@ -470,36 +470,48 @@ fn im2col(workspace: usize) -> ConvPlan {
     }
 }
 
-/// The peak of a dry-run step of a deeper model on larger images (where the
-/// activations kept through the forward outweigh the rest), then the state
-/// before and after 4 steps of `spec()` with these options.
-fn train_with(recompute: bool, conv: ConvPlan) -> (u64, Vec<u32>, Vec<f32>, Vec<f32>) {
-    let options = CudaOptions {
+/// The options of [`step_peak`] and [`train_with`].
+fn options_with(recompute: bool, conv: ConvPlan) -> CudaOptions {
+    CudaOptions {
         build: CudaBuildOptions {
             recompute,
             conv,
             ..CudaBuildOptions::default()
         },
         ..CudaOptions::default()
-    };
+    }
+}
+
+/// The peak of a dry-run step of a deeper model on larger images (where the
+/// activations kept through the forward outweigh the rest) with these
+/// options. (On the emulator it takes longer than [`train_with`]: a test
+/// that needs no peak does not measure one.)
+fn step_peak(recompute: bool, conv: ConvPlan) -> u64 {
     let mut large = ModelSpec {
         input: [32, 32, 1],
         ..spec()
     };
     large.layers.splice(3..3, vec![LayerSpec::BasicBlock; 4]);
     let be = CudaBackend::new(0).unwrap();
-    let peak = CudaLearner::new(be, &large, 23, settings(), 8, options.clone())
+    let options = options_with(recompute, conv);
+    CudaLearner::new(be, &large, 23, settings(), 8, options)
         .unwrap()
         .measure_step_peak(8)
-        .unwrap();
+        .unwrap()
+}
+
+/// The state before and after 4 steps of `spec()` with these options: the
+/// bits of the end state, and the parameters at the start and the end.
+fn train_with(recompute: bool, conv: ConvPlan) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
     let be = CudaBackend::new(0).unwrap();
+    let options = options_with(recompute, conv);
     let mut learner = CudaLearner::new(be, &spec(), 23, settings(), 8, options).unwrap();
     let start = flat(&learner.snapshot().unwrap().params);
     for i in 0..4 {
         learner.train_batch(&batch(i), 5e-3).unwrap();
     }
     let end = learner.snapshot().unwrap();
-    (peak, bits(&end), start, flat(&end.params))
+    (bits(&end), start, flat(&end.params))
 }
 
 /// `device.recompute` changes what a step keeps, never the bits: steps
@@ -516,8 +528,10 @@ fn train_with(recompute: bool, conv: ConvPlan) -> (u64, Vec<u32>, Vec<f32>, Vec<
 )]
 fn recomputed_outputs_train_to_the_same_bits_and_any_workspace_alike() {
     let Some(_gpu) = backend() else { return };
-    let (kept_peak, kept, start, kept_params) = train_with(false, im2col(64 << 20));
-    let (peak, recomputed, ..) = train_with(true, im2col(64 << 20));
+    let kept_peak = step_peak(false, im2col(64 << 20));
+    let peak = step_peak(true, im2col(64 << 20));
+    let (kept, start, kept_params) = train_with(false, im2col(64 << 20));
+    let (recomputed, ..) = train_with(true, im2col(64 << 20));
     assert!(recomputed == kept, "recomputing trains differently");
     eprintln!("step peak: {peak} bytes recomputing, {kept_peak} keeping");
     assert!(
@@ -543,12 +557,14 @@ fn recomputed_outputs_train_to_the_same_bits_and_any_workspace_alike() {
 )]
 fn implicit_gemm_trains_close_to_im2col_with_a_lower_peak() {
     let Some(_gpu) = backend() else { return };
-    let (peak, _, start, params) = train_with(true, im2col(64 << 20));
+    let peak = step_peak(true, im2col(64 << 20));
+    let (_, start, params) = train_with(true, im2col(64 << 20));
     let implicit = ConvPlan {
         algorithm: ConvAlgorithm::ImplicitGemm,
         workspace: 64 << 20,
     };
-    let (implicit_peak, _, _, implicit_params) = train_with(true, implicit);
+    let implicit_peak = step_peak(true, implicit);
+    let (_, _, implicit_params) = train_with(true, implicit);
     let moved = relative_l2(&params, &start);
     let apart = relative_l2(&implicit_params, &params);
     eprintln!(
@@ -574,14 +590,14 @@ fn implicit_gemm_trains_close_to_im2col_with_a_lower_peak() {
 )]
 fn auto_mixes_the_convolution_algorithms_to_the_same_bits_every_run() {
     let Some(_gpu) = backend() else { return };
-    let (_, im2col_bits, start, params) = train_with(true, im2col(64 << 20));
+    let (im2col_bits, start, params) = train_with(true, im2col(64 << 20));
     let plan = |algorithm| ConvPlan {
         algorithm,
         workspace: 64 << 20,
     };
-    let (_, implicit_bits, _, _) = train_with(true, plan(ConvAlgorithm::ImplicitGemm));
-    let (_, auto_bits, _, auto_params) = train_with(true, plan(ConvAlgorithm::Auto));
-    let (_, again_bits, _, _) = train_with(true, plan(ConvAlgorithm::Auto));
+    let (implicit_bits, ..) = train_with(true, plan(ConvAlgorithm::ImplicitGemm));
+    let (auto_bits, _, auto_params) = train_with(true, plan(ConvAlgorithm::Auto));
+    let (again_bits, ..) = train_with(true, plan(ConvAlgorithm::Auto));
     assert_eq!(auto_bits, again_bits, "two auto runs");
     assert_ne!(auto_bits, im2col_bits, "auto ran no implicit kernel");
     assert_ne!(
