@@ -181,7 +181,7 @@ pub fn cuda_path_is_emulated() -> bool {
 /// the test takes the path users get. cuda_parity proves the implicit
 /// GEMM kernels on the emulator, and the tests of the default path and of
 /// `tune` train through them.
-pub fn conv_setting_unless_emulated() -> &'static str {
+pub fn conv_algorithm_fast_on_the_emulator() -> &'static str {
     match cuda_path_is_emulated() {
         true => "device.conv_algorithm=im2col",
         false => "device.conv_algorithm=auto",

@@ -9,7 +9,8 @@
 use headroom_model::cuda::{blas_workspace_bytes, CudaBackend};
 use headroom_pipeline::{checkpoint, train, ExperimentConfig, Overrides, Resume, TrainOptions};
 use headroom_tests::{
-    conv_setting_unless_emulated, cuda_path_available, smoke_config, write_synthetic_fashion_mnist,
+    conv_algorithm_fast_on_the_emulator, cuda_path_available, smoke_config,
+    write_synthetic_fashion_mnist,
 };
 
 headroom_tests::report_nvrtc_tests!("cuda_training", include_str!("cuda_training.rs"));
@@ -112,7 +113,7 @@ fn data_held_on_the_device_trains_to_the_bits_of_data_staged_from_the_host() {
                 "train.epochs=1",
                 "augment.crop_padding=2",
                 "augment.flip=true",
-                conv_setting_unless_emulated(),
+                conv_algorithm_fast_on_the_emulator(),
                 &format!("data.on_device={on_device}"),
                 &format!("device.graphs={graphs}"),
             ],
@@ -207,7 +208,7 @@ fn a_gpu_budget_below_one_step_splits_the_batch_with_the_data_on_the_device() {
             "device.kind=cuda",
             "train.epochs=1",
             "data.on_device=true",
-            conv_setting_unless_emulated(),
+            conv_algorithm_fast_on_the_emulator(),
         ];
         sets.extend_from_slice(extra);
         train(
@@ -251,23 +252,18 @@ fn weights_apart(gpu_dir: &std::path::Path, cpu_dir: &std::path::Path) -> f64 {
     (diff / norm).sqrt()
 }
 
-/// One f32 epoch of the smoke experiment on `device.kind = kind` (no crop
-/// padding, `extra` overrides last): its summary and its run directory.
-fn f32_smoke_run(
+/// One epoch of the smoke experiment on `device.kind = kind` (no crop
+/// padding, `sets` overrides last): its summary and its run directory.
+fn smoke_epoch(
     data: &std::path::Path,
     kind: &str,
-    extra: &[&str],
+    sets: &[&str],
 ) -> (headroom_pipeline::RunSummary, tempfile::TempDir) {
     let out = tempfile::tempdir().unwrap();
     let device = format!("device.kind={kind}");
-    let mut sets = vec![
-        device.as_str(),
-        "device.amp=false",
-        "train.epochs=1",
-        "augment.crop_padding=0",
-    ];
-    sets.extend_from_slice(extra);
-    let config = smoke_config(data, out.path(), &sets);
+    let mut all = vec![device.as_str(), "train.epochs=1", "augment.crop_padding=0"];
+    all.extend_from_slice(sets);
+    let config = smoke_config(data, out.path(), &all);
     let summary = train(&config, &TrainOptions::default()).unwrap();
     (summary, out)
 }
@@ -286,8 +282,8 @@ fn an_f32_run_on_the_gpu_path_trains_as_the_cpu_run_does() {
     }
     let data = tempfile::tempdir().unwrap();
     write_synthetic_fashion_mnist(data.path(), 256, 64);
-    let (gpu, gpu_dir) = f32_smoke_run(data.path(), "cuda", &[]);
-    let (cpu, cpu_dir) = f32_smoke_run(data.path(), "cpu", &[]);
+    let (gpu, gpu_dir) = smoke_epoch(data.path(), "cuda", &["device.amp=false"]);
+    let (cpu, cpu_dir) = smoke_epoch(data.path(), "cpu", &["device.amp=false"]);
     assert_eq!((gpu.step, cpu.step), (8, 8));
     let files = checkpoint::list(gpu_dir.path()).unwrap();
     let saved = checkpoint::load(files.last().unwrap()).unwrap();
@@ -296,27 +292,6 @@ fn an_f32_run_on_the_gpu_path_trains_as_the_cpu_run_does() {
     assert!(apart < 1e-3, "GPU f32 and CPU weights differ by {apart}");
     let (ga, ca) = (gpu.test_accuracy.unwrap(), cpu.test_accuracy.unwrap());
     assert!((ga - ca).abs() <= 2.0 / 64.0, "accuracy {ga} vs {ca}");
-}
-
-/// One epoch of the smoke experiment on the GPU path with `precision`
-/// (`device.precision`), no crop padding: its summary and run directory.
-fn precision_smoke_run(
-    data: &std::path::Path,
-    kind: &str,
-    precision: &str,
-) -> (headroom_pipeline::RunSummary, tempfile::TempDir) {
-    let out = tempfile::tempdir().unwrap();
-    let device = format!("device.kind={kind}");
-    let precision = format!("device.precision={precision}");
-    let sets = [
-        device.as_str(),
-        precision.as_str(),
-        "train.epochs=1",
-        "augment.crop_padding=0",
-    ];
-    let config = smoke_config(data, out.path(), &sets);
-    let summary = train(&config, &TrainOptions::default()).unwrap();
-    (summary, out)
 }
 
 /// `device.precision = "bf16"` on the GPU path: bf16 activations and
@@ -336,8 +311,8 @@ fn a_bf16_run_on_the_gpu_path_trains_near_the_cpu_run_without_loss_scaling() {
     }
     let data = tempfile::tempdir().unwrap();
     write_synthetic_fashion_mnist(data.path(), 256, 64);
-    let (bf16, bf16_dir) = precision_smoke_run(data.path(), "cuda", "bf16");
-    let (cpu, cpu_dir) = precision_smoke_run(data.path(), "cpu", "f32");
+    let (bf16, bf16_dir) = smoke_epoch(data.path(), "cuda", &["device.precision=bf16"]);
+    let (cpu, cpu_dir) = smoke_epoch(data.path(), "cpu", &["device.precision=f32"]);
     assert_eq!((bf16.step, cpu.step), (8, 8));
     let files = checkpoint::list(bf16_dir.path()).unwrap();
     let saved = checkpoint::load(files.last().unwrap()).unwrap();
@@ -422,8 +397,16 @@ fn a_focal_loss_run_trains_on_the_gpu_path_as_on_the_cpu() {
     }
     let data = tempfile::tempdir().unwrap();
     write_synthetic_fashion_mnist(data.path(), 128, 64);
-    let (gpu, gpu_dir) = f32_smoke_run(data.path(), "cuda", &["train.loss=focal"]);
-    let (cpu, cpu_dir) = f32_smoke_run(data.path(), "cpu", &["train.loss=focal"]);
+    let (gpu, gpu_dir) = smoke_epoch(
+        data.path(),
+        "cuda",
+        &["device.amp=false", "train.loss=focal"],
+    );
+    let (cpu, cpu_dir) = smoke_epoch(
+        data.path(),
+        "cpu",
+        &["device.amp=false", "train.loss=focal"],
+    );
     assert_eq!((gpu.step, cpu.step), (4, 4));
     assert!(gpu.test_accuracy.unwrap().is_finite());
     let apart = weights_apart(gpu_dir.path(), cpu_dir.path());

@@ -69,9 +69,20 @@ void shared_declared(void* p, std::size_t bytes);
 // emulator records the first such access of a launch and fails the launch.
 void check_aligned(const void* p, unsigned int bytes);
 // Warp rendezvous: contributes `mine`, waits for every live lane of the
-// warp, then copies the 32 lanes' values into `all` and returns the mask of
-// live lanes. The lane of the caller is returned through `lane`.
-unsigned int warp_exchange(unsigned long long mine, unsigned long long* all, unsigned int* lane);
+// warp, then points `all` at the 32 lanes' published values (valid until
+// the caller's next warp operation: its warp publishes again only once
+// every live lane, the caller among them, has arrived there) and returns
+// the mask of live lanes. The lane of the caller is returned through `lane`.
+unsigned int warp_exchange(unsigned long long mine, const unsigned long long** all,
+                           unsigned int* lane);
+// The most values one lane hands to a single rendezvous.
+constexpr unsigned int kWarpWords = 3;
+// The same rendezvous with `words` (at most kWarpWords) values from each
+// lane: (*all)[w][l] is lane l's value w (all-ones bits where lane l gave
+// none). One rendezvous instead of `words`: an emulated mma.sync hands over
+// its A and B fragments at once.
+unsigned int warp_exchange_words(const unsigned long long* mine, unsigned int words,
+                                 const unsigned long long (**all)[32], unsigned int* lane);
 // cp.async as the GPU may run it: a 16-byte copy (zeros when src is null)
 // is only queued, in the calling thread's current group; commit closes the
 // group, and wait(n) completes every copy but those of the newest n
@@ -106,9 +117,9 @@ inline T from_bits(unsigned long long b) {
 // segment (CUDA's rule for shfl_up/down and width-segmented shuffles).
 template <typename T>
 inline T shuffle(T v, int mode, int arg, int width) {
-    unsigned long long all[32];
+    const unsigned long long* all = nullptr;
     unsigned int lane = 0;
-    warp_exchange(to_bits(v), all, &lane);
+    warp_exchange(to_bits(v), &all, &lane);
     const int w = (width <= 0 || width > 32) ? 32 : width;
     const int seg = (int)lane / w * w;
     const int in_seg = (int)lane - seg;
@@ -142,9 +153,9 @@ inline T shuffle(T v, int mode, int arg, int width) {
 
 static inline void __syncthreads() { ::hr_emu::syncthreads(); }
 static inline void __syncwarp(unsigned int = 0xffffffffu) {
-    unsigned long long all[32];
+    const unsigned long long* all = nullptr;
     unsigned int lane;
-    ::hr_emu::warp_exchange(0, all, &lane);
+    ::hr_emu::warp_exchange(0, &all, &lane);
 }
 // Fibers of one block share an OS thread; blocks run one after another.
 static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
@@ -172,9 +183,9 @@ static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
 }
 
 static inline unsigned int __ballot_sync(unsigned int mask, int pred) {
-    unsigned long long all[32];
+    const unsigned long long* all = nullptr;
     unsigned int lane;
-    const unsigned int live = ::hr_emu::warp_exchange(pred != 0, all, &lane);
+    const unsigned int live = ::hr_emu::warp_exchange(pred != 0, &all, &lane);
     unsigned int out = 0;
     for (int l = 0; l < 32; ++l) {
         if ((live >> l & 1u) && all[l]) {
@@ -185,9 +196,9 @@ static inline unsigned int __ballot_sync(unsigned int mask, int pred) {
 }
 static inline int __any_sync(unsigned int mask, int pred) { return __ballot_sync(mask, pred) != 0; }
 static inline int __all_sync(unsigned int mask, int pred) {
-    unsigned long long all[32];
+    const unsigned long long* all = nullptr;
     unsigned int lane;
-    const unsigned int live = ::hr_emu::warp_exchange(pred != 0, all, &lane) & mask;
+    const unsigned int live = ::hr_emu::warp_exchange(pred != 0, &all, &lane) & mask;
     for (int l = 0; l < 32; ++l) {
         if ((live >> l & 1u) && !all[l]) {
             return 0;
@@ -196,9 +207,9 @@ static inline int __all_sync(unsigned int mask, int pred) {
     return 1;
 }
 static inline unsigned int __activemask() {
-    unsigned long long all[32];
+    const unsigned long long* all = nullptr;
     unsigned int lane;
-    return ::hr_emu::warp_exchange(0, all, &lane);
+    return ::hr_emu::warp_exchange(0, &all, &lane);
 }
 
 // Bit casts and integer intrinsics.

@@ -183,7 +183,9 @@ struct Fiber {
     unsigned int lane = 0;
     unsigned int warp = 0;
     FState state = FState::Done;
-    unsigned long long warp_value = 0;
+    // What this lane hands to its warp's rendezvous: up to kWarpWords values.
+    unsigned long long warp_value[hr_emu::kWarpWords] = {};
+    unsigned int warp_words = 0;
     // cp.async copies queued and not yet completed, with the group each is in.
     struct AsyncCopy {
         void* dst;
@@ -195,7 +197,8 @@ struct Fiber {
 };
 
 struct WarpSlot {
-    unsigned long long published[32];
+    // published[word][lane]
+    unsigned long long published[hr_emu::kWarpWords][32];
     unsigned int live_mask;
 };
 
@@ -293,7 +296,9 @@ Order next_order() {
 thread_local unsigned long long t_block_serial = 0;
 
 // Runs one block to completion. Returns an empty string, or why it failed.
-std::string run_block(Scheduler& s, unsigned int n, Order order) {
+// Not inlined into its caller: there `s` is t_sched, whose address the
+// compiler would look up again after every switch.
+__attribute__((noinline)) std::string run_block(Scheduler& s, unsigned int n, Order order) {
     ++t_block_serial;
     const hr_uint3 bd = hr_emu::t_block_dim;
     const unsigned int nwarps = (n + 31) / 32;
@@ -309,14 +314,20 @@ std::string run_block(Scheduler& s, unsigned int n, Order order) {
         hr_emu::fiber_make(&f.ctx, f.stack, kStackBytes, &fiber_entry);
     }
     unsigned int live = n;
+    // Taken once: the compiler cannot keep a thread-local's address across
+    // the switch, and each lookup is a __tls_get_addr call (this library's
+    // TLS block is dynamic: it is dlopen'ed, and its __shared__ arrays are
+    // too large for the static block).
+    hr_uint3* const thread_idx = &hr_emu::t_thread_idx;
+    Fiber* const fibers = s.fibers.data();
     for (;;) {
         for (unsigned int k = 0; k < n; ++k) {
-            Fiber& f = s.fibers[order == Order::Forward ? k : n - 1 - k];
+            Fiber& f = fibers[order == Order::Forward ? k : n - 1 - k];
             if (f.state != FState::Ready) {
                 continue;
             }
             s.cur = &f;
-            hr_emu::t_thread_idx = f.tid;
+            *thread_idx = f.tid;
             hr_emu::fiber_switch(&s.home, &f.ctx);
             if (f.state == FState::Done) {
                 --live;
@@ -338,7 +349,7 @@ std::string run_block(Scheduler& s, unsigned int n, Order order) {
         for (unsigned int w = 0; w < nwarps; ++w) {
             const unsigned int lo = w * 32;
             const unsigned int hi = lo + 32 < n ? lo + 32 : n;
-            unsigned int live_lanes = 0, waiting = 0, mask = 0;
+            unsigned int live_lanes = 0, waiting = 0, mask = 0, words = 0;
             for (unsigned int i = lo; i < hi; ++i) {
                 const Fiber& f = s.fibers[i];
                 if (f.state != FState::Done) {
@@ -347,6 +358,7 @@ std::string run_block(Scheduler& s, unsigned int n, Order order) {
                 }
                 if (f.state == FState::Warp) {
                     ++waiting;
+                    words = f.warp_words > words ? f.warp_words : words;
                 }
             }
             if (waiting == 0 || waiting != live_lanes) {
@@ -357,12 +369,15 @@ std::string run_block(Scheduler& s, unsigned int n, Order order) {
             // nothing: a shuffle reading it gets all-ones bits (NaN, or an
             // index far out of range), as a GPU gives an undefined value,
             // so a kernel that uses what it read shows up as wrong here.
-            std::memset(slot.published, 0xff, sizeof slot.published);
+            // (The words no lane handed over are never read.)
+            std::memset(slot.published, 0xff, words * sizeof slot.published[0]);
             slot.live_mask = mask;
             for (unsigned int i = lo; i < hi; ++i) {
                 Fiber& f = s.fibers[i];
                 if (f.state == FState::Warp) {
-                    slot.published[f.lane] = f.warp_value;
+                    for (unsigned int word = 0; word < f.warp_words; ++word) {
+                        slot.published[word][f.lane] = f.warp_value[word];
+                    }
                     f.state = FState::Ready;
                 }
             }
@@ -477,13 +492,28 @@ void cp_async_wait(unsigned int newest_pending) {
     f->copies.resize(kept);
 }
 
-unsigned int warp_exchange(unsigned long long mine, unsigned long long* all, unsigned int* lane) {
+unsigned int warp_exchange_words(const unsigned long long* mine, unsigned int words,
+                                 const unsigned long long (**all)[32], unsigned int* lane) {
     Scheduler& s = t_sched;
     Fiber* f = s.cur;
-    f->warp_value = mine;
+    std::memcpy(f->warp_value, mine, words * sizeof *mine);
+    f->warp_words = words;
     park(FState::Warp);
-    const WarpSlot& slot = t_sched.warps[f->warp];
-    std::memcpy(all, slot.published, sizeof slot.published);
+    const WarpSlot& slot = s.warps[f->warp];
+    *all = slot.published;
+    *lane = f->lane;
+    return slot.live_mask;
+}
+
+unsigned int warp_exchange(unsigned long long mine, const unsigned long long** all,
+                           unsigned int* lane) {
+    Scheduler& s = t_sched;
+    Fiber* f = s.cur;
+    f->warp_value[0] = mine;
+    f->warp_words = 1;
+    park(FState::Warp);
+    const WarpSlot& slot = s.warps[f->warp];
+    *all = slot.published[0];
     *lane = f->lane;
     return slot.live_mask;
 }

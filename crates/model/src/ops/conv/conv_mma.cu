@@ -141,11 +141,14 @@ __device__ __forceinline__ float hr_fragment_half(const u64* regs, u32 lane, u32
 
 __device__ __forceinline__ void hr_mma_16816(float d[4], const u32 a[4], const u32 b[2]) {
     ::hr_emu::require_arch(80, "mma.sync.m16n8k16 with f16 or bf16 operands");
-    u64 a01[32], a23[32], bb[32];
+    const u64 mine[3] = {(u64)a[0] | (u64)a[1] << 32, (u64)a[2] | (u64)a[3] << 32,
+                         (u64)b[0] | (u64)b[1] << 32};
+    const u64 (*lanes)[32] = nullptr;
     unsigned int lane = 0;
-    ::hr_emu::warp_exchange((u64)a[0] | (u64)a[1] << 32, a01, &lane);
-    ::hr_emu::warp_exchange((u64)a[2] | (u64)a[3] << 32, a23, &lane);
-    ::hr_emu::warp_exchange((u64)b[0] | (u64)b[1] << 32, bb, &lane);
+    ::hr_emu::warp_exchange_words(mine, 3, &lanes, &lane);
+    const u64* a01 = lanes[0];
+    const u64* a23 = lanes[1];
+    const u64* bb = lanes[2];
     const u32 g = lane >> 2;
     const u32 t = lane & 3u;
     for (u32 i = 0; i < 4; ++i) {
@@ -238,9 +241,9 @@ __device__ __forceinline__ void hr_ldmatrix_x4(u32 r[4], const hr_half* row) {
     // sm_80 and newer only (a trap below, as for mma and cp.async).
     ::hr_emu::require_arch(80, "ldmatrix (compiled for sm_80 and newer in conv_mma.cu)");
     ::hr_emu::check_aligned(row, 16);
-    u64 rows[32];
+    const u64* rows = nullptr;
     unsigned int lane = 0;
-    ::hr_emu::warp_exchange((u64)(std::uintptr_t)row, rows, &lane);
+    ::hr_emu::warp_exchange((u64)(std::uintptr_t)row, &rows, &lane);
     const u32 g = lane >> 2;
     const u32 t = lane & 3u;
     for (u32 i = 0; i < 4; ++i) {
