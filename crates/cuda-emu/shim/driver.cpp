@@ -296,9 +296,9 @@ Order next_order() {
 thread_local unsigned long long t_block_serial = 0;
 
 // Runs one block to completion. Returns an empty string, or why it failed.
-// Not inlined into its caller: there `s` is t_sched, whose address the
-// compiler would look up again after every switch.
-__attribute__((noinline)) std::string run_block(Scheduler& s, unsigned int n, Order order) {
+// Neither inlined into its caller nor cloned for it: there `s` is t_sched,
+// whose address the compiler would look up again after every switch.
+__attribute__((noinline, noclone)) std::string run_block(Scheduler& s, unsigned int n, Order order) {
     ++t_block_serial;
     const hr_uint3 bd = hr_emu::t_block_dim;
     const unsigned int nwarps = (n + 31) / 32;
