@@ -92,6 +92,13 @@ constexpr unsigned int kWarpWords = 3;
 // its A and B fragments at once.
 unsigned int warp_exchange_words(const unsigned long long* mine, unsigned int words,
                                  const unsigned long long (**all)[32], unsigned int* lane);
+// The floats of a warp's latest rendezvous that every lane reads: the
+// first lane to ask after it (*fill true) fills them, the others find
+// them filled, so work common to the warp is done once, not once a lane.
+// (Lanes run one at a time and none switches between the rendezvous and
+// its reads.) An emulated mma.sync converts its A and B fragments there.
+constexpr unsigned int kWarpScratchFloats = 16 * 16 + 16 * 8;
+float* warp_scratch(bool* fill);
 // cp.async as the GPU may run it: a 16-byte copy (zeros when src is null)
 // is only queued, in the calling thread's current group; commit closes the
 // group, and wait(n) completes every copy but those of the newest n

@@ -200,6 +200,10 @@ struct WarpSlot {
     // published[word][lane]
     unsigned long long published[hr_emu::kWarpWords][32];
     unsigned int live_mask;
+    // Whether the lanes of the latest rendezvous have yet to fill scratch
+    // (warp_scratch).
+    bool scratch_stale;
+    float scratch[hr_emu::kWarpScratchFloats];
 };
 
 // One per OS thread that launches kernels; reused across launches.
@@ -314,11 +318,13 @@ __attribute__((noinline, noclone)) std::string run_block(Scheduler& s, unsigned 
         hr_emu::fiber_make(&f.ctx, f.stack, kStackBytes, &fiber_entry);
     }
     unsigned int live = n;
-    // Taken once: the compiler cannot keep a thread-local's address across
-    // the switch, and each lookup is a __tls_get_addr call (this library's
-    // TLS block is dynamic: it is dlopen'ed, and its __shared__ arrays are
-    // too large for the static block).
-    hr_uint3* const thread_idx = &hr_emu::t_thread_idx;
+    // Taken once: each lookup of a thread-local is a __tls_get_addr call
+    // (this library's TLS block is dynamic: it is dlopen'ed, and its
+    // __shared__ arrays are too large for the static block).
+    hr_uint3* thread_idx = &hr_emu::t_thread_idx;
+    // (The empty asm hides where the pointer came from: otherwise the
+    // compiler recomputes it, a lookup per switch, to spare a register.)
+    __asm__("" : "+r"(thread_idx));
     Fiber* const fibers = s.fibers.data();
     for (;;) {
         for (unsigned int k = 0; k < n; ++k) {
@@ -372,6 +378,7 @@ __attribute__((noinline, noclone)) std::string run_block(Scheduler& s, unsigned 
             // (The words no lane handed over are never read.)
             std::memset(slot.published, 0xff, words * sizeof slot.published[0]);
             slot.live_mask = mask;
+            slot.scratch_stale = true;
             for (unsigned int i = lo; i < hi; ++i) {
                 Fiber& f = s.fibers[i];
                 if (f.state == FState::Warp) {
@@ -503,6 +510,14 @@ unsigned int warp_exchange_words(const unsigned long long* mine, unsigned int wo
     *all = slot.published;
     *lane = f->lane;
     return slot.live_mask;
+}
+
+float* warp_scratch(bool* fill) {
+    Scheduler& s = t_sched;
+    WarpSlot& slot = s.warps[s.cur->warp];
+    *fill = slot.scratch_stale;
+    slot.scratch_stale = false;
+    return slot.scratch;
 }
 
 unsigned int warp_exchange(unsigned long long mine, const unsigned long long** all,

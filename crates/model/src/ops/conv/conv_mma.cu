@@ -149,27 +149,35 @@ __device__ __forceinline__ void hr_mma_16816(float d[4], const u32 a[4], const u
     const u64* a01 = lanes[0];
     const u64* a23 = lanes[1];
     const u64* bb = lanes[2];
-    const u32 g = lane >> 2;
-    const u32 t = lane & 3u;
-    // This lane's two rows of A (g and g + 8) and two columns of B (2t and
-    // 2t + 1), each value converted once: A[row][kk] is in lane
-    // 4 (row % 8) + (kk % 8) / 2, register (row >= 8) + 2 (kk >= 8);
-    // B[kk][col] in lane 4 col + (kk % 8) / 2, register (kk >= 8).
-    float a_rows[2][16], b_cols[2][16];
-    for (u32 kk = 0; kk < 16; ++kk) {
-        const u32 pair = (kk & 7u) >> 1;
-        const u32 upper_k = kk >= 8 ? 1u : 0u;
-        for (u32 r = 0; r < 2; ++r) {
-            const u32 reg = r + 2u * upper_k;
-            a_rows[r][kk] = hr_fragment_half(reg < 2 ? a01 : a23, 4u * g + pair, reg, kk & 1u);
-            b_cols[r][kk] = hr_fragment_half(bb, 4u * (2u * t + r) + pair, upper_k, kk & 1u);
+    // The whole A (16 x 16) and B (16 x 8) as floats, converted once per
+    // warp: A[row][kk] is in lane 4 (row % 8) + (kk % 8) / 2, register
+    // (row >= 8) + 2 (kk >= 8); B[kk][col] in lane 4 col + (kk % 8) / 2,
+    // register (kk >= 8). Held as A by rows and B by columns.
+    bool fill = false;
+    float* const a_rows = ::hr_emu::warp_scratch(&fill);
+    float* const b_cols = a_rows + 16 * 16;
+    if (fill) {
+        for (u32 row = 0; row < 16; ++row) {
+            for (u32 kk = 0; kk < 16; ++kk) {
+                const u32 reg = (row >= 8 ? 1u : 0u) + (kk >= 8 ? 2u : 0u);
+                const u32 from = 4u * (row & 7u) + ((kk & 7u) >> 1);
+                a_rows[row * 16 + kk] = hr_fragment_half(reg < 2 ? a01 : a23, from, reg, kk & 1u);
+            }
+        }
+        for (u32 col = 0; col < 8; ++col) {
+            for (u32 kk = 0; kk < 16; ++kk) {
+                const u32 from = 4u * col + ((kk & 7u) >> 1);
+                b_cols[col * 16 + kk] = hr_fragment_half(bb, from, kk >= 8 ? 1u : 0u, kk & 1u);
+            }
         }
     }
     // Output i is at row g + 8 (i >= 2), column 2t + (i % 2), summed in
     // k order onto what d held.
+    const u32 g = lane >> 2;
+    const u32 t = lane & 3u;
     for (u32 i = 0; i < 4; ++i) {
-        const float* a_row = a_rows[i >= 2 ? 1 : 0];
-        const float* b_col = b_cols[i & 1u];
+        const float* a_row = a_rows + (g + (i >= 2 ? 8u : 0u)) * 16;
+        const float* b_col = b_cols + (2u * t + (i & 1u)) * 16;
         float acc = d[i];
         for (u32 kk = 0; kk < 16; ++kk) {
             acc += a_row[kk] * b_col[kk];
