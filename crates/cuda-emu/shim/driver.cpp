@@ -38,7 +38,8 @@
 // - Modules ignore their PTX/CUBIN image; functions are found by name among
 //   the kernels compiled into this library (emu.h's registry).
 // - A launch runs the blocks one after another on the calling thread; the
-//   threads of a block are fibers (fiber.h), so __syncthreads and warp
+//   threads of a block are fibers (fiber.h; a thread that never parks
+//   shares the stack of the ones before it: fiber_entry), so __syncthreads and warp
 //   shuffles are real rendezvous and __shared__ is shared by exactly the
 //   threads of one block; a shuffle from a lane past the block's end or one
 //   that has exited reads all-ones bits, and so does __shared__ memory no
