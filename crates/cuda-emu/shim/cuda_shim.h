@@ -45,27 +45,18 @@ struct hr_uint3 {
 };
 typedef hr_uint3 uint3;
 
-// The emulator's per-OS-thread state that kernels read (every threadIdx,
-// every f16 conversion). This library is dlopen'ed and its __shared__
-// arrays are thread-locals too large for the static TLS block, so each
-// read of a thread-local is a __tls_get_addr call. Hidden, they are known
-// to be this library's own: the local-dynamic model, where the compiler
-// looks up the library's TLS block once for all of them and keeps it
-// across a loop, instead of once per read.
-#define HR_TLS_OWN __attribute__((visibility("hidden")))
-
 namespace hr_emu {
 // The 2-byte format of the running launch (common.cuh's h2f and f2h): bf16
 // for a kernel of a module whose image carries headroom_half_format_bf16
 // (its file compiled with HR_BF16), else f16. Set by the launch.
-extern thread_local bool t_half_bf16 HR_TLS_OWN;
+extern thread_local bool t_half_bf16;
 inline bool half_is_bf16() { return t_half_bf16; }
 
 // Set by the scheduler for the fiber it is about to run.
-extern thread_local hr_uint3 t_thread_idx HR_TLS_OWN;
-extern thread_local hr_uint3 t_block_idx HR_TLS_OWN;
-extern thread_local hr_uint3 t_block_dim HR_TLS_OWN;
-extern thread_local hr_uint3 t_grid_dim HR_TLS_OWN;
+extern thread_local hr_uint3 t_thread_idx;
+extern thread_local hr_uint3 t_block_idx;
+extern thread_local hr_uint3 t_block_dim;
+extern thread_local hr_uint3 t_grid_dim;
 
 // Block-wide barrier among the live threads of the current block.
 void syncthreads();

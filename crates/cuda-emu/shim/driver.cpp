@@ -273,10 +273,12 @@ thread_local Scheduler t_sched;
 // frames now on this stack, its context saved in its own Fiber) or the
 // pass has none left. The threads run in exactly the order and stretches
 // the scheduler would give them, without a switch and a new context for
-// each thread that never parks. A thread that starts here starts as on a
-// stack of its own: memcheck marks a returned frame's memory undefined
-// again, so a local never written is still seen (the control of
-// `cargo xtask memcheck` proves it each run).
+// each thread that never parks. A thread that starts here finds the
+// frames of the one before it below the stack pointer, which memcheck
+// marked undefined when they returned, as it does for a fiber's stack
+// reused by the next block (what `cargo xtask memcheck`'s control, a
+// one-thread block launched twice, proves each run; no control has two
+// threads of one block yet).
 [[noreturn]] void fiber_entry() {
     Scheduler& s = t_sched;
     hr_uint3* thread_idx = &hr_emu::t_thread_idx;
@@ -563,15 +565,10 @@ float* warp_scratch(bool* fill) {
 
 unsigned int warp_exchange(unsigned long long mine, const unsigned long long** all,
                            unsigned int* lane) {
-    Scheduler& s = t_sched;
-    Fiber* f = s.cur;
-    f->warp_value[0] = mine;
-    f->warp_words = 1;
-    park(FState::Warp);
-    const WarpSlot& slot = s.warps[f->warp];
-    *all = slot.published[0];
-    *lane = f->lane;
-    return slot.live_mask;
+    const unsigned long long(*words)[32] = nullptr;
+    const unsigned int live = warp_exchange_words(&mine, 1, &words, lane);
+    *all = words[0];
+    return live;
 }
 }  // namespace hr_emu
 
