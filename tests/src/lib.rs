@@ -176,8 +176,8 @@ pub fn cuda_path_is_emulated() -> bool {
 /// The `device.conv_algorithm` override of a CUDA training test whose claim
 /// is not about the convolutions (where the data lives, a budget's split):
 /// `im2col` on the emulator, which runs the tensor cores' implicit GEMM
-/// (every lane's fragments exchanged across its warp) about ten times
-/// slower than im2col + cuBLAS, and the default on a GPU, so that there
+/// (every lane's fragments exchanged across its warp) several times
+/// slower than im2col + cuBLAS (docs/testing.md), and the default on a GPU, so that there
 /// the test takes the path users get. cuda_parity proves the implicit
 /// GEMM kernels on the emulator, and the tests of the default path and of
 /// `tune` train through them.
